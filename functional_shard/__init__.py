@@ -1,0 +1,90 @@
+"""functional_shard: sharding plans as data for PyTorch.
+
+Pure functions map a model's parameters and a mesh to a `Plan`; `plan.explain()` and
+`plan.cost()` say what it does and costs before anything runs.
+
+Examples:
+    >>> import torch.nn as nn, functional_shard as fs
+    >>> plan = fs.shard(nn.Linear(64, 64), fs.Mesh(dp=4), fs.fsdp("dp"))
+    >>> plan.local_shape("weight", rank=3)
+    (16, 64)
+"""
+
+from . import rules as rules
+from .cost import Cost as Cost
+from .cost import cost as cost
+from .errors import MeshError as MeshError
+from .errors import PlanError as PlanError
+from .errors import PolicyError as PolicyError
+from .errors import ShardingError as ShardingError
+from .errors import SpecError as SpecError
+from .layout import local_shape as local_shape
+from .layout import local_shape_and_offset as local_shape_and_offset
+from .layout import shard_tensor as shard_tensor
+from .layout import unshard_tensor as unshard_tensor
+from .mesh import Mesh as Mesh
+from .plan import Change as Change
+from .plan import Plan as Plan
+from .plan import PlanConfig as PlanConfig
+from .planner import shard as shard
+from .policy import Policy as Policy
+from .policy import checkpointing as checkpointing
+from .policy import fsdp as fsdp
+from .policy import hsdp as hsdp
+from .policy import mixed_precision as mixed_precision
+from .policy import offload as offload
+from .policy import replicate as replicate
+from .policy import tp as tp
+from .policy import zero as zero
+from .rules import Rule as Rule
+from .rules import Rules as Rules
+from .spec import Owned as Owned
+from .spec import P as P
+from .spec import ParamSharding as ParamSharding
+from .spec import PartitionSpec as PartitionSpec
+from .tree import TensorSpec as TensorSpec
+from .tree import read_model as read_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # meshes and specs
+    "Mesh",
+    "Owned",
+    "P",
+    "ParamSharding",
+    "PartitionSpec",
+    "TensorSpec",
+    # policies
+    "Policy",
+    "Rule",
+    "Rules",
+    "checkpointing",
+    "fsdp",
+    "hsdp",
+    "mixed_precision",
+    "offload",
+    "replicate",
+    "rules",
+    "tp",
+    "zero",
+    # plans
+    "Change",
+    "Plan",
+    "PlanConfig",
+    "read_model",
+    "shard",
+    # layout and cost
+    "Cost",
+    "cost",
+    "local_shape",
+    "local_shape_and_offset",
+    "shard_tensor",
+    "unshard_tensor",
+    # errors
+    "MeshError",
+    "PlanError",
+    "PolicyError",
+    "ShardingError",
+    "SpecError",
+]

@@ -1,0 +1,330 @@
+"""The cost model: memory per device and bytes sent per training step, before running.
+
+It follows torch's engines, not the textbook: FSDP2 pads each sharded dim to chunk 0's
+size on every rank; the root FSDP unit stays gathered from forward to backward;
+ZeroRedundancyOptimizer keeps each tensor's state whole on one rank (largest first, to
+the least-loaded rank) and broadcasts updated parameters; DDP all-reduces gradients and
+broadcasts buffers. Collective bytes are what each rank sends with ring algorithms, for
+a collective over ``n`` ranks on a tensor of ``S`` bytes (the full, gathered size):
+
+| kind           | bytes sent per rank |
+|----------------|---------------------|
+| all_gather     | (n-1)/n · S         |
+| reduce_scatter | (n-1)/n · S         |
+| all_reduce     | 2(n-1)/n · S        |
+| broadcast      | (n-1)/n · S         |
+
+(gloo runs reduce-scatter as an all-reduce; the model counts what NCCL runs.)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+
+from .errors import ShardingError
+from .layout import local_numel
+from .spec import Owned
+from .tree import TensorSpec, dtype_from_name
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+__all__ = ["Cost", "OptimizerKind", "cost", "zero1_owners"]
+
+OptimizerKind: TypeAlias = Literal["adamw", "adam", "sgd"] | float
+
+# torch's Adam/AdamW keep exp_avg and exp_avg_sq in the parameter's dtype, plus a
+# float32 scalar "step" tensor per parameter.
+_OPTIMIZERS: dict[str, tuple[int, int]] = {"adamw": (2, 4), "adam": (2, 4), "sgd": (0, 0)}
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """Predicted memory (bytes, on one device) and communication (bytes sent per step).
+
+    Memory fields are for ``rank`` (the worst rank unless one was asked for);
+    ``host_bytes`` is what offloading keeps in host memory instead.
+    """
+
+    rank: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    buffers_bytes: int
+    gathered_bytes: int
+    host_bytes: int
+    comm_bytes: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    """Collective kind → mesh axis (several joined by ``,``) → bytes sent per step."""
+    activation_comm_included: bool = False
+
+    @property
+    def total_bytes(self) -> int:
+        """Device memory: params, grads, optimizer state, buffers and gathered copies."""
+        return (
+            self.params_bytes
+            + self.grads_bytes
+            + self.optimizer_bytes
+            + self.buffers_bytes
+            + self.gathered_bytes
+        )
+
+    @property
+    def comm_total_bytes(self) -> float:
+        """Bytes sent per step, all collectives together."""
+        return sum(b for by_axis in self.comm_bytes.values() for b in by_axis.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields, the derived totals included."""
+        return {
+            "rank": self.rank,
+            "params_bytes": self.params_bytes,
+            "grads_bytes": self.grads_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
+            "buffers_bytes": self.buffers_bytes,
+            "gathered_bytes": self.gathered_bytes,
+            "host_bytes": self.host_bytes,
+            "total_bytes": self.total_bytes,
+            "comm_bytes": {k: dict(v) for k, v in self.comm_bytes.items()},
+            "comm_total_bytes": self.comm_total_bytes,
+            "activation_comm_included": self.activation_comm_included,
+        }
+
+    def __str__(self) -> str:
+        from .plan import _bytes
+
+        lines = [
+            f"memory on rank {self.rank}: {_bytes(self.total_bytes)}"
+            f" (params {_bytes(self.params_bytes)}, grads {_bytes(self.grads_bytes)}, "
+            f"optimizer {_bytes(self.optimizer_bytes)}, buffers {_bytes(self.buffers_bytes)}, "
+            f"gathered {_bytes(self.gathered_bytes)})"
+            + (f"; host {_bytes(self.host_bytes)}" if self.host_bytes else ""),
+            f"sent per step: {_bytes(self.comm_total_bytes)}"
+            + (
+                ""
+                if self.activation_comm_included
+                else " (parameters and gradients; pass tokens= for activations)"
+            ),
+        ]
+        for kind, by_axis in self.comm_bytes.items():
+            for axis, nbytes in by_axis.items():
+                lines.append(f"  {kind:<15} over {axis:<10} {_bytes(nbytes)}")
+        return "\n".join(lines)
+
+
+def zero1_owners(plan: Plan) -> dict[str, int]:
+    """The rank index (along the ZeRO-1 axis) that owns each parameter's optimizer state.
+
+    ZeroRedundancyOptimizer sorts parameters by size, largest first (a stable sort, so
+    ties keep model order), and gives each to the rank with the fewest elements so far.
+    """
+    owned = [(path, s.optim) for path, s in plan.params.items() if isinstance(s.optim, Owned)]
+    if not owned:
+        return {}
+    n = plan.mesh[owned[0][1].axis]
+    loads = [0] * n
+    owners = {}
+    for path, _ in sorted(owned, key=lambda item: plan.tensors[item[0]].numel, reverse=True):
+        rank = loads.index(min(loads))
+        owners[path] = rank
+        loads[rank] += plan.tensors[path].numel
+    return owners
+
+
+class _Comm:
+    def __init__(self) -> None:
+        self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+
+    def add(self, kind: str, axes: tuple[str, ...], n: int, full_bytes: float, times: int = 1) -> None:
+        if n <= 1 or full_bytes == 0:
+            return
+        factor = 2 if kind == "all_reduce" else 1
+        self.bytes[kind][",".join(axes)] += times * factor * (n - 1) / n * full_bytes
+
+    def result(self) -> dict[str, dict[str, float]]:
+        return {kind: dict(by_axis) for kind, by_axis in self.bytes.items()}
+
+
+def _itemsize(name: str | None, tensor: TensorSpec) -> int:
+    return dtype_from_name(name).itemsize if name else tensor.itemsize
+
+
+def _memory(
+    plan: Plan, coords: Mapping[str, int], optimizer: OptimizerKind, owners: Mapping[str, int]
+) -> dict[str, int]:
+    if isinstance(optimizer, str) and optimizer not in _OPTIMIZERS:
+        raise ShardingError(
+            f"cost(optimizer={optimizer!r}): one of {sorted(_OPTIMIZERS)} or bytes per element"
+        )
+    params = grads = optim = 0
+    for path, sharding in plan.params.items():
+        tensor = plan.tensors[path]
+        padded = plan.padded_axes(path)
+        params += local_numel(tensor.shape, sharding.storage, plan.mesh, coords, padded) * tensor.itemsize
+        grads += local_numel(tensor.shape, sharding.grad, plan.mesh, coords, padded) * tensor.itemsize
+        if isinstance(sharding.optim, Owned):
+            has_state = owners[path] == coords[sharding.optim.axis]
+            numel = tensor.numel if has_state else 0
+        else:  # every rank keeps state for its shard, an empty one included
+            has_state = True
+            numel = local_numel(tensor.shape, sharding.optim, plan.mesh, coords, padded)
+        if isinstance(optimizer, str):
+            states, step_bytes = _OPTIMIZERS[optimizer]
+            optim += numel * states * tensor.itemsize + (step_bytes if has_state else 0)
+        else:
+            optim += round(numel * optimizer)
+    buffers = sum(
+        local_numel(plan.tensors[p].shape, s.storage, plan.mesh, coords) * plan.tensors[p].itemsize
+        for p, s in plan.buffers.items()
+    )
+    return {"params": params, "grads": grads, "optimizer": optim, "buffers": buffers}
+
+
+def _gathered(plan: Plan) -> int:
+    config = plan.config
+    per_unit: dict[str, int] = defaultdict(int)
+    for path, sharding in plan.params.items():
+        padded = plan.padded_axes(path)
+        if not padded:
+            continue
+        tensor = plan.tensors[path]
+        shard = local_numel(tensor.shape, sharding.storage, plan.mesh, 0, padded)
+        per_unit[plan.unit_of(path)] += (
+            shard * plan.mesh.axes_size(tuple(padded)) * _itemsize(config.param_dtype, tensor)
+        )
+    root = per_unit.pop("", 0)
+    if not config.reshard_after_forward:  # ZeRO-2: every unit stays gathered until backward
+        return root + sum(per_unit.values())
+    return root + max(per_unit.values(), default=0)
+
+
+def _parameter_comm(plan: Plan, comm: _Comm) -> None:
+    config = plan.config
+    data_axes = config.data_axes
+    ddp_buckets = config.data_parallel in ("ddp", "zero1")
+    for path, sharding in plan.params.items():
+        tensor = plan.tensors[path]
+        padded = plan.padded_axes(path)
+        compute_axes = set(sharding.compute.axes)
+        at_rest = tuple(a for a in sharding.storage.axes if a not in compute_axes)
+        if at_rest:
+            n = plan.mesh.axes_size(at_rest)
+            shard = local_numel(tensor.shape, sharding.storage, plan.mesh, 0, padded)
+            gathers = 2 if config.reshard_after_forward and plan.unit_of(path) != "" else 1
+            comm.add("all_gather", at_rest, n, n * shard * _itemsize(config.param_dtype, tensor), gathers)
+        grad_axes = tuple(a for a in sharding.grad.axes if a in data_axes)
+        grad_numel = local_numel(tensor.shape, sharding.grad, plan.mesh, 0, padded)
+        reduce_size = _itemsize(config.reduce_dtype, tensor)
+        if grad_axes:
+            n = plan.mesh.axes_size(grad_axes)
+            comm.add("reduce_scatter", grad_axes, n, n * grad_numel * reduce_size)
+        replicas = tuple(a for a in data_axes if a not in grad_axes)
+        if replicas:
+            comm.add("all_reduce", replicas, plan.mesh.axes_size(replicas), grad_numel * reduce_size)
+        if isinstance(sharding.optim, Owned):
+            axis = sharding.optim.axis
+            comm.add("broadcast", (axis,), plan.mesh[axis], tensor.numel * tensor.itemsize)
+    if ddp_buckets and config.replicate_axes:
+        axes = config.replicate_axes
+        for path in plan.buffers:  # DDP broadcasts buffers from rank 0 before each forward
+            comm.add("broadcast", axes, plan.mesh.axes_size(axes), plan.tensors[path].nbytes)
+
+
+def _activation_comm(plan: Plan, comm: _Comm, tokens: int) -> None:
+    # Per TP module, as torch's styles issue them: a colwise Linear all-reduces its input
+    # gradient in backward, a rowwise Linear / vocab-split Embedding all-reduces its
+    # output in forward, a dim-split Embedding all-gathers its output. Sequence parallel
+    # swaps each all-reduce for an all-gather plus a reduce-scatter of the same bytes.
+    sp = plan.config.sequence_parallel
+    for path, sharding in plan.params.items():
+        tensor = plan.tensors[path]
+        if tensor.ndim != 2 or not path.endswith("weight"):
+            continue
+        dims = sharding.compute.dim_axes(2)
+        axes = dims[0] or dims[1]
+        if not axes:
+            continue
+        n = plan.mesh.axes_size(axes)
+        act = _itemsize(plan.config.param_dtype, tensor)
+        embedding = tensor.module_name is not None and tensor.module_name.endswith(".Embedding")
+        if embedding and dims[1]:
+            comm.add("all_gather", axes, n, tokens * tensor.shape[1] * act)
+            continue
+        # colwise Linear: its input (in_features); rowwise Linear: its output (out_features);
+        # vocab-split Embedding: its output (embedding dim)
+        features = tensor.shape[1] if (embedding or dims[0]) else tensor.shape[0]
+        full = tokens * features * act
+        if sp:
+            comm.add("all_gather", axes, n, full)
+            comm.add("reduce_scatter", axes, n, full)
+        else:
+            comm.add("all_reduce", axes, n, full)
+
+
+def cost(
+    plan: Plan, optimizer: OptimizerKind = "adamw", *, rank: int | None = None, tokens: int | None = None
+) -> Cost:
+    """Predict a plan's memory per device and bytes sent per training step.
+
+    Args:
+        plan: the plan.
+        optimizer: ``"adamw"``/``"adam"`` (two states in the parameter dtype and a
+            4-byte step per tensor, as torch keeps them), ``"sgd"`` (no state), or bytes of
+            state per element.
+        rank: report this rank's memory; by default the worst rank's.
+        tokens: tokens per micro-batch on one data-parallel rank (batch × sequence); if
+            given, tensor-parallel activation collectives are counted too.
+
+    Returns:
+        A `Cost`. Params, grads and optimizer bytes are exact for torch's engines (FSDP2
+        padding included); ``gathered_bytes`` is the peak of all-gathered parameters (the
+        root unit plus the largest other unit, or every unit under ZeRO-2).
+
+    Raises:
+        ShardingError: an unknown optimizer, or a rank outside the mesh.
+
+    Examples:
+        >>> import torch.nn as nn, functional_shard as fs
+        >>> plan = fs.shard(nn.Linear(1000, 1000, bias=False), fs.Mesh(dp=4), fs.fsdp())
+        >>> c = plan.cost("adamw")
+        >>> c.params_bytes, c.optimizer_bytes, c.comm_bytes["reduce_scatter"]["dp"]
+        (1000000, 2000004, 3000000.0)
+    """
+    owners = zero1_owners(plan)
+    if rank is not None:
+        candidates = [plan.mesh.coords(rank)]
+    else:
+        # Rank 0 holds the largest chunk of every split; only ZeRO-1 ownership can
+        # make another rank heavier, so try each owner along that axis.
+        zero_axes = {s.optim.axis for s in plan.params.values() if isinstance(s.optim, Owned)}
+        base = dict.fromkeys(plan.mesh.axis_names, 0)
+        candidates = [base] + [{**base, a: i} for a in zero_axes for i in range(1, plan.mesh[a])]
+    memories = [(_memory(plan, c, optimizer, owners), c) for c in candidates]
+    memory, coords = max(memories, key=lambda item: sum(item[0].values()))
+    config = plan.config
+    host = 0
+    for key, offloaded in (
+        ("params", config.offload_params),
+        ("grads", config.offload_grads),
+        ("optimizer", config.offload_optimizer),
+    ):
+        if offloaded:
+            host += memory[key]
+            memory[key] = 0
+    comm = _Comm()
+    _parameter_comm(plan, comm)
+    if tokens is not None:
+        _activation_comm(plan, comm, tokens)
+    return Cost(
+        rank=plan.mesh.rank(coords),
+        params_bytes=memory["params"],
+        grads_bytes=memory["grads"],
+        optimizer_bytes=memory["optimizer"],
+        buffers_bytes=memory["buffers"],
+        gathered_bytes=_gathered(plan),
+        host_bytes=host,
+        comm_bytes=comm.result(),
+        activation_comm_included=tokens is not None,
+    )

@@ -1,0 +1,194 @@
+"""Where each rank's shard sits: local shapes, offsets, and shard/unshard on a virtual mesh.
+
+The arithmetic is torch's: a dim split ``k`` ways gets chunks of ``ceil(n / k)``, the
+trailing ranks smaller or empty (``torch.chunk``, DTensor's ``Shard``); a dim split by
+several axes is split by each in turn, major to minor. An empty shard's offset is the
+dim's size, as torch reports it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from einops import rearrange
+
+from .errors import ShardingError, SpecError
+from .mesh import Mesh
+from .spec import P
+
+__all__ = ["chunk", "local_numel", "local_shape", "local_shape_and_offset", "shard_tensor", "unshard_tensor"]
+
+
+def chunk(size: int, parts: int, index: int) -> tuple[int, int]:
+    """Offset and length of chunk ``index`` of ``size`` split ``parts`` ways (torch.chunk).
+
+    Examples:
+        >>> [chunk(10, 8, i)[1] for i in range(8)]
+        [2, 2, 2, 2, 2, 0, 0, 0]
+    """
+    step = -(-size // parts)
+    offset = min(index * step, size)
+    return offset, max(0, min(step, size - offset))
+
+
+def _coords(mesh: Mesh, rank: int | Mapping[str, int]) -> Mapping[str, int]:
+    return mesh.coords(rank) if isinstance(rank, int) else rank
+
+
+def local_shape_and_offset(
+    shape: Sequence[int], spec: P, mesh: Mesh, rank: int | Mapping[str, int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The local shape and global offset of ``rank``'s shard (what DTensor reports).
+
+    Args:
+        shape: the global shape.
+        spec: how it is split.
+        mesh: the mesh.
+        rank: a rank (row-major over the mesh axes) or its coordinates by axis.
+
+    Raises:
+        SpecError: the spec does not fit ``shape`` on ``mesh``.
+
+    Examples:
+        >>> local_shape_and_offset((10, 4), P(("tp", "dp")), Mesh(dp=2, tp=2), 1)
+        ((3, 4), (5, 0))
+    """
+    if found := spec.problems(shape, mesh):
+        raise SpecError("; ".join(found))
+    coords = _coords(mesh, rank)
+    sizes, offsets = [], []
+    for size, axes in zip(shape, spec.dim_axes(len(shape)), strict=True):
+        offset = 0
+        for axis in axes:
+            step, size = chunk(size, mesh[axis], coords[axis])
+            offset += step
+        sizes.append(size)
+        offsets.append(offset if size else shape[len(offsets)])
+    return tuple(sizes), tuple(offsets)
+
+
+def local_shape(shape: Sequence[int], spec: P, mesh: Mesh, rank: int | Mapping[str, int]) -> tuple[int, ...]:
+    """The local shape of ``rank``'s shard.
+
+    Examples:
+        >>> local_shape((100, 8), P("dp"), Mesh(dp=8), 7)
+        (9, 8)
+    """
+    return local_shape_and_offset(shape, spec, mesh, rank)[0]
+
+
+def local_numel(
+    shape: Sequence[int],
+    spec: P,
+    mesh: Mesh,
+    rank: int | Mapping[str, int],
+    padded_axes: frozenset[str] = frozenset(),
+) -> int:
+    """Elements ``rank`` holds; splits over ``padded_axes`` count chunk 0's size on every rank.
+
+    FSDP2 pads each parameter's sharded dim to a multiple of the shard count, so over
+    its axes every rank allocates as much as rank 0.
+
+    Examples:
+        >>> mesh = Mesh(dp=8)
+        >>> local_numel((10,), P("dp"), mesh, 7), local_numel((10,), P("dp"), mesh, 7, frozenset({"dp"}))
+        (0, 2)
+    """
+    coords = dict(_coords(mesh, rank))
+    total = 1
+    for size, axes in zip(shape, spec.dim_axes(len(shape)), strict=True):
+        for axis in axes:
+            size = chunk(size, mesh[axis], 0 if axis in padded_axes else coords[axis])[1]
+        total *= size
+    return total
+
+
+def _split(tensor: torch.Tensor, dim: int, parts: int) -> list[torch.Tensor]:
+    # Pad to parts * ceil(n / parts) and fold: chunk i of the padded tensor is exactly
+    # torch.chunk's chunk i followed by padding, which is how FSDP2 lays shards out too.
+    size = tensor.shape[dim]
+    step = -(-size // parts)
+    moved = tensor.movedim(dim, 0)
+    if step == 0:
+        return [tensor.narrow(dim, 0, 0) for _ in range(parts)]
+    padding = moved.new_zeros((parts * step - size, *moved.shape[1:]))
+    blocks = rearrange(torch.cat([moved, padding]), "(k c) ... -> k c ...", k=parts)
+    return [blocks[i, : chunk(size, parts, i)[1]].movedim(0, dim) for i in range(parts)]
+
+
+def _splits(spec: P, ndim: int) -> list[tuple[int, str]]:
+    return [(dim, axis) for dim, axes in enumerate(spec.dim_axes(ndim)) for axis in axes]
+
+
+def shard_tensor(tensor: torch.Tensor, spec: P, mesh: Mesh) -> list[torch.Tensor]:
+    """Every rank's shard of ``tensor`` under ``spec``, indexed by rank (a virtual mesh).
+
+    Raises:
+        SpecError: the spec does not fit the tensor on ``mesh``.
+
+    Examples:
+        >>> [s.tolist() for s in shard_tensor(torch.arange(5), P("dp"), Mesh(dp=2))]
+        [[0, 1, 2], [3, 4]]
+    """
+    if found := spec.problems(tensor.shape, mesh):
+        raise SpecError("; ".join(found))
+    splits = _splits(spec, tensor.ndim)
+    pieces: dict[tuple[int, ...], torch.Tensor] = {(): tensor}
+    for dim, axis in splits:
+        pieces = {
+            (*key, index): part
+            for key, piece in pieces.items()
+            for index, part in enumerate(_split(piece, dim, mesh[axis]))
+        }
+    result = []
+    for rank in range(mesh.size):
+        coords = mesh.coords(rank)
+        result.append(pieces[tuple(coords[axis] for _, axis in splits)])
+    return result
+
+
+def unshard_tensor(shards: Sequence[torch.Tensor], spec: P, mesh: Mesh) -> torch.Tensor:
+    """Reassemble the global tensor from every rank's shard (inverse of `shard_tensor`).
+
+    Replicas (ranks that differ only along axes the spec does not name) must agree.
+
+    Raises:
+        ShardingError: wrong number of shards, or replicas that differ.
+
+    Examples:
+        >>> mesh = Mesh(dp=3)
+        >>> unshard_tensor(shard_tensor(torch.arange(7), P("dp"), mesh), P("dp"), mesh).tolist()
+        [0, 1, 2, 3, 4, 5, 6]
+    """
+    if len(shards) != mesh.size:
+        raise ShardingError(f"unshard_tensor needs one shard per rank of {mesh!r}, got {len(shards)}")
+    ndim = shards[0].ndim
+    splits = _splits(spec, ndim)
+    pieces: dict[tuple[int, ...], torch.Tensor] = {}
+    for rank, shard in enumerate(shards):
+        coords = mesh.coords(rank)
+        key = tuple(coords[axis] for _, axis in splits)
+        if key not in pieces:
+            pieces[key] = shard
+        elif not torch.equal(pieces[key], shard):
+            raise ShardingError(
+                f"rank {rank} {coords} holds a replica that differs from the first holder of "
+                f"shard {key}; replicated shards must be equal"
+            )
+    for level in reversed(range(len(splits))):
+        dim, axis = splits[level]
+        grouped: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        for key in sorted(pieces):
+            grouped.setdefault(key[:level], []).append(pieces[key])
+        # chunks are contiguous and in order, so joining is concatenation
+        pieces = {key: torch.cat(parts, dim) for key, parts in grouped.items()}
+        if any(len(parts) != mesh[axis] for parts in grouped.values()):
+            raise ShardingError(f"missing shards along axis {axis!r}")
+    return pieces[()]
+
+
+def numel(shape: Sequence[int]) -> int:
+    """Product of a shape."""
+    return math.prod(shape)

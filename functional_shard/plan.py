@@ -1,0 +1,352 @@
+"""`Plan`: the mesh, a `ParamSharding` per tensor, FSDP units and options. Pure data."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from . import _pytree
+from .errors import ShardingError
+from .layout import local_numel, local_shape_and_offset
+from .mesh import Mesh
+from .spec import P, ParamSharding
+from .tree import TensorSpec
+
+if TYPE_CHECKING:
+    from .cost import Cost, OptimizerKind
+
+__all__ = ["Change", "Plan", "PlanConfig"]
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PlanConfig:
+    """Everything in a plan that is not per tensor: engines, units, options."""
+
+    data_parallel: str = "none"
+    """``none``, ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``fsdp`` or ``hsdp``."""
+    replicate_axes: tuple[str, ...] = ()
+    shard_axes: tuple[str, ...] = ()
+    tensor_parallel_axes: tuple[str, ...] = ()
+    sequence_parallel: bool = False
+    reshard_after_forward: bool = True
+    units: tuple[str, ...] = ()
+    """FSDP units as module paths ("" is the root), outermost first."""
+    checkpointed: tuple[str, ...] = ()
+    """Module paths whose activations are recomputed in backward."""
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    offload_params: bool = False
+    offload_grads: bool = False
+    offload_optimizer: bool = False
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """Axes the batch is split over: gradients are reduced over them."""
+        return self.replicate_axes + self.shard_axes
+
+    def to_json(self) -> dict[str, Any]:
+        """The config as JSON."""
+        return {
+            f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PlanConfig:
+        """The inverse of `to_json`."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One difference between two plans (see `Plan.diff`)."""
+
+    path: str
+    what: str
+    before: Any
+    after: Any
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.what} {self.before} -> {self.after}"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@_pytree.dataclass()
+class Plan:
+    """A sharding plan: pure data, made by `shard`, run by `apply`.
+
+    A frozen optree dataclass in the ``functional_shard`` namespace: its pytree leaves
+    are the `ParamSharding` of each parameter and buffer, so
+    ``optree.tree_map(f, plan, namespace="functional_shard")`` maps over them.
+
+    Examples:
+        >>> import torch.nn as nn, functional_shard as fs
+        >>> plan = fs.shard(nn.Linear(8, 4), fs.Mesh(dp=2), fs.fsdp("dp"))
+        >>> plan.params["weight"].storage, plan.local_shape("weight", rank=1)
+        (P('dp', None), (2, 8))
+        >>> fs.Plan.from_json(plan.to_json()) == plan
+        True
+    """
+
+    params: dict[str, ParamSharding]
+    buffers: dict[str, ParamSharding]
+    mesh: Mesh = _pytree.field(pytree_node=False)
+    tensors: dict[str, TensorSpec] = _pytree.field(pytree_node=False)
+    aliases: dict[str, tuple[str, ...]] = _pytree.field(pytree_node=False)
+    config: PlanConfig = _pytree.field(pytree_node=False)
+
+    # ---- lookups -------------------------------------------------------------------
+    def sharding(self, path: str) -> ParamSharding:
+        """The sharding of a parameter or buffer, by any of its names.
+
+        Raises:
+            ShardingError: no tensor has that path.
+        """
+        canonical = self.canonical(path)
+        if canonical in self.params:
+            return self.params[canonical]
+        return self.buffers[canonical]
+
+    def canonical(self, path: str) -> str:
+        """The plan's name for a tensor reached under ``path`` (tied weights have several).
+
+        Raises:
+            ShardingError: no tensor has that path.
+        """
+        if path in self.tensors:
+            return path
+        for canonical, names in self.aliases.items():
+            if path in names:
+                return canonical
+        close = [p for p in self.tensors if p.rpartition(".")[2] == path.rpartition(".")[2]][:3]
+        raise ShardingError(
+            f"the plan has no tensor {path!r}" + (f"; did you mean {close}?" if close else "")
+        )
+
+    def local_shape(self, path: str, rank: int, spec: str = "storage") -> tuple[int, ...]:
+        """``rank``'s local shape of a tensor under one of its four specs (default: at rest).
+
+        Follows torch.chunk, as DTensor reports it; FSDP2's padding is not included.
+        """
+        return self.local_shape_and_offset(path, rank, spec)[0]
+
+    def local_shape_and_offset(
+        self, path: str, rank: int, spec: str = "storage"
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``rank``'s local shape and global offset of a tensor under one of its specs."""
+        canonical = self.canonical(path)
+        chosen = self.sharding(canonical).specs()[spec]
+        if not isinstance(chosen, P):
+            raise ShardingError(f"{path}: the {spec} spec {chosen!r} keeps whole tensors on owner ranks")
+        return local_shape_and_offset(self.tensors[canonical].shape, chosen, self.mesh, rank)
+
+    def padded_axes(self, path: str) -> frozenset[str]:
+        """The axes over which FSDP2 pads this tensor (split at rest, not for compute)."""
+        sharding = self.sharding(path)
+        return frozenset(sharding.storage.axes) - frozenset(sharding.compute.axes)
+
+    def unit_of(self, path: str) -> str:
+        """The FSDP unit (module path, "" for the root) that gathers this parameter.
+
+        A tied parameter belongs to the innermost unit holding every name it has.
+        """
+        canonical = self.canonical(path)
+        names = self.aliases.get(canonical, (canonical,))
+        for unit in sorted(self.config.units, key=len, reverse=True):
+            if all(unit == "" or name.startswith(unit + ".") for name in names):
+                return unit
+        return ""
+
+    # ---- views -------------------------------------------------------------------
+    def cost(self, optimizer: OptimizerKind = "adamw", **kwargs: Any) -> Cost:
+        """Memory per device and bytes sent per step; see `functional_shard.cost.cost`."""
+        from .cost import cost
+
+        return cost(self, optimizer, **kwargs)
+
+    def _rows(self) -> list[tuple[str, ...]]:
+        rows = []
+        for group in (self.params, self.buffers):
+            for path, sharding in group.items():
+                tensor = self.tensors[path]
+                storage = sharding.storage
+                local = local_shape_and_offset(tensor.shape, storage, self.mesh, 0)[0]
+                nbytes = local_numel(tensor.shape, storage, self.mesh, 0, self.padded_axes(path))
+                tied = [a for a in self.aliases.get(path, ()) if a != path]
+                name = (
+                    path
+                    + (f" (= {', '.join(tied)})" if tied else "")
+                    + ("  [buffer]" if tensor.kind == "buffer" else "")
+                )
+                specs = sharding.normalized(tensor.ndim)
+                rows.append(
+                    (
+                        name,
+                        "×".join(map(str, tensor.shape)) or "()",
+                        str(tensor.dtype).removeprefix("torch."),
+                        *(repr(s) for s in specs.specs().values()),
+                        "×".join(map(str, local)) or "()",
+                        str(nbytes * tensor.itemsize),
+                    )
+                )
+        return rows
+
+    def explain(self, collapse: bool = True) -> str:
+        """A table of every tensor: shape, dtype, the four specs, rank 0's local shape, bytes.
+
+        Args:
+            collapse: fold rows that differ only in a layer index (``layers.0``,
+                ``layers.1``, ...) into one row with a count.
+
+        Examples:
+            >>> import torch.nn as nn, functional_shard as fs
+            >>> print(fs.shard(nn.Linear(8, 4), fs.Mesh(dp=2), fs.fsdp()).explain())  # doctest: +ELLIPSIS
+            Plan on Mesh(dp=2): data parallel fsdp over ('dp',); ...
+        """
+        rows = self._rows()
+        if collapse:
+            grouped: dict[tuple[str, ...], list[Any]] = {}
+            for row in rows:
+                key = (re.sub(r"(?<=\.)\d+(?=\.)", "*", row[0]), *row[1:])
+                grouped.setdefault(key, [key, 0])[1] += 1
+            rows = [
+                (key[0] + (f" ×{count}" if count > 1 else ""), *key[1:-1], str(int(key[-1]) * count))
+                for key, count in grouped.values()
+            ]
+        header = (
+            "path",
+            "shape",
+            "dtype",
+            "storage",
+            "compute",
+            "grad",
+            "optim",
+            "local (rank 0)",
+            "bytes/device",
+        )
+        body = [(*row[:-1], _bytes(int(row[-1]))) for row in rows]
+        widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+        line = "  ".join(f"{{:<{w}}}" for w in widths)
+        total_global = sum(t.nbytes for t in self.tensors.values())
+        total_local = sum(int(row[-1]) for row in rows)
+        c = self.config
+        summary = [
+            f"Plan on {self.mesh!r}: data parallel {c.data_parallel} over {c.data_axes}; "
+            f"tensor parallel over {c.tensor_parallel_axes}"
+            + (" with sequence parallel" if c.sequence_parallel else ""),
+            f"{len(self.params)} parameters, {len(self.buffers)} buffers, {len(c.units)} FSDP units, "
+            f"{len(c.checkpointed)} checkpointed modules; mixed precision: "
+            f"{c.param_dtype or 'off'} (reduce {c.reduce_dtype or 'as params'}); offload: "
+            + (", ".join(k for k in ("params", "grads", "optimizer") if getattr(c, f"offload_{k}")) or "off"),
+            "",
+            line.format(*header),
+            *(line.format(*row) for row in body),
+            "",
+            f"at rest: {_bytes(total_global)} in all, {_bytes(total_local)} on the largest device (rank 0)",
+        ]
+        return "\n".join(s.rstrip() for s in summary)
+
+    def __str__(self) -> str:
+        return self.explain()
+
+    # ---- serialisation -------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data."""
+        return {
+            "format": "functional_shard.plan",
+            "version": FORMAT_VERSION,
+            "mesh": self.mesh.to_json(),
+            "config": self.config.to_json(),
+            "tensors": {
+                path: {
+                    **self.tensors[path].to_json(),
+                    "aliases": list(self.aliases.get(path, ())),
+                    "sharding": sharding.to_json(),
+                }
+                for group in (self.params, self.buffers)
+                for path, sharding in group.items()
+            },
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        """The plan as a JSON string; `Plan.from_json` reads it back exactly."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str | Mapping[str, Any]) -> Plan:
+        """Read a plan written by `to_json` (a string or the parsed dict).
+
+        Raises:
+            ShardingError: not a functional_shard plan, or a newer format.
+        """
+        data = json.loads(text) if isinstance(text, str) else text
+        if data.get("format") != "functional_shard.plan" or data.get("version") != FORMAT_VERSION:
+            raise ShardingError(
+                f"not a functional_shard plan of format version {FORMAT_VERSION} "
+                f"(format={data.get('format')!r}, version={data.get('version')!r})"
+            )
+        params, buffers, tensors, aliases = {}, {}, {}, {}
+        for path, entry in data["tensors"].items():
+            tensor = TensorSpec.from_json(entry)
+            tensors[path] = tensor
+            (buffers if tensor.kind == "buffer" else params)[path] = ParamSharding.from_json(
+                entry["sharding"]
+            )
+            if entry["aliases"]:
+                aliases[path] = tuple(entry["aliases"])
+        return cls(
+            params=params,
+            buffers=buffers,
+            mesh=Mesh.from_json(data["mesh"]),
+            tensors=tensors,
+            aliases=aliases,
+            config=PlanConfig.from_json(data["config"]),
+        )
+
+    def diff(self, other: Plan) -> list[Change]:
+        """What changes, tensor by tensor, from this plan to ``other``: specs and bytes.
+
+        Examples:
+            >>> import torch.nn as nn, functional_shard as fs
+            >>> m, mesh = nn.Linear(8, 8, bias=False), fs.Mesh(dp=2)
+            >>> changes = fs.shard(m, mesh, fs.replicate()).diff(fs.shard(m, mesh, fs.fsdp()))
+            >>> [str(c) for c in changes if c.path == "weight" and c.what in ("storage", "bytes/device")]
+            ["weight: storage P(None, None) -> P('dp', None)", 'weight: bytes/device 256 -> 128']
+        """
+        changes = []
+        if self.mesh != other.mesh:
+            changes.append(Change("<plan>", "mesh", self.mesh, other.mesh))
+        for f in fields(self.config):
+            if getattr(self.config, f.name) != getattr(other.config, f.name):
+                changes.append(
+                    Change("<plan>", f.name, getattr(self.config, f.name), getattr(other.config, f.name))
+                )
+        for path in dict.fromkeys([*self.tensors, *other.tensors]):
+            if path not in other.tensors or path not in self.tensors:
+                changes.append(Change(path, "presence", path in self.tensors, path in other.tensors))
+                continue
+            ndim = self.tensors[path].ndim
+            mine, theirs = self.sharding(path).normalized(ndim), other.sharding(path).normalized(ndim)
+            for name, spec in mine.specs().items():
+                if spec != theirs.specs()[name]:
+                    changes.append(Change(path, name, spec, theirs.specs()[name]))
+            before, after = self._local_bytes(path), other._local_bytes(path)
+            if before != after:
+                changes.append(Change(path, "bytes/device", before, after))
+        return changes
+
+    def _local_bytes(self, path: str) -> int:
+        tensor = self.tensors[path]
+        storage = self.sharding(path).storage
+        return local_numel(tensor.shape, storage, self.mesh, 0, self.padded_axes(path)) * tensor.itemsize

@@ -1,0 +1,307 @@
+"""`shard()`: model + mesh + policy → `Plan`. Pure and deterministic; touches no data."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from .errors import PlanError, PolicyError, bullets
+from .mesh import Mesh
+from .plan import Plan, PlanConfig
+from .policy import DataParallel, Layer, ParamProblemError, Policy, Selector, as_policy
+from .spec import REPLICATED, Owned, P, ParamSharding
+from .tree import ModelTree, TensorSpec, matches, read_model
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["shard"]
+
+
+def _merge_spec(a: P, b: P, model: tuple[tuple[str, ...], ...], ndim: int) -> P:
+    dims = []
+    for d, (mine, theirs) in enumerate(zip(a.dim_axes(ndim), b.dim_axes(ndim), strict=True)):
+        axes = list(dict.fromkeys(mine + theirs))
+        # compute splits are major; splits that exist only at rest nest inside them
+        dims.append(tuple(x for x in model[d] if x in axes) + tuple(x for x in axes if x not in model[d]))
+    return P(*dims)
+
+
+def _merge(a: ParamSharding, b: ParamSharding, ndim: int, names: tuple[str, str]) -> ParamSharding:
+    model = []
+    for d, (mine, theirs) in enumerate(zip(a.compute.dim_axes(ndim), b.compute.dim_axes(ndim), strict=True)):
+        if mine and theirs and mine != theirs:
+            raise ParamProblemError(
+                f"{names[0]} and {names[1]} both split dim {d} for compute ({mine} vs {theirs}); "
+                "let one rule claim it"
+            )
+        model.append(mine or theirs)
+    model_axes = tuple(model)
+    if isinstance(a.optim, Owned) or isinstance(b.optim, Owned):
+        owned, other = (a.optim, b.optim) if isinstance(a.optim, Owned) else (b.optim, a.optim)
+        if isinstance(other, Owned) or not other.is_replicated:
+            raise ParamProblemError(
+                f"{names[0]} and {names[1]}: ZeRO-1 keeps optimizer state whole per rank and "
+                "cannot also split it; use fsdp() (ZeRO-3) or zero(2) with tensor parallel"
+            )
+        optim: P | Owned = owned
+    else:
+        optim = _merge_spec(a.optim, b.optim, model_axes, ndim)
+    return ParamSharding(
+        _merge_spec(a.storage, b.storage, model_axes, ndim),
+        P(*model_axes),
+        _merge_spec(a.grad, b.grad, model_axes, ndim),
+        optim,
+    )
+
+
+def _place(
+    layers: tuple[Layer, ...], names: tuple[str, ...], tensor: TensorSpec, mesh: Mesh
+) -> ParamSharding:
+    result, owner = ParamSharding.replicated(), "default"
+    for layer in layers:
+        answers = {name: layer(name, tensor, mesh) for name in names}
+        given = {name: s.normalized(tensor.ndim) for name, s in answers.items() if s is not None}
+        if len(set(given.values())) > 1:
+            detail = "; ".join(f"{name} gets {s}" for name, s in given.items())
+            raise ParamProblemError(f"tied names disagree under {layer.name}: {detail}. Give them one rule")
+        if given:
+            result = _merge(result, next(iter(given.values())), tensor.ndim, (owner, layer.name))
+            owner = layer.name
+    return result
+
+
+def _check(
+    path: str, tensor: TensorSpec, sharding: ParamSharding, mesh: Mesh, data_axes: frozenset[str]
+) -> list[str]:
+    where = f"{path}, shape {tensor.shape}"
+    found = []
+    for name, spec in sharding.specs().items():
+        if isinstance(spec, Owned):
+            if spec.axis not in mesh:
+                found.append(f"{where}: optim {spec!r} names axis {spec.axis!r}, which is not in {mesh!r}")
+            continue
+        found.extend(f"{where}: {name} {problem}" for problem in spec.problems(tensor.shape, mesh))
+    if found:
+        return found
+    ndim = tensor.ndim
+    compute = sharding.compute.dim_axes(ndim)
+    for name in ("storage", "grad", "optim"):
+        spec = sharding.specs()[name]
+        if not isinstance(spec, P):
+            continue
+        for d, axes in enumerate(spec.dim_axes(ndim)):
+            if axes[: len(compute[d])] != compute[d]:
+                found.append(
+                    f"{where}: {name} {spec!r} does not contain compute {sharding.compute!r} on dim {d}; "
+                    "state at rest must be split at least as the computation sees it"
+                )
+    for axis in sharding.compute.axes:
+        if axis in data_axes:
+            found.append(
+                f"{where}: compute {sharding.compute!r} splits over {axis!r}, a data-parallel axis "
+                "(the batch is split over it); use a separate mesh axis for tensor parallel"
+            )
+    at_rest_only = [
+        (d, axes[len(compute[d]) :])
+        for d, axes in enumerate(sharding.storage.dim_axes(ndim))
+        if axes[len(compute[d]) :]
+    ]
+    if len(at_rest_only) > 1:
+        found.append(
+            f"{where}: storage {sharding.storage!r} splits {len(at_rest_only)} dims at rest; FSDP2 shards one"
+        )
+    for d, axes in at_rest_only:
+        if d == 0:
+            continue
+        size = tensor.shape[d]
+        for axis in compute[d]:
+            size = -(-size // mesh[axis])
+        if size % mesh.axes_size(axes):
+            found.append(
+                f"{where}: storage {sharding.storage!r} shards dim {d} (size {size}) at rest over "
+                f"{axes} (size {mesh.axes_size(axes)}); FSDP2 shards a dim other than 0 only when it "
+                "divides evenly. Shard dim 0, or pad the parameter"
+            )
+    return found
+
+
+def _select(selectors: Iterable[Selector], tree: ModelTree, what: str) -> list[str]:
+    chosen = []
+    for path, cls in tree.modules.items():
+        for selector in selectors:
+            if isinstance(selector, type):
+                if cls is None:
+                    raise PolicyError(
+                        f"{what} selects modules of class {selector.__name__}, but the model was "
+                        "given as a pytree with no module classes; select by path pattern, or pass "
+                        "the nn.Module"
+                    )
+                hit = issubclass(cls, selector)
+            else:
+                hit = bool(path) and matches(selector, path)
+            if hit:
+                chosen.append(path)
+                break
+    return chosen
+
+
+def _size_based_units(tree: ModelTree, min_params: int) -> list[str]:
+    counts = {path: 0 for path in tree.modules}
+    for path, tensor in tree.params.items():
+        counts[path.rpartition(".")[0]] += tensor.numel
+    wrapped: list[str] = []
+    # deepest first: a module counts only parameters its wrapped descendants left behind
+    for path in sorted(tree.modules, key=lambda p: (-p.count(".") if p else 1, p)):
+        if not path:
+            continue
+        parent = path.rpartition(".")[0]
+        if counts[path] >= min_params:
+            wrapped.append(path)
+        else:
+            counts[parent] += counts[path]
+    order = list(tree.modules)
+    return sorted(wrapped, key=order.index)
+
+
+def _units(tree: ModelTree, layer: DataParallel | None) -> tuple[str, ...]:
+    if layer is None or not layer.shards or layer.kind == "zero1":
+        return ()
+    if layer.min_params is not None:
+        units = _size_based_units(tree, layer.min_params)
+    elif layer.units is not None:
+        units = _select(layer.units, tree, "fsdp(units=...)")
+    else:
+        units = [
+            path
+            for path, cls in tree.modules.items()
+            if path and cls is not None and tree.modules.get(path.rpartition(".")[0]) is nn.ModuleList
+        ]
+    return ("", *units)
+
+
+def _config(policy: Policy, mesh: Mesh, tree: ModelTree, layers: tuple[Layer, ...]) -> PlanConfig:
+    data = policy.data_parallel
+    claimed = {axis for layer in layers for axis in layer.claimed_axes}
+    replicate: list[str] = []
+    for layer in data:
+        replicate += (
+            layer.replicate_axes
+            if layer.replicate_axes is not None
+            else [a for a in mesh if a not in claimed]
+        )
+    sharding_layer = next((layer for layer in data if layer.shards), None)
+    kinds = [layer.kind for layer in data if layer.shards] or (["ddp"] if data else ["none"])
+    kind = "hsdp" if kinds[0] == "fsdp" and replicate else kinds[0]
+    options = policy.options
+    return PlanConfig(
+        data_parallel=kind,
+        replicate_axes=tuple(replicate),
+        shard_axes=sharding_layer.shard_axes if sharding_layer else (),
+        tensor_parallel_axes=tuple(layer.axis for layer in policy.tensor_parallel),
+        sequence_parallel=any(layer.sequence_parallel for layer in policy.tensor_parallel),
+        reshard_after_forward=sharding_layer.reshard_after_forward if sharding_layer else True,
+        units=_units(tree, sharding_layer),
+        checkpointed=tuple(_select(options.checkpoint or (), tree, "checkpointing()")),
+        param_dtype=options.param_dtype,
+        reduce_dtype=options.reduce_dtype,
+        offload_params=bool(options.offload_params),
+        offload_grads=bool(options.offload_grads),
+        offload_optimizer=bool(options.offload_optimizer),
+    )
+
+
+def shard(model: Any, mesh: Mesh | DeviceMesh, policy: Policy | Any) -> Plan:
+    """Plan how ``model`` is laid out on ``mesh`` under ``policy``. Pure and deterministic.
+
+    Args:
+        model: an ``nn.Module`` (meta device included), a state dict, or any optree
+            pytree of tensors; only shapes, dtypes, names and owners are read.
+        mesh: an `fs.Mesh` (every axis resolved) or a torch ``DeviceMesh``.
+        policy: layers combined with ``+`` (`fsdp`, `tp`, ...), or a function
+            ``(path, tensor_spec, mesh) -> ParamSharding | None``.
+
+    Returns:
+        A `Plan` with one `ParamSharding` per parameter (tied parameters once) and per
+        buffer (replicated unless a rule says otherwise).
+
+    Raises:
+        MeshError: the mesh has an axis of size -1.
+        PolicyError: the policy's layers conflict, or select modules the model lacks.
+        PlanError: the plan does not fit the model; one bullet per parameter path.
+
+    Examples:
+        >>> import torch.nn as nn, functional_shard as fs
+        >>> model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+        >>> policy = fs.fsdp("dp") + fs.tp([("0", "colwise"), ("2", "rowwise")], "tp")
+        >>> plan = fs.shard(model, fs.Mesh(dp=2, tp=2), policy)
+        >>> plan.params["0.weight"].storage, plan.params["2.weight"].storage
+        (P(('tp', 'dp'), None), P('dp', 'tp'))
+    """
+    if not isinstance(mesh, Mesh):
+        mesh = Mesh.from_device_mesh(mesh)
+    mesh.require_resolved("shard()")
+    policy = as_policy(policy)
+    tree = read_model(model)
+    layers = policy.layers
+    claimed = {axis for layer in layers for axis in layer.claimed_axes}
+    takes_rest = any(isinstance(layer, DataParallel) and layer.replicate_axes is None for layer in layers)
+    problems: list[str] = []
+    for layer in layers:
+        problems += [
+            f"{layer.name} names axis {a!r}, which is not in {mesh!r}"
+            for a in layer.claimed_axes
+            if a not in mesh
+        ]
+    placed: dict[str, ParamSharding] = {}
+    for group in (tree.params, tree.buffers):
+        for path, tensor in group.items():
+            names = tree.aliases.get(path, (path,))
+            try:
+                if tensor.kind == "buffer":
+                    sharding = _place(
+                        tuple(layer for layer in layers if not isinstance(layer, DataParallel)),
+                        names,
+                        tensor,
+                        mesh,
+                    )
+                else:
+                    sharding = _place(layers, names, tensor, mesh)
+            except ParamProblemError as problem:
+                problems.append(f"{path}, shape {tensor.shape}: {problem}")
+                continue
+            placed[path] = sharding
+    config = _config(policy, mesh, tree, layers)
+    if not problems:
+        data_axes = frozenset(config.data_axes)
+        used = claimed | {a for s in placed.values() for spec in s.specs().values() for a in spec.axes}
+        for axis, size in mesh.axes:
+            if axis not in used and size > 1 and not takes_rest:
+                problems.append(
+                    f"axis {axis!r} (size {size}) is used by no policy: add fs.replicate({axis!r}) "
+                    f"to split the batch over it, or fs.fsdp({axis!r}) to shard over it"
+                )
+        for path, sharding in placed.items():
+            problems += _check(path, ({**tree.params, **tree.buffers})[path], sharding, mesh, data_axes)
+    if problems:
+        raise PlanError(
+            bullets(
+                f"plan does not fit the model on {mesh!r}:",
+                problems,
+                "Fix the rule, change the mesh, or pad the parameter.",
+            )
+        ) from None
+    tensors = {**tree.params, **tree.buffers}
+    return Plan(
+        params={p: placed[p] for p in tree.params},
+        buffers={p: placed.get(p, REPLICATED_SHARDING) for p in tree.buffers},
+        mesh=mesh,
+        tensors=tensors,
+        aliases=dict(tree.aliases),
+        config=config,
+    )
+
+
+REPLICATED_SHARDING = ParamSharding(REPLICATED, REPLICATED, REPLICATED, REPLICATED)

@@ -1,0 +1,323 @@
+"""PartitionSpec (`P`), whole-tensor ownership (`Owned`) and `ParamSharding`.
+
+A `P` has one entry per tensor dim: ``None`` (not split), an axis name, or a tuple of
+axis names. A dim split by several axes is split by them major to minor, each split as
+``torch.chunk`` splits (ceil-sized chunks, trailing ranks smaller or empty): in
+``P(("tp", "dp"), None)`` dim 0 is cut into ``tp`` chunks and each of those into ``dp``
+chunks — FSDP nested inside a tensor-parallel shard.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+from .errors import SpecError
+from .mesh import Mesh
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
+
+__all__ = ["Entry", "Owned", "P", "ParamSharding", "PartitionSpec", "Spec"]
+
+Entry: TypeAlias = str | tuple[str, ...] | None
+
+
+def _canonical_entry(entry: object) -> Entry:
+    if entry is None or isinstance(entry, str):
+        return entry
+    if isinstance(entry, list | tuple) and all(isinstance(axis, str) for axis in entry):
+        if len(entry) == 0:
+            return None
+        return entry[0] if len(entry) == 1 else tuple(entry)
+    raise SpecError(
+        f"a PartitionSpec entry must be None, an axis name or a tuple of axis names, "
+        f"got {entry!r}. Write e.g. P('dp', None) or P(('tp', 'dp'), None)."
+    )
+
+
+def entry_axes(entry: Entry) -> tuple[str, ...]:
+    """The axes of one dim entry, major to minor."""
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return entry
+
+
+@dataclass(frozen=True, slots=True, init=False)
+class P:
+    """A PartitionSpec: for each tensor dim, which mesh axes split it.
+
+    A pytree leaf (optree does not look inside it), hashable, with a short repr.
+    ``P()`` is fully replicated; trailing dims not named are not split.
+
+    Examples:
+        >>> spec = P(("tp", "dp"), None)
+        >>> spec, len(spec), spec[0], spec.axes
+        (P(('tp', 'dp'), None), 2, ('tp', 'dp'), ('tp', 'dp'))
+        >>> P("dp").dim_axes(2)
+        (('dp',), ())
+    """
+
+    entries: tuple[Entry, ...]
+
+    def __init__(self, *entries: object) -> None:
+        object.__setattr__(self, "entries", tuple(_canonical_entry(e) for e in entries))
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __iter__(self) -> Iterator[Entry]:
+        return iter(self.entries)
+
+    def __getitem__(self, dim: int) -> Entry:
+        return self.entries[dim]
+
+    def __repr__(self) -> str:
+        return "P(" + ", ".join(repr(entry) for entry in self.entries) + ")"
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Every axis named, in entry order (an axis named twice appears twice)."""
+        return tuple(axis for entry in self.entries for axis in entry_axes(entry))
+
+    @property
+    def is_replicated(self) -> bool:
+        """True when no dim is split."""
+        return not self.axes
+
+    def dim_axes(self, ndim: int) -> tuple[tuple[str, ...], ...]:
+        """The axes of each of ``ndim`` dims (missing trailing entries are unsplit)."""
+        padded = self.entries + (None,) * (ndim - len(self.entries))
+        return tuple(entry_axes(entry) for entry in padded[:ndim])
+
+    def normalized(self, ndim: int) -> P:
+        """The same spec with exactly ``ndim`` entries (for comparing specs)."""
+        return P(*self.dim_axes(ndim))
+
+    def problems(self, shape: Sequence[int], mesh: Mesh) -> list[str]:
+        """What is wrong with this spec for a tensor of ``shape`` on ``mesh``."""
+        found = []
+        if len(self.entries) > len(shape):
+            found.append(
+                f"spec {self!r} has {len(self.entries)} entries but the tensor has "
+                f"{len(shape)} dims {tuple(shape)}"
+            )
+        for axis in dict.fromkeys(self.axes):
+            if axis not in mesh:
+                found.append(f"spec {self!r} names axis {axis!r}, which is not in {mesh!r}")
+            elif self.axes.count(axis) > 1:
+                found.append(f"spec {self!r} uses axis {axis!r} more than once")
+        return found
+
+    def to_json(self) -> list[Any]:
+        """The entries as JSON (tuples become lists)."""
+        return [list(e) if isinstance(e, tuple) else e for e in self.entries]
+
+    @classmethod
+    def from_json(cls, data: Sequence[Any]) -> P:
+        """The inverse of `to_json`."""
+        return cls(*data)
+
+    def to_placements(self, mesh: Mesh, shape: Sequence[int]) -> tuple[Placement, ...]:
+        """The DTensor placements (one per mesh axis) that lay a tensor out as this spec.
+
+        Axes named in mesh order map to ``Shard(dim)``. An axis named after an axis
+        that is later in the mesh (FSDP inside a TP shard) maps to torch's
+        ``_StridedShard``, which matches nested ``torch.chunk`` splitting only when the
+        dim divides evenly by the axes it nests inside; other cases raise rather than
+        describe a different layout.
+
+        Raises:
+            SpecError: the spec is malformed for ``mesh``/``shape``, or torch has no
+                placement for this uneven nested split.
+
+        Examples:
+            >>> P(("tp", "dp"), None).to_placements(Mesh(dp=2, tp=4), (16, 8))
+            (_StridedShard(dim=0, sf=4), Shard(dim=0))
+        """
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        if found := self.problems(shape, mesh):
+            raise SpecError("; ".join(found))
+        order = {axis: index for index, axis in enumerate(mesh.axis_names)}
+        placements: list[Placement] = [Replicate() for _ in mesh.axis_names]
+        for dim, axes in enumerate(self.dim_axes(len(shape))):
+            for position, axis in enumerate(axes):
+                outer = axes[:position]
+                split_factor = math.prod(mesh[a] for a in outer if order[a] > order[axis])
+                if split_factor == 1:
+                    placements[order[axis]] = Shard(dim)
+                    continue
+                if shape[dim] % mesh.axes_size(outer):
+                    raise SpecError(
+                        f"spec {self!r}: dim {dim} (size {shape[dim]}) is split by {axis!r} "
+                        f"inside {outer}, against mesh order {mesh.axis_names}; torch's "
+                        f"_StridedShard describes that layout only when {shape[dim]} % "
+                        f"{mesh.axes_size(outer)} == 0. Pad the dim or order the axes as the mesh."
+                    )
+                placements[order[axis]] = _StridedShard(dim, split_factor=split_factor)
+        return tuple(placements)
+
+    @classmethod
+    def from_placements(cls, placements: Sequence[Placement], mesh: Mesh, shape: Sequence[int]) -> P:
+        """The spec of DTensor ``placements`` on ``mesh`` (the inverse of `to_placements`).
+
+        Raises:
+            SpecError: a placement has no spec equivalent (``Partial`` at rest, say).
+
+        Examples:
+            >>> from torch.distributed.tensor import Replicate, Shard
+            >>> P.from_placements((Replicate(), Shard(1)), Mesh(dp=2, tp=4), (8, 8))
+            P(None, 'tp')
+        """
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        if len(placements) != len(mesh):
+            raise SpecError(f"{len(placements)} placements for the {len(mesh)} axes of {mesh!r}")
+        by_dim: dict[int, list[str]] = {}
+        for axis, placement in zip(mesh.axis_names, placements, strict=True):
+            if isinstance(placement, Replicate):
+                continue
+            if not isinstance(placement, Shard | _StridedShard):
+                raise SpecError(
+                    f"placement {placement!r} on axis {axis!r} has no PartitionSpec equivalent; "
+                    "only Replicate, Shard and _StridedShard describe a tensor at rest"
+                )
+            by_dim.setdefault(placement.dim % len(shape), []).append(axis)
+        # Few axes share a dim, so trying each order is cheap and exact.
+        for orders in itertools.product(*(itertools.permutations(a) for a in by_dim.values())):
+            entries: list[Entry] = [None] * len(shape)
+            for dim, axes in zip(by_dim, orders, strict=True):
+                entries[dim] = tuple(axes)
+            candidate = cls(*entries)
+            try:
+                if candidate.to_placements(mesh, shape) == tuple(placements):
+                    return candidate
+            except SpecError:
+                continue
+        raise SpecError(f"placements {tuple(placements)!r} match no PartitionSpec on {mesh!r}")
+
+
+PartitionSpec = P
+
+
+@dataclass(frozen=True, slots=True)
+class Owned:
+    """A whole tensor kept on one rank along ``axis``, as ZeRO-1 places optimizer state.
+
+    torch's ZeroRedundancyOptimizer does not split tensors: it hands each parameter's
+    state, whole, to one rank, largest tensors first to the least-loaded rank. A `P`
+    cannot say that, so the ``optim`` spec of a ZeRO-1 plan is an `Owned`.
+
+    Examples:
+        >>> Owned("dp")
+        Owned('dp')
+    """
+
+    axis: str
+
+    def __repr__(self) -> str:
+        return f"Owned({self.axis!r})"
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The one axis that the owners are spread over."""
+        return (self.axis,)
+
+    def to_json(self) -> dict[str, str]:
+        """The spec as JSON."""
+        return {"owned": self.axis}
+
+
+Spec: TypeAlias = P | Owned
+
+
+def spec_from_json(data: Any) -> Spec:
+    """Read a `P` or an `Owned` back from JSON."""
+    if isinstance(data, dict):
+        return Owned(data["owned"])
+    return P.from_json(data)
+
+
+REPLICATED = P()
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSharding:
+    """Where one parameter lives at rest, is computed on, gets its gradient, keeps its state.
+
+    Every classic strategy is one choice of these four specs (see the Concepts page):
+    DDP is all ``P()``, FSDP is ``P('dp')`` everywhere but ``compute=P()``, tensor
+    parallel puts the same split in all four.
+
+    Examples:
+        >>> fsdp = ParamSharding(storage=P("dp"), compute=P(), grad=P("dp"), optim=P("dp"))
+        >>> ParamSharding.replicated()
+        ParamSharding(storage=P(), compute=P(), grad=P(), optim=P())
+        >>> ParamSharding.uniform(P("tp", None)).grad
+        P('tp', None)
+    """
+
+    storage: P = field(default=REPLICATED)
+    compute: P = field(default=REPLICATED)
+    grad: P = field(default=REPLICATED)
+    optim: Spec = field(default=REPLICATED)
+
+    def __post_init__(self) -> None:
+        for name in ("storage", "compute", "grad"):
+            if not isinstance(getattr(self, name), P):
+                raise SpecError(
+                    f"ParamSharding.{name} must be a P, got {getattr(self, name)!r}; write P() for replicated"
+                )
+        if not isinstance(self.optim, P | Owned):
+            raise SpecError(f"ParamSharding.optim must be a P or Owned, got {self.optim!r}")
+
+    @classmethod
+    def replicated(cls) -> ParamSharding:
+        """All four specs replicated (plain data parallel)."""
+        return cls()
+
+    @classmethod
+    def uniform(cls, spec: P) -> ParamSharding:
+        """The same spec for all four (tensor parallel)."""
+        return cls(spec, spec, spec, spec)
+
+    def specs(self) -> dict[str, Spec]:
+        """The four specs by name."""
+        return {
+            "storage": self.storage,
+            "compute": self.compute,
+            "grad": self.grad,
+            "optim": self.optim,
+        }
+
+    def normalized(self, ndim: int) -> ParamSharding:
+        """Each `P` padded or trimmed to ``ndim`` entries, for exact comparison."""
+        optim = self.optim.normalized(ndim) if isinstance(self.optim, P) else self.optim
+        return ParamSharding(
+            self.storage.normalized(ndim),
+            self.compute.normalized(ndim),
+            self.grad.normalized(ndim),
+            optim,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The four specs as JSON."""
+        return {name: spec.to_json() for name, spec in self.specs().items()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ParamSharding:
+        """The inverse of `to_json`."""
+        return cls(
+            P.from_json(data["storage"]),
+            P.from_json(data["compute"]),
+            P.from_json(data["grad"]),
+            spec_from_json(data["optim"]),
+        )

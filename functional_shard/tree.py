@@ -1,0 +1,229 @@
+"""From a model to what a plan needs to know: each tensor's shape, dtype and owner.
+
+`read_model` accepts an ``nn.Module`` (meta device included), a state dict, or any
+optree pytree of tensors, and never touches tensor data.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _pytree
+from .errors import ShardingError
+
+__all__ = ["ModelTree", "Pattern", "TensorSpec", "matches", "read_model"]
+
+Pattern = str | re.Pattern[str]
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """What a policy sees of one tensor: shape, dtype and the module that owns it.
+
+    Examples:
+        >>> spec = TensorSpec((4096, 1024), torch.bfloat16, module_name="torch.nn.Linear")
+        >>> spec.ndim, spec.numel, spec.nbytes
+        (2, 4194304, 8388608)
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    module_name: str | None = None
+    """Qualified class name of the owning module (``None`` for bare pytrees)."""
+    kind: str = "param"
+    """``"param"`` or ``"buffer"``."""
+    module_type: type | None = field(default=None, compare=False, repr=False)
+    """The owning module's class, when the plan was made from a live module."""
+
+    @property
+    def ndim(self) -> int:
+        """Number of dims."""
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        n = 1
+        for size in self.shape:
+            n *= size
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole tensor."""
+        return self.numel * self.itemsize
+
+    def module_is(self, cls: type) -> bool:
+        """Whether the owning module is a ``cls`` (by class, else by qualified name)."""
+        if self.module_type is not None:
+            return issubclass(self.module_type, cls)
+        return self.module_name in {_qualname(cls), f"{cls.__module__}.{cls.__name__}"}
+
+    def to_json(self) -> dict[str, Any]:
+        """Shape, dtype name, owner name and kind as JSON."""
+        return {
+            "shape": list(self.shape),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "module": self.module_name,
+            "kind": self.kind,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> TensorSpec:
+        """The inverse of `to_json`."""
+        return cls(tuple(data["shape"]), dtype_from_name(data["dtype"]), data["module"], data["kind"])
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"bfloat16"`` → ``torch.bfloat16``, with a clear error for unknown names."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ShardingError(f"{name!r} is not a torch dtype; use e.g. 'float32' or 'bfloat16'")
+    return dtype
+
+
+@dataclass(frozen=True)
+class ModelTree:
+    """Tensors by path, tied aliases, and the module tree (paths → class)."""
+
+    params: dict[str, TensorSpec]
+    buffers: dict[str, TensorSpec]
+    aliases: dict[str, tuple[str, ...]]
+    """Canonical path → every path that shares the tensor (canonical first)."""
+    modules: dict[str, type | None]
+    """Module path ("" is the root) → class, or None when read from a pytree."""
+
+
+def _module_path(path: str) -> str:
+    return path.rpartition(".")[0]
+
+
+def _from_module(module: nn.Module) -> ModelTree:
+    modules: dict[str, type | None] = {name: type(m) for name, m in module.named_modules()}
+    owners = dict(module.named_modules(remove_duplicate=False))
+    params: dict[str, TensorSpec] = {}
+    aliases: dict[int, list[str]] = {}
+    canonical: dict[int, str] = {}
+    for path, param in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(path)
+        if id(param) in canonical:
+            continue
+        canonical[id(param)] = path
+        owner = type(owners[_module_path(path)])
+        params[path] = TensorSpec(tuple(param.shape), param.dtype, _qualname(owner), "param", owner)
+    buffers = {}
+    for path, buffer in module.named_buffers():
+        owner = type(owners[_module_path(path)])
+        buffers[path] = TensorSpec(tuple(buffer.shape), buffer.dtype, _qualname(owner), "buffer", owner)
+    tied = {canonical[key]: tuple(paths) for key, paths in aliases.items() if len(paths) > 1}
+    return ModelTree(params, buffers, tied, modules)
+
+
+def _tensor_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    # Views that share storage (a state dict's tied entries) are one tensor; meta
+    # tensors have no storage to compare, so there only the object identifies it.
+    if tensor.device.type == "meta":
+        return ("id", id(tensor))
+    storage = tensor.untyped_storage()
+    return (storage.data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+
+
+def _from_pytree(tree: Any) -> ModelTree:
+    paths, leaves = _pytree.flatten_with_path(tree)
+    params: dict[str, TensorSpec] = {}
+    by_key: dict[tuple[Any, ...], list[str]] = {}
+    problems = []
+    for keys, leaf in zip(paths, leaves, strict=True):
+        path = ".".join(str(key) for key in keys)
+        if isinstance(leaf, TensorSpec):
+            by_key.setdefault(("path", path), []).append(path)
+            params[path] = leaf
+        elif isinstance(leaf, torch.Tensor):
+            group = by_key.setdefault(_tensor_key(leaf), [])
+            group.append(path)
+            if len(group) == 1:
+                params[path] = TensorSpec(tuple(leaf.shape), leaf.dtype)
+        else:
+            problems.append(f"{path or '<root>'}: a {type(leaf).__name__}, not a tensor")
+    if problems:
+        raise ShardingError(
+            "shard() reads tensors only, but the pytree holds other leaves:\n"
+            + "\n".join(f"* {p}" for p in problems)
+            + "\nDrop them from the tree, or pass the nn.Module itself."
+        )
+    if not params:
+        raise ShardingError("the model has no tensors to shard; pass an nn.Module or state dict")
+    modules: dict[str, type | None] = {"": None}
+    for path in params:
+        parts = path.split(".")[:-1]
+        for end in range(1, len(parts) + 1):
+            modules[".".join(parts[:end])] = None
+    tied = {paths[0]: tuple(paths) for paths in by_key.values() if len(paths) > 1}
+    return ModelTree(params, {}, tied, modules)
+
+
+def read_model(model: Any) -> ModelTree:
+    """Read shapes, dtypes, owners and ties of ``model`` without touching its data.
+
+    Args:
+        model: an ``nn.Module`` (any device, meta included), a state dict, or any optree
+            pytree whose leaves are tensors or `TensorSpec`s.
+
+    Returns:
+        The model's tensors by path. For modules the paths are ``named_parameters()``
+        names; a parameter shared by several modules appears once, under its first
+        name, with every name in ``aliases``.
+
+    Raises:
+        ShardingError: a pytree leaf is not a tensor, or there are no tensors.
+
+    Examples:
+        >>> tree = read_model(nn.Linear(4, 2))
+        >>> list(tree.params), tree.params["weight"].shape
+        (['weight', 'bias'], (2, 4))
+    """
+    if isinstance(model, nn.Module):
+        return _from_module(model)
+    return _from_pytree(model)
+
+
+def _compile(pattern: Pattern) -> re.Pattern[str]:
+    if isinstance(pattern, re.Pattern):
+        return pattern
+    return re.compile(fnmatch.translate(pattern))
+
+
+def matches(pattern: Pattern, path: str) -> bool:
+    r"""Whether ``path`` matches a glob (``*`` spans dots) or a compiled regex (fullmatch).
+
+    Examples:
+        >>> matches("*.q_proj", "model.layers.0.self_attn.q_proj")
+        True
+        >>> matches(re.compile(r"layers\.\d+\.mlp"), "layers.3.mlp")
+        True
+    """
+    return _compile(pattern).fullmatch(path) is not None
+
+
+def owner_paths(path: str) -> Iterable[str]:
+    """The path itself, then every enclosing module path up to the root ("")."""
+    yield path
+    while path:
+        path = _module_path(path)
+        yield path
