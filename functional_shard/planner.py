@@ -58,11 +58,12 @@ def _merge(a: ParamSharding, b: ParamSharding, ndim: int, names: tuple[str, str]
 
 
 def _place(
-    layers: tuple[Layer, ...], names: tuple[str, ...], tensor: TensorSpec, mesh: Mesh
+    layers: tuple[Layer, ...], names: tuple[str, ...], tree: ModelTree, tensor: TensorSpec, mesh: Mesh
 ) -> ParamSharding:
     result, owner = ParamSharding.replicated(), "default"
     for layer in layers:
-        answers = {name: layer(name, tensor, mesh) for name in names}
+        # each name is seen as its own module owns it (a tied lm_head is a Linear)
+        answers = {name: layer(name, tree.spec_as(name, names[0]), mesh) for name in names}
         given = {name: s.normalized(tensor.ndim) for name, s in answers.items() if s is not None}
         if len(set(given.values())) > 1:
             detail = "; ".join(f"{name} gets {s}" for name, s in given.items())
@@ -149,19 +150,31 @@ def _select(selectors: Iterable[Selector], tree: ModelTree, what: str) -> list[s
 
 
 def _size_based_units(tree: ModelTree, min_params: int) -> list[str]:
-    counts = {path: 0 for path in tree.modules}
+    # torch's size_based_auto_wrap_policy, post-order: a module becomes a unit when the
+    # parameters its subtree holds outside units already made reach min_params. Like
+    # torch, never a ModuleList/ModuleDict, and nothing inside a forced leaf (attention).
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_policy
+
+    excluded = tuple(torch_policy.EXCLUDE_WRAP_MODULES)  # type: ignore[attr-defined]
+    leaves = tuple(torch_policy.FORCE_LEAF_MODULES)  # type: ignore[attr-defined]
+    counts = dict.fromkeys(tree.modules, 0)
     for path, tensor in tree.params.items():
         counts[path.rpartition(".")[0]] += tensor.numel
+
+    def inside_leaf(path: str) -> bool:
+        parents = [p for p in tree.modules if p and path.startswith(p + ".")]
+        return any((cls := tree.modules[p]) is not None and issubclass(cls, leaves) for p in parents)
+
     wrapped: list[str] = []
-    # deepest first: a module counts only parameters its wrapped descendants left behind
-    for path in sorted(tree.modules, key=lambda p: (-p.count(".") if p else 1, p)):
+    for path in sorted(tree.modules, key=lambda p: -len(p.split("."))):
         if not path:
             continue
-        parent = path.rpartition(".")[0]
-        if counts[path] >= min_params:
+        cls = tree.modules[path]
+        wrappable = not (cls is not None and issubclass(cls, excluded)) and not inside_leaf(path)
+        if wrappable and counts[path] >= min_params:
             wrapped.append(path)
         else:
-            counts[parent] += counts[path]
+            counts[path.rpartition(".")[0]] += counts[path]
     order = list(tree.modules)
     return sorted(wrapped, key=order.index)
 
@@ -255,24 +268,15 @@ def shard(model: Any, mesh: Mesh | DeviceMesh, policy: Policy | Any) -> Plan:
             for a in layer.claimed_axes
             if a not in mesh
         ]
+    # data parallelism shards parameters and their state, never buffers
+    buffer_layers = tuple(layer for layer in layers if not isinstance(layer, DataParallel))
     placed: dict[str, ParamSharding] = {}
-    for group in (tree.params, tree.buffers):
+    for group, group_layers in ((tree.params, layers), (tree.buffers, buffer_layers)):
         for path, tensor in group.items():
-            names = tree.aliases.get(path, (path,))
             try:
-                if tensor.kind == "buffer":
-                    sharding = _place(
-                        tuple(layer for layer in layers if not isinstance(layer, DataParallel)),
-                        names,
-                        tensor,
-                        mesh,
-                    )
-                else:
-                    sharding = _place(layers, names, tensor, mesh)
+                placed[path] = _place(group_layers, tree.aliases.get(path, (path,)), tree, tensor, mesh)
             except ParamProblemError as problem:
                 problems.append(f"{path}, shape {tensor.shape}: {problem}")
-                continue
-            placed[path] = sharding
     config = _config(policy, mesh, tree, layers)
     if not problems:
         data_axes = frozenset(config.data_axes)

@@ -108,6 +108,12 @@ class ModelTree:
     """Canonical path → every path that shares the tensor (canonical first)."""
     modules: dict[str, type | None]
     """Module path ("" is the root) → class, or None when read from a pytree."""
+    alias_specs: dict[str, TensorSpec] = field(default_factory=dict)
+    """Tied names other than the canonical one → the tensor as their own module owns it."""
+
+    def spec_as(self, name: str, canonical: str) -> TensorSpec:
+        """The tensor at ``canonical`` as seen under the name ``name`` (its owner's type)."""
+        return self.alias_specs.get(name, self.params.get(canonical) or self.buffers[canonical])
 
 
 def _module_path(path: str) -> str:
@@ -120,19 +126,22 @@ def _from_module(module: nn.Module) -> ModelTree:
     params: dict[str, TensorSpec] = {}
     aliases: dict[int, list[str]] = {}
     canonical: dict[int, str] = {}
+    alias_specs: dict[str, TensorSpec] = {}
     for path, param in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(path)
+        owner = type(owners[_module_path(path)])
+        spec = TensorSpec(tuple(param.shape), param.dtype, _qualname(owner), "param", owner)
         if id(param) in canonical:
+            alias_specs[path] = spec
             continue
         canonical[id(param)] = path
-        owner = type(owners[_module_path(path)])
-        params[path] = TensorSpec(tuple(param.shape), param.dtype, _qualname(owner), "param", owner)
+        params[path] = spec
     buffers = {}
     for path, buffer in module.named_buffers():
         owner = type(owners[_module_path(path)])
         buffers[path] = TensorSpec(tuple(buffer.shape), buffer.dtype, _qualname(owner), "buffer", owner)
     tied = {canonical[key]: tuple(paths) for key, paths in aliases.items() if len(paths) > 1}
-    return ModelTree(params, buffers, tied, modules)
+    return ModelTree(params, buffers, tied, modules, alias_specs)
 
 
 def _tensor_key(tensor: torch.Tensor) -> tuple[Any, ...]:

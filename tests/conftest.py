@@ -1,0 +1,42 @@
+"""Hypothesis profiles and the fake process group fixture."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch.distributed as dist
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    max_examples=60,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("dev", deadline=None, max_examples=100, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+@pytest.fixture
+def fake_world() -> Iterator[Callable[..., None]]:
+    """Join torch's fake process group as ``rank`` of ``world_size`` (collectives do nothing).
+
+    One process stands in for any rank of a big mesh: torch builds the real DTensors and
+    FSDP2/TP layouts on meta tensors, so local shapes can be checked at scale.
+    """
+    # private, hence kept in this one fixture
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def join(world_size: int, rank: int = 0) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+
+    yield join
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,80 @@
+"""Hypothesis strategies: meshes, shapes, specs, module trees and policies."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import strategies as st
+from torch import nn
+
+import functional_shard as fs
+
+AXIS_NAMES = ("dp", "tp", "cp", "ep")
+
+
+@st.composite
+def meshes(draw: st.DrawFn, max_axes: int = 3, max_size: int = 4, max_devices: int = 64) -> fs.Mesh:
+    n = draw(st.integers(1, max_axes))
+    names = draw(st.permutations(AXIS_NAMES))[:n]
+    sizes = [draw(st.integers(1, max_size)) for _ in names]
+    while math.prod(sizes) > max_devices:
+        sizes[sizes.index(max(sizes))] //= 2
+    return fs.Mesh(dict(zip(names, sizes, strict=True)))
+
+
+def shapes(max_dims: int = 3, max_size: int = 20, min_dims: int = 0) -> st.SearchStrategy[tuple[int, ...]]:
+    return st.lists(st.integers(0, max_size), min_size=min_dims, max_size=max_dims).map(tuple)
+
+
+@st.composite
+def specs(draw: st.DrawFn, mesh: fs.Mesh, ndim: int) -> fs.P:
+    """Any valid spec: each axis splits at most one dim, in any order within a dim."""
+    dims: list[list[str]] = [[] for _ in range(ndim)]
+    for axis in draw(st.permutations(mesh.axis_names)):
+        if ndim and draw(st.booleans()):
+            dims[draw(st.integers(0, ndim - 1))].append(axis)
+    return fs.P(*(tuple(d) or None for d in dims))
+
+
+@st.composite
+def mesh_shape_spec(draw: st.DrawFn, max_size: int = 20) -> tuple[fs.Mesh, tuple[int, ...], fs.P]:
+    mesh = draw(meshes())
+    shape = draw(shapes(max_size=max_size))
+    return mesh, shape, draw(specs(mesh, len(shape)))
+
+
+@st.composite
+def module_trees(draw: st.DrawFn, tie: bool | None = None) -> nn.Module:
+    """Nested Sequential/ModuleList trees of Linear, Embedding and LayerNorm, on meta."""
+
+    def leaf() -> nn.Module:
+        kind = draw(st.sampled_from(["linear", "embedding", "norm"]))
+        a, b = draw(st.integers(1, 24)), draw(st.integers(1, 24))
+        if kind == "linear":
+            return nn.Linear(a, b, bias=draw(st.booleans()))
+        if kind == "embedding":
+            return nn.Embedding(a, b)
+        return nn.LayerNorm(a)
+
+    def node(depth: int) -> nn.Module:
+        if depth == 0 or draw(st.booleans()):
+            return leaf()
+        children = [node(depth - 1) for _ in range(draw(st.integers(1, 3)))]
+        return nn.ModuleList(children) if draw(st.booleans()) else nn.Sequential(*children)
+
+    with torch.device("meta"):
+        root = nn.Sequential(*(node(2) for _ in range(draw(st.integers(1, 3)))))
+        if tie if tie is not None else draw(st.booleans()):
+            embedding = nn.Embedding(draw(st.integers(1, 30)), draw(st.integers(1, 16)))
+            head = nn.Linear(embedding.embedding_dim, embedding.num_embeddings, bias=False)
+            head.weight = embedding.weight
+            root.append(embedding)
+            root.append(head)
+    return root
+
+
+def data_policies(axis: str) -> st.SearchStrategy[fs.Policy]:
+    return st.sampled_from(
+        [fs.replicate(axis), fs.zero(1, axis), fs.zero(2, axis), fs.zero(3, axis), fs.fsdp(axis)]
+    )
