@@ -64,6 +64,16 @@ def _place(
     for layer in layers:
         # each name is seen as its own module owns it (a tied lm_head is a Linear)
         answers = {name: layer(name, tree.spec_as(name, names[0]), mesh) for name in names}
+        for answer in answers.values():
+            # checked before merging: merging aligns specs to the tensor's rank
+            found = [
+                f"{layer.name} gives {field} {problem}"
+                for field, spec in (answer.specs().items() if answer else ())
+                if isinstance(spec, P)
+                for problem in spec.problems(tensor.shape, mesh)
+            ]
+            if found:
+                raise ParamProblemError("; ".join(found))
         given = {name: s.normalized(tensor.ndim) for name, s in answers.items() if s is not None}
         if len(set(given.values())) > 1:
             detail = "; ".join(f"{name} gets {s}" for name, s in given.items())
