@@ -19,14 +19,15 @@ a collective over ``n`` ranks on a tensor of ``S`` bytes (the full, gathered siz
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Mapping
+import math
+from collections import Counter, defaultdict
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from .errors import ShardingError
 from .layout import local_numel
-from .spec import Owned
+from .spec import Owned, ParamSharding
 from .tree import TensorSpec, dtype_from_name
 
 if TYPE_CHECKING:
@@ -151,6 +152,15 @@ def _itemsize(name: str | None, tensor: TensorSpec) -> int:
     return dtype_from_name(name).itemsize if name else tensor.itemsize
 
 
+def _grouped(plan: Plan, extra: Callable[[str, ParamSharding], Hashable]) -> Counter[tuple[Any, ...]]:
+    # Big models repeat a few (shape, dtype, sharding) combinations across their blocks;
+    # counting them once each keeps the cost model's time in the distinct ones.
+    return Counter(
+        (plan.tensors[path].shape, plan.tensors[path].itemsize, sharding, extra(path, sharding))
+        for path, sharding in plan.params.items()
+    )
+
+
 def _memory(
     plan: Plan, coords: Mapping[str, int], optimizer: OptimizerKind, owners: Mapping[str, int]
 ) -> dict[str, int]:
@@ -158,23 +168,24 @@ def _memory(
         raise ShardingError(
             f"cost(optimizer={optimizer!r}): one of {sorted(_OPTIMIZERS)} or bytes per element"
         )
+
+    def owns(path: str, sharding: ParamSharding) -> bool:
+        return isinstance(sharding.optim, Owned) and owners[path] == coords[sharding.optim.axis]
+
     params = grads = optim = 0
-    for path, sharding in plan.params.items():
-        tensor = plan.tensors[path]
-        padded = plan.padded_axes(path)
-        params += local_numel(tensor.shape, sharding.storage, plan.mesh, coords, padded) * tensor.itemsize
-        grads += local_numel(tensor.shape, sharding.grad, plan.mesh, coords, padded) * tensor.itemsize
+    for (shape, itemsize, sharding, owned), count in _grouped(plan, owns).items():
+        padded = sharding.at_rest_axes
+        params += count * local_numel(shape, sharding.storage, plan.mesh, coords, padded) * itemsize
+        grads += count * local_numel(shape, sharding.grad, plan.mesh, coords, padded) * itemsize
         if isinstance(sharding.optim, Owned):
-            has_state = owners[path] == coords[sharding.optim.axis]
-            numel = tensor.numel if has_state else 0
+            has_state, numel = owned, math.prod(shape) if owned else 0
         else:  # every rank keeps state for its shard, an empty one included
-            has_state = True
-            numel = local_numel(tensor.shape, sharding.optim, plan.mesh, coords, padded)
+            has_state, numel = True, local_numel(shape, sharding.optim, plan.mesh, coords, padded)
         if isinstance(optimizer, str):
             states, step_bytes = _OPTIMIZERS[optimizer]
-            optim += numel * states * tensor.itemsize + (step_bytes if has_state else 0)
+            optim += count * (numel * states * itemsize + (step_bytes if has_state else 0))
         else:
-            optim += round(numel * optimizer)
+            optim += count * round(numel * optimizer)
     buffers = sum(
         local_numel(plan.tensors[p].shape, s.storage, plan.mesh, coords) * plan.tensors[p].itemsize
         for p, s in plan.buffers.items()
@@ -182,51 +193,52 @@ def _memory(
     return {"params": params, "grads": grads, "optimizer": optim, "buffers": buffers}
 
 
-def _gathered(plan: Plan) -> int:
-    config = plan.config
+def _gathered(plan: Plan, units: Mapping[str, str]) -> int:
+    origin = dict.fromkeys(plan.mesh.axis_names, 0)
+    param_size = dtype_from_name(plan.config.param_dtype).itemsize if plan.config.param_dtype else None
     per_unit: dict[str, int] = defaultdict(int)
-    for path, sharding in plan.params.items():
-        padded = plan.padded_axes(path)
-        if not padded:
-            continue
-        tensor = plan.tensors[path]
-        shard = local_numel(tensor.shape, sharding.storage, plan.mesh, 0, padded)
-        per_unit[plan.unit_of(path)] += (
-            shard * plan.mesh.axes_size(tuple(padded)) * _itemsize(config.param_dtype, tensor)
-        )
+    for (shape, itemsize, sharding, unit), count in _grouped(plan, lambda p, _: units[p]).items():
+        padded = sharding.at_rest_axes
+        if padded:
+            shard = local_numel(shape, sharding.storage, plan.mesh, origin, padded)
+            gathered = shard * plan.mesh.axes_size(tuple(padded)) * (param_size or itemsize)
+            per_unit[unit] += count * gathered
     root = per_unit.pop("", 0)
-    if not config.reshard_after_forward:  # ZeRO-2: every unit stays gathered until backward
+    if not plan.config.reshard_after_forward:  # ZeRO-2: every unit stays gathered until backward
         return root + sum(per_unit.values())
     return root + max(per_unit.values(), default=0)
 
 
-def _parameter_comm(plan: Plan, comm: _Comm) -> None:
+def _parameter_comm(plan: Plan, comm: _Comm, units: Mapping[str, str]) -> None:
+    origin = dict.fromkeys(plan.mesh.axis_names, 0)
     config = plan.config
     data_axes = config.data_axes
-    ddp_buckets = config.data_parallel in ("ddp", "zero1")
-    for path, sharding in plan.params.items():
-        tensor = plan.tensors[path]
-        padded = plan.padded_axes(path)
-        compute_axes = set(sharding.compute.axes)
-        at_rest = tuple(a for a in sharding.storage.axes if a not in compute_axes)
+    param_size = dtype_from_name(config.param_dtype).itemsize if config.param_dtype else None
+    reduce_size = dtype_from_name(config.reduce_dtype).itemsize if config.reduce_dtype else None
+
+    def gathers(path: str, _: ParamSharding) -> int:
+        # FSDP2 keeps the root gathered from forward to backward
+        return 2 if config.reshard_after_forward and units[path] != "" else 1
+
+    for (shape, itemsize, sharding, times), count in _grouped(plan, gathers).items():
+        padded = sharding.at_rest_axes
+        at_rest = tuple(a for a in sharding.storage.axes if a in padded)
         if at_rest:
             n = plan.mesh.axes_size(at_rest)
-            shard = local_numel(tensor.shape, sharding.storage, plan.mesh, 0, padded)
-            gathers = 2 if config.reshard_after_forward and plan.unit_of(path) != "" else 1
-            comm.add("all_gather", at_rest, n, n * shard * _itemsize(config.param_dtype, tensor), gathers)
+            shard = local_numel(shape, sharding.storage, plan.mesh, origin, padded)
+            comm.add("all_gather", at_rest, n, n * shard * (param_size or itemsize), times * count)
         grad_axes = tuple(a for a in sharding.grad.axes if a in data_axes)
-        grad_numel = local_numel(tensor.shape, sharding.grad, plan.mesh, 0, padded)
-        reduce_size = _itemsize(config.reduce_dtype, tensor)
+        grad_bytes = local_numel(shape, sharding.grad, plan.mesh, origin, padded) * (reduce_size or itemsize)
         if grad_axes:
             n = plan.mesh.axes_size(grad_axes)
-            comm.add("reduce_scatter", grad_axes, n, n * grad_numel * reduce_size)
+            comm.add("reduce_scatter", grad_axes, n, n * grad_bytes, count)
         replicas = tuple(a for a in data_axes if a not in grad_axes)
         if replicas:
-            comm.add("all_reduce", replicas, plan.mesh.axes_size(replicas), grad_numel * reduce_size)
+            comm.add("all_reduce", replicas, plan.mesh.axes_size(replicas), grad_bytes, count)
         if isinstance(sharding.optim, Owned):
             axis = sharding.optim.axis
-            comm.add("broadcast", (axis,), plan.mesh[axis], tensor.numel * tensor.itemsize)
-    if ddp_buckets and config.replicate_axes:
+            comm.add("broadcast", (axis,), plan.mesh[axis], math.prod(shape) * itemsize, count)
+    if config.data_parallel in ("ddp", "zero1") and config.replicate_axes:
         axes = config.replicate_axes
         for path in plan.buffers:  # DDP broadcasts buffers from rank 0 before each forward
             comm.add("broadcast", axes, plan.mesh.axes_size(axes), plan.tensors[path].nbytes)
@@ -314,7 +326,8 @@ def cost(
             host += memory[key]
             memory[key] = 0
     comm = _Comm()
-    _parameter_comm(plan, comm)
+    units = {path: plan.unit_of(path) for path in plan.params}
+    _parameter_comm(plan, comm, units)
     if tokens is not None:
         _activation_comm(plan, comm, tokens)
     return Cost(
@@ -323,7 +336,7 @@ def cost(
         grads_bytes=memory["grads"],
         optimizer_bytes=memory["optimizer"],
         buffers_bytes=memory["buffers"],
-        gathered_bytes=_gathered(plan),
+        gathered_bytes=_gathered(plan, units),
         host_bytes=host,
         comm_bytes=comm.result(),
         activation_comm_included=tokens is not None,

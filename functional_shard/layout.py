@@ -8,6 +8,7 @@ dim's size, as torch reports it.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -96,11 +97,20 @@ def local_numel(
         >>> local_numel((10,), P("dp"), mesh, 7), local_numel((10,), P("dp"), mesh, 7, frozenset({"dp"}))
         (0, 2)
     """
-    coords = dict(_coords(mesh, rank))
+    coords = _coords(mesh, rank)
+    # only the coordinates on axes the spec names matter; keying the cache on them
+    # makes the repeated blocks of a model one computation
+    index = tuple(0 if axis in padded_axes else coords[axis] for axis in spec.axes)
+    return _local_numel(tuple(shape), spec, mesh, index)
+
+
+@functools.lru_cache(maxsize=16384)
+def _local_numel(shape: tuple[int, ...], spec: P, mesh: Mesh, index: tuple[int, ...]) -> int:
+    chunks = iter(index)
     total = 1
     for size, axes in zip(shape, spec.dim_axes(len(shape)), strict=True):
         for axis in axes:
-            size = chunk(size, mesh[axis], 0 if axis in padded_axes else coords[axis])[1]
+            size = chunk(size, mesh[axis], next(chunks))[1]
         total *= size
     return total
 

@@ -13,7 +13,7 @@ from .errors import ShardingError
 from .layout import local_numel, local_shape_and_offset
 from .mesh import Mesh
 from .spec import P, ParamSharding
-from .tree import TensorSpec
+from .tree import TensorSpec, owner_paths
 
 if TYPE_CHECKING:
     from .cost import Cost, OptimizerKind
@@ -153,8 +153,7 @@ class Plan:
 
     def padded_axes(self, path: str) -> frozenset[str]:
         """The axes over which FSDP2 pads this tensor (split at rest, not for compute)."""
-        sharding = self.sharding(path)
-        return frozenset(sharding.storage.axes) - frozenset(sharding.compute.axes)
+        return self.sharding(path).at_rest_axes
 
     def unit_of(self, path: str) -> str:
         """The FSDP unit (module path, "" for the root) that gathers this parameter.
@@ -163,8 +162,9 @@ class Plan:
         """
         canonical = self.canonical(path)
         names = self.aliases.get(canonical, (canonical,))
-        for unit in sorted(self.config.units, key=len, reverse=True):
-            if all(unit == "" or name.startswith(unit + ".") for name in names):
+        units = set(self.config.units)
+        for unit in owner_paths(names[0]):
+            if unit in units and all(unit == "" or name.startswith(unit + ".") for name in names):
                 return unit
         return ""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -11,8 +12,8 @@ from .errors import PlanError, PolicyError, bullets
 from .mesh import Mesh
 from .plan import Plan, PlanConfig
 from .policy import DataParallel, Layer, ParamProblemError, Policy, Selector, as_policy
-from .spec import REPLICATED, Owned, P, ParamSharding
-from .tree import ModelTree, TensorSpec, matches, read_model
+from .spec import REPLICATED, Owned, P, ParamSharding, spec_problems
+from .tree import ModelTree, TensorSpec, matches, owner_paths, read_model
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -30,20 +31,28 @@ def _merge_spec(a: P, b: P, model: tuple[tuple[str, ...], ...], ndim: int) -> P:
 
 
 def _merge(a: ParamSharding, b: ParamSharding, ndim: int, names: tuple[str, str]) -> ParamSharding:
+    merged = _merge_cached(a, b, ndim)
+    if isinstance(merged, str):
+        raise ParamProblemError(merged.format(*names))
+    return merged
+
+
+@functools.lru_cache(maxsize=4096)
+def _merge_cached(a: ParamSharding, b: ParamSharding, ndim: int) -> ParamSharding | str:
+    """The merge, or a message with {0} and {1} for the two layers' names (cached: blocks repeat)."""
     model = []
     for d, (mine, theirs) in enumerate(zip(a.compute.dim_axes(ndim), b.compute.dim_axes(ndim), strict=True)):
         if mine and theirs and mine != theirs:
-            raise ParamProblemError(
-                f"{names[0]} and {names[1]} both split dim {d} for compute ({mine} vs {theirs}); "
-                "let one rule claim it"
+            return (
+                f"{{0}} and {{1}} both split dim {d} for compute ({mine} vs {theirs}); let one rule claim it"
             )
         model.append(mine or theirs)
     model_axes = tuple(model)
     if isinstance(a.optim, Owned) or isinstance(b.optim, Owned):
         owned, other = (a.optim, b.optim) if isinstance(a.optim, Owned) else (b.optim, a.optim)
         if isinstance(other, Owned) or not other.is_replicated:
-            raise ParamProblemError(
-                f"{names[0]} and {names[1]}: ZeRO-1 keeps optimizer state whole per rank and "
+            return (
+                "{0} and {1}: ZeRO-1 keeps optimizer state whole per rank and "
                 "cannot also split it; use fsdp() (ZeRO-3) or zero(2) with tensor parallel"
             )
         optim: P | Owned = owned
@@ -57,47 +66,65 @@ def _merge(a: ParamSharding, b: ParamSharding, ndim: int, names: tuple[str, str]
     )
 
 
+def _answer_problems(answer: ParamSharding, shape: tuple[int, ...], mesh: Mesh) -> list[str]:
+    # checked before merging: merging aligns specs to the tensor's rank and would hide
+    # an extra entry or an axis named twice in one dim
+    return [
+        f"{field} {problem}"
+        for field, spec in answer.specs().items()
+        if isinstance(spec, P)
+        for problem in spec_problems(spec, shape, mesh)
+    ]
+
+
 def _place(
     layers: tuple[Layer, ...], names: tuple[str, ...], tree: ModelTree, tensor: TensorSpec, mesh: Mesh
 ) -> ParamSharding:
-    result, owner = ParamSharding.replicated(), "default"
+    result, owner = None, "default"
+    ndim = tensor.ndim
     for layer in layers:
         # each name is seen as its own module owns it (a tied lm_head is a Linear)
-        answers = {name: layer(name, tree.spec_as(name, names[0]), mesh) for name in names}
-        for answer in answers.values():
-            # checked before merging: merging aligns specs to the tensor's rank
-            found = [
-                f"{layer.name} gives {field} {problem}"
-                for field, spec in (answer.specs().items() if answer else ())
-                if isinstance(spec, P)
-                for problem in spec.problems(tensor.shape, mesh)
-            ]
-            if found:
-                raise ParamProblemError("; ".join(found))
-        given = {name: s.normalized(tensor.ndim) for name, s in answers.items() if s is not None}
-        if len(set(given.values())) > 1:
-            detail = "; ".join(f"{name} gets {s}" for name, s in given.items())
+        given = [(n, a) for n in names if (a := layer(n, tree.spec_as(n, names[0]), mesh)) is not None]
+        if not given:
+            continue
+        for _, answer in given:
+            if found := _answer_problems(answer, tensor.shape, mesh):
+                raise ParamProblemError(f"{layer.name} gives " + "; ".join(found))
+        if len(given) > 1 and len({answer.normalized(ndim) for _, answer in given}) > 1:
+            detail = "; ".join(f"{name} gets {answer}" for name, answer in given)
             raise ParamProblemError(f"tied names disagree under {layer.name}: {detail}. Give them one rule")
-        if given:
-            result = _merge(result, next(iter(given.values())), tensor.ndim, (owner, layer.name))
-            owner = layer.name
-    return result
+        answer = given[0][1]
+        result = (
+            answer.normalized(ndim) if result is None else _merge(result, answer, ndim, (owner, layer.name))
+        )
+        owner = layer.name
+    return result if result is not None else ParamSharding.replicated().normalized(ndim)
 
 
 def _check(
     path: str, tensor: TensorSpec, sharding: ParamSharding, mesh: Mesh, data_axes: frozenset[str]
 ) -> list[str]:
-    where = f"{path}, shape {tensor.shape}"
+    return [
+        f"{path}, shape {tensor.shape}: {problem}"
+        for problem in _sharding_problems(tensor.shape, sharding, mesh, data_axes)
+    ]
+
+
+@functools.lru_cache(maxsize=4096)
+def _sharding_problems(
+    shape: tuple[int, ...], sharding: ParamSharding, mesh: Mesh, data_axes: frozenset[str]
+) -> tuple[str, ...]:
+    """What is wrong with ``sharding`` for any tensor of ``shape`` (cached: blocks repeat)."""
     found = []
     for name, spec in sharding.specs().items():
         if isinstance(spec, Owned):
             if spec.axis not in mesh:
-                found.append(f"{where}: optim {spec!r} names axis {spec.axis!r}, which is not in {mesh!r}")
+                found.append(f"optim {spec!r} names axis {spec.axis!r}, which is not in {mesh!r}")
             continue
-        found.extend(f"{where}: {name} {problem}" for problem in spec.problems(tensor.shape, mesh))
+        found.extend(f"{name} {problem}" for problem in spec.problems(shape, mesh))
     if found:
-        return found
-    ndim = tensor.ndim
+        return tuple(found)
+    ndim = len(shape)
     compute = sharding.compute.dim_axes(ndim)
     for name in ("storage", "grad", "optim"):
         spec = sharding.specs()[name]
@@ -106,13 +133,13 @@ def _check(
         for d, axes in enumerate(spec.dim_axes(ndim)):
             if axes[: len(compute[d])] != compute[d]:
                 found.append(
-                    f"{where}: {name} {spec!r} does not contain compute {sharding.compute!r} on dim {d}; "
+                    f"{name} {spec!r} does not contain compute {sharding.compute!r} on dim {d}; "
                     "state at rest must be split at least as the computation sees it"
                 )
     for axis in sharding.compute.axes:
         if axis in data_axes:
             found.append(
-                f"{where}: compute {sharding.compute!r} splits over {axis!r}, a data-parallel axis "
+                f"compute {sharding.compute!r} splits over {axis!r}, a data-parallel axis "
                 "(the batch is split over it); use a separate mesh axis for tensor parallel"
             )
     at_rest_only = [
@@ -122,21 +149,21 @@ def _check(
     ]
     if len(at_rest_only) > 1:
         found.append(
-            f"{where}: storage {sharding.storage!r} splits {len(at_rest_only)} dims at rest; FSDP2 shards one"
+            f"storage {sharding.storage!r} splits {len(at_rest_only)} dims at rest; FSDP2 shards one"
         )
     for d, axes in at_rest_only:
         if d == 0:
             continue
-        size = tensor.shape[d]
+        size = shape[d]
         for axis in compute[d]:
             size = -(-size // mesh[axis])
         if size % mesh.axes_size(axes):
             found.append(
-                f"{where}: storage {sharding.storage!r} shards dim {d} (size {size}) at rest over "
+                f"storage {sharding.storage!r} shards dim {d} (size {size}) at rest over "
                 f"{axes} (size {mesh.axes_size(axes)}); FSDP2 shards a dim other than 0 only when it "
                 "divides evenly. Shard dim 0, or pad the parameter"
             )
-    return found
+    return tuple(found)
 
 
 def _select(selectors: Iterable[Selector], tree: ModelTree, what: str) -> list[str]:
@@ -172,7 +199,7 @@ def _size_based_units(tree: ModelTree, min_params: int) -> list[str]:
         counts[path.rpartition(".")[0]] += tensor.numel
 
     def inside_leaf(path: str) -> bool:
-        parents = [p for p in tree.modules if p and path.startswith(p + ".")]
+        parents = list(owner_paths(path))[1:-1]  # enclosing modules, the root excluded
         return any((cls := tree.modules[p]) is not None and issubclass(cls, leaves) for p in parents)
 
     wrapped: list[str] = []
@@ -297,8 +324,9 @@ def shard(model: Any, mesh: Mesh | DeviceMesh, policy: Policy | Any) -> Plan:
                     f"axis {axis!r} (size {size}) is used by no policy: add fs.replicate({axis!r}) "
                     f"to split the batch over it, or fs.fsdp({axis!r}) to shard over it"
                 )
+        tensors = {**tree.params, **tree.buffers}
         for path, sharding in placed.items():
-            problems += _check(path, ({**tree.params, **tree.buffers})[path], sharding, mesh, data_axes)
+            problems += _check(path, tensors[path], sharding, mesh, data_axes)
     if problems:
         raise PlanError(
             bullets(

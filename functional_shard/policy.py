@@ -294,7 +294,7 @@ def replicate(axis: str | Iterable[str] | None = None) -> Policy:
         >>> from functional_shard import Mesh, shard
         >>> plan = shard(nn.Linear(4, 4), Mesh(dp=2), replicate())
         >>> plan.params["weight"]
-        ParamSharding(storage=P(), compute=P(), grad=P(), optim=P())
+        ParamSharding(storage=P(None, None), compute=P(None, None), grad=P(None, None), optim=P(None, None))
     """
     axes = None if axis is None else _axes(axis, "replicate()")
     return Policy((DataParallel("ddp", (), axes),))

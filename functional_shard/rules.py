@@ -15,6 +15,9 @@ specs by the owning module's type, as torch's parallel styles shard them:
 
 from __future__ import annotations
 
+import fnmatch
+import functools
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
@@ -23,7 +26,7 @@ from torch import nn
 
 from .errors import PolicyError
 from .spec import P
-from .tree import Pattern, TensorSpec, matches, owner_paths
+from .tree import Pattern, TensorSpec
 
 __all__ = ["STYLES", "Rule", "Rules", "Style", "gpt2", "llama", "mlp"]
 
@@ -50,14 +53,23 @@ class Rule:
             )
 
     def matches(self, path: str) -> bool:
-        """Whether this rule covers the parameter at ``path``."""
-        return any(matches(self.pattern, p) for p in owner_paths(path) if p)
+        """Whether this rule covers the parameter at ``path`` or a module enclosing it."""
+        return _covering(self.pattern).fullmatch(path) is not None
 
     def spec_for(self, path: str, tensor: TensorSpec, axis: str) -> P:
         """The spec this rule gives the parameter at ``path`` (styles expanded)."""
         if isinstance(self.target, P):
             return self.target
         return expand_style(self.target, path, tensor, axis)
+
+
+@functools.lru_cache(maxsize=1024)
+def _covering(pattern: Pattern) -> re.Pattern[str]:
+    # "matches the path or an enclosing module path" as one regex: the pattern, then
+    # optionally a dot and the rest of the path
+    # (fnmatch's translation ends in \Z, which would forbid the suffix)
+    source = fnmatch.translate(pattern).removesuffix(r"\Z") if isinstance(pattern, str) else pattern.pattern
+    return re.compile(rf"(?:{source})(?:\..*)?", re.S)
 
 
 def _layout(tensor: TensorSpec) -> str:

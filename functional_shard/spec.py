@@ -9,6 +9,7 @@ chunks — FSDP nested inside a tensor-parallel shard.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -64,9 +65,17 @@ class P:
     """
 
     entries: tuple[Entry, ...]
+    _axes: tuple[str, ...] = field(compare=False, repr=False)
+    _hash: int = field(compare=False, repr=False)
 
     def __init__(self, *entries: object) -> None:
-        object.__setattr__(self, "entries", tuple(_canonical_entry(e) for e in entries))
+        canonical = tuple(_canonical_entry(e) for e in entries)
+        object.__setattr__(self, "entries", canonical)
+        object.__setattr__(self, "_axes", tuple(axis for entry in canonical for axis in entry_axes(entry)))
+        object.__setattr__(self, "_hash", hash(canonical))
+
+    def __hash__(self) -> int:  # specs key many caches; hash them once
+        return self._hash
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -83,7 +92,7 @@ class P:
     @property
     def axes(self) -> tuple[str, ...]:
         """Every axis named, in entry order (an axis named twice appears twice)."""
-        return tuple(axis for entry in self.entries for axis in entry_axes(entry))
+        return self._axes
 
     @property
     def is_replicated(self) -> bool:
@@ -97,10 +106,13 @@ class P:
 
     def normalized(self, ndim: int) -> P:
         """The same spec with exactly ``ndim`` entries (for comparing specs)."""
-        return P(*self.dim_axes(ndim))
+        return _normalized(self, ndim)
 
     def problems(self, shape: Sequence[int], mesh: Mesh) -> list[str]:
         """What is wrong with this spec for a tensor of ``shape`` on ``mesh``."""
+        return list(spec_problems(self, tuple(shape), mesh))
+
+    def _problems(self, shape: tuple[int, ...], mesh: Mesh) -> list[str]:
         found = []
         if len(self.entries) > len(shape):
             found.append(
@@ -207,6 +219,20 @@ class P:
 
 PartitionSpec = P
 
+# Models repeat a few (shape, spec) pairs thousands of times (80 identical blocks), so
+# the pure checks and layout arithmetic are cached on these hashable inputs.
+
+
+@functools.lru_cache(maxsize=8192)
+def spec_problems(spec: P, shape: tuple[int, ...], mesh: Mesh) -> tuple[str, ...]:
+    """What is wrong with ``spec`` for a tensor of ``shape`` on ``mesh`` (cached)."""
+    return tuple(spec._problems(shape, mesh))
+
+
+@functools.lru_cache(maxsize=8192)
+def _normalized(spec: P, ndim: int) -> P:
+    return P(*spec.dim_axes(ndim))
+
 
 @dataclass(frozen=True, slots=True)
 class Owned:
@@ -289,6 +315,11 @@ class ParamSharding:
         """The same spec for all four (tensor parallel)."""
         return cls(spec, spec, spec, spec)
 
+    @property
+    def at_rest_axes(self) -> frozenset[str]:
+        """Axes that split the parameter at rest but not for compute (FSDP's; padded by FSDP2)."""
+        return frozenset(self.storage.axes) - frozenset(self.compute.axes)
+
     def specs(self) -> dict[str, Spec]:
         """The four specs by name."""
         return {
@@ -300,6 +331,9 @@ class ParamSharding:
 
     def normalized(self, ndim: int) -> ParamSharding:
         """Each `P` padded or trimmed to ``ndim`` entries, for exact comparison."""
+        return _normalized_sharding(self, ndim)
+
+    def _normalized(self, ndim: int) -> ParamSharding:
         optim = self.optim.normalized(ndim) if isinstance(self.optim, P) else self.optim
         return ParamSharding(
             self.storage.normalized(ndim),
@@ -321,3 +355,8 @@ class ParamSharding:
             P.from_json(data["grad"]),
             spec_from_json(data["optim"]),
         )
+
+
+@functools.lru_cache(maxsize=8192)
+def _normalized_sharding(sharding: ParamSharding, ndim: int) -> ParamSharding:
+    return sharding._normalized(ndim)

@@ -7,6 +7,7 @@ optree pytree of tensors, and never touches tensor data.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -212,7 +213,8 @@ def read_model(model: Any) -> ModelTree:
     return _from_pytree(model)
 
 
-def _compile(pattern: Pattern) -> re.Pattern[str]:
+@functools.lru_cache(maxsize=1024)
+def compile_pattern(pattern: Pattern) -> re.Pattern[str]:
     if isinstance(pattern, re.Pattern):
         return pattern
     return re.compile(fnmatch.translate(pattern))
@@ -227,7 +229,7 @@ def matches(pattern: Pattern, path: str) -> bool:
         >>> matches(re.compile(r"layers\.\d+\.mlp"), "layers.3.mlp")
         True
     """
-    return _compile(pattern).fullmatch(path) is not None
+    return compile_pattern(pattern).fullmatch(path) is not None
 
 
 def owner_paths(path: str) -> Iterable[str]:
