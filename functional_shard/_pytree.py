@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import optree
+from typing_extensions import dataclass_transform
 
 NAMESPACE = "functional_shard"
 
@@ -21,9 +22,16 @@ def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
     return optree.tree_map(fn, tree, *rest, namespace=NAMESPACE)
 
 
-def dataclass(**kwargs: Any) -> Callable[[type], type]:
-    """A frozen optree dataclass registered in our namespace."""
-    return optree.dataclasses.dataclass(namespace=NAMESPACE, frozen=True, **kwargs)
+def static_field(**kwargs: Any) -> Any:
+    """A dataclass field that is metadata, not a pytree child."""
+    # mypy reads optree.dataclasses as the stdlib module it re-exports (no pytree_node)
+    return optree.dataclasses.field(pytree_node=False, **kwargs)  # type: ignore[call-overload]
 
 
-field = optree.dataclasses.field
+_T = TypeVar("_T")
+
+
+@dataclass_transform(frozen_default=True, field_specifiers=(static_field,))
+def dataclass(cls: type[_T]) -> type[_T]:
+    """A frozen optree dataclass registered in our namespace (so it is a node, not a leaf)."""
+    return optree.dataclasses.dataclass(cls, namespace=NAMESPACE, frozen=True)  # type: ignore[call-overload]

@@ -59,7 +59,8 @@ def local_shape_and_offset(
     if found := spec.problems(shape, mesh):
         raise SpecError("; ".join(found))
     coords = _coords(mesh, rank)
-    sizes, offsets = [], []
+    sizes: list[int] = []
+    offsets: list[int] = []
     for size, axes in zip(shape, spec.dim_axes(len(shape)), strict=True):
         offset = 0
         for axis in axes:

@@ -58,7 +58,8 @@ class PlanConfig:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> PlanConfig:
         """The inverse of `to_json`."""
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+        values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+        return cls(**values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +83,7 @@ def _bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-@_pytree.dataclass()
+@_pytree.dataclass
 class Plan:
     """A sharding plan: pure data, made by `shard`, run by `apply`.
 
@@ -101,10 +102,10 @@ class Plan:
 
     params: dict[str, ParamSharding]
     buffers: dict[str, ParamSharding]
-    mesh: Mesh = _pytree.field(pytree_node=False)
-    tensors: dict[str, TensorSpec] = _pytree.field(pytree_node=False)
-    aliases: dict[str, tuple[str, ...]] = _pytree.field(pytree_node=False)
-    config: PlanConfig = _pytree.field(pytree_node=False)
+    mesh: Mesh = _pytree.static_field()
+    tensors: dict[str, TensorSpec] = _pytree.static_field()
+    aliases: dict[str, tuple[str, ...]] = _pytree.static_field()
+    config: PlanConfig = _pytree.static_field()
 
     # ---- lookups -------------------------------------------------------------------
     def sharding(self, path: str) -> ParamSharding:
@@ -296,7 +297,10 @@ class Plan:
                 f"not a functional_shard plan of format version {FORMAT_VERSION} "
                 f"(format={data.get('format')!r}, version={data.get('version')!r})"
             )
-        params, buffers, tensors, aliases = {}, {}, {}, {}
+        params: dict[str, ParamSharding] = {}
+        buffers: dict[str, ParamSharding] = {}
+        tensors: dict[str, TensorSpec] = {}
+        aliases: dict[str, tuple[str, ...]] = {}
         for path, entry in data["tensors"].items():
             tensor = TensorSpec.from_json(entry)
             tensors[path] = tensor

@@ -232,9 +232,13 @@ def _units(tree: ModelTree, layer: DataParallel | None) -> tuple[str, ...]:
     return ("", *units)
 
 
-def _config(policy: Policy, mesh: Mesh, tree: ModelTree, layers: tuple[Layer, ...]) -> PlanConfig:
+def _config(
+    policy: Policy, mesh: Mesh, tree: ModelTree, layers: tuple[Layer, ...], compute_axes: set[str]
+) -> PlanConfig:
     data = policy.data_parallel
-    claimed = {axis for layer in layers for axis in layer.claimed_axes}
+    # "the rest" excludes axes that a policy function splits for compute: it claims none
+    # up front, but its tensor-parallel axis is no data axis
+    claimed = {axis for layer in layers for axis in layer.claimed_axes} | compute_axes
     replicate: list[str] = []
     for layer in data:
         replicate += (
@@ -243,7 +247,7 @@ def _config(policy: Policy, mesh: Mesh, tree: ModelTree, layers: tuple[Layer, ..
             else [a for a in mesh if a not in claimed]
         )
     sharding_layer = next((layer for layer in data if layer.shards), None)
-    kinds = [layer.kind for layer in data if layer.shards] or (["ddp"] if data else ["none"])
+    kinds: list[str] = [layer.kind for layer in data if layer.shards] or (["ddp"] if data else ["none"])
     kind = "hsdp" if kinds[0] == "fsdp" and replicate else kinds[0]
     options = policy.options
     return PlanConfig(
@@ -314,7 +318,8 @@ def shard(model: Any, mesh: Mesh | DeviceMesh, policy: Policy | Any) -> Plan:
                 placed[path] = _place(group_layers, tree.aliases.get(path, (path,)), tree, tensor, mesh)
             except ParamProblemError as problem:
                 problems.append(f"{path}, shape {tensor.shape}: {problem}")
-    config = _config(policy, mesh, tree, layers)
+    compute_axes = {axis for sharding in placed.values() for axis in sharding.compute.axes}
+    config = _config(policy, mesh, tree, layers, compute_axes)
     if not problems:
         data_axes = frozenset(config.data_axes)
         used = claimed | {a for s in placed.values() for spec in s.specs().values() for a in spec.axes}

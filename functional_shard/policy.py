@@ -17,6 +17,7 @@ Options (mixed precision, offload, activation checkpointing) are set at most onc
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, TypeAlias, cast
@@ -322,12 +323,14 @@ def zero(stage: Literal[1, 2, 3], axis: str = "dp") -> Policy:
     return Policy((DataParallel(kind, (axis,), (), reshard_after_forward=stage != 2),))
 
 
-def _check_units(units: Iterable[Selector] | None, min_params: int | None) -> tuple[Selector, ...] | None:
+def _check_units(
+    units: Iterable[Selector] | Selector | None, min_params: int | None
+) -> tuple[Selector, ...] | None:
     if min_params is not None and (not isinstance(min_params, int) or min_params < 1):
         raise PolicyError(f"min_params={min_params!r}: a positive number of parameters")
     if units is None:
         return None
-    units = (units,) if isinstance(units, str | type) else tuple(units)
+    units = (units,) if isinstance(units, str | type | re.Pattern) else tuple(units)
     for unit in units:
         if not (isinstance(unit, str | type) or hasattr(unit, "fullmatch")):
             raise PolicyError(f"FSDP unit {unit!r}: a module class or a module-path pattern")

@@ -78,3 +78,10 @@ def data_policies(axis: str) -> st.SearchStrategy[fs.Policy]:
     return st.sampled_from(
         [fs.replicate(axis), fs.zero(1, axis), fs.zero(2, axis), fs.zero(3, axis), fs.fsdp(axis)]
     )
+
+
+def linear_colwise(path: str, tensor: fs.TensorSpec, mesh: fs.Mesh) -> fs.ParamSharding | None:
+    """A hand-written policy function: split every Linear's output features over 'tp'."""
+    if tensor.module_is(nn.Linear) and tensor.ndim in (1, 2):
+        return fs.ParamSharding.uniform(fs.P("tp"))
+    return None

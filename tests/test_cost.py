@@ -7,7 +7,7 @@ from torch import nn
 import functional_shard as fs
 from functional_shard.cost import zero1_owners
 
-from .strategies import data_policies, module_trees
+from .strategies import data_policies, linear_colwise, module_trees
 
 MB = 10**6
 
@@ -93,12 +93,6 @@ def test_optimizer_kinds():
     assert plan.cost(12.0).optimizer_bytes == 12 * 250_000
     with pytest.raises(fs.ShardingError, match="optimizer='lion'"):
         plan.cost("lion")
-
-
-def linear_colwise(path, tensor, mesh):
-    if tensor.module_is(nn.Linear) and tensor.ndim in (1, 2):
-        return fs.ParamSharding.uniform(fs.P("tp"))
-    return None
 
 
 @given(module_trees(), st.integers(1, 3), st.integers(1, 3), st.data())

@@ -10,7 +10,7 @@ from torch import nn
 import functional_shard as fs
 from functional_shard.zoo import llama
 
-from .strategies import data_policies, module_trees
+from .strategies import data_policies, linear_colwise, meshes, module_trees
 
 MESH = fs.Mesh(dp=2, tp=2)
 
@@ -211,3 +211,39 @@ def test_size_based_units_equal_torchs_auto_wrap(model, min_params):
     )
     units = [p.replace(".module", "") for p, m in wrapped.named_modules() if isinstance(m, _Unit)]
     assert plan.config.units == ("", *units)
+
+
+@given(
+    module_trees(),
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.sampled_from([fs.zero(2), fs.fsdp(), fs.replicate()]),
+)
+def test_every_spec_names_mesh_axes_at_most_once(model, dp, tp, policy):
+    model.append(nn.Linear(5, 7, device="meta"))
+    mesh = fs.Mesh(dp=dp, tp=tp)
+    plan = fs.shard(model, mesh, policy + linear_colwise)
+    for path, sharding in plan.params.items():
+        for spec in sharding.specs().values():
+            assert len(set(spec.axes)) == len(spec.axes), (path, spec)
+            assert set(spec.axes) <= set(mesh.axis_names)
+        # what the computation sees split is split at rest too, and first
+        for d, axes in enumerate(sharding.compute.dim_axes(plan.tensors[path].ndim)):
+            assert sharding.storage.dim_axes(plan.tensors[path].ndim)[d][: len(axes)] == axes
+
+
+@given(meshes(max_axes=3))
+def test_unused_axes_larger_than_one_are_refused(mesh):
+    unused = [a for a, size in mesh.axes if size > 1 and a != mesh.axis_names[0]]
+    policy = fs.fsdp(mesh.axis_names[0])
+    if unused:
+        with pytest.raises(fs.PlanError, match=f"axis {unused[0]!r}"):
+            fs.shard(nn.Linear(4, 4), mesh, policy)
+    else:
+        assert fs.shard(nn.Linear(4, 4), mesh, policy).mesh == mesh
+
+
+def test_replicate_the_rest_leaves_a_functions_tensor_parallel_axis_alone():
+    plan = fs.shard(nn.Sequential(nn.Linear(4, 8)), MESH, fs.replicate() + linear_colwise)
+    assert plan.config.data_axes == ("dp",)
+    assert plan.params["0.weight"].compute == fs.P("tp", None)
