@@ -107,3 +107,11 @@ def test_param_sharding_json_round_trip(case):
     mesh, _, spec = case
     sharding = fs.ParamSharding(spec, fs.P(), spec, fs.Owned(mesh.axis_names[0]))
     assert fs.ParamSharding.from_json(sharding.to_json()) == sharding
+
+
+def test_specs_are_pytree_leaves():
+    import optree
+
+    tree = {"w": fs.P("dp", None), "s": fs.ParamSharding.uniform(fs.P("tp")), "o": fs.Owned("dp")}
+    leaves = optree.tree_leaves(tree, namespace="functional_shard")
+    assert leaves == [tree["o"], tree["s"], tree["w"]]  # optree sorts dict keys
