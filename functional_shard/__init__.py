@@ -11,6 +11,9 @@ Examples:
 """
 
 from . import rules as rules
+from .apply import apply as apply
+from .apply import check_optimizer as check_optimizer
+from .apply import optimizer as optimizer
 from .cost import Cost as Cost
 from .cost import cost as cost
 from .errors import MeshError as MeshError
@@ -18,6 +21,9 @@ from .errors import PlanError as PlanError
 from .errors import PolicyError as PolicyError
 from .errors import ShardingError as ShardingError
 from .errors import SpecError as SpecError
+from .launch import LocalWorld as LocalWorld
+from .launch import RankFailedError as RankFailedError
+from .launch import run_local as run_local
 from .layout import local_shape as local_shape
 from .layout import local_shape_and_offset as local_shape_and_offset
 from .layout import shard_tensor as shard_tensor
@@ -81,6 +87,13 @@ __all__ = [
     "local_shape_and_offset",
     "shard_tensor",
     "unshard_tensor",
+    # running plans
+    "LocalWorld",
+    "RankFailedError",
+    "apply",
+    "check_optimizer",
+    "optimizer",
+    "run_local",
     # errors
     "MeshError",
     "PlanError",

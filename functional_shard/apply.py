@@ -1,18 +1,32 @@
-"""The only module that talks to torch.distributed process groups.
+"""Run a plan with torch's own engines.
 
-Today it builds device meshes; running a whole plan with FSDP2 / DTensor / DDP
-(``apply``) is the next step of the project (issue #3).
+With `launch` and `checkpoint`, the only module that talks to torch.distributed process groups.
+
+``apply`` turns a `Plan` into a module parallelized in place: tensor parallel through
+``parallelize_module`` with the plan's styles, then data parallel through FSDP2
+(``fully_shard``: ZeRO-2/3, FSDP, HSDP) or DDP (composable ``replicate``; ZeRO-1 adds
+``ZeroRedundancyOptimizer`` in `optimizer`). Nothing here re-implements a collective.
+Every check runs before any parameter is touched.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .errors import MeshError
+from .errors import MeshError, PlanError, ShardingError, bullets
 from .mesh import Mesh
+from .plan import Plan
+from .tree import dtype_from_name, read_model
 
-__all__ = ["build_device_mesh"]
+__all__ = ["apply", "build_device_mesh", "check_optimizer", "optimizer"]
 
 
 def build_device_mesh(mesh: Mesh, device_type: str = "cpu") -> DeviceMesh:
@@ -33,3 +47,301 @@ def build_device_mesh(mesh: Mesh, device_type: str = "cpu") -> DeviceMesh:
         )
     mesh = mesh.resolve(dist.get_world_size())
     return init_device_mesh(device_type, mesh.sizes, mesh_dim_names=mesh.axis_names)
+
+
+@dataclass(frozen=True)
+class _Applied:
+    plan: Plan
+    device_mesh: DeviceMesh
+
+
+# which plan each parallelized module runs, for optimizer(); weak so modules can die
+_APPLIED: weakref.WeakKeyDictionary[nn.Module, _Applied] = weakref.WeakKeyDictionary()
+
+_SUPPORTED_STYLE_MODULES = (nn.Linear, nn.Embedding)
+
+
+def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
+    """Everything about ``plan`` that torch's engines cannot run on ``module``, one line each."""
+    config = plan.config
+    found: list[str] = []
+    tree = read_model(module)
+    for path in plan.params.keys() - tree.params.keys():
+        found.append(f"{path}: in the plan but not a parameter of the module")
+    for path in tree.params.keys() - plan.params.keys():
+        found.append(f"{path}: a parameter of the module but not in the plan; plan this module")
+    for path in plan.params.keys() & tree.params.keys():
+        if tree.params[path].shape != plan.tensors[path].shape:
+            found.append(
+                f"{path}: shape {tree.params[path].shape} in the module, "
+                f"{plan.tensors[path].shape} in the plan"
+            )
+    if found:
+        return found
+    kind = config.data_parallel
+    tp_axes = config.tensor_parallel_axes
+    if len(tp_axes) > 1:
+        found.append(f"tensor parallel over {tp_axes}: apply() runs one tensor-parallel axis")
+    if tp_axes and kind in ("ddp", "zero1"):
+        found.append(
+            f"{kind} with tensor parallel: torch's DDP does not run over DTensor shards; "
+            "use fs.fsdp(...) (or fs.zero(2)) for the data-parallel axis"
+        )
+    if kind in ("ddp", "zero1", "none"):
+        if config.param_dtype or config.reduce_dtype:
+            found.append(f"mixed precision with {kind}: apply() casts through FSDP2; use fs.fsdp(...)")
+        if config.offload_params or config.offload_grads or config.offload_optimizer:
+            found.append(f"CPU offload with {kind}: apply() offloads through FSDP2; use fs.fsdp(...)")
+    offloads = {config.offload_params, config.offload_grads, config.offload_optimizer}
+    if len(offloads) > 1:
+        found.append(
+            "offload of only some of params/grads/optimizer: FSDP2 offloads all three together "
+            "(the optimizer steps on the CPU); use fs.offload() or to_lightning() for DeepSpeed"
+        )
+    if len(config.replicate_axes) > 1 or (config.replicate_axes and len(config.shard_axes) > 1):
+        found.append(
+            f"replicate axes {config.replicate_axes} with shard axes {config.shard_axes}: apply() runs "
+            "HSDP on one replicate and one shard axis"
+        )
+    styled = dict(config.tp_styles)
+    modules = dict(module.named_modules())
+    tp_size = plan.mesh[tp_axes[0]] if tp_axes else 1
+    for path, style in config.tp_styles:
+        target = modules.get(path)
+        if style == "rowwise" and isinstance(target, nn.Linear) and target.in_features % tp_size:
+            found.append(
+                f"{path}: rowwise Linear with in_features={target.in_features} over {tp_axes[0]!r} "
+                f"(size {tp_size}); torch's RowwiseParallel rebuilds its input from local shards as if "
+                f"they were even ({target.in_features} % {tp_size} != 0). Make the dim divisible"
+            )
+    shard_axes = set(config.shard_axes)
+    for path, sharding in plan.params.items():
+        owner_path = path.rpartition(".")[0]
+        owner = modules.get(owner_path)
+        if not sharding.compute.is_replicated:
+            if owner_path not in styled:
+                found.append(
+                    f"{path}: compute {sharding.compute!r} comes from no tensor-parallel style; apply() "
+                    "splits computation only through torch's styles (colwise/rowwise rules)"
+                )
+            elif not isinstance(owner, _SUPPORTED_STYLE_MODULES):
+                found.append(
+                    f"{path}: style {styled[owner_path]!r} on a {type(owner).__name__}; torch's parallel "
+                    "styles support nn.Linear and nn.Embedding"
+                )
+        at_rest = sharding.at_rest_axes
+        if at_rest and set(at_rest) != shard_axes:
+            found.append(
+                f"{path}: split at rest over {sorted(at_rest)}, but FSDP2 shards over {config.shard_axes}"
+            )
+        ndim = plan.tensors[path].ndim
+        for d, axes in enumerate(sharding.storage.dim_axes(ndim)):
+            if d and any(a in at_rest for a in axes):
+                found.append(f"{path}: split at rest on dim {d}; apply() lets FSDP2 shard dim 0 only")
+        names = plan.aliases.get(path, (path,))
+        units = {plan.unit_of(name) for name in names}
+        if len(units) > 1:
+            found.append(f"{path}: tied names {names} fall in different FSDP units {sorted(units)}")
+    return found
+
+
+def _axes_mesh(device_mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:
+    if len(axes) == 1:
+        return device_mesh[axes[0]]
+    return device_mesh[axes]._flatten("_".join(axes))
+
+
+def _tensor_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        ParallelStyle,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    config = plan.config
+    if not config.tensor_parallel_axes:
+        return
+    sequence = config.sequence_parallel
+    # with sequence parallel the residual stream between styled modules is split on
+    # the sequence dim (1); without, it is replicated
+    between = Shard(1) if sequence else Replicate()
+    styles: dict[str, ParallelStyle] = {}
+    for path, style in config.tp_styles:
+        target = module.get_submodule(path)
+        embedding = isinstance(target, nn.Embedding)
+        if style == "colwise":
+            styles[path] = (
+                ColwiseParallel(input_layouts=Replicate(), output_layouts=between)
+                if embedding
+                else ColwiseParallel(input_layouts=between)
+            )
+        elif style == "colwise_gather":
+            styles[path] = ColwiseParallel(input_layouts=between, output_layouts=Replicate())
+        elif style == "rowwise":
+            styles[path] = (
+                RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+                if embedding
+                else RowwiseParallel(output_layouts=between)
+            )
+        elif style == "sequence" and sequence:
+            styles[path] = SequenceParallel()
+    parallelize_module(module, device_mesh[config.tensor_parallel_axes[0]], styles)
+
+
+def _retie(plan: Plan, module: nn.Module) -> None:
+    # parallelize_module and fully_shard replace Parameter objects; tied names must
+    # point at one parameter again
+    for canonical, names in plan.aliases.items():
+        shared = module.get_parameter(canonical)
+        for name in names[1:]:
+            owner_path, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner_path), attr, shared)
+
+
+def _checkpointing(plan: Plan, module: nn.Module) -> None:
+    from torch.distributed._composable import checkpoint
+
+    for path in plan.config.checkpointed:
+        checkpoint(module.get_submodule(path))
+
+
+def _data_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> None:
+    config = plan.config
+    kind = config.data_parallel
+    if kind == "none":
+        return
+    if kind in ("ddp", "zero1"):
+        from torch.distributed._composable import replicate
+
+        group = _axes_mesh(device_mesh, config.data_axes).get_group()
+        replicate(module, process_group=group)
+        return
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if config.replicate_axes:  # HSDP: a 2D (replicate, shard) mesh
+        fsdp_mesh = device_mesh[(*config.replicate_axes, *config.shard_axes)]
+    else:
+        fsdp_mesh = _axes_mesh(device_mesh, config.shard_axes)
+    options: dict[str, Any] = {
+        "mesh": fsdp_mesh,
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=dtype_from_name(config.param_dtype) if config.param_dtype else None,
+            reduce_dtype=dtype_from_name(config.reduce_dtype) if config.reduce_dtype else None,
+        ),
+        "offload_policy": CPUOffloadPolicy() if config.offload_params else OffloadPolicy(),
+    }
+    # bottom-up, as fully_shard requires: a unit takes the parameters no inner unit took
+    for unit in sorted((u for u in config.units if u), key=lambda u: -u.count(".")):
+        fully_shard(module.get_submodule(unit), reshard_after_forward=config.reshard_after_forward, **options)
+    # the root: left to FSDP2's default it stays gathered from forward to backward (an
+    # explicit True would make it reshard); ZeRO-2 says False everywhere
+    fully_shard(module, reshard_after_forward=None if config.reshard_after_forward else False, **options)
+
+
+def apply(plan: Plan, module: nn.Module, device_mesh: DeviceMesh | None = None) -> nn.Module:
+    """Parallelize ``module`` in place as ``plan`` says, with torch's engines.
+
+    Call it on every rank, after ``torch.distributed`` is initialised and before the
+    optimizer is built (use `optimizer`).
+
+    Args:
+        plan: the plan, made for this module.
+        module: the module, with the same parameters on every rank (same seed).
+        device_mesh: the mesh to run on; by default one is built from ``plan.mesh`` on the
+            module's device type.
+
+    Returns:
+        ``module`` itself, parallelized.
+
+    Raises:
+        MeshError: no process group, or a world size / device mesh that differs from the plan's.
+        PlanError: what the engines cannot run, one bullet per parameter, before anything changes.
+
+    Examples:
+        >>> # on each of 4 ranks:
+        >>> # plan = fs.shard(model, fs.Mesh(dp=4), fs.fsdp())
+        >>> # fs.apply(plan, model)
+        >>> # opt = fs.optimizer(plan, model, torch.optim.AdamW, lr=1e-3)
+    """
+    if not dist.is_initialized():
+        raise MeshError("fs.apply needs torch.distributed: call dist.init_process_group(...) first")
+    if plan.mesh.size != dist.get_world_size():
+        raise MeshError(
+            f"the plan's {plan.mesh!r} has {plan.mesh.size} devices but the world size is "
+            f"{dist.get_world_size()}; plan for this world (an axis of size -1 takes the rest)"
+        )
+    if device_mesh is None:
+        device = next(module.parameters(), torch.empty(0)).device.type
+        device_mesh = build_device_mesh(plan.mesh, "cpu" if device == "meta" else device)
+    elif Mesh.from_device_mesh(device_mesh) != plan.mesh:
+        raise MeshError(
+            f"the device mesh is {Mesh.from_device_mesh(device_mesh)!r} but the plan is for {plan.mesh!r}"
+        )
+    if module in _APPLIED:
+        raise ShardingError("this module is already parallelized; apply a plan to a fresh module")
+    if problems := engine_problems(plan, module):
+        raise PlanError(
+            bullets(
+                f"torch's engines cannot run this plan on {plan.mesh!r}:",
+                problems,
+                "Change the policy, or plan for what apply() supports (see docs: Applying plans).",
+            )
+        ) from None
+    _tensor_parallel(plan, module, device_mesh)
+    _retie(plan, module)
+    _checkpointing(plan, module)
+    _data_parallel(plan, module, device_mesh)
+    _APPLIED[module] = _Applied(plan, device_mesh)
+    return module
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+    """Refuse an optimizer that holds parameters the module no longer has.
+
+    Sharding replaces Parameter objects; an optimizer built before would step tensors
+    no forward uses, and train nothing, silently.
+
+    Raises:
+        ShardingError: some of the optimizer's parameters are not the module's.
+    """
+    current = {id(p) for p in module.parameters()}
+    stale = sum(id(p) not in current for group in optimizer.param_groups for p in group["params"])
+    if stale:
+        raise ShardingError(
+            f"the optimizer holds {stale} parameters that are not the module's current ones: it was "
+            "built before sharding replaced them. Build it after fs.apply, e.g. "
+            "fs.optimizer(plan, module, torch.optim.AdamW, lr=...)"
+        )
+
+
+def optimizer(
+    plan: Plan, module: nn.Module, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
+) -> torch.optim.Optimizer:
+    """An optimizer whose state sits where the plan's ``optim`` specs say.
+
+    ZeRO-1 plans get torch's ``ZeroRedundancyOptimizer`` over the data-parallel group;
+    other plans the plain optimizer over the module's (DTensor) shards.
+
+    Raises:
+        ShardingError: ``module`` was not parallelized by `apply` with this plan.
+
+    Examples:
+        >>> # opt = fs.optimizer(plan, model, torch.optim.AdamW, lr=1e-3)
+    """
+    applied = _APPLIED.get(module)
+    if applied is None or applied.plan != plan:
+        raise ShardingError(
+            "fs.optimizer needs the module fs.apply(plan, module) returned, with the same plan"
+        )
+    params: Iterable[nn.Parameter] = module.parameters()
+    if plan.config.data_parallel == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        group = _axes_mesh(applied.device_mesh, plan.config.shard_axes).get_group()
+        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=group, **kwargs)
+    result = optimizer_class(params, **kwargs)
+    check_optimizer(result, module)
+    return result

@@ -33,6 +33,8 @@ class PlanConfig:
     shard_axes: tuple[str, ...] = ()
     tensor_parallel_axes: tuple[str, ...] = ()
     sequence_parallel: bool = False
+    tp_styles: tuple[tuple[str, str], ...] = ()
+    """(module path, style) for every module a tensor-parallel rule gave a style."""
     reshard_after_forward: bool = True
     units: tuple[str, ...] = ()
     """FSDP units as module paths ("" is the root), outermost first."""
@@ -51,14 +53,20 @@ class PlanConfig:
 
     def to_json(self) -> dict[str, Any]:
         """The config as JSON."""
-        return {
-            f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)
-        }
+
+        def lists(value: Any) -> Any:
+            return [lists(v) for v in value] if isinstance(value, tuple) else value
+
+        return {f.name: lists(getattr(self, f.name)) for f in fields(self)}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> PlanConfig:
         """The inverse of `to_json`."""
-        values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+
+        def tuples(value: Any) -> Any:
+            return tuple(tuples(v) for v in value) if isinstance(value, list) else value
+
+        values: dict[str, Any] = {k: tuples(v) for k, v in data.items()}
         return cls(**values)
 
 

@@ -232,6 +232,19 @@ def _units(tree: ModelTree, layer: DataParallel | None) -> tuple[str, ...]:
     return ("", *units)
 
 
+def _tp_styles(policy: Policy, tree: ModelTree) -> tuple[tuple[str, str], ...]:
+    """Each module a tensor-parallel rule gave a style (apply needs the style, not only specs)."""
+    styles: dict[str, str] = {}
+    names = [name for path in tree.params for name in tree.aliases.get(path, (path,))] + list(tree.buffers)
+    for layer in policy.tensor_parallel:
+        for name in names:
+            rule = layer.rules.match(name)
+            if rule is not None and isinstance(rule.target, str) and rule.target != "replicate":
+                styles.setdefault(name.rpartition(".")[0], rule.target)
+    order = list(tree.modules)
+    return tuple(sorted(styles.items(), key=lambda item: order.index(item[0])))
+
+
 def _config(
     policy: Policy, mesh: Mesh, tree: ModelTree, layers: tuple[Layer, ...], compute_axes: set[str]
 ) -> PlanConfig:
@@ -255,6 +268,7 @@ def _config(
         replicate_axes=tuple(replicate),
         shard_axes=sharding_layer.shard_axes if sharding_layer else (),
         tensor_parallel_axes=tuple(layer.axis for layer in policy.tensor_parallel),
+        tp_styles=_tp_styles(policy, tree),
         sequence_parallel=any(layer.sequence_parallel for layer in policy.tensor_parallel),
         reshard_after_forward=sharding_layer.reshard_after_forward if sharding_layer else True,
         units=_units(tree, sharding_layer),

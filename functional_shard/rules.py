@@ -8,6 +8,7 @@ specs by the owning module's type, as torch's parallel styles shard them:
 | style      | nn.Linear (out, in)          | nn.Embedding (num, dim) |
 |------------|------------------------------|-------------------------|
 | colwise    | weight P(tp, None), bias P(tp) | weight P(None, tp)    |
+| colwise_gather | as colwise; the output is all-gathered | —             |
 | rowwise    | weight P(None, tp), bias P()   | weight P(tp, None)    |
 | sequence   | replicated (activations split on the sequence dim) | — |
 | replicate  | replicated                   | replicated              |
@@ -30,8 +31,11 @@ from .tree import Pattern, TensorSpec
 
 __all__ = ["STYLES", "Rule", "Rules", "Style", "gpt2", "llama", "mlp"]
 
-Style: TypeAlias = Literal["colwise", "rowwise", "sequence", "replicate"]
-STYLES: tuple[str, ...] = ("colwise", "rowwise", "sequence", "replicate")
+Style: TypeAlias = Literal["colwise", "colwise_gather", "rowwise", "sequence", "replicate"]
+STYLES: tuple[str, ...] = ("colwise", "colwise_gather", "rowwise", "sequence", "replicate")
+"""``colwise_gather`` splits like ``colwise`` and all-gathers the output, for a final
+projection whose whole output the loss needs (torch's ``ColwiseParallel(output_layouts=
+Replicate())``)."""
 
 
 class StyleError(Exception):
@@ -92,6 +96,7 @@ def expand_style(style: Style, path: str, tensor: TensorSpec, axis: str) -> P:
         return P()
     layout = _layout(tensor)
     name = path.rpartition(".")[2]
+    style = "colwise" if style == "colwise_gather" else style
     if layout == "other":
         raise StyleError(
             f"style {style!r} on a {tensor.module_name}: torch's ColwiseParallel and "
@@ -181,21 +186,21 @@ llama = Rules(
         ("*.up_proj", "colwise"),
         ("*.down_proj", "rowwise"),
         ("*embed_tokens", "rowwise"),
-        ("lm_head", "colwise"),
+        ("lm_head", "colwise_gather"),
         ("*norm", "sequence"),
     ],
     name="llama",
 )
 """Hugging Face Llama naming: attention and MLP projections split Megatron-style, the
-embedding split over the vocabulary (rowwise), ``lm_head`` colwise (vocabulary-parallel
-logits), norms replicated (sequence-parallel when `tp` asks for it)."""
+embedding split over the vocabulary (rowwise), ``lm_head`` colwise with its logits
+gathered for the loss, norms replicated (sequence-parallel when `tp` asks for it)."""
 
 gpt2 = Rules(
     [
         ("*.mlp.c_fc", "colwise"),
         ("*.mlp.c_proj", "rowwise"),
         ("*wte", "rowwise"),
-        ("lm_head", "colwise"),
+        ("lm_head", "colwise_gather"),
         ("*.attn.c_attn", "replicate"),
         ("*.attn.c_proj", "replicate"),
         ("*wpe", "replicate"),

@@ -8,8 +8,9 @@ import sys
 import functional_shard as fs
 
 CORE = pathlib.Path(fs.__file__).parent
-# modules allowed to create process groups, device meshes or run collectives
-EFFECTS = {"apply.py", "checkpoint.py"}
+# modules allowed to create process groups, device meshes or run collectives: apply and
+# checkpoint (the brief's two doors) and launch, which starts the local gloo ranks
+EFFECTS = {"apply.py", "checkpoint.py", "launch.py"}
 PROCESS_GROUP_MODULES = (
     "torch.distributed.device_mesh",
     "torch.distributed.fsdp",

@@ -1,0 +1,172 @@
+"""Run a function on N local processes joined in a gloo process group (tests, demo, bench).
+
+`LocalWorld` keeps its processes (and their process group) alive across calls, so a
+test module pays the start-up once. A rank that raises ends the whole world at once —
+no rank is left waiting in a collective — and its exception is re-raised in the parent
+with the child's traceback attached.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["LocalWorld", "RankFailedError", "run_local"]
+
+
+class RankFailedError(RuntimeError):
+    """A rank died, hung past the timeout, or raised something that cannot be sent back."""
+
+
+class _RemoteTracebackError(Exception):
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _serve(
+    rank: int, world_size: int, port: int, backend: str, inbox: Any, outbox: Any, threads: int
+) -> None:
+    torch.set_num_threads(threads)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=300),
+    )
+    try:
+        while (task := inbox.get()) is not None:
+            fn, args, kwargs = task
+            try:
+                outbox.put((rank, True, fn(*args, **kwargs)))
+            except BaseException as error:  # sent back whole; the parent decides
+                text = traceback.format_exc()
+                try:
+                    outbox.put((rank, False, (error, text)))
+                except Exception:  # an exception that does not pickle
+                    outbox.put((rank, False, (RankFailedError(repr(error)), text)))
+    finally:
+        dist.destroy_process_group()
+
+
+class LocalWorld:
+    """``world_size`` local processes in one process group, reused across `run` calls.
+
+    Args:
+        world_size: number of ranks.
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank).
+        timeout: seconds a `run` may take before every rank is killed.
+
+    Examples:
+        >>> # with LocalWorld(4) as world:
+        >>> #     ranks = world.run(torch.distributed.get_rank)   # [0, 1, 2, 3]
+    """
+
+    def __init__(self, world_size: int, backend: str = "gloo", timeout: float = 300.0) -> None:
+        self.world_size = world_size
+        self.timeout = timeout
+        context = mp.get_context("spawn")
+        self._outbox = context.Queue()
+        self._inboxes = [context.SimpleQueue() for _ in range(world_size)]
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+        port = _free_port()
+        self._processes: list[BaseProcess] = [
+            context.Process(
+                target=_serve,
+                args=(rank, world_size, port, backend, self._inboxes[rank], self._outbox, threads),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for process in self._processes:
+            process.start()
+        self._broken = False
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``fn(*args, **kwargs)`` on every rank; return the results by rank.
+
+        ``fn`` must be importable (a module-level function): it is sent by reference.
+
+        Raises:
+            RankFailedError: a rank died or the run timed out; the world is closed.
+            BaseException: the exception a rank raised, re-raised with its traceback.
+        """
+        if self._broken:
+            raise RankFailedError("this LocalWorld was closed after a failure; make a new one")
+        for inbox in self._inboxes:
+            inbox.put((fn, args, kwargs))
+        results: list[Any] = [None] * self.world_size
+        pending = set(range(self.world_size))
+        deadline = time.monotonic() + self.timeout
+        while pending:
+            try:
+                rank, ok, payload = self._outbox.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r in pending if not self._processes[r].is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.close(force=True)
+                    why = (
+                        f"ranks {dead} died" if dead else f"ranks {sorted(pending)} ran past {self.timeout}s"
+                    )
+                    raise RankFailedError(f"{why} in {getattr(fn, '__name__', fn)}") from None
+                continue
+            if not ok:
+                self.close(force=True)  # the others may be blocked in a collective
+                error, text = payload
+                raise error from _RemoteTracebackError(f"rank {rank} of {self.world_size}:\n{text}")
+            results[rank] = payload
+            pending.discard(rank)
+        return results
+
+    def close(self, force: bool = False) -> None:
+        """Stop every rank (at once when ``force``)."""
+        self._broken = True
+        if not force:
+            for inbox in self._inboxes:
+                inbox.put(None)
+            for process in self._processes:
+                process.join(timeout=30)
+        for process in self._processes:
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=5)
+
+    def __enter__(self) -> LocalWorld:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close(force=exc_info[0] is not None)
+
+
+def run_local(
+    fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", **kwargs: Any
+) -> list[Any]:
+    """Run ``fn`` once on ``world_size`` fresh local ranks; results by rank.
+
+    Examples:
+        >>> # run_local(torch.distributed.get_world_size, 2) == [2, 2]
+    """
+    with LocalWorld(world_size, backend) as world:
+        return world.run(fn, *args, **kwargs)

@@ -1,0 +1,101 @@
+"""Functions that run on every rank of a LocalWorld (importable, so spawn can send them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812
+from torch.distributed.tensor import DTensor
+
+import functional_shard as fs
+from functional_shard.zoo import Llama, LlamaConfig
+
+STEPS = 5
+LR = 1e-2
+MICRO_BATCH = 2
+SEQ = 12  # divides 2, 3 and 4: sequence parallel splits it evenly, as torch requires
+
+# tied embedding in every case
+EVEN = LlamaConfig(128, 32, 64, num_layers=2, num_heads=4, num_kv_heads=4, tie_embeddings=True)
+# on 3 ranks: FSDP pads the vocabulary (127) and the MLP (50); TP splits the vocabulary
+# unevenly, and the MLP width divides (51) because torch's RowwiseParallel needs it to
+UNEVEN = LlamaConfig(127, 30, 50, num_layers=2, num_heads=3, num_kv_heads=3, tie_embeddings=True)
+UNEVEN_TP = LlamaConfig(127, 30, 51, num_layers=2, num_heads=3, num_kv_heads=3, tie_embeddings=True)
+
+
+def strategy(name: str, world: int) -> tuple[fs.Mesh, fs.Policy]:
+    """Mesh and policy of each strategy the parity tests run."""
+    rules = fs.rules.llama
+    return {
+        "ddp": (fs.Mesh(dp=world), fs.replicate()),
+        "zero1": (fs.Mesh(dp=world), fs.zero(1)),
+        "zero2": (fs.Mesh(dp=world), fs.zero(2)),
+        "zero3": (fs.Mesh(dp=world), fs.zero(3)),
+        "hsdp": (fs.Mesh(node=2, gpu=world // 2), fs.hsdp("node", "gpu")),
+        "tp": (fs.Mesh(tp=world), fs.tp(rules, "tp")),
+        "tp_sp": (fs.Mesh(tp=world), fs.tp(rules, "tp", sequence_parallel=True)),
+        "fsdp_tp": (fs.Mesh(dp=2, tp=world // 2), fs.fsdp("dp") + fs.tp(rules, "tp")),
+    }[name]
+
+
+def batches(config: LlamaConfig, data_parallel: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1234)
+    return [
+        torch.randint(0, config.vocab_size, (MICRO_BATCH * data_parallel, SEQ + 1), generator=generator)
+        for _ in range(STEPS)
+    ]
+
+
+def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def reference(config: LlamaConfig, data_parallel: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process training on the whole global batch."""
+    torch.manual_seed(0)
+    model = Llama(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for tokens in batches(config, data_parallel):
+        optimizer.zero_grad()
+        loss = loss_of(model, tokens)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train(name: str, config: LlamaConfig) -> dict[str, object]:
+    """Train under a plan on this rank; rank 0 returns losses and full parameters."""
+    mesh, policy = strategy(name, dist.get_world_size())
+    torch.manual_seed(0)
+    model = Llama(config)
+    plan = fs.shard(model, mesh, policy)
+    fs.apply(plan, model)
+    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR)
+    data_axes = plan.config.data_axes
+    data_parallel = mesh.axes_size(data_axes) if data_axes else 1
+    coords = mesh.coords(dist.get_rank())
+    index = 0
+    for axis in data_axes:  # this rank's place among the data-parallel ranks
+        index = index * mesh[axis] + coords[axis]
+    losses = []
+    for tokens in batches(config, data_parallel):
+        optimizer.zero_grad()
+        loss = loss_of(model, tokens[index * MICRO_BATCH : (index + 1) * MICRO_BATCH])
+        loss.backward()
+        optimizer.step()
+        mean = full(loss)
+        dist.all_reduce(mean)  # tensor-parallel ranks hold the same loss, data ranks their own
+        losses.append(mean.item() / dist.get_world_size())
+    params = {k: full(v) for k, v in model.state_dict().items()}
+    return {
+        "losses": losses,
+        "params": params if dist.get_rank() == 0 else None,
+        "data_parallel": data_parallel,
+    }
