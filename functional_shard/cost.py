@@ -175,12 +175,17 @@ def _memory(
     params = grads = optim = 0
     for (shape, itemsize, sharding, owned), count in _grouped(plan, owns).items():
         padded = sharding.at_rest_axes
-        params += count * local_numel(shape, sharding.storage, plan.mesh, coords, padded) * itemsize
+        # FSDP2 pads its own shards; a tensor-parallel shard is a view into the padded
+        # buffer distribute_tensor scattered (measured), so it is padded over every axis
+        param_padding = padded or frozenset(sharding.storage.axes)
+        params += count * local_numel(shape, sharding.storage, plan.mesh, coords, param_padding) * itemsize
         grads += count * local_numel(shape, sharding.grad, plan.mesh, coords, padded) * itemsize
         if isinstance(sharding.optim, Owned):
             has_state, numel = owned, math.prod(shape) if owned else 0
-        else:  # every rank keeps state for its shard, an empty one included
-            has_state, numel = True, local_numel(shape, sharding.optim, plan.mesh, coords, padded)
+        else:
+            # every rank keeps state for its shard, an empty one included; unpadded, as
+            # the optimizer allocates zeros_like of FSDP2's unpadded local view (measured)
+            has_state, numel = True, local_numel(shape, sharding.optim, plan.mesh, coords)
         if isinstance(optimizer, str):
             states, step_bytes = _OPTIMIZERS[optimizer]
             optim += count * (numel * states * itemsize + (step_bytes if has_state else 0))

@@ -99,3 +99,42 @@ def train(name: str, config: LlamaConfig) -> dict[str, object]:
         "params": params if dist.get_rank() == 0 else None,
         "data_parallel": data_parallel,
     }
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+    return sum(seen.values())
+
+
+def measure_memory(name: str, config: LlamaConfig) -> dict[str, object]:
+    """After one step: this rank's bytes of params, grads, optimizer state, and the prediction."""
+    mesh, policy = strategy(name, dist.get_world_size())
+    torch.manual_seed(0)
+    model = Llama(config)
+    plan = fs.shard(model, mesh, policy)
+    fs.apply(plan, model)
+    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR)
+    tokens = batches(config, 1)[0][:MICRO_BATCH]
+    loss_of(model, tokens).backward()
+    optimizer.step()
+    params = list(model.parameters())
+    inner = optimizer.optim if hasattr(optimizer, "optim") else optimizer  # ZeroRedundancyOptimizer
+    states = [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    cost = plan.cost("adamw", rank=dist.get_rank())
+    return {
+        "measured": {
+            "params": _storage_bytes(params),
+            "grads": _storage_bytes(p.grad for p in params if p.grad is not None),
+            "optimizer": _storage_bytes(states),
+        },
+        "predicted": {
+            "params": cost.params_bytes,
+            "grads": cost.grads_bytes,
+            "optimizer": cost.optimizer_bytes,
+        },
+    }

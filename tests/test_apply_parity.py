@@ -39,7 +39,9 @@ def worlds():
         world.close()
 
 
-@pytest.mark.parametrize(("world_size", "strategy", "config"), CASES, ids=[f"{n}-{s}-{c}" for n, s, c in CASES])
+@pytest.mark.parametrize(
+    ("world_size", "strategy", "config"), CASES, ids=[f"{n}-{s}-{c}" for n, s, c in CASES]
+)
 def test_training_matches_one_process(worlds, world_size, strategy, config):
     config = getattr(dist_cases, config)
     result = worlds(world_size).run(dist_cases.train, strategy, config)[0]
@@ -48,3 +50,22 @@ def test_training_matches_one_process(worlds, world_size, strategy, config):
     assert result["params"].keys() == params.keys()
     for name, value in params.items():
         torch.testing.assert_close(result["params"][name], value, atol=1e-5, rtol=1e-4, msg=name)
+
+
+MEMORY_CASES = [
+    (4, name, "EVEN") for name in ("ddp", "zero1", "zero2", "zero3", "hsdp", "tp", "tp_sp", "fsdp_tp")
+] + [
+    (3, "zero1", "UNEVEN"),
+    (3, "zero3", "UNEVEN"),
+    (3, "tp", "UNEVEN_TP"),
+]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "strategy", "config"), MEMORY_CASES, ids=[f"{n}-{s}-{c}" for n, s, c in MEMORY_CASES]
+)
+def test_measured_memory_equals_the_cost_model(worlds, world_size, strategy, config):
+    """Every rank's bytes of params, grads and optimizer state equal plan.cost(rank=r), exactly."""
+    results = worlds(world_size).run(dist_cases.measure_memory, strategy, getattr(dist_cases, config))
+    for rank, result in enumerate(results):
+        assert result["measured"] == result["predicted"], f"rank {rank}"

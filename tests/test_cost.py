@@ -110,8 +110,10 @@ def test_param_bytes_equal_the_sum_of_local_shards(model, dp, tp, data):
     for rank in range(mesh.size):
         expected = 0
         for path, sharding in plan.params.items():
-            # FSDP2 pads: along axes split only at rest, every rank holds what coordinate 0 holds
-            coords = {**mesh.coords(rank), **dict.fromkeys(plan.padded_axes(path), 0)}
+            # engines pad: along FSDP2's axes (or, for a tensor-parallel-only split, along
+            # distribute_tensor's) every rank holds what coordinate 0 holds
+            padding = plan.padded_axes(path) or set(sharding.storage.axes)
+            coords = {**mesh.coords(rank), **dict.fromkeys(padding, 0)}
             shard = fs.shard_tensor(tensors[path], sharding.storage, mesh)[mesh.rank(coords)]
             expected += shard.numel() * shard.element_size()
         assert plan.cost(rank=rank).params_bytes == expected

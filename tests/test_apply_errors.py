@@ -1,0 +1,101 @@
+"""apply() refuses what torch's engines cannot run, before any parameter changes."""
+
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import functional_shard as fs
+from functional_shard.zoo import Llama, llama
+
+from .dist_cases import UNEVEN
+from .strategies import linear_colwise
+
+
+def params_untouched(model):
+    return not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_apply_needs_a_process_group():
+    plan = fs.shard(nn.Linear(4, 4), fs.Mesh(dp=2), fs.fsdp())
+    with pytest.raises(fs.MeshError, match=re.escape("call dist.init_process_group(...) first")):
+        fs.apply(plan, nn.Linear(4, 4))
+
+
+def test_world_size_must_match_the_plan(fake_world):
+    fake_world(4)
+    plan = fs.shard(nn.Linear(4, 4), fs.Mesh(dp=2), fs.fsdp())
+    with pytest.raises(fs.MeshError, match="has 2 devices but the world size is 4"):
+        fs.apply(plan, nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize(
+    ("model", "mesh", "policy", "message"),
+    [
+        (
+            lambda: Llama(UNEVEN),
+            fs.Mesh(tp=3),
+            fs.tp(fs.rules.llama, "tp"),
+            "layers.0.mlp.down_proj: rowwise Linear with in_features=50 over 'tp' (size 3)",
+        ),
+        (
+            lambda: llama("tiny", device="cpu"),
+            fs.Mesh(dp=2, tp=2),
+            fs.replicate("dp") + fs.tp(fs.rules.llama, "tp"),
+            "ddp with tensor parallel: torch's DDP does not run over DTensor shards",
+        ),
+        (
+            lambda: nn.Sequential(nn.Linear(4, 4)),
+            fs.Mesh(tp=2),
+            linear_colwise,
+            "0.weight: compute P('tp', None) comes from no tensor-parallel style",
+        ),
+        (
+            lambda: nn.Sequential(nn.Linear(4, 4)),
+            fs.Mesh(dp=2),
+            fs.fsdp() + fs.offload(params=False),
+            "offload of only some of params/grads/optimizer",
+        ),
+        (
+            lambda: nn.Sequential(nn.Linear(4, 4)),
+            fs.Mesh(dp=2),
+            fs.replicate() + fs.mixed_precision(torch.bfloat16),
+            "mixed precision with ddp",
+        ),
+    ],
+)
+def test_unrunnable_plans_fail_before_touching_data(fake_world, model, mesh, policy, message):
+    fake_world(mesh.size)
+    module = model()
+    plan = fs.shard(module, mesh, policy)
+    with pytest.raises(fs.PlanError, match=re.escape(message)):
+        fs.apply(plan, module)
+    assert params_untouched(module)
+
+
+def test_plan_must_fit_the_module(fake_world):
+    fake_world(2)
+    plan = fs.shard(nn.Linear(4, 4), fs.Mesh(dp=2), fs.fsdp())
+    message = "weight: shape (8, 8) in the module, (4, 4) in the plan"
+    with pytest.raises(fs.PlanError, match=re.escape(message)):
+        fs.apply(plan, nn.Linear(8, 8))
+
+
+def test_an_optimizer_built_before_sharding_is_refused(fake_world):
+    fake_world(2)
+    model = llama("tiny", device="cpu")
+    early = torch.optim.AdamW(model.parameters())
+    plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp())
+    fs.apply(plan, model)
+    with pytest.raises(fs.ShardingError, match="built before sharding replaced them"):
+        fs.check_optimizer(early, model)
+    fs.check_optimizer(fs.optimizer(plan, model, torch.optim.AdamW), model)
+
+
+def test_optimizer_needs_the_applied_module(fake_world):
+    fake_world(2)
+    plan = fs.shard(nn.Linear(4, 4), fs.Mesh(dp=2), fs.fsdp())
+    with pytest.raises(fs.ShardingError, match=re.escape("needs the module fs.apply(plan, module) returned")):
+        fs.optimizer(plan, nn.Linear(4, 4), torch.optim.SGD, lr=0.1)
