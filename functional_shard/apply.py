@@ -103,10 +103,10 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
             f"replicate axes {config.replicate_axes} with shard axes {config.shard_axes}: apply() runs "
             "HSDP on one replicate and one shard axis"
         )
-    styled = dict(config.tp_styles)
+    styled = {path: style for path, style, _ in config.tp_styles}
     modules = dict(module.named_modules())
     tp_size = plan.mesh[tp_axes[0]] if tp_axes else 1
-    for path, style in config.tp_styles:
+    for path, style, _ in config.tp_styles:
         target = modules.get(path)
         if style == "rowwise" and isinstance(target, nn.Linear) and target.in_features % tp_size:
             found.append(
@@ -169,7 +169,7 @@ def _tensor_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> 
     # the sequence dim (1); without, it is replicated
     between = Shard(1) if sequence else Replicate()
     styles: dict[str, ParallelStyle] = {}
-    for path, style in config.tp_styles:
+    for path, style, _ in config.tp_styles:
         target = module.get_submodule(path)
         embedding = isinstance(target, nn.Embedding)
         if style == "colwise":

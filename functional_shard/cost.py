@@ -250,34 +250,38 @@ def _parameter_comm(plan: Plan, comm: _Comm, units: Mapping[str, str]) -> None:
 
 
 def _activation_comm(plan: Plan, comm: _Comm, tokens: int) -> None:
-    # Per TP module, as torch's styles issue them: a colwise Linear all-reduces its input
-    # gradient in backward, a rowwise Linear / vocab-split Embedding all-reduces its
-    # output in forward, a dim-split Embedding all-gathers its output. Sequence parallel
-    # swaps each all-reduce for an all-gather plus a reduce-scatter of the same bytes.
-    sp = plan.config.sequence_parallel
-    for path, sharding in plan.params.items():
-        tensor = plan.tensors[path]
-        if tensor.ndim != 2 or not path.endswith("weight"):
+    # Per styled module, as torch's styles issue them (tied modules included): a colwise
+    # Linear all-reduces its input gradient in backward (tokens x in_features), a rowwise
+    # Linear or vocabulary-split Embedding all-reduces its output in forward, a dim-split
+    # Embedding and a colwise_gather Linear all-gather their output. Sequence parallel
+    # swaps each all-reduce for an all-gather plus a reduce-scatter of the same size.
+    sequence = plan.config.sequence_parallel
+    for module_path, style, kind in plan.config.tp_styles:
+        if style in ("sequence", "replicate"):
             continue
-        dims = sharding.compute.dim_axes(2)
-        axes = dims[0] or dims[1]
-        if not axes:
-            continue
+        weight = plan.canonical(f"{module_path}.weight")
+        tensor, compute = plan.tensors[weight], plan.sharding(weight).compute
+        axes = tuple(a for a in compute.axes)
         n = plan.mesh.axes_size(axes)
-        act = _itemsize(plan.config.param_dtype, tensor)
-        embedding = tensor.module_name is not None and tensor.module_name.endswith(".Embedding")
-        if embedding and dims[1]:
-            comm.add("all_gather", axes, n, tokens * tensor.shape[1] * act)
-            continue
-        # colwise Linear: its input (in_features); rowwise Linear: its output (out_features);
-        # vocab-split Embedding: its output (embedding dim)
-        features = tensor.shape[1] if (embedding or dims[0]) else tensor.shape[0]
-        full = tokens * features * act
-        if sp:
-            comm.add("all_gather", axes, n, full)
-            comm.add("reduce_scatter", axes, n, full)
+        per_token = _itemsize(plan.config.param_dtype, tensor) * tokens
+        out_features, in_features = tensor.shape
+        if kind == "embedding":
+            if style == "rowwise":
+                reductions = [in_features]  # the embedding dim of the (num, dim) table
+                gathers = []
+            else:
+                reductions, gathers = [], [in_features]
         else:
-            comm.add("all_reduce", axes, n, full)
+            reductions = [out_features] if style == "rowwise" else [in_features]
+            gathers = [out_features] if style == "colwise_gather" else []
+        for features in reductions:
+            if sequence:
+                comm.add("all_gather", axes, n, features * per_token)
+                comm.add("reduce_scatter", axes, n, features * per_token)
+            else:
+                comm.add("all_reduce", axes, n, features * per_token)
+        for features in gathers:  # DTensor pads an uneven split inside the all-gather
+            comm.add("all_gather", axes, n, -(-features // n) * n * per_token)
 
 
 def cost(

@@ -33,8 +33,8 @@ class PlanConfig:
     shard_axes: tuple[str, ...] = ()
     tensor_parallel_axes: tuple[str, ...] = ()
     sequence_parallel: bool = False
-    tp_styles: tuple[tuple[str, str], ...] = ()
-    """(module path, style) for every module a tensor-parallel rule gave a style."""
+    tp_styles: tuple[tuple[str, str, str], ...] = ()
+    """(module path, style, layout) for every module a tensor-parallel rule gave a style."""
     reshard_after_forward: bool = True
     units: tuple[str, ...] = ()
     """FSDP units as module paths ("" is the root), outermost first."""

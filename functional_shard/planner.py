@@ -12,6 +12,7 @@ from .errors import PlanError, PolicyError, bullets
 from .mesh import Mesh
 from .plan import Plan, PlanConfig
 from .policy import DataParallel, Layer, ParamProblemError, Policy, Selector, as_policy
+from .rules import layout_of
 from .spec import REPLICATED, Owned, P, ParamSharding, spec_problems
 from .tree import ModelTree, TensorSpec, matches, owner_paths, read_model
 
@@ -232,17 +233,23 @@ def _units(tree: ModelTree, layer: DataParallel | None) -> tuple[str, ...]:
     return ("", *units)
 
 
-def _tp_styles(policy: Policy, tree: ModelTree) -> tuple[tuple[str, str], ...]:
-    """Each module a tensor-parallel rule gave a style (apply needs the style, not only specs)."""
-    styles: dict[str, str] = {}
-    names = [name for path in tree.params for name in tree.aliases.get(path, (path,))] + list(tree.buffers)
-    for layer in policy.tensor_parallel:
-        for name in names:
-            rule = layer.rules.match(name)
-            if rule is not None and isinstance(rule.target, str) and rule.target != "replicate":
-                styles.setdefault(name.rpartition(".")[0], rule.target)
+def _tp_styles(policy: Policy, tree: ModelTree) -> tuple[tuple[str, str, str], ...]:
+    """(module path, style, layout) of each module a tensor-parallel rule gave a style.
+
+    apply needs the style, not only the specs (an output gathered for the loss, sequence
+    parallel norms), and the cost model the layout ("linear", "embedding").
+    """
+    styles: dict[str, tuple[str, str, str]] = {}
+    for path in tree.params:
+        for name in tree.aliases.get(path, (path,)):
+            for layer in policy.tensor_parallel:
+                rule = layer.rules.match(name)
+                module_path = name.rpartition(".")[0]
+                if rule is not None and isinstance(rule.target, str) and rule.target != "replicate":
+                    kind = layout_of(tree.spec_as(name, path))
+                    styles.setdefault(module_path, (module_path, rule.target, kind))
     order = list(tree.modules)
-    return tuple(sorted(styles.items(), key=lambda item: order.index(item[0])))
+    return tuple(sorted(styles.values(), key=lambda item: order.index(item[0])))
 
 
 def _config(

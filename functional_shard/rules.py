@@ -76,7 +76,11 @@ def _covering(pattern: Pattern) -> re.Pattern[str]:
     return re.compile(rf"(?:{source})(?:\..*)?", re.S)
 
 
-def _layout(tensor: TensorSpec) -> str:
+def layout_of(tensor: TensorSpec) -> str:
+    """How torch's styles see the owning module: "linear", "embedding" or "other".
+
+    A bare pytree (no module type) is read with the Linear (out, in) layout.
+    """
     if tensor.module_is(nn.Linear):
         return "linear"
     if tensor.module_is(nn.Embedding):
@@ -94,7 +98,7 @@ def expand_style(style: Style, path: str, tensor: TensorSpec, axis: str) -> P:
     """
     if style in ("sequence", "replicate"):
         return P()
-    layout = _layout(tensor)
+    layout = layout_of(tensor)
     name = path.rpartition(".")[2]
     style = "colwise" if style == "colwise_gather" else style
     if layout == "other":

@@ -69,3 +69,25 @@ def test_measured_memory_equals_the_cost_model(worlds, world_size, strategy, con
     results = worlds(world_size).run(dist_cases.measure_memory, strategy, getattr(dist_cases, config))
     for rank, result in enumerate(results):
         assert result["measured"] == result["predicted"], f"rank {rank}"
+
+
+COMM_CASES = [
+    (4, name, "EVEN") for name in ("ddp", "zero1", "zero2", "zero3", "hsdp", "tp", "tp_sp", "fsdp_tp")
+] + [
+    (3, "zero3", "UNEVEN"),
+    (3, "tp", "UNEVEN_TP"),
+    (3, "tp_sp", "UNEVEN_TP"),
+]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "strategy", "config"), COMM_CASES, ids=[f"{n}-{s}-{c}" for n, s, c in COMM_CASES]
+)
+def test_measured_traffic_equals_the_cost_model(worlds, world_size, strategy, config):
+    """Bytes each rank sends in a steady-state step, per collective kind and mesh axis, counted
+    from the c10d ops torch issued, equal plan.cost(tokens=...) (what NCCL would send)."""
+    results = worlds(world_size).run(dist_cases.measure_comm, strategy, getattr(dist_cases, config))
+    for rank, result in enumerate(results):
+        assert result["measured"].keys() == result["predicted"].keys(), f"rank {rank}"
+        for kind, by_axis in result["predicted"].items():
+            assert result["measured"][kind] == pytest.approx(by_axis), f"rank {rank}: {kind}"
