@@ -220,3 +220,76 @@ def measure_comm(name: str, config: LlamaConfig) -> dict[str, object]:
         "predicted": {k: dict(v) for k, v in cost.comm_bytes.items()},
         "ops": log.ops,
     }
+
+
+_DEVICE_MESHES: dict[fs.Mesh, object] = {}
+
+
+def _device_mesh(mesh: fs.Mesh):
+    # every rank runs the same calls in the same order, so building (collectively) once
+    # per mesh and reusing it keeps hypothesis examples from creating groups endlessly
+    if mesh not in _DEVICE_MESHES:
+        _DEVICE_MESHES[mesh] = mesh.device_mesh("cpu")
+    return _DEVICE_MESHES[mesh]
+
+
+def check_layout(mesh: fs.Mesh, shape: tuple[int, ...], spec: fs.P, seed: int) -> tuple[bool, bool]:
+    """distribute_tensor's local shard equals the core's virtual shard; gathering gives x back."""
+    from torch.distributed.tensor import distribute_tensor
+
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    dtensor = distribute_tensor(x, _device_mesh(mesh), spec.to_placements(mesh, shape))
+    local = torch.equal(dtensor.to_local(), fs.shard_tensor(x, spec, mesh)[dist.get_rank()])
+    return local, torch.equal(dtensor.full_tensor(), x)
+
+
+def check_reduce_scatter_all_gather(mesh: fs.Mesh, axis: str, chunk: int, seed: int) -> float:
+    """Max difference between all-reduce and reduce-scatter followed by all-gather on ``axis``."""
+    group = _device_mesh(mesh)[axis].get_group()
+    n = group.size()
+    x = torch.randn(n * chunk, generator=torch.Generator().manual_seed(seed + dist.get_rank()))
+    reduced = x.clone()
+    dist.all_reduce(reduced, group=group)
+    shard = torch.empty(chunk)
+    dist.reduce_scatter_tensor(shard, x, group=group)
+    gathered = torch.empty(n * chunk)
+    dist.all_gather_into_tensor(gathered, shard, group=group)
+    return (gathered - reduced).abs().max().item() if x.numel() else 0.0
+
+
+def mlp(sizes: tuple[int, int, int], seed: int) -> torch.nn.Module:
+    from collections import OrderedDict
+
+    torch.manual_seed(seed)
+    d_in, hidden, d_out = sizes
+    return torch.nn.Sequential(
+        OrderedDict(
+            fc1=torch.nn.Linear(d_in, hidden), act=torch.nn.ReLU(), fc2=torch.nn.Linear(hidden, d_out)
+        )
+    )
+
+
+def mlp_grads(
+    mesh: fs.Mesh, policy: fs.Policy, sizes: tuple[int, int, int], seed: int
+) -> dict[str, torch.Tensor]:
+    """Full gradients of an MLP under a plan, on this rank's slice of one global batch."""
+    model = mlp(sizes, seed)
+    plan = fs.shard(model, mesh, policy)
+    fs.apply(plan, model, _device_mesh(mesh))
+    data_axes = plan.config.data_axes
+    n = mesh.axes_size(data_axes) if data_axes else 1
+    coords, index = mesh.coords(dist.get_rank()), 0
+    for axis in data_axes:
+        index = index * mesh[axis] + coords[axis]
+    x = torch.randn(2 * n, sizes[0], generator=torch.Generator().manual_seed(seed))
+    model(x[2 * index : 2 * index + 2]).square().mean().backward()
+    return {name: full(p.grad) for name, p in model.named_parameters()}
+
+
+def reference_mlp_grads(
+    sizes: tuple[int, int, int], seed: int, data_parallel: int
+) -> dict[str, torch.Tensor]:
+    model = mlp(sizes, seed)
+    x = torch.randn(2 * data_parallel, sizes[0], generator=torch.Generator().manual_seed(seed))
+    model(x).square().mean().backward()
+    return {name: p.grad for name, p in model.named_parameters()}

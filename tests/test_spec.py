@@ -9,6 +9,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 
 import functional_shard as fs
 
+from .spec_helpers import torch_describes
 from .strategies import mesh_shape_spec
 
 
@@ -72,17 +73,6 @@ def test_local_shapes_and_offsets_equal_torch(case):
             shape, mesh.sizes, [coords[a] for a in mesh.axis_names], placements
         )
         assert fs.local_shape_and_offset(shape, spec, mesh, rank) == expected
-
-
-def torch_describes(mesh, shape, spec):
-    """Whether every axis named against mesh order nests in an evenly divided dim."""
-    order = mesh.axis_names.index
-    for size, axes in zip(shape, spec.dim_axes(len(shape)), strict=True):
-        for position, axis in enumerate(axes):
-            outer = axes[:position]
-            if any(order(a) > order(axis) for a in outer) and size % mesh.axes_size(outer):
-                return False
-    return True
 
 
 @given(mesh_shape_spec())
