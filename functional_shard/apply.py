@@ -231,7 +231,12 @@ def _data_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> No
             param_dtype=dtype_from_name(config.param_dtype) if config.param_dtype else None,
             reduce_dtype=dtype_from_name(config.reduce_dtype) if config.reduce_dtype else None,
         ),
-        "offload_policy": CPUOffloadPolicy() if config.offload_params else OffloadPolicy(),
+        # pinned host memory speeds copies to an accelerator and needs one to exist
+        "offload_policy": (
+            CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
+            if config.offload_params
+            else OffloadPolicy()
+        ),
     }
     # bottom-up, as fully_shard requires: a unit takes the parameters no inner unit took
     for unit in sorted((u for u in config.units if u), key=lambda u: -u.count(".")):

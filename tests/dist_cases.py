@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import functional_shard as fs
-from functional_shard.zoo import Llama, LlamaConfig
+from functional_shard.zoo import Block, Llama, LlamaConfig
 
 STEPS = 5
 LR = 1e-2
@@ -38,6 +38,9 @@ def strategy(name: str, world: int) -> tuple[fs.Mesh, fs.Policy]:
         "tp": (fs.Mesh(tp=world), fs.tp(rules, "tp")),
         "tp_sp": (fs.Mesh(tp=world), fs.tp(rules, "tp", sequence_parallel=True)),
         "fsdp_tp": (fs.Mesh(dp=2, tp=world // 2), fs.fsdp("dp") + fs.tp(rules, "tp")),
+        "fsdp_checkpointing": (fs.Mesh(dp=world), fs.fsdp() + fs.checkpointing(Block)),
+        "fsdp_offload": (fs.Mesh(dp=world), fs.fsdp() + fs.offload()),
+        "fsdp_bf16": (fs.Mesh(dp=world), fs.fsdp() + fs.mixed_precision(torch.bfloat16, torch.float32)),
     }[name]
 
 
@@ -293,3 +296,33 @@ def reference_mlp_grads(
     x = torch.randn(2 * data_parallel, sizes[0], generator=torch.Generator().manual_seed(seed))
     model(x).square().mean().backward()
     return {name: p.grad for name, p in model.named_parameters()}
+
+
+def mixed_precision_grads(config: LlamaConfig) -> dict[str, torch.Tensor]:
+    """One step under FSDP with bf16 compute and fp32 reduction; the full fp32 gradients."""
+    mesh, policy = strategy("fsdp_bf16", dist.get_world_size())
+    torch.manual_seed(0)
+    model = Llama(config)
+    plan = fs.shard(model, mesh, policy)
+    fs.apply(plan, model)
+    rank = dist.get_rank()
+    tokens = batches(config, mesh.size)[0][rank * MICRO_BATCH : (rank + 1) * MICRO_BATCH]
+    loss_of(model, tokens).backward()
+    return {name: full(p.grad) for name, p in model.named_parameters()}
+
+
+def emulated_mixed_precision_grads(config: LlamaConfig, data_parallel: int) -> dict[str, torch.Tensor]:
+    """The same casts in one process: bf16 copies compute each micro-batch, their bf16
+    gradients are cast to fp32 and averaged (FSDP2's reduce_dtype), as a reference."""
+    import copy
+
+    torch.manual_seed(0)
+    model = Llama(config)
+    total: dict[str, torch.Tensor] = {}
+    tokens = batches(config, data_parallel)[0]
+    for index in range(data_parallel):
+        replica = copy.deepcopy(model).to(torch.bfloat16)
+        loss_of(replica, tokens[index * MICRO_BATCH : (index + 1) * MICRO_BATCH]).backward()
+        for name, p in replica.named_parameters():
+            total[name] = total.get(name, 0) + p.grad.float() / data_parallel
+    return total

@@ -21,6 +21,7 @@ CASES = [
     *[(4, name, "EVEN") for name in ("ddp", "zero1", "zero2", "zero3", "hsdp", "tp", "tp_sp", "fsdp_tp")],
     *[(3, name, "UNEVEN") for name in ("ddp", "zero1", "zero2", "zero3")],
     *[(3, name, "UNEVEN_TP") for name in ("tp", "tp_sp")],
+    *[(2, name, "EVEN") for name in ("fsdp_checkpointing", "fsdp_offload")],
 ]
 
 
@@ -77,6 +78,7 @@ COMM_CASES = [
     (3, "zero3", "UNEVEN"),
     (3, "tp", "UNEVEN_TP"),
     (3, "tp_sp", "UNEVEN_TP"),
+    (2, "fsdp_bf16", "EVEN"),
 ]
 
 
@@ -91,3 +93,13 @@ def test_measured_traffic_equals_the_cost_model(worlds, world_size, strategy, co
         assert result["measured"].keys() == result["predicted"].keys(), f"rank {rank}"
         for kind, by_axis in result["predicted"].items():
             assert result["measured"][kind] == pytest.approx(by_axis), f"rank {rank}: {kind}"
+
+
+def test_mixed_precision_matches_a_reference_with_the_same_casts(worlds):
+    """bf16 compute, fp32 reduction: equal to one process that runs bf16 copies per
+    micro-batch and averages their gradients in fp32 (observed: bitwise equal)."""
+    grads = worlds(2).run(dist_cases.mixed_precision_grads, dist_cases.EVEN)[0]
+    expected = dist_cases.emulated_mixed_precision_grads(dist_cases.EVEN, 2)
+    for name, value in expected.items():
+        assert grads[name].dtype == torch.float32
+        torch.testing.assert_close(grads[name], value, atol=1e-6, rtol=1e-5, msg=name)
