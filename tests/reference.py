@@ -14,10 +14,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 
 def llama_tp_plan(model: nn.Module) -> dict[str, object]:
-    """Megatron-style styles for every projection, vocab-split embedding, colwise head."""
+    """Megatron-style projections, vocabulary-split embedding, colwise head with gathered
+    logits: the layout fs.rules.llama gives."""
     plan: dict[str, object] = {
         "embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-        "lm_head": ColwiseParallel(),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),  # the loss needs whole logits
     }
     for index, _ in enumerate(model.layers):
         prefix = f"layers.{index}"
