@@ -13,6 +13,7 @@ Examples:
 from . import rules as rules
 from .apply import apply as apply
 from .apply import check_optimizer as check_optimizer
+from .apply import materialize as materialize
 from .apply import optimizer as optimizer
 from .cost import Cost as Cost
 from .cost import cost as cost
@@ -92,6 +93,7 @@ __all__ = [
     "RankFailedError",
     "apply",
     "check_optimizer",
+    "materialize",
     "optimizer",
     "run_local",
     # errors

@@ -326,3 +326,15 @@ def emulated_mixed_precision_grads(config: LlamaConfig, data_parallel: int) -> d
         for name, p in replica.named_parameters():
             total[name] = total.get(name, 0) + p.grad.float() / data_parallel
     return total
+
+
+def meta_init(name: str, config: LlamaConfig) -> dict[str, torch.Tensor] | None:
+    """Build on meta, apply, materialize with seed 0: rank 0 returns the full parameters."""
+    mesh, policy = strategy(name, dist.get_world_size())
+    with torch.device("meta"):
+        model = Llama(config)
+    plan = fs.shard(model, mesh, policy)
+    fs.apply(plan, model)
+    fs.materialize(plan, model, seed=0)
+    params = {k: full(v) for k, v in model.state_dict().items()}
+    return params if dist.get_rank() == 0 else None

@@ -99,3 +99,26 @@ def test_optimizer_needs_the_applied_module(fake_world):
     plan = fs.shard(nn.Linear(4, 4), fs.Mesh(dp=2), fs.fsdp())
     with pytest.raises(fs.ShardingError, match=re.escape("needs the module fs.apply(plan, module) returned")):
         fs.optimizer(plan, nn.Linear(4, 4), torch.optim.SGD, lr=0.1)
+
+
+def test_ddp_refuses_a_meta_device_model(fake_world):
+    fake_world(2)
+    module = llama("tiny")  # meta device
+    plan = fs.shard(module, fs.Mesh(dp=2), fs.replicate())
+    with pytest.raises(fs.PlanError, match="ddp on a meta-device module"):
+        fs.apply(plan, module)
+
+
+def test_materialize_needs_reset_parameters_or_init(fake_world):
+    fake_world(2)
+
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gain = nn.Parameter(torch.ones(4, device="meta"))
+
+    module = nn.Sequential(Scale())
+    plan = fs.shard(module, fs.Mesh(dp=2), fs.fsdp())
+    fs.apply(plan, module)
+    with pytest.raises(fs.ShardingError, match=re.escape("cannot initialise ['0']")):
+        fs.materialize(plan, module)

@@ -103,3 +103,24 @@ def test_mixed_precision_matches_a_reference_with_the_same_casts(worlds):
     for name, value in expected.items():
         assert grads[name].dtype == torch.float32
         torch.testing.assert_close(grads[name], value, atol=1e-6, rtol=1e-5, msg=name)
+
+
+META_CASES = [(4, name, "EVEN") for name in ("zero2", "zero3", "hsdp", "tp", "tp_sp", "fsdp_tp")] + [
+    (3, "zero3", "UNEVEN"),
+    (3, "tp", "UNEVEN_TP"),
+]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "strategy", "config"), META_CASES, ids=[f"{n}-{s}-{c}" for n, s, c in META_CASES]
+)
+def test_meta_init_equals_init_then_shard(worlds, world_size, strategy, config):
+    """Built on meta, applied, materialized shard by shard with seed 0: the same full
+    parameters as one process initialising the model with seed 0 (exactly)."""
+    config = getattr(dist_cases, config)
+    params = worlds(world_size).run(dist_cases.meta_init, strategy, config)[0]
+    torch.manual_seed(0)
+    expected = dist_cases.Llama(config).state_dict()
+    assert params.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(params[name], value), name
