@@ -48,6 +48,8 @@ def _serve(
     rank: int, world_size: int, port: int, backend: str, inbox: Any, outbox: Any, threads: int
 ) -> None:
     torch.set_num_threads(threads)
+    if backend == "nccl":  # one GPU per rank
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
         backend,

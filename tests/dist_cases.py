@@ -38,6 +38,7 @@ def strategy(name: str, world: int) -> tuple[fs.Mesh, fs.Policy]:
         "tp": (fs.Mesh(tp=world), fs.tp(rules, "tp")),
         "tp_sp": (fs.Mesh(tp=world), fs.tp(rules, "tp", sequence_parallel=True)),
         "fsdp_tp": (fs.Mesh(dp=2, tp=world // 2), fs.fsdp("dp") + fs.tp(rules, "tp")),
+        "hsdp_tp": (fs.Mesh(node=2, gpu=world // 4, tp=2), fs.hsdp("node", "gpu") + fs.tp(rules, "tp")),
         "fsdp_checkpointing": (fs.Mesh(dp=world), fs.fsdp() + fs.checkpointing(Block)),
         "fsdp_offload": (fs.Mesh(dp=world), fs.fsdp() + fs.offload()),
         "fsdp_bf16": (fs.Mesh(dp=world), fs.fsdp() + fs.mixed_precision(torch.bfloat16, torch.float32)),
@@ -58,7 +59,14 @@ def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu().clone()
+
+
+def device() -> torch.device:
+    """This rank's GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def reference(config: LlamaConfig, data_parallel: int) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -80,7 +88,7 @@ def train(name: str, config: LlamaConfig) -> dict[str, object]:
     """Train under a plan on this rank; rank 0 returns losses and full parameters."""
     mesh, policy = strategy(name, dist.get_world_size())
     torch.manual_seed(0)
-    model = Llama(config)
+    model = Llama(config).to(device())  # initialised on the CPU, as the reference is
     plan = fs.shard(model, mesh, policy)
     fs.apply(plan, model)
     optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR)
@@ -93,7 +101,7 @@ def train(name: str, config: LlamaConfig) -> dict[str, object]:
     losses = []
     for tokens in batches(config, data_parallel):
         optimizer.zero_grad()
-        loss = loss_of(model, tokens[index * MICRO_BATCH : (index + 1) * MICRO_BATCH])
+        loss = loss_of(model, tokens[index * MICRO_BATCH : (index + 1) * MICRO_BATCH].to(device()))
         loss.backward()
         optimizer.step()
         mean = full(loss)

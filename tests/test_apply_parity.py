@@ -124,3 +124,32 @@ def test_meta_init_equals_init_then_shard(worlds, world_size, strategy, config):
     assert params.keys() == expected.keys()
     for name, value in expected.items():
         assert torch.equal(params[name], value), name
+
+
+GPUS = torch.cuda.device_count()
+
+
+@pytest.mark.skipif(
+    GPUS < 2,
+    reason="NCCL parity needs two GPUs, one per rank; this machine has fewer, so the cases ran on gloo.",
+)
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "hsdp", "tp", "tp_sp", "fsdp_tp"])
+def test_training_matches_one_process_on_nccl(strategy):
+    with fs.LocalWorld(2, backend="nccl") as world:
+        result = world.run(dist_cases.train, strategy, dist_cases.EVEN)[0]
+    losses, params = dist_cases.reference(dist_cases.EVEN, result["data_parallel"])
+    assert result["losses"] == pytest.approx(losses, abs=1e-4)
+    for name, value in params.items():
+        torch.testing.assert_close(result["params"][name], value, atol=1e-4, rtol=1e-3, msg=name)
+
+
+# (pure TP at 8 would split 4 attention heads 8 ways: the model cannot)
+WIDE = [(8, name, "EVEN") for name in ("zero3", "hsdp", "fsdp_tp", "hsdp_tp")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world_size", "strategy", "config"), WIDE, ids=[f"{n}-{s}-{c}" for n, s, c in WIDE])
+def test_wide_worlds_train_as_one_process(worlds, world_size, strategy, config):
+    """8 ranks on 2 cores: run before resolving (-m slow), not in the default suite."""
+    test_training_matches_one_process(worlds, world_size, strategy, config)
+    test_measured_memory_equals_the_cost_model(worlds, world_size, strategy, config)
