@@ -27,22 +27,23 @@ UNEVEN_TP = LlamaConfig(127, 30, 51, num_layers=2, num_heads=3, num_kv_heads=3, 
 
 
 def strategy(name: str, world: int) -> tuple[fs.Mesh, fs.Policy]:
-    """Mesh and policy of each strategy the parity tests run."""
+    """Mesh (resolved for ``world``: -1 takes the rest) and policy of each strategy."""
     rules = fs.rules.llama
-    return {
-        "ddp": (fs.Mesh(dp=world), fs.replicate()),
-        "zero1": (fs.Mesh(dp=world), fs.zero(1)),
-        "zero2": (fs.Mesh(dp=world), fs.zero(2)),
-        "zero3": (fs.Mesh(dp=world), fs.zero(3)),
-        "hsdp": (fs.Mesh(node=2, gpu=world // 2), fs.hsdp("node", "gpu")),
-        "tp": (fs.Mesh(tp=world), fs.tp(rules, "tp")),
-        "tp_sp": (fs.Mesh(tp=world), fs.tp(rules, "tp", sequence_parallel=True)),
-        "fsdp_tp": (fs.Mesh(dp=2, tp=world // 2), fs.fsdp("dp") + fs.tp(rules, "tp")),
-        "hsdp_tp": (fs.Mesh(node=2, gpu=world // 4, tp=2), fs.hsdp("node", "gpu") + fs.tp(rules, "tp")),
-        "fsdp_checkpointing": (fs.Mesh(dp=world), fs.fsdp() + fs.checkpointing(Block)),
-        "fsdp_offload": (fs.Mesh(dp=world), fs.fsdp() + fs.offload()),
-        "fsdp_bf16": (fs.Mesh(dp=world), fs.fsdp() + fs.mixed_precision(torch.bfloat16, torch.float32)),
+    mesh, policy = {
+        "ddp": (fs.Mesh(dp=-1), fs.replicate()),
+        "zero1": (fs.Mesh(dp=-1), fs.zero(1)),
+        "zero2": (fs.Mesh(dp=-1), fs.zero(2)),
+        "zero3": (fs.Mesh(dp=-1), fs.zero(3)),
+        "hsdp": (fs.Mesh(node=2, gpu=-1), fs.hsdp("node", "gpu")),
+        "tp": (fs.Mesh(tp=-1), fs.tp(rules, "tp")),
+        "tp_sp": (fs.Mesh(tp=-1), fs.tp(rules, "tp", sequence_parallel=True)),
+        "fsdp_tp": (fs.Mesh(dp=2, tp=-1), fs.fsdp("dp") + fs.tp(rules, "tp")),
+        "hsdp_tp": (fs.Mesh(node=2, gpu=-1, tp=2), fs.hsdp("node", "gpu") + fs.tp(rules, "tp")),
+        "fsdp_checkpointing": (fs.Mesh(dp=-1), fs.fsdp() + fs.checkpointing(Block)),
+        "fsdp_offload": (fs.Mesh(dp=-1), fs.fsdp() + fs.offload()),
+        "fsdp_bf16": (fs.Mesh(dp=-1), fs.fsdp() + fs.mixed_precision(torch.bfloat16, torch.float32)),
     }[name]
+    return mesh.resolve(world), policy
 
 
 def batches(config: LlamaConfig, data_parallel: int) -> list[torch.Tensor]:
