@@ -2,7 +2,9 @@
 written by hand with torch's APIs, on 4 gloo ranks, interleaved A/B, medians and ratios.
 
 Strategies: DDP, ZeRO-1, ZeRO-2, FSDP, TP, FSDP×TP (target: ratio <= 1.02 everywhere), and
-the FSDP plan against torch's FSDP1 (FullyShardedDataParallel, device_id="cpu").
+the FSDP plan against torch's FSDP1 (FullyShardedDataParallel, device_id="cpu"). The ratio
+is the median of per-round ratios (each round times both, back to back); the spread shows
+how much 4 ranks on a small machine move between rounds.
 Run: python bench/step_overhead.py [rounds]
 """
 
@@ -97,16 +99,21 @@ def main(rounds: int = 5) -> None:
     pairs = [(name, name) for name in STRATEGIES] + [("zero3", "fsdp1")]
     with fs.LocalWorld(WORLD) as world:
         print(f"{CONFIG}, {WORLD} gloo ranks, {rounds} interleaved rounds of {STEPS} steps, medians (ms):")
-        print(f"{'strategy':<10} {'apply(plan)':>12} {'by hand':>10} {'ratio':>7}")
+        print(f"{'strategy':<16} {'apply(plan)':>12} {'by hand':>10} {'ratio':>7}  per-round ratios")
         for plan_name, hand_name in pairs:
             plan_times: list[float] = []
             hand_times: list[float] = []
+            ratios = []
             for _ in range(rounds):  # A/B interleaved so drift hits both alike
-                plan_times += world.run(step_times, plan_name, "plan")[0]
-                hand_times += world.run(step_times, hand_name, "hand")[0]
+                a_round = world.run(step_times, plan_name, "plan")[0]
+                b_round = world.run(step_times, hand_name, "hand")[0]
+                ratios.append(statistics.median(a_round) / statistics.median(b_round))
+                plan_times += a_round
+                hand_times += b_round
             a, b = statistics.median(plan_times), statistics.median(hand_times)
             label = plan_name if plan_name == hand_name else f"{plan_name} vs {hand_name}"
-            print(f"{label:<10} {a * 1000:12.1f} {b * 1000:10.1f} {a / b:7.3f}")
+            spread = f"{min(ratios):.2f}-{max(ratios):.2f}"
+            print(f"{label:<16} {a * 1000:12.1f} {b * 1000:10.1f} {statistics.median(ratios):7.3f}  {spread}")
 
 
 if __name__ == "__main__":

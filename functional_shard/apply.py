@@ -214,7 +214,7 @@ def _checkpointing(plan: Plan, module: nn.Module) -> None:
         checkpoint(module.get_submodule(path))
 
 
-def _data_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> None:
+def _data_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh, root: str) -> None:
     config = plan.config
     kind = config.data_parallel
     if kind == "none":
@@ -223,7 +223,7 @@ def _data_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> No
         from torch.distributed._composable import replicate
 
         group = _axes_mesh(device_mesh, config.data_axes).get_group()
-        replicate(module, process_group=group)
+        replicate(module.get_submodule(root), process_group=group)
         return
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -249,10 +249,16 @@ def _data_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> No
         fully_shard(module.get_submodule(unit), reshard_after_forward=config.reshard_after_forward, **options)
     # the root: left to FSDP2's default it stays gathered from forward to backward (an
     # explicit True would make it reshard); ZeRO-2 says False everywhere
-    fully_shard(module, reshard_after_forward=None if config.reshard_after_forward else False, **options)
+    fully_shard(
+        module.get_submodule(root),
+        reshard_after_forward=None if config.reshard_after_forward else False,
+        **options,
+    )
 
 
-def apply(plan: Plan, module: nn.Module, device_mesh: DeviceMesh | None = None) -> nn.Module:
+def apply(
+    plan: Plan, module: nn.Module, device_mesh: DeviceMesh | None = None, *, root: str = ""
+) -> nn.Module:
     """Parallelize ``module`` in place as ``plan`` says, with torch's engines.
 
     Call it on every rank, after ``torch.distributed`` is initialised and before the
@@ -263,6 +269,10 @@ def apply(plan: Plan, module: nn.Module, device_mesh: DeviceMesh | None = None) 
         module: the module, with the same parameters on every rank (same seed).
         device_mesh: the mesh to run on; by default one is built from ``plan.mesh`` on the
             module's device type.
+        root: the submodule whose ``forward`` runs the model, when the module's own
+            forward is not called (a LightningModule's ``training_step`` calls its
+            ``self.model``): it takes FSDP's root unit, or DDP. Every parameter must be
+            inside it.
 
     Returns:
         ``module`` itself, parallelized.
@@ -293,6 +303,16 @@ def apply(plan: Plan, module: nn.Module, device_mesh: DeviceMesh | None = None) 
         )
     if module in _APPLIED:
         raise ShardingError("this module is already parallelized; apply a plan to a fresh module")
+    try:
+        module.get_submodule(root)
+    except AttributeError:
+        raise ShardingError(f"apply(root={root!r}): the module has no such submodule") from None
+    outside = [p for p in plan.params if root and not p.startswith(root + ".")]
+    if outside:
+        raise ShardingError(
+            f"apply(root={root!r}): parameters {outside[:3]} lie outside the root, where no engine would "
+            "gather or reduce them; move them under it or choose an enclosing root"
+        )
     if problems := engine_problems(plan, module):
         raise PlanError(
             bullets(
@@ -304,7 +324,7 @@ def apply(plan: Plan, module: nn.Module, device_mesh: DeviceMesh | None = None) 
     _tensor_parallel(plan, module, device_mesh)
     _retie(plan, module)
     _checkpointing(plan, module)
-    _data_parallel(plan, module, device_mesh)
+    _data_parallel(plan, module, device_mesh, root)
     _APPLIED[module] = _Applied(plan, device_mesh)
     return module
 

@@ -1,0 +1,130 @@
+"""A LightningModule and a Trainer.fit run on each rank of a LocalWorld."""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L  # noqa: N812 (the name Lightning documents)
+import torch
+import torch.distributed as dist
+from functional_shard.adapters.lightning import ShardStrategy
+
+import functional_shard as fs
+from functional_shard.zoo import Llama, LlamaConfig
+
+from . import dist_cases
+
+
+class LanguageModel(L.LightningModule):
+    """A tiny Llama trained with AdamW; records its per-step loss."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = Llama(config)
+        self.losses: list[torch.Tensor] = []
+
+    def training_step(self, batch: torch.Tensor, batch_index: int) -> torch.Tensor:
+        loss = dist_cases.loss_of(self.model, batch)
+        self.losses.append(loss.detach())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=dist_cases.LR)
+
+
+def fit(strategy: str | ShardStrategy, config: LlamaConfig, data_parallel: int) -> dict[str, object]:
+    """Trainer.fit on this rank (the LocalWorld's process group is reused)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # LOCAL_RANK tells Lightning the processes exist already; it joins the group
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
+    tokens = torch.cat(dist_cases.batches(config, data_parallel))
+    loader = torch.utils.data.DataLoader(tokens, batch_size=dist_cases.MICRO_BATCH, shuffle=False)
+    module = LanguageModel(config)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=dist_cases.STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, loader)
+    losses = torch.stack([dist_cases.full(loss) for loss in module.losses])
+    dist.all_reduce(losses)  # tensor-parallel ranks hold the same loss, data ranks their own
+    params = {k.removeprefix("model."): dist_cases.full(v) for k, v in module.state_dict().items()}
+    return {"losses": (losses / world).tolist(), "params": params if rank == 0 else None}
+
+
+def fit_named(name: str, config: LlamaConfig, data_parallel: int) -> dict[str, object]:
+    return fit(name, config, data_parallel)
+
+
+def fit_with(plan_or_policy: object, mesh: fs.Mesh | None, config: LlamaConfig, data_parallel: int):
+    return fit(ShardStrategy(plan_or_policy, mesh=mesh), config, data_parallel)
+
+
+def reference(config: LlamaConfig, data_parallel: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process on the global batches Lightning's DistributedSampler makes (shuffled
+    with seed 0; rank r takes perm[r::n], so step s's batches together are one block)."""
+    tokens = torch.cat(dist_cases.batches(config, data_parallel))
+    perm = torch.randperm(len(tokens), generator=torch.Generator().manual_seed(0))
+    global_batches = tokens[perm].split(dist_cases.MICRO_BATCH * data_parallel)
+    torch.manual_seed(0)
+    model = Llama(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=dist_cases.LR)
+    losses = []
+    for batch in global_batches[: dist_cases.STEPS]:
+        optimizer.zero_grad()
+        loss = dist_cases.loss_of(model, batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def optimizer_kinds(name: str, config: LlamaConfig, data_parallel: int) -> list[str]:
+    """The optimizer classes the Trainer ended up stepping."""
+    captured: list[str] = []
+    original = L.Trainer.fit
+
+    def fit_and_look(trainer, *args, **kwargs):
+        original(trainer, *args, **kwargs)
+        captured.extend(type(o).__name__ for o in trainer.strategy.optimizers)
+
+    L.Trainer.fit = fit_and_look
+    try:
+        fit(name, config, data_parallel)
+    finally:
+        L.Trainer.fit = original
+    return captured
+
+
+class EarlyOptimizer(LanguageModel):
+    """Builds its optimizer in __init__, before sharding replaces the parameters."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__(config)
+        self.early = torch.optim.AdamW(self.parameters(), lr=dist_cases.LR)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return self.early
+
+
+def fit_early_optimizer(config: LlamaConfig) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
+    loader = torch.utils.data.DataLoader(torch.cat(dist_cases.batches(config, world)), batch_size=2)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy="fs_fsdp",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(EarlyOptimizer(config), loader)

@@ -1,0 +1,81 @@
+"""Real Trainer.fit runs (accelerator="cpu", 4 processes) against one process."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import functional_shard as fs
+
+from . import dist_cases, lightning_cases
+
+NAMED = [
+    ("fs_ddp", 4),
+    ("fs_zero1", 4),
+    ("fs_zero2", 4),
+    ("fs_zero3", 4),
+    ("fs_fsdp", 4),
+    ("fs_hsdp", 4),
+    ("fs_fsdp_tp", 2),
+]
+
+
+@pytest.fixture(scope="module")
+def world():
+    with fs.LocalWorld(4) as world:
+        yield world
+
+
+def assert_matches_one_process(result, data_parallel):
+    losses, params = lightning_cases.reference(dist_cases.EVEN, data_parallel)
+    assert result["losses"] == pytest.approx(losses, abs=1e-5)
+    for name, value in params.items():
+        torch.testing.assert_close(result["params"][name], value, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize(("name", "data_parallel"), NAMED)
+def test_registered_strategies_train_as_one_process(world, name, data_parallel):
+    result = world.run(lightning_cases.fit_named, name, dist_cases.EVEN, data_parallel)[0]
+    assert_matches_one_process(result, data_parallel)
+
+
+def test_a_hand_composed_2d_plan_trains_as_one_process(world):
+    module = lightning_cases.LanguageModel(dist_cases.EVEN)
+    plan = fs.shard(
+        module, fs.Mesh(dp=2, tp=2), fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp", sequence_parallel=True)
+    )
+    result = world.run(lightning_cases.fit_with, plan, None, dist_cases.EVEN, 2)[0]
+    assert_matches_one_process(result, 2)
+
+
+def test_zero1_steps_a_zero_redundancy_optimizer(world):
+    kinds = world.run(lightning_cases.optimizer_kinds, "fs_zero1", dist_cases.EVEN, 4)
+    assert {kind for per_rank in kinds for kind in per_rank} == {"ZeroRedundancyOptimizer"}
+
+
+def test_plan_mesh_must_match_the_devices(world):
+    plan = fs.shard(lightning_cases.LanguageModel(dist_cases.EVEN), fs.Mesh(dp=2), fs.fsdp())
+    with pytest.raises(fs.MeshError, match="has 2 devices but the world size is 4"):
+        world.run(lightning_cases.fit_with, plan, None, dist_cases.EVEN, 2)
+
+
+def test_an_optimizer_built_before_sharding_is_refused():
+    with (
+        fs.LocalWorld(2) as world,
+        pytest.raises(fs.ShardingError, match="built before sharding replaced them"),
+    ):
+        world.run(lightning_cases.fit_early_optimizer, dist_cases.EVEN)
+
+
+def test_registered_names_resolve():
+    code = (
+        "import lightning as L, functional_shard.adapters.lightning as a;"
+        "t = L.Trainer(strategy='fs_fsdp_tp', accelerator='cpu', devices=1, logger=False);"
+        "print(type(t.strategy).__name__, t.strategy._mesh)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert re.search(r"ShardStrategy Mesh\(dp=-1, tp=2\)", out)
