@@ -7,9 +7,9 @@ import os
 import lightning as L  # noqa: N812 (the name Lightning documents)
 import torch
 import torch.distributed as dist
-from functional_shard.adapters.lightning import ShardStrategy
 
 import functional_shard as fs
+from functional_shard.adapters.lightning import ShardStrategy
 from functional_shard.zoo import Llama, LlamaConfig
 
 from . import dist_cases

@@ -1,0 +1,117 @@
+"""to_lightning: Lightning's own strategies, built on the CPU and inspected (DeepSpeed and
+FSDP1 refuse to run on the CPU, as Lightning's own CPU tests only build them too)."""
+
+import importlib.util
+import re
+
+import pytest
+import torch
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+from torch.distributed.fsdp import ShardingStrategy
+
+import functional_shard as fs
+from functional_shard.adapters.lightning import deepspeed_config, to_lightning
+from functional_shard.zoo import Block, llama
+
+MODEL = llama("tiny", device="cpu")
+
+
+def plan(policy, mesh=None):
+    return fs.shard(MODEL, mesh or fs.Mesh(dp=4), policy)
+
+
+@pytest.mark.parametrize(
+    ("policy", "mesh", "sharding"),
+    [
+        (fs.fsdp(), None, ShardingStrategy.FULL_SHARD),
+        (fs.zero(3), None, ShardingStrategy.FULL_SHARD),
+        (fs.zero(2), None, ShardingStrategy.SHARD_GRAD_OP),
+        (fs.hsdp("node", "gpu"), fs.Mesh(node=2, gpu=2), ShardingStrategy.HYBRID_SHARD),
+    ],
+)
+def test_fsdp_plans_become_fsdp_strategy(policy, mesh, sharding):
+    strategy = to_lightning(plan(policy, mesh), MODEL)
+    assert isinstance(strategy, FSDPStrategy)
+    assert strategy.sharding_strategy == sharding
+
+
+def test_units_checkpointing_offload_and_precision_carry_over():
+    p = plan(fs.fsdp() + fs.checkpointing(Block) + fs.offload() + fs.mixed_precision(torch.bfloat16))
+    strategy = to_lightning(p, MODEL)
+    wrapped = [name for name, m in MODEL.named_modules() if strategy.kwargs["auto_wrap_policy"]._lambda_fn(m)]
+    assert wrapped == ["layers.0", "layers.1"]
+    checkpointed = strategy._activation_checkpointing_kwargs["auto_wrap_policy"]
+    assert [name for name, m in MODEL.named_modules() if checkpointed._lambda_fn(m)] == [
+        "layers.0",
+        "layers.1",
+    ]
+    assert strategy.cpu_offload.offload_params
+    assert strategy.mixed_precision.param_dtype == torch.bfloat16
+    assert strategy.mixed_precision.reduce_dtype == torch.float32
+
+
+def test_ddp_plan_becomes_ddp_strategy():
+    assert isinstance(to_lightning(plan(fs.replicate())), DDPStrategy)
+
+
+@pytest.mark.parametrize(
+    ("policy", "offload", "stage"),
+    [
+        (fs.zero(1), set(), 1),
+        (fs.zero(2) + fs.offload(params=False, grads=False), {"offload_optimizer"}, 2),
+        (fs.fsdp() + fs.offload(), {"offload_optimizer", "offload_param"}, 3),
+    ],
+)
+def test_deepspeed_config_from_zero_plans(policy, offload, stage):
+    config = deepspeed_config(plan(policy))
+    zero = config["zero_optimization"]
+    assert zero["stage"] == stage
+    assert {k for k in zero if k.startswith("offload")} == offload
+    assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == 200_000_000  # Lightning's defaults
+    assert zero["overlap_comm"] is True
+
+
+def test_deepspeed_config_carries_mixed_precision():
+    assert deepspeed_config(plan(fs.zero(2) + fs.mixed_precision(torch.bfloat16)))["bf16"] == {
+        "enabled": True
+    }
+
+
+@pytest.mark.parametrize(
+    ("p", "target", "message"),
+    [
+        (
+            lambda: plan(fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp"), fs.Mesh(dp=2, tp=2)),
+            None,
+            "tensor parallel over ('tp',)",
+        ),
+        (
+            lambda: plan(fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp"), fs.Mesh(dp=2, tp=2)),
+            "deepspeed",
+            "tensor parallel",
+        ),
+        (lambda: plan(fs.fsdp()), "ddp", "DDPStrategy runs replicated plans"),
+        (
+            lambda: plan(fs.zero(2) + fs.offload()),
+            "deepspeed",
+            "DeepSpeed offloads parameters only at ZeRO stage 3",
+        ),
+    ],
+)
+def test_targets_that_cannot_express_a_plan_say_why(p, target, message):
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
+        to_lightning(p(), MODEL, target=target)
+
+
+def test_units_need_the_module():
+    with pytest.raises(fs.ShardingError, match=re.escape("pass the module: to_lightning(plan, module)")):
+        to_lightning(plan(fs.fsdp()))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is not None,
+    reason="DeepSpeed is installed here, so the missing-package error cannot be shown.",
+)
+def test_deepspeed_target_without_deepspeed_says_so():
+    with pytest.raises(fs.ShardingError, match="DeepSpeedStrategy could not be built"):
+        to_lightning(plan(fs.zero(2)), target="deepspeed")
