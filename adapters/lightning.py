@@ -7,6 +7,8 @@ and `functional_shard.materialize`; this module only tells Lightning when to cal
 from __future__ import annotations
 
 import inspect
+from collections.abc import Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -139,6 +141,23 @@ class ShardStrategy(ModelParallelStrategy):
         accepted = inspect.signature(type(optimizer).__init__).parameters
         kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         return fs.optimizer(self.plan, module, type(optimizer), **kwargs)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip the gradient reduction on micro-batches that do not end an accumulation.
+
+        Lightning's Trainer path for ModelParallelStrategy reduces on every micro-batch;
+        FSDP2 and composable DDP both stop when told, and reduce the sum once.
+        """
+        assert self.model is not None  # Lightning calls this during fit only
+        engines = [m for m in self.model.modules() if hasattr(type(m), "set_requires_gradient_sync")]
+        for engine in engines:
+            engine.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            for engine in engines:
+                engine.set_requires_gradient_sync(True)
 
     def model_to_device(self) -> None:
         """Move what the engines left on another device (buffers, say)."""

@@ -106,6 +106,11 @@ class LocalWorld:
             process.start()
         self._broken = False
 
+    @property
+    def closed(self) -> bool:
+        """Whether the world was closed (by `close`, or by a rank's failure)."""
+        return self._broken
+
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` on every rank; return the results by rank.
 

@@ -33,12 +33,15 @@ class LanguageModel(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=dist_cases.LR)
 
 
-def fit(strategy: str | ShardStrategy, config: LlamaConfig, data_parallel: int) -> dict[str, object]:
-    """Trainer.fit on this rank (the LocalWorld's process group is reused)."""
+def fit(
+    strategy: str | ShardStrategy, config: LlamaConfig, data_parallel: int, accumulate: int = 1
+) -> dict[str, object]:
+    """Trainer.fit on this rank (the LocalWorld's process group is reused); with the bytes
+    this rank sent in reductions, counted from the collectives torch issued."""
     rank, world = dist.get_rank(), dist.get_world_size()
     # LOCAL_RANK tells Lightning the processes exist already; it joins the group
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
-    tokens = torch.cat(dist_cases.batches(config, data_parallel))
+    tokens = torch.cat(dist_cases.batches(config, data_parallel * accumulate))
     loader = torch.utils.data.DataLoader(tokens, batch_size=dist_cases.MICRO_BATCH, shuffle=False)
     module = LanguageModel(config)
     trainer = L.Trainer(
@@ -46,16 +49,30 @@ def fit(strategy: str | ShardStrategy, config: LlamaConfig, data_parallel: int) 
         devices=world,
         strategy=strategy,
         max_steps=dist_cases.STEPS,
+        accumulate_grad_batches=accumulate,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(module, loader)
+    log = dist_cases.CollectiveLog(fs.Mesh(dp=world))
+    with log:
+        trainer.fit(module, loader)
+    reduced = sum(
+        sum(by_axis.values())
+        for kind, by_axis in log.sent.items()
+        if kind in ("reduce_scatter", "all_reduce")
+    )
     losses = torch.stack([dist_cases.full(loss) for loss in module.losses])
+    # a step's loss: the mean of its micro-batch losses
+    losses = losses.view(-1, accumulate).mean(dim=1)
     dist.all_reduce(losses)  # tensor-parallel ranks hold the same loss, data ranks their own
     params = {k.removeprefix("model."): dist_cases.full(v) for k, v in module.state_dict().items()}
-    return {"losses": (losses / world).tolist(), "params": params if rank == 0 else None}
+    return {
+        "losses": (losses / world).tolist(),
+        "params": params if rank == 0 else None,
+        "reduced_bytes": reduced,
+    }
 
 
 def fit_named(name: str, config: LlamaConfig, data_parallel: int) -> dict[str, object]:
@@ -66,12 +83,14 @@ def fit_with(plan_or_policy: object, mesh: fs.Mesh | None, config: LlamaConfig, 
     return fit(ShardStrategy(plan_or_policy, mesh=mesh), config, data_parallel)
 
 
-def reference(config: LlamaConfig, data_parallel: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(
+    config: LlamaConfig, data_parallel: int, accumulate: int = 1
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process on the global batches Lightning's DistributedSampler makes (shuffled
     with seed 0; rank r takes perm[r::n], so step s's batches together are one block)."""
-    tokens = torch.cat(dist_cases.batches(config, data_parallel))
+    tokens = torch.cat(dist_cases.batches(config, data_parallel * accumulate))
     perm = torch.randperm(len(tokens), generator=torch.Generator().manual_seed(0))
-    global_batches = tokens[perm].split(dist_cases.MICRO_BATCH * data_parallel)
+    global_batches = tokens[perm].split(dist_cases.MICRO_BATCH * data_parallel * accumulate)
     torch.manual_seed(0)
     model = Llama(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=dist_cases.LR)
@@ -128,3 +147,9 @@ def fit_early_optimizer(config: LlamaConfig) -> None:
         enable_model_summary=False,
     )
     trainer.fit(EarlyOptimizer(config), loader)
+
+
+def fit_accumulating(
+    name: str, config: LlamaConfig, data_parallel: int, accumulate: int
+) -> dict[str, object]:
+    return fit(name, config, data_parallel, accumulate)

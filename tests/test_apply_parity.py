@@ -31,7 +31,7 @@ def worlds():
     started: dict[int, fs.LocalWorld] = {}
 
     def get(size: int) -> fs.LocalWorld:
-        if size not in started or started[size]._broken:
+        if size not in started or started[size].closed:
             started[size] = fs.LocalWorld(size)
         return started[size]
 
