@@ -10,6 +10,7 @@ Examples:
     (16, 64)
 """
 
+from . import checkpoint as checkpoint
 from . import rules as rules
 from .apply import apply as apply
 from .apply import check_optimizer as check_optimizer
@@ -96,6 +97,7 @@ __all__ = [
     "materialize",
     "optimizer",
     "run_local",
+    "checkpoint",
     # errors
     "MeshError",
     "PlanError",

@@ -347,3 +347,61 @@ def meta_init(name: str, config: LlamaConfig) -> dict[str, torch.Tensor] | None:
     fs.materialize(plan, model, seed=0)
     params = {k: full(v) for k, v in model.state_dict().items()}
     return params if dist.get_rank() == 0 else None
+
+
+def train_steps(model, optimizer, config: LlamaConfig, mesh: fs.Mesh, data_axes, steps: range) -> list[float]:
+    """Train ``steps`` (indices into the fixed batches) on this rank's data slice."""
+    data_parallel = mesh.axes_size(data_axes) if data_axes else 1
+    coords, index = mesh.coords(dist.get_rank()), 0
+    for axis in data_axes:
+        index = index * mesh[axis] + coords[axis]
+    all_batches = batches(config, data_parallel)
+    losses = []
+    for step in steps:
+        optimizer.zero_grad()
+        loss = loss_of(model, all_batches[step][index * MICRO_BATCH : (index + 1) * MICRO_BATCH])
+        loss.backward()
+        optimizer.step()
+        mean = full(loss)
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+    return losses
+
+
+def _built(name: str, config: LlamaConfig):
+    mesh, policy = strategy(name, dist.get_world_size())
+    torch.manual_seed(0)
+    model = Llama(config)
+    plan = fs.shard(model, mesh, policy)
+    fs.apply(plan, model)
+    return model, fs.optimizer(plan, model, torch.optim.AdamW, lr=LR), mesh, plan.config.data_axes
+
+
+def full_state(model, optimizer) -> dict[str, object]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_state, optim_state = get_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    return {"model": model_state, "optimizer": optim_state.get("state", {})}  # empty off rank 0
+
+
+def save_after(
+    name: str, config: LlamaConfig, path: str, steps: int, full_file: bool
+) -> dict[str, object] | None:
+    """Train ``steps`` under a plan, save, return the full state (rank 0)."""
+    model, optimizer, mesh, data_axes = _built(name, config)
+    train_steps(model, optimizer, config, mesh, data_axes, range(steps))
+    fs.checkpoint.save(path, model, optimizer, full=full_file, extra={"step": steps})
+    state = full_state(model, optimizer)
+    return state if dist.get_rank() == 0 else None
+
+
+def load_under(name: str, config: LlamaConfig, path: str, more_steps: int) -> dict[str, object] | None:
+    """Load under a (maybe other) plan; return the loaded full state and the losses of more steps."""
+    model, optimizer, mesh, data_axes = _built(name, config)
+    extra = fs.checkpoint.load(path, model, optimizer)
+    state = full_state(model, optimizer)
+    start = extra["step"]
+    losses = train_steps(model, optimizer, config, mesh, data_axes, range(start, start + more_steps))
+    return {"state": state, "losses": losses, "step": start} if dist.get_rank() == 0 else None

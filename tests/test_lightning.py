@@ -12,6 +12,7 @@ import torch
 import functional_shard as fs
 
 from . import dist_cases, lightning_cases
+from .worlds import RestartingWorld
 
 NAMED = [
     ("fs_ddp", 4),
@@ -24,21 +25,9 @@ NAMED = [
 ]
 
 
-class _World:
-    """The module's 4 ranks, restarted when a test's intended failure closed them."""
-
-    def __init__(self) -> None:
-        self.current = fs.LocalWorld(4)
-
-    def run(self, *args, **kwargs):
-        if self.current.closed:
-            self.current = fs.LocalWorld(4)
-        return self.current.run(*args, **kwargs)
-
-
 @pytest.fixture(scope="module")
 def world():
-    shared = _World()
+    shared = RestartingWorld(4)
     yield shared
     shared.current.close()
 

@@ -1,0 +1,70 @@
+"""Checkpoints on real process groups: resume exactly, reshard between plans, convert offline."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import functional_shard as fs
+
+from . import dist_cases
+from .worlds import RestartingWorld
+
+CONFIG = dist_cases.EVEN
+
+
+def assert_same_state(got, expected):
+    assert got["model"].keys() == expected["model"].keys()
+    for name, value in expected["model"].items():
+        torch.testing.assert_close(got["model"][name], value, atol=0, rtol=0, msg=name)
+    for key, state in expected["optimizer"].items():
+        for field, value in state.items():
+            torch.testing.assert_close(got["optimizer"][key][field], value, atol=0, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    world = RestartingWorld(4)
+    yield world
+    world.current.close()
+
+
+@pytest.mark.parametrize("full_file", [False, True], ids=["sharded", "full"])
+def test_resume_continues_exactly(world4, tmp_path, full_file):
+    path = str(tmp_path / ("ckpt.pt" if full_file else "ckpt"))
+    uninterrupted = dist_cases.reference(CONFIG, 4)[0]
+    world4.run(dist_cases.save_after, "zero3", CONFIG, path, 2, full_file)
+    resumed = world4.run(dist_cases.load_under, "zero3", CONFIG, path, 3)[0]
+    assert resumed["losses"] == pytest.approx(uninterrupted[2:], abs=1e-5)
+
+
+def test_a_checkpoint_moves_between_plans(world4, tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = world4.run(dist_cases.save_after, "zero3", CONFIG, path, 2, False)[0]  # FSDP x4
+    on_2d = world4.run(dist_cases.load_under, "fsdp_tp", CONFIG, path, 0)[0]  # FSDP x2 . TP x2
+    assert_same_state(on_2d["state"], saved)
+    with fs.LocalWorld(1) as one:  # DDP x1
+        alone = one.run(dist_cases.load_under, "ddp", CONFIG, path, 0)[0]
+    assert_same_state(alone["state"], saved)
+
+
+def test_offline_conversion_round_trips(world4, tmp_path):
+    sharded, full = tmp_path / "ckpt", tmp_path / "ckpt.pt"
+    saved = world4.run(dist_cases.save_after, "fsdp_tp", CONFIG, str(sharded), 1, False)[0]
+    fs.checkpoint.convert(sharded, full)
+    loaded = world4.run(dist_cases.load_under, "zero3", CONFIG, str(full), 0)[0]
+    assert_same_state(loaded["state"], saved)
+    back = tmp_path / "again"
+    fs.checkpoint.convert(full, back)
+    assert back.is_dir()
+    assert any(back.iterdir())
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint(world4, tmp_path):
+    path = tmp_path / "ckpt"
+    world4.run(dist_cases.save_after, "zero3", CONFIG, str(path), 1, False)
+    before = sorted(p.name for p in path.iterdir())
+    with pytest.raises(fs.ShardingError, match="ZeRO-1"):
+        world4.run(dist_cases.save_after, "zero1", CONFIG, str(path), 1, False)
+    assert sorted(p.name for p in path.iterdir()) == before
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
