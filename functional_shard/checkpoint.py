@@ -120,15 +120,15 @@ def load(
     if path.is_file():
         # every rank reads the file and keeps its own shards (a full copy per rank while
         # loading: the price of the one-file format)
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        saved = torch.load(path, map_location="cpu", weights_only=False)
         set_state_dict(
             module,
             optimizer or [],
-            model_state_dict=state["model"],
-            optim_state_dict=state.get("optimizer", {}),
+            model_state_dict=saved["model"],
+            optim_state_dict=saved.get("optimizer", {}),
             options=StateDictOptions(full_state_dict=True),
         )
-        return state.get("extra", {})
+        return dict(saved.get("extra", {}))
     model_state, optim_state = get_state_dict(module, optimizer or [])
     state: dict[str, Any] = {"model": model_state}
     if optimizer is not None:
