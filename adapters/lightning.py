@@ -118,6 +118,8 @@ class ShardStrategy(ModelParallelStrategy):
         fs.apply(self._plan, module, self.device_mesh, root=_forward_root(module))
         if any(p.is_meta for p in module.parameters()):
             fs.materialize(self._plan, module, self.root_device, seed=self._seed)
+        # Lightning clips with torch's clip_grad_norm_, which cannot mix meshes
+        self.precision_plugin.clip_grad_by_norm = _clip_by_norm  # type: ignore[method-assign]
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
         self.barrier()
@@ -163,6 +165,10 @@ class ShardStrategy(ModelParallelStrategy):
         """Move what the engines left on another device (buffers, say)."""
         assert self.model is not None
         self.model.to(self.root_device)
+
+
+def _clip_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+    fs.clip_grad_norm_((p for group in optimizer.param_groups for p in group["params"]), clip_val)
 
 
 def _forward_root(module: torch.nn.Module) -> str:

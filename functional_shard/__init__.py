@@ -14,6 +14,7 @@ from . import checkpoint as checkpoint
 from . import rules as rules
 from .apply import apply as apply
 from .apply import check_optimizer as check_optimizer
+from .apply import clip_grad_norm_ as clip_grad_norm_
 from .apply import materialize as materialize
 from .apply import optimizer as optimizer
 from .cost import Cost as Cost
@@ -94,6 +95,7 @@ __all__ = [
     "RankFailedError",
     "apply",
     "check_optimizer",
+    "clip_grad_norm_",
     "materialize",
     "optimizer",
     "run_local",

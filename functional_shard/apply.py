@@ -26,7 +26,7 @@ from .mesh import Mesh
 from .plan import Plan
 from .tree import dtype_from_name, read_model
 
-__all__ = ["apply", "build_device_mesh", "check_optimizer", "materialize", "optimizer"]
+__all__ = ["apply", "build_device_mesh", "check_optimizer", "clip_grad_norm_", "materialize", "optimizer"]
 
 
 def build_device_mesh(mesh: Mesh, device_type: str = "cpu") -> DeviceMesh:
@@ -464,3 +464,39 @@ def materialize(
                 else:  # replicated (DDP, or a parameter no layer splits)
                     local.copy_(full_value)
     return module
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
+    """Clip gradients by their global norm, across every shard of every mesh.
+
+    torch's ``clip_grad_norm_`` stacks per-parameter norms, which fails when parameters
+    live on different meshes (FSDP-only norm weights beside FSDP x TP projections). Here
+    the norm is taken per mesh, made whole, then combined.
+
+    Returns:
+        The total norm before clipping.
+
+    Examples:
+        >>> # fs.clip_grad_norm_(model.parameters(), 1.0)
+    """
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    groups: dict[object, list[torch.Tensor]] = {}
+    for grad in grads:
+        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else "local"
+        groups.setdefault(key, []).append(grad)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.tensor(0.0)
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
+    coefficient = float(max_norm) / (float(total) + 1e-6)
+    if coefficient < 1.0:  # as torch: scale only when the norm is above the limit
+        for grad in grads:
+            grad.mul_(coefficient)
+    return total

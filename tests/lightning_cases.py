@@ -34,7 +34,11 @@ class LanguageModel(L.LightningModule):
 
 
 def fit(
-    strategy: str | ShardStrategy, config: LlamaConfig, data_parallel: int, accumulate: int = 1
+    strategy: str | ShardStrategy,
+    config: LlamaConfig,
+    data_parallel: int,
+    accumulate: int = 1,
+    clip: float | None = None,
 ) -> dict[str, object]:
     """Trainer.fit on this rank (the LocalWorld's process group is reused); with the bytes
     this rank sent in reductions, counted from the collectives torch issued."""
@@ -50,6 +54,7 @@ def fit(
         strategy=strategy,
         max_steps=dist_cases.STEPS,
         accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -84,7 +89,7 @@ def fit_with(plan_or_policy: object, mesh: fs.Mesh | None, config: LlamaConfig, 
 
 
 def reference(
-    config: LlamaConfig, data_parallel: int, accumulate: int = 1
+    config: LlamaConfig, data_parallel: int, accumulate: int = 1, clip: float | None = None
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process on the global batches Lightning's DistributedSampler makes (shuffled
     with seed 0; rank r takes perm[r::n], so step s's batches together are one block)."""
@@ -99,6 +104,8 @@ def reference(
         optimizer.zero_grad()
         loss = dist_cases.loss_of(model, batch)
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -153,3 +160,7 @@ def fit_accumulating(
     name: str, config: LlamaConfig, data_parallel: int, accumulate: int
 ) -> dict[str, object]:
     return fit(name, config, data_parallel, accumulate)
+
+
+def fit_clipped(name: str, config: LlamaConfig, data_parallel: int, clip: float) -> dict[str, object]:
+    return fit(name, config, data_parallel, clip=clip)

@@ -108,3 +108,13 @@ def test_gradient_accumulation_reduces_once_per_step(world, name):
     # gradients reduced once per optimizer step; Lightning adds a few scalar all-reduces of
     # its own (its stopping decisions: 24 bytes over this fit)
     assert per_step * dist_cases.STEPS <= result[0]["reduced_bytes"] <= per_step * dist_cases.STEPS + 64
+
+
+@pytest.mark.parametrize(("name", "data_parallel"), [("fs_fsdp", 4), ("fs_fsdp_tp", 2)])
+def test_gradient_clipping_clips_the_global_norm(world, name, data_parallel):
+    """gradient_clip_val=0.5 (well below these gradients' norm): as one process clipping."""
+    result = world.run(lightning_cases.fit_clipped, name, dist_cases.EVEN, data_parallel, 0.5)[0]
+    losses, params = lightning_cases.reference(dist_cases.EVEN, data_parallel, clip=0.5)
+    assert result["losses"] == pytest.approx(losses, abs=1e-5)
+    for key, value in params.items():
+        torch.testing.assert_close(result["params"][key], value, atol=1e-5, rtol=1e-4)
