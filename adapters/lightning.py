@@ -97,12 +97,7 @@ class ShardStrategy(ModelParallelStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Split batches over the data-parallel axes only."""
-        plan = self.plan
-        coords = plan.mesh.coords(self.global_rank)
-        rank, replicas = 0, 1
-        for axis in plan.config.data_axes:
-            rank = rank * plan.mesh[axis] + coords[axis]
-            replicas *= plan.mesh[axis]
+        rank, replicas = self.plan.data_parallel_rank(self.global_rank)
         return {"num_replicas": replicas, "rank": rank}
 
     def setup(self, trainer: pl.Trainer) -> None:

@@ -164,6 +164,25 @@ class Plan:
         """The axes over which FSDP2 pads this tensor (split at rest, not for compute)."""
         return self.sharding(path).at_rest_axes
 
+    def data_parallel_rank(self, rank: int) -> tuple[int, int]:
+        """Which slice of the global batch ``rank`` reads: (index, number of slices).
+
+        Ranks that differ only along model axes (tensor parallel) read the same slice.
+
+        Examples:
+            >>> import torch.nn as nn, functional_shard as fs
+            >>> policy = fs.fsdp("dp") + fs.tp([("*", "colwise")], "tp")
+            >>> plan = fs.shard(nn.Linear(4, 4), fs.Mesh(dp=2, tp=2), policy)
+            >>> [plan.data_parallel_rank(r) for r in range(4)]
+            [(0, 2), (0, 2), (1, 2), (1, 2)]
+        """
+        coords = self.mesh.coords(rank)
+        index, count = 0, 1
+        for axis in self.config.data_axes:
+            index = index * self.mesh[axis] + coords[axis]
+            count *= self.mesh[axis]
+        return index, count
+
     def unit_of(self, path: str) -> str:
         """The FSDP unit (module path, "" for the root) that gathers this parameter.
 

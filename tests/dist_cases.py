@@ -85,20 +85,20 @@ def reference(config: LlamaConfig, data_parallel: int) -> tuple[list[float], dic
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train(name: str, config: LlamaConfig) -> dict[str, object]:
-    """Train under a plan on this rank; rank 0 returns losses and full parameters."""
+def _built(name: str, config: LlamaConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer, fs.Plan]:
+    """The tiny Llama (seed 0, on this rank's device) under a strategy, with its optimizer."""
     mesh, policy = strategy(name, dist.get_world_size())
     torch.manual_seed(0)
     model = Llama(config).to(device())  # initialised on the CPU, as the reference is
     plan = fs.shard(model, mesh, policy)
     fs.apply(plan, model)
-    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR)
-    data_axes = plan.config.data_axes
-    data_parallel = mesh.axes_size(data_axes) if data_axes else 1
-    coords = mesh.coords(dist.get_rank())
-    index = 0
-    for axis in data_axes:  # this rank's place among the data-parallel ranks
-        index = index * mesh[axis] + coords[axis]
+    return model, fs.optimizer(plan, model, torch.optim.AdamW, lr=LR), plan
+
+
+def train(name: str, config: LlamaConfig) -> dict[str, object]:
+    """Train under a plan on this rank; rank 0 returns losses and full parameters."""
+    model, optimizer, plan = _built(name, config)
+    index, data_parallel = plan.data_parallel_rank(dist.get_rank())
     losses = []
     for tokens in batches(config, data_parallel):
         optimizer.zero_grad()
@@ -128,12 +128,7 @@ def _storage_bytes(tensors) -> int:
 
 def measure_memory(name: str, config: LlamaConfig) -> dict[str, object]:
     """After one step: this rank's bytes of params, grads, optimizer state, and the prediction."""
-    mesh, policy = strategy(name, dist.get_world_size())
-    torch.manual_seed(0)
-    model = Llama(config)
-    plan = fs.shard(model, mesh, policy)
-    fs.apply(plan, model)
-    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR)
+    model, optimizer, plan = _built(name, config)
     tokens = batches(config, 1)[0][:MICRO_BATCH]
     loss_of(model, tokens).backward()
     optimizer.step()
@@ -211,17 +206,12 @@ class CollectiveLog(TorchDispatchMode):
 
 def measure_comm(name: str, config: LlamaConfig) -> dict[str, object]:
     """Bytes this rank sends in one steady-state training step, and the prediction."""
-    mesh, policy = strategy(name, dist.get_world_size())
-    torch.manual_seed(0)
-    model = Llama(config)
-    plan = fs.shard(model, mesh, policy)
-    fs.apply(plan, model)
-    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR)
+    model, optimizer, plan = _built(name, config)
     tokens = batches(config, 1)[0][:MICRO_BATCH]
     # two warm-up steps: the first builds lazy state, the second DDP's rebuilt buckets,
     # whose layout it broadcasts once
     for step in range(3):
-        log = CollectiveLog(mesh)
+        log = CollectiveLog(plan.mesh)
         with log if step == 2 else contextlib.nullcontext():
             optimizer.zero_grad()
             loss_of(model, tokens).backward()
@@ -288,11 +278,7 @@ def mlp_grads(
     model = mlp(sizes, seed)
     plan = fs.shard(model, mesh, policy)
     fs.apply(plan, model, _device_mesh(mesh))
-    data_axes = plan.config.data_axes
-    n = mesh.axes_size(data_axes) if data_axes else 1
-    coords, index = mesh.coords(dist.get_rank()), 0
-    for axis in data_axes:
-        index = index * mesh[axis] + coords[axis]
+    index, n = plan.data_parallel_rank(dist.get_rank())
     x = torch.randn(2 * n, sizes[0], generator=torch.Generator().manual_seed(seed))
     model(x[2 * index : 2 * index + 2]).square().mean().backward()
     return {name: full(p.grad) for name, p in model.named_parameters()}
@@ -349,12 +335,9 @@ def meta_init(name: str, config: LlamaConfig) -> dict[str, torch.Tensor] | None:
     return params if dist.get_rank() == 0 else None
 
 
-def train_steps(model, optimizer, config: LlamaConfig, mesh: fs.Mesh, data_axes, steps: range) -> list[float]:
+def train_steps(model, optimizer, config: LlamaConfig, plan: fs.Plan, steps: range) -> list[float]:
     """Train ``steps`` (indices into the fixed batches) on this rank's data slice."""
-    data_parallel = mesh.axes_size(data_axes) if data_axes else 1
-    coords, index = mesh.coords(dist.get_rank()), 0
-    for axis in data_axes:
-        index = index * mesh[axis] + coords[axis]
+    index, data_parallel = plan.data_parallel_rank(dist.get_rank())
     all_batches = batches(config, data_parallel)
     losses = []
     for step in steps:
@@ -366,15 +349,6 @@ def train_steps(model, optimizer, config: LlamaConfig, mesh: fs.Mesh, data_axes,
         dist.all_reduce(mean)
         losses.append(mean.item() / dist.get_world_size())
     return losses
-
-
-def _built(name: str, config: LlamaConfig):
-    mesh, policy = strategy(name, dist.get_world_size())
-    torch.manual_seed(0)
-    model = Llama(config)
-    plan = fs.shard(model, mesh, policy)
-    fs.apply(plan, model)
-    return model, fs.optimizer(plan, model, torch.optim.AdamW, lr=LR), mesh, plan.config.data_axes
 
 
 def full_state(model, optimizer) -> dict[str, object]:
@@ -390,8 +364,8 @@ def save_after(
     name: str, config: LlamaConfig, path: str, steps: int, full_file: bool
 ) -> dict[str, object] | None:
     """Train ``steps`` under a plan, save, return the full state (rank 0)."""
-    model, optimizer, mesh, data_axes = _built(name, config)
-    train_steps(model, optimizer, config, mesh, data_axes, range(steps))
+    model, optimizer, plan = _built(name, config)
+    train_steps(model, optimizer, config, plan, range(steps))
     fs.checkpoint.save(path, model, optimizer, full=full_file, extra={"step": steps})
     state = full_state(model, optimizer)
     return state if dist.get_rank() == 0 else None
@@ -399,9 +373,9 @@ def save_after(
 
 def load_under(name: str, config: LlamaConfig, path: str, more_steps: int) -> dict[str, object] | None:
     """Load under a (maybe other) plan; return the loaded full state and the losses of more steps."""
-    model, optimizer, mesh, data_axes = _built(name, config)
+    model, optimizer, plan = _built(name, config)
     extra = fs.checkpoint.load(path, model, optimizer)
     state = full_state(model, optimizer)
     start = extra["step"]
-    losses = train_steps(model, optimizer, config, mesh, data_axes, range(start, start + more_steps))
+    losses = train_steps(model, optimizer, config, plan, range(start, start + more_steps))
     return {"state": state, "losses": losses, "step": start} if dist.get_rank() == 0 else None
