@@ -164,3 +164,32 @@ def fit_accumulating(
 
 def fit_clipped(name: str, config: LlamaConfig, data_parallel: int, clip: float) -> dict[str, object]:
     return fit(name, config, data_parallel, clip=clip)
+
+
+def fit_epochs(name: str, config: LlamaConfig, epochs: int, resume_from: str | None, save_to: str | None):
+    """Fit for ``epochs``, optionally resuming from / saving a checkpoint;
+    rank 0 returns the per-step losses of this run and the full parameters."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
+    tokens = torch.cat(dist_cases.batches(config, world))[: 2 * dist_cases.MICRO_BATCH * world]
+    loader = torch.utils.data.DataLoader(tokens, batch_size=dist_cases.MICRO_BATCH, shuffle=True)
+    module = LanguageModel(config)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=name,
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, loader, ckpt_path=resume_from)
+    if save_to:
+        trainer.save_checkpoint(save_to)
+    losses = (
+        torch.stack([dist_cases.full(loss) for loss in module.losses]) if module.losses else torch.zeros(0)
+    )
+    dist.all_reduce(losses)
+    params = {k: dist_cases.full(v) for k, v in module.state_dict().items()}
+    return {"losses": (losses / world).tolist(), "params": params} if rank == 0 else None
