@@ -13,6 +13,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
+from lightning.fabric.strategies.parallel import ParallelStrategy as FabricParallelStrategy
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -24,10 +26,54 @@ from functional_shard.policy import as_policy
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["ShardStrategy", "deepspeed_config", "to_lightning"]
+__all__ = ["FabricShardStrategy", "ShardStrategy", "deepspeed_config", "to_lightning"]
 
 
-class ShardStrategy(ModelParallelStrategy):
+class _RunsAPlan:
+    """What the Trainer and the Fabric strategies share.
+
+    The plan (or policy) and its mesh, planning and applying it, each rank's data slice.
+    """
+
+    _plan: fs.Plan | None
+    _policy: fs.Policy | None
+    _mesh: fs.Mesh
+    _seed: int | None
+
+    def _hold(self, plan: Any, mesh: fs.Mesh | None, seed: int | None) -> None:
+        if isinstance(plan, fs.Plan):
+            self._plan, self._policy, self._mesh = plan, None, plan.mesh
+        else:
+            self._plan, self._policy = None, as_policy(plan)
+            self._mesh = mesh or fs.Mesh(dp=-1)
+        self._seed = seed
+
+    @property
+    def plan(self) -> fs.Plan:
+        """The plan this strategy runs (for a policy: available after setup)."""
+        if self._plan is None:
+            raise fs.ShardingError("the policy is planned in setup(), once the module and world are known")
+        return self._plan
+
+    def _device_mesh_for(self, world_size: int, device_type: str) -> Any:
+        self._mesh = self._mesh.resolve(world_size)
+        return build_device_mesh(self._mesh, device_type)
+
+    def _run_plan(
+        self, module: torch.nn.Module, device_mesh: Any, device: torch.device, root: str = ""
+    ) -> None:
+        if self._plan is None:
+            self._plan = fs.shard(module, self._mesh, self._policy)
+        fs.apply(self._plan, module, device_mesh, root=root)
+        if any(p.is_meta for p in module.parameters()):
+            fs.materialize(self._plan, module, device, seed=self._seed)
+
+    def _sampler_kwargs(self, global_rank: int) -> dict[str, Any]:
+        rank, replicas = self.plan.data_parallel_rank(global_rank)
+        return {"num_replicas": replicas, "rank": rank}
+
+
+class ShardStrategy(_RunsAPlan, ModelParallelStrategy):
     """A Lightning strategy that runs a functional_shard plan (or a policy, planned at setup).
 
     No ``configure_model`` override is needed: when the LightningModule has one, it runs
@@ -69,36 +115,20 @@ class ShardStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        if isinstance(plan, fs.Plan):
-            self._plan: fs.Plan | None = plan
-            self._policy: fs.Policy | None = None
-            self._mesh = plan.mesh
-        else:
-            self._plan, self._policy = None, as_policy(plan)
-            self._mesh = mesh or fs.Mesh(dp=-1)
-        self._seed = seed
-
-    @property
-    def plan(self) -> fs.Plan:
-        """The plan this strategy runs (for a policy: available after setup)."""
-        if self._plan is None:
-            raise fs.ShardingError("the policy is planned in setup(), once the module and world are known")
-        return self._plan
+        self._hold(plan, mesh, seed)
 
     def setup_environment(self) -> None:
         """Join the process group and build the DeviceMesh of the plan's mesh."""
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
-        self._mesh = self._mesh.resolve(self.world_size)
-        self._device_mesh = build_device_mesh(self._mesh, self.root_device.type)
+        self._device_mesh = self._device_mesh_for(self.world_size, self.root_device.type)
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = self._device_mesh
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Split batches over the data-parallel axes only."""
-        rank, replicas = self.plan.data_parallel_rank(self.global_rank)
-        return {"num_replicas": replicas, "rank": rank}
+        return self._sampler_kwargs(self.global_rank)
 
     def setup(self, trainer: pl.Trainer) -> None:
         """Plan (if a policy was given), apply, materialize, then set up the optimizers."""
@@ -108,11 +138,7 @@ class ShardStrategy(ModelParallelStrategy):
             )
         self.accelerator.setup(trainer)
         module = self.model
-        if self._plan is None:
-            self._plan = fs.shard(module, self._mesh, self._policy)
-        fs.apply(self._plan, module, self.device_mesh, root=_forward_root(module))
-        if any(p.is_meta for p in module.parameters()):
-            fs.materialize(self._plan, module, self.root_device, seed=self._seed)
+        self._run_plan(module, self.device_mesh, self.root_device, root=_forward_root(module))
         # Lightning clips with torch's clip_grad_norm_, which cannot mix meshes
         self.precision_plugin.clip_grad_by_norm = _clip_by_norm  # type: ignore[method-assign]
         self.model = self.precision_plugin.convert_module(module)
@@ -122,7 +148,7 @@ class ShardStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
                 fs.check_optimizer(optimizer, module)
-            if self._plan.config.data_parallel == "zero1":
+            if self.plan.config.data_parallel == "zero1":
                 self.optimizers = [self._zero1(optimizer, module) for optimizer in self.optimizers]
         self.setup_precision_plugin()
 
@@ -332,3 +358,60 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
         cpu_offload=config.offload_params,
         mixed_precision=precision,
     )
+
+
+class FabricShardStrategy(_RunsAPlan, FabricModelParallelStrategy):
+    """The same plans through Fabric: ``L.Fabric(strategy=FabricShardStrategy(plan_or_policy))``.
+
+    ``fabric.setup_module(model)`` plans (for a policy), applies and materializes; build the
+    optimizer after it (an optimizer on the replaced parameters is refused by
+    ``fabric.setup_optimizers``); ``fabric.backward`` and ``fabric.save`` / ``fabric.load``
+    work as with Lightning's ModelParallelStrategy, which this extends.
+
+    Examples:
+        >>> # fabric = L.Fabric(strategy=FabricShardStrategy(fs.fsdp()), accelerator="cpu", devices=4)
+    """
+
+    def __init__(
+        self,
+        plan: fs.Plan | fs.Policy | Any,
+        *,
+        mesh: fs.Mesh | None = None,
+        seed: int | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = timedelta(seconds=1800),
+    ) -> None:
+        super().__init__(
+            parallelize_fn=self._parallelize,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._hold(plan, mesh, seed)
+        self._module: torch.nn.Module | None = None
+
+    def setup_environment(self) -> None:
+        """Join the process group and build the DeviceMesh of the plan's mesh."""
+        FabricParallelStrategy.setup_environment(self)
+        self._setup_distributed()
+        self._device_mesh = self._device_mesh_for(self.world_size, self.root_device.type)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Split batches over the data-parallel axes only."""
+        return self._sampler_kwargs(self.global_rank)
+
+    def _parallelize(self, module: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
+        self._run_plan(module, device_mesh, self.root_device)
+        self._module = module
+        return module
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Refuse an optimizer built on parameters that sharding replaced.
+
+        Fabric's own strategy would step them and train nothing.
+        """
+        if self._module is not None:
+            fs.check_optimizer(optimizer, self._module)
+        return super().setup_optimizer(optimizer)

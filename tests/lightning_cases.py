@@ -193,3 +193,37 @@ def fit_epochs(name: str, config: LlamaConfig, epochs: int, resume_from: str | N
     dist.all_reduce(losses)
     params = {k: dist_cases.full(v) for k, v in module.state_dict().items()}
     return {"losses": (losses / world).tolist(), "params": params} if rank == 0 else None
+
+
+def fabric_loop(name: str, config: LlamaConfig, early_optimizer: bool = False) -> dict[str, object] | None:
+    """A Fabric training loop under a strategy of dist_cases.strategy(); rank 0 returns
+    losses and full parameters."""
+    from functional_shard.adapters.lightning import FabricShardStrategy
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
+    mesh, policy = dist_cases.strategy(name, world)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=FabricShardStrategy(policy, mesh=mesh))
+    fabric.launch()
+    torch.manual_seed(0)
+    model = Llama(config)
+    early = torch.optim.AdamW(model.parameters(), lr=dist_cases.LR)
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(
+        early if early_optimizer else torch.optim.AdamW(model.parameters(), lr=dist_cases.LR)
+    )
+    plan = fabric.strategy.plan
+    index, data_parallel = plan.data_parallel_rank(rank)
+    losses = []
+    for tokens in dist_cases.batches(config, data_parallel):
+        optimizer.zero_grad()
+        loss = dist_cases.loss_of(
+            model, tokens[index * dist_cases.MICRO_BATCH : (index + 1) * dist_cases.MICRO_BATCH]
+        )
+        fabric.backward(loss)
+        optimizer.step()
+        mean = dist_cases.full(loss)
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    params = {k.removeprefix("_forward_module."): dist_cases.full(v) for k, v in model.state_dict().items()}
+    return {"losses": losses, "params": params, "data_parallel": data_parallel} if rank == 0 else None

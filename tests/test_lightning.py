@@ -132,3 +132,17 @@ def test_trainer_checkpoints_resume_exactly(world, tmp_path, name):
     assert resumed["losses"] == pytest.approx(second_epoch, abs=1e-5)  # a float32 step at 25 is 1.9e-6
     for key, value in straight["params"].items():
         torch.testing.assert_close(resumed["params"][key], value, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["zero3", "fsdp_tp"])
+def test_fabric_loop_trains_as_one_process(world, name):
+    result = world.run(lightning_cases.fabric_loop, name, dist_cases.EVEN)[0]
+    losses, params = dist_cases.reference(dist_cases.EVEN, result["data_parallel"])
+    assert result["losses"] == pytest.approx(losses, abs=1e-5)
+    for key, value in params.items():
+        torch.testing.assert_close(result["params"][key], value, atol=1e-5, rtol=1e-4)
+
+
+def test_fabric_refuses_an_optimizer_built_before_sharding(world):
+    with pytest.raises(fs.ShardingError, match="built before sharding replaced them"):
+        world.run(lightning_cases.fabric_loop, "zero3", dist_cases.EVEN, True)
