@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 import optree
@@ -15,11 +14,6 @@ def flatten_with_path(tree: Any) -> tuple[list[tuple[Any, ...]], list[Any]]:
     """Paths (tuples of keys) and leaves of ``tree``, in optree's traversal order."""
     paths, leaves, _ = optree.tree_flatten_with_path(tree, namespace=NAMESPACE)
     return paths, leaves
-
-
-def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
-    """``optree.tree_map`` in our namespace (so Plan is a node, not a leaf)."""
-    return optree.tree_map(fn, tree, *rest, namespace=NAMESPACE)
 
 
 def static_field(**kwargs: Any) -> Any:

@@ -329,6 +329,13 @@ def apply(
     return module
 
 
+def _applied_with(plan: Plan, module: nn.Module, caller: str) -> _Applied:
+    applied = _APPLIED.get(module)
+    if applied is None or applied.plan != plan:
+        raise ShardingError(f"{caller} needs the module fs.apply(plan, module) returned, with the same plan")
+    return applied
+
+
 def check_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
     """Refuse an optimizer that holds parameters the module no longer has.
 
@@ -362,11 +369,7 @@ def optimizer(
     Examples:
         >>> # opt = fs.optimizer(plan, model, torch.optim.AdamW, lr=1e-3)
     """
-    applied = _APPLIED.get(module)
-    if applied is None or applied.plan != plan:
-        raise ShardingError(
-            "fs.optimizer needs the module fs.apply(plan, module) returned, with the same plan"
-        )
+    applied = _applied_with(plan, module, "fs.optimizer")
     params: Iterable[nn.Parameter] = module.parameters()
     if plan.config.data_parallel == "zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -413,11 +416,7 @@ def materialize(
     """
     from torch.distributed.tensor import DTensor
 
-    applied = _APPLIED.get(module)
-    if applied is None or applied.plan != plan:
-        raise ShardingError(
-            "fs.materialize needs the module fs.apply(plan, module) returned, with the same plan"
-        )
+    _applied_with(plan, module, "fs.materialize")
     missing = [
         path or "<root>"
         for path, sub in module.named_modules()

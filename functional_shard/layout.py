@@ -9,7 +9,6 @@ dim's size, as torch reports it.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -198,8 +197,3 @@ def unshard_tensor(shards: Sequence[torch.Tensor], spec: P, mesh: Mesh) -> torch
         if any(len(parts) != mesh[axis] for parts in grouped.values()):
             raise ShardingError(f"missing shards along axis {axis!r}")
     return pieces[()]
-
-
-def numel(shape: Sequence[int]) -> int:
-    """Product of a shape."""
-    return math.prod(shape)

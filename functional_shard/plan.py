@@ -210,7 +210,6 @@ class Plan:
                 tensor = self.tensors[path]
                 storage = sharding.storage
                 local = local_shape_and_offset(tensor.shape, storage, self.mesh, 0)[0]
-                nbytes = local_numel(tensor.shape, storage, self.mesh, 0, self.padded_axes(path))
                 tied = [a for a in self.aliases.get(path, ()) if a != path]
                 name = (
                     path
@@ -225,7 +224,7 @@ class Plan:
                         str(tensor.dtype).removeprefix("torch."),
                         *(repr(s) for s in specs.specs().values()),
                         "×".join(map(str, local)) or "()",
-                        str(nbytes * tensor.itemsize),
+                        str(self._local_bytes(path)),
                     )
                 )
         return rows

@@ -13,7 +13,7 @@ from .mesh import Mesh
 from .plan import Plan, PlanConfig
 from .policy import DataParallel, Layer, ParamProblemError, Policy, Selector, as_policy
 from .rules import layout_of
-from .spec import REPLICATED, Owned, P, ParamSharding, spec_problems
+from .spec import Owned, P, ParamSharding, spec_problems
 from .tree import ModelTree, TensorSpec, matches, owner_paths, read_model
 
 if TYPE_CHECKING:
@@ -364,12 +364,9 @@ def shard(model: Any, mesh: Mesh | DeviceMesh, policy: Policy | Any) -> Plan:
     tensors = {**tree.params, **tree.buffers}
     return Plan(
         params={p: placed[p] for p in tree.params},
-        buffers={p: placed.get(p, REPLICATED_SHARDING) for p in tree.buffers},
+        buffers={p: placed[p] for p in tree.buffers},
         mesh=mesh,
         tensors=tensors,
         aliases=dict(tree.aliases),
         config=config,
     )
-
-
-REPLICATED_SHARDING = ParamSharding(REPLICATED, REPLICATED, REPLICATED, REPLICATED)
