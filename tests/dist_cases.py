@@ -98,16 +98,8 @@ def _built(name: str, config: LlamaConfig) -> tuple[torch.nn.Module, torch.optim
 def train(name: str, config: LlamaConfig) -> dict[str, object]:
     """Train under a plan on this rank; rank 0 returns losses and full parameters."""
     model, optimizer, plan = _built(name, config)
-    index, data_parallel = plan.data_parallel_rank(dist.get_rank())
-    losses = []
-    for tokens in batches(config, data_parallel):
-        optimizer.zero_grad()
-        loss = loss_of(model, tokens[index * MICRO_BATCH : (index + 1) * MICRO_BATCH].to(device()))
-        loss.backward()
-        optimizer.step()
-        mean = full(loss)
-        dist.all_reduce(mean)  # tensor-parallel ranks hold the same loss, data ranks their own
-        losses.append(mean.item() / dist.get_world_size())
+    data_parallel = plan.data_parallel_rank(dist.get_rank())[1]
+    losses = train_steps(model, optimizer, config, plan, range(STEPS))
     params = {k: full(v) for k, v in model.state_dict().items()}
     return {
         "losses": losses,
@@ -335,19 +327,28 @@ def meta_init(name: str, config: LlamaConfig) -> dict[str, torch.Tensor] | None:
     return params if dist.get_rank() == 0 else None
 
 
-def train_steps(model, optimizer, config: LlamaConfig, plan: fs.Plan, steps: range) -> list[float]:
-    """Train ``steps`` (indices into the fixed batches) on this rank's data slice."""
+def mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
+    """The mean over every rank: tensor-parallel ranks hold the same loss, data ranks their own
+    (equal slices), so this is the loss of the global batch."""
+    total = full(values)
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
+
+
+def train_steps(
+    model, optimizer, config: LlamaConfig, plan: fs.Plan, steps: range, backward=torch.Tensor.backward
+) -> list[float]:
+    """Train ``steps`` (indices into the fixed batches) on this rank's data slice; the
+    global-batch loss of each step."""
     index, data_parallel = plan.data_parallel_rank(dist.get_rank())
     all_batches = batches(config, data_parallel)
     losses = []
     for step in steps:
         optimizer.zero_grad()
-        loss = loss_of(model, all_batches[step][index * MICRO_BATCH : (index + 1) * MICRO_BATCH])
-        loss.backward()
+        loss = loss_of(model, all_batches[step][index * MICRO_BATCH : (index + 1) * MICRO_BATCH].to(device()))
+        backward(loss)
         optimizer.step()
-        mean = full(loss)
-        dist.all_reduce(mean)
-        losses.append(mean.item() / dist.get_world_size())
+        losses.append(mean_over_ranks(loss).item())
     return losses
 
 

@@ -33,6 +33,29 @@ class LanguageModel(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=dist_cases.LR)
 
 
+def join_as_lightning_rank() -> tuple[int, int]:
+    """Tell Lightning this process is a rank of a group that exists already (LOCAL_RANK set:
+    it joins instead of launching); returns (rank, world size)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
+    return rank, world
+
+
+def quiet_trainer(strategy: str | ShardStrategy, **kwargs: object) -> L.Trainer:
+    """A Trainer on every CPU rank of this world, without logging, checkpoints or bars."""
+    _, world = join_as_lightning_rank()
+    return L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
 def fit(
     strategy: str | ShardStrategy,
     config: LlamaConfig,
@@ -42,25 +65,13 @@ def fit(
 ) -> dict[str, object]:
     """Trainer.fit on this rank (the LocalWorld's process group is reused); with the bytes
     this rank sent in reductions, counted from the collectives torch issued."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    # LOCAL_RANK tells Lightning the processes exist already; it joins the group
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
+    trainer = quiet_trainer(
+        strategy, max_steps=dist_cases.STEPS, accumulate_grad_batches=accumulate, gradient_clip_val=clip
+    )
     tokens = torch.cat(dist_cases.batches(config, data_parallel * accumulate))
     loader = torch.utils.data.DataLoader(tokens, batch_size=dist_cases.MICRO_BATCH, shuffle=False)
     module = LanguageModel(config)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=strategy,
-        max_steps=dist_cases.STEPS,
-        accumulate_grad_batches=accumulate,
-        gradient_clip_val=clip,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    log = dist_cases.CollectiveLog(fs.Mesh(dp=world))
+    log = dist_cases.CollectiveLog(fs.Mesh(dp=dist.get_world_size()))
     with log:
         trainer.fit(module, loader)
     reduced = sum(
@@ -70,12 +81,11 @@ def fit(
     )
     losses = torch.stack([dist_cases.full(loss) for loss in module.losses])
     # a step's loss: the mean of its micro-batch losses
-    losses = losses.view(-1, accumulate).mean(dim=1)
-    dist.all_reduce(losses)  # tensor-parallel ranks hold the same loss, data ranks their own
+    losses = dist_cases.mean_over_ranks(losses.view(-1, accumulate).mean(dim=1))
     params = {k.removeprefix("model."): dist_cases.full(v) for k, v in module.state_dict().items()}
     return {
-        "losses": (losses / world).tolist(),
-        "params": params if rank == 0 else None,
+        "losses": losses.tolist(),
+        "params": params if dist.get_rank() == 0 else None,
         "reduced_bytes": reduced,
     }
 
@@ -140,18 +150,9 @@ class EarlyOptimizer(LanguageModel):
 
 
 def fit_early_optimizer(config: LlamaConfig) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
-    loader = torch.utils.data.DataLoader(torch.cat(dist_cases.batches(config, world)), batch_size=2)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy="fs_fsdp",
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    trainer = quiet_trainer("fs_fsdp", max_steps=1)
+    loader = torch.utils.data.DataLoader(
+        torch.cat(dist_cases.batches(config, dist.get_world_size())), batch_size=2
     )
     trainer.fit(EarlyOptimizer(config), loader)
 
@@ -169,30 +170,18 @@ def fit_clipped(name: str, config: LlamaConfig, data_parallel: int, clip: float)
 def fit_epochs(name: str, config: LlamaConfig, epochs: int, resume_from: str | None, save_to: str | None):
     """Fit for ``epochs``, optionally resuming from / saving a checkpoint;
     rank 0 returns the per-step losses of this run and the full parameters."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
+    trainer = quiet_trainer(name, max_epochs=epochs)
+    world = dist.get_world_size()
     tokens = torch.cat(dist_cases.batches(config, world))[: 2 * dist_cases.MICRO_BATCH * world]
     loader = torch.utils.data.DataLoader(tokens, batch_size=dist_cases.MICRO_BATCH, shuffle=True)
     module = LanguageModel(config)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=name,
-        max_epochs=epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
     trainer.fit(module, loader, ckpt_path=resume_from)
     if save_to:
         trainer.save_checkpoint(save_to)
-    losses = (
-        torch.stack([dist_cases.full(loss) for loss in module.losses]) if module.losses else torch.zeros(0)
-    )
-    dist.all_reduce(losses)
+    recorded = [dist_cases.full(loss) for loss in module.losses]
+    losses = dist_cases.mean_over_ranks(torch.stack(recorded)) if recorded else torch.zeros(0)
     params = {k: dist_cases.full(v) for k, v in module.state_dict().items()}
-    return {"losses": (losses / world).tolist(), "params": params} if rank == 0 else None
+    return {"losses": losses.tolist(), "params": params} if dist.get_rank() == 0 else None
 
 
 def fabric_loop(name: str, config: LlamaConfig, early_optimizer: bool = False) -> dict[str, object] | None:
@@ -200,8 +189,7 @@ def fabric_loop(name: str, config: LlamaConfig, early_optimizer: bool = False) -
     losses and full parameters."""
     from functional_shard.adapters.lightning import FabricShardStrategy
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world), RANK=str(rank))
+    rank, world = join_as_lightning_rank()
     mesh, policy = dist_cases.strategy(name, world)
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=FabricShardStrategy(policy, mesh=mesh))
     fabric.launch()
@@ -213,17 +201,7 @@ def fabric_loop(name: str, config: LlamaConfig, early_optimizer: bool = False) -
         early if early_optimizer else torch.optim.AdamW(model.parameters(), lr=dist_cases.LR)
     )
     plan = fabric.strategy.plan
-    index, data_parallel = plan.data_parallel_rank(rank)
-    losses = []
-    for tokens in dist_cases.batches(config, data_parallel):
-        optimizer.zero_grad()
-        loss = dist_cases.loss_of(
-            model, tokens[index * dist_cases.MICRO_BATCH : (index + 1) * dist_cases.MICRO_BATCH]
-        )
-        fabric.backward(loss)
-        optimizer.step()
-        mean = dist_cases.full(loss)
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+    losses = dist_cases.train_steps(model, optimizer, config, plan, range(dist_cases.STEPS), fabric.backward)
+    data_parallel = plan.data_parallel_rank(rank)[1]
     params = {k.removeprefix("_forward_module."): dist_cases.full(v) for k, v in model.state_dict().items()}
     return {"losses": losses, "params": params, "data_parallel": data_parallel} if rank == 0 else None
