@@ -2,8 +2,16 @@
 
 With `apply` and `launch`, the only module that talks to process groups. Sharded
 checkpoints use torch's distributed checkpoint, which reshards on load, so a checkpoint
-saved under one plan loads under any other (FSDP×4 → FSDP×2·TP×2 → one process). Every
-save writes aside and renames: a crash in the middle leaves the previous checkpoint whole.
+saved under one plan loads under any other (FSDP×4 → FSDP×2·TP×2 → ZeRO-1 → one process).
+Every save writes aside and renames: a crash in the middle leaves the previous checkpoint whole.
+
+Optimizer state is keyed by parameter path under every plan. ZeRO-1 optimizers
+(``ZeroRedundancyOptimizer``) keep whole tensors on their owner rank; each owner writes its
+own, so their checkpoints are as sharded as the state is.
+
+`save` / `load` / `convert` are the user's functions; `model_state`, `optimizer_state`,
+`set_model_state`, `set_optimizer_state`, `write` and `read_sharded` are the pieces they are
+made of, for framework adapters that assemble their own checkpoints (Lightning's Trainer).
 """
 
 from __future__ import annotations
@@ -18,21 +26,127 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from .errors import ShardingError
 
-__all__ = ["convert", "load", "save"]
+__all__ = [
+    "convert",
+    "load",
+    "model_state",
+    "optimizer_state",
+    "read_sharded",
+    "save",
+    "set_model_state",
+    "set_optimizer_state",
+    "write",
+]
 
-_EXTRA = "extra.pt"
+_META = "meta.pt"
 
 
-def _refuse_zero1(optimizer: torch.optim.Optimizer | None) -> None:
-    if optimizer is not None and type(optimizer).__name__ == "ZeroRedundancyOptimizer":
-        raise ShardingError(
-            "checkpoints of ZeRO-1 optimizers (ZeroRedundancyOptimizer) are not supported yet: torch's "
-            "distributed checkpoint cannot read its whole-tensor ownership; use fs.zero(2) or fs.fsdp()"
+def model_state(module: nn.Module, *, full: bool = False) -> dict[str, Any]:
+    """The module's state: this rank's shards, or (``full``) whole tensors on rank 0 only."""
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+
+
+def set_model_state(module: nn.Module, state: dict[str, Any], *, full: bool, strict: bool = True) -> None:
+    """Load a state from `model_state` (sharded, or full on every rank) into the module."""
+    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=full, strict=strict))
+
+
+def _names(module: nn.Module) -> dict[nn.Parameter, str]:
+    return {param: name for name, param in module.named_parameters()}
+
+
+def _zero1_groups(module: nn.Module, optimizer: ZeroRedundancyOptimizer) -> list[dict[str, Any]]:
+    names = _names(module)
+    return [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [names[p] for p in group["params"]]}
+        for group in optimizer.param_groups
+    ]
+
+
+def _owned(module: nn.Module, optimizer: ZeroRedundancyOptimizer) -> dict[str, nn.Parameter]:
+    names = _names(module)
+    return {names[p]: p for group in optimizer.optim.param_groups for p in group["params"]}
+
+
+def optimizer_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool = False
+) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter path (``{"state": ..., "param_groups": ...}``).
+
+    Sharded: this rank's shards (a ZeRO-1 optimizer: the whole tensors this rank owns).
+    Full: every parameter's whole state on rank 0, nothing elsewhere.
+    """
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return get_optimizer_state_dict(
+            module, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full)
         )
+    owned = _owned(module, optimizer)
+    state = {name: dict(optimizer.optim.state[p]) for name, p in owned.items() if p in optimizer.optim.state}
+    if full:
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, {name: _on_cpu(values) for name, values in state.items()})
+        if dist.get_rank() != 0:
+            return {}
+        state = {name: values for part in every for name, values in part.items()}
+    return {"state": state, "param_groups": _zero1_groups(module, optimizer)}
+
+
+def _on_cpu(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.cpu() if torch.is_tensor(v) else v for k, v in values.items()}
+
+
+def set_optimizer_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], *, full: bool
+) -> None:
+    """Load a state from `optimizer_state` (sharded, or full on every rank), under any plan."""
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=full))
+        return
+    saved_groups = state.get("param_groups", [])
+    if saved_groups and len(saved_groups) != len(optimizer.param_groups):
+        raise ShardingError(
+            f"the checkpoint's optimizer has {len(saved_groups)} parameter groups, this one "
+            f"{len(optimizer.param_groups)}: build the optimizer with the same groups"
+        )
+    for name, param in _owned(module, optimizer).items():
+        if name in state.get("state", {}):
+            optimizer.optim.state[param] = {
+                # 0-dim values (Adam's step) stay on the CPU, as torch's optimizers keep them
+                key: value.to(param.device) if torch.is_tensor(value) and value.dim() else value
+                for key, value in state["state"][name].items()
+            }
+    # no groups saved (a checkpoint of the model alone): the hyperparameters stay
+    for saved, group, local in zip(
+        saved_groups, optimizer.param_groups, optimizer.optim.param_groups, strict=False
+    ):
+        hyper = {k: v for k, v in saved.items() if k != "params"}
+        group.update(hyper)
+        local.update(hyper)
+
+
+def _zero1_template(
+    module: nn.Module, optimizer: ZeroRedundancyOptimizer, key: str, metadata: Any
+) -> dict[str, Any]:
+    # what this rank owns, shaped as the checkpoint stored it (whichever plan saved it)
+    state: dict[str, dict[str, Any]] = {}
+    for name in _owned(module, optimizer):
+        prefix = f"{key}.state.{name}."
+        for stored, meta in metadata.state_dict_metadata.items():
+            field = stored[len(prefix) :]
+            if stored.startswith(prefix) and "." not in field and hasattr(meta, "size"):
+                state.setdefault(name, {})[field] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    return {"state": state, "param_groups": _zero1_groups(module, optimizer)}
 
 
 def _shared_name(path: Path) -> Path:
@@ -54,6 +168,65 @@ def _replace(temporary: Path, path: Path) -> None:
         old.unlink()
 
 
+def write(path: str | os.PathLike[str], state: dict[str, Any], *, full: bool, meta: dict[str, Any]) -> Path:
+    """Write states from `model_state` / `optimizer_state` on every rank, aside then renamed.
+
+    Sharded: a distributed-checkpoint folder of ``state`` with ``meta`` in ``meta.pt`` beside.
+    Full: one file of ``{**state, **meta}``, written by rank 0 (whose states are whole).
+    """
+    path = Path(path)
+    temporary = _shared_name(path)
+    if full:
+        if dist.get_rank() == 0:
+            torch.save({**state, **meta}, temporary)
+    else:
+        dcp.save(state, checkpoint_id=temporary)
+        if dist.get_rank() == 0:  # beside the shards: DCP loads only the keys asked for
+            torch.save(meta, temporary / _META)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _replace(temporary, path)
+    dist.barrier()
+    return path
+
+
+def read_sharded(
+    path: str | os.PathLike[str],
+    module: tuple[str, nn.Module],
+    optimizers: dict[str, torch.optim.Optimizer],
+    *,
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Load a folder `write` made into ``module`` (its key, the module) and ``optimizers`` (by key).
+
+    Returns:
+        The ``meta`` saved beside.
+    """
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+
+    path = Path(path)
+    key, target = module
+    metadata = FileSystemReader(path).read_metadata()
+    state: dict[str, Any] = {key: model_state(target)}
+    for name, optimizer in optimizers.items():
+        state[name] = (
+            _zero1_template(target, optimizer, name, metadata)
+            if isinstance(optimizer, ZeroRedundancyOptimizer)
+            else optimizer_state(target, optimizer)
+        )
+    try:
+        dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    except Exception as error:  # DCP's CheckpointException wraps each rank's failure
+        raise ShardingError(
+            f"the checkpoint at {path} does not fit this module: {str(error)[:300]}. "
+            "Load with strict=False to skip what is missing"
+        ) from error
+    set_model_state(target, state[key], full=False, strict=strict)
+    for name, optimizer in optimizers.items():
+        set_optimizer_state(target, optimizer, state[name], full=False)
+    return torch.load(path / _META, weights_only=False) if (path / _META).exists() else {}
+
+
 def save(
     path: str | os.PathLike[str],
     module: nn.Module,
@@ -67,39 +240,20 @@ def save(
     Args:
         path: a folder (sharded) or a file (``full=True``).
         module: the module `apply` parallelized.
-        optimizer: its optimizer, if its state should be saved too.
+        optimizer: its optimizer (any plan's, ZeRO-1's included), if its state should be saved too.
         full: one file with full tensors, written by rank 0, instead of one file per rank.
         extra: small picklable values to keep beside (step counters, say).
 
     Returns:
         The path written.
 
-    Raises:
-        ShardingError: a ZeRO-1 optimizer, whose state torch cannot checkpoint this way.
-
     Examples:
         >>> # fs.checkpoint.save("ckpt", model, optimizer); fs.checkpoint.load("ckpt", model, optimizer)
     """
-    _refuse_zero1(optimizer)
-    path = Path(path)
-    options = StateDictOptions(full_state_dict=full, cpu_offload=full)
-    model_state, optim_state = get_state_dict(module, optimizer or [], options=options)
-    state: dict[str, Any] = {"model": model_state}
+    state: dict[str, Any] = {"model": model_state(module, full=full)}
     if optimizer is not None:
-        state["optimizer"] = optim_state
-    temporary = _shared_name(path)
-    if full:
-        if dist.get_rank() == 0:
-            torch.save({**state, "extra": extra or {}}, temporary)
-    else:
-        dcp.save(state, checkpoint_id=temporary)
-        if dist.get_rank() == 0:  # beside the shards: DCP loads only the keys asked for
-            torch.save(extra or {}, temporary / _EXTRA)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        _replace(temporary, path)
-    dist.barrier()
-    return path
+        state["optimizer"] = optimizer_state(module, optimizer, full=full)
+    return write(path, state, full=full, meta={"extra": extra or {}})
 
 
 def load(
@@ -111,39 +265,29 @@ def load(
         The ``extra`` values saved beside.
 
     Raises:
-        ShardingError: no checkpoint at ``path``, or a ZeRO-1 optimizer.
+        ShardingError: no checkpoint at ``path``, or one that does not fit the module.
     """
-    _refuse_zero1(optimizer)
     path = Path(path)
     if not path.exists():
         raise ShardingError(f"no checkpoint at {path}")
-    if path.is_file():
-        # every rank reads the file and keeps its own shards (a full copy per rank while
-        # loading: the price of the one-file format)
-        saved = torch.load(path, map_location="cpu", weights_only=False)
-        set_state_dict(
-            module,
-            optimizer or [],
-            model_state_dict=saved["model"],
-            optim_state_dict=saved.get("optimizer", {}),
-            options=StateDictOptions(full_state_dict=True),
-        )
-        return dict(saved.get("extra", {}))
-    model_state, optim_state = get_state_dict(module, optimizer or [])
-    state: dict[str, Any] = {"model": model_state}
-    if optimizer is not None:
-        state["optimizer"] = optim_state
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(
-        module, optimizer or [], model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {})
-    )
-    return torch.load(path / _EXTRA, weights_only=False) if (path / _EXTRA).exists() else {}
+    if path.is_dir():
+        optimizers = {"optimizer": optimizer} if optimizer is not None else {}
+        return dict(read_sharded(path, ("model", module), optimizers).get("extra", {}))
+    # every rank reads the file and keeps its own shards (a full copy per rank while
+    # loading: the price of the one-file format)
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    set_model_state(module, saved["model"], full=True)
+    if optimizer is not None and "optimizer" in saved:
+        set_optimizer_state(module, optimizer, saved["optimizer"], full=True)
+    return dict(saved.get("extra", {}))
 
 
 def convert(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> Path:
     """Convert offline between a sharded folder and a full file (direction from ``source``).
 
-    No process group is needed. The result is written aside and renamed.
+    No process group is needed. The result is written aside and renamed. Works for
+    `save`'s checkpoints and for the Trainer's (``ShardStrategy``), whose optimizers are
+    ``optimizer_states`` in a file and ``optimizer_0``, ``optimizer_1``, ... in a folder.
 
     Raises:
         ShardingError: ``source`` does not exist.
@@ -160,12 +304,17 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> P
     if source.is_dir():
         dcp_to_torch_save(source, temporary)
         state = torch.load(temporary, weights_only=False)
-        state["extra"] = torch.load(source / _EXTRA, weights_only=False) if (source / _EXTRA).exists() else {}
-        torch.save(state, temporary)
+        optimizers = sorted((k for k in state if k.startswith("optimizer_")), key=lambda k: int(k[10:]))
+        if optimizers:
+            state["optimizer_states"] = [state.pop(k) for k in optimizers]
+        meta = torch.load(source / _META, weights_only=False) if (source / _META).exists() else {}
+        torch.save({**state, **meta}, temporary)
     else:
-        state = torch.load(source, weights_only=False)
-        extra = state.pop("extra", {})
-        dcp.save(state, checkpoint_id=temporary, no_dist=True)
-        torch.save(extra, temporary / _EXTRA)
+        saved = torch.load(source, weights_only=False)
+        tensors = {k: saved.pop(k) for k in ("model", "optimizer", "state_dict") if k in saved}
+        for index, optimizer in enumerate(saved.pop("optimizer_states", [])):
+            tensors[f"optimizer_{index}"] = optimizer
+        dcp.save(tensors, checkpoint_id=temporary, no_dist=True)
+        torch.save(saved, temporary / _META)
     _replace(temporary, target)
     return target

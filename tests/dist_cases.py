@@ -353,12 +353,10 @@ def train_steps(
 
 
 def full_state(model, optimizer) -> dict[str, object]:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    model_state, optim_state = get_state_dict(
-        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    return {"model": model_state, "optimizer": optim_state.get("state", {})}  # empty off rank 0
+    """Whole parameters and optimizer state by parameter path, under any plan (rank 0)."""
+    optim_state = fs.checkpoint.optimizer_state(model, optimizer, full=True)
+    # empty off rank 0
+    return {"model": fs.checkpoint.model_state(model, full=True), "optimizer": optim_state.get("state", {})}
 
 
 def save_after(
@@ -380,3 +378,25 @@ def load_under(name: str, config: LlamaConfig, path: str, more_steps: int) -> di
     start = extra["step"]
     losses = train_steps(model, optimizer, config, plan, range(start, start + more_steps))
     return {"state": state, "losses": losses, "step": start} if dist.get_rank() == 0 else None
+
+
+def save_crashing(name: str, config: LlamaConfig, path: str) -> None:
+    """Train a step and save, but rank 1 dies once its shard file is written (before the
+    others finish and before the rename)."""
+    import os
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    model, optimizer, plan = _built(name, config)
+    train_steps(model, optimizer, config, plan, range(1))
+    write_data = FileSystemWriter.write_data
+
+    def write_then_die(self, *args, **kwargs):
+        written = write_data(self, *args, **kwargs)
+        if dist.get_rank() == 1:
+            written.wait()
+            os._exit(3)
+        return written
+
+    FileSystemWriter.write_data = write_then_die
+    fs.checkpoint.save(path, model, optimizer)

@@ -60,11 +60,30 @@ def test_offline_conversion_round_trips(world4, tmp_path):
     assert any(back.iterdir())
 
 
-def test_a_failed_save_leaves_the_previous_checkpoint(world4, tmp_path):
+def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint(world4, tmp_path):
     path = tmp_path / "ckpt"
-    world4.run(dist_cases.save_after, "zero3", CONFIG, str(path), 1, False)
-    before = sorted(p.name for p in path.iterdir())
-    with pytest.raises(fs.ShardingError, match="ZeRO-1"):
-        world4.run(dist_cases.save_after, "zero1", CONFIG, str(path), 1, False)
-    assert sorted(p.name for p in path.iterdir()) == before
-    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    saved = world4.run(dist_cases.save_after, "zero3", CONFIG, str(path), 2, False)[0]
+    # rank 1's death reaches the parent as RankFailedError, or first as a peer's broken pipe
+    with pytest.raises(RuntimeError):
+        world4.run(dist_cases.save_crashing, "zero3", CONFIG, str(path))
+    # the crash left its half-written folder aside, never in place of the checkpoint
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    loaded = world4.run(dist_cases.load_under, "zero3", CONFIG, str(path), 0)[0]
+    assert loaded["step"] == 2
+    assert_same_state(loaded["state"], saved)
+
+
+@pytest.mark.parametrize("full_file", [False, True], ids=["sharded", "full"])
+def test_zero1_checkpoints_move_to_and_from_fsdp(world4, tmp_path, full_file):
+    """ZeRO-1 state (whole tensors, each on its owner rank) saves, resumes, and reshards."""
+    path = str(tmp_path / ("zero1.pt" if full_file else "zero1"))
+    uninterrupted = dist_cases.reference(CONFIG, 4)[0]
+    saved = world4.run(dist_cases.save_after, "zero1", CONFIG, path, 2, full_file)[0]
+    resumed = world4.run(dist_cases.load_under, "zero1", CONFIG, path, 3)[0]
+    assert resumed["losses"] == pytest.approx(uninterrupted[2:], abs=1e-5)
+    on_fsdp = world4.run(dist_cases.load_under, "zero3", CONFIG, path, 0)[0]
+    assert_same_state(on_fsdp["state"], saved)
+    back = str(tmp_path / "back")
+    saved_by_fsdp = world4.run(dist_cases.save_after, "zero3", CONFIG, back, 2, False)[0]
+    on_zero1 = world4.run(dist_cases.load_under, "zero1", CONFIG, back, 0)[0]
+    assert_same_state(on_zero1["state"], saved_by_fsdp)
