@@ -15,6 +15,7 @@ from . import rules as rules
 from .apply import apply as apply
 from .apply import check_optimizer as check_optimizer
 from .apply import clip_grad_norm_ as clip_grad_norm_
+from .apply import grad_scaler as grad_scaler
 from .apply import materialize as materialize
 from .apply import optimizer as optimizer
 from .cost import Cost as Cost
@@ -96,6 +97,7 @@ __all__ = [
     "apply",
     "check_optimizer",
     "clip_grad_norm_",
+    "grad_scaler",
     "materialize",
     "optimizer",
     "run_local",

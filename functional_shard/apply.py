@@ -20,13 +20,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from .errors import MeshError, PlanError, ShardingError, bullets
 from .mesh import Mesh
 from .plan import Plan
 from .tree import dtype_from_name, read_model
 
-__all__ = ["apply", "build_device_mesh", "check_optimizer", "clip_grad_norm_", "materialize", "optimizer"]
+__all__ = [
+    "apply",
+    "build_device_mesh",
+    "check_optimizer",
+    "clip_grad_norm_",
+    "grad_scaler",
+    "materialize",
+    "optimizer",
+]
 
 
 def build_device_mesh(mesh: Mesh, device_type: str = "cpu") -> DeviceMesh:
@@ -499,3 +508,55 @@ def clip_grad_norm_(
         for grad in grads:
             grad.mul_(coefficient)
     return total
+
+
+def grad_scaler(device: str = "cuda", **kwargs: Any) -> torch.amp.GradScaler:
+    """A loss scaler for float16 training under any plan: every rank skips the same steps.
+
+    torch's ``GradScaler`` decides per rank whether gradients overflowed, so one rank may
+    step while another skips; its ``ShardedGradScaler`` agrees across ranks but hands
+    DTensor gradients of different meshes (FSDP x TP beside FSDP-only norms) to one
+    kernel, which DTensor refuses. This one unscales each rank's local shards, then agrees
+    over every rank.
+
+    Args:
+        device: where the gradients live (``"cuda"``, or ``"cpu"``).
+        kwargs: ``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
+            ``enabled``, as for ``torch.amp.GradScaler``.
+
+    Examples:
+        >>> # scaler = fs.grad_scaler("cuda"); scaler.scale(loss).backward()
+        >>> # scaler.step(optimizer); scaler.update()
+    """
+    if not dist.is_initialized():
+        raise ShardingError(
+            "fs.grad_scaler agrees over the process group: initialise torch.distributed first"
+        )
+    return _LocalShardsGradScaler(device, **kwargs)
+
+
+def _local_grads_of(optimizer: torch.optim.Optimizer) -> Any:
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import DTensor
+
+    # the same storage as the DTensor gradients, so unscaling in place unscales them
+    local = [
+        SimpleNamespace(grad=p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.grad is not None
+    ]
+    return SimpleNamespace(param_groups=[{"params": local}])
+
+
+class _LocalShardsGradScaler(ShardedGradScaler):
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool = True,
+    ) -> dict[torch.device, torch.Tensor]:
+        # the base class then all-reduces found_inf over the whole world
+        return super()._unscale_grads_(_local_grads_of(optimizer), inv_scale, found_inf, allow_fp16)

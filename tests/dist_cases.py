@@ -352,6 +352,31 @@ def train_steps(
     return losses
 
 
+def train_float16(name: str, config: LlamaConfig, overflow_on: int | None = None) -> dict[str, object]:
+    """float16 autocast with fs.grad_scaler; rank ``overflow_on`` (if any) finds an inf in
+    its own gradient shard at the first step. Each rank returns the scale it ended with,
+    whether its parameters moved, and the losses."""
+    model, optimizer, plan = _built(name, config)
+    scaler = fs.grad_scaler(device().type)
+    index, data_parallel = plan.data_parallel_rank(dist.get_rank())
+    all_batches = batches(config, data_parallel)
+    before = [full(p) for p in model.parameters()]
+    losses = []
+    for step in range(1 if overflow_on is not None else STEPS):
+        optimizer.zero_grad()
+        with torch.autocast(device().type, dtype=torch.float16):
+            loss = loss_of(model, all_batches[step][index * MICRO_BATCH : (index + 1) * MICRO_BATCH])
+        scaler.scale(loss).backward()
+        if dist.get_rank() == overflow_on:
+            grad = next(p.grad for p in model.parameters() if p.grad is not None)
+            (grad.to_local() if isinstance(grad, DTensor) else grad).view(-1)[0] = float("inf")
+        scaler.step(optimizer)
+        scaler.update()
+        losses.append(mean_over_ranks(loss.float()).item())
+    moved = any(not torch.equal(full(p), b) for p, b in zip(model.parameters(), before, strict=True))
+    return {"scale": scaler.get_scale(), "moved": moved, "losses": losses}
+
+
 def full_state(model, optimizer) -> dict[str, object]:
     """Whole parameters and optimizer state by parameter path, under any plan (rank 0)."""
     optim_state = fs.checkpoint.optimizer_state(model, optimizer, full=True)
