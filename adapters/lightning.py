@@ -7,17 +7,32 @@ and `functional_shard.materialize`; this module only tells Lightning when to cal
 from __future__ import annotations
 
 import inspect
-from collections.abc import Generator
-from contextlib import contextmanager
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from lightning.fabric.strategies.parallel import ParallelStrategy as FabricParallelStrategy
-from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import functional_shard as fs
 from functional_shard.apply import build_device_mesh
@@ -73,7 +88,7 @@ class _RunsAPlan:
         return {"num_replicas": replicas, "rank": rank}
 
 
-class ShardStrategy(_RunsAPlan, ModelParallelStrategy):
+class ShardStrategy(_RunsAPlan, ParallelStrategy):
     """A Lightning strategy that runs a functional_shard plan (or a policy, planned at setup).
 
     No ``configure_model`` override is needed: when the LightningModule has one, it runs
@@ -81,13 +96,19 @@ class ShardStrategy(_RunsAPlan, ModelParallelStrategy):
     module materialized shard by shard. The distributed sampler splits the data over the
     plan's data-parallel axes; tensor-parallel ranks read the same batches.
 
+    Precision: ``"32-true"``, ``"bf16-mixed"``, and ``"16-mixed"`` with a loss scaler that
+    agrees over every rank (`functional_shard.grad_scaler`). Checkpoints (``trainer.save_checkpoint``,
+    ``ModelCheckpoint``, ``fit(ckpt_path=...)``) are written aside then renamed, sharded or
+    full, for every plan (ZeRO-1's included), and load under any other plan.
+
     Args:
         plan: a `functional_shard.Plan` for the LightningModule, or a policy
             (``fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp")``) planned once the world is known.
         mesh: the mesh for a policy; an axis of size -1 takes what the devices leave.
             Default ``Mesh(dp=-1)``. Ignored for a plan (it carries its mesh).
         seed: seed for materializing a meta-device model (default: Lightning's seed state).
-        save_distributed_checkpoint: as in Lightning's ModelParallelStrategy.
+        save_distributed_checkpoint: a folder with one file per rank (default), or one full
+            file written by rank 0.
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default by device.
         timeout: process group timeout.
 
@@ -108,27 +129,91 @@ class ShardStrategy(_RunsAPlan, ModelParallelStrategy):
         seed: int | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = timedelta(seconds=1800),
+        timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        super().__init__(
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
+        super().__init__()
+        self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._device_mesh: Any = None
+        self.num_nodes = 1
         self._hold(plan, mesh, seed)
 
-    def setup_environment(self) -> None:
-        """Join the process group and build the DeviceMesh of the plan's mesh."""
-        ParallelStrategy.setup_environment(self)
-        self._setup_distributed()
-        self._device_mesh = self._device_mesh_for(self.world_size, self.root_device.type)
-        if self.lightning_module is not None:
-            self.lightning_module._device_mesh = self._device_mesh
+    @property
+    def device_mesh(self) -> Any:
+        """The torch DeviceMesh of the plan's mesh (after the processes joined)."""
+        if self._device_mesh is None:
+            raise fs.ShardingError("the DeviceMesh exists once the processes have joined (setup_environment)")
+        return self._device_mesh
+
+    @property
+    def root_device(self) -> torch.device:
+        """This process's device."""
+        assert self.parallel_devices is not None  # Lightning's connector sets them first
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        """Processes on this node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> str | None:
+        """``"gloo"``, ``"nccl"``, or None before the processes joined."""
+        return self._process_group_backend
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints load into the parallelized module, so after setup."""
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        """`load_checkpoint` restores the optimizers itself."""
+        return False
+
+    @property
+    def is_distributed(self) -> bool:
+        """Yes: Lightning then adds the distributed sampler and syncs logged values."""
+        return True
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Split batches over the data-parallel axes only."""
         return self._sampler_kwargs(self.global_rank)
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+
+    def set_world_ranks(self) -> None:
+        """Tell the cluster environment (and rank-zero logging) this process's rank."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    def setup_environment(self) -> None:
+        """Join the process group and build the DeviceMesh of the plan's mesh."""
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or (
+            _get_default_process_group_backend_for_device(self.root_device)
+        )
+        assert self.cluster_environment is not None
+        _init_dist_connection(
+            self.cluster_environment,
+            self._process_group_backend,
+            timeout=self._timeout,
+            device_id=self.root_device if self.root_device.type != "cpu" else None,
+        )
+        self._device_mesh = self._device_mesh_for(self.world_size, self.root_device.type)
+        if self.lightning_module is not None:
+            self.lightning_module._device_mesh = self._device_mesh
 
     def setup(self, trainer: pl.Trainer) -> None:
         """Plan (if a policy was given), apply, materialize, then set up the optimizers."""
@@ -141,6 +226,7 @@ class ShardStrategy(_RunsAPlan, ModelParallelStrategy):
         self._run_plan(module, self.device_mesh, self.root_device, root=_forward_root(module))
         # Lightning clips with torch's clip_grad_norm_, which cannot mix meshes
         self.precision_plugin.clip_grad_by_norm = _clip_by_norm  # type: ignore[method-assign]
+        _agree_on_overflow(self.precision_plugin)
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
         self.barrier()
@@ -151,6 +237,11 @@ class ShardStrategy(_RunsAPlan, ModelParallelStrategy):
             if self.plan.config.data_parallel == "zero1":
                 self.optimizers = [self._zero1(optimizer, module) for optimizer in self.optimizers]
         self.setup_precision_plugin()
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """The LightningModule's optimizers, built anew on the parallelized parameters."""
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
 
     def _zero1(self, optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> torch.optim.Optimizer:
         # the plan keeps optimizer state whole on owner ranks; the LightningModule built a
@@ -186,6 +277,127 @@ class ShardStrategy(_RunsAPlan, ModelParallelStrategy):
         """Move what the engines left on another device (buffers, say)."""
         assert self.model is not None
         self.model.to(self.root_device)
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Build on the meta device when asked (``empty_init``): setup materializes shards."""
+        with (
+            torch.device("meta") if empty_init else nullcontext(),
+            self.precision_plugin.tensor_init_context(),
+        ):
+            yield
+
+    def barrier(self, name: str | None = None) -> None:
+        """Wait for every rank."""
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` as rank ``src`` has it, on every rank."""
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
+        return holder[0]
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """Reduce a tensor over every rank (``"mean"`` by default); other values pass through."""
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def teardown(self) -> None:
+        """Release the environment; the parallelized module stays where it is."""
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's shards, or (``save_distributed_checkpoint=False``) all, on rank 0."""
+        assert self.model is not None
+        return fs.checkpoint.model_state(self.model, full=not self._save_distributed_checkpoint)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state keyed by parameter path, sharded or (on rank 0) full."""
+        assert self.model is not None
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's own
+        return fs.checkpoint.optimizer_state(
+            self.model, optimizer, full=not self._save_distributed_checkpoint
+        )
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Nothing: `load_checkpoint` loaded the module already."""
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Nothing: `load_checkpoint` loaded the optimizers already."""
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Write aside, then rename: a folder with one file per rank, or one full file.
+
+        The folder holds ``state_dict`` and ``optimizer_0``, ``optimizer_1``, ... with the
+        rest of Lightning's checkpoint in ``meta.pt``; the file is Lightning's usual one.
+        """
+        if storage_options is not None:
+            raise fs.ShardingError(
+                "ShardStrategy.save_checkpoint takes no storage_options: it writes through torch's "
+                "distributed checkpoint, not a CheckpointIO plugin"
+            )
+        path = Path(self.broadcast(filepath))
+        optimizers = checkpoint.pop("optimizer_states", [])
+        state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+        if self._save_distributed_checkpoint:
+            state.update({f"optimizer_{i}": optimizer for i, optimizer in enumerate(optimizers)})
+        else:
+            state["optimizer_states"] = optimizers
+        fs.checkpoint.write(path, state, full=not self._save_distributed_checkpoint, meta=checkpoint)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a checkpoint of any plan (folder or file) into the module and optimizers.
+
+        Returns:
+            The rest of Lightning's checkpoint (loops, callbacks, epoch).
+        """
+        assert self.model is not None
+        assert self.lightning_module is not None
+        path = Path(self.broadcast(checkpoint_path))
+        if not path.exists():
+            raise fs.ShardingError(f"no checkpoint at {path}")
+        strict = self.lightning_module.strict_loading
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        if path.is_dir():
+            named = {f"optimizer_{i}": optimizer for i, optimizer in enumerate(optimizers)}
+            return fs.checkpoint.read_sharded(path, ("state_dict", self.model), named, strict=strict)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=bool(weights_only))
+        fs.checkpoint.set_model_state(self.model, checkpoint.pop("state_dict"), full=True, strict=strict)
+        for optimizer, state in zip(optimizers, checkpoint.pop("optimizer_states", []), strict=False):
+            fs.checkpoint.set_optimizer_state(self.model, optimizer, state, full=True)
+        return checkpoint
+
+
+def _agree_on_overflow(precision: Any) -> None:
+    # float16 loss scaling must skip a step on every rank or on none
+    scaler = getattr(precision, "scaler", None)
+    if (
+        isinstance(precision, MixedPrecision)
+        and scaler is not None
+        and not isinstance(scaler, ShardedGradScaler)
+    ):
+        precision.scaler = fs.grad_scaler(
+            precision.device,
+            init_scale=scaler.get_scale(),
+            growth_factor=scaler.get_growth_factor(),
+            backoff_factor=scaler.get_backoff_factor(),
+            growth_interval=scaler.get_growth_interval(),
+            enabled=scaler.is_enabled(),
+        )
 
 
 def _clip_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
