@@ -62,11 +62,16 @@ def fit(
     data_parallel: int,
     accumulate: int = 1,
     clip: float | None = None,
+    **trainer_options: object,
 ) -> dict[str, object]:
     """Trainer.fit on this rank (the LocalWorld's process group is reused); with the bytes
     this rank sent in reductions, counted from the collectives torch issued."""
     trainer = quiet_trainer(
-        strategy, max_steps=dist_cases.STEPS, accumulate_grad_batches=accumulate, gradient_clip_val=clip
+        strategy,
+        max_steps=dist_cases.STEPS,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip,
+        **trainer_options,
     )
     tokens = torch.cat(dist_cases.batches(config, data_parallel * accumulate))
     loader = torch.utils.data.DataLoader(tokens, batch_size=dist_cases.MICRO_BATCH, shuffle=False)
@@ -83,10 +88,12 @@ def fit(
     # a step's loss: the mean of its micro-batch losses
     losses = dist_cases.mean_over_ranks(losses.view(-1, accumulate).mean(dim=1))
     params = {k.removeprefix("model."): dist_cases.full(v) for k, v in module.state_dict().items()}
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
     return {
         "losses": losses.tolist(),
         "params": params if dist.get_rank() == 0 else None,
         "reduced_bytes": reduced,
+        "scaler": type(scaler).__name__ if scaler is not None else None,
     }
 
 
@@ -99,7 +106,11 @@ def fit_with(plan_or_policy: object, mesh: fs.Mesh | None, config: LlamaConfig, 
 
 
 def reference(
-    config: LlamaConfig, data_parallel: int, accumulate: int = 1, clip: float | None = None
+    config: LlamaConfig,
+    data_parallel: int,
+    accumulate: int = 1,
+    clip: float | None = None,
+    autocast: torch.dtype | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process on the global batches Lightning's DistributedSampler makes (shuffled
     with seed 0; rank r takes perm[r::n], so step s's batches together are one block)."""
@@ -112,7 +123,8 @@ def reference(
     losses = []
     for batch in global_batches[: dist_cases.STEPS]:
         optimizer.zero_grad()
-        loss = dist_cases.loss_of(model, batch)
+        with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
+            loss = dist_cases.loss_of(model, batch)
         loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -161,6 +173,19 @@ def fit_accumulating(
     name: str, config: LlamaConfig, data_parallel: int, accumulate: int
 ) -> dict[str, object]:
     return fit(name, config, data_parallel, accumulate)
+
+
+def fit_in_precision(name: str, config: LlamaConfig, data_parallel: int, precision: str):
+    """``precision`` as the Trainer flag, or ``"16-mixed-cpu"``: Lightning's float16 AMP
+    plugin on the CPU (its flag turns 16-mixed into bf16-mixed there). The registered
+    strategy ``name`` is built here, as a user would: Lightning checks instances, not names."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    strategy = ShardStrategy(**StrategyRegistry[name]["init_params"])
+    if precision == "16-mixed-cpu":
+        return fit(strategy, config, data_parallel, plugins=[MixedPrecision("16-mixed", "cpu")])
+    return fit(strategy, config, data_parallel, precision=precision)
 
 
 def fit_clipped(name: str, config: LlamaConfig, data_parallel: int, clip: float) -> dict[str, object]:
