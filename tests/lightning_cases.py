@@ -192,10 +192,23 @@ def fit_clipped(name: str, config: LlamaConfig, data_parallel: int, clip: float)
     return fit(name, config, data_parallel, clip=clip)
 
 
-def fit_epochs(name: str, config: LlamaConfig, epochs: int, resume_from: str | None, save_to: str | None):
-    """Fit for ``epochs``, optionally resuming from / saving a checkpoint;
-    rank 0 returns the per-step losses of this run and the full parameters."""
-    trainer = quiet_trainer(name, max_epochs=epochs)
+def fit_epochs(
+    name: str,
+    config: LlamaConfig,
+    epochs: int,
+    resume_from: str | None,
+    save_to: str | None,
+    full: bool = False,
+):
+    """Fit for ``epochs`` under a registered strategy (``"auto"``: Lightning's own, one
+    device), optionally resuming from / saving a checkpoint (``full``: one file); rank 0
+    returns the per-step losses of this run, the full parameters and optimizer state."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    strategy: str | ShardStrategy = name
+    if full:
+        strategy = ShardStrategy(**StrategyRegistry[name]["init_params"], save_distributed_checkpoint=False)
+    trainer = quiet_trainer(strategy, max_epochs=epochs)
     world = dist.get_world_size()
     tokens = torch.cat(dist_cases.batches(config, world))[: 2 * dist_cases.MICRO_BATCH * world]
     loader = torch.utils.data.DataLoader(tokens, batch_size=dist_cases.MICRO_BATCH, shuffle=True)
@@ -206,7 +219,14 @@ def fit_epochs(name: str, config: LlamaConfig, epochs: int, resume_from: str | N
     recorded = [dist_cases.full(loss) for loss in module.losses]
     losses = dist_cases.mean_over_ranks(torch.stack(recorded)) if recorded else torch.zeros(0)
     params = {k: dist_cases.full(v) for k, v in module.state_dict().items()}
-    return {"losses": losses.tolist(), "params": params} if dist.get_rank() == 0 else None
+    optimizer = trainer.optimizers[0]
+    if name == "auto":
+        names = [n for n, _ in module.named_parameters()]
+        state = {names[i]: s for i, s in optimizer.state_dict()["state"].items()}
+    else:
+        state = fs.checkpoint.optimizer_state(module, optimizer, full=True).get("state", {})
+    result = {"losses": losses.tolist(), "params": params, "optimizer": state}
+    return result if dist.get_rank() == 0 else None
 
 
 def fabric_loop(name: str, config: LlamaConfig, early_optimizer: bool = False) -> dict[str, object] | None:

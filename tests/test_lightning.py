@@ -120,18 +120,49 @@ def test_gradient_clipping_clips_the_global_norm(world, name, data_parallel):
         torch.testing.assert_close(result["params"][key], value, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["fs_fsdp", "fs_fsdp_tp"])
-def test_trainer_checkpoints_resume_exactly(world, tmp_path, name):
-    """Two epochs straight, against one epoch, a (sharded) checkpoint, and a resumed second
-    epoch: the same losses in epoch two and the same final parameters."""
+@pytest.mark.parametrize(
+    ("name", "full"),
+    [("fs_fsdp", False), ("fs_fsdp_tp", False), ("fs_fsdp_tp", True), ("fs_zero1", False), ("fs_zero1", True)],
+)
+def test_trainer_checkpoints_resume_exactly(world, tmp_path, name, full):
+    """Two epochs straight, against one epoch, a checkpoint (a folder, or with
+    save_distributed_checkpoint=False one file), and a resumed second epoch: the same losses
+    in epoch two and the same final parameters."""
     straight = world.run(lightning_cases.fit_epochs, name, dist_cases.EVEN, 2, None, None)[0]
-    path = str(tmp_path / "epoch1.ckpt")
-    world.run(lightning_cases.fit_epochs, name, dist_cases.EVEN, 1, None, path)
-    resumed = world.run(lightning_cases.fit_epochs, name, dist_cases.EVEN, 2, path, None)[0]
+    path = tmp_path / "epoch1.ckpt"
+    world.run(lightning_cases.fit_epochs, name, dist_cases.EVEN, 1, None, str(path), full)
+    assert path.is_file() == full
+    resumed = world.run(lightning_cases.fit_epochs, name, dist_cases.EVEN, 2, str(path), None, full)[0]
     second_epoch = straight["losses"][len(straight["losses"]) // 2 :]
     assert resumed["losses"] == pytest.approx(second_epoch, abs=1e-5)  # a float32 step at 25 is 1.9e-6
     for key, value in straight["params"].items():
         torch.testing.assert_close(resumed["params"][key], value, atol=1e-5, rtol=1e-4)
+
+
+def assert_same_training_state(got, expected):
+    assert got["params"].keys() == expected["params"].keys()
+    for key, value in expected["params"].items():
+        torch.testing.assert_close(got["params"][key], value, atol=0, rtol=0, msg=key)
+    assert got["optimizer"].keys() == expected["optimizer"].keys()
+    for key, state in expected["optimizer"].items():
+        for field, value in state.items():
+            torch.testing.assert_close(got["optimizer"][key][field], value, atol=0, rtol=0, msg=key)
+
+
+def test_trainer_checkpoints_move_between_plans(world, tmp_path):
+    """A Trainer checkpoint saved under FSDP x4 resumes under FSDP x2 . TP x2 and ZeRO-1
+    x4 (a folder), and under Lightning's own single-device strategy (one file): the same
+    parameters and optimizer state, exactly."""
+    folder, file = str(tmp_path / "fsdp"), str(tmp_path / "fsdp.ckpt")
+    saved = world.run(lightning_cases.fit_epochs, "fs_fsdp", dist_cases.EVEN, 1, None, folder)[0]
+    for name in ("fs_fsdp_tp", "fs_zero1"):
+        # max_epochs=1 is reached already: the fit loads and stops
+        loaded = world.run(lightning_cases.fit_epochs, name, dist_cases.EVEN, 1, folder, None)[0]
+        assert_same_training_state(loaded, saved)
+    world.run(lightning_cases.fit_epochs, "fs_fsdp", dist_cases.EVEN, 1, folder, file, True)
+    with fs.LocalWorld(1) as alone:
+        loaded = alone.run(lightning_cases.fit_epochs, "auto", dist_cases.EVEN, 1, file, None)[0]
+    assert_same_training_state(loaded, saved)
 
 
 @pytest.mark.parametrize("name", ["zero3", "fsdp_tp"])
