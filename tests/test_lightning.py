@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -122,7 +123,13 @@ def test_gradient_clipping_clips_the_global_norm(world, name, data_parallel):
 
 @pytest.mark.parametrize(
     ("name", "full"),
-    [("fs_fsdp", False), ("fs_fsdp_tp", False), ("fs_fsdp_tp", True), ("fs_zero1", False), ("fs_zero1", True)],
+    [
+        ("fs_fsdp", False),
+        ("fs_fsdp_tp", False),
+        ("fs_fsdp_tp", True),
+        ("fs_zero1", False),
+        ("fs_zero1", True),
+    ],
 )
 def test_trainer_checkpoints_resume_exactly(world, tmp_path, name, full):
     """Two epochs straight, against one epoch, a checkpoint (a folder, or with
@@ -212,3 +219,18 @@ def test_the_16_mixed_flag_is_accepted(world):
     flagged = world.run(lightning_cases.fit_in_precision, "fs_fsdp", dist_cases.EVEN, 4, "16-mixed")[0]
     bf16 = world.run(lightning_cases.fit_in_precision, "fs_fsdp", dist_cases.EVEN, 4, "bf16-mixed")[0]
     assert flagged["losses"] == bf16["losses"]
+
+
+def test_a_strict_rule_set_that_misses_parameters_is_refused_by_name(world):
+    no_norms = fs.Rules(list(fs.rules.llama)[:-1], strict=True, name="no-norms")
+    policy = fs.fsdp("dp") + fs.tp(no_norms, "tp")
+    with pytest.raises(fs.PlanError, match=r"model\.norm\.weight.*no rule of the strict rule set 'no-norms'"):
+        world.run(lightning_cases.fit_with, policy, fs.Mesh(dp=2, tp=2), dist_cases.EVEN, 2)
+
+
+def test_a_plan_that_misses_parameters_of_the_module_is_refused_by_name(world):
+    one_layer = dataclasses.replace(dist_cases.EVEN, num_layers=1)
+    plan = fs.shard(lightning_cases.LanguageModel(one_layer), fs.Mesh(dp=4), fs.fsdp())
+    missing = r"model\.layers\.1\.mlp\.down_proj\.weight: a parameter of the module but not in the plan"
+    with pytest.raises(fs.PlanError, match=missing):
+        world.run(lightning_cases.fit_with, plan, None, dist_cases.EVEN, 4)
