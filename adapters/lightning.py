@@ -33,6 +33,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import functional_shard as fs
 from functional_shard.apply import build_device_mesh
@@ -82,6 +83,23 @@ class _RunsAPlan:
         fs.apply(self._plan, module, device_mesh, root=root)
         if any(p.is_meta for p in module.parameters()):
             fs.materialize(self._plan, module, device, seed=self._seed)
+
+    def _zero1(
+        self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, schedulers: bool = False
+    ) -> torch.optim.Optimizer:
+        # the plan keeps optimizer state whole on owner ranks; the user built a plain
+        # optimizer, so it is rebound to torch's ZeroRedundancyOptimizer, or refused
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            return optimizer
+        if schedulers or len(optimizer.param_groups) != 1:
+            raise fs.ShardingError(
+                "a ZeRO-1 plan rebinds the optimizer to ZeroRedundancyOptimizer, which this adapter does "
+                "only for one parameter group and no LR scheduler; use fs.zero(2) or fs.fsdp() instead"
+            )
+        # defaults may hold keys the constructor does not take (AdamW's decoupled_weight_decay)
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        return fs.optimizer(self.plan, module, type(optimizer), **kwargs)
 
     def _sampler_kwargs(self, global_rank: int) -> dict[str, Any]:
         rank, replicas = self.plan.data_parallel_rank(global_rank)
@@ -235,26 +253,16 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
             for optimizer in self.optimizers:
                 fs.check_optimizer(optimizer, module)
             if self.plan.config.data_parallel == "zero1":
-                self.optimizers = [self._zero1(optimizer, module) for optimizer in self.optimizers]
+                schedulers = bool(self.lr_scheduler_configs)
+                self.optimizers = [
+                    self._zero1(optimizer, module, schedulers) for optimizer in self.optimizers
+                ]
         self.setup_precision_plugin()
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         """The LightningModule's optimizers, built anew on the parallelized parameters."""
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
-
-    def _zero1(self, optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> torch.optim.Optimizer:
-        # the plan keeps optimizer state whole on owner ranks; the LightningModule built a
-        # plain optimizer, so it is rebound to torch's ZeroRedundancyOptimizer, or refused
-        if self.lr_scheduler_configs or len(optimizer.param_groups) != 1:
-            raise fs.ShardingError(
-                "a ZeRO-1 plan rebinds the optimizer to ZeroRedundancyOptimizer, which this adapter does "
-                "only for one parameter group and no LR scheduler; use fs.zero(2) or fs.fsdp() instead"
-            )
-        # defaults may hold keys the constructor does not take (AdamW's decoupled_weight_decay)
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-        kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        return fs.optimizer(self.plan, module, type(optimizer), **kwargs)
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -577,8 +585,11 @@ class FabricShardStrategy(_RunsAPlan, FabricModelParallelStrategy):
 
     ``fabric.setup_module(model)`` plans (for a policy), applies and materializes; build the
     optimizer after it (an optimizer on the replaced parameters is refused by
-    ``fabric.setup_optimizers``); ``fabric.backward`` and ``fabric.save`` / ``fabric.load``
-    work as with Lightning's ModelParallelStrategy, which this extends.
+    ``fabric.setup_optimizers``; under a ZeRO-1 plan a plain one is rebound to
+    ``ZeroRedundancyOptimizer``). ``fabric.backward`` works as with Lightning's
+    ModelParallelStrategy, which this extends; ``fabric.save`` / ``fabric.load`` write and
+    read `functional_shard.checkpoint`'s format (aside, then renamed; any plan's, ZeRO-1's
+    included), so a checkpoint moves between plans, Fabric and the Trainer.
 
     Examples:
         >>> # fabric = L.Fabric(strategy=FabricShardStrategy(fs.fsdp()), accelerator="cpu", devices=4)
@@ -626,4 +637,77 @@ class FabricShardStrategy(_RunsAPlan, FabricModelParallelStrategy):
         """
         if self._module is not None:
             fs.check_optimizer(optimizer, self._module)
+            if self.plan.config.data_parallel == "zero1":
+                optimizer = self._zero1(optimizer, self._module)
         return super().setup_optimizer(optimizer)
+
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Any] | None = None,
+    ) -> None:
+        """Save the module, its optimizers and other values (aside, then renamed).
+
+        A folder with one file per rank, or (``save_distributed_checkpoint=False``) one file.
+        """
+        if storage_options is not None or filter is not None:
+            raise fs.ShardingError("FabricShardStrategy.save_checkpoint takes no storage_options or filter")
+        module_key, module = _the_module(state)
+        full = not self._save_distributed_checkpoint
+        tensors: dict[str, Any] = {module_key: fs.checkpoint.model_state(module, full=full)}
+        rest: dict[str, Any] = {}
+        for key, value in state.items():
+            if isinstance(value, torch.optim.Optimizer):
+                tensors[key] = fs.checkpoint.optimizer_state(module, value, full=full)
+            elif key != module_key:
+                rest[key] = value.state_dict() if hasattr(value, "state_dict") else value
+        fs.checkpoint.write(self.broadcast(path), tensors, full=full, meta=rest)
+
+    def load_checkpoint(
+        self,
+        path: Any,
+        state: Any = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load into the module and optimizers of ``state``, whatever plan saved the checkpoint.
+
+        Other values of ``state`` are replaced (or, with ``load_state_dict``, loaded) in place;
+        returns what the checkpoint holds beyond ``state``.
+        """
+        path = Path(self.broadcast(path))
+        if not path.exists():
+            raise fs.ShardingError(f"no checkpoint at {path}")
+        if not isinstance(state, dict):
+            raise fs.ShardingError(
+                "fabric.load(path, state) with this strategy needs state as a dict: "
+                "{'model': model, 'optimizer': optimizer, ...}"
+            )
+        module_key, module = _the_module(state)
+        optimizers = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
+        if path.is_dir():
+            rest = fs.checkpoint.read_sharded(path, (module_key, module), optimizers, strict=strict)
+        else:
+            rest = torch.load(path, map_location="cpu", weights_only=bool(weights_only))
+            fs.checkpoint.set_model_state(module, rest.pop(module_key), full=True, strict=strict)
+            for key, optimizer in optimizers.items():
+                fs.checkpoint.set_optimizer_state(module, optimizer, rest.pop(key), full=True)
+        for key in [k for k in rest if k in state]:
+            value = rest.pop(key)
+            if hasattr(state[key], "load_state_dict"):
+                state[key].load_state_dict(value)
+            else:
+                state[key] = value
+        return rest
+
+
+def _the_module(state: dict[str, Any]) -> tuple[str, torch.nn.Module]:
+    modules = [(key, value) for key, value in state.items() if isinstance(value, torch.nn.Module)]
+    if len(modules) != 1:
+        raise fs.ShardingError(
+            f"a checkpoint of a plan holds one module, found {len(modules)} in the state "
+            f"({[key for key, _ in modules]}); save each plan's module on its own"
+        )
+    return modules[0]

@@ -229,14 +229,24 @@ def fit_epochs(
     return result if dist.get_rank() == 0 else None
 
 
-def fabric_loop(name: str, config: LlamaConfig, early_optimizer: bool = False) -> dict[str, object] | None:
-    """A Fabric training loop under a strategy of dist_cases.strategy(); rank 0 returns
-    losses and full parameters."""
+def fabric_loop(
+    name: str,
+    config: LlamaConfig,
+    early_optimizer: bool = False,
+    steps: int = dist_cases.STEPS,
+    resume_from: str | None = None,
+    save_to: str | None = None,
+    full: bool = False,
+) -> dict[str, object] | None:
+    """A Fabric training loop under a strategy of dist_cases.strategy(), optionally resumed
+    with fabric.load and saved with fabric.save (``full``: one file); rank 0 returns losses,
+    full parameters, and the step it started at."""
     from functional_shard.adapters.lightning import FabricShardStrategy
 
     rank, world = join_as_lightning_rank()
     mesh, policy = dist_cases.strategy(name, world)
-    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=FabricShardStrategy(policy, mesh=mesh))
+    strategy = FabricShardStrategy(policy, mesh=mesh, save_distributed_checkpoint=not full)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
     torch.manual_seed(0)
     model = Llama(config)
@@ -245,8 +255,23 @@ def fabric_loop(name: str, config: LlamaConfig, early_optimizer: bool = False) -
     optimizer = fabric.setup_optimizers(
         early if early_optimizer else torch.optim.AdamW(model.parameters(), lr=dist_cases.LR)
     )
-    plan = fabric.strategy.plan
-    losses = dist_cases.train_steps(model, optimizer, config, plan, range(dist_cases.STEPS), fabric.backward)
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    if resume_from:
+        fabric.load(resume_from, state)
+    plan, start = fabric.strategy.plan, state["step"]
+    losses = dist_cases.train_steps(
+        model, optimizer, config, plan, range(start, start + steps), fabric.backward
+    )
+    if save_to:
+        state["step"] = start + steps
+        fabric.save(save_to, state)
     data_parallel = plan.data_parallel_rank(rank)[1]
     params = {k.removeprefix("_forward_module."): dist_cases.full(v) for k, v in model.state_dict().items()}
-    return {"losses": losses, "params": params, "data_parallel": data_parallel} if rank == 0 else None
+    result = {
+        "losses": losses,
+        "params": params,
+        "data_parallel": data_parallel,
+        "start": start,
+        "optimizer": type(optimizer.optimizer).__name__,
+    }
+    return result if rank == 0 else None

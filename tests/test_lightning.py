@@ -181,6 +181,20 @@ def test_fabric_loop_trains_as_one_process(world, name):
         torch.testing.assert_close(result["params"][key], value, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize(("name", "full"), [("zero3", False), ("fsdp_tp", False), ("zero1", True)])
+def test_fabric_save_and_load_resume_exactly(world, tmp_path, name, full):
+    """fabric.save after 2 steps, fabric.load in a new Fabric, 3 more steps: the losses of
+    an uninterrupted run (ZeRO-1: a plain AdamW rebound to ZeroRedundancyOptimizer)."""
+    path = str(tmp_path / ("ckpt.pt" if full else "ckpt"))
+    uninterrupted = world.run(lightning_cases.fabric_loop, name, dist_cases.EVEN)[0]
+    world.run(lightning_cases.fabric_loop, name, dist_cases.EVEN, False, 2, None, path, full)
+    resumed = world.run(lightning_cases.fabric_loop, name, dist_cases.EVEN, False, 3, path, None, full)[0]
+    assert resumed["start"] == 2
+    assert resumed["losses"] == pytest.approx(uninterrupted["losses"][2:], abs=1e-5)
+    if name == "zero1":
+        assert resumed["optimizer"] == "ZeroRedundancyOptimizer"
+
+
 def test_fabric_refuses_an_optimizer_built_before_sharding(world):
     with pytest.raises(fs.ShardingError, match="built before sharding replaced them"):
         world.run(lightning_cases.fabric_loop, "zero3", dist_cases.EVEN, True)
