@@ -1,7 +1,6 @@
 """to_lightning: Lightning's own strategies, built on the CPU and inspected (DeepSpeed and
 FSDP1 refuse to run on the CPU, as Lightning's own CPU tests only build them too)."""
 
-import importlib.util
 import re
 
 import pytest
@@ -108,10 +107,38 @@ def test_units_need_the_module():
         to_lightning(plan(fs.fsdp()))
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is not None,
-    reason="DeepSpeed is installed here, so the missing-package error cannot be shown.",
-)
-def test_deepspeed_target_without_deepspeed_says_so():
+def test_deepspeed_target_without_deepspeed_says_so(monkeypatch):
+    import lightning.pytorch.strategies.deepspeed as lightning_deepspeed
+
+    monkeypatch.setattr(lightning_deepspeed, "_DEEPSPEED_AVAILABLE", False)
     with pytest.raises(fs.ShardingError, match="DeepSpeedStrategy could not be built"):
         to_lightning(plan(fs.zero(2)), target="deepspeed")
+
+
+DEEPSPEED_PLANS = [
+    (fs.zero(1), 1, "none"),
+    (fs.zero(2) + fs.offload(params=False, grads=False), 2, "none"),
+    (fs.zero(3) + fs.mixed_precision(torch.float16), 3, "none"),
+    (fs.fsdp() + fs.offload() + fs.mixed_precision(torch.bfloat16) + fs.checkpointing(Block), 3, "cpu"),
+]
+
+
+@pytest.mark.parametrize(("policy", "stage", "param_offload"), DEEPSPEED_PLANS)
+def test_deepspeed_strategy_built_and_its_config_read_by_deepspeed(policy, stage, param_offload):
+    """The real DeepSpeedStrategy (DeepSpeed runs only on CUDA; building works anywhere),
+    its config parsed and validated by DeepSpeed's own config classes."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is in the dev extra; CI installs it")
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    the_plan = plan(policy)
+    strategy = to_lightning(the_plan, MODEL, target="deepspeed")
+    assert isinstance(strategy, DeepSpeedStrategy)
+    assert strategy.config == deepspeed_config(the_plan)
+    # Lightning adds the micro-batch size from the DataLoader at fit time
+    parsed = DeepSpeedConfig({**strategy.config, "train_micro_batch_size_per_gpu": 1})
+    assert parsed.zero_optimization_stage == stage
+    device = getattr(parsed.zero_config.offload_param, "device", "none")
+    assert getattr(device, "value", device) == param_offload
+    assert parsed.bfloat16_config.enabled == (the_plan.config.param_dtype == "bfloat16")
+    assert parsed.float16_config.enabled == (the_plan.config.param_dtype == "float16")
