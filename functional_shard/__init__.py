@@ -11,6 +11,8 @@ Examples:
 """
 
 from . import checkpoint as checkpoint
+from . import demo as demo
+from . import measure as measure
 from . import rules as rules
 from .apply import apply as apply
 from .apply import check_optimizer as check_optimizer
@@ -32,6 +34,8 @@ from .layout import local_shape as local_shape
 from .layout import local_shape_and_offset as local_shape_and_offset
 from .layout import shard_tensor as shard_tensor
 from .layout import unshard_tensor as unshard_tensor
+from .measure import CollectiveLog as CollectiveLog
+from .measure import resident_bytes as resident_bytes
 from .mesh import Mesh as Mesh
 from .plan import Change as Change
 from .plan import Plan as Plan
@@ -102,6 +106,11 @@ __all__ = [
     "optimizer",
     "run_local",
     "checkpoint",
+    # measuring running plans, beside plan.cost()
+    "CollectiveLog",
+    "resident_bytes",
+    "measure",
+    "demo",
     # errors
     "MeshError",
     "PlanError",

@@ -204,6 +204,23 @@ def _tensor_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> 
         elif style == "sequence" and sequence:
             styles[path] = SequenceParallel()
     parallelize_module(module, device_mesh[config.tensor_parallel_axes[0]], styles)
+    if sequence and not config.data_axes:
+        for path, style, _ in config.tp_styles:
+            if style == "sequence":
+                for param in module.get_submodule(path).parameters(recurse=False):
+                    param.register_post_accumulate_grad_hook(_reduce_partial_grad)
+
+
+def _reduce_partial_grad(param: torch.Tensor) -> None:
+    # A sequence-parallel norm sees this rank's tokens only, so its weight's gradient is a
+    # partial sum. FSDP2 all-reduces it before its own reduction; alone, DTensor would
+    # all-reduce it again in every optimizer op that reads it (three times in AdamW):
+    # once here instead, in backward.
+    from torch.distributed.tensor import DTensor, Replicate
+
+    grad = param.grad
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        param.grad = grad.redistribute(placements=[Replicate()] * len(grad.placements))
 
 
 def _retie(plan: Plan, module: nn.Module) -> None:

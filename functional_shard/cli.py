@@ -3,6 +3,7 @@
 Examples:
     functional-shard plan --model llama-70b --mesh dp=16,tp=8 --policy fsdp:dp+tp:tp --tokens 8192
     functional-shard checkpoint convert ckpt/ ckpt.pt
+    functional-shard demo --mesh dp=2,tp=2 --policy fsdp:dp+tp:tp
 """
 
 from __future__ import annotations
@@ -64,6 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     plan_cmd.add_argument("--policy", default="fsdp:dp+tp:tp+bf16")
     plan_cmd.add_argument("--tokens", type=int, default=None, help="tokens per micro-batch per data rank")
     plan_cmd.add_argument("--json", action="store_true", help="print the plan as JSON instead")
+    demo = commands.add_parser(
+        "demo",
+        help="train a plan on local processes: predicted vs measured cost, parity with one process",
+    )
+    demo.add_argument("--mesh", default="dp=2,tp=2", help="one local process per device")
+    demo.add_argument("--policy", default="fsdp:dp+tp:tp")
+    demo.add_argument("--model", default="tiny", choices=["tiny", "tiny-tied"])
+    demo.add_argument("--steps", type=int, default=5)
     ckpt = commands.add_parser("checkpoint", help="checkpoint tools")
     ckpt_commands = ckpt.add_subparsers(dest="action", required=True)
     conv = ckpt_commands.add_parser("convert", help="sharded folder <-> full file, offline")
@@ -78,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
                 if args.json
                 else f"{plan.explain()}\n\n{plan.cost(tokens=args.tokens)}"
             )
+        elif args.command == "demo":
+            from . import demo as demo_module
+
+            result = demo_module.run(
+                _mesh(args.mesh), _policy(args.policy), model=args.model, steps=args.steps
+            )
+            return 0 if result.ok else 1
         else:
             print(f"wrote {checkpoint.convert(args.source, args.target)}")
     except ShardingError as error:

@@ -243,10 +243,28 @@ def _parameter_comm(plan: Plan, comm: _Comm, units: Mapping[str, str]) -> None:
         if isinstance(sharding.optim, Owned):
             axis = sharding.optim.axis
             comm.add("broadcast", (axis,), plan.mesh[axis], math.prod(shape) * itemsize, count)
+    if config.sequence_parallel:
+        _sequence_parallel_grad_comm(plan, comm, param_size)
     if config.data_parallel in ("ddp", "zero1") and config.replicate_axes:
         axes = config.replicate_axes
         for path in plan.buffers:  # DDP broadcasts buffers from rank 0 before each forward
             comm.add("broadcast", axes, plan.mesh.axes_size(axes), plan.tensors[path].nbytes)
+
+
+def _sequence_parallel_grad_comm(plan: Plan, comm: _Comm, param_size: int | None) -> None:
+    # a sequence-parallel module (a norm) keeps its weight whole on every tensor-parallel
+    # rank but sees only this rank's tokens: its gradient is a partial sum, all-reduced
+    # whole over the tensor-parallel axes (by FSDP2 before it reduces, or by DTensor in
+    # the optimizer step without it)
+    axes = plan.config.tensor_parallel_axes
+    n = plan.mesh.axes_size(axes)
+    for module_path, style, _ in plan.config.tp_styles:
+        if style != "sequence":
+            continue
+        for path, tensor in plan.tensors.items():
+            owner, _, leaf = path.rpartition(".")
+            if owner == module_path and path in plan.params and "." not in leaf:
+                comm.add("all_reduce", axes, n, tensor.numel * (param_size or tensor.itemsize))
 
 
 def _activation_comm(plan: Plan, comm: _Comm, tokens: int) -> None:

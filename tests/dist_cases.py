@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import functional_shard as fs
 from functional_shard.zoo import Block, Llama, LlamaConfig
@@ -38,6 +37,7 @@ def strategy(name: str, world: int) -> tuple[fs.Mesh, fs.Policy]:
         "tp": (fs.Mesh(tp=-1), fs.tp(rules, "tp")),
         "tp_sp": (fs.Mesh(tp=-1), fs.tp(rules, "tp", sequence_parallel=True)),
         "fsdp_tp": (fs.Mesh(dp=2, tp=-1), fs.fsdp("dp") + fs.tp(rules, "tp")),
+        "fsdp_tp_sp": (fs.Mesh(dp=2, tp=-1), fs.fsdp("dp") + fs.tp(rules, "tp", sequence_parallel=True)),
         "hsdp_tp": (fs.Mesh(node=2, gpu=-1, tp=2), fs.hsdp("node", "gpu") + fs.tp(rules, "tp")),
         "fsdp_checkpointing": (fs.Mesh(dp=-1), fs.fsdp() + fs.checkpointing(Block)),
         "fsdp_offload": (fs.Mesh(dp=-1), fs.fsdp() + fs.offload()),
@@ -108,92 +108,21 @@ def train(name: str, config: LlamaConfig) -> dict[str, object]:
     }
 
 
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
-    seen: dict[int, int] = {}
-    for tensor in tensors:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        storage = local.untyped_storage()
-        seen[storage.data_ptr() or id(storage)] = storage.nbytes()
-    return sum(seen.values())
-
-
 def measure_memory(name: str, config: LlamaConfig) -> dict[str, object]:
     """After one step: this rank's bytes of params, grads, optimizer state, and the prediction."""
     model, optimizer, plan = _built(name, config)
     tokens = batches(config, 1)[0][:MICRO_BATCH]
     loss_of(model, tokens).backward()
     optimizer.step()
-    params = list(model.parameters())
-    inner = optimizer.optim if hasattr(optimizer, "optim") else optimizer  # ZeroRedundancyOptimizer
-    states = [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     cost = plan.cost("adamw", rank=dist.get_rank())
     return {
-        "measured": {
-            "params": _storage_bytes(params),
-            "grads": _storage_bytes(p.grad for p in params if p.grad is not None),
-            "optimizer": _storage_bytes(states),
-        },
+        "measured": fs.measure.resident_bytes(model, optimizer),
         "predicted": {
             "params": cost.params_bytes,
             "grads": cost.grads_bytes,
             "optimizer": cost.optimizer_bytes,
         },
     }
-
-
-FUNCTIONAL = {
-    "_c10d_functional::all_gather_into_tensor": "all_gather",
-    "_c10d_functional::reduce_scatter_tensor": "reduce_scatter",
-    "_c10d_functional::all_reduce": "all_reduce",
-}
-
-
-class CollectiveLog(TorchDispatchMode):
-    """Every collective issued while active: kind, mesh axes of its group, bytes sent by this rank.
-
-    Bytes follow the cost model's ring conventions, from the full (gathered) size S:
-    all-gather and reduce-scatter (n-1)/n·S, all-reduce 2(n-1)/n·S, broadcast (n-1)/n·S.
-    """
-
-    def __init__(self, mesh: fs.Mesh) -> None:
-        super().__init__()
-        self.mesh = mesh
-        self.sent: dict[str, dict[str, float]] = {}
-        self.ops: list[tuple[str, str, int]] = []
-
-    def _axes(self, group: dist.ProcessGroup) -> str:
-        ranks = dist.get_process_group_ranks(group)
-        coords = [self.mesh.coords(r) for r in ranks]
-        return ",".join(a for a in self.mesh.axis_names if len({c[a] for c in coords}) > 1)
-
-    def _record(self, kind: str, group: dist.ProcessGroup, full_bytes: int) -> None:
-        n = group.size()
-        factor = 2 if kind == "all_reduce" else 1
-        axes = self._axes(group)
-        self.ops.append((kind, axes, full_bytes))
-        by_axis = self.sent.setdefault(kind, {})
-        by_axis[axes] = by_axis.get(axes, 0.0) + factor * (n - 1) / n * full_bytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.name()
-        nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-        if name in ("c10d::_allgather_base_", "c10d::_reduce_scatter_base_"):
-            kind = "all_gather" if "allgather" in name else "reduce_scatter"
-            full = args[0] if kind == "all_gather" else args[1]
-            self._record(kind, dist.ProcessGroup.unbox(args[2]), nbytes(full))
-        elif name == "c10d::allreduce_":
-            self._record("all_reduce", dist.ProcessGroup.unbox(args[1]), sum(nbytes(t) for t in args[0]))
-        elif name == "c10d::broadcast_":
-            self._record("broadcast", dist.ProcessGroup.unbox(args[1]), sum(nbytes(t) for t in args[0]))
-        elif name in FUNCTIONAL:  # DTensor's collectives name their group last
-            from torch.distributed.distributed_c10d import _resolve_process_group
-
-            group = _resolve_process_group(args[-1])
-            scale = group.size() if FUNCTIONAL[name] == "all_gather" else 1
-            self._record(FUNCTIONAL[name], group, nbytes(args[0]) * scale)
-        return func(*args, **kwargs)
 
 
 def measure_comm(name: str, config: LlamaConfig) -> dict[str, object]:
@@ -203,7 +132,7 @@ def measure_comm(name: str, config: LlamaConfig) -> dict[str, object]:
     # two warm-up steps: the first builds lazy state, the second DDP's rebuilt buckets,
     # whose layout it broadcasts once
     for step in range(3):
-        log = CollectiveLog(plan.mesh)
+        log = fs.measure.CollectiveLog(plan.mesh)
         with log if step == 2 else contextlib.nullcontext():
             optimizer.zero_grad()
             loss_of(model, tokens).backward()

@@ -76,7 +76,7 @@ def fit(
     tokens = torch.cat(dist_cases.batches(config, data_parallel * accumulate))
     loader = torch.utils.data.DataLoader(tokens, batch_size=dist_cases.MICRO_BATCH, shuffle=False)
     module = LanguageModel(config)
-    log = dist_cases.CollectiveLog(fs.Mesh(dp=dist.get_world_size()))
+    log = fs.CollectiveLog(fs.Mesh(dp=dist.get_world_size()))
     with log:
         trainer.fit(module, loader)
     reduced = sum(

@@ -73,7 +73,8 @@ def test_measured_memory_equals_the_cost_model(worlds, world_size, strategy, con
 
 
 COMM_CASES = [
-    (4, name, "EVEN") for name in ("ddp", "zero1", "zero2", "zero3", "hsdp", "tp", "tp_sp", "fsdp_tp")
+    (4, name, "EVEN")
+    for name in ("ddp", "zero1", "zero2", "zero3", "hsdp", "tp", "tp_sp", "fsdp_tp", "fsdp_tp_sp")
 ] + [
     (3, "zero3", "UNEVEN"),
     (3, "tp", "UNEVEN_TP"),
