@@ -204,23 +204,32 @@ def _tensor_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> 
         elif style == "sequence" and sequence:
             styles[path] = SequenceParallel()
     parallelize_module(module, device_mesh[config.tensor_parallel_axes[0]], styles)
-    if sequence and not config.data_axes:
-        for path, style, _ in config.tp_styles:
-            if style == "sequence":
-                for param in module.get_submodule(path).parameters(recurse=False):
-                    param.register_post_accumulate_grad_hook(_reduce_partial_grad)
+    _place_grads_as_params(plan, module)
 
 
-def _reduce_partial_grad(param: torch.Tensor) -> None:
-    # A sequence-parallel norm sees this rank's tokens only, so its weight's gradient is a
-    # partial sum. FSDP2 all-reduces it before its own reduction; alone, DTensor would
-    # all-reduce it again in every optimizer op that reads it (three times in AdamW):
-    # once here instead, in backward.
-    from torch.distributed.tensor import DTensor, Replicate
+def _place_grads_as_params(plan: Plan, module: nn.Module) -> None:
+    # Only without FSDP2, which reduces gradients itself. Meta parameters get theirs in
+    # materialize: to_empty swaps their tensors, and hooks registered before do not fire.
+    if not plan.config.tensor_parallel_axes or plan.config.data_axes:
+        return
+    from torch.distributed.tensor import DTensor
+
+    for param in module.parameters():
+        if isinstance(param, DTensor) and not param.is_meta:
+            param.register_post_accumulate_grad_hook(_grad_placed_as_param)
+
+
+def _grad_placed_as_param(param: torch.Tensor) -> None:
+    # DTensor leaves some gradients placed otherwise than their parameter: a sequence-
+    # parallel norm's is a partial sum (it saw this rank's tokens only), a vocabulary-split
+    # embedding's arrives whole. Left so, the norm's would be all-reduced again in every
+    # optimizer op that reads it (three times in AdamW), and the embedding's would stay
+    # full-size on every rank; placed as the parameter once, here, neither happens.
+    from torch.distributed.tensor import DTensor
 
     grad = param.grad
-    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-        param.grad = grad.redistribute(placements=[Replicate()] * len(grad.placements))
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(placements=param.placements)
 
 
 def _retie(plan: Plan, module: nn.Module) -> None:
@@ -488,6 +497,7 @@ def materialize(
                     local.copy_(full_value[window])
                 else:  # replicated (DDP, or a parameter no layer splits)
                     local.copy_(full_value)
+    _place_grads_as_params(plan, module)
     return module
 
 
