@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["LocalWorld", "RankFailedError", "run_local"]
+__all__ = ["LocalWorld", "RankFailedError", "current_rank", "run_local"]
 
 
 class RankFailedError(RuntimeError):
@@ -165,6 +165,11 @@ class LocalWorld:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close(force=exc_info[0] is not None)
+
+
+def current_rank() -> int:
+    """This process's rank in the running world (0 where no process group is running)."""
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def run_local(

@@ -9,8 +9,9 @@ import functional_shard as fs
 
 CORE = pathlib.Path(fs.__file__).parent
 # modules allowed to create process groups, device meshes or run collectives: apply and
-# checkpoint (the brief's two doors) and launch, which starts the local gloo ranks
-EFFECTS = {"apply.py", "checkpoint.py", "launch.py"}
+# checkpoint (the brief's two doors), launch, which starts the local gloo ranks, and
+# measure, which only observes the collectives torch issues (and their groups)
+EFFECTS = {"apply.py", "checkpoint.py", "launch.py", "measure.py"}
 PROCESS_GROUP_MODULES = (
     "torch.distributed.device_mesh",
     "torch.distributed.fsdp",
