@@ -275,3 +275,28 @@ def fabric_loop(
         "optimizer": type(optimizer.optimizer).__name__,
     }
     return result if rank == 0 else None
+
+
+def fit_with_model_checkpoint(name: str, config: LlamaConfig, folder: str, resume_from: str | None):
+    """Lightning's ModelCheckpoint saving every 2 steps, keeping the latest only; or a fit
+    resumed from one of its checkpoints. Rank 0 returns what the folder holds, and the
+    global step the fit ended at."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    _, world = join_as_lightning_rank()
+    keep_latest = ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=1)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=name,
+        max_steps=dist_cases.STEPS if resume_from is None else dist_cases.STEPS + 1,
+        callbacks=[keep_latest],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    tokens = torch.cat(dist_cases.batches(config, world))
+    loader = torch.utils.data.DataLoader(tokens, batch_size=dist_cases.MICRO_BATCH)
+    trainer.fit(LanguageModel(config), loader, ckpt_path=resume_from)
+    held = sorted(p.name for p in os.scandir(folder)) if dist.get_rank() == 0 else None
+    return {"held": held, "step": trainer.global_step, "best": keep_latest.best_model_path}

@@ -248,3 +248,16 @@ def test_a_plan_that_misses_parameters_of_the_module_is_refused_by_name(world):
     missing = r"model\.layers\.1\.mlp\.down_proj\.weight: a parameter of the module but not in the plan"
     with pytest.raises(fs.PlanError, match=missing):
         world.run(lightning_cases.fit_with, plan, None, dist_cases.EVEN, 4)
+
+
+def test_model_checkpoint_keeps_sharded_folders_and_resumes_from_them(world, tmp_path):
+    """ModelCheckpoint(every_n_train_steps=2, save_top_k=1): sharded checkpoints are
+    folders, the older ones removed, none left half-written; a fit resumes from the last."""
+    folder = str(tmp_path / "ckpts")
+    first = world.run(lightning_cases.fit_with_model_checkpoint, "fs_fsdp", dist_cases.EVEN, folder, None)[0]
+    assert first["held"] == ["epoch=0-step=4.ckpt"]
+    assert (tmp_path / "ckpts" / "epoch=0-step=4.ckpt").is_dir()
+    resumed = world.run(
+        lightning_cases.fit_with_model_checkpoint, "fs_fsdp", dist_cases.EVEN, folder, first["best"]
+    )[0]
+    assert resumed["step"] == dist_cases.STEPS + 1
