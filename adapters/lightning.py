@@ -26,7 +26,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -506,14 +506,17 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
     ``ddp`` plans give ``DDPStrategy``; ZeRO-2/3, FSDP and HSDP give ``FSDPStrategy``
     (FSDP1: SHARD_GRAD_OP / FULL_SHARD / HYBRID_SHARD, the plan's units as its wrap policy,
     its checkpointed modules, CPU offload, mixed precision); ZeRO-1, or ``target="deepspeed"``,
-    gives ``DeepSpeedStrategy(config=deepspeed_config(plan))``. Tensor-parallel plans have no
-    Lightning equivalent that runs them without code: use ``ShardStrategy(plan)``.
+    gives ``DeepSpeedStrategy(config=deepspeed_config(plan))``. 2D plans (FSDP over one axis,
+    tensor parallel over the next) give ``ModelParallelStrategy`` with the plan's sizes;
+    Lightning's strategy leaves parallelizing to the LightningModule, so its
+    ``configure_model`` calls ``fs.apply(plan, self, root="model")``.
 
     Args:
         plan: the plan.
         module: the module the plan was made for; needed when the plan names FSDP units or
             checkpointed modules (FSDP1 selects modules by object, not by path).
-        target: ``"ddp"``, ``"fsdp"`` or ``"deepspeed"``; by default the exact match.
+        target: ``"ddp"``, ``"fsdp"``, ``"deepspeed"`` or ``"model_parallel"``; by default
+            the exact match.
 
     Raises:
         functional_shard.ShardingError: the target cannot express the plan (the message names
@@ -528,11 +531,14 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
 
     config = plan.config
     kind = config.data_parallel
-    target = target or {"ddp": "ddp", "zero1": "deepspeed"}.get(kind, "fsdp")
+    default = "model_parallel" if config.tensor_parallel_axes else "fsdp"
+    target = target or {"ddp": "ddp", "zero1": "deepspeed"}.get(kind, default)
+    if target == "model_parallel":
+        return _model_parallel(plan)
     if config.tensor_parallel_axes:
         raise fs.ShardingError(
             f"tensor parallel over {config.tensor_parallel_axes}: Lightning's {target} strategy "
-            "cannot run it; use ShardStrategy(plan)"
+            "cannot run it; use ShardStrategy(plan), or to_lightning(plan, target='model_parallel')"
         )
     if target == "deepspeed":
         cfg = deepspeed_config(plan)
@@ -578,6 +584,28 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
         cpu_offload=config.offload_params,
         mixed_precision=precision,
     )
+
+
+def _model_parallel(plan: fs.Plan) -> Any:
+    # Lightning's ModelParallelStrategy builds a (data_parallel, tensor_parallel) mesh,
+    # data-parallel major; the plan must have that shape and FSDP2 over the first axis
+    config, mesh = plan.config, plan.mesh
+    axes = mesh.axis_names
+    shaped = (
+        len(axes) == 2
+        and config.shard_axes == axes[:1]
+        and config.tensor_parallel_axes == axes[1:]
+        and not config.replicate_axes
+        and config.data_parallel in ("fsdp", "zero3", "zero2")
+    )
+    if not shaped:
+        raise fs.ShardingError(
+            f"Lightning's ModelParallelStrategy runs FSDP over one axis and tensor parallel over the "
+            f"next (Mesh(dp=..., tp=...)); this plan is {config.data_parallel!r} over "
+            f"{config.data_axes} and tensor parallel over {config.tensor_parallel_axes} on {mesh!r}. "
+            "Use ShardStrategy(plan)"
+        )
+    return ModelParallelStrategy(data_parallel_size=mesh.sizes[0], tensor_parallel_size=mesh.sizes[1])
 
 
 class FabricShardStrategy(_RunsAPlan, FabricModelParallelStrategy):

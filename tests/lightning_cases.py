@@ -62,6 +62,7 @@ def fit(
     data_parallel: int,
     accumulate: int = 1,
     clip: float | None = None,
+    module: L.LightningModule | None = None,
     **trainer_options: object,
 ) -> dict[str, object]:
     """Trainer.fit on this rank (the LocalWorld's process group is reused); with the bytes
@@ -75,7 +76,7 @@ def fit(
     )
     tokens = torch.cat(dist_cases.batches(config, data_parallel * accumulate))
     loader = torch.utils.data.DataLoader(tokens, batch_size=dist_cases.MICRO_BATCH, shuffle=False)
-    module = LanguageModel(config)
+    module = module or LanguageModel(config)
     log = fs.CollectiveLog(fs.Mesh(dp=dist.get_world_size()))
     with log:
         trainer.fit(module, loader)
@@ -300,3 +301,26 @@ def fit_with_model_checkpoint(name: str, config: LlamaConfig, folder: str, resum
     trainer.fit(LanguageModel(config), loader, ckpt_path=resume_from)
     held = sorted(p.name for p in os.scandir(folder)) if dist.get_rank() == 0 else None
     return {"held": held, "step": trainer.global_step, "best": keep_latest.best_model_path}
+
+
+class AppliesItsPlan(LanguageModel):
+    """What Lightning's ModelParallelStrategy asks of a module: parallelize in configure_model."""
+
+    def __init__(self, config: LlamaConfig, plan: fs.Plan) -> None:
+        super().__init__(config)
+        self.plan = plan
+
+    def configure_model(self) -> None:
+        fs.apply(self.plan, self, root="model")
+
+
+def fit_under_lightnings_model_parallel(config: LlamaConfig) -> dict[str, object]:
+    """A 2D plan handed to Lightning's own ModelParallelStrategy by to_lightning."""
+    from functional_shard.adapters.lightning import to_lightning
+
+    policy = fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp")
+    plan = fs.shard(LanguageModel(config), fs.Mesh(dp=2, tp=2), policy)
+    module = AppliesItsPlan(config, plan)
+    result = fit(to_lightning(plan), config, 2, module=module)
+    result["strategy"] = type(to_lightning(plan)).__name__
+    return result

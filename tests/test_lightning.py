@@ -261,3 +261,11 @@ def test_model_checkpoint_keeps_sharded_folders_and_resumes_from_them(world, tmp
         lightning_cases.fit_with_model_checkpoint, "fs_fsdp", dist_cases.EVEN, folder, first["best"]
     )[0]
     assert resumed["step"] == dist_cases.STEPS + 1
+
+
+def test_a_2d_plan_through_lightnings_own_model_parallel_strategy(world):
+    """to_lightning(2D plan) -> ModelParallelStrategy(2, 2); the module's configure_model
+    applies the plan: the same training as one process."""
+    result = world.run(lightning_cases.fit_under_lightnings_model_parallel, dist_cases.EVEN)[0]
+    assert result["strategy"] == "ModelParallelStrategy"
+    assert_matches_one_process(result, 2)

@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from torch.distributed.fsdp import ShardingStrategy
 
 import functional_shard as fs
@@ -81,8 +81,18 @@ def test_deepspeed_config_carries_mixed_precision():
     [
         (
             lambda: plan(fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp"), fs.Mesh(dp=2, tp=2)),
-            None,
+            "fsdp",
             "tensor parallel over ('tp',)",
+        ),
+        (
+            lambda: plan(fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp"), fs.Mesh(tp=2, dp=2)),
+            None,
+            "runs FSDP over one axis and tensor parallel over the next",
+        ),
+        (
+            lambda: plan(fs.hsdp("r", "s") + fs.tp(fs.rules.llama, "tp"), fs.Mesh(r=2, s=2, tp=2)),
+            "model_parallel",
+            "this plan is 'hsdp' over ('r', 's')",
         ),
         (
             lambda: plan(fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp"), fs.Mesh(dp=2, tp=2)),
@@ -100,6 +110,12 @@ def test_deepspeed_config_carries_mixed_precision():
 def test_targets_that_cannot_express_a_plan_say_why(p, target, message):
     with pytest.raises(fs.ShardingError, match=re.escape(message)):
         to_lightning(p(), MODEL, target=target)
+
+
+def test_2d_plans_give_lightnings_model_parallel_strategy_with_their_sizes():
+    strategy = to_lightning(plan(fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp"), fs.Mesh(dp=2, tp=4)))
+    assert isinstance(strategy, ModelParallelStrategy)
+    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (2, 4)
 
 
 def test_units_need_the_module():
