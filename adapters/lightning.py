@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,20 +18,14 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from lightning.fabric.strategies.parallel import ParallelStrategy as FabricParallelStrategy
 from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
-    _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -164,31 +158,23 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
             raise fs.ShardingError("the DeviceMesh exists once the processes have joined (setup_environment)")
         return self._device_mesh
 
-    @property
-    def root_device(self) -> torch.device:
-        """This process's device."""
-        assert self.parallel_devices is not None  # Lightning's connector sets them first
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        """Processes on this node."""
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def process_group_backend(self) -> str | None:
-        """``"gloo"``, ``"nccl"``, or None before the processes joined."""
-        return self._process_group_backend
-
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        """Checkpoints load into the parallelized module, so after setup."""
-        return True
-
-    @property
-    def lightning_restore_optimizer(self) -> bool:
-        """`load_checkpoint` restores the optimizers itself."""
-        return False
+    # Lightning's own plumbing of a ParallelStrategy on a DeviceMesh, used as it is (by
+    # reference): ShardStrategy cannot subclass ModelParallelStrategy, because Lightning
+    # refuses precision="16-mixed" to any instance of it
+    root_device = ModelParallelStrategy.root_device
+    num_processes = ModelParallelStrategy.num_processes
+    process_group_backend = ModelParallelStrategy.process_group_backend
+    restore_checkpoint_after_setup = ModelParallelStrategy.restore_checkpoint_after_setup
+    lightning_restore_optimizer = ModelParallelStrategy.lightning_restore_optimizer
+    _configure_launcher = ModelParallelStrategy._configure_launcher
+    set_world_ranks = ModelParallelStrategy.set_world_ranks
+    model_to_device = ModelParallelStrategy.model_to_device
+    tensor_init_context = ModelParallelStrategy.tensor_init_context
+    barrier = ModelParallelStrategy.barrier
+    broadcast = ModelParallelStrategy.broadcast
+    reduce = ModelParallelStrategy.reduce
+    _determine_device_ids = ModelParallelStrategy._determine_device_ids
+    teardown = ModelParallelStrategy.teardown
 
     @property
     def is_distributed(self) -> bool:
@@ -199,20 +185,6 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Split batches over the data-parallel axes only."""
         return self._sampler_kwargs(self.global_rank)
-
-    def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
-
-    def set_world_ranks(self) -> None:
-        """Tell the cluster environment (and rank-zero logging) this process's rank."""
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     def setup_environment(self) -> None:
         """Join the process group and build the DeviceMesh of the plan's mesh."""
@@ -280,51 +252,6 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
         finally:
             for engine in engines:
                 engine.set_requires_gradient_sync(True)
-
-    def model_to_device(self) -> None:
-        """Move what the engines left on another device (buffers, say)."""
-        assert self.model is not None
-        self.model.to(self.root_device)
-
-    @contextmanager
-    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """Build on the meta device when asked (``empty_init``): setup materializes shards."""
-        with (
-            torch.device("meta") if empty_init else nullcontext(),
-            self.precision_plugin.tensor_init_context(),
-        ):
-            yield
-
-    def barrier(self, name: str | None = None) -> None:
-        """Wait for every rank."""
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """``obj`` as rank ``src`` has it, on every rank."""
-        if not _distributed_is_initialized():
-            return obj
-        holder = [obj]
-        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
-        return holder[0]
-
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        """Reduce a tensor over every rank (``"mean"`` by default); other values pass through."""
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    def teardown(self) -> None:
-        """Release the environment; the parallelized module stays where it is."""
-        assert self.cluster_environment is not None
-        assert self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's shards, or (``save_distributed_checkpoint=False``) all, on rank 0."""
