@@ -203,6 +203,7 @@ def read_sharded(
         The ``meta`` saved beside.
     """
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(path)
     key, target = module
@@ -216,10 +217,12 @@ def read_sharded(
         )
     try:
         dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
-    except Exception as error:  # DCP's CheckpointException wraps each rank's failure
+    except (Exception, CheckpointException) as error:  # a BaseException: it wraps each rank's failure
+        failures = getattr(error, "failures", {})
+        cause = next(iter(failures.values()))[0] if failures else error
         raise ShardingError(
-            f"the checkpoint at {path} does not fit this module: {str(error)[:300]}. "
-            "Load with strict=False to skip what is missing"
+            f"the checkpoint at {path} does not fit this module: {cause}. "
+            "Load it under a module of the same shapes, or with strict=False to skip what is missing"
         ) from error
     set_model_state(target, state[key], full=False, strict=strict)
     for name, optimizer in optimizers.items():
@@ -257,9 +260,15 @@ def save(
 
 
 def load(
-    path: str | os.PathLike[str], module: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    path: str | os.PathLike[str],
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    strict: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint into a parallelized module (and optimizer), whatever plan saved it.
+
+    ``strict=False`` skips what the checkpoint lacks instead of refusing it.
 
     Returns:
         The ``extra`` values saved beside.
@@ -272,11 +281,11 @@ def load(
         raise ShardingError(f"no checkpoint at {path}")
     if path.is_dir():
         optimizers = {"optimizer": optimizer} if optimizer is not None else {}
-        return dict(read_sharded(path, ("model", module), optimizers).get("extra", {}))
+        return dict(read_sharded(path, ("model", module), optimizers, strict=strict).get("extra", {}))
     # every rank reads the file and keeps its own shards (a full copy per rank while
     # loading: the price of the one-file format)
     saved = torch.load(path, map_location="cpu", weights_only=False)
-    set_model_state(module, saved["model"], full=True)
+    set_model_state(module, saved["model"], full=True, strict=strict)
     if optimizer is not None and "optimizer" in saved:
         set_optimizer_state(module, optimizer, saved["optimizer"], full=True)
     return dict(saved.get("extra", {}))

@@ -87,3 +87,11 @@ def test_zero1_checkpoints_move_to_and_from_fsdp(world4, tmp_path, full_file):
     saved_by_fsdp = world4.run(dist_cases.save_after, "zero3", CONFIG, back, 2, False)[0]
     on_zero1 = world4.run(dist_cases.load_under, "zero1", CONFIG, back, 0)[0]
     assert_same_state(on_zero1["state"], saved_by_fsdp)
+
+
+def test_a_checkpoint_that_does_not_fit_the_module_is_refused(world4, tmp_path):
+    path = str(tmp_path / "ckpt")
+    world4.run(dist_cases.save_after, "zero3", CONFIG, path, 1, False)
+    fits = r"does not fit this module: Size mismatch .* for model\.embed_tokens\.weight"
+    with pytest.raises(fs.ShardingError, match=fits):
+        world4.run(dist_cases.load_under, "zero3", dist_cases.UNEVEN, path, 0)
