@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
+from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncControl
 from lightning.fabric.strategies.parallel import ParallelStrategy as FabricParallelStrategy
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
 )
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -318,13 +318,10 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
 
 
 def _agree_on_overflow(precision: Any) -> None:
-    # float16 loss scaling must skip a step on every rank or on none
+    # float16 loss scaling must skip a step on every rank or on none; Lightning's and
+    # Fabric's MixedPrecision plugins both hold a torch GradScaler and its device
     scaler = getattr(precision, "scaler", None)
-    if (
-        isinstance(precision, MixedPrecision)
-        and scaler is not None
-        and not isinstance(scaler, ShardedGradScaler)
-    ):
+    if scaler is not None and not isinstance(scaler, ShardedGradScaler):
         precision.scaler = fs.grad_scaler(
             precision.device,
             init_scale=scaler.get_scale(),
@@ -535,16 +532,18 @@ def _model_parallel(plan: fs.Plan) -> Any:
     return ModelParallelStrategy(data_parallel_size=mesh.sizes[0], tensor_parallel_size=mesh.sizes[1])
 
 
-class FabricShardStrategy(_RunsAPlan, FabricModelParallelStrategy):
+class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
     """The same plans through Fabric: ``L.Fabric(strategy=FabricShardStrategy(plan_or_policy))``.
 
     ``fabric.setup_module(model)`` plans (for a policy), applies and materializes; build the
     optimizer after it (an optimizer on the replaced parameters is refused by
     ``fabric.setup_optimizers``; under a ZeRO-1 plan a plain one is rebound to
-    ``ZeroRedundancyOptimizer``). ``fabric.backward`` works as with Lightning's
-    ModelParallelStrategy, which this extends; ``fabric.save`` / ``fabric.load`` write and
-    read `functional_shard.checkpoint`'s format (aside, then renamed; any plan's, ZeRO-1's
-    included), so a checkpoint moves between plans, Fabric and the Trainer.
+    ``ZeroRedundancyOptimizer``). ``fabric.backward`` and ``fabric.no_backward_sync`` work
+    as with Lightning's ModelParallelStrategy; ``precision="16-mixed"`` too (which that one
+    refuses), its loss scaler agreeing over ranks (`functional_shard.grad_scaler`).
+    ``fabric.save`` / ``fabric.load`` write and read `functional_shard.checkpoint`'s format
+    (aside, then renamed; any plan's, ZeRO-1's included), so a checkpoint moves between
+    plans, Fabric and the Trainer.
 
     Examples:
         >>> # fabric = L.Fabric(strategy=FabricShardStrategy(fs.fsdp()), accelerator="cpu", devices=4)
@@ -558,20 +557,41 @@ class FabricShardStrategy(_RunsAPlan, FabricModelParallelStrategy):
         seed: int | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = timedelta(seconds=1800),
+        timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        super().__init__(
-            parallelize_fn=self._parallelize,
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
+        super().__init__()
+        self._num_nodes = 1
+        self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._backward_sync_control = _ParallelBackwardSyncControl()
+        self._device_mesh: Any = None
+        self._parallelize_fn = self._parallelize
         self._hold(plan, mesh, seed)
         self._module: torch.nn.Module | None = None
 
+    # Lightning's own plumbing, used as it is (by reference): a subclass of Fabric's
+    # ModelParallelStrategy would be refused precision="16-mixed"
+    device_mesh = FabricModelParallelStrategy.device_mesh
+    checkpoint_io = FabricModelParallelStrategy.checkpoint_io
+    root_device = FabricModelParallelStrategy.root_device
+    num_nodes = FabricModelParallelStrategy.num_nodes
+    num_processes = FabricModelParallelStrategy.num_processes
+    process_group_backend = FabricModelParallelStrategy.process_group_backend
+    _configure_launcher = FabricModelParallelStrategy._configure_launcher
+    setup_module = FabricModelParallelStrategy.setup_module
+    module_to_device = FabricModelParallelStrategy.module_to_device
+    module_init_context = FabricModelParallelStrategy.module_init_context
+    all_reduce = FabricModelParallelStrategy.all_reduce
+    barrier = FabricModelParallelStrategy.barrier
+    broadcast = FabricModelParallelStrategy.broadcast
+    _setup_distributed = FabricModelParallelStrategy._setup_distributed
+    _get_process_group_backend = FabricModelParallelStrategy._get_process_group_backend
+    _set_world_ranks = FabricModelParallelStrategy._set_world_ranks
+
     def setup_environment(self) -> None:
         """Join the process group and build the DeviceMesh of the plan's mesh."""
-        FabricParallelStrategy.setup_environment(self)
+        super().setup_environment()
         self._setup_distributed()
         self._device_mesh = self._device_mesh_for(self.world_size, self.root_device.type)
 
@@ -582,6 +602,7 @@ class FabricShardStrategy(_RunsAPlan, FabricModelParallelStrategy):
 
     def _parallelize(self, module: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
         self._run_plan(module, device_mesh, self.root_device)
+        _agree_on_overflow(self.precision)
         self._module = module
         return module
 

@@ -238,16 +238,23 @@ def fabric_loop(
     resume_from: str | None = None,
     save_to: str | None = None,
     full: bool = False,
+    precision: str = "32-true",
 ) -> dict[str, object] | None:
     """A Fabric training loop under a strategy of dist_cases.strategy(), optionally resumed
-    with fabric.load and saved with fabric.save (``full``: one file); rank 0 returns losses,
-    full parameters, and the step it started at."""
+    with fabric.load and saved with fabric.save (``full``: one file), in ``precision`` (or
+    ``"16-mixed-cpu"``: Fabric's float16 AMP plugin on the CPU); rank 0 returns losses,
+    full parameters, the step it started at, and the loss scaler's class."""
+    from lightning.fabric.plugins.precision import MixedPrecision
+
     from functional_shard.adapters.lightning import FabricShardStrategy
 
     rank, world = join_as_lightning_rank()
     mesh, policy = dist_cases.strategy(name, world)
     strategy = FabricShardStrategy(policy, mesh=mesh, save_distributed_checkpoint=not full)
-    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    options: dict[str, object] = {"precision": precision}
+    if precision == "16-mixed-cpu":
+        options = {"plugins": [MixedPrecision("16-mixed", "cpu")]}
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy, **options)
     fabric.launch()
     torch.manual_seed(0)
     model = Llama(config)
@@ -274,6 +281,7 @@ def fabric_loop(
         "data_parallel": data_parallel,
         "start": start,
         "optimizer": type(optimizer.optimizer).__name__,
+        "scaler": type(getattr(fabric.strategy.precision, "scaler", None)).__name__,
     }
     return result if rank == 0 else None
 

@@ -195,6 +195,22 @@ def test_fabric_save_and_load_resume_exactly(world, tmp_path, name, full):
         assert resumed["optimizer"] == "ZeroRedundancyOptimizer"
 
 
+@pytest.mark.parametrize("precision", ["16-mixed-cpu", "16-mixed"])
+def test_fabric_float16_with_a_scaler_that_agrees_over_ranks(world, precision):
+    """Fabric's float16 AMP plugin: the strategy swaps its GradScaler for fs.grad_scaler and
+    training follows one float32 process within float16's rounding. The "16-mixed" flag,
+    which Fabric refuses to its own ModelParallelStrategy, is accepted (on the CPU Fabric
+    runs it as bf16-mixed, without a scaler)."""
+    loop = lightning_cases.fabric_loop
+    result = world.run(
+        loop, "fsdp_tp", dist_cases.EVEN, False, dist_cases.STEPS, None, None, False, precision
+    )[0]
+    assert result["scaler"] == ("_LocalShardsGradScaler" if precision == "16-mixed-cpu" else "NoneType")
+    in_float32 = dist_cases.reference(dist_cases.EVEN, 2)[0]
+    assert result["losses"] == pytest.approx(in_float32, abs=5e-2)
+    assert _differs_somewhere(result["losses"], in_float32)
+
+
 def test_fabric_refuses_an_optimizer_built_before_sharding(world):
     with pytest.raises(fs.ShardingError, match="built before sharding replaced them"):
         world.run(lightning_cases.fabric_loop, "zero3", dist_cases.EVEN, True)
