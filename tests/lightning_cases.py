@@ -332,3 +332,20 @@ def fit_under_lightnings_model_parallel(config: LlamaConfig) -> dict[str, object
     result = fit(to_lightning(plan), config, 2, module=module)
     result["strategy"] = type(to_lightning(plan)).__name__
     return result
+
+
+def strategy_collectives(name: str, config: LlamaConfig) -> dict[str, object]:
+    """After a one-step fit: the strategy's reduce, all_gather, broadcast and barrier, as
+    Lightning's loggers and callbacks call them."""
+    trainer = quiet_trainer(name, max_steps=1)
+    tokens = torch.cat(dist_cases.batches(config, dist.get_world_size()))
+    trainer.fit(LanguageModel(config), torch.utils.data.DataLoader(tokens, batch_size=dist_cases.MICRO_BATCH))
+    strategy, rank = trainer.strategy, float(dist.get_rank())
+    strategy.barrier()
+    return {
+        "mean": strategy.reduce(torch.tensor(rank)).item(),
+        "sum": strategy.reduce(torch.tensor(rank), reduce_op="sum").item(),
+        "gathered": strategy.all_gather(torch.tensor([rank])).flatten().tolist(),
+        "broadcast": strategy.broadcast(f"from {rank}", src=2),
+        "decision": strategy.reduce_boolean_decision(rank == 3, all=False),
+    }

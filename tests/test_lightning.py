@@ -285,3 +285,14 @@ def test_a_2d_plan_through_lightnings_own_model_parallel_strategy(world):
     result = world.run(lightning_cases.fit_under_lightnings_model_parallel, dist_cases.EVEN)[0]
     assert result["strategy"] == "ModelParallelStrategy"
     assert_matches_one_process(result, 2)
+
+
+@pytest.mark.parametrize("name", ["fs_fsdp_tp", "fs_zero1"])
+def test_the_strategy_reduces_gathers_and_broadcasts_over_every_rank(world, name):
+    results = world.run(lightning_cases.strategy_collectives, name, dist_cases.EVEN)
+    for result in results:
+        assert result["mean"] == pytest.approx(1.5)
+        assert result["sum"] == 6.0
+        assert result["gathered"] == [0.0, 1.0, 2.0, 3.0]
+        assert result["broadcast"] == "from 2.0"
+        assert result["decision"] is True
