@@ -16,6 +16,7 @@ from . import measure as measure
 from . import rules as rules
 from .apply import apply as apply
 from .apply import check_optimizer as check_optimizer
+from .apply import check_runnable as check_runnable
 from .apply import clip_grad_norm_ as clip_grad_norm_
 from .apply import grad_scaler as grad_scaler
 from .apply import materialize as materialize
@@ -100,6 +101,7 @@ __all__ = [
     "RankFailedError",
     "apply",
     "check_optimizer",
+    "check_runnable",
     "clip_grad_norm_",
     "grad_scaler",
     "materialize",

@@ -31,6 +31,7 @@ __all__ = [
     "apply",
     "build_device_mesh",
     "check_optimizer",
+    "check_runnable",
     "clip_grad_norm_",
     "grad_scaler",
     "materialize",
@@ -129,6 +130,7 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
                 f"(size {tp_size}); torch's RowwiseParallel rebuilds its input from local shards as if "
                 f"they were even ({target.in_features} % {tp_size} != 0). Make the dim divisible"
             )
+        found.extend(_heads_split(path, style, target, modules.get(path.rpartition(".")[0]), tp_size))
     shard_axes = set(config.shard_axes)
     for path, sharding in plan.params.items():
         owner_path = path.rpartition(".")[0]
@@ -158,6 +160,45 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
         if len(units) > 1:
             found.append(f"{path}: tied names {names} fall in different FSDP units {sorted(units)}")
     return found
+
+
+def check_runnable(plan: Plan, module: nn.Module) -> None:
+    """Raise if torch's engines cannot run ``plan`` on ``module``; pure (no process group).
+
+    `apply` runs it first; call it early (before launching processes, say) to fail sooner.
+
+    Raises:
+        PlanError: every problem `engine_problems` finds, one bullet each.
+
+    Examples:
+        >>> plan = fs.shard(nn.Linear(8, 8), fs.Mesh(dp=2), fs.fsdp())
+        >>> check_runnable(plan, nn.Linear(8, 8))  # fine: returns None
+    """
+    if problems := engine_problems(plan, module):
+        raise PlanError(
+            bullets(
+                f"torch's engines cannot run this plan on {plan.mesh!r}:",
+                problems,
+                "Change the policy, or plan for what apply() supports (see docs: Applying plans).",
+            )
+        ) from None
+
+
+def _heads_split(path: str, style: str, target: Any, parent: Any, tp_size: int) -> list[str]:
+    # An attention projection split for tensor parallel must keep whole heads on each rank:
+    # the module reshapes its local features into (heads, head_dim). Attention modules
+    # (Hugging Face's, the zoo's) say their head width in ``head_dim``.
+    head_dim = getattr(parent, "head_dim", None)
+    if not isinstance(target, nn.Linear) or not isinstance(head_dim, int) or style == "sequence":
+        return []
+    width = target.in_features if style == "rowwise" else target.out_features
+    if width % head_dim or (width // head_dim) % tp_size == 0:
+        return []
+    heads = width // head_dim
+    return [
+        f"{path}: its {heads} attention heads ({width} features, head_dim {head_dim}) do not split "
+        f"over {tp_size} tensor-parallel ranks; use a tensor-parallel size that divides {heads}"
+    ]
 
 
 def _axes_mesh(device_mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:
@@ -348,14 +389,7 @@ def apply(
             f"apply(root={root!r}): parameters {outside[:3]} lie outside the root, where no engine would "
             "gather or reduce them; move them under it or choose an enclosing root"
         )
-    if problems := engine_problems(plan, module):
-        raise PlanError(
-            bullets(
-                f"torch's engines cannot run this plan on {plan.mesh!r}:",
-                problems,
-                "Change the policy, or plan for what apply() supports (see docs: Applying plans).",
-            )
-        ) from None
+    check_runnable(plan, module)
     _tensor_parallel(plan, module, device_mesh)
     _retie(plan, module)
     _checkpointing(plan, module)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from .apply import apply, materialize, optimizer
+from .apply import apply, check_runnable, materialize, optimizer
 from .launch import LocalWorld, current_rank
 from .measure import CollectiveLog, resident_bytes
 from .mesh import Mesh
@@ -143,13 +143,7 @@ def run(
     config = CONFIGS[model]
     with torch.device("meta"):
         plan = shard(Llama(config), mesh, policy)
-    for axis in plan.config.tensor_parallel_axes:
-        if config.num_kv_heads % mesh.shape[axis]:
-            raise ShardingError(
-                f"--mesh {axis}={mesh.shape[axis]}: tensor parallel splits "
-                f"attention by heads, and {model} has {config.num_kv_heads} key/value heads; "
-                f"use a {axis} size that divides {config.num_kv_heads}"
-            )
+        check_runnable(plan, Llama(config))  # before any process starts
     tokens = _MICRO_BATCH * _SEQUENCE
     lines: list[str] = []
 

@@ -64,6 +64,13 @@ def test_world_size_must_match_the_plan(fake_world):
             fs.replicate() + fs.mixed_precision(torch.bfloat16),
             "mixed precision with ddp",
         ),
+        (
+            lambda: llama("tiny", device="cpu"),  # 4 query heads, 2 key/value heads
+            fs.Mesh(tp=4),
+            fs.tp(fs.rules.llama, "tp"),
+            "layers.0.self_attn.k_proj: its 2 attention heads (32 features, head_dim 16) do not split "
+            "over 4 tensor-parallel ranks",
+        ),
     ],
 )
 def test_unrunnable_plans_fail_before_touching_data(fake_world, model, mesh, policy, message):
@@ -122,3 +129,9 @@ def test_materialize_needs_reset_parameters_or_init(fake_world):
     fs.apply(plan, module)
     with pytest.raises(fs.ShardingError, match=re.escape("cannot initialise ['0']")):
         fs.materialize(plan, module)
+
+
+def test_heads_that_split_evenly_are_runnable():
+    """tp=2 keeps whole heads (2 of 4 query heads, 1 of 2 key/value heads per rank)."""
+    model = llama("tiny", device="cpu")
+    fs.check_runnable(fs.shard(model, fs.Mesh(tp=2), fs.tp(fs.rules.llama, "tp")), model)
