@@ -14,6 +14,7 @@ import pathlib
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -79,6 +80,8 @@ def by_hand(name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def step_times(name: str, variant: str) -> list[float]:
     """Seconds per step on this rank, for one round of STEPS steps."""
+    # FSDP2 warns on each forward that the logits are a view; nothing writes into them
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     model, optimizer = (by_plan if variant == "plan" else by_hand)(name)
     data_parallel = 1 if name == "tp" else (2 if name == "fsdp_tp" else WORLD)
     tokens = dist_cases.batches(CONFIG, data_parallel)[0][:2]
