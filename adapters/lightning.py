@@ -18,11 +18,6 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncControl
 from lightning.fabric.strategies.parallel import ParallelStrategy as FabricParallelStrategy
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-)
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -42,7 +37,8 @@ __all__ = ["FabricShardStrategy", "ShardStrategy", "deepspeed_config", "to_light
 class _RunsAPlan:
     """What the Trainer and the Fabric strategies share.
 
-    The plan (or policy) and its mesh, planning and applying it, each rank's data slice.
+    The plan (or policy) and its mesh, the process-group settings and joining the group,
+    planning and applying, each rank's data slice.
     """
 
     _plan: fs.Plan | None
@@ -50,13 +46,43 @@ class _RunsAPlan:
     _mesh: fs.Mesh
     _seed: int | None
 
-    def _hold(self, plan: Any, mesh: fs.Mesh | None, seed: int | None) -> None:
+    def _hold(
+        self,
+        plan: Any,
+        mesh: fs.Mesh | None,
+        seed: int | None,
+        save_distributed_checkpoint: bool,
+        process_group_backend: str | None,
+        timeout: timedelta | None,
+    ) -> None:
         if isinstance(plan, fs.Plan):
             self._plan, self._policy, self._mesh = plan, None, plan.mesh
         else:
             self._plan, self._policy = None, as_policy(plan)
             self._mesh = mesh or fs.Mesh(dp=-1)
         self._seed = seed
+        self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._device_mesh: Any = None
+
+    # joining the process group as Lightning's Fabric does it: plain functions of the rank
+    # attributes both kinds of strategy have, used as they are (by reference)
+    _setup_distributed = FabricModelParallelStrategy._setup_distributed
+    _get_process_group_backend = FabricModelParallelStrategy._get_process_group_backend
+    _set_world_ranks = FabricModelParallelStrategy._set_world_ranks
+
+    def setup_environment(self) -> None:
+        """Join the process group and build the DeviceMesh of the plan's mesh."""
+        super().setup_environment()  # type: ignore[misc]  # the Lightning strategy's
+        self._setup_distributed()
+        self._device_mesh = self._device_mesh_for(self.world_size, self.root_device.type)  # type: ignore[attr-defined]
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Split batches over the data-parallel axes only."""
+        rank, replicas = self.plan.data_parallel_rank(self.global_rank)  # type: ignore[attr-defined]
+        return {"num_replicas": replicas, "rank": rank}
 
     @property
     def plan(self) -> fs.Plan:
@@ -94,10 +120,6 @@ class _RunsAPlan:
         accepted = inspect.signature(type(optimizer).__init__).parameters
         kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         return fs.optimizer(self.plan, module, type(optimizer), **kwargs)
-
-    def _sampler_kwargs(self, global_rank: int) -> dict[str, Any]:
-        rank, replicas = self.plan.data_parallel_rank(global_rank)
-        return {"num_replicas": replicas, "rank": rank}
 
 
 class ShardStrategy(_RunsAPlan, ParallelStrategy):
@@ -144,12 +166,8 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         super().__init__()
-        self._save_distributed_checkpoint = save_distributed_checkpoint
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._device_mesh: Any = None
         self.num_nodes = 1
-        self._hold(plan, mesh, seed)
+        self._hold(plan, mesh, seed, save_distributed_checkpoint, process_group_backend, timeout)
 
     @property
     def device_mesh(self) -> Any:
@@ -181,27 +199,9 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
         """Yes: Lightning then adds the distributed sampler and syncs logged values."""
         return True
 
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Split batches over the data-parallel axes only."""
-        return self._sampler_kwargs(self.global_rank)
-
     def setup_environment(self) -> None:
-        """Join the process group and build the DeviceMesh of the plan's mesh."""
+        """Join the process group, build the DeviceMesh, and show it to the LightningModule."""
         super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or (
-            _get_default_process_group_backend_for_device(self.root_device)
-        )
-        assert self.cluster_environment is not None
-        _init_dist_connection(
-            self.cluster_environment,
-            self._process_group_backend,
-            timeout=self._timeout,
-            device_id=self.root_device if self.root_device.type != "cpu" else None,
-        )
-        self._device_mesh = self._device_mesh_for(self.world_size, self.root_device.type)
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = self._device_mesh
 
@@ -302,19 +302,14 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
         """
         assert self.model is not None
         assert self.lightning_module is not None
-        path = Path(self.broadcast(checkpoint_path))
-        if not path.exists():
-            raise fs.ShardingError(f"no checkpoint at {path}")
-        strict = self.lightning_module.strict_loading
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        if path.is_dir():
-            named = {f"optimizer_{i}": optimizer for i, optimizer in enumerate(optimizers)}
-            return fs.checkpoint.read_sharded(path, ("state_dict", self.model), named, strict=strict)
-        checkpoint = torch.load(path, map_location="cpu", weights_only=bool(weights_only))
-        fs.checkpoint.set_model_state(self.model, checkpoint.pop("state_dict"), full=True, strict=strict)
-        for optimizer, state in zip(optimizers, checkpoint.pop("optimizer_states", []), strict=False):
-            fs.checkpoint.set_optimizer_state(self.model, optimizer, state, full=True)
-        return checkpoint
+        return fs.checkpoint.read(
+            self.broadcast(checkpoint_path),
+            ("state_dict", self.model),
+            {f"optimizer_{i}": optimizer for i, optimizer in enumerate(optimizers)},
+            strict=self.lightning_module.strict_loading,
+            weights_only=bool(weights_only),
+        )
 
 
 def _agree_on_overflow(precision: Any) -> None:
@@ -561,13 +556,9 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
     ) -> None:
         super().__init__()
         self._num_nodes = 1
-        self._save_distributed_checkpoint = save_distributed_checkpoint
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
         self._backward_sync_control = _ParallelBackwardSyncControl()
-        self._device_mesh: Any = None
         self._parallelize_fn = self._parallelize
-        self._hold(plan, mesh, seed)
+        self._hold(plan, mesh, seed, save_distributed_checkpoint, process_group_backend, timeout)
         self._module: torch.nn.Module | None = None
 
     # Lightning's own plumbing, used as it is (by reference): a subclass of Fabric's
@@ -585,20 +576,6 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
     all_reduce = FabricModelParallelStrategy.all_reduce
     barrier = FabricModelParallelStrategy.barrier
     broadcast = FabricModelParallelStrategy.broadcast
-    _setup_distributed = FabricModelParallelStrategy._setup_distributed
-    _get_process_group_backend = FabricModelParallelStrategy._get_process_group_backend
-    _set_world_ranks = FabricModelParallelStrategy._set_world_ranks
-
-    def setup_environment(self) -> None:
-        """Join the process group and build the DeviceMesh of the plan's mesh."""
-        super().setup_environment()
-        self._setup_distributed()
-        self._device_mesh = self._device_mesh_for(self.world_size, self.root_device.type)
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Split batches over the data-parallel axes only."""
-        return self._sampler_kwargs(self.global_rank)
 
     def _parallelize(self, module: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
         self._run_plan(module, device_mesh, self.root_device)
@@ -653,9 +630,6 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
         Other values of ``state`` are replaced (or, with ``load_state_dict``, loaded) in place;
         returns what the checkpoint holds beyond ``state``.
         """
-        path = Path(self.broadcast(path))
-        if not path.exists():
-            raise fs.ShardingError(f"no checkpoint at {path}")
         if not isinstance(state, dict):
             raise fs.ShardingError(
                 "fabric.load(path, state) with this strategy needs state as a dict: "
@@ -663,13 +637,13 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
             )
         module_key, module = _the_module(state)
         optimizers = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
-        if path.is_dir():
-            rest = fs.checkpoint.read_sharded(path, (module_key, module), optimizers, strict=strict)
-        else:
-            rest = torch.load(path, map_location="cpu", weights_only=bool(weights_only))
-            fs.checkpoint.set_model_state(module, rest.pop(module_key), full=True, strict=strict)
-            for key, optimizer in optimizers.items():
-                fs.checkpoint.set_optimizer_state(module, optimizer, rest.pop(key), full=True)
+        rest = fs.checkpoint.read(
+            self.broadcast(path),
+            (module_key, module),
+            optimizers,
+            strict=strict,
+            weights_only=bool(weights_only),
+        )
         for key in [k for k in rest if k in state]:
             value = rest.pop(key)
             if hasattr(state[key], "load_state_dict"):

@@ -10,8 +10,8 @@ Optimizer state is keyed by parameter path under every plan. ZeRO-1 optimizers
 own, so their checkpoints are as sharded as the state is.
 
 `save` / `load` / `convert` are the user's functions; `model_state`, `optimizer_state`,
-`set_model_state`, `set_optimizer_state`, `write` and `read_sharded` are the pieces they are
-made of, for framework adapters that assemble their own checkpoints (Lightning's Trainer).
+`set_model_state`, `set_optimizer_state`, `write` and `read` are the pieces they are made of,
+for framework adapters that assemble their own checkpoints (Lightning's Trainer, Fabric).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ __all__ = [
     "load",
     "model_state",
     "optimizer_state",
-    "read_sharded",
+    "read",
     "save",
     "set_model_state",
     "set_optimizer_state",
@@ -139,13 +139,13 @@ def _zero1_template(
     module: nn.Module, optimizer: ZeroRedundancyOptimizer, key: str, metadata: Any
 ) -> dict[str, Any]:
     # what this rank owns, shaped as the checkpoint stored it (whichever plan saved it)
+    owned = _owned(module, optimizer)
+    prefix = f"{key}.state."
     state: dict[str, dict[str, Any]] = {}
-    for name in _owned(module, optimizer):
-        prefix = f"{key}.state.{name}."
-        for stored, meta in metadata.state_dict_metadata.items():
-            field = stored[len(prefix) :]
-            if stored.startswith(prefix) and "." not in field and hasattr(meta, "size"):
-                state.setdefault(name, {})[field] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    for stored, meta in metadata.state_dict_metadata.items():
+        name, _, field = stored[len(prefix) :].rpartition(".")
+        if stored.startswith(prefix) and name in owned and hasattr(meta, "size"):
+            state.setdefault(name, {})[field] = torch.empty(meta.size, dtype=meta.properties.dtype)
     return {"state": state, "param_groups": _zero1_groups(module, optimizer)}
 
 
@@ -190,22 +190,54 @@ def write(path: str | os.PathLike[str], state: dict[str, Any], *, full: bool, me
     return path
 
 
-def read_sharded(
+def _optimizers_by_key(saved: dict[str, Any]) -> dict[str, Any]:
+    # a Trainer's file keeps its optimizers in Lightning's list; a folder, by key
+    for index, optimizer in enumerate(saved.pop("optimizer_states", [])):
+        saved[f"optimizer_{index}"] = optimizer
+    return saved
+
+
+def read(
     path: str | os.PathLike[str],
     module: tuple[str, nn.Module],
     optimizers: dict[str, torch.optim.Optimizer],
     *,
     strict: bool = True,
+    weights_only: bool = False,
 ) -> dict[str, Any]:
-    """Load a folder `write` made into ``module`` (its key, the module) and ``optimizers`` (by key).
+    """Load what `write` made (a folder or a file), whatever plan saved it.
+
+    ``module`` is its key and the module; ``optimizers`` go by key. A file's optimizer list
+    (Lightning's ``optimizer_states``) is read as ``optimizer_0``, ``optimizer_1``, ...
 
     Returns:
-        The ``meta`` saved beside.
+        The ``meta`` saved beside (for a file: everything but the states loaded).
+
+    Raises:
+        ShardingError: no checkpoint at ``path``, or one that does not fit the module.
     """
+    path = Path(path)
+    if not path.exists():
+        raise ShardingError(f"no checkpoint at {path}")
+    if path.is_dir():
+        return _read_sharded(path, module, optimizers, strict=strict)
+    # every rank reads the file and keeps its own shards (a full copy per rank while
+    # loading: the price of the one-file format)
+    saved = _optimizers_by_key(torch.load(path, map_location="cpu", weights_only=weights_only))
+    key, target = module
+    set_model_state(target, saved.pop(key), full=True, strict=strict)
+    for name, optimizer in optimizers.items():
+        if name in saved:
+            set_optimizer_state(target, optimizer, saved.pop(name), full=True)
+    return saved
+
+
+def _read_sharded(
+    path: Path, module: tuple[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer], *, strict: bool
+) -> dict[str, Any]:
     from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
 
-    path = Path(path)
     key, target = module
     metadata = FileSystemReader(path).read_metadata()
     state: dict[str, Any] = {key: model_state(target)}
@@ -276,19 +308,8 @@ def load(
     Raises:
         ShardingError: no checkpoint at ``path``, or one that does not fit the module.
     """
-    path = Path(path)
-    if not path.exists():
-        raise ShardingError(f"no checkpoint at {path}")
-    if path.is_dir():
-        optimizers = {"optimizer": optimizer} if optimizer is not None else {}
-        return dict(read_sharded(path, ("model", module), optimizers, strict=strict).get("extra", {}))
-    # every rank reads the file and keeps its own shards (a full copy per rank while
-    # loading: the price of the one-file format)
-    saved = torch.load(path, map_location="cpu", weights_only=False)
-    set_model_state(module, saved["model"], full=True, strict=strict)
-    if optimizer is not None and "optimizer" in saved:
-        set_optimizer_state(module, optimizer, saved["optimizer"], full=True)
-    return dict(saved.get("extra", {}))
+    optimizers = {"optimizer": optimizer} if optimizer is not None else {}
+    return dict(read(path, ("model", module), optimizers, strict=strict).get("extra", {}))
 
 
 def convert(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> Path:
@@ -319,10 +340,9 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str]) -> P
         meta = torch.load(source / _META, weights_only=False) if (source / _META).exists() else {}
         torch.save({**state, **meta}, temporary)
     else:
-        saved = torch.load(source, weights_only=False)
-        tensors = {k: saved.pop(k) for k in ("model", "optimizer", "state_dict") if k in saved}
-        for index, optimizer in enumerate(saved.pop("optimizer_states", [])):
-            tensors[f"optimizer_{index}"] = optimizer
+        saved = _optimizers_by_key(torch.load(source, weights_only=False))
+        states = [k for k in saved if k in ("model", "optimizer", "state_dict") or k.startswith("optimizer_")]
+        tensors = {k: saved.pop(k) for k in states}
         dcp.save(tensors, checkpoint_id=temporary, no_dist=True)
         torch.save(saved, temporary / _META)
     _replace(temporary, target)
