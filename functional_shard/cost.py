@@ -254,17 +254,15 @@ def _parameter_comm(plan: Plan, comm: _Comm, units: Mapping[str, str]) -> None:
 def _sequence_parallel_grad_comm(plan: Plan, comm: _Comm, param_size: int | None) -> None:
     # a sequence-parallel module (a norm) keeps its weight whole on every tensor-parallel
     # rank but sees only this rank's tokens: its gradient is a partial sum, all-reduced
-    # whole over the tensor-parallel axes (by FSDP2 before it reduces, or by DTensor in
-    # the optimizer step without it)
+    # whole over the tensor-parallel axes once (by FSDP2 before it reduces; without FSDP2,
+    # by apply's gradient hook)
     axes = plan.config.tensor_parallel_axes
     n = plan.mesh.axes_size(axes)
-    for module_path, style, _ in plan.config.tp_styles:
-        if style != "sequence":
-            continue
-        for path, tensor in plan.tensors.items():
-            owner, _, leaf = path.rpartition(".")
-            if owner == module_path and path in plan.params and "." not in leaf:
-                comm.add("all_reduce", axes, n, tensor.numel * (param_size or tensor.itemsize))
+    sequence_modules = {path for path, style, _ in plan.config.tp_styles if style == "sequence"}
+    for path in plan.params:
+        if path.rpartition(".")[0] in sequence_modules:
+            tensor = plan.tensors[path]
+            comm.add("all_reduce", axes, n, tensor.numel * (param_size or tensor.itemsize))
 
 
 def _activation_comm(plan: Plan, comm: _Comm, tokens: int) -> None:

@@ -89,9 +89,8 @@ def _train_on_rank(plan: Plan, config: LlamaConfig, steps: int, seed: int) -> di
             loss = _loss(model, mine)
             loss.backward()
             adamw.step()
-        losses.append(loss.detach())
-    losses_here = [loss.item() for loss in losses]
-    return {"losses": losses_here, "memory": resident_bytes(model, adamw), "sent": log.sent}
+        losses.append(loss.item())
+    return {"losses": losses, "memory": resident_bytes(model, adamw), "sent": log.sent}
 
 
 def _one_process(config: LlamaConfig, data_parallel: int, steps: int, seed: int) -> list[float]:
@@ -142,9 +141,10 @@ def run(
         )
     config = CONFIGS[model]
     with torch.device("meta"):
-        plan = shard(Llama(config), mesh, policy)
-        check_runnable(plan, Llama(config))  # before any process starts
-    tokens = _MICRO_BATCH * _SEQUENCE
+        shapes_only = Llama(config)
+    plan = shard(shapes_only, mesh, policy)
+    check_runnable(plan, shapes_only)  # before any process starts
+    predicted = plan.cost("adamw", tokens=_MICRO_BATCH * _SEQUENCE)
     lines: list[str] = []
 
     def say(line: str = "") -> None:
@@ -157,7 +157,7 @@ def run(
     say("The plan, before anything runs:")
     say(plan.explain())
     say()
-    say(str(plan.cost("adamw", tokens=tokens)))
+    say(str(predicted))
     say()
     with LocalWorld(mesh.size) as world:
         ranks = world.run(_train_on_rank, plan, config, steps, seed)
@@ -165,11 +165,11 @@ def run(
     say(f"Memory per rank after {steps} steps, bytes (predicted by plan.cost / measured from storages):")
     memory_ok = True
     for rank, result in enumerate(ranks):
-        predicted = plan.cost("adamw", rank=rank)
+        on_rank = plan.cost("adamw", rank=rank)
         expected = {
-            "params": predicted.params_bytes,
-            "grads": predicted.grads_bytes,
-            "optimizer": predicted.optimizer_bytes,
+            "params": on_rank.params_bytes,
+            "grads": on_rank.grads_bytes,
+            "optimizer": on_rank.optimizer_bytes,
         }
         row_ok = expected == result["memory"]
         memory_ok &= row_ok
@@ -178,7 +178,7 @@ def run(
     say()
 
     say(f"Bytes sent in step {_MEASURED_STEP + 1}, per rank (predicted / measured from torch's collectives):")
-    predicted_comm = plan.cost("adamw", tokens=tokens).comm_bytes
+    predicted_comm = predicted.comm_bytes
     comm_ok = True
     kinds = sorted({(k, a) for k, by in predicted_comm.items() for a in by})
     kinds += sorted({(k, a) for r in ranks for k, by in r["sent"].items() for a in by} - set(kinds))
