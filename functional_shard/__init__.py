@@ -14,6 +14,8 @@ Examples:
 # launcher code until a name that needs it is touched. Type checkers and the docs read the
 # same names from the TYPE_CHECKING block below. To export a name, add it to _EXPORTS,
 # to the TYPE_CHECKING block and to __all__.
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -58,6 +60,8 @@ if TYPE_CHECKING:
     from .policy import replicate as replicate
     from .policy import tp as tp
     from .policy import zero as zero
+    from .policy_text import format_policy as format_policy
+    from .policy_text import parse_policy as parse_policy
     from .rules import Rule as Rule
     from .rules import Rules as Rules
     from .spec import Owned as Owned
@@ -112,6 +116,8 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "replicate": ("policy", "replicate"),
     "tp": ("policy", "tp"),
     "zero": ("policy", "zero"),
+    "format_policy": ("policy_text", "format_policy"),
+    "parse_policy": ("policy_text", "parse_policy"),
     "Rule": ("rules", "Rule"),
     "Rules": ("rules", "Rules"),
     "Owned": ("spec", "Owned"),
@@ -143,6 +149,8 @@ __all__ = [
     "rules",
     "tp",
     "zero",
+    "format_policy",
+    "parse_policy",
     # plans
     "Change",
     "Plan",
@@ -197,3 +205,20 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
+
+
+class _Facade(types.ModuleType):
+    """This package's module type: a public function keeps its name when its module loads.
+
+    Importing a submodule binds it on its package (``functional_shard.apply`` becomes the
+    package's ``apply``), which would hide the function of the same name (`apply`, `cost`)
+    from every later ``fs.apply``; that binding is skipped, so `__getattr__` answers.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _EXPORTS.get(name, ("", None))[1] is not None:
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Facade

@@ -4,6 +4,11 @@
 test module pays the start-up once. A rank that raises ends the whole world at once —
 no rank is left waiting in a collective — and its exception is re-raised in the parent
 with the child's traceback attached.
+
+Worlds never meet: the parent serves the world's rendezvous store itself, on a port the
+kernel picks and the parent holds until the world closes, and the ranks only connect to
+it. (Choosing a free port, releasing it and letting rank 0 bind it later leaves a window in
+which a second world, started at the same moment, can be handed the same port and join.)
 """
 
 from __future__ import annotations
@@ -11,7 +16,6 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -38,10 +42,8 @@ class _RemoteTracebackError(Exception):
         return self.text
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+_HOST = "127.0.0.1"
+_TIMEOUT = datetime.timedelta(seconds=300)
 
 
 def _serve(
@@ -51,13 +53,9 @@ def _serve(
     if backend == "nccl":  # one GPU per rank
         torch.cuda.set_device(rank % torch.cuda.device_count())
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=300),
-    )
+    # a client of the store the parent serves: no rank ever binds a port of its own choosing
+    store = dist.TCPStore(_HOST, port, world_size, is_master=False, timeout=_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=_TIMEOUT)
     try:
         while (task := inbox.get()) is not None:
             fn, args, kwargs = task
@@ -93,7 +91,11 @@ class LocalWorld:
         self._outbox = context.Queue()
         self._inboxes = [context.SimpleQueue() for _ in range(world_size)]
         threads = max(1, (os.cpu_count() or 1) // world_size)
-        port = _free_port()
+        # port 0: the kernel picks a free port, bound from now until this object's store goes
+        self._store: dist.TCPStore | None = dist.TCPStore(
+            _HOST, 0, None, is_master=True, timeout=_TIMEOUT, wait_for_workers=False
+        )
+        port = self._store.port
         self._processes: list[BaseProcess] = [
             context.Process(
                 target=_serve,
@@ -159,6 +161,7 @@ class LocalWorld:
             if process.is_alive():
                 process.kill()
             process.join(timeout=5)
+        self._store = None  # the ranks are gone: the port goes back to the kernel
 
     def __enter__(self) -> LocalWorld:
         return self

@@ -182,7 +182,8 @@ class Mesh:
             >>> # inside torch.distributed with 8 processes:
             >>> # Mesh(dp=2, tp=4).device_mesh("cuda")
         """
-        from .apply import build_device_mesh  # the only door to torch.distributed
+        # imported here: planning never needs torch.distributed's device meshes
+        from .device_mesh import build_device_mesh
 
         return build_device_mesh(self, device_type)
 

@@ -1,33 +1,59 @@
-"""The architecture, checked: a pure core, one door to process groups, none to Lightning."""
+"""The architecture, checked: a pure core, one door to process groups, none to Lightning.
+
+Also the shape of the code: the modules import each other bottom-up, never in a circle
+(lazy imports inside functions count: they are circles that only wait to be walked).
+"""
+
+from __future__ import annotations
 
 import ast
+import graphlib
+import json
 import pathlib
 import subprocess
 import sys
 
 import functional_shard as fs
+import functional_shard.adapters  # its __init__ is a note: Lightning loads with .lightning
 
 CORE = pathlib.Path(fs.__file__).parent
+ADAPTERS = pathlib.Path(functional_shard.adapters.__file__).parent
 # modules allowed to create process groups, device meshes or run collectives: apply and
-# checkpoint (the brief's two doors), launch, which starts the local gloo ranks, and
-# measure, which only observes the collectives torch issues (and their groups)
-EFFECTS = {"apply.py", "checkpoint.py", "launch.py", "measure.py"}
+# checkpoint (the brief's two doors), launch, which starts the local gloo ranks,
+# device_mesh, the one builder of DeviceMeshes (below mesh.py, so Mesh.device_mesh needs
+# no climb to apply), and measure, which only observes the collectives torch issues
+EFFECTS = {"apply.py", "checkpoint.py", "device_mesh.py", "launch.py", "measure.py"}
 PROCESS_GROUP_MODULES = (
     "torch.distributed.device_mesh",
     "torch.distributed.fsdp",
     "torch.distributed.tensor.parallel",
 )
-# pure: the planner reads torch's auto-wrap constants to pick FSDP units as torch does
-READ_ONLY = {"torch.distributed.fsdp.wrap"}
+# what importing the package and planning must not load: Lightning (adapters only), the
+# checkpoint and FSDP machinery (engines, loaded by apply/checkpoint when used), and the
+# optional extras (hf, plot, rich), which may not even be installed
+HEAVY_OR_OPTIONAL = (
+    "lightning",
+    "pytorch_lightning",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "transformers",
+    "matplotlib",
+    "rich",
+)
 
 
 def runtime_nodes(tree):
     """Every node except those under `if TYPE_CHECKING:` (imports for annotations only)."""
     for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            yield from (n for child in node.orelse for n in (child, *runtime_nodes(child)))
             continue
         yield node
         yield from runtime_nodes(node)
+
+
+def _is_type_checking(test):
+    return getattr(test, "id", None) == "TYPE_CHECKING" or getattr(test, "attr", None) == "TYPE_CHECKING"
 
 
 def imported_modules(path):
@@ -40,27 +66,192 @@ def imported_modules(path):
                 yield from (f"torch.{alias.name}" for alias in node.names)
 
 
-def test_import_leaves_lightning_out():
+# ---- the import graph ----------------------------------------------------------------
+
+
+def package_modules(root, package):
+    """Module name -> file for every module under ``root``, installed as ``package``."""
+    modules = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join((package, *parts))] = path
+    return modules
+
+
+def import_graph(modules, lazy_exports=None):
+    """Module -> the modules of ``modules`` it imports when it runs.
+
+    Imports inside functions count (they run when the function does); imports under
+    ``if TYPE_CHECKING:`` do not. ``from pkg import name`` imports the submodule ``name``
+    if there is one, else the module a lazy façade (``lazy_exports``: package -> PEP 562
+    table of name -> (module, attribute)) loads for ``name``, else the package; so does
+    ``fs.name`` where ``fs`` is such a package imported whole. Importing ``a.b.c`` also
+    runs the packages ``a`` and ``a.b``, unless the importer lives inside them.
+    """
+    lazy_exports = lazy_exports or {}
+
+    def known(name):
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        nodes = list(runtime_nodes(ast.parse(path.read_text())))
+        facades = {}  # local name -> a lazy package imported whole (`import functional_shard as fs`)
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in lazy_exports and (alias.asname or "." not in alias.name):
+                        facades[alias.asname or alias.name] = alias.name
+        for node in nodes:
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in facades
+            ):
+                package_name = facades[node.value.id]
+                if node.attr in lazy_exports[package_name]:
+                    targets.add(f"{package_name}.{lazy_exports[package_name][node.attr][0]}")
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                if node.level == 0:
+                    base = node.module or ""
+                elif node.module:
+                    base = f"{base}.{node.module}"
+                for alias in node.names:
+                    table = lazy_exports.get(base, {})
+                    if f"{base}.{alias.name}" in modules:
+                        targets.add(f"{base}.{alias.name}")
+                    elif alias.name in table:
+                        targets.add(f"{base}.{table[alias.name][0]}")
+                    else:
+                        targets.add(base)
+        edges = set()
+        for target in filter(None, map(known, targets)):
+            edges.add(target)
+            parent = target.rpartition(".")[0]
+            while parent:
+                if parent in modules and not (name == parent or name.startswith(parent + ".")):
+                    edges.add(parent)
+                parent = parent.rpartition(".")[0]
+        edges.discard(name)
+        graph[name] = edges
+    return graph
+
+
+def import_cycle(graph):
+    """One import circle of ``graph`` as a list of modules (first == last), or None."""
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as error:
+        return list(reversed(error.args[1]))
+    return None
+
+
+def our_graph():
+    modules = package_modules(CORE, "functional_shard") | package_modules(
+        ADAPTERS, "functional_shard.adapters"
+    )
+    return import_graph(modules, {"functional_shard": fs._EXPORTS})
+
+
+def test_modules_import_each_other_without_circles():
+    graph = our_graph()
+    # the graph sees lazy imports and the façade's table, so it is not vacuous
+    assert "functional_shard.cost" in graph["functional_shard.plan"]
+    assert "functional_shard.device_mesh" in graph["functional_shard.mesh"]
+    adapters = "functional_shard.adapters.lightning"
+    assert f"{adapters}._common" in graph[f"{adapters}.trainer"]
+    assert "functional_shard.apply" in graph[f"{adapters}._common"]  # fs.apply(...) through the façade
+    cycle = import_cycle(graph)
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_the_circle_finder_sees_lazy_imports_and_skips_type_checking(tmp_path):
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "low.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .high import High\n"
+    )
+    (tmp_path / "high.py").write_text("from .low import x\n")
+    modules = package_modules(tmp_path, "pkg")
+    assert import_cycle(import_graph(modules)) is None
+
+    (tmp_path / "low.py").write_text("def f():\n    from . import high\n")  # a lazy climb back
+    cycle = import_cycle(import_graph(package_modules(tmp_path, "pkg")))
+    assert cycle is not None
+    assert set(cycle) == {"pkg.low", "pkg.high"}
+
+    # through a lazy façade: `from pkg import High` and `pkg.High` run pkg.high
+    exports = {"pkg": {"High": ("high", "High")}}
+    for lazy in ("def f():\n    from pkg import High\n", "import pkg as p\ndef f():\n    return p.High\n"):
+        (tmp_path / "low.py").write_text(lazy)
+        cycle = import_cycle(import_graph(package_modules(tmp_path, "pkg"), exports))
+        assert set(cycle) == {"pkg.low", "pkg.high"}
+
+
+def test_import_and_planning_load_no_lightning_checkpoint_fsdp_or_extras():
     code = (
-        "import sys, functional_shard; print('lightning' in sys.modules, 'pytorch_lightning' in sys.modules)"
+        "import json, sys\n"
+        "import functional_shard as fs\n"
+        "imported = sorted(sys.modules)\n"
+        "import torch\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.MultiheadAttention(8, 2))\n"
+        "plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp(min_params=1) + fs.mixed_precision())\n"
+        "plan.cost(); plan.explain(); fs.Plan.from_json(plan.to_json())\n"
+        "print(json.dumps({'import': imported, 'plan': sorted(sys.modules), 'units': plan.config.units}))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.split() == ["False", "False"]
+    loaded = json.loads(result.stdout)
+    assert loaded["units"]  # the size-based policy ran (and with it the restated constants)
+    for stage in ("import", "plan"):
+        heavy = [m for m in loaded[stage] if any(m == h or m.startswith(h + ".") for h in HEAVY_OR_OPTIONAL)]
+        assert heavy == [], f"after {stage}: {heavy}"
+
+
+def test_public_names_stay_themselves_whatever_loads_first():
+    # the submodules first (as a user's `from functional_shard.apply import ...` or the
+    # core's own imports do), the façade's names after: fs.apply and fs.cost stay functions
+    code = (
+        "import importlib, functional_shard as fs\n"
+        "modules = {m: importlib.import_module('functional_shard.' + m) for m, _ in fs._EXPORTS.values()}\n"
+        "print([n for n, (m, a) in fs._EXPORTS.items()"
+        " if getattr(fs, n) is not (modules[m] if a is None else getattr(modules[m], a))])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["[]"]
+
+
+def test_restated_auto_wrap_constants_equal_torchs():
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+    from functional_shard import planner
+
+    assert set(planner._EXCLUDE_WRAP_MODULES) == size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES
+    assert set(planner._FORCE_LEAF_MODULES) == size_based_auto_wrap_policy.FORCE_LEAF_MODULES
 
 
 def test_only_the_effect_modules_reach_process_groups():
     offenders = {}
-    for path in CORE.glob("*.py"):
-        if path.name in EFFECTS:
+    for path in CORE.rglob("*.py"):
+        if path.relative_to(CORE).as_posix() in EFFECTS:
             continue
         names = [
             m
             for m in imported_modules(path)
-            if (m not in READ_ONLY and m.startswith(PROCESS_GROUP_MODULES))
+            if m.startswith(PROCESS_GROUP_MODULES)
             or m in ("torch.distributed", "torch.distributed.distributed_c10d")
         ]
         if names:
-            offenders[path.name] = names
+            offenders[path.relative_to(CORE).as_posix()] = names
     assert offenders == {}
 
 

@@ -1,0 +1,118 @@
+"""What the Trainer and the Fabric strategies share: the plan, the process group, the apply."""
+
+from __future__ import annotations
+
+import inspect
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+import functional_shard as fs
+from functional_shard.policy import as_policy
+
+
+class _RunsAPlan:
+    """What the Trainer and the Fabric strategies share.
+
+    The plan (or policy) and its mesh, the process-group settings and joining the group,
+    planning and applying, each rank's data slice.
+    """
+
+    _plan: fs.Plan | None
+    _policy: fs.Policy | None
+    _mesh: fs.Mesh
+    _seed: int | None
+
+    def _hold(
+        self,
+        plan: Any,
+        mesh: fs.Mesh | None,
+        seed: int | None,
+        save_distributed_checkpoint: bool,
+        process_group_backend: str | None,
+        timeout: timedelta | None,
+    ) -> None:
+        if isinstance(plan, fs.Plan):
+            self._plan, self._policy, self._mesh = plan, None, plan.mesh
+        else:
+            self._plan, self._policy = None, as_policy(plan)
+            self._mesh = mesh or fs.Mesh(dp=-1)
+        self._seed = seed
+        self._save_distributed_checkpoint = save_distributed_checkpoint
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._device_mesh: Any = None
+
+    # joining the process group as Lightning's Fabric does it: plain functions of the rank
+    # attributes both kinds of strategy have, used as they are (by reference)
+    _setup_distributed = FabricModelParallelStrategy._setup_distributed
+    _get_process_group_backend = FabricModelParallelStrategy._get_process_group_backend
+    _set_world_ranks = FabricModelParallelStrategy._set_world_ranks
+
+    def setup_environment(self) -> None:
+        """Join the process group and build the DeviceMesh of the plan's mesh."""
+        super().setup_environment()  # type: ignore[misc]  # the Lightning strategy's
+        self._setup_distributed()
+        self._device_mesh = self._device_mesh_for(self.world_size, self.root_device.type)  # type: ignore[attr-defined]
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Split batches over the data-parallel axes only."""
+        rank, replicas = self.plan.data_parallel_rank(self.global_rank)  # type: ignore[attr-defined]
+        return {"num_replicas": replicas, "rank": rank}
+
+    @property
+    def plan(self) -> fs.Plan:
+        """The plan this strategy runs (for a policy: available after setup)."""
+        if self._plan is None:
+            raise fs.ShardingError("the policy is planned in setup(), once the module and world are known")
+        return self._plan
+
+    def _device_mesh_for(self, world_size: int, device_type: str) -> Any:
+        self._mesh = self._mesh.resolve(world_size)
+        return self._mesh.device_mesh(device_type)
+
+    def _run_plan(
+        self, module: torch.nn.Module, device_mesh: Any, device: torch.device, root: str = ""
+    ) -> None:
+        if self._plan is None:
+            self._plan = fs.shard(module, self._mesh, self._policy)
+        fs.apply(self._plan, module, device_mesh, root=root)
+        if any(p.is_meta for p in module.parameters()):
+            fs.materialize(self._plan, module, device, seed=self._seed)
+
+    def _zero1(
+        self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, schedulers: bool = False
+    ) -> torch.optim.Optimizer:
+        # the plan keeps optimizer state whole on owner ranks; the user built a plain
+        # optimizer, so it is rebound to torch's ZeroRedundancyOptimizer, or refused
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            return optimizer
+        if schedulers or len(optimizer.param_groups) != 1:
+            raise fs.ShardingError(
+                "a ZeRO-1 plan rebinds the optimizer to ZeroRedundancyOptimizer, which this adapter does "
+                "only for one parameter group and no LR scheduler; use fs.zero(2) or fs.fsdp() instead"
+            )
+        # defaults may hold keys the constructor does not take (AdamW's decoupled_weight_decay)
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        return fs.optimizer(self.plan, module, type(optimizer), **kwargs)
+
+
+def _agree_on_overflow(precision: Any) -> None:
+    # float16 loss scaling must skip a step on every rank or on none; Lightning's and
+    # Fabric's MixedPrecision plugins both hold a torch GradScaler and its device
+    scaler = getattr(precision, "scaler", None)
+    if scaler is not None and not isinstance(scaler, ShardedGradScaler):
+        precision.scaler = fs.grad_scaler(
+            precision.device,
+            init_scale=scaler.get_scale(),
+            growth_factor=scaler.get_growth_factor(),
+            backoff_factor=scaler.get_backoff_factor(),
+            growth_interval=scaler.get_growth_interval(),
+            enabled=scaler.is_enabled(),
+        )

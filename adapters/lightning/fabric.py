@@ -1,0 +1,154 @@
+"""`FabricShardStrategy`: the same plans run by ``lightning.Fabric``."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
+from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncControl
+from lightning.fabric.strategies.parallel import ParallelStrategy as FabricParallelStrategy
+
+import functional_shard as fs
+
+from ._common import _agree_on_overflow, _RunsAPlan
+
+__all__ = ["FabricShardStrategy"]
+
+
+class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
+    """The same plans through Fabric: ``L.Fabric(strategy=FabricShardStrategy(plan_or_policy))``.
+
+    ``fabric.setup_module(model)`` plans (for a policy), applies and materializes; build the
+    optimizer after it (an optimizer on the replaced parameters is refused by
+    ``fabric.setup_optimizers``; under a ZeRO-1 plan a plain one is rebound to
+    ``ZeroRedundancyOptimizer``). ``fabric.backward`` and ``fabric.no_backward_sync`` work
+    as with Lightning's ModelParallelStrategy; ``precision="16-mixed"`` too (which that one
+    refuses), its loss scaler agreeing over ranks (`functional_shard.grad_scaler`).
+    ``fabric.save`` / ``fabric.load`` write and read `functional_shard.checkpoint`'s format
+    (aside, then renamed; any plan's, ZeRO-1's included), so a checkpoint moves between
+    plans, Fabric and the Trainer.
+
+    Examples:
+        >>> # fabric = L.Fabric(strategy=FabricShardStrategy(fs.fsdp()), accelerator="cpu", devices=4)
+    """
+
+    def __init__(
+        self,
+        plan: fs.Plan | fs.Policy | Any,
+        *,
+        mesh: fs.Mesh | None = None,
+        seed: int | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__()
+        self._num_nodes = 1
+        self._backward_sync_control = _ParallelBackwardSyncControl()
+        self._parallelize_fn = self._parallelize
+        self._hold(plan, mesh, seed, save_distributed_checkpoint, process_group_backend, timeout)
+        self._module: torch.nn.Module | None = None
+
+    # Lightning's own plumbing, used as it is (by reference): a subclass of Fabric's
+    # ModelParallelStrategy would be refused precision="16-mixed"
+    device_mesh = FabricModelParallelStrategy.device_mesh
+    checkpoint_io = FabricModelParallelStrategy.checkpoint_io
+    root_device = FabricModelParallelStrategy.root_device
+    num_nodes = FabricModelParallelStrategy.num_nodes
+    num_processes = FabricModelParallelStrategy.num_processes
+    process_group_backend = FabricModelParallelStrategy.process_group_backend
+    _configure_launcher = FabricModelParallelStrategy._configure_launcher
+    setup_module = FabricModelParallelStrategy.setup_module
+    module_to_device = FabricModelParallelStrategy.module_to_device
+    module_init_context = FabricModelParallelStrategy.module_init_context
+    all_reduce = FabricModelParallelStrategy.all_reduce
+    barrier = FabricModelParallelStrategy.barrier
+    broadcast = FabricModelParallelStrategy.broadcast
+
+    def _parallelize(self, module: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
+        self._run_plan(module, device_mesh, self.root_device)
+        _agree_on_overflow(self.precision)
+        self._module = module
+        return module
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Refuse an optimizer built on parameters that sharding replaced.
+
+        Fabric's own strategy would step them and train nothing.
+        """
+        if self._module is not None:
+            fs.check_optimizer(optimizer, self._module)
+            if self.plan.config.data_parallel == "zero1":
+                optimizer = self._zero1(optimizer, self._module)
+        return super().setup_optimizer(optimizer)
+
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Any] | None = None,
+    ) -> None:
+        """Save the module, its optimizers and other values (aside, then renamed).
+
+        A folder with one file per rank, or (``save_distributed_checkpoint=False``) one file.
+        """
+        if storage_options is not None or filter is not None:
+            raise fs.ShardingError("FabricShardStrategy.save_checkpoint takes no storage_options or filter")
+        module_key, module = _the_module(state)
+        full = not self._save_distributed_checkpoint
+        tensors: dict[str, Any] = {module_key: fs.checkpoint.model_state(module, full=full)}
+        rest: dict[str, Any] = {}
+        for key, value in state.items():
+            if isinstance(value, torch.optim.Optimizer):
+                tensors[key] = fs.checkpoint.optimizer_state(module, value, full=full)
+            elif key != module_key:
+                rest[key] = value.state_dict() if hasattr(value, "state_dict") else value
+        fs.checkpoint.write(self.broadcast(path), tensors, full=full, meta=rest)
+
+    def load_checkpoint(
+        self,
+        path: Any,
+        state: Any = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load into the module and optimizers of ``state``, whatever plan saved the checkpoint.
+
+        Other values of ``state`` are replaced (or, with ``load_state_dict``, loaded) in place;
+        returns what the checkpoint holds beyond ``state``.
+        """
+        if not isinstance(state, dict):
+            raise fs.ShardingError(
+                "fabric.load(path, state) with this strategy needs state as a dict: "
+                "{'model': model, 'optimizer': optimizer, ...}"
+            )
+        module_key, module = _the_module(state)
+        optimizers = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
+        rest = fs.checkpoint.read(
+            self.broadcast(path),
+            (module_key, module),
+            optimizers,
+            strict=strict,
+            weights_only=bool(weights_only),
+        )
+        for key in [k for k in rest if k in state]:
+            value = rest.pop(key)
+            if hasattr(state[key], "load_state_dict"):
+                state[key].load_state_dict(value)
+            else:
+                state[key] = value
+        return rest
+
+
+def _the_module(state: dict[str, Any]) -> tuple[str, torch.nn.Module]:
+    modules = [(key, value) for key, value in state.items() if isinstance(value, torch.nn.Module)]
+    if len(modules) != 1:
+        raise fs.ShardingError(
+            f"a checkpoint of a plan holds one module, found {len(modules)} in the state "
+            f"({[key for key, _ in modules]}); save each plan's module on its own"
+        )
+    return modules[0]

@@ -1,0 +1,171 @@
+"""Lightning's own strategies for a plan, where one expresses it exactly (pure translation)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+import functional_shard as fs
+
+__all__ = ["deepspeed_config", "to_lightning"]
+
+
+def deepspeed_config(plan: fs.Plan) -> dict[str, Any]:
+    """The DeepSpeed config a ZeRO plan means (pure; Lightning's DeepSpeed defaults kept).
+
+    Raises:
+        functional_shard.ShardingError: the plan is not a ZeRO / FSDP plan DeepSpeed can run
+            (tensor parallel, HSDP, DDP).
+
+    Examples:
+        >>> plan = fs.shard(torch.nn.Linear(4, 4), fs.Mesh(dp=2), fs.zero(2))
+        >>> deepspeed_config(plan)["zero_optimization"]["stage"]
+        2
+    """
+    config = plan.config
+    stages = {"zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
+    if config.tensor_parallel_axes or config.data_parallel not in stages or config.replicate_axes:
+        raise fs.ShardingError(
+            f"DeepSpeed runs ZeRO over one data-parallel axis; this plan is {config.data_parallel!r}"
+            + (
+                f" with tensor parallel over {config.tensor_parallel_axes}"
+                if config.tensor_parallel_axes
+                else ""
+            )
+            + ". Use ShardStrategy(plan), or to_lightning(plan, target='model_parallel')"
+        )
+    stage = stages[config.data_parallel]
+    zero: dict[str, Any] = {
+        "stage": stage,
+        # Lightning's DeepSpeedStrategy defaults, not DeepSpeed's (2e8 elements, overlap on)
+        "allgather_bucket_size": 200_000_000,
+        "reduce_bucket_size": 200_000_000,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "allgather_partitions": True,
+        "reduce_scatter": True,
+    }
+    if config.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    if config.offload_params:
+        if stage != 3:
+            raise fs.ShardingError(
+                "DeepSpeed offloads parameters only at ZeRO stage 3; use fs.zero(3) or fs.fsdp()"
+            )
+        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    result: dict[str, Any] = {"zero_optimization": zero, "zero_allow_untested_optimizer": True}
+    if config.param_dtype in ("bfloat16", "float16"):
+        result["bf16" if config.param_dtype == "bfloat16" else "fp16"] = {"enabled": True}
+    if config.checkpointed:
+        result["activation_checkpointing"] = {"partition_activations": False}
+    return result
+
+
+def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target: str | None = None) -> Any:
+    """Lightning's own strategy for a plan, where one expresses it exactly.
+
+    ``ddp`` plans give ``DDPStrategy``; ZeRO-2/3, FSDP and HSDP give ``FSDPStrategy``
+    (FSDP1: SHARD_GRAD_OP / FULL_SHARD / HYBRID_SHARD, the plan's units as its wrap policy,
+    its checkpointed modules, CPU offload, mixed precision); ZeRO-1, or ``target="deepspeed"``,
+    gives ``DeepSpeedStrategy(config=deepspeed_config(plan))``. 2D plans (FSDP over one axis,
+    tensor parallel over the next) give ``ModelParallelStrategy`` with the plan's sizes;
+    Lightning's strategy leaves parallelizing to the LightningModule, so its
+    ``configure_model`` calls ``fs.apply(plan, self, root="model")``.
+
+    Args:
+        plan: the plan.
+        module: the module the plan was made for; needed when the plan names FSDP units or
+            checkpointed modules (FSDP1 selects modules by object, not by path).
+        target: ``"ddp"``, ``"fsdp"``, ``"deepspeed"`` or ``"model_parallel"``; by default
+            the exact match.
+
+    Raises:
+        functional_shard.ShardingError: the target cannot express the plan (the message names
+            the feature), or DeepSpeed is not installed.
+
+    Examples:
+        >>> plan = fs.shard(torch.nn.Linear(4, 4), fs.Mesh(dp=2), fs.zero(2))
+        >>> to_lightning(plan).sharding_strategy.name
+        'SHARD_GRAD_OP'
+    """
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+
+    config = plan.config
+    kind = config.data_parallel
+    default = "model_parallel" if config.tensor_parallel_axes else "fsdp"
+    target = target or {"ddp": "ddp", "zero1": "deepspeed"}.get(kind, default)
+    if target == "model_parallel":
+        return _model_parallel(plan)
+    if config.tensor_parallel_axes:
+        raise fs.ShardingError(
+            f"tensor parallel over {config.tensor_parallel_axes}: Lightning's {target} strategy "
+            "cannot run it; use ShardStrategy(plan), or to_lightning(plan, target='model_parallel')"
+        )
+    if target == "deepspeed":
+        cfg = deepspeed_config(plan)
+        try:
+            return DeepSpeedStrategy(config=cfg)
+        except Exception as error:  # Lightning's MisconfigurationException when it is absent
+            raise fs.ShardingError(
+                f"DeepSpeedStrategy could not be built ({error}); the config it would get is "
+                "deepspeed_config(plan)"
+            ) from None
+    if target == "ddp":
+        if kind != "ddp" or config.param_dtype or config.offload_params:
+            raise fs.ShardingError(
+                f"DDPStrategy runs replicated plans without options; this plan is {kind!r}"
+            )
+        return DDPStrategy()
+    if target != "fsdp" or kind not in ("zero2", "zero3", "fsdp", "hsdp"):
+        raise fs.ShardingError(f"no Lightning strategy {target!r} for a {kind!r} plan")
+    from torch.distributed.fsdp import MixedPrecision
+    from torch.distributed.fsdp.wrap import CustomPolicy
+
+    def by_path(paths: tuple[str, ...], what: str) -> Any:
+        if not paths:
+            return None
+        if module is None:
+            raise fs.ShardingError(
+                f"the plan names {what} by module path; pass the module: to_lightning(plan, module)"
+            )
+        chosen = {id(module.get_submodule(path)) for path in paths}
+        return CustomPolicy(lambda m: id(m) in chosen)
+
+    strategy = {"zero2": "SHARD_GRAD_OP", "hsdp": "HYBRID_SHARD"}.get(kind, "FULL_SHARD")
+    precision = None
+    if config.param_dtype or config.reduce_dtype:
+        precision = MixedPrecision(
+            param_dtype=getattr(torch, config.param_dtype) if config.param_dtype else None,
+            reduce_dtype=getattr(torch, config.reduce_dtype) if config.reduce_dtype else None,
+        )
+    return FSDPStrategy(
+        sharding_strategy=strategy,
+        auto_wrap_policy=by_path(tuple(u for u in config.units if u), "FSDP units"),
+        activation_checkpointing_policy=by_path(config.checkpointed, "checkpointed modules"),
+        cpu_offload=config.offload_params,
+        mixed_precision=precision,
+    )
+
+
+def _model_parallel(plan: fs.Plan) -> Any:
+    # Lightning's ModelParallelStrategy builds a (data_parallel, tensor_parallel) mesh,
+    # data-parallel major; the plan must have that shape and FSDP2 over the first axis
+    config, mesh = plan.config, plan.mesh
+    axes = mesh.axis_names
+    shaped = (
+        len(axes) == 2
+        and config.shard_axes == axes[:1]
+        and config.tensor_parallel_axes == axes[1:]
+        and not config.replicate_axes
+        and config.data_parallel in ("fsdp", "zero3", "zero2")
+    )
+    if not shaped:
+        raise fs.ShardingError(
+            f"Lightning's ModelParallelStrategy runs FSDP over one axis and tensor parallel over the "
+            f"next (Mesh(dp=..., tp=...)); this plan is {config.data_parallel!r} over "
+            f"{config.data_axes} and tensor parallel over {config.tensor_parallel_axes} on {mesh!r}. "
+            "Use ShardStrategy(plan)"
+        )
+    return ModelParallelStrategy(data_parallel_size=mesh.sizes[0], tensor_parallel_size=mesh.sizes[1])

@@ -1,0 +1,255 @@
+"""`ShardStrategy`: a plan (or a policy) run by ``lightning.Trainer``; the registered ``fs_*`` names."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+
+import functional_shard as fs
+
+from ._common import _agree_on_overflow, _RunsAPlan
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["ShardStrategy"]
+
+
+class ShardStrategy(_RunsAPlan, ParallelStrategy):
+    """A Lightning strategy that runs a functional_shard plan (or a policy, planned at setup).
+
+    No ``configure_model`` override is needed: when the LightningModule has one, it runs
+    first (so models can be built on the meta device), then the plan is applied and the
+    module materialized shard by shard. The distributed sampler splits the data over the
+    plan's data-parallel axes; tensor-parallel ranks read the same batches.
+
+    Precision: ``"32-true"``, ``"bf16-mixed"``, and ``"16-mixed"`` with a loss scaler that
+    agrees over every rank (`functional_shard.grad_scaler`). Checkpoints (``trainer.save_checkpoint``,
+    ``ModelCheckpoint``, ``fit(ckpt_path=...)``) are written aside then renamed, sharded or
+    full, for every plan (ZeRO-1's included), and load under any other plan.
+
+    Args:
+        plan: a `functional_shard.Plan` for the LightningModule, or a policy
+            (``fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp")``) planned once the world is known.
+        mesh: the mesh for a policy; an axis of size -1 takes what the devices leave.
+            Default ``Mesh(dp=-1)``. Ignored for a plan (it carries its mesh).
+        seed: seed for materializing a meta-device model (default: Lightning's seed state).
+        save_distributed_checkpoint: a folder with one file per rank (default), or one full
+            file written by rank 0.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default by device.
+        timeout: process group timeout.
+
+    Raises:
+        functional_shard.MeshError: the plan's mesh does not match the number of devices.
+        functional_shard.PlanError: the plan does not fit the module, or torch cannot run it.
+        functional_shard.ShardingError: an optimizer built on parameters sharding replaced.
+
+    Examples:
+        >>> # trainer = L.Trainer(strategy=ShardStrategy(fs.fsdp()), accelerator="cpu", devices=4)
+    """
+
+    def __init__(
+        self,
+        plan: fs.Plan | fs.Policy | Any,
+        *,
+        mesh: fs.Mesh | None = None,
+        seed: int | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__()
+        self.num_nodes = 1
+        self._hold(plan, mesh, seed, save_distributed_checkpoint, process_group_backend, timeout)
+
+    @property
+    def device_mesh(self) -> Any:
+        """The torch DeviceMesh of the plan's mesh (after the processes joined)."""
+        if self._device_mesh is None:
+            raise fs.ShardingError("the DeviceMesh exists once the processes have joined (setup_environment)")
+        return self._device_mesh
+
+    # Lightning's own plumbing of a ParallelStrategy on a DeviceMesh, used as it is (by
+    # reference): ShardStrategy cannot subclass ModelParallelStrategy, because Lightning
+    # refuses precision="16-mixed" to any instance of it
+    root_device = ModelParallelStrategy.root_device
+    num_processes = ModelParallelStrategy.num_processes
+    process_group_backend = ModelParallelStrategy.process_group_backend
+    restore_checkpoint_after_setup = ModelParallelStrategy.restore_checkpoint_after_setup
+    lightning_restore_optimizer = ModelParallelStrategy.lightning_restore_optimizer
+    _configure_launcher = ModelParallelStrategy._configure_launcher
+    set_world_ranks = ModelParallelStrategy.set_world_ranks
+    model_to_device = ModelParallelStrategy.model_to_device
+    tensor_init_context = ModelParallelStrategy.tensor_init_context
+    barrier = ModelParallelStrategy.barrier
+    broadcast = ModelParallelStrategy.broadcast
+    reduce = ModelParallelStrategy.reduce
+    _determine_device_ids = ModelParallelStrategy._determine_device_ids
+    teardown = ModelParallelStrategy.teardown
+
+    @property
+    def is_distributed(self) -> bool:
+        """Yes: Lightning then adds the distributed sampler and syncs logged values."""
+        return True
+
+    def setup_environment(self) -> None:
+        """Join the process group, build the DeviceMesh, and show it to the LightningModule."""
+        super().setup_environment()
+        if self.lightning_module is not None:
+            self.lightning_module._device_mesh = self._device_mesh
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Plan (if a policy was given), apply, materialize, then set up the optimizers."""
+        if self.model is None or self.accelerator is None:
+            raise fs.ShardingError(
+                "ShardStrategy.setup runs after Lightning connects a model and accelerator"
+            )
+        self.accelerator.setup(trainer)
+        module = self.model
+        self._run_plan(module, self.device_mesh, self.root_device, root=_forward_root(module))
+        # Lightning clips with torch's clip_grad_norm_, which cannot mix meshes
+        self.precision_plugin.clip_grad_by_norm = _clip_by_norm  # type: ignore[method-assign]
+        _agree_on_overflow(self.precision_plugin)
+        self.model = self.precision_plugin.convert_module(module)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            for optimizer in self.optimizers:
+                fs.check_optimizer(optimizer, module)
+            if self.plan.config.data_parallel == "zero1":
+                schedulers = bool(self.lr_scheduler_configs)
+                self.optimizers = [
+                    self._zero1(optimizer, module, schedulers) for optimizer in self.optimizers
+                ]
+        self.setup_precision_plugin()
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """The LightningModule's optimizers, built anew on the parallelized parameters."""
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip the gradient reduction on micro-batches that do not end an accumulation.
+
+        Lightning's Trainer path for ModelParallelStrategy reduces on every micro-batch;
+        FSDP2 and composable DDP both stop when told, and reduce the sum once.
+        """
+        assert self.model is not None  # Lightning calls this during fit only
+        engines = [m for m in self.model.modules() if hasattr(type(m), "set_requires_gradient_sync")]
+        for engine in engines:
+            engine.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            for engine in engines:
+                engine.set_requires_gradient_sync(True)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's shards, or (``save_distributed_checkpoint=False``) all, on rank 0."""
+        assert self.model is not None
+        return fs.checkpoint.model_state(self.model, full=not self._save_distributed_checkpoint)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's state keyed by parameter path, sharded or (on rank 0) full."""
+        assert self.model is not None
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's own
+        return fs.checkpoint.optimizer_state(
+            self.model, optimizer, full=not self._save_distributed_checkpoint
+        )
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Nothing: `load_checkpoint` loaded the module already."""
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Nothing: `load_checkpoint` loaded the optimizers already."""
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Write aside, then rename: a folder with one file per rank, or one full file.
+
+        The folder holds ``state_dict`` and ``optimizer_0``, ``optimizer_1``, ... with the
+        rest of Lightning's checkpoint in ``meta.pt``; the file is Lightning's usual one.
+        """
+        if storage_options is not None:
+            raise fs.ShardingError(
+                "ShardStrategy.save_checkpoint takes no storage_options: it writes through torch's "
+                "distributed checkpoint, not a CheckpointIO plugin"
+            )
+        path = Path(self.broadcast(filepath))
+        optimizers = checkpoint.pop("optimizer_states", [])
+        state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+        if self._save_distributed_checkpoint:
+            state.update({f"optimizer_{i}": optimizer for i, optimizer in enumerate(optimizers)})
+        else:
+            state["optimizer_states"] = optimizers
+        fs.checkpoint.write(path, state, full=not self._save_distributed_checkpoint, meta=checkpoint)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a checkpoint of any plan (folder or file) into the module and optimizers.
+
+        Returns:
+            The rest of Lightning's checkpoint (loops, callbacks, epoch).
+        """
+        assert self.model is not None
+        assert self.lightning_module is not None
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        return fs.checkpoint.read(
+            self.broadcast(checkpoint_path),
+            ("state_dict", self.model),
+            {f"optimizer_{i}": optimizer for i, optimizer in enumerate(optimizers)},
+            strict=self.lightning_module.strict_loading,
+            weights_only=bool(weights_only),
+        )
+
+
+def _clip_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+    fs.clip_grad_norm_((p for group in optimizer.param_groups for p in group["params"]), clip_val)
+
+
+def _forward_root(module: torch.nn.Module) -> str:
+    # training_step calls the LightningModule's children, never its own forward, so the
+    # engines' root hooks go on the one child that holds the parameters
+    holders = [name for name, child in module.named_children() if any(True for _ in child.parameters())]
+    if len(holders) != 1 or any(True for _ in module.parameters(recurse=False)):
+        raise fs.ShardingError(
+            f"ShardStrategy needs the LightningModule's parameters inside one child module (e.g. "
+            f"self.model), whose forward training_step calls; found them in {holders or 'the module itself'}"
+        )
+    return holders[0]
+
+
+def _register() -> None:
+    rules = fs.rules.llama
+    named: dict[str, tuple[Any, fs.Mesh]] = {
+        "fs_ddp": (fs.replicate(), fs.Mesh(dp=-1)),
+        "fs_zero1": (fs.zero(1), fs.Mesh(dp=-1)),
+        "fs_zero2": (fs.zero(2), fs.Mesh(dp=-1)),
+        "fs_zero3": (fs.zero(3), fs.Mesh(dp=-1)),
+        "fs_fsdp": (fs.fsdp(), fs.Mesh(dp=-1)),
+        "fs_hsdp": (fs.hsdp("node", "gpu"), fs.Mesh(node=2, gpu=-1)),
+        "fs_fsdp_tp": (fs.fsdp("dp") + fs.tp(rules, "tp"), fs.Mesh(dp=-1, tp=2)),
+    }
+    for name, (policy, mesh) in named.items():
+        if name not in StrategyRegistry:
+            StrategyRegistry.register(
+                name,
+                ShardStrategy,
+                description=f"functional_shard: {name[3:]} on {mesh!r}",
+                plan=policy,
+                mesh=mesh,
+            )
+
+
+_register()
