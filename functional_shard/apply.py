@@ -19,9 +19,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+# build_device_mesh lives below mesh.py (Mesh.device_mesh uses it); re-exported here
+from .device_mesh import build_device_mesh
 from .errors import MeshError, PlanError, ShardingError, bullets
 from .mesh import Mesh
 from .plan import Plan
@@ -37,26 +39,6 @@ __all__ = [
     "materialize",
     "optimizer",
 ]
-
-
-def build_device_mesh(mesh: Mesh, device_type: str = "cpu") -> DeviceMesh:
-    """The torch `DeviceMesh` for ``mesh`` over the current process group.
-
-    Raises:
-        MeshError: no process group is initialised, or its world size differs from the mesh.
-
-    Examples:
-        >>> # with torch.distributed initialised on 8 ranks:
-        >>> # build_device_mesh(Mesh(dp=2, tp=4), "cuda").mesh_dim_names
-        >>> # ('dp', 'tp')
-    """
-    if not dist.is_initialized():
-        raise MeshError(
-            f"building the DeviceMesh for {mesh!r} needs torch.distributed: call "
-            "dist.init_process_group(...) first (or launch with torchrun / Lightning)"
-        )
-    mesh = mesh.resolve(dist.get_world_size())
-    return init_device_mesh(device_type, mesh.sizes, mesh_dim_names=mesh.axis_names)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
+from .bytesize import format_bytes as _bytes
 from .errors import ShardingError
 from .layout import local_numel
 from .spec import Owned, ParamSharding
@@ -94,8 +95,6 @@ class Cost:
         }
 
     def __str__(self) -> str:
-        from .plan import _bytes
-
         lines = [
             f"memory on rank {self.rank}: {_bytes(self.total_bytes)}"
             f" (params {_bytes(self.params_bytes)}, grads {_bytes(self.grads_bytes)}, "

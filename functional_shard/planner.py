@@ -187,14 +187,18 @@ def _select(selectors: Iterable[Selector], tree: ModelTree, what: str) -> list[s
     return chosen
 
 
+# size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES and .FORCE_LEAF_MODULES of
+# torch/distributed/fsdp/wrap.py, restated: reading them would import FSDP (~0.8 s, half of
+# `import torch`) into pure planning; tests/test_boundaries.py checks they still equal torch's
+_EXCLUDE_WRAP_MODULES: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.ModuleDict)
+_FORCE_LEAF_MODULES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+
+
 def _size_based_units(tree: ModelTree, min_params: int) -> list[str]:
     # torch's size_based_auto_wrap_policy, post-order: a module becomes a unit when the
     # parameters its subtree holds outside units already made reach min_params. Like
     # torch, never a ModuleList/ModuleDict, and nothing inside a forced leaf (attention).
-    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy as torch_policy
-
-    excluded = tuple(torch_policy.EXCLUDE_WRAP_MODULES)  # type: ignore[attr-defined]
-    leaves = tuple(torch_policy.FORCE_LEAF_MODULES)  # type: ignore[attr-defined]
+    excluded, leaves = _EXCLUDE_WRAP_MODULES, _FORCE_LEAF_MODULES
     counts = dict.fromkeys(tree.modules, 0)
     for path, tensor in tree.params.items():
         counts[path.rpartition(".")[0]] += tensor.numel
