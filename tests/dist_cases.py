@@ -70,11 +70,13 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def reference(config: LlamaConfig, data_parallel: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single-process training on the whole global batch."""
+def reference(
+    config: LlamaConfig, data_parallel: int, eps: float = 1e-8
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process training on the whole global batch (AdamW with this `eps`)."""
     torch.manual_seed(0)
     model = Llama(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=eps)
     losses = []
     for tokens in batches(config, data_parallel):
         optimizer.zero_grad()
