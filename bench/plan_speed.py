@@ -3,7 +3,8 @@
 1. A Llama-70B-shaped model (80 blocks, meta device) on a 1024-device 3-axis mesh
    (rep=4 × dp=32 × tp=8, HSDP + TP): time of ``shard()`` + ``cost()`` (cold caches) against the time
    torch takes to lay out the same layout (``parallelize_module`` + ``fully_shard``) on
-   its fake process group. Target: planning is at least 20× faster.
+   its fake process group. Target: planning is at least 100× faster (repeated blocks are
+   planned once).
 2. Pytrees of 10k, 30k and 100k leaves: time per leaf of ``shard()`` + ``cost()``.
    Target: linear (time per leaf roughly constant).
 
@@ -27,7 +28,8 @@ from functional_shard.zoo import llama
 
 MESH = fs.Mesh(rep=4, dp=32, tp=8)
 POLICY = fs.hsdp("rep", "dp") + fs.tp(fs.rules.llama, "tp")
-REPEATS = 3
+REPEATS = 5  # best of 5 per side: the 2-core machine is shared, load only adds time
+PYTREE_REPEATS = 3
 
 
 def clear_caches() -> None:
@@ -82,15 +84,17 @@ def main() -> None:
     for _ in range(REPEATS):  # interleaved, so drift hits both alike
         plan_times.append(time_plan())
         torch_times.append(time_torch_layout())
-    plan_s, torch_s = statistics.median(plan_times), statistics.median(torch_times)
-    print(f"Llama-70B shape on {MESH!r} ({MESH.size} devices), hsdp + tp, medians of {REPEATS}:")
+    plan_s, torch_s = min(plan_times), min(torch_times)
+    median_ratio = statistics.median(torch_times) / statistics.median(plan_times)
+    print(f"Llama-70B shape on {MESH!r} ({MESH.size} devices), hsdp + tp, best of {REPEATS}:")
     print(f"  functional_shard shard()+cost()   {plan_s * 1000:8.1f} ms")
     print(f"  torch parallelize+fully_shard     {torch_s * 1000:8.1f} ms (fake process group, meta)")
-    print(f"  ratio torch / plan                {torch_s / plan_s:8.1f}x   (target >= 20x)")
+    print(f"  ratio torch / plan                {torch_s / plan_s:8.1f}x   (target >= 100x)")
+    print(f"  ratio of the medians              {median_ratio:8.1f}x")
     print("\npytrees, shard()+cost() time per leaf:")
     base = None
     for leaves in (10_000, 30_000, 100_000):
-        per_leaf = statistics.median(time_pytree(leaves) for _ in range(REPEATS)) / leaves
+        per_leaf = statistics.median(time_pytree(leaves) for _ in range(PYTREE_REPEATS)) / leaves
         base = base or per_leaf
         ratio = per_leaf / base
         print(

@@ -3,9 +3,11 @@
 It follows torch's engines, not the textbook: FSDP2 pads each sharded dim to chunk 0's
 size on every rank; the root FSDP unit stays gathered from forward to backward;
 ZeroRedundancyOptimizer keeps each tensor's state whole on one rank (largest first, to
-the least-loaded rank) and broadcasts updated parameters; DDP all-reduces gradients and
-broadcasts buffers. Collective bytes are what each rank sends with ring algorithms, for
-a collective over ``n`` ranks on a tensor of ``S`` bytes (the full, gathered size):
+the least-loaded rank) and broadcasts updated parameters; DDP all-reduces gradients (and,
+as apply runs it, leaves buffers alone). A 0-d parameter, which FSDP2 cannot shard, stays
+whole and its gradient is all-reduced over the data axes. Collective bytes are what each
+rank sends with ring algorithms, for a collective over ``n`` ranks on a tensor of ``S``
+bytes (the full, gathered size):
 
 | kind           | bytes sent per rank |
 |----------------|---------------------|
@@ -151,28 +153,74 @@ def _itemsize(name: str | None, tensor: TensorSpec) -> int:
     return dtype_from_name(name).itemsize if name else tensor.itemsize
 
 
-def _grouped(plan: Plan, extra: Callable[[str, ParamSharding], Hashable]) -> Counter[tuple[Any, ...]]:
-    # Big models repeat a few (shape, dtype, sharding) combinations across their blocks;
-    # counting them once each keeps the cost model's time in the distinct ones.
-    return Counter(
-        (plan.tensors[path].shape, plan.tensors[path].itemsize, sharding, extra(path, sharding))
-        for path, sharding in plan.params.items()
-    )
+_Census: TypeAlias = list[tuple[TensorSpec, ParamSharding, str, int, int]]
+
+
+def _census(plan: Plan, owners: Mapping[str, int]) -> _Census:
+    """(tensor, sharding, FSDP unit, ZeRO-1 owner or -1, count) for the plan's parameters.
+
+    Big models repeat a few (shape, dtype, sharding) combinations across their blocks;
+    counting them once each keeps the cost model's time in the distinct ones. shard()
+    gives the tensors of blocks alike one TensorSpec and one ParamSharding object, so
+    counting by identity saves hashing specs per parameter. Each parameter's unit is
+    `Plan.unit_of`, worked out once per enclosing module.
+    """
+    tensors, aliases = plan.tensors, plan.aliases
+    units = set(plan.config.units)
+    unit_by_module: dict[str, str] = {"": ""}
+
+    def unit_of_module(module_path: str) -> str:
+        # the innermost unit enclosing a module: its own path, or its parent's unit
+        unit = unit_by_module.get(module_path)
+        if unit is None:
+            unit = unit_by_module[module_path] = (
+                module_path if module_path in units else unit_of_module(module_path.rpartition(".")[0])
+            )
+        return unit
+
+    by_identity: dict[tuple[int, int, str, int], list[Any]] = {}
+    for path, sharding in plan.params.items():
+        unit = plan.unit_of(path) if path in aliases else unit_of_module(path.rpartition(".")[0])
+        tensor = tensors[path]
+        key = (id(tensor), id(sharding), unit, owners.get(path, -1) if owners else -1)
+        entry = by_identity.get(key)
+        if entry is None:
+            by_identity[key] = [tensor, sharding, unit, key[3], 1]
+        else:
+            entry[4] += 1
+    return [(t, s, unit, owner, count) for t, s, unit, owner, count in by_identity.values()]
+
+
+def _grouped(
+    census: _Census, extra: Callable[[ParamSharding, str, int], Hashable]
+) -> Counter[tuple[Any, ...]]:
+    by_identity: dict[tuple[int, int, Hashable], list[Any]] = {}
+    for tensor, sharding, unit, owner, count in census:
+        key = (id(tensor), id(sharding), extra(sharding, unit, owner))
+        entry = by_identity.get(key)
+        if entry is None:
+            by_identity[key] = [tensor, sharding, key[2], count]
+        else:
+            entry[3] += count
+    grouped: Counter[tuple[Any, ...]] = Counter()
+    for tensor, sharding, more, count in by_identity.values():
+        grouped[(tensor.shape, tensor.itemsize, sharding, more)] += count
+    return grouped
 
 
 def _memory(
-    plan: Plan, coords: Mapping[str, int], optimizer: OptimizerKind, owners: Mapping[str, int]
+    plan: Plan, coords: Mapping[str, int], optimizer: OptimizerKind, census: _Census
 ) -> dict[str, int]:
     if isinstance(optimizer, str) and optimizer not in _OPTIMIZERS:
         raise ShardingError(
             f"cost(optimizer={optimizer!r}): one of {sorted(_OPTIMIZERS)} or bytes per element"
         )
 
-    def owns(path: str, sharding: ParamSharding) -> bool:
-        return isinstance(sharding.optim, Owned) and owners[path] == coords[sharding.optim.axis]
+    def owns(sharding: ParamSharding, _: str, owner: int) -> bool:
+        return isinstance(sharding.optim, Owned) and owner == coords[sharding.optim.axis]
 
     params = grads = optim = 0
-    for (shape, itemsize, sharding, owned), count in _grouped(plan, owns).items():
+    for (shape, itemsize, sharding, owned), count in _grouped(census, owns).items():
         padded = sharding.at_rest_axes
         # FSDP2 pads its own shards; a tensor-parallel shard is a view into the padded
         # buffer distribute_tensor scattered (measured), so it is padded over every axis
@@ -197,34 +245,39 @@ def _memory(
     return {"params": params, "grads": grads, "optimizer": optim, "buffers": buffers}
 
 
-def _gathered(plan: Plan, units: Mapping[str, str]) -> int:
+def _gathered(plan: Plan, census: _Census) -> int:
     origin = dict.fromkeys(plan.mesh.axis_names, 0)
     param_size = dtype_from_name(plan.config.param_dtype).itemsize if plan.config.param_dtype else None
     per_unit: dict[str, int] = defaultdict(int)
-    for (shape, itemsize, sharding, unit), count in _grouped(plan, lambda p, _: units[p]).items():
-        padded = sharding.at_rest_axes
-        if padded:
-            shard = local_numel(shape, sharding.storage, plan.mesh, origin, padded)
-            gathered = shard * plan.mesh.axes_size(tuple(padded)) * (param_size or itemsize)
-            per_unit[unit] += count * gathered
+    each: dict[tuple[int, int], int] = {}  # gathered bytes of one tensor, by identity
+    for tensor, sharding, unit, _, count in census:
+        key = (id(tensor), id(sharding))
+        gathered = each.get(key)
+        if gathered is None:
+            padded = sharding.at_rest_axes
+            shard = local_numel(tensor.shape, sharding.storage, plan.mesh, origin, padded) if padded else 0
+            gathered = each[key] = (
+                shard * plan.mesh.axes_size(tuple(padded)) * (param_size or tensor.itemsize)
+            )
+        per_unit[unit] += count * gathered
     root = per_unit.pop("", 0)
     if not plan.config.reshard_after_forward:  # ZeRO-2: every unit stays gathered until backward
         return root + sum(per_unit.values())
     return root + max(per_unit.values(), default=0)
 
 
-def _parameter_comm(plan: Plan, comm: _Comm, units: Mapping[str, str]) -> None:
+def _parameter_comm(plan: Plan, comm: _Comm, census: _Census) -> None:
     origin = dict.fromkeys(plan.mesh.axis_names, 0)
     config = plan.config
     data_axes = config.data_axes
     param_size = dtype_from_name(config.param_dtype).itemsize if config.param_dtype else None
     reduce_size = dtype_from_name(config.reduce_dtype).itemsize if config.reduce_dtype else None
 
-    def gathers(path: str, _: ParamSharding) -> int:
+    def gathers(_: ParamSharding, unit: str, __: int) -> int:
         # FSDP2 keeps the root gathered from forward to backward
-        return 2 if config.reshard_after_forward and units[path] != "" else 1
+        return 2 if config.reshard_after_forward and unit != "" else 1
 
-    for (shape, itemsize, sharding, times), count in _grouped(plan, gathers).items():
+    for (shape, itemsize, sharding, times), count in _grouped(census, gathers).items():
         padded = sharding.at_rest_axes
         at_rest = tuple(a for a in sharding.storage.axes if a in padded)
         if at_rest:
@@ -242,12 +295,9 @@ def _parameter_comm(plan: Plan, comm: _Comm, units: Mapping[str, str]) -> None:
         if isinstance(sharding.optim, Owned):
             axis = sharding.optim.axis
             comm.add("broadcast", (axis,), plan.mesh[axis], math.prod(shape) * itemsize, count)
-    if config.sequence_parallel:
-        _sequence_parallel_grad_comm(plan, comm, param_size)
-    if config.data_parallel in ("ddp", "zero1") and config.replicate_axes:
-        axes = config.replicate_axes
-        for path in plan.buffers:  # DDP broadcasts buffers from rank 0 before each forward
-            comm.add("broadcast", axes, plan.mesh.axes_size(axes), plan.tensors[path].nbytes)
+    # (no buffer traffic: apply's DDP, torch's composable replicate, hands DDP the
+    # parameters only, so buffers are never broadcast; measured)
+    _sequence_parallel_grad_comm(plan, comm, param_size)
 
 
 def _sequence_parallel_grad_comm(plan: Plan, comm: _Comm, param_size: int | None) -> None:
@@ -257,7 +307,16 @@ def _sequence_parallel_grad_comm(plan: Plan, comm: _Comm, param_size: int | None
     # by apply's gradient hook)
     axes = plan.config.tensor_parallel_axes
     n = plan.mesh.axes_size(axes)
-    sequence_modules = {path for path, style, _ in plan.config.tp_styles if style == "sequence"}
+    # (a replicate_grad_allreduce module, a per-head norm, likewise sees this rank's heads,
+    # with or without sequence parallel)
+    partial_styles = ("sequence", "replicate_grad_allreduce") if plan.config.sequence_parallel else ()
+    sequence_modules = {
+        path
+        for path, style, _ in plan.config.tp_styles
+        if style in (*partial_styles, "replicate_grad_allreduce")
+    }
+    if not sequence_modules:
+        return
     for path in plan.params:
         if path.rpartition(".")[0] in sequence_modules:
             tensor = plan.tensors[path]
@@ -268,18 +327,28 @@ def _activation_comm(plan: Plan, comm: _Comm, tokens: int) -> None:
     # Per styled module, as torch's styles issue them (tied modules included): a colwise
     # Linear all-reduces its input gradient in backward (tokens x in_features), a rowwise
     # Linear or vocabulary-split Embedding all-reduces its output in forward, a dim-split
-    # Embedding and a colwise_gather Linear all-gather their output. Sequence parallel
-    # swaps each all-reduce for an all-gather plus a reduce-scatter of the same size.
+    # Embedding and a colwise_gather Linear all-gather their output. A rowwise_split_input
+    # Linear slices its whole input (no traffic) and so all-gathers the input gradient in
+    # backward. Sequence parallel swaps each all-reduce for an all-gather plus a
+    # reduce-scatter of the same size. (A replicate_grad_allreduce module moves no
+    # activations; its gradient all-reduce is a gradient collective.) Hugging Face's Conv1D
+    # stores its weight (in, out) and moves what a Linear would; a packed_colwise layer
+    # moves what a colwise one does, and all-gathers its whole bias's gradient over the
+    # tensor-parallel ranks in backward (each rank slices its pieces of it in forward).
     sequence = plan.config.sequence_parallel
     for module_path, style, kind in plan.config.tp_styles:
-        if style in ("sequence", "replicate"):
+        if style in ("sequence", "replicate", "replicate_grad_allreduce"):
             continue
         weight = plan.canonical(f"{module_path}.weight")
         tensor, compute = plan.tensors[weight], plan.sharding(weight).compute
         axes = tuple(a for a in compute.axes)
         n = plan.mesh.axes_size(axes)
         per_token = _itemsize(plan.config.param_dtype, tensor) * tokens
-        out_features, in_features = tensor.shape
+        out_features, in_features = tensor.shape[::-1] if kind == "conv1d" else tensor.shape
+        if style == "packed_colwise" and f"{module_path}.bias" in plan.tensors:
+            bias = plan.tensors[f"{module_path}.bias"]
+            size = _itemsize(plan.config.param_dtype, bias)
+            comm.add("all_gather", axes, n, -(-bias.numel // n) * n * size)
         if kind == "embedding":
             if style == "rowwise":
                 reductions = [in_features]  # the embedding dim of the (num, dim) table
@@ -287,8 +356,11 @@ def _activation_comm(plan: Plan, comm: _Comm, tokens: int) -> None:
             else:
                 reductions, gathers = [], [in_features]
         else:
-            reductions = [out_features] if style == "rowwise" else [in_features]
+            rowwise = style in ("rowwise", "rowwise_split_input")
+            reductions = [out_features] if rowwise else [in_features]
             gathers = [out_features] if style == "colwise_gather" else []
+            if style == "rowwise_split_input":
+                gathers.append(in_features)
         for features in reductions:
             if sequence:
                 comm.add("all_gather", axes, n, features * per_token)
@@ -337,7 +409,8 @@ def cost(
         zero_axes = {s.optim.axis for s in plan.params.values() if isinstance(s.optim, Owned)}
         base = dict.fromkeys(plan.mesh.axis_names, 0)
         candidates = [base] + [{**base, a: i} for a in zero_axes for i in range(1, plan.mesh[a])]
-    memories = [(_memory(plan, c, optimizer, owners), c) for c in candidates]
+    census = _census(plan, owners)
+    memories = [(_memory(plan, c, optimizer, census), c) for c in candidates]
     memory, coords = max(memories, key=lambda item: sum(item[0].values()))
     config = plan.config
     host = 0
@@ -350,8 +423,7 @@ def cost(
             host += memory[key]
             memory[key] = 0
     comm = _Comm()
-    units = {path: plan.unit_of(path) for path in plan.params}
-    _parameter_comm(plan, comm, units)
+    _parameter_comm(plan, comm, census)
     if tokens is not None:
         _activation_comm(plan, comm, tokens)
     return Cost(
@@ -360,7 +432,7 @@ def cost(
         grads_bytes=memory["grads"],
         optimizer_bytes=memory["optimizer"],
         buffers_bytes=memory["buffers"],
-        gathered_bytes=_gathered(plan, units),
+        gathered_bytes=_gathered(plan, census),
         host_bytes=host,
         comm_bytes=comm.result(),
         activation_comm_included=tokens is not None,

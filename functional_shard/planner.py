@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -11,7 +11,7 @@ from torch import nn
 from .errors import PlanError, PolicyError, bullets
 from .mesh import Mesh
 from .plan import Plan, PlanConfig
-from .policy import DataParallel, Layer, ParamProblemError, Policy, Selector, as_policy
+from .policy import Custom, DataParallel, Layer, ParamProblemError, Policy, Selector, as_policy, resolve_rules
 from .rules import layout_of
 from .spec import Owned, P, ParamSharding, spec_problems
 from .tree import ModelTree, TensorSpec, matches, owner_paths, read_model
@@ -217,8 +217,8 @@ def _size_based_units(tree: ModelTree, min_params: int) -> list[str]:
             wrapped.append(path)
         else:
             counts[path.rpartition(".")[0]] += counts[path]
-    order = list(tree.modules)
-    return sorted(wrapped, key=order.index)
+    order = {path: index for index, path in enumerate(tree.modules)}
+    return sorted(wrapped, key=order.__getitem__)
 
 
 def _units(tree: ModelTree, layer: DataParallel | None) -> tuple[str, ...]:
@@ -237,14 +237,10 @@ def _units(tree: ModelTree, layer: DataParallel | None) -> tuple[str, ...]:
     return ("", *units)
 
 
-def _tp_styles(policy: Policy, tree: ModelTree) -> tuple[tuple[str, str, str], ...]:
-    """(module path, style, layout) of each module a tensor-parallel rule gave a style.
-
-    apply needs the style, not only the specs (an output gathered for the loss, sequence
-    parallel norms), and the cost model the layout ("linear", "embedding").
-    """
-    styles: dict[str, tuple[str, str, str]] = {}
-    for path in tree.params:
+def _styles_of(
+    policy: Policy, tree: ModelTree, paths: Iterable[str], styles: dict[str, tuple[str, str, str]]
+) -> None:
+    for path in paths:
         for name in tree.aliases.get(path, (path,)):
             for layer in policy.tensor_parallel:
                 rule = layer.rules.match(name)
@@ -252,12 +248,46 @@ def _tp_styles(policy: Policy, tree: ModelTree) -> tuple[tuple[str, str, str], .
                 if rule is not None and isinstance(rule.target, str) and rule.target != "replicate":
                     kind = layout_of(tree.spec_as(name, path))
                     styles.setdefault(module_path, (module_path, rule.target, kind))
-    order = list(tree.modules)
-    return tuple(sorted(styles.values(), key=lambda item: order.index(item[0])))
+
+
+def _tp_styles(
+    policy: Policy,
+    tree: ModelTree,
+    shared: Mapping[str, tuple[str, list[tuple[str, str, str]]]] | None = None,
+) -> tuple[tuple[str, str, str], ...]:
+    """(module path, style, layout) of each module a tensor-parallel rule gave a style.
+
+    apply needs the style, not only the specs (an output gathered for the loss, sequence
+    parallel norms), and the cost model the layout ("linear", "embedding"). ``shared``
+    maps a block's path to (its representative's path, the representative's styles).
+    """
+    styles: dict[str, tuple[str, str, str]] = {}
+    if not policy.tensor_parallel:
+        return ()
+    if shared is None:
+        _styles_of(policy, tree, tree.params, styles)
+    else:
+        in_blocks = {path for block in tree.blocks if block.path in shared for path in block.params}
+        _styles_of(policy, tree, (p for p in tree.params if p not in in_blocks), styles)
+        for block in tree.blocks:
+            if block.path not in shared:
+                continue
+            source, entries = shared[block.path]
+            cut = len(source)
+            for module_path, style, kind in entries:
+                mine = block.path + module_path[cut:]
+                styles.setdefault(mine, (mine, style, kind))
+    order = {path: index for index, path in enumerate(tree.modules)}
+    return tuple(sorted(styles.values(), key=lambda item: order.get(item[0], len(order))))
 
 
 def _config(
-    policy: Policy, mesh: Mesh, tree: ModelTree, layers: tuple[Layer, ...], compute_axes: set[str]
+    policy: Policy,
+    mesh: Mesh,
+    tree: ModelTree,
+    layers: tuple[Layer, ...],
+    compute_axes: set[str],
+    tp_styles: tuple[tuple[str, str, str], ...],
 ) -> PlanConfig:
     data = policy.data_parallel
     # "the rest" excludes axes that a policy function splits for compute: it claims none
@@ -279,11 +309,12 @@ def _config(
         replicate_axes=tuple(replicate),
         shard_axes=sharding_layer.shard_axes if sharding_layer else (),
         tensor_parallel_axes=tuple(layer.axis for layer in policy.tensor_parallel),
-        tp_styles=_tp_styles(policy, tree),
+        tp_styles=tp_styles,
         sequence_parallel=any(layer.sequence_parallel for layer in policy.tensor_parallel),
         reshard_after_forward=sharding_layer.reshard_after_forward if sharding_layer else True,
         units=_units(tree, sharding_layer),
         checkpointed=tuple(_select(options.checkpoint or (), tree, "checkpointing()")),
+        checkpoint_policy=options.checkpoint_policy or "full",
         param_dtype=options.param_dtype,
         reduce_dtype=options.reduce_dtype,
         offload_params=bool(options.offload_params),
@@ -319,21 +350,64 @@ def shard(model: Any, mesh: Mesh | DeviceMesh, policy: Policy | Any) -> Plan:
         >>> plan.params["0.weight"].storage, plan.params["2.weight"].storage
         (P(('tp', 'dp'), None), P('dp', 'tp'))
     """
+    return _shard(model, mesh, policy, reuse_blocks=True)
+
+
+def _shard(model: Any, mesh: Mesh | DeviceMesh, policy: Policy | Any, *, reuse_blocks: bool) -> Plan:
+    """`shard`; with ``reuse_blocks`` each kind of repeated block is planned once.
+
+    Both ways give equal plans (tests hold it); the per-parameter way is the reference,
+    and also writes the error message when the reusing way finds any problem.
+    """
     if not isinstance(mesh, Mesh):
         mesh = Mesh.from_device_mesh(mesh)
     mesh.require_resolved("shard()")
-    policy = as_policy(policy)
+    policy = resolve_rules(as_policy(policy), model)
     tree = read_model(model)
+    if reuse_blocks and tree.blocks and not any(isinstance(layer, Custom) for layer in policy.layers):
+        plan = _shard_reusing_blocks(tree, mesh, policy)
+        if plan is not None:
+            return plan
+    return _shard_each(tree, mesh, policy)
+
+
+def _axis_problems(policy: Policy, mesh: Mesh) -> list[str]:
+    return [
+        f"{layer.name} names axis {a!r}, which is not in {mesh!r}"
+        for layer in policy.layers
+        for a in layer.claimed_axes
+        if a not in mesh
+    ]
+
+
+def _unused_axes(policy: Policy, mesh: Mesh, shardings: Iterable[ParamSharding]) -> list[str]:
     layers = policy.layers
     claimed = {axis for layer in layers for axis in layer.claimed_axes}
     takes_rest = any(isinstance(layer, DataParallel) and layer.replicate_axes is None for layer in layers)
-    problems: list[str] = []
-    for layer in layers:
-        problems += [
-            f"{layer.name} names axis {a!r}, which is not in {mesh!r}"
-            for a in layer.claimed_axes
-            if a not in mesh
-        ]
+    used = claimed | {a for s in shardings for spec in s.specs().values() for a in spec.axes}
+    return [
+        f"axis {axis!r} (size {size}) is used by no policy: add fs.replicate({axis!r}) "
+        f"to split the batch over it, or fs.fsdp({axis!r}) to shard over it"
+        for axis, size in mesh.axes
+        if axis not in used and size > 1 and not takes_rest
+    ]
+
+
+def _plan(tree: ModelTree, mesh: Mesh, placed: dict[str, ParamSharding], config: PlanConfig) -> Plan:
+    return Plan(
+        params={p: placed[p] for p in tree.params},
+        buffers={p: placed[p] for p in tree.buffers},
+        mesh=mesh,
+        tensors={**tree.params, **tree.buffers},
+        aliases=dict(tree.aliases),
+        config=config,
+    )
+
+
+def _shard_each(tree: ModelTree, mesh: Mesh, policy: Policy) -> Plan:
+    """Plan every parameter on its own: the reference, and the path that reports problems."""
+    layers = policy.layers
+    problems = _axis_problems(policy, mesh)
     # data parallelism shards parameters and their state, never buffers
     buffer_layers = tuple(layer for layer in layers if not isinstance(layer, DataParallel))
     placed: dict[str, ParamSharding] = {}
@@ -344,16 +418,10 @@ def shard(model: Any, mesh: Mesh | DeviceMesh, policy: Policy | Any) -> Plan:
             except ParamProblemError as problem:
                 problems.append(f"{path}, shape {tensor.shape}: {problem}")
     compute_axes = {axis for sharding in placed.values() for axis in sharding.compute.axes}
-    config = _config(policy, mesh, tree, layers, compute_axes)
+    config = _config(policy, mesh, tree, layers, compute_axes, _tp_styles(policy, tree))
     if not problems:
         data_axes = frozenset(config.data_axes)
-        used = claimed | {a for s in placed.values() for spec in s.specs().values() for a in spec.axes}
-        for axis, size in mesh.axes:
-            if axis not in used and size > 1 and not takes_rest:
-                problems.append(
-                    f"axis {axis!r} (size {size}) is used by no policy: add fs.replicate({axis!r}) "
-                    f"to split the batch over it, or fs.fsdp({axis!r}) to shard over it"
-                )
+        problems += _unused_axes(policy, mesh, placed.values())
         tensors = {**tree.params, **tree.buffers}
         for path, sharding in placed.items():
             problems += _check(path, tensors[path], sharding, mesh, data_axes)
@@ -365,12 +433,121 @@ def shard(model: Any, mesh: Mesh | DeviceMesh, policy: Policy | Any) -> Plan:
                 "Fix the rule, change the mesh, or pad the parameter.",
             )
         ) from None
-    tensors = {**tree.params, **tree.buffers}
-    return Plan(
-        params={p: placed[p] for p in tree.params},
-        buffers={p: placed[p] for p in tree.buffers},
-        mesh=mesh,
-        tensors=tensors,
-        aliases=dict(tree.aliases),
-        config=config,
+    return _plan(tree, mesh, placed, config)
+
+
+# A glob of these characters can tell one block index from another (``layers.3.*``,
+# ``layers.?.*``); any other glob matches ``layers.3.x`` exactly when it matches
+# ``layers.7.x``: its literals cannot match the digits, so only a ``*`` spans them.
+_INDEX_SENSITIVE = frozenset("0123456789?[")
+
+
+def _index_free(pattern: object) -> bool:
+    return isinstance(pattern, str) and not _INDEX_SENSITIVE.intersection(pattern)
+
+
+def _first_rules(
+    policy: Policy,
+    sensitive: tuple[tuple[int, ...], ...],
+    paths: tuple[str, ...],
+    free: tuple[tuple[int | None, ...], ...],
+) -> tuple[tuple[int | None, ...], ...]:
+    """For each tensor-parallel layer and path, the index of the first rule that matches.
+
+    ``free`` holds the first index-free rule matching each relative path (the same in
+    every block of a kind); only the index-sensitive rules before it are tried here.
+    """
+    result = []
+    for layer, free_first, candidates in zip(policy.tensor_parallel, free, sensitive, strict=True):
+        rules = layer.rules.rules
+        firsts = []
+        for path, bound in zip(paths, free_first, strict=True):
+            limit = len(rules) if bound is None else bound
+            firsts.append(next((i for i in candidates if i < limit and rules[i].matches(path)), bound))
+        result.append(tuple(firsts))
+    return tuple(result)
+
+
+def _shard_reusing_blocks(tree: ModelTree, mesh: Mesh, policy: Policy) -> Plan | None:
+    """`_shard_each`'s plan, with each kind of block planned once; None on any problem.
+
+    Blocks share a plan when their keys are equal (same parent, relative paths, tensors,
+    owners' classes and module classes) and every tensor-parallel layer picks the same
+    rule for each of their tensors. Nothing else a layer sees differs between them:
+    data-parallel layers read the tensor only, styles the tensor and its last name.
+    """
+    layers = policy.layers
+    if _axis_problems(policy, mesh):
+        return None
+    buffer_layers = tuple(layer for layer in layers if not isinstance(layer, DataParallel))
+    tp_layers = policy.tensor_parallel
+    sensitive = tuple(
+        tuple(i for i, rule in enumerate(layer.rules.rules) if not _index_free(rule.pattern))
+        for layer in tp_layers
     )
+    frees: dict[Any, tuple[tuple[int | None, ...], ...]] = {}
+    kinds: dict[Any, tuple[str, tuple[ParamSharding, ...]]] = {}
+    from_blocks: dict[str, ParamSharding] = {}
+    shared_styles: dict[str, tuple[str, list[tuple[str, str, str]]]] = {}
+    for block in tree.blocks:
+        paths = block.params + block.buffers
+        free = frees.get(block.key)
+        if free is None:
+            free = frees[block.key] = tuple(
+                tuple(
+                    next(
+                        (
+                            i
+                            for i, rule in enumerate(layer.rules.rules)
+                            if _index_free(rule.pattern) and rule.matches(path)
+                        ),
+                        None,
+                    )
+                    for path in paths
+                )
+                for layer in tp_layers
+            )
+        kind = (block.key, _first_rules(policy, sensitive, paths, free) if any(sensitive) else ())
+        known = kinds.get(kind)
+        if known is None:
+            placements = []
+            try:
+                for path in block.params:
+                    placements.append(_place(layers, (path,), tree, tree.params[path], mesh))
+                for path in block.buffers:
+                    placements.append(_place(buffer_layers, (path,), tree, tree.buffers[path], mesh))
+            except ParamProblemError:
+                return None
+            styles: dict[str, tuple[str, str, str]] = {}
+            _styles_of(policy, tree, block.params, styles)
+            known = kinds[kind] = (block.path, tuple(placements))
+            shared_styles[block.path] = (block.path, list(styles.values()))
+        else:
+            shared_styles[block.path] = (known[0], shared_styles[known[0]][1])
+        from_blocks.update(zip(paths, known[1], strict=True))
+    placed: dict[str, ParamSharding] = {}
+    try:
+        for group, group_layers in ((tree.params, layers), (tree.buffers, buffer_layers)):
+            for path, tensor in group.items():
+                sharding = from_blocks.get(path)
+                if sharding is None:
+                    sharding = _place(group_layers, tree.aliases.get(path, (path,)), tree, tensor, mesh)
+                placed[path] = sharding
+    except ParamProblemError:
+        return None
+    distinct = {id(s): s for s in placed.values()}.values()
+    compute_axes = {axis for sharding in distinct for axis in sharding.compute.axes}
+    config = _config(policy, mesh, tree, layers, compute_axes, _tp_styles(policy, tree, shared_styles))
+    if _unused_axes(policy, mesh, distinct):
+        return None
+    data_axes = frozenset(config.data_axes)
+    tensors = {**tree.params, **tree.buffers}
+    checked: set[tuple[int, int]] = set()
+    for path, sharding in placed.items():
+        tensor = tensors[path]
+        key = (id(tensor), id(sharding))
+        if key not in checked:
+            if _sharding_problems(tensor.shape, sharding, mesh, data_axes):
+                return None
+            checked.add(key)
+    return _plan(tree, mesh, placed, config)

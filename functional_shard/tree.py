@@ -9,7 +9,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,7 @@ from torch import nn
 from . import _pytree
 from .errors import ShardingError
 
-__all__ = ["ModelTree", "Pattern", "TensorSpec", "matches", "read_model"]
+__all__ = ["Block", "ModelTree", "Pattern", "TensorSpec", "matches", "read_model"]
 
 Pattern = str | re.Pattern[str]
 
@@ -99,6 +99,21 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One repeated block (``layers.3``): its tensors, and a key equal for blocks alike.
+
+    Two blocks with equal ``key`` sit under the same parent and hold tensors at the same
+    relative paths with the same shapes, dtypes and owning module classes, and modules
+    of the same classes at the same relative paths; none of their tensors is tied.
+    """
+
+    path: str
+    key: Hashable
+    params: tuple[str, ...]
+    buffers: tuple[str, ...]
+
+
 @dataclass(frozen=True)
 class ModelTree:
     """Tensors by path, tied aliases, and the module tree (paths → class)."""
@@ -111,6 +126,8 @@ class ModelTree:
     """Module path ("" is the root) → class, or None when read from a pytree."""
     alias_specs: dict[str, TensorSpec] = field(default_factory=dict)
     """Tied names other than the canonical one → the tensor as their own module owns it."""
+    blocks: tuple[Block, ...] = ()
+    """The outermost numbered modules (``layers.0``, ``layers.1``, ...) with no tied tensor."""
 
     def spec_as(self, name: str, canonical: str) -> TensorSpec:
         """The tensor at ``canonical`` as seen under the name ``name`` (its owner's type)."""
@@ -121,28 +138,175 @@ def _module_path(path: str) -> str:
     return path.rpartition(".")[0]
 
 
+def _numbered(name: str) -> bool:
+    return name.isascii() and name.isdecimal()
+
+
+def _block_of(path: str) -> str | None:
+    """The outermost numbered module enclosing ``path`` (``layers.3`` of ``layers.3.mlp.w``)."""
+    start = 0
+    while True:
+        end = path.find(".", start)
+        part = path[start:] if end < 0 else path[start:end]
+        if _numbered(part):
+            return path if end < 0 else path[:end]
+        if end < 0:
+            return None
+        start = end + 1
+
+
+def _blocks(
+    params: dict[str, TensorSpec],
+    buffers: dict[str, TensorSpec],
+    modules: dict[str, type | None],
+    tied: Iterable[str],
+    block_of: Mapping[str, str | None],
+) -> tuple[Block, ...]:
+    """The model's blocks; ``block_of`` maps every module path to its block (or None)."""
+    # Big models repeat one block tens of times; finding the repeats here lets shard()
+    # plan each kind of block once. The key holds everything a policy can see of a block
+    # but its index: relative paths, tensors (with their owners' classes), module classes.
+    members: dict[str, tuple[list[Any], list[Any], list[Any]]] = {}
+    for path, cls in modules.items():
+        block = block_of[path]
+        if block is not None:
+            if block not in members:
+                members[block] = ([], [], [])
+            members[block][2].append((path[len(block) :], cls))
+    for index, group in ((0, params), (1, buffers)):
+        for path, tensor in group.items():
+            block = block_of[path.rpartition(".")[0]]
+            if block is not None:
+                members[block][index].append((path, tensor))
+    broken = {block_of.get(name.rpartition(".")[0]) for name in tied}
+    blocks = []
+    for block, (block_params, block_buffers, block_modules) in members.items():
+        if block in broken:
+            continue
+        cut = len(block)
+        key = (
+            block.rpartition(".")[0],
+            tuple((p[cut:], t, t.module_type) for p, t in block_params),
+            tuple((p[cut:], t, t.module_type) for p, t in block_buffers),
+            tuple(block_modules),
+        )
+        blocks.append(
+            Block(block, key, tuple(p for p, _ in block_params), tuple(p for p, _ in block_buffers))
+        )
+    return tuple(blocks)
+
+
+_PLAIN_WALK: dict[type, bool] = {}
+
+
+def _plain_walk(cls: type) -> bool:
+    # the fast walk below restates nn.Module's named_modules/_named_members; a class that
+    # overrides them is read through its own methods
+    plain = _PLAIN_WALK.get(cls)
+    if plain is None:
+        plain = _PLAIN_WALK[cls] = all(
+            getattr(cls, name) is getattr(nn.Module, name)
+            for name in ("named_modules", "named_parameters", "named_buffers", "_named_members")
+        )
+    return plain
+
+
+class _NotPlainError(Exception):
+    pass
+
+
+def _walk(
+    module: nn.Module,
+) -> tuple[
+    list[tuple[str, nn.Parameter, type]],
+    list[tuple[str, torch.Tensor, type]],
+    dict[str, type | None],
+    dict[str, str | None],
+]:
+    """named_parameters(remove_duplicate=False), named_buffers() and named_modules(), one pass.
+
+    A module's first visit in the full pre-order walk is where named_modules() (which
+    skips repeats) lists it, so one walk gives all three; and each module path's block.
+    """
+    params: list[tuple[str, nn.Parameter, type]] = []
+    buffers: list[tuple[str, torch.Tensor, type]] = []
+    modules: dict[str, type | None] = {}
+    blocks: dict[str, str | None] = {}
+    seen_modules: set[int] = set()
+    seen_buffers: set[int] = set()
+
+    plain_classes = _PLAIN_WALK
+    add_param = params.append
+
+    def visit(mod: nn.Module, prefix: str, block: str | None) -> None:
+        cls = type(mod)
+        if not (plain_classes.get(cls) or _plain_walk(cls)):
+            raise _NotPlainError
+        blocks[prefix] = block
+        dot = prefix + "." if prefix else ""
+        for name, param in mod._parameters.items():
+            if param is not None:
+                add_param((dot + name, param, cls))
+        if id(mod) not in seen_modules:
+            seen_modules.add(id(mod))
+            modules[prefix] = cls
+            for name, buffer in mod._buffers.items():
+                if buffer is not None and id(buffer) not in seen_buffers:
+                    seen_buffers.add(id(buffer))
+                    buffers.append((dot + name, buffer, cls))
+        for name, child in mod._modules.items():
+            if child is not None:
+                if block is None and _numbered(name):
+                    visit(child, dot + name, dot + name)
+                else:
+                    visit(child, dot + name, block)
+
+    visit(module, "", None)
+    return params, buffers, modules, blocks
+
+
 def _from_module(module: nn.Module) -> ModelTree:
-    modules: dict[str, type | None] = {name: type(m) for name, m in module.named_modules()}
-    owners = dict(module.named_modules(remove_duplicate=False))
+    try:
+        found_params, found_buffers, modules, block_of = _walk(module)
+    except _NotPlainError:
+        modules = {name: type(m) for name, m in module.named_modules()}
+        owners = dict(module.named_modules(remove_duplicate=False))
+        block_of = {path: _block_of(path) for path in owners}
+        found_params = [
+            (path, param, type(owners[_module_path(path)]))
+            for path, param in module.named_parameters(remove_duplicate=False)
+        ]
+        found_buffers = [
+            (path, buffer, type(owners[_module_path(path)])) for path, buffer in module.named_buffers()
+        ]
+    # blocks repeat: one TensorSpec per (shape, dtype, owner, kind) keeps reading cheap
+    specs: dict[tuple[Any, ...], TensorSpec] = {}
+
+    def spec_of(tensor: torch.Tensor, owner: type, kind: str) -> TensorSpec:
+        key = (tensor.shape, tensor.dtype, owner, kind)
+        spec = specs.get(key)
+        if spec is None:
+            spec = specs[key] = TensorSpec(tuple(tensor.shape), tensor.dtype, _qualname(owner), kind, owner)
+        return spec
+
     params: dict[str, TensorSpec] = {}
     aliases: dict[int, list[str]] = {}
     canonical: dict[int, str] = {}
     alias_specs: dict[str, TensorSpec] = {}
-    for path, param in module.named_parameters(remove_duplicate=False):
+    for path, param, owner in found_params:
         aliases.setdefault(id(param), []).append(path)
-        owner = type(owners[_module_path(path)])
-        spec = TensorSpec(tuple(param.shape), param.dtype, _qualname(owner), "param", owner)
+        spec = spec_of(param, owner, "param")
         if id(param) in canonical:
             alias_specs[path] = spec
             continue
         canonical[id(param)] = path
         params[path] = spec
-    buffers = {}
-    for path, buffer in module.named_buffers():
-        owner = type(owners[_module_path(path)])
-        buffers[path] = TensorSpec(tuple(buffer.shape), buffer.dtype, _qualname(owner), "buffer", owner)
+    buffers = {path: spec_of(buffer, owner, "buffer") for path, buffer, owner in found_buffers}
     tied = {canonical[key]: tuple(paths) for key, paths in aliases.items() if len(paths) > 1}
-    return ModelTree(params, buffers, tied, modules, alias_specs)
+    tied_names = [name for names in tied.values() for name in names]
+    return ModelTree(
+        params, buffers, tied, modules, alias_specs, _blocks(params, buffers, modules, tied_names, block_of)
+    )
 
 
 def _tensor_key(tensor: torch.Tensor) -> tuple[Any, ...]:
@@ -185,7 +349,9 @@ def _from_pytree(tree: Any) -> ModelTree:
         for end in range(1, len(parts) + 1):
             modules[".".join(parts[:end])] = None
     tied = {paths[0]: tuple(paths) for paths in by_key.values() if len(paths) > 1}
-    return ModelTree(params, {}, tied, modules)
+    tied_names = [name for names in tied.values() for name in names]
+    block_of = {path: _block_of(path) for path in modules}
+    return ModelTree(params, {}, tied, modules, {}, _blocks(params, {}, modules, tied_names, block_of))
 
 
 def read_model(model: Any) -> ModelTree:

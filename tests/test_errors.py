@@ -71,12 +71,6 @@ def custom(**specs):
             ],
         ),
         (
-            nn.ParameterDict({"scale": nn.Parameter(torch.ones(()))}),
-            fs.Mesh(dp=2),
-            fs.fsdp(),
-            ["scale, shape (): fsdp('dp'): FSDP2 shards dim 0 and cannot shard a 0-d tensor"],
-        ),
-        (
             nn.Linear(6, 5),
             fs.Mesh(dp=4),
             fs.replicate() + custom(storage=fs.P(None, "dp"), grad=fs.P(None, "dp")),

@@ -1,4 +1,5 @@
 import copy
+import re
 
 import optree
 import pytest
@@ -247,3 +248,170 @@ def test_replicate_the_rest_leaves_a_functions_tensor_parallel_axis_alone():
     plan = fs.shard(nn.Sequential(nn.Linear(4, 8)), MESH, fs.replicate() + linear_colwise)
     assert plan.config.data_axes == ("dp",)
     assert plan.params["0.weight"].compute == fs.P("tp", None)
+
+
+def _meta(cls, *args, **kwargs):
+    # on meta; an embedding gets its weight given, as its normal_ init is slow on meta (55 ms)
+    with torch.device("meta"):
+        if cls is nn.Embedding:
+            return nn.Embedding(*args, _weight=torch.empty(*args))
+        return cls(*args, **kwargs)
+
+
+class _Attention(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.q = _meta(nn.Linear, width, width, bias=False)
+        self.o = _meta(nn.Linear, width, width)
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int, hidden: int, gate: bool, buffer: bool) -> None:
+        super().__init__()
+        self.attn = _Attention(width)
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = _meta(nn.Linear, width, hidden, bias=False)
+        self.fc2 = _meta(nn.Linear, hidden, width)
+        if gate:  # a 0-d parameter in every block (kept whole by every family)
+            self.gate = nn.Parameter(torch.tensor(1.0))
+        if buffer:
+            self.register_buffer("scale", torch.ones(width))
+
+
+class _OtherBlock(_Block):
+    """Same paths and shapes, other classes: ``fc1`` is an embedding, which a 'colwise'
+    rule splits on dim 1 where it splits a Linear on dim 0."""
+
+    def __init__(self, width: int, hidden: int, gate: bool, buffer: bool) -> None:
+        super().__init__(width, hidden, gate, buffer)
+        self.fc1 = _meta(nn.Embedding, hidden, width)
+
+
+_REUSE_RULES = [
+    ("*.fc1", "colwise"),
+    ("*.fc2", "rowwise"),
+    ("*.q", "colwise"),
+    ("*.o", "rowwise"),
+    ("*norm*", "sequence"),
+    ("*.fc1", fs.P(None, "tp")),
+    ("layers.3.*", "replicate"),
+    ("layers.1.fc1", "rowwise"),
+    ("layers.?.attn.o", "colwise"),
+    ("*1.fc2*", fs.P()),
+    (re.compile(r"layers\.[02]\.fc2"), "replicate"),
+    (re.compile(r".*\.attn\.q"), "replicate"),
+]
+
+
+@st.composite
+def repeated_models(draw: st.DrawFn) -> tuple[object, fs.Mesh, fs.Policy]:
+    """Models with repeated blocks and near-repeats (one block of another shape or class,
+    rules that name one block), a mesh, and a policy, maybe with tensor parallel."""
+    width = draw(st.sampled_from([4, 6, 8]))
+    hidden = draw(st.sampled_from([8, 16]))
+    count = draw(st.integers(1, 6))
+    gate, buffer = draw(st.booleans()), draw(st.booleans())
+    odd = draw(st.integers(-1, count - 1))  # -1: no odd block
+    odd_kind = draw(st.sampled_from(["shape", "class", "gate"]))
+    with torch.device("meta"):
+        blocks = []
+        for index in range(count):
+            if index == odd and odd_kind == "shape":
+                blocks.append(_Block(width, hidden + 4, gate, buffer))
+            elif index == odd and odd_kind == "class":
+                blocks.append(_OtherBlock(width, hidden, gate, buffer))
+            else:
+                blocks.append(_Block(width, hidden, gate != (index == odd), buffer))
+        model = nn.Module()
+        model.embed = _meta(nn.Embedding, 16, width)
+        model.layers = nn.ModuleList(blocks)
+        if draw(st.booleans()):  # a second stack of blocks under another parent
+            model.extra = nn.Sequential(*(_Block(width, hidden, False, False) for _ in range(2)))
+        model.head = _meta(nn.Linear, width, 16, bias=False)
+        if draw(st.booleans()):
+            model.head.weight = model.embed.weight
+        if draw(st.booleans()):
+            model.logit_scale = nn.Parameter(torch.tensor(2.0))
+    dp, tp = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2, 2, 4]))
+    policy = draw(data_policies("dp"))
+    if tp > 1 or draw(st.booleans()):
+        # drawn rules first, then the usual Megatron pair (unless a drawn rule came first)
+        rules = draw(st.permutations(_REUSE_RULES))[: draw(st.integers(0, 6))] + _REUSE_RULES[:2]
+        policy = policy + fs.tp(fs.Rules(rules, strict=draw(st.integers(0, 4)) == 0), "tp")
+    as_tree = draw(st.integers(0, 3)) == 0  # a state dict: no module classes
+    return (dict(model.state_dict(keep_vars=True)) if as_tree else model), fs.Mesh(dp=dp, tp=tp), policy
+
+
+def _plan_or_error(model, mesh, policy, reuse_blocks):
+    from functional_shard.planner import _shard
+
+    try:
+        return _shard(model, mesh, policy, reuse_blocks=reuse_blocks)
+    except fs.ShardingError as error:
+        return f"{type(error).__name__}: {error}"
+
+
+@given(repeated_models())
+def test_planning_repeated_blocks_once_equals_planning_every_parameter(case):
+    model, mesh, policy = case
+    fast = _plan_or_error(model, mesh, policy, reuse_blocks=True)
+    reference = _plan_or_error(model, mesh, policy, reuse_blocks=False)
+    if isinstance(reference, str):
+        assert fast == reference
+        return
+    assert fast == reference
+    assert fast.to_json() == reference.to_json()
+    assert fast.cost("adamw", tokens=8) == reference.cost("adamw", tokens=8)
+
+
+def _near_repeat(odd: str) -> nn.Module:
+    with torch.device("meta"):
+        blocks = [_Block(8, 16, False, False) for _ in range(4)]
+        if odd == "shape":
+            blocks[2] = _Block(8, 20, False, False)
+        elif odd == "class":
+            blocks[2] = _OtherBlock(8, 16, False, False)
+        model = nn.Module()
+        model.layers = nn.ModuleList(blocks)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("odd", "rules"),
+    [
+        ("shape", [("*.fc1", "colwise")]),
+        ("class", [("*.fc1", "colwise")]),
+        ("none", [("layers.2.*", fs.P()), ("*.fc1", "colwise")]),
+        ("none", [("layers.?.fc1", "rowwise"), ("*.fc1", "colwise")]),
+        ("none", [(re.compile(r"layers\.2\.fc1"), "rowwise"), ("*.fc1", "colwise")]),
+    ],
+)
+def test_a_near_repeat_is_planned_on_its_own(odd, rules):
+    """One block differs (shape, class, or a rule naming it): the fast path plans it apart."""
+    from functional_shard.planner import _shard
+
+    model, policy = _near_repeat(odd), fs.fsdp("dp") + fs.tp(fs.Rules(rules), "tp")
+    fast = _shard(model, MESH, policy, reuse_blocks=True)
+    assert fast == _shard(model, MESH, policy, reuse_blocks=False)
+    specs = [fast.params[f"layers.{i}.fc1.weight"].compute for i in range(4)]
+    differs = [i for i, spec in enumerate(specs) if spec != specs[0]]
+    assert differs == ([] if odd == "shape" or rules[0][0] == "layers.?.fc1" else [2])
+
+
+def test_repeated_blocks_are_planned_once(monkeypatch):
+    """A Llama's blocks are alike: the planner places one block's tensors, then the rest."""
+    from functional_shard import planner
+
+    with torch.device("meta"):
+        model = llama("tiny")
+    placed = []
+    original = planner._place
+    monkeypatch.setattr(planner, "_place", lambda *a: placed.append(a[1]) or original(*a))
+    policy = fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp")
+    plan = fs.shard(model, MESH, policy)
+    per_block = [n for n, _ in model.layers[0].named_parameters()]
+    outside = [n for n in plan.params if not n.startswith("layers.")]
+    assert len(model.layers) > 1
+    assert len(placed) == len(per_block) + len(outside)
+    monkeypatch.setattr(planner, "_place", original)
+    assert plan == planner._shard(model, MESH, policy, reuse_blocks=False)
