@@ -27,6 +27,7 @@ from .device_mesh import build_device_mesh
 from .errors import MeshError, PlanError, ShardingError, bullets
 from .mesh import Mesh
 from .plan import Plan
+from .rules import is_conv1d
 from .tree import dtype_from_name, read_model
 
 __all__ = [
@@ -51,6 +52,24 @@ class _Applied:
 _APPLIED: weakref.WeakKeyDictionary[nn.Module, _Applied] = weakref.WeakKeyDictionary()
 
 _SUPPORTED_STYLE_MODULES = (nn.Linear, nn.Embedding)
+# styles functional_shard runs itself on Hugging Face's Conv1D (torch's styles have none)
+_CONV1D_STYLES = ("colwise", "packed_colwise", "rowwise")
+
+
+def _is_conv1d(module: object) -> bool:
+    return is_conv1d(f"{type(module).__module__}.{type(module).__qualname__}")
+
+
+def _projection(module: object) -> bool:
+    return isinstance(module, nn.Linear) or _is_conv1d(module)
+
+
+def _features(module: Any) -> tuple[int, int]:
+    """(in, out) features of an nn.Linear or a Conv1D (weight (in, out))."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    rows, cols = module.weight.shape
+    return rows, cols
 
 
 def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
@@ -79,6 +98,11 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
             f"{kind} with tensor parallel: torch's DDP does not run over DTensor shards; "
             "use fs.fsdp(...) (or fs.zero(2)) for the data-parallel axis"
         )
+    if config.checkpointed and config.checkpoint_policy not in ("full", "selective"):
+        found.append(
+            f"checkpoint_policy {config.checkpoint_policy!r}: apply() runs 'full' or 'selective' "
+            "(set it with fs.checkpointing(..., policy=...))"
+        )
     if kind in ("ddp", "zero1") and any(p.is_meta for p in module.parameters()):
         found.append(
             f"{kind} on a meta-device module: DDP keeps every parameter on every rank (meta init saves "
@@ -104,15 +128,26 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
     styled = {path: style for path, style, _ in config.tp_styles}
     modules = dict(module.named_modules())
     tp_size = plan.mesh[tp_axes[0]] if tp_axes else 1
+    found.extend(_unfed_splits(config.tp_styles, modules))
     for path, style, _ in config.tp_styles:
         target = modules.get(path)
-        if style == "rowwise" and isinstance(target, nn.Linear) and target.in_features % tp_size:
+        parent = modules.get(path.rpartition(".")[0])
+        rowwise = style in ("rowwise", "rowwise_split_input")
+        if rowwise and _projection(target) and _features(target)[0] % tp_size:
             found.append(
-                f"{path}: rowwise Linear with in_features={target.in_features} over {tp_axes[0]!r} "
-                f"(size {tp_size}); torch's RowwiseParallel rebuilds its input from local shards as if "
-                f"they were even ({target.in_features} % {tp_size} != 0). Make the dim divisible"
+                f"{path}: rowwise {type(target).__name__} with in_features={_features(target)[0]} over "
+                f"{tp_axes[0]!r} (size {tp_size}); torch's RowwiseParallel rebuilds its input from local "
+                f"shards as if they were even ({_features(target)[0]} % {tp_size} != 0). Make the dim "
+                "divisible"
             )
-        found.extend(_heads_split(path, style, target, modules.get(path.rpartition(".")[0]), tp_size))
+        found.extend(_conv1d_problems(path, style, target, parent, tp_size, config.sequence_parallel))
+        if style == "packed_colwise" and isinstance(target, nn.Linear) and config.shard_axes:
+            found.append(
+                f"{path}: 'packed_colwise' on an nn.Linear splits its weight's dim 0, which FSDP2 shards "
+                f"again over {config.shard_axes}; FSDP2 cannot describe a strided split inside a strided "
+                "split. Use plain tensor parallel for this layer, or replicate it"
+            )
+        found.extend(_heads_split(path, style, target, parent, tp_size))
     shard_axes = set(config.shard_axes)
     for path, sharding in plan.params.items():
         owner_path = path.rpartition(".")[0]
@@ -123,7 +158,7 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
                     f"{path}: compute {sharding.compute!r} comes from no tensor-parallel style; apply() "
                     "splits computation only through torch's styles (colwise/rowwise rules)"
                 )
-            elif not isinstance(owner, _SUPPORTED_STYLE_MODULES):
+            elif not isinstance(owner, _SUPPORTED_STYLE_MODULES) and not _is_conv1d(owner):
                 found.append(
                     f"{path}: style {styled[owner_path]!r} on a {type(owner).__name__}; torch's parallel "
                     "styles support nn.Linear and nn.Embedding"
@@ -166,14 +201,103 @@ def check_runnable(plan: Plan, module: nn.Module) -> None:
         ) from None
 
 
+def _unfed_splits(tp_styles: tuple[tuple[str, str, str], ...], modules: dict[str, nn.Module]) -> list[str]:
+    # A rowwise Linear takes its input split on the feature dim: some colwise Linear beside
+    # it (same parent module) must produce that split. A colwise Linear's split output must
+    # reach a rowwise Linear beside it, or the module between them sees a fraction of the
+    # features it expects. Layers whose split is made whole at the edge (colwise_gather,
+    # rowwise_split_input) need no partner; embeddings take and give whole activations.
+    # (packed_colwise counts as colwise: its pieces stay split too.)
+    style_of = {
+        path: "colwise" if style == "packed_colwise" else style
+        for path, style, kind in tp_styles
+        if kind != "embedding"
+    }
+    found = []
+    for path, style in style_of.items():
+        if style not in ("rowwise", "colwise") or not _projection(modules.get(path)):
+            continue
+        parent = path.rpartition(".")[0]
+        siblings = [
+            other
+            for other, module in modules.items()
+            if other != path and other.rpartition(".")[0] == parent and _projection(module)
+        ]
+        partner = "colwise" if style == "rowwise" else "rowwise"
+        if any(style_of.get(other) == partner for other in siblings):
+            continue
+        whole = [other for other in siblings if other not in style_of]
+        if style == "rowwise":
+            feeders = f"its feeding layer(s) {whole} stay whole" if whole else "no colwise layer beside it"
+            found.append(
+                f"{path}: split rowwise (it expects its input split over the tensor-parallel ranks), but "
+                f"{feeders}, so no layer splits its input. Split the feeding layer colwise, or make "
+                f"{path!r} 'rowwise_split_input' (it then slices a whole input)"
+            )
+        else:
+            readers = f"{whole} beside it stay whole" if whole else "no rowwise layer is beside it"
+            found.append(
+                f"{path}: split colwise (its output stays split over the tensor-parallel ranks), but "
+                f"{readers}, so nothing takes the split output. Split the consuming layer rowwise, or "
+                f"make {path!r} 'colwise_gather'"
+            )
+    return found
+
+
+def _conv1d_problems(
+    path: str, style: str, target: Any, parent: Any, tp_size: int, sequence: bool
+) -> list[str]:
+    # Conv1D (and packed pieces) run through functional_shard's own split (_split_projection):
+    # colwise, packed_colwise and rowwise, with whole activations between layers; a packed
+    # projection's pieces are told apart by its attention's split_size (Hugging Face GPT-2)
+    found = []
+    if _is_conv1d(target) and style not in (*_CONV1D_STYLES, "sequence", "replicate"):
+        found.append(
+            f"{path}: style {style!r} on a Conv1D; functional_shard splits Conv1D as {_CONV1D_STYLES} only"
+        )
+    split_here = style in _CONV1D_STYLES and (_is_conv1d(target) or style == "packed_colwise")
+    if split_here and style == "colwise" and _features(target)[1] % tp_size:  # (rowwise: checked above)
+        found.append(
+            f"{path}: colwise {type(target).__name__} with {_features(target)[1]} output features over "
+            f"{tp_size} tensor-parallel ranks; functional_shard splits it evenly only. Make the dim divisible"
+        )
+    if split_here and sequence:
+        found.append(
+            f"{path}: style {style!r} on a {type(target).__name__} with sequence parallel; this split "
+            "takes whole activations. Drop sequence_parallel"
+        )
+    if style == "packed_colwise":
+        split_size = getattr(parent, "split_size", None)
+        out = _features(target)[1] if _projection(target) else 0
+        if not _projection(target) or not isinstance(split_size, int) or not split_size or out % split_size:
+            found.append(
+                f"{path}: 'packed_colwise' needs an nn.Linear or Conv1D whose attention module says the "
+                f"size of each packed piece in an int 'split_size' (Hugging Face GPT-2's); "
+                f"{type(parent).__name__} has split_size={split_size!r}"
+            )
+        elif split_size % tp_size:
+            found.append(
+                f"{path}: each of its {out // split_size} packed pieces ({split_size} features) does not "
+                f"split over {tp_size} tensor-parallel ranks; use a size that divides {split_size}"
+            )
+    return found
+
+
 def _heads_split(path: str, style: str, target: Any, parent: Any, tp_size: int) -> list[str]:
     # An attention projection split for tensor parallel must keep whole heads on each rank:
     # the module reshapes its local features into (heads, head_dim). Attention modules
-    # (Hugging Face's, the zoo's) say their head width in ``head_dim``.
+    # (Hugging Face's, the zoo's) say their head width in ``head_dim``. A gathered output
+    # or a sliced whole input is whole again for the attention, which needs nothing then.
+    # A packed projection holds its pieces' heads: each piece (q, k or v) must split whole.
     head_dim = getattr(parent, "head_dim", None)
-    if not isinstance(target, nn.Linear) or not isinstance(head_dim, int) or style == "sequence":
+    splits_heads = style in ("colwise", "rowwise", "packed_colwise")
+    if not _projection(target) or not isinstance(head_dim, int) or not splits_heads:
         return []
-    width = target.in_features if style == "rowwise" else target.out_features
+    in_features, out_features = _features(target)
+    width = in_features if style == "rowwise" else out_features
+    split_size = getattr(parent, "split_size", None)
+    if style == "packed_colwise" and isinstance(split_size, int) and split_size:
+        width = split_size
     if width % head_dim or (width // head_dim) % tp_size == 0:
         return []
     heads = width // head_dim
@@ -207,10 +331,13 @@ def _tensor_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> 
     # the sequence dim (1); without, it is replicated
     between = Shard(1) if sequence else Replicate()
     styles: dict[str, ParallelStyle] = {}
+    own: list[tuple[str, str]] = []  # split here: Conv1D layers and packed projections
     for path, style, _ in config.tp_styles:
         target = module.get_submodule(path)
         embedding = isinstance(target, nn.Embedding)
-        if style == "colwise":
+        if style in _CONV1D_STYLES and (_is_conv1d(target) or style == "packed_colwise"):
+            own.append((path, style))
+        elif style == "colwise":
             styles[path] = (
                 ColwiseParallel(input_layouts=Replicate(), output_layouts=between)
                 if embedding
@@ -224,10 +351,114 @@ def _tensor_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> 
                 if embedding
                 else RowwiseParallel(output_layouts=between)
             )
+        elif style == "rowwise_split_input":
+            # the input arrives whole (after a colwise_gather layer); each rank slices its part
+            styles[path] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
         elif style == "sequence" and sequence:
             styles[path] = SequenceParallel()
-    parallelize_module(module, device_mesh[config.tensor_parallel_axes[0]], styles)
+        elif style == "replicate_grad_allreduce":
+            # a per-head module (q/k norm) after a colwise projection sees this rank's heads
+            # (dim -2); its weight stays whole and its gradient, a partial sum, is all-reduced
+            styles[path] = SequenceParallel(sequence_dim=-2, use_local_output=True)
+    tp_mesh = device_mesh[config.tensor_parallel_axes[0]]
+    parallelize_module(module, tp_mesh, styles)
+    for path, style in own:
+        parent_path = path.rpartition(".")[0]
+        parent: Any = module.get_submodule(parent_path) if parent_path else module
+        pieces = (
+            _features(module.get_submodule(path))[1] // parent.split_size if style == "packed_colwise" else 1
+        )
+        _split_projection(module.get_submodule(path), tp_mesh, style, pieces)
+        if style == "packed_colwise":
+            # the attention splits the packed output by split_size and infers its heads from
+            # the local width; torch TP users shrink these to the rank's share (torchtitan's
+            # n_heads): the local output holds split_size / tp features of each piece
+            parent.split_size //= tp_mesh.size()
+            if isinstance(getattr(parent, "num_heads", None), int):
+                parent.num_heads //= tp_mesh.size()
     _place_grads_as_params(plan, module)
+
+
+def _packed_local(full: torch.Tensor, dim: int, pieces: int, size: int, rank: int) -> torch.Tensor:
+    """This rank's part of ``full`` split over ``size`` ranks on ``dim``, each of ``pieces`` on its own."""
+    return torch.cat([piece.chunk(size, dim)[rank] for piece in full.chunk(pieces, dim)], dim).contiguous()
+
+
+def _split_projection(target: Any, tp_mesh: DeviceMesh, style: str, pieces: int) -> None:
+    # Torch's styles take nn.Linear and nn.Embedding only, and a plain Shard cannot say
+    # "each packed piece split on its own". Here the parameters become DTensors placed as
+    # the plan says (a packed weight as _StridedShard, torch's placement for a dim split
+    # again inside each of split_factor pieces, so full_tensor() and state dicts give the
+    # unpermuted weight back), and the forward computes on the local shards with the
+    # collectives torch's styles would issue: a colwise layer takes its whole input and
+    # all-reduces the input's gradient; a rowwise layer takes its input split on the
+    # feature dim and all-reduces its output (its bias added once, after). A packed bias
+    # stays whole (FSDP2 shards dim 0 again and cannot describe a strided split inside a
+    # strided split): each rank slices its pieces through DTensor, whose backward
+    # all-gathers the gradient.
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    conv1d = _is_conv1d(target)
+    size, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    colwise = style != "rowwise"
+    weight_dim = (1 if colwise else 0) if conv1d else (0 if colwise else 1)
+
+    def placed(tensor: torch.Tensor, dim: int | None) -> nn.Parameter:
+        placement: Any
+        if dim is None:
+            local, placement = tensor.detach(), Replicate()
+        elif pieces > 1:
+            local = _packed_local(tensor.detach(), dim, pieces, size, rank)
+            placement = _StridedShard(dim, split_factor=pieces)
+        else:
+            local, placement = tensor.detach().chunk(size, dim)[rank].contiguous(), Shard(dim)
+        value = DTensor.from_local(
+            local, tp_mesh, [placement], run_check=False, shape=tensor.shape, stride=tensor.stride()
+        )
+        return nn.Parameter(value, requires_grad=tensor.requires_grad)
+
+    target.register_parameter("weight", placed(target.weight, weight_dim))
+    bias = getattr(target, "bias", None)
+    if isinstance(bias, torch.Tensor):
+        target.register_parameter("bias", placed(bias, 0 if colwise and pieces == 1 else None))
+
+    def local_forward(x: torch.Tensor) -> torch.Tensor:
+        weight = target.weight.to_local()
+        bias: Any = target.bias if isinstance(target.bias, DTensor) else None
+        if bias is not None and colwise and pieces > 1:
+            bias = bias.redistribute(tp_mesh, [_StridedShard(0, split_factor=pieces)])
+        bias = bias.to_local() if bias is not None else None
+        if colwise:  # identity forward; backward all-reduces the input's gradient
+            x = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).to_local(
+                grad_placements=[Partial()]
+            )
+        y = x @ weight if conv1d else x @ weight.t()
+        if colwise:
+            return y if bias is None else y + bias
+        y = DTensor.from_local(y, tp_mesh, [Partial()], run_check=False)
+        y = y.redistribute(tp_mesh, [Replicate()]).to_local()
+        return y if bias is None else y + bias
+
+    target.forward = local_forward  # type: ignore[method-assign]
+    if pieces > 1:  # materialize fills the weight's strided local part from a whole value
+        target._fs_packed = (weight_dim, pieces)  # type: ignore[assignment]
+
+
+def _packed_window(full_value: torch.Tensor, param: Any, dim: int, pieces: int) -> torch.Tensor:
+    """This rank's local values of a packed weight (tensor-parallel pieces, then FSDP2's dim-0 shard)."""
+    from torch.distributed.tensor import Shard
+
+    mesh, placements = param.device_mesh, param.placements
+    value = _packed_local(
+        full_value, dim, pieces, mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
+    )
+    for mesh_dim, placement in enumerate(placements[:-1]):
+        if isinstance(placement, Shard) and placement.dim == 0:  # FSDP2's shard, padded at the end
+            chunks = value.chunk(mesh.size(mesh_dim), 0)
+            index = mesh.get_local_rank(mesh_dim)
+            value = chunks[index] if index < len(chunks) else value[:0]
+    return value
 
 
 def _place_grads_as_params(plan: Plan, module: nn.Module) -> None:
@@ -266,10 +497,17 @@ def _retie(plan: Plan, module: nn.Module) -> None:
 
 
 def _checkpointing(plan: Plan, module: nn.Module) -> None:
+    # the composable checkpoint works through hooks: parameter paths stay as they are
     from torch.distributed._composable import checkpoint
 
+    from .activations import selective_context
+
+    selective = plan.config.checkpoint_policy == "selective"
     for path in plan.config.checkpointed:
-        checkpoint(module.get_submodule(path))
+        if selective:
+            checkpoint(module.get_submodule(path), context_fn=selective_context)
+        else:
+            checkpoint(module.get_submodule(path))
 
 
 def _data_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh, root: str) -> None:
@@ -302,6 +540,11 @@ def _data_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh, root:
             else OffloadPolicy()
         ),
     }
+    # FSDP2 refuses 0-d parameters ("fully_shard doesn't support scalar parameters"); the
+    # plan keeps them whole, so FSDP2 leaves them alone and _reduce_whole_grads reduces them
+    whole = {module.get_parameter(path) for path in _whole_params(plan)}
+    if whole:
+        options["ignored_params"] = whole
     # bottom-up, as fully_shard requires: a unit takes the parameters no inner unit took
     for unit in sorted((u for u in config.units if u), key=lambda u: -u.count(".")):
         fully_shard(module.get_submodule(unit), reshard_after_forward=config.reshard_after_forward, **options)
@@ -312,6 +555,46 @@ def _data_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh, root:
         reshard_after_forward=None if config.reshard_after_forward else False,
         **options,
     )
+
+
+def _whole_params(plan: Plan) -> list[str]:
+    """0-d parameters of an FSDP2 plan: kept whole on every rank, outside FSDP2."""
+    if plan.config.data_parallel not in ("zero2", "zero3", "fsdp", "hsdp"):
+        return []
+    return [path for path in plan.params if plan.tensors[path].ndim == 0]
+
+
+_AVERAGED: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()  # whole parameters given a hook
+
+
+def _reduce_whole_grads(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> None:
+    # A parameter FSDP2 ignores gets no gradient reduction from it: average its gradient
+    # over the data-parallel ranks here, once it is accumulated, as DDP would. Meta
+    # parameters get their hook in materialize (to_empty replaces them).
+    paths = _whole_params(plan)
+    if not paths:
+        return
+    config = plan.config
+    group = _axes_mesh(device_mesh, config.data_axes).get_group()
+    size = plan.mesh.axes_size(config.data_axes)
+    reduce_dtype = dtype_from_name(config.reduce_dtype) if config.reduce_dtype else None
+
+    def average(param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        buffer = grad if reduce_dtype is None or grad.dtype == reduce_dtype else grad.to(reduce_dtype)
+        dist.all_reduce(buffer, group=group)
+        buffer.div_(size)
+        if buffer is not grad:
+            grad.copy_(buffer)
+
+    for path in paths:
+        param = module.get_parameter(path)
+        # materialize keeps a real parameter object (to_empty swaps only meta ones): one hook
+        if not param.is_meta and param not in _AVERAGED:
+            param.register_post_accumulate_grad_hook(average)
+            _AVERAGED.add(param)
 
 
 def apply(
@@ -376,6 +659,7 @@ def apply(
     _retie(plan, module)
     _checkpointing(plan, module)
     _data_parallel(plan, module, device_mesh, root)
+    _reduce_whole_grads(plan, module, device_mesh)
     _APPLIED[module] = _Applied(plan, device_mesh)
     return module
 
@@ -467,7 +751,7 @@ def materialize(
     """
     from torch.distributed.tensor import DTensor
 
-    _applied_with(plan, module, "fs.materialize")
+    applied = _applied_with(plan, module, "fs.materialize")
     missing = [
         path or "<root>"
         for path, sub in module.named_modules()
@@ -508,12 +792,17 @@ def materialize(
                     continue
                 local = target.to_local() if isinstance(target, DTensor) else target
                 shape, offset = plan.local_shape_and_offset(qualified, rank)
-                if isinstance(target, DTensor):
+                packed = getattr(sub, "_fs_packed", None)
+                if isinstance(target, DTensor) and packed and name == "weight":
+                    value = _packed_window(full_value, target, *packed)
+                    local.narrow(0, 0, value.shape[0]).copy_(value)
+                elif isinstance(target, DTensor):
                     window = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
                     local.copy_(full_value[window])
                 else:  # replicated (DDP, or a parameter no layer splits)
                     local.copy_(full_value)
     _place_grads_as_params(plan, module)
+    _reduce_whole_grads(plan, module, applied.device_mesh)
     return module
 
 

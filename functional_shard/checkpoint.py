@@ -220,6 +220,7 @@ def read(
     if not path.exists():
         raise ShardingError(f"no checkpoint at {path}")
     if path.is_dir():
+        _refuse_packed(module[1], f"reading the sharded checkpoint {path}")
         return _read_sharded(path, module, optimizers, strict=strict)
     # every rank reads the file and keeps its own shards (a full copy per rank while
     # loading: the price of the one-file format)
@@ -262,6 +263,18 @@ def _read_sharded(
     return torch.load(path / _META, weights_only=False) if (path / _META).exists() else {}
 
 
+def _refuse_packed(module: nn.Module, what: str) -> None:
+    # apply marks layers whose packed pieces it split one by one (GPT-2's c_attn): their
+    # weights are placed _StridedShard, whose strided chunks torch's DCP cannot describe
+    packed = [path for path, sub in module.named_modules() if getattr(sub, "_fs_packed", None)]
+    if packed:
+        raise ShardingError(
+            f"{what}: {packed[0]} ({len(packed)} layers in all) holds a 'packed_colwise' weight, split "
+            "piece by piece (a strided split), which torch's sharded checkpoint (DCP) cannot describe. "
+            "Save and load with full=True (one file of whole tensors; it loads under any plan)"
+        )
+
+
 def save(
     path: str | os.PathLike[str],
     module: nn.Module,
@@ -285,6 +298,8 @@ def save(
     Examples:
         >>> # fs.checkpoint.save("ckpt", model, optimizer); fs.checkpoint.load("ckpt", model, optimizer)
     """
+    if not full:
+        _refuse_packed(module, "fs.checkpoint.save(full=False)")
     state: dict[str, Any] = {"model": model_state(module, full=full)}
     if optimizer is not None:
         state["optimizer"] = optimizer_state(module, optimizer, full=full)

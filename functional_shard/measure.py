@@ -17,7 +17,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .mesh import Mesh
 
-__all__ = ["CollectiveLog", "resident_bytes"]
+__all__ = [
+    "CollectiveLog",
+    "kept_activation_bytes",
+    "probe_local_rates",
+    "resident_bytes",
+    "saved_tensor_bytes",
+]
 
 # DTensor and FSDP2 issue these functional collectives; they name their group last
 _FUNCTIONAL = {
@@ -115,3 +121,162 @@ def resident_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
         "grads": _storage_bytes(p.grad for p in params if p.grad is not None),
         "optimizer": _storage_bytes(states),
     }
+
+
+def probe_local_rates(size: int = 1024, tensor_bytes: int = 1 << 22, repeats: int = 3) -> dict[str, Any]:
+    """This rank's matmul FLOP/s and gloo all-reduce bandwidth, with every rank running at once.
+
+    The one place in this module that issues collectives of its own: `fs.hardware("local")`
+    runs it on `fs.LocalWorld` ranks to measure the machine it plans for.
+
+    Returns:
+        ``{"flops": {dtype: FLOP/s}, "bandwidth": bytes sent per second per rank, "latency":
+        seconds of a one-element all-reduce}``, the best of ``repeats`` timings, counting ring
+        all-reduce bytes as the cost model does.
+
+    Examples:
+        >>> # fs.LocalWorld(4).run(probe_local_rates)[0]["bandwidth"]
+    """
+    import time
+
+    flops = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(size, size, dtype=dtype)
+        b = torch.randn(size, size, dtype=dtype)
+        dist.barrier()
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
+        flops[str(dtype).removeprefix("torch.")] = 2 * size**3 / best
+    n = dist.get_world_size()
+    tensor = torch.zeros(tensor_bytes // 4)
+    dist.all_reduce(tensor)  # first call sets up gloo's connections
+    best = float("inf")
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        best = min(best, time.perf_counter() - start)
+    sent = 2 * (n - 1) / n * tensor_bytes if n > 1 else 0.0
+    tiny, latencies = torch.zeros(1), []
+    for _ in range(2 * repeats + 1):  # the median: a typical collective, not the luckiest
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(tiny)
+        latencies.append(time.perf_counter() - start)
+    source, target = torch.ones(1 << 24), torch.empty(1 << 24)
+    dist.barrier()
+    copy = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        copy = min(copy, time.perf_counter() - start)
+    return {
+        "flops": flops,
+        "bandwidth": sent / best if sent else float("inf"),
+        "latency": sorted(latencies)[repeats],
+        "memory_bandwidth": 2 * source.nbytes / copy,  # read and write
+    }
+
+
+def _parameter_like(tensor: torch.Tensor) -> bool:
+    # a parameter (DTensor, FSDP2's gathered one, a plain one) or a view of one (w.t())
+    base = tensor._base if tensor._base is not None else tensor
+    return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def saved_tensor_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[int, Any]:
+    """Bytes autograd saves for backward during ``module(*args, **kwargs)``, and its output.
+
+    Counted with ``torch.autograd.graph.saved_tensors_hooks``: unique storages, parameters
+    and views of them excluded. Checkpointed modules hide their inner saves behind their
+    own hooks: use `kept_activation_bytes` there.
+
+    Examples:
+        >>> layer = nn.Linear(4, 3)
+        >>> fs.saved_tensor_bytes(layer, torch.ones(2, 4))[0]  # the input, for the weight gradient
+        32
+    """
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    saved: dict[Any, torch.UntypedStorage] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if not _parameter_like(tensor):
+            storage = _local(tensor).untyped_storage()
+            saved[StorageWeakRef(storage)] = storage
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = module(*args, **kwargs)
+    return sum(storage.nbytes() for storage in saved.values()), output
+
+
+class _Births(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[Any, None] = {}
+
+    def note(self, tensor: torch.Tensor) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        ref = StorageWeakRef(_local(tensor).untyped_storage())
+        # a dead storage's address may be reused: the dict must hold the live one's reference
+        self.storages.pop(ref, None)
+        self.storages[ref] = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor runs it as local ops, which come back through here
+        out = func(*args, **(kwargs or {}))
+        for leaf in torch.utils._pytree.tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor):
+                self.note(leaf)
+        return out
+
+
+def kept_activation_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[int, Any]:
+    """Bytes still held for backward once ``module(*args, **kwargs)`` returns, and its output.
+
+    Every storage the forward makes (and copies of the tensor inputs, which the call gets
+    instead of the caller's) is watched by weak reference; after the forward, those still
+    alive but for the output and the parameters (gathered FSDP2 ones included) are what
+    autograd's graph and checkpoint frames keep. Freed FSDP2 buffers have zero bytes left.
+    Agrees with `saved_tensor_bytes` without checkpointing, and sees through it.
+
+    Examples:
+        >>> layer = nn.Linear(4, 3)
+        >>> fs.kept_activation_bytes(layer, torch.ones(2, 4, requires_grad=True))[0]
+        32
+    """
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from .activations import kept_bytes
+
+    births = _Births()
+
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        clone = tensor.detach().clone().requires_grad_(tensor.requires_grad)
+        births.note(clone)
+        return clone
+
+    args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, copy, (args, kwargs))
+    with births:
+        output = module(*args, **kwargs)
+    del args, kwargs
+    leaves = [leaf for leaf in torch.utils._pytree.tree_flatten(output)[0] if isinstance(leaf, torch.Tensor)]
+    logits = getattr(output, "logits", None)
+    leaves += [logits] if isinstance(logits, torch.Tensor) else []
+    exclude = {StorageWeakRef(_local(t).untyped_storage()) for t in leaves}
+    exclude |= {StorageWeakRef(_local(p).untyped_storage()) for p in module.parameters()}
+    return kept_bytes(births.storages, exclude), output

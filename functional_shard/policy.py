@@ -26,7 +26,7 @@ import torch
 
 from .errors import PolicyError
 from .mesh import Mesh
-from .rules import Rules, StyleError
+from .rules import Rules, StyleError, deferred, resolve
 from .spec import Owned, P, ParamSharding
 from .tree import Pattern, TensorSpec
 
@@ -102,10 +102,9 @@ class DataParallel:
         if self.kind == "zero1":
             return ParamSharding(optim=Owned(self.shard_axes[0]))
         if tensor.ndim == 0:
-            raise ParamProblemError(
-                f"{self.name}: FSDP2 shards dim 0 and cannot shard a 0-d tensor. "
-                "Make it shape (1,), or keep it outside the model's parameters"
-            )
+            # a 0-d tensor (a CLIP-style logit_scale) has no dim to shard: it stays whole on
+            # every rank and its gradient is all-reduced over the data axes, as under DDP
+            return ParamSharding.replicated()
         split = P(self.shard_axes)
         return ParamSharding(storage=split, compute=P(), grad=split, optim=split)
 
@@ -197,6 +196,7 @@ class Options:
     offload_grads: bool | None = None
     offload_optimizer: bool | None = None
     checkpoint: tuple[Selector, ...] | None = None
+    checkpoint_policy: str | None = None
 
     def merge(self, other: Options) -> Options:
         """Both option sets; an option set on both sides to different values is an error."""
@@ -401,21 +401,50 @@ def hsdp(
     return Policy((layer,))
 
 
-def tp(rules: Rules | Iterable[Any], axis: str = "tp", *, sequence_parallel: bool = False) -> Policy:
+def tp(rules: Rules | str | Iterable[Any], axis: str = "tp", *, sequence_parallel: bool = False) -> Policy:
     """Tensor parallelism over ``axis`` following ``rules`` (see `functional_shard.rules`).
 
     Parameters no rule matches are left to the other layers (replicated if none), unless
-    the rule set is strict.
+    the rule set is strict. ``rules`` may be ``"hf"`` (the model's own Hugging Face plan)
+    or ``"auto"`` (`functional_shard.rules.for_model`): ``shard()`` resolves them
+    against the model.
+
+    Raises:
+        PolicyError: ``axis`` is not one name, or ``rules`` a name other than "hf"/"auto".
 
     Examples:
         >>> from functional_shard import rules
         >>> tp(rules.mlp, "tp").layers[0].name
         "tp(mlp, 'tp')"
+        >>> tp("auto", "tp").layers[0].name
+        "tp(auto, 'tp')"
     """
     if not isinstance(axis, str):
         raise PolicyError(f"tp(axis={axis!r}): one mesh axis name")
-    rule_set = rules if isinstance(rules, Rules) else Rules(rules)
+    if isinstance(rules, str):
+        rule_set = deferred(rules)
+    elif isinstance(rules, Rules):
+        rule_set = rules
+    else:
+        rule_set = Rules(cast(Iterable[Any], rules))
     return Policy((TensorParallel(rule_set, axis, sequence_parallel),))
+
+
+def resolve_rules(policy: Policy, model: Any) -> Policy:
+    """``policy`` with ``tp("hf")`` / ``tp("auto")`` rules resolved against ``model``.
+
+    Raises:
+        PolicyError: the model has no such rules.
+    """
+    if not any(layer.rules.deferred for layer in policy.tensor_parallel):
+        return policy
+    layers = tuple(
+        replace(layer, rules=resolve(layer.rules, model))
+        if isinstance(layer, TensorParallel) and layer.rules.deferred
+        else layer
+        for layer in policy.layers
+    )
+    return Policy(layers, policy.options)
 
 
 def mixed_precision(
@@ -443,16 +472,32 @@ def offload(*, params: bool = True, grads: bool = True, optimizer: bool = True) 
     return Policy(options=Options(offload_params=params, offload_grads=grads, offload_optimizer=optimizer))
 
 
-def checkpointing(*modules: Selector) -> Policy:
+CHECKPOINT_POLICIES = ("full", "selective")
+
+
+def checkpointing(*modules: Selector, policy: str = "full") -> Policy:
     """Recompute activations in backward for these modules (classes or path patterns).
 
+    Args:
+        modules: module classes or path patterns to checkpoint.
+        policy: ``"full"`` keeps only each module's inputs and recomputes its whole forward;
+            ``"selective"`` also keeps the outputs of matrix multiplies and attention (the
+            op-level selective recipe of torchtitan, through torch's selective-checkpoint
+            API) and recomputes only the cheap element-wise ops between them.
+
     Raises:
-        PolicyError: no module selector given.
+        PolicyError: no module selector given, or an unknown ``policy``.
 
     Examples:
         >>> checkpointing(nn.TransformerEncoderLayer).options.checkpoint
         (<class 'torch.nn.modules.transformer.TransformerEncoderLayer'>,)
+        >>> checkpointing(nn.TransformerEncoderLayer, policy="selective").options.checkpoint_policy
+        'selective'
     """
     if not modules:
         raise PolicyError("checkpointing() needs module classes or path patterns to recompute")
-    return Policy(options=Options(checkpoint=_check_units(modules, None)))
+    if policy not in CHECKPOINT_POLICIES:
+        raise PolicyError(
+            f"checkpointing(policy={policy!r}): unknown policy; choose one of {list(CHECKPOINT_POLICIES)}"
+        )
+    return Policy(options=Options(checkpoint=_check_units(modules, None), checkpoint_policy=policy))

@@ -1,0 +1,621 @@
+"""What a model keeps for backward, traced on meta tensors at one rank's local shapes.
+
+`trace_activations` runs the model's forward (and backward, for flops) on the meta device:
+no memory, no process group. Tensor parallel is reproduced by handing every parameter to
+the forward at its compute shape on the rank (``Plan.local_shape(path, rank, "compute")``)
+and by re-enacting at module edges what torch's parallel styles do to activations under
+sequence parallel: a colwise layer all-gathers its sequence-split input (the gathered
+input is what its matmul saves), a rowwise layer reduce-scatters its output over the
+sequence. Checkpointed modules run under torch's own (non-reentrant) checkpoint, with
+`selective_context` for ``policy="selective"``, exactly as `functional_shard.apply` runs them.
+
+What counts as kept: every storage made during the forward (and the inputs) that is still
+alive once the forward has returned and the caller holds only the output, parameters and
+their casts excluded. That is what autograd's graph and checkpoint frames hold on to
+until backward; `functional_shard.measure.saved_activation_bytes` counts the same thing
+in real runs. Hugging Face models are called with ``use_cache=False``; their attention
+implementation is the one the config names (``"sdpa"`` and ``"eager"`` both trace).
+
+Repeated layers (siblings of one class, with the same local parameter shapes and the same
+plan treatment, each handing on a tensor shaped like its input) are run once and twice,
+the others passing their input on; each further layer adds what the second one added. A
+model whose alike layers see other shapes, or alternate attention kinds (Hugging Face
+``layer_types``), is traced whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from .errors import ShardingError
+
+__all__ = ["SAVED_OPS", "ActivationTrace", "selective_context", "trace_activations"]
+
+_aten = torch.ops.aten
+# Op-level selective checkpointing keeps the outputs of matrix multiplies and attention
+# and recomputes the rest: the recipe torchtitan publishes (torchtitan/distributed/
+# activation_checkpoint.py, `_save_list`), which also recomputes every second mm; we keep
+# them all, as Korthikanti et al. 2022 ("Reducing Activation Recomputation") keep the
+# linear layers' outputs and recompute only the attention core's element-wise ops.
+# torchtitan also keeps the output of sequence parallel's reduce-scatter; we recompute
+# collectives (one more in backward per rowwise layer under sequence parallel), so that the
+# trace, which re-enacts them on plain tensors, counts exactly what is kept.
+SAVED_OPS = frozenset(
+    op
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
+        "_flash_attention_forward",
+        "_efficient_attention_forward",
+    )
+    if (op := getattr(getattr(_aten, name, None), "default", None)) is not None
+)
+
+
+def _selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context() -> tuple[Any, Any]:
+    """Torch's selective-checkpoint contexts that keep `SAVED_OPS` outputs (a ``context_fn``).
+
+    Examples:
+        >>> layer = nn.Linear(4, 4)
+        >>> x = torch.ones(2, 4, requires_grad=True)
+        >>> from torch.utils.checkpoint import checkpoint
+        >>> out = checkpoint(layer, x, use_reentrant=False, context_fn=selective_context)
+        >>> out.sum().backward()
+        >>> x.grad.shape
+        torch.Size([2, 4])
+    """
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationTrace:
+    """What one rank's forward keeps for backward, and the flops of one micro-batch step.
+
+    Attributes:
+        rank: the rank traced.
+        activation_bytes: bytes of unique storages kept for backward during the model call
+            (parameters and their gathered/cast copies excluded; the output excluded).
+        output_bytes: bytes of the model's output (logits, say).
+        forward_flops: flops of the forward, as torch's ``FlopCounterMode`` counts them.
+        backward_flops: flops of the backward, recompute excluded.
+        recompute_flops: flops of checkpointed modules run again in backward.
+        batch: sequences per data-parallel rank.
+        seq: sequence length (global, before sequence parallel splits it).
+    """
+
+    rank: int
+    activation_bytes: int
+    output_bytes: int
+    forward_flops: int
+    backward_flops: int
+    recompute_flops: int
+    batch: int
+    seq: int
+
+    @property
+    def step_flops(self) -> int:
+        """Forward + backward + recompute flops."""
+        return self.forward_flops + self.backward_flops + self.recompute_flops
+
+
+class _Births(TorchDispatchMode):
+    """Weak references to the storage of every tensor an op makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[StorageWeakRef, None] = {}
+
+    def note(self, tensor: torch.Tensor) -> None:
+        ref = StorageWeakRef(tensor.untyped_storage())
+        # a dead storage's address may be reused: the dict must hold the live one's reference
+        self.storages.pop(ref, None)
+        self.storages[ref] = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor):
+                self.note(leaf)
+        return out
+
+
+class _Flops(TorchDispatchMode):
+    """Flops by torch's ``FlopCounterMode`` formulas, split into forward, backward, recompute.
+
+    Backward kernels run with grad mode off; checkpoint's recompute inside backward runs
+    with it on (it rebuilds a graph), which tells the two apart.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backward = False
+        self.counts = {"forward": 0, "backward": 0, "recompute": 0}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.utils.flop_counter import flop_registry
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        count = flop_registry.get(func._overloadpacket)
+        if count is not None:
+            phase = "forward" if not self.backward else "recompute" if torch.is_grad_enabled() else "backward"
+            self.counts[phase] += count(*args, **kwargs, out_val=out)
+        return out
+
+
+def _storage_key(tensor: torch.Tensor) -> StorageWeakRef:
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return StorageWeakRef(local.untyped_storage())
+
+
+def kept_bytes(
+    births: Mapping[StorageWeakRef, None], exclude: set[StorageWeakRef], *, collect: int = 2
+) -> int:
+    """Bytes of the storages in ``births`` still alive, but for ``exclude``.
+
+    A garbage collection up to generation ``collect`` runs first: reference cycles (checkpoint
+    frames make some) would otherwise keep dead storages alive.
+    """
+    gc.collect(collect)
+    total = 0
+    for ref in births:
+        if ref.expired() or ref in exclude:
+            continue
+        storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+        total += storage.nbytes()
+    return total
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+
+
+def _first_tensor(output: Any) -> Any:
+    # Hugging Face models return a ModelOutput: its logits (or first tensor) is the output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, torch.Tensor):
+        return output
+    tensors = _tensors(output.to_tuple() if hasattr(output, "to_tuple") else output)
+    return tensors[0] if tensors else output
+
+
+@contextlib.contextmanager
+def _checkpointed(model: nn.Module, paths: tuple[str, ...], policy: str) -> Iterator[None]:
+    # wrap each module's forward in torch's checkpoint for the trace, and put it back after
+    context = selective_context if policy == "selective" else None
+    wrapped = []
+    try:
+        for path in paths:
+            module = model.get_submodule(path)
+            inner = module.forward
+
+            def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
+                extra: dict[str, Any] = {"context_fn": context} if context is not None else {}
+                return checkpoint(
+                    _inner, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs
+                )
+
+            module.forward = forward  # type: ignore[method-assign]
+            wrapped.append(module)
+        yield
+    finally:
+        for module in wrapped:
+            del module.forward
+
+
+@contextlib.contextmanager
+def _sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> Iterator[None]:
+    # What torch's styles do to activations, re-enacted on plain tensors. Under sequence
+    # parallel the residual stream holds this rank's part of the sequence; a sequence-style
+    # module (a norm) hands on a DTensor whose shape is global, so code after it reads the
+    # whole sequence length: its output becomes a whole-sequence tensor here. A colwise
+    # layer all-gathers its input into a buffer of its own, which its matmul saves; a
+    # rowwise layer (or a vocabulary-split embedding) reduce-scatters its output over the
+    # sequence. A colwise_gather layer also all-gathers its output over the features.
+    handles = []
+
+    def whole(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x] * tp_size, dim=1) if x.shape[1] * tp_size == seq else x
+
+    def gathered_view(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return whole(out)
+
+    def gather_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        x = args[0]
+        gathered = whole(x)
+        return (gathered if gathered is not x else x.clone(), *args[1:])
+
+    def scatter_seq(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return out.narrow(1, 0, out.shape[1] // tp_size).clone()
+
+    def gather_features(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        full = getattr(module, "out_features", out.shape[-1] * tp_size)
+        return torch.cat([out] * tp_size, dim=-1).narrow(-1, 0, full)
+
+    def split_projection(module: Any, style: str, kind: str) -> Any:
+        # apply runs Conv1D layers and packed projections itself (_split_projection): a
+        # matmul on the local weight; a packed layer slices its whole bias to its pieces
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            y = x @ module.weight if kind == "conv1d" else x @ module.weight.t()
+            bias = module.bias
+            if bias is None:
+                return y
+            return y + (bias.narrow(0, 0, y.shape[-1]) if style == "packed_colwise" else bias)
+
+        return forward
+
+    sequence = plan.config.sequence_parallel
+    overridden: list[Any] = []
+    resized: list[tuple[Any, str, int]] = []
+    try:
+        for path, style, kind in plan.config.tp_styles:
+            module = model.get_submodule(path)
+            if style in ("colwise", "rowwise", "packed_colwise") and (
+                kind == "conv1d" or style == "packed_colwise"
+            ):
+                module.forward = split_projection(module, style, kind)
+                overridden.append(module)
+            if style == "packed_colwise":  # as apply shrinks the attention to this rank's heads
+                parent = model.get_submodule(path.rpartition(".")[0])
+                for name in ("split_size", "num_heads"):
+                    if isinstance(getattr(parent, name, None), int):
+                        resized.append((parent, name, getattr(parent, name)))
+                        setattr(parent, name, getattr(parent, name) // tp_size)
+            if sequence and style == "sequence":
+                handles.append(module.register_forward_hook(gathered_view))
+            if sequence and style in ("colwise", "colwise_gather") and kind != "embedding":
+                handles.append(module.register_forward_pre_hook(gather_input))
+            if sequence and (style in ("rowwise", "rowwise_split_input") or kind == "embedding"):
+                handles.append(module.register_forward_hook(scatter_seq))
+            if style == "colwise_gather":
+                handles.append(module.register_forward_hook(gather_features))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module in overridden:
+            del module.forward
+        for parent, name, value in resized:
+            setattr(parent, name, value)
+
+
+@contextlib.contextmanager
+def _unpacked_sequences(model: nn.Module) -> Iterator[None]:
+    # Hugging Face reads position ids' values to find packed sequences; fake tensors have
+    # none, so it assumes packing and builds a full mask where a real run (whole sequences)
+    # builds none and lets SDPA run causal, with grouped-query heads unrepeated
+    masking: Any = None
+    if _is_hf(model):
+        with contextlib.suppress(ImportError):
+            import transformers.masking_utils as masking
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if masking is None or original is None:
+        yield
+        return
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
+
+
+def _inputs(
+    model: nn.Module, batch: int, seq: int, inputs: Any, dtype: torch.dtype | None
+) -> tuple[Any, Any]:
+    def to_meta(tensor: torch.Tensor) -> torch.Tensor:
+        cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        return torch.empty(tensor.shape, dtype=cast)
+
+    if inputs is None:
+        return (torch.empty(batch, seq, dtype=torch.long),), {}
+    if isinstance(inputs, torch.Tensor):
+        return (to_meta(inputs),), {}
+    if isinstance(inputs, tuple | list):
+        return tuple(tree_map_only(torch.Tensor, to_meta, list(inputs))), {}
+    if isinstance(inputs, Mapping):
+        return (), dict(tree_map_only(torch.Tensor, to_meta, dict(inputs)))
+    raise ShardingError(
+        f"trace_activations(inputs={type(inputs).__name__}): pass a tensor, a tuple of them or a dict of "
+        "keyword arguments for the model's forward"
+    )
+
+
+def _is_hf(model: nn.Module) -> bool:
+    return hasattr(model, "config") and type(model).__module__.startswith("transformers.")
+
+
+def _repeats(model: nn.Module, plan: Any, state: Mapping[str, torch.Tensor]) -> list[tuple[str, ...]]:
+    """Sibling modules of one class, local parameter shapes and plan treatment, 3 or more of them."""
+    config = plan.config
+    layer_types = getattr(getattr(model, "config", None), "layer_types", None) or ()
+    if len(set(layer_types)) > 1:
+        return []  # e.g. sliding-window and full attention alternate: same shapes, other work
+
+    def treatment(path: str, module: nn.Module) -> Any:
+        def inside(other: str) -> str | None:
+            return other.removeprefix(path) if other == path or other.startswith(path + ".") else None
+
+        shapes = tuple(
+            (name, tuple(state[f"{path}.{name}"].shape), state[f"{path}.{name}"].dtype)
+            for name, _ in module.named_parameters(remove_duplicate=False)
+        )
+        buffers = tuple((name, tuple(b.shape)) for name, b in module.named_buffers(remove_duplicate=False))
+        styles = tuple((inside(p), style) for p, style, _ in config.tp_styles if inside(p) is not None)
+        checkpointed = tuple(inside(p) for p in config.checkpointed if inside(p) is not None)
+        return type(module), shapes, buffers, styles, checkpointed
+
+    groups: list[tuple[str, ...]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        children = [(f"{prefix}{name}", child) for name, child in module.named_children()]
+        by_key: dict[Any, list[str]] = {}
+        keys = {}
+        for path, child in children:
+            keys[path] = treatment(path, child)
+            by_key.setdefault(keys[path], []).append(path)
+        for path, child in children:
+            members = by_key[keys[path]]
+            # layers: modules of modules, with weights (q/k/v projections are alike but not
+            # repeats; an activation function may see other shapes each time)
+            if len(members) >= 3 and keys[path][1] and any(True for _ in child.children()):
+                if path == members[0]:
+                    groups.append(tuple(members))
+            else:
+                visit(f"{path}.", child)
+
+    visit("", model)
+    return groups
+
+
+def _skipped(groups: list[tuple[str, ...]], doubled: tuple[int, ...]) -> tuple[str, ...]:
+    # every group runs its first member (and its second where doubled); the rest pass their input on
+    return tuple(path for index, group in enumerate(groups) for path in group[2 if index in doubled else 1 :])
+
+
+class _Run:
+    """One rank's forward and backward on fake tensors, some repeated layers left out."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Any,
+        state: dict[str, torch.Tensor],
+        params: list[torch.Tensor],
+        fake: FakeTensorMode,
+        batch: int,
+        seq: int,
+        inputs: Any,
+        dtype: torch.dtype | None,
+        tp_size: int,
+    ) -> None:
+        self.model, self.plan, self.state, self.params, self.fake = model, plan, state, params, fake
+        self.batch, self.seq, self.inputs, self.dtype, self.tp_size = batch, seq, inputs, dtype, tp_size
+        self.repeats_are_passable = True
+
+    @contextlib.contextmanager
+    def _left_out(self, groups: list[tuple[str, ...]], doubled: tuple[int, ...]) -> Iterator[None]:
+        # a left-out layer hands its input on; that stands in for it only where the layers
+        # that do run give back a tensor shaped like their first argument, and each layer of
+        # a group sees the shape the others see (a chain, not a U-Net's levels)
+        seen: dict[int, tuple[Any, ...]] = {}
+        group_of = {path: index for index, group in enumerate(groups) for path in group}
+
+        def sees(index: int, first: torch.Tensor) -> None:
+            if seen.setdefault(index, (first.shape, first.dtype)) != (first.shape, first.dtype):
+                self.repeats_are_passable = False
+
+        def same_shape(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            first = args[0] if args else None
+            if not (isinstance(first, torch.Tensor) and isinstance(output, torch.Tensor)) or (
+                first.shape != output.shape or first.dtype != output.dtype
+            ):
+                self.repeats_are_passable = False
+            else:
+                sees(group_of[names[module]], first)
+
+        def pass_on(index: int, *args: Any, **kwargs: Any) -> Any:
+            if not args or not isinstance(args[0], torch.Tensor):
+                self.repeats_are_passable = False
+                raise _NotPassableError
+            sees(index, args[0])
+            return args[0]
+
+        left_out = set(_skipped(groups, doubled))
+        running = {path for group in groups for path in group} - left_out
+        handles, saved = [], []
+        names: dict[nn.Module, str] = {}
+        try:
+            for path, module in self.model.named_modules():
+                names[module] = path
+                if path in left_out:
+                    saved.append((module, module.__dict__.get("forward")))
+                    module.forward = functools.partial(pass_on, group_of[path])  # type: ignore[method-assign]
+                elif path in running:
+                    handles.append(module.register_forward_hook(same_shape))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            for module, forward in saved:
+                if forward is None:
+                    del module.forward
+                else:
+                    module.forward = forward  # type: ignore[method-assign]
+
+    def trace(self, groups: list[tuple[str, ...]], doubled: tuple[int, ...] = ()) -> dict[str, int]:
+        """Bytes kept and flops of one forward and backward, repeated layers partly left out.
+
+        Each group runs its first member (its first two where ``doubled``); the rest pass through.
+        """
+        model, config, fake = self.model, self.plan.config, self.fake
+        with fake:
+            # token ids reach the embedding whole; the embedding's output is what sequence parallel splits
+            args, kwargs = _inputs(model, self.batch, self.seq, self.inputs, self.dtype)
+        if _is_hf(model):
+            kwargs.setdefault("use_cache", False)
+        births = _Births()
+        for tensor in _tensors((args, kwargs)):
+            births.note(tensor)
+        excluded = {StorageWeakRef(p.untyped_storage()) for p in self.params}
+        flops = _Flops()
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_checkpointed(model, tuple(config.checkpointed), config.checkpoint_policy))
+            stack.enter_context(self._left_out(groups, doubled))
+            stack.enter_context(_sequence_parallel(model, self.plan, self.tp_size, self.seq))
+            # parameters stay swapped through backward: checkpoint recomputes with them
+            stack.enter_context(_reparametrize_module(model, self.state, tie_weights=False, strict=False))
+            stack.enter_context(_unpacked_sequences(model))
+            stack.enter_context(fake)
+            with flops, births:
+                try:
+                    raw = model(*args, **kwargs)
+                except (ShardingError, _NotPassableError):
+                    raise
+                except Exception as error:
+                    if not self.repeats_are_passable:  # a left-out layer's stand-in broke the forward
+                        raise _NotPassableError from error
+                    shapes = tree_map_only(
+                        torch.Tensor, lambda t: f"{t.dtype}{list(t.shape)}", (args, kwargs)
+                    )
+                    raise ShardingError(
+                        f"trace_activations: {type(model).__name__}'s forward failed on inputs {shapes}: "
+                        f"{type(error).__name__}: {error}. Pass inputs= that fit its forward (a tensor, a "
+                        "tuple or a dict of keyword arguments)"
+                    ) from error
+            output = _first_tensor(raw)
+            del raw, args, kwargs
+            if not isinstance(output, torch.Tensor):
+                raise ShardingError(f"trace_activations: {type(model).__name__}'s forward returned no tensor")
+            output_key = {StorageWeakRef(output.untyped_storage())}
+            activation_bytes = kept_bytes(births.storages, excluded | output_key, collect=1)
+            output_bytes = output.untyped_storage().nbytes()
+            flops.backward = True
+            with flops:
+                if output.requires_grad:
+                    torch.autograd.backward(output, torch.ones_like(output))
+        for param in self.params:
+            param.grad = None
+        return {
+            "activation_bytes": activation_bytes,
+            "output_bytes": output_bytes,
+            "forward_flops": flops.counts["forward"],
+            "backward_flops": flops.counts["backward"],
+            "recompute_flops": flops.counts["recompute"],
+        }
+
+
+class _NotPassableError(Exception):
+    """A left-out layer got no tensor to hand on."""
+
+
+def trace_activations(
+    model: nn.Module,
+    plan: Any,
+    *,
+    batch: int,
+    seq: int,
+    rank: int | None = None,
+    inputs: Any = None,
+) -> ActivationTrace:
+    """Bytes ``model`` keeps for backward and its flops on one rank, traced on meta tensors.
+
+    Args:
+        model: any ``nn.Module`` (meta device is enough); it is not changed.
+        plan: the `functional_shard.Plan` for ``model``: tensor/sequence parallel,
+            mixed precision (``param_dtype``) and checkpointing are honoured.
+        batch: sequences per data-parallel rank (the micro-batch).
+        seq: sequence length.
+        rank: the rank whose local shapes are traced (default 0).
+        inputs: the forward's arguments for other signatures: a tensor, a tuple of tensors
+            or a dict of keyword arguments (meta tensors are fine; only shapes and dtypes
+            are read). By default the model gets token ids of shape ``(batch, seq)``.
+
+    Returns:
+        An `ActivationTrace`.
+
+    Raises:
+        ShardingError: the inputs do not fit the model (its forward raised), or the plan names
+            a checkpoint policy other than "full" and "selective".
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> model = llama("tiny")
+        >>> plan = fs.shard(model, fs.Mesh(dp=1), fs.replicate())
+        >>> trace = fs.trace_activations(model, plan, batch=2, seq=8)
+        >>> trace.output_bytes == 2 * 8 * 256 * 4
+        True
+    """
+    rank = 0 if rank is None else rank
+    config = plan.config
+    if config.checkpointed and config.checkpoint_policy not in ("full", "selective"):
+        raise ShardingError(
+            f"trace_activations: checkpoint_policy {config.checkpoint_policy!r} is neither 'full' nor "
+            "'selective' (set it with fs.checkpointing(..., policy=...))"
+        )
+    dtype = getattr(torch, config.param_dtype) if config.param_dtype else None
+    tp_size = 1
+    for axis in config.tensor_parallel_axes:
+        tp_size *= plan.mesh[axis]
+
+    # fake CPU tensors: no memory, and torch picks the fused attention kernels it runs for real
+    fake = FakeTensorMode(allow_non_fake_inputs=False)
+    state: dict[str, torch.Tensor] = {}
+    params: list[torch.Tensor] = []
+    for path, param in model.named_parameters(remove_duplicate=False):
+        canonical = plan.canonical(path) if path not in plan.params else path
+        if canonical in state:
+            state[path] = state[canonical]
+            continue
+        shape = plan.local_shape(canonical, rank, "compute") if canonical in plan.params else param.shape
+        with fake:
+            tensor = torch.empty(shape, dtype=dtype or param.dtype, requires_grad=True)
+        state[path] = state[canonical] = tensor
+        params.append(tensor)
+    for path, buffer in model.named_buffers(remove_duplicate=False):
+        with fake:
+            state[path] = torch.empty(buffer.shape, dtype=buffer.dtype)
+    run = _Run(model, plan, state, params, fake, batch, seq, inputs, dtype, tp_size)
+    # repeated layers (a transformer's blocks) are traced once and twice: each further one
+    # adds what the second added, so a 70B model traces as fast as a 2-layer one
+    groups = _repeats(model, plan, state)
+    try:
+        first = run.trace(groups)
+        counts = dict(first)
+        for index, group in enumerate(groups):
+            second = run.trace(groups, (index,))
+            for key in counts:
+                if key != "output_bytes":
+                    counts[key] += (len(group) - 1) * (second[key] - first[key])
+    except _NotPassableError:
+        run.repeats_are_passable = False
+    if not run.repeats_are_passable:  # a layer's output is not shaped like its input: trace them all
+        counts = run.trace([])
+    return ActivationTrace(rank=rank, batch=batch, seq=seq, **counts)
