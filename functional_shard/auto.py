@@ -1,0 +1,482 @@
+"""Choose a plan: the fastest estimated step whose peak memory fits a budget.
+
+`search_plans` enumerates a small, explicit space (meshes over the devices, data-parallel
+families, tensor and sequence parallelism within a node, activation checkpointing of the
+repeated blocks, bf16 mixed precision; CPU offload only when nothing else fits), estimates
+every candidate with `estimate`, and keeps the one with the least step time that fits.
+Activation traces are shared by every candidate with the same (tp, sp, checkpointing,
+dtype, micro-batch, seq), plans and costs by every candidate with the same mesh and family.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .bytesize import format_bytes as _bytes
+from .cost import OptimizerKind, cost
+from .errors import PlanError, ShardingError
+from .estimate import Estimate, _assemble, compute_dtype, parse_bytes, unit_gathered_bytes
+from .hardware import Hardware
+from .hardware import hardware as _hardware
+from .mesh import Mesh
+from .plan import Plan
+from .planner import shard
+from .policy import Policy, checkpointing, fsdp, hsdp, mixed_precision, offload, replicate, tp, zero
+
+__all__ = ["AutoReport", "Candidate", "auto", "search_plans"]
+
+FAMILIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
+_TRACES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Any]] = weakref.WeakKeyDictionary()
+CHECKPOINTING = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search space and what the estimate said of it."""
+
+    mesh: Mesh
+    family: str
+    tensor_parallel: int
+    sequence_parallel: bool
+    checkpointing: str
+    offload: bool
+    policy_text: str
+    peak_bytes: int | None = None
+    step_seconds: float | None = None
+    rejected: str | None = None
+    """Why it was not chosen for fitting: None if it fits."""
+    estimate: Estimate | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def fits(self) -> bool:
+        """Whether it was estimated and its peak fits the budget."""
+        return self.rejected is None
+
+    def key(self) -> tuple[Any, ...]:
+        """Sort key: fastest first, ties broken by smaller peak then by text (deterministic)."""
+        return (
+            self.step_seconds if self.step_seconds is not None else float("inf"),
+            self.peak_bytes if self.peak_bytes is not None else 1 << 80,
+            self.policy_text,
+            repr(self.mesh),
+        )
+
+
+@dataclass(frozen=True)
+class AutoReport:
+    """Every candidate `search_plans` looked at, and the chosen plan."""
+
+    candidates: tuple[Candidate, ...]
+    best_candidate: Candidate | None
+    best: Plan | None
+    budget_bytes: int
+    hardware: Hardware
+
+    def table(self, top: int | None = 10) -> str:
+        """The candidates as a table, fitting ones first, fastest first."""
+        rows = sorted(self.candidates, key=lambda c: (not c.fits, c.key()))
+        if top is not None:
+            rows = rows[:top]
+        mesh_width = max([4, *(len(repr(c.mesh)) for c in rows)])
+        policy_width = max([6, *(len(c.policy_text) for c in rows)])
+        header = f"{'mesh':<{mesh_width}} {'policy':<{policy_width}} {'peak':>11} {'step':>10}  verdict"
+        lines = [header, "-" * len(header)]
+        for c in rows:
+            peak = _bytes(c.peak_bytes) if c.peak_bytes is not None else "-"
+            step = f"{c.step_seconds * 1e3:.1f} ms" if c.step_seconds is not None else "-"
+            verdict = "chosen" if c is self.best_candidate else (c.rejected or "fits")
+            lines.append(
+                f"{c.mesh!r:<{mesh_width}} {c.policy_text:<{policy_width}} {peak:>11} {step:>10}  {verdict}"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        fits = sum(c.fits for c in self.candidates)
+        head = (
+            f"{len(self.candidates)} candidates on {self.hardware.name}, budget {_bytes(self.budget_bytes)}: "
+            f"{fits} fit"
+        )
+        return head + "\n" + self.table()
+
+
+def head_counts(model: Any) -> tuple[int, int] | None:
+    """(query heads, key/value heads) from a Hugging Face config, our zoo's config or modules.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> head_counts(llama("llama-70b"))
+        (64, 8)
+    """
+    config = getattr(model, "config", None)
+    if config is not None:
+        heads = getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", None)
+        kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None)
+        if isinstance(heads, int):
+            return heads, kv if isinstance(kv, int) else heads
+    if isinstance(model, nn.Module):
+        for module in model.modules():
+            heads = getattr(module, "num_heads", None)
+            if isinstance(heads, int):
+                kv = getattr(module, "num_key_value_heads", None) or getattr(module, "num_kv_heads", None)
+                return heads, kv if isinstance(kv, int) else heads
+            head_dim = getattr(module, "head_dim", None)
+            q, k = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
+            if isinstance(head_dim, int) and isinstance(q, nn.Linear) and isinstance(k, nn.Linear):
+                return q.out_features // head_dim, k.out_features // head_dim
+    return None
+
+
+def repeated_block(model: Any) -> type | None:
+    """The class of the blocks a model repeats (the elements of its largest ModuleList)."""
+    if not isinstance(model, nn.Module):
+        return None
+    best: nn.ModuleList | None = None
+    for module in model.modules():
+        if (
+            isinstance(module, nn.ModuleList)
+            and len(module) > 1
+            and (best is None or len(module) > len(best))
+        ):
+            best = module
+    return type(best[0]) if best is not None else None
+
+
+def _rules(model: Any) -> Any:
+    from . import rules
+
+    for_model = getattr(rules, "for_model", None)
+    if for_model is None:
+        return rules.llama
+    try:
+        return for_model(model)
+    except ImportError:  # the Hugging Face rules need an optional extra
+        return rules.llama
+
+
+def _checkpoint_policy(block: type, how: str) -> Policy:
+    if how == "full":
+        return checkpointing(block)
+    if "policy" in inspect.signature(checkpointing).parameters:
+        return checkpointing(block, policy=how)  # type: ignore[call-arg]
+    raise ShardingError("selective checkpointing is not available in this version")
+
+
+def _checkpoint_options(block: type | None) -> tuple[str, ...]:
+    if block is None:
+        return ("none",)
+    if "policy" in inspect.signature(checkpointing).parameters:
+        return CHECKPOINTING
+    return ("none", "full")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_devices(devices: Any, batch: Any, seq: Any) -> None:
+    for name, value in (("devices", devices), ("batch", batch), ("seq", seq)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ShardingError(f"auto({name}={value!r}): a positive int")
+
+
+@dataclass(frozen=True)
+class _Point:
+    mesh: Mesh
+    family: str
+    tp: int
+    sp: bool
+    offload: bool
+
+    @property
+    def dp(self) -> int:
+        return self.mesh.size // self.tp
+
+
+def _points(
+    devices: int, batch: int, hw: Hardware, heads: tuple[int, int] | None, offload_: bool
+) -> Iterator[_Point]:
+    for tp_size in _divisors(devices):
+        if tp_size > 1 and (
+            tp_size > hw.devices_per_node or (heads and (heads[0] % tp_size or heads[1] % tp_size))
+        ):
+            continue
+        dp = devices // tp_size
+        if batch % dp:
+            continue
+        tp_axes = {"tp": tp_size} if tp_size > 1 else {}
+        for sp in (False, True) if tp_size > 1 else (False,):
+            families = ("ddp",) if dp == 1 else FAMILIES
+            for family in families:
+                if offload_ and family not in ("zero2", "fsdp", "hsdp"):
+                    continue
+                if family == "hsdp":
+                    for shard_size in _divisors(dp)[1:-1]:
+                        mesh = Mesh(replicate=dp // shard_size, shard=shard_size, **tp_axes)
+                        yield _Point(mesh, family, tp_size, sp, offload_)
+                else:
+                    yield _Point(Mesh(dp=dp, **tp_axes), family, tp_size, sp, offload_)
+
+
+def _policy(point: _Point, rules: Any, block: type | None, how: str, dtype: str | None) -> Policy:
+    data = {
+        "ddp": lambda: replicate("dp"),
+        "zero1": lambda: zero(1, "dp"),
+        "zero2": lambda: zero(2, "dp"),
+        "fsdp": lambda: fsdp("dp"),
+        "hsdp": lambda: hsdp("replicate", "shard"),
+    }[point.family]()
+    policy = data
+    if point.tp > 1:
+        policy = policy + tp(rules, "tp", sequence_parallel=point.sp)
+    if dtype:
+        policy = policy + mixed_precision(dtype)
+    if how != "none" and block is not None:
+        policy = policy + _checkpoint_policy(block, how)
+    if point.offload:
+        policy = policy + offload()
+    return policy
+
+
+def _text(policy: Policy) -> str:
+    try:
+        from .policy_text import format_policy
+
+        return format_policy(policy)
+    except Exception:  # a policy the text form cannot spell: fall back to layer names
+        return " + ".join(layer.name for layer in policy.layers)
+
+
+def search_plans(
+    model: Any,
+    *,
+    devices: int,
+    memory_budget: int | str,
+    optimizer: OptimizerKind = "adamw",
+    batch: int,
+    seq: int,
+    hardware: str | Hardware = "h100",
+) -> AutoReport:
+    """Estimate every plan in the search space; report them and the fastest that fits.
+
+    The space: meshes ``dp x tp`` (and ``replicate x shard x tp`` for HSDP) over
+    ``devices``, with ``tp`` inside one node and dividing the query and key/value heads;
+    DDP, ZeRO-1, ZeRO-2, FSDP and HSDP; tensor parallelism with the model's rules, with and
+    without sequence parallelism; no, selective or full checkpointing of the repeated
+    blocks; bf16 mixed precision (fp32 when the hardware has no bf16 rate). CPU offload
+    (with ZeRO-2, FSDP or HSDP) is tried only when nothing else fits.
+
+    Args:
+        model: the module (meta device is enough).
+        devices: number of devices.
+        memory_budget: bytes per device, an int or text like ``"80GiB"``.
+        optimizer: as for `cost`.
+        batch: the global batch, in sequences per step, split over the data-parallel ranks.
+        seq: tokens per sequence.
+        hardware: a profile name or `Hardware`.
+
+    Returns:
+        An `AutoReport`; ``best`` is None when nothing fits.
+
+    Raises:
+        ShardingError: bad devices, batch, budget or hardware, or no mesh the batch divides.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> report = fs.search_plans(llama("tiny"), devices=1, memory_budget="1GiB", batch=2, seq=16)
+        >>> report.best is not None and report.best_candidate.fits
+        True
+    """
+    _check_devices(devices, batch, seq)
+    budget = parse_bytes(memory_budget)
+    hw = _hardware(hardware)
+    heads = head_counts(model)
+    block = repeated_block(model)
+    rules = _rules(model)
+    dtype = "bfloat16" if "bfloat16" in hw.flops else None
+    points = list(_points(devices, batch, hw, heads, False))
+    if not points:
+        raise ShardingError(
+            f"auto(devices={devices}, batch={batch}): no data-parallel size divides the batch for any "
+            "tensor-parallel size that fits a node and divides the heads; choose a batch that is a "
+            "multiple of the device count"
+        )
+    search = _Search(model, hw, optimizer, batch, seq, block, rules, dtype, budget)
+    candidates = search.run(points)
+    if not any(c.fits for c in candidates):
+        candidates += search.run(list(_points(devices, batch, hw, heads, True)))
+    fitting = [c for c in candidates if c.fits]
+    best_candidate = min(fitting, key=Candidate.key) if fitting else None
+    best = search.final_plan(best_candidate) if best_candidate else None
+    return AutoReport(tuple(candidates), best_candidate, best, budget, hw)
+
+
+class _Search:
+    def __init__(
+        self,
+        model: Any,
+        hw: Hardware,
+        optimizer: OptimizerKind,
+        batch: int,
+        seq: int,
+        block: type | None,
+        rules: Any,
+        dtype: str | None,
+        budget: int,
+    ) -> None:
+        self.model, self.hw, self.optimizer = model, hw, optimizer
+        self.batch, self.seq, self.block, self.rules = batch, seq, block, rules
+        self.dtype, self.budget = dtype, budget
+        # the modules fs.checkpointing(block) selects, as the planner selects them
+        self.block_paths: tuple[str, ...] = ()
+        if block is not None and isinstance(model, nn.Module):
+            self.block_paths = tuple(p for p, m in model.named_modules() if p and isinstance(m, block))
+        try:  # traces depend on the model, not the budget: later searches reuse them
+            self.traces = _TRACES.setdefault(model, {})
+        except TypeError:  # not weak-referenceable: keep them for this search only
+            self.traces = {}
+
+    def _trace(self, point: _Point, how: str, micro: int) -> Any:
+        key = (point.tp, point.sp, how, self.dtype, micro, self.seq, repr(self.rules), self.block)
+        if key not in self.traces:
+            mesh = Mesh(dp=point.dp, tp=point.tp) if point.tp > 1 else Mesh(dp=point.dp)
+            traced = _Point(mesh, "ddp", point.tp, point.sp, False)
+            plan = shard(self.model, mesh, _policy(traced, self.rules, self.block, how, self.dtype))
+            from .estimate import _trace  # looked up per call: tests substitute the tracer
+
+            try:
+                self.traces[key] = _trace(self.model, plan, micro, self.seq, None, None)
+            except Exception as error:  # reported in the candidate's row, never silently dropped
+                self.traces[key] = " ".join(str(error).split())[:160]
+        return self.traces[key]
+
+    def run(self, points: list[_Point]) -> list[Candidate]:
+        out = []
+        for point in points:
+            base_policy = _policy(point, self.rules, self.block, "none", self.dtype)
+            try:
+                plan = shard(self.model, point.mesh, base_policy)
+            except ShardingError as error:
+                first = " ".join(str(error).split())[:160]
+                out.append(
+                    Candidate(
+                        point.mesh,
+                        point.family,
+                        point.tp,
+                        point.sp,
+                        "none",
+                        point.offload,
+                        _text(base_policy),
+                        rejected=f"cannot plan: {first}",
+                    )
+                )
+                continue
+            plan_cost = cost(plan, self.optimizer, tokens=self.batch // point.dp * self.seq)
+            units = unit_gathered_bytes(plan)
+            micro = self.batch // point.dp
+            for how in _checkpoint_options(self.block):
+                policy = _policy(point, self.rules, self.block, how, self.dtype)
+                trace = self._trace(point, how, micro)
+                if isinstance(trace, str):
+                    fields = (point.mesh, point.family, point.tp, point.sp, how, point.offload, _text(policy))
+                    out.append(Candidate(*fields, rejected=f"cannot trace: {trace}"))
+                    continue
+                est = _assemble(
+                    plan,
+                    plan_cost,
+                    trace,
+                    self.hw,
+                    compute_dtype(plan),
+                    micro,
+                    self.seq,
+                    units,
+                    self.block_paths if how != "none" else (),
+                )
+                over = est.peak_bytes - self.budget
+                out.append(
+                    Candidate(
+                        point.mesh,
+                        point.family,
+                        point.tp,
+                        point.sp,
+                        how,
+                        point.offload,
+                        _text(policy),
+                        est.peak_bytes,
+                        est.step_seconds,
+                        None if over <= 0 else f"needs {_bytes(over)} more",
+                        est,
+                    )
+                )
+        return out
+
+    def final_plan(self, candidate: Candidate) -> Plan:
+        point = _Point(
+            candidate.mesh,
+            candidate.family,
+            candidate.tensor_parallel,
+            candidate.sequence_parallel,
+            candidate.offload,
+        )
+        return shard(
+            self.model,
+            point.mesh,
+            _policy(point, self.rules, self.block, candidate.checkpointing, self.dtype),
+        )
+
+
+def auto(
+    model: Any,
+    *,
+    devices: int,
+    memory_budget: int | str,
+    optimizer: OptimizerKind = "adamw",
+    batch: int,
+    seq: int,
+    hardware: str | Hardware = "h100",
+) -> Plan:
+    """The plan with the least estimated step time whose peak fits ``memory_budget``.
+
+    Arguments as for `search_plans`.
+
+    Returns:
+        The chosen `Plan`.
+
+    Raises:
+        PlanError: nothing fits; names the closest candidate and how much it misses by.
+        ShardingError: bad devices, batch, budget or hardware.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> plan = fs.auto(llama("tiny"), devices=1, memory_budget="1GiB", batch=2, seq=16)
+        >>> plan.mesh.size
+        1
+    """
+    report = search_plans(
+        model,
+        devices=devices,
+        memory_budget=memory_budget,
+        optimizer=optimizer,
+        batch=batch,
+        seq=seq,
+        hardware=hardware,
+    )
+    if report.best is None:
+        estimated = [c for c in report.candidates if c.peak_bytes is not None]
+        if not estimated:
+            raise PlanError(f"auto: no candidate could be planned for this model on {devices} devices")
+        closest = min(estimated, key=lambda c: (c.peak_bytes, c.key()))
+        assert closest.peak_bytes is not None
+        raise PlanError(
+            f"auto: nothing fits {_bytes(report.budget_bytes)} per device on {devices} "
+            f"{report.hardware.name}; "
+            f"the closest is {closest.mesh!r} {closest.policy_text} at {_bytes(closest.peak_bytes)}, "
+            f"{_bytes(closest.peak_bytes - report.budget_bytes)} over; use more devices, a smaller batch "
+            "or seq, or a larger budget"
+        )
+    return report.best

@@ -1,0 +1,250 @@
+"""fs.auto / fs.search_plans: the fastest plan that fits, found by an exhaustive search."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import re
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import functional_shard as fs
+from functional_shard import rules
+from functional_shard.auto import _points, head_counts, repeated_block
+from functional_shard.zoo import CONFIGS, MLP, Block, llama
+from tests.estimate_helpers import use_tracer
+
+_TRACES: dict = {}
+
+
+def _trace_key(plan, batch, seq):
+    """What an activation trace depends on: not the data-parallel family (checked below)."""
+    config = plan.config
+    tp_axes = config.tensor_parallel_axes
+    return (
+        plan.mesh.axes_size(tp_axes) if tp_axes else 1,
+        config.sequence_parallel,
+        config.checkpointed,
+        config.checkpoint_policy,
+        config.param_dtype,
+        batch,
+        seq,
+    )
+
+
+@pytest.fixture(autouse=True)
+def _tracer(monkeypatch):
+    use_tracer(monkeypatch)
+    # the enumeration below estimates ~40 plans; reuse one trace per key, as auto does
+    module = importlib.import_module("functional_shard.estimate")
+    trace = module._trace
+
+    def remembered(model, plan, batch, seq, rank, inputs):
+        if model is not _MODEL or rank is not None or inputs is not None:
+            return trace(model, plan, batch, seq, rank, inputs)
+        key = _trace_key(plan, batch, seq)
+        if key not in _TRACES:
+            _TRACES[key] = trace(model, plan, batch, seq, rank, inputs)
+        return _TRACES[key]
+
+    monkeypatch.setattr(module, "_trace", remembered)
+
+
+_MODEL = llama("tiny")  # 4 query heads, 2 key/value heads: tp is 1 or 2
+
+
+def _space(devices, batch):
+    """The search space written out by hand, through the public API only."""
+    how = ["none", "full"]
+    if "policy" in inspect.signature(fs.checkpointing).parameters:
+        how.append("selective")
+    bf16 = fs.mixed_precision()
+    for tp in (1, 2):
+        dp = devices // tp
+        if batch % dp:
+            continue
+        extra = {"tp": tp} if tp > 1 else {}
+        families = [
+            (fs.Mesh(dp=dp, **extra), fs.replicate("dp")),
+            (fs.Mesh(dp=dp, **extra), fs.zero(1, "dp")),
+            (fs.Mesh(dp=dp, **extra), fs.zero(2, "dp")),
+            (fs.Mesh(dp=dp, **extra), fs.fsdp("dp")),
+        ]
+        families += [
+            (fs.Mesh(replicate=dp // s, shard=s, **extra), fs.hsdp("replicate", "shard"))
+            for s in range(2, dp)
+            if dp % s == 0
+        ]
+        for mesh, data in families:
+            for sp in (False, True) if tp > 1 else (False,):
+                policy = data + bf16
+                if tp > 1:
+                    policy = data + fs.tp(rules.llama, "tp", sequence_parallel=sp) + bf16
+                for h in how:
+                    p = policy
+                    if h == "full":
+                        p = policy + fs.checkpointing(Block)
+                    elif h == "selective":
+                        p = policy + fs.checkpointing(Block, policy="selective")
+                    yield mesh, p
+
+
+@functools.cache
+def _estimated_space(devices, batch, seq):
+    """(peak, step) of every plan in the space that plans and traces."""
+    out = []
+    for mesh, policy in _space(devices, batch):
+        try:
+            plan = fs.shard(_MODEL, mesh, policy)
+        except fs.ShardingError:  # e.g. ZeRO-1 with tensor parallelism is refused
+            continue
+        try:
+            est = fs.estimate(_MODEL, plan, batch=batch // (devices // plan.mesh.shape.get("tp", 1)), seq=seq)
+        except fs.ShardingError:  # the tracer cannot run this one; auto reports it as rejected
+            continue
+        out.append((est.peak_bytes, est.step_seconds))
+    return tuple(out)
+
+
+def _fastest_fitting(devices, batch, seq, budget):
+    return min((step for peak, step in _estimated_space(devices, batch, seq) if peak <= budget), default=None)
+
+
+def test_auto_is_optimal_in_its_space():
+    report = fs.search_plans(_MODEL, devices=4, memory_budget=10**9, batch=8, seq=16)
+    expected = _fastest_fitting(4, 8, 16, 10**9)
+    assert report.best_candidate.step_seconds == pytest.approx(expected, rel=1e-9)
+    assert sum(c.step_seconds is not None for c in report.candidates) == len(_estimated_space(4, 8, 16))
+    # every candidate, not just the best, is what fs.estimate says of the same plan
+    searched = sorted((c.peak_bytes, c.step_seconds) for c in report.candidates if c.step_seconds is not None)
+    enumerated = sorted(_estimated_space(4, 8, 16))
+    assert [peak for peak, _ in searched] == [peak for peak, _ in enumerated]
+    assert [step for _, step in searched] == pytest.approx([step for _, step in enumerated], rel=1e-9)
+    est = fs.estimate(_MODEL, report.best, batch=8 // (4 // report.best.mesh.shape.get("tp", 1)), seq=16)
+    assert est.step_seconds == pytest.approx(report.best_candidate.step_seconds, rel=1e-9)
+
+
+def test_traces_do_not_depend_on_the_data_parallel_family():
+    """What lets auto (and the enumeration above) trace once per key."""
+    from functional_shard.activations import trace_activations
+
+    tp = fs.tp(rules.llama, "tp", sequence_parallel=True) + fs.mixed_precision()
+    plans = [
+        fs.shard(_MODEL, fs.Mesh(dp=2, tp=2), fs.replicate("dp") + tp),
+        fs.shard(_MODEL, fs.Mesh(dp=2, tp=2), fs.fsdp("dp") + tp),
+        fs.shard(_MODEL, fs.Mesh(replicate=1, shard=2, tp=2), fs.hsdp("replicate", "shard") + tp),
+    ]
+    traces = {dataclasses.replace(trace_activations(_MODEL, plan, batch=2, seq=16), rank=0) for plan in plans}
+    assert len(traces) == 1
+
+
+def test_a_tight_budget_picks_a_smaller_plan():
+    loose = fs.search_plans(_MODEL, devices=4, memory_budget=10**9, batch=8, seq=16)
+    peaks = sorted(c.peak_bytes for c in loose.candidates if c.peak_bytes is not None)
+    budget = peaks[len(peaks) // 4]
+    tight = fs.search_plans(_MODEL, devices=4, memory_budget=budget, batch=8, seq=16)
+    assert tight.best_candidate.peak_bytes <= budget
+    assert tight.best_candidate.step_seconds == pytest.approx(_fastest_fitting(4, 8, 16, budget), rel=1e-9)
+    rejected = [c for c in tight.candidates if not c.fits and c.peak_bytes is not None]
+    assert rejected
+    assert all(re.fullmatch(r"needs .* more", c.rejected) for c in rejected)
+
+
+def test_search_is_deterministic():
+    a = fs.search_plans(_MODEL, devices=4, memory_budget="1GiB", batch=8, seq=16)
+    b = fs.search_plans(_MODEL, devices=4, memory_budget="1GiB", batch=8, seq=16)
+    assert a.best == b.best
+    assert [(c.mesh, c.policy_text, c.step_seconds) for c in a.candidates] == [
+        (c.mesh, c.policy_text, c.step_seconds) for c in b.candidates
+    ]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(200_000, 3_000_000), st.integers(0, 2_000_000))
+def test_a_larger_budget_never_gives_a_slower_plan(budget, more):
+    try:
+        small = fs.search_plans(_MODEL, devices=4, memory_budget=budget, batch=8, seq=16)
+    except fs.PlanError:
+        return
+    if small.best_candidate is None or small.best_candidate.offload:
+        return  # the offload fallback is outside the property (docs/will-it-fit.md)
+    large = fs.search_plans(_MODEL, devices=4, memory_budget=budget + more, batch=8, seq=16)
+    assert large.best_candidate.step_seconds <= small.best_candidate.step_seconds
+
+
+def test_offload_only_when_nothing_else_fits():
+    report = fs.search_plans(_MODEL, devices=4, memory_budget="1GiB", batch=8, seq=16)
+    assert not any(c.offload for c in report.candidates)
+    smallest = min(c.peak_bytes for c in report.candidates if c.peak_bytes is not None)
+    squeezed = fs.search_plans(_MODEL, devices=4, memory_budget=smallest - 1, batch=8, seq=16)
+    offloaded = [c for c in squeezed.candidates if c.offload]
+    assert offloaded
+    if squeezed.best_candidate is not None:
+        assert squeezed.best_candidate.offload
+
+
+def test_nothing_fits_names_the_closest_candidate():
+    with pytest.raises(
+        fs.PlanError, match=r"nothing fits 1\.00 KiB per device on 4 h100; the closest is Mesh\("
+    ):
+        fs.auto(_MODEL, devices=4, memory_budget=1024, batch=8, seq=16)
+
+
+@pytest.mark.parametrize(
+    ("devices", "batch", "message"),
+    [
+        (0, 8, "auto(devices=0): a positive int"),
+        (-2, 8, "auto(devices=-2): a positive int"),
+        (4, 3, "auto(devices=4, batch=3): no data-parallel size divides the batch"),
+    ],
+)
+def test_devices_that_cannot_form_a_mesh(devices, batch, message):
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
+        fs.auto(_MODEL, devices=devices, memory_budget="80GiB", batch=batch, seq=16)
+
+
+def test_bad_budget_is_a_sharding_error():
+    with pytest.raises(fs.ShardingError, match=re.escape("memory size '80 parsecs'")):
+        fs.auto(_MODEL, devices=4, memory_budget="80 parsecs", batch=8, seq=16)
+
+
+def test_report_lists_candidates_readably():
+    report = fs.search_plans(_MODEL, devices=4, memory_budget="1GiB", batch=8, seq=16)
+    text = report.table(top=5)
+    assert text.splitlines()[0].split()[:4] == ["mesh", "policy", "peak", "step"]
+    assert "chosen" in text
+    assert len(text.splitlines()) == 7
+    assert "candidates on h100" in str(report)
+
+
+def test_heads_and_blocks_are_read_from_the_model():
+    assert head_counts(llama("llama-70b")) == (64, 8)
+    assert repeated_block(_MODEL) is Block
+    assert head_counts(MLP(CONFIGS["tiny"])) is None
+
+
+def test_tp_stays_in_a_node_and_divides_the_heads():
+    h100 = fs.hardware("h100")
+    sizes = {p.tp for p in _points(32, 32, h100, (32, 32), False)}
+    assert sizes == {1, 2, 4, 8}  # 16 and 32 would leave a node of 8
+    assert {p.tp for p in _points(32, 32, h100, (32, 2), False)} == {1, 2}
+    assert {p.tp for p in _points(32, 4, h100, (32, 32), False)} == {8}  # dp = 4 divides the batch
+
+
+@pytest.mark.slow
+def test_llama_70b_on_1024_devices_takes_seconds():
+    # CPU seconds of this process: the wall clock on a shared machine measures the neighbours
+    model = llama("llama-70b")
+    start = time.process_time()
+    report = fs.search_plans(model, devices=1024, memory_budget="80GiB", batch=1024, seq=8192)
+    first = time.process_time() - start
+    assert report.best.mesh.size == 1024
+    assert first < 60, f"{first:.1f} s"
+    start = time.process_time()  # another budget reuses the traces
+    fs.search_plans(model, devices=1024, memory_budget="40GiB", batch=1024, seq=8192)
+    assert time.process_time() - start < 10

@@ -1,0 +1,79 @@
+"""Hardware profiles: datasheet numbers, link mapping, errors, and the measured local profile."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+import functional_shard as fs
+
+
+def test_named_profiles_carry_datasheet_numbers():
+    h100, a100, h200, b200 = (fs.hardware(n) for n in ("h100", "a100", "h200", "b200"))
+    assert h100.flops["bfloat16"] == 989e12
+    assert a100.flops["bfloat16"] == 312e12
+    assert h200.memory_bytes == 141 * 10**9
+    assert b200.flops["bfloat16"] == 2250e12
+    assert fs.hardware(None) is h100  # the default profile
+    for hw in (h100, a100, h200, b200):
+        assert 0 < hw.compute_efficiency < 1
+        assert hw.source
+        assert hw.intra_node_bandwidth > hw.inter_node_bandwidth > 0
+
+
+def test_hardware_is_frozen_and_passes_through():
+    hw = fs.hardware("h100")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        hw.devices_per_node = 4  # type: ignore[misc]
+    assert fs.hardware(hw) is hw
+
+
+def test_unknown_hardware_lists_the_names():
+    with pytest.raises(
+        fs.ShardingError,
+        match=re.escape("unknown hardware 'tpu9'; choose one of ['a100', 'b200', 'h100', 'h200', 'local']"),
+    ):
+        fs.hardware("tpu9")
+
+
+def test_minor_axes_fill_a_node_first():
+    hw = fs.hardware("h100")  # 8 devices per node
+    mesh = fs.Mesh(node=16, dp=2, tp=4)
+    assert hw.intra_axes(mesh) == {"dp", "tp"}
+    assert hw.link_of(mesh, ["tp"]) == "intra"
+    assert hw.link_of(mesh, ["node"]) == "inter"
+    assert hw.link_of(mesh, ["node", "tp"]) == "inter"
+    assert hw.intra_axes(fs.Mesh(tp=16)) == frozenset()  # bigger than a node
+    assert hw.bandwidth(mesh, ["tp"]) == 450e9 * 0.8
+    assert hw.bandwidth(mesh, ["node"]) == 50e9 * 0.8
+
+
+def test_intra_node_axes_can_be_named():
+    hw = fs.hardware("h100").replace(intra_node_axes=["dp"])
+    mesh = fs.Mesh(dp=2, tp=4)
+    assert hw.link_of(mesh, ["dp"]) == "intra"
+    assert hw.link_of(mesh, ["tp"]) == "inter"
+
+
+def test_a_dtype_without_a_rate_is_refused():
+    with pytest.raises(
+        fs.ShardingError, match=re.escape("hardware 'b200' has no FLOP/s for dtype 'float32'")
+    ):
+        fs.hardware("b200").achievable_flops("float32")
+
+
+def test_local_processes_must_be_positive():
+    with pytest.raises(fs.ShardingError, match=re.escape("hardware('local', processes=0)")):
+        fs.hardware("local", processes=0)
+
+
+@pytest.mark.slow
+def test_local_profile_is_measured_once_per_process():
+    local = fs.hardware("local", processes=2)
+    assert local.flops["float32"] > 1e8
+    assert local.intra_node_bandwidth > 1e6
+    assert local.devices_per_node == 2
+    assert len(local.extra["per_rank"]) == 2
+    assert fs.hardware("local", processes=2) is local  # cached
