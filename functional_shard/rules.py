@@ -10,8 +10,18 @@ specs by the owning module's type, as torch's parallel styles shard them:
 | colwise    | weight P(tp, None), bias P(tp) | weight P(None, tp)    |
 | colwise_gather | as colwise; the output is all-gathered | —             |
 | rowwise    | weight P(None, tp), bias P()   | weight P(tp, None)    |
+| rowwise_split_input | as rowwise; a whole input is split here | —        |
+| packed_colwise | as colwise, each packed piece split on its own | —     |
 | sequence   | replicated (activations split on the sequence dim) | — |
+| replicate_grad_allreduce | replicated; gradients all-reduced | —           |
 | replicate  | replicated                   | replicated              |
+
+Hugging Face's ``Conv1D`` (GPT-2) stores its weight ``(in, out)``, the transpose of
+``nn.Linear``'s: colwise splits its dim 1, rowwise its dim 0.
+
+Buffers of a styled module stay replicated: torch's styles distribute parameters only.
+`for_model` and `from_hf` (Hugging Face models' own plans, `functional_shard.hf`) pick
+rules for a model.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ import functools
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Literal, TypeAlias
+from typing import Literal, TypeAlias, cast
 
 from torch import nn
 
@@ -29,13 +39,56 @@ from .errors import PolicyError
 from .spec import P
 from .tree import Pattern, TensorSpec
 
-__all__ = ["STYLES", "Rule", "Rules", "Style", "gpt2", "llama", "mlp"]
+__all__ = [
+    "DEFERRED",
+    "STYLES",
+    "Rule",
+    "Rules",
+    "Style",
+    "for_model",
+    "from_hf",
+    "gpt2",
+    "gpt2_hf",
+    "llama",
+    "mlp",
+]
 
-Style: TypeAlias = Literal["colwise", "colwise_gather", "rowwise", "sequence", "replicate"]
-STYLES: tuple[str, ...] = ("colwise", "colwise_gather", "rowwise", "sequence", "replicate")
+Style: TypeAlias = Literal[
+    "colwise",
+    "colwise_gather",
+    "rowwise",
+    "rowwise_split_input",
+    "packed_colwise",
+    "sequence",
+    "replicate_grad_allreduce",
+    "replicate",
+]
+STYLES: tuple[str, ...] = (
+    "colwise",
+    "colwise_gather",
+    "rowwise",
+    "rowwise_split_input",
+    "packed_colwise",
+    "sequence",
+    "replicate_grad_allreduce",
+    "replicate",
+)
 """``colwise_gather`` splits like ``colwise`` and all-gathers the output, for a final
 projection whose whole output the loss needs (torch's ``ColwiseParallel(output_layouts=
-Replicate())``)."""
+Replicate())``). ``rowwise_split_input`` splits like ``rowwise`` but takes a whole
+(replicated) input and slices it locally, after a ``colwise_gather`` layer (Hugging
+Face's Phi-3). ``replicate_grad_allreduce`` keeps a module whole on every rank while it
+sees only this rank's heads (a per-head norm after a colwise projection): its gradient is
+a partial sum, all-reduced over the tensor-parallel axis. ``packed_colwise`` is for a
+projection whose output packs equal pieces (GPT-2's ``c_attn``: q, k, v): each piece is
+split on its own, so every rank holds its heads of each (a strided split: the spec says
+how much each rank holds, the pieces say which part); the attention module's
+``split_size`` tells the pieces apart, and apply shrinks it and ``num_heads`` to this
+rank's share, as torch tensor-parallel users adjust head counts."""
+
+DEFERRED: tuple[str, ...] = ("hf", "auto")
+"""Rule-set names that ``tp()`` accepts as text and ``shard()`` resolves against the model:
+``"hf"`` the model's own Hugging Face plan (`from_hf`), ``"auto"`` `for_model`."""
 
 
 class StyleError(Exception):
@@ -76,15 +129,32 @@ def _covering(pattern: Pattern) -> re.Pattern[str]:
     return re.compile(rf"(?:{source})(?:\..*)?", re.S)
 
 
-def layout_of(tensor: TensorSpec) -> str:
-    """How torch's styles see the owning module: "linear", "embedding" or "other".
+def is_conv1d(module_name: str | None) -> bool:
+    """Whether ``module_name`` is Hugging Face's ``Conv1D`` (GPT-2), without importing it.
 
-    A bare pytree (no module type) is read with the Linear (out, in) layout.
+    Examples:
+        >>> is_conv1d("transformers.pytorch_utils.Conv1D"), is_conv1d("torch.nn.modules.linear.Linear")
+        (True, False)
+    """
+    return (
+        module_name is not None
+        and module_name.startswith("transformers.")
+        and module_name.endswith(".Conv1D")
+    )
+
+
+def layout_of(tensor: TensorSpec) -> str:
+    """How torch's styles see the owning module: "linear", "embedding", "conv1d" or "other".
+
+    A bare pytree (no module type) is read with the Linear (out, in) layout; "conv1d" is
+    Hugging Face's ``Conv1D``, weight (in, out).
     """
     if tensor.module_is(nn.Linear):
         return "linear"
     if tensor.module_is(nn.Embedding):
         return "embedding"
+    if is_conv1d(tensor.module_name):
+        return "conv1d"
     if tensor.module_name is None:  # a bare pytree: assume the (out, in) Linear layout
         return "linear"
     return "other"
@@ -96,16 +166,24 @@ def expand_style(style: Style, path: str, tensor: TensorSpec, axis: str) -> P:
     Raises:
         StyleError: torch has no such style for this module type or parameter.
     """
-    if style in ("sequence", "replicate"):
+    if style in ("sequence", "replicate", "replicate_grad_allreduce") or tensor.kind == "buffer":
         return P()
     layout = layout_of(tensor)
     name = path.rpartition(".")[2]
-    style = "colwise" if style == "colwise_gather" else style
+    # the edge variants split their parameters as the plain styles do
+    split = {"colwise_gather": "colwise", "rowwise_split_input": "rowwise", "packed_colwise": "colwise"}.get(
+        style, style
+    )
     if layout == "other":
         raise StyleError(
-            f"style {style!r} on a {tensor.module_name}: torch's ColwiseParallel and "
-            "RowwiseParallel support nn.Linear and nn.Embedding only. Give this path a "
-            "P(...) rule, or 'replicate'"
+            f"style {split!r} on a {tensor.module_name}: torch's ColwiseParallel and "
+            "RowwiseParallel support nn.Linear and nn.Embedding only (functional_shard splits "
+            "Hugging Face's Conv1D too). Give this path a P(...) rule, or 'replicate'"
+        )
+    if style == "packed_colwise" and layout == "embedding":
+        raise StyleError(
+            f"style 'packed_colwise' on an embedding ({path}): only projections pack pieces in their "
+            "output; use 'colwise' or 'rowwise'"
         )
     if name == "weight" and tensor.ndim == 2:
         split_dim = {
@@ -113,12 +191,15 @@ def expand_style(style: Style, path: str, tensor: TensorSpec, axis: str) -> P:
             ("linear", "rowwise"): 1,
             ("embedding", "colwise"): 1,
             ("embedding", "rowwise"): 0,
-        }[(layout, style)]
+            ("conv1d", "colwise"): 1,
+            ("conv1d", "rowwise"): 0,
+        }[(layout, split)]
         return P(*(axis if dim == split_dim else None for dim in range(2)))
-    if name == "bias" and tensor.ndim == 1 and layout == "linear":
-        return P(axis) if style == "colwise" else P()
+    if name == "bias" and tensor.ndim == 1 and layout in ("linear", "conv1d"):
+        # a packed bias stays whole: each rank slices its pieces in forward (see apply)
+        return P(axis) if split == "colwise" and style != "packed_colwise" else P()
     raise StyleError(
-        f"style {style!r} does not know how to split {name!r} of shape {tensor.shape} "
+        f"style {split!r} does not know how to split {name!r} of shape {tensor.shape} "
         f"in a {tensor.module_name}; give this path a P(...) rule"
     )
 
@@ -179,6 +260,137 @@ class Rules:
         """The first rule that covers ``path``, or None."""
         return next((rule for rule in self.rules if rule.matches(path)), None)
 
+    @property
+    def deferred(self) -> bool:
+        """Whether this is a placeholder (``"hf"``, ``"auto"``) that ``shard()`` resolves."""
+        return not self.rules and self.name in DEFERRED
+
+
+def deferred(name: str) -> Rules:
+    """The placeholder for ``tp("hf")`` / ``tp("auto")``, resolved by `resolve` in ``shard()``.
+
+    Raises:
+        PolicyError: ``name`` is not one of `DEFERRED`.
+
+    Examples:
+        >>> deferred("hf").deferred
+        True
+    """
+    if name not in DEFERRED:
+        raise PolicyError(
+            f"tp({name!r}): a rule set given by name is one of {DEFERRED} "
+            "(or pass fs.rules.llama, fs.rules.gpt2, fs.rules.mlp, or your own Rules)"
+        )
+    return Rules((), name=name)
+
+
+def resolve(rules: Rules, model: object) -> Rules:
+    """``rules`` itself, or for a placeholder the rules it names for ``model``.
+
+    Raises:
+        PolicyError: the model has no such rules (see `from_hf`, `for_model`).
+
+    Examples:
+        >>> resolve(mlp, None) is mlp
+        True
+    """
+    if not rules.deferred:
+        return rules
+    if rules.name == "hf":
+        return from_hf(model)
+    return for_model(model)
+
+
+def from_hf(model_or_config: object) -> Rules:
+    """Rules from a Hugging Face model's own tensor-parallel plan (see `functional_shard.hf`).
+
+    The plan is read as transformers combines it (``model.tp_plan``: the class's
+    ``_tp_plan``, the config's ``base_model_tp_plan`` under the base model's prefix); a
+    config is built into a model on the meta device first.
+
+    Args:
+        model_or_config: a transformers ``PreTrainedModel`` or ``PretrainedConfig``.
+
+    Returns:
+        Rules named ``"hf"``, one per plan entry that covers a parameter, in plan order.
+
+    Raises:
+        PolicyError: not a transformers model or config, the model has no plan, or the
+            plan uses a style torch's tensor parallel cannot run (named, with its path).
+
+    Examples:
+        >>> import transformers
+        >>> config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+        >>> rules = from_hf(config)
+        >>> rules.match("model.layers.0.self_attn.o_proj.weight").target
+        'rowwise'
+        >>> rules.match("lm_head.weight").target
+        'colwise_gather'
+    """
+    from . import hf
+
+    _, pairs = hf.plan_entries(model_or_config)
+    return Rules([Rule(pattern, cast(Style, style)) for pattern, style in pairs], name="hf")
+
+
+def _misfit(rules: Rules, paths: list[str]) -> str | None:
+    # a named set fits when each of its splitting rules covers some parameter; else why not
+    missing = [
+        str(rule.pattern)
+        for rule in rules
+        if rule.target not in ("replicate", "sequence") and not any(rule.matches(p) for p in paths)
+    ]
+    return f"no parameter matches {missing}" if missing else None
+
+
+def for_model(model: object) -> Rules:
+    """HF rules for a transformers model with a plan, else the named set that fits its layers.
+
+    A named set (`gpt2_hf` for Hugging Face models, then `llama`, `gpt2`, `mlp`, in that
+    order) fits when each of its splitting rules covers some parameter of the model.
+
+    Args:
+        model: the module to split.
+
+    Returns:
+        `from_hf` rules, or the first named set that fits.
+
+    Raises:
+        PolicyError: ``model`` is not a module, or no rule set fits; the message names
+            every set tried and why it did not fit.
+
+    Examples:
+        >>> for_model(nn.ModuleDict({"fc1": nn.Linear(4, 8), "fc2": nn.Linear(8, 4)})).name
+        'mlp'
+    """
+    from . import hf
+
+    if not isinstance(model, nn.Module):
+        raise PolicyError(
+            f"tp('auto') picks rules from the model's modules; got {type(model).__name__}. "
+            "Pass a rule set (fs.rules.llama, ...) when planning a state dict or pytree"
+        )
+    tried: list[str] = []
+    if hf.is_hf_model(model):
+        if hf.hf_plan(model):
+            return from_hf(model)
+        tried.append(f"hf: {type(model).__name__} has no tensor-parallel plan in transformers")
+    else:
+        tried.append("hf: not a transformers PreTrainedModel")
+    paths = [path for path, _ in model.named_parameters(remove_duplicate=False)]
+    # gpt2_hf relies on Hugging Face's attention (its split_size), so only HF models get it
+    for named in (gpt2_hf, llama, gpt2, mlp) if hf.is_hf_model(model) else (llama, gpt2, mlp):
+        why = _misfit(named, paths)
+        if why is None:
+            return named
+        tried.append(f"{named.name}: {why}")
+    raise PolicyError(
+        "tp('auto'): no rule set fits this model's parameter names:\n"
+        + "\n".join(f"  - {line}" for line in tried)
+        + "\nPass rules of your own: fs.tp([(pattern, 'colwise'), ...], axis)"
+    )
+
 
 llama = Rules(
     [
@@ -215,7 +427,26 @@ gpt2 = Rules(
 """GPT-2 naming with ``nn.Linear`` layers (nanoGPT/minGPT style). The MLP and embeddings
 are split; attention stays replicated because ``c_attn`` packs q, k and v in one output
 dim, so a plain column split would hand each rank a mix of the three rather than whole
-heads. Hugging Face's ``Conv1D`` layers are refused by the styles: torch's TP has none."""
+heads (for Hugging Face's GPT-2, whose attention says how q, k and v are packed, see
+`gpt2_hf`)."""
+
+gpt2_hf = Rules(
+    [
+        ("*.attn.c_attn", "packed_colwise"),
+        ("*.attn.c_proj", "rowwise"),
+        ("*.mlp.c_fc", "colwise"),
+        ("*.mlp.c_proj", "rowwise"),
+        ("*wte", "rowwise"),
+        ("*lm_head", "colwise_gather"),
+        ("*wpe", "replicate"),
+        ("*ln_*", "sequence"),
+    ],
+    name="gpt2_hf",
+)
+"""Hugging Face GPT-2 (``GPT2LMHeadModel``, ``Conv1D`` layers, weight ``(in, out)``), which
+has no tensor-parallel plan in transformers: ``c_attn`` packs q, k and v in its output, so
+it is ``packed_colwise`` (each rank holds its heads of each), the attention's ``c_proj``
+rowwise; the MLP and the embeddings split as in `gpt2`. `for_model` picks it for HF GPT-2."""
 
 mlp = Rules([("*fc1", "colwise"), ("*fc2", "rowwise")], name="mlp")
 """A two-layer MLP (``fc1`` → activation → ``fc2``) split Megatron-style."""

@@ -1,0 +1,178 @@
+"""Tensor-parallel rules from Hugging Face transformers models' own plans.
+
+transformers keeps a tensor-parallel plan per architecture: ``config.base_model_tp_plan``
+(module patterns inside the base model, ``*`` standing for a layer index) and the model
+class's ``_tp_plan`` (``lm_head``). A model instance combines them in ``model.tp_plan``:
+the class plan first, the base plan prefixed by the base model's attribute name
+(``model.``), and ``embed_tokens`` split over the vocabulary when the plan is not empty.
+`plan_entries` reads that combined plan and maps each of its styles to ours, or refuses
+it by name with the parameter path; `functional_shard.rules.from_hf` makes `Rules` of
+it. transformers is imported only here, and only when a config has to be turned into a
+model. This module knows nothing of `Rules` (rules imports it, not the other way round).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from torch import nn
+
+from .errors import PolicyError
+
+__all__ = ["HF_STYLES", "REFUSED_HF_STYLES", "hf_plan", "is_hf_model", "plan_entries"]
+
+HF_STYLES: dict[str, str] = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "colwise_gather_output": "colwise_gather",
+    "colwise_rep": "colwise_gather",
+    "rowwise_split_input": "rowwise_split_input",
+    "rowwise_rep": "rowwise_split_input",
+    "embedding_rowwise": "rowwise",
+    "embedding_colwise": "colwise",
+    "replicated_with_grad_allreduce": "replicate_grad_allreduce",
+    "sequence_parallel": "sequence",
+    "replicate": "replicate",
+}
+"""transformers' style name → ours (the styles of `functional_shard.rules`)."""
+
+REFUSED_HF_STYLES: dict[str, str] = {
+    "packed_colwise": (
+        "each of the packed pieces is split on its own (a strided split of the output dim); "
+        "in transformers 5 only mixture-of-experts weights use it"
+    ),
+    "packed_rowwise": "the rowwise twin of packed_colwise (mixture-of-experts weights)",
+    "moe_tp_experts": "experts run through transformers' routed kernels, which torch's styles do not cover",
+    "moe_identity_expert": "part of transformers' expert-parallel routing",
+    "mla_kv_a_proj": "multi-head latent attention splits its projection into KV and RoPE parts by hand",
+    "local_params": "transformers' local (non-DTensor) parameter path, for quantized weights",
+    "all_reduce": "an output all-reduce with no split parameter, outside torch's styles",
+}
+"""transformers' styles that torch's tensor-parallel styles cannot run, and why."""
+
+
+def is_hf_model(model: object) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel`` (without importing transformers)."""
+    return isinstance(model, nn.Module) and any(
+        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.")
+        for cls in type(model).__mro__
+    )
+
+
+def _is_hf_config(value: object) -> bool:
+    return any(
+        cls.__name__ in ("PretrainedConfig", "PreTrainedConfig")
+        and cls.__module__.startswith("transformers.")
+        for cls in type(value).__mro__
+    )
+
+
+def _meta_model(config: Any) -> nn.Module:
+    import torch
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        with torch.device("meta"):
+            try:
+                return transformers.AutoModelForCausalLM.from_config(config)
+            except ValueError:
+                return transformers.AutoModel.from_config(config)
+    except ValueError as error:
+        raise PolicyError(
+            f"fs.rules.from_hf: transformers cannot build a model from {type(config).__name__} ({error})"
+        ) from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def hf_plan(model: nn.Module) -> dict[str, str]:
+    """The combined tensor-parallel plan of a transformers model, as transformers combines it.
+
+    Returns:
+        Module (or parameter) pattern → transformers style name, ``*`` for a layer index;
+        empty when the architecture has none (GPT-2).
+    """
+    plan = getattr(model, "tp_plan", None)
+    if isinstance(plan, dict):
+        return dict(plan)
+    # older transformers: the class plan, then the base model's config plan under its prefix
+    combined = dict(getattr(type(model), "_tp_plan", None) or {})
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    inner = f"{prefix}." if prefix and hasattr(model, prefix) else ""
+    combined.update({f"{inner}{key}": style for key, style in base.items()})
+    return combined
+
+
+def _pattern(key: str) -> re.Pattern[str]:
+    # transformers' "*" stands for one layer index
+    return re.compile(re.escape(key).replace(r"\*", r"\d+"))
+
+
+def plan_entries(model_or_config: object) -> tuple[str, list[tuple[re.Pattern[str], str]]]:
+    """The model's class name and its plan as (pattern, our style) pairs, in the plan's order.
+
+    A config is built into a model on the meta device (no weights) to read the plan and
+    its parameter paths. `functional_shard.rules.from_hf` turns the pairs into `Rules`.
+
+    Args:
+        model_or_config: a ``PreTrainedModel`` or a ``PretrainedConfig``.
+
+    Returns:
+        ``(class name, pairs)``: one pair per plan entry that covers a parameter of the
+        model, its transformers style mapped by `HF_STYLES`.
+
+    Raises:
+        PolicyError: not a transformers model or config; the architecture has no plan;
+            or a plan entry that covers parameters uses a style torch cannot run (the
+            style, the entry and a parameter path are named).
+
+    Examples:
+        >>> import transformers
+        >>> config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
+        >>> name, pairs = plan_entries(config)
+        >>> name, pairs[0][1]
+        ('LlamaForCausalLM', 'colwise_gather')
+    """
+    if _is_hf_config(model_or_config):
+        model = _meta_model(model_or_config)
+    elif is_hf_model(model_or_config):
+        model = model_or_config  # type: ignore[assignment]
+    else:
+        raise PolicyError(
+            f"fs.rules.from_hf needs a transformers PreTrainedModel or PretrainedConfig, got "
+            f"{type(model_or_config).__name__}; for other models use fs.rules.for_model or a named set"
+        )
+    plan = hf_plan(model)
+    name = type(model).__name__
+    if not plan:
+        raise PolicyError(
+            f"{name} has no tensor-parallel plan in transformers (config.base_model_tp_plan and "
+            f"{name}._tp_plan are empty); give tp() rules of your own"
+            + (", e.g. fs.rules.gpt2_hf (tp('auto') picks it)" if name.startswith("GPT2") else "")
+        )
+    paths = [path for path, _ in model.named_parameters(remove_duplicate=False)]
+    pairs: list[tuple[re.Pattern[str], str]] = []
+    refused: list[str] = []
+    for key, style in plan.items():
+        pattern = _pattern(key)
+        covered = [p for p in paths if re.fullmatch(rf"(?:{pattern.pattern})(?:\..*)?", p)]
+        if not covered:
+            continue  # an entry for modules this configuration does not build
+        if style in HF_STYLES:
+            pairs.append((pattern, HF_STYLES[style]))
+        else:
+            why = REFUSED_HF_STYLES.get(style, "transformers style unknown to functional_shard")
+            refused.append(f"{covered[0]}: plan entry {key!r} has style {style!r}: {why}")
+    if refused:
+        raise PolicyError(
+            f"{name}'s tensor-parallel plan uses styles torch's tensor parallel cannot run:\n"
+            + "\n".join(f"  - {line}" for line in refused)
+            + "\nGive tp() rules of your own (fs.tp([(pattern, 'colwise'), ...], axis)) that leave "
+            "these modules whole, or shard this model with data parallelism only."
+        )
+    return name, pairs
