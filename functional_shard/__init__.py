@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from . import demo as demo
     from . import measure as measure
     from . import rules as rules
+    from .activations import ActivationTrace as ActivationTrace
+    from .activations import trace_activations as trace_activations
     from .apply import apply as apply
     from .apply import check_optimizer as check_optimizer
     from .apply import check_runnable as check_runnable
@@ -30,6 +32,9 @@ if TYPE_CHECKING:
     from .apply import grad_scaler as grad_scaler
     from .apply import materialize as materialize
     from .apply import optimizer as optimizer
+    from .auto import AutoReport as AutoReport
+    from .auto import auto as auto
+    from .auto import search_plans as search_plans
     from .cost import Cost as Cost
     from .cost import cost as cost
     from .errors import MeshError as MeshError
@@ -37,6 +42,11 @@ if TYPE_CHECKING:
     from .errors import PolicyError as PolicyError
     from .errors import ShardingError as ShardingError
     from .errors import SpecError as SpecError
+    from .estimate import Estimate as Estimate
+    from .estimate import estimate as estimate
+    from .estimate import parse_bytes as parse_bytes
+    from .hardware import Hardware as Hardware
+    from .hardware import hardware as hardware
     from .launch import LocalWorld as LocalWorld
     from .launch import RankFailedError as RankFailedError
     from .launch import run_local as run_local
@@ -45,7 +55,9 @@ if TYPE_CHECKING:
     from .layout import shard_tensor as shard_tensor
     from .layout import unshard_tensor as unshard_tensor
     from .measure import CollectiveLog as CollectiveLog
+    from .measure import kept_activation_bytes as kept_activation_bytes
     from .measure import resident_bytes as resident_bytes
+    from .measure import saved_tensor_bytes as saved_tensor_bytes
     from .mesh import Mesh as Mesh
     from .plan import Change as Change
     from .plan import Plan as Plan
@@ -88,6 +100,14 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "optimizer": ("apply", "optimizer"),
     "Cost": ("cost", "Cost"),
     "cost": ("cost", "cost"),
+    "Estimate": ("estimate", "Estimate"),
+    "estimate": ("estimate", "estimate"),
+    "parse_bytes": ("estimate", "parse_bytes"),
+    "Hardware": ("hardware", "Hardware"),
+    "hardware": ("hardware", "hardware"),
+    "AutoReport": ("auto", "AutoReport"),
+    "auto": ("auto", "auto"),
+    "search_plans": ("auto", "search_plans"),
     "MeshError": ("errors", "MeshError"),
     "PlanError": ("errors", "PlanError"),
     "PolicyError": ("errors", "PolicyError"),
@@ -102,6 +122,10 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "unshard_tensor": ("layout", "unshard_tensor"),
     "CollectiveLog": ("measure", "CollectiveLog"),
     "resident_bytes": ("measure", "resident_bytes"),
+    "kept_activation_bytes": ("measure", "kept_activation_bytes"),
+    "saved_tensor_bytes": ("measure", "saved_tensor_bytes"),
+    "ActivationTrace": ("activations", "ActivationTrace"),
+    "trace_activations": ("activations", "trace_activations"),
     "Mesh": ("mesh", "Mesh"),
     "Change": ("plan", "Change"),
     "Plan": ("plan", "Plan"),
@@ -160,6 +184,17 @@ __all__ = [
     # layout and cost
     "Cost",
     "cost",
+    # will it fit, how fast, and which plan
+    "ActivationTrace",
+    "trace_activations",
+    "AutoReport",
+    "Estimate",
+    "Hardware",
+    "auto",
+    "estimate",
+    "hardware",
+    "parse_bytes",
+    "search_plans",
     "local_shape",
     "local_shape_and_offset",
     "shard_tensor",
@@ -179,6 +214,8 @@ __all__ = [
     # measuring running plans, beside plan.cost()
     "CollectiveLog",
     "resident_bytes",
+    "kept_activation_bytes",
+    "saved_tensor_bytes",
     "measure",
     "demo",
     # errors

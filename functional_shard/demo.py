@@ -20,12 +20,14 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from .apply import apply, check_runnable, materialize, optimizer
+from .errors import ShardingError
 from .launch import LocalWorld, current_rank
 from .measure import CollectiveLog, resident_bytes
 from .mesh import Mesh
 from .plan import Plan
 from .planner import shard
 from .policy import Policy
+from .policy_text import format_policy, parse_policy
 from .zoo import CONFIGS, Llama, LlamaConfig
 
 __all__ = ["DemoResult", "run"]
@@ -107,13 +109,20 @@ def _one_process(config: LlamaConfig, data_parallel: int, steps: int, seed: int)
     return losses
 
 
+def _policy_text(policy: Policy) -> str:
+    try:
+        return format_policy(policy)
+    except ShardingError:  # a policy function has no text form: name its layers
+        return " + ".join(layer.name for layer in policy.layers)
+
+
 def _mark(ok: bool) -> str:
     return "ok" if ok else "DIFFERS"
 
 
 def run(
     mesh: Mesh,
-    policy: Policy,
+    policy: Policy | str,
     *,
     model: str = "tiny",
     steps: int = 5,
@@ -124,17 +133,16 @@ def run(
 
     Args:
         mesh: the mesh (an axis of -1 is refused: the demo's world is the mesh).
-        policy: the policy to plan with.
+        policy: the policy to plan with, or its text (``"fsdp(dp) + tp(llama, tp)"``, see
+            `functional_shard.policy_text`; class names resolve against the zoo Llama).
         model: a small `functional_shard.zoo.CONFIGS` name.
         steps: AdamW steps (at least 3: the third is measured).
         seed: initialisation seed, for the run and the one-process reference.
         out: where report lines go.
 
     Examples:
-        >>> # fs.demo.run(fs.Mesh(dp=2, tp=2), fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp")).ok
+        >>> # fs.demo.run(fs.Mesh(dp=2, tp=2), "fsdp(dp) + tp(llama, tp)").ok
     """
-    from .errors import ShardingError
-
     if steps <= _MEASURED_STEP:
         raise ShardingError(
             f"--steps {steps}: the demo measures step {_MEASURED_STEP + 1}, so give 3 or more"
@@ -142,6 +150,8 @@ def run(
     config = CONFIGS[model]
     with torch.device("meta"):
         shapes_only = Llama(config)
+    if isinstance(policy, str):
+        policy = parse_policy(policy, shapes_only)
     plan = shard(shapes_only, mesh, policy)
     check_runnable(plan, shapes_only)  # before any process starts
     predicted = plan.cost("adamw", tokens=_MICRO_BATCH * _SEQUENCE)
@@ -152,7 +162,7 @@ def run(
         out(line)
 
     say(f"functional-shard demo: {model} Llama on {mesh.size} local processes (gloo), {mesh!r}")
-    say("policy: " + " + ".join(layer.name for layer in policy.layers))
+    say(f"policy: {_policy_text(policy)}")
     say()
     say("The plan, before anything runs:")
     say(plan.explain())

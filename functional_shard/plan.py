@@ -6,17 +6,16 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import _pytree
+from .bytesize import format_bytes as _bytes
+from .cost import Cost, OptimizerKind, cost
 from .errors import ShardingError
 from .layout import local_numel, local_shape_and_offset
 from .mesh import Mesh
 from .spec import P, ParamSharding
 from .tree import TensorSpec, owner_paths
-
-if TYPE_CHECKING:
-    from .cost import Cost, OptimizerKind
 
 __all__ = ["Change", "Plan", "PlanConfig"]
 
@@ -40,6 +39,8 @@ class PlanConfig:
     """FSDP units as module paths ("" is the root), outermost first."""
     checkpointed: tuple[str, ...] = ()
     """Module paths whose activations are recomputed in backward."""
+    checkpoint_policy: str = "full"
+    """``full`` (keep the inputs only) or ``selective`` (also keep matmul/attention outputs)."""
     param_dtype: str | None = None
     reduce_dtype: str | None = None
     offload_params: bool = False
@@ -81,14 +82,6 @@ class Change:
 
     def __str__(self) -> str:
         return f"{self.path}: {self.what} {self.before} -> {self.after}"
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 @_pytree.dataclass
@@ -199,9 +192,16 @@ class Plan:
     # ---- views -------------------------------------------------------------------
     def cost(self, optimizer: OptimizerKind = "adamw", **kwargs: Any) -> Cost:
         """Memory per device and bytes sent per step; see `functional_shard.cost.cost`."""
-        from .cost import cost
-
         return cost(self, optimizer, **kwargs)
+
+    def visualize(self, param: str | None = None, **kwargs: Any) -> Any:
+        """A matplotlib figure: memory per device, and ``param``'s blocks over the ranks.
+
+        See `functional_shard.visualize.visualize` (needs the ``plot`` extra).
+        """
+        from .visualize import visualize  # matplotlib loads only when a picture is asked for
+
+        return visualize(self, param, **kwargs)
 
     def _rows(self) -> list[tuple[str, ...]]:
         rows = []
@@ -282,6 +282,12 @@ class Plan:
             "",
             f"at rest: {_bytes(total_global)} in all, {_bytes(total_local)} on the largest device (rank 0)",
         ]
+        whole = [p for p, t in self.tensors.items() if t.ndim == 0 and p in self.params]
+        if whole and c.data_parallel in ("zero2", "zero3", "fsdp", "hsdp"):
+            summary.append(
+                "0-d parameters, which FSDP2 cannot shard, stay whole on every rank; their gradients "
+                f"are all-reduced over {c.data_axes}: {', '.join(whole)}"
+            )
         return "\n".join(s.rstrip() for s in summary)
 
     def __str__(self) -> str:

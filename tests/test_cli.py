@@ -1,40 +1,306 @@
+"""`functional-shard`: plan any model from the shell, diff plans, pictures; every bad input one line."""
+
+import io
+import json
+import re
 import subprocess
 import sys
 
+import pytest
+
 import functional_shard as fs
+from functional_shard import cli
 from functional_shard.cli import main
 
+TINY = ["plan", "--model", "tiny"]
 
-def test_plan_prints_explain_and_cost(capsys):
-    assert (
-        main(
-            ["plan", "--model", "tiny", "--mesh", "dp=2,tp=2", "--policy", "fsdp:dp+tp:tp", "--tokens", "64"]
-        )
-        == 0
-    )
-    out = capsys.readouterr().out
-    assert "Plan on Mesh(dp=2, tp=2)" in out
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_plan_prints_the_plan_and_its_cost(capsys):
+    code, out, _ = run(capsys, *TINY, "--mesh", "dp=2,tp=2", "--policy", "fsdp(dp) + tp(llama, tp) + bf16")
+    assert code == 0
+    assert "Plan on Mesh(dp=2, tp=2): data parallel fsdp over ('dp',); tensor parallel over ('tp',)" in out
+    assert "mixed precision: bfloat16 (reduce float32)" in out
+    assert "layers.*.mlp.down_proj.weight ×2" in out  # repeated layers folded
     assert "sent per step" in out
 
 
-def test_plan_json_round_trips(capsys):
-    assert main(["plan", "--model", "tiny", "--mesh", "dp=4", "--policy", "zero2:dp", "--json"]) == 0
-    assert fs.Plan.from_json(capsys.readouterr().out).config.data_parallel == "zero2"
+def test_json_writes_the_plan_and_dash_prints_only_json(capsys, tmp_path):
+    target = tmp_path / "plan.json"
+    code, out, _ = run(capsys, *TINY, "--mesh", "dp=4", "--policy", "zero(2, dp)", "--json", str(target))
+    assert code == 0
+    assert f"wrote the plan to {target}" in out
+    plan = fs.Plan.from_json(target.read_text())
+    assert plan.config.data_parallel == "zero2"
+    code, out, _ = run(capsys, *TINY, "--mesh", "dp=4", "--policy", "zero(2, dp)", "--json", "-")
+    assert fs.Plan.from_json(out) == plan
 
 
-def test_bad_input_is_a_message_not_a_traceback(capsys):
-    assert main(["plan", "--model", "tiny", "--mesh", "dp=2,tp=2", "--policy", "fsdp:dp"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("functional-shard: plan does not fit the model")
-    assert "axis 'tp' (size 2) is used by no policy" in err
+def test_diff_shows_each_tensors_change_and_the_memory_and_traffic_delta(capsys, tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert main([*TINY, "--mesh", "dp=4", "--policy", "ddp(dp)", "--json", str(a)]) == 0
+    assert main([*TINY, "--mesh", "dp=4", "--policy", "fsdp(dp)", "--json", str(b)]) == 0
+    capsys.readouterr()
+    code, out, _ = run(capsys, "diff", str(a), str(b))
+    assert code == 0
+    plan_a, plan_b = (fs.Plan.from_json(p.read_text()) for p in (a, b))
+    cost_a, cost_b = plan_a.cost(), plan_b.cost()
+    lines = out.splitlines()
+    assert any(line.split() == ["<plan>", "data_parallel", "ddp", "fsdp"] for line in lines)
+    # the four specs of a tensor that change alike share one row; repeated layers fold
+    row = next(line for line in lines if line.startswith("layers.*.mlp.up_proj.weight ×2"))
+    assert "storage, grad, optim" in row
+    assert "P(None, None)" in row
+    assert "P('dp', None)" in row
+    params = next(line for line in lines if line.startswith("params "))
+    assert params.split()[-2:] == cli._human(cost_b.params_bytes - cost_a.params_bytes).split()
+    sent = next(line for line in lines if line.startswith("sent per step"))
+    assert sent.split()[-2:] == cli._human(cost_b.comm_total_bytes - cost_a.comm_total_bytes).split()
 
 
-def test_the_console_script_is_installed():
+def test_png_writes_the_pictures(capsys, tmp_path):
+    target = tmp_path / "plan.png"
+    code, out, _ = run(
+        capsys, *TINY, "--mesh", "dp=2,tp=2", "--policy", "fsdp(dp) + tp(llama, tp)", "--png", str(target)
+    )
+    assert code == 0
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote the pictures to {target}" in out
+
+
+@pytest.fixture(scope="module")
+def hf_config_folder(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("hf")
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    config.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("which", ["folder", "file"])
+def test_a_hugging_face_config_is_planned_on_the_meta_device(capsys, hf_config_folder, which):
+    model = hf_config_folder if which == "folder" else hf_config_folder / "config.json"
+    assert cli.load_model(str(model)).model.embed_tokens.weight.device.type == "meta"
+    code, out, _ = run(
+        capsys,
+        "plan",
+        "--model",
+        str(model),
+        "--mesh",
+        "dp=2,tp=2",
+        "--policy",
+        "fsdp(dp) + tp(llama, tp) + checkpointing(LlamaDecoderLayer)",
+    )
+    assert code == 0
+    assert "2 checkpointed modules" in out
+    assert "model.layers.*.self_attn.q_proj.weight ×2" in out
+
+
+def test_a_factory_builds_the_model_on_the_meta_device(capsys, tmp_path, monkeypatch):
+    (tmp_path / "my_models.py").write_text(
+        "import torch\n"
+        "def big():\n"
+        "    layer = torch.nn.Linear(100_000, 100_000)  # 40 GB if it were real\n"
+        "    assert layer.weight.device.type == 'meta'\n"
+        "    return torch.nn.Sequential(layer)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, _ = run(capsys, "plan", "--model", "my_models:big", "--mesh", "dp=8", "--policy", "fsdp(dp)")
+    assert code == 0
+    assert "0.weight  100000×100000" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (
+            [*TINY[:2], "llama-3"],
+            "--model 'llama-3': not a zoo model (llama-1b, llama-70b, llama-7b, tiny, tiny-tied)",
+        ),
+        ([*TINY[:2], "missing/config.json"], "--model 'missing/config.json': no such file or folder"),
+        (
+            [*TINY[:2], "no_such_package.models:build"],
+            "--model 'no_such_package.models:build': cannot import",
+        ),
+        ([*TINY[:2], "torch.nn:Linear"], "--model 'torch.nn:Linear': Linear() raised TypeError"),
+        ([*TINY, "--policy", "fsdp:dp+tp:tp"], "the old name:axis form is gone"),
+        ([*TINY, "--policy", "fsdp(dp) + tp(lama, tp)"], "in 'tp(lama, tp)': unknown rule set 'lama'"),
+        (
+            [*TINY, "--mesh", "dp=eight"],
+            "--mesh 'dp=eight': write axis=size pairs joined by commas, e.g. dp=8,tp=4",
+        ),
+        ([*TINY, "--mesh", "dp=0"], "--mesh 'dp=0': "),
+        (
+            [*TINY, "--mesh", "dp=2,tp=2", "--policy", "fsdp(dp)"],
+            "plan does not fit the model on Mesh(dp=2, tp=2): axis 'tp' (size 2) is used by no policy",
+        ),
+        ([*TINY, "--batch", "4"], "--batch and --seq go together"),
+        ([*TINY, "--batch", "0", "--seq", "16"], "--batch 0: a positive number"),
+        ([*TINY, "--batch", "1", "--seq", "16", "--hardware", "abacus"], "--hardware 'abacus'"),
+        (
+            [*TINY, "--auto", "--devices", "8", "--budget", "80 parsecs", "--batch", "8", "--seq", "64"],
+            "--budget '80 parsecs'",
+        ),
+        ([*TINY, "--auto", "--mesh", "dp=8"], "--auto searches meshes and policies itself"),
+        ([*TINY, "--budget", "80GiB"], "--devices and --budget go with --auto"),
+        (
+            [*TINY, "--mesh", "dp=4", "--policy", "fsdp(dp)", "--png", "/no/such/folder/p.png"],
+            "--png '/no/such/folder/p.png': cannot write",
+        ),
+        (["diff", "/no/such/a.json", "/no/such/b.json"], "'/no/such/a.json': cannot read"),
+        (
+            [*TINY, "--mesh", "dp=4", "--policy", "fsdp(dp)", "--png", "p.png", "--param", "wieght"],
+            "--png: the plan has no tensor 'wieght'",
+        ),
+        ([*TINY, "--param", "lm_head.weight"], "--param goes with --png"),
+        ([*TINY, "--polcy", "fsdp(dp)"], "unrecognized arguments: --polcy"),
+    ],
+)
+def test_every_bad_input_is_one_line_and_exit_code_2(capsys, argv, says):
+    with_exit = pytest.raises(SystemExit) if "--polcy" in argv else None
+    if with_exit:
+        with with_exit as stopped:
+            main(argv)
+        code = stopped.value.code
+        err = capsys.readouterr().err
+    else:
+        code, _, err = run(capsys, *argv)
+    assert code == 2
+    assert err.startswith("functional-shard")
+    assert says in err
+    assert err.count("\n") == 1, err
+    assert "Traceback" not in err
+
+
+def test_a_diff_of_something_that_is_not_a_plan_is_one_line(capsys, tmp_path):
+    (tmp_path / "x.json").write_text(json.dumps({"a": 1}))
+    code, _, err = run(capsys, "diff", str(tmp_path / "x.json"), str(tmp_path / "x.json"))
+    assert code == 2
+    assert err.count("\n") == 1
+    assert "not a plan written by --json" in err
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_tables_use_rich_on_a_terminal_and_plain_text_otherwise():
+    pytest.importorskip("rich")
+    terminal, pipe = cli._Out(_Terminal()), cli._Out(io.StringIO())
+    for out in (terminal, pipe):
+        out.table("memory", ("part", "bytes"), [("params", "1.00 KiB")], right=1)
+    assert "─" in terminal.stream.getvalue()
+    assert pipe.stream.getvalue() == "memory\npart       bytes\nparams  1.00 KiB\n"
+
+
+def test_the_plan_table_is_drawn_by_rich_on_a_wide_terminal(monkeypatch):
+    pytest.importorskip("rich")
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    monkeypatch.setenv("COLUMNS", "250")
+    assert main([*TINY, "--mesh", "dp=2,tp=2", "--policy", "fsdp(dp) + tp(llama, tp)"]) == 0
+    out = re.sub(r"\x1b\[[0-9;]*m", "", terminal.getvalue())  # rich's bold header
+    header = next(line for line in out.splitlines() if line.startswith("path "))
+    assert header.split() == [
+        "path",
+        "shape",
+        "dtype",
+        "storage",
+        "compute",
+        "grad",
+        "optim",
+        "local",
+        "(rank",
+        "0)",
+        "bytes/device",
+    ]
+    assert "─" * 20 in out
+    assert re.search(
+        r"^lm_head\.weight +256×64 +float32 +P\(\('tp', 'dp'\), None\) .* 16\.00 KiB$", out, re.M
+    )
+
+
+def test_the_demo_reads_the_new_policy_syntax_before_starting_processes():
+    with pytest.raises(fs.PolicyError, match="unknown rule set 'lama'"):
+        fs.demo.run(fs.Mesh(dp=2, tp=2), "fsdp(dp) + tp(lama, tp)")
+
+
+def test_the_console_script_reports_in_one_line_from_a_real_process():
     result = subprocess.run(
-        [sys.executable, "-m", "functional_shard.cli", "plan", "--model", "tiny", "--mesh", "dp=2"],
+        [sys.executable, "-m", "functional_shard", "plan", "--model", "tiny", "--mesh", "dp=2"],
         capture_output=True,
         text=True,
         check=False,
     )
     assert result.returncode == 2  # the default policy names a 'tp' axis this mesh lacks
-    assert "tp(llama, 'tp') names axis 'tp'" in result.stderr
+    assert result.stderr == (
+        "functional-shard: plan does not fit the model on Mesh(dp=2): tp(llama, 'tp') names axis 'tp', "
+        "which is not in Mesh(dp=2) (and 16 more problems). Fix the rule, change the mesh, or pad the "
+        "parameter.\n"
+    )
+    assert "Traceback" not in result.stderr
+
+
+def test_mesh_text():
+    assert cli.parse_mesh("dp=8, tp=4") == fs.Mesh(dp=8, tp=4)
+
+
+# ---- the estimate and the search (fs.estimate, fs.search_plans) ----
+def test_batch_and_seq_add_the_estimate_on_the_named_hardware(capsys, tmp_path):
+    argv = [*TINY, "--mesh", "dp=4", "--policy", "fsdp(dp) + bf16", "--batch", "2", "--seq", "16"]
+    code, out, _ = run(capsys, *argv, "--hardware", "a100", "--png", str(tmp_path / "p.png"))
+    assert code == 0
+    model = fs.zoo.llama("tiny")
+    plan = fs.shard(model, fs.Mesh(dp=4), fs.parse_policy("fsdp(dp) + bf16"))
+    estimate = fs.estimate(model, plan, batch=2, seq=16, hardware="a100")
+    assert str(estimate) in out  # --batch is per data-parallel rank, as fs.estimate takes it
+    assert "estimate on rank 0, a100, micro-batch 2 x 16 tokens" in out
+    assert out.rstrip().endswith("wrote the pictures to " + str(tmp_path / "p.png"))
+    code, _, err = run(capsys, *argv, "--hardware", "abacus")
+    assert code == 2
+    assert err.startswith("functional-shard: --hardware 'abacus': unknown hardware 'abacus'; choose one of")
+
+
+def test_auto_prints_the_candidates_then_the_chosen_plan(capsys, tmp_path):
+    argv = [*TINY, "--auto", "--devices", "4", "--batch", "8", "--seq", "64", "--top", "4"]
+    code, out, _ = run(capsys, *argv, "--budget", "700KiB", "--json", str(tmp_path / "best.json"))
+    assert code == 0
+    report = fs.search_plans(
+        fs.zoo.llama("tiny"), devices=4, memory_budget="700KiB", batch=8, seq=64, hardware="h100"
+    )
+    lines = out.splitlines()
+    assert lines[0] == (
+        f"{len(report.candidates)} candidates on h100, budget 700.00 KiB: "
+        f"{sum(c.fits for c in report.candidates)} fit; the first 4, those that fit first, fastest first:"
+    )
+    assert lines[1].split() == ["mesh", "policy", "peak", "step", "verdict"]
+    chosen = report.best_candidate
+    assert lines[2].startswith(f"{chosen.mesh!r}  ")
+    assert lines[2].endswith("  chosen")
+    assert chosen.policy_text in lines[2]
+    assert lines[7].startswith(f"Plan on {chosen.mesh!r}")
+    assert fs.Plan.from_json((tmp_path / "best.json").read_text()) == report.best
+    # the chosen candidate's own estimate is shown: the micro-batch is the global 8 over dp
+    assert str(chosen.estimate) in out
+    code, out, err = run(capsys, *argv, "--budget", "100KiB")
+    assert code == 2
+    assert "0 fit" in out.splitlines()[0]
+    assert re.fullmatch(
+        r"functional-shard: --budget: no plan fits 100\.00 KiB per device on 4 devices; the closest, "
+        r"Mesh\(.*\) .*, peaks at [\d.]+ KiB \([\d.]+ KiB over\): use more devices, a smaller --batch "
+        r"or --seq, or a larger --budget\n",
+        err,
+    )

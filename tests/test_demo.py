@@ -34,7 +34,7 @@ def test_the_default_demo_holds_every_prediction_and_matches_one_process():
 
 
 def test_a_mesh_the_model_cannot_split_is_refused_before_anything_starts():
-    result = demo("--mesh", "tp=4", "--policy", "tp:tp")
+    result = demo("--mesh", "tp=4", "--policy", "tp(llama, tp)")
     assert result.returncode == 2
     assert "its 2 attention heads (32 features, head_dim 16) do not split over 4" in result.stderr
     assert "Traceback" not in result.stderr

@@ -1,0 +1,42 @@
+"""examples/train_torchrun.py under torchrun for real: 4 gloo processes, a plan from the command line."""
+
+import math
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+def torchrun(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    return subprocess.run(
+        [*command, str(ROOT / "examples" / "train_torchrun.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+
+
+def test_a_plan_from_the_command_line_trains_under_torchrun():
+    result = torchrun("--mesh", "dp=2,tp=2", "--policy", "fsdp(dp) + tp(llama, tp)", "--steps", "4")
+    assert result.returncode == 0, result.stdout + result.stderr
+    losses = [float(x) for x in re.findall(r"^step +\d+  loss (\S+)$", result.stdout, re.M)]
+    assert len(losses) == 4
+    assert all(math.isfinite(loss) for loss in losses)
+    assert losses[-1] < losses[0] - 0.3  # the counting task is learnt
+    assert "Plan on Mesh(dp=2, tp=2): data parallel fsdp over ('dp',)" in result.stdout
+    assert "Warning" not in result.stderr
+
+
+def test_the_docs_show_the_launches_this_example_makes():
+    launching = (ROOT / "docs" / "launching.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for text in (launching, readme):
+        assert "torchrun --standalone --nproc-per-node 4 examples/train_torchrun.py" in text
+        assert re.search(
+            r"torchrun --nnodes \d+ --nproc-per-node \d+ --rdzv-backend c10d --rdzv-endpoint", text
+        )
+        assert re.search(r"Trainer\([^)]*num_nodes=\d+[^)]*strategy=ShardStrategy\(plan\)", text)
