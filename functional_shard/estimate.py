@@ -75,6 +75,13 @@ def parse_bytes(value: int | str) -> int:
     return round(float(match.group(1)) * _UNITS[unit])
 
 
+def _duration(seconds: float) -> str:
+    """Milliseconds to two decimals; a tiny model's steps in microseconds, not "0.00 ms"."""
+    if 0 < seconds < 1e-5:
+        return f"{seconds * 1e6:.2f} us"
+    return f"{seconds * 1e3:.2f} ms"
+
+
 @dataclass(frozen=True)
 class Estimate:
     """Peak device memory and step time of one training step, on one rank.
@@ -142,14 +149,14 @@ class Estimate:
         ]
         lines += [f"  {part:<15} {_bytes(nbytes)}" for part, nbytes in self.memory.items()]
         lines.append(
-            f"step {self.step_seconds * 1e3:.2f} ms: compute {self.compute_seconds * 1e3:.2f} ms "
+            f"step {_duration(self.step_seconds)}: compute {_duration(self.compute_seconds)} "
             f"({self.flops / 1e12:.3f} TFLOP at {hw.achievable_flops(self.dtype) / 1e12:.1f} TFLOP/s)"
         )
         why_width = max([22, *(len(why) for why in self.exposed_seconds)])
         what_width = max([34, *(len(what) for what in self.comm_seconds)])
-        lines += [f"  exposed {why:<{why_width}} {s * 1e3:.2f} ms" for why, s in self.exposed_seconds.items()]
+        lines += [f"  exposed {why:<{why_width}} {_duration(s)}" for why, s in self.exposed_seconds.items()]
         lines += [
-            f"  collective {what:<{what_width}} {s * 1e3:.2f} ms" for what, s in self.comm_seconds.items()
+            f"  collective {what:<{what_width}} {_duration(s)}" for what, s in self.comm_seconds.items()
         ]
         lines.append(f"tokens/s per device {self.tokens_per_second:,.0f}, MFU {self.mfu:.1%}")
         return "\n".join(lines)
@@ -361,8 +368,9 @@ def step_time(
 
     Tensor-parallel collectives sit on the critical path; FSDP/ZeRO gathers and
     reduce-scatters run under compute (all but the first gather); DDP's and HSDP's
-    gradient all-reduce runs under backward; parameter broadcasts (ZeRO-1) and buffer
-    broadcasts (DDP) follow the optimizer step and are exposed. On hardware that does not
+    gradient all-reduce runs under backward; ZeRO-1's parameter broadcasts follow the
+    optimizer step and are exposed (DDP, run by torch's composable ``replicate``, sends
+    no buffers). On hardware that does not
     overlap communication with compute (gloo on CPUs) every collective is exposed. Each
     collective also costs the hardware's ``collective_latency``. ``recomputed`` (bytes
     as `recomputed_collectives` gives them, and how many collectives) are the

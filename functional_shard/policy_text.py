@@ -55,11 +55,12 @@ __all__ = ["FORMS", "format_policy", "parse_policy"]
 FORMS = (
     "fsdp(AXIS), hsdp(REPLICATE_AXIS, SHARD_AXIS), zero(1|2|3, AXIS), ddp(AXIS) or replicate(AXIS), "
     "tp(RULES, AXIS), sp(RULES, AXIS), checkpointing(CLASS or 'path.*', full|selective), "
-    "offload, bf16, fp16, mixed_precision(DTYPE), none, joined by +; RULES: llama, gpt2, mlp, hf, auto"
+    "offload, bf16, fp16, mixed_precision(DTYPE), none, joined by +; "
+    "RULES: llama, gpt2, gpt2_hf, mlp, hf, auto"
 )
 """The accepted forms, as every parse error lists them."""
 
-_RULE_SETS = ("llama", "gpt2", "mlp")
+_RULE_SETS = ("llama", "gpt2", "gpt2_hf", "mlp")
 _RESOLVED_LATER = ("hf", "auto")  # tp() resolves these against the model at shard() time
 _DTYPES = {
     "bf16": torch.bfloat16,

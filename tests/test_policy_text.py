@@ -32,6 +32,7 @@ EXAMPLES = [
     ("tp(llama, tp, sequence_parallel=true)", fs.tp(LLAMA, "tp", sequence_parallel=True)),
     ("sp(llama, tp)", fs.tp(LLAMA, "tp", sequence_parallel=True)),
     ("tp(gpt2, 'model')", fs.tp(fs.rules.gpt2, "model")),
+    ("tp(gpt2_hf, tp)", fs.tp(fs.rules.gpt2_hf, "tp")),
     ("tp(hf, tp)", fs.tp("hf", "tp")),
     ("sp(auto, tp)", fs.tp("auto", "tp", sequence_parallel=True)),
     ("checkpointing('layers.*')", fs.checkpointing("layers.*")),
@@ -89,7 +90,7 @@ def text_policies(draw: st.DrawFn) -> fs.Policy:
         else:
             parts.append(fs.hsdp(axes[0], axes[1], **options))
     if draw(st.booleans()):
-        name = draw(st.sampled_from(["llama", "gpt2", "mlp", "hf", "auto"]))
+        name = draw(st.sampled_from(["llama", "gpt2", "gpt2_hf", "mlp", "hf", "auto"]))
         rules = name if name in ("hf", "auto") else getattr(fs.rules, name)
         parts.append(fs.tp(rules, axes[3], sequence_parallel=draw(st.booleans())))
     if draw(st.booleans()):
@@ -136,7 +137,7 @@ def _refused(text: str, model=MODEL) -> str:
         ("foo(dp)", "unknown name 'foo'"),
         (
             "fsdp(dp) + tp(lama, tp)",
-            "in 'tp(lama, tp)': unknown rule set 'lama'; use one of llama, gpt2, mlp, hf, auto",
+            "in 'tp(lama, tp)': unknown rule set 'lama'; use one of llama, gpt2, gpt2_hf, mlp, hf, auto",
         ),
         ("zero(2.5, dp)", "in '2.5': arguments are bare names, 'strings', integers, true/false"),
         ("zero(4, dp)", "zero(stage=4): stage is 1, 2 or 3"),
