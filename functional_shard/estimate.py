@@ -410,12 +410,7 @@ def step_time(
         total = tensor_parallel + recompute + sharded + all_reduce + broadcast
         if total:
             exposed["communication (no overlap)"] = total
-        if plan_cost.host_bytes:
-            exposed["host transfers"] = 2 * plan_cost.host_bytes / hw.host_bandwidth
-        step = optimizer_seconds(plan_cost, hw)
-        if step:
-            exposed["optimizer step"] = step
-        return compute, exposed, per_collective
+        return compute, _with_step_tail(exposed, plan_cost, hw), per_collective
     if tensor_parallel:
         exposed["tensor parallel"] = tensor_parallel
     if recompute:
@@ -437,13 +432,18 @@ def step_time(
             exposed["grad all-reduce"] = rest
     if broadcast:
         exposed["broadcast after step"] = broadcast
+    return compute, _with_step_tail(exposed, plan_cost, hw), per_collective
+
+
+def _with_step_tail(exposed: dict[str, float], plan_cost: Cost, hw: Hardware) -> dict[str, float]:
+    """``exposed`` plus what no plan overlaps: host transfers and the optimizer step."""
     if plan_cost.host_bytes:
         # offloaded state crosses the host link twice a step (to the device and back)
         exposed["host transfers"] = 2 * plan_cost.host_bytes / hw.host_bandwidth
     step = optimizer_seconds(plan_cost, hw)
     if step:
         exposed["optimizer step"] = step
-    return compute, exposed, per_collective
+    return exposed
 
 
 def estimate(

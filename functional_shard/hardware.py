@@ -163,20 +163,6 @@ PROFILES: dict[str, Hardware] = {
         inter_node_efficiency=0.80,
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM5); efficiency: Llama 3 paper (38-43% BF16 MFU)",
     ),
-    "h200": Hardware(
-        name="h200",
-        host_bandwidth=64 * _GB,
-        flops={"bfloat16": 989 * _TFLOPS, "float16": 989 * _TFLOPS, "float32": 67 * _TFLOPS},
-        memory_bytes=141 * _GB,
-        memory_bandwidth=4.8e12,
-        devices_per_node=8,
-        intra_node_bandwidth=450 * _GB,
-        inter_node_bandwidth=50 * _GB,
-        compute_efficiency=0.40,
-        intra_node_efficiency=0.80,
-        inter_node_efficiency=0.80,
-        source="NVIDIA H200 Tensor Core GPU datasheet (SXM); efficiency as h100 (same compute die)",
-    ),
     "a100": Hardware(
         name="a100",
         host_bandwidth=32 * _GB,
@@ -206,6 +192,14 @@ PROFILES: dict[str, Hardware] = {
         source="NVIDIA DGX B200 datasheet; efficiency assumed as h100 (no public BF16 MFU found)",
     ),
 }
+# The H200 is an H100 die with more and faster HBM: only memory differs.
+PROFILES["h200"] = dataclasses.replace(
+    PROFILES["h100"],
+    name="h200",
+    memory_bytes=141 * _GB,
+    memory_bandwidth=4.8e12,
+    source="NVIDIA H200 Tensor Core GPU datasheet (SXM); efficiency as h100 (same compute die)",
+)
 
 _LOCAL: dict[int, Hardware] = {}
 
