@@ -10,7 +10,6 @@ dtype, micro-batch, seq), plans and costs by every candidate with the same mesh 
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -150,29 +149,11 @@ def repeated_block(model: Any) -> type | None:
 def _rules(model: Any) -> Any:
     from . import rules
 
-    for_model = getattr(rules, "for_model", None)
-    if for_model is None:
-        return rules.llama
-    try:
-        return for_model(model)
-    except ImportError:  # the Hugging Face rules need an optional extra
-        return rules.llama
-
-
-def _checkpoint_policy(block: type, how: str) -> Policy:
-    if how == "full":
-        return checkpointing(block)
-    if "policy" in inspect.signature(checkpointing).parameters:
-        return checkpointing(block, policy=how)  # type: ignore[call-arg]
-    raise ShardingError("selective checkpointing is not available in this version")
+    return rules.for_model(model)
 
 
 def _checkpoint_options(block: type | None) -> tuple[str, ...]:
-    if block is None:
-        return ("none",)
-    if "policy" in inspect.signature(checkpointing).parameters:
-        return CHECKPOINTING
-    return ("none", "full")
+    return ("none",) if block is None else CHECKPOINTING
 
 
 def _divisors(n: int) -> list[int]:
@@ -237,7 +218,7 @@ def _policy(point: _Point, rules: Any, block: type | None, how: str, dtype: str 
     if dtype:
         policy = policy + mixed_precision(dtype)
     if how != "none" and block is not None:
-        policy = policy + _checkpoint_policy(block, how)
+        policy = policy + checkpointing(block, policy=how)
     if point.offload:
         policy = policy + offload()
     return policy

@@ -227,10 +227,8 @@ def gathered_in_flight(plan: Plan, units: Mapping[str, int] | None = None) -> in
 
 
 def _trace(model: Any, plan: Plan, batch: int, seq: int, rank: int | None, inputs: Any) -> Any:
-    try:
-        from .activations import trace_activations
-    except ImportError as error:  # the tracer ships beside this module
-        raise ShardingError("fs.estimate needs functional_shard.activations (not installed)") from error
+    from .activations import trace_activations  # lazily: it loads torch's fake-tensor machinery
+
     return trace_activations(model, plan, batch=batch, seq=seq, rank=rank, inputs=inputs)
 
 

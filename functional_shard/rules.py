@@ -31,7 +31,7 @@ import functools
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Literal, TypeAlias, cast
+from typing import Literal, TypeAlias, cast, get_args
 
 from torch import nn
 
@@ -63,16 +63,7 @@ Style: TypeAlias = Literal[
     "replicate_grad_allreduce",
     "replicate",
 ]
-STYLES: tuple[str, ...] = (
-    "colwise",
-    "colwise_gather",
-    "rowwise",
-    "rowwise_split_input",
-    "packed_colwise",
-    "sequence",
-    "replicate_grad_allreduce",
-    "replicate",
-)
+STYLES: tuple[str, ...] = get_args(Style)
 """``colwise_gather`` splits like ``colwise`` and all-gathers the output, for a final
 projection whose whole output the loss needs (torch's ``ColwiseParallel(output_layouts=
 Replicate())``). ``rowwise_split_input`` splits like ``rowwise`` but takes a whole

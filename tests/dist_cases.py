@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -71,11 +72,11 @@ def device() -> torch.device:
 
 
 def reference(
-    config: LlamaConfig, data_parallel: int, eps: float = 1e-8
+    config: LlamaConfig, data_parallel: int, eps: float = 1e-8, model_type: type[Llama] = Llama
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single-process training on the whole global batch (AdamW with this `eps`)."""
+    """Single-process training of a ``model_type`` on the whole global batch (AdamW with this `eps`)."""
     torch.manual_seed(0)
-    model = Llama(config)
+    model = model_type(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=eps)
     losses = []
     for tokens in batches(config, data_parallel):
@@ -133,11 +134,24 @@ def measure_comm(name: str, config: LlamaConfig) -> dict[str, object]:
     tokens = batches(config, 1)[0][:MICRO_BATCH]
     # two warm-up steps: the first builds lazy state, the second DDP's rebuilt buckets,
     # whose layout it broadcasts once
-    for step in range(3):
+    return steady_state_comm(model, optimizer, plan, lambda: loss_of(model, tokens), tokens, warmups=2)
+
+
+def steady_state_comm(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plan: fs.Plan,
+    loss: Callable[[], torch.Tensor],
+    tokens: torch.Tensor,
+    warmups: int,
+) -> dict[str, object]:
+    """Bytes this rank sends in the training step after ``warmups`` steps of ``loss()``,
+    beside `plan.cost`'s prediction for the step's ``tokens`` (inputs and next-token labels)."""
+    for step in range(warmups + 1):
         log = fs.measure.CollectiveLog(plan.mesh)
-        with log if step == 2 else contextlib.nullcontext():
+        with log if step == warmups else contextlib.nullcontext():
             optimizer.zero_grad()
-            loss_of(model, tokens).backward()
+            loss().backward()
             optimizer.step()
     cost = plan.cost("adamw", tokens=tokens[:, :-1].numel())
     return {

@@ -5,14 +5,13 @@ Importable so that spawn can send the functions; transformers is imported when a
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
 
 import functional_shard as fs
 
+from . import dist_cases
 from .dist_cases import full, mean_over_ranks
 
 STEPS = 3
@@ -124,13 +123,18 @@ def reference(
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, grads
 
 
-def train(model_name: str, strategy_name: str) -> dict[str, object]:
-    """Train under one strategy on this rank; rank 0 returns losses and full parameters."""
+def _built(model_name: str, strategy_name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, fs.Plan]:
+    """The model (seed 0) under a strategy on this rank, with its AdamW."""
     mesh, policy = strategy(strategy_name, dist.get_world_size())
     model = build(model_name)
     plan = fs.shard(model, mesh, policy)
     fs.apply(plan, model)
-    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR, eps=EPS)
+    return model, fs.optimizer(plan, model, torch.optim.AdamW, lr=LR, eps=EPS), plan
+
+
+def train(model_name: str, strategy_name: str) -> dict[str, object]:
+    """Train under one strategy on this rank; rank 0 returns losses and full parameters."""
+    model, optimizer, plan = _built(model_name, strategy_name)
     index, data_parallel = plan.data_parallel_rank(dist.get_rank())
     losses = []
     grads: dict[str, torch.Tensor] = {}
@@ -158,24 +162,10 @@ def train_all(model_name: str, strategies: tuple[str, ...]) -> dict[str, dict[st
 
 def measure_comm(model_name: str, strategy_name: str) -> dict[str, object]:
     """Bytes this rank sends in a steady-state training step (c10d ops), and the prediction."""
-    mesh, policy = strategy(strategy_name, dist.get_world_size())
-    model = build(model_name)
-    plan = fs.shard(model, mesh, policy)
-    fs.apply(plan, model)
-    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR, eps=EPS)
+    model, optimizer, plan = _built(model_name, strategy_name)
     tokens = batches(1)[0][:MICRO_BATCH]
-    for step in range(2):  # one warm-up step builds lazy state
-        log = fs.measure.CollectiveLog(plan.mesh)
-        with log if step == 1 else contextlib.nullcontext():
-            optimizer.zero_grad()
-            loss_of(model, tokens).backward()
-            optimizer.step()
-    cost = plan.cost("adamw", tokens=tokens[:, :-1].numel())
-    return {
-        "measured": log.sent,
-        "predicted": {k: dict(v) for k, v in cost.comm_bytes.items()},
-        "ops": log.ops,
-    }
+    # one warm-up step builds lazy state
+    return dist_cases.steady_state_comm(model, optimizer, plan, lambda: loss_of(model, tokens), tokens, 1)
 
 
 def distinct_values(module: torch.nn.Module) -> None:

@@ -17,7 +17,6 @@ import functional_shard as fs
 from functional_shard import rules
 from functional_shard.auto import _points, head_counts, repeated_block
 from functional_shard.zoo import CONFIGS, MLP, Block, llama
-from tests.estimate_helpers import use_tracer
 
 _TRACES: dict = {}
 
@@ -39,7 +38,6 @@ def _trace_key(plan, batch, seq):
 
 @pytest.fixture(autouse=True)
 def _tracer(monkeypatch):
-    use_tracer(monkeypatch)
     # the enumeration below estimates ~40 plans; reuse one trace per key, as auto does
     module = importlib.import_module("functional_shard.estimate")
     trace = module._trace

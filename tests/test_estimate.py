@@ -16,14 +16,12 @@ import functional_shard as fs
 from functional_shard import rules
 from functional_shard.estimate import gathered_in_flight, recomputed_collectives, unit_gathered_bytes
 from functional_shard.zoo import Block, llama
-from tests.estimate_helpers import use_tracer
 
 _TRACED: dict = {}
 
 
 @pytest.fixture(autouse=True)
 def _tracer(monkeypatch):
-    use_tracer(monkeypatch)
     # the plans below are built once, so a trace is reused by every test that asks again
     module = importlib.import_module("functional_shard.estimate")
     trace = module._trace

@@ -11,7 +11,7 @@ import torch
 import functional_shard as fs
 from functional_shard import rules
 from functional_shard.zoo import Block, Llama, LlamaConfig
-from tests.estimate_helpers import measure_steps, use_tracer
+from tests.estimate_helpers import measure_steps
 
 # big enough that compute and communication, not Python overhead, dominate a step
 CONFIG = LlamaConfig(
@@ -33,8 +33,7 @@ PLANS = {
 
 
 @pytest.mark.slow
-def test_estimated_step_times_rank_plans_as_measured(monkeypatch):
-    use_tracer(monkeypatch)
+def test_estimated_step_times_rank_plans_as_measured():
     local = fs.hardware("local", processes=4)
     with torch.device("meta"):
         model = Llama(CONFIG)

@@ -38,17 +38,7 @@ class ScaledLlama(Llama):
 
 def reference(data_parallel: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process training on the whole global batch."""
-    torch.manual_seed(0)
-    model = ScaledLlama(CONFIG)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for tokens in batches(CONFIG, data_parallel):
-        optimizer.zero_grad()
-        loss = loss_of(model, tokens)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return dist_cases.reference(CONFIG, data_parallel, model_type=ScaledLlama)
 
 
 def strategy(name: str, world: int) -> tuple[fs.Mesh, fs.Policy]:
