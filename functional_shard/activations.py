@@ -231,6 +231,13 @@ def _checkpointed(model: nn.Module, paths: tuple[str, ...], policy: str) -> Iter
             del module.forward
 
 
+def _gathered_features(plan: Any, path: str, kind: str) -> int:
+    """The global output width of a module whose output is gathered (a colwise_gather one)."""
+    shape = plan.tensors[plan.canonical(f"{path}.weight")].shape
+    # Linear's weight is (out, in); Conv1D's (in, out); an embedding's (num, dim) gives dim
+    return shape[-1] if kind in ("conv1d", "embedding") else shape[0]
+
+
 @contextlib.contextmanager
 def _sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> Iterator[None]:
     # What torch's styles do to activations, re-enacted on plain tensors. Under sequence
@@ -256,9 +263,16 @@ def _sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> I
     def scatter_seq(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
         return out.narrow(1, 0, out.shape[1] // tp_size).clone()
 
-    def gather_features(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
-        full = getattr(module, "out_features", out.shape[-1] * tp_size)
-        return torch.cat([out] * tp_size, dim=-1).narrow(-1, 0, full)
+    def gather_features(full: int, module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        # the gathered output has the global width whatever this rank's piece is (uneven
+        # splits: trailing ranks hold less, torch.chunk style; DTensor pads only in transit)
+        return torch.nn.functional.pad(out, (0, full - out.shape[-1]))
+
+    def split_input(kind: str, module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        # a whole input sliced to this rank's in-features, a copy as DTensor's Replicate ->
+        # Shard redistribution makes; the local weight says how many
+        local = module.weight.shape[0 if kind == "conv1d" else -1]
+        return (args[0].narrow(-1, 0, local).clone(), *args[1:])
 
     def split_projection(module: Any, style: str, kind: str) -> Any:
         # apply runs Conv1D layers and packed projections itself (_split_projection): a
@@ -296,7 +310,10 @@ def _sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> I
             if sequence and (style in ("rowwise", "rowwise_split_input") or kind == "embedding"):
                 handles.append(module.register_forward_hook(scatter_seq))
             if style == "colwise_gather":
-                handles.append(module.register_forward_hook(gather_features))
+                full = _gathered_features(plan, path, kind)
+                handles.append(module.register_forward_hook(functools.partial(gather_features, full)))
+            if style == "rowwise_split_input":
+                handles.append(module.register_forward_pre_hook(functools.partial(split_input, kind)))
         yield
     finally:
         for handle in handles:
