@@ -45,7 +45,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from .errors import ShardingError
 
-__all__ = ["SAVED_OPS", "ActivationTrace", "selective_context", "trace_activations"]
+__all__ = ["SAVED_OPS", "ActivationTrace", "expert_loads", "selective_context", "trace_activations"]
 
 _aten = torch.ops.aten
 # Op-level selective checkpointing keeps the outputs of matrix multiplies and attention
@@ -484,13 +484,17 @@ def _routed_experts(model: nn.Module, imbalance: float) -> Iterator[None]:
         for module in model.modules()
         if _is_routed_experts(module) and _experts_implementation(module) in ("eager", "grouped_mm")
     ]
+    previous = [module.__dict__.get("forward") for module in replaced]
     try:
         for module in replaced:
             module.forward = functools.partial(routed, module)  # type: ignore[method-assign]
         yield
     finally:
-        for module in replaced:
-            module.__dict__.pop("forward", None)
+        for module, forward in zip(replaced, previous, strict=True):
+            if forward is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = forward  # type: ignore[method-assign]
 
 
 def _inputs(

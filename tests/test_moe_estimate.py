@@ -1,8 +1,8 @@
 """Mixture-of-experts layers in the estimate: every token visits top-k of E experts.
 
 On fake tensors the router's choice has no values, so the trace routes deterministically
-(`fs.activations.expert_loads`: balanced by default, or with one hot expert) and runs each
-experts module as transformers' eager loop runs it. Two proofs, on tiny Hugging Face
+(`functional_shard.activations.expert_loads`: balanced by default, or one hot expert) and
+runs each experts module as its implementation (grouped_mm or eager) runs it. Two proofs, on tiny Hugging Face
 Mixtral, Qwen2-MoE (with its shared expert) and Qwen3-MoE configs built from their
 config classes (no download):
 
