@@ -106,3 +106,67 @@ def test_a_split_input_is_sliced_to_the_rank_s_features():
         assert trace.output_bytes == 2 * 8 * 251 * 4
         flops.append(trace.forward_flops - linear_flops(model, plan, rank, 2 * 8))
     assert flops[0] == flops[1] >= 0
+
+
+# apply refuses a rowwise Linear over uneven in-features (RowwiseParallel assumes even
+# shards), so the MLP width is even here; the vocabulary is not
+UNEVEN = LlamaConfig(vocab_size=251, hidden_size=32, intermediate_size=64, num_heads=4, num_kv_heads=2)
+
+
+def phi3(device: str, intermediate_size: int = 48) -> nn.Module:
+    """A tiny Hugging Face Phi-3 (fused qkv and gate_up projections: colwise_gather, then
+    rowwise_split_input in transformers' tp plan), vocabulary 251, seed 0."""
+    import transformers
+
+    config = transformers.Phi3Config(
+        vocab_size=251,
+        hidden_size=32,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        eos_token_id=0,
+        bos_token_id=0,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        return transformers.Phi3ForCausalLM(config)
+
+
+def measure_uneven(case: str) -> dict[str, int]:
+    """On a real rank of tp=2 (spawnable): traced and saved activation bytes, traced and real logits bytes."""
+    import torch.distributed as dist
+
+    if case == "phi3":
+        model, meta, policy, extra = phi3("cpu"), phi3("meta"), fs.tp("hf", "tp"), {"use_cache": False}
+    else:
+        torch.manual_seed(0)
+        model, meta = Llama(UNEVEN), Llama(UNEVEN).to("meta")
+        policy, extra = fs.tp(fs.rules.llama, "tp", sequence_parallel=case == "sp"), {}
+    plan = fs.shard(model, fs.Mesh(tp=2), policy)
+    trace = trace_activations(meta, plan, batch=2, seq=12, rank=dist.get_rank())
+    fs.apply(plan, model)
+    tokens = torch.randint(0, 251, (2, 12), generator=torch.Generator().manual_seed(1))
+    saved, output = fs.saved_tensor_bytes(model, tokens, **extra)
+    logits = getattr(output, "logits", output)
+    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    return {
+        "traced": trace.activation_bytes,
+        "saved": saved,
+        "traced_output": trace.output_bytes,
+        "output": logits.numel() * logits.element_size(),
+    }
+
+
+@pytest.mark.slow
+def test_an_uneven_rank_traces_what_torch_saves_there():
+    pytest.importorskip("transformers")
+    with fs.LocalWorld(2) as world:
+        for case in ("tp", "sp", "phi3"):
+            ranks = world.run(measure_uneven, case)
+            for rank, result in enumerate(ranks):
+                where = (case, rank, result)
+                assert result["traced_output"] == result["output"] == 2 * 12 * 251 * 4, where
+                assert result["traced"] == pytest.approx(result["saved"], rel=0.03), where
