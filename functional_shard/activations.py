@@ -268,7 +268,7 @@ def _sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> I
     def gather_features(full: int, module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
         # the gathered output has the global width whatever this rank's piece is (uneven
         # splits: trailing ranks hold less, torch.chunk style; DTensor pads only in transit)
-        return torch.nn.functional.pad(out, (0, full - out.shape[-1]))
+        return F.pad(out, (0, full - out.shape[-1]))
 
     def split_input(kind: str, module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
         # a whole input sliced to this rank's in-features, a copy as DTensor's Replicate ->
@@ -384,7 +384,7 @@ def expert_loads(tokens: int, top_k: int, experts: int, imbalance: float = 1.0) 
             f"but {tokens} tokens visit {top_k} experts each and a token visits an expert once: "
             f"use at most {experts / top_k:g} (experts / top-k) for this model"
         )
-    if experts == 1 or hot == math.ceil(visits / experts):
+    if experts == 1 or hot == -(-visits // experts):
         share, extra = divmod(visits, experts)
         return [share + (expert < extra) for expert in range(experts)]
     share, extra = divmod(visits - hot, experts - 1)

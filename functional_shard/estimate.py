@@ -504,7 +504,7 @@ def estimate(
     hw = _hardware(hardware)
     dtype = compute_dtype(plan)
     hw.peak_flops(dtype)  # fail early, before tracing
-    trace = _trace(model, plan, batch, seq, rank, inputs, expert_imbalance)
+    trace = _trace(model, plan, batch, seq, rank, inputs, expert_imbalance=expert_imbalance)
     plan_cost = cost(plan, optimizer, rank=rank, tokens=batch * seq)
     units = unit_gathered_bytes(plan)
     return _assemble(plan, plan_cost, trace, hw, dtype, batch, seq, units, plan.config.checkpointed)
