@@ -309,11 +309,13 @@ def _sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> I
                 handles.append(module.register_forward_hook(gathered_view))
             if sequence and style in ("colwise", "colwise_gather") and kind != "embedding":
                 handles.append(module.register_forward_pre_hook(gather_input))
-            if sequence and (style in ("rowwise", "rowwise_split_input") or kind == "embedding"):
-                handles.append(module.register_forward_hook(scatter_seq))
-            if style == "colwise_gather":
+            if style == "colwise_gather" or (style == "colwise" and kind == "embedding"):
+                # a colwise embedding's output is gathered over the features too (before
+                # sequence parallel splits it: hooks run in the order they were added)
                 full = _gathered_features(plan, path, kind)
                 handles.append(module.register_forward_hook(functools.partial(gather_features, full)))
+            if sequence and (style in ("rowwise", "rowwise_split_input") or kind == "embedding"):
+                handles.append(module.register_forward_hook(scatter_seq))
             if style == "rowwise_split_input":
                 handles.append(module.register_forward_pre_hook(functools.partial(split_input, kind)))
         yield

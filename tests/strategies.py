@@ -90,8 +90,9 @@ def linear_colwise(path: str, tensor: fs.TensorSpec, mesh: fs.Mesh) -> fs.ParamS
 @st.composite
 def uneven_llama_plans(draw: st.DrawFn) -> tuple[nn.Module, fs.Plan]:
     """A tiny zoo Llama on meta whose vocabulary and MLP width the tensor-parallel size seldom
-    divides, under dp, tp or dp x tp (sequence parallel or not, FSDP or not); heads are whole
-    multiples of tp, as the attention needs."""
+    divides, under dp, tp or dp x tp (sequence parallel or not, FSDP or not, the embedding
+    split over the vocabulary or the features); heads are whole multiples of tp, as the
+    attention needs."""
     from functional_shard.zoo import Llama, LlamaConfig
 
     dp, tp = draw(st.sampled_from([(2, 1), (1, 2), (1, 3), (1, 4), (2, 2)]))
@@ -113,5 +114,10 @@ def uneven_llama_plans(draw: st.DrawFn) -> tuple[nn.Module, fs.Plan]:
         # ZeRO-1 keeps optimizer state whole per rank: the planner refuses it with tensor parallel
         allowed = [fs.replicate("dp"), fs.zero(2, "dp"), fs.zero(3, "dp"), fs.fsdp("dp")]
         policy = draw(st.sampled_from(allowed))
-        policy = policy + fs.tp(fs.rules.llama, "tp", sequence_parallel=draw(st.booleans()))
+        rules = fs.rules.llama
+        # the embedding split over its features rather than the vocabulary (untied: a tied
+        # lm_head splits the vocabulary)
+        if not config.tie_embeddings and draw(st.booleans()):
+            rules = fs.Rules([("*embed_tokens", "colwise"), *((r.pattern, r.target) for r in rules.rules)])
+        policy = policy + fs.tp(rules, "tp", sequence_parallel=draw(st.booleans()))
     return model, fs.shard(model, fs.Mesh(dp=dp, tp=tp), policy)
