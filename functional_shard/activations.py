@@ -28,11 +28,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F  # noqa: N812
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -43,7 +45,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from .errors import ShardingError
 
-__all__ = ["SAVED_OPS", "ActivationTrace", "selective_context", "trace_activations"]
+__all__ = ["SAVED_OPS", "ActivationTrace", "expert_loads", "selective_context", "trace_activations"]
 
 _aten = torch.ops.aten
 # Op-level selective checkpointing keeps the outputs of matrix multiplies and attention
@@ -231,6 +233,13 @@ def _checkpointed(model: nn.Module, paths: tuple[str, ...], policy: str) -> Iter
             del module.forward
 
 
+def _gathered_features(plan: Any, path: str, kind: str) -> int:
+    """The global output width of a module whose output is gathered (a colwise_gather one)."""
+    shape = plan.tensors[plan.canonical(f"{path}.weight")].shape
+    # Linear's weight is (out, in); Conv1D's (in, out); an embedding's (num, dim) gives dim
+    return shape[-1] if kind in ("conv1d", "embedding") else shape[0]
+
+
 @contextlib.contextmanager
 def _sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> Iterator[None]:
     # What torch's styles do to activations, re-enacted on plain tensors. Under sequence
@@ -256,9 +265,16 @@ def _sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> I
     def scatter_seq(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
         return out.narrow(1, 0, out.shape[1] // tp_size).clone()
 
-    def gather_features(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
-        full = getattr(module, "out_features", out.shape[-1] * tp_size)
-        return torch.cat([out] * tp_size, dim=-1).narrow(-1, 0, full)
+    def gather_features(full: int, module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        # the gathered output has the global width whatever this rank's piece is (uneven
+        # splits: trailing ranks hold less, torch.chunk style; DTensor pads only in transit)
+        return F.pad(out, (0, full - out.shape[-1]))
+
+    def split_input(kind: str, module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        # a whole input sliced to this rank's in-features, a copy as DTensor's Replicate ->
+        # Shard redistribution makes; the local weight says how many
+        local = module.weight.shape[0 if kind == "conv1d" else -1]
+        return (args[0].narrow(-1, 0, local).clone(), *args[1:])
 
     def split_projection(module: Any, style: str, kind: str) -> Any:
         # apply runs Conv1D layers and packed projections itself (_split_projection): a
@@ -293,10 +309,15 @@ def _sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> I
                 handles.append(module.register_forward_hook(gathered_view))
             if sequence and style in ("colwise", "colwise_gather") and kind != "embedding":
                 handles.append(module.register_forward_pre_hook(gather_input))
+            if style == "colwise_gather" or (style == "colwise" and kind == "embedding"):
+                # a colwise embedding's output is gathered over the features too (before
+                # sequence parallel splits it: hooks run in the order they were added)
+                full = _gathered_features(plan, path, kind)
+                handles.append(module.register_forward_hook(functools.partial(gather_features, full)))
             if sequence and (style in ("rowwise", "rowwise_split_input") or kind == "embedding"):
                 handles.append(module.register_forward_hook(scatter_seq))
-            if style == "colwise_gather":
-                handles.append(module.register_forward_hook(gather_features))
+            if style == "rowwise_split_input":
+                handles.append(module.register_forward_pre_hook(functools.partial(split_input, kind)))
         yield
     finally:
         for handle in handles:
@@ -325,6 +346,157 @@ def _unpacked_sequences(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         masking.find_packed_sequence_indices = original
+
+
+def check_expert_imbalance(imbalance: Any) -> float:
+    """``imbalance`` if it is a finite number >= 1, else a `ShardingError` saying what it means."""
+    if isinstance(imbalance, bool) or not isinstance(imbalance, int | float) or not 1 <= imbalance < math.inf:
+        raise ShardingError(
+            f"expert_imbalance={imbalance!r}: a finite number >= 1 (1.0 is balanced routing; 2.0 gives "
+            "the most loaded expert of each mixture-of-experts layer twice an even share of the tokens)"
+        )
+    return float(imbalance)
+
+
+def expert_loads(tokens: int, top_k: int, experts: int, imbalance: float = 1.0) -> list[int]:
+    """Tokens each of ``experts`` experts gets when ``tokens`` tokens each visit ``top_k`` of them.
+
+    The ``tokens * top_k`` visits are shared out as evenly as they go (the remainder one
+    more to each of the lowest-numbered experts). ``imbalance`` > 1 makes expert 0 the
+    hot one: it gets ``ceil(imbalance * tokens * top_k / experts)`` tokens and the others
+    share the rest evenly. A token visits an expert once, so expert 0 can get at most
+    ``tokens`` (``imbalance`` at most ``experts / top_k``).
+
+    Raises:
+        ShardingError: ``imbalance`` below 1, or more than the tokens there are.
+
+    Examples:
+        >>> expert_loads(tokens=10, top_k=2, experts=8)
+        [3, 3, 3, 3, 2, 2, 2, 2]
+        >>> expert_loads(tokens=10, top_k=2, experts=8, imbalance=2.0)
+        [5, 3, 2, 2, 2, 2, 2, 2]
+    """
+    visits = tokens * top_k
+    check_expert_imbalance(imbalance)
+    # rounded first, so that 1.0 * 20 / 8 is not pushed up by float error
+    hot = math.ceil(round(imbalance * visits / experts, 9))
+    if hot > tokens:
+        raise ShardingError(
+            f"expert_imbalance={imbalance!r}: the most loaded of {experts} experts would get {hot} tokens, "
+            f"but {tokens} tokens visit {top_k} experts each and a token visits an expert once: "
+            f"use at most {experts / top_k:g} (experts / top-k) for this model"
+        )
+    if experts == 1 or hot == -(-visits // experts):
+        share, extra = divmod(visits, experts)
+        return [share + (expert < extra) for expert in range(experts)]
+    share, extra = divmod(visits - hot, experts - 1)
+    return [hot] + [share + (expert < extra) for expert in range(experts - 1)]
+
+
+def _is_routed_experts(module: nn.Module) -> bool:
+    # transformers' experts (Mixtral, Qwen2-MoE, Qwen3-MoE, ...): gate and up projections
+    # concatenated in one [E, 2f, d] parameter, down [E, d, f], no biases
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (
+        isinstance(gate_up, torch.Tensor)
+        and isinstance(down, torch.Tensor)
+        and gate_up.ndim == down.ndim == 3
+        and isinstance(getattr(module, "num_experts", None), int)
+        and callable(getattr(module, "act_fn", None))
+        and getattr(module, "has_gate", True)
+        and not getattr(module, "has_bias", False)
+        and not getattr(module, "is_transposed", False)
+        and getattr(module, "is_concatenated", True)
+    )
+
+
+def _experts_implementation(module: nn.Module) -> str:
+    # set by transformers' use_experts_implementation from the config ("grouped_mm" by default)
+    return getattr(getattr(module, "config", None), "_experts_implementation", None) or "eager"
+
+
+def _eager_experts(
+    module: Any, loads: list[int], hidden_states: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    # transformers' eager loop, for the given loads: per expert, the rows `where` picks
+    final = torch.zeros_like(hidden_states)
+    for expert, load in enumerate(loads):
+        if not load:
+            continue  # the loop skips experts no token chose
+        with torch.no_grad():  # `where` on the expert's mask: one (load, 2) index storage
+            top_k_pos, token_idx = torch.empty(load, 2, dtype=torch.long, device=final.device).unbind(1)
+        gate, up = F.linear(hidden_states[token_idx], module.gate_up_proj[expert]).chunk(2, dim=-1)
+        out = F.linear(module.act_fn(gate) * up, module.down_proj[expert])
+        out = out * top_k_weights[token_idx, top_k_pos, None]
+        final.index_add_(0, token_idx, out.to(final.dtype))
+    return final
+
+
+def _grouped_experts(
+    module: Any,
+    loads: list[int],
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    # transformers' grouped_mm path: visits sorted by expert, each expert's rows one block
+    # of a (tokens * top_k)-row matrix; the grouped matmul is done block by block on views
+    # of that matrix (the same storages saved, and flops torch's formulas count)
+    top_k = top_k_index.shape[-1]
+    with torch.no_grad():
+        _, perm = torch.sort(top_k_index.reshape(-1))
+    rows = hidden_states[perm // top_k]
+    weights = top_k_weights.reshape(-1)[perm]
+
+    def grouped(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        blocks, start = [], 0
+        for expert, load in enumerate(loads):
+            blocks.append(F.linear(x.narrow(0, start, load), weight[expert]))
+            start += load
+        return torch.cat(blocks)
+
+    gate, up = grouped(rows.to(module.gate_up_proj.dtype), module.gate_up_proj).chunk(2, dim=-1)
+    out = grouped((module.act_fn(gate) * up).to(module.down_proj.dtype), module.down_proj)
+    weighted = out * weights.unsqueeze(-1)
+    with torch.no_grad():
+        inverse = torch.empty_like(perm)
+    weighted = weighted[inverse]
+    return weighted.view(hidden_states.shape[0], top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+@contextlib.contextmanager
+def _routed_experts(model: nn.Module, imbalance: float) -> Iterator[None]:
+    # Which experts a token visits is read from the router's values, which fake tensors do
+    # not have: transformers' eager loop asks `nonzero` which experts were hit and `where`
+    # which tokens each got (data-dependent shapes), and its grouped_mm kernel has no
+    # fake-tensor kernel in float32 and no flop formula. Each experts module is run
+    # instead as its implementation runs it, for the loads `expert_loads` gives: the
+    # router still runs (its matmul and top-k are counted); its choice is replaced.
+    # batched_mm gathers one weight matrix per visit: it runs on fake tensors as it is.
+    def routed(
+        module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: Any
+    ) -> Any:
+        loads = expert_loads(hidden_states.shape[0], top_k_index.shape[-1], module.num_experts, imbalance)
+        if _experts_implementation(module) == "grouped_mm":
+            return _grouped_experts(module, loads, hidden_states, top_k_index, top_k_weights)
+        return _eager_experts(module, loads, hidden_states, top_k_weights)
+
+    replaced = [
+        module
+        for module in model.modules()
+        if _is_routed_experts(module) and _experts_implementation(module) in ("eager", "grouped_mm")
+    ]
+    previous = [module.__dict__.get("forward") for module in replaced]
+    try:
+        for module in replaced:
+            module.forward = functools.partial(routed, module)  # type: ignore[method-assign]
+        yield
+    finally:
+        for module, forward in zip(replaced, previous, strict=True):
+            if forward is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = forward  # type: ignore[method-assign]
 
 
 def _inputs(
@@ -415,9 +587,11 @@ class _Run:
         inputs: Any,
         dtype: torch.dtype | None,
         tp_size: int,
+        expert_imbalance: float = 1.0,
     ) -> None:
         self.model, self.plan, self.state, self.params, self.fake = model, plan, state, params, fake
         self.batch, self.seq, self.inputs, self.dtype, self.tp_size = batch, seq, inputs, dtype, tp_size
+        self.expert_imbalance = expert_imbalance
         self.repeats_are_passable = True
 
     @contextlib.contextmanager
@@ -493,6 +667,7 @@ class _Run:
             # parameters stay swapped through backward: checkpoint recomputes with them
             stack.enter_context(_reparametrize_module(model, self.state, tie_weights=False, strict=False))
             stack.enter_context(_unpacked_sequences(model))
+            stack.enter_context(_routed_experts(model, self.expert_imbalance))
             stack.enter_context(fake)
             with flops, births:
                 try:
@@ -544,6 +719,7 @@ def trace_activations(
     seq: int,
     rank: int | None = None,
     inputs: Any = None,
+    expert_imbalance: float = 1.0,
 ) -> ActivationTrace:
     """Bytes ``model`` keeps for backward and its flops on one rank, traced on meta tensors.
 
@@ -557,13 +733,18 @@ def trace_activations(
         inputs: the forward's arguments for other signatures: a tensor, a tuple of tensors
             or a dict of keyword arguments (meta tensors are fine; only shapes and dtypes
             are read). By default the model gets token ids of shape ``(batch, seq)``.
+        expert_imbalance: how mixture-of-experts layers route (transformers' experts modules,
+            whose routing fake tensors cannot compute): 1.0 shares each layer's tokens x top-k
+            visits evenly over its experts, more gives expert 0 that many times its even
+            share; see `expert_loads`.
 
     Returns:
         An `ActivationTrace`.
 
     Raises:
-        ShardingError: the inputs do not fit the model (its forward raised), or the plan names
-            a checkpoint policy other than "full" and "selective".
+        ShardingError: the inputs do not fit the model (its forward raised), the plan names
+            a checkpoint policy other than "full" and "selective", or ``expert_imbalance`` is
+            below 1 or asks more of one expert than there are tokens.
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -602,7 +783,8 @@ def trace_activations(
     for path, buffer in model.named_buffers(remove_duplicate=False):
         with fake:
             state[path] = torch.empty(buffer.shape, dtype=buffer.dtype)
-    run = _Run(model, plan, state, params, fake, batch, seq, inputs, dtype, tp_size)
+    check_expert_imbalance(expert_imbalance)
+    run = _Run(model, plan, state, params, fake, batch, seq, inputs, dtype, tp_size, expert_imbalance)
     # repeated layers (a transformer's blocks) are traced once and twice: each further one
     # adds what the second added, so a 70B model traces as fast as a 2-layer one
     groups = _repeats(model, plan, state)

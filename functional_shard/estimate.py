@@ -226,10 +226,14 @@ def gathered_in_flight(plan: Plan, units: Mapping[str, int] | None = None) -> in
     return root + sum(sorted(units.values(), reverse=True)[:2])
 
 
-def _trace(model: Any, plan: Plan, batch: int, seq: int, rank: int | None, inputs: Any) -> Any:
+def _trace(
+    model: Any, plan: Plan, batch: int, seq: int, rank: int | None, inputs: Any, expert_imbalance: float = 1.0
+) -> Any:
     from .activations import trace_activations  # lazily: it loads torch's fake-tensor machinery
 
-    return trace_activations(model, plan, batch=batch, seq=seq, rank=rank, inputs=inputs)
+    return trace_activations(
+        model, plan, batch=batch, seq=seq, rank=rank, inputs=inputs, expert_imbalance=expert_imbalance
+    )
 
 
 def _check_positive(name: str, value: Any) -> int:
@@ -454,6 +458,7 @@ def estimate(
     hardware: str | Hardware | None = None,
     rank: int | None = None,
     inputs: Any = None,
+    expert_imbalance: float = 1.0,
 ) -> Estimate:
     """Estimate a training step's peak memory and time for ``plan`` on ``hardware``.
 
@@ -471,13 +476,20 @@ def estimate(
             activations.
         inputs: the model's inputs (tensors or a dict, meta allowed) when it does not take
             token ids of shape ``(batch, seq)``.
+        expert_imbalance: routing in mixture-of-experts layers (Hugging Face's Mixtral,
+            Qwen2-MoE, Qwen3-MoE, ...): each token visits top-k of E experts, shared out
+            evenly at 1.0 (the default); above 1, each layer's most loaded expert gets that
+            many times an even share (``ceil(imbalance * tokens * k / E)`` tokens) and the
+            others share the rest. At most E / k. With every expert on every rank (ddp,
+            zero, fsdp) the work and memory are the same whatever it is.
 
     Returns:
         An `Estimate`.
 
     Raises:
         ShardingError: unknown hardware, a non-positive batch or seq, inputs that do not
-            fit the model, or a compute dtype the hardware has no rate for.
+            fit the model, a compute dtype the hardware has no rate for, or an
+            ``expert_imbalance`` below 1 or above E / k.
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -492,7 +504,7 @@ def estimate(
     hw = _hardware(hardware)
     dtype = compute_dtype(plan)
     hw.peak_flops(dtype)  # fail early, before tracing
-    trace = _trace(model, plan, batch, seq, rank, inputs)
+    trace = _trace(model, plan, batch, seq, rank, inputs, expert_imbalance=expert_imbalance)
     plan_cost = cost(plan, optimizer, rank=rank, tokens=batch * seq)
     units = unit_gathered_bytes(plan)
     return _assemble(plan, plan_cost, trace, hw, dtype, batch, seq, units, plan.config.checkpointed)

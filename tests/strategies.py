@@ -85,3 +85,39 @@ def linear_colwise(path: str, tensor: fs.TensorSpec, mesh: fs.Mesh) -> fs.ParamS
     if tensor.module_is(nn.Linear) and tensor.ndim in (1, 2):
         return fs.ParamSharding.uniform(fs.P("tp"))
     return None
+
+
+@st.composite
+def uneven_llama_plans(draw: st.DrawFn) -> tuple[nn.Module, fs.Plan]:
+    """A tiny zoo Llama on meta whose vocabulary and MLP width the tensor-parallel size seldom
+    divides, under dp, tp or dp x tp (sequence parallel or not, FSDP or not, the embedding
+    split over the vocabulary or the features); heads are whole multiples of tp, as the
+    attention needs."""
+    from functional_shard.zoo import Llama, LlamaConfig
+
+    dp, tp = draw(st.sampled_from([(2, 1), (1, 2), (1, 3), (1, 4), (2, 2)]))
+    kv_heads = tp * draw(st.integers(1, 2))
+    heads = kv_heads * draw(st.integers(1, 2))
+    config = LlamaConfig(
+        vocab_size=draw(st.integers(1, 150).map(lambda n: 2 * n + 1)),
+        hidden_size=heads * draw(st.sampled_from([2, 4])),
+        intermediate_size=draw(st.integers(1, 40)),
+        num_layers=draw(st.integers(1, 3)),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        tie_embeddings=draw(st.booleans()),
+    )
+    with torch.device("meta"):
+        model = Llama(config)
+    policy = draw(data_policies("dp"))
+    if tp > 1:
+        # ZeRO-1 keeps optimizer state whole per rank: the planner refuses it with tensor parallel
+        allowed = [fs.replicate("dp"), fs.zero(2, "dp"), fs.zero(3, "dp"), fs.fsdp("dp")]
+        policy = draw(st.sampled_from(allowed))
+        rules = fs.rules.llama
+        # the embedding split over its features rather than the vocabulary (untied: a tied
+        # lm_head splits the vocabulary)
+        if not config.tie_embeddings and draw(st.booleans()):
+            rules = fs.Rules([("*embed_tokens", "colwise"), *((r.pattern, r.target) for r in rules.rules)])
+        policy = policy + fs.tp(rules, "tp", sequence_parallel=draw(st.booleans()))
+    return model, fs.shard(model, fs.Mesh(dp=dp, tp=tp), policy)

@@ -42,9 +42,9 @@ def _tracer(monkeypatch):
     module = importlib.import_module("functional_shard.estimate")
     trace = module._trace
 
-    def remembered(model, plan, batch, seq, rank, inputs):
-        if model is not _MODEL or rank is not None or inputs is not None:
-            return trace(model, plan, batch, seq, rank, inputs)
+    def remembered(model, plan, batch, seq, rank, inputs, **options):
+        if model is not _MODEL or rank is not None or inputs is not None or options:
+            return trace(model, plan, batch, seq, rank, inputs, **options)
         key = _trace_key(plan, batch, seq)
         if key not in _TRACES:
             _TRACES[key] = trace(model, plan, batch, seq, rank, inputs)

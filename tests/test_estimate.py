@@ -26,9 +26,9 @@ def _tracer(monkeypatch):
     module = importlib.import_module("functional_shard.estimate")
     trace = module._trace
 
-    def remembered(model, plan, batch, seq, rank, inputs):
-        if inputs is not None:
-            return trace(model, plan, batch, seq, rank, inputs)
+    def remembered(model, plan, batch, seq, rank, inputs, **options):
+        if inputs is not None or options:
+            return trace(model, plan, batch, seq, rank, inputs, **options)
         key = (id(model), id(plan), batch, seq, rank)
         if key not in _TRACED:
             _TRACED[key] = (model, plan, trace(model, plan, batch, seq, rank, inputs))

@@ -1,0 +1,225 @@
+"""Mixture-of-experts layers in the estimate: every token visits top-k of E experts.
+
+On fake tensors the router's choice has no values, so the trace routes deterministically
+(`functional_shard.activations.expert_loads`: balanced by default, or one hot expert) and
+runs each experts module as its implementation (grouped_mm or eager) runs it. Two proofs, on tiny Hugging Face
+Mixtral, Qwen2-MoE (with its shared expert) and Qwen3-MoE configs built from their
+config classes (no download):
+
+- flops per token equal 6 x active parameters + eager attention, within 5%: active are all
+  parameters but the input embedding, with k/E of each layer's expert weights (the router
+  and the shared expert whole); eager attention adds 12 x layers x seq x heads x head_dim
+  (the two score matmuls, forward and backward, counted over the whole matrix as eager
+  attention runs it);
+- activation bytes within 3% of what a real forward on the CPU saves for backward
+  (saved_tensors_hooks), with its router forced to the same balanced assignment
+  (visit j of the tokens x k goes to expert j mod E), for both experts implementations
+  the trace re-enacts ("grouped_mm", transformers' default, and "eager").
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import functional_shard as fs
+from functional_shard.activations import expert_loads, trace_activations
+
+transformers = pytest.importorskip("transformers")
+
+BATCH, SEQ = 2, 16
+EXPERTS, TOP_K = 8, 2
+SIZES = {
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "num_hidden_layers": 3,  # the trace runs one and two layers and extrapolates the third
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_experts_per_tok": TOP_K,
+}
+
+
+def config(family: str, attention: str = "eager", experts: str = "eager") -> object:
+    extra = {"attn_implementation": attention, "experts_implementation": experts}
+    if family == "mixtral":
+        return transformers.MixtralConfig(intermediate_size=48, num_local_experts=EXPERTS, **SIZES, **extra)
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(
+            intermediate_size=64,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            num_experts=EXPERTS,
+            **SIZES,
+            **extra,
+        )
+    return transformers.Qwen3MoeConfig(
+        intermediate_size=64, moe_intermediate_size=24, num_experts=EXPERTS, head_dim=8, **SIZES, **extra
+    )
+
+
+CLASSES = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+
+def build(family: str, device: str = "meta", **kwargs: str) -> nn.Module:
+    torch.manual_seed(0)
+    with torch.device(device):
+        return getattr(transformers, CLASSES[family])(config(family, **kwargs))
+
+
+def active_parameters(model: nn.Module) -> float:
+    """Parameters a token's step touches: all but the input embedding, k/E of the routed experts."""
+    total = 0.0
+    for path, param in model.named_parameters():
+        if path.endswith("embed_tokens.weight"):
+            continue
+        routed = path.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        total += param.numel() * (TOP_K / EXPERTS if routed else 1)
+    return total
+
+
+def eager_attention_flops_per_token(model: nn.Module, seq: int) -> int:
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 12 * c.num_hidden_layers * seq * c.num_attention_heads * head_dim
+
+
+def balanced_router(
+    module: nn.Module, args: object, output: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, ...]:
+    """Replace a router's top-k pick by the balanced one: visit j goes to expert j mod E."""
+    logits, scores, indices = output
+    tokens, top_k = indices.shape
+    forced = (torch.arange(tokens * top_k) % module.num_experts).view(tokens, top_k)
+    return logits, scores, forced
+
+
+def saved_bytes_with_balanced_routing(family: str, experts: str = "eager") -> int:
+    model = build(family, "cpu", experts=experts)
+    for module in model.modules():
+        if type(module).__name__.endswith("TopKRouter"):
+            module.register_forward_hook(balanced_router)
+    tokens = torch.randint(0, SIZES["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    saved, _ = fs.saved_tensor_bytes(model, tokens, use_cache=False)
+    return saved
+
+
+def check_flops(family: str, experts: str) -> None:
+    model = build(family, experts=experts)
+    plan = fs.shard(model, fs.Mesh(dp=1), fs.replicate())
+    trace = trace_activations(model, plan, batch=BATCH, seq=SEQ)
+    per_token = trace.step_flops / (BATCH * SEQ)
+    expected = 6 * active_parameters(model) + eager_attention_flops_per_token(model, SEQ)
+    assert per_token == pytest.approx(expected, rel=0.05)
+
+
+def check_bytes(family: str, experts: str) -> None:
+    model = build(family, experts=experts)
+    trace = trace_activations(model, fs.shard(model, fs.Mesh(dp=1), fs.replicate()), batch=BATCH, seq=SEQ)
+    saved = saved_bytes_with_balanced_routing(family, experts)
+    assert trace.activation_bytes == pytest.approx(saved, rel=0.03)
+
+
+def test_mixtral_flops_are_six_times_its_active_parameters_plus_attention():
+    check_flops("mixtral", "grouped_mm")  # transformers' default experts implementation
+
+
+def test_qwen2_moe_saves_what_a_balanced_real_forward_saves():
+    check_bytes("qwen2_moe", "grouped_mm")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experts", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_flops_are_six_times_the_active_parameters_plus_attention(family, experts):
+    check_flops(family, experts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experts", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_traced_bytes_equal_a_balanced_real_forward(family, experts):
+    check_bytes(family, experts)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    tokens=st.integers(1, 64),
+    top_k=st.integers(1, 4),
+    extra_experts=st.integers(0, 12),
+    imbalance=st.floats(1, 8),
+)
+def test_expert_loads_give_each_token_top_k_experts(tokens, top_k, extra_experts, imbalance):
+    experts = top_k + extra_experts
+    visits = tokens * top_k
+    if math.ceil(round(imbalance * visits / experts, 9)) > tokens:
+        with pytest.raises(fs.ShardingError, match="experts / top-k"):
+            expert_loads(tokens, top_k, experts, imbalance)
+        return
+    loads = expert_loads(tokens, top_k, experts, imbalance)
+    assert len(loads) == experts
+    assert sum(loads) == visits
+    assert max(loads) <= tokens  # a token visits an expert once
+    assert (
+        loads[0]
+        == max(loads)
+        == max(math.ceil(round(imbalance * visits / experts, 9)), -(-visits // experts))
+    )
+    assert max(loads[1:], default=0) - min(loads[1:], default=0) <= 1  # the others share evenly
+    if imbalance == 1:
+        assert max(loads) - min(loads) <= 1
+
+
+@pytest.mark.parametrize("imbalance", [0.5, 0, -1, float("nan"), float("inf"), True, "2"])
+def test_an_imbalance_that_is_not_a_number_from_one_up_is_refused(imbalance):
+    model = build("mixtral")
+    plan = fs.shard(model, fs.Mesh(dp=1), fs.replicate())
+    with pytest.raises(
+        fs.ShardingError, match=re.escape(f"expert_imbalance={imbalance!r}: a finite number >= 1")
+    ):
+        fs.estimate(model, plan, batch=1, seq=4, expert_imbalance=imbalance)
+
+
+def test_an_imbalance_beyond_experts_over_top_k_names_the_bound():
+    model = build("mixtral")
+    plan = fs.shard(model, fs.Mesh(dp=1), fs.replicate())
+    with pytest.raises(fs.ShardingError, match=re.escape("use at most 4 (experts / top-k)")):
+        fs.estimate(model, plan, batch=1, seq=4, expert_imbalance=4.5)
+
+
+def test_with_every_expert_on_every_rank_imbalance_moves_no_work():
+    # each token still visits top-k experts: the same rows go through the same matmuls
+    model = build("qwen3_moe")
+    plan = fs.shard(model, fs.Mesh(dp=4), fs.fsdp("dp"))
+    balanced = fs.estimate(model, plan, batch=BATCH, seq=SEQ)
+    skewed = fs.estimate(model, plan, batch=BATCH, seq=SEQ, expert_imbalance=3.0)
+    assert skewed.flops == balanced.flops
+    assert skewed.memory == balanced.memory
+
+
+@pytest.mark.parametrize("family", ["mixtral", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
+def test_data_parallel_plans_of_moe_models_estimate_end_to_end(family):
+    model = build(family, attention="sdpa", experts="grouped_mm")
+    flops = set()
+    for policy in (fs.replicate("dp"), fs.zero(1, "dp"), fs.fsdp("dp"), fs.fsdp("dp") + fs.mixed_precision()):
+        plan = fs.shard(model, fs.Mesh(dp=4), policy)
+        estimate = fs.estimate(model, plan, batch=BATCH, seq=SEQ, rank=3)
+        assert estimate.activation_bytes > 0
+        assert estimate.step_seconds > 0
+        flops.add(estimate.flops)
+    assert len(flops) == 1  # data parallel and mixed precision leave the work alone
+    # the experts' matmuls are counted: more than the dense rest's 6 x active parameters alone
+    dense = 6 * (
+        active_parameters(model)
+        - sum(p.numel() * TOP_K / EXPERTS for n, p in model.named_parameters() if ".experts." in n)
+    )
+    assert flops.pop() / (BATCH * SEQ) > dense
