@@ -144,11 +144,15 @@ class _Births(TorchDispatchMode):
 
 
 class _Flops(TorchDispatchMode):
-    """Flops by torch's ``FlopCounterMode`` formulas, split into forward, backward, recompute.
+    """Flops by `functional_shard.flops.op_flops`, split into forward, backward, recompute.
 
-    Backward kernels run with grad mode off; checkpoint's recompute inside backward runs
-    with it on (it rebuilds a graph), which tells the two apart.
+    Matmuls by torch's ``FlopCounterMode`` formulas; attention on every kernel (the CPU flash
+    kernel fake tensors run included), full score matrix. Backward kernels run with grad mode
+    off; checkpoint's recompute inside backward runs with it on (it rebuilds a graph), which
+    tells the two apart. Higher-order operators (flex attention) pass through, counted.
     """
+
+    supports_higher_order_operators = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -156,14 +160,14 @@ class _Flops(TorchDispatchMode):
         self.counts = {"forward": 0, "backward": 0, "recompute": 0}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        from torch.utils.flop_counter import flop_registry
+        from .flops import op_flops
 
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        count = flop_registry.get(func._overloadpacket)
-        if count is not None:
+        count = op_flops(func, args, kwargs, out)
+        if count:
             phase = "forward" if not self.backward else "recompute" if torch.is_grad_enabled() else "backward"
-            self.counts[phase] += count(*args, **kwargs, out_val=out)
+            self.counts[phase] += count
         return out
 
 
@@ -575,6 +579,15 @@ def trace_activations(
     """
     rank = 0 if rank is None else rank
     config = plan.config
+    if _is_hf(model) and getattr(model.config, "_attn_implementation", None) == "flex_attention":
+        # torch 2.13: flex attention has no backward on CPU, and its eager CPU forward goes
+        # through torch.compile, which refuses the dispatch modes the trace runs under
+        raise ShardingError(
+            f"trace_activations: {type(model).__name__} uses attn_implementation='flex_attention', which "
+            "cannot run on the CPU fake tensors the trace uses (no CPU backward in torch). Trace the same "
+            "config with attn_implementation='sdpa': flops are counted alike (full score matrix) and, "
+            "like flex attention, SDPA's fused kernels keep no score matrix for backward"
+        )
     if config.checkpointed and config.checkpoint_policy not in ("full", "selective"):
         raise ShardingError(
             f"trace_activations: checkpoint_policy {config.checkpoint_policy!r} is neither 'full' nor "
