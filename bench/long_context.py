@@ -28,7 +28,11 @@ def plans() -> list[tuple[str, fs.Mesh, fs.Policy]]:
     bf16 = fs.mixed_precision()
     return [
         ("fsdp", fs.Mesh(dp=8), fs.fsdp("dp") + bf16),
-        ("fsdp + selective ckpt", fs.Mesh(dp=8), fs.fsdp("dp") + bf16 + fs.checkpointing(Block, policy="selective")),
+        (
+            "fsdp + selective ckpt",
+            fs.Mesh(dp=8),
+            fs.fsdp("dp") + bf16 + fs.checkpointing(Block, policy="selective"),
+        ),
         ("fsdp + full ckpt", fs.Mesh(dp=8), fs.fsdp("dp") + bf16 + fs.checkpointing(Block)),
         (
             "fsdp 4 + tp 2 + full ckpt",

@@ -277,3 +277,60 @@ def test_estimate_model_flops_and_checkpointing_keep_the_convention():
     blocks = zoo_expected(seq) - 6 * ZOO.hidden_size * ZOO.vocab_size
     down_proj = 2 * ZOO.intermediate_size * ZOO.hidden_size * ZOO.num_layers
     assert full.flops - full.model_flops == (blocks // 3 - down_proj) * seq
+
+
+# ---- long context: what torch keeps, and the logits ---------------------------------------------
+
+
+def kept(model: torch.nn.Module, seq: int, batch: int = 1) -> int:
+    plan = fs.shard(model, fs.Mesh(dp=1), fs.replicate())
+    return fs.trace_activations(model, plan, batch=batch, seq=seq).activation_bytes
+
+
+def test_sdpa_keeps_linear_bytes_and_eager_one_score_matrix_per_head():
+    # fake tensors: 32k and 128k tokens cost no memory. SDPA's kernel keeps its output and
+    # log-sum-exp, nothing s x s: bytes are proportional to the sequence. Eager attention
+    # keeps its softmax probabilities, fp32 (batch, heads, s, s), once per layer.
+    sdpa, eager = hf_llama("sdpa"), hf_llama("eager")
+    base = kept(sdpa, 256)
+    for seq in (1024, 32768, 131072):
+        assert kept(sdpa, seq) == base * seq // 256
+    lengths = (256, 512, 32768)
+    eager_bytes = {seq: kept(eager, seq) for seq in lengths}
+    quadratic = HF["layers"] * HF["heads"] * 4  # bytes per s² per sequence
+    linear = (eager_bytes[256] - quadratic * 256**2) / 256
+    assert linear == (eager_bytes[512] - quadratic * 512**2) / 512 > 0
+    assert eager_bytes[32768] == linear * 32768 + quadratic * 32768**2
+
+
+def _tiny_tp_rules(lm_head: str) -> list[tuple[str, str]]:
+    return [
+        ("*.q_proj", "colwise"),
+        ("*.k_proj", "colwise"),
+        ("*.v_proj", "colwise"),
+        ("*.o_proj", "rowwise"),
+        ("*.gate_proj", "colwise"),
+        ("*.up_proj", "colwise"),
+        ("*.down_proj", "rowwise"),
+        ("*embed_tokens", "rowwise"),
+        ("*lm_head", lm_head),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("mesh", "lm_head", "vocab_per_rank"),
+    [
+        ({"dp": 1}, None, 256),
+        ({"tp": 2}, "colwise_gather", 256),  # gathered for the loss: every rank holds all logits
+        ({"tp": 2}, "colwise", 128),  # left split (a loss-parallel cross-entropy): half each
+    ],
+)
+def test_loss_workspace_counts_the_logits_at_long_context(mesh, lm_head, vocab_per_rank):
+    # bf16 logits, then cross-entropy's fp32 copy and its fp32 log-softmax: 2 + 4 + 4 bytes
+    with torch.device("meta"):
+        model = Llama(ZOO)
+    policy = fs.replicate() if lm_head is None else fs.tp(_tiny_tp_rules(lm_head), "tp")
+    plan = fs.shard(model, fs.Mesh(**mesh), policy + fs.mixed_precision())
+    batch, seq = 2, 32768
+    est = fs.estimate(model, plan, batch=batch, seq=seq)
+    assert est.memory["loss_workspace"] == batch * seq * vocab_per_rank * (2 + 4 + 4)
