@@ -334,3 +334,18 @@ def test_loss_workspace_counts_the_logits_at_long_context(mesh, lm_head, vocab_p
     batch, seq = 2, 32768
     est = fs.estimate(model, plan, batch=batch, seq=seq)
     assert est.memory["loss_workspace"] == batch * seq * vocab_per_rank * (2 + 4 + 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_real_forwards_grow_as_the_trace_says(attention):
+    # the trace runs torch itself on fake tensors; a real CPU forward at two lengths keeps
+    # exactly the bytes the trace counts (HF builds no mask for whole causal sequences,
+    # as the trace assumes)
+    model = hf_llama(attention).to_empty(device="cpu")
+    model.train()
+    for seq in (128, 512):
+        tokens = torch.randint(0, HF["vocab"], (1, seq))
+        real, output = fs.kept_activation_bytes(model, tokens, use_cache=False)
+        del output
+        assert real == kept(hf_llama(attention), seq)
