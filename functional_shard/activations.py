@@ -14,7 +14,8 @@ alive once the forward has returned and the caller holds only the output, parame
 their casts excluded. That is what autograd's graph and checkpoint frames hold on to
 until backward; `functional_shard.measure.saved_activation_bytes` counts the same thing
 in real runs. Hugging Face models are called with ``use_cache=False``; their attention
-implementation is the one the config names (``"sdpa"`` and ``"eager"`` both trace).
+implementation is the one the config names (``"sdpa"`` and ``"eager"`` both trace;
+``"flex_attention"`` is refused: torch has no flex attention backward on CPU).
 
 Repeated layers (siblings of one class, with the same local parameter shapes and the same
 plan treatment, each handing on a tensor shaped like its input) are run once and twice,
@@ -100,7 +101,8 @@ class ActivationTrace:
         activation_bytes: bytes of unique storages kept for backward during the model call
             (parameters and their gathered/cast copies excluded; the output excluded).
         output_bytes: bytes of the model's output (logits, say).
-        forward_flops: flops of the forward, as torch's ``FlopCounterMode`` counts them.
+        forward_flops: flops of the forward: matmuls as torch's ``FlopCounterMode`` counts
+            them, attention on every kernel as its full score matrix (`functional_shard.flops`).
         backward_flops: flops of the backward, recompute excluded.
         recompute_flops: flops of checkpointed modules run again in backward.
         batch: sequences per data-parallel rank.
