@@ -101,6 +101,7 @@ class ActivationTrace:
         activation_bytes: bytes of unique storages kept for backward during the model call
             (parameters and their gathered/cast copies excluded; the output excluded).
         output_bytes: bytes of the model's output (logits, say).
+        output_numel: elements of the model's output, whatever its dtype.
         forward_flops: flops of the forward: matmuls as torch's ``FlopCounterMode`` counts
             them, attention on every kernel as its full score matrix (`functional_shard.flops`).
         backward_flops: flops of the backward, recompute excluded.
@@ -112,6 +113,7 @@ class ActivationTrace:
     rank: int
     activation_bytes: int
     output_bytes: int
+    output_numel: int
     forward_flops: int
     backward_flops: int
     recompute_flops: int
@@ -523,6 +525,7 @@ class _Run:
             output_key = {StorageWeakRef(output.untyped_storage())}
             activation_bytes = kept_bytes(births.storages, excluded | output_key, collect=1)
             output_bytes = output.untyped_storage().nbytes()
+            output_numel = output.numel()
             flops.backward = True
             with flops:
                 if output.requires_grad:
@@ -532,6 +535,7 @@ class _Run:
         return {
             "activation_bytes": activation_bytes,
             "output_bytes": output_bytes,
+            "output_numel": output_numel,
             "forward_flops": flops.counts["forward"],
             "backward_flops": flops.counts["backward"],
             "recompute_flops": flops.counts["recompute"],
@@ -627,7 +631,7 @@ def trace_activations(
         for index, group in enumerate(groups):
             second = run.trace(groups, (index,))
             for key in counts:
-                if key != "output_bytes":
+                if key not in ("output_bytes", "output_numel"):
                     counts[key] += (len(group) - 1) * (second[key] - first[key])
     except _NotPassableError:
         run.repeats_are_passable = False

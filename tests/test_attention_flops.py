@@ -233,8 +233,9 @@ def test_zoo_llama_sdpa_per_token_at_three_lengths():
         assert traced_per_token(model, 1, seq) == zoo_expected(seq)
 
 
-def test_hf_llama_sdpa_per_token_at_three_lengths():
-    model = hf_llama("sdpa")
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_hf_llama_per_token_at_three_lengths(attention):
+    model = hf_llama(attention)
     for seq in SEQS:
         assert traced_per_token(model, 1, seq) == per_token(**HF, seq=seq)
 
@@ -349,3 +350,18 @@ def test_real_forwards_grow_as_the_trace_says(attention):
         real, output = fs.kept_activation_bytes(model, tokens, use_cache=False)
         del output
         assert real == kept(hf_llama(attention), seq)
+
+
+class _Fp32Logits(Llama):
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens).float()
+
+
+def test_loss_workspace_counts_fp32_logits_by_their_elements():
+    # fp32 logits from a bf16 forward: cross-entropy's upcast copies nothing, its fp32
+    # log-softmax and gradient remain; the elements, not the compute dtype, set the size
+    with torch.device("meta"):
+        model = _Fp32Logits(ZOO)
+    plan = fs.shard(model, fs.Mesh(dp=1), fs.replicate() + fs.mixed_precision())
+    est = fs.estimate(model, plan, batch=1, seq=4096)
+    assert est.memory["loss_workspace"] == 4096 * ZOO.vocab_size * (4 + 4 + 4)
