@@ -14,7 +14,8 @@ alive once the forward has returned and the caller holds only the output, parame
 their casts excluded. That is what autograd's graph and checkpoint frames hold on to
 until backward; `functional_shard.measure.saved_activation_bytes` counts the same thing
 in real runs. Hugging Face models are called with ``use_cache=False``; their attention
-implementation is the one the config names (``"sdpa"`` and ``"eager"`` both trace).
+implementation is the one the config names (``"sdpa"`` and ``"eager"`` both trace;
+``"flex_attention"`` is refused: torch has no flex attention backward on CPU).
 
 Repeated layers (siblings of one class, with the same local parameter shapes and the same
 plan treatment, each handing on a tensor shaped like its input) are run once and twice,
@@ -102,7 +103,9 @@ class ActivationTrace:
         activation_bytes: bytes of unique storages kept for backward during the model call
             (parameters and their gathered/cast copies excluded; the output excluded).
         output_bytes: bytes of the model's output (logits, say).
-        forward_flops: flops of the forward, as torch's ``FlopCounterMode`` counts them.
+        output_numel: elements of the model's output, whatever its dtype.
+        forward_flops: flops of the forward: matmuls as torch's ``FlopCounterMode`` counts
+            them, attention on every kernel as its full score matrix (`functional_shard.flops`).
         backward_flops: flops of the backward, recompute excluded.
         recompute_flops: flops of checkpointed modules run again in backward.
         batch: sequences per data-parallel rank.
@@ -112,6 +115,7 @@ class ActivationTrace:
     rank: int
     activation_bytes: int
     output_bytes: int
+    output_numel: int
     forward_flops: int
     backward_flops: int
     recompute_flops: int
@@ -146,11 +150,15 @@ class _Births(TorchDispatchMode):
 
 
 class _Flops(TorchDispatchMode):
-    """Flops by torch's ``FlopCounterMode`` formulas, split into forward, backward, recompute.
+    """Flops by `functional_shard.flops.op_flops`, split into forward, backward, recompute.
 
-    Backward kernels run with grad mode off; checkpoint's recompute inside backward runs
-    with it on (it rebuilds a graph), which tells the two apart.
+    Matmuls by torch's ``FlopCounterMode`` formulas; attention on every kernel (the CPU flash
+    kernel fake tensors run included), full score matrix. Backward kernels run with grad mode
+    off; checkpoint's recompute inside backward runs with it on (it rebuilds a graph), which
+    tells the two apart. Higher-order operators (flex attention) pass through, counted.
     """
+
+    supports_higher_order_operators = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -158,14 +166,14 @@ class _Flops(TorchDispatchMode):
         self.counts = {"forward": 0, "backward": 0, "recompute": 0}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        from torch.utils.flop_counter import flop_registry
+        from .flops import op_flops
 
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        count = flop_registry.get(func._overloadpacket)
-        if count is not None:
+        count = op_flops(func, args, kwargs, out)
+        if count:
             phase = "forward" if not self.backward else "recompute" if torch.is_grad_enabled() else "backward"
-            self.counts[phase] += count(*args, **kwargs, out_val=out)
+            self.counts[phase] += count
         return out
 
 
@@ -692,6 +700,7 @@ class _Run:
             output_key = {StorageWeakRef(output.untyped_storage())}
             activation_bytes = kept_bytes(births.storages, excluded | output_key, collect=1)
             output_bytes = output.untyped_storage().nbytes()
+            output_numel = output.numel()
             flops.backward = True
             with flops:
                 if output.requires_grad:
@@ -701,6 +710,7 @@ class _Run:
         return {
             "activation_bytes": activation_bytes,
             "output_bytes": output_bytes,
+            "output_numel": output_numel,
             "forward_flops": flops.counts["forward"],
             "backward_flops": flops.counts["backward"],
             "recompute_flops": flops.counts["recompute"],
@@ -756,6 +766,15 @@ def trace_activations(
     """
     rank = 0 if rank is None else rank
     config = plan.config
+    if _is_hf(model) and getattr(model.config, "_attn_implementation", None) == "flex_attention":
+        # torch 2.13: flex attention has no backward on CPU, and its eager CPU forward goes
+        # through torch.compile, which refuses the dispatch modes the trace runs under
+        raise ShardingError(
+            f"trace_activations: {type(model).__name__} uses attn_implementation='flex_attention', which "
+            "cannot run on the CPU fake tensors the trace uses (no CPU backward in torch). Trace the same "
+            "config with attn_implementation='sdpa': flops are counted alike (full score matrix) and, "
+            "like flex attention, SDPA's fused kernels keep no score matrix for backward"
+        )
     if config.checkpointed and config.checkpoint_policy not in ("full", "selective"):
         raise ShardingError(
             f"trace_activations: checkpoint_policy {config.checkpoint_policy!r} is neither 'full' nor "
@@ -794,7 +813,7 @@ def trace_activations(
         for index, group in enumerate(groups):
             second = run.trace(groups, (index,))
             for key in counts:
-                if key != "output_bytes":
+                if key not in ("output_bytes", "output_numel"):
                     counts[key] += (len(group) - 1) * (second[key] - first[key])
     except _NotPassableError:
         run.repeats_are_passable = False

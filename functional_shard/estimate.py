@@ -521,10 +521,11 @@ def _assemble(
     units: Mapping[str, int],
     checkpointed: tuple[str, ...] = (),
 ) -> Estimate:
-    itemsize = dtype_from_name(dtype).itemsize
     # the logits stay until the loss is computed; cross-entropy upcasts them to fp32 and
-    # keeps its log-softmax for backward, whose gradient then replaces the logits
-    logits_numel = trace.output_bytes // itemsize if itemsize else 0
+    # keeps its log-softmax for backward, whose gradient then replaces the logits. Counted
+    # by elements: a model may hand back fp32 logits from a bf16 forward (no copy then, but
+    # the log-softmax and its gradient are as large)
+    logits_numel = trace.output_numel
     memory = {
         "params": plan_cost.params_bytes,
         "grads": plan_cost.grads_bytes,

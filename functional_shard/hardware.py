@@ -56,7 +56,9 @@ class Hardware:
     collective_latency: float = 0.0
     """Seconds each collective costs beyond its bytes (0: bandwidth-bound sizes)."""
     compute_efficiency: float = 1.0
-    """Fraction of peak FLOP/s real training reaches."""
+    """Fraction of the peak FLOP/s at which real training runs all the flops the estimate
+    counts: model flops (attention as its full score matrix) plus checkpointing's
+    recomputation. Published MFU leaves recomputation out: docs/will-it-fit.md converts."""
     intra_node_efficiency: float = 1.0
     inter_node_efficiency: float = 1.0
     intra_node_axes: frozenset[str] | None = None
@@ -146,8 +148,9 @@ _TFLOPS = 10**12
 
 # Datasheet figures (dense, i.e. without 2:4 sparsity); bandwidths per GPU and direction:
 # NVLink totals are bidirectional, halved here; one 400 Gb/s NIC per GPU is 50 GB/s.
-# Efficiencies: compute from published BF16 MFU of public runs; links from nccl-tests bus
-# bandwidth reported for the same systems (docs/will-it-fit.md cites each figure).
+# Efficiencies: compute from published BF16 runs, converted to our flop convention (full
+# attention matrix, recomputation counted); links from nccl-tests bus bandwidth reported
+# for the same systems (docs/will-it-fit.md gives each source's arithmetic).
 PROFILES: dict[str, Hardware] = {
     "h100": Hardware(
         name="h100",
@@ -161,7 +164,11 @@ PROFILES: dict[str, Hardware] = {
         compute_efficiency=0.40,
         intra_node_efficiency=0.80,
         inter_node_efficiency=0.80,
-        source="NVIDIA H100 Tensor Core GPU datasheet (SXM5); efficiency: Llama 3 paper (38-43% BF16 MFU)",
+        source=(
+            "NVIDIA H100 Tensor Core GPU datasheet (SXM5); efficiency: Llama 3 paper (40-43% of 989 "
+            "TFLOP/s at 8k tokens, SXM 700 W) and torchtitan's Llama 3.1 8B FSDP run (36.7% of 989 with "
+            "its recomputation, on 96 GB HBM2e parts at 500 W), as docs/will-it-fit.md converts them"
+        ),
     ),
     "a100": Hardware(
         name="a100",
@@ -175,7 +182,10 @@ PROFILES: dict[str, Hardware] = {
         compute_efficiency=0.52,
         intra_node_efficiency=0.80,
         inter_node_efficiency=0.80,
-        source="NVIDIA A100 datasheet (SXM4 80GB); efficiency: Megatron-LM 2021 (52% of peak)",
+        source=(
+            "NVIDIA A100 datasheet (SXM4 80GB); efficiency: Megatron-LM 2021 (52% of peak, counting "
+            "full recomputation and attention's full matrix, as we do)"
+        ),
     ),
     "b200": Hardware(
         name="b200",

@@ -34,6 +34,8 @@ CONFIGS: dict[str, LlamaConfig] = {
     "tiny-tied": LlamaConfig(tie_embeddings=True),
     "llama-1b": LlamaConfig(128256, 2048, 8192, 16, 32, 8, tie_embeddings=True),
     "llama-7b": LlamaConfig(32000, 4096, 11008, 32, 32, 32),
+    # meta-llama/Meta-Llama-3-8B's config.json: untied, grouped-query (8 key/value heads)
+    "llama-3-8b": LlamaConfig(128256, 4096, 14336, 32, 32, 8),
     "llama-70b": LlamaConfig(128256, 8192, 28672, 80, 64, 8),
 }
 
@@ -125,6 +127,8 @@ def llama(name: str = "tiny", device: str | torch.device = "meta") -> Llama:
     Examples:
         >>> sum(p.numel() for p in llama("llama-7b").parameters()) // 10**6
         6738
+        >>> sum(p.numel() for p in llama("llama-3-8b").parameters())  # Llama 3 8B's 8.03B
+        8030261248
     """
     if name not in CONFIGS:
         from .errors import ShardingError
