@@ -587,25 +587,53 @@ def trace_activations(
 
     # fake CPU tensors: no memory, and torch picks the fused attention kernels it runs for real
     fake = FakeTensorMode(allow_non_fake_inputs=False)
-    state: dict[str, torch.Tensor] = {}
-    params: list[torch.Tensor] = []
+    # local shapes as meta tensors first (cheap): the repeated layers no run reaches share one
+    # fake tensor per shape (making one each was a fifth of a 70B model's trace)
+    local: dict[str, torch.Tensor] = {}
+    canonical_of: dict[str, str] = {}
     for path, param in model.named_parameters(remove_duplicate=False):
         canonical = plan.canonical(path) if path not in plan.params else path
-        if canonical in state:
-            state[path] = state[canonical]
-            continue
-        shape = plan.local_shape(canonical, rank, "compute") if canonical in plan.params else param.shape
+        canonical_of[path] = canonical
+        if canonical not in local:
+            shape = plan.local_shape(canonical, rank, "compute") if canonical in plan.params else param.shape
+            local[canonical] = torch.empty(shape, dtype=dtype or param.dtype, device="meta")
+        local[path] = local[canonical]
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    state: dict[str, torch.Tensor] = {}
+    params: list[torch.Tensor] = []
+
+    def make_fake(left_out: tuple[str, ...]) -> None:
+        # parameters (and buffers) only modules in left_out hold share one tensor per shape
+        prefixes = tuple(f"{path}." for path in left_out)
+        running = {canonical for path, canonical in canonical_of.items() if not path.startswith(prefixes)}
+        shared: dict[tuple[Any, ...], torch.Tensor] = {}
+        state.clear()
+        params.clear()
+
+        def new(like: torch.Tensor, grad: bool, share: bool) -> torch.Tensor:
+            key = (tuple(like.shape), like.dtype, grad)
+            if share and key in shared:
+                return shared[key]
+            tensor = torch.empty(like.shape, dtype=like.dtype, requires_grad=grad)
+            if grad:
+                params.append(tensor)
+            if share:
+                shared[key] = tensor
+            return tensor
+
         with fake:
-            tensor = torch.empty(shape, dtype=dtype or param.dtype, requires_grad=True)
-        state[path] = state[canonical] = tensor
-        params.append(tensor)
-    for path, buffer in model.named_buffers(remove_duplicate=False):
-        with fake:
-            state[path] = torch.empty(buffer.shape, dtype=buffer.dtype)
+            for path, canonical in canonical_of.items():
+                if canonical not in state:
+                    state[canonical] = new(local[canonical], True, canonical not in running)
+                state[path] = state[canonical]
+            for path, buffer in buffers.items():
+                state[path] = new(buffer, False, path.startswith(prefixes))
+
     run = _Run(model, plan, state, params, fake, batch, seq, inputs, dtype, tp_size)
     # repeated layers (a transformer's blocks) are traced once and twice: each further one
     # adds what the second added, so a 70B model traces as fast as a 2-layer one
-    groups = _repeats(model, plan, state)
+    groups = _repeats(model, plan, local)
+    make_fake(_skipped(groups, tuple(range(len(groups)))))
     try:
         first = run.trace(groups)
         counts = dict(first)
@@ -617,5 +645,6 @@ def trace_activations(
     except _NotPassableError:
         run.repeats_are_passable = False
     if not run.repeats_are_passable:  # a layer's output is not shaped like its input: trace them all
+        make_fake(())
         counts = run.trace([])
     return ActivationTrace(rank=rank, batch=batch, seq=seq, **counts)

@@ -228,8 +228,11 @@ def gathered_in_flight(plan: Plan, units: Mapping[str, int] | None = None) -> in
 
 def _trace(model: Any, plan: Plan, batch: int, seq: int, rank: int | None, inputs: Any) -> Any:
     from .activations import trace_activations  # lazily: it loads torch's fake-tensor machinery
+    from .quiet import captured
 
-    return trace_activations(model, plan, batch=batch, seq=seq, rank=rank, inputs=inputs)
+    # a failing fake kernel makes torch log its traceback before raising: our error says it
+    with captured():
+        return trace_activations(model, plan, batch=batch, seq=seq, rank=rank, inputs=inputs)
 
 
 def _check_positive(name: str, value: Any) -> int:
