@@ -10,6 +10,7 @@ dtype, micro-batch, seq), plans and costs by every candidate with the same mesh 
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -358,12 +359,16 @@ class _Search:
         except TypeError:  # not weak-referenceable: keep them for this search only
             self.traces = {}
 
-    def _trace(self, point: _Point, how: str, micro: int) -> Any:
+    def _trace(self, point: _Point, plan: Plan, how: str, micro: int) -> Any:
+        # what a trace reads of the plan is the same for every data-parallel family
+        # (tests/test_auto.py checks it): the first point of a key traces its own plan, with
+        # the checkpointing fs.checkpointing(block, policy=how) would add
         key = (point.tp, point.sp, how, self.dtype, micro, self.seq, self.rules_text, self.block)
         if key not in self.traces:
-            mesh = Mesh(dp=point.dp, tp=point.tp) if point.tp > 1 else Mesh(dp=point.dp)
-            traced = _Point(mesh, "ddp", point.tp, point.sp, False)
-            plan = shard(self.model, mesh, _policy(traced, self.rules, self.block, how, self.dtype))
+            if how != "none":
+                config = plan.config
+                config = dataclasses.replace(config, checkpointed=self.block_paths, checkpoint_policy=how)
+                plan = dataclasses.replace(plan, config=config)
             from .estimate import _trace  # looked up per call: tests substitute the tracer
 
             try:
@@ -398,7 +403,7 @@ class _Search:
             micro = self.batch // point.dp
             for how in _checkpoint_options(self.block):
                 policy = _policy(point, self.rules, self.block, how, self.dtype)
-                trace = self._trace(point, how, micro)
+                trace = self._trace(point, plan, how, micro)
                 if isinstance(trace, str):
                     fields = (point.mesh, point.family, point.tp, point.sp, how, point.offload, _text(policy))
                     out.append(Candidate(*fields, rejected=f"cannot trace: {trace}"))

@@ -18,10 +18,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import functional_shard as fs
-from functional_shard import rules
+from functional_shard import activations, rules
 from functional_shard.auto import _points, head_counts, repeated_block
 from functional_shard.quiet import captured
-from functional_shard.zoo import CONFIGS, MLP, Block, llama
+from functional_shard.zoo import CONFIGS, MLP, Block, Llama, LlamaConfig, llama
 
 _TRACES: dict = {}
 
@@ -329,3 +329,33 @@ def test_a_model_no_tensor_parallel_rules_fit_gets_data_parallel_plans(kind):
     assert not plan.config.tensor_parallel_axes
     dense = fs.search_plans(_MODEL, devices=4, memory_budget="1GiB", batch=8, seq=16)
     assert dense.no_tensor_parallel is None
+
+
+_DEEP = Llama(LlamaConfig(num_layers=4)).to("meta")  # 4 layers: traced as 2, extrapolated
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    tp=st.sampled_from([1, 2]),
+    sp=st.booleans(),
+    how=st.sampled_from(["none", "full", "selective"]),
+    micro=st.integers(1, 3),
+    seq=st.sampled_from([8, 12, 16]),
+    rank=st.integers(0, 1),
+)
+def test_the_shortcuts_of_a_search_trace_give_what_tracing_every_layer_gives(tp, sp, how, micro, seq, rank):
+    """The fast path (2 layers run; the others share fake parameters and get no hooks; torch's
+    device query answered at the top mode) against the slow one: every layer traced, each with
+    its own parameters, every query handed down to the fake-tensor mode."""
+    policy = fs.replicate("dp") + fs.mixed_precision()
+    if tp > 1:
+        policy = fs.replicate("dp") + fs.tp(rules.llama, "tp", sequence_parallel=sp) + fs.mixed_precision()
+    if how != "none":
+        policy = policy + fs.checkpointing(Block, policy=how)
+    plan = fs.shard(_DEEP, fs.Mesh(dp=2, tp=tp) if tp > 1 else fs.Mesh(dp=2), policy)
+    fast = activations.trace_activations(_DEEP, plan, batch=micro, seq=seq, rank=rank)
+    with pytest.MonkeyPatch.context() as slow:
+        slow.setattr(activations, "_repeats", lambda *args: [])
+        slow.setattr(activations, "_DEVICE", object())
+        whole = activations.trace_activations(_DEEP, plan, batch=micro, seq=seq, rank=rank)
+    assert fast == whole
