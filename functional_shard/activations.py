@@ -124,6 +124,17 @@ class ActivationTrace:
         return self.forward_flops + self.backward_flops + self.recompute_flops
 
 
+def _device_query(func: Any, args: Any) -> torch.device | None:
+    """The answer to torch's device query of a fake tensor, as FakeTensor gives it; else None.
+
+    Two thirds of a trace's dispatches are this query (autograd asks it of every tensor in
+    backward): a mode answers it at once instead of handing it down the modes below.
+    """
+    if func is _DEVICE and len(args) == 1 and isinstance(args[0], FakeTensor):
+        return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
+    return None
+
+
 class _Births(TorchDispatchMode):
     """Weak references to the storage of every tensor an op makes."""
 
@@ -138,10 +149,8 @@ class _Births(TorchDispatchMode):
         self.storages[ref] = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is _DEVICE and len(args) == 1 and isinstance(args[0], FakeTensor):
-            # answered as FakeTensor answers it: a third of a trace's dispatches are this
-            # query (autograd asks it of every tensor), and the modes below only pass it on
-            return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
+        if (device := _device_query(func, args)) is not None:
+            return device
         out = func(*args, **(kwargs or {}))
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
@@ -162,6 +171,8 @@ class _Flops(TorchDispatchMode):
         self.counts = {"forward": 0, "backward": 0, "recompute": 0}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if (device := _device_query(func, args)) is not None:
+            return device
         from torch.utils.flop_counter import flop_registry
 
         kwargs = kwargs or {}

@@ -94,14 +94,14 @@ class AutoReport:
             rows = rows[:top]
         mesh_width = max([4, *(len(repr(c.mesh)) for c in rows)])
         policy_width = max([6, *(len(c.policy_text) for c in rows)])
-        header = f"{'mesh':<{mesh_width}} {'policy':<{policy_width}} {'peak':>11} {'step':>11}  verdict"
+        header = f"{'mesh':<{mesh_width}} {'policy':<{policy_width}} {'peak':>11} {'step':>10}  verdict"
         lines = [header, "-" * len(header)]
         for c in rows:
             peak = _bytes(c.peak_bytes) if c.peak_bytes is not None else "-"
-            step = _duration(c.step_seconds) if c.step_seconds is not None else "-"
+            step = step_text(c.step_seconds) if c.step_seconds is not None else "-"
             verdict = "chosen" if c is self.best_candidate else (c.rejected or "fits")
             lines.append(
-                f"{c.mesh!r:<{mesh_width}} {c.policy_text:<{policy_width}} {peak:>11} {step:>11}  {verdict}"
+                f"{c.mesh!r:<{mesh_width}} {c.policy_text:<{policy_width}} {peak:>11} {step:>10}  {verdict}"
             )
         return "\n".join(lines)
 
@@ -114,6 +114,16 @@ class AutoReport:
         if self.no_tensor_parallel:
             head += f"\nno tensor parallelism: {self.no_tensor_parallel}"
         return head + "\n" + self.table()
+
+
+def step_text(seconds: float) -> str:
+    """A step time for the tables: milliseconds to one decimal, a tiny model's in microseconds.
+
+    Examples:
+        >>> step_text(11.3171), step_text(0.00000099)
+        ('11317.1 ms', '0.99 us')
+    """
+    return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else _duration(seconds)
 
 
 def head_counts(model: Any) -> tuple[int, int] | None:

@@ -3,7 +3,7 @@
 Examples:
     functional-shard plan --model llama-70b --mesh dp=16,tp=8 --policy "fsdp(dp) + tp(llama, tp) + bf16"
     functional-shard plan --model path/to/config.json --mesh dp=8 --policy "zero(2, dp)" --json plan.json
-    functional-shard plan --model llama-70b --auto --devices 64 --budget 80GiB --batch 64 --seq 8192
+    functional-shard plan --model llama-70b --auto --devices 64 --budget 80GiB --seq 8192
     functional-shard diff a.json b.json
     functional-shard demo --mesh dp=2,tp=2 --policy "fsdp(dp) + tp(llama, tp)"
     functional-shard checkpoint convert ckpt/ ckpt.pt
@@ -350,7 +350,7 @@ def _cost_tables(out: _Out, cost: Cost) -> None:
     out.text()
     out.table("sent per step", ("collective", "over", "bytes"), rows, right=1)
     if not cost.activation_comm_included:
-        out.text("(parameters and gradients; give --batch and --seq for activations)")
+        out.text("(parameters and gradients; give --seq, and --batch, for activations)")
 
 
 def _write(path: str, write: Callable[[pathlib.Path], object], what: str) -> None:
@@ -452,7 +452,7 @@ def _plan(args: argparse.Namespace, out: _Out) -> int:
 
 def _candidates_table(out: _Out, report: Any, top: int) -> None:
     """The search's candidates, those that fit first, fastest first (as ``AutoReport.table``)."""
-    from .estimate import _duration
+    from .auto import step_text
 
     ranked = sorted(report.candidates, key=lambda c: (not c.fits, c.key()))[:top]
     rows = [
@@ -460,7 +460,7 @@ def _candidates_table(out: _Out, report: Any, top: int) -> None:
             repr(c.mesh),
             c.policy_text,
             _human(c.peak_bytes) if c.peak_bytes is not None else "-",
-            _duration(c.step_seconds) if c.step_seconds is not None else "-",
+            step_text(c.step_seconds) if c.step_seconds is not None else "-",
             "chosen" if c is report.best_candidate else (c.rejected or "fits"),
         )
         for c in ranked
@@ -625,7 +625,7 @@ def _parser() -> argparse.ArgumentParser:
         "(default: one sequence per device)",
     )
     plan.add_argument("--seq", type=int, help="tokens per sequence")
-    plan.add_argument("--hardware", help="h100, h200, a100, b200 or local (default with --batch: h100)")
+    plan.add_argument("--hardware", help="h100, h200, a100, b200 or local (default with --seq: h100)")
     plan.add_argument(
         "--auto", action="store_true", help="search meshes and policies for the fastest plan that fits"
     )
