@@ -336,7 +336,7 @@ def test_a_model_no_tensor_parallel_rules_fit_gets_data_parallel_plans(kind):
 _DEEP = Llama(LlamaConfig(num_layers=4)).to("meta")  # 4 layers: traced as 2, extrapolated
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     tp=st.sampled_from([1, 2]),
     sp=st.booleans(),
