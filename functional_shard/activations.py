@@ -27,6 +27,7 @@ model whose alike layers see other shapes, or alternate attention kinds (Hugging
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import math
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -49,6 +50,7 @@ from .errors import ShardingError
 __all__ = ["SAVED_OPS", "ActivationTrace", "expert_loads", "selective_context", "trace_activations"]
 
 _aten = torch.ops.aten
+_DEVICE = torch.ops.prim.device.default
 # Op-level selective checkpointing keeps the outputs of matrix multiplies and attention
 # and recomputes the rest: the recipe torchtitan publishes (torchtitan/distributed/
 # activation_checkpoint.py, `_save_list`), which also recomputes every second mm; we keep
@@ -128,6 +130,17 @@ class ActivationTrace:
         return self.forward_flops + self.backward_flops + self.recompute_flops
 
 
+def _device_query(func: Any, args: Any) -> torch.device | None:
+    """The answer to torch's device query of a fake tensor, as FakeTensor gives it; else None.
+
+    Two thirds of a trace's dispatches are this query (autograd asks it of every tensor in
+    backward): a mode answers it at once instead of handing it down the modes below.
+    """
+    if func is _DEVICE and len(args) == 1 and isinstance(args[0], FakeTensor):
+        return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
+    return None
+
+
 class _Births(TorchDispatchMode):
     """Weak references to the storage of every tensor an op makes."""
 
@@ -142,6 +155,8 @@ class _Births(TorchDispatchMode):
         self.storages[ref] = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if (device := _device_query(func, args)) is not None:
+            return device
         out = func(*args, **(kwargs or {}))
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
@@ -166,6 +181,8 @@ class _Flops(TorchDispatchMode):
         self.counts = {"forward": 0, "backward": 0, "recompute": 0}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if (device := _device_query(func, args)) is not None:
+            return device
         from .flops import op_flops
 
         kwargs = kwargs or {}
@@ -539,17 +556,31 @@ def _repeats(model: nn.Module, plan: Any, state: Mapping[str, torch.Tensor]) -> 
     if len(set(layer_types)) > 1:
         return []  # e.g. sliding-window and full attention alternate: same shapes, other work
 
-    def treatment(path: str, module: nn.Module) -> Any:
-        def inside(other: str) -> str | None:
-            return other.removeprefix(path) if other == path or other.startswith(path + ".") else None
+    # the styled and checkpointed paths under each module, relative to it, in plan order
+    # (indexed once: scanning every style for every module was quadratic in the layers)
+    def owners(path: str) -> Iterator[tuple[str, str]]:
+        parts = path.split(".")
+        for end in range(1, len(parts) + 1):
+            owner = ".".join(parts[:end])
+            yield owner, path.removeprefix(owner)
 
+    styles_under: dict[str, list[tuple[str, str]]] = {}
+    for styled, style, _ in config.tp_styles:
+        for owner, relative in owners(styled):
+            styles_under.setdefault(owner, []).append((relative, style))
+    checkpointed_under: dict[str, list[str]] = {}
+    for checkpointed_path in config.checkpointed:
+        for owner, relative in owners(checkpointed_path):
+            checkpointed_under.setdefault(owner, []).append(relative)
+
+    def treatment(path: str, module: nn.Module) -> Any:
         shapes = tuple(
             (name, tuple(state[f"{path}.{name}"].shape), state[f"{path}.{name}"].dtype)
             for name, _ in module.named_parameters(remove_duplicate=False)
         )
         buffers = tuple((name, tuple(b.shape)) for name, b in module.named_buffers(remove_duplicate=False))
-        styles = tuple((inside(p), style) for p, style, _ in config.tp_styles if inside(p) is not None)
-        checkpointed = tuple(inside(p) for p in config.checkpointed if inside(p) is not None)
+        styles = tuple(styles_under.get(path, ()))
+        checkpointed = tuple(checkpointed_under.get(path, ()))
         return type(module), shapes, buffers, styles, checkpointed
 
     groups: list[tuple[str, ...]] = []
@@ -717,6 +748,27 @@ class _Run:
         }
 
 
+def _reached(plan: Any, left_out: tuple[str, ...]) -> Any:
+    """``plan`` less the styles and checkpointing of modules inside ``left_out`` (no run reaches them).
+
+    Hooking the styled modules of 80 layers for every run was a tenth of a 70B model's trace.
+    """
+    if not left_out:
+        return plan
+    skipped = set(left_out)
+    prefixes = tuple(f"{path}." for path in left_out)
+
+    def reached(path: str) -> bool:
+        return path not in skipped and not path.startswith(prefixes)
+
+    config = dataclasses.replace(
+        plan.config,
+        tp_styles=tuple(entry for entry in plan.config.tp_styles if reached(entry[0])),
+        checkpointed=tuple(path for path in plan.config.checkpointed if reached(path)),
+    )
+    return dataclasses.replace(plan, config=config)
+
+
 class _NotPassableError(Exception):
     """A left-out layer got no tensor to hand on."""
 
@@ -787,26 +839,67 @@ def trace_activations(
 
     # fake CPU tensors: no memory, and torch picks the fused attention kernels it runs for real
     fake = FakeTensorMode(allow_non_fake_inputs=False)
-    state: dict[str, torch.Tensor] = {}
-    params: list[torch.Tensor] = []
+    # local shapes as meta tensors first (cheap): the repeated layers no run reaches share one
+    # fake tensor per shape (making one each was a fifth of a 70B model's trace)
+    local: dict[str, torch.Tensor] = {}
+    canonical_of: dict[str, str] = {}
     for path, param in model.named_parameters(remove_duplicate=False):
         canonical = plan.canonical(path) if path not in plan.params else path
-        if canonical in state:
-            state[path] = state[canonical]
-            continue
-        shape = plan.local_shape(canonical, rank, "compute") if canonical in plan.params else param.shape
+        canonical_of[path] = canonical
+        if canonical not in local:
+            shape = plan.local_shape(canonical, rank, "compute") if canonical in plan.params else param.shape
+            local[canonical] = torch.empty(shape, dtype=dtype or param.dtype, device="meta")
+        local[path] = local[canonical]
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    state: dict[str, torch.Tensor] = {}
+    params: list[torch.Tensor] = []
+
+    def make_fake(left_out: tuple[str, ...]) -> None:
+        # parameters (and buffers) only modules in left_out hold share one tensor per shape
+        prefixes = tuple(f"{path}." for path in left_out)
+        running = {canonical for path, canonical in canonical_of.items() if not path.startswith(prefixes)}
+        shared: dict[tuple[Any, ...], torch.Tensor] = {}
+        state.clear()
+        params.clear()
+
+        def new(like: torch.Tensor, grad: bool, share: bool) -> torch.Tensor:
+            key = (tuple(like.shape), like.dtype, grad)
+            if share and key in shared:
+                return shared[key]
+            tensor = torch.empty(like.shape, dtype=like.dtype, requires_grad=grad)
+            if grad:
+                params.append(tensor)
+            if share:
+                shared[key] = tensor
+            return tensor
+
         with fake:
-            tensor = torch.empty(shape, dtype=dtype or param.dtype, requires_grad=True)
-        state[path] = state[canonical] = tensor
-        params.append(tensor)
-    for path, buffer in model.named_buffers(remove_duplicate=False):
-        with fake:
-            state[path] = torch.empty(buffer.shape, dtype=buffer.dtype)
-    check_expert_imbalance(expert_imbalance)
-    run = _Run(model, plan, state, params, fake, batch, seq, inputs, dtype, tp_size, expert_imbalance)
+            for path, canonical in canonical_of.items():
+                if canonical not in state:
+                    state[canonical] = new(local[canonical], True, canonical not in running)
+                state[path] = state[canonical]
+            for path, buffer in buffers.items():
+                state[path] = new(buffer, False, path.startswith(prefixes))
+
     # repeated layers (a transformer's blocks) are traced once and twice: each further one
     # adds what the second added, so a 70B model traces as fast as a 2-layer one
-    groups = _repeats(model, plan, state)
+    groups = _repeats(model, plan, local)
+    left_out = _skipped(groups, tuple(range(len(groups))))
+    make_fake(left_out)
+    check_expert_imbalance(expert_imbalance)
+    run = _Run(
+        model,
+        _reached(plan, left_out),
+        state,
+        params,
+        fake,
+        batch,
+        seq,
+        inputs,
+        dtype,
+        tp_size,
+        expert_imbalance,
+    )
     try:
         first = run.trace(groups)
         counts = dict(first)
@@ -818,5 +911,7 @@ def trace_activations(
     except _NotPassableError:
         run.repeats_are_passable = False
     if not run.repeats_are_passable:  # a layer's output is not shaped like its input: trace them all
+        make_fake(())
+        run.plan = plan
         counts = run.trace([])
     return ActivationTrace(rank=rank, batch=batch, seq=seq, **counts)

@@ -10,6 +10,7 @@ dtype, micro-batch, seq), plans and costs by every candidate with the same mesh 
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,8 +20,15 @@ from torch import nn
 
 from .bytesize import format_bytes as _bytes
 from .cost import OptimizerKind, cost
-from .errors import PlanError, ShardingError
-from .estimate import Estimate, _assemble, compute_dtype, parse_bytes, unit_gathered_bytes
+from .errors import PlanError, PolicyError, ShardingError
+from .estimate import (
+    Estimate,
+    _assemble,
+    _duration,
+    compute_dtype,
+    parse_bytes,
+    unit_gathered_bytes,
+)
 from .hardware import Hardware
 from .hardware import hardware as _hardware
 from .mesh import Mesh
@@ -76,6 +84,8 @@ class AutoReport:
     best: Plan | None
     budget_bytes: int
     hardware: Hardware
+    no_tensor_parallel: str | None = None
+    """Why tensor parallelism was left out of the search (None when it was searched)."""
 
     def table(self, top: int | None = 10) -> str:
         """The candidates as a table, fitting ones first, fastest first."""
@@ -88,7 +98,7 @@ class AutoReport:
         lines = [header, "-" * len(header)]
         for c in rows:
             peak = _bytes(c.peak_bytes) if c.peak_bytes is not None else "-"
-            step = f"{c.step_seconds * 1e3:.1f} ms" if c.step_seconds is not None else "-"
+            step = step_text(c.step_seconds) if c.step_seconds is not None else "-"
             verdict = "chosen" if c is self.best_candidate else (c.rejected or "fits")
             lines.append(
                 f"{c.mesh!r:<{mesh_width}} {c.policy_text:<{policy_width}} {peak:>11} {step:>10}  {verdict}"
@@ -101,7 +111,19 @@ class AutoReport:
             f"{len(self.candidates)} candidates on {self.hardware.name}, budget {_bytes(self.budget_bytes)}: "
             f"{fits} fit"
         )
+        if self.no_tensor_parallel:
+            head += f"\nno tensor parallelism: {self.no_tensor_parallel}"
         return head + "\n" + self.table()
+
+
+def step_text(seconds: float) -> str:
+    """A step time for the tables: milliseconds to one decimal, a tiny model's in microseconds.
+
+    Examples:
+        >>> step_text(11.3171), step_text(0.00000099)
+        ('11317.1 ms', '0.99 us')
+    """
+    return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else _duration(seconds)
 
 
 def head_counts(model: Any) -> tuple[int, int] | None:
@@ -146,10 +168,23 @@ def repeated_block(model: Any) -> type | None:
     return type(best[0]) if best is not None else None
 
 
-def _rules(model: Any) -> Any:
+def _rules(model: Any) -> tuple[Any, str | None]:
+    """The model's tensor-parallel rules, or None and why no rule set fits it."""
     from . import rules
 
-    return rules.for_model(model)
+    try:
+        return rules.for_model(model), None
+    except PolicyError as error:  # e.g. mixture-of-experts layers: data parallelism only
+        return None, _one_line(error)
+
+
+def _one_line(error: Exception, limit: int = 240) -> str:
+    """The error's first lines as one line, cut at a word with an ellipsis past ``limit``."""
+    lines = [line.strip(" -*") for line in str(error).splitlines() if line.strip()]
+    text = " ".join(lines[:2])
+    if len(text) <= limit:
+        return text
+    return text[:limit].rpartition(" ")[0] + " …"
 
 
 def _checkpoint_options(block: type | None) -> tuple[str, ...]:
@@ -180,11 +215,18 @@ class _Point:
 
 
 def _points(
-    devices: int, batch: int, hw: Hardware, heads: tuple[int, int] | None, offload_: bool
+    devices: int,
+    batch: int,
+    hw: Hardware,
+    heads: tuple[int, int] | None,
+    offload_: bool,
+    tensor_parallel: bool = True,
 ) -> Iterator[_Point]:
     for tp_size in _divisors(devices):
         if tp_size > 1 and (
-            tp_size > hw.devices_per_node or (heads and (heads[0] % tp_size or heads[1] % tp_size))
+            not tensor_parallel
+            or tp_size > hw.devices_per_node
+            or (heads and (heads[0] % tp_size or heads[1] % tp_size))
         ):
             continue
         dp = devices // tp_size
@@ -250,7 +292,11 @@ def search_plans(
     DDP, ZeRO-1, ZeRO-2, FSDP and HSDP; tensor parallelism with the model's rules, with and
     without sequence parallelism; no, selective or full checkpointing of the repeated
     blocks; bf16 mixed precision (fp32 when the hardware has no bf16 rate). CPU offload
-    (with ZeRO-2, FSDP or HSDP) is tried only when nothing else fits.
+    (with ZeRO-2, FSDP or HSDP) is tried only when nothing else fits. A model no
+    tensor-parallel rule set fits (`fs.rules.for_model` refuses it, e.g. mixture-of-experts
+    layers) gets data-parallel candidates only, and the report says why
+    (``AutoReport.no_tensor_parallel``). Torch's own logging while tracing is held back;
+    a candidate that cannot be traced keeps the reason in its row.
 
     Args:
         model: the module (meta device is enough).
@@ -278,9 +324,9 @@ def search_plans(
     hw = _hardware(hardware)
     heads = head_counts(model)
     block = repeated_block(model)
-    rules = _rules(model)
+    rules, no_tensor_parallel = _rules(model)
     dtype = "bfloat16" if "bfloat16" in hw.flops else None
-    points = list(_points(devices, batch, hw, heads, False))
+    points = list(_points(devices, batch, hw, heads, False, rules is not None))
     if not points:
         raise ShardingError(
             f"auto(devices={devices}, batch={batch}): no data-parallel size divides the batch for any "
@@ -290,11 +336,11 @@ def search_plans(
     search = _Search(model, hw, optimizer, batch, seq, block, rules, dtype, budget)
     candidates = search.run(points)
     if not any(c.fits for c in candidates):
-        candidates += search.run(list(_points(devices, batch, hw, heads, True)))
+        candidates += search.run(list(_points(devices, batch, hw, heads, True, rules is not None)))
     fitting = [c for c in candidates if c.fits]
     best_candidate = min(fitting, key=Candidate.key) if fitting else None
     best = search.final_plan(best_candidate) if best_candidate else None
-    return AutoReport(tuple(candidates), best_candidate, best, budget, hw)
+    return AutoReport(tuple(candidates), best_candidate, best, budget, hw, no_tensor_parallel)
 
 
 class _Search:
@@ -313,6 +359,7 @@ class _Search:
         self.model, self.hw, self.optimizer = model, hw, optimizer
         self.batch, self.seq, self.block, self.rules = batch, seq, block, rules
         self.dtype, self.budget = dtype, budget
+        self.rules_text = repr(rules)
         # the modules fs.checkpointing(block) selects, as the planner selects them
         self.block_paths: tuple[str, ...] = ()
         if block is not None and isinstance(model, nn.Module):
@@ -322,12 +369,16 @@ class _Search:
         except TypeError:  # not weak-referenceable: keep them for this search only
             self.traces = {}
 
-    def _trace(self, point: _Point, how: str, micro: int) -> Any:
-        key = (point.tp, point.sp, how, self.dtype, micro, self.seq, repr(self.rules), self.block)
+    def _trace(self, point: _Point, plan: Plan, how: str, micro: int) -> Any:
+        # what a trace reads of the plan is the same for every data-parallel family
+        # (tests/test_auto.py checks it): the first point of a key traces its own plan, with
+        # the checkpointing fs.checkpointing(block, policy=how) would add
+        key = (point.tp, point.sp, how, self.dtype, micro, self.seq, self.rules_text, self.block)
         if key not in self.traces:
-            mesh = Mesh(dp=point.dp, tp=point.tp) if point.tp > 1 else Mesh(dp=point.dp)
-            traced = _Point(mesh, "ddp", point.tp, point.sp, False)
-            plan = shard(self.model, mesh, _policy(traced, self.rules, self.block, how, self.dtype))
+            if how != "none":
+                config = plan.config
+                config = dataclasses.replace(config, checkpointed=self.block_paths, checkpoint_policy=how)
+                plan = dataclasses.replace(plan, config=config)
             from .estimate import _trace  # looked up per call: tests substitute the tracer
 
             try:
@@ -362,7 +413,7 @@ class _Search:
             micro = self.batch // point.dp
             for how in _checkpoint_options(self.block):
                 policy = _policy(point, self.rules, self.block, how, self.dtype)
-                trace = self._trace(point, how, micro)
+                trace = self._trace(point, plan, how, micro)
                 if isinstance(trace, str):
                     fields = (point.mesh, point.family, point.tp, point.sp, how, point.offload, _text(policy))
                     out.append(Candidate(*fields, rejected=f"cannot trace: {trace}"))

@@ -3,7 +3,7 @@
 Examples:
     functional-shard plan --model llama-70b --mesh dp=16,tp=8 --policy "fsdp(dp) + tp(llama, tp) + bf16"
     functional-shard plan --model path/to/config.json --mesh dp=8 --policy "zero(2, dp)" --json plan.json
-    functional-shard plan --model llama-70b --auto --devices 64 --budget 80GiB --batch 64 --seq 8192
+    functional-shard plan --model llama-70b --auto --devices 64 --budget 80GiB --seq 8192
     functional-shard diff a.json b.json
     functional-shard demo --mesh dp=2,tp=2 --policy "fsdp(dp) + tp(llama, tp)"
     functional-shard checkpoint convert ckpt/ ckpt.pt
@@ -350,7 +350,7 @@ def _cost_tables(out: _Out, cost: Cost) -> None:
     out.text()
     out.table("sent per step", ("collective", "over", "bytes"), rows, right=1)
     if not cost.activation_comm_included:
-        out.text("(parameters and gradients; give --batch and --seq for activations)")
+        out.text("(parameters and gradients; give --seq, and --batch, for activations)")
 
 
 def _write(path: str, write: Callable[[pathlib.Path], object], what: str) -> None:
@@ -370,16 +370,21 @@ def _plan(args: argparse.Namespace, out: _Out) -> int:
         raise _InputError("--devices and --budget go with --auto")
     if args.param and not args.png:
         raise _InputError("--param goes with --png (the parameter to draw)")
-    if (args.batch is None) != (args.seq is None):
-        raise _InputError("--batch and --seq go together (sequences per data-parallel rank, tokens each)")
-    if args.hardware and args.batch is None:
-        raise _InputError("--hardware needs --batch and --seq (a step's time depends on its tokens)")
+    if args.batch is not None and args.seq is None:
+        raise _InputError("--batch needs --seq (sequences per data-parallel rank, tokens each)")
+    if args.hardware and args.seq is None:
+        raise _InputError("--hardware needs --seq (a step's time depends on its tokens)")
     for flag in ("batch", "seq", "devices", "top"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise _InputError(f"--{flag} {value}: a positive number")
-    if args.auto and (args.devices is None or args.budget is None or args.batch is None):
-        raise _InputError("--auto needs --devices, --budget, --batch and --seq")
+    if args.auto and (args.devices is None or args.budget is None or args.seq is None):
+        raise _InputError(
+            "--auto needs --devices, --budget and --seq (and --batch, or one sequence per device)"
+        )
+    if args.seq is not None and args.batch is None:
+        # one sequence per data-parallel rank: with --auto, a global batch of one per device
+        args.batch = args.devices if args.auto else 1
     # the cheap inputs first: a typo is reported before a big model is built
     mesh = None if args.auto else parse_mesh(args.mesh or "dp=8,tp=4")
     budget = _budget(args.budget) if args.auto else None
@@ -403,6 +408,9 @@ def _plan(args: argparse.Namespace, out: _Out) -> int:
         if report.best is None:
             raise _InputError(_nothing_fits(report, args.devices))
         plan = report.best
+        chosen = report.best_candidate
+        say.text(f"chosen: {chosen.mesh!r} {chosen.policy_text}; its plan and estimate:")
+        say.text()
     else:
         plan = shard(model, mesh, _policy(args.policy or _DEFAULT_POLICY, model))
     estimate = None
@@ -444,18 +452,22 @@ def _plan(args: argparse.Namespace, out: _Out) -> int:
 
 def _candidates_table(out: _Out, report: Any, top: int) -> None:
     """The search's candidates, those that fit first, fastest first (as ``AutoReport.table``)."""
+    from .auto import step_text
+
     ranked = sorted(report.candidates, key=lambda c: (not c.fits, c.key()))[:top]
     rows = [
         (
             repr(c.mesh),
             c.policy_text,
             _human(c.peak_bytes) if c.peak_bytes is not None else "-",
-            f"{c.step_seconds * 1e3:.1f} ms" if c.step_seconds is not None else "-",
+            step_text(c.step_seconds) if c.step_seconds is not None else "-",
             "chosen" if c is report.best_candidate else (c.rejected or "fits"),
         )
         for c in ranked
     ]
     shown = f"the first {len(rows)}" if len(rows) < len(report.candidates) else "all"
+    if getattr(report, "no_tensor_parallel", None):
+        out.text(f"no tensor parallelism: {report.no_tensor_parallel}")
     out.table(
         f"{str(report).splitlines()[0]}; {shown}, those that fit first, fastest first:",
         ("mesh", "policy", "peak", "step", "verdict"),
@@ -607,10 +619,13 @@ def _parser() -> argparse.ArgumentParser:
         "--optimizer", default="adamw", choices=["adamw", "adam", "sgd"], help="(default: adamw)"
     )
     plan.add_argument(
-        "--batch", type=int, help="sequences per data-parallel rank (with --auto: the global batch)"
+        "--batch",
+        type=int,
+        help="sequences per data-parallel rank (default with --seq: 1); with --auto the global batch "
+        "(default: one sequence per device)",
     )
     plan.add_argument("--seq", type=int, help="tokens per sequence")
-    plan.add_argument("--hardware", help="h100, h200, a100, b200 or local (default with --batch: h100)")
+    plan.add_argument("--hardware", help="h100, h200, a100, b200 or local (default with --seq: h100)")
     plan.add_argument(
         "--auto", action="store_true", help="search meshes and policies for the fastest plan that fits"
     )

@@ -230,10 +230,13 @@ def _trace(
     model: Any, plan: Plan, batch: int, seq: int, rank: int | None, inputs: Any, expert_imbalance: float = 1.0
 ) -> Any:
     from .activations import trace_activations  # lazily: it loads torch's fake-tensor machinery
+    from .quiet import captured
 
-    return trace_activations(
-        model, plan, batch=batch, seq=seq, rank=rank, inputs=inputs, expert_imbalance=expert_imbalance
-    )
+    # a failing fake kernel makes torch log its traceback before raising: our error says it
+    with captured():
+        return trace_activations(
+            model, plan, batch=batch, seq=seq, rank=rank, inputs=inputs, expert_imbalance=expert_imbalance
+        )
 
 
 def _check_positive(name: str, value: Any) -> int:
@@ -256,7 +259,7 @@ def collective_counts(plan: Plan, grads_bytes: int) -> dict[str, int]:
     config = plan.config
     counts = {"tensor parallel": 0, "sharded": 0, "all_reduce": 0, "broadcast": 0}
     if config.shard_axes:
-        units = {plan.unit_of(path) for path in plan.params}
+        units = _units(plan)
         for unit in units:
             counts["sharded"] += (2 if config.reshard_after_forward and unit else 1) + 1
         if config.replicate_axes:
@@ -271,6 +274,19 @@ def collective_counts(plan: Plan, grads_bytes: int) -> dict[str, int]:
         elif style != "replicate":
             counts["tensor parallel"] += 2 if config.sequence_parallel else 1
     return counts
+
+
+_FSDP_UNITS: dict[int, tuple[Plan, frozenset[str]]] = {}
+
+
+def _units(plan: Plan) -> frozenset[str]:
+    # a search estimates each plan once per checkpointing option: its units once
+    held = _FSDP_UNITS.get(id(plan))
+    if held is None or held[0] is not plan:
+        if len(_FSDP_UNITS) >= 8:
+            _FSDP_UNITS.clear()
+        held = _FSDP_UNITS[id(plan)] = (plan, frozenset(plan.unit_of(path) for path in plan.params))
+    return held[1]
 
 
 def recomputed_collectives(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> dict[str, float]:

@@ -146,7 +146,9 @@ def test_a_factory_builds_the_model_on_the_meta_device(capsys, tmp_path, monkeyp
             [*TINY, "--mesh", "dp=2,tp=2", "--policy", "fsdp(dp)"],
             "plan does not fit the model on Mesh(dp=2, tp=2): axis 'tp' (size 2) is used by no policy",
         ),
-        ([*TINY, "--batch", "4"], "--batch and --seq go together"),
+        ([*TINY, "--batch", "4"], "--batch needs --seq"),
+        ([*TINY, "--seq", "0"], "--seq 0: a positive number"),
+        ([*TINY, "--auto", "--devices", "4", "--budget", "1GiB"], "--auto needs --devices, --budget and"),
         ([*TINY, "--batch", "0", "--seq", "16"], "--batch 0: a positive number"),
         ([*TINY, "--batch", "1", "--seq", "16", "--hardware", "abacus"], "--hardware 'abacus'"),
         (
@@ -291,10 +293,16 @@ def test_auto_prints_the_candidates_then_the_chosen_plan(capsys, tmp_path):
     assert lines[2].startswith(f"{chosen.mesh!r}  ")
     assert lines[2].endswith("  chosen")
     assert chosen.policy_text in lines[2]
-    assert lines[7].startswith(f"Plan on {chosen.mesh!r}")
+    assert lines[7] == f"chosen: {chosen.mesh!r} {chosen.policy_text}; its plan and estimate:"
+    assert lines[9].startswith(f"Plan on {chosen.mesh!r}")
     assert fs.Plan.from_json((tmp_path / "best.json").read_text()) == report.best
-    # the chosen candidate's own estimate is shown: the micro-batch is the global 8 over dp
+    # the chosen candidate's own estimate is shown whole: the micro-batch is the global 8 over
+    # dp, memory by part, the step and its parts, tokens/s
     assert str(chosen.estimate) in out
+    for part in ("params", "activations", "loss_workspace"):
+        assert re.search(rf"^  {part} +[\d.]+ [KMG]?i?B$", out, re.M), part
+    assert re.search(r"^step [\d.]+ (us|ms): compute", out, re.M)
+    assert re.search(r"^tokens/s per device [\d,]+, MFU", out, re.M)
     code, out, err = run(capsys, *argv, "--budget", "100KiB")
     assert code == 2
     assert "0 fit" in out.splitlines()[0]
@@ -304,3 +312,38 @@ def test_auto_prints_the_candidates_then_the_chosen_plan(capsys, tmp_path):
         r"or --seq, or a larger --budget\n",
         err,
     )
+
+
+def test_seq_alone_means_one_sequence_per_data_parallel_rank(capsys):
+    code, out, _ = run(capsys, *TINY, "--mesh", "dp=4", "--policy", "fsdp(dp) + bf16", "--seq", "16")
+    assert code == 0
+    assert "estimate on rank 0, h100, micro-batch 1 x 16 tokens" in out
+    # with --auto, a global batch of one sequence per device: every candidate's micro-batch is
+    # the devices over its data-parallel size
+    code, out, _ = run(capsys, *TINY, "--auto", "--devices", "2", "--budget", "1GiB", "--seq", "16")
+    assert code == 0
+    report = fs.search_plans(fs.zoo.llama("tiny"), devices=2, memory_budget="1GiB", batch=2, seq=16)
+    chosen = report.best_candidate
+    assert f"chosen: {chosen.mesh!r} {chosen.policy_text};" in out
+    assert str(chosen.estimate) in out
+
+
+def test_auto_gives_a_mixture_of_experts_model_data_parallel_plans(capsys, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    transformers.MixtralConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ).save_pretrained(tmp_path)
+    argv = ["plan", "--model", str(tmp_path), "--auto", "--devices", "2", "--budget", "1GiB", "--seq", "16"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    assert out.startswith("no tensor parallelism: MixtralForCausalLM's tensor-parallel plan uses styles")
+    assert "chosen: Mesh(dp=2) " in out
+    assert "tp(" not in out
+    assert "sp(" not in out
