@@ -35,6 +35,7 @@ from .mesh import Mesh
 from .plan import Plan
 from .planner import shard
 from .policy import Policy, checkpointing, fsdp, hsdp, mixed_precision, offload, replicate, tp, zero
+from .tree import read_model
 
 __all__ = ["AutoReport", "Candidate", "auto", "search_plans"]
 
@@ -360,6 +361,8 @@ class _Search:
         self.batch, self.seq, self.block, self.rules = batch, seq, block, rules
         self.dtype, self.budget = dtype, budget
         self.rules_text = repr(rules)
+        # the model's tensors and modules, read once for the many plans of the search
+        self.tree = read_model(model)
         # the modules fs.checkpointing(block) selects, as the planner selects them
         self.block_paths: tuple[str, ...] = ()
         if block is not None and isinstance(model, nn.Module):
@@ -392,7 +395,7 @@ class _Search:
         for point in points:
             base_policy = _policy(point, self.rules, self.block, "none", self.dtype)
             try:
-                plan = shard(self.model, point.mesh, base_policy)
+                plan = shard(self.tree, point.mesh, base_policy)
             except ShardingError as error:
                 first = " ".join(str(error).split())[:160]
                 out.append(

@@ -36,7 +36,7 @@ from .tree import TensorSpec, dtype_from_name
 if TYPE_CHECKING:
     from .plan import Plan
 
-__all__ = ["Cost", "OptimizerKind", "cost", "zero1_owners"]
+__all__ = ["Cost", "OptimizerKind", "cost", "unit_gathered", "zero1_owners"]
 
 OptimizerKind: TypeAlias = Literal["adamw", "adam", "sgd"] | float
 
@@ -228,16 +228,12 @@ def _memory(
         params += count * local_numel(shape, sharding.storage, plan.mesh, coords, param_padding) * itemsize
         grads += count * local_numel(shape, sharding.grad, plan.mesh, coords, padded) * itemsize
         if isinstance(sharding.optim, Owned):
-            has_state, numel = owned, math.prod(shape) if owned else 0
+            optim += count * _state_bytes(math.prod(shape), itemsize, optimizer) if owned else 0
         else:
             # every rank keeps state for its shard, an empty one included; unpadded, as
             # the optimizer allocates zeros_like of FSDP2's unpadded local view (measured)
-            has_state, numel = True, local_numel(shape, sharding.optim, plan.mesh, coords)
-        if isinstance(optimizer, str):
-            states, step_bytes = _OPTIMIZERS[optimizer]
-            optim += count * (numel * states * itemsize + (step_bytes if has_state else 0))
-        else:
-            optim += count * round(numel * optimizer)
+            numel = local_numel(shape, sharding.optim, plan.mesh, coords)
+            optim += count * _state_bytes(numel, itemsize, optimizer)
     buffers = sum(
         local_numel(plan.tensors[p].shape, s.storage, plan.mesh, coords) * plan.tensors[p].itemsize
         for p, s in plan.buffers.items()
@@ -245,21 +241,88 @@ def _memory(
     return {"params": params, "grads": grads, "optimizer": optim, "buffers": buffers}
 
 
-def _gathered(plan: Plan, census: _Census) -> int:
+def _state_bytes(numel: int, itemsize: int, optimizer: OptimizerKind) -> int:
+    """Optimizer state of one tensor's ``numel`` elements held on a rank (its step counter too)."""
+    if isinstance(optimizer, str):
+        states, step_bytes = _OPTIMIZERS[optimizer]
+        return numel * states * itemsize + step_bytes
+    return round(numel * optimizer)
+
+
+def _worst_memory(
+    plan: Plan, candidates: list[dict[str, int]], optimizer: OptimizerKind, census: _Census
+) -> tuple[dict[str, int], dict[str, int]]:
+    """The heaviest candidate rank's memory, and its coordinates (the first one on ties).
+
+    The candidates differ from the first one in one ZeRO-1 axis each. When no spec but the
+    `Owned` ones names such an axis, they differ only in whose state they own: one pass
+    over the census gives every owner's share, instead of one `_memory` per rank (a
+    1024-way ZeRO-1 plan has 1024 candidates).
+    """
+    base = candidates[0]
+    memory = _memory(plan, base, optimizer, census)
+    varying = {axis for coords in candidates[1:] for axis in coords if coords[axis] != base[axis]}
+
+    def names_varying(spec: Any) -> bool:
+        return not isinstance(spec, Owned) and any(axis in varying for axis in spec.axes)
+
+    if any(
+        names_varying(s.storage) or names_varying(s.grad) or names_varying(s.optim) for _, s, *_ in census
+    ) or any(names_varying(s.storage) for s in plan.buffers.values()):
+        return max(
+            ((_memory(plan, coords, optimizer, census), coords) for coords in candidates),
+            key=lambda item: sum(item[0].values()),
+        )
+    owned: dict[tuple[str, int], int] = defaultdict(int)
+    for tensor, sharding, _, owner, count in census:
+        if isinstance(sharding.optim, Owned):
+            owned[sharding.optim.axis, owner] += count * _state_bytes(
+                tensor.numel, tensor.itemsize, optimizer
+            )
+    worst, worst_total = (memory, base), sum(memory.values())
+    for coords in candidates[1:]:
+        (axis,) = (a for a in coords if coords[a] != base[a])
+        other = {
+            **memory,
+            "optimizer": memory["optimizer"] - owned[axis, base[axis]] + owned[axis, coords[axis]],
+        }
+        if sum(other.values()) > worst_total:
+            worst, worst_total = (other, coords), sum(other.values())
+    return worst
+
+
+def unit_gathered(plan: Plan, census: _Census | None = None) -> dict[str, int]:
+    """Bytes each FSDP unit ("" is the root) holds while all-gathered, in the gather dtype.
+
+    Only units holding sharded parameters appear.
+
+    Examples:
+        >>> plan = fs.shard(nn.ModuleList([nn.Linear(4, 4)]), fs.Mesh(dp=2), fs.fsdp())
+        >>> unit_gathered(plan)
+        {'0': 80}
+    """
+    census = _census(plan, {}) if census is None else census
     origin = dict.fromkeys(plan.mesh.axis_names, 0)
     param_size = dtype_from_name(plan.config.param_dtype).itemsize if plan.config.param_dtype else None
     per_unit: dict[str, int] = defaultdict(int)
     each: dict[tuple[int, int], int] = {}  # gathered bytes of one tensor, by identity
     for tensor, sharding, unit, _, count in census:
+        padded = sharding.at_rest_axes
+        if not padded:
+            continue
         key = (id(tensor), id(sharding))
         gathered = each.get(key)
         if gathered is None:
-            padded = sharding.at_rest_axes
-            shard = local_numel(tensor.shape, sharding.storage, plan.mesh, origin, padded) if padded else 0
+            shard = local_numel(tensor.shape, sharding.storage, plan.mesh, origin, padded)
             gathered = each[key] = (
                 shard * plan.mesh.axes_size(tuple(padded)) * (param_size or tensor.itemsize)
             )
         per_unit[unit] += count * gathered
+    return dict(per_unit)
+
+
+def _gathered(plan: Plan, census: _Census) -> int:
+    per_unit = unit_gathered(plan, census)
     root = per_unit.pop("", 0)
     if not plan.config.reshard_after_forward:  # ZeRO-2: every unit stays gathered until backward
         return root + sum(per_unit.values())
@@ -410,8 +473,7 @@ def cost(
         base = dict.fromkeys(plan.mesh.axis_names, 0)
         candidates = [base] + [{**base, a: i} for a in zero_axes for i in range(1, plan.mesh[a])]
     census = _census(plan, owners)
-    memories = [(_memory(plan, c, optimizer, census), c) for c in candidates]
-    memory, coords = max(memories, key=lambda item: sum(item[0].values()))
+    memory, coords = _worst_memory(plan, candidates, optimizer, census)
     config = plan.config
     host = 0
     for key, offloaded in (

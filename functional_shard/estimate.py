@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .bytesize import format_bytes as _bytes
-from .cost import Cost, OptimizerKind, cost
+from .cost import Cost, OptimizerKind, cost, unit_gathered
 from .errors import ShardingError
 from .hardware import Hardware
 from .hardware import hardware as _hardware
-from .layout import local_numel
 from .tree import dtype_from_name
 
 if TYPE_CHECKING:
@@ -199,18 +198,7 @@ def compute_dtype(plan: Plan) -> str:
 
 def unit_gathered_bytes(plan: Plan) -> dict[str, int]:
     """Bytes each FSDP unit ("" is the root) holds while all-gathered, in the gather dtype."""
-    origin = dict.fromkeys(plan.mesh.axis_names, 0)
-    param_size = dtype_from_name(plan.config.param_dtype).itemsize if plan.config.param_dtype else None
-    per_unit: dict[str, int] = defaultdict(int)
-    for path, sharding in plan.params.items():
-        padded = sharding.at_rest_axes
-        if padded:
-            tensor = plan.tensors[path]
-            shard = local_numel(tensor.shape, sharding.storage, plan.mesh, origin, padded)
-            per_unit[plan.unit_of(path)] += (
-                shard * plan.mesh.axes_size(tuple(padded)) * (param_size or tensor.itemsize)
-            )
-    return dict(per_unit)
+    return unit_gathered(plan)
 
 
 def gathered_in_flight(plan: Plan, units: Mapping[str, int] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping
@@ -20,6 +21,12 @@ from .tree import TensorSpec, owner_paths
 __all__ = ["Change", "Plan", "PlanConfig"]
 
 FORMAT_VERSION = 1
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_set(units: tuple[str, ...]) -> frozenset[str]:
+    # Plan.unit_of runs per parameter in the cost model and the search: one set per plan's units
+    return frozenset(units)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +190,7 @@ class Plan:
         """
         canonical = self.canonical(path)
         names = self.aliases.get(canonical, (canonical,))
-        units = set(self.config.units)
+        units = _unit_set(self.config.units)
         for unit in owner_paths(names[0]):
             if unit in units and all(unit == "" or name.startswith(unit + ".") for name in names):
                 return unit

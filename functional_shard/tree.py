@@ -358,8 +358,9 @@ def read_model(model: Any) -> ModelTree:
     """Read shapes, dtypes, owners and ties of ``model`` without touching its data.
 
     Args:
-        model: an ``nn.Module`` (any device, meta included), a state dict, or any optree
-            pytree whose leaves are tensors or `TensorSpec`s.
+        model: an ``nn.Module`` (any device, meta included), a state dict, any optree
+            pytree whose leaves are tensors or `TensorSpec`s, or a `ModelTree` already
+            read (returned as it is: a search plans one model many times).
 
     Returns:
         The model's tensors by path. For modules the paths are ``named_parameters()``
@@ -374,6 +375,8 @@ def read_model(model: Any) -> ModelTree:
         >>> list(tree.params), tree.params["weight"].shape
         (['weight', 'bias'], (2, 4))
     """
+    if isinstance(model, ModelTree):
+        return model
     if isinstance(model, nn.Module):
         return _from_module(model)
     return _from_pytree(model)

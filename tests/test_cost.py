@@ -150,3 +150,33 @@ def test_zero1_owners_equal_torchs_partition(fake_world, model, n):
         for p in group["params"]
     }
     assert zero1_owners(fs.shard(model, fs.Mesh(dp=n), fs.zero(1))) == torch_owner
+
+
+@given(
+    module_trees(tie=False),
+    st.integers(1, 6),
+    st.integers(1, 3),
+    st.sampled_from(["adamw", "sgd", 2.5]),
+)
+def test_zero1_worst_rank_is_the_heaviest_of_every_rank(model, n, other, optimizer):
+    # cost() finds ZeRO-1's heaviest owner in one pass over the owned state; rank by rank
+    # is the slow path it must agree with (total and which rank)
+    mesh = fs.Mesh(dp=n, other=other)
+    plan = fs.shard(model, mesh, fs.zero(1, "dp") + fs.replicate("other"))
+    by_rank = [plan.cost(optimizer, rank=rank) for rank in range(mesh.size)]
+    worst = max(by_rank, key=lambda c: c.total_bytes)
+    assert plan.cost(optimizer) == worst
+
+
+@given(module_trees(tie=False), st.integers(2, 4))
+def test_worst_memory_of_candidates_whose_shards_differ_is_found_rank_by_rank(model, n):
+    # the general path of _worst_memory: candidates differ along an axis the storage names
+    from functional_shard.cost import _census, _memory, _worst_memory
+
+    plan = fs.shard(model, fs.Mesh(dp=n), fs.fsdp("dp"))
+    census = _census(plan, {})
+    candidates = [{"dp": i} for i in range(n)]
+    expected = max(
+        ((_memory(plan, c, "adamw", census), c) for c in candidates), key=lambda item: sum(item[0].values())
+    )
+    assert _worst_memory(plan, candidates, "adamw", census) == expected
