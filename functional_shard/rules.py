@@ -51,6 +51,7 @@ __all__ = [
     "gpt2_hf",
     "llama",
     "mlp",
+    "sequence_gathers",
 ]
 
 Style: TypeAlias = Literal[
@@ -255,6 +256,39 @@ class Rules:
     def deferred(self) -> bool:
         """Whether this is a placeholder (``"hf"``, ``"auto"``) that ``shard()`` resolves."""
         return not self.rules and self.name in DEFERRED
+
+
+_GATHERED_STYLES = ("colwise", "colwise_gather", "packed_colwise")
+
+
+def sequence_gathers(tp_styles: Iterable[tuple[str, str, str]]) -> tuple[str, ...]:
+    """Modules that gather the sequence under sequence parallel: attention and MLP blocks.
+
+    Under sequence parallel the residual stream holds each rank's part of the sequence. As
+    torchtitan does, the module holding column-split projections (a layer's ``self_attn``
+    or ``mlp``) all-gathers its input over the sequence once, on entry (torch's
+    ``PrepareModuleInput``), and the projections inside take that whole input; the
+    row-split projections inside reduce-scatter their outputs back over the sequence.
+    A column-split layer straight under the root (``lm_head``) gathers its own input.
+
+    Args:
+        tp_styles: ``(module path, style, layout)`` as ``PlanConfig.tp_styles`` holds them.
+
+    Returns:
+        The parent module path of each column-split projection (embeddings aside), but the
+        root, in first-seen order.
+
+    Examples:
+        >>> sequence_gathers([("layers.0.mlp.up_proj", "colwise", "linear"),
+        ...     ("layers.0.mlp.down_proj", "rowwise", "linear"), ("lm_head", "colwise_gather", "linear")])
+        ('layers.0.mlp',)
+    """
+    found: dict[str, None] = {}
+    for path, style, kind in tp_styles:
+        parent = path.rpartition(".")[0]
+        if style in _GATHERED_STYLES and kind != "embedding" and parent:
+            found.setdefault(parent)
+    return tuple(found)
 
 
 def deferred(name: str) -> Rules:
