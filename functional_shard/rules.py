@@ -269,26 +269,39 @@ def sequence_gathers(tp_styles: Iterable[tuple[str, str, str]]) -> tuple[str, ..
     or ``mlp``) all-gathers its input over the sequence once, on entry (torch's
     ``PrepareModuleInput``), and the projections inside take that whole input; the
     row-split projections inside reduce-scatter their outputs back over the sequence.
-    A column-split layer straight under the root (``lm_head``) gathers its own input.
+    A column-split layer whose parent also holds other such modules or an embedding (the
+    model around ``lm_head``) gathers its own input.
 
     Args:
         tp_styles: ``(module path, style, layout)`` as ``PlanConfig.tp_styles`` holds them.
 
     Returns:
-        The parent module path of each column-split projection (embeddings aside), but the
-        root, in first-seen order.
+        The parent module path of column-split projections (embeddings aside), innermost
+        only and holding no split embedding, in first-seen order.
 
     Examples:
-        >>> sequence_gathers([("layers.0.mlp.up_proj", "colwise", "linear"),
-        ...     ("layers.0.mlp.down_proj", "rowwise", "linear"), ("lm_head", "colwise_gather", "linear")])
+        >>> sequence_gathers([("embed", "rowwise", "embedding"),
+        ...     ("layers.0.mlp.up_proj", "colwise", "linear"),
+        ...     ("layers.0.mlp.down_proj", "rowwise", "linear"),
+        ...     ("lm_head", "colwise_gather", "linear")])
         ('layers.0.mlp',)
     """
-    found: dict[str, None] = {}
-    for path, style, kind in tp_styles:
-        parent = path.rpartition(".")[0]
-        if style in _GATHERED_STYLES and kind != "embedding" and parent:
-            found.setdefault(parent)
-    return tuple(found)
+    styles = list(tp_styles)
+    candidates: dict[str, None] = {}
+    for path, style, kind in styles:
+        if style in _GATHERED_STYLES and kind != "embedding":
+            candidates.setdefault(path.rpartition(".")[0])
+
+    def inside(path: str, parent: str) -> bool:
+        return path != parent and (not parent or path.startswith(f"{parent}."))
+
+    embeddings = [path for path, _, kind in styles if kind == "embedding"]
+    return tuple(
+        parent
+        for parent in candidates
+        if not any(inside(other, parent) for other in candidates)
+        and not any(inside(path, parent) for path in embeddings)
+    )
 
 
 def deferred(name: str) -> Rules:

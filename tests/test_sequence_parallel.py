@@ -79,14 +79,18 @@ def test_a_module_with_weights_left_outside_the_gathered_ones_is_refused():
 @pytest.mark.slow
 @pytest.mark.parametrize(("world_size", "strategy"), [(2, "tp_sp"), (4, "fsdp_tp_sp")])
 def test_the_zoo_llama_trains_as_one_process_under_sequence_parallel(world_size, strategy):
-    """fs.rules.llama on zoo.llama("tiny"): sp over tp = 2 alone and under FSDP (dp = 2)."""
+    """fs.rules.llama on zoo.llama("tiny"): sp over tp = 2 alone and under FSDP (dp = 2).
+
+    5 AdamW steps (eps 1e-8) turn the float32 reordering noise of sharded reductions in
+    near-zero gradient elements into visible parameter gaps (measured 4.4e-5 under plain tp,
+    3.5e-5 under sp); a wrong gradient moves a parameter by a step, lr = 1e-2."""
     config = CONFIGS["tiny"]
     with fs.LocalWorld(world_size) as world:
         result = world.run(dist_cases.train, strategy, config)[0]
     losses, params = dist_cases.reference(config, result["data_parallel"])
     assert result["losses"] == pytest.approx(losses, abs=1e-5)
     for name, value in params.items():
-        torch.testing.assert_close(result["params"][name], value, atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(result["params"][name], value, atol=5e-4, rtol=1e-4, msg=name)
 
 
 @pytest.mark.slow
