@@ -301,18 +301,20 @@ def _sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> I
     sequence = plan.config.sequence_parallel
     gathers = set(sequence_gathers(plan.config.tp_styles)) if sequence else set()
     blocks = {path.rpartition(".")[0] for path in gathers} - {""}
+    if gathers:
+        from .apply import _first_input_name  # (apply gathers by the same name)
     overridden: list[Any] = []
     resized: list[tuple[Any, str, int]] = []
     try:
         for path in sorted(gathers):
-            name = _first_input_name(model.get_submodule(path))
+            name = _first_input_name(model.get_submodule(path)) or ""
             handles.append(
                 model.get_submodule(path).register_forward_pre_hook(
                     first_input(name, gather), with_kwargs=True
                 )
             )
         for path in sorted(blocks):
-            name = _first_input_name(model.get_submodule(path))
+            name = _first_input_name(model.get_submodule(path)) or ""
             handles.append(
                 model.get_submodule(path).register_forward_pre_hook(first_input(name, part), with_kwargs=True)
             )
@@ -346,17 +348,6 @@ def _sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> I
             del module.forward
         for parent, name, value in resized:
             setattr(parent, name, value)
-
-
-def _first_input_name(module: nn.Module) -> str:
-    import inspect
-
-    try:
-        parameters = inspect.signature(module.forward).parameters.values()
-    except (TypeError, ValueError):
-        return ""
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.POSITIONAL_ONLY)
-    return next((p.name for p in parameters if p.kind in kinds), "")
 
 
 @contextlib.contextmanager
