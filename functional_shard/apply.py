@@ -739,6 +739,9 @@ def apply(
     Raises:
         MeshError: no process group, or a world size / device mesh that differs from the plan's.
         PlanError: what the engines cannot run, one bullet per parameter, before anything changes.
+        ShardingError: later, from the module's forward under sequence parallel, on every
+            rank and before any collective: an input whose sequence length (dim 1) is not
+            a multiple of the tensor-parallel size.
 
     Examples:
         >>> # on each of 4 ranks:
