@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .errors import ShardingError
-from .rules import sequence_gathers
+from .rules import first_input_name, sequence_gathers, sequence_parallel_problems
 
 __all__ = ["SAVED_OPS", "ActivationTrace", "selective_context", "trace_activations"]
 
@@ -301,20 +301,18 @@ def _sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> I
     sequence = plan.config.sequence_parallel
     gathers = set(sequence_gathers(plan.config.tp_styles)) if sequence else set()
     blocks = {path.rpartition(".")[0] for path in gathers} - {""}
-    if gathers:
-        from .apply import _first_input_name  # (apply gathers by the same name)
     overridden: list[Any] = []
     resized: list[tuple[Any, str, int]] = []
     try:
         for path in sorted(gathers):
-            name = _first_input_name(model.get_submodule(path)) or ""
+            name = first_input_name(model.get_submodule(path)) or ""
             handles.append(
                 model.get_submodule(path).register_forward_pre_hook(
                     first_input(name, gather), with_kwargs=True
                 )
             )
         for path in sorted(blocks):
-            name = _first_input_name(model.get_submodule(path)) or ""
+            name = first_input_name(model.get_submodule(path)) or ""
             handles.append(
                 model.get_submodule(path).register_forward_pre_hook(first_input(name, part), with_kwargs=True)
             )
@@ -581,7 +579,6 @@ class _NotPassableError(Exception):
 
 def _check_sequence_parallel(model: nn.Module, plan: Any, seq: int, tp_size: int) -> None:
     # what apply refuses to run under sequence parallel, refused here before tracing
-    from .apply import sequence_parallel_problems
     from .errors import PlanError, bullets
 
     axes = ",".join(plan.config.tensor_parallel_axes)
@@ -591,7 +588,7 @@ def _check_sequence_parallel(model: nn.Module, plan: Any, seq: int, tp_size: int
             f"over its {tp_size} ranks (torch pads no activation), and {tp_size} does not divide {seq}. "
             f"Use a sequence length that is a multiple of {tp_size}, or drop sequence_parallel"
         )
-    if problems := sequence_parallel_problems(plan, model):
+    if problems := sequence_parallel_problems(plan.config.tp_styles, dict(model.named_modules())):
         raise PlanError(
             bullets(
                 f"trace_activations: torch's engines cannot run sequence parallel over {axes!r} here:",

@@ -11,7 +11,6 @@ Every check runs before any parameter is touched.
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from .device_mesh import build_device_mesh
 from .errors import MeshError, PlanError, ShardingError, bullets
 from .mesh import Mesh
 from .plan import Plan
-from .rules import is_conv1d, sequence_gathers
+from .rules import first_input_name, is_conv1d, sequence_gathers, sequence_parallel_problems
 from .tree import dtype_from_name, read_model
 
 __all__ = [
@@ -142,7 +141,7 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
                 f"shards as if they were even ({_features(target)[0]} % {tp_size} != 0). Make the dim "
                 "divisible"
             )
-        found.extend(_conv1d_problems(path, style, target, parent, tp_size, config.sequence_parallel))
+        found.extend(_conv1d_problems(path, style, target, parent, tp_size))
         if style == "packed_colwise" and isinstance(target, nn.Linear) and config.shard_axes:
             found.append(
                 f"{path}: 'packed_colwise' on an nn.Linear splits its weight's dim 0, which FSDP2 shards "
@@ -151,7 +150,7 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
             )
         found.extend(_heads_split(path, style, target, parent, tp_size))
     if config.sequence_parallel and tp_axes:
-        found.extend(_sequence_problems(config.tp_styles, modules))
+        found.extend(sequence_parallel_problems(config.tp_styles, modules))
     shard_axes = set(config.shard_axes)
     for path, sharding in plan.params.items():
         owner_path = path.rpartition(".")[0]
@@ -248,9 +247,7 @@ def _unfed_splits(tp_styles: tuple[tuple[str, str, str], ...], modules: dict[str
     return found
 
 
-def _conv1d_problems(
-    path: str, style: str, target: Any, parent: Any, tp_size: int, sequence: bool
-) -> list[str]:
+def _conv1d_problems(path: str, style: str, target: Any, parent: Any, tp_size: int) -> list[str]:
     # Conv1D (and packed pieces) run through functional_shard's own split (_split_projection):
     # colwise, packed_colwise and rowwise, with whole activations between layers; a packed
     # projection's pieces are told apart by its attention's split_size (Hugging Face GPT-2)
@@ -265,8 +262,6 @@ def _conv1d_problems(
             f"{path}: colwise {type(target).__name__} with {_features(target)[1]} output features over "
             f"{tp_size} tensor-parallel ranks; functional_shard splits it evenly only. Make the dim divisible"
         )
-    if split_here and sequence:
-        found.append(_whole_split_under_sequence(path, style, target))
     if style == "packed_colwise":
         split_size = getattr(parent, "split_size", None)
         out = _features(target)[1] if _projection(target) else 0
@@ -282,31 +277,6 @@ def _conv1d_problems(
                 f"split over {tp_size} tensor-parallel ranks; use a size that divides {split_size}"
             )
     return found
-
-
-def _whole_split_under_sequence(path: str, style: str, target: Any) -> str:
-    return (
-        f"{path}: style {style!r} on a {type(target).__name__} with sequence parallel; functional_shard's "
-        "own split of Conv1D layers and packed projections (Hugging Face GPT-2) takes whole activations, "
-        "which sequence parallel does not hand it. Drop sequence_parallel (plain tensor parallel runs it)"
-    )
-
-
-def sequence_parallel_problems(plan: Plan, module: nn.Module) -> list[str]:
-    """What torch's engines cannot run of ``plan``'s sequence parallel on ``module``, one line each.
-
-    Pure (the module may live on the meta device); the activation trace refuses the same.
-    """
-    config = plan.config
-    if not (config.sequence_parallel and config.tensor_parallel_axes):
-        return []
-    modules = dict(module.named_modules())
-    found = [
-        _whole_split_under_sequence(path, style, modules[path])
-        for path, style, _ in config.tp_styles
-        if style in _CONV1D_STYLES and (_is_conv1d(modules.get(path)) or style == "packed_colwise")
-    ]
-    return found + _sequence_problems(config.tp_styles, modules)
 
 
 def _heads_split(path: str, style: str, target: Any, parent: Any, tp_size: int) -> list[str]:
@@ -333,57 +303,6 @@ def _heads_split(path: str, style: str, target: Any, parent: Any, tp_size: int) 
     ]
 
 
-def _first_input_name(module: nn.Module) -> str | None:
-    """The name of the first parameter of ``module.forward`` that can be passed by position or name."""
-    try:
-        parameters = inspect.signature(module.forward).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.POSITIONAL_ONLY)
-    return next((p.name for p in parameters if p.kind in kinds), None)
-
-
-def _sequence_problems(
-    tp_styles: tuple[tuple[str, str, str], ...], modules: dict[str, nn.Module]
-) -> list[str]:
-    # Under sequence parallel the residual stream holds this rank's tokens; the modules
-    # sequence_gathers names gather them on entry. Outside those, a module with weights sees
-    # a part of the sequence: only a split layer or a 'sequence' one (torch's SequenceParallel,
-    # which all-reduces the weight's gradient) computes its gradient whole. Inside, activations
-    # are whole: a 'sequence' module there would take its whole input for a part.
-    gathers = sequence_gathers(tp_styles)
-    styled = {path for path, _, _ in tp_styles}
-    found = []
-
-    def under(path: str, parents: Iterable[str]) -> str | None:
-        return next((p for p in parents if path.startswith(f"{p}.")), None)
-
-    for path in gathers:
-        if _first_input_name(modules[path]) is None:
-            found.append(
-                f"{path}: gathers the sequence under sequence parallel (it holds column-split layers), but "
-                f"{type(modules[path]).__name__}.forward takes no input by position or name to gather"
-            )
-    for path, style, _ in tp_styles:
-        gather = under(path, gathers)
-        if style == "sequence" and gather is not None:
-            found.append(
-                f"{path}: style 'sequence' inside {gather!r}, which gathers the whole sequence on entry (it "
-                "holds column-split layers); give it 'replicate_grad_allreduce' (a per-head norm) or no style"
-            )
-    for path, module in modules.items():
-        if path in styled or under(path, styled) or under(path, gathers):
-            continue
-        if any(True for _ in module.parameters(recurse=False)):
-            found.append(
-                f"{path or '<root>'}: a {type(module).__name__} with weights but no tensor-parallel style, "
-                "outside the modules that gather the sequence: under sequence parallel it sees this rank's "
-                "tokens only, so its gradient would be a part. Give it the style 'sequence' (a norm), split "
-                "it, or drop sequence_parallel"
-            )
-    return found
-
-
 def _axes_mesh(device_mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:
     if len(axes) == 1:
         return device_mesh[axes[0]]
@@ -407,7 +326,7 @@ def _torch_styles(
     local = not sequence
     gathers = set(sequence_gathers(tp_styles)) if sequence else set()
     styles: dict[str, Any] = {
-        path: _SequenceGather(_first_input_name(module.get_submodule(path)) or "") for path in gathers
+        path: _SequenceGather(first_input_name(module.get_submodule(path)) or "") for path in gathers
     }
     own: list[tuple[str, str]] = []  # split here: Conv1D layers and packed projections
     for path, style, _ in tp_styles:
