@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .errors import ShardingError
+from .rules import first_input_name, sequence_gathers, sequence_parallel_problems
 
 __all__ = ["SAVED_OPS", "ActivationTrace", "expert_loads", "selective_context", "trace_activations"]
 
@@ -267,25 +268,45 @@ def _gathered_features(plan: Any, path: str, kind: str) -> int:
 
 @contextlib.contextmanager
 def _sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> Iterator[None]:
-    # What torch's styles do to activations, re-enacted on plain tensors. Under sequence
-    # parallel the residual stream holds this rank's part of the sequence; a sequence-style
-    # module (a norm) hands on a DTensor whose shape is global, so code after it reads the
-    # whole sequence length: its output becomes a whole-sequence tensor here. A colwise
-    # layer all-gathers its input into a buffer of its own, which its matmul saves; a
-    # rowwise layer (or a vocabulary-split embedding) reduce-scatters its output over the
+    # What torch's styles do to activations, re-enacted on plain tensors, as apply runs
+    # them (apply._torch_styles). Under sequence parallel the residual stream is a DTensor
+    # split on the sequence: its shape reads whole (Hugging Face derives position ids and
+    # the attention mask from it) while each rank holds its part. Here the embedding's
+    # output stays whole, so the model reads the whole length, and each block (the
+    # module holding an attention or MLP that gathers) takes its part of it on entry: a
+    # new buffer, as the embedding's reduce-scatter makes one. A module that gathers
+    # (rules.sequence_gathers: attention, MLP) all-gathers its first input into a buffer
+    # of its own, which the matmuls inside save; a column-split layer elsewhere (lm_head)
+    # gathers its own input; a row-split layer reduce-scatters its output over the
     # sequence. A colwise_gather layer also all-gathers its output over the features.
     handles = []
 
     def whole(x: torch.Tensor) -> torch.Tensor:
         return torch.cat([x] * tp_size, dim=1) if x.shape[1] * tp_size == seq else x
 
-    def gathered_view(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
-        return whole(out)
+    def first_input(name: str, change: Any) -> Any:
+        # the module's first input, by position or by name (Hugging Face's attention
+        # gets hidden_states=); the other arguments pass through
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if args and isinstance(args[0], torch.Tensor):
+                return (change(args[0]), *args[1:]), kwargs
+            if isinstance(kwargs.get(name), torch.Tensor):
+                return args, {**kwargs, name: change(kwargs[name])}
+            return None
+
+        return hook
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        gathered = whole(x)
+        return gathered if gathered is not x else x.clone()
+
+    def part(x: torch.Tensor) -> torch.Tensor:
+        if not x.is_floating_point() or x.shape[1] != seq:
+            return x  # token ids, or a part already
+        return x.narrow(1, 0, seq // tp_size).clone()
 
     def gather_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        x = args[0]
-        gathered = whole(x)
-        return (gathered if gathered is not x else x.clone(), *args[1:])
+        return (gather(args[0]), *args[1:])
 
     def scatter_seq(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
         return out.narrow(1, 0, out.shape[1] // tp_size).clone()
@@ -296,8 +317,8 @@ def _sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> I
         return F.pad(out, (0, full - out.shape[-1]))
 
     def split_input(kind: str, module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        # a whole input sliced to this rank's in-features, a copy as DTensor's Replicate ->
-        # Shard redistribution makes; the local weight says how many
+        # rowwise_split_input: torch's RowwiseParallel(input_layouts=Replicate()) keeps this
+        # rank's in-features of the whole input, a copy; the local weight says how many
         local = module.weight.shape[0 if kind == "conv1d" else -1]
         return (args[0].narrow(-1, 0, local).clone(), *args[1:])
 
@@ -314,9 +335,23 @@ def _sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> I
         return forward
 
     sequence = plan.config.sequence_parallel
+    gathers = set(sequence_gathers(plan.config.tp_styles)) if sequence else set()
+    blocks = {path.rpartition(".")[0] for path in gathers} - {""}
     overridden: list[Any] = []
     resized: list[tuple[Any, str, int]] = []
     try:
+        for path in sorted(gathers):
+            name = first_input_name(model.get_submodule(path)) or ""
+            handles.append(
+                model.get_submodule(path).register_forward_pre_hook(
+                    first_input(name, gather), with_kwargs=True
+                )
+            )
+        for path in sorted(blocks):
+            name = first_input_name(model.get_submodule(path)) or ""
+            handles.append(
+                model.get_submodule(path).register_forward_pre_hook(first_input(name, part), with_kwargs=True)
+            )
         for path, style, kind in plan.config.tp_styles:
             module = model.get_submodule(path)
             if style in ("colwise", "rowwise", "packed_colwise") and (
@@ -330,16 +365,14 @@ def _sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> I
                     if isinstance(getattr(parent, name, None), int):
                         resized.append((parent, name, getattr(parent, name)))
                         setattr(parent, name, getattr(parent, name) // tp_size)
-            if sequence and style == "sequence":
-                handles.append(module.register_forward_hook(gathered_view))
-            if sequence and style in ("colwise", "colwise_gather") and kind != "embedding":
+            inside = path.rpartition(".")[0] in gathers
+            if sequence and style in ("colwise", "colwise_gather") and kind != "embedding" and not inside:
                 handles.append(module.register_forward_pre_hook(gather_input))
             if style == "colwise_gather" or (style == "colwise" and kind == "embedding"):
-                # a colwise embedding's output is gathered over the features too (before
-                # sequence parallel splits it: hooks run in the order they were added)
+                # a colwise embedding's output is gathered over the features too
                 full = _gathered_features(plan, path, kind)
                 handles.append(module.register_forward_hook(functools.partial(gather_features, full)))
-            if sequence and (style in ("rowwise", "rowwise_split_input") or kind == "embedding"):
+            if sequence and style in ("rowwise", "rowwise_split_input") and kind != "embedding":
                 handles.append(module.register_forward_hook(scatter_seq))
             if style == "rowwise_split_input":
                 handles.append(module.register_forward_pre_hook(functools.partial(split_input, kind)))
@@ -773,6 +806,27 @@ class _NotPassableError(Exception):
     """A left-out layer got no tensor to hand on."""
 
 
+def _check_sequence_parallel(model: nn.Module, plan: Any, seq: int, tp_size: int) -> None:
+    # what apply refuses to run under sequence parallel, refused here before tracing
+    from .errors import PlanError, bullets
+
+    axes = ",".join(plan.config.tensor_parallel_axes)
+    if seq % tp_size:
+        raise ShardingError(
+            f"trace_activations(seq={seq}): sequence parallel over {axes!r} splits the sequence evenly "
+            f"over its {tp_size} ranks (torch pads no activation), and {tp_size} does not divide {seq}. "
+            f"Use a sequence length that is a multiple of {tp_size}, or drop sequence_parallel"
+        )
+    if problems := sequence_parallel_problems(plan.config.tp_styles, dict(model.named_modules())):
+        raise PlanError(
+            bullets(
+                f"trace_activations: torch's engines cannot run sequence parallel over {axes!r} here:",
+                problems,
+                "Change the rules, or drop sequence_parallel.",
+            )
+        )
+
+
 def trace_activations(
     model: nn.Module,
     plan: Any,
@@ -805,8 +859,11 @@ def trace_activations(
 
     Raises:
         ShardingError: the inputs do not fit the model (its forward raised), the plan names
-            a checkpoint policy other than "full" and "selective", or ``expert_imbalance`` is
-            below 1 or asks more of one expert than there are tokens.
+            a checkpoint policy other than "full" and "selective", ``expert_imbalance`` is
+            below 1 or asks more of one expert than there are tokens, or, under sequence
+            parallel, the tensor-parallel size does not divide ``seq`` or the model has
+            layers sequence parallel cannot run (`PlanError`, as `functional_shard.apply`
+            refuses them), both before tracing.
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -836,6 +893,8 @@ def trace_activations(
     tp_size = 1
     for axis in config.tensor_parallel_axes:
         tp_size *= plan.mesh[axis]
+    if config.sequence_parallel:
+        _check_sequence_parallel(model, plan, seq, tp_size)
 
     # fake CPU tensors: no memory, and torch picks the fused attention kernels it runs for real
     fake = FakeTensorMode(allow_non_fake_inputs=False)

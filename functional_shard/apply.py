@@ -21,13 +21,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor.parallel import PrepareModuleInput
 
 # build_device_mesh lives below mesh.py (Mesh.device_mesh uses it); re-exported here
 from .device_mesh import build_device_mesh
 from .errors import MeshError, PlanError, ShardingError, bullets
 from .mesh import Mesh
 from .plan import Plan
-from .rules import is_conv1d
+from .rules import first_input_name, is_conv1d, sequence_gathers, sequence_parallel_problems
 from .tree import dtype_from_name, read_model
 
 __all__ = [
@@ -140,7 +141,7 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
                 f"shards as if they were even ({_features(target)[0]} % {tp_size} != 0). Make the dim "
                 "divisible"
             )
-        found.extend(_conv1d_problems(path, style, target, parent, tp_size, config.sequence_parallel))
+        found.extend(_conv1d_problems(path, style, target, parent, tp_size))
         if style == "packed_colwise" and isinstance(target, nn.Linear) and config.shard_axes:
             found.append(
                 f"{path}: 'packed_colwise' on an nn.Linear splits its weight's dim 0, which FSDP2 shards "
@@ -148,6 +149,8 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
                 "split. Use plain tensor parallel for this layer, or replicate it"
             )
         found.extend(_heads_split(path, style, target, parent, tp_size))
+    if config.sequence_parallel and tp_axes:
+        found.extend(sequence_parallel_problems(config.tp_styles, modules))
     shard_axes = set(config.shard_axes)
     for path, sharding in plan.params.items():
         owner_path = path.rpartition(".")[0]
@@ -244,9 +247,7 @@ def _unfed_splits(tp_styles: tuple[tuple[str, str, str], ...], modules: dict[str
     return found
 
 
-def _conv1d_problems(
-    path: str, style: str, target: Any, parent: Any, tp_size: int, sequence: bool
-) -> list[str]:
+def _conv1d_problems(path: str, style: str, target: Any, parent: Any, tp_size: int) -> list[str]:
     # Conv1D (and packed pieces) run through functional_shard's own split (_split_projection):
     # colwise, packed_colwise and rowwise, with whole activations between layers; a packed
     # projection's pieces are told apart by its attention's split_size (Hugging Face GPT-2)
@@ -260,11 +261,6 @@ def _conv1d_problems(
         found.append(
             f"{path}: colwise {type(target).__name__} with {_features(target)[1]} output features over "
             f"{tp_size} tensor-parallel ranks; functional_shard splits it evenly only. Make the dim divisible"
-        )
-    if split_here and sequence:
-        found.append(
-            f"{path}: style {style!r} on a {type(target).__name__} with sequence parallel; this split "
-            "takes whole activations. Drop sequence_parallel"
         )
     if style == "packed_colwise":
         split_size = getattr(parent, "split_size", None)
@@ -313,53 +309,94 @@ def _axes_mesh(device_mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:
     return device_mesh[axes]._flatten("_".join(axes))
 
 
-def _tensor_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> None:
+def _torch_styles(
+    tp_styles: tuple[tuple[str, str, str], ...], module: nn.Module, sequence: bool
+) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """The torch parallel style of each styled module, and the layers split here (Conv1D, packed)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        ParallelStyle,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-    config = plan.config
-    if not config.tensor_parallel_axes:
-        return
-    sequence = config.sequence_parallel
-    # with sequence parallel the residual stream between styled modules is split on
-    # the sequence dim (1); without, it is replicated
+    # Without sequence parallel the activations between styled modules are whole
+    # (replicated). With it, as torchtitan runs it: the residual stream is split on the
+    # sequence dim (1) and stays a DTensor (its shape reads whole: Hugging Face derives
+    # position ids and the attention mask from it); each module that holds column-split
+    # layers (attention, MLP) gathers its input once on entry, the layers inside take it
+    # whole, and row-split layers reduce-scatter their output back over the sequence.
     between = Shard(1) if sequence else Replicate()
-    styles: dict[str, ParallelStyle] = {}
+    local = not sequence
+    gathers = set(sequence_gathers(tp_styles)) if sequence else set()
+    styles: dict[str, Any] = {
+        path: _SequenceGather(first_input_name(module.get_submodule(path)) or "") for path in gathers
+    }
     own: list[tuple[str, str]] = []  # split here: Conv1D layers and packed projections
-    for path, style, _ in config.tp_styles:
+    for path, style, _ in tp_styles:
         target = module.get_submodule(path)
         embedding = isinstance(target, nn.Embedding)
+        taken = Replicate() if path.rpartition(".")[0] in gathers else between  # a column split's input
         if style in _CONV1D_STYLES and (_is_conv1d(target) or style == "packed_colwise"):
             own.append((path, style))
         elif style == "colwise":
             styles[path] = (
-                ColwiseParallel(input_layouts=Replicate(), output_layouts=between)
+                ColwiseParallel(input_layouts=Replicate(), output_layouts=between, use_local_output=local)
                 if embedding
-                else ColwiseParallel(input_layouts=between)
+                else ColwiseParallel(input_layouts=taken)
             )
         elif style == "colwise_gather":
-            styles[path] = ColwiseParallel(input_layouts=between, output_layouts=Replicate())
+            styles[path] = ColwiseParallel(input_layouts=taken, output_layouts=Replicate())
         elif style == "rowwise":
             styles[path] = (
-                RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+                RowwiseParallel(input_layouts=Replicate(), output_layouts=between, use_local_output=local)
                 if embedding
-                else RowwiseParallel(output_layouts=between)
+                else RowwiseParallel(output_layouts=between, use_local_output=local)
             )
         elif style == "rowwise_split_input":
             # the input arrives whole (after a colwise_gather layer); each rank slices its part
-            styles[path] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+            styles[path] = RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=between, use_local_output=local
+            )
         elif style == "sequence" and sequence:
             styles[path] = SequenceParallel()
         elif style == "replicate_grad_allreduce":
             # a per-head module (q/k norm) after a colwise projection sees this rank's heads
             # (dim -2); its weight stays whole and its gradient, a partial sum, is all-reduced
             styles[path] = SequenceParallel(sequence_dim=-2, use_local_output=True)
+    return styles, own
+
+
+class _SequenceGather(PrepareModuleInput):
+    """torch's ``PrepareModuleInput`` gathering a module's first input over the sequence.
+
+    The input may come by position (the zoo's blocks, Hugging Face's MLPs) or by name
+    (Hugging Face's attention gets ``hidden_states=``); the other arguments (position
+    embeddings, the attention mask) pass through untouched.
+    """
+
+    def __init__(self, name: str) -> None:
+        from torch.distributed.tensor import Replicate, Shard
+
+        super().__init__(
+            input_kwarg_layouts={name: Shard(1)}, desired_input_kwarg_layouts={name: Replicate()}
+        )
+
+    def _prepare_input_fn(self, inputs: Any, device_mesh: DeviceMesh) -> Any:
+        from torch.distributed.tensor import Replicate, Shard
+
+        if not inputs:
+            return inputs
+        rest = (None,) * (len(inputs) - 1)
+        first = PrepareModuleInput(
+            input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest)
+        )
+        return first._prepare_input_fn(inputs, device_mesh)
+
+
+def _tensor_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    config = plan.config
+    if not config.tensor_parallel_axes:
+        return
+    styles, own = _torch_styles(config.tp_styles, module, config.sequence_parallel)
     tp_mesh = device_mesh[config.tensor_parallel_axes[0]]
     parallelize_module(module, tp_mesh, styles)
     for path, style in own:
@@ -621,6 +658,9 @@ def apply(
     Raises:
         MeshError: no process group, or a world size / device mesh that differs from the plan's.
         PlanError: what the engines cannot run, one bullet per parameter, before anything changes.
+        ShardingError: later, from the module's forward under sequence parallel, on every
+            rank and before any collective: an input whose sequence length (dim 1) is not
+            a multiple of the tensor-parallel size.
 
     Examples:
         >>> # on each of 4 ranks:
@@ -660,8 +700,32 @@ def apply(
     _checkpointing(plan, module)
     _data_parallel(plan, module, device_mesh, root)
     _reduce_whole_grads(plan, module, device_mesh)
+    _refuse_uneven_sequences(plan, module.get_submodule(root))
     _APPLIED[module] = _Applied(plan, device_mesh)
     return module
+
+
+def _refuse_uneven_sequences(plan: Plan, root: nn.Module) -> None:
+    # Sequence parallel splits the sequence evenly (torch pads no activation): an uneven
+    # length fails deep in a rank (a reshape with the wrong length) or aborts the group in
+    # a collective. Checked first in the root's forward, before FSDP2's hooks gather
+    # anything; every rank of a tensor-parallel group gets the same shape and refuses alike.
+    config = plan.config
+    if not (config.sequence_parallel and config.tensor_parallel_axes):
+        return
+    axis = config.tensor_parallel_axes[0]
+    size = plan.mesh[axis]
+
+    def check(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+        if first is not None and first.ndim >= 2 and first.shape[1] % size:
+            raise ShardingError(
+                f"sequence parallel over {axis!r} splits the sequence (dim 1) evenly over its {size} ranks, "
+                f"but this input's sequence length is {first.shape[1]}, which {size} does not divide. Pad or "
+                f"cut sequences to a multiple of {size}, or drop sequence_parallel"
+            )
+
+    root.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
 
 
 def _applied_with(plan: Plan, module: nn.Module, caller: str) -> _Applied:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 from .bytesize import format_bytes as _bytes
 from .errors import ShardingError
 from .layout import local_numel
+from .rules import sequence_gathers
 from .spec import Owned, ParamSharding
 from .tree import TensorSpec, dtype_from_name
 
@@ -398,7 +399,12 @@ def _activation_comm(plan: Plan, comm: _Comm, tokens: int) -> None:
     # stores its weight (in, out) and moves what a Linear would; a packed_colwise layer
     # moves what a colwise one does, and all-gathers its whole bias's gradient over the
     # tensor-parallel ranks in backward (each rank slices its pieces of it in forward).
+    # Under sequence parallel a module holding column-split layers (attention, MLP) gathers
+    # its input once on entry (`rules.sequence_gathers`), and reduce-scatters its gradient
+    # once in backward, for all the layers inside: counted with the first of them.
     sequence = plan.config.sequence_parallel
+    gathered = set(sequence_gathers(plan.config.tp_styles)) if sequence else set()
+    counted: set[str] = set()
     for module_path, style, kind in plan.config.tp_styles:
         if style in ("sequence", "replicate", "replicate_grad_allreduce"):
             continue
@@ -421,6 +427,10 @@ def _activation_comm(plan: Plan, comm: _Comm, tokens: int) -> None:
         else:
             rowwise = style in ("rowwise", "rowwise_split_input")
             reductions = [out_features] if rowwise else [in_features]
+            parent = module_path.rpartition(".")[0]
+            if not rowwise and parent in gathered:
+                reductions = [] if parent in counted else [in_features]
+                counted.add(parent)
             gathers = [out_features] if style == "colwise_gather" else []
             if style == "rowwise_split_input":
                 gathers.append(in_features)

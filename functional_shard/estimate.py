@@ -21,6 +21,7 @@ from .cost import Cost, OptimizerKind, cost, unit_gathered
 from .errors import ShardingError
 from .hardware import Hardware
 from .hardware import hardware as _hardware
+from .rules import sequence_gathers
 from .tree import dtype_from_name
 
 if TYPE_CHECKING:
@@ -256,9 +257,15 @@ def collective_counts(plan: Plan, grads_bytes: int) -> dict[str, int]:
         counts["all_reduce"] += max(1, -(-grads_bytes // _DDP_BUCKET_BYTES))
     if config.data_parallel == "zero1":
         counts["broadcast"] += len(plan.params)
-    for _, style, _ in config.tp_styles:
+    # under sequence parallel a module that gathers its input for the column-split layers
+    # inside (rules.sequence_gathers) issues the all-gather and its reduce-scatter, once
+    gathers = sequence_gathers(config.tp_styles) if config.sequence_parallel else ()
+    counts["tensor parallel"] += 2 * len(gathers)
+    for path, style, _ in config.tp_styles:
         if style == "sequence":
-            counts["tensor parallel"] += 1  # its weight's gradient all-reduce
+            counts["tensor parallel"] += config.sequence_parallel  # its weight's gradient all-reduce
+        elif path.rpartition(".")[0] in gathers and style in ("colwise", "colwise_gather"):
+            counts["tensor parallel"] += style == "colwise_gather"  # its output all-gather
         elif style != "replicate":
             counts["tensor parallel"] += 2 if config.sequence_parallel else 1
     return counts
@@ -306,6 +313,8 @@ def _recomputed(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> tuple
         return {}, 0
     prefixes = tuple(f"{path}." for path in checkpointed)
     sequence = plan.config.sequence_parallel
+    gathers = set(sequence_gathers(plan.config.tp_styles)) if sequence else set()
+    entered: set[str] = set()
     sent: dict[str, float] = defaultdict(float)
     count = 0
     for module_path, style, kind in plan.config.tp_styles:
@@ -332,10 +341,12 @@ def _recomputed(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> tuple
             else:
                 moves.append(("all_gather", -(-in_features // n) * n))
         else:
+            parent = module_path.rpartition(".")[0]
             if style in ("rowwise", "rowwise_split_input"):
                 moves.append(("reduce_scatter" if sequence else "all_reduce", out_features))
-            elif sequence:
-                moves.append(("all_gather", in_features))
+            elif sequence and (parent not in gathers or parent not in entered):
+                moves.append(("all_gather", in_features))  # once per gathering module
+                entered.add(parent)
             if style == "colwise_gather":
                 moves.append(("all_gather", -(-out_features // n) * n))
         for what, features in moves:

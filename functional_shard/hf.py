@@ -175,4 +175,32 @@ def plan_entries(model_or_config: object) -> tuple[str, list[tuple[re.Pattern[st
             + "\nGive tp() rules of your own (fs.tp([(pattern, 'colwise'), ...], axis)) that leave "
             "these modules whole, or shard this model with data parallelism only."
         )
-    return name, pairs
+    return name, pairs + _residual_norms(model, pairs)
+
+
+_SPLIT_STYLES = ("colwise", "colwise_gather")
+
+
+def _residual_norms(
+    model: nn.Module, pairs: list[tuple[re.Pattern[str], str]]
+) -> list[tuple[re.Pattern[str], str]]:
+    # transformers' plans name the projections only. Under sequence parallel the norms
+    # between them (input_layernorm, post_attention_layernorm, the final norm) see this
+    # rank's tokens: they need torch's SequenceParallel, which keeps their weight whole
+    # and all-reduces its gradient. Norms inside a module with split projections (Qwen3's
+    # q_norm, k_norm) see gathered activations and keep the plan's own style.
+    split = [
+        path
+        for path, module in model.named_modules()
+        if not isinstance(module, nn.Embedding)
+        and any(style in _SPLIT_STYLES and pattern.fullmatch(path) for pattern, style in pairs)
+    ]
+    inner = {path.rpartition(".")[0] for path in split}
+    found: dict[str, None] = {}
+    for path, module in model.named_modules():
+        owned = any(True for _ in module.parameters(recurse=False))
+        covered = any(re.fullmatch(rf"(?:{p.pattern})(?:\..*)?", path) for p, _ in pairs)
+        inside = any(path.startswith(f"{parent}.") for parent in inner if parent)
+        if owned and "Norm" in type(module).__name__ and not covered and not inside:
+            found.setdefault(re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(path)))
+    return [(re.compile(pattern), "sequence") for pattern in found]

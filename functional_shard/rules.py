@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import inspect
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal, TypeAlias, cast, get_args
 
@@ -50,7 +51,10 @@ __all__ = [
     "gpt2",
     "gpt2_hf",
     "llama",
+    "first_input_name",
     "mlp",
+    "sequence_gathers",
+    "sequence_parallel_problems",
 ]
 
 Style: TypeAlias = Literal[
@@ -255,6 +259,137 @@ class Rules:
     def deferred(self) -> bool:
         """Whether this is a placeholder (``"hf"``, ``"auto"``) that ``shard()`` resolves."""
         return not self.rules and self.name in DEFERRED
+
+
+_GATHERED_STYLES = ("colwise", "colwise_gather", "packed_colwise")
+
+
+def sequence_gathers(tp_styles: Iterable[tuple[str, str, str]]) -> tuple[str, ...]:
+    """Modules that gather the sequence under sequence parallel: attention and MLP blocks.
+
+    Under sequence parallel the residual stream holds each rank's part of the sequence. As
+    torchtitan does, the module holding column-split projections (a layer's ``self_attn``
+    or ``mlp``) all-gathers its input over the sequence once, on entry (torch's
+    ``PrepareModuleInput``), and the projections inside take that whole input; the
+    row-split projections inside reduce-scatter their outputs back over the sequence.
+    A column-split layer whose parent also holds other such modules or an embedding (the
+    model around ``lm_head``) gathers its own input.
+
+    Args:
+        tp_styles: ``(module path, style, layout)`` as ``PlanConfig.tp_styles`` holds them.
+
+    Returns:
+        The parent module path of column-split projections (embeddings aside), innermost
+        only and holding no split embedding, in first-seen order.
+
+    Examples:
+        >>> sequence_gathers([("embed", "rowwise", "embedding"),
+        ...     ("layers.0.mlp.up_proj", "colwise", "linear"),
+        ...     ("layers.0.mlp.down_proj", "rowwise", "linear"),
+        ...     ("lm_head", "colwise_gather", "linear")])
+        ('layers.0.mlp',)
+    """
+    styles = list(tp_styles)
+    candidates: dict[str, None] = {}
+    for path, style, kind in styles:
+        if style in _GATHERED_STYLES and kind != "embedding":
+            candidates.setdefault(path.rpartition(".")[0])
+
+    def inside(path: str, parent: str) -> bool:
+        return path != parent and (not parent or path.startswith(f"{parent}."))
+
+    embeddings = [path for path, _, kind in styles if kind == "embedding"]
+    return tuple(
+        parent
+        for parent in candidates
+        if not any(inside(other, parent) for other in candidates)
+        and not any(inside(path, parent) for path in embeddings)
+    )
+
+
+def first_input_name(module: nn.Module) -> str | None:
+    """The first parameter of ``module.forward`` that can be passed by position or by name.
+
+    Examples:
+        >>> first_input_name(nn.Linear(2, 2))
+        'input'
+    """
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.POSITIONAL_ONLY)
+    return next((p.name for p in parameters if p.kind in kinds), None)
+
+
+# functional_shard splits these on Hugging Face's Conv1D itself (and packed projections)
+_OWN_SPLIT_STYLES = ("colwise", "packed_colwise", "rowwise")
+
+
+def sequence_parallel_problems(
+    tp_styles: tuple[tuple[str, str, str], ...], modules: Mapping[str, nn.Module]
+) -> list[str]:
+    """What sequence parallel cannot run of ``tp_styles`` on these modules, one line each.
+
+    Pure (the modules may live on the meta device): `functional_shard.apply` and the
+    activation trace refuse the same.
+
+    Args:
+        tp_styles: ``(module path, style, layout)`` as ``PlanConfig.tp_styles`` holds them.
+        modules: the model's modules by path (``dict(model.named_modules())``).
+
+    Examples:
+        >>> model = nn.Sequential(nn.LayerNorm(4), nn.Sequential(nn.Linear(4, 4)))
+        >>> sequence_parallel_problems((("1.0", "colwise", "linear"),), dict(model.named_modules()))[0][:40]
+        '0: a LayerNorm with weights but no tenso'
+    """
+    gathers = sequence_gathers(tp_styles)
+    styled = {path for path, _, _ in tp_styles}
+    found = []
+
+    def under(path: str, parents: Iterable[str]) -> str | None:
+        return next((p for p in parents if path.startswith(f"{p}.") or (not p and path)), None)
+
+    for path, style, _ in tp_styles:
+        target = modules.get(path)
+        name = f"{type(target).__module__}.{type(target).__qualname__}"
+        if style in _OWN_SPLIT_STYLES and (is_conv1d(name) or style == "packed_colwise"):
+            # (functional_shard's own split: Conv1D layers, packed projections)
+            found.append(
+                f"{path}: style {style!r} on a {type(target).__name__} with sequence parallel; "
+                "functional_shard's own split of Conv1D layers and packed projections (Hugging Face "
+                "GPT-2) takes whole activations, which sequence parallel does not hand it. Drop "
+                "sequence_parallel (plain tensor parallel runs it)"
+            )
+    # Under sequence parallel the residual stream holds this rank's tokens; the modules
+    # sequence_gathers names gather them on entry. Outside those, a module with weights sees
+    # a part of the sequence: only a split layer or a 'sequence' one (torch's SequenceParallel,
+    # which all-reduces the weight's gradient) computes its gradient whole. Inside, activations
+    # are whole: a 'sequence' module there would take its whole input for a part.
+    for path in gathers:
+        if first_input_name(modules[path]) is None:
+            found.append(
+                f"{path}: gathers the sequence under sequence parallel (it holds column-split layers), but "
+                f"{type(modules[path]).__name__}.forward takes no input by position or name to gather"
+            )
+    for path, style, _ in tp_styles:
+        gather = under(path, gathers)
+        if style == "sequence" and gather is not None:
+            found.append(
+                f"{path}: style 'sequence' inside {gather!r}, which gathers the whole sequence on entry (it "
+                "holds column-split layers); give it 'replicate_grad_allreduce' (a per-head norm) or no style"
+            )
+    for path, module in modules.items():
+        if path in styled or under(path, styled) or under(path, gathers):
+            continue
+        if any(True for _ in module.parameters(recurse=False)):
+            found.append(
+                f"{path or '<root>'}: a {type(module).__name__} with weights but no tensor-parallel style, "
+                "outside the modules that gather the sequence: under sequence parallel it sees this rank's "
+                "tokens only, so its gradient would be a part. Give it the style 'sequence' (a norm), split "
+                "it, or drop sequence_parallel"
+            )
+    return found
 
 
 def deferred(name: str) -> Rules:

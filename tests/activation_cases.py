@@ -79,6 +79,14 @@ def hf_policy(name: str) -> tuple[fs.Mesh, fs.Policy]:
     return {
         "hf_tp": (fs.Mesh(tp=4), fs.tp("hf", "tp")),
         "hf_fsdp_tp": (fs.Mesh(dp=2, tp=2), fs.fsdp("dp") + fs.tp("hf", "tp")),
+        "hf_sp": (fs.Mesh(tp=4), fs.tp("hf", "tp", sequence_parallel=True)),
+        "hf_fsdp_sp": (fs.Mesh(dp=2, tp=2), fs.fsdp("dp") + fs.tp("hf", "tp", sequence_parallel=True)),
+        "hf_fsdp_sp_selective": (
+            fs.Mesh(dp=2, tp=2),
+            fs.fsdp("dp")
+            + fs.tp("hf", "tp", sequence_parallel=True)
+            + fs.checkpointing(LlamaDecoderLayer, policy="selective"),
+        ),
         "hf_fsdp_tp_selective": (
             fs.Mesh(dp=2, tp=2),
             fs.fsdp("dp") + fs.tp("hf", "tp") + fs.checkpointing(LlamaDecoderLayer, policy="selective"),

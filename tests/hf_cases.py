@@ -87,6 +87,9 @@ def strategy(name: str, world: int) -> tuple[fs.Mesh, fs.Policy]:
         "fsdp": (fs.Mesh(dp=-1), fs.fsdp()),
         "fsdp_tp": (fs.Mesh(dp=2, tp=-1), fs.fsdp("dp") + fs.tp("auto", "tp")),
         "tp": (fs.Mesh(tp=-1), fs.tp("auto", "tp")),
+        # sequence parallel: tp = 4 alone, tp = 2 under FSDP (on 4 ranks)
+        "sp": (fs.Mesh(tp=-1), fs.tp("auto", "tp", sequence_parallel=True)),
+        "fsdp_sp": (fs.Mesh(dp=2, tp=-1), fs.fsdp("dp") + fs.tp("auto", "tp", sequence_parallel=True)),
     }[name]
     return mesh.resolve(world), policy
 
@@ -238,17 +241,37 @@ def activations(model_name: str, strategy_name: str) -> dict[str, object]:
     tokens = batches(1)[0][:MICRO_BATCH, :SEQ]
     kept, output = fs.kept_activation_bytes(model, tokens, use_cache=False)
     output.logits.sum().backward()
-    return {"traced": trace.activation_bytes, "kept": kept}
+    saved, output = fs.saved_tensor_bytes(model, tokens, use_cache=False)
+    output.logits.sum().backward()
+    return {"traced": trace.activation_bytes, "kept": kept, "saved": saved}
+
+
+def uneven_sequence(model_name: str, strategy_name: str) -> dict[str, object]:
+    """A forward at a sequence length the tensor-parallel size does not divide (refused on
+    every rank before any collective), then a whole training step on the same process group."""
+    model, optimizer, plan = _built(model_name, strategy_name)
+    tp = plan.mesh["tp"]
+    tokens = batches(1)[0][:MICRO_BATCH]
+    refused = ""
+    try:
+        model(input_ids=tokens[:, : SEQ - 1])
+    except fs.ShardingError as error:
+        refused = str(error)
+    loss = loss_of(model, tokens)  # SEQ tokens: the group still works
+    loss.backward()
+    optimizer.step()
+    return {"refused": refused, "tp": tp, "loss": mean_over_ranks(loss).item()}
 
 
 def run_cases(cases: tuple[tuple[str, str, str], ...]) -> list[dict[str, object]]:
-    """(kind, model, strategy) cases in turn, kind "train", "comm", "materialize", "checkpoint"
-    or "activations": many cases in one world run."""
+    """(kind, model, strategy) cases in turn, kind "train", "comm", "materialize", "checkpoint",
+    "activations" or "uneven": many cases in one world run."""
     kinds = {
         "train": train,
         "comm": measure_comm,
         "materialize": materialize_gap,
         "checkpoint": checkpoint_round_trip,
         "activations": activations,
+        "uneven": uneven_sequence,
     }
     return [kinds[kind](model_name, strategy_name) for kind, model_name, strategy_name in cases]

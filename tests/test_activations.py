@@ -251,7 +251,12 @@ def test_any_mlp_traces_as_it_runs(widths, batch, seq, checkpoint):
 
 
 # what each checkpointed case is measured against: the same plan without checkpointing
-BASE = {"fsdp_tp_full": "fsdp_tp", "fsdp_tp_selective": "fsdp_tp", "hf_fsdp_tp_selective": "hf_fsdp_tp"}
+BASE = {
+    "fsdp_tp_full": "fsdp_tp",
+    "fsdp_tp_selective": "fsdp_tp",
+    "hf_fsdp_tp_selective": "hf_fsdp_tp",
+    "hf_fsdp_sp_selective": "hf_fsdp_sp",
+}
 
 
 def check_ranks(names: list[str]) -> None:
@@ -287,3 +292,12 @@ def test_each_rank_traces_what_it_keeps_under_sequence_parallel_and_mixed_precis
 def test_each_rank_of_a_hugging_face_model_traces_what_it_keeps():
     pytest.importorskip("transformers")
     check_ranks(["hf_tp", "hf_fsdp_tp", "hf_fsdp_tp_selective"])
+
+
+@pytest.mark.slow
+def test_each_rank_of_a_hugging_face_model_traces_what_it_keeps_under_sequence_parallel():
+    """The residual stream split on the sequence, gathered at the attention and MLP inputs
+    (tp = 4 alone, tp = 2 under FSDP, with selective checkpointing); the default suite checks
+    one such case in test_hf_parity."""
+    pytest.importorskip("transformers")
+    check_ranks(["hf_sp", "hf_fsdp_sp", "hf_fsdp_sp_selective"])

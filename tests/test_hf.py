@@ -33,8 +33,17 @@ def test_llama_plan_maps_every_style_as_transformers_combines_it():
         "lm_head.weight": "colwise_gather",
     }
     assert {path: rules.match(path).target for path in targets} == targets
-    assert rules.match("model.layers.0.input_layernorm.weight") is None
+    # the norms between the plan's modules: replicated, split over the sequence under sp
+    norms = ("model.layers.0.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight")
+    assert {rules.match(path).target for path in (*norms, "model.norm.weight")} == {"sequence"}
+    assert rules.match("model.rotary_emb") is None
     assert rules.name == "hf"
+
+
+def test_norms_inside_split_modules_keep_their_plan_style():
+    rules = fs.rules.from_hf(meta("qwen3"))
+    assert rules.match("model.layers.0.self_attn.q_norm.weight").target == "replicate_grad_allreduce"
+    assert rules.match("model.layers.0.input_layernorm.weight").target == "sequence"
 
 
 def test_a_config_gives_the_same_rules_as_its_model():

@@ -20,15 +20,20 @@ import torch
 
 import functional_shard as fs
 
-from . import hf_cases
+from . import activation_cases, hf_cases
 
 pytest.importorskip("transformers")
 
 STRATEGIES = ("ddp", "zero1", "fsdp", "fsdp_tp", "tp")
-MODELS = {name: STRATEGIES for name in hf_cases.CONFIGS}
+# sequence parallel (tp = 4 alone, tp = 2 under FSDP), the way torchtitan runs it: GPT-2's Conv1D
+# and packed layers are refused under it (test_sequence_parallel.py)
+SEQUENCE = ("sp", "fsdp_sp")
+MODELS = {name: STRATEGIES + (SEQUENCE if name != "gpt2" else ()) for name in hf_cases.CONFIGS}
 
 # the riskiest case of each kind: tied weights under 2-D, biases, fused and packed
-# projections split by tensor parallel, a scaled embedding under FSDP, ZeRO-1
+# projections split by tensor parallel, a scaled embedding under FSDP, ZeRO-1; sequence
+# parallel with tied weights under FSDP (tp = 2) and with Phi-3's gathered and sliced
+# projections (tp = 4)
 DEFAULT = (
     ("llama_tied", "fsdp_tp"),
     ("llama_tied", "zero1"),
@@ -36,6 +41,8 @@ DEFAULT = (
     ("gemma", "fsdp"),
     ("phi3", "tp"),
     ("gpt2", "fsdp_tp"),
+    ("llama_tied", "fsdp_sp"),
+    ("phi3", "sp"),
 )
 EVERY = tuple((model, strategy) for model, strategies in MODELS.items() for strategy in strategies)
 
@@ -119,3 +126,18 @@ def test_packed_weights_materialize_checkpoint_and_trace_as_they_run(world):
         assert refusal in saved["refused"], f"rank {rank}: {saved['refused']!r}"
         for (_, _, strategy), result in zip(cases[3:], traced, strict=True):
             assert result["traced"] == result["kept"], f"{strategy}, rank {rank}"
+
+
+def test_sequence_parallel_traces_what_it_keeps_and_refuses_an_uneven_sequence(world):
+    """Under fsdp + sp (HF Llama, 3 layers: two traced, the third extrapolated) the activations
+    the meta trace predicts equal what saved_tensors_hooks sees, on every rank. A sequence of 7
+    tokens under sp over 4 ranks is refused by name on every rank before any collective: the
+    same process group then trains a step."""
+    for rank, cases in enumerate(world.run(activation_cases.measure, ["hf_fsdp_sp"])):
+        result = cases["hf_fsdp_sp"]
+        assert result["traced"] == result["saved"], f"rank {rank}: {result}"
+    for rank, (uneven,) in enumerate(world.run(hf_cases.run_cases, (("uneven", "llama", "sp"),))):
+        assert uneven["tp"] == 4
+        expected = "this input's sequence length is 7, which 4 does not divide"
+        assert expected in uneven["refused"], f"rank {rank}: {uneven['refused']!r}"
+        assert uneven["loss"] > 0
