@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -259,7 +259,7 @@ def collective_counts(plan: Plan, grads_bytes: int) -> dict[str, int]:
         counts["broadcast"] += len(plan.params)
     # under sequence parallel a module that gathers its input for the column-split layers
     # inside (rules.sequence_gathers) issues the all-gather and its reduce-scatter, once
-    gathers = sequence_gathers(config.tp_styles) if config.sequence_parallel else ()
+    gathers = set(sequence_gathers(config.tp_styles)) if config.sequence_parallel else set()
     counts["tensor parallel"] += 2 * len(gathers)
     for path, style, _ in config.tp_styles:
         if style == "sequence":
@@ -271,17 +271,25 @@ def collective_counts(plan: Plan, grads_bytes: int) -> dict[str, int]:
     return counts
 
 
-_FSDP_UNITS: dict[int, tuple[Plan, frozenset[str]]] = {}
+_PER_PLAN: dict[int, tuple[Plan, dict[Hashable, Any]]] = {}
+
+
+def _per_plan(plan: Plan, key: Hashable, compute: Callable[[], Any]) -> Any:
+    # a search estimates each plan once per checkpointing option: what depends on the
+    # plan alone is worked out once (the few plans last seen, held by identity)
+    held = _PER_PLAN.get(id(plan))
+    if held is None or held[0] is not plan:
+        if len(_PER_PLAN) >= 8:
+            _PER_PLAN.clear()
+        held = _PER_PLAN[id(plan)] = (plan, {})
+    memo = held[1]
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
 
 
 def _units(plan: Plan) -> frozenset[str]:
-    # a search estimates each plan once per checkpointing option: its units once
-    held = _FSDP_UNITS.get(id(plan))
-    if held is None or held[0] is not plan:
-        if len(_FSDP_UNITS) >= 8:
-            _FSDP_UNITS.clear()
-        held = _FSDP_UNITS[id(plan)] = (plan, frozenset(plan.unit_of(path) for path in plan.params))
-    return held[1]
+    return _per_plan(plan, "units", lambda: frozenset(plan.unit_of(path) for path in plan.params))
 
 
 def recomputed_collectives(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> dict[str, float]:
@@ -305,10 +313,16 @@ def recomputed_collectives(plan: Plan, checkpointed: tuple[str, ...], tokens: in
         >>> recomputed_collectives(plan, plan.config.checkpointed, tokens=32)
         {'all_reduce over tp': 32768.0}
     """
-    return _recomputed(plan, checkpointed, tokens)[0]
+    return dict(_recomputed(plan, checkpointed, tokens)[0])
 
 
 def _recomputed(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> tuple[dict[str, float], int]:
+    return _per_plan(
+        plan, ("recomputed", checkpointed, tokens), lambda: _recomputed_now(plan, checkpointed, tokens)
+    )
+
+
+def _recomputed_now(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> tuple[dict[str, float], int]:
     if not checkpointed or not plan.config.tensor_parallel_axes:
         return {}, 0
     prefixes = tuple(f"{path}." for path in checkpointed)

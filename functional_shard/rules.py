@@ -289,22 +289,28 @@ def sequence_gathers(tp_styles: Iterable[tuple[str, str, str]]) -> tuple[str, ..
         ...     ("lm_head", "colwise_gather", "linear")])
         ('layers.0.mlp',)
     """
-    styles = list(tp_styles)
+    return _sequence_gathers(tuple(tp_styles))
+
+
+def _ancestors(path: str) -> Iterator[str]:
+    """The module paths strictly enclosing ``path``, innermost first ("" encloses every other)."""
+    while path:
+        path = path.rpartition(".")[0]
+        yield path
+
+
+@functools.lru_cache(maxsize=256)
+def _sequence_gathers(styles: tuple[tuple[str, str, str], ...]) -> tuple[str, ...]:
+    # a search plans many meshes with one set of styles: worked out once per set
     candidates: dict[str, None] = {}
     for path, style, kind in styles:
         if style in _GATHERED_STYLES and kind != "embedding":
             candidates.setdefault(path.rpartition(".")[0])
 
-    def inside(path: str, parent: str) -> bool:
-        return path != parent and (not parent or path.startswith(f"{parent}."))
-
-    embeddings = [path for path, _, kind in styles if kind == "embedding"]
-    return tuple(
-        parent
-        for parent in candidates
-        if not any(inside(other, parent) for other in candidates)
-        and not any(inside(path, parent) for path in embeddings)
-    )
+    # a candidate that encloses another one, or a split embedding, does not gather
+    enclosing = {a for path in candidates for a in _ancestors(path)}
+    enclosing |= {a for path, _, kind in styles if kind == "embedding" for a in _ancestors(path)}
+    return tuple(parent for parent in candidates if parent not in enclosing)
 
 
 def first_input_name(module: nn.Module) -> str | None:
@@ -343,12 +349,13 @@ def sequence_parallel_problems(
         >>> sequence_parallel_problems((("1.0", "colwise", "linear"),), dict(model.named_modules()))[0][:40]
         '0: a LayerNorm with weights but no tenso'
     """
-    gathers = sequence_gathers(tp_styles)
+    gathering = sequence_gathers(tp_styles)
+    gathers = set(gathering)
     styled = {path for path, _, _ in tp_styles}
     found = []
 
-    def under(path: str, parents: Iterable[str]) -> str | None:
-        return next((p for p in parents if path.startswith(f"{p}.") or (not p and path)), None)
+    def under(path: str, parents: set[str]) -> str | None:
+        return next((p for p in _ancestors(path) if p in parents), None)
 
     for path, style, _ in tp_styles:
         target = modules.get(path)
@@ -366,7 +373,7 @@ def sequence_parallel_problems(
     # a part of the sequence: only a split layer or a 'sequence' one (torch's SequenceParallel,
     # which all-reduces the weight's gradient) computes its gradient whole. Inside, activations
     # are whole: a 'sequence' module there would take its whole input for a part.
-    for path in gathers:
+    for path in gathering:
         if first_input_name(modules[path]) is None:
             found.append(
                 f"{path}: gathers the sequence under sequence parallel (it holds column-split layers), but "

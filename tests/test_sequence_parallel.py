@@ -14,6 +14,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import functional_shard as fs
 from functional_shard import activations
@@ -107,3 +109,30 @@ def test_measured_sequence_parallel_traffic_of_hugging_face_models_equals_the_co
             assert result["measured"].keys() == result["predicted"].keys(), where
             for kind, by_axis in result["predicted"].items():
                 assert result["measured"][kind] == pytest.approx(by_axis), f"{where}: {kind}"
+
+
+_names = st.sampled_from(["a", "b", "layers", "0", "1", "mlp", "attn"])
+_paths = st.lists(_names, min_size=1, max_size=4).map(".".join)
+_styles = st.sampled_from(["colwise", "colwise_gather", "packed_colwise", "rowwise", "sequence"])
+_kinds = st.sampled_from(["linear", "linear", "embedding", "conv1d"])
+
+
+@given(st.lists(st.tuples(_paths, _styles, _kinds), max_size=12))
+def test_gathering_modules_are_the_innermost_parents_holding_no_embedding(tp_styles):
+    # the definition, spelled out pair by pair
+    def inside(path, parent):
+        return path != parent and (not parent or path.startswith(f"{parent}."))
+
+    parents = dict.fromkeys(
+        path.rpartition(".")[0]
+        for path, style, kind in tp_styles
+        if style in ("colwise", "colwise_gather", "packed_colwise") and kind != "embedding"
+    )
+    embeddings = [path for path, _, kind in tp_styles if kind == "embedding"]
+    expected = tuple(
+        parent
+        for parent in parents
+        if not any(inside(other, parent) for other in parents)
+        and not any(inside(path, parent) for path in embeddings)
+    )
+    assert sequence_gathers(tp_styles) == expected
