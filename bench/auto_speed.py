@@ -36,10 +36,10 @@ estimate_module = importlib.import_module("functional_shard.estimate")
 traced = [0.0, 0]
 trace = estimate_module._trace
 
-def timed(*args):
+def timed(*args, **kwargs):
     start = time.process_time()
     try:
-        return trace(*args)
+        return trace(*args, **kwargs)
     finally:
         traced[0] += time.process_time() - start
         traced[1] += 1

@@ -180,6 +180,10 @@ class _Flops(TorchDispatchMode):
         super().__init__()
         self.backward = False
         self.counts = {"forward": 0, "backward": 0, "recompute": 0}
+        # forward flops inside checkpointed modules (``checkpointed`` deep), and those of
+        # them selective checkpointing keeps (SAVED_OPS): what recomputation will re-run
+        self.checkpointed = 0
+        self.inside = {"all": 0, "saved": 0}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if (device := _device_query(func, args)) is not None:
@@ -192,6 +196,9 @@ class _Flops(TorchDispatchMode):
         if count:
             phase = "forward" if not self.backward else "recompute" if torch.is_grad_enabled() else "backward"
             self.counts[phase] += count
+            if self.checkpointed and not self.backward:
+                self.inside["all"] += count
+                self.inside["saved"] += count if func in SAVED_OPS else 0
         return out
 
 
@@ -236,8 +243,9 @@ def _first_tensor(output: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _checkpointed(model: nn.Module, paths: tuple[str, ...], policy: str) -> Iterator[None]:
-    # wrap each module's forward in torch's checkpoint for the trace, and put it back after
+def _checkpointed(model: nn.Module, paths: tuple[str, ...], policy: str, flops: _Flops) -> Iterator[None]:
+    # wrap each module's forward in torch's checkpoint for the trace, and put it back after;
+    # ``flops`` learns when a checkpointed forward runs (recompute calls the inner one)
     context = selective_context if policy == "selective" else None
     wrapped = []
     try:
@@ -247,9 +255,13 @@ def _checkpointed(model: nn.Module, paths: tuple[str, ...], policy: str) -> Iter
 
             def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
                 extra: dict[str, Any] = {"context_fn": context} if context is not None else {}
-                return checkpoint(
-                    _inner, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs
-                )
+                flops.checkpointed += 1
+                try:
+                    return checkpoint(
+                        _inner, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs
+                    )
+                finally:
+                    flops.checkpointed -= 1
 
             module.forward = forward  # type: ignore[method-assign]
             wrapped.append(module)
@@ -716,10 +728,14 @@ class _Run:
                 else:
                     module.forward = forward  # type: ignore[method-assign]
 
-    def trace(self, groups: list[tuple[str, ...]], doubled: tuple[int, ...] = ()) -> dict[str, int]:
+    def trace(
+        self, groups: list[tuple[str, ...]], doubled: tuple[int, ...] = (), *, backward: bool = True
+    ) -> dict[str, int]:
         """Bytes kept and flops of one forward and backward, repeated layers partly left out.
 
-        Each group runs its first member (its first two where ``doubled``); the rest pass through.
+        Each group runs its first member (its first two where ``doubled``); the rest pass
+        through. Without ``backward`` the backward is not run: its flops are 0 and the
+        recompute flops are those recomputation re-runs, counted in the forward.
         """
         model, config, fake = self.model, self.plan.config, self.fake
         with fake:
@@ -733,7 +749,9 @@ class _Run:
         excluded = {StorageWeakRef(p.untyped_storage()) for p in self.params}
         flops = _Flops()
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_checkpointed(model, tuple(config.checkpointed), config.checkpoint_policy))
+            stack.enter_context(
+                _checkpointed(model, tuple(config.checkpointed), config.checkpoint_policy, flops)
+            )
             stack.enter_context(self._left_out(groups, doubled))
             stack.enter_context(_sequence_parallel(model, self.plan, self.tp_size, self.seq))
             # parameters stay swapped through backward: checkpoint recomputes with them
@@ -765,12 +783,19 @@ class _Run:
             activation_bytes = kept_bytes(births.storages, excluded | output_key, collect=1)
             output_bytes = output.untyped_storage().nbytes()
             output_numel = output.numel()
-            flops.backward = True
-            with flops:
-                if output.requires_grad:
-                    torch.autograd.backward(output, torch.ones_like(output))
+            if backward:
+                flops.backward = True
+                with flops:
+                    if output.requires_grad:
+                        torch.autograd.backward(output, torch.ones_like(output))
         for param in self.params:
             param.grad = None
+        if not backward:
+            # torch's checkpoint re-runs a module's forward in backward, at most: it stops
+            # once every saved tensor is back; selective checkpointing hands back SAVED_OPS'
+            # outputs instead of running them
+            saved = flops.inside["saved"] if config.checkpoint_policy == "selective" else 0
+            flops.counts["recompute"] = flops.inside["all"] - saved
         return {
             "activation_bytes": activation_bytes,
             "output_bytes": output_bytes,
@@ -836,6 +861,7 @@ def trace_activations(
     rank: int | None = None,
     inputs: Any = None,
     expert_imbalance: float = 1.0,
+    backward: bool = True,
 ) -> ActivationTrace:
     """Bytes ``model`` keeps for backward and its flops on one rank, traced on meta tensors.
 
@@ -853,6 +879,13 @@ def trace_activations(
             whose routing fake tensors cannot compute): 1.0 shares each layer's tokens x top-k
             visits evenly over its experts, more gives expert 0 that many times its even
             share; see `expert_loads`.
+        backward: run the backward too (the default). Without it the trace is about half as
+            long: ``backward_flops`` is 0, and ``recompute_flops`` is the most recomputation
+            can run, counted in the forward: the flops of checkpointed modules' forward ops,
+            under the selective policy all but `SAVED_OPS`' (torch stops recomputing once
+            every saved tensor is back, so a full recompute may run less; 0 is exact).
+            Checkpointing leaves the backward's own flops as they are without it. Nested
+            checkpointed modules are traced with the backward whatever this says.
 
     Returns:
         An `ActivationTrace`.
@@ -875,6 +908,9 @@ def trace_activations(
     """
     rank = 0 if rank is None else rank
     config = plan.config
+    checkpointed = tuple(config.checkpointed)
+    if any(i != o and (not o or i.startswith(f"{o}.")) for o in checkpointed for i in checkpointed):
+        backward = True  # an inner module's forward runs again in the outer one's recompute
     if _is_hf(model) and getattr(model.config, "_attn_implementation", None) == "flex_attention":
         # torch 2.13: flex attention has no backward on CPU, and its eager CPU forward goes
         # through torch.compile, which refuses the dispatch modes the trace runs under
@@ -960,10 +996,10 @@ def trace_activations(
         expert_imbalance,
     )
     try:
-        first = run.trace(groups)
+        first = run.trace(groups, backward=backward)
         counts = dict(first)
         for index, group in enumerate(groups):
-            second = run.trace(groups, (index,))
+            second = run.trace(groups, (index,), backward=backward)
             for key in counts:
                 if key not in ("output_bytes", "output_numel"):
                     counts[key] += (len(group) - 1) * (second[key] - first[key])
@@ -972,5 +1008,5 @@ def trace_activations(
     if not run.repeats_are_passable:  # a layer's output is not shaped like its input: trace them all
         make_fake(())
         run.plan = plan
-        counts = run.trace([])
+        counts = run.trace([], backward=backward)
     return ActivationTrace(rank=rank, batch=batch, seq=seq, **counts)

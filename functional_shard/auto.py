@@ -378,17 +378,33 @@ class _Search:
         # the checkpointing fs.checkpointing(block, policy=how) would add
         key = (point.tp, point.sp, how, self.dtype, micro, self.seq, self.rules_text, self.block)
         if key not in self.traces:
-            if how != "none":
-                config = plan.config
-                config = dataclasses.replace(config, checkpointed=self.block_paths, checkpoint_policy=how)
-                plan = dataclasses.replace(plan, config=config)
             from .estimate import _trace  # looked up per call: tests substitute the tracer
 
             try:
-                self.traces[key] = _trace(self.model, plan, micro, self.seq, None, None)
+                if how == "none":
+                    self.traces[key] = _trace(self.model, plan, micro, self.seq, None, None)
+                else:
+                    self.traces[key] = self._checkpointed_trace(point, plan, how, micro, _trace)
             except Exception as error:  # reported in the candidate's row, never silently dropped
                 self.traces[key] = " ".join(str(error).split())[:160]
         return self.traces[key]
+
+    def _checkpointed_trace(self, point: _Point, plan: Plan, how: str, micro: int, trace: Any) -> Any:
+        # Checkpointing changes what the forward keeps and adds recomputation; the backward's
+        # own kernels are those of the same plan without it. Selective checkpointing keeps
+        # the outputs of the ops that have flops (matmuls, attention): when the forward shows
+        # no flops in the others, recomputation runs none, and the backward's flops are the
+        # plan's without checkpointing. Otherwise (full: torch stops recomputing early, at
+        # a point only the backward shows) the trace runs its own backward.
+        config = dataclasses.replace(plan.config, checkpointed=self.block_paths, checkpoint_policy=how)
+        checkpointed = dataclasses.replace(plan, config=config)
+        plain = self._trace(point, plan, "none", micro) if how == "selective" else None
+        if plain is None or isinstance(plain, str):
+            return trace(self.model, checkpointed, micro, self.seq, None, None)
+        forward = trace(self.model, checkpointed, micro, self.seq, None, None, backward=False)
+        if forward.recompute_flops or forward.forward_flops != plain.forward_flops:
+            return trace(self.model, checkpointed, micro, self.seq, None, None)
+        return dataclasses.replace(forward, backward_flops=plain.backward_flops)
 
     def run(self, points: list[_Point]) -> list[Candidate]:
         out = []

@@ -216,7 +216,14 @@ def gathered_in_flight(plan: Plan, units: Mapping[str, int] | None = None) -> in
 
 
 def _trace(
-    model: Any, plan: Plan, batch: int, seq: int, rank: int | None, inputs: Any, expert_imbalance: float = 1.0
+    model: Any,
+    plan: Plan,
+    batch: int,
+    seq: int,
+    rank: int | None,
+    inputs: Any,
+    expert_imbalance: float = 1.0,
+    backward: bool = True,
 ) -> Any:
     from .activations import trace_activations  # lazily: it loads torch's fake-tensor machinery
     from .quiet import captured
@@ -224,7 +231,14 @@ def _trace(
     # a failing fake kernel makes torch log its traceback before raising: our error says it
     with captured():
         return trace_activations(
-            model, plan, batch=batch, seq=seq, rank=rank, inputs=inputs, expert_imbalance=expert_imbalance
+            model,
+            plan,
+            batch=batch,
+            seq=seq,
+            rank=rank,
+            inputs=inputs,
+            expert_imbalance=expert_imbalance,
+            backward=backward,
         )
 
 

@@ -361,3 +361,63 @@ def test_the_shortcuts_of_a_search_trace_give_what_tracing_every_layer_gives(tp,
         slow.setattr(activations, "_DEVICE", object())
         whole = activations.trace_activations(_DEEP, plan, batch=micro, seq=seq, rank=rank)
     assert fast == whole
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    tp=st.sampled_from([1, 2]),
+    sp=st.booleans(),
+    how=st.sampled_from(["full", "selective"]),
+    micro=st.integers(1, 3),
+    seq=st.sampled_from([8, 12, 16]),
+    dtype=st.sampled_from([None, "bfloat16"]),
+)
+def test_a_forward_only_trace_bounds_recompute_and_keeps_what_the_whole_trace_keeps(
+    tp, sp, how, micro, seq, dtype
+):
+    """The search traces a selective candidate forward-only when no op with flops is
+    recomputed, and takes the backward's flops from the same plan without checkpointing:
+    equal to the checkpointed trace with its own backward. Under full checkpointing the
+    forward-only figure is an upper bound (torch stops recomputing once every saved tensor is
+    back), so the search runs that backward."""
+    policy = fs.replicate("dp")
+    if tp > 1:
+        policy = policy + fs.tp(rules.llama, "tp", sequence_parallel=sp)
+    if dtype:
+        policy = policy + fs.mixed_precision(dtype)
+    mesh = fs.Mesh(dp=2, tp=tp) if tp > 1 else fs.Mesh(dp=2)
+    plain = fs.shard(_DEEP, mesh, policy)
+    checkpointed = fs.shard(_DEEP, mesh, policy + fs.checkpointing(Block, policy=how))
+    whole = activations.trace_activations(_DEEP, checkpointed, batch=micro, seq=seq)
+    forward = activations.trace_activations(_DEEP, checkpointed, batch=micro, seq=seq, backward=False)
+    without = activations.trace_activations(_DEEP, plain, batch=micro, seq=seq)
+    assert forward.backward_flops == 0
+    assert forward.forward_flops == without.forward_flops == whole.forward_flops
+    assert whole.backward_flops == without.backward_flops
+    assert forward.activation_bytes == whole.activation_bytes
+    if how == "full":
+        assert forward.recompute_flops >= whole.recompute_flops > 0
+    else:
+        assert forward.recompute_flops == whole.recompute_flops == 0
+        assert dataclasses.replace(forward, backward_flops=without.backward_flops) == whole
+
+
+def test_the_search_traces_selective_candidates_forward_only():
+    # the backward is run only where it cannot be taken from the plan without checkpointing
+    calls = []
+    module = importlib.import_module("functional_shard.estimate")
+    trace = module._trace
+
+    def recorded(model, plan, batch, seq, rank, inputs, **options):
+        calls.append((plan.config.checkpoint_policy if plan.config.checkpointed else "none", options))
+        return trace(model, plan, batch, seq, rank, inputs, **options)
+
+    model = Llama(LlamaConfig(num_layers=3)).to("meta")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(module, "_trace", recorded)
+        fs.search_plans(model, devices=2, memory_budget="1GiB", batch=2, seq=8)
+    assert sorted({(how, tuple(options.items())) for how, options in calls}) == [
+        ("full", ()),
+        ("none", ()),
+        ("selective", (("backward", False),)),
+    ]
