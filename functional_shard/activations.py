@@ -523,6 +523,8 @@ class _Run:
         expert_imbalance: float = 1.0,
     ) -> None:
         self.model, self.plan, self.state, self.params, self.fake = model, plan, state, params, fake
+        # every run walks the modules: a 70B model has over a thousand of them
+        self.modules = dict(model.named_modules())
         self.batch, self.seq, self.inputs, self.dtype, self.tp_size = batch, seq, inputs, dtype, tp_size
         self.expert_imbalance = expert_imbalance
         self.repeats_are_passable = True
@@ -560,7 +562,7 @@ class _Run:
         handles, saved = [], []
         names: dict[nn.Module, str] = {}
         try:
-            for path, module in self.model.named_modules():
+            for path, module in self.modules.items():
                 names[module] = path
                 if path in left_out:
                     saved.append((module, module.__dict__.get("forward")))
@@ -606,7 +608,7 @@ class _Run:
             # parameters stay swapped through backward: checkpoint recomputes with them
             stack.enter_context(_reparametrize_module(model, self.state, tie_weights=False, strict=False))
             stack.enter_context(_unpacked_sequences(model))
-            stack.enter_context(routed_experts(model, self.expert_imbalance))
+            stack.enter_context(routed_experts(self.modules.values(), self.expert_imbalance))
             stack.enter_context(fake)
             with flops, births:
                 try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -142,11 +142,11 @@ def _grouped_experts(
 
 
 @contextlib.contextmanager
-def routed_experts(model: nn.Module, imbalance: float) -> Iterator[None]:
-    """Within the block, transformers' experts modules in ``model`` route by `expert_loads`.
+def routed_experts(modules: Iterable[nn.Module], imbalance: float) -> Iterator[None]:
+    """Within the block, the transformers experts modules among ``modules`` route by `expert_loads`.
 
     Examples:
-        >>> with routed_experts(nn.Linear(2, 2), 1.0):  # no experts: nothing changes
+        >>> with routed_experts(nn.Linear(2, 2).modules(), 1.0):  # no experts: nothing changes
         ...     pass
     """
 
@@ -167,7 +167,7 @@ def routed_experts(model: nn.Module, imbalance: float) -> Iterator[None]:
 
     replaced = [
         module
-        for module in model.modules()
+        for module in modules
         if _is_routed_experts(module) and _experts_implementation(module) in ("eager", "grouped_mm")
     ]
     previous = [module.__dict__.get("forward") for module in replaced]
