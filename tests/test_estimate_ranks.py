@@ -86,20 +86,8 @@ def test_vocabulary_251_over_two_ranks_estimates_on_both(sequence_parallel):
 
 def test_a_split_input_is_sliced_to_the_rank_s_features():
     # Phi-3's fused projections gather their output; the next layer slices its whole input
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Phi3Config(
-        vocab_size=251,
-        hidden_size=32,
-        intermediate_size=37,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-        eos_token_id=0,
-        bos_token_id=0,
-    )
-    with torch.device("meta"):
-        model = transformers.Phi3ForCausalLM(config)
+    pytest.importorskip("transformers")
+    model = phi3("meta", intermediate_size=37)
     plan = fs.shard(model, fs.Mesh(tp=2), fs.tp("hf", "tp"))
     assert ("model.layers.0.mlp.down_proj", "rowwise_split_input", "linear") in plan.config.tp_styles
     assert plan.local_shape("model.layers.0.mlp.down_proj.weight", 1, "compute") == (32, 18)
