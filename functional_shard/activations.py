@@ -520,11 +520,12 @@ class _Run:
         inputs: Any,
         dtype: torch.dtype | None,
         tp_size: int,
-        expert_imbalance: float = 1.0,
+        expert_imbalance: float,
+        modules: dict[str, nn.Module],
     ) -> None:
         self.model, self.plan, self.state, self.params, self.fake = model, plan, state, params, fake
-        # every run walks the modules: a 70B model has over a thousand of them
-        self.modules = dict(model.named_modules())
+        # every run walks the modules (a 70B model has over a thousand): walked once per trace
+        self.modules = modules
         self.batch, self.seq, self.inputs, self.dtype, self.tp_size = batch, seq, inputs, dtype, tp_size
         self.expert_imbalance = expert_imbalance
         self.repeats_are_passable = True
@@ -682,7 +683,7 @@ class _NotPassableError(Exception):
     """A left-out layer got no tensor to hand on."""
 
 
-def _check_sequence_parallel(model: nn.Module, plan: Any, seq: int, tp_size: int) -> None:
+def _check_sequence_parallel(modules: dict[str, nn.Module], plan: Any, seq: int, tp_size: int) -> None:
     # what apply refuses to run under sequence parallel, refused here before tracing
     from .errors import PlanError, bullets
 
@@ -693,7 +694,7 @@ def _check_sequence_parallel(model: nn.Module, plan: Any, seq: int, tp_size: int
             f"over its {tp_size} ranks (torch pads no activation), and {tp_size} does not divide {seq}. "
             f"Use a sequence length that is a multiple of {tp_size}, or drop sequence_parallel"
         )
-    if problems := sequence_parallel_problems(plan.config.tp_styles, dict(model.named_modules())):
+    if problems := sequence_parallel_problems(plan.config.tp_styles, modules):
         raise PlanError(
             bullets(
                 f"trace_activations: torch's engines cannot run sequence parallel over {axes!r} here:",
@@ -776,12 +777,14 @@ def trace_activations(
             f"trace_activations: checkpoint_policy {config.checkpoint_policy!r} is neither 'full' nor "
             "'selective' (set it with fs.checkpointing(..., policy=...))"
         )
+    check_expert_imbalance(expert_imbalance)
+    modules = dict(model.named_modules())
     dtype = getattr(torch, config.param_dtype) if config.param_dtype else None
     tp_size = 1
     for axis in config.tensor_parallel_axes:
         tp_size *= plan.mesh[axis]
     if config.sequence_parallel:
-        _check_sequence_parallel(model, plan, seq, tp_size)
+        _check_sequence_parallel(modules, plan, seq, tp_size)
 
     # fake CPU tensors: no memory, and torch picks the fused attention kernels it runs for real
     fake = FakeTensorMode(allow_non_fake_inputs=False)
@@ -832,7 +835,6 @@ def trace_activations(
     groups = _repeats(model, plan, local)
     left_out = _skipped(groups, tuple(range(len(groups))))
     make_fake(left_out)
-    check_expert_imbalance(expert_imbalance)
     run = _Run(
         model,
         _reached(plan, left_out),
@@ -845,6 +847,7 @@ def trace_activations(
         dtype,
         tp_size,
         expert_imbalance,
+        modules,
     )
     try:
         first = run.trace(groups, backward=backward)
