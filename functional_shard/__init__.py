@@ -69,6 +69,7 @@ if TYPE_CHECKING:
     from .policy import hsdp as hsdp
     from .policy import mixed_precision as mixed_precision
     from .policy import offload as offload
+    from .policy import pipeline as pipeline
     from .policy import replicate as replicate
     from .policy import tp as tp
     from .policy import zero as zero
@@ -137,6 +138,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "hsdp": ("policy", "hsdp"),
     "mixed_precision": ("policy", "mixed_precision"),
     "offload": ("policy", "offload"),
+    "pipeline": ("policy", "pipeline"),
     "replicate": ("policy", "replicate"),
     "tp": ("policy", "tp"),
     "zero": ("policy", "zero"),
@@ -169,6 +171,7 @@ __all__ = [
     "hsdp",
     "mixed_precision",
     "offload",
+    "pipeline",
     "replicate",
     "rules",
     "tp",

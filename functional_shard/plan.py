@@ -53,6 +53,13 @@ class PlanConfig:
     offload_params: bool = False
     offload_grads: bool = False
     offload_optimizer: bool = False
+    pipeline_axis: str | None = None
+    """The mesh axis whose ranks hold successive pipeline stages (``None``: no pipeline)."""
+    pipeline_stages: tuple[tuple[str, ...], ...] = ()
+    """Module paths of each stage, in stage order (see `functional_shard.stages`)."""
+    pipeline_schedule: str = "1f1b"
+    microbatches: int = 1
+    stages_per_rank: int = 1
 
     @property
     def data_axes(self) -> tuple[str, ...]:
@@ -195,6 +202,25 @@ class Plan:
             if unit in units and all(unit == "" or name.startswith(unit + ".") for name in names):
                 return unit
         return ""
+
+    def stage_of(self, path: str) -> int:
+        """The pipeline stage that holds a parameter or buffer (0 for a plan without pp).
+
+        A tied parameter is asked for by the name it has in the stage you mean.
+
+        Examples:
+            >>> import functional_shard as fs
+            >>> from functional_shard import zoo
+            >>> plan = fs.shard(zoo.llama("tiny"), fs.Mesh(pp=2), fs.pipeline("pp", microbatches=2))
+            >>> plan.stage_of("embed_tokens.weight"), plan.stage_of("lm_head.weight")
+            (0, 1)
+        """
+        from .stages import stage_of_param
+
+        if self.config.pipeline_axis is None:
+            return 0
+        self.canonical(path)  # raises for a path that is no tensor of the plan
+        return stage_of_param(path, self.config.pipeline_stages)
 
     # ---- views -------------------------------------------------------------------
     def cost(self, optimizer: OptimizerKind = "adamw", **kwargs: Any) -> Cost:

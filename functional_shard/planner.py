@@ -14,6 +14,7 @@ from .plan import Plan, PlanConfig
 from .policy import Custom, DataParallel, Layer, ParamProblemError, Policy, Selector, as_policy, resolve_rules
 from .rules import layout_of
 from .spec import Owned, P, ParamSharding, spec_problems
+from .stages import split_stages
 from .tree import ModelTree, TensorSpec, matches, owner_paths, read_model
 
 if TYPE_CHECKING:
@@ -304,6 +305,17 @@ def _config(
     kinds: list[str] = [layer.kind for layer in data if layer.shards] or (["ddp"] if data else ["none"])
     kind = "hsdp" if kinds[0] == "fsdp" and replicate else kinds[0]
     options = policy.options
+    pipe = policy.pipeline
+    pipe_config: dict[str, Any] = {}
+    if pipe is not None:
+        stages = split_stages(tree, mesh[pipe.axis] * pipe.stages_per_rank, pipe.split)
+        pipe_config = {
+            "pipeline_axis": pipe.axis,
+            "pipeline_stages": stages,
+            "pipeline_schedule": pipe.schedule,
+            "microbatches": pipe.microbatches,
+            "stages_per_rank": pipe.stages_per_rank,
+        }
     return PlanConfig(
         data_parallel=kind,
         replicate_axes=tuple(replicate),
@@ -320,6 +332,7 @@ def _config(
         offload_params=bool(options.offload_params),
         offload_grads=bool(options.offload_grads),
         offload_optimizer=bool(options.offload_optimizer),
+        **pipe_config,
     )
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "DataParallel",
     "Layer",
     "Options",
+    "Pipeline",
     "Policy",
     "TensorParallel",
     "checkpointing",
@@ -41,6 +42,7 @@ __all__ = [
     "hsdp",
     "mixed_precision",
     "offload",
+    "pipeline",
     "replicate",
     "tp",
     "zero",
@@ -169,7 +171,36 @@ class Custom:
         return result
 
 
-Layer: TypeAlias = DataParallel | TensorParallel | Custom
+@dataclass(frozen=True, slots=True)
+class Pipeline:
+    """Pipeline parallelism over ``axis``: each pp rank holds and runs its stages only.
+
+    ``split`` is ``None`` (cut torchtitan's way, or by an HF model's ``base_model_pp_plan``)
+    or the module paths of each stage.
+    """
+
+    axis: str
+    microbatches: int
+    schedule: str = "1f1b"
+    stages_per_rank: int = 1
+    split: tuple[tuple[str, ...], ...] | None = None
+
+    @property
+    def name(self) -> str:
+        """A short label for messages."""
+        return f"pipeline({self.axis!r}, microbatches={self.microbatches}, schedule={self.schedule!r})"
+
+    @property
+    def claimed_axes(self) -> tuple[str, ...]:
+        """The mesh axes this layer uses."""
+        return (self.axis,)
+
+    def __call__(self, path: str, tensor: TensorSpec, mesh: Mesh) -> ParamSharding | None:
+        """No split within a tensor: where a whole tensor lives along ``axis`` is set per stage."""
+        return None
+
+
+Layer: TypeAlias = DataParallel | TensorParallel | Pipeline | Custom
 
 
 def _dtype_name(dtype: torch.dtype | str | None) -> str | None:
@@ -242,6 +273,11 @@ class Policy:
         """The tensor-parallel layers."""
         return tuple(layer for layer in self.layers if isinstance(layer, TensorParallel))
 
+    @property
+    def pipeline(self) -> Pipeline | None:
+        """The pipeline layer, if any."""
+        return next((layer for layer in self.layers if isinstance(layer, Pipeline)), None)
+
 
 def _check_layers(layers: tuple[Layer, ...]) -> None:
     owner: dict[str, str] = {}
@@ -258,6 +294,8 @@ def _check_layers(layers: tuple[Layer, ...]) -> None:
             f"{names} both shard data-parallel state; use one, with several axes if needed "
             "(e.g. fsdp(('dp', 'cp')))"
         )
+    if sum(isinstance(layer, Pipeline) for layer in layers) > 1:
+        problems.append("pipeline() appears twice; a plan has one pipeline axis")
     if sum(isinstance(layer, DataParallel) and layer.replicate_axes is None for layer in layers) > 1:
         problems.append("replicate() without an axis appears twice")
     if problems:
@@ -470,6 +508,45 @@ def offload(*, params: bool = True, grads: bool = True, optimizer: bool = True) 
         True
     """
     return Policy(options=Options(offload_params=params, offload_grads=grads, offload_optimizer=optimizer))
+
+
+def pipeline(
+    axis: str = "pp",
+    *,
+    microbatches: int,
+    schedule: str = "1f1b",
+    stages_per_rank: int = 1,
+    split: Iterable[Iterable[str]] | None = None,
+) -> Policy:
+    """Pipeline parallelism over ``axis``, run by ``torch.distributed.pipelining``.
+
+    Args:
+        axis: the mesh axis whose ranks hold successive stages.
+        microbatches: how many micro-batches each step's batch is cut into.
+        schedule: ``gpipe``, ``1f1b``, ``interleaved1f1b``, ``looped_bfs``,
+            ``interleaved_zb``, ``zbv`` or ``dualpipev`` (torch's schedules).
+        stages_per_rank: stages each rank runs (2 for the V-shaped schedules).
+        split: the module paths of each stage, in order; by default the repeated blocks
+            are split evenly with the embedding counted with the first stage and the
+            final norm and head with the last, as torchtitan does.
+
+    Raises:
+        PolicyError: an unknown schedule, a stage count it cannot run, or a bad count.
+
+    Examples:
+        >>> layer = pipeline("pp", microbatches=8, schedule="interleaved1f1b", stages_per_rank=2).layers[0]
+        >>> layer.name, layer.stages_per_rank
+        ("pipeline('pp', microbatches=8, schedule='interleaved1f1b')", 2)
+    """
+    from .stages import check_schedule
+
+    if not isinstance(axis, str):
+        raise PolicyError(f"pipeline(axis={axis!r}): one mesh axis name")
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise PolicyError(f"pipeline(microbatches={microbatches!r}): a positive number of micro-batches")
+    check_schedule(schedule, stages_per_rank)
+    stages = None if split is None else tuple(tuple(stage) for stage in split)
+    return Policy((Pipeline(axis, microbatches, schedule, stages_per_rank, stages),))
 
 
 CHECKPOINT_POLICIES = ("full", "selective")
