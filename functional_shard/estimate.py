@@ -417,7 +417,8 @@ def step_time(
     optimizer step and are exposed (DDP, run by torch's composable ``replicate``, sends
     no buffers). On hardware that does not
     overlap communication with compute (gloo on CPUs) every collective is exposed. Each
-    collective also costs the hardware's ``collective_latency``. ``recomputed`` (bytes
+    collective also costs the hardware's ``collective_latency`` (a tensor-parallel one its
+    ``tensor_parallel_latency``). ``recomputed`` (bytes
     as `recomputed_collectives` gives them, and how many collectives) are the
     tensor-parallel collectives recomputation re-issues: on the critical path too.
     """
@@ -427,7 +428,11 @@ def step_time(
     tp_axes = set(plan.config.tensor_parallel_axes)
     per_collective: dict[str, float] = {}
     counts = collective_counts(plan, plan_cost.grads_bytes)
-    latency = {group: n * hw.collective_latency for group, n in counts.items()}
+    tp_latency = hw.collective_latency if hw.tensor_parallel_latency is None else hw.tensor_parallel_latency
+    latency = {
+        group: n * (tp_latency if group == "tensor parallel" else hw.collective_latency)
+        for group, n in counts.items()
+    }
     tensor_parallel = latency["tensor parallel"]
     sharded, all_reduce, broadcast = latency["sharded"], latency["all_reduce"], latency["broadcast"]
     for kind, by_axes in plan_cost.comm_bytes.items():
@@ -445,7 +450,7 @@ def step_time(
                 sharded += seconds
     tp_link = hw.link_of(plan.mesh, tuple(tp_axes)) if tp_axes else "intra"
     recomputed_bytes, recomputed_count = recomputed
-    recompute = recomputed_count * hw.collective_latency
+    recompute = recomputed_count * tp_latency
     for what, nbytes in recomputed_bytes.items():
         seconds = nbytes / hw.bandwidth(plan.mesh, tuple(tp_axes))
         per_collective[f"{what} ({tp_link}, recompute)"] = seconds

@@ -55,6 +55,10 @@ class Hardware:
     gloo on a CPU: no, they share the cores)."""
     collective_latency: float = 0.0
     """Seconds each collective costs beyond its bytes (0: bandwidth-bound sizes)."""
+    tensor_parallel_latency: float | None = None
+    """Seconds each tensor-parallel collective costs beyond its bytes, the engine's own work
+    around it included (DTensor's dispatch of the split module's ops); ``None``: as
+    ``collective_latency``."""
     compute_efficiency: float = 1.0
     """Fraction of the peak FLOP/s at which real training runs all the flops the estimate
     counts: model flops (attention as its full score matrix) plus checkpointing's
@@ -226,7 +230,9 @@ def _local(processes: int) -> Hardware:
             with_world.close()
         flops = {k: min(r["flops"][k] for r in results) for k in results[0]["flops"]}
         bandwidth = min(r["bandwidth"] for r in results)
-        latency = max(r["latency"] for r in results)
+        # each collective as it costs inside a real step of that engine (see measure.py)
+        latency = max(r["engine_latency"]["fsdp"] for r in results)
+        tp_latency = max(r["engine_latency"]["tp"] for r in results)
         memory_bandwidth = min(r["memory_bandwidth"] for r in results)
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         _LOCAL[processes] = Hardware(
@@ -239,6 +245,7 @@ def _local(processes: int) -> Hardware:
             inter_node_bandwidth=bandwidth,
             overlap_communication=False,
             collective_latency=latency,
+            tensor_parallel_latency=tp_latency,
             source=f"measured on this machine with {processes} gloo processes running together",
             extra={"processes": processes, "per_rank": results},
         )
