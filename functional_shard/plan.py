@@ -60,6 +60,8 @@ class PlanConfig:
     pipeline_schedule: str = "1f1b"
     microbatches: int = 1
     stages_per_rank: int = 1
+    boundary_features: tuple[int, ...] = ()
+    """Per token, the features of the activation stage ``s`` sends to ``s + 1`` (one per boundary)."""
 
     @property
     def data_axes(self) -> tuple[str, ...]:

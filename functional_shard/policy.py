@@ -184,6 +184,10 @@ class Pipeline:
     schedule: str = "1f1b"
     stages_per_rank: int = 1
     split: tuple[tuple[str, ...], ...] | None = None
+    pieces: tuple[str, ...] | None = None
+    """The model's own pipeline pieces in order (an HF ``base_model_pp_plan``); set by `shard`."""
+    hidden_size: int | None = None
+    """The width of what stages send each other, when the model's config names it; set by `shard`."""
 
     @property
     def name(self) -> str:

@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from .errors import PolicyError
+from .rules import layout_of
 from .tree import ModelTree
 
-__all__ = ["SCHEDULES", "rank_stages", "split_stages", "stage_rank"]
+__all__ = ["SCHEDULES", "boundary_features", "rank_stages", "split_stages", "stage_rank"]
 
 SCHEDULES: dict[str, str] = {
     "gpipe": "ScheduleGPipe",
@@ -110,10 +111,38 @@ def _outer(tree: ModelTree) -> tuple[list[str], list[str], list[str]]:
     return before, blocks, after
 
 
+def _from_pieces(tree: ModelTree, pieces: Sequence[str]) -> tuple[list[str], list[str], list[str]] | None:
+    """`_outer` read from a model's own list of pipeline pieces (an HF ``_pp_plan``), in order.
+
+    The piece that is the blocks' parent (``model.layers``) becomes one unit per block; the
+    pieces before it are the first stage's extra unit, those after it the last stage's.
+    None when the pieces do not name the blocks' parent or leave a parameter out.
+    """
+    blocks = [block.path for block in tree.blocks]
+    parents = {path.rpartition(".")[0] for path in blocks}
+    if len(parents) != 1 or (parent := parents.pop()) not in pieces:
+        return None
+    cut = list(pieces).index(parent)
+    before = [p for p in pieces[:cut] if p in tree.modules]
+    after = [p for p in pieces[cut + 1 :] if p in tree.modules]
+    covered = [*before, parent, *after]
+    if not all(any(m == "" or path.startswith(m + ".") for m in covered) for path in tree.params):
+        return None
+    return before, blocks, after
+
+
 def split_stages(
-    tree: ModelTree, stages: int, split: Sequence[Iterable[str]] | None = None
+    tree: ModelTree,
+    stages: int,
+    split: Sequence[Iterable[str]] | None = None,
+    pieces: Sequence[str] | None = None,
 ) -> tuple[tuple[str, ...], ...]:
     """The module paths of each stage, torchtitan's way or as ``split`` says.
+
+    ``pieces`` is a model's own ordered list of pipeline pieces (a Hugging Face model's
+    ``base_model_pp_plan`` keys under its prefix, then the head): the pieces before the
+    blocks go with the first stage, those after with the last. Pieces that do not name
+    the block list or miss a parameter are ignored for torchtitan's cut.
 
     Raises:
         PolicyError: the model has no repeated blocks, fewer units than stages, or a
@@ -128,7 +157,7 @@ def split_stages(
     """
     if split is not None:
         return _checked_split(tree, stages, split)
-    before, blocks, after = _outer(tree)
+    before, blocks, after = (pieces and _from_pieces(tree, pieces)) or _outer(tree)
     if not blocks:
         raise PolicyError(
             "pipeline(): the model has no repeated blocks (an nn.ModuleList of layers) to cut "
@@ -185,3 +214,47 @@ def stage_of_param(path: str, stages: tuple[tuple[str, ...], ...]) -> int:
     if best < 0:
         raise PolicyError(f"parameter {path!r} is in no pipeline stage")
     return best
+
+
+def _output_features(tree: ModelTree, modules: Sequence[str]) -> int | None:
+    """Features of what the last parameter-holding module among ``modules`` outputs.
+
+    A Linear's weight is (out, in), a Hugging Face Conv1D's (in, out), an Embedding's
+    (num, dim); a norm's 1-d weight is its width. None when the modules hold no 2-d or
+    1-d weight.
+    """
+    inside = [
+        path
+        for path in tree.params
+        if path.endswith(".weight") and any(m == "" or path.startswith(m + ".") for m in modules)
+    ]
+    for path in reversed(inside):
+        tensor = tree.params[path]
+        if tensor.ndim == 1:
+            return tensor.shape[0]
+        if tensor.ndim == 2:
+            layout = layout_of(tensor)
+            return tensor.shape[1] if layout in ("embedding", "conv1d") else tensor.shape[0]
+    return None
+
+
+def boundary_features(
+    tree: ModelTree, stages: tuple[tuple[str, ...], ...], hidden_size: int | None = None
+) -> tuple[int, ...]:
+    """Features per token of the activation stage ``s`` sends to stage ``s + 1``, per boundary.
+
+    A cut between repeated blocks passes the residual stream: ``hidden_size`` when the
+    model names it (a Hugging Face config's), else the output features of the last
+    module with a weight in the sending stage (a block's down projection, a norm, an
+    embedding). 0 where neither says (the cost model then counts no bytes there).
+
+    Examples:
+        >>> from functional_shard import zoo
+        >>> from functional_shard.tree import read_model
+        >>> tree = read_model(zoo.llama("tiny"))
+        >>> boundary_features(tree, split_stages(tree, 2)), tree.params["norm.weight"].shape
+        ((64,), (64,))
+    """
+    if hidden_size is not None:
+        return tuple(hidden_size for _ in stages[1:])
+    return tuple(_output_features(tree, stage) or 0 for stage in stages[:-1])
