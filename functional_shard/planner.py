@@ -15,7 +15,7 @@ from .plan import Plan, PlanConfig
 from .policy import Custom, DataParallel, Layer, ParamProblemError, Policy, Selector, as_policy, resolve_rules
 from .rules import layout_of
 from .spec import Owned, P, ParamSharding, spec_problems
-from .stages import boundary_features, split_stages, stage_rank
+from .stages import boundary_features, split_stages, stage_finder, stage_rank
 from .tree import ModelTree, TensorSpec, matches, owner_paths, read_model
 
 if TYPE_CHECKING:
@@ -325,7 +325,10 @@ def _config(
         tensor_parallel_axes=tuple(layer.axis for layer in policy.tensor_parallel),
         tp_styles=tp_styles,
         sequence_parallel=any(layer.sequence_parallel for layer in policy.tensor_parallel),
-        reshard_after_forward=sharding_layer.reshard_after_forward if sharding_layer else True,
+        # under a pipeline FSDP keeps each stage gathered across its micro-batches, as
+        # torchtitan runs it (reshard_after_forward = not pp_enabled): one all-gather a step
+        reshard_after_forward=(sharding_layer.reshard_after_forward if sharding_layer else True)
+        and not pipe_config,
         units=_units(tree, sharding_layer),
         checkpointed=tuple(_select(options.checkpoint or (), tree, "checkpointing()")),
         checkpoint_policy=options.checkpoint_policy or "full",
@@ -410,19 +413,7 @@ def _staged(tree: ModelTree, mesh: Mesh, placed: dict[str, ParamSharding], confi
     axis = config.pipeline_axis
     if axis is None:
         return
-    stage_of_module = {
-        module: stage for stage, modules in enumerate(config.pipeline_stages) for module in modules
-    }
-    found: dict[str, int | None] = {}
-
-    def stage_of(path: str) -> int | None:
-        module = path.rpartition(".")[0]
-        if module not in found:
-            found[module] = next(
-                (stage_of_module[m] for m in owner_paths(path) if m in stage_of_module), None
-            )
-        return found[module]
-
+    stage_of = stage_finder(config.pipeline_stages)
     pp, per_rank, schedule = mesh[axis], config.stages_per_rank, config.pipeline_schedule
     copies: dict[tuple[int, int], ParamSharding] = {}
     problems = []

@@ -13,13 +13,13 @@ rank ``s``, so the first and last stages share a rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from .errors import PolicyError
 from .rules import layout_of
-from .tree import ModelTree
+from .tree import ModelTree, owner_paths
 
-__all__ = ["SCHEDULES", "boundary_features", "rank_stages", "split_stages", "stage_rank"]
+__all__ = ["SCHEDULES", "boundary_features", "rank_stages", "split_stages", "stage_finder", "stage_rank"]
 
 SCHEDULES: dict[str, str] = {
     "gpipe": "ScheduleGPipe",
@@ -202,6 +202,28 @@ def _checked_split(
     if problems:
         raise PolicyError("pipeline(split=...):\n" + "\n".join(f"* {p}" for p in problems))
     return given
+
+
+def stage_finder(stages: tuple[tuple[str, ...], ...]) -> Callable[[str], int | None]:
+    """A function from a tensor's path to its stage (None when no stage holds it), cached.
+
+    A tensor belongs to the stage of its innermost enclosing module that a stage lists.
+
+    Examples:
+        >>> find = stage_finder((("embed", "layers.0"), ("layers.1", "head")))
+        >>> find("layers.1.mlp.weight"), find("head.weight"), find("rope.freqs")
+        (1, 1, None)
+    """
+    by_module = {module: stage for stage, modules in enumerate(stages) for module in modules}
+    found: dict[str, int | None] = {}
+
+    def stage_of(path: str) -> int | None:
+        module = path.rpartition(".")[0]
+        if module not in found:
+            found[module] = next((by_module[m] for m in owner_paths(path) if m in by_module), None)
+        return found[module]
+
+    return stage_of
 
 
 def stage_of_param(path: str, stages: tuple[tuple[str, ...], ...]) -> int:
