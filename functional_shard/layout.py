@@ -194,6 +194,8 @@ def unshard_tensor(shards: Sequence[torch.Tensor], spec: P, mesh: Mesh) -> torch
     if len(shards) != mesh.size:
         raise ShardingError(f"unshard_tensor needs one shard per rank of {mesh!r}, got {len(shards)}")
     holders = [(rank, shard) for rank, shard in enumerate(shards) if spec.holds(mesh.coords(rank))]
+    if not holders:
+        raise ShardingError(f"no rank of {mesh!r} holds a tensor placed on {spec.on}")
     ndim = holders[0][1].ndim
     splits = _splits(spec, ndim)
     pieces: dict[tuple[int, ...], torch.Tensor] = {}
