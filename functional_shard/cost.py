@@ -250,6 +250,8 @@ def _memory(
 
     params = grads = optim = 0
     for (shape, itemsize, sharding, owned), count in _grouped(census, owns).items():
+        if not sharding.storage.holds(coords):  # another stage's: not even a step counter here
+            continue
         padded = sharding.at_rest_axes
         # FSDP2 pads its own shards; a tensor-parallel shard is a view into the padded
         # buffer distribute_tensor scattered (measured), so it is padded over every axis
