@@ -93,6 +93,14 @@ def _owner_module(path: str) -> str:
     return path.rpartition(".")[0]
 
 
+def _param_names(tree: ModelTree) -> list[str]:
+    """Every name of every parameter: a tied head's ``lm_head.weight`` as well as its embedding's."""
+    names = dict.fromkeys(tree.params)
+    for canonical in tree.params:
+        names.update(dict.fromkeys(tree.aliases.get(canonical, ())))
+    return list(names)
+
+
 def _outer(tree: ModelTree) -> tuple[list[str], list[str], list[str]]:
     """(modules before the blocks, the blocks, modules after), each a param-owning module path."""
     blocks = [block.path for block in tree.blocks]
@@ -101,13 +109,15 @@ def _outer(tree: ModelTree) -> tuple[list[str], list[str], list[str]]:
     first = order[blocks[0]] if blocks else len(order)
     before: list[str] = []
     after: list[str] = []
-    for path in tree.params:
+    for path in _param_names(tree):
         if path in in_block:
             continue
         owner = _owner_module(path)
         side = before if order.get(owner, 0) < first else after
         if owner not in side:
             side.append(owner)
+    before.sort(key=lambda m: order.get(m, 0))
+    after.sort(key=lambda m: order.get(m, 0))
     return before, blocks, after
 
 
@@ -126,7 +136,7 @@ def _from_pieces(tree: ModelTree, pieces: Sequence[str]) -> tuple[list[str], lis
     before = [p for p in pieces[:cut] if p in tree.modules]
     after = [p for p in pieces[cut + 1 :] if p in tree.modules]
     covered = [*before, parent, *after]
-    if not all(any(m == "" or path.startswith(m + ".") for m in covered) for path in tree.params):
+    if not all(any(m == "" or path.startswith(m + ".") for m in covered) for path in _param_names(tree)):
         return None
     return before, blocks, after
 
@@ -195,7 +205,7 @@ def _checked_split(
             elif path in seen:
                 problems.append(f"{path!r} is in stages {seen[path]} and {index}")
             seen[path] = index
-    for path in tree.params:
+    for path in _param_names(tree):
         owners = [m for m in seen if m == "" or path.startswith(m + ".")]
         if not owners:
             problems.append(f"parameter {path!r} is in no stage")
