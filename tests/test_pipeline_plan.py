@@ -307,3 +307,14 @@ def test_cli_plans_with_stages(capsys):
     assert "pipeline over 'pp': 2 stages, 1 per rank, schedule 1f1b, 4 micro-batches" in out
     assert re.search(r"lm_head\.weight\s+1 \(pp=1\)", out)
     assert "pipeline stages (each on its first rank)" in out
+
+
+def test_blocks_show_the_ranks_off_the_stage_as_holding_none():
+    from functional_shard.visualize import blocks
+
+    plan = fs.shard(
+        zoo.llama("tiny"), fs.Mesh(pp=2, dp=2), fs.pipeline("pp", microbatches=2) + fs.zero(1, "dp")
+    )
+    found, empty, _ = blocks(plan, "lm_head.weight", "optim")
+    assert list(found.values()) == [[2]]  # ZeRO-1 owner along dp on pp=1: the (pp=1, dp=0) rank
+    assert empty == [0, 1, 3]
