@@ -208,7 +208,14 @@ class Plan:
     def stage_of(self, path: str) -> int:
         """The pipeline stage that holds a parameter or buffer (0 for a plan without pp).
 
-        A tied parameter is asked for by the name it has in the stage you mean.
+        A tied parameter is asked for by any of its names (a plan refuses ties across
+        stages). Where the tensor lives is also in its specs: ``plan.sharding(path).on`` is
+        ``(pp axis, pp coordinate of the rank running the stage)``.
+
+        Raises:
+            ShardingError: no tensor has that path.
+            PolicyError: a tensor in no stage (a buffer every stage keeps, such as a
+                rotary table at the model's root).
 
         Examples:
             >>> import functional_shard as fs
