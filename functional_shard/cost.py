@@ -293,6 +293,8 @@ def _worst_memory(
     """
     base = candidates[0]
     memory = _memory(plan, base, optimizer, census)
+    if len(candidates) == 1:
+        return memory, base
     varying = {axis for coords in candidates[1:] for axis in coords if coords[axis] != base[axis]}
 
     def names_varying(spec: Any) -> bool:
@@ -344,9 +346,11 @@ def unit_gathered(
     per_unit: dict[str, int] = defaultdict(int)
     each: dict[tuple[int, int], int] = {}  # gathered bytes of one tensor, by identity
     for tensor, sharding, unit, _, count in census:
-        padded = sharding.at_rest_axes
         on = sharding.storage.on
-        if not padded or (on is not None and held[on[0]] != on[1]):
+        if on is not None and held[on[0]] != on[1]:
+            continue
+        padded = sharding.at_rest_axes
+        if not padded:
             continue
         key = (id(tensor), id(sharding))
         gathered = each.get(key)

@@ -248,25 +248,17 @@ def stage_of_param(path: str, stages: tuple[tuple[str, ...], ...]) -> int:
     return best
 
 
-def _output_features(tree: ModelTree, modules: Sequence[str]) -> int | None:
-    """Features of what the last parameter-holding module among ``modules`` outputs.
+def _output_features(tree: ModelTree, path: str) -> int | None:
+    """Features of what the module owning the weight at ``path`` outputs.
 
     A Linear's weight is (out, in), a Hugging Face Conv1D's (in, out), an Embedding's
-    (num, dim); a norm's 1-d weight is its width. None when the modules hold no 2-d or
-    1-d weight.
+    (num, dim); a norm's 1-d weight is its width.
     """
-    inside = [
-        path
-        for path in tree.params
-        if path.endswith(".weight") and any(m == "" or path.startswith(m + ".") for m in modules)
-    ]
-    for path in reversed(inside):
-        tensor = tree.params[path]
-        if tensor.ndim == 1:
-            return tensor.shape[0]
-        if tensor.ndim == 2:
-            layout = layout_of(tensor)
-            return tensor.shape[1] if layout in ("embedding", "conv1d") else tensor.shape[0]
+    tensor = tree.params[path]
+    if tensor.ndim == 1:
+        return tensor.shape[0]
+    if tensor.ndim == 2:
+        return tensor.shape[1] if layout_of(tensor) in ("embedding", "conv1d") else tensor.shape[0]
     return None
 
 
@@ -289,4 +281,9 @@ def boundary_features(
     """
     if hidden_size is not None:
         return tuple(hidden_size for _ in stages[1:])
-    return tuple(_output_features(tree, stage) or 0 for stage in stages[:-1])
+    stage_of = stage_finder(stages)
+    last: dict[int, str] = {}  # each stage's last weight with 1 or 2 dims, in model order
+    for path, tensor in tree.params.items():
+        if path.endswith(".weight") and tensor.ndim in (1, 2) and (stage := stage_of(path)) is not None:
+            last[stage] = path
+    return tuple(_output_features(tree, last[s]) or 0 if s in last else 0 for s in range(len(stages) - 1))
