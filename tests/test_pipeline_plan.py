@@ -318,3 +318,24 @@ def test_blocks_show_the_ranks_off_the_stage_as_holding_none():
     found, empty, _ = blocks(plan, "lm_head.weight", "optim")
     assert list(found.values()) == [[2]]  # ZeRO-1 owner along dp on pp=1: the (pp=1, dp=0) rank
     assert empty == [0, 1, 3]
+
+
+def test_a_models_own_pieces_order_the_stages_not_the_definition_order():
+    from torch import nn
+
+    from functional_shard.stages import split_stages
+    from functional_shard.tree import read_model
+
+    class HeadFirst(nn.Module):  # defines its head before its embedding and blocks
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(4, 8)
+            self.embed = nn.Embedding(8, 4)
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    tree = read_model(HeadFirst())
+    # by definition order the head comes before the blocks and would ride with stage 0
+    assert split_stages(tree, 2) == (("head", "embed", "layers.0"), ("layers.1", "layers.2"))
+    # the forward order, as an HF base_model_pp_plan gives it, puts it with the last stage
+    pieces = ("embed", "layers", "head")
+    assert split_stages(tree, 2, pieces=pieces) == (("embed", "layers.0", "layers.1"), ("layers.2", "head"))
