@@ -343,6 +343,25 @@ def _cost_tables(out: _Out, cost: Cost) -> None:
         [(k, _human(v)) for k, v in _cost_rows(cost)],
         right=1,
     )
+    if cost.stage_bytes:
+        out.text()
+        out.table(
+            "pipeline stages (each on its first rank)",
+            ("stage", "params", "grads", "optimizer"),
+            [
+                (str(stage), *(_human(by_kind[k]) for k in ("params", "grads", "optimizer")))
+                for stage, by_kind in cost.stage_bytes.items()
+            ],
+            right=1,
+        )
+    if cost.boundary_bytes:
+        out.text()
+        out.table(
+            "pipeline boundaries (activations forward, as many gradient bytes back)",
+            ("boundary", "bytes each way"),
+            [(f"{s} -> {s + 1}", _human(b)) for s, b in cost.boundary_bytes.items()],
+            right=1,
+        )
     rows = [
         (kind, axis, _human(b)) for kind, by_axis in cost.comm_bytes.items() for axis, b in by_axis.items()
     ]

@@ -17,6 +17,12 @@ bytes (the full, gathered size):
 | broadcast      | (n-1)/n · S         |
 
 (gloo runs reduce-scatter as an all-reduce; the model counts what NCCL runs.)
+
+Under a pipeline (a plan with ``pipeline_axis``) every tensor is placed on its stage's pp
+rank (``P(..., on=("pp", r))``): a rank counts the parameters, gradients, optimizer state
+and FSDP gathers of its own stages only, the worst rank is sought over every pp
+coordinate, and the collectives are those of the reported rank's stages. Stages also send
+each other activations: ``send_recv`` bytes, point to point, counted once by the sender.
 """
 
 from __future__ import annotations
@@ -62,8 +68,18 @@ class Cost:
     gathered_bytes: int
     host_bytes: int
     comm_bytes: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
-    """Collective kind → mesh axis (several joined by ``,``) → bytes sent per step."""
+    """Collective kind → mesh axis (several joined by ``,``) → bytes sent per step.
+
+    Under a pipeline, ``send_recv`` over the pp axis is what this rank sends its
+    neighbour stages (with ``tokens=``): activations forward, their gradients back."""
     activation_comm_included: bool = False
+    boundary_bytes: Mapping[int, float] = field(default_factory=dict)
+    """Pipeline boundary ``s`` (stage ``s`` → ``s + 1``) → bytes crossing it per step in each
+    direction (activations forward, as many gradient bytes back); 0 where both stages are
+    on one rank (a V's turn). Empty without a pipeline or ``tokens=``."""
+    stage_bytes: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
+    """Pipeline stage → its ``params``, ``grads`` and ``optimizer`` bytes on the stage's
+    heaviest rank (before offloading). Empty without a pipeline."""
 
     @property
     def total_bytes(self) -> int:
@@ -95,6 +111,8 @@ class Cost:
             "comm_bytes": {k: dict(v) for k, v in self.comm_bytes.items()},
             "comm_total_bytes": self.comm_total_bytes,
             "activation_comm_included": self.activation_comm_included,
+            "boundary_bytes": dict(self.boundary_bytes),
+            "stage_bytes": {k: dict(v) for k, v in self.stage_bytes.items()},
         }
 
     def __str__(self) -> str:
@@ -114,6 +132,13 @@ class Cost:
         for kind, by_axis in self.comm_bytes.items():
             for axis, nbytes in by_axis.items():
                 lines.append(f"  {kind:<15} over {axis:<10} {_bytes(nbytes)}")
+        for stage, by_kind in self.stage_bytes.items():
+            lines.append(
+                f"  stage {stage}: params {_bytes(by_kind['params'])}, grads {_bytes(by_kind['grads'])}, "
+                f"optimizer {_bytes(by_kind['optimizer'])}"
+            )
+        for boundary, nbytes in self.boundary_bytes.items():
+            lines.append(f"  boundary {boundary}->{boundary + 1}: {_bytes(nbytes)} each way")
         return "\n".join(lines)
 
 
@@ -122,17 +147,19 @@ def zero1_owners(plan: Plan) -> dict[str, int]:
 
     ZeroRedundancyOptimizer sorts parameters by size, largest first (a stable sort, so
     ties keep model order), and gives each to the rank with the fewest elements so far.
+    Under a pipeline each pp rank's optimizer partitions its own stages' parameters.
     """
     owned = [(path, s.optim) for path, s in plan.params.items() if isinstance(s.optim, Owned)]
     if not owned:
         return {}
     n = plan.mesh[owned[0][1].axis]
-    loads = [0] * n
+    loads: dict[Any, list[int]] = {}
     owners = {}
-    for path, _ in sorted(owned, key=lambda item: plan.tensors[item[0]].numel, reverse=True):
-        rank = loads.index(min(loads))
+    for path, optim in sorted(owned, key=lambda item: plan.tensors[item[0]].numel, reverse=True):
+        stage_loads = loads.setdefault(optim.on, [0] * n)
+        rank = stage_loads.index(min(stage_loads))
         owners[path] = rank
-        loads[rank] += plan.tensors[path].numel
+        stage_loads[rank] += plan.tensors[path].numel
     return owners
 
 
@@ -210,7 +237,7 @@ def _grouped(
 
 
 def _memory(
-    plan: Plan, coords: Mapping[str, int], optimizer: OptimizerKind, census: _Census
+    plan: Plan, coords: Mapping[str, int], optimizer: OptimizerKind, census: _Census, buffers: bool = True
 ) -> dict[str, int]:
     if isinstance(optimizer, str) and optimizer not in _OPTIMIZERS:
         raise ShardingError(
@@ -218,10 +245,14 @@ def _memory(
         )
 
     def owns(sharding: ParamSharding, _: str, owner: int) -> bool:
-        return isinstance(sharding.optim, Owned) and owner == coords[sharding.optim.axis]
+        optim = sharding.optim
+        return isinstance(optim, Owned) and owner == coords[optim.axis] and optim.holds(coords)
 
     params = grads = optim = 0
     for (shape, itemsize, sharding, owned), count in _grouped(census, owns).items():
+        on = sharding.storage.on
+        if on is not None and coords[on[0]] != on[1]:  # another stage's: not even a step counter
+            continue
         padded = sharding.at_rest_axes
         # FSDP2 pads its own shards; a tensor-parallel shard is a view into the padded
         # buffer distribute_tensor scattered (measured), so it is padded over every axis
@@ -235,11 +266,11 @@ def _memory(
             # the optimizer allocates zeros_like of FSDP2's unpadded local view (measured)
             numel = local_numel(shape, sharding.optim, plan.mesh, coords)
             optim += count * _state_bytes(numel, itemsize, optimizer)
-    buffers = sum(
+    buffer_bytes = sum(
         local_numel(plan.tensors[p].shape, s.storage, plan.mesh, coords) * plan.tensors[p].itemsize
-        for p, s in plan.buffers.items()
+        for p, s in (plan.buffers.items() if buffers else ())
     )
-    return {"params": params, "grads": grads, "optimizer": optim, "buffers": buffers}
+    return {"params": params, "grads": grads, "optimizer": optim, "buffers": buffer_bytes}
 
 
 def _state_bytes(numel: int, itemsize: int, optimizer: OptimizerKind) -> int:
@@ -262,6 +293,8 @@ def _worst_memory(
     """
     base = candidates[0]
     memory = _memory(plan, base, optimizer, census)
+    if len(candidates) == 1:
+        return memory, base
     varying = {axis for coords in candidates[1:] for axis in coords if coords[axis] != base[axis]}
 
     def names_varying(spec: Any) -> bool:
@@ -292,10 +325,14 @@ def _worst_memory(
     return worst
 
 
-def unit_gathered(plan: Plan, census: _Census | None = None) -> dict[str, int]:
+def unit_gathered(
+    plan: Plan, census: _Census | None = None, coords: Mapping[str, int] | None = None
+) -> dict[str, int]:
     """Bytes each FSDP unit ("" is the root) holds while all-gathered, in the gather dtype.
 
-    Only units holding sharded parameters appear.
+    Only units holding sharded parameters appear; under a pipeline, only the parameters
+    of the stages at ``coords`` (by default pp rank 0's): each stage is gathered by its
+    own ranks.
 
     Examples:
         >>> plan = fs.shard(nn.ModuleList([nn.Linear(4, 4)]), fs.Mesh(dp=2), fs.fsdp())
@@ -304,17 +341,21 @@ def unit_gathered(plan: Plan, census: _Census | None = None) -> dict[str, int]:
     """
     census = _census(plan, {}) if census is None else census
     origin = dict.fromkeys(plan.mesh.axis_names, 0)
+    held = origin if coords is None else coords
     param_size = dtype_from_name(plan.config.param_dtype).itemsize if plan.config.param_dtype else None
     per_unit: dict[str, int] = defaultdict(int)
     each: dict[tuple[int, int], int] = {}  # gathered bytes of one tensor, by identity
     for tensor, sharding, unit, _, count in census:
+        on = sharding.storage.on
+        if on is not None and held[on[0]] != on[1]:
+            continue
         padded = sharding.at_rest_axes
         if not padded:
             continue
         key = (id(tensor), id(sharding))
         gathered = each.get(key)
         if gathered is None:
-            shard = local_numel(tensor.shape, sharding.storage, plan.mesh, origin, padded)
+            shard = local_numel(tensor.shape, sharding.storage, plan.mesh, held, padded)
             gathered = each[key] = (
                 shard * plan.mesh.axes_size(tuple(padded)) * (param_size or tensor.itemsize)
             )
@@ -322,16 +363,19 @@ def unit_gathered(plan: Plan, census: _Census | None = None) -> dict[str, int]:
     return dict(per_unit)
 
 
-def _gathered(plan: Plan, census: _Census) -> int:
-    per_unit = unit_gathered(plan, census)
+def _gathered(plan: Plan, census: _Census, coords: Mapping[str, int]) -> int:
+    per_unit = unit_gathered(plan, census, coords)
     root = per_unit.pop("", 0)
     if not plan.config.reshard_after_forward:  # ZeRO-2: every unit stays gathered until backward
         return root + sum(per_unit.values())
     return root + max(per_unit.values(), default=0)
 
 
-def _parameter_comm(plan: Plan, comm: _Comm, census: _Census) -> None:
-    origin = dict.fromkeys(plan.mesh.axis_names, 0)
+def _parameter_comm(plan: Plan, comm: _Comm, census: _Census, held: Mapping[str, int]) -> None:
+    # rank 0 of every axis but the pp one: the first rank of the reported rank's stages
+    origin = {axis: 0 for axis in plan.mesh.axis_names} | (
+        {plan.config.pipeline_axis: held[plan.config.pipeline_axis]} if plan.config.pipeline_axis else {}
+    )
     config = plan.config
     data_axes = config.data_axes
     param_size = dtype_from_name(config.param_dtype).itemsize if config.param_dtype else None
@@ -342,6 +386,9 @@ def _parameter_comm(plan: Plan, comm: _Comm, census: _Census) -> None:
         return 2 if config.reshard_after_forward and unit != "" else 1
 
     for (shape, itemsize, sharding, times), count in _grouped(census, gathers).items():
+        on = sharding.storage.on
+        if on is not None and origin[on[0]] != on[1]:
+            continue
         padded = sharding.at_rest_axes
         at_rest = tuple(a for a in sharding.storage.axes if a in padded)
         if at_rest:
@@ -361,10 +408,12 @@ def _parameter_comm(plan: Plan, comm: _Comm, census: _Census) -> None:
             comm.add("broadcast", (axis,), plan.mesh[axis], math.prod(shape) * itemsize, count)
     # (no buffer traffic: apply's DDP, torch's composable replicate, hands DDP the
     # parameters only, so buffers are never broadcast; measured)
-    _sequence_parallel_grad_comm(plan, comm, param_size)
+    _sequence_parallel_grad_comm(plan, comm, param_size, origin)
 
 
-def _sequence_parallel_grad_comm(plan: Plan, comm: _Comm, param_size: int | None) -> None:
+def _sequence_parallel_grad_comm(
+    plan: Plan, comm: _Comm, param_size: int | None, held: Mapping[str, int]
+) -> None:
     # a sequence-parallel module (a norm) keeps its weight whole on every tensor-parallel
     # rank but sees only this rank's tokens: its gradient is a partial sum, all-reduced
     # whole over the tensor-parallel axes once (by FSDP2 before it reduces; without FSDP2,
@@ -381,13 +430,13 @@ def _sequence_parallel_grad_comm(plan: Plan, comm: _Comm, param_size: int | None
     }
     if not sequence_modules:
         return
-    for path in plan.params:
-        if path.rpartition(".")[0] in sequence_modules:
+    for path, sharding in plan.params.items():
+        if path.rpartition(".")[0] in sequence_modules and sharding.storage.holds(held):
             tensor = plan.tensors[path]
             comm.add("all_reduce", axes, n, tensor.numel * (param_size or tensor.itemsize))
 
 
-def _activation_comm(plan: Plan, comm: _Comm, tokens: int) -> None:
+def _activation_comm(plan: Plan, comm: _Comm, tokens: int, held: Mapping[str, int]) -> None:
     # Per styled module, as torch's styles issue them (tied modules included): a colwise
     # Linear all-reduces its input gradient in backward (tokens x in_features), a rowwise
     # Linear or vocabulary-split Embedding all-reduces its output in forward, a dim-split
@@ -410,6 +459,8 @@ def _activation_comm(plan: Plan, comm: _Comm, tokens: int) -> None:
             continue
         weight = plan.canonical(f"{module_path}.weight")
         tensor, compute = plan.tensors[weight], plan.sharding(weight).compute
+        if not compute.holds(held):  # another stage's module
+            continue
         axes = tuple(a for a in compute.axes)
         n = plan.mesh.axes_size(axes)
         per_token = _itemsize(plan.config.param_dtype, tensor) * tokens
@@ -444,6 +495,75 @@ def _activation_comm(plan: Plan, comm: _Comm, tokens: int) -> None:
             comm.add("all_gather", axes, n, -(-features // n) * n * per_token)
 
 
+def _compute_itemsize(plan: Plan) -> int:
+    """Bytes per element of the activations stages send: the mixed-precision dtype, else the model's."""
+    first = next(iter(plan.tensors.values()), None)
+    if plan.config.param_dtype:
+        return dtype_from_name(plan.config.param_dtype).itemsize
+    return first.itemsize if first is not None else 4
+
+
+def _pipeline_comm(plan: Plan, comm: _Comm, tokens: int, held: Mapping[str, int]) -> dict[int, float]:
+    """Bytes crossing each stage boundary per step, each way; adds what ``held``'s rank sends.
+
+    A boundary carries the sending stage's output for every token of the step (all
+    micro-batches together): ``tokens × features × itemsize`` forward, and as many bytes
+    of its gradient backward. Both stages on one rank (a V's turn) send nothing.
+    """
+    from .stages import stage_rank
+
+    config = plan.config
+    axis = config.pipeline_axis
+    if axis is None:
+        return {}
+    pp, per_rank, schedule = plan.mesh[axis], config.stages_per_rank, config.pipeline_schedule
+    itemsize = _compute_itemsize(plan)
+    boundaries: dict[int, float] = {}
+    sent = 0.0
+    for stage, features in enumerate(config.boundary_features):
+        source, target = (
+            stage_rank(stage, pp, per_rank, schedule),
+            stage_rank(stage + 1, pp, per_rank, schedule),
+        )
+        crossing = 0.0 if source == target else float(tokens * features * itemsize)
+        boundaries[stage] = crossing
+        if held[axis] in (source, target):  # activations out of source, gradients out of target
+            sent += crossing
+    if sent:
+        comm.bytes["send_recv"][axis] += sent
+    return boundaries
+
+
+def _stage_memory(
+    plan: Plan, optimizer: OptimizerKind, owners: Mapping[str, int]
+) -> dict[int, dict[str, int]]:
+    """Params, grads and optimizer bytes of each stage's own tensors, on its first rank."""
+    from .stages import stage_finder, stage_rank
+
+    config = plan.config
+    axis = config.pipeline_axis
+    if axis is None:
+        return {}
+    stage_of = stage_finder(config.pipeline_stages)
+    pp = plan.mesh[axis]
+    by_stage: dict[int, dict[str, ParamSharding]] = defaultdict(dict)
+    for path, sharding in plan.params.items():
+        stage = stage_of(path)
+        if stage is not None:
+            by_stage[stage][path] = sharding
+    result = {}
+    for stage in range(len(config.pipeline_stages)):
+        rank = stage_rank(stage, pp, config.stages_per_rank, config.pipeline_schedule)
+        coords = dict.fromkeys(plan.mesh.axis_names, 0) | {axis: rank}
+        census = [
+            (plan.tensors[path], sharding, "", owners.get(path, -1), 1)
+            for path, sharding in by_stage[stage].items()
+        ]
+        memory = _memory(plan, coords, optimizer, census, buffers=False)
+        result[stage] = {key: memory[key] for key in ("params", "grads", "optimizer")}
+    return result
+
+
 def cost(
     plan: Plan, optimizer: OptimizerKind = "adamw", *, rank: int | None = None, tokens: int | None = None
 ) -> Cost:
@@ -455,13 +575,22 @@ def cost(
             4-byte step per tensor, as torch keeps them), ``"sgd"`` (no state), or bytes of
             state per element.
         rank: report this rank's memory; by default the worst rank's.
-        tokens: tokens per micro-batch on one data-parallel rank (batch × sequence); if
-            given, tensor-parallel activation collectives are counted too.
+        tokens: tokens of one forward and backward on one data-parallel rank (batch ×
+            sequence; under a pipeline, the whole batch the schedule cuts into
+            micro-batches); if given, tensor-parallel activation collectives and the
+            pipeline's point-to-point bytes are counted too.
 
     Returns:
         A `Cost`. Params, grads and optimizer bytes are exact for torch's engines (FSDP2
         padding included); ``gathered_bytes`` is the peak of all-gathered parameters (the
-        root unit plus the largest other unit, or every unit under ZeRO-2).
+        root unit plus the largest other unit, or every unit under ZeRO-2 and under a
+        pipeline, which keeps its stages gathered across micro-batches). Under a pipeline
+        the memory and collectives are one rank's (the worst over every pp coordinate
+        unless ``rank`` is given), ``stage_bytes`` breaks memory down by stage and
+        ``boundary_bytes`` gives the activation bytes crossing each stage boundary; the
+        width at a boundary is ``plan.config.boundary_features`` (an HF config's
+        ``hidden_size``, else the sending stage's last weight's output features), the
+        dtype the mixed-precision one or the model's.
 
     Raises:
         ShardingError: an unknown optimizer, or a rank outside the mesh.
@@ -472,18 +601,31 @@ def cost(
         >>> c = plan.cost("adamw")
         >>> c.params_bytes, c.optimizer_bytes, c.comm_bytes["reduce_scatter"]["dp"]
         (1000000, 2000004, 3000000.0)
+        >>> from functional_shard import zoo
+        >>> piped = fs.shard(zoo.llama("tiny"), fs.Mesh(pp=2), fs.pipeline("pp", microbatches=4))
+        >>> c = piped.cost("sgd", tokens=1024)
+        >>> c.boundary_bytes, c.comm_bytes["send_recv"]["pp"]
+        ({0: 262144.0}, 262144.0)
     """
     owners = zero1_owners(plan)
-    if rank is not None:
-        candidates = [plan.mesh.coords(rank)]
-    else:
-        # Rank 0 holds the largest chunk of every split; only ZeRO-1 ownership can
-        # make another rank heavier, so try each owner along that axis.
-        zero_axes = {s.optim.axis for s in plan.params.values() if isinstance(s.optim, Owned)}
-        base = dict.fromkeys(plan.mesh.axis_names, 0)
-        candidates = [base] + [{**base, a: i} for a in zero_axes for i in range(1, plan.mesh[a])]
     census = _census(plan, owners)
-    memory, coords = _worst_memory(plan, candidates, optimizer, census)
+    if rank is not None:
+        memory, coords = _worst_memory(plan, [plan.mesh.coords(rank)], optimizer, census)
+        gathered = _gathered(plan, census, coords)
+    else:
+        # Rank 0 holds the largest chunk of every split; only ZeRO-1 ownership can make
+        # another rank heavier, so try each owner along that axis, on each pp rank.
+        zero_axes = {s.optim.axis for s in plan.params.values() if isinstance(s.optim, Owned)}
+        pp_axis = plan.config.pipeline_axis
+        worst_total = -1
+        for pp_rank in range(plan.mesh[pp_axis] if pp_axis else 1):
+            base = dict.fromkeys(plan.mesh.axis_names, 0) | ({pp_axis: pp_rank} if pp_axis else {})
+            candidates = [base] + [{**base, a: i} for a in zero_axes for i in range(1, plan.mesh[a])]
+            found, found_coords = _worst_memory(plan, candidates, optimizer, census)
+            found_gathered = _gathered(plan, census, found_coords)
+            if sum(found.values()) + found_gathered > worst_total:
+                memory, coords, gathered = found, found_coords, found_gathered
+                worst_total = sum(found.values()) + found_gathered
     config = plan.config
     host = 0
     for key, offloaded in (
@@ -495,17 +637,21 @@ def cost(
             host += memory[key]
             memory[key] = 0
     comm = _Comm()
-    _parameter_comm(plan, comm, census)
+    _parameter_comm(plan, comm, census, coords)
+    boundaries: dict[int, float] = {}
     if tokens is not None:
-        _activation_comm(plan, comm, tokens)
+        _activation_comm(plan, comm, tokens, coords)
+        boundaries = _pipeline_comm(plan, comm, tokens, coords)
     return Cost(
         rank=plan.mesh.rank(coords),
         params_bytes=memory["params"],
         grads_bytes=memory["grads"],
         optimizer_bytes=memory["optimizer"],
         buffers_bytes=memory["buffers"],
-        gathered_bytes=_gathered(plan, census),
+        gathered_bytes=gathered,
         host_bytes=host,
         comm_bytes=comm.result(),
         activation_comm_included=tokens is not None,
+        boundary_bytes=boundaries,
+        stage_bytes=_stage_memory(plan, optimizer, owners),
     )

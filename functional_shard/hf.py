@@ -204,3 +204,39 @@ def _residual_norms(
         if owned and "Norm" in type(module).__name__ and not covered and not inside:
             found.setdefault(re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(path)))
     return [(re.compile(pattern), "sequence") for pattern in found]
+
+
+def pp_pieces(model: object) -> tuple[str, ...] | None:
+    """A transformers model's pipeline pieces in forward order, from its ``base_model_pp_plan``.
+
+    The base model's pieces (``embed_tokens``, ``layers``, ``norm``) under its prefix, then
+    the class's own (``lm_head``); None for a model without a pipeline plan.
+
+    Examples:
+        >>> import torch, transformers
+        >>> config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        ...     num_attention_heads=4, vocab_size=64)
+        >>> with torch.device("meta"):
+        ...     model = transformers.LlamaForCausalLM(config)
+        >>> pp_pieces(model)
+        ('model.embed_tokens', 'model.layers', 'model.norm', 'lm_head')
+    """
+    if not is_hf_model(model):
+        return None
+    base = getattr(getattr(model, "config", None), "base_model_pp_plan", None) or {}
+    if not isinstance(base, dict) or not base:
+        return None
+    prefix = getattr(model, "base_model_prefix", "")
+    inner = f"{prefix}." if prefix and hasattr(model, prefix) else ""
+    pieces = [f"{inner}{key}" for key in base]
+    combined = getattr(model, "_pp_plan", None) or getattr(type(model), "_pp_plan", None) or {}
+    pieces += [key for key in combined if key not in pieces and not (inner and key.startswith(inner))]
+    return tuple(pieces)
+
+
+def hidden_size(model: object) -> int | None:
+    """The residual stream's width a transformers model's config names (None otherwise)."""
+    if not is_hf_model(model):
+        return None
+    size = getattr(getattr(model, "config", None), "hidden_size", None)
+    return size if isinstance(size, int) else None

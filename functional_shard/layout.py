@@ -3,7 +3,9 @@
 The arithmetic is torch's: a dim split ``k`` ways gets chunks of ``ceil(n / k)``, the
 trailing ranks smaller or empty (``torch.chunk``, DTensor's ``Shard``); a dim split by
 several axes is split by each in turn, major to minor. An empty shard's offset is the
-dim's size, as torch reports it.
+dim's size, as torch reports it. A staged spec (``on=("pp", 1)``) holds nothing on the
+ranks off its stage: their local shape is all zeros (their offsets the dim sizes) and
+their shard an empty tensor.
 """
 
 from __future__ import annotations
@@ -54,10 +56,14 @@ def local_shape_and_offset(
     Examples:
         >>> local_shape_and_offset((10, 4), P(("tp", "dp")), Mesh(dp=2, tp=2), 1)
         ((3, 4), (5, 0))
+        >>> local_shape_and_offset((10, 4), P("dp", on=("pp", 1)), Mesh(pp=2, dp=2), 1)
+        ((0, 0), (10, 4))
     """
     if found := spec.problems(shape, mesh):
         raise SpecError("; ".join(found))
     coords = _coords(mesh, rank)
+    if not spec.holds(coords):
+        return tuple(0 for _ in shape), tuple(shape)
     sizes: list[int] = []
     offsets: list[int] = []
     for size, axes in zip(shape, spec.dim_axes(len(shape)), strict=True):
@@ -92,12 +98,17 @@ def local_numel(
     FSDP2 pads each parameter's sharded dim to a multiple of the shard count, so over
     its axes every rank allocates as much as rank 0.
 
+    Off a staged spec's stage a rank holds nothing.
+
     Examples:
         >>> mesh = Mesh(dp=8)
         >>> local_numel((10,), P("dp"), mesh, 7), local_numel((10,), P("dp"), mesh, 7, frozenset({"dp"}))
         (0, 2)
     """
     coords = _coords(mesh, rank)
+    on = spec.on
+    if on is not None and coords[on[0]] != on[1]:
+        return 0
     # only the coordinates on axes the spec names matter; keying the cache on them
     # makes the repeated blocks of a model one computation
     index = tuple(0 if axis in padded_axes else coords[axis] for axis in spec.axes)
@@ -138,9 +149,14 @@ def shard_tensor(tensor: torch.Tensor, spec: P, mesh: Mesh) -> list[torch.Tensor
     Raises:
         SpecError: the spec does not fit the tensor on ``mesh``.
 
+    Ranks off a staged spec's stage get an empty tensor (zeros in every dim; a 0-d
+    tensor's is shaped ``(0,)``, as a 0-d tensor cannot be empty).
+
     Examples:
         >>> [s.tolist() for s in shard_tensor(torch.arange(5), P("dp"), Mesh(dp=2))]
         [[0, 1, 2], [3, 4]]
+        >>> [s.tolist() for s in shard_tensor(torch.arange(3), P(on=("pp", 1)), Mesh(pp=2))]
+        [[], [0, 1, 2]]
     """
     if found := spec.problems(tensor.shape, mesh):
         raise SpecError("; ".join(found))
@@ -153,16 +169,19 @@ def shard_tensor(tensor: torch.Tensor, spec: P, mesh: Mesh) -> list[torch.Tensor
             for index, part in enumerate(_split(piece, dim, mesh[axis]))
         }
     result = []
+    absent = tensor.new_empty(tuple(0 for _ in tensor.shape) or (0,))
     for rank in range(mesh.size):
         coords = mesh.coords(rank)
-        result.append(pieces[tuple(coords[axis] for _, axis in splits)])
+        held = spec.holds(coords)
+        result.append(pieces[tuple(coords[axis] for _, axis in splits)] if held else absent)
     return result
 
 
 def unshard_tensor(shards: Sequence[torch.Tensor], spec: P, mesh: Mesh) -> torch.Tensor:
     """Reassemble the global tensor from every rank's shard (inverse of `shard_tensor`).
 
-    Replicas (ranks that differ only along axes the spec does not name) must agree.
+    Replicas (ranks that differ only along axes the spec does not name) must agree; the
+    shards of ranks off a staged spec's stage are ignored.
 
     Raises:
         ShardingError: wrong number of shards, or replicas that differ.
@@ -174,10 +193,13 @@ def unshard_tensor(shards: Sequence[torch.Tensor], spec: P, mesh: Mesh) -> torch
     """
     if len(shards) != mesh.size:
         raise ShardingError(f"unshard_tensor needs one shard per rank of {mesh!r}, got {len(shards)}")
-    ndim = shards[0].ndim
+    holders = [(rank, shard) for rank, shard in enumerate(shards) if spec.holds(mesh.coords(rank))]
+    if not holders:
+        raise ShardingError(f"no rank of {mesh!r} holds a tensor placed on {spec.on}")
+    ndim = holders[0][1].ndim
     splits = _splits(spec, ndim)
     pieces: dict[tuple[int, ...], torch.Tensor] = {}
-    for rank, shard in enumerate(shards):
+    for rank, shard in holders:
         coords = mesh.coords(rank)
         key = tuple(coords[axis] for _, axis in splits)
         if key not in pieces:

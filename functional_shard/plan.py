@@ -60,6 +60,8 @@ class PlanConfig:
     pipeline_schedule: str = "1f1b"
     microbatches: int = 1
     stages_per_rank: int = 1
+    boundary_features: tuple[int, ...] = ()
+    """Per token, the features of the activation stage ``s`` sends to ``s + 1`` (one per boundary)."""
 
     @property
     def data_axes(self) -> tuple[str, ...]:
@@ -206,7 +208,14 @@ class Plan:
     def stage_of(self, path: str) -> int:
         """The pipeline stage that holds a parameter or buffer (0 for a plan without pp).
 
-        A tied parameter is asked for by the name it has in the stage you mean.
+        A tied parameter is asked for by any of its names (a plan refuses ties across
+        stages). Where the tensor lives is also in its specs: ``plan.sharding(path).on`` is
+        ``(pp axis, pp coordinate of the rank running the stage)``.
+
+        Raises:
+            ShardingError: no tensor has that path.
+            PolicyError: a tensor in no stage (a buffer every stage keeps, such as a
+                rotary table at the model's root).
 
         Examples:
             >>> import functional_shard as fs
@@ -236,13 +245,27 @@ class Plan:
 
         return visualize(self, param, **kwargs)
 
+    def _holder(self, sharding: ParamSharding) -> int:
+        """The first rank holding a tensor: rank 0, or the first of its stage's ranks."""
+        if sharding.on is None:
+            return 0
+        axis, index = sharding.on
+        return self.mesh.rank(dict.fromkeys(self.mesh.axis_names, 0) | {axis: index})
+
+    def _stage_label(self, path: str) -> str:
+        sharding = self.sharding(path)
+        if sharding.on is None:
+            return "all"
+        return f"{self.stage_of(path)} ({sharding.on[0]}={sharding.on[1]})"
+
     def _rows(self) -> list[tuple[str, ...]]:
         rows = []
+        staged = self.config.pipeline_axis is not None
         for group in (self.params, self.buffers):
             for path, sharding in group.items():
                 tensor = self.tensors[path]
                 storage = sharding.storage
-                local = local_shape_and_offset(tensor.shape, storage, self.mesh, 0)[0]
+                local = local_shape_and_offset(tensor.shape, storage, self.mesh, self._holder(sharding))[0]
                 tied = [a for a in self.aliases.get(path, ()) if a != path]
                 name = (
                     path
@@ -253,9 +276,11 @@ class Plan:
                 rows.append(
                     (
                         name,
+                        *((self._stage_label(path),) if staged else ()),
                         "×".join(map(str, tensor.shape)) or "()",
                         str(tensor.dtype).removeprefix("torch."),
-                        *(repr(s) for s in specs.specs().values()),
+                        # the stage column says where along pp: the specs show the split
+                        *(repr(s.unstaged) for s in specs.specs().values()),
                         "×".join(map(str, local)) or "()",
                         str(self._local_bytes(path)),
                     )
@@ -264,6 +289,9 @@ class Plan:
 
     def explain(self, collapse: bool = True) -> str:
         """A table of every tensor: shape, dtype, the four specs, rank 0's local shape, bytes.
+
+        Under a pipeline a stage column says which stage holds each tensor and on which pp
+        coordinate; the local shape and bytes are those of the first rank holding it.
 
         Args:
             collapse: fold rows that differ only in a layer index (``layers.0``,
@@ -274,6 +302,7 @@ class Plan:
             >>> print(fs.shard(nn.Linear(8, 4), fs.Mesh(dp=2), fs.fsdp()).explain())  # doctest: +ELLIPSIS
             Plan on Mesh(dp=2): data parallel fsdp over ('dp',); ...
         """
+        c = self.config
         rows = self._rows()
         if collapse:
             grouped: dict[tuple[str, ...], list[Any]] = {}
@@ -284,23 +313,24 @@ class Plan:
                 (key[0] + (f" ×{count}" if count > 1 else ""), *key[1:-1], str(int(key[-1]) * count))
                 for key, count in grouped.values()
             ]
+        staged = c.pipeline_axis is not None
         header = (
             "path",
+            *(("stage",) if staged else ()),
             "shape",
             "dtype",
             "storage",
             "compute",
             "grad",
             "optim",
-            "local (rank 0)",
+            "local (first holder)" if staged else "local (rank 0)",
             "bytes/device",
         )
         body = [(*row[:-1], _bytes(int(row[-1]))) for row in rows]
         widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
         line = "  ".join(f"{{:<{w}}}" for w in widths)
         total_global = sum(t.nbytes for t in self.tensors.values())
-        total_local = sum(int(row[-1]) for row in rows)
-        c = self.config
+        total_local, largest = self._largest_local()
         summary = [
             f"Plan on {self.mesh!r}: data parallel {c.data_parallel} over {c.data_axes}; "
             f"tensor parallel over {c.tensor_parallel_axes}"
@@ -309,11 +339,21 @@ class Plan:
             f"{len(c.checkpointed)} checkpointed modules; mixed precision: "
             f"{c.param_dtype or 'off'} (reduce {c.reduce_dtype or 'as params'}); offload: "
             + (", ".join(k for k in ("params", "grads", "optimizer") if getattr(c, f"offload_{k}")) or "off"),
+            *(
+                (
+                    f"pipeline over {c.pipeline_axis!r}: {len(c.pipeline_stages)} stages, "
+                    f"{c.stages_per_rank} per rank, schedule {c.pipeline_schedule}, "
+                    f"{c.microbatches} micro-batches",
+                )
+                if staged
+                else ()
+            ),
             "",
             line.format(*header),
             *(line.format(*row) for row in body),
             "",
-            f"at rest: {_bytes(total_global)} in all, {_bytes(total_local)} on the largest device (rank 0)",
+            f"at rest: {_bytes(total_global)} in all, {_bytes(total_local)} on the largest device "
+            f"(rank {largest})",
         ]
         whole = [p for p, t in self.tensors.items() if t.ndim == 0 and p in self.params]
         if whole and c.data_parallel in ("zero2", "zero3", "fsdp", "hsdp"):
@@ -392,6 +432,16 @@ class Plan:
             >>> changes = fs.shard(m, mesh, fs.replicate()).diff(fs.shard(m, mesh, fs.fsdp()))
             >>> [str(c) for c in changes if c.path == "weight" and c.what in ("storage", "bytes/device")]
             ["weight: storage P(None, None) -> P('dp', None)", 'weight: bytes/device 256 -> 128']
+
+            A tensor that moves to another stage is reported once, as a stage change:
+
+            >>> from functional_shard import zoo
+            >>> llama, mesh = zoo.llama("tiny"), fs.Mesh(pp=2)
+            >>> even = fs.shard(llama, mesh, fs.pipeline("pp", microbatches=2))
+            >>> late = fs.shard(llama, mesh, fs.pipeline("pp", microbatches=2, split=[
+            ...     ["embed_tokens"], ["layers.0", "layers.1", "norm", "lm_head"]]))
+            >>> [str(c) for c in even.diff(late) if c.path == "layers.0.mlp.up_proj.weight"]
+            ['layers.0.mlp.up_proj.weight: stage 0 (pp=0) -> 1 (pp=1)']
         """
         changes = []
         if self.mesh != other.mesh:
@@ -406,16 +456,45 @@ class Plan:
                 changes.append(Change(path, "presence", path in self.tensors, path in other.tensors))
                 continue
             ndim = self.tensors[path].ndim
+            before_stage, after_stage = self._stage_label(path), other._stage_label(path)
+            if before_stage != after_stage:
+                changes.append(Change(path, "stage", before_stage, after_stage))
             mine, theirs = self.sharding(path).normalized(ndim), other.sharding(path).normalized(ndim)
             for name, spec in mine.specs().items():
-                if spec != theirs.specs()[name]:
-                    changes.append(Change(path, name, spec, theirs.specs()[name]))
+                other_spec = theirs.specs()[name]
+                if spec.unstaged != other_spec.unstaged or (
+                    spec != other_spec and before_stage == after_stage
+                ):
+                    changes.append(Change(path, name, spec, other_spec))
             before, after = self._local_bytes(path), other._local_bytes(path)
             if before != after:
                 changes.append(Change(path, "bytes/device", before, after))
         return changes
 
     def _local_bytes(self, path: str) -> int:
+        """Bytes at rest on the first rank holding the tensor."""
         tensor = self.tensors[path]
-        storage = self.sharding(path).storage
-        return local_numel(tensor.shape, storage, self.mesh, 0, self.padded_axes(path)) * tensor.itemsize
+        sharding = self.sharding(path)
+        rank = self._holder(sharding)
+        return (
+            local_numel(tensor.shape, sharding.storage, self.mesh, rank, sharding.at_rest_axes)
+            * tensor.itemsize
+        )
+
+    def _largest_local(self) -> tuple[int, int]:
+        """(bytes at rest, rank) of the heaviest among each pp coordinate's first rank."""
+        axis = self.config.pipeline_axis
+        totals: dict[int, int] = {}
+        for group in (self.params, self.buffers):
+            for path, sharding in group.items():
+                holder = self._holder(sharding)
+                if sharding.on is None and axis is not None:  # on every stage's ranks
+                    for index in range(self.mesh[axis]):
+                        rank = self.mesh.rank(dict.fromkeys(self.mesh.axis_names, 0) | {axis: index})
+                        totals[rank] = totals.get(rank, 0) + self._local_bytes(path)
+                else:
+                    totals[holder] = totals.get(holder, 0) + self._local_bytes(path)
+        if not totals:
+            return 0, 0
+        rank = max(totals, key=lambda r: (totals[r], -r))
+        return totals[rank], rank

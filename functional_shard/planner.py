@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -14,7 +15,7 @@ from .plan import Plan, PlanConfig
 from .policy import Custom, DataParallel, Layer, ParamProblemError, Policy, Selector, as_policy, resolve_rules
 from .rules import layout_of
 from .spec import Owned, P, ParamSharding, spec_problems
-from .stages import split_stages
+from .stages import boundary_features, split_stages, stage_finder, stage_rank
 from .tree import ModelTree, TensorSpec, matches, owner_paths, read_model
 
 if TYPE_CHECKING:
@@ -307,14 +308,15 @@ def _config(
     options = policy.options
     pipe = policy.pipeline
     pipe_config: dict[str, Any] = {}
-    if pipe is not None:
-        stages = split_stages(tree, mesh[pipe.axis] * pipe.stages_per_rank, pipe.split)
+    if pipe is not None and pipe.axis in mesh:  # a missing axis is reported with the others
+        stages = split_stages(tree, mesh[pipe.axis] * pipe.stages_per_rank, pipe.split, pipe.pieces)
         pipe_config = {
             "pipeline_axis": pipe.axis,
             "pipeline_stages": stages,
             "pipeline_schedule": pipe.schedule,
             "microbatches": pipe.microbatches,
             "stages_per_rank": pipe.stages_per_rank,
+            "boundary_features": boundary_features(tree, stages, pipe.hidden_size),
         }
     return PlanConfig(
         data_parallel=kind,
@@ -323,7 +325,10 @@ def _config(
         tensor_parallel_axes=tuple(layer.axis for layer in policy.tensor_parallel),
         tp_styles=tp_styles,
         sequence_parallel=any(layer.sequence_parallel for layer in policy.tensor_parallel),
-        reshard_after_forward=sharding_layer.reshard_after_forward if sharding_layer else True,
+        # under a pipeline FSDP keeps each stage gathered across its micro-batches, as
+        # torchtitan runs it (reshard_after_forward = not pp_enabled): one all-gather a step
+        reshard_after_forward=(sharding_layer.reshard_after_forward if sharding_layer else True)
+        and not pipe_config,
         units=_units(tree, sharding_layer),
         checkpointed=tuple(_select(options.checkpoint or (), tree, "checkpointing()")),
         checkpoint_policy=options.checkpoint_policy or "full",
@@ -375,13 +380,64 @@ def _shard(model: Any, mesh: Mesh | DeviceMesh, policy: Policy | Any, *, reuse_b
     if not isinstance(mesh, Mesh):
         mesh = Mesh.from_device_mesh(mesh)
     mesh.require_resolved("shard()")
-    policy = resolve_rules(as_policy(policy), model)
+    policy = _with_model_pieces(resolve_rules(as_policy(policy), model), model)
     tree = read_model(model)
     if reuse_blocks and tree.blocks and not any(isinstance(layer, Custom) for layer in policy.layers):
         plan = _shard_reusing_blocks(tree, mesh, policy)
         if plan is not None:
             return plan
     return _shard_each(tree, mesh, policy)
+
+
+def _with_model_pieces(policy: Policy, model: Any) -> Policy:
+    """The pipeline layer told what the model says of itself: HF pieces and hidden size."""
+    from .hf import hidden_size, pp_pieces
+
+    pipe = policy.pipeline
+    if pipe is None:
+        return policy
+    told = dataclasses.replace(pipe, pieces=pp_pieces(model), hidden_size=hidden_size(model))
+    layers = tuple(told if layer is pipe else layer for layer in policy.layers)
+    return dataclasses.replace(policy, layers=layers)
+
+
+def _staged(tree: ModelTree, mesh: Mesh, placed: dict[str, ParamSharding], config: PlanConfig) -> None:
+    """Place every tensor of a pipelined plan on the pp rank of its stage, in ``placed``.
+
+    A buffer in no stage (a rotary table at the root) stays on every rank; shardings that
+    blocks share stay shared (one staged copy per pp rank), which the cost model counts on.
+
+    Raises:
+        PolicyError: a tied parameter whose names fall in different stages.
+    """
+    axis = config.pipeline_axis
+    if axis is None:
+        return
+    stage_of = stage_finder(config.pipeline_stages)
+    pp, per_rank, schedule = mesh[axis], config.stages_per_rank, config.pipeline_schedule
+    copies: dict[tuple[int, int], ParamSharding] = {}
+    problems = []
+    for path, sharding in placed.items():
+        names = tree.aliases.get(path, (path,))
+        stages = {name: stage_of(name) for name in names}
+        if len(set(stages.values())) > 1:
+            where = ", ".join(f"{name} in stage {stage}" for name, stage in stages.items())
+            problems.append(
+                f"{where} are one tied parameter; the pipeline engine does not reduce a tied "
+                "gradient between stages. Untie them (e.g. tie_word_embeddings=False), or put "
+                "them in one stage with pipeline(split=[...])"
+            )
+            continue
+        stage = stages[path]
+        if stage is None:
+            continue
+        rank = stage_rank(stage, pp, per_rank, schedule)
+        copy = copies.get((id(sharding), rank))
+        if copy is None:
+            copy = copies[id(sharding), rank] = sharding.staged((axis, rank))
+        placed[path] = copy
+    if problems:
+        raise PolicyError("pipeline():\n" + "\n".join(f"* {p}" for p in problems))
 
 
 def _axis_problems(policy: Policy, mesh: Mesh) -> list[str]:
@@ -407,6 +463,7 @@ def _unused_axes(policy: Policy, mesh: Mesh, shardings: Iterable[ParamSharding])
 
 
 def _plan(tree: ModelTree, mesh: Mesh, placed: dict[str, ParamSharding], config: PlanConfig) -> Plan:
+    _staged(tree, mesh, placed, config)
     return Plan(
         params={p: placed[p] for p in tree.params},
         buffers={p: placed[p] for p in tree.buffers},

@@ -184,6 +184,10 @@ class Pipeline:
     schedule: str = "1f1b"
     stages_per_rank: int = 1
     split: tuple[tuple[str, ...], ...] | None = None
+    pieces: tuple[str, ...] | None = None
+    """The model's own pipeline pieces in order (an HF ``base_model_pp_plan``); set by `shard`."""
+    hidden_size: int | None = None
+    """The width of what stages send each other, when the model's config names it; set by `shard`."""
 
     @property
     def name(self) -> str:
@@ -528,7 +532,13 @@ def pipeline(
         stages_per_rank: stages each rank runs (2 for the V-shaped schedules).
         split: the module paths of each stage, in order; by default the repeated blocks
             are split evenly with the embedding counted with the first stage and the
-            final norm and head with the last, as torchtitan does.
+            final norm and head with the last, as torchtitan does; a Hugging Face
+            model's ``base_model_pp_plan`` names the pieces when it has one.
+
+    Every tensor of the plan is then placed on its stage's pp rank (``P(..., on=("pp", r))``).
+    FSDP over the other axes keeps each stage's parameters gathered from the first
+    micro-batch's forward to the last one's backward (``reshard_after_forward=False``, as
+    torchtitan runs FSDP under a pipeline), so a step gathers them once.
 
     Raises:
         PolicyError: an unknown schedule, a stage count it cannot run, or a bad count.

@@ -18,6 +18,11 @@ evaluated, so a policy string cannot run code.
 | ``checkpointing("layers.*")``             | ``checkpointing("layers.*")`` (a module-path pattern) |
 | ``offload``, ``offload(optimizer)``       | ``offload()``, ``offload(params=False, grads=False)`` |
 | ``bf16``, ``mixed_precision(bf16, fp32)`` | ``mixed_precision(torch.bfloat16, torch.float32)``  |
+| ``pipeline(pp, microbatches=32)``          | ``pipeline("pp", microbatches=32)``                 |
+| ``pipeline(pp, microbatches=8, schedule=zbv, stages_per_rank=2)`` | the same, quoted       |
+| ``pipeline(pp, ..., split=((embed, 'layers.0'), (head,)))`` | ``split=[["embed", "layers.0"], ["head"]]`` |
+
+A schedule name that is not a Python name (``'1f1b'``) is quoted.
 
 A bare class name in ``checkpointing`` or ``units=`` names a module class of the model
 (pass ``model=``); a quoted string is a module-path pattern.
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import ast
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +43,7 @@ from . import rules as rules_module
 from .errors import PolicyError
 from .policy import (
     DataParallel,
+    Pipeline,
     Policy,
     TensorParallel,
     checkpointing,
@@ -45,6 +51,7 @@ from .policy import (
     hsdp,
     mixed_precision,
     offload,
+    pipeline,
     replicate,
     tp,
     zero,
@@ -55,7 +62,9 @@ __all__ = ["FORMS", "format_policy", "parse_policy"]
 FORMS = (
     "fsdp(AXIS), hsdp(REPLICATE_AXIS, SHARD_AXIS), zero(1|2|3, AXIS), ddp(AXIS) or replicate(AXIS), "
     "tp(RULES, AXIS), sp(RULES, AXIS), checkpointing(CLASS or 'path.*', full|selective), "
-    "offload, bf16, fp16, mixed_precision(DTYPE), none, joined by +; "
+    "offload, bf16, fp16, mixed_precision(DTYPE), "
+    "pipeline(AXIS, microbatches=N, schedule=NAME, stages_per_rank=N, split=((PATH, ...), ...)), "
+    "none, joined by +; "
     "RULES: llama, gpt2, gpt2_hf, mlp, hf, auto"
 )
 """The accepted forms, as every parse error lists them."""
@@ -318,6 +327,31 @@ def _mixed_precision(call: _Call) -> Policy:
     return mixed_precision(param, reduce)
 
 
+def _pipeline(call: _Call) -> Policy:
+    _only(call, ("microbatches", "schedule", "stages_per_rank", "split"))
+    if len(call.args) > 1:
+        raise _TextError(
+            call.node, "pipeline() takes one axis and keywords, e.g. pipeline(pp, microbatches=8)"
+        )
+    axis = _text(call.args[0], "the axis", call.node) if call.args else "pp"
+    if "microbatches" not in call.kwargs:
+        raise _TextError(call.node, "pipeline() needs microbatches=N")
+    counts = {}
+    for key, default in (("microbatches", None), ("stages_per_rank", 1)):
+        value = call.kwargs.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise _TextError(call.node, f"pipeline({key}=...) is a whole number, got {_show(value)}")
+        counts[key] = value
+    schedule = _text(call.kwargs.get("schedule", "1f1b"), "the schedule", call.node)
+    split = call.kwargs.get("split")
+    stages = None
+    if split is not None:
+        if not isinstance(split, tuple) or not all(isinstance(stage, tuple) for stage in split):
+            raise _TextError(call.node, "split= is a tuple of stages, each a tuple of module paths")
+        stages = [[_text(path, "a module path", call.node) for path in stage] for stage in split]
+    return pipeline(axis, schedule=schedule, split=stages, **counts)
+
+
 def _term(call: _Call, resolver: _Resolver) -> Policy:
     name, args = call.name, call.args
     if name == "none" and not args and not call.kwargs:
@@ -336,6 +370,8 @@ def _term(call: _Call, resolver: _Resolver) -> Policy:
         return _checkpointing(call, resolver)
     if name in ("tp", "sp"):
         return _tensor_parallel(call, sequence_parallel=name == "sp")
+    if name == "pipeline":
+        return _pipeline(call)
     if name in ("ddp", "replicate"):
         _only(call, ())
         return replicate(_axes(args, call.node) or None)
@@ -386,6 +422,10 @@ def parse_policy(text: str, model: nn.Module | None = None) -> Policy:
         >>> policy == fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp") + fs.mixed_precision(torch.bfloat16)
         True
         >>> fs.parse_policy("zero(2, dp)") == fs.zero(2, "dp")
+        True
+        >>> text = "pipeline(pp, microbatches=32) + fsdp(dp) + tp(llama, tp)"
+        >>> same = fs.pipeline("pp", microbatches=32) + fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp")
+        >>> fs.parse_policy(text) == same
         True
     """
     if not isinstance(text, str) or not text.strip():
@@ -475,6 +515,22 @@ def _format_tensor_parallel(layer: TensorParallel) -> str:
     return f"{'sp' if layer.sequence_parallel else 'tp'}({name}, {_format_name(layer.axis)})"
 
 
+def _format_tuple(items: Iterable[str]) -> str:
+    listed = list(items)
+    return "(" + ", ".join(listed) + ("," if len(listed) == 1 else "") + ")"
+
+
+def _format_pipeline(layer: Pipeline) -> str:
+    parts = [_format_name(layer.axis), f"microbatches={layer.microbatches}"]
+    if layer.schedule != "1f1b":
+        parts.append(f"schedule={_format_name(layer.schedule)}")
+    if layer.stages_per_rank != 1:
+        parts.append(f"stages_per_rank={layer.stages_per_rank}")
+    if layer.split is not None:
+        parts.append("split=" + _format_tuple(_format_tuple(_format_name(p) for p in s) for s in layer.split))
+    return f"pipeline({', '.join(parts)})"
+
+
 def format_policy(policy: Policy) -> str:
     """The text `parse_policy` reads back as ``policy`` (the inverse, for policies text can say).
 
@@ -493,6 +549,8 @@ def format_policy(policy: Policy) -> str:
         'fsdp(dp) + sp(llama, tp)'
         >>> fs.format_policy(fs.zero(1, "dp") + fs.mixed_precision(torch.float16, None))
         'zero(1, dp) + mixed_precision(fp16, none)'
+        >>> fs.format_policy(fs.pipeline("pp", microbatches=8, schedule="zbv", stages_per_rank=2))
+        'pipeline(pp, microbatches=8, schedule=zbv, stages_per_rank=2)'
     """
     terms: list[str] = []
     for layer in policy.layers:
@@ -500,6 +558,8 @@ def format_policy(policy: Policy) -> str:
             terms.append(_format_data_parallel(layer))
         elif isinstance(layer, TensorParallel):
             terms.append(_format_tensor_parallel(layer))
+        elif isinstance(layer, Pipeline):
+            terms.append(_format_pipeline(layer))
         else:
             raise PolicyError(f"policy layer {layer.name} is a function and has no text form")
     options = policy.options

@@ -5,6 +5,12 @@ axis names. A dim split by several axes is split by them major to minor, each sp
 ``torch.chunk`` splits (ceil-sized chunks, trailing ranks smaller or empty): in
 ``P(("tp", "dp"), None)`` dim 0 is cut into ``tp`` chunks and each of those into ``dp``
 chunks — FSDP nested inside a tensor-parallel shard.
+
+Pipeline parallelism places whole tensors, not slices: a spec may say ``on=("pp", 1)``,
+"this tensor exists only on the ranks whose ``pp`` coordinate is 1" (the pp *rank* that
+runs the tensor's stage, see `functional_shard.stages.stage_rank`). Elsewhere the tensor
+is absent: zero elements, an all-zero local shape. The ``on`` axis never splits a dim,
+so `P.axes` keeps meaning "the axes that split the tensor".
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -22,9 +28,28 @@ from .mesh import Mesh
 if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
 
-__all__ = ["Entry", "Owned", "P", "ParamSharding", "PartitionSpec", "Spec"]
+__all__ = ["Entry", "On", "Owned", "P", "ParamSharding", "PartitionSpec", "Spec", "without_axis"]
 
 Entry: TypeAlias = str | tuple[str, ...] | None
+On: TypeAlias = tuple[str, int] | None
+"""A stage placement: (axis, coordinate) of the ranks that hold the tensor, or None (every rank)."""
+
+
+def _canonical_on(on: object) -> On:
+    if on is None:
+        return None
+    if (
+        isinstance(on, list | tuple)
+        and len(on) == 2
+        and isinstance(on[0], str)
+        and isinstance(on[1], int)
+        and not isinstance(on[1], bool)
+        and on[1] >= 0
+    ):
+        return (on[0], on[1])
+    raise SpecError(
+        f"a stage placement is (axis name, coordinate), got on={on!r}. Write e.g. P('dp', on=('pp', 1))."
+    )
 
 
 def _canonical_entry(entry: object) -> Entry:
@@ -56,23 +81,32 @@ class P:
     A pytree leaf (optree does not look inside it), hashable, with a short repr.
     ``P()`` is fully replicated; trailing dims not named are not split.
 
+    ``on=(axis, coordinate)`` keeps the tensor on the ranks with that coordinate only
+    (a pipeline stage's ranks); the entries then say how it is split among them.
+
     Examples:
         >>> spec = P(("tp", "dp"), None)
         >>> spec, len(spec), spec[0], spec.axes
         (P(('tp', 'dp'), None), 2, ('tp', 'dp'), ('tp', 'dp'))
         >>> P("dp").dim_axes(2)
         (('dp',), ())
+        >>> staged = P("dp", None, on=("pp", 1))
+        >>> staged, staged.axes, staged.holds({"pp": 0, "dp": 1}), staged.unstaged
+        (P('dp', None, on=('pp', 1)), ('dp',), False, P('dp', None))
     """
 
     entries: tuple[Entry, ...]
+    on: On
     _axes: tuple[str, ...] = field(compare=False, repr=False)
     _hash: int = field(compare=False, repr=False)
 
-    def __init__(self, *entries: object) -> None:
+    def __init__(self, *entries: object, on: object = None) -> None:
         canonical = tuple(_canonical_entry(e) for e in entries)
+        placed = _canonical_on(on)
         object.__setattr__(self, "entries", canonical)
+        object.__setattr__(self, "on", placed)
         object.__setattr__(self, "_axes", tuple(axis for entry in canonical for axis in entry_axes(entry)))
-        object.__setattr__(self, "_hash", hash(canonical))
+        object.__setattr__(self, "_hash", hash((canonical, placed)) if placed else hash(canonical))
 
     def __hash__(self) -> int:  # specs key many caches; hash them once
         return self._hash
@@ -87,12 +121,31 @@ class P:
         return self.entries[dim]
 
     def __repr__(self) -> str:
-        return "P(" + ", ".join(repr(entry) for entry in self.entries) + ")"
+        parts = [repr(entry) for entry in self.entries]
+        if self.on is not None:
+            parts.append(f"on={self.on!r}")
+        return "P(" + ", ".join(parts) + ")"
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """Every axis named, in entry order (an axis named twice appears twice)."""
+        """Every axis that splits a dim, in entry order (an axis named twice appears twice).
+
+        The ``on`` axis is not among them: it places the whole tensor, it splits nothing.
+        """
         return self._axes
+
+    @property
+    def unstaged(self) -> P:
+        """The same split without the stage placement (how the stage's ranks share it)."""
+        return self if self.on is None else P(*self.entries)
+
+    def staged(self, on: On) -> P:
+        """The same split, held only by the ranks at ``on`` (``None``: by every rank)."""
+        return self if on == self.on else P(*self.entries, on=on)
+
+    def holds(self, coords: Mapping[str, int]) -> bool:
+        """Whether the rank at ``coords`` holds (a shard of) the tensor."""
+        return self.on is None or coords[self.on[0]] == self.on[1]
 
     @property
     def is_replicated(self) -> bool:
@@ -124,15 +177,21 @@ class P:
                 found.append(f"spec {self!r} names axis {axis!r}, which is not in {mesh!r}")
             elif self.axes.count(axis) > 1:
                 found.append(f"spec {self!r} uses axis {axis!r} more than once")
+        found += _on_problems(self, self.on, mesh)
         return found
 
-    def to_json(self) -> list[Any]:
-        """The entries as JSON (tuples become lists)."""
-        return [list(e) if isinstance(e, tuple) else e for e in self.entries]
+    def to_json(self) -> list[Any] | dict[str, Any]:
+        """The entries as JSON (tuples become lists); with a stage, ``{"entries", "on"}``."""
+        entries = [list(e) if isinstance(e, tuple) else e for e in self.entries]
+        if self.on is None:
+            return entries  # plans written before stages existed read back unchanged
+        return {"entries": entries, "on": list(self.on)}
 
     @classmethod
-    def from_json(cls, data: Sequence[Any]) -> P:
+    def from_json(cls, data: Sequence[Any] | Mapping[str, Any]) -> P:
         """The inverse of `to_json`."""
+        if isinstance(data, Mapping):
+            return cls(*data["entries"], on=data.get("on"))
         return cls(*data)
 
     def to_placements(self, mesh: Mesh, shape: Sequence[int]) -> tuple[Placement, ...]:
@@ -144,6 +203,10 @@ class P:
         dim divides evenly by the axes it nests inside; other cases raise rather than
         describe a different layout.
 
+        A staged spec (``on=("pp", 1)``) gives placements over ``mesh`` *without* the
+        ``on`` axis: the stage's own sub-mesh, on which a pipeline engine builds the
+        stage's DTensors (the tensor does not exist on the other stages' ranks).
+
         Raises:
             SpecError: the spec is malformed for ``mesh``/``shape``, or torch has no
                 placement for this uneven nested split.
@@ -151,12 +214,16 @@ class P:
         Examples:
             >>> P(("tp", "dp"), None).to_placements(Mesh(dp=2, tp=4), (16, 8))
             (_StridedShard(dim=0, sf=4), Shard(dim=0))
+            >>> P("dp", on=("pp", 0)).to_placements(Mesh(pp=2, dp=2), (4,))
+            (Shard(dim=0),)
         """
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.placement_types import _StridedShard
 
         if found := self.problems(shape, mesh):
             raise SpecError("; ".join(found))
+        if self.on is not None:
+            mesh = without_axis(mesh, self.on[0])
         order = {axis: index for index, axis in enumerate(mesh.axis_names)}
         placements: list[Placement] = [Replicate() for _ in mesh.axis_names]
         for dim, axes in enumerate(self.dim_axes(len(shape))):
@@ -219,6 +286,34 @@ class P:
 
 PartitionSpec = P
 
+
+def without_axis(mesh: Mesh, axis: str) -> Mesh:
+    """``mesh`` less one axis: a pipeline stage's own sub-mesh.
+
+    Examples:
+        >>> without_axis(Mesh(pp=2, dp=4), "pp")
+        Mesh(dp=4)
+    """
+    return Mesh({name: size for name, size in mesh.axes if name != axis})
+
+
+def _on_problems(spec: object, on: On, mesh: Mesh) -> list[str]:
+    if on is None:
+        return []
+    axis, index = on
+    if axis not in mesh:
+        return [f"spec {spec!r} is placed on axis {axis!r}, which is not in {mesh!r}"]
+    found = []
+    if index >= mesh[axis]:
+        found.append(f"spec {spec!r} is placed on {axis}={index}, but axis {axis!r} has size {mesh[axis]}")
+    if axis in getattr(spec, "axes", ()) and not isinstance(spec, Owned):
+        found.append(
+            f"spec {spec!r} both splits a dim over {axis!r} and places the tensor on one of its "
+            "coordinates; a stage axis holds whole tensors"
+        )
+    return found
+
+
 # Models repeat a few (shape, spec) pairs thousands of times (80 identical blocks), so
 # the pure checks and layout arithmetic are cached on these hashable inputs.
 
@@ -231,7 +326,7 @@ def spec_problems(spec: P, shape: tuple[int, ...], mesh: Mesh) -> tuple[str, ...
 
 @functools.lru_cache(maxsize=8192)
 def _normalized(spec: P, ndim: int) -> P:
-    return P(*spec.dim_axes(ndim))
+    return P(*spec.dim_axes(ndim), on=spec.on)
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,24 +337,43 @@ class Owned:
     state, whole, to one rank, largest tensors first to the least-loaded rank. A `P`
     cannot say that, so the ``optim`` spec of a ZeRO-1 plan is an `Owned`.
 
+    ``on`` places it on a pipeline stage's ranks, as for a `P`.
+
     Examples:
-        >>> Owned("dp")
-        Owned('dp')
+        >>> Owned("dp"), Owned("dp", on=("pp", 1))
+        (Owned('dp'), Owned('dp', on=('pp', 1)))
     """
 
     axis: str
+    on: On = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "on", _canonical_on(self.on))
 
     def __repr__(self) -> str:
-        return f"Owned({self.axis!r})"
+        return f"Owned({self.axis!r}" + ("" if self.on is None else f", on={self.on!r}") + ")"
 
     @property
     def axes(self) -> tuple[str, ...]:
         """The one axis that the owners are spread over."""
         return (self.axis,)
 
-    def to_json(self) -> dict[str, str]:
+    @property
+    def unstaged(self) -> Owned:
+        """The same ownership without the stage placement."""
+        return self if self.on is None else Owned(self.axis)
+
+    def staged(self, on: On) -> Owned:
+        """The same ownership, held only by the ranks at ``on``."""
+        return self if on == self.on else Owned(self.axis, on)
+
+    def holds(self, coords: Mapping[str, int]) -> bool:
+        """Whether the rank at ``coords`` is on the tensor's stage (ownership aside)."""
+        return self.on is None or coords[self.on[0]] == self.on[1]
+
+    def to_json(self) -> dict[str, Any]:
         """The spec as JSON."""
-        return {"owned": self.axis}
+        return {"owned": self.axis} if self.on is None else {"owned": self.axis, "on": list(self.on)}
 
 
 Spec: TypeAlias = P | Owned
@@ -267,8 +381,8 @@ Spec: TypeAlias = P | Owned
 
 def spec_from_json(data: Any) -> Spec:
     """Read a `P` or an `Owned` back from JSON."""
-    if isinstance(data, dict):
-        return Owned(data["owned"])
+    if isinstance(data, dict) and "owned" in data:
+        return Owned(data["owned"], data.get("on"))
     return P.from_json(data)
 
 
@@ -304,6 +418,11 @@ class ParamSharding:
                 )
         if not isinstance(self.optim, P | Owned):
             raise SpecError(f"ParamSharding.optim must be a P or Owned, got {self.optim!r}")
+        if not self.storage.on == self.compute.on == self.grad.on == self.optim.on:
+            raise SpecError(
+                f"the four specs of a ParamSharding place the tensor on different stages ({self!r}); "
+                "a tensor, its gradient and its state live on one stage: use staged(on)"
+            )
 
     @classmethod
     def replicated(cls) -> ParamSharding:
@@ -314,6 +433,24 @@ class ParamSharding:
     def uniform(cls, spec: P) -> ParamSharding:
         """The same spec for all four (tensor parallel)."""
         return cls(spec, spec, spec, spec)
+
+    @property
+    def on(self) -> On:
+        """The stage placement shared by the four specs (``None``: every rank holds it)."""
+        return self.storage.on
+
+    def staged(self, on: On) -> ParamSharding:
+        """All four specs placed on the ranks at ``on``.
+
+        Examples:
+            >>> ParamSharding.uniform(P("tp")).staged(("pp", 1)).grad
+            P('tp', on=('pp', 1))
+        """
+        if on == self.storage.on:
+            return self
+        return ParamSharding(
+            self.storage.staged(on), self.compute.staged(on), self.grad.staged(on), self.optim.staged(on)
+        )
 
     @property
     def at_rest_axes(self) -> frozenset[str]:

@@ -13,12 +13,13 @@ rank ``s``, so the first and last stages share a rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from .errors import PolicyError
-from .tree import ModelTree
+from .rules import layout_of
+from .tree import ModelTree, owner_paths
 
-__all__ = ["SCHEDULES", "rank_stages", "split_stages", "stage_rank"]
+__all__ = ["SCHEDULES", "boundary_features", "rank_stages", "split_stages", "stage_finder", "stage_rank"]
 
 SCHEDULES: dict[str, str] = {
     "gpipe": "ScheduleGPipe",
@@ -92,6 +93,14 @@ def _owner_module(path: str) -> str:
     return path.rpartition(".")[0]
 
 
+def _param_names(tree: ModelTree) -> list[str]:
+    """Every name of every parameter: a tied head's ``lm_head.weight`` as well as its embedding's."""
+    names = dict.fromkeys(tree.params)
+    for canonical in tree.params:
+        names.update(dict.fromkeys(tree.aliases.get(canonical, ())))
+    return list(names)
+
+
 def _outer(tree: ModelTree) -> tuple[list[str], list[str], list[str]]:
     """(modules before the blocks, the blocks, modules after), each a param-owning module path."""
     blocks = [block.path for block in tree.blocks]
@@ -100,20 +109,50 @@ def _outer(tree: ModelTree) -> tuple[list[str], list[str], list[str]]:
     first = order[blocks[0]] if blocks else len(order)
     before: list[str] = []
     after: list[str] = []
-    for path in tree.params:
+    for path in _param_names(tree):
         if path in in_block:
             continue
         owner = _owner_module(path)
         side = before if order.get(owner, 0) < first else after
         if owner not in side:
             side.append(owner)
+    before.sort(key=lambda m: order.get(m, 0))
+    after.sort(key=lambda m: order.get(m, 0))
+    return before, blocks, after
+
+
+def _from_pieces(tree: ModelTree, pieces: Sequence[str]) -> tuple[list[str], list[str], list[str]] | None:
+    """`_outer` read from a model's own list of pipeline pieces (an HF ``_pp_plan``), in order.
+
+    The piece that is the blocks' parent (``model.layers``) becomes one unit per block; the
+    pieces before it are the first stage's extra unit, those after it the last stage's.
+    None when the pieces do not name the blocks' parent or leave a parameter out.
+    """
+    blocks = [block.path for block in tree.blocks]
+    parents = {path.rpartition(".")[0] for path in blocks}
+    if len(parents) != 1 or (parent := parents.pop()) not in pieces:
+        return None
+    cut = list(pieces).index(parent)
+    before = [p for p in pieces[:cut] if p in tree.modules]
+    after = [p for p in pieces[cut + 1 :] if p in tree.modules]
+    covered = [*before, parent, *after]
+    if not all(any(m == "" or path.startswith(m + ".") for m in covered) for path in _param_names(tree)):
+        return None
     return before, blocks, after
 
 
 def split_stages(
-    tree: ModelTree, stages: int, split: Sequence[Iterable[str]] | None = None
+    tree: ModelTree,
+    stages: int,
+    split: Sequence[Iterable[str]] | None = None,
+    pieces: Sequence[str] | None = None,
 ) -> tuple[tuple[str, ...], ...]:
     """The module paths of each stage, torchtitan's way or as ``split`` says.
+
+    ``pieces`` is a model's own ordered list of pipeline pieces (a Hugging Face model's
+    ``base_model_pp_plan`` keys under its prefix, then the head): the pieces before the
+    blocks go with the first stage, those after with the last. Pieces that do not name
+    the block list or miss a parameter are ignored for torchtitan's cut.
 
     Raises:
         PolicyError: the model has no repeated blocks, fewer units than stages, or a
@@ -128,7 +167,7 @@ def split_stages(
     """
     if split is not None:
         return _checked_split(tree, stages, split)
-    before, blocks, after = _outer(tree)
+    before, blocks, after = (pieces and _from_pieces(tree, pieces)) or _outer(tree)
     if not blocks:
         raise PolicyError(
             "pipeline(): the model has no repeated blocks (an nn.ModuleList of layers) to cut "
@@ -166,13 +205,35 @@ def _checked_split(
             elif path in seen:
                 problems.append(f"{path!r} is in stages {seen[path]} and {index}")
             seen[path] = index
-    for path in tree.params:
+    for path in _param_names(tree):
         owners = [m for m in seen if m == "" or path.startswith(m + ".")]
         if not owners:
             problems.append(f"parameter {path!r} is in no stage")
     if problems:
         raise PolicyError("pipeline(split=...):\n" + "\n".join(f"* {p}" for p in problems))
     return given
+
+
+def stage_finder(stages: tuple[tuple[str, ...], ...]) -> Callable[[str], int | None]:
+    """A function from a tensor's path to its stage (None when no stage holds it), cached.
+
+    A tensor belongs to the stage of its innermost enclosing module that a stage lists.
+
+    Examples:
+        >>> find = stage_finder((("embed", "layers.0"), ("layers.1", "head")))
+        >>> find("layers.1.mlp.weight"), find("head.weight"), find("rope.freqs")
+        (1, 1, None)
+    """
+    by_module = {module: stage for stage, modules in enumerate(stages) for module in modules}
+    found: dict[str, int | None] = {}
+
+    def stage_of(path: str) -> int | None:
+        module = path.rpartition(".")[0]
+        if module not in found:
+            found[module] = next((by_module[m] for m in owner_paths(path) if m in by_module), None)
+        return found[module]
+
+    return stage_of
 
 
 def stage_of_param(path: str, stages: tuple[tuple[str, ...], ...]) -> int:
@@ -185,3 +246,44 @@ def stage_of_param(path: str, stages: tuple[tuple[str, ...], ...]) -> int:
     if best < 0:
         raise PolicyError(f"parameter {path!r} is in no pipeline stage")
     return best
+
+
+def _output_features(tree: ModelTree, path: str) -> int | None:
+    """Features of what the module owning the weight at ``path`` outputs.
+
+    A Linear's weight is (out, in), a Hugging Face Conv1D's (in, out), an Embedding's
+    (num, dim); a norm's 1-d weight is its width.
+    """
+    tensor = tree.params[path]
+    if tensor.ndim == 1:
+        return tensor.shape[0]
+    if tensor.ndim == 2:
+        return tensor.shape[1] if layout_of(tensor) in ("embedding", "conv1d") else tensor.shape[0]
+    return None
+
+
+def boundary_features(
+    tree: ModelTree, stages: tuple[tuple[str, ...], ...], hidden_size: int | None = None
+) -> tuple[int, ...]:
+    """Features per token of the activation stage ``s`` sends to stage ``s + 1``, per boundary.
+
+    A cut between repeated blocks passes the residual stream: ``hidden_size`` when the
+    model names it (a Hugging Face config's), else the output features of the last
+    module with a weight in the sending stage (a block's down projection, a norm, an
+    embedding). 0 where neither says (the cost model then counts no bytes there).
+
+    Examples:
+        >>> from functional_shard import zoo
+        >>> from functional_shard.tree import read_model
+        >>> tree = read_model(zoo.llama("tiny"))
+        >>> boundary_features(tree, split_stages(tree, 2)), tree.params["norm.weight"].shape
+        ((64,), (64,))
+    """
+    if hidden_size is not None:
+        return tuple(hidden_size for _ in stages[1:])
+    stage_of = stage_finder(stages)
+    last: dict[int, str] = {}  # each stage's last weight with 1 or 2 dims, in model order
+    for path, tensor in tree.params.items():
+        if path.endswith(".weight") and tensor.ndim in (1, 2) and (stage := stage_of(path)) is not None:
+            last[stage] = path
+    return tuple(_output_features(tree, last[s]) or 0 if s in last else 0 for s in range(len(stages) - 1))

@@ -8,7 +8,9 @@
 * **one parameter's blocks** — its global shape as a grid, each block labelled with the
   ranks that hold it (replicas share a block), in the spirit of JAX's
   ``visualize_sharding``, but computed from `local_shape_and_offset`: no processes, no
-  tensors.
+  tensors;
+* **pipeline stages** (a plan with a pipeline) — for each pp rank, its stages in the
+  order it holds them, each as wide as its parameters, labelled with its modules.
 
 The figure is built on matplotlib's Agg canvas (no display needed) and never touches
 ``pyplot``'s global state.
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
     from .cost import OptimizerKind
     from .plan import Plan
 
-__all__ = ["blocks", "draw_blocks", "draw_memory", "visualize"]
+__all__ = ["blocks", "draw_blocks", "draw_memory", "draw_stages", "visualize"]
 
 _COST_PARTS = (
     ("params_bytes", "params"),
@@ -228,7 +230,8 @@ def blocks(
         raise ShardingError(f"{path}: unknown spec {chosen!r}")
     for rank in range(plan.mesh.size):
         if isinstance(chosen, Owned):
-            held = plan.mesh.coords(rank)[chosen.axis] == owner
+            coords = plan.mesh.coords(rank)
+            held = coords[chosen.axis] == owner and chosen.holds(coords)
             shape, offset = (tensor.shape, (0,) * tensor.ndim) if held else ((0,) * tensor.ndim, tensor.shape)
         else:
             shape, offset = local_shape_and_offset(tensor.shape, chosen, plan.mesh, rank)
@@ -314,6 +317,93 @@ def draw_blocks(axes: Axes, plan: Plan, path: str, spec: str = "storage") -> Non
     axes.set_title("\n".join(lines), fontsize=10)
 
 
+def _modules_label(modules: Sequence[str]) -> str:
+    """``('embed', 'layers.0', 'layers.1', 'layers.2')`` -> ``embed, layers.0-2``."""
+    parts: list[str] = []
+    run: tuple[str, int, int] | None = None
+    for module in [*modules, ""]:
+        prefix, _, index = module.rpartition(".")
+        if run is not None and index.isdigit() and prefix == run[0] and int(index) == run[2] + 1:
+            run = (run[0], run[1], int(index))
+            continue
+        if run is not None:
+            parts.append(f"{run[0]}.{run[1]}" + (f"-{run[2]}" if run[2] != run[1] else ""))
+            run = None
+        if index.isdigit() and prefix:
+            run = (prefix, int(index), int(index))
+        elif module:
+            parts.append(module)
+    return ", ".join(parts)
+
+
+def draw_stages(axes: Axes, plan: Plan, optimizer: OptimizerKind = "adamw") -> None:
+    """Draw which pp rank holds which pipeline stage, into matplotlib ``axes``.
+
+    One row per pp coordinate; each of its stages is a box as wide as the stage's
+    parameter bytes (on the stage's first rank), labelled with the stage index and its
+    modules.
+
+    Args:
+        axes: where to draw.
+        plan: a plan with a pipeline.
+        optimizer: as for `Plan.cost`.
+
+    Raises:
+        ShardingError: the plan has no pipeline.
+
+    Examples:
+        >>> from functional_shard import zoo
+        >>> plan = fs.shard(zoo.llama("tiny"), fs.Mesh(pp=2), fs.pipeline("pp", microbatches=2))
+        >>> figure = plan.visualize()
+        >>> figure.axes[2].get_title().splitlines()[0]
+        "pipeline stages over 'pp' (schedule 1f1b, 2 micro-batches)"
+    """
+    from .stages import rank_stages
+
+    config = plan.config
+    axis = config.pipeline_axis
+    if axis is None:
+        raise ShardingError("draw_stages: the plan has no pipeline; make one with fs.pipeline(...)")
+    pp = plan.mesh[axis]
+    stage_bytes = plan.cost(optimizer).stage_bytes
+    largest = max(
+        sum(
+            stage_bytes[s]["params"]
+            for s in rank_stages(r, pp, config.stages_per_rank, config.pipeline_schedule)
+        )
+        for r in range(pp)
+    )
+    unit, scale = next((u, x) for u, x in _UNITS if largest >= x or x == 1)
+    colours = _matplotlib().colormaps["tab10" if len(stage_bytes) <= 10 else "tab20"].colors
+    for rank in range(pp):
+        left = 0.0
+        for stage in rank_stages(rank, pp, config.stages_per_rank, config.pipeline_schedule):
+            width = stage_bytes[stage]["params"] / scale
+            axes.barh(
+                rank, width, left=left, color=colours[stage % len(colours)], edgecolor="white", height=0.7
+            )
+            label = f"stage {stage}\n{_modules_label(config.pipeline_stages[stage])}"
+            axes.text(
+                left + width / 2,
+                rank,
+                label if len(label) < 60 else label[:58] + "…",
+                ha="center",
+                va="center",
+                fontsize=8 if pp <= 8 else 6,
+            )
+            left += width
+    axes.set_yticks(range(pp), [f"{axis}={r}" for r in range(pp)], fontsize=8)
+    axes.set_ylim(pp - 0.5, -0.5)
+    axes.set_xlabel(f"{unit} of parameters (on the stage's first rank)")
+    axes.set_title(
+        f"pipeline stages over {axis!r} (schedule {config.pipeline_schedule}, "
+        f"{config.microbatches} micro-batches)\n{len(config.pipeline_stages)} stages, "
+        f"{config.stages_per_rank} per rank",
+        fontsize=10,
+    )
+    axes.grid(axis="x", alpha=0.3)
+
+
 def _largest(plan: Plan) -> str:
     return max(plan.params, key=lambda path: (plan.tensors[path].numel, path))
 
@@ -330,6 +420,9 @@ def visualize(
     path: Any = None,
 ) -> Figure:
     """Draw a plan: memory per device beside one parameter's blocks over the ranks.
+
+    A plan with a pipeline gets a third panel: which pp rank holds which stage
+    (`draw_stages`).
 
     Args:
         plan: the plan.
@@ -354,10 +447,13 @@ def visualize(
         >>> [axes.get_title().splitlines()[0] for axes in figure.axes]
         ['memory per device (predicted)', 'weight  6×8']
     """
-    figure = _new_figure(13, 5)
-    memory_axes, blocks_axes = figure.subplots(1, 2, width_ratios=[1, 1.15])
-    draw_memory(memory_axes, plan, estimate=estimate, optimizer=optimizer, ranks=ranks, budget=budget)
-    draw_blocks(blocks_axes, plan, param if param is not None else _largest(plan), spec)
+    piped = plan.config.pipeline_axis is not None
+    figure = _new_figure(19 if piped else 13, 5)
+    panels = figure.subplots(1, 3 if piped else 2, width_ratios=[1, 1.15, 1.15] if piped else [1, 1.15])
+    draw_memory(panels[0], plan, estimate=estimate, optimizer=optimizer, ranks=ranks, budget=budget)
+    draw_blocks(panels[1], plan, param if param is not None else _largest(plan), spec)
+    if piped:
+        draw_stages(panels[2], plan, optimizer)
     if path is not None:
         figure.savefig(path, dpi=110)
     return figure

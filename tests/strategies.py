@@ -121,3 +121,65 @@ def uneven_llama_plans(draw: st.DrawFn) -> tuple[nn.Module, fs.Plan]:
             rules = fs.Rules([("*embed_tokens", "colwise"), *((r.pattern, r.target) for r in rules.rules)])
         policy = policy + fs.tp(rules, "tp", sequence_parallel=draw(st.booleans()))
     return model, fs.shard(model, fs.Mesh(dp=dp, tp=tp), policy)
+
+
+@st.composite
+def staged_mesh_shape_spec(draw: st.DrawFn, max_size: int = 12) -> tuple[fs.Mesh, tuple[int, ...], fs.P]:
+    """A mesh with a ``pp`` axis, a shape, and a spec over the other axes, often placed on one
+    pp coordinate (``on=("pp", i)``), sometimes not (a tensor on every stage)."""
+    others = draw(meshes(max_axes=2, max_size=3, max_devices=9))
+    pp = draw(st.integers(1, 4))
+    position = draw(st.integers(0, len(others)))
+    axes = list(others.axes)
+    axes.insert(position, ("pp", pp))
+    mesh = fs.Mesh(dict(axes))
+    shape = draw(shapes(max_size=max_size))
+    spec = draw(specs(others, len(shape)))
+    if draw(st.integers(0, 3)):
+        spec = spec.staged(("pp", draw(st.integers(0, pp - 1))))
+    return mesh, shape, spec
+
+
+@st.composite
+def pipelined_llamas(draw: st.DrawFn) -> tuple[nn.Module, fs.Mesh, fs.Policy, fs.Policy]:
+    """A tiny untied zoo Llama on meta, a mesh with ``pp`` and ``dp`` (and sometimes ``tp``), a
+    pipeline policy (any schedule its stage count allows) with a data-parallel policy over dp,
+    and the same policy without the pipeline."""
+    from functional_shard.zoo import Llama, LlamaConfig
+
+    pp = draw(st.integers(1, 3))
+    schedule, per_rank = draw(
+        st.sampled_from(
+            [
+                ("1f1b", 1),
+                ("gpipe", 1),
+                ("interleaved1f1b", 2),
+                ("looped_bfs", 2),
+                ("zbv", 2),
+                ("dualpipev", 2),
+            ]
+        )
+    )
+    layers = draw(st.integers(max(1, pp * per_rank - 1), pp * per_rank + 3))
+    dp = draw(st.integers(1, 3))
+    tp = draw(st.sampled_from([1, 1, 2]))
+    config = LlamaConfig(
+        vocab_size=draw(st.integers(8, 40)),
+        hidden_size=8 * tp,
+        intermediate_size=draw(st.integers(1, 20)) * tp,
+        num_layers=layers,
+        num_heads=2 * tp,
+        num_kv_heads=tp,
+    )
+    with torch.device("meta"):
+        model = Llama(config)
+    rest = (
+        draw(data_policies("dp")) if tp == 1 else draw(st.sampled_from([fs.replicate("dp"), fs.fsdp("dp")]))
+    )
+    if tp > 1:
+        rest = rest + fs.tp(fs.rules.llama, "tp")
+    mesh = fs.Mesh(pp=pp, dp=dp, **({"tp": tp} if tp > 1 else {}))
+    piped = fs.pipeline(
+        "pp", microbatches=draw(st.integers(1, 8)), schedule=schedule, stages_per_rank=per_rank
+    )
+    return model, mesh, piped + rest, rest
