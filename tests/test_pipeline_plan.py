@@ -245,7 +245,7 @@ def test_a_v_turn_sends_nothing():
 
 
 @given(pipelined_llamas())
-@settings(max_examples=12)
+@settings(max_examples=30)
 def test_cost_per_rank_is_the_sum_over_its_stages(case):
     model, mesh, piped_policy, rest = case
     piped = fs.shard(model, mesh, piped_policy)
