@@ -225,8 +225,8 @@ def test_cost_hand_checked_llama_on_two_stages():
     worst = plan.cost("sgd", tokens=1000)
     assert (worst.rank, worst.params_bytes) == (1, stage1)  # the norm makes the last stage heavier
     assert worst.stage_bytes == {
-        0: {"params": stage0, "grads": stage0, "optimizer": 0},
-        1: {"params": stage1, "grads": stage1, "optimizer": 0},
+        0: {"params": stage0, "grads": stage0, "optimizer": 0, "gathered": 0},
+        1: {"params": stage1, "grads": stage1, "optimizer": 0, "gathered": 0},
     }
     # boundary 0 -> 1: 1000 tokens × 64 features × 4 bytes, activations forward, gradients back
     assert worst.boundary_bytes == {0: 256_000.0}
@@ -257,7 +257,7 @@ def test_cost_per_rank_is_the_sum_over_its_stages(case):
     zero1 = config.data_parallel == "zero1"
     for i, cost in enumerate(costs):
         mine = rank_stages(i, pp, config.stages_per_rank, config.pipeline_schedule)
-        for part in ("params", "grads") + (() if zero1 else ("optimizer",)):
+        for part in ("params", "grads", "gathered") + (() if zero1 else ("optimizer",)):
             assert getattr(cost, f"{part}_bytes") == sum(stage_bytes[s][part] for s in mine), (i, part)
     # every parameter is on exactly one pp rank: the pp ranks together hold what one rank of
     # the same plan without the pipeline holds (ZeRO-1's owners are chosen per stage: not equal)
