@@ -347,9 +347,9 @@ def _cost_tables(out: _Out, cost: Cost) -> None:
         out.text()
         out.table(
             "pipeline stages (each on its first rank)",
-            ("stage", "params", "grads", "optimizer"),
+            ("stage", "params", "grads", "optimizer", "gathered"),
             [
-                (str(stage), *(_human(by_kind[k]) for k in ("params", "grads", "optimizer")))
+                (str(stage), *(_human(by_kind[k]) for k in ("params", "grads", "optimizer", "gathered")))
                 for stage, by_kind in cost.stage_bytes.items()
             ],
             right=1,

@@ -78,8 +78,9 @@ class Cost:
     direction (activations forward, as many gradient bytes back); 0 where both stages are
     on one rank (a V's turn). Empty without a pipeline or ``tokens=``."""
     stage_bytes: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
-    """Pipeline stage → its ``params``, ``grads`` and ``optimizer`` bytes on the stage's
-    heaviest rank (before offloading). Empty without a pipeline."""
+    """Pipeline stage → its ``params``, ``grads``, ``optimizer`` and ``gathered`` (its FSDP
+    units, gathered together) bytes on the stage's first rank, which holds the largest
+    chunks (before offloading). Empty without a pipeline."""
 
     @property
     def total_bytes(self) -> int:
@@ -135,7 +136,7 @@ class Cost:
         for stage, by_kind in self.stage_bytes.items():
             lines.append(
                 f"  stage {stage}: params {_bytes(by_kind['params'])}, grads {_bytes(by_kind['grads'])}, "
-                f"optimizer {_bytes(by_kind['optimizer'])}"
+                f"optimizer {_bytes(by_kind['optimizer'])}, gathered {_bytes(by_kind['gathered'])}"
             )
         for boundary, nbytes in self.boundary_bytes.items():
             lines.append(f"  boundary {boundary}->{boundary + 1}: {_bytes(nbytes)} each way")
@@ -537,7 +538,11 @@ def _pipeline_comm(plan: Plan, comm: _Comm, tokens: int, held: Mapping[str, int]
 def _stage_memory(
     plan: Plan, optimizer: OptimizerKind, owners: Mapping[str, int]
 ) -> dict[int, dict[str, int]]:
-    """Params, grads and optimizer bytes of each stage's own tensors, on its first rank."""
+    """Params, grads, optimizer and gathered bytes of each stage's own tensors, on its first rank.
+
+    ``gathered`` is every FSDP unit of the stage held gathered at once, as FSDP runs under
+    a pipeline (gathered for the first micro-batch, resharded after the last).
+    """
     from .stages import stage_finder, stage_rank
 
     config = plan.config
@@ -561,6 +566,7 @@ def _stage_memory(
         ]
         memory = _memory(plan, coords, optimizer, census, buffers=False)
         result[stage] = {key: memory[key] for key in ("params", "grads", "optimizer")}
+        result[stage]["gathered"] = sum(unit_gathered(plan, census, coords).values())
     return result
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from . import _pytree
 from .bytesize import format_bytes as _bytes
 from .cost import Cost, OptimizerKind, cost
-from .errors import ShardingError
+from .errors import PolicyError, ShardingError
 from .layout import local_numel, local_shape_and_offset
 from .mesh import Mesh
 from .spec import P, ParamSharding
@@ -230,6 +230,31 @@ class Plan:
             return 0
         self.canonical(path)  # raises for a path that is no tensor of the plan
         return stage_of_param(path, self.config.pipeline_stages)
+
+    def ranks_of_stage(self, stage: int) -> tuple[int, ...]:
+        """The global ranks that hold and run pipeline ``stage`` (every rank without pp).
+
+        Raises:
+            PolicyError: no such stage.
+
+        Examples:
+            >>> import functional_shard as fs
+            >>> from functional_shard import zoo
+            >>> policy = fs.pipeline("pp", microbatches=4, schedule="zbv", stages_per_rank=2) + fs.fsdp("dp")
+            >>> plan = fs.shard(zoo.llama("tiny"), fs.Mesh(pp=2, dp=2), policy)
+            >>> plan.ranks_of_stage(0), plan.ranks_of_stage(1), plan.ranks_of_stage(3)
+            ((0, 1), (2, 3), (0, 1))
+        """
+        from .stages import stage_rank
+
+        config = self.config
+        if config.pipeline_axis is None:
+            if stage != 0:
+                raise PolicyError(f"stage {stage} does not exist: the plan has no pipeline (one stage, 0)")
+            return tuple(range(self.mesh.size))
+        axis = config.pipeline_axis
+        index = stage_rank(stage, self.mesh[axis], config.stages_per_rank, config.pipeline_schedule)
+        return tuple(r for r in range(self.mesh.size) if self.mesh.coords(r)[axis] == index)
 
     # ---- views -------------------------------------------------------------------
     def cost(self, optimizer: OptimizerKind = "adamw", **kwargs: Any) -> Cost:
