@@ -24,6 +24,8 @@ from .engines.checks import check_runnable, engine_problems
 from .engines.data_parallel import apply_data_parallel, reduce_whole_grads
 from .engines.materialize import materialize
 from .engines.optimizer import check_optimizer, clip_grad_norm_, grad_scaler, optimizer
+from .engines.pipeline import apply_pipeline
+from .engines.step import forward_backward
 from .engines.tensor_parallel import apply_tensor_parallel, refuse_uneven_sequences
 from .errors import MeshError, ShardingError
 from .mesh import Mesh
@@ -36,6 +38,7 @@ __all__ = [
     "check_runnable",
     "clip_grad_norm_",
     "engine_problems",
+    "forward_backward",
     "grad_scaler",
     "materialize",
     "optimizer",
@@ -102,7 +105,16 @@ def apply(
             f"apply(root={root!r}): parameters {outside[:3]} lie outside the root, where no engine would "
             "gather or reduce them; move them under it or choose an enclosing root"
         )
+    if plan.config.pipeline_axis is not None and root:
+        raise ShardingError(
+            f"apply(root={root!r}) under a pipeline plan: a stage runs the module's own forward, so "
+            "pipeline the model itself (plan and apply it, not the module holding it)"
+        )
     check_runnable(plan, module)
+    if plan.config.pipeline_axis is not None:
+        stage_plan = apply_pipeline(plan, module, device_mesh)
+        APPLIED[module] = Applied(plan, device_mesh, stage_plan)
+        return module
     apply_tensor_parallel(plan, module, device_mesh)
     retie(plan, module)
     apply_checkpointing(plan, module)

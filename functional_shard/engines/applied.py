@@ -18,6 +18,13 @@ class Applied:
 
     plan: Plan
     device_mesh: DeviceMesh
+    stage_plan: Plan | None = None
+    """Under pp, the part of the plan this rank's stages hold (a plan without pp)."""
+
+    @property
+    def local_plan(self) -> Plan:
+        """The plan of the parameters this rank's module holds."""
+        return self.stage_plan or self.plan
 
 
 # which plan each parallelized module runs, for optimizer(); weak so modules can die

@@ -51,6 +51,8 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
             )
     if found:
         return found
+    if config.pipeline_axis is not None:
+        found.extend(pipeline_problems(plan))
     kind = config.data_parallel
     tp_axes = config.tensor_parallel_axes
     if len(tp_axes) > 1:
@@ -140,6 +142,39 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
         units = {plan.unit_of(name) for name in names}
         if len(units) > 1:
             found.append(f"{path}: tied names {names} fall in different FSDP units {sorted(units)}")
+    return found
+
+
+def pipeline_problems(plan: Plan) -> list[str]:
+    """What the pipeline engine cannot run in ``plan``, one line each (pure)."""
+    from functional_shard.stages import stage_of_param
+
+    config = plan.config
+    axis = config.pipeline_axis
+    found: list[str] = []
+    if axis is None or axis not in plan.mesh:
+        return [f"pipeline axis {axis!r} is not an axis of {plan.mesh!r}; add it to the mesh"]
+    expected = plan.mesh[axis] * config.stages_per_rank
+    if len(config.pipeline_stages) != expected:
+        found.append(
+            f"the plan lists {len(config.pipeline_stages)} stages, but {axis!r} (size {plan.mesh[axis]}) "
+            f"× {config.stages_per_rank} stages per rank makes {expected}; plan it again"
+        )
+    if config.data_parallel in ("ddp", "zero1"):
+        found.append(
+            f"{config.data_parallel} under pipeline parallel: torch's pipeline stages drive FSDP2's "
+            "gradient sync across micro-batches, not composable DDP's; use fs.fsdp(...), fs.hsdp(...) "
+            "or fs.zero(2)/fs.zero(3) for the data-parallel axes"
+        )
+    for canonical, names in plan.aliases.items():
+        stages = sorted({stage_of_param(name, config.pipeline_stages) for name in names})
+        if len(stages) > 1:
+            found.append(
+                f"{canonical}: tied to {[n for n in names if n != canonical]}, but the names lie in stages "
+                f"{stages}; apply() does not keep a tied parameter in step across stages (torchtitan "
+                "refuses it too). Untie them (Hugging Face: tie_word_embeddings=False), or put every "
+                "name in one stage with pipeline(split=...)"
+            )
     return found
 
 

@@ -52,6 +52,7 @@ def materialize(
     from torch.distributed.tensor import DTensor
 
     applied = applied_with(plan, module, "fs.materialize")
+    plan = applied.local_plan  # under pp: this rank's stages only
     missing = [
         path or "<root>"
         for path, sub in module.named_modules()

@@ -1,0 +1,205 @@
+"""Pipeline plans trained on every rank of a LocalWorld (importable, so spawn can send them).
+
+A case is a dict of picklable values: the mesh's axes, the schedule, stages per rank,
+micro-batches, the data-parallel and tensor-parallel layers and the model config's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import functional_shard as fs
+from functional_shard.zoo import Llama, LlamaConfig
+
+from .dist_cases import full, mean_over_ranks
+
+STEPS = 3
+LR = 1e-2
+BATCH = 4  # rows per data-parallel rank per step: 4 micro-batches of 1, or 2 of 2
+SEQ = 12
+
+CONFIGS = {
+    # four blocks: two stages of (embedding + 2 blocks | 2 blocks + norm/head) ... as torchtitan cuts
+    "even": LlamaConfig(128, 32, 64, num_layers=4, num_heads=4, num_kv_heads=4),
+    # five blocks and the two outer units: 7 units that 2 or 4 stages do not divide
+    "uneven": LlamaConfig(128, 32, 64, num_layers=5, num_heads=4, num_kv_heads=4),
+    "tied": LlamaConfig(128, 32, 64, num_layers=4, num_heads=4, num_kv_heads=4, tie_embeddings=True),
+}
+
+
+def case(
+    mesh: dict[str, int],
+    schedule: str = "1f1b",
+    *,
+    stages_per_rank: int = 1,
+    microbatches: int = 4,
+    data: str | None = None,
+    tp: bool = False,
+    config: str = "even",
+    model: str = "zoo",
+) -> dict[str, Any]:
+    """A pipeline case as plain data."""
+    return {
+        "mesh": mesh,
+        "schedule": schedule,
+        "stages_per_rank": stages_per_rank,
+        "microbatches": microbatches,
+        "data": data,
+        "tp": tp,
+        "config": config,
+        "model": model,
+    }
+
+
+def name_of(spec: dict[str, Any]) -> str:
+    """A short test id."""
+    axes = "x".join(f"{a}{n}" for a, n in spec["mesh"].items())
+    extra = [spec["data"] or "", "tp" if spec["tp"] else "", spec["config"], spec["model"]]
+    return "-".join(filter(None, [axes, spec["schedule"], f"v{spec['stages_per_rank']}", *extra]))
+
+
+def policy_of(spec: dict[str, Any]) -> fs.Policy:
+    """The case's policy: pipeline, then data parallel, then tensor parallel."""
+    policy = fs.pipeline(
+        "pp",
+        microbatches=spec["microbatches"],
+        schedule=spec["schedule"],
+        stages_per_rank=spec["stages_per_rank"],
+    )
+    if spec["data"] == "fsdp":
+        policy = policy + fs.fsdp("dp")
+    elif spec["data"] is not None:
+        policy = policy + {"ddp": fs.replicate, "zero2": lambda: fs.zero(2)}[spec["data"]]()
+    if spec["tp"]:
+        policy = policy + fs.tp(fs.rules.llama if spec["model"] == "zoo" else "auto", "tp")
+    return policy
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy, a mean over the (micro-)batch."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def build(spec: dict[str, Any]) -> torch.nn.Module:
+    """The model of the case, initialised on the CPU with seed 0."""
+    if spec["model"] == "hf":
+        from . import hf_cases
+
+        return hf_cases.build(spec["config"])
+    torch.manual_seed(0)
+    return Llama(CONFIGS[spec["config"]])
+
+
+def batches(data_parallel: int) -> list[torch.Tensor]:
+    """The global batches of the run: BATCH rows per data-parallel rank."""
+    generator = torch.Generator().manual_seed(1234)
+    shape = (BATCH * data_parallel, SEQ + 1)
+    return [torch.randint(0, 128, shape, generator=generator) for _ in range(STEPS)]
+
+
+def reference(spec: dict[str, Any], data_parallel: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process on the whole global batch: the losses and the final parameters."""
+    model = build(spec)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for tokens in batches(data_parallel):
+        optimizer.zero_grad()
+        loss = lm_loss(_logits(model(tokens[:, :-1])), tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _logits(output: Any) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+class _PointToPoint(TorchDispatchMode):
+    """Bytes of the c10d send ops issued under it (the activations and gradients a stage sends)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent = 0
+        self.received = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.__name__
+        if name.startswith(("send", "recv_")) and func.namespace == "c10d":
+            nbytes = sum(t.numel() * t.element_size() for t in args[0])
+            if name.startswith("send"):
+                self.sent += nbytes
+            else:
+                self.received += nbytes
+        return func(*args, **(kwargs or {}))
+
+
+def train(spec: dict[str, Any], measure: bool = False) -> dict[str, Any]:
+    """Train the case on this rank; every rank returns its losses and full local parameters.
+
+    With ``measure``, also the bytes this rank sent and received point to point in the
+    last step (the first infers shapes) and its bytes of parameters.
+    """
+    mesh = fs.Mesh(**spec["mesh"])
+    model = build(spec)
+    plan = fs.shard(model, mesh, policy_of(spec))
+    fs.apply(plan, model)
+    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR)
+    step = fs.forward_backward(plan, model, lm_loss)
+    index, data_parallel = plan.data_parallel_rank(dist.get_rank())
+    losses, sent, received = [], 0, 0
+    for number, tokens in enumerate(batches(data_parallel)):
+        mine = tokens[index * BATCH : (index + 1) * BATCH]
+        optimizer.zero_grad()
+        counter = _PointToPoint()
+        if measure and number == STEPS - 1:
+            with counter:
+                loss = step(mine[:, :-1], mine[:, 1:])
+            sent, received = counter.sent, counter.received
+        else:
+            loss = step(mine[:, :-1], mine[:, 1:])
+        optimizer.step()
+        losses.append(mean_over_ranks(loss).item())
+    local_bytes = sum(_local(p).numel() * p.element_size() for p in model.parameters())
+    return {
+        "losses": losses,
+        "params": {k: full(v) for k, v in model.state_dict().items()},
+        "data_parallel": data_parallel,
+        "sent": sent,
+        "received": received,
+        "param_bytes": local_bytes,
+    }
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def merged_params(results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """Every rank's full parameters in one dict (each stage's ranks hold its own)."""
+    merged: dict[str, torch.Tensor] = {}
+    for result in results:
+        merged.update(result["params"])
+    return merged
+
+
+def refused(spec: dict[str, Any], call: Callable[..., Any] | None = None) -> str:
+    """Apply the case on this rank and return the ShardingError's message ('' if none)."""
+    mesh = fs.Mesh(**spec["mesh"])
+    model = build(spec)
+    try:
+        plan = fs.shard(model, mesh, policy_of(spec))
+        fs.apply(plan, model)
+        if call is not None:
+            call(plan, model)
+    except fs.ShardingError as error:
+        return str(error)
+    return ""
