@@ -115,6 +115,8 @@ SLOW_CASES = [
     pc.case({"pp": 2, "dp": 2}, data="fsdp", meta=True),
     pc.case({"pp": 2, "dp": 2}, "interleaved1f1b", stages_per_rank=2, data="fsdp", meta=True),
     pc.case({"pp": 2, "dp": 2}, data="fsdp", clip=0.5),
+    pc.case({"pp": 2, "dp": 2}, data="fsdp", scaler=True),
+    pc.case({"pp": 2, "dp": 2}, "interleaved1f1b", stages_per_rank=2, data="fsdp", checkpointing=True),
 ]
 
 
@@ -148,3 +150,12 @@ def test_a_schedule_torch_cannot_run_is_a_sharding_error_with_torchs_reason(worl
     message = world.run(pc.refused, spec, pc.one_step)[0]
     assert "ScheduleDualPipeV refuses 4 micro-batches over 8 stages" in message
     assert "at least as many microbatches as stages" in message  # torch's own words
+
+
+@pytest.mark.slow
+def test_an_overflow_on_one_stage_skips_the_step_on_every_rank(world):
+    spec = pc.case({"pp": 2, "dp": 2}, data="fsdp")
+    results = world.run(pc.overflow_on_one_stage, spec, 3)  # rank 3 holds stage 1
+    assert [r["moved"] for r in results] == [False] * 4
+    assert len({r["scale"] for r in results}) == 1  # every rank halved its scale alike
+    assert results[0]["scale"] == 2.0**15
