@@ -294,3 +294,75 @@ def overflow_on_one_stage(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     scaler.update()
     moved = any(not torch.equal(_local(p), b) for p, b in zip(model.parameters(), before, strict=True))
     return {"scale": scaler.get_scale(), "moved": moved}
+
+
+def _plain_fsdp(spec: dict[str, Any]) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = build(spec)
+    plan = fs.shard(model, fs.Mesh(dp=dist.get_world_size()), fs.fsdp())
+    fs.apply(plan, model)
+    return model, fs.optimizer(plan, model, torch.optim.AdamW, lr=LR, eps=EPS)
+
+
+def _pipelined(spec: dict[str, Any]) -> tuple[torch.nn.Module, torch.optim.Optimizer, fs.Plan]:
+    model = build(spec)
+    plan = fs.shard(model, fs.Mesh(**spec["mesh"]), policy_of(spec))
+    fs.apply(plan, model)
+    return model, fs.optimizer(plan, model, torch.optim.AdamW, lr=LR, eps=EPS), plan
+
+
+def _one_pipelined_step(model, optimizer, plan) -> None:
+    index, data_parallel = plan.data_parallel_rank(dist.get_rank())
+    tokens = batches(data_parallel)[0][index * BATCH : (index + 1) * BATCH]
+    fs.forward_backward(plan, model, lm_loss)(tokens[:, :-1], tokens[:, 1:])
+    optimizer.step()
+
+
+def _states(model, optimizer) -> dict[str, Any]:
+    # this rank's whole parameters and AdamW moments, by parameter path
+    state = fs.checkpoint.optimizer_state(model, optimizer)["state"]
+    return {
+        "params": {k: full(v) for k, v in model.state_dict().items()},
+        "moments": {k: full(v["exp_avg"]) for k, v in state.items()},
+    }
+
+
+def checkpoint_across(spec: dict[str, Any], path: str, saved_under_pp: bool) -> dict[str, Any]:
+    """Train a step under one plan (the pipeline's, or FSDP over every rank), save sharded,
+    load under the other; this rank's states after saving and after loading."""
+    if saved_under_pp:
+        model, optimizer, plan = _pipelined(spec)
+        _one_pipelined_step(model, optimizer, plan)
+    else:
+        model, optimizer = _plain_fsdp(spec)
+        tokens = batches(1)[0][: BATCH * dist.get_world_size()]
+        mine = tokens[dist.get_rank() * BATCH // 4 : (dist.get_rank() + 1) * BATCH // 4]
+        lm_loss(model(mine[:, :-1]), mine[:, 1:]).backward()
+        optimizer.step()
+    fs.checkpoint.save(path, model, optimizer)
+    saved = _states(model, optimizer)
+    if saved_under_pp:
+        target, target_optimizer = _plain_fsdp(spec)
+    else:
+        target, target_optimizer, _ = _pipelined(spec)
+    fs.checkpoint.load(path, target, target_optimizer)
+    return {"saved": saved, "loaded": _states(target, target_optimizer)}
+
+
+def full_file_into_pipeline(spec: dict[str, Any], path: str) -> dict[str, Any]:
+    """Save one full file under FSDP after a step, load it under the pipeline; and the
+    refusal of a full save under the pipeline."""
+    model, optimizer = _plain_fsdp(spec)
+    tokens = batches(1)[0][: dist.get_world_size()]
+    mine = tokens[dist.get_rank() : dist.get_rank() + 1]
+    lm_loss(model(mine[:, :-1]), mine[:, 1:]).backward()
+    optimizer.step()
+    fs.checkpoint.save(path, model, optimizer, full=True)
+    saved = _states(model, optimizer)
+    target, target_optimizer, _ = _pipelined(spec)
+    fs.checkpoint.load(path, target, target_optimizer)
+    try:
+        fs.checkpoint.save(path + ".again", target, target_optimizer, full=True)
+        refusal = ""
+    except fs.ShardingError as error:
+        refusal = str(error)
+    return {"saved": saved, "loaded": _states(target, target_optimizer), "refusal": refusal}

@@ -159,3 +159,34 @@ def test_an_overflow_on_one_stage_skips_the_step_on_every_rank(world):
     assert [r["moved"] for r in results] == [False] * 4
     assert len({r["scale"] for r in results}) == 1  # every rank halved its scale alike
     assert results[0]["scale"] == 2.0**15
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved_under_pp", [True, False], ids=["pp-to-fsdp", "fsdp-to-pp"])
+@pytest.mark.parametrize("stages_per_rank", [1, 2])
+def test_a_sharded_checkpoint_moves_between_a_pipeline_and_a_plan_without_one(
+    world, tmp_path, saved_under_pp, stages_per_rank
+):
+    schedule = "1f1b" if stages_per_rank == 1 else "interleaved1f1b"
+    spec = pc.case({"pp": 2, "dp": 2}, schedule, stages_per_rank=stages_per_rank, data="fsdp")
+    results = world.run(pc.checkpoint_across, spec, str(tmp_path / "ckpt"), saved_under_pp)
+    for kind in ("params", "moments"):
+        saved = pc.merged_params([{"params": r["saved"][kind]} for r in results])
+        loaded = pc.merged_params([{"params": r["loaded"][kind]} for r in results])
+        assert saved.keys() == loaded.keys()
+        assert len(saved) == 39  # every parameter of the model, under its own name
+        for name, value in saved.items():
+            torch.testing.assert_close(loaded[name], value, atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_a_full_file_loads_into_a_pipeline_and_a_pipeline_saves_sharded_only(world, tmp_path):
+    spec = pc.case({"pp": 2, "dp": 2}, data="fsdp")
+    results = world.run(pc.full_file_into_pipeline, spec, str(tmp_path / "model.pt"))
+    for kind in ("params", "moments"):
+        saved = pc.merged_params([{"params": r["saved"][kind]} for r in results])
+        loaded = pc.merged_params([{"params": r["loaded"][kind]} for r in results])
+        assert saved.keys() == loaded.keys()
+        for name, value in saved.items():
+            torch.testing.assert_close(loaded[name], value, atol=0, rtol=0, msg=name)
+    assert all("rank 0 holds only its own stages" in r["refusal"] for r in results)
