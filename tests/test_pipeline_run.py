@@ -190,3 +190,22 @@ def test_a_full_file_loads_into_a_pipeline_and_a_pipeline_saves_sharded_only(wor
         for name, value in saved.items():
             torch.testing.assert_close(loaded[name], value, atol=0, rtol=0, msg=name)
     assert all("rank 0 holds only its own stages" in r["refusal"] for r in results)
+
+
+def test_a_stage_plan_holds_its_stages_parameters_units_and_styles_only():
+    from functional_shard.engines.pipeline import stage_plan
+    from functional_shard.zoo import llama
+
+    policy = fs.pipeline("pp", microbatches=4) + fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp")
+    plan = fs.shard(llama("tiny"), fs.Mesh(pp=2, dp=2, tp=2), policy)
+    first, last = stage_plan(plan, (0,)), stage_plan(plan, (1,))
+    assert set(first.params) | set(last.params) == set(plan.params)
+    assert not set(first.params) & set(last.params)
+    assert "embed_tokens.weight" in first.params
+    assert "lm_head.weight" in last.params
+    assert all(p.startswith("layers.1.") for p in last.params if p.startswith("layers."))
+    assert {u for u in first.config.units if u} == {"layers.0"}
+    assert {path.split(".")[1] for path, _, _ in last.config.tp_styles if path.startswith("layers.")} == {"1"}
+    for local in (first, last):
+        assert local.config.pipeline_axis is None
+        assert local.config.reshard_after_forward is False  # as torchtitan runs FSDP under PP
