@@ -45,7 +45,7 @@ def case(
     stages_per_rank: int = 1,
     microbatches: int = 4,
     data: str | None = None,
-    tp: bool = False,
+    tp: bool | str = False,
     config: str = "even",
     model: str = "zoo",
     meta: bool = False,
@@ -76,7 +76,8 @@ def case(
 def name_of(spec: dict[str, Any]) -> str:
     """A short test id."""
     axes = "x".join(f"{a}{n}" for a, n in spec["mesh"].items())
-    extra = [spec["data"] or "", "tp" if spec["tp"] else "", spec["config"], spec["model"]]
+    tensor_parallel = {True: "tp", "sp": "tp_sp"}.get(spec["tp"], "")
+    extra = [spec["data"] or "", tensor_parallel, spec["config"], spec["model"]]
     extra += ["meta" if spec["meta"] else "", f"clip{spec['clip']}" if spec["clip"] else ""]
     extra += ["scaler" if spec["scaler"] else "", "checkpointing" if spec["checkpointing"] else ""]
     return "-".join(filter(None, [axes, spec["schedule"], f"v{spec['stages_per_rank']}", *extra]))
@@ -95,7 +96,8 @@ def policy_of(spec: dict[str, Any]) -> fs.Policy:
     elif spec["data"] is not None:
         policy = policy + {"ddp": fs.replicate, "zero2": lambda: fs.zero(2)}[spec["data"]]()
     if spec["tp"]:
-        policy = policy + fs.tp(fs.rules.llama if spec["model"] == "zoo" else "auto", "tp")
+        rules = fs.rules.llama if spec["model"] == "zoo" else "auto"
+        policy = policy + fs.tp(rules, "tp", sequence_parallel=spec["tp"] == "sp")
     if spec["checkpointing"]:
         policy = policy + fs.checkpointing(Block)
     return policy
