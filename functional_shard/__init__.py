@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from .apply import check_optimizer as check_optimizer
     from .apply import check_runnable as check_runnable
     from .apply import clip_grad_norm_ as clip_grad_norm_
+    from .apply import forward_backward as forward_backward
     from .apply import grad_scaler as grad_scaler
     from .apply import materialize as materialize
     from .apply import optimizer as optimizer
@@ -96,6 +97,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "check_optimizer": ("apply", "check_optimizer"),
     "check_runnable": ("apply", "check_runnable"),
     "clip_grad_norm_": ("apply", "clip_grad_norm_"),
+    "forward_backward": ("apply", "forward_backward"),
     "grad_scaler": ("apply", "grad_scaler"),
     "materialize": ("apply", "materialize"),
     "optimizer": ("apply", "optimizer"),
@@ -209,6 +211,7 @@ __all__ = [
     "check_optimizer",
     "check_runnable",
     "clip_grad_norm_",
+    "forward_backward",
     "grad_scaler",
     "materialize",
     "optimizer",

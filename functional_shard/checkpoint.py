@@ -53,8 +53,24 @@ _META = "meta.pt"
 
 
 def model_state(module: nn.Module, *, full: bool = False) -> dict[str, Any]:
-    """The module's state: this rank's shards, or (``full``) whole tensors on rank 0 only."""
+    """The module's state: this rank's shards, or (``full``) whole tensors on rank 0 only.
+
+    Raises:
+        ShardingError: ``full`` for a pipelined module, whose rank 0 holds its own stages only.
+    """
+    if full and _pipelined(module):
+        raise ShardingError(
+            "a full (one-file) checkpoint of a pipelined module: rank 0 holds only its own stages, so "
+            "its file would miss the others. Save sharded (full=False: every rank writes its stages, and "
+            "it loads under any plan), then fs.checkpoint.convert(folder, file) for one file"
+        )
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+
+
+def _pipelined(module: nn.Module) -> bool:
+    from .engines.pipeline import pipeline_of
+
+    return pipeline_of(module) is not None
 
 
 def set_model_state(module: nn.Module, state: dict[str, Any], *, full: bool, strict: bool = True) -> None:
@@ -226,7 +242,11 @@ def read(
     # loading: the price of the one-file format)
     saved = _optimizers_by_key(torch.load(path, map_location="cpu", weights_only=weights_only))
     key, target = module
-    set_model_state(target, saved.pop(key), full=True, strict=strict)
+    model = saved.pop(key)
+    if _pipelined(target):  # a pipeline rank holds its own stages: it takes their part of the file
+        names = set(target.state_dict())
+        model = {name: value for name, value in model.items() if name in names}
+    set_model_state(target, model, full=True, strict=strict)
     for name, optimizer in optimizers.items():
         if name in saved:
             set_optimizer_state(target, optimizer, saved.pop(name), full=True)

@@ -26,7 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import functional_shard as fs
 from functional_shard.activations import _repeats, trace_activations
-from functional_shard.apply import _checkpointing
+from functional_shard.engines.activation_checkpointing import apply_checkpointing
 from functional_shard.zoo import Block, Llama, LlamaConfig, llama
 
 from . import activation_cases
@@ -73,7 +73,7 @@ def checkpointing(kind: str, model: nn.Module) -> fs.Policy:
 
 def measured(model: nn.Module, plan: fs.Plan, tokens: torch.Tensor) -> tuple[int, int]:
     """(kept, saved) bytes of a real forward; checkpointing applied as fs.apply applies it."""
-    _checkpointing(plan, model)  # the step of fs.apply that checkpoints (no process group needed)
+    apply_checkpointing(plan, model)  # the step of fs.apply that checkpoints (no process group needed)
     extra = {} if isinstance(model, Llama) else {"use_cache": False}
     kept, output = fs.kept_activation_bytes(model, tokens, **extra)
     saved, _ = fs.saved_tensor_bytes(model, tokens, **extra)
@@ -121,7 +121,7 @@ def test_flops_equal_flop_counter_mode_on_a_real_step(checkpoint):
     model = build("zoo")
     plan = fs.shard(model, fs.Mesh(dp=1), checkpointing(checkpoint, model))
     trace = trace_activations(build("zoo", "meta"), plan, batch=BATCH, seq=SEQ)
-    _checkpointing(plan, model)
+    apply_checkpointing(plan, model)
     tokens = torch.randint(0, 128, (BATCH, SEQ))
     # torch's FlopCounterMode has no formula for the CPU flash kernel: the real step runs
     # SDPA's math path, whose matmuls it counts (full score matrix, the trace's convention)
@@ -155,7 +155,7 @@ def test_repeated_layers_are_traced_twice_and_extrapolated_exactly():
     )
     # a 6-layer trace equals 2 layers plus 4 times what one more layer adds, measured for real
     real = Llama(LlamaConfig(num_layers=6))
-    _checkpointing(plan, real)
+    apply_checkpointing(plan, real)
     kept, _ = fs.kept_activation_bytes(real, torch.randint(0, 256, (BATCH, SEQ)))
     assert trace_activations(deep, plan, batch=BATCH, seq=SEQ).activation_bytes == kept
 
@@ -245,7 +245,7 @@ def test_any_mlp_traces_as_it_runs(widths, batch, seq, checkpoint):
     plan = fs.shard(model, fs.Mesh(dp=1), policy)
     x = torch.randn(batch, seq, widths[0])
     trace = trace_activations(model, plan, batch=batch, seq=seq, inputs=x.to("meta"))
-    _checkpointing(plan, model)
+    apply_checkpointing(plan, model)
     kept, _ = fs.kept_activation_bytes(model, x)
     assert trace.activation_bytes == pytest.approx(kept, rel=TOLERANCE)
 

@@ -21,8 +21,20 @@ ADAPTERS = pathlib.Path(functional_shard.adapters.__file__).parent
 # modules allowed to create process groups, device meshes or run collectives: apply and
 # checkpoint (the brief's two doors), launch, which starts the local gloo ranks,
 # device_mesh, the one builder of DeviceMeshes (below mesh.py, so Mesh.device_mesh needs
-# no climb to apply), and measure, which only observes the collectives torch issues
-EFFECTS = {"apply.py", "checkpoint.py", "device_mesh.py", "launch.py", "measure.py"}
+# no climb to apply), and measure, which only observes the collectives torch issues; the
+# engines apply runs live in engines/, whose checks stay pure
+EFFECTS = {"apply.py", "checkpoint.py", "device_mesh.py", "launch.py", "measure.py"} | {
+    f"engines/{name}.py"
+    for name in (
+        "activation_checkpointing",
+        "applied",
+        "data_parallel",
+        "materialize",
+        "optimizer",
+        "pipeline",
+        "tensor_parallel",
+    )
+}
 PROCESS_GROUP_MODULES = (
     "torch.distributed.device_mesh",
     "torch.distributed.fsdp",

@@ -11,7 +11,8 @@ from torch import nn
 
 import functional_shard as fs
 from functional_shard.activations import SAVED_OPS, selective_context
-from functional_shard.apply import _checkpointing, engine_problems
+from functional_shard.apply import engine_problems
+from functional_shard.engines.activation_checkpointing import apply_checkpointing
 from functional_shard.zoo import Block, Llama, LlamaConfig
 
 from . import activation_cases, dist_cases
@@ -64,7 +65,7 @@ def recomputed_ops(policy: str) -> list[str]:
     model = Llama(CONFIG)
     with torch.device("meta"):
         plan = fs.shard(Llama(CONFIG), fs.Mesh(dp=1), fs.replicate() + fs.checkpointing(Block, policy=policy))
-    _checkpointing(plan, model)
+    apply_checkpointing(plan, model)
     output = model(torch.randint(0, 128, (2, 8)))
     seen: list[str] = []
 
@@ -94,7 +95,7 @@ def test_selective_checkpointing_gives_the_same_gradients():
         model = Llama(CONFIG)
         if policy != "none":
             plan = fs.shard(model, fs.Mesh(dp=1), fs.replicate() + fs.checkpointing(Block, policy=policy))
-            _checkpointing(plan, model)
+            apply_checkpointing(plan, model)
         model(torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))).sum().backward()
         grads[policy] = {name: p.grad for name, p in model.named_parameters()}
     for policy in ("full", "selective"):
