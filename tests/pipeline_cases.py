@@ -21,7 +21,10 @@ from .dist_cases import full, mean_over_ranks
 
 STEPS = 3
 LR = 1e-2
-BATCH = 4  # rows per data-parallel rank per step: 4 micro-batches of 1, or 2 of 2
+# AdamW's eps: with 1e-8 a near-zero gradient, its micro-batch sum reordered, turns rounding
+# noise into a full-size step (as in hf_cases); 1e-6 keeps that noise small
+EPS = 1e-6
+BATCH = 4  # rows per data-parallel rank per step (a case may ask for more): 4 micro-batches of 1
 SEQ = 12
 
 CONFIGS = {
@@ -29,6 +32,8 @@ CONFIGS = {
     "even": LlamaConfig(128, 32, 64, num_layers=4, num_heads=4, num_kv_heads=4),
     # five blocks and the two outer units: 7 units that 2 or 4 stages do not divide
     "uneven": LlamaConfig(128, 32, 64, num_layers=5, num_heads=4, num_kv_heads=4),
+    # six blocks and the two outer units: 8 stages of one unit (pp=4, two stages per rank)
+    "deep": LlamaConfig(128, 32, 64, num_layers=6, num_heads=4, num_kv_heads=4),
     "tied": LlamaConfig(128, 32, 64, num_layers=4, num_heads=4, num_kv_heads=4, tie_embeddings=True),
 }
 
@@ -43,9 +48,16 @@ def case(
     tp: bool = False,
     config: str = "even",
     model: str = "zoo",
+    meta: bool = False,
+    clip: float | None = None,
+    rows: int = 4,
 ) -> dict[str, Any]:
-    """A pipeline case as plain data."""
+    """A pipeline case as plain data (``meta``: built on the meta device, then materialized;
+    ``clip``: gradients clipped to this global norm before each step)."""
     return {
+        "meta": meta,
+        "clip": clip,
+        "rows": rows,
         "mesh": mesh,
         "schedule": schedule,
         "stages_per_rank": stages_per_rank,
@@ -61,6 +73,7 @@ def name_of(spec: dict[str, Any]) -> str:
     """A short test id."""
     axes = "x".join(f"{a}{n}" for a, n in spec["mesh"].items())
     extra = [spec["data"] or "", "tp" if spec["tp"] else "", spec["config"], spec["model"]]
+    extra += ["meta" if spec["meta"] else "", f"clip{spec['clip']}" if spec["clip"] else ""]
     return "-".join(filter(None, [axes, spec["schedule"], f"v{spec['stages_per_rank']}", *extra]))
 
 
@@ -96,22 +109,24 @@ def build(spec: dict[str, Any]) -> torch.nn.Module:
     return Llama(CONFIGS[spec["config"]])
 
 
-def batches(data_parallel: int) -> list[torch.Tensor]:
-    """The global batches of the run: BATCH rows per data-parallel rank."""
+def batches(data_parallel: int, rows: int = BATCH) -> list[torch.Tensor]:
+    """The global batches of the run: ``rows`` per data-parallel rank."""
     generator = torch.Generator().manual_seed(1234)
-    shape = (BATCH * data_parallel, SEQ + 1)
+    shape = (rows * data_parallel, SEQ + 1)
     return [torch.randint(0, 128, shape, generator=generator) for _ in range(STEPS)]
 
 
 def reference(spec: dict[str, Any], data_parallel: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process on the whole global batch: the losses and the final parameters."""
     model = build(spec)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses = []
-    for tokens in batches(data_parallel):
+    for tokens in batches(data_parallel, spec["rows"]):
         optimizer.zero_grad()
         loss = lm_loss(_logits(model(tokens[:, :-1])), tokens[:, 1:])
         loss.backward()
+        if spec["clip"]:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"])
         optimizer.step()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -147,15 +162,22 @@ def train(spec: dict[str, Any], measure: bool = False) -> dict[str, Any]:
     last step (the first infers shapes) and its bytes of parameters.
     """
     mesh = fs.Mesh(**spec["mesh"])
-    model = build(spec)
+    if spec["meta"]:
+        with torch.device("meta"):
+            model = build(spec)
+    else:
+        model = build(spec)
     plan = fs.shard(model, mesh, policy_of(spec))
     fs.apply(plan, model)
-    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR)
+    if spec["meta"]:
+        fs.materialize(plan, model, seed=0)
+    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR, eps=EPS)
     step = fs.forward_backward(plan, model, lm_loss)
     index, data_parallel = plan.data_parallel_rank(dist.get_rank())
-    losses, sent, received = [], 0, 0
-    for number, tokens in enumerate(batches(data_parallel)):
-        mine = tokens[index * BATCH : (index + 1) * BATCH]
+    losses, norms, sent, received = [], [], 0, 0
+    rows = spec["rows"]
+    for number, tokens in enumerate(batches(data_parallel, rows)):
+        mine = tokens[index * rows : (index + 1) * rows]
         optimizer.zero_grad()
         counter = _PointToPoint()
         if measure and number == STEPS - 1:
@@ -164,11 +186,14 @@ def train(spec: dict[str, Any], measure: bool = False) -> dict[str, Any]:
             sent, received = counter.sent, counter.received
         else:
             loss = step(mine[:, :-1], mine[:, 1:])
+        if spec["clip"]:
+            norms.append(float(fs.clip_grad_norm_(model.parameters(), spec["clip"])))
         optimizer.step()
         losses.append(mean_over_ranks(loss).item())
     local_bytes = sum(_local(p).numel() * p.element_size() for p in model.parameters())
     return {
         "losses": losses,
+        "norms": norms,
         "params": {k: full(v) for k, v in model.state_dict().items()},
         "data_parallel": data_parallel,
         "sent": sent,
@@ -203,3 +228,35 @@ def refused(spec: dict[str, Any], call: Callable[..., Any] | None = None) -> str
     except fs.ShardingError as error:
         return str(error)
     return ""
+
+
+def odd_batch(plan: fs.Plan, model: torch.nn.Module) -> None:
+    """One step on a batch of 3 rows, which the plan's micro-batches do not divide."""
+    tokens = torch.randint(0, 128, (3, SEQ + 1))
+    fs.forward_backward(plan, model, lm_loss)(tokens[:, :-1], tokens[:, 1:])
+
+
+def plain_step() -> dict[str, Any]:
+    """fs.forward_backward under a plan without pp (FSDP over every rank) against a plain backward."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    plan = fs.shard(model, fs.Mesh(dp=dist.get_world_size()), fs.fsdp())
+    fs.apply(plan, model)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    inputs, targets = torch.randn(6, 8, generator=generator), torch.randn(6, 4, generator=generator)
+    loss = fs.forward_backward(plan, model, F.mse_loss)(inputs, targets)
+    grads = {k: full(v.grad) for k, v in model.named_parameters()}
+    model.zero_grad()
+    expected = F.mse_loss(model(inputs), targets)
+    expected.backward()
+    return {
+        "loss": (float(loss), float(expected)),
+        "grads": [(grads[k], full(v.grad)) for k, v in model.named_parameters()],
+        "requires_grad": loss.requires_grad,
+    }
+
+
+def one_step(plan: fs.Plan, model: torch.nn.Module) -> None:
+    """One step on a batch of BATCH rows."""
+    tokens = torch.randint(0, 128, (BATCH, SEQ + 1))
+    fs.forward_backward(plan, model, lm_loss)(tokens[:, :-1], tokens[:, 1:])

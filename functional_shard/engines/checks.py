@@ -147,8 +147,6 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
 
 def pipeline_problems(plan: Plan) -> list[str]:
     """What the pipeline engine cannot run in ``plan``, one line each (pure)."""
-    from functional_shard.stages import stage_of_param
-
     config = plan.config
     axis = config.pipeline_axis
     found: list[str] = []
@@ -167,15 +165,29 @@ def pipeline_problems(plan: Plan) -> list[str]:
             "or fs.zero(2)/fs.zero(3) for the data-parallel axes"
         )
     for canonical, names in plan.aliases.items():
-        stages = sorted({stage_of_param(name, config.pipeline_stages) for name in names})
-        if len(stages) > 1:
+        where = {name: _stage_or_none(name, config.pipeline_stages) for name in names}
+        if len(set(where.values())) > 1:
+            placed = ", ".join(
+                f"{name} in {f'stage {stage}' if stage is not None else 'no stage'}"
+                for name, stage in where.items()
+            )
             found.append(
-                f"{canonical}: tied to {[n for n in names if n != canonical]}, but the names lie in stages "
-                f"{stages}; apply() does not keep a tied parameter in step across stages (torchtitan "
-                "refuses it too). Untie them (Hugging Face: tie_word_embeddings=False), or put every "
-                "name in one stage with pipeline(split=...)"
+                f"{canonical}: a tied parameter split across pipeline stages ({placed}); apply() does not "
+                "keep it in step between stages (torchtitan refuses it too). Untie it (Hugging Face: "
+                "tie_word_embeddings=False), or put every module that uses it in one stage with "
+                "pipeline(split=...)"
             )
     return found
+
+
+def _stage_or_none(path: str, stages: tuple[tuple[str, ...], ...]) -> int | None:
+    from functional_shard.errors import PolicyError
+    from functional_shard.stages import stage_of_param
+
+    try:
+        return stage_of_param(path, stages)
+    except PolicyError:
+        return None
 
 
 def check_runnable(plan: Plan, module: nn.Module) -> None:

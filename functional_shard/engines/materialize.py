@@ -13,6 +13,7 @@ from functional_shard.plan import Plan
 
 from .applied import applied_with, retie
 from .data_parallel import reduce_whole_grads
+from .pipeline import PassThrough
 from .tensor_parallel import packed_window, place_grads_as_params
 
 
@@ -72,6 +73,10 @@ def materialize(
     owner_of = {name: canonical for canonical, names in plan.aliases.items() for name in names}
     with torch.no_grad():
         for path, sub in module.named_modules():
+            replaced = getattr(sub, "replaced", None) if isinstance(sub, PassThrough) else None
+            if replaced is not None:  # another stage's: draw its random numbers, keep nothing
+                _draw_as(replaced, device, init)
+                continue
             direct = dict(sub.named_parameters(recurse=False))
             if not direct:
                 continue
@@ -105,3 +110,25 @@ def materialize(
     place_grads_as_params(plan, module)
     reduce_whole_grads(plan, module, applied.device_mesh)
     return module
+
+
+def _draw_as(
+    replaced: nn.Module, device: str | torch.device, init: Callable[[nn.Module], None] | None
+) -> None:
+    # as the loop above, on temporaries only: the random numbers drawn, the values dropped
+    for sub in replaced.modules():
+        direct = dict(sub.named_parameters(recurse=False))
+        if not direct:
+            continue
+        if init is None and not hasattr(sub, "reset_parameters"):
+            raise ShardingError(
+                f"cannot initialise {type(sub).__name__} (another pipeline stage's): it holds parameters "
+                "but has no reset_parameters; pass init=..."
+            )
+        real = dict(sub._parameters)
+        for name, param in direct.items():
+            sub._parameters[name] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device))
+        try:
+            (init or type(sub).reset_parameters)(sub)  # type: ignore[attr-defined]
+        finally:
+            sub._parameters.update(real)

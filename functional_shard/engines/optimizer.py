@@ -14,6 +14,7 @@ from functional_shard.errors import ShardingError
 from functional_shard.plan import Plan
 
 from .applied import applied_with, axes_mesh
+from .pipeline import pipeline_group_of
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
@@ -64,11 +65,13 @@ def optimizer(
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
 ) -> torch.Tensor:
-    """Clip gradients by their global norm, across every shard of every mesh.
+    """Clip gradients by their global norm, across every shard of every mesh and every stage.
 
     torch's ``clip_grad_norm_`` stacks per-parameter norms, which fails when parameters
     live on different meshes (FSDP-only norm weights beside FSDP x TP projections). Here
-    the norm is taken per mesh, made whole, then combined.
+    the norm is taken per mesh, made whole, then combined; under a pipeline plan the
+    stages' norms are combined over the pp group too (each rank holds its stages only),
+    so every rank clips by the norm of the whole model.
 
     Returns:
         The total norm before clipping.
@@ -78,7 +81,8 @@ def clip_grad_norm_(
     """
     from torch.distributed.tensor import DTensor
 
-    grads = [p.grad for p in parameters if p.grad is not None]
+    params = list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
     groups: dict[object, list[torch.Tensor]] = {}
     for grad in grads:
         key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else "local"
@@ -87,14 +91,32 @@ def clip_grad_norm_(
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    if not norms:
+    pp_group = pipeline_group_of(params)
+    if not norms and pp_group is None:
         return torch.tensor(0.0)
-    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
+    device = norms[0].device if norms else torch.device("cpu")
+    total = (
+        torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
+        if norms
+        else torch.zeros((), device=device)
+    )
+    if pp_group is not None:
+        total = _across_stages(total, norm_type, pp_group)
     coefficient = float(max_norm) / (float(total) + 1e-6)
     if coefficient < 1.0:  # as torch: scale only when the norm is above the limit
         for grad in grads:
             grad.mul_(coefficient)
     return total
+
+
+def _across_stages(norm: torch.Tensor, norm_type: float, group: dist.ProcessGroup) -> torch.Tensor:
+    # the stages hold disjoint parameters: p-th powers add up, an infinity norm is the max
+    if norm_type == float("inf"):
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    powered = norm.float() ** norm_type
+    dist.all_reduce(powered, group=group)
+    return powered ** (1.0 / norm_type)
 
 
 def grad_scaler(device: str = "cuda", **kwargs: Any) -> torch.amp.GradScaler:

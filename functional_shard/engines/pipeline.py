@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from functional_shard.errors import ShardingError
+from functional_shard.errors import PolicyError, ShardingError
 from functional_shard.plan import Plan
 from functional_shard.stages import SCHEDULES, SINGLE_STAGE, rank_stages, stage_of_param, stage_rank
 
@@ -52,9 +52,14 @@ from .tensor_parallel import apply_tensor_parallel, refuse_uneven_sequences
 class PassThrough(nn.Module):
     """Stands for a module another pipeline stage runs: returns its first input unchanged."""
 
-    def __init__(self, replaces: str) -> None:
+    def __init__(self, replaces: str, module: nn.Module | None = None) -> None:
         super().__init__()
         self.replaces = replaces
+        # A module built on the meta device is kept (it holds no memory, and is no child, so
+        # no engine sees it): materialize replays its initialisation to draw the random
+        # numbers it draws in one process, so the stages this rank keeps get theirs.
+        on_meta = module is not None and all(p.is_meta for p in module.parameters())
+        self.__dict__["replaced"] = module if on_meta else None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The first positional argument (the hidden states), or the first keyword one."""
@@ -78,10 +83,28 @@ class Pipelined:
     schedules: dict[Any, Any] = field(default_factory=dict)
 
 
-# which pipeline each applied module runs; weak so modules can die
-PIPELINES: weakref.WeakKeyDictionary[nn.Module, Pipelined] = weakref.WeakKeyDictionary()
-# the pp group of every parameter a pipeline holds, for clip_grad_norm_'s global norm
-PIPELINE_GROUP_OF: weakref.WeakKeyDictionary[torch.Tensor, dist.ProcessGroup] = weakref.WeakKeyDictionary()
+# The modules apply pipelined, weakly. Each keeps its Pipelined in its own __dict__: the
+# stages refer back to the module, and a weak dictionary's values must not (its keys
+# would never die); a cycle the garbage collector can free.
+_PIPELINED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def pipeline_of(module: nn.Module) -> Pipelined | None:
+    """The pipeline `apply_pipeline` built for ``module``, or None."""
+    found = module.__dict__.get("_fs_pipeline")
+    return found if isinstance(found, Pipelined) else None
+
+
+def pipeline_group_of(params: Iterable[torch.Tensor]) -> dist.ProcessGroup | None:
+    """The pp group of the pipelined module that holds any of ``params``, or None."""
+    wanted = {id(p) for p in params}
+    for module in list(_PIPELINED):
+        pipelined = pipeline_of(module)
+        # both alive now, so equal ids are the same tensors (no weak reference to a
+        # parameter: it would stop to_empty from swapping it)
+        if pipelined is not None and any(id(p) in wanted for p in module.parameters()):
+            return pipelined.group
+    return None
 
 
 def _inside(path: str, modules: Iterable[str]) -> bool:
@@ -103,7 +126,7 @@ def stage_plan(plan: Plan, stages: Iterable[int]) -> Plan:
     def local(path: str) -> bool:
         try:
             return stage_of_param(path, config.pipeline_stages) in chosen
-        except Exception:  # a tensor no stage lists (a rotary buffer): every stage keeps it
+        except PolicyError:  # a tensor no stage lists (a rotary buffer): every stage keeps it
             return True
 
     params = {p: s for p, s in plan.params.items() if local(p)}
@@ -129,7 +152,7 @@ def stage_plan(plan: Plan, stages: Iterable[int]) -> Plan:
 def _pruned(module: nn.Module, prefix: str, keep: set[str], drop: set[str]) -> nn.Module:
     """``module`` (at ``prefix``) as a stage sees it: shared where kept, a clone along the way."""
     if prefix in drop:
-        return PassThrough(prefix)
+        return PassThrough(prefix, module)
     holds_dropped = any(prefix == "" or d.startswith(prefix + ".") for d in drop)
     if (prefix and _inside(prefix, keep)) or not holds_dropped:
         return module  # this stage's own module, or one that holds nothing of another stage
@@ -145,10 +168,13 @@ def _pruned(module: nn.Module, prefix: str, keep: set[str], drop: set[str]) -> n
 def _drop_in_place(module: nn.Module, drop: set[str]) -> None:
     for path in sorted(drop, key=lambda p: p.count(".")):
         parent_path, _, name = path.rpartition(".")
-        parent = module.get_submodule(parent_path)
+        try:
+            parent = module.get_submodule(parent_path)
+        except AttributeError:  # inside a module dropped already
+            continue
         if isinstance(parent, PassThrough):
             continue
-        setattr(parent, name, PassThrough(path))
+        setattr(parent, name, PassThrough(path, getattr(parent, name)))
 
 
 def _takes_inputs_embeds(module: nn.Module) -> bool:
@@ -180,8 +206,10 @@ def _run_as_stage(stage_module: nn.Module, stage: int, first: bool) -> None:
     embeds = not first and _takes_inputs_embeds(stage_module)
 
     def stage_forward(hidden: torch.Tensor) -> torch.Tensor:
-        output = forward(inputs_embeds=hidden) if embeds else forward(hidden)
-        return _tensor_of(output, stage)
+        output = _tensor_of(forward(inputs_embeds=hidden) if embeds else forward(hidden), stage)
+        # a view (Hugging Face slices the hidden states for its head) would lose FSDP2's
+        # pre-backward hook to any in-place op, and FSDP2 warns: hand on a tensor of its own
+        return output.clone() if output._is_view() else output
 
     stage_module.forward = stage_forward  # type: ignore[method-assign]
 
@@ -234,9 +262,8 @@ def apply_pipeline(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> Pl
         built.append(PipelineStage(view, stage, n_stages, device, group=pp_mesh.get_group()))
     last_rank = stage_rank(n_stages - 1, pp, config.stages_per_rank, config.pipeline_schedule)
     pipelined = Pipelined(plan, tuple(built), pp_mesh.get_group(), last_rank)
-    PIPELINES[module] = pipelined
-    for param in module.parameters():
-        PIPELINE_GROUP_OF[param] = pipelined.group
+    module.__dict__["_fs_pipeline"] = pipelined
+    _PIPELINED.add(module)
     return stage_plan(plan, mine)
 
 

@@ -12,7 +12,7 @@ from functional_shard.errors import ShardingError
 from functional_shard.plan import Plan
 
 from .applied import applied_with
-from .pipeline import PIPELINES, pipeline_step
+from .pipeline import pipeline_of, pipeline_step
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -55,7 +55,7 @@ def forward_backward(
         >>> # loss = step(inputs, targets); optimizer.step(); optimizer.zero_grad()
     """
     applied_with(plan, module, "fs.forward_backward")
-    pipelined = PIPELINES.get(module)
+    pipelined = pipeline_of(module)
 
     def scaled(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = loss_fn(outputs, targets)
