@@ -57,11 +57,9 @@ _META = "meta.pt"
 
 def _pipeline(module: nn.Module) -> Pipelined | None:
     """The pipeline ``module`` (or a module inside it, as a LightningModule's child) runs, if any."""
-    from .engines.pipeline import PIPELINES
+    from .engines.pipeline import pipeline_of
 
-    if not PIPELINES:
-        return None
-    return next((PIPELINES[m] for m in module.modules() if m in PIPELINES), None)
+    return next((found for m in module.modules() if (found := pipeline_of(m)) is not None), None)
 
 
 def _gathered_stages(pipelined: Pipelined, sharded: dict[str, Any], merge: Any) -> dict[str, Any]:

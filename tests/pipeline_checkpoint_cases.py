@@ -32,7 +32,8 @@ def built(name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, fs.Plan]:
     else:
         plan = fs.shard(model, *FLAT[name])
     fs.apply(plan, model)
-    return model, fs.optimizer(plan, model, torch.optim.AdamW, lr=pipeline_cases.LR), plan
+    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=pipeline_cases.LR, eps=pipeline_cases.EPS)
+    return model, optimizer, plan
 
 
 def train(
