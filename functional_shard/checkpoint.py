@@ -325,6 +325,14 @@ def _read_sharded(
             if isinstance(optimizer, ZeroRedundancyOptimizer)
             else optimizer_state(target, optimizer)
         )
+    # DCP keeps one rank's copy of a non-tensor value such as the param groups; under a
+    # pipeline plan each rank's optimizer holds other parameters (its stages'), so each
+    # group keeps this rank's parameter names and takes the saved hyperparameters
+    own_params = {
+        name: [group["params"] for group in state[name].get("param_groups", [])]
+        for name, optimizer in optimizers.items()
+        if not isinstance(optimizer, ZeroRedundancyOptimizer)
+    }
     try:
         dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
     except (Exception, CheckpointException) as error:  # a BaseException: it wraps each rank's failure
@@ -334,6 +342,11 @@ def _read_sharded(
             f"the checkpoint at {path} does not fit this module: {cause}. "
             "Load it under a module of the same shapes, or with strict=False to skip what is missing"
         ) from error
+    for name, params in own_params.items():
+        groups = state[name].get("param_groups", [])
+        if len(groups) == len(params):
+            for group, own in zip(groups, params, strict=True):
+                group["params"] = own
     set_model_state(target, state[key], full=False, strict=strict)
     for name, optimizer in optimizers.items():
         set_optimizer_state(target, optimizer, state[name], full=False)

@@ -62,7 +62,13 @@ def whole_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     params = {k: full(v) for k, v in model.state_dict().items()}
     state = fs.checkpoint.optimizer_state(model, optimizer)["state"]
     optim = {name: {k: full(v) for k, v in values.items()} for name, values in state.items()}
-    return {"model": params, "optimizer": optim}
+    # each rank's hyperparameters and how many parameters its groups hold
+    # torch's full-state loading hands tuples (AdamW's betas) back as lists
+    groups = [
+        {k: list(v) if isinstance(v, tuple) else len(v) if k == "params" else v for k, v in group.items()}
+        for group in optimizer.param_groups
+    ]
+    return {"model": params, "optimizer": optim, "groups": groups}
 
 
 def save_after(name: str, path: str, steps: int, full_file: bool) -> dict[str, Any]:

@@ -29,11 +29,17 @@ def assert_same_state(got, expected):
 
 def round_trip(world4, tmp_path, saved_under, loaded_under, full_file):
     path = str(tmp_path / ("ckpt.pt" if full_file else "ckpt"))
-    saved = cases.merged(world4.run(cases.save_after, saved_under, path, 2, full_file))
-    loaded = cases.merged(world4.run(cases.load_under, loaded_under, path, 0))
+    saved_by_rank = world4.run(cases.save_after, saved_under, path, 2, full_file)
+    loaded_by_rank = world4.run(cases.load_under, loaded_under, path, 0)
+    saved, loaded = cases.merged(saved_by_rank), cases.merged(loaded_by_rank)
     # every parameter and its AdamW state, stage by stage, gathered whole
     assert len(saved["model"]) == len(pipeline_cases.build(cases.PLANS["pp2_fsdp2"]).state_dict())
     assert_same_state(loaded, saved)
+    # every rank's optimizer keeps its own parameters with the saved hyperparameters
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in saved_by_rank[0]["groups"]]
+    for rank in loaded_by_rank:
+        assert [{k: v for k, v in g.items() if k != "params"} for g in rank["groups"]] == hyper
+        assert sum(g["params"] for g in rank["groups"]) == len(rank["model"])
 
 
 def test_a_pipeline_checkpoint_loads_without_pp(world4, tmp_path):
