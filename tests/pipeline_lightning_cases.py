@@ -73,15 +73,30 @@ def fit(
 ) -> dict[str, Any]:
     """Trainer.fit of the pipelined Llama on this rank; every rank returns the global losses and
     its own stage's whole parameters."""
+    save_to = options.pop("save_to", None)
     policy = policy_or_plan or pipeline_cases.policy_of(SPEC)
     strategy = ShardStrategy(policy, mesh=MESH)
     trainer = quiet_trainer(strategy, max_steps=pipeline_cases.STEPS, **options)
     loader = torch.utils.data.DataLoader(tokens(2), batch_size=pipeline_cases.BATCH)
     module = module or PipelinedLanguageModel()
     trainer.fit(module, loader)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
     losses = mean_over_ranks(torch.stack(module.losses))
     params = {k.removeprefix("model."): full(v) for k, v in module.state_dict().items()}
     return {"losses": losses.tolist(), "params": params}
+
+
+def resume_without_pp(path: str) -> dict[str, torch.Tensor]:
+    """Resume a pipelined fit's checkpoint under FSDP over every rank (the fit is already at
+    max_steps, so nothing trains): the loaded whole parameters, by path (every rank)."""
+    strategy = ShardStrategy(fs.fsdp("dp"), mesh=fs.Mesh(dp=dist.get_world_size()))
+    trainer = quiet_trainer(strategy, max_steps=pipeline_cases.STEPS)
+    loader = torch.utils.data.DataLoader(tokens(4), batch_size=pipeline_cases.BATCH)
+    module = PipelinedLanguageModel()
+    trainer.fit(module, loader, ckpt_path=path)
+    assert not module.losses, "a fit resumed at max_steps trains no more"
+    return {k.removeprefix("model."): full(v) for k, v in module.state_dict().items()}
 
 
 def fit_refused(**options: Any) -> str:

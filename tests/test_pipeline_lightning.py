@@ -55,3 +55,13 @@ def test_a_fabric_loop_trains_a_pipeline_plan_as_one_process(world):
 def test_what_a_schedule_cannot_run_is_refused_before_fit(world, options, named):
     messages = world.run(cases.fit_refused, **options)
     assert all(named in message for message in messages), messages[0]
+
+
+@pytest.mark.slow
+def test_a_trainer_checkpoint_of_a_pipeline_plan_resumes_without_pp(world, tmp_path):
+    path = str(tmp_path / "pp.ckpt")
+    saved = pipeline_cases.merged_params(world.run(cases.fit, save_to=path))
+    loaded = world.run(cases.resume_without_pp, path)[0]
+    assert loaded.keys() == saved.keys()
+    for name, value in saved.items():
+        torch.testing.assert_close(loaded[name], value, atol=0, rtol=0, msg=name)
