@@ -5,8 +5,12 @@ With `launch` and `checkpoint`, the only module that talks to torch.distributed 
 ``apply`` turns a `Plan` into a module parallelized in place: tensor parallel through
 ``parallelize_module`` with the plan's styles, then data parallel through FSDP2
 (``fully_shard``: ZeRO-2/3, FSDP, HSDP) or DDP (composable ``replicate``; ZeRO-1 adds
-``ZeroRedundancyOptimizer`` in `optimizer`). Nothing here re-implements a collective.
-Every check runs before any parameter is touched.
+``ZeroRedundancyOptimizer`` in `optimizer`). Under a pipeline plan it first keeps this
+rank's stages, runs those engines per stage and wraps each in torch's ``PipelineStage``
+(`functional_shard.engines.pipeline`); `forward_backward` drives the schedule. Nothing
+here re-implements a collective. Every check runs before any parameter is touched. The
+engines live in `functional_shard.engines`, one module each; this module orchestrates
+them and re-exports their public functions.
 """
 
 from __future__ import annotations
@@ -63,11 +67,17 @@ def apply(
             ``self.model``): it takes FSDP's root unit, or DDP. Every parameter must be
             inside it.
 
+    Under a pipeline plan (``fs.pipeline(...)``) this rank keeps only its stages: the
+    modules of the other stages become parameter-free pass-throughs (paths unchanged, so
+    state dicts and checkpoints keep the model's names), and the module's forward runs
+    this rank's stage. Train it with `forward_backward`.
+
     Returns:
         ``module`` itself, parallelized.
 
     Raises:
         MeshError: no process group, or a world size / device mesh that differs from the plan's.
+        ShardingError: ``root`` under a pipeline plan.
         PlanError: what the engines cannot run, one bullet per parameter, before anything changes.
         ShardingError: later, from the module's forward under sequence parallel, on every
             rank and before any collective: an input whose sequence length (dim 1) is not

@@ -303,6 +303,7 @@ def read(
     # loading: the price of the one-file format)
     saved = _optimizers_by_key(torch.load(path, map_location="cpu", weights_only=weights_only))
     key, target = module
+    # a pipeline rank takes its own stages' part of the file (set_model_state)
     set_model_state(target, saved.pop(key), full=True, strict=strict)
     for name, optimizer in optimizers.items():
         if name in saved:

@@ -15,7 +15,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import functional_shard as fs
-from functional_shard.zoo import Llama, LlamaConfig
+from functional_shard.zoo import Block, Llama, LlamaConfig
 
 from .dist_cases import full, mean_over_ranks
 
@@ -45,12 +45,14 @@ def case(
     stages_per_rank: int = 1,
     microbatches: int = 4,
     data: str | None = None,
-    tp: bool = False,
+    tp: bool | str = False,
     config: str = "even",
     model: str = "zoo",
     meta: bool = False,
     clip: float | None = None,
     rows: int = 4,
+    scaler: bool = False,
+    checkpointing: bool = False,
 ) -> dict[str, Any]:
     """A pipeline case as plain data (``meta``: built on the meta device, then materialized;
     ``clip``: gradients clipped to this global norm before each step)."""
@@ -58,6 +60,8 @@ def case(
         "meta": meta,
         "clip": clip,
         "rows": rows,
+        "scaler": scaler,
+        "checkpointing": checkpointing,
         "mesh": mesh,
         "schedule": schedule,
         "stages_per_rank": stages_per_rank,
@@ -72,8 +76,10 @@ def case(
 def name_of(spec: dict[str, Any]) -> str:
     """A short test id."""
     axes = "x".join(f"{a}{n}" for a, n in spec["mesh"].items())
-    extra = [spec["data"] or "", "tp" if spec["tp"] else "", spec["config"], spec["model"]]
+    tensor_parallel = {True: "tp", "sp": "tp_sp"}.get(spec["tp"], "")
+    extra = [spec["data"] or "", tensor_parallel, spec["config"], spec["model"]]
     extra += ["meta" if spec["meta"] else "", f"clip{spec['clip']}" if spec["clip"] else ""]
+    extra += ["scaler" if spec["scaler"] else "", "checkpointing" if spec["checkpointing"] else ""]
     return "-".join(filter(None, [axes, spec["schedule"], f"v{spec['stages_per_rank']}", *extra]))
 
 
@@ -90,7 +96,10 @@ def policy_of(spec: dict[str, Any]) -> fs.Policy:
     elif spec["data"] is not None:
         policy = policy + {"ddp": fs.replicate, "zero2": lambda: fs.zero(2)}[spec["data"]]()
     if spec["tp"]:
-        policy = policy + fs.tp(fs.rules.llama if spec["model"] == "zoo" else "auto", "tp")
+        rules = fs.rules.llama if spec["model"] == "zoo" else "auto"
+        policy = policy + fs.tp(rules, "tp", sequence_parallel=spec["tp"] == "sp")
+    if spec["checkpointing"]:
+        policy = policy + fs.checkpointing(Block)
     return policy
 
 
@@ -172,7 +181,8 @@ def train(spec: dict[str, Any], measure: bool = False) -> dict[str, Any]:
     if spec["meta"]:
         fs.materialize(plan, model, seed=0)
     optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR, eps=EPS)
-    step = fs.forward_backward(plan, model, lm_loss)
+    scaler = fs.grad_scaler("cpu") if spec["scaler"] else None
+    step = fs.forward_backward(plan, model, lm_loss, scaler=scaler)
     index, data_parallel = plan.data_parallel_rank(dist.get_rank())
     losses, norms, sent, received = [], [], 0, 0
     rows = spec["rows"]
@@ -188,7 +198,11 @@ def train(spec: dict[str, Any], measure: bool = False) -> dict[str, Any]:
             loss = step(mine[:, :-1], mine[:, 1:])
         if spec["clip"]:
             norms.append(float(fs.clip_grad_norm_(model.parameters(), spec["clip"])))
-        optimizer.step()
+        if scaler is not None:  # fp32 scaled by a power of two: the same steps exactly
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
         losses.append(mean_over_ranks(loss).item())
     local_bytes = sum(_local(p).numel() * p.element_size() for p in model.parameters())
     return {
@@ -260,3 +274,97 @@ def one_step(plan: fs.Plan, model: torch.nn.Module) -> None:
     """One step on a batch of BATCH rows."""
     tokens = torch.randint(0, 128, (BATCH, SEQ + 1))
     fs.forward_backward(plan, model, lm_loss)(tokens[:, :-1], tokens[:, 1:])
+
+
+def overflow_on_one_stage(spec: dict[str, Any], rank: int) -> dict[str, Any]:
+    """One scaled step in which ``rank`` finds an inf in its own gradients: every rank should skip it."""
+    from torch.distributed.tensor import DTensor
+
+    model = build(spec)
+    plan = fs.shard(model, fs.Mesh(**spec["mesh"]), policy_of(spec))
+    fs.apply(plan, model)
+    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR, eps=EPS)
+    scaler = fs.grad_scaler("cpu")
+    step = fs.forward_backward(plan, model, lm_loss, scaler=scaler)
+    before = [_local(p).detach().clone() for p in model.parameters()]
+    tokens = batches(1)[0][:BATCH]
+    step(tokens[:, :-1], tokens[:, 1:])
+    if dist.get_rank() == rank:
+        grad = next(p.grad for p in model.parameters() if p.grad is not None)
+        (grad.to_local() if isinstance(grad, DTensor) else grad).view(-1)[0] = float("inf")
+    scaler.step(optimizer)
+    scaler.update()
+    moved = any(not torch.equal(_local(p), b) for p, b in zip(model.parameters(), before, strict=True))
+    return {"scale": scaler.get_scale(), "moved": moved}
+
+
+def _plain_fsdp(spec: dict[str, Any]) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = build(spec)
+    plan = fs.shard(model, fs.Mesh(dp=dist.get_world_size()), fs.fsdp())
+    fs.apply(plan, model)
+    return model, fs.optimizer(plan, model, torch.optim.AdamW, lr=LR, eps=EPS)
+
+
+def _pipelined(spec: dict[str, Any]) -> tuple[torch.nn.Module, torch.optim.Optimizer, fs.Plan]:
+    model = build(spec)
+    plan = fs.shard(model, fs.Mesh(**spec["mesh"]), policy_of(spec))
+    fs.apply(plan, model)
+    return model, fs.optimizer(plan, model, torch.optim.AdamW, lr=LR, eps=EPS), plan
+
+
+def _one_pipelined_step(model, optimizer, plan) -> None:
+    index, data_parallel = plan.data_parallel_rank(dist.get_rank())
+    tokens = batches(data_parallel)[0][index * BATCH : (index + 1) * BATCH]
+    fs.forward_backward(plan, model, lm_loss)(tokens[:, :-1], tokens[:, 1:])
+    optimizer.step()
+
+
+def _states(model, optimizer) -> dict[str, Any]:
+    # this rank's whole parameters and AdamW moments, by parameter path
+    state = fs.checkpoint.optimizer_state(model, optimizer)["state"]
+    return {
+        "params": {k: full(v) for k, v in model.state_dict().items()},
+        "moments": {k: full(v["exp_avg"]) for k, v in state.items()},
+    }
+
+
+def checkpoint_across(spec: dict[str, Any], path: str, saved_under_pp: bool) -> dict[str, Any]:
+    """Train a step under one plan (the pipeline's, or FSDP over every rank), save sharded,
+    load under the other; this rank's states after saving and after loading."""
+    if saved_under_pp:
+        model, optimizer, plan = _pipelined(spec)
+        _one_pipelined_step(model, optimizer, plan)
+    else:
+        model, optimizer = _plain_fsdp(spec)
+        tokens = batches(1)[0][: BATCH * dist.get_world_size()]
+        mine = tokens[dist.get_rank() * BATCH // 4 : (dist.get_rank() + 1) * BATCH // 4]
+        lm_loss(model(mine[:, :-1]), mine[:, 1:]).backward()
+        optimizer.step()
+    fs.checkpoint.save(path, model, optimizer)
+    saved = _states(model, optimizer)
+    if saved_under_pp:
+        target, target_optimizer = _plain_fsdp(spec)
+    else:
+        target, target_optimizer, _ = _pipelined(spec)
+    fs.checkpoint.load(path, target, target_optimizer)
+    return {"saved": saved, "loaded": _states(target, target_optimizer)}
+
+
+def full_file_into_pipeline(spec: dict[str, Any], path: str) -> dict[str, Any]:
+    """Save one full file under FSDP after a step, load it under the pipeline; and the
+    refusal of a full save under the pipeline."""
+    model, optimizer = _plain_fsdp(spec)
+    tokens = batches(1)[0][: dist.get_world_size()]
+    mine = tokens[dist.get_rank() : dist.get_rank() + 1]
+    lm_loss(model(mine[:, :-1]), mine[:, 1:]).backward()
+    optimizer.step()
+    fs.checkpoint.save(path, model, optimizer, full=True)
+    saved = _states(model, optimizer)
+    target, target_optimizer, _ = _pipelined(spec)
+    fs.checkpoint.load(path, target, target_optimizer)
+    try:
+        fs.checkpoint.save(path + ".again", target, target_optimizer, full=True)
+        refusal = ""
+    except fs.ShardingError as error:
+        refusal = str(error)
+    return {"saved": saved, "loaded": _states(target, target_optimizer), "refusal": refusal}

@@ -112,9 +112,13 @@ SLOW_CASES = [
     pc.case({"pp": 2, "tp": 2}, tp=True),
     pc.case({"pp": 2, "dp": 2}, data="fsdp", config="llama", model="hf"),
     pc.case({"pp": 2, "tp": 2}, tp=True, config="llama", model="hf"),
+    pc.case({"pp": 2, "tp": 2}, tp="sp"),
+    pc.case({"pp": 2, "tp": 2}, tp="sp", config="llama", model="hf"),
     pc.case({"pp": 2, "dp": 2}, data="fsdp", meta=True),
     pc.case({"pp": 2, "dp": 2}, "interleaved1f1b", stages_per_rank=2, data="fsdp", meta=True),
     pc.case({"pp": 2, "dp": 2}, data="fsdp", clip=0.5),
+    pc.case({"pp": 2, "dp": 2}, data="fsdp", scaler=True),
+    pc.case({"pp": 2, "dp": 2}, "interleaved1f1b", stages_per_rank=2, data="fsdp", checkpointing=True),
 ]
 
 
@@ -130,7 +134,9 @@ def test_every_schedule_and_composition_trains_as_one_process(world, spec):
     sent = sum(r["sent"] for r in results)
     replicas = len(results) // pp
     local_turns = 1 if spec["schedule"] in ("zbv", "dualpipev") else 0
-    assert sent == 2 * replicas * (boundaries - local_turns) * activation_bytes(spec)
+    # under sequence parallel each tensor-parallel rank sends its slice of the sequence
+    split = spec["mesh"]["tp"] if spec["tp"] == "sp" else 1
+    assert sent == 2 * replicas * (boundaries - local_turns) * activation_bytes(spec) // split
 
 
 @pytest.mark.slow
@@ -148,3 +154,62 @@ def test_a_schedule_torch_cannot_run_is_a_sharding_error_with_torchs_reason(worl
     message = world.run(pc.refused, spec, pc.one_step)[0]
     assert "ScheduleDualPipeV refuses 4 micro-batches over 8 stages" in message
     assert "at least as many microbatches as stages" in message  # torch's own words
+
+
+@pytest.mark.slow
+def test_an_overflow_on_one_stage_skips_the_step_on_every_rank(world):
+    spec = pc.case({"pp": 2, "dp": 2}, data="fsdp")
+    results = world.run(pc.overflow_on_one_stage, spec, 3)  # rank 3 holds stage 1
+    assert [r["moved"] for r in results] == [False] * 4
+    assert len({r["scale"] for r in results}) == 1  # every rank halved its scale alike
+    assert results[0]["scale"] == 2.0**15
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved_under_pp", [True, False], ids=["pp-to-fsdp", "fsdp-to-pp"])
+@pytest.mark.parametrize("stages_per_rank", [1, 2])
+def test_a_sharded_checkpoint_moves_between_a_pipeline_and_a_plan_without_one(
+    world, tmp_path, saved_under_pp, stages_per_rank
+):
+    schedule = "1f1b" if stages_per_rank == 1 else "interleaved1f1b"
+    spec = pc.case({"pp": 2, "dp": 2}, schedule, stages_per_rank=stages_per_rank, data="fsdp")
+    results = world.run(pc.checkpoint_across, spec, str(tmp_path / "ckpt"), saved_under_pp)
+    for kind in ("params", "moments"):
+        saved = pc.merged_params([{"params": r["saved"][kind]} for r in results])
+        loaded = pc.merged_params([{"params": r["loaded"][kind]} for r in results])
+        assert saved.keys() == loaded.keys()
+        assert len(saved) == 39  # every parameter of the model, under its own name
+        for name, value in saved.items():
+            torch.testing.assert_close(loaded[name], value, atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_a_full_file_loads_into_a_pipeline_and_a_pipeline_saves_sharded_only(world, tmp_path):
+    spec = pc.case({"pp": 2, "dp": 2}, data="fsdp")
+    results = world.run(pc.full_file_into_pipeline, spec, str(tmp_path / "model.pt"))
+    for kind in ("params", "moments"):
+        saved = pc.merged_params([{"params": r["saved"][kind]} for r in results])
+        loaded = pc.merged_params([{"params": r["loaded"][kind]} for r in results])
+        assert saved.keys() == loaded.keys()
+        for name, value in saved.items():
+            torch.testing.assert_close(loaded[name], value, atol=0, rtol=0, msg=name)
+    assert all("rank 0 holds only its own stages" in r["refusal"] for r in results)
+
+
+def test_a_stage_plan_holds_its_stages_parameters_units_and_styles_only():
+    from functional_shard.engines.pipeline import stage_plan
+    from functional_shard.zoo import llama
+
+    policy = fs.pipeline("pp", microbatches=4) + fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp")
+    plan = fs.shard(llama("tiny"), fs.Mesh(pp=2, dp=2, tp=2), policy)
+    first, last = stage_plan(plan, (0,)), stage_plan(plan, (1,))
+    assert set(first.params) | set(last.params) == set(plan.params)
+    assert not set(first.params) & set(last.params)
+    assert "embed_tokens.weight" in first.params
+    assert "lm_head.weight" in last.params
+    assert all(p.startswith("layers.1.") for p in last.params if p.startswith("layers."))
+    assert {u for u in first.config.units if u} == {"layers.0"}
+    assert {path.split(".")[1] for path, _, _ in last.config.tp_styles if path.startswith("layers.")} == {"1"}
+    for local in (first, last):
+        assert local.config.pipeline_axis is None
+        assert local.config.reshard_after_forward is False  # as torchtitan runs FSDP under PP

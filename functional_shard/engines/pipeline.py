@@ -220,6 +220,15 @@ def _device(device_mesh: DeviceMesh) -> torch.device:
     return torch.device(device_mesh.device_type, torch.accelerator.current_device_index())
 
 
+def _sub_mesh(device_mesh: DeviceMesh) -> Callable[..., DeviceMesh]:
+    # A stage receiving a DTensor (sequence parallel's hidden states, split over tp) rebuilds
+    # it on the mesh its sender named: the same axes of this rank's own mesh
+    def get_mesh(names: tuple[str, ...], layout: Any = None) -> DeviceMesh:
+        return device_mesh[names[0]] if len(names) == 1 else device_mesh[names]
+
+    return get_mesh
+
+
 def apply_pipeline(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> Plan:
     """Keep this rank's stages of ``module``, parallelize each, and wrap it in a ``PipelineStage``.
 
@@ -259,7 +268,11 @@ def apply_pipeline(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> Pl
         reduce_whole_grads(local, view, device_mesh)
         refuse_uneven_sequences(local, view)
         _run_as_stage(view, stage, first=stage == 0)
-        built.append(PipelineStage(view, stage, n_stages, device, group=pp_mesh.get_group()))
+        built.append(
+            PipelineStage(
+                view, stage, n_stages, device, group=pp_mesh.get_group(), get_mesh=_sub_mesh(device_mesh)
+            )
+        )
     last_rank = stage_rank(n_stages - 1, pp, config.stages_per_rank, config.pipeline_schedule)
     pipelined = Pipelined(plan, tuple(built), pp_mesh.get_group(), last_rank)
     module.__dict__["_fs_pipeline"] = pipelined

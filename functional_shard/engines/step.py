@@ -82,6 +82,10 @@ def forward_backward(
                     f"plan's {microbatches} micro-batches ({batch.shape[0]} % {microbatches} != 0); pass a "
                     f"batch that is a multiple of {microbatches}, or plan pipeline(microbatches=...) again"
                 )
+        if scaler is not None:
+            # only the last stage's ranks scale a loss; the others' scalers must have a
+            # scale too, to unscale their gradients and step
+            scaler.scale(torch.zeros((), device=inputs.device))
         loss = pipeline_step(pipelined, loss_of_microbatch, inputs, targets)
         if scaler is not None:
             loss = loss / scaler.get_scale()
