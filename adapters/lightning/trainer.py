@@ -319,6 +319,11 @@ def training_loss(module: pl.LightningModule, inputs: torch.Tensor, targets: tor
         >>> # def training_step(self, batch, index):
         >>> #     return training_loss(self, batch[:, :-1], batch[:, 1:])
     """
+    if not callable(getattr(module, "loss_fn", None)):
+        raise fs.ShardingError(
+            f"training_loss: {type(module).__name__} needs a loss_fn(outputs, targets) method, a mean "
+            "over the batch (under a pipeline plan the last stage calls it on each micro-batch)"
+        )
     strategy = module.trainer.strategy if module._trainer is not None else None
     if isinstance(strategy, ShardStrategy) and strategy._pipelined():
         return strategy.pipeline_step(inputs, targets)
