@@ -101,8 +101,9 @@ def resume_without_pp(path: str) -> dict[str, torch.Tensor]:
 
 def fit_refused(**options: Any) -> str:
     """The ShardingError a pipelined fit raises before training (or '')."""
-    validate = options.pop("validate", False)
+    validate, manual = options.pop("validate", False), options.pop("manual", False)
     module = Validates() if validate else PipelinedLanguageModel()
+    module.automatic_optimization = not manual
     try:
         fit(module=module, **options)
     except fs.ShardingError as error:

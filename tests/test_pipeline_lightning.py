@@ -49,8 +49,9 @@ def test_a_fabric_loop_trains_a_pipeline_plan_as_one_process(world):
         ({"accumulate_grad_batches": 2}, "accumulate_grad_batches=2"),
         ({"validate": True}, "validation (validation_step"),
         ({"precision": "bf16-true"}, "the precision plugin HalfPrecision"),
+        ({"manual": True}, "manual optimization (automatic_optimization = False)"),
     ],
-    ids=["accumulate", "validate", "precision"],
+    ids=["accumulate", "validate", "precision", "manual"],
 )
 def test_what_a_schedule_cannot_run_is_refused_before_fit(world, options, named):
     messages = world.run(cases.fit_refused, **options)
