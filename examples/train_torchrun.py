@@ -6,6 +6,11 @@ process, picked by LOCAL_RANK):
     torchrun --standalone --nproc-per-node 4 examples/train_torchrun.py \\
         --mesh dp=2,tp=2 --policy "fsdp(dp) + tp(llama, tp)" --steps 20
 
+A pipeline plan (2 stages, each sharded by FSDP over 2 ranks; 4 micro-batches per step):
+
+    torchrun --standalone --nproc-per-node 4 examples/train_torchrun.py \\
+        --mesh pp=2,dp=2 --policy "pipeline(pp, microbatches=4) + fsdp(dp)" --steps 20
+
 Two nodes of 8 GPUs (run the same line on each node; node 0's address is the rendezvous):
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node0:29500 \\
@@ -16,6 +21,9 @@ Every process plans the same model on the meta device (pure: all ranks agree wit
 talking), lets `fs.apply` parallelize it, then materializes only its own shards. The data
 is a learnable toy task (each next token is the previous one plus one), split over the
 data-parallel ranks as the plan says; the loss is averaged over them and printed by rank 0.
+The loop is the same for every plan: `fs.forward_backward` runs a plain forward and backward,
+or under a pipeline plan the schedule (each rank runs its stages on the micro-batches, the
+last stage computes the loss, every rank of a pipeline gets it back).
 """
 
 from __future__ import annotations
@@ -42,7 +50,9 @@ def arguments() -> argparse.Namespace:
     )
     parser.add_argument("--policy", default="fsdp(dp) + tp(auto, tp)", help="a policy expression")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per data-parallel rank")
+    parser.add_argument(
+        "--batch", type=int, default=4, help="sequences per data-parallel rank (a multiple of micro-batches)"
+    )
     parser.add_argument("--seq", type=int, default=32, help="tokens per sequence")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
@@ -54,6 +64,12 @@ def counting_batch(step: int, rows: int, seq: int, vocab: int, seed: int) -> tor
     generator = torch.Generator().manual_seed(seed * 100_003 + step)
     starts = torch.randint(0, vocab, (rows, 1), generator=generator)
     return (starts + torch.arange(seq + 1)) % vocab
+
+
+def next_token_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of the logits (a model's output, or a Hugging Face output's) against the next tokens."""
+    logits = output.logits if hasattr(output, "logits") else output
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
 def main() -> int:
@@ -97,20 +113,24 @@ def main() -> int:
         dist.destroy_process_group()
         return 2
 
-    vocab = next(p for n, p in model.named_parameters() if "embed" in n or "wte" in n).shape[0]
+    vocab = plan.tensors[next(n for n in plan.tensors if "embed" in n or "wte" in n)].shape[0]
+    forward_backward = fs.forward_backward(plan, model, next_token_loss)
     index, slices = plan.data_parallel_rank(rank)
     first = last = math.nan
     for step in range(args.steps):
         tokens = counting_batch(step, args.batch * slices, args.seq, vocab, args.seed)
         mine = tokens[index * args.batch : (index + 1) * args.batch].to(device)
-        output = model(mine[:, :-1])
-        logits = output.logits if hasattr(output, "logits") else output
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), mine[:, 1:].reshape(-1))
         optimizer.zero_grad()
-        loss.backward()
+        try:
+            loss = forward_backward(mine[:, :-1], mine[:, 1:])
+        except fs.ShardingError as error:  # a batch the micro-batches do not divide
+            if rank == 0:
+                print(f"train_torchrun: {error}", file=sys.stderr)
+            dist.destroy_process_group()
+            return 2
         optimizer.step()
         mean = loss.detach().clone()
-        dist.all_reduce(mean)  # ranks of one data-parallel slice hold the same loss
+        dist.all_reduce(mean)  # ranks of one data-parallel slice (tp, pp) hold the same loss
         mean = mean.item() / dist.get_world_size()
         first = mean if step == 0 else first
         last = mean

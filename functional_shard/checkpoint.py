@@ -20,7 +20,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from .errors import ShardingError
 
+if TYPE_CHECKING:
+    from .engines.pipeline import Pipelined
+
 __all__ = [
     "convert",
     "load",
@@ -52,29 +55,81 @@ __all__ = [
 _META = "meta.pt"
 
 
+def _pipeline(module: nn.Module) -> Pipelined | None:
+    """The pipeline ``module`` (or a module inside it, as a LightningModule's child) runs, if any."""
+    from .engines.pipeline import pipeline_of
+
+    return next((found for m in module.modules() if (found := pipeline_of(m)) is not None), None)
+
+
+def _gathered_stages(pipelined: Pipelined, sharded: dict[str, Any], merge: Any) -> dict[str, Any]:
+    """Whole tensors of every stage on rank 0: each stage's shards gathered, then sent to rank 0.
+
+    Under pp a rank holds only its stages, so torch's full state dict (whole tensors on
+    rank 0) would hold only rank 0's. The ranks of rank 0's pipeline (one per stage) send
+    their stages' whole tensors; the other ranks take part in the gathers only.
+    """
+    from torch.distributed.tensor import DTensor
+
+    def whole(value: Any) -> Any:
+        # full_tensor is a collective over the stage's own (dp, tp) ranks: every rank calls it
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        return value.detach().cpu() if torch.is_tensor(value) else value
+
+    sends = 0 in dist.get_process_group_ranks(pipelined.group)
+    mine = _tree_map_in_order(whole, sharded)
+    parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+    dist.gather_object(mine if sends else None, parts if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() != 0:
+        return {}
+    return merge([part for part in parts if part is not None])
+
+
+def _tree_map_in_order(fn: Any, tree: Any) -> Any:
+    # dicts and lists in their own order, the same on every rank of a stage
+    if isinstance(tree, dict):
+        return {k: _tree_map_in_order(fn, v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_tree_map_in_order(fn, v) for v in tree]
+    return fn(tree)
+
+
+def _merge_models(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def _merge_optimizers(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    # one optimizer per pipeline rank, built alike: the same groups, each over its own stages
+    state = {k: v for part in parts for k, v in part["state"].items()}
+    groups = [dict(group) for group in parts[0]["param_groups"]]
+    for part in parts[1:]:
+        for group, other in zip(groups, part["param_groups"], strict=True):
+            group["params"] = [*group["params"], *other["params"]]
+    return {"state": state, "param_groups": groups}
+
+
 def model_state(module: nn.Module, *, full: bool = False) -> dict[str, Any]:
     """The module's state: this rank's shards, or (``full``) whole tensors on rank 0 only.
 
-    Raises:
-        ShardingError: ``full`` for a pipelined module, whose rank 0 holds its own stages only.
+    Under a pipeline plan a rank holds its stages' tensors only; the full state is still
+    every stage's, on rank 0.
     """
-    if full and _pipelined(module):
-        raise ShardingError(
-            "a full (one-file) checkpoint of a pipelined module: rank 0 holds only its own stages, so "
-            "its file would miss the others. Save sharded (full=False: every rank writes its stages, and "
-            "it loads under any plan), then fs.checkpoint.convert(folder, file) for one file"
-        )
+    pipelined = _pipeline(module) if full else None
+    if pipelined is not None:
+        return _gathered_stages(pipelined, model_state(module), _merge_models)
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
 
 
-def _pipelined(module: nn.Module) -> bool:
-    from .engines.pipeline import pipeline_of
-
-    return pipeline_of(module) is not None
-
-
 def set_model_state(module: nn.Module, state: dict[str, Any], *, full: bool, strict: bool = True) -> None:
-    """Load a state from `model_state` (sharded, or full on every rank) into the module."""
+    """Load a state from `model_state` (sharded, or full on every rank) into the module.
+
+    Under a pipeline plan a full state holds the other stages' tensors too; this rank
+    loads its own (and still refuses, with ``strict``, one that lacks any of them).
+    """
+    if full and _pipeline(module) is not None:
+        own = set(module.state_dict())
+        state = {k: v for k, v in state.items() if k in own}
     set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=full, strict=strict))
 
 
@@ -104,6 +159,9 @@ def optimizer_state(
     Full: every parameter's whole state on rank 0, nothing elsewhere.
     """
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        pipelined = _pipeline(module) if full else None
+        if pipelined is not None:
+            return _gathered_stages(pipelined, optimizer_state(module, optimizer), _merge_optimizers)
         return get_optimizer_state_dict(
             module, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full)
         )
@@ -127,6 +185,9 @@ def set_optimizer_state(
 ) -> None:
     """Load a state from `optimizer_state` (sharded, or full on every rank), under any plan."""
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        if full and _pipeline(module) is not None:
+            own = {name for name, _ in module.named_parameters()}
+            state = {**state, "state": {k: v for k, v in state.get("state", {}).items() if k in own}}
         set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=full))
         return
     saved_groups = state.get("param_groups", [])
@@ -242,11 +303,8 @@ def read(
     # loading: the price of the one-file format)
     saved = _optimizers_by_key(torch.load(path, map_location="cpu", weights_only=weights_only))
     key, target = module
-    model = saved.pop(key)
-    if _pipelined(target):  # a pipeline rank holds its own stages: it takes their part of the file
-        names = set(target.state_dict())
-        model = {name: value for name, value in model.items() if name in names}
-    set_model_state(target, model, full=True, strict=strict)
+    # a pipeline rank takes its own stages' part of the file (set_model_state)
+    set_model_state(target, saved.pop(key), full=True, strict=strict)
     for name, optimizer in optimizers.items():
         if name in saved:
             set_optimizer_state(target, optimizer, saved.pop(name), full=True)
@@ -268,6 +326,14 @@ def _read_sharded(
             if isinstance(optimizer, ZeroRedundancyOptimizer)
             else optimizer_state(target, optimizer)
         )
+    # DCP keeps one rank's copy of a non-tensor value such as the param groups; under a
+    # pipeline plan each rank's optimizer holds other parameters (its stages'), so each
+    # group keeps this rank's parameter names and takes the saved hyperparameters
+    own_params = {
+        name: [group["params"] for group in state[name].get("param_groups", [])]
+        for name, optimizer in optimizers.items()
+        if not isinstance(optimizer, ZeroRedundancyOptimizer)
+    }
     try:
         dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=not strict))
     except (Exception, CheckpointException) as error:  # a BaseException: it wraps each rank's failure
@@ -277,6 +343,11 @@ def _read_sharded(
             f"the checkpoint at {path} does not fit this module: {cause}. "
             "Load it under a module of the same shapes, or with strict=False to skip what is missing"
         ) from error
+    for name, params in own_params.items():
+        groups = state[name].get("param_groups", [])
+        if len(groups) == len(params):
+            for group, own in zip(groups, params, strict=True):
+                group["params"] = own
     set_model_state(target, state[key], full=False, strict=strict)
     for name, optimizer in optimizers.items():
         set_optimizer_state(target, optimizer, state[name], full=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -10,6 +11,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncControl
 from lightning.fabric.strategies.parallel import ParallelStrategy as FabricParallelStrategy
+from lightning.fabric.wrappers import _FabricModule
 
 import functional_shard as fs
 
@@ -27,6 +29,12 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
     ``ZeroRedundancyOptimizer``). ``fabric.backward`` and ``fabric.no_backward_sync`` work
     as with Lightning's ModelParallelStrategy; ``precision="16-mixed"`` too (which that one
     refuses), its loss scaler agreeing over ranks (`functional_shard.grad_scaler`).
+
+    One loop for every plan, pipelines included: ``step = strategy.forward_backward(model,
+    loss_fn)`` gives ``step(inputs, targets) -> loss`` (`functional_shard.forward_backward`
+    in the precision's autocast and with its loss scaler). Under a pipeline plan the
+    schedule runs the forward and the backward of every micro-batch, so ``fabric.backward``
+    is refused there: a stage's forward alone is not the model's.
     ``fabric.save`` / ``fabric.load`` write and read `functional_shard.checkpoint`'s format
     (aside, then renamed; any plan's, ZeRO-1's included), so a checkpoint moves between
     plans, Fabric and the Trainer.
@@ -73,6 +81,64 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
         _agree_on_overflow(self.precision)
         self._module = module
         return module
+
+    def forward_backward(
+        self, module: torch.nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """``step(inputs, targets) -> loss``: one forward and backward under the plan, any plan.
+
+        `functional_shard.forward_backward` on the module ``fabric.setup_module`` returned,
+        run in the precision's autocast and scaled by its loss scaler (float16); under a
+        pipeline plan the schedule runs every micro-batch. Step the optimizer after it.
+
+        Raises:
+            functional_shard.ShardingError: ``module`` is not the one this strategy set up.
+        """
+        inner = module.module if isinstance(module, _FabricModule) else module
+        if self._module is None or inner is not self._module:
+            raise fs.ShardingError(
+                "FabricShardStrategy.forward_backward needs the module fabric.setup_module(model) returned"
+            )
+        scaler = getattr(self.precision, "scaler", None)
+        step = fs.forward_backward(self.plan, inner, loss_fn, scaler=scaler)
+        precision = self.precision
+
+        def in_precision(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            with precision.forward_context():
+                return step(inputs, targets)
+
+        return in_precision
+
+    def backward(
+        self, tensor: torch.Tensor, module: torch.nn.Module | None, *args: Any, **kwargs: Any
+    ) -> None:
+        """``fabric.backward``; refused under a pipeline plan, whose schedule runs the backward."""
+        if self._plan is not None and self._plan.config.pipeline_axis is not None:
+            raise fs.ShardingError(
+                f"fabric.backward under a pipeline plan (axis {self._plan.config.pipeline_axis!r}): the "
+                "schedule runs every micro-batch's forward and backward, and a stage's output is not the "
+                "model's. Use step = fabric.strategy.forward_backward(model, loss_fn); loss = step(x, y)"
+            )
+        super().backward(tensor, module, *args, **kwargs)
+
+    def clip_gradients_norm(
+        self,
+        module: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        """Clip by the global norm over every shard, mesh and stage (`functional_shard.clip_grad_norm_`).
+
+        torch's ``clip_grad_norm_`` would take each pipeline stage's norm alone.
+        """
+        self.precision.unscale_gradients(optimizer)
+        parameters = (p for group in optimizer.param_groups for p in group["params"])
+        total = fs.clip_grad_norm_(parameters, float(max_norm), float(norm_type))
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {float(total)}")
+        return total
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Refuse an optimizer built on parameters that sharding replaced.

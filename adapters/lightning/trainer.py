@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -31,6 +31,17 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
     first (so models can be built on the meta device), then the plan is applied and the
     module materialized shard by shard. The distributed sampler splits the data over the
     plan's data-parallel axes; tensor-parallel ranks read the same batches.
+
+    Pipeline plans (``fs.pipeline("pp", microbatches=4) + fs.fsdp("dp")``): the schedule runs
+    each step's forward and backward over its micro-batches, so ``training_step`` returns
+    `training_loss` ``(self, inputs, targets)`` and the LightningModule names its loss as a
+    ``loss_fn(outputs, targets)`` method (a mean over the batch); Lightning's automatic
+    optimization then steps, clips and logs as usual, and its backward is skipped (the
+    schedule ran it). The plan is made for the one child module that holds the parameters
+    (``fs.shard(module.model, ...)``; a policy is planned on it). What cannot work under a
+    schedule is refused by name before fit starts: ``accumulate_grad_batches > 1`` (raise the
+    micro-batches instead), manual optimization, validation, test and predict loops, and
+    precision plugins other than ``"32-true"`` / ``"*-mixed"``.
 
     Precision: ``"32-true"``, ``"bf16-mixed"``, and ``"16-mixed"`` with a loss scaler that
     agrees over every rank (`functional_shard.grad_scaler`). Checkpoints (``trainer.save_checkpoint``,
@@ -70,6 +81,8 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
         super().__init__()
         self.num_nodes = 1
         self._hold(plan, mesh, seed, save_distributed_checkpoint, process_group_backend, timeout)
+        self._pipeline_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self._schedule_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
     @property
     def device_mesh(self) -> Any:
@@ -115,7 +128,18 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
             )
         self.accelerator.setup(trainer)
         module = self.model
-        self._run_plan(module, self.device_mesh, self.root_device, root=_forward_root(module))
+        root = _forward_root(module)
+        if self._pipelined():
+            _refuse_under_pipeline(trainer, module, self._pipeline_axis())
+            if self._plan is not None and any(path.startswith(f"{root}.") for path in self._plan.params):
+                raise fs.ShardingError(
+                    f"ShardStrategy(plan) with a pipeline plan made for the LightningModule (paths like "
+                    f"{next(iter(self._plan.params))!r}): a stage runs the model's own forward, so plan "
+                    f"the model inside it, fs.shard(module.{root}, mesh, policy), or pass the policy"
+                )
+            self._run_plan(module.get_submodule(root), self.device_mesh, self.root_device)
+        else:
+            self._run_plan(module, self.device_mesh, self.root_device, root=root)
         # Lightning clips with torch's clip_grad_norm_, which cannot mix meshes
         self.precision_plugin.clip_grad_by_norm = _clip_by_norm  # type: ignore[method-assign]
         _agree_on_overflow(self.precision_plugin)
@@ -132,6 +156,66 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
                     self._zero1(optimizer, module, schedulers) for optimizer in self.optimizers
                 ]
         self.setup_precision_plugin()
+
+    def _pipeline_axis(self) -> str | None:
+        if self._plan is not None:
+            return self._plan.config.pipeline_axis
+        layer = self._policy.pipeline if self._policy is not None else None
+        return layer.axis if layer is not None else None
+
+    def _pipelined(self) -> bool:
+        return self._pipeline_axis() is not None
+
+    def pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Run the plan's schedule on the module's ``loss_fn``: the batch's mean loss (detached).
+
+        The step function (and torch's schedule with it) is built once, with the precision
+        plugin's loss scaler if any. Lightning zeroes gradients *between* ``training_step``
+        and ``backward``, after the schedule has run the backward here: the schedule's
+        gradients are set aside and handed back in `backward`.
+        """
+        module = self.lightning_module
+        if module is None:
+            raise fs.ShardingError("ShardStrategy.pipeline_step runs during fit, after setup")
+        if self._pipeline_step is None:
+            root = module.get_submodule(_forward_root(module))
+            scaler = getattr(self.precision_plugin, "scaler", None)
+            self._pipeline_step = fs.forward_backward(self.plan, root, module.loss_fn, scaler=scaler)
+        params = list(module.parameters())
+        for param in params:  # the last step's gradients: accumulation is refused under pp
+            param.grad = None
+        loss = self._pipeline_step(inputs, targets)
+        self._schedule_grads = [(param, param.grad) for param in params]
+        for param in params:
+            param.grad = None
+        return loss
+
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: torch.optim.Optimizer | None, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        """Lightning's backward, or under a pipeline plan its hooks only (the schedule ran the backward)."""
+        if self._plan is None or self._plan.config.pipeline_axis is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        if closure_loss.requires_grad:
+            raise fs.ShardingError(
+                "under a pipeline plan training_step must return training_loss(self, inputs, targets) "
+                "(functional_shard.adapters.lightning), whose schedule runs the backward; it returned a "
+                "loss with a graph, which would leave the stages without gradients"
+            )
+        if self._schedule_grads is None:
+            raise fs.ShardingError(
+                "under a pipeline plan training_step must return training_loss(self, inputs, targets) "
+                "(functional_shard.adapters.lightning), which runs the schedule; no schedule ran this step"
+            )
+        for param, grad in self._schedule_grads:
+            param.grad = grad
+        self._schedule_grads = None
+        assert self.lightning_module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         """The LightningModule's optimizers, built anew on the parallelized parameters."""
@@ -211,6 +295,85 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
             {f"optimizer_{i}": optimizer for i, optimizer in enumerate(optimizers)},
             strict=self.lightning_module.strict_loading,
             weights_only=bool(weights_only),
+        )
+
+
+def training_loss(module: pl.LightningModule, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss of a training step under any strategy; return it from ``training_step``.
+
+    Under a `ShardStrategy` with a pipeline plan, the plan's schedule runs the forward and
+    the backward of every micro-batch and this returns their mean loss (detached, the same
+    on every rank of the pipeline); Lightning's backward is then skipped. Otherwise it is
+    ``module.loss_fn(child(inputs), targets)``, with ``child`` the module holding the
+    parameters, for Lightning to backward as usual. So one ``training_step`` runs any plan.
+
+    Args:
+        module: the LightningModule, with a ``loss_fn(outputs, targets)`` method.
+        inputs: this rank's batch of inputs (its data-parallel slice, as the sampler gives).
+        targets: the matching targets.
+
+    Returns:
+        The mean loss of the batch.
+
+    Examples:
+        >>> # def training_step(self, batch, index):
+        >>> #     return training_loss(self, batch[:, :-1], batch[:, 1:])
+    """
+    if not callable(getattr(module, "loss_fn", None)):
+        raise fs.ShardingError(
+            f"training_loss: {type(module).__name__} needs a loss_fn(outputs, targets) method, a mean "
+            "over the batch (under a pipeline plan the last stage calls it on each micro-batch)"
+        )
+    strategy = module.trainer.strategy if module._trainer is not None else None
+    if isinstance(strategy, ShardStrategy) and strategy._pipelined():
+        return strategy.pipeline_step(inputs, targets)
+    return module.loss_fn(module.get_submodule(_forward_root(module))(inputs), targets)
+
+
+def _refuse_under_pipeline(trainer: pl.Trainer, module: pl.LightningModule, axis: str | None) -> None:
+    # each is a way the Trainer would run the stages outside the schedule, or scale the
+    # schedule's gradients wrongly; refused by name before the plan is applied
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    problems = []
+    if trainer.state.fn != TrainerFn.FITTING:
+        problems.append(
+            f"trainer.{trainer.state.fn.value}(): a pipeline's stages run only inside the training "
+            "schedule; evaluate under a plan without pp (the checkpoint loads under any plan)"
+        )
+    if trainer.accumulate_grad_batches > 1:
+        problems.append(
+            f"accumulate_grad_batches={trainer.accumulate_grad_batches}: the schedule already "
+            "accumulates over its micro-batches; plan pipeline(microbatches=...) larger and feed "
+            "bigger batches instead"
+        )
+    if not module.automatic_optimization:
+        problems.append(
+            "manual optimization (automatic_optimization = False): the schedule runs the backward, "
+            "so manual_backward has nothing to do; keep automatic optimization"
+        )
+    validates = trainer.state.fn == TrainerFn.FITTING and trainer.limit_val_batches != 0
+    if validates and is_overridden("validation_step", module):
+        problems.append(
+            "validation (validation_step with limit_val_batches != 0): a stage's forward alone is "
+            "not the model's; pass limit_val_batches=0 and validate under a plan without pp"
+        )
+    precision = trainer.precision_plugin
+    if type(precision) not in (Precision, MixedPrecision):
+        problems.append(
+            f"the precision plugin {type(precision).__name__}: under a schedule only '32-true' and the "
+            "'*-mixed' autocast plugins run (the schedule runs the backward, not the plugin)"
+        )
+    if not callable(getattr(module, "loss_fn", None)):
+        problems.append(
+            f"no loss named: {type(module).__name__} needs a loss_fn(outputs, targets) method (a mean "
+            "over the batch) for the schedule to call on the last stage"
+        )
+    if problems:
+        raise fs.ShardingError(
+            f"ShardStrategy with a pipeline plan (axis {axis!r}) cannot run this fit:\n"
+            + "\n".join(f"* {p}" for p in problems)
         )
 
 
