@@ -352,7 +352,7 @@ def checkpoint_across(spec: dict[str, Any], path: str, saved_under_pp: bool) -> 
 
 def full_file_into_pipeline(spec: dict[str, Any], path: str) -> dict[str, Any]:
     """Save one full file under FSDP after a step, load it under the pipeline; and the
-    refusal of a full save under the pipeline."""
+    error of a full save under the pipeline (empty: it saves)."""
     model, optimizer = _plain_fsdp(spec)
     tokens = batches(1)[0][: dist.get_world_size()]
     mine = tokens[dist.get_rank() : dist.get_rank() + 1]
