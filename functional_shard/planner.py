@@ -308,6 +308,9 @@ def _config(
     pipe = policy.pipeline
     pipe_config: dict[str, Any] = {}
     if pipe is not None:
+        from .schedules import check_pipeline  # torch's schedule refuses counts it cannot run
+
+        check_pipeline(pipe.schedule, mesh[pipe.axis], pipe.stages_per_rank, pipe.microbatches)
         stages = split_stages(tree, mesh[pipe.axis] * pipe.stages_per_rank, pipe.split)
         pipe_config = {
             "pipeline_axis": pipe.axis,
