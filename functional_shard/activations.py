@@ -113,6 +113,15 @@ class ActivationTrace:
         recompute_flops: flops of checkpointed modules run again in backward.
         batch: sequences per data-parallel rank.
         seq: sequence length (global, before sequence parallel splits it).
+        stage_activation_bytes: when traced with ``stages``, the activation bytes each
+            pipeline stage keeps: storages made while one of its modules ran, plus those
+            made outside every stage's modules (the inputs, the model's own code between
+            them), which every stage's forward makes again.
+        stage_forward_flops: per stage, forward flops of ops run inside its modules (ops
+            outside them counted for every stage).
+        stage_backward_flops: per stage, backward flops, shared out as the forward's are
+            (autograd runs backward outside the modules' calls); repeated layers exactly.
+        stage_recompute_flops: per stage, recompute flops shared out the same way.
     """
 
     rank: int
@@ -124,6 +133,10 @@ class ActivationTrace:
     recompute_flops: int
     batch: int
     seq: int
+    stage_activation_bytes: tuple[int, ...] = ()
+    stage_forward_flops: tuple[int, ...] = ()
+    stage_backward_flops: tuple[int, ...] = ()
+    stage_recompute_flops: tuple[int, ...] = ()
 
     @property
     def step_flops(self) -> int:
@@ -148,12 +161,16 @@ class _Births(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.storages: dict[StorageWeakRef, None] = {}
+        # the pipeline stage whose module ran when each storage was made (-1: none)
+        self.owner: dict[StorageWeakRef, int] = {}
+        self.running: list[int] = []
 
     def note(self, tensor: torch.Tensor) -> None:
         ref = StorageWeakRef(tensor.untyped_storage())
         # a dead storage's address may be reused: the dict must hold the live one's reference
         self.storages.pop(ref, None)
         self.storages[ref] = None
+        self.owner[ref] = self.running[-1] if self.running else -1
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if (device := _device_query(func, args)) is not None:
@@ -184,6 +201,8 @@ class _Flops(TorchDispatchMode):
         # them selective checkpointing keeps (SAVED_OPS): what recomputation will re-run
         self.checkpointed = 0
         self.inside = {"all": 0, "saved": 0}
+        self.running: list[int] = []
+        self.by_stage: dict[int, int] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if (device := _device_query(func, args)) is not None:
@@ -196,6 +215,9 @@ class _Flops(TorchDispatchMode):
         if count:
             phase = "forward" if not self.backward else "recompute" if torch.is_grad_enabled() else "backward"
             self.counts[phase] += count
+            if phase == "forward":
+                owner = self.running[-1] if self.running else -1
+                self.by_stage[owner] = self.by_stage.get(owner, 0) + count
             if self.checkpointed and not self.backward:
                 self.inside["all"] += count
                 self.inside["saved"] += count if func in SAVED_OPS else 0
@@ -225,6 +247,72 @@ def kept_bytes(
         storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
         total += storage.nbytes()
     return total
+
+
+def kept_bytes_by_owner(births: _Births, exclude: set[StorageWeakRef], *, collect: int = 2) -> dict[int, int]:
+    """`kept_bytes`, by the pipeline stage that made each storage (-1: made outside every stage)."""
+    gc.collect(collect)
+    out: dict[int, int] = {}
+    for ref in births.storages:
+        if ref.expired() or ref in exclude:
+            continue
+        storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+        owner = births.owner.get(ref, -1)
+        out[owner] = out.get(owner, 0) + storage.nbytes()
+    return out
+
+
+@contextlib.contextmanager
+def _stage_owner(
+    modules: Mapping[str, nn.Module], stage_modules: Mapping[str, int], stacks: list[list[int]]
+) -> Iterator[None]:
+    """While a stage's module runs its forward, its index is on top of each of ``stacks``."""
+
+    def enter(stage: int) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            for stack in stacks:
+                stack.append(stage)
+
+        return hook
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        for stack in stacks:
+            if stack:
+                stack.pop()
+
+    handles = []
+    try:
+        for path, stage in stage_modules.items():
+            module = modules.get(path)
+            if module is not None:
+                handles.append(module.register_forward_pre_hook(enter(stage)))
+                handles.append(module.register_forward_hook(leave, always_call=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _stage_of_path(path: str, stage_modules: Mapping[str, int]) -> int:
+    while True:
+        if path in stage_modules:
+            return stage_modules[path]
+        if not path:
+            return -1
+        path = path.rpartition(".")[0]
+
+
+def _per_stage(by_owner: Mapping[int, int], stages: int) -> list[int]:
+    # what no stage's module made (inputs, the model's code between its modules) every stage makes
+    shared = by_owner.get(-1, 0)
+    return [by_owner.get(stage, 0) + shared for stage in range(stages)]
+
+
+def _shared_out(total: int, weights: list[int]) -> list[int]:
+    whole = sum(weights)
+    if not whole:
+        return [total // max(len(weights), 1)] * len(weights)
+    return [round(total * w / whole) for w in weights]
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -529,6 +617,8 @@ class _Run:
         self.batch, self.seq, self.inputs, self.dtype, self.tp_size = batch, seq, inputs, dtype, tp_size
         self.expert_imbalance = expert_imbalance
         self.repeats_are_passable = True
+        self.stage_modules: dict[str, int] = {}
+        self.stages = 0
 
     @contextlib.contextmanager
     def _left_out(self, groups: list[tuple[str, ...]], doubled: tuple[int, ...]) -> Iterator[None]:
@@ -582,7 +672,7 @@ class _Run:
 
     def trace(
         self, groups: list[tuple[str, ...]], doubled: tuple[int, ...] = (), *, backward: bool = True
-    ) -> dict[str, int]:
+    ) -> dict[str, Any]:
         """Bytes kept and flops of one forward and backward, repeated layers partly left out.
 
         Each group runs its first member (its first two where ``doubled``); the rest pass
@@ -610,6 +700,9 @@ class _Run:
             stack.enter_context(_reparametrize_module(model, self.state, tie_weights=False, strict=False))
             stack.enter_context(_unpacked_sequences(model))
             stack.enter_context(routed_experts(self.modules.values(), self.expert_imbalance))
+            stack.enter_context(
+                _stage_owner(self.modules, self.stage_modules, [births.running, flops.running])
+            )
             stack.enter_context(fake)
             with flops, births:
                 try:
@@ -632,7 +725,8 @@ class _Run:
             if not isinstance(output, torch.Tensor):
                 raise ShardingError(f"trace_activations: {type(model).__name__}'s forward returned no tensor")
             output_key = {StorageWeakRef(output.untyped_storage())}
-            activation_bytes = kept_bytes(births.storages, excluded | output_key, collect=1)
+            by_owner = kept_bytes_by_owner(births, excluded | output_key, collect=1)
+            activation_bytes = sum(by_owner.values())
             output_bytes = output.untyped_storage().nbytes()
             output_numel = output.numel()
             if backward:
@@ -648,7 +742,7 @@ class _Run:
             # outputs instead of running them
             saved = flops.inside["saved"] if config.checkpoint_policy == "selective" else 0
             flops.counts["recompute"] = flops.inside["all"] - saved
-        return {
+        counts: dict[str, Any] = {
             "activation_bytes": activation_bytes,
             "output_bytes": output_bytes,
             "output_numel": output_numel,
@@ -656,6 +750,13 @@ class _Run:
             "backward_flops": flops.counts["backward"],
             "recompute_flops": flops.counts["recompute"],
         }
+        if self.stages:
+            forward = _per_stage(flops.by_stage, self.stages)
+            counts["stage_activation_bytes"] = _per_stage(by_owner, self.stages)
+            counts["stage_forward_flops"] = forward
+            for key in ("backward", "recompute"):
+                counts[f"stage_{key}_flops"] = _shared_out(flops.counts[key], forward)
+        return counts
 
 
 def _reached(plan: Any, left_out: tuple[str, ...]) -> Any:
@@ -714,6 +815,7 @@ def trace_activations(
     inputs: Any = None,
     expert_imbalance: float = 1.0,
     backward: bool = True,
+    stages: tuple[tuple[str, ...], ...] | None = None,
 ) -> ActivationTrace:
     """Bytes ``model`` keeps for backward and its flops on one rank, traced on meta tensors.
 
@@ -738,6 +840,10 @@ def trace_activations(
             every saved tensor is back, so a full recompute may run less; 0 is exact).
             Checkpointing leaves the backward's own flops as they are without it. Nested
             checkpointed modules are traced with the backward whatever this says.
+        stages: the module paths of each pipeline stage (``plan.config.pipeline_stages``):
+            the trace then also says what each stage keeps and computes
+            (``stage_activation_bytes`` and the ``stage_*_flops``), for one micro-batch of
+            ``batch`` sequences.
 
     Returns:
         An `ActivationTrace`.
@@ -849,13 +955,25 @@ def trace_activations(
         expert_imbalance,
         modules,
     )
+    if stages:
+        run.stage_modules = {path: index for index, modules in enumerate(stages) for path in modules}
+        run.stages = len(stages)
     try:
         first = run.trace(groups, backward=backward)
-        counts = dict(first)
+        counts = {key: list(value) if isinstance(value, list) else value for key, value in first.items()}
         for index, group in enumerate(groups):
             second = run.trace(groups, (index,), backward=backward)
             for key in counts:
-                if key not in ("output_bytes", "output_numel"):
+                if key in ("output_bytes", "output_numel"):
+                    continue
+                if isinstance(counts[key], list):
+                    # each further layer adds what the second added, to its own stage
+                    added = sum(second[key]) - sum(first[key])
+                    for member in group[1:]:
+                        owner = _stage_of_path(member, run.stage_modules)
+                        for stage in range(run.stages) if owner < 0 else (owner,):
+                            counts[key][stage] += added
+                else:
                     counts[key] += (len(group) - 1) * (second[key] - first[key])
     except _NotPassableError:
         run.repeats_are_passable = False
@@ -863,4 +981,7 @@ def trace_activations(
         make_fake(())
         run.plan = plan
         counts = run.trace([], backward=backward)
-    return ActivationTrace(rank=rank, batch=batch, seq=seq, **counts)
+    fields: dict[str, Any] = {
+        key: tuple(value) if isinstance(value, list) else value for key, value in counts.items()
+    }
+    return ActivationTrace(rank=rank, batch=batch, seq=seq, **fields)
