@@ -122,6 +122,8 @@ class ActivationTrace:
         stage_backward_flops: per stage, backward flops, shared out as the forward's are
             (autograd runs backward outside the modules' calls); repeated layers exactly.
         stage_recompute_flops: per stage, recompute flops shared out the same way.
+        stage_output_bytes: per stage, the bytes of its last module's output: what it
+            sends the next stage per micro-batch.
     """
 
     rank: int
@@ -137,6 +139,7 @@ class ActivationTrace:
     stage_forward_flops: tuple[int, ...] = ()
     stage_backward_flops: tuple[int, ...] = ()
     stage_recompute_flops: tuple[int, ...] = ()
+    stage_output_bytes: tuple[int, ...] = ()
 
     @property
     def step_flops(self) -> int:
@@ -264,9 +267,15 @@ def kept_bytes_by_owner(births: _Births, exclude: set[StorageWeakRef], *, collec
 
 @contextlib.contextmanager
 def _stage_owner(
-    modules: Mapping[str, nn.Module], stage_modules: Mapping[str, int], stacks: list[list[int]]
+    modules: Mapping[str, nn.Module],
+    stage_modules: Mapping[str, int],
+    stacks: list[list[int]],
+    outputs: dict[str, int],
 ) -> Iterator[None]:
-    """While a stage's module runs its forward, its index is on top of each of ``stacks``."""
+    """While a stage's module runs its forward, its index is on top of each of ``stacks``.
+
+    ``outputs`` gets the bytes of each stage module's (first) output tensor.
+    """
 
     def enter(stage: int) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
@@ -279,6 +288,11 @@ def _stage_owner(
         for stack in stacks:
             if stack:
                 stack.pop()
+        first = _first_tensor(output)
+        if isinstance(first, torch.Tensor):
+            outputs[names[module]] = first.numel() * first.element_size()
+
+    names = {modules[path]: path for path in stage_modules if path in modules}
 
     handles = []
     try:
@@ -618,6 +632,7 @@ class _Run:
         self.expert_imbalance = expert_imbalance
         self.repeats_are_passable = True
         self.stage_modules: dict[str, int] = {}
+        self.stage_last: list[str] = []
         self.stages = 0
 
     @contextlib.contextmanager
@@ -700,9 +715,9 @@ class _Run:
             stack.enter_context(_reparametrize_module(model, self.state, tie_weights=False, strict=False))
             stack.enter_context(_unpacked_sequences(model))
             stack.enter_context(routed_experts(self.modules.values(), self.expert_imbalance))
-            stack.enter_context(
-                _stage_owner(self.modules, self.stage_modules, [births.running, flops.running])
-            )
+            owners = [births.running, flops.running]
+            outputs: dict[str, int] = {}
+            stack.enter_context(_stage_owner(self.modules, self.stage_modules, owners, outputs))
             stack.enter_context(fake)
             with flops, births:
                 try:
@@ -756,6 +771,7 @@ class _Run:
             counts["stage_forward_flops"] = forward
             for key in ("backward", "recompute"):
                 counts[f"stage_{key}_flops"] = _shared_out(flops.counts[key], forward)
+            counts["stage_output_bytes"] = [outputs.get(last, 0) for last in self.stage_last]
         return counts
 
 
@@ -958,13 +974,14 @@ def trace_activations(
     if stages:
         run.stage_modules = {path: index for index, modules in enumerate(stages) for path in modules}
         run.stages = len(stages)
+        run.stage_last = [modules[-1] if modules else "" for modules in stages]
     try:
         first = run.trace(groups, backward=backward)
         counts = {key: list(value) if isinstance(value, list) else value for key, value in first.items()}
         for index, group in enumerate(groups):
             second = run.trace(groups, (index,), backward=backward)
             for key in counts:
-                if key in ("output_bytes", "output_numel"):
+                if key in ("output_bytes", "output_numel", "stage_output_bytes"):
                     continue
                 if isinstance(counts[key], list):
                     # each further layer adds what the second added, to its own stage

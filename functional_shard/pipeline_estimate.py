@@ -1,0 +1,284 @@
+"""Peak memory and step time of a pipeline-parallel plan, stage by stage. Pure.
+
+A pp rank holds its stages' parameters, gradients and optimizer state (`cost` at a rank
+of that pp coordinate), and the activations of one micro-batch (``batch / microbatches``
+sequences) per stage for as many micro-batches as torch's schedule keeps in flight there
+(`functional_shard.schedules.held_peak`); the rank that runs the last stage also holds
+the loss's logits workspace. The step's compute time is the makespan of torch's action
+lists run on a clock (`functional_shard.schedules.simulate`), each stage's forward and
+backward at its traced flops, each boundary's activation sent at the pp axis's link speed:
+the bubble is in it. Data- and tensor-parallel communication is added as for any plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .bytesize import format_bytes as _bytes
+from .cost import Cost, OptimizerKind, cost
+from .errors import ShardingError
+from .hardware import Hardware
+from .schedules import Timeline, check_pipeline, held_peak, in_flight, simulate
+from .stages import stage_of_param, stage_rank
+
+if TYPE_CHECKING:
+    from .estimate import Estimate
+    from .plan import Plan
+
+__all__ = ["PipelineEstimate", "StageEstimate", "microbatch_size", "pipeline_assemble"]
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    """One pipeline stage: where it runs, what one micro-batch keeps and costs there.
+
+    Attributes:
+        stage: its index.
+        rank: the pp coordinate that runs it.
+        modules: its module paths.
+        activation_bytes: what it keeps for backward of one micro-batch.
+        in_flight: the most micro-batches it holds at once under the schedule.
+        forward_seconds: one micro-batch's forward.
+        backward_seconds: one micro-batch's backward (recompute included).
+        send_bytes: the activation it sends the next stage per micro-batch (0 for the last).
+    """
+
+    stage: int
+    rank: int
+    modules: tuple[str, ...]
+    activation_bytes: int
+    in_flight: int
+    forward_seconds: float
+    backward_seconds: float
+    send_bytes: int
+
+
+@dataclass(frozen=True)
+class PipelineEstimate:
+    """The pipeline side of an `functional_shard.estimate.Estimate`.
+
+    Attributes:
+        schedule: the schedule's name.
+        microbatches: micro-batches per step.
+        microbatch: sequences per micro-batch.
+        stages: each stage's `StageEstimate`.
+        rank_peak_bytes: per pp coordinate, its peak memory (the estimate reports the worst).
+        timeline: the schedule run on the clock.
+    """
+
+    schedule: str
+    microbatches: int
+    microbatch: int
+    stages: tuple[StageEstimate, ...]
+    rank_peak_bytes: tuple[int, ...]
+    timeline: Timeline
+
+    @property
+    def pp(self) -> int:
+        """Ranks along the pipeline axis."""
+        return self.timeline.pp
+
+    @property
+    def bubble(self) -> float:
+        """The share of the ranks' time the schedule leaves idle."""
+        return self.timeline.bubble
+
+    @property
+    def stage_activation_bytes(self) -> tuple[int, ...]:
+        """Per stage, the activation bytes of one micro-batch."""
+        return tuple(stage.activation_bytes for stage in self.stages)
+
+    def explain(self) -> str:
+        """Lines on the schedule and each stage."""
+        from .estimate import _duration
+
+        lines = [
+            f"pipeline {self.schedule}: {self.pp} ranks, {len(self.stages)} stages, {self.microbatches} "
+            f"micro-batches of {self.microbatch}; bubble {self.bubble:.1%} of "
+            f"{_duration(self.timeline.makespan)}"
+        ]
+        for s in self.stages:
+            lines.append(
+                f"  stage {s.stage} on pp rank {s.rank}: activations {_bytes(s.activation_bytes)} x "
+                f"{s.in_flight} in flight, forward {_duration(s.forward_seconds)}, backward "
+                f"{_duration(s.backward_seconds)}, sends {_bytes(s.send_bytes)}"
+            )
+        lines += [f"  pp rank {r} peak {_bytes(b)}" for r, b in enumerate(self.rank_peak_bytes)]
+        return "\n".join(lines)
+
+
+def microbatch_size(plan: Plan, batch: int) -> int:
+    """Sequences per micro-batch: ``batch`` cut into the plan's micro-batches (``batch`` without pp).
+
+    Raises:
+        ShardingError: the micro-batch count does not divide ``batch``.
+    """
+    m = plan.config.microbatches if plan.config.pipeline_axis else 1
+    if not m or batch % m:
+        raise ShardingError(
+            f"estimate(batch={batch}): pipeline(microbatches={m}) cuts each step's batch into {m} "
+            f"equal micro-batches (torch splits the batch dim evenly), and {m} does not divide {batch}. "
+            f"Use a batch that is a multiple of {m}, or change microbatches"
+        )
+    return batch // m
+
+
+def _rank_of_coordinate(plan: Plan, pp_coordinate: int, rank: int | None) -> int:
+    axis = plan.config.pipeline_axis
+    assert axis is not None
+    coords = plan.mesh.coords(rank or 0)
+    coords[axis] = pp_coordinate
+    return plan.mesh.rank(coords)
+
+
+def _stage_units(plan: Plan, units: Mapping[str, int], mine: set[int]) -> dict[str, int]:
+    stages = plan.config.pipeline_stages
+    out: dict[str, int] = {}
+    for unit, nbytes in units.items():
+        if not unit or stage_of_param(f"{unit}.", stages) in mine:
+            out[unit] = nbytes
+    return out
+
+
+def pipeline_assemble(
+    plan: Plan,
+    trace: Any,
+    hw: Hardware,
+    dtype: str,
+    batch: int,
+    seq: int,
+    optimizer: OptimizerKind,
+    units: Mapping[str, int],
+    rank: int | None = None,
+    costs: Sequence[Cost] | None = None,
+) -> Estimate:
+    """The `Estimate` of a pp plan from a trace of one micro-batch with ``stages=``.
+
+    ``costs`` (one per pp coordinate, at `_rank_of_coordinate`) may be given when known.
+    """
+    from .estimate import Estimate, gathered_in_flight, step_time
+
+    config = plan.config
+    axis = config.pipeline_axis
+    assert axis is not None
+    schedule, m, per_rank = config.pipeline_schedule, config.microbatches, config.stages_per_rank
+    pp = plan.mesh[axis]
+    check_pipeline(schedule, pp, per_rank, m)
+    n = pp * per_rank
+    micro = batch // m
+    rate = hw.achievable_flops(dtype)
+    forward = [f / rate for f in trace.stage_forward_flops]
+    backward = [
+        (b + r) / rate for b, r in zip(trace.stage_backward_flops, trace.stage_recompute_flops, strict=True)
+    ]
+    # zero-bubble schedules split the backward: a matmul's backward is one matmul for its
+    # input's gradient and one for its weight's, each the size of its forward; recompute
+    # runs before the input's. Half the backward proper is the weight's.
+    weight = [b / 2 / rate for b in trace.stage_backward_flops]
+    sends = list(trace.stage_output_bytes)[: n - 1] if n > 1 else []
+    link = hw.bandwidth(plan.mesh, (axis,))
+    p2p = [nbytes / link + hw.collective_latency for nbytes in sends] or [0.0]
+    timeline = simulate(schedule, pp, m, per_rank, forward=forward, backward=backward, weight=weight, p2p=p2p)
+    flight = in_flight(schedule, pp, m, per_rank)
+    held = held_peak(schedule, pp, m, per_rank, trace.stage_activation_bytes)
+    owner = [stage_rank(s, pp, per_rank, schedule) for s in range(n)]
+    if costs is None:
+        costs = [
+            cost(plan, optimizer, rank=_rank_of_coordinate(plan, c, rank), tokens=batch * seq)
+            for c in range(pp)
+        ]
+    memories = []
+    for c in range(pp):
+        mine = {s for s in range(n) if owner[s] == c}
+        plan_cost = costs[c]
+        memories.append(
+            {
+                "params": plan_cost.params_bytes,
+                "grads": plan_cost.grads_bytes,
+                "optimizer": plan_cost.optimizer_bytes,
+                "buffers": plan_cost.buffers_bytes,
+                "gathered": gathered_in_flight(plan, _stage_units(plan, units, mine)),
+                "activations": int(held[c]),
+                # the last stage computes the loss of one micro-batch at a time
+                "loss_workspace": int(trace.output_bytes + 2 * 4 * trace.output_numel)
+                if n - 1 in mine
+                else 0,
+            }
+        )
+    peaks = [sum(memory.values()) for memory in memories]
+    if rank is not None:
+        chosen = plan.mesh.coords(rank)[axis]
+    else:
+        chosen = max(range(pp), key=lambda c: (peaks[c], -c))
+    ours = [s for s in range(n) if owner[s] == chosen]
+    flops = {
+        key: m * sum(getattr(trace, f"stage_{key}_flops")[s] for s in ours)
+        for key in ("forward", "backward", "recompute")
+    }
+    from .estimate import _recomputed
+
+    _, exposed, per_collective = step_time(
+        plan,
+        costs[chosen],
+        hw,
+        dtype=dtype,
+        forward_flops=flops["forward"],
+        backward_flops=flops["backward"],
+        recompute_flops=flops["recompute"],
+        units=_stage_units(plan, units, set(ours)),
+        recomputed=_recomputed(plan, config.checkpointed, batch * seq),
+    )
+    for s in range(n - 1):
+        if owner[s] != owner[s + 1]:
+            per_collective[f"send/recv stage {s}->{s + 1} over {axis} ({hw.link_of(plan.mesh, (axis,))})"] = (
+                2 * m * sends[s] / link
+            )
+    stages = tuple(
+        StageEstimate(
+            stage=s,
+            rank=owner[s],
+            modules=tuple(config.pipeline_stages[s]),
+            activation_bytes=int(trace.stage_activation_bytes[s]),
+            in_flight=flight[s],
+            forward_seconds=forward[s],
+            backward_seconds=backward[s],
+            send_bytes=int(sends[s]) if s < n - 1 else 0,
+        )
+        for s in range(n)
+    )
+    pipe = PipelineEstimate(schedule, m, micro, stages, tuple(peaks), timeline)
+    tp_axes = config.tensor_parallel_axes
+    return Estimate(
+        rank=_rank_of_coordinate(plan, chosen, rank),
+        batch=batch,
+        seq=seq,
+        hardware=hw,
+        dtype=dtype,
+        memory=memories[chosen],
+        host_bytes=costs[chosen].host_bytes,
+        flops=sum(flops.values()),
+        model_flops=flops["forward"] + flops["backward"],
+        compute_seconds=timeline.makespan,
+        exposed_seconds=exposed,
+        comm_seconds=per_collective,
+        tensor_parallel=plan.mesh.axes_size(tp_axes) if tp_axes else 1,
+        cost=costs[chosen],
+        pipeline=pipe,
+    )
+
+
+def with_schedule(plan: Plan, schedule: str) -> Plan:
+    """``plan`` run by another schedule with the same stages per rank.
+
+    Raises:
+        PolicyError: the schedule cannot run the plan's stages per rank or micro-batches.
+    """
+    config = plan.config
+    axis = config.pipeline_axis
+    if axis is None:
+        raise ShardingError(f"with_schedule({schedule!r}): the plan has no pipeline axis")
+    check_pipeline(schedule, plan.mesh[axis], config.stages_per_rank, config.microbatches)
+    return dataclasses.replace(plan, config=dataclasses.replace(config, pipeline_schedule=schedule))
