@@ -143,6 +143,36 @@ def _stage_units(plan: Plan, units: Mapping[str, int], mine: set[int]) -> dict[s
     return out
 
 
+def stage_plan(plan: Plan, stages: set[int]) -> Plan:
+    """``plan`` cut down to the parameters, buffers, styled modules and units of ``stages``.
+
+    What one pp rank holds: `cost` of it at a rank of that pp coordinate is that rank's
+    memory and its tensor- and data-parallel traffic, whether or not the specs already say
+    where each tensor lives along pp.
+    """
+    config = plan.config
+    cut = config.pipeline_stages
+
+    def ours(path: str) -> bool:
+        return stage_of_param(path, cut) in stages
+
+    def module_ours(module: str) -> bool:
+        return not module or ours(f"{module}.")
+
+    sub_config = dataclasses.replace(
+        config,
+        tp_styles=tuple(entry for entry in config.tp_styles if module_ours(entry[0])),
+        units=tuple(unit for unit in config.units if module_ours(unit)),
+        checkpointed=tuple(path for path in config.checkpointed if module_ours(path)),
+    )
+    return dataclasses.replace(
+        plan,
+        params={path: spec for path, spec in plan.params.items() if ours(path)},
+        buffers={path: spec for path, spec in plan.buffers.items() if ours(path)},
+        config=sub_config,
+    )
+
+
 def pipeline_assemble(
     plan: Plan,
     trace: Any,
@@ -187,7 +217,12 @@ def pipeline_assemble(
     owner = [stage_rank(s, pp, per_rank, schedule) for s in range(n)]
     if costs is None:
         costs = [
-            cost(plan, optimizer, rank=_rank_of_coordinate(plan, c, rank), tokens=batch * seq)
+            cost(
+                stage_plan(plan, {s for s in range(n) if owner[s] == c}),
+                optimizer,
+                rank=_rank_of_coordinate(plan, c, rank),
+                tokens=batch * seq,
+            )
             for c in range(pp)
         ]
     memories = []
@@ -221,7 +256,7 @@ def pipeline_assemble(
     from .estimate import _recomputed
 
     _, exposed, per_collective = step_time(
-        plan,
+        stage_plan(plan, set(ours)),
         costs[chosen],
         hw,
         dtype=dtype,
@@ -229,7 +264,7 @@ def pipeline_assemble(
         backward_flops=flops["backward"],
         recompute_flops=flops["recompute"],
         units=_stage_units(plan, units, set(ours)),
-        recomputed=_recomputed(plan, config.checkpointed, batch * seq),
+        recomputed=_recomputed(stage_plan(plan, set(ours)), config.checkpointed, batch * seq),
     )
     for s in range(n - 1):
         if owner[s] != owner[s + 1]:
