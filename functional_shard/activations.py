@@ -124,6 +124,9 @@ class ActivationTrace:
         stage_recompute_flops: per stage, recompute flops shared out the same way.
         stage_output_bytes: per stage, the bytes of its last module's output: what it
             sends the next stage per micro-batch.
+        stage_shared_bytes: of each stage's activation bytes, those made outside every
+            stage's modules (counted in each).
+        stage_shared_flops: of each stage's forward flops, those run outside them.
     """
 
     rank: int
@@ -140,11 +143,44 @@ class ActivationTrace:
     stage_backward_flops: tuple[int, ...] = ()
     stage_recompute_flops: tuple[int, ...] = ()
     stage_output_bytes: tuple[int, ...] = ()
+    stage_shared_bytes: int = 0
+    stage_shared_flops: int = 0
 
     @property
     def step_flops(self) -> int:
         """Forward + backward + recompute flops."""
         return self.forward_flops + self.backward_flops + self.recompute_flops
+
+
+def regroup(trace: ActivationTrace, groups: list[list[int]]) -> ActivationTrace:
+    """A trace with ``stages=`` seen through coarser stages: new stage ``i`` is the old ``groups[i]``.
+
+    Tracing each unit of work (embedding, each block, head) as its own stage once serves
+    every cut into stages of whole units: what a stage keeps and computes is the sum of
+    its units', what they all make outside their modules counted once per new stage.
+
+    Examples:
+        >>> trace = ActivationTrace(0, 30, 1, 1, 30, 60, 0, 1, 8, (11, 11, 11), (10, 10, 10), (20, 20, 20),
+        ...                         (0, 0, 0), (4, 4, 4), 1, 0)
+        >>> merged = regroup(trace, [[0, 1], [2]])
+        >>> merged.stage_activation_bytes, merged.stage_forward_flops, merged.stage_output_bytes
+        ((21, 11), (20, 10), (4, 4))
+    """
+    shared_bytes, shared_flops = trace.stage_shared_bytes, trace.stage_shared_flops
+    activation = tuple(
+        sum(trace.stage_activation_bytes[u] - shared_bytes for u in group) + shared_bytes for group in groups
+    )
+    forward = [
+        sum(trace.stage_forward_flops[u] - shared_flops for u in group) + shared_flops for group in groups
+    ]
+    return dataclasses.replace(
+        trace,
+        stage_activation_bytes=activation,
+        stage_forward_flops=tuple(forward),
+        stage_backward_flops=tuple(_shared_out(sum(trace.stage_backward_flops), forward)),
+        stage_recompute_flops=tuple(_shared_out(sum(trace.stage_recompute_flops), forward)),
+        stage_output_bytes=tuple(trace.stage_output_bytes[group[-1]] for group in groups),
+    )
 
 
 def _device_query(func: Any, args: Any) -> torch.device | None:
@@ -772,6 +808,8 @@ class _Run:
             for key in ("backward", "recompute"):
                 counts[f"stage_{key}_flops"] = _shared_out(flops.counts[key], forward)
             counts["stage_output_bytes"] = [outputs.get(last, 0) for last in self.stage_last]
+            counts["stage_shared_bytes"] = by_owner.get(-1, 0)
+            counts["stage_shared_flops"] = flops.by_stage.get(-1, 0)
         return counts
 
 
@@ -981,7 +1019,13 @@ def trace_activations(
         for index, group in enumerate(groups):
             second = run.trace(groups, (index,), backward=backward)
             for key in counts:
-                if key in ("output_bytes", "output_numel", "stage_output_bytes"):
+                if key in (
+                    "output_bytes",
+                    "output_numel",
+                    "stage_output_bytes",
+                    "stage_shared_bytes",
+                    "stage_shared_flops",
+                ):
                     continue
                 if isinstance(counts[key], list):
                     # each further layer adds what the second added, to its own stage
