@@ -22,7 +22,7 @@ from .cost import Cost, OptimizerKind, cost
 from .errors import ShardingError
 from .hardware import Hardware
 from .schedules import Timeline, check_pipeline, held_peak, in_flight, simulate
-from .stages import stage_of_param, stage_rank
+from .stages import rank_stages, stage_rank
 
 if TYPE_CHECKING:
     from .estimate import Estimate
@@ -135,12 +135,50 @@ def _rank_of_coordinate(plan: Plan, pp_coordinate: int, rank: int | None) -> int
 
 
 def _stage_units(plan: Plan, units: Mapping[str, int], mine: set[int]) -> dict[str, int]:
-    stages = plan.config.pipeline_stages
+    stage_of_module = _module_stages(plan.config.pipeline_stages)
     out: dict[str, int] = {}
     for unit, nbytes in units.items():
-        if not unit or stage_of_param(f"{unit}.", stages) in mine:
+        module = unit
+        while module and module not in stage_of_module:
+            module = module.rpartition(".")[0]
+        if not module or stage_of_module[module] in mine:
             out[unit] = nbytes
     return out
+
+
+def _signature(plan: Plan) -> tuple[Any, ...]:
+    # shard() gives alike blocks one TensorSpec and one ParamSharding object each: stages
+    # of alike blocks cost the same, and a 64-stage pipeline needs a few costs, not 64
+    return (
+        tuple((id(plan.tensors[path]), id(spec)) for path, spec in plan.params.items()),
+        tuple((id(plan.tensors[path]), id(spec)) for path, spec in plan.buffers.items()),
+        tuple((style, kind) for _, style, kind in plan.config.tp_styles),
+        len(plan.config.units),
+        len(plan.config.checkpointed),
+    )
+
+
+def stage_costs(
+    plan: Plan, optimizer: OptimizerKind, tokens: int, rank: int | None = None
+) -> tuple[Cost, ...]:
+    """Per pp coordinate, `cost` of what a rank there holds (`stage_plan` of its stages)."""
+    config = plan.config
+    assert config.pipeline_axis is not None
+    pp = plan.mesh[config.pipeline_axis]
+    per_rank, schedule = config.stages_per_rank, config.pipeline_schedule
+    seen: dict[tuple[Any, ...], Cost] = {}
+    out = []
+    for c in range(pp):
+        sub = stage_plan(plan, set(rank_stages(c, pp, per_rank, schedule)))
+        key = _signature(sub)
+        if key not in seen:
+            seen[key] = cost(sub, optimizer, rank=_rank_of_coordinate(plan, c, rank), tokens=tokens)
+        out.append(dataclasses.replace(seen[key], rank=_rank_of_coordinate(plan, c, rank)))
+    return tuple(out)
+
+
+def _module_stages(cut: tuple[tuple[str, ...], ...]) -> dict[str, int]:
+    return {module: index for index, modules in enumerate(cut) for module in modules}
 
 
 def stage_plan(plan: Plan, stages: set[int]) -> Plan:
@@ -151,13 +189,18 @@ def stage_plan(plan: Plan, stages: set[int]) -> Plan:
     where each tensor lives along pp.
     """
     config = plan.config
-    cut = config.pipeline_stages
-
-    def ours(path: str) -> bool:
-        return stage_of_param(path, cut) in stages
+    stage_of_module = _module_stages(config.pipeline_stages)
 
     def module_ours(module: str) -> bool:
-        return not module or ours(f"{module}.")
+        # a module outside every stage's modules (the root) is each stage's
+        while module not in stage_of_module:
+            if not module:
+                return True
+            module = module.rpartition(".")[0]
+        return stage_of_module[module] in stages
+
+    def ours(path: str) -> bool:
+        return module_ours(path.rpartition(".")[0])
 
     sub_config = dataclasses.replace(
         config,
@@ -216,15 +259,7 @@ def pipeline_assemble(
     held = held_peak(schedule, pp, m, per_rank, trace.stage_activation_bytes)
     owner = [stage_rank(s, pp, per_rank, schedule) for s in range(n)]
     if costs is None:
-        costs = [
-            cost(
-                stage_plan(plan, {s for s in range(n) if owner[s] == c}),
-                optimizer,
-                rank=_rank_of_coordinate(plan, c, rank),
-                tokens=batch * seq,
-            )
-            for c in range(pp)
-        ]
+        costs = stage_costs(plan, optimizer, batch * seq, rank)
     memories = []
     for c in range(pp):
         mine = {s for s in range(n) if owner[s] == c}

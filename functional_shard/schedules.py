@@ -19,8 +19,10 @@ reason (`check_pipeline`).
 from __future__ import annotations
 
 import functools
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from .errors import PolicyError
 from .stages import SCHEDULES, SINGLE_STAGE, check_schedule, stage_rank
@@ -48,6 +50,7 @@ class Action:
         return f"{self.stage}{self.kind}{self.microbatch}"
 
 
+_Key = tuple[int, str, int]
 Step = tuple[Action, ...]
 """What a rank runs at once: one action, or DualPipeV's overlapped forward and backward."""
 
@@ -334,51 +337,67 @@ def simulate(
     duration = {"F": f, "B": b, "I": tuple(x - y for x, y in zip(b, w, strict=True)), "W": w}
     done: dict[tuple[int, str, int], float] = {}
 
-    def ready(action: Action) -> float | None:
+    def ready(action: Action) -> tuple[float | None, tuple[_Key, ...]]:
+        """When the action's inputs are in, or None and the actions it waits for."""
         s, kind, m = action.stage, action.kind, action.microbatch
         if kind == "F":
             if s == 0:
-                return 0.0
+                return 0.0, ()
             end = done.get((s - 1, "F", m))
-            hop = link[s - 1] if rank_of[s - 1] != rank_of[s] else 0.0
-            return None if end is None else end + hop
+            if end is None:
+                return None, ((s - 1, "F", m),)
+            return end + (link[s - 1] if rank_of[s - 1] != rank_of[s] else 0.0), ()
         if kind == "W":
-            return done.get((s, "I", m))
+            end = done.get((s, "I", m))
+            return (end, ()) if end is not None else (None, ((s, "I", m),))
         own = done.get((s, "F", m))
         if own is None:
-            return None
+            return None, ((s, "F", m),)
         if s == n - 1:
-            return own
+            return own, ()
         nxt = done.get((s + 1, "B", m), done.get((s + 1, "I", m)))
-        hop = link[s] if rank_of[s + 1] != rank_of[s] else 0.0
-        return None if nxt is None else max(own, nxt + hop)
+        if nxt is None:
+            return None, ((s + 1, "B", m), (s + 1, "I", m))
+        return max(own, nxt + (link[s] if rank_of[s + 1] != rank_of[s] else 0.0)), ()
 
     clock = [0.0] * pp
     busy = [0.0] * pp
     position = [0] * pp
     spans: list[list[tuple[float, float, Step]]] = [[] for _ in range(pp)]
     left = sum(len(steps) for steps in actions)
-    while left:
-        moved = False
-        for rank, steps in enumerate(actions):
-            while position[rank] < len(steps):
-                step = steps[position[rank]]
-                times = [ready(action) for action in step]
-                if any(t is None for t in times):
+    # each rank runs until an action waits on another rank's; it is woken when that is done
+    runnable = deque(range(pp))
+    waiting: dict[_Key, list[int]] = {}
+    while runnable:
+        rank = runnable.popleft()
+        steps = actions[rank]
+        while position[rank] < len(steps):
+            step = steps[position[rank]]
+            start, blocked = clock[rank], cast("tuple[_Key, ...]", ())
+            for action in step:
+                at, blocked = ready(action)
+                if at is None:
                     break
-                start = max([clock[rank], *(t for t in times if t is not None)])
-                end = start
-                for action in step:
-                    end += duration[action.kind][action.stage]
-                    done[(action.stage, action.kind, action.microbatch)] = end
-                spans[rank].append((start, end, step))
-                busy[rank] += end - start
-                clock[rank] = end
-                position[rank] += 1
-                left -= 1
-                moved = True
-        if not moved:  # pragma: no cover - torch's lists always run
-            raise PolicyError(f"simulate({schedule!r}, pp={pp}, microbatches={microbatches}): lists deadlock")
+                start = max(start, at)
+            if blocked:
+                for key in blocked:
+                    waiting.setdefault(key, []).append(rank)
+                break
+            end = start
+            for action in step:
+                end += duration[action.kind][action.stage]
+                key = (action.stage, action.kind, action.microbatch)
+                done[key] = end
+                for woken in waiting.pop(key, ()):
+                    if woken != rank:
+                        runnable.append(woken)
+            spans[rank].append((start, end, step))
+            busy[rank] += end - start
+            clock[rank] = end
+            position[rank] += 1
+            left -= 1
+    if left:  # pragma: no cover - torch's lists always run
+        raise PolicyError(f"simulate({schedule!r}, pp={pp}, microbatches={microbatches}): lists deadlock")
     return Timeline(
         schedule=schedule,
         pp=pp,
