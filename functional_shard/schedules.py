@@ -107,7 +107,7 @@ def _actions_or_reason(
             )
             if step:
                 steps.append(step)
-        ranks.append(tuple(_renumbered(steps)))
+        ranks.append(tuple(_renumbered(steps) if schedule == "1f1b" else steps))
     return tuple(ranks)
 
 
@@ -115,9 +115,7 @@ def _renumbered(steps: list[Step]) -> list[Step]:
     # torch 2.13's Schedule1F1B._get_pipeline_order numbers the last rank's forwards from 1
     # (its counter starts at 0 and is incremented before its first use); the schedule's own
     # step() runs each stage's forwards, and its backwards, on micro-batches 0, 1, 2... in
-    # order, as every single-stage schedule does. Renumber by order of appearance.
-    if any(len(step) != 1 for step in steps):
-        return steps
+    # order. Renumber by order of appearance.
     seen: dict[tuple[int, str], int] = {}
     out: list[Step] = []
     for (action,) in steps:
