@@ -301,7 +301,7 @@ def pipeline_assemble(
 
     _, exposed, per_collective = step_time(
         stage_plan(plan, set(ours)),
-        costs[chosen],
+        _regathered(plan, costs[chosen]),
         hw,
         dtype=dtype,
         forward_flops=flops["forward"],
@@ -347,6 +347,24 @@ def pipeline_assemble(
         cost=costs[chosen],
         pipeline=pipe,
     )
+
+
+def _regathered(plan: Plan, plan_cost: Cost) -> Cost:
+    """``plan_cost`` with FSDP's all-gathers once per micro-batch when units reshard after forward.
+
+    FSDP2 gathers a unit again for every forward and backward it runs; keeping the stage
+    gathered across micro-batches (``reshard_after_forward=False``, torchtitan's choice
+    under pp) gathers once a step.
+    """
+    config = plan.config
+    m = config.microbatches
+    axes = ",".join(config.shard_axes)
+    gathers = plan_cost.comm_bytes.get("all_gather", {})
+    if m == 1 or not config.shard_axes or not config.reshard_after_forward or axes not in gathers:
+        return plan_cost
+    comm = {kind: dict(by_axes) for kind, by_axes in plan_cost.comm_bytes.items()}
+    comm["all_gather"][axes] *= m
+    return dataclasses.replace(plan_cost, comm_bytes=comm)
 
 
 def with_schedule(plan: Plan, schedule: str) -> Plan:
