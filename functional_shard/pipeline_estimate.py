@@ -48,7 +48,8 @@ class StageEstimate:
         stage: its index.
         rank: the pp coordinate that runs it.
         modules: its module paths.
-        activation_bytes: what it keeps for backward of one micro-batch.
+        activation_bytes: what it keeps for backward of one micro-batch: what its modules
+            make, its output and the activation it receives.
         in_flight: the most micro-batches it holds at once under the schedule.
         forward_seconds: one micro-batch's forward.
         backward_seconds: one micro-batch's backward (recompute included).
@@ -265,7 +266,11 @@ def pipeline_assemble(
     p2p = [nbytes / link + hw.collective_latency for nbytes in sends] or [0.0]
     timeline = simulate(schedule, pp, m, per_rank, forward=forward, backward=backward, weight=weight, p2p=p2p)
     flight = in_flight(schedule, pp, m, per_rank)
-    held = held_peak(schedule, pp, m, per_rank, trace.stage_activation_bytes)
+    # what a stage keeps per micro-batch: what its modules made (its output included: the
+    # stage holds it for its backward) and the activation it received, which its first
+    # ops save (the whole-model trace counts that storage once, with the stage that made it)
+    kept = [trace.stage_activation_bytes[s] + (trace.stage_output_bytes[s - 1] if s else 0) for s in range(n)]
+    held = held_peak(schedule, pp, m, per_rank, kept)
     owner = [stage_rank(s, pp, per_rank, schedule) for s in range(n)]
     if costs is None:
         costs = stage_costs(plan, optimizer, batch * seq, rank)
@@ -320,7 +325,7 @@ def pipeline_assemble(
             stage=s,
             rank=owner[s],
             modules=tuple(config.pipeline_stages[s]),
-            activation_bytes=int(trace.stage_activation_bytes[s]),
+            activation_bytes=int(kept[s]),
             in_flight=flight[s],
             forward_seconds=forward[s],
             backward_seconds=backward[s],

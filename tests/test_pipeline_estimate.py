@@ -170,3 +170,25 @@ def test_405b_on_512_h100s_gets_fsdp_tp_pp():
     assert titan
     assert min(c.step_seconds for c in titan) < 1.05 * best.step_seconds
     assert took < 60
+
+
+def test_stage_activations_against_a_real_forward():
+    # each stage run for real, as torch's PipelineStage runs it: stage 0 from the tokens,
+    # stage 1 from a received activation; kept bytes measured by fs.kept_activation_bytes.
+    # A stage also holds its output for its backward (the pipeline keeps it until then).
+    import torch
+    from torch import nn
+
+    model = llama("tiny", device="cpu")
+    est = _estimate()
+    micro = BATCH // M
+    tokens = torch.zeros(micro, SEQ, dtype=torch.long)
+    first = nn.Sequential(model.embed_tokens, model.layers[0])
+    kept0, hidden = fs.kept_activation_bytes(first, tokens)
+    last = nn.Sequential(model.layers[1], model.norm, model.lm_head)
+    kept1, _ = fs.kept_activation_bytes(last, hidden.detach().requires_grad_())
+    stage0, stage1 = est.pipeline.stages
+    assert stage0.activation_bytes == kept0 + hidden.nbytes
+    # the trace's stage 1 also counts the token ids every stage's forward is handed
+    assert stage1.activation_bytes == kept1 + tokens.nbytes
+    assert stage0.send_bytes == hidden.nbytes
