@@ -122,6 +122,10 @@ class ActivationTrace:
         stage_backward_flops: per stage, backward flops, shared out as the forward's are
             (autograd runs backward outside the modules' calls); repeated layers exactly.
         stage_recompute_flops: per stage, recompute flops shared out the same way.
+        backward_weight_flops: of ``backward_flops``, the weights' gradients (the matmuls
+            whose output has a 2-D parameter's shape): what zero-bubble schedules defer
+            to their ``W`` step; the rest is the inputs' (``I``).
+        stage_backward_weight_flops: per stage, shared out as the backward's.
         stage_output_bytes: per stage, the bytes of its last module's output: what it
             sends the next stage per micro-batch.
         stage_shared_bytes: of each stage's activation bytes, those made outside every
@@ -142,6 +146,8 @@ class ActivationTrace:
     stage_forward_flops: tuple[int, ...] = ()
     stage_backward_flops: tuple[int, ...] = ()
     stage_recompute_flops: tuple[int, ...] = ()
+    backward_weight_flops: int = 0
+    stage_backward_weight_flops: tuple[int, ...] = ()
     stage_output_bytes: tuple[int, ...] = ()
     stage_shared_bytes: int = 0
     stage_shared_flops: int = 0
@@ -179,6 +185,7 @@ def regroup(trace: ActivationTrace, groups: list[list[int]]) -> ActivationTrace:
         stage_forward_flops=tuple(forward),
         stage_backward_flops=tuple(_shared_out(sum(trace.stage_backward_flops), forward)),
         stage_recompute_flops=tuple(_shared_out(sum(trace.stage_recompute_flops), forward)),
+        stage_backward_weight_flops=tuple(_shared_out(sum(trace.stage_backward_weight_flops), forward)),
         stage_output_bytes=tuple(trace.stage_output_bytes[group[-1]] for group in groups),
     )
 
@@ -221,6 +228,18 @@ class _Births(TorchDispatchMode):
         return out
 
 
+_WEIGHT_GRAD_OPS = frozenset(
+    op for name in ("mm", "addmm") if (op := getattr(getattr(_aten, name, None), "default", None)) is not None
+)
+
+
+_COPIES = frozenset(
+    op
+    for name in ("_to_copy", "clone", "to")
+    if (op := getattr(getattr(_aten, name, None), "default", None)) is not None
+)
+
+
 class _Flops(TorchDispatchMode):
     """Flops by `functional_shard.flops.op_flops`, split into forward, backward, recompute.
 
@@ -235,7 +254,12 @@ class _Flops(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.backward = False
-        self.counts = {"forward": 0, "backward": 0, "recompute": 0}
+        self.counts = {"forward": 0, "backward": 0, "recompute": 0, "weight": 0}
+        # the shapes of the 2-D parameters (either way round): a backward matmul whose
+        # output has one and whose operands are both activations is a weight's gradient
+        # (dW = dY^T X); one that multiplies by a weight (or its cast copy) is an input's
+        self.weight_shapes: set[tuple[int, ...]] = set()
+        self.weights: set[StorageWeakRef] = set()
         # forward flops inside checkpointed modules (``checkpointed`` deep), and those of
         # them selective checkpointing keeps (SAVED_OPS): what recomputation will re-run
         self.checkpointed = 0
@@ -250,10 +274,27 @@ class _Flops(TorchDispatchMode):
 
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if (
+            func in _COPIES
+            and self.weights
+            and isinstance(out, torch.Tensor)
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and _storage_key(args[0]) in self.weights
+        ):
+            self.weights.add(_storage_key(out))  # mixed precision's cast of a weight
         count = op_flops(func, args, kwargs, out)
         if count:
             phase = "forward" if not self.backward else "recompute" if torch.is_grad_enabled() else "backward"
             self.counts[phase] += count
+            if (
+                phase == "backward"
+                and func in _WEIGHT_GRAD_OPS
+                and isinstance(out, torch.Tensor)
+                and tuple(out.shape) in self.weight_shapes
+                and not any(_storage_key(a) in self.weights for a in args if isinstance(a, torch.Tensor))
+            ):
+                self.counts["weight"] += count
             if phase == "forward":
                 owner = self.running[-1] if self.running else -1
                 self.by_stage[owner] = self.by_stage.get(owner, 0) + count
@@ -741,6 +782,10 @@ class _Run:
             births.note(tensor)
         excluded = {StorageWeakRef(p.untyped_storage()) for p in self.params}
         flops = _Flops()
+        for param in self.params:
+            if param.dim() == 2:
+                flops.weight_shapes |= {tuple(param.shape), tuple(param.shape[::-1])}
+                flops.weights.add(_storage_key(param))
         with contextlib.ExitStack() as stack:
             stack.enter_context(
                 _checkpointed(model, tuple(config.checkpointed), config.checkpoint_policy, flops)
@@ -800,11 +845,13 @@ class _Run:
             "forward_flops": flops.counts["forward"],
             "backward_flops": flops.counts["backward"],
             "recompute_flops": flops.counts["recompute"],
+            "backward_weight_flops": flops.counts["weight"],
         }
         if self.stages:
             forward = _per_stage(flops.by_stage, self.stages)
             counts["stage_activation_bytes"] = _per_stage(by_owner, self.stages)
             counts["stage_forward_flops"] = forward
+            counts["stage_backward_weight_flops"] = _shared_out(flops.counts["weight"], forward)
             for key in ("backward", "recompute"):
                 counts[f"stage_{key}_flops"] = _shared_out(flops.counts[key], forward)
             counts["stage_output_bytes"] = [outputs.get(last, 0) for last in self.stage_last]

@@ -257,10 +257,9 @@ def pipeline_assemble(
     backward = [
         (b + r) / rate for b, r in zip(trace.stage_backward_flops, trace.stage_recompute_flops, strict=True)
     ]
-    # zero-bubble schedules split the backward: a matmul's backward is one matmul for its
-    # input's gradient and one for its weight's, each the size of its forward; recompute
-    # runs before the input's. Half the backward proper is the weight's.
-    weight = [b / 2 / rate for b in trace.stage_backward_flops]
+    # zero-bubble schedules split the backward: the weights' gradients (W) as the trace
+    # counted them; the inputs' (I) and the recompute before them are the rest
+    weight = [w / rate for w in trace.stage_backward_weight_flops]
     sends = list(trace.stage_output_bytes)[: n - 1] if n > 1 else []
     link = hw.bandwidth(plan.mesh, (axis,))
     p2p = [nbytes / link + hw.collective_latency for nbytes in sends] or [0.0]

@@ -192,3 +192,19 @@ def test_stage_activations_against_a_real_forward():
     # the trace's stage 1 also counts the token ids every stage's forward is handed
     assert stage1.activation_bytes == kept1 + tokens.nbytes
     assert stage0.send_bytes == hidden.nbytes
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_weight_gradients_by_hand(dtype):
+    # what zero-bubble schedules defer to W: each Linear's dW = dY^T X, 2 x tokens x its
+    # weight's elements, under mixed precision too (the bf16 cast of a weight is a weight)
+    import torch
+
+    policy = fs.pipeline("pp", microbatches=M)
+    if dtype:
+        policy = policy + fs.mixed_precision(dtype)
+    plan = fs.shard(_model(), fs.Mesh(pp=2), policy)
+    trace = trace_activations(_model(), plan, batch=2, seq=SEQ, stages=plan.config.pipeline_stages)
+    linear = sum(m.weight.numel() for m in _model().modules() if isinstance(m, torch.nn.Linear))
+    assert trace.backward_weight_flops == 2 * 2 * SEQ * linear
+    assert sum(trace.stage_backward_weight_flops) == trace.backward_weight_flops
