@@ -906,6 +906,35 @@ def _check_sequence_parallel(modules: dict[str, nn.Module], plan: Any, seq: int,
         )
 
 
+def _stage_holder(plan: Any, rank: int) -> Any:
+    """``path -> rank`` to read a parameter's local shape at.
+
+    Under a pipeline: the rank with ``rank``'s coordinates but the pp coordinate of the
+    stage that holds the parameter (its shapes are those where it lives); else ``rank``.
+    """
+    config = plan.config
+    axis = getattr(config, "pipeline_axis", None)
+    if not axis or not config.pipeline_stages:
+        return lambda path: rank
+    from .stages import stage_rank
+
+    stage_of_module = {m: i for i, modules in enumerate(config.pipeline_stages) for m in modules}
+    pp = plan.mesh[axis]
+    coords = plan.mesh.coords(rank)
+
+    def holder(path: str) -> int:
+        module = path.rpartition(".")[0]
+        while module and module not in stage_of_module:
+            module = module.rpartition(".")[0]
+        if module not in stage_of_module:
+            return rank
+        stage = stage_of_module[module]
+        coords[axis] = stage_rank(stage, pp, config.stages_per_rank, config.pipeline_schedule)
+        return plan.mesh.rank(coords)
+
+    return holder
+
+
 def trace_activations(
     model: nn.Module,
     plan: Any,
@@ -999,11 +1028,13 @@ def trace_activations(
     # fake tensor per shape (making one each was a fifth of a 70B model's trace)
     local: dict[str, torch.Tensor] = {}
     canonical_of: dict[str, str] = {}
+    holder = _stage_holder(plan, rank)
     for path, param in model.named_parameters(remove_duplicate=False):
         canonical = plan.canonical(path) if path not in plan.params else path
         canonical_of[path] = canonical
         if canonical not in local:
-            shape = plan.local_shape(canonical, rank, "compute") if canonical in plan.params else param.shape
+            in_plan = canonical in plan.params
+            shape = plan.local_shape(canonical, holder(canonical), "compute") if in_plan else param.shape
             local[canonical] = torch.empty(shape, dtype=dtype or param.dtype, device="meta")
         local[path] = local[canonical]
     buffers = dict(model.named_buffers(remove_duplicate=False))
