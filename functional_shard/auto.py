@@ -506,7 +506,9 @@ class _Search:
         forward = trace(self.model, checkpointed, micro, self.seq, None, None, backward=False)
         if forward.recompute_flops or forward.forward_flops != plain.forward_flops:
             return trace(self.model, checkpointed, micro, self.seq, None, None)
-        return dataclasses.replace(forward, backward_flops=plain.backward_flops)
+        return dataclasses.replace(
+            forward, backward_flops=plain.backward_flops, backward_weight_flops=plain.backward_weight_flops
+        )
 
     def run(self, points: list[_Point]) -> list[Candidate]:
         out = []

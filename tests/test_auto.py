@@ -408,7 +408,11 @@ def test_a_forward_only_trace_bounds_recompute_and_keeps_what_the_whole_trace_ke
         assert forward.recompute_flops >= whole.recompute_flops > 0
     else:
         assert forward.recompute_flops == whole.recompute_flops == 0
-        assert dataclasses.replace(forward, backward_flops=without.backward_flops) == whole
+        backward = {
+            "backward_flops": without.backward_flops,
+            "backward_weight_flops": without.backward_weight_flops,
+        }
+        assert dataclasses.replace(forward, **backward) == whole
 
 
 def test_the_search_traces_selective_candidates_forward_only():
