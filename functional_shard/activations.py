@@ -166,8 +166,9 @@ def regroup(trace: ActivationTrace, groups: list[list[int]]) -> ActivationTrace:
     its units', what they all make outside their modules counted once per new stage.
 
     Examples:
-        >>> trace = ActivationTrace(0, 30, 1, 1, 30, 60, 0, 1, 8, (11, 11, 11), (10, 10, 10), (20, 20, 20),
-        ...                         (0, 0, 0), (4, 4, 4), 1, 0)
+        >>> trace = ActivationTrace(0, 30, 1, 1, 30, 60, 0, 1, 8, stage_activation_bytes=(11, 11, 11),
+        ...     stage_forward_flops=(10, 10, 10), stage_backward_flops=(20, 20, 20),
+        ...     stage_recompute_flops=(0, 0, 0), stage_output_bytes=(4, 4, 4), stage_shared_bytes=1)
         >>> merged = regroup(trace, [[0, 1], [2]])
         >>> merged.stage_activation_bytes, merged.stage_forward_flops, merged.stage_output_bytes
         ((21, 11), (20, 10), (4, 4))
