@@ -310,8 +310,8 @@ def _config(
     if pipe is not None:
         from .schedules import check_pipeline  # torch's schedule refuses counts it cannot run
 
-        check_pipeline(pipe.schedule, mesh[pipe.axis], pipe.stages_per_rank, pipe.microbatches)
         stages = split_stages(tree, mesh[pipe.axis] * pipe.stages_per_rank, pipe.split)
+        check_pipeline(pipe.schedule, mesh[pipe.axis], pipe.stages_per_rank, pipe.microbatches)
         pipe_config = {
             "pipeline_axis": pipe.axis,
             "pipeline_stages": stages,

@@ -165,8 +165,9 @@ def check_pipeline(schedule: str, pp: int, stages_per_rank: int, microbatches: i
         fix = f"micro-batch counts that work here: {working}" if working else "use another schedule"
         raise PolicyError(
             f"pipeline(schedule={schedule!r}, microbatches={microbatches}) on pp={pp} with "
-            f"{stages_per_rank} stage(s) per rank ({pp * stages_per_rank} stages): torch's "
-            f"{SCHEDULES[schedule]} refuses it: {reason} Change microbatches ({fix})"
+            f"{stages_per_rank} stage(s) per rank: torch's {SCHEDULES[schedule]} refuses "
+            f"{microbatches} micro-batches over {pp * stages_per_rank} stages: {reason} "
+            f"Change microbatches ({fix})"
         )
 
 
