@@ -324,9 +324,7 @@ def _policy(point: _Point, rules: Any, block: type | None, how: str, dtype: str 
         "ddp": lambda: replicate("dp"),
         "zero1": lambda: zero(1, "dp"),
         "zero2": lambda: zero(2, "dp"),
-        # under pp torch keeps a stage's parameters gathered across its micro-batches
-        # (torchtitan: reshard_after_forward = not pp_enabled)
-        "fsdp": lambda: fsdp("dp", reshard_after_forward=point.pipeline is None),
+        "fsdp": lambda: fsdp("dp"),
         "hsdp": lambda: hsdp("replicate", "shard"),
     }[point.family]()
     policy = data
@@ -377,8 +375,8 @@ def search_plans(
     without sequence parallelism; no, selective or full checkpointing of the repeated
     blocks; bf16 mixed precision (fp32 when the hardware has no bf16 rate). When nothing
     fits that way (or no such mesh divides the batch), pipelines: meshes ``pp x dp x tp``
-    for every pp size that divides the devices, FSDP over ``dp`` (parameters kept gathered
-    across micro-batches, as torch recommends under pp), tensor parallelism with sequence
+    for every pp size that divides the devices, FSDP over ``dp`` (the pipeline engine keeps a
+    stage's units gathered across micro-batches, as torchtitan), tensor parallelism with sequence
     parallelism, the 1F1B and interleaved 1F1B (two stages per rank) schedules, one
     sequence per micro-batch. CPU offload (with ZeRO-2, FSDP or HSDP) is tried only when
     nothing else fits. A model no

@@ -196,7 +196,8 @@ def stage_plan(plan: Plan, stages: set[int]) -> Plan:
 
     What one pp rank holds: `cost` of it at a rank of that pp coordinate is that rank's
     memory and its tensor- and data-parallel traffic, whether or not the specs already say
-    where each tensor lives along pp.
+    where each tensor lives along pp. FSDP units stay gathered from forward to backward,
+    as the pipeline engine runs them.
     """
     config = plan.config
     stage_of_module = _module_stages(config.pipeline_stages)
@@ -217,6 +218,9 @@ def stage_plan(plan: Plan, stages: set[int]) -> Plan:
         tp_styles=tuple(entry for entry in config.tp_styles if module_ours(entry[0])),
         units=tuple(unit for unit in config.units if module_ours(unit)),
         checkpointed=tuple(path for path in config.checkpointed if module_ours(path)),
+        # the pipeline engine keeps a stage's FSDP units gathered from forward to backward
+        # (torchtitan's choice under pp): each micro-batch would gather them again otherwise
+        reshard_after_forward=False,
     )
     return dataclasses.replace(
         plan,
@@ -283,7 +287,7 @@ def pipeline_assemble(
                 "grads": plan_cost.grads_bytes,
                 "optimizer": plan_cost.optimizer_bytes,
                 "buffers": plan_cost.buffers_bytes,
-                "gathered": gathered_in_flight(plan, _stage_units(plan, units, mine)),
+                "gathered": gathered_in_flight(stage_plan(plan, mine), _stage_units(plan, units, mine)),
                 "activations": int(held[c]),
                 # the last stage computes the loss of one micro-batch at a time
                 "loss_workspace": int(trace.output_bytes + 2 * 4 * trace.output_numel)
@@ -305,7 +309,7 @@ def pipeline_assemble(
 
     _, exposed, per_collective = step_time(
         stage_plan(plan, set(ours)),
-        _regathered(plan, costs[chosen]),
+        costs[chosen],
         hw,
         dtype=dtype,
         forward_flops=flops["forward"],
@@ -351,24 +355,6 @@ def pipeline_assemble(
         cost=costs[chosen],
         pipeline=pipe,
     )
-
-
-def _regathered(plan: Plan, plan_cost: Cost) -> Cost:
-    """``plan_cost`` with FSDP's all-gathers once per micro-batch when units reshard after forward.
-
-    FSDP2 gathers a unit again for every forward and backward it runs; keeping the stage
-    gathered across micro-batches (``reshard_after_forward=False``, torchtitan's choice
-    under pp) gathers once a step.
-    """
-    config = plan.config
-    m = config.microbatches
-    axes = ",".join(config.shard_axes)
-    gathers = plan_cost.comm_bytes.get("all_gather", {})
-    if m == 1 or not config.shard_axes or not config.reshard_after_forward or axes not in gathers:
-        return plan_cost
-    comm = {kind: dict(by_axes) for kind, by_axes in plan_cost.comm_bytes.items()}
-    comm["all_gather"][axes] *= m
-    return dataclasses.replace(plan_cost, comm_bytes=comm)
 
 
 def with_schedule(plan: Plan, schedule: str) -> Plan:
