@@ -113,6 +113,24 @@ class ActivationTrace:
         recompute_flops: flops of checkpointed modules run again in backward.
         batch: sequences per data-parallel rank.
         seq: sequence length (global, before sequence parallel splits it).
+        stage_activation_bytes: when traced with ``stages``, the activation bytes each
+            pipeline stage keeps: storages made while one of its modules ran, plus those
+            made outside every stage's modules (the inputs, the model's own code between
+            them), which every stage's forward makes again.
+        stage_forward_flops: per stage, forward flops of ops run inside its modules (ops
+            outside them counted for every stage).
+        stage_backward_flops: per stage, backward flops, shared out as the forward's are
+            (autograd runs backward outside the modules' calls); repeated layers exactly.
+        stage_recompute_flops: per stage, recompute flops shared out the same way.
+        backward_weight_flops: of ``backward_flops``, the weights' gradients (the matmuls
+            whose output has a 2-D parameter's shape): what zero-bubble schedules defer
+            to their ``W`` step; the rest is the inputs' (``I``).
+        stage_backward_weight_flops: per stage, shared out as the backward's.
+        stage_output_bytes: per stage, the bytes of its last module's output: what it
+            sends the next stage per micro-batch.
+        stage_shared_bytes: of each stage's activation bytes, those made outside every
+            stage's modules (counted in each).
+        stage_shared_flops: of each stage's forward flops, those run outside them.
     """
 
     rank: int
@@ -124,11 +142,53 @@ class ActivationTrace:
     recompute_flops: int
     batch: int
     seq: int
+    stage_activation_bytes: tuple[int, ...] = ()
+    stage_forward_flops: tuple[int, ...] = ()
+    stage_backward_flops: tuple[int, ...] = ()
+    stage_recompute_flops: tuple[int, ...] = ()
+    backward_weight_flops: int = 0
+    stage_backward_weight_flops: tuple[int, ...] = ()
+    stage_output_bytes: tuple[int, ...] = ()
+    stage_shared_bytes: int = 0
+    stage_shared_flops: int = 0
 
     @property
     def step_flops(self) -> int:
         """Forward + backward + recompute flops."""
         return self.forward_flops + self.backward_flops + self.recompute_flops
+
+
+def regroup(trace: ActivationTrace, groups: list[list[int]]) -> ActivationTrace:
+    """A trace with ``stages=`` seen through coarser stages: new stage ``i`` is the old ``groups[i]``.
+
+    Tracing each unit of work (embedding, each block, head) as its own stage once serves
+    every cut into stages of whole units: what a stage keeps and computes is the sum of
+    its units', what they all make outside their modules counted once per new stage.
+
+    Examples:
+        >>> trace = ActivationTrace(0, 30, 1, 1, 30, 60, 0, 1, 8, stage_activation_bytes=(11, 11, 11),
+        ...     stage_forward_flops=(10, 10, 10), stage_backward_flops=(20, 20, 20),
+        ...     stage_recompute_flops=(0, 0, 0), stage_output_bytes=(4, 4, 4), stage_shared_bytes=1)
+        >>> merged = regroup(trace, [[0, 1], [2]])
+        >>> merged.stage_activation_bytes, merged.stage_forward_flops, merged.stage_output_bytes
+        ((21, 11), (20, 10), (4, 4))
+    """
+    shared_bytes, shared_flops = trace.stage_shared_bytes, trace.stage_shared_flops
+    activation = tuple(
+        sum(trace.stage_activation_bytes[u] - shared_bytes for u in group) + shared_bytes for group in groups
+    )
+    forward = [
+        sum(trace.stage_forward_flops[u] - shared_flops for u in group) + shared_flops for group in groups
+    ]
+    return dataclasses.replace(
+        trace,
+        stage_activation_bytes=activation,
+        stage_forward_flops=tuple(forward),
+        stage_backward_flops=tuple(_shared_out(sum(trace.stage_backward_flops), forward)),
+        stage_recompute_flops=tuple(_shared_out(sum(trace.stage_recompute_flops), forward)),
+        stage_backward_weight_flops=tuple(_shared_out(sum(trace.stage_backward_weight_flops), forward)),
+        stage_output_bytes=tuple(trace.stage_output_bytes[group[-1]] for group in groups),
+    )
 
 
 def _device_query(func: Any, args: Any) -> torch.device | None:
@@ -148,12 +208,16 @@ class _Births(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.storages: dict[StorageWeakRef, None] = {}
+        # the pipeline stage whose module ran when each storage was made (-1: none)
+        self.owner: dict[StorageWeakRef, int] = {}
+        self.running: list[int] = []
 
     def note(self, tensor: torch.Tensor) -> None:
         ref = StorageWeakRef(tensor.untyped_storage())
         # a dead storage's address may be reused: the dict must hold the live one's reference
         self.storages.pop(ref, None)
         self.storages[ref] = None
+        self.owner[ref] = self.running[-1] if self.running else -1
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if (device := _device_query(func, args)) is not None:
@@ -163,6 +227,18 @@ class _Births(TorchDispatchMode):
             if isinstance(leaf, torch.Tensor):
                 self.note(leaf)
         return out
+
+
+_WEIGHT_GRAD_OPS = frozenset(
+    op for name in ("mm", "addmm") if (op := getattr(getattr(_aten, name, None), "default", None)) is not None
+)
+
+
+_COPIES = frozenset(
+    op
+    for name in ("_to_copy", "clone", "to")
+    if (op := getattr(getattr(_aten, name, None), "default", None)) is not None
+)
 
 
 class _Flops(TorchDispatchMode):
@@ -179,11 +255,18 @@ class _Flops(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.backward = False
-        self.counts = {"forward": 0, "backward": 0, "recompute": 0}
+        self.counts = {"forward": 0, "backward": 0, "recompute": 0, "weight": 0}
+        # the shapes of the 2-D parameters (either way round): a backward matmul whose
+        # output has one and whose operands are both activations is a weight's gradient
+        # (dW = dY^T X); one that multiplies by a weight (or its cast copy) is an input's
+        self.weight_shapes: set[tuple[int, ...]] = set()
+        self.weights: set[StorageWeakRef] = set()
         # forward flops inside checkpointed modules (``checkpointed`` deep), and those of
         # them selective checkpointing keeps (SAVED_OPS): what recomputation will re-run
         self.checkpointed = 0
         self.inside = {"all": 0, "saved": 0}
+        self.running: list[int] = []
+        self.by_stage: dict[int, int] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if (device := _device_query(func, args)) is not None:
@@ -192,10 +275,30 @@ class _Flops(TorchDispatchMode):
 
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if (
+            func in _COPIES
+            and self.weights
+            and isinstance(out, torch.Tensor)
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and _storage_key(args[0]) in self.weights
+        ):
+            self.weights.add(_storage_key(out))  # mixed precision's cast of a weight
         count = op_flops(func, args, kwargs, out)
         if count:
             phase = "forward" if not self.backward else "recompute" if torch.is_grad_enabled() else "backward"
             self.counts[phase] += count
+            if (
+                phase == "backward"
+                and func in _WEIGHT_GRAD_OPS
+                and isinstance(out, torch.Tensor)
+                and tuple(out.shape) in self.weight_shapes
+                and not any(_storage_key(a) in self.weights for a in args if isinstance(a, torch.Tensor))
+            ):
+                self.counts["weight"] += count
+            if phase == "forward":
+                owner = self.running[-1] if self.running else -1
+                self.by_stage[owner] = self.by_stage.get(owner, 0) + count
             if self.checkpointed and not self.backward:
                 self.inside["all"] += count
                 self.inside["saved"] += count if func in SAVED_OPS else 0
@@ -225,6 +328,83 @@ def kept_bytes(
         storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
         total += storage.nbytes()
     return total
+
+
+def kept_bytes_by_owner(births: _Births, exclude: set[StorageWeakRef], *, collect: int = 2) -> dict[int, int]:
+    """`kept_bytes`, by the pipeline stage that made each storage (-1: made outside every stage)."""
+    gc.collect(collect)
+    out: dict[int, int] = {}
+    for ref in births.storages:
+        if ref.expired() or ref in exclude:
+            continue
+        storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+        owner = births.owner.get(ref, -1)
+        out[owner] = out.get(owner, 0) + storage.nbytes()
+    return out
+
+
+@contextlib.contextmanager
+def _stage_owner(
+    modules: Mapping[str, nn.Module],
+    stage_modules: Mapping[str, int],
+    stacks: list[list[int]],
+    outputs: dict[str, int],
+) -> Iterator[None]:
+    """While a stage's module runs its forward, its index is on top of each of ``stacks``.
+
+    ``outputs`` gets the bytes of each stage module's (first) output tensor.
+    """
+
+    def enter(stage: int) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            for stack in stacks:
+                stack.append(stage)
+
+        return hook
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        for stack in stacks:
+            if stack:
+                stack.pop()
+        first = _first_tensor(output)
+        if isinstance(first, torch.Tensor):
+            outputs[names[module]] = first.numel() * first.element_size()
+
+    names = {modules[path]: path for path in stage_modules if path in modules}
+
+    handles = []
+    try:
+        for path, stage in stage_modules.items():
+            module = modules.get(path)
+            if module is not None:
+                handles.append(module.register_forward_pre_hook(enter(stage)))
+                handles.append(module.register_forward_hook(leave, always_call=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _stage_of_path(path: str, stage_modules: Mapping[str, int]) -> int:
+    while True:
+        if path in stage_modules:
+            return stage_modules[path]
+        if not path:
+            return -1
+        path = path.rpartition(".")[0]
+
+
+def _per_stage(by_owner: Mapping[int, int], stages: int) -> list[int]:
+    # what no stage's module made (inputs, the model's code between its modules) every stage makes
+    shared = by_owner.get(-1, 0)
+    return [by_owner.get(stage, 0) + shared for stage in range(stages)]
+
+
+def _shared_out(total: int, weights: list[int]) -> list[int]:
+    whole = sum(weights)
+    if not whole:
+        return [total // max(len(weights), 1)] * len(weights)
+    return [round(total * w / whole) for w in weights]
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -529,6 +709,9 @@ class _Run:
         self.batch, self.seq, self.inputs, self.dtype, self.tp_size = batch, seq, inputs, dtype, tp_size
         self.expert_imbalance = expert_imbalance
         self.repeats_are_passable = True
+        self.stage_modules: dict[str, int] = {}
+        self.stage_last: list[str] = []
+        self.stages = 0
 
     @contextlib.contextmanager
     def _left_out(self, groups: list[tuple[str, ...]], doubled: tuple[int, ...]) -> Iterator[None]:
@@ -582,7 +765,7 @@ class _Run:
 
     def trace(
         self, groups: list[tuple[str, ...]], doubled: tuple[int, ...] = (), *, backward: bool = True
-    ) -> dict[str, int]:
+    ) -> dict[str, Any]:
         """Bytes kept and flops of one forward and backward, repeated layers partly left out.
 
         Each group runs its first member (its first two where ``doubled``); the rest pass
@@ -600,6 +783,10 @@ class _Run:
             births.note(tensor)
         excluded = {StorageWeakRef(p.untyped_storage()) for p in self.params}
         flops = _Flops()
+        for param in self.params:
+            if param.dim() == 2:
+                flops.weight_shapes |= {tuple(param.shape), tuple(param.shape[::-1])}
+                flops.weights.add(_storage_key(param))
         with contextlib.ExitStack() as stack:
             stack.enter_context(
                 _checkpointed(model, tuple(config.checkpointed), config.checkpoint_policy, flops)
@@ -610,6 +797,9 @@ class _Run:
             stack.enter_context(_reparametrize_module(model, self.state, tie_weights=False, strict=False))
             stack.enter_context(_unpacked_sequences(model))
             stack.enter_context(routed_experts(self.modules.values(), self.expert_imbalance))
+            owners = [births.running, flops.running]
+            outputs: dict[str, int] = {}
+            stack.enter_context(_stage_owner(self.modules, self.stage_modules, owners, outputs))
             stack.enter_context(fake)
             with flops, births:
                 try:
@@ -632,7 +822,8 @@ class _Run:
             if not isinstance(output, torch.Tensor):
                 raise ShardingError(f"trace_activations: {type(model).__name__}'s forward returned no tensor")
             output_key = {StorageWeakRef(output.untyped_storage())}
-            activation_bytes = kept_bytes(births.storages, excluded | output_key, collect=1)
+            by_owner = kept_bytes_by_owner(births, excluded | output_key, collect=1)
+            activation_bytes = sum(by_owner.values())
             output_bytes = output.untyped_storage().nbytes()
             output_numel = output.numel()
             if backward:
@@ -648,14 +839,26 @@ class _Run:
             # outputs instead of running them
             saved = flops.inside["saved"] if config.checkpoint_policy == "selective" else 0
             flops.counts["recompute"] = flops.inside["all"] - saved
-        return {
+        counts: dict[str, Any] = {
             "activation_bytes": activation_bytes,
             "output_bytes": output_bytes,
             "output_numel": output_numel,
             "forward_flops": flops.counts["forward"],
             "backward_flops": flops.counts["backward"],
             "recompute_flops": flops.counts["recompute"],
+            "backward_weight_flops": flops.counts["weight"],
         }
+        if self.stages:
+            forward = _per_stage(flops.by_stage, self.stages)
+            counts["stage_activation_bytes"] = _per_stage(by_owner, self.stages)
+            counts["stage_forward_flops"] = forward
+            counts["stage_backward_weight_flops"] = _shared_out(flops.counts["weight"], forward)
+            for key in ("backward", "recompute"):
+                counts[f"stage_{key}_flops"] = _shared_out(flops.counts[key], forward)
+            counts["stage_output_bytes"] = [outputs.get(last, 0) for last in self.stage_last]
+            counts["stage_shared_bytes"] = by_owner.get(-1, 0)
+            counts["stage_shared_flops"] = flops.by_stage.get(-1, 0)
+        return counts
 
 
 def _reached(plan: Any, left_out: tuple[str, ...]) -> Any:
@@ -704,6 +907,35 @@ def _check_sequence_parallel(modules: dict[str, nn.Module], plan: Any, seq: int,
         )
 
 
+def _stage_holder(plan: Any, rank: int) -> Any:
+    """``path -> rank`` to read a parameter's local shape at.
+
+    Under a pipeline: the rank with ``rank``'s coordinates but the pp coordinate of the
+    stage that holds the parameter (its shapes are those where it lives); else ``rank``.
+    """
+    config = plan.config
+    axis = getattr(config, "pipeline_axis", None)
+    if not axis or not config.pipeline_stages:
+        return lambda path: rank
+    from .stages import stage_rank
+
+    stage_of_module = {m: i for i, modules in enumerate(config.pipeline_stages) for m in modules}
+    pp = plan.mesh[axis]
+    coords = plan.mesh.coords(rank)
+
+    def holder(path: str) -> int:
+        module = path.rpartition(".")[0]
+        while module and module not in stage_of_module:
+            module = module.rpartition(".")[0]
+        if module not in stage_of_module:
+            return rank
+        stage = stage_of_module[module]
+        coords[axis] = stage_rank(stage, pp, config.stages_per_rank, config.pipeline_schedule)
+        return plan.mesh.rank(coords)
+
+    return holder
+
+
 def trace_activations(
     model: nn.Module,
     plan: Any,
@@ -714,6 +946,7 @@ def trace_activations(
     inputs: Any = None,
     expert_imbalance: float = 1.0,
     backward: bool = True,
+    stages: tuple[tuple[str, ...], ...] | None = None,
 ) -> ActivationTrace:
     """Bytes ``model`` keeps for backward and its flops on one rank, traced on meta tensors.
 
@@ -738,6 +971,10 @@ def trace_activations(
             every saved tensor is back, so a full recompute may run less; 0 is exact).
             Checkpointing leaves the backward's own flops as they are without it. Nested
             checkpointed modules are traced with the backward whatever this says.
+        stages: the module paths of each pipeline stage (``plan.config.pipeline_stages``):
+            the trace then also says what each stage keeps and computes
+            (``stage_activation_bytes`` and the ``stage_*_flops``), for one micro-batch of
+            ``batch`` sequences.
 
     Returns:
         An `ActivationTrace`.
@@ -792,11 +1029,13 @@ def trace_activations(
     # fake tensor per shape (making one each was a fifth of a 70B model's trace)
     local: dict[str, torch.Tensor] = {}
     canonical_of: dict[str, str] = {}
+    holder = _stage_holder(plan, rank)
     for path, param in model.named_parameters(remove_duplicate=False):
         canonical = plan.canonical(path) if path not in plan.params else path
         canonical_of[path] = canonical
         if canonical not in local:
-            shape = plan.local_shape(canonical, rank, "compute") if canonical in plan.params else param.shape
+            in_plan = canonical in plan.params
+            shape = plan.local_shape(canonical, holder(canonical), "compute") if in_plan else param.shape
             local[canonical] = torch.empty(shape, dtype=dtype or param.dtype, device="meta")
         local[path] = local[canonical]
     buffers = dict(model.named_buffers(remove_duplicate=False))
@@ -849,13 +1088,32 @@ def trace_activations(
         expert_imbalance,
         modules,
     )
+    if stages:
+        run.stage_modules = {path: index for index, modules in enumerate(stages) for path in modules}
+        run.stages = len(stages)
+        run.stage_last = [modules[-1] if modules else "" for modules in stages]
     try:
         first = run.trace(groups, backward=backward)
-        counts = dict(first)
+        counts = {key: list(value) if isinstance(value, list) else value for key, value in first.items()}
         for index, group in enumerate(groups):
             second = run.trace(groups, (index,), backward=backward)
             for key in counts:
-                if key not in ("output_bytes", "output_numel"):
+                if key in (
+                    "output_bytes",
+                    "output_numel",
+                    "stage_output_bytes",
+                    "stage_shared_bytes",
+                    "stage_shared_flops",
+                ):
+                    continue
+                if isinstance(counts[key], list):
+                    # each further layer adds what the second added, to its own stage
+                    added = sum(second[key]) - sum(first[key])
+                    for member in group[1:]:
+                        owner = _stage_of_path(member, run.stage_modules)
+                        for stage in range(run.stages) if owner < 0 else (owner,):
+                            counts[key][stage] += added
+                else:
                     counts[key] += (len(group) - 1) * (second[key] - first[key])
     except _NotPassableError:
         run.repeats_are_passable = False
@@ -863,4 +1121,7 @@ def trace_activations(
         make_fake(())
         run.plan = plan
         counts = run.trace([], backward=backward)
-    return ActivationTrace(rank=rank, batch=batch, seq=seq, **counts)
+    fields: dict[str, Any] = {
+        key: tuple(value) if isinstance(value, list) else value for key, value in counts.items()
+    }
+    return ActivationTrace(rank=rank, batch=batch, seq=seq, **fields)

@@ -2,10 +2,12 @@
 
 `search_plans` enumerates a small, explicit space (meshes over the devices, data-parallel
 families, tensor and sequence parallelism within a node, activation checkpointing of the
-repeated blocks, bf16 mixed precision; CPU offload only when nothing else fits), estimates
-every candidate with `estimate`, and keeps the one with the least step time that fits.
-Activation traces are shared by every candidate with the same (tp, sp, checkpointing,
-dtype, micro-batch, seq), plans and costs by every candidate with the same mesh and family.
+repeated blocks, bf16 mixed precision; pipeline parallelism when nothing fits without it;
+CPU offload only when nothing else fits), estimates every candidate with `estimate`, and
+keeps the one with the least step time that fits. Activation traces are shared by every
+candidate with the same (tp, sp, checkpointing, dtype, micro-batch, seq), plans and costs by
+every candidate with the same mesh and family; pipelines share one trace of each unit of
+work (embedding, each block, head) as its own stage, whatever their stages.
 """
 
 from __future__ import annotations
@@ -34,7 +36,18 @@ from .hardware import hardware as _hardware
 from .mesh import Mesh
 from .plan import Plan
 from .planner import shard
-from .policy import Policy, checkpointing, fsdp, hsdp, mixed_precision, offload, replicate, tp, zero
+from .policy import (
+    Policy,
+    checkpointing,
+    fsdp,
+    hsdp,
+    mixed_precision,
+    offload,
+    pipeline,
+    replicate,
+    tp,
+    zero,
+)
 from .tree import read_model
 
 __all__ = ["AutoReport", "Candidate", "auto", "search_plans"]
@@ -60,6 +73,8 @@ class Candidate:
     rejected: str | None = None
     """Why it was not chosen for fitting: None if it fits."""
     estimate: Estimate | None = field(default=None, compare=False, repr=False)
+    pipeline: tuple[str, int, int] | None = None
+    """(schedule, stages per rank, micro-batches) under pipeline parallelism."""
 
     @property
     def fits(self) -> bool:
@@ -209,10 +224,57 @@ class _Point:
     tp: int
     sp: bool
     offload: bool
+    pipeline: tuple[str, int, int] | None = None
 
     @property
     def dp(self) -> int:
-        return self.mesh.size // self.tp
+        pp = self.mesh["pp"] if "pp" in self.mesh else 1  # noqa: SIM401 - a Mesh has no .get
+        return self.mesh.size // self.tp // pp
+
+
+MAX_PIPELINE = 16
+PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved1f1b", 2))
+"""What the search tries under pp: torchtitan's default and its interleaved variant."""
+
+
+def _pipeline_points(
+    devices: int,
+    batch: int,
+    hw: Hardware,
+    heads: tuple[int, int] | None,
+    units: int,
+    tensor_parallel: bool,
+) -> Iterator[_Point]:
+    # torchtitan's layout (pp outermost, then FSDP, tensor parallel within a node with
+    # sequence parallel). Micro-batches: as many as the batch allows, up to 8 per stage
+    # (the bubble of 1F1B is then under a tenth of the step); pipelines of up to 16 ranks,
+    # as torchtitan and Megatron run 405B-class models
+    from .schedules import check_pipeline
+
+    for pp in _divisors(devices)[1:]:
+        if pp > MAX_PIPELINE:
+            break
+        for tp_size in _divisors(devices // pp):
+            if tp_size > 1 and (
+                not tensor_parallel
+                or tp_size > hw.devices_per_node
+                or (heads and (heads[0] % tp_size or heads[1] % tp_size))
+            ):
+                continue
+            dp = devices // (pp * tp_size)
+            if batch % dp:
+                continue
+            local = batch // dp
+            for schedule, per_rank in PIPELINE_SCHEDULES:
+                if pp * per_rank > units:
+                    continue
+                microbatches = max(m for m in _divisors(local) if m <= 8 * pp * per_rank)
+                try:
+                    check_pipeline(schedule, pp, per_rank, microbatches)
+                except PolicyError:
+                    continue
+                mesh = Mesh(pp=pp, dp=dp, **({"tp": tp_size} if tp_size > 1 else {}))
+                yield _Point(mesh, "fsdp", tp_size, tp_size > 1, False, (schedule, per_rank, microbatches))
 
 
 def _points(
@@ -247,6 +309,16 @@ def _points(
                     yield _Point(Mesh(dp=dp, **tp_axes), family, tp_size, sp, offload_)
 
 
+def _pipeline_units(tree: Any) -> tuple[tuple[str, ...], ...]:
+    """Each unit of work torchtitan's cut deals out (embedding, each block, norm + head); () if none."""
+    from .stages import _outer, split_stages
+
+    before, blocks, after = _outer(tree)
+    if not blocks:
+        return ()
+    return split_stages(tree, bool(before) + len(blocks) + bool(after))
+
+
 def _policy(point: _Point, rules: Any, block: type | None, how: str, dtype: str | None) -> Policy:
     data = {
         "ddp": lambda: replicate("dp"),
@@ -256,6 +328,11 @@ def _policy(point: _Point, rules: Any, block: type | None, how: str, dtype: str 
         "hsdp": lambda: hsdp("replicate", "shard"),
     }[point.family]()
     policy = data
+    if point.pipeline is not None:
+        schedule, per_rank, microbatches = point.pipeline
+        policy = (
+            pipeline("pp", microbatches=microbatches, schedule=schedule, stages_per_rank=per_rank) + policy
+        )
     if point.tp > 1:
         policy = policy + tp(rules, "tp", sequence_parallel=point.sp)
     if dtype:
@@ -273,6 +350,10 @@ def _text(policy: Policy) -> str:
 
         return format_policy(policy)
     except Exception:  # a policy the text form cannot spell: fall back to layer names
+        pipe = policy.pipeline
+        if pipe is not None:  # until the text form spells pipelines: the rest spelled out
+            rest = Policy(tuple(layer for layer in policy.layers if layer is not pipe), policy.options)
+            return f"{pipe.name} + {_text(rest)}"
         return " + ".join(layer.name for layer in policy.layers)
 
 
@@ -292,8 +373,13 @@ def search_plans(
     ``devices``, with ``tp`` inside one node and dividing the query and key/value heads;
     DDP, ZeRO-1, ZeRO-2, FSDP and HSDP; tensor parallelism with the model's rules, with and
     without sequence parallelism; no, selective or full checkpointing of the repeated
-    blocks; bf16 mixed precision (fp32 when the hardware has no bf16 rate). CPU offload
-    (with ZeRO-2, FSDP or HSDP) is tried only when nothing else fits. A model no
+    blocks; bf16 mixed precision (fp32 when the hardware has no bf16 rate). When nothing
+    fits that way (or no such mesh divides the batch), pipelines: meshes ``pp x dp x tp``
+    for every pp size that divides the devices, FSDP over ``dp`` (the pipeline engine keeps a
+    stage's units gathered across micro-batches, as torchtitan), tensor parallelism with sequence
+    parallelism, the 1F1B and interleaved 1F1B (two stages per rank) schedules, one
+    sequence per micro-batch. CPU offload (with ZeRO-2, FSDP or HSDP) is tried only when
+    nothing else fits. A model no
     tensor-parallel rule set fits (`fs.rules.for_model` refuses it, e.g. mixture-of-experts
     layers) gets data-parallel candidates only, and the report says why
     (``AutoReport.no_tensor_parallel``). Torch's own logging while tracing is held back;
@@ -328,14 +414,25 @@ def search_plans(
     rules, no_tensor_parallel = _rules(model)
     dtype = "bfloat16" if "bfloat16" in hw.flops else None
     points = list(_points(devices, batch, hw, heads, False, rules is not None))
-    if not points:
+    tree = read_model(model)
+    units = _pipeline_units(tree)
+
+    def pipelines() -> list[_Point]:
+        if not units:
+            return []
+        return list(_pipeline_points(devices, batch, hw, heads, len(units), rules is not None))
+
+    pipe_points = [] if points else pipelines()
+    if not points and not pipe_points:
         raise ShardingError(
             f"auto(devices={devices}, batch={batch}): no data-parallel size divides the batch for any "
             "tensor-parallel size that fits a node and divides the heads; choose a batch that is a "
             "multiple of the device count"
         )
-    search = _Search(model, hw, optimizer, batch, seq, block, rules, dtype, budget)
+    search = _Search(model, hw, optimizer, batch, seq, block, rules, dtype, budget, tree, units)
     candidates = search.run(points)
+    if not any(c.fits for c in candidates):
+        candidates += search.run(pipe_points or pipelines())
     if not any(c.fits for c in candidates):
         candidates += search.run(list(_points(devices, batch, hw, heads, True, rules is not None)))
     fitting = [c for c in candidates if c.fits]
@@ -356,13 +453,16 @@ class _Search:
         rules: Any,
         dtype: str | None,
         budget: int,
+        tree: Any = None,
+        units: tuple[tuple[str, ...], ...] = (),
     ) -> None:
         self.model, self.hw, self.optimizer = model, hw, optimizer
         self.batch, self.seq, self.block, self.rules = batch, seq, block, rules
         self.dtype, self.budget = dtype, budget
         self.rules_text = repr(rules)
         # the model's tensors and modules, read once for the many plans of the search
-        self.tree = read_model(model)
+        self.tree = tree if tree is not None else read_model(model)
+        self.units = units
         # the modules fs.checkpointing(block) selects, as the planner selects them
         self.block_paths: tuple[str, ...] = ()
         if block is not None and isinstance(model, nn.Module):
@@ -404,11 +504,16 @@ class _Search:
         forward = trace(self.model, checkpointed, micro, self.seq, None, None, backward=False)
         if forward.recompute_flops or forward.forward_flops != plain.forward_flops:
             return trace(self.model, checkpointed, micro, self.seq, None, None)
-        return dataclasses.replace(forward, backward_flops=plain.backward_flops)
+        return dataclasses.replace(
+            forward, backward_flops=plain.backward_flops, backward_weight_flops=plain.backward_weight_flops
+        )
 
     def run(self, points: list[_Point]) -> list[Candidate]:
         out = []
         for point in points:
+            if point.pipeline is not None:
+                out += self._run_pipeline(point)
+                continue
             base_policy = _policy(point, self.rules, self.block, "none", self.dtype)
             try:
                 plan = shard(self.tree, point.mesh, base_policy)
@@ -466,6 +571,82 @@ class _Search:
                 )
         return out
 
+    def _with_checkpointing(self, plan: Plan, how: str) -> Plan:
+        if how == "none":
+            return plan
+        config = dataclasses.replace(plan.config, checkpointed=self.block_paths, checkpoint_policy=how)
+        return dataclasses.replace(plan, config=config)
+
+    def _unit_trace(self, point: _Point, plan: Plan, how: str, micro: int) -> Any:
+        # each unit of work traced as its own stage: one trace serves every cut into stages
+        key = ("units", point.tp, point.sp, how, self.dtype, micro, self.seq, self.rules_text, self.block)
+        if key not in self.traces:
+            from .estimate import _trace
+
+            plan = self._with_checkpointing(plan, how)
+            try:
+                self.traces[key] = _trace(self.model, plan, micro, self.seq, None, None, stages=self.units)
+            except Exception as error:  # reported in the candidate's row
+                self.traces[key] = " ".join(str(error).split())[:160]
+        return self.traces[key]
+
+    def _run_pipeline(self, point: _Point) -> list[Candidate]:
+        from .activations import regroup
+        from .pipeline_estimate import pipeline_assemble, stage_costs
+
+        out: list[Candidate] = []
+        base_policy = _policy(point, self.rules, self.block, "none", self.dtype)
+        fields = (point.mesh, point.family, point.tp, point.sp)
+        try:
+            plan = shard(self.tree, point.mesh, base_policy)
+        except ShardingError as error:
+            first = " ".join(str(error).split())[:160]
+            text = _text(base_policy)
+            why = f"cannot plan: {first}"
+            return [Candidate(*fields, "none", False, text, rejected=why, pipeline=point.pipeline)]
+        unit_of = {module: index for index, unit in enumerate(self.units) for module in unit}
+        groups = [sorted({unit_of[m] for m in stage}) for stage in plan.config.pipeline_stages]
+        costs = stage_costs(plan, self.optimizer, self.batch // point.dp * self.seq)
+        units = unit_gathered_bytes(plan)
+        micro = self.batch // point.dp // plan.config.microbatches
+        for how in _checkpoint_options(self.block):
+            if out and out[-1].fits:
+                break  # checkpointing more only adds recomputation
+            policy = _policy(point, self.rules, self.block, how, self.dtype)
+            trace = self._unit_trace(point, plan, how, micro)
+            if isinstance(trace, str):
+                why = f"cannot trace: {trace}"
+                out.append(
+                    Candidate(*fields, how, False, _text(policy), rejected=why, pipeline=point.pipeline)
+                )
+                continue
+            est = pipeline_assemble(
+                self._with_checkpointing(plan, how),
+                regroup(trace, groups),
+                self.hw,
+                compute_dtype(plan),
+                self.batch // point.dp,
+                self.seq,
+                self.optimizer,
+                units,
+                costs=costs,
+            )
+            over = est.peak_bytes - self.budget
+            out.append(
+                Candidate(
+                    *fields,
+                    how,
+                    False,
+                    _text(policy),
+                    est.peak_bytes,
+                    est.step_seconds,
+                    None if over <= 0 else f"needs {_bytes(over)} more",
+                    est,
+                    point.pipeline,
+                )
+            )
+        return out
+
     def final_plan(self, candidate: Candidate) -> Plan:
         point = _Point(
             candidate.mesh,
@@ -473,6 +654,7 @@ class _Search:
             candidate.tensor_parallel,
             candidate.sequence_parallel,
             candidate.offload,
+            candidate.pipeline,
         )
         return shard(
             self.model,

@@ -401,6 +401,7 @@ def _plan(args: argparse.Namespace, out: _Out) -> int:
         raise _InputError(
             "--auto needs --devices, --budget and --seq (and --batch, or one sequence per device)"
         )
+    batch_given = args.batch is not None
     if args.seq is not None and args.batch is None:
         # one sequence per data-parallel rank: with --auto, a global batch of one per device
         args.batch = args.devices if args.auto else 1
@@ -439,6 +440,8 @@ def _plan(args: argparse.Namespace, out: _Out) -> int:
         estimate_module = _needs("estimate", "fs.estimate", "--batch/--seq")
         # with --auto, --batch is the global batch; fs.estimate takes one data-parallel rank's
         per_rank = args.batch // plan.data_parallel_rank(0)[1] if args.auto else args.batch
+        if plan.config.pipeline_axis and not batch_given:
+            per_rank = plan.config.microbatches  # a pipeline's default: one sequence per micro-batch
         estimate = estimate_module.estimate(
             model, plan, batch=max(per_rank, 1), seq=args.seq, optimizer=args.optimizer, hardware=hardware
         )

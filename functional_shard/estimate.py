@@ -10,6 +10,7 @@ assumptions.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Mapping
@@ -25,6 +26,7 @@ from .rules import sequence_gathers
 from .tree import dtype_from_name
 
 if TYPE_CHECKING:
+    from .pipeline_estimate import PipelineEstimate
     from .plan import Plan
 
 __all__ = ["Estimate", "estimate", "parse_bytes"]
@@ -90,6 +92,9 @@ class Estimate:
     ``buffers``, ``gathered`` (FSDP units in flight), ``activations`` and
     ``loss_workspace`` (logits plus cross-entropy's fp32 copies). ``flops`` is per device
     per step, recomputation included; ``model_flops`` without it (what MFU counts).
+    Under pipeline parallelism ``batch`` is the step's batch (all micro-batches), the parts
+    are those of the pp rank with the highest peak, ``compute_seconds`` is the schedule's
+    makespan (bubble and point-to-point sends included) and ``pipeline`` has each stage.
     """
 
     rank: int
@@ -108,6 +113,7 @@ class Estimate:
     """Every collective's time at its link's bandwidth, ``"kind over axes (link)"`` -> s."""
     tensor_parallel: int = 1
     cost: Cost | None = field(default=None, compare=False, repr=False)
+    pipeline: PipelineEstimate | None = field(default=None, compare=False, repr=False)
 
     @property
     def activation_bytes(self) -> int:
@@ -126,8 +132,9 @@ class Estimate:
 
     @property
     def tokens_per_second(self) -> float:
-        """Tokens per second per device (a tensor-parallel group shares its tokens)."""
-        return self.batch * self.seq / self.tensor_parallel / self.step_seconds
+        """Tokens per second per device (a tensor-parallel group, and a pipeline, share their tokens)."""
+        pp = self.pipeline.pp if self.pipeline is not None else 1
+        return self.batch * self.seq / self.tensor_parallel / pp / self.step_seconds
 
     @property
     def mfu(self) -> float:
@@ -141,8 +148,9 @@ class Estimate:
     def explain(self) -> str:
         """A readable breakdown of memory and time."""
         hw = self.hardware
+        batch = "batch" if self.pipeline is not None else "micro-batch"
         lines = [
-            f"estimate on rank {self.rank}, {hw.name}, micro-batch {self.batch} x {self.seq} tokens, "
+            f"estimate on rank {self.rank}, {hw.name}, {batch} {self.batch} x {self.seq} tokens, "
             f"compute in {self.dtype}",
             f"peak memory {_bytes(self.peak_bytes)} (at the start of backward)"
             + (f"; host {_bytes(self.host_bytes)}" if self.host_bytes else ""),
@@ -159,6 +167,8 @@ class Estimate:
             f"  collective {what:<{what_width}} {_duration(s)}" for what, s in self.comm_seconds.items()
         ]
         lines.append(f"tokens/s per device {self.tokens_per_second:,.0f}, MFU {self.mfu:.1%}")
+        if self.pipeline is not None:
+            lines.append(self.pipeline.explain())
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -183,6 +193,20 @@ class Estimate:
             "step_seconds": self.step_seconds,
             "tokens_per_second": self.tokens_per_second,
             "mfu": self.mfu,
+            **({"pipeline": self._pipeline_dict()} if self.pipeline is not None else {}),
+        }
+
+    def _pipeline_dict(self) -> dict[str, Any]:
+        pipe = self.pipeline
+        assert pipe is not None
+        return {
+            "schedule": pipe.schedule,
+            "microbatches": pipe.microbatches,
+            "microbatch": pipe.microbatch,
+            "bubble": pipe.bubble,
+            "makespan": pipe.timeline.makespan,
+            "rank_peak_bytes": list(pipe.rank_peak_bytes),
+            "stages": [dataclasses.asdict(stage) for stage in pipe.stages],
         }
 
 
@@ -224,6 +248,7 @@ def _trace(
     inputs: Any,
     expert_imbalance: float = 1.0,
     backward: bool = True,
+    stages: tuple[tuple[str, ...], ...] | None = None,
 ) -> Any:
     from .activations import trace_activations  # lazily: it loads torch's fake-tensor machinery
     from .quiet import captured
@@ -239,6 +264,7 @@ def _trace(
             inputs=inputs,
             expert_imbalance=expert_imbalance,
             backward=backward,
+            stages=stages,
         )
 
 
@@ -515,13 +541,14 @@ def estimate(
     Args:
         model: the module the plan was made from (meta device is enough).
         plan: its plan.
-        batch: sequences per data-parallel rank per step (the micro-batch).
+        batch: sequences per data-parallel rank per step (the micro-batch); under a
+            pipeline, the step's batch, which the plan's ``microbatches`` must divide.
         seq: tokens per sequence.
         optimizer: as for `cost`.
         hardware: a profile name (see `fs.hardware`) or a `Hardware`; ``None`` is ``"h100"``.
         rank: estimate this rank; by default the worst one for the cost model's parts
             (params, grads, optimizer, buffers, collectives) and rank 0 for the traced
-            activations.
+            activations (under a pipeline: the pp rank with the highest peak).
         inputs: the model's inputs (tensors or a dict, meta allowed) when it does not take
             token ids of shape ``(batch, seq)``.
         expert_imbalance: routing in mixture-of-experts layers (Hugging Face's Mixtral,
@@ -535,8 +562,9 @@ def estimate(
         An `Estimate`.
 
     Raises:
-        ShardingError: unknown hardware, a non-positive batch or seq, inputs that do not
-            fit the model, a compute dtype the hardware has no rate for, or an
+        ShardingError: unknown hardware, a non-positive batch or seq, a batch the
+            pipeline's micro-batch count does not divide, inputs that do not fit the
+            model, a compute dtype the hardware has no rate for, or an
             ``expert_imbalance`` below 1 or above E / k.
 
     Examples:
@@ -552,6 +580,22 @@ def estimate(
     hw = _hardware(hardware)
     dtype = compute_dtype(plan)
     hw.peak_flops(dtype)  # fail early, before tracing
+    if plan.config.pipeline_axis:
+        from .pipeline_estimate import microbatch_size, pipeline_assemble
+
+        micro = microbatch_size(plan, batch)
+        trace = _trace(
+            model,
+            plan,
+            micro,
+            seq,
+            rank,
+            inputs,
+            expert_imbalance=expert_imbalance,
+            stages=plan.config.pipeline_stages,
+        )
+        units = unit_gathered_bytes(plan)
+        return pipeline_assemble(plan, trace, hw, dtype, batch, seq, optimizer, units, rank)
     trace = _trace(model, plan, batch, seq, rank, inputs, expert_imbalance=expert_imbalance)
     plan_cost = cost(plan, optimizer, rank=rank, tokens=batch * seq)
     units = unit_gathered_bytes(plan)

@@ -309,7 +309,10 @@ def _config(
     pipe = policy.pipeline
     pipe_config: dict[str, Any] = {}
     if pipe is not None and pipe.axis in mesh:  # a missing axis is reported with the others
+        from .schedules import check_pipeline  # torch's schedule refuses counts it cannot run
+
         stages = split_stages(tree, mesh[pipe.axis] * pipe.stages_per_rank, pipe.split, pipe.pieces)
+        check_pipeline(pipe.schedule, mesh[pipe.axis], pipe.stages_per_rank, pipe.microbatches)
         pipe_config = {
             "pipeline_axis": pipe.axis,
             "pipeline_stages": stages,

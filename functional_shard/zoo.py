@@ -37,6 +37,9 @@ CONFIGS: dict[str, LlamaConfig] = {
     # meta-llama/Meta-Llama-3-8B's config.json: untied, grouped-query (8 key/value heads)
     "llama-3-8b": LlamaConfig(128256, 4096, 14336, 32, 32, 8),
     "llama-70b": LlamaConfig(128256, 8192, 28672, 80, 64, 8),
+    # meta-llama/Llama-3.1-405B's config.json: 126 layers, hidden 16384, ffn 53248, 128
+    # heads, 8 key/value heads; torchtitan's published 405B run used FSDP 8 x TP 8 x PP 8
+    "llama-3-405b": LlamaConfig(128256, 16384, 53248, 126, 128, 8),
 }
 
 

@@ -127,7 +127,8 @@ def test_a_factory_builds_the_model_on_the_meta_device(capsys, tmp_path, monkeyp
     [
         (
             [*TINY[:2], "llama-3"],
-            "--model 'llama-3': not a zoo model (llama-1b, llama-3-8b, llama-70b, llama-7b, tiny, tiny-tied)",
+            "--model 'llama-3': not a zoo model "
+            "(llama-1b, llama-3-405b, llama-3-8b, llama-70b, llama-7b, tiny, tiny-tied)",
         ),
         ([*TINY[:2], "missing/config.json"], "--model 'missing/config.json': no such file or folder"),
         (

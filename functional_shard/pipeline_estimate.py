@@ -1,0 +1,449 @@
+"""Peak memory and step time of a pipeline-parallel plan, stage by stage. Pure.
+
+A pp rank holds its stages' parameters, gradients and optimizer state (`cost` at a rank
+of that pp coordinate), and the activations of one micro-batch (``batch / microbatches``
+sequences) per stage for as many micro-batches as torch's schedule keeps in flight there
+(`functional_shard.schedules.held_peak`); the rank that runs the last stage also holds
+the loss's logits workspace. The step's compute time is the makespan of torch's action
+lists run on a clock (`functional_shard.schedules.simulate`), each stage's forward and
+backward at its traced flops, each boundary's activation sent at the pp axis's link speed:
+the bubble is in it. Data- and tensor-parallel communication is added as for any plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .bytesize import format_bytes as _bytes
+from .cost import Cost, OptimizerKind, cost
+from .errors import ShardingError
+from .hardware import Hardware
+from .schedules import Timeline, check_pipeline, held_peak, in_flight, simulate
+from .stages import rank_stages, stage_rank
+
+if TYPE_CHECKING:
+    from .estimate import Estimate
+    from .plan import Plan
+
+__all__ = [
+    "PipelineEstimate",
+    "StageEstimate",
+    "compare_schedules",
+    "microbatch_size",
+    "pipeline_assemble",
+    "stage_costs",
+    "stage_plan",
+    "with_schedule",
+]
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    """One pipeline stage: where it runs, what one micro-batch keeps and costs there.
+
+    Attributes:
+        stage: its index.
+        rank: the pp coordinate that runs it.
+        modules: its module paths.
+        activation_bytes: what it keeps for backward of one micro-batch: what its modules
+            make, its output and the activation it receives.
+        in_flight: the most micro-batches it holds at once under the schedule.
+        forward_seconds: one micro-batch's forward.
+        backward_seconds: one micro-batch's backward (recompute included).
+        send_bytes: the activation it sends the next stage per micro-batch (0 for the last).
+    """
+
+    stage: int
+    rank: int
+    modules: tuple[str, ...]
+    activation_bytes: int
+    in_flight: int
+    forward_seconds: float
+    backward_seconds: float
+    send_bytes: int
+
+
+@dataclass(frozen=True)
+class PipelineEstimate:
+    """The pipeline side of an `functional_shard.estimate.Estimate`.
+
+    Attributes:
+        schedule: the schedule's name.
+        microbatches: micro-batches per step.
+        microbatch: sequences per micro-batch.
+        stages: each stage's `StageEstimate`.
+        rank_peak_bytes: per pp coordinate, its peak memory (the estimate reports the worst).
+        timeline: the schedule run on the clock.
+    """
+
+    schedule: str
+    microbatches: int
+    microbatch: int
+    stages: tuple[StageEstimate, ...]
+    rank_peak_bytes: tuple[int, ...]
+    timeline: Timeline
+
+    @property
+    def pp(self) -> int:
+        """Ranks along the pipeline axis."""
+        return self.timeline.pp
+
+    @property
+    def bubble(self) -> float:
+        """The share of the ranks' time the schedule leaves idle."""
+        return self.timeline.bubble
+
+    @property
+    def stage_activation_bytes(self) -> tuple[int, ...]:
+        """Per stage, the activation bytes of one micro-batch."""
+        return tuple(stage.activation_bytes for stage in self.stages)
+
+    def explain(self) -> str:
+        """Lines on the schedule and each stage."""
+        from .estimate import _duration
+
+        lines = [
+            f"pipeline {self.schedule}: {self.pp} ranks, {len(self.stages)} stages, {self.microbatches} "
+            f"micro-batches of {self.microbatch}; bubble {self.bubble:.1%} of "
+            f"{_duration(self.timeline.makespan)}"
+        ]
+        for s in self.stages:
+            lines.append(
+                f"  stage {s.stage} on pp rank {s.rank}: activations {_bytes(s.activation_bytes)} x "
+                f"{s.in_flight} in flight, forward {_duration(s.forward_seconds)}, backward "
+                f"{_duration(s.backward_seconds)}, sends {_bytes(s.send_bytes)}"
+            )
+        lines += [f"  pp rank {r} peak {_bytes(b)}" for r, b in enumerate(self.rank_peak_bytes)]
+        return "\n".join(lines)
+
+
+def microbatch_size(plan: Plan, batch: int) -> int:
+    """Sequences per micro-batch: ``batch`` cut into the plan's micro-batches (``batch`` without pp).
+
+    Raises:
+        ShardingError: the micro-batch count does not divide ``batch``.
+    """
+    m = plan.config.microbatches if plan.config.pipeline_axis else 1
+    if not m or batch % m:
+        raise ShardingError(
+            f"estimate(batch={batch}): pipeline(microbatches={m}) cuts each step's batch into {m} "
+            f"equal micro-batches (torch splits the batch dim evenly), and {m} does not divide {batch}. "
+            f"Use a batch that is a multiple of {m}, or change microbatches"
+        )
+    return batch // m
+
+
+def _rank_of_coordinate(plan: Plan, pp_coordinate: int, rank: int | None) -> int:
+    axis = plan.config.pipeline_axis
+    assert axis is not None
+    coords = plan.mesh.coords(rank or 0)
+    coords[axis] = pp_coordinate
+    return plan.mesh.rank(coords)
+
+
+def _stage_units(plan: Plan, units: Mapping[str, int], mine: set[int]) -> dict[str, int]:
+    stage_of_module = _module_stages(plan.config.pipeline_stages)
+    out: dict[str, int] = {}
+    for unit, nbytes in units.items():
+        module = unit
+        while module and module not in stage_of_module:
+            module = module.rpartition(".")[0]
+        if not module or stage_of_module[module] in mine:
+            out[unit] = nbytes
+    return out
+
+
+def _signature(plan: Plan) -> tuple[Any, ...]:
+    # shard() gives alike blocks one TensorSpec and one ParamSharding object each: stages
+    # of alike blocks cost the same, and a 64-stage pipeline needs a few costs, not 64
+    return (
+        tuple((id(plan.tensors[path]), id(spec)) for path, spec in plan.params.items()),
+        tuple((id(plan.tensors[path]), id(spec)) for path, spec in plan.buffers.items()),
+        tuple((style, kind) for _, style, kind in plan.config.tp_styles),
+        len(plan.config.units),
+        len(plan.config.checkpointed),
+    )
+
+
+def stage_costs(
+    plan: Plan, optimizer: OptimizerKind, tokens: int, rank: int | None = None
+) -> tuple[Cost, ...]:
+    """Per pp coordinate, `cost` of what a rank there holds (`stage_plan` of its stages)."""
+    config = plan.config
+    assert config.pipeline_axis is not None
+    pp = plan.mesh[config.pipeline_axis]
+    per_rank, schedule = config.stages_per_rank, config.pipeline_schedule
+    seen: dict[tuple[Any, ...], Cost] = {}
+    out = []
+    for c in range(pp):
+        sub = stage_plan(plan, set(rank_stages(c, pp, per_rank, schedule)))
+        key = _signature(sub)
+        if key not in seen:
+            seen[key] = cost(sub, optimizer, rank=_rank_of_coordinate(plan, c, rank), tokens=tokens)
+        out.append(dataclasses.replace(seen[key], rank=_rank_of_coordinate(plan, c, rank)))
+    return tuple(out)
+
+
+def _module_stages(cut: tuple[tuple[str, ...], ...]) -> dict[str, int]:
+    return {module: index for index, modules in enumerate(cut) for module in modules}
+
+
+def stage_plan(plan: Plan, stages: set[int]) -> Plan:
+    """``plan`` cut down to the parameters, buffers, styled modules and units of ``stages``.
+
+    What one pp rank holds: `cost` of it at a rank of that pp coordinate is that rank's
+    memory and its tensor- and data-parallel traffic, whether or not the specs already say
+    where each tensor lives along pp. FSDP units stay gathered from forward to backward,
+    as the pipeline engine runs them.
+    """
+    config = plan.config
+    stage_of_module = _module_stages(config.pipeline_stages)
+
+    def module_ours(module: str) -> bool:
+        # a module outside every stage's modules (the root) is each stage's
+        while module not in stage_of_module:
+            if not module:
+                return True
+            module = module.rpartition(".")[0]
+        return stage_of_module[module] in stages
+
+    def ours(path: str) -> bool:
+        return module_ours(path.rpartition(".")[0])
+
+    sub_config = dataclasses.replace(
+        config,
+        tp_styles=tuple(entry for entry in config.tp_styles if module_ours(entry[0])),
+        units=tuple(unit for unit in config.units if module_ours(unit)),
+        checkpointed=tuple(path for path in config.checkpointed if module_ours(path)),
+        # the pipeline engine keeps a stage's FSDP units gathered from forward to backward
+        # (torchtitan's choice under pp): each micro-batch would gather them again otherwise
+        reshard_after_forward=False,
+    )
+    return dataclasses.replace(
+        plan,
+        params={path: spec for path, spec in plan.params.items() if ours(path)},
+        buffers={path: spec for path, spec in plan.buffers.items() if ours(path)},
+        config=sub_config,
+    )
+
+
+def pipeline_assemble(
+    plan: Plan,
+    trace: Any,
+    hw: Hardware,
+    dtype: str,
+    batch: int,
+    seq: int,
+    optimizer: OptimizerKind,
+    units: Mapping[str, int],
+    rank: int | None = None,
+    costs: Sequence[Cost] | None = None,
+) -> Estimate:
+    """The `Estimate` of a pp plan from a trace of one micro-batch with ``stages=``.
+
+    ``costs`` (one per pp coordinate, at `_rank_of_coordinate`) may be given when known.
+    """
+    from .estimate import Estimate, gathered_in_flight, step_time
+
+    config = plan.config
+    axis = config.pipeline_axis
+    assert axis is not None
+    schedule, m, per_rank = config.pipeline_schedule, config.microbatches, config.stages_per_rank
+    pp = plan.mesh[axis]
+    check_pipeline(schedule, pp, per_rank, m)
+    n = pp * per_rank
+    micro = batch // m
+    rate = hw.achievable_flops(dtype)
+    forward = [f / rate for f in trace.stage_forward_flops]
+    backward = [
+        (b + r) / rate for b, r in zip(trace.stage_backward_flops, trace.stage_recompute_flops, strict=True)
+    ]
+    # zero-bubble schedules split the backward: the weights' gradients (W) as the trace
+    # counted them; the inputs' (I) and the recompute before them are the rest
+    weight = [w / rate for w in trace.stage_backward_weight_flops]
+    sends = list(trace.stage_output_bytes)[: n - 1] if n > 1 else []
+    link = hw.bandwidth(plan.mesh, (axis,))
+    p2p = [nbytes / link + hw.collective_latency for nbytes in sends] or [0.0]
+    timeline = simulate(schedule, pp, m, per_rank, forward=forward, backward=backward, weight=weight, p2p=p2p)
+    flight = in_flight(schedule, pp, m, per_rank)
+    # what a stage keeps per micro-batch: what its modules made (its output included: the
+    # stage holds it for its backward) and the activation it received, which its first
+    # ops save (the whole-model trace counts that storage once, with the stage that made it)
+    kept = [trace.stage_activation_bytes[s] + (trace.stage_output_bytes[s - 1] if s else 0) for s in range(n)]
+    held = held_peak(schedule, pp, m, per_rank, kept)
+    owner = [stage_rank(s, pp, per_rank, schedule) for s in range(n)]
+    if costs is None:
+        costs = stage_costs(plan, optimizer, batch * seq, rank)
+    memories = []
+    for c in range(pp):
+        mine = {s for s in range(n) if owner[s] == c}
+        plan_cost = costs[c]
+        memories.append(
+            {
+                "params": plan_cost.params_bytes,
+                "grads": plan_cost.grads_bytes,
+                "optimizer": plan_cost.optimizer_bytes,
+                "buffers": plan_cost.buffers_bytes,
+                "gathered": gathered_in_flight(stage_plan(plan, mine), _stage_units(plan, units, mine)),
+                "activations": int(held[c]),
+                # the last stage computes the loss of one micro-batch at a time
+                "loss_workspace": int(trace.output_bytes + 2 * 4 * trace.output_numel)
+                if n - 1 in mine
+                else 0,
+            }
+        )
+    peaks = [sum(memory.values()) for memory in memories]
+    if rank is not None:
+        chosen = plan.mesh.coords(rank)[axis]
+    else:
+        chosen = max(range(pp), key=lambda c: (peaks[c], -c))
+    ours = [s for s in range(n) if owner[s] == chosen]
+    flops = {
+        key: m * sum(getattr(trace, f"stage_{key}_flops")[s] for s in ours)
+        for key in ("forward", "backward", "recompute")
+    }
+    from .estimate import _recomputed
+
+    _, exposed, per_collective = step_time(
+        stage_plan(plan, set(ours)),
+        costs[chosen],
+        hw,
+        dtype=dtype,
+        forward_flops=flops["forward"],
+        backward_flops=flops["backward"],
+        recompute_flops=flops["recompute"],
+        units=_stage_units(plan, units, set(ours)),
+        recomputed=_recomputed(stage_plan(plan, set(ours)), config.checkpointed, batch * seq),
+    )
+    for s in range(n - 1):
+        if owner[s] != owner[s + 1]:
+            per_collective[f"send/recv stage {s}->{s + 1} over {axis} ({hw.link_of(plan.mesh, (axis,))})"] = (
+                2 * m * sends[s] / link
+            )
+    stages = tuple(
+        StageEstimate(
+            stage=s,
+            rank=owner[s],
+            modules=tuple(config.pipeline_stages[s]),
+            activation_bytes=int(kept[s]),
+            in_flight=flight[s],
+            forward_seconds=forward[s],
+            backward_seconds=backward[s],
+            send_bytes=int(sends[s]) if s < n - 1 else 0,
+        )
+        for s in range(n)
+    )
+    pipe = PipelineEstimate(schedule, m, micro, stages, tuple(peaks), timeline)
+    tp_axes = config.tensor_parallel_axes
+    return Estimate(
+        rank=_rank_of_coordinate(plan, chosen, rank),
+        batch=batch,
+        seq=seq,
+        hardware=hw,
+        dtype=dtype,
+        memory=memories[chosen],
+        host_bytes=costs[chosen].host_bytes,
+        flops=sum(flops.values()),
+        model_flops=flops["forward"] + flops["backward"],
+        compute_seconds=timeline.makespan,
+        exposed_seconds=exposed,
+        comm_seconds=per_collective,
+        tensor_parallel=plan.mesh.axes_size(tp_axes) if tp_axes else 1,
+        cost=costs[chosen],
+        pipeline=pipe,
+    )
+
+
+def with_schedule(plan: Plan, schedule: str) -> Plan:
+    """``plan`` run by another schedule with the same stages per rank and the same placement.
+
+    Raises:
+        ShardingError: the plan has no pipeline, or the schedule places stages on other
+            ranks (V-shaped against looped): plan again with ``fs.pipeline(schedule=...)``.
+        PolicyError: the schedule cannot run the plan's stages per rank or micro-batches.
+    """
+    from .stages import V_SHAPED
+
+    config = plan.config
+    axis = config.pipeline_axis
+    if axis is None:
+        raise ShardingError(f"with_schedule({schedule!r}): the plan has no pipeline axis")
+    if (schedule in V_SHAPED) != (config.pipeline_schedule in V_SHAPED):
+        raise ShardingError(
+            f"with_schedule({schedule!r}): it places stages on other ranks than "
+            f"{config.pipeline_schedule!r} does; plan again with fs.pipeline(schedule={schedule!r})"
+        )
+    check_pipeline(schedule, plan.mesh[axis], config.stages_per_rank, config.microbatches)
+    return dataclasses.replace(plan, config=dataclasses.replace(config, pipeline_schedule=schedule))
+
+
+def compare_schedules(
+    model: Any,
+    plan: Plan,
+    *,
+    batch: int,
+    seq: int,
+    schedules: Sequence[str] | None = None,
+    optimizer: OptimizerKind = "adamw",
+    hardware: str | Hardware | None = None,
+) -> dict[str, Estimate]:
+    """`estimate` of ``plan`` under each schedule that runs its stages, placed as they are.
+
+    One trace serves them all: the stages, and what each keeps and computes per micro-batch,
+    do not depend on the schedule; in-flight counts, the bubble and the step time do.
+
+    Args:
+        model: the module the plan was made from.
+        plan: a plan with a pipeline.
+        batch: the step's batch per data-parallel rank.
+        seq: tokens per sequence.
+        schedules: names to compare; by default every schedule torch can run here.
+        optimizer: as for `cost`.
+        hardware: as for `estimate`.
+
+    Returns:
+        Schedule name -> its `Estimate` (``.pipeline.stage_activation_bytes``,
+        ``.step_seconds``, ``.pipeline.bubble``).
+
+    Raises:
+        ShardingError: the plan has no pipeline, or a named schedule cannot run it.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> model = llama("tiny")
+        >>> plan = fs.shard(model, fs.Mesh(pp=2), fs.pipeline("pp", microbatches=4))
+        >>> found = compare_schedules(model, plan, batch=8, seq=16, hardware="h100")
+        >>> sorted(found), found["gpipe"].peak_bytes > found["1f1b"].peak_bytes
+        (['1f1b', 'gpipe'], True)
+    """
+    from .estimate import _trace, compute_dtype, unit_gathered_bytes
+    from .hardware import hardware as _hardware
+    from .schedules import _actions_or_reason
+    from .stages import SCHEDULES, SINGLE_STAGE, V_SHAPED
+
+    config = plan.config
+    if config.pipeline_axis is None:
+        raise ShardingError("compare_schedules(): the plan has no pipeline; add fs.pipeline(...)")
+    pp, per_rank, m = plan.mesh[config.pipeline_axis], config.stages_per_rank, config.microbatches
+    if schedules is None:
+        fitting = [
+            name
+            for name in SCHEDULES
+            if (name in SINGLE_STAGE) == (per_rank == 1)
+            and (name in V_SHAPED) == (config.pipeline_schedule in V_SHAPED)
+            and not isinstance(_actions_or_reason(name, pp, m, per_rank), str)
+        ]
+        schedules = fitting
+    planned = {name: with_schedule(plan, name) for name in schedules}
+    hw = _hardware(hardware)
+    dtype = compute_dtype(plan)
+    micro = microbatch_size(plan, batch)
+    trace = _trace(model, plan, micro, seq, None, None, stages=config.pipeline_stages)
+    units = unit_gathered_bytes(plan)
+    return {
+        name: pipeline_assemble(each, trace, hw, dtype, batch, seq, optimizer, units)
+        for name, each in planned.items()
+    }

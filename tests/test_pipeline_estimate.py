@@ -1,0 +1,210 @@
+"""fs.estimate under a pipeline: per-stage memory by hand, the step from torch's lists, the search."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+
+import functional_shard as fs
+from functional_shard.activations import regroup, trace_activations
+from functional_shard.pipeline_estimate import compare_schedules
+from functional_shard.schedules import simulate
+from functional_shard.zoo import llama
+
+BATCH, SEQ, M = 8, 16, 4
+
+
+@functools.cache
+def _model():
+    return llama("tiny")
+
+
+@functools.cache
+def _plan(schedule="1f1b", per_rank=1, pp=2):
+    policy = fs.pipeline("pp", microbatches=M, schedule=schedule, stages_per_rank=per_rank)
+    return fs.shard(_model(), fs.Mesh(pp=pp), policy)
+
+
+@functools.cache
+def _estimate(schedule="1f1b", per_rank=1, pp=2):
+    return fs.estimate(_model(), _plan(schedule, per_rank, pp), batch=BATCH, seq=SEQ, hardware="h100")
+
+
+def _param_bytes(modules):
+    return sum(
+        p.numel() * 4
+        for name, p in _model().named_parameters()
+        if any(name.startswith(f"{m}.") for m in modules)
+    )
+
+
+def _tensors(modules):
+    return sum(1 for name, _ in _model().named_parameters() if any(name.startswith(f"{m}.") for m in modules))
+
+
+def test_stage_memory_by_hand():
+    est = _estimate()
+    pipe = est.pipeline
+    stage0, stage1 = pipe.stages
+    assert stage0.modules == ("embed_tokens", "layers.0")
+    assert stage1.modules == ("layers.1", "norm", "lm_head")
+    # 1F1B on 2 ranks: stage 0 holds two micro-batches, stage 1 one
+    assert (stage0.in_flight, stage1.in_flight) == (2, 1)
+    micro = BATCH // M
+    logits = micro * SEQ * 256
+    by_rank = []
+    for stage, flight in ((stage0, 2), (stage1, 1)):
+        params = _param_bytes(stage.modules)
+        adam = 2 * params + 4 * _tensors(stage.modules)
+        loss = logits * 4 + 2 * 4 * logits if stage.stage == 1 else 0
+        by_rank.append(3 * params + adam - params + stage.activation_bytes * flight + loss)
+    assert pipe.rank_peak_bytes == tuple(by_rank)
+    assert est.peak_bytes == max(by_rank)
+    worst = by_rank.index(max(by_rank))
+    assert est.memory["params"] == _param_bytes(pipe.stages[worst].modules)
+    assert est.memory["activations"] == pipe.stages[worst].activation_bytes * pipe.stages[worst].in_flight
+
+
+def test_stage_activations_add_up_to_the_whole_models():
+    model, plan = _model(), _plan()
+    micro = BATCH // M
+    whole = trace_activations(model, plan, batch=micro, seq=SEQ)
+    staged = trace_activations(model, plan, batch=micro, seq=SEQ, stages=plan.config.pipeline_stages)
+    shared = staged.stage_shared_bytes
+    assert sum(staged.stage_activation_bytes) - shared == whole.activation_bytes
+    assert sum(staged.stage_forward_flops) - staged.stage_shared_flops == whole.forward_flops
+    assert sum(staged.stage_backward_flops) == whole.backward_flops
+    # the activation stage 0 sends: one micro-batch's hidden states
+    assert staged.stage_output_bytes[0] == micro * SEQ * 64 * 4
+    # per unit, regrouped into the plan's two stages: the same numbers
+    units = trace_activations(
+        model,
+        plan,
+        batch=micro,
+        seq=SEQ,
+        stages=(("embed_tokens",), ("layers.0",), ("layers.1",), ("norm", "lm_head")),
+    )
+    merged = regroup(units, [[0, 1], [2, 3]])
+    assert merged.stage_activation_bytes == staged.stage_activation_bytes
+    assert merged.stage_forward_flops == staged.stage_forward_flops
+
+
+def test_step_is_the_schedules_makespan():
+    est = _estimate()
+    pipe = est.pipeline
+    rate = est.hardware.achievable_flops(est.dtype)
+    stages = pipe.stages
+    send = (
+        stages[0].send_bytes / est.hardware.bandwidth(_plan().mesh, ("pp",)) + est.hardware.collective_latency
+    )
+    line = simulate(
+        "1f1b",
+        2,
+        M,
+        forward=[s.forward_seconds for s in stages],
+        backward=[s.backward_seconds for s in stages],
+        p2p=[send],
+    )
+    assert est.compute_seconds == pytest.approx(line.makespan)
+    assert pipe.bubble == pytest.approx(line.bubble)
+    assert est.flops * rate > 0
+    for rank, stage in enumerate(stages):
+        assert line.busy[rank] == pytest.approx(M * (stage.forward_seconds + stage.backward_seconds))
+    # tokens per device: the pipeline's ranks share the batch
+    assert est.tokens_per_second == pytest.approx(BATCH * SEQ / 2 / est.step_seconds)
+    assert "pipeline 1f1b: 2 ranks, 2 stages, 4 micro-batches of 2" in est.explain()
+    assert est.to_dict()["pipeline"]["stages"][0]["in_flight"] == 2
+
+
+def test_schedules_compared():
+    found = compare_schedules(_model(), _plan(), batch=BATCH, seq=SEQ, hardware="h100")
+    assert sorted(found) == ["1f1b", "gpipe"]
+    # GPipe keeps every micro-batch in flight; the same compute either way
+    assert found["gpipe"].pipeline.stages[0].in_flight == M
+    assert found["gpipe"].peak_bytes > found["1f1b"].peak_bytes
+    assert found["gpipe"].pipeline.stage_activation_bytes == found["1f1b"].pipeline.stage_activation_bytes
+    interleaved = compare_schedules(_model(), _plan("interleaved1f1b", 2), batch=BATCH, seq=SEQ)
+    assert set(interleaved) == {"interleaved1f1b", "looped_bfs", "interleaved_zb"}
+    v_shaped = compare_schedules(_model(), _plan("zbv", 2), batch=BATCH, seq=SEQ)
+    assert set(v_shaped) == {"zbv", "dualpipev"}
+    with pytest.raises(fs.ShardingError, match=r"places stages on other ranks"):
+        compare_schedules(_model(), _plan("zbv", 2), batch=BATCH, seq=SEQ, schedules=["looped_bfs"])
+
+
+def test_batch_the_microbatches_do_not_divide():
+    message = "estimate(batch=6): pipeline(microbatches=4) cuts each step's batch into 4 equal micro-batches"
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
+        fs.estimate(_model(), _plan(), batch=6, seq=SEQ)
+
+
+def test_each_parameter_counted_on_one_pp_rank():
+    from functional_shard.pipeline_estimate import stage_costs
+
+    plan = _plan("interleaved1f1b", 2)
+    costs = stage_costs(plan, "adamw", BATCH * SEQ)
+    whole = sum(p.numel() * 4 for p in _model().parameters())
+    assert sum(c.params_bytes for c in costs) == whole
+
+
+@pytest.mark.slow
+def test_405b_on_512_h100s_gets_fsdp_tp_pp():
+    # Llama 3.1 405B's shape, 8M tokens a step (the Llama 3 paper's 405B batch after its
+    # first stage): nothing fits 80 GB without pp; the search finds a pp x FSDP x TP plan
+    import time
+
+    model = llama("llama-3-405b")
+    start = time.process_time()
+    report = fs.search_plans(model, devices=512, memory_budget="80GB", batch=1024, seq=8192)
+    took = time.process_time() - start
+    best = report.best_candidate
+    assert best is not None
+    assert best.pipeline is not None
+    assert best.mesh["pp"] > 1
+    assert best.mesh["dp"] > 1
+    assert best.tensor_parallel > 1
+    assert not any(c.fits for c in report.candidates if c.pipeline is None)
+    # torchtitan's FSDP 8 x TP 8 x PP 8 fits too, within a few percent of the best
+    titan = [c for c in report.candidates if c.fits and repr(c.mesh) == "Mesh(pp=8, dp=8, tp=8)"]
+    assert titan
+    assert min(c.step_seconds for c in titan) < 1.05 * best.step_seconds
+    assert took < 60
+
+
+def test_stage_activations_against_a_real_forward():
+    # each stage run for real, as torch's PipelineStage runs it: stage 0 from the tokens,
+    # stage 1 from a received activation; kept bytes measured by fs.kept_activation_bytes.
+    # A stage also holds its output for its backward (the pipeline keeps it until then).
+    import torch
+    from torch import nn
+
+    model = llama("tiny", device="cpu")
+    est = _estimate()
+    micro = BATCH // M
+    tokens = torch.zeros(micro, SEQ, dtype=torch.long)
+    first = nn.Sequential(model.embed_tokens, model.layers[0])
+    kept0, hidden = fs.kept_activation_bytes(first, tokens)
+    last = nn.Sequential(model.layers[1], model.norm, model.lm_head)
+    kept1, _ = fs.kept_activation_bytes(last, hidden.detach().requires_grad_())
+    stage0, stage1 = est.pipeline.stages
+    assert stage0.activation_bytes == kept0 + hidden.nbytes
+    # the trace's stage 1 also counts the token ids every stage's forward is handed
+    assert stage1.activation_bytes == kept1 + tokens.nbytes
+    assert stage0.send_bytes == hidden.nbytes
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_weight_gradients_by_hand(dtype):
+    # what zero-bubble schedules defer to W: each Linear's dW = dY^T X, 2 x tokens x its
+    # weight's elements, under mixed precision too (the bf16 cast of a weight is a weight)
+    import torch
+
+    policy = fs.pipeline("pp", microbatches=M)
+    if dtype:
+        policy = policy + fs.mixed_precision(dtype)
+    plan = fs.shard(_model(), fs.Mesh(pp=2), policy)
+    trace = trace_activations(_model(), plan, batch=2, seq=SEQ, stages=plan.config.pipeline_stages)
+    linear = sum(m.weight.numel() for m in _model().modules() if isinstance(m, torch.nn.Linear))
+    assert trace.backward_weight_flops == 2 * 2 * SEQ * linear
+    assert sum(trace.stage_backward_weight_flops) == trace.backward_weight_flops
