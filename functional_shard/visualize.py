@@ -33,7 +33,15 @@ if TYPE_CHECKING:
     from .cost import OptimizerKind
     from .plan import Plan
 
-__all__ = ["blocks", "draw_blocks", "draw_memory", "draw_stages", "visualize"]
+__all__ = [
+    "blocks",
+    "draw_blocks",
+    "draw_memory",
+    "draw_schedule",
+    "draw_schedule_figure",
+    "draw_stages",
+    "visualize",
+]
 
 _COST_PARTS = (
     ("params_bytes", "params"),
@@ -404,6 +412,79 @@ def draw_stages(axes: Axes, plan: Plan, optimizer: OptimizerKind = "adamw") -> N
     axes.grid(axis="x", alpha=0.3)
 
 
+_KIND_COLOURS = {"F": "#4c78a8", "B": "#e45756", "I": "#f58518", "W": "#b279a2"}
+
+
+def draw_schedule(axes: Axes, timeline: Any) -> None:
+    """Draw a pipeline schedule: which rank runs which micro-batch when, into ``axes``.
+
+    One row per pp rank; each action of torch's own list for that rank is a box from its
+    start to its end on the clock of `functional_shard.schedules.simulate` (forwards blue,
+    full backwards red, input-gradient backwards orange, weight-gradient backwards purple),
+    labelled with the micro-batch, and the stage when a rank runs several. The white gaps
+    are the bubble.
+
+    Args:
+        axes: where to draw.
+        timeline: a `functional_shard.schedules.Timeline`.
+
+    Examples:
+        >>> from functional_shard.schedules import simulate
+        >>> figure = draw_schedule_figure(simulate("1f1b", 4, 8))
+        >>> figure.axes[0].get_title().splitlines()[0]
+        '1f1b: 4 ranks, 8 micro-batches, 1 stage per rank'
+    """
+    pp = timeline.pp
+    several = timeline.stages_per_rank > 1
+    for rank, spans in enumerate(timeline.spans):
+        for start, end, step in spans:
+            width = (end - start) / len(step)
+            for index, action in enumerate(step):  # DualPipeV's overlapped pair side by side
+                left = start + index * width
+                axes.barh(
+                    rank,
+                    width,
+                    left=left,
+                    color=_KIND_COLOURS.get(action.kind, "grey"),
+                    edgecolor="white",
+                    height=0.8,
+                )
+                label = f"{action.microbatch}" + (f"\ns{action.stage}" if several else "")
+                axes.text(left + width / 2, rank, label, ha="center", va="center", fontsize=6, color="white")
+    axes.set_yticks(range(pp), [f"rank {r}" for r in range(pp)], fontsize=8)
+    axes.set_ylim(pp - 0.5, -0.5)
+    axes.set_xlim(0, timeline.makespan)
+    axes.set_xlabel("time (forward of one micro-batch on one stage = 1)")
+    seen = {action.kind for spans in timeline.spans for _, _, step in spans for action in step}
+    kinds = sorted(seen, key="FBIW".index)
+    names = {"F": "forward", "B": "backward", "I": "backward (inputs)", "W": "backward (weights)"}
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=_KIND_COLOURS[k], label=names[k]) for k in kinds if k in _KIND_COLOURS]
+    axes.legend(handles=handles, fontsize=7, loc="upper right", ncols=len(handles))
+    per = "stage" if timeline.stages_per_rank == 1 else "stages"
+    axes.set_title(
+        f"{timeline.schedule}: {pp} ranks, {timeline.microbatches} micro-batches, "
+        f"{timeline.stages_per_rank} {per} per rank\nbubble {timeline.bubble:.1%} of the ranks' time",
+        fontsize=10,
+    )
+
+
+def draw_schedule_figure(timeline: Any, path: Any = None) -> Figure:
+    """A figure with `draw_schedule` of ``timeline``; written to ``path`` if given.
+
+    Examples:
+        >>> from functional_shard.schedules import simulate
+        >>> len(draw_schedule_figure(simulate("zbv", 2, 4, 2)).axes)
+        1
+    """
+    figure = _new_figure(max(8.0, min(20.0, timeline.makespan / 3)), 0.6 * timeline.pp + 1.6)
+    draw_schedule(figure.subplots(), timeline)
+    if path is not None:
+        figure.savefig(path, dpi=110)
+    return figure
+
+
 def _largest(plan: Plan) -> str:
     return max(plan.params, key=lambda path: (plan.tensors[path].numel, path))
 
@@ -421,8 +502,9 @@ def visualize(
 ) -> Figure:
     """Draw a plan: memory per device beside one parameter's blocks over the ranks.
 
-    A plan with a pipeline gets a third panel: which pp rank holds which stage
-    (`draw_stages`).
+    A plan with a pipeline gets a third panel, which pp rank holds which stage
+    (`draw_stages`), and below them its schedule on a clock with equal stages
+    (`draw_schedule`; forward 1, backward 2).
 
     Args:
         plan: the plan.
@@ -447,13 +529,33 @@ def visualize(
         >>> [axes.get_title().splitlines()[0] for axes in figure.axes]
         ['memory per device (predicted)', 'weight  6×8']
     """
-    piped = plan.config.pipeline_axis is not None
-    figure = _new_figure(19 if piped else 13, 5)
-    panels = figure.subplots(1, 3 if piped else 2, width_ratios=[1, 1.15, 1.15] if piped else [1, 1.15])
+    pipeline_axis = plan.config.pipeline_axis
+    piped = pipeline_axis is not None
+    if not piped:
+        figure = _new_figure(13, 5)
+        panels = figure.subplots(1, 2, width_ratios=[1, 1.15])
+    else:
+        # the schedule gets a row of its own, as wide as the three panels above it
+        figure = _new_figure(19, 8.5)
+        grid = figure.add_gridspec(2, 3, width_ratios=[1, 1.15, 1.15], height_ratios=[5, 3.5])
+        panels = [figure.add_subplot(grid[0, column]) for column in range(3)]
+        panels.append(figure.add_subplot(grid[1, :]))
     draw_memory(panels[0], plan, estimate=estimate, optimizer=optimizer, ranks=ranks, budget=budget)
     draw_blocks(panels[1], plan, param if param is not None else _largest(plan), spec)
-    if piped:
+    if pipeline_axis is not None:
+        from .schedules import simulate
+
+        config = plan.config
         draw_stages(panels[2], plan, optimizer)
+        draw_schedule(
+            panels[3],
+            simulate(
+                config.pipeline_schedule,
+                plan.mesh[pipeline_axis],
+                config.microbatches,
+                config.stages_per_rank,
+            ),
+        )
     if path is not None:
         figure.savefig(path, dpi=110)
     return figure
