@@ -60,6 +60,10 @@ class PlanConfig:
     pipeline_schedule: str = "1f1b"
     microbatches: int = 1
     stages_per_rank: int = 1
+    expert_axis: str | None = None
+    """The mesh axis whose ranks hold different experts (``None``: no expert parallelism)."""
+    expert_modules: tuple[str, ...] = ()
+    """Module paths holding the expert tensors split over ``expert_axis``, in module order."""
 
     @property
     def data_axes(self) -> tuple[str, ...]:

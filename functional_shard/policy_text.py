@@ -12,6 +12,7 @@ evaluated, so a policy string cannot run code.
 | ``zero(2, dp)``                           | ``zero(2, "dp")``                                   |
 | ``ddp(dp)``, ``replicate(dp)``, ``ddp``   | ``replicate("dp")``, ``replicate()``                |
 | ``hsdp(node, gpu)``                       | ``hsdp("node", "gpu")``                             |
+| ``ep(dp)``, ``ep(ep, experts="*.experts.*")`` | ``ep("dp")``, ``ep("ep", experts="*.experts.*")`` |
 | ``tp(llama, tp)``, ``sp(llama, tp)``      | ``tp(rules.llama, "tp")``, ``sequence_parallel=True`` |
 | ``tp(hf, tp)``, ``tp(auto, tp)``          | ``tp("hf", "tp")``, ``tp("auto", "tp")``            |
 | ``checkpointing(Block, selective)``       | ``checkpointing(Block, policy="selective")``        |
@@ -38,9 +39,11 @@ from . import rules as rules_module
 from .errors import PolicyError
 from .policy import (
     DataParallel,
+    ExpertParallel,
     Policy,
     TensorParallel,
     checkpointing,
+    ep,
     fsdp,
     hsdp,
     mixed_precision,
@@ -54,7 +57,7 @@ __all__ = ["FORMS", "format_policy", "parse_policy"]
 
 FORMS = (
     "fsdp(AXIS), hsdp(REPLICATE_AXIS, SHARD_AXIS), zero(1|2|3, AXIS), ddp(AXIS) or replicate(AXIS), "
-    "tp(RULES, AXIS), sp(RULES, AXIS), checkpointing(CLASS or 'path.*', full|selective), "
+    "tp(RULES, AXIS), sp(RULES, AXIS), ep(AXIS), checkpointing(CLASS or 'path.*', full|selective), "
     "offload, bf16, fp16, mixed_precision(DTYPE), none, joined by +; "
     "RULES: llama, gpt2, gpt2_hf, mlp, hf, auto"
 )
@@ -360,6 +363,13 @@ def _term(call: _Call, resolver: _Resolver) -> Policy:
         if not args or not isinstance(args[0], int) or isinstance(args[0], bool) or len(args) > 2:
             raise _TextError(call.node, "zero() takes a stage and an axis, e.g. zero(2, dp)")
         return zero(args[0], _text(args[1], "the axis", call.node) if len(args) == 2 else "dp")  # type: ignore[arg-type]
+    if name == "ep":
+        _only(call, ("experts",))
+        if len(args) > 1:
+            raise _TextError(call.node, "ep() takes one axis, e.g. ep(dp)")
+        experts = call.kwargs.get("experts")
+        patterns = None if experts is None else _axes([experts], call.node)
+        return ep(_text(args[0], "the axis", call.node) if args else "ep", experts=patterns)
     if name in ("zero1", "zero2", "zero3"):
         raise _TextError(call.node, f"write zero({name[-1]}, AXIS)")
     raise _TextError(call.node, f"unknown name {name!r}")
@@ -475,6 +485,15 @@ def _format_tensor_parallel(layer: TensorParallel) -> str:
     return f"{'sp' if layer.sequence_parallel else 'tp'}({name}, {_format_name(layer.axis)})"
 
 
+def _format_expert_parallel(layer: ExpertParallel) -> str:
+    if layer.experts is None:
+        return f"ep({_format_name(layer.axis)})"
+    if not all(isinstance(p, str) for p in layer.experts):
+        raise PolicyError(f"{layer.name}: compiled expert patterns have no text form; use globs")
+    patterns = ", ".join(repr(p) for p in layer.experts)
+    return f"ep({_format_name(layer.axis)}, experts=({patterns},))"
+
+
 def format_policy(policy: Policy) -> str:
     """The text `parse_policy` reads back as ``policy`` (the inverse, for policies text can say).
 
@@ -500,6 +519,8 @@ def format_policy(policy: Policy) -> str:
             terms.append(_format_data_parallel(layer))
         elif isinstance(layer, TensorParallel):
             terms.append(_format_tensor_parallel(layer))
+        elif isinstance(layer, ExpertParallel):
+            terms.append(_format_expert_parallel(layer))
         else:
             raise PolicyError(f"policy layer {layer.name} is a function and has no text form")
     options = policy.options
