@@ -65,6 +65,7 @@ def build(family: str, experts: int, seed: int = 0) -> torch.nn.Module:
 def strategy(name: str) -> tuple[fs.Mesh, fs.Policy]:
     """Mesh and policy of each strategy (4 ranks); tensor parallel by the model's own plan."""
     return {
+        "fsdp": (fs.Mesh(dp=4), fs.fsdp("dp")),
         "tp": (fs.Mesh(tp=4), fs.tp("hf", "tp")),
         "fsdp_tp": (fs.Mesh(dp=2, tp=2), fs.fsdp("dp") + fs.tp("hf", "tp")),
         "ep_dp": (fs.Mesh(dp=4), fs.fsdp("dp") + fs.ep("dp")),
@@ -221,13 +222,58 @@ def dispatch(routing: str, experts: int = 8) -> dict[str, object]:
     }
 
 
+def checkpoint_round_trip(family: str, experts: int, strategies: str, full_file: bool) -> dict[str, object]:
+    """Train a step under one strategy, save (sharded, or one full file), load under another
+    ("ep_2d>fsdp") into a model built with another seed: the largest gap between the saved and
+    the loaded whole parameters and optimizer states, and whether the values moved at all."""
+    import tempfile
+
+    saved_under, loaded_under = strategies.split(">")
+    kind = "full" if full_file else "sharded"
+    path = f"{tempfile.gettempdir()}/fs-moe-{family}-{experts}-{saved_under}-{loaded_under}-{kind}"
+    path += ".pt" if full_file else ""
+    states = []
+    for seed, name in ((0, saved_under), (7, loaded_under)):
+        mesh, policy = strategy(name)
+        model = build(family, experts, seed=seed)
+        plan = fs.shard(model, mesh, policy)
+        fs.apply(plan, model)
+        optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR, eps=EPS)
+        index, data_parallel = plan.data_parallel_rank(dist.get_rank())
+        optimizer.zero_grad()
+        loss_of(model, batches(data_parallel)[0][index * MICRO_BATCH : (index + 1) * MICRO_BATCH]).backward()
+        optimizer.step()  # both have optimizer state: the load must replace it
+        before = {k: full(v) for k, v in model.state_dict().items()}
+        if name == saved_under:
+            fs.checkpoint.save(path, model, optimizer, full=full_file)
+        else:
+            fs.checkpoint.load(path, model, optimizer)
+        moment = {
+            path_: full(optimizer.state[param]["exp_avg"])
+            for path_, param in model.named_parameters()
+            if "experts" in path_
+        }
+        states.append(({k: full(v) for k, v in model.state_dict().items()}, moment, before))
+    (saved, saved_moment, _), (loaded, loaded_moment, loaded_before) = states
+    return {
+        "gap": max((saved[k] - loaded[k]).abs().max().item() for k in saved),
+        "moment_gap": max((saved_moment[k] - loaded_moment[k]).abs().max().item() for k in saved_moment),
+        "moved": max((loaded_before[k] - loaded[k]).abs().max().item() for k in loaded),
+        "experts": sorted(saved_moment),
+    }
+
+
 def run_cases(cases: tuple[tuple[str, ...], ...]) -> list[dict[str, object]]:
-    """("train", family, experts, strategy) and ("dispatch", routing) cases in turn, in one world run."""
+    """("train", family, experts, strategy), ("dispatch", routing) and ("checkpoint", family,
+    experts, "saved>loaded", "full"|"sharded") cases in turn, in one world run."""
     results = []
     for kind, *args in cases:
         if kind == "train":
             family, experts, name = args
             results.append(train(family, int(experts), name))
+        elif kind == "checkpoint":
+            family, experts, pair, how = args
+            results.append(checkpoint_round_trip(family, int(experts), pair, how == "full"))
         else:
             results.append(dispatch(*args))
     return results
