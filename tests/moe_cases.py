@@ -62,6 +62,9 @@ def build(family: str, experts: int, seed: int = 0) -> torch.nn.Module:
         transformers.logging.set_verbosity(verbosity)
 
 
+_EXPERTS_WHOLE = fs.Rules([("*.experts", "replicate")], name="experts_whole")
+
+
 def strategy(name: str) -> tuple[fs.Mesh, fs.Policy]:
     """Mesh and policy of each strategy (4 ranks); tensor parallel by the model's own plan."""
     return {
@@ -70,6 +73,11 @@ def strategy(name: str) -> tuple[fs.Mesh, fs.Policy]:
         "fsdp_tp": (fs.Mesh(dp=2, tp=2), fs.fsdp("dp") + fs.tp("hf", "tp")),
         "ep_dp": (fs.Mesh(dp=4), fs.fsdp("dp") + fs.ep("dp")),
         "ep_2d": (fs.Mesh(dp=2, ep=2), fs.fsdp(("dp", "ep")) + fs.ep("ep")),
+        # expert parallelism beside tensor parallel on the attention (the experts left to ep)
+        "ep_tp": (
+            fs.Mesh(dp=2, tp=2),
+            fs.fsdp("dp") + fs.ep("dp") + fs.tp(_EXPERTS_WHOLE + fs.rules.llama, "tp"),
+        ),
     }[name]
 
 

@@ -32,6 +32,8 @@ EP = tuple(
     for experts in (4, 8)
     for name in ("ep_dp", "ep_2d")
 )
+# expert parallelism beside tensor parallel on the attention (tp rules that leave the experts to ep)
+BESIDE = (("mixtral", 8, "ep_tp"),)
 # one representative per capability: tensor parallel inside the experts (Qwen2-MoE: shared
 # expert and its gate beside them, under FSDP), dispatch over a 2-D mesh (experts FSDP-sharded
 # over the other data axis)
@@ -80,7 +82,7 @@ def test_moe_models_train_as_one_process_with_split_experts(world):
 
 @pytest.mark.slow
 def test_every_moe_model_under_tp_and_ep_trains_as_one_process(world):
-    check(world, tuple(case for case in TP + EP if case not in DEFAULT))
+    check(world, tuple(case for case in TP + EP + BESIDE if case not in DEFAULT))
 
 
 def test_dispatch_sends_any_number_of_tokens_to_each_expert(world):
