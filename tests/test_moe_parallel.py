@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import functional_shard as fs
 
@@ -185,3 +187,39 @@ def test_checkpoints_move_between_expert_parallel_and_fsdp(world):
             assert len(result["experts"]) == 4, f"{case}, rank {rank}"
             assert result["gap"] == 0, f"{case}, rank {rank}: parameters off by {result['gap']}"
             assert result["moment_gap"] == 0, f"{case}, rank {rank}: moments off by {result['moment_gap']}"
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, experts: int) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(4, experts, bias=False)
+        self.experts = moe_cases._Experts(experts, 4, 2)
+
+
+@settings(max_examples=40)
+@given(experts=st.integers(1, 24), ep_size=st.sampled_from([1, 2, 3, 4, 8]), dp_size=st.sampled_from([1, 2]))
+def test_each_ep_rank_holds_whole_experts_or_the_plan_is_refused(experts, ep_size, dp_size):
+    """Under fsdp(("dp", "ep")) + ep("ep"): when ep divides the expert count every rank holds
+    experts / ep whole experts (before FSDP's split of those over dp), the ranks of one ep group
+    hold different ones, and the router stays FSDP-sharded over both axes; otherwise shard()
+    refuses, naming the count and the axis size."""
+    with torch.device("meta"):
+        model = torch.nn.ModuleList([_Block(experts), _Block(experts)])
+    mesh = fs.Mesh(dp=dp_size, ep=ep_size)
+    policy = fs.fsdp(("dp", "ep")) + fs.ep("ep")
+    if experts % ep_size:
+        with pytest.raises(fs.PlanError, match=re.escape(f"{experts} experts (dim 0) do not split whole")):
+            fs.shard(model, mesh, policy)
+        return
+    plan = fs.shard(model, mesh, policy)
+    assert plan.config.expert_modules == ("0.experts", "1.experts")
+    assert plan.params["0.router.weight"].compute.is_replicated
+    per_rank = experts // ep_size
+    for path in ("0.experts.gate_up_proj", "1.experts.down_proj"):
+        assert plan.params[path].compute == fs.P("ep", None, None)
+        assert plan.params[path].storage == fs.P(("ep", "dp"), None, None)
+        for rank in range(mesh.size):
+            shape, offset = plan.local_shape_and_offset(path, rank, spec="compute")
+            assert shape[0] == per_rank
+            assert offset[0] == per_rank * mesh.coords(rank)["ep"]
+            assert shape[1:] == plan.tensors[path].shape[1:]
