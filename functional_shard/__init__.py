@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from .planner import shard as shard
     from .policy import Policy as Policy
     from .policy import checkpointing as checkpointing
+    from .policy import ep as ep
     from .policy import fsdp as fsdp
     from .policy import hsdp as hsdp
     from .policy import mixed_precision as mixed_precision
@@ -136,6 +137,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "shard": ("planner", "shard"),
     "Policy": ("policy", "Policy"),
     "checkpointing": ("policy", "checkpointing"),
+    "ep": ("policy", "ep"),
     "fsdp": ("policy", "fsdp"),
     "hsdp": ("policy", "hsdp"),
     "mixed_precision": ("policy", "mixed_precision"),
@@ -169,6 +171,7 @@ __all__ = [
     "Rule",
     "Rules",
     "checkpointing",
+    "ep",
     "fsdp",
     "hsdp",
     "mixed_precision",

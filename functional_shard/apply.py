@@ -26,6 +26,7 @@ from .engines.activation_checkpointing import apply_checkpointing
 from .engines.applied import APPLIED, Applied, retie
 from .engines.checks import check_runnable, engine_problems
 from .engines.data_parallel import apply_data_parallel, reduce_whole_grads
+from .engines.experts import apply_expert_parallel
 from .engines.materialize import materialize
 from .engines.optimizer import check_optimizer, clip_grad_norm_, grad_scaler, optimizer
 from .engines.pipeline import apply_pipeline
@@ -126,6 +127,7 @@ def apply(
         APPLIED[module] = Applied(plan, device_mesh, stage_plan)
         return module
     apply_tensor_parallel(plan, module, device_mesh)
+    apply_expert_parallel(plan, module, device_mesh)
     retie(plan, module)
     apply_checkpointing(plan, module)
     apply_data_parallel(plan, module, device_mesh, root)

@@ -20,7 +20,7 @@ from torch import nn
 
 from .errors import PolicyError
 
-__all__ = ["HF_STYLES", "REFUSED_HF_STYLES", "hf_plan", "is_hf_model", "plan_entries"]
+__all__ = ["HF_STYLES", "REFUSED_HF_STYLES", "expert_patterns", "hf_plan", "is_hf_model", "plan_entries"]
 
 HF_STYLES: dict[str, str] = {
     "colwise": "colwise",
@@ -34,16 +34,15 @@ HF_STYLES: dict[str, str] = {
     "replicated_with_grad_allreduce": "replicate_grad_allreduce",
     "sequence_parallel": "sequence",
     "replicate": "replicate",
+    # mixture-of-experts weights (3-D, one (out, in) matrix per expert): gate and up packed in
+    # one tensor, each split on its own; the experts module's output all-reduced
+    "packed_colwise": "packed_colwise",
+    "moe_tp_experts": "moe_tp_experts",
 }
 """transformers' style name → ours (the styles of `functional_shard.rules`)."""
 
 REFUSED_HF_STYLES: dict[str, str] = {
-    "packed_colwise": (
-        "each of the packed pieces is split on its own (a strided split of the output dim); "
-        "in transformers 5 only mixture-of-experts weights use it"
-    ),
     "packed_rowwise": "the rowwise twin of packed_colwise (mixture-of-experts weights)",
-    "moe_tp_experts": "experts run through transformers' routed kernels, which torch's styles do not cover",
     "moe_identity_expert": "part of transformers' expert-parallel routing",
     "mla_kv_a_proj": "multi-head latent attention splits its projection into KV and RoPE parts by hand",
     "local_params": "transformers' local (non-DTensor) parameter path, for quantized weights",
@@ -240,3 +239,51 @@ def hidden_size(model: object) -> int | None:
         return None
     size = getattr(getattr(model, "config", None), "hidden_size", None)
     return size if isinstance(size, int) else None
+
+
+# transformers' expert-parallel styles on the expert weights themselves (base_model_ep_plan)
+_EP_WEIGHT_STYLES = ("grouped_gemm",)
+
+
+def _ep_plan_patterns(model: nn.Module) -> tuple[str, ...]:
+    plan = getattr(getattr(model, "config", None), "base_model_ep_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    inner = f"{prefix}." if prefix and hasattr(model, prefix) and getattr(model, prefix) is not model else ""
+    return tuple(f"{inner}{key}" for key, style in plan.items() if style in _EP_WEIGHT_STYLES)
+
+
+def expert_patterns(model: object) -> tuple[str, ...]:
+    """Glob patterns (``*`` for a layer index) of a model's expert tensors, for `fs.ep`.
+
+    A transformers model's ``config.base_model_ep_plan`` names them (its ``grouped_gemm``
+    entries, under the base model's prefix); otherwise every 3-D parameter of a module whose
+    name contains ``experts`` (``layers.0.mlp.experts.gate_up_proj``; not a shared expert).
+
+    Raises:
+        PolicyError: no expert tensor found; the message says how to name them.
+
+    Examples:
+        >>> import torch
+        >>> model = nn.ModuleDict({"experts": nn.ParameterDict({"w": nn.Parameter(torch.zeros(4, 2, 2))})})
+        >>> expert_patterns(model)
+        ('experts.w',)
+    """
+    from .tree import matches, read_model
+
+    tree = read_model(model)
+    if is_hf_model(model):
+        from_plan = _ep_plan_patterns(model)  # type: ignore[arg-type]
+        if any(matches(pattern, path) for pattern in from_plan for path in tree.params):
+            return from_plan
+    found: dict[str, None] = {}
+    for path, tensor in tree.params.items():
+        owner = path.rpartition(".")[0].rpartition(".")[2].lower()
+        if tensor.ndim == 3 and "experts" in owner:
+            found.setdefault(re.sub(r"\.\d+\.", ".*.", path))
+    if not found:
+        raise PolicyError(
+            "fs.ep: found no expert tensors: no base_model_ep_plan entry covers a parameter, and no "
+            "module named like 'experts' holds a 3-D parameter. Name them: fs.ep(axis, "
+            "experts='*.experts.*')"
+        )
+    return tuple(found)

@@ -62,6 +62,10 @@ class PlanConfig:
     stages_per_rank: int = 1
     boundary_features: tuple[int, ...] = ()
     """Per token, the features of the activation stage ``s`` sends to ``s + 1`` (one per boundary)."""
+    expert_axis: str | None = None
+    """The mesh axis whose ranks hold different experts (``None``: no expert parallelism)."""
+    expert_modules: tuple[str, ...] = ()
+    """Module paths holding the expert tensors split over ``expert_axis``, in module order."""
 
     @property
     def data_axes(self) -> tuple[str, ...]:

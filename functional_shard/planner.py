@@ -321,6 +321,11 @@ def _config(
             "stages_per_rank": pipe.stages_per_rank,
             "boundary_features": boundary_features(tree, stages, pipe.hidden_size),
         }
+    experts = policy.expert_parallel
+    if experts is not None:
+        owners = {path.rpartition(".")[0] for path in tree.params if experts.selects(path)}
+        pipe_config["expert_axis"] = experts.axis
+        pipe_config["expert_modules"] = tuple(path for path in tree.modules if path in owners)
     return PlanConfig(
         data_parallel=kind,
         replicate_axes=tuple(replicate),
@@ -385,7 +390,13 @@ def _shard(model: Any, mesh: Mesh | DeviceMesh, policy: Policy | Any, *, reuse_b
     mesh.require_resolved("shard()")
     policy = _with_model_pieces(resolve_rules(as_policy(policy), model), model)
     tree = read_model(model)
-    if reuse_blocks and tree.blocks and not any(isinstance(layer, Custom) for layer in policy.layers):
+    experts = policy.expert_parallel
+    if (
+        reuse_blocks
+        and tree.blocks
+        and not any(isinstance(layer, Custom) for layer in policy.layers)
+        and (experts is None or experts.index_free)
+    ):
         plan = _shard_reusing_blocks(tree, mesh, policy)
         if plan is not None:
             return plan
@@ -477,6 +488,12 @@ def _plan(tree: ModelTree, mesh: Mesh, placed: dict[str, ParamSharding], config:
     )
 
 
+def _compute_free_axes(config: PlanConfig) -> frozenset[str]:
+    # data-parallel axes no computation may split; expert parallelism borrows its axis from
+    # data parallelism: the expert tensors are split over it (tokens travel to them)
+    return frozenset(config.data_axes) - {config.expert_axis}
+
+
 def _shard_each(tree: ModelTree, mesh: Mesh, policy: Policy) -> Plan:
     """Plan every parameter on its own: the reference, and the path that reports problems."""
     layers = policy.layers
@@ -493,7 +510,7 @@ def _shard_each(tree: ModelTree, mesh: Mesh, policy: Policy) -> Plan:
     compute_axes = {axis for sharding in placed.values() for axis in sharding.compute.axes}
     config = _config(policy, mesh, tree, layers, compute_axes, _tp_styles(policy, tree))
     if not problems:
-        data_axes = frozenset(config.data_axes)
+        data_axes = _compute_free_axes(config)
         problems += _unused_axes(policy, mesh, placed.values())
         tensors = {**tree.params, **tree.buffers}
         for path, sharding in placed.items():
@@ -613,7 +630,7 @@ def _shard_reusing_blocks(tree: ModelTree, mesh: Mesh, policy: Policy) -> Plan |
     config = _config(policy, mesh, tree, layers, compute_axes, _tp_styles(policy, tree, shared_styles))
     if _unused_axes(policy, mesh, distinct):
         return None
-    data_axes = frozenset(config.data_axes)
+    data_axes = _compute_free_axes(config)
     tensors = {**tree.params, **tree.buffers}
     checked: set[tuple[int, int]] = set()
     for path, sharding in placed.items():

@@ -32,12 +32,14 @@ from .tree import Pattern, TensorSpec
 
 __all__ = [
     "DataParallel",
+    "ExpertParallel",
     "Layer",
     "Options",
     "Pipeline",
     "Policy",
     "TensorParallel",
     "checkpointing",
+    "ep",
     "fsdp",
     "hsdp",
     "mixed_precision",
@@ -204,7 +206,59 @@ class Pipeline:
         return None
 
 
-Layer: TypeAlias = DataParallel | TensorParallel | Pipeline | Custom
+@dataclass(frozen=True, slots=True)
+class ExpertParallel:
+    """Expert parallelism over ``axis``: expert tensors split whole by expert index (dim 0).
+
+    ``experts`` are path patterns of the expert parameters (globs, ``*`` spanning dots, or
+    compiled regexes); ``None`` until ``shard()`` finds them in the model (see `ep`).
+    The axis is borrowed from data parallelism (tokens are dispatched over it), so this
+    layer claims no axis of its own.
+    """
+
+    axis: str
+    experts: tuple[Pattern, ...] | None = None
+
+    @property
+    def name(self) -> str:
+        """A short label for messages."""
+        return f"ep({self.axis!r})"
+
+    @property
+    def claimed_axes(self) -> tuple[str, ...]:
+        """None: the axis is a data-parallel axis (or unused), split by expert for these tensors only."""
+        return ()
+
+    @property
+    def index_free(self) -> bool:
+        """Whether every pattern selects the same tensors in every repeated block."""
+        return self.experts is not None and all(
+            isinstance(p, str) and not set("0123456789?[") & set(p) for p in self.experts
+        )
+
+    def selects(self, path: str) -> bool:
+        """Whether the parameter at ``path`` is an expert tensor of this layer."""
+        from .tree import matches
+
+        return self.experts is not None and any(matches(pattern, path) for pattern in self.experts)
+
+    def __call__(self, path: str, tensor: TensorSpec, mesh: Mesh) -> ParamSharding | None:
+        """``P(axis, None, ...)`` for an expert tensor, no opinion on the others."""
+        if tensor.kind == "buffer" or not self.selects(path):
+            return None
+        if self.axis not in mesh:
+            raise ParamProblemError(f"{self.name} names axis {self.axis!r}, which is not in {mesh!r}")
+        size = mesh[self.axis]
+        if tensor.ndim == 0 or tensor.shape[0] % size:
+            count = tensor.shape[0] if tensor.ndim else 0
+            raise ParamProblemError(
+                f"{self.name}: {count} experts (dim 0) do not split whole over axis {self.axis!r} of size "
+                f"{size}; make the axis size divide {count}, or select other expert tensors with experts="
+            )
+        return ParamSharding.uniform(P(self.axis, *(None,) * (tensor.ndim - 1)))
+
+
+Layer: TypeAlias = DataParallel | TensorParallel | Pipeline | ExpertParallel | Custom
 
 
 def _dtype_name(dtype: torch.dtype | str | None) -> str | None:
@@ -282,6 +336,11 @@ class Policy:
         """The pipeline layer, if any."""
         return next((layer for layer in self.layers if isinstance(layer, Pipeline)), None)
 
+    @property
+    def expert_parallel(self) -> ExpertParallel | None:
+        """The expert-parallel layer, if any."""
+        return next((layer for layer in self.layers if isinstance(layer, ExpertParallel)), None)
+
 
 def _check_layers(layers: tuple[Layer, ...]) -> None:
     owner: dict[str, str] = {}
@@ -300,6 +359,8 @@ def _check_layers(layers: tuple[Layer, ...]) -> None:
         )
     if sum(isinstance(layer, Pipeline) for layer in layers) > 1:
         problems.append("pipeline() appears twice; a plan has one pipeline axis")
+    if sum(isinstance(layer, ExpertParallel) for layer in layers) > 1:
+        problems.append("ep() appears twice; a plan has one expert-parallel axis")
     if sum(isinstance(layer, DataParallel) and layer.replicate_axes is None for layer in layers) > 1:
         problems.append("replicate() without an axis appears twice")
     if problems:
@@ -478,6 +539,13 @@ def resolve_rules(policy: Policy, model: Any) -> Policy:
     Raises:
         PolicyError: the model has no such rules.
     """
+    experts = policy.expert_parallel
+    if experts is not None and experts.experts is None:
+        from .hf import expert_patterns
+
+        found = replace(experts, experts=expert_patterns(model))
+        layers = tuple(found if layer is experts else layer for layer in policy.layers)
+        policy = Policy(layers, policy.options)
     if not any(layer.rules.deferred for layer in policy.tensor_parallel):
         return policy
     layers = tuple(
@@ -557,6 +625,42 @@ def pipeline(
     check_schedule(schedule, stages_per_rank)
     stages = None if split is None else tuple(tuple(stage) for stage in split)
     return Policy((Pipeline(axis, microbatches, schedule, stages_per_rank, stages),))
+
+
+def ep(axis: str = "ep", *, experts: Pattern | Iterable[Pattern] | None = None) -> Policy:
+    """Expert parallelism: expert tensors split whole by expert index (dim 0) over ``axis``.
+
+    Each rank of ``axis`` holds ``E / size`` experts whole (spec ``P(axis, None, None)``).
+    When ``axis`` is a data-parallel axis (its ranks read different tokens), `apply`
+    dispatches each token to the ranks holding its experts and combines the results back
+    with torch's autograd-aware all-to-all, as torchtitan does. Dense parameters follow
+    the data-parallel policy over all its axes; expert tensors are FSDP-sharded over the
+    data-parallel axes other than ``axis`` (``fsdp(("dp", "ep")) + ep("ep")``).
+
+    Args:
+        axis: the mesh axis whose ranks hold different experts.
+        experts: path patterns of the expert tensors (globs, ``*`` spanning dots, or
+            compiled regexes). By default ``shard()`` finds them: a Hugging Face model's
+            ``base_model_ep_plan`` (its ``grouped_gemm`` entries), else the 3-D parameters
+            of modules named like ``experts``.
+
+    Raises:
+        PolicyError: ``axis`` is not one name, or ``experts`` not patterns.
+
+    Examples:
+        >>> (fsdp("dp") + ep("dp")).expert_parallel.name
+        "ep('dp')"
+        >>> ep("ep", experts="*.experts.*").layers[0].experts
+        ('*.experts.*',)
+    """
+    if not isinstance(axis, str):
+        raise PolicyError(f"ep(axis={axis!r}): one mesh axis name")
+    patterns: tuple[Pattern, ...] | None = None
+    if experts is not None:
+        patterns = (experts,) if isinstance(experts, str | re.Pattern) else tuple(experts)
+        if not patterns or not all(isinstance(p, str | re.Pattern) for p in patterns):
+            raise PolicyError(f"ep(experts={experts!r}): path patterns (globs or compiled regexes)")
+    return Policy((ExpertParallel(axis, patterns),))
 
 
 CHECKPOINT_POLICIES = ("full", "selective")

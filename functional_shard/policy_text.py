@@ -12,6 +12,7 @@ evaluated, so a policy string cannot run code.
 | ``zero(2, dp)``                           | ``zero(2, "dp")``                                   |
 | ``ddp(dp)``, ``replicate(dp)``, ``ddp``   | ``replicate("dp")``, ``replicate()``                |
 | ``hsdp(node, gpu)``                       | ``hsdp("node", "gpu")``                             |
+| ``ep(dp)``, ``ep(ep, experts="*.experts.*")`` | ``ep("dp")``, ``ep("ep", experts="*.experts.*")`` |
 | ``tp(llama, tp)``, ``sp(llama, tp)``      | ``tp(rules.llama, "tp")``, ``sequence_parallel=True`` |
 | ``tp(hf, tp)``, ``tp(auto, tp)``          | ``tp("hf", "tp")``, ``tp("auto", "tp")``            |
 | ``checkpointing(Block, selective)``       | ``checkpointing(Block, policy="selective")``        |
@@ -43,10 +44,12 @@ from . import rules as rules_module
 from .errors import PolicyError
 from .policy import (
     DataParallel,
+    ExpertParallel,
     Pipeline,
     Policy,
     TensorParallel,
     checkpointing,
+    ep,
     fsdp,
     hsdp,
     mixed_precision,
@@ -61,7 +64,7 @@ __all__ = ["FORMS", "format_policy", "parse_policy"]
 
 FORMS = (
     "fsdp(AXIS), hsdp(REPLICATE_AXIS, SHARD_AXIS), zero(1|2|3, AXIS), ddp(AXIS) or replicate(AXIS), "
-    "tp(RULES, AXIS), sp(RULES, AXIS), checkpointing(CLASS or 'path.*', full|selective), "
+    "tp(RULES, AXIS), sp(RULES, AXIS), ep(AXIS), checkpointing(CLASS or 'path.*', full|selective), "
     "offload, bf16, fp16, mixed_precision(DTYPE), "
     "pipeline(AXIS, microbatches=N, schedule=NAME, stages_per_rank=N, split=((PATH, ...), ...)), "
     "none, joined by +; "
@@ -396,6 +399,13 @@ def _term(call: _Call, resolver: _Resolver) -> Policy:
         if not args or not isinstance(args[0], int) or isinstance(args[0], bool) or len(args) > 2:
             raise _TextError(call.node, "zero() takes a stage and an axis, e.g. zero(2, dp)")
         return zero(args[0], _text(args[1], "the axis", call.node) if len(args) == 2 else "dp")  # type: ignore[arg-type]
+    if name == "ep":
+        _only(call, ("experts",))
+        if len(args) > 1:
+            raise _TextError(call.node, "ep() takes one axis, e.g. ep(dp)")
+        experts = call.kwargs.get("experts")
+        patterns = None if experts is None else _axes([experts], call.node)
+        return ep(_text(args[0], "the axis", call.node) if args else "ep", experts=patterns)
     if name in ("zero1", "zero2", "zero3"):
         raise _TextError(call.node, f"write zero({name[-1]}, AXIS)")
     raise _TextError(call.node, f"unknown name {name!r}")
@@ -531,6 +541,15 @@ def _format_pipeline(layer: Pipeline) -> str:
     return f"pipeline({', '.join(parts)})"
 
 
+def _format_expert_parallel(layer: ExpertParallel) -> str:
+    if layer.experts is None:
+        return f"ep({_format_name(layer.axis)})"
+    if not all(isinstance(p, str) for p in layer.experts):
+        raise PolicyError(f"{layer.name}: compiled expert patterns have no text form; use globs")
+    patterns = ", ".join(repr(p) for p in layer.experts)
+    return f"ep({_format_name(layer.axis)}, experts=({patterns},))"
+
+
 def format_policy(policy: Policy) -> str:
     """The text `parse_policy` reads back as ``policy`` (the inverse, for policies text can say).
 
@@ -560,6 +579,8 @@ def format_policy(policy: Policy) -> str:
             terms.append(_format_tensor_parallel(layer))
         elif isinstance(layer, Pipeline):
             terms.append(_format_pipeline(layer))
+        elif isinstance(layer, ExpertParallel):
+            terms.append(_format_expert_parallel(layer))
         else:
             raise PolicyError(f"policy layer {layer.name} is a function and has no text form")
     options = policy.options

@@ -15,6 +15,11 @@ specs by the owning module's type, as torch's parallel styles shard them:
 | sequence   | replicated (activations split on the sequence dim) | — |
 | replicate_grad_allreduce | replicated; gradients all-reduced | —           |
 | replicate  | replicated                   | replicated              |
+| moe_tp_experts | (marks an experts module whose 3-D weights are split; replicated otherwise) | — |
+
+Mixture-of-experts weights stacked in 3-D tensors (Hugging Face's ``gate_up_proj``
+``[E, 2f, d]`` and ``down_proj`` ``[E, d, f]``, each expert an (out, in) matrix) split per
+expert as a Linear would: colwise (and packed_colwise) on dim 1, rowwise on dim 2.
 
 Hugging Face's ``Conv1D`` (GPT-2) stores its weight ``(in, out)``, the transpose of
 ``nn.Linear``'s: colwise splits its dim 1, rowwise its dim 0.
@@ -66,6 +71,7 @@ Style: TypeAlias = Literal[
     "sequence",
     "replicate_grad_allreduce",
     "replicate",
+    "moe_tp_experts",
 ]
 STYLES: tuple[str, ...] = get_args(Style)
 """``colwise_gather`` splits like ``colwise`` and all-gathers the output, for a final
@@ -139,10 +145,11 @@ def is_conv1d(module_name: str | None) -> bool:
 
 
 def layout_of(tensor: TensorSpec) -> str:
-    """How torch's styles see the owning module: "linear", "embedding", "conv1d" or "other".
+    """How torch's styles see the owning module: "linear", "embedding", "conv1d", "experts" or "other".
 
     A bare pytree (no module type) is read with the Linear (out, in) layout; "conv1d" is
-    Hugging Face's ``Conv1D``, weight (in, out).
+    Hugging Face's ``Conv1D``, weight (in, out); "experts" a 3-D parameter of any other
+    module: a stack of per-expert (out, in) matrices (mixture-of-experts weights).
     """
     if tensor.module_is(nn.Linear):
         return "linear"
@@ -150,6 +157,8 @@ def layout_of(tensor: TensorSpec) -> str:
         return "embedding"
     if is_conv1d(tensor.module_name):
         return "conv1d"
+    if tensor.ndim == 3 and tensor.kind != "buffer" and not (tensor.module_name or "").startswith("torch."):
+        return "experts"
     if tensor.module_name is None:  # a bare pytree: assume the (out, in) Linear layout
         return "linear"
     return "other"
@@ -161,7 +170,8 @@ def expand_style(style: Style, path: str, tensor: TensorSpec, axis: str) -> P:
     Raises:
         StyleError: torch has no such style for this module type or parameter.
     """
-    if style in ("sequence", "replicate", "replicate_grad_allreduce") or tensor.kind == "buffer":
+    whole = ("sequence", "replicate", "replicate_grad_allreduce", "moe_tp_experts")
+    if style in whole or tensor.kind == "buffer":
         return P()
     layout = layout_of(tensor)
     name = path.rpartition(".")[2]
@@ -175,6 +185,10 @@ def expand_style(style: Style, path: str, tensor: TensorSpec, axis: str) -> P:
             "RowwiseParallel support nn.Linear and nn.Embedding only (functional_shard splits "
             "Hugging Face's Conv1D too). Give this path a P(...) rule, or 'replicate'"
         )
+    if layout == "experts":
+        # each expert's (out, in) matrix split as a Linear's: the packed gate/up pieces are told
+        # apart by halving dim 1 (gate then up), which apply splits piece by piece
+        return P(None, axis, None) if split == "colwise" else P(None, None, axis)
     if style == "packed_colwise" and layout == "embedding":
         raise StyleError(
             f"style 'packed_colwise' on an embedding ({path}): only projections pack pieces in their "

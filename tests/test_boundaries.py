@@ -29,6 +29,7 @@ EFFECTS = {"apply.py", "checkpoint.py", "device_mesh.py", "launch.py", "measure.
         "activation_checkpointing",
         "applied",
         "data_parallel",
+        "experts",
         "materialize",
         "optimizer",
         "pipeline",

@@ -77,7 +77,7 @@ def test_every_style_transformers_uses_maps_or_is_refused_by_name():
     assert seen <= hf.HF_STYLES.keys() | hf.REFUSED_HF_STYLES.keys()
 
 
-def test_mixture_of_experts_styles_are_refused_naming_the_parameter():
+def test_mixture_of_experts_styles_split_the_3d_expert_tensors():
     config = transformers.Qwen3MoeConfig(
         vocab_size=64,
         hidden_size=16,
@@ -89,9 +89,16 @@ def test_mixture_of_experts_styles_are_refused_naming_the_parameter():
         num_experts=4,
         num_experts_per_tok=2,
     )
-    with pytest.raises(fs.PolicyError, match=re.escape("style 'moe_tp_experts'")) as error:
-        fs.rules.from_hf(config)
-    assert "model.layers.0.mlp.experts." in str(error.value)
+    rules = fs.rules.from_hf(config)
+    assert rules.match("model.layers.0.mlp.experts.gate_up_proj").target == "packed_colwise"
+    assert rules.match("model.layers.0.mlp.experts.down_proj").target == "rowwise"
+    with pytest.raises(fs.PolicyError, match=re.escape("style 'packed_rowwise'")):
+        fs.rules.from_hf(_with_plan(config, {"layers.*.mlp.experts.down_proj": "packed_rowwise"}))
+
+
+def _with_plan(config: object, plan: dict[str, str]) -> object:
+    config.base_model_tp_plan = {**config.base_model_tp_plan, **plan}  # type: ignore[attr-defined]
+    return config
 
 
 def test_a_model_without_a_plan_is_refused_with_the_way_out():

@@ -11,6 +11,8 @@ from functional_shard.plan import Plan
 from functional_shard.rules import is_conv1d, sequence_parallel_problems
 from functional_shard.tree import read_model
 
+from .experts import expert_data_axes, expert_module_problems
+
 _SUPPORTED_STYLE_MODULES = (nn.Linear, nn.Embedding)
 # styles functional_shard runs itself on Hugging Face's Conv1D (torch's styles have none)
 CONV1D_STYLES = ("colwise", "packed_colwise", "rowwise")
@@ -93,7 +95,11 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
     modules = dict(module.named_modules())
     tp_size = plan.mesh[tp_axes[0]] if tp_axes else 1
     found.extend(_unfed_splits(config.tp_styles, modules))
-    for path, style, _ in config.tp_styles:
+    found.extend(expert_problems(plan, modules))
+    experts = {path for path, _, kind in config.tp_styles if kind == "experts"} | set(config.expert_modules)
+    for path, style, kind in config.tp_styles:
+        if kind == "experts":  # 3-D expert weights: checked by expert_problems
+            continue
         target = modules.get(path)
         parent = modules.get(path.rpartition(".")[0])
         rowwise = style in ("rowwise", "rowwise_split_input")
@@ -118,7 +124,7 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
     for path, sharding in plan.params.items():
         owner_path = path.rpartition(".")[0]
         owner = modules.get(owner_path)
-        if not sharding.compute.is_replicated:
+        if not sharding.compute.is_replicated and owner_path not in experts:
             if owner_path not in styled:
                 found.append(
                     f"{path}: compute {sharding.compute!r} comes from no tensor-parallel style; apply() "
@@ -130,7 +136,8 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
                     "styles support nn.Linear and nn.Embedding"
                 )
         at_rest = sharding.at_rest_axes
-        if at_rest and set(at_rest) != shard_axes:
+        expected = set(expert_data_axes(plan)) if owner_path in config.expert_modules else shard_axes
+        if at_rest and set(at_rest) != expected:
             found.append(
                 f"{path}: split at rest over {sorted(at_rest)}, but FSDP2 shards over {config.shard_axes}"
             )
@@ -309,3 +316,62 @@ def _heads_split(path: str, style: str, target: Any, parent: Any, tp_size: int) 
         f"{path}: its {heads} attention heads ({width} features, head_dim {head_dim}) do not split "
         f"over {tp_size} tensor-parallel ranks; use a tensor-parallel size that divides {heads}"
     ]
+
+
+# data-parallel engines expert parallelism composes with: FSDP2 on one mesh (no replicas)
+_EXPERT_DATA_PARALLEL = ("fsdp", "zero2", "zero3")
+
+
+def expert_problems(plan: Plan, modules: dict[str, nn.Module]) -> list[str]:
+    """What the experts engine cannot run: tensor parallel inside experts, expert parallelism."""
+    config = plan.config
+    found: list[str] = []
+    tp_experts = [path for path, _, kind in config.tp_styles if kind == "experts"]
+    tp_size = plan.mesh[config.tensor_parallel_axes[0]] if config.tensor_parallel_axes else 1
+    for path in dict.fromkeys(tp_experts + list(config.expert_modules)):
+        problems = expert_module_problems(path, modules.get(path))
+        found.extend(problems)
+        target = modules.get(path)
+        if problems or target is None:
+            continue
+        if any(p.is_meta for p in target.parameters(recurse=False)):
+            found.append(
+                f"{path}: expert weights on the meta device; fs.materialize does not fill split expert "
+                "tensors yet. Build the model on a real device"
+            )
+        hidden = target.get_parameter("down_proj").shape[2]
+        if path in tp_experts and hidden % tp_size:
+            found.append(
+                f"{path}: each expert's {hidden} intermediate features (gate and up each) do not split over "
+                f"{tp_size} tensor-parallel ranks; use a tensor-parallel size that divides {hidden}"
+            )
+    if tp_experts and config.sequence_parallel:
+        found.append(
+            f"{tp_experts[0]}: experts split by tensor parallel take whole activations, which sequence "
+            "parallel does not hand them. Drop sequence_parallel, or leave the experts whole"
+        )
+    axis = config.expert_axis
+    if axis is None:
+        return found
+    if not config.expert_modules:
+        found.append(f"ep({axis!r}): no expert tensor in the plan")
+    both = sorted(set(tp_experts) & set(config.expert_modules))
+    if both:
+        found.append(
+            f"{both[0]}: split both by expert (ep over {axis!r}) and inside each expert (tensor parallel); "
+            "apply() runs one of them per experts module. Leave the experts out of the tp rules, or drop ep"
+        )
+    if axis not in config.data_axes:
+        found.append(
+            f"ep({axis!r}): {axis!r} is not a data-parallel axis, so its ranks read the same tokens and "
+            "apply() has none to dispatch. Borrow a data axis: fs.fsdp(('dp', 'ep')) + fs.ep('ep'), or "
+            "fs.fsdp('dp') + fs.ep('dp')"
+        )
+    if config.data_parallel not in _EXPERT_DATA_PARALLEL or config.replicate_axes:
+        found.append(
+            f"ep({axis!r}) with {config.data_parallel} over {config.data_axes}: apply() runs expert "
+            "parallelism with FSDP2 over the data axes (fs.fsdp(...)), no replicate axis"
+        )
+    if config.pipeline_axis is not None:
+        found.append(f"ep({axis!r}) with a pipeline: apply() does not run the two together yet")
+    return found

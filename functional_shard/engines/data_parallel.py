@@ -17,6 +17,7 @@ from functional_shard.plan import Plan
 from functional_shard.tree import dtype_from_name
 
 from .applied import axes_mesh
+from .experts import shard_experts
 
 
 def apply_data_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh, root: str) -> None:
@@ -53,6 +54,10 @@ def apply_data_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh, 
     # FSDP2 refuses 0-d parameters ("fully_shard doesn't support scalar parameters"); the
     # plan keeps them whole, so FSDP2 leaves them alone and reduce_whole_grads reduces them
     whole = {module.get_parameter(path) for path in whole_params(plan)}
+    if whole:
+        options["ignored_params"] = whole
+    # expert-parallel experts first (their own mesh), or left to their own gradient hook
+    whole |= shard_experts(plan, module, device_mesh, options)
     if whole:
         options["ignored_params"] = whole
     # bottom-up, as fully_shard requires: a unit takes the parameters no inner unit took

@@ -18,6 +18,7 @@ from functional_shard.plan import Plan
 from functional_shard.rules import first_input_name, sequence_gathers
 
 from .checks import CONV1D_STYLES, features_of, is_conv1d_module
+from .experts import apply_expert_tensor_parallel
 
 
 def _torch_styles(
@@ -40,7 +41,9 @@ def _torch_styles(
         path: _SequenceGather(first_input_name(module.get_submodule(path)) or "") for path in gathers
     }
     own: list[tuple[str, str]] = []  # split here: Conv1D layers and packed projections
-    for path, style, _ in tp_styles:
+    for path, style, kind in tp_styles:
+        if kind == "experts":  # 3-D expert weights: engines.experts splits them
+            continue
         target = module.get_submodule(path)
         embedding = isinstance(target, nn.Embedding)
         taken = Replicate() if path.rpartition(".")[0] in gathers else between  # a column split's input
@@ -111,6 +114,7 @@ def apply_tensor_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh
     styles, own = _torch_styles(config.tp_styles, module, config.sequence_parallel)
     tp_mesh = device_mesh[config.tensor_parallel_axes[0]]
     parallelize_module(module, tp_mesh, styles)
+    apply_expert_tensor_parallel(plan, module, device_mesh)
     for path, style in own:
         parent_path = path.rpartition(".")[0]
         parent: Any = module.get_submodule(parent_path) if parent_path else module

@@ -1,0 +1,287 @@
+"""Mixture-of-experts models (tiny transformers 5 configs, no download) trained on every rank of a LocalWorld.
+
+Importable so that spawn can send the functions; transformers is imported when a model is built.
+Mixtral, Qwen2-MoE (with its shared expert and its gate) and Qwen3-MoE (head norms), 2
+layers, top-2 routing of 4 or 8 experts; every strategy is compared with one process
+training on the whole global batch, as `hf_cases` does for dense models.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812
+
+import functional_shard as fs
+
+from .dist_cases import full, mean_over_ranks
+from .hf_cases import EPS, LR, MICRO_BATCH, SEQ, STEPS, VOCAB
+
+_COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 2,
+    "num_experts_per_tok": 2,
+    "tie_word_embeddings": False,
+}
+
+
+def config(family: str, experts: int) -> object:
+    import transformers
+
+    if family == "mixtral":
+        return transformers.MixtralConfig(intermediate_size=48, num_local_experts=experts, **_COMMON)
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(
+            intermediate_size=64,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            num_experts=experts,
+            **_COMMON,
+        )
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            intermediate_size=64, moe_intermediate_size=24, num_experts=experts, head_dim=8, **_COMMON
+        )
+    raise ValueError(family)
+
+
+def build(family: str, experts: int, seed: int = 0) -> torch.nn.Module:
+    """The tiny model, initialised on the CPU with ``seed``."""
+    import transformers
+
+    torch.manual_seed(seed)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        built = config(family, experts)
+        return transformers.AutoModelForCausalLM.from_config(built, attn_implementation="sdpa")
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+_EXPERTS_WHOLE = fs.Rules([("*.experts", "replicate")], name="experts_whole")
+
+
+def strategy(name: str) -> tuple[fs.Mesh, fs.Policy]:
+    """Mesh and policy of each strategy (4 ranks); tensor parallel by the model's own plan."""
+    return {
+        "fsdp": (fs.Mesh(dp=4), fs.fsdp("dp")),
+        "tp": (fs.Mesh(tp=4), fs.tp("hf", "tp")),
+        "fsdp_tp": (fs.Mesh(dp=2, tp=2), fs.fsdp("dp") + fs.tp("hf", "tp")),
+        "ep_dp": (fs.Mesh(dp=4), fs.fsdp("dp") + fs.ep("dp")),
+        "ep_2d": (fs.Mesh(dp=2, ep=2), fs.fsdp(("dp", "ep")) + fs.ep("ep")),
+        # expert parallelism beside tensor parallel on the attention (the experts left to ep)
+        "ep_tp": (
+            fs.Mesh(dp=2, tp=2),
+            fs.fsdp("dp") + fs.ep("dp") + fs.tp(_EXPERTS_WHOLE + fs.rules.llama, "tp"),
+        ),
+    }[name]
+
+
+def batches(data_parallel: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1234)
+    return [
+        torch.randint(0, VOCAB, (MICRO_BATCH * data_parallel, SEQ + 1), generator=generator)
+        for _ in range(STEPS)
+    ]
+
+
+def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=tokens[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def reference(
+    family: str, experts: int, data_parallel: int
+) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One process training on the whole global batch: losses, parameters, first gradients."""
+    model = build(family, experts)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses = []
+    grads: dict[str, torch.Tensor] = {}
+    for tokens in batches(data_parallel):
+        optimizer.zero_grad()
+        loss = loss_of(model, tokens)
+        loss.backward()
+        if not grads:
+            grads = {k: v.grad.clone() for k, v in model.named_parameters() if v.grad is not None}
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, grads
+
+
+def train(family: str, experts: int, strategy_name: str) -> dict[str, object]:
+    """Train under one strategy on this rank; rank 0 returns losses, full parameters and first grads."""
+    mesh, policy = strategy(strategy_name)
+    model = build(family, experts)
+    plan = fs.shard(model, mesh, policy)
+    fs.apply(plan, model)
+    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR, eps=EPS)
+    index, data_parallel = plan.data_parallel_rank(dist.get_rank())
+    losses = []
+    grads: dict[str, torch.Tensor] = {}
+    for tokens in batches(data_parallel):
+        optimizer.zero_grad()
+        loss = loss_of(model, tokens[index * MICRO_BATCH : (index + 1) * MICRO_BATCH])
+        loss.backward()
+        if not grads:
+            grads = {k: full(v.grad) for k, v in model.named_parameters() if v.grad is not None}
+        optimizer.step()
+        losses.append(mean_over_ranks(loss).item())
+    params = {k: full(v) for k, v in model.state_dict().items()}
+    first = dist.get_rank() == 0
+    return {
+        "losses": losses,
+        "params": params if first else None,
+        "grads": grads if first else None,
+        "data_parallel": data_parallel,
+        "placements": {
+            k: str(getattr(v, "placements", None)) for k, v in model.named_parameters() if "experts" in k
+        },
+    }
+
+
+class _Experts(torch.nn.Module):
+    """transformers 5's experts layout (gate_up_proj [E, 2f, d], down_proj [E, d, f])."""
+
+    def __init__(self, experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(experts, 2 * intermediate, hidden))
+        self.down_proj = torch.nn.Parameter(torch.randn(experts, hidden, intermediate))
+        self.act_fn = torch.nn.functional.silu
+
+
+def dispatch(routing: str, experts: int = 8) -> dict[str, object]:
+    """The dispatching forward of `engines.experts` on hand-made routing over the whole world,
+    against the same experts run in one process on every rank's tokens: this rank's output,
+    the gradients of its input and routing weights, and its local expert gradients.
+
+    ``routing``: "skewed" sends every token copy of every rank to experts 0 and 1 (one
+    rank receives everything, the others nothing; experts without tokens), "random"
+    draws top-2 choices, "ragged" gives each rank a different number of tokens.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from functional_shard.engines.experts import _dispatching_forward, _run_experts
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    whole = _Experts(experts, 6, 4)
+    generator = torch.Generator().manual_seed(7)
+    counts = [5, 0, 3, 9] if routing == "ragged" else [6] * world
+    inputs, indices, weights = [], [], []
+    for count in counts:
+        inputs.append(torch.randn(count, 6, generator=generator))
+        if routing == "skewed":
+            indices.append(torch.tensor([[0, 1]] * count, dtype=torch.long).reshape(count, 2))
+        else:
+            picks = [torch.randperm(experts, generator=generator)[:2] for _ in range(count)]
+            indices.append(torch.stack(picks) if picks else torch.zeros(0, 2, dtype=torch.long))
+        weights.append(torch.rand(count, 2, generator=generator))
+
+    # the reference: every rank's tokens through the whole experts, one process
+    def local(x: torch.Tensor, index: torch.Tensor, w: torch.Tensor, module: _Experts) -> torch.Tensor:
+        token = torch.arange(x.shape[0]).repeat_interleave(2)
+        y = _run_experts(x[token], index.reshape(-1), module.gate_up_proj, module.down_proj, module.act_fn)
+        return torch.zeros_like(x).index_add(0, token, y * w.reshape(-1, 1))
+
+    xs = [x.clone().requires_grad_() for x in inputs]
+    ws = [w.clone().requires_grad_() for w in weights]
+    expected = [local(x, i, w, whole) for x, i, w in zip(xs, indices, ws, strict=True)]
+    sum(((e * (r + 1)).sum() for r, e in enumerate(expected)), torch.zeros(())).backward()
+
+    mesh = fs.Mesh(ep=world).device_mesh("cpu")
+    from torch.distributed.tensor import Shard
+
+    from functional_shard.engines.experts import _as_dtensor
+
+    mine = _Experts(experts, 6, 4)
+    with torch.no_grad():
+        mine.gate_up_proj.copy_(whole.gate_up_proj)
+        mine.down_proj.copy_(whole.down_proj)
+    for name in ("gate_up_proj", "down_proj"):
+        _as_dtensor(mine, name, getattr(mine, name).detach().chunk(world, 0)[rank].clone(), mesh, Shard(0))
+    forward = _dispatching_forward(mine, mesh, experts)
+    x = inputs[rank].clone().requires_grad_()
+    w = weights[rank].clone().requires_grad_()
+    out = forward(x, indices[rank], w)
+    (out * (rank + 1)).sum().backward()
+    gate_up_grad, down_grad = mine.gate_up_proj.grad, mine.down_proj.grad
+    assert isinstance(gate_up_grad, DTensor)
+    assert isinstance(down_grad, DTensor)
+    mine_part = slice(rank * (experts // world), (rank + 1) * (experts // world))
+
+    def gap(got: torch.Tensor | None, want: torch.Tensor | None) -> float:
+        # relative to the largest value: the reference sums in another order. A rank with no
+        # token gets an empty gradient, the reference none
+        if want is None or got is None or want.numel() == 0:
+            return 0.0 if (got is None or got.numel() == 0) and (want is None or want.numel() == 0) else 1.0
+        return (got - want).abs().max().item() / max(1.0, want.abs().max().item())
+
+    return {
+        "out": gap(out, expected[rank]),
+        "x_grad": gap(x.grad, xs[rank].grad),
+        "w_grad": gap(w.grad, ws[rank].grad),
+        "gate_up_grad": gap(gate_up_grad.to_local(), whole.gate_up_proj.grad[mine_part]),
+        "down_grad": gap(down_grad.to_local(), whole.down_proj.grad[mine_part]),
+    }
+
+
+def checkpoint_round_trip(family: str, experts: int, strategies: str, full_file: bool) -> dict[str, object]:
+    """Train a step under one strategy, save (sharded, or one full file), load under another
+    ("ep_2d>fsdp") into a model built with another seed: the largest gap between the saved and
+    the loaded whole parameters and optimizer states, and whether the values moved at all."""
+    import tempfile
+
+    saved_under, loaded_under = strategies.split(">")
+    kind = "full" if full_file else "sharded"
+    path = f"{tempfile.gettempdir()}/fs-moe-{family}-{experts}-{saved_under}-{loaded_under}-{kind}"
+    path += ".pt" if full_file else ""
+    states = []
+    for seed, name in ((0, saved_under), (7, loaded_under)):
+        mesh, policy = strategy(name)
+        model = build(family, experts, seed=seed)
+        plan = fs.shard(model, mesh, policy)
+        fs.apply(plan, model)
+        optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR, eps=EPS)
+        index, data_parallel = plan.data_parallel_rank(dist.get_rank())
+        optimizer.zero_grad()
+        loss_of(model, batches(data_parallel)[0][index * MICRO_BATCH : (index + 1) * MICRO_BATCH]).backward()
+        optimizer.step()  # both have optimizer state: the load must replace it
+        before = {k: full(v) for k, v in model.state_dict().items()}
+        if name == saved_under:
+            fs.checkpoint.save(path, model, optimizer, full=full_file)
+        else:
+            fs.checkpoint.load(path, model, optimizer)
+        moment = {
+            path_: full(optimizer.state[param]["exp_avg"])
+            for path_, param in model.named_parameters()
+            if "experts" in path_
+        }
+        states.append(({k: full(v) for k, v in model.state_dict().items()}, moment, before))
+    (saved, saved_moment, _), (loaded, loaded_moment, loaded_before) = states
+    return {
+        "gap": max((saved[k] - loaded[k]).abs().max().item() for k in saved),
+        "moment_gap": max((saved_moment[k] - loaded_moment[k]).abs().max().item() for k in saved_moment),
+        "moved": max((loaded_before[k] - loaded[k]).abs().max().item() for k in loaded),
+        "experts": sorted(saved_moment),
+    }
+
+
+def run_cases(cases: tuple[tuple[str, ...], ...]) -> list[dict[str, object]]:
+    """("train", family, experts, strategy), ("dispatch", routing) and ("checkpoint", family,
+    experts, "saved>loaded", "full"|"sharded") cases in turn, in one world run."""
+    results = []
+    for kind, *args in cases:
+        if kind == "train":
+            family, experts, name = args
+            results.append(train(family, int(experts), name))
+        elif kind == "checkpoint":
+            family, experts, pair, how = args
+            results.append(checkpoint_round_trip(family, int(experts), pair, how == "full"))
+        else:
+            results.append(dispatch(*args))
+    return results
