@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from .errors import ShardingError as ShardingError
     from .errors import SpecError as SpecError
     from .estimate import Estimate as Estimate
+    from .estimate import compare_schedules as compare_schedules
     from .estimate import estimate as estimate
     from .estimate import parse_bytes as parse_bytes
     from .hardware import Hardware as Hardware
@@ -106,6 +107,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "cost": ("cost", "cost"),
     "Estimate": ("estimate", "Estimate"),
     "estimate": ("estimate", "estimate"),
+    "compare_schedules": ("estimate", "compare_schedules"),
     "parse_bytes": ("estimate", "parse_bytes"),
     "Hardware": ("hardware", "Hardware"),
     "hardware": ("hardware", "hardware"),
@@ -199,6 +201,7 @@ __all__ = [
     "Estimate",
     "Hardware",
     "auto",
+    "compare_schedules",
     "estimate",
     "hardware",
     "parse_bytes",

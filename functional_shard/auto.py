@@ -23,14 +23,7 @@ from torch import nn
 from .bytesize import format_bytes as _bytes
 from .cost import OptimizerKind, cost
 from .errors import PlanError, PolicyError, ShardingError
-from .estimate import (
-    Estimate,
-    _assemble,
-    _duration,
-    compute_dtype,
-    parse_bytes,
-    unit_gathered_bytes,
-)
+from .estimate import _assemble
 from .hardware import Hardware
 from .hardware import hardware as _hardware
 from .mesh import Mesh
@@ -48,6 +41,7 @@ from .policy import (
     tp,
     zero,
 )
+from .step_model import Estimate, _duration, compute_dtype, parse_bytes, unit_gathered_bytes
 from .tree import read_model
 
 __all__ = ["AutoReport", "Candidate", "auto", "search_plans"]

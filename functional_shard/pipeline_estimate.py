@@ -25,13 +25,12 @@ from .schedules import Timeline, check_pipeline, held_peak, in_flight, simulate
 from .stages import rank_stages, stage_rank
 
 if TYPE_CHECKING:
-    from .estimate import Estimate
     from .plan import Plan
+    from .step_model import Estimate
 
 __all__ = [
     "PipelineEstimate",
     "StageEstimate",
-    "compare_schedules",
     "microbatch_size",
     "pipeline_assemble",
     "stage_costs",
@@ -103,7 +102,7 @@ class PipelineEstimate:
 
     def explain(self) -> str:
         """Lines on the schedule and each stage."""
-        from .estimate import _duration
+        from .step_model import _duration
 
         lines = [
             f"pipeline {self.schedule}: {self.pp} ranks, {len(self.stages)} stages, {self.microbatches} "
@@ -246,7 +245,7 @@ def pipeline_assemble(
 
     ``costs`` (one per pp coordinate, at `_rank_of_coordinate`) may be given when known.
     """
-    from .estimate import Estimate, gathered_in_flight, step_time
+    from .step_model import Estimate, gathered_in_flight, step_time
 
     config = plan.config
     axis = config.pipeline_axis
@@ -305,7 +304,7 @@ def pipeline_assemble(
         key: m * sum(getattr(trace, f"stage_{key}_flops")[s] for s in ours)
         for key in ("forward", "backward", "recompute")
     }
-    from .estimate import _recomputed
+    from .step_model import _recomputed
 
     _, exposed, per_collective = step_time(
         stage_plan(plan, set(ours)),
@@ -378,72 +377,3 @@ def with_schedule(plan: Plan, schedule: str) -> Plan:
         )
     check_pipeline(schedule, plan.mesh[axis], config.stages_per_rank, config.microbatches)
     return dataclasses.replace(plan, config=dataclasses.replace(config, pipeline_schedule=schedule))
-
-
-def compare_schedules(
-    model: Any,
-    plan: Plan,
-    *,
-    batch: int,
-    seq: int,
-    schedules: Sequence[str] | None = None,
-    optimizer: OptimizerKind = "adamw",
-    hardware: str | Hardware | None = None,
-) -> dict[str, Estimate]:
-    """`estimate` of ``plan`` under each schedule that runs its stages, placed as they are.
-
-    One trace serves them all: the stages, and what each keeps and computes per micro-batch,
-    do not depend on the schedule; in-flight counts, the bubble and the step time do.
-
-    Args:
-        model: the module the plan was made from.
-        plan: a plan with a pipeline.
-        batch: the step's batch per data-parallel rank.
-        seq: tokens per sequence.
-        schedules: names to compare; by default every schedule torch can run here.
-        optimizer: as for `cost`.
-        hardware: as for `estimate`.
-
-    Returns:
-        Schedule name -> its `Estimate` (``.pipeline.stage_activation_bytes``,
-        ``.step_seconds``, ``.pipeline.bubble``).
-
-    Raises:
-        ShardingError: the plan has no pipeline, or a named schedule cannot run it.
-
-    Examples:
-        >>> from functional_shard.zoo import llama
-        >>> model = llama("tiny")
-        >>> plan = fs.shard(model, fs.Mesh(pp=2), fs.pipeline("pp", microbatches=4))
-        >>> found = compare_schedules(model, plan, batch=8, seq=16, hardware="h100")
-        >>> sorted(found), found["gpipe"].peak_bytes > found["1f1b"].peak_bytes
-        (['1f1b', 'gpipe'], True)
-    """
-    from .estimate import _trace, compute_dtype, unit_gathered_bytes
-    from .hardware import hardware as _hardware
-    from .schedules import _actions_or_reason
-    from .stages import SCHEDULES, SINGLE_STAGE, V_SHAPED
-
-    config = plan.config
-    if config.pipeline_axis is None:
-        raise ShardingError("compare_schedules(): the plan has no pipeline; add fs.pipeline(...)")
-    pp, per_rank, m = plan.mesh[config.pipeline_axis], config.stages_per_rank, config.microbatches
-    if schedules is None:
-        fitting = [
-            name
-            for name in SCHEDULES
-            if (name in SINGLE_STAGE) == (per_rank == 1)
-            and (name in V_SHAPED) == (config.pipeline_schedule in V_SHAPED)
-            and not isinstance(_actions_or_reason(name, pp, m, per_rank), str)
-        ]
-        schedules = fitting
-    planned = {name: with_schedule(plan, name) for name in schedules}
-    hw = _hardware(hardware)
-    dtype = compute_dtype(plan)
-    micro = microbatch_size(plan, batch)
-    trace = _trace(model, plan, micro, seq, None, None, stages=config.pipeline_stages)
-    units = unit_gathered_bytes(plan)
-    return {
-        name: pipeline_assemble(each, trace, hw, dtype, batch, seq, optimizer, units)
-        for name, each in planned.items()
-    }

@@ -43,3 +43,41 @@ def measure_steps(plan, config, micro_batch, seq, steps, seed=0):
         dist.barrier()
         times.append(time.perf_counter() - start)
     return times
+
+
+def measure_pipeline_steps(plan, config, batch, seq, steps, seed=0):
+    """On a LocalWorld rank: ``steps`` AdamW steps of any plan through `fs.forward_backward`.
+
+    Every rank reads the same ``batch`` sequences (the plans timed with it have no
+    data-parallel axis). Each step starts after a barrier and ends after one, so the time
+    is the slowest rank's.
+    """
+    import time
+
+    import torch.distributed as dist
+    import torch.nn.functional as F  # noqa: N812
+
+    import functional_shard as fs
+    from functional_shard.zoo import Llama
+
+    torch.manual_seed(seed)
+    model = Llama(config)
+    fs.apply(plan, model)
+    adamw = fs.optimizer(plan, model, torch.optim.AdamW, lr=1e-3)
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+    step = fs.forward_backward(plan, model, loss_fn)
+    generator = torch.Generator().manual_seed(seed)
+    times = []
+    for _ in range(steps):
+        tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=generator)
+        dist.barrier()
+        start = time.perf_counter()
+        adamw.zero_grad()
+        step(tokens[:, :-1], tokens[:, 1:])
+        adamw.step()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return times

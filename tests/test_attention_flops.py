@@ -202,7 +202,7 @@ def test_math_path_decomposes_into_counted_matmuls():
         flops.backward = True
         out.sum().backward()
     forward = 2 * 2 * 4 * 16 * 16 * 16
-    assert flops.counts == {"forward": forward, "backward": 2 * forward, "recompute": 0}
+    assert flops.counts == {"forward": forward, "backward": 2 * forward, "recompute": 0, "weight": 0}
 
 
 def test_flex_attention_has_formulas_and_a_clear_refusal_on_cpu():

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import functional_shard as fs
 from functional_shard import rules
-from functional_shard.estimate import gathered_in_flight, recomputed_collectives, unit_gathered_bytes
+from functional_shard.step_model import gathered_in_flight, recomputed_collectives, unit_gathered_bytes
 from functional_shard.zoo import Block, llama
 
 _TRACED: dict = {}

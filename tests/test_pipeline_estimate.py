@@ -9,7 +9,7 @@ import pytest
 
 import functional_shard as fs
 from functional_shard.activations import regroup, trace_activations
-from functional_shard.pipeline_estimate import compare_schedules
+from functional_shard.estimate import compare_schedules
 from functional_shard.schedules import simulate
 from functional_shard.zoo import llama
 

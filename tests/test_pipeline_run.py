@@ -8,7 +8,8 @@ are summed in another order than one batch's; measured differences are below 5e-
 
 Also recorded per rank (`pipeline_cases.train(..., measure=True)`): the bytes each rank
 sends and receives point to point in a step (c10d send/recv ops seen by a
-TorchDispatchMode) and its bytes of parameters, to set beside ``plan.cost()``.
+TorchDispatchMode) and its bytes of parameters, which equal ``plan.cost()``'s prediction
+for that rank.
 """
 
 from __future__ import annotations
@@ -42,6 +43,16 @@ def assert_trains_as_one_process(results, spec):
         torch.testing.assert_close(merged[name], value, atol=1e-5, rtol=1e-4, msg=name)
 
 
+def assert_costs_as_predicted(results, spec):
+    """Each rank's parameter bytes and point-to-point bytes sent equal ``plan.cost()``'s."""
+    mesh = fs.Mesh(**spec["mesh"])
+    plan = fs.shard(pc.build(spec), mesh, pc.policy_of(spec))
+    for rank, result in enumerate(results):
+        cost = plan.cost(rank=rank, tokens=spec["rows"] * pc.SEQ)
+        assert result["param_bytes"] == cost.params_bytes, rank
+        assert result["sent"] == cost.comm_bytes.get("send_recv", {}).get("pp", 0), rank
+
+
 def activation_bytes(spec):
     """Bytes of one stage boundary's hidden states for a whole per-rank batch (fp32)."""
     hidden = 32  # the zoo configs' and hf_cases' hidden size
@@ -62,6 +73,7 @@ def test_pipeline_with_fsdp_trains_as_one_process_and_sends_the_hidden_states(wo
     # receives their gradients back; stage 1 the other way round
     for result in results:
         assert result["sent"] == result["received"] == activation_bytes(spec)
+    assert_costs_as_predicted(results, spec)
 
 
 def test_forward_backward_without_pp_is_a_plain_forward_and_backward(world):
@@ -140,6 +152,7 @@ def test_every_schedule_and_composition_trains_as_one_process(world, spec):
     # under sequence parallel each tensor-parallel rank sends its slice of the sequence
     split = spec["mesh"]["tp"] if spec["tp"] == "sp" else 1
     assert sent == 2 * replicas * (boundaries - local_turns) * activation_bytes(spec) // split
+    assert_costs_as_predicted(results, spec)
 
 
 @pytest.mark.slow

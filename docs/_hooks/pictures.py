@@ -36,10 +36,30 @@ def _tiny_zero1_optimizer() -> Any:
     return plan.visualize("lm_head.weight", spec="optim")
 
 
+def _tiny_pipeline() -> Any:
+    plan = fs.shard(
+        llama("tiny"), fs.Mesh(pp=2, dp=2), fs.parse_policy("pipeline(pp, microbatches=4) + fsdp(dp)")
+    )
+    return plan.visualize()
+
+
+def _schedule(name: str, stages_per_rank: int) -> Callable[[], Any]:
+    def draw() -> Any:
+        from functional_shard.schedules import simulate
+        from functional_shard.visualize import draw_schedule_figure
+
+        return draw_schedule_figure(simulate(name, 4, 8, stages_per_rank))
+
+    return draw
+
+
 PICTURES: dict[str, Callable[[], Any]] = {
     "llama-7b-fsdp-tp": _llama_7b_fsdp_tp,
     "tiny-fsdp-tp-colwise": _tiny_fsdp_tp_colwise,
     "tiny-zero1-optimizer": _tiny_zero1_optimizer,
+    "tiny-pipeline": _tiny_pipeline,
+    "schedule-1f1b": _schedule("1f1b", 1),
+    "schedule-zbv": _schedule("zbv", 2),
 }
 
 
