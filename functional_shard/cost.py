@@ -509,7 +509,9 @@ def _pipeline_comm(plan: Plan, comm: _Comm, tokens: int, held: Mapping[str, int]
 
     A boundary carries the sending stage's output for every token of the step (all
     micro-batches together): ``tokens × features × itemsize`` forward, and as many bytes
-    of its gradient backward. Both stages on one rank (a V's turn) send nothing.
+    of its gradient backward. Both stages on one rank (a V's turn) send nothing. Under
+    sequence parallel the hidden states between blocks are split along the sequence over
+    the tensor-parallel axes, and each tensor-parallel rank sends its own slice.
     """
     from .stages import stage_rank
 
@@ -519,6 +521,8 @@ def _pipeline_comm(plan: Plan, comm: _Comm, tokens: int, held: Mapping[str, int]
         return {}
     pp, per_rank, schedule = plan.mesh[axis], config.stages_per_rank, config.pipeline_schedule
     itemsize = _compute_itemsize(plan)
+    # the planner refuses a sequence the tp size does not divide, so the slices are equal
+    slices = plan.mesh.axes_size(config.tensor_parallel_axes) if config.sequence_parallel else 1
     boundaries: dict[int, float] = {}
     sent = 0.0
     for stage, features in enumerate(config.boundary_features):
@@ -526,7 +530,7 @@ def _pipeline_comm(plan: Plan, comm: _Comm, tokens: int, held: Mapping[str, int]
             stage_rank(stage, pp, per_rank, schedule),
             stage_rank(stage + 1, pp, per_rank, schedule),
         )
-        crossing = 0.0 if source == target else float(tokens * features * itemsize)
+        crossing = 0.0 if source == target else float(tokens * features * itemsize) / slices
         boundaries[stage] = crossing
         if held[axis] in (source, target):  # activations out of source, gradients out of target
             sent += crossing
