@@ -1,4 +1,4 @@
-"""Hypothesis profiles and the fake process group fixture."""
+"""Hypothesis profiles, the fake process group fixture and four gloo ranks per test module."""
 
 from __future__ import annotations
 
@@ -43,3 +43,13 @@ def fake_world() -> Iterator[Callable[..., None]]:
     yield join
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def world4() -> Iterator[object]:
+    """Four gloo ranks shared by a test module's tests, restarted after an intended failure."""
+    from .worlds import RestartingWorld
+
+    shared = RestartingWorld(4)
+    yield shared
+    shared.current.close()

@@ -6,9 +6,11 @@ import torch
 
 
 def measure_steps(plan, config, micro_batch, seq, steps, seed=0):
-    """On a LocalWorld rank: train ``steps`` AdamW steps of the plan; seconds per step.
+    """On a LocalWorld rank: train ``steps`` AdamW steps of any plan; seconds per step.
 
-    Each step starts after a barrier, so the time is the slowest rank's.
+    Steps go through `fs.forward_backward`, so a pipeline plan runs its schedule (every
+    rank then reads the same ``micro_batch`` sequences). Each step starts after a barrier
+    and ends after one, so the time is the slowest rank's.
     """
     import time
     import warnings
@@ -21,48 +23,13 @@ def measure_steps(plan, config, micro_batch, seq, steps, seed=0):
     from functional_shard.zoo import Llama
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    meta = plan.config.data_parallel not in ("ddp", "zero1")
+    meta = plan.config.data_parallel not in ("ddp", "zero1") and plan.config.pipeline_axis is None
     torch.manual_seed(seed)
     with torch.device("meta") if meta else nullcontext():
         model = Llama(config)
     fs.apply(plan, model)
     if meta:
         fs.materialize(plan, model, seed=seed)
-    adamw = fs.optimizer(plan, model, torch.optim.AdamW, lr=1e-3)
-    generator = torch.Generator().manual_seed(seed)
-    times = []
-    for _ in range(steps):
-        tokens = torch.randint(0, config.vocab_size, (micro_batch, seq + 1), generator=generator)
-        dist.barrier()
-        start = time.perf_counter()
-        adamw.zero_grad()
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        adamw.step()
-        dist.barrier()
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def measure_pipeline_steps(plan, config, batch, seq, steps, seed=0):
-    """On a LocalWorld rank: ``steps`` AdamW steps of any plan through `fs.forward_backward`.
-
-    Every rank reads the same ``batch`` sequences (the plans timed with it have no
-    data-parallel axis). Each step starts after a barrier and ends after one, so the time
-    is the slowest rank's.
-    """
-    import time
-
-    import torch.distributed as dist
-    import torch.nn.functional as F  # noqa: N812
-
-    import functional_shard as fs
-    from functional_shard.zoo import Llama
-
-    torch.manual_seed(seed)
-    model = Llama(config)
-    fs.apply(plan, model)
     adamw = fs.optimizer(plan, model, torch.optim.AdamW, lr=1e-3)
 
     def loss_fn(logits, targets):
@@ -72,7 +39,7 @@ def measure_pipeline_steps(plan, config, batch, seq, steps, seed=0):
     generator = torch.Generator().manual_seed(seed)
     times = []
     for _ in range(steps):
-        tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=generator)
+        tokens = torch.randint(0, config.vocab_size, (micro_batch, seq + 1), generator=generator)
         dist.barrier()
         start = time.perf_counter()
         adamw.zero_grad()

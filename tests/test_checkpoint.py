@@ -8,7 +8,6 @@ import torch
 import functional_shard as fs
 
 from . import dist_cases
-from .worlds import RestartingWorld
 
 CONFIG = dist_cases.EVEN
 
@@ -20,13 +19,6 @@ def assert_same_state(got, expected):
     for key, state in expected["optimizer"].items():
         for field, value in state.items():
             torch.testing.assert_close(got["optimizer"][key][field], value, atol=0, rtol=0)
-
-
-@pytest.fixture(scope="module")
-def world4():
-    world = RestartingWorld(4)
-    yield world
-    world.current.close()
 
 
 @pytest.mark.parametrize("full_file", [False, True], ids=["sharded", "full"])

@@ -13,7 +13,6 @@ import torch
 import functional_shard as fs
 
 from . import dist_cases, lightning_cases
-from .worlds import RestartingWorld
 
 NAMED = [
     ("fs_ddp", 4),
@@ -27,10 +26,8 @@ NAMED = [
 
 
 @pytest.fixture(scope="module")
-def world():
-    shared = RestartingWorld(4)
-    yield shared
-    shared.current.close()
+def world(world4):
+    return world4
 
 
 def assert_matches_one_process(result, data_parallel):

@@ -7,14 +7,6 @@ import torch
 
 from . import pipeline_cases
 from . import pipeline_checkpoint_cases as cases
-from .worlds import RestartingWorld
-
-
-@pytest.fixture(scope="module")
-def world4():
-    world = RestartingWorld(4)
-    yield world
-    world.current.close()
 
 
 def assert_same_state(got, expected):

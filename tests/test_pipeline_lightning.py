@@ -7,14 +7,11 @@ import torch
 
 from . import pipeline_cases
 from . import pipeline_lightning_cases as cases
-from .worlds import RestartingWorld
 
 
 @pytest.fixture(scope="module")
-def world():
-    shared = RestartingWorld(4)
-    yield shared
-    shared.current.close()
+def world(world4):
+    return world4
 
 
 def assert_matches_one_process(results, reference):

@@ -22,15 +22,11 @@ import torch
 import functional_shard as fs
 
 from . import pipeline_cases as pc
-from .worlds import RestartingWorld
 
 
 @pytest.fixture(scope="module")
-def world():
-    """Four gloo ranks, shared by every case of this module."""
-    started = RestartingWorld(4)
-    yield started
-    started.current.close()
+def world(world4):
+    return world4
 
 
 def assert_trains_as_one_process(results, spec):

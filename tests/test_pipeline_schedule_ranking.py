@@ -20,7 +20,7 @@ import torch
 import functional_shard as fs
 from functional_shard.estimate import compare_schedules
 from functional_shard.zoo import Llama, LlamaConfig
-from tests.estimate_helpers import measure_pipeline_steps
+from tests.estimate_helpers import measure_steps
 
 # big enough that each stage's compute, not Python overhead, dominates a micro-batch
 CONFIG = LlamaConfig(
@@ -60,7 +60,7 @@ def test_estimated_step_times_rank_schedules_as_measured():
     with fs.LocalWorld(2) as world:
         for _ in range(ROUNDS):  # rounds interleave the schedules: a neighbour's load falls on all
             for name, plan in plans.items():
-                steps = world.run(measure_pipeline_steps, plan, CONFIG, BATCH, SEQ, STEPS + 1)[0]
+                steps = world.run(measure_steps, plan, CONFIG, BATCH, SEQ, STEPS + 1)[0]
                 times[name] += steps[1:]  # after the warm-up step
     measured = {name: statistics.median(t) for name, t in times.items()}
     table = "\n".join(
