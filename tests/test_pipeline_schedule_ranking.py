@@ -26,8 +26,8 @@ from tests.estimate_helpers import measure_steps
 CONFIG = LlamaConfig(
     vocab_size=512, hidden_size=256, intermediate_size=688, num_layers=8, num_heads=8, num_kv_heads=4
 )
-BATCH, SEQ = 8, 64
-ROUNDS, STEPS = 3, 3
+BATCH, SEQ = 16, 64
+ROUNDS, STEPS = 4, 3
 
 # (schedule, micro-batches, stages per rank)
 SCHEDULES = {
