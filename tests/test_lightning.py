@@ -23,6 +23,13 @@ NAMED = [
     ("fs_hsdp", 4),
     ("fs_fsdp_tp", 2),
 ]
+# the default suite trains one registered strategy per engine family (ZeRO-1's optimizer,
+# FSDP2 with tensor parallel); the whole list runs under -m slow
+_DEFAULT_NAMED = {"fs_zero1", "fs_fsdp_tp"}
+NAMED_CASES = [
+    pytest.param(name, dp, marks=() if name in _DEFAULT_NAMED else pytest.mark.slow, id=f"{name}-{dp}")
+    for name, dp in NAMED
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +44,7 @@ def assert_matches_one_process(result, data_parallel):
         torch.testing.assert_close(result["params"][name], value, atol=1e-5, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize(("name", "data_parallel"), NAMED)
+@pytest.mark.parametrize(("name", "data_parallel"), NAMED_CASES)
 def test_registered_strategies_train_as_one_process(world, name, data_parallel):
     result = world.run(lightning_cases.fit_named, name, dist_cases.EVEN, data_parallel)[0]
     assert_matches_one_process(result, data_parallel)
@@ -153,6 +160,7 @@ def assert_same_training_state(got, expected):
             torch.testing.assert_close(got["optimizer"][key][field], value, atol=0, rtol=0, msg=key)
 
 
+@pytest.mark.slow  # the default suite moves checkpoints between plans in tests/test_checkpoint.py
 def test_trainer_checkpoints_move_between_plans(world, tmp_path):
     """A Trainer checkpoint saved under FSDP x4 resumes under FSDP x2 . TP x2 and ZeRO-1
     x4 (a folder), and under Lightning's own single-device strategy (one file): the same
