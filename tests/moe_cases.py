@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F  # noqa: N812
 
 import functional_shard as fs
 
 from .dist_cases import full, mean_over_ranks
-from .hf_cases import EPS, LR, MICRO_BATCH, SEQ, STEPS, VOCAB
+from .hf_cases import EPS, LR, MICRO_BATCH, VOCAB, batches, loss_of
 
 _COMMON = {
     "vocab_size": VOCAB,
@@ -79,19 +78,6 @@ def strategy(name: str) -> tuple[fs.Mesh, fs.Policy]:
             fs.fsdp("dp") + fs.ep("dp") + fs.tp(_EXPERTS_WHOLE + fs.rules.llama, "tp"),
         ),
     }[name]
-
-
-def batches(data_parallel: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(1234)
-    return [
-        torch.randint(0, VOCAB, (MICRO_BATCH * data_parallel, SEQ + 1), generator=generator)
-        for _ in range(STEPS)
-    ]
-
-
-def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=tokens[:, :-1]).logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
 def reference(
