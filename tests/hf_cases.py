@@ -111,7 +111,13 @@ def reference(
     model_name: str, data_parallel: int
 ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One process training on the whole global batch: losses, parameters, first gradients."""
-    model = build(model_name)
+    return train_alone(build(model_name), data_parallel)
+
+
+def train_alone(
+    model: torch.nn.Module, data_parallel: int
+) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """`reference` of a model already built: the losses, parameters and first gradients."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses = []
     grads: dict[str, torch.Tensor] = {}

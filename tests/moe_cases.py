@@ -14,7 +14,7 @@ import torch.distributed as dist
 import functional_shard as fs
 
 from .dist_cases import full, mean_over_ranks
-from .hf_cases import EPS, LR, MICRO_BATCH, VOCAB, batches, loss_of
+from .hf_cases import EPS, LR, MICRO_BATCH, VOCAB, batches, loss_of, train_alone
 
 _COMMON = {
     "vocab_size": VOCAB,
@@ -84,19 +84,7 @@ def reference(
     family: str, experts: int, data_parallel: int
 ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One process training on the whole global batch: losses, parameters, first gradients."""
-    model = build(family, experts)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses = []
-    grads: dict[str, torch.Tensor] = {}
-    for tokens in batches(data_parallel):
-        optimizer.zero_grad()
-        loss = loss_of(model, tokens)
-        loss.backward()
-        if not grads:
-            grads = {k: v.grad.clone() for k, v in model.named_parameters() if v.grad is not None}
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, grads
+    return train_alone(build(family, experts), data_parallel)
 
 
 def train(family: str, experts: int, strategy_name: str) -> dict[str, object]:
