@@ -14,7 +14,7 @@ import torch.distributed as dist
 import functional_shard as fs
 
 from .dist_cases import full, mean_over_ranks
-from .hf_cases import EPS, LR, MICRO_BATCH, VOCAB, batches, loss_of, train_alone
+from .hf_cases import EPS, LR, MICRO_BATCH, STEPS, VOCAB, batches, loss_of, train_alone
 
 _COMMON = {
     "vocab_size": VOCAB,
@@ -27,35 +27,36 @@ _COMMON = {
 }
 
 
-def config(family: str, experts: int) -> object:
+def config(family: str, experts: int, layers: int = 2) -> object:
     import transformers
 
+    common = {**_COMMON, "num_hidden_layers": layers}
     if family == "mixtral":
-        return transformers.MixtralConfig(intermediate_size=48, num_local_experts=experts, **_COMMON)
+        return transformers.MixtralConfig(intermediate_size=48, num_local_experts=experts, **common)
     if family == "qwen2_moe":
         return transformers.Qwen2MoeConfig(
             intermediate_size=64,
             moe_intermediate_size=24,
             shared_expert_intermediate_size=40,
             num_experts=experts,
-            **_COMMON,
+            **common,
         )
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(
-            intermediate_size=64, moe_intermediate_size=24, num_experts=experts, head_dim=8, **_COMMON
+            intermediate_size=64, moe_intermediate_size=24, num_experts=experts, head_dim=8, **common
         )
     raise ValueError(family)
 
 
-def build(family: str, experts: int, seed: int = 0) -> torch.nn.Module:
-    """The tiny model, initialised on the CPU with ``seed``."""
+def build(family: str, experts: int, seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """The tiny model (``layers`` decoder layers), initialised on the CPU with ``seed``."""
     import transformers
 
     torch.manual_seed(seed)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
-        built = config(family, experts)
+        built = config(family, experts, layers)
         return transformers.AutoModelForCausalLM.from_config(built, attn_implementation="sdpa")
     finally:
         transformers.logging.set_verbosity(verbosity)
@@ -116,6 +117,104 @@ def train(family: str, experts: int, strategy_name: str) -> dict[str, object]:
             k: str(getattr(v, "placements", None)) for k, v in model.named_parameters() if "experts" in k
         },
     }
+
+
+def pipeline_policy(microbatches: int, schedule: str = "1f1b", beside: str = "") -> fs.Policy:
+    """pipeline(pp) + fsdp(dp) + ep(dp); ``beside="tp"``: with tensor parallel on the attention."""
+    policy = fs.pipeline("pp", microbatches=microbatches, schedule=schedule) + fs.fsdp("dp") + fs.ep("dp")
+    if beside == "tp":
+        policy = policy + fs.tp(_EXPERTS_WHOLE + fs.rules.llama, "tp")
+    return policy
+
+
+def pipeline_reference(
+    family: str, experts: int, layers: int, data_parallel: int
+) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """`reference` of a model with ``layers`` decoder layers."""
+    return train_alone(build(family, experts, layers=layers), data_parallel)
+
+
+class _CountsTokens:
+    """Wraps an experts module's forward: the number of tokens of each call, while counting."""
+
+    def __init__(self, experts: torch.nn.Module) -> None:
+        self.forward = experts.forward
+        self.counting = False
+        self.tokens: list[int] = []
+        experts.forward = self  # type: ignore[method-assign]
+
+    def __call__(self, hidden_states: torch.Tensor, *args: object) -> torch.Tensor:
+        if self.counting:
+            self.tokens.append(hidden_states.shape[0])
+        return self.forward(hidden_states, *args)
+
+
+def pipeline_train(
+    family: str,
+    experts: int,
+    layers: int,
+    mesh_axes: dict[str, int],
+    microbatches: int,
+    schedule: str = "1f1b",
+    beside: str = "",
+) -> dict[str, object]:
+    """Train ``pipeline_policy`` through fs.forward_backward on this rank: the losses, this rank's
+    stage's whole parameters and first gradients, the tokens each local experts module received
+    per call in the last step, and this rank's bytes of parameters, gradients and AdamW state."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = fs.Mesh(**mesh_axes)
+    model = build(family, experts, layers=layers)
+    plan = fs.shard(model, mesh, pipeline_policy(microbatches, schedule, beside))
+    fs.apply(plan, model)
+    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR, eps=EPS)
+    step = fs.forward_backward(plan, model, _logits_loss)
+    index, data_parallel = plan.data_parallel_rank(dist.get_rank())
+    local_experts = {
+        name: _CountsTokens(module)
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "gate_up_proj", None), DTensor)
+    }
+    losses = []
+    grads: dict[str, torch.Tensor] = {}
+    for number, tokens in enumerate(batches(data_parallel)):
+        mine = tokens[index * MICRO_BATCH : (index + 1) * MICRO_BATCH]
+        optimizer.zero_grad()
+        for counter in local_experts.values():
+            counter.counting = number == STEPS - 1
+        loss = step(mine[:, :-1], mine[:, 1:])
+        if not grads:
+            grads = {k: full(v.grad) for k, v in model.named_parameters() if v.grad is not None}
+        optimizer.step()
+        losses.append(mean_over_ranks(loss).item())
+
+    def local_bytes(tensor: torch.Tensor) -> int:
+        value = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return value.numel() * value.element_size()
+
+    params = list(model.parameters())
+    return {
+        "losses": losses,
+        "params": {k: full(v) for k, v in model.state_dict().items()},
+        "grads": grads,
+        "data_parallel": data_parallel,
+        "tokens_per_call": {name: counter.tokens for name, counter in local_experts.items()},
+        "placements": {
+            k: str(getattr(v, "placements", None)) for k, v in model.named_parameters() if "experts" in k
+        },
+        "param_bytes": sum(local_bytes(p) for p in params),
+        "grad_bytes": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer_bytes": sum(
+            local_bytes(value)
+            for p in params
+            for key, value in optimizer.state[p].items()
+            if isinstance(value, torch.Tensor)
+        ),
+    }
+
+
+def _logits_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 class _Experts(torch.nn.Module):
@@ -245,6 +344,10 @@ def checkpoint_round_trip(family: str, experts: int, strategies: str, full_file:
     }
 
 
+# pp=2 stages, each run by the data-parallel ranks that split its experts (and tp=2 beside: 8 ranks)
+_PIPELINE_MESHES = {"": {"pp": 2, "dp": 2}, "tp": {"pp": 2, "dp": 2, "tp": 2}}
+
+
 def run_cases(cases: tuple[tuple[str, ...], ...]) -> list[dict[str, object]]:
     """("train", family, experts, strategy), ("dispatch", routing) and ("checkpoint", family,
     experts, "saved>loaded", "full"|"sharded") cases in turn, in one world run."""
@@ -253,6 +356,19 @@ def run_cases(cases: tuple[tuple[str, ...], ...]) -> list[dict[str, object]]:
         if kind == "train":
             family, experts, name = args
             results.append(train(family, int(experts), name))
+        elif kind == "pipeline":
+            family, experts, layers, microbatches, schedule, beside = args
+            results.append(
+                pipeline_train(
+                    family,
+                    int(experts),
+                    int(layers),
+                    _PIPELINE_MESHES[beside],
+                    int(microbatches),
+                    schedule,
+                    beside,
+                )
+            )
         elif kind == "checkpoint":
             family, experts, pair, how = args
             results.append(checkpoint_round_trip(family, int(experts), pair, how == "full"))

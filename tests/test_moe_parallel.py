@@ -12,6 +12,7 @@ whole global batch, with `test_hf_parity`'s tolerances: the first step's gradien
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -22,7 +23,7 @@ from hypothesis import strategies as st
 
 import functional_shard as fs
 
-from . import moe_cases
+from . import hf_cases, moe_cases
 
 transformers = pytest.importorskip("transformers")
 
@@ -187,6 +188,107 @@ def test_checkpoints_move_between_expert_parallel_and_fsdp(world):
             assert len(result["experts"]) == 4, f"{case}, rank {rank}"
             assert result["gap"] == 0, f"{case}, rank {rank}: parameters off by {result['gap']}"
             assert result["moment_gap"] == 0, f"{case}, rank {rank}: moments off by {result['moment_gap']}"
+
+
+# (family, experts, decoder layers, micro-batches, schedule, beside): pp=2 x dp=2 under
+# pipeline(pp) + fsdp(dp) + ep(dp); "tp" beside: tensor parallel on the attention, pp=2 x dp=2 x tp=2
+PIPELINE_DEFAULT = ("mixtral", 8, 4, 2, "1f1b", "")
+PIPELINE_SLOW = (
+    ("mixtral", 4, 4, 2, "gpipe", ""),
+    ("mixtral", 8, 2, 2, "1f1b", ""),
+    ("qwen3_moe", 8, 4, 2, "1f1b", ""),
+    ("qwen2_moe", 4, 4, 2, "gpipe", ""),
+)
+
+
+def check_pipeline(results: list[Any], case: tuple[Any, ...]) -> None:
+    """Losses, every stage's whole parameters and first gradients as one process; each experts
+    module dispatched once per micro-batch on the ranks of its own stage; per-rank bytes of
+    parameters, gradients and AdamW state equal ``plan.cost()``'s."""
+    family, experts, layers, microbatches, schedule, beside = case
+    label = f"{family} ({experts} experts, {layers} layers) under pp x ep, {schedule} {beside}"
+    losses, params, grads = moe_cases.pipeline_reference(family, experts, layers, results[0]["data_parallel"])
+    merged: dict[str, torch.Tensor] = {}
+    merged_grads: dict[str, torch.Tensor] = {}
+    for result in results:
+        assert result["losses"] == pytest.approx(losses, abs=1e-5), label
+        merged.update(result["params"])
+        merged_grads.update(result["grads"])
+    assert merged.keys() == params.keys(), label
+    assert merged_grads.keys() == grads.keys(), label
+    for name, value in grads.items():
+        gap = (merged_grads[name] - value).abs().max().item()
+        torch.testing.assert_close(
+            merged_grads[name], value, atol=1e-6, rtol=1e-4, msg=f"{label}: grad of {name}: {gap}"
+        )
+    for name, value in params.items():
+        torch.testing.assert_close(merged[name], value, atol=5e-4, rtol=1e-4, msg=f"{label}: {name}")
+    model = moe_cases.build(family, experts, layers=layers)
+    mesh = fs.Mesh(**moe_cases._PIPELINE_MESHES[beside])
+    plan = fs.shard(model, mesh, moe_cases.pipeline_policy(microbatches, schedule, beside))
+    tokens = moe_cases.MICRO_BATCH // microbatches * hf_cases.SEQ  # one micro-batch of one rank
+    for rank, result in enumerate(results):
+        stage = mesh.coords(rank)["pp"]
+        mine = [path for path in plan.config.expert_modules if plan.stage_of(f"{path}.gate_up_proj") == stage]
+        assert sorted(result["tokens_per_call"]) == mine, f"{label}, rank {rank}"
+        for path, calls in result["tokens_per_call"].items():
+            assert calls == [tokens] * microbatches, f"{label}, rank {rank}, {path}: {calls}"
+        assert all("Shard(dim=0)" in p for p in result["placements"].values()), label
+        cost = plan.cost(rank=rank)
+        assert result["param_bytes"] == cost.params_bytes, f"{label}, rank {rank}"
+        assert result["grad_bytes"] == cost.grads_bytes, f"{label}, rank {rank}"
+        assert result["optimizer_bytes"] == cost.optimizer_bytes, f"{label}, rank {rank}"
+
+
+def test_expert_parallelism_under_a_pipeline_trains_as_one_process(world):
+    """pipeline("pp", microbatches=2) + fsdp("dp") + ep("dp") on Mesh(pp=2, dp=2): a 4-layer
+    Mixtral with 8 experts, through fs.forward_backward with torch's 1F1B schedule."""
+    case = PIPELINE_DEFAULT
+    results = world.run(moe_cases.run_cases, (("pipeline", *map(str, case)),))
+    check_pipeline([r[0] for r in results], case)
+
+
+@pytest.mark.slow
+def test_expert_parallelism_under_every_pipeline_case_trains_as_one_process(world):
+    cases = tuple(("pipeline", *map(str, case)) for case in PIPELINE_SLOW)
+    results = world.run(moe_cases.run_cases, cases)
+    for number, case in enumerate(PIPELINE_SLOW):
+        check_pipeline([r[number] for r in results], case)
+
+
+@pytest.mark.slow
+def test_expert_parallelism_beside_tensor_parallel_under_a_pipeline_trains_as_one_process():
+    """pp=2 x dp=2 x tp=2 on 8 gloo ranks: tensor parallel on the attention, ep over dp."""
+    case = ("mixtral", 8, 4, 2, "1f1b", "tp")
+    with fs.LocalWorld(8) as world8:
+        results = world8.run(moe_cases.run_cases, (("pipeline", *map(str, case)),))
+    check_pipeline([r[0] for r in results], case)
+
+
+def test_expert_tensors_under_a_pipeline_live_on_their_stage():
+    model = moe_cases.build("mixtral", 8, layers=4)
+    mesh = fs.Mesh(pp=2, dp=2)
+    plan = fs.shard(model, mesh, moe_cases.pipeline_policy(2))
+    fs.check_runnable(plan, model)  # ep under a pipeline is no longer refused
+    late = "model.layers.3.mlp.experts.gate_up_proj"
+    assert plan.stage_of("model.layers.0.mlp.experts.down_proj") == 0
+    assert plan.stage_of(late) == 1
+    assert plan.params[late].compute == fs.P("dp", None, None, on=("pp", 1))
+    # the stage's two ranks hold 4 experts each; the other stage's ranks none
+    shapes = [plan.local_shape(late, rank) for rank in range(4)]
+    assert shapes == [(0, 0, 0), (0, 0, 0), (4, 96, 32), (4, 96, 32)]
+    table = plan.explain()
+    assert re.search(r"model\.layers\.\*\.mlp\.experts\.gate_up_proj ×2 +1 \(pp=1\) +8×96×32", table), table
+    assert re.search(r"model\.layers\.\*\.mlp\.experts\.down_proj ×2 +0 \(pp=0\) +8×32×48", table), table
+
+    # a stage-0 rank holds its two layers' 4 experts of 8 whole, and plan.cost() counts what it
+    # holds (the gloo test compares every rank's measured bytes with plan.cost())
+    def local_bytes(path: str, rank: int) -> int:
+        return math.prod(plan.local_shape(path, rank)) * 4
+
+    experts = [p for p in plan.params if ".experts." in p]
+    assert sum(local_bytes(p, 0) for p in experts) == 2 * 4 * (96 * 32 + 32 * 48) * 4
+    assert plan.cost(rank=0).params_bytes == sum(local_bytes(p, 0) for p in plan.params)
 
 
 class _Block(torch.nn.Module):

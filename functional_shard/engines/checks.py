@@ -372,6 +372,4 @@ def expert_problems(plan: Plan, modules: dict[str, nn.Module]) -> list[str]:
             f"ep({axis!r}) with {config.data_parallel} over {config.data_axes}: apply() runs expert "
             "parallelism with FSDP2 over the data axes (fs.fsdp(...)), no replicate axis"
         )
-    if config.pipeline_axis is not None:
-        found.append(f"ep({axis!r}) with a pipeline: apply() does not run the two together yet")
     return found

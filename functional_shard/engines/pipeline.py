@@ -46,6 +46,7 @@ from functional_shard.stages import SCHEDULES, SINGLE_STAGE, rank_stages, stage_
 from .activation_checkpointing import apply_checkpointing
 from .applied import retie
 from .data_parallel import apply_data_parallel, reduce_whole_grads
+from .experts import apply_expert_parallel
 from .tensor_parallel import apply_tensor_parallel, refuse_uneven_sequences
 
 
@@ -134,6 +135,7 @@ def stage_plan(plan: Plan, stages: Iterable[int]) -> Plan:
         config,
         units=tuple(u for u in config.units if u == "" or _inside(u, modules)),
         tp_styles=tuple(s for s in config.tp_styles if _inside(s[0], modules)),
+        expert_modules=tuple(e for e in config.expert_modules if _inside(e, modules)),
         checkpointed=tuple(c for c in config.checkpointed if _inside(c, modules)),
         reshard_after_forward=False,
         pipeline_axis=None,
@@ -262,6 +264,9 @@ def apply_pipeline(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> Pl
     for stage, view in stage_modules:
         local = stage_plan(plan, (stage,))
         apply_tensor_parallel(local, view, device_mesh)
+        # the stage's experts, split over the ep axis: every micro-batch's forward (and its
+        # backward) dispatches its tokens among the ranks that run this stage
+        apply_expert_parallel(local, view, device_mesh)
         retie(local, view)
         apply_checkpointing(local, view)
         apply_data_parallel(local, view, device_mesh, "")
