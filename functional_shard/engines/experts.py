@@ -20,7 +20,9 @@ outside it. Its forward is replaced by one that computes on this rank's shards:
   including zero), weighted and summed per token locally. Each expert's gradient then
   sums the contributions of every rank's tokens; it is divided by the data-parallel size,
   as the data-parallel engine averages the dense ones: by FSDP2 (``gradient_divide_factor``)
-  when the experts are also sharded over the other data axes, else by a hook.
+  when the experts are also sharded over the other data axes, else inside the dispatching
+  forward's autograd graph (not by a hook on the parameter: Lightning's ``module.to(device)``
+  swaps a DTensor parameter's tensor and drops the hooks on it).
 """
 
 from __future__ import annotations
@@ -170,10 +172,31 @@ def apply_expert_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh
         for name in EXPERT_PARAMS:
             full = getattr(experts, name).detach()
             _as_dtensor(experts, name, full.chunk(size, 0)[rank].contiguous(), ep_mesh, Shard(0))
-        experts.forward = _dispatching_forward(experts, ep_mesh, total)
+        experts.forward = _dispatching_forward(experts, ep_mesh, total, grad_divisor=_grad_divisor(plan))
 
 
-def _dispatching_forward(experts: Any, ep_mesh: DeviceMesh, total: int) -> Callable[..., torch.Tensor]:
+def _grad_divisor(plan: Plan) -> int:
+    # FSDP2 divides the experts' gradients when it shards them over the other data axes
+    # (shard_experts); with no such axis nothing else averages them: the forward does
+    return 1 if expert_data_axes(plan) else plan.mesh.axes_size(plan.config.data_axes)
+
+
+class _GradDividedBy(torch.autograd.Function):
+    """Identity forward; the backward divides the gradient by ``divisor``."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, divisor: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.divisor = divisor
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad / ctx.divisor, None
+
+
+def _dispatching_forward(
+    experts: Any, ep_mesh: DeviceMesh, total: int, grad_divisor: int = 1
+) -> Callable[..., torch.Tensor]:
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
     group = ep_mesh.get_group()
@@ -184,6 +207,9 @@ def _dispatching_forward(experts: Any, ep_mesh: DeviceMesh, total: int) -> Calla
         hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         gate_up, down = experts.gate_up_proj.to_local(), experts.down_proj.to_local()
+        if grad_divisor > 1:
+            gate_up = _GradDividedBy.apply(gate_up, grad_divisor)
+            down = _GradDividedBy.apply(down, grad_divisor)
         k = top_k_index.shape[1]
         chosen = top_k_index.reshape(-1)
         order = torch.argsort(chosen, stable=True)  # token copies grouped by expert, so by rank
@@ -222,7 +248,7 @@ def shard_experts(
 
     The experts are sharded over the data axes other than the expert axis (as units of
     their own, dividing their summed gradients by the whole data-parallel size); with no
-    such axis FSDP2 leaves them alone and a hook averages their gradients.
+    such axis FSDP2 leaves them alone and the dispatching forward averages their gradients.
     """
     config = plan.config
     if config.expert_axis is None:
@@ -240,15 +266,4 @@ def shard_experts(
             # gloo has no pre-multiplied sum (NCCL's PreMulSum): sum, then scale
             unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
         return set()
-    ignored = {param for unit in experts for param in unit.parameters()}
-    for param in ignored:
-        # on each incoming gradient, before accumulation: gradient accumulation stays a sum
-        param.register_hook(_divided_by(data_size))
-    return ignored
-
-
-def _divided_by(size: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    def divide(grad: torch.Tensor) -> torch.Tensor:
-        return grad / size
-
-    return divide
+    return {param for unit in experts for param in unit.parameters()}

@@ -1,0 +1,127 @@
+"""A Mixture-of-experts LightningModule (tiny transformers 5 Mixtral) fit by a real Trainer on each
+rank of a LocalWorld, under expert-parallel plans with or without a pipeline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L  # noqa: N812 (the name Lightning documents)
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812
+
+import functional_shard as fs
+from functional_shard.adapters.lightning import ShardStrategy, training_loss
+
+from . import hf_cases, moe_cases
+from .dist_cases import full, mean_over_ranks
+from .lightning_cases import quiet_trainer
+
+FAMILY, EXPERTS = "mixtral", 8
+
+
+def lm_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy of a Hugging Face output (or a pipeline stage's logits)."""
+    logits = outputs if isinstance(outputs, torch.Tensor) else outputs.logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class MoeLanguageModel(L.LightningModule):
+    """A tiny Mixtral whose training_step runs under any plan (pipelined or not)."""
+
+    def __init__(self, family: str = FAMILY, experts: int = EXPERTS, layers: int = 2) -> None:
+        super().__init__()
+        self.model = moe_cases.build(family, experts, layers=layers)
+        self.losses: list[torch.Tensor] = []
+
+    def loss_fn(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(outputs, targets)
+
+    def training_step(self, batch: torch.Tensor, batch_index: int) -> torch.Tensor:
+        loss = training_loss(self, batch[:, :-1], batch[:, 1:])
+        self.losses.append(loss.detach())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=hf_cases.LR, eps=hf_cases.EPS)
+
+
+class Validates(MoeLanguageModel):
+    """Also validates: every rank's forward dispatches tokens, under no_grad."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.validation_losses: list[torch.Tensor] = []
+
+    def validation_step(self, batch: torch.Tensor, batch_index: int) -> None:
+        self.validation_losses.append(self.loss_fn(self.model(batch[:, :-1]), batch[:, 1:]).detach())
+
+
+def tokens(data_parallel: int) -> torch.Tensor:
+    return torch.cat(hf_cases.batches(data_parallel))
+
+
+def reference(
+    data_parallel: int, layers: int = 2, clip: float | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process on the global batches Lightning's DistributedSampler makes (shuffled with
+    seed 0; rank r takes perm[r::n], so step s's batches together are one block of perm)."""
+    every = tokens(data_parallel)
+    perm = torch.randperm(len(every), generator=torch.Generator().manual_seed(0))
+    model = moe_cases.build(FAMILY, EXPERTS, layers=layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=hf_cases.LR, eps=hf_cases.EPS)
+    losses = []
+    for batch in every[perm].split(hf_cases.MICRO_BATCH * data_parallel):
+        optimizer.zero_grad()
+        loss = lm_loss(model(batch[:, :-1]), batch[:, 1:])
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def fit(
+    policy: fs.Policy,
+    mesh: fs.Mesh,
+    layers: int = 2,
+    rows: int = hf_cases.MICRO_BATCH,
+    validate: bool = False,
+    **options: Any,
+) -> dict[str, Any]:
+    """Trainer.fit of the MoE module on this rank: the global losses, this rank's whole parameters
+    (its stages' under a pipeline), the experts' placements and the validation losses."""
+    trainer = quiet_trainer(
+        ShardStrategy(policy, mesh=mesh),
+        max_steps=hf_cases.STEPS,
+        limit_val_batches=1 if validate else 0,
+        num_sanity_val_steps=0,
+        **options,
+    )
+    data_parallel = mesh.axes_size(tuple(a for a, _ in mesh.axes if a in ("dp", "ep")))
+    loader = torch.utils.data.DataLoader(tokens(data_parallel), batch_size=rows)
+    module = (Validates if validate else MoeLanguageModel)(layers=layers)
+    trainer.fit(module, loader, loader if validate else None)
+    losses = mean_over_ranks(torch.stack(module.losses))
+    params = {k.removeprefix("model."): full(v) for k, v in module.state_dict().items()}
+    placements = {
+        k: str(getattr(v, "placements", None)) for k, v in module.named_parameters() if "experts" in k
+    }
+    validation = getattr(module, "validation_losses", [])
+    return {
+        "losses": losses.tolist(),
+        "params": params,
+        "placements": placements,
+        "validation": [mean_over_ranks(v).item() for v in validation],
+        "rank": dist.get_rank(),
+    }
+
+
+def fit_refused(policy: fs.Policy, mesh: fs.Mesh, **options: Any) -> str:
+    """The ShardingError a fit raises before training (or '')."""
+    try:
+        fit(policy, mesh, **options)
+    except fs.ShardingError as error:
+        return str(error)
+    return ""
