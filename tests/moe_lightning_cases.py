@@ -62,10 +62,11 @@ def tokens(data_parallel: int) -> torch.Tensor:
 
 
 def reference(
-    data_parallel: int, layers: int = 2, clip: float | None = None
+    data_parallel: int, layers: int = 2, clip: float | None = None, autocast: torch.dtype | None = None
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process on the global batches Lightning's DistributedSampler makes (shuffled with
-    seed 0; rank r takes perm[r::n], so step s's batches together are one block of perm)."""
+    seed 0; rank r takes perm[r::n], so step s's batches together are one block of perm),
+    under ``autocast`` when given."""
     every = tokens(data_parallel)
     perm = torch.randperm(len(every), generator=torch.Generator().manual_seed(0))
     model = moe_cases.build(FAMILY, EXPERTS, layers=layers)
@@ -73,7 +74,8 @@ def reference(
     losses = []
     for batch in every[perm].split(hf_cases.MICRO_BATCH * data_parallel):
         optimizer.zero_grad()
-        loss = lm_loss(model(batch[:, :-1]), batch[:, 1:])
+        with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
+            loss = lm_loss(model(batch[:, :-1]), batch[:, 1:])
         loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -125,3 +127,30 @@ def fit_refused(policy: fs.Policy, mesh: fs.Mesh, **options: Any) -> str:
     except fs.ShardingError as error:
         return str(error)
     return ""
+
+
+def assert_matches_one_process(
+    results: list[dict[str, Any]],
+    reference: tuple[list[float], dict[str, torch.Tensor]],
+    validated: bool = False,
+    loss_tolerance: float = 1e-5,
+) -> None:
+    """Every rank's global losses as one process's, the ranks' whole parameters together equal
+    to its parameters (5e-4 absolute plus 1e-4 relative, as in test_moe_parallel), and the
+    experts split by expert index on every rank."""
+    import pytest
+
+    losses, params = reference
+    merged: dict[str, torch.Tensor] = {}
+    for result in results:
+        assert result["losses"] == pytest.approx(losses, abs=loss_tolerance)
+        merged.update(result["params"])
+        assert result["placements"], "no expert tensor on this rank"
+        assert all("Shard(dim=0)" in p for p in result["placements"].values()), result["placements"]
+        if validated:
+            assert len(result["validation"]) == 1
+    assert merged.keys() == params.keys()
+    if loss_tolerance > 1e-5:  # autocast: the losses say it; bfloat16's rounding moves the parameters
+        return
+    for name, value in params.items():
+        torch.testing.assert_close(merged[name], value, atol=5e-4, rtol=1e-4, msg=name)

@@ -1,9 +1,12 @@
 """Expert parallelism in a real Lightning Trainer (accelerator="cpu", 4 processes) against one process.
 
 A LightningModule wraps a tiny transformers 5 Mixtral (8 experts, top-2); ``ShardStrategy`` runs
-an expert-parallel plan given as a policy (planned on the module at setup). Losses within 1e-5
-and every whole parameter within 5e-4 absolute plus 1e-4 relative of one process training on
-the global batches Lightning's DistributedSampler makes (`test_moe_parallel`'s tolerances).
+an expert-parallel plan given as a policy (planned on the module, or under a pipeline on its
+model, at setup). Losses within 1e-5 and every whole parameter within 5e-4 absolute plus 1e-4
+relative of one process training on the global batches Lightning's DistributedSampler makes
+(`test_moe_parallel`'s tolerances). The default suite's Trainer run under ``fsdp("dp") +
+ep("dp")`` lives in `test_moe_parallel` (it shares that module's four ranks, which have
+transformers imported already); these are the slower ones.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 
 import functional_shard as fs
 
+from . import moe_cases
 from . import moe_lightning_cases as cases
 
 pytest.importorskip("transformers")
@@ -23,29 +27,6 @@ def world(world4):
     return world4
 
 
-def assert_matches_one_process(results, reference, validated=False):
-    losses, params = reference
-    merged: dict[str, torch.Tensor] = {}
-    for result in results:
-        assert result["losses"] == pytest.approx(losses, abs=1e-5)
-        merged.update(result["params"])
-        # the experts really are split by expert index on every rank
-        assert all("Shard(dim=0)" in p for p in result["placements"].values()), result["placements"]
-        assert result["placements"], "no expert tensor on this rank"
-        if validated:
-            assert len(result["validation"]) == 1
-    assert merged.keys() == params.keys()
-    for name, value in params.items():
-        torch.testing.assert_close(merged[name], value, atol=5e-4, rtol=1e-4, msg=name)
-
-
-def test_a_trainer_trains_mixtral_under_expert_parallelism_as_one_process(world):
-    """fsdp("dp") + ep("dp") on Mesh(dp=4): two experts per rank, tokens dispatched by all-to-all
-    inside Lightning's training_step; Lightning's own backward and optimizer step."""
-    results = world.run(cases.fit, fs.fsdp("dp") + fs.ep("dp"), fs.Mesh(dp=4))
-    assert_matches_one_process(results, cases.reference(4))
-
-
 @pytest.mark.slow
 def test_a_trainer_clips_and_validates_under_a_2d_expert_parallel_plan(world):
     """fsdp(("dp", "ep")) + ep("ep") on Mesh(dp=2, ep=2): experts split over ep and FSDP-sharded
@@ -53,4 +34,26 @@ def test_a_trainer_clips_and_validates_under_a_2d_expert_parallel_plan(world):
     meshes) and runs a validation loop whose forward dispatches tokens without gradients."""
     policy = fs.fsdp(("dp", "ep")) + fs.ep("ep")
     results = world.run(cases.fit, policy, fs.Mesh(dp=2, ep=2), validate=True, gradient_clip_val=0.5)
-    assert_matches_one_process(results, cases.reference(4, clip=0.5), validated=True)
+    cases.assert_matches_one_process(results, cases.reference(4, clip=0.5), validated=True)
+
+
+@pytest.mark.slow
+def test_a_trainer_trains_expert_parallelism_under_a_pipeline_as_one_process(world):
+    """pipeline("pp", microbatches=2) + fsdp("dp") + ep("dp") on Mesh(pp=2, dp=2), a 4-layer
+    Mixtral: training_step returns training_loss, the schedule dispatches each micro-batch's
+    tokens among the two ranks of each stage; every rank holds its stage's parameters."""
+    results = world.run(cases.fit, moe_cases.pipeline_policy(2), fs.Mesh(pp=2, dp=2), layers=4)
+    cases.assert_matches_one_process(results, cases.reference(2, layers=4))
+    stage_0, stage_1 = results[0]["placements"].keys(), results[2]["placements"].keys()
+    assert {p.split(".")[3] for p in stage_0} == {"0", "1"}, stage_0
+    assert {p.split(".")[3] for p in stage_1} == {"2", "3"}, stage_1
+
+
+@pytest.mark.slow
+def test_a_trainer_runs_expert_parallelism_in_bfloat16_autocast(world):
+    """Trainer(precision="bf16-mixed"): the experts' linears in bfloat16 under autocast, their sum
+    in float32 (as transformers' own experts): one process under the same autocast, to within
+    bfloat16's rounding on the losses."""
+    results = world.run(cases.fit, fs.fsdp("dp") + fs.ep("dp"), fs.Mesh(dp=4), precision="bf16-mixed")
+    in_bf16 = cases.reference(4, autocast=torch.bfloat16)
+    cases.assert_matches_one_process(results, in_bf16, loss_tolerance=1e-2)

@@ -83,6 +83,16 @@ def test_moe_models_train_as_one_process_with_split_experts(world):
     check(world, DEFAULT)
 
 
+def test_a_lightning_trainer_trains_mixtral_under_expert_parallelism_as_one_process(world):
+    """ShardStrategy(fsdp("dp") + ep("dp")) on Mesh(dp=4) in a real Trainer: two experts per rank,
+    tokens dispatched by all-to-all inside training_step, Lightning's own backward and optimizer
+    step (here, on this module's ranks; the slower Trainer cases are in test_moe_lightning)."""
+    from . import moe_lightning_cases
+
+    results = world.run(moe_lightning_cases.fit, fs.fsdp("dp") + fs.ep("dp"), fs.Mesh(dp=4))
+    moe_lightning_cases.assert_matches_one_process(results, moe_lightning_cases.reference(4))
+
+
 @pytest.mark.slow
 def test_every_moe_model_under_tp_and_ep_trains_as_one_process(world):
     check(world, tuple(case for case in TP + EP + BESIDE if case not in DEFAULT))
@@ -289,6 +299,29 @@ def test_expert_tensors_under_a_pipeline_live_on_their_stage():
     experts = [p for p in plan.params if ".experts." in p]
     assert sum(local_bytes(p, 0) for p in experts) == 2 * 4 * (96 * 32 + 32 * 48) * 4
     assert plan.cost(rank=0).params_bytes == sum(local_bytes(p, 0) for p in plan.params)
+
+
+PIPELINE_CHECKPOINTS = (
+    ("mixtral", "8", "ep_pp>fsdp", "sharded"),
+    ("mixtral", "8", "fsdp>ep_pp", "sharded"),
+    ("qwen3_moe", "4", "ep_pp>ep_2d", "full"),
+    ("mixtral", "8", "ep_2d>ep_pp", "full"),
+)
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_expert_parallel_pipelines_and_flat_plans(world):
+    """As above, with pipeline("pp") + fsdp("dp") + ep("dp") on Mesh(pp=2, dp=2) on one side: each
+    rank compares the tensors of its own stage (its layer's two expert tensors among them)."""
+    cases = tuple(("checkpoint", *case) for case in PIPELINE_CHECKPOINTS)
+    for rank, results in enumerate(world.run(moe_cases.run_cases, cases)):
+        layer = "0" if rank < 2 else "1"  # stage 0 (embedding, layer 0) on ranks 0 and 1
+        for case, result in zip(PIPELINE_CHECKPOINTS, results, strict=True):
+            assert result["moved"] > 0, f"{case}, rank {rank}: the load changed nothing"
+            assert {path.split(".")[2] for path in result["experts"]} == {layer}, f"{case}, rank {rank}"
+            assert len(result["experts"]) == 2, f"{case}, rank {rank}"
+            assert result["gap"] == 0, f"{case}, rank {rank}: parameters off by {result['gap']}"
+            assert result["moment_gap"] == 0, f"{case}, rank {rank}: moments off by {result['moment_gap']}"
 
 
 class _Block(torch.nn.Module):

@@ -82,7 +82,10 @@ def _run_experts(
         if index.numel() == 0:
             continue
         gate, up = nn.functional.linear(rows[index], gate_up[expert]).chunk(2, dim=-1)
-        out = out.index_add(0, index, nn.functional.linear(act(gate) * up, down[expert]))
+        # under autocast the linears compute in the autocast dtype; the sum stays in the
+        # hidden states' dtype, as transformers' own experts keep it
+        y = nn.functional.linear(act(gate) * up, down[expert])
+        out = out.index_add(0, index, y.to(out.dtype))
     return out
 
 
