@@ -62,17 +62,21 @@ def tokens(data_parallel: int) -> torch.Tensor:
 
 
 def reference(
-    data_parallel: int, layers: int = 2, clip: float | None = None, autocast: torch.dtype | None = None
+    data_parallel: int,
+    layers: int = 2,
+    clip: float | None = None,
+    autocast: torch.dtype | None = None,
+    accumulate: int = 1,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process on the global batches Lightning's DistributedSampler makes (shuffled with
     seed 0; rank r takes perm[r::n], so step s's batches together are one block of perm),
-    under ``autocast`` when given."""
-    every = tokens(data_parallel)
+    under ``autocast`` when given; with ``accumulate``, a step's block holds its micro-batches."""
+    every = tokens(data_parallel * accumulate)
     perm = torch.randperm(len(every), generator=torch.Generator().manual_seed(0))
     model = moe_cases.build(FAMILY, EXPERTS, layers=layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=hf_cases.LR, eps=hf_cases.EPS)
     losses = []
-    for batch in every[perm].split(hf_cases.MICRO_BATCH * data_parallel):
+    for batch in every[perm].split(hf_cases.MICRO_BATCH * data_parallel * accumulate):
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
             loss = lm_loss(model(batch[:, :-1]), batch[:, 1:])
@@ -90,22 +94,25 @@ def fit(
     layers: int = 2,
     rows: int = hf_cases.MICRO_BATCH,
     validate: bool = False,
+    accumulate: int = 1,
     **options: Any,
 ) -> dict[str, Any]:
-    """Trainer.fit of the MoE module on this rank: the global losses, this rank's whole parameters
-    (its stages' under a pipeline), the experts' placements and the validation losses."""
+    """Trainer.fit of the MoE module on this rank: the global losses (a step's: the mean of its
+    micro-batches'), this rank's whole parameters (its stages' under a pipeline), the experts'
+    placements and the validation losses."""
     trainer = quiet_trainer(
         ShardStrategy(policy, mesh=mesh),
         max_steps=hf_cases.STEPS,
         limit_val_batches=1 if validate else 0,
         num_sanity_val_steps=0,
+        accumulate_grad_batches=accumulate,
         **options,
     )
     data_parallel = mesh.axes_size(tuple(a for a, _ in mesh.axes if a in ("dp", "ep")))
-    loader = torch.utils.data.DataLoader(tokens(data_parallel), batch_size=rows)
+    loader = torch.utils.data.DataLoader(tokens(data_parallel * accumulate), batch_size=rows)
     module = (Validates if validate else MoeLanguageModel)(layers=layers)
     trainer.fit(module, loader, loader if validate else None)
-    losses = mean_over_ranks(torch.stack(module.losses))
+    losses = mean_over_ranks(torch.stack(module.losses).view(-1, accumulate).mean(dim=1))
     params = {k.removeprefix("model."): full(v) for k, v in module.state_dict().items()}
     placements = {
         k: str(getattr(v, "placements", None)) for k, v in module.named_parameters() if "experts" in k

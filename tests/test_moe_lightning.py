@@ -38,6 +38,15 @@ def test_a_trainer_clips_and_validates_under_a_2d_expert_parallel_plan(world):
 
 
 @pytest.mark.slow
+def test_a_trainer_accumulates_gradients_under_expert_parallelism(world):
+    """accumulate_grad_batches=2 under fsdp("dp") + ep("dp"): FSDP2 holds the dense gradients'
+    reduction to the last micro-batch, each micro-batch's tokens are dispatched (and its
+    experts' gradients made) as it runs; the sum equals one process's step on both."""
+    results = world.run(cases.fit, fs.fsdp("dp") + fs.ep("dp"), fs.Mesh(dp=4), accumulate=2)
+    cases.assert_matches_one_process(results, cases.reference(4, accumulate=2))
+
+
+@pytest.mark.slow
 def test_a_trainer_trains_expert_parallelism_under_a_pipeline_as_one_process(world):
     """pipeline("pp", microbatches=2) + fsdp("dp") + ep("dp") on Mesh(pp=2, dp=2), a 4-layer
     Mixtral: training_step returns training_loss, the schedule dispatches each micro-batch's

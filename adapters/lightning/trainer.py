@@ -43,6 +43,11 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
     micro-batches instead), manual optimization, validation, test and predict loops, and
     precision plugins other than ``"32-true"`` / ``"*-mixed"``.
 
+    Expert-parallel plans (``fs.fsdp("dp") + fs.ep("dp")``, alone or under a pipeline) need
+    nothing more: the sampler splits batches over the ep axis too, and each forward
+    dispatches its tokens to the ranks holding their experts; accumulation, clipping,
+    validation and ``"*-mixed"`` precision run as with any other plan.
+
     Precision: ``"32-true"``, ``"bf16-mixed"``, and ``"16-mixed"`` with a loss scaler that
     agrees over every rank (`functional_shard.grad_scaler`). Checkpoints (``trainer.save_checkpoint``,
     ``ModelCheckpoint``, ``fit(ckpt_path=...)``) are written aside then renamed, sharded or
