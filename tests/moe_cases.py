@@ -124,8 +124,11 @@ def train(family: str, experts: int, strategy_name: str) -> dict[str, object]:
 
 
 def pipeline_policy(microbatches: int, schedule: str = "1f1b", beside: str = "") -> fs.Policy:
-    """pipeline(pp) + fsdp(dp) + ep(dp); ``beside="tp"``: with tensor parallel on the attention."""
-    policy = fs.pipeline("pp", microbatches=microbatches, schedule=schedule) + fs.fsdp("dp") + fs.ep("dp")
+    """pipeline(pp) + fsdp(dp) + ep(dp) (two stages per rank for a looped schedule); ``beside="tp"``:
+    with tensor parallel on the attention."""
+    looped = 2 if schedule in ("interleaved1f1b", "looped_bfs") else 1
+    pipeline = fs.pipeline("pp", microbatches=microbatches, schedule=schedule, stages_per_rank=looped)
+    policy = pipeline + fs.fsdp("dp") + fs.ep("dp")
     if beside == "tp":
         policy = policy + fs.tp(_EXPERTS_WHOLE + fs.rules.llama, "tp")
     return policy
