@@ -60,7 +60,7 @@ def measure(family: str, experts: int, strategy_name: str, uniform: bool) -> dic
     comm = steady_state_comm(model, optimizer, plan, lambda: loss_of(model, tokens), tokens, warmups=1)
     cost = plan.cost("adamw", rank=dist.get_rank(), tokens=tokens[:, :-1].numel())
     resident = fs.measure.resident_bytes(model, optimizer)  # after the step, as cost counts it
-    saved, _ = fs.saved_tensor_bytes(model, input_ids=tokens[:, :-1])
+    saved = activation_bytes_saved(model, tokens[:, :-1].clone())  # not a view of the whole batch
     from functional_shard.activations import trace_activations
 
     meta = build_meta(family, experts)
@@ -74,6 +74,34 @@ def measure(family: str, experts: int, strategy_name: str, uniform: bool) -> dic
         "saved_bytes": saved,
         "traced_bytes": trace.activation_bytes,
     }
+
+
+def activation_bytes_saved(model: torch.nn.Module, input_ids: torch.Tensor) -> int:
+    """Bytes the forward saves for backward, less the parameters' own (local, gathered) storages.
+
+    `fs.saved_tensor_bytes` already leaves parameters out, but the experts engines save
+    ``param.to_local()``, a non-leaf view of the rank's weights: held as parameters (or
+    FSDP's gathered copies) whatever the activations are, so left out here too.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    saved: dict[Any, torch.UntypedStorage] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        saved[StorageWeakRef(storage)] = storage
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids=input_ids)
+        # read while the forward's gathered parameters are still held
+        weights = {
+            StorageWeakRef((p.to_local() if isinstance(p, DTensor) else p).untyped_storage())
+            for p in model.parameters()
+        }
+    return sum(storage.nbytes() for ref, storage in saved.items() if ref not in weights)
 
 
 def build_meta(family: str, experts: int) -> torch.nn.Module:
