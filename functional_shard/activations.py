@@ -210,7 +210,6 @@ class _Births(TorchDispatchMode):
         self.storages: dict[StorageWeakRef, None] = {}
         # the pipeline stage whose module ran when each storage was made (-1: none)
         self.owner: dict[StorageWeakRef, int] = {}
-        self._maker: dict[StorageWeakRef, StorageWeakRef] = {}
         self.running: list[int] = []
 
     def note(self, tensor: torch.Tensor) -> None:
@@ -218,13 +217,7 @@ class _Births(TorchDispatchMode):
         # a dead storage's address may be reused: the dict must hold the live one's reference
         self.storages.pop(ref, None)
         self.storages[ref] = None
-        # a storage belongs to the stage that made it, not to one that views it: a Hugging
-        # Face model's rotary cos/sin, made outside every stage and viewed in each block's
-        # attention, are every stage's (each stage makes its own under pp)
-        maker = self._maker.get(ref)
-        if maker is None or maker.expired():
-            self._maker[ref] = ref
-            self.owner[ref] = self.running[-1] if self.running else -1
+        self.owner[ref] = self.running[-1] if self.running else -1
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if (device := _device_query(func, args)) is not None:
