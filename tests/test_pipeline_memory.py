@@ -81,10 +81,14 @@ def _trace_gaps(spec):
     if spec["model"] == "hf":
         config = pc.build(spec).config
         rotary = 2 * pc.SEQ * (config.hidden_size // config.num_attention_heads) * 4
-    sliced = 0
-    if spec["tp"] == "sp":
-        sliced = spec["rows"] // spec["microbatches"] * pc.SEQ * 32 * 4 // spec["mesh"]["tp"]
+    sliced = hidden_bytes(spec) // spec["mesh"]["tp"] if spec["tp"] == "sp" else 0
     return rotary, sliced
+
+
+def hidden_bytes(spec):
+    """One micro-batch's hidden states, fp32."""
+    config = pc.build(spec).config
+    return spec["rows"] // spec["microbatches"] * pc.SEQ * config.hidden_size * 4
 
 
 def as_torch_holds(spec):
@@ -138,8 +142,7 @@ def check(spec, results):
         # where the estimate frees it all at W: the stage's output, which
         # stage_backward_input detaches, and what only the inputs' gradient needed (one
         # hidden-state tensor more here), for a micro-batch between its I and its W
-        hidden = spec["rows"] // spec["microbatches"] * pc.SEQ * pc.CONFIGS[spec["config"]].hidden_size * 4
-        slack = spec["stages_per_rank"] * 2 * hidden
+        slack = spec["stages_per_rank"] * 2 * hidden_bytes(spec)
     for result in results:
         c = result["pp_rank"]
         measured = result["peak"]["both"]
