@@ -36,7 +36,7 @@ import json
 import pytest
 
 import functional_shard as fs
-from functional_shard.schedules import held_peak, schedule_actions
+from functional_shard.schedules import held_peak, in_flight, schedule_actions
 
 from . import pipeline_cases as pc
 from . import pipeline_memory_cases as pm
@@ -196,3 +196,12 @@ SLOW = [
 @pytest.mark.parametrize("spec", SLOW, ids=[pc.name_of(s) for s in SLOW])
 def test_activations_in_flight_for_every_schedule(world, spec):
     check(spec, world.run(pm.held_for_backward, spec))
+
+
+def test_dualpipev_frees_at_its_full_backwards_and_peaks_inside_overlapped_steps():
+    # measured on gloo (pp4-dualpipev-v2-deep-zoo above): pp ranks 1 and 2 hold 9 block
+    # micro-batches at once, right after the forward half of an overlapped forward+backward
+    # step; a walk that freed only at W (B never freeing) or looked after whole steps only
+    # would not say 9
+    assert held_peak("dualpipev", 4, 8, 2, [1] * 8) == (9, 9, 9, 9)
+    assert in_flight("dualpipev", 4, 8, 2) == (8, 7, 6, 5, 4, 3, 2, 1)
