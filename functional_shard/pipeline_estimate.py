@@ -273,14 +273,16 @@ def pipeline_assemble(
     # what a stage keeps per micro-batch: what its modules made (its output included: the
     # stage holds it for its backward) and the activation it received, which its first
     # ops save (the whole-model trace counts that storage once, with the stage that made it)
-    kept = [trace.stage_activation_bytes[s] + (trace.stage_output_bytes[s - 1] if s else 0) for s in range(n)]
+    owner = [stage_rank(s, pp, per_rank, schedule) for s in range(n)]
+    # (at a V's turn the next stage, on the same rank, takes the output itself: no copy)
+    received = [trace.stage_output_bytes[s - 1] if s and owner[s - 1] != owner[s] else 0 for s in range(n)]
+    kept = [trace.stage_activation_bytes[s] + received[s] for s in range(n)]
     # and the last stage, per micro-batch until its backward, what the loss needs: the
     # logits (torch's stage caches its output for the backward) and the fp32 log-softmax
     # cross-entropy saves; GPipe holds every micro-batch's (measured on gloo ranks,
     # tests/test_pipeline_memory.py). Only the loss's fp32 copy is one micro-batch's.
     kept[n - 1] += trace.output_bytes + 4 * trace.output_numel
     held = held_peak(schedule, pp, m, per_rank, kept)
-    owner = [stage_rank(s, pp, per_rank, schedule) for s in range(n)]
     if costs is None:
         costs = stage_costs(plan, optimizer, batch * seq, rank)
     memories = []
