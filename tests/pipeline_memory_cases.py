@@ -14,11 +14,12 @@ to come:
   outputs it keeps to return them merged when the step ends (``output_chunks``: the
   engine asks for none, so it keeps none).
 
-Nothing is sampled inside an op: the count is taken after each forward, loss and backward
-action of the schedule, which is when what is held can only have grown (a forward and its
-loss add, a backward frees). The saved tensors of the loss are counted apart from the
+The count is taken after each forward, loss and backward action of the schedule: a
+forward and its loss only add to what is held and a backward only frees, so the peak is
+at one of those boundaries. The saved tensors of the loss are counted apart from the
 stages'. On a CPU there is no ``max_memory_allocated``; this is the part of memory the
-estimate's ``activations`` (and the last stage's ``loss_workspace``) model.
+estimate's ``activations`` model (the last stage's logits and log-softmax included; not
+the transient workspace inside an op, which ``loss_workspace`` and the trace model).
 """
 
 from __future__ import annotations
