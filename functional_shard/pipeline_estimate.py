@@ -3,8 +3,9 @@
 A pp rank holds its stages' parameters, gradients and optimizer state (`cost` at a rank
 of that pp coordinate), and the activations of one micro-batch (``batch / microbatches``
 sequences) per stage for as many micro-batches as torch's schedule keeps in flight there
-(`functional_shard.schedules.held_peak`); the rank that runs the last stage also holds
-the loss's logits workspace. The step's compute time is the makespan of torch's action
+(`functional_shard.schedules.held_peak`); on the last stage these include the logits and
+the log-softmax the loss keeps for its backward, and its rank also holds the loss's fp32
+copy of one micro-batch's logits. The step's compute time is the makespan of torch's action
 lists run on a clock (`functional_shard.schedules.simulate`), each stage's forward and
 backward at its traced flops, each boundary's activation sent at the pp axis's link speed:
 the bubble is in it. Data- and tensor-parallel communication is added as for any plan.
@@ -48,7 +49,8 @@ class StageEstimate:
         rank: the pp coordinate that runs it.
         modules: its module paths.
         activation_bytes: what it keeps for backward of one micro-batch: what its modules
-            make, its output and the activation it receives.
+            make, its output and the activation it receives; on the last stage, what the
+            loss keeps too (the fp32 log-softmax).
         in_flight: the most micro-batches it holds at once under the schedule.
         forward_seconds: one micro-batch's forward.
         backward_seconds: one micro-batch's backward (recompute included).
@@ -271,9 +273,16 @@ def pipeline_assemble(
     # what a stage keeps per micro-batch: what its modules made (its output included: the
     # stage holds it for its backward) and the activation it received, which its first
     # ops save (the whole-model trace counts that storage once, with the stage that made it)
-    kept = [trace.stage_activation_bytes[s] + (trace.stage_output_bytes[s - 1] if s else 0) for s in range(n)]
-    held = held_peak(schedule, pp, m, per_rank, kept)
     owner = [stage_rank(s, pp, per_rank, schedule) for s in range(n)]
+    # (at a V's turn the next stage, on the same rank, takes the output itself: no copy)
+    received = [trace.stage_output_bytes[s - 1] if s and owner[s - 1] != owner[s] else 0 for s in range(n)]
+    kept = [trace.stage_activation_bytes[s] + received[s] for s in range(n)]
+    # and the last stage, per micro-batch until its backward, what the loss needs: the
+    # logits (torch's stage caches its output for the backward) and the fp32 log-softmax
+    # cross-entropy saves; GPipe holds every micro-batch's (measured on gloo ranks,
+    # tests/test_pipeline_memory.py). Only the loss's fp32 copy is one micro-batch's.
+    kept[n - 1] += trace.output_bytes + 4 * trace.output_numel
+    held = held_peak(schedule, pp, m, per_rank, kept)
     if costs is None:
         costs = stage_costs(plan, optimizer, batch * seq, rank)
     memories = []
@@ -288,10 +297,8 @@ def pipeline_assemble(
                 "buffers": plan_cost.buffers_bytes,
                 "gathered": gathered_in_flight(stage_plan(plan, mine), _stage_units(plan, units, mine)),
                 "activations": int(held[c]),
-                # the last stage computes the loss of one micro-batch at a time
-                "loss_workspace": int(trace.output_bytes + 2 * 4 * trace.output_numel)
-                if n - 1 in mine
-                else 0,
+                # the fp32 copy of the logits the loss of one micro-batch at a time makes
+                "loss_workspace": int(4 * trace.output_numel) if n - 1 in mine else 0,
             }
         )
     peaks = [sum(memory.values()) for memory in memories]

@@ -190,10 +190,10 @@ def schedule_actions(
     return actions
 
 
-def _releases(kinds: set[str]) -> str:
-    # a zero-bubble schedule's input-grad step (I) keeps the graph for the weight-grad step
-    # (torch's stage_backward_input retains it), so activations go at W, else at B
-    return "W" if "W" in kinds else "B"
+# a full backward (B) frees a micro-batch's activations; the input-grad step (I) keeps the
+# graph for the weight-grad step (torch's stage_backward_input retains it), which frees
+# them. DualPipeV's lists have both: B in its overlapped steps, I and W at the ends.
+_RELEASES = frozenset({"B", "W"})
 
 
 def held_peak(
@@ -211,15 +211,16 @@ def held_peak(
     """
     out = []
     for steps in schedule_actions(schedule, pp, microbatches, stages_per_rank):
-        free = _releases({a.kind for step in steps for a in step})
         held = best = 0.0
         for step in steps:
+            # DualPipeV's overlapped step runs its forward, then its backward: the peak
+            # is between the two
             for action in step:
                 if action.kind == "F":
                     held += stage_bytes[action.stage]
-                elif action.kind == free:
+                elif action.kind in _RELEASES:
                     held -= stage_bytes[action.stage]
-            best = max(best, held)
+                best = max(best, held)
         out.append(best)
     return tuple(out)
 
@@ -228,8 +229,8 @@ def in_flight(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 
     """The most micro-batches whose activations each stage holds at once, by stage index.
 
     A forward adds one; the backward that frees its saved tensors takes it away: the full
-    backward ``B``, or under zero-bubble schedules the weight step ``W`` (torch's input
-    step ``I`` keeps the graph for it).
+    backward ``B``, or the weight step ``W`` of a split one (torch's input step ``I``
+    keeps the graph for it).
 
     Examples:
         >>> in_flight("1f1b", 4, 8), in_flight("gpipe", 4, 8)
@@ -237,15 +238,13 @@ def in_flight(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 
     """
     peak = [0] * (pp * stages_per_rank)
     for steps in schedule_actions(schedule, pp, microbatches, stages_per_rank):
-        kinds = {a.kind for step in steps for a in step}
-        free = _releases(kinds)
         held: dict[int, int] = {}
         for step in steps:
             for action in step:
                 if action.kind == "F":
                     held[action.stage] = held.get(action.stage, 0) + 1
                     peak[action.stage] = max(peak[action.stage], held[action.stage])
-                elif action.kind == free:
+                elif action.kind in _RELEASES:
                     held[action.stage] -= 1
     return tuple(peak)
 

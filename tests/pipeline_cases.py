@@ -94,7 +94,9 @@ def policy_of(spec: dict[str, Any]) -> fs.Policy:
     if spec["data"] == "fsdp":
         policy = policy + fs.fsdp("dp")
     elif spec["data"] is not None:
-        policy = policy + {"ddp": fs.replicate, "zero2": lambda: fs.zero(2)}[spec["data"]]()
+        others = {"ddp": fs.replicate, "zero2": lambda: fs.zero(2)}
+        others["hsdp"] = lambda: fs.hsdp("replicate", "dp")  # over a mesh with a replicate axis
+        policy = policy + others[spec["data"]]()
     if spec["tp"]:
         rules = fs.rules.llama if spec["model"] == "zoo" else "auto"
         policy = policy + fs.tp(rules, "tp", sequence_parallel=spec["tp"] == "sp")

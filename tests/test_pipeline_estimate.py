@@ -58,7 +58,9 @@ def test_stage_memory_by_hand():
     for stage, flight in ((stage0, 2), (stage1, 1)):
         params = _param_bytes(stage.modules)
         adam = 2 * params + 4 * _tensors(stage.modules)
-        loss = logits * 4 + 2 * 4 * logits if stage.stage == 1 else 0
+        # the last stage: the loss's fp32 copy of one micro-batch's logits; the logits and
+        # the log-softmax it keeps for backward are in its activations, per micro-batch
+        loss = 4 * logits if stage.stage == 1 else 0
         by_rank.append(3 * params + adam - params + stage.activation_bytes * flight + loss)
     assert pipe.rank_peak_bytes == tuple(by_rank)
     assert est.peak_bytes == max(by_rank)
@@ -189,8 +191,10 @@ def test_stage_activations_against_a_real_forward():
     kept1, _ = fs.kept_activation_bytes(last, hidden.detach().requires_grad_())
     stage0, stage1 = est.pipeline.stages
     assert stage0.activation_bytes == kept0 + hidden.nbytes
-    # the trace's stage 1 also counts the token ids every stage's forward is handed
-    assert stage1.activation_bytes == kept1 + tokens.nbytes
+    # the trace's stage 1 also counts the token ids every stage's forward is handed; and
+    # what the loss keeps: the logits and their fp32 log-softmax
+    logits = micro * SEQ * 256 * 4
+    assert stage1.activation_bytes == kept1 + tokens.nbytes + 2 * logits
     assert stage0.send_bytes == hidden.nbytes
 
 

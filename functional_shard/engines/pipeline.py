@@ -317,7 +317,11 @@ def pipeline_step(
     first = any(stage.is_first for stage in pipelined.stages)
     last = any(stage.is_last for stage in pipelined.stages)
     losses: list[torch.Tensor] = []
-    kwargs: dict[str, Any] = {"target": targets, "losses": losses} if last else {}
+    # return_outputs=False: else the last stage keeps every micro-batch's output (the
+    # logits) until the next step, and concatenates them at the end, for a result unused
+    kwargs: dict[str, Any] = {"return_outputs": False}
+    if last:
+        kwargs |= {"target": targets, "losses": losses}
     if first:
         schedule.step(inputs, **kwargs)
     else:

@@ -1,0 +1,191 @@
+"""What a pipeline rank holds for backward while torch's schedule runs, measured on gloo ranks.
+
+Importable, so spawn can send it. `held_for_backward` trains a `pipeline_cases` case for a
+warm-up step (torch's stages infer shapes on the first) and measures the next one. During
+that step it counts, by storage identity, what this rank keeps alive for a backward still
+to come:
+
+* every tensor autograd saves (``torch.autograd.graph.saved_tensors_hooks``; parameters
+  and views of them left out), alive from its pack until the graph node that holds it is
+  freed, which a weak reference on the packed holder sees;
+* what torch's ``PipelineStage`` caches between a micro-batch's forward and its backward:
+  the stage's inputs (the activation it received, or the token ids) and its outputs, which
+  ``backward_one_chunk`` hands to ``torch.autograd.backward``; and the last stage's
+  outputs it keeps to return them merged when the step ends (``output_chunks``: the
+  engine asks for none, so it keeps none).
+
+The count is taken after each forward, loss and backward action of the schedule: a
+forward and its loss only add to what is held and a backward only frees, so the peak is
+at one of those boundaries. The saved tensors of the loss are counted apart from the
+stages'. On a CPU there is no ``max_memory_allocated``; this is the part of memory the
+estimate's ``activations`` model (the last stage's logits and log-softmax included; not
+the transient workspace inside an op, which ``loss_workspace`` and the trace model).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import functional_shard as fs
+
+from . import pipeline_cases as pc
+from .dist_cases import mean_over_ranks
+
+
+def _parameter_like(tensor: torch.Tensor) -> bool:
+    base = tensor._base if tensor._base is not None else tensor
+    return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class _Packed:
+    """What autograd keeps instead of a saved tensor: freed with the graph node that holds it."""
+
+    __slots__ = ("__weakref__", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class HeldForBackward:
+    """Live storages saved for backward (by the stages, by the loss) and cached by the stages."""
+
+    def __init__(self, stages: tuple[Any, ...]) -> None:
+        self.stages = stages
+        self.live: dict[str, dict[StorageWeakRef, list[Any]]] = {"stages": {}, "loss": {}}
+        self.in_loss = False
+        self.measuring = False
+        self.peak = {"stages": 0, "loss": 0, "both": 0}
+        self.samples: list[tuple[str, int, int]] = []
+
+    def _free(self, kind: str, key: StorageWeakRef) -> None:
+        entry = self.live[kind].get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if not entry[1]:
+                del self.live[kind][key]
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        if _parameter_like(tensor):
+            return tensor
+        storage = _local(tensor).untyped_storage()
+        key = StorageWeakRef(storage)
+        kind = "loss" if self.in_loss else "stages"
+        entry = self.live[kind].setdefault(key, [storage, 0])
+        entry[1] += 1
+        # detached: a node that saves its own output (SDPA, rsqrt) would otherwise hold,
+        # through the holder, a tensor whose grad_fn is that node, a cycle only the node's
+        # release breaks; a split backward's W step never releases the nodes only I ran
+        packed = _Packed(tensor.detach())
+        weakref.finalize(packed, self._free, kind, key)
+        return packed
+
+    @staticmethod
+    def unpack(packed: Any) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Packed) else packed
+
+    def _cached(self) -> dict[StorageWeakRef, torch.UntypedStorage]:
+        # torch's private per-stage caches (torch 2.13): fwd_cache maps a micro-batch to
+        # (its outputs, its inputs) until its backward; output_chunks the last stage's outputs
+        out: dict[StorageWeakRef, torch.UntypedStorage] = {}
+        for stage in self.stages:
+            kept = [t for outputs, inputs in stage.fwd_cache.values() for t in [*outputs, *inputs]]
+            kept += torch.utils._pytree.tree_leaves(stage.output_chunks)
+            for tensor in kept:
+                if isinstance(tensor, torch.Tensor):
+                    storage = _local(tensor).untyped_storage()
+                    out[StorageWeakRef(storage)] = storage
+        return out
+
+    def sample(self, what: str) -> None:
+        if not self.measuring:
+            return
+        stages = {key: entry[0] for key, entry in self.live["stages"].items()}
+        stages.update(self._cached())
+        loss = {key: entry[0] for key, entry in self.live["loss"].items() if key not in stages}
+        held = sum(s.nbytes() for s in stages.values())
+        in_loss = sum(s.nbytes() for s in loss.values())
+        self.peak["stages"] = max(self.peak["stages"], held)
+        self.peak["loss"] = max(self.peak["loss"], in_loss)
+        self.peak["both"] = max(self.peak["both"], held + in_loss)
+        self.samples.append((what, held, in_loss))
+
+
+def _watched(held: HeldForBackward, method: Any, what: str) -> Any:
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        out = method(*args, **kwargs)
+        held.sample(f"{what}{args[0] if args else ''}")
+        return out
+
+    return run
+
+
+def held_for_backward(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train ``spec`` one step, then measure the next: this rank's peak bytes held for backward."""
+    from functional_shard.engines.pipeline import pipeline_of
+
+    mesh = fs.Mesh(**spec["mesh"])
+    model = pc.build(spec)
+    plan = fs.shard(model, mesh, pc.policy_of(spec))
+    fs.apply(plan, model)
+    pipelined = pipeline_of(model)
+    assert pipelined is not None
+    held = HeldForBackward(pipelined.stages)
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        held.in_loss = True
+        try:
+            loss = pc.lm_loss(logits, targets)
+        finally:
+            held.in_loss = False
+        held.sample("loss")
+        return loss
+
+    step = fs.forward_backward(plan, model, loss_fn)
+    index, data_parallel = plan.data_parallel_rank(dist.get_rank())
+    rows = spec["rows"]
+    tokens = pc.batches(data_parallel, rows)
+    for number in range(2):
+        # a rank's own batch, as a data loader hands it (not a view of the global batch,
+        # which would keep every rank's token ids alive with this rank's)
+        mine = tokens[number][index * rows : (index + 1) * rows]
+        inputs, targets = mine[:, :-1].contiguous(), mine[:, 1:].contiguous()
+        if number == 0:  # torch's stages infer their shapes in the first step
+            step(inputs, targets)
+            model.zero_grad()
+            continue
+        for stage in pipelined.stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                label = f"{stage.stage_index}{name[0]}"
+                setattr(stage, name, _watched(held, getattr(stage, name), label))
+        held.measuring = True
+        with torch.autograd.graph.saved_tensors_hooks(held.pack, held.unpack):
+            loss = step(inputs, targets)
+        held.measuring = False
+    pp_rank = plan.mesh.coords(dist.get_rank())["pp"]
+    return {
+        "pp_rank": pp_rank,
+        "stages": [stage.stage_index for stage in pipelined.stages],
+        "peak": held.peak,
+        "samples": held.samples,
+        "mesh_rank": dist.get_rank(),
+        "loss": float(mean_over_ranks(loss)),
+        "data_parallel": data_parallel,
+    }
+
+
+def held_for_backward_each(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`held_for_backward` of each case in turn, in one call of the world."""
+    return [held_for_backward(spec) for spec in specs]
