@@ -647,12 +647,29 @@ def _repeats(model: nn.Module, plan: Any, state: Mapping[str, torch.Tensor]) -> 
         for owner, relative in owners(checkpointed_path):
             checkpointed_under.setdefault(owner, []).append(relative)
 
+    # each module's parameters and buffers, relative to it, in its own named_parameters'
+    # order (the model's pre-order walk, cut at the module): one walk of the model, not
+    # one per module and level (a fifth of a 405B model's trace)
+    def index(named: Iterator[tuple[str, torch.Tensor]], *read: Any) -> dict[str, list[tuple[Any, ...]]]:
+        under: dict[str, list[tuple[Any, ...]]] = {}
+        for full, tensor in named:
+            entry = tuple(f(full, tensor) for f in read)
+            dot = full.find(".")
+            while dot >= 0:
+                under.setdefault(full[:dot], []).append((full[dot + 1 :], *entry))
+                dot = full.find(".", dot + 1)
+        return under
+
+    params_under = index(
+        model.named_parameters(remove_duplicate=False),
+        lambda full, _: tuple(state[full].shape),
+        lambda full, _: state[full].dtype,
+    )
+    buffers_under = index(model.named_buffers(remove_duplicate=False), lambda _, buffer: tuple(buffer.shape))
+
     def treatment(path: str, module: nn.Module) -> Any:
-        shapes = tuple(
-            (name, tuple(state[f"{path}.{name}"].shape), state[f"{path}.{name}"].dtype)
-            for name, _ in module.named_parameters(remove_duplicate=False)
-        )
-        buffers = tuple((name, tuple(b.shape)) for name, b in module.named_buffers(remove_duplicate=False))
+        shapes = tuple(params_under.get(path, ()))
+        buffers = tuple(buffers_under.get(path, ()))
         styles = tuple(styles_under.get(path, ()))
         checkpointed = tuple(checkpointed_under.get(path, ()))
         return type(module), shapes, buffers, styles, checkpointed
@@ -1030,12 +1047,20 @@ def trace_activations(
     local: dict[str, torch.Tensor] = {}
     canonical_of: dict[str, str] = {}
     holder = _stage_holder(plan, rank)
+    # shard() gives alike blocks' parameters one TensorSpec and one ParamSharding object:
+    # their local shapes are worked out once (the plan holds the objects, so ids are stable)
+    shapes: dict[tuple[int, int, int], tuple[int, ...]] = {}
     for path, param in model.named_parameters(remove_duplicate=False):
         canonical = plan.canonical(path) if path not in plan.params else path
         canonical_of[path] = canonical
         if canonical not in local:
-            in_plan = canonical in plan.params
-            shape = plan.local_shape(canonical, holder(canonical), "compute") if in_plan else param.shape
+            shape: Any = param.shape
+            if canonical in plan.params:
+                at = holder(canonical)
+                key = (id(plan.tensors[canonical]), id(plan.params[canonical]), at)
+                if key not in shapes:
+                    shapes[key] = plan.local_shape(canonical, at, "compute")
+                shape = shapes[key]
             local[canonical] = torch.empty(shape, dtype=dtype or param.dtype, device="meta")
         local[path] = local[canonical]
     buffers = dict(model.named_buffers(remove_duplicate=False))
