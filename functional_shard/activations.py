@@ -265,6 +265,9 @@ class _Flops(TorchDispatchMode):
         # them selective checkpointing keeps (SAVED_OPS): what recomputation will re-run
         self.checkpointed = 0
         self.inside = {"all": 0, "saved": 0}
+        # of those, the flops up to the last op that saved a tensor for backward in each
+        # checkpointed call: what torch's recompute runs before it stops (early stop)
+        self.rerun = 0
         self.running: list[int] = []
         self.by_stage: dict[int, int] = {}
 
@@ -436,9 +439,10 @@ def _checkpointed(model: nn.Module, paths: tuple[str, ...], policy: str, flops: 
             def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
                 extra: dict[str, Any] = {"context_fn": context} if context is not None else {}
                 flops.checkpointed += 1
+                run = _inner if flops.backward else functools.partial(_saves_noted, _inner, flops)
                 try:
                     return checkpoint(
-                        _inner, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs
+                        run, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs
                     )
                 finally:
                     flops.checkpointed -= 1
@@ -449,6 +453,30 @@ def _checkpointed(model: nn.Module, paths: tuple[str, ...], policy: str, flops: 
     finally:
         for module in wrapped:
             del module.forward
+
+
+def _saves_noted(inner: Any, flops: _Flops, *args: Any, **kwargs: Any) -> Any:
+    # Inside checkpoint's forward its own saved-tensor hooks are on top: wrapped, each
+    # tensor it packs notes the flops counted so far (an op's flops are counted before
+    # autograd saves its tensors), and is packed by checkpoint as before
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None:  # not under checkpoint's hooks: count all of it, the most it can re-run
+        start = flops.inside["all"]
+        out = inner(*args, **kwargs)
+        flops.rerun += flops.inside["all"] - start
+        return out
+    pack, unpack = hooks
+    start = flops.inside["all"]
+    last = [start]
+
+    def noted(tensor: torch.Tensor) -> Any:
+        last[0] = flops.inside["all"]
+        return pack(tensor)
+
+    with torch.autograd.graph.saved_tensors_hooks(noted, unpack):
+        out = inner(*args, **kwargs)
+    flops.rerun += last[0] - start
+    return out
 
 
 def _gathered_features(plan: Any, path: str, kind: str) -> int:
@@ -851,11 +879,13 @@ class _Run:
         for param in self.params:
             param.grad = None
         if not backward:
-            # torch's checkpoint re-runs a module's forward in backward, at most: it stops
-            # once every saved tensor is back; selective checkpointing hands back SAVED_OPS'
-            # outputs instead of running them
-            saved = flops.inside["saved"] if config.checkpoint_policy == "selective" else 0
-            flops.counts["recompute"] = flops.inside["all"] - saved
+            # torch's checkpoint re-runs a module's forward in backward and stops once every
+            # saved tensor is back: under the full policy, up to the last op that saved one;
+            # selective checkpointing hands back SAVED_OPS' outputs instead of running them
+            if config.checkpoint_policy == "selective":
+                flops.counts["recompute"] = flops.inside["all"] - flops.inside["saved"]
+            else:
+                flops.counts["recompute"] = flops.rerun
         counts: dict[str, Any] = {
             "activation_bytes": activation_bytes,
             "output_bytes": output_bytes,
@@ -1049,7 +1079,7 @@ def trace_activations(
     holder = _stage_holder(plan, rank)
     # shard() gives alike blocks' parameters one TensorSpec and one ParamSharding object:
     # their local shapes are worked out once (the plan holds the objects, so ids are stable)
-    shapes: dict[tuple[int, int, int], tuple[int, ...]] = {}
+    local_shapes: dict[tuple[int, int, int], tuple[int, ...]] = {}
     for path, param in model.named_parameters(remove_duplicate=False):
         canonical = plan.canonical(path) if path not in plan.params else path
         canonical_of[path] = canonical
@@ -1057,10 +1087,10 @@ def trace_activations(
             shape: Any = param.shape
             if canonical in plan.params:
                 at = holder(canonical)
-                key = (id(plan.tensors[canonical]), id(plan.params[canonical]), at)
-                if key not in shapes:
-                    shapes[key] = plan.local_shape(canonical, at, "compute")
-                shape = shapes[key]
+                spec_at = (id(plan.tensors[canonical]), id(plan.params[canonical]), at)
+                if spec_at not in local_shapes:
+                    local_shapes[spec_at] = plan.local_shape(canonical, at, "compute")
+                shape = local_shapes[spec_at]
             local[canonical] = torch.empty(shape, dtype=dtype or param.dtype, device="meta")
         local[path] = local[canonical]
     buffers = dict(model.named_buffers(remove_duplicate=False))
