@@ -136,6 +136,12 @@ def microbatch_size(plan: Plan, batch: int) -> int:
     return batch // m
 
 
+@functools.lru_cache(maxsize=256)
+def _in_flight(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> tuple[int, ...]:
+    # a search asks it of each schedule for every tensor-parallel size and checkpointing
+    return in_flight(schedule, pp, microbatches, stages_per_rank)
+
+
 def _rank_of_coordinate(plan: Plan, pp_coordinate: int, rank: int | None) -> int:
     axis = plan.config.pipeline_axis
     assert axis is not None
@@ -282,7 +288,7 @@ def pipeline_assemble(
     link = hw.bandwidth(plan.mesh, (axis,))
     p2p = [nbytes / link + hw.collective_latency for nbytes in sends] or [0.0]
     timeline = simulate(schedule, pp, m, per_rank, forward=forward, backward=backward, weight=weight, p2p=p2p)
-    flight = in_flight(schedule, pp, m, per_rank)
+    flight = _in_flight(schedule, pp, m, per_rank)
     # what a stage keeps per micro-batch: what its modules made (its output included: the
     # stage holds it for its backward) and the activation it received, which its first
     # ops save (the whole-model trace counts that storage once, with the stage that made it)
