@@ -808,6 +808,20 @@ class _Run:
                 else:
                     module.forward = forward  # type: ignore[method-assign]
 
+    @contextlib.contextmanager
+    def swapped(self) -> Iterator[None]:
+        """The traced parameters in the model and its experts routed, for the runs inside.
+
+        Parameters stay swapped through backward (checkpoint recomputes with them); the
+        runs of one trace share them, so they are swapped in once (each swap walks every
+        parameter of the model, a 405B one's too).
+        """
+        with (
+            _reparametrize_module(self.model, self.state, tie_weights=False, strict=False),
+            routed_experts(self.modules.values(), self.expert_imbalance),
+        ):
+            yield
+
     def trace(
         self, groups: list[tuple[str, ...]], doubled: tuple[int, ...] = (), *, backward: bool = True
     ) -> dict[str, Any]:
@@ -838,10 +852,7 @@ class _Run:
             )
             stack.enter_context(self._left_out(groups, doubled))
             stack.enter_context(_sequence_parallel(model, self.plan, self.tp_size, self.seq))
-            # parameters stay swapped through backward: checkpoint recomputes with them
-            stack.enter_context(_reparametrize_module(model, self.state, tie_weights=False, strict=False))
             stack.enter_context(_unpacked_sequences(model))
-            stack.enter_context(routed_experts(self.modules.values(), self.expert_imbalance))
             owners = [births.running, flops.running]
             outputs: dict[str, int] = {}
             stack.enter_context(_stage_owner(self.modules, self.stage_modules, owners, outputs))
@@ -1148,10 +1159,11 @@ def trace_activations(
         run.stages = len(stages)
         run.stage_last = [modules[-1] if modules else "" for modules in stages]
     try:
-        first = run.trace(groups, backward=backward)
-        counts = {key: list(value) if isinstance(value, list) else value for key, value in first.items()}
-        for index, group in enumerate(groups):
-            second = run.trace(groups, (index,), backward=backward)
+        with run.swapped():
+            first = run.trace(groups, backward=backward)
+            counts = {key: list(value) if isinstance(value, list) else value for key, value in first.items()}
+            seconds = [run.trace(groups, (index,), backward=backward) for index in range(len(groups))]
+        for group, second in zip(groups, seconds, strict=True):
             for key in counts:
                 if key in (
                     "output_bytes",
@@ -1175,7 +1187,8 @@ def trace_activations(
     if not run.repeats_are_passable:  # a layer's output is not shaped like its input: trace them all
         make_fake(())
         run.plan = plan
-        counts = run.trace([], backward=backward)
+        with run.swapped():
+            counts = run.trace([], backward=backward)
     fields: dict[str, Any] = {
         key: tuple(value) if isinstance(value, list) else value for key, value in counts.items()
     }
