@@ -257,7 +257,7 @@ def test_llama_70b_on_1024_devices_takes_seconds():
     first = time.process_time() - start
     assert report.best.mesh.size == 1024
     assert all(c.rejected is None or not c.rejected.startswith("cannot trace") for c in report.candidates)
-    # about 6 s (bench/auto_speed.py), up to 10 on the loaded 2-core machine
+    # about 3.5 s (bench/auto_speed.py), up to 10 on the loaded 2-core machine
     assert first < 20, f"{first:.1f} s"
     start = time.process_time()  # another budget reuses the traces
     fs.search_plans(model, devices=1024, memory_budget="40GiB", batch=1024, seq=8192)
