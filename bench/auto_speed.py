@@ -2,7 +2,9 @@
 
 The search of docs/will-it-fit.md: ``llama("llama-70b")`` on the meta device, 1,024
 devices, a global batch of 1,024 sequences of 8,192 tokens, an 80 GB budget, H100 profile
-(225 candidates, 21 activation traces). Each round runs in a fresh interpreter (nothing
+(225 candidates, 21 activation traces, 14 of them forward-only). ``--model 405b``: the
+pipeline search of docs/pipelines.md, ``llama("llama-3-405b")`` on 512 devices, the same
+batch (300 candidates, 96 with pp; nothing fits without pp). Each round runs in a fresh interpreter (nothing
 cached: fake-tensor caches, planner caches and the trace cache all start empty), timed
 inside it from the call to its return, in CPU seconds of the process (the 2-core machine
 is shared: wall time there measures the neighbours) with wall time beside it. A second
@@ -11,7 +13,7 @@ call with another budget reuses the traces (they are cached per model object).
 ``--against PATH`` times another checkout of the repository (e.g. the main branch) in the
 same rounds, alternating with this one, so both see the same load.
 
-Run: python bench/auto_speed.py [--rounds 3] [--against /path/to/other/checkout]
+Run: python bench/auto_speed.py [--rounds 3] [--model 70b|405b] [--against /path/to/other/checkout]
 (exit status 1 when the best cold round of this checkout misses the target)
 """
 
@@ -45,23 +47,31 @@ def timed(*args, **kwargs):
         traced[1] += 1
 
 estimate_module._trace = timed
-model = llama("llama-70b")
-kwargs = dict(devices=1024, batch=1024, seq=8192, hardware="h100")
+model = llama(MODEL)
+kwargs = dict(devices=DEVICES, batch=1024, seq=8192, hardware="h100")
 cpu, wall = time.process_time(), time.perf_counter()
 plan = fs.auto(model, memory_budget="80GB", **kwargs)
 cold = (time.process_time() - cpu, time.perf_counter() - wall)
 cpu, wall = time.process_time(), time.perf_counter()
-fs.auto(model, memory_budget="40GB", **kwargs)
+try:
+    fs.auto(model, memory_budget="40GB", **kwargs)
+except fs.PlanError:  # nothing fits: the search ran all the same
+    pass
 warm = (time.process_time() - cpu, time.perf_counter() - wall)
 print(json.dumps({"cold": cold, "warm": warm, "trace_s": traced[0], "traces": traced[1],
                   "chosen": f"{plan.mesh!r}"}))
 """
 
 
-def one_round(root: pathlib.Path) -> dict:
+MODELS = {"70b": ("llama-70b", 1024), "405b": ("llama-3-405b", 512)}
+
+
+def one_round(root: pathlib.Path, model: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(root)}
+    name, devices = MODELS[model]
+    script = ROUND.replace("MODEL", repr(name)).replace("DEVICES", str(devices))
     out = subprocess.run(
-        [sys.executable, "-c", ROUND], cwd=root, env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, check=True
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -69,6 +79,7 @@ def one_round(root: pathlib.Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", choices=sorted(MODELS), default="70b")
     parser.add_argument("--against", type=pathlib.Path, help="another checkout, timed alongside")
     args = parser.parse_args()
     roots = {"this checkout": ROOT}
@@ -77,9 +88,10 @@ def main() -> int:
     results: dict[str, list[dict]] = {name: [] for name in roots}
     for _ in range(args.rounds):  # interleaved: drift in the machine's load hits every row alike
         for name, root in roots.items():
-            results[name].append(one_round(root))
+            results[name].append(one_round(root, args.model))
+    model, devices = MODELS[args.model]
     print(
-        "fs.auto(llama('llama-70b'), devices=1024, batch=1024, seq=8192, memory_budget='80GB', "
+        f"fs.auto(llama({model!r}), devices={devices}, batch=1024, seq=8192, memory_budget='80GB', "
         f"hardware='h100'), {args.rounds} fresh interpreters each:"
     )
     print(

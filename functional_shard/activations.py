@@ -266,6 +266,9 @@ class _Flops(TorchDispatchMode):
         # them selective checkpointing keeps (SAVED_OPS): what recomputation will re-run
         self.checkpointed = 0
         self.inside = {"all": 0, "saved": 0}
+        # of those, the flops up to the last op that saved a tensor for backward in each
+        # checkpointed call: what torch's recompute runs before it stops (early stop)
+        self.rerun = 0
         self.running: list[int] = []
         self.by_stage: dict[int, int] = {}
 
@@ -437,9 +440,10 @@ def _checkpointed(model: nn.Module, paths: tuple[str, ...], policy: str, flops: 
             def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
                 extra: dict[str, Any] = {"context_fn": context} if context is not None else {}
                 flops.checkpointed += 1
+                run = _inner if flops.backward else functools.partial(_saves_noted, _inner, flops)
                 try:
                     return checkpoint(
-                        _inner, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs
+                        run, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs
                     )
                 finally:
                     flops.checkpointed -= 1
@@ -450,6 +454,30 @@ def _checkpointed(model: nn.Module, paths: tuple[str, ...], policy: str, flops: 
     finally:
         for module in wrapped:
             del module.forward
+
+
+def _saves_noted(inner: Any, flops: _Flops, *args: Any, **kwargs: Any) -> Any:
+    # Inside checkpoint's forward its own saved-tensor hooks are on top: wrapped, each
+    # tensor it packs notes the flops counted so far (an op's flops are counted before
+    # autograd saves its tensors), and is packed by checkpoint as before
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None:  # not under checkpoint's hooks: count all of it, the most it can re-run
+        start = flops.inside["all"]
+        out = inner(*args, **kwargs)
+        flops.rerun += flops.inside["all"] - start
+        return out
+    pack, unpack = hooks
+    start = flops.inside["all"]
+    last = [start]
+
+    def noted(tensor: torch.Tensor) -> Any:
+        last[0] = flops.inside["all"]
+        return pack(tensor)
+
+    with torch.autograd.graph.saved_tensors_hooks(noted, unpack):
+        out = inner(*args, **kwargs)
+    flops.rerun += last[0] - start
+    return out
 
 
 def _gathered_features(plan: Any, path: str, kind: str) -> int:
@@ -648,12 +676,29 @@ def _repeats(model: nn.Module, plan: Any, state: Mapping[str, torch.Tensor]) -> 
         for owner, relative in owners(checkpointed_path):
             checkpointed_under.setdefault(owner, []).append(relative)
 
+    # each module's parameters and buffers, relative to it, in its own named_parameters'
+    # order (the model's pre-order walk, cut at the module): one walk of the model, not
+    # one per module and level (a fifth of a 405B model's trace)
+    def index(named: Iterator[tuple[str, torch.Tensor]], *read: Any) -> dict[str, list[tuple[Any, ...]]]:
+        under: dict[str, list[tuple[Any, ...]]] = {}
+        for full, tensor in named:
+            entry = tuple(f(full, tensor) for f in read)
+            dot = full.find(".")
+            while dot >= 0:
+                under.setdefault(full[:dot], []).append((full[dot + 1 :], *entry))
+                dot = full.find(".", dot + 1)
+        return under
+
+    params_under = index(
+        model.named_parameters(remove_duplicate=False),
+        lambda full, _: tuple(state[full].shape),
+        lambda full, _: state[full].dtype,
+    )
+    buffers_under = index(model.named_buffers(remove_duplicate=False), lambda _, buffer: tuple(buffer.shape))
+
     def treatment(path: str, module: nn.Module) -> Any:
-        shapes = tuple(
-            (name, tuple(state[f"{path}.{name}"].shape), state[f"{path}.{name}"].dtype)
-            for name, _ in module.named_parameters(remove_duplicate=False)
-        )
-        buffers = tuple((name, tuple(b.shape)) for name, b in module.named_buffers(remove_duplicate=False))
+        shapes = tuple(params_under.get(path, ()))
+        buffers = tuple(buffers_under.get(path, ()))
         styles = tuple(styles_under.get(path, ()))
         checkpointed = tuple(checkpointed_under.get(path, ()))
         return type(module), shapes, buffers, styles, checkpointed
@@ -765,6 +810,20 @@ class _Run:
                 else:
                     module.forward = forward  # type: ignore[method-assign]
 
+    @contextlib.contextmanager
+    def swapped(self) -> Iterator[None]:
+        """The traced parameters in the model and its experts routed, for the runs inside.
+
+        Parameters stay swapped through backward (checkpoint recomputes with them); the
+        runs of one trace share them, so they are swapped in once (each swap walks every
+        parameter of the model, a 405B one's too).
+        """
+        with (
+            _reparametrize_module(self.model, self.state, tie_weights=False, strict=False),
+            rank_experts(self.modules, self.expert_imbalance, self.plan, self.rank),
+        ):
+            yield
+
     def trace(
         self, groups: list[tuple[str, ...]], doubled: tuple[int, ...] = (), *, backward: bool = True
     ) -> dict[str, Any]:
@@ -795,10 +854,7 @@ class _Run:
             )
             stack.enter_context(self._left_out(groups, doubled))
             stack.enter_context(_sequence_parallel(model, self.plan, self.tp_size, self.seq))
-            # parameters stay swapped through backward: checkpoint recomputes with them
-            stack.enter_context(_reparametrize_module(model, self.state, tie_weights=False, strict=False))
             stack.enter_context(_unpacked_sequences(model))
-            stack.enter_context(rank_experts(self.modules, self.expert_imbalance, self.plan, self.rank))
             owners = [births.running, flops.running]
             outputs: dict[str, int] = {}
             stack.enter_context(_stage_owner(self.modules, self.stage_modules, owners, outputs))
@@ -836,11 +892,13 @@ class _Run:
         for param in self.params:
             param.grad = None
         if not backward:
-            # torch's checkpoint re-runs a module's forward in backward, at most: it stops
-            # once every saved tensor is back; selective checkpointing hands back SAVED_OPS'
-            # outputs instead of running them
-            saved = flops.inside["saved"] if config.checkpoint_policy == "selective" else 0
-            flops.counts["recompute"] = flops.inside["all"] - saved
+            # torch's checkpoint re-runs a module's forward in backward and stops once every
+            # saved tensor is back: under the full policy, up to the last op that saved one;
+            # selective checkpointing hands back SAVED_OPS' outputs instead of running them
+            if config.checkpoint_policy == "selective":
+                flops.counts["recompute"] = flops.inside["all"] - flops.inside["saved"]
+            else:
+                flops.counts["recompute"] = flops.rerun
         counts: dict[str, Any] = {
             "activation_bytes": activation_bytes,
             "output_bytes": output_bytes,
@@ -1032,12 +1090,20 @@ def trace_activations(
     local: dict[str, torch.Tensor] = {}
     canonical_of: dict[str, str] = {}
     holder = _stage_holder(plan, rank)
+    # shard() gives alike blocks' parameters one TensorSpec and one ParamSharding object:
+    # their local shapes are worked out once (the plan holds the objects, so ids are stable)
+    local_shapes: dict[tuple[int, int, int], tuple[int, ...]] = {}
     for path, param in model.named_parameters(remove_duplicate=False):
         canonical = plan.canonical(path) if path not in plan.params else path
         canonical_of[path] = canonical
         if canonical not in local:
-            in_plan = canonical in plan.params
-            shape = plan.local_shape(canonical, holder(canonical), "compute") if in_plan else param.shape
+            shape: Any = param.shape
+            if canonical in plan.params:
+                at = holder(canonical)
+                spec_at = (id(plan.tensors[canonical]), id(plan.params[canonical]), at)
+                if spec_at not in local_shapes:
+                    local_shapes[spec_at] = plan.local_shape(canonical, at, "compute")
+                shape = local_shapes[spec_at]
             local[canonical] = torch.empty(shape, dtype=dtype or param.dtype, device="meta")
         local[path] = local[canonical]
     buffers = dict(model.named_buffers(remove_duplicate=False))
@@ -1096,10 +1162,11 @@ def trace_activations(
         run.stages = len(stages)
         run.stage_last = [modules[-1] if modules else "" for modules in stages]
     try:
-        first = run.trace(groups, backward=backward)
-        counts = {key: list(value) if isinstance(value, list) else value for key, value in first.items()}
-        for index, group in enumerate(groups):
-            second = run.trace(groups, (index,), backward=backward)
+        with run.swapped():
+            first = run.trace(groups, backward=backward)
+            counts = {key: list(value) if isinstance(value, list) else value for key, value in first.items()}
+            seconds = [run.trace(groups, (index,), backward=backward) for index in range(len(groups))]
+        for group, second in zip(groups, seconds, strict=True):
             for key in counts:
                 if key in (
                     "output_bytes",
@@ -1123,7 +1190,8 @@ def trace_activations(
     if not run.repeats_are_passable:  # a layer's output is not shaped like its input: trace them all
         make_fake(())
         run.plan = plan
-        counts = run.trace([], backward=backward)
+        with run.swapped():
+            counts = run.trace([], backward=backward)
     fields: dict[str, Any] = {
         key: tuple(value) if isinstance(value, list) else value for key, value in counts.items()
     }

@@ -593,18 +593,19 @@ class _Search:
 
     def _checkpointed_trace(self, point: _Point, plan: Plan, how: str, micro: int, trace: Any) -> Any:
         # Checkpointing changes what the forward keeps and adds recomputation; the backward's
-        # own kernels are those of the same plan without it. Selective checkpointing keeps
-        # the outputs of the ops that have flops (matmuls, attention): when the forward shows
-        # no flops in the others, recomputation runs none, and the backward's flops are the
-        # plan's without checkpointing. Otherwise (full: torch stops recomputing early, at
-        # a point only the backward shows) the trace runs its own backward.
+        # own kernels are those of the same plan without it. Full checkpointing re-runs each
+        # block up to the last op that saved a tensor, which the forward notes (torch stops
+        # recomputing there). Selective checkpointing keeps the outputs of the ops that have
+        # flops (matmuls, attention): when the forward shows no flops in the others,
+        # recomputation runs none. Then the backward's flops are the plan's without
+        # checkpointing; otherwise the trace runs its own backward.
         config = dataclasses.replace(plan.config, checkpointed=self.block_paths, checkpoint_policy=how)
         checkpointed = dataclasses.replace(plan, config=config)
-        plain = self._trace(point, plan, "none", micro) if how == "selective" else None
-        if plain is None or isinstance(plain, str):
+        plain = self._trace(point, plan, "none", micro)
+        if isinstance(plain, str):
             return trace(self.model, checkpointed, micro, self.seq, None, None)
         forward = trace(self.model, checkpointed, micro, self.seq, None, None, backward=False)
-        if forward.recompute_flops or forward.forward_flops != plain.forward_flops:
+        if (how == "selective" and forward.recompute_flops) or forward.forward_flops != plain.forward_flops:
             return trace(self.model, checkpointed, micro, self.seq, None, None)
         return dataclasses.replace(
             forward, backward_flops=plain.backward_flops, backward_weight_flops=plain.backward_weight_flops
@@ -701,12 +702,40 @@ class _Search:
         if key not in self.traces:
             from .estimate import _trace
 
+            plain = self._unit_trace(point, plan, "none", micro) if how != "none" else None
             plan = self._with_checkpointing(plan, how)
             try:
-                self.traces[key] = _trace(self.model, plan, micro, self.seq, None, None, stages=self.units)
+                if plain is None or isinstance(plain, str):
+                    found = _trace(self.model, plan, micro, self.seq, None, None, stages=self.units)
+                else:
+                    found = self._checkpointed_units(plan, how, micro, plain, _trace)
+                self.traces[key] = found
             except Exception as error:  # reported in the candidate's row
                 self.traces[key] = " ".join(str(error).split())[:160]
         return self.traces[key]
+
+    def _checkpointed_units(self, plan: Plan, how: str, micro: int, plain: Any, trace: Any) -> Any:
+        # as _checkpointed_trace, stage by stage: each stage's backward is the plan's without
+        # checkpointing when each stage's forward is
+        forward = trace(self.model, plan, micro, self.seq, None, None, stages=self.units, backward=False)
+        if (
+            (how == "selective" and forward.recompute_flops)
+            or forward.forward_flops != plain.forward_flops
+            or forward.stage_forward_flops != plain.stage_forward_flops
+        ):
+            return trace(self.model, plan, micro, self.seq, None, None, stages=self.units)
+        return dataclasses.replace(
+            forward,
+            **{
+                name: getattr(plain, name)
+                for name in (
+                    "backward_flops",
+                    "backward_weight_flops",
+                    "stage_backward_flops",
+                    "stage_backward_weight_flops",
+                )
+            },
+        )
 
     def _run_pipeline(self, point: _Point) -> list[Candidate]:
         from .activations import regroup

@@ -212,3 +212,46 @@ def test_weight_gradients_by_hand(dtype):
     linear = sum(m.weight.numel() for m in _model().modules() if isinstance(m, torch.nn.Linear))
     assert trace.backward_weight_flops == 2 * 2 * SEQ * linear
     assert sum(trace.stage_backward_weight_flops) == trace.backward_weight_flops
+
+
+def test_the_searchs_shortcuts_for_pipelines_change_no_estimate(monkeypatch):
+    # the search traces each unit of work once per (tp, checkpointing, micro-batch), the
+    # checkpointed ones forward-only with the backward of the plan without checkpointing:
+    # every pipeline candidate is what the same search gives tracing each with its backward
+    import importlib
+
+    from functional_shard.hardware import hardware
+    from functional_shard.tree import read_model
+    from functional_shard.zoo import Block, Llama, LlamaConfig
+
+    auto = importlib.import_module("functional_shard.auto")  # fs.auto is the function
+    model = Llama(LlamaConfig(num_layers=4)).to("meta")
+    tree = read_model(model)
+    units = auto._pipeline_units(tree)
+    hw = hardware("h100")
+    points = [
+        point
+        for point in auto._pipeline_points(4, 8, hw, auto.head_counts(model), len(units), True)
+        if point.mesh["pp"] == 2 and (point.tp > 1) == (point.pipeline[0] == "1f1b")
+    ]
+    assert {(p.pipeline[0], p.tp) for p in points} == {("1f1b", 2), ("interleaved1f1b", 1)}
+    rules, _ = auto._rules(model)
+
+    def search() -> list:
+        found = auto._Search(model, hw, "adamw", 8, 16, Block, rules, "bfloat16", 0, tree, units)
+        found.traces = {}
+        return found.run(points)
+
+    fast = search()
+    assert {c.checkpointing for c in fast} == {"none", "selective", "full"}  # nothing fits 0 bytes
+    monkeypatch.setattr(
+        auto._Search,
+        "_checkpointed_units",
+        lambda self, plan, how, micro, plain, trace: trace(
+            self.model, plan, micro, self.seq, None, None, stages=self.units
+        ),
+    )
+    slow = search()
+    assert [(c.peak_bytes, c.step_seconds, c.estimate) for c in fast] == [
+        (c.peak_bytes, c.step_seconds, c.estimate) for c in slow
+    ]
