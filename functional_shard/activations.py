@@ -574,6 +574,8 @@ def _sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> I
                 model.get_submodule(path).register_forward_pre_hook(first_input(name, part), with_kwargs=True)
             )
         for path, style, kind in plan.config.tp_styles:
+            if kind == "experts":  # split inside each expert: trace_experts re-enacts their forward
+                continue
             module = model.get_submodule(path)
             if style in ("colwise", "rowwise", "packed_colwise") and (
                 kind == "conv1d" or style == "packed_colwise"
