@@ -29,73 +29,27 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import gc
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F  # noqa: N812
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .errors import ShardingError
 from .routing import check_expert_imbalance
-from .rules import first_input_name, sequence_gathers, sequence_parallel_problems
+from .trace_checkpointing import SAVED_OPS, checkpointed, selective_context
+from .trace_counting import Births, Flops, kept_bytes_by_owner, storage_key
 from .trace_experts import rank_experts
+from .trace_sequence_parallel import check_sequence_parallel, sequence_parallel
 
 __all__ = ["SAVED_OPS", "ActivationTrace", "selective_context", "trace_activations"]
 
 _aten = torch.ops.aten
-_DEVICE = torch.ops.prim.device.default
-# Op-level selective checkpointing keeps the outputs of matrix multiplies and attention
-# and recomputes the rest: the recipe torchtitan publishes (torchtitan/distributed/
-# activation_checkpoint.py, `_save_list`), which also recomputes every second mm; we keep
-# them all, as Korthikanti et al. 2022 ("Reducing Activation Recomputation") keep the
-# linear layers' outputs and recompute only the attention core's element-wise ops.
-# torchtitan also keeps the output of sequence parallel's reduce-scatter; we recompute
-# collectives (one more in backward per rowwise layer under sequence parallel), so that the
-# trace, which re-enacts them on plain tensors, counts exactly what is kept.
-SAVED_OPS = frozenset(
-    op
-    for name in (
-        "mm",
-        "addmm",
-        "bmm",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_fused_attention_overrideable",
-        "_flash_attention_forward",
-        "_efficient_attention_forward",
-    )
-    if (op := getattr(getattr(_aten, name, None), "default", None)) is not None
-)
-
-
-def _selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def selective_context() -> tuple[Any, Any]:
-    """Torch's selective-checkpoint contexts that keep `SAVED_OPS` outputs (a ``context_fn``).
-
-    Examples:
-        >>> layer = nn.Linear(4, 4)
-        >>> x = torch.ones(2, 4, requires_grad=True)
-        >>> from torch.utils.checkpoint import checkpoint
-        >>> out = checkpoint(layer, x, use_reentrant=False, context_fn=selective_context)
-        >>> out.sum().backward()
-        >>> x.grad.shape
-        torch.Size([2, 4])
-    """
-    return create_selective_checkpoint_contexts(_selective_policy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,161 +146,6 @@ def regroup(trace: ActivationTrace, groups: list[list[int]]) -> ActivationTrace:
     )
 
 
-def _device_query(func: Any, args: Any) -> torch.device | None:
-    """The answer to torch's device query of a fake tensor, as FakeTensor gives it; else None.
-
-    Two thirds of a trace's dispatches are this query (autograd asks it of every tensor in
-    backward): a mode answers it at once instead of handing it down the modes below.
-    """
-    if func is _DEVICE and len(args) == 1 and isinstance(args[0], FakeTensor):
-        return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
-    return None
-
-
-class _Births(TorchDispatchMode):
-    """Weak references to the storage of every tensor an op makes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.storages: dict[StorageWeakRef, None] = {}
-        # the pipeline stage whose module ran when each storage was made (-1: none)
-        self.owner: dict[StorageWeakRef, int] = {}
-        self.running: list[int] = []
-
-    def note(self, tensor: torch.Tensor) -> None:
-        ref = StorageWeakRef(tensor.untyped_storage())
-        # a dead storage's address may be reused: the dict must hold the live one's reference
-        self.storages.pop(ref, None)
-        self.storages[ref] = None
-        self.owner[ref] = self.running[-1] if self.running else -1
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if (device := _device_query(func, args)) is not None:
-            return device
-        out = func(*args, **(kwargs or {}))
-        for leaf in tree_flatten(out)[0]:
-            if isinstance(leaf, torch.Tensor):
-                self.note(leaf)
-        return out
-
-
-_WEIGHT_GRAD_OPS = frozenset(
-    op for name in ("mm", "addmm") if (op := getattr(getattr(_aten, name, None), "default", None)) is not None
-)
-
-
-_COPIES = frozenset(
-    op
-    for name in ("_to_copy", "clone", "to")
-    if (op := getattr(getattr(_aten, name, None), "default", None)) is not None
-)
-
-
-class _Flops(TorchDispatchMode):
-    """Flops by `functional_shard.flops.op_flops`, split into forward, backward, recompute.
-
-    Matmuls by torch's ``FlopCounterMode`` formulas; attention on every kernel (the CPU flash
-    kernel fake tensors run included), full score matrix. Backward kernels run with grad mode
-    off; checkpoint's recompute inside backward runs with it on (it rebuilds a graph), which
-    tells the two apart. Higher-order operators (flex attention) pass through, counted.
-    """
-
-    supports_higher_order_operators = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.backward = False
-        self.counts = {"forward": 0, "backward": 0, "recompute": 0, "weight": 0}
-        # the shapes of the 2-D parameters (either way round): a backward matmul whose
-        # output has one and whose operands are both activations is a weight's gradient
-        # (dW = dY^T X); one that multiplies by a weight (or its cast copy) is an input's
-        self.weight_shapes: set[tuple[int, ...]] = set()
-        self.weights: set[StorageWeakRef] = set()
-        # forward flops inside checkpointed modules (``checkpointed`` deep), and those of
-        # them selective checkpointing keeps (SAVED_OPS): what recomputation will re-run
-        self.checkpointed = 0
-        self.inside = {"all": 0, "saved": 0}
-        # of those, the flops up to the last op that saved a tensor for backward in each
-        # checkpointed call: what torch's recompute runs before it stops (early stop)
-        self.rerun = 0
-        self.running: list[int] = []
-        self.by_stage: dict[int, int] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if (device := _device_query(func, args)) is not None:
-            return device
-        from .flops import op_flops
-
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if (
-            func in _COPIES
-            and self.weights
-            and isinstance(out, torch.Tensor)
-            and args
-            and isinstance(args[0], torch.Tensor)
-            and _storage_key(args[0]) in self.weights
-        ):
-            self.weights.add(_storage_key(out))  # mixed precision's cast of a weight
-        count = op_flops(func, args, kwargs, out)
-        if count:
-            phase = "forward" if not self.backward else "recompute" if torch.is_grad_enabled() else "backward"
-            self.counts[phase] += count
-            if (
-                phase == "backward"
-                and func in _WEIGHT_GRAD_OPS
-                and isinstance(out, torch.Tensor)
-                and tuple(out.shape) in self.weight_shapes
-                and not any(_storage_key(a) in self.weights for a in args if isinstance(a, torch.Tensor))
-            ):
-                self.counts["weight"] += count
-            if phase == "forward":
-                owner = self.running[-1] if self.running else -1
-                self.by_stage[owner] = self.by_stage.get(owner, 0) + count
-            if self.checkpointed and not self.backward:
-                self.inside["all"] += count
-                self.inside["saved"] += count if func in SAVED_OPS else 0
-        return out
-
-
-def _storage_key(tensor: torch.Tensor) -> StorageWeakRef:
-    from torch.distributed.tensor import DTensor
-
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return StorageWeakRef(local.untyped_storage())
-
-
-def kept_bytes(
-    births: Mapping[StorageWeakRef, None], exclude: set[StorageWeakRef], *, collect: int = 2
-) -> int:
-    """Bytes of the storages in ``births`` still alive, but for ``exclude``.
-
-    A garbage collection up to generation ``collect`` runs first: reference cycles (checkpoint
-    frames make some) would otherwise keep dead storages alive.
-    """
-    gc.collect(collect)
-    total = 0
-    for ref in births:
-        if ref.expired() or ref in exclude:
-            continue
-        storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
-        total += storage.nbytes()
-    return total
-
-
-def kept_bytes_by_owner(births: _Births, exclude: set[StorageWeakRef], *, collect: int = 2) -> dict[int, int]:
-    """`kept_bytes`, by the pipeline stage that made each storage (-1: made outside every stage)."""
-    gc.collect(collect)
-    out: dict[int, int] = {}
-    for ref in births.storages:
-        if ref.expired() or ref in exclude:
-            continue
-        storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
-        owner = births.owner.get(ref, -1)
-        out[owner] = out.get(owner, 0) + storage.nbytes()
-    return out
-
-
 @contextlib.contextmanager
 def _stage_owner(
     modules: Mapping[str, nn.Module],
@@ -424,189 +223,6 @@ def _first_tensor(output: Any) -> Any:
         return output
     tensors = _tensors(output.to_tuple() if hasattr(output, "to_tuple") else output)
     return tensors[0] if tensors else output
-
-
-@contextlib.contextmanager
-def _checkpointed(model: nn.Module, paths: tuple[str, ...], policy: str, flops: _Flops) -> Iterator[None]:
-    # wrap each module's forward in torch's checkpoint for the trace, and put it back after;
-    # ``flops`` learns when a checkpointed forward runs (recompute calls the inner one)
-    context = selective_context if policy == "selective" else None
-    wrapped = []
-    try:
-        for path in paths:
-            module = model.get_submodule(path)
-            inner = module.forward
-
-            def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
-                extra: dict[str, Any] = {"context_fn": context} if context is not None else {}
-                flops.checkpointed += 1
-                run = _inner if flops.backward else functools.partial(_saves_noted, _inner, flops)
-                try:
-                    return checkpoint(
-                        run, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs
-                    )
-                finally:
-                    flops.checkpointed -= 1
-
-            module.forward = forward  # type: ignore[method-assign]
-            wrapped.append(module)
-        yield
-    finally:
-        for module in wrapped:
-            del module.forward
-
-
-def _saves_noted(inner: Any, flops: _Flops, *args: Any, **kwargs: Any) -> Any:
-    # Inside checkpoint's forward its own saved-tensor hooks are on top: wrapped, each
-    # tensor it packs notes the flops counted so far (an op's flops are counted before
-    # autograd saves its tensors), and is packed by checkpoint as before
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if hooks is None:  # not under checkpoint's hooks: count all of it, the most it can re-run
-        start = flops.inside["all"]
-        out = inner(*args, **kwargs)
-        flops.rerun += flops.inside["all"] - start
-        return out
-    pack, unpack = hooks
-    start = flops.inside["all"]
-    last = [start]
-
-    def noted(tensor: torch.Tensor) -> Any:
-        last[0] = flops.inside["all"]
-        return pack(tensor)
-
-    with torch.autograd.graph.saved_tensors_hooks(noted, unpack):
-        out = inner(*args, **kwargs)
-    flops.rerun += last[0] - start
-    return out
-
-
-def _gathered_features(plan: Any, path: str, kind: str) -> int:
-    """The global output width of a module whose output is gathered (a colwise_gather one)."""
-    shape = plan.tensors[plan.canonical(f"{path}.weight")].shape
-    # Linear's weight is (out, in); Conv1D's (in, out); an embedding's (num, dim) gives dim
-    return shape[-1] if kind in ("conv1d", "embedding") else shape[0]
-
-
-@contextlib.contextmanager
-def _sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> Iterator[None]:
-    # What torch's styles do to activations, re-enacted on plain tensors, as apply runs
-    # them (apply._torch_styles). Under sequence parallel the residual stream is a DTensor
-    # split on the sequence: its shape reads whole (Hugging Face derives position ids and
-    # the attention mask from it) while each rank holds its part. Here the embedding's
-    # output stays whole, so the model reads the whole length, and each block (the
-    # module holding an attention or MLP that gathers) takes its part of it on entry: a
-    # new buffer, as the embedding's reduce-scatter makes one. A module that gathers
-    # (rules.sequence_gathers: attention, MLP) all-gathers its first input into a buffer
-    # of its own, which the matmuls inside save; a column-split layer elsewhere (lm_head)
-    # gathers its own input; a row-split layer reduce-scatters its output over the
-    # sequence. A colwise_gather layer also all-gathers its output over the features.
-    handles = []
-
-    def whole(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x] * tp_size, dim=1) if x.shape[1] * tp_size == seq else x
-
-    def first_input(name: str, change: Any) -> Any:
-        # the module's first input, by position or by name (Hugging Face's attention
-        # gets hidden_states=); the other arguments pass through
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if args and isinstance(args[0], torch.Tensor):
-                return (change(args[0]), *args[1:]), kwargs
-            if isinstance(kwargs.get(name), torch.Tensor):
-                return args, {**kwargs, name: change(kwargs[name])}
-            return None
-
-        return hook
-
-    def gather(x: torch.Tensor) -> torch.Tensor:
-        gathered = whole(x)
-        return gathered if gathered is not x else x.clone()
-
-    def part(x: torch.Tensor) -> torch.Tensor:
-        if not x.is_floating_point() or x.shape[1] != seq:
-            return x  # token ids, or a part already
-        return x.narrow(1, 0, seq // tp_size).clone()
-
-    def gather_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (gather(args[0]), *args[1:])
-
-    def scatter_seq(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
-        return out.narrow(1, 0, out.shape[1] // tp_size).clone()
-
-    def gather_features(full: int, module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
-        # the gathered output has the global width whatever this rank's piece is (uneven
-        # splits: trailing ranks hold less, torch.chunk style; DTensor pads only in transit)
-        return F.pad(out, (0, full - out.shape[-1]))
-
-    def split_input(kind: str, module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        # rowwise_split_input: torch's RowwiseParallel(input_layouts=Replicate()) keeps this
-        # rank's in-features of the whole input, a copy; the local weight says how many
-        local = module.weight.shape[0 if kind == "conv1d" else -1]
-        return (args[0].narrow(-1, 0, local).clone(), *args[1:])
-
-    def split_projection(module: Any, style: str, kind: str) -> Any:
-        # apply runs Conv1D layers and packed projections itself (_split_projection): a
-        # matmul on the local weight; a packed layer slices its whole bias to its pieces
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            y = x @ module.weight if kind == "conv1d" else x @ module.weight.t()
-            bias = module.bias
-            if bias is None:
-                return y
-            return y + (bias.narrow(0, 0, y.shape[-1]) if style == "packed_colwise" else bias)
-
-        return forward
-
-    sequence = plan.config.sequence_parallel
-    gathers = set(sequence_gathers(plan.config.tp_styles)) if sequence else set()
-    blocks = {path.rpartition(".")[0] for path in gathers} - {""}
-    overridden: list[Any] = []
-    resized: list[tuple[Any, str, int]] = []
-    try:
-        for path in sorted(gathers):
-            name = first_input_name(model.get_submodule(path)) or ""
-            handles.append(
-                model.get_submodule(path).register_forward_pre_hook(
-                    first_input(name, gather), with_kwargs=True
-                )
-            )
-        for path in sorted(blocks):
-            name = first_input_name(model.get_submodule(path)) or ""
-            handles.append(
-                model.get_submodule(path).register_forward_pre_hook(first_input(name, part), with_kwargs=True)
-            )
-        for path, style, kind in plan.config.tp_styles:
-            if kind == "experts":  # split inside each expert: trace_experts re-enacts their forward
-                continue
-            module = model.get_submodule(path)
-            if style in ("colwise", "rowwise", "packed_colwise") and (
-                kind == "conv1d" or style == "packed_colwise"
-            ):
-                module.forward = split_projection(module, style, kind)
-                overridden.append(module)
-            if style == "packed_colwise":  # as apply shrinks the attention to this rank's heads
-                parent = model.get_submodule(path.rpartition(".")[0])
-                for name in ("split_size", "num_heads"):
-                    if isinstance(getattr(parent, name, None), int):
-                        resized.append((parent, name, getattr(parent, name)))
-                        setattr(parent, name, getattr(parent, name) // tp_size)
-            inside = path.rpartition(".")[0] in gathers
-            if sequence and style in ("colwise", "colwise_gather") and kind != "embedding" and not inside:
-                handles.append(module.register_forward_pre_hook(gather_input))
-            if style == "colwise_gather" or (style == "colwise" and kind == "embedding"):
-                # a colwise embedding's output is gathered over the features too
-                full = _gathered_features(plan, path, kind)
-                handles.append(module.register_forward_hook(functools.partial(gather_features, full)))
-            if sequence and style in ("rowwise", "rowwise_split_input") and kind != "embedding":
-                handles.append(module.register_forward_hook(scatter_seq))
-            if style == "rowwise_split_input":
-                handles.append(module.register_forward_pre_hook(functools.partial(split_input, kind)))
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-        for module in overridden:
-            del module.forward
-        for parent, name, value in resized:
-            setattr(parent, name, value)
 
 
 @contextlib.contextmanager
@@ -841,21 +457,21 @@ class _Run:
             args, kwargs = _inputs(model, self.batch, self.seq, self.inputs, self.dtype)
         if _is_hf(model):
             kwargs.setdefault("use_cache", False)
-        births = _Births()
+        births = Births()
         for tensor in _tensors((args, kwargs)):
             births.note(tensor)
         excluded = {StorageWeakRef(p.untyped_storage()) for p in self.params}
-        flops = _Flops()
+        flops = Flops()
         for param in self.params:
             if param.dim() == 2:
                 flops.weight_shapes |= {tuple(param.shape), tuple(param.shape[::-1])}
-                flops.weights.add(_storage_key(param))
+                flops.weights.add(storage_key(param))
         with contextlib.ExitStack() as stack:
             stack.enter_context(
-                _checkpointed(model, tuple(config.checkpointed), config.checkpoint_policy, flops)
+                checkpointed(model, tuple(config.checkpointed), config.checkpoint_policy, flops)
             )
             stack.enter_context(self._left_out(groups, doubled))
-            stack.enter_context(_sequence_parallel(model, self.plan, self.tp_size, self.seq))
+            stack.enter_context(sequence_parallel(model, self.plan, self.tp_size, self.seq))
             stack.enter_context(_unpacked_sequences(model))
             owners = [births.running, flops.running]
             outputs: dict[str, int] = {}
@@ -946,27 +562,6 @@ def _reached(plan: Any, left_out: tuple[str, ...]) -> Any:
 
 class _NotPassableError(Exception):
     """A left-out layer got no tensor to hand on."""
-
-
-def _check_sequence_parallel(modules: dict[str, nn.Module], plan: Any, seq: int, tp_size: int) -> None:
-    # what apply refuses to run under sequence parallel, refused here before tracing
-    from .errors import PlanError, bullets
-
-    axes = ",".join(plan.config.tensor_parallel_axes)
-    if seq % tp_size:
-        raise ShardingError(
-            f"trace_activations(seq={seq}): sequence parallel over {axes!r} splits the sequence evenly "
-            f"over its {tp_size} ranks (torch pads no activation), and {tp_size} does not divide {seq}. "
-            f"Use a sequence length that is a multiple of {tp_size}, or drop sequence_parallel"
-        )
-    if problems := sequence_parallel_problems(plan.config.tp_styles, modules):
-        raise PlanError(
-            bullets(
-                f"trace_activations: torch's engines cannot run sequence parallel over {axes!r} here:",
-                problems,
-                "Change the rules, or drop sequence_parallel.",
-            )
-        )
 
 
 def _stage_holder(plan: Any, rank: int) -> Any:
@@ -1083,7 +678,7 @@ def trace_activations(
     for axis in config.tensor_parallel_axes:
         tp_size *= plan.mesh[axis]
     if config.sequence_parallel:
-        _check_sequence_parallel(modules, plan, seq, tp_size)
+        check_sequence_parallel(modules, plan, seq, tp_size)
 
     # fake CPU tensors: no memory, and torch picks the fused attention kernels it runs for real
     fake = FakeTensorMode(allow_non_fake_inputs=False)

@@ -350,7 +350,7 @@ def kept_activation_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) ->
     """
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from .activations import kept_bytes
+    from .trace_counting import kept_bytes
 
     births = _Births()
 

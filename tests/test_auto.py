@@ -18,7 +18,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import functional_shard as fs
-from functional_shard import activations, rules
+from functional_shard import activations, rules, trace_counting
 from functional_shard.auto import _points, head_counts, repeated_block
 from functional_shard.quiet import captured
 from functional_shard.zoo import CONFIGS, MLP, Block, Llama, LlamaConfig, llama
@@ -370,7 +370,7 @@ def test_the_shortcuts_of_a_search_trace_give_what_tracing_every_layer_gives(tp,
     fast = activations.trace_activations(_DEEP, plan, batch=micro, seq=seq, rank=rank)
     with pytest.MonkeyPatch.context() as slow:
         slow.setattr(activations, "_repeats", lambda *args: [])
-        slow.setattr(activations, "_DEVICE", object())
+        slow.setattr(trace_counting, "_DEVICE", object())
         whole = activations.trace_activations(_DEEP, plan, batch=micro, seq=seq, rank=rank)
     assert fast == whole
 

@@ -12,7 +12,7 @@ def apply_checkpointing(plan: Plan, module: nn.Module) -> None:
     # the composable checkpoint works through hooks: parameter paths stay as they are
     from torch.distributed._composable import checkpoint
 
-    from functional_shard.activations import selective_context
+    from functional_shard.trace_checkpointing import selective_context
 
     selective = plan.config.checkpoint_policy == "selective"
     for path in plan.config.checkpointed:
