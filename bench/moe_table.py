@@ -100,11 +100,12 @@ def candidates(devices: int, experts: int = 8) -> list[Candidate]:
 
 @dataclass(frozen=True)
 class Row:
-    """What the estimate says of one candidate, or why it says nothing."""
+    """What the cost model and the estimate say of one candidate, or why they say nothing."""
 
     candidate: Candidate
     estimate: Any = None
     expert_bytes: int | None = None
+    sent_bytes: float | None = None
     reason: str = ""
 
 
@@ -121,18 +122,22 @@ def _quiet() -> Iterator[None]:
 
 
 def estimate(model: Any, candidate: Candidate, batch: int, seq: int, hardware: str) -> Row:
-    """Shard and estimate one candidate; a refusal becomes the row's reason."""
+    """Shard, cost and estimate one candidate; a refusal becomes the row's reason."""
     try:
         plan = candidate.shard(model)
     except fs.ShardingError as error:
         return Row(candidate, reason=f"refused: {_one_line(error)}")
     experts = expert_weight_bytes(model, plan)
     try:
+        sent: float | None = plan.cost(tokens=batch * seq).comm_total_bytes
+    except fs.ShardingError:
+        sent = None  # the estimate below fails too, and says why
+    try:
         with _quiet():
             found = fs.estimate(model, plan, batch=batch, seq=seq, hardware=hardware)
     except fs.ShardingError as error:
-        return Row(candidate, expert_bytes=experts, reason=f"not estimated: {_one_line(error)}")
-    return Row(candidate, found, experts)
+        return Row(candidate, None, experts, sent, f"not estimated: {_one_line(error)}")
+    return Row(candidate, found, experts, sent)
 
 
 def expert_weight_bytes(model: Any, plan: fs.Plan, rank: int = 0) -> int:
@@ -145,30 +150,30 @@ def expert_weight_bytes(model: Any, plan: fs.Plan, rank: int = 0) -> int:
 
 
 def _gib(value: float) -> str:
-    return f"{value / 2**30:.1f} GiB"
+    return f"{value / 2**30:,.1f} GiB"
 
 
 def markdown(rows: list[Row], devices: int) -> str:
     """The page's table: one line per candidate, refused and unestimated ones included."""
     lines = [
-        "| plan | mesh | expert weights / rank | peak / rank | fits 80 GiB | step "
+        "| plan | mesh | expert weights / rank | sent / rank / step | peak / rank | fits 80 GiB | step "
         "| tokens/s (all ranks) | MFU |",
-        "|---|---|---:|---:|:---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|:---:|---:|---:|---:|",
     ]
     for row in rows:
         c = row.candidate
-        head = f"| {c.name} | {c.mesh_text} "
+        experts = "—" if row.expert_bytes is None else _gib(row.expert_bytes)
+        sent = "—" if row.sent_bytes is None else _gib(row.sent_bytes)
+        head = f"| {c.name} | {c.mesh_text} | {experts} | {sent} "
         if row.estimate is None:
-            at_rest = _gib(row.expert_bytes) if row.expert_bytes is not None else "—"
-            lines.append(f"{head}| {at_rest} | {row.reason} | | | | |")
+            lines.append(f"{head}| {row.reason} | | | | |")
             continue
         e = row.estimate
         # tokens/s per device counts a tensor-parallel group's shared tokens once
         total = e.tokens_per_second * devices
         lines.append(
-            f"{head}| {_gib(row.expert_bytes or 0)} | {_gib(e.peak_bytes)} | "
-            f"{'yes' if e.fits(BUDGET) else 'no'} | {e.step_seconds * 1e3:,.0f} ms | {total:,.0f} "
-            f"| {e.mfu:.1%} |"
+            f"{head}| {_gib(e.peak_bytes)} | {'yes' if e.fits(BUDGET) else 'no'} "
+            f"| {e.step_seconds * 1e3:,.0f} ms | {total:,.0f} | {e.mfu:.1%} |"
         )
     return "\n".join(lines)
 
@@ -233,6 +238,10 @@ def arithmetic(model: Any, devices: int, tokens: int, ep: int) -> str:
     recompute = 6 * layers * one_way  # checkpointed blocks run their forward all-to-alls again
     weights_saved = fsdp_gather + fsdp_reduce - ep_gather - ep_reduce
     even = weights_saved / (4 * layers * k * d * bf16 * (ep - 1) / ep)
+    # FSDP2 splits dim 0 (the expert index) in torch.chunk pieces padded to the largest: with
+    # more ranks than experts, every rank's shard is one whole expert, real or padding
+    fsdp_padding = devices * math.ceil(experts / devices) / experts
+    ep_padding = data * math.ceil(experts // ep / data) / (experts // ep)
 
     def gib(value: float) -> str:
         return f"{value / 2**30:,.2f} GiB"
@@ -256,6 +265,13 @@ def arithmetic(model: Any, devices: int, tokens: int, ep: int) -> str:
             f"  all-to-all of token copies, 4 per layer  4·L·T·k·d·2 B·(ep-1)/ep = {gib(dispatch)}",
             f"  ... 6 per layer when the blocks are checkpointed (recomputed)   = {gib(recompute)}",
             f"ep sends less while tokens per rank per step < {even:,.0f} (without recomputation)",
+            "",
+            "FSDP2 shards the expert index (dim 0), padding each rank's shard to the largest:",
+            f"  fsdp over {devices}: {experts} experts in {devices} shards, weight bytes × "
+            f"{fsdp_padding:g} = {gib((fsdp_gather + fsdp_reduce) * fsdp_padding)}",
+            f"  ep {ep} × fsdp over {data}: {experts // ep} expert(s) in {data} shards, weight bytes × "
+            f"{ep_padding:g} = {gib((ep_gather + ep_reduce) * ep_padding)}, "
+            f"plus {gib(dispatch)} of token copies",
         ]
     )
 
