@@ -45,8 +45,9 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .errors import ShardingError
-from .routing import check_expert_imbalance, routed_experts
+from .routing import check_expert_imbalance
 from .rules import first_input_name, sequence_gathers, sequence_parallel_problems
+from .trace_experts import rank_experts
 
 __all__ = ["SAVED_OPS", "ActivationTrace", "selective_context", "trace_activations"]
 
@@ -708,6 +709,7 @@ class _Run:
         self.modules = modules
         self.batch, self.seq, self.inputs, self.dtype, self.tp_size = batch, seq, inputs, dtype, tp_size
         self.expert_imbalance = expert_imbalance
+        self.rank = 0
         self.repeats_are_passable = True
         self.stage_modules: dict[str, int] = {}
         self.stage_last: list[str] = []
@@ -796,7 +798,7 @@ class _Run:
             # parameters stay swapped through backward: checkpoint recomputes with them
             stack.enter_context(_reparametrize_module(model, self.state, tie_weights=False, strict=False))
             stack.enter_context(_unpacked_sequences(model))
-            stack.enter_context(routed_experts(self.modules.values(), self.expert_imbalance))
+            stack.enter_context(rank_experts(self.modules, self.expert_imbalance, self.plan, self.rank))
             owners = [births.running, flops.running]
             outputs: dict[str, int] = {}
             stack.enter_context(_stage_owner(self.modules, self.stage_modules, owners, outputs))
@@ -1088,6 +1090,7 @@ def trace_activations(
         expert_imbalance,
         modules,
     )
+    run.rank = rank
     if stages:
         run.stage_modules = {path: index for index, modules in enumerate(stages) for path in modules}
         run.stages = len(stages)

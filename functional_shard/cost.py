@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from .bytesize import format_bytes as _bytes
 from .errors import ShardingError
+from .expert_cost import expert_comm, expert_grad_axes
 from .layout import local_numel
 from .rules import sequence_gathers
 from .spec import Owned, ParamSharding
@@ -396,12 +397,13 @@ def _parameter_comm(plan: Plan, comm: _Comm, census: _Census, held: Mapping[str,
             n = plan.mesh.axes_size(at_rest)
             shard = local_numel(shape, sharding.storage, plan.mesh, origin, padded)
             comm.add("all_gather", at_rest, n, n * shard * (param_size or itemsize), times * count)
-        grad_axes = tuple(a for a in sharding.grad.axes if a in data_axes)
+        # an expert tensor's gradient is complete over the expert axis (expert_cost)
+        grad_axes = expert_grad_axes(plan, sharding, tuple(a for a in sharding.grad.axes if a in data_axes))
         grad_bytes = local_numel(shape, sharding.grad, plan.mesh, origin, padded) * (reduce_size or itemsize)
         if grad_axes:
             n = plan.mesh.axes_size(grad_axes)
             comm.add("reduce_scatter", grad_axes, n, n * grad_bytes, count)
-        replicas = tuple(a for a in data_axes if a not in grad_axes)
+        replicas = expert_grad_axes(plan, sharding, tuple(a for a in data_axes if a not in grad_axes))
         if replicas:
             comm.add("all_reduce", replicas, plan.mesh.axes_size(replicas), grad_bytes, count)
         if isinstance(sharding.optim, Owned):
@@ -456,8 +458,8 @@ def _activation_comm(plan: Plan, comm: _Comm, tokens: int, held: Mapping[str, in
     gathered = set(sequence_gathers(plan.config.tp_styles)) if sequence else set()
     counted: set[str] = set()
     for module_path, style, kind in plan.config.tp_styles:
-        if style in ("sequence", "replicate", "replicate_grad_allreduce"):
-            continue
+        if style in ("sequence", "replicate", "replicate_grad_allreduce") or kind == "experts":
+            continue  # (an experts module's traffic: expert_cost)
         weight = plan.canonical(f"{module_path}.weight")
         tensor, compute = plan.tensors[weight], plan.sharding(weight).compute
         if not compute.holds(held):  # another stage's module
@@ -651,6 +653,7 @@ def cost(
     boundaries: dict[int, float] = {}
     if tokens is not None:
         _activation_comm(plan, comm, tokens, coords)
+        expert_comm(plan, tokens, _compute_itemsize(plan), comm.add, coords)
         boundaries = _pipeline_comm(plan, comm, tokens, coords)
     return Cost(
         rank=plan.mesh.rank(coords),

@@ -3,7 +3,8 @@
 An edge module like `apply`: it observes the collectives torch issues and the tensors a
 rank holds, and issues no collective of its own. Bytes follow the cost model's ring
 conventions, from the full (gathered) size S of each collective: all-gather and
-reduce-scatter send (n-1)/n·S per rank, all-reduce 2(n-1)/n·S, broadcast (n-1)/n·S.
+reduce-scatter send (n-1)/n·S per rank, all-reduce 2(n-1)/n·S, broadcast (n-1)/n·S; an
+all-to-all sends what it hands the other ranks (its input less this rank's own split).
 """
 
 from __future__ import annotations
@@ -67,6 +68,21 @@ class CollectiveLog(TorchDispatchMode):
         by_axes = self.sent.setdefault(kind, {})
         by_axes[axes] = by_axes.get(axes, 0.0) + factor * (n - 1) / n * full_bytes
 
+    def _record_all_to_all(self, group: Any, tensor: torch.Tensor, input_splits: list[int]) -> None:
+        # an all-to-all sends each rank its own rows (splits along dim 0; none: equal parts)
+        # and keeps this rank's part: sent is everything but that part
+        n, me = group.size(), dist.get_rank(group)
+        total = _nbytes(tensor)
+        if input_splits:
+            row = total // tensor.shape[0] if tensor.shape[0] else 0
+            sent = (sum(input_splits) - input_splits[me]) * row
+        else:
+            sent = total * (n - 1) // n
+        axes = self._axes(group)
+        self.ops.append(("all_to_all", axes, total))
+        by_axes = self.sent.setdefault("all_to_all", {})
+        by_axes[axes] = by_axes.get(axes, 0.0) + float(sent)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from torch.distributed.tensor import DTensor
 
@@ -84,6 +100,13 @@ class CollectiveLog(TorchDispatchMode):
             self._record("all_reduce", dist.ProcessGroup.unbox(args[1]), sum(map(_nbytes, args[0])))
         elif name == "c10d::broadcast_":
             self._record("broadcast", dist.ProcessGroup.unbox(args[1]), sum(map(_nbytes, args[0])))
+        elif name == "c10d::alltoall_base_":
+            # (output, input, group, output splits, input splits, ...)
+            self._record_all_to_all(dist.ProcessGroup.unbox(args[2]), args[1], args[4])
+        elif name == "_c10d_functional::all_to_all_single":
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            self._record_all_to_all(_resolve_process_group(args[-1]), args[0], args[2])
         elif name in _FUNCTIONAL:
             from torch.distributed.distributed_c10d import _resolve_process_group
 

@@ -66,6 +66,8 @@ class PlanConfig:
     """The mesh axis whose ranks hold different experts (``None``: no expert parallelism)."""
     expert_modules: tuple[str, ...] = ()
     """Module paths holding the expert tensors split over ``expert_axis``, in module order."""
+    expert_top_k: int = 0
+    """Experts each token visits in the model's mixture-of-experts layers (0: none, or unknown)."""
 
     @property
     def data_axes(self) -> tuple[str, ...]:

@@ -391,6 +391,7 @@ def _shard(model: Any, mesh: Mesh | DeviceMesh, policy: Policy | Any, *, reuse_b
     policy = _with_model_pieces(resolve_rules(as_policy(policy), model), model)
     tree = read_model(model)
     experts = policy.expert_parallel
+    plan = None
     if (
         reuse_blocks
         and tree.blocks
@@ -398,9 +399,20 @@ def _shard(model: Any, mesh: Mesh | DeviceMesh, policy: Policy | Any, *, reuse_b
         and (experts is None or experts.index_free)
     ):
         plan = _shard_reusing_blocks(tree, mesh, policy)
-        if plan is not None:
-            return plan
-    return _shard_each(tree, mesh, policy)
+    if plan is None:
+        plan = _shard_each(tree, mesh, policy)
+    return _with_top_k(plan, model)
+
+
+def _with_top_k(plan: Plan, model: Any) -> Plan:
+    # the cost of dispatching tokens to experts depends on how many each token visits,
+    # which only the model (its config or router) says
+    config = plan.config
+    if not config.expert_modules and not any(kind == "experts" for _, _, kind in config.tp_styles):
+        return plan
+    from .expert_cost import expert_top_k
+
+    return dataclasses.replace(plan, config=dataclasses.replace(config, expert_top_k=expert_top_k(model)))
 
 
 def _with_model_pieces(policy: Policy, model: Any) -> Policy:

@@ -249,7 +249,11 @@ def collective_counts(plan: Plan, grads_bytes: int) -> dict[str, int]:
     tensor-parallel module issues one collective per step, two under sequence parallelism.
     """
     config = plan.config
-    counts = {"tensor parallel": 0, "sharded": 0, "all_reduce": 0, "broadcast": 0}
+    counts = {"tensor parallel": 0, "sharded": 0, "all_reduce": 0, "broadcast": 0, "expert": 0}
+    # an expert-parallel experts module: counts, dispatch and combine forward, the last two
+    # again backward (and its forward three again where checkpointing recomputes it)
+    for path in config.expert_modules:
+        counts["expert"] += 5 + 3 * _inside(path, config.checkpointed)
     if config.shard_axes:
         units = _units(plan)
         for unit in units:
@@ -264,14 +268,20 @@ def collective_counts(plan: Plan, grads_bytes: int) -> dict[str, int]:
     # inside (rules.sequence_gathers) issues the all-gather and its reduce-scatter, once
     gathers = set(sequence_gathers(config.tp_styles)) if config.sequence_parallel else set()
     counts["tensor parallel"] += 2 * len(gathers)
-    for path, style, _ in config.tp_styles:
+    for path, style, kind in config.tp_styles:
         if style == "sequence":
             counts["tensor parallel"] += config.sequence_parallel  # its weight's gradient all-reduce
         elif path.rpartition(".")[0] in gathers and style in ("colwise", "colwise_gather"):
             counts["tensor parallel"] += style == "colwise_gather"  # its output all-gather
+        elif kind == "experts":  # output all-reduce; input and routing-weight gradients' in backward
+            counts["tensor parallel"] += 3
         elif style != "replicate":
             counts["tensor parallel"] += 2 if config.sequence_parallel else 1
     return counts
+
+
+def _inside(path: str, modules: tuple[str, ...]) -> bool:
+    return any(path == m or path.startswith(f"{m}.") or not m for m in modules)
 
 
 _PER_PLAN: dict[int, tuple[Plan, dict[Hashable, Any]]] = {}
@@ -341,6 +351,17 @@ def _recomputed_now(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> t
             "replicate_grad_allreduce",
         ):
             continue
+        if kind == "experts":  # its output all-reduce (`expert_cost`), run again
+            gate_up = plan.tensors[plan.canonical(f"{module_path}.gate_up_proj")]
+            axes = plan.config.tensor_parallel_axes
+            n = plan.mesh.axes_size(axes)
+            dtype = plan.config.param_dtype
+            size = dtype_from_name(dtype).itemsize if dtype else gate_up.itemsize
+            if n > 1:
+                hidden_bytes = gate_up.shape[2] * size * tokens
+                sent[f"all_reduce over {','.join(axes)}"] += 2 * (n - 1) / n * hidden_bytes
+                count += 1
+            continue
         weight = plan.canonical(f"{module_path}.weight")
         tensor = plan.tensors[weight]
         axes = plan.sharding(weight).compute.axes
@@ -400,7 +421,8 @@ def step_time(
 ) -> tuple[float, dict[str, float], dict[str, float]]:
     """Compute seconds, exposed communication by reason, and each collective's seconds.
 
-    Tensor-parallel collectives sit on the critical path; FSDP/ZeRO gathers and
+    Tensor-parallel collectives and expert parallelism's all-to-alls (the experts wait
+    for their tokens, the layer for the results) sit on the critical path; FSDP/ZeRO gathers and
     reduce-scatters run under compute (all but the first gather); DDP's and HSDP's
     gradient all-reduce runs under backward; ZeRO-1's parameter broadcasts follow the
     optimizer step and are exposed (DDP, run by torch's composable ``replicate``, sends
@@ -422,7 +444,7 @@ def step_time(
         group: n * (tp_latency if group == "tensor parallel" else hw.collective_latency)
         for group, n in counts.items()
     }
-    tensor_parallel = latency["tensor parallel"]
+    tensor_parallel, expert = latency["tensor parallel"], latency["expert"]
     sharded, all_reduce, broadcast = latency["sharded"], latency["all_reduce"], latency["broadcast"]
     for kind, by_axes in plan_cost.comm_bytes.items():
         for axes_text, nbytes in by_axes.items():
@@ -431,6 +453,8 @@ def step_time(
             per_collective[f"{kind} over {axes_text} ({hw.link_of(plan.mesh, axes)})"] = seconds
             if tp_axes and set(axes) <= tp_axes:
                 tensor_parallel += seconds
+            elif kind == "all_to_all":
+                expert += seconds
             elif kind == "broadcast":
                 broadcast += seconds
             elif kind == "all_reduce":
@@ -446,7 +470,7 @@ def step_time(
         recompute += seconds
     exposed: dict[str, float] = {}
     if not hw.overlap_communication:
-        total = tensor_parallel + recompute + sharded + all_reduce + broadcast
+        total = tensor_parallel + recompute + sharded + all_reduce + broadcast + expert
         if total:
             exposed["communication (no overlap)"] = total
         return compute, _with_step_tail(exposed, plan_cost, hw), per_collective
@@ -454,6 +478,9 @@ def step_time(
         exposed["tensor parallel"] = tensor_parallel
     if recompute:
         exposed["tensor parallel recompute"] = recompute
+    if expert:
+        # the experts wait for their tokens, and the layer for the results: on the critical path
+        exposed["expert all-to-all"] = expert
     if sharded:
         # nothing runs before the first unit (root and largest block) is gathered
         axes = plan.config.shard_axes

@@ -169,7 +169,8 @@ def apply_expert_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh
         total = experts.gate_up_proj.shape[0]
         for name in EXPERT_PARAMS:
             full = getattr(experts, name).detach()
-            _as_dtensor(experts, name, full.chunk(size, 0)[rank].contiguous(), ep_mesh, Shard(0))
+            # a copy, not a view: a view would keep every expert's storage alive on every rank
+            _as_dtensor(experts, name, full.chunk(size, 0)[rank].clone(), ep_mesh, Shard(0))
         experts.forward = _dispatching_forward(experts, ep_mesh, total)
 
 
