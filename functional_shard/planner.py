@@ -336,7 +336,7 @@ def _config(
         # under a pipeline FSDP keeps each stage gathered across its micro-batches, as
         # torchtitan runs it (reshard_after_forward = not pp_enabled): one all-gather a step
         reshard_after_forward=(sharding_layer.reshard_after_forward if sharding_layer else True)
-        and not pipe_config,
+        and "pipeline_axis" not in pipe_config,  # (pipe_config also carries the expert axis)
         units=_units(tree, sharding_layer),
         checkpointed=tuple(_select(options.checkpoint or (), tree, "checkpointing()")),
         checkpoint_policy=options.checkpoint_policy or "full",
