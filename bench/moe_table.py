@@ -319,6 +319,8 @@ def main(argv: list[str] | None = None) -> None:
                 "arithmetic": f"```text\n{arithmetic(model, args.devices, tokens, 8)}\n```",
                 "holds": f"```text\n{holds(model, args.seq, args.batch)}\n```",
                 "table": table(model, args.devices, args.batch, args.seq, args.hardware),
+                # one node: no FSDP2 padding (8 experts over at most 8 ranks), NVLink only
+                "table-one-node": table(model, 8, args.batch, args.seq, args.hardware),
             },
         )
         print(f"refreshed {args.write_page}")
