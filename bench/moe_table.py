@@ -192,14 +192,15 @@ def holds(model: Any, seq: int, batch: int) -> str:
             for line in plan.explain().splitlines()
             if ".experts." in line or ".gate." in line or line.startswith(("Plan on", "path", "at rest"))
         ]
-        out.append(f">>> {candidate.policy + EXTRAS} on Mesh({candidate.mesh_text})")
+        out.append(f"# {candidate.policy + EXTRAS} on Mesh({candidate.mesh_text})")
+        out.append("# plan.explain(): the router and expert rows")
         out.extend(rows)
-        out.append(f">>> print(plan.cost(tokens={batch * seq}))")
+        out.append(f"# plan.cost(tokens={batch * seq})")
         try:
             out.append(str(plan.cost(tokens=batch * seq)))
         except fs.ShardingError as error:
             out.append(f"ShardingError: {_one_line(error)}")
-            out.append(">>> print(plan.cost())")
+            out.append("# plan.cost()")
             out.append(str(plan.cost()))
         out.append("")
     return "\n".join(out)
