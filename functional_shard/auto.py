@@ -30,8 +30,10 @@ from .mesh import Mesh
 from .plan import Plan
 from .planner import shard
 from .policy import (
+    ExpertParallel,
     Policy,
     checkpointing,
+    ep,
     fsdp,
     hsdp,
     mixed_precision,
@@ -69,6 +71,8 @@ class Candidate:
     estimate: Estimate | None = field(default=None, compare=False, repr=False)
     pipeline: tuple[str, int, int] | None = None
     """(schedule, stages per rank, micro-batches) under pipeline parallelism."""
+    expert_parallel: int = 1
+    """Ranks the experts are split over by expert index (the ``ep`` axis); 1: none."""
 
     @property
     def fits(self) -> bool:
@@ -97,9 +101,26 @@ class AutoReport:
     no_tensor_parallel: str | None = None
     """Why tensor parallelism was left out of the search (None when it was searched)."""
 
-    def table(self, top: int | None = 10) -> str:
-        """The candidates as a table, fitting ones first, fastest first."""
-        rows = sorted(self.candidates, key=lambda c: (not c.fits, c.key()))
+    @property
+    def expert_parallel_candidates(self) -> tuple[Candidate, ...]:
+        """For each expert-parallel size searched, its best candidate (fitting first, then fastest).
+
+        Examples:
+            >>> from functional_shard.zoo import llama
+            >>> report = fs.search_plans(llama("tiny"), devices=1, memory_budget="1GiB", batch=2, seq=16)
+            >>> report.expert_parallel_candidates  # a dense model: none
+            ()
+        """
+        best: dict[int, Candidate] = {}
+        for c in sorted(self.candidates, key=lambda c: (not c.fits, c.key())):
+            if c.expert_parallel > 1:
+                best.setdefault(c.expert_parallel, c)
+        return tuple(best[size] for size in sorted(best))
+
+    def table(self, top: int | None = 10, candidates: tuple[Candidate, ...] | None = None) -> str:
+        """The candidates (by default all) as a table, fitting ones first, fastest first."""
+        shown = self.candidates if candidates is None else candidates
+        rows = sorted(shown, key=lambda c: (not c.fits, c.key()))
         if top is not None:
             rows = rows[:top]
         mesh_width = max([4, *(len(repr(c.mesh)) for c in rows)])
@@ -123,7 +144,12 @@ class AutoReport:
         )
         if self.no_tensor_parallel:
             head += f"\nno tensor parallelism: {self.no_tensor_parallel}"
-        return head + "\n" + self.table()
+        text = head + "\n" + self.table()
+        if self.expert_parallel_candidates:
+            text += "\nexpert parallel, the best of each ep size:\n" + self.table(
+                None, self.expert_parallel_candidates
+            )
+        return text
 
 
 def step_text(seconds: float) -> str:
@@ -186,19 +212,37 @@ def _rules(model: Any) -> tuple[Any, str | None]:
         found = rules.for_model(model)
     except PolicyError as error:  # e.g. mixture-of-experts layers: data parallelism only
         return None, _one_line(error)
-    # tensor parallel inside the experts runs (apply), but the cost model and the trace do not
-    # count it yet: such plans stay out of the search rather than be ranked on wrong numbers
-    experts = [
-        path
-        for path, param in model.named_parameters()
-        if param.ndim == 3 and (rule := found.match(path)) is not None and rule.target not in ("replicate",)
-    ]
-    if experts:
-        return None, (
-            f"{type(model).__name__}'s tensor-parallel plan uses styles the estimate does not count yet: "
-            f"the 3-D expert tensors ({experts[0]}, ...) split inside each expert"
-        )
     return found, None
+
+
+def expert_count(model: Any, tree: Any) -> int:
+    """Experts per mixture-of-experts layer (dim 0 of its 3-D expert tensors); 0 for a dense model.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> from functional_shard.tree import read_model
+        >>> expert_count(llama("tiny"), read_model(llama("tiny")))
+        0
+    """
+    from .hf import expert_patterns
+    from .tree import matches
+
+    try:
+        patterns = expert_patterns(model)
+    except (PolicyError, TypeError, AttributeError):
+        return 0
+    for path, tensor in tree.params.items():
+        if tensor.ndim == 3 and any(matches(pattern, path) for pattern in patterns):
+            return int(tensor.shape[0])
+    return 0
+
+
+def _splits_experts(rules: Any, tree: Any) -> bool:
+    # tensor parallel reaching inside the experts: apply runs it without sequence parallel only
+    return rules is not None and any(
+        tensor.ndim == 3 and (rule := rules.match(path)) is not None and rule.target != "replicate"
+        for path, tensor in tree.params.items()
+    )
 
 
 def _one_line(error: Exception, limit: int = 240) -> str:
@@ -232,6 +276,7 @@ class _Point:
     sp: bool
     offload: bool
     pipeline: tuple[str, int, int] | None = None
+    ep: int = 1
 
     @property
     def dp(self) -> int:
@@ -291,6 +336,8 @@ def _points(
     heads: tuple[int, int] | None,
     offload_: bool,
     tensor_parallel: bool = True,
+    experts: int = 0,
+    experts_split_by_tp: bool = False,
 ) -> Iterator[_Point]:
     for tp_size in _divisors(devices):
         if tp_size > 1 and (
@@ -303,7 +350,7 @@ def _points(
         if batch % dp:
             continue
         tp_axes = {"tp": tp_size} if tp_size > 1 else {}
-        for sp in (False, True) if tp_size > 1 else (False,):
+        for sp in (False, True) if tp_size > 1 and not experts_split_by_tp else (False,):
             families = ("ddp",) if dp == 1 else FAMILIES
             for family in families:
                 if offload_ and family not in ("zero2", "fsdp", "hsdp"):
@@ -314,6 +361,13 @@ def _points(
                         yield _Point(mesh, family, tp_size, sp, offload_)
                 else:
                     yield _Point(Mesh(dp=dp, **tp_axes), family, tp_size, sp, offload_)
+        if tp_size == 1 and dp > 1 and not offload_:
+            # expert parallelism borrows its axis from the data-parallel ranks, as torchtitan
+            # does: dense tensors FSDP-sharded over all of them, experts over the rest. (apply
+            # splits an experts module one way: with tp it would reach inside them too)
+            for ep_size in _divisors(experts)[1:]:
+                if dp % ep_size == 0:
+                    yield _Point(Mesh(dp=dp // ep_size, ep=ep_size), "fsdp", 1, False, False, ep=ep_size)
 
 
 def _pipeline_units(tree: Any) -> tuple[tuple[str, ...], ...]:
@@ -326,7 +380,14 @@ def _pipeline_units(tree: Any) -> tuple[tuple[str, ...], ...]:
     return split_stages(tree, bool(before) + len(blocks) + bool(after))
 
 
-def _policy(point: _Point, rules: Any, block: type | None, how: str, dtype: str | None) -> Policy:
+def _policy(
+    point: _Point,
+    rules: Any,
+    block: type | None,
+    how: str,
+    dtype: str | None,
+    experts: tuple[str, ...] | None = None,
+) -> Policy:
     data = {
         "ddp": lambda: replicate("dp"),
         "zero1": lambda: zero(1, "dp"),
@@ -334,7 +395,7 @@ def _policy(point: _Point, rules: Any, block: type | None, how: str, dtype: str 
         "fsdp": lambda: fsdp("dp"),
         "hsdp": lambda: hsdp("replicate", "shard"),
     }[point.family]()
-    policy = data
+    policy = fsdp(("dp", "ep")) + ep("ep", experts=experts) if point.ep > 1 else data
     if point.pipeline is not None:
         schedule, per_rank, microbatches = point.pipeline
         policy = (
@@ -352,6 +413,12 @@ def _policy(point: _Point, rules: Any, block: type | None, how: str, dtype: str 
 
 
 def _text(policy: Policy) -> str:
+    # ep's expert patterns are what ep(axis) finds in the model again: left out of the text
+    layers = tuple(
+        dataclasses.replace(layer, experts=None) if isinstance(layer, ExpertParallel) else layer
+        for layer in policy.layers
+    )
+    policy = Policy(layers, policy.options)
     try:
         from .policy_text import format_policy
 
@@ -420,8 +487,10 @@ def search_plans(
     block = repeated_block(model)
     rules, no_tensor_parallel = _rules(model)
     dtype = "bfloat16" if "bfloat16" in hw.flops else None
-    points = list(_points(devices, batch, hw, heads, False, rules is not None))
     tree = read_model(model)
+    experts = expert_count(model, tree)
+    split_by_tp = _splits_experts(rules, tree)
+    points = list(_points(devices, batch, hw, heads, False, rules is not None, experts, split_by_tp))
     units = _pipeline_units(tree)
 
     def pipelines() -> list[_Point]:
@@ -441,7 +510,8 @@ def search_plans(
     if not any(c.fits for c in candidates):
         candidates += search.run(pipe_points or pipelines())
     if not any(c.fits for c in candidates):
-        candidates += search.run(list(_points(devices, batch, hw, heads, True, rules is not None)))
+        offloaded = _points(devices, batch, hw, heads, True, rules is not None, experts, split_by_tp)
+        candidates += search.run(list(offloaded))
     fitting = [c for c in candidates if c.fits]
     best_candidate = min(fitting, key=Candidate.key) if fitting else None
     best = search.final_plan(best_candidate) if best_candidate else None
@@ -469,6 +539,11 @@ class _Search:
         self.rules_text = repr(rules)
         # the model's tensors and modules, read once for the many plans of the search
         self.tree = tree if tree is not None else read_model(model)
+        self.experts: tuple[str, ...] | None = None  # the expert tensors' patterns, read once
+        if expert_count(model, self.tree):
+            from .hf import expert_patterns
+
+            self.experts = expert_patterns(model)
         self.units = units
         # the modules fs.checkpointing(block) selects, as the planner selects them
         self.block_paths: tuple[str, ...] = ()
@@ -483,7 +558,19 @@ class _Search:
         # what a trace reads of the plan is the same for every data-parallel family
         # (tests/test_auto.py checks it): the first point of a key traces its own plan, with
         # the checkpointing fs.checkpointing(block, policy=how) would add
-        key = (point.tp, point.sp, how, self.dtype, micro, self.seq, self.rules_text, self.block)
+        # Under balanced routing every ep size runs the same local work: a rank's E/ep experts
+        # get ep times each expert's share, T*k rows in all (trace_experts): one trace for all
+        key = (
+            point.tp,
+            point.sp,
+            how,
+            self.dtype,
+            micro,
+            self.seq,
+            self.rules_text,
+            self.block,
+            point.ep > 1,
+        )
         if key not in self.traces:
             from .estimate import _trace  # looked up per call: tests substitute the tracer
 
@@ -521,9 +608,9 @@ class _Search:
             if point.pipeline is not None:
                 out += self._run_pipeline(point)
                 continue
-            base_policy = _policy(point, self.rules, self.block, "none", self.dtype)
+            base_policy = _policy(point, self.rules, self.block, "none", self.dtype, self.experts)
             try:
-                plan = shard(self.tree, point.mesh, base_policy)
+                plan = self._shard(point.mesh, base_policy)
             except ShardingError as error:
                 first = " ".join(str(error).split())[:160]
                 out.append(
@@ -536,6 +623,7 @@ class _Search:
                         point.offload,
                         _text(base_policy),
                         rejected=f"cannot plan: {first}",
+                        expert_parallel=point.ep,
                     )
                 )
                 continue
@@ -543,11 +631,13 @@ class _Search:
             units = unit_gathered_bytes(plan)
             micro = self.batch // point.dp
             for how in _checkpoint_options(self.block):
-                policy = _policy(point, self.rules, self.block, how, self.dtype)
+                policy = _policy(point, self.rules, self.block, how, self.dtype, self.experts)
                 trace = self._trace(point, plan, how, micro)
                 if isinstance(trace, str):
                     fields = (point.mesh, point.family, point.tp, point.sp, how, point.offload, _text(policy))
-                    out.append(Candidate(*fields, rejected=f"cannot trace: {trace}"))
+                    out.append(
+                        Candidate(*fields, rejected=f"cannot trace: {trace}", expert_parallel=point.ep)
+                    )
                     continue
                 est = _assemble(
                     plan,
@@ -574,9 +664,22 @@ class _Search:
                         est.step_seconds,
                         None if over <= 0 else f"needs {_bytes(over)} more",
                         est,
+                        expert_parallel=point.ep,
                     )
                 )
         return out
+
+    def _shard(self, mesh: Mesh, policy: Policy) -> Plan:
+        # planned from the tree, read once; what only the model says (experts per token) added
+        plan = shard(self.tree, mesh, policy)
+        if plan.config.expert_top_k or not (
+            plan.config.expert_modules or any(kind == "experts" for _, _, kind in plan.config.tp_styles)
+        ):
+            return plan
+        from .expert_cost import expert_top_k
+
+        config = dataclasses.replace(plan.config, expert_top_k=expert_top_k(self.model))
+        return dataclasses.replace(plan, config=config)
 
     def _with_checkpointing(self, plan: Plan, how: str) -> Plan:
         if how == "none":
@@ -662,11 +765,12 @@ class _Search:
             candidate.sequence_parallel,
             candidate.offload,
             candidate.pipeline,
+            candidate.expert_parallel,
         )
         return shard(
             self.model,
             point.mesh,
-            _policy(point, self.rules, self.block, candidate.checkpointing, self.dtype),
+            _policy(point, self.rules, self.block, candidate.checkpointing, self.dtype, self.experts),
         )
 
 

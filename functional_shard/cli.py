@@ -476,26 +476,37 @@ def _candidates_table(out: _Out, report: Any, top: int) -> None:
     """The search's candidates, those that fit first, fastest first (as ``AutoReport.table``)."""
     from .auto import step_text
 
-    ranked = sorted(report.candidates, key=lambda c: (not c.fits, c.key()))[:top]
-    rows = [
-        (
-            repr(c.mesh),
-            c.policy_text,
-            _human(c.peak_bytes) if c.peak_bytes is not None else "-",
-            step_text(c.step_seconds) if c.step_seconds is not None else "-",
-            "chosen" if c is report.best_candidate else (c.rejected or "fits"),
-        )
-        for c in ranked
-    ]
-    shown = f"the first {len(rows)}" if len(rows) < len(report.candidates) else "all"
+    def rows(candidates: Any) -> list[tuple[str, ...]]:
+        return [
+            (
+                repr(c.mesh),
+                c.policy_text,
+                _human(c.peak_bytes) if c.peak_bytes is not None else "-",
+                step_text(c.step_seconds) if c.step_seconds is not None else "-",
+                "chosen" if c is report.best_candidate else (c.rejected or "fits"),
+            )
+            for c in candidates
+        ]
+
+    ranked = rows(sorted(report.candidates, key=lambda c: (not c.fits, c.key()))[:top])
+    shown = f"the first {len(ranked)}" if len(ranked) < len(report.candidates) else "all"
     if getattr(report, "no_tensor_parallel", None):
         out.text(f"no tensor parallelism: {report.no_tensor_parallel}")
     out.table(
         f"{str(report).splitlines()[0]}; {shown}, those that fit first, fastest first:",
         ("mesh", "policy", "peak", "step", "verdict"),
-        rows,
+        ranked,
         numbers=(2, 3),
     )
+    experts = getattr(report, "expert_parallel_candidates", ())
+    if experts:
+        out.text()
+        out.table(
+            "expert parallel (experts split by index over ep), the best of each ep size:",
+            ("mesh", "policy", "peak", "step", "verdict"),
+            rows(experts),
+            numbers=(2, 3),
+        )
 
 
 def _nothing_fits(report: Any, devices: int) -> str:

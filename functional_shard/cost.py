@@ -15,6 +15,7 @@ bytes (the full, gathered size):
 | reduce_scatter | (n-1)/n · S         |
 | all_reduce     | 2(n-1)/n · S        |
 | broadcast      | (n-1)/n · S         |
+| all_to_all     | what goes to others |
 
 (gloo runs reduce-scatter as an all-reduce; the model counts what NCCL runs.)
 
@@ -590,7 +591,10 @@ def cost(
         tokens: tokens of one forward and backward on one data-parallel rank (batch ×
             sequence; under a pipeline, the whole batch the schedule cuts into
             micro-batches); if given, tensor-parallel activation collectives and the
-            pipeline's point-to-point bytes are counted too.
+            pipeline's point-to-point bytes are counted too, and so are the experts
+            modules' (`functional_shard.expert_cost`): expert parallelism's
+            ``all_to_all`` over its axis under balanced routing, tensor parallel's
+            all-reduces inside the experts.
 
     Returns:
         A `Cost`. Params, grads and optimizer bytes are exact for torch's engines (FSDP2

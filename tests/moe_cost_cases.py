@@ -6,8 +6,9 @@ pick (`force_uniform_routing`: token copy j of a rank goes to expert j mod E, so
 tokens × top-k a multiple of E every expert gets exactly as many copies and every rank
 as many tokens to send), and measures one steady-state training step: the bytes each
 collective sent (`fs.measure.CollectiveLog`), the bytes the forward saved for backward
-(`fs.saved_tensor_bytes`) and the parameters, gradients and optimizer state held
-(`fs.measure.resident_bytes`), beside `plan.cost` and `trace_activations` for that rank.
+(`activation_bytes_saved`) and the parameters, gradients and optimizer state held
+(`fs.measure.resident_bytes`), beside `plan.cost` for that rank; `traced_bytes` gives
+what the trace counts for a rank (run in the test's own process).
 """
 
 from __future__ import annotations
@@ -60,11 +61,7 @@ def measure(family: str, experts: int, strategy_name: str, uniform: bool) -> dic
     comm = steady_state_comm(model, optimizer, plan, lambda: loss_of(model, tokens), tokens, warmups=1)
     cost = plan.cost("adamw", rank=dist.get_rank(), tokens=tokens[:, :-1].numel())
     resident = fs.measure.resident_bytes(model, optimizer)  # after the step, as cost counts it
-    saved, _ = fs.saved_tensor_bytes(model, input_ids=tokens[:, :-1])
-    from functional_shard.activations import trace_activations
-
-    meta = build_meta(family, experts)
-    trace = trace_activations(meta, plan, batch=MICRO_BATCH, seq=SEQ, rank=dist.get_rank())
+    saved = activation_bytes_saved(model, tokens[:, :-1].clone())  # not a view of the whole batch
     return {
         "rank": dist.get_rank(),
         "measured": comm["measured"],
@@ -72,8 +69,45 @@ def measure(family: str, experts: int, strategy_name: str, uniform: bool) -> dic
         "resident": resident,
         "memory": {"params": cost.params_bytes, "grads": cost.grads_bytes, "optimizer": cost.optimizer_bytes},
         "saved_bytes": saved,
-        "traced_bytes": trace.activation_bytes,
     }
+
+
+def traced_bytes(family: str, experts: int, strategy_name: str, rank: int) -> int:
+    """What the trace (`fs.estimate`'s) says ``rank`` of the strategy's plan keeps for backward."""
+    from functional_shard.activations import trace_activations
+
+    mesh, policy = strategy(strategy_name)
+    model = build_meta(family, experts)
+    plan = fs.shard(model, mesh, policy)
+    return trace_activations(model, plan, batch=MICRO_BATCH, seq=SEQ, rank=rank).activation_bytes
+
+
+def activation_bytes_saved(model: torch.nn.Module, input_ids: torch.Tensor) -> int:
+    """Bytes the forward saves for backward, less the parameters' own (local, gathered) storages.
+
+    `fs.saved_tensor_bytes` already leaves parameters out, but the experts engines save
+    ``param.to_local()``, a non-leaf view of the rank's weights: held as parameters (or
+    FSDP's gathered copies) whatever the activations are, so left out here too.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    saved: dict[Any, torch.UntypedStorage] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        saved[StorageWeakRef(storage)] = storage
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids=input_ids)
+        # read while the forward's gathered parameters are still held
+        weights = {
+            StorageWeakRef((p.to_local() if isinstance(p, DTensor) else p).untyped_storage())
+            for p in model.parameters()
+        }
+    return sum(storage.nbytes() for ref, storage in saved.items() if ref not in weights)
 
 
 def build_meta(family: str, experts: int) -> torch.nn.Module:

@@ -82,6 +82,15 @@ def test_moe_models_train_as_one_process_with_split_experts(world):
     check(world, DEFAULT)
 
 
+def test_moe_plans_send_hold_and_save_what_cost_and_estimate_predict(world):
+    """`test_moe_cost`'s default gloo case, run in this module's world (one world start for both)."""
+    from . import moe_cost_cases
+    from .test_moe_cost import DEFAULT_GLOO, check_measured
+
+    results = world.run(moe_cost_cases.run_cases, DEFAULT_GLOO)
+    check_measured(DEFAULT_GLOO[0], [result[0] for result in results])
+
+
 @pytest.mark.slow
 def test_every_moe_model_under_tp_and_ep_trains_as_one_process(world):
     check(world, tuple(case for case in TP + EP + BESIDE if case not in DEFAULT))
