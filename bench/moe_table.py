@@ -10,7 +10,8 @@ cannot count, keeps its row with the reason ("not estimated: ..."), never droppe
     python bench/moe_table.py                 # the markdown table of the page
     python bench/moe_table.py --holds         # the explain()/cost() blocks of the page
     python bench/moe_table.py --arithmetic 8  # the fsdp-vs-ep bytes at ep 8
-    python bench/moe_table.py --write-page docs/moe.md  # all three into the page's marked blocks
+    python bench/moe_table.py --search        # fs.search_plans' report, ep candidates included
+    python bench/moe_table.py --write-page docs/moe.md  # every generated block of the page
     python bench/moe_table.py --seq 8192 --batch 1 --devices 64
 """
 
@@ -84,7 +85,7 @@ def candidates(devices: int, experts: int = 8) -> list[Candidate]:
     for size in (2, 4, 8):
         if experts % size == 0 and devices % size == 0:
             rows.append(
-                Candidate(f"fsdp + ep {size}", {"dp": devices // size, "ep": size}, "fsdp((dp, ep)) + ep(ep)")
+                Candidate(f"fsdp + ep {size}", {"dp": devices // size, "ep": size}, "fsdp(dp, ep) + ep(ep)")
             )
     for size in (2, 4, 8):
         if devices % size == 0:
@@ -183,7 +184,7 @@ def holds(model: Any, seq: int, batch: int) -> str:
     out = []
     for candidate in (
         Candidate("fsdp", {"dp": 64}, "fsdp(dp)"),
-        Candidate("fsdp + ep 8", {"dp": 8, "ep": 8}, "fsdp((dp, ep)) + ep(ep)"),
+        Candidate("fsdp + ep 8", {"dp": 8, "ep": 8}, "fsdp(dp, ep) + ep(ep)"),
         Candidate("fsdp + tp 8", {"dp": 8, "tp": 8}, "fsdp(dp) + tp(hf, tp)"),
     ):
         plan = candidate.shard(model)
@@ -288,6 +289,15 @@ def table(model: Any, devices: int, batch: int, seq: int, hardware: str) -> str:
     return f"{heading}\n\n{markdown(rows, devices)}"
 
 
+def search(model: Any, devices: int, batch: int, seq: int, hardware: str) -> str:
+    """`fs.search_plans`' report for the model: ``batch`` sequences per data-parallel rank."""
+    with _quiet():
+        report = fs.search_plans(
+            model, devices=devices, memory_budget=BUDGET, batch=batch * devices, seq=seq, hardware=hardware
+        )
+    return str(report)
+
+
 def write_page(path: pathlib.Path, blocks: dict[str, str]) -> None:
     """Replace each ``<!-- moe_table NAME -->`` ... ``<!-- end -->`` block of the page."""
     text = path.read_text()
@@ -309,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--arithmetic", type=int, metavar="EP", help="print the fsdp-vs-ep bytes at this ep size"
     )
+    parser.add_argument("--search", action="store_true", help="print fs.search_plans' report instead")
     parser.add_argument("--write-page", type=pathlib.Path, metavar="PAGE", help="refresh the page's blocks")
     args = parser.parse_args(argv)
     model = mixtral_8x7b()
@@ -322,12 +333,16 @@ def main(argv: list[str] | None = None) -> None:
                 "table": table(model, args.devices, args.batch, args.seq, args.hardware),
                 # one node: no FSDP2 padding (8 experts over at most 8 ranks), NVLink only
                 "table-one-node": table(model, 8, args.batch, args.seq, args.hardware),
+                "search": f"```text\n{search(model, args.devices, args.batch, args.seq, args.hardware)}\n```",
             },
         )
         print(f"refreshed {args.write_page}")
         return
     if args.arithmetic:
         print(arithmetic(model, args.devices, args.batch * args.seq, args.arithmetic))
+        return
+    if args.search:
+        print(search(model, args.devices, args.batch, args.seq, args.hardware))
         return
     if args.holds:
         print(holds(model, args.seq, args.batch))

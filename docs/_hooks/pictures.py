@@ -72,7 +72,7 @@ def _tiny_mixtral() -> Any:
 
 def _tiny_mixtral_ep() -> Any:
     model = _tiny_mixtral()
-    plan = fs.shard(model, fs.Mesh(dp=2, ep=2), fs.parse_policy("fsdp((dp, ep)) + ep(ep)", model))
+    plan = fs.shard(model, fs.Mesh(dp=2, ep=2), fs.parse_policy("fsdp(dp, ep) + ep(ep)", model))
     return plan.visualize("model.layers.0.mlp.experts.gate_up_proj")
 
 
