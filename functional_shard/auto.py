@@ -7,7 +7,9 @@ CPU offload only when nothing else fits), estimates every candidate with `estima
 keeps the one with the least step time that fits. Activation traces are shared by every
 candidate with the same (tp, sp, checkpointing, dtype, micro-batch, seq), plans and costs by
 every candidate with the same mesh and family; pipelines share one trace of each unit of
-work (embedding, each block, head) as its own stage, whatever their stages.
+work (embedding, each block, head) as its own stage, whatever their stages. Expert-parallel
+candidates of every ep size share one trace (under balanced routing each rank runs T x k
+token copies through its experts, whatever the ep size).
 """
 
 from __future__ import annotations
@@ -453,11 +455,17 @@ def search_plans(
     stage's units gathered across micro-batches, as torchtitan), tensor parallelism with sequence
     parallelism, the 1F1B and interleaved 1F1B (two stages per rank) schedules, one
     sequence per micro-batch. CPU offload (with ZeRO-2, FSDP or HSDP) is tried only when
-    nothing else fits. A model no
-    tensor-parallel rule set fits (`fs.rules.for_model` refuses it, e.g. mixture-of-experts
-    layers) gets data-parallel candidates only, and the report says why
-    (``AutoReport.no_tensor_parallel``). Torch's own logging while tracing is held back;
-    a candidate that cannot be traced keeps the reason in its row.
+    nothing else fits. A mixture-of-experts model also gets expert-parallel candidates,
+    as torchtitan lays them out: for every ep size dividing the expert count and the
+    data-parallel size, ``Mesh(dp=dp/ep, ep=ep)`` with ``fsdp(dp, ep) + ep(ep)`` (dense
+    tensors FSDP-sharded over every data rank, experts split by index over ``ep`` and
+    FSDP-sharded over ``dp``; ``AutoReport.expert_parallel_candidates``); its tensor-parallel
+    candidates split inside the experts (transformers' plan), without sequence parallel,
+    as apply runs them. A model no
+    tensor-parallel rule set fits (`fs.rules.for_model` refuses it) gets data-parallel
+    candidates only, and the report says why (``AutoReport.no_tensor_parallel``). Torch's
+    own logging while tracing is held back; a candidate that cannot be traced keeps the
+    reason in its row.
 
     Args:
         model: the module (meta device is enough).

@@ -102,7 +102,10 @@ def estimate(
             evenly at 1.0 (the default); above 1, each layer's most loaded expert gets that
             many times an even share (``ceil(imbalance * tokens * k / E)`` tokens) and the
             others share the rest. At most E / k. With every expert on every rank (ddp,
-            zero, fsdp) the work and memory are the same whatever it is.
+            zero, fsdp) the work and memory are the same whatever it is; under expert
+            parallelism (`fs.ep`) the hot expert lives on ep rank 0, whose estimate (the
+            default rank's) is the worst, and tensor parallel inside the experts runs
+            every copy through each rank's slices.
 
     Returns:
         An `Estimate`.

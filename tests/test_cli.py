@@ -329,7 +329,7 @@ def test_seq_alone_means_one_sequence_per_data_parallel_rank(capsys):
     assert str(chosen.estimate) in out
 
 
-def test_auto_gives_a_mixture_of_experts_model_data_parallel_plans(capsys, tmp_path):
+def test_auto_gives_a_mixture_of_experts_model_tensor_and_expert_parallel_candidates(capsys, tmp_path):
     transformers = pytest.importorskip("transformers")
     transformers.MixtralConfig(
         vocab_size=128,
@@ -344,7 +344,8 @@ def test_auto_gives_a_mixture_of_experts_model_data_parallel_plans(capsys, tmp_p
     argv = ["plan", "--model", str(tmp_path), "--auto", "--devices", "2", "--budget", "1GiB", "--seq", "16"]
     code, out, err = run(capsys, *argv)
     assert code == 0, err
-    assert out.startswith("no tensor parallelism: MixtralForCausalLM's tensor-parallel plan uses styles")
-    assert "chosen: Mesh(dp=2) " in out
-    assert "tp(" not in out
-    assert "sp(" not in out
+    assert "no tensor parallelism" not in out
+    assert "expert parallel (experts split by index over ep), the best of each ep size:" in out
+    assert "Mesh(dp=1, ep=2)" in out
+    assert "fsdp(dp, ep) + ep(ep)" in out
+    assert "chosen: " in out
