@@ -415,3 +415,16 @@ def test_repeated_blocks_are_planned_once(monkeypatch):
     assert len(placed) == len(per_block) + len(outside)
     monkeypatch.setattr(planner, "_place", original)
     assert plan == planner._shard(model, MESH, policy, reuse_blocks=False)
+
+
+@pytest.mark.parametrize(
+    ("policy", "reshards"),
+    [(fs.fsdp("dp") + fs.ep("dp"), True), (fs.zero(2, "dp") + fs.ep("dp"), False)],
+)
+def test_expert_parallelism_keeps_the_data_parallel_resharding(policy, reshards):
+    # ep once turned every FSDP unit into ZeRO-2 (gathered from forward to backward)
+    model = nn.ModuleDict({"experts": nn.ParameterDict({"w": nn.Parameter(torch.zeros(4, 2, 2))})})
+    model["dense"] = nn.Linear(2, 2)
+    plan = fs.shard(model, fs.Mesh(dp=2), policy)
+    assert plan.config.expert_axis == "dp"
+    assert plan.config.reshard_after_forward is reshards
