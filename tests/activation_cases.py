@@ -133,25 +133,25 @@ def fit_selective() -> dict[str, object]:
     modules the strategy checkpointed and how many times the selective policy was asked for."""
     from torch.distributed._composable import checkpoint
 
-    import functional_shard.activations as activations
+    import functional_shard.trace_checkpointing as trace_checkpointing
     from functional_shard.adapters.lightning import ShardStrategy
 
     from . import lightning_cases
 
     calls = []
-    original = activations.selective_context
+    original = trace_checkpointing.selective_context
 
     def counted() -> tuple[object, object]:
         calls.append(1)
         return original()
 
-    activations.selective_context = counted  # fs.apply looks it up when it checkpoints
+    trace_checkpointing.selective_context = counted  # fs.apply looks it up when it checkpoints
     try:
         module = lightning_cases.LanguageModel(CONFIG)
         policy = fs.fsdp("dp") + fs.checkpointing(Block, policy="selective")
         result = lightning_cases.fit(ShardStrategy(policy, mesh=fs.Mesh(dp=2)), CONFIG, 2, module=module)
     finally:
-        activations.selective_context = original
+        trace_checkpointing.selective_context = original
     result["checkpointed"] = [
         path
         for path, sub in module.named_modules()
