@@ -30,7 +30,7 @@ from .hardware import Hardware
 from .hardware import hardware as _hardware
 from .mesh import Mesh
 from .plan import Plan
-from .planner import shard
+from .planner import shard, with_expert_top_k
 from .policy import (
     ExpertParallel,
     Policy,
@@ -680,15 +680,7 @@ class _Search:
 
     def _shard(self, mesh: Mesh, policy: Policy) -> Plan:
         # planned from the tree, read once; what only the model says (experts per token) added
-        plan = shard(self.tree, mesh, policy)
-        if plan.config.expert_top_k or not (
-            plan.config.expert_modules or any(kind == "experts" for _, _, kind in plan.config.tp_styles)
-        ):
-            return plan
-        from .expert_cost import expert_top_k
-
-        config = dataclasses.replace(plan.config, expert_top_k=expert_top_k(self.model))
-        return dataclasses.replace(plan, config=config)
+        return with_expert_top_k(shard(self.tree, mesh, policy), self.model)
 
     def _with_checkpointing(self, plan: Plan, how: str) -> Plan:
         if how == "none":

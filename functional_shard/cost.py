@@ -253,8 +253,7 @@ def _memory(
 
     params = grads = optim = 0
     for (shape, itemsize, sharding, owned), count in _grouped(census, owns).items():
-        on = sharding.storage.on
-        if on is not None and coords[on[0]] != on[1]:  # another stage's: not even a step counter
+        if not sharding.storage.holds(coords):  # another stage's: not even a step counter
             continue
         padded = sharding.at_rest_axes
         # FSDP2 pads its own shards; a tensor-parallel shard is a view into the padded
@@ -349,8 +348,7 @@ def unit_gathered(
     per_unit: dict[str, int] = defaultdict(int)
     each: dict[tuple[int, int], int] = {}  # gathered bytes of one tensor, by identity
     for tensor, sharding, unit, _, count in census:
-        on = sharding.storage.on
-        if on is not None and held[on[0]] != on[1]:
+        if not sharding.storage.holds(held):
             continue
         padded = sharding.at_rest_axes
         if not padded:
@@ -389,8 +387,7 @@ def _parameter_comm(plan: Plan, comm: _Comm, census: _Census, held: Mapping[str,
         return 2 if config.reshard_after_forward and unit != "" else 1
 
     for (shape, itemsize, sharding, times), count in _grouped(census, gathers).items():
-        on = sharding.storage.on
-        if on is not None and origin[on[0]] != on[1]:
+        if not sharding.storage.holds(origin):
             continue
         padded = sharding.at_rest_axes
         at_rest = tuple(a for a in sharding.storage.axes if a in padded)

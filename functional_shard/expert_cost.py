@@ -146,8 +146,7 @@ def expert_comm(
     tp = plan.mesh.axes_size(tp_axes) if tp_axes else 1
     for path, experts, hidden in layers:
         gate_up = plan.sharding(plan.canonical(f"{path}.gate_up_proj"))
-        on = gate_up.storage.on
-        if on is not None and held[on[0]] != on[1]:  # another pipeline stage's layer
+        if not gate_up.storage.holds(held):  # another pipeline stage's layer
             continue
         if path in dispatched:
             axis = config.expert_axis

@@ -106,8 +106,7 @@ def local_numel(
         (0, 2)
     """
     coords = _coords(mesh, rank)
-    on = spec.on
-    if on is not None and coords[on[0]] != on[1]:
+    if not spec.holds(coords):
         return 0
     # only the coordinates on axes the spec names matter; keying the cache on them
     # makes the repeated blocks of a model one computation

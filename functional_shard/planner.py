@@ -401,12 +401,15 @@ def _shard(model: Any, mesh: Mesh | DeviceMesh, policy: Policy | Any, *, reuse_b
         plan = _shard_reusing_blocks(tree, mesh, policy)
     if plan is None:
         plan = _shard_each(tree, mesh, policy)
-    return _with_top_k(plan, model)
+    return with_expert_top_k(plan, model)
 
 
-def _with_top_k(plan: Plan, model: Any) -> Plan:
-    # the cost of dispatching tokens to experts depends on how many each token visits,
-    # which only the model (its config or router) says
+def with_expert_top_k(plan: Plan, model: Any) -> Plan:
+    """``plan`` told how many experts each token visits, where it splits experts modules.
+
+    The cost of dispatching tokens to experts depends on it, and only the model (its
+    config or a router) says it: a plan made from a `ModelTree` learns it here.
+    """
     config = plan.config
     if not config.expert_modules and not any(kind == "experts" for _, _, kind in config.tp_styles):
         return plan
