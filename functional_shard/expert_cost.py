@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import ShardingError
 from .spec import ParamSharding
+from .tree import within
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -152,14 +153,10 @@ def expert_comm(
             axis = config.expert_axis
             assert axis is not None
             ep = plan.mesh[axis]
-            again = _recomputed(path, config.checkpointed)
+            # a checkpointed module around the experts runs their forward again in backward
+            again = int(within(path, config.checkpointed))
             add("all_to_all", (axis,), ep, experts * _COUNT_BYTES, 1 + again)
             add("all_to_all", (axis,), ep, tokens * top_k * hidden * itemsize, 4 + 2 * again)
         else:
             add("all_reduce", tp_axes, tp, tokens * hidden * itemsize, 2)
             add("all_reduce", tp_axes, tp, tokens * top_k * _ROUTING_WEIGHT_BYTES, 1)
-
-
-def _recomputed(path: str, checkpointed: tuple[str, ...]) -> int:
-    # a checkpointed module around the experts runs their forward again in backward
-    return int(any(not m or path == m or path.startswith(f"{m}.") for m in checkpointed))

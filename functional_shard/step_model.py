@@ -21,7 +21,7 @@ from .cost import Cost, unit_gathered
 from .errors import ShardingError
 from .hardware import Hardware
 from .rules import sequence_gathers
-from .tree import dtype_from_name
+from .tree import dtype_from_name, within
 
 if TYPE_CHECKING:
     from .pipeline_estimate import PipelineEstimate
@@ -253,7 +253,7 @@ def collective_counts(plan: Plan, grads_bytes: int) -> dict[str, int]:
     # an expert-parallel experts module: counts, dispatch and combine forward, the last two
     # again backward (and its forward three again where checkpointing recomputes it)
     for path in config.expert_modules:
-        counts["expert"] += 5 + 3 * _inside(path, config.checkpointed)
+        counts["expert"] += 5 + 3 * within(path, config.checkpointed)
     if config.shard_axes:
         units = _units(plan)
         for unit in units:
@@ -278,10 +278,6 @@ def collective_counts(plan: Plan, grads_bytes: int) -> dict[str, int]:
         elif style != "replicate":
             counts["tensor parallel"] += 2 if config.sequence_parallel else 1
     return counts
-
-
-def _inside(path: str, modules: tuple[str, ...]) -> bool:
-    return any(path == m or path.startswith(f"{m}.") or not m for m in modules)
 
 
 _PER_PLAN: dict[int, tuple[Plan, dict[Hashable, Any]]] = {}

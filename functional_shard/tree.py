@@ -19,7 +19,7 @@ from torch import nn
 from . import _pytree
 from .errors import ShardingError
 
-__all__ = ["Block", "ModelTree", "Pattern", "TensorSpec", "matches", "read_model"]
+__all__ = ["Block", "ModelTree", "Pattern", "TensorSpec", "matches", "read_model", "within"]
 
 Pattern = str | re.Pattern[str]
 
@@ -399,6 +399,16 @@ def matches(pattern: Pattern, path: str) -> bool:
         True
     """
     return compile_pattern(pattern).fullmatch(path) is not None
+
+
+def within(path: str, modules: Iterable[str]) -> bool:
+    """Whether the module or tensor at ``path`` is one of ``modules`` or inside one ("" is the root).
+
+    Examples:
+        >>> within("layers.1.mlp", ["layers.1"]), within("layers.10", ["layers.1"]), within("x", [""])
+        (True, False, True)
+    """
+    return any(m == "" or path == m or path.startswith(m + ".") for m in modules)
 
 
 def owner_paths(path: str) -> Iterable[str]:

@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from functional_shard.errors import PolicyError, ShardingError
 from functional_shard.plan import Plan
 from functional_shard.stages import SCHEDULES, SINGLE_STAGE, rank_stages, stage_of_param, stage_rank
+from functional_shard.tree import within
 
 from .activation_checkpointing import apply_checkpointing
 from .applied import retie
@@ -108,10 +109,6 @@ def pipeline_group_of(params: Iterable[torch.Tensor]) -> dist.ProcessGroup | Non
     return None
 
 
-def _inside(path: str, modules: Iterable[str]) -> bool:
-    return any(m == "" or path == m or path.startswith(m + ".") for m in modules)
-
-
 def stage_plan(plan: Plan, stages: Iterable[int]) -> Plan:
     """The part of ``plan`` that ``stages`` hold, as a plan without pp (pure).
 
@@ -133,10 +130,10 @@ def stage_plan(plan: Plan, stages: Iterable[int]) -> Plan:
     params = {p: s for p, s in plan.params.items() if local(p)}
     local_config = dataclasses.replace(
         config,
-        units=tuple(u for u in config.units if u == "" or _inside(u, modules)),
-        tp_styles=tuple(s for s in config.tp_styles if _inside(s[0], modules)),
-        expert_modules=tuple(e for e in config.expert_modules if _inside(e, modules)),
-        checkpointed=tuple(c for c in config.checkpointed if _inside(c, modules)),
+        units=tuple(u for u in config.units if u == "" or within(u, modules)),
+        tp_styles=tuple(s for s in config.tp_styles if within(s[0], modules)),
+        expert_modules=tuple(e for e in config.expert_modules if within(e, modules)),
+        checkpointed=tuple(c for c in config.checkpointed if within(c, modules)),
         reshard_after_forward=False,
         pipeline_axis=None,
         pipeline_stages=(),
@@ -156,7 +153,7 @@ def _pruned(module: nn.Module, prefix: str, keep: set[str], drop: set[str]) -> n
     if prefix in drop:
         return PassThrough(prefix, module)
     holds_dropped = any(prefix == "" or d.startswith(prefix + ".") for d in drop)
-    if (prefix and _inside(prefix, keep)) or not holds_dropped:
+    if (prefix and within(prefix, keep)) or not holds_dropped:
         return module  # this stage's own module, or one that holds nothing of another stage
     clone = copy.copy(module)
     # its own hook and child tables: engines that wrap the clone must not wrap the original
