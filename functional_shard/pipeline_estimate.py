@@ -239,6 +239,7 @@ def stage_plan(plan: Plan, stages: set[int]) -> Plan:
         config,
         tp_styles=tuple(ours(config.tp_styles, tuple(entry[0] for entry in config.tp_styles), False)),
         units=tuple(ours(config.units, config.units, False)),
+        expert_modules=tuple(ours(config.expert_modules, config.expert_modules, False)),
         checkpointed=tuple(ours(config.checkpointed, config.checkpointed, False)),
         # the pipeline engine keeps a stage's FSDP units gathered from forward to backward
         # (torchtitan's choice under pp): each micro-batch would gather them again otherwise

@@ -179,6 +179,21 @@ def test_the_hot_experts_rank_is_the_worst():
     assert fs.estimate(model, plan, batch=2, seq=16, expert_imbalance=3.0).rank == 0  # the default: the worst
 
 
+def test_every_rank_of_an_ep_plan_under_a_pipeline_estimates_its_own_stages_experts():
+    # three layers, two on the first stage and one on the last: each stage dispatches its
+    # own layers' tokens (all micro-batches'), together what the flat plan dispatches
+    model = build("mixtral", attention="sdpa", experts="grouped_mm")
+    policy = fs.fsdp("dp") + fs.ep("dp")
+    piped = fs.shard(model, fs.Mesh(pp=2, dp=2), fs.pipeline("pp", microbatches=2) + policy)
+    flat = fs.estimate(model, fs.shard(model, fs.Mesh(dp=2), policy), batch=4, seq=16)
+    seconds = [
+        fs.estimate(model, piped, batch=4, seq=16, rank=rank).exposed_seconds["expert all-to-all"]
+        for rank in range(4)
+    ]
+    assert seconds[0] == seconds[1] > seconds[2] == seconds[3]  # pp rank 0 holds two layers
+    assert seconds[0] + seconds[2] == pytest.approx(flat.exposed_seconds["expert all-to-all"])
+
+
 @pytest.mark.slow
 def test_each_ep_size_runs_the_same_local_work_under_balanced_routing():
     # what lets the search trace one ep plan for every ep size (a rank's E/ep experts get ep
