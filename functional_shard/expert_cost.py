@@ -82,7 +82,7 @@ def expert_layers(plan: Plan) -> list[tuple[str, int, int]]:
         []
     """
     config = plan.config
-    paths = list(config.expert_modules) + [p for p, _, kind in config.tp_styles if kind == "experts"]
+    paths = config.expert_modules + config.tensor_parallel_experts
     layers = []
     for path in dict.fromkeys(paths):
         gate_up = plan.tensors[plan.canonical(f"{path}.gate_up_proj")]

@@ -74,6 +74,11 @@ class PlanConfig:
         """Axes the batch is split over: gradients are reduced over them."""
         return self.replicate_axes + self.shard_axes
 
+    @property
+    def tensor_parallel_experts(self) -> tuple[str, ...]:
+        """Experts modules tensor parallel splits inside (style kind ``experts``), in plan order."""
+        return tuple(path for path, _, kind in self.tp_styles if kind == "experts")
+
     def to_json(self) -> dict[str, Any]:
         """The config as JSON."""
 

@@ -411,7 +411,7 @@ def with_expert_top_k(plan: Plan, model: Any) -> Plan:
     config or a router) says it: a plan made from a `ModelTree` learns it here.
     """
     config = plan.config
-    if not config.expert_modules and not any(kind == "experts" for _, _, kind in config.tp_styles):
+    if not config.expert_modules and not config.tensor_parallel_experts:
         return plan
     from .expert_cost import expert_top_k
 

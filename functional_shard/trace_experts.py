@@ -124,7 +124,7 @@ def rank_experts(
     """
     config = plan.config
     dispatched = set(config.expert_modules)
-    split = {path for path, _, kind in config.tp_styles if kind == "experts"}
+    split = set(config.tensor_parallel_experts)
     axis = config.expert_axis
     ep = plan.mesh[axis] if axis else 1
     ep_index = plan.mesh.coords(rank)[axis] if axis else 0

@@ -96,7 +96,7 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
     tp_size = plan.mesh[tp_axes[0]] if tp_axes else 1
     found.extend(_unfed_splits(config.tp_styles, modules))
     found.extend(expert_problems(plan, modules))
-    experts = {path for path, _, kind in config.tp_styles if kind == "experts"} | set(config.expert_modules)
+    experts = set(config.tensor_parallel_experts) | set(config.expert_modules)
     for path, style, kind in config.tp_styles:
         if kind == "experts":  # 3-D expert weights: checked by expert_problems
             continue
@@ -326,7 +326,7 @@ def expert_problems(plan: Plan, modules: dict[str, nn.Module]) -> list[str]:
     """What the experts engine cannot run: tensor parallel inside experts, expert parallelism."""
     config = plan.config
     found: list[str] = []
-    tp_experts = [path for path, _, kind in config.tp_styles if kind == "experts"]
+    tp_experts = list(config.tensor_parallel_experts)
     tp_size = plan.mesh[config.tensor_parallel_axes[0]] if config.tensor_parallel_axes else 1
     for path in dict.fromkeys(tp_experts + list(config.expert_modules)):
         problems = expert_module_problems(path, modules.get(path))

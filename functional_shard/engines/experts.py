@@ -116,7 +116,7 @@ def apply_expert_tensor_parallel(plan: Plan, module: nn.Module, device_mesh: Dev
     from torch.distributed.tensor.placement_types import _StridedShard
 
     config = plan.config
-    paths = [path for path, _, kind in config.tp_styles if kind == "experts"]
+    paths = config.tensor_parallel_experts
     if not paths:
         return
     tp_mesh = device_mesh[config.tensor_parallel_axes[0]]
