@@ -34,7 +34,7 @@ import importlib, json, time
 import functional_shard as fs
 from functional_shard.zoo import llama
 
-estimate_module = importlib.import_module("functional_shard.estimate")
+estimate_module = importlib.import_module("functional_shard.costing.estimate")
 traced = [0.0, 0]
 trace = estimate_module._trace
 

@@ -35,7 +35,7 @@ import torch.nn.functional as F  # noqa: N812
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 
 import functional_shard as fs
-from functional_shard.measure import kept_activation_bytes
+from functional_shard.runtime.measure import kept_activation_bytes
 from functional_shard.zoo import CONFIGS, Llama, LlamaConfig
 
 WORLD = 4

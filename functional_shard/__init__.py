@@ -19,145 +19,158 @@ import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from . import checkpoint as checkpoint
-    from . import demo as demo
-    from . import measure as measure
-    from . import rules as rules
-    from .activations import ActivationTrace as ActivationTrace
-    from .activations import trace_activations as trace_activations
-    from .apply import apply as apply
-    from .apply import check_optimizer as check_optimizer
-    from .apply import check_runnable as check_runnable
-    from .apply import clip_grad_norm_ as clip_grad_norm_
-    from .apply import forward_backward as forward_backward
-    from .apply import grad_scaler as grad_scaler
-    from .apply import materialize as materialize
-    from .apply import optimizer as optimizer
-    from .auto import AutoReport as AutoReport
-    from .auto import auto as auto
-    from .auto import search_plans as search_plans
-    from .cost import Cost as Cost
-    from .cost import cost as cost
-    from .errors import MeshError as MeshError
-    from .errors import PlanError as PlanError
-    from .errors import PolicyError as PolicyError
-    from .errors import ShardingError as ShardingError
-    from .errors import SpecError as SpecError
-    from .estimate import Estimate as Estimate
-    from .estimate import compare_schedules as compare_schedules
-    from .estimate import estimate as estimate
-    from .estimate import parse_bytes as parse_bytes
-    from .hardware import Hardware as Hardware
-    from .hardware import hardware as hardware
-    from .launch import LocalWorld as LocalWorld
-    from .launch import RankFailedError as RankFailedError
-    from .launch import run_local as run_local
-    from .layout import local_shape as local_shape
-    from .layout import local_shape_and_offset as local_shape_and_offset
-    from .layout import shard_tensor as shard_tensor
-    from .layout import unshard_tensor as unshard_tensor
-    from .measure import CollectiveLog as CollectiveLog
-    from .measure import kept_activation_bytes as kept_activation_bytes
-    from .measure import resident_bytes as resident_bytes
-    from .measure import saved_tensor_bytes as saved_tensor_bytes
-    from .mesh import Mesh as Mesh
-    from .plan import Change as Change
-    from .plan import Plan as Plan
-    from .plan import PlanConfig as PlanConfig
-    from .planner import shard as shard
-    from .policy import Policy as Policy
-    from .policy import checkpointing as checkpointing
-    from .policy import ep as ep
-    from .policy import fsdp as fsdp
-    from .policy import hsdp as hsdp
-    from .policy import mixed_precision as mixed_precision
-    from .policy import offload as offload
-    from .policy import pipeline as pipeline
-    from .policy import replicate as replicate
-    from .policy import tp as tp
-    from .policy import zero as zero
-    from .policy_text import format_policy as format_policy
-    from .policy_text import parse_policy as parse_policy
-    from .rules import Rule as Rule
-    from .rules import Rules as Rules
-    from .spec import Owned as Owned
-    from .spec import P as P
-    from .spec import ParamSharding as ParamSharding
-    from .spec import PartitionSpec as PartitionSpec
-    from .tree import TensorSpec as TensorSpec
-    from .tree import read_model as read_model
+    from .core.errors import MeshError as MeshError
+    from .core.errors import PlanError as PlanError
+    from .core.errors import PolicyError as PolicyError
+    from .core.errors import ShardingError as ShardingError
+    from .core.errors import SpecError as SpecError
+    from .core.layout import local_shape as local_shape
+    from .core.layout import local_shape_and_offset as local_shape_and_offset
+    from .core.layout import shard_tensor as shard_tensor
+    from .core.layout import unshard_tensor as unshard_tensor
+    from .core.mesh import Mesh as Mesh
+    from .core.spec import Owned as Owned
+    from .core.spec import P as P
+    from .core.spec import ParamSharding as ParamSharding
+    from .core.spec import PartitionSpec as PartitionSpec
+    from .core.tree import TensorSpec as TensorSpec
+    from .core.tree import read_model as read_model
+    from .costing.activations import ActivationTrace as ActivationTrace
+    from .costing.activations import trace_activations as trace_activations
+    from .costing.cost import cost as cost
+    from .costing.estimate import Estimate as Estimate
+    from .costing.estimate import compare_schedules as compare_schedules
+    from .costing.estimate import estimate as estimate
+    from .costing.estimate import parse_bytes as parse_bytes
+    from .costing.hardware import Hardware as Hardware
+    from .costing.hardware import hardware as hardware
+    from .frontends import demo as demo
+    from .planning import rules as rules
+    from .planning.plan import Change as Change
+    from .planning.plan import Plan as Plan
+    from .planning.plan import PlanConfig as PlanConfig
+    from .planning.plan_cost import Cost as Cost
+    from .planning.planner import shard as shard
+    from .planning.policy import Policy as Policy
+    from .planning.policy import checkpointing as checkpointing
+    from .planning.policy import ep as ep
+    from .planning.policy import fsdp as fsdp
+    from .planning.policy import hsdp as hsdp
+    from .planning.policy import mixed_precision as mixed_precision
+    from .planning.policy import offload as offload
+    from .planning.policy import pipeline as pipeline
+    from .planning.policy import replicate as replicate
+    from .planning.policy import tp as tp
+    from .planning.policy import zero as zero
+    from .planning.policy_text import format_policy as format_policy
+    from .planning.policy_text import parse_policy as parse_policy
+    from .planning.rules import Rule as Rule
+    from .planning.rules import Rules as Rules
+    from .runtime import checkpoint as checkpoint
+    from .runtime import measure as measure
+    from .runtime.apply import apply as apply
+    from .runtime.apply import check_optimizer as check_optimizer
+    from .runtime.apply import check_runnable as check_runnable
+    from .runtime.apply import clip_grad_norm_ as clip_grad_norm_
+    from .runtime.apply import forward_backward as forward_backward
+    from .runtime.apply import grad_scaler as grad_scaler
+    from .runtime.apply import materialize as materialize
+    from .runtime.apply import optimizer as optimizer
+    from .runtime.launch import LocalWorld as LocalWorld
+    from .runtime.launch import RankFailedError as RankFailedError
+    from .runtime.launch import run_local as run_local
+    from .runtime.measure import CollectiveLog as CollectiveLog
+    from .runtime.measure import kept_activation_bytes as kept_activation_bytes
+    from .runtime.measure import resident_bytes as resident_bytes
+    from .runtime.measure import saved_tensor_bytes as saved_tensor_bytes
+    from .search.auto import AutoReport as AutoReport
+    from .search.auto import auto as auto
+    from .search.auto import search_plans as search_plans
+
+from .core import providers as _providers
 
 __version__ = "0.1.0"
 
+# methods of the vocabulary whose work lives in a higher layer (core/providers.py): the
+# façade sees every layer, so it says where; each module loads on its method's first call
+_providers.provide(
+    {
+        "mesh.device_mesh": ("functional_shard.runtime.device_mesh", "build_device_mesh"),
+        "plan.cost": ("functional_shard.costing.cost", "cost"),
+        "plan.visualize": ("functional_shard.frontends.pictures", "visualize"),
+        "hardware.local": ("functional_shard.runtime.measure", "local_hardware"),
+    }
+)
+
 # public name -> (module, attribute); attribute None means the module itself
 _EXPORTS: dict[str, tuple[str, str | None]] = {
-    "checkpoint": ("checkpoint", None),
-    "demo": ("demo", None),
-    "measure": ("measure", None),
-    "rules": ("rules", None),
-    "apply": ("apply", "apply"),
-    "check_optimizer": ("apply", "check_optimizer"),
-    "check_runnable": ("apply", "check_runnable"),
-    "clip_grad_norm_": ("apply", "clip_grad_norm_"),
-    "forward_backward": ("apply", "forward_backward"),
-    "grad_scaler": ("apply", "grad_scaler"),
-    "materialize": ("apply", "materialize"),
-    "optimizer": ("apply", "optimizer"),
-    "Cost": ("cost", "Cost"),
-    "cost": ("cost", "cost"),
-    "Estimate": ("estimate", "Estimate"),
-    "estimate": ("estimate", "estimate"),
-    "compare_schedules": ("estimate", "compare_schedules"),
-    "parse_bytes": ("estimate", "parse_bytes"),
-    "Hardware": ("hardware", "Hardware"),
-    "hardware": ("hardware", "hardware"),
-    "AutoReport": ("auto", "AutoReport"),
-    "auto": ("auto", "auto"),
-    "search_plans": ("auto", "search_plans"),
-    "MeshError": ("errors", "MeshError"),
-    "PlanError": ("errors", "PlanError"),
-    "PolicyError": ("errors", "PolicyError"),
-    "ShardingError": ("errors", "ShardingError"),
-    "SpecError": ("errors", "SpecError"),
-    "LocalWorld": ("launch", "LocalWorld"),
-    "RankFailedError": ("launch", "RankFailedError"),
-    "run_local": ("launch", "run_local"),
-    "local_shape": ("layout", "local_shape"),
-    "local_shape_and_offset": ("layout", "local_shape_and_offset"),
-    "shard_tensor": ("layout", "shard_tensor"),
-    "unshard_tensor": ("layout", "unshard_tensor"),
-    "CollectiveLog": ("measure", "CollectiveLog"),
-    "resident_bytes": ("measure", "resident_bytes"),
-    "kept_activation_bytes": ("measure", "kept_activation_bytes"),
-    "saved_tensor_bytes": ("measure", "saved_tensor_bytes"),
-    "ActivationTrace": ("activations", "ActivationTrace"),
-    "trace_activations": ("activations", "trace_activations"),
-    "Mesh": ("mesh", "Mesh"),
-    "Change": ("plan", "Change"),
-    "Plan": ("plan", "Plan"),
-    "PlanConfig": ("plan", "PlanConfig"),
-    "shard": ("planner", "shard"),
-    "Policy": ("policy", "Policy"),
-    "checkpointing": ("policy", "checkpointing"),
-    "ep": ("policy", "ep"),
-    "fsdp": ("policy", "fsdp"),
-    "hsdp": ("policy", "hsdp"),
-    "mixed_precision": ("policy", "mixed_precision"),
-    "offload": ("policy", "offload"),
-    "pipeline": ("policy", "pipeline"),
-    "replicate": ("policy", "replicate"),
-    "tp": ("policy", "tp"),
-    "zero": ("policy", "zero"),
-    "format_policy": ("policy_text", "format_policy"),
-    "parse_policy": ("policy_text", "parse_policy"),
-    "Rule": ("rules", "Rule"),
-    "Rules": ("rules", "Rules"),
-    "Owned": ("spec", "Owned"),
-    "P": ("spec", "P"),
-    "ParamSharding": ("spec", "ParamSharding"),
-    "PartitionSpec": ("spec", "PartitionSpec"),
-    "TensorSpec": ("tree", "TensorSpec"),
-    "read_model": ("tree", "read_model"),
+    "checkpoint": ("runtime.checkpoint", None),
+    "demo": ("frontends.demo", None),
+    "measure": ("runtime.measure", None),
+    "rules": ("planning.rules", None),
+    "apply": ("runtime.apply", "apply"),
+    "check_optimizer": ("runtime.apply", "check_optimizer"),
+    "check_runnable": ("runtime.apply", "check_runnable"),
+    "clip_grad_norm_": ("runtime.apply", "clip_grad_norm_"),
+    "forward_backward": ("runtime.apply", "forward_backward"),
+    "grad_scaler": ("runtime.apply", "grad_scaler"),
+    "materialize": ("runtime.apply", "materialize"),
+    "optimizer": ("runtime.apply", "optimizer"),
+    "Cost": ("planning.plan_cost", "Cost"),
+    "cost": ("costing.cost", "cost"),
+    "Estimate": ("costing.estimate", "Estimate"),
+    "estimate": ("costing.estimate", "estimate"),
+    "compare_schedules": ("costing.estimate", "compare_schedules"),
+    "parse_bytes": ("costing.estimate", "parse_bytes"),
+    "Hardware": ("costing.hardware", "Hardware"),
+    "hardware": ("costing.hardware", "hardware"),
+    "AutoReport": ("search.auto", "AutoReport"),
+    "auto": ("search.auto", "auto"),
+    "search_plans": ("search.auto", "search_plans"),
+    "MeshError": ("core.errors", "MeshError"),
+    "PlanError": ("core.errors", "PlanError"),
+    "PolicyError": ("core.errors", "PolicyError"),
+    "ShardingError": ("core.errors", "ShardingError"),
+    "SpecError": ("core.errors", "SpecError"),
+    "LocalWorld": ("runtime.launch", "LocalWorld"),
+    "RankFailedError": ("runtime.launch", "RankFailedError"),
+    "run_local": ("runtime.launch", "run_local"),
+    "local_shape": ("core.layout", "local_shape"),
+    "local_shape_and_offset": ("core.layout", "local_shape_and_offset"),
+    "shard_tensor": ("core.layout", "shard_tensor"),
+    "unshard_tensor": ("core.layout", "unshard_tensor"),
+    "CollectiveLog": ("runtime.measure", "CollectiveLog"),
+    "resident_bytes": ("runtime.measure", "resident_bytes"),
+    "kept_activation_bytes": ("runtime.measure", "kept_activation_bytes"),
+    "saved_tensor_bytes": ("runtime.measure", "saved_tensor_bytes"),
+    "ActivationTrace": ("costing.activations", "ActivationTrace"),
+    "trace_activations": ("costing.activations", "trace_activations"),
+    "Mesh": ("core.mesh", "Mesh"),
+    "Change": ("planning.plan", "Change"),
+    "Plan": ("planning.plan", "Plan"),
+    "PlanConfig": ("planning.plan", "PlanConfig"),
+    "shard": ("planning.planner", "shard"),
+    "Policy": ("planning.policy", "Policy"),
+    "checkpointing": ("planning.policy", "checkpointing"),
+    "ep": ("planning.policy", "ep"),
+    "fsdp": ("planning.policy", "fsdp"),
+    "hsdp": ("planning.policy", "hsdp"),
+    "mixed_precision": ("planning.policy", "mixed_precision"),
+    "offload": ("planning.policy", "offload"),
+    "pipeline": ("planning.policy", "pipeline"),
+    "replicate": ("planning.policy", "replicate"),
+    "tp": ("planning.policy", "tp"),
+    "zero": ("planning.policy", "zero"),
+    "format_policy": ("planning.policy_text", "format_policy"),
+    "parse_policy": ("planning.policy_text", "parse_policy"),
+    "Rule": ("planning.rules", "Rule"),
+    "Rules": ("planning.rules", "Rules"),
+    "Owned": ("core.spec", "Owned"),
+    "P": ("core.spec", "P"),
+    "ParamSharding": ("core.spec", "ParamSharding"),
+    "PartitionSpec": ("core.spec", "PartitionSpec"),
+    "TensorSpec": ("core.tree", "TensorSpec"),
+    "read_model": ("core.tree", "read_model"),
 }
 
 __all__ = [

@@ -1,5 +1,5 @@
 """``python -m functional_shard ...``: the same as the ``functional-shard`` command."""
 
-from .cli import main
+from .frontends.cli import main
 
 raise SystemExit(main())

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 import functional_shard as fs
-from functional_shard.activations import trace_activations
-from functional_shard.measure import kept_activation_bytes, saved_tensor_bytes
+from functional_shard.costing.activations import trace_activations
+from functional_shard.runtime.measure import kept_activation_bytes, saved_tensor_bytes
 from functional_shard.zoo import Block, Llama, LlamaConfig
 
 from . import dist_cases
@@ -133,7 +133,7 @@ def fit_selective() -> dict[str, object]:
     modules the strategy checkpointed and how many times the selective policy was asked for."""
     from torch.distributed._composable import checkpoint
 
-    import functional_shard.trace_checkpointing as trace_checkpointing
+    import functional_shard.costing.trace_checkpointing as trace_checkpointing
     from functional_shard.adapters.lightning import ShardStrategy
 
     from . import lightning_cases

@@ -247,7 +247,7 @@ def dispatch(routing: str, experts: int = 8) -> dict[str, object]:
     """
     from torch.distributed.tensor import DTensor
 
-    from functional_shard.engines.experts import _dispatching_forward, _run_experts
+    from functional_shard.runtime.engines.experts import _dispatching_forward, _run_experts
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -278,7 +278,7 @@ def dispatch(routing: str, experts: int = 8) -> dict[str, object]:
     mesh = fs.Mesh(ep=world).device_mesh("cpu")
     from torch.distributed.tensor import Shard
 
-    from functional_shard.engines.experts import _as_dtensor
+    from functional_shard.runtime.engines.experts import _as_dtensor
 
     mine = _Experts(experts, 6, 4)
     with torch.no_grad():

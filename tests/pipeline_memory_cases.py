@@ -134,7 +134,7 @@ def _watched(held: HeldForBackward, method: Any, what: str) -> Any:
 
 def held_for_backward(spec: dict[str, Any]) -> dict[str, Any]:
     """Train ``spec`` one step, then measure the next: this rank's peak bytes held for backward."""
-    from functional_shard.engines.pipeline import pipeline_of
+    from functional_shard.runtime.engines.pipeline import pipeline_of
 
     mesh = fs.Mesh(**spec["mesh"])
     model = pc.build(spec)

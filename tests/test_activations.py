@@ -25,8 +25,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import functional_shard as fs
-from functional_shard.activations import _repeats, trace_activations
-from functional_shard.engines.activation_checkpointing import apply_checkpointing
+from functional_shard.costing.activations import _repeats, trace_activations
+from functional_shard.runtime.engines.activation_checkpointing import apply_checkpointing
 from functional_shard.zoo import Block, Llama, LlamaConfig, llama
 
 from . import activation_cases

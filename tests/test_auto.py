@@ -18,9 +18,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import functional_shard as fs
-from functional_shard import activations, rules, trace_counting
-from functional_shard.auto import _points, head_counts, repeated_block
-from functional_shard.quiet import captured
+from functional_shard.core.quiet import captured
+from functional_shard.costing import activations, trace_counting
+from functional_shard.planning import rules
+from functional_shard.search.auto import _points, head_counts, repeated_block
 from functional_shard.zoo import CONFIGS, MLP, Block, Llama, LlamaConfig, llama
 
 _TRACES: dict = {}
@@ -44,15 +45,15 @@ def _trace_key(plan, batch, seq):
 @pytest.fixture(autouse=True)
 def _tracer(monkeypatch):
     # the enumeration below estimates ~40 plans; reuse one trace per key, as auto does
-    module = importlib.import_module("functional_shard.estimate")
+    module = importlib.import_module("functional_shard.costing.estimate")
     trace = module._trace
 
-    def remembered(model, plan, batch, seq, rank, inputs, **options):
+    def remembered(model, plan, *, batch, seq, rank=None, inputs=None, **options):
         if model is not _MODEL or rank is not None or inputs is not None or options:
-            return trace(model, plan, batch, seq, rank, inputs, **options)
+            return trace(model, plan, batch=batch, seq=seq, rank=rank, inputs=inputs, **options)
         key = _trace_key(plan, batch, seq)
         if key not in _TRACES:
-            _TRACES[key] = trace(model, plan, batch, seq, rank, inputs)
+            _TRACES[key] = trace(model, plan, batch=batch, seq=seq, rank=rank, inputs=inputs)
         return _TRACES[key]
 
     monkeypatch.setattr(module, "_trace", remembered)
@@ -134,7 +135,7 @@ def test_auto_is_optimal_in_its_space():
 
 def test_traces_do_not_depend_on_the_data_parallel_family():
     """What lets auto (and the enumeration above) trace once per key."""
-    from functional_shard.activations import trace_activations
+    from functional_shard.costing.activations import trace_activations
 
     tp = fs.tp(rules.llama, "tp", sequence_parallel=True) + fs.mixed_precision()
     plans = [
@@ -454,12 +455,12 @@ def test_full_recompute_stops_at_the_last_saved_tensor():
 def test_the_search_traces_checkpointed_candidates_forward_only():
     # the backward is run only where it cannot be taken from the plan without checkpointing
     calls = []
-    module = importlib.import_module("functional_shard.estimate")
+    module = importlib.import_module("functional_shard.costing.estimate")
     trace = module._trace
 
-    def recorded(model, plan, batch, seq, rank, inputs, **options):
+    def recorded(model, plan, *, batch, seq, rank=None, inputs=None, **options):
         calls.append((plan.config.checkpoint_policy if plan.config.checkpointed else "none", options))
-        return trace(model, plan, batch, seq, rank, inputs, **options)
+        return trace(model, plan, batch=batch, seq=seq, rank=rank, inputs=inputs, **options)
 
     model = Llama(LlamaConfig(num_layers=3)).to("meta")
     with pytest.MonkeyPatch.context() as patch:

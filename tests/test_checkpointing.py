@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import functional_shard as fs
-from functional_shard.activations import SAVED_OPS, selective_context
-from functional_shard.apply import engine_problems
-from functional_shard.engines.activation_checkpointing import apply_checkpointing
+from functional_shard.costing.activations import SAVED_OPS, selective_context
+from functional_shard.runtime.apply import engine_problems
+from functional_shard.runtime.engines.activation_checkpointing import apply_checkpointing
 from functional_shard.zoo import Block, Llama, LlamaConfig
 
 from . import activation_cases, dist_cases

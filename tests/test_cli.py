@@ -9,8 +9,10 @@ import sys
 import pytest
 
 import functional_shard as fs
-from functional_shard import cli
+from functional_shard import zoo
 from functional_shard.cli import main
+from functional_shard.core.units import format_bytes
+from functional_shard.frontends import cli
 
 TINY = ["plan", "--model", "tiny"]
 
@@ -58,9 +60,9 @@ def test_diff_shows_each_tensors_change_and_the_memory_and_traffic_delta(capsys,
     assert "P(None, None)" in row
     assert "P('dp', None)" in row
     params = next(line for line in lines if line.startswith("params "))
-    assert params.split()[-2:] == cli._human(cost_b.params_bytes - cost_a.params_bytes).split()
+    assert params.split()[-2:] == format_bytes(cost_b.params_bytes - cost_a.params_bytes).split()
     sent = next(line for line in lines if line.startswith("sent per step"))
-    assert sent.split()[-2:] == cli._human(cost_b.comm_total_bytes - cost_a.comm_total_bytes).split()
+    assert sent.split()[-2:] == format_bytes(cost_b.comm_total_bytes - cost_a.comm_total_bytes).split()
 
 
 def test_png_writes_the_pictures(capsys, tmp_path):
@@ -266,7 +268,7 @@ def test_batch_and_seq_add_the_estimate_on_the_named_hardware(capsys, tmp_path):
     argv = [*TINY, "--mesh", "dp=4", "--policy", "fsdp(dp) + bf16", "--batch", "2", "--seq", "16"]
     code, out, _ = run(capsys, *argv, "--hardware", "a100", "--png", str(tmp_path / "p.png"))
     assert code == 0
-    model = fs.zoo.llama("tiny")
+    model = zoo.llama("tiny")
     plan = fs.shard(model, fs.Mesh(dp=4), fs.parse_policy("fsdp(dp) + bf16"))
     estimate = fs.estimate(model, plan, batch=2, seq=16, hardware="a100")
     assert str(estimate) in out  # --batch is per data-parallel rank, as fs.estimate takes it
@@ -282,7 +284,7 @@ def test_auto_prints_the_candidates_then_the_chosen_plan(capsys, tmp_path):
     code, out, _ = run(capsys, *argv, "--budget", "700KiB", "--json", str(tmp_path / "best.json"))
     assert code == 0
     report = fs.search_plans(
-        fs.zoo.llama("tiny"), devices=4, memory_budget="700KiB", batch=8, seq=64, hardware="h100"
+        zoo.llama("tiny"), devices=4, memory_budget="700KiB", batch=8, seq=64, hardware="h100"
     )
     lines = out.splitlines()
     assert lines[0] == (
@@ -323,7 +325,7 @@ def test_seq_alone_means_one_sequence_per_data_parallel_rank(capsys):
     # the devices over its data-parallel size
     code, out, _ = run(capsys, *TINY, "--auto", "--devices", "2", "--budget", "1GiB", "--seq", "16")
     assert code == 0
-    report = fs.search_plans(fs.zoo.llama("tiny"), devices=2, memory_budget="1GiB", batch=2, seq=16)
+    report = fs.search_plans(zoo.llama("tiny"), devices=2, memory_budget="1GiB", batch=2, seq=16)
     chosen = report.best_candidate
     assert f"chosen: {chosen.mesh!r} {chosen.policy_text};" in out
     assert str(chosen.estimate) in out

@@ -13,8 +13,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_shard as fs
-from functional_shard import rules
-from functional_shard.step_model import gathered_in_flight, recomputed_collectives, unit_gathered_bytes
+from functional_shard.costing.step_model import (
+    gathered_in_flight,
+    recomputed_collectives,
+    unit_gathered_bytes,
+)
+from functional_shard.planning import rules
 from functional_shard.zoo import Block, llama
 
 _TRACED: dict = {}
@@ -23,15 +27,15 @@ _TRACED: dict = {}
 @pytest.fixture(autouse=True)
 def _tracer(monkeypatch):
     # the plans below are built once, so a trace is reused by every test that asks again
-    module = importlib.import_module("functional_shard.estimate")
+    module = importlib.import_module("functional_shard.costing.estimate")
     trace = module._trace
 
-    def remembered(model, plan, batch, seq, rank, inputs, **options):
+    def remembered(model, plan, *, batch, seq, rank=None, inputs=None, **options):
         if inputs is not None or options:
-            return trace(model, plan, batch, seq, rank, inputs, **options)
+            return trace(model, plan, batch=batch, seq=seq, rank=rank, inputs=inputs, **options)
         key = (id(model), id(plan), batch, seq, rank)
         if key not in _TRACED:
-            _TRACED[key] = (model, plan, trace(model, plan, batch, seq, rank, inputs))
+            _TRACED[key] = (model, plan, trace(model, plan, batch=batch, seq=seq, rank=rank, inputs=inputs))
         return _TRACED[key][2]
 
     monkeypatch.setattr(module, "_trace", remembered)

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import functional_shard as fs
-from functional_shard import hf
+from functional_shard import zoo
+from functional_shard.planning import hf
 
 from . import hf_cases
 
@@ -111,7 +112,7 @@ def test_a_model_without_a_plan_is_refused_with_the_way_out():
 def test_for_model_picks_hf_rules_then_named_sets_by_their_names():
     assert fs.rules.for_model(meta("mistral")).name == "hf"
     assert fs.rules.for_model(meta("gpt2")).name == "gpt2_hf"
-    assert fs.rules.for_model(fs.zoo.Llama(fs.zoo.LlamaConfig(64, 16, 32, num_layers=1))).name == "llama"
+    assert fs.rules.for_model(zoo.Llama(zoo.LlamaConfig(64, 16, 32, num_layers=1))).name == "llama"
     with pytest.raises(fs.PolicyError, match=re.escape("llama: no parameter matches")) as error:
         fs.rules.for_model(nn.Sequential(nn.Linear(2, 2)))
     assert "hf: not a transformers PreTrainedModel" in str(error.value)

@@ -4,7 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_shard as fs
-from functional_shard.layout import chunk, local_numel
+from functional_shard.core.layout import chunk, local_numel
 
 from .strategies import mesh_shape_spec
 

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import functional_shard as fs
-from functional_shard.activations import trace_activations
-from functional_shard.step_model import recomputed_collectives
+from functional_shard.costing.activations import trace_activations
+from functional_shard.costing.step_model import recomputed_collectives
 
 from . import moe_cost_cases
 from .test_moe_estimate import build
@@ -296,7 +296,7 @@ def mixtral_8x7b() -> nn.Module:
 def counting_traces(monkeypatch) -> list[int]:
     import importlib
 
-    module = importlib.import_module("functional_shard.estimate")
+    module = importlib.import_module("functional_shard.costing.estimate")
     trace, calls = module._trace, [0]
 
     def counted(*args, **kwargs):
@@ -325,7 +325,7 @@ def test_the_search_tries_ep_sizes_dividing_the_experts_and_tp_inside_them():
 def test_the_search_traces_at_most_twice_what_it_does_without_experts(monkeypatch):
     import importlib
 
-    auto = importlib.import_module("functional_shard.auto")
+    auto = importlib.import_module("functional_shard.search.auto")
     model = tiny(4)
     calls = counting_traces(monkeypatch)
     auto._TRACES.clear()

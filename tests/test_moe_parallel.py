@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functional_shard as fs
+from functional_shard.planning.policy import resolve_rules
 
 from . import hf_cases, moe_cases
 
@@ -137,12 +138,12 @@ def test_expert_tensors_are_split_by_expert_and_fsdp_nests_inside():
 
 def test_experts_are_found_by_ep_plan_by_name_or_by_pattern():
     model = moe_cases.build("qwen3_moe", 4)
-    assert fs.policy.resolve_rules(fs.ep("dp"), model).layers[0].experts == (
+    assert resolve_rules(fs.ep("dp"), model).layers[0].experts == (
         "model.layers.*.mlp.experts.gate_up_proj",
         "model.layers.*.mlp.experts.down_proj",
     )
     state = {k: v for k, v in model.state_dict().items()}  # no module, no plan: by name
-    assert set(fs.policy.resolve_rules(fs.ep("dp"), state).layers[0].experts) == {
+    assert set(resolve_rules(fs.ep("dp"), state).layers[0].experts) == {
         "model.layers.*.mlp.experts.gate_up_proj",
         "model.layers.*.mlp.experts.down_proj",
     }

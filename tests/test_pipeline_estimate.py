@@ -8,9 +8,9 @@ import re
 import pytest
 
 import functional_shard as fs
-from functional_shard.activations import regroup, trace_activations
-from functional_shard.estimate import compare_schedules
-from functional_shard.schedules import simulate
+from functional_shard.costing.activations import regroup, trace_activations
+from functional_shard.costing.estimate import compare_schedules
+from functional_shard.planning.schedules import simulate
 from functional_shard.zoo import llama
 
 BATCH, SEQ, M = 8, 16, 4
@@ -142,7 +142,7 @@ def test_batch_the_microbatches_do_not_divide():
 
 
 def test_each_parameter_counted_on_one_pp_rank():
-    from functional_shard.pipeline_estimate import stage_costs
+    from functional_shard.costing.pipeline_estimate import stage_costs
 
     plan = _plan("interleaved1f1b", 2)
     costs = stage_costs(plan, "adamw", BATCH * SEQ)
@@ -220,11 +220,11 @@ def test_the_searchs_shortcuts_for_pipelines_change_no_estimate(monkeypatch):
     # every pipeline candidate is what the same search gives tracing each with its backward
     import importlib
 
-    from functional_shard.hardware import hardware
-    from functional_shard.tree import read_model
+    from functional_shard.core.tree import read_model
+    from functional_shard.costing.hardware import hardware
     from functional_shard.zoo import Block, Llama, LlamaConfig
 
-    auto = importlib.import_module("functional_shard.auto")  # fs.auto is the function
+    auto = importlib.import_module("functional_shard.search.auto")  # fs.auto is the function
     model = Llama(LlamaConfig(num_layers=4)).to("meta")
     tree = read_model(model)
     units = auto._pipeline_units(tree)
@@ -248,7 +248,7 @@ def test_the_searchs_shortcuts_for_pipelines_change_no_estimate(monkeypatch):
         auto._Search,
         "_checkpointed_units",
         lambda self, plan, how, micro, plain, trace: trace(
-            self.model, plan, micro, self.seq, None, None, stages=self.units
+            self.model, plan, batch=micro, seq=self.seq, stages=self.units
         ),
     )
     slow = search()

@@ -343,7 +343,7 @@ def repeated_models(draw: st.DrawFn) -> tuple[object, fs.Mesh, fs.Policy]:
 
 
 def _plan_or_error(model, mesh, policy, reuse_blocks):
-    from functional_shard.planner import _shard
+    from functional_shard.planning.planner import _shard
 
     try:
         return _shard(model, mesh, policy, reuse_blocks=reuse_blocks)
@@ -388,7 +388,7 @@ def _near_repeat(odd: str) -> nn.Module:
 )
 def test_a_near_repeat_is_planned_on_its_own(odd, rules):
     """One block differs (shape, class, or a rule naming it): the fast path plans it apart."""
-    from functional_shard.planner import _shard
+    from functional_shard.planning.planner import _shard
 
     model, policy = _near_repeat(odd), fs.fsdp("dp") + fs.tp(fs.Rules(rules), "tp")
     fast = _shard(model, MESH, policy, reuse_blocks=True)
@@ -400,7 +400,7 @@ def test_a_near_repeat_is_planned_on_its_own(odd, rules):
 
 def test_repeated_blocks_are_planned_once(monkeypatch):
     """A Llama's blocks are alike: the planner places one block's tensors, then the rest."""
-    from functional_shard import planner
+    from functional_shard.planning import planner
 
     with torch.device("meta"):
         model = llama("tiny")

@@ -12,7 +12,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import functional_shard as fs
-from functional_shard.policy import as_policy
+from functional_shard.planning.policy import as_policy
 
 
 class _RunsAPlan:

@@ -1,0 +1,65 @@
+"""The one exception family of functional_shard.
+
+Every problem a caller can fix is a `ShardingError`: it says what failed, where (the
+parameter path or option), the values involved, the mesh, and how to fix it. Problems
+found while checking a whole plan are collected and raised once, one bullet each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = ["MeshError", "PlanError", "PolicyError", "ShardingError", "SpecError", "bullets", "one_line"]
+
+
+class ShardingError(ValueError):
+    """A plan, policy, mesh or spec that cannot work, with the reason and a fix."""
+
+
+class MeshError(ShardingError):
+    """A mesh that is malformed or does not fit the processes at hand."""
+
+
+class SpecError(ShardingError):
+    """A PartitionSpec that is malformed or cannot be expressed by the engine."""
+
+
+class PolicyError(ShardingError):
+    """Policies that cannot be combined, or a rule that is malformed."""
+
+
+class PlanError(ShardingError):
+    """A plan that does not fit the model: one bullet per offending parameter."""
+
+
+# tracebacks and pickles name the path users import from (`fs.ShardingError`), not the
+# module that happens to define the family
+for _error in (ShardingError, MeshError, SpecError, PolicyError, PlanError):
+    _error.__module__ = "functional_shard"
+
+
+def bullets(header: str, problems: Iterable[str], fix: str) -> str:
+    """Format several problems as one message: a header, one bullet each, a fix."""
+    lines = [header]
+    lines.extend(f"* {problem}" for problem in problems)
+    lines.append(fix)
+    return "\n".join(lines)
+
+
+def one_line(error: BaseException | str, limit: int | None = None) -> str:
+    r"""An error's message on one line: its header, bullets and fix joined by ``"; "``.
+
+    For a table cell or a prefix of another message (the CLI's, the search report's). Past
+    ``limit`` characters the text is cut at a word and ends with ``" …"``.
+
+    Examples:
+        >>> one_line(ShardingError(bullets("2 problems:", ["a is odd", "b is odd"], "Fix both.")))
+        '2 problems; a is odd; b is odd; Fix both.'
+        >>> one_line("a message   spread over\n  two lines", limit=16)
+        'a message …'
+    """
+    lines = (line.strip().removeprefix("* ").rstrip(":") for line in str(error).splitlines())
+    text = "; ".join(" ".join(line.split()) for line in lines if line)
+    if limit is None or len(text) <= limit:
+        return text
+    return text[: limit - 1].rpartition(" ")[0] + " …"

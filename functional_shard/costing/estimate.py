@@ -1,0 +1,280 @@
+"""Will it fit, and how fast: peak memory and step time of a plan, before any device is rented.
+
+`estimate` adds to the exact cost model (`cost`) what a training step also needs: the
+activations autograd keeps (traced on fake tensors by `activations.trace_activations`),
+the logits and the fp32 cross-entropy workspace, the FSDP units in flight while the next
+one is prefetched, and time: FLOPs at the hardware's achievable rate plus the
+communication the engines cannot hide. docs/will-it-fit.md states the model and its
+assumptions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from functional_shard.core.errors import ShardingError
+
+from .cost import Cost, OptimizerKind, cost
+from .hardware import Hardware
+from .hardware import hardware as _hardware
+from .step_model import (
+    Estimate,
+    _recomputed,
+    compute_dtype,
+    gathered_in_flight,
+    parse_bytes,
+    step_time,
+    unit_gathered_bytes,
+)
+
+if TYPE_CHECKING:
+    from functional_shard.planning.plan import Plan
+
+__all__ = ["Estimate", "compare_schedules", "estimate", "parse_bytes"]
+
+
+def _trace(
+    model: Any,
+    plan: Plan,
+    *,
+    batch: int,
+    seq: int,
+    rank: int | None = None,
+    inputs: Any = None,
+    expert_imbalance: float = 1.0,
+    backward: bool = True,
+    stages: tuple[tuple[str, ...], ...] | None = None,
+) -> Any:
+    from functional_shard.core.quiet import captured
+
+    from .activations import trace_activations  # lazily: it loads torch's fake-tensor machinery
+
+    # a failing fake kernel makes torch log its traceback before raising: our error says it
+    with captured():
+        return trace_activations(
+            model,
+            plan,
+            batch=batch,
+            seq=seq,
+            rank=rank,
+            inputs=inputs,
+            expert_imbalance=expert_imbalance,
+            backward=backward,
+            stages=stages,
+        )
+
+
+def _check_positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ShardingError(f"estimate({name}={value!r}): a positive int")
+    return value
+
+
+def estimate(
+    model: Any,
+    plan: Plan,
+    *,
+    batch: int,
+    seq: int,
+    optimizer: OptimizerKind = "adamw",
+    hardware: str | Hardware | None = None,
+    rank: int | None = None,
+    inputs: Any = None,
+    expert_imbalance: float = 1.0,
+) -> Estimate:
+    """Estimate a training step's peak memory and time for ``plan`` on ``hardware``.
+
+    Pure: the model may live on the meta device and no process group is needed.
+
+    Args:
+        model: the module the plan was made from (meta device is enough).
+        plan: its plan.
+        batch: sequences per data-parallel rank per step (the micro-batch); under a
+            pipeline, the step's batch, which the plan's ``microbatches`` must divide.
+        seq: tokens per sequence.
+        optimizer: as for `cost`.
+        hardware: a profile name (see `fs.hardware`) or a `Hardware`; ``None`` is ``"h100"``.
+        rank: estimate this rank; by default the worst one for the cost model's parts
+            (params, grads, optimizer, buffers, collectives) and rank 0 for the traced
+            activations (under a pipeline: the pp rank with the highest peak).
+        inputs: the model's inputs (tensors or a dict, meta allowed) when it does not take
+            token ids of shape ``(batch, seq)``.
+        expert_imbalance: routing in mixture-of-experts layers (Hugging Face's Mixtral,
+            Qwen2-MoE, Qwen3-MoE, ...): each token visits top-k of E experts, shared out
+            evenly at 1.0 (the default); above 1, each layer's most loaded expert gets that
+            many times an even share (``ceil(imbalance * tokens * k / E)`` tokens) and the
+            others share the rest. At most E / k. With every expert on every rank (ddp,
+            zero, fsdp) the work and memory are the same whatever it is; under expert
+            parallelism (`fs.ep`) the hot expert lives on ep rank 0, whose estimate (the
+            default rank's) is the worst, and tensor parallel inside the experts runs
+            every copy through each rank's slices.
+
+    Returns:
+        An `Estimate`.
+
+    Raises:
+        ShardingError: unknown hardware, a non-positive batch or seq, a batch the
+            pipeline's micro-batch count does not divide, inputs that do not fit the
+            model, a compute dtype the hardware has no rate for, or an
+            ``expert_imbalance`` below 1 or above E / k.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> model = llama("tiny")
+        >>> plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp("dp") + fs.mixed_precision())
+        >>> est = fs.estimate(model, plan, batch=2, seq=16, hardware="h100")
+        >>> est.memory["params"] == plan.cost().params_bytes, est.peak_bytes > est.activation_bytes > 0
+        (True, True)
+    """
+    _check_positive("batch", batch)
+    _check_positive("seq", seq)
+    hw = _hardware(hardware)
+    dtype = compute_dtype(plan)
+    hw.peak_flops(dtype)  # fail early, before tracing
+    if plan.config.pipeline_axis:
+        from .pipeline_estimate import microbatch_size, pipeline_assemble
+
+        micro = microbatch_size(plan, batch)
+        trace = _trace(
+            model,
+            plan,
+            batch=micro,
+            seq=seq,
+            rank=rank,
+            inputs=inputs,
+            expert_imbalance=expert_imbalance,
+            stages=plan.config.pipeline_stages,
+        )
+        units = unit_gathered_bytes(plan)
+        return pipeline_assemble(plan, trace, hw, dtype, batch, seq, optimizer, units, rank)
+    trace = _trace(
+        model, plan, batch=batch, seq=seq, rank=rank, inputs=inputs, expert_imbalance=expert_imbalance
+    )
+    plan_cost = cost(plan, optimizer, rank=rank, tokens=batch * seq)
+    units = unit_gathered_bytes(plan)
+    return _assemble(plan, plan_cost, trace, hw, dtype, batch, seq, units, plan.config.checkpointed)
+
+
+def _assemble(
+    plan: Plan,
+    plan_cost: Cost,
+    trace: Any,
+    hw: Hardware,
+    dtype: str,
+    batch: int,
+    seq: int,
+    units: Mapping[str, int],
+    checkpointed: tuple[str, ...] = (),
+) -> Estimate:
+    # the logits stay until the loss is computed; cross-entropy upcasts them to fp32 and
+    # keeps its log-softmax for backward, whose gradient then replaces the logits. Counted
+    # by elements: a model may hand back fp32 logits from a bf16 forward (no copy then, but
+    # the log-softmax and its gradient are as large)
+    logits_numel = trace.output_numel
+    memory = {
+        "params": plan_cost.params_bytes,
+        "grads": plan_cost.grads_bytes,
+        "optimizer": plan_cost.optimizer_bytes,
+        "buffers": plan_cost.buffers_bytes,
+        "gathered": gathered_in_flight(plan, units),
+        "activations": int(trace.activation_bytes),
+        "loss_workspace": int(trace.output_bytes + 2 * 4 * logits_numel),
+    }
+    compute, exposed, per_collective = step_time(
+        plan,
+        plan_cost,
+        hw,
+        dtype=dtype,
+        forward_flops=trace.forward_flops,
+        backward_flops=trace.backward_flops,
+        recompute_flops=trace.recompute_flops,
+        units=units,
+        recomputed=_recomputed(plan, checkpointed, batch * seq),
+    )
+    tp_axes = plan.config.tensor_parallel_axes
+    return Estimate(
+        rank=plan_cost.rank,
+        batch=batch,
+        seq=seq,
+        hardware=hw,
+        dtype=dtype,
+        memory=memory,
+        host_bytes=plan_cost.host_bytes,
+        flops=trace.forward_flops + trace.backward_flops + trace.recompute_flops,
+        model_flops=trace.forward_flops + trace.backward_flops,
+        compute_seconds=compute,
+        exposed_seconds=exposed,
+        comm_seconds=per_collective,
+        tensor_parallel=plan.mesh.axes_size(tp_axes) if tp_axes else 1,
+        cost=plan_cost,
+    )
+
+
+def compare_schedules(
+    model: Any,
+    plan: Plan,
+    *,
+    batch: int,
+    seq: int,
+    schedules: Sequence[str] | None = None,
+    optimizer: OptimizerKind = "adamw",
+    hardware: str | Hardware | None = None,
+) -> dict[str, Estimate]:
+    """`estimate` of ``plan`` under each schedule that runs its stages, placed as they are.
+
+    One trace serves them all: the stages, and what each keeps and computes per micro-batch,
+    do not depend on the schedule; in-flight counts, the bubble and the step time do.
+
+    Args:
+        model: the module the plan was made from.
+        plan: a plan with a pipeline.
+        batch: the step's batch per data-parallel rank.
+        seq: tokens per sequence.
+        schedules: names to compare; by default every schedule torch can run here.
+        optimizer: as for `cost`.
+        hardware: as for `estimate`.
+
+    Returns:
+        Schedule name -> its `Estimate` (``.pipeline.stage_activation_bytes``,
+        ``.step_seconds``, ``.pipeline.bubble``).
+
+    Raises:
+        ShardingError: the plan has no pipeline, or a named schedule cannot run it.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> model = llama("tiny")
+        >>> plan = fs.shard(model, fs.Mesh(pp=2), fs.pipeline("pp", microbatches=4))
+        >>> found = compare_schedules(model, plan, batch=8, seq=16, hardware="h100")
+        >>> sorted(found), found["gpipe"].peak_bytes > found["1f1b"].peak_bytes
+        (['1f1b', 'gpipe'], True)
+    """
+    from functional_shard.planning.schedules import _actions_or_reason
+    from functional_shard.planning.stages import SCHEDULES, SINGLE_STAGE, V_SHAPED
+
+    from .pipeline_estimate import microbatch_size, pipeline_assemble, with_schedule
+
+    config = plan.config
+    if config.pipeline_axis is None:
+        raise ShardingError("compare_schedules(): the plan has no pipeline; add fs.pipeline(...)")
+    pp, per_rank, m = plan.mesh[config.pipeline_axis], config.stages_per_rank, config.microbatches
+    if schedules is None:
+        fitting = [
+            name
+            for name in SCHEDULES
+            if (name in SINGLE_STAGE) == (per_rank == 1)
+            and (name in V_SHAPED) == (config.pipeline_schedule in V_SHAPED)
+            and not isinstance(_actions_or_reason(name, pp, m, per_rank), str)
+        ]
+        schedules = fitting
+    planned = {name: with_schedule(plan, name) for name in schedules}
+    hw = _hardware(hardware)
+    dtype = compute_dtype(plan)
+    micro = microbatch_size(plan, batch)
+    trace = _trace(model, plan, batch=micro, seq=seq, stages=config.pipeline_stages)
+    units = unit_gathered_bytes(plan)
+    return {
+        name: pipeline_assemble(each, trace, hw, dtype, batch, seq, optimizer, units)
+        for name, each in planned.items()
+    }

@@ -1,0 +1,412 @@
+"""Peak memory and step time of a pipeline-parallel plan, stage by stage. Pure.
+
+A pp rank holds its stages' parameters, gradients and optimizer state (`cost` at a rank
+of that pp coordinate), and the activations of one micro-batch (``batch / microbatches``
+sequences) per stage for as many micro-batches as torch's schedule keeps in flight there
+(`functional_shard.planning.schedules.held_peak`); on the last stage these include the logits and
+the log-softmax the loss keeps for its backward, and its rank also holds the loss's fp32
+copy of one micro-batch's logits. The step's compute time is the makespan of torch's action
+lists run on a clock (`functional_shard.planning.schedules.simulate`), each stage's forward and
+backward at its traced flops, each boundary's activation sent at the pp axis's link speed:
+the bubble is in it. Data- and tensor-parallel communication is added as for any plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from functional_shard.core.errors import ShardingError
+from functional_shard.core.units import format_bytes as _bytes
+from functional_shard.planning.schedules import Timeline, check_pipeline, held_peak, in_flight, simulate
+from functional_shard.planning.stages import rank_stages, stage_rank
+
+from .cost import Cost, OptimizerKind, cost
+from .hardware import Hardware
+
+if TYPE_CHECKING:
+    from functional_shard.planning.plan import Plan
+
+    from .step_model import Estimate
+
+__all__ = [
+    "PipelineEstimate",
+    "StageEstimate",
+    "microbatch_size",
+    "pipeline_assemble",
+    "stage_costs",
+    "stage_plan",
+    "with_schedule",
+]
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    """One pipeline stage: where it runs, what one micro-batch keeps and costs there.
+
+    Attributes:
+        stage: its index.
+        rank: the pp coordinate that runs it.
+        modules: its module paths.
+        activation_bytes: what it keeps for backward of one micro-batch: what its modules
+            make, its output and the activation it receives; on the last stage, what the
+            loss keeps too (the fp32 log-softmax).
+        in_flight: the most micro-batches it holds at once under the schedule.
+        forward_seconds: one micro-batch's forward.
+        backward_seconds: one micro-batch's backward (recompute included).
+        send_bytes: the activation it sends the next stage per micro-batch (0 for the last).
+    """
+
+    stage: int
+    rank: int
+    modules: tuple[str, ...]
+    activation_bytes: int
+    in_flight: int
+    forward_seconds: float
+    backward_seconds: float
+    send_bytes: int
+
+
+@dataclass(frozen=True)
+class PipelineEstimate:
+    """The pipeline side of an `functional_shard.estimate.Estimate`.
+
+    Attributes:
+        schedule: the schedule's name.
+        microbatches: micro-batches per step.
+        microbatch: sequences per micro-batch.
+        stages: each stage's `StageEstimate`.
+        rank_peak_bytes: per pp coordinate, its peak memory (the estimate reports the worst).
+        timeline: the schedule run on the clock.
+    """
+
+    schedule: str
+    microbatches: int
+    microbatch: int
+    stages: tuple[StageEstimate, ...]
+    rank_peak_bytes: tuple[int, ...]
+    timeline: Timeline
+
+    @property
+    def pp(self) -> int:
+        """Ranks along the pipeline axis."""
+        return self.timeline.pp
+
+    @property
+    def bubble(self) -> float:
+        """The share of the ranks' time the schedule leaves idle."""
+        return self.timeline.bubble
+
+    @property
+    def stage_activation_bytes(self) -> tuple[int, ...]:
+        """Per stage, the activation bytes of one micro-batch."""
+        return tuple(stage.activation_bytes for stage in self.stages)
+
+    def explain(self) -> str:
+        """Lines on the schedule and each stage."""
+        from .step_model import _duration
+
+        lines = [
+            f"pipeline {self.schedule}: {self.pp} ranks, {len(self.stages)} stages, {self.microbatches} "
+            f"micro-batches of {self.microbatch}; bubble {self.bubble:.1%} of "
+            f"{_duration(self.timeline.makespan)}"
+        ]
+        for s in self.stages:
+            lines.append(
+                f"  stage {s.stage} on pp rank {s.rank}: activations {_bytes(s.activation_bytes)} x "
+                f"{s.in_flight} in flight, forward {_duration(s.forward_seconds)}, backward "
+                f"{_duration(s.backward_seconds)}, sends {_bytes(s.send_bytes)}"
+            )
+        lines += [f"  pp rank {r} peak {_bytes(b)}" for r, b in enumerate(self.rank_peak_bytes)]
+        return "\n".join(lines)
+
+
+def microbatch_size(plan: Plan, batch: int) -> int:
+    """Sequences per micro-batch: ``batch`` cut into the plan's micro-batches (``batch`` without pp).
+
+    Raises:
+        ShardingError: the micro-batch count does not divide ``batch``.
+    """
+    m = plan.config.microbatches if plan.config.pipeline_axis else 1
+    if not m or batch % m:
+        raise ShardingError(
+            f"estimate(batch={batch}): pipeline(microbatches={m}) cuts each step's batch into {m} "
+            f"equal micro-batches (torch splits the batch dim evenly), and {m} does not divide {batch}. "
+            f"Use a batch that is a multiple of {m}, or change microbatches"
+        )
+    return batch // m
+
+
+@functools.lru_cache(maxsize=256)
+def _in_flight(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> tuple[int, ...]:
+    # a search asks it of each schedule for every tensor-parallel size and checkpointing
+    return in_flight(schedule, pp, microbatches, stages_per_rank)
+
+
+def _rank_of_coordinate(plan: Plan, pp_coordinate: int, rank: int | None) -> int:
+    axis = plan.config.pipeline_axis
+    assert axis is not None
+    coords = plan.mesh.coords(rank or 0)
+    coords[axis] = pp_coordinate
+    return plan.mesh.rank(coords)
+
+
+def _stage_units(plan: Plan, units: Mapping[str, int], mine: set[int]) -> dict[str, int]:
+    stage_of = _stages_of(plan.config.pipeline_stages, tuple(units), False)
+    return {
+        unit: nbytes
+        for (unit, nbytes), stage in zip(units.items(), stage_of, strict=True)
+        if stage in mine or stage < 0
+    }
+
+
+def _signature(plan: Plan) -> tuple[Any, ...]:
+    # shard() gives alike blocks one TensorSpec and one ParamSharding object each: stages
+    # of alike blocks cost the same, and a 64-stage pipeline needs a few costs, not 64
+    return (
+        tuple((id(plan.tensors[path]), id(spec)) for path, spec in plan.params.items()),
+        tuple((id(plan.tensors[path]), id(spec)) for path, spec in plan.buffers.items()),
+        tuple((style, kind) for _, style, kind in plan.config.tp_styles),
+        len(plan.config.units),
+        len(plan.config.checkpointed),
+    )
+
+
+def stage_costs(
+    plan: Plan, optimizer: OptimizerKind, tokens: int, rank: int | None = None
+) -> tuple[Cost, ...]:
+    """Per pp coordinate, `cost` of what a rank there holds (`stage_plan` of its stages)."""
+    config = plan.config
+    assert config.pipeline_axis is not None
+    pp = plan.mesh[config.pipeline_axis]
+    per_rank, schedule = config.stages_per_rank, config.pipeline_schedule
+    seen: dict[tuple[Any, ...], Cost] = {}
+    out = []
+    for c in range(pp):
+        sub = stage_plan(plan, set(rank_stages(c, pp, per_rank, schedule)))
+        key = _signature(sub)
+        if key not in seen:
+            seen[key] = cost(sub, optimizer, rank=_rank_of_coordinate(plan, c, rank), tokens=tokens)
+        out.append(dataclasses.replace(seen[key], rank=_rank_of_coordinate(plan, c, rank)))
+    return tuple(out)
+
+
+def _module_stages(cut: tuple[tuple[str, ...], ...]) -> dict[str, int]:
+    return {module: index for index, modules in enumerate(cut) for module in modules}
+
+
+@functools.lru_cache(maxsize=256)
+def _stages_of(cut: tuple[tuple[str, ...], ...], paths: tuple[str, ...], tensors: bool) -> tuple[int, ...]:
+    """The stage of each path's module (of each tensor's owner with ``tensors``), -1 outside every stage.
+
+    A search cuts one model's plans a few ways and asks of each cut once per stage and
+    checkpointing: walking every path up to its stage each time was a fifth of a 405B search.
+    """
+    stage_of_module = _module_stages(cut)
+    known: dict[str, int] = {}
+
+    def stage(module: str) -> int:
+        if module not in known:
+            walk = module
+            while walk not in stage_of_module:
+                if not walk:
+                    break
+                walk = walk.rpartition(".")[0]
+            known[module] = stage_of_module.get(walk, -1)
+        return known[module]
+
+    return tuple(stage(path.rpartition(".")[0] if tensors else path) for path in paths)
+
+
+def stage_plan(plan: Plan, stages: set[int]) -> Plan:
+    """``plan`` cut down to the parameters, buffers, styled modules and units of ``stages``.
+
+    What one pp rank holds: `cost` of it at a rank of that pp coordinate is that rank's
+    memory and its tensor- and data-parallel traffic, whether or not the specs already say
+    where each tensor lives along pp. FSDP units stay gathered from forward to backward,
+    as the pipeline engine runs them.
+    """
+    config = plan.config
+    cut = config.pipeline_stages
+
+    def ours(entries: Any, keys: tuple[str, ...], tensors: bool) -> list[Any]:
+        # a module outside every stage's modules (the root) is each stage's
+        found = _stages_of(cut, keys, tensors)
+        return [entry for entry, stage in zip(entries, found, strict=True) if stage < 0 or stage in stages]
+
+    sub_config = dataclasses.replace(
+        config,
+        tp_styles=tuple(ours(config.tp_styles, tuple(entry[0] for entry in config.tp_styles), False)),
+        units=tuple(ours(config.units, config.units, False)),
+        expert_modules=tuple(ours(config.expert_modules, config.expert_modules, False)),
+        checkpointed=tuple(ours(config.checkpointed, config.checkpointed, False)),
+        # the pipeline engine keeps a stage's FSDP units gathered from forward to backward
+        # (torchtitan's choice under pp): each micro-batch would gather them again otherwise
+        reshard_after_forward=False,
+    )
+    return dataclasses.replace(
+        plan,
+        params=dict(ours(plan.params.items(), tuple(plan.params), True)),
+        buffers=dict(ours(plan.buffers.items(), tuple(plan.buffers), True)),
+        config=sub_config,
+    )
+
+
+def pipeline_assemble(
+    plan: Plan,
+    trace: Any,
+    hw: Hardware,
+    dtype: str,
+    batch: int,
+    seq: int,
+    optimizer: OptimizerKind,
+    units: Mapping[str, int],
+    rank: int | None = None,
+    costs: Sequence[Cost] | None = None,
+) -> Estimate:
+    """The `Estimate` of a pp plan from a trace of one micro-batch with ``stages=``.
+
+    ``costs`` (one per pp coordinate, at `_rank_of_coordinate`) may be given when known.
+    """
+    from .step_model import Estimate, gathered_in_flight, step_time
+
+    config = plan.config
+    axis = config.pipeline_axis
+    assert axis is not None
+    schedule, m, per_rank = config.pipeline_schedule, config.microbatches, config.stages_per_rank
+    pp = plan.mesh[axis]
+    check_pipeline(schedule, pp, per_rank, m)
+    n = pp * per_rank
+    micro = batch // m
+    rate = hw.achievable_flops(dtype)
+    forward = [f / rate for f in trace.stage_forward_flops]
+    backward = [
+        (b + r) / rate for b, r in zip(trace.stage_backward_flops, trace.stage_recompute_flops, strict=True)
+    ]
+    # zero-bubble schedules split the backward: the weights' gradients (W) as the trace
+    # counted them; the inputs' (I) and the recompute before them are the rest
+    weight = [w / rate for w in trace.stage_backward_weight_flops]
+    sends = list(trace.stage_output_bytes)[: n - 1] if n > 1 else []
+    link = hw.bandwidth(plan.mesh, (axis,))
+    p2p = [nbytes / link + hw.collective_latency for nbytes in sends] or [0.0]
+    timeline = simulate(schedule, pp, m, per_rank, forward=forward, backward=backward, weight=weight, p2p=p2p)
+    flight = _in_flight(schedule, pp, m, per_rank)
+    # what a stage keeps per micro-batch: what its modules made (its output included: the
+    # stage holds it for its backward) and the activation it received, which its first
+    # ops save (the whole-model trace counts that storage once, with the stage that made it)
+    owner = [stage_rank(s, pp, per_rank, schedule) for s in range(n)]
+    # (at a V's turn the next stage, on the same rank, takes the output itself: no copy)
+    received = [trace.stage_output_bytes[s - 1] if s and owner[s - 1] != owner[s] else 0 for s in range(n)]
+    kept = [trace.stage_activation_bytes[s] + received[s] for s in range(n)]
+    # and the last stage, per micro-batch until its backward, what the loss needs: the
+    # logits (torch's stage caches its output for the backward) and the fp32 log-softmax
+    # cross-entropy saves; GPipe holds every micro-batch's (measured on gloo ranks,
+    # tests/test_pipeline_memory.py). Only the loss's fp32 copy is one micro-batch's.
+    kept[n - 1] += trace.output_bytes + 4 * trace.output_numel
+    held = held_peak(schedule, pp, m, per_rank, kept)
+    if costs is None:
+        costs = stage_costs(plan, optimizer, batch * seq, rank)
+    memories = []
+    sub_plans = []
+    for c in range(pp):
+        mine = {s for s in range(n) if owner[s] == c}
+        plan_cost = costs[c]
+        sub_plans.append(stage_plan(plan, mine))
+        memories.append(
+            {
+                "params": plan_cost.params_bytes,
+                "grads": plan_cost.grads_bytes,
+                "optimizer": plan_cost.optimizer_bytes,
+                "buffers": plan_cost.buffers_bytes,
+                "gathered": gathered_in_flight(sub_plans[c], _stage_units(plan, units, mine)),
+                "activations": int(held[c]),
+                # the fp32 copy of the logits the loss of one micro-batch at a time makes
+                "loss_workspace": int(4 * trace.output_numel) if n - 1 in mine else 0,
+            }
+        )
+    peaks = [sum(memory.values()) for memory in memories]
+    if rank is not None:
+        chosen = plan.mesh.coords(rank)[axis]
+    else:
+        chosen = max(range(pp), key=lambda c: (peaks[c], -c))
+    ours = [s for s in range(n) if owner[s] == chosen]
+    flops = {
+        key: m * sum(getattr(trace, f"stage_{key}_flops")[s] for s in ours)
+        for key in ("forward", "backward", "recompute")
+    }
+    from .step_model import _recomputed
+
+    _, exposed, per_collective = step_time(
+        sub_plans[chosen],
+        costs[chosen],
+        hw,
+        dtype=dtype,
+        forward_flops=flops["forward"],
+        backward_flops=flops["backward"],
+        recompute_flops=flops["recompute"],
+        units=_stage_units(plan, units, set(ours)),
+        recomputed=_recomputed(sub_plans[chosen], config.checkpointed, batch * seq),
+    )
+    for s in range(n - 1):
+        if owner[s] != owner[s + 1]:
+            per_collective[f"send/recv stage {s}->{s + 1} over {axis} ({hw.link_of(plan.mesh, (axis,))})"] = (
+                2 * m * sends[s] / link
+            )
+    stages = tuple(
+        StageEstimate(
+            stage=s,
+            rank=owner[s],
+            modules=tuple(config.pipeline_stages[s]),
+            activation_bytes=int(kept[s]),
+            in_flight=flight[s],
+            forward_seconds=forward[s],
+            backward_seconds=backward[s],
+            send_bytes=int(sends[s]) if s < n - 1 else 0,
+        )
+        for s in range(n)
+    )
+    pipe = PipelineEstimate(schedule, m, micro, stages, tuple(peaks), timeline)
+    tp_axes = config.tensor_parallel_axes
+    return Estimate(
+        rank=_rank_of_coordinate(plan, chosen, rank),
+        batch=batch,
+        seq=seq,
+        hardware=hw,
+        dtype=dtype,
+        memory=memories[chosen],
+        host_bytes=costs[chosen].host_bytes,
+        flops=sum(flops.values()),
+        model_flops=flops["forward"] + flops["backward"],
+        compute_seconds=timeline.makespan,
+        exposed_seconds=exposed,
+        comm_seconds=per_collective,
+        tensor_parallel=plan.mesh.axes_size(tp_axes) if tp_axes else 1,
+        cost=costs[chosen],
+        pipeline=pipe,
+    )
+
+
+def with_schedule(plan: Plan, schedule: str) -> Plan:
+    """``plan`` run by another schedule with the same stages per rank and the same placement.
+
+    Raises:
+        ShardingError: the plan has no pipeline, or the schedule places stages on other
+            ranks (V-shaped against looped): plan again with ``fs.pipeline(schedule=...)``.
+        PolicyError: the schedule cannot run the plan's stages per rank or micro-batches.
+    """
+    from functional_shard.planning.stages import V_SHAPED
+
+    config = plan.config
+    axis = config.pipeline_axis
+    if axis is None:
+        raise ShardingError(f"with_schedule({schedule!r}): the plan has no pipeline axis")
+    if (schedule in V_SHAPED) != (config.pipeline_schedule in V_SHAPED):
+        raise ShardingError(
+            f"with_schedule({schedule!r}): it places stages on other ranks than "
+            f"{config.pipeline_schedule!r} does; plan again with fs.pipeline(schedule={schedule!r})"
+        )
+    check_pipeline(schedule, plan.mesh[axis], config.stages_per_rank, config.microbatches)
+    return dataclasses.replace(plan, config=dataclasses.replace(config, pipeline_schedule=schedule))

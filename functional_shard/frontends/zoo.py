@@ -1,0 +1,141 @@
+"""Small, real models with Hugging Face naming, for examples, benchmarks and tests.
+
+`Llama` is a faithful-in-shape Llama (RMSNorm, grouped-query attention, SwiGLU MLP,
+optional tied embedding) whose parameter names match Hugging Face's, so `rules.llama`
+applies to it as to the real thing. Build big ones on the meta device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+__all__ = ["CONFIGS", "Llama", "LlamaConfig", "llama"]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Sizes of a Llama-shaped model."""
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 176
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    tie_embeddings: bool = False
+
+
+CONFIGS: dict[str, LlamaConfig] = {
+    "tiny": LlamaConfig(),
+    "tiny-tied": LlamaConfig(tie_embeddings=True),
+    "llama-1b": LlamaConfig(128256, 2048, 8192, 16, 32, 8, tie_embeddings=True),
+    "llama-7b": LlamaConfig(32000, 4096, 11008, 32, 32, 32),
+    # meta-llama/Meta-Llama-3-8B's config.json: untied, grouped-query (8 key/value heads)
+    "llama-3-8b": LlamaConfig(128256, 4096, 14336, 32, 32, 8),
+    "llama-70b": LlamaConfig(128256, 8192, 28672, 80, 64, 8),
+    # meta-llama/Llama-3.1-405B's config.json: 126 layers, hidden 16384, ffn 53248, 128
+    # heads, 8 key/value heads; torchtitan's published 405B run used FSDP 8 x TP 8 x PP 8
+    "llama-3-405b": LlamaConfig(128256, 16384, 53248, 126, 128, 8),
+}
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        head_dim = config.hidden_size // config.num_heads
+        self.head_dim = head_dim
+        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Attend causally; head counts come from the (possibly TP-local) projections."""
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x))."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=1e-5)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=1e-5)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Residual attention, then residual MLP."""
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    """A Llama-shaped causal language model with Hugging Face parameter names.
+
+    Examples:
+        >>> model = Llama(CONFIGS["tiny"])
+        >>> model(torch.zeros(2, 8, dtype=torch.long)).shape
+        torch.Size([2, 8, 256])
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=1e-5)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits for every position."""
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+def llama(name: str = "tiny", device: str | torch.device = "meta") -> Llama:
+    """A Llama-shaped model by config name (see `CONFIGS`), on the meta device by default.
+
+    Examples:
+        >>> sum(p.numel() for p in llama("llama-7b").parameters()) // 10**6
+        6738
+        >>> sum(p.numel() for p in llama("llama-3-8b").parameters())  # Llama 3 8B's 8.03B
+        8030261248
+    """
+    if name not in CONFIGS:
+        from functional_shard.core.errors import ShardingError
+
+        raise ShardingError(f"no model config {name!r}; choose one of {sorted(CONFIGS)}")
+    with torch.device(device):
+        return Llama(CONFIGS[name])

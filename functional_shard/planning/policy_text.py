@@ -1,0 +1,613 @@
+"""Policies as text: ``"fsdp(dp) + tp(llama, tp) + bf16"`` for the command line and configs.
+
+The text reads like the Python API with the quotes left out. It is parsed with `ast` as
+one expression and walked by hand: only calls of the names below, ``+`` between them, and
+bare names, strings, integers, booleans or tuples of those as arguments. Nothing is ever
+evaluated, so a policy string cannot run code.
+
+| text                                      | Python                                              |
+|-------------------------------------------|-----------------------------------------------------|
+| ``fsdp(dp)``, ``fsdp(dp, cp)``            | ``fsdp("dp")``, ``fsdp(("dp", "cp"))``              |
+| ``fsdp(dp, reshard_after_forward=false)`` | ``fsdp("dp", reshard_after_forward=False)``         |
+| ``zero(2, dp)``                           | ``zero(2, "dp")``                                   |
+| ``ddp(dp)``, ``replicate(dp)``, ``ddp``   | ``replicate("dp")``, ``replicate()``                |
+| ``hsdp(node, gpu)``                       | ``hsdp("node", "gpu")``                             |
+| ``ep(dp)``, ``ep(ep, experts="*.experts.*")`` | ``ep("dp")``, ``ep("ep", experts="*.experts.*")`` |
+| ``tp(llama, tp)``, ``sp(llama, tp)``      | ``tp(rules.llama, "tp")``, ``sequence_parallel=True`` |
+| ``tp(hf, tp)``, ``tp(auto, tp)``          | ``tp("hf", "tp")``, ``tp("auto", "tp")``            |
+| ``checkpointing(Block, selective)``       | ``checkpointing(Block, policy="selective")``        |
+| ``checkpointing("layers.*")``             | ``checkpointing("layers.*")`` (a module-path pattern) |
+| ``offload``, ``offload(optimizer)``       | ``offload()``, ``offload(params=False, grads=False)`` |
+| ``bf16``, ``mixed_precision(bf16, fp32)`` | ``mixed_precision(torch.bfloat16, torch.float32)``  |
+| ``pipeline(pp, microbatches=32)``          | ``pipeline("pp", microbatches=32)``                 |
+| ``pipeline(pp, microbatches=8, schedule=zbv, stages_per_rank=2)`` | the same, quoted       |
+| ``pipeline(pp, ..., split=((embed, 'layers.0'), (head,)))`` | ``split=[["embed", "layers.0"], ["head"]]`` |
+
+A schedule name that is not a Python name (``'1f1b'``) is quoted.
+
+A bare class name in ``checkpointing`` or ``units=`` names a module class of the model
+(pass ``model=``); a quoted string is a module-path pattern.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from functional_shard.core.errors import PolicyError, one_line
+
+from . import rules as rules_module
+from .policy import (
+    DataParallel,
+    ExpertParallel,
+    Pipeline,
+    Policy,
+    TensorParallel,
+    checkpointing,
+    ep,
+    fsdp,
+    hsdp,
+    mixed_precision,
+    offload,
+    pipeline,
+    replicate,
+    tp,
+    zero,
+)
+
+__all__ = ["FORMS", "format_policy", "parse_policy"]
+
+FORMS = (
+    "fsdp(AXIS), hsdp(REPLICATE_AXIS, SHARD_AXIS), zero(1|2|3, AXIS), ddp(AXIS) or replicate(AXIS), "
+    "tp(RULES, AXIS), sp(RULES, AXIS), ep(AXIS), checkpointing(CLASS or 'path.*', full|selective), "
+    "offload, bf16, fp16, mixed_precision(DTYPE), "
+    "pipeline(AXIS, microbatches=N, schedule=NAME, stages_per_rank=N, split=((PATH, ...), ...)), "
+    "none, joined by +; "
+    "RULES: llama, gpt2, gpt2_hf, mlp, hf, auto"
+)
+"""The accepted forms, as every parse error lists them."""
+
+_RULE_SETS = ("llama", "gpt2", "gpt2_hf", "mlp")
+_RESOLVED_LATER = ("hf", "auto")  # tp() resolves these against the model at shard() time
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+_SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+_OFFLOAD_PARTS = ("params", "grads", "optimizer")
+_CHECKPOINT_POLICIES = ("full", "selective")
+
+
+class _TextError(Exception):
+    """One bad part of the text (internal); ``parse_policy`` adds the text and the forms."""
+
+    def __init__(self, node: ast.AST | None, message: str) -> None:
+        super().__init__(message)
+        self.node = node
+        self.message = message
+
+
+@dataclass(frozen=True)
+class _Name:
+    """A bare name in the text: an axis, a rule set, a class, a dtype or a keyword value."""
+
+    text: str
+
+
+_Value = Any  # _Name, str, int, bool, None, or a tuple of these
+
+
+def _value(node: ast.expr) -> _Value:
+    if isinstance(node, ast.Name):
+        return _Name(node.id)
+    if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, str | int | bool)):
+        return node.value
+    if isinstance(node, ast.Tuple | ast.List):
+        return tuple(_value(element) for element in node.elts)
+    raise _TextError(node, "arguments are bare names, 'strings', integers, true/false or (tuples, of, them)")
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One term of the sum: a name and its arguments, as written."""
+
+    node: ast.expr
+    name: str
+    args: tuple[_Value, ...]
+    kwargs: dict[str, _Value]
+
+
+def _terms(node: ast.expr) -> list[_Call]:
+    if isinstance(node, ast.BinOp):
+        if not isinstance(node.op, ast.Add):
+            raise _TextError(node, "terms are joined by + only")
+        return _terms(node.left) + _terms(node.right)
+    if isinstance(node, ast.Name):
+        return [_Call(node, node.id, (), {})]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        if any(keyword.arg is None for keyword in node.keywords):
+            raise _TextError(node, "**keywords are not accepted")
+        if any(isinstance(arg, ast.Starred) for arg in node.args):
+            raise _TextError(node, "*arguments are not accepted")
+        args = tuple(_value(arg) for arg in node.args)
+        kwargs = {str(keyword.arg): _value(keyword.value) for keyword in node.keywords}
+        return [_Call(node, node.func.id, args, kwargs)]
+    raise _TextError(node, "each term is a name like bf16 or a call like fsdp(dp)")
+
+
+def _text(value: _Value, what: str, node: ast.AST) -> str:
+    if isinstance(value, _Name):
+        return value.text
+    if isinstance(value, str):
+        return value
+    raise _TextError(node, f"{what} is a name, got {value!r}")
+
+
+def _axes(values: Sequence[_Value], node: ast.AST) -> tuple[str, ...]:
+    axes: list[str] = []
+    for value in values:
+        if isinstance(value, tuple):
+            axes.extend(_text(v, "a mesh axis", node) for v in value)
+        else:
+            axes.append(_text(value, "a mesh axis", node))
+    return tuple(axes)
+
+
+def _flag(value: _Value, what: str, node: ast.AST) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, _Name) and value.text.lower() in ("true", "false"):
+        return value.text.lower() == "true"
+    raise _TextError(node, f"{what} is true or false, got {_show(value)}")
+
+
+def _show(value: _Value) -> str:
+    if isinstance(value, _Name):
+        return value.text
+    if isinstance(value, tuple):
+        return "(" + ", ".join(_show(v) for v in value) + ")"
+    return repr(value)
+
+
+def _only(call: _Call, allowed: Sequence[str]) -> None:
+    unknown = sorted(set(call.kwargs) - set(allowed))
+    if unknown:
+        accepted = ", ".join(allowed) if allowed else "none"
+        raise _TextError(call.node, f"{call.name}() takes no keyword {unknown[0]!r} (accepted: {accepted})")
+
+
+class _Resolver:
+    """Class names in the text → the model's module classes."""
+
+    def __init__(self, model: nn.Module | None) -> None:
+        self.model = model
+        self.classes: dict[str, list[type]] = {}
+        if model is not None:
+            for module in model.modules():
+                found = self.classes.setdefault(type(module).__name__, [])
+                if type(module) not in found:
+                    found.append(type(module))
+
+    def selector(self, value: _Value, node: ast.AST, what: str) -> type | str:
+        if isinstance(value, str):
+            return value  # a module-path pattern, quoted
+        if not isinstance(value, _Name):
+            raise _TextError(
+                node, f"{what} is a module class name or a quoted path pattern, got {_show(value)}"
+            )
+        if self.model is None:
+            raise _TextError(
+                node,
+                f"{what} {value.text!r} names a module class, which needs the model to resolve "
+                "(pass model=...), or quote a module-path pattern such as 'layers.*'",
+            )
+        found = self.classes.get(value.text, [])
+        if len(found) == 1:
+            return found[0]
+        if found:
+            names = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in found)
+            raise _TextError(node, f"{what} {value.text!r} is ambiguous in this model: {names}")
+        raise _TextError(
+            node,
+            f"{what} {value.text!r} is not a module class of the model; its classes are "
+            + ", ".join(sorted(self.classes)),
+        )
+
+
+def _data_parallel_options(call: _Call, resolver: _Resolver) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if "reshard_after_forward" in call.kwargs:
+        options["reshard_after_forward"] = _flag(
+            call.kwargs["reshard_after_forward"], "reshard_after_forward", call.node
+        )
+    if "min_params" in call.kwargs:
+        count = call.kwargs["min_params"]
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise _TextError(call.node, f"min_params is a number of parameters, got {_show(count)}")
+        options["min_params"] = count
+    if "units" in call.kwargs:
+        units = call.kwargs["units"]
+        units = units if isinstance(units, tuple) else (units,)
+        options["units"] = tuple(resolver.selector(u, call.node, "FSDP unit") for u in units)
+    return options
+
+
+def _rule_set(value: _Value, node: ast.AST) -> Any:
+    name = _text(value, "a rule set", node)
+    if name in _RULE_SETS:
+        return getattr(rules_module, name)
+    if name in _RESOLVED_LATER:
+        return name
+    raise _TextError(node, f"unknown rule set {name!r}; use one of {', '.join(_RULE_SETS + _RESOLVED_LATER)}")
+
+
+def _tensor_parallel(call: _Call, sequence_parallel: bool) -> Policy:
+    _only(call, ("sequence_parallel",) if call.name == "tp" else ())
+    if len(call.args) != 2:
+        raise _TextError(
+            call.node, f"{call.name}() takes a rule set and an axis, e.g. {call.name}(llama, tp)"
+        )
+    if "sequence_parallel" in call.kwargs:
+        sequence_parallel = _flag(call.kwargs["sequence_parallel"], "sequence_parallel", call.node)
+    rules = _rule_set(call.args[0], call.node)
+    axis = _text(call.args[1], "the tensor-parallel axis", call.node)
+    try:
+        return tp(rules, axis, sequence_parallel=sequence_parallel)
+    except PolicyError as error:
+        if isinstance(rules, str):
+            raise _TextError(
+                call.node, f"rules {rules!r} cannot be used in this installation ({error})"
+            ) from None
+        raise
+
+
+def _dtype(value: _Value, node: ast.AST) -> torch.dtype | None:
+    if value is None or (isinstance(value, _Name) and value.text.lower() == "none"):
+        return None
+    name = _text(value, "a dtype", node)
+    if name not in _DTYPES:
+        raise _TextError(node, f"unknown dtype {name!r}; use one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _checkpointing(call: _Call, resolver: _Resolver) -> Policy:
+    _only(call, ("policy",))
+    args = list(call.args)
+    policy = "full"
+    if args and isinstance(args[-1], _Name) and args[-1].text in _CHECKPOINT_POLICIES:
+        policy = args.pop().text
+    if "policy" in call.kwargs:
+        policy = _text(call.kwargs["policy"], "the checkpointing policy", call.node)
+        if policy not in _CHECKPOINT_POLICIES:
+            raise _TextError(call.node, f"checkpointing policy {policy!r}: full or selective")
+    if not args:
+        raise _TextError(
+            call.node, "checkpointing() needs the module classes (or 'path.*' patterns) to recompute"
+        )
+    selectors = [resolver.selector(arg, call.node, "checkpointing") for arg in args]
+    if policy == "full":
+        return checkpointing(*selectors)
+    if "policy" not in inspect.signature(checkpointing).parameters:
+        raise _TextError(call.node, f"checkpointing policy {policy!r} is not available in this installation")
+    return checkpointing(*selectors, policy=policy)  # type: ignore[call-arg,unused-ignore]
+
+
+def _offload(call: _Call) -> Policy:
+    _only(call, _OFFLOAD_PARTS)
+    if call.kwargs:
+        chosen = {part: _flag(call.kwargs.get(part, False), part, call.node) for part in _OFFLOAD_PARTS}
+        return offload(**chosen)
+    if not call.args:
+        return offload()
+    parts = [_text(arg, "an offloaded part", call.node) for arg in call.args]
+    unknown = [part for part in parts if part not in _OFFLOAD_PARTS]
+    if unknown:
+        raise _TextError(call.node, f"offload part {unknown[0]!r}: use any of {', '.join(_OFFLOAD_PARTS)}")
+    return offload(**{part: part in parts for part in _OFFLOAD_PARTS})
+
+
+def _mixed_precision(call: _Call) -> Policy:
+    _only(call, ("param", "reduce"))
+    values = dict(zip(("param", "reduce"), call.args, strict=False))
+    if len(call.args) > 2 or set(values) & set(call.kwargs):
+        raise _TextError(call.node, "mixed_precision() takes a parameter dtype and a reduce dtype")
+    values.update(call.kwargs)
+    param = _dtype(values.get("param", _Name("bf16")), call.node)
+    if param is None:
+        raise _TextError(call.node, "mixed_precision() needs a parameter dtype, e.g. mixed_precision(bf16)")
+    reduce = _dtype(values["reduce"], call.node) if "reduce" in values else torch.float32
+    return mixed_precision(param, reduce)
+
+
+def _pipeline(call: _Call) -> Policy:
+    _only(call, ("microbatches", "schedule", "stages_per_rank", "split"))
+    if len(call.args) > 1:
+        raise _TextError(
+            call.node, "pipeline() takes one axis and keywords, e.g. pipeline(pp, microbatches=8)"
+        )
+    axis = _text(call.args[0], "the axis", call.node) if call.args else "pp"
+    if "microbatches" not in call.kwargs:
+        raise _TextError(call.node, "pipeline() needs microbatches=N")
+    counts = {}
+    for key, default in (("microbatches", None), ("stages_per_rank", 1)):
+        value = call.kwargs.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise _TextError(call.node, f"pipeline({key}=...) is a whole number, got {_show(value)}")
+        counts[key] = value
+    schedule = _text(call.kwargs.get("schedule", "1f1b"), "the schedule", call.node)
+    split = call.kwargs.get("split")
+    stages = None
+    if split is not None:
+        if not isinstance(split, tuple) or not all(isinstance(stage, tuple) for stage in split):
+            raise _TextError(call.node, "split= is a tuple of stages, each a tuple of module paths")
+        stages = [[_text(path, "a module path", call.node) for path in stage] for stage in split]
+    return pipeline(axis, schedule=schedule, split=stages, **counts)
+
+
+def _term(call: _Call, resolver: _Resolver) -> Policy:
+    name, args = call.name, call.args
+    if name == "none" and not args and not call.kwargs:
+        return Policy()
+    if name in ("bf16", "fp16"):
+        if args or call.kwargs:
+            raise _TextError(
+                call.node, f"{name} takes no arguments; for other dtypes use mixed_precision(...)"
+            )
+        return mixed_precision(_DTYPES[name], torch.float32)
+    if name == "mixed_precision":
+        return _mixed_precision(call)
+    if name == "offload":
+        return _offload(call)
+    if name == "checkpointing":
+        return _checkpointing(call, resolver)
+    if name in ("tp", "sp"):
+        return _tensor_parallel(call, sequence_parallel=name == "sp")
+    if name == "pipeline":
+        return _pipeline(call)
+    if name in ("ddp", "replicate"):
+        _only(call, ())
+        return replicate(_axes(args, call.node) or None)
+    if name == "fsdp":
+        _only(call, ("reshard_after_forward", "min_params", "units"))
+        axes = _axes(args, call.node) or ("dp",)
+        return fsdp(axes[0] if len(axes) == 1 else axes, **_data_parallel_options(call, resolver))
+    if name == "hsdp":
+        _only(call, ("reshard_after_forward", "min_params", "units"))
+        if len(args) != 2:
+            raise _TextError(
+                call.node, "hsdp() takes a replicate axis and a shard axis, e.g. hsdp(node, gpu)"
+            )
+        replicate_axis, shard_axis = (_axes([a], call.node) for a in args)
+        return hsdp(
+            replicate_axis[0] if len(replicate_axis) == 1 else replicate_axis,  # type: ignore[arg-type]
+            shard_axis[0] if len(shard_axis) == 1 else shard_axis,  # type: ignore[arg-type]
+            **_data_parallel_options(call, resolver),
+        )
+    if name == "zero":
+        _only(call, ())
+        if not args or not isinstance(args[0], int) or isinstance(args[0], bool) or len(args) > 2:
+            raise _TextError(call.node, "zero() takes a stage and an axis, e.g. zero(2, dp)")
+        return zero(args[0], _text(args[1], "the axis", call.node) if len(args) == 2 else "dp")  # type: ignore[arg-type]
+    if name == "ep":
+        _only(call, ("experts",))
+        if len(args) > 1:
+            raise _TextError(call.node, "ep() takes one axis, e.g. ep(dp)")
+        experts = call.kwargs.get("experts")
+        patterns = None if experts is None else _axes([experts], call.node)
+        return ep(_text(args[0], "the axis", call.node) if args else "ep", experts=patterns)
+    if name in ("zero1", "zero2", "zero3"):
+        raise _TextError(call.node, f"write zero({name[-1]}, AXIS)")
+    raise _TextError(call.node, f"unknown name {name!r}")
+
+
+def parse_policy(text: str, model: nn.Module | None = None) -> Policy:
+    """Read a policy written as text, e.g. ``"fsdp(dp) + tp(llama, tp) + bf16"``.
+
+    Args:
+        text: terms joined by ``+`` (see the module docs for every form).
+        model: resolves bare class names in ``checkpointing(...)`` and ``units=`` against
+            the model's module classes.
+
+    Returns:
+        The `Policy` the same Python calls would build.
+
+    Raises:
+        PolicyError: the text is not a policy; the message names the bad part and lists
+            the accepted forms. Also what the Python call itself refuses (e.g. two layers
+            claiming one axis).
+
+    Examples:
+        >>> policy = fs.parse_policy("fsdp(dp) + tp(llama, tp) + bf16")
+        >>> policy == fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp") + fs.mixed_precision(torch.bfloat16)
+        True
+        >>> fs.parse_policy("zero(2, dp)") == fs.zero(2, "dp")
+        True
+        >>> text = "pipeline(pp, microbatches=32) + fsdp(dp) + tp(llama, tp)"
+        >>> same = fs.pipeline("pp", microbatches=32) + fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp")
+        >>> fs.parse_policy(text) == same
+        True
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise PolicyError(f"policy {text!r}: write one, e.g. 'fsdp(dp) + tp(llama, tp)'. Accepted: {FORMS}")
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError as error:
+        where = f" at column {error.offset}" if error.offset else ""
+        hint = " (the old name:axis form is gone: write fsdp(dp) + tp(llama, tp))" if ":" in text else ""
+        raise PolicyError(
+            f"policy {text!r} is not an expression{where} ({error.msg}){hint}. Accepted: {FORMS}"
+        ) from None
+    resolver = _Resolver(model)
+    source = text.strip()
+    policy = Policy()
+    try:
+        for call in _terms(tree.body):
+            try:
+                term = _term(call, resolver)
+            except PolicyError as error:  # what the Python call itself refuses
+                raise _TextError(call.node, one_line(error)) from None
+            try:
+                policy = policy + term
+            except PolicyError as error:
+                raise _TextError(None, one_line(error)) from None
+    except _TextError as problem:
+        part = ast.get_source_segment(source, problem.node) if problem.node is not None else None
+        where = f" in {part!r}" if part and part != source else ""
+        raise PolicyError(f"policy {text!r}{where}: {problem.message}. Accepted: {FORMS}") from None
+    return policy
+
+
+def _format_axes(axes: Sequence[str]) -> str:
+    return ", ".join(_format_name(axis) for axis in axes)
+
+
+def _format_name(name: str) -> str:
+    reserved = {"true", "false", "none", *_CHECKPOINT_POLICIES}
+    return name if name.isidentifier() and name.lower() not in reserved else repr(name)
+
+
+def _format_selector(selector: Any) -> str:
+    if isinstance(selector, type):
+        return selector.__name__
+    if isinstance(selector, str):
+        return repr(selector)
+    raise PolicyError(f"selector {selector!r} has no text form; use a module class or a glob pattern")
+
+
+def _format_data_parallel(layer: DataParallel) -> str:
+    extra = []
+    if layer.units is not None:
+        extra.append("units=(" + ", ".join(_format_selector(u) for u in layer.units) + ",)")
+    if layer.min_params is not None:
+        extra.append(f"min_params={layer.min_params}")
+    one_axis = len(layer.shard_axes) == 1
+    if layer.kind == "ddp":
+        return "ddp" if layer.replicate_axes is None else f"ddp({_format_axes(layer.replicate_axes)})"
+    if layer.kind in ("zero1", "zero3") or (layer.kind == "zero2" and one_axis and not extra):
+        return f"zero({layer.kind[-1]}, {_format_name(layer.shard_axes[0])})"
+    if not layer.reshard_after_forward:
+        extra.insert(0, "reshard_after_forward=false")
+    suffix = "".join(", " + e for e in extra)
+    if layer.kind == "hsdp":
+        replicate_axes = layer.replicate_axes or ()
+        parts = [
+            _format_axes(axes) if len(axes) == 1 else f"({_format_axes(axes)})"
+            for axes in (replicate_axes, layer.shard_axes)
+        ]
+        return f"hsdp({parts[0]}, {parts[1]}{suffix})"
+    return f"fsdp({_format_axes(layer.shard_axes)}{suffix})"
+
+
+def _format_tensor_parallel(layer: TensorParallel) -> str:
+    rules = layer.rules
+    name = rules if isinstance(rules, str) else getattr(rules, "name", None)
+    known = name in _RESOLVED_LATER or (name in _RULE_SETS and rules == getattr(rules_module, str(name)))
+    if not known:
+        raise PolicyError(
+            f"tp rules {name!r} have no text form: only the named sets "
+            f"{', '.join(_RULE_SETS + _RESOLVED_LATER)} can be written as text"
+        )
+    return f"{'sp' if layer.sequence_parallel else 'tp'}({name}, {_format_name(layer.axis)})"
+
+
+def _format_tuple(items: Iterable[str]) -> str:
+    listed = list(items)
+    return "(" + ", ".join(listed) + ("," if len(listed) == 1 else "") + ")"
+
+
+def _format_pipeline(layer: Pipeline) -> str:
+    parts = [_format_name(layer.axis), f"microbatches={layer.microbatches}"]
+    if layer.schedule != "1f1b":
+        parts.append(f"schedule={_format_name(layer.schedule)}")
+    if layer.stages_per_rank != 1:
+        parts.append(f"stages_per_rank={layer.stages_per_rank}")
+    if layer.split is not None:
+        parts.append("split=" + _format_tuple(_format_tuple(_format_name(p) for p in s) for s in layer.split))
+    return f"pipeline({', '.join(parts)})"
+
+
+def _format_expert_parallel(layer: ExpertParallel) -> str:
+    if layer.experts is None:
+        return f"ep({_format_name(layer.axis)})"
+    if not all(isinstance(p, str) for p in layer.experts):
+        raise PolicyError(f"{layer.name}: compiled expert patterns have no text form; use globs")
+    patterns = ", ".join(repr(p) for p in layer.experts)
+    return f"ep({_format_name(layer.axis)}, experts=({patterns},))"
+
+
+def format_policy(policy: Policy) -> str:
+    """The text `parse_policy` reads back as ``policy`` (the inverse, for policies text can say).
+
+    Args:
+        policy: the policy.
+
+    Returns:
+        Its text; ``parse_policy(format_policy(p), model) == p`` when ``model`` holds the
+        classes the policy names.
+
+    Raises:
+        PolicyError: a part with no text form (a policy function, a custom rule set).
+
+    Examples:
+        >>> fs.format_policy(fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp", sequence_parallel=True))
+        'fsdp(dp) + sp(llama, tp)'
+        >>> fs.format_policy(fs.zero(1, "dp") + fs.mixed_precision(torch.float16, None))
+        'zero(1, dp) + mixed_precision(fp16, none)'
+        >>> fs.format_policy(fs.pipeline("pp", microbatches=8, schedule="zbv", stages_per_rank=2))
+        'pipeline(pp, microbatches=8, schedule=zbv, stages_per_rank=2)'
+    """
+    terms: list[str] = []
+    for layer in policy.layers:
+        if isinstance(layer, DataParallel):
+            terms.append(_format_data_parallel(layer))
+        elif isinstance(layer, TensorParallel):
+            terms.append(_format_tensor_parallel(layer))
+        elif isinstance(layer, Pipeline):
+            terms.append(_format_pipeline(layer))
+        elif isinstance(layer, ExpertParallel):
+            terms.append(_format_expert_parallel(layer))
+        else:
+            raise PolicyError(f"policy layer {layer.name} is a function and has no text form")
+    options = policy.options
+    if options.param_dtype is not None:
+        param = _SHORT_DTYPE.get(options.param_dtype, options.param_dtype)
+        reduce = (
+            _SHORT_DTYPE.get(options.reduce_dtype, options.reduce_dtype) if options.reduce_dtype else "none"
+        )
+        if param in ("bf16", "fp16") and reduce == "fp32":
+            terms.append(param)
+        else:
+            terms.append(f"mixed_precision({param}, {reduce})")
+    elif options.reduce_dtype is not None:
+        raise PolicyError("a reduce dtype without a parameter dtype has no text form")
+    parts = [(part, getattr(options, f"offload_{part}")) for part in _OFFLOAD_PARTS]
+    if any(flag is not None for _, flag in parts):
+        if all(flag for _, flag in parts):
+            terms.append("offload")
+        elif any(flag for _, flag in parts):
+            terms.append("offload(" + ", ".join(part for part, flag in parts if flag) + ")")
+        else:
+            terms.append(
+                "offload(" + ", ".join(f"{part}={str(bool(flag)).lower()}" for part, flag in parts) + ")"
+            )
+    if options.checkpoint is not None:
+        selectors = ", ".join(_format_selector(s) for s in options.checkpoint)
+        checkpoint_policy = getattr(options, "checkpoint_policy", None) or "full"
+        terms.append(
+            f"checkpointing({selectors})"
+            if checkpoint_policy == "full"
+            else f"checkpointing({selectors}, {checkpoint_policy})"
+        )
+    return " + ".join(terms) or "none"

@@ -1,0 +1,7 @@
+"""Running a plan: `apply` and the engines, checkpoints, local launches, measurements.
+
+The only layer that touches `torch.distributed`'s process groups. Imports any layer below
+it. `apply` orchestrates `engines/` (one module per parallelism, each on torch's own
+engine), `checkpoint` saves and loads across plans, `launch` starts local gloo ranks,
+`measure` counts what a running plan holds and sends.
+"""

@@ -1,0 +1,138 @@
+"""Run a plan with torch's own engines.
+
+With `launch` and `checkpoint`, the only module that talks to torch.distributed process groups.
+
+``apply`` turns a `Plan` into a module parallelized in place: tensor parallel through
+``parallelize_module`` with the plan's styles, then data parallel through FSDP2
+(``fully_shard``: ZeRO-2/3, FSDP, HSDP) or DDP (composable ``replicate``; ZeRO-1 adds
+``ZeroRedundancyOptimizer`` in `optimizer`). Under a pipeline plan it first keeps this
+rank's stages, runs those engines per stage and wraps each in torch's ``PipelineStage``
+(`functional_shard.runtime.engines.pipeline`); `forward_backward` drives the schedule. Nothing
+here re-implements a collective. Every check runs before any parameter is touched. The
+engines live in `functional_shard.runtime.engines`, one module each; this module orchestrates
+them and re-exports their public functions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from functional_shard.core.errors import MeshError, ShardingError
+from functional_shard.core.mesh import Mesh
+from functional_shard.planning.plan import Plan
+
+# build_device_mesh lives below mesh.py (Mesh.device_mesh uses it); re-exported here
+from .device_mesh import build_device_mesh
+from .engines.activation_checkpointing import apply_checkpointing
+from .engines.applied import APPLIED, Applied, retie
+from .engines.checks import check_runnable, engine_problems
+from .engines.data_parallel import apply_data_parallel, reduce_whole_grads
+from .engines.experts import apply_expert_parallel
+from .engines.materialize import materialize
+from .engines.optimizer import check_optimizer, clip_grad_norm_, grad_scaler, optimizer
+from .engines.pipeline import apply_pipeline
+from .engines.step import forward_backward
+from .engines.tensor_parallel import apply_tensor_parallel, refuse_uneven_sequences
+
+__all__ = [
+    "apply",
+    "build_device_mesh",
+    "check_optimizer",
+    "check_runnable",
+    "clip_grad_norm_",
+    "engine_problems",
+    "forward_backward",
+    "grad_scaler",
+    "materialize",
+    "optimizer",
+]
+
+
+def apply(
+    plan: Plan, module: nn.Module, device_mesh: DeviceMesh | None = None, *, root: str = ""
+) -> nn.Module:
+    """Parallelize ``module`` in place as ``plan`` says, with torch's engines.
+
+    Call it on every rank, after ``torch.distributed`` is initialised and before the
+    optimizer is built (use `optimizer`).
+
+    Args:
+        plan: the plan, made for this module.
+        module: the module, with the same parameters on every rank (same seed).
+        device_mesh: the mesh to run on; by default one is built from ``plan.mesh`` on the
+            module's device type.
+        root: the submodule whose ``forward`` runs the model, when the module's own
+            forward is not called (a LightningModule's ``training_step`` calls its
+            ``self.model``): it takes FSDP's root unit, or DDP. Every parameter must be
+            inside it.
+
+    Under a pipeline plan (``fs.pipeline(...)``) this rank keeps only its stages: the
+    modules of the other stages become parameter-free pass-throughs (paths unchanged, so
+    state dicts and checkpoints keep the model's names), and the module's forward runs
+    this rank's stage. Train it with `forward_backward`.
+
+    Returns:
+        ``module`` itself, parallelized.
+
+    Raises:
+        MeshError: no process group, or a world size / device mesh that differs from the plan's.
+        ShardingError: ``root`` under a pipeline plan.
+        PlanError: what the engines cannot run, one bullet per parameter, before anything changes.
+        ShardingError: later, from the module's forward under sequence parallel, on every
+            rank and before any collective: an input whose sequence length (dim 1) is not
+            a multiple of the tensor-parallel size.
+
+    Examples:
+        >>> # on each of 4 ranks:
+        >>> # plan = fs.shard(model, fs.Mesh(dp=4), fs.fsdp())
+        >>> # fs.apply(plan, model)
+        >>> # opt = fs.optimizer(plan, model, torch.optim.AdamW, lr=1e-3)
+    """
+    if not dist.is_initialized():
+        raise MeshError("fs.apply needs torch.distributed: call dist.init_process_group(...) first")
+    if plan.mesh.size != dist.get_world_size():
+        raise MeshError(
+            f"the plan's {plan.mesh!r} has {plan.mesh.size} devices but the world size is "
+            f"{dist.get_world_size()}; plan for this world (an axis of size -1 takes the rest)"
+        )
+    if device_mesh is None:
+        device = next(module.parameters(), torch.empty(0)).device.type
+        device_mesh = build_device_mesh(plan.mesh, "cpu" if device == "meta" else device)
+    elif Mesh.from_device_mesh(device_mesh) != plan.mesh:
+        raise MeshError(
+            f"the device mesh is {Mesh.from_device_mesh(device_mesh)!r} but the plan is for {plan.mesh!r}"
+        )
+    if module in APPLIED:
+        raise ShardingError("this module is already parallelized; apply a plan to a fresh module")
+    try:
+        module.get_submodule(root)
+    except AttributeError:
+        raise ShardingError(f"apply(root={root!r}): the module has no such submodule") from None
+    outside = [p for p in plan.params if root and not p.startswith(root + ".")]
+    if outside:
+        raise ShardingError(
+            f"apply(root={root!r}): parameters {outside[:3]} lie outside the root, where no engine would "
+            "gather or reduce them; move them under it or choose an enclosing root"
+        )
+    if plan.config.pipeline_axis is not None and root:
+        raise ShardingError(
+            f"apply(root={root!r}) under a pipeline plan: a stage runs the module's own forward, so "
+            "pipeline the model itself (plan and apply it, not the module holding it)"
+        )
+    check_runnable(plan, module)
+    if plan.config.pipeline_axis is not None:
+        stage_plan = apply_pipeline(plan, module, device_mesh)
+        APPLIED[module] = Applied(plan, device_mesh, stage_plan)
+        return module
+    apply_tensor_parallel(plan, module, device_mesh)
+    apply_expert_parallel(plan, module, device_mesh)
+    retie(plan, module)
+    apply_checkpointing(plan, module)
+    apply_data_parallel(plan, module, device_mesh, root)
+    reduce_whole_grads(plan, module, device_mesh)
+    refuse_uneven_sequences(plan, module.get_submodule(root))
+    APPLIED[module] = Applied(plan, device_mesh)
+    return module

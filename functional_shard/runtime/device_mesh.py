@@ -1,0 +1,48 @@
+"""The one builder of torch `DeviceMesh` objects from a `Mesh` (needs a process group).
+
+Below `mesh` and `apply`: ``Mesh.device_mesh`` reaches it without climbing to `apply`, and
+`apply` and the adapters use the same function.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from functional_shard.core.errors import MeshError
+
+if TYPE_CHECKING:
+    from functional_shard.core.mesh import Mesh
+
+__all__ = ["build_device_mesh"]
+
+
+def build_device_mesh(mesh: Mesh, device_type: str = "cpu") -> DeviceMesh:
+    """The torch `DeviceMesh` for ``mesh`` over the current process group.
+
+    An axis of size -1 takes what the world size leaves (`Mesh.resolve`).
+
+    Args:
+        mesh: the abstract mesh: axis names and sizes, major to minor.
+        device_type: ``"cpu"``, ``"cuda"``, ... as `torch.distributed.init_device_mesh` takes it.
+
+    Returns:
+        The DeviceMesh with the mesh's axis names as its dim names.
+
+    Raises:
+        MeshError: no process group is initialised, or its world size differs from the mesh.
+
+    Examples:
+        >>> # with torch.distributed initialised on 8 ranks:
+        >>> # build_device_mesh(Mesh(dp=2, tp=4), "cuda").mesh_dim_names
+        >>> # ('dp', 'tp')
+    """
+    if not dist.is_initialized():
+        raise MeshError(
+            f"building the DeviceMesh for {mesh!r} needs torch.distributed: call "
+            "dist.init_process_group(...) first (or launch with torchrun / Lightning)"
+        )
+    mesh = mesh.resolve(dist.get_world_size())
+    return init_device_mesh(device_type, mesh.sizes, mesh_dim_names=mesh.axis_names)

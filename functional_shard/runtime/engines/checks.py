@@ -1,0 +1,375 @@
+"""What torch's engines cannot run, found before anything runs (pure: no process group)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from functional_shard.core.errors import PlanError, bullets
+from functional_shard.core.tree import read_model
+from functional_shard.planning.plan import Plan
+from functional_shard.planning.rules import is_conv1d, sequence_parallel_problems
+
+from .experts import expert_data_axes, expert_module_problems
+
+_SUPPORTED_STYLE_MODULES = (nn.Linear, nn.Embedding)
+# styles functional_shard runs itself on Hugging Face's Conv1D (torch's styles have none)
+CONV1D_STYLES = ("colwise", "packed_colwise", "rowwise")
+
+
+def is_conv1d_module(module: object) -> bool:
+    """Whether ``module`` is a Hugging Face ``Conv1D`` (weight ``(in, out)``)."""
+    return is_conv1d(f"{type(module).__module__}.{type(module).__qualname__}")
+
+
+def is_projection(module: object) -> bool:
+    """Whether ``module`` is an ``nn.Linear`` or a ``Conv1D``."""
+    return isinstance(module, nn.Linear) or is_conv1d_module(module)
+
+
+def features_of(module: Any) -> tuple[int, int]:
+    """(in, out) features of an nn.Linear or a Conv1D (weight (in, out))."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    rows, cols = module.weight.shape
+    return rows, cols
+
+
+def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
+    """Everything about ``plan`` that torch's engines cannot run on ``module``, one line each."""
+    config = plan.config
+    found: list[str] = []
+    tree = read_model(module)
+    for path in plan.params.keys() - tree.params.keys():
+        found.append(f"{path}: in the plan but not a parameter of the module")
+    for path in tree.params.keys() - plan.params.keys():
+        found.append(f"{path}: a parameter of the module but not in the plan; plan this module")
+    for path in plan.params.keys() & tree.params.keys():
+        if tree.params[path].shape != plan.tensors[path].shape:
+            found.append(
+                f"{path}: shape {tree.params[path].shape} in the module, "
+                f"{plan.tensors[path].shape} in the plan"
+            )
+    if found:
+        return found
+    if config.pipeline_axis is not None:
+        found.extend(pipeline_problems(plan))
+    kind = config.data_parallel
+    tp_axes = config.tensor_parallel_axes
+    if len(tp_axes) > 1:
+        found.append(f"tensor parallel over {tp_axes}: apply() runs one tensor-parallel axis")
+    if tp_axes and kind in ("ddp", "zero1"):
+        found.append(
+            f"{kind} with tensor parallel: torch's DDP does not run over DTensor shards; "
+            "use fs.fsdp(...) (or fs.zero(2)) for the data-parallel axis"
+        )
+    if config.checkpointed and config.checkpoint_policy not in ("full", "selective"):
+        found.append(
+            f"checkpoint_policy {config.checkpoint_policy!r}: apply() runs 'full' or 'selective' "
+            "(set it with fs.checkpointing(..., policy=...))"
+        )
+    if kind in ("ddp", "zero1") and any(p.is_meta for p in module.parameters()):
+        found.append(
+            f"{kind} on a meta-device module: DDP keeps every parameter on every rank (meta init saves "
+            "nothing) and holds on to the parameter objects that materializing replaces; build the "
+            "model on a real device"
+        )
+    if kind in ("ddp", "zero1", "none"):
+        if config.param_dtype or config.reduce_dtype:
+            found.append(f"mixed precision with {kind}: apply() casts through FSDP2; use fs.fsdp(...)")
+        if config.offload_params or config.offload_grads or config.offload_optimizer:
+            found.append(f"CPU offload with {kind}: apply() offloads through FSDP2; use fs.fsdp(...)")
+    offloads = {config.offload_params, config.offload_grads, config.offload_optimizer}
+    if len(offloads) > 1:
+        found.append(
+            "offload of only some of params/grads/optimizer: FSDP2 offloads all three together "
+            "(the optimizer steps on the CPU); use fs.offload() or to_lightning() for DeepSpeed"
+        )
+    if len(config.replicate_axes) > 1 or (config.replicate_axes and len(config.shard_axes) > 1):
+        found.append(
+            f"replicate axes {config.replicate_axes} with shard axes {config.shard_axes}: apply() runs "
+            "HSDP on one replicate and one shard axis"
+        )
+    styled = {path: style for path, style, _ in config.tp_styles}
+    modules = dict(module.named_modules())
+    tp_size = plan.mesh[tp_axes[0]] if tp_axes else 1
+    found.extend(_unfed_splits(config.tp_styles, modules))
+    found.extend(expert_problems(plan, modules))
+    experts = set(config.tensor_parallel_experts) | set(config.expert_modules)
+    for path, style, kind in config.tp_styles:
+        if kind == "experts":  # 3-D expert weights: checked by expert_problems
+            continue
+        target = modules.get(path)
+        parent = modules.get(path.rpartition(".")[0])
+        rowwise = style in ("rowwise", "rowwise_split_input")
+        if rowwise and is_projection(target) and features_of(target)[0] % tp_size:
+            found.append(
+                f"{path}: rowwise {type(target).__name__} with in_features={features_of(target)[0]} over "
+                f"{tp_axes[0]!r} (size {tp_size}); torch's RowwiseParallel rebuilds its input from local "
+                f"shards as if they were even ({features_of(target)[0]} % {tp_size} != 0). Make the dim "
+                "divisible"
+            )
+        found.extend(_conv1d_problems(path, style, target, parent, tp_size))
+        if style == "packed_colwise" and isinstance(target, nn.Linear) and config.shard_axes:
+            found.append(
+                f"{path}: 'packed_colwise' on an nn.Linear splits its weight's dim 0, which FSDP2 shards "
+                f"again over {config.shard_axes}; FSDP2 cannot describe a strided split inside a strided "
+                "split. Use plain tensor parallel for this layer, or replicate it"
+            )
+        found.extend(_heads_split(path, style, target, parent, tp_size))
+    if config.sequence_parallel and tp_axes:
+        found.extend(sequence_parallel_problems(config.tp_styles, modules))
+    shard_axes = set(config.shard_axes)
+    for path, sharding in plan.params.items():
+        owner_path = path.rpartition(".")[0]
+        owner = modules.get(owner_path)
+        if not sharding.compute.is_replicated and owner_path not in experts:
+            if owner_path not in styled:
+                found.append(
+                    f"{path}: compute {sharding.compute!r} comes from no tensor-parallel style; apply() "
+                    "splits computation only through torch's styles (colwise/rowwise rules)"
+                )
+            elif not isinstance(owner, _SUPPORTED_STYLE_MODULES) and not is_conv1d_module(owner):
+                found.append(
+                    f"{path}: style {styled[owner_path]!r} on a {type(owner).__name__}; torch's parallel "
+                    "styles support nn.Linear and nn.Embedding"
+                )
+        at_rest = sharding.at_rest_axes
+        expected = set(expert_data_axes(plan)) if owner_path in config.expert_modules else shard_axes
+        if at_rest and set(at_rest) != expected:
+            found.append(
+                f"{path}: split at rest over {sorted(at_rest)}, but FSDP2 shards over {config.shard_axes}"
+            )
+        ndim = plan.tensors[path].ndim
+        for d, axes in enumerate(sharding.storage.dim_axes(ndim)):
+            if d and any(a in at_rest for a in axes):
+                found.append(f"{path}: split at rest on dim {d}; apply() lets FSDP2 shard dim 0 only")
+        names = plan.aliases.get(path, (path,))
+        units = {plan.unit_of(name) for name in names}
+        if len(units) > 1:
+            found.append(f"{path}: tied names {names} fall in different FSDP units {sorted(units)}")
+    return found
+
+
+def pipeline_problems(plan: Plan) -> list[str]:
+    """What the pipeline engine cannot run in ``plan``, one line each (pure)."""
+    config = plan.config
+    axis = config.pipeline_axis
+    found: list[str] = []
+    if axis is None or axis not in plan.mesh:
+        return [f"pipeline axis {axis!r} is not an axis of {plan.mesh!r}; add it to the mesh"]
+    expected = plan.mesh[axis] * config.stages_per_rank
+    if len(config.pipeline_stages) != expected:
+        found.append(
+            f"the plan lists {len(config.pipeline_stages)} stages, but {axis!r} (size {plan.mesh[axis]}) "
+            f"× {config.stages_per_rank} stages per rank makes {expected}; plan it again"
+        )
+    if config.data_parallel in ("ddp", "zero1"):
+        found.append(
+            f"{config.data_parallel} under pipeline parallel: torch's pipeline stages drive FSDP2's "
+            "gradient sync across micro-batches, not composable DDP's; use fs.fsdp(...), fs.hsdp(...) "
+            "or fs.zero(2)/fs.zero(3) for the data-parallel axes"
+        )
+    for canonical, names in plan.aliases.items():
+        where = {name: _stage_or_none(name, config.pipeline_stages) for name in names}
+        if len(set(where.values())) > 1:
+            placed = ", ".join(
+                f"{name} in {f'stage {stage}' if stage is not None else 'no stage'}"
+                for name, stage in where.items()
+            )
+            found.append(
+                f"{canonical}: a tied parameter split across pipeline stages ({placed}); apply() does not "
+                "keep it in step between stages (torchtitan refuses it too). Untie it (Hugging Face: "
+                "tie_word_embeddings=False), or put every module that uses it in one stage with "
+                "pipeline(split=...)"
+            )
+    return found
+
+
+def _stage_or_none(path: str, stages: tuple[tuple[str, ...], ...]) -> int | None:
+    from functional_shard.core.errors import PolicyError
+    from functional_shard.planning.stages import stage_of_param
+
+    try:
+        return stage_of_param(path, stages)
+    except PolicyError:
+        return None
+
+
+def check_runnable(plan: Plan, module: nn.Module) -> None:
+    """Raise if torch's engines cannot run ``plan`` on ``module``; pure (no process group).
+
+    `apply` runs it first; call it early (before launching processes, say) to fail sooner.
+
+    Raises:
+        PlanError: every problem `engine_problems` finds, one bullet each.
+
+    Examples:
+        >>> plan = fs.shard(nn.Linear(8, 8), fs.Mesh(dp=2), fs.fsdp())
+        >>> check_runnable(plan, nn.Linear(8, 8))  # fine: returns None
+    """
+    if problems := engine_problems(plan, module):
+        raise PlanError(
+            bullets(
+                f"torch's engines cannot run this plan on {plan.mesh!r}:",
+                problems,
+                "Change the policy, or plan for what apply() supports (see docs: Applying plans).",
+            )
+        ) from None
+
+
+def _unfed_splits(tp_styles: tuple[tuple[str, str, str], ...], modules: dict[str, nn.Module]) -> list[str]:
+    # A rowwise Linear takes its input split on the feature dim: some colwise Linear beside
+    # it (same parent module) must produce that split. A colwise Linear's split output must
+    # reach a rowwise Linear beside it, or the module between them sees a fraction of the
+    # features it expects. Layers whose split is made whole at the edge (colwise_gather,
+    # rowwise_split_input) need no partner; embeddings take and give whole activations.
+    # (packed_colwise counts as colwise: its pieces stay split too.)
+    style_of = {
+        path: "colwise" if style == "packed_colwise" else style
+        for path, style, kind in tp_styles
+        if kind != "embedding"
+    }
+    found = []
+    for path, style in style_of.items():
+        if style not in ("rowwise", "colwise") or not is_projection(modules.get(path)):
+            continue
+        parent = path.rpartition(".")[0]
+        siblings = [
+            other
+            for other, module in modules.items()
+            if other != path and other.rpartition(".")[0] == parent and is_projection(module)
+        ]
+        partner = "colwise" if style == "rowwise" else "rowwise"
+        if any(style_of.get(other) == partner for other in siblings):
+            continue
+        whole = [other for other in siblings if other not in style_of]
+        if style == "rowwise":
+            feeders = f"its feeding layer(s) {whole} stay whole" if whole else "no colwise layer beside it"
+            found.append(
+                f"{path}: split rowwise (it expects its input split over the tensor-parallel ranks), but "
+                f"{feeders}, so no layer splits its input. Split the feeding layer colwise, or make "
+                f"{path!r} 'rowwise_split_input' (it then slices a whole input)"
+            )
+        else:
+            readers = f"{whole} beside it stay whole" if whole else "no rowwise layer is beside it"
+            found.append(
+                f"{path}: split colwise (its output stays split over the tensor-parallel ranks), but "
+                f"{readers}, so nothing takes the split output. Split the consuming layer rowwise, or "
+                f"make {path!r} 'colwise_gather'"
+            )
+    return found
+
+
+def _conv1d_problems(path: str, style: str, target: Any, parent: Any, tp_size: int) -> list[str]:
+    # Conv1D (and packed pieces) run through functional_shard's own split (_split_projection):
+    # colwise, packed_colwise and rowwise, with whole activations between layers; a packed
+    # projection's pieces are told apart by its attention's split_size (Hugging Face GPT-2)
+    found = []
+    if is_conv1d_module(target) and style not in (*CONV1D_STYLES, "sequence", "replicate"):
+        found.append(
+            f"{path}: style {style!r} on a Conv1D; functional_shard splits Conv1D as {CONV1D_STYLES} only"
+        )
+    split_here = style in CONV1D_STYLES and (is_conv1d_module(target) or style == "packed_colwise")
+    if split_here and style == "colwise" and features_of(target)[1] % tp_size:  # (rowwise: checked above)
+        found.append(
+            f"{path}: colwise {type(target).__name__} with {features_of(target)[1]} output features over "
+            f"{tp_size} tensor-parallel ranks; functional_shard splits it evenly only. Make the dim divisible"
+        )
+    if style == "packed_colwise":
+        split_size = getattr(parent, "split_size", None)
+        out = features_of(target)[1] if is_projection(target) else 0
+        if not is_projection(target) or not isinstance(split_size, int) or not split_size or out % split_size:
+            found.append(
+                f"{path}: 'packed_colwise' needs an nn.Linear or Conv1D whose attention module says the "
+                f"size of each packed piece in an int 'split_size' (Hugging Face GPT-2's); "
+                f"{type(parent).__name__} has split_size={split_size!r}"
+            )
+        elif split_size % tp_size:
+            found.append(
+                f"{path}: each of its {out // split_size} packed pieces ({split_size} features) does not "
+                f"split over {tp_size} tensor-parallel ranks; use a size that divides {split_size}"
+            )
+    return found
+
+
+def _heads_split(path: str, style: str, target: Any, parent: Any, tp_size: int) -> list[str]:
+    # An attention projection split for tensor parallel must keep whole heads on each rank:
+    # the module reshapes its local features into (heads, head_dim). Attention modules
+    # (Hugging Face's, the zoo's) say their head width in ``head_dim``. A gathered output
+    # or a sliced whole input is whole again for the attention, which needs nothing then.
+    # A packed projection holds its pieces' heads: each piece (q, k or v) must split whole.
+    head_dim = getattr(parent, "head_dim", None)
+    splits_heads = style in ("colwise", "rowwise", "packed_colwise")
+    if not is_projection(target) or not isinstance(head_dim, int) or not splits_heads:
+        return []
+    in_features, out_features = features_of(target)
+    width = in_features if style == "rowwise" else out_features
+    split_size = getattr(parent, "split_size", None)
+    if style == "packed_colwise" and isinstance(split_size, int) and split_size:
+        width = split_size
+    if width % head_dim or (width // head_dim) % tp_size == 0:
+        return []
+    heads = width // head_dim
+    return [
+        f"{path}: its {heads} attention heads ({width} features, head_dim {head_dim}) do not split "
+        f"over {tp_size} tensor-parallel ranks; use a tensor-parallel size that divides {heads}"
+    ]
+
+
+# data-parallel engines expert parallelism composes with: FSDP2 on one mesh (no replicas)
+_EXPERT_DATA_PARALLEL = ("fsdp", "zero2", "zero3")
+
+
+def expert_problems(plan: Plan, modules: dict[str, nn.Module]) -> list[str]:
+    """What the experts engine cannot run: tensor parallel inside experts, expert parallelism."""
+    config = plan.config
+    found: list[str] = []
+    tp_experts = list(config.tensor_parallel_experts)
+    tp_size = plan.mesh[config.tensor_parallel_axes[0]] if config.tensor_parallel_axes else 1
+    for path in dict.fromkeys(tp_experts + list(config.expert_modules)):
+        problems = expert_module_problems(path, modules.get(path))
+        found.extend(problems)
+        target = modules.get(path)
+        if problems or target is None:
+            continue
+        if any(p.is_meta for p in target.parameters(recurse=False)):
+            found.append(
+                f"{path}: expert weights on the meta device; fs.materialize does not fill split expert "
+                "tensors yet. Build the model on a real device"
+            )
+        hidden = target.get_parameter("down_proj").shape[2]
+        if path in tp_experts and hidden % tp_size:
+            found.append(
+                f"{path}: each expert's {hidden} intermediate features (gate and up each) do not split over "
+                f"{tp_size} tensor-parallel ranks; use a tensor-parallel size that divides {hidden}"
+            )
+    if tp_experts and config.sequence_parallel:
+        found.append(
+            f"{tp_experts[0]}: experts split by tensor parallel take whole activations, which sequence "
+            "parallel does not hand them. Drop sequence_parallel, or leave the experts whole"
+        )
+    axis = config.expert_axis
+    if axis is None:
+        return found
+    if not config.expert_modules:
+        found.append(f"ep({axis!r}): no expert tensor in the plan")
+    both = sorted(set(tp_experts) & set(config.expert_modules))
+    if both:
+        found.append(
+            f"{both[0]}: split both by expert (ep over {axis!r}) and inside each expert (tensor parallel); "
+            "apply() runs one of them per experts module. Leave the experts out of the tp rules, or drop ep"
+        )
+    if axis not in config.data_axes:
+        found.append(
+            f"ep({axis!r}): {axis!r} is not a data-parallel axis, so its ranks read the same tokens and "
+            "apply() has none to dispatch. Borrow a data axis: fs.fsdp(('dp', 'ep')) + fs.ep('ep'), or "
+            "fs.fsdp('dp') + fs.ep('dp')"
+        )
+    if config.data_parallel not in _EXPERT_DATA_PARALLEL or config.replicate_axes:
+        found.append(
+            f"ep({axis!r}) with {config.data_parallel} over {config.data_axes}: apply() runs expert "
+            "parallelism with FSDP2 over the data axes (fs.fsdp(...)), no replicate axis"
+        )
+    return found

@@ -1,0 +1,171 @@
+"""The optimizer a plan places, and the clipping and loss scaling that agree across meshes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+from functional_shard.core.errors import ShardingError
+from functional_shard.planning.plan import Plan
+
+from .applied import applied_with, axes_mesh
+from .pipeline import pipeline_group_of
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+    """Refuse an optimizer that holds parameters the module no longer has.
+
+    Sharding replaces Parameter objects; an optimizer built before would step tensors
+    no forward uses, and train nothing, silently.
+
+    Raises:
+        ShardingError: some of the optimizer's parameters are not the module's.
+    """
+    current = {id(p) for p in module.parameters()}
+    stale = sum(id(p) not in current for group in optimizer.param_groups for p in group["params"])
+    if stale:
+        raise ShardingError(
+            f"the optimizer holds {stale} parameters that are not the module's current ones: it was "
+            "built before sharding replaced them. Build it after fs.apply, e.g. "
+            "fs.optimizer(plan, module, torch.optim.AdamW, lr=...)"
+        )
+
+
+def optimizer(
+    plan: Plan, module: nn.Module, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
+) -> torch.optim.Optimizer:
+    """An optimizer whose state sits where the plan's ``optim`` specs say.
+
+    ZeRO-1 plans get torch's ``ZeroRedundancyOptimizer`` over the data-parallel group;
+    other plans the plain optimizer over the module's (DTensor) shards.
+
+    Raises:
+        ShardingError: ``module`` was not parallelized by `apply` with this plan.
+
+    Examples:
+        >>> # opt = fs.optimizer(plan, model, torch.optim.AdamW, lr=1e-3)
+    """
+    applied = applied_with(plan, module, "fs.optimizer")
+    params: Iterable[nn.Parameter] = module.parameters()
+    if plan.config.data_parallel == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        group = axes_mesh(applied.device_mesh, plan.config.shard_axes).get_group()
+        return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=group, **kwargs)
+    result = optimizer_class(params, **kwargs)
+    check_optimizer(result, module)
+    return result
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
+    """Clip gradients by their global norm, across every shard of every mesh and every stage.
+
+    torch's ``clip_grad_norm_`` stacks per-parameter norms, which fails when parameters
+    live on different meshes (FSDP-only norm weights beside FSDP x TP projections). Here
+    the norm is taken per mesh, made whole, then combined; under a pipeline plan the
+    stages' norms are combined over the pp group too (each rank holds its stages only),
+    so every rank clips by the norm of the whole model.
+
+    Returns:
+        The total norm before clipping.
+
+    Examples:
+        >>> # fs.clip_grad_norm_(model.parameters(), 1.0)
+    """
+    from torch.distributed.tensor import DTensor
+
+    params = list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    groups: dict[object, list[torch.Tensor]] = {}
+    for grad in grads:
+        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else "local"
+        groups.setdefault(key, []).append(grad)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    pp_group = pipeline_group_of(params)
+    if not norms and pp_group is None:
+        return torch.tensor(0.0)
+    device = norms[0].device if norms else torch.device("cpu")
+    total = (
+        torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
+        if norms
+        else torch.zeros((), device=device)
+    )
+    if pp_group is not None:
+        total = _across_stages(total, norm_type, pp_group)
+    coefficient = float(max_norm) / (float(total) + 1e-6)
+    if coefficient < 1.0:  # as torch: scale only when the norm is above the limit
+        for grad in grads:
+            grad.mul_(coefficient)
+    return total
+
+
+def _across_stages(norm: torch.Tensor, norm_type: float, group: dist.ProcessGroup) -> torch.Tensor:
+    # the stages hold disjoint parameters: p-th powers add up, an infinity norm is the max
+    if norm_type == float("inf"):
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    powered = norm.float() ** norm_type
+    dist.all_reduce(powered, group=group)
+    return powered ** (1.0 / norm_type)
+
+
+def grad_scaler(device: str = "cuda", **kwargs: Any) -> torch.amp.GradScaler:
+    """A loss scaler for float16 training under any plan: every rank skips the same steps.
+
+    torch's ``GradScaler`` decides per rank whether gradients overflowed, so one rank may
+    step while another skips; its ``ShardedGradScaler`` agrees across ranks but hands
+    DTensor gradients of different meshes (FSDP x TP beside FSDP-only norms) to one
+    kernel, which DTensor refuses. This one unscales each rank's local shards, then agrees
+    over every rank.
+
+    Args:
+        device: where the gradients live (``"cuda"``, or ``"cpu"``).
+        kwargs: ``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
+            ``enabled``, as for ``torch.amp.GradScaler``.
+
+    Examples:
+        >>> # scaler = fs.grad_scaler("cuda"); scaler.scale(loss).backward()
+        >>> # scaler.step(optimizer); scaler.update()
+    """
+    if not dist.is_initialized():
+        raise ShardingError(
+            "fs.grad_scaler agrees over the process group: initialise torch.distributed first"
+        )
+    return _LocalShardsGradScaler(device, **kwargs)
+
+
+def _local_grads_of(optimizer: torch.optim.Optimizer) -> Any:
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import DTensor
+
+    # the same storage as the DTensor gradients, so unscaling in place unscales them
+    local = [
+        SimpleNamespace(grad=p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.grad is not None
+    ]
+    return SimpleNamespace(param_groups=[{"params": local}])
+
+
+class _LocalShardsGradScaler(ShardedGradScaler):
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool = True,
+    ) -> dict[torch.device, torch.Tensor]:
+        # the base class then all-reduces found_inf over the whole world
+        return super()._unscale_grads_(_local_grads_of(optimizer), inv_scale, found_inf, allow_fp16)

@@ -1,0 +1,329 @@
+"""Pipeline parallel: this rank's stages kept, each a torch ``PipelineStage`` over the pp group.
+
+Module paths stay as they are, so state dicts and checkpoints keep the model's names. The
+modules of the stages another rank runs become parameter-free pass-throughs (they return
+their first argument), so a stage runs the model's *own* forward on the hidden states it
+receives: on the first stage the embedding turns the input into hidden states; on the
+others the embedding, like every module of another stage, hands the received hidden
+states on. torchtitan deep-copies the model per stage and sets those modules to None,
+which needs a forward written for it; a pass-through needs none.
+
+What a model needs to be pipelined (documented in docs/pipelines, checked where it can be
+before anything runs):
+
+* its forward takes the batch as its first argument and calls its stage modules (the
+  embedding, the blocks, the final norm, the head) one after the other, each on the
+  hidden states as its first positional argument, using what it returns as the new
+  hidden states;
+* the model's output is a tensor, a tuple whose first element is one, or a Hugging Face
+  output (its ``logits``, else its ``last_hidden_state``); a Hugging Face model (whose
+  forward takes ``inputs_embeds``) gets the received hidden states as ``inputs_embeds=``
+  on every stage but the first, and recomputes its rotary embeddings and mask there;
+* no tied parameter lies in two stages (torchtitan refuses these too);
+* its data parallel runs through FSDP2 (``fsdp``, ``hsdp``, ``zero(2)``, ``zero(3)``) or
+  not at all: torch's pipeline stages drive FSDP2's gradient sync across micro-batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from functional_shard.core.errors import PolicyError, ShardingError
+from functional_shard.core.tree import within
+from functional_shard.planning.plan import Plan
+from functional_shard.planning.stages import SCHEDULES, SINGLE_STAGE, rank_stages, stage_of_param, stage_rank
+
+from .activation_checkpointing import apply_checkpointing
+from .applied import retie
+from .data_parallel import apply_data_parallel, reduce_whole_grads
+from .experts import apply_expert_parallel
+from .tensor_parallel import apply_tensor_parallel, refuse_uneven_sequences
+
+
+class PassThrough(nn.Module):
+    """Stands for a module another pipeline stage runs: returns its first input unchanged."""
+
+    def __init__(self, replaces: str, module: nn.Module | None = None) -> None:
+        super().__init__()
+        self.replaces = replaces
+        # A module built on the meta device is kept (it holds no memory, and is no child, so
+        # no engine sees it): materialize replays its initialisation to draw the random
+        # numbers it draws in one process, so the stages this rank keeps get theirs.
+        on_meta = module is not None and all(p.is_meta for p in module.parameters())
+        self.__dict__["replaced"] = module if on_meta else None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The first positional argument (the hidden states), or the first keyword one."""
+        if args:
+            return args[0]
+        return next(iter(kwargs.values()))
+
+    def extra_repr(self) -> str:
+        """Which module this one stands for."""
+        return f"runs on another pipeline stage: {self.replaces}"
+
+
+@dataclass
+class Pipelined:
+    """This rank's pipeline: its stages, the pp group, and the schedules built for loss functions."""
+
+    plan: Plan
+    stages: tuple[Any, ...]  # torch PipelineStage, in increasing stage order
+    group: dist.ProcessGroup
+    last_stage_rank: int  # the pp-group rank that runs the last stage
+    schedules: dict[Any, Any] = field(default_factory=dict)
+
+
+# The modules apply pipelined, weakly. Each keeps its Pipelined in its own __dict__: the
+# stages refer back to the module, and a weak dictionary's values must not (its keys
+# would never die); a cycle the garbage collector can free.
+_PIPELINED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def pipeline_of(module: nn.Module) -> Pipelined | None:
+    """The pipeline `apply_pipeline` built for ``module``, or None."""
+    found = module.__dict__.get("_fs_pipeline")
+    return found if isinstance(found, Pipelined) else None
+
+
+def pipeline_group_of(params: Iterable[torch.Tensor]) -> dist.ProcessGroup | None:
+    """The pp group of the pipelined module that holds any of ``params``, or None."""
+    wanted = {id(p) for p in params}
+    for module in list(_PIPELINED):
+        pipelined = pipeline_of(module)
+        # both alive now, so equal ids are the same tensors (no weak reference to a
+        # parameter: it would stop to_empty from swapping it)
+        if pipelined is not None and any(id(p) in wanted for p in module.parameters()):
+            return pipelined.group
+    return None
+
+
+def stage_plan(plan: Plan, stages: Iterable[int]) -> Plan:
+    """The part of ``plan`` that ``stages`` hold, as a plan without pp (pure).
+
+    Engines run per stage on it: its parameters, units, styles and checkpointed modules are
+    the stages' own. FSDP2 keeps the stages' parameters gathered between forward and
+    backward (``reshard_after_forward=False``), as torchtitan runs it under PP: the
+    schedule's many micro-batches would gather them again for every backward otherwise.
+    """
+    config = plan.config
+    chosen = set(stages)
+    modules = [m for s in sorted(chosen) for m in config.pipeline_stages[s]]
+
+    def local(path: str) -> bool:
+        try:
+            return stage_of_param(path, config.pipeline_stages) in chosen
+        except PolicyError:  # a tensor no stage lists (a rotary buffer): every stage keeps it
+            return True
+
+    params = {p: s for p, s in plan.params.items() if local(p)}
+    local_config = dataclasses.replace(
+        config,
+        units=tuple(u for u in config.units if u == "" or within(u, modules)),
+        tp_styles=tuple(s for s in config.tp_styles if within(s[0], modules)),
+        expert_modules=tuple(e for e in config.expert_modules if within(e, modules)),
+        checkpointed=tuple(c for c in config.checkpointed if within(c, modules)),
+        reshard_after_forward=False,
+        pipeline_axis=None,
+        pipeline_stages=(),
+    )
+    return Plan(
+        params=params,
+        buffers={b: s for b, s in plan.buffers.items() if local(b)},
+        mesh=plan.mesh,
+        tensors={t: v for t, v in plan.tensors.items() if t in params or local(t)},
+        aliases={a: names for a, names in plan.aliases.items() if a in params},
+        config=local_config,
+    )
+
+
+def _pruned(module: nn.Module, prefix: str, keep: set[str], drop: set[str]) -> nn.Module:
+    """``module`` (at ``prefix``) as a stage sees it: shared where kept, a clone along the way."""
+    if prefix in drop:
+        return PassThrough(prefix, module)
+    holds_dropped = any(prefix == "" or d.startswith(prefix + ".") for d in drop)
+    if (prefix and within(prefix, keep)) or not holds_dropped:
+        return module  # this stage's own module, or one that holds nothing of another stage
+    clone = copy.copy(module)
+    # its own hook and child tables: engines that wrap the clone must not wrap the original
+    clone.__dict__ = {k: (copy.copy(v) if isinstance(v, dict) else v) for k, v in module.__dict__.items()}
+    for name, child in module._modules.items():
+        if child is not None:
+            clone._modules[name] = _pruned(child, f"{prefix}.{name}" if prefix else name, keep, drop)
+    return clone
+
+
+def _drop_in_place(module: nn.Module, drop: set[str]) -> None:
+    for path in sorted(drop, key=lambda p: p.count(".")):
+        parent_path, _, name = path.rpartition(".")
+        try:
+            parent = module.get_submodule(parent_path)
+        except AttributeError:  # inside a module dropped already
+            continue
+        if isinstance(parent, PassThrough):
+            continue
+        setattr(parent, name, PassThrough(path, getattr(parent, name)))
+
+
+def _takes_inputs_embeds(module: nn.Module) -> bool:
+    try:
+        return "inputs_embeds" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _tensor_of(output: Any, stage: int) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    for name in ("logits", "last_hidden_state"):
+        value = getattr(output, name, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise ShardingError(
+        f"pipeline stage {stage}: the model's forward returned a {type(output).__name__}; a pipelined "
+        "model returns a tensor, a tuple starting with one, or an output with .logits"
+    )
+
+
+def _run_as_stage(stage_module: nn.Module, stage: int, first: bool) -> None:
+    # The stage's module runs the model's own forward; only what goes in and what comes out
+    # change: a later stage's input is the hidden states (inputs_embeds= for Hugging Face)
+    forward = stage_module.forward
+    embeds = not first and _takes_inputs_embeds(stage_module)
+
+    def stage_forward(hidden: torch.Tensor) -> torch.Tensor:
+        output = _tensor_of(forward(inputs_embeds=hidden) if embeds else forward(hidden), stage)
+        # a view (Hugging Face slices the hidden states for its head) would lose FSDP2's
+        # pre-backward hook to any in-place op, and FSDP2 warns: hand on a tensor of its own
+        return output.clone() if output._is_view() else output
+
+    stage_module.forward = stage_forward  # type: ignore[method-assign]
+
+
+def _device(device_mesh: DeviceMesh) -> torch.device:
+    if device_mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_mesh.device_type, torch.accelerator.current_device_index())
+
+
+def _sub_mesh(device_mesh: DeviceMesh) -> Callable[..., DeviceMesh]:
+    # A stage receiving a DTensor (sequence parallel's hidden states, split over tp) rebuilds
+    # it on the mesh its sender named: the same axes of this rank's own mesh
+    def get_mesh(names: tuple[str, ...], layout: Any = None) -> DeviceMesh:
+        return device_mesh[names[0]] if len(names) == 1 else device_mesh[names]
+
+    return get_mesh
+
+
+def apply_pipeline(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> Plan:
+    """Keep this rank's stages of ``module``, parallelize each, and wrap it in a ``PipelineStage``.
+
+    Returns:
+        The plan of this rank's stages (`stage_plan`), which materialize and the optimizer use.
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    config = plan.config
+    axis = config.pipeline_axis
+    if axis is None:
+        raise ShardingError("apply_pipeline needs a plan with a pipeline axis")
+    pp = plan.mesh[axis]
+    pp_mesh = device_mesh[axis]
+    pp_rank = pp_mesh.get_local_rank()
+    n_stages = len(config.pipeline_stages)
+    mine = rank_stages(pp_rank, pp, config.stages_per_rank, config.pipeline_schedule)
+    others = {m for s in range(n_stages) if s not in mine for m in config.pipeline_stages[s]}
+    _drop_in_place(module, others)
+    stage_modules: list[tuple[int, nn.Module]] = []
+    for stage in mine:
+        if len(mine) == 1:
+            view = module
+        else:
+            own = set(config.pipeline_stages[stage])
+            siblings = {m for s in mine if s != stage for m in config.pipeline_stages[s]}
+            view = _pruned(module, "", own, siblings)
+        stage_modules.append((stage, view))
+    device = _device(device_mesh)
+    built = []
+    for stage, view in stage_modules:
+        local = stage_plan(plan, (stage,))
+        apply_tensor_parallel(local, view, device_mesh)
+        # the stage's experts, split over the ep axis: every micro-batch's forward (and its
+        # backward) dispatches its tokens among the ranks that run this stage
+        apply_expert_parallel(local, view, device_mesh)
+        retie(local, view)
+        apply_checkpointing(local, view)
+        apply_data_parallel(local, view, device_mesh, "")
+        reduce_whole_grads(local, view, device_mesh)
+        refuse_uneven_sequences(local, view)
+        _run_as_stage(view, stage, first=stage == 0)
+        built.append(
+            PipelineStage(
+                view, stage, n_stages, device, group=pp_mesh.get_group(), get_mesh=_sub_mesh(device_mesh)
+            )
+        )
+    last_rank = stage_rank(n_stages - 1, pp, config.stages_per_rank, config.pipeline_schedule)
+    pipelined = Pipelined(plan, tuple(built), pp_mesh.get_group(), last_rank)
+    module.__dict__["_fs_pipeline"] = pipelined
+    _PIPELINED.add(module)
+    return stage_plan(plan, mine)
+
+
+def _schedule(pipelined: Pipelined, loss_fn: Callable[..., torch.Tensor]) -> Any:
+    from torch.distributed.pipelining import schedules
+
+    key = loss_fn
+    if key not in pipelined.schedules:
+        config = pipelined.plan.config
+        schedule_class = getattr(schedules, SCHEDULES[config.pipeline_schedule])
+        single = config.pipeline_schedule in SINGLE_STAGE
+        stages: Any = pipelined.stages[0] if single else list(pipelined.stages)
+        try:
+            pipelined.schedules[key] = schedule_class(
+                stages, n_microbatches=config.microbatches, loss_fn=loss_fn, scale_grads=True
+            )
+        except (ValueError, RuntimeError, AssertionError) as error:
+            raise ShardingError(
+                f"torch's {schedule_class.__name__} refuses {config.microbatches} micro-batches over "
+                f"{len(config.pipeline_stages)} stages: {error}"
+            ) from None
+    return pipelined.schedules[key]
+
+
+def pipeline_step(
+    pipelined: Pipelined,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+) -> torch.Tensor:
+    """Run one forward and backward of the schedule; the mean micro-batch loss, on every pp rank."""
+    schedule = _schedule(pipelined, loss_fn)
+    first = any(stage.is_first for stage in pipelined.stages)
+    last = any(stage.is_last for stage in pipelined.stages)
+    losses: list[torch.Tensor] = []
+    # return_outputs=False: else the last stage keeps every micro-batch's output (the
+    # logits) until the next step, and concatenates them at the end, for a result unused
+    kwargs: dict[str, Any] = {"return_outputs": False}
+    if last:
+        kwargs |= {"target": targets, "losses": losses}
+    if first:
+        schedule.step(inputs, **kwargs)
+    else:
+        schedule.step(**kwargs)
+    loss = torch.stack([x.detach().float() for x in losses]).mean() if last else torch.zeros(())
+    loss = loss.to(pipelined.stages[0].device)
+    dist.broadcast(loss, group=pipelined.group, group_src=pipelined.last_stage_rank)
+    return loss

@@ -1,0 +1,94 @@
+"""`forward_backward`: one training step's forward and backward for any plan, pipeline or not."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from functional_shard.core.errors import ShardingError
+from functional_shard.planning.plan import Plan
+
+from .applied import applied_with
+from .pipeline import pipeline_of, pipeline_step
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def forward_backward(
+    plan: Plan, module: nn.Module, loss_fn: LossFn, *, scaler: torch.amp.GradScaler | None = None
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A step function ``step(inputs, targets) -> loss`` that runs forward and backward under ``plan``.
+
+    Under a pipeline plan it drives the plan's schedule: the batch is cut into the plan's
+    micro-batches, the first stage takes ``inputs``, the last compares its outputs with
+    ``targets`` through ``loss_fn`` and the schedule runs every backward. Otherwise it is
+    ``loss_fn(module(inputs), targets).backward()``. So one loop trains under any plan.
+
+    Gradients are left for ``optimizer.step()``, scaled as one process's would be for the
+    same batch (torch's pipeline schedules divide by the micro-batch count; ``loss_fn``
+    should average over its batch, as ``F.cross_entropy`` does). Every rank passes its
+    data-parallel slice of the batch, inputs and targets alike.
+
+    Args:
+        plan: the plan `apply` ran.
+        module: the module `apply` returned.
+        loss_fn: ``loss_fn(outputs, targets)``, a mean over the (micro-)batch.
+        scaler: a loss scaler (`grad_scaler`) for float16: each (micro-)batch loss is scaled
+            before its backward; unscale and step through the scaler as usual.
+
+    Returns:
+        ``step(inputs, targets)``, which returns the batch's mean loss (detached): under a
+        pipeline the mean of the micro-batch losses, the same on every rank of a pipeline
+        (sent from the last stage); otherwise this rank's loss.
+
+    Raises:
+        ShardingError: ``module`` was not applied with ``plan``; later, from ``step``, a
+            batch the micro-batch count does not divide (both numbers named).
+
+    Examples:
+        >>> plan = fs.shard(nn.Linear(4, 2), fs.Mesh(dp=1), fs.replicate())
+        >>> # on every rank, after fs.apply(plan, model):
+        >>> # step = fs.forward_backward(plan, model, torch.nn.functional.mse_loss)
+        >>> # loss = step(inputs, targets); optimizer.step(); optimizer.zero_grad()
+    """
+    applied_with(plan, module, "fs.forward_backward")
+    pipelined = pipeline_of(module)
+
+    def scaled(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(outputs, targets)
+        return loss if scaler is None else scaler.scale(loss)
+
+    if pipelined is None:
+
+        def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            loss = loss_fn(module(inputs), targets)
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            return loss.detach()
+
+        return step
+
+    microbatches = plan.config.microbatches
+    # one function object per step function: the pipeline builds its schedule once for it
+    loss_of_microbatch: Any = scaled
+
+    def pipeline(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        for name, batch in (("inputs", inputs), ("targets", targets)):
+            if batch.shape[0] % microbatches:
+                raise ShardingError(
+                    f"fs.forward_backward: the {name}' batch of {batch.shape[0]} does not split into the "
+                    f"plan's {microbatches} micro-batches ({batch.shape[0]} % {microbatches} != 0); pass a "
+                    f"batch that is a multiple of {microbatches}, or plan pipeline(microbatches=...) again"
+                )
+        if scaler is not None:
+            # only the last stage's ranks scale a loss; the others' scalers must have a
+            # scale too, to unscale their gradients and step
+            scaler.scale(torch.zeros((), device=inputs.device))
+        loss = pipeline_step(pipelined, loss_of_microbatch, inputs, targets)
+        if scaler is not None:
+            loss = loss / scaler.get_scale()
+        return loss
+
+    return pipeline

@@ -1,0 +1,411 @@
+"""Measure what a running plan costs, to hold beside `Plan.cost`'s prediction.
+
+An edge module like `apply`: it observes the collectives torch issues and the tensors a
+rank holds, and issues no collective of its own. Bytes follow the cost model's ring
+conventions, from the full (gathered) size S of each collective: all-gather and
+reduce-scatter send (n-1)/n·S per rank, all-reduce 2(n-1)/n·S, broadcast (n-1)/n·S; an
+all-to-all sends what it hands the other ranks (its input less this rank's own split).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from functional_shard.core.mesh import Mesh
+from functional_shard.costing.hardware import Hardware
+
+from .launch import LocalWorld
+
+__all__ = [
+    "CollectiveLog",
+    "kept_activation_bytes",
+    "local_hardware",
+    "probe_local_rates",
+    "resident_bytes",
+    "saved_tensor_bytes",
+]
+
+# DTensor and FSDP2 issue these functional collectives; they name their group last
+_FUNCTIONAL = {
+    "_c10d_functional::all_gather_into_tensor": "all_gather",
+    "_c10d_functional::reduce_scatter_tensor": "reduce_scatter",
+    "_c10d_functional::all_reduce": "all_reduce",
+}
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class CollectiveLog(TorchDispatchMode):
+    """Every collective torch issues while active, and the bytes this rank sent.
+
+    ``sent`` sums them per kind and mesh axes, in ``Cost.comm_bytes``'s shape; ``ops``
+    lists each one (kind, axes, full bytes).
+
+    Examples:
+        >>> # with fs.CollectiveLog(plan.mesh) as log:
+        >>> #     train_step()
+        >>> # log.sent == {"reduce_scatter": {"dp": 1.5e6}, "all_gather": {"dp": 3.0e6}}
+    """
+
+    def __init__(self, mesh: Mesh) -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.sent: dict[str, dict[str, float]] = {}
+        self.ops: list[tuple[str, str, int]] = []
+
+    def _axes(self, group: Any) -> str:
+        coords = [self.mesh.coords(rank) for rank in dist.get_process_group_ranks(group)]
+        return ",".join(a for a in self.mesh.axis_names if len({c[a] for c in coords}) > 1)
+
+    def _record(self, kind: str, group: Any, full_bytes: int) -> None:
+        n = group.size()
+        factor = 2 if kind == "all_reduce" else 1
+        axes = self._axes(group)
+        self.ops.append((kind, axes, full_bytes))
+        by_axes = self.sent.setdefault(kind, {})
+        by_axes[axes] = by_axes.get(axes, 0.0) + factor * (n - 1) / n * full_bytes
+
+    def _record_all_to_all(self, group: Any, tensor: torch.Tensor, input_splits: list[int]) -> None:
+        # an all-to-all sends each rank its own rows (splits along dim 0; none: equal parts)
+        # and keeps this rank's part: sent is everything but that part
+        n, me = group.size(), dist.get_rank(group)
+        total = _nbytes(tensor)
+        if input_splits:
+            row = total // tensor.shape[0] if tensor.shape[0] else 0
+            sent = (sum(input_splits) - input_splits[me]) * row
+        else:
+            sent = total * (n - 1) // n
+        axes = self._axes(group)
+        self.ops.append(("all_to_all", axes, total))
+        by_axes = self.sent.setdefault("all_to_all", {})
+        by_axes[axes] = by_axes.get(axes, 0.0) + float(sent)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        # modes run before tensor subclasses: handing a DTensor op back lets DTensor turn
+        # it into local ops and the collectives it needs (a Partial gradient's all-reduce
+        # inside an optimizer step, say), which then come through here to be counted
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        name = func.name()
+        if name in ("c10d::_allgather_base_", "c10d::_reduce_scatter_base_"):
+            kind = "all_gather" if "allgather" in name else "reduce_scatter"
+            full = args[0] if kind == "all_gather" else args[1]
+            self._record(kind, dist.ProcessGroup.unbox(args[2]), _nbytes(full))
+        elif name == "c10d::allreduce_":
+            self._record("all_reduce", dist.ProcessGroup.unbox(args[1]), sum(map(_nbytes, args[0])))
+        elif name == "c10d::broadcast_":
+            self._record("broadcast", dist.ProcessGroup.unbox(args[1]), sum(map(_nbytes, args[0])))
+        elif name == "c10d::alltoall_base_":
+            # (output, input, group, output splits, input splits, ...)
+            self._record_all_to_all(dist.ProcessGroup.unbox(args[2]), args[1], args[4])
+        elif name == "_c10d_functional::all_to_all_single":
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            self._record_all_to_all(_resolve_process_group(args[-1]), args[0], args[2])
+        elif name in _FUNCTIONAL:
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            group = _resolve_process_group(args[-1])
+            scale = group.size() if _FUNCTIONAL[name] == "all_gather" else 1
+            self._record(_FUNCTIONAL[name], group, _nbytes(args[0]) * scale)
+        return func(*args, **(kwargs or {}))
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    # views of one buffer (FSDP2's padded shards, TP's scatter buffer) count once
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+    return sum(seen.values())
+
+
+def resident_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds in parameters, gradients and optimizer state, from storages.
+
+    The keys match `Cost`'s ``params_bytes``, ``grads_bytes`` and ``optimizer_bytes``.
+
+    Examples:
+        >>> # fs.resident_bytes(model, optimizer)["optimizer"] == plan.cost("adamw", rank=r).optimizer_bytes
+    """
+    params = list(module.parameters())
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local one
+    states = [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return {
+        "params": _storage_bytes(params),
+        "grads": _storage_bytes(p.grad for p in params if p.grad is not None),
+        "optimizer": _storage_bytes(states),
+    }
+
+
+def probe_local_rates(size: int = 1024, tensor_bytes: int = 1 << 22, repeats: int = 3) -> dict[str, Any]:
+    """This rank's matmul FLOP/s and gloo all-reduce bandwidth, with every rank running at once.
+
+    The one place in this module that issues collectives of its own: `fs.hardware("local")`
+    runs it on `fs.LocalWorld` ranks to measure the machine it plans for.
+
+    Returns:
+        ``{"flops": {dtype: FLOP/s}, "bandwidth": bytes sent per second per rank, "latency":
+        seconds of a one-element all-reduce}``, the best of ``repeats`` timings, counting ring
+        all-reduce bytes as the cost model does.
+
+    Examples:
+        >>> # fs.LocalWorld(4).run(probe_local_rates)[0]["bandwidth"]
+    """
+    import time
+
+    flops = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(size, size, dtype=dtype)
+        b = torch.randn(size, size, dtype=dtype)
+        dist.barrier()
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
+        flops[str(dtype).removeprefix("torch.")] = 2 * size**3 / best
+    n = dist.get_world_size()
+    tensor = torch.zeros(tensor_bytes // 4)
+    dist.all_reduce(tensor)  # first call sets up gloo's connections
+    best = float("inf")
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        best = min(best, time.perf_counter() - start)
+    sent = 2 * (n - 1) / n * tensor_bytes if n > 1 else 0.0
+    tiny, latencies = torch.zeros(1), []
+    for _ in range(2 * repeats + 1):  # the median: a typical collective, not the luckiest
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(tiny)
+        latencies.append(time.perf_counter() - start)
+    engine = {kind: _engine_collective_seconds(kind, repeats) for kind in ("fsdp", "tp")}
+    source, target = torch.ones(1 << 24), torch.empty(1 << 24)
+    dist.barrier()
+    copy = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        copy = min(copy, time.perf_counter() - start)
+    return {
+        "flops": flops,
+        "bandwidth": sent / best if sent else float("inf"),
+        "latency": sorted(latencies)[repeats],
+        "engine_latency": engine,
+        "memory_bandwidth": 2 * source.nbytes / copy,  # read and write
+    }
+
+
+def _engine_collective_seconds(kind: str, repeats: int, layers: int = 8, width: int = 64) -> float:
+    """Seconds each collective adds to a real training step of ``kind`` ("fsdp" or "tp").
+
+    A one-element all-reduce after a barrier finds every rank ready; inside a step the ranks
+    reach each collective at different moments, and the engine wraps each one in work of
+    its own (FSDP2 copies in and out, DTensor dispatches every op of a split module). On a
+    shared CPU that costs far more than the collective's bytes or a bare all-reduce (about
+    10 ms against 0.6 ms with 4 gloo processes on 2 cores). So: time a forward and backward
+    of ``layers`` small linear layers under the engine and without it, and divide the
+    difference by the collectives the engine issued.
+    """
+    import warnings
+
+    from torch import nn
+
+    from functional_shard.planning.planner import shard
+    from functional_shard.planning.policy import fsdp, tp
+
+    from .apply import apply
+
+    n = dist.get_world_size()
+    if n == 1:
+        return 0.0
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
+
+    x = torch.randn(8, width)
+    if kind == "fsdp":
+        mesh, policy = Mesh(dp=n), fsdp("dp")
+    else:
+        styles = [(str(i), "colwise" if i % 2 == 0 else "rowwise") for i in range(layers)]
+        mesh, policy = Mesh(tp=n), tp(styles, "tp")
+    plain = model()
+    run = model()
+    apply(shard(run, mesh, policy), run)
+    with warnings.catch_warnings():
+        # FSDP2's view-output notice and CommDebugMode's backward-hook notice: nothing to act on
+        warnings.simplefilter("ignore")
+        return _added_per_collective(run, plain, x, repeats)
+
+
+def _added_per_collective(run: Any, plain: Any, x: torch.Tensor, repeats: int) -> float:
+    import statistics
+    import time
+
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    def seconds(module: Any) -> float:
+        module(x).sum().backward()  # warm-up: lazy state, gloo connections
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            module(x).sum().backward()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    with CommDebugMode() as comm:
+        run(x).sum().backward()
+    issued = comm.get_total_counts()
+    return max(0.0, seconds(run) - seconds(plain)) / max(issued, 1)
+
+
+def _parameter_like(tensor: torch.Tensor) -> bool:
+    # a parameter (DTensor, FSDP2's gathered one, a plain one) or a view of one (w.t())
+    base = tensor._base if tensor._base is not None else tensor
+    return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def saved_tensor_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[int, Any]:
+    """Bytes autograd saves for backward during ``module(*args, **kwargs)``, and its output.
+
+    Counted with ``torch.autograd.graph.saved_tensors_hooks``: unique storages, parameters
+    and views of them excluded. Checkpointed modules hide their inner saves behind their
+    own hooks: use `kept_activation_bytes` there.
+
+    Examples:
+        >>> layer = nn.Linear(4, 3)
+        >>> fs.saved_tensor_bytes(layer, torch.ones(2, 4))[0]  # the input, for the weight gradient
+        32
+    """
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    saved: dict[Any, torch.UntypedStorage] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if not _parameter_like(tensor):
+            storage = _local(tensor).untyped_storage()
+            saved[StorageWeakRef(storage)] = storage
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = module(*args, **kwargs)
+    return sum(storage.nbytes() for storage in saved.values()), output
+
+
+class _Births(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[Any, None] = {}
+
+    def note(self, tensor: torch.Tensor) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        ref = StorageWeakRef(_local(tensor).untyped_storage())
+        # a dead storage's address may be reused: the dict must hold the live one's reference
+        self.storages.pop(ref, None)
+        self.storages[ref] = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor runs it as local ops, which come back through here
+        out = func(*args, **(kwargs or {}))
+        for leaf in torch.utils._pytree.tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor):
+                self.note(leaf)
+        return out
+
+
+def kept_activation_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[int, Any]:
+    """Bytes still held for backward once ``module(*args, **kwargs)`` returns, and its output.
+
+    Every storage the forward makes (and copies of the tensor inputs, which the call gets
+    instead of the caller's) is watched by weak reference; after the forward, those still
+    alive but for the output and the parameters (gathered FSDP2 ones included) are what
+    autograd's graph and checkpoint frames keep. Freed FSDP2 buffers have zero bytes left.
+    Agrees with `saved_tensor_bytes` without checkpointing, and sees through it.
+
+    Examples:
+        >>> layer = nn.Linear(4, 3)
+        >>> fs.kept_activation_bytes(layer, torch.ones(2, 4, requires_grad=True))[0]
+        32
+    """
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from functional_shard.costing.trace_counting import kept_bytes
+
+    births = _Births()
+
+    def copy(tensor: torch.Tensor) -> torch.Tensor:
+        clone = tensor.detach().clone().requires_grad_(tensor.requires_grad)
+        births.note(clone)
+        return clone
+
+    args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, copy, (args, kwargs))
+    with births:
+        output = module(*args, **kwargs)
+    del args, kwargs
+    leaves = [leaf for leaf in torch.utils._pytree.tree_flatten(output)[0] if isinstance(leaf, torch.Tensor)]
+    logits = getattr(output, "logits", None)
+    leaves += [logits] if isinstance(logits, torch.Tensor) else []
+    exclude = {StorageWeakRef(_local(t).untyped_storage()) for t in leaves}
+    exclude |= {StorageWeakRef(_local(p).untyped_storage()) for p in module.parameters()}
+    return kept_bytes(births.storages, exclude), output
+
+
+@functools.cache  # measured once per process and count, as fs.hardware("local") promises
+def local_hardware(processes: int) -> Hardware:
+    """This machine as a `Hardware` profile, measured on ``processes`` local gloo ranks at once.
+
+    What ``fs.hardware("local", processes=...)`` returns: each rate the slowest rank's, the
+    latencies each collective's as it costs inside a real step of its engine.
+
+    Examples:
+        >>> # local_hardware(4).flops["float32"]
+    """
+    world = LocalWorld(processes)
+    try:
+        results = world.run(probe_local_rates)
+    finally:
+        world.close()
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    bandwidth = min(r["bandwidth"] for r in results)
+    return Hardware(
+        name="local",
+        flops={k: min(r["flops"][k] for r in results) for k in results[0]["flops"]},
+        memory_bytes=pages // processes,
+        memory_bandwidth=min(r["memory_bandwidth"] for r in results),
+        devices_per_node=processes,
+        intra_node_bandwidth=bandwidth,
+        inter_node_bandwidth=bandwidth,
+        overlap_communication=False,
+        collective_latency=max(r["engine_latency"]["fsdp"] for r in results),
+        tensor_parallel_latency=max(r["engine_latency"]["tp"] for r in results),
+        source=f"measured on this machine with {processes} gloo processes running together",
+        extra={"processes": processes, "per_rank": results},
+    )
