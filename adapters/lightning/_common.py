@@ -7,6 +7,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -26,6 +27,23 @@ class _RunsAPlan:
     _policy: fs.Policy | None
     _mesh: fs.Mesh
     _seed: int | None
+
+    def __init__(
+        self,
+        plan: fs.Plan | fs.Policy | Any,
+        *,
+        mesh: fs.Mesh | None = None,
+        seed: int | None = None,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__()  # the Lightning strategy this class is mixed into
+        self._hold(plan, mesh, seed, save_distributed_checkpoint, process_group_backend, timeout)
+        self._start_state()
+
+    def _start_state(self) -> None:
+        """Each strategy's own fields, set after Lightning's and the plan's."""
 
     def _hold(
         self,

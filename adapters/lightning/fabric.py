@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncControl
 from lightning.fabric.strategies.parallel import ParallelStrategy as FabricParallelStrategy
@@ -43,21 +41,10 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
         >>> # fabric = L.Fabric(strategy=FabricShardStrategy(fs.fsdp()), accelerator="cpu", devices=4)
     """
 
-    def __init__(
-        self,
-        plan: fs.Plan | fs.Policy | Any,
-        *,
-        mesh: fs.Mesh | None = None,
-        seed: int | None = None,
-        save_distributed_checkpoint: bool = True,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-    ) -> None:
-        super().__init__()
+    def _start_state(self) -> None:
         self._num_nodes = 1
         self._backward_sync_control = _ParallelBackwardSyncControl()
         self._parallelize_fn = self._parallelize
-        self._hold(plan, mesh, seed, save_distributed_checkpoint, process_group_backend, timeout)
         self._module: torch.nn.Module | None = None
 
     # Lightning's own plumbing, used as it is (by reference): a subclass of Fabric's

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -73,19 +71,8 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
         >>> # trainer = L.Trainer(strategy=ShardStrategy(fs.fsdp()), accelerator="cpu", devices=4)
     """
 
-    def __init__(
-        self,
-        plan: fs.Plan | fs.Policy | Any,
-        *,
-        mesh: fs.Mesh | None = None,
-        seed: int | None = None,
-        save_distributed_checkpoint: bool = True,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-    ) -> None:
-        super().__init__()
+    def _start_state(self) -> None:
         self.num_nodes = 1
-        self._hold(plan, mesh, seed, save_distributed_checkpoint, process_group_backend, timeout)
         self._pipeline_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self._schedule_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
 

@@ -196,19 +196,13 @@ def _blocks(
     return tuple(blocks)
 
 
-_PLAIN_WALK: dict[type, bool] = {}
-
-
 def _plain_walk(cls: type) -> bool:
     # the fast walk below restates nn.Module's named_modules/_named_members; a class that
     # overrides them is read through its own methods
-    plain = _PLAIN_WALK.get(cls)
-    if plain is None:
-        plain = _PLAIN_WALK[cls] = all(
-            getattr(cls, name) is getattr(nn.Module, name)
-            for name in ("named_modules", "named_parameters", "named_buffers", "_named_members")
-        )
-    return plain
+    return all(
+        getattr(cls, name) is getattr(nn.Module, name)
+        for name in ("named_modules", "named_parameters", "named_buffers", "_named_members")
+    )
 
 
 class _NotPlainError(Exception):
@@ -235,12 +229,15 @@ def _walk(
     seen_modules: set[int] = set()
     seen_buffers: set[int] = set()
 
-    plain_classes = _PLAIN_WALK
+    plain_classes: dict[type, bool] = {}  # a model has a handful of module classes: ask once each
     add_param = params.append
 
     def visit(mod: nn.Module, prefix: str, block: str | None) -> None:
         cls = type(mod)
-        if not (plain_classes.get(cls) or _plain_walk(cls)):
+        plain = plain_classes.get(cls)
+        if plain is None:
+            plain = plain_classes[cls] = _plain_walk(cls)
+        if not plain:
             raise _NotPlainError
         blocks[prefix] = block
         dot = prefix + "." if prefix else ""

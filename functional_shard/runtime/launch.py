@@ -19,6 +19,7 @@ import queue
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -46,16 +47,26 @@ _HOST = "127.0.0.1"
 _TIMEOUT = datetime.timedelta(seconds=300)
 
 
-def _serve(
-    rank: int, world_size: int, port: int, backend: str, inbox: Any, outbox: Any, threads: int
-) -> None:
-    torch.set_num_threads(threads)
-    if backend == "nccl":  # one GPU per rank
+@dataclass(frozen=True)
+class _Rank:
+    """What one spawned rank needs to join the world: sent to it whole, by pickle."""
+
+    rank: int
+    world_size: int
+    port: int  # of the store the parent serves
+    backend: str
+    threads: int
+
+
+def _serve(me: _Rank, inbox: Any, outbox: Any) -> None:
+    rank = me.rank
+    torch.set_num_threads(me.threads)
+    if me.backend == "nccl":  # one GPU per rank
         torch.cuda.set_device(rank % torch.cuda.device_count())
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # a client of the store the parent serves: no rank ever binds a port of its own choosing
-    store = dist.TCPStore(_HOST, port, world_size, is_master=False, timeout=_TIMEOUT)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=_TIMEOUT)
+    store = dist.TCPStore(_HOST, me.port, me.world_size, is_master=False, timeout=_TIMEOUT)
+    dist.init_process_group(me.backend, store=store, rank=rank, world_size=me.world_size, timeout=_TIMEOUT)
     try:
         while (task := inbox.get()) is not None:
             fn, args, kwargs = task
@@ -99,7 +110,7 @@ class LocalWorld:
         self._processes: list[BaseProcess] = [
             context.Process(
                 target=_serve,
-                args=(rank, world_size, port, backend, self._inboxes[rank], self._outbox, threads),
+                args=(_Rank(rank, world_size, port, backend, threads), self._inboxes[rank], self._outbox),
                 daemon=True,
             )
             for rank in range(world_size)
