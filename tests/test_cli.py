@@ -13,6 +13,7 @@ from functional_shard import zoo
 from functional_shard.cli import main
 from functional_shard.core.units import format_bytes
 from functional_shard.frontends import cli
+from functional_shard.frontends.cli.output import Out
 
 TINY = ["plan", "--model", "tiny"]
 
@@ -204,7 +205,7 @@ class _Terminal(io.StringIO):
 
 def test_tables_use_rich_on_a_terminal_and_plain_text_otherwise():
     pytest.importorskip("rich")
-    terminal, pipe = cli._Out(_Terminal()), cli._Out(io.StringIO())
+    terminal, pipe = Out(_Terminal()), Out(io.StringIO())
     for out in (terminal, pipe):
         out.table("memory", ("part", "bytes"), [("params", "1.00 KiB")], right=1)
     assert "─" in terminal.stream.getvalue()

@@ -1,0 +1,32 @@
+"""``functional-shard demo``: a plan trained on local processes, beside its prediction.
+
+The demo itself is `functional_shard.frontends.demo`; this module reads its flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .inputs import parse_mesh
+
+__all__ = ["run"]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo as ``args`` ask; its report goes to stdout.
+
+    Returns:
+        0 when every prediction held and the run matched one process, else 1.
+
+    Raises:
+        ShardingError: a bad mesh, policy or step count, before any process starts.
+
+    Examples:
+        >>> from functional_shard.frontends.cli import main
+        >>> main(["demo", "--mesh", "dp=2", "--policy", "fsdp(dp)", "--steps", "2"])  # one line on stderr
+        2
+    """
+    from functional_shard.frontends.demo import run as run_demo
+
+    result = run_demo(parse_mesh(args.mesh), args.policy, model=args.model, steps=args.steps)
+    return 0 if result.ok else 1

@@ -1,0 +1,145 @@
+"""``functional-shard diff``: what changes between two plans written by ``plan --json``.
+
+Per tensor, its specs before and after (repeated layers folded); per device, memory and
+bytes sent per step, before, after and the change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+from typing import TYPE_CHECKING
+
+from functional_shard.core.errors import one_line
+from functional_shard.core.units import format_bytes as _bytes
+
+from .inputs import InputError
+from .output import Out, cost_rows
+
+if TYPE_CHECKING:
+    from functional_shard.costing.cost import Cost
+    from functional_shard.planning.plan import Change, Plan
+
+__all__ = ["run"]
+
+
+def _read_plan(path: str) -> Plan:
+    from functional_shard.planning.plan import Plan
+
+    try:
+        text = pathlib.Path(path).read_text()
+    except OSError as error:
+        raise InputError(f"{path!r}: cannot read ({one_line(error, 300)})") from None
+    try:
+        return Plan.from_json(text)
+    except (ValueError, KeyError, TypeError) as error:
+        raise InputError(f"{path!r}: not a plan written by --json ({one_line(error, 300)})") from None
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, tuple) and len(value) > 4:
+        return f"({len(value)} entries)"
+    return str(value)
+
+
+def _collapse(changes: list[Change]) -> list[tuple[str, str, str, str]]:
+    """Rows of (tensor, what, before, after), repeated layers folded, alike changes joined.
+
+    ``layers.0`` and ``layers.1`` become ``layers.* ×2``; the specs of a tensor that change
+    the same way share a row (``storage, grad, optim``).
+    """
+    counts: dict[str, set[str]] = {}
+    grouped: dict[tuple[str, str, str], list[str]] = {}
+    for change in changes:
+        path = re.sub(r"(?<=\.)\d+(?=\.)", "*", change.path)
+        counts.setdefault(path, set()).add(change.path)
+        before, after = change.before, change.after
+        if change.what == "bytes/device":
+            before, after = _bytes(before), _bytes(after)
+        whats = grouped.setdefault((path, _shown(before), _shown(after)), [])
+        if change.what not in whats:
+            whats.append(change.what)
+    rows = []
+    for (path, before, after), whats in grouped.items():
+        count = len(counts[path])
+        rows.append((path + (f" ×{count}" if count > 1 else ""), ", ".join(whats), before, after))
+    return rows
+
+
+def run(args: argparse.Namespace, out: Out) -> int:
+    """Print what changes from the plan in ``args.before`` to the one in ``args.after``.
+
+    Args:
+        args: the parsed command line of ``functional-shard diff``.
+        out: where the tables go.
+
+    Returns:
+        0.
+
+    Raises:
+        ShardingError: a file that cannot be read or holds no plan.
+
+    Examples:
+        >>> import pathlib, tempfile
+        >>> import functional_shard as fs
+        >>> from functional_shard.frontends.cli import main
+        >>> from functional_shard.zoo import llama
+        >>> scratch = tempfile.TemporaryDirectory()
+        >>> a, b = (pathlib.Path(scratch.name, name) for name in ("a.json", "b.json"))
+        >>> _ = a.write_text(fs.shard(llama("tiny"), fs.Mesh(dp=2), fs.zero(2, "dp")).to_json())
+        >>> _ = b.write_text(fs.shard(llama("tiny"), fs.Mesh(dp=2), fs.fsdp("dp")).to_json())
+        >>> main(["diff", str(a), str(b)])  # doctest: +ELLIPSIS
+        2 changes from .../a.json to .../b.json
+        tensor  what                   before  after
+        <plan>  data_parallel          zero2   fsdp
+        ...
+        0
+        >>> scratch.cleanup()
+    """
+    before, after = _read_plan(args.before), _read_plan(args.after)
+    changes = before.diff(after)
+    rows = _collapse(changes)
+    if rows:
+        out.table(
+            f"{len(changes)} changes from {args.before} to {args.after}",
+            ("tensor", "what", "before", "after"),
+            rows,
+        )
+    else:
+        out.text(f"the plans in {args.before} and {args.after} place every tensor alike")
+    out.text()
+    costs = [plan.cost(args.optimizer) for plan in (before, after)]
+    memory = [
+        (name, _bytes(a), _bytes(b), _bytes(b - a))
+        for (name, a), (_, b) in zip(*(cost_rows(c) for c in costs), strict=True)
+    ]
+    sent = [
+        (f"sent: {kind} over {axis}", _bytes(a), _bytes(b), _bytes(b - a))
+        for kind, axis, a, b in _comm_pairs(*costs)
+    ]
+    sent.append(
+        (
+            "sent per step",
+            _bytes(costs[0].comm_total_bytes),
+            _bytes(costs[1].comm_total_bytes),
+            _bytes(costs[1].comm_total_bytes - costs[0].comm_total_bytes),
+        )
+    )
+    out.table(
+        f"per device (worst rank; {args.optimizer})",
+        ("", "before", "after", "change"),
+        memory + sent,
+        right=3,
+    )
+    return 0
+
+
+def _comm_pairs(a: Cost, b: Cost) -> list[tuple[str, str, float, float]]:
+    keys = dict.fromkeys(
+        (kind, axis) for cost in (a, b) for kind, by_axis in cost.comm_bytes.items() for axis in by_axis
+    )
+    return [
+        (kind, axis, a.comm_bytes.get(kind, {}).get(axis, 0.0), b.comm_bytes.get(kind, {}).get(axis, 0.0))
+        for kind, axis in keys
+    ]

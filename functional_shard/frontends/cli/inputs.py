@@ -1,0 +1,215 @@
+"""What the commands read from the command line: mesh, model, policy, hardware, memory budget.
+
+Every mistake is an `InputError`, which ``main`` prints as one line with exit code 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pathlib
+import re
+from typing import TYPE_CHECKING
+
+from functional_shard.core.errors import ShardingError, one_line
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from functional_shard.core.mesh import Mesh
+    from functional_shard.costing.hardware import Hardware
+    from functional_shard.planning.policy import Policy
+
+__all__ = [
+    "InputError",
+    "load_model",
+    "parse_mesh",
+    "read_budget",
+    "read_hardware",
+    "read_policy",
+]
+
+
+class InputError(ShardingError):
+    """A bad command-line value: printed as one line."""
+
+
+def parse_mesh(text: str) -> Mesh:
+    """``dp=8,tp=4`` -> ``Mesh(dp=8, tp=4)``.
+
+    Raises:
+        ShardingError: not ``axis=size`` pairs, or a mesh `Mesh` refuses.
+
+    Examples:
+        >>> from functional_shard.frontends.cli import parse_mesh
+        >>> parse_mesh("dp=8,tp=4")
+        Mesh(dp=8, tp=4)
+    """
+    from functional_shard.core.mesh import Mesh
+
+    pairs = [item.strip().partition("=") for item in text.split(",")]
+    if not text.strip() or any(
+        not name or not sep or not re.fullmatch(r"-?\d+", size) for name, sep, size in pairs
+    ):
+        raise InputError(f"--mesh {text!r}: write axis=size pairs joined by commas, e.g. dp=8,tp=4")
+    try:
+        return Mesh({name.strip(): int(size) for name, _, size in pairs})
+    except ShardingError as error:
+        raise InputError(f"--mesh {text!r}: {one_line(error, 300)}") from None
+
+
+def _zoo_names() -> list[str]:
+    from functional_shard.frontends.zoo import CONFIGS
+
+    return sorted(CONFIGS)
+
+
+def _from_hf_config(path: pathlib.Path) -> nn.Module:
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise InputError(f"--model {str(path)!r}: the folder holds no config.json")
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        raise InputError(
+            f"--model {str(path)!r}: reading a Hugging Face config needs transformers: "
+            "pip install 'functional-shard[hf]'"
+        ) from None
+    try:
+        values = json.loads(file.read_text())
+    except (OSError, ValueError) as error:
+        raise InputError(f"--model {str(file)!r}: not readable JSON ({one_line(error, 300)})") from None
+    if not isinstance(values, dict) or "model_type" not in values:
+        raise InputError(f"--model {str(file)!r}: not a Hugging Face config (no 'model_type')")
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # config warnings are not about the plan
+    try:
+        config = transformers.AutoConfig.for_model(**values)
+        with torch.device("meta"):  # shapes only: no weights are read or allocated
+            return transformers.AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise InputError(
+            f"--model {str(file)!r}: transformers cannot build a causal LM from it ({one_line(error, 200)})"
+        ) from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def _from_factory(text: str) -> nn.Module:
+    import torch
+    from torch import nn
+
+    module_name, _, attribute = text.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise InputError(
+            f"--model {text!r}: cannot import {module_name!r} ({one_line(error, 300)})"
+        ) from None
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise InputError(f"--model {text!r}: {module_name} has no function or class {attribute!r}")
+    try:
+        with torch.device("meta"):  # shapes only, however big the model
+            model = factory()
+    except Exception as error:  # the user's code: report it in one line, like any bad input
+        raise InputError(
+            f"--model {text!r}: {attribute}() raised {type(error).__name__}: {one_line(error, 300)} "
+            "(the factory is called with no arguments, on the meta device)"
+        ) from None
+    if not isinstance(model, nn.Module):
+        raise InputError(f"--model {text!r}: {attribute}() returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def load_model(text: str) -> nn.Module:
+    """The model ``--model`` names, built on the meta device (shapes only, no weights).
+
+    Args:
+        text: a zoo name (``tiny``, ``llama-7b``, ...), a Hugging Face ``config.json`` or a
+            folder holding one (built with transformers' ``AutoModelForCausalLM.from_config``),
+            or ``package.module:factory`` (a function or class called with no arguments).
+
+    Raises:
+        ShardingError: none of these, naming what was tried.
+
+    Examples:
+        >>> from functional_shard.frontends.cli import load_model
+        >>> load_model("tiny").embed_tokens.weight.device
+        device(type='meta')
+    """
+    if text in _zoo_names():
+        from functional_shard.frontends.zoo import llama
+
+        return llama(text)
+    path = pathlib.Path(text)
+    if path.exists():
+        return _from_hf_config(path)
+    if re.fullmatch(r"[\w.]+:\w+", text):
+        return _from_factory(text)
+    if text.endswith(".json") or "/" in text:
+        raise InputError(f"--model {text!r}: no such file or folder")
+    raise InputError(
+        f"--model {text!r}: not a zoo model ({', '.join(_zoo_names())}), a config.json or a folder "
+        "holding one, or package.module:factory"
+    )
+
+
+def read_policy(text: str, model: nn.Module | None) -> Policy:
+    """The policy ``--policy`` writes (see `functional_shard.planning.policy_text`).
+
+    Args:
+        text: a policy expression, such as ``"fsdp(dp) + tp(llama, tp) + bf16"``.
+        model: the model it is for (class names in ``checkpointing(...)`` resolve against it),
+            or None.
+
+    Raises:
+        ShardingError: the text is not a policy; the message names the part that is wrong.
+
+    Examples:
+        >>> read_policy("fsdp(dp) + bf16", None).options.param_dtype
+        'bfloat16'
+    """
+    from functional_shard.planning.policy_text import parse_policy
+
+    try:
+        return parse_policy(text, model)
+    except ShardingError as error:
+        raise InputError(f"--policy: {one_line(error, limit=1000)}") from None
+
+
+def read_hardware(name: str) -> Hardware:
+    """The accelerator ``--hardware`` names (see `functional_shard.costing.hardware`).
+
+    Raises:
+        ShardingError: no such hardware; the message lists the names there are.
+
+    Examples:
+        >>> read_hardware("h100").memory_bytes
+        80000000000
+    """
+    from functional_shard.costing.hardware import hardware
+
+    try:
+        return hardware(name)
+    except ShardingError as error:
+        raise InputError(f"--hardware {name!r}: {one_line(error, 300)}") from None
+
+
+def read_budget(text: str) -> int:
+    """Bytes per device that ``--budget`` gives, as ``80GiB`` or ``512MB``.
+
+    Raises:
+        ShardingError: not a memory size.
+
+    Examples:
+        >>> read_budget("80GiB")
+        85899345920
+    """
+    from functional_shard.costing.estimate import parse_bytes
+
+    try:
+        return int(parse_bytes(text))
+    except ShardingError as error:
+        raise InputError(f"--budget {text!r}: {one_line(error, 300)}") from None

@@ -1,0 +1,214 @@
+"""``functional-shard plan``: a model planned on the meta device, every tensor's placement and the cost.
+
+With ``--batch``/``--seq`` the step is estimated too (`functional_shard.costing.estimate`);
+with ``--auto`` the plan is searched for (`functional_shard.frontends.cli.plan_auto`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import TYPE_CHECKING
+
+from functional_shard.core.errors import ShardingError, one_line
+from functional_shard.core.units import format_bytes as _bytes
+
+from . import plan_auto
+from .inputs import InputError, load_model, parse_mesh, read_budget, read_hardware, read_policy
+from .output import Out, cost_rows, write_file
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from functional_shard.costing.cost import Cost
+    from functional_shard.costing.estimate import Estimate
+    from functional_shard.costing.hardware import Hardware
+    from functional_shard.planning.plan import Plan
+
+__all__ = ["DEFAULT_POLICY", "run"]
+
+DEFAULT_POLICY = "fsdp(dp) + tp(auto, tp) + bf16"
+
+
+def _check(args: argparse.Namespace) -> None:
+    """The flags that go together, before anything is read or built."""
+    if args.auto and (args.mesh or args.policy):
+        raise InputError("--auto searches meshes and policies itself: leave out --mesh and --policy")
+    if not args.auto and (args.devices is not None or args.budget is not None):
+        raise InputError("--devices and --budget go with --auto")
+    if args.param and not args.png:
+        raise InputError("--param goes with --png (the parameter to draw)")
+    if args.batch is not None and args.seq is None:
+        raise InputError("--batch needs --seq (sequences per data-parallel rank, tokens each)")
+    if args.hardware and args.seq is None:
+        raise InputError("--hardware needs --seq (a step's time depends on its tokens)")
+    for flag in ("batch", "seq", "devices", "top"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise InputError(f"--{flag} {value}: a positive number")
+    if args.auto and (args.devices is None or args.budget is None or args.seq is None):
+        raise InputError(
+            "--auto needs --devices, --budget and --seq (and --batch, or one sequence per device)"
+        )
+
+
+def run(args: argparse.Namespace, out: Out) -> int:
+    """Plan (or, with ``--auto``, search) as ``args`` ask; print the plan, its cost and estimate.
+
+    Args:
+        args: the parsed command line of ``functional-shard plan``.
+        out: where the tables go (stderr takes them when ``--json -`` prints the plan).
+
+    Returns:
+        0.
+
+    Raises:
+        ShardingError: a bad input, a plan that does not fit the model, or a file not written.
+
+    Examples:
+        >>> from functional_shard.frontends.cli import main
+        >>> argv = ["--model", "tiny", "--mesh", "dp=2", "--policy", "zero(2, dp)"]
+        >>> main(["plan", *argv])  # doctest: +ELLIPSIS
+        Plan on Mesh(dp=2): data parallel zero2 over ('dp',); tensor parallel over ()
+        ...
+        0
+    """
+    from functional_shard.planning.planner import shard
+
+    _check(args)
+    batch_given = args.batch is not None
+    if args.seq is not None and args.batch is None:
+        # one sequence per data-parallel rank: with --auto, a global batch of one per device
+        args.batch = args.devices if args.auto else 1
+    to_stdout = args.json == "-"
+    say = Out(sys.stderr) if to_stdout else out  # keep stdout pure JSON
+    # the cheap inputs first: a typo is reported before a big model is built
+    hardware: Hardware | None
+    estimate: Estimate | None = None
+    if args.auto:
+        budget = read_budget(args.budget)
+        hardware = read_hardware(args.hardware or "h100")
+        model = load_model(args.model)
+        plan, estimate = plan_auto.search(model, args, budget=budget, hardware=hardware, say=say)
+    else:
+        mesh = parse_mesh(args.mesh or "dp=8,tp=4")
+        hardware = read_hardware(args.hardware or "h100") if args.batch is not None else None
+        model = load_model(args.model)
+        plan = shard(model, mesh, read_policy(args.policy or DEFAULT_POLICY, model))
+    if args.batch is not None and estimate is None:
+        estimate = _estimate(model, plan, args, batch_given=batch_given, hardware=hardware)
+    if to_stdout:
+        print(plan.to_json(indent=1))
+    else:
+        _plan_tables(say, plan, args.full)
+        say.text()
+        # tokens of one micro-batch on one data-parallel rank, as the estimate counted them
+        tokens = estimate.batch * estimate.seq if estimate is not None else None
+        _cost_tables(say, plan.cost(args.optimizer, tokens=tokens))
+        if estimate is not None:
+            say.text()
+            say.text(str(estimate))
+    if args.json and not to_stdout:
+        write_file(args.json, lambda p: p.write_text(plan.to_json(indent=1) + "\n"), "--json")
+        say.text(f"\nwrote the plan to {args.json}")
+    if args.png:
+        budget_line = hardware.memory_bytes if estimate is not None and hardware is not None else None
+        _draw(say, plan, args, estimate=estimate, budget_line=budget_line)
+    return 0
+
+
+def _estimate(
+    model: nn.Module,
+    plan: Plan,
+    args: argparse.Namespace,
+    *,
+    batch_given: bool,
+    hardware: Hardware | None,
+) -> Estimate:
+    from functional_shard.costing.estimate import estimate
+
+    # with --auto, --batch is the global batch; fs.estimate takes one data-parallel rank's
+    per_rank = args.batch // plan.data_parallel_rank(0)[1] if args.auto else args.batch
+    if plan.config.pipeline_axis and not batch_given:
+        per_rank = plan.config.microbatches  # a pipeline's default: one sequence per micro-batch
+    return estimate(
+        model, plan, batch=max(per_rank, 1), seq=args.seq, optimizer=args.optimizer, hardware=hardware
+    )
+
+
+def _draw(
+    say: Out, plan: Plan, args: argparse.Namespace, *, estimate: Estimate | None, budget_line: int | None
+) -> None:
+    try:
+        figure = plan.visualize(args.param, estimate=estimate, optimizer=args.optimizer, budget=budget_line)
+    except ShardingError as error:
+        raise InputError(f"--png: {one_line(error, 300)}") from None
+    write_file(args.png, lambda p: figure.savefig(p, dpi=110), "--png")
+    say.text(f"wrote the pictures to {args.png}")
+
+
+def _plan_tables(out: Out, plan: Plan, full: bool) -> None:
+    text = plan.explain(collapse=not full)
+    if out.console is None:
+        out.text(text)
+        return
+    # rich draws the table of plan.explain(): summary lines, a blank line, the columns
+    # (left-aligned at the header's positions), a blank line, the total
+    lines = text.splitlines()
+    try:
+        blank = lines.index("")
+        header = lines[blank + 1]
+        columns = re.split(r"\s{2,}", header.strip())
+        starts = [header.index(column) for column in columns]
+        rows = [
+            [line[a:b].strip() for a, b in zip(starts, [*starts[1:], None], strict=True)]
+            for line in lines[blank + 2 : -2]
+        ]
+    except (ValueError, IndexError):  # a layout this reader does not know: print it as it is
+        out.text(text)
+        return
+    for line in lines[: blank + 1]:
+        out.text(line)
+    out.table("", columns, rows, right=1)
+    out.text()
+    out.text(lines[-1])
+
+
+def _cost_tables(out: Out, cost: Cost) -> None:
+    out.table(
+        f"memory on rank {cost.rank}",
+        ("part", "bytes"),
+        [(k, _bytes(v)) for k, v in cost_rows(cost)],
+        right=1,
+    )
+    if cost.stage_bytes:
+        out.text()
+        out.table(
+            "pipeline stages (each on its first rank)",
+            ("stage", "params", "grads", "optimizer", "gathered"),
+            [
+                (
+                    str(stage),
+                    *(_bytes(by_kind[k]) for k in ("params", "grads", "optimizer", "gathered")),
+                )
+                for stage, by_kind in cost.stage_bytes.items()
+            ],
+            right=1,
+        )
+    if cost.boundary_bytes:
+        out.text()
+        out.table(
+            "pipeline boundaries (activations forward, as many gradient bytes back)",
+            ("boundary", "bytes each way"),
+            [(f"{s} -> {s + 1}", _bytes(b)) for s, b in cost.boundary_bytes.items()],
+            right=1,
+        )
+    rows = [
+        (kind, axis, _bytes(b)) for kind, by_axis in cost.comm_bytes.items() for axis, b in by_axis.items()
+    ]
+    rows.append(("total", "", _bytes(cost.comm_total_bytes)))
+    out.text()
+    out.table("sent per step", ("collective", "over", "bytes"), rows, right=1)
+    if not cost.activation_comm_included:
+        out.text("(parameters and gradients; give --seq, and --batch, for activations)")
