@@ -1,7 +1,8 @@
 """The ``functional-shard`` command's entry point, at the path installers and users name.
 
 The commands live in `functional_shard.frontends.cli`; the two readers a training script
-borrows (examples/train_torchrun.py, docs: Launching) keep their path too.
+borrows (examples/train_torchrun.py, docs: Launching) keep their path too, and so does
+``python -m functional_shard.cli``.
 """
 
 from .frontends.cli import load_model as load_model
@@ -9,3 +10,7 @@ from .frontends.cli import main as main
 from .frontends.cli import parse_mesh as parse_mesh
 
 __all__ = ["load_model", "main", "parse_mesh"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
