@@ -260,6 +260,25 @@ def test_the_console_script_reports_in_one_line_from_a_real_process():
     assert "Traceback" not in result.stderr
 
 
+def test_help_starts_without_torch_transformers_matplotlib_or_the_tracer():
+    # `functional-shard --help` answers at once: each command loads what it needs when it runs
+    code = (
+        "import json, sys\n"
+        "from functional_shard.cli import main\n"
+        "for argv in (['--help'], ['plan', '--help'], ['diff', '--help'], ['checkpoint', '--help']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print(json.dumps(sorted(sys.modules)), file=sys.stderr)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    heavy = ("torch", "transformers", "matplotlib", "rich", "functional_shard.costing")
+    loaded = [m for m in json.loads(result.stderr) if any(m == h or m.startswith(h + ".") for h in heavy)]
+    assert loaded == []
+    assert result.stdout.startswith("usage: functional-shard [-h] {plan,diff,demo,checkpoint} ...")
+
+
 def test_mesh_text():
     assert cli.parse_mesh("dp=8, tp=4") == fs.Mesh(dp=8, tp=4)
 
