@@ -328,11 +328,10 @@ def test_the_search_traces_at_most_twice_what_it_does_without_experts(monkeypatc
     auto = importlib.import_module("functional_shard.search.auto")
     model = tiny(4)
     calls = counting_traces(monkeypatch)
-    auto._TRACES.clear()
+    # each search traces afresh: its traces are its own
     fs.search_plans(model, devices=4, memory_budget="1GiB", batch=4, seq=8, hardware="h100")
     with_experts = calls[0]
     monkeypatch.setattr(auto, "expert_count", lambda model, tree: 0)
-    auto._TRACES.clear()
     fs.search_plans(model, devices=4, memory_budget="1GiB", batch=4, seq=8, hardware="h100")
     without = calls[0] - with_experts
     assert without < with_experts <= 2 * without  # one trace serves every ep size

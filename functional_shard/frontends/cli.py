@@ -465,7 +465,7 @@ def _plan(args: argparse.Namespace, out: _Out) -> int:
 
 def _candidates_table(out: _Out, report: Any, top: int) -> None:
     """The search's candidates, those that fit first, fastest first (as ``AutoReport.table``)."""
-    from functional_shard.search.auto import step_text
+    from functional_shard.search.report import step_text
 
     def rows(candidates: Any) -> list[tuple[str, ...]]:
         return [
