@@ -218,36 +218,23 @@ def test_the_searchs_shortcuts_for_pipelines_change_no_estimate(monkeypatch):
     # the search traces each unit of work once per (tp, checkpointing, micro-batch), the
     # checkpointed ones forward-only with the backward of the plan without checkpointing:
     # every pipeline candidate is what the same search gives tracing each with its backward
-    from functional_shard.core.tree import read_model
     from functional_shard.costing.hardware import hardware
     from functional_shard.search import candidates
     from functional_shard.search.search import Search, SearchInputs
     from functional_shard.search.traces import TraceCache
-    from functional_shard.zoo import Block, Llama, LlamaConfig
+    from functional_shard.zoo import Llama, LlamaConfig
 
     model = Llama(LlamaConfig(num_layers=4)).to("meta")
-    tree = read_model(model)
-    units = candidates.pipeline_units(tree)
+    facts = candidates.model_facts(model)
     hw = hardware("h100")
-    space = candidates.Space(devices=4, batch=8, hardware=hw, heads=candidates.head_counts(model))
+    space = candidates.Space.of(facts, devices=4, batch=8, hardware=hw)
     points = [
         point
-        for point in candidates.pipeline_points(space, len(units))
+        for point in candidates.pipeline_points(space, len(facts.units))
         if point.mesh["pp"] == 2 and (point.tp > 1) == (point.pipeline[0] == "1f1b")
     ]
     assert {(p.pipeline[0], p.tp) for p in points} == {("1f1b", 2), ("interleaved1f1b", 1)}
-    rules, _ = candidates.tensor_parallel_rules(model)
-    inputs = SearchInputs(
-        model=model,
-        tree=tree,
-        hardware=hw,
-        optimizer="adamw",
-        batch=8,
-        seq=16,
-        budget=0,
-        policies=candidates.Policies(rules=rules, block=Block, dtype="bfloat16"),
-        units=units,
-    )
+    inputs = SearchInputs(facts=facts, hardware=hw, optimizer="adamw", batch=8, seq=16, budget=0)
 
     def search() -> list:
         return Search(inputs).run(points)  # a new search: traces afresh

@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any
 
 from functional_shard.core.errors import PlanError, ShardingError
-from functional_shard.core.tree import read_model
 from functional_shard.core.units import format_bytes as _bytes
 from functional_shard.costing.cost import OptimizerKind
 from functional_shard.costing.hardware import Hardware
@@ -26,19 +25,7 @@ from functional_shard.costing.hardware import hardware as _hardware
 from functional_shard.costing.step_model import parse_bytes
 from functional_shard.planning.plan import Plan
 
-from .candidates import (
-    Point,
-    Policies,
-    Space,
-    expert_count,
-    head_counts,
-    pipeline_points,
-    pipeline_units,
-    points,
-    repeated_block,
-    splits_experts,
-    tensor_parallel_rules,
-)
+from .candidates import Point, Space, model_facts, pipeline_points, points
 from .report import AutoReport, Candidate
 from .search import Search, SearchInputs
 
@@ -109,23 +96,12 @@ def search_plans(
     _check_devices(devices, batch, seq)
     budget = parse_bytes(memory_budget)
     hw = _hardware(hardware)
-    rules, no_tensor_parallel = tensor_parallel_rules(model)
-    tree = read_model(model)
-    experts = expert_count(model, tree)
-    space = Space(
-        devices=devices,
-        batch=batch,
-        hardware=hw,
-        heads=head_counts(model),
-        tensor_parallel=rules is not None,
-        experts=experts,
-        experts_split_by_tp=splits_experts(rules, tree),
-    )
+    facts = model_facts(model)
+    space = Space.of(facts, devices=devices, batch=batch, hardware=hw)
     flat = list(points(space))
-    units = pipeline_units(tree)
 
     def pipelines() -> list[Point]:  # only when needed: checking a schedule builds torch's
-        return list(pipeline_points(space, len(units))) if units else []
+        return list(pipeline_points(space, len(facts.units))) if facts.units else []
 
     pipes = [] if flat else pipelines()
     if not flat and not pipes:
@@ -134,25 +110,8 @@ def search_plans(
             "tensor-parallel size that fits a node and divides the heads; choose a batch that is a "
             "multiple of the device count"
         )
-    experts_patterns = None
-    if experts:
-        from functional_shard.planning.hf import expert_patterns
-
-        experts_patterns = expert_patterns(model)
-    dtype = "bfloat16" if "bfloat16" in hw.flops else None
-    policies = Policies(rules=rules, block=repeated_block(model), dtype=dtype, experts=experts_patterns)
     search = Search(
-        SearchInputs(
-            model=model,
-            tree=tree,
-            hardware=hw,
-            optimizer=optimizer,
-            batch=batch,
-            seq=seq,
-            budget=budget,
-            policies=policies,
-            units=units,
-        )
+        SearchInputs(facts=facts, hardware=hw, optimizer=optimizer, batch=batch, seq=seq, budget=budget)
     )
     candidates = search.run(flat)
     if not any(c.fits for c in candidates):
@@ -162,7 +121,7 @@ def search_plans(
     fitting = [c for c in candidates if c.fits]
     best_candidate = min(fitting, key=Candidate.key) if fitting else None
     best = search.final_plan(best_candidate) if best_candidate else None
-    return AutoReport(tuple(candidates), best_candidate, best, budget, hw, no_tensor_parallel)
+    return AutoReport(tuple(candidates), best_candidate, best, budget, hw, facts.no_tensor_parallel)
 
 
 def auto(

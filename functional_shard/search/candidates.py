@@ -15,7 +15,7 @@ from torch import nn
 
 from functional_shard.core.errors import PolicyError, one_line
 from functional_shard.core.mesh import Mesh
-from functional_shard.core.tree import ModelTree
+from functional_shard.core.tree import ModelTree, read_model
 from functional_shard.costing.hardware import Hardware
 from functional_shard.planning import policy as policies
 from functional_shard.planning.policy import ExpertParallel, Policy
@@ -123,6 +123,58 @@ def checkpoint_options(block: type | None) -> tuple[str, ...]:
     return ("none",) if block is None else CHECKPOINTING
 
 
+@dataclass(frozen=True, kw_only=True)
+class ModelFacts:
+    """What the search reads of a model, once: its tensors, heads, repeated block, rules, experts."""
+
+    model: Any
+    tree: ModelTree
+    """The model's tensors and modules, read once for the many plans of the search."""
+    heads: tuple[int, int] | None
+    block: type | None
+    rules: Any
+    """Its tensor-parallel rules; None when no rule set fits it."""
+    no_tensor_parallel: str | None
+    """Why no rule set fits it (None when one does)."""
+    experts: int
+    expert_patterns: tuple[str, ...] | None
+    """The expert tensors' patterns, for ep (None for a dense model)."""
+    experts_split_by_tp: bool
+    units: tuple[tuple[str, ...], ...]
+    """The units of work a pipeline deals out to its stages; () without repeated blocks."""
+
+
+def model_facts(model: Any) -> ModelFacts:
+    """What the search needs to know of ``model``, read once.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> facts = model_facts(llama("tiny"))
+        >>> facts.heads, facts.experts, len(facts.units)
+        ((4, 2), 0, 4)
+    """
+    rules, no_tensor_parallel = tensor_parallel_rules(model)
+    tree = read_model(model)
+    experts = expert_count(model, tree)
+    patterns = None
+    if experts:
+        from functional_shard.planning.hf import expert_patterns
+
+        patterns = expert_patterns(model)
+    return ModelFacts(
+        model=model,
+        tree=tree,
+        heads=head_counts(model),
+        block=repeated_block(model),
+        rules=rules,
+        no_tensor_parallel=no_tensor_parallel,
+        experts=experts,
+        expert_patterns=patterns,
+        experts_split_by_tp=splits_experts(rules, tree),
+        units=pipeline_units(tree),
+    )
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -142,6 +194,19 @@ class Space:
     """Experts per layer: expert-parallel sizes divide it (0: a dense model)."""
     experts_split_by_tp: bool = False
     """Whether tp reaches inside the experts: then without sequence parallelism."""
+
+    @classmethod
+    def of(cls, facts: ModelFacts, *, devices: int, batch: int, hardware: Hardware) -> Space:
+        """The space for the model ``facts`` describes."""
+        return cls(
+            devices=devices,
+            batch=batch,
+            hardware=hardware,
+            heads=facts.heads,
+            tensor_parallel=facts.rules is not None,
+            experts=facts.experts,
+            experts_split_by_tp=facts.experts_split_by_tp,
+        )
 
     def tensor_parallel_sizes(self, ranks: int) -> Iterator[int]:
         """The tp sizes for ``ranks`` devices: inside one node, dividing the heads (1 always)."""
@@ -253,20 +318,18 @@ def _data_parallel(family: str) -> Policy:
     return policies.fsdp("dp")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class Policies:
-    """What turns a point into its policy: the model's rules and block, the dtype, the experts."""
+    """What turns a point into its policy: the model's rules, block and experts, and the dtype."""
 
-    rules: Any
-    block: type | None
+    facts: ModelFacts
     dtype: str | None
-    experts: tuple[str, ...] | None = None
-    """The expert tensors' patterns, for ep (read once from the model)."""
+    """The mixed-precision dtype; None: fp32."""
 
     def of(self, point: Point, how: str) -> Policy:
         """The policy of ``point`` with ``how`` checkpointing of the repeated block."""
         if point.ep > 1:
-            policy = policies.fsdp(("dp", "ep")) + policies.ep("ep", experts=self.experts)
+            policy = policies.fsdp(("dp", "ep")) + policies.ep("ep", experts=self.facts.expert_patterns)
         else:
             policy = _data_parallel(point.family)
         if point.pipeline is not None:
@@ -276,11 +339,11 @@ class Policies:
             )
             policy = pipe + policy
         if point.tp > 1:
-            policy = policy + policies.tp(self.rules, "tp", sequence_parallel=point.sp)
+            policy = policy + policies.tp(self.facts.rules, "tp", sequence_parallel=point.sp)
         if self.dtype:
             policy = policy + policies.mixed_precision(self.dtype)
-        if how != "none" and self.block is not None:
-            policy = policy + policies.checkpointing(self.block, policy=how)
+        if how != "none" and self.facts.block is not None:
+            policy = policy + policies.checkpointing(self.facts.block, policy=how)
         if point.offload:
             policy = policy + policies.offload()
         return policy

@@ -8,7 +8,6 @@ from typing import Any
 from torch import nn
 
 from functional_shard.core.errors import ShardingError, one_line
-from functional_shard.core.tree import ModelTree
 from functional_shard.core.units import format_bytes as _bytes
 from functional_shard.costing.cost import OptimizerKind, cost
 from functional_shard.costing.estimate import _assemble
@@ -18,7 +17,7 @@ from functional_shard.planning.plan import Plan
 from functional_shard.planning.planner import shard, with_expert_top_k
 from functional_shard.planning.policy import Policy
 
-from .candidates import Point, Policies, checkpoint_options, policy_text
+from .candidates import ModelFacts, Point, Policies, checkpoint_options, policy_text
 from .report import Candidate
 from .traces import TraceCache, TraceKey
 
@@ -29,9 +28,8 @@ __all__ = ["Search", "SearchInputs"]
 class SearchInputs:
     """What a search estimates its points for: the model, the hardware, the step and the budget."""
 
-    model: Any
-    tree: ModelTree
-    """The model's tensors and modules, read once for the many plans of the search."""
+    facts: ModelFacts
+    """What the search read of the model."""
     hardware: Hardware
     optimizer: OptimizerKind
     batch: int
@@ -39,9 +37,6 @@ class SearchInputs:
     seq: int
     budget: int
     """Bytes per device a candidate's peak must fit."""
-    policies: Policies
-    units: tuple[tuple[str, ...], ...] = ()
-    """The units of work a pipeline deals out to its stages (`candidates.pipeline_units`)."""
 
 
 def _candidate(point: Point, how: str, policy: Policy, **outcome: Any) -> Candidate:
@@ -63,27 +58,28 @@ class Search:
     """Estimates points into candidates for one model, sharing traces between them.
 
     Examples:
-        >>> from functional_shard.costing.hardware import hardware
-        >>> from functional_shard.core.tree import read_model
-        >>> from functional_shard.search.candidates import Point, Policies
+        >>> from functional_shard.search.candidates import Point, model_facts
         >>> from functional_shard.zoo import llama
-        >>> model = llama("tiny")
         >>> inputs = SearchInputs(
-        ...     model=model, tree=read_model(model), hardware=hardware("h100"), optimizer="adamw",
-        ...     batch=2, seq=16, budget=2**30, policies=Policies(rules=None, block=None, dtype=None),
+        ...     facts=model_facts(llama("tiny")), hardware=fs.hardware("h100"), optimizer="adamw",
+        ...     batch=2, seq=16, budget=2**30,
         ... )
-        >>> [c.fits for c in Search(inputs).run([Point(fs.Mesh(dp=1), "ddp", 1, False, False)])]
-        [True]
+        >>> [c.checkpointing for c in Search(inputs).run([Point(fs.Mesh(dp=1), "ddp", 1, False, False)])]
+        ['none', 'selective', 'full']
     """
 
     def __init__(self, inputs: SearchInputs) -> None:
         self.inputs = inputs
-        block = inputs.policies.block
+        facts = inputs.facts
+        # bf16 mixed precision where the hardware has a bf16 rate
+        self.policies = Policies(facts, "bfloat16" if "bfloat16" in inputs.hardware.flops else None)
         checkpointed: tuple[str, ...] = ()  # the modules fs.checkpointing(block) selects, as the planner does
-        if block is not None and isinstance(inputs.model, nn.Module):
-            checkpointed = tuple(p for p, m in inputs.model.named_modules() if p and isinstance(m, block))
+        if facts.block is not None and isinstance(facts.model, nn.Module):
+            checkpointed = tuple(
+                p for p, m in facts.model.named_modules() if p and isinstance(m, facts.block)
+            )
         self.checkpointed = checkpointed
-        self.traces = TraceCache(inputs.model, seq=inputs.seq, checkpointed=checkpointed, units=inputs.units)
+        self.traces = TraceCache(facts.model, seq=inputs.seq, checkpointed=checkpointed, units=facts.units)
 
     def run(self, points: list[Point]) -> list[Candidate]:
         """Each point's candidates: one per checkpointing (a pipeline's until one fits)."""
@@ -103,14 +99,14 @@ class Search:
             candidate.pipeline,
             candidate.expert_parallel,
         )
-        return shard(self.inputs.model, point.mesh, self.inputs.policies.of(point, candidate.checkpointing))
+        return shard(self.inputs.facts.model, point.mesh, self.policies.of(point, candidate.checkpointing))
 
     def _estimated(self, point: Point, how: str, estimate: Estimate) -> Candidate:
         over = estimate.peak_bytes - self.inputs.budget
         return _candidate(
             point,
             how,
-            self.inputs.policies.of(point, how),
+            self.policies.of(point, how),
             peak_bytes=estimate.peak_bytes,
             step_seconds=estimate.step_seconds,
             rejected=None if over <= 0 else f"needs {_bytes(over)} more",
@@ -118,14 +114,14 @@ class Search:
         )
 
     def _failed(self, point: Point, how: str, error: Exception, what: str) -> Candidate:
-        policy = self.inputs.policies.of(point, how)
+        policy = self.policies.of(point, how)
         return _candidate(point, how, policy, rejected=f"cannot {what}: {one_line(error, 160)}")
 
     def _run_flat(self, point: Point) -> list[Candidate]:
         inputs = self.inputs
         try:  # planned from the tree, read once; what only the model says (experts per token) added
             plan = with_expert_top_k(
-                shard(inputs.tree, point.mesh, inputs.policies.of(point, "none")), inputs.model
+                shard(inputs.facts.tree, point.mesh, self.policies.of(point, "none")), inputs.facts.model
             )
         except ShardingError as error:
             return [self._failed(point, "none", error, "plan")]
@@ -133,7 +129,7 @@ class Search:
         plan_cost = cost(plan, inputs.optimizer, tokens=micro * inputs.seq)
         units = unit_gathered_bytes(plan)
         out = []
-        for how in checkpoint_options(inputs.policies.block):
+        for how in checkpoint_options(inputs.facts.block):
             key = TraceKey(point.tp, point.sp, how, micro, expert_parallel=point.ep > 1)
             trace = self.traces.trace(plan, key)
             if isinstance(trace, Exception):
@@ -159,17 +155,17 @@ class Search:
 
         inputs = self.inputs
         try:
-            plan = shard(inputs.tree, point.mesh, inputs.policies.of(point, "none"))
+            plan = shard(inputs.facts.tree, point.mesh, self.policies.of(point, "none"))
         except ShardingError as error:
             return [self._failed(point, "none", error, "plan")]
-        unit_of = {module: index for index, unit in enumerate(inputs.units) for module in unit}
+        unit_of = {module: index for index, unit in enumerate(inputs.facts.units) for module in unit}
         groups = [sorted({unit_of[m] for m in stage}) for stage in plan.config.pipeline_stages]
         local = inputs.batch // point.dp
         costs = stage_costs(plan, inputs.optimizer, local * inputs.seq)
         units = unit_gathered_bytes(plan)
         micro = local // plan.config.microbatches
         out: list[Candidate] = []
-        for how in checkpoint_options(inputs.policies.block):
+        for how in checkpoint_options(inputs.facts.block):
             if out and out[-1].fits:
                 break  # checkpointing more only adds recomputation
             trace = self.traces.trace(plan, TraceKey(point.tp, point.sp, how, micro, by_unit=True))
