@@ -83,9 +83,9 @@ if TYPE_CHECKING:
     from .runtime.measure import kept_activation_bytes as kept_activation_bytes
     from .runtime.measure import resident_bytes as resident_bytes
     from .runtime.measure import saved_tensor_bytes as saved_tensor_bytes
-    from .search.auto import AutoReport as AutoReport
     from .search.auto import auto as auto
     from .search.auto import search_plans as search_plans
+    from .search.report import AutoReport as AutoReport
 
 from .core import providers as _providers
 
@@ -124,7 +124,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "parse_bytes": ("costing.estimate", "parse_bytes"),
     "Hardware": ("costing.hardware", "Hardware"),
     "hardware": ("costing.hardware", "hardware"),
-    "AutoReport": ("search.auto", "AutoReport"),
+    "AutoReport": ("search.report", "AutoReport"),
     "auto": ("search.auto", "auto"),
     "search_plans": ("search.auto", "search_plans"),
     "MeshError": ("core.errors", "MeshError"),

@@ -21,7 +21,7 @@ import functional_shard as fs
 from functional_shard.core.quiet import captured
 from functional_shard.costing import activations, trace_counting
 from functional_shard.planning import rules
-from functional_shard.search.auto import _points, head_counts, repeated_block
+from functional_shard.search.candidates import Space, head_counts, points, repeated_block
 from functional_shard.zoo import CONFIGS, MLP, Block, Llama, LlamaConfig, llama
 
 _TRACES: dict = {}
@@ -248,10 +248,11 @@ def test_heads_and_blocks_are_read_from_the_model():
 
 def test_tp_stays_in_a_node_and_divides_the_heads():
     h100 = fs.hardware("h100")
-    sizes = {p.tp for p in _points(32, 32, h100, (32, 32), False)}
+    sizes = {p.tp for p in points(Space(devices=32, batch=32, hardware=h100, heads=(32, 32)))}
     assert sizes == {1, 2, 4, 8}  # 16 and 32 would leave a node of 8
-    assert {p.tp for p in _points(32, 32, h100, (32, 2), False)} == {1, 2}
-    assert {p.tp for p in _points(32, 4, h100, (32, 32), False)} == {8}  # dp = 4 divides the batch
+    assert {p.tp for p in points(Space(devices=32, batch=32, hardware=h100, heads=(32, 2)))} == {1, 2}
+    # dp = 4 divides the batch
+    assert {p.tp for p in points(Space(devices=32, batch=4, hardware=h100, heads=(32, 32)))} == {8}
 
 
 @pytest.mark.slow
@@ -265,7 +266,7 @@ def test_llama_70b_on_1024_devices_takes_seconds():
     assert all(c.rejected is None or not c.rejected.startswith("cannot trace") for c in report.candidates)
     # about 3.5 s (bench/auto_speed.py), up to 10 on the loaded 2-core machine
     assert first < 20, f"{first:.1f} s"
-    start = time.process_time()  # another budget reuses the traces
+    start = time.process_time()  # another budget: traced again (a search's traces are its own)
     fs.search_plans(model, devices=1024, memory_budget="40GiB", batch=1024, seq=8192)
     assert time.process_time() - start < 6
 
@@ -305,6 +306,35 @@ def test_a_candidate_that_cannot_be_traced_prints_nothing_and_keeps_its_reason(c
     with pytest.raises(RuntimeError), captured() as held, FakeTensorMode():
         torch.mm(torch.empty(8, 8), torch.empty(4, 8))
     assert any("failed while attempting to run meta for aten.mm" in line for line in held)
+
+
+def test_a_search_traces_each_key_once_keeps_a_failure_as_its_error_and_owns_its_traces():
+    from functional_shard.search.traces import TraceCache, TraceKey
+
+    model = Mismatch()
+    plan = fs.shard(model, fs.Mesh(dp=1), fs.replicate("dp"))
+    traces = TraceCache(model, seq=4)
+    failed = traces.trace(plan, TraceKey(1, False, "none", 2))
+    assert isinstance(failed, fs.ShardingError)
+    assert traces.trace(plan, TraceKey(1, False, "none", 2)) is failed  # not traced again
+    assert "a and b must have same reduction dim" in str(failed)
+    # every search traces for itself: nothing is left behind for the next one
+    calls = []
+    module = importlib.import_module("functional_shard.costing.estimate")
+    trace = module._trace
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs)
+        return trace(*args, **kwargs)
+
+    deep = Llama(LlamaConfig(num_layers=3)).to("meta")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(module, "_trace", counted)
+        fs.search_plans(deep, devices=2, memory_budget="1GiB", batch=2, seq=8)
+        once = len(calls)
+        fs.search_plans(deep, devices=2, memory_budget="2GiB", batch=2, seq=8)
+    assert once > 0
+    assert len(calls) == 2 * once
 
 
 def _moe(kind: str) -> nn.Module:

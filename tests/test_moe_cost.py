@@ -325,14 +325,13 @@ def test_the_search_tries_ep_sizes_dividing_the_experts_and_tp_inside_them():
 def test_the_search_traces_at_most_twice_what_it_does_without_experts(monkeypatch):
     import importlib
 
-    auto = importlib.import_module("functional_shard.search.auto")
+    candidates = importlib.import_module("functional_shard.search.candidates")
     model = tiny(4)
     calls = counting_traces(monkeypatch)
-    auto._TRACES.clear()
+    # each search traces afresh: its traces are its own
     fs.search_plans(model, devices=4, memory_budget="1GiB", batch=4, seq=8, hardware="h100")
     with_experts = calls[0]
-    monkeypatch.setattr(auto, "expert_count", lambda model, tree: 0)
-    auto._TRACES.clear()
+    monkeypatch.setattr(candidates, "expert_count", lambda model, tree: 0)
     fs.search_plans(model, devices=4, memory_budget="1GiB", batch=4, seq=8, hardware="h100")
     without = calls[0] - with_experts
     assert without < with_experts <= 2 * without  # one trace serves every ep size

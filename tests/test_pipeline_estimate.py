@@ -218,37 +218,34 @@ def test_the_searchs_shortcuts_for_pipelines_change_no_estimate(monkeypatch):
     # the search traces each unit of work once per (tp, checkpointing, micro-batch), the
     # checkpointed ones forward-only with the backward of the plan without checkpointing:
     # every pipeline candidate is what the same search gives tracing each with its backward
-    import importlib
-
-    from functional_shard.core.tree import read_model
     from functional_shard.costing.hardware import hardware
-    from functional_shard.zoo import Block, Llama, LlamaConfig
+    from functional_shard.search import candidates
+    from functional_shard.search.search import Search, SearchInputs
+    from functional_shard.search.traces import TraceCache
+    from functional_shard.zoo import Llama, LlamaConfig
 
-    auto = importlib.import_module("functional_shard.search.auto")  # fs.auto is the function
     model = Llama(LlamaConfig(num_layers=4)).to("meta")
-    tree = read_model(model)
-    units = auto._pipeline_units(tree)
+    facts = candidates.model_facts(model)
     hw = hardware("h100")
+    space = candidates.Space.of(facts, devices=4, batch=8, hardware=hw)
     points = [
         point
-        for point in auto._pipeline_points(4, 8, hw, auto.head_counts(model), len(units), True)
+        for point in candidates.pipeline_points(space, len(facts.units))
         if point.mesh["pp"] == 2 and (point.tp > 1) == (point.pipeline[0] == "1f1b")
     ]
     assert {(p.pipeline[0], p.tp) for p in points} == {("1f1b", 2), ("interleaved1f1b", 1)}
-    rules, _ = auto._rules(model)
+    inputs = SearchInputs(facts=facts, hardware=hw, optimizer="adamw", batch=8, seq=16, budget=0)
 
     def search() -> list:
-        found = auto._Search(model, hw, "adamw", 8, 16, Block, rules, "bfloat16", 0, tree, units)
-        found.traces = {}
-        return found.run(points)
+        return Search(inputs).run(points)  # a new search: traces afresh
 
     fast = search()
     assert {c.checkpointing for c in fast} == {"none", "selective", "full"}  # nothing fits 0 bytes
     monkeypatch.setattr(
-        auto._Search,
-        "_checkpointed_units",
-        lambda self, plan, how, micro, plain, trace: trace(
-            self.model, plan, batch=micro, seq=self.seq, stages=self.units
+        TraceCache,
+        "_checkpointed",
+        lambda self, plan, key, plain, trace: trace(
+            self.model, plan, batch=key.micro_batch, seq=self.seq, stages=self.units
         ),
     )
     slow = search()

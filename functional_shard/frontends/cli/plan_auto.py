@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from functional_shard.costing.estimate import Estimate
     from functional_shard.costing.hardware import Hardware
     from functional_shard.planning.plan import Plan
-    from functional_shard.search.auto import AutoReport, Candidate
+    from functional_shard.search.report import AutoReport, Candidate
 
 __all__ = ["search"]
 
@@ -72,7 +72,7 @@ def search(
 
 def _candidates_table(out: Out, report: AutoReport, top: int) -> None:
     """The search's candidates, those that fit first, fastest first (as ``AutoReport.table``)."""
-    from functional_shard.search.auto import step_text
+    from functional_shard.search.report import step_text
 
     def rows(candidates: tuple[Candidate, ...]) -> list[tuple[str, ...]]:
         return [

@@ -1,0 +1,369 @@
+"""The points the search tries: meshes, data-parallel families, tp, sp, ep and pipelines, as policies.
+
+What the model allows is read here too (its heads, repeated block, tensor-parallel rules and
+experts); `search` estimates the points, `auto` chooses among them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from functional_shard.core.errors import PolicyError, one_line
+from functional_shard.core.mesh import Mesh
+from functional_shard.core.tree import ModelTree, read_model
+from functional_shard.costing.hardware import Hardware
+from functional_shard.planning import policy as policies
+from functional_shard.planning.policy import ExpertParallel, Policy
+
+__all__ = ["PIPELINE_SCHEDULES", "expert_count", "head_counts", "repeated_block"]
+
+FAMILIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
+CHECKPOINTING = ("none", "selective", "full")
+MAX_PIPELINE = 16
+PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved1f1b", 2))
+"""What the search tries under pp: torchtitan's default and its interleaved variant."""
+
+
+def head_counts(model: Any) -> tuple[int, int] | None:
+    """(query heads, key/value heads) from a Hugging Face config, our zoo's config or modules.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> head_counts(llama("llama-70b"))
+        (64, 8)
+    """
+    config = getattr(model, "config", None)
+    if config is not None:
+        heads = getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", None)
+        kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None)
+        if isinstance(heads, int):
+            return heads, kv if isinstance(kv, int) else heads
+    if isinstance(model, nn.Module):
+        for module in model.modules():
+            heads = getattr(module, "num_heads", None)
+            if isinstance(heads, int):
+                kv = getattr(module, "num_key_value_heads", None) or getattr(module, "num_kv_heads", None)
+                return heads, kv if isinstance(kv, int) else heads
+            head_dim = getattr(module, "head_dim", None)
+            q, k = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
+            if isinstance(head_dim, int) and isinstance(q, nn.Linear) and isinstance(k, nn.Linear):
+                return q.out_features // head_dim, k.out_features // head_dim
+    return None
+
+
+def repeated_block(model: Any) -> type | None:
+    """The class of the blocks a model repeats (the elements of its largest ModuleList).
+
+    Examples:
+        >>> from functional_shard.zoo import Block, llama
+        >>> repeated_block(llama("tiny")) is Block
+        True
+    """
+    if not isinstance(model, nn.Module):
+        return None
+    best: nn.ModuleList | None = None
+    for module in model.modules():
+        if (
+            isinstance(module, nn.ModuleList)
+            and len(module) > 1
+            and (best is None or len(module) > len(best))
+        ):
+            best = module
+    return type(best[0]) if best is not None else None
+
+
+def tensor_parallel_rules(model: Any) -> tuple[Any, str | None]:
+    """The model's tensor-parallel rules, or None and why no rule set fits it."""
+    from functional_shard.planning import rules
+
+    try:
+        found = rules.for_model(model)
+    except PolicyError as error:  # e.g. mixture-of-experts layers: data parallelism only
+        return None, one_line(error, 240)
+    return found, None
+
+
+def expert_count(model: Any, tree: ModelTree) -> int:
+    """Experts per mixture-of-experts layer (dim 0 of its 3-D expert tensors); 0 for a dense model.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> from functional_shard.core.tree import read_model
+        >>> expert_count(llama("tiny"), read_model(llama("tiny")))
+        0
+    """
+    from functional_shard.core.tree import matches
+    from functional_shard.planning.hf import expert_patterns
+
+    try:
+        patterns = expert_patterns(model)
+    except (PolicyError, TypeError, AttributeError):
+        return 0
+    for path, tensor in tree.params.items():
+        if tensor.ndim == 3 and any(matches(pattern, path) for pattern in patterns):
+            return int(tensor.shape[0])
+    return 0
+
+
+def splits_experts(rules: Any, tree: ModelTree) -> bool:
+    """Whether the rules' tensor parallelism reaches inside the experts (apply runs it without sp)."""
+    return rules is not None and any(
+        tensor.ndim == 3 and (rule := rules.match(path)) is not None and rule.target != "replicate"
+        for path, tensor in tree.params.items()
+    )
+
+
+def checkpoint_options(block: type | None) -> tuple[str, ...]:
+    """The checkpointing the search tries: none without a repeated block to checkpoint."""
+    return ("none",) if block is None else CHECKPOINTING
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFacts:
+    """What the search reads of a model, once: its tensors, heads, repeated block, rules, experts."""
+
+    model: Any
+    tree: ModelTree
+    """The model's tensors and modules, read once for the many plans of the search."""
+    heads: tuple[int, int] | None
+    block: type | None
+    rules: Any
+    """Its tensor-parallel rules; None when no rule set fits it."""
+    no_tensor_parallel: str | None
+    """Why no rule set fits it (None when one does)."""
+    experts: int
+    expert_patterns: tuple[str, ...] | None
+    """The expert tensors' patterns, for ep (None for a dense model)."""
+    experts_split_by_tp: bool
+    units: tuple[tuple[str, ...], ...]
+    """The units of work a pipeline deals out to its stages; () without repeated blocks."""
+
+
+def model_facts(model: Any) -> ModelFacts:
+    """What the search needs to know of ``model``, read once.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> facts = model_facts(llama("tiny"))
+        >>> facts.heads, facts.experts, len(facts.units)
+        ((4, 2), 0, 4)
+    """
+    rules, no_tensor_parallel = tensor_parallel_rules(model)
+    tree = read_model(model)
+    experts = expert_count(model, tree)
+    patterns = None
+    if experts:
+        from functional_shard.planning.hf import expert_patterns
+
+        patterns = expert_patterns(model)
+    return ModelFacts(
+        model=model,
+        tree=tree,
+        heads=head_counts(model),
+        block=repeated_block(model),
+        rules=rules,
+        no_tensor_parallel=no_tensor_parallel,
+        experts=experts,
+        expert_patterns=patterns,
+        experts_split_by_tp=splits_experts(rules, tree),
+        units=pipeline_units(tree),
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Space:
+    """What the points depend on: the devices, the global batch, the hardware and the model."""
+
+    devices: int
+    batch: int
+    hardware: Hardware
+    heads: tuple[int, int] | None
+    """(query heads, key/value heads): a tensor-parallel size divides both."""
+    tensor_parallel: bool = True
+    """False when no rule set fits the model: data parallelism only."""
+    experts: int = 0
+    """Experts per layer: expert-parallel sizes divide it (0: a dense model)."""
+    experts_split_by_tp: bool = False
+    """Whether tp reaches inside the experts: then without sequence parallelism."""
+
+    @classmethod
+    def of(cls, facts: ModelFacts, *, devices: int, batch: int, hardware: Hardware) -> Space:
+        """The space for the model ``facts`` describes."""
+        return cls(
+            devices=devices,
+            batch=batch,
+            hardware=hardware,
+            heads=facts.heads,
+            tensor_parallel=facts.rules is not None,
+            experts=facts.experts,
+            experts_split_by_tp=facts.experts_split_by_tp,
+        )
+
+    def tensor_parallel_sizes(self, ranks: int) -> Iterator[int]:
+        """The tp sizes for ``ranks`` devices: inside one node, dividing the heads (1 always)."""
+        heads = self.heads
+        for size in _divisors(ranks):
+            if size == 1 or (
+                self.tensor_parallel
+                and size <= self.hardware.devices_per_node
+                and not (heads and (heads[0] % size or heads[1] % size))
+            ):
+                yield size
+
+
+@dataclass(frozen=True)
+class Point:
+    """One point of the space: a mesh and what runs on it, before checkpointing is chosen."""
+
+    mesh: Mesh
+    family: str
+    tp: int
+    sp: bool
+    offload: bool
+    pipeline: tuple[str, int, int] | None = None
+    ep: int = 1
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel ranks (every rank of the mesh outside tp and pp)."""
+        pp = self.mesh["pp"] if "pp" in self.mesh else 1  # noqa: SIM401 - a Mesh has no .get
+        return self.mesh.size // self.tp // pp
+
+
+def points(space: Space, *, offload: bool = False) -> Iterator[Point]:
+    """The points without pipelines: ``dp x tp`` meshes, each data-parallel family, sp and ep."""
+    for tp_size in space.tensor_parallel_sizes(space.devices):
+        dp = space.devices // tp_size
+        if space.batch % dp:
+            continue
+        tp_axes = {"tp": tp_size} if tp_size > 1 else {}
+        for sp in (False, True) if tp_size > 1 and not space.experts_split_by_tp else (False,):
+            families = ("ddp",) if dp == 1 else FAMILIES
+            for family in families:
+                if offload and family not in ("zero2", "fsdp", "hsdp"):
+                    continue
+                if family == "hsdp":
+                    for shard_size in _divisors(dp)[1:-1]:
+                        mesh = Mesh(replicate=dp // shard_size, shard=shard_size, **tp_axes)
+                        yield Point(mesh, family, tp_size, sp, offload)
+                else:
+                    yield Point(Mesh(dp=dp, **tp_axes), family, tp_size, sp, offload)
+        if tp_size == 1 and dp > 1 and not offload:
+            # expert parallelism borrows its axis from the data-parallel ranks, as torchtitan
+            # does: dense tensors FSDP-sharded over all of them, experts over the rest. (apply
+            # splits an experts module one way: with tp it would reach inside them too)
+            for ep_size in _divisors(space.experts)[1:]:
+                if dp % ep_size == 0:
+                    yield Point(Mesh(dp=dp // ep_size, ep=ep_size), "fsdp", 1, False, False, ep=ep_size)
+
+
+def pipeline_points(space: Space, units: int) -> Iterator[Point]:
+    """The pipelines: ``pp x dp x tp`` meshes for ``units`` units of work, FSDP over dp."""
+    # torchtitan's layout (pp outermost, then FSDP, tensor parallel within a node with
+    # sequence parallel). Micro-batches: as many as the batch allows, up to 8 per stage
+    # (the bubble of 1F1B is then under a tenth of the step); pipelines of up to 16 ranks,
+    # as torchtitan and Megatron run 405B-class models
+    from functional_shard.planning.schedules import check_pipeline
+
+    for pp in _divisors(space.devices)[1:]:
+        if pp > MAX_PIPELINE:
+            break
+        for tp_size in space.tensor_parallel_sizes(space.devices // pp):
+            dp = space.devices // (pp * tp_size)
+            if space.batch % dp:
+                continue
+            local = space.batch // dp
+            for schedule, per_rank in PIPELINE_SCHEDULES:
+                if pp * per_rank > units:
+                    continue
+                microbatches = max(m for m in _divisors(local) if m <= 8 * pp * per_rank)
+                try:
+                    check_pipeline(schedule, pp, per_rank, microbatches)
+                except PolicyError:
+                    continue
+                mesh = Mesh(pp=pp, dp=dp, **({"tp": tp_size} if tp_size > 1 else {}))
+                yield Point(mesh, "fsdp", tp_size, tp_size > 1, False, (schedule, per_rank, microbatches))
+
+
+def pipeline_units(tree: ModelTree) -> tuple[tuple[str, ...], ...]:
+    """Each unit of work torchtitan's cut deals out (embedding, each block, norm + head); () if none."""
+    from functional_shard.planning.stages import _outer, split_stages
+
+    before, blocks, after = _outer(tree)
+    if not blocks:
+        return ()
+    return split_stages(tree, bool(before) + len(blocks) + bool(after))
+
+
+def _data_parallel(family: str) -> Policy:
+    """The policy of one of FAMILIES, over the axes `points` gives its meshes."""
+    match family:
+        case "ddp":
+            return policies.replicate("dp")
+        case "zero1":
+            return policies.zero(1, "dp")
+        case "zero2":
+            return policies.zero(2, "dp")
+        case "hsdp":
+            return policies.hsdp("replicate", "shard")
+    return policies.fsdp("dp")
+
+
+@dataclass(frozen=True)
+class Policies:
+    """What turns a point into its policy: the model's rules, block and experts, and the dtype."""
+
+    facts: ModelFacts
+    dtype: str | None
+    """The mixed-precision dtype; None: fp32."""
+
+    def of(self, point: Point, how: str) -> Policy:
+        """The policy of ``point`` with ``how`` checkpointing of the repeated block."""
+        if point.ep > 1:
+            policy = policies.fsdp(("dp", "ep")) + policies.ep("ep", experts=self.facts.expert_patterns)
+        else:
+            policy = _data_parallel(point.family)
+        if point.pipeline is not None:
+            schedule, per_rank, microbatches = point.pipeline
+            pipe = policies.pipeline(
+                "pp", microbatches=microbatches, schedule=schedule, stages_per_rank=per_rank
+            )
+            policy = pipe + policy
+        if point.tp > 1:
+            policy = policy + policies.tp(self.facts.rules, "tp", sequence_parallel=point.sp)
+        if self.dtype:
+            policy = policy + policies.mixed_precision(self.dtype)
+        if how != "none" and self.facts.block is not None:
+            policy = policy + policies.checkpointing(self.facts.block, policy=how)
+        if point.offload:
+            policy = policy + policies.offload()
+        return policy
+
+
+def policy_text(policy: Policy) -> str:
+    """The policy as the report shows it: its text form, ep's expert patterns left out."""
+    # ep's expert patterns are what ep(axis) finds in the model again
+    layers = tuple(
+        dataclasses.replace(layer, experts=None) if isinstance(layer, ExpertParallel) else layer
+        for layer in policy.layers
+    )
+    policy = Policy(layers, policy.options)
+    try:
+        from functional_shard.planning.policy_text import format_policy
+
+        return format_policy(policy)
+    except Exception:  # a policy the text form cannot spell: fall back to layer names
+        pipe = policy.pipeline
+        if pipe is not None:  # until the text form spells pipelines: the rest spelled out
+            rest = Policy(tuple(layer for layer in policy.layers if layer is not pipe), policy.options)
+            return f"{pipe.name} + {policy_text(rest)}"
+        return " + ".join(layer.name for layer in policy.layers)

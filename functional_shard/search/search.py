@@ -1,0 +1,187 @@
+"""Running the search's points: each planned, costed, traced (through its `TraceCache`) and estimated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from functional_shard.core.errors import ShardingError, one_line
+from functional_shard.core.units import format_bytes as _bytes
+from functional_shard.costing.cost import OptimizerKind, cost
+from functional_shard.costing.estimate import _assemble
+from functional_shard.costing.hardware import Hardware
+from functional_shard.costing.step_model import Estimate, compute_dtype, unit_gathered_bytes
+from functional_shard.planning.plan import Plan
+from functional_shard.planning.planner import shard, with_expert_top_k
+from functional_shard.planning.policy import Policy
+
+from .candidates import ModelFacts, Point, Policies, checkpoint_options, policy_text
+from .report import Candidate
+from .traces import TraceCache, TraceKey
+
+__all__ = ["Search", "SearchInputs"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchInputs:
+    """What a search estimates its points for: the model, the hardware, the step and the budget."""
+
+    facts: ModelFacts
+    """What the search read of the model."""
+    hardware: Hardware
+    optimizer: OptimizerKind
+    batch: int
+    """The global batch, in sequences per step."""
+    seq: int
+    budget: int
+    """Bytes per device a candidate's peak must fit."""
+
+
+def _candidate(point: Point, how: str, policy: Policy, **outcome: Any) -> Candidate:
+    return Candidate(
+        point.mesh,
+        point.family,
+        point.tp,
+        point.sp,
+        how,
+        point.offload,
+        policy_text(policy),
+        pipeline=point.pipeline,
+        expert_parallel=point.ep,
+        **outcome,
+    )
+
+
+class Search:
+    """Estimates points into candidates for one model, sharing traces between them.
+
+    Examples:
+        >>> from functional_shard.search.candidates import Point, model_facts
+        >>> from functional_shard.zoo import llama
+        >>> inputs = SearchInputs(
+        ...     facts=model_facts(llama("tiny")), hardware=fs.hardware("h100"), optimizer="adamw",
+        ...     batch=2, seq=16, budget=2**30,
+        ... )
+        >>> [c.checkpointing for c in Search(inputs).run([Point(fs.Mesh(dp=1), "ddp", 1, False, False)])]
+        ['none', 'selective', 'full']
+    """
+
+    def __init__(self, inputs: SearchInputs) -> None:
+        self.inputs = inputs
+        facts = inputs.facts
+        # bf16 mixed precision where the hardware has a bf16 rate
+        self.policies = Policies(facts, "bfloat16" if "bfloat16" in inputs.hardware.flops else None)
+        checkpointed: tuple[str, ...] = ()  # the modules fs.checkpointing(block) selects, as the planner does
+        if facts.block is not None and isinstance(facts.model, nn.Module):
+            checkpointed = tuple(
+                p for p, m in facts.model.named_modules() if p and isinstance(m, facts.block)
+            )
+        self.checkpointed = checkpointed
+        self.traces = TraceCache(facts.model, seq=inputs.seq, checkpointed=checkpointed, units=facts.units)
+
+    def run(self, points: list[Point]) -> list[Candidate]:
+        """Each point's candidates: one per checkpointing (a pipeline's until one fits)."""
+        out: list[Candidate] = []
+        for point in points:
+            out += self._run_pipeline(point) if point.pipeline is not None else self._run_flat(point)
+        return out
+
+    def final_plan(self, candidate: Candidate) -> Plan:
+        """The plan of ``candidate``, planned from the model itself."""
+        point = Point(
+            candidate.mesh,
+            candidate.family,
+            candidate.tensor_parallel,
+            candidate.sequence_parallel,
+            candidate.offload,
+            candidate.pipeline,
+            candidate.expert_parallel,
+        )
+        return shard(self.inputs.facts.model, point.mesh, self.policies.of(point, candidate.checkpointing))
+
+    def _estimated(self, point: Point, how: str, estimate: Estimate) -> Candidate:
+        over = estimate.peak_bytes - self.inputs.budget
+        return _candidate(
+            point,
+            how,
+            self.policies.of(point, how),
+            peak_bytes=estimate.peak_bytes,
+            step_seconds=estimate.step_seconds,
+            rejected=None if over <= 0 else f"needs {_bytes(over)} more",
+            estimate=estimate,
+        )
+
+    def _failed(self, point: Point, how: str, error: Exception, what: str) -> Candidate:
+        policy = self.policies.of(point, how)
+        return _candidate(point, how, policy, rejected=f"cannot {what}: {one_line(error, 160)}")
+
+    def _run_flat(self, point: Point) -> list[Candidate]:
+        inputs = self.inputs
+        try:  # planned from the tree, read once; what only the model says (experts per token) added
+            plan = with_expert_top_k(
+                shard(inputs.facts.tree, point.mesh, self.policies.of(point, "none")), inputs.facts.model
+            )
+        except ShardingError as error:
+            return [self._failed(point, "none", error, "plan")]
+        micro = inputs.batch // point.dp
+        plan_cost = cost(plan, inputs.optimizer, tokens=micro * inputs.seq)
+        units = unit_gathered_bytes(plan)
+        out = []
+        for how in checkpoint_options(inputs.facts.block):
+            key = TraceKey(point.tp, point.sp, how, micro, expert_parallel=point.ep > 1)
+            trace = self.traces.trace(plan, key)
+            if isinstance(trace, Exception):
+                out.append(self._failed(point, how, trace, "trace"))
+                continue
+            estimate = _assemble(
+                plan,
+                plan_cost,
+                trace=trace,
+                hw=inputs.hardware,
+                dtype=compute_dtype(plan),
+                batch=micro,
+                seq=inputs.seq,
+                units=units,
+                checkpointed=self.checkpointed if how != "none" else (),
+            )
+            out.append(self._estimated(point, how, estimate))
+        return out
+
+    def _run_pipeline(self, point: Point) -> list[Candidate]:
+        from functional_shard.costing.activations import regroup
+        from functional_shard.costing.pipeline_estimate import pipeline_assemble, stage_costs
+
+        inputs = self.inputs
+        try:
+            plan = shard(inputs.facts.tree, point.mesh, self.policies.of(point, "none"))
+        except ShardingError as error:
+            return [self._failed(point, "none", error, "plan")]
+        unit_of = {module: index for index, unit in enumerate(inputs.facts.units) for module in unit}
+        groups = [sorted({unit_of[m] for m in stage}) for stage in plan.config.pipeline_stages]
+        local = inputs.batch // point.dp
+        costs = stage_costs(plan, inputs.optimizer, local * inputs.seq)
+        units = unit_gathered_bytes(plan)
+        micro = local // plan.config.microbatches
+        out: list[Candidate] = []
+        for how in checkpoint_options(inputs.facts.block):
+            if out and out[-1].fits:
+                break  # checkpointing more only adds recomputation
+            trace = self.traces.trace(plan, TraceKey(point.tp, point.sp, how, micro, by_unit=True))
+            if isinstance(trace, Exception):
+                out.append(self._failed(point, how, trace, "trace"))
+                continue
+            estimate = pipeline_assemble(
+                self.traces.with_checkpointing(plan, how),
+                regroup(trace, groups),
+                hw=inputs.hardware,
+                dtype=compute_dtype(plan),
+                batch=local,
+                seq=inputs.seq,
+                optimizer=inputs.optimizer,
+                units=units,
+                costs=costs,
+            )
+            out.append(self._estimated(point, how, estimate))
+        return out
