@@ -12,7 +12,7 @@ sequence. Checkpointed modules run under torch's own (non-reentrant) checkpoint,
 What counts as kept: every storage made during the forward (and the inputs) that is still
 alive once the forward has returned and the caller holds only the output, parameters and
 their casts excluded. That is what autograd's graph and checkpoint frames hold on to
-until backward; `functional_shard.runtime.measure.saved_activation_bytes` counts the same thing
+until backward; `functional_shard.runtime.measure.kept_activation_bytes` counts the same thing
 in real runs. Hugging Face models are called with ``use_cache=False``; their attention
 implementation is the one the config names (``"sdpa"`` and ``"eager"`` both trace;
 ``"flex_attention"`` is refused: torch has no flex attention backward on CPU).

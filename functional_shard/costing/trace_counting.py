@@ -71,10 +71,10 @@ class Births(TorchDispatchMode):
         self.owner[ref] = self.running[-1] if self.running else -1
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        from torch.distributed.tensor import DTensor
-
         if (device := _device_query(func, args)) is not None:
             return device
+        from torch.distributed.tensor import DTensor
+
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor runs it as local ops, which come back through here
         out = func(*args, **(kwargs or {}))
