@@ -25,7 +25,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import functional_shard as fs
-from functional_shard.costing.activations import _repeats, trace_activations
+from functional_shard.costing.activations import trace_activations
+from functional_shard.costing.trace_repeats import repeated_layers
 from functional_shard.runtime.engines.activation_checkpointing import apply_checkpointing
 from functional_shard.zoo import Block, Llama, LlamaConfig, llama
 
@@ -149,9 +150,12 @@ def test_repeated_layers_are_traced_twice_and_extrapolated_exactly():
     model = llama("tiny")  # 2 layers: too few to extrapolate, traced whole
     deep = Llama(LlamaConfig(num_layers=6)).to("meta")
     plan = fs.shard(deep, fs.Mesh(dp=1), fs.replicate() + fs.checkpointing(Block, policy="selective"))
-    assert _repeats(deep, plan, dict(deep.named_parameters())) == [tuple(f"layers.{i}" for i in range(6))]
+    assert repeated_layers(deep, plan, dict(deep.named_parameters())) == [
+        tuple(f"layers.{i}" for i in range(6))
+    ]
     assert (
-        _repeats(model, fs.shard(model, fs.Mesh(dp=1), fs.replicate()), dict(model.named_parameters())) == []
+        repeated_layers(model, fs.shard(model, fs.Mesh(dp=1), fs.replicate()), dict(model.named_parameters()))
+        == []
     )
     # a 6-layer trace equals 2 layers plus 4 times what one more layer adds, measured for real
     real = Llama(LlamaConfig(num_layers=6))
@@ -174,7 +178,9 @@ class Levels(nn.Module):
 def test_alike_layers_that_see_other_shapes_are_all_traced():
     model = Levels()
     plan = fs.shard(model, fs.Mesh(dp=1), fs.replicate())
-    assert _repeats(model, plan, dict(model.named_parameters())) == [("blocks.0", "blocks.1", "blocks.2")]
+    assert repeated_layers(model, plan, dict(model.named_parameters())) == [
+        ("blocks.0", "blocks.1", "blocks.2")
+    ]
     x = torch.randn(8, 8)
     kept, _ = fs.kept_activation_bytes(model, x)
     assert trace_activations(model, plan, batch=8, seq=1, inputs=x.to("meta")).activation_bytes == kept

@@ -400,7 +400,7 @@ def test_the_shortcuts_of_a_search_trace_give_what_tracing_every_layer_gives(tp,
     plan = fs.shard(_DEEP, fs.Mesh(dp=2, tp=tp) if tp > 1 else fs.Mesh(dp=2), policy)
     fast = activations.trace_activations(_DEEP, plan, batch=micro, seq=seq, rank=rank)
     with pytest.MonkeyPatch.context() as slow:
-        slow.setattr(activations, "_repeats", lambda *args: [])
+        slow.setattr(activations, "repeated_layers", lambda *args: [])
         slow.setattr(trace_counting, "_DEVICE", object())
         whole = activations.trace_activations(_DEEP, plan, batch=micro, seq=seq, rank=rank)
     assert fast == whole

@@ -34,6 +34,7 @@ import torch
 __all__ = ["ATTENTION_BACKWARD", "ATTENTION_FORWARD", "attention_backward", "attention_forward", "op_flops"]
 
 _aten = torch.ops.aten
+_Formula = Callable[..., int]
 
 
 def _shape(tensor: Any) -> tuple[int, ...]:
@@ -82,14 +83,14 @@ def _lengths(offsets: Any, longest: Any) -> list[int]:
     return [int(n) for n in offsets.diff().tolist()]
 
 
-def _varlen_shapes(
-    query: Any, key: Any, value: Any, cum_q: Any, cum_k: Any, max_q: Any, max_k: Any
-) -> list[Any]:
+def _varlen_shapes(query: Any, key: Any, value: Any, lengths: Sequence[Any]) -> list[Any]:
     # The lower-level flash/efficient kernels take (batch, seq, heads, dim), or sequences
-    # packed along one dim with cumulative offsets. torch's own unpacking
+    # packed along one dim with cumulative offsets (``lengths``: the query's and key's
+    # offsets, then their longest lengths). torch's own unpacking
     # (flop_counter._unpack_flash_attention_nested_shapes, 2.13) hands the unpacked case's
     # (batch, seq, heads, dim) on as if it were (batch, heads, seq, dim), swapping heads
     # and sequence: the shapes are rebuilt here.
+    cum_q, cum_k, max_q, max_k = lengths
     q, k, v = _shape(query), _shape(key), _shape(value)
     if cum_q is None:
 
@@ -104,71 +105,22 @@ def _varlen_shapes(
     ]
 
 
-def _flash_forward(
-    query: Any,
-    key: Any,
-    value: Any,
-    cum_q: Any,
-    cum_k: Any,
-    max_q: Any,
-    max_k: Any,
-    *args: Any,
-    **kwargs: Any,
-) -> int:
-    return sum(attention_forward(*s) for s in _varlen_shapes(query, key, value, cum_q, cum_k, max_q, max_k))
+def _varlen(
+    formula: Callable[[Sequence[int], Sequence[int], Sequence[int]], int], query_at: int, lengths_at: int
+) -> _Formula:
+    """The flops formula of a lower-level flash or memory-efficient kernel, forward or backward.
 
+    Its schema has ``query, key, value`` at ``query_at`` and the query's and key's offsets
+    and longest lengths (``cum_seq_q, cum_seq_k, max_q, max_k``) at ``lengths_at``; the
+    other arguments (biases, outputs, dropout) do not change the flops.
+    """
 
-def _efficient_forward(
-    query: Any,
-    key: Any,
-    value: Any,
-    bias: Any,
-    cum_q: Any,
-    cum_k: Any,
-    max_q: Any,
-    max_k: Any,
-    *args: Any,
-    **kwargs: Any,
-) -> int:
-    return sum(attention_forward(*s) for s in _varlen_shapes(query, key, value, cum_q, cum_k, max_q, max_k))
+    def count(*args: Any, **kwargs: Any) -> int:
+        query, key, value = args[query_at : query_at + 3]
+        lengths = args[lengths_at : lengths_at + 4]
+        return sum(formula(*shapes) for shapes in _varlen_shapes(query, key, value, lengths))
 
-
-def _flash_backward(
-    grad_out: Any,
-    query: Any,
-    key: Any,
-    value: Any,
-    out: Any,
-    lse: Any,
-    cum_q: Any,
-    cum_k: Any,
-    max_q: Any,
-    max_k: Any,
-    *args: Any,
-    **kwargs: Any,
-) -> int:
-    return sum(attention_backward(*s) for s in _varlen_shapes(query, key, value, cum_q, cum_k, max_q, max_k))
-
-
-def _efficient_backward(
-    grad_out: Any,
-    query: Any,
-    key: Any,
-    value: Any,
-    bias: Any,
-    out: Any,
-    cum_q: Any,
-    cum_k: Any,
-    max_q: Any,
-    max_k: Any,
-    *args: Any,
-    **kwargs: Any,
-) -> int:
-    return sum(attention_backward(*s) for s in _varlen_shapes(query, key, value, cum_q, cum_k, max_q, max_k))
-
-
-def _flash_forward_inplace(out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
-    return _flash_forward(query, key, value, *args, **kwargs)
+    return count
 
 
 def _flex_backward(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
@@ -178,8 +130,6 @@ def _flex_backward(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) 
 def _packets(names: Sequence[str]) -> list[Any]:
     return [packet for name in names if (packet := getattr(_aten, name, None)) is not None]
 
-
-_Formula = Callable[..., int]
 
 ATTENTION_FORWARD: dict[Any, _Formula] = {
     **dict.fromkeys(
@@ -194,9 +144,14 @@ ATTENTION_FORWARD: dict[Any, _Formula] = {
         ),
         _bhsd_forward,
     ),
-    **dict.fromkeys(_packets(("_flash_attention_forward",)), _flash_forward),
-    **dict.fromkeys(_packets(("_flash_attention_forward_no_dropout_inplace",)), _flash_forward_inplace),
-    **dict.fromkeys(_packets(("_efficient_attention_forward",)), _efficient_forward),
+    # (query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, ...)
+    **dict.fromkeys(_packets(("_flash_attention_forward",)), _varlen(attention_forward, 0, 3)),
+    # (out, query, key, value, cum_seq_q, ...)
+    **dict.fromkeys(
+        _packets(("_flash_attention_forward_no_dropout_inplace",)), _varlen(attention_forward, 1, 4)
+    ),
+    # (query, key, value, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)
+    **dict.fromkeys(_packets(("_efficient_attention_forward",)), _varlen(attention_forward, 0, 4)),
 }
 """Attention forward ops (``OpOverloadPacket`` or higher-order operator) -> flops formula."""
 
@@ -213,8 +168,10 @@ ATTENTION_BACKWARD: dict[Any, _Formula] = {
         ),
         _bhsd_backward,
     ),
-    **dict.fromkeys(_packets(("_flash_attention_backward",)), _flash_backward),
-    **dict.fromkeys(_packets(("_efficient_attention_backward",)), _efficient_backward),
+    # (grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, ...)
+    **dict.fromkeys(_packets(("_flash_attention_backward",)), _varlen(attention_backward, 1, 6)),
+    # (grad_out, query, key, value, bias, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ...)
+    **dict.fromkeys(_packets(("_efficient_attention_backward",)), _varlen(attention_backward, 1, 6)),
 }
 """Attention backward ops -> flops formula (twice the forward's)."""
 

@@ -10,16 +10,13 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-if TYPE_CHECKING:
-    from .trace_counting import Flops
-
-__all__ = ["SAVED_OPS", "checkpointed", "selective_context"]
+__all__ = ["SAVED_OPS", "RecomputeCounter", "checkpointed", "selective_context"]
 
 _aten = torch.ops.aten
 # Op-level selective checkpointing keeps the outputs of matrix multiplies and attention
@@ -48,6 +45,18 @@ SAVED_OPS = frozenset(
 )
 
 
+class RecomputeCounter(Protocol):
+    """What `checkpointed` reads and moves on the flop counter (`trace_counting.Flops` is one).
+
+    Said here, not imported: `trace_counting` counts `SAVED_OPS`, so it sits above this module.
+    """
+
+    backward: bool  # the backward is running (checkpoint's recompute runs inside it)
+    checkpointed: int  # how deep inside checkpointed forwards the forward is
+    inside: dict[str, int]  # forward flops inside them: "all", and "saved" (SAVED_OPS')
+    rerun: int  # of those, the flops up to each call's last saved tensor (what recompute runs)
+
+
 def _selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -68,7 +77,9 @@ def selective_context() -> tuple[Any, Any]:
 
 
 @contextlib.contextmanager
-def checkpointed(model: nn.Module, paths: tuple[str, ...], policy: str, flops: Flops) -> Iterator[None]:
+def checkpointed(
+    model: nn.Module, paths: tuple[str, ...], policy: str, flops: RecomputeCounter
+) -> Iterator[None]:
     """Within the block, the modules at ``paths`` run under torch's checkpoint, as apply runs them."""
     # wrap each module's forward in torch's checkpoint for the trace, and put it back after;
     # ``flops`` learns when a checkpointed forward runs (recompute calls the inner one)
@@ -98,7 +109,7 @@ def checkpointed(model: nn.Module, paths: tuple[str, ...], policy: str, flops: F
             del module.forward
 
 
-def _saves_noted(inner: Any, flops: Flops, *args: Any, **kwargs: Any) -> Any:
+def _saves_noted(inner: Any, flops: RecomputeCounter, *args: Any, **kwargs: Any) -> Any:
     # Inside checkpoint's forward its own saved-tensor hooks are on top: wrapped, each
     # tensor it packs notes the flops counted so far (an op's flops are counted before
     # autograd saves its tensors), and is packed by checkpoint as before

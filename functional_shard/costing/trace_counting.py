@@ -4,8 +4,8 @@
 modes: `Births` notes every storage an op makes, so that what is still alive after the
 forward (what autograd and checkpoint frames keep) can be summed by `kept_bytes`;
 `Flops` counts matmul and attention flops (`functional_shard.costing.flops`' formulas), split into
-forward, backward, recompute and weight-gradient work. `functional_shard.runtime.measure` sums
-real runs' kept storages with the same `kept_bytes`.
+forward, backward, recompute and weight-gradient work. `functional_shard.runtime.measure` watches
+real runs with the same `Births` and sums what they keep with the same `kept_bytes`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .flops import op_flops
 from .trace_checkpointing import SAVED_OPS
 
 __all__ = ["Births", "Flops", "kept_bytes", "kept_bytes_by_owner", "storage_key"]
@@ -40,18 +41,30 @@ def _device_query(func: Any, args: Any) -> torch.device | None:
 
 
 class Births(TorchDispatchMode):
-    """Weak references to the storage of every tensor an op makes."""
+    """Weak references to the storage of every tensor an op makes (a DTensor's local one).
+
+    What a trace on fake tensors and `functional_shard.runtime.measure.kept_activation_bytes`
+    on real ranks both watch: the storages still alive after a forward are what it keeps.
+    ``owner`` says which pipeline stage's module ran when each storage was made (-1: none),
+    from ``running``, the stack of stages a trace pushes and pops at module edges.
+
+    Examples:
+        >>> births = Births()
+        >>> with births:
+        ...     kept = torch.ones(3) * 2
+        >>> kept_bytes(births.storages, set())
+        12
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.storages: dict[StorageWeakRef, None] = {}
-        # the pipeline stage whose module ran when each storage was made (-1: none)
         self.owner: dict[StorageWeakRef, int] = {}
         self.running: list[int] = []
 
     def note(self, tensor: torch.Tensor) -> None:
         """Record ``tensor``'s storage as born now, under the running stage."""
-        ref = StorageWeakRef(tensor.untyped_storage())
+        ref = storage_key(tensor)
         # a dead storage's address may be reused: the dict must hold the live one's reference
         self.storages.pop(ref, None)
         self.storages[ref] = None
@@ -60,6 +73,10 @@ class Births(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if (device := _device_query(func, args)) is not None:
             return device
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor runs it as local ops, which come back through here
         out = func(*args, **(kwargs or {}))
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
@@ -112,8 +129,6 @@ class Flops(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if (device := _device_query(func, args)) is not None:
             return device
-        from .flops import op_flops
-
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if (

@@ -21,13 +21,13 @@ nothing): its bytes and time are the cost model's (`functional_shard.costing.exp
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
-from torch import nn
+from torch import Tensor, nn
 
 from .routing import expert_loads, routed_experts
 
@@ -65,44 +65,44 @@ def _run_local(module: Any, rows: torch.Tensor, loads: list[int], gate_up: Any, 
     return out
 
 
-def _dispatched(
-    module: Any,
-    ep: int,
-    ep_index: int,
-    imbalance: float,
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-) -> torch.Tensor:
-    gate_up, down = module.gate_up_proj, module.down_proj
-    local = gate_up.shape[0]
-    tokens, top_k = top_k_index.shape
-    loads = expert_loads(tokens, top_k, local * ep, imbalance)
-    received = [ep * load for load in loads[ep_index * local : (ep_index + 1) * local]]
-    order = torch.argsort(top_k_index.reshape(-1), stable=True)
-    token = order // top_k
-    arrived = _Exchange.apply(hidden_states[token].contiguous(), sum(received))
-    done = _tie(_run_local(module, arrived, received, gate_up, down), arrived, gate_up, down)
-    back = _Exchange.apply(done, tokens * top_k)
-    weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(1).to(back.dtype)
-    return torch.zeros_like(hidden_states).index_add(0, token, weighted.to(hidden_states.dtype))
+@dataclass(frozen=True, slots=True)
+class _SplitExperts:
+    """An experts module the plan splits, as one rank runs it: ``forward`` stands in for its own.
 
+    ``dispatched`` (expert parallel, the module among the plan's ``expert_modules``): ``ep``
+    ranks hold its experts whole, this rank the ``ep_index``-th ``E / ep`` of them; else
+    tensor parallel splits inside each expert, and ``ep`` is 1.
+    """
 
-def _tensor_parallel(
-    module: Any,
-    imbalance: float,
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-) -> torch.Tensor:
-    gate_up, down = module.gate_up_proj, module.down_proj
-    tokens, top_k = top_k_index.shape
-    loads = expert_loads(tokens, top_k, gate_up.shape[0], imbalance)
-    token = torch.arange(tokens, device=hidden_states.device).repeat_interleave(top_k)
-    y = _run_local(module, hidden_states[token], loads, gate_up, down)
-    y = y * top_k_weights.reshape(-1, 1).to(y.dtype)
-    out = _tie(torch.zeros_like(hidden_states).index_add(0, token, y.to(hidden_states.dtype)), gate_up, down)
-    return _Exchange.apply(out, tokens)  # the partial sums all-reduced
+    module: Any
+    imbalance: float
+    dispatched: bool
+    ep: int = 1
+    ep_index: int = 0
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """The engine's forward for the router's picks, its experts' loads by `expert_loads`."""
+        gate_up, down = self.module.gate_up_proj, self.module.down_proj
+        tokens, top_k = top_k_index.shape
+        local = gate_up.shape[0]
+        loads = expert_loads(tokens, top_k, local * self.ep, self.imbalance)
+        if not self.dispatched:  # every token copy through this rank's slice of each expert
+            token = torch.arange(tokens, device=hidden_states.device).repeat_interleave(top_k)
+            y = _run_local(self.module, hidden_states[token], loads, gate_up, down)
+            y = y * top_k_weights.reshape(-1, 1).to(y.dtype)
+            out = _tie(
+                torch.zeros_like(hidden_states).index_add(0, token, y.to(hidden_states.dtype)), gate_up, down
+            )
+            return _Exchange.apply(out, tokens)  # the partial sums all-reduced
+        # the copies sorted by expert, sent to the ranks holding theirs, run there and sent back
+        received = [self.ep * load for load in loads[self.ep_index * local : (self.ep_index + 1) * local]]
+        order = torch.argsort(top_k_index.reshape(-1), stable=True)
+        token = order // top_k
+        arrived = _Exchange.apply(hidden_states[token].contiguous(), sum(received))
+        done = _tie(_run_local(self.module, arrived, received, gate_up, down), arrived, gate_up, down)
+        back = _Exchange.apply(done, tokens * top_k)
+        weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(1).to(back.dtype)
+        return torch.zeros_like(hidden_states).index_add(0, token, weighted.to(hidden_states.dtype))
 
 
 @contextlib.contextmanager
@@ -136,10 +136,10 @@ def rank_experts(
                 continue
             replaced.append((module, module.__dict__.get("forward")))
             if path in dispatched:
-                forward = functools.partial(_dispatched, module, ep, ep_index, imbalance)
+                split_experts = _SplitExperts(module, imbalance, dispatched=True, ep=ep, ep_index=ep_index)
             else:
-                forward = functools.partial(_tensor_parallel, module, imbalance)
-            module.forward = forward  # type: ignore[method-assign]
+                split_experts = _SplitExperts(module, imbalance, dispatched=False)
+            module.forward = split_experts.forward  # type: ignore[method-assign]
         whole = [module for path, module in modules.items() if path not in dispatched | split]
         with routed_experts(whole, imbalance):
             yield

@@ -316,31 +316,6 @@ def saved_tensor_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) -> tu
     return sum(storage.nbytes() for storage in saved.values()), output
 
 
-class _Births(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.storages: dict[Any, None] = {}
-
-    def note(self, tensor: torch.Tensor) -> None:
-        from torch.multiprocessing.reductions import StorageWeakRef
-
-        ref = StorageWeakRef(_local(tensor).untyped_storage())
-        # a dead storage's address may be reused: the dict must hold the live one's reference
-        self.storages.pop(ref, None)
-        self.storages[ref] = None
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        from torch.distributed.tensor import DTensor
-
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented  # DTensor runs it as local ops, which come back through here
-        out = func(*args, **(kwargs or {}))
-        for leaf in torch.utils._pytree.tree_flatten(out)[0]:
-            if isinstance(leaf, torch.Tensor):
-                self.note(leaf)
-        return out
-
-
 def kept_activation_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[int, Any]:
     """Bytes still held for backward once ``module(*args, **kwargs)`` returns, and its output.
 
@@ -355,11 +330,10 @@ def kept_activation_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) ->
         >>> fs.kept_activation_bytes(layer, torch.ones(2, 4, requires_grad=True))[0]
         32
     """
-    from torch.multiprocessing.reductions import StorageWeakRef
+    # lazily: the trace's counters load torch's fake-tensor machinery
+    from functional_shard.costing.trace_counting import Births, kept_bytes, storage_key
 
-    from functional_shard.costing.trace_counting import kept_bytes
-
-    births = _Births()
+    births = Births()
 
     def copy(tensor: torch.Tensor) -> torch.Tensor:
         clone = tensor.detach().clone().requires_grad_(tensor.requires_grad)
@@ -373,8 +347,7 @@ def kept_activation_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) ->
     leaves = [leaf for leaf in torch.utils._pytree.tree_flatten(output)[0] if isinstance(leaf, torch.Tensor)]
     logits = getattr(output, "logits", None)
     leaves += [logits] if isinstance(logits, torch.Tensor) else []
-    exclude = {StorageWeakRef(_local(t).untyped_storage()) for t in leaves}
-    exclude |= {StorageWeakRef(_local(p).untyped_storage()) for p in module.parameters()}
+    exclude = {storage_key(t) for t in leaves} | {storage_key(p) for p in module.parameters()}
     return kept_bytes(births.storages, exclude), output
 
 

@@ -1,0 +1,135 @@
+"""A traced model's inputs and output on fake tensors, and what Hugging Face models need there."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from functional_shard.core.errors import ShardingError
+
+__all__ = ["check_attention", "first_tensor", "is_hf", "model_inputs", "tensors", "unpacked_sequences"]
+
+
+def tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors among the leaves of ``value`` (a pytree), in order.
+
+    Examples:
+        >>> len(tensors(((torch.ones(1), 2), {"x": torch.ones(2)})))
+        2
+    """
+    return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+
+
+def first_tensor(output: Any) -> Any:
+    """What counts as a forward's output: its logits, or its first tensor (``output`` if none).
+
+    Hugging Face models return a ModelOutput: its logits (or first tensor) is the output.
+
+    Examples:
+        >>> first_tensor((torch.ones(2), torch.ones(3))).shape
+        torch.Size([2])
+    """
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, torch.Tensor):
+        return output
+    found = tensors(output.to_tuple() if hasattr(output, "to_tuple") else output)
+    return found[0] if found else output
+
+
+def is_hf(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face transformers model (one with a config).
+
+    Examples:
+        >>> is_hf(nn.Linear(2, 2))
+        False
+    """
+    return hasattr(model, "config") and type(model).__module__.startswith("transformers.")
+
+
+def check_attention(model: nn.Module) -> None:
+    """Refuse, before tracing, a Hugging Face model whose attention cannot run on fake CPU tensors.
+
+    Raises:
+        ShardingError: the model's config names ``attn_implementation="flex_attention"``.
+
+    Examples:
+        >>> check_attention(nn.Linear(2, 2))  # not Hugging Face's: nothing to refuse
+    """
+    if is_hf(model) and getattr(model.config, "_attn_implementation", None) == "flex_attention":
+        # torch 2.13: flex attention has no backward on CPU, and its eager CPU forward goes
+        # through torch.compile, which refuses the dispatch modes the trace runs under
+        raise ShardingError(
+            f"trace_activations: {type(model).__name__} uses attn_implementation='flex_attention', which "
+            "cannot run on the CPU fake tensors the trace uses (no CPU backward in torch). Trace the same "
+            "config with attn_implementation='sdpa': flops are counted alike (full score matrix) and, "
+            "like flex attention, SDPA's fused kernels keep no score matrix for backward"
+        )
+
+
+@contextlib.contextmanager
+def unpacked_sequences(model: nn.Module) -> Iterator[None]:
+    """Within the block, a Hugging Face model takes its sequences as whole ones, not packed.
+
+    Examples:
+        >>> with unpacked_sequences(nn.Linear(2, 2)):  # not Hugging Face's: nothing changes
+        ...     pass
+    """
+    # Hugging Face reads position ids' values to find packed sequences; fake tensors have
+    # none, so it assumes packing and builds a full mask where a real run (whole sequences)
+    # builds none and lets SDPA run causal, with grouped-query heads unrepeated
+    masking: Any = None
+    if is_hf(model):
+        with contextlib.suppress(ImportError):
+            import transformers.masking_utils as masking
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if masking is None or original is None:
+        yield
+        return
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
+
+
+def model_inputs(
+    model: nn.Module, batch: int, seq: int, inputs: Any, dtype: torch.dtype | None
+) -> tuple[Any, Any]:
+    """The forward's ``(args, kwargs)`` as new tensors (fake ones, under a `FakeTensorMode`).
+
+    Token ids of shape ``(batch, seq)`` by default; else ``inputs`` (a tensor, a tuple or list
+    of them, or a dict of keyword arguments) at its shapes, floating point ones cast to
+    ``dtype`` (mixed precision's) where it is given.
+
+    Raises:
+        ShardingError: ``inputs`` is none of those.
+
+    Examples:
+        >>> args, kwargs = model_inputs(nn.Linear(2, 2), 3, 1, torch.ones(3, 2), torch.bfloat16)
+        >>> args[0].dtype, kwargs
+        (torch.bfloat16, {})
+    """
+
+    def to_meta(tensor: torch.Tensor) -> torch.Tensor:
+        cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        return torch.empty(tensor.shape, dtype=cast)
+
+    if inputs is None:
+        return (torch.empty(batch, seq, dtype=torch.long),), {}
+    if isinstance(inputs, torch.Tensor):
+        return (to_meta(inputs),), {}
+    if isinstance(inputs, tuple | list):
+        return tuple(tree_map_only(torch.Tensor, to_meta, list(inputs))), {}
+    if isinstance(inputs, Mapping):
+        return (), dict(tree_map_only(torch.Tensor, to_meta, dict(inputs)))
+    raise ShardingError(
+        f"trace_activations(inputs={type(inputs).__name__}): pass a tensor, a tuple of them or a dict of "
+        "keyword arguments for the model's forward"
+    )
