@@ -307,3 +307,31 @@ def test_each_rank_of_a_hugging_face_model_traces_what_it_keeps_under_sequence_p
     one such case in test_hf_parity."""
     pytest.importorskip("transformers")
     check_ranks(["hf_sp", "hf_fsdp_sp", "hf_fsdp_sp_selective"])
+
+
+def test_a_forward_that_fails_after_its_layers_turned_out_unpassable_is_a_sharding_error():
+    # each layer adds a dim, so a left-out layer cannot hand its input on and the trace
+    # falls back to running every layer; a forward that then fails for its own reason is
+    # named in a ShardingError, not left as the fallback's private signal
+    class Growing(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(x).unsqueeze(1)
+
+    class Failing(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Growing() for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            raise RuntimeError("this model's own failure")
+
+    model = Failing()
+    plan = fs.shard(model, fs.Mesh(dp=1), fs.replicate())
+    with pytest.raises(fs.ShardingError, match="this model's own failure"):
+        trace_activations(model, plan, batch=2, seq=8, inputs=torch.zeros(2, 8))

@@ -207,7 +207,7 @@ class _Run:
                 except (ShardingError, NotPassableError):
                     raise
                 except Exception as error:
-                    if not self.repeats_are_passable:  # a left-out layer's stand-in broke the forward
+                    if groups and not self.repeats_are_passable:  # a left-out layer's stand-in broke it
                         raise NotPassableError from error
                     shapes = tree_map_only(
                         torch.Tensor, lambda t: f"{t.dtype}{list(t.shape)}", (args, kwargs)
