@@ -11,13 +11,21 @@ mid-run slows every row alike; the best of the rounds counts. Rows, side by side
    the pure core loaded, as any user's first line of planning does. Target: <= 1.3x row 1.
 4. Row 3 plus a plan made and costed (``fs.shard(nn.Linear) .cost()``), for reference.
 
-Run: python bench/import_time.py [--rounds 5]   (exit status 1 when a target is missed)
+``--against PATH`` times another checkout of the repository (e.g. one from before a
+change) in the same rounds: each statement runs in a fresh interpreter whose working
+directory and ``PYTHONPATH`` are that checkout, taking turns with this one, so both see the
+same load; the columns stand side by side, with this checkout's best over the other's.
+
+Run: python bench/import_time.py [--rounds 5] [--against /path/to/other/checkout]
+(exit status 1 when this checkout misses a target)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
+import statistics
 import subprocess
 import sys
 
@@ -35,10 +43,14 @@ STATEMENTS = {
 TARGETED = ("import functional_shard", "... + fs.Mesh, fs.shard, fs.Plan")
 
 
-def seconds(statement: str) -> float:
+def seconds(statement: str, root: pathlib.Path) -> float:
+    """``statement``'s time in a fresh interpreter that imports the package from ``root``."""
     code = f"import time; t = time.perf_counter(); {statement}; print(time.perf_counter() - t)"
+    # the working directory comes first on sys.path (-c), PYTHONPATH next: both name the
+    # checkout, so neither an editable install nor the other checkout can answer the import
+    env = {**os.environ, "PYTHONPATH": str(root)}
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root, env=env
     )
     return float(result.stdout.split()[-1])
 
@@ -48,23 +60,41 @@ def main() -> int:
     parser.add_argument(
         "--rounds", type=int, default=5, help="fresh interpreters per statement (best counts)"
     )
-    rounds = parser.parse_args().rounds
-    times: dict[str, list[float]] = {name: [] for name in STATEMENTS}
-    for _ in range(rounds):
+    parser.add_argument("--against", type=pathlib.Path, help="another checkout, timed alongside")
+    args = parser.parse_args()
+    roots = {"this checkout": ROOT}
+    if args.against:
+        roots[str(args.against)] = args.against.resolve()
+    times = {(name, root): [] for name in STATEMENTS for root in roots}
+    for _ in range(args.rounds):  # interleaved: drift in the machine's load hits every cell alike
         for name, statement in STATEMENTS.items():
-            times[name].append(seconds(statement))
-    best = {name: min(values) for name, values in times.items()}
-    baseline = best["import torch"]
-    print(f"best of {rounds} fresh interpreters each, statements taking turns")
-    print(f"{'statement':<36} {'seconds':>8} {'x torch':>8}  target")
+            for root, path in roots.items():
+                times[name, root].append(seconds(statement, path))
+    print(f"best (median) of {args.rounds} fresh interpreters each, statements and checkouts taking turns")
+    header = "".join(f" | {root[-32:]:>32}" for root in roots)
+    other = f" | {'this/other':>10}" if args.against else ""
+    print(f"{'statement':<36}{header}{other}  target")
     missed = []
-    for name, value in best.items():
-        ratio = value / baseline
-        target = f"<= {TARGET}x" if name in TARGETED else ""
-        ok = "" if not target else ("ok" if ratio <= TARGET else "MISSED")
-        if ok == "MISSED":
-            missed.append(name)
-        print(f"{name:<36} {value:>8.3f} {ratio:>7.2f}x  {target} {ok}".rstrip())
+    for name in STATEMENTS:
+        cells, bests = [], {}
+        for root in roots:
+            values = times[name, root]
+            bests[root] = min(values)
+            ratio = bests[root] / min(times["import torch", root])
+            cells.append(
+                f"{bests[root] * 1e3:.1f} ms ({statistics.median(values) * 1e3:.1f}) {ratio:>5.2f}x torch"
+            )
+        row = "".join(f" | {cell:>32}" for cell in cells)
+        if args.against:
+            mine, theirs = bests["this checkout"], bests[str(args.against)]
+            row += f" | {mine / theirs:>9.2f}x"
+        ratio = bests["this checkout"] / min(times["import torch", "this checkout"])
+        target = ""
+        if name in TARGETED:
+            target = f"<= {TARGET}x " + ("ok" if ratio <= TARGET else "MISSED")
+            if ratio > TARGET:
+                missed.append(name)
+        print(f"{name:<36}{row}  {target}".rstrip())
     return 1 if missed else 0
 
 
