@@ -76,7 +76,8 @@ def dists(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
 
 def test_the_wheel_holds_every_file_of_the_package_and_nothing_else(dists):
     expected = set(source_files().values())
-    held = {name for name in zipfile.ZipFile(dists["wheel"]).namelist() if ".dist-info/" not in name}
+    with zipfile.ZipFile(dists["wheel"]) as wheel:
+        held = {name for name in wheel.namelist() if ".dist-info/" not in name}
     assert sorted(expected - held) == [], "missing from the wheel"
     assert sorted(held - expected) == [], "in the wheel but not in the source tree"
     assert f"{PACKAGE}/py.typed" in held
