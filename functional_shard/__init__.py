@@ -35,13 +35,13 @@ if TYPE_CHECKING:
     from .core.spec import PartitionSpec as PartitionSpec
     from .core.tree import TensorSpec as TensorSpec
     from .core.tree import read_model as read_model
+    from .core.units import parse_bytes as parse_bytes
     from .costing.activations import ActivationTrace as ActivationTrace
     from .costing.activations import trace_activations as trace_activations
     from .costing.cost import cost as cost
     from .costing.estimate import Estimate as Estimate
     from .costing.estimate import compare_schedules as compare_schedules
     from .costing.estimate import estimate as estimate
-    from .costing.estimate import parse_bytes as parse_bytes
     from .costing.hardware import Hardware as Hardware
     from .costing.hardware import hardware as hardware
     from .frontends import demo as demo
@@ -121,7 +121,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "Estimate": ("costing.estimate", "Estimate"),
     "estimate": ("costing.estimate", "estimate"),
     "compare_schedules": ("costing.estimate", "compare_schedules"),
-    "parse_bytes": ("costing.estimate", "parse_bytes"),
+    "parse_bytes": ("core.units", "parse_bytes"),
     "Hardware": ("costing.hardware", "Hardware"),
     "hardware": ("costing.hardware", "hardware"),
     "AutoReport": ("search.report", "AutoReport"),

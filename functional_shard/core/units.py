@@ -5,7 +5,11 @@ A leaf module: the modules that print sizes import it, and it imports nothing of
 
 from __future__ import annotations
 
-__all__ = ["format_bytes"]
+import re
+
+from .errors import ShardingError
+
+__all__ = ["format_bytes", "parse_bytes"]
 
 
 def format_bytes(n: float) -> str:
@@ -26,3 +30,49 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(value: int | str) -> int:
+    """A memory size from an int or text: ``"80GiB"``, ``"80 GB"``, ``"1.5TiB"``, ``"512"``.
+
+    Decimal units (kB, MB, GB, TB) are powers of 1000, binary ones (KiB ... TiB) of 1024.
+
+    Raises:
+        ShardingError: not a size.
+
+    Examples:
+        >>> parse_bytes("80GiB"), parse_bytes("80 GB"), parse_bytes(1024)
+        (85899345920, 80000000000, 1024)
+        >>> parse_bytes("80 parsecs")
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: memory size '80 parsecs': a number of bytes or text like ...
+    """
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ShardingError(f"memory size {value!r}: an int of bytes or text like '80GiB'")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ShardingError(f"memory size {value!r}: a positive number of bytes")
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise ShardingError(
+            f"memory size {value!r}: a number of bytes or text like '80GiB', '80GB', '512MiB' "
+            "(units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        )
+    return round(float(match.group(1)) * _UNITS[unit])

@@ -10,23 +10,19 @@ assumptions.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.core.units import parse_bytes
 
-from .cost import Cost, OptimizerKind, cost
+from .assemble import Assembly, assemble
+from .cost import OptimizerKind
+from .estimate_record import Estimate
 from .hardware import Hardware
 from .hardware import hardware as _hardware
-from .step_model import (
-    Estimate,
-    _recomputed,
-    compute_dtype,
-    gathered_in_flight,
-    parse_bytes,
-    step_time,
-    unit_gathered_bytes,
-)
+from .pipeline_estimate import microbatch_size
+from .step_model import compute_dtype, unit_gathered_bytes
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan import Plan
@@ -132,82 +128,30 @@ def estimate(
     hw = _hardware(hardware)
     dtype = compute_dtype(plan)
     hw.peak_flops(dtype)  # fail early, before tracing
-    if plan.config.pipeline_axis:
-        from .pipeline_estimate import microbatch_size, pipeline_assemble
-
-        micro = microbatch_size(plan, batch)
-        trace = _trace(
-            model,
-            plan,
-            batch=micro,
-            seq=seq,
-            rank=rank,
-            inputs=inputs,
-            expert_imbalance=expert_imbalance,
-            stages=plan.config.pipeline_stages,
-        )
-        units = unit_gathered_bytes(plan)
-        return pipeline_assemble(plan, trace, hw, dtype, batch, seq, optimizer, units, rank)
+    stages = plan.config.pipeline_stages or None
     trace = _trace(
-        model, plan, batch=batch, seq=seq, rank=rank, inputs=inputs, expert_imbalance=expert_imbalance
-    )
-    plan_cost = cost(plan, optimizer, rank=rank, tokens=batch * seq)
-    units = unit_gathered_bytes(plan)
-    return _assemble(plan, plan_cost, trace, hw, dtype, batch, seq, units, plan.config.checkpointed)
-
-
-def _assemble(
-    plan: Plan,
-    plan_cost: Cost,
-    trace: Any,
-    hw: Hardware,
-    dtype: str,
-    batch: int,
-    seq: int,
-    units: Mapping[str, int],
-    checkpointed: tuple[str, ...] = (),
-) -> Estimate:
-    # the logits stay until the loss is computed; cross-entropy upcasts them to fp32 and
-    # keeps its log-softmax for backward, whose gradient then replaces the logits. Counted
-    # by elements: a model may hand back fp32 logits from a bf16 forward (no copy then, but
-    # the log-softmax and its gradient are as large)
-    logits_numel = trace.output_numel
-    memory = {
-        "params": plan_cost.params_bytes,
-        "grads": plan_cost.grads_bytes,
-        "optimizer": plan_cost.optimizer_bytes,
-        "buffers": plan_cost.buffers_bytes,
-        "gathered": gathered_in_flight(plan, units),
-        "activations": int(trace.activation_bytes),
-        "loss_workspace": int(trace.output_bytes + 2 * 4 * logits_numel),
-    }
-    compute, exposed, per_collective = step_time(
+        model,
         plan,
-        plan_cost,
-        hw,
-        dtype=dtype,
-        forward_flops=trace.forward_flops,
-        backward_flops=trace.backward_flops,
-        recompute_flops=trace.recompute_flops,
-        units=units,
-        recomputed=_recomputed(plan, checkpointed, batch * seq),
-    )
-    tp_axes = plan.config.tensor_parallel_axes
-    return Estimate(
-        rank=plan_cost.rank,
-        batch=batch,
+        batch=microbatch_size(plan, batch),
         seq=seq,
-        hardware=hw,
-        dtype=dtype,
-        memory=memory,
-        host_bytes=plan_cost.host_bytes,
-        flops=trace.forward_flops + trace.backward_flops + trace.recompute_flops,
-        model_flops=trace.forward_flops + trace.backward_flops,
-        compute_seconds=compute,
-        exposed_seconds=exposed,
-        comm_seconds=per_collective,
-        tensor_parallel=plan.mesh.axes_size(tp_axes) if tp_axes else 1,
-        cost=plan_cost,
+        rank=rank,
+        inputs=inputs,
+        expert_imbalance=expert_imbalance,
+        stages=stages,
+    )
+    units = unit_gathered_bytes(plan)
+    return assemble(
+        Assembly(
+            plan=plan,
+            trace=trace,
+            hardware=hw,
+            dtype=dtype,
+            batch=batch,
+            seq=seq,
+            units=units,
+            optimizer=optimizer,
+            rank=rank,
+        )
     )
 
 
@@ -253,7 +197,7 @@ def compare_schedules(
     from functional_shard.planning.schedules import _actions_or_reason
     from functional_shard.planning.stages import SCHEDULES, SINGLE_STAGE, V_SHAPED
 
-    from .pipeline_estimate import microbatch_size, pipeline_assemble, with_schedule
+    from .pipeline_estimate import with_schedule
 
     config = plan.config
     if config.pipeline_axis is None:
@@ -274,7 +218,7 @@ def compare_schedules(
     micro = microbatch_size(plan, batch)
     trace = _trace(model, plan, batch=micro, seq=seq, stages=config.pipeline_stages)
     units = unit_gathered_bytes(plan)
-    return {
-        name: pipeline_assemble(each, trace, hw, dtype, batch, seq, optimizer, units)
-        for name, each in planned.items()
-    }
+    shared = dict(
+        trace=trace, hardware=hw, dtype=dtype, batch=batch, seq=seq, units=units, optimizer=optimizer
+    )
+    return {name: assemble(Assembly(plan=each, **shared)) for name, each in planned.items()}

@@ -15,113 +15,27 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from functional_shard.core.errors import ShardingError
-from functional_shard.core.units import format_bytes as _bytes
-from functional_shard.planning.schedules import Timeline, check_pipeline, held_peak, in_flight, simulate
+from functional_shard.planning.schedules import check_pipeline, held_peak, in_flight, simulate
 from functional_shard.planning.stages import rank_stages, stage_rank
 
 from .cost import Cost, OptimizerKind, cost
-from .hardware import Hardware
+from .estimate_record import PipelineEstimate, StageEstimate
+from .step_model import Assembly, StepParts, gathered_in_flight
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan import Plan
 
-    from .step_model import Estimate
-
 __all__ = [
-    "PipelineEstimate",
-    "StageEstimate",
     "microbatch_size",
-    "pipeline_assemble",
+    "pipeline_parts",
     "stage_costs",
     "stage_plan",
     "with_schedule",
 ]
-
-
-@dataclass(frozen=True)
-class StageEstimate:
-    """One pipeline stage: where it runs, what one micro-batch keeps and costs there.
-
-    Attributes:
-        stage: its index.
-        rank: the pp coordinate that runs it.
-        modules: its module paths.
-        activation_bytes: what it keeps for backward of one micro-batch: what its modules
-            make, its output and the activation it receives; on the last stage, what the
-            loss keeps too (the fp32 log-softmax).
-        in_flight: the most micro-batches it holds at once under the schedule.
-        forward_seconds: one micro-batch's forward.
-        backward_seconds: one micro-batch's backward (recompute included).
-        send_bytes: the activation it sends the next stage per micro-batch (0 for the last).
-    """
-
-    stage: int
-    rank: int
-    modules: tuple[str, ...]
-    activation_bytes: int
-    in_flight: int
-    forward_seconds: float
-    backward_seconds: float
-    send_bytes: int
-
-
-@dataclass(frozen=True)
-class PipelineEstimate:
-    """The pipeline side of an `functional_shard.estimate.Estimate`.
-
-    Attributes:
-        schedule: the schedule's name.
-        microbatches: micro-batches per step.
-        microbatch: sequences per micro-batch.
-        stages: each stage's `StageEstimate`.
-        rank_peak_bytes: per pp coordinate, its peak memory (the estimate reports the worst).
-        timeline: the schedule run on the clock.
-    """
-
-    schedule: str
-    microbatches: int
-    microbatch: int
-    stages: tuple[StageEstimate, ...]
-    rank_peak_bytes: tuple[int, ...]
-    timeline: Timeline
-
-    @property
-    def pp(self) -> int:
-        """Ranks along the pipeline axis."""
-        return self.timeline.pp
-
-    @property
-    def bubble(self) -> float:
-        """The share of the ranks' time the schedule leaves idle."""
-        return self.timeline.bubble
-
-    @property
-    def stage_activation_bytes(self) -> tuple[int, ...]:
-        """Per stage, the activation bytes of one micro-batch."""
-        return tuple(stage.activation_bytes for stage in self.stages)
-
-    def explain(self) -> str:
-        """Lines on the schedule and each stage."""
-        from .step_model import _duration
-
-        lines = [
-            f"pipeline {self.schedule}: {self.pp} ranks, {len(self.stages)} stages, {self.microbatches} "
-            f"micro-batches of {self.microbatch}; bubble {self.bubble:.1%} of "
-            f"{_duration(self.timeline.makespan)}"
-        ]
-        for s in self.stages:
-            lines.append(
-                f"  stage {s.stage} on pp rank {s.rank}: activations {_bytes(s.activation_bytes)} x "
-                f"{s.in_flight} in flight, forward {_duration(s.forward_seconds)}, backward "
-                f"{_duration(s.backward_seconds)}, sends {_bytes(s.send_bytes)}"
-            )
-        lines += [f"  pp rank {r} peak {_bytes(b)}" for r, b in enumerate(self.rank_peak_bytes)]
-        return "\n".join(lines)
 
 
 def microbatch_size(plan: Plan, batch: int) -> int:
@@ -255,24 +169,13 @@ def stage_plan(plan: Plan, stages: set[int]) -> Plan:
     )
 
 
-def pipeline_assemble(
-    plan: Plan,
-    trace: Any,
-    hw: Hardware,
-    dtype: str,
-    batch: int,
-    seq: int,
-    optimizer: OptimizerKind,
-    units: Mapping[str, int],
-    rank: int | None = None,
-    costs: Sequence[Cost] | None = None,
-) -> Estimate:
-    """The `Estimate` of a pp plan from a trace of one micro-batch with ``stages=``.
+def pipeline_parts(assembly: Assembly) -> StepParts:
+    """The worst pp rank's step (or ``assembly.rank``'s) from a trace of one micro-batch with ``stages=``.
 
-    ``costs`` (one per pp coordinate, at `_rank_of_coordinate`) may be given when known.
+    ``assembly.costs`` (one per pp coordinate, at `_rank_of_coordinate`) may be given when known.
     """
-    from .step_model import Estimate, gathered_in_flight, step_time
-
+    plan, trace, hw, units = assembly.plan, assembly.trace, assembly.hardware, assembly.units
+    batch, seq, rank = assembly.batch, assembly.seq, assembly.rank
     config = plan.config
     axis = config.pipeline_axis
     assert axis is not None
@@ -281,7 +184,7 @@ def pipeline_assemble(
     check_pipeline(schedule, pp, per_rank, m)
     n = pp * per_rank
     micro = batch // m
-    rate = hw.achievable_flops(dtype)
+    rate = hw.achievable_flops(assembly.dtype)
     forward = [f / rate for f in trace.stage_forward_flops]
     backward = [
         (b + r) / rate for b, r in zip(trace.stage_backward_flops, trace.stage_recompute_flops, strict=True)
@@ -307,8 +210,7 @@ def pipeline_assemble(
     # tests/test_pipeline_memory.py). Only the loss's fp32 copy is one micro-batch's.
     kept[n - 1] += trace.output_bytes + 4 * trace.output_numel
     held = held_peak(schedule, pp, m, per_rank, kept)
-    if costs is None:
-        costs = stage_costs(plan, optimizer, batch * seq, rank)
+    costs = assembly.costs or stage_costs(plan, assembly.optimizer, batch * seq, rank)
     memories = []
     sub_plans = []
     for c in range(pp):
@@ -337,24 +239,12 @@ def pipeline_assemble(
         key: m * sum(getattr(trace, f"stage_{key}_flops")[s] for s in ours)
         for key in ("forward", "backward", "recompute")
     }
-    from .step_model import _recomputed
-
-    _, exposed, per_collective = step_time(
-        sub_plans[chosen],
-        costs[chosen],
-        hw,
-        dtype=dtype,
-        forward_flops=flops["forward"],
-        backward_flops=flops["backward"],
-        recompute_flops=flops["recompute"],
-        units=_stage_units(plan, units, set(ours)),
-        recomputed=_recomputed(sub_plans[chosen], config.checkpointed, batch * seq),
-    )
-    for s in range(n - 1):
-        if owner[s] != owner[s + 1]:
-            per_collective[f"send/recv stage {s}->{s + 1} over {axis} ({hw.link_of(plan.mesh, (axis,))})"] = (
-                2 * m * sends[s] / link
-            )
+    link_name = hw.link_of(plan.mesh, (axis,))
+    crossings = {
+        f"send/recv stage {s}->{s + 1} over {axis} ({link_name})": 2 * m * sends[s] / link
+        for s in range(n - 1)
+        if owner[s] != owner[s + 1]
+    }
     stages = tuple(
         StageEstimate(
             stage=s,
@@ -368,24 +258,18 @@ def pipeline_assemble(
         )
         for s in range(n)
     )
-    pipe = PipelineEstimate(schedule, m, micro, stages, tuple(peaks), timeline)
-    tp_axes = config.tensor_parallel_axes
-    return Estimate(
-        rank=_rank_of_coordinate(plan, chosen, rank),
-        batch=batch,
-        seq=seq,
-        hardware=hw,
-        dtype=dtype,
-        memory=memories[chosen],
-        host_bytes=costs[chosen].host_bytes,
-        flops=sum(flops.values()),
-        model_flops=flops["forward"] + flops["backward"],
-        compute_seconds=timeline.makespan,
-        exposed_seconds=exposed,
-        comm_seconds=per_collective,
-        tensor_parallel=plan.mesh.axes_size(tp_axes) if tp_axes else 1,
+    return StepParts(
+        plan=sub_plans[chosen],
         cost=costs[chosen],
-        pipeline=pipe,
+        rank=_rank_of_coordinate(plan, chosen, rank),
+        memory=memories[chosen],
+        forward_flops=flops["forward"],
+        backward_flops=flops["backward"],
+        recompute_flops=flops["recompute"],
+        units=_stage_units(plan, units, set(ours)),
+        compute_seconds=timeline.makespan,
+        sends=crossings,
+        pipeline=PipelineEstimate(schedule, m, micro, stages, tuple(peaks), timeline),
     )
 
 

@@ -1,7 +1,7 @@
-"""What a training step takes, given a trace: the `Estimate` record and the time model.
+"""What a training step takes, given a trace: the time model.
 
-The pieces `estimate` (one step) and `pipeline_estimate` (a pipeline's stages on torch's
-schedules) both assemble their answer from: the compute dtype, FSDP units in flight,
+The pieces `assemble` (one step, a pipeline's stages on torch's schedules among them)
+builds its `Estimate` from: the compute dtype, FSDP units in flight,
 collective counts and the recomputed collectives of checkpointing, the optimizer step,
 and `step_time` (compute plus the communication the engines cannot hide). Pure: the
 tracing itself happens in `estimate`. docs/will-it-fit.md states the model.
@@ -9,205 +9,96 @@ tracing itself happens in `estimate`. docs/will-it-fit.md states the model.
 
 from __future__ import annotations
 
-import dataclasses
-import re
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from functional_shard.core.errors import ShardingError
 from functional_shard.core.tree import dtype_from_name, within
-from functional_shard.core.units import format_bytes as _bytes
+from functional_shard.planning.plan_cost import Cost, OptimizerKind
 from functional_shard.planning.rules import sequence_gathers
 
-from .cost import Cost, unit_gathered
+from .cost import unit_gathered
+from .estimate_record import PipelineEstimate
 from .hardware import Hardware
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan import Plan
 
-    from .pipeline_estimate import PipelineEstimate
-
-__all__ = ["Estimate", "parse_bytes", "step_time"]
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
+__all__ = [
+    "Assembly",
+    "StepParts",
+    "compute_dtype",
+    "gathered_in_flight",
+    "recomputed_collectives",
+    "step_time",
+    "unit_gathered_bytes",
+]
 
 
-def parse_bytes(value: int | str) -> int:
-    """A memory size from an int or text: ``"80GiB"``, ``"80 GB"``, ``"1.5TiB"``, ``"512"``.
+@dataclass(frozen=True, kw_only=True)
+class Assembly:
+    """What turning a trace into an `Estimate` needs (`functional_shard.costing.assemble`).
 
-    Decimal units (kB, MB, GB, TB) are powers of 1000, binary ones (KiB ... TiB) of 1024.
-
-    Raises:
-        ShardingError: not a size.
-
-    Examples:
-        >>> parse_bytes("80GiB"), parse_bytes("80 GB"), parse_bytes(1024)
-        (85899345920, 80000000000, 1024)
-        >>> parse_bytes("80 parsecs")
-        Traceback (most recent call last):
-        ...
-        functional_shard.ShardingError: memory size '80 parsecs': a number of bytes or text like ...
-    """
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ShardingError(f"memory size {value!r}: an int of bytes or text like '80GiB'")
-    if isinstance(value, int):
-        if value <= 0:
-            raise ShardingError(f"memory size {value!r}: a positive number of bytes")
-        return value
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
-        raise ShardingError(
-            f"memory size {value!r}: a number of bytes or text like '80GiB', '80GB', '512MiB' "
-            "(units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
-        )
-    return round(float(match.group(1)) * _UNITS[unit])
-
-
-def _duration(seconds: float) -> str:
-    """Milliseconds to two decimals; a tiny model's steps in microseconds, not "0.00 ms"."""
-    if 0 < seconds < 1e-5:
-        return f"{seconds * 1e6:.2f} us"
-    return f"{seconds * 1e3:.2f} ms"
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """Peak device memory and step time of one training step, on one rank.
-
-    ``memory`` holds the parts of the peak (bytes): ``params``, ``grads``, ``optimizer``,
-    ``buffers``, ``gathered`` (FSDP units in flight), ``activations`` and
-    ``loss_workspace`` (logits plus cross-entropy's fp32 copies). ``flops`` is per device
-    per step, recomputation included; ``model_flops`` without it (what MFU counts).
-    Under pipeline parallelism ``batch`` is the step's batch (all micro-batches), the parts
-    are those of the pp rank with the highest peak, ``compute_seconds`` is the schedule's
-    makespan (bubble and point-to-point sends included) and ``pipeline`` has each stage.
+    Attributes:
+        plan: the plan.
+        trace: its `ActivationTrace` (of one micro-batch, per stage, under a pipeline).
+        hardware: the profile.
+        dtype: the compute dtype (`compute_dtype`).
+        batch: sequences per data-parallel rank per step (under a pipeline, the step's).
+        seq: tokens per sequence.
+        units: each FSDP unit's gathered bytes (`unit_gathered_bytes`).
+        optimizer: as for `cost`.
+        rank: the rank to estimate; ``None``: the worst.
+        costs: `cost` of what each pp coordinate holds (one, the plan's, without a
+            pipeline), when already known.
+        checkpointed: the modules checkpointing re-runs, when they differ from the
+            plan's (a search costs one plan for several checkpointing choices).
     """
 
-    rank: int
-    batch: int
-    seq: int
+    plan: Plan
+    trace: Any
     hardware: Hardware
     dtype: str
+    batch: int
+    seq: int
+    units: Mapping[str, int]
+    optimizer: OptimizerKind = "adamw"
+    rank: int | None = None
+    costs: Sequence[Cost] | None = None
+    checkpointed: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepParts:
+    """One rank's step before the step model times it.
+
+    Attributes:
+        plan: what the rank holds (under a pipeline, its stages' plan).
+        cost: `cost` of that.
+        rank: the rank.
+        memory: its peak by part (see `Estimate`).
+        forward_flops: its forward flops per step.
+        backward_flops: its backward flops per step.
+        recompute_flops: what recomputation adds.
+        units: the FSDP units it gathers, with their bytes.
+        compute_seconds: a pipeline's makespan (bubble and sends in it); ``None``: the
+            flops at the achievable rate.
+        sends: a pipeline's point-to-point sends, ``"send/recv ..."`` -> seconds.
+        pipeline: the pipeline's record.
+    """
+
+    plan: Plan
+    cost: Cost
+    rank: int
     memory: Mapping[str, int]
-    host_bytes: int
-    flops: float
-    model_flops: float
-    compute_seconds: float
-    exposed_seconds: Mapping[str, float]
-    """Communication that compute does not hide, by reason."""
-    comm_seconds: Mapping[str, float]
-    """Every collective's time at its link's bandwidth, ``"kind over axes (link)"`` -> s."""
-    tensor_parallel: int = 1
-    cost: Cost | None = field(default=None, compare=False, repr=False)
-    pipeline: PipelineEstimate | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def activation_bytes(self) -> int:
-        """Bytes autograd keeps for backward during the model call."""
-        return self.memory["activations"]
-
-    @property
-    def peak_bytes(self) -> int:
-        """Device memory at the step's peak (the start of backward): every part together."""
-        return sum(self.memory.values())
-
-    @property
-    def step_seconds(self) -> float:
-        """Compute at the achievable rate plus exposed communication."""
-        return self.compute_seconds + sum(self.exposed_seconds.values())
-
-    @property
-    def tokens_per_second(self) -> float:
-        """Tokens per second per device (a tensor-parallel group, and a pipeline, share their tokens)."""
-        pp = self.pipeline.pp if self.pipeline is not None else 1
-        return self.batch * self.seq / self.tensor_parallel / pp / self.step_seconds
-
-    @property
-    def mfu(self) -> float:
-        """Model FLOPs (no recompute) per second over the datasheet's peak in the compute dtype."""
-        return self.model_flops / self.step_seconds / self.hardware.peak_flops(self.dtype)
-
-    def fits(self, budget: int | str) -> bool:
-        """Whether the peak fits in ``budget`` (bytes or text, see `parse_bytes`)."""
-        return self.peak_bytes <= parse_bytes(budget)
-
-    def explain(self) -> str:
-        """A readable breakdown of memory and time."""
-        hw = self.hardware
-        batch = "batch" if self.pipeline is not None else "micro-batch"
-        lines = [
-            f"estimate on rank {self.rank}, {hw.name}, {batch} {self.batch} x {self.seq} tokens, "
-            f"compute in {self.dtype}",
-            f"peak memory {_bytes(self.peak_bytes)} (at the start of backward)"
-            + (f"; host {_bytes(self.host_bytes)}" if self.host_bytes else ""),
-        ]
-        lines += [f"  {part:<15} {_bytes(nbytes)}" for part, nbytes in self.memory.items()]
-        lines.append(
-            f"step {_duration(self.step_seconds)}: compute {_duration(self.compute_seconds)} "
-            f"({self.flops / 1e12:.3f} TFLOP at {hw.achievable_flops(self.dtype) / 1e12:.1f} TFLOP/s)"
-        )
-        why_width = max([22, *(len(why) for why in self.exposed_seconds)])
-        what_width = max([34, *(len(what) for what in self.comm_seconds)])
-        lines += [f"  exposed {why:<{why_width}} {_duration(s)}" for why, s in self.exposed_seconds.items()]
-        lines += [
-            f"  collective {what:<{what_width}} {_duration(s)}" for what, s in self.comm_seconds.items()
-        ]
-        lines.append(f"tokens/s per device {self.tokens_per_second:,.0f}, MFU {self.mfu:.1%}")
-        if self.pipeline is not None:
-            lines.append(self.pipeline.explain())
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.explain()
-
-    def to_dict(self) -> dict[str, Any]:
-        """The numbers as JSON-ready data."""
-        return {
-            "rank": self.rank,
-            "hardware": self.hardware.name,
-            "batch": self.batch,
-            "seq": self.seq,
-            "dtype": self.dtype,
-            "memory": dict(self.memory),
-            "peak_bytes": self.peak_bytes,
-            "host_bytes": self.host_bytes,
-            "flops": self.flops,
-            "model_flops": self.model_flops,
-            "compute_seconds": self.compute_seconds,
-            "exposed_seconds": dict(self.exposed_seconds),
-            "comm_seconds": dict(self.comm_seconds),
-            "step_seconds": self.step_seconds,
-            "tokens_per_second": self.tokens_per_second,
-            "mfu": self.mfu,
-            **({"pipeline": self._pipeline_dict()} if self.pipeline is not None else {}),
-        }
-
-    def _pipeline_dict(self) -> dict[str, Any]:
-        pipe = self.pipeline
-        assert pipe is not None
-        return {
-            "schedule": pipe.schedule,
-            "microbatches": pipe.microbatches,
-            "microbatch": pipe.microbatch,
-            "bubble": pipe.bubble,
-            "makespan": pipe.timeline.makespan,
-            "rank_peak_bytes": list(pipe.rank_peak_bytes),
-            "stages": [dataclasses.asdict(stage) for stage in pipe.stages],
-        }
+    forward_flops: float
+    backward_flops: float
+    recompute_flops: float
+    units: Mapping[str, int]
+    compute_seconds: float | None = None
+    sends: Mapping[str, float] = field(default_factory=dict)
+    pipeline: PipelineEstimate | None = None
 
 
 def compute_dtype(plan: Plan) -> str:
@@ -282,25 +173,8 @@ def collective_counts(plan: Plan, grads_bytes: int) -> dict[str, int]:
     return counts
 
 
-_PER_PLAN: dict[int, tuple[Plan, dict[Hashable, Any]]] = {}
-
-
-def _per_plan(plan: Plan, key: Hashable, compute: Callable[[], Any]) -> Any:
-    # a search estimates each plan once per checkpointing option: what depends on the
-    # plan alone is worked out once (the few plans last seen, held by identity)
-    held = _PER_PLAN.get(id(plan))
-    if held is None or held[0] is not plan:
-        if len(_PER_PLAN) >= 8:
-            _PER_PLAN.clear()
-        held = _PER_PLAN[id(plan)] = (plan, {})
-    memo = held[1]
-    if key not in memo:
-        memo[key] = compute()
-    return memo[key]
-
-
 def _units(plan: Plan) -> frozenset[str]:
-    return _per_plan(plan, "units", lambda: frozenset(plan.unit_of(path) for path in plan.params))
+    return frozenset(plan.unit_of(path) for path in plan.params)
 
 
 def recomputed_collectives(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> dict[str, float]:
@@ -328,9 +202,7 @@ def recomputed_collectives(plan: Plan, checkpointed: tuple[str, ...], tokens: in
 
 
 def _recomputed(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> tuple[dict[str, float], int]:
-    return _per_plan(
-        plan, ("recomputed", checkpointed, tokens), lambda: _recomputed_now(plan, checkpointed, tokens)
-    )
+    return _recomputed_now(plan, checkpointed, tokens)
 
 
 def _recomputed_now(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> tuple[dict[str, float], int]:

@@ -19,10 +19,10 @@ from typing import Any
 
 from functional_shard.core.errors import PlanError, ShardingError
 from functional_shard.core.units import format_bytes as _bytes
+from functional_shard.core.units import parse_bytes
 from functional_shard.costing.cost import OptimizerKind
 from functional_shard.costing.hardware import Hardware
 from functional_shard.costing.hardware import hardware as _hardware
-from functional_shard.costing.step_model import parse_bytes
 from functional_shard.planning.plan import Plan
 
 from .candidates import Point, Space, model_facts, pipeline_points, points

@@ -9,10 +9,11 @@ from torch import nn
 
 from functional_shard.core.errors import ShardingError, one_line
 from functional_shard.core.units import format_bytes as _bytes
+from functional_shard.costing.assemble import Assembly, assemble
 from functional_shard.costing.cost import OptimizerKind, cost
-from functional_shard.costing.estimate import _assemble
+from functional_shard.costing.estimate_record import Estimate
 from functional_shard.costing.hardware import Hardware
-from functional_shard.costing.step_model import Estimate, compute_dtype, unit_gathered_bytes
+from functional_shard.costing.step_model import compute_dtype, unit_gathered_bytes
 from functional_shard.planning.plan import Plan
 from functional_shard.planning.planner import shard, with_expert_top_k
 from functional_shard.planning.policy import Policy
@@ -135,23 +136,25 @@ class Search:
             if isinstance(trace, Exception):
                 out.append(self._failed(point, how, trace, "trace"))
                 continue
-            estimate = _assemble(
-                plan,
-                plan_cost,
-                trace=trace,
-                hw=inputs.hardware,
-                dtype=compute_dtype(plan),
-                batch=micro,
-                seq=inputs.seq,
-                units=units,
-                checkpointed=self.checkpointed if how != "none" else (),
+            estimate = assemble(
+                Assembly(
+                    plan=plan,
+                    costs=(plan_cost,),
+                    trace=trace,
+                    hardware=inputs.hardware,
+                    dtype=compute_dtype(plan),
+                    batch=micro,
+                    seq=inputs.seq,
+                    units=units,
+                    checkpointed=self.checkpointed if how != "none" else (),
+                )
             )
             out.append(self._estimated(point, how, estimate))
         return out
 
     def _run_pipeline(self, point: Point) -> list[Candidate]:
         from functional_shard.costing.activations import regroup
-        from functional_shard.costing.pipeline_estimate import pipeline_assemble, stage_costs
+        from functional_shard.costing.pipeline_estimate import stage_costs
 
         inputs = self.inputs
         try:
@@ -172,16 +175,18 @@ class Search:
             if isinstance(trace, Exception):
                 out.append(self._failed(point, how, trace, "trace"))
                 continue
-            estimate = pipeline_assemble(
-                self.traces.with_checkpointing(plan, how),
-                regroup(trace, groups),
-                hw=inputs.hardware,
-                dtype=compute_dtype(plan),
-                batch=local,
-                seq=inputs.seq,
-                optimizer=inputs.optimizer,
-                units=units,
-                costs=costs,
+            estimate = assemble(
+                Assembly(
+                    plan=self.traces.with_checkpointing(plan, how),
+                    trace=regroup(trace, groups),
+                    hardware=inputs.hardware,
+                    dtype=compute_dtype(plan),
+                    batch=local,
+                    seq=inputs.seq,
+                    optimizer=inputs.optimizer,
+                    units=units,
+                    costs=costs,
+                )
             )
             out.append(self._estimated(point, how, estimate))
         return out

@@ -207,7 +207,7 @@ def read_budget(text: str) -> int:
         >>> read_budget("80GiB")
         85899345920
     """
-    from functional_shard.costing.estimate import parse_bytes
+    from functional_shard.core.units import parse_bytes
 
     try:
         return int(parse_bytes(text))

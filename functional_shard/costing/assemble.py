@@ -1,0 +1,98 @@
+"""One trace to one `Estimate`, for every plan: a pipeline is its stages on torch's schedule.
+
+What a rank holds and computes comes from `StepParts`: the plan's own, or under a
+pipeline the worst pp rank's (`pipeline_estimate.pipeline_parts`); the step model then
+times it the same way for both (`step_model.step_time`).
+"""
+
+from __future__ import annotations
+
+from .cost import cost
+from .estimate_record import Estimate
+from .pipeline_estimate import pipeline_parts
+from .step_model import Assembly, StepParts, _recomputed, gathered_in_flight, step_time
+
+__all__ = ["Assembly", "assemble"]
+
+
+def _flat_parts(assembly: Assembly) -> StepParts:
+    plan, trace = assembly.plan, assembly.trace
+    tokens = assembly.batch * assembly.seq
+    plan_cost = (
+        assembly.costs[0]
+        if assembly.costs
+        else cost(plan, assembly.optimizer, rank=assembly.rank, tokens=tokens)
+    )
+    # the logits stay until the loss is computed; cross-entropy upcasts them to fp32 and
+    # keeps its log-softmax for backward, whose gradient then replaces the logits. Counted
+    # by elements: a model may hand back fp32 logits from a bf16 forward (no copy then, but
+    # the log-softmax and its gradient are as large)
+    memory = {
+        "params": plan_cost.params_bytes,
+        "grads": plan_cost.grads_bytes,
+        "optimizer": plan_cost.optimizer_bytes,
+        "buffers": plan_cost.buffers_bytes,
+        "gathered": gathered_in_flight(plan, assembly.units),
+        "activations": int(trace.activation_bytes),
+        "loss_workspace": int(trace.output_bytes + 2 * 4 * trace.output_numel),
+    }
+    return StepParts(
+        plan=plan,
+        cost=plan_cost,
+        rank=plan_cost.rank,
+        memory=memory,
+        forward_flops=trace.forward_flops,
+        backward_flops=trace.backward_flops,
+        recompute_flops=trace.recompute_flops,
+        units=assembly.units,
+    )
+
+
+def assemble(assembly: Assembly) -> Estimate:
+    """The `Estimate` of ``assembly.plan`` from its trace, pipelined or not.
+
+    Examples:
+        >>> from functional_shard.costing.estimate import _trace
+        >>> from functional_shard.costing.hardware import hardware
+        >>> from functional_shard.costing.step_model import compute_dtype, unit_gathered_bytes
+        >>> from functional_shard.zoo import llama
+        >>> model = llama("tiny")
+        >>> plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp())
+        >>> trace = _trace(model, plan, batch=2, seq=16)
+        >>> hw, dtype, units = hardware("h100"), compute_dtype(plan), unit_gathered_bytes(plan)
+        >>> found = Assembly(plan=plan, trace=trace, hardware=hw, dtype=dtype, batch=2, seq=16, units=units)
+        >>> assemble(found).peak_bytes > 0
+        True
+    """
+    plan, hw = assembly.plan, assembly.hardware
+    parts = pipeline_parts(assembly) if plan.config.pipeline_axis else _flat_parts(assembly)
+    checkpointed = plan.config.checkpointed if assembly.checkpointed is None else assembly.checkpointed
+    compute, exposed, per_collective = step_time(
+        parts.plan,
+        parts.cost,
+        hw,
+        dtype=assembly.dtype,
+        forward_flops=parts.forward_flops,
+        backward_flops=parts.backward_flops,
+        recompute_flops=parts.recompute_flops,
+        units=parts.units,
+        recomputed=_recomputed(parts.plan, checkpointed, assembly.batch * assembly.seq),
+    )
+    tp_axes = plan.config.tensor_parallel_axes
+    return Estimate(
+        rank=parts.rank,
+        batch=assembly.batch,
+        seq=assembly.seq,
+        hardware=hw,
+        dtype=assembly.dtype,
+        memory=parts.memory,
+        host_bytes=parts.cost.host_bytes,
+        flops=parts.forward_flops + parts.backward_flops + parts.recompute_flops,
+        model_flops=parts.forward_flops + parts.backward_flops,
+        compute_seconds=compute if parts.compute_seconds is None else parts.compute_seconds,
+        exposed_seconds=exposed,
+        comm_seconds=per_collective | dict(parts.sends),
+        tensor_parallel=plan.mesh.axes_size(tp_axes) if tp_axes else 1,
+        cost=parts.cost,
+        pipeline=parts.pipeline,
+    )
