@@ -29,125 +29,32 @@ each other activations: ``send_recv`` bytes, point to point, counted once by the
 from __future__ import annotations
 
 import math
-from collections import Counter, defaultdict
-from collections.abc import Callable, Hashable, Mapping
-from typing import TYPE_CHECKING, Any, TypeAlias
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.layout import local_numel
 from functional_shard.core.spec import Owned, ParamSharding
-from functional_shard.core.tree import TensorSpec, dtype_from_name
+from functional_shard.core.tree import dtype_from_name
 from functional_shard.planning.plan_cost import Cost, OptimizerKind
-from functional_shard.planning.rules import sequence_gathers
 
-from .expert_cost import expert_comm, expert_grad_axes
+from .census import Census, census_of, grouped, zero1_owners
+from .comm_cost import Comm, activation_comm, compute_itemsize, parameter_comm, pipeline_comm
+from .expert_cost import expert_comm
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan import Plan
 
-__all__ = ["Cost", "OptimizerKind", "cost", "unit_gathered", "zero1_owners"]
+__all__ = ["Cost", "OptimizerKind", "cost", "unit_gathered"]
 
 # torch's Adam/AdamW keep exp_avg and exp_avg_sq in the parameter's dtype, plus a
 # float32 scalar "step" tensor per parameter.
 _OPTIMIZERS: dict[str, tuple[int, int]] = {"adamw": (2, 4), "adam": (2, 4), "sgd": (0, 0)}
 
 
-def zero1_owners(plan: Plan) -> dict[str, int]:
-    """The rank index (along the ZeRO-1 axis) that owns each parameter's optimizer state.
-
-    ZeroRedundancyOptimizer sorts parameters by size, largest first (a stable sort, so
-    ties keep model order), and gives each to the rank with the fewest elements so far.
-    Under a pipeline each pp rank's optimizer partitions its own stages' parameters.
-    """
-    owned = [(path, s.optim) for path, s in plan.params.items() if isinstance(s.optim, Owned)]
-    if not owned:
-        return {}
-    n = plan.mesh[owned[0][1].axis]
-    loads: dict[Any, list[int]] = {}
-    owners = {}
-    for path, optim in sorted(owned, key=lambda item: plan.tensors[item[0]].numel, reverse=True):
-        stage_loads = loads.setdefault(optim.on, [0] * n)
-        rank = stage_loads.index(min(stage_loads))
-        owners[path] = rank
-        stage_loads[rank] += plan.tensors[path].numel
-    return owners
-
-
-class _Comm:
-    def __init__(self) -> None:
-        self.bytes: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-
-    def add(self, kind: str, axes: tuple[str, ...], n: int, full_bytes: float, times: int = 1) -> None:
-        if n <= 1 or full_bytes == 0:
-            return
-        factor = 2 if kind == "all_reduce" else 1
-        self.bytes[kind][",".join(axes)] += times * factor * (n - 1) / n * full_bytes
-
-    def result(self) -> dict[str, dict[str, float]]:
-        return {kind: dict(by_axis) for kind, by_axis in self.bytes.items()}
-
-
-def _itemsize(name: str | None, tensor: TensorSpec) -> int:
-    return dtype_from_name(name).itemsize if name else tensor.itemsize
-
-
-_Census: TypeAlias = list[tuple[TensorSpec, ParamSharding, str, int, int]]
-
-
-def _census(plan: Plan, owners: Mapping[str, int]) -> _Census:
-    """(tensor, sharding, FSDP unit, ZeRO-1 owner or -1, count) for the plan's parameters.
-
-    Big models repeat a few (shape, dtype, sharding) combinations across their blocks;
-    counting them once each keeps the cost model's time in the distinct ones. shard()
-    gives the tensors of blocks alike one TensorSpec and one ParamSharding object, so
-    counting by identity saves hashing specs per parameter. Each parameter's unit is
-    `Plan.unit_of`, worked out once per enclosing module.
-    """
-    tensors, aliases = plan.tensors, plan.aliases
-    units = set(plan.config.units)
-    unit_by_module: dict[str, str] = {"": ""}
-
-    def unit_of_module(module_path: str) -> str:
-        # the innermost unit enclosing a module: its own path, or its parent's unit
-        unit = unit_by_module.get(module_path)
-        if unit is None:
-            unit = unit_by_module[module_path] = (
-                module_path if module_path in units else unit_of_module(module_path.rpartition(".")[0])
-            )
-        return unit
-
-    by_identity: dict[tuple[int, int, str, int], list[Any]] = {}
-    for path, sharding in plan.params.items():
-        unit = plan.unit_of(path) if path in aliases else unit_of_module(path.rpartition(".")[0])
-        tensor = tensors[path]
-        key = (id(tensor), id(sharding), unit, owners.get(path, -1) if owners else -1)
-        entry = by_identity.get(key)
-        if entry is None:
-            by_identity[key] = [tensor, sharding, unit, key[3], 1]
-        else:
-            entry[4] += 1
-    return [(t, s, unit, owner, count) for t, s, unit, owner, count in by_identity.values()]
-
-
-def _grouped(
-    census: _Census, extra: Callable[[ParamSharding, str, int], Hashable]
-) -> Counter[tuple[Any, ...]]:
-    by_identity: dict[tuple[int, int, Hashable], list[Any]] = {}
-    for tensor, sharding, unit, owner, count in census:
-        key = (id(tensor), id(sharding), extra(sharding, unit, owner))
-        entry = by_identity.get(key)
-        if entry is None:
-            by_identity[key] = [tensor, sharding, key[2], count]
-        else:
-            entry[3] += count
-    grouped: Counter[tuple[Any, ...]] = Counter()
-    for tensor, sharding, more, count in by_identity.values():
-        grouped[(tensor.shape, tensor.itemsize, sharding, more)] += count
-    return grouped
-
-
 def _memory(
-    plan: Plan, coords: Mapping[str, int], optimizer: OptimizerKind, census: _Census, buffers: bool = True
+    plan: Plan, coords: Mapping[str, int], optimizer: OptimizerKind, census: Census, buffers: bool = True
 ) -> dict[str, int]:
     if isinstance(optimizer, str) and optimizer not in _OPTIMIZERS:
         raise ShardingError(
@@ -159,7 +66,7 @@ def _memory(
         return isinstance(optim, Owned) and owner == coords[optim.axis] and optim.holds(coords)
 
     params = grads = optim = 0
-    for (shape, itemsize, sharding, owned), count in _grouped(census, owns).items():
+    for (shape, itemsize, sharding, owned), count in grouped(census, owns).items():
         if not sharding.storage.holds(coords):  # another stage's: not even a step counter
             continue
         padded = sharding.at_rest_axes
@@ -191,7 +98,7 @@ def _state_bytes(numel: int, itemsize: int, optimizer: OptimizerKind) -> int:
 
 
 def _worst_memory(
-    plan: Plan, candidates: list[dict[str, int]], optimizer: OptimizerKind, census: _Census
+    plan: Plan, candidates: list[dict[str, int]], optimizer: OptimizerKind, census: Census
 ) -> tuple[dict[str, int], dict[str, int]]:
     """The heaviest candidate rank's memory, and its coordinates (the first one on ties).
 
@@ -235,7 +142,7 @@ def _worst_memory(
 
 
 def unit_gathered(
-    plan: Plan, census: _Census | None = None, coords: Mapping[str, int] | None = None
+    plan: Plan, census: Census | None = None, coords: Mapping[str, int] | None = None
 ) -> dict[str, int]:
     """Bytes each FSDP unit ("" is the root) holds while all-gathered, in the gather dtype.
 
@@ -248,7 +155,7 @@ def unit_gathered(
         >>> unit_gathered(plan)
         {'0': 80}
     """
-    census = _census(plan, {}) if census is None else census
+    census = census_of(plan, {}) if census is None else census
     origin = dict.fromkeys(plan.mesh.axis_names, 0)
     held = origin if coords is None else coords
     param_size = dtype_from_name(plan.config.param_dtype).itemsize if plan.config.param_dtype else None
@@ -271,179 +178,12 @@ def unit_gathered(
     return dict(per_unit)
 
 
-def _gathered(plan: Plan, census: _Census, coords: Mapping[str, int]) -> int:
+def _gathered(plan: Plan, census: Census, coords: Mapping[str, int]) -> int:
     per_unit = unit_gathered(plan, census, coords)
     root = per_unit.pop("", 0)
     if not plan.config.reshard_after_forward:  # ZeRO-2: every unit stays gathered until backward
         return root + sum(per_unit.values())
     return root + max(per_unit.values(), default=0)
-
-
-def _parameter_comm(plan: Plan, comm: _Comm, census: _Census, held: Mapping[str, int]) -> None:
-    # rank 0 of every axis but the pp one: the first rank of the reported rank's stages
-    origin = {axis: 0 for axis in plan.mesh.axis_names} | (
-        {plan.config.pipeline_axis: held[plan.config.pipeline_axis]} if plan.config.pipeline_axis else {}
-    )
-    config = plan.config
-    data_axes = config.data_axes
-    param_size = dtype_from_name(config.param_dtype).itemsize if config.param_dtype else None
-    reduce_size = dtype_from_name(config.reduce_dtype).itemsize if config.reduce_dtype else None
-
-    def gathers(_: ParamSharding, unit: str, __: int) -> int:
-        # FSDP2 keeps the root gathered from forward to backward
-        return 2 if config.reshard_after_forward and unit != "" else 1
-
-    for (shape, itemsize, sharding, times), count in _grouped(census, gathers).items():
-        if not sharding.storage.holds(origin):
-            continue
-        padded = sharding.at_rest_axes
-        at_rest = tuple(a for a in sharding.storage.axes if a in padded)
-        if at_rest:
-            n = plan.mesh.axes_size(at_rest)
-            shard = local_numel(shape, sharding.storage, plan.mesh, origin, padded)
-            comm.add("all_gather", at_rest, n, n * shard * (param_size or itemsize), times * count)
-        # an expert tensor's gradient is complete over the expert axis (expert_cost)
-        grad_axes = expert_grad_axes(plan, sharding, tuple(a for a in sharding.grad.axes if a in data_axes))
-        grad_bytes = local_numel(shape, sharding.grad, plan.mesh, origin, padded) * (reduce_size or itemsize)
-        if grad_axes:
-            n = plan.mesh.axes_size(grad_axes)
-            comm.add("reduce_scatter", grad_axes, n, n * grad_bytes, count)
-        replicas = expert_grad_axes(plan, sharding, tuple(a for a in data_axes if a not in grad_axes))
-        if replicas:
-            comm.add("all_reduce", replicas, plan.mesh.axes_size(replicas), grad_bytes, count)
-        if isinstance(sharding.optim, Owned):
-            axis = sharding.optim.axis
-            comm.add("broadcast", (axis,), plan.mesh[axis], math.prod(shape) * itemsize, count)
-    # (no buffer traffic: apply's DDP, torch's composable replicate, hands DDP the
-    # parameters only, so buffers are never broadcast; measured)
-    _sequence_parallel_grad_comm(plan, comm, param_size, origin)
-
-
-def _sequence_parallel_grad_comm(
-    plan: Plan, comm: _Comm, param_size: int | None, held: Mapping[str, int]
-) -> None:
-    # a sequence-parallel module (a norm) keeps its weight whole on every tensor-parallel
-    # rank but sees only this rank's tokens: its gradient is a partial sum, all-reduced
-    # whole over the tensor-parallel axes once (by FSDP2 before it reduces; without FSDP2,
-    # by apply's gradient hook)
-    axes = plan.config.tensor_parallel_axes
-    n = plan.mesh.axes_size(axes)
-    # (a replicate_grad_allreduce module, a per-head norm, likewise sees this rank's heads,
-    # with or without sequence parallel)
-    partial_styles = ("sequence", "replicate_grad_allreduce") if plan.config.sequence_parallel else ()
-    sequence_modules = {
-        path
-        for path, style, _ in plan.config.tp_styles
-        if style in (*partial_styles, "replicate_grad_allreduce")
-    }
-    if not sequence_modules:
-        return
-    for path, sharding in plan.params.items():
-        if path.rpartition(".")[0] in sequence_modules and sharding.storage.holds(held):
-            tensor = plan.tensors[path]
-            comm.add("all_reduce", axes, n, tensor.numel * (param_size or tensor.itemsize))
-
-
-def _activation_comm(plan: Plan, comm: _Comm, tokens: int, held: Mapping[str, int]) -> None:
-    # Per styled module, as torch's styles issue them (tied modules included): a colwise
-    # Linear all-reduces its input gradient in backward (tokens x in_features), a rowwise
-    # Linear or vocabulary-split Embedding all-reduces its output in forward, a dim-split
-    # Embedding and a colwise_gather Linear all-gather their output. A rowwise_split_input
-    # Linear slices its whole input (no traffic) and so all-gathers the input gradient in
-    # backward. Sequence parallel swaps each all-reduce for an all-gather plus a
-    # reduce-scatter of the same size. (A replicate_grad_allreduce module moves no
-    # activations; its gradient all-reduce is a gradient collective.) Hugging Face's Conv1D
-    # stores its weight (in, out) and moves what a Linear would; a packed_colwise layer
-    # moves what a colwise one does, and all-gathers its whole bias's gradient over the
-    # tensor-parallel ranks in backward (each rank slices its pieces of it in forward).
-    # Under sequence parallel a module holding column-split layers (attention, MLP) gathers
-    # its input once on entry (`rules.sequence_gathers`), and reduce-scatters its gradient
-    # once in backward, for all the layers inside: counted with the first of them.
-    sequence = plan.config.sequence_parallel
-    gathered = set(sequence_gathers(plan.config.tp_styles)) if sequence else set()
-    counted: set[str] = set()
-    for module_path, style, kind in plan.config.tp_styles:
-        if style in ("sequence", "replicate", "replicate_grad_allreduce") or kind == "experts":
-            continue  # (an experts module's traffic: expert_cost)
-        weight = plan.canonical(f"{module_path}.weight")
-        tensor, compute = plan.tensors[weight], plan.sharding(weight).compute
-        if not compute.holds(held):  # another stage's module
-            continue
-        axes = tuple(a for a in compute.axes)
-        n = plan.mesh.axes_size(axes)
-        per_token = _itemsize(plan.config.param_dtype, tensor) * tokens
-        out_features, in_features = tensor.shape[::-1] if kind == "conv1d" else tensor.shape
-        if style == "packed_colwise" and f"{module_path}.bias" in plan.tensors:
-            bias = plan.tensors[f"{module_path}.bias"]
-            size = _itemsize(plan.config.param_dtype, bias)
-            comm.add("all_gather", axes, n, -(-bias.numel // n) * n * size)
-        if kind == "embedding":
-            if style == "rowwise":
-                reductions = [in_features]  # the embedding dim of the (num, dim) table
-                gathers = []
-            else:
-                reductions, gathers = [], [in_features]
-        else:
-            rowwise = style in ("rowwise", "rowwise_split_input")
-            reductions = [out_features] if rowwise else [in_features]
-            parent = module_path.rpartition(".")[0]
-            if not rowwise and parent in gathered:
-                reductions = [] if parent in counted else [in_features]
-                counted.add(parent)
-            gathers = [out_features] if style == "colwise_gather" else []
-            if style == "rowwise_split_input":
-                gathers.append(in_features)
-        for features in reductions:
-            if sequence:
-                comm.add("all_gather", axes, n, features * per_token)
-                comm.add("reduce_scatter", axes, n, features * per_token)
-            else:
-                comm.add("all_reduce", axes, n, features * per_token)
-        for features in gathers:  # DTensor pads an uneven split inside the all-gather
-            comm.add("all_gather", axes, n, -(-features // n) * n * per_token)
-
-
-def _compute_itemsize(plan: Plan) -> int:
-    """Bytes per element of the activations stages send: the mixed-precision dtype, else the model's."""
-    first = next(iter(plan.tensors.values()), None)
-    if plan.config.param_dtype:
-        return dtype_from_name(plan.config.param_dtype).itemsize
-    return first.itemsize if first is not None else 4
-
-
-def _pipeline_comm(plan: Plan, comm: _Comm, tokens: int, held: Mapping[str, int]) -> dict[int, float]:
-    """Bytes crossing each stage boundary per step, each way; adds what ``held``'s rank sends.
-
-    A boundary carries the sending stage's output for every token of the step (all
-    micro-batches together): ``tokens × features × itemsize`` forward, and as many bytes
-    of its gradient backward. Both stages on one rank (a V's turn) send nothing. Under
-    sequence parallel the hidden states between blocks are split along the sequence over
-    the tensor-parallel axes, and each tensor-parallel rank sends its own slice.
-    """
-    from functional_shard.planning.stages import stage_rank
-
-    config = plan.config
-    axis = config.pipeline_axis
-    if axis is None:
-        return {}
-    pp, per_rank, schedule = plan.mesh[axis], config.stages_per_rank, config.pipeline_schedule
-    itemsize = _compute_itemsize(plan)
-    # the planner refuses a sequence the tp size does not divide, so the slices are equal
-    slices = plan.mesh.axes_size(config.tensor_parallel_axes) if config.sequence_parallel else 1
-    boundaries: dict[int, float] = {}
-    sent = 0.0
-    for stage, features in enumerate(config.boundary_features):
-        source, target = (
-            stage_rank(stage, pp, per_rank, schedule),
-            stage_rank(stage + 1, pp, per_rank, schedule),
-        )
-        crossing = 0.0 if source == target else float(tokens * features * itemsize) / slices
-        boundaries[stage] = crossing
-        if held[axis] in (source, target):  # activations out of source, gradients out of target
-            sent += crossing
-    if sent:
-        comm.bytes["send_recv"][axis] += sent
-    return boundaries
 
 
 def _stage_memory(
@@ -528,7 +268,7 @@ def cost(
         ({0: 262144.0}, 262144.0)
     """
     owners = zero1_owners(plan)
-    census = _census(plan, owners)
+    census = census_of(plan, owners)
     if rank is not None:
         memory, coords = _worst_memory(plan, [plan.mesh.coords(rank)], optimizer, census)
         gathered = _gathered(plan, census, coords)
@@ -556,13 +296,13 @@ def cost(
         if offloaded:
             host += memory[key]
             memory[key] = 0
-    comm = _Comm()
-    _parameter_comm(plan, comm, census, coords)
+    comm = Comm()
+    parameter_comm(plan, comm, census, coords)
     boundaries: dict[int, float] = {}
     if tokens is not None:
-        _activation_comm(plan, comm, tokens, coords)
-        expert_comm(plan, tokens, _compute_itemsize(plan), comm.add, coords)
-        boundaries = _pipeline_comm(plan, comm, tokens, coords)
+        activation_comm(plan, comm, tokens, coords)
+        expert_comm(plan, tokens, compute_itemsize(plan), comm.add, coords)
+        boundaries = pipeline_comm(plan, comm, tokens, coords)
     return Cost(
         rank=plan.mesh.rank(coords),
         params_bytes=memory["params"],

@@ -1,0 +1,100 @@
+"""A plan's parameters counted once per kind: the census both halves of the cost model read.
+
+Big models repeat a few (shape, dtype, sharding) combinations across their blocks; the
+memory (`functional_shard.costing.cost`) and the traffic (`comm_cost`) are summed over
+these kinds, each with its count. Also who owns ZeRO-1's optimizer state.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Hashable, Mapping
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+from functional_shard.core.spec import Owned, ParamSharding
+from functional_shard.core.tree import TensorSpec, dtype_from_name
+
+if TYPE_CHECKING:
+    from functional_shard.planning.plan import Plan
+
+__all__ = ["Census", "census_of", "grouped", "itemsize_of", "zero1_owners"]
+
+
+def zero1_owners(plan: Plan) -> dict[str, int]:
+    """The rank index (along the ZeRO-1 axis) that owns each parameter's optimizer state.
+
+    ZeroRedundancyOptimizer sorts parameters by size, largest first (a stable sort, so
+    ties keep model order), and gives each to the rank with the fewest elements so far.
+    Under a pipeline each pp rank's optimizer partitions its own stages' parameters.
+    """
+    owned = [(path, s.optim) for path, s in plan.params.items() if isinstance(s.optim, Owned)]
+    if not owned:
+        return {}
+    n = plan.mesh[owned[0][1].axis]
+    loads: dict[Any, list[int]] = {}
+    owners = {}
+    for path, optim in sorted(owned, key=lambda item: plan.tensors[item[0]].numel, reverse=True):
+        stage_loads = loads.setdefault(optim.on, [0] * n)
+        rank = stage_loads.index(min(stage_loads))
+        owners[path] = rank
+        stage_loads[rank] += plan.tensors[path].numel
+    return owners
+
+
+def itemsize_of(name: str | None, tensor: TensorSpec) -> int:
+    """Bytes per element: of the dtype ``name`` (mixed precision's) if given, else the tensor's own."""
+    return dtype_from_name(name).itemsize if name else tensor.itemsize
+
+
+Census: TypeAlias = list[tuple[TensorSpec, ParamSharding, str, int, int]]
+
+
+def census_of(plan: Plan, owners: Mapping[str, int]) -> Census:
+    """(tensor, sharding, FSDP unit, ZeRO-1 owner or -1, count) for the plan's parameters.
+
+    Big models repeat a few (shape, dtype, sharding) combinations across their blocks;
+    counting them once each keeps the cost model's time in the distinct ones. shard()
+    gives the tensors of blocks alike one TensorSpec and one ParamSharding object, so
+    counting by identity saves hashing specs per parameter. Each parameter's unit is
+    `Plan.unit_of`, worked out once per enclosing module.
+    """
+    tensors, aliases = plan.tensors, plan.aliases
+    units = set(plan.config.units)
+    unit_by_module: dict[str, str] = {"": ""}
+
+    def unit_of_module(module_path: str) -> str:
+        # the innermost unit enclosing a module: its own path, or its parent's unit
+        unit = unit_by_module.get(module_path)
+        if unit is None:
+            unit = unit_by_module[module_path] = (
+                module_path if module_path in units else unit_of_module(module_path.rpartition(".")[0])
+            )
+        return unit
+
+    by_identity: dict[tuple[int, int, str, int], list[Any]] = {}
+    for path, sharding in plan.params.items():
+        unit = plan.unit_of(path) if path in aliases else unit_of_module(path.rpartition(".")[0])
+        tensor = tensors[path]
+        key = (id(tensor), id(sharding), unit, owners.get(path, -1) if owners else -1)
+        entry = by_identity.get(key)
+        if entry is None:
+            by_identity[key] = [tensor, sharding, unit, key[3], 1]
+        else:
+            entry[4] += 1
+    return [(t, s, unit, owner, count) for t, s, unit, owner, count in by_identity.values()]
+
+
+def grouped(census: Census, extra: Callable[[ParamSharding, str, int], Hashable]) -> Counter[tuple[Any, ...]]:
+    """Count the census by kind: (shape, itemsize, sharding, ``extra`` of each) -> how many."""
+    by_identity: dict[tuple[int, int, Hashable], list[Any]] = {}
+    for tensor, sharding, unit, owner, count in census:
+        key = (id(tensor), id(sharding), extra(sharding, unit, owner))
+        entry = by_identity.get(key)
+        if entry is None:
+            by_identity[key] = [tensor, sharding, key[2], count]
+        else:
+            entry[3] += count
+    grouped: Counter[tuple[Any, ...]] = Counter()
+    for tensor, sharding, more, count in by_identity.values():
+        grouped[(tensor.shape, tensor.itemsize, sharding, more)] += count
+    return grouped
