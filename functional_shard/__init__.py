@@ -46,9 +46,9 @@ if TYPE_CHECKING:
     from .costing.hardware import hardware as hardware
     from .frontends import demo as demo
     from .planning import rules as rules
-    from .planning.plan import Change as Change
     from .planning.plan import Plan as Plan
-    from .planning.plan import PlanConfig as PlanConfig
+    from .planning.plan_config import Change as Change
+    from .planning.plan_config import PlanConfig as PlanConfig
     from .planning.plan_cost import Cost as Cost
     from .planning.planner import shard as shard
     from .planning.policy import Policy as Policy
@@ -146,9 +146,9 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "ActivationTrace": ("costing.activations", "ActivationTrace"),
     "trace_activations": ("costing.activations", "trace_activations"),
     "Mesh": ("core.mesh", "Mesh"),
-    "Change": ("planning.plan", "Change"),
+    "Change": ("planning.plan_config", "Change"),
     "Plan": ("planning.plan", "Plan"),
-    "PlanConfig": ("planning.plan", "PlanConfig"),
+    "PlanConfig": ("planning.plan_config", "PlanConfig"),
     "shard": ("planning.planner", "shard"),
     "Policy": ("planning.policy", "Policy"),
     "checkpointing": ("planning.policy_builders", "checkpointing"),
