@@ -18,6 +18,7 @@ The constructors (`fsdp`, `tp`, ...) are in `functional_shard.planning.policy_bu
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, TypeAlias
@@ -27,7 +28,7 @@ from functional_shard.core.mesh import Mesh
 from functional_shard.core.spec import Owned, P, ParamSharding
 from functional_shard.core.tree import Pattern, TensorSpec
 
-from .rules import Rules, resolve
+from .rules import Rules, index_free, resolve
 from .styles import StyleError
 
 __all__ = [
@@ -86,14 +87,20 @@ class DataParallel:
         """The sharding this layer gives one parameter."""
         if not self.shard_axes:
             return None
-        if self.kind == "zero1":
-            return ParamSharding(optim=Owned(self.shard_axes[0]))
-        if tensor.ndim == 0:
-            # a 0-d tensor (a CLIP-style logit_scale) has no dim to shard: it stays whole on
-            # every rank and its gradient is all-reduced over the data axes, as under DDP
-            return ParamSharding.replicated()
-        split = P(self.shard_axes)
-        return ParamSharding(storage=split, compute=P(), grad=split, optim=split)
+        return _data_parallel_answer(self.kind == "zero1", self.shard_axes, tensor.ndim == 0)
+
+
+@functools.lru_cache(maxsize=256)
+def _data_parallel_answer(zero1: bool, shard_axes: tuple[str, ...], scalar: bool) -> ParamSharding:
+    # one object per answer (a model has a few): merging and checking it is a cache hit
+    if zero1:
+        return ParamSharding(optim=Owned(shard_axes[0]))
+    if scalar:
+        # a 0-d tensor (a CLIP-style logit_scale) has no dim to shard: it stays whole on
+        # every rank and its gradient is all-reduced over the data axes, as under DDP
+        return ParamSharding.replicated()
+    split = P(shard_axes)
+    return ParamSharding(storage=split, compute=P(), grad=split, optim=split)
 
 
 class _OnOneAxis:
@@ -217,9 +224,7 @@ class ExpertParallel:
     @property
     def index_free(self) -> bool:
         """Whether every pattern selects the same tensors in every repeated block."""
-        return self.experts is not None and all(
-            isinstance(p, str) and not set("0123456789?[") & set(p) for p in self.experts
-        )
+        return self.experts is not None and all(index_free(p) for p in self.experts)
 
     def selects(self, path: str) -> bool:
         """Whether the parameter at ``path`` is an expert tensor of this layer."""

@@ -79,6 +79,24 @@ class Rule:
         return expand_style(self.target, path, tensor, axis)
 
 
+# A glob of these characters can tell one block index from another (``layers.3.*``,
+# ``layers.?.*``); any other glob matches ``layers.3.x`` exactly when it matches
+# ``layers.7.x``: its literals cannot match the digits, so only a ``*`` spans them.
+_INDEX_SENSITIVE = frozenset("0123456789?[")
+
+
+def index_free(pattern: Pattern) -> bool:
+    """Whether ``pattern`` matches alike in every repeated block (``layers.3.x`` as ``layers.7.x``).
+
+    A compiled regex is never taken to be.
+
+    Examples:
+        >>> index_free("*.q_proj"), index_free("layers.?.q_proj"), index_free(re.compile("x"))
+        (True, False, False)
+    """
+    return isinstance(pattern, str) and not _INDEX_SENSITIVE.intersection(pattern)
+
+
 @functools.lru_cache(maxsize=1024)
 def _covering(pattern: Pattern) -> re.Pattern[str]:
     # "matches the path or an enclosing module path" as one regex: the pattern, then
