@@ -29,6 +29,7 @@ from functional_shard.zoo import llama
 MESH = fs.Mesh(rep=4, dp=32, tp=8)
 POLICY = fs.hsdp("rep", "dp") + fs.tp(fs.rules.llama, "tp")
 REPEATS = 5  # best of 5 per side: the 2-core machine is shared, load only adds time
+TARGET_RATIO = 100  # issue #21: planning at least 100x faster than torch laying out the same plan
 PYTREE_REPEATS = 3
 
 
@@ -89,8 +90,11 @@ def main() -> None:
     print(f"Llama-70B shape on {MESH!r} ({MESH.size} devices), hsdp + tp, best of {REPEATS}:")
     print(f"  functional_shard shard()+cost()   {plan_s * 1000:8.1f} ms")
     print(f"  torch parallelize+fully_shard     {torch_s * 1000:8.1f} ms (fake process group, meta)")
-    print(f"  ratio torch / plan                {torch_s / plan_s:8.1f}x   (target >= 100x)")
+    ratio = torch_s / plan_s
+    print(f"  ratio torch / plan                {ratio:8.1f}x   (target >= {TARGET_RATIO}x)")
     print(f"  ratio of the medians              {median_ratio:8.1f}x")
+    verdict = "met" if min(ratio, median_ratio) >= TARGET_RATIO else "NOT met"
+    print(f"  target (planning >= {TARGET_RATIO}x faster than torch's layout): {verdict}")
     print("\npytrees, shard()+cost() time per leaf:")
     base = None
     for leaves in (10_000, 30_000, 100_000):

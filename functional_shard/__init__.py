@@ -46,23 +46,23 @@ if TYPE_CHECKING:
     from .costing.hardware import hardware as hardware
     from .frontends import demo as demo
     from .planning import rules as rules
-    from .planning.plan import Change as Change
     from .planning.plan import Plan as Plan
-    from .planning.plan import PlanConfig as PlanConfig
+    from .planning.plan_config import Change as Change
+    from .planning.plan_config import PlanConfig as PlanConfig
     from .planning.plan_cost import Cost as Cost
     from .planning.planner import shard as shard
     from .planning.policy import Policy as Policy
-    from .planning.policy import checkpointing as checkpointing
-    from .planning.policy import ep as ep
-    from .planning.policy import fsdp as fsdp
-    from .planning.policy import hsdp as hsdp
-    from .planning.policy import mixed_precision as mixed_precision
-    from .planning.policy import offload as offload
-    from .planning.policy import pipeline as pipeline
-    from .planning.policy import replicate as replicate
-    from .planning.policy import tp as tp
-    from .planning.policy import zero as zero
-    from .planning.policy_text import format_policy as format_policy
+    from .planning.policy_builders import checkpointing as checkpointing
+    from .planning.policy_builders import ep as ep
+    from .planning.policy_builders import fsdp as fsdp
+    from .planning.policy_builders import hsdp as hsdp
+    from .planning.policy_builders import mixed_precision as mixed_precision
+    from .planning.policy_builders import offload as offload
+    from .planning.policy_builders import pipeline as pipeline
+    from .planning.policy_builders import replicate as replicate
+    from .planning.policy_builders import tp as tp
+    from .planning.policy_builders import zero as zero
+    from .planning.policy_format import format_policy as format_policy
     from .planning.policy_text import parse_policy as parse_policy
     from .planning.rules import Rule as Rule
     from .planning.rules import Rules as Rules
@@ -146,22 +146,22 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "ActivationTrace": ("costing.activations", "ActivationTrace"),
     "trace_activations": ("costing.activations", "trace_activations"),
     "Mesh": ("core.mesh", "Mesh"),
-    "Change": ("planning.plan", "Change"),
+    "Change": ("planning.plan_config", "Change"),
     "Plan": ("planning.plan", "Plan"),
-    "PlanConfig": ("planning.plan", "PlanConfig"),
+    "PlanConfig": ("planning.plan_config", "PlanConfig"),
     "shard": ("planning.planner", "shard"),
     "Policy": ("planning.policy", "Policy"),
-    "checkpointing": ("planning.policy", "checkpointing"),
-    "ep": ("planning.policy", "ep"),
-    "fsdp": ("planning.policy", "fsdp"),
-    "hsdp": ("planning.policy", "hsdp"),
-    "mixed_precision": ("planning.policy", "mixed_precision"),
-    "offload": ("planning.policy", "offload"),
-    "pipeline": ("planning.policy", "pipeline"),
-    "replicate": ("planning.policy", "replicate"),
-    "tp": ("planning.policy", "tp"),
-    "zero": ("planning.policy", "zero"),
-    "format_policy": ("planning.policy_text", "format_policy"),
+    "checkpointing": ("planning.policy_builders", "checkpointing"),
+    "ep": ("planning.policy_builders", "ep"),
+    "fsdp": ("planning.policy_builders", "fsdp"),
+    "hsdp": ("planning.policy_builders", "hsdp"),
+    "mixed_precision": ("planning.policy_builders", "mixed_precision"),
+    "offload": ("planning.policy_builders", "offload"),
+    "pipeline": ("planning.policy_builders", "pipeline"),
+    "replicate": ("planning.policy_builders", "replicate"),
+    "tp": ("planning.policy_builders", "tp"),
+    "zero": ("planning.policy_builders", "zero"),
+    "format_policy": ("planning.policy_format", "format_policy"),
     "parse_policy": ("planning.policy_text", "parse_policy"),
     "Rule": ("planning.rules", "Rule"),
     "Rules": ("planning.rules", "Rules"),

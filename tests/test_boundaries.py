@@ -247,10 +247,10 @@ def test_public_names_stay_themselves_whatever_loads_first():
 def test_restated_auto_wrap_constants_equal_torchs():
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
-    from functional_shard.planning import planner
+    from functional_shard.planning import fsdp_units
 
-    assert set(planner._EXCLUDE_WRAP_MODULES) == size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES
-    assert set(planner._FORCE_LEAF_MODULES) == size_based_auto_wrap_policy.FORCE_LEAF_MODULES
+    assert set(fsdp_units._EXCLUDE_WRAP_MODULES) == size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES
+    assert set(fsdp_units._FORCE_LEAF_MODULES) == size_based_auto_wrap_policy.FORCE_LEAF_MODULES
 
 
 def test_only_the_effect_modules_reach_process_groups():

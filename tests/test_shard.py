@@ -400,20 +400,20 @@ def test_a_near_repeat_is_planned_on_its_own(odd, rules):
 
 def test_repeated_blocks_are_planned_once(monkeypatch):
     """A Llama's blocks are alike: the planner places one block's tensors, then the rest."""
-    from functional_shard.planning import planner
+    from functional_shard.planning import block_reuse, planner
 
     with torch.device("meta"):
         model = llama("tiny")
     placed = []
-    original = planner._place
-    monkeypatch.setattr(planner, "_place", lambda *a: placed.append(a[1]) or original(*a))
+    original = block_reuse.place
+    monkeypatch.setattr(block_reuse, "place", lambda *a: placed.append(a[1]) or original(*a))
     policy = fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp")
     plan = fs.shard(model, MESH, policy)
     per_block = [n for n, _ in model.layers[0].named_parameters()]
     outside = [n for n in plan.params if not n.startswith("layers.")]
     assert len(model.layers) > 1
     assert len(placed) == len(per_block) + len(outside)
-    monkeypatch.setattr(planner, "_place", original)
+    monkeypatch.setattr(block_reuse, "place", original)
     assert plan == planner._shard(model, MESH, policy, reuse_blocks=False)
 
 

@@ -6,7 +6,7 @@ import functools
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
 from functional_shard.core import pytree as _pytree
@@ -18,99 +18,19 @@ from functional_shard.core.spec import P, ParamSharding
 from functional_shard.core.tree import TensorSpec, owner_paths
 from functional_shard.core.units import format_bytes as _bytes
 
+from .plan_config import Change, PlanConfig
 from .plan_cost import Cost, OptimizerKind
 
 __all__ = ["Change", "Plan", "PlanConfig"]
 
 FORMAT_VERSION = 1
+_SPECS = tuple(f.name for f in fields(ParamSharding))  # storage, compute, grad, optim: the table's columns
 
 
 @functools.lru_cache(maxsize=64)
 def _unit_set(units: tuple[str, ...]) -> frozenset[str]:
     # Plan.unit_of runs per parameter in the cost model and the search: one set per plan's units
     return frozenset(units)
-
-
-@dataclass(frozen=True, slots=True)
-class PlanConfig:
-    """Everything in a plan that is not per tensor: engines, units, options."""
-
-    data_parallel: str = "none"
-    """``none``, ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``fsdp`` or ``hsdp``."""
-    replicate_axes: tuple[str, ...] = ()
-    shard_axes: tuple[str, ...] = ()
-    tensor_parallel_axes: tuple[str, ...] = ()
-    sequence_parallel: bool = False
-    tp_styles: tuple[tuple[str, str, str], ...] = ()
-    """(module path, style, layout) for every module a tensor-parallel rule gave a style."""
-    reshard_after_forward: bool = True
-    units: tuple[str, ...] = ()
-    """FSDP units as module paths ("" is the root), outermost first."""
-    checkpointed: tuple[str, ...] = ()
-    """Module paths whose activations are recomputed in backward."""
-    checkpoint_policy: str = "full"
-    """``full`` (keep the inputs only) or ``selective`` (also keep matmul/attention outputs)."""
-    param_dtype: str | None = None
-    reduce_dtype: str | None = None
-    offload_params: bool = False
-    offload_grads: bool = False
-    offload_optimizer: bool = False
-    pipeline_axis: str | None = None
-    """The mesh axis whose ranks hold successive pipeline stages (``None``: no pipeline)."""
-    pipeline_stages: tuple[tuple[str, ...], ...] = ()
-    """Module paths of each stage, in stage order (see `functional_shard.planning.stages`)."""
-    pipeline_schedule: str = "1f1b"
-    microbatches: int = 1
-    stages_per_rank: int = 1
-    boundary_features: tuple[int, ...] = ()
-    """Per token, the features of the activation stage ``s`` sends to ``s + 1`` (one per boundary)."""
-    expert_axis: str | None = None
-    """The mesh axis whose ranks hold different experts (``None``: no expert parallelism)."""
-    expert_modules: tuple[str, ...] = ()
-    """Module paths holding the expert tensors split over ``expert_axis``, in module order."""
-    expert_top_k: int = 0
-    """Experts each token visits in the model's mixture-of-experts layers (0: none, or unknown)."""
-
-    @property
-    def data_axes(self) -> tuple[str, ...]:
-        """Axes the batch is split over: gradients are reduced over them."""
-        return self.replicate_axes + self.shard_axes
-
-    @property
-    def tensor_parallel_experts(self) -> tuple[str, ...]:
-        """Experts modules tensor parallel splits inside (style kind ``experts``), in plan order."""
-        return tuple(path for path, _, kind in self.tp_styles if kind == "experts")
-
-    def to_json(self) -> dict[str, Any]:
-        """The config as JSON."""
-
-        def lists(value: Any) -> Any:
-            return [lists(v) for v in value] if isinstance(value, tuple) else value
-
-        return {f.name: lists(getattr(self, f.name)) for f in fields(self)}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> PlanConfig:
-        """The inverse of `to_json`."""
-
-        def tuples(value: Any) -> Any:
-            return tuple(tuples(v) for v in value) if isinstance(value, list) else value
-
-        values: dict[str, Any] = {k: tuples(v) for k, v in data.items()}
-        return cls(**values)
-
-
-@dataclass(frozen=True, slots=True)
-class Change:
-    """One difference between two plans (see `Plan.diff`)."""
-
-    path: str
-    what: str
-    before: Any
-    after: Any
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.what} {self.before} -> {self.after}"
 
 
 @_pytree.dataclass
@@ -353,18 +273,8 @@ class Plan:
                 for key, count in grouped.values()
             ]
         staged = c.pipeline_axis is not None
-        header = (
-            "path",
-            *(("stage",) if staged else ()),
-            "shape",
-            "dtype",
-            "storage",
-            "compute",
-            "grad",
-            "optim",
-            "local (first holder)" if staged else "local (rank 0)",
-            "bytes/device",
-        )
+        local = "local (first holder)" if staged else "local (rank 0)"
+        header = ("path", *(("stage",) if staged else ()), "shape", "dtype", *_SPECS, local, "bytes/device")
         body = [(*row[:-1], _bytes(int(row[-1]))) for row in rows]
         widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
         line = "  ".join(f"{{:<{w}}}" for w in widths)

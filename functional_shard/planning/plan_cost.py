@@ -16,6 +16,9 @@ __all__ = ["Cost", "OptimizerKind"]
 
 OptimizerKind: TypeAlias = Literal["adamw", "adam", "sgd"] | float
 
+# the fields of `Cost` that add up to a device's memory
+_DEVICE_PARTS = ("params_bytes", "grads_bytes", "optimizer_bytes", "buffers_bytes", "gathered_bytes")
+
 
 @dataclass(frozen=True, slots=True)
 class Cost:
@@ -50,13 +53,7 @@ class Cost:
     @property
     def total_bytes(self) -> int:
         """Device memory: params, grads, optimizer state, buffers and gathered copies."""
-        return (
-            self.params_bytes
-            + self.grads_bytes
-            + self.optimizer_bytes
-            + self.buffers_bytes
-            + self.gathered_bytes
-        )
+        return sum(getattr(self, name) for name in _DEVICE_PARTS)
 
     @property
     def comm_total_bytes(self) -> float:
@@ -67,12 +64,7 @@ class Cost:
         """All fields, the derived totals included."""
         return {
             "rank": self.rank,
-            "params_bytes": self.params_bytes,
-            "grads_bytes": self.grads_bytes,
-            "optimizer_bytes": self.optimizer_bytes,
-            "buffers_bytes": self.buffers_bytes,
-            "gathered_bytes": self.gathered_bytes,
-            "host_bytes": self.host_bytes,
+            **{name: getattr(self, name) for name in (*_DEVICE_PARTS, "host_bytes")},
             "total_bytes": self.total_bytes,
             "comm_bytes": {k: dict(v) for k, v in self.comm_bytes.items()},
             "comm_total_bytes": self.comm_total_bytes,

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import ast
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,24 +42,13 @@ from torch import nn
 
 from functional_shard.core.errors import PolicyError, one_line
 
+from . import policy_builders as build
 from . import rules as rules_module
-from .policy import (
-    DataParallel,
-    ExpertParallel,
-    Pipeline,
-    Policy,
-    TensorParallel,
-    checkpointing,
-    ep,
-    fsdp,
-    hsdp,
-    mixed_precision,
-    offload,
-    pipeline,
-    replicate,
-    tp,
-    zero,
-)
+from .policy import Policy
+from .policy_builders import CHECKPOINT_POLICIES
+from .policy_format import OFFLOAD_PARTS, RULE_SETS
+from .policy_format import format_policy as format_policy
+from .rules import DEFERRED
 
 __all__ = ["FORMS", "format_policy", "parse_policy"]
 
@@ -73,8 +62,6 @@ FORMS = (
 )
 """The accepted forms, as every parse error lists them."""
 
-_RULE_SETS = ("llama", "gpt2", "gpt2_hf", "mlp")
-_RESOLVED_LATER = ("hf", "auto")  # tp() resolves these against the model at shard() time
 _DTYPES = {
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
@@ -85,9 +72,6 @@ _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
 }
-_SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-_OFFLOAD_PARTS = ("params", "grads", "optimizer")
-_CHECKPOINT_POLICIES = ("full", "selective")
 
 
 class _TextError(Exception):
@@ -246,11 +230,11 @@ def _data_parallel_options(call: _Call, resolver: _Resolver) -> dict[str, Any]:
 
 def _rule_set(value: _Value, node: ast.AST) -> Any:
     name = _text(value, "a rule set", node)
-    if name in _RULE_SETS:
+    if name in RULE_SETS:
         return getattr(rules_module, name)
-    if name in _RESOLVED_LATER:
+    if name in DEFERRED:
         return name
-    raise _TextError(node, f"unknown rule set {name!r}; use one of {', '.join(_RULE_SETS + _RESOLVED_LATER)}")
+    raise _TextError(node, f"unknown rule set {name!r}; use one of {', '.join(RULE_SETS + DEFERRED)}")
 
 
 def _tensor_parallel(call: _Call, sequence_parallel: bool) -> Policy:
@@ -264,7 +248,7 @@ def _tensor_parallel(call: _Call, sequence_parallel: bool) -> Policy:
     rules = _rule_set(call.args[0], call.node)
     axis = _text(call.args[1], "the tensor-parallel axis", call.node)
     try:
-        return tp(rules, axis, sequence_parallel=sequence_parallel)
+        return build.tp(rules, axis, sequence_parallel=sequence_parallel)
     except PolicyError as error:
         if isinstance(rules, str):
             raise _TextError(
@@ -286,11 +270,11 @@ def _checkpointing(call: _Call, resolver: _Resolver) -> Policy:
     _only(call, ("policy",))
     args = list(call.args)
     policy = "full"
-    if args and isinstance(args[-1], _Name) and args[-1].text in _CHECKPOINT_POLICIES:
+    if args and isinstance(args[-1], _Name) and args[-1].text in CHECKPOINT_POLICIES:
         policy = args.pop().text
     if "policy" in call.kwargs:
         policy = _text(call.kwargs["policy"], "the checkpointing policy", call.node)
-        if policy not in _CHECKPOINT_POLICIES:
+        if policy not in CHECKPOINT_POLICIES:
             raise _TextError(call.node, f"checkpointing policy {policy!r}: full or selective")
     if not args:
         raise _TextError(
@@ -298,24 +282,24 @@ def _checkpointing(call: _Call, resolver: _Resolver) -> Policy:
         )
     selectors = [resolver.selector(arg, call.node, "checkpointing") for arg in args]
     if policy == "full":
-        return checkpointing(*selectors)
-    if "policy" not in inspect.signature(checkpointing).parameters:
+        return build.checkpointing(*selectors)
+    if "policy" not in inspect.signature(build.checkpointing).parameters:
         raise _TextError(call.node, f"checkpointing policy {policy!r} is not available in this installation")
-    return checkpointing(*selectors, policy=policy)  # type: ignore[call-arg,unused-ignore]
+    return build.checkpointing(*selectors, policy=policy)  # type: ignore[call-arg,unused-ignore]
 
 
 def _offload(call: _Call) -> Policy:
-    _only(call, _OFFLOAD_PARTS)
+    _only(call, OFFLOAD_PARTS)
     if call.kwargs:
-        chosen = {part: _flag(call.kwargs.get(part, False), part, call.node) for part in _OFFLOAD_PARTS}
-        return offload(**chosen)
+        chosen = {part: _flag(call.kwargs.get(part, False), part, call.node) for part in OFFLOAD_PARTS}
+        return build.offload(**chosen)
     if not call.args:
-        return offload()
+        return build.offload()
     parts = [_text(arg, "an offloaded part", call.node) for arg in call.args]
-    unknown = [part for part in parts if part not in _OFFLOAD_PARTS]
+    unknown = [part for part in parts if part not in OFFLOAD_PARTS]
     if unknown:
-        raise _TextError(call.node, f"offload part {unknown[0]!r}: use any of {', '.join(_OFFLOAD_PARTS)}")
-    return offload(**{part: part in parts for part in _OFFLOAD_PARTS})
+        raise _TextError(call.node, f"offload part {unknown[0]!r}: use any of {', '.join(OFFLOAD_PARTS)}")
+    return build.offload(**{part: part in parts for part in OFFLOAD_PARTS})
 
 
 def _mixed_precision(call: _Call) -> Policy:
@@ -328,7 +312,7 @@ def _mixed_precision(call: _Call) -> Policy:
     if param is None:
         raise _TextError(call.node, "mixed_precision() needs a parameter dtype, e.g. mixed_precision(bf16)")
     reduce = _dtype(values["reduce"], call.node) if "reduce" in values else torch.float32
-    return mixed_precision(param, reduce)
+    return build.mixed_precision(param, reduce)
 
 
 def _pipeline(call: _Call) -> Policy:
@@ -353,7 +337,7 @@ def _pipeline(call: _Call) -> Policy:
         if not isinstance(split, tuple) or not all(isinstance(stage, tuple) for stage in split):
             raise _TextError(call.node, "split= is a tuple of stages, each a tuple of module paths")
         stages = [[_text(path, "a module path", call.node) for path in stage] for stage in split]
-    return pipeline(axis, schedule=schedule, split=stages, **counts)
+    return build.pipeline(axis, schedule=schedule, split=stages, **counts)
 
 
 def _term(call: _Call, resolver: _Resolver) -> Policy:
@@ -365,7 +349,7 @@ def _term(call: _Call, resolver: _Resolver) -> Policy:
             raise _TextError(
                 call.node, f"{name} takes no arguments; for other dtypes use mixed_precision(...)"
             )
-        return mixed_precision(_DTYPES[name], torch.float32)
+        return build.mixed_precision(_DTYPES[name], torch.float32)
     if name == "mixed_precision":
         return _mixed_precision(call)
     if name == "offload":
@@ -378,11 +362,11 @@ def _term(call: _Call, resolver: _Resolver) -> Policy:
         return _pipeline(call)
     if name in ("ddp", "replicate"):
         _only(call, ())
-        return replicate(_axes(args, call.node) or None)
+        return build.replicate(_axes(args, call.node) or None)
     if name == "fsdp":
         _only(call, ("reshard_after_forward", "min_params", "units"))
         axes = _axes(args, call.node) or ("dp",)
-        return fsdp(axes[0] if len(axes) == 1 else axes, **_data_parallel_options(call, resolver))
+        return build.fsdp(axes[0] if len(axes) == 1 else axes, **_data_parallel_options(call, resolver))
     if name == "hsdp":
         _only(call, ("reshard_after_forward", "min_params", "units"))
         if len(args) != 2:
@@ -390,7 +374,7 @@ def _term(call: _Call, resolver: _Resolver) -> Policy:
                 call.node, "hsdp() takes a replicate axis and a shard axis, e.g. hsdp(node, gpu)"
             )
         replicate_axis, shard_axis = (_axes([a], call.node) for a in args)
-        return hsdp(
+        return build.hsdp(
             replicate_axis[0] if len(replicate_axis) == 1 else replicate_axis,  # type: ignore[arg-type]
             shard_axis[0] if len(shard_axis) == 1 else shard_axis,  # type: ignore[arg-type]
             **_data_parallel_options(call, resolver),
@@ -399,14 +383,14 @@ def _term(call: _Call, resolver: _Resolver) -> Policy:
         _only(call, ())
         if not args or not isinstance(args[0], int) or isinstance(args[0], bool) or len(args) > 2:
             raise _TextError(call.node, "zero() takes a stage and an axis, e.g. zero(2, dp)")
-        return zero(args[0], _text(args[1], "the axis", call.node) if len(args) == 2 else "dp")  # type: ignore[arg-type]
+        return build.zero(args[0], _text(args[1], "the axis", call.node) if len(args) == 2 else "dp")  # type: ignore[arg-type]
     if name == "ep":
         _only(call, ("experts",))
         if len(args) > 1:
             raise _TextError(call.node, "ep() takes one axis, e.g. ep(dp)")
         experts = call.kwargs.get("experts")
         patterns = None if experts is None else _axes([experts], call.node)
-        return ep(_text(args[0], "the axis", call.node) if args else "ep", experts=patterns)
+        return build.ep(_text(args[0], "the axis", call.node) if args else "ep", experts=patterns)
     if name in ("zero1", "zero2", "zero3"):
         raise _TextError(call.node, f"write zero({name[-1]}, AXIS)")
     raise _TextError(call.node, f"unknown name {name!r}")
@@ -467,147 +451,3 @@ def parse_policy(text: str, model: nn.Module | None = None) -> Policy:
         where = f" in {part!r}" if part and part != source else ""
         raise PolicyError(f"policy {text!r}{where}: {problem.message}. Accepted: {FORMS}") from None
     return policy
-
-
-def _format_axes(axes: Sequence[str]) -> str:
-    return ", ".join(_format_name(axis) for axis in axes)
-
-
-def _format_name(name: str) -> str:
-    reserved = {"true", "false", "none", *_CHECKPOINT_POLICIES}
-    return name if name.isidentifier() and name.lower() not in reserved else repr(name)
-
-
-def _format_selector(selector: Any) -> str:
-    if isinstance(selector, type):
-        return selector.__name__
-    if isinstance(selector, str):
-        return repr(selector)
-    raise PolicyError(f"selector {selector!r} has no text form; use a module class or a glob pattern")
-
-
-def _format_data_parallel(layer: DataParallel) -> str:
-    extra = []
-    if layer.units is not None:
-        extra.append("units=(" + ", ".join(_format_selector(u) for u in layer.units) + ",)")
-    if layer.min_params is not None:
-        extra.append(f"min_params={layer.min_params}")
-    one_axis = len(layer.shard_axes) == 1
-    if layer.kind == "ddp":
-        return "ddp" if layer.replicate_axes is None else f"ddp({_format_axes(layer.replicate_axes)})"
-    if layer.kind in ("zero1", "zero3") or (layer.kind == "zero2" and one_axis and not extra):
-        return f"zero({layer.kind[-1]}, {_format_name(layer.shard_axes[0])})"
-    if not layer.reshard_after_forward:
-        extra.insert(0, "reshard_after_forward=false")
-    suffix = "".join(", " + e for e in extra)
-    if layer.kind == "hsdp":
-        replicate_axes = layer.replicate_axes or ()
-        parts = [
-            _format_axes(axes) if len(axes) == 1 else f"({_format_axes(axes)})"
-            for axes in (replicate_axes, layer.shard_axes)
-        ]
-        return f"hsdp({parts[0]}, {parts[1]}{suffix})"
-    return f"fsdp({_format_axes(layer.shard_axes)}{suffix})"
-
-
-def _format_tensor_parallel(layer: TensorParallel) -> str:
-    rules = layer.rules
-    name = rules if isinstance(rules, str) else getattr(rules, "name", None)
-    known = name in _RESOLVED_LATER or (name in _RULE_SETS and rules == getattr(rules_module, str(name)))
-    if not known:
-        raise PolicyError(
-            f"tp rules {name!r} have no text form: only the named sets "
-            f"{', '.join(_RULE_SETS + _RESOLVED_LATER)} can be written as text"
-        )
-    return f"{'sp' if layer.sequence_parallel else 'tp'}({name}, {_format_name(layer.axis)})"
-
-
-def _format_tuple(items: Iterable[str]) -> str:
-    listed = list(items)
-    return "(" + ", ".join(listed) + ("," if len(listed) == 1 else "") + ")"
-
-
-def _format_pipeline(layer: Pipeline) -> str:
-    parts = [_format_name(layer.axis), f"microbatches={layer.microbatches}"]
-    if layer.schedule != "1f1b":
-        parts.append(f"schedule={_format_name(layer.schedule)}")
-    if layer.stages_per_rank != 1:
-        parts.append(f"stages_per_rank={layer.stages_per_rank}")
-    if layer.split is not None:
-        parts.append("split=" + _format_tuple(_format_tuple(_format_name(p) for p in s) for s in layer.split))
-    return f"pipeline({', '.join(parts)})"
-
-
-def _format_expert_parallel(layer: ExpertParallel) -> str:
-    if layer.experts is None:
-        return f"ep({_format_name(layer.axis)})"
-    if not all(isinstance(p, str) for p in layer.experts):
-        raise PolicyError(f"{layer.name}: compiled expert patterns have no text form; use globs")
-    patterns = ", ".join(repr(p) for p in layer.experts)
-    return f"ep({_format_name(layer.axis)}, experts=({patterns},))"
-
-
-def format_policy(policy: Policy) -> str:
-    """The text `parse_policy` reads back as ``policy`` (the inverse, for policies text can say).
-
-    Args:
-        policy: the policy.
-
-    Returns:
-        Its text; ``parse_policy(format_policy(p), model) == p`` when ``model`` holds the
-        classes the policy names.
-
-    Raises:
-        PolicyError: a part with no text form (a policy function, a custom rule set).
-
-    Examples:
-        >>> fs.format_policy(fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp", sequence_parallel=True))
-        'fsdp(dp) + sp(llama, tp)'
-        >>> fs.format_policy(fs.zero(1, "dp") + fs.mixed_precision(torch.float16, None))
-        'zero(1, dp) + mixed_precision(fp16, none)'
-        >>> fs.format_policy(fs.pipeline("pp", microbatches=8, schedule="zbv", stages_per_rank=2))
-        'pipeline(pp, microbatches=8, schedule=zbv, stages_per_rank=2)'
-    """
-    terms: list[str] = []
-    for layer in policy.layers:
-        if isinstance(layer, DataParallel):
-            terms.append(_format_data_parallel(layer))
-        elif isinstance(layer, TensorParallel):
-            terms.append(_format_tensor_parallel(layer))
-        elif isinstance(layer, Pipeline):
-            terms.append(_format_pipeline(layer))
-        elif isinstance(layer, ExpertParallel):
-            terms.append(_format_expert_parallel(layer))
-        else:
-            raise PolicyError(f"policy layer {layer.name} is a function and has no text form")
-    options = policy.options
-    if options.param_dtype is not None:
-        param = _SHORT_DTYPE.get(options.param_dtype, options.param_dtype)
-        reduce = (
-            _SHORT_DTYPE.get(options.reduce_dtype, options.reduce_dtype) if options.reduce_dtype else "none"
-        )
-        if param in ("bf16", "fp16") and reduce == "fp32":
-            terms.append(param)
-        else:
-            terms.append(f"mixed_precision({param}, {reduce})")
-    elif options.reduce_dtype is not None:
-        raise PolicyError("a reduce dtype without a parameter dtype has no text form")
-    parts = [(part, getattr(options, f"offload_{part}")) for part in _OFFLOAD_PARTS]
-    if any(flag is not None for _, flag in parts):
-        if all(flag for _, flag in parts):
-            terms.append("offload")
-        elif any(flag for _, flag in parts):
-            terms.append("offload(" + ", ".join(part for part, flag in parts if flag) + ")")
-        else:
-            terms.append(
-                "offload(" + ", ".join(f"{part}={str(bool(flag)).lower()}" for part, flag in parts) + ")"
-            )
-    if options.checkpoint is not None:
-        selectors = ", ".join(_format_selector(s) for s in options.checkpoint)
-        checkpoint_policy = getattr(options, "checkpoint_policy", None) or "full"
-        terms.append(
-            f"checkpointing({selectors})"
-            if checkpoint_policy == "full"
-            else f"checkpointing({selectors}, {checkpoint_policy})"
-        )
-    return " + ".join(terms) or "none"

@@ -17,7 +17,7 @@ from functional_shard.core.errors import PolicyError, one_line
 from functional_shard.core.mesh import Mesh
 from functional_shard.core.tree import ModelTree, read_model
 from functional_shard.costing.hardware import Hardware
-from functional_shard.planning import policy as policies
+from functional_shard.planning import policy_builders as policies
 from functional_shard.planning.policy import ExpertParallel, Policy
 
 __all__ = ["PIPELINE_SCHEDULES", "expert_count", "head_counts", "repeated_block"]

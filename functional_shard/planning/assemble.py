@@ -1,0 +1,87 @@
+"""The `Plan` made of placed shardings; under a pipeline each tensor goes to its stage's pp rank."""
+
+from __future__ import annotations
+
+from functional_shard.core.errors import PolicyError
+from functional_shard.core.mesh import Mesh
+from functional_shard.core.spec import ParamSharding
+from functional_shard.core.tree import ModelTree
+
+from .plan import Plan
+from .plan_config import PlanConfig
+from .stages import stage_finder, stage_rank
+
+__all__ = ["assemble"]
+
+
+def _staged(
+    tree: ModelTree, mesh: Mesh, groups: tuple[dict[str, ParamSharding], ...], config: PlanConfig
+) -> None:
+    """Place every tensor of a pipelined plan on the pp rank of its stage, in ``groups``.
+
+    A buffer in no stage (a rotary table at the root) stays on every rank; shardings that
+    blocks share stay shared (one staged copy per pp rank), which the cost model counts on.
+
+    Raises:
+        PolicyError: a tied parameter whose names fall in different stages.
+    """
+    axis = config.pipeline_axis
+    if axis is None:
+        return
+    stage_of = stage_finder(config.pipeline_stages)
+    pp, per_rank, schedule = mesh[axis], config.stages_per_rank, config.pipeline_schedule
+    copies: dict[tuple[int, int], ParamSharding] = {}
+    problems = []
+    for placed in groups:
+        for path, sharding in placed.items():
+            names = tree.aliases.get(path, (path,))
+            stages = {name: stage_of(name) for name in names}
+            if len(set(stages.values())) > 1:
+                where = ", ".join(f"{name} in stage {stage}" for name, stage in stages.items())
+                problems.append(
+                    f"{where} are one tied parameter; the pipeline engine does not reduce a tied "
+                    "gradient between stages. Untie them (e.g. tie_word_embeddings=False), or put "
+                    "them in one stage with pipeline(split=[...])"
+                )
+                continue
+            stage = stages[path]
+            if stage is None:
+                continue
+            rank = stage_rank(stage, pp, per_rank, schedule)
+            copy = copies.get((id(sharding), rank))
+            if copy is None:
+                copy = copies[id(sharding), rank] = sharding.staged((axis, rank))
+            placed[path] = copy
+    if problems:
+        raise PolicyError("pipeline():\n" + "\n".join(f"* {p}" for p in problems))
+
+
+def assemble(
+    tree: ModelTree,
+    mesh: Mesh,
+    params: dict[str, ParamSharding],
+    buffers: dict[str, ParamSharding],
+    config: PlanConfig,
+) -> Plan:
+    """The plan of ``tree``'s placed ``params`` and ``buffers`` (each in the tree's order).
+
+    Both dicts become the plan's own (staged in place under a pipeline).
+
+    Raises:
+        PolicyError: a tied parameter whose names fall in different pipeline stages.
+
+    Examples:
+        >>> from functional_shard.core.tree import read_model
+        >>> tree, fsdp = read_model(nn.Linear(4, 2, bias=False)), fs.ParamSharding.uniform(fs.P("dp"))
+        >>> assemble(tree, fs.Mesh(dp=2), {"weight": fsdp}, {}, fs.PlanConfig()).params["weight"].storage
+        P('dp')
+    """
+    _staged(tree, mesh, (params, buffers), config)
+    return Plan(
+        params=params,
+        buffers=buffers,
+        mesh=mesh,
+        tensors={**tree.params, **tree.buffers},
+        aliases=dict(tree.aliases),
+        config=config,
+    )

@@ -1,0 +1,173 @@
+"""The `PlanConfig` that `shard()` writes: engines, FSDP units, tensor-parallel styles, pipeline, experts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from functional_shard.core.mesh import Mesh
+from functional_shard.core.tree import ModelTree
+
+from .fsdp_units import fsdp_units, select_modules
+from .plan_config import PlanConfig
+from .policy import Policy
+from .stages import boundary_features, split_stages
+from .styles import layout_of
+
+__all__ = ["SharedStyles", "plan_config", "styles_of", "tp_styles"]
+
+StyleEntry = tuple[str, str, str]
+"""(module path, style, layout), as `PlanConfig.tp_styles` holds them."""
+
+
+def styles_of(policy: Policy, tree: ModelTree, paths: Iterable[str], styles: dict[str, StyleEntry]) -> None:
+    """Add to ``styles`` the style a tensor-parallel rule gives the module of each of ``paths``.
+
+    Every name of a tied tensor counts; the first style given a module stays.
+
+    Examples:
+        >>> from functional_shard.core.tree import read_model
+        >>> tree, styles = read_model(nn.Sequential(nn.Linear(2, 2))), {}
+        >>> styles_of(fs.tp([("0", "colwise")], "tp"), tree, tree.params, styles)
+        >>> styles
+        {'0': ('0', 'colwise', 'linear')}
+    """
+    for path in paths:
+        for name in tree.aliases.get(path, (path,)):
+            for layer in policy.tensor_parallel:
+                rule = layer.rules.match(name)
+                module_path = name.rpartition(".")[0]
+                if rule is not None and isinstance(rule.target, str) and rule.target != "replicate":
+                    kind = layout_of(tree.spec_as(name, path))
+                    styles.setdefault(module_path, (module_path, rule.target, kind))
+
+
+@dataclass(frozen=True, slots=True)
+class SharedStyles:
+    """The styles of a plan whose repeated blocks were planned once per kind.
+
+    ``outside`` are the parameters in no such block, in model order; ``blocks`` each such
+    block's path with its kind's styles, module paths relative to the block (``.mlp.fc1``).
+    """
+
+    outside: tuple[str, ...]
+    blocks: tuple[tuple[str, tuple[StyleEntry, ...]], ...]
+
+
+def tp_styles(policy: Policy, tree: ModelTree, shared: SharedStyles | None = None) -> tuple[StyleEntry, ...]:
+    """(module path, style, layout) of each module a tensor-parallel rule gave a style, in model order.
+
+    apply needs the style, not only the specs (an output gathered for the loss, sequence
+    parallel norms), and the cost model the layout ("linear", "embedding"). With
+    ``shared``, each block's styles are its kind's, moved to the block's path.
+
+    Examples:
+        >>> from functional_shard.core.tree import read_model
+        >>> tree = read_model(nn.Sequential(nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 2)))
+        >>> tp_styles(fs.tp([("0", "colwise"), ("2", "rowwise")], "tp"), tree)
+        (('0', 'colwise', 'linear'), ('2', 'rowwise', 'linear'))
+    """
+    styles: dict[str, StyleEntry] = {}
+    if not policy.tensor_parallel:
+        return ()
+    if shared is None:
+        styles_of(policy, tree, tree.params, styles)
+    else:
+        styles_of(policy, tree, shared.outside, styles)
+        add = styles.setdefault  # (hundreds of entries in a big model's blocks)
+        for block_path, entries in shared.blocks:
+            for relative, style, kind in entries:
+                mine = block_path + relative
+                add(mine, (mine, style, kind))
+    return _in_module_order(styles, tree.modules)
+
+
+def _in_module_order(styles: Mapping[str, StyleEntry], modules: Mapping[str, Any]) -> tuple[StyleEntry, ...]:
+    # a stable sort by module index, modules unknown to the tree last: one walk, no sort
+    ordered = [styles[path] for path in modules if path in styles]
+    if len(ordered) < len(styles):
+        ordered += [entry for path, entry in styles.items() if path not in modules]
+    return tuple(ordered)
+
+
+def plan_config(
+    policy: Policy,
+    mesh: Mesh,
+    tree: ModelTree,
+    *,
+    compute_axes: set[str],
+    tp_styles: tuple[StyleEntry, ...],
+) -> PlanConfig:
+    """The plan-level config of ``policy`` on ``mesh`` for ``tree``.
+
+    ``compute_axes`` are the axes the placed specs split for compute (a policy function
+    claims none up front); ``tp_styles`` as `tp_styles` gives them.
+
+    Raises:
+        PolicyError: the pipeline cannot be cut or scheduled, or a selector selects nothing
+            a pytree can say.
+
+    Examples:
+        >>> from functional_shard.core.tree import read_model
+        >>> config = plan_config(fs.fsdp("dp"), fs.Mesh(dp=2), read_model(nn.Linear(2, 2)),
+        ...     compute_axes=set(), tp_styles=())
+        >>> config.data_parallel, config.shard_axes, config.units
+        ('fsdp', ('dp',), ('',))
+    """
+    data = policy.data_parallel
+    # "the rest" excludes axes that a policy function splits for compute: it claims none
+    # up front, but its tensor-parallel axis is no data axis
+    claimed = {axis for layer in policy.layers for axis in layer.claimed_axes} | compute_axes
+    replicate: list[str] = []
+    for layer in data:
+        replicate += (
+            layer.replicate_axes
+            if layer.replicate_axes is not None
+            else [a for a in mesh if a not in claimed]
+        )
+    sharding_layer = next((layer for layer in data if layer.shards), None)
+    kinds: list[str] = [layer.kind for layer in data if layer.shards] or (["ddp"] if data else ["none"])
+    kind = "hsdp" if kinds[0] == "fsdp" and replicate else kinds[0]
+    options = policy.options
+    pipe = policy.pipeline
+    pipe_config: dict[str, Any] = {}
+    if pipe is not None and pipe.axis in mesh:  # a missing axis is reported with the others
+        from .schedules import check_pipeline  # torch's schedule refuses counts it cannot run
+
+        stages = split_stages(tree, mesh[pipe.axis] * pipe.stages_per_rank, pipe.split, pipe.pieces)
+        check_pipeline(pipe.schedule, mesh[pipe.axis], pipe.stages_per_rank, pipe.microbatches)
+        pipe_config = {
+            "pipeline_axis": pipe.axis,
+            "pipeline_stages": stages,
+            "pipeline_schedule": pipe.schedule,
+            "microbatches": pipe.microbatches,
+            "stages_per_rank": pipe.stages_per_rank,
+            "boundary_features": boundary_features(tree, stages, pipe.hidden_size),
+        }
+    experts = policy.expert_parallel
+    if experts is not None:
+        owners = {path.rpartition(".")[0] for path in tree.params if experts.selects(path)}
+        pipe_config["expert_axis"] = experts.axis
+        pipe_config["expert_modules"] = tuple(path for path in tree.modules if path in owners)
+    return PlanConfig(
+        data_parallel=kind,
+        replicate_axes=tuple(replicate),
+        shard_axes=sharding_layer.shard_axes if sharding_layer else (),
+        tensor_parallel_axes=tuple(layer.axis for layer in policy.tensor_parallel),
+        tp_styles=tp_styles,
+        sequence_parallel=any(layer.sequence_parallel for layer in policy.tensor_parallel),
+        # under a pipeline FSDP keeps each stage gathered across its micro-batches, as
+        # torchtitan runs it (reshard_after_forward = not pp_enabled): one all-gather a step
+        reshard_after_forward=(sharding_layer.reshard_after_forward if sharding_layer else True)
+        and "pipeline_axis" not in pipe_config,  # (pipe_config also carries the expert axis)
+        units=fsdp_units(tree, sharding_layer),
+        checkpointed=tuple(select_modules(options.checkpoint or (), tree, "checkpointing()")),
+        checkpoint_policy=options.checkpoint_policy or "full",
+        param_dtype=options.param_dtype,
+        reduce_dtype=options.reduce_dtype,
+        offload_params=bool(options.offload_params),
+        offload_grads=bool(options.offload_grads),
+        offload_optimizer=bool(options.offload_optimizer),
+        **pipe_config,
+    )

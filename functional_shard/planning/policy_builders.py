@@ -1,0 +1,333 @@
+"""The policy constructors: `fsdp`, `zero`, `hsdp`, `replicate`, `tp`, `ep`, `pipeline`, options.
+
+Each returns a one-layer `Policy` (or one carrying options) for ``+`` to combine; see
+`functional_shard.planning.policy` for how the layers merge.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any, Literal, cast
+
+import torch
+
+from functional_shard.core.errors import PolicyError
+from functional_shard.core.tree import Pattern
+
+from .policy import DataParallel, ExpertParallel, Options, Pipeline, Policy, Selector, TensorParallel
+from .rules import Rules, deferred
+
+# by kind: data parallel, model parallel, plan options
+__all__ = [
+    "replicate",
+    "zero",
+    "fsdp",
+    "hsdp",
+    "tp",
+    "ep",
+    "pipeline",
+    "mixed_precision",
+    "offload",
+    "checkpointing",
+]
+
+
+def _axes(axis: str | Iterable[str], what: str) -> tuple[str, ...]:
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    if not axes or not all(isinstance(a, str) for a in axes):
+        raise PolicyError(f"{what}: axis must be a mesh axis name or a tuple of them, got {axis!r}")
+    return axes
+
+
+def _dtype_name(dtype: torch.dtype | str | None) -> str | None:
+    if dtype is None:
+        return None
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if not isinstance(getattr(torch, name, None), torch.dtype):
+        raise PolicyError(f"{dtype!r} is not a torch dtype; use e.g. torch.bfloat16")
+    return name
+
+
+def replicate(axis: str | Iterable[str] | None = None) -> Policy:
+    """DDP: parameters, gradients and optimizer state replicated; batch split over ``axis``.
+
+    Args:
+        axis: the data-parallel axis or axes; ``None`` takes every mesh axis that no other
+            layer claims.
+
+    Examples:
+        >>> from functional_shard import Mesh, shard
+        >>> plan = shard(nn.Linear(4, 4), Mesh(dp=2), replicate())
+        >>> plan.params["weight"]
+        ParamSharding(storage=P(None, None), compute=P(None, None), grad=P(None, None), optim=P(None, None))
+    """
+    axes = None if axis is None else _axes(axis, "replicate()")
+    return Policy((DataParallel("ddp", (), axes),))
+
+
+def zero(stage: Literal[1, 2, 3], axis: str = "dp") -> Policy:
+    """ZeRO stage 1, 2 or 3 over ``axis``, as torch's engines run them.
+
+    Stage 1 keeps each parameter's optimizer state whole on one rank
+    (ZeroRedundancyOptimizer); stage 2 is FSDP2 without resharding after forward; stage 3
+    is FSDP2.
+
+    Raises:
+        PolicyError: ``stage`` is not 1, 2 or 3.
+
+    Examples:
+        >>> zero(1).layers[0].kind, zero(2).layers[0].reshard_after_forward
+        ('zero1', False)
+    """
+    if stage not in (1, 2, 3):
+        raise PolicyError(f"zero(stage={stage!r}): stage is 1, 2 or 3; for plain DDP use replicate()")
+    if not isinstance(axis, str):
+        raise PolicyError(f"zero(axis={axis!r}): one mesh axis name")
+    kind: Literal["zero1", "zero2", "zero3"] = ("zero1", "zero2", "zero3")[stage - 1]
+    return Policy((DataParallel(kind, (axis,), (), reshard_after_forward=stage != 2),))
+
+
+def _check_units(
+    units: Iterable[Selector] | Selector | None, min_params: int | None
+) -> tuple[Selector, ...] | None:
+    if min_params is not None and (not isinstance(min_params, int) or min_params < 1):
+        raise PolicyError(f"min_params={min_params!r}: a positive number of parameters")
+    if units is None:
+        return None
+    units = (units,) if isinstance(units, str | type | re.Pattern) else tuple(units)
+    for unit in units:
+        if not (isinstance(unit, str | type) or hasattr(unit, "fullmatch")):
+            raise PolicyError(f"FSDP unit {unit!r}: a module class or a module-path pattern")
+    return units
+
+
+def fsdp(
+    axis: str | Iterable[str] = "dp",
+    *,
+    reshard_after_forward: bool = True,
+    units: Iterable[Selector] | Selector | None = None,
+    min_params: int | None = None,
+) -> Policy:
+    """Fully sharded data parallel (ZeRO-3) with torch's FSDP2 over ``axis``.
+
+    Args:
+        axis: the mesh axis (or axes, flattened) to shard over; also data-parallel.
+        reshard_after_forward: free gathered parameters after forward and gather them
+            again in backward (``False`` is ZeRO-2). The root unit never reshards after
+            forward, as FSDP2 does.
+        units: which modules are sharded as one unit (one all-gather each): module
+            classes or module-path patterns. By default every element of an
+            ``nn.ModuleList`` (the transformer blocks), plus the root.
+        min_params: instead, make a unit of every module whose not-yet-wrapped parameters
+            reach this count (FairScale's ``min_num_params``, Lightning's size policy).
+
+    Examples:
+        >>> layer = fsdp("dp", min_params=1_000_000).layers[0]
+        >>> layer.kind, layer.shard_axes, layer.min_params
+        ('fsdp', ('dp',), 1000000)
+    """
+    axes = _axes(axis, "fsdp()")
+    if not isinstance(reshard_after_forward, bool):
+        raise PolicyError(
+            f"fsdp(reshard_after_forward={reshard_after_forward!r}): True or False "
+            "(resharding to a smaller group is not modelled yet)"
+        )
+    layer = DataParallel(
+        "fsdp" if reshard_after_forward else "zero2",
+        axes,
+        (),
+        reshard_after_forward,
+        _check_units(units, min_params),
+        min_params,
+    )
+    return Policy((layer,))
+
+
+def hsdp(
+    replicate_axis: str,
+    shard_axis: str,
+    *,
+    reshard_after_forward: bool = True,
+    units: Iterable[Selector] | Selector | None = None,
+    min_params: int | None = None,
+) -> Policy:
+    """Hybrid sharding: FSDP2 within ``shard_axis``, replicas across ``replicate_axis``.
+
+    Examples:
+        >>> layer = hsdp("node", "gpu").layers[0]
+        >>> layer.replicate_axes, layer.shard_axes
+        (('node',), ('gpu',))
+    """
+    inner = fsdp(
+        shard_axis, reshard_after_forward=reshard_after_forward, units=units, min_params=min_params
+    ).layers[0]
+    layer = replace(cast(DataParallel, inner), kind="hsdp", replicate_axes=_axes(replicate_axis, "hsdp()"))
+    return Policy((layer,))
+
+
+def tp(rules: Rules | str | Iterable[Any], axis: str = "tp", *, sequence_parallel: bool = False) -> Policy:
+    """Tensor parallelism over ``axis`` following ``rules`` (see `functional_shard.planning.rules`).
+
+    Parameters no rule matches are left to the other layers (replicated if none), unless
+    the rule set is strict. ``rules`` may be ``"hf"`` (the model's own Hugging Face plan)
+    or ``"auto"`` (`functional_shard.planning.rules.for_model`): ``shard()`` resolves them
+    against the model.
+
+    Raises:
+        PolicyError: ``axis`` is not one name, or ``rules`` a name other than "hf"/"auto".
+
+    Examples:
+        >>> from functional_shard import rules
+        >>> tp(rules.mlp, "tp").layers[0].name
+        "tp(mlp, 'tp')"
+        >>> tp("auto", "tp").layers[0].name
+        "tp(auto, 'tp')"
+    """
+    if not isinstance(axis, str):
+        raise PolicyError(f"tp(axis={axis!r}): one mesh axis name")
+    if isinstance(rules, str):
+        rule_set = deferred(rules)
+    elif isinstance(rules, Rules):
+        rule_set = rules
+    else:
+        rule_set = Rules(cast(Iterable[Any], rules))
+    return Policy((TensorParallel(rule_set, axis, sequence_parallel),))
+
+
+def mixed_precision(
+    param_dtype: torch.dtype | str = torch.bfloat16,
+    reduce_dtype: torch.dtype | str | None = torch.float32,
+) -> Policy:
+    """Compute in ``param_dtype``, reduce gradients in ``reduce_dtype``; keep fp32 at rest.
+
+    Examples:
+        >>> mixed_precision(torch.bfloat16).options.param_dtype
+        'bfloat16'
+    """
+    return Policy(
+        options=Options(param_dtype=_dtype_name(param_dtype), reduce_dtype=_dtype_name(reduce_dtype))
+    )
+
+
+def offload(*, params: bool = True, grads: bool = True, optimizer: bool = True) -> Policy:
+    """Keep sharded parameters, gradients and/or optimizer state in host memory.
+
+    Examples:
+        >>> offload(params=False).options.offload_optimizer
+        True
+    """
+    return Policy(options=Options(offload_params=params, offload_grads=grads, offload_optimizer=optimizer))
+
+
+def pipeline(
+    axis: str = "pp",
+    *,
+    microbatches: int,
+    schedule: str = "1f1b",
+    stages_per_rank: int = 1,
+    split: Iterable[Iterable[str]] | None = None,
+) -> Policy:
+    """Pipeline parallelism over ``axis``, run by ``torch.distributed.pipelining``.
+
+    Args:
+        axis: the mesh axis whose ranks hold successive stages.
+        microbatches: how many micro-batches each step's batch is cut into.
+        schedule: ``gpipe``, ``1f1b``, ``interleaved1f1b``, ``looped_bfs``,
+            ``interleaved_zb``, ``zbv`` or ``dualpipev`` (torch's schedules).
+        stages_per_rank: stages each rank runs (2 for the V-shaped schedules).
+        split: the module paths of each stage, in order; by default the repeated blocks
+            are split evenly with the embedding counted with the first stage and the
+            final norm and head with the last, as torchtitan does; a Hugging Face
+            model's ``base_model_pp_plan`` names the pieces when it has one.
+
+    Every tensor of the plan is then placed on its stage's pp rank (``P(..., on=("pp", r))``).
+    FSDP over the other axes keeps each stage's parameters gathered from the first
+    micro-batch's forward to the last one's backward (``reshard_after_forward=False``, as
+    torchtitan runs FSDP under a pipeline), so a step gathers them once.
+
+    Raises:
+        PolicyError: an unknown schedule, a stage count it cannot run, or a bad count.
+
+    Examples:
+        >>> layer = pipeline("pp", microbatches=8, schedule="interleaved1f1b", stages_per_rank=2).layers[0]
+        >>> layer.name, layer.stages_per_rank
+        ("pipeline('pp', microbatches=8, schedule='interleaved1f1b')", 2)
+    """
+    from .stages import check_schedule
+
+    if not isinstance(axis, str):
+        raise PolicyError(f"pipeline(axis={axis!r}): one mesh axis name")
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise PolicyError(f"pipeline(microbatches={microbatches!r}): a positive number of micro-batches")
+    check_schedule(schedule, stages_per_rank)
+    stages = None if split is None else tuple(tuple(stage) for stage in split)
+    return Policy((Pipeline(axis, microbatches, schedule, stages_per_rank, stages),))
+
+
+def ep(axis: str = "ep", *, experts: Pattern | Iterable[Pattern] | None = None) -> Policy:
+    """Expert parallelism: expert tensors split whole by expert index (dim 0) over ``axis``.
+
+    Each rank of ``axis`` holds ``E / size`` experts whole (spec ``P(axis, None, None)``).
+    When ``axis`` is a data-parallel axis (its ranks read different tokens), `apply`
+    dispatches each token to the ranks holding its experts and combines the results back
+    with torch's autograd-aware all-to-all, as torchtitan does. Dense parameters follow
+    the data-parallel policy over all its axes; expert tensors are FSDP-sharded over the
+    data-parallel axes other than ``axis`` (``fsdp(("dp", "ep")) + ep("ep")``).
+
+    Args:
+        axis: the mesh axis whose ranks hold different experts.
+        experts: path patterns of the expert tensors (globs, ``*`` spanning dots, or
+            compiled regexes). By default ``shard()`` finds them: a Hugging Face model's
+            ``base_model_ep_plan`` (its ``grouped_gemm`` entries), else the 3-D parameters
+            of modules named like ``experts``.
+
+    Raises:
+        PolicyError: ``axis`` is not one name, or ``experts`` not patterns.
+
+    Examples:
+        >>> (fsdp("dp") + ep("dp")).expert_parallel.name
+        "ep('dp')"
+        >>> ep("ep", experts="*.experts.*").layers[0].experts
+        ('*.experts.*',)
+    """
+    if not isinstance(axis, str):
+        raise PolicyError(f"ep(axis={axis!r}): one mesh axis name")
+    patterns: tuple[Pattern, ...] | None = None
+    if experts is not None:
+        patterns = (experts,) if isinstance(experts, str | re.Pattern) else tuple(experts)
+        if not patterns or not all(isinstance(p, str | re.Pattern) for p in patterns):
+            raise PolicyError(f"ep(experts={experts!r}): path patterns (globs or compiled regexes)")
+    return Policy((ExpertParallel(axis, patterns),))
+
+
+CHECKPOINT_POLICIES = ("full", "selective")
+
+
+def checkpointing(*modules: Selector, policy: str = "full") -> Policy:
+    """Recompute activations in backward for these modules (classes or path patterns).
+
+    Args:
+        modules: module classes or path patterns to checkpoint.
+        policy: ``"full"`` keeps only each module's inputs and recomputes its whole forward;
+            ``"selective"`` also keeps the outputs of matrix multiplies and attention (the
+            op-level selective recipe of torchtitan, through torch's selective-checkpoint
+            API) and recomputes only the cheap element-wise ops between them.
+
+    Raises:
+        PolicyError: no module selector given, or an unknown ``policy``.
+
+    Examples:
+        >>> checkpointing(nn.TransformerEncoderLayer).options.checkpoint
+        (<class 'torch.nn.modules.transformer.TransformerEncoderLayer'>,)
+        >>> checkpointing(nn.TransformerEncoderLayer, policy="selective").options.checkpoint_policy
+        'selective'
+    """
+    if not modules:
+        raise PolicyError("checkpointing() needs module classes or path patterns to recompute")
+    if policy not in CHECKPOINT_POLICIES:
+        raise PolicyError(
+            f"checkpointing(policy={policy!r}): unknown policy; choose one of {list(CHECKPOINT_POLICIES)}"
+        )
+    return Policy(options=Options(checkpoint=_check_units(modules, None), checkpoint_policy=policy))
