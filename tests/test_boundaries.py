@@ -274,3 +274,129 @@ def test_public_api_is_exported_and_documented():
         obj = getattr(fs, name)
         assert obj.__doc__, f"{name} has no docstring"
     assert (CORE / "py.typed").exists()
+
+
+# ---- rooms a newcomer can read ------------------------------------------------------
+
+MAX_LINES = 500
+MAX_POSITIONAL = 6
+# module-level objects written at run time that are no caches, each with why it must stay
+NOT_A_CACHE = {
+    # the façade's table of what answers Plan.cost, Plan.visualize and Mesh.device_mesh,
+    # set once when functional_shard is imported (core cannot import the layers above it)
+    ("core/providers.py", "_where"),
+    # what apply() built for each module: a weak registry (a module that dies leaves it),
+    # read by forward_backward, checkpoints and the optimizer
+    ("runtime/apply.py", "APPLIED"),
+    # whole (0-d) parameters given an averaging hook, so that apply() twice hooks them once
+    ("runtime/engines/data_parallel.py", "_AVERAGED"),
+    # modules the pipeline engine runs, weakly, to find a parameter's pp group
+    ("runtime/engines/pipeline.py", "_PIPELINED"),
+}
+_MUTATORS = {
+    "add",
+    "append",
+    "clear",
+    "discard",
+    "extend",
+    "insert",
+    "pop",
+    "popitem",
+    "remove",
+    "setdefault",
+    "update",
+}
+
+
+def our_files():
+    yield from ((f"functional_shard/{p.relative_to(CORE).as_posix()}", p) for p in sorted(CORE.rglob("*.py")))
+    yield from ((f"adapters/{p.relative_to(ADAPTERS).as_posix()}", p) for p in sorted(ADAPTERS.rglob("*.py")))
+
+
+def module_state_written(tree):
+    """Names of module-level objects (its own or imported) that a function writes or mutates."""
+    module_names = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            module_names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and isinstance(node.target, ast.Name):
+            module_names.add(node.target.id)
+        elif isinstance(node, ast.ImportFrom):
+            module_names.update(alias.asname or alias.name for alias in node.names)
+    written = set()
+    for function in ast.walk(tree):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        arguments = function.args
+        local = {a.arg for a in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs)}
+        declared_global = set()
+        for node in ast.walk(function):
+            if isinstance(node, ast.Global):
+                declared_global.update(node.names)
+            elif isinstance(node, ast.Assign):
+                local.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        local -= declared_global
+        written |= declared_global
+        for node in ast.walk(function):
+            targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else []
+            targets = [node.target] if isinstance(node, ast.AugAssign) else targets
+            for target in targets:
+                if isinstance(target, ast.Subscript) and isinstance(target.value, ast.Name):
+                    written.add(target.value.id)
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in _MUTATORS
+                and isinstance(node.func.value, ast.Name)
+            ):
+                written.add(node.func.value.id)
+        written -= local
+    return written & module_names
+
+
+def test_no_module_is_over_500_lines():
+    long = {name: n for name, path in our_files() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert long == {}, f"split these modules (at most {MAX_LINES} lines each): {long}"
+
+
+def test_no_function_takes_more_than_six_positional_parameters():
+    found = []
+    for name, path in our_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                arguments = node.args
+                positional = [
+                    a.arg for a in (*arguments.posonlyargs, *arguments.args) if a.arg not in ("self", "cls")
+                ]
+                if len(positional) > MAX_POSITIONAL:
+                    found.append(f"{name}:{node.lineno} {node.name}({', '.join(positional)})")
+    assert found == [], "make the rest keyword-only, or pass a frozen dataclass: " + "; ".join(found)
+
+
+def test_no_module_level_state_is_written_at_run_time():
+    written = {
+        (name.partition("/")[2], state)
+        for name, path in our_files()
+        for state in module_state_written(ast.parse(path.read_text()))
+    }
+    assert written - NOT_A_CACHE == set(), "a module-level cache: make it an object its owner holds"
+    assert written >= NOT_A_CACHE  # each allowed entry still exists (the list stays short)
+
+
+def test_the_state_finder_sees_writes_through_globals_subscripts_and_methods():
+    def found(code):
+        return module_state_written(ast.parse(code))
+
+    assert found("_SEEN = {}\ndef f(key, value):\n    _SEEN[key] = value\n") == {"_SEEN"}
+    assert found("_TRACES = []\ndef f(x):\n    _TRACES.append(x)\n") == {"_TRACES"}
+    assert found("_LAST = None\ndef f(x):\n    global _LAST\n    _LAST = x\n") == {"_LAST"}
+    assert found("from .registry import TABLE\ndef f(k):\n    del TABLE[k]\n") == {"TABLE"}
+    # a local of the same name, or reading the table, writes nothing
+    assert found("_SEEN = {}\ndef f(x):\n    _SEEN = {}\n    _SEEN[x] = 1\n    return _SEEN\n") == set()
+    assert found("NAMES = {'a': 1}\ndef f(k):\n    return NAMES.get(k)\n") == set()
+
+
+def test_each_layer_says_what_it_is_for():
+    for package in sorted({p.parent for p in CORE.rglob("__init__.py")} | {ADAPTERS}):
+        docstring = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+        assert len(docstring.split()) >= 5, f"{package}: say in its docstring what this layer is for"

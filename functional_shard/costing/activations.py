@@ -39,6 +39,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_map_only
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.planning.stages import stage_finder
 
 from .routing import check_expert_imbalance
 from .trace_checkpointing import SAVED_OPS, checkpointed, selective_context
@@ -103,15 +104,6 @@ def _stage_owner(
     finally:
         for handle in handles:
             handle.remove()
-
-
-def _stage_of_path(path: str, stage_modules: Mapping[str, int]) -> int:
-    while True:
-        if path in stage_modules:
-            return stage_modules[path]
-        if not path:
-            return -1
-        path = path.rpartition(".")[0]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -384,10 +376,12 @@ def trace_activations(
         )
     )
 
+    stage_of = stage_finder(tuple(tuple(paths) for paths in stages or ()))
+
     def stages_of(member: str) -> range | tuple[int, ...]:
         # what a repeated layer adds goes to its stage; outside every stage's modules, to each
-        owner = _stage_of_path(member, stage_modules)
-        return range(len(stages or ())) if owner < 0 else (owner,)
+        owner = stage_of(member, module=True)
+        return range(len(stages or ())) if owner is None else (owner,)
 
     try:
         with run.swapped():

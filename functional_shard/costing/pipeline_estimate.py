@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.planning.schedules import check_pipeline, held_peak, in_flight, simulate
-from functional_shard.planning.stages import rank_stages, stage_rank
+from functional_shard.planning.stage_plans import stage_plan
+from functional_shard.planning.stages import rank_stages, stage_finder, stage_rank
 
 from .cost import Cost, OptimizerKind, cost
 from .estimate_record import PipelineEstimate, StageEstimate
@@ -33,7 +34,6 @@ __all__ = [
     "microbatch_size",
     "pipeline_parts",
     "stage_costs",
-    "stage_plan",
     "with_schedule",
 ]
 
@@ -69,12 +69,8 @@ def _rank_of_coordinate(plan: Plan, pp_coordinate: int, rank: int | None) -> int
 
 
 def _stage_units(plan: Plan, units: Mapping[str, int], mine: set[int]) -> dict[str, int]:
-    stage_of = _stages_of(plan.config.pipeline_stages, tuple(units), False)
-    return {
-        unit: nbytes
-        for (unit, nbytes), stage in zip(units.items(), stage_of, strict=True)
-        if stage in mine or stage < 0
-    }
+    stage_of = stage_finder(plan.config.pipeline_stages)
+    return {unit: nbytes for unit, nbytes in units.items() if stage_of(unit, module=True) in (*mine, None)}
 
 
 def _signature(plan: Plan) -> tuple[Any, ...]:
@@ -106,67 +102,6 @@ def stage_costs(
             seen[key] = cost(sub, optimizer, rank=_rank_of_coordinate(plan, c, rank), tokens=tokens)
         out.append(dataclasses.replace(seen[key], rank=_rank_of_coordinate(plan, c, rank)))
     return tuple(out)
-
-
-def _module_stages(cut: tuple[tuple[str, ...], ...]) -> dict[str, int]:
-    return {module: index for index, modules in enumerate(cut) for module in modules}
-
-
-@functools.lru_cache(maxsize=256)
-def _stages_of(cut: tuple[tuple[str, ...], ...], paths: tuple[str, ...], tensors: bool) -> tuple[int, ...]:
-    """The stage of each path's module (of each tensor's owner with ``tensors``), -1 outside every stage.
-
-    A search cuts one model's plans a few ways and asks of each cut once per stage and
-    checkpointing: walking every path up to its stage each time was a fifth of a 405B search.
-    """
-    stage_of_module = _module_stages(cut)
-    known: dict[str, int] = {}
-
-    def stage(module: str) -> int:
-        if module not in known:
-            walk = module
-            while walk not in stage_of_module:
-                if not walk:
-                    break
-                walk = walk.rpartition(".")[0]
-            known[module] = stage_of_module.get(walk, -1)
-        return known[module]
-
-    return tuple(stage(path.rpartition(".")[0] if tensors else path) for path in paths)
-
-
-def stage_plan(plan: Plan, stages: set[int]) -> Plan:
-    """``plan`` cut down to the parameters, buffers, styled modules and units of ``stages``.
-
-    What one pp rank holds: `cost` of it at a rank of that pp coordinate is that rank's
-    memory and its tensor- and data-parallel traffic, whether or not the specs already say
-    where each tensor lives along pp. FSDP units stay gathered from forward to backward,
-    as the pipeline engine runs them.
-    """
-    config = plan.config
-    cut = config.pipeline_stages
-
-    def ours(entries: Any, keys: tuple[str, ...], tensors: bool) -> list[Any]:
-        # a module outside every stage's modules (the root) is each stage's
-        found = _stages_of(cut, keys, tensors)
-        return [entry for entry, stage in zip(entries, found, strict=True) if stage < 0 or stage in stages]
-
-    sub_config = dataclasses.replace(
-        config,
-        tp_styles=tuple(ours(config.tp_styles, tuple(entry[0] for entry in config.tp_styles), False)),
-        units=tuple(ours(config.units, config.units, False)),
-        expert_modules=tuple(ours(config.expert_modules, config.expert_modules, False)),
-        checkpointed=tuple(ours(config.checkpointed, config.checkpointed, False)),
-        # the pipeline engine keeps a stage's FSDP units gathered from forward to backward
-        # (torchtitan's choice under pp): each micro-batch would gather them again otherwise
-        reshard_after_forward=False,
-    )
-    return dataclasses.replace(
-        plan,
-        params=dict(ours(plan.params.items(), tuple(plan.params), True)),
-        buffers=dict(ours(plan.buffers.items(), tuple(plan.buffers), True)),
-        config=sub_config,
-    )
 
 
 def pipeline_parts(assembly: Assembly) -> StepParts:

@@ -157,12 +157,15 @@ class Plan:
             >>> plan.stage_of("embed_tokens.weight"), plan.stage_of("lm_head.weight")
             (0, 1)
         """
-        from .stages import stage_of_param
+        from .stages import stage_finder
 
         if self.config.pipeline_axis is None:
             return 0
         self.canonical(path)  # raises for a path that is no tensor of the plan
-        return stage_of_param(path, self.config.pipeline_stages)
+        stage = stage_finder(self.config.pipeline_stages)(path)
+        if stage is None:
+            raise PolicyError(f"parameter {path!r} is in no pipeline stage")
+        return stage
 
     def ranks_of_stage(self, stage: int) -> tuple[int, ...]:
         """The global ranks that hold and run pipeline ``stage`` (every rank without pp).

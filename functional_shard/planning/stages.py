@@ -13,6 +13,7 @@ rank ``s``, so the first and last stages share a rank.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 
 from functional_shard.core.errors import PolicyError
@@ -215,38 +216,34 @@ def _checked_split(
     return given
 
 
-def stage_finder(stages: tuple[tuple[str, ...], ...]) -> Callable[[str], int | None]:
-    """A function from a tensor's path to its stage (None when no stage holds it), cached.
+# a search asks of a few cuts of one model again and again: each cut's finder (and what it
+# found) is kept
+@functools.lru_cache(maxsize=64)
+def stage_finder(stages: tuple[tuple[str, ...], ...]) -> Callable[..., int | None]:
+    """A function from a path to its stage (None when no stage holds it), memoized per module.
 
-    A tensor belongs to the stage of its innermost enclosing module that a stage lists.
+    A tensor belongs to the stage of its innermost enclosing module that a stage lists;
+    a module (asked with ``module=True``) to the stage of itself or its innermost
+    enclosing listed module. The one answer to "which stage holds this path": plans,
+    costs, estimates, traces and engines all ask it.
 
     Examples:
         >>> find = stage_finder((("embed", "layers.0"), ("layers.1", "head")))
         >>> find("layers.1.mlp.weight"), find("head.weight"), find("rope.freqs")
         (1, 1, None)
+        >>> find("layers.0", module=True), find("layers.1.mlp", module=True), find("", module=True)
+        (0, 1, None)
     """
     by_module = {module: stage for stage, modules in enumerate(stages) for module in modules}
     found: dict[str, int | None] = {}
 
-    def stage_of(path: str) -> int | None:
-        module = path.rpartition(".")[0]
-        if module not in found:
-            found[module] = next((by_module[m] for m in owner_paths(path) if m in by_module), None)
-        return found[module]
+    def stage_of(path: str, *, module: bool = False) -> int | None:
+        owner = path if module else path.rpartition(".")[0]
+        if owner not in found:
+            found[owner] = next((by_module[m] for m in owner_paths(owner) if m in by_module), None)
+        return found[owner]
 
     return stage_of
-
-
-def stage_of_param(path: str, stages: tuple[tuple[str, ...], ...]) -> int:
-    """The stage whose modules hold the parameter at ``path`` (its longest enclosing module)."""
-    best, best_len = -1, -1
-    for index, modules in enumerate(stages):
-        for module in modules:
-            if (module == "" or path.startswith(module + ".")) and len(module) > best_len:
-                best, best_len = index, len(module)
-    if best < 0:
-        raise PolicyError(f"parameter {path!r} is in no pipeline stage")
-    return best
 
 
 def _output_features(tree: ModelTree, path: str) -> int | None:

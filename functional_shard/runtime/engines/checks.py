@@ -10,6 +10,7 @@ from functional_shard.core.errors import PlanError, bullets
 from functional_shard.core.tree import read_model
 from functional_shard.planning.plan import Plan
 from functional_shard.planning.rules import is_conv1d, sequence_parallel_problems
+from functional_shard.planning.stages import stage_finder
 
 from .experts import expert_data_axes, expert_module_problems
 
@@ -171,8 +172,9 @@ def pipeline_problems(plan: Plan) -> list[str]:
             "gradient sync across micro-batches, not composable DDP's; use fs.fsdp(...), fs.hsdp(...) "
             "or fs.zero(2)/fs.zero(3) for the data-parallel axes"
         )
+    stage_of = stage_finder(config.pipeline_stages)
     for canonical, names in plan.aliases.items():
-        where = {name: _stage_or_none(name, config.pipeline_stages) for name in names}
+        where = {name: stage_of(name) for name in names}
         if len(set(where.values())) > 1:
             placed = ", ".join(
                 f"{name} in {f'stage {stage}' if stage is not None else 'no stage'}"
@@ -185,16 +187,6 @@ def pipeline_problems(plan: Plan) -> list[str]:
                 "pipeline(split=...)"
             )
     return found
-
-
-def _stage_or_none(path: str, stages: tuple[tuple[str, ...], ...]) -> int | None:
-    from functional_shard.core.errors import PolicyError
-    from functional_shard.planning.stages import stage_of_param
-
-    try:
-        return stage_of_param(path, stages)
-    except PolicyError:
-        return None
 
 
 def check_runnable(plan: Plan, module: nn.Module) -> None:

@@ -27,7 +27,6 @@ before anything runs):
 from __future__ import annotations
 
 import copy
-import dataclasses
 import inspect
 import weakref
 from collections.abc import Callable, Iterable
@@ -39,10 +38,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from functional_shard.core.errors import PolicyError, ShardingError
+from functional_shard.core.errors import ShardingError
 from functional_shard.core.tree import within
 from functional_shard.planning.plan import Plan
-from functional_shard.planning.stages import SCHEDULES, SINGLE_STAGE, rank_stages, stage_of_param, stage_rank
+from functional_shard.planning.stage_plans import stage_plan, without_pipeline
+from functional_shard.planning.stages import SCHEDULES, SINGLE_STAGE, rank_stages, stage_rank
 
 from .activation_checkpointing import apply_checkpointing
 from .applied import retie
@@ -107,45 +107,6 @@ def pipeline_group_of(params: Iterable[torch.Tensor]) -> dist.ProcessGroup | Non
         if pipelined is not None and any(id(p) in wanted for p in module.parameters()):
             return pipelined.group
     return None
-
-
-def stage_plan(plan: Plan, stages: Iterable[int]) -> Plan:
-    """The part of ``plan`` that ``stages`` hold, as a plan without pp (pure).
-
-    Engines run per stage on it: its parameters, units, styles and checkpointed modules are
-    the stages' own. FSDP2 keeps the stages' parameters gathered between forward and
-    backward (``reshard_after_forward=False``), as torchtitan runs it under PP: the
-    schedule's many micro-batches would gather them again for every backward otherwise.
-    """
-    config = plan.config
-    chosen = set(stages)
-    modules = [m for s in sorted(chosen) for m in config.pipeline_stages[s]]
-
-    def local(path: str) -> bool:
-        try:
-            return stage_of_param(path, config.pipeline_stages) in chosen
-        except PolicyError:  # a tensor no stage lists (a rotary buffer): every stage keeps it
-            return True
-
-    params = {p: s for p, s in plan.params.items() if local(p)}
-    local_config = dataclasses.replace(
-        config,
-        units=tuple(u for u in config.units if u == "" or within(u, modules)),
-        tp_styles=tuple(s for s in config.tp_styles if within(s[0], modules)),
-        expert_modules=tuple(e for e in config.expert_modules if within(e, modules)),
-        checkpointed=tuple(c for c in config.checkpointed if within(c, modules)),
-        reshard_after_forward=False,
-        pipeline_axis=None,
-        pipeline_stages=(),
-    )
-    return Plan(
-        params=params,
-        buffers={b: s for b, s in plan.buffers.items() if local(b)},
-        mesh=plan.mesh,
-        tensors={t: v for t, v in plan.tensors.items() if t in params or local(t)},
-        aliases={a: names for a, names in plan.aliases.items() if a in params},
-        config=local_config,
-    )
 
 
 def _pruned(module: nn.Module, prefix: str, keep: set[str], drop: set[str]) -> nn.Module:
@@ -259,7 +220,7 @@ def apply_pipeline(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> Pl
     device = _device(device_mesh)
     built = []
     for stage, view in stage_modules:
-        local = stage_plan(plan, (stage,))
+        local = without_pipeline(stage_plan(plan, (stage,)))
         apply_tensor_parallel(local, view, device_mesh)
         # the stage's experts, split over the ep axis: every micro-batch's forward (and its
         # backward) dispatches its tokens among the ranks that run this stage
@@ -279,7 +240,7 @@ def apply_pipeline(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> Pl
     pipelined = Pipelined(plan, tuple(built), pp_mesh.get_group(), last_rank)
     module.__dict__["_fs_pipeline"] = pipelined
     _PIPELINED.add(module)
-    return stage_plan(plan, mine)
+    return without_pipeline(stage_plan(plan, mine))
 
 
 def _schedule(pipelined: Pipelined, loss_fn: Callable[..., torch.Tensor]) -> Any:
