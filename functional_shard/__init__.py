@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from .planning.planner import shard as shard
     from .planning.policy import Policy as Policy
     from .planning.policy_builders import checkpointing as checkpointing
+    from .planning.policy_builders import cp as cp
     from .planning.policy_builders import ep as ep
     from .planning.policy_builders import fsdp as fsdp
     from .planning.policy_builders import hsdp as hsdp
@@ -152,6 +153,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "shard": ("planning.planner", "shard"),
     "Policy": ("planning.policy", "Policy"),
     "checkpointing": ("planning.policy_builders", "checkpointing"),
+    "cp": ("planning.policy_builders", "cp"),
     "ep": ("planning.policy_builders", "ep"),
     "fsdp": ("planning.policy_builders", "fsdp"),
     "hsdp": ("planning.policy_builders", "hsdp"),
@@ -186,6 +188,7 @@ __all__ = [
     "Rule",
     "Rules",
     "checkpointing",
+    "cp",
     "ep",
     "fsdp",
     "hsdp",

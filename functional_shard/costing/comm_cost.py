@@ -1,8 +1,8 @@
 """The traffic half of the cost model: bytes each rank sends per training step.
 
 Parameters and gradients (FSDP gathers and reduce-scatters, DDP's all-reduce, ZeRO-1's
-broadcasts), tensor parallel's activation collectives, and the pipeline's point-to-point
-sends; `functional_shard.costing.cost` puts them beside the memory.
+broadcasts), tensor parallel's activation collectives, context parallel's key/value
+gathers, and the pipeline's point-to-point sends; `functional_shard.costing.cost` puts them beside the memory.
 """
 
 from __future__ import annotations
@@ -23,7 +23,15 @@ from .expert_cost import expert_grad_axes
 if TYPE_CHECKING:
     from functional_shard.planning.plan import Plan
 
-__all__ = ["Comm", "activation_comm", "compute_itemsize", "parameter_comm", "pipeline_comm"]
+__all__ = [
+    "Comm",
+    "activation_comm",
+    "compute_itemsize",
+    "context_comm",
+    "key_value_features",
+    "parameter_comm",
+    "pipeline_comm",
+]
 
 
 class Comm:
@@ -168,6 +176,54 @@ def activation_comm(plan: Plan, comm: Comm, tokens: int, held: Mapping[str, int]
                 comm.add("all_reduce", axes, n, features * per_token)
         for features in gathers:  # DTensor pads an uneven split inside the all-gather
             comm.add("all_gather", axes, n, -(-features // n) * n * per_token)
+
+
+# the projections whose outputs are one attention layer's keys and values, by name (Llama,
+# Mistral, Qwen, torchtitan's wk/wv, BERT-style key/value); GPT-2's c_attn packs q, k and v
+_KEY_VALUE = ("k_proj", "v_proj", "wk", "wv", "key", "value")
+_PACKED_QKV = ("c_attn",)
+
+
+def key_value_features(plan: Plan) -> list[int]:
+    """Per attention layer, the features per token of its keys and values together.
+
+    Examples:
+        >>> from functional_shard import zoo
+        >>> plan = fs.shard(zoo.llama("tiny"), fs.Mesh(cp=2), fs.replicate() + fs.cp("cp"))
+        >>> key_value_features(plan)  # 2 layers: 2 key/value heads of 16, for k and for v
+        [64, 64]
+    """
+    layers: dict[str, int] = {}
+    for path, tensor in plan.tensors.items():
+        module, _, leaf = path.rpartition(".")
+        parent, _, name = module.rpartition(".")
+        if leaf != "weight" or tensor.ndim != 2:
+            continue
+        if name in _KEY_VALUE:
+            layers[parent] = layers.get(parent, 0) + tensor.shape[0]
+        elif name in _PACKED_QKV:  # a Conv1D, (in, 3·out): two thirds are k and v
+            layers[parent] = layers.get(parent, 0) + 2 * tensor.shape[1] // 3
+    return list(layers.values())
+
+
+def context_comm(plan: Plan, comm: Comm, tokens: int) -> None:
+    """Add context parallel's collectives for ``tokens`` tokens of whole sequences.
+
+    Each attention layer all-gathers its keys and values along cp in forward (again in the
+    recompute when it is checkpointed) and reduce-scatters their gradients in backward;
+    the step averages its loss over cp once (a 4-byte all-reduce).
+    """
+    config = plan.config
+    axis = config.context_parallel_axis
+    if axis is None:
+        return
+    n = plan.mesh[axis]
+    size = compute_itemsize(plan)
+    recomputed = 2 if config.checkpointed else 1
+    for features in key_value_features(plan):
+        comm.add("all_gather", (axis,), n, tokens * features * size, times=recomputed)
+        comm.add("reduce_scatter", (axis,), n, tokens * features * size)
+    comm.add("all_reduce", (axis,), n, 4)
 
 
 def compute_itemsize(plan: Plan) -> int:

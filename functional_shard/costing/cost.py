@@ -40,7 +40,7 @@ from functional_shard.core.tree import dtype_from_name
 from functional_shard.planning.plan_cost import Cost, OptimizerKind
 
 from .census import Census, census_of, grouped, zero1_owners
-from .comm_cost import Comm, activation_comm, compute_itemsize, parameter_comm, pipeline_comm
+from .comm_cost import Comm, activation_comm, compute_itemsize, context_comm, parameter_comm, pipeline_comm
 from .expert_cost import expert_comm
 
 if TYPE_CHECKING:
@@ -238,7 +238,9 @@ def cost(
             pipeline's point-to-point bytes are counted too, and so are the experts
             modules' (`functional_shard.costing.expert_cost`): expert parallelism's
             ``all_to_all`` over its axis under balanced routing, tensor parallel's
-            all-reduces inside the experts.
+            all-reduces inside the experts. Under context parallel (``tokens`` of whole
+            sequences) each attention layer's key/value all-gather and gradient
+            reduce-scatter over the cp axis (`functional_shard.costing.comm_cost.context_comm`).
 
     Returns:
         A `Cost`. Params, grads and optimizer bytes are exact for torch's engines (FSDP2
@@ -301,6 +303,7 @@ def cost(
     boundaries: dict[int, float] = {}
     if tokens is not None:
         activation_comm(plan, comm, tokens, coords)
+        context_comm(plan, comm, tokens)
         expert_comm(plan, tokens, compute_itemsize(plan), comm.add, coords)
         boundaries = pipeline_comm(plan, comm, tokens, coords)
     return Cost(

@@ -150,6 +150,10 @@ def plan_config(
         owners = {path.rpartition(".")[0] for path in tree.params if experts.selects(path)}
         pipe_config["expert_axis"] = experts.axis
         pipe_config["expert_modules"] = tuple(path for path in tree.modules if path in owners)
+    context = policy.context_parallel
+    if context is not None:
+        pipe_config["context_parallel_axis"] = context.axis
+        pipe_config["context_load_balance"] = context.load_balance
     return PlanConfig(
         data_parallel=kind,
         replicate_axes=tuple(replicate),
@@ -160,7 +164,7 @@ def plan_config(
         # under a pipeline FSDP keeps each stage gathered across its micro-batches, as
         # torchtitan runs it (reshard_after_forward = not pp_enabled): one all-gather a step
         reshard_after_forward=(sharding_layer.reshard_after_forward if sharding_layer else True)
-        and "pipeline_axis" not in pipe_config,  # (pipe_config also carries the expert axis)
+        and "pipeline_axis" not in pipe_config,  # (pipe_config also carries the expert and cp axes)
         units=fsdp_units(tree, sharding_layer),
         checkpointed=tuple(select_modules(options.checkpoint or (), tree, "checkpointing()")),
         checkpoint_policy=options.checkpoint_policy or "full",

@@ -212,7 +212,7 @@ def sharding_problems(
 
 
 def axis_problems(policy: Policy, mesh: Mesh) -> list[str]:
-    """The axes the policy's layers claim that ``mesh`` lacks, one line each.
+    """The axes the policy's layers claim that ``mesh`` lacks, and a misplaced cp axis, one line each.
 
     Examples:
         >>> axis_problems(fs.fsdp("dp"), fs.Mesh(tp=2))
@@ -223,7 +223,35 @@ def axis_problems(policy: Policy, mesh: Mesh) -> list[str]:
         for layer in policy.layers
         for a in layer.claimed_axes
         if a not in mesh
+    ] + _context_axis_problems(policy, mesh)
+
+
+def _context_axis_problems(policy: Policy, mesh: Mesh) -> list[str]:
+    context = policy.context_parallel
+    if context is None:
+        return []
+    axis, name = context.axis, context.name
+    if axis not in mesh:
+        return [f"{name} names axis {axis!r}, which is not in {mesh!r}; add it to the mesh"]
+    others = [
+        layer.name
+        for layer in policy.layers
+        if axis in layer.claimed_axes and not isinstance(layer, DataParallel)
     ]
+    if others:
+        return [f"{name}: axis {axis!r} is {others[0]}'s; cut sequences over an axis of their own"]
+    experts = policy.expert_parallel
+    if experts is not None and experts.axis == axis:
+        return [f"{name} and {experts.name} on one axis: each needs its own axis"]
+    data = policy.data_parallel
+    if not any(layer.replicate_axes is None or axis in layer.claimed_axes for layer in data):
+        return [
+            f"{name}: the ranks of {axis!r} see different tokens of the same sequences, so their "
+            f"gradients are averaged over it: name it in the data-parallel layer too, fs.fsdp(('dp', "
+            f"{axis!r})) to shard the parameters over it as well (as torchtitan does), or "
+            f"fs.replicate({axis!r}) to keep them whole there"
+        ]
+    return []
 
 
 def unused_axes(policy: Policy, mesh: Mesh, shardings: Iterable[ParamSharding]) -> list[str]:

@@ -109,7 +109,8 @@ class Plan:
     def data_parallel_rank(self, rank: int) -> tuple[int, int]:
         """Which slice of the global batch ``rank`` reads: (index, number of slices).
 
-        Ranks that differ only along model axes (tensor parallel) read the same slice.
+        Ranks that differ only along model axes (tensor parallel) or along the
+        context-parallel axis (which cuts the same sequences) read the same slice.
 
         Examples:
             >>> import torch.nn as nn, functional_shard as fs
@@ -120,7 +121,7 @@ class Plan:
         """
         coords = self.mesh.coords(rank)
         index, count = 0, 1
-        for axis in self.config.data_axes:
+        for axis in self.config.batch_axes:
             index = index * self.mesh[axis] + coords[axis]
             count *= self.mesh[axis]
         return index, count
@@ -291,6 +292,7 @@ class Plan:
             f"{len(c.checkpointed)} checkpointed modules; mixed precision: "
             f"{c.param_dtype or 'off'} (reduce {c.reduce_dtype or 'as params'}); offload: "
             + (", ".join(k for k in ("params", "grads", "optimizer") if getattr(c, f"offload_{k}")) or "off"),
+            *((self._context_parallel_line(),) if c.context_parallel_axis else ()),
             *(
                 (
                     f"pipeline over {c.pipeline_axis!r}: {len(c.pipeline_stages)} stages, "
@@ -314,6 +316,21 @@ class Plan:
                 f"are all-reduced over {c.data_axes}: {', '.join(whole)}"
             )
         return "\n".join(s.rstrip() for s in summary)
+
+    def _context_parallel_line(self) -> str:
+        from functional_shard.core.sequence import chunk_count, sequence_chunks
+
+        c = self.config
+        axis = c.context_parallel_axis
+        assert axis is not None
+        size = self.mesh[axis]
+        chunks = sequence_chunks(size, load_balance=c.context_load_balance)
+        held = "; ".join(f"rank {r}: {', '.join(map(str, held))}" for r, held in enumerate(chunks))
+        return (
+            f"context parallel over {axis!r}: activations split on the sequence dim into "
+            f"{chunk_count(size, load_balance=c.context_load_balance)} chunks "
+            f"({'load-balanced' if c.context_load_balance else 'in order'}; {axis} {held})"
+        )
 
     def __str__(self) -> str:
         return self.explain()

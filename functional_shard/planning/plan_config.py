@@ -48,11 +48,20 @@ class PlanConfig:
     """Module paths holding the expert tensors split over ``expert_axis``, in module order."""
     expert_top_k: int = 0
     """Experts each token visits in the model's mixture-of-experts layers (0: none, or unknown)."""
+    context_parallel_axis: str | None = None
+    """The data axis whose ranks hold different chunks of every sequence (``None``: no context parallel)."""
+    context_load_balance: bool = True
+    """Each cp rank holds chunks ``i`` and ``2·cp − 1 − i`` of ``2·cp`` (else chunk ``i`` of ``cp``)."""
 
     @property
     def data_axes(self) -> tuple[str, ...]:
-        """Axes the batch is split over: gradients are reduced over them."""
+        """Axes whose ranks see different tokens: gradients are reduced over them."""
         return self.replicate_axes + self.shard_axes
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The data axes that split the batch: all but the context-parallel axis, which splits sequences."""
+        return tuple(axis for axis in self.data_axes if axis != self.context_parallel_axis)
 
     @property
     def tensor_parallel_experts(self) -> tuple[str, ...]:

@@ -32,6 +32,7 @@ from .rules import Rules, index_free, resolve
 from .styles import StyleError
 
 __all__ = [
+    "ContextParallel",
     "DataParallel",
     "ExpertParallel",
     "Layer",
@@ -248,7 +249,36 @@ class ExpertParallel:
         return ParamSharding.uniform(P(self.axis, *(None,) * (tensor.ndim - 1)))
 
 
-Layer: TypeAlias = DataParallel | TensorParallel | Pipeline | ExpertParallel | Custom
+@dataclass(frozen=True, slots=True)
+class ContextParallel:
+    """Context parallelism over ``axis``: its ranks hold chunks of every sequence.
+
+    Attention gathers the keys and values of the whole sequence over ``axis``; every other
+    layer works on the rank's own tokens. The ranks of ``axis`` read the same sequences and
+    see different tokens of them, so their gradients are averaged: ``axis`` is one of the
+    plan's data-parallel axes (``fsdp(("dp", "cp"))`` shards parameters over it too),
+    borrowed as `ExpertParallel` borrows its own, and claims no axis.
+    """
+
+    axis: str
+    load_balance: bool = True
+
+    @property
+    def name(self) -> str:
+        """A short label for messages."""
+        return f"cp({self.axis!r})" if self.load_balance else f"cp({self.axis!r}, load_balance=False)"
+
+    @property
+    def claimed_axes(self) -> tuple[str, ...]:
+        """None: the axis is a data-parallel axis, whose ranks split sequences rather than batches."""
+        return ()
+
+    def __call__(self, path: str, tensor: TensorSpec, mesh: Mesh) -> ParamSharding | None:
+        """No opinion on any tensor: context parallelism splits activations, not parameters."""
+        return None
+
+
+Layer: TypeAlias = DataParallel | TensorParallel | Pipeline | ExpertParallel | ContextParallel | Custom
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,6 +351,11 @@ class Policy:
         """The expert-parallel layer, if any."""
         return next((layer for layer in self.layers if isinstance(layer, ExpertParallel)), None)
 
+    @property
+    def context_parallel(self) -> ContextParallel | None:
+        """The context-parallel layer, if any."""
+        return next((layer for layer in self.layers if isinstance(layer, ContextParallel)), None)
+
 
 def _check_layers(layers: tuple[Layer, ...]) -> None:
     owner: dict[str, str] = {}
@@ -341,6 +376,8 @@ def _check_layers(layers: tuple[Layer, ...]) -> None:
         problems.append("pipeline() appears twice; a plan has one pipeline axis")
     if sum(isinstance(layer, ExpertParallel) for layer in layers) > 1:
         problems.append("ep() appears twice; a plan has one expert-parallel axis")
+    if sum(isinstance(layer, ContextParallel) for layer in layers) > 1:
+        problems.append("cp() appears twice; a plan has one context-parallel axis")
     if sum(isinstance(layer, DataParallel) and layer.replicate_axes is None for layer in layers) > 1:
         problems.append("replicate() without an axis appears twice")
     if problems:

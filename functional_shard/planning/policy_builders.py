@@ -16,7 +16,16 @@ import torch
 from functional_shard.core.errors import PolicyError
 from functional_shard.core.tree import Pattern
 
-from .policy import DataParallel, ExpertParallel, Options, Pipeline, Policy, Selector, TensorParallel
+from .policy import (
+    ContextParallel,
+    DataParallel,
+    ExpertParallel,
+    Options,
+    Pipeline,
+    Policy,
+    Selector,
+    TensorParallel,
+)
 from .rules import Rules, deferred
 
 # by kind: data parallel, model parallel, plan options
@@ -27,6 +36,7 @@ __all__ = [
     "hsdp",
     "tp",
     "ep",
+    "cp",
     "pipeline",
     "mixed_precision",
     "offload",
@@ -300,6 +310,37 @@ def ep(axis: str = "ep", *, experts: Pattern | Iterable[Pattern] | None = None) 
         if not patterns or not all(isinstance(p, str | re.Pattern) for p in patterns):
             raise PolicyError(f"ep(experts={experts!r}): path patterns (globs or compiled regexes)")
     return Policy((ExpertParallel(axis, patterns),))
+
+
+def cp(axis: str = "cp", *, load_balance: bool = True) -> Policy:
+    """Context parallelism: every sequence cut along its length over ``axis``.
+
+    Each rank of ``axis`` holds chunks of every sequence of its batch; attention gathers
+    the whole sequence's keys and values over ``axis`` (and sends their gradients back),
+    everything else works on the rank's own tokens, so activations shrink by the axis
+    size. With ``load_balance`` each rank holds chunk ``i`` and chunk ``2·cp − 1 − i`` of
+    ``2·cp``, so that causal attention costs every rank the same; without, chunk ``i`` of
+    ``cp``. The ranks of ``axis`` read the same sequences (`Plan.data_parallel_rank`
+    gives them one index) and average their gradients: name ``axis`` in the
+    data-parallel layer too, ``fsdp(("dp", "cp"))`` to shard parameters over it as well,
+    as torchtitan does.
+
+    Args:
+        axis: the mesh axis whose ranks hold different chunks of each sequence.
+        load_balance: pair an early chunk with a late one on every rank.
+
+    Raises:
+        PolicyError: ``axis`` is not one name, or ``load_balance`` not a bool.
+
+    Examples:
+        >>> (fsdp(("dp", "cp")) + cp("cp")).context_parallel.name
+        "cp('cp')"
+    """
+    if not isinstance(axis, str):
+        raise PolicyError(f"cp(axis={axis!r}): one mesh axis name")
+    if not isinstance(load_balance, bool):
+        raise PolicyError(f"cp(load_balance={load_balance!r}): True or False")
+    return Policy((ContextParallel(axis, load_balance),))
 
 
 CHECKPOINT_POLICIES = ("full", "selective")

@@ -12,7 +12,7 @@ from typing import Any
 from functional_shard.core.errors import PolicyError
 
 from . import rules as rules_module
-from .policy import DataParallel, ExpertParallel, Pipeline, Policy, TensorParallel
+from .policy import ContextParallel, DataParallel, ExpertParallel, Pipeline, Policy, TensorParallel
 from .policy_builders import CHECKPOINT_POLICIES
 from .rules import DEFERRED
 
@@ -134,6 +134,9 @@ def format_policy(policy: Policy) -> str:
             terms.append(_format_pipeline(layer))
         elif isinstance(layer, ExpertParallel):
             terms.append(_format_expert_parallel(layer))
+        elif isinstance(layer, ContextParallel):
+            balance = "" if layer.load_balance else ", load_balance=false"
+            terms.append(f"cp({_format_name(layer.axis)}{balance})")
         else:
             raise PolicyError(f"policy layer {layer.name} is a function and has no text form")
     options = policy.options

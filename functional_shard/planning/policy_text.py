@@ -13,6 +13,7 @@ evaluated, so a policy string cannot run code.
 | ``ddp(dp)``, ``replicate(dp)``, ``ddp``   | ``replicate("dp")``, ``replicate()``                |
 | ``hsdp(node, gpu)``                       | ``hsdp("node", "gpu")``                             |
 | ``ep(dp)``, ``ep(ep, experts="*.experts.*")`` | ``ep("dp")``, ``ep("ep", experts="*.experts.*")`` |
+| ``cp(cp)``, ``cp(cp, load_balance=false)`` | ``cp("cp")``, ``cp("cp", load_balance=False)``      |
 | ``tp(llama, tp)``, ``sp(llama, tp)``      | ``tp(rules.llama, "tp")``, ``sequence_parallel=True`` |
 | ``tp(hf, tp)``, ``tp(auto, tp)``          | ``tp("hf", "tp")``, ``tp("auto", "tp")``            |
 | ``checkpointing(Block, selective)``       | ``checkpointing(Block, policy="selective")``        |
@@ -54,7 +55,7 @@ __all__ = ["FORMS", "format_policy", "parse_policy"]
 
 FORMS = (
     "fsdp(AXIS), hsdp(REPLICATE_AXIS, SHARD_AXIS), zero(1|2|3, AXIS), ddp(AXIS) or replicate(AXIS), "
-    "tp(RULES, AXIS), sp(RULES, AXIS), ep(AXIS), checkpointing(CLASS or 'path.*', full|selective), "
+    "tp(RULES, AXIS), sp(RULES, AXIS), ep(AXIS), cp(AXIS), checkpointing(CLASS or 'path.*', full|selective), "
     "offload, bf16, fp16, mixed_precision(DTYPE), "
     "pipeline(AXIS, microbatches=N, schedule=NAME, stages_per_rank=N, split=((PATH, ...), ...)), "
     "none, joined by +; "
@@ -391,6 +392,15 @@ def _term(call: _Call, resolver: _Resolver) -> Policy:
         experts = call.kwargs.get("experts")
         patterns = None if experts is None else _axes([experts], call.node)
         return build.ep(_text(args[0], "the axis", call.node) if args else "ep", experts=patterns)
+    if name == "cp":
+        _only(call, ("load_balance",))
+        if len(args) > 1:
+            raise _TextError(call.node, "cp() takes one axis, e.g. cp(cp)")
+        balance = call.kwargs.get("load_balance")
+        return build.cp(
+            _text(args[0], "the axis", call.node) if args else "cp",
+            load_balance=True if balance is None else _flag(balance, "load_balance", call.node),
+        )
     if name in ("zero1", "zero2", "zero3"):
         raise _TextError(call.node, f"write zero({name[-1]}, AXIS)")
     raise _TextError(call.node, f"unknown name {name!r}")

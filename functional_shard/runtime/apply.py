@@ -29,6 +29,7 @@ from .device_mesh import build_device_mesh
 from .engines.activation_checkpointing import apply_checkpointing
 from .engines.applied import APPLIED, Applied, retie
 from .engines.checks import check_runnable, engine_problems
+from .engines.context_parallel import use_hf_attention
 from .engines.data_parallel import apply_data_parallel, reduce_whole_grads
 from .engines.experts import apply_expert_parallel
 from .engines.materialize import materialize
@@ -134,5 +135,7 @@ def apply(
     apply_data_parallel(plan, module, device_mesh, root)
     reduce_whole_grads(plan, module, device_mesh)
     refuse_uneven_sequences(plan, module.get_submodule(root))
+    if plan.config.context_parallel_axis is not None:
+        use_hf_attention(module.get_submodule(root))
     APPLIED[module] = Applied(plan, device_mesh)
     return module

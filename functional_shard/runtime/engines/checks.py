@@ -56,7 +56,10 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
         return found
     if config.pipeline_axis is not None:
         found.extend(pipeline_problems(plan))
+    if config.context_parallel_axis is not None:
+        found.extend(context_parallel_problems(plan, module))
     kind = config.data_parallel
+    found.extend(_mesh_order_problems(plan))
     tp_axes = config.tensor_parallel_axes
     if len(tp_axes) > 1:
         found.append(f"tensor parallel over {tp_axes}: apply() runs one tensor-parallel axis")
@@ -186,6 +189,39 @@ def pipeline_problems(plan: Plan) -> list[str]:
                 "tie_word_embeddings=False), or put every module that uses it in one stage with "
                 "pipeline(split=...)"
             )
+    return found
+
+
+def _mesh_order_problems(plan: Plan) -> list[str]:
+    # torch slices a DeviceMesh only in its own order of dims (a KeyError otherwise)
+    config, order = plan.config, list(plan.mesh.axis_names)
+    groups = {"the data-parallel axes": config.data_axes, "the FSDP shard axes": config.shard_axes}
+    return [
+        f"{what} {axes} are not in the mesh's order {tuple(order)}: torch's device meshes slice axes "
+        f"in their own order; list them as the mesh does ({tuple(sorted(axes, key=order.index))}), "
+        "or reorder the mesh"
+        for what, axes in groups.items()
+        if list(axes) != sorted(axes, key=order.index)
+    ][:1]
+
+
+def context_parallel_problems(plan: Plan, module: nn.Module) -> list[str]:
+    """What keeps the context-parallel engine from running ``plan`` on ``module``, one line each."""
+    from .context_parallel import attention_problems
+
+    config = plan.config
+    name = f"cp({config.context_parallel_axis!r})"
+    found = [f"{name}: {problem}" for problem in attention_problems(module)]
+    together = [
+        (config.pipeline_axis, "pipeline"),
+        (config.tensor_parallel_axes, "tensor parallel"),
+        (config.expert_axis, "expert parallel"),
+    ]
+    found += [
+        f"{name} with {what}: apply() does not run them together yet; plan cp with fsdp/hsdp/ddp alone"
+        for present, what in together
+        if present
+    ]
     return found
 
 

@@ -1,0 +1,105 @@
+"""Which tokens of a sequence each context-parallel rank holds. Pure arithmetic.
+
+Context parallelism cuts every sequence along its length. With load balancing (the
+default, as torchtitan and Megatron-LM do it) the sequence is cut into ``2·cp`` equal
+chunks and rank ``i`` holds chunks ``i`` and ``2·cp − 1 − i``: under a causal mask a
+query attends to every key before it, so early chunks are cheap and late ones dear, and
+pairing one of each gives every rank the same attention work. Without load balancing the
+sequence is cut into ``cp`` chunks, rank ``i`` holding chunk ``i``.
+
+Examples:
+    >>> sequence_chunks(4, load_balance=True)
+    ((0, 7), (1, 6), (2, 5), (3, 4))
+    >>> token_ranges(16, 2, 1, load_balance=True)
+    ((4, 8), (8, 12))
+"""
+
+from __future__ import annotations
+
+from .errors import ShardingError
+
+__all__ = ["check_sequence_length", "chunk_count", "sequence_chunks", "token_positions", "token_ranges"]
+
+
+def chunk_count(cp: int, *, load_balance: bool) -> int:
+    """How many equal chunks a sequence is cut into: ``2·cp`` balanced, ``cp`` otherwise.
+
+    Examples:
+        >>> chunk_count(4, load_balance=True), chunk_count(4, load_balance=False)
+        (8, 4)
+    """
+    return 2 * cp if load_balance and cp > 1 else cp
+
+
+def sequence_chunks(cp: int, *, load_balance: bool) -> tuple[tuple[int, ...], ...]:
+    """The chunk indices each cp rank holds, in the order it holds them.
+
+    Examples:
+        >>> sequence_chunks(2, load_balance=True), sequence_chunks(2, load_balance=False)
+        (((0, 3), (1, 2)), ((0,), (1,)))
+    """
+    if not load_balance or cp == 1:
+        return tuple((rank,) for rank in range(cp))
+    return tuple((rank, 2 * cp - 1 - rank) for rank in range(cp))
+
+
+def check_sequence_length(seq: int, cp: int, *, load_balance: bool, what: str = "sequence length") -> None:
+    """Refuse a length the chunks do not divide, naming the nearest lengths that would work.
+
+    Raises:
+        ShardingError: ``seq`` is not a positive multiple of `chunk_count`.
+
+    Examples:
+        >>> check_sequence_length(4096, 4, load_balance=True)  # fine: 8 chunks of 512
+        >>> check_sequence_length(100, 4, load_balance=True)
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: cp=4 with load balancing cuts each sequence into 8 equal chunks, ...
+        use 96 or 104 tokens (pad the sequences), or cp(load_balance=False) (4 chunks)
+    """
+    chunks = chunk_count(cp, load_balance=load_balance)
+    if seq > 0 and seq % chunks == 0:
+        return
+    below, above = seq - seq % chunks, seq - seq % chunks + chunks
+    nearest = f"{below} or {above}" if below > 0 else f"{above}"
+    balance = "with load balancing" if load_balance and cp > 1 else "without load balancing"
+    other = (
+        f", or cp(load_balance=False) ({cp} chunks)"
+        if load_balance and cp > 1 and seq > 0 and seq % cp == 0
+        else ""
+    )
+    raise ShardingError(
+        f"cp={cp} {balance} cuts each sequence into {chunks} equal chunks, and {chunks} does not divide "
+        f"the {what} {seq}; use {nearest} tokens (pad the sequences){other}"
+    )
+
+
+def token_ranges(seq: int, cp: int, rank: int, *, load_balance: bool) -> tuple[tuple[int, int], ...]:
+    """The [start, stop) token ranges cp rank ``rank`` holds of a ``seq``-token sequence.
+
+    Raises:
+        ShardingError: ``seq`` is not divisible into the chunks (`check_sequence_length`).
+
+    Examples:
+        >>> token_ranges(8, 2, 0, load_balance=True), token_ranges(8, 2, 0, load_balance=False)
+        (((0, 2), (6, 8)), ((0, 4),))
+    """
+    check_sequence_length(seq, cp, load_balance=load_balance)
+    size = seq // chunk_count(cp, load_balance=load_balance)
+    return tuple(
+        (chunk * size, (chunk + 1) * size) for chunk in sequence_chunks(cp, load_balance=load_balance)[rank]
+    )
+
+
+def token_positions(seq: int, cp: int, rank: int, *, load_balance: bool) -> tuple[int, ...]:
+    """The global positions of the tokens cp rank ``rank`` holds, in the order it holds them.
+
+    Examples:
+        >>> token_positions(8, 2, 1, load_balance=True)
+        (2, 3, 4, 5)
+    """
+    return tuple(
+        p
+        for start, stop in token_ranges(seq, cp, rank, load_balance=load_balance)
+        for p in range(start, stop)
+    )

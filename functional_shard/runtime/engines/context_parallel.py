@@ -1,0 +1,337 @@
+"""Context parallel on any backend: each rank's queries attend over the whole sequence. Effects.
+
+Each rank of the cp axis holds chunks of every sequence (`functional_shard.core.sequence`).
+Everything but attention works on those tokens alone. Attention needs every key and value
+of the sequence: they are all-gathered over cp along the sequence dim, with autograd (the
+backward reduce-scatters their gradients back to the ranks that made them), and SDPA runs
+this rank's queries against them under a causal mask built from global positions, so that
+the balanced chunk order needs no reordering. Grouped-query attention gathers the few
+key/value heads and lets SDPA broadcast them (``enable_gqa``), never repeating them first.
+
+Attention is reached two ways, with no model code patched:
+
+* a plain module calling ``F.scaled_dot_product_attention``: a `TorchFunctionMode` routes the
+  call while a step runs, as torch's own ``context_parallel`` context does;
+* a Hugging Face model: an attention function registered in transformers' registry
+  (``AttentionInterface``) and chosen with ``model.set_attn_implementation``, with a mask
+  function that makes no mask (the engine builds its own).
+
+All of it is plain collectives (``all_gather_single``, ``reduce_scatter_single``), so it
+runs on gloo and NCCL alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from functional_shard.core.errors import ShardingError
+from functional_shard.core.sequence import check_sequence_length, token_positions
+
+__all__ = [
+    "HF_ATTENTION",
+    "SequenceShard",
+    "attention_problems",
+    "cut_sequence",
+    "cut_tensors",
+    "sequence_attention",
+    "splitting_attention",
+    "use_hf_attention",
+]
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+HF_ATTENTION = "functional_shard_context_parallel"
+"""The name the engine's attention function has in transformers' registry."""
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """What one step's attention needs to know of this rank's share of the sequence."""
+
+    group: dist.ProcessGroup
+    size: int
+    seq_len: int
+    positions: torch.Tensor
+    """Global positions of this rank's tokens, in the order it holds them."""
+    key_positions: torch.Tensor
+    """Global positions of every rank's tokens, in the order a gather along cp lays them."""
+
+    @classmethod
+    def of(
+        cls, group: dist.ProcessGroup, seq_len: int, *, load_balance: bool, device: torch.device
+    ) -> SequenceShard:
+        """This rank's share of a ``seq_len``-token sequence cut over ``group``.
+
+        Raises:
+            ShardingError: the chunks do not divide ``seq_len`` (the nearest lengths named).
+        """
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        check_sequence_length(seq_len, size, load_balance=load_balance)
+        every = [token_positions(seq_len, size, r, load_balance=load_balance) for r in range(size)]
+        return cls(
+            group=group,
+            size=size,
+            seq_len=seq_len,
+            positions=torch.tensor(every[rank], device=device),
+            key_positions=torch.tensor([p for held in every for p in held], device=device),
+        )
+
+
+_current: contextvars.ContextVar[SequenceShard | None] = contextvars.ContextVar("_current", default=None)
+# set while the engine's own SDPA runs, so that the mode lets that call through
+_attending: contextvars.ContextVar[bool] = contextvars.ContextVar("_attending", default=False)
+# how many attention calls the engine split during the current step (None: not counting)
+_splits: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("_splits", default=None)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along ``dim`` over ``group``; backward reduce-scatters (sums) back."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        size = dist.get_world_size(group)
+        moved = tensor.movedim(dim, 0).contiguous()
+        gathered = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
+        dist.all_gather_single(gathered, moved, group=group)
+        return gathered.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        size = dist.get_world_size(ctx.group)
+        moved = grad.movedim(ctx.dim, 0).contiguous()
+        mine = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
+        dist.reduce_scatter_single(mine, moved, group=ctx.group)
+        return mine.movedim(0, ctx.dim), None, None
+
+
+def sequence_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """SDPA of this rank's queries (``[batch, heads, local_seq, dim]``) over the whole sequence.
+
+    Keys and values (this rank's chunks, fewer heads under grouped-query attention) are
+    gathered over the cp group of the step under way (`cut_sequence`).
+
+    Raises:
+        ShardingError: no step with a cut sequence is under way.
+    """
+    shard = _current.get()
+    if shard is None:
+        raise ShardingError(
+            "context-parallel attention ran outside a step: run the model through fs.forward_backward, "
+            "or inside fs.cut_sequence(plan, module, seq_len) with its chunks of the sequence"
+        )
+    if query.shape[-2] != shard.positions.numel():
+        raise ShardingError(
+            f"context parallel: attention got {query.shape[-2]} query tokens, but this rank holds "
+            f"{shard.positions.numel()} of the {shard.seq_len}-token sequence; pass the rank's chunks "
+            "(fs.forward_backward cuts them)"
+        )
+    keys = _GatherSequence.apply(key, key.dim() - 2, shard.group)
+    values = _GatherSequence.apply(value, value.dim() - 2, shard.group)
+    mask = None
+    if causal:
+        mask = shard.key_positions[None, :] <= shard.positions[:, None]
+    counted = _splits.get()
+    if counted is not None:
+        counted[0] += 1
+    token = _attending.set(True)
+    try:
+        return _SDPA(
+            query,
+            keys,
+            values,
+            attn_mask=mask,
+            dropout_p=dropout_p,
+            scale=scale,
+            enable_gqa=keys.shape[-3] != query.shape[-3],
+        )
+    finally:
+        _attending.reset(token)
+
+
+class _SplitAttention(TorchFunctionMode):
+    """Routes ``F.scaled_dot_product_attention`` to `sequence_attention` while a step runs."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not _SDPA or _attending.get() or _current.get() is None:
+            return func(*args, **kwargs)
+        call = inspect.signature(_sdpa_signature).bind(*args, **kwargs).arguments
+        if call.get("attn_mask") is not None:
+            raise ShardingError(
+                "context parallel: F.scaled_dot_product_attention was called with attn_mask; the engine "
+                "splits causal or full attention only (is_causal=True, or no mask)"
+            )
+        return sequence_attention(
+            call["query"],
+            call["key"],
+            call["value"],
+            causal=bool(call.get("is_causal", False)),
+            scale=call.get("scale"),
+            dropout_p=call.get("dropout_p", 0.0),
+        )
+
+
+def _sdpa_signature(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Any = None,
+    enable_gqa: bool = False,
+) -> None:
+    """The parameters of ``F.scaled_dot_product_attention``, to read a call's arguments by name."""
+
+
+@contextlib.contextmanager
+def splitting_attention(shard: SequenceShard) -> Iterator[list[int]]:
+    """Within it, attention runs over ``shard``'s whole sequence; yields the count of calls split."""
+    counted = [0]
+    tokens = (_current.set(shard), _splits.set(counted))
+    try:
+        with _SplitAttention():
+            yield counted
+    finally:
+        _splits.reset(tokens[1])
+        _current.reset(tokens[0])
+
+
+def cut_tensors(shard: SequenceShard, *tensors: torch.Tensor, dim: int = 1) -> tuple[torch.Tensor, ...]:
+    """This rank's chunks of each of ``tensors`` along ``dim``.
+
+    Raises:
+        ShardingError: a tensor whose ``dim`` is not the sequence's length.
+    """
+    cut = []
+    for index, tensor in enumerate(tensors):
+        length = tensor.shape[dim] if tensor.dim() > dim else None
+        if length != shard.seq_len:
+            raise ShardingError(
+                f"context parallel: tensor {index} has shape {tuple(tensor.shape)}, but the sequence is "
+                f"{shard.seq_len} tokens along dim {dim}; pass tensors of whole sequences (inputs, targets)"
+            )
+        cut.append(tensor.index_select(dim, shard.positions.to(tensor.device)))
+    return tuple(cut)
+
+
+@contextlib.contextmanager
+def cut_sequence(
+    group: dist.ProcessGroup, seq_len: int, *, load_balance: bool, device: torch.device
+) -> Iterator[SequenceShard]:
+    """Run attention over a ``seq_len``-token sequence of which this rank holds its chunks."""
+    shard = SequenceShard.of(group, seq_len, load_balance=load_balance, device=device)
+    with splitting_attention(shard):
+        yield shard
+
+
+# ---- Hugging Face ------------------------------------------------------------------
+
+
+def _hf_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    name = type(module).__name__
+    if attention_mask is not None:
+        raise ShardingError(
+            f"context parallel: {name} got an attention mask (padding, or a custom 4-D mask); the engine "
+            "splits causal attention over whole sequences only: pack sequences without padding"
+        )
+    if kwargs.get("sliding_window") is not None:
+        raise ShardingError(
+            f"context parallel: {name} attends within a sliding window, which cp cannot split"
+        )
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    out = sequence_attention(query, key, value, causal=bool(causal), scale=scaling, dropout_p=dropout)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _hf_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
+    # the engine masks by global positions itself; a padding mask it cannot honour
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ShardingError(
+            "context parallel: the batch has padding (an attention_mask with zeros); the engine splits "
+            "whole sequences only: pack sequences without padding, or drop the attention_mask"
+        )
+
+
+def _register_hf() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(HF_ATTENTION, _hf_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(HF_ATTENTION, _hf_mask)
+
+
+def _is_hf(model: nn.Module) -> bool:
+    return hasattr(model, "set_attn_implementation") and hasattr(model, "config")
+
+
+def attention_problems(model: nn.Module) -> list[str]:
+    """What keeps the engine from splitting ``model``'s attention, one line each (pure).
+
+    Examples:
+        >>> attention_problems(nn.Sequential(nn.MultiheadAttention(8, 2)))[0][:50]
+        '0 (MultiheadAttention): computes attention in its '
+        >>> attention_problems(nn.Linear(2, 2))
+        []
+    """
+    found = [
+        f"{path} ({type(module).__name__}): computes attention in its own kernel, which cp cannot reach; "
+        "use a module calling F.scaled_dot_product_attention"
+        for path, module in model.named_modules()
+        if isinstance(module, nn.MultiheadAttention | nn.TransformerEncoderLayer | nn.TransformerDecoderLayer)
+    ]
+    if _is_hf(model):
+        config = model.config
+        kinds = set(getattr(config, "layer_types", None) or ())
+        windowed = kinds & {"sliding_attention", "chunked_attention"}
+        if windowed or (not kinds and getattr(config, "sliding_window", None) is not None):
+            found.append(
+                f"{type(model).__name__}: attends within a sliding window "
+                f"({', '.join(sorted(windowed)) or 'sliding_window'}); cp splits causal attention over the "
+                "whole sequence only"
+            )
+        if not getattr(config, "is_causal", True):
+            found.append(f"{type(model).__name__}: bidirectional attention (config.is_causal=False)")
+        if not getattr(model, "_supports_attention_backend", False):
+            found.append(
+                f"{type(model).__name__}: does not take attention functions from transformers' registry "
+                "(_supports_attention_backend is False), so cp cannot reach its attention"
+            )
+    return found
+
+
+def use_hf_attention(model: nn.Module) -> None:
+    """Point a Hugging Face model's attention at the engine (nothing for other modules)."""
+    if _is_hf(model):
+        _register_hf()
+        model.set_attn_implementation(HF_ATTENTION)

@@ -1,0 +1,156 @@
+"""Context-parallel runs on every rank of a LocalWorld (importable, so spawn can send them).
+
+Each case trains a model for a few AdamW steps through `fs.forward_backward` under a cp plan,
+every rank of a cp group passing the same whole sequences, and returns what the test compares
+with one process training on the whole batch: the losses, the first step's gradients and
+the parameters after the last step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812
+
+import functional_shard as fs
+from functional_shard.zoo import Llama, LlamaConfig
+
+from .dist_cases import full
+
+STEPS = 3
+LR = 1e-2
+SEQ = 16  # 2·cp chunks for cp 2 and 4
+BATCH = 2  # sequences per data-parallel rank
+
+# tied embeddings, grouped-query attention (4 query heads, 2 key/value heads)
+ZOO = LlamaConfig(128, 32, 64, num_layers=2, num_heads=4, num_kv_heads=2, tie_embeddings=True)
+# the zoo's attention repeats its key/value heads before SDPA, so the engine gathers the
+# repeated ones: traffic is checked on this one (and on Qwen2, whose heads stay grouped)
+ZOO_MHA = LlamaConfig(128, 32, 64, num_layers=2, num_heads=4, num_kv_heads=4, tie_embeddings=True)
+
+
+def build(kind: str) -> torch.nn.Module:
+    """A model of ``kind``, the same on every rank (seed 0)."""
+    torch.manual_seed(0)
+    if kind == "zoo":
+        return Llama(ZOO)
+    if kind == "zoo_mha":
+        return Llama(ZOO_MHA)
+    import transformers
+
+    config_class = {"hf_llama": transformers.LlamaConfig, "hf_qwen2": transformers.Qwen2Config}[kind]
+    config = config_class(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.config.use_cache = False
+    return model
+
+
+def logits_of(outputs: Any) -> torch.Tensor:
+    return outputs.logits if hasattr(outputs, "logits") else outputs
+
+
+def loss_fn(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    logits = logits_of(outputs)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def batches(data_parallel: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1234)
+    return [
+        torch.randint(0, 128, (BATCH * data_parallel, SEQ + 1), generator=generator) for _ in range(STEPS)
+    ]
+
+
+def reference(kind: str, data_parallel: int) -> dict[str, Any]:
+    """One process on the whole batch: losses, first gradients, last parameters."""
+    model = build(kind)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grads = [], {}
+    for step, tokens in enumerate(batches(data_parallel)):
+        optimizer.zero_grad()
+        loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        if step == 0:
+            grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(loss.item())
+    return {
+        "losses": losses,
+        "grads": grads,
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
+
+
+def train(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
+    """Train under the plan; rank 0 returns what `reference` does, every rank its losses."""
+    model = build(kind)
+    plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy))
+    fs.apply(plan, model)
+    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR)
+    step_fn = fs.forward_backward(plan, model, loss_fn)
+    index, data_parallel = plan.data_parallel_rank(dist.get_rank())
+    losses, grads = [], {}
+    for step, tokens in enumerate(batches(data_parallel)):
+        mine = tokens[index * BATCH : (index + 1) * BATCH]
+        optimizer.zero_grad()
+        loss = step_fn(mine[:, :-1], mine[:, 1:])
+        if step == 0:
+            grads = {name: full(p.grad) for name, p in model.named_parameters()}
+        optimizer.step()
+        global_loss = loss.clone()
+        dist.all_reduce(global_loss)
+        losses.append(global_loss.item() / dist.get_world_size())
+    params = {k: full(v) for k, v in model.state_dict().items()}
+    return {
+        "losses": losses,
+        "rank_loss": loss.item(),
+        "grads": grads if dist.get_rank() == 0 else None,
+        "params": params if dist.get_rank() == 0 else None,
+        "data_parallel": data_parallel,
+    }
+
+
+def refused(kind: str, mesh: dict[str, int], policy: str, seq: int) -> str:
+    """The error a step with ``seq`` tokens raises (the same on every rank)."""
+    model = build(kind)
+    plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy))
+    fs.apply(plan, model)
+    step_fn = fs.forward_backward(plan, model, loss_fn)
+    tokens = torch.randint(0, 128, (BATCH, seq + 1))
+    try:
+        step_fn(tokens[:, :-1], tokens[:, 1:])
+    except fs.ShardingError as error:
+        return str(error)
+    return ""
+
+
+def measure_comm(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
+    """Bytes this rank sends in its third step, and the prediction (the first step builds lazy
+    state, the second DDP's rebuilt buckets, whose layout it broadcasts once)."""
+    model = build(kind)
+    plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy))
+    fs.apply(plan, model)
+    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR)
+    step_fn = fs.forward_backward(plan, model, loss_fn)
+    tokens = batches(1)[0][:BATCH]
+    for step in range(3):
+        log = fs.measure.CollectiveLog(plan.mesh)
+        with log if step == 2 else contextlib.nullcontext():
+            optimizer.zero_grad()
+            step_fn(tokens[:, :-1], tokens[:, 1:])
+            optimizer.step()
+    cost = plan.cost("adamw", tokens=tokens[:, :-1].numel())
+    return {"measured": log.sent, "predicted": {k: dict(v) for k, v in cost.comm_bytes.items()}}

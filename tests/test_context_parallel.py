@@ -1,0 +1,248 @@
+"""Context parallel: sequences cut over a mesh axis, as plan data and on real gloo ranks.
+
+The chunk arithmetic is checked for every cp size and length drawn; the plan carries the
+cp axis (explain, JSON, text, diff, the batch index); on 4 gloo ranks, training through
+`fs.forward_backward` gives one process's losses, gradients and parameters (float32
+reordering noise: gradients within 1e-6, parameters after 3 AdamW steps within 2e-5), and
+the bytes sent on cp are `plan.cost`'s.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import functional_shard as fs
+from functional_shard.core.sequence import (
+    check_sequence_length,
+    chunk_count,
+    sequence_chunks,
+    token_positions,
+    token_ranges,
+)
+from functional_shard.zoo import llama
+
+from . import cp_cases
+
+# ---- the chunks ----------------------------------------------------------------------
+
+
+@given(cp=st.integers(1, 16), per_chunk=st.integers(1, 64), balance=st.booleans())
+def test_the_ranks_chunks_cover_each_sequence_once_in_equal_shares(cp, per_chunk, balance):
+    seq = per_chunk * chunk_count(cp, load_balance=balance)
+    held = [token_positions(seq, cp, rank, load_balance=balance) for rank in range(cp)]
+    assert sorted(p for positions in held for p in positions) == list(range(seq))
+    assert {len(positions) for positions in held} == {seq // cp}
+    for rank, positions in enumerate(held):
+        assert list(positions) == sorted(positions)  # each rank holds its chunks in order
+        ranges = token_ranges(seq, cp, rank, load_balance=balance)
+        assert len(ranges) == len(sequence_chunks(cp, load_balance=balance)[rank])
+
+
+@given(cp=st.integers(2, 16), per_chunk=st.integers(1, 64))
+def test_balanced_chunks_give_every_rank_the_same_causal_attention_work(cp, per_chunk):
+    seq = per_chunk * 2 * cp
+    # a query at position p attends to p + 1 keys under a causal mask
+    work = [sum(p + 1 for p in token_positions(seq, cp, r, load_balance=True)) for r in range(cp)]
+    assert len(set(work)) == 1
+    unbalanced = [sum(p + 1 for p in token_positions(seq, cp, r, load_balance=False)) for r in range(cp)]
+    assert unbalanced == sorted(unbalanced)
+    assert unbalanced[-1] > unbalanced[0]  # without balancing the last rank works most
+
+
+@given(cp=st.integers(2, 16), seq=st.integers(1, 10_000), balance=st.booleans())
+def test_a_length_the_chunks_do_not_divide_is_refused_with_the_nearest_that_do(cp, seq, balance):
+    chunks = chunk_count(cp, load_balance=balance)
+    if seq % chunks == 0:
+        check_sequence_length(seq, cp, load_balance=balance)
+        return
+    with pytest.raises(fs.ShardingError, match=f"into {chunks} equal chunks") as error:
+        check_sequence_length(seq, cp, load_balance=balance)
+    above = (seq // chunks + 1) * chunks
+    assert f"{above} tokens" in str(error.value)
+    if seq > chunks:
+        assert f"use {seq // chunks * chunks} or {above} tokens" in str(error.value)
+
+
+# ---- the plan ------------------------------------------------------------------------
+
+
+@given(dp=st.integers(1, 4), cp=st.integers(1, 4), balance=st.booleans(), dp_first=st.booleans())
+def test_cp_ranks_read_the_same_batch_slice_and_the_plan_says_who_holds_which_chunks(
+    dp, cp, balance, dp_first
+):
+    mesh = fs.Mesh(dp=dp, cp=cp) if dp_first else fs.Mesh(cp=cp, dp=dp)
+    axes = ("dp", "cp") if dp_first else ("cp", "dp")
+    plan = fs.shard(llama("tiny"), mesh, fs.fsdp(axes) + fs.cp("cp", load_balance=balance))
+    assert plan.config.context_parallel_axis == "cp"
+    assert plan.config.data_axes == axes  # gradients are averaged over cp too
+    for rank in range(mesh.size):
+        index, count = plan.data_parallel_rank(rank)
+        assert count == dp
+        assert index == mesh.coords(rank)["dp"]
+    text = plan.explain()
+    assert "context parallel over 'cp'" in text
+    assert (
+        (f"rank {cp - 1}: {cp - 1}" in text)
+        if not balance or cp == 1
+        else (f"rank 0: 0, {2 * cp - 1}" in text)
+    )
+    assert fs.Plan.from_json(plan.to_json()) == plan
+    assert fs.parse_policy(fs.format_policy(fs.fsdp(axes) + fs.cp("cp", load_balance=balance))) == fs.fsdp(
+        axes
+    ) + fs.cp("cp", load_balance=balance)
+
+
+def test_diff_shows_the_cp_axis_and_its_balance():
+    model = llama("tiny")
+    mesh = fs.Mesh(dp=2, cp=2)
+    balanced = fs.shard(model, mesh, fs.fsdp(("dp", "cp")) + fs.cp("cp"))
+    plain = fs.shard(model, mesh, fs.fsdp(("dp", "cp")))
+    ordered = fs.shard(model, mesh, fs.fsdp(("dp", "cp")) + fs.cp("cp", load_balance=False))
+    assert [(c.what, c.before, c.after) for c in plain.diff(balanced)] == [
+        ("context_parallel_axis", None, "cp")
+    ]
+    assert [(c.what, c.before, c.after) for c in balanced.diff(ordered)] == [
+        ("context_load_balance", True, False)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("mesh", "policy", "message"),
+    [
+        (fs.Mesh(dp=2, cp=2), fs.fsdp("dp") + fs.cp("cx"), "names axis 'cx', which is not in"),
+        (fs.Mesh(dp=2, cp=2), fs.fsdp("dp") + fs.cp("cp"), "name it in the data-parallel layer too"),
+        (
+            fs.Mesh(dp=2, cp=2),
+            fs.fsdp("dp") + fs.tp(fs.rules.llama, "cp") + fs.cp("cp"),
+            "is tp(llama, 'cp')'s",
+        ),
+        (
+            fs.Mesh(dp=2, cp=2),
+            fs.fsdp(("dp", "cp")) + fs.ep("cp", experts="*.mlp.*") + fs.cp("cp"),
+            "each needs its own axis",
+        ),
+    ],
+)
+def test_a_misplaced_cp_axis_is_refused_naming_it(mesh, policy, message):
+    with pytest.raises(fs.ShardingError, match=r"cp\('c[px]'\)") as error:
+        fs.shard(llama("tiny"), mesh, policy)
+    assert message in str(error.value)
+
+
+def test_cp_given_twice_or_not_a_name_is_refused():
+    with pytest.raises(fs.PolicyError, match=r"cp\(\) appears twice"):
+        fs.cp("cp") + fs.cp("cq")
+    with pytest.raises(fs.PolicyError, match="one mesh axis name"):
+        fs.cp(("a", "b"))
+    with pytest.raises(fs.PolicyError, match="load_balance"):
+        fs.cp("cp", load_balance="yes")
+
+
+def test_the_engine_refuses_what_it_cannot_split_before_running():
+    import transformers
+
+    config = transformers.Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=0,
+    )
+    windowed = transformers.Qwen2ForCausalLM(config)
+    mha = torch.nn.Sequential(torch.nn.MultiheadAttention(8, 2))
+    policy = fs.fsdp(("dp", "cp")) + fs.cp("cp")
+    for model, message in ((windowed, "sliding window"), (mha, "0 (MultiheadAttention)")):
+        plan = fs.shard(model, fs.Mesh(dp=2, cp=2), policy)
+        with pytest.raises(fs.PlanError, match=r"cp\('cp'\)") as error:
+            fs.check_runnable(plan, model)
+        assert message in str(error.value)
+
+
+def test_cost_counts_each_attention_layers_key_value_gather_and_gradient_scatter():
+    model = llama("tiny")  # 2 layers, keys and values of 2 heads of 16 each
+    plan = fs.shard(model, fs.Mesh(dp=2, cp=4), fs.fsdp(("dp", "cp")) + fs.cp("cp"))
+    tokens = 2 * 1024
+    cost = plan.cost("adamw", tokens=tokens)
+    gathered = 2 * tokens * 64 * 4  # 2 layers, 64 features, float32
+    assert cost.comm_bytes["all_gather"]["cp"] == pytest.approx(3 / 4 * gathered)
+    assert cost.comm_bytes["reduce_scatter"]["cp"] == pytest.approx(3 / 4 * gathered)
+    recomputed = fs.shard(
+        model,
+        plan.mesh,
+        fs.fsdp(("dp", "cp")) + fs.cp("cp") + fs.checkpointing(llama("tiny").layers[0].__class__),
+    )
+    assert recomputed.cost("adamw", tokens=tokens).comm_bytes["all_gather"]["cp"] == pytest.approx(
+        3 / 2 * gathered
+    )
+
+
+# ---- on 4 gloo ranks ---------------------------------------------------------------
+
+PARITY = [
+    ("zoo", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp)"),
+]
+SLOW_PARITY = [
+    ("zoo", {"cp": 4}, "replicate(cp) + cp(cp)"),
+    ("zoo", {"cp": 4}, "replicate(cp) + cp(cp, load_balance=false)"),
+    ("zoo", {"dp": 2, "cp": 2}, "hsdp(dp, cp) + cp(cp, load_balance=false)"),
+    ("hf_llama", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp)"),
+    ("hf_qwen2", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp)"),
+    ("hf_qwen2", {"cp": 4}, "fsdp(cp) + cp(cp, load_balance=false)"),
+]
+
+
+def _case_id(case):
+    kind, mesh, policy = case
+    return f"{kind}-{'x'.join(f'{k}{v}' for k, v in mesh.items())}-{policy}"
+
+
+def _check_parity(world4, kind, mesh, policy):
+    results = world4.run(cp_cases.train, kind, mesh, policy)
+    first = results[0]
+    expected = cp_cases.reference(kind, first["data_parallel"])
+    assert first["losses"] == pytest.approx(expected["losses"], abs=1e-5)
+    # fs.forward_backward's loss is its cp group's mean over every token: one value per group
+    dp = first["data_parallel"]
+    assert len({round(r["rank_loss"], 6) for r in results}) == dp
+    assert first["grads"].keys() == expected["grads"].keys()
+    for name, grad in expected["grads"].items():
+        torch.testing.assert_close(first["grads"][name], grad, atol=1e-6, rtol=1e-4, msg=name)
+    for name, value in expected["params"].items():
+        torch.testing.assert_close(first["params"][name], value, atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("case", PARITY, ids=_case_id)
+def test_training_under_cp_matches_one_process(world4, case):
+    _check_parity(world4, *case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_PARITY, ids=_case_id)
+def test_every_cp_layout_trains_as_one_process(world4, case):
+    _check_parity(world4, *case)
+
+
+@pytest.mark.parametrize(
+    ("kind", "mesh", "policy"),
+    [
+        ("zoo_mha", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp)"),
+        ("hf_qwen2", {"cp": 4}, "replicate(cp) + cp(cp)"),
+    ],
+)
+def test_measured_bytes_on_cp_equal_the_cost_model(world4, kind, mesh, policy):
+    for result in world4.run(cp_cases.measure_comm, kind, mesh, policy):
+        assert result["measured"] == result["predicted"]
+
+
+def test_a_step_with_a_length_the_chunks_do_not_divide_is_refused_on_every_rank(world4):
+    errors = world4.run(cp_cases.refused, "zoo", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp)", 14)
+    assert len(set(errors)) == 1
+    assert "cp=2 with load balancing cuts each sequence into 4 equal chunks" in errors[0]
+    assert "use 12 or 16 tokens" in errors[0]
