@@ -28,6 +28,7 @@ EFFECTS = {f"runtime/{name}.py" for name in ("apply", "checkpoint", "device_mesh
     for name in (
         "activation_checkpointing",
         "applied",
+        "context_parallel",
         "data_parallel",
         "experts",
         "materialize",

@@ -25,22 +25,25 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.sequence import check_sequence_length, token_positions
+from functional_shard.planning.plan import Plan
 
 __all__ = [
     "HF_ATTENTION",
     "SequenceShard",
     "attention_problems",
+    "context_parallel_step",
     "cut_sequence",
     "cut_tensors",
     "sequence_attention",
@@ -197,6 +200,7 @@ def _sdpa_signature(
     attn_mask: Any = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
+    *,
     scale: Any = None,
     enable_gqa: bool = False,
 ) -> None:
@@ -242,6 +246,46 @@ def cut_sequence(
     shard = SequenceShard.of(group, seq_len, load_balance=load_balance, device=device)
     with splitting_attention(shard):
         yield shard
+
+
+def context_parallel_step(
+    plan: Plan,
+    device_mesh: DeviceMesh,
+    module: nn.Module,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    scaler: torch.amp.GradScaler | None,
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`fs.forward_backward`'s step under context parallel: this rank's chunks, every token's mean loss.
+
+    ``loss_fn(outputs, targets)`` as `fs.forward_backward` takes it (a mean over its tokens).
+    """
+    config = plan.config
+    axis = config.context_parallel_axis
+    assert axis is not None
+    group = device_mesh[axis].get_group()
+    takes_positions = "position_ids" in inspect.signature(module.forward).parameters
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        shard = SequenceShard.of(
+            group, inputs.shape[1], load_balance=config.context_load_balance, device=inputs.device
+        )
+        mine = cut_tensors(shard, inputs, targets)
+        extra = {"position_ids": shard.positions.expand(inputs.shape[0], -1)} if takes_positions else {}
+        with splitting_attention(shard) as split:
+            loss = loss_fn(module(mine[0], **extra), mine[1])
+            if not split[0]:
+                raise ShardingError(
+                    f"context parallel over {axis!r}: the model's forward made no attention call the engine "
+                    "could split (it computes attention by hand?); call F.scaled_dot_product_attention, or "
+                    "use a Hugging Face model"
+                )
+            (loss if scaler is None else scaler.scale(loss)).backward()
+        # each rank's loss is the mean over its tokens (equal counts): their mean is the batch's
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=group)
+        return mean / shard.size
+
+    return step
 
 
 # ---- Hugging Face ------------------------------------------------------------------
@@ -334,4 +378,4 @@ def use_hf_attention(model: nn.Module) -> None:
     """Point a Hugging Face model's attention at the engine (nothing for other modules)."""
     if _is_hf(model):
         _register_hf()
-        model.set_attn_implementation(HF_ATTENTION)
+        model.set_attn_implementation(HF_ATTENTION)  # type: ignore[operator]

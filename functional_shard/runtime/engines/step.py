@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.planning.plan import Plan
 
 from .applied import applied_with
-from .context_parallel import SequenceShard, cut_tensors, splitting_attention
+from .context_parallel import context_parallel_step
 from .pipeline import pipeline_of, pipeline_step
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -66,7 +63,7 @@ def forward_backward(
     applied = applied_with(plan, module, "fs.forward_backward")
     pipelined = pipeline_of(module)
     if plan.config.context_parallel_axis is not None and pipelined is None:
-        return _context_parallel_step(plan, applied.device_mesh, module, loss_fn, scaler)
+        return context_parallel_step(plan, applied.device_mesh, module, loss_fn, scaler)
 
     def scaled(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = loss_fn(outputs, targets)
@@ -103,40 +100,3 @@ def forward_backward(
         return loss
 
     return pipeline
-
-
-def _context_parallel_step(
-    plan: Plan,
-    device_mesh: DeviceMesh,
-    module: nn.Module,
-    loss_fn: LossFn,
-    scaler: torch.amp.GradScaler | None,
-) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """`forward_backward` under context parallel: this rank's chunks, every token's mean loss."""
-    config = plan.config
-    axis = config.context_parallel_axis
-    assert axis is not None
-    group = device_mesh[axis].get_group()
-    takes_positions = "position_ids" in inspect.signature(module.forward).parameters
-
-    def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        shard = SequenceShard.of(
-            group, inputs.shape[1], load_balance=config.context_load_balance, device=inputs.device
-        )
-        mine = cut_tensors(shard, inputs, targets)
-        extra = {"position_ids": shard.positions.expand(inputs.shape[0], -1)} if takes_positions else {}
-        with splitting_attention(shard) as split:
-            loss = loss_fn(module(mine[0], **extra), mine[1])
-            if not split[0]:
-                raise ShardingError(
-                    f"context parallel over {axis!r}: the model's forward made no attention call the engine "
-                    "could split (it computes attention by hand?); call F.scaled_dot_product_attention, or "
-                    "use a Hugging Face model"
-                )
-            (loss if scaler is None else scaler.scale(loss)).backward()
-        # each rank's loss is the mean over its tokens (equal counts): their mean is the batch's
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=group)
-        return mean / shard.size
-
-    return step
