@@ -73,10 +73,12 @@ if TYPE_CHECKING:
     from .runtime.apply import check_optimizer as check_optimizer
     from .runtime.apply import check_runnable as check_runnable
     from .runtime.apply import clip_grad_norm_ as clip_grad_norm_
+    from .runtime.apply import context_chunks as context_chunks
     from .runtime.apply import forward_backward as forward_backward
     from .runtime.apply import grad_scaler as grad_scaler
     from .runtime.apply import materialize as materialize
     from .runtime.apply import optimizer as optimizer
+    from .runtime.apply import sequence_context as sequence_context
     from .runtime.launch import LocalWorld as LocalWorld
     from .runtime.launch import RankFailedError as RankFailedError
     from .runtime.launch import run_local as run_local
@@ -110,6 +112,8 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "measure": ("runtime.measure", None),
     "rules": ("planning.rules", None),
     "apply": ("runtime.apply", "apply"),
+    "context_chunks": ("runtime.apply", "context_chunks"),
+    "sequence_context": ("runtime.apply", "sequence_context"),
     "check_optimizer": ("runtime.apply", "check_optimizer"),
     "check_runnable": ("runtime.apply", "check_runnable"),
     "clip_grad_norm_": ("runtime.apply", "clip_grad_norm_"),
@@ -234,6 +238,8 @@ __all__ = [
     "check_runnable",
     "clip_grad_norm_",
     "forward_backward",
+    "context_chunks",
+    "sequence_context",
     "grad_scaler",
     "materialize",
     "optimizer",

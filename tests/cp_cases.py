@@ -9,6 +9,7 @@ the parameters after the last step.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import torch
@@ -74,12 +75,21 @@ def batches(data_parallel: int) -> list[torch.Tensor]:
     ]
 
 
-def reference(kind: str, data_parallel: int) -> dict[str, Any]:
-    """One process on the whole batch: losses, first gradients, last parameters."""
+def reference(kind: str, data_parallel: int, *, shuffled: bool = False) -> dict[str, Any]:
+    """One process on the whole batch: losses, first gradients, last parameters.
+
+    ``shuffled``: the global batches Lightning's DistributedSampler makes (shuffled with seed
+    0; rank r takes perm[r::n], so step s's batches together are one block of perm).
+    """
     model = build(kind)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads = [], {}
-    for step, tokens in enumerate(batches(data_parallel)):
+    steps = batches(data_parallel)
+    if shuffled:
+        every = torch.cat(steps)
+        perm = torch.randperm(len(every), generator=torch.Generator().manual_seed(0))
+        steps = list(every[perm].split(BATCH * data_parallel))
+    for step, tokens in enumerate(steps):
         optimizer.zero_grad()
         loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
@@ -154,3 +164,43 @@ def measure_comm(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]
             optimizer.step()
     cost = plan.cost("adamw", tokens=tokens[:, :-1].numel())
     return {"measured": log.sent, "predicted": {k: dict(v) for k, v in cost.comm_bytes.items()}}
+
+
+def fit(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
+    """`L.Trainer.fit` under a cp plan (ShardStrategy): the losses the module saw, and rank 0's
+    parameters; the batches Lightning's sampler gives are whole sequences, cut by the strategy."""
+    import lightning as L  # noqa: N812 (the name Lightning documents)
+
+    from functional_shard.adapters.lightning import ShardStrategy, training_loss
+
+    from .lightning_cases import quiet_trainer
+
+    class LanguageModel(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = build(kind)
+            self.losses: list[float] = []
+
+        def loss_fn(self, outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+            return loss_fn(outputs, targets)
+
+        def training_step(self, batch: torch.Tensor, index: int) -> torch.Tensor:
+            loss = training_loss(self, batch[:, :-1], batch[:, 1:])
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=LR)
+
+    module = LanguageModel()
+    plan_mesh = fs.Mesh(**mesh)
+    trainer = quiet_trainer(ShardStrategy(fs.parse_policy(policy), mesh=plan_mesh), max_steps=STEPS)
+    data_parallel = math.prod(size for axis, size in mesh.items() if axis != "cp")
+    loader = torch.utils.data.DataLoader(torch.cat(batches(data_parallel)), batch_size=BATCH)
+    trainer.fit(module, loader)
+    params = {k.removeprefix("model."): full(v) for k, v in module.state_dict().items()}
+    return {
+        "losses": module.losses,
+        "params": params if dist.get_rank() == 0 else None,
+        "data_parallel": data_parallel,
+    }

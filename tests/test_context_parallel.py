@@ -246,3 +246,16 @@ def test_a_step_with_a_length_the_chunks_do_not_divide_is_refused_on_every_rank(
     assert len(set(errors)) == 1
     assert "cp=2 with load balancing cuts each sequence into 4 equal chunks" in errors[0]
     assert "use 12 or 16 tokens" in errors[0]
+
+
+def test_a_lightning_trainer_fits_a_cp_plan_as_one_process(world4):
+    results = world4.run(cp_cases.fit, "hf_llama", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp)")
+    expected = cp_cases.reference("hf_llama", results[0]["data_parallel"], shuffled=True)
+    # each rank's training_step saw its cp group's mean loss over every token: the same on both
+    # ranks of a group, and the two groups' mean is the whole batch's
+    assert results[0]["losses"] == results[1]["losses"]
+    assert results[2]["losses"] == results[3]["losses"]
+    seen = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[2]["losses"], strict=True)]
+    assert seen == pytest.approx(expected["losses"], abs=1e-5)
+    for name, value in expected["params"].items():
+        torch.testing.assert_close(results[0]["params"][name], value, atol=2e-5, rtol=1e-4, msg=name)

@@ -121,6 +121,8 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.model
         root = _forward_root(module)
+        if self._context_parallel() and not self._pipelined():
+            _refuse_under_context_parallel(trainer, module)
         if self._pipelined():
             _refuse_under_pipeline(trainer, module, self._pipeline_axis())
             if self._plan is not None and any(path.startswith(f"{root}.") for path in self._plan.params):
@@ -158,8 +160,20 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
     def _pipelined(self) -> bool:
         return self._pipeline_axis() is not None
 
+    def _context_parallel(self) -> bool:
+        if self._plan is not None:
+            return self._plan.config.context_parallel_axis is not None
+        return self._policy is not None and self._policy.context_parallel is not None
+
+    def _runs_its_own_backward(self) -> bool:
+        # a pipeline's schedule, or cp's step (which cuts sequences and attends over them)
+        return self._pipelined() or self._context_parallel()
+
     def pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Run the plan's schedule on the module's ``loss_fn``: the batch's mean loss (detached).
+        """Run the plan's schedule (or cp's step) on the module's ``loss_fn``: the batch's mean loss.
+
+        Under context parallel the step cuts this rank's chunks of the whole sequences and
+        returns the mean over every token of its cp group (`fs.forward_backward`).
 
         The step function (and torch's schedule with it) is built once, with the precision
         plugin's loss scaler if any. Lightning zeroes gradients *between* ``training_step``
@@ -170,9 +184,16 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
         if module is None:
             raise fs.ShardingError("ShardStrategy.pipeline_step runs during fit, after setup")
         if self._pipeline_step is None:
-            root = module.get_submodule(_forward_root(module))
+            root = _forward_root(module)
             scaler = getattr(self.precision_plugin, "scaler", None)
-            self._pipeline_step = fs.forward_backward(self.plan, root, module.loss_fn, scaler=scaler)
+            if self._pipelined():
+                self._pipeline_step = fs.forward_backward(
+                    self.plan, module.get_submodule(root), module.loss_fn, scaler=scaler
+                )
+            else:  # cp: the plan was applied to the LightningModule, its forward is root's
+                self._pipeline_step = fs.forward_backward(
+                    self.plan, module, module.loss_fn, scaler=scaler, root=root
+                )
         params = list(module.parameters())
         for param in params:  # the last step's gradients: accumulation is refused under pp
             param.grad = None
@@ -185,8 +206,8 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
     def backward(
         self, closure_loss: torch.Tensor, optimizer: torch.optim.Optimizer | None, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
-        """Lightning's backward, or under a pipeline plan its hooks only (the schedule ran the backward)."""
-        if self._plan is None or self._plan.config.pipeline_axis is None:
+        """Lightning's backward, or under a pipeline or cp plan its hooks only (the step ran the backward)."""
+        if self._plan is None or not self._runs_its_own_backward():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         if closure_loss.requires_grad:
             raise fs.ShardingError(
@@ -295,7 +316,10 @@ def training_loss(module: pl.LightningModule, inputs: torch.Tensor, targets: tor
 
     Under a `ShardStrategy` with a pipeline plan, the plan's schedule runs the forward and
     the backward of every micro-batch and this returns their mean loss (detached, the same
-    on every rank of the pipeline); Lightning's backward is then skipped. Otherwise it is
+    on every rank of the pipeline); Lightning's backward is then skipped. Under a
+    context-parallel plan the step cuts this rank's chunks of the whole sequences, runs the
+    forward and backward over them and returns the mean loss over every token of its cp
+    group (detached); Lightning's backward is skipped too. Otherwise it is
     ``module.loss_fn(child(inputs), targets)``, with ``child`` the module holding the
     parameters, for Lightning to backward as usual. So one ``training_step`` runs any plan.
 
@@ -317,7 +341,7 @@ def training_loss(module: pl.LightningModule, inputs: torch.Tensor, targets: tor
             "over the batch (under a pipeline plan the last stage calls it on each micro-batch)"
         )
     strategy = module.trainer.strategy if module._trainer is not None else None
-    if isinstance(strategy, ShardStrategy) and strategy._pipelined():
+    if isinstance(strategy, ShardStrategy) and strategy._runs_its_own_backward():
         return strategy.pipeline_step(inputs, targets)
     return module.loss_fn(module.get_submodule(_forward_root(module))(inputs), targets)
 
@@ -365,6 +389,29 @@ def _refuse_under_pipeline(trainer: pl.Trainer, module: pl.LightningModule, axis
     if problems:
         raise fs.ShardingError(
             f"ShardStrategy with a pipeline plan (axis {axis!r}) cannot run this fit:\n"
+            + "\n".join(f"* {p}" for p in problems)
+        )
+
+
+def _refuse_under_context_parallel(trainer: pl.Trainer, module: pl.LightningModule) -> None:
+    # cp's step runs the backward inside training_loss (it must attend over the whole
+    # sequence in the backward too) and hands the gradients to Lightning's backward
+    problems = []
+    if trainer.accumulate_grad_batches > 1:
+        problems.append(
+            f"accumulate_grad_batches={trainer.accumulate_grad_batches}: each step's gradients are handed "
+            "over whole; feed bigger batches instead"
+        )
+    if not module.automatic_optimization:
+        problems.append("manual optimization (automatic_optimization = False): the step runs the backward")
+    if not callable(getattr(module, "loss_fn", None)):
+        problems.append(
+            f"no loss named: {type(module).__name__} needs a loss_fn(outputs, targets) method (a mean over "
+            "its tokens), which the step calls on this rank's chunks of the sequences"
+        )
+    if problems:
+        raise fs.ShardingError(
+            "ShardStrategy with a context-parallel plan cannot run this fit:\n"
             + "\n".join(f"* {p}" for p in problems)
         )
 

@@ -29,7 +29,7 @@ from .device_mesh import build_device_mesh
 from .engines.activation_checkpointing import apply_checkpointing
 from .engines.applied import APPLIED, Applied, retie
 from .engines.checks import check_runnable, engine_problems
-from .engines.context_parallel import use_hf_attention
+from .engines.context_parallel import context_chunks, sequence_context, use_hf_attention
 from .engines.data_parallel import apply_data_parallel, reduce_whole_grads
 from .engines.experts import apply_expert_parallel
 from .engines.materialize import materialize
@@ -44,11 +44,13 @@ __all__ = [
     "check_optimizer",
     "check_runnable",
     "clip_grad_norm_",
+    "context_chunks",
     "engine_problems",
     "forward_backward",
     "grad_scaler",
     "materialize",
     "optimizer",
+    "sequence_context",
 ]
 
 

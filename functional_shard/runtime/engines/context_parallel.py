@@ -43,10 +43,11 @@ __all__ = [
     "HF_ATTENTION",
     "SequenceShard",
     "attention_problems",
+    "context_chunks",
     "context_parallel_step",
-    "cut_sequence",
     "cut_tensors",
     "sequence_attention",
+    "sequence_context",
     "splitting_attention",
     "use_hf_attention",
 ]
@@ -130,16 +131,23 @@ def sequence_attention(
     """SDPA of this rank's queries (``[batch, heads, local_seq, dim]``) over the whole sequence.
 
     Keys and values (this rank's chunks, fewer heads under grouped-query attention) are
-    gathered over the cp group of the step under way (`cut_sequence`).
+    gathered over the cp group of the step under way (`sequence_context`). Outside a step
+    the model attends over what it is given, as any model does (whole sequences, for
+    evaluation).
 
     Raises:
-        ShardingError: no step with a cut sequence is under way.
+        ShardingError: query tokens that are not this rank's share of the step's sequence.
     """
     shard = _current.get()
-    if shard is None:
-        raise ShardingError(
-            "context-parallel attention ran outside a step: run the model through fs.forward_backward, "
-            "or inside fs.cut_sequence(plan, module, seq_len) with its chunks of the sequence"
+    if shard is None:  # outside a step (evaluation on whole sequences): plain attention
+        return _SDPA(
+            query,
+            key,
+            value,
+            dropout_p=dropout_p,
+            is_causal=causal and query.shape[-2] > 1,
+            scale=scale,
+            enable_gqa=key.shape[-3] != query.shape[-3],
         )
     if query.shape[-2] != shard.positions.numel():
         raise ShardingError(
@@ -238,14 +246,90 @@ def cut_tensors(shard: SequenceShard, *tensors: torch.Tensor, dim: int = 1) -> t
     return tuple(cut)
 
 
+def context_chunks(
+    plan: Plan, *tensors: torch.Tensor, rank: int | None = None, dim: int = 1
+) -> tuple[torch.Tensor, ...]:
+    """A rank's chunks of each of ``tensors`` (whole sequences along ``dim``), then their positions.
+
+    For loops that cut batches themselves: every rank of a cp group holds the same whole
+    sequences and keeps its chunks (`functional_shard.core.sequence`); the last tensor
+    returned is their global positions (``position_ids`` for RoPE). Run the model on the
+    chunks inside `sequence_context`. `forward_backward` does all of it.
+
+    Args:
+        plan: a plan with a cp axis (`fs.cp`).
+        tensors: tensors with the whole sequence along ``dim`` (inputs, targets, masks).
+        rank: the global rank; by default this process's.
+        dim: the sequence dim.
+
+    Raises:
+        ShardingError: a plan without cp, a length the chunks do not divide (the nearest
+            lengths named), or tensors of another length.
+
+    Examples:
+        >>> plan = fs.shard(nn.Linear(2, 2), fs.Mesh(cp=2), fs.replicate() + fs.cp("cp"))
+        >>> tokens = torch.arange(8)[None]
+        >>> fs.context_chunks(plan, tokens, rank=1)
+        (tensor([[2, 3, 4, 5]]), tensor([2, 3, 4, 5]))
+    """
+    axis = plan.config.context_parallel_axis
+    if axis is None:
+        raise ShardingError(
+            "fs.context_chunks: the plan has no context-parallel axis (plan it with fs.cp(...))"
+        )
+    if not tensors:
+        raise ShardingError("fs.context_chunks: pass the tensors to cut (inputs, targets, ...)")
+    if rank is None:
+        rank = dist.get_rank()
+    seq = tensors[0].shape[dim] if tensors[0].dim() > dim else 0
+    positions = torch.tensor(
+        token_positions(
+            seq, plan.mesh[axis], plan.mesh.coords(rank)[axis], load_balance=plan.config.context_load_balance
+        ),
+        device=tensors[0].device,
+    )
+    for index, tensor in enumerate(tensors):
+        if tensor.dim() <= dim or tensor.shape[dim] != seq:
+            raise ShardingError(
+                f"fs.context_chunks: tensor {index} has shape {tuple(tensor.shape)}, but tensor 0 has {seq} "
+                f"tokens along dim {dim}; pass tensors of the same whole sequences"
+            )
+    return (*(tensor.index_select(dim, positions) for tensor in tensors), positions)
+
+
 @contextlib.contextmanager
-def cut_sequence(
-    group: dist.ProcessGroup, seq_len: int, *, load_balance: bool, device: torch.device
-) -> Iterator[SequenceShard]:
-    """Run attention over a ``seq_len``-token sequence of which this rank holds its chunks."""
-    shard = SequenceShard.of(group, seq_len, load_balance=load_balance, device=device)
+def sequence_context(plan: Plan, module: nn.Module, seq_len: int) -> Iterator[torch.Tensor]:
+    """Within it, ``module``'s attention runs over whole ``seq_len``-token sequences from this rank's chunks.
+
+    Yields this rank's global positions. Run the forward and the backward inside it (a
+    checkpointed layer recomputes its attention in the backward).
+
+    Raises:
+        ShardingError: ``module`` not applied with ``plan``, a plan without cp, or a length
+            the chunks do not divide.
+
+    Examples:
+        >>> # inputs, targets, positions = fs.context_chunks(plan, inputs, targets)
+        >>> # with fs.sequence_context(plan, model, seq_len):
+        >>> #     loss_fn(model(inputs, position_ids=positions[None]), targets).backward()
+    """
+    from .applied import applied_with
+
+    applied = applied_with(plan, module, "fs.sequence_context")
+    axis = plan.config.context_parallel_axis
+    if axis is None:
+        raise ShardingError(
+            "fs.sequence_context: the plan has no context-parallel axis (plan it with fs.cp(...))"
+        )
+    device = next(module.parameters(), torch.empty(0)).device
+    shard = SequenceShard.of(
+        applied.device_mesh[axis].get_group(),
+        seq_len,
+        load_balance=plan.config.context_load_balance,
+        device=device,
+    )
     with splitting_attention(shard):
-        yield shard
+        yield shard.positions
 
 
 def context_parallel_step(

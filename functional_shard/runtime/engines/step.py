@@ -19,7 +19,12 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def forward_backward(
-    plan: Plan, module: nn.Module, loss_fn: LossFn, *, scaler: torch.amp.GradScaler | None = None
+    plan: Plan,
+    module: nn.Module,
+    loss_fn: LossFn,
+    *,
+    scaler: torch.amp.GradScaler | None = None,
+    root: str = "",
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """A step function ``step(inputs, targets) -> loss`` that runs forward and backward under ``plan``.
 
@@ -44,11 +49,15 @@ def forward_backward(
         loss_fn: ``loss_fn(outputs, targets)``, a mean over the (micro-)batch.
         scaler: a loss scaler (`grad_scaler`) for float16: each (micro-)batch loss is scaled
             before its backward; unscale and step through the scaler as usual.
+        root: the submodule whose forward runs the model, as `apply` took it (a
+            LightningModule's ``model``); not under a pipeline, whose stages run the
+            module's own forward.
 
     Returns:
         ``step(inputs, targets)``, which returns the batch's mean loss (detached): under a
         pipeline the mean of the micro-batch losses, the same on every rank of a pipeline
-        (sent from the last stage); otherwise this rank's loss.
+        (sent from the last stage); under context parallel the mean over every token of its
+        cp group's sequences; otherwise this rank's loss.
 
     Raises:
         ShardingError: ``module`` was not applied with ``plan``; later, from ``step``, a
@@ -62,8 +71,16 @@ def forward_backward(
     """
     applied = applied_with(plan, module, "fs.forward_backward")
     pipelined = pipeline_of(module)
+    if root and pipelined is not None:
+        raise ShardingError(
+            f"fs.forward_backward(root={root!r}) under a pipeline plan: a stage runs the module's own forward"
+        )
+    try:
+        forward = module.get_submodule(root)
+    except AttributeError:
+        raise ShardingError(f"fs.forward_backward(root={root!r}): the module has no such submodule") from None
     if plan.config.context_parallel_axis is not None and pipelined is None:
-        return context_parallel_step(plan, applied.device_mesh, module, loss_fn, scaler)
+        return context_parallel_step(plan, applied.device_mesh, forward, loss_fn, scaler)
 
     def scaled(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = loss_fn(outputs, targets)
@@ -72,7 +89,7 @@ def forward_backward(
     if pipelined is None:
 
         def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            loss = loss_fn(module(inputs), targets)
+            loss = loss_fn(forward(inputs), targets)
             (loss if scaler is None else scaler.scale(loss)).backward()
             return loss.detach()
 
