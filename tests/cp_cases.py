@@ -107,7 +107,7 @@ def reference(kind: str, data_parallel: int, *, shuffled: bool = False) -> dict[
 def train(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
     """Train under the plan; rank 0 returns what `reference` does, every rank its losses."""
     model = build(kind)
-    plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy))
+    plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy, model))
     fs.apply(plan, model)
     optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR)
     step_fn = fs.forward_backward(plan, model, loss_fn)
@@ -136,7 +136,7 @@ def train(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
 def refused(kind: str, mesh: dict[str, int], policy: str, seq: int) -> str:
     """The error a step with ``seq`` tokens raises (the same on every rank)."""
     model = build(kind)
-    plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy))
+    plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy, model))
     fs.apply(plan, model)
     step_fn = fs.forward_backward(plan, model, loss_fn)
     tokens = torch.randint(0, 128, (BATCH, seq + 1))
@@ -151,7 +151,7 @@ def measure_comm(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]
     """Bytes this rank sends in its third step, and the prediction (the first step builds lazy
     state, the second DDP's rebuilt buckets, whose layout it broadcasts once)."""
     model = build(kind)
-    plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy))
+    plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy, model))
     fs.apply(plan, model)
     optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR)
     step_fn = fs.forward_backward(plan, model, loss_fn)
@@ -193,8 +193,8 @@ def fit(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
             return torch.optim.AdamW(self.parameters(), lr=LR)
 
     module = LanguageModel()
-    plan_mesh = fs.Mesh(**mesh)
-    trainer = quiet_trainer(ShardStrategy(fs.parse_policy(policy), mesh=plan_mesh), max_steps=STEPS)
+    strategy = ShardStrategy(fs.parse_policy(policy, module.model), mesh=fs.Mesh(**mesh))
+    trainer = quiet_trainer(strategy, max_steps=STEPS)
     data_parallel = math.prod(size for axis, size in mesh.items() if axis != "cp")
     loader = torch.utils.data.DataLoader(torch.cat(batches(data_parallel)), batch_size=BATCH)
     trainer.fit(module, loader)
@@ -204,3 +204,18 @@ def fit(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
         "params": params if dist.get_rank() == 0 else None,
         "data_parallel": data_parallel,
     }
+
+
+def kept_bytes(kind: str, mesh: dict[str, int], policy: str, seq: int) -> dict[str, int]:
+    """What this rank's forward keeps for backward (measured), and the trace's figure."""
+    model = build(kind)
+    plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy, model))
+    trace = fs.trace_activations(model, plan, batch=BATCH, seq=seq, rank=dist.get_rank())
+    fs.apply(plan, model)
+    tokens = torch.randint(0, 128, (BATCH, seq))
+    cut = plan.config.context_parallel_axis is not None
+    with fs.sequence_context(plan, model, seq) if cut else contextlib.nullcontext():
+        mine = fs.context_chunks(plan, tokens)[0] if cut else tokens
+        kept, output = fs.kept_activation_bytes(model, mine)
+        logits_of(output).sum().backward()
+    return {"measured": kept, "traced": trace.activation_bytes}

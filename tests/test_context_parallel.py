@@ -259,3 +259,16 @@ def test_a_lightning_trainer_fits_a_cp_plan_as_one_process(world4):
     assert seen == pytest.approx(expected["losses"], abs=1e-5)
     for name, value in expected["params"].items():
         torch.testing.assert_close(results[0]["params"][name], value, atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("kind", "mesh", "policy"),
+    [("zoo", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp)"), ("hf_llama", {"cp": 4}, "fsdp(cp) + cp(cp)")],
+)
+def test_the_trace_keeps_what_a_cp_rank_keeps(world4, kind, mesh, policy):
+    # each rank keeps its tokens' activations, every layer's gathered keys and values and one
+    # mask; measured, views of the step's position tensors also count (under 1 KiB)
+    for result in world4.run(cp_cases.kept_bytes, kind, mesh, policy, 64):
+        assert abs(result["measured"] - result["traced"]) <= 1024
+    whole = world4.run(cp_cases.kept_bytes, kind, {"dp": 4}, "fsdp(dp)", 64)[0]["traced"]
+    assert result["traced"] < whole / 1.5  # the sequence split shows

@@ -39,10 +39,12 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_map_only
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.core.sequence import check_sequence_length
 from functional_shard.planning.stages import stage_finder
 
 from .routing import check_expert_imbalance
 from .trace_checkpointing import SAVED_OPS, checkpointed, selective_context
+from .trace_context_parallel import context_parallel_attention
 from .trace_counting import Births, Flops, kept_bytes_by_owner, storage_key
 from .trace_experts import rank_experts
 from .trace_inputs import check_attention, is_hf, model_inputs, tensors, unpacked_sequences
@@ -123,11 +125,13 @@ class _RunSetup:
     stages: int = 0
     stage_modules: Mapping[str, int] = field(default_factory=dict)
     stage_last: tuple[str, ...] = ()
-    # the forward's call (`trace_inputs.model_inputs`)
+    # the forward's call (`trace_inputs.model_inputs`): this rank's tokens of each sequence
+    # (a cp-th of them under context parallel, whose attention sees ``cp`` times as many)
     batch: int
     seq: int
     inputs: Any
     dtype: torch.dtype | None
+    cp: int = 1
 
 
 class _Run:
@@ -188,6 +192,7 @@ class _Run:
             )
             stack.enter_context(passing_on(setup.modules, groups, doubled, broken=self._not_passable))
             stack.enter_context(sequence_parallel(model, self.plan, setup.tp_size, setup.seq))
+            stack.enter_context(context_parallel_attention(setup.cp))
             stack.enter_context(unpacked_sequences(model))
             owners = [births.running, flops.running]
             outputs: dict[str, int] = {}
@@ -345,8 +350,11 @@ def trace_activations(
     tp_size = 1
     for axis in config.tensor_parallel_axes:
         tp_size *= plan.mesh[axis]
+    cp = plan.mesh[config.context_parallel_axis] if config.context_parallel_axis else 1
+    if cp > 1:
+        check_sequence_length(seq, cp, load_balance=config.context_load_balance)
     if config.sequence_parallel:
-        check_sequence_parallel(modules, plan, seq, tp_size)
+        check_sequence_parallel(modules, plan, seq // cp, tp_size)
 
     # fake CPU tensors: no memory, and torch picks the fused attention kernels it runs for real
     fake = FakeTensorMode(allow_non_fake_inputs=False)
@@ -370,9 +378,10 @@ def trace_activations(
             stage_modules=stage_modules,
             stage_last=tuple(paths[-1] if paths else "" for paths in stages or ()),
             batch=batch,
-            seq=seq,
+            seq=seq // cp,
             inputs=inputs,
             dtype=dtype,
+            cp=cp,
         )
     )
 

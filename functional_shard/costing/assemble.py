@@ -93,6 +93,7 @@ def assemble(assembly: Assembly) -> Estimate:
         exposed_seconds=exposed,
         comm_seconds=per_collective | dict(parts.sends),
         tensor_parallel=plan.mesh.axes_size(tp_axes) if tp_axes else 1,
+        context_parallel=plan.mesh[cp_axis] if (cp_axis := plan.config.context_parallel_axis) else 1,
         cost=parts.cost,
         pipeline=parts.pipeline,
     )

@@ -56,6 +56,8 @@ class Estimate:
     comm_seconds: Mapping[str, float]
     """Every collective's time at its link's bandwidth, ``"kind over axes (link)"`` -> s."""
     tensor_parallel: int = 1
+    context_parallel: int = 1
+    """The cp size: its ranks share each sequence's tokens, as a tensor-parallel group shares them."""
     cost: Cost | None = field(default=None, compare=False, repr=False)
     pipeline: PipelineEstimate | None = field(default=None, compare=False, repr=False)
 
@@ -76,9 +78,10 @@ class Estimate:
 
     @property
     def tokens_per_second(self) -> float:
-        """Tokens per second per device (a tensor-parallel group, and a pipeline, share their tokens)."""
+        """Tokens per second per device (tensor-parallel and cp groups and a pipeline share tokens)."""
         pp = self.pipeline.pp if self.pipeline is not None else 1
-        return self.batch * self.seq / self.tensor_parallel / pp / self.step_seconds
+        shared = self.tensor_parallel * self.context_parallel * pp
+        return self.batch * self.seq / shared / self.step_seconds
 
     @property
     def mfu(self) -> float:

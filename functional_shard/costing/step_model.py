@@ -18,6 +18,7 @@ from functional_shard.core.tree import dtype_from_name, within
 from functional_shard.planning.plan_cost import Cost, OptimizerKind
 from functional_shard.planning.rules import sequence_gathers
 
+from .comm_cost import key_value_features
 from .cost import unit_gathered
 from .estimate_record import PipelineEstimate
 from .hardware import Hardware
@@ -142,7 +143,19 @@ def collective_counts(plan: Plan, grads_bytes: int) -> dict[str, int]:
     tensor-parallel module issues one collective per step, two under sequence parallelism.
     """
     config = plan.config
-    counts = {"tensor parallel": 0, "sharded": 0, "all_reduce": 0, "broadcast": 0, "expert": 0}
+    counts = {
+        "tensor parallel": 0,
+        "sharded": 0,
+        "all_reduce": 0,
+        "broadcast": 0,
+        "expert": 0,
+        "context parallel": 0,
+    }
+    if config.context_parallel_axis is not None:
+        # each attention layer: K and V gathered forward (again in a recompute), their
+        # gradients scattered backward; the loss averaged once
+        per_layer = 4 + 2 * bool(config.checkpointed)
+        counts["context parallel"] = per_layer * len(key_value_features(plan)) + 1
     # an expert-parallel experts module: counts, dispatch and combine forward, the last two
     # again backward (and its forward three again where checkpointing recomputes it)
     for path in config.expert_modules:
@@ -296,7 +309,9 @@ def step_time(
     reduce-scatters run under compute (all but the first gather); DDP's and HSDP's
     gradient all-reduce runs under backward; ZeRO-1's parameter broadcasts follow the
     optimizer step and are exposed (DDP, run by torch's composable ``replicate``, sends
-    no buffers). On hardware that does not
+    no buffers). Context parallel's key/value gathers and gradient scatters run under the
+    step's compute, as torch's ring attention overlaps each chunk's pass with attention on
+    the previous one; only what exceeds the compute is exposed. On hardware that does not
     overlap communication with compute (gloo on CPUs) every collective is exposed. Each
     collective also costs the hardware's ``collective_latency`` (a tensor-parallel one its
     ``tensor_parallel_latency``). ``recomputed`` (bytes
@@ -315,6 +330,7 @@ def step_time(
         for group, n in counts.items()
     }
     tensor_parallel, expert = latency["tensor parallel"], latency["expert"]
+    context, cp_axis = latency["context parallel"], plan.config.context_parallel_axis
     sharded, all_reduce, broadcast = latency["sharded"], latency["all_reduce"], latency["broadcast"]
     for kind, by_axes in plan_cost.comm_bytes.items():
         for axes_text, nbytes in by_axes.items():
@@ -323,6 +339,8 @@ def step_time(
             per_collective[f"{kind} over {axes_text} ({hw.link_of(plan.mesh, axes)})"] = seconds
             if tp_axes and set(axes) <= tp_axes:
                 tensor_parallel += seconds
+            elif axes == (cp_axis,):
+                context += seconds
             elif kind == "all_to_all":
                 expert += seconds
             elif kind == "broadcast":
@@ -340,7 +358,7 @@ def step_time(
         recompute += seconds
     exposed: dict[str, float] = {}
     if not hw.overlap_communication:
-        total = tensor_parallel + recompute + sharded + all_reduce + broadcast + expert
+        total = tensor_parallel + recompute + sharded + all_reduce + broadcast + expert + context
         if total:
             exposed["communication (no overlap)"] = total
         return compute, _with_step_tail(exposed, plan_cost, hw), per_collective
@@ -368,6 +386,12 @@ def step_time(
             exposed["grad all-reduce"] = rest
     if broadcast:
         exposed["broadcast after step"] = broadcast
+    if context:
+        # torch's ring attention passes each key/value chunk while attention runs on the
+        # one at hand: hidden under the step's compute, exposed beyond it
+        rest = max(0.0, context - compute)
+        if rest:
+            exposed["context parallel not overlapped"] = rest
     return compute, _with_step_tail(exposed, plan_cost, hw), per_collective
 
 

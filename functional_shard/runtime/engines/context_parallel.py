@@ -10,8 +10,9 @@ key/value heads and lets SDPA broadcast them (``enable_gqa``), never repeating t
 
 Attention is reached two ways, with no model code patched:
 
-* a plain module calling ``F.scaled_dot_product_attention``: a `TorchFunctionMode` routes the
-  call while a step runs, as torch's own ``context_parallel`` context does;
+* a plain module calling ``F.scaled_dot_product_attention``: the call is routed while a step
+  runs (`functional_shard.costing.trace_context_parallel.routing_attention`, which the trace
+  uses too), as torch's own ``context_parallel`` context does;
 * a Hugging Face model: an attention function registered in transformers' registry
   (``AttentionInterface``) and chosen with ``model.set_attn_implementation``, with a mask
   function that makes no mask (the engine builds its own).
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,10 +35,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.overrides import TorchFunctionMode
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.sequence import check_sequence_length, token_positions
+from functional_shard.costing.trace_context_parallel import routing_attention
 from functional_shard.planning.plan import Plan
 
 __all__ = [
@@ -82,18 +84,26 @@ class SequenceShard:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         check_sequence_length(seq_len, size, load_balance=load_balance)
         every = [token_positions(seq_len, size, r, load_balance=load_balance) for r in range(size)]
+        positions = torch.tensor(every[rank], device=device)
+        keys = torch.tensor([p for held in every for p in held], device=device)
         return cls(
             group=group,
             size=size,
             seq_len=seq_len,
-            positions=torch.tensor(every[rank], device=device),
-            key_positions=torch.tensor([p for held in every for p in held], device=device),
+            positions=positions,
+            key_positions=keys,
         )
+
+    @functools.cached_property
+    def causal_mask(self) -> torch.Tensor:
+        """Which keys each of this rank's queries sees (``[local, whole]``), one for every layer.
+
+        Made by the first attention that needs it: memory of the forward, as the trace counts it.
+        """
+        return self.key_positions[None, :] <= self.positions[:, None]
 
 
 _current: contextvars.ContextVar[SequenceShard | None] = contextvars.ContextVar("_current", default=None)
-# set while the engine's own SDPA runs, so that the mode lets that call through
-_attending: contextvars.ContextVar[bool] = contextvars.ContextVar("_attending", default=False)
 # how many attention calls the engine split during the current step (None: not counting)
 _splits: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("_splits", default=None)
 
@@ -157,62 +167,39 @@ def sequence_attention(
         )
     keys = _GatherSequence.apply(key, key.dim() - 2, shard.group)
     values = _GatherSequence.apply(value, value.dim() - 2, shard.group)
-    mask = None
-    if causal:
-        mask = shard.key_positions[None, :] <= shard.positions[:, None]
+    mask = shard.causal_mask if causal else None
     counted = _splits.get()
     if counted is not None:
         counted[0] += 1
-    token = _attending.set(True)
-    try:
-        return _SDPA(
-            query,
-            keys,
-            values,
-            attn_mask=mask,
-            dropout_p=dropout_p,
-            scale=scale,
-            enable_gqa=keys.shape[-3] != query.shape[-3],
-        )
-    finally:
-        _attending.reset(token)
+    return _SDPA(
+        query,
+        keys,
+        values,
+        attn_mask=mask,
+        dropout_p=dropout_p,
+        scale=scale,
+        enable_gqa=keys.shape[-3] != query.shape[-3],
+    )
 
 
-class _SplitAttention(TorchFunctionMode):
-    """Routes ``F.scaled_dot_product_attention`` to `sequence_attention` while a step runs."""
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is not _SDPA or _attending.get() or _current.get() is None:
-            return func(*args, **kwargs)
-        call = inspect.signature(_sdpa_signature).bind(*args, **kwargs).arguments
-        if call.get("attn_mask") is not None:
-            raise ShardingError(
-                "context parallel: F.scaled_dot_product_attention was called with attn_mask; the engine "
-                "splits causal or full attention only (is_causal=True, or no mask)"
-            )
-        return sequence_attention(
-            call["query"],
-            call["key"],
-            call["value"],
-            causal=bool(call.get("is_causal", False)),
-            scale=call.get("scale"),
-            dropout_p=call.get("dropout_p", 0.0),
-        )
-
-
-def _sdpa_signature(
-    query: Any,
-    key: Any,
-    value: Any,
+def _split(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     attn_mask: Any = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
     *,
-    scale: Any = None,
+    scale: float | None = None,
     enable_gqa: bool = False,
-) -> None:
-    """The parameters of ``F.scaled_dot_product_attention``, to read a call's arguments by name."""
+) -> torch.Tensor:
+    """SDPA's arguments, run by `sequence_attention` (which finds GQA from the shapes)."""
+    if attn_mask is not None:
+        raise ShardingError(
+            "context parallel: F.scaled_dot_product_attention was called with attn_mask; the engine "
+            "splits causal or full attention only (is_causal=True, or no mask)"
+        )
+    return sequence_attention(query, key, value, causal=is_causal, scale=scale, dropout_p=dropout_p)
 
 
 @contextlib.contextmanager
@@ -221,7 +208,7 @@ def splitting_attention(shard: SequenceShard) -> Iterator[list[int]]:
     counted = [0]
     tokens = (_current.set(shard), _splits.set(counted))
     try:
-        with _SplitAttention():
+        with routing_attention(_split):
             yield counted
     finally:
         _splits.reset(tokens[1])
