@@ -195,6 +195,9 @@ SLOW_PARITY = [
     ("hf_llama", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp)"),
     ("hf_qwen2", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp)"),
     ("hf_qwen2", {"cp": 4}, "fsdp(cp) + cp(cp, load_balance=false)"),
+    # a checkpointed layer recomputes its attention over the whole sequence in backward
+    ("zoo", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp) + checkpointing(Block)"),
+    ("hf_qwen2", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp) + checkpointing('model.layers.*', selective)"),
 ]
 
 
@@ -272,3 +275,23 @@ def test_the_trace_keeps_what_a_cp_rank_keeps(world4, kind, mesh, policy):
         assert abs(result["measured"] - result["traced"]) <= 1024
     whole = world4.run(cp_cases.kept_bytes, kind, {"dp": 4}, "fsdp(dp)", 64)[0]["traced"]
     assert result["traced"] < whole / 1.5  # the sequence split shows
+
+
+def test_the_estimate_splits_activations_and_tokens_over_cp():
+    model = llama("tiny")
+    flat = fs.shard(model, fs.Mesh(dp=4), fs.fsdp("dp"))
+    split = fs.shard(model, fs.Mesh(dp=1, cp=4), fs.fsdp(("dp", "cp")) + fs.cp("cp"))
+    whole = fs.estimate(model, flat, batch=2, seq=1024, hardware="h100")
+    cut = fs.estimate(model, split, batch=2, seq=1024, hardware="h100")
+    # a rank's own tokens' activations are a quarter; each layer also keeps the gathered keys and
+    # values (the zoo repeats its 2 key/value heads to 4 first: 2 x 1024 x 64 x 4 B, k and v),
+    # one mask a step (256 x 1024 booleans), and what SDPA's masked kernel keeps beside them
+    # (tests/test_context_parallel.py's gloo test measures the whole of it)
+    gathered = 2 * 2 * (2 * 1024 * 64 * 4) + 256 * 1024
+    own = whole.memory["activations"] / 4
+    assert own + gathered <= cut.memory["activations"] <= own + 2 * gathered
+    assert cut.flops == pytest.approx(whole.flops / 4, rel=1e-6)  # a quarter of the queries, all keys
+    assert cut.context_parallel == 4
+    assert "all_gather over cp (intra)" in cut.comm_seconds
+    with pytest.raises(fs.ShardingError, match="use 1016 or 1024 tokens"):
+        fs.estimate(model, split, batch=2, seq=1020, hardware="h100")
