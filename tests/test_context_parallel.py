@@ -295,3 +295,16 @@ def test_the_estimate_splits_activations_and_tokens_over_cp():
     assert "all_gather over cp (intra)" in cut.comm_seconds
     with pytest.raises(fs.ShardingError, match="use 1016 or 1024 tokens"):
         fs.estimate(model, split, batch=2, seq=1020, hardware="h100")
+
+
+def test_auto_finds_a_cp_plan_for_256k_tokens_on_8_h100s_and_none_at_8k():
+    with torch.device("meta"):
+        model = llama("llama-3-8b")
+    long = fs.search_plans(model, devices=8, memory_budget="80GiB", batch=1, seq=262144, hardware="h100")
+    assert long.best_candidate is not None
+    assert long.best_candidate.context_parallel == 8
+    assert "cp(cp)" in long.best_candidate.policy_text
+    assert long.best.config.context_parallel_axis == "cp"
+    assert not any(c.fits for c in long.candidates if c.context_parallel == 1)  # 339 GiB and more
+    short = fs.search_plans(model, devices=8, memory_budget="80GiB", batch=8, seq=8192, hardware="h100")
+    assert short.best_candidate.context_parallel == 1

@@ -25,7 +25,7 @@ from functional_shard.costing.hardware import Hardware
 from functional_shard.costing.hardware import hardware as _hardware
 from functional_shard.planning.plan import Plan
 
-from .candidates import Point, Space, model_facts, pipeline_points, points
+from .candidates import LONG_SEQUENCE, Point, Space, context_points, model_facts, pipeline_points, points
 from .report import AutoReport, Candidate
 from .search import Search, SearchInputs
 
@@ -97,7 +97,7 @@ def search_plans(
     budget = parse_bytes(memory_budget)
     hw = _hardware(hardware)
     facts = model_facts(model)
-    space = Space.of(facts, devices=devices, batch=batch, hardware=hw)
+    space = Space.of(facts, devices=devices, batch=batch, hardware=hw, seq=seq)
     flat = list(points(space))
 
     def pipelines() -> list[Point]:  # only when needed: checking a schedule builds torch's
@@ -114,6 +114,8 @@ def search_plans(
         SearchInputs(facts=facts, hardware=hw, optimizer=optimizer, batch=batch, seq=seq, budget=budget)
     )
     candidates = search.run(flat)
+    if seq >= LONG_SEQUENCE or not any(c.fits for c in candidates):
+        candidates += search.run(list(context_points(space)))
     if not any(c.fits for c in candidates):
         candidates += search.run(pipes or pipelines())
     if not any(c.fits for c in candidates):

@@ -194,13 +194,16 @@ class Space:
     """Experts per layer: expert-parallel sizes divide it (0: a dense model)."""
     experts_split_by_tp: bool = False
     """Whether tp reaches inside the experts: then without sequence parallelism."""
+    seq: int = 0
+    """Tokens per sequence: context-parallel sizes cut it into 2·cp equal chunks (0: no cp)."""
 
     @classmethod
-    def of(cls, facts: ModelFacts, *, devices: int, batch: int, hardware: Hardware) -> Space:
+    def of(cls, facts: ModelFacts, *, devices: int, batch: int, hardware: Hardware, seq: int = 0) -> Space:
         """The space for the model ``facts`` describes."""
         return cls(
             devices=devices,
             batch=batch,
+            seq=seq,
             hardware=hardware,
             heads=facts.heads,
             tensor_parallel=facts.rules is not None,
@@ -231,12 +234,13 @@ class Point:
     offload: bool
     pipeline: tuple[str, int, int] | None = None
     ep: int = 1
+    cp: int = 1
 
     @property
     def dp(self) -> int:
-        """The data-parallel ranks (every rank of the mesh outside tp and pp)."""
+        """The ranks that split the batch (every rank of the mesh outside tp, pp and cp)."""
         pp = self.mesh["pp"] if "pp" in self.mesh else 1  # noqa: SIM401 - a Mesh has no .get
-        return self.mesh.size // self.tp // pp
+        return self.mesh.size // self.tp // pp // self.cp
 
 
 def points(space: Space, *, offload: bool = False) -> Iterator[Point]:
@@ -264,6 +268,25 @@ def points(space: Space, *, offload: bool = False) -> Iterator[Point]:
             for ep_size in _divisors(space.experts)[1:]:
                 if dp % ep_size == 0:
                     yield Point(Mesh(dp=dp // ep_size, ep=ep_size), "fsdp", 1, False, False, ep=ep_size)
+
+
+MAX_CONTEXT = 16
+"""The largest cp size tried: torchtitan's published long-context runs go to 8, Megatron-LM's to 16."""
+LONG_SEQUENCE = 32768
+"""From here on cp is tried beside the plans without it (below, only when none of them fits)."""
+
+
+def context_points(space: Space) -> Iterator[Point]:
+    """The context-parallel points: ``Mesh(dp, cp)`` with FSDP over both, as torchtitan runs cp.
+
+    A cp size divides the devices, cuts the sequence into 2·cp equal chunks and leaves a
+    data-parallel size dividing the batch; apply runs cp with data parallelism only.
+    """
+    for cp in _divisors(space.devices)[1:]:
+        dp = space.devices // cp
+        if cp > MAX_CONTEXT or not space.seq or space.seq % (2 * cp) or space.batch % dp:
+            continue
+        yield Point(Mesh(dp=dp, cp=cp), "fsdp", 1, False, False, cp=cp)
 
 
 def pipeline_points(space: Space, units: int) -> Iterator[Point]:
@@ -330,6 +353,8 @@ class Policies:
         """The policy of ``point`` with ``how`` checkpointing of the repeated block."""
         if point.ep > 1:
             policy = policies.fsdp(("dp", "ep")) + policies.ep("ep", experts=self.facts.expert_patterns)
+        elif point.cp > 1:
+            policy = policies.fsdp(("dp", "cp")) + policies.cp("cp")
         else:
             policy = _data_parallel(point.family)
         if point.pipeline is not None:

@@ -35,6 +35,8 @@ class Candidate:
     """(schedule, stages per rank, micro-batches) under pipeline parallelism."""
     expert_parallel: int = 1
     """Ranks the experts are split over by expert index (the ``ep`` axis); 1: none."""
+    context_parallel: int = 1
+    """Ranks each sequence is cut over (the ``cp`` axis); 1: none."""
 
     @property
     def fits(self) -> bool:

@@ -51,6 +51,7 @@ def _candidate(point: Point, how: str, policy: Policy, **outcome: Any) -> Candid
         policy_text(policy),
         pipeline=point.pipeline,
         expert_parallel=point.ep,
+        context_parallel=point.cp,
         **outcome,
     )
 
@@ -99,6 +100,7 @@ class Search:
             candidate.offload,
             candidate.pipeline,
             candidate.expert_parallel,
+            candidate.context_parallel,
         )
         return shard(self.inputs.facts.model, point.mesh, self.policies.of(point, candidate.checkpointing))
 
@@ -131,7 +133,9 @@ class Search:
         units = unit_gathered_bytes(plan)
         out = []
         for how in checkpoint_options(inputs.facts.block):
-            key = TraceKey(point.tp, point.sp, how, micro, expert_parallel=point.ep > 1)
+            key = TraceKey(
+                point.tp, point.sp, how, micro, expert_parallel=point.ep > 1, context_parallel=point.cp
+            )
             trace = self.traces.trace(plan, key)
             if isinstance(trace, Exception):
                 out.append(self._failed(point, how, trace, "trace"))

@@ -37,6 +37,8 @@ class TraceKey:
     expert_parallel: bool = False
     by_unit: bool = False
     """Each unit of work traced as its own stage: one trace serves every cut into stages."""
+    context_parallel: int = 1
+    """The cp size: a rank runs a cp-th of each sequence, its attention over all of it."""
 
 
 class TraceCache:
