@@ -187,6 +187,7 @@ def test_cost_counts_each_attention_layers_key_value_gather_and_gradient_scatter
 
 PARITY = [
     ("zoo", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp)"),
+    ("zoo", {"cp": 2, "tp": 2}, "fsdp(cp) + tp(llama, tp) + cp(cp)"),
 ]
 SLOW_PARITY = [
     ("zoo", {"cp": 4}, "replicate(cp) + cp(cp)"),
@@ -198,6 +199,8 @@ SLOW_PARITY = [
     # a checkpointed layer recomputes its attention over the whole sequence in backward
     ("zoo", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp) + checkpointing(Block)"),
     ("hf_qwen2", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp) + checkpointing('model.layers.*', selective)"),
+    ("zoo", {"cp": 2, "tp": 2}, "fsdp(cp) + sp(llama, tp) + cp(cp)"),
+    ("hf_llama", {"cp": 2, "tp": 2}, "fsdp(cp) + tp(hf, tp) + cp(cp)"),
 ]
 
 
@@ -237,6 +240,8 @@ def test_every_cp_layout_trains_as_one_process(world4, case):
     [
         ("zoo_mha", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp)"),
         ("hf_qwen2", {"cp": 4}, "replicate(cp) + cp(cp)"),
+        # tp's activation collectives move a cp-th of the tokens, cp's gathers a tp-th of the heads
+        ("zoo_mha", {"cp": 2, "tp": 2}, "fsdp(cp) + sp(llama, tp) + cp(cp)"),
     ],
 )
 def test_measured_bytes_on_cp_equal_the_cost_model(world4, kind, mesh, policy):

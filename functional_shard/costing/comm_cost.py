@@ -185,7 +185,9 @@ _PACKED_QKV = ("c_attn",)
 
 
 def key_value_features(plan: Plan) -> list[int]:
-    """Per attention layer, the features per token of its keys and values together.
+    """Per attention layer, the features per token of its keys and values together, on one rank.
+
+    Tensor parallel splits the heads: a rank gathers its own heads' keys and values only.
 
     Examples:
         >>> from functional_shard import zoo
@@ -197,12 +199,18 @@ def key_value_features(plan: Plan) -> list[int]:
     for path, tensor in plan.tensors.items():
         module, _, leaf = path.rpartition(".")
         parent, _, name = module.rpartition(".")
-        if leaf != "weight" or tensor.ndim != 2:
+        if leaf != "weight" or tensor.ndim != 2 or path not in plan.params:
             continue
         if name in _KEY_VALUE:
-            layers[parent] = layers.get(parent, 0) + tensor.shape[0]
+            out, share = 0, 1
         elif name in _PACKED_QKV:  # a Conv1D, (in, 3·out): two thirds are k and v
-            layers[parent] = layers.get(parent, 0) + 2 * tensor.shape[1] // 3
+            out, share = 1, 3
+        else:
+            continue
+        split = plan.mesh.axes_size(plan.params[path].compute.dim_axes(2)[out])
+        layers[parent] = (
+            layers.get(parent, 0) + (share - 1 if share > 1 else 1) * tensor.shape[out] // share // split
+        )
     return list(layers.values())
 
 

@@ -302,10 +302,13 @@ def cost(
     parameter_comm(plan, comm, census, coords)
     boundaries: dict[int, float] = {}
     if tokens is not None:
-        activation_comm(plan, comm, tokens, coords)
+        # under context parallel a rank runs a cp-th of the tokens; only attention sees them all
+        cp_axis = plan.config.context_parallel_axis
+        mine = tokens // plan.mesh[cp_axis] if cp_axis else tokens
+        activation_comm(plan, comm, mine, coords)
         context_comm(plan, comm, tokens)
-        expert_comm(plan, tokens, compute_itemsize(plan), comm.add, coords)
-        boundaries = pipeline_comm(plan, comm, tokens, coords)
+        expert_comm(plan, mine, compute_itemsize(plan), comm.add, coords)
+        boundaries = pipeline_comm(plan, comm, mine, coords)
     return Cost(
         rank=plan.mesh.rank(coords),
         params_bytes=memory["params"],

@@ -215,7 +215,9 @@ def recomputed_collectives(plan: Plan, checkpointed: tuple[str, ...], tokens: in
 
 
 def _recomputed(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> tuple[dict[str, float], int]:
-    return _recomputed_now(plan, checkpointed, tokens)
+    # ``tokens`` of whole sequences: under context parallel a rank recomputes a cp-th of them
+    cp_axis = plan.config.context_parallel_axis
+    return _recomputed_now(plan, checkpointed, tokens // plan.mesh[cp_axis] if cp_axis else tokens)
 
 
 def _recomputed_now(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> tuple[dict[str, float], int]:

@@ -214,7 +214,6 @@ def context_parallel_problems(plan: Plan, module: nn.Module) -> list[str]:
     found = [f"{name}: {problem}" for problem in attention_problems(module)]
     together = [
         (config.pipeline_axis, "pipeline"),
-        (config.tensor_parallel_axes, "tensor parallel"),
         (config.expert_axis, "expert parallel"),
     ]
     found += [
