@@ -9,6 +9,7 @@ the parameters after the last step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Any
 
@@ -40,6 +41,8 @@ def build(kind: str) -> torch.nn.Module:
         return Llama(ZOO)
     if kind == "zoo_mha":
         return Llama(ZOO_MHA)
+    if kind == "zoo_untied":  # a pipeline does not keep a tie between stages in step
+        return Llama(dataclasses.replace(ZOO, tie_embeddings=False))
     import transformers
 
     config_class = {"hf_llama": transformers.LlamaConfig, "hf_qwen2": transformers.Qwen2Config}[kind]
@@ -219,3 +222,32 @@ def kept_bytes(kind: str, mesh: dict[str, int], policy: str, seq: int) -> dict[s
         kept, output = fs.kept_activation_bytes(model, mine)
         logits_of(output).sum().backward()
     return {"measured": kept, "traced": trace.activation_bytes}
+
+
+def train_pipelined(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
+    """Train a cp × pp plan; every rank returns the global losses and its stages' whole parameters."""
+    model = build(kind)
+    plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy, model))
+    fs.apply(plan, model)
+    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR)
+    step_fn = fs.forward_backward(plan, model, loss_fn)
+    index, data_parallel = plan.data_parallel_rank(dist.get_rank())
+    losses = []
+    for tokens in batches(data_parallel):
+        mine = tokens[index * BATCH : (index + 1) * BATCH]
+        optimizer.zero_grad()
+        loss = step_fn(mine[:, :-1], mine[:, 1:])
+        optimizer.step()
+        global_loss = loss.clone()
+        dist.all_reduce(global_loss)
+        losses.append(global_loss.item() / dist.get_world_size())
+    own = {
+        k: full(v) for k, v in model.state_dict().items() if plan.params.get(k) is None or k in plan.params
+    }
+    stage = plan.stage_of
+    params = {k: v for k, v in own.items() if k not in plan.params or _mine(plan, stage(k))}
+    return {"losses": losses, "params": params, "data_parallel": data_parallel}
+
+
+def _mine(plan: fs.Plan, stage: int) -> bool:
+    return dist.get_rank() in plan.ranks_of_stage(stage)

@@ -313,3 +313,19 @@ def test_auto_finds_a_cp_plan_for_256k_tokens_on_8_h100s_and_none_at_8k():
     assert not any(c.fits for c in long.candidates if c.context_parallel == 1)  # 339 GiB and more
     short = fs.search_plans(model, devices=8, memory_budget="80GiB", batch=8, seq=8192, hardware="h100")
     assert short.best_candidate.context_parallel == 1
+
+
+@pytest.mark.slow
+def test_cp_under_a_pipeline_trains_as_one_process(world4):
+    results = world4.run(
+        cp_cases.train_pipelined,
+        "zoo_untied",
+        {"pp": 2, "cp": 2},
+        "pipeline(pp, microbatches=2) + fsdp(cp) + cp(cp)",
+    )
+    expected = cp_cases.reference("zoo_untied", results[0]["data_parallel"])
+    assert results[0]["losses"] == pytest.approx(expected["losses"], abs=1e-5)
+    held = {name: value for result in results for name, value in result["params"].items()}
+    assert held.keys() == expected["params"].keys()
+    for name, value in expected["params"].items():
+        torch.testing.assert_close(held[name], value, atol=2e-5, rtol=1e-4, msg=name)

@@ -126,6 +126,8 @@ def apply(
             "pipeline the model itself (plan and apply it, not the module holding it)"
         )
     check_runnable(plan, module)
+    if plan.config.context_parallel_axis is not None:  # a Hugging Face model's attention: the engine's
+        use_hf_attention(module.get_submodule(root))
     if plan.config.pipeline_axis is not None:
         stage_plan = apply_pipeline(plan, module, device_mesh)
         APPLIED[module] = Applied(plan, device_mesh, stage_plan)
@@ -137,7 +139,5 @@ def apply(
     apply_data_parallel(plan, module, device_mesh, root)
     reduce_whole_grads(plan, module, device_mesh)
     refuse_uneven_sequences(plan, module.get_submodule(root))
-    if plan.config.context_parallel_axis is not None:
-        use_hf_attention(module.get_submodule(root))
     APPLIED[module] = Applied(plan, device_mesh)
     return module

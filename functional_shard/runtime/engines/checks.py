@@ -213,7 +213,6 @@ def context_parallel_problems(plan: Plan, module: nn.Module) -> list[str]:
     name = f"cp({config.context_parallel_axis!r})"
     found = [f"{name}: {problem}" for problem in attention_problems(module)]
     together = [
-        (config.pipeline_axis, "pipeline"),
         (config.expert_axis, "expert parallel"),
     ]
     found += [

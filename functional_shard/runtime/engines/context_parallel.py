@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -322,35 +321,35 @@ def sequence_context(plan: Plan, module: nn.Module, seq_len: int) -> Iterator[to
 def context_parallel_step(
     plan: Plan,
     device_mesh: DeviceMesh,
-    module: nn.Module,
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-    scaler: torch.amp.GradScaler | None,
+    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    attends: bool = True,
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """`fs.forward_backward`'s step under context parallel: this rank's chunks, every token's mean loss.
+    """`fs.forward_backward`'s step under context parallel: ``run`` on this rank's chunks.
 
-    ``loss_fn(outputs, targets)`` as `fs.forward_backward` takes it (a mean over its tokens).
+    ``run(inputs, targets, positions)`` runs forward and backward on this rank's chunks of the
+    whole sequences and returns its loss (a mean over its tokens, detached); the step returns
+    the mean over the cp group, every token's. ``attends``: this rank's forward must reach
+    attention (not so for a pipeline stage that holds none).
     """
     config = plan.config
     axis = config.context_parallel_axis
     assert axis is not None
     group = device_mesh[axis].get_group()
-    takes_positions = "position_ids" in inspect.signature(module.forward).parameters
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         shard = SequenceShard.of(
             group, inputs.shape[1], load_balance=config.context_load_balance, device=inputs.device
         )
         mine = cut_tensors(shard, inputs, targets)
-        extra = {"position_ids": shard.positions.expand(inputs.shape[0], -1)} if takes_positions else {}
         with splitting_attention(shard) as split:
-            loss = loss_fn(module(mine[0], **extra), mine[1])
-            if not split[0]:
+            loss = run(mine[0], mine[1], shard.positions)
+            if attends and not split[0]:
                 raise ShardingError(
                     f"context parallel over {axis!r}: the model's forward made no attention call the engine "
                     "could split (it computes attention by hand?); call F.scaled_dot_product_attention, or "
                     "use a Hugging Face model"
                 )
-            (loss if scaler is None else scaler.scale(loss)).backward()
         # each rank's loss is the mean over its tokens (equal counts): their mean is the batch's
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=group)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -79,8 +80,17 @@ def forward_backward(
         forward = module.get_submodule(root)
     except AttributeError:
         raise ShardingError(f"fs.forward_backward(root={root!r}): the module has no such submodule") from None
-    if plan.config.context_parallel_axis is not None and pipelined is None:
-        return context_parallel_step(plan, applied.device_mesh, forward, loss_fn, scaler)
+    context = plan.config.context_parallel_axis is not None
+    if context and pipelined is None:
+        takes_positions = "position_ids" in inspect.signature(forward.forward).parameters
+
+        def run(inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            extra = {"position_ids": positions.expand(inputs.shape[0], -1)} if takes_positions else {}
+            loss = loss_fn(forward(inputs, **extra), targets)
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            return loss.detach()
+
+        return context_parallel_step(plan, applied.device_mesh, run)
 
     def scaled(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = loss_fn(outputs, targets)
@@ -116,4 +126,6 @@ def forward_backward(
             loss = loss / scaler.get_scale()
         return loss
 
+    if context:  # each stage attends over the whole sequences from its rank's chunks
+        return context_parallel_step(plan, applied.device_mesh, lambda i, t, _: pipeline(i, t), attends=False)
     return pipeline
