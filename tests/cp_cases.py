@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -198,7 +197,7 @@ def fit(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
     module = LanguageModel()
     strategy = ShardStrategy(fs.parse_policy(policy, module.model), mesh=fs.Mesh(**mesh))
     trainer = quiet_trainer(strategy, max_steps=STEPS)
-    data_parallel = math.prod(size for axis, size in mesh.items() if axis != "cp")
+    data_parallel = mesh.get("dp", 1)  # the cases' batch axis
     loader = torch.utils.data.DataLoader(torch.cat(batches(data_parallel)), batch_size=BATCH)
     trainer.fit(module, loader)
     params = {k.removeprefix("model."): full(v) for k, v in module.state_dict().items()}
@@ -251,3 +250,21 @@ def train_pipelined(kind: str, mesh: dict[str, int], policy: str) -> dict[str, A
 
 def _mine(plan: fs.Plan, stage: int) -> bool:
     return dist.get_rank() in plan.ranks_of_stage(stage)
+
+
+def head_memory(kind: str, mesh: dict[str, int], policy: str, seq: int) -> dict[str, int]:
+    """The logits' bytes on this rank and what the forward keeps, measured and traced."""
+    model = build(kind)
+    plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy, model))
+    trace = fs.trace_activations(model, plan, batch=BATCH, seq=seq, rank=dist.get_rank())
+    fs.apply(plan, model)
+    tokens = torch.randint(0, 128, (BATCH, seq))
+    kept, output = fs.kept_activation_bytes(model, tokens)
+    logits = logits_of(output)
+    local = logits.to_local() if hasattr(logits, "to_local") else logits
+    return {
+        "logits": local.numel() * local.element_size(),
+        "traced_logits": trace.output_bytes,
+        "kept": kept,
+        "traced_kept": trace.activation_bytes,
+    }

@@ -188,6 +188,7 @@ def test_cost_counts_each_attention_layers_key_value_gather_and_gradient_scatter
 PARITY = [
     ("zoo", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp)"),
     ("zoo", {"cp": 2, "tp": 2}, "fsdp(cp) + tp(llama, tp) + cp(cp)"),
+    ("zoo", {"dp": 2, "tp": 2}, "fsdp(dp) + tp(llama, tp, loss_parallel=true)"),
 ]
 SLOW_PARITY = [
     ("zoo", {"cp": 4}, "replicate(cp) + cp(cp)"),
@@ -201,6 +202,9 @@ SLOW_PARITY = [
     ("hf_qwen2", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp) + checkpointing('model.layers.*', selective)"),
     ("zoo", {"cp": 2, "tp": 2}, "fsdp(cp) + sp(llama, tp) + cp(cp)"),
     ("hf_llama", {"cp": 2, "tp": 2}, "fsdp(cp) + tp(hf, tp) + cp(cp)"),
+    # loss parallel: the head's logits split on the vocabulary, with tp and with tp x cp
+    ("hf_llama", {"dp": 2, "tp": 2}, "fsdp(dp) + tp(hf, tp, loss_parallel=true)"),
+    ("zoo", {"cp": 2, "tp": 2}, "fsdp(cp) + sp(llama, tp, loss_parallel=true) + cp(cp)"),
 ]
 
 
@@ -242,6 +246,8 @@ def test_every_cp_layout_trains_as_one_process(world4, case):
         ("hf_qwen2", {"cp": 4}, "replicate(cp) + cp(cp)"),
         # tp's activation collectives move a cp-th of the tokens, cp's gathers a tp-th of the heads
         ("zoo_mha", {"cp": 2, "tp": 2}, "fsdp(cp) + sp(llama, tp) + cp(cp)"),
+        # loss parallel: no logits gather; the loss all-reduces three floats a token over tp
+        ("zoo_mha", {"dp": 2, "tp": 2}, "fsdp(dp) + tp(llama, tp, loss_parallel=true)"),
     ],
 )
 def test_measured_bytes_on_cp_equal_the_cost_model(world4, kind, mesh, policy):
@@ -256,8 +262,17 @@ def test_a_step_with_a_length_the_chunks_do_not_divide_is_refused_on_every_rank(
     assert "use 12 or 16 tokens" in errors[0]
 
 
-def test_a_lightning_trainer_fits_a_cp_plan_as_one_process(world4):
-    results = world4.run(cp_cases.fit, "hf_llama", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp)")
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "fsdp(dp, cp) + cp(cp)",
+        pytest.param(
+            "fsdp(dp) + tp(llama, cp, loss_parallel=true)", marks=pytest.mark.slow, id="loss-parallel"
+        ),
+    ],
+)
+def test_a_lightning_trainer_fits_a_cp_plan_as_one_process(world4, policy):
+    results = world4.run(cp_cases.fit, "hf_llama", {"dp": 2, "cp": 2}, policy)
     expected = cp_cases.reference("hf_llama", results[0]["data_parallel"], shuffled=True)
     # each rank's training_step saw its cp group's mean loss over every token: the same on both
     # ranks of a group, and the two groups' mean is the whole batch's
@@ -329,3 +344,32 @@ def test_cp_under_a_pipeline_trains_as_one_process(world4):
     assert held.keys() == expected["params"].keys()
     for name, value in expected["params"].items():
         torch.testing.assert_close(held[name], value, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_loss_parallel_keeps_a_tp_th_of_the_logits_measured_and_estimated(world4):
+    mesh = {"dp": 2, "tp": 2}
+    whole = world4.run(cp_cases.head_memory, "zoo", mesh, "fsdp(dp) + tp(llama, tp)", 16)
+    split = world4.run(cp_cases.head_memory, "zoo", mesh, "fsdp(dp) + tp(llama, tp, loss_parallel=true)", 16)
+    for before, after in zip(whole, split, strict=True):
+        assert after["logits"] == after["traced_logits"] == before["logits"] // 2
+    model = llama("tiny")
+    estimates = [
+        fs.estimate(
+            model, fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(text)), batch=2, seq=256, hardware="h100"
+        )
+        for text in ("fsdp(dp) + tp(llama, tp)", "fsdp(dp) + tp(llama, tp, loss_parallel=true)")
+    ]
+    assert estimates[1].memory["loss_workspace"] == estimates[0].memory["loss_workspace"] // 2
+    assert estimates[1].peak_bytes < estimates[0].peak_bytes
+
+
+def test_loss_parallel_needs_a_tensor_parallel_head_and_reads_back_as_text():
+    policy = fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp", loss_parallel=True)
+    assert fs.format_policy(policy) == "fsdp(dp) + tp(llama, tp, loss_parallel=true)"
+    assert fs.parse_policy(fs.format_policy(policy)) == policy
+    plan = fs.shard(llama("tiny"), fs.Mesh(dp=2, tp=2), policy)
+    assert plan.config.loss_parallel
+    assert "and loss parallel" in plan.explain()
+    headless = fs.tp([("*.q_proj", "colwise"), ("*.o_proj", "rowwise")], "tp", loss_parallel=True)
+    with pytest.raises(fs.PolicyError, match="no module is a tensor-parallel head"):
+        fs.shard(llama("tiny"), fs.Mesh(dp=2, tp=2), fs.fsdp("dp") + headless)

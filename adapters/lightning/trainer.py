@@ -161,12 +161,19 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
         return self._pipeline_axis() is not None
 
     def _context_parallel(self) -> bool:
+        # cp cuts sequences and attends over them; loss parallel runs forward and backward
+        # under torch's loss_parallel(): either way fs.forward_backward runs the step
         if self._plan is not None:
-            return self._plan.config.context_parallel_axis is not None
-        return self._policy is not None and self._policy.context_parallel is not None
+            config = self._plan.config
+            return config.context_parallel_axis is not None or config.loss_parallel
+        if self._policy is None:
+            return False
+        return self._policy.context_parallel is not None or any(
+            layer.loss_parallel for layer in self._policy.tensor_parallel
+        )
 
     def _runs_its_own_backward(self) -> bool:
-        # a pipeline's schedule, or cp's step (which cuts sequences and attends over them)
+        # a pipeline's schedule, or fs.forward_backward's step under cp or loss parallel
         return self._pipelined() or self._context_parallel()
 
     def pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

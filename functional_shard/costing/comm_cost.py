@@ -165,7 +165,12 @@ def activation_comm(plan: Plan, comm: Comm, tokens: int, held: Mapping[str, int]
             if not rowwise and parent in gathered:
                 reductions = [] if parent in counted else [in_features]
                 counted.add(parent)
-            gathers = [out_features] if style == "colwise_gather" else []
+            # a loss-parallel head keeps its logits split: no gather; its loss all-reduces
+            # each token's max, sum of exponentials and target logit (torch's loss_parallel)
+            head_of_parallel_loss = style == "colwise_gather" and plan.config.loss_parallel
+            gathers = [out_features] if style == "colwise_gather" and not head_of_parallel_loss else []
+            if head_of_parallel_loss:
+                comm.add("all_reduce", axes, n, 3 * per_token)
             if style == "rowwise_split_input":
                 gathers.append(in_features)
         for features in reductions:

@@ -178,11 +178,15 @@ def collective_counts(plan: Plan, grads_bytes: int) -> dict[str, int]:
         if style == "sequence":
             counts["tensor parallel"] += config.sequence_parallel  # its weight's gradient all-reduce
         elif path.rpartition(".")[0] in gathers and style in ("colwise", "colwise_gather"):
-            counts["tensor parallel"] += style == "colwise_gather"  # its output all-gather
+            # a head's output all-gather; under loss parallel the loss's three all-reduces
+            counts["tensor parallel"] += (
+                (3 if config.loss_parallel else 1) if style == "colwise_gather" else 0
+            )
         elif kind == "experts":  # output all-reduce; input and routing-weight gradients' in backward
             counts["tensor parallel"] += 3
         elif style != "replicate":
             counts["tensor parallel"] += 2 if config.sequence_parallel else 1
+            counts["tensor parallel"] += 2 * (style == "colwise_gather" and config.loss_parallel)
     return counts
 
 
@@ -270,7 +274,7 @@ def _recomputed_now(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> t
             elif sequence and (parent not in gathers or parent not in entered):
                 moves.append(("all_gather", in_features))  # once per gathering module
                 entered.add(parent)
-            if style == "colwise_gather":
+            if style == "colwise_gather" and not plan.config.loss_parallel:
                 moves.append(("all_gather", -(-out_features // n) * n))
         for what, features in moves:
             factor = 2 if what == "all_reduce" else 1

@@ -136,7 +136,10 @@ def sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> It
             inside = path.rpartition(".")[0] in gathers
             if sequence and style in ("colwise", "colwise_gather") and kind != "embedding" and not inside:
                 handles.append(module.register_forward_pre_hook(gather_input))
-            if style == "colwise_gather" or (style == "colwise" and kind == "embedding"):
+            head_of_parallel_loss = style == "colwise_gather" and plan.config.loss_parallel
+            if (style == "colwise_gather" and not head_of_parallel_loss) or (
+                style == "colwise" and kind == "embedding"
+            ):
                 # a colwise embedding's output is gathered over the features too
                 full = _gathered_features(plan, path, kind)
                 handles.append(module.register_forward_hook(functools.partial(gather_features, full)))

@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from functional_shard.core.errors import PolicyError
 from functional_shard.core.mesh import Mesh
 from functional_shard.core.tree import ModelTree
 
@@ -150,6 +151,13 @@ def plan_config(
         owners = {path.rpartition(".")[0] for path in tree.params if experts.selects(path)}
         pipe_config["expert_axis"] = experts.axis
         pipe_config["expert_modules"] = tuple(path for path in tree.modules if path in owners)
+    parallel_loss = [layer for layer in policy.tensor_parallel if layer.loss_parallel]
+    if parallel_loss and not any(style == "colwise_gather" for _, style, _ in tp_styles):
+        raise PolicyError(
+            f"{parallel_loss[0].name} with loss_parallel=True: no module is a tensor-parallel head (the "
+            "style 'colwise_gather', which lm_head gets from the llama, gpt2 and Hugging Face rules), so "
+            "no vocabulary-split logits exist for the loss; give the head that style, or drop loss_parallel"
+        )
     context = policy.context_parallel
     if context is not None:
         pipe_config["context_parallel_axis"] = context.axis
@@ -161,6 +169,7 @@ def plan_config(
         tensor_parallel_axes=tuple(layer.axis for layer in policy.tensor_parallel),
         tp_styles=tp_styles,
         sequence_parallel=any(layer.sequence_parallel for layer in policy.tensor_parallel),
+        loss_parallel=any(layer.loss_parallel for layer in policy.tensor_parallel),
         # under a pipeline FSDP keeps each stage gathered across its micro-batches, as
         # torchtitan runs it (reshard_after_forward = not pp_enabled): one all-gather a step
         reshard_after_forward=(sharding_layer.reshard_after_forward if sharding_layer else True)

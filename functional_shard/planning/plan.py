@@ -287,7 +287,8 @@ class Plan:
         summary = [
             f"Plan on {self.mesh!r}: data parallel {c.data_parallel} over {c.data_axes}; "
             f"tensor parallel over {c.tensor_parallel_axes}"
-            + (" with sequence parallel" if c.sequence_parallel else ""),
+            + (" with sequence parallel" if c.sequence_parallel else "")
+            + (" and loss parallel" if c.loss_parallel else ""),
             f"{len(self.params)} parameters, {len(self.buffers)} buffers, {len(c.units)} FSDP units, "
             f"{len(c.checkpointed)} checkpointed modules; mixed precision: "
             f"{c.param_dtype or 'off'} (reduce {c.reduce_dtype or 'as params'}); offload: "

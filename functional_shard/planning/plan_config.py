@@ -50,6 +50,8 @@ class PlanConfig:
     """Experts each token visits in the model's mixture-of-experts layers (0: none, or unknown)."""
     context_parallel_axis: str | None = None
     """The data axis whose ranks hold different chunks of every sequence (``None``: no context parallel)."""
+    loss_parallel: bool = False
+    """The head's logits stay split on the vocabulary over tp; the loss runs under ``loss_parallel()``."""
     context_load_balance: bool = True
     """Each cp rank holds chunks ``i`` and ``2·cp − 1 − i`` of ``2·cp`` (else chunk ``i`` of ``cp``)."""
 

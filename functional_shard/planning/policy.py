@@ -123,6 +123,8 @@ class TensorParallel(_OnOneAxis):
     rules: Rules
     axis: str
     sequence_parallel: bool = False
+    loss_parallel: bool = False
+    """The head's logits stay split on the vocabulary; the loss runs under torch's ``loss_parallel()``."""
 
     @property
     def name(self) -> str:

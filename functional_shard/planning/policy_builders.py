@@ -177,13 +177,23 @@ def hsdp(
     return Policy((layer,))
 
 
-def tp(rules: Rules | str | Iterable[Any], axis: str = "tp", *, sequence_parallel: bool = False) -> Policy:
+def tp(
+    rules: Rules | str | Iterable[Any],
+    axis: str = "tp",
+    *,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+) -> Policy:
     """Tensor parallelism over ``axis`` following ``rules`` (see `functional_shard.planning.rules`).
 
     Parameters no rule matches are left to the other layers (replicated if none), unless
     the rule set is strict. ``rules`` may be ``"hf"`` (the model's own Hugging Face plan)
     or ``"auto"`` (`functional_shard.planning.rules.for_model`): ``shard()`` resolves them
     against the model.
+
+    With ``loss_parallel`` the head (the module the rules give ``colwise_gather``) keeps
+    its logits split on the vocabulary, and `fs.forward_backward` computes the loss under
+    torch's ``loss_parallel()``: the whole logits never exist on one device.
 
     Raises:
         PolicyError: ``axis`` is not one name, or ``rules`` a name other than "hf"/"auto".
@@ -203,7 +213,9 @@ def tp(rules: Rules | str | Iterable[Any], axis: str = "tp", *, sequence_paralle
         rule_set = rules
     else:
         rule_set = Rules(cast(Iterable[Any], rules))
-    return Policy((TensorParallel(rule_set, axis, sequence_parallel),))
+    if not isinstance(loss_parallel, bool):
+        raise PolicyError(f"tp(loss_parallel={loss_parallel!r}): True or False")
+    return Policy((TensorParallel(rule_set, axis, sequence_parallel, loss_parallel),))
 
 
 def mixed_precision(

@@ -75,7 +75,8 @@ def _format_tensor_parallel(layer: TensorParallel) -> str:
             f"tp rules {name!r} have no text form: only the named sets "
             f"{', '.join(RULE_SETS + DEFERRED)} can be written as text"
         )
-    return f"{'sp' if layer.sequence_parallel else 'tp'}({name}, {_format_name(layer.axis)})"
+    loss = ", loss_parallel=true" if layer.loss_parallel else ""
+    return f"{'sp' if layer.sequence_parallel else 'tp'}({name}, {_format_name(layer.axis)}{loss})"
 
 
 def _format_tuple(items: Iterable[str]) -> str:

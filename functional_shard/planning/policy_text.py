@@ -16,6 +16,7 @@ evaluated, so a policy string cannot run code.
 | ``cp(cp)``, ``cp(cp, load_balance=false)`` | ``cp("cp")``, ``cp("cp", load_balance=False)``      |
 | ``tp(llama, tp)``, ``sp(llama, tp)``      | ``tp(rules.llama, "tp")``, ``sequence_parallel=True`` |
 | ``tp(hf, tp)``, ``tp(auto, tp)``          | ``tp("hf", "tp")``, ``tp("auto", "tp")``            |
+| ``tp(llama, tp, loss_parallel=true)``     | ``tp(rules.llama, "tp", loss_parallel=True)``       |
 | ``checkpointing(Block, selective)``       | ``checkpointing(Block, policy="selective")``        |
 | ``checkpointing("layers.*")``             | ``checkpointing("layers.*")`` (a module-path pattern) |
 | ``offload``, ``offload(optimizer)``       | ``offload()``, ``offload(params=False, grads=False)`` |
@@ -239,17 +240,18 @@ def _rule_set(value: _Value, node: ast.AST) -> Any:
 
 
 def _tensor_parallel(call: _Call, sequence_parallel: bool) -> Policy:
-    _only(call, ("sequence_parallel",) if call.name == "tp" else ())
+    _only(call, ("sequence_parallel", "loss_parallel") if call.name == "tp" else ("loss_parallel",))
     if len(call.args) != 2:
         raise _TextError(
             call.node, f"{call.name}() takes a rule set and an axis, e.g. {call.name}(llama, tp)"
         )
     if "sequence_parallel" in call.kwargs:
         sequence_parallel = _flag(call.kwargs["sequence_parallel"], "sequence_parallel", call.node)
+    loss = "loss_parallel" in call.kwargs and _flag(call.kwargs["loss_parallel"], "loss_parallel", call.node)
     rules = _rule_set(call.args[0], call.node)
     axis = _text(call.args[1], "the tensor-parallel axis", call.node)
     try:
-        return build.tp(rules, axis, sequence_parallel=sequence_parallel)
+        return build.tp(rules, axis, sequence_parallel=sequence_parallel, loss_parallel=loss)
     except PolicyError as error:
         if isinstance(rules, str):
             raise _TextError(

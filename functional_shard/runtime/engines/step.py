@@ -15,6 +15,7 @@ from functional_shard.planning.plan import Plan
 from .applied import applied_with
 from .context_parallel import context_parallel_step
 from .pipeline import pipeline_of, pipeline_step
+from .tensor_parallel import loss_context
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -86,9 +87,10 @@ def forward_backward(
 
         def run(inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             extra = {"position_ids": positions.expand(inputs.shape[0], -1)} if takes_positions else {}
-            loss = loss_fn(forward(inputs, **extra), targets)
-            (loss if scaler is None else scaler.scale(loss)).backward()
-            return loss.detach()
+            with loss_context(plan):
+                loss = loss_fn(forward(inputs, **extra), targets)
+                (loss if scaler is None else scaler.scale(loss)).backward()
+            return _plain(loss)
 
         return context_parallel_step(plan, applied.device_mesh, run)
 
@@ -99,9 +101,10 @@ def forward_backward(
     if pipelined is None:
 
         def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            loss = loss_fn(forward(inputs), targets)
-            (loss if scaler is None else scaler.scale(loss)).backward()
-            return loss.detach()
+            with loss_context(plan):
+                loss = loss_fn(forward(inputs), targets)
+                (loss if scaler is None else scaler.scale(loss)).backward()
+            return _plain(loss)
 
         return step
 
@@ -121,7 +124,8 @@ def forward_backward(
             # only the last stage's ranks scale a loss; the others' scalers must have a
             # scale too, to unscale their gradients and step
             scaler.scale(torch.zeros((), device=inputs.device))
-        loss = pipeline_step(pipelined, loss_of_microbatch, inputs, targets)
+        with loss_context(plan):
+            loss = pipeline_step(pipelined, loss_of_microbatch, inputs, targets)
         if scaler is not None:
             loss = loss / scaler.get_scale()
         return loss
@@ -129,3 +133,10 @@ def forward_backward(
     if context:  # each stage attends over the whole sequences from its rank's chunks
         return context_parallel_step(plan, applied.device_mesh, lambda i, t, _: pipeline(i, t), attends=False)
     return pipeline
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """The loss, detached, as a plain tensor (a loss-parallel loss is a replicated DTensor)."""
+    loss = loss.detach()
+    full = getattr(loss, "full_tensor", None)
+    return full() if callable(full) else loss

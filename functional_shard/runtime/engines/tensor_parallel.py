@@ -6,6 +6,7 @@ styles do not take, are split here with the collectives those styles would issue
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -22,7 +23,11 @@ from .experts import apply_expert_tensor_parallel
 
 
 def _torch_styles(
-    tp_styles: tuple[tuple[str, str, str], ...], module: nn.Module, sequence: bool
+    tp_styles: tuple[tuple[str, str, str], ...],
+    module: nn.Module,
+    sequence: bool,
+    *,
+    loss_parallel: bool = False,
 ) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """The torch parallel style of each styled module, and the layers split here (Conv1D, packed)."""
     from torch.distributed.tensor import Replicate, Shard
@@ -55,6 +60,9 @@ def _torch_styles(
                 if embedding
                 else ColwiseParallel(input_layouts=taken)
             )
+        elif style == "colwise_gather" and loss_parallel:
+            # the head's logits stay split on the vocabulary, a DTensor for torch's loss_parallel()
+            styles[path] = ColwiseParallel(input_layouts=taken, use_local_output=False)
         elif style == "colwise_gather":
             styles[path] = ColwiseParallel(input_layouts=taken, output_layouts=Replicate())
         elif style == "rowwise":
@@ -104,6 +112,15 @@ class _SequenceGather(PrepareModuleInput):
         return first._prepare_input_fn(inputs, device_mesh)
 
 
+def loss_context(plan: Plan) -> contextlib.AbstractContextManager[None]:
+    """Torch's ``loss_parallel()`` under a loss-parallel plan (forward and backward in it), else nothing."""
+    if not plan.config.loss_parallel:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
 def apply_tensor_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> None:
     """Split ``module``'s styled layers over the plan's tensor-parallel axis, in place."""
     from torch.distributed.tensor.parallel import parallelize_module
@@ -111,7 +128,9 @@ def apply_tensor_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh
     config = plan.config
     if not config.tensor_parallel_axes:
         return
-    styles, own = _torch_styles(config.tp_styles, module, config.sequence_parallel)
+    styles, own = _torch_styles(
+        config.tp_styles, module, config.sequence_parallel, loss_parallel=config.loss_parallel
+    )
     tp_mesh = device_mesh[config.tensor_parallel_axes[0]]
     parallelize_module(module, tp_mesh, styles)
     apply_expert_tensor_parallel(plan, module, device_mesh)
