@@ -11,6 +11,12 @@ A pipeline plan (2 stages, each sharded by FSDP over 2 ranks; 4 micro-batches pe
     torchrun --standalone --nproc-per-node 4 examples/train_torchrun.py \\
         --mesh pp=2,dp=2 --policy "pipeline(pp, microbatches=4) + fsdp(dp)" --steps 20
 
+Context parallel (each sequence cut in 4 chunks over cp=2, load-balanced; FSDP over dp and cp
+together; every rank passes whole sequences, `fs.forward_backward` cuts them):
+
+    torchrun --standalone --nproc-per-node 4 examples/train_torchrun.py \\
+        --mesh dp=2,cp=2 --policy "fsdp(dp, cp) + cp(cp)" --seq 64 --steps 20
+
 Two nodes of 8 GPUs (run the same line on each node; node 0's address is the rendezvous):
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node0:29500 \\

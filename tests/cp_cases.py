@@ -268,3 +268,34 @@ def head_memory(kind: str, mesh: dict[str, int], policy: str, seq: int) -> dict[
         "kept": kept,
         "traced_kept": trace.activation_bytes,
     }
+
+
+def fabric_loop(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
+    """A Fabric loop with FabricShardStrategy.forward_backward under a cp plan: rank 0's
+    parameters and every rank's global mean losses."""
+    import lightning as L  # noqa: N812 (the name Lightning documents)
+
+    from functional_shard.adapters.lightning import FabricShardStrategy
+
+    from .lightning_cases import join_as_lightning_rank
+
+    rank, world = join_as_lightning_rank()
+    model = build(kind)
+    strategy = FabricShardStrategy(fs.parse_policy(policy, model), mesh=fs.Mesh(**mesh))
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    module = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(module.parameters(), lr=LR))
+    step = strategy.forward_backward(module, loss_fn)
+    index, data_parallel = strategy.plan.data_parallel_rank(rank)
+    losses = []
+    for tokens in batches(data_parallel):
+        mine = tokens[index * BATCH : (index + 1) * BATCH]
+        optimizer.zero_grad()
+        loss = step(mine[:, :-1], mine[:, 1:])
+        optimizer.step()
+        total = loss.clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    params = {k.removeprefix("_forward_module."): full(v) for k, v in module.state_dict().items()}
+    return {"losses": losses, "params": params if rank == 0 else None, "data_parallel": data_parallel}

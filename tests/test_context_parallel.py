@@ -373,3 +373,11 @@ def test_loss_parallel_needs_a_tensor_parallel_head_and_reads_back_as_text():
     headless = fs.tp([("*.q_proj", "colwise"), ("*.o_proj", "rowwise")], "tp", loss_parallel=True)
     with pytest.raises(fs.PolicyError, match="no module is a tensor-parallel head"):
         fs.shard(llama("tiny"), fs.Mesh(dp=2, tp=2), fs.fsdp("dp") + headless)
+
+
+def test_fabric_trains_a_cp_plan_through_its_strategys_forward_backward(world4):
+    results = world4.run(cp_cases.fabric_loop, "zoo", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp)")
+    expected = cp_cases.reference("zoo", results[0]["data_parallel"])
+    assert results[0]["losses"] == pytest.approx(expected["losses"], abs=1e-5)
+    for name, value in expected["params"].items():
+        torch.testing.assert_close(results[0]["params"][name], value, atol=2e-5, rtol=1e-4, msg=name)

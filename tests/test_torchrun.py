@@ -65,3 +65,16 @@ def test_a_batch_the_micro_batches_do_not_divide_is_refused_under_torchrun():
     assert result.returncode != 0, result.stdout + result.stderr
     assert "train_torchrun: fs.forward_backward: the inputs' batch of 3 does not split" in result.stderr
     assert "step    1" not in result.stdout
+
+
+@pytest.mark.slow
+def test_a_context_parallel_plan_trains_under_torchrun():
+    """dp=2 x cp=2: each rank runs its chunks of the sequences, attention gathers the rest."""
+    policy = "fsdp(dp, cp) + cp(cp)"
+    result = torchrun("--mesh", "dp=2,cp=2", "--policy", policy, "--seq", "64", "--steps", "4")
+    assert result.returncode == 0, result.stdout + result.stderr
+    losses = [float(x) for x in re.findall(r"^step +\d+  loss (\S+)$", result.stdout, re.M)]
+    assert len(losses) == 4
+    assert losses[-1] < losses[0] - 0.3  # the counting task is learnt from chunks of it
+    assert "context parallel over 'cp': activations split on the sequence dim into 4 chunks" in result.stdout
+    assert "Warning" not in result.stderr
