@@ -10,7 +10,9 @@
   ``visualize_sharding``, but computed from `local_shape_and_offset`: no processes, no
   tensors;
 * **pipeline stages** (a plan with a pipeline) — for each pp rank, its stages in the
-  order it holds them, each as wide as its parameters, labelled with its modules.
+  order it holds them, each as wide as its parameters, labelled with its modules;
+* **the sequence** (a plan with context parallel) — its chunks coloured by the cp rank
+  holding them, and each rank's share of the causal attention work.
 
 The figure is built on matplotlib's Agg canvas (no display needed) and never touches
 ``pyplot``'s global state. Each panel is drawn by its own module
@@ -28,6 +30,7 @@ from .picture_blocks import blocks, draw_blocks
 from .picture_canvas import new_figure
 from .picture_memory import draw_memory
 from .picture_pipeline import draw_schedule, draw_schedule_figure, draw_stages
+from .picture_sequence import draw_sequence
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -41,6 +44,7 @@ __all__ = [
     "draw_memory",
     "draw_schedule",
     "draw_schedule_figure",
+    "draw_sequence",
     "draw_stages",
     "visualize",
 ]
@@ -92,15 +96,20 @@ def visualize(
     """
     pipeline_axis = plan.config.pipeline_axis
     piped = pipeline_axis is not None
+    cut = plan.config.context_parallel_axis is not None
     if not piped:
-        figure = new_figure(13, 5)
-        panels = figure.subplots(1, 2, width_ratios=[1, 1.15])
+        figure = new_figure(19 if cut else 13, 5)
+        panels = list(figure.subplots(1, 3 if cut else 2, width_ratios=[1, 1.15, 1.15][: 3 if cut else 2]))
     else:
-        # the schedule gets a row of its own, as wide as the three panels above it
-        figure = new_figure(19, 8.5)
-        grid = figure.add_gridspec(2, 3, width_ratios=[1, 1.15, 1.15], height_ratios=[5, 3.5])
+        # the schedule gets a row of its own, as wide as the three panels above it (and the
+        # sequence one below it under cp)
+        figure = new_figure(19, 11.5 if cut else 8.5)
+        rows, heights = (3, [5, 3.5, 3]) if cut else (2, [5, 3.5])
+        grid = figure.add_gridspec(rows, 3, width_ratios=[1, 1.15, 1.15], height_ratios=heights)
         panels = [figure.add_subplot(grid[0, column]) for column in range(3)]
         panels.append(figure.add_subplot(grid[1, :]))
+        if cut:
+            panels.append(figure.add_subplot(grid[2, :]))
     draw_memory(panels[0], plan, estimate=estimate, optimizer=optimizer, ranks=ranks, budget=budget)
     draw_blocks(panels[1], plan, param if param is not None else _largest(plan), spec)
     if pipeline_axis is not None:
@@ -117,6 +126,8 @@ def visualize(
                 config.stages_per_rank,
             ),
         )
+    if cut:
+        draw_sequence(panels[-1], plan)
     if path is not None:
         figure.savefig(path, dpi=110)
     return figure
