@@ -1,8 +1,12 @@
-"""Llama-3-8B on 8 H100s at 8k, 32k and 128k tokens: peak memory and tokens/s per plan.
+"""Llama-3-8B on 8 H100s from 8k to 256k tokens: peak memory and tokens/s per plan.
 
 Every row is `fs.estimate` on the zoo's ``llama-3-8b`` (meta device, SDPA attention) with the
 ``"h100"`` profile (80 GB), bf16 mixed precision and AdamW: one sequence per data-parallel
-rank (global batch = dp sequences). It prints the markdown table docs/will-it-fit.md shows.
+rank (global batch = dp sequences; the ranks of a cp group share one). It prints the
+markdown tables docs/will-it-fit.md and docs/long-context.md show: every plan at every
+length, then the context-parallel rows beside torchtitan's published ones (Llama 3.1 8B on
+8 H100s, FSDP + CP, full activation checkpointing, local batch 1; their runs also used
+torch.compile and Float8, which we do not model), with our figure over theirs.
 
 Run: python bench/long_context.py
 """
@@ -19,7 +23,10 @@ import functional_shard as fs
 from functional_shard.planning import rules
 from functional_shard.zoo import Block, llama
 
-SEQS = (8192, 32768, 131072)
+SEQS = (8192, 32768, 131072, 262144)
+# torchtitan's published Llama 3.1 8B long-context rows (docs/long-context.md cites them):
+# tokens -> (cp, tokens/s per GPU, peak GiB)
+TORCHTITAN = {32768: (1, 3890, 83.9), 65536: (2, 2540, 84.2), 131072: (4, 1071, 84.0), 262144: (8, 548, 84.5)}
 BUDGET = 80 * 10**9
 GIB = 2**30
 
@@ -49,7 +56,23 @@ def plans() -> list[tuple[str, fs.Mesh, fs.Policy]]:
             fs.Mesh(dp=1, tp=8),
             fs.fsdp("dp") + fs.tp(rules.llama, "tp", sequence_parallel=True) + bf16 + fs.checkpointing(Block),
         ),
+        *(context(cp) for cp in (2, 4, 8)),
+        (
+            "fsdp 4 · cp 2 + tp/sp 2, loss parallel + full ckpt",
+            fs.Mesh(dp=2, cp=2, tp=2),
+            fs.fsdp(("dp", "cp"))
+            + fs.cp("cp")
+            + fs.tp(rules.llama, "tp", sequence_parallel=True, loss_parallel=True)
+            + bf16
+            + fs.checkpointing(Block),
+        ),
     ]
+
+
+def context(cp: int) -> tuple[str, fs.Mesh, fs.Policy]:
+    """FSDP over dp and cp together, cp cutting each sequence, as torchtitan runs it."""
+    policy = fs.fsdp(("dp", "cp")) + fs.cp("cp") + fs.mixed_precision() + fs.checkpointing(Block)
+    return f"fsdp {8 // cp} · cp {cp} + full ckpt", fs.Mesh(dp=8 // cp, cp=cp), policy
 
 
 def main() -> None:
@@ -69,6 +92,17 @@ def main() -> None:
                 f"| {'yes' if est.peak_bytes <= BUDGET else 'no'} | {est.step_seconds * 1e3:,.0f} ms "
                 f"| {est.tokens_per_second:,.0f} | {est.mfu:.1%} |"
             )
+    print()
+    print("| tokens | plan | our peak | torchtitan's | ratio | our tokens/s per GPU | torchtitan's | ratio |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for seq, (cp, published_tps, published_gib) in TORCHTITAN.items():
+        name, mesh, policy = context(cp) if cp > 1 else plans()[2]
+        est = fs.estimate(model, fs.shard(model, mesh, policy), batch=1, seq=seq, hardware="h100")
+        peak, tps = est.peak_bytes / GIB, est.tokens_per_second
+        print(
+            f"| {seq // 1024}k | {name} | {peak:.1f} GiB | {published_gib} GiB | {peak / published_gib:.2f} "
+            f"| {tps:,.0f} | {published_tps:,} | {tps / published_tps:.2f} |"
+        )
     print(f"\n({time.perf_counter() - start:.1f} s)")
 
 

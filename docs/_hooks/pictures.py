@@ -126,6 +126,15 @@ def _expert_dispatch() -> Any:
     return figure
 
 
+def _llama_8b_cp() -> Any:
+    with torch.device("meta"):
+        model = llama("llama-3-8b")
+    policy = fs.parse_policy("fsdp(dp, cp) + cp(cp) + bf16 + checkpointing(Block)", model)
+    plan = fs.shard(model, fs.Mesh(dp=2, cp=4), policy)
+    estimate = fs.estimate(model, plan, batch=1, seq=131072, hardware="h100")
+    return plan.visualize("lm_head.weight", estimate=estimate, budget=80 * 10**9)
+
+
 PICTURES: dict[str, Callable[[], Any]] = {
     "llama-7b-fsdp-tp": _llama_7b_fsdp_tp,
     "tiny-fsdp-tp-colwise": _tiny_fsdp_tp_colwise,
@@ -135,6 +144,7 @@ PICTURES: dict[str, Callable[[], Any]] = {
     "schedule-zbv": _schedule("zbv", 2),
     "tiny-mixtral-ep": _tiny_mixtral_ep,
     "expert-dispatch": _expert_dispatch,
+    "llama-8b-cp": _llama_8b_cp,
 }
 
 
