@@ -393,16 +393,13 @@ def _refuse_under_pipeline(trainer: pl.Trainer, module: pl.LightningModule, axis
             f"no loss named: {type(module).__name__} needs a loss_fn(outputs, targets) method (a mean "
             "over the batch) for the schedule to call on the last stage"
         )
-    if problems:
-        raise fs.ShardingError(
-            f"ShardStrategy with a pipeline plan (axis {axis!r}) cannot run this fit:\n"
-            + "\n".join(f"* {p}" for p in problems)
-        )
+    _refuse(f"a pipeline plan (axis {axis!r})", problems)
 
 
 def _refuse_under_context_parallel(trainer: pl.Trainer, module: pl.LightningModule) -> None:
     # cp's step runs the backward inside training_loss (it must attend over the whole
-    # sequence in the backward too) and hands the gradients to Lightning's backward
+    # sequence in the backward too, and loss parallel's backward must run under
+    # loss_parallel()) and hands the gradients to Lightning's backward
     problems = []
     if trainer.accumulate_grad_batches > 1:
         problems.append(
@@ -416,10 +413,13 @@ def _refuse_under_context_parallel(trainer: pl.Trainer, module: pl.LightningModu
             f"no loss named: {type(module).__name__} needs a loss_fn(outputs, targets) method (a mean over "
             "its tokens), which the step calls on this rank's chunks of the sequences"
         )
+    _refuse("a context-parallel or loss-parallel plan", problems)
+
+
+def _refuse(plan: str, problems: list[str]) -> None:
     if problems:
         raise fs.ShardingError(
-            "ShardStrategy with a context-parallel plan cannot run this fit:\n"
-            + "\n".join(f"* {p}" for p in problems)
+            f"ShardStrategy with {plan} cannot run this fit:\n" + "\n".join(f"* {p}" for p in problems)
         )
 
 

@@ -76,6 +76,7 @@ def routing_attention(route: Callable[..., Any]) -> Iterator[None]:
 def _whole_sequence(cp: int) -> Callable[..., Any]:
     masks: dict[tuple[int, int], torch.Tensor] = {}  # one a step, shared by every layer, as the engine's
 
+    # F.scaled_dot_product_attention's own parameters, restated: calls reach it by name or position
     def attend(
         query: torch.Tensor,
         key: torch.Tensor,

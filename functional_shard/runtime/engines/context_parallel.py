@@ -181,6 +181,7 @@ def sequence_attention(
     )
 
 
+# F.scaled_dot_product_attention's own parameters, restated: calls reach it by name or position
 def _split(
     query: torch.Tensor,
     key: torch.Tensor,
