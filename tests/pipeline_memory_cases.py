@@ -189,3 +189,47 @@ def held_for_backward(spec: dict[str, Any]) -> dict[str, Any]:
 def held_for_backward_each(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`held_for_backward` of each case in turn, in one call of the world."""
     return [held_for_backward(spec) for spec in specs]
+
+
+def accumulated_grad_bytes(spec: dict[str, Any], mixed: bool) -> dict[str, int]:
+    """This rank's whole gradients as torch holds them just before its stages' one reduce-scatter
+    (every micro-batch's backward done), beside the estimate's ``accumulated_grads``; ``mixed``:
+    bf16 parameters, fp32 reduction."""
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    mesh = fs.Mesh(**spec["mesh"])
+    model = pc.build(spec)
+    policy = pc.policy_of(spec) + (
+        fs.mixed_precision(torch.bfloat16, torch.float32) if mixed else fs.Policy()
+    )
+    plan = fs.shard(model, mesh, policy)
+    estimate = fs.estimate(model, plan, batch=spec["rows"], seq=pc.SEQ, rank=dist.get_rank())
+    fs.apply(plan, model)
+    seen: list[int] = []
+    original = PipelineStage.perform_reduce_grad
+
+    def measured(stage: Any, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.fsdp import fully_shard
+
+        state = fully_shard.state(stage.submod)
+        total = 0
+        for inner in state._state_ctx.all_states:
+            for group in inner._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    whole = param.unsharded_accumulated_grad
+                    if whole is None:
+                        whole = param._unsharded_param.grad
+                    total += 0 if whole is None else whole.untyped_storage().nbytes()
+        seen.append(total)
+        return original(stage, *args, **kwargs)
+
+    step = fs.forward_backward(plan, model, pc.lm_loss)
+    index, data_parallel = plan.data_parallel_rank(dist.get_rank())
+    rows = spec["rows"]
+    mine = pc.batches(data_parallel, rows)[0][index * rows : (index + 1) * rows]
+    PipelineStage.perform_reduce_grad = measured  # type: ignore[method-assign]
+    try:
+        step(mine[:, :-1], mine[:, 1:])
+    finally:
+        PipelineStage.perform_reduce_grad = original  # type: ignore[method-assign]
+    return {"measured": sum(seen), "estimated": estimate.memory["accumulated_grads"]}

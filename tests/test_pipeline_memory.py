@@ -205,3 +205,24 @@ def test_dualpipev_frees_at_its_full_backwards_and_peaks_inside_overlapped_steps
     # would not say 9
     assert held_peak("dualpipev", 4, 8, 2, [1] * 8) == (9, 9, 9, 9)
     assert in_flight("dualpipev", 4, 8, 2) == (8, 7, 6, 5, 4, 3, 2, 1)
+
+
+@pytest.mark.parametrize(
+    ("spec", "mixed"),
+    [
+        (pc.case({"pp": 2, "dp": 2}, data="fsdp"), True),
+        pytest.param(pc.case({"pp": 2, "dp": 2}, data="fsdp"), False, marks=pytest.mark.slow),
+        pytest.param(
+            pc.case({"pp": 2, "dp": 2}, "interleaved1f1b", stages_per_rank=2, data="fsdp"),
+            True,
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["1f1b-bf16-fp32", "1f1b-fp32", "interleaved-bf16-fp32"],
+)
+def test_whole_gradients_held_across_micro_batches_equal_the_estimate(world, spec, mixed):
+    # torch's PipelineStage turns FSDP2's gradient sync off for every micro-batch's backward and
+    # reduce-scatters once after the last: until then each stage's gradients stay whole, in the
+    # reduce dtype (FSDP2's unsharded_accumulated_grad). Measured on every rank, both pp coordinates.
+    for result in world.run(pm.accumulated_grad_bytes, spec, mixed):
+        assert result["measured"] == result["estimated"] > 0

@@ -19,11 +19,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.core.tree import dtype_from_name
 from functional_shard.planning.schedules import check_pipeline, held_peak, in_flight, simulate
 from functional_shard.planning.stage_plans import stage_plan
 from functional_shard.planning.stages import rank_stages, stage_finder, stage_rank
 
-from .cost import Cost, OptimizerKind, cost
+from .census import census_of
+from .cost import Cost, OptimizerKind, cost, unit_gathered
 from .estimate_record import PipelineEstimate, StageEstimate
 from .step_model import Assembly, StepParts, gathered_in_flight
 
@@ -73,6 +75,23 @@ def _stage_units(plan: Plan, units: Mapping[str, int], mine: set[int]) -> dict[s
     return {unit: nbytes for unit, nbytes in units.items() if stage_of(unit, module=True) in (*mine, None)}
 
 
+def _accumulated_grads(plan: Plan, units: Mapping[str, int]) -> int:
+    """Bytes of a rank's stages' whole (unsharded) gradients, kept across micro-batches.
+
+    torch's ``PipelineStage`` runs each micro-batch's backward on FSDP2 with gradient sync
+    off (``set_requires_gradient_sync(False)``) and reduce-scatters once, after the last
+    (``perform_reduce_grad``): until then every unit's gradient stays whole, in the reduce
+    dtype when mixed precision sets one (FSDP2's ``unsharded_accumulated_grad``), else in the
+    parameters' (gathered) dtype. ``units`` are the stages' units in gathered bytes.
+    """
+    config = plan.config
+    if not config.param_dtype or not config.reduce_dtype:
+        return sum(units.values())
+    gathered = dtype_from_name(config.param_dtype).itemsize
+    reduced = dtype_from_name(config.reduce_dtype).itemsize
+    return sum(units.values()) * reduced // gathered
+
+
 def _signature(plan: Plan) -> tuple[Any, ...]:
     # shard() gives alike blocks one TensorSpec and one ParamSharding object each: stages
     # of alike blocks cost the same, and a 64-stage pipeline needs a few costs, not 64
@@ -109,7 +128,7 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
 
     ``assembly.costs`` (one per pp coordinate, at `_rank_of_coordinate`) may be given when known.
     """
-    plan, trace, hw, units = assembly.plan, assembly.trace, assembly.hardware, assembly.units
+    plan, trace, hw = assembly.plan, assembly.trace, assembly.hardware
     batch, seq, rank = assembly.batch, assembly.seq, assembly.rank
     config = plan.config
     axis = config.pipeline_axis
@@ -148,17 +167,23 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
     costs = assembly.costs or stage_costs(plan, assembly.optimizer, batch * seq, rank)
     memories = []
     sub_plans = []
+    stage_units = []
+    census = census_of(plan, {})
     for c in range(pp):
         mine = {s for s in range(n) if owner[s] == c}
         plan_cost = costs[c]
         sub_plans.append(stage_plan(plan, mine))
+        # each pp coordinate's units, gathered where they live (``units`` are pp rank 0's)
+        held_units = unit_gathered(plan, census, plan.mesh.coords(_rank_of_coordinate(plan, c, rank)))
+        stage_units.append(_stage_units(plan, held_units, mine))
         memories.append(
             {
                 "params": plan_cost.params_bytes,
                 "grads": plan_cost.grads_bytes,
                 "optimizer": plan_cost.optimizer_bytes,
                 "buffers": plan_cost.buffers_bytes,
-                "gathered": gathered_in_flight(sub_plans[c], _stage_units(plan, units, mine)),
+                "gathered": gathered_in_flight(sub_plans[c], stage_units[c]),
+                "accumulated_grads": _accumulated_grads(plan, stage_units[c]),
                 "activations": int(held[c]),
                 # the fp32 copy of the logits the loss of one micro-batch at a time makes
                 "loss_workspace": int(4 * trace.output_numel) if n - 1 in mine else 0,
@@ -201,7 +226,7 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
         forward_flops=flops["forward"],
         backward_flops=flops["backward"],
         recompute_flops=flops["recompute"],
-        units=_stage_units(plan, units, set(ours)),
+        units=stage_units[chosen],
         compute_seconds=timeline.makespan,
         sends=crossings,
         pipeline=PipelineEstimate(schedule, m, micro, stages, tuple(peaks), timeline),
