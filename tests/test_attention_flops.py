@@ -15,8 +15,6 @@ Q·Kᵀ and P·V, 2·seq·heads·head_dim each per token, and its backward twice
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -205,19 +203,48 @@ def test_math_path_decomposes_into_counted_matmuls():
     assert flops.counts == {"forward": forward, "backward": 2 * forward, "recompute": 0, "weight": 0}
 
 
-def test_flex_attention_has_formulas_and_a_clear_refusal_on_cpu():
+def test_flex_attention_has_formulas_and_traces_as_sdpa_does():
     from torch._higher_order_ops.flex_attention import flex_attention, flex_attention_backward
 
     shapes = [torch.empty(1, 4, 32, 8, device="meta")] * 3
     forward = attention_forward((1, 4, 32, 8), (1, 4, 32, 8), (1, 4, 32, 8))
     assert op_flops(flex_attention, shapes, {}, None) == forward
     assert op_flops(flex_attention_backward, shapes, {}, None) == 2 * forward
-    # torch 2.13 has no flex attention backward on CPU, and its eager CPU forward compiles,
-    # which refuses dispatch modes: the trace says so and points to sdpa
-    model = hf_llama("flex_attention")
+    # torch 2.13 has no flex attention backward on CPU and compiles its eager forward, which
+    # refuses dispatch modes; on fake tensors the trace runs the operators uncompiled
+    traces = {}
+    for attention in ("sdpa", "flex_attention"):
+        model = hf_llama(attention)
+        plan = fs.shard(model, fs.Mesh(dp=1), fs.replicate())
+        traces[attention] = fs.trace_activations(model, plan, batch=1, seq=128)
+    sdpa, flex = traces["sdpa"], traces["flex_attention"]
+    assert (flex.forward_flops, flex.backward_flops) == (sdpa.forward_flops, sdpa.backward_flops)
+    # both keep q, k, v, the output and the log-sum-exp, no score matrix; flex also its block mask
+    assert sdpa.activation_bytes <= flex.activation_bytes <= 1.05 * sdpa.activation_bytes
+
+
+def test_a_module_calling_flex_attention_with_a_block_mask_traces():
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    class Attention(torch.nn.Module):  # torchtitan's default attention: flex with a causal BlockMask
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = torch.nn.Linear(32, 96, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, s, _ = x.shape
+            q, k, v = self.qkv(x).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4)
+            mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, s, s, device=x.device)
+            return flex(q, k, v, block_mask=mask).transpose(1, 2).reshape(b, s, 32)
+
+    model = torch.nn.Sequential(Attention())
     plan = fs.shard(model, fs.Mesh(dp=1), fs.replicate())
-    with pytest.raises(fs.ShardingError, match=re.escape("attn_implementation='flex_attention'")):
-        fs.trace_activations(model, plan, batch=1, seq=16)
+    trace = fs.trace_activations(model, plan, batch=2, seq=128, inputs=torch.ones(2, 128, 32))
+    projection = 2 * 2 * 128 * 32 * 96
+    assert trace.forward_flops == projection + attention_forward(
+        (2, 4, 128, 8), (2, 4, 128, 8), (2, 4, 128, 8)
+    )
 
 
 # ---- whole models against the formula -----------------------------------------------------------

@@ -47,8 +47,8 @@ from .trace_checkpointing import SAVED_OPS, checkpointed, selective_context
 from .trace_context_parallel import context_parallel_attention
 from .trace_counting import Births, Flops, kept_bytes_by_owner, storage_key
 from .trace_experts import rank_experts
-from .trace_inputs import check_attention, is_hf, model_inputs, tensors, unpacked_sequences
 from .trace_inputs import first_tensor as _first_tensor  # the name the stage helpers below call
+from .trace_inputs import flex_on_fake_cpu, is_hf, model_inputs, tensors, unpacked_sequences
 from .trace_parameters import FakeParameters
 from .trace_repeats import (
     NotPassableError,
@@ -194,6 +194,7 @@ class _Run:
             stack.enter_context(sequence_parallel(model, self.plan, setup.tp_size, setup.seq))
             stack.enter_context(context_parallel_attention(setup.cp))
             stack.enter_context(unpacked_sequences(model))
+            stack.enter_context(flex_on_fake_cpu())
             owners = [births.running, flops.running]
             outputs: dict[str, int] = {}
             stack.enter_context(_stage_owner(setup.modules, setup.stage_modules, owners, outputs))
@@ -338,7 +339,6 @@ def trace_activations(
     checkpointed = tuple(config.checkpointed)
     if any(i != o and (not o or i.startswith(f"{o}.")) for o in checkpointed for i in checkpointed):
         backward = True  # an inner module's forward runs again in the outer one's recompute
-    check_attention(model)
     if config.checkpointed and config.checkpoint_policy not in ("full", "selective"):
         raise ShardingError(
             f"trace_activations: checkpoint_policy {config.checkpoint_policy!r} is neither 'full' nor "

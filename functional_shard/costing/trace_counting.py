@@ -56,6 +56,9 @@ class Births(TorchDispatchMode):
         12
     """
 
+    # flex attention is a higher-order operator: it passes through, its outputs noted
+    supports_higher_order_operators = True
+
     def __init__(self) -> None:
         super().__init__()
         self.storages: dict[StorageWeakRef, None] = {}

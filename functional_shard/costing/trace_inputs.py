@@ -12,7 +12,14 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from functional_shard.core.errors import ShardingError
 
-__all__ = ["check_attention", "first_tensor", "is_hf", "model_inputs", "tensors", "unpacked_sequences"]
+__all__ = [
+    "flex_on_fake_cpu",
+    "first_tensor",
+    "is_hf",
+    "model_inputs",
+    "tensors",
+    "unpacked_sequences",
+]
 
 
 def tensors(value: Any) -> list[torch.Tensor]:
@@ -53,24 +60,39 @@ def is_hf(model: nn.Module) -> bool:
     return hasattr(model, "config") and type(model).__module__.startswith("transformers.")
 
 
-def check_attention(model: nn.Module) -> None:
-    """Refuse, before tracing, a Hugging Face model whose attention cannot run on fake CPU tensors.
+@contextlib.contextmanager
+def flex_on_fake_cpu() -> Iterator[None]:
+    """Within the block, flex attention takes fake CPU tensors that need gradients.
 
-    Raises:
-        ShardingError: the model's config names ``attn_implementation="flex_attention"``.
+    torch refuses flex attention's backward on CPU (``_validate_device``: its CPU kernels
+    have none), but fake tensors run no kernel: the trace takes the shapes, saved tensors
+    and flops of the forward and backward operators, as on the GPUs the plan is for. Its
+    eager path would compile the operator, which refuses the trace's dispatch modes, so it
+    runs uncompiled (torch's ``_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG``).
 
     Examples:
-        >>> check_attention(nn.Linear(2, 2))  # not Hugging Face's: nothing to refuse
+        >>> with flex_on_fake_cpu():
+        ...     pass
     """
-    if is_hf(model) and getattr(model.config, "_attn_implementation", None) == "flex_attention":
-        # torch 2.13: flex attention has no backward on CPU, and its eager CPU forward goes
-        # through torch.compile, which refuses the dispatch modes the trace runs under
-        raise ShardingError(
-            f"trace_activations: {type(model).__name__} uses attn_implementation='flex_attention', which "
-            "cannot run on the CPU fake tensors the trace uses (no CPU backward in torch). Trace the same "
-            "config with attn_implementation='sdpa': flops are counted alike (full score matrix) and, "
-            "like flex attention, SDPA's fused kernels keep no score matrix for backward"
-        )
+    try:
+        import torch.nn.attention.flex_attention as flex
+    except ImportError:
+        yield
+        return
+    original = getattr(flex, "_validate_device", None)
+    compiled = getattr(flex, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", None)
+    if original is None or compiled is None:
+        yield
+        return
+    flex._validate_device = lambda query, key, value: None
+    # its eager path compiles the operator, and torch.compile refuses the trace's dispatch
+    # modes; torch's own switch runs the operator as it is, which fake tensors can follow
+    flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+    try:
+        yield
+    finally:
+        flex._validate_device = original
+        flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = compiled
 
 
 @contextlib.contextmanager
