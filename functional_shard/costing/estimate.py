@@ -30,35 +30,15 @@ if TYPE_CHECKING:
 __all__ = ["Estimate", "compare_schedules", "estimate", "parse_bytes"]
 
 
-def _trace(
-    model: Any,
-    plan: Plan,
-    *,
-    batch: int,
-    seq: int,
-    rank: int | None = None,
-    inputs: Any = None,
-    expert_imbalance: float = 1.0,
-    backward: bool = True,
-    stages: tuple[tuple[str, ...], ...] | None = None,
-) -> Any:
+def _trace(model: Any, plan: Plan, **options: Any) -> Any:
+    """`trace_activations` (its keywords: batch, seq, rank, ...) with torch's own log captured."""
     from functional_shard.core.quiet import captured
 
     from .activations import trace_activations  # lazily: it loads torch's fake-tensor machinery
 
     # a failing fake kernel makes torch log its traceback before raising: our error says it
     with captured():
-        return trace_activations(
-            model,
-            plan,
-            batch=batch,
-            seq=seq,
-            rank=rank,
-            inputs=inputs,
-            expert_imbalance=expert_imbalance,
-            backward=backward,
-            stages=stages,
-        )
+        return trace_activations(model, plan, **options)
 
 
 def _check_positive(name: str, value: Any) -> int:
@@ -155,6 +135,8 @@ def estimate(
     )
 
 
+# the same keywords as `estimate`, spelled out rather than forwarded: each is typed and
+# documented where users read it
 def compare_schedules(
     model: Any,
     plan: Plan,

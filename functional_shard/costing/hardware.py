@@ -155,6 +155,8 @@ _TFLOPS = 10**12
 # Efficiencies: compute from published BF16 runs, converted to our flop convention (full
 # attention matrix, recomputation counted); links from nccl-tests bus bandwidth reported
 # for the same systems (docs/will-it-fit.md gives each source's arithmetic).
+# The profiles look alike on purpose: each is one machine's figures, written out in full so
+# that each number stands beside its source (no profile derived from another).
 PROFILES: dict[str, Hardware] = {
     "h100": Hardware(
         name="h100",

@@ -126,6 +126,8 @@ def search_plans(
     return AutoReport(tuple(candidates), best_candidate, best, budget, hw, facts.no_tensor_parallel)
 
 
+# the same keywords as `search_plans`, spelled out rather than forwarded: each is typed and
+# documented where users read it
 def auto(
     model: Any,
     *,
