@@ -202,6 +202,7 @@ SLOW_PARITY = [
     ("hf_qwen2", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp) + checkpointing('model.layers.*', selective)"),
     ("zoo", {"cp": 2, "tp": 2}, "fsdp(cp) + sp(llama, tp) + cp(cp)"),
     ("hf_llama", {"cp": 2, "tp": 2}, "fsdp(cp) + tp(hf, tp) + cp(cp)"),
+    ("zoo", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp) + offload"),
     # loss parallel: the head's logits split on the vocabulary, with tp and with tp x cp
     ("hf_llama", {"dp": 2, "tp": 2}, "fsdp(dp) + tp(hf, tp, loss_parallel=true)"),
     ("zoo", {"cp": 2, "tp": 2}, "fsdp(cp) + sp(llama, tp, loss_parallel=true) + cp(cp)"),
