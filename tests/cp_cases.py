@@ -44,8 +44,14 @@ def build(kind: str) -> torch.nn.Module:
         return Llama(dataclasses.replace(ZOO, tie_embeddings=False))
     import transformers
 
-    config_class = {"hf_llama": transformers.LlamaConfig, "hf_qwen2": transformers.Qwen2Config}[kind]
+    config_class = {
+        "hf_llama": transformers.LlamaConfig,
+        "hf_qwen2": transformers.Qwen2Config,
+        "hf_mixtral": transformers.MixtralConfig,
+    }[kind]
+    experts = {"num_local_experts": 4, "num_experts_per_tok": 2} if kind == "hf_mixtral" else {}
     config = config_class(
+        **experts,
         vocab_size=128,
         hidden_size=32,
         intermediate_size=64,

@@ -203,6 +203,8 @@ SLOW_PARITY = [
     ("zoo", {"cp": 2, "tp": 2}, "fsdp(cp) + sp(llama, tp) + cp(cp)"),
     ("hf_llama", {"cp": 2, "tp": 2}, "fsdp(cp) + tp(hf, tp) + cp(cp)"),
     ("zoo", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp) + offload"),
+    # experts dispatched over ep from each rank's chunks; dense tensors FSDP-sharded over cp and ep
+    ("hf_mixtral", {"cp": 2, "ep": 2}, "fsdp(cp, ep) + ep(ep) + cp(cp)"),
     # loss parallel: the head's logits split on the vocabulary, with tp and with tp x cp
     ("hf_llama", {"dp": 2, "tp": 2}, "fsdp(dp) + tp(hf, tp, loss_parallel=true)"),
     ("zoo", {"cp": 2, "tp": 2}, "fsdp(cp) + sp(llama, tp, loss_parallel=true) + cp(cp)"),

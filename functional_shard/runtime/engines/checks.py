@@ -209,18 +209,8 @@ def context_parallel_problems(plan: Plan, module: nn.Module) -> list[str]:
     """What keeps the context-parallel engine from running ``plan`` on ``module``, one line each."""
     from .context_parallel import attention_problems
 
-    config = plan.config
-    name = f"cp({config.context_parallel_axis!r})"
-    found = [f"{name}: {problem}" for problem in attention_problems(module)]
-    together = [
-        (config.expert_axis, "expert parallel"),
-    ]
-    found += [
-        f"{name} with {what}: apply() does not run them together yet; plan cp with fsdp/hsdp/ddp alone"
-        for present, what in together
-        if present
-    ]
-    return found
+    name = f"cp({plan.config.context_parallel_axis!r})"
+    return [f"{name}: {problem}" for problem in attention_problems(module)]
 
 
 def check_runnable(plan: Plan, module: nn.Module) -> None:
