@@ -10,7 +10,7 @@ from dataclasses import fields
 from typing import Any
 
 from functional_shard.core import pytree as _pytree
-from functional_shard.core.errors import PolicyError, ShardingError
+from functional_shard.core.errors import PolicyError, ShardingError, bullets
 from functional_shard.core.layout import local_numel, local_shape_and_offset
 from functional_shard.core.mesh import Mesh
 from functional_shard.core.providers import provider
@@ -364,13 +364,34 @@ class Plan:
         """Read a plan written by `to_json` (a string or the parsed dict).
 
         Raises:
-            ShardingError: not a functional_shard plan, or a newer format.
+            ShardingError: not JSON, not a functional_shard plan, a newer format, or a plan
+                that does not hold together (`plan_json.plan_problems`: every problem named,
+                by tensor path and field).
         """
-        data = json.loads(text) if isinstance(text, str) else text
+        from .plan_json import plan_problems
+
+        if isinstance(text, str):
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise ShardingError(f"not a plan file: the JSON is malformed ({error})") from None
+        else:
+            data = text
+        if not isinstance(data, Mapping):
+            raise ShardingError(f"not a plan file: it holds a JSON {type(data).__name__}, not an object")
         if data.get("format") != "functional_shard.plan" or data.get("version") != FORMAT_VERSION:
             raise ShardingError(
                 f"not a functional_shard plan of format version {FORMAT_VERSION} "
                 f"(format={data.get('format')!r}, version={data.get('version')!r})"
+            )
+        problems = plan_problems(data)
+        if problems:
+            raise ShardingError(
+                bullets(
+                    "the plan file does not hold together:",
+                    problems[:20],
+                    "Write it again with plan.to_json().",
+                )
             )
         params: dict[str, ParamSharding] = {}
         buffers: dict[str, ParamSharding] = {}
