@@ -202,5 +202,13 @@ def plan_problems(data: Any) -> list[str]:
     params = {
         path for path, entry in tensors.items() if isinstance(entry, Mapping) and entry.get("kind") == "param"
     }
-    found += _config_problems(data["config"], mesh, set(tensors), params)
+    # a tied tensor's other names are paths too (a tied lm_head is styled by its own name)
+    names = set(tensors) | {
+        name
+        for entry in tensors.values()
+        if isinstance(entry, Mapping) and isinstance(entry.get("aliases"), list)
+        for name in entry["aliases"]
+        if isinstance(name, str)
+    }
+    found += _config_problems(data["config"], mesh, names, params)
     return found
