@@ -19,7 +19,7 @@ import torch.nn.functional as F  # noqa: N812
 import functional_shard as fs
 from functional_shard.zoo import Llama, LlamaConfig
 
-from .dist_cases import full
+from .dist_cases import full, mean_over_ranks
 
 STEPS = 3
 LR = 1e-2
@@ -112,11 +112,18 @@ def reference(kind: str, data_parallel: int, *, shuffled: bool = False) -> dict[
     }
 
 
-def train(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
-    """Train under the plan; rank 0 returns what `reference` does, every rank its losses."""
+def planned(kind: str, mesh: dict[str, int], policy: str, *, applied: bool = True) -> tuple[Any, fs.Plan]:
+    """The model of ``kind`` and its plan (applied unless ``applied=False``)."""
     model = build(kind)
     plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy, model))
-    fs.apply(plan, model)
+    if applied:
+        fs.apply(plan, model)
+    return model, plan
+
+
+def _train_steps(model: Any, plan: fs.Plan, *, keep_grads: bool) -> dict[str, Any]:
+    """`STEPS` AdamW steps through fs.forward_backward on this rank's data slice of the batches:
+    the global losses, this rank's last loss and (``keep_grads``) the first step's full gradients."""
     optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR)
     step_fn = fs.forward_backward(plan, model, loss_fn)
     index, data_parallel = plan.data_parallel_rank(dist.get_rank())
@@ -125,27 +132,25 @@ def train(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
         mine = tokens[index * BATCH : (index + 1) * BATCH]
         optimizer.zero_grad()
         loss = step_fn(mine[:, :-1], mine[:, 1:])
-        if step == 0:
+        if keep_grads and step == 0:
             grads = {name: full(p.grad) for name, p in model.named_parameters()}
         optimizer.step()
-        global_loss = loss.clone()
-        dist.all_reduce(global_loss)
-        losses.append(global_loss.item() / dist.get_world_size())
-    params = {k: full(v) for k, v in model.state_dict().items()}
-    return {
-        "losses": losses,
-        "rank_loss": loss.item(),
-        "grads": grads if dist.get_rank() == 0 else None,
-        "params": params if dist.get_rank() == 0 else None,
-        "data_parallel": data_parallel,
-    }
+        losses.append(mean_over_ranks(loss).item())
+    return {"losses": losses, "rank_loss": loss.item(), "grads": grads, "data_parallel": data_parallel}
+
+
+def train(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
+    """Train under the plan; rank 0 returns what `reference` does, every rank its losses."""
+    model, plan = planned(kind, mesh, policy)
+    result = _train_steps(model, plan, keep_grads=True)
+    params = {k: full(v) for k, v in model.state_dict().items()}  # full_tensor: every rank takes part
+    first = dist.get_rank() == 0
+    return {**result, "grads": result["grads"] if first else None, "params": params if first else None}
 
 
 def refused(kind: str, mesh: dict[str, int], policy: str, seq: int) -> str:
     """The error a step with ``seq`` tokens raises (the same on every rank)."""
-    model = build(kind)
-    plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy, model))
-    fs.apply(plan, model)
+    model, plan = planned(kind, mesh, policy)
     step_fn = fs.forward_backward(plan, model, loss_fn)
     tokens = torch.randint(0, 128, (BATCH, seq + 1))
     try:
@@ -158,9 +163,7 @@ def refused(kind: str, mesh: dict[str, int], policy: str, seq: int) -> str:
 def measure_comm(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
     """Bytes this rank sends in its third step, and the prediction (the first step builds lazy
     state, the second DDP's rebuilt buckets, whose layout it broadcasts once)."""
-    model = build(kind)
-    plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy, model))
-    fs.apply(plan, model)
+    model, plan = planned(kind, mesh, policy)
     optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR)
     step_fn = fs.forward_backward(plan, model, loss_fn)
     tokens = batches(1)[0][:BATCH]
@@ -216,8 +219,7 @@ def fit(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
 
 def kept_bytes(kind: str, mesh: dict[str, int], policy: str, seq: int) -> dict[str, int]:
     """What this rank's forward keeps for backward (measured), and the trace's figure."""
-    model = build(kind)
-    plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy, model))
+    model, plan = planned(kind, mesh, policy, applied=False)
     trace = fs.trace_activations(model, plan, batch=BATCH, seq=seq, rank=dist.get_rank())
     fs.apply(plan, model)
     tokens = torch.randint(0, 128, (BATCH, seq))
@@ -231,37 +233,20 @@ def kept_bytes(kind: str, mesh: dict[str, int], policy: str, seq: int) -> dict[s
 
 def train_pipelined(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
     """Train a cp × pp plan; every rank returns the global losses and its stages' whole parameters."""
-    model = build(kind)
-    plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy, model))
-    fs.apply(plan, model)
-    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR)
-    step_fn = fs.forward_backward(plan, model, loss_fn)
-    index, data_parallel = plan.data_parallel_rank(dist.get_rank())
-    losses = []
-    for tokens in batches(data_parallel):
-        mine = tokens[index * BATCH : (index + 1) * BATCH]
-        optimizer.zero_grad()
-        loss = step_fn(mine[:, :-1], mine[:, 1:])
-        optimizer.step()
-        global_loss = loss.clone()
-        dist.all_reduce(global_loss)
-        losses.append(global_loss.item() / dist.get_world_size())
-    own = {
-        k: full(v) for k, v in model.state_dict().items() if plan.params.get(k) is None or k in plan.params
+    model, plan = planned(kind, mesh, policy)
+    result = _train_steps(model, plan, keep_grads=False)
+    rank = dist.get_rank()
+    params = {
+        k: full(v)
+        for k, v in model.state_dict().items()
+        if k not in plan.params or rank in plan.ranks_of_stage(plan.stage_of(k))
     }
-    stage = plan.stage_of
-    params = {k: v for k, v in own.items() if k not in plan.params or _mine(plan, stage(k))}
-    return {"losses": losses, "params": params, "data_parallel": data_parallel}
-
-
-def _mine(plan: fs.Plan, stage: int) -> bool:
-    return dist.get_rank() in plan.ranks_of_stage(stage)
+    return {"losses": result["losses"], "params": params, "data_parallel": result["data_parallel"]}
 
 
 def head_memory(kind: str, mesh: dict[str, int], policy: str, seq: int) -> dict[str, int]:
     """The logits' bytes on this rank and what the forward keeps, measured and traced."""
-    model = build(kind)
-    plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy, model))
+    model, plan = planned(kind, mesh, policy, applied=False)
     trace = fs.trace_activations(model, plan, batch=BATCH, seq=seq, rank=dist.get_rank())
     fs.apply(plan, model)
     tokens = torch.randint(0, 128, (BATCH, seq))
@@ -300,8 +285,6 @@ def fabric_loop(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
         optimizer.zero_grad()
         loss = step(mine[:, :-1], mine[:, 1:])
         optimizer.step()
-        total = loss.clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+        losses.append(mean_over_ranks(loss).item())
     params = {k.removeprefix("_forward_module."): full(v) for k, v in module.state_dict().items()}
     return {"losses": losses, "params": params if rank == 0 else None, "data_parallel": data_parallel}

@@ -121,7 +121,7 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.model
         root = _forward_root(module)
-        if self._context_parallel() and not self._pipelined():
+        if self._context_or_loss_parallel() and not self._pipelined():
             _refuse_under_context_parallel(trainer, module)
         if self._pipelined():
             _refuse_under_pipeline(trainer, module, self._pipeline_axis())
@@ -160,7 +160,7 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
     def _pipelined(self) -> bool:
         return self._pipeline_axis() is not None
 
-    def _context_parallel(self) -> bool:
+    def _context_or_loss_parallel(self) -> bool:
         # cp cuts sequences and attends over them; loss parallel runs forward and backward
         # under torch's loss_parallel(): either way fs.forward_backward runs the step
         if self._plan is not None:
@@ -174,7 +174,7 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
 
     def _runs_its_own_backward(self) -> bool:
         # a pipeline's schedule, or fs.forward_backward's step under cp or loss parallel
-        return self._pipelined() or self._context_parallel()
+        return self._pipelined() or self._context_or_loss_parallel()
 
     def pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Run the plan's schedule (or cp's step) on the module's ``loss_fn``: the batch's mean loss.

@@ -206,16 +206,14 @@ def key_value_features(plan: Plan) -> list[int]:
         parent, _, name = module.rpartition(".")
         if leaf != "weight" or tensor.ndim != 2 or path not in plan.params:
             continue
-        if name in _KEY_VALUE:
-            out, share = 0, 1
+        if name in _KEY_VALUE:  # (out, in): the keys or the values, on dim 0
+            out, features = 0, tensor.shape[0]
         elif name in _PACKED_QKV:  # a Conv1D, (in, 3·out): two thirds are k and v
-            out, share = 1, 3
+            out, features = 1, 2 * tensor.shape[1] // 3
         else:
             continue
         split = plan.mesh.axes_size(plan.params[path].compute.dim_axes(2)[out])
-        layers[parent] = (
-            layers.get(parent, 0) + (share - 1 if share > 1 else 1) * tensor.shape[out] // share // split
-        )
+        layers[parent] = layers.get(parent, 0) + features // split
     return list(layers.values())
 
 

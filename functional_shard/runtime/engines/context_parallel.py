@@ -221,15 +221,21 @@ def cut_tensors(shard: SequenceShard, *tensors: torch.Tensor, dim: int = 1) -> t
     Raises:
         ShardingError: a tensor whose ``dim`` is not the sequence's length.
     """
+    return _chunks("context parallel", tensors, shard.positions, shard.seq_len, dim)
+
+
+def _chunks(
+    who: str, tensors: tuple[torch.Tensor, ...], positions: torch.Tensor, seq_len: int, dim: int
+) -> tuple[torch.Tensor, ...]:
+    """``positions`` of each of ``tensors`` along ``dim``, each checked to hold ``seq_len`` there."""
     cut = []
     for index, tensor in enumerate(tensors):
-        length = tensor.shape[dim] if tensor.dim() > dim else None
-        if length != shard.seq_len:
+        if tensor.dim() <= dim or tensor.shape[dim] != seq_len:
             raise ShardingError(
-                f"context parallel: tensor {index} has shape {tuple(tensor.shape)}, but the sequence is "
-                f"{shard.seq_len} tokens along dim {dim}; pass tensors of whole sequences (inputs, targets)"
+                f"{who}: tensor {index} has shape {tuple(tensor.shape)}, but the sequence is {seq_len} "
+                f"tokens along dim {dim}; pass tensors of the same whole sequences (inputs, targets)"
             )
-        cut.append(tensor.index_select(dim, shard.positions.to(tensor.device)))
+        cut.append(tensor.index_select(dim, positions.to(tensor.device)))
     return tuple(cut)
 
 
@@ -275,13 +281,7 @@ def context_chunks(
         ),
         device=tensors[0].device,
     )
-    for index, tensor in enumerate(tensors):
-        if tensor.dim() <= dim or tensor.shape[dim] != seq:
-            raise ShardingError(
-                f"fs.context_chunks: tensor {index} has shape {tuple(tensor.shape)}, but tensor 0 has {seq} "
-                f"tokens along dim {dim}; pass tensors of the same whole sequences"
-            )
-    return (*(tensor.index_select(dim, positions) for tensor in tensors), positions)
+    return (*_chunks("fs.context_chunks", tensors, positions, seq, dim), positions)
 
 
 @contextlib.contextmanager
