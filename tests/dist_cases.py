@@ -370,3 +370,20 @@ def save_crashing(name: str, config: LlamaConfig, path: str) -> None:
 
     FileSystemWriter.write_data = write_then_die
     fs.checkpoint.save(path, model, optimizer)
+
+
+def load_refused(name: str, config: LlamaConfig, path: str) -> dict[str, object] | None:
+    """After a step under a plan, load a checkpoint that cannot load; rank 0 returns every
+    rank's error and the full state before and after (which must be the same)."""
+    model, optimizer, plan = _built(name, config)
+    train_steps(model, optimizer, config, plan, range(1))
+    before = full_state(model, optimizer)
+    error = None
+    try:
+        fs.checkpoint.load(path, model, optimizer)
+    except fs.ShardingError as refused:
+        error = str(refused)
+    errors: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    after = full_state(model, optimizer)
+    return {"errors": errors, "before": before, "after": after} if dist.get_rank() == 0 else None

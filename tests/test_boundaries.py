@@ -23,7 +23,10 @@ ADAPTERS = pathlib.Path(functional_shard.adapters.__file__).parent
 # device_mesh, the one builder of DeviceMeshes (below mesh.py, so Mesh.device_mesh needs
 # no climb to apply), and measure, which only observes the collectives torch issues; the
 # engines apply runs live in engines/, whose checks stay pure
-EFFECTS = {f"runtime/{name}.py" for name in ("apply", "checkpoint", "device_mesh", "launch", "measure")} | {
+# (checkpoint is one door in five rooms: the public functions, the states, the reader, its
+# checks and its safe loaders)
+CHECKPOINT = ("checkpoint", "checkpoint_state", "checkpoint_read", "checkpoint_checks", "checkpoint_safety")
+EFFECTS = {f"runtime/{name}.py" for name in ("apply", *CHECKPOINT, "device_mesh", "launch", "measure")} | {
     f"runtime/engines/{name}.py"
     for name in (
         "activation_checkpointing",

@@ -172,7 +172,9 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
         """Load into the module and optimizers of ``state``, whatever plan saved the checkpoint.
 
         Other values of ``state`` are replaced (or, with ``load_state_dict``, loaded) in place;
-        returns what the checkpoint holds beyond ``state``.
+        returns what the checkpoint holds beyond ``state``. Nothing in the file runs as code
+        unless ``weights_only=False`` (Lightning's ``None`` is torch's safe default), and a
+        checkpoint that is damaged or does not fit is refused before anything changes.
         """
         if not isinstance(state, dict):
             raise fs.ShardingError(
@@ -186,7 +188,8 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
             (module_key, module),
             optimizers,
             strict=strict,
-            weights_only=bool(weights_only),
+            # Lightning's None is torch's safe default; only an explicit False trusts the file
+            trust=weights_only is False,
         )
         for key in [k for k in rest if k in state]:
             value = rest.pop(key)

@@ -303,6 +303,10 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint of any plan (folder or file) into the module and optimizers.
 
+        Nothing in the file runs as code unless ``weights_only=False`` (Lightning's ``None``
+        is torch's safe default), and a checkpoint that is damaged or does not fit is refused
+        before anything changes.
+
         Returns:
             The rest of Lightning's checkpoint (loops, callbacks, epoch).
         """
@@ -314,7 +318,8 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
             ("state_dict", self.model),
             {f"optimizer_{i}": optimizer for i, optimizer in enumerate(optimizers)},
             strict=self.lightning_module.strict_loading,
-            weights_only=bool(weights_only),
+            # Lightning's None is torch's safe default; only an explicit False trusts the file
+            trust=weights_only is False,
         )
 
 

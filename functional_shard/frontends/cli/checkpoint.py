@@ -16,7 +16,8 @@ def run(args: argparse.Namespace, out: Out) -> int:
         0.
 
     Raises:
-        ShardingError: no checkpoint at the source, or one that cannot be converted.
+        ShardingError: no checkpoint at the source, one that is damaged, or one that holds
+            objects only code could rebuild (without ``--trust``).
 
     Examples:
         >>> from functional_shard.frontends.cli import main
@@ -25,5 +26,5 @@ def run(args: argparse.Namespace, out: Out) -> int:
     """
     from functional_shard.runtime.checkpoint import convert
 
-    out.text(f"wrote {convert(args.source, args.target)}")
+    out.text(f"wrote {convert(args.source, args.target, trust=args.trust)}")
     return 0

@@ -120,6 +120,11 @@ def parser() -> argparse.ArgumentParser:
     convert_flags = actions.add_parser("convert", help="sharded folder <-> full file, offline")
     convert_flags.add_argument("source", help="a checkpoint folder (sharded) or file (full)")
     convert_flags.add_argument("target", help="the other form: a .pt file for a folder, a folder for a file")
+    convert_flags.add_argument(
+        "--trust",
+        action="store_true",
+        help="rebuild any object the checkpoint names, running its code: only for a file you trust",
+    )
     return program
 
 

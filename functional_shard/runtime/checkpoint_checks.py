@@ -1,0 +1,227 @@
+"""What a load checks before it writes anything: the files are whole and the tensors fit.
+
+A load that fails half-way would leave a module of mixed weights, so every check runs
+first and every rank hears every rank's verdict: either all of them load, or none
+changes anything. Files are checked against sha256 digests written with them: a folder
+keeps ``manifest.json`` of its files' digests (and ``meta.pt`` says it does, under `MARK`);
+a full file carries the digest of its bytes as its zip archive's comment, which torch.load
+skips. Checkpoints from before digests have neither and load without them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from functional_shard.core.errors import ShardingError
+
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "MARK",
+    "Described",
+    "agreed",
+    "DAMAGED_FIX",
+    "FIT_FIX",
+    "fit_problems",
+    "manifest_problems",
+    "raise_problems",
+    "seal",
+    "seal_problems",
+    "write_manifest",
+]
+
+FORMAT = 2
+MANIFEST = "manifest.json"
+MARK = "functional_shard"  # meta.pt's {"format": ...}: a folder that has a manifest
+DAMAGED_FIX = "Load an intact copy, or save again"
+FIT_FIX = (
+    "Load it under a module of the same parameter paths, shapes and dtypes, or with strict=False "
+    "to skip keys that are missing or extra"
+)
+_SEAL = b"functional_shard-sha256:"
+_END_OF_ZIP = b"PK\x05\x06"  # the signature of a zip archive's last record
+_SHOWN = 5  # offending keys an error names before "and N more"
+
+Described = tuple[tuple[int, ...], torch.dtype]
+
+
+def _distributed(alone: bool = False) -> bool:
+    # ``alone``: one process checks or writes by itself (offline conversion), even where a
+    # process group exists
+    return not alone and dist.is_available() and dist.is_initialized()
+
+
+def agreed(problems: list[str], *, alone: bool = False) -> list[str]:
+    """Every rank's problems, on every rank (in rank order, each once)."""
+    if not _distributed(alone):
+        return problems
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, problems)
+    return list(dict.fromkeys(problem for part in every for problem in part))
+
+
+def every_rank_keys(keys: Iterable[str]) -> set[str]:
+    """The union of every rank's keys (a pipeline rank holds its own stages' only)."""
+    keys = set(keys)
+    if not _distributed():
+        return keys
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sorted(keys))
+    return {key for part in every for key in part}
+
+
+def raise_problems(problems: list[str], header: str, fix: str) -> None:
+    """One `ShardingError` naming the first few problems after ``header``; none: nothing."""
+    if problems:
+        more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
+        raise ShardingError(f"{header}: {'; '.join(problems[:_SHOWN])}{more}. {fix}")
+
+
+def fit_problems(
+    saved: Mapping[str, Described], expected: Mapping[str, Described], *, wanted: set[str], strict: bool
+) -> list[str]:
+    """Keys missing (``strict``), unexpected (wanted by no rank) or of another shape or dtype.
+
+    Examples:
+        >>> module = {"w": ((3, 2), torch.float32)}
+        >>> fit_problems({"w": ((2, 3), torch.float32)}, module, wanted={"w"}, strict=True)
+        ['w: shape [2, 3] float32 in the checkpoint, [3, 2] float32 in the module']
+    """
+    problems = []
+    if strict:
+        problems += [f"{key}: missing from the checkpoint" for key in expected if key not in saved]
+        problems += [f"{key}: in the checkpoint, not in the module" for key in saved if key not in wanted]
+    for key, (shape, dtype) in expected.items():
+        if key in saved and saved[key] != (shape, dtype):
+            problems.append(
+                f"{key}: shape {_show(saved[key])} in the checkpoint, {_show((shape, dtype))} in the module"
+            )
+    return problems
+
+
+def _show(described: Described) -> str:
+    shape, dtype = described
+    return f"{list(shape)} {str(dtype).removeprefix('torch.')}"
+
+
+def described(tensors: Mapping[str, Any]) -> dict[str, Described]:
+    """Each tensor's global shape and dtype (a DTensor's whole shape), by key."""
+    return {k: (tuple(v.shape), v.dtype) for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+
+
+def _hash(path: Path, end: int) -> str:
+    hasher = hashlib.sha256()
+    with open(path, "rb") as stream:
+        left = end
+        while left > 0 and (block := stream.read(min(left, 1 << 20))):
+            hasher.update(block)
+            left -= len(block)
+    return hasher.hexdigest()
+
+
+def seal(path: Path) -> None:
+    """Append a full file's digest to it, as its zip archive's comment (torch.load skips it).
+
+    The digest covers every byte before the comment's length field, so any byte changed,
+    cut or lost after `seal` is found by `seal_problems`.
+    """
+    size = path.stat().st_size
+    comment = _SEAL + _hash(path, size - 2).encode()
+    with open(path, "r+b") as stream:
+        stream.seek(size - 2)
+        stream.write(len(comment).to_bytes(2, "little") + comment)
+
+
+def seal_problems(path: Path) -> list[str]:
+    """What is wrong with a full file's bytes: nothing, or how it differs from when sealed.
+
+    A file torch wrote and nobody sealed (from before digests) has no comment: it passes.
+    """
+    size = path.stat().st_size
+    sealed = len(_SEAL) + 64
+    with open(path, "rb") as stream:
+        stream.seek(max(0, size - sealed - 22))
+        tail = stream.read()
+    if tail.endswith(b"\0\0") and tail[-22:-18] == _END_OF_ZIP:
+        return []  # unsealed: written before digests
+    trailer = tail[-sealed:]
+    if (
+        tail[:4] != _END_OF_ZIP
+        or tail[20:22] != sealed.to_bytes(2, "little")
+        or not trailer.startswith(_SEAL)
+    ):
+        return [f"{path.name}: its end is cut short or changed"]
+    if _hash(path, size - sealed - 2) != trailer[len(_SEAL) :].decode("ascii", "replace"):
+        return [f"{path.name}: its contents changed since it was written (corrupted)"]
+    return []
+
+
+def file_digest(path: Path) -> dict[str, Any]:
+    """A file's size and sha256."""
+    hasher = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            hasher.update(block)
+    return {"bytes": path.stat().st_size, "sha256": hasher.hexdigest()}
+
+
+def _mine(names: list[str], alone: bool) -> list[str]:
+    # each rank digests a share of the files: the work spreads as the writing did
+    if not _distributed(alone):
+        return names
+    return names[dist.get_rank() :: dist.get_world_size()]
+
+
+def write_manifest(folder: Path, *, alone: bool = False) -> None:
+    """Digest every file of a written folder (each rank a share) into its ``manifest.json``."""
+    names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
+    digests = {name: file_digest(folder / name) for name in _mine(names, alone)}
+    if _distributed(alone):
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, digests)
+        digests = {name: d for part in every for name, d in part.items()}
+        if dist.get_rank() != 0:
+            return
+    files = {name: digests[name] for name in names}
+    # compact: every byte of it means something, so a changed byte cannot pass unseen
+    (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": files}, separators=(",", ":")))
+
+
+def _no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"a key repeats in {keys}")
+    return dict(pairs)
+
+
+def manifest_problems(folder: Path, *, alone: bool = False) -> list[str]:
+    """This rank's share of the folder's files that are missing, cut short or changed.
+
+    Changed since `write_manifest`, that is; `agreed` gathers every rank's share.
+    """
+    manifest = folder / MANIFEST
+    try:
+        written = json.loads(manifest.read_text(), object_pairs_hook=_no_repeats)
+        if written["format"] != FORMAT:
+            return [f"{MANIFEST}: format {written['format']!r}, this version reads {FORMAT}"]
+        listed = {str(name): (int(d["bytes"]), str(d["sha256"])) for name, d in written["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as error:
+        return [f"{MANIFEST}: unreadable ({type(error).__name__}: {error})"]
+    problems = []
+    for name in _mine(sorted(listed), alone):
+        size, digest = listed[name]
+        where = folder / name
+        if not where.is_file():
+            problems.append(f"{name}: missing")
+        elif where.stat().st_size != size:
+            problems.append(f"{name}: {where.stat().st_size} bytes, {size} when written (cut short or grown)")
+        elif file_digest(where)["sha256"] != digest:
+            problems.append(f"{name}: its contents changed since it was written (corrupted)")
+    return problems
