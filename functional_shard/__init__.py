@@ -100,6 +100,7 @@ _providers.provide(
     {
         "mesh.device_mesh": ("functional_shard.runtime.device_mesh", "build_device_mesh"),
         "plan.cost": ("functional_shard.costing.cost", "cost"),
+        "plan.unit_gathered": ("functional_shard.costing.cost", "unit_gathered"),
         "plan.visualize": ("functional_shard.frontends.pictures", "visualize"),
         "hardware.local": ("functional_shard.runtime.measure", "local_hardware"),
     }

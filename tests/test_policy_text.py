@@ -137,7 +137,8 @@ def _refused(text: str, model=MODEL) -> str:
         ("foo(dp)", "unknown name 'foo'"),
         (
             "fsdp(dp) + tp(lama, tp)",
-            "in 'tp(lama, tp)': unknown rule set 'lama'; use one of llama, gpt2, gpt2_hf, mlp, hf, auto",
+            "in 'tp(lama, tp)': unknown rule set 'lama'; use one of llama, torchtitan, gpt2, gpt2_hf, mlp, "
+            "hf, auto",
         ),
         ("zero(2.5, dp)", "in '2.5': arguments are bare names, 'strings', integers, true/false"),
         ("zero(4, dp)", "zero(stage=4): stage is 1, 2 or 3"),

@@ -60,7 +60,8 @@ def census_of(plan: Plan, owners: Mapping[str, int]) -> Census:
     """
     tensors, aliases = plan.tensors, plan.aliases
     units = set(plan.config.units)
-    unit_by_module: dict[str, str] = {"": ""}
+    # a module of a group of modules is its group's unit; seeded here, found like a unit
+    unit_by_module: dict[str, str] = {"": "", **plan.config.group_of()}
 
     def unit_of_module(module_path: str) -> str:
         # the innermost unit enclosing a module: its own path, or its parent's unit

@@ -10,7 +10,7 @@ from functional_shard.core.errors import PolicyError
 from functional_shard.core.mesh import Mesh
 from functional_shard.core.tree import ModelTree
 
-from .fsdp_units import fsdp_units, select_modules
+from .fsdp_units import chosen_units, select_modules
 from .plan_config import PlanConfig
 from .policy import Policy
 from .stages import boundary_features, split_stages
@@ -151,6 +151,8 @@ def plan_config(
         owners = {path.rpartition(".")[0] for path in tree.params if experts.selects(path)}
         pipe_config["expert_axis"] = experts.axis
         pipe_config["expert_modules"] = tuple(path for path in tree.modules if path in owners)
+    units = chosen_units(tree, sharding_layer)
+    _refuse_groups_across_stages(units.groups, pipe_config.get("pipeline_stages", ()))
     parallel_loss = [layer for layer in policy.tensor_parallel if layer.loss_parallel]
     if parallel_loss and not any(style == "colwise_gather" for _, style, _ in tp_styles):
         raise PolicyError(
@@ -174,7 +176,9 @@ def plan_config(
         # torchtitan runs it (reshard_after_forward = not pp_enabled): one all-gather a step
         reshard_after_forward=(sharding_layer.reshard_after_forward if sharding_layer else True)
         and "pipeline_axis" not in pipe_config,  # (pipe_config also carries the expert and cp axes)
-        units=fsdp_units(tree, sharding_layer),
+        units=units.units,
+        unit_groups=units.groups,
+        unit_reasons=units.reasons,
         checkpointed=tuple(select_modules(options.checkpoint or (), tree, "checkpointing()")),
         checkpoint_policy=options.checkpoint_policy or "full",
         param_dtype=options.param_dtype,
@@ -184,3 +188,23 @@ def plan_config(
         offload_optimizer=bool(options.offload_optimizer),
         **pipe_config,
     )
+
+
+def _refuse_groups_across_stages(
+    groups: tuple[tuple[str, ...], ...], stages: tuple[tuple[str, ...], ...]
+) -> None:
+    # FSDP gathers a unit on the ranks of one stage: a group whose modules run on
+    # different stages has no ranks to gather it
+    if not stages:
+        return
+    from .stages import stage_finder
+
+    stage_of = stage_finder(stages)
+    for group in groups:
+        held = {member: stage_of(member, module=True) for member in group}
+        if len(set(held.values())) > 1:
+            where = ", ".join(f"{member} on stage {stage}" for member, stage in held.items())
+            raise PolicyError(
+                f"fsdp(units=...): the group {group!r} spans pipeline stages ({where}); FSDP gathers a "
+                "unit on one stage's ranks: group modules of one stage, or let each be its own unit"
+            )

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
 from functional_shard.core.errors import PolicyError
 from functional_shard.core.tree import ModelTree, matches, owner_paths
 
+from .plan_config import group_name
 from .policy import DataParallel, Selector
 
-__all__ = ["fsdp_units", "select_modules"]
+__all__ = ["ChosenUnits", "chosen_units", "fsdp_units", "select_modules"]
 
 
 def select_modules(selectors: Iterable[Selector], tree: ModelTree, what: str) -> list[str]:
@@ -82,11 +86,139 @@ def _size_based_units(tree: ModelTree, min_params: int) -> list[str]:
     return sorted(wrapped, key=order.__getitem__)
 
 
+@dataclass(frozen=True, slots=True)
+class ChosenUnits:
+    """A sharding layer's FSDP units: single modules, groups of modules, and why each."""
+
+    units: tuple[str, ...]
+    """Module paths, the root ``""`` first."""
+    groups: tuple[tuple[str, ...], ...] = ()
+    """Modules that make one unit together, each group in model order."""
+    reasons: tuple[tuple[str, str], ...] = ()
+    """(unit name, why), for every unit and group (`PlanConfig.unit_reasons`)."""
+
+
+# containers whose elements are the model's blocks (torch's auto-wrap skips the containers
+# themselves): every element of a ModuleList or ModuleDict, a Sequential's when they repeat
+_CONTAINERS: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def _repeated_blocks(tree: ModelTree) -> list[tuple[str, str]]:
+    # every element of a ModuleList or ModuleDict (subclasses too), and the elements of a
+    # Sequential whose class repeats and that hold modules of their own: the repeated
+    # blocks, wherever they live (layers, encoder and decoder stacks, vision stages)
+    modules = tree.modules
+    containers = {
+        path: cls for path, cls in modules.items() if cls is not None and issubclass(cls, _CONTAINERS)
+    }
+    if not containers:  # once per module path, so the common case stays one pass
+        return []
+    elements: dict[str, list[tuple[str, type]]] = {}
+    for path, cls in modules.items():
+        parent = path.rpartition(".")[0]
+        if path and parent in containers and cls is not None:
+            elements.setdefault(parent, []).append((path, cls))
+    parents = (
+        {path.rpartition(".")[0] for path in modules}
+        if any(issubclass(cls, nn.Sequential) for cls in containers.values())
+        else set()
+    )
+    chosen = []
+    for parent, kids in elements.items():
+        container = containers[parent]
+        counts = Counter(cls for _, cls in kids)
+        if issubclass(container, nn.Sequential):
+            kids = [(path, cls) for path, cls in kids if counts[cls] > 1 and path in parents]
+            counts = Counter(cls for _, cls in kids)
+        where = f"{parent or 'the root'} ({container.__name__})"
+        chosen += [
+            (path, f"a repeated block: {counts[cls]} × {cls.__name__} in {where}") for path, cls in kids
+        ]
+    order = {path: index for index, path in enumerate(modules)}
+    return sorted(chosen, key=lambda item: order[item[0]])
+
+
+def _selected_units(tree: ModelTree, selectors: tuple[Any, ...]) -> ChosenUnits:
+    picked: dict[str, str] = {}
+    for selector in (selector for selector in selectors if not isinstance(selector, tuple)):
+        shown = (
+            selector.__name__ if isinstance(selector, type) else repr(getattr(selector, "pattern", selector))
+        )
+        for path in select_modules([selector], tree, "fsdp(units=...)"):
+            picked.setdefault(path, f"fsdp(units=...) selects it ({shown})")
+    order = {path: index for index, path in enumerate(tree.modules)}
+    units = sorted(picked.items(), key=lambda item: order[item[0]])
+    groups = []
+    for group in (selector for selector in selectors if isinstance(selector, tuple)):
+        members = []
+        for member in group:
+            found = select_modules([member], tree, "fsdp(units=...)")
+            if not found:
+                raise PolicyError(
+                    f"fsdp(units=...): the group {group!r} names {member!r}, which is no module of "
+                    f"the model; its modules: {_some_modules(tree)}. Name modules by their path "
+                    "(as named_modules() gives them) or class"
+                )
+            members += [path for path in found if path not in members]
+        nested = [(a, b) for a in members for b in members if a != b and b.startswith(f"{a}.")]
+        if nested or "" in members:
+            inner, outer = nested[0][::-1] if nested else ("", "")
+            raise PolicyError(
+                f"fsdp(units=...): the group {group!r} holds {inner!r} inside {outer!r} (or the "
+                "root): a group's modules must not nest; name the outer one alone"
+            )
+        groups.append(tuple(members))
+    grouped = {member for members in groups for member in members}
+    clashes = [path for path, _ in units if path in grouped]
+    if clashes:
+        raise PolicyError(
+            f"fsdp(units=...): {clashes[0]!r} is both a unit of its own and in a group; name each module once"
+        )
+    reasons = [*units, *((group_name(g), f"fsdp(units=...) groups {', '.join(g)}") for g in groups)]
+    return ChosenUnits(tuple(path for path, _ in units), tuple(groups), tuple(reasons))
+
+
+def _some_modules(tree: ModelTree) -> str:
+    shown = [path for path in tree.modules if path and "." not in path][:8]
+    return ", ".join(shown) + (", ..." if len(tree.modules) > len(shown) + 1 else "")
+
+
+def chosen_units(tree: ModelTree, layer: DataParallel | None) -> ChosenUnits:
+    """The FSDP units of the sharding layer ``layer``, and why each is one.
+
+    By the layer's ``min_params`` (torch's size-based policy), its ``units`` selectors
+    (tuples of them: groups), or by default the model's repeated blocks.
+
+    Raises:
+        PolicyError: a group names no module, or nests, or a module is named twice.
+
+    Examples:
+        >>> from functional_shard.core.tree import read_model
+        >>> tree = read_model(nn.Sequential(nn.Linear(2, 2), nn.ModuleDict({"a": nn.Linear(2, 2)})))
+        >>> for unit, why in chosen_units(tree, fs.fsdp("dp").layers[0]).reasons:
+        ...     print(repr(unit), why)
+        '' the root: every parameter no other unit holds
+        '1.a' a repeated block: 1 × Linear in 1 (ModuleDict)
+    """
+    if layer is None or not layer.shards or layer.kind == "zero1":
+        return ChosenUnits(())
+    if layer.min_params is not None:
+        reason = f"size-based: holds {layer.min_params:,} or more parameters no smaller unit holds"
+        paths = tuple(_size_based_units(tree, layer.min_params))
+        found = ChosenUnits(paths, (), tuple((path, reason) for path in paths))
+    elif layer.units is not None:
+        found = _selected_units(tree, layer.units)
+    else:
+        blocks = _repeated_blocks(tree)
+        found = ChosenUnits(tuple(path for path, _ in blocks), (), tuple(blocks))
+    root = ("", "the root: every parameter no other unit holds")
+    return ChosenUnits(("", *found.units), found.groups, (root, *found.reasons))
+
+
 def fsdp_units(tree: ModelTree, layer: DataParallel | None) -> tuple[str, ...]:
     """The FSDP units (module paths, the root ``""`` first) of the sharding layer ``layer``.
 
-    By the layer's ``min_params`` (torch's size-based policy), its ``units`` selectors, or
-    by default every element of an ``nn.ModuleList`` (the transformer blocks).
+    Groups of modules (`chosen_units`) are not among them.
 
     Examples:
         >>> from functional_shard.core.tree import read_model
@@ -94,23 +226,4 @@ def fsdp_units(tree: ModelTree, layer: DataParallel | None) -> tuple[str, ...]:
         >>> fsdp_units(tree, fs.fsdp("dp").layers[0])
         ('', '0', '1')
     """
-    if layer is None or not layer.shards or layer.kind == "zero1":
-        return ()
-    if layer.min_params is not None:
-        units = _size_based_units(tree, layer.min_params)
-    elif layer.units is not None:
-        units = select_modules(layer.units, tree, "fsdp(units=...)")
-    else:
-        modules = tree.modules
-        lists = {path for path, cls in modules.items() if cls is nn.ModuleList}
-        # a unit is a module whose parent is a ModuleList (none: no walk over the paths)
-        units = (
-            [
-                path
-                for path, cls in modules.items()
-                if path and cls is not None and path.rpartition(".")[0] in lists
-            ]
-            if lists
-            else []
-        )
-    return ("", *units)
+    return chosen_units(tree, layer).units

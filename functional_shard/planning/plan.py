@@ -18,7 +18,8 @@ from functional_shard.core.spec import P, ParamSharding
 from functional_shard.core.tree import TensorSpec, owner_paths
 from functional_shard.core.units import format_bytes as _bytes
 
-from .plan_config import Change, PlanConfig
+from .explain_parts import context_parallel_line, units_section
+from .plan_config import Change, PlanConfig, group_name
 from .plan_cost import Cost, OptimizerKind
 
 __all__ = ["Change", "Plan", "PlanConfig"]
@@ -28,9 +29,10 @@ _SPECS = tuple(f.name for f in fields(ParamSharding))  # storage, compute, grad,
 
 
 @functools.lru_cache(maxsize=64)
-def _unit_set(units: tuple[str, ...]) -> frozenset[str]:
-    # Plan.unit_of runs per parameter in the cost model and the search: one set per plan's units
-    return frozenset(units)
+def _unit_set(units: tuple[str, ...], groups: tuple[tuple[str, ...], ...]) -> Mapping[str, str]:
+    # Plan.unit_of runs per parameter in the cost model and the search: one map per plan's
+    # units, module path -> the unit it makes (itself, or its group)
+    return {**{unit: unit for unit in units}, **{m: group_name(g) for g in groups for m in g}}
 
 
 @_pytree.dataclass
@@ -129,13 +131,16 @@ class Plan:
     def unit_of(self, path: str) -> str:
         """The FSDP unit (module path, "" for the root) that gathers this parameter.
 
-        A tied parameter belongs to the innermost unit holding every name it has.
+        A tied parameter belongs to the innermost unit holding every name it has. A module
+        in a group of modules (``fsdp(units=[("norm", "output")])``) is in the group's unit,
+        named by its modules joined with ``+`` (``"norm+output"``).
         """
         canonical = self.canonical(path)
         names = self.aliases.get(canonical, (canonical,))
-        units = _unit_set(self.config.units)
-        for unit in owner_paths(names[0]):
-            if unit in units and all(unit == "" or name.startswith(unit + ".") for name in names):
+        units = _unit_set(self.config.units, self.config.unit_groups)
+        for module in owner_paths(names[0]):
+            unit = units.get(module)
+            if unit is not None and all(module == "" or name.startswith(module + ".") for name in names):
                 return unit
         return ""
 
@@ -293,7 +298,7 @@ class Plan:
             f"{len(c.checkpointed)} checkpointed modules; mixed precision: "
             f"{c.param_dtype or 'off'} (reduce {c.reduce_dtype or 'as params'}); offload: "
             + (", ".join(k for k in ("params", "grads", "optimizer") if getattr(c, f"offload_{k}")) or "off"),
-            *((self._context_parallel_line(),) if c.context_parallel_axis else ()),
+            *((context_parallel_line(c, self.mesh),) if c.context_parallel_axis else ()),
             *(
                 (
                     f"pipeline over {c.pipeline_axis!r}: {len(c.pipeline_stages)} stages, "
@@ -307,6 +312,7 @@ class Plan:
             line.format(*header),
             *(line.format(*row) for row in body),
             "",
+            *self._units_lines(),
             f"at rest: {_bytes(total_global)} in all, {_bytes(total_local)} on the largest device "
             f"(rank {largest})",
         ]
@@ -318,20 +324,12 @@ class Plan:
             )
         return "\n".join(s.rstrip() for s in summary)
 
-    def _context_parallel_line(self) -> str:
-        from functional_shard.core.sequence import chunk_count, sequence_chunks
-
-        c = self.config
-        axis = c.context_parallel_axis
-        assert axis is not None
-        size = self.mesh[axis]
-        chunks = sequence_chunks(size, load_balance=c.context_load_balance)
-        held = "; ".join(f"rank {r}: {', '.join(map(str, held))}" for r, held in enumerate(chunks))
-        return (
-            f"context parallel over {axis!r}: activations split on the sequence dim into "
-            f"{chunk_count(size, load_balance=c.context_load_balance)} chunks "
-            f"({'load-balanced' if c.context_load_balance else 'in order'}; {axis} {held})"
-        )
+    def _units_lines(self) -> list[str]:
+        if not self.config.unit_names:
+            return []
+        # what each unit gathers is the cost model's (a layer above): the façade wires it in
+        lines = units_section(self.config, provider("plan.unit_gathered")(self))
+        return [*lines, ""]
 
     def __str__(self) -> str:
         return self.explain()
@@ -437,7 +435,8 @@ class Plan:
         changes = []
         if self.mesh != other.mesh:
             changes.append(Change("<plan>", "mesh", self.mesh, other.mesh))
-        for f in fields(self.config):
+        # why a unit is one says nothing the units do not: not a difference of its own
+        for f in (f for f in fields(self.config) if f.name != "unit_reasons"):
             if getattr(self.config, f.name) != getattr(other.config, f.name):
                 changes.append(
                     Change("<plan>", f.name, getattr(self.config, f.name), getattr(other.config, f.name))

@@ -6,7 +6,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["Change", "PlanConfig"]
+__all__ = ["Change", "PlanConfig", "group_name"]
+
+
+def group_name(members: tuple[str, ...]) -> str:
+    """The name of an FSDP unit of several modules: their paths joined with ``+``.
+
+    Examples:
+        >>> group_name(("norm", "output"))
+        'norm+output'
+    """
+    return "+".join(members)
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +34,11 @@ class PlanConfig:
     reshard_after_forward: bool = True
     units: tuple[str, ...] = ()
     """FSDP units as module paths ("" is the root), outermost first."""
+    unit_groups: tuple[tuple[str, ...], ...] = ()
+    """FSDP units of several modules each (``fsdp(units=[("norm", "output")])``): their module
+    paths. A group is named by its paths joined with ``+`` (`group_name`)."""
+    unit_reasons: tuple[tuple[str, str], ...] = ()
+    """(unit name, why it is a unit) for each FSDP unit, groups and the root included."""
     checkpointed: tuple[str, ...] = ()
     """Module paths whose activations are recomputed in backward."""
     checkpoint_policy: str = "full"
@@ -64,6 +79,15 @@ class PlanConfig:
     def batch_axes(self) -> tuple[str, ...]:
         """The data axes that split the batch: all but the context-parallel axis, which splits sequences."""
         return tuple(axis for axis in self.data_axes if axis != self.context_parallel_axis)
+
+    @property
+    def unit_names(self) -> tuple[str, ...]:
+        """Every FSDP unit: the module paths of `units`, then each group's `group_name`."""
+        return self.units + tuple(group_name(group) for group in self.unit_groups)
+
+    def group_of(self) -> dict[str, str]:
+        """Module path of a grouped module -> its group's name (empty without groups)."""
+        return {member: group_name(group) for group in self.unit_groups for member in group}
 
     @property
     def tensor_parallel_experts(self) -> tuple[str, ...]:

@@ -136,6 +136,7 @@ def _config_problems(config: Any, mesh: Mesh | None, paths: set[str], params: se
     named_modules = [(key, module) for key in _CONFIG_MODULES for module in config.get(key, [])]
     named_modules += [("tp_styles", entry[0]) for entry in config.get("tp_styles", [])]
     named_modules += [("pipeline_stages", m) for stage in config.get("pipeline_stages", []) for m in stage]
+    named_modules += [("unit_groups", m) for group in config.get("unit_groups", []) for m in group]
     found += [
         f"config.{key}: {module!r} is no module of the plan's tensors"
         for key, module in named_modules

@@ -40,11 +40,15 @@ __all__ = [
     "Pipeline",
     "Policy",
     "TensorParallel",
+    "UnitSelector",
 ]
 
 LayerFn: TypeAlias = Callable[[str, TensorSpec, Mesh], ParamSharding | None]
 Selector: TypeAlias = type | Pattern
 """A module class (instances and subclasses match) or a module-path pattern."""
+UnitSelector: TypeAlias = Selector | tuple[Selector, ...]
+"""An FSDP unit: modules a selector picks (one unit each), or a tuple of selectors whose
+modules together make one unit (``("norm", "output")``)."""
 
 
 class ParamProblemError(Exception):
@@ -65,7 +69,7 @@ class DataParallel:
     replicate_axes: tuple[str, ...] | None = ()
     """``None`` (``replicate()`` with no axis): every axis that no other layer claims."""
     reshard_after_forward: bool = True
-    units: tuple[Selector, ...] | None = None
+    units: tuple[UnitSelector, ...] | None = None
     min_params: int | None = None
 
     @property

@@ -25,6 +25,7 @@ from .policy import (
     Policy,
     Selector,
     TensorParallel,
+    UnitSelector,
 )
 from .rules import Rules, deferred
 
@@ -99,17 +100,26 @@ def zero(stage: Literal[1, 2, 3], axis: str = "dp") -> Policy:
     return Policy((DataParallel(kind, (axis,), (), reshard_after_forward=stage != 2),))
 
 
+def _is_selector(value: Any) -> bool:
+    return isinstance(value, str | type) or hasattr(value, "fullmatch")
+
+
 def _check_units(
-    units: Iterable[Selector] | Selector | None, min_params: int | None
-) -> tuple[Selector, ...] | None:
+    units: Iterable[Any] | Selector | None, min_params: int | None, *, groups: bool = True
+) -> tuple[Any, ...] | None:
     if min_params is not None and (not isinstance(min_params, int) or min_params < 1):
         raise PolicyError(f"min_params={min_params!r}: a positive number of parameters")
     if units is None:
         return None
     units = (units,) if isinstance(units, str | type | re.Pattern) else tuple(units)
     for unit in units:
-        if not (isinstance(unit, str | type) or hasattr(unit, "fullmatch")):
-            raise PolicyError(f"FSDP unit {unit!r}: a module class or a module-path pattern")
+        if groups and isinstance(unit, tuple) and unit and all(_is_selector(member) for member in unit):
+            continue  # a group: its modules make one unit
+        if not _is_selector(unit):
+            kinds = "a module class, a module-path pattern, or a tuple of them (one unit of several modules)"
+            raise PolicyError(
+                f"FSDP unit {unit!r}: {kinds if groups else 'a module class or a module-path pattern'}"
+            )
     return units
 
 
@@ -117,7 +127,7 @@ def fsdp(
     axis: str | Iterable[str] = "dp",
     *,
     reshard_after_forward: bool = True,
-    units: Iterable[Selector] | Selector | None = None,
+    units: Iterable[UnitSelector] | Selector | None = None,
     min_params: int | None = None,
 ) -> Policy:
     """Fully sharded data parallel (ZeRO-3) with torch's FSDP2 over ``axis``.
@@ -128,8 +138,10 @@ def fsdp(
             again in backward (``False`` is ZeRO-2). The root unit never reshards after
             forward, as FSDP2 does.
         units: which modules are sharded as one unit (one all-gather each): module
-            classes or module-path patterns. By default every element of an
-            ``nn.ModuleList`` (the transformer blocks), plus the root.
+            classes or module-path patterns, each module they pick a unit; or a tuple of
+            them, whose modules make one unit together (``("norm", "output")``). By
+            default the model's repeated blocks (every element of an ``nn.ModuleList`` or
+            ``nn.ModuleDict``, the alike blocks of an ``nn.Sequential``), plus the root.
         min_params: instead, make a unit of every module whose not-yet-wrapped parameters
             reach this count (FairScale's ``min_num_params``, Lightning's size policy).
 
@@ -160,7 +172,7 @@ def hsdp(
     shard_axis: str,
     *,
     reshard_after_forward: bool = True,
-    units: Iterable[Selector] | Selector | None = None,
+    units: Iterable[UnitSelector] | Selector | None = None,
     min_params: int | None = None,
 ) -> Policy:
     """Hybrid sharding: FSDP2 within ``shard_axis``, replicas across ``replicate_axis``.
@@ -383,4 +395,6 @@ def checkpointing(*modules: Selector, policy: str = "full") -> Policy:
         raise PolicyError(
             f"checkpointing(policy={policy!r}): unknown policy; choose one of {list(CHECKPOINT_POLICIES)}"
         )
-    return Policy(options=Options(checkpoint=_check_units(modules, None), checkpoint_policy=policy))
+    return Policy(
+        options=Options(checkpoint=_check_units(modules, None, groups=False), checkpoint_policy=policy)
+    )

@@ -18,7 +18,7 @@ from .rules import DEFERRED
 
 __all__ = ["OFFLOAD_PARTS", "RULE_SETS", "format_policy"]
 
-RULE_SETS = ("llama", "gpt2", "gpt2_hf", "mlp")
+RULE_SETS = ("llama", "torchtitan", "gpt2", "gpt2_hf", "mlp")
 """The named rule sets of `functional_shard.planning.rules` that text can name."""
 OFFLOAD_PARTS = ("params", "grads", "optimizer")
 """What ``offload(...)`` can keep in host memory."""
@@ -35,6 +35,8 @@ def _format_name(name: str) -> str:
 
 
 def _format_selector(selector: Any) -> str:
+    if isinstance(selector, tuple):  # a group of modules: one unit
+        return "(" + ", ".join(_format_selector(member) for member in selector) + ",)"
     if isinstance(selector, type):
         return selector.__name__
     if isinstance(selector, str):

@@ -60,7 +60,7 @@ FORMS = (
     "offload, bf16, fp16, mixed_precision(DTYPE), "
     "pipeline(AXIS, microbatches=N, schedule=NAME, stages_per_rank=N, split=((PATH, ...), ...)), "
     "none, joined by +; "
-    "RULES: llama, gpt2, gpt2_hf, mlp, hf, auto"
+    "RULES: llama, torchtitan, gpt2, gpt2_hf, mlp, hf, auto"
 )
 """The accepted forms, as every parse error lists them."""
 
@@ -226,7 +226,13 @@ def _data_parallel_options(call: _Call, resolver: _Resolver) -> dict[str, Any]:
     if "units" in call.kwargs:
         units = call.kwargs["units"]
         units = units if isinstance(units, tuple) else (units,)
-        options["units"] = tuple(resolver.selector(u, call.node, "FSDP unit") for u in units)
+        # a tuple inside the tuple is a group: its modules make one unit
+        options["units"] = tuple(
+            tuple(resolver.selector(m, call.node, "FSDP unit group member") for m in u)
+            if isinstance(u, tuple)
+            else resolver.selector(u, call.node, "FSDP unit")
+            for u in units
+        )
     return options
 
 

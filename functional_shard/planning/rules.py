@@ -249,8 +249,9 @@ def _misfit(rules: Rules, paths: list[str]) -> str | None:
 def for_model(model: object) -> Rules:
     """HF rules for a transformers model with a plan, else the named set that fits its layers.
 
-    A named set (`gpt2_hf` for Hugging Face models, then `llama`, `gpt2`, `mlp`, in that
-    order) fits when each of its splitting rules covers some parameter of the model.
+    A named set (`gpt2_hf` for Hugging Face models, then `llama`, `torchtitan` for other
+    models, `gpt2`, `mlp`, in that order) fits when each of its splitting rules covers
+    some parameter of the model.
 
     Args:
         model: the module to split.
@@ -282,7 +283,7 @@ def for_model(model: object) -> Rules:
         tried.append("hf: not a transformers PreTrainedModel")
     paths = [path for path, _ in model.named_parameters(remove_duplicate=False)]
     # gpt2_hf relies on Hugging Face's attention (its split_size), so only HF models get it
-    for named in (gpt2_hf, llama, gpt2, mlp) if hf.is_hf_model(model) else (llama, gpt2, mlp):
+    for named in (gpt2_hf, llama, gpt2, mlp) if hf.is_hf_model(model) else (llama, torchtitan, gpt2, mlp):
         why = _misfit(named, paths)
         if why is None:
             return named
@@ -349,6 +350,26 @@ gpt2_hf = Rules(
 has no tensor-parallel plan in transformers: ``c_attn`` packs q, k and v in its output, so
 it is ``packed_colwise`` (each rank holds its heads of each), the attention's ``c_proj``
 rowwise; the MLP and the embeddings split as in `gpt2`. `for_model` picks it for HF GPT-2."""
+
+torchtitan = Rules(
+    [
+        ("*.attention.wq", "colwise"),
+        ("*.attention.wk", "colwise"),
+        ("*.attention.wv", "colwise"),
+        ("*.attention.wo", "rowwise"),
+        ("*.feed_forward.w1", "colwise"),
+        ("*.feed_forward.w3", "colwise"),
+        ("*.feed_forward.w2", "rowwise"),
+        ("tok_embeddings", "rowwise"),
+        ("output", "colwise_gather"),
+        ("*norm", "sequence"),
+    ],
+    name="torchtitan",
+)
+"""torchtitan's Llama naming (``attention.wq/wk/wv/wo``, ``feed_forward.w1/w2/w3``,
+``tok_embeddings``, ``output``), split as `llama` splits Hugging Face's names. The
+attention must find its local head count from the split projections, as torchtitan's does
+(``view(batch, seq, -1, head_dim)``)."""
 
 mlp = Rules([("*fc1", "colwise"), ("*fc2", "rowwise")], name="mlp")
 """A two-layer MLP (``fc1`` → activation → ``fc2``) split Megatron-style."""

@@ -49,6 +49,8 @@ def stage_plan(plan: Plan, stages: Iterable[int]) -> Plan:
     local_config = dataclasses.replace(
         config,
         units=tuple(unit for unit in config.units if unit == "" or runs(unit)),
+        # a group's modules run on one stage (the planner refuses others)
+        unit_groups=tuple(group for group in config.unit_groups if runs(group[0])),
         tp_styles=tuple(entry for entry in config.tp_styles if runs(entry[0])),
         expert_modules=tuple(module for module in config.expert_modules if runs(module)),
         checkpointed=tuple(module for module in config.checkpointed if runs(module)),

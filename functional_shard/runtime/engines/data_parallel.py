@@ -60,9 +60,16 @@ def apply_data_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh, 
     whole |= shard_experts(plan, module, device_mesh, options)
     if whole:
         options["ignored_params"] = whole
-    # bottom-up, as fully_shard requires: a unit takes the parameters no inner unit took
-    for unit in sorted((u for u in config.units if u), key=lambda u: -u.count(".")):
-        fully_shard(module.get_submodule(unit), reshard_after_forward=config.reshard_after_forward, **options)
+    # bottom-up, as fully_shard requires: a unit takes the parameters no inner unit took; a
+    # group of modules is one unit (fully_shard of their list), as deep as its shallowest
+    units = [(unit,) for unit in config.units if unit] + list(config.unit_groups)
+    for members in sorted(units, key=lambda paths: -min(path.count(".") for path in paths)):
+        chosen = [module.get_submodule(path) for path in members]
+        fully_shard(
+            chosen[0] if len(chosen) == 1 else chosen,
+            reshard_after_forward=config.reshard_after_forward,
+            **options,
+        )
     # the root: left to FSDP2's default it stays gathered from forward to backward (an
     # explicit True would make it reshard); ZeRO-2 says False everywhere
     fully_shard(

@@ -1,0 +1,146 @@
+"""Models the library has no rules for, shaped as other codebases write them.
+
+A torchtitan-shaped Llama 3 (blocks in an ``nn.ModuleDict``; ``wq``/``wk``/``wv``/``wo`` and
+``w1``/``w2``/``w3``), a DeepSeek-shaped mixture of experts (dense then MoE blocks, grouped
+expert tensors, a shared expert), and a timm-shaped vision transformer (blocks in an
+``nn.Sequential``). Importable, so spawned gloo ranks can build them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TitanConfig:
+    vocab: int = 64
+    dim: int = 32
+    hidden: int = 48
+    layers: int = 2
+    heads: int = 4
+
+
+class Attention(nn.Module):
+    def __init__(self, config: TitanConfig) -> None:
+        super().__init__()
+        self.head_dim = config.dim // config.heads
+        self.wq = nn.Linear(config.dim, config.dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.dim, bias=False)
+        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+
+        # the local head count follows from the projections (fewer under tensor parallel)
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(
+            heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x)), is_causal=True
+        )
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: TitanConfig) -> None:
+        super().__init__()
+        self.attention = Attention(config)
+        self.feed_forward = FeedForward(config.dim, config.hidden)
+        self.attention_norm = nn.RMSNorm(config.dim)
+        self.ffn_norm = nn.RMSNorm(config.dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class TitanLlama(nn.Module):
+    """torchtitan's Llama 3 layout: ``layers`` is an ``nn.ModuleDict`` keyed "0", "1", ..."""
+
+    def __init__(self, config: TitanConfig) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(config.vocab, config.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.layers)})
+        self.norm = nn.RMSNorm(config.dim)
+        self.output = nn.Linear(config.dim, config.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+class Experts(nn.Module):
+    """Grouped expert weights, one tensor per projection (DeepSeek V3 / torchtitan's MoE)."""
+
+    def __init__(self, experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(experts, hidden, dim) * 0.02)
+        self.w2 = nn.Parameter(torch.randn(experts, dim, hidden) * 0.02)
+        self.w3 = nn.Parameter(torch.randn(experts, hidden, dim) * 0.02)
+
+
+class MoE(nn.Module):
+    def __init__(self, config: TitanConfig, experts: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(config.dim, experts, bias=False)
+        self.experts = Experts(experts, config.dim, config.hidden)
+        self.shared_experts = FeedForward(config.dim, config.hidden)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, config: TitanConfig, moe: bool) -> None:
+        super().__init__()
+        self.attention = Attention(config)
+        self.attention_norm = nn.RMSNorm(config.dim)
+        self.ffn_norm = nn.RMSNorm(config.dim)
+        self.moe = MoE(config) if moe else None
+        self.feed_forward = None if moe else FeedForward(config.dim, config.hidden)
+
+
+class DeepSeekMoE(nn.Module):
+    """DeepSeek's layout: the first blocks dense, the rest mixtures of experts, in a ModuleDict."""
+
+    def __init__(self, config: TitanConfig, dense: int = 1, moe: int = 2) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(config.vocab, config.dim)
+        self.layers = nn.ModuleDict({str(i): MoEBlock(config, moe=i >= dense) for i in range(dense + moe)})
+        self.norm = nn.RMSNorm(config.dim)
+        self.output = nn.Linear(config.dim, config.vocab, bias=False)
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+
+class SequentialViT(nn.Module):
+    """timm's layout: ``blocks`` is an ``nn.Sequential`` of blocks."""
+
+    def __init__(self, dim: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        self.patch_embed = nn.Conv2d(3, dim, kernel_size=4, stride=4)
+        self.blocks = nn.Sequential(*[VisionBlock(dim) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, 10)
