@@ -1,17 +1,22 @@
 """Checkpoints that move between plans: sharded (a folder, one file per rank) or full (one file).
 
-With `apply` and `launch`, the only door to process groups (in five rooms: this one, the
-states of `checkpoint_state`, the reader of `checkpoint_read`, its `checkpoint_checks` and
-the safe loaders of `checkpoint_safety`). Sharded checkpoints use torch's distributed
-checkpoint, which reshards on load, so a checkpoint saved under one plan loads under any
-other (FSDP×4 → FSDP×2·TP×2 → ZeRO-1 → one process). Every save writes aside and renames:
-a crash in the middle leaves the previous checkpoint whole; and seals what it wrote with
-sha256 digests. Every load reads data, never code, and checks everything before it
-writes anything: a load that fails changes nothing.
+With `apply` and `launch`, the only door to process groups (in six rooms: this one, the
+states of `checkpoint_state`, the reader of `checkpoint_read`, its `checkpoint_checks`, the
+safe loaders of `checkpoint_safety` and the Hugging Face export of `export_hf`). Sharded
+checkpoints use torch's distributed checkpoint, which reshards on load, so a checkpoint
+saved under one plan loads under any other (FSDP×4 → FSDP×2·TP×2 → ZeRO-1 → one
+process). Every save writes aside and renames: a crash in the middle leaves the previous
+checkpoint whole; and seals what it wrote with sha256 digests. Every load reads data,
+never code, and checks everything before it writes anything: a load that fails changes
+nothing.
 
 Optimizer state is keyed by parameter path under every plan. ZeRO-1 optimizers
 (``ZeroRedundancyOptimizer``) keep whole tensors on their owner rank; each owner writes its
 own, so their checkpoints are as sharded as the state is.
+
+`export_hf` (every rank of a run) and `convert_to_hf` (offline, from any checkpoint) write
+a Hugging Face folder instead: config.json and safetensors shards, spread over the ranks
+(`export_hf` module).
 
 `save` / `load` / `convert` are the user's functions; `model_state`, `optimizer_state`,
 `set_model_state`, `set_optimizer_state`, `write` and `read` are the pieces they are made of,
@@ -21,8 +26,6 @@ for framework adapters that assemble their own checkpoints (Lightning's Trainer,
 from __future__ import annotations
 
 import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +36,7 @@ from torch import nn
 
 from functional_shard.core.errors import ShardingError
 
-from .checkpoint_checks import FORMAT, MARK, seal, write_manifest
+from .checkpoint_checks import FORMAT, MARK, aside, put_in_place, seal, write_manifest
 from .checkpoint_read import META, checked_file, checked_folder, optimizers_by_key, read, refusals_raised
 from .checkpoint_safety import SafeReader, empty_state_planner, plain_problems
 from .checkpoint_state import (
@@ -43,9 +46,13 @@ from .checkpoint_state import (
     set_model_state,
     set_optimizer_state,
 )
+from .export_hf import HfConversion, convert_to_hf, export_hf
 
 __all__ = [
+    "HfConversion",
     "convert",
+    "convert_to_hf",
+    "export_hf",
     "load",
     "model_state",
     "optimizer_state",
@@ -57,25 +64,6 @@ __all__ = [
 ]
 
 
-def _shared_name(path: Path) -> Path:
-    # every rank must write to the same temporary folder: rank 0 picks, all hear it
-    names = [f"{path.name}.tmp-{uuid.uuid4().hex[:8]}"] if dist.get_rank() == 0 else [None]
-    dist.broadcast_object_list(names, src=0)
-    return path.with_name(str(names[0]))
-
-
-def _replace(temporary: Path, path: Path) -> None:
-    # the old checkpoint is moved away only once the new one is complete
-    old = path.with_name(path.name + ".old")
-    if path.exists():
-        os.replace(path, old)
-    os.replace(temporary, path)
-    if old.is_dir():
-        shutil.rmtree(old)
-    elif old.exists():
-        old.unlink()
-
-
 def write(path: str | os.PathLike[str], state: dict[str, Any], *, full: bool, meta: dict[str, Any]) -> Path:
     """Write states from `model_state` / `optimizer_state` on every rank, aside then renamed.
 
@@ -84,7 +72,7 @@ def write(path: str | os.PathLike[str], state: dict[str, Any], *, full: bool, me
     written by rank 0 (whose states are whole) and sealed with the digest of its bytes.
     """
     path = Path(path)
-    temporary = _shared_name(path)
+    temporary = aside(path)
     if full:
         if dist.get_rank() == 0:
             _save_sealed({**state, **meta}, temporary)
@@ -96,7 +84,7 @@ def write(path: str | os.PathLike[str], state: dict[str, Any], *, full: bool, me
         write_manifest(temporary)
     dist.barrier()
     if dist.get_rank() == 0:
-        _replace(temporary, path)
+        put_in_place(temporary, path)
     dist.barrier()
     return path
 
@@ -205,7 +193,7 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], *, t
     source, target = Path(source), Path(target)
     if not source.exists():
         raise ShardingError(f"no checkpoint at {source}")
-    temporary = target.with_name(f"{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+    temporary = aside(target, alone=True)
     if source.is_dir():
         meta = checked_folder(source, trust=trust, alone=True)
         reader = SafeReader(source, trust=trust)
@@ -229,5 +217,5 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], *, t
         dcp.save(tensors, checkpoint_id=temporary, no_dist=True)
         torch.save({**saved, MARK: {"format": FORMAT}}, temporary / META)
         write_manifest(temporary, alone=True)
-    _replace(temporary, target)
+    put_in_place(temporary, target)
     return target

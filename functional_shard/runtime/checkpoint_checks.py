@@ -6,12 +6,18 @@ changes anything. Files are checked against sha256 digests written with them: a 
 keeps ``manifest.json`` of its files' digests (and ``meta.pt`` says it does, under `MARK`);
 a full file carries the digest of its bytes as its zip archive's comment, which torch.load
 skips. Checkpoints from before digests have neither and load without them.
+
+The write side keeps the same promise: every save writes aside (`aside`) and renames once
+complete (`put_in_place`), so a crash never leaves a half-written checkpoint in place.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,10 +33,13 @@ __all__ = [
     "MARK",
     "Described",
     "agreed",
+    "aside",
+    "every_rank",
     "DAMAGED_FIX",
     "FIT_FIX",
     "fit_problems",
     "manifest_problems",
+    "put_in_place",
     "raise_problems",
     "seal",
     "seal_problems",
@@ -58,23 +67,46 @@ def _distributed(alone: bool = False) -> bool:
     return not alone and dist.is_available() and dist.is_initialized()
 
 
+def every_rank(value: Any, *, alone: bool = False) -> list[Any]:
+    """Every rank's ``value``, on every rank, by rank (just this one's without a process group)."""
+    if not _distributed(alone):
+        return [value]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return every
+
+
 def agreed(problems: list[str], *, alone: bool = False) -> list[str]:
     """Every rank's problems, on every rank (in rank order, each once)."""
-    if not _distributed(alone):
-        return problems
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, problems)
-    return list(dict.fromkeys(problem for part in every for problem in part))
+    return list(dict.fromkeys(problem for part in every_rank(problems, alone=alone) for problem in part))
+
+
+def aside(path: Path, *, alone: bool = False) -> Path:
+    """A temporary name beside ``path`` to write into: the same on every rank (rank 0 picks)."""
+    names: list[str | None] = [f"{path.name}.tmp-{uuid.uuid4().hex[:8]}"]
+    if _distributed(alone):
+        if dist.get_rank() != 0:
+            names = [None]
+        dist.broadcast_object_list(names, src=0)
+    return path.with_name(str(names[0]))
+
+
+def put_in_place(temporary: Path, path: Path) -> None:
+    """Rename what was written aside to ``path``, once it is complete (one process calls it)."""
+    # the old one is moved away only now: until here a crash leaves it whole
+    old = path.with_name(path.name + ".old")
+    if path.exists():
+        os.replace(path, old)
+    os.replace(temporary, path)
+    if old.is_dir():
+        shutil.rmtree(old)
+    elif old.exists():
+        old.unlink()
 
 
 def every_rank_keys(keys: Iterable[str]) -> set[str]:
     """The union of every rank's keys (a pipeline rank holds its own stages' only)."""
-    keys = set(keys)
-    if not _distributed():
-        return keys
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, sorted(keys))
-    return {key for part in every for key in part}
+    return {key for part in every_rank(sorted(keys)) for key in part}
 
 
 def raise_problems(problems: list[str], header: str, fix: str) -> None:

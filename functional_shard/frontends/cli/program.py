@@ -117,9 +117,29 @@ def parser() -> argparse.ArgumentParser:
     demo_flags.add_argument("--steps", type=int, default=5, help="AdamW steps, 3 or more (default: 5)")
     checkpoint_flags = commands.add_parser("checkpoint", help="checkpoint tools")
     actions = checkpoint_flags.add_subparsers(dest="action", required=True, parser_class=_Parser)
-    convert_flags = actions.add_parser("convert", help="sharded folder <-> full file, offline")
+    convert_flags = actions.add_parser(
+        "convert",
+        help="sharded folder <-> full file, or to a Hugging Face folder, offline",
+        description="Convert a checkpoint of any plan offline: a sharded folder to one full file or back "
+        "(--to other), or to a Hugging Face folder that from_pretrained loads (--to hf).",
+    )
     convert_flags.add_argument("source", help="a checkpoint folder (sharded) or file (full)")
-    convert_flags.add_argument("target", help="the other form: a .pt file for a folder, a folder for a file")
+    convert_flags.add_argument(
+        "target",
+        help="--to other: a .pt file for a folder, a folder for a file; --to hf: the folder to write",
+    )
+    convert_flags.add_argument(
+        "--to",
+        choices=["other", "hf"],
+        default="other",
+        help="other: the other form of checkpoint; hf: config.json and safetensors (default: other)",
+    )
+    convert_flags.add_argument("--config", help="with --to hf: the model's config.json (or its folder)")
+    convert_flags.add_argument(
+        "--prefix",
+        help="with --to hf: what to strip from the checkpoint's keys, such as a LightningModule's "
+        "'model.' (default: found from the config's tensors)",
+    )
     convert_flags.add_argument(
         "--trust",
         action="store_true",
