@@ -31,6 +31,8 @@ _CONFIG_TYPES = typing.get_type_hints(PlanConfig)
 _CONFIG_AXES = ("replicate_axes", "shard_axes", "tensor_parallel_axes")
 _CONFIG_AXIS = ("pipeline_axis", "expert_axis", "context_parallel_axis")
 _CONFIG_MODULES = ("units", "checkpointed", "expert_modules")
+_DATA_PARALLEL = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
+_LAYOUTS = ("linear", "embedding", "conv1d", "experts", "other")  # styles.layout_of's
 
 
 def _is(value: Any, kind: Any) -> bool:
@@ -62,6 +64,9 @@ def _mesh_problems(data: Any) -> tuple[Mesh | None, list[str]]:
         for pair in axes
     ):
         return None, ['mesh: "axes" must be a list of [name, size] pairs, e.g. [["dp", 8]]']
+    unresolved = [f"{name}={size}" for name, size in axes if size < 1]
+    if unresolved:  # a plan is made on a resolved mesh: every size is known
+        return None, [f"mesh: every axis size is a positive count in a plan, not {', '.join(unresolved)}"]
     try:
         return Mesh({name: size for name, size in axes}), []
     except ShardingError as error:
@@ -81,11 +86,11 @@ def _spec_problems(where: str, data: Any, shape: tuple[int, ...], mesh: Mesh | N
         if mesh is None:
             return []
         staged = [spec.on[0]] if spec.on is not None else []
-        unknown = [axis for axis in (*spec.axes, *staged) if axis not in mesh]
+        unknown = [axis for axis in (*spec.axes, *staged) if not isinstance(axis, str) or axis not in mesh]
         if unknown:
             return [f"{where}: axis {unknown[0]!r} is not an axis of {mesh!r}"]
         return [f"{where}: {problem}" for problem in spec.problems(shape, mesh)]
-    if mesh is not None and spec.axis not in mesh:  # Owned
+    if mesh is not None and (not isinstance(spec.axis, str) or spec.axis not in mesh):  # Owned
         return [f"{where}: axis {spec.axis!r} is not an axis of {mesh!r}"]
     return []
 
@@ -127,6 +132,7 @@ def _config_problems(config: Any, mesh: Mesh | None, paths: set[str], params: se
             found.append(f"config.{key}: {value!r} is not a {_CONFIG_TYPES[key]}".replace("typing.", ""))
     if found:
         return found
+    found += _config_value_problems(config)
     if mesh is not None:
         named = [axis for key in _CONFIG_AXES for axis in config.get(key, [])]
         named += [config[key] for key in _CONFIG_AXIS if config.get(key) is not None]
@@ -143,6 +149,31 @@ def _config_problems(config: Any, mesh: Mesh | None, paths: set[str], params: se
         if module not in modules
     ]
     return found + _pipeline_problems(config, mesh, params)
+
+
+def _config_value_problems(config: Mapping[str, Any]) -> list[str]:
+    # the config's names the plan's readers look up: each must name what exists
+    from .policy_builders import CHECKPOINT_POLICIES
+    from .styles import STYLES
+
+    found = []
+    kind = config.get("data_parallel", "none")
+    if kind not in _DATA_PARALLEL:
+        found.append(f"config.data_parallel: {kind!r} is not one of {list(_DATA_PARALLEL)}")
+    policy = config.get("checkpoint_policy", "full")
+    if policy not in CHECKPOINT_POLICIES:
+        found.append(f"config.checkpoint_policy: {policy!r} is not one of {list(CHECKPOINT_POLICIES)}")
+    for key in ("param_dtype", "reduce_dtype"):
+        name = config.get(key)
+        if name is not None and not isinstance(getattr(torch, name, None), torch.dtype):
+            found.append(f"config.{key}: {name!r} is not a torch dtype (e.g. 'bfloat16')")
+    for module, style, layout in config.get("tp_styles", []):
+        if style not in STYLES or layout not in _LAYOUTS:
+            found.append(
+                f"config.tp_styles: {module!r} has style {style!r} and layout {layout!r}; "
+                f"styles are {list(STYLES)}, layouts {list(_LAYOUTS)}"
+            )
+    return found
 
 
 def _pipeline_problems(config: Mapping[str, Any], mesh: Mesh | None, paths: set[str]) -> list[str]:
