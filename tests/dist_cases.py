@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable
 
 import torch
@@ -387,3 +388,23 @@ def load_refused(name: str, config: LlamaConfig, path: str) -> dict[str, object]
     dist.all_gather_object(errors, error)
     after = full_state(model, optimizer)
     return {"errors": errors, "before": before, "after": after} if dist.get_rank() == 0 else None
+
+
+def save_asynchronously(name: str, config: LlamaConfig, path: str, steps: int) -> dict[str, object] | None:
+    """Train ``steps``, save asynchronously, train a step while it writes, save again (which
+    waits for the first), wait: rank 0 returns the full state at the first save and whether
+    the first was in place only once finished."""
+    from pathlib import Path
+
+    model, optimizer, plan = _built(name, config)
+    train_steps(model, optimizer, config, plan, range(steps))
+    # a copy: the full state shares the optimizer's 0-d step counters, which the next step bumps
+    state = copy.deepcopy(full_state(model, optimizer))
+    pending = fs.checkpoint.save(path, model, optimizer, extra={"step": steps}, asynchronous=True)
+    in_place_early = Path(path).exists()
+    train_steps(model, optimizer, config, plan, range(steps, steps + 1))  # training goes on
+    again = fs.checkpoint.save(f"{path}-next", model, optimizer, extra={"step": steps + 1}, asynchronous=True)
+    first_done = Path(path).exists() and pending.done()
+    again.wait()
+    result = {"state": state, "in_place_early": in_place_early, "first_done": first_done}
+    return result if dist.get_rank() == 0 else None

@@ -23,14 +23,16 @@ ADAPTERS = pathlib.Path(functional_shard.adapters.__file__).parent
 # device_mesh, the one builder of DeviceMeshes (below mesh.py, so Mesh.device_mesh needs
 # no climb to apply), and measure, which only observes the collectives torch issues; the
 # engines apply runs live in engines/, whose checks stay pure
-# (checkpoint is one door in six rooms: the public functions, the states, the reader, its
-# checks, its safe loaders, and the Hugging Face export, which gathers tensor by tensor)
+# (checkpoint is one door in seven rooms: the public functions, the states, the reader, its
+# checks, its safe loaders, the asynchronous saves, and the Hugging Face export, which
+# gathers tensor by tensor)
 CHECKPOINT = (
     "checkpoint",
     "checkpoint_state",
     "checkpoint_read",
     "checkpoint_checks",
     "checkpoint_safety",
+    "checkpoint_async",
     "export_hf",
 )
 EFFECTS = {f"runtime/{name}.py" for name in ("apply", *CHECKPOINT, "device_mesh", "launch", "measure")} | {

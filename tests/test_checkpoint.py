@@ -90,3 +90,25 @@ def test_a_checkpoint_that_does_not_fit_the_module_is_refused(world4, tmp_path):
     )
     with pytest.raises(fs.ShardingError, match=fits):
         world4.run(dist_cases.load_under, "zero3", dist_cases.UNEVEN, path, 0)
+
+
+def test_an_asynchronous_save_lets_training_go_on_and_loads_as_saved(world4, tmp_path):
+    """Saved in the background while a step trains: the folder appears only once finished
+    (the next save waits for it), holds the state of the moment it was asked for, and
+    resumes exactly; the second save resumes too."""
+    path = str(tmp_path / "ckpt")
+    saved = world4.run(dist_cases.save_asynchronously, "zero3", CONFIG, path, 2)[0]
+    assert not saved["in_place_early"]
+    assert saved["first_done"]
+    moved = world4.run(dist_cases.load_under, "fsdp_tp", CONFIG, path, 0)[0]
+    assert_same_state(moved["state"], saved["state"])
+    uninterrupted = dist_cases.reference(CONFIG, 4)[0]
+    resumed = world4.run(dist_cases.load_under, "zero3", CONFIG, f"{path}-next", 2)[0]
+    assert resumed["losses"] == pytest.approx(uninterrupted[3:], abs=1e-5)
+
+
+def test_an_asynchronous_full_save_is_refused(tmp_path):
+    with pytest.raises(
+        fs.ShardingError, match=r"full=True, asynchronous=True\): an asynchronous save writes shards"
+    ):
+        fs.checkpoint.save(tmp_path / "ckpt.pt", torch.nn.Linear(2, 2), full=True, asynchronous=True)

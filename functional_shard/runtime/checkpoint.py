@@ -1,12 +1,14 @@
 """Checkpoints that move between plans: sharded (a folder, one file per rank) or full (one file).
 
-With `apply` and `launch`, the only door to process groups (in six rooms: this one, the
+With `apply` and `launch`, the only door to process groups (in seven rooms: this one, the
 states of `checkpoint_state`, the reader of `checkpoint_read`, its `checkpoint_checks`, the
-safe loaders of `checkpoint_safety` and the Hugging Face export of `export_hf`). Sharded
+safe loaders of `checkpoint_safety`, the background saves of `checkpoint_async` and the
+Hugging Face export of `export_hf`). Sharded
 checkpoints use torch's distributed checkpoint, which reshards on load, so a checkpoint
 saved under one plan loads under any other (FSDP×4 → FSDP×2·TP×2 → ZeRO-1 → one
 process). Every save writes aside and renames: a crash in the middle leaves the previous
-checkpoint whole; and seals what it wrote with sha256 digests. Every load reads data,
+checkpoint whole; and seals what it wrote with sha256 digests. ``asynchronous=True`` writes
+in the background while training goes on (`checkpoint_async`). Every load reads data,
 never code, and checks everything before it writes anything: a load that fails changes
 nothing.
 
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,7 @@ from torch import nn
 
 from functional_shard.core.errors import ShardingError
 
+from .checkpoint_async import PendingSave, finish_folder, save_in_background, wait_for_previous
 from .checkpoint_checks import FORMAT, MARK, aside, put_in_place, seal, write_manifest
 from .checkpoint_read import META, checked_file, checked_folder, optimizers_by_key, read, refusals_raised
 from .checkpoint_safety import SafeReader, empty_state_planner, plain_problems
@@ -78,10 +81,7 @@ def write(path: str | os.PathLike[str], state: dict[str, Any], *, full: bool, me
             _save_sealed({**state, **meta}, temporary)
     else:
         dcp.save(state, checkpoint_id=temporary)
-        if dist.get_rank() == 0:  # beside the shards: DCP loads only the keys asked for
-            torch.save({**meta, MARK: {"format": FORMAT}}, temporary / META)
-        dist.barrier()
-        write_manifest(temporary)
+        return finish_folder(temporary, path, meta)
     dist.barrier()
     if dist.get_rank() == 0:
         put_in_place(temporary, path)
@@ -94,6 +94,7 @@ def _save_sealed(content: dict[str, Any], path: Path) -> None:
     seal(path)
 
 
+@overload
 def save(
     path: str | os.PathLike[str],
     module: nn.Module,
@@ -101,8 +102,34 @@ def save(
     *,
     full: bool = False,
     extra: dict[str, Any] | None = None,
-) -> Path:
+    asynchronous: Literal[False] = False,
+) -> Path: ...
+
+
+@overload
+def save(
+    path: str | os.PathLike[str],
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    full: bool = False,
+    extra: dict[str, Any] | None = None,
+    asynchronous: Literal[True],
+) -> PendingSave: ...
+
+
+def save(
+    path: str | os.PathLike[str],
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    full: bool = False,
+    extra: dict[str, Any] | None = None,
+    asynchronous: bool = False,
+) -> Path | PendingSave:
     """Save a parallelized module (and optimizer) on every rank, atomically.
+
+    A save first waits for the module's previous asynchronous save, if one is unfinished.
 
     Args:
         path: a folder (sharded) or a file (``full=True``).
@@ -112,12 +139,20 @@ def save(
         extra: small plain values to keep beside (step counters, say): tensors, None, bools,
             numbers, strings, bytes, and lists, tuples and dicts of them, which load without
             running code.
+        asynchronous: copy this rank's shards to host memory and write them in the
+            background (torch's ``async_save``); training goes on at once. Sharded only.
 
     Returns:
-        The path written.
+        The path written; with ``asynchronous``, a `PendingSave` whose ``wait()`` (every
+        rank) finishes it and returns the path.
+
+    Raises:
+        ShardingError: ``extra`` holds what a safe load could not rebuild, or
+            ``asynchronous`` with ``full``.
 
     Examples:
         >>> # fs.checkpoint.save("ckpt", model, optimizer); fs.checkpoint.load("ckpt", model, optimizer)
+        >>> # pending = fs.checkpoint.save("ckpt", model, optimizer, asynchronous=True); pending.wait()
     """
     problems = plain_problems(extra or {}, "extra")
     if problems:
@@ -127,12 +162,23 @@ def save(
             "tuples and dicts of them), so that it loads without running code. Keep a plain form "
             "instead (an object's state_dict(), its fields as a dict)"
         )
+    if asynchronous and full:
+        raise ShardingError(
+            "fs.checkpoint.save(full=True, asynchronous=True): an asynchronous save writes shards (torch's "
+            "async_save); save a folder asynchronously and convert it to one file offline "
+            "(fs.checkpoint.convert), or save the file synchronously"
+        )
     if not full:
         refuse_packed(module, "fs.checkpoint.save(full=False)")
+    wait_for_previous(module)
     state: dict[str, Any] = {"model": model_state(module, full=full)}
     if optimizer is not None:
         state["optimizer"] = optimizer_state(module, optimizer, full=full)
-    return write(path, state, full=full, meta={"extra": extra or {}})
+    meta = {"extra": extra or {}}
+    if asynchronous:
+        path = Path(path)
+        return save_in_background(path, aside(path), module, state, meta)
+    return write(path, state, full=full, meta=meta)
 
 
 def load(
