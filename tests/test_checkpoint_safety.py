@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import fractions
+import os
 import pickle
 import shutil
 import tempfile
@@ -302,3 +303,34 @@ def test_checkpoints_from_before_digests_load_as_before(saved, tmp_path):
         assert fs.checkpoint.load(path, model, optimizer) == {"step": 1}
         for key, value in reference.state_dict().items():
             assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_latest_finds_the_newest_whole_checkpoint_and_it_loads(saved, tmp_path):
+    """A crash mid-save leaves its files aside (``.tmp-``); a cut shard or file is not
+    whole; the previous checkpoint left as ``.old`` between the renames counts."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    assert fs.checkpoint.latest(runs) is None
+
+    def put(source: Path, name: str, age: int) -> Path:
+        target = runs / name
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, target)
+        os.utime(target, (1_000_000 + age, 1_000_000 + age))
+        return target
+
+    put(saved / "ckpt", "step-1", 1)
+    second = put(saved / "ckpt", "step-2", 2)
+    put(saved / "ckpt", "step-3.tmp-0a1b2c3d", 3)  # a save that crashed: newest, aside
+    assert fs.checkpoint.latest(runs) == second
+    (second / "__1_0.distcp").write_bytes(b"cut")
+    assert fs.checkpoint.latest(runs) == runs / "step-1"
+    file = put(saved / "ckpt.pt", "step-4.pt", 4)
+    assert fs.checkpoint.latest(runs) == file
+    file.write_bytes(file.read_bytes()[:-100])
+    os.utime(file, (1_000_004, 1_000_004))
+    older = put(saved / "ckpt", "step-5.old", 5)  # a crash between the two renames
+    assert fs.checkpoint.latest(runs) == older
+    model, optimizer = module_and_optimizer(stepped=False)
+    assert fs.checkpoint.load(fs.checkpoint.latest(runs), model, optimizer) == {"step": 1}
+    with pytest.raises(fs.ShardingError, match=r"is not a folder of checkpoints"):
+        fs.checkpoint.latest(runs / "nowhere")

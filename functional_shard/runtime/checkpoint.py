@@ -28,6 +28,7 @@ for framework adapters that assemble their own checkpoints (Lightning's Trainer,
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -39,7 +40,17 @@ from torch import nn
 from functional_shard.core.errors import ShardingError
 
 from .checkpoint_async import PendingSave, finish_folder, save_in_background, wait_for_previous
-from .checkpoint_checks import FORMAT, MARK, aside, put_in_place, seal, write_manifest
+from .checkpoint_checks import (
+    FORMAT,
+    MANIFEST,
+    MARK,
+    aside,
+    manifest_problems,
+    put_in_place,
+    seal,
+    seal_problems,
+    write_manifest,
+)
 from .checkpoint_read import META, checked_file, checked_folder, optimizers_by_key, read, refusals_raised
 from .checkpoint_safety import SafeReader, empty_state_planner, plain_problems
 from .checkpoint_state import (
@@ -53,9 +64,11 @@ from .export_hf import HfConversion, convert_to_hf, export_hf
 
 __all__ = [
     "HfConversion",
+    "PendingSave",
     "convert",
     "convert_to_hf",
     "export_hf",
+    "latest",
     "load",
     "model_state",
     "optimizer_state",
@@ -216,6 +229,49 @@ def load(
     """
     optimizers = {"optimizer": optimizer} if optimizer is not None else {}
     return dict(read(path, ("model", module), optimizers, strict=strict, trust=trust).get("extra", {}))
+
+
+def latest(directory: str | os.PathLike[str]) -> Path | None:
+    """The newest whole checkpoint in ``directory`` (a folder or a file of `save`), or None.
+
+    A save that crashed leaves its files aside (``NAME.tmp-…``), never in place: they are
+    passed over. A folder is whole when every file its manifest lists is there at its
+    written size (`load` then checks their digests); a full file when its bytes match its
+    seal. A crash between the two renames that put a new checkpoint in place leaves the
+    previous one as ``NAME.old``, whole: it counts. Newest means last modified. No process
+    group is needed; every rank finds the same one.
+
+    Raises:
+        ShardingError: ``directory`` is not a folder.
+
+    Examples:
+        >>> # found = fs.checkpoint.latest("checkpoints"); extra = fs.checkpoint.load(found, model, optimizer)
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ShardingError(f"fs.checkpoint.latest: {directory} is not a folder of checkpoints")
+    candidates = sorted(
+        (entry for entry in directory.iterdir() if ".tmp-" not in entry.name and _is_checkpoint(entry)),
+        key=lambda entry: entry.stat().st_mtime_ns,
+        reverse=True,
+    )
+    for candidate in candidates:
+        if candidate.is_dir():
+            whole = not (candidate / MANIFEST).exists() or not manifest_problems(
+                candidate, alone=True, digests=False
+            )  # a folder from before digests has meta.pt and nothing more to compare
+        else:
+            whole = not seal_problems(candidate)
+        if whole:
+            return candidate
+    return None
+
+
+def _is_checkpoint(entry: Path) -> bool:
+    # a folder of save's (meta.pt or a manifest beside the shards), or a torch.save zip
+    if entry.is_dir():
+        return (entry / META).exists() or (entry / MANIFEST).exists()
+    return entry.is_file() and zipfile.is_zipfile(entry)
 
 
 def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], *, trust: bool = False) -> Path:

@@ -233,12 +233,15 @@ def _no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
-def manifest_problems(folder: Path, *, alone: bool = False) -> list[str]:
+def manifest_problems(folder: Path, *, alone: bool = False, digests: bool = True) -> list[str]:
     """This rank's share of the folder's files that are missing, cut short or changed.
 
-    Changed since `write_manifest`, that is; `agreed` gathers every rank's share.
+    Changed since `write_manifest`, that is; `agreed` gathers every rank's share. Without
+    ``digests`` only presence and sizes are compared (no file is read).
     """
     manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return [f"{MANIFEST}: missing"]
     try:
         written = json.loads(manifest.read_text(), object_pairs_hook=_no_repeats)
         if written["format"] != FORMAT:
@@ -254,6 +257,6 @@ def manifest_problems(folder: Path, *, alone: bool = False) -> list[str]:
             problems.append(f"{name}: missing")
         elif where.stat().st_size != size:
             problems.append(f"{name}: {where.stat().st_size} bytes, {size} when written (cut short or grown)")
-        elif file_digest(where)["sha256"] != digest:
+        elif digests and file_digest(where)["sha256"] != digest:
             problems.append(f"{name}: its contents changed since it was written (corrupted)")
     return problems
