@@ -107,6 +107,8 @@ def _save_sealed(content: dict[str, Any], path: Path) -> None:
     seal(path)
 
 
+# the typing overloads restate save's signature (they cannot share it): the return type
+# follows ``asynchronous``, a path or a PendingSave
 @overload
 def save(
     path: str | os.PathLike[str],
