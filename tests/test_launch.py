@@ -60,3 +60,32 @@ def test_the_rendezvous_port_is_held_by_the_parent_before_any_rank_joins():
         with socket.socket() as sock, pytest.raises(OSError, match=re.escape(os.strerror(errno.EADDRINUSE))):
             sock.bind(("127.0.0.1", port))
         assert world.run(dist.get_world_size) == [2, 2]
+
+
+def one_rank_hangs() -> float:
+    """Rank 1 never reaches the all-reduce the others wait in (as a hung or dead peer)."""
+    import time
+
+    import torch
+
+    if dist.get_rank() == 1:
+        time.sleep(60)
+        return 0.0
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return total.item()
+
+
+def test_a_hung_peer_ends_the_run_within_the_timeout_naming_the_collective_and_ranks():
+    import time
+
+    from functional_shard.runtime.launch import CollectiveTimeoutError
+
+    start = time.monotonic()
+    with pytest.raises(
+        CollectiveTimeoutError,
+        match=r"rank 0 waited 3s in torch\.distributed\.all_reduce, and its peers never joined it "
+        r"\(running one_rank_hangs\); ranks \[1\] had not returned: hung or dead",
+    ):
+        fs.run_local(one_rank_hangs, 2, timeout=3)
+    assert time.monotonic() - start < 40  # the wait, not the sleeping rank's 60 s

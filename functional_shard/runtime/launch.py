@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["LocalWorld", "RankFailedError", "current_rank", "run_local"]
+__all__ = ["CollectiveTimeoutError", "LocalWorld", "RankFailedError", "current_rank", "run_local"]
 
 
 class RankFailedError(RuntimeError):
@@ -44,7 +44,8 @@ class _RemoteTracebackError(Exception):
 
 
 _HOST = "127.0.0.1"
-_TIMEOUT = datetime.timedelta(seconds=300)
+_TIMEOUT = datetime.timedelta(seconds=300)  # to join the store
+_GRACE = 15.0  # seconds the parent waits past the ranks' timeout for their own errors
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class _Rank:
     port: int  # of the store the parent serves
     backend: str
     threads: int
+    timeout: float  # seconds a collective waits for its peers
 
 
 def _serve(me: _Rank, inbox: Any, outbox: Any) -> None:
@@ -66,7 +68,8 @@ def _serve(me: _Rank, inbox: Any, outbox: Any) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # a client of the store the parent serves: no rank ever binds a port of its own choosing
     store = dist.TCPStore(_HOST, me.port, me.world_size, is_master=False, timeout=_TIMEOUT)
-    dist.init_process_group(me.backend, store=store, rank=rank, world_size=me.world_size, timeout=_TIMEOUT)
+    waits = datetime.timedelta(seconds=me.timeout)
+    dist.init_process_group(me.backend, store=store, rank=rank, world_size=me.world_size, timeout=waits)
     try:
         while (task := inbox.get()) is not None:
             fn, args, kwargs = task
@@ -74,6 +77,11 @@ def _serve(me: _Rank, inbox: Any, outbox: Any) -> None:
                 outbox.put((rank, True, fn(*args, **kwargs)))
             except BaseException as error:  # sent back whole; the parent decides
                 text = traceback.format_exc()
+                collective = _collective_timed_out(error)
+                if collective is not None:  # say where it waited, and for how long
+                    error = CollectiveTimeoutError(
+                        f"rank {rank} waited {me.timeout:g}s in {collective}, and its peers never joined it"
+                    )
                 try:
                     outbox.put((rank, False, (error, text)))
                 except Exception:  # an exception that does not pickle
@@ -82,13 +90,32 @@ def _serve(me: _Rank, inbox: Any, outbox: Any) -> None:
         dist.destroy_process_group()
 
 
+class CollectiveTimeoutError(RankFailedError):
+    """A rank waited past the world's timeout in a collective that its peers never joined."""
+
+
+def _collective_timed_out(error: BaseException) -> str | None:
+    # the torch.distributed call a rank was in when its wait ran out: the innermost public
+    # function of distributed_c10d in the traceback (all_reduce, barrier, all_gather, ...)
+    text = str(error).lower()
+    if "timed out" not in text and "timeout" not in text:
+        return None
+    frames = traceback.extract_tb(error.__traceback__)
+    names = [
+        f.name for f in frames if f.filename.endswith("distributed_c10d.py") and not f.name.startswith("_")
+    ]
+    return f"torch.distributed.{names[-1]}" if names else None
+
+
 class LocalWorld:
     """``world_size`` local processes in one process group, reused across `run` calls.
 
     Args:
         world_size: number of ranks.
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank).
-        timeout: seconds a `run` may take before every rank is killed.
+        timeout: seconds a collective waits for its peers, and a `run` (with a grace for
+            the ranks' own errors to arrive) before every rank is killed. A rank whose
+            peers hang or died ends with a `CollectiveTimeoutError` naming the collective.
 
     Examples:
         >>> # with LocalWorld(4) as world:
@@ -110,7 +137,11 @@ class LocalWorld:
         self._processes: list[BaseProcess] = [
             context.Process(
                 target=_serve,
-                args=(_Rank(rank, world_size, port, backend, threads), self._inboxes[rank], self._outbox),
+                args=(
+                    _Rank(rank, world_size, port, backend, threads, timeout),
+                    self._inboxes[rank],
+                    self._outbox,
+                ),
                 daemon=True,
             )
             for rank in range(world_size)
@@ -139,7 +170,9 @@ class LocalWorld:
             inbox.put((fn, args, kwargs))
         results: list[Any] = [None] * self.world_size
         pending = set(range(self.world_size))
-        deadline = time.monotonic() + self.timeout
+        # past the ranks' own collective timeout, so that their error, naming where they
+        # waited, arrives before the parent gives up on them
+        deadline = time.monotonic() + self.timeout + _GRACE
         while pending:
             try:
                 rank, ok, payload = self._outbox.get(timeout=1.0)
@@ -155,6 +188,12 @@ class LocalWorld:
             if not ok:
                 self.close(force=True)  # the others may be blocked in a collective
                 error, text = payload
+                if isinstance(error, CollectiveTimeoutError):
+                    others = sorted(pending - {rank})
+                    error = CollectiveTimeoutError(
+                        f"{error} (running {getattr(fn, '__name__', fn)}); ranks {others} had not "
+                        "returned: hung or dead"
+                    )
                 raise error from _RemoteTracebackError(f"rank {rank} of {self.world_size}:\n{text}")
             results[rank] = payload
             pending.discard(rank)
@@ -187,12 +226,20 @@ def current_rank() -> int:
 
 
 def run_local(
-    fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", **kwargs: Any
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 300.0,
+    **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn`` once on ``world_size`` fresh local ranks; results by rank.
+
+    ``timeout`` is `LocalWorld`'s: a collective whose peers hang or died ends the run
+    with a `CollectiveTimeoutError` naming the collective and the ranks that never came.
 
     Examples:
         >>> # run_local(torch.distributed.get_world_size, 2) == [2, 2]
     """
-    with LocalWorld(world_size, backend) as world:
+    with LocalWorld(world_size, backend, timeout) as world:
         return world.run(fn, *args, **kwargs)
