@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,10 @@ __all__ = [
     "every_rank",
     "DAMAGED_FIX",
     "FIT_FIX",
+    "distributed",
     "fit_problems",
+    "index_tensors",
+    "key_differences",
     "manifest_problems",
     "put_in_place",
     "raise_problems",
@@ -61,15 +64,17 @@ _SHOWN = 5  # offending keys an error names before "and N more"
 Described = tuple[tuple[int, ...], torch.dtype]
 
 
-def _distributed(alone: bool = False) -> bool:
-    # ``alone``: one process checks or writes by itself (offline conversion), even where a
-    # process group exists
+def distributed(alone: bool = False) -> bool:
+    """Whether a process group runs; ``alone``: this process works by itself even so.
+
+    An offline conversion is such a process.
+    """
     return not alone and dist.is_available() and dist.is_initialized()
 
 
 def every_rank(value: Any, *, alone: bool = False) -> list[Any]:
     """Every rank's ``value``, on every rank, by rank (just this one's without a process group)."""
-    if not _distributed(alone):
+    if not distributed(alone):
         return [value]
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, value)
@@ -84,7 +89,7 @@ def agreed(problems: list[str], *, alone: bool = False) -> list[str]:
 def aside(path: Path, *, alone: bool = False) -> Path:
     """A temporary name beside ``path`` to write into: the same on every rank (rank 0 picks)."""
     names: list[str | None] = [f"{path.name}.tmp-{uuid.uuid4().hex[:8]}"]
-    if _distributed(alone):
+    if distributed(alone):
         if dist.get_rank() != 0:
             names = [None]
         dist.broadcast_object_list(names, src=0)
@@ -126,16 +131,49 @@ def fit_problems(
         >>> fit_problems({"w": ((2, 3), torch.float32)}, module, wanted={"w"}, strict=True)
         ['w: shape [2, 3] float32 in the checkpoint, [3, 2] float32 in the module']
     """
+    missing, unexpected, differing = key_differences(saved, expected, known=wanted)
     problems = []
     if strict:
-        problems += [f"{key}: missing from the checkpoint" for key in expected if key not in saved]
-        problems += [f"{key}: in the checkpoint, not in the module" for key in saved if key not in wanted]
-    for key, (shape, dtype) in expected.items():
-        if key in saved and saved[key] != (shape, dtype):
-            problems.append(
-                f"{key}: shape {_show(saved[key])} in the checkpoint, {_show((shape, dtype))} in the module"
-            )
+        problems += [f"{key}: missing from the checkpoint" for key in missing]
+        problems += [f"{key}: in the checkpoint, not in the module" for key in unexpected]
+    problems += [
+        f"{key}: shape {_show(saved[key])} in the checkpoint, {_show(expected[key])} in the module"
+        for key in differing
+    ]
     return problems
+
+
+def key_differences(
+    held: Mapping[str, Any], expected: Mapping[str, Any], *, known: Container[str]
+) -> tuple[list[str], list[str], list[str]]:
+    """What two states differ in, key by key: missing, unexpected and differing keys.
+
+    The keys of ``expected`` that ``held`` lacks, the keys of ``held`` not ``known``, and
+    the keys of both whose values differ, each list in its mapping's order.
+
+    Examples:
+        >>> key_differences({"a": 1, "b": 2, "x": 0}, {"a": 1, "b": 3, "c": 4}, known={"a", "b", "c"})
+        (['c'], ['x'], ['b'])
+    """
+    missing = [key for key in expected if key not in held]
+    unexpected = [key for key in held if key not in known]
+    differing = [key for key, value in expected.items() if key in held and held[key] != value]
+    return missing, unexpected, differing
+
+
+def index_tensors(index: Any) -> dict[str, Described]:
+    """The tensors a distributed checkpoint's index lists: whole shape and dtype, by flat key.
+
+    Flat keys as torch's distributed checkpoint writes them: ``model.w``,
+    ``optimizer.state.w.exp_avg``.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {
+        name: (tuple(item.size), item.properties.dtype)
+        for name, item in index.state_dict_metadata.items()
+        if isinstance(item, TensorStorageMetadata)
+    }
 
 
 def _show(described: Described) -> str:
@@ -206,7 +244,7 @@ def file_digest(path: Path) -> dict[str, Any]:
 
 def _mine(names: list[str], alone: bool) -> list[str]:
     # each rank digests a share of the files: the work spreads as the writing did
-    if not _distributed(alone):
+    if not distributed(alone):
         return names
     return names[dist.get_rank() :: dist.get_world_size()]
 
@@ -215,7 +253,7 @@ def write_manifest(folder: Path, *, alone: bool = False) -> None:
     """Digest every file of a written folder (each rank a share) into its ``manifest.json``."""
     names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST)
     digests = {name: file_digest(folder / name) for name in _mine(names, alone)}
-    if _distributed(alone):
+    if distributed(alone):
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, digests)
         digests = {name: d for part in every for name, d in part.items()}

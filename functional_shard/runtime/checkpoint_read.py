@@ -33,6 +33,7 @@ from .checkpoint_checks import (
     described,
     every_rank_keys,
     fit_problems,
+    index_tensors,
     manifest_problems,
     raise_problems,
     seal_problems,
@@ -285,13 +286,13 @@ def _stored(index: Any) -> dict[str, Any]:
     # "optimizer.state.w.exp_avg" -> ["optimizer"]["state"]["w"]["exp_avg"])
     nested: dict[str, Any] = {}
     groups: dict[str, set[str]] = {}
-    for name, item in index.state_dict_metadata.items():
+    for name in index.state_dict_metadata:
         top, _, rest = name.partition(".")
         if rest.startswith("param_groups."):
             groups.setdefault(top, set()).add(rest.split(".")[1])
-        if not hasattr(item, "size"):
-            continue
-        value = torch.empty(item.size, dtype=item.properties.dtype, device="meta")
+    for name, (shape, dtype) in index_tensors(index).items():
+        top, _, rest = name.partition(".")
+        value = torch.empty(shape, dtype=dtype, device="meta")
         if rest.startswith("state."):
             parameter, _, field = rest[len("state.") :].rpartition(".")
             nested.setdefault(top, {}).setdefault("state", {}).setdefault(parameter, {})[field] = value

@@ -25,6 +25,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from functional_shard.core.errors import ShardingError
 
+from .checkpoint_checks import index_tensors
+
 if TYPE_CHECKING:
     from .engines.pipeline import Pipelined
 
@@ -202,10 +204,10 @@ def zero1_template(
     owned = _owned(module, optimizer)
     prefix = f"{key}.state."
     state: dict[str, dict[str, Any]] = {}
-    for stored, meta in metadata.state_dict_metadata.items():
+    for stored, (shape, dtype) in index_tensors(metadata).items():
         name, _, field = stored[len(prefix) :].rpartition(".")
-        if stored.startswith(prefix) and name in owned and hasattr(meta, "size"):
-            state.setdefault(name, {})[field] = torch.empty(meta.size, dtype=meta.properties.dtype)
+        if stored.startswith(prefix) and name in owned:
+            state.setdefault(name, {})[field] = torch.empty(shape, dtype=dtype)
     return {"state": state, "param_groups": _zero1_groups(module, optimizer)}
 
 

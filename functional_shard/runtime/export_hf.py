@@ -21,12 +21,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from functional_shard.core.errors import ShardingError
 
-from .checkpoint_checks import Described, agreed, aside, every_rank, put_in_place, raise_problems
+from .checkpoint_checks import (
+    Described,
+    agreed,
+    aside,
+    distributed,
+    every_rank,
+    index_tensors,
+    put_in_place,
+    raise_problems,
+)
 from .checkpoint_read import checked_file, checked_folder, refusals_raised
 from .checkpoint_safety import SafeLoadPlanner, SafeReader
 from .hf_folder import (
@@ -53,12 +61,8 @@ _FIX = (
 _MODULE_KEYS = ("model", "state_dict")  # save's and Fabric's module; the Trainer's LightningModule
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def _barrier() -> None:
-    if _distributed():
+    if distributed():
         dist.barrier()
 
 
@@ -139,10 +143,10 @@ def export_hf(
     files = shard_files(
         [(key, size, holders[key]) for key, (size, _) in sizes.items()],
         shard_bytes=max_shard_bytes or SAVE_PRETRAINED_SHARD_BYTES,
-        writers=dist.get_world_size() if _distributed() else 1,
+        writers=dist.get_world_size() if distributed() else 1,
     )
     temporary = aside(path)
-    me = dist.get_rank() if _distributed() else 0
+    me = dist.get_rank() if distributed() else 0
     for file in files:
         kept = {}
         for key in file.keys:
@@ -242,12 +246,7 @@ def _checkpoint(source: Path, *, trust: bool) -> _Checkpoint:
     saved = None
     if source.is_dir():
         checked_folder(source, trust=trust, alone=True)
-        index = SafeReader(source, trust=trust).read_metadata()
-        stored = {
-            name: (tuple(item.size), item.properties.dtype)
-            for name, item in index.state_dict_metadata.items()
-            if isinstance(item, TensorStorageMetadata)
-        }
+        stored = index_tensors(SafeReader(source, trust=trust).read_metadata())
     else:
         saved = checked_file(source, trust=trust, alone=True)
         stored = {

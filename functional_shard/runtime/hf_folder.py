@@ -22,6 +22,8 @@ from torch import nn
 
 from functional_shard.core.errors import ShardingError
 
+from .checkpoint_checks import key_differences
+
 __all__ = [
     "CONFIG",
     "INDEX",
@@ -192,16 +194,13 @@ def fit_problems(
     held: Mapping[str, tuple[int, ...]], expected: Expected, *, holder: str = "the model"
 ) -> list[str]:
     """The tensors ``holder`` holds (by key, their whole shapes) that the config's class would not load."""
-    problems = [f"{key}: missing from {holder}" for key in expected.shapes if key not in held]
+    known = {*expected.shapes, *expected.tied}  # a tied name is written once, under the other
+    missing, unexpected, differing = key_differences(held, expected.shapes, known=known)
+    problems = [f"{key}: missing from {holder}" for key in missing]
+    problems += [f"{key}: in {holder}, not in {expected.architecture}" for key in unexpected]
     problems += [
-        f"{key}: in {holder}, not in {expected.architecture}"
-        for key in held
-        if key not in expected.shapes and key not in expected.tied
-    ]
-    problems += [
-        f"{key}: shape {list(held[key])} in {holder}, {list(shape)} for the config"
-        for key, shape in expected.shapes.items()
-        if key in held and held[key] != shape
+        f"{key}: shape {list(held[key])} in {holder}, {list(expected.shapes[key])} for the config"
+        for key in differing
     ]
     return problems
 
