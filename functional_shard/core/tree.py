@@ -155,29 +155,17 @@ def _block_of(path: str) -> str | None:
         start = end + 1
 
 
+_Members = tuple[list[tuple[str, "TensorSpec"]], list[tuple[str, "TensorSpec"]], list[tuple[str, Any]]]
+"""A block's (params, buffers, modules): tensors by path with their specs, modules by relative path."""
+
+
 def _blocks(
-    params: dict[str, TensorSpec],
-    buffers: dict[str, TensorSpec],
-    modules: dict[str, type | None],
-    tied: Iterable[str],
-    block_of: Mapping[str, str | None],
+    members: dict[str, _Members], tied: Iterable[str], block_of: Mapping[str, str | None]
 ) -> tuple[Block, ...]:
-    """The model's blocks; ``block_of`` maps every module path to its block (or None)."""
+    """The model's blocks from their ``members``; a block holding a tied tensor is none."""
     # Big models repeat one block tens of times; finding the repeats here lets shard()
     # plan each kind of block once. The key holds everything a policy can see of a block
     # but its index: relative paths, tensors (with their owners' classes), module classes.
-    members: dict[str, tuple[list[Any], list[Any], list[Any]]] = {}
-    for path, cls in modules.items():
-        block = block_of[path]
-        if block is not None:
-            if block not in members:
-                members[block] = ([], [], [])
-            members[block][2].append((path[len(block) :], cls))
-    for index, group in ((0, params), (1, buffers)):
-        for path, tensor in group.items():
-            block = block_of[path.rpartition(".")[0]]
-            if block is not None:
-                members[block][index].append((path, tensor))
     broken = {block_of.get(name.rpartition(".")[0]) for name in tied}
     blocks = []
     for block, (block_params, block_buffers, block_modules) in members.items():
@@ -212,27 +200,30 @@ class _NotPlainError(Exception):
 def _walk(
     module: nn.Module,
 ) -> tuple[
-    list[tuple[str, nn.Parameter, type]],
-    list[tuple[str, torch.Tensor, type]],
+    list[tuple[str, nn.Parameter, type, str | None]],
+    list[tuple[str, torch.Tensor, type, str | None]],
     dict[str, type | None],
     dict[str, str | None],
+    dict[str, list[tuple[str, Any]]],
 ]:
     """named_parameters(remove_duplicate=False), named_buffers() and named_modules(), one pass.
 
     A module's first visit in the full pre-order walk is where named_modules() (which
-    skips repeats) lists it, so one walk gives all three; and each module path's block.
+    skips repeats) lists it, so one walk gives all three, each tensor with its block; and
+    each module path's block, and each block's modules by relative path.
     """
-    params: list[tuple[str, nn.Parameter, type]] = []
-    buffers: list[tuple[str, torch.Tensor, type]] = []
+    params: list[tuple[str, nn.Parameter, type, str | None]] = []
+    buffers: list[tuple[str, torch.Tensor, type, str | None]] = []
     modules: dict[str, type | None] = {}
     blocks: dict[str, str | None] = {}
+    block_modules: dict[str, list[tuple[str, Any]]] = {}
     seen_modules: set[int] = set()
     seen_buffers: set[int] = set()
 
     plain_classes: dict[type, bool] = {}  # a model has a handful of module classes: ask once each
     add_param = params.append
 
-    def visit(mod: nn.Module, prefix: str, block: str | None) -> None:
+    def visit(mod: nn.Module, prefix: str, block: str | None, inside: list[tuple[str, Any]] | None) -> None:
         cls = type(mod)
         plain = plain_classes.get(cls)
         if plain is None:
@@ -243,79 +234,102 @@ def _walk(
         dot = prefix + "." if prefix else ""
         for name, param in mod._parameters.items():
             if param is not None:
-                add_param((dot + name, param, cls))
+                add_param((dot + name, param, cls, block))
         if id(mod) not in seen_modules:
             seen_modules.add(id(mod))
             modules[prefix] = cls
+            if inside is not None:
+                inside.append((prefix[len(block) :], cls))  # type: ignore[arg-type]
             for name, buffer in mod._buffers.items():
                 if buffer is not None and id(buffer) not in seen_buffers:
                     seen_buffers.add(id(buffer))
-                    buffers.append((dot + name, buffer, cls))
+                    buffers.append((dot + name, buffer, cls, block))
         for name, child in mod._modules.items():
             if child is not None:
                 if block is None and _numbered(name):
-                    visit(child, dot + name, dot + name)
+                    path = dot + name
+                    visit(child, path, path, block_modules.setdefault(path, []))
                 else:
-                    visit(child, dot + name, block)
+                    visit(child, dot + name, block, inside)
 
-    visit(module, "", None)
-    return params, buffers, modules, blocks
+    visit(module, "", None, None)
+    return params, buffers, modules, blocks, block_modules
+
+
+def _read_slowly(
+    module: nn.Module,
+) -> tuple[
+    list[tuple[str, nn.Parameter, type, str | None]],
+    list[tuple[str, torch.Tensor, type, str | None]],
+    dict[str, type | None],
+    dict[str, str | None],
+    dict[str, list[tuple[str, Any]]],
+]:
+    """`_walk`'s answers through the module's own named_* methods (a class overrides them)."""
+    modules = {name: type(m) for name, m in module.named_modules()}
+    owners = dict(module.named_modules(remove_duplicate=False))
+    block_of = {path: _block_of(path) for path in owners}
+    block_modules: dict[str, list[tuple[str, Any]]] = {}
+    for path, cls in modules.items():
+        block = block_of[path]
+        if block is not None:
+            block_modules.setdefault(block, []).append((path[len(block) :], cls))
+    found_params = [
+        (path, param, type(owners[_module_path(path)]), block_of[_module_path(path)])
+        for path, param in module.named_parameters(remove_duplicate=False)
+    ]
+    found_buffers = [
+        (path, buffer, type(owners[_module_path(path)]), block_of[_module_path(path)])
+        for path, buffer in module.named_buffers()
+    ]
+    return found_params, found_buffers, modules, block_of, block_modules
 
 
 def _from_module(module: nn.Module) -> ModelTree:
     try:
-        found_params, found_buffers, modules, block_of = _walk(module)
+        found_params, found_buffers, modules, block_of, block_modules = _walk(module)
     except _NotPlainError:
-        modules = {name: type(m) for name, m in module.named_modules()}
-        owners = dict(module.named_modules(remove_duplicate=False))
-        block_of = {path: _block_of(path) for path in owners}
-        found_params = [
-            (path, param, type(owners[_module_path(path)]))
-            for path, param in module.named_parameters(remove_duplicate=False)
-        ]
-        found_buffers = [
-            (path, buffer, type(owners[_module_path(path)])) for path, buffer in module.named_buffers()
-        ]
+        found_params, found_buffers, modules, block_of, block_modules = _read_slowly(module)
+    members: dict[str, _Members] = {block: ([], [], kids) for block, kids in block_modules.items()}
     # blocks repeat: one TensorSpec per (shape, dtype, owner, kind) keeps reading cheap
     specs: dict[tuple[Any, ...], TensorSpec] = {}
-
-    def spec_of(tensor: torch.Tensor, owner: type, kind: str) -> TensorSpec:
-        key = (tensor.shape, tensor.dtype, owner, kind)
-        spec = specs.get(key)
-        if spec is None:
-            spec = specs[key] = TensorSpec(tuple(tensor.shape), tensor.dtype, _qualname(owner), kind, owner)
-        return spec
-
     params: dict[str, TensorSpec] = {}
     canonical: dict[int, str] = {}
     tied_names: dict[str, list[str]] = {}  # canonical path -> every name, for shared tensors only
     alias_specs: dict[str, TensorSpec] = {}
-    param_specs: dict[tuple[Any, ...], TensorSpec] = {}
     # once per parameter, so inlined: a 70B model reads 723 parameters in a few hundred us
-    for path, param, owner in found_params:
-        key = (param.shape, param.dtype, owner)
-        spec = param_specs.get(key)
+    for path, param, owner, block in found_params:
+        key = (param.shape, param.dtype, owner, "param")
+        spec = specs.get(key)
         if spec is None:
-            spec = param_specs[key] = TensorSpec(
-                tuple(param.shape), param.dtype, _qualname(owner), "param", owner
-            )
+            spec = specs[key] = TensorSpec(tuple(param.shape), param.dtype, _qualname(owner), "param", owner)
         first = canonical.get(id(param))
         if first is None:
             canonical[id(param)] = path
             params[path] = spec
+            if block is not None:
+                members[block][0].append((path, spec))
         else:
             alias_specs[path] = spec
             tied_names.setdefault(first, [first]).append(path)
-    buffers = {path: spec_of(buffer, owner, "buffer") for path, buffer, owner in found_buffers}
+    buffers: dict[str, TensorSpec] = {}
+    for path, buffer, owner, block in found_buffers:
+        key = (buffer.shape, buffer.dtype, owner, "buffer")
+        spec = specs.get(key)
+        if spec is None:
+            spec = specs[key] = TensorSpec(
+                tuple(buffer.shape), buffer.dtype, _qualname(owner), "buffer", owner
+            )
+        buffers[path] = spec
+        if block is not None:
+            members[block][1].append((path, spec))
     # in the order of the tensors' first names, as named_parameters() meets them
     position = (
         {first: index for index, first in enumerate(params) if first in tied_names} if tied_names else {}
     )
     tied = {first: tuple(tied_names[first]) for first in sorted(tied_names, key=position.__getitem__)}
     every_tied = [name for names in tied.values() for name in names]
-    return ModelTree(
-        params, buffers, tied, modules, alias_specs, _blocks(params, buffers, modules, every_tied, block_of)
-    )
+    return ModelTree(params, buffers, tied, modules, alias_specs, _blocks(members, every_tied, block_of))
 
 
 def _tensor_key(tensor: torch.Tensor) -> tuple[Any, ...]:
@@ -360,7 +374,16 @@ def _from_pytree(tree: Any) -> ModelTree:
     tied = {paths[0]: tuple(paths) for paths in by_key.values() if len(paths) > 1}
     tied_names = [name for names in tied.values() for name in names]
     block_of = {path: _block_of(path) for path in modules}
-    return ModelTree(params, {}, tied, modules, {}, _blocks(params, {}, modules, tied_names, block_of))
+    members: dict[str, _Members] = {}
+    for path in modules:
+        block = block_of[path]
+        if block is not None:
+            members.setdefault(block, ([], [], []))[2].append((path[len(block) :], None))
+    for path, tensor in params.items():
+        block = block_of[_module_path(path)]
+        if block is not None:
+            members[block][0].append((path, tensor))
+    return ModelTree(params, {}, tied, modules, {}, _blocks(members, tied_names, block_of))
 
 
 def read_model(model: Any) -> ModelTree:

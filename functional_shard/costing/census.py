@@ -46,17 +46,25 @@ def itemsize_of(name: str | None, tensor: TensorSpec) -> int:
     return dtype_from_name(name).itemsize if name else tensor.itemsize
 
 
-Census: TypeAlias = list[tuple[TensorSpec, ParamSharding, str, int, int]]
+Census: TypeAlias = list[tuple[TensorSpec, ParamSharding, tuple[str, ...], int, int]]
+"""(tensor, sharding, units, ZeRO-1 owner or -1, count in each unit) for each kind of parameter."""
 
 
 def census_of(plan: Plan, owners: Mapping[str, int]) -> Census:
-    """(tensor, sharding, FSDP unit, ZeRO-1 owner or -1, count) for the plan's parameters.
+    """(tensor, sharding, FSDP units, ZeRO-1 owner or -1, count in each unit) for the plan's parameters.
 
-    Big models repeat a few (shape, dtype, sharding) combinations across their blocks;
-    counting them once each keeps the cost model's time in the distinct ones. shard()
-    gives the tensors of blocks alike one TensorSpec and one ParamSharding object, so
-    counting by identity saves hashing specs per parameter. Each parameter's unit is
-    `Plan.unit_of`, worked out once per enclosing module.
+    Big models repeat a few (shape, dtype, sharding) combinations across their blocks, and
+    their FSDP units repeat alike: units holding the same kinds of parameters in the same
+    order are counted once, all their names in one entry, so the cost model's time goes
+    to the distinct kinds, not to every block. shard() gives the tensors of blocks alike
+    one TensorSpec and one ParamSharding object, so kinds are told apart by identity,
+    without hashing specs per parameter. Each parameter's unit is `Plan.unit_of`, worked
+    out once per enclosing module.
+
+    Examples:
+        >>> plan = fs.shard(nn.ModuleList([nn.Linear(4, 4) for _ in range(3)]), fs.Mesh(dp=2), fs.fsdp())
+        >>> [(units, count) for _, _, units, _, count in census_of(plan, {})]
+        [(('0', '1', '2'), 1), (('0', '1', '2'), 1)]
     """
     tensors, aliases = plan.tensors, plan.aliases
     units = set(plan.config.units)
@@ -72,29 +80,49 @@ def census_of(plan: Plan, owners: Mapping[str, int]) -> Census:
             )
         return unit
 
-    by_identity: dict[tuple[int, int, str, int], list[Any]] = {}
+    # each unit's parameters as identities (tensor, sharding, owner), flat: a unit's
+    # signature, equal for units alike; and its paths, read back for one unit of a kind
+    signature: dict[str, list[int]] = {}
+    members: dict[str, list[str]] = {}
     for path, sharding in plan.params.items():
         unit = plan.unit_of(path) if path in aliases else unit_of_module(path.rpartition(".")[0])
-        tensor = tensors[path]
-        key = (id(tensor), id(sharding), unit, owners.get(path, -1) if owners else -1)
-        entry = by_identity.get(key)
-        if entry is None:
-            by_identity[key] = [tensor, sharding, unit, key[3], 1]
-        else:
-            entry[4] += 1
-    return [(t, s, unit, owner, count) for t, s, unit, owner, count in by_identity.values()]
+        flat = signature.get(unit)
+        if flat is None:
+            flat = signature[unit] = []
+            members[unit] = []
+        flat += (id(tensors[path]), id(sharding), owners.get(path, -1) if owners else -1)
+        members[unit].append(path)
+    kinds: dict[tuple[int, ...], list[str]] = {}
+    for unit, flat in signature.items():
+        kinds.setdefault(tuple(flat), []).append(unit)
+    census: Census = []
+    for alike in kinds.values():
+        counted: dict[tuple[int, int, int], list[Any]] = {}
+        for path in members[alike[0]]:
+            tensor, sharding = tensors[path], plan.params[path]
+            owner = owners.get(path, -1) if owners else -1
+            entry = counted.get((id(tensor), id(sharding), owner))
+            if entry is None:
+                counted[id(tensor), id(sharding), owner] = [tensor, sharding, owner, 1]
+            else:
+                entry[3] += 1
+        names = tuple(alike)
+        census += [(tensor, sharding, names, owner, n) for tensor, sharding, owner, n in counted.values()]
+    return census
 
 
-def grouped(census: Census, extra: Callable[[ParamSharding, str, int], Hashable]) -> Counter[tuple[Any, ...]]:
+def grouped(
+    census: Census, extra: Callable[[ParamSharding, tuple[str, ...], int], Hashable]
+) -> Counter[tuple[Any, ...]]:
     """Count the census by kind: (shape, itemsize, sharding, ``extra`` of each) -> how many."""
     by_identity: dict[tuple[int, int, Hashable], list[Any]] = {}
-    for tensor, sharding, unit, owner, count in census:
-        key = (id(tensor), id(sharding), extra(sharding, unit, owner))
+    for tensor, sharding, units, owner, count in census:
+        key = (id(tensor), id(sharding), extra(sharding, units, owner))
         entry = by_identity.get(key)
         if entry is None:
-            by_identity[key] = [tensor, sharding, key[2], count]
+            by_identity[key] = [tensor, sharding, key[2], count * len(units)]
         else:
-            entry[3] += count
+            entry[3] += count * len(units)
     grouped: Counter[tuple[Any, ...]] = Counter()
     for tensor, sharding, more, count in by_identity.values():
         grouped[(tensor.shape, tensor.itemsize, sharding, more)] += count

@@ -63,9 +63,9 @@ def parameter_comm(plan: Plan, comm: Comm, census: Census, held: Mapping[str, in
     param_size = dtype_from_name(config.param_dtype).itemsize if config.param_dtype else None
     reduce_size = dtype_from_name(config.reduce_dtype).itemsize if config.reduce_dtype else None
 
-    def gathers(_: ParamSharding, unit: str, __: int) -> int:
-        # FSDP2 keeps the root gathered from forward to backward
-        return 2 if config.reshard_after_forward and unit != "" else 1
+    def gathers(_: ParamSharding, units: tuple[str, ...], __: int) -> int:
+        # FSDP2 keeps the root gathered from forward to backward (the root is a kind of its own)
+        return 2 if config.reshard_after_forward and units != ("",) else 1
 
     for (shape, itemsize, sharding, times), count in grouped(census, gathers).items():
         if not sharding.storage.holds(origin):

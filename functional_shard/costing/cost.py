@@ -61,7 +61,7 @@ def _memory(
             f"cost(optimizer={optimizer!r}): one of {sorted(_OPTIMIZERS)} or bytes per element"
         )
 
-    def owns(sharding: ParamSharding, _: str, owner: int) -> bool:
+    def owns(sharding: ParamSharding, _: tuple[str, ...], owner: int) -> bool:
         optim = sharding.optim
         return isinstance(optim, Owned) and owner == coords[optim.axis] and optim.holds(coords)
 
@@ -124,10 +124,10 @@ def _worst_memory(
             key=lambda item: sum(item[0].values()),
         )
     owned: dict[tuple[str, int], int] = defaultdict(int)
-    for tensor, sharding, _, owner, count in census:
+    for tensor, sharding, units, owner, count in census:
         if isinstance(sharding.optim, Owned):
-            owned[sharding.optim.axis, owner] += count * _state_bytes(
-                tensor.numel, tensor.itemsize, optimizer
+            owned[sharding.optim.axis, owner] += (
+                count * len(units) * _state_bytes(tensor.numel, tensor.itemsize, optimizer)
             )
     worst, worst_total = (memory, base), sum(memory.values())
     for coords in candidates[1:]:
@@ -159,9 +159,9 @@ def unit_gathered(
     origin = dict.fromkeys(plan.mesh.axis_names, 0)
     held = origin if coords is None else coords
     param_size = dtype_from_name(plan.config.param_dtype).itemsize if plan.config.param_dtype else None
-    per_unit: dict[str, int] = defaultdict(int)
+    per_kind: dict[tuple[str, ...], int] = defaultdict(int)  # alike units, counted once
     each: dict[tuple[int, int], int] = {}  # gathered bytes of one tensor, by identity
-    for tensor, sharding, unit, _, count in census:
+    for tensor, sharding, units, _, count in census:
         if not sharding.storage.holds(held):
             continue
         padded = sharding.at_rest_axes
@@ -174,8 +174,8 @@ def unit_gathered(
             gathered = each[key] = (
                 shard * plan.mesh.axes_size(tuple(padded)) * (param_size or tensor.itemsize)
             )
-        per_unit[unit] += count * gathered
-    return dict(per_unit)
+        per_kind[units] += count * gathered
+    return {unit: held_bytes for units, held_bytes in per_kind.items() for unit in units}
 
 
 def _gathered(plan: Plan, census: Census, coords: Mapping[str, int]) -> int:
@@ -212,7 +212,7 @@ def _stage_memory(
         rank = stage_rank(stage, pp, config.stages_per_rank, config.pipeline_schedule)
         coords = dict.fromkeys(plan.mesh.axis_names, 0) | {axis: rank}
         census = [
-            (plan.tensors[path], sharding, "", owners.get(path, -1), 1)
+            (plan.tensors[path], sharding, ("",), owners.get(path, -1), 1)
             for path, sharding in by_stage[stage].items()
         ]
         memory = _memory(plan, coords, optimizer, census, buffers=False)
