@@ -211,7 +211,7 @@ def _stage_memory(
     for stage in range(len(config.pipeline_stages)):
         rank = stage_rank(stage, pp, config.stages_per_rank, config.pipeline_schedule)
         coords = dict.fromkeys(plan.mesh.axis_names, 0) | {axis: rank}
-        census = [
+        census: Census = [
             (plan.tensors[path], sharding, ("",), owners.get(path, -1), 1)
             for path, sharding in by_stage[stage].items()
         ]
