@@ -266,9 +266,9 @@ def _read_slowly(
     dict[str, list[tuple[str, Any]]],
 ]:
     """`_walk`'s answers through the module's own named_* methods (a class overrides them)."""
-    modules = {name: type(m) for name, m in module.named_modules()}
+    modules: dict[str, type | None] = {name: type(m) for name, m in module.named_modules()}
     owners = dict(module.named_modules(remove_duplicate=False))
-    block_of = {path: _block_of(path) for path in owners}
+    block_of: dict[str, str | None] = {path: _block_of(path) for path in owners}
     block_modules: dict[str, list[tuple[str, Any]]] = {}
     for path, cls in modules.items():
         block = block_of[path]
