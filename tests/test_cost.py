@@ -5,7 +5,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import functional_shard as fs
+from functional_shard.core.layout import local_numel
 from functional_shard.costing.census import zero1_owners
+from functional_shard.costing.cost import unit_gathered
 
 from .strategies import data_policies, linear_colwise, module_trees
 
@@ -181,3 +183,30 @@ def test_worst_memory_of_candidates_whose_shards_differ_is_found_rank_by_rank(mo
         ((_memory(plan, c, "adamw", census), c) for c in candidates), key=lambda item: sum(item[0].values())
     )
     assert _worst_memory(plan, candidates, "adamw", census) == expected
+
+
+@given(
+    st.lists(st.sampled_from([(4, 8), (4, 6), (6, 4)]), min_size=1, max_size=6), st.integers(1, 4), st.data()
+)
+def test_gathered_bytes_per_unit_equal_the_sum_over_its_parameters(sizes, dp, data):
+    # the census counts alike units once (blocks of equal sizes here); every unit must
+    # still get exactly its own parameters' gathered bytes
+    model = nn.Sequential(
+        nn.Linear(4, 4, device="meta"),
+        nn.ModuleList(nn.Sequential(nn.Linear(i, o, device="meta"), nn.ReLU()) for i, o in sizes),
+    )
+    policy = data.draw(st.sampled_from([fs.fsdp("dp"), fs.zero(2, "dp"), fs.zero(3, "dp")]))
+    plan = fs.shard(model, fs.Mesh(dp=dp), policy)
+    expected: dict[str, int] = {}
+    origin = {"dp": 0}
+    for path, sharding in plan.params.items():
+        padded = sharding.at_rest_axes
+        if padded:
+            tensor = plan.tensors[path]
+            shard = local_numel(tensor.shape, sharding.storage, plan.mesh, origin, padded)
+            unit = plan.unit_of(path)
+            expected[unit] = (
+                expected.get(unit, 0) + shard * plan.mesh.axes_size(tuple(padded)) * tensor.itemsize
+            )
+    assert unit_gathered(plan) == expected
+    assert len(expected) == 1 + len(sizes)  # the root and each block
