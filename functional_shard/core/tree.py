@@ -159,14 +159,12 @@ _Members = tuple[list[tuple[str, "TensorSpec"]], list[tuple[str, "TensorSpec"]],
 """A block's (params, buffers, modules): tensors by path with their specs, modules by relative path."""
 
 
-def _blocks(
-    members: dict[str, _Members], tied: Iterable[str], block_of: Mapping[str, str | None]
-) -> tuple[Block, ...]:
+def _blocks(members: dict[str, _Members], tied: Iterable[str]) -> tuple[Block, ...]:
     """The model's blocks from their ``members``; a block holding a tied tensor is none."""
     # Big models repeat one block tens of times; finding the repeats here lets shard()
     # plan each kind of block once. The key holds everything a policy can see of a block
     # but its index: relative paths, tensors (with their owners' classes), module classes.
-    broken = {block_of.get(name.rpartition(".")[0]) for name in tied}
+    broken = {_block_of(name.rpartition(".")[0]) for name in tied}
     blocks = []
     for block, (block_params, block_buffers, block_modules) in members.items():
         if block in broken:
@@ -203,19 +201,17 @@ def _walk(
     list[tuple[str, nn.Parameter, type, str | None]],
     list[tuple[str, torch.Tensor, type, str | None]],
     dict[str, type | None],
-    dict[str, str | None],
     dict[str, list[tuple[str, Any]]],
 ]:
     """named_parameters(remove_duplicate=False), named_buffers() and named_modules(), one pass.
 
     A module's first visit in the full pre-order walk is where named_modules() (which
     skips repeats) lists it, so one walk gives all three, each tensor with its block; and
-    each module path's block, and each block's modules by relative path.
+    each block's modules by relative path.
     """
     params: list[tuple[str, nn.Parameter, type, str | None]] = []
     buffers: list[tuple[str, torch.Tensor, type, str | None]] = []
     modules: dict[str, type | None] = {}
-    blocks: dict[str, str | None] = {}
     block_modules: dict[str, list[tuple[str, Any]]] = {}
     seen_modules: set[int] = set()
     seen_buffers: set[int] = set()
@@ -230,7 +226,6 @@ def _walk(
             plain = plain_classes[cls] = _plain_walk(cls)
         if not plain:
             raise _NotPlainError
-        blocks[prefix] = block
         dot = prefix + "." if prefix else ""
         for name, param in mod._parameters.items():
             if param is not None:
@@ -253,7 +248,7 @@ def _walk(
                     visit(child, dot + name, block, inside)
 
     visit(module, "", None, None)
-    return params, buffers, modules, blocks, block_modules
+    return params, buffers, modules, block_modules
 
 
 def _read_slowly(
@@ -262,7 +257,6 @@ def _read_slowly(
     list[tuple[str, nn.Parameter, type, str | None]],
     list[tuple[str, torch.Tensor, type, str | None]],
     dict[str, type | None],
-    dict[str, str | None],
     dict[str, list[tuple[str, Any]]],
 ]:
     """`_walk`'s answers through the module's own named_* methods (a class overrides them)."""
@@ -282,14 +276,14 @@ def _read_slowly(
         (path, buffer, type(owners[_module_path(path)]), block_of[_module_path(path)])
         for path, buffer in module.named_buffers()
     ]
-    return found_params, found_buffers, modules, block_of, block_modules
+    return found_params, found_buffers, modules, block_modules
 
 
 def _from_module(module: nn.Module) -> ModelTree:
     try:
-        found_params, found_buffers, modules, block_of, block_modules = _walk(module)
+        found_params, found_buffers, modules, block_modules = _walk(module)
     except _NotPlainError:
-        found_params, found_buffers, modules, block_of, block_modules = _read_slowly(module)
+        found_params, found_buffers, modules, block_modules = _read_slowly(module)
     members: dict[str, _Members] = {block: ([], [], kids) for block, kids in block_modules.items()}
     # blocks repeat: one TensorSpec per (shape, dtype, owner, kind) keeps reading cheap
     specs: dict[tuple[Any, ...], TensorSpec] = {}
@@ -329,7 +323,7 @@ def _from_module(module: nn.Module) -> ModelTree:
     )
     tied = {first: tuple(tied_names[first]) for first in sorted(tied_names, key=position.__getitem__)}
     every_tied = [name for names in tied.values() for name in names]
-    return ModelTree(params, buffers, tied, modules, alias_specs, _blocks(members, every_tied, block_of))
+    return ModelTree(params, buffers, tied, modules, alias_specs, _blocks(members, every_tied))
 
 
 def _tensor_key(tensor: torch.Tensor) -> tuple[Any, ...]:
@@ -383,7 +377,7 @@ def _from_pytree(tree: Any) -> ModelTree:
         block = block_of[_module_path(path)]
         if block is not None:
             members[block][0].append((path, tensor))
-    return ModelTree(params, {}, tied, modules, {}, _blocks(members, tied_names, block_of))
+    return ModelTree(params, {}, tied, modules, {}, _blocks(members, tied_names))
 
 
 def read_model(model: Any) -> ModelTree:
