@@ -108,9 +108,14 @@ def _repeated_blocks(tree: ModelTree) -> list[tuple[str, str]]:
     # Sequential whose class repeats and that hold modules of their own: the repeated
     # blocks, wherever they live (layers, encoder and decoder stacks, vision stages)
     modules = tree.modules
-    containers = {
-        path: cls for path, cls in modules.items() if cls is not None and issubclass(cls, _CONTAINERS)
-    }
+    is_container: dict[type | None, bool] = {None: False}  # a model has a handful of classes
+    containers: dict[str, type] = {}
+    for path, cls in modules.items():
+        found = is_container.get(cls)
+        if found is None and cls is not None:
+            found = is_container[cls] = issubclass(cls, _CONTAINERS)
+        if found and cls is not None:
+            containers[path] = cls
     if not containers:  # once per module path, so the common case stays one pass
         return []
     elements: dict[str, list[tuple[str, type]]] = {}
@@ -134,6 +139,8 @@ def _repeated_blocks(tree: ModelTree) -> list[tuple[str, str]]:
         chosen += [
             (path, f"a repeated block: {counts[cls]} × {cls.__name__} in {where}") for path, cls in kids
         ]
+    if len(elements) == 1:  # one container's elements come in model order already
+        return chosen
     order = {path: index for index, path in enumerate(modules)}
     return sorted(chosen, key=lambda item: order[item[0]])
 
