@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 
 import functional_shard as fs
 from functional_shard.core.sequence import (
+    causal_imbalance,
+    causal_work,
     check_sequence_length,
     chunk_count,
     sequence_chunks,
@@ -402,3 +404,49 @@ def test_bf16_under_cp_matches_one_process_making_the_same_casts(world4, balance
         error = (first["grads"][name] - grad).norm() / grad.norm()
         assert error < 1e-2, f"{name}: the first gradient is {error:.2%} off"
     assert {value.dtype for value in first["params"].values()} == {torch.float32}  # master weights stay fp32
+
+
+@given(cp=st.integers(1, 16), per_chunk=st.integers(1, 64), balance=st.booleans())
+def test_causal_work_counts_each_ranks_query_key_pairs(cp, per_chunk, balance):
+    seq = per_chunk * 2 * cp
+    work = [causal_work(seq, cp, r, load_balance=balance) for r in range(cp)]
+    assert work == [sum(p + 1 for p in token_positions(seq, cp, r, load_balance=balance)) for r in range(cp)]
+    assert sum(work) == seq * (seq + 1) // 2  # every pair of the causal triangle, once
+    assert causal_imbalance(seq, cp, load_balance=balance) == pytest.approx(max(work) * cp / sum(work))
+    if balance or cp == 1:
+        assert causal_imbalance(seq, cp, load_balance=balance) == 1.0
+    else:  # the last chunk's rank: nearly (2·cp − 1) / cp times the mean
+        assert 1 < causal_imbalance(seq, cp, load_balance=balance) <= (2 * cp - 1) / cp
+
+
+def test_without_balancing_the_estimate_waits_for_the_rank_with_the_latest_chunk():
+    import dataclasses
+
+    model = llama("tiny")
+    config = model.config
+    mesh = fs.Mesh(dp=1, cp=4)
+    batch, seq = 2, 1024
+    balanced, unbalanced = (
+        fs.estimate(
+            model,
+            fs.shard(model, mesh, fs.fsdp(("dp", "cp")) + fs.cp("cp", load_balance=lb)),
+            batch=batch,
+            seq=seq,
+            hardware="h100",
+        )
+        for lb in (True, False)
+    )
+    assert "unbalanced causal attention" not in balanced.exposed_seconds
+    # each layer scores a rank's quarter of the queries against every key (the zoo repeats
+    # its key/value heads first), forward once and backward twice over
+    head_dim = config.hidden_size // config.num_heads
+    attention = 3 * config.num_layers * 4 * batch * config.num_heads * (seq // 4) * seq * head_dim
+    rate = fs.hardware("h100").achievable_flops(balanced.dtype)
+    extra = attention * (causal_imbalance(seq, 4, load_balance=False) - 1) / rate
+    assert unbalanced.exposed_seconds["unbalanced causal attention"] == pytest.approx(extra, rel=1e-9)
+    assert unbalanced.step_seconds == pytest.approx(balanced.step_seconds + extra, rel=1e-9)
+    # on a CPU the engine's masked SDPA scores every pair: every rank works alike
+    cpu_like = dataclasses.replace(fs.hardware("h100"), skips_masked_attention=False)
+    plan = fs.shard(model, mesh, fs.fsdp(("dp", "cp")) + fs.cp("cp", load_balance=False))
+    flat = fs.estimate(model, plan, batch=batch, seq=seq, hardware=cpu_like)
+    assert "unbalanced causal attention" not in flat.exposed_seconds
