@@ -112,6 +112,37 @@ def reference(kind: str, data_parallel: int, *, shuffled: bool = False) -> dict[
     }
 
 
+def reference_bf16(kind: str, data_parallel: int) -> dict[str, Any]:
+    """`reference` with mixed precision's casts made by hand, as FSDP2's bf16 policy makes them.
+
+    The forward and backward run on a bfloat16 copy of the float32 parameters (inputs
+    and activations bf16 too); the gradients come back to float32 for AdamW, which steps
+    the float32 parameters, as `fs.mixed_precision(torch.bfloat16)` has FSDP2 do.
+    """
+    model = build(kind)
+    low = build(kind).to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grads = [], {}
+    for step, tokens in enumerate(batches(data_parallel)):
+        with torch.no_grad():
+            for high_param, low_param in zip(model.parameters(), low.parameters(), strict=True):
+                low_param.copy_(high_param)
+        low.zero_grad()
+        loss = loss_fn(low(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        for high_param, low_param in zip(model.parameters(), low.parameters(), strict=True):
+            high_param.grad = low_param.grad.float()
+        if step == 0:
+            grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(loss.item())
+    return {
+        "losses": losses,
+        "grads": grads,
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
+
+
 def planned(kind: str, mesh: dict[str, int], policy: str, *, applied: bool = True) -> tuple[Any, fs.Plan]:
     """The model of ``kind`` and its plan (applied unless ``applied=False``)."""
     model = build(kind)

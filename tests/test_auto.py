@@ -441,6 +441,7 @@ def test_a_forward_only_trace_with_the_plain_backward_is_the_whole_trace(tp, sp,
     backward = {
         "backward_flops": without.backward_flops,
         "backward_weight_flops": without.backward_weight_flops,
+        "attention_backward_flops": without.attention_backward_flops,
     }
     assert dataclasses.replace(forward, **backward) == whole
 

@@ -18,7 +18,15 @@ from __future__ import annotations
 
 from .errors import ShardingError
 
-__all__ = ["check_sequence_length", "chunk_count", "sequence_chunks", "token_positions", "token_ranges"]
+__all__ = [
+    "causal_imbalance",
+    "causal_work",
+    "check_sequence_length",
+    "chunk_count",
+    "sequence_chunks",
+    "token_positions",
+    "token_ranges",
+]
 
 
 def chunk_count(cp: int, *, load_balance: bool) -> int:
@@ -103,3 +111,38 @@ def token_positions(seq: int, cp: int, rank: int, *, load_balance: bool) -> tupl
         for start, stop in token_ranges(seq, cp, rank, load_balance=load_balance)
         for p in range(start, stop)
     )
+
+
+def causal_work(seq: int, cp: int, rank: int, *, load_balance: bool) -> int:
+    """Query-key pairs cp rank ``rank`` scores under a causal mask: ``p + 1`` for its query at ``p``.
+
+    What a kernel that skips masked blocks (flash attention, torch's ring) does on that
+    rank, in pairs; its sum over the ranks is the whole sequence's.
+
+    Examples:
+        >>> [causal_work(8, 2, rank, load_balance=False) for rank in range(2)]
+        [10, 26]
+        >>> [causal_work(8, 2, rank, load_balance=True) for rank in range(2)]
+        [18, 18]
+    """
+    # the sum of p + 1 over [start, stop) is the difference of two triangular numbers
+    return sum(
+        (stop * (stop + 1) - start * (start + 1)) // 2
+        for start, stop in token_ranges(seq, cp, rank, load_balance=load_balance)
+    )
+
+
+def causal_imbalance(seq: int, cp: int, *, load_balance: bool) -> float:
+    """The busiest cp rank's causal attention work over the ranks' mean: 1.0 when balanced.
+
+    Unbalanced, the last rank holds the latest chunk and scores almost ``(2·cp − 1) / cp``
+    times the mean; every rank waits for it at the next collective.
+
+    Examples:
+        >>> causal_imbalance(1024, 4, load_balance=True)
+        1.0
+        >>> round(causal_imbalance(1024, 4, load_balance=False), 3)
+        1.749
+    """
+    work = [causal_work(seq, cp, rank, load_balance=load_balance) for rank in range(cp)]
+    return max(work) * cp / sum(work)

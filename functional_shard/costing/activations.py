@@ -235,8 +235,11 @@ class _Run:
             # selective checkpointing hands back SAVED_OPS' outputs instead of running them
             if config.checkpoint_policy == "selective":
                 flops.counts["recompute"] = flops.inside["all"] - flops.inside["saved"]
+                flops.attention["recompute"] = flops.attention_inside["all"] - flops.attention_inside["saved"]
             else:
                 flops.counts["recompute"] = flops.rerun
+                # (a block's attention runs before the ops that save its output: re-run too)
+                flops.attention["recompute"] = flops.attention_inside["all"]
         return counts_of(
             flops,
             by_owner,

@@ -7,10 +7,17 @@ times it the same way for both (`step_model.step_time`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from functional_shard.core.sequence import causal_imbalance
+
 from .cost import cost
 from .estimate_record import Estimate
 from .pipeline_estimate import pipeline_parts
 from .step_model import Assembly, StepParts, _recomputed, gathered_in_flight, step_time
+
+if TYPE_CHECKING:
+    from functional_shard.planning.plan import Plan
 
 __all__ = ["Assembly", "assemble"]
 
@@ -45,7 +52,18 @@ def _flat_parts(assembly: Assembly) -> StepParts:
         backward_flops=trace.backward_flops,
         recompute_flops=trace.recompute_flops,
         units=assembly.units,
+        attention_flops=trace.attention_flops
+        + trace.attention_backward_flops
+        + trace.attention_recompute_flops,
     )
+
+
+def _causal_imbalance(plan: Plan, seq: int) -> float:
+    """The cp group's busiest rank's causal attention work over the mean (1.0 without cp)."""
+    axis = plan.config.context_parallel_axis
+    if axis is None or plan.mesh[axis] == 1:
+        return 1.0
+    return causal_imbalance(seq, plan.mesh[axis], load_balance=plan.config.context_load_balance)
 
 
 def assemble(assembly: Assembly) -> Estimate:
@@ -77,6 +95,7 @@ def assemble(assembly: Assembly) -> Estimate:
         recompute_flops=parts.recompute_flops,
         units=parts.units,
         recomputed=_recomputed(parts.plan, checkpointed, assembly.batch * assembly.seq),
+        attention=(parts.attention_flops, _causal_imbalance(plan, assembly.seq)),
     )
     tp_axes = plan.config.tensor_parallel_axes
     return Estimate(

@@ -31,7 +31,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["ATTENTION_BACKWARD", "ATTENTION_FORWARD", "attention_backward", "attention_forward", "op_flops"]
+__all__ = [
+    "ATTENTION_BACKWARD",
+    "ATTENTION_FORWARD",
+    "attention_backward",
+    "attention_forward",
+    "is_attention",
+    "op_flops",
+]
 
 _aten = torch.ops.aten
 _Formula = Callable[..., int]
@@ -182,6 +189,19 @@ except ImportError:  # pragma: no cover - every supported torch has them
 else:
     ATTENTION_FORWARD[flex_attention] = _bhsd_forward
     ATTENTION_BACKWARD[flex_attention_backward] = _flex_backward
+
+
+def is_attention(func: Any) -> bool:
+    """Whether ``func`` (as a dispatch mode sees it) is an attention kernel, forward or backward.
+
+    Examples:
+        >>> is_attention(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+        True
+        >>> is_attention(torch.ops.aten.mm.default)
+        False
+    """
+    packet = getattr(func, "_overloadpacket", func)
+    return packet in ATTENTION_FORWARD or packet in ATTENTION_BACKWARD
 
 
 def op_flops(func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> int:

@@ -55,6 +55,12 @@ class Hardware:
     gloo on a CPU: no, they share the cores)."""
     collective_latency: float = 0.0
     """Seconds each collective costs beyond its bytes (0: bandwidth-bound sizes)."""
+    skips_masked_attention: bool = True
+    """Whether causal attention skips the masked half (flash kernels, torch's ring attention
+    on GPUs): then a context-parallel rank's attention work follows the chunks it holds,
+    and without load balancing the rank with the latest chunk works most
+    (`functional_shard.core.sequence.causal_imbalance`). On CPUs the engine's masked SDPA
+    scores every pair, so every rank works alike."""
     tensor_parallel_latency: float | None = None
     """Seconds each tensor-parallel collective costs beyond its bytes, the engine's own work
     around it included (DTensor's dispatch of the split module's ops); ``None``: as

@@ -32,6 +32,8 @@ from .step_model import Assembly, StepParts, gathered_in_flight
 if TYPE_CHECKING:
     from functional_shard.planning.plan import Plan
 
+    from .trace_results import ActivationTrace
+
 __all__ = [
     "microbatch_size",
     "pipeline_parts",
@@ -227,10 +229,17 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
         backward_flops=flops["backward"],
         recompute_flops=flops["recompute"],
         units=stage_units[chosen],
+        # the rank's stages' attention, in the share of the trace's flops they run
+        attention_flops=_attention_share(trace, sum(flops.values())),
         compute_seconds=timeline.makespan,
         sends=crossings,
         pipeline=PipelineEstimate(schedule, m, micro, stages, tuple(peaks), timeline),
     )
+
+
+def _attention_share(trace: ActivationTrace, rank_flops: float) -> float:
+    attention = trace.attention_flops + trace.attention_backward_flops + trace.attention_recompute_flops
+    return attention * rank_flops / trace.step_flops if trace.step_flops else 0.0
 
 
 def with_schedule(plan: Plan, schedule: str) -> Plan:

@@ -83,6 +83,7 @@ class StepParts:
         backward_flops: its backward flops per step.
         recompute_flops: what recomputation adds.
         units: the FSDP units it gathers, with their bytes.
+        attention_flops: of those flops (forward, backward and recompute), attention's.
         compute_seconds: a pipeline's makespan (bubble and sends in it); ``None``: the
             flops at the achievable rate.
         sends: a pipeline's point-to-point sends, ``"send/recv ..."`` -> seconds.
@@ -97,6 +98,7 @@ class StepParts:
     backward_flops: float
     recompute_flops: float
     units: Mapping[str, int]
+    attention_flops: float = 0.0
     compute_seconds: float | None = None
     sends: Mapping[str, float] = field(default_factory=dict)
     pipeline: PipelineEstimate | None = None
@@ -307,6 +309,7 @@ def step_time(
     recompute_flops: float,
     units: Mapping[str, int],
     recomputed: tuple[Mapping[str, float], int] = ({}, 0),
+    attention: tuple[float, float] = (0.0, 1.0),
 ) -> tuple[float, dict[str, float], dict[str, float]]:
     """Compute seconds, exposed communication by reason, and each collective's seconds.
 
@@ -323,6 +326,10 @@ def step_time(
     ``tensor_parallel_latency``). ``recomputed`` (bytes
     as `recomputed_collectives` gives them, and how many collectives) are the
     tensor-parallel collectives recomputation re-issues: on the critical path too.
+    ``attention`` is the rank's attention flops and its cp group's causal imbalance
+    (`functional_shard.core.sequence.causal_imbalance`): on hardware whose kernels skip the
+    masked half, the busiest rank's extra attention work is exposed (every rank waits for
+    it at the next collective).
     """
     rate = hw.achievable_flops(dtype)
     compute = (forward_flops + backward_flops + recompute_flops) / rate
@@ -363,6 +370,9 @@ def step_time(
         per_collective[f"{what} ({tp_link}, recompute)"] = seconds
         recompute += seconds
     exposed: dict[str, float] = {}
+    attention_flops, imbalance = attention
+    if hw.skips_masked_attention and imbalance > 1 and attention_flops:
+        exposed["unbalanced causal attention"] = attention_flops * (imbalance - 1) / rate
     if not hw.overlap_communication:
         total = tensor_parallel + recompute + sharded + all_reduce + broadcast + expert + context
         if total:

@@ -20,7 +20,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .flops import op_flops
+from .flops import is_attention, op_flops
 from .trace_checkpointing import SAVED_OPS
 
 __all__ = ["Births", "Flops", "kept_bytes", "kept_bytes_by_owner", "storage_key"]
@@ -114,6 +114,8 @@ class Flops(TorchDispatchMode):
         super().__init__()
         self.backward = False
         self.counts = {"forward": 0, "backward": 0, "recompute": 0, "weight": 0}
+        # of those, attention's by phase: the work context parallel shares out by chunk
+        self.attention = {"forward": 0, "backward": 0, "recompute": 0}
         # the shapes of the 2-D parameters (either way round): a backward matmul whose
         # output has one and whose operands are both activations is a weight's gradient
         # (dW = dY^T X); one that multiplies by a weight (or its cast copy) is an input's
@@ -123,6 +125,7 @@ class Flops(TorchDispatchMode):
         # them selective checkpointing keeps (SAVED_OPS): what recomputation will re-run
         self.checkpointed = 0
         self.inside = {"all": 0, "saved": 0}
+        self.attention_inside = {"all": 0, "saved": 0}  # attention's part of ``inside``
         # of those, the flops up to the last op that saved a tensor for backward in each
         # checkpointed call: what torch's recompute runs before it stops (early stop)
         self.rerun = 0
@@ -147,6 +150,9 @@ class Flops(TorchDispatchMode):
         if count:
             phase = "forward" if not self.backward else "recompute" if torch.is_grad_enabled() else "backward"
             self.counts[phase] += count
+            attention = is_attention(func)
+            if attention:
+                self.attention[phase] += count
             if (
                 phase == "backward"
                 and func in _WEIGHT_GRAD_OPS
@@ -161,6 +167,9 @@ class Flops(TorchDispatchMode):
             if self.checkpointed and not self.backward:
                 self.inside["all"] += count
                 self.inside["saved"] += count if func in SAVED_OPS else 0
+                if attention:
+                    self.attention_inside["all"] += count
+                    self.attention_inside["saved"] += count if func in SAVED_OPS else 0
         return out
 
 

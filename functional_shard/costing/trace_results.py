@@ -52,6 +52,11 @@ class ActivationTrace:
         stage_shared_bytes: of each stage's activation bytes, those made outside every
             stage's modules (counted in each).
         stage_shared_flops: of each stage's forward flops, those run outside them.
+        attention_flops: of ``forward_flops``, attention's (the kernels of
+            `functional_shard.costing.flops.is_attention`): the work context parallel's
+            chunks share out, evenly only when balanced.
+        attention_backward_flops: of ``backward_flops``, attention's.
+        attention_recompute_flops: of ``recompute_flops``, attention's.
     """
 
     rank: int
@@ -72,6 +77,9 @@ class ActivationTrace:
     stage_output_bytes: tuple[int, ...] = ()
     stage_shared_bytes: int = 0
     stage_shared_flops: int = 0
+    attention_flops: int = 0
+    attention_backward_flops: int = 0
+    attention_recompute_flops: int = 0
 
     @property
     def step_flops(self) -> int:
@@ -156,6 +164,9 @@ def counts_of(
         "backward_flops": flops.counts["backward"],
         "recompute_flops": flops.counts["recompute"],
         "backward_weight_flops": flops.counts["weight"],
+        "attention_flops": flops.attention["forward"],
+        "attention_backward_flops": flops.attention["backward"],
+        "attention_recompute_flops": flops.attention["recompute"],
     }
     if stages:
         forward = _per_stage(flops.by_stage, stages)
