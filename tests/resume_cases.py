@@ -69,7 +69,9 @@ def train_and_save(plan_name: str, path: str, steps: int, resume: bool) -> dict[
         DATASET, plan=plan, rank=dist.get_rank(), batch_size=GLOBAL_BATCH, seed=SEED
     )
     loader = sampler.loader(tokens())
+    refused = None
     if resume:
+        refused = _refused_before_loading(plan, model, optimizer, path)
         fs.checkpoint.load(path, model, optimizer, data=loader)
     step = fs.forward_backward(plan, model, pipeline_cases.lm_loss)
     losses: list[float] = []
@@ -86,7 +88,24 @@ def train_and_save(plan_name: str, path: str, steps: int, resume: bool) -> dict[
                 break
     if not resume:
         fs.checkpoint.save(path, model, optimizer, data=loader)
-    return {"losses": losses, "state": loader.state_dict()} if dist.get_rank() == 0 else None
+    result = {"losses": losses, "state": loader.state_dict(), "refused": refused}
+    return result if dist.get_rank() == 0 else None
+
+
+def _refused_before_loading(
+    plan: fs.Plan, model: torch.nn.Module, optimizer: Any, path: str
+) -> dict[str, Any]:
+    """Load with a sampler of another global batch: the refusal, and whether the module stayed."""
+    other = fs.ResumableSampler(DATASET, plan=plan, rank=dist.get_rank(), batch_size=2 * GLOBAL_BATCH)
+    before = [full(param) for param in model.parameters()]
+    try:
+        fs.checkpoint.load(path, model, optimizer, data=other)
+        message = None
+    except fs.ShardingError as error:
+        message = str(error)
+    after = [full(param) for param in model.parameters()]
+    unchanged = all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    return {"message": message, "unchanged": unchanged, "position": other.state_dict()["consumed"]}
 
 
 # ---- Lightning ------------------------------------------------------------------------

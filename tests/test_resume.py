@@ -143,6 +143,13 @@ def _resume(world4, tmp_path, saved_under: tuple[str, int], resumed_under: tuple
     first = on(saved_under[1], saved_under[0], path, stop, False)
     assert first["state"]["consumed"] == stop * resume_cases.GLOBAL_BATCH
     second = on(resumed_under[1], resumed_under[0], path, stop, True)
+    # first a sampler of another global batch: refused before any tensor loaded
+    assert (
+        "saved with a global batch of 8 samples, this sampler has batch_size=16"
+        in second["refused"]["message"]
+    )
+    assert second["refused"]["unchanged"]
+    assert second["refused"]["position"] == 0
     assert second["state"]["epoch"] == 1  # three steps an epoch: the resume crossed into the next
     assert first["losses"] + second["losses"] == pytest.approx(uninterrupted, abs=1e-5)
 

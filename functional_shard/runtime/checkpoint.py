@@ -52,7 +52,7 @@ from .checkpoint_checks import (
     write_manifest,
 )
 from .checkpoint_read import META, checked_file, checked_folder, optimizers_by_key, read, refusals_raised
-from .checkpoint_safety import SafeReader, empty_state_planner, plain_problems
+from .checkpoint_safety import SafeReader, empty_state_planner, load_file, plain_problems
 from .checkpoint_state import (
     model_state,
     optimizer_state,
@@ -228,8 +228,8 @@ def load(
             refusing them (shapes and dtypes must still match).
         trust: rebuild any object the file names, running its code (only for files you trust).
         data: a `ResumableLoader` or `ResumableSampler` to continue the data order saved
-            with ``save(..., data=)``, whatever plan and world size saved it. Its state is
-            checked after the tensors load.
+            with ``save(..., data=)``, whatever plan and world size saved it. A folder's
+            data order is checked before the tensors load; a file's once it is read.
 
     Returns:
         The ``extra`` values saved beside.
@@ -244,6 +244,8 @@ def load(
         >>> # fs.checkpoint.load("ckpt", model, optimizer, data=loader)   # the data order goes on
     """
     optimizers = {"optimizer": optimizer} if optimizer is not None else {}
+    if data is not None and callable(getattr(data, "check_state_dict", None)):
+        _check_data_order_first(Path(path), data, trust=trust)
     extra = dict(read(path, ("model", module), optimizers, strict=strict, trust=trust).get("extra", {}))
     if data is not None:
         if DATA_ORDER not in extra:
@@ -257,6 +259,21 @@ def load(
 
 
 DATA_ORDER = "data_order"
+
+
+def _check_data_order_first(path: Path, data: Any, *, trust: bool) -> None:
+    # a folder's meta.pt is small: a data order that cannot go on is refused before any
+    # tensor loads (read checks the folder's digests after; a meta.pt it cannot read is
+    # left for read to name); a full file is read whole once, by read
+    if not (path / META).is_file():
+        return
+    try:
+        meta = load_file(path / META, trust=trust)
+    except ShardingError:
+        return
+    extra = meta.get("extra") if isinstance(meta, dict) else None
+    if isinstance(extra, dict) and DATA_ORDER in extra:
+        data.check_state_dict(extra[DATA_ORDER])
 
 
 def _with_data_order(extra: dict[str, Any] | None, data: Any) -> dict[str, Any] | None:

@@ -197,14 +197,29 @@ class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
         length and the global batch must match this sampler's.
 
         Raises:
+            ShardingError: as `check_state_dict`; the sampler is then unchanged.
+        """
+        self.check_state_dict(state)
+        self.order = dataclasses.replace(self.order, seed=state["seed"], shuffle=state["shuffle"])
+        self.seed, self.shuffle = self.order.seed, self.order.shuffle
+        self.epoch, self.consumed, self.steps = state["epoch"], state["consumed"], state["steps"]
+
+    def check_state_dict(self, state: Any) -> None:
+        """Refuse a state this sampler cannot continue; change nothing.
+
+        Raises:
             ShardingError: ``state`` is not a sampler state, is of another dataset, or its
                 global batch differs from this sampler's or does not divide over this
-                plan's data-parallel ranks.
+                plan's data-parallel ranks (both numbers named).
+
+        Examples:
+            >>> saved = ResumableSampler(24, batch_size=6).state_dict()
+            >>> ResumableSampler(24, batch_size=6).check_state_dict(saved)  # fits: nothing happens
         """
-        missing = [key for key in _STATE_KEYS if key not in state]
+        missing = [key for key in _STATE_KEYS if key not in state] if isinstance(state, dict) else _STATE_KEYS
         if missing:
             raise ShardingError(
-                f"ResumableSampler.load_state_dict: the state lacks {missing}; pass what "
+                f"ResumableSampler: the state lacks {list(missing)}; pass what "
                 "ResumableSampler.state_dict() (or fs.checkpoint.save(data=...)) wrote"
             )
         problems = []
@@ -229,9 +244,6 @@ class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
             raise ShardingError(
                 "ResumableSampler cannot resume this state:\n" + "\n".join(f"* {p}" for p in problems)
             )
-        self.order = dataclasses.replace(self.order, seed=state["seed"], shuffle=state["shuffle"])
-        self.seed, self.shuffle = self.order.seed, self.order.shuffle
-        self.epoch, self.consumed, self.steps = state["epoch"], state["consumed"], state["steps"]
 
     def loader(self, dataset: Any, **options: Any) -> ResumableLoader:
         """A DataLoader of ``dataset`` reading this sampler, ``global batch / dp`` samples per step.
@@ -307,3 +319,7 @@ class ResumableLoader(DataLoader):  # type: ignore[type-arg]
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The sampler's `ResumableSampler.load_state_dict`."""
         self.order_sampler.load_state_dict(state)
+
+    def check_state_dict(self, state: Any) -> None:
+        """The sampler's `ResumableSampler.check_state_dict`."""
+        self.order_sampler.check_state_dict(state)
