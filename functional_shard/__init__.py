@@ -79,6 +79,9 @@ if TYPE_CHECKING:
     from .runtime.apply import materialize as materialize
     from .runtime.apply import optimizer as optimizer
     from .runtime.apply import sequence_context as sequence_context
+    from .runtime.data_order import DataOrder as DataOrder
+    from .runtime.data_order import ResumableLoader as ResumableLoader
+    from .runtime.data_order import ResumableSampler as ResumableSampler
     from .runtime.launch import LocalWorld as LocalWorld
     from .runtime.launch import RankFailedError as RankFailedError
     from .runtime.launch import run_local as run_local
@@ -138,6 +141,9 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "PolicyError": ("core.errors", "PolicyError"),
     "ShardingError": ("core.errors", "ShardingError"),
     "SpecError": ("core.errors", "SpecError"),
+    "DataOrder": ("runtime.data_order", "DataOrder"),
+    "ResumableLoader": ("runtime.data_order", "ResumableLoader"),
+    "ResumableSampler": ("runtime.data_order", "ResumableSampler"),
     "LocalWorld": ("runtime.launch", "LocalWorld"),
     "RankFailedError": ("runtime.launch", "RankFailedError"),
     "run_local": ("runtime.launch", "run_local"),
@@ -246,6 +252,10 @@ __all__ = [
     "optimizer",
     "run_local",
     "checkpoint",
+    # the data order, resumable on any plan
+    "DataOrder",
+    "ResumableLoader",
+    "ResumableSampler",
     # measuring running plans, beside plan.cost()
     "CollectiveLog",
     "resident_bytes",

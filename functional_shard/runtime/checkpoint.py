@@ -52,7 +52,7 @@ from .checkpoint_checks import (
     write_manifest,
 )
 from .checkpoint_read import META, checked_file, checked_folder, optimizers_by_key, read, refusals_raised
-from .checkpoint_safety import SafeReader, empty_state_planner, plain_problems
+from .checkpoint_safety import SafeReader, empty_state_planner, load_file, plain_problems
 from .checkpoint_state import (
     model_state,
     optimizer_state,
@@ -118,6 +118,7 @@ def save(
     full: bool = False,
     extra: dict[str, Any] | None = None,
     asynchronous: Literal[False] = False,
+    data: Any = None,
 ) -> Path: ...
 
 
@@ -130,6 +131,7 @@ def save(
     full: bool = False,
     extra: dict[str, Any] | None = None,
     asynchronous: Literal[True],
+    data: Any = None,
 ) -> PendingSave: ...
 
 
@@ -141,6 +143,7 @@ def save(
     full: bool = False,
     extra: dict[str, Any] | None = None,
     asynchronous: bool = False,
+    data: Any = None,
 ) -> Path | PendingSave:
     """Save a parallelized module (and optimizer) on every rank, atomically.
 
@@ -156,19 +159,24 @@ def save(
             running code.
         asynchronous: copy this rank's shards to host memory and write them in the
             background (torch's ``async_save``); training goes on at once. Sharded only.
+        data: a `ResumableLoader` or `ResumableSampler` (anything with ``state_dict()``):
+            where the data order stands, kept in ``extra`` as ``"data_order"``; ``load(...,
+            data=)`` puts it back, under any plan and world size.
 
     Returns:
         The path written; with ``asynchronous``, a `PendingSave` whose ``wait()`` (every
         rank) finishes it and returns the path.
 
     Raises:
-        ShardingError: ``extra`` holds what a safe load could not rebuild, or
-            ``asynchronous`` with ``full``.
+        ShardingError: ``extra`` holds what a safe load could not rebuild (or a
+            ``"data_order"`` beside ``data``), or ``asynchronous`` with ``full``.
 
     Examples:
         >>> # fs.checkpoint.save("ckpt", model, optimizer); fs.checkpoint.load("ckpt", model, optimizer)
         >>> # pending = fs.checkpoint.save("ckpt", model, optimizer, asynchronous=True); pending.wait()
+        >>> # fs.checkpoint.save("ckpt", model, optimizer, data=loader)   # a fs.ResumableSampler's loader
     """
+    extra = _with_data_order(extra, data)
     problems = plain_problems(extra or {}, "extra")
     if problems:
         raise ShardingError(
@@ -203,6 +211,7 @@ def load(
     *,
     strict: bool = True,
     trust: bool = False,
+    data: Any = None,
 ) -> dict[str, Any]:
     """Load a checkpoint into a parallelized module (and optimizer), whatever plan saved it.
 
@@ -218,19 +227,69 @@ def load(
         strict: ``False`` skips keys the checkpoint lacks or the module lacks instead of
             refusing them (shapes and dtypes must still match).
         trust: rebuild any object the file names, running its code (only for files you trust).
+        data: a `ResumableLoader` or `ResumableSampler` to continue the data order saved
+            with ``save(..., data=)``, whatever plan and world size saved it. A folder's
+            data order is checked before the tensors load; a file's once it is read.
 
     Returns:
         The ``extra`` values saved beside.
 
     Raises:
         ShardingError: no checkpoint at ``path``; one that is damaged (missing, cut short or
-            corrupted files), holds code, or does not fit the module (the first keys named).
+            corrupted files), holds code, or does not fit the module (the first keys named);
+            ``data`` given and no data order saved, or one it cannot continue.
 
     Examples:
         >>> # extra = fs.checkpoint.load("ckpt", model, optimizer); step = extra["step"]
+        >>> # fs.checkpoint.load("ckpt", model, optimizer, data=loader)   # the data order goes on
     """
     optimizers = {"optimizer": optimizer} if optimizer is not None else {}
-    return dict(read(path, ("model", module), optimizers, strict=strict, trust=trust).get("extra", {}))
+    if data is not None and callable(getattr(data, "check_state_dict", None)):
+        _check_data_order_first(Path(path), data, trust=trust)
+    extra = dict(read(path, ("model", module), optimizers, strict=strict, trust=trust).get("extra", {}))
+    if data is not None:
+        if DATA_ORDER not in extra:
+            raise ShardingError(
+                f"fs.checkpoint.load(data=...): the checkpoint at {path} holds no data order (its extra has "
+                f"{sorted(extra)}); it was saved without save(..., data=loader). The weights loaded; "
+                "start the data order anew or resume from a checkpoint saved with data="
+            )
+        data.load_state_dict(extra[DATA_ORDER])
+    return extra
+
+
+DATA_ORDER = "data_order"
+
+
+def _check_data_order_first(path: Path, data: Any, *, trust: bool) -> None:
+    # a folder's meta.pt is small: a data order that cannot go on is refused before any
+    # tensor loads (read checks the folder's digests after; a meta.pt it cannot read is
+    # left for read to name); a full file is read whole once, by read
+    if not (path / META).is_file():
+        return
+    try:
+        meta = load_file(path / META, trust=trust)
+    except ShardingError:
+        return
+    extra = meta.get("extra") if isinstance(meta, dict) else None
+    if isinstance(extra, dict) and DATA_ORDER in extra:
+        data.check_state_dict(extra[DATA_ORDER])
+
+
+def _with_data_order(extra: dict[str, Any] | None, data: Any) -> dict[str, Any] | None:
+    if data is None:
+        return extra
+    if DATA_ORDER in (extra or {}):
+        raise ShardingError(
+            f"fs.checkpoint.save: extra[{DATA_ORDER!r}] and data= both say where the data order stands; "
+            f"rename the extra key or drop data="
+        )
+    if not callable(getattr(data, "state_dict", None)):
+        raise ShardingError(
+            f"fs.checkpoint.save(data=...): {type(data).__name__} has no state_dict(); pass the run's "
+            "fs.ResumableSampler or the loader it made"
+        )
+    return {**(extra or {}), DATA_ORDER: data.state_dict()}
 
 
 def latest(directory: str | os.PathLike[str]) -> Path | None:

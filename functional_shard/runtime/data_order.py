@@ -1,0 +1,325 @@
+"""A data order defined globally, so a run resumes on any plan and world size where it stopped.
+
+`DataOrder` is the pure part: each epoch a permutation of the dataset from ``seed + epoch``,
+cut into global batches of ``global_batch`` samples (the tail that fills no whole global
+batch is left out), each global batch cut into equal contiguous slices, one per
+data-parallel rank. Ranks that differ only along model axes (tp, pp, cp) read the same
+slice, as `Plan.data_parallel_rank` says.
+
+`ResumableSampler` walks that order for one rank, and its `ResumableLoader` counts the
+batches it hands out; their ``state_dict()`` holds the epoch, the samples of the epoch
+consumed (globally), the seed and the global batch, so a resume under another
+data-parallel size continues with the very next global batch. No process group is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from functional_shard.core.errors import ShardingError
+
+if TYPE_CHECKING:
+    from functional_shard.planning.plan import Plan
+
+__all__ = ["DataOrder", "ResumableLoader", "ResumableSampler"]
+
+# what a state_dict holds, in this order; all plain ints and bools (fs.checkpoint's extra)
+_STATE_KEYS = ("dataset_len", "global_batch", "seed", "shuffle", "epoch", "consumed", "steps")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataOrder:
+    """The global order of a run's samples: which samples each step reads, on any plan.
+
+    Args:
+        dataset_len: how many samples the dataset holds.
+        global_batch: samples per step over all data-parallel ranks.
+        seed: each epoch's permutation comes from ``seed + epoch``.
+        shuffle: permute each epoch (else the dataset's own order, every epoch).
+
+    Examples:
+        >>> order = DataOrder(10, global_batch=4, shuffle=False)
+        >>> order.steps_per_epoch, order.rank_slice(0, step=1, index=1, count=2)
+        (2, [6, 7])
+    """
+
+    dataset_len: int
+    global_batch: int
+    seed: int = 0
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        problems = [
+            f"{name}={value!r} must be a whole number of at least {least}"
+            for name, value, least in (
+                ("dataset_len", self.dataset_len, 1),
+                ("global_batch", self.global_batch, 1),
+            )
+            if isinstance(value, bool) or not isinstance(value, int) or value < least
+        ]
+        if not problems and self.global_batch > self.dataset_len:
+            problems.append(
+                f"global_batch={self.global_batch} is larger than dataset_len={self.dataset_len}: "
+                "not one whole global batch fits an epoch"
+            )
+        if problems:
+            raise ShardingError(
+                f"DataOrder: {'; '.join(problems)}; pass the dataset's length and samples per step"
+            )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Whole global batches per epoch (the tail that fills none is left out)."""
+        return self.dataset_len // self.global_batch
+
+    def epoch(self, epoch: int) -> list[int]:
+        """The sample indices of ``epoch`` in the order the steps read them (whole batches only)."""
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(self.dataset_len, generator=generator).tolist()
+        else:
+            order = list(range(self.dataset_len))
+        return order[: self.steps_per_epoch * self.global_batch]
+
+    def rank_slice(self, epoch: int, *, step: int, index: int, count: int) -> list[int]:
+        """The samples data-parallel rank ``index`` of ``count`` reads at ``step`` of ``epoch``."""
+        return _slice(self.epoch(epoch), step, self.global_batch, index, self.local_batch(count))
+
+    def local_batch(self, count: int) -> int:
+        """Samples per step on each of ``count`` data-parallel ranks; refused unless it divides."""
+        if self.global_batch % count:
+            raise ShardingError(
+                f"the global batch of {self.global_batch} samples does not divide over {count} data-parallel "
+                f"ranks ({self.global_batch} % {count} = {self.global_batch % count}): every rank must read "
+                f"as many samples per step; pick a global batch that is a multiple of {count}, or a plan "
+                "whose data-parallel size divides it"
+            )
+        return self.global_batch // count
+
+
+class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
+    """This rank's share of a globally defined data order, resumable on any plan.
+
+    Each step reads one global batch of the epoch's permutation (`DataOrder`), cut over the
+    plan's data-parallel ranks; tp, pp and cp ranks of one data-parallel group read the same
+    samples. Feed it through `loader` (a DataLoader of ``global batch / dp`` samples per
+    step that counts the steps it hands out); its ``state_dict()`` and `fs.checkpoint.save`'s
+    ``data=`` keep the position, and a run resumed under another plan or world size goes on
+    with the next global batch. A torch ``DistributedSampler``, so Lightning uses it as it is;
+    it follows ``set_epoch`` (a new epoch starts from its first batch; the current one goes on).
+
+    Args:
+        dataset_len: ``len(dataset)``.
+        plan: the run's plan (its data-parallel axes split each global batch); None: one rank.
+        rank: this process's global rank (under ``plan``).
+        batch_size: the global batch, samples per step over all data-parallel ranks.
+        seed: the permutation of epoch ``e`` comes from ``seed + e``.
+        shuffle: permute each epoch.
+
+    Raises:
+        ShardingError: ``batch_size`` does not divide over the plan's data-parallel ranks,
+            or does not fit the dataset.
+
+    Examples:
+        >>> sampler = ResumableSampler(10, batch_size=4, shuffle=False)
+        >>> [batch.tolist() for batch in sampler.loader(range(10))]
+        [[0, 1, 2, 3], [4, 5, 6, 7]]
+        >>> sampler.state_dict()["epoch"], sampler.state_dict()["consumed"]
+        (0, 8)
+    """
+
+    def __init__(
+        self,
+        dataset_len: int,
+        *,
+        plan: Plan | None = None,
+        rank: int = 0,
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        self.order = DataOrder(dataset_len, batch_size, seed, shuffle)
+        self.index, self.count = plan.data_parallel_rank(rank) if plan is not None else (0, 1)
+        self.local_batch = self.order.local_batch(self.count)
+        super().__init__(
+            cast("Any", range(dataset_len)),  # DistributedSampler takes only its length
+            num_replicas=self.count,
+            rank=self.index,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=True,
+        )
+        self.consumed = 0  # samples of this epoch consumed over all ranks
+        self.steps = 0  # global batches handed out since the run began
+
+    def __len__(self) -> int:
+        # the whole epoch's share, also mid-epoch: Lightning counts an epoch's batches from
+        # len() before it restores the position, and its progress counters go on from there
+        return self.order.steps_per_epoch * self.local_batch
+
+    def __iter__(self) -> Iterator[int]:
+        """This rank's samples from the next step to the end of the epoch (a new epoch if it ended)."""
+        if self.consumed >= self.order.steps_per_epoch * self.order.global_batch:
+            self.set_epoch(self.epoch + 1)
+        order = self.order.epoch(self.epoch)
+        mine = [
+            sample
+            for step in range(self.consumed // self.order.global_batch, self.order.steps_per_epoch)
+            for sample in _slice(order, step, self.order.global_batch, self.index, self.local_batch)
+        ]
+        return iter(mine)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its first batch; the current epoch goes on where it is."""
+        if epoch != self.epoch:
+            self.epoch, self.consumed = epoch, 0
+
+    def advance(self) -> None:
+        """Count one step's global batch as consumed (`ResumableLoader` calls it per batch)."""
+        self.consumed += self.order.global_batch
+        self.steps += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the run is: epoch, samples consumed in it, steps, seed, global batch (plain values)."""
+        o = self.order
+        values = (o.dataset_len, o.global_batch, o.seed, o.shuffle, self.epoch, self.consumed, self.steps)
+        return dict(zip(_STATE_KEYS, values, strict=True))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where ``state`` (of any plan's sampler over the same data) stopped.
+
+        The saved seed and shuffling are taken (they are the run's order); the dataset
+        length and the global batch must match this sampler's.
+
+        Raises:
+            ShardingError: as `check_state_dict`; the sampler is then unchanged.
+        """
+        self.check_state_dict(state)
+        self.order = dataclasses.replace(self.order, seed=state["seed"], shuffle=state["shuffle"])
+        self.seed, self.shuffle = self.order.seed, self.order.shuffle
+        self.epoch, self.consumed, self.steps = state["epoch"], state["consumed"], state["steps"]
+
+    def check_state_dict(self, state: Any) -> None:
+        """Refuse a state this sampler cannot continue; change nothing.
+
+        Raises:
+            ShardingError: ``state`` is not a sampler state, is of another dataset, or its
+                global batch differs from this sampler's or does not divide over this
+                plan's data-parallel ranks (both numbers named).
+
+        Examples:
+            >>> saved = ResumableSampler(24, batch_size=6).state_dict()
+            >>> ResumableSampler(24, batch_size=6).check_state_dict(saved)  # fits: nothing happens
+        """
+        missing = [key for key in _STATE_KEYS if key not in state] if isinstance(state, dict) else _STATE_KEYS
+        if missing:
+            raise ShardingError(
+                f"ResumableSampler: the state lacks {list(missing)}; pass what "
+                "ResumableSampler.state_dict() (or fs.checkpoint.save(data=...)) wrote"
+            )
+        problems = []
+        if state["dataset_len"] != self.order.dataset_len:
+            problems.append(
+                f"it was saved over a dataset of {state['dataset_len']} samples, this sampler has "
+                f"{self.order.dataset_len}: resume over the same dataset"
+            )
+        saved_batch = state["global_batch"]
+        if saved_batch % self.count:
+            problems.append(
+                f"its global batch of {saved_batch} samples does not divide over this plan's {self.count} "
+                f"data-parallel ranks; resume under a plan whose data-parallel size divides {saved_batch}"
+            )
+        elif saved_batch != self.order.global_batch:
+            problems.append(
+                f"it was saved with a global batch of {saved_batch} samples, this sampler has "
+                f"batch_size={self.order.global_batch}: the losses would not continue; pass "
+                f"batch_size={saved_batch}"
+            )
+        if problems:
+            raise ShardingError(
+                "ResumableSampler cannot resume this state:\n" + "\n".join(f"* {p}" for p in problems)
+            )
+
+    def loader(self, dataset: Any, **options: Any) -> ResumableLoader:
+        """A DataLoader of ``dataset`` reading this sampler, ``global batch / dp`` samples per step.
+
+        Args:
+            dataset: the dataset (``len(dataset)`` as given to the sampler).
+            **options: other DataLoader options (``num_workers``, ``collate_fn``, ...); the
+                sampler sets ``batch_size``, ``sampler``, ``shuffle`` and ``drop_last``.
+
+        Raises:
+            ShardingError: ``dataset``'s length differs, or an option the sampler sets.
+
+        Examples:
+            >>> [b.tolist() for b in ResumableSampler(4, batch_size=2, shuffle=False).loader(range(4))]
+            [[0, 1], [2, 3]]
+        """
+        return ResumableLoader(dataset, self, **options)
+
+
+def _slice(order: list[int], step: int, global_batch: int, index: int, local: int) -> list[int]:
+    start = step * global_batch + index * local
+    return order[start : start + local]
+
+
+class ResumableLoader(DataLoader):  # type: ignore[type-arg]
+    """A DataLoader over a `ResumableSampler` that counts the steps it hands out.
+
+    A batch counts as consumed once the loader hands it out (workers that read ahead do
+    not move the position). ``state_dict()`` / ``load_state_dict()`` are the sampler's, so
+    Lightning's loops save and restore the position with its checkpoints, and
+    `fs.checkpoint.save` / `load` take it as ``data=``. Make one with `ResumableSampler.loader`.
+
+    Raises:
+        ShardingError: ``dataset``'s length differs from the sampler's, or an option the
+            sampler sets.
+
+    Examples:
+        >>> loader = ResumableSampler(6, batch_size=2, shuffle=False).loader(range(6))
+        >>> next(iter(loader)).tolist(), loader.state_dict()["consumed"]
+        ([0, 1], 2)
+    """
+
+    def __init__(self, dataset: Any, sampler: ResumableSampler, **options: Any) -> None:
+        taken = sorted({"batch_size", "sampler", "batch_sampler", "shuffle", "drop_last"} & set(options))
+        if taken:
+            raise ShardingError(
+                f"ResumableLoader: {taken} are the sampler's to set (batch_size is the global batch / the "
+                "data-parallel size, drop_last is always on); leave them out"
+            )
+        if not isinstance(sampler, ResumableSampler):
+            raise ShardingError(
+                f"ResumableLoader needs a ResumableSampler, got {type(sampler).__name__}; "
+                "make one with fs.ResumableSampler(...).loader(dataset)"
+            )
+        if len(dataset) != sampler.order.dataset_len:
+            raise ShardingError(
+                f"ResumableLoader: the dataset holds {len(dataset)} samples, the sampler was made for "
+                f"{sampler.order.dataset_len}; pass len(dataset) to ResumableSampler"
+            )
+        super().__init__(dataset, batch_size=sampler.local_batch, sampler=sampler, drop_last=True, **options)
+        self.order_sampler = sampler
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        """The epoch's remaining batches, each counted as consumed when handed out."""
+        for batch in super().__iter__():
+            self.order_sampler.advance()
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's `ResumableSampler.state_dict`."""
+        return self.order_sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The sampler's `ResumableSampler.load_state_dict`."""
+        self.order_sampler.load_state_dict(state)
+
+    def check_state_dict(self, state: Any) -> None:
+        """The sampler's `ResumableSampler.check_state_dict`."""
+        self.order_sampler.check_state_dict(state)
