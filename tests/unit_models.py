@@ -144,3 +144,96 @@ class SequentialViT(nn.Module):
         self.blocks = nn.Sequential(*[VisionBlock(dim) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, 10)
+
+
+class GroupedExperts(nn.Module):
+    """torchtitan's GroupedExperts: ``w1``/``w3`` ``[E, hidden, dim]``, ``w2`` ``[E, dim, hidden]``.
+
+    ``forward(x [T, dim], counts [E])`` on tokens sorted by expert; split weights are
+    DTensors, read locally as torchtitan's own forward reads them.
+    """
+
+    def __init__(self, experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(experts, hidden, dim) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(experts, dim, hidden) * 0.1)
+        self.w3 = nn.Parameter(torch.randn(experts, hidden, dim) * 0.1)
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        out = [
+            (F.silu(rows @ w1[e].t()) * (rows @ w3[e].t())) @ w2[e].t()
+            for e, rows in enumerate(torch.split(x, counts))
+        ]
+        return torch.cat(out)
+
+
+class TokenChoiceRouter(nn.Module):
+    """torchtitan's router: ``gate`` scores each token's experts, the top ``k`` chosen."""
+
+    def __init__(self, dim: int, experts: int, top_k: int = 2) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.top_k = top_k
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores, chosen = torch.topk(torch.softmax(self.gate(x), dim=-1), self.top_k, dim=-1)
+        return scores, chosen
+
+
+class TitanMoELayer(nn.Module):
+    """torchtitan's MoE naming: ``router.gate``, ``experts.w1/w2/w3``, ``shared_experts.w1/w2/w3``."""
+
+    def __init__(self, config: TitanConfig, experts: int = 4) -> None:
+        super().__init__()
+        self.router = TokenChoiceRouter(config.dim, experts)
+        self.experts = GroupedExperts(experts, config.dim, config.hidden)
+        self.shared_experts = FeedForward(config.dim, config.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        scores, chosen = self.router(tokens)
+        order = torch.argsort(chosen.reshape(-1), stable=True)
+        counts = torch.bincount(chosen.reshape(-1), minlength=self.experts.w1.shape[0]).tolist()
+        token = order // chosen.shape[1]
+        routed = self.experts(tokens[token], counts) * scores.reshape(-1)[order].unsqueeze(1)
+        out = torch.zeros_like(tokens).index_add(0, token, routed)
+        return (out + self.shared_experts(tokens)).reshape(batch, seq, dim)
+
+
+class TitanMoEBlock(nn.Module):
+    def __init__(self, config: TitanConfig, moe: bool) -> None:
+        super().__init__()
+        self.attention = Attention(config)
+        self.attention_norm = nn.RMSNorm(config.dim)
+        self.ffn_norm = nn.RMSNorm(config.dim)
+        self.moe = TitanMoELayer(config) if moe else None
+        self.feed_forward = None if moe else FeedForward(config.dim, config.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        ffn = self.moe if self.moe is not None else self.feed_forward
+        assert ffn is not None
+        return x + ffn(self.ffn_norm(x))
+
+
+class TitanDeepSeek(nn.Module):
+    """A DeepSeek-shaped MoE with torchtitan's names and a forward: dense then MoE blocks."""
+
+    def __init__(self, config: TitanConfig, dense: int = 1, moe: int = 1) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(config.vocab, config.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): TitanMoEBlock(config, moe=i >= dense) for i in range(dense + moe)}
+        )
+        self.norm = nn.RMSNorm(config.dim)
+        self.output = nn.Linear(config.dim, config.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))

@@ -241,7 +241,9 @@ def _misfit(rules: Rules, paths: list[str]) -> str | None:
     missing = [
         str(rule.pattern)
         for rule in rules
-        if rule.target not in ("replicate", "sequence") and not any(rule.matches(p) for p in paths)
+        if rule.target not in ("replicate", "sequence")
+        and rule.pattern not in _OPTIONAL
+        and not any(rule.matches(p) for p in paths)
     ]
     return f"no parameter matches {missing}" if missing else None
 
@@ -351,8 +353,21 @@ has no tensor-parallel plan in transformers: ``c_attn`` packs q, k and v in its 
 it is ``packed_colwise`` (each rank holds its heads of each), the attention's ``c_proj``
 rowwise; the MLP and the embeddings split as in `gpt2`. `for_model` picks it for HF GPT-2."""
 
+_TITAN_MOE: tuple[tuple[str, Style], ...] = (
+    ("*.moe.router.gate", "replicate"),
+    ("*.moe.experts.w1", "colwise"),
+    ("*.moe.experts.w3", "colwise"),
+    ("*.moe.experts.w2", "rowwise"),
+    ("*.moe.shared_experts.w1", "colwise"),
+    ("*.moe.shared_experts.w3", "colwise"),
+    ("*.moe.shared_experts.w2", "rowwise"),
+)
+# rules a named set may hold that its model need not have (a dense torchtitan model has no MoE)
+_OPTIONAL = frozenset(pattern for pattern, _ in _TITAN_MOE)
+
 torchtitan = Rules(
     [
+        *_TITAN_MOE,
         ("*.attention.wq", "colwise"),
         ("*.attention.wk", "colwise"),
         ("*.attention.wv", "colwise"),
@@ -369,7 +384,11 @@ torchtitan = Rules(
 """torchtitan's Llama naming (``attention.wq/wk/wv/wo``, ``feed_forward.w1/w2/w3``,
 ``tok_embeddings``, ``output``), split as `llama` splits Hugging Face's names. The
 attention must find its local head count from the split projections, as torchtitan's does
-(``view(batch, seq, -1, head_dim)``)."""
+(``view(batch, seq, -1, head_dim)``). Its mixture-of-experts layers (DeepSeek V3, Llama 4)
+split as torchtitan splits them: the router's ``moe.router.gate`` whole, the grouped experts'
+3-D ``moe.experts.w1/w3`` ``[E, f, d]`` colwise (dim 1) and ``w2`` ``[E, d, f]`` rowwise
+(dim 2), their output all-reduced, and ``moe.shared_experts`` as a feed-forward. A dense
+model fits without them."""
 
 mlp = Rules([("*fc1", "colwise"), ("*fc2", "rowwise")], name="mlp")
 """A two-layer MLP (``fc1`` → activation → ``fc2``) split Megatron-style."""

@@ -12,7 +12,7 @@ from functional_shard.planning.plan import Plan
 from functional_shard.planning.rules import is_conv1d, sequence_parallel_problems
 from functional_shard.planning.stages import stage_finder
 
-from .experts import expert_data_axes, expert_module_problems
+from .experts import expert_data_axes, expert_hidden, expert_module_problems
 
 _SUPPORTED_STYLE_MODULES = (nn.Linear, nn.Embedding)
 # styles functional_shard runs itself on Hugging Face's Conv1D (torch's styles have none)
@@ -345,7 +345,9 @@ def expert_problems(plan: Plan, modules: dict[str, nn.Module]) -> list[str]:
     tp_experts = list(config.tensor_parallel_experts)
     tp_size = plan.mesh[config.tensor_parallel_axes[0]] if config.tensor_parallel_axes else 1
     for path in dict.fromkeys(tp_experts + list(config.expert_modules)):
-        problems = expert_module_problems(path, modules.get(path))
+        # torchtitan's grouped experts: tensor parallel only (expert parallelism runs HF's layout)
+        titan = path in tp_experts and path not in config.expert_modules
+        problems = expert_module_problems(path, modules.get(path), titan=titan)
         found.extend(problems)
         target = modules.get(path)
         if problems or target is None:
@@ -355,7 +357,7 @@ def expert_problems(plan: Plan, modules: dict[str, nn.Module]) -> list[str]:
                 f"{path}: expert weights on the meta device; fs.materialize does not fill split expert "
                 "tensors yet. Build the model on a real device"
             )
-        hidden = target.get_parameter("down_proj").shape[2]
+        hidden = expert_hidden(target)
         if path in tp_experts and hidden % tp_size:
             found.append(
                 f"{path}: each expert's {hidden} intermediate features (gate and up each) do not split over "
