@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 import functional_shard as fs
 
 from . import tp_any_cases
-from .unit_models import TitanConfig, TitanDeepSeek
+from .unit_models import ODD_RULES, FusedLlama, OddNames, TitanConfig, TitanDeepSeek, fused_rules
 
 
 def test_torchtitans_moe_names_plan_and_train_as_one_process(world4):
@@ -20,3 +22,58 @@ def test_torchtitans_moe_names_plan_and_train_as_one_process(world4):
     assert result["split"] >= 14  # attention, feed-forward, experts, shared experts, embedding, head
     assert result["loss"] < 1e-5
     assert result["grad"] < 1e-5
+
+
+def test_fused_projections_split_piece_by_piece_and_train_as_one_process(world4):
+    config = tp_any_cases.FUSED
+    rules = fused_rules(config, kv_heads=4)
+    plan = fs.shard(FusedLlama(config, kv_heads=4), fs.Mesh(tp=4), fs.tp(rules, "tp"))
+    assert plan.config.pieces_of("layers.0.attention.wqkv") == (32, 16, 16)
+    assert plan.config.pieces_of("layers.1.mlp.gate_up_proj") == (48, 48)
+    assert plan.local_shape_and_offset("layers.0.attention.wqkv.weight", 1)[0] == (16, 32)
+    assert "layers.*.attention.wqkv (32, 16, 16) ×2" in plan.explain()
+    assert fs.Plan.from_json(plan.to_json()) == plan
+    result = world4.run(tp_any_cases.parity, "fused_gqa", rules, save=True)[0]
+    assert result["loss"] < 1e-5
+    assert result["grad"] < 1e-5  # each rank's share of each piece, against one process's
+    # the whole wqkv cannot be gathered in order (unequal pieces): refused by name, not written wrong
+    assert "layers.0.attention.wqkv (2 layers in all) packs pieces of unequal sizes" in result["refused"]
+
+
+def test_pieces_the_tp_size_does_not_divide_are_refused_by_name():
+    config = tp_any_cases.FUSED
+    with pytest.raises(
+        fs.ShardingError, match=r"layers.0.attention.wqkv packs pieces \(32, 16, 16\).*size 32"
+    ):
+        fs.shard(FusedLlama(config, kv_heads=4), fs.Mesh(tp=32), fs.tp(fused_rules(config, 4), "tp"))
+    with pytest.raises(
+        fs.ShardingError, match=r"packed\(32, 16\) sums to 48 .* layers.0.attention.wqkv.weight"
+    ):
+        fs.shard(FusedLlama(config, 4), fs.Mesh(tp=4), fs.tp([("*.wqkv", fs.packed((32, 16)))], "tp"))
+
+
+def test_auto_derives_rules_from_the_structure_when_no_named_set_fits(world4):
+    model = OddNames(TitanConfig())
+    mesh = fs.Mesh(tp=4)
+    auto = fs.shard(model, mesh, fs.tp("auto", "tp"))
+    named = fs.shard(model, mesh, fs.tp(ODD_RULES, "tp"))
+    assert auto.params == named.params
+    assert auto.config.tp_styles == named.config.tp_styles
+    assert auto.sharding("blocks.1.mix.d.weight").compute == fs.P(None, "tp")
+    # named sets first: torchtitan's names still get fs.rules.torchtitan
+    assert fs.rules.for_model(TitanDeepSeek(TitanConfig())).name == "torchtitan"
+    result = world4.run(tp_any_cases.parity, "odd_names", "auto")[0]
+    assert result["loss"] < 1e-5
+    assert result["grad"] < 1e-5
+
+
+def test_auto_refuses_what_the_structure_cannot_classify_naming_the_modules():
+    with pytest.raises(fs.ShardingError) as refused:
+        fs.shard(OddNames(TitanConfig(), chain=True), fs.Mesh(tp=4), fs.tp("auto", "tp"))
+    message = str(refused.value)
+    assert "blocks.0.ff.mid: reads split outputs (['ff.up']) but does not write the block's output" in message
+    assert "blocks.0.ff.down: reads the output of ['ff.mid']" in message
+    with pytest.raises(
+        fs.ShardingError, match=r"layers.0.attention.wqkv: its output passes through \['split'\]"
+    ):
+        fs.shard(FusedLlama(tp_any_cases.FUSED, 4), fs.Mesh(tp=4), fs.tp("auto", "tp"))

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import os
+import shutil
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -15,6 +18,7 @@ from . import unit_models
 
 SEQ = 8
 BATCH = 2
+FUSED = unit_models.TitanConfig(heads=8)  # head_dim 4: q 8 heads, k and v 4 each (32, 16, 16)
 
 
 def build(name: str) -> torch.nn.Module:
@@ -23,6 +27,8 @@ def build(name: str) -> torch.nn.Module:
     config = unit_models.TitanConfig()
     builders = {
         "titan_moe": lambda: unit_models.TitanDeepSeek(config),
+        "fused_gqa": lambda: unit_models.FusedLlama(FUSED, kv_heads=4),
+        "odd_names": lambda: unit_models.OddNames(config),
     }
     return builders[name]()
 
@@ -32,9 +38,48 @@ def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
-def parity(name: str, rules: object, steps: int = 2) -> dict[str, float] | None:
+def _held(grad: torch.Tensor) -> torch.Tensor:
+    """The part of a gradient this rank holds (placed as its parameter)."""
+    return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+def _expected(model: torch.nn.Module, path: str, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's part of one process's ``whole`` gradient, as ``model`` holds ``path``
+    (a packed weight: this rank's share of each piece, as apply splits it)."""
+    from torch.distributed.tensor import Replicate
+
+    from functional_shard.runtime.engines.tensor_parallel import _packed_local
+
+    param = model.get_parameter(path)
+    if not isinstance(param, DTensor):
+        return whole
+    mesh = param.device_mesh
+    packed = getattr(model.get_submodule(path.rpartition(".")[0]), "_fs_packed", None)
+    if packed and path.endswith(".weight"):
+        return _packed_local(whole, packed[0], packed[1], mesh.size(), mesh.get_local_rank())
+    replicated = DTensor.from_local(whole, mesh, [Replicate()], run_check=False)
+    return replicated.redistribute(mesh, param.placements).to_local()
+
+
+def _full_save_refused(model: torch.nn.Module) -> str:
+    folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder)
+    try:
+        fs.checkpoint.save(os.path.join(str(folder[0]), "full.pt"), model, full=True)
+        refused = ""
+    except fs.ShardingError as error:
+        refused = str(error)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(str(folder[0]))
+    return refused
+
+
+def parity(name: str, rules: object, steps: int = 2, save: bool = False) -> dict[str, object] | None:
     """Train ``name`` split over every rank (``fs.tp(rules)``) beside one process's copy;
-    rank 0 returns the largest loss and gradient differences over ``steps`` AdamW steps."""
+    rank 0 returns the largest loss and gradient differences over ``steps`` AdamW steps, the
+    count of split parameters, and (with ``save``) why a full checkpoint was refused ("" if it
+    was not)."""
     model = build(name)
     alone = copy.deepcopy(model)
     plan = fs.shard(model, fs.Mesh(tp=dist.get_world_size()), fs.tp(rules, "tp"))
@@ -57,10 +102,10 @@ def parity(name: str, rules: object, steps: int = 2) -> dict[str, float] | None:
             grad = mine[path].grad
             assert grad is not None, path
             assert param.grad is not None, path
-            whole = grad.full_tensor() if isinstance(grad, DTensor) else grad
-            grad_diff = max(grad_diff, (whole - param.grad).abs().max().item())
+            grad_diff = max(grad_diff, (_held(grad) - _expected(model, path, param.grad)).abs().max().item())
         optimizer.step()
         reference.step()
+    refused = _full_save_refused(model) if save else ""
     split = sum(isinstance(p, DTensor) and not p.placements[0].is_replicate() for p in model.parameters())
-    result = {"loss": loss_diff, "grad": grad_diff, "split": float(split)}
+    result = {"loss": loss_diff, "grad": grad_diff, "split": split, "refused": refused}
     return result if dist.get_rank() == 0 else None

@@ -237,3 +237,178 @@ class TitanDeepSeek(nn.Module):
         for layer in self.layers.values():
             h = layer(h)
         return self.output(self.norm(h))
+
+
+class FusedAttention(nn.Module):
+    """Grouped-query attention with q, k and v in one ``wqkv`` (pieces of unequal sizes).
+
+    The local head counts follow from the local width (fewer under tensor parallel): q
+    takes ``n_heads / (n_heads + 2·n_kv)`` of it, k and v the rest, as torchtitan reads its heads.
+    """
+
+    def __init__(self, config: TitanConfig, kv_heads: int) -> None:
+        super().__init__()
+        self.head_dim = config.dim // config.heads
+        self.n_heads, self.n_kv = config.heads, kv_heads
+        self.wqkv = nn.Linear(config.dim, (config.heads + 2 * kv_heads) * self.head_dim, bias=False)
+        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        fused = self.wqkv(x)
+        kv = fused.shape[-1] * self.n_kv // (self.n_heads + 2 * self.n_kv)
+        q, k, v = fused.split([fused.shape[-1] - 2 * kv, kv, kv], dim=-1)
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+
+        repeat = self.n_heads // self.n_kv
+        k, v = (heads(t).repeat_interleave(repeat, dim=1) for t in (k, v))
+        out = F.scaled_dot_product_attention(heads(q), k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FusedFeedForward(nn.Module):
+    """SwiGLU with w1 and w3 stacked in one projection (``w13``, or Hugging Face's ``gate_up_proj``)."""
+
+    def __init__(self, dim: int, hidden: int, fused: str = "w13", out: str = "w2") -> None:
+        super().__init__()
+        self.fused, self.out = fused, out
+        self.add_module(fused, nn.Linear(dim, 2 * hidden, bias=False))
+        self.add_module(out, nn.Linear(hidden, dim, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = getattr(self, self.fused)(x).chunk(2, dim=-1)
+        return getattr(self, self.out)(F.silu(gate) * up)
+
+
+class FusedBlock(nn.Module):
+    def __init__(self, config: TitanConfig, kv_heads: int, hf_mlp: bool) -> None:
+        super().__init__()
+        self.attention = FusedAttention(config, kv_heads)
+        self.attention_norm = nn.RMSNorm(config.dim)
+        self.ffn_norm = nn.RMSNorm(config.dim)
+        if hf_mlp:  # Hugging Face's names (Phi-3): mlp.gate_up_proj, mlp.down_proj
+            self.mlp = FusedFeedForward(config.dim, config.hidden, "gate_up_proj", "down_proj")
+        else:
+            self.feed_forward = FusedFeedForward(config.dim, config.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        ffn = self.mlp if hasattr(self, "mlp") else self.feed_forward
+        return x + ffn(self.ffn_norm(x))
+
+
+class FusedLlama(nn.Module):
+    """A Llama with fused projections: ``attention.wqkv`` (grouped-query), ``feed_forward.w13``
+    in even blocks and ``mlp.gate_up_proj`` in odd ones."""
+
+    def __init__(self, config: TitanConfig, kv_heads: int) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(config.vocab, config.dim)
+        self.layers = nn.ModuleList(
+            [FusedBlock(config, kv_heads, hf_mlp=i % 2 == 1) for i in range(config.layers)]
+        )
+        self.norm = nn.RMSNorm(config.dim)
+        self.output = nn.Linear(config.dim, config.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def fused_rules(config: TitanConfig, kv_heads: int) -> list[tuple[str, object]]:
+    """Rules for `FusedLlama`: each fused projection's pieces sized from the config."""
+    import functional_shard as fs
+
+    head_dim = config.dim // config.heads
+    qkv = fs.packed((config.heads * head_dim, kv_heads * head_dim, kv_heads * head_dim))
+    return [
+        ("*.attention.wqkv", qkv),
+        ("*.attention.wo", "rowwise"),
+        ("*.feed_forward.w13", fs.packed((config.hidden, config.hidden))),
+        ("*.feed_forward.w2", "rowwise"),
+        ("*.mlp.gate_up_proj", fs.packed((config.hidden, config.hidden))),
+        ("*.mlp.down_proj", "rowwise"),
+        ("tok_embeddings", "rowwise"),
+        ("output", "colwise_gather"),
+    ]
+
+
+class OddMix(nn.Module):
+    """Attention under names no rule set knows: ``a``, ``b``, ``c`` (q, k, v) and ``d`` (out)."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.a, self.b, self.c, self.d = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(
+            heads(self.a(x)), heads(self.b(x)), heads(self.c(x)), is_causal=True
+        )
+        return self.d(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class OddFF(nn.Module):
+    def __init__(self, dim: int, hidden: int, chain: bool = False) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.mid = nn.Linear(hidden, hidden) if chain else None  # a projection of a projection
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.up(x))
+        return self.down(self.mid(h) if self.mid is not None else h)
+
+
+class OddBlock(nn.Module):
+    def __init__(self, config: TitanConfig, chain: bool) -> None:
+        super().__init__()
+        self.n1, self.n2 = nn.LayerNorm(config.dim), nn.LayerNorm(config.dim)
+        self.mix = OddMix(config.dim, config.heads)
+        self.ff = OddFF(config.dim, config.hidden, chain)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mix(self.n1(x))
+        return x + self.ff(self.n2(x))
+
+
+class OddNames(nn.Module):
+    """A transformer whose names no rule set knows (``blocks.0.mix.a``, ``blocks.0.ff.up``,
+    ``emb``, ``proj_out``); with ``chain``, a feed-forward of three projections in a row."""
+
+    def __init__(self, config: TitanConfig, chain: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(config.vocab, config.dim)
+        self.blocks = nn.ModuleList([OddBlock(config, chain) for _ in range(config.layers)])
+        self.final = nn.LayerNorm(config.dim)
+        self.proj_out = nn.Linear(config.dim, config.vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.proj_out(self.final(h))
+
+
+ODD_RULES = [
+    ("*.mix.a", "colwise"),
+    ("*.mix.b", "colwise"),
+    ("*.mix.c", "colwise"),
+    ("*.mix.d", "rowwise"),
+    ("*.ff.up", "colwise"),
+    ("*.ff.down", "rowwise"),
+    ("emb", "rowwise"),
+    ("proj_out", "colwise_gather"),
+    ("*.n?", "sequence"),
+    ("final", "sequence"),
+]
+"""What named rules would say of `OddNames`, as `fs.rules.llama` splits its own names."""
