@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
 
 import functional_shard as fs
 
@@ -77,3 +81,40 @@ def test_auto_refuses_what_the_structure_cannot_classify_naming_the_modules():
         fs.ShardingError, match=r"layers.0.attention.wqkv: its output passes through \['split'\]"
     ):
         fs.shard(FusedLlama(tp_any_cases.FUSED, 4), fs.Mesh(tp=4), fs.tp("auto", "tp"))
+
+
+@given(
+    ranks=st.integers(1, 4),
+    units=st.lists(st.integers(1, 4), min_size=2, max_size=4),
+    rows=st.integers(1, 3),
+    bias=st.booleans(),
+)
+def test_packed_pieces_plan_a_colwise_local_shape_and_apply_splits_each_piece(ranks, units, rows, bias):
+    # invariant: the plan keeps the pieces and gives each rank out/ranks rows; the runtime's
+    # split gives each rank its share of every piece, and the ranks' shares, put back piece
+    # by piece, are the whole weight
+    from functional_shard.runtime.engines.tensor_parallel import _packed_local
+
+    pieces = tuple(unit * ranks for unit in units)
+    model = nn.Sequential(nn.Linear(rows, sum(pieces), bias=bias), nn.Linear(sum(pieces), rows))
+    plan = fs.shard(model, fs.Mesh(tp=ranks), fs.tp([("0", fs.packed(pieces)), ("1", "rowwise")], "tp"))
+    assert plan.config.pieces_of("0") == pieces
+    assert fs.Plan.from_json(plan.to_json()).config.tp_pieces == (("0", pieces),)
+    full = torch.randn(sum(pieces), rows)
+    local = [_packed_local(full, 0, pieces, ranks, rank) for rank in range(ranks)]
+    for rank, part in enumerate(local):
+        assert tuple(part.shape) == plan.local_shape_and_offset("0.weight", rank)[0]
+    shares = [part.split([n // ranks for n in pieces]) for part in local]
+    rebuilt = torch.cat([torch.cat([share[i] for share in shares]) for i in range(len(pieces))])
+    assert torch.equal(rebuilt, full)
+
+
+@settings(max_examples=10)
+@given(layers=st.integers(1, 3), heads=st.sampled_from([1, 2, 4]), hidden=st.sampled_from([16, 48]))
+def test_the_structure_gives_what_named_rules_give_whatever_the_sizes(layers, heads, hidden):
+    model = OddNames(TitanConfig(layers=layers, heads=heads, hidden=hidden))
+    auto = fs.shard(model, fs.Mesh(tp=2), fs.tp("auto", "tp"))
+    named = fs.shard(model, fs.Mesh(tp=2), fs.tp(ODD_RULES, "tp"))
+    assert fs.rules.for_model(model).name == "structure"
+    assert auto.params == named.params
+    assert auto.config.tp_styles == named.config.tp_styles
