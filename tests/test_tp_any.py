@@ -42,6 +42,10 @@ def test_fused_projections_split_piece_by_piece_and_train_as_one_process(world4)
     assert result["grad"] < 1e-5  # each rank's share of each piece, against one process's
     # the whole wqkv cannot be gathered in order (unequal pieces): refused by name, not written wrong
     assert "layers.0.attention.wqkv (2 layers in all) packs pieces of unequal sizes" in result["refused"]
+    # a packed bias stays whole; each rank adds its slices of it, and its gradient sums theirs
+    result = world4.run(tp_any_cases.parity, "fused_gqa_bias", rules)[0]
+    assert result["loss"] < 1e-5
+    assert result["grad"] < 1e-5
 
 
 def test_pieces_the_tp_size_does_not_divide_are_refused_by_name():

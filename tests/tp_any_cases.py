@@ -28,6 +28,7 @@ def build(name: str) -> torch.nn.Module:
     builders = {
         "titan_moe": lambda: unit_models.TitanDeepSeek(config),
         "fused_gqa": lambda: unit_models.FusedLlama(FUSED, kv_heads=4),
+        "fused_gqa_bias": lambda: unit_models.FusedLlama(FUSED, kv_heads=4, bias=True),
         "odd_names": lambda: unit_models.OddNames(config),
     }
     return builders[name]()

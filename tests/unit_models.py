@@ -246,11 +246,11 @@ class FusedAttention(nn.Module):
     takes ``n_heads / (n_heads + 2·n_kv)`` of it, k and v the rest, as torchtitan reads its heads.
     """
 
-    def __init__(self, config: TitanConfig, kv_heads: int) -> None:
+    def __init__(self, config: TitanConfig, kv_heads: int, bias: bool = False) -> None:
         super().__init__()
         self.head_dim = config.dim // config.heads
         self.n_heads, self.n_kv = config.heads, kv_heads
-        self.wqkv = nn.Linear(config.dim, (config.heads + 2 * kv_heads) * self.head_dim, bias=False)
+        self.wqkv = nn.Linear(config.dim, (config.heads + 2 * kv_heads) * self.head_dim, bias=bias)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -283,9 +283,9 @@ class FusedFeedForward(nn.Module):
 
 
 class FusedBlock(nn.Module):
-    def __init__(self, config: TitanConfig, kv_heads: int, hf_mlp: bool) -> None:
+    def __init__(self, config: TitanConfig, kv_heads: int, hf_mlp: bool, bias: bool = False) -> None:
         super().__init__()
-        self.attention = FusedAttention(config, kv_heads)
+        self.attention = FusedAttention(config, kv_heads, bias)
         self.attention_norm = nn.RMSNorm(config.dim)
         self.ffn_norm = nn.RMSNorm(config.dim)
         if hf_mlp:  # Hugging Face's names (Phi-3): mlp.gate_up_proj, mlp.down_proj
@@ -301,13 +301,13 @@ class FusedBlock(nn.Module):
 
 class FusedLlama(nn.Module):
     """A Llama with fused projections: ``attention.wqkv`` (grouped-query), ``feed_forward.w13``
-    in even blocks and ``mlp.gate_up_proj`` in odd ones."""
+    in even blocks and ``mlp.gate_up_proj`` in odd ones; with ``bias``, ``wqkv`` has a bias."""
 
-    def __init__(self, config: TitanConfig, kv_heads: int) -> None:
+    def __init__(self, config: TitanConfig, kv_heads: int, bias: bool = False) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(config.vocab, config.dim)
         self.layers = nn.ModuleList(
-            [FusedBlock(config, kv_heads, hf_mlp=i % 2 == 1) for i in range(config.layers)]
+            [FusedBlock(config, kv_heads, hf_mlp=i % 2 == 1, bias=bias) for i in range(config.layers)]
         )
         self.norm = nn.RMSNorm(config.dim)
         self.output = nn.Linear(config.dim, config.vocab, bias=False)
