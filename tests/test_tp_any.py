@@ -14,6 +14,13 @@ from . import tp_any_cases
 from .unit_models import ODD_RULES, FusedLlama, OddNames, TitanConfig, TitanDeepSeek, fused_rules
 
 
+def assert_sends_as_predicted(result):
+    """What a step sent on rank 0 is what plan.cost(tokens=...) says, collective by collective."""
+    assert result["measured"].keys() == result["predicted"].keys(), result["ops"]
+    for kind, by_axis in result["predicted"].items():
+        assert result["measured"][kind] == pytest.approx(by_axis), (kind, result["ops"])
+
+
 def test_torchtitans_moe_names_plan_and_train_as_one_process(world4):
     model = TitanDeepSeek(TitanConfig())
     assert fs.rules.for_model(model).name == "torchtitan"
@@ -26,6 +33,7 @@ def test_torchtitans_moe_names_plan_and_train_as_one_process(world4):
     assert result["split"] >= 14  # attention, feed-forward, experts, shared experts, embedding, head
     assert result["loss"] < 1e-5
     assert result["grad"] < 1e-5
+    assert_sends_as_predicted(result)
 
 
 def test_fused_projections_split_piece_by_piece_and_train_as_one_process(world4):
@@ -40,12 +48,14 @@ def test_fused_projections_split_piece_by_piece_and_train_as_one_process(world4)
     result = world4.run(tp_any_cases.parity, "fused_gqa", rules, save=True)[0]
     assert result["loss"] < 1e-5
     assert result["grad"] < 1e-5  # each rank's share of each piece, against one process's
+    assert_sends_as_predicted(result)
     # the whole wqkv cannot be gathered in order (unequal pieces): refused by name, not written wrong
     assert "layers.0.attention.wqkv (2 layers in all) packs pieces of unequal sizes" in result["refused"]
     # a packed bias stays whole; each rank adds its slices of it, and its gradient sums theirs
     result = world4.run(tp_any_cases.parity, "fused_gqa_bias", rules)[0]
     assert result["loss"] < 1e-5
     assert result["grad"] < 1e-5
+    assert_sends_as_predicted(result)
 
 
 def test_pieces_the_tp_size_does_not_divide_are_refused_by_name():
@@ -73,6 +83,7 @@ def test_auto_derives_rules_from_the_structure_when_no_named_set_fits(world4):
     result = world4.run(tp_any_cases.parity, "odd_names", "auto")[0]
     assert result["loss"] < 1e-5
     assert result["grad"] < 1e-5
+    assert_sends_as_predicted(result)
 
 
 def test_auto_refuses_what_the_structure_cannot_classify_naming_the_modules():

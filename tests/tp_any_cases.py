@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 import functional_shard as fs
 
-from . import unit_models
+from . import dist_cases, unit_models
 
 SEQ = 8
 BATCH = 2
@@ -79,8 +79,8 @@ def _full_save_refused(model: torch.nn.Module) -> str:
 def parity(name: str, rules: object, steps: int = 2, save: bool = False) -> dict[str, object] | None:
     """Train ``name`` split over every rank (``fs.tp(rules)``) beside one process's copy;
     rank 0 returns the largest loss and gradient differences over ``steps`` AdamW steps, the
-    count of split parameters, and (with ``save``) why a full checkpoint was refused ("" if it
-    was not)."""
+    count of split parameters, (with ``save``) why a full checkpoint was refused ("" if it
+    was not), and the bytes a further step sends, measured and as `plan.cost` predicts them."""
     model = build(name)
     alone = copy.deepcopy(model)
     plan = fs.shard(model, fs.Mesh(tp=dist.get_world_size()), fs.tp(rules, "tp"))
@@ -107,6 +107,9 @@ def parity(name: str, rules: object, steps: int = 2, save: bool = False) -> dict
         optimizer.step()
         reference.step()
     refused = _full_save_refused(model) if save else ""
+    comm = dist_cases.steady_state_comm(
+        model, optimizer, plan, lambda: _loss(model, tokens), tokens, warmups=0
+    )
     split = sum(isinstance(p, DTensor) and not p.placements[0].is_replicate() for p in model.parameters())
-    result = {"loss": loss_diff, "grad": grad_diff, "split": split, "refused": refused}
+    result = {"loss": loss_diff, "grad": grad_diff, "split": split, "refused": refused, **comm}
     return result if dist.get_rank() == 0 else None
