@@ -7,7 +7,8 @@ projection that reads the block's input (through norms and elementwise ops) is
 **colwise**; one that reads only colwise outputs and writes back into the block's output
 (the residual stream) is **rowwise**. Between the two only head- or feature-local ops
 may run: elementwise ops, views and transposes to heads, scaled dot-product attention.
-The embedding outside the blocks is rowwise and the head colwise_gather, norms
+The token embedding outside the blocks (the largest table) is rowwise and the head (the
+last projection outside them, unless tied to the embedding) colwise_gather, norms
 ``sequence``, as `functional_shard.planning.rules.llama` treats them. Names play no part.
 
 Whatever cannot be classified is refused, naming the modules: a projection that reads
@@ -336,11 +337,12 @@ def structural_rules(model: nn.Module) -> list[tuple[str, Style]]:
     outside = [(path, m) for path, m in model.named_modules() if path and not path.startswith(inside)]
     outside = [(path, m) for path, m in outside if path not in blocks]
     edge: dict[str, Style] = {}
-    embeddings = [path for path, m in outside if isinstance(m, nn.Embedding)]
+    # the token embedding: the largest table (a learned position table is smaller, left whole)
+    tables = {path: m.num_embeddings for path, m in outside if isinstance(m, nn.Embedding)}
     heads = [path for path, m in outside if isinstance(m, nn.Linear)]
-    tied = {id(p) for path in embeddings for p in model.get_submodule(path).parameters()}
-    if embeddings:
-        edge[embeddings[0]] = "rowwise"
+    tied = {id(p) for path in tables for p in model.get_submodule(path).parameters()}
+    if tables:
+        edge[max(tables, key=lambda path: tables[path])] = "rowwise"
     if heads and not any(id(p) in tied for p in model.get_submodule(heads[-1]).parameters()):
         edge[heads[-1]] = "colwise_gather"
     for path, module in outside:
