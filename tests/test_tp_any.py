@@ -50,7 +50,10 @@ def test_fused_projections_split_piece_by_piece_and_train_as_one_process(world4)
     assert result["grad"] < 1e-5  # each rank's share of each piece, against one process's
     assert_sends_as_predicted(result)
     # the whole wqkv cannot be gathered in order (unequal pieces): refused by name, not written wrong
-    assert "layers.0.attention.wqkv (2 layers in all) packs pieces of unequal sizes" in result["refused"]
+    refusal = "layers.0.attention.wqkv (2 layers in all) packs pieces of unequal sizes"
+    saved, _, loaded = result["refused"].partition("\nreading the checkpoint ")
+    assert f"fs.checkpoint.save(full=True): {refusal}" in saved
+    assert refusal in loaded  # and a load, before reading anything
     # a packed bias stays whole; each rank adds its slices of it, and its gradient sums theirs
     result = world4.run(tp_any_cases.parity, "fused_gqa_bias", rules)[0]
     assert result["loss"] < 1e-5

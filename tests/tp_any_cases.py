@@ -65,11 +65,20 @@ def _expected(model: torch.nn.Module, path: str, whole: torch.Tensor) -> torch.T
 def _full_save_refused(model: torch.nn.Module) -> str:
     folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(folder)
+    target = os.path.join(str(folder[0]), "full.pt")
     try:
-        fs.checkpoint.save(os.path.join(str(folder[0]), "full.pt"), model, full=True)
+        fs.checkpoint.save(target, model, full=True)
         refused = ""
     except fs.ShardingError as error:
         refused = str(error)
+    dist.barrier()
+    if dist.get_rank() == 0 and not os.path.exists(target):
+        open(target, "wb").close()  # something to load: the refusal comes before any reading
+    dist.barrier()
+    try:
+        fs.checkpoint.load(target, model)
+    except fs.ShardingError as error:
+        refused += "\n" + str(error)
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(str(folder[0]))

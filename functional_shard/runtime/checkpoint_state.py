@@ -226,10 +226,11 @@ def refuse_packed(module: nn.Module, what: str) -> None:
 
 
 def refuse_unequal_packed(module: nn.Module, what: str) -> None:
-    """Refuse a full checkpoint of a module whose packed pieces differ in size (not yet gathered right)."""
+    """Refuse a checkpoint of a module whose packed pieces differ in size (not placed as torch reads them)."""
     # a weight packing pieces of unequal sizes (grouped-query attention's wqkv) is placed Shard
     # on each rank's pieces laid end to end: no torch placement says "each unequal piece split
-    # on its own", so full_tensor() would gather the rows out of order
+    # on its own", so full_tensor() would gather the rows out of order, and a whole value
+    # loaded back would be cut into the wrong rows
     unequal = [
         path
         for path, sub in module.named_modules()
@@ -241,6 +242,6 @@ def refuse_unequal_packed(module: nn.Module, what: str) -> None:
         raise ShardingError(
             f"{what}: {unequal[0]} ({len(unequal)} layers in all) packs pieces of unequal sizes "
             "(fs.packed), split piece by piece; no torch placement describes that split, so its whole "
-            "weight cannot be gathered in order yet. Save before applying the plan, or split that "
-            "projection into one Linear per piece"
+            "weight cannot be gathered or loaded in order yet. Save or load before applying the plan, "
+            "or split that projection into one Linear per piece"
         )
