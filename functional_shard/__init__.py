@@ -67,6 +67,8 @@ if TYPE_CHECKING:
     from .planning.policy_text import parse_policy as parse_policy
     from .planning.rules import Rule as Rule
     from .planning.rules import Rules as Rules
+    from .planning.styles import Packed as Packed
+    from .planning.styles import packed as packed
     from .runtime import checkpoint as checkpoint
     from .runtime import measure as measure
     from .runtime.apply import apply as apply
@@ -178,6 +180,8 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "parse_policy": ("planning.policy_text", "parse_policy"),
     "Rule": ("planning.rules", "Rule"),
     "Rules": ("planning.rules", "Rules"),
+    "Packed": ("planning.styles", "Packed"),
+    "packed": ("planning.styles", "packed"),
     "Owned": ("core.spec", "Owned"),
     "P": ("core.spec", "P"),
     "ParamSharding": ("core.spec", "ParamSharding"),
@@ -198,6 +202,8 @@ __all__ = [
     "Policy",
     "Rule",
     "Rules",
+    "Packed",
+    "packed",
     "checkpointing",
     "cp",
     "ep",

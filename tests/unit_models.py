@@ -144,3 +144,271 @@ class SequentialViT(nn.Module):
         self.blocks = nn.Sequential(*[VisionBlock(dim) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, 10)
+
+
+class GroupedExperts(nn.Module):
+    """torchtitan's GroupedExperts: ``w1``/``w3`` ``[E, hidden, dim]``, ``w2`` ``[E, dim, hidden]``.
+
+    ``forward(x [T, dim], counts [E])`` on tokens sorted by expert; split weights are
+    DTensors, read locally as torchtitan's own forward reads them.
+    """
+
+    def __init__(self, experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(experts, hidden, dim) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(experts, dim, hidden) * 0.1)
+        self.w3 = nn.Parameter(torch.randn(experts, hidden, dim) * 0.1)
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        out = [
+            (F.silu(rows @ w1[e].t()) * (rows @ w3[e].t())) @ w2[e].t()
+            for e, rows in enumerate(torch.split(x, counts))
+        ]
+        return torch.cat(out)
+
+
+class TokenChoiceRouter(nn.Module):
+    """torchtitan's router: ``gate`` scores each token's experts, the top ``k`` chosen."""
+
+    def __init__(self, dim: int, experts: int, top_k: int = 2) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.top_k = top_k
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores, chosen = torch.topk(torch.softmax(self.gate(x), dim=-1), self.top_k, dim=-1)
+        return scores, chosen
+
+
+class TitanMoELayer(nn.Module):
+    """torchtitan's MoE naming: ``router.gate``, ``experts.w1/w2/w3``, ``shared_experts.w1/w2/w3``."""
+
+    def __init__(self, config: TitanConfig, experts: int = 4) -> None:
+        super().__init__()
+        self.router = TokenChoiceRouter(config.dim, experts)
+        self.experts = GroupedExperts(experts, config.dim, config.hidden)
+        self.shared_experts = FeedForward(config.dim, config.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        scores, chosen = self.router(tokens)
+        order = torch.argsort(chosen.reshape(-1), stable=True)
+        counts = torch.bincount(chosen.reshape(-1), minlength=self.experts.w1.shape[0]).tolist()
+        token = order // chosen.shape[1]
+        routed = self.experts(tokens[token], counts) * scores.reshape(-1)[order].unsqueeze(1)
+        out = torch.zeros_like(tokens).index_add(0, token, routed)
+        return (out + self.shared_experts(tokens)).reshape(batch, seq, dim)
+
+
+class TitanMoEBlock(nn.Module):
+    def __init__(self, config: TitanConfig, moe: bool) -> None:
+        super().__init__()
+        self.attention = Attention(config)
+        self.attention_norm = nn.RMSNorm(config.dim)
+        self.ffn_norm = nn.RMSNorm(config.dim)
+        self.moe = TitanMoELayer(config) if moe else None
+        self.feed_forward = None if moe else FeedForward(config.dim, config.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        ffn = self.moe if self.moe is not None else self.feed_forward
+        assert ffn is not None
+        return x + ffn(self.ffn_norm(x))
+
+
+class TitanDeepSeek(nn.Module):
+    """A DeepSeek-shaped MoE with torchtitan's names and a forward: dense then MoE blocks."""
+
+    def __init__(self, config: TitanConfig, dense: int = 1, moe: int = 1) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(config.vocab, config.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): TitanMoEBlock(config, moe=i >= dense) for i in range(dense + moe)}
+        )
+        self.norm = nn.RMSNorm(config.dim)
+        self.output = nn.Linear(config.dim, config.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+class FusedAttention(nn.Module):
+    """Grouped-query attention with q, k and v in one ``wqkv`` (pieces of unequal sizes).
+
+    The local head counts follow from the local width (fewer under tensor parallel): q
+    takes ``n_heads / (n_heads + 2·n_kv)`` of it, k and v the rest, as torchtitan reads its heads.
+    """
+
+    def __init__(self, config: TitanConfig, kv_heads: int, bias: bool = False) -> None:
+        super().__init__()
+        self.head_dim = config.dim // config.heads
+        self.n_heads, self.n_kv = config.heads, kv_heads
+        self.wqkv = nn.Linear(config.dim, (config.heads + 2 * kv_heads) * self.head_dim, bias=bias)
+        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        fused = self.wqkv(x)
+        kv = fused.shape[-1] * self.n_kv // (self.n_heads + 2 * self.n_kv)
+        q, k, v = fused.split([fused.shape[-1] - 2 * kv, kv, kv], dim=-1)
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+
+        repeat = self.n_heads // self.n_kv
+        k, v = (heads(t).repeat_interleave(repeat, dim=1) for t in (k, v))
+        out = F.scaled_dot_product_attention(heads(q), k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FusedFeedForward(nn.Module):
+    """SwiGLU with w1 and w3 stacked in one projection (``w13``, or Hugging Face's ``gate_up_proj``)."""
+
+    def __init__(self, dim: int, hidden: int, fused: str = "w13", out: str = "w2") -> None:
+        super().__init__()
+        self.fused, self.out = fused, out
+        self.add_module(fused, nn.Linear(dim, 2 * hidden, bias=False))
+        self.add_module(out, nn.Linear(hidden, dim, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = getattr(self, self.fused)(x).chunk(2, dim=-1)
+        return getattr(self, self.out)(F.silu(gate) * up)
+
+
+class FusedBlock(nn.Module):
+    def __init__(self, config: TitanConfig, kv_heads: int, hf_mlp: bool, bias: bool = False) -> None:
+        super().__init__()
+        self.attention = FusedAttention(config, kv_heads, bias)
+        self.attention_norm = nn.RMSNorm(config.dim)
+        self.ffn_norm = nn.RMSNorm(config.dim)
+        if hf_mlp:  # Hugging Face's names (Phi-3): mlp.gate_up_proj, mlp.down_proj
+            self.mlp = FusedFeedForward(config.dim, config.hidden, "gate_up_proj", "down_proj")
+        else:
+            self.feed_forward = FusedFeedForward(config.dim, config.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        ffn = self.mlp if hasattr(self, "mlp") else self.feed_forward
+        return x + ffn(self.ffn_norm(x))
+
+
+class FusedLlama(nn.Module):
+    """A Llama with fused projections: ``attention.wqkv`` (grouped-query), ``feed_forward.w13``
+    in even blocks and ``mlp.gate_up_proj`` in odd ones; with ``bias``, ``wqkv`` has a bias."""
+
+    def __init__(self, config: TitanConfig, kv_heads: int, bias: bool = False) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(config.vocab, config.dim)
+        self.layers = nn.ModuleList(
+            [FusedBlock(config, kv_heads, hf_mlp=i % 2 == 1, bias=bias) for i in range(config.layers)]
+        )
+        self.norm = nn.RMSNorm(config.dim)
+        self.output = nn.Linear(config.dim, config.vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def fused_rules(config: TitanConfig, kv_heads: int) -> list[tuple[str, object]]:
+    """Rules for `FusedLlama`: each fused projection's pieces sized from the config."""
+    import functional_shard as fs
+
+    head_dim = config.dim // config.heads
+    qkv = fs.packed((config.heads * head_dim, kv_heads * head_dim, kv_heads * head_dim))
+    return [
+        ("*.attention.wqkv", qkv),
+        ("*.attention.wo", "rowwise"),
+        ("*.feed_forward.w13", fs.packed((config.hidden, config.hidden))),
+        ("*.feed_forward.w2", "rowwise"),
+        ("*.mlp.gate_up_proj", fs.packed((config.hidden, config.hidden))),
+        ("*.mlp.down_proj", "rowwise"),
+        ("tok_embeddings", "rowwise"),
+        ("output", "colwise_gather"),
+    ]
+
+
+class OddMix(nn.Module):
+    """Attention under names no rule set knows: ``a``, ``b``, ``c`` (q, k, v) and ``d`` (out)."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.a, self.b, self.c, self.d = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(
+            heads(self.a(x)), heads(self.b(x)), heads(self.c(x)), is_causal=True
+        )
+        return self.d(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class OddFF(nn.Module):
+    def __init__(self, dim: int, hidden: int, chain: bool = False) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.mid = nn.Linear(hidden, hidden) if chain else None  # a projection of a projection
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.up(x))
+        return self.down(self.mid(h) if self.mid is not None else h)
+
+
+class OddBlock(nn.Module):
+    def __init__(self, config: TitanConfig, chain: bool) -> None:
+        super().__init__()
+        self.n1, self.n2 = nn.LayerNorm(config.dim), nn.LayerNorm(config.dim)
+        self.mix = OddMix(config.dim, config.heads)
+        self.ff = OddFF(config.dim, config.hidden, chain)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mix(self.n1(x))
+        return x + self.ff(self.n2(x))
+
+
+class OddNames(nn.Module):
+    """A transformer whose names no rule set knows (``blocks.0.mix.a``, ``blocks.0.ff.up``,
+    ``emb``, ``proj_out``); with ``chain``, a feed-forward of three projections in a row."""
+
+    def __init__(self, config: TitanConfig, chain: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(config.vocab, config.dim)
+        self.blocks = nn.ModuleList([OddBlock(config, chain) for _ in range(config.layers)])
+        self.final = nn.LayerNorm(config.dim)
+        self.proj_out = nn.Linear(config.dim, config.vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.proj_out(self.final(h))
+
+
+ODD_RULES = [
+    ("*.mix.a", "colwise"),
+    ("*.mix.b", "colwise"),
+    ("*.mix.c", "colwise"),
+    ("*.mix.d", "rowwise"),
+    ("*.ff.up", "colwise"),
+    ("*.ff.down", "rowwise"),
+    ("emb", "rowwise"),
+    ("proj_out", "colwise_gather"),
+    ("*.n?", "sequence"),
+    ("final", "sequence"),
+]
+"""What named rules would say of `OddNames`, as `fs.rules.llama` splits its own names."""

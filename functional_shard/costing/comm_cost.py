@@ -130,7 +130,8 @@ def activation_comm(plan: Plan, comm: Comm, tokens: int, held: Mapping[str, int]
     # activations; its gradient all-reduce is a gradient collective.) Hugging Face's Conv1D
     # stores its weight (in, out) and moves what a Linear would; a packed_colwise layer
     # moves what a colwise one does, and all-gathers its whole bias's gradient over the
-    # tensor-parallel ranks in backward (each rank slices its pieces of it in forward).
+    # tensor-parallel ranks in backward (each rank slices its pieces of it in forward; with
+    # pieces of unequal sizes the gradient is a partial sum, all-reduced).
     # Under sequence parallel a module holding column-split layers (attention, MLP) gathers
     # its input once on entry (`rules.sequence_gathers`), and reduce-scatters its gradient
     # once in backward, for all the layers inside: counted with the first of them.
@@ -151,7 +152,11 @@ def activation_comm(plan: Plan, comm: Comm, tokens: int, held: Mapping[str, int]
         if style == "packed_colwise" and f"{module_path}.bias" in plan.tensors:
             bias = plan.tensors[f"{module_path}.bias"]
             size = itemsize_of(plan.config.param_dtype, bias)
-            comm.add("all_gather", axes, n, -(-bias.numel // n) * n * size)
+            pieces = plan.config.pieces_of(module_path)
+            if pieces and len(set(pieces)) > 1:  # unequal pieces: each rank's slices, a partial sum
+                comm.add("all_reduce", axes, n, bias.numel * size)
+            else:
+                comm.add("all_gather", axes, n, -(-bias.numel // n) * n * size)
         if kind == "embedding":
             if style == "rowwise":
                 reductions = [in_features]  # the embedding dim of the (num, dim) table

@@ -61,9 +61,15 @@ def expert_layers(plan: Plan) -> list[tuple[str, int, int]]:
     paths = config.expert_modules + config.tensor_parallel_experts
     layers = []
     for path in dict.fromkeys(paths):
-        gate_up = plan.tensors[plan.canonical(f"{path}.gate_up_proj")]
+        gate_up = plan.tensors[plan.canonical(_first_weight(plan, path))]
         layers.append((path, gate_up.shape[0], gate_up.shape[2]))
     return layers
+
+
+def _first_weight(plan: Plan, path: str) -> str:
+    # transformers' gate_up_proj [E, 2f, d], or torchtitan's grouped experts' w1 [E, f, d]
+    titan = f"{path}.w1"
+    return titan if titan in plan.tensors else f"{path}.gate_up_proj"
 
 
 def is_expert_tensor(plan: Plan, sharding: ParamSharding) -> bool:
@@ -122,7 +128,7 @@ def expert_comm(
     tp_axes = config.tensor_parallel_axes
     tp = plan.mesh.axes_size(tp_axes) if tp_axes else 1
     for path, experts, hidden in layers:
-        gate_up = plan.sharding(plan.canonical(f"{path}.gate_up_proj"))
+        gate_up = plan.sharding(plan.canonical(_first_weight(plan, path)))
         if not gate_up.storage.holds(held):  # another pipeline stage's layer
             continue
         if path in dispatched:
@@ -133,6 +139,10 @@ def expert_comm(
             again = int(within(path, config.checkpointed))
             add("all_to_all", (axis,), ep, experts * _COUNT_BYTES, 1 + again)
             add("all_to_all", (axis,), ep, tokens * top_k * hidden * itemsize, 4 + 2 * again)
+        elif _first_weight(plan, path).endswith(".w1"):
+            # torchtitan's experts take the routed token copies: their input's gradient and
+            # their output are all-reduced (the routing weights apply outside, whole)
+            add("all_reduce", tp_axes, tp, tokens * top_k * hidden * itemsize, 2)
         else:
             add("all_reduce", tp_axes, tp, tokens * hidden * itemsize, 2)
             add("all_reduce", tp_axes, tp, tokens * top_k * _ROUTING_WEIGHT_BYTES, 1)

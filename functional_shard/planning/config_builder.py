@@ -14,9 +14,9 @@ from .fsdp_units import chosen_units, select_modules
 from .plan_config import PlanConfig
 from .policy import Policy
 from .stages import boundary_features, split_stages
-from .styles import layout_of
+from .styles import Packed, layout_of
 
-__all__ = ["SharedStyles", "plan_config", "styles_of", "tp_styles"]
+__all__ = ["SharedStyles", "plan_config", "styles_of", "tp_pieces", "tp_styles"]
 
 StyleEntry = tuple[str, str, str]
 """(module path, style, layout), as `PlanConfig.tp_styles` holds them."""
@@ -39,9 +39,10 @@ def styles_of(policy: Policy, tree: ModelTree, paths: Iterable[str], styles: dic
             for layer in policy.tensor_parallel:
                 rule = layer.rules.match(name)
                 module_path = name.rpartition(".")[0]
-                if rule is not None and isinstance(rule.target, str) and rule.target != "replicate":
+                style = rule.style if rule is not None else None
+                if style is not None and style != "replicate":
                     kind = layout_of(tree.spec_as(name, path))
-                    styles.setdefault(module_path, (module_path, rule.target, kind))
+                    styles.setdefault(module_path, (module_path, style, kind))
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +83,43 @@ def tp_styles(policy: Policy, tree: ModelTree, shared: SharedStyles | None = Non
                 mine = block_path + relative
                 add(mine, (mine, style, kind))
     return _in_module_order(styles, tree.modules)
+
+
+def tp_pieces(
+    policy: Policy, mesh: Mesh, tp_styles: tuple[StyleEntry, ...]
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(module path, piece sizes) of each packed projection a `Packed` rule target sized.
+
+    Raises:
+        PolicyError: a piece the tensor-parallel size does not divide (named, with the module).
+
+    Examples:
+        >>> from functional_shard.core.tree import read_model
+        >>> policy = fs.tp([("0", fs.packed((4, 2, 2))), ("1", "rowwise")], "tp")
+        >>> tree = read_model(nn.Sequential(nn.Linear(2, 8), nn.Linear(8, 2)))
+        >>> tp_pieces(policy, fs.Mesh(tp=2), tp_styles(policy, tree))
+        (('0', (4, 2, 2)),)
+    """
+    found = []
+    for path, style, _ in tp_styles:
+        if style != "packed_colwise":
+            continue
+        for layer in policy.tensor_parallel:
+            rule = layer.rules.match(f"{path}.weight")
+            if rule is None or not isinstance(rule.target, Packed):
+                continue
+            pieces = rule.target.pieces
+            size = mesh[layer.axis] if layer.axis in mesh else 1  # noqa: SIM401 (a Mesh has no get)
+            uneven = [n for n in pieces if n % size]
+            if uneven:
+                raise PolicyError(
+                    f"{layer.name}, rule {rule.pattern!r}: {path} packs pieces {pieces}; each is split "
+                    f"on its own over {layer.axis!r} (size {size}), which does not divide {uneven}. Use a "
+                    f"tensor-parallel size that divides every piece, or split {path} 'replicate'"
+                )
+            found.append((path, pieces))
+            break
+    return tuple(found)
 
 
 def _in_module_order(styles: Mapping[str, StyleEntry], modules: Mapping[str, Any]) -> tuple[StyleEntry, ...]:
@@ -170,6 +208,7 @@ def plan_config(
         shard_axes=sharding_layer.shard_axes if sharding_layer else (),
         tensor_parallel_axes=tuple(layer.axis for layer in policy.tensor_parallel),
         tp_styles=tp_styles,
+        tp_pieces=tp_pieces(policy, mesh, tp_styles),
         sequence_parallel=any(layer.sequence_parallel for layer in policy.tensor_parallel),
         loss_parallel=any(layer.loss_parallel for layer in policy.tensor_parallel),
         # under a pipeline FSDP keeps each stage gathered across its micro-batches, as

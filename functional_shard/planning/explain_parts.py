@@ -13,7 +13,7 @@ from functional_shard.core.units import format_bytes
 
 from .plan_config import PlanConfig
 
-__all__ = ["context_parallel_line", "units_section"]
+__all__ = ["context_parallel_line", "packed_lines", "units_section"]
 
 _ROOT_ALONE = (
     "the model has no repeated blocks (elements of a ModuleList or ModuleDict, alike blocks of a "
@@ -80,3 +80,25 @@ def context_parallel_line(config: PlanConfig, mesh: Mesh) -> str:
         f"{chunk_count(size, load_balance=config.context_load_balance)} chunks "
         f"({'load-balanced' if config.context_load_balance else 'in order'}; {axis} {held})"
     )
+
+
+def packed_lines(config: PlanConfig) -> list[str]:
+    """Lines for ``explain``: each sized packed projection and its pieces (alike blocks folded).
+
+    Examples:
+        >>> packed_lines(PlanConfig(tensor_parallel_axes=("tp",),
+        ...     tp_pieces=(("layers.0.wqkv", (8, 4, 4)), ("layers.1.wqkv", (8, 4, 4)))))
+        ['packed projections (each piece split on its own over tp): layers.*.wqkv (8, 4, 4) ×2']
+    """
+    if not config.tp_pieces:
+        return []
+    folded: dict[tuple[str, tuple[int, ...]], int] = {}
+    for module, pieces in config.tp_pieces:
+        key = (re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", module), tuple(pieces))
+        folded[key] = folded.get(key, 0) + 1
+    shown = ", ".join(
+        f"{module} {pieces}" + (f" ×{count}" if count > 1 else "")
+        for (module, pieces), count in folded.items()
+    )
+    axes = ", ".join(config.tensor_parallel_axes)
+    return [f"packed projections (each piece split on its own over {axes}): {shown}"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +13,7 @@ from functional_shard.core.tree import ModelTree, matches, owner_paths
 
 from .plan_config import group_name
 from .policy import DataParallel, Selector
+from .repeated_blocks import repeated_blocks as _repeated_blocks
 
 __all__ = ["ChosenUnits", "chosen_units", "fsdp_units", "select_modules"]
 
@@ -100,51 +100,6 @@ class ChosenUnits:
 
 # containers whose elements are the model's blocks (torch's auto-wrap skips the containers
 # themselves): every element of a ModuleList or ModuleDict, a Sequential's when they repeat
-_CONTAINERS: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
-
-
-def _repeated_blocks(tree: ModelTree) -> list[tuple[str, str]]:
-    # every element of a ModuleList or ModuleDict (subclasses too), and the elements of a
-    # Sequential whose class repeats and that hold modules of their own: the repeated
-    # blocks, wherever they live (layers, encoder and decoder stacks, vision stages)
-    modules = tree.modules
-    is_container: dict[type | None, bool] = {None: False}  # a model has a handful of classes
-    containers: dict[str, type] = {}
-    for path, cls in modules.items():
-        found = is_container.get(cls)
-        if found is None and cls is not None:
-            found = is_container[cls] = issubclass(cls, _CONTAINERS)
-        if found and cls is not None:
-            containers[path] = cls
-    if not containers:  # once per module path, so the common case stays one pass
-        return []
-    elements: dict[str, list[tuple[str, type]]] = {}
-    for path, cls in modules.items():
-        parent = path.rpartition(".")[0]
-        if path and parent in containers and cls is not None:
-            elements.setdefault(parent, []).append((path, cls))
-    parents = (
-        {path.rpartition(".")[0] for path in modules}
-        if any(issubclass(cls, nn.Sequential) for cls in containers.values())
-        else set()
-    )
-    chosen = []
-    for parent, kids in elements.items():
-        container = containers[parent]
-        counts = Counter(cls for _, cls in kids)
-        if issubclass(container, nn.Sequential):
-            kids = [(path, cls) for path, cls in kids if counts[cls] > 1 and path in parents]
-            counts = Counter(cls for _, cls in kids)
-        where = f"{parent or 'the root'} ({container.__name__})"
-        chosen += [
-            (path, f"a repeated block: {counts[cls]} × {cls.__name__} in {where}") for path, cls in kids
-        ]
-    if len(elements) == 1:  # one container's elements come in model order already
-        return chosen
-    order = {path: index for index, path in enumerate(modules)}
-    return sorted(chosen, key=lambda item: order[item[0]])
-
-
 def _selected_units(tree: ModelTree, selectors: tuple[Any, ...]) -> ChosenUnits:
     picked: dict[str, str] = {}
     for selector in (selector for selector in selectors if not isinstance(selector, tuple)):

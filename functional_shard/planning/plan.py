@@ -18,7 +18,7 @@ from functional_shard.core.spec import P, ParamSharding
 from functional_shard.core.tree import TensorSpec, owner_paths
 from functional_shard.core.units import format_bytes as _bytes
 
-from .explain_parts import context_parallel_line, units_section
+from .explain_parts import context_parallel_line, packed_lines, units_section
 from .plan_config import Change, PlanConfig, group_name
 from .plan_cost import Cost, OptimizerKind
 
@@ -308,6 +308,7 @@ class Plan:
                 if staged
                 else ()
             ),
+            *packed_lines(c),
             "",
             line.format(*header),
             *(line.format(*row) for row in body),

@@ -31,6 +31,9 @@ class PlanConfig:
     sequence_parallel: bool = False
     tp_styles: tuple[tuple[str, str, str], ...] = ()
     """(module path, style, layout) for every module a tensor-parallel rule gave a style."""
+    tp_pieces: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """(module path, output features of each packed piece) of the packed projections whose
+    pieces a rule sized (``fs.packed((q, k, v))``); each piece splits on its own over tp."""
     reshard_after_forward: bool = True
     units: tuple[str, ...] = ()
     """FSDP units as module paths ("" is the root), outermost first."""
@@ -88,6 +91,10 @@ class PlanConfig:
     def group_of(self) -> dict[str, str]:
         """Module path of a grouped module -> its group's name (empty without groups)."""
         return {member: group_name(group) for group in self.unit_groups for member in group}
+
+    def pieces_of(self, path: str) -> tuple[int, ...] | None:
+        """The packed piece sizes of the module at ``path``, if a rule sized them."""
+        return next((pieces for module, pieces in self.tp_pieces if module == path), None)
 
     @property
     def tensor_parallel_experts(self) -> tuple[str, ...]:

@@ -141,6 +141,7 @@ def _config_problems(config: Any, mesh: Mesh | None, paths: set[str], params: se
     modules |= {prefix for module in list(modules) for prefix in _prefixes(module)}
     named_modules = [(key, module) for key in _CONFIG_MODULES for module in config.get(key, [])]
     named_modules += [("tp_styles", entry[0]) for entry in config.get("tp_styles", [])]
+    found += _pieces_problems(config, mesh)
     named_modules += [("pipeline_stages", m) for stage in config.get("pipeline_stages", []) for m in stage]
     named_modules += [("unit_groups", m) for group in config.get("unit_groups", []) for m in group]
     found += [
@@ -172,6 +173,26 @@ def _config_value_problems(config: Mapping[str, Any]) -> list[str]:
             found.append(
                 f"config.tp_styles: {module!r} has style {style!r} and layout {layout!r}; "
                 f"styles are {list(STYLES)}, layouts {list(_LAYOUTS)}"
+            )
+    return found
+
+
+def _pieces_problems(config: Mapping[str, Any], mesh: Mesh | None) -> list[str]:
+    # each sized packed projection: a packed_colwise module, two or more positive pieces, each
+    # split evenly over the tensor-parallel axis
+    packed = {entry[0] for entry in config.get("tp_styles", []) if entry[1] == "packed_colwise"}
+    axes = config.get("tensor_parallel_axes", [])
+    size = mesh[axes[0]] if mesh is not None and axes and axes[0] in mesh else 1
+    found = []
+    for module, pieces in config.get("tp_pieces", []):
+        if module not in packed:
+            found.append(f"config.tp_pieces: {module!r} is no 'packed_colwise' module of config.tp_styles")
+        elif len(pieces) < 2 or any(n < 1 for n in pieces):
+            found.append(f"config.tp_pieces: {module!r} has pieces {pieces}; two or more positive sizes")
+        elif any(n % size for n in pieces):
+            found.append(
+                f"config.tp_pieces: {module!r} has pieces {pieces}, which {axes[0]!r} (size {size}) "
+                "does not split evenly"
             )
     return found
 

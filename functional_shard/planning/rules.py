@@ -27,10 +27,11 @@ from functional_shard.core.spec import P
 from functional_shard.core.tree import Pattern, TensorSpec
 
 from .sequence_parallel import first_input_name, sequence_gathers, sequence_parallel_problems
-from .styles import STYLES, Style, expand_style
+from .styles import STYLES, Packed, Style, expand_style, packed_problem
 from .styles import StyleError as StyleError
 from .styles import is_conv1d as is_conv1d
 from .styles import layout_of as layout_of
+from .tp_auto import structural_rules
 
 __all__ = [
     "DEFERRED",
@@ -59,14 +60,21 @@ class Rule:
     """One rule: parameters whose path (or module path) matches get ``target``."""
 
     pattern: Pattern
-    target: P | Style
+    target: P | Style | Packed
 
     def __post_init__(self) -> None:
-        if not isinstance(self.target, P) and self.target not in STYLES:
+        if not isinstance(self.target, P | Packed) and self.target not in STYLES:
             raise PolicyError(
-                f"rule {self.pattern!r} has target {self.target!r}; a target is a P(...) "
-                f"or one of the styles {STYLES}"
+                f"rule {self.pattern!r} has target {self.target!r}; a target is a P(...), "
+                f"fs.packed((sizes...)) or one of the styles {STYLES}"
             )
+
+    @property
+    def style(self) -> Style | None:
+        """The module style this rule gives (a `Packed` target's is ``packed_colwise``); None for a P."""
+        if isinstance(self.target, Packed):
+            return self.target.style
+        return None if isinstance(self.target, P) else self.target
 
     def matches(self, path: str) -> bool:
         """Whether this rule covers the parameter at ``path`` or a module enclosing it."""
@@ -76,6 +84,10 @@ class Rule:
         """The spec this rule gives the parameter at ``path`` (styles expanded)."""
         if isinstance(self.target, P):
             return self.target
+        if isinstance(self.target, Packed):
+            if problem := packed_problem(self.target, path, tensor):
+                raise StyleError(problem)
+            return expand_style(self.target.style, path, tensor, axis)
         return expand_style(self.target, path, tensor, axis)
 
 
@@ -124,7 +136,7 @@ class Rules:
 
     def __init__(
         self,
-        rules: Iterable[Rule | tuple[Pattern, P | Style]],
+        rules: Iterable[Rule | tuple[Pattern, P | Style | Packed]],
         *,
         strict: bool = False,
         name: str = "rules",
@@ -147,7 +159,7 @@ class Rules:
     def __len__(self) -> int:
         return len(self.rules)
 
-    def __add__(self, other: Iterable[Rule | tuple[Pattern, P | Style]]) -> Rules:
+    def __add__(self, other: Iterable[Rule | tuple[Pattern, P | Style | Packed]]) -> Rules:
         extra = other if isinstance(other, Rules) else Rules(other)
         label = extra.name if isinstance(other, Rules) else str(len(extra))
         return Rules(
@@ -241,17 +253,22 @@ def _misfit(rules: Rules, paths: list[str]) -> str | None:
     missing = [
         str(rule.pattern)
         for rule in rules
-        if rule.target not in ("replicate", "sequence") and not any(rule.matches(p) for p in paths)
+        if rule.target not in ("replicate", "sequence")
+        and rule.pattern not in _OPTIONAL
+        and not any(rule.matches(p) for p in paths)
     ]
     return f"no parameter matches {missing}" if missing else None
 
 
 def for_model(model: object) -> Rules:
-    """HF rules for a transformers model with a plan, else the named set that fits its layers.
+    """HF rules for a transformers model with a plan, else the named set that fits, else its structure's.
 
     A named set (`gpt2_hf` for Hugging Face models, then `llama`, `torchtitan` for other
     models, `gpt2`, `mlp`, in that order) fits when each of its splitting rules covers
-    some parameter of the model.
+    some parameter of the model. When none fits, rules are derived from the model's data
+    flow (`functional_shard.planning.tp_auto.structural_rules`, named ``"structure"``):
+    in each repeated block the projections reading the residual stream colwise, those
+    writing back into it rowwise, the embedding and head as `llama` splits them.
 
     Args:
         model: the module to split.
@@ -260,8 +277,9 @@ def for_model(model: object) -> Rules:
         `from_hf` rules, or the first named set that fits.
 
     Raises:
-        PolicyError: ``model`` is not a module, or no rule set fits; the message names
-            every set tried and why it did not fit.
+        PolicyError: ``model`` is not a module, or no rule set fits and the structure
+            gives none; the message names every set tried and why it did not fit, and each
+            module the structure could not classify.
 
     Examples:
         >>> for_model(nn.ModuleDict({"fc1": nn.Linear(4, 8), "fc2": nn.Linear(8, 4)})).name
@@ -288,8 +306,12 @@ def for_model(model: object) -> Rules:
         if why is None:
             return named
         tried.append(f"{named.name}: {why}")
+    try:  # no named set fits: rules from the model's structure (its data flow, not its names)
+        return Rules(structural_rules(model), name="structure")
+    except PolicyError as error:
+        tried.append(f"structure: {str(error).removeprefix('tp(' + repr('auto') + '): ')}")
     raise PolicyError(
-        "tp('auto'): no rule set fits this model's parameter names:\n"
+        "tp('auto'): no rule set fits this model's parameter names, and its structure gives none:\n"
         + "\n".join(f"  - {line}" for line in tried)
         + "\nPass rules of your own: fs.tp([(pattern, 'colwise'), ...], axis)"
     )
@@ -351,8 +373,21 @@ has no tensor-parallel plan in transformers: ``c_attn`` packs q, k and v in its 
 it is ``packed_colwise`` (each rank holds its heads of each), the attention's ``c_proj``
 rowwise; the MLP and the embeddings split as in `gpt2`. `for_model` picks it for HF GPT-2."""
 
+_TITAN_MOE: tuple[tuple[str, Style], ...] = (
+    ("*.moe.router.gate", "replicate"),
+    ("*.moe.experts.w1", "colwise"),
+    ("*.moe.experts.w3", "colwise"),
+    ("*.moe.experts.w2", "rowwise"),
+    ("*.moe.shared_experts.w1", "colwise"),
+    ("*.moe.shared_experts.w3", "colwise"),
+    ("*.moe.shared_experts.w2", "rowwise"),
+)
+# rules a named set may hold that its model need not have (a dense torchtitan model has no MoE)
+_OPTIONAL = frozenset(pattern for pattern, _ in _TITAN_MOE)
+
 torchtitan = Rules(
     [
+        *_TITAN_MOE,
         ("*.attention.wq", "colwise"),
         ("*.attention.wk", "colwise"),
         ("*.attention.wv", "colwise"),
@@ -369,7 +404,11 @@ torchtitan = Rules(
 """torchtitan's Llama naming (``attention.wq/wk/wv/wo``, ``feed_forward.w1/w2/w3``,
 ``tok_embeddings``, ``output``), split as `llama` splits Hugging Face's names. The
 attention must find its local head count from the split projections, as torchtitan's does
-(``view(batch, seq, -1, head_dim)``)."""
+(``view(batch, seq, -1, head_dim)``). Its mixture-of-experts layers (DeepSeek V3, Llama 4)
+split as torchtitan splits them: the router's ``moe.router.gate`` whole, the grouped experts'
+3-D ``moe.experts.w1/w3`` ``[E, f, d]`` colwise (dim 1) and ``w2`` ``[E, d, f]`` rowwise
+(dim 2), their output all-reduced, and ``moe.shared_experts`` as a feed-forward. A dense
+model fits without them."""
 
 mlp = Rules([("*fc1", "colwise"), ("*fc2", "rowwise")], name="mlp")
 """A two-layer MLP (``fc1`` → activation → ``fc2``) split Megatron-style."""

@@ -52,6 +52,7 @@ def stage_plan(plan: Plan, stages: Iterable[int]) -> Plan:
         # a group's modules run on one stage (the planner refuses others)
         unit_groups=tuple(group for group in config.unit_groups if runs(group[0])),
         tp_styles=tuple(entry for entry in config.tp_styles if runs(entry[0])),
+        tp_pieces=tuple(entry for entry in config.tp_pieces if runs(entry[0])),
         expert_modules=tuple(module for module in config.expert_modules if runs(module)),
         checkpointed=tuple(module for module in config.checkpointed if runs(module)),
         reshard_after_forward=False,

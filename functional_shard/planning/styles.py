@@ -28,14 +28,16 @@ Rules (`functional_shard.planning.rules`) give modules these styles.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, TypeAlias, get_args
 
 from torch import nn
 
+from functional_shard.core.errors import PolicyError
 from functional_shard.core.spec import P
 from functional_shard.core.tree import TensorSpec
 
-__all__ = ["STYLES", "Style", "StyleError", "expand_style", "is_conv1d", "layout_of"]
+__all__ = ["STYLES", "Packed", "Style", "StyleError", "expand_style", "is_conv1d", "layout_of", "packed"]
 
 Style: TypeAlias = Literal[
     "colwise",
@@ -61,6 +63,69 @@ split on its own, so every rank holds its heads of each (a strided split: the sp
 how much each rank holds, the pieces say which part); the attention module's
 ``split_size`` tells the pieces apart, and apply shrinks it and ``num_heads`` to this
 rank's share, as torch tensor-parallel users adjust head counts."""
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """A projection whose output packs pieces of the given sizes, each split on its own.
+
+    The rule target of a fused projection (``wqkv``: q, k and v; ``w13``: w1 and w3): every
+    tensor-parallel rank holds its share of each piece, so a piece of ``n`` features gives
+    each of ``tp`` ranks ``n / tp``. The sizes may differ (grouped-query attention's q is
+    wider than k and v). Its parameters split as ``packed_colwise``; the plan keeps the
+    sizes (``PlanConfig.tp_pieces``), apply splits by them.
+    """
+
+    pieces: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if (
+            not isinstance(self.pieces, tuple)
+            or len(self.pieces) < 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in self.pieces)
+        ):
+            raise PolicyError(
+                f"packed({self.pieces!r}): give the sizes of two or more packed pieces as positive ints, "
+                "in output order, e.g. fs.packed((n_heads * head_dim, n_kv * head_dim, n_kv * head_dim))"
+            )
+
+    @property
+    def style(self) -> Style:
+        """The style its parameters split by: ``packed_colwise``."""
+        return "packed_colwise"
+
+
+def packed(pieces: tuple[int, ...] | list[int]) -> Packed:
+    """The rule target of a fused projection packing pieces of these sizes in its output.
+
+    Args:
+        pieces: each piece's output features, in order (q, k, v; or w1, w3).
+
+    Returns:
+        A `Packed` target: ``fs.tp([("*.wqkv", fs.packed((q, k, v))), ...], "tp")``.
+
+    Raises:
+        PolicyError: fewer than two pieces, or a size that is not a positive int.
+
+    Examples:
+        >>> packed([64, 16, 16]).pieces
+        (64, 16, 16)
+    """
+    return Packed(tuple(pieces) if isinstance(pieces, list) else pieces)
+
+
+def packed_problem(target: Packed, path: str, tensor: TensorSpec) -> str | None:
+    """Why ``target``'s pieces do not fill the output of the parameter at ``path`` (None when they do)."""
+    layout = layout_of(tensor)
+    if layout not in ("linear", "conv1d") or tensor.ndim not in (1, 2):
+        return None  # expand_style says what a packed split cannot take
+    out = tensor.shape[1] if layout == "conv1d" and tensor.ndim == 2 else tensor.shape[0]
+    if sum(target.pieces) == out:
+        return None
+    return (
+        f"packed{target.pieces} sums to {sum(target.pieces)} features, but {path} has {out} output "
+        "features; give the size of every packed piece, in output order"
+    )
 
 
 class StyleError(Exception):

@@ -43,6 +43,7 @@ from .checkpoint_state import (
     model_state,
     optimizer_state,
     refuse_packed,
+    refuse_unequal_packed,
     set_model_state,
     set_optimizer_state,
     zero1_template,
@@ -90,6 +91,7 @@ def read(
     path = Path(path)
     if not path.exists():
         raise ShardingError(f"no checkpoint at {path}")
+    refuse_unequal_packed(module[1], f"reading the checkpoint {path}")
     if path.is_dir():
         refuse_packed(module[1], f"reading the sharded checkpoint {path}")
         return _read_sharded(path, module, optimizers, strict=strict, trust=trust)

@@ -34,6 +34,7 @@ __all__ = [
     "model_state",
     "optimizer_state",
     "refuse_packed",
+    "refuse_unequal_packed",
     "set_model_state",
     "set_optimizer_state",
     "zero1_template",
@@ -221,4 +222,26 @@ def refuse_packed(module: nn.Module, what: str) -> None:
             f"{what}: {packed[0]} ({len(packed)} layers in all) holds a 'packed_colwise' weight, split "
             "piece by piece (a strided split), which torch's sharded checkpoint (DCP) cannot describe. "
             "Save and load with full=True (one file of whole tensors; it loads under any plan)"
+        )
+
+
+def refuse_unequal_packed(module: nn.Module, what: str) -> None:
+    """Refuse a checkpoint of a module whose packed pieces differ in size (not placed as torch reads them)."""
+    # a weight packing pieces of unequal sizes (grouped-query attention's wqkv) is placed Shard
+    # on each rank's pieces laid end to end: no torch placement says "each unequal piece split
+    # on its own", so full_tensor() would gather the rows out of order, and a whole value
+    # loaded back would be cut into the wrong rows
+    unequal = [
+        path
+        for path, sub in module.named_modules()
+        if isinstance(packed := getattr(sub, "_fs_packed", None), tuple)
+        and isinstance(packed[1], tuple)
+        and len(set(packed[1])) > 1
+    ]
+    if unequal:
+        raise ShardingError(
+            f"{what}: {unequal[0]} ({len(unequal)} layers in all) packs pieces of unequal sizes "
+            "(fs.packed), split piece by piece; no torch placement describes that split, so its whole "
+            "weight cannot be gathered or loaded in order yet. Save or load before applying the plan, "
+            "or split that projection into one Linear per piece"
         )

@@ -37,6 +37,7 @@ from .checkpoint_checks import (
 )
 from .checkpoint_read import checked_file, checked_folder, refusals_raised
 from .checkpoint_safety import SafeLoadPlanner, SafeReader
+from .checkpoint_state import refuse_unequal_packed
 from .hf_folder import (
     SAVE_PRETRAINED_SHARD_BYTES,
     Expected,
@@ -120,7 +121,8 @@ def export_hf(
         The folder written.
 
     Raises:
-        ShardingError: no config (the model carries none and none given); a config whose
+        ShardingError: a packed weight of unequal pieces (fs.packed), which cannot be gathered in
+            order; no config (the model carries none and none given); a config whose
             model does not match this one (tensor names, shapes, ties); a path that
             exists and is not an earlier export. Raised on every rank, before anything is written.
 
@@ -131,6 +133,7 @@ def export_hf(
     path = Path(path)
     if max_shard_bytes is not None and max_shard_bytes < 1:
         raise ShardingError(f"max_shard_bytes: {max_shard_bytes}; give a positive number of bytes, or None")
+    refuse_unequal_packed(model, "fs.checkpoint.export_hf")
     hf = hf_config(config, model)
     expected = expected_tensors(hf, model)
     # this rank's shards, keyed as the model names them

@@ -12,7 +12,7 @@ from functional_shard.planning.plan import Plan
 from functional_shard.planning.rules import is_conv1d, sequence_parallel_problems
 from functional_shard.planning.stages import stage_finder
 
-from .experts import expert_data_axes, expert_module_problems
+from .experts import expert_data_axes, expert_hidden, expert_module_problems
 
 _SUPPORTED_STYLE_MODULES = (nn.Linear, nn.Embedding)
 # styles functional_shard runs itself on Hugging Face's Conv1D (torch's styles have none)
@@ -114,14 +114,15 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
                 f"shards as if they were even ({features_of(target)[0]} % {tp_size} != 0). Make the dim "
                 "divisible"
             )
-        found.extend(_conv1d_problems(path, style, target, parent, tp_size))
+        pieces = config.pieces_of(path)
+        found.extend(_conv1d_problems(path, style, target, parent, tp_size, pieces=pieces))
         if style == "packed_colwise" and isinstance(target, nn.Linear) and config.shard_axes:
             found.append(
                 f"{path}: 'packed_colwise' on an nn.Linear splits its weight's dim 0, which FSDP2 shards "
                 f"again over {config.shard_axes}; FSDP2 cannot describe a strided split inside a strided "
                 "split. Use plain tensor parallel for this layer, or replicate it"
             )
-        found.extend(_heads_split(path, style, target, parent, tp_size))
+        found.extend(_heads_split(path, style, target, parent, tp_size, pieces=pieces))
     if config.sequence_parallel and tp_axes:
         found.extend(sequence_parallel_problems(config.tp_styles, modules))
     shard_axes = set(config.shard_axes)
@@ -278,10 +279,13 @@ def _unfed_splits(tp_styles: tuple[tuple[str, str, str], ...], modules: dict[str
     return found
 
 
-def _conv1d_problems(path: str, style: str, target: Any, parent: Any, tp_size: int) -> list[str]:
+def _conv1d_problems(
+    path: str, style: str, target: Any, parent: Any, tp_size: int, *, pieces: tuple[int, ...] | None = None
+) -> list[str]:
     # Conv1D (and packed pieces) run through functional_shard's own split (_split_projection):
     # colwise, packed_colwise and rowwise, with whole activations between layers; a packed
-    # projection's pieces are told apart by its attention's split_size (Hugging Face GPT-2)
+    # projection's pieces are the sizes its rule gave (fs.packed), else told apart by its
+    # attention's split_size (Hugging Face GPT-2)
     found = []
     if is_conv1d_module(target) and style not in (*CONV1D_STYLES, "sequence", "replicate"):
         found.append(
@@ -293,7 +297,20 @@ def _conv1d_problems(path: str, style: str, target: Any, parent: Any, tp_size: i
             f"{path}: colwise {type(target).__name__} with {features_of(target)[1]} output features over "
             f"{tp_size} tensor-parallel ranks; functional_shard splits it evenly only. Make the dim divisible"
         )
-    if style == "packed_colwise":
+    if style == "packed_colwise" and pieces is not None:
+        out = features_of(target)[1] if is_projection(target) else 0
+        if not is_projection(target) or sum(pieces) != out:
+            found.append(
+                f"{path}: packed pieces {pieces} on a {type(target).__name__} with {out or 'no'} output "
+                "features; functional_shard splits the packed pieces of an nn.Linear or Conv1D, which "
+                "fill its output"
+            )
+        elif uneven := [n for n in pieces if n % tp_size]:
+            found.append(
+                f"{path}: its packed pieces {uneven} do not split over {tp_size} tensor-parallel ranks; "
+                "use a tensor-parallel size that divides every piece"
+            )
+    elif style == "packed_colwise":
         split_size = getattr(parent, "split_size", None)
         out = features_of(target)[1] if is_projection(target) else 0
         if not is_projection(target) or not isinstance(split_size, int) or not split_size or out % split_size:
@@ -310,7 +327,9 @@ def _conv1d_problems(path: str, style: str, target: Any, parent: Any, tp_size: i
     return found
 
 
-def _heads_split(path: str, style: str, target: Any, parent: Any, tp_size: int) -> list[str]:
+def _heads_split(
+    path: str, style: str, target: Any, parent: Any, tp_size: int, *, pieces: tuple[int, ...] | None = None
+) -> list[str]:
     # An attention projection split for tensor parallel must keep whole heads on each rank:
     # the module reshapes its local features into (heads, head_dim). Attention modules
     # (Hugging Face's, the zoo's) say their head width in ``head_dim``. A gathered output
@@ -323,15 +342,17 @@ def _heads_split(path: str, style: str, target: Any, parent: Any, tp_size: int) 
     in_features, out_features = features_of(target)
     width = in_features if style == "rowwise" else out_features
     split_size = getattr(parent, "split_size", None)
-    if style == "packed_colwise" and isinstance(split_size, int) and split_size:
-        width = split_size
-    if width % head_dim or (width // head_dim) % tp_size == 0:
-        return []
-    heads = width // head_dim
+    widths = [width]
+    if style == "packed_colwise" and pieces is not None:
+        widths = list(pieces)  # each piece (q, k, v) holds heads of its own
+    elif style == "packed_colwise" and isinstance(split_size, int) and split_size:
+        widths = [split_size]
     return [
-        f"{path}: its {heads} attention heads ({width} features, head_dim {head_dim}) do not split "
-        f"over {tp_size} tensor-parallel ranks; use a tensor-parallel size that divides {heads}"
-    ]
+        f"{path}: its {w // head_dim} attention heads ({w} features, head_dim {head_dim}) do not split "
+        f"over {tp_size} tensor-parallel ranks; use a tensor-parallel size that divides {w // head_dim}"
+        for w in dict.fromkeys(widths)
+        if w % head_dim == 0 and (w // head_dim) % tp_size
+    ][:1]
 
 
 # data-parallel engines expert parallelism composes with: FSDP2 on one mesh (no replicas)
@@ -345,7 +366,9 @@ def expert_problems(plan: Plan, modules: dict[str, nn.Module]) -> list[str]:
     tp_experts = list(config.tensor_parallel_experts)
     tp_size = plan.mesh[config.tensor_parallel_axes[0]] if config.tensor_parallel_axes else 1
     for path in dict.fromkeys(tp_experts + list(config.expert_modules)):
-        problems = expert_module_problems(path, modules.get(path))
+        # torchtitan's grouped experts: tensor parallel only (expert parallelism runs HF's layout)
+        titan = path in tp_experts and path not in config.expert_modules
+        problems = expert_module_problems(path, modules.get(path), titan=titan)
         found.extend(problems)
         target = modules.get(path)
         if problems or target is None:
@@ -355,7 +378,7 @@ def expert_problems(plan: Plan, modules: dict[str, nn.Module]) -> list[str]:
                 f"{path}: expert weights on the meta device; fs.materialize does not fill split expert "
                 "tensors yet. Build the model on a real device"
             )
-        hidden = target.get_parameter("down_proj").shape[2]
+        hidden = expert_hidden(target)
         if path in tp_experts and hidden % tp_size:
             found.append(
                 f"{path}: each expert's {hidden} intermediate features (gate and up each) do not split over "

@@ -13,6 +13,11 @@ outside it. Its forward is replaced by one that computes on this rank's shards:
   and the routing weights are whole on every rank; their gradients, partial sums of the
   slices, are all-reduced in backward (as ``ColwiseParallel`` does for its input), so the
   router learns as in one process.
+* **tensor parallel on torchtitan's GroupedExperts** (``w1``/``w3`` ``[E, f, d]`` colwise,
+  ``w2`` ``[E, d, f]`` rowwise, as torchtitan splits them): the weights become DTensors
+  placed as the plan says and the module's own forward runs (it reads them with
+  ``to_local()``, as torchtitan's does) on a whole input whose gradient is all-reduced; its
+  output, a partial sum over the ranks' slices of ``f``, is all-reduced.
 * **expert parallelism** over a data-parallel axis: each rank holds ``E / ep`` experts
   whole. The token copies (one per chosen expert) are sorted by expert, the per-expert
   counts exchanged, the copies sent to the ranks holding their experts and the results
@@ -40,10 +45,29 @@ from functional_shard.planning.plan import Plan
 from .applied import axes_mesh
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+TITAN_EXPERT_PARAMS = ("w1", "w2", "w3")
 
 
-def expert_module_problems(path: str, module: Any) -> list[str]:
-    """Why ``module`` is not an experts module this engine runs (empty when it is)."""
+def is_titan_experts(module: Any) -> bool:
+    """Whether ``module`` holds torchtitan's grouped experts: ``w1``/``w3`` [E, f, d], ``w2`` [E, d, f]."""
+    params = dict(module.named_parameters(recurse=False)) if isinstance(module, nn.Module) else {}
+    if set(params) != set(TITAN_EXPERT_PARAMS) or any(p.ndim != 3 for p in params.values()):
+        return False
+    w1, w2, w3 = (tuple(params[name].shape) for name in TITAN_EXPERT_PARAMS)
+    return w1 == w3 and w2 == (w1[0], w1[2], w1[1])
+
+
+def expert_hidden(module: nn.Module) -> int:
+    """Each expert's intermediate features ``f`` (either layout)."""
+    name = "w2" if is_titan_experts(module) else "down_proj"
+    return int(module.get_parameter(name).shape[2])
+
+
+def expert_module_problems(path: str, module: Any, *, titan: bool = False) -> list[str]:
+    """Why ``module`` is not an experts module this engine runs (empty when it is).
+
+    With ``titan``, torchtitan's grouped experts (`is_titan_experts`) are taken too.
+    """
     params = dict(module.named_parameters(recurse=False)) if isinstance(module, nn.Module) else {}
     shapes = {name: tuple(p.shape) for name, p in params.items()}
     gate_up, down = shapes.get("gate_up_proj"), shapes.get("down_proj")
@@ -58,13 +82,15 @@ def expert_module_problems(path: str, module: Any) -> list[str]:
         and gate_up[2] == down[1]
         and callable(getattr(module, "act_fn", None))
     )
-    if fits:
+    if fits or (titan and is_titan_experts(module)):
         return []
+    titan_note = " or torchtitan's (tensor parallel only): w1/w3 [E, f, d], w2 [E, d, f]," if titan else ""
     return [
         f"{path}: a {type(module).__name__} with parameters {shapes}; functional_shard splits experts "
         "modules shaped as transformers 5's (Mixtral, Qwen2-MoE, Qwen3-MoE): exactly gate_up_proj "
         "[E, 2f, d] and down_proj [E, d, f], an act_fn, and forward(hidden_states, top_k_index, "
-        "top_k_weights). Leave this module whole (data parallel), or name other experts with ep(experts=)"
+        f"top_k_weights),{titan_note} Leave this module whole (data parallel), or name other experts with "
+        "ep(experts=)"
     ]
 
 
@@ -123,6 +149,9 @@ def apply_expert_tensor_parallel(plan: Plan, module: nn.Module, device_mesh: Dev
     size, rank = tp_mesh.size(), tp_mesh.get_local_rank()
     for path in paths:
         experts: Any = module.get_submodule(path)
+        if is_titan_experts(experts):
+            _split_titan_experts(plan, path, experts, tp_mesh)
+            continue
         gate_up = experts.gate_up_proj.detach()
         down = experts.down_proj.detach()
         packed = _packed_local(gate_up, 1, 2, size, rank)
@@ -132,6 +161,31 @@ def apply_expert_tensor_parallel(plan: Plan, module: nn.Module, device_mesh: Dev
         # so fs.checkpoint refuses a sharded save of it by name (full saves work)
         experts._fs_packed = (1, 2)
         experts.forward = _tensor_parallel_forward(experts, tp_mesh)
+
+
+def _split_titan_experts(plan: Plan, path: str, experts: Any, tp_mesh: DeviceMesh) -> None:
+    # each weight placed on the dim its plan spec splits (w1/w3 dim 1, w2 dim 2); the module's
+    # own forward reads them locally; whole input in, partial output all-reduced out
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    size, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    axis = plan.config.tensor_parallel_axes[0]
+    for name in TITAN_EXPERT_PARAMS:
+        full = getattr(experts, name).detach()
+        spec = plan.sharding(plan.canonical(f"{path}.{name}")).compute
+        dim = next(d for d, axes in enumerate(spec.dim_axes(full.ndim)) if axis in axes)
+        _as_dtensor(experts, name, full.chunk(size, dim)[rank].contiguous(), tp_mesh, Shard(dim))
+    original = experts.forward
+
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        whole = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).to_local(
+            grad_placements=[Partial()]
+        )
+        out = original(whole, *args, **kwargs)
+        partial = DTensor.from_local(out, tp_mesh, [Partial()], run_check=False)
+        return partial.redistribute(tp_mesh, [Replicate()]).to_local()
+
+    experts.forward = forward
 
 
 def _tensor_parallel_forward(experts: Any, tp_mesh: DeviceMesh) -> Callable[..., torch.Tensor]:

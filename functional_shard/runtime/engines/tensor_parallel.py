@@ -137,13 +137,14 @@ def apply_tensor_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh
     for path, style in own:
         parent_path = path.rpartition(".")[0]
         parent: Any = module.get_submodule(parent_path) if parent_path else module
-        pieces = (
-            features_of(module.get_submodule(path))[1] // parent.split_size
+        sized = config.pieces_of(path)  # sizes a rule gave (fs.packed), else the attention's split_size
+        pieces: int | tuple[int, ...] = (
+            (sized or features_of(module.get_submodule(path))[1] // parent.split_size)
             if style == "packed_colwise"
             else 1
         )
         _split_projection(module.get_submodule(path), tp_mesh, style, pieces)
-        if style == "packed_colwise":
+        if style == "packed_colwise" and sized is None:
             # the attention splits the packed output by split_size and infers its heads from
             # the local width; torch TP users shrink these to the rank's share (torchtitan's
             # n_heads): the local output holds split_size / tp features of each piece
@@ -153,12 +154,26 @@ def apply_tensor_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh
     place_grads_as_params(plan, module)
 
 
-def _packed_local(full: torch.Tensor, dim: int, pieces: int, size: int, rank: int) -> torch.Tensor:
-    """This rank's part of ``full`` split over ``size`` ranks on ``dim``, each of ``pieces`` on its own."""
-    return torch.cat([piece.chunk(size, dim)[rank] for piece in full.chunk(pieces, dim)], dim).contiguous()
+def _packed_local(
+    full: torch.Tensor, dim: int, pieces: int | tuple[int, ...], size: int, rank: int
+) -> torch.Tensor:
+    """This rank's part of ``full`` split over ``size`` ranks on ``dim``, each packed piece on its own.
+
+    ``pieces`` is a count of equal pieces, or each piece's size (grouped-query attention's
+    q, k and v differ).
+    """
+    parts = full.chunk(pieces, dim) if isinstance(pieces, int) else full.split(list(pieces), dim)
+    return torch.cat([piece.chunk(size, dim)[rank] for piece in parts], dim).contiguous()
 
 
-def _split_projection(target: Any, tp_mesh: DeviceMesh, style: str, pieces: int) -> None:
+def _equal(pieces: int | tuple[int, ...]) -> int | None:
+    # the count of equal pieces (torch's _StridedShard describes those), or None
+    if isinstance(pieces, int):
+        return pieces
+    return len(pieces) if len(set(pieces)) == 1 else None
+
+
+def _split_projection(target: Any, tp_mesh: DeviceMesh, style: str, pieces: int | tuple[int, ...]) -> None:
     # Torch's styles take nn.Linear and nn.Embedding only, and a plain Shard cannot say
     # "each packed piece split on its own". Here the parameters become DTensors placed as
     # the plan says (a packed weight as _StridedShard, torch's placement for a dim split
@@ -169,12 +184,18 @@ def _split_projection(target: Any, tp_mesh: DeviceMesh, style: str, pieces: int)
     # feature dim and all-reduces its output (its bias added once, after). A packed bias
     # stays whole (FSDP2 shards dim 0 again and cannot describe a strided split inside a
     # strided split): each rank slices its pieces through DTensor, whose backward
-    # all-gathers the gradient.
+    # all-gathers the gradient. Pieces of unequal sizes (q, k, v under grouped-query
+    # attention) no torch placement describes: the weight is placed Shard on the rank's
+    # pieces laid end to end (to_local is right; full_tensor is not the unpermuted weight,
+    # so fs.checkpoint refuses it by name), and a packed bias is sliced locally, its
+    # gradient a partial sum.
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
     conv1d = is_conv1d_module(target)
     size, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    packed = pieces != 1
+    equal = _equal(pieces)
     colwise = style != "rowwise"
     weight_dim = (1 if colwise else 0) if conv1d else (0 if colwise else 1)
 
@@ -182,9 +203,9 @@ def _split_projection(target: Any, tp_mesh: DeviceMesh, style: str, pieces: int)
         placement: Any
         if dim is None:
             local, placement = tensor.detach(), Replicate()
-        elif pieces > 1:
+        elif packed:
             local = _packed_local(tensor.detach(), dim, pieces, size, rank)
-            placement = _StridedShard(dim, split_factor=pieces)
+            placement = _StridedShard(dim, split_factor=equal) if equal else Shard(dim)
         else:
             local, placement = tensor.detach().chunk(size, dim)[rank].contiguous(), Shard(dim)
         value = DTensor.from_local(
@@ -195,14 +216,17 @@ def _split_projection(target: Any, tp_mesh: DeviceMesh, style: str, pieces: int)
     target.register_parameter("weight", placed(target.weight, weight_dim))
     bias = getattr(target, "bias", None)
     if isinstance(bias, torch.Tensor):
-        target.register_parameter("bias", placed(bias, 0 if colwise and pieces == 1 else None))
+        target.register_parameter("bias", placed(bias, 0 if colwise and not packed else None))
 
     def local_forward(x: torch.Tensor) -> torch.Tensor:
         weight = target.weight.to_local()
         bias: Any = target.bias if isinstance(target.bias, DTensor) else None
-        if bias is not None and colwise and pieces > 1:
-            bias = bias.redistribute(tp_mesh, [_StridedShard(0, split_factor=pieces)])
-        bias = bias.to_local() if bias is not None else None
+        if bias is not None and colwise and packed and equal:
+            bias = bias.redistribute(tp_mesh, [_StridedShard(0, split_factor=equal)]).to_local()
+        elif bias is not None and colwise and packed:  # this rank's slices; the gradient sums them
+            bias = _packed_local(bias.to_local(grad_placements=[Partial()]), 0, pieces, size, rank)
+        elif bias is not None:
+            bias = bias.to_local()
         if colwise:  # identity forward; backward all-reduces the input's gradient
             x = DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).to_local(
                 grad_placements=[Partial()]
@@ -215,11 +239,13 @@ def _split_projection(target: Any, tp_mesh: DeviceMesh, style: str, pieces: int)
         return y if bias is None else y + bias
 
     target.forward = local_forward  # type: ignore[method-assign]
-    if pieces > 1:  # materialize fills the weight's strided local part from a whole value
+    if packed:  # materialize fills the weight's strided local part from a whole value
         target._fs_packed = (weight_dim, pieces)  # type: ignore[assignment]
 
 
-def packed_window(full_value: torch.Tensor, param: Any, dim: int, pieces: int) -> torch.Tensor:
+def packed_window(
+    full_value: torch.Tensor, param: Any, dim: int, pieces: int | tuple[int, ...]
+) -> torch.Tensor:
     """This rank's local values of a packed weight (tensor-parallel pieces, then FSDP2's dim-0 shard)."""
     from torch.distributed.tensor import Shard
 

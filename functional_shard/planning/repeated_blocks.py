@@ -1,0 +1,63 @@
+"""Repeated blocks of a model: the FSDP unit finder's units, and what tp("auto") traces."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from torch import nn
+
+from functional_shard.core.tree import ModelTree
+
+__all__ = ["repeated_blocks"]
+
+_CONTAINERS: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def repeated_blocks(tree: ModelTree) -> list[tuple[str, str]]:
+    """(path, why it is one) of each repeated block of ``tree``, in model order.
+
+    Examples:
+        >>> from functional_shard.core.tree import read_model
+        >>> tree = read_model(nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))
+        >>> [path for path, _ in repeated_blocks(tree)]
+        ['0', '1']
+    """
+    # every element of a ModuleList or ModuleDict (subclasses too), and the elements of a
+    # Sequential whose class repeats and that hold modules of their own: the repeated
+    # blocks, wherever they live (layers, encoder and decoder stacks, vision stages)
+    modules = tree.modules
+    is_container: dict[type | None, bool] = {None: False}  # a model has a handful of classes
+    containers: dict[str, type] = {}
+    for path, cls in modules.items():
+        found = is_container.get(cls)
+        if found is None and cls is not None:
+            found = is_container[cls] = issubclass(cls, _CONTAINERS)
+        if found and cls is not None:
+            containers[path] = cls
+    if not containers:  # once per module path, so the common case stays one pass
+        return []
+    elements: dict[str, list[tuple[str, type]]] = {}
+    for path, cls in modules.items():
+        parent = path.rpartition(".")[0]
+        if path and parent in containers and cls is not None:
+            elements.setdefault(parent, []).append((path, cls))
+    parents = (
+        {path.rpartition(".")[0] for path in modules}
+        if any(issubclass(cls, nn.Sequential) for cls in containers.values())
+        else set()
+    )
+    chosen = []
+    for parent, kids in elements.items():
+        container = containers[parent]
+        counts = Counter(cls for _, cls in kids)
+        if issubclass(container, nn.Sequential):
+            kids = [(path, cls) for path, cls in kids if counts[cls] > 1 and path in parents]
+            counts = Counter(cls for _, cls in kids)
+        where = f"{parent or 'the root'} ({container.__name__})"
+        chosen += [
+            (path, f"a repeated block: {counts[cls]} × {cls.__name__} in {where}") for path, cls in kids
+        ]
+    if len(elements) == 1:  # one container's elements come in model order already
+        return chosen
+    order = {path: index for index, path in enumerate(modules)}
+    return sorted(chosen, key=lambda item: order[item[0]])

@@ -1,0 +1,138 @@
+"""Tensor parallel for any transformer: torchtitan's MoE names, fused projections, structural tp("auto")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import functional_shard as fs
+
+from . import tp_any_cases
+from .unit_models import ODD_RULES, FusedLlama, OddNames, TitanConfig, TitanDeepSeek, fused_rules
+
+
+def assert_sends_as_predicted(result):
+    """What a step sent on rank 0 is what plan.cost(tokens=...) says, collective by collective."""
+    assert result["measured"].keys() == result["predicted"].keys(), result["ops"]
+    for kind, by_axis in result["predicted"].items():
+        assert result["measured"][kind] == pytest.approx(by_axis), (kind, result["ops"])
+
+
+def test_torchtitans_moe_names_plan_and_train_as_one_process(world4):
+    model = TitanDeepSeek(TitanConfig())
+    assert fs.rules.for_model(model).name == "torchtitan"
+    plan = fs.shard(model, fs.Mesh(tp=4), fs.tp("auto", "tp"))
+    assert plan.sharding("layers.1.moe.experts.w1").compute == fs.P(None, "tp", None)
+    assert plan.sharding("layers.1.moe.experts.w2").compute == fs.P(None, None, "tp")
+    assert plan.sharding("layers.1.moe.router.gate.weight").compute.is_replicated
+    assert plan.sharding("layers.1.moe.shared_experts.w2.weight").compute == fs.P(None, "tp")
+    result = world4.run(tp_any_cases.parity, "titan_moe", fs.rules.torchtitan)[0]
+    assert result["split"] >= 14  # attention, feed-forward, experts, shared experts, embedding, head
+    assert result["loss"] < 1e-5
+    assert result["grad"] < 1e-5
+    assert_sends_as_predicted(result)
+
+
+def test_fused_projections_split_piece_by_piece_and_train_as_one_process(world4):
+    config = tp_any_cases.FUSED
+    rules = fused_rules(config, kv_heads=4)
+    plan = fs.shard(FusedLlama(config, kv_heads=4), fs.Mesh(tp=4), fs.tp(rules, "tp"))
+    assert plan.config.pieces_of("layers.0.attention.wqkv") == (32, 16, 16)
+    assert plan.config.pieces_of("layers.1.mlp.gate_up_proj") == (48, 48)
+    assert plan.local_shape_and_offset("layers.0.attention.wqkv.weight", 1)[0] == (16, 32)
+    assert "layers.*.attention.wqkv (32, 16, 16) ×2" in plan.explain()
+    assert fs.Plan.from_json(plan.to_json()) == plan
+    result = world4.run(tp_any_cases.parity, "fused_gqa", rules, save=True)[0]
+    assert result["loss"] < 1e-5
+    assert result["grad"] < 1e-5  # each rank's share of each piece, against one process's
+    assert_sends_as_predicted(result)
+    # the whole wqkv cannot be gathered in order (unequal pieces): refused by name, not written wrong
+    refusal = "layers.0.attention.wqkv (2 layers in all) packs pieces of unequal sizes"
+    saved, _, loaded = result["refused"].partition("\nreading the checkpoint ")
+    assert f"fs.checkpoint.save(full=True): {refusal}" in saved
+    assert refusal in loaded  # and a load, before reading anything
+    # a packed bias stays whole; each rank adds its slices of it, and its gradient sums theirs
+    result = world4.run(tp_any_cases.parity, "fused_gqa_bias", rules)[0]
+    assert result["loss"] < 1e-5
+    assert result["grad"] < 1e-5
+    assert_sends_as_predicted(result)
+
+
+def test_pieces_the_tp_size_does_not_divide_are_refused_by_name():
+    config = tp_any_cases.FUSED
+    with pytest.raises(
+        fs.ShardingError, match=r"layers.0.attention.wqkv packs pieces \(32, 16, 16\).*size 32"
+    ):
+        fs.shard(FusedLlama(config, kv_heads=4), fs.Mesh(tp=32), fs.tp(fused_rules(config, 4), "tp"))
+    with pytest.raises(
+        fs.ShardingError, match=r"packed\(32, 16\) sums to 48 .* layers.0.attention.wqkv.weight"
+    ):
+        fs.shard(FusedLlama(config, 4), fs.Mesh(tp=4), fs.tp([("*.wqkv", fs.packed((32, 16)))], "tp"))
+
+
+def test_auto_derives_rules_from_the_structure_when_no_named_set_fits(world4):
+    model = OddNames(TitanConfig())
+    mesh = fs.Mesh(tp=4)
+    auto = fs.shard(model, mesh, fs.tp("auto", "tp"))
+    named = fs.shard(model, mesh, fs.tp(ODD_RULES, "tp"))
+    assert auto.params == named.params
+    assert auto.config.tp_styles == named.config.tp_styles
+    assert auto.sharding("blocks.1.mix.d.weight").compute == fs.P(None, "tp")
+    # named sets first: torchtitan's names still get fs.rules.torchtitan
+    assert fs.rules.for_model(TitanDeepSeek(TitanConfig())).name == "torchtitan"
+    result = world4.run(tp_any_cases.parity, "odd_names", "auto")[0]
+    assert result["loss"] < 1e-5
+    assert result["grad"] < 1e-5
+    assert_sends_as_predicted(result)
+
+
+def test_auto_refuses_what_the_structure_cannot_classify_naming_the_modules():
+    with pytest.raises(fs.ShardingError) as refused:
+        fs.shard(OddNames(TitanConfig(), chain=True), fs.Mesh(tp=4), fs.tp("auto", "tp"))
+    message = str(refused.value)
+    assert "blocks.0.ff.mid: reads split outputs (['ff.up']) but does not write the block's output" in message
+    assert "blocks.0.ff.down: reads the output of ['ff.mid']" in message
+    with pytest.raises(
+        fs.ShardingError, match=r"layers.0.attention.wqkv: its output passes through \['split'\]"
+    ):
+        fs.shard(FusedLlama(tp_any_cases.FUSED, 4), fs.Mesh(tp=4), fs.tp("auto", "tp"))
+
+
+@given(
+    ranks=st.integers(1, 4),
+    units=st.lists(st.integers(1, 4), min_size=2, max_size=4),
+    rows=st.integers(1, 3),
+    bias=st.booleans(),
+)
+def test_packed_pieces_plan_a_colwise_local_shape_and_apply_splits_each_piece(ranks, units, rows, bias):
+    # invariant: the plan keeps the pieces and gives each rank out/ranks rows; the runtime's
+    # split gives each rank its share of every piece, and the ranks' shares, put back piece
+    # by piece, are the whole weight
+    from functional_shard.runtime.engines.tensor_parallel import _packed_local
+
+    pieces = tuple(unit * ranks for unit in units)
+    model = nn.Sequential(nn.Linear(rows, sum(pieces), bias=bias), nn.Linear(sum(pieces), rows))
+    plan = fs.shard(model, fs.Mesh(tp=ranks), fs.tp([("0", fs.packed(pieces)), ("1", "rowwise")], "tp"))
+    assert plan.config.pieces_of("0") == pieces
+    assert fs.Plan.from_json(plan.to_json()).config.tp_pieces == (("0", pieces),)
+    full = torch.randn(sum(pieces), rows)
+    local = [_packed_local(full, 0, pieces, ranks, rank) for rank in range(ranks)]
+    for rank, part in enumerate(local):
+        assert tuple(part.shape) == plan.local_shape_and_offset("0.weight", rank)[0]
+    shares = [part.split([n // ranks for n in pieces]) for part in local]
+    rebuilt = torch.cat([torch.cat([share[i] for share in shares]) for i in range(len(pieces))])
+    assert torch.equal(rebuilt, full)
+
+
+@settings(max_examples=10)
+@given(layers=st.integers(1, 3), heads=st.sampled_from([1, 2, 4]), hidden=st.sampled_from([16, 48]))
+def test_the_structure_gives_what_named_rules_give_whatever_the_sizes(layers, heads, hidden):
+    model = OddNames(TitanConfig(layers=layers, heads=heads, hidden=hidden))
+    auto = fs.shard(model, fs.Mesh(tp=2), fs.tp("auto", "tp"))
+    named = fs.shard(model, fs.Mesh(tp=2), fs.tp(ODD_RULES, "tp"))
+    assert fs.rules.for_model(model).name == "structure"
+    assert auto.params == named.params
+    assert auto.config.tp_styles == named.config.tp_styles
