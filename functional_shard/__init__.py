@@ -77,6 +77,8 @@ if TYPE_CHECKING:
     from .runtime.apply import clip_grad_norm_ as clip_grad_norm_
     from .runtime.apply import context_chunks as context_chunks
     from .runtime.apply import forward_backward as forward_backward
+    from .runtime.apply import forward_loss as forward_loss
+    from .runtime.apply import forward_only as forward_only
     from .runtime.apply import grad_scaler as grad_scaler
     from .runtime.apply import materialize as materialize
     from .runtime.apply import optimizer as optimizer
@@ -124,6 +126,8 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "check_runnable": ("runtime.apply", "check_runnable"),
     "clip_grad_norm_": ("runtime.apply", "clip_grad_norm_"),
     "forward_backward": ("runtime.apply", "forward_backward"),
+    "forward_loss": ("runtime.apply", "forward_loss"),
+    "forward_only": ("runtime.apply", "forward_only"),
     "grad_scaler": ("runtime.apply", "grad_scaler"),
     "materialize": ("runtime.apply", "materialize"),
     "optimizer": ("runtime.apply", "optimizer"),
@@ -251,6 +255,8 @@ __all__ = [
     "check_runnable",
     "clip_grad_norm_",
     "forward_backward",
+    "forward_loss",
+    "forward_only",
     "context_chunks",
     "sequence_context",
     "grad_scaler",

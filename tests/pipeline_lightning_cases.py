@@ -9,7 +9,13 @@ import torch
 import torch.distributed as dist
 
 import functional_shard as fs
-from functional_shard.adapters.lightning import FabricShardStrategy, ShardStrategy, training_loss
+from functional_shard.adapters.lightning import (
+    FabricShardStrategy,
+    ShardStrategy,
+    evaluation_loss,
+    model_outputs,
+    training_loss,
+)
 
 from . import pipeline_cases
 from .dist_cases import full, mean_over_ranks
@@ -40,11 +46,40 @@ class PipelinedLanguageModel(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=pipeline_cases.LR, eps=pipeline_cases.EPS)
 
 
-class Validates(PipelinedLanguageModel):
-    """Asks for a validation loop, which no pipeline stage can run alone."""
+class Evaluates(PipelinedLanguageModel):
+    """Validates, tests and predicts through the helpers that run under any plan."""
+
+    def __init__(self, spec: dict[str, Any] = SPEC) -> None:
+        super().__init__(spec)
+        self.evaluated: list[torch.Tensor] = []
 
     def validation_step(self, batch: torch.Tensor, batch_index: int) -> None:
-        training_loss(self, batch[:, :-1], batch[:, 1:])
+        loss = evaluation_loss(self, batch[:, :-1], batch[:, 1:])
+        self.evaluated.append(loss)
+        self.log("val_loss", loss, sync_dist=True)
+
+    def test_step(self, batch: torch.Tensor, batch_index: int) -> None:
+        self.log("test_loss", evaluation_loss(self, batch[:, :-1], batch[:, 1:]), sync_dist=True)
+
+    def predict_step(self, batch: torch.Tensor, batch_index: int) -> torch.Tensor:
+        return model_outputs(self, batch[:, :-1])
+
+
+class ManuallyOptimized(PipelinedLanguageModel):
+    """Manual optimization: zero, training_loss, manual_backward, step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: torch.Tensor, batch_index: int) -> None:
+        optimizer = self.optimizers()
+        assert not isinstance(optimizer, list)
+        optimizer.zero_grad()
+        loss = training_loss(self, batch[:, :-1], batch[:, 1:])
+        self.manual_backward(loss)
+        optimizer.step()
+        self.losses.append(loss.detach())
 
 
 def tokens(data_parallel: int) -> torch.Tensor:
@@ -99,16 +134,94 @@ def resume_without_pp(path: str) -> dict[str, torch.Tensor]:
     return {k.removeprefix("model."): full(v) for k, v in module.state_dict().items()}
 
 
+def fit_manually() -> dict[str, Any]:
+    """fit with manual optimization (zero_grad, training_loss, manual_backward, step)."""
+    return fit(module=ManuallyOptimized())
+
+
 def fit_refused(**options: Any) -> str:
     """The ShardingError a pipelined fit raises before training (or '')."""
-    validate, manual = options.pop("validate", False), options.pop("manual", False)
-    module = Validates() if validate else PipelinedLanguageModel()
-    module.automatic_optimization = not manual
     try:
-        fit(module=module, **options)
+        fit(**options)
     except fs.ShardingError as error:
         return str(error)
     return ""
+
+
+# evaluation data: 16 rows, 8 per data-parallel rank, 2 batches each (unshuffled)
+def evaluation_tokens() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(99)
+    return torch.randint(0, 128, (16, pipeline_cases.SEQ + 1), generator=generator)
+
+
+def training_tokens(steps: int, accumulate: int) -> torch.Tensor:
+    """``steps`` optimizer steps of 2 data-parallel slices of ``accumulate`` batches each."""
+    generator = torch.Generator().manual_seed(1234)
+    rows = pipeline_cases.BATCH * 2 * accumulate * steps
+    return torch.randint(0, 128, (rows, pipeline_cases.SEQ + 1), generator=generator)
+
+
+def fit_evaluate_predict(
+    policy: Any = None, mesh: fs.Mesh = MESH, accumulate: int = 2, steps: int = 2
+) -> dict[str, Any]:
+    """One epoch of fit with accumulation and validation (a sanity check before, a loop after),
+    then trainer.predict on the same Trainer. Every rank returns its data-parallel index, the
+    logged and per-batch validation losses, its predictions and its stages' whole parameters."""
+    strategy = ShardStrategy(policy or pipeline_cases.policy_of(SPEC), mesh=mesh)
+    trainer = quiet_trainer(strategy, max_steps=steps, accumulate_grad_batches=accumulate)
+    module = Evaluates()
+    batch = pipeline_cases.BATCH
+    train = torch.utils.data.DataLoader(training_tokens(steps, accumulate), batch_size=batch)
+    evaluation = torch.utils.data.DataLoader(evaluation_tokens(), batch_size=batch)
+    trainer.fit(module, train, evaluation)
+    logged = float(trainer.callback_metrics["val_loss"])
+    predictions = trainer.predict(module, evaluation)
+    assert predictions is not None
+    return {
+        "index": strategy.plan.data_parallel_rank(dist.get_rank())[0],
+        "val_loss": logged,
+        "evaluated": [float(x) for x in module.evaluated],
+        "predictions": torch.cat([p for p in predictions if isinstance(p, torch.Tensor)]),
+        "params": {k.removeprefix("model."): full(v) for k, v in module.state_dict().items()},
+    }
+
+
+def validate_and_test() -> dict[str, float]:
+    """trainer.validate then trainer.test of a fresh pipelined module: the logged losses."""
+    trainer = quiet_trainer(ShardStrategy(pipeline_cases.policy_of(SPEC), mesh=MESH))
+    module = Evaluates()
+    evaluation = torch.utils.data.DataLoader(evaluation_tokens(), batch_size=pipeline_cases.BATCH)
+    validated = trainer.validate(module, evaluation)[0]["val_loss"]
+    tested = trainer.test(module, evaluation)[0]["test_loss"]
+    return {"val_loss": validated, "test_loss": tested}
+
+
+def evaluation_reference(
+    steps: int = 2, accumulate: int = 2
+) -> tuple[dict[str, torch.Tensor], list[float], list[float], torch.Tensor]:
+    """One process: the parameters after fit_evaluate_predict's training, the per-batch
+    validation losses of data-parallel slice 0 and 1 before and after it (sanity check:
+    two batches each), and the trained model's outputs on every evaluation row."""
+    every = training_tokens(steps, accumulate)
+    perm = torch.randperm(len(every), generator=torch.Generator().manual_seed(0))
+    model = pipeline_cases.build(SPEC)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=pipeline_cases.LR, eps=pipeline_cases.EPS)
+    rows = evaluation_tokens()
+
+    def per_batch() -> list[float]:  # each slice's two batches of 4 rows: slice d takes rows d::2
+        with torch.no_grad():
+            mine = [rows[d::2][b * 4 : (b + 1) * 4] for d in (0, 1) for b in (0, 1)]
+            return [pipeline_cases.lm_loss(model(x[:, :-1]), x[:, 1:]).item() for x in mine]
+
+    before = per_batch()
+    for batch in every[perm].split(pipeline_cases.BATCH * 2 * accumulate):
+        optimizer.zero_grad()
+        pipeline_cases.lm_loss(model(batch[:, :-1]), batch[:, 1:]).backward()
+        optimizer.step()
+    after = per_batch()
+    with torch.no_grad():
+        outputs = model(rows[:, :-1])
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, before, after, outputs
 
 
 def fabric_loop() -> dict[str, Any]:

@@ -13,8 +13,16 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 import functional_shard as fs
+from functional_shard.runtime.engines.applied import APPLIED
 
 from ._common import _agree_on_overflow, _RunsAPlan
+from .pipeline_loop import (
+    _RunsSchedules,
+    forward_root,
+    refuse_under_context_parallel,
+    refuse_under_pipeline,
+)
+from .pipeline_loop import training_loss as training_loss
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -22,7 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["ShardStrategy"]
 
 
-class ShardStrategy(_RunsAPlan, ParallelStrategy):
+class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
     """A Lightning strategy that runs a functional_shard plan (or a policy, planned at setup).
 
     No ``configure_model`` override is needed: when the LightningModule has one, it runs
@@ -33,13 +41,14 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
     Pipeline plans (``fs.pipeline("pp", microbatches=4) + fs.fsdp("dp")``): the schedule runs
     each step's forward and backward over its micro-batches, so ``training_step`` returns
     `training_loss` ``(self, inputs, targets)`` and the LightningModule names its loss as a
-    ``loss_fn(outputs, targets)`` method (a mean over the batch); Lightning's automatic
-    optimization then steps, clips and logs as usual, and its backward is skipped (the
-    schedule ran it). The plan is made for the one child module that holds the parameters
-    (``fs.shard(module.model, ...)``; a policy is planned on it). What cannot work under a
-    schedule is refused by name before fit starts: ``accumulate_grad_batches > 1`` (raise the
-    micro-batches instead), manual optimization, validation, test and predict loops, and
-    precision plugins other than ``"32-true"`` / ``"*-mixed"``.
+    ``loss_fn(outputs, targets)`` method (a mean over the batch); Lightning's optimization,
+    automatic or manual, then steps, clips, accumulates and logs as usual, and its backward
+    hands over the schedule's gradients (the schedule ran it). Validation, test and predict
+    steps call `evaluation_loss` and `model_outputs`, which run the schedule forward only and
+    send the last stage's loss or outputs to every rank of the pipeline. The plan is made for
+    the one child module that holds the parameters (``fs.shard(module.model, ...)``; a policy
+    is planned on it). Precision plugins other than ``"32-true"``, ``"*-mixed"`` and
+    ``"*-true"`` are refused by name before anything runs.
 
     Expert-parallel plans (``fs.fsdp("dp") + fs.ep("dp")``, alone or under a pipeline) need
     nothing more: the sampler splits batches over the ep axis too, and each forward
@@ -75,6 +84,7 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
         self.num_nodes = 1
         self._pipeline_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self._schedule_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        self._evaluations: dict[str, Callable[..., torch.Tensor]] = {}
 
     @property
     def device_mesh(self) -> Any:
@@ -120,19 +130,20 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
             )
         self.accelerator.setup(trainer)
         module = self.model
-        root = _forward_root(module)
+        root = forward_root(module)
         if self._context_or_loss_parallel() and not self._pipelined():
-            _refuse_under_context_parallel(trainer, module)
+            refuse_under_context_parallel(trainer, module)
         if self._pipelined():
-            _refuse_under_pipeline(trainer, module, self._pipeline_axis())
+            refuse_under_pipeline(trainer, module, self._pipeline_axis())
             if self._plan is not None and any(path.startswith(f"{root}.") for path in self._plan.params):
                 raise fs.ShardingError(
                     f"ShardStrategy(plan) with a pipeline plan made for the LightningModule (paths like "
                     f"{next(iter(self._plan.params))!r}): a stage runs the model's own forward, so plan "
                     f"the model inside it, fs.shard(module.{root}, mesh, policy), or pass the policy"
                 )
-            self._run_plan(module.get_submodule(root), self.device_mesh, self.root_device)
-        else:
+            if not self._applied_to(module.get_submodule(root)):
+                self._run_plan(module.get_submodule(root), self.device_mesh, self.root_device)
+        elif not self._applied_to(module):
             self._run_plan(module, self.device_mesh, self.root_device, root=root)
         # Lightning clips with torch's clip_grad_norm_, which cannot mix meshes
         self.precision_plugin.clip_grad_by_norm = _clip_by_norm  # type: ignore[method-assign]
@@ -151,64 +162,11 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
                 ]
         self.setup_precision_plugin()
 
-    def _pipeline_axis(self) -> str | None:
-        if self._plan is not None:
-            return self._plan.config.pipeline_axis
-        layer = self._policy.pipeline if self._policy is not None else None
-        return layer.axis if layer is not None else None
-
-    def _pipelined(self) -> bool:
-        return self._pipeline_axis() is not None
-
-    def _context_or_loss_parallel(self) -> bool:
-        # cp cuts sequences and attends over them; loss parallel runs forward and backward
-        # under torch's loss_parallel(): either way fs.forward_backward runs the step
-        if self._plan is not None:
-            config = self._plan.config
-            return config.context_parallel_axis is not None or config.loss_parallel
-        if self._policy is None:
-            return False
-        return self._policy.context_parallel is not None or any(
-            layer.loss_parallel for layer in self._policy.tensor_parallel
-        )
-
-    def _runs_its_own_backward(self) -> bool:
-        # a pipeline's schedule, or fs.forward_backward's step under cp or loss parallel
-        return self._pipelined() or self._context_or_loss_parallel()
-
-    def pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Run the plan's schedule (or cp's step) on the module's ``loss_fn``: the batch's mean loss.
-
-        Under context parallel the step cuts this rank's chunks of the whole sequences and
-        returns the mean over every token of its cp group (`fs.forward_backward`).
-
-        The step function (and torch's schedule with it) is built once, with the precision
-        plugin's loss scaler if any. Lightning zeroes gradients *between* ``training_step``
-        and ``backward``, after the schedule has run the backward here: the schedule's
-        gradients are set aside and handed back in `backward`.
-        """
-        module = self.lightning_module
-        if module is None:
-            raise fs.ShardingError("ShardStrategy.pipeline_step runs during fit, after setup")
-        if self._pipeline_step is None:
-            root = _forward_root(module)
-            scaler = getattr(self.precision_plugin, "scaler", None)
-            if self._pipelined():
-                self._pipeline_step = fs.forward_backward(
-                    self.plan, module.get_submodule(root), module.loss_fn, scaler=scaler
-                )
-            else:  # cp: the plan was applied to the LightningModule, its forward is root's
-                self._pipeline_step = fs.forward_backward(
-                    self.plan, module, module.loss_fn, scaler=scaler, root=root
-                )
-        params = list(module.parameters())
-        for param in params:  # the last step's gradients: accumulation is refused under pp
-            param.grad = None
-        loss = self._pipeline_step(inputs, targets)
-        self._schedule_grads = [(param, param.grad) for param in params]
-        for param in params:
-            param.grad = None
-        return loss
+    def _applied_to(self, module: torch.nn.Module) -> bool:
+        # trainer.validate / test / predict after fit (or another fit) set up again: the
+        # module runs this plan already
+        applied = APPLIED.get(module)
+        return applied is not None and self._plan is not None and applied.plan is self._plan
 
     def backward(
         self, closure_loss: torch.Tensor, optimizer: torch.optim.Optimizer | None, *args: Any, **kwargs: Any
@@ -216,20 +174,7 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
         """Lightning's backward, or under a pipeline or cp plan its hooks only (the step ran the backward)."""
         if self._plan is None or not self._runs_its_own_backward():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        if closure_loss.requires_grad:
-            raise fs.ShardingError(
-                "under a pipeline plan training_step must return training_loss(self, inputs, targets) "
-                "(functional_shard.adapters.lightning), whose schedule runs the backward; it returned a "
-                "loss with a graph, which would leave the stages without gradients"
-            )
-        if self._schedule_grads is None:
-            raise fs.ShardingError(
-                "under a pipeline plan training_step must return training_loss(self, inputs, targets) "
-                "(functional_shard.adapters.lightning), which runs the schedule; no schedule ran this step"
-            )
-        for param, grad in self._schedule_grads:
-            param.grad = grad
-        self._schedule_grads = None
+        self._hand_back_grads(closure_loss)
         assert self.lightning_module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
@@ -323,125 +268,8 @@ class ShardStrategy(_RunsAPlan, ParallelStrategy):
         )
 
 
-def training_loss(module: pl.LightningModule, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The loss of a training step under any strategy; return it from ``training_step``.
-
-    Under a `ShardStrategy` with a pipeline plan, the plan's schedule runs the forward and
-    the backward of every micro-batch and this returns their mean loss (detached, the same
-    on every rank of the pipeline); Lightning's backward is then skipped. Under a
-    context-parallel plan the step cuts this rank's chunks of the whole sequences, runs the
-    forward and backward over them and returns the mean loss over every token of its cp
-    group (detached); Lightning's backward is skipped too. Otherwise it is
-    ``module.loss_fn(child(inputs), targets)``, with ``child`` the module holding the
-    parameters, for Lightning to backward as usual. So one ``training_step`` runs any plan.
-
-    Args:
-        module: the LightningModule, with a ``loss_fn(outputs, targets)`` method.
-        inputs: this rank's batch of inputs (its data-parallel slice, as the sampler gives).
-        targets: the matching targets.
-
-    Returns:
-        The mean loss of the batch.
-
-    Examples:
-        >>> # def training_step(self, batch, index):
-        >>> #     return training_loss(self, batch[:, :-1], batch[:, 1:])
-    """
-    if not callable(getattr(module, "loss_fn", None)):
-        raise fs.ShardingError(
-            f"training_loss: {type(module).__name__} needs a loss_fn(outputs, targets) method, a mean "
-            "over the batch (under a pipeline plan the last stage calls it on each micro-batch)"
-        )
-    strategy = module.trainer.strategy if module._trainer is not None else None
-    if isinstance(strategy, ShardStrategy) and strategy._runs_its_own_backward():
-        return strategy.pipeline_step(inputs, targets)
-    return module.loss_fn(module.get_submodule(_forward_root(module))(inputs), targets)
-
-
-def _refuse_under_pipeline(trainer: pl.Trainer, module: pl.LightningModule, axis: str | None) -> None:
-    # each is a way the Trainer would run the stages outside the schedule, or scale the
-    # schedule's gradients wrongly; refused by name before the plan is applied
-    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-    from lightning.pytorch.utilities.model_helpers import is_overridden
-
-    problems = []
-    if trainer.state.fn != TrainerFn.FITTING:
-        problems.append(
-            f"trainer.{trainer.state.fn.value}(): a pipeline's stages run only inside the training "
-            "schedule; evaluate under a plan without pp (the checkpoint loads under any plan)"
-        )
-    if trainer.accumulate_grad_batches > 1:
-        problems.append(
-            f"accumulate_grad_batches={trainer.accumulate_grad_batches}: the schedule already "
-            "accumulates over its micro-batches; plan pipeline(microbatches=...) larger and feed "
-            "bigger batches instead"
-        )
-    if not module.automatic_optimization:
-        problems.append(
-            "manual optimization (automatic_optimization = False): the schedule runs the backward, "
-            "so manual_backward has nothing to do; keep automatic optimization"
-        )
-    validates = trainer.state.fn == TrainerFn.FITTING and trainer.limit_val_batches != 0
-    if validates and is_overridden("validation_step", module):
-        problems.append(
-            "validation (validation_step with limit_val_batches != 0): a stage's forward alone is "
-            "not the model's; pass limit_val_batches=0 and validate under a plan without pp"
-        )
-    precision = trainer.precision_plugin
-    if type(precision) not in (Precision, MixedPrecision):
-        problems.append(
-            f"the precision plugin {type(precision).__name__}: under a schedule only '32-true' and the "
-            "'*-mixed' autocast plugins run (the schedule runs the backward, not the plugin)"
-        )
-    if not callable(getattr(module, "loss_fn", None)):
-        problems.append(
-            f"no loss named: {type(module).__name__} needs a loss_fn(outputs, targets) method (a mean "
-            "over the batch) for the schedule to call on the last stage"
-        )
-    _refuse(f"a pipeline plan (axis {axis!r})", problems)
-
-
-def _refuse_under_context_parallel(trainer: pl.Trainer, module: pl.LightningModule) -> None:
-    # cp's step runs the backward inside training_loss (it must attend over the whole
-    # sequence in the backward too, and loss parallel's backward must run under
-    # loss_parallel()) and hands the gradients to Lightning's backward
-    problems = []
-    if trainer.accumulate_grad_batches > 1:
-        problems.append(
-            f"accumulate_grad_batches={trainer.accumulate_grad_batches}: each step's gradients are handed "
-            "over whole; feed bigger batches instead"
-        )
-    if not module.automatic_optimization:
-        problems.append("manual optimization (automatic_optimization = False): the step runs the backward")
-    if not callable(getattr(module, "loss_fn", None)):
-        problems.append(
-            f"no loss named: {type(module).__name__} needs a loss_fn(outputs, targets) method (a mean over "
-            "its tokens), which the step calls on this rank's chunks of the sequences"
-        )
-    _refuse("a context-parallel or loss-parallel plan", problems)
-
-
-def _refuse(plan: str, problems: list[str]) -> None:
-    if problems:
-        raise fs.ShardingError(
-            f"ShardStrategy with {plan} cannot run this fit:\n" + "\n".join(f"* {p}" for p in problems)
-        )
-
-
 def _clip_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
     fs.clip_grad_norm_((p for group in optimizer.param_groups for p in group["params"]), clip_val)
-
-
-def _forward_root(module: torch.nn.Module) -> str:
-    # training_step calls the LightningModule's children, never its own forward, so the
-    # engines' root hooks go on the one child that holds the parameters
-    holders = [name for name, child in module.named_children() if any(True for _ in child.parameters())]
-    if len(holders) != 1 or any(True for _ in module.parameters(recurse=False)):
-        raise fs.ShardingError(
-            f"ShardStrategy needs the LightningModule's parameters inside one child module (e.g. "
-            f"self.model), whose forward training_step calls; found them in {holders or 'the module itself'}"
-        )
-    return holders[0]
 
 
 def _register() -> None:

@@ -7,7 +7,8 @@ With `launch` and `checkpoint`, the only module that talks to torch.distributed 
 (``fully_shard``: ZeRO-2/3, FSDP, HSDP) or DDP (composable ``replicate``; ZeRO-1 adds
 ``ZeroRedundancyOptimizer`` in `optimizer`). Under a pipeline plan it first keeps this
 rank's stages, runs those engines per stage and wraps each in torch's ``PipelineStage``
-(`functional_shard.runtime.engines.pipeline`); `forward_backward` drives the schedule. Nothing
+(`functional_shard.runtime.engines.pipeline`); `forward_backward` drives the schedule
+(`forward_only` and `forward_loss` run it forward only, to evaluate). Nothing
 here re-implements a collective. Every check runs before any parameter is touched. The
 engines live in `functional_shard.runtime.engines`, one module each; this module orchestrates
 them and re-exports their public functions.
@@ -31,6 +32,7 @@ from .engines.applied import APPLIED, Applied, retie
 from .engines.checks import check_runnable, engine_problems
 from .engines.context_parallel import context_chunks, sequence_context, use_hf_attention
 from .engines.data_parallel import apply_data_parallel, reduce_whole_grads
+from .engines.evaluation import forward_loss, forward_only
 from .engines.experts import apply_expert_parallel
 from .engines.materialize import materialize
 from .engines.optimizer import check_optimizer, clip_grad_norm_, grad_scaler, optimizer
@@ -47,6 +49,8 @@ __all__ = [
     "context_chunks",
     "engine_problems",
     "forward_backward",
+    "forward_loss",
+    "forward_only",
     "grad_scaler",
     "materialize",
     "optimizer",

@@ -29,7 +29,8 @@ from __future__ import annotations
 import copy
 import inspect
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,13 +77,26 @@ class PassThrough(nn.Module):
 
 @dataclass
 class Pipelined:
-    """This rank's pipeline: its stages, the pp group, and the schedules built for loss functions."""
+    """This rank's pipeline: its stages, the pp group, and the one schedule that drives them.
+
+    Training and evaluation share the schedule: torch's schedule re-initialises its stages
+    when it switches between ``step`` and ``eval`` (it keeps the flags), so a second
+    schedule over the same stages would run them on buffers set up for the other mode.
+    Its loss function calls ``loss``, the loss of the step that runs now.
+    """
 
     plan: Plan
     stages: tuple[Any, ...]  # torch PipelineStage, in increasing stage order
     group: dist.ProcessGroup
     last_stage_rank: int  # the pp-group rank that runs the last stage
-    schedules: dict[Any, Any] = field(default_factory=dict)
+    schedule: Any = None
+    loss: Callable[..., torch.Tensor] | None = field(default=None, repr=False)
+
+    def loss_of_microbatch(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss function: the current step's loss on one micro-batch."""
+        if self.loss is None:
+            raise ShardingError("a pipeline schedule ran without a loss function set for its step")
+        return self.loss(outputs, targets)
 
 
 # The modules apply pipelined, weakly. Each keeps its Pipelined in its own __dict__: the
@@ -243,25 +257,66 @@ def apply_pipeline(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> Pl
     return without_pipeline(stage_plan(plan, mine))
 
 
-def _schedule(pipelined: Pipelined, loss_fn: Callable[..., torch.Tensor]) -> Any:
+def _schedule(pipelined: Pipelined) -> Any:
     from torch.distributed.pipelining import schedules
 
-    key = loss_fn
-    if key not in pipelined.schedules:
+    if pipelined.schedule is None:
         config = pipelined.plan.config
         schedule_class = getattr(schedules, SCHEDULES[config.pipeline_schedule])
         single = config.pipeline_schedule in SINGLE_STAGE
         stages: Any = pipelined.stages[0] if single else list(pipelined.stages)
         try:
-            pipelined.schedules[key] = schedule_class(
-                stages, n_microbatches=config.microbatches, loss_fn=loss_fn, scale_grads=True
+            pipelined.schedule = schedule_class(
+                stages,
+                n_microbatches=config.microbatches,
+                loss_fn=pipelined.loss_of_microbatch,
+                scale_grads=True,
             )
         except (ValueError, RuntimeError, AssertionError) as error:
             raise ShardingError(
                 f"torch's {schedule_class.__name__} refuses {config.microbatches} micro-batches over "
                 f"{len(config.pipeline_stages)} stages: {error}"
             ) from None
-    return pipelined.schedules[key]
+    return pipelined.schedule
+
+
+@contextmanager
+def _grads_set_aside(pipelined: Pipelined) -> Iterator[None]:
+    """Run a schedule step with the stages' gradients set aside, then add them back.
+
+    Every torch schedule ends a step, ``eval`` included, by dividing each parameter's
+    ``.grad`` by the micro-batch count (``perform_reduce_grad``): gradients accumulated
+    before the step (an earlier batch's, kept for accumulation) would be divided too.
+    """
+    params = [p for stage in pipelined.stages for p in stage.submod.parameters()]
+    held = [p.grad for p in params]
+    for param in params:
+        param.grad = None
+    try:
+        yield
+    finally:
+        for param, before in zip(params, held, strict=True):
+            if before is not None:
+                if param.grad is not None:
+                    before.add_(param.grad)
+                param.grad = before
+
+
+def _ends(pipelined: Pipelined) -> tuple[bool, bool]:
+    """Whether this rank runs the first stage, and the last."""
+    return any(s.is_first for s in pipelined.stages), any(s.is_last for s in pipelined.stages)
+
+
+def _mean_from_last_stage(pipelined: Pipelined, losses: list[torch.Tensor], last: bool) -> torch.Tensor:
+    # float32 on every rank: under precision="bf16-true" the default dtype is bfloat16
+    loss = (
+        torch.stack([x.detach().float() for x in losses]).mean()
+        if last
+        else torch.zeros((), dtype=torch.float32)
+    )
+    loss = loss.to(pipelined.stages[0].device)
+    dist.broadcast(loss, group=pipelined.group, group_src=pipelined.last_stage_rank)
+    return loss
 
 
 def pipeline_step(
@@ -271,20 +326,82 @@ def pipeline_step(
     targets: torch.Tensor,
 ) -> torch.Tensor:
     """Run one forward and backward of the schedule; the mean micro-batch loss, on every pp rank."""
-    schedule = _schedule(pipelined, loss_fn)
-    first = any(stage.is_first for stage in pipelined.stages)
-    last = any(stage.is_last for stage in pipelined.stages)
+    schedule = _schedule(pipelined)
+    pipelined.loss = loss_fn
+    first, last = _ends(pipelined)
     losses: list[torch.Tensor] = []
     # return_outputs=False: else the last stage keeps every micro-batch's output (the
     # logits) until the next step, and concatenates them at the end, for a result unused
     kwargs: dict[str, Any] = {"return_outputs": False}
     if last:
         kwargs |= {"target": targets, "losses": losses}
-    if first:
-        schedule.step(inputs, **kwargs)
-    else:
-        schedule.step(**kwargs)
-    loss = torch.stack([x.detach().float() for x in losses]).mean() if last else torch.zeros(())
-    loss = loss.to(pipelined.stages[0].device)
-    dist.broadcast(loss, group=pipelined.group, group_src=pipelined.last_stage_rank)
-    return loss
+    with _grads_set_aside(pipelined):
+        if first:
+            schedule.step(inputs, **kwargs)
+        else:
+            schedule.step(**kwargs)
+    return _mean_from_last_stage(pipelined, losses, last)
+
+
+def pipeline_eval_loss(
+    pipelined: Pipelined,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+) -> torch.Tensor:
+    """Run the schedule forward only (torch's ``schedule.eval``, under the caller's no_grad).
+
+    Returns:
+        The mean micro-batch loss, on every pp rank.
+    """
+    schedule = _schedule(pipelined)
+    pipelined.loss = loss_fn
+    first, last = _ends(pipelined)
+    losses: list[torch.Tensor] = []
+    kwargs: dict[str, Any] = {"return_outputs": False}
+    if last:
+        kwargs |= {"target": targets, "losses": losses}
+    with _grads_set_aside(pipelined):
+        if first:
+            schedule.eval(inputs, **kwargs)
+        else:
+            schedule.eval(**kwargs)
+    return _mean_from_last_stage(pipelined, losses, last)
+
+
+def _no_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), device=targets.device)
+
+
+def pipeline_eval_outputs(pipelined: Pipelined, inputs: torch.Tensor) -> torch.Tensor:
+    """Run the schedule forward only; the last stage's whole outputs, sent to every pp rank.
+
+    Every rank passes its batch (the same on a pipeline's ranks): the last stage needs its
+    size for the stand-in targets, as torch's schedule computes a loss where it has a loss
+    function (an eval without targets would fail there).
+    """
+    schedule = _schedule(pipelined)
+    pipelined.loss = _no_loss
+    first, last = _ends(pipelined)
+    device = pipelined.stages[0].device
+    kwargs: dict[str, Any] = {"return_outputs": True}
+    if last:
+        kwargs["target"] = torch.zeros(inputs.shape[0], device=device)
+    with _grads_set_aside(pipelined):
+        outputs = schedule.eval(inputs, **kwargs) if first else schedule.eval(**kwargs)
+    if last:
+        full = getattr(outputs, "full_tensor", None)  # a DTensor from a tensor-parallel head
+        outputs = full() if callable(full) else outputs
+        if not isinstance(outputs, torch.Tensor):
+            raise ShardingError(
+                f"the pipeline's last stage returned a {type(outputs).__name__}; evaluating under a "
+                "pipeline plan needs a model whose output is one tensor"
+            )
+    header: list[Any] = [(tuple(outputs.shape), outputs.dtype) if last else None]
+    source = pipelined.last_stage_rank
+    dist.broadcast_object_list(header, group=pipelined.group, group_src=source, device=device)
+    shape, dtype = header[0]
+    if not last:
+        outputs = torch.empty(shape, dtype=dtype, device=device)
+    dist.broadcast(outputs, group=pipelined.group, group_src=pipelined.last_stage_rank)
+    return outputs

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -42,8 +41,11 @@ def forward_backward(
 
     Gradients are left for ``optimizer.step()``, scaled as one process's would be for the
     same batch (torch's pipeline schedules divide by the micro-batch count; ``loss_fn``
-    should average over its batch, as ``F.cross_entropy`` does). Every rank passes its
-    data-parallel slice of the batch, inputs and targets alike.
+    should average over its batch, as ``F.cross_entropy`` does), and added to the
+    gradients already there, so steps without ``zero_grad`` between them accumulate (under
+    a pipeline too: torch's schedule would divide earlier gradients again, so they are set
+    aside for the step). Every rank passes its data-parallel slice of the batch, inputs and
+    targets alike.
 
     Args:
         plan: the plan `apply` ran.
@@ -108,24 +110,14 @@ def forward_backward(
 
         return step
 
-    microbatches = plan.config.microbatches
-    # one function object per step function: the pipeline builds its schedule once for it
-    loss_of_microbatch: Any = scaled
-
     def pipeline(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        for name, batch in (("inputs", inputs), ("targets", targets)):
-            if batch.shape[0] % microbatches:
-                raise ShardingError(
-                    f"fs.forward_backward: the {name}' batch of {batch.shape[0]} does not split into the "
-                    f"plan's {microbatches} micro-batches ({batch.shape[0]} % {microbatches} != 0); pass a "
-                    f"batch that is a multiple of {microbatches}, or plan pipeline(microbatches=...) again"
-                )
+        check_microbatches(plan, "fs.forward_backward", inputs=inputs, targets=targets)
         if scaler is not None:
             # only the last stage's ranks scale a loss; the others' scalers must have a
             # scale too, to unscale their gradients and step
             scaler.scale(torch.zeros((), device=inputs.device))
         with loss_context(plan):
-            loss = pipeline_step(pipelined, loss_of_microbatch, inputs, targets)
+            loss = pipeline_step(pipelined, scaled, inputs, targets)
         if scaler is not None:
             loss = loss / scaler.get_scale()
         return loss
@@ -140,3 +132,15 @@ def _plain(loss: torch.Tensor) -> torch.Tensor:
     loss = loss.detach()
     full = getattr(loss, "full_tensor", None)
     return full() if callable(full) else loss
+
+
+def check_microbatches(plan: Plan, caller: str, **batches: torch.Tensor) -> None:
+    """Refuse a batch that the plan's micro-batch count does not divide (both numbers named)."""
+    microbatches = plan.config.microbatches
+    for name, batch in batches.items():
+        if batch.shape[0] % microbatches:
+            raise ShardingError(
+                f"{caller}: the {name}' batch of {batch.shape[0]} does not split into the "
+                f"plan's {microbatches} micro-batches ({batch.shape[0]} % {microbatches} != 0); pass a "
+                f"batch that is a multiple of {microbatches}, or plan pipeline(microbatches=...) again"
+            )

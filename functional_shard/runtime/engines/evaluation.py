@@ -1,0 +1,128 @@
+"""`forward_only` and `forward_loss`: evaluation's forward (no gradients) for any plan, pipeline or not."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from functional_shard.core.errors import ShardingError
+from functional_shard.planning.plan import Plan
+
+from .applied import applied_with
+from .pipeline import Pipelined, pipeline_eval_loss, pipeline_eval_outputs, pipeline_of
+from .step import LossFn, _plain, check_microbatches
+from .tensor_parallel import loss_context
+
+
+def _evaluated(plan: Plan, module: nn.Module, root: str, caller: str) -> tuple[nn.Module, Pipelined | None]:
+    applied_with(plan, module, caller)
+    pipelined = pipeline_of(module)
+    if root and pipelined is not None:
+        raise ShardingError(
+            f"{caller}(root={root!r}) under a pipeline plan: a stage runs the module's own forward"
+        )
+    if plan.config.context_parallel_axis is not None:
+        raise ShardingError(
+            f"{caller} under a context-parallel plan is not built: each rank holds chunks of the "
+            "sequences; evaluate under a plan without cp (a checkpoint loads under any plan)"
+        )
+    try:
+        return module.get_submodule(root), pipelined
+    except AttributeError:
+        raise ShardingError(f"{caller}(root={root!r}): the module has no such submodule") from None
+
+
+@contextmanager
+def _no_grad() -> Iterator[None]:
+    # no_grad, and out of inference mode (Lightning evaluates in it on NCCL): FSDP2 keeps
+    # the buffers it all-gathers into, and one made in inference mode cannot be written
+    # by the next training step (torch refuses an in-place update of an inference tensor)
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
+def forward_only(plan: Plan, module: nn.Module, *, root: str = "") -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function ``forward(inputs) -> outputs``: the model's forward under ``plan``, without gradients.
+
+    Under a pipeline plan it drives the plan's schedule forward only (torch's
+    ``schedule.eval``): the first stage takes ``inputs``, cut into the plan's micro-batches,
+    and the last stage's outputs, put back together, are sent to every rank of the
+    pipeline, so each rank gets the whole model's outputs. Otherwise it is
+    ``module(inputs)`` under ``torch.no_grad()``. Every rank passes its data-parallel slice
+    of the batch (the same on the ranks of one pipeline).
+
+    Args:
+        plan: the plan `apply` ran.
+        module: the module `apply` returned.
+        root: the submodule whose forward runs the model, as `apply` took it; not under a
+            pipeline, whose stages run the module's own forward.
+
+    Returns:
+        ``forward(inputs)``, which returns the model's outputs (detached; under a pipeline
+        one tensor, the model's output or its ``logits``).
+
+    Raises:
+        ShardingError: ``module`` was not applied with ``plan``, or the plan has context
+            parallel; later, from ``forward``, a batch the micro-batch count does not divide.
+
+    Examples:
+        >>> plan = fs.shard(nn.Linear(4, 2), fs.Mesh(dp=1), fs.replicate())
+        >>> # on every rank, after fs.apply(plan, model):
+        >>> # forward = fs.forward_only(plan, model); logits = forward(inputs)
+    """
+    forward, pipelined = _evaluated(plan, module, root, "fs.forward_only")
+
+    def run(inputs: torch.Tensor) -> torch.Tensor:
+        with _no_grad():
+            if pipelined is not None:
+                check_microbatches(plan, "fs.forward_only", inputs=inputs)
+                return pipeline_eval_outputs(pipelined, inputs)
+            return forward(inputs)
+
+    return run
+
+
+def forward_loss(
+    plan: Plan, module: nn.Module, loss_fn: LossFn, *, root: str = ""
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A function ``loss(inputs, targets) -> loss``: ``loss_fn`` evaluated under ``plan``, without gradients.
+
+    The evaluation counterpart of `forward_backward`: under a pipeline plan the schedule
+    runs forward only, the last stage calls ``loss_fn`` on each micro-batch and the mean is
+    sent to every rank of the pipeline (only a number crosses, not the outputs); otherwise
+    it is ``loss_fn(module(inputs), targets)`` under ``torch.no_grad()``. So a validation
+    loop logs the same loss on every rank, and the same as under a plan without pp.
+
+    Args:
+        plan: the plan `apply` ran.
+        module: the module `apply` returned.
+        loss_fn: ``loss_fn(outputs, targets)``, a mean over the (micro-)batch.
+        root: the submodule whose forward runs the model, as `apply` took it.
+
+    Returns:
+        ``loss(inputs, targets)``, which returns the batch's mean loss (detached; under a
+        pipeline the mean of the micro-batch losses, equal on every rank of a pipeline).
+
+    Raises:
+        ShardingError: ``module`` was not applied with ``plan``, or the plan has context
+            parallel; later, from ``loss``, a batch the micro-batch count does not divide.
+
+    Examples:
+        >>> plan = fs.shard(nn.Linear(4, 2), fs.Mesh(dp=1), fs.replicate())
+        >>> # on every rank, after fs.apply(plan, model):
+        >>> # evaluate = fs.forward_loss(plan, model, torch.nn.functional.mse_loss)
+        >>> # loss = evaluate(inputs, targets)
+    """
+    forward, pipelined = _evaluated(plan, module, root, "fs.forward_loss")
+
+    def run(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with _no_grad(), loss_context(plan):
+            if pipelined is not None:
+                check_microbatches(plan, "fs.forward_loss", inputs=inputs, targets=targets)
+                return pipeline_eval_loss(pipelined, loss_fn, inputs, targets)
+            return _plain(loss_fn(forward(inputs), targets))
+
+    return run
