@@ -23,6 +23,14 @@ Two nodes of 8 GPUs (run the same line on each node; node 0's address is the ren
         --rdzv-id my-run examples/train_torchrun.py --mesh dp=2,tp=8 \\
         --policy "hsdp(dp, tp)" --model llama-1b
 
+A long run (checkpoints every 50 steps; a restart resumes from the newest whole one, so a
+rank killed in mid-step, or in mid-save, costs at most the steps since it; a hung or dead
+peer ends the job within 60 s with the collective and the ranks named):
+
+    torchrun --standalone --nproc-per-node 4 --max-restarts 3 examples/train_torchrun.py \\
+        --mesh dp=4 --policy "fsdp(dp)" --steps 1000 \\
+        --checkpoint-dir checkpoints --save-every 50 --timeout 60
+
 Every process plans the same model on the meta device (pure: all ranks agree without
 talking), lets `fs.apply` parallelize it, then materializes only its own shards. The data
 is a learnable toy task (each next token is the previous one plus one), split over the
@@ -30,19 +38,30 @@ data-parallel ranks as the plan says; the loss is averaged over them and printed
 The loop is the same for every plan: `fs.forward_backward` runs a plain forward and backward,
 or under a pipeline plan the schedule (each rank runs its stages on the micro-batches, the
 last stage computes the loss, every rank of a pipeline gets it back).
+
+With ``--checkpoint-dir``, every ``--save-every`` steps and at the end the model, the
+optimizer and the step are saved (``step-000050``, ...: written aside and renamed, so a crash
+in mid-save leaves the previous one whole), and at start the script resumes from
+`fs.checkpoint.latest` of the folder: weights, optimizer state and step. The step alone
+decides which batches come next (each step's batch is drawn from a generator seeded by the
+step), so a resumed run sees the batches an uninterrupted one would have, and ends with
+the same weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
+import pathlib
 import sys
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
+from torch.distributed.elastic.multiprocessing.errors import record
 
 import functional_shard as fs
 from functional_shard.cli import load_model, parse_mesh
@@ -62,6 +81,15 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=32, help="tokens per sequence")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--checkpoint-dir", type=pathlib.Path, help="save here, and resume from the newest whole checkpoint"
+    )
+    parser.add_argument(
+        "--save-every", type=int, default=0, help="steps between checkpoints (default: only at the end)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds a collective waits for a hung or dead peer"
+    )
     return parser.parse_args()
 
 
@@ -78,19 +106,14 @@ def next_token_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
+@record  # torchrun's summary of a failed run shows this rank's error, not only its exit code
 def main() -> int:
     args = arguments()
     # FSDP2 warns that the logits are a view (of the tensor-parallel gather); nothing here
     # writes into them in place, so the warning would only bury the losses
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend)  # torchrun's environment: rank, world size, rendezvous
+    # torchrun's environment (rank, world size, rendezvous); NCCL on GPUs, gloo on CPUs
+    device = fs.init_distributed(timeout=args.timeout)
     rank = dist.get_rank()
     try:
         model = load_model(args.model)  # the meta device: shapes only, the same on every rank
@@ -119,37 +142,73 @@ def main() -> int:
         dist.destroy_process_group()
         return 2
 
+    start = resume(args.checkpoint_dir, model, optimizer, rank)
     vocab = plan.tensors[next(n for n in plan.tensors if "embed" in n or "wte" in n)].shape[0]
     forward_backward = fs.forward_backward(plan, model, next_token_loss)
     index, slices = plan.data_parallel_rank(rank)
     first = last = math.nan
-    for step in range(args.steps):
+    for step in range(start, args.steps):
+        # the step alone decides the batch: a resumed run reads what an uninterrupted one would
         tokens = counting_batch(step, args.batch * slices, args.seq, vocab, args.seed)
         mine = tokens[index * args.batch : (index + 1) * args.batch].to(device)
         optimizer.zero_grad()
-        try:
-            loss = forward_backward(mine[:, :-1], mine[:, 1:])
-        except fs.ShardingError as error:  # a batch the micro-batches do not divide
-            if rank == 0:
-                print(f"train_torchrun: {error}", file=sys.stderr)
-            dist.destroy_process_group()
-            return 2
-        optimizer.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)  # ranks of one data-parallel slice (tp, pp) hold the same loss
+        # a peer that hangs or died ends the step within --timeout, naming the collective and it
+        with fs.watch_collectives():
+            try:
+                loss = forward_backward(mine[:, :-1], mine[:, 1:])
+            except fs.ShardingError as error:  # a batch the micro-batches do not divide
+                if rank == 0:
+                    print(f"train_torchrun: {error}", file=sys.stderr)
+                dist.destroy_process_group()
+                return 2
+            optimizer.step()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)  # ranks of one data-parallel slice (tp, pp) hold the same loss
         mean = mean.item() / dist.get_world_size()
-        first = mean if step == 0 else first
+        first = mean if step == start else first
         last = mean
         if rank == 0:
             print(f"step {step + 1:>4}  loss {mean:.4f}", flush=True)
+        done = step + 1
+        if args.checkpoint_dir is not None and (
+            done == args.steps or (args.save_every > 0 and done % args.save_every == 0)
+        ):
+            with fs.watch_collectives():
+                fs.checkpoint.save(
+                    args.checkpoint_dir / f"step-{done:06d}", model, optimizer, extra={"step": done}
+                )
     # every rank past its last collective before any tears gloo down: a rank leaving while a
     # peer's pair is still open can abort in gloo's threads ("terminate called without an
     # active exception", seen once under load on 4 CPU ranks)
     dist.barrier()
+    # and the groups the model's shards hold are freed now, not while the interpreter exits
+    # (seen after a restart, under load: the same abort at exit)
+    del model, optimizer, forward_backward
+    gc.collect()
     dist.destroy_process_group()
+    if rank == 0 and start < args.steps:
+        print(f"loss {first:.4f} -> {last:.4f} over {args.steps - start} steps on {mesh!r}", flush=True)
+    return 0 if start == args.steps or math.isfinite(last) else 1
+
+
+def resume(
+    folder: pathlib.Path | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int
+) -> int:
+    """The step to start from: 0, or that of the newest whole checkpoint in ``folder``, loaded.
+
+    A save a crash cut short is passed over (`fs.checkpoint.latest`), so a restart after a
+    rank died in mid-save resumes from the checkpoint before it.
+    """
+    if folder is None or not folder.is_dir():
+        return 0
+    found = fs.checkpoint.latest(folder)
+    if found is None:
+        return 0
+    step = int(fs.checkpoint.load(found, model, optimizer)["step"])
     if rank == 0:
-        print(f"loss {first:.4f} -> {last:.4f} over {args.steps} steps on {mesh!r}", flush=True)
-    return 0 if math.isfinite(last) else 1
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        print(f"resumed from {found} at step {step} (restart {restart})", flush=True)
+    return step
 
 
 if __name__ == "__main__":

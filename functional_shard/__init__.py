@@ -93,6 +93,9 @@ if TYPE_CHECKING:
     from .runtime.measure import kept_activation_bytes as kept_activation_bytes
     from .runtime.measure import resident_bytes as resident_bytes
     from .runtime.measure import saved_tensor_bytes as saved_tensor_bytes
+    from .runtime.timeouts import CollectiveTimeoutError as CollectiveTimeoutError
+    from .runtime.timeouts import init_distributed as init_distributed
+    from .runtime.timeouts import watch_collectives as watch_collectives
     from .search.auto import auto as auto
     from .search.auto import search_plans as search_plans
     from .search.report import AutoReport as AutoReport
@@ -153,6 +156,9 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "LocalWorld": ("runtime.launch", "LocalWorld"),
     "RankFailedError": ("runtime.launch", "RankFailedError"),
     "run_local": ("runtime.launch", "run_local"),
+    "CollectiveTimeoutError": ("runtime.timeouts", "CollectiveTimeoutError"),
+    "init_distributed": ("runtime.timeouts", "init_distributed"),
+    "watch_collectives": ("runtime.timeouts", "watch_collectives"),
     "local_shape": ("core.layout", "local_shape"),
     "local_shape_and_offset": ("core.layout", "local_shape_and_offset"),
     "shard_tensor": ("core.layout", "shard_tensor"),
@@ -250,6 +256,9 @@ __all__ = [
     # running plans
     "LocalWorld",
     "RankFailedError",
+    "CollectiveTimeoutError",
+    "init_distributed",
+    "watch_collectives",
     "apply",
     "check_optimizer",
     "check_runnable",

@@ -35,7 +35,8 @@ CHECKPOINT = (
     "checkpoint_async",
     "export_hf",
 )
-EFFECTS = {f"runtime/{name}.py" for name in ("apply", *CHECKPOINT, "device_mesh", "launch", "measure")} | {
+RUNTIME_EFFECTS = ("apply", *CHECKPOINT, "device_mesh", "launch", "measure", "timeouts")
+EFFECTS = {f"runtime/{name}.py" for name in RUNTIME_EFFECTS} | {
     f"runtime/engines/{name}.py"
     for name in (
         "activation_checkpointing",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -14,6 +16,47 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import functional_shard as fs
 from functional_shard.planning.policy import as_policy
+from functional_shard.runtime.timeouts import set_timeout
+
+# the strategy methods Lightning calls that run collectives: a step (forward, backward, the
+# optimizer step and its closure), the strategy's own collectives, checkpoints
+_COLLECTIVE_METHODS = (
+    "training_step",
+    "validation_step",
+    "test_step",
+    "predict_step",
+    "backward",
+    "optimizer_step",
+    "pipeline_step",
+    "clip_gradients_norm",
+    "barrier",
+    "broadcast",
+    "reduce",
+    "all_reduce",
+    "all_gather",
+    "save_checkpoint",
+    "load_checkpoint",
+)
+
+
+def _watched(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        with fs.watch_collectives():
+            return method(*args, **kwargs)
+
+    watched.__fs_watched__ = True  # type: ignore[attr-defined]
+    return watched
+
+
+def _watched_steps(method: Callable[..., Any]) -> Callable[..., Any]:
+    # Fabric's forward_backward returns the step the loop calls: that is what to watch
+    @functools.wraps(method)
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        return _watched(method(*args, **kwargs))
+
+    watched.__fs_watched__ = True  # type: ignore[attr-defined]
+    return watched
 
 
 class _RunsAPlan:
@@ -27,6 +70,22 @@ class _RunsAPlan:
     _policy: fs.Policy | None
     _mesh: fs.Mesh
     _seed: int | None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Watch the collectives of each strategy's steps, collectives and checkpoints.
+
+        A peer that hangs or died past ``timeout`` ends the run with a
+        `functional_shard.CollectiveTimeoutError` naming the collective and the ranks, not
+        with torch's words (``Timed out waiting 3000ms for recv``).
+        """
+        super().__init_subclass__(**kwargs)
+        for name in _COLLECTIVE_METHODS:
+            method = getattr(cls, name, None)
+            if callable(method) and not getattr(method, "__fs_watched__", False):
+                setattr(cls, name, _watched(method))
+        steps = getattr(cls, "forward_backward", None)
+        if callable(steps) and not getattr(steps, "__fs_watched__", False):
+            setattr(cls, "forward_backward", _watched_steps(steps))  # noqa: B010 (a method, set on the class)
 
     def __init__(
         self,
@@ -74,7 +133,18 @@ class _RunsAPlan:
     def setup_environment(self) -> None:
         """Join the process group and build the DeviceMesh of the plan's mesh."""
         super().setup_environment()  # type: ignore[misc]  # the Lightning strategy's
-        self._setup_distributed()
+        joins = not torch.distributed.is_initialized()
+        collectives = self._timeout
+        if joins and collectives is not None:
+            # joining waits for every process to start (Lightning's default, 30 minutes):
+            # a peer still importing is not hung; ``timeout`` is for the collectives after
+            self._timeout = max(collectives, default_pg_timeout or collectives)
+        try:
+            self._setup_distributed()
+        finally:
+            self._timeout = collectives
+        if joins and collectives is not None:
+            set_timeout(collectives.total_seconds())
         self._device_mesh = self._device_mesh_for(self.world_size, self.root_device.type)  # type: ignore[attr-defined]
 
     @property

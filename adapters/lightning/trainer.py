@@ -69,7 +69,9 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
         save_distributed_checkpoint: a folder with one file per rank (default), or one full
             file written by rank 0.
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default by device.
-        timeout: process group timeout.
+        timeout: how long a collective waits for a hung or dead peer; past it the run ends
+            with a `functional_shard.CollectiveTimeoutError` naming the collective and the
+            ranks (joining the process group still waits for slow starts).
 
     Raises:
         functional_shard.MeshError: the plan's mesh does not match the number of devices.

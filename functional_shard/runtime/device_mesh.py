@@ -13,6 +13,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from functional_shard.core.errors import MeshError
 
+from .timeouts import share_timeout
+
 if TYPE_CHECKING:
     from functional_shard.core.mesh import Mesh
 
@@ -45,4 +47,7 @@ def build_device_mesh(mesh: Mesh, device_type: str = "cpu") -> DeviceMesh:
             "dist.init_process_group(...) first (or launch with torchrun / Lightning)"
         )
     mesh = mesh.resolve(dist.get_world_size())
-    return init_device_mesh(device_type, mesh.sizes, mesh_dim_names=mesh.axis_names)
+    built = init_device_mesh(device_type, mesh.sizes, mesh_dim_names=mesh.axis_names)
+    # the groups of the mesh wait for a hung peer as long as the process group does
+    share_timeout([built.get_group(axis) for axis in range(built.ndim)])
+    return built

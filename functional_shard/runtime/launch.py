@@ -27,11 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .timeouts import CollectiveTimeoutError, RankFailedError, collective_timed_out, set_timeout
+
 __all__ = ["CollectiveTimeoutError", "LocalWorld", "RankFailedError", "current_rank", "run_local"]
-
-
-class RankFailedError(RuntimeError):
-    """A rank died, hung past the timeout, or raised something that cannot be sent back."""
 
 
 class _RemoteTracebackError(Exception):
@@ -68,8 +66,10 @@ def _serve(me: _Rank, inbox: Any, outbox: Any) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # a client of the store the parent serves: no rank ever binds a port of its own choosing
     store = dist.TCPStore(_HOST, me.port, me.world_size, is_master=False, timeout=_TIMEOUT)
-    waits = datetime.timedelta(seconds=me.timeout)
-    dist.init_process_group(me.backend, store=store, rank=rank, world_size=me.world_size, timeout=waits)
+    # joining waits for every rank to start (a rank still importing torch is not hung); the
+    # world's timeout is for the collectives after
+    dist.init_process_group(me.backend, store=store, rank=rank, world_size=me.world_size, timeout=_TIMEOUT)
+    set_timeout(me.timeout)
     try:
         while (task := inbox.get()) is not None:
             fn, args, kwargs = task
@@ -77,7 +77,8 @@ def _serve(me: _Rank, inbox: Any, outbox: Any) -> None:
                 outbox.put((rank, True, fn(*args, **kwargs)))
             except BaseException as error:  # sent back whole; the parent decides
                 text = traceback.format_exc()
-                collective = _collective_timed_out(error)
+                named = isinstance(error, CollectiveTimeoutError)  # by watch_collectives already
+                collective = None if named else collective_timed_out(error)
                 if collective is not None:  # say where it waited, and for how long
                     error = CollectiveTimeoutError(
                         f"rank {rank} waited {me.timeout:g}s in {collective}, and its peers never joined it"
@@ -88,23 +89,6 @@ def _serve(me: _Rank, inbox: Any, outbox: Any) -> None:
                     outbox.put((rank, False, (RankFailedError(repr(error)), text)))
     finally:
         dist.destroy_process_group()
-
-
-class CollectiveTimeoutError(RankFailedError):
-    """A rank waited past the world's timeout in a collective that its peers never joined."""
-
-
-def _collective_timed_out(error: BaseException) -> str | None:
-    # the torch.distributed call a rank was in when its wait ran out: the innermost public
-    # function of distributed_c10d in the traceback (all_reduce, barrier, all_gather, ...)
-    text = str(error).lower()
-    if "timed out" not in text and "timeout" not in text:
-        return None
-    frames = traceback.extract_tb(error.__traceback__)
-    names = [
-        f.name for f in frames if f.filename.endswith("distributed_c10d.py") and not f.name.startswith("_")
-    ]
-    return f"torch.distributed.{names[-1]}" if names else None
 
 
 class LocalWorld:

@@ -1,0 +1,245 @@
+"""A collective whose peers never come: an error naming it and them, under any launcher.
+
+torch ends a collective that waited past the process group's timeout with the backend's own
+words (gloo: ``Timed out waiting 3000ms for recv operation to complete``), which name neither
+the collective nor the rank that never came. `watch_collectives` turns that into a
+`CollectiveTimeoutError`: this rank, the collective it waited in, how long, and the ranks
+that hung or died — found through the process group's store, which outlives the collective:
+every rank whose wait ran out says so there, and after a short grace the ranks that said
+nothing are the ones that never came. `LocalWorld`, torchrun scripts (`init_distributed`) and
+the Lightning strategies all end a hung run this way.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from functional_shard.core.errors import ShardingError
+
+__all__ = [
+    "CollectiveTimeoutError",
+    "RankFailedError",
+    "collective_timed_out",
+    "init_distributed",
+    "set_timeout",
+    "share_timeout",
+    "timeout_error",
+    "watch_collectives",
+]
+
+_GRACE = 10.0  # at most this long, after its own wait, a rank waits to hear from the others
+_POLL = 0.05
+
+
+class RankFailedError(RuntimeError):
+    """A rank died, hung past the timeout, or raised something that cannot be sent back."""
+
+
+class CollectiveTimeoutError(RankFailedError):
+    """A rank waited past the process group's timeout in a collective that its peers never joined."""
+
+
+for _error in (RankFailedError, CollectiveTimeoutError):
+    _error.__module__ = "functional_shard"
+
+
+def collective_timed_out(error: BaseException) -> str | None:
+    """The collective a rank waited in when ``error``, a timeout, ended its wait; None for other errors.
+
+    The innermost public function of ``torch.distributed`` in the traceback (``all_reduce``,
+    ``barrier``, ``all_gather_into_tensor``, ...); a collective waited for elsewhere in
+    torch.distributed (FSDP's all-gather) by its module and function; one that autograd ran
+    (DDP's and FSDP's gradient reductions) as the backward pass's.
+
+    Examples:
+        >>> collective_timed_out(ValueError("not a timeout")) is None
+        True
+    """
+    text = str(error).lower()
+    if "timed out" not in text and "timeout" not in text:
+        return None
+    frames = traceback.extract_tb(error.__traceback__)
+    public = [
+        f.name for f in frames if f.filename.endswith("distributed_c10d.py") and not f.name.startswith("_")
+    ]
+    if public:
+        return f"torch.distributed.{public[-1]}"
+    inside = [f for f in frames if f"torch{os.sep}distributed{os.sep}" in f.filename]
+    if inside:
+        where = inside[-1].filename.rpartition(f"torch{os.sep}distributed{os.sep}")[2]
+        module = where.removesuffix(".py").replace(os.sep, ".")
+        return f"a collective waited for in torch.distributed.{module}.{inside[-1].name}"
+    if any(f.name in ("run_backward", "_engine_run_backward") for f in frames):
+        return "a collective of the backward pass (a gradient reduction)"
+    # a torch error that names a timeout but reached Python through no collective: not ours to rename
+    return None
+
+
+def _group_timeout() -> float:
+    # the default group's timeout is its store's: init_process_group gives both the same
+    # (checked on torch 2.13 with gloo); private, hence read in this one place
+    store = dist.distributed_c10d._get_default_store()
+    return store.timeout.total_seconds()  # type: ignore[attr-defined]  # there, not in the stubs
+
+
+def set_timeout(seconds: float) -> None:
+    """Make the default process group (its collectives and its store) wait ``seconds`` for a peer.
+
+    For a launcher that must join with a longer timeout than its collectives should wait
+    (processes that are still starting are not hung).
+    """
+    waits = datetime.timedelta(seconds=seconds)
+    dist.distributed_c10d._set_pg_timeout(waits)
+    dist.distributed_c10d._get_default_store().set_timeout(waits)
+
+
+def share_timeout(groups: list[dist.ProcessGroup]) -> None:
+    """Give ``groups`` the default process group's timeout.
+
+    torch creates a DeviceMesh's groups with the backend's default timeout (30 minutes for
+    gloo, 10 for NCCL), not the one ``init_process_group`` was given: without this, a peer
+    that hangs in a tensor-parallel or FSDP collective would hold the job for half an hour
+    whatever the user asked.
+    """
+    if not dist.is_initialized():
+        return
+    waits = datetime.timedelta(seconds=_group_timeout())
+    default = dist.distributed_c10d._get_default_group()
+    for group in groups:
+        if group is not default:
+            dist.distributed_c10d._set_pg_timeout(waits, group)
+
+
+def _silent_ranks(collective: str, grace: float) -> list[int] | None:
+    """The ranks that never said their wait ran out, once this rank said so in the store.
+
+    Waits ``grace`` seconds, or until every rank has said so. None when the store is gone too.
+    """
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        keys = [f"functional_shard/timed_out/{r}" for r in range(world)]
+        store.set(keys[rank], collective)
+        deadline = time.monotonic() + grace
+        while True:
+            silent = [r for r in range(world) if not store.check([keys[r]])]
+            if not silent or time.monotonic() > deadline:
+                return silent
+            time.sleep(_POLL)
+    except (RuntimeError, ValueError):  # the store's server went with a dead rank 0
+        return None
+
+
+def timeout_error(error: BaseException, seconds: float | None = None) -> CollectiveTimeoutError | None:
+    """The `CollectiveTimeoutError` that ``error``, a collective's timeout, stands for; None otherwise.
+
+    Names this rank, the collective, the wait (``seconds``, default the group's timeout) and
+    the ranks that hung or died. Asks every other rank through the store first: the caller
+    waits up to the group's timeout (10 s at most) longer.
+
+    Examples:
+        >>> timeout_error(KeyError("step")) is None
+        True
+    """
+    if isinstance(error, CollectiveTimeoutError):
+        return error
+    collective = collective_timed_out(error)
+    if collective is None or not dist.is_initialized():
+        return None
+    waited = _group_timeout() if seconds is None else seconds
+    rank = dist.get_rank()
+    silent = _silent_ranks(collective, min(waited, _GRACE))
+    if silent is None:
+        who = "its peers never joined it (the group's store is gone: rank 0 died)"
+    elif silent:
+        who = f"ranks {silent} never joined it: hung or dead"
+    else:
+        who = "every rank timed out waiting for another (a collective some rank never called)"
+    return CollectiveTimeoutError(f"rank {rank} waited {waited:g}s in {collective}; {who}")
+
+
+@contextmanager
+def watch_collectives() -> Iterator[None]:
+    """Turn torch's timeout of a collective in the block into a `CollectiveTimeoutError`.
+
+    The error names this rank, the collective and the ranks that never joined it.
+    Wrap a training step (forward, backward, optimizer step, the loss's all-reduce) in it;
+    the process group's ``timeout`` (`init_distributed`'s) decides how long a rank waits for
+    a hung or dead peer. Other errors pass unchanged.
+
+    Raises:
+        CollectiveTimeoutError: a collective in the block waited past the group's timeout,
+            e.g. ``rank 0 waited 3s in torch.distributed.all_reduce; ranks [2] never joined
+            it: hung or dead``.
+
+    Examples:
+        >>> # device = fs.init_distributed(timeout=60)
+        >>> # with fs.watch_collectives():
+        >>> #     loss = step(batch)
+    """
+    try:
+        yield
+    except Exception as error:
+        named = timeout_error(error)
+        if named is None or named is error:
+            raise
+        raise named from error
+
+
+def init_distributed(
+    backend: str | None = None, *, timeout: float | datetime.timedelta = 300.0
+) -> torch.device:
+    """Join the process group torchrun (or any ``env://`` launcher) set up; return this rank's device.
+
+    Restart-safe under ``torchrun --max-restarts``: each attempt's workers meet in the
+    launcher's store under keys of their own, never reading those the attempt before left.
+
+    ``backend`` defaults to NCCL when CUDA is there (one GPU per process, by ``LOCAL_RANK``)
+    and gloo otherwise. ``timeout`` is how long a collective waits for its peers before
+    raising; inside `watch_collectives` that error names the collective and the ranks that
+    never came, so a hung or dead peer ends the job within it.
+
+    Raises:
+        functional_shard.ShardingError: a timeout that is not positive.
+
+    Examples:
+        >>> # device = fs.init_distributed(timeout=60)   # under torchrun, on every rank
+        >>> # with fs.watch_collectives():
+        >>> #     train_step()
+    """
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    if not seconds > 0:
+        raise ShardingError(
+            f"init_distributed: timeout={timeout!r} must be a positive number of seconds "
+            "(or a timedelta): a collective waits that long for a hung or dead peer"
+        )
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    # joining waits for every process to start (one still importing torch is not hung);
+    # ``timeout`` is for the collectives after
+    waits = max(datetime.timedelta(seconds=seconds), dist.distributed_c10d.default_pg_timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's workers share its agent's store, and a restart's workers read the
+        # addresses the attempt before left there (gloo then connects to dead ranks: torch
+        # issue 135712); each attempt's keys under a prefix of their own keep them apart
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=waits))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"functional_shard/attempt-{attempt}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=waits)
+    else:
+        dist.init_process_group(backend, timeout=waits)
+    set_timeout(seconds)
+    return device
