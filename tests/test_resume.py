@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 from hypothesis import given
 from hypothesis import strategies as st
@@ -124,6 +126,41 @@ def test_a_global_batch_that_does_not_divide_is_refused_naming_both_numbers():
         other.load_state_dict(saved)
     with pytest.raises(fs.ShardingError, match=re.escape("['batch_size'] are the sampler's to set")):
         other.loader(range(24), batch_size=2)
+
+
+@pytest.fixture
+def one_rank():
+    """A gloo process group of this one process (checkpoints agree over the group)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["file", "folder"])
+def test_a_data_order_that_cannot_go_on_changes_nothing(one_rank, tmp_path, full):
+    # a load with data= is refused before any tensor is set: another global batch, or a
+    # checkpoint saved without a data order, leave the module and the sampler as they were
+    torch.manual_seed(0)
+    saved_model = nn.Linear(4, 4)
+    loader = fs.ResumableSampler(24, plan=_plan(1), rank=0, batch_size=6).loader(range(24))
+    next(iter(loader))
+    with_order, without = tmp_path / "with", tmp_path / "without"
+    fs.checkpoint.save(with_order, saved_model, data=loader, full=full)
+    fs.checkpoint.save(without, saved_model, full=full)
+    model = nn.Linear(4, 4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    other = fs.ResumableSampler(24, plan=_plan(1), rank=0, batch_size=8).loader(range(24))
+    with pytest.raises(fs.ShardingError, match="saved with a global batch of 6 samples"):
+        fs.checkpoint.load(with_order, model, data=other)
+    same = fs.ResumableSampler(24, plan=_plan(1), rank=0, batch_size=6).loader(range(24))
+    with pytest.raises(fs.ShardingError, match=r"holds no data order.*Nothing was loaded"):
+        fs.checkpoint.load(without, model, data=same)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert same.state_dict()["consumed"] == other.state_dict()["consumed"] == 0
+    fs.checkpoint.load(with_order, model, data=same)  # the one that can go on does
+    assert torch.equal(model.weight, saved_model.weight)
+    assert same.state_dict()["consumed"] == 6
 
 
 # ---- on real process groups ------------------------------------------------------------

@@ -27,6 +27,7 @@ for framework adapters that assemble their own checkpoints (Lightning's Trainer,
 
 from __future__ import annotations
 
+import functools
 import os
 import zipfile
 from pathlib import Path
@@ -230,8 +231,8 @@ def load(
             refusing them (shapes and dtypes must still match).
         trust: rebuild any object the file names, running its code (only for files you trust).
         data: a `ResumableLoader` or `ResumableSampler` to continue the data order saved
-            with ``save(..., data=)``, whatever plan and world size saved it. A folder's
-            data order is checked before the tensors load; a file's once it is read.
+            with ``save(..., data=)``, whatever plan and world size saved it. It is checked
+            before any tensor is set: a data order that cannot go on changes nothing.
 
     Returns:
         The ``extra`` values saved beside.
@@ -246,16 +247,13 @@ def load(
         >>> # fs.checkpoint.load("ckpt", model, optimizer, data=loader)   # the data order goes on
     """
     optimizers = {"optimizer": optimizer} if optimizer is not None else {}
-    if data is not None and callable(getattr(data, "check_state_dict", None)):
-        _check_data_order_first(Path(path), data, trust=trust)
-    extra = dict(read(path, ("model", module), optimizers, strict=strict, trust=trust).get("extra", {}))
+    check = None if data is None else functools.partial(_data_order_problems, path, data)
+    if check is not None and (Path(path) / META).is_file():
+        _check_data_order_first(Path(path), check, trust=trust)
+    extra = dict(
+        read(path, ("model", module), optimizers, strict=strict, trust=trust, check=check).get("extra", {})
+    )
     if data is not None:
-        if DATA_ORDER not in extra:
-            raise ShardingError(
-                f"fs.checkpoint.load(data=...): the checkpoint at {path} holds no data order (its extra has "
-                f"{sorted(extra)}); it was saved without save(..., data=loader). The weights loaded; "
-                "start the data order anew or resume from a checkpoint saved with data="
-            )
         data.load_state_dict(extra[DATA_ORDER])
     return extra
 
@@ -263,19 +261,36 @@ def load(
 DATA_ORDER = "data_order"
 
 
-def _check_data_order_first(path: Path, data: Any, *, trust: bool) -> None:
+def _data_order_problems(path: str | os.PathLike[str], data: Any, meta: Any) -> list[str]:
+    """Why the data order saved in ``meta`` cannot go on in ``data`` (nothing: it can)."""
+    extra = meta.get("extra") if isinstance(meta, dict) else None
+    if not isinstance(extra, dict) or DATA_ORDER not in extra:
+        held = sorted(extra) if isinstance(extra, dict) else []
+        return [
+            f"fs.checkpoint.load(data=...): the checkpoint at {path} holds no data order (its extra has "
+            f"{held}); it was saved without save(..., data=loader). Nothing was loaded; load without "
+            "data= and start the data order anew, or resume from a checkpoint saved with data="
+        ]
+    if callable(getattr(data, "check_state_dict", None)):
+        try:
+            data.check_state_dict(extra[DATA_ORDER])
+        except ShardingError as error:
+            return [str(error)]
+    return []
+
+
+def _check_data_order_first(path: Path, check: Any, *, trust: bool) -> None:
     # a folder's meta.pt is small: a data order that cannot go on is refused before any
     # tensor loads (read checks the folder's digests after; a meta.pt it cannot read is
-    # left for read to name); a full file is read whole once, by read
-    if not (path / META).is_file():
-        return
+    # left for read to name); a full file's is checked by read once it is read, before
+    # anything is set
     try:
         meta = load_file(path / META, trust=trust)
     except ShardingError:
         return
-    extra = meta.get("extra") if isinstance(meta, dict) else None
-    if isinstance(extra, dict) and DATA_ORDER in extra:
-        data.check_state_dict(extra[DATA_ORDER])
+    problems = check(meta)
+    if problems:
+        raise ShardingError(problems[0])
 
 
 def _with_data_order(extra: dict[str, Any] | None, data: Any) -> dict[str, Any] | None:

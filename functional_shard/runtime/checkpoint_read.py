@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ __all__ = ["META", "checked_file", "checked_folder", "optimizers_by_key", "read"
 META = "meta.pt"
 Target = tuple[str, nn.Module]  # the module's key in the checkpoint, and the module
 Optimizers = dict[str, torch.optim.Optimizer]  # by key in the checkpoint
+Check = Callable[[dict[str, Any]], list[str]] | None  # the meta's problems, before anything is set
 
 
 def optimizers_by_key(saved: dict[str, Any]) -> dict[str, Any]:
@@ -70,12 +71,14 @@ def read(
     *,
     strict: bool = True,
     trust: bool = False,
+    check: Callable[[dict[str, Any]], list[str]] | None = None,
 ) -> dict[str, Any]:
     """Load what `write` made (a folder or a file), whatever plan saved it; or change nothing.
 
     ``module`` is its key and the module; ``optimizers`` go by key. A file's optimizer list
     (Lightning's ``optimizer_states``) is read as ``optimizer_0``, ``optimizer_1``, ...
-    Nothing in the checkpoint runs as code unless ``trust``.
+    Nothing in the checkpoint runs as code unless ``trust``. ``check`` sees the meta saved
+    beside once it is read, and its problems refuse the load before anything is set.
 
     Returns:
         The ``meta`` saved beside (for a file: everything but the states loaded).
@@ -94,8 +97,8 @@ def read(
     refuse_unequal_packed(module[1], f"reading the checkpoint {path}")
     if path.is_dir():
         refuse_packed(module[1], f"reading the sharded checkpoint {path}")
-        return _read_sharded(path, module, optimizers, strict=strict, trust=trust)
-    return _read_full(path, module, optimizers, strict=strict, trust=trust)
+        return _read_sharded(path, module, optimizers, strict=strict, trust=trust, check=check)
+    return _read_full(path, module, optimizers, strict=strict, trust=trust, check=check)
 
 
 def _first_refusal(problems: list[str]) -> None:
@@ -112,7 +115,7 @@ def _whole_or_refused(read_it: Any) -> tuple[Any, list[str]]:
 
 
 def _read_full(
-    path: Path, module: Target, optimizers: Optimizers, *, strict: bool, trust: bool
+    path: Path, module: Target, optimizers: Optimizers, *, strict: bool, trust: bool, check: Check
 ) -> dict[str, Any]:
     # every rank reads the file and keeps its own shards (a full copy per rank while
     # loading: the price of the one-file format)
@@ -123,7 +126,7 @@ def _read_full(
         if key in saved
         else [f"the checkpoint at {path} holds no {key!r} state: it is not a checkpoint of this kind"]
     )
-    _first_refusal(agreed(refused))
+    _first_refusal(agreed(refused or (check(saved) if check else [])))
     problems = _fits(target, saved, key, optimizers, strict=strict)
     raise_problems(agreed(problems), f"the checkpoint at {path} does not fit this module", FIT_FIX)
     loaded = {name: (optimizer, saved.pop(name)) for name, optimizer in optimizers.items() if name in saved}
@@ -252,10 +255,11 @@ def _set_all(
 
 
 def _read_sharded(
-    path: Path, module: Target, optimizers: Optimizers, *, strict: bool, trust: bool
+    path: Path, module: Target, optimizers: Optimizers, *, strict: bool, trust: bool, check: Check
 ) -> dict[str, Any]:
     key, target = module
     meta = checked_folder(path, trust=trust)
+    _first_refusal(agreed(check(meta) if check else []))
     index, problems = _whole_or_refused(lambda: SafeReader(path, trust=trust).read_metadata())
     _first_refusal(agreed(problems))
     stored = _stored(index)
