@@ -204,6 +204,26 @@ def test_watch_collectives_names_the_collective_and_the_ranks_that_never_came():
     assert time.monotonic() - began < 25  # the wait and the grace, not the sleeping rank's 30 s
 
 
+def all_reduce_while_rank_1_dies() -> None:
+    """Ranks 0 and 2 wait in an all-reduce; rank 1's process ends before it gets there."""
+    if dist.get_rank() == 1:
+        time.sleep(0.5)
+        os._exit(1)
+    with fs.watch_collectives():
+        dist.all_reduce(torch.ones(1))
+
+
+def test_a_dead_peer_ends_the_run_at_once_naming_the_collective_and_the_rank():
+    # gloo tells the others at once that the connection closed: no waiting out the timeout
+    began = time.monotonic()
+    with pytest.raises(
+        fs.CollectiveTimeoutError,
+        match=r"^rank [02] lost a peer's connection in torch\.distributed\.all_reduce.*ranks \[1\]",
+    ):
+        fs.run_local(all_reduce_while_rank_1_dies, 3, timeout=60)
+    assert time.monotonic() - began < 45
+
+
 def test_a_timeout_must_be_positive():
     with pytest.raises(fs.ShardingError, match=re.escape("init_distributed: timeout=0 must be a positive")):
         fs.init_distributed(timeout=0)

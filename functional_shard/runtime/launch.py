@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .timeouts import CollectiveTimeoutError, RankFailedError, collective_timed_out, set_timeout
+from .timeouts import CollectiveTimeoutError, RankFailedError, collective_timed_out, peer_gone, set_timeout
 
 __all__ = ["CollectiveTimeoutError", "LocalWorld", "RankFailedError", "current_rank", "run_local"]
 
@@ -44,6 +44,7 @@ class _RemoteTracebackError(Exception):
 _HOST = "127.0.0.1"
 _TIMEOUT = datetime.timedelta(seconds=300)  # to join the store
 _GRACE = 15.0  # seconds the parent waits past the ranks' timeout for their own errors
+_DEATH_GRACE = 5.0  # seconds it waits, once a rank died, for the others' errors
 
 
 @dataclass(frozen=True)
@@ -80,9 +81,12 @@ def _serve(me: _Rank, inbox: Any, outbox: Any) -> None:
                 named = isinstance(error, CollectiveTimeoutError)  # by watch_collectives already
                 collective = None if named else collective_timed_out(error)
                 if collective is not None:  # say where it waited, and for how long
-                    error = CollectiveTimeoutError(
-                        f"rank {rank} waited {me.timeout:g}s in {collective}, and its peers never joined it"
+                    what = (
+                        f"lost a peer's connection in {collective} (a peer died)"
+                        if peer_gone(error)
+                        else f"waited {me.timeout:g}s in {collective}, and its peers never joined it"
                     )
+                    error = CollectiveTimeoutError(f"rank {rank} {what}")
                 try:
                     outbox.put((rank, False, (error, text)))
                 except Exception:  # an exception that does not pickle
@@ -159,10 +163,15 @@ class LocalWorld:
         deadline = time.monotonic() + self.timeout + _GRACE
         while pending:
             try:
-                rank, ok, payload = self._outbox.get(timeout=1.0)
+                rank, ok, payload = self._outbox.get(timeout=0.25)
             except queue.Empty:
                 dead = [r for r in pending if not self._processes[r].is_alive()]
-                if dead or time.monotonic() > deadline:
+                if dead and deadline > time.monotonic() + _DEATH_GRACE:
+                    # the living ranks' errors name the collective the dead one left: a
+                    # moment for them to arrive (gloo tells them at once)
+                    deadline = time.monotonic() + _DEATH_GRACE
+                    continue
+                if time.monotonic() > deadline:
                     self.close(force=True)
                     why = (
                         f"ranks {dead} died" if dead else f"ranks {sorted(pending)} ran past {self.timeout}s"
@@ -170,14 +179,16 @@ class LocalWorld:
                     raise RankFailedError(f"{why} in {getattr(fn, '__name__', fn)}") from None
                 continue
             if not ok:
+                others = sorted(pending - {rank})
+                dead = [r for r in others if not self._processes[r].is_alive()]
                 self.close(force=True)  # the others may be blocked in a collective
                 error, text = payload
                 if isinstance(error, CollectiveTimeoutError):
-                    others = sorted(pending - {rank})
-                    error = CollectiveTimeoutError(
-                        f"{error} (running {getattr(fn, '__name__', fn)}); ranks {others} had not "
-                        "returned: hung or dead"
-                    )
+                    waiting = [r for r in others if r not in dead]
+                    why = [f"ranks {dead} died"] if dead else []
+                    why += [f"ranks {waiting} had not returned: hung or dead"] if waiting else []
+                    running = getattr(fn, "__name__", fn)
+                    error = CollectiveTimeoutError(f"{error} (running {running}); {' and '.join(why)}")
                 raise error from _RemoteTracebackError(f"rank {rank} of {self.world_size}:\n{text}")
             results[rank] = payload
             pending.discard(rank)

@@ -29,6 +29,7 @@ __all__ = [
     "RankFailedError",
     "collective_timed_out",
     "init_distributed",
+    "peer_gone",
     "set_timeout",
     "share_timeout",
     "timeout_error",
@@ -36,6 +37,7 @@ __all__ = [
 ]
 
 _GRACE = 10.0  # at most this long, after its own wait, a rank waits to hear from the others
+_DEATH_GRACE = 2.0  # as long, after a peer's connection closed
 _POLL = 0.05
 
 
@@ -44,7 +46,11 @@ class RankFailedError(RuntimeError):
 
 
 class CollectiveTimeoutError(RankFailedError):
-    """A rank waited past the process group's timeout in a collective that its peers never joined."""
+    """A rank's collective ended without its peers.
+
+    It waited past the process group's timeout, or a peer's connection closed under it
+    (the peer died).
+    """
 
 
 for _error in (RankFailedError, CollectiveTimeoutError):
@@ -64,7 +70,7 @@ def collective_timed_out(error: BaseException) -> str | None:
         True
     """
     text = str(error).lower()
-    if "timed out" not in text and "timeout" not in text:
+    if "timed out" not in text and "timeout" not in text and not peer_gone(error):
         return None
     frames = traceback.extract_tb(error.__traceback__)
     public = [
@@ -81,6 +87,16 @@ def collective_timed_out(error: BaseException) -> str | None:
         return "a collective of the backward pass (a gradient reduction)"
     # a torch error that names a timeout but reached Python through no collective: not ours to rename
     return None
+
+
+# what gloo says when a peer's process is gone (killed, crashed) in mid-collective
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe")
+
+
+def peer_gone(error: BaseException) -> bool:
+    """Whether ``error`` is gloo's word that a peer's process went away in mid-collective."""
+    text = str(error).lower()
+    return any(words in text for words in _PEER_GONE)
 
 
 def _group_timeout() -> float:
@@ -156,13 +172,17 @@ def timeout_error(error: BaseException, seconds: float | None = None) -> Collect
         return None
     waited = _group_timeout() if seconds is None else seconds
     rank = dist.get_rank()
-    silent = _silent_ranks(collective, min(waited, _GRACE))
+    # a peer that died never says so: those that live say so at once (gloo tells every rank
+    # connected to it), so a short grace finds it
+    silent = _silent_ranks(collective, min(waited, _DEATH_GRACE if peer_gone(error) else _GRACE))
     if silent is None:
         who = "its peers never joined it (the group's store is gone: rank 0 died)"
     elif silent:
         who = f"ranks {silent} never joined it: hung or dead"
     else:
         who = "every rank timed out waiting for another (a collective some rank never called)"
+    if peer_gone(error):  # gloo tells at once, without waiting out the timeout
+        return CollectiveTimeoutError(f"rank {rank} lost a peer's connection in {collective}; {who}")
     return CollectiveTimeoutError(f"rank {rank} waited {waited:g}s in {collective}; {who}")
 
 
@@ -170,7 +190,8 @@ def timeout_error(error: BaseException, seconds: float | None = None) -> Collect
 def watch_collectives() -> Iterator[None]:
     """Turn torch's timeout of a collective in the block into a `CollectiveTimeoutError`.
 
-    The error names this rank, the collective and the ranks that never joined it.
+    gloo's word that a peer died in it (its connection closed) too. The error names this
+    rank, the collective and the ranks that never joined it.
     Wrap a training step (forward, backward, optimizer step, the loss's all-reduce) in it;
     the process group's ``timeout`` (`init_distributed`'s) decides how long a rank waits for
     a hung or dead peer. Other errors pass unchanged.
