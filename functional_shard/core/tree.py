@@ -155,8 +155,17 @@ def _block_of(path: str) -> str | None:
         start = end + 1
 
 
-_Members = tuple[list[tuple[str, "TensorSpec"]], list[tuple[str, "TensorSpec"]], list[tuple[str, Any]]]
-"""A block's (params, buffers, modules): tensors by path with their specs, modules by relative path."""
+class _Members:
+    """One block's tensors and modules as `_from_module` meets them (its key's parts)."""
+
+    __slots__ = ("buffer_paths", "buffers", "modules", "param_paths", "params")
+
+    def __init__(self) -> None:
+        self.params: list[tuple[str, TensorSpec, type | None]] = []  # (relative path, tensor, owner)
+        self.param_paths: list[str] = []
+        self.buffers: list[tuple[str, TensorSpec, type | None]] = []
+        self.buffer_paths: list[str] = []
+        self.modules: list[tuple[str, type | None]] = []  # (relative path, class)
 
 
 def _blocks(members: dict[str, _Members], tied: Iterable[str]) -> tuple[Block, ...]:
@@ -165,21 +174,16 @@ def _blocks(members: dict[str, _Members], tied: Iterable[str]) -> tuple[Block, .
     # plan each kind of block once. The key holds everything a policy can see of a block
     # but its index: relative paths, tensors (with their owners' classes), module classes.
     broken = {_block_of(name.rpartition(".")[0]) for name in tied}
-    blocks = []
-    for block, (block_params, block_buffers, block_modules) in members.items():
-        if block in broken:
-            continue
-        cut = len(block)
-        key = (
-            block.rpartition(".")[0],
-            tuple((p[cut:], t, t.module_type) for p, t in block_params),
-            tuple((p[cut:], t, t.module_type) for p, t in block_buffers),
-            tuple(block_modules),
+    return tuple(
+        Block(
+            block,
+            (block.rpartition(".")[0], tuple(parts.params), tuple(parts.buffers), tuple(parts.modules)),
+            tuple(parts.param_paths),
+            tuple(parts.buffer_paths),
         )
-        blocks.append(
-            Block(block, key, tuple(p for p, _ in block_params), tuple(p for p, _ in block_buffers))
-        )
-    return tuple(blocks)
+        for block, parts in members.items()
+        if block not in broken
+    )
 
 
 def _plain_walk(cls: type) -> bool:
@@ -195,31 +199,83 @@ class _NotPlainError(Exception):
     pass
 
 
-def _walk(
-    module: nn.Module,
-) -> tuple[
-    list[tuple[str, nn.Parameter, type, str | None]],
-    list[tuple[str, torch.Tensor, type, str | None]],
-    dict[str, type | None],
-    dict[str, list[tuple[str, Any]]],
-]:
+class _Reading:
+    """What `read_model` gathers from a module: specs, ties and blocks, tensor by tensor."""
+
+    def __init__(self) -> None:
+        self.params: dict[str, TensorSpec] = {}
+        self.buffers: dict[str, TensorSpec] = {}
+        self.modules: dict[str, type | None] = {}
+        self.alias_specs: dict[str, TensorSpec] = {}
+        self.tied_names: dict[str, list[str]] = {}  # canonical path -> every name, for shared tensors only
+        self.canonical: dict[int, str] = {}
+        # blocks repeat: one TensorSpec per (shape, dtype, owner, kind) keeps reading cheap
+        self.specs: dict[tuple[Any, ...], TensorSpec] = {}
+        self.members: dict[str, _Members] = {}
+
+    def spec(self, tensor: torch.Tensor, owner: type, kind: str) -> TensorSpec:
+        key = (tensor.shape, tensor.dtype, owner, kind)
+        spec = self.specs.get(key)
+        if spec is None:
+            spec = self.specs[key] = TensorSpec(
+                tuple(tensor.shape), tensor.dtype, _qualname(owner), kind, owner
+            )
+        return spec
+
+    def param(self, path: str, param: torch.Tensor, owner: type, block: str | None) -> None:
+        spec = self.spec(param, owner, "param")
+        first = self.canonical.get(id(param))
+        if first is None:
+            self.canonical[id(param)] = path
+            self.params[path] = spec
+            if block is not None:
+                parts = self.members[block]
+                parts.params.append((path[len(block) :], spec, owner))
+                parts.param_paths.append(path)
+        else:
+            self.alias_specs[path] = spec
+            self.tied_names.setdefault(first, [first]).append(path)
+
+    def buffer(self, path: str, buffer: torch.Tensor, owner: type, block: str | None) -> None:
+        spec = self.buffers[path] = self.spec(buffer, owner, "buffer")
+        if block is not None:
+            parts = self.members[block]
+            parts.buffers.append((path[len(block) :], spec, owner))
+            parts.buffer_paths.append(path)
+
+    def module(self, path: str, cls: type, block: str | None) -> None:
+        self.modules[path] = cls
+        if block is not None:
+            if block == path:
+                self.members[block] = _Members()
+            self.members[block].modules.append((path[len(block) :], cls))
+
+    def tree(self) -> ModelTree:
+        # the ties in the order of the tensors' first names, as named_parameters() meets them
+        tied_names = self.tied_names
+        position = (
+            {first: index for index, first in enumerate(self.params) if first in tied_names}
+            if tied_names
+            else {}
+        )
+        tied = {first: tuple(tied_names[first]) for first in sorted(tied_names, key=position.__getitem__)}
+        every_tied = [name for names in tied.values() for name in names]
+        blocks = _blocks(self.members, every_tied)
+        return ModelTree(self.params, self.buffers, tied, self.modules, self.alias_specs, blocks)
+
+
+def _walk(module: nn.Module, reading: _Reading) -> None:
     """named_parameters(remove_duplicate=False), named_buffers() and named_modules(), one pass.
 
     A module's first visit in the full pre-order walk is where named_modules() (which
-    skips repeats) lists it, so one walk gives all three, each tensor with its block; and
-    each block's modules by relative path.
+    skips repeats) lists it, so one walk gives all three, each with its block.
     """
-    params: list[tuple[str, nn.Parameter, type, str | None]] = []
-    buffers: list[tuple[str, torch.Tensor, type, str | None]] = []
-    modules: dict[str, type | None] = {}
-    block_modules: dict[str, list[tuple[str, Any]]] = {}
     seen_modules: set[int] = set()
     seen_buffers: set[int] = set()
-
     plain_classes: dict[type, bool] = {}  # a model has a handful of module classes: ask once each
-    add_param = params.append
+    take_param, take_buffer, take_module = reading.param, reading.buffer, reading.module
 
-    def visit(mod: nn.Module, prefix: str, block: str | None, inside: list[tuple[str, Any]] | None) -> None:
+    def visit(mod: nn.Module, prefix: str, block: str | None) -> None:
         cls = type(mod)
         plain = plain_classes.get(cls)
         if plain is None:
@@ -227,103 +283,45 @@ def _walk(
         if not plain:
             raise _NotPlainError
         dot = prefix + "." if prefix else ""
-        for name, param in mod._parameters.items():
-            if param is not None:
-                add_param((dot + name, param, cls, block))
         if id(mod) not in seen_modules:
             seen_modules.add(id(mod))
-            modules[prefix] = cls
-            if inside is not None:
-                inside.append((prefix[len(block) :], cls))  # type: ignore[arg-type]
+            take_module(prefix, cls, block)
             for name, buffer in mod._buffers.items():
                 if buffer is not None and id(buffer) not in seen_buffers:
                     seen_buffers.add(id(buffer))
-                    buffers.append((dot + name, buffer, cls, block))
+                    take_buffer(dot + name, buffer, cls, block)
+        for name, param in mod._parameters.items():
+            if param is not None:
+                take_param(dot + name, param, cls, block)
         for name, child in mod._modules.items():
             if child is not None:
-                if block is None and _numbered(name):
-                    path = dot + name
-                    visit(child, path, path, block_modules.setdefault(path, []))
-                else:
-                    visit(child, dot + name, block, inside)
+                path = dot + name
+                visit(child, path, path if block is None and _numbered(name) else block)
 
-    visit(module, "", None, None)
-    return params, buffers, modules, block_modules
+    visit(module, "", None)
 
 
-def _read_slowly(
-    module: nn.Module,
-) -> tuple[
-    list[tuple[str, nn.Parameter, type, str | None]],
-    list[tuple[str, torch.Tensor, type, str | None]],
-    dict[str, type | None],
-    dict[str, list[tuple[str, Any]]],
-]:
-    """`_walk`'s answers through the module's own named_* methods (a class overrides them)."""
-    modules: dict[str, type | None] = {name: type(m) for name, m in module.named_modules()}
+def _read_slowly(module: nn.Module, reading: _Reading) -> None:
+    """`_walk`'s reading through the module's own named_* methods (a class overrides them)."""
     owners = dict(module.named_modules(remove_duplicate=False))
-    block_of: dict[str, str | None] = {path: _block_of(path) for path in owners}
-    block_modules: dict[str, list[tuple[str, Any]]] = {}
-    for path, cls in modules.items():
-        block = block_of[path]
-        if block is not None:
-            block_modules.setdefault(block, []).append((path[len(block) :], cls))
-    found_params = [
-        (path, param, type(owners[_module_path(path)]), block_of[_module_path(path)])
-        for path, param in module.named_parameters(remove_duplicate=False)
-    ]
-    found_buffers = [
-        (path, buffer, type(owners[_module_path(path)]), block_of[_module_path(path)])
-        for path, buffer in module.named_buffers()
-    ]
-    return found_params, found_buffers, modules, block_modules
+    for path, mod in module.named_modules():
+        reading.module(path, type(mod), _block_of(path))
+    for path, buffer in module.named_buffers():
+        owner = _module_path(path)
+        reading.buffer(path, buffer, type(owners[owner]), _block_of(owner))
+    for path, param in module.named_parameters(remove_duplicate=False):
+        owner = _module_path(path)
+        reading.param(path, param, type(owners[owner]), _block_of(owner))
 
 
 def _from_module(module: nn.Module) -> ModelTree:
+    reading = _Reading()
     try:
-        found_params, found_buffers, modules, block_modules = _walk(module)
+        _walk(module, reading)
     except _NotPlainError:
-        found_params, found_buffers, modules, block_modules = _read_slowly(module)
-    members: dict[str, _Members] = {block: ([], [], kids) for block, kids in block_modules.items()}
-    # blocks repeat: one TensorSpec per (shape, dtype, owner, kind) keeps reading cheap
-    specs: dict[tuple[Any, ...], TensorSpec] = {}
-    params: dict[str, TensorSpec] = {}
-    canonical: dict[int, str] = {}
-    tied_names: dict[str, list[str]] = {}  # canonical path -> every name, for shared tensors only
-    alias_specs: dict[str, TensorSpec] = {}
-    # once per parameter, so inlined: a 70B model reads 723 parameters in a few hundred us
-    for path, param, owner, block in found_params:
-        key = (param.shape, param.dtype, owner, "param")
-        spec = specs.get(key)
-        if spec is None:
-            spec = specs[key] = TensorSpec(tuple(param.shape), param.dtype, _qualname(owner), "param", owner)
-        first = canonical.get(id(param))
-        if first is None:
-            canonical[id(param)] = path
-            params[path] = spec
-            if block is not None:
-                members[block][0].append((path, spec))
-        else:
-            alias_specs[path] = spec
-            tied_names.setdefault(first, [first]).append(path)
-    buffers: dict[str, TensorSpec] = {}
-    for path, buffer, owner, block in found_buffers:
-        key = (buffer.shape, buffer.dtype, owner, "buffer")
-        spec = specs.get(key)
-        if spec is None:
-            spec = specs[key] = TensorSpec(
-                tuple(buffer.shape), buffer.dtype, _qualname(owner), "buffer", owner
-            )
-        buffers[path] = spec
-        if block is not None:
-            members[block][1].append((path, spec))
-    # in the order of the tensors' first names, as named_parameters() meets them
-    position = (
-        {first: index for index, first in enumerate(params) if first in tied_names} if tied_names else {}
-    )
-    tied = {first: tuple(tied_names[first]) for first in sorted(tied_names, key=position.__getitem__)}
-    every_tied = [name for names in tied.values() for name in names]
-    return ModelTree(params, buffers, tied, modules, alias_specs, _blocks(members, every_tied))
+        reading = _Reading()
+        _read_slowly(module, reading)
+    return reading.tree()
 
 
 def _tensor_key(tensor: torch.Tensor) -> tuple[Any, ...]:
@@ -367,16 +365,16 @@ def _from_pytree(tree: Any) -> ModelTree:
             modules[".".join(parts[:end])] = None
     tied = {paths[0]: tuple(paths) for paths in by_key.values() if len(paths) > 1}
     tied_names = [name for names in tied.values() for name in names]
-    block_of = {path: _block_of(path) for path in modules}
     members: dict[str, _Members] = {}
     for path in modules:
-        block = block_of[path]
+        block = _block_of(path)
         if block is not None:
-            members.setdefault(block, ([], [], []))[2].append((path[len(block) :], None))
+            members.setdefault(block, _Members()).modules.append((path[len(block) :], None))
     for path, tensor in params.items():
-        block = block_of[_module_path(path)]
+        block = _block_of(_module_path(path))
         if block is not None:
-            members[block][0].append((path, tensor))
+            members[block].params.append((path[len(block) :], tensor, tensor.module_type))
+            members[block].param_paths.append(path)
     return ModelTree(params, {}, tied, modules, {}, _blocks(members, tied_names))
 
 

@@ -28,19 +28,21 @@ def repeated_blocks(tree: ModelTree) -> list[tuple[str, str]]:
     modules = tree.modules
     is_container: dict[type | None, bool] = {None: False}  # a model has a handful of classes
     containers: dict[str, type] = {}
-    for path, cls in modules.items():
-        found = is_container.get(cls)
-        if found is None and cls is not None:
-            found = is_container[cls] = issubclass(cls, _CONTAINERS)
+    elements: dict[str, list[tuple[str, type]]] = {}
+    for path, cls in modules.items():  # in pre-order: a container comes before its elements
+        if not path or cls is None:
+            found = cls is not None and issubclass(cls, _CONTAINERS)
+        else:
+            parent = path.rpartition(".")[0]
+            if parent in containers:
+                elements.setdefault(parent, []).append((path, cls))
+            found = is_container.get(cls)
+            if found is None:
+                found = is_container[cls] = issubclass(cls, _CONTAINERS)
         if found and cls is not None:
             containers[path] = cls
-    if not containers:  # once per module path, so the common case stays one pass
+    if not containers:
         return []
-    elements: dict[str, list[tuple[str, type]]] = {}
-    for path, cls in modules.items():
-        parent = path.rpartition(".")[0]
-        if path and parent in containers and cls is not None:
-            elements.setdefault(parent, []).append((path, cls))
     parents = (
         {path.rpartition(".")[0] for path in modules}
         if any(issubclass(cls, nn.Sequential) for cls in containers.values())

@@ -127,6 +127,8 @@ def share_timeout(groups: list[dist.ProcessGroup]) -> None:
     """
     if not dist.is_initialized():
         return
+    if dist.get_backend() not in ("gloo", "nccl"):  # torch sets timeouts of these only (not "fake")
+        return
     waits = datetime.timedelta(seconds=_group_timeout())
     default = dist.distributed_c10d._get_default_group()
     for group in groups:
