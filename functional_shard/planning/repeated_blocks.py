@@ -29,6 +29,7 @@ def repeated_blocks(tree: ModelTree) -> list[tuple[str, str]]:
     is_container: dict[type | None, bool] = {None: False}  # a model has a handful of classes
     containers: dict[str, type] = {}
     elements: dict[str, list[tuple[str, type]]] = {}
+    found: bool | None
     for path, cls in modules.items():  # in pre-order: a container comes before its elements
         if not path or cls is None:
             found = cls is not None and issubclass(cls, _CONTAINERS)

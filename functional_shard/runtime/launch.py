@@ -185,10 +185,10 @@ class LocalWorld:
                 error, text = payload
                 if isinstance(error, CollectiveTimeoutError):
                     waiting = [r for r in others if r not in dead]
-                    why = [f"ranks {dead} died"] if dead else []
-                    why += [f"ranks {waiting} had not returned: hung or dead"] if waiting else []
+                    reasons = [f"ranks {dead} died"] if dead else []
+                    reasons += [f"ranks {waiting} had not returned: hung or dead"] if waiting else []
                     running = getattr(fn, "__name__", fn)
-                    error = CollectiveTimeoutError(f"{error} (running {running}); {' and '.join(why)}")
+                    error = CollectiveTimeoutError(f"{error} (running {running}); {' and '.join(reasons)}")
                 raise error from _RemoteTracebackError(f"rank {rank} of {self.world_size}:\n{text}")
             results[rank] = payload
             pending.discard(rank)
