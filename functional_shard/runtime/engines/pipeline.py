@@ -326,21 +326,7 @@ def pipeline_step(
     targets: torch.Tensor,
 ) -> torch.Tensor:
     """Run one forward and backward of the schedule; the mean micro-batch loss, on every pp rank."""
-    schedule = _schedule(pipelined)
-    pipelined.loss = loss_fn
-    first, last = _ends(pipelined)
-    losses: list[torch.Tensor] = []
-    # return_outputs=False: else the last stage keeps every micro-batch's output (the
-    # logits) until the next step, and concatenates them at the end, for a result unused
-    kwargs: dict[str, Any] = {"return_outputs": False}
-    if last:
-        kwargs |= {"target": targets, "losses": losses}
-    with _grads_set_aside(pipelined):
-        if first:
-            schedule.step(inputs, **kwargs)
-        else:
-            schedule.step(**kwargs)
-    return _mean_from_last_stage(pipelined, losses, last)
+    return _scheduled_loss(pipelined, loss_fn, inputs, targets, forward_only=False)
 
 
 def pipeline_eval_loss(
@@ -354,18 +340,32 @@ def pipeline_eval_loss(
     Returns:
         The mean micro-batch loss, on every pp rank.
     """
+    return _scheduled_loss(pipelined, loss_fn, inputs, targets, forward_only=True)
+
+
+def _scheduled_loss(
+    pipelined: Pipelined,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    forward_only: bool,
+) -> torch.Tensor:
     schedule = _schedule(pipelined)
+    run = schedule.eval if forward_only else schedule.step
     pipelined.loss = loss_fn
     first, last = _ends(pipelined)
     losses: list[torch.Tensor] = []
+    # return_outputs=False: else the last stage keeps every micro-batch's output (the
+    # logits) until the next step, and concatenates them at the end, for a result unused
     kwargs: dict[str, Any] = {"return_outputs": False}
     if last:
         kwargs |= {"target": targets, "losses": losses}
     with _grads_set_aside(pipelined):
         if first:
-            schedule.eval(inputs, **kwargs)
+            run(inputs, **kwargs)
         else:
-            schedule.eval(**kwargs)
+            run(**kwargs)
     return _mean_from_last_stage(pipelined, losses, last)
 
 
