@@ -84,8 +84,21 @@ def census_of(plan: Plan, owners: Mapping[str, int]) -> Census:
     # signature, equal for units alike; and its paths, read back for one unit of a kind
     signature: dict[str, list[int]] = {}
     members: dict[str, list[str]] = {}
+    # a unit with no unit (nor grouped module) inside holds every path under it: the
+    # parameters of a block come one after another, so most need no lookup at all
+    inner = {""}
+    for module in (*units, *unit_by_module):
+        while module:
+            module = module.rpartition(".")[0]
+            inner.add(module)
+    leaves = units - inner
+    prefix, current = "\0", ""  # (no path starts with a NUL)
     for path, sharding in plan.params.items():
-        unit = plan.unit_of(path) if path in aliases else unit_of_module(path.rpartition(".")[0])
+        if path.startswith(prefix) and path not in aliases:
+            unit = current
+        else:
+            unit = plan.unit_of(path) if path in aliases else unit_of_module(path.rpartition(".")[0])
+            prefix, current = (unit + ".", unit) if unit in leaves else ("\0", "")
         flat = signature.get(unit)
         if flat is None:
             flat = signature[unit] = []
