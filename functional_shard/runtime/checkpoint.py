@@ -53,7 +53,7 @@ from .checkpoint_checks import (
     write_manifest,
 )
 from .checkpoint_read import META, checked_file, checked_folder, optimizers_by_key, read, refusals_raised
-from .checkpoint_safety import SafeReader, empty_state_planner, load_file, plain_problems
+from .checkpoint_safety import SafeReader, empty_state_planner, plain_problems
 from .checkpoint_state import (
     model_state,
     optimizer_state,
@@ -247,9 +247,8 @@ def load(
         >>> # fs.checkpoint.load("ckpt", model, optimizer, data=loader)   # the data order goes on
     """
     optimizers = {"optimizer": optimizer} if optimizer is not None else {}
+    # read sees the saved meta before it sets anything, and every rank hears every verdict
     check = None if data is None else functools.partial(_data_order_problems, path, data)
-    if check is not None and (Path(path) / META).is_file():
-        _check_data_order_first(Path(path), check, trust=trust)
     extra = dict(
         read(path, ("model", module), optimizers, strict=strict, trust=trust, check=check).get("extra", {})
     )
@@ -277,20 +276,6 @@ def _data_order_problems(path: str | os.PathLike[str], data: Any, meta: Any) -> 
         except ShardingError as error:
             return [str(error)]
     return []
-
-
-def _check_data_order_first(path: Path, check: Any, *, trust: bool) -> None:
-    # a folder's meta.pt is small: a data order that cannot go on is refused before any
-    # tensor loads (read checks the folder's digests after; a meta.pt it cannot read is
-    # left for read to name); a full file's is checked by read once it is read, before
-    # anything is set
-    try:
-        meta = load_file(path / META, trust=trust)
-    except ShardingError:
-        return
-    problems = check(meta)
-    if problems:
-        raise ShardingError(problems[0])
 
 
 def _with_data_order(extra: dict[str, Any] | None, data: Any) -> dict[str, Any] | None:
