@@ -27,7 +27,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .timeouts import CollectiveTimeoutError, RankFailedError, collective_timed_out, peer_gone, set_timeout
+from .timeouts import (
+    CollectiveTimeoutError,
+    RankFailedError,
+    collective_timed_out,
+    how_it_ended,
+    peer_gone,
+    set_timeout,
+)
 
 __all__ = ["CollectiveTimeoutError", "LocalWorld", "RankFailedError", "current_rank", "run_local"]
 
@@ -81,12 +88,10 @@ def _serve(me: _Rank, inbox: Any, outbox: Any) -> None:
                 named = isinstance(error, CollectiveTimeoutError)  # by watch_collectives already
                 collective = None if named else collective_timed_out(error)
                 if collective is not None:  # say where it waited, and for how long
-                    what = (
-                        f"lost a peer's connection in {collective} (a peer died)"
-                        if peer_gone(error)
-                        else f"waited {me.timeout:g}s in {collective}, and its peers never joined it"
+                    tail = " (a peer died)" if peer_gone(error) else ", and its peers never joined it"
+                    error = CollectiveTimeoutError(
+                        f"rank {rank} {how_it_ended(error, collective, me.timeout)}{tail}"
                     )
-                    error = CollectiveTimeoutError(f"rank {rank} {what}")
                 try:
                     outbox.put((rank, False, (error, text)))
                 except Exception:  # an exception that does not pickle

@@ -28,6 +28,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "RankFailedError",
     "collective_timed_out",
+    "how_it_ended",
     "init_distributed",
     "peer_gone",
     "set_timeout",
@@ -176,16 +177,30 @@ def timeout_error(error: BaseException, seconds: float | None = None) -> Collect
     rank = dist.get_rank()
     # a peer that died never says so: those that live say so at once (gloo tells every rank
     # connected to it), so a short grace finds it
-    silent = _silent_ranks(collective, min(waited, _DEATH_GRACE if peer_gone(error) else _GRACE))
+    died = peer_gone(error)
+    silent = _silent_ranks(collective, min(waited, _DEATH_GRACE if died else _GRACE))
     if silent is None:
         who = "its peers never joined it (the group's store is gone: rank 0 died)"
     elif silent:
         who = f"ranks {silent} never joined it: hung or dead"
     else:
         who = "every rank timed out waiting for another (a collective some rank never called)"
-    if peer_gone(error):  # gloo tells at once, without waiting out the timeout
-        return CollectiveTimeoutError(f"rank {rank} lost a peer's connection in {collective}; {who}")
-    return CollectiveTimeoutError(f"rank {rank} waited {waited:g}s in {collective}; {who}")
+    return CollectiveTimeoutError(f"rank {rank} {how_it_ended(error, collective, waited)}; {who}")
+
+
+def how_it_ended(error: BaseException, collective: str, seconds: float) -> str:
+    """How a collective ended for this rank: ``waited 3s in torch.distributed.all_reduce``.
+
+    Where gloo said a peer died (at once, without waiting out the timeout): ``lost a peer's
+    connection in ...``.
+
+    Examples:
+        >>> how_it_ended(RuntimeError("Timed out"), "torch.distributed.barrier", 3.0)
+        'waited 3s in torch.distributed.barrier'
+    """
+    if peer_gone(error):
+        return f"lost a peer's connection in {collective}"
+    return f"waited {seconds:g}s in {collective}"
 
 
 @contextmanager
