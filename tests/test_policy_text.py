@@ -42,6 +42,8 @@ EXAMPLES = [
     ("mixed_precision(fp16, none)", fs.mixed_precision(torch.float16, None)),
     ("fp16", fs.mixed_precision(torch.float16, torch.float32)),
     ("fsdp((dp, cp), min_params=1000)", fs.fsdp(("dp", "cp"), min_params=1000)),
+    ("cp(cp, engine=ring)", fs.cp("cp", engine="ring")),
+    ("cp(seq, load_balance=false, engine=all_gather)", fs.cp("seq", load_balance=False, engine="all_gather")),
     ("fsdp(dp, units=(Block, 'lm_head'))", fs.fsdp("dp", units=(Block, "lm_head"))),
 ]
 
@@ -93,6 +95,9 @@ def text_policies(draw: st.DrawFn) -> fs.Policy:
         name = draw(st.sampled_from(["llama", "gpt2", "gpt2_hf", "mlp", "hf", "auto"]))
         rules = name if name in ("hf", "auto") else getattr(fs.rules, name)
         parts.append(fs.tp(rules, axes[3], sequence_parallel=draw(st.booleans())))
+    if draw(st.booleans()):
+        engine = draw(st.sampled_from(["auto", "ring", "all_gather"]))
+        parts.append(fs.cp(axes[2], load_balance=draw(st.booleans()), engine=engine))
     if draw(st.booleans()):
         parts.append(fs.mixed_precision(draw(DTYPES), draw(st.none() | DTYPES)))
     if draw(st.booleans()):
@@ -146,6 +151,7 @@ def _refused(text: str, model=MODEL) -> str:
         ("fsdp(dp, reshard=false)", "fsdp() takes no keyword 'reshard'"),
         ("tp(tp)", "tp() takes a rule set and an axis, e.g. tp(llama, tp)"),
         ("mixed_precision(bf8)", "unknown dtype 'bf8'"),
+        ("cp(cp, engine=flash)", "cp(engine='flash'): one of 'auto', 'ring', 'all_gather'"),
         ("offload(weights)", "offload part 'weights': use any of params, grads, optimizer"),
         ("fsdp(dp) + zero(1, dp)", "axis 'dp' is claimed by both fsdp('dp') and zero1('dp')"),
         ("bf16 + fp16", "option 'param_dtype' is set twice"),

@@ -19,6 +19,7 @@ from __future__ import annotations
 from .errors import ShardingError
 
 __all__ = [
+    "CONTEXT_ENGINES",
     "causal_imbalance",
     "causal_work",
     "check_sequence_length",
@@ -27,6 +28,11 @@ __all__ = [
     "token_positions",
     "token_ranges",
 ]
+
+CONTEXT_ENGINES = ("auto", "ring", "all_gather")
+"""How attention sees the whole sequence under cp: ``ring`` passes key/value chunks from rank
+to rank (torch's ``context_parallel``, CUDA kernels only), ``all_gather`` gathers them all
+(our engine, any backend); ``auto`` takes the ring on CUDA and the all-gather elsewhere."""
 
 
 def chunk_count(cp: int, *, load_balance: bool) -> int:

@@ -202,6 +202,7 @@ def plan_config(
     if context is not None:
         pipe_config["context_parallel_axis"] = context.axis
         pipe_config["context_load_balance"] = context.load_balance
+        pipe_config["context_engine"] = context.engine
     return PlanConfig(
         data_parallel=kind,
         replicate_axes=tuple(replicate),

@@ -75,10 +75,16 @@ def context_parallel_line(config: PlanConfig, mesh: Mesh) -> str:
     size = mesh[axis]
     chunks = sequence_chunks(size, load_balance=config.context_load_balance)
     held = "; ".join(f"rank {r}: {', '.join(map(str, held))}" for r, held in enumerate(chunks))
+    engine = {
+        "auto": "torch's ring on CUDA, all-gather elsewhere",
+        "ring": "torch's ring",
+        "all_gather": "all-gather",
+    }[config.context_engine]
     return (
         f"context parallel over {axis!r}: activations split on the sequence dim into "
         f"{chunk_count(size, load_balance=config.context_load_balance)} chunks "
-        f"({'load-balanced' if config.context_load_balance else 'in order'}; {axis} {held})"
+        f"({'load-balanced' if config.context_load_balance else 'in order'}; {axis} {held}); "
+        f"attention by {engine}"
     )
 
 

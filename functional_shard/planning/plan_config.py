@@ -72,6 +72,8 @@ class PlanConfig:
     """The head's logits stay split on the vocabulary over tp; the loss runs under ``loss_parallel()``."""
     context_load_balance: bool = True
     """Each cp rank holds chunks ``i`` and ``2·cp − 1 − i`` of ``2·cp`` (else chunk ``i`` of ``cp``)."""
+    context_engine: str = "auto"
+    """How cp attention sees the whole sequence (`functional_shard.core.sequence.CONTEXT_ENGINES`)."""
 
     @property
     def data_axes(self) -> tuple[str, ...]:

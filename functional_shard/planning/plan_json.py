@@ -154,6 +154,8 @@ def _config_problems(config: Any, mesh: Mesh | None, paths: set[str], params: se
 
 def _config_value_problems(config: Mapping[str, Any]) -> list[str]:
     # the config's names the plan's readers look up: each must name what exists
+    from functional_shard.core.sequence import CONTEXT_ENGINES
+
     from .policy_builders import CHECKPOINT_POLICIES
     from .styles import STYLES
 
@@ -164,6 +166,9 @@ def _config_value_problems(config: Mapping[str, Any]) -> list[str]:
     policy = config.get("checkpoint_policy", "full")
     if policy not in CHECKPOINT_POLICIES:
         found.append(f"config.checkpoint_policy: {policy!r} is not one of {list(CHECKPOINT_POLICIES)}")
+    engine = config.get("context_engine", "auto")
+    if engine not in CONTEXT_ENGINES:
+        found.append(f"config.context_engine: {engine!r} is not one of {list(CONTEXT_ENGINES)}")
     for key in ("param_dtype", "reduce_dtype"):
         name = config.get(key)
         if name is not None and not isinstance(getattr(torch, name, None), torch.dtype):

@@ -268,11 +268,14 @@ class ContextParallel:
 
     axis: str
     load_balance: bool = True
+    engine: str = "auto"
 
     @property
     def name(self) -> str:
         """A short label for messages."""
-        return f"cp({self.axis!r})" if self.load_balance else f"cp({self.axis!r}, load_balance=False)"
+        balance = "" if self.load_balance else ", load_balance=False"
+        engine = "" if self.engine == "auto" else f", engine={self.engine!r}"
+        return f"cp({self.axis!r}{balance}{engine})"
 
     @property
     def claimed_axes(self) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ from typing import Any, Literal, cast
 import torch
 
 from functional_shard.core.errors import PolicyError
+from functional_shard.core.sequence import CONTEXT_ENGINES
 from functional_shard.core.tree import Pattern
 
 from .policy import (
@@ -336,7 +337,7 @@ def ep(axis: str = "ep", *, experts: Pattern | Iterable[Pattern] | None = None) 
     return Policy((ExpertParallel(axis, patterns),))
 
 
-def cp(axis: str = "cp", *, load_balance: bool = True) -> Policy:
+def cp(axis: str = "cp", *, load_balance: bool = True, engine: str = "auto") -> Policy:
     """Context parallelism: every sequence cut along its length over ``axis``.
 
     Each rank of ``axis`` holds chunks of every sequence of its batch; attention gathers
@@ -352,9 +353,15 @@ def cp(axis: str = "cp", *, load_balance: bool = True) -> Policy:
     Args:
         axis: the mesh axis whose ranks hold different chunks of each sequence.
         load_balance: pair an early chunk with a late one on every rank.
+        engine: how attention sees the whole sequence: ``"ring"``, torch's own
+            ``context_parallel`` (key/value chunks passed from rank to rank, CUDA SDPA
+            kernels only); ``"all_gather"``, our engine (keys and values gathered over
+            ``axis`` with autograd, any backend, any attention the engine reaches);
+            ``"auto"`` (the default) the ring where the mesh is on CUDA, else the all-gather.
 
     Raises:
-        PolicyError: ``axis`` is not one name, or ``load_balance`` not a bool.
+        PolicyError: ``axis`` is not one name, ``load_balance`` not a bool, or an unknown
+            ``engine``.
 
     Examples:
         >>> (fsdp(("dp", "cp")) + cp("cp")).context_parallel.name
@@ -364,7 +371,9 @@ def cp(axis: str = "cp", *, load_balance: bool = True) -> Policy:
         raise PolicyError(f"cp(axis={axis!r}): one mesh axis name")
     if not isinstance(load_balance, bool):
         raise PolicyError(f"cp(load_balance={load_balance!r}): True or False")
-    return Policy((ContextParallel(axis, load_balance),))
+    if engine not in CONTEXT_ENGINES:
+        raise PolicyError(f"cp(engine={engine!r}): one of {', '.join(map(repr, CONTEXT_ENGINES))}")
+    return Policy((ContextParallel(axis, load_balance, engine),))
 
 
 CHECKPOINT_POLICIES = ("full", "selective")

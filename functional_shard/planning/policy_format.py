@@ -139,7 +139,8 @@ def format_policy(policy: Policy) -> str:
             terms.append(_format_expert_parallel(layer))
         elif isinstance(layer, ContextParallel):
             balance = "" if layer.load_balance else ", load_balance=false"
-            terms.append(f"cp({_format_name(layer.axis)}{balance})")
+            engine = "" if layer.engine == "auto" else f", engine={layer.engine}"
+            terms.append(f"cp({_format_name(layer.axis)}{balance}{engine})")
         else:
             raise PolicyError(f"policy layer {layer.name} is a function and has no text form")
     options = policy.options

@@ -14,6 +14,7 @@ evaluated, so a policy string cannot run code.
 | ``hsdp(node, gpu)``                       | ``hsdp("node", "gpu")``                             |
 | ``ep(dp)``, ``ep(ep, experts="*.experts.*")`` | ``ep("dp")``, ``ep("ep", experts="*.experts.*")`` |
 | ``cp(cp)``, ``cp(cp, load_balance=false)`` | ``cp("cp")``, ``cp("cp", load_balance=False)``      |
+| ``cp(cp, engine=ring)``                   | ``cp("cp", engine="ring")`` (``all_gather``, ``auto``) |
 | ``tp(llama, tp)``, ``sp(llama, tp)``      | ``tp(rules.llama, "tp")``, ``sequence_parallel=True`` |
 | ``tp(hf, tp)``, ``tp(auto, tp)``          | ``tp("hf", "tp")``, ``tp("auto", "tp")``            |
 | ``tp(llama, tp, loss_parallel=true)``     | ``tp(rules.llama, "tp", loss_parallel=True)``       |
@@ -401,13 +402,15 @@ def _term(call: _Call, resolver: _Resolver) -> Policy:
         patterns = None if experts is None else _axes([experts], call.node)
         return build.ep(_text(args[0], "the axis", call.node) if args else "ep", experts=patterns)
     if name == "cp":
-        _only(call, ("load_balance",))
+        _only(call, ("load_balance", "engine"))
         if len(args) > 1:
             raise _TextError(call.node, "cp() takes one axis, e.g. cp(cp)")
         balance = call.kwargs.get("load_balance")
+        engine = call.kwargs.get("engine")
         return build.cp(
             _text(args[0], "the axis", call.node) if args else "cp",
             load_balance=True if balance is None else _flag(balance, "load_balance", call.node),
+            engine="auto" if engine is None else _text(engine, "engine", call.node),
         )
     if name in ("zero1", "zero2", "zero3"):
         raise _TextError(call.node, f"write zero({name[-1]}, AXIS)")
