@@ -191,6 +191,15 @@ def refused(kind: str, mesh: dict[str, int], policy: str, seq: int) -> str:
     return ""
 
 
+def refused_apply(kind: str, mesh: dict[str, int], policy: str) -> str:
+    """The error `fs.apply` raises for the plan (the same on every rank)."""
+    try:
+        planned(kind, mesh, policy)
+    except fs.ShardingError as error:
+        return str(error)
+    return ""
+
+
 def measure_comm(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
     """Bytes this rank sends in its third step, and the prediction (the first step builds lazy
     state, the second DDP's rebuilt buckets, whose layout it broadcasts once)."""
@@ -319,3 +328,42 @@ def fabric_loop(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
         losses.append(mean_over_ranks(loss).item())
     params = {k.removeprefix("_forward_module."): full(v) for k, v in module.state_dict().items()}
     return {"losses": losses, "params": params if rank == 0 else None, "data_parallel": data_parallel}
+
+
+def train_ring_on_cpu(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
+    """`train` with torch's ring standing on CPU's flash kernel (`tests.ring_standin`)."""
+    from .ring_standin import cpu_ring_kernels
+
+    with cpu_ring_kernels():
+        return train(kind, mesh, policy)
+
+
+def train_on_cuda(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
+    """`train` with the model and batches on this rank's GPU; results come back on the CPU."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = build(kind).to(device)
+    plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy, model))
+    fs.apply(plan, model)
+    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR)
+    step_fn = fs.forward_backward(plan, model, loss_fn)
+    index, data_parallel = plan.data_parallel_rank(dist.get_rank())
+    losses, grads = [], {}
+    for step, tokens in enumerate(batches(data_parallel)):
+        mine = tokens[index * BATCH : (index + 1) * BATCH].to(device)
+        optimizer.zero_grad()
+        loss = step_fn(mine[:, :-1], mine[:, 1:])
+        if step == 0:
+            grads = {name: full(p.grad) for name, p in model.named_parameters()}
+        optimizer.step()
+        total = loss.detach().clone()  # on the GPU: NCCL reduces device tensors only
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())
+    params = {k: full(v) for k, v in model.state_dict().items()}
+    first = dist.get_rank() == 0
+    return {
+        "losses": losses,
+        "rank_loss": loss.item(),
+        "grads": grads if first else None,
+        "params": params if first else None,
+        "data_parallel": data_parallel,
+    }

@@ -42,6 +42,7 @@ EFFECTS = {f"runtime/{name}.py" for name in RUNTIME_EFFECTS} | {
         "activation_checkpointing",
         "applied",
         "context_parallel",
+        "context_ring",
         "data_parallel",
         "experts",
         "materialize",

@@ -450,3 +450,65 @@ def test_without_balancing_the_estimate_waits_for_the_rank_with_the_latest_chunk
     plan = fs.shard(model, mesh, fs.fsdp(("dp", "cp")) + fs.cp("cp", load_balance=False))
     flat = fs.estimate(model, plan, batch=batch, seq=seq, hardware=cpu_like)
     assert "unbalanced causal attention" not in flat.exposed_seconds
+
+
+# ---- torch's ring (engine="ring", and "auto" on CUDA) ---------------------------------------
+
+RING_PARITY = [
+    ("zoo", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp, engine=ring)"),
+]
+SLOW_RING_PARITY = [
+    ("zoo", {"cp": 4}, "fsdp(cp) + cp(cp, load_balance=false, engine=ring)"),
+    ("zoo", {"cp": 4}, "fsdp(cp) + cp(cp, engine=ring) + checkpointing(Block)"),
+    ("hf_qwen2", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp, engine=ring)"),
+    ("zoo", {"cp": 2, "tp": 2}, "fsdp(cp) + sp(llama, tp, loss_parallel=true) + cp(cp, engine=ring)"),
+]
+
+
+def _check_ring_parity(world4, kind, mesh, policy):
+    results = world4.run(cp_cases.train_ring_on_cpu, kind, mesh, policy)
+    first = results[0]
+    expected = cp_cases.reference(kind, first["data_parallel"])
+    assert first["losses"] == pytest.approx(expected["losses"], abs=1e-5)
+    for name, grad in expected["grads"].items():
+        torch.testing.assert_close(first["grads"][name], grad, atol=1e-6, rtol=1e-4, msg=name)
+    for name, value in expected["params"].items():
+        torch.testing.assert_close(first["params"][name], value, atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("case", RING_PARITY, ids=_case_id)
+def test_torchs_ring_trains_as_one_process_on_a_cpu_stand_in_kernel(world4, case):
+    # the engine's ring path whole (DTensor q/k/v, torch's dispatcher through the backward, its
+    # load-balance flag against our chunks, GQA heads repeated), with CPU's flash kernel standing
+    # in for CUDA's (tests/ring_standin.py)
+    _check_ring_parity(world4, *case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_RING_PARITY, ids=_case_id)
+def test_every_ring_layout_trains_as_one_process_on_a_cpu_stand_in_kernel(world4, case):
+    _check_ring_parity(world4, *case)
+
+
+def test_a_ring_on_a_cpu_mesh_is_refused_before_anything_runs(world4):
+    policy = "fsdp(dp, cp) + cp(cp, engine=ring)"
+    results = world4.run(cp_cases.refused_apply, "zoo", {"dp": 2, "cp": 2}, policy)
+    assert all("cp('cp', engine='ring'): torch's ring attention has CUDA kernels only" in r for r in results)
+    assert all("use engine='all_gather'" in r for r in results)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's ring attention runs on CUDA only: no GPU")
+def test_torchs_ring_on_cuda_trains_as_one_process():
+    # NCCL runs one rank per GPU; with one GPU, two gloo ranks share it (gloo moves CUDA tensors)
+    gpus = torch.cuda.device_count()
+    backend = "nccl" if gpus >= 2 else "gloo"
+    policy = "fsdp(dp, cp) + cp(cp)" if backend == "nccl" else "replicate(cp) + cp(cp, engine=ring)"
+    mesh = {"dp": 1, "cp": 2} if backend == "nccl" else {"cp": 2}
+    with fs.LocalWorld(2, backend=backend) as world:
+        for kind in ("zoo", "hf_qwen2"):
+            first = world.run(cp_cases.train_on_cuda, kind, mesh, policy)[0]
+            expected = cp_cases.reference(kind, first["data_parallel"])
+            # CUDA's kernels sum in another order than the CPU reference: looser than on gloo
+            assert first["losses"] == pytest.approx(expected["losses"], abs=1e-4)
+            for name, grad in expected["grads"].items():
+                torch.testing.assert_close(first["grads"][name], grad, atol=1e-4, rtol=1e-3, msg=name)

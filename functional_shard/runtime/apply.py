@@ -31,6 +31,7 @@ from .engines.activation_checkpointing import apply_checkpointing
 from .engines.applied import APPLIED, Applied, retie
 from .engines.checks import check_runnable, engine_problems
 from .engines.context_parallel import context_chunks, sequence_context, use_hf_attention
+from .engines.context_ring import check_ring_device
 from .engines.data_parallel import apply_data_parallel, reduce_whole_grads
 from .engines.evaluation import forward_loss, forward_only
 from .engines.experts import apply_expert_parallel
@@ -130,8 +131,9 @@ def apply(
             "pipeline the model itself (plan and apply it, not the module holding it)"
         )
     check_runnable(plan, module)
-    if plan.config.context_parallel_axis is not None:  # a Hugging Face model's attention: the engine's
-        use_hf_attention(module.get_submodule(root))
+    if (cp_axis := plan.config.context_parallel_axis) is not None:
+        check_ring_device(plan.config.context_engine, device_mesh.device_type, cp_axis)
+        use_hf_attention(module.get_submodule(root))  # a Hugging Face model's attention: the engine's
     if plan.config.pipeline_axis is not None:
         stage_plan = apply_pipeline(plan, module, device_mesh)
         APPLIED[module] = Applied(plan, device_mesh, stage_plan)

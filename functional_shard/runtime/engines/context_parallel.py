@@ -18,7 +18,9 @@ Attention is reached two ways, with no model code patched:
   function that makes no mask (the engine builds its own).
 
 All of it is plain collectives (``all_gather_single``, ``reduce_scatter_single``), so it
-runs on gloo and NCCL alike.
+runs on gloo and NCCL alike. Where the plan's engine is torch's ring (``fs.cp(engine="ring")``,
+or ``"auto"`` on a CUDA mesh), the same calls go to `context_ring` instead: the cut, the
+positions and the loss stay the same.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from functional_shard.core.errors import ShardingError
 from functional_shard.core.sequence import check_sequence_length, token_positions
 from functional_shard.costing.trace_context_parallel import routing_attention
 from functional_shard.planning.plan import Plan
+
+from .context_ring import check_ring_device, ring_attention, ring_dispatch, runs_ring
 
 __all__ = [
     "HF_ATTENTION",
@@ -70,16 +74,22 @@ class SequenceShard:
     """Global positions of this rank's tokens, in the order it holds them."""
     key_positions: torch.Tensor
     """Global positions of every rank's tokens, in the order a gather along cp lays them."""
+    load_balance: bool = True
+    ring: DeviceMesh | None = None
+    """The cp mesh torch's ring attention runs over (``None``: the all-gather engine)."""
 
     @classmethod
     def of(
-        cls, group: dist.ProcessGroup, seq_len: int, *, load_balance: bool, device: torch.device
+        cls, mesh: DeviceMesh, seq_len: int, *, load_balance: bool, device: torch.device, engine: str
     ) -> SequenceShard:
-        """This rank's share of a ``seq_len``-token sequence cut over ``group``.
+        """This rank's share of a ``seq_len``-token sequence cut over the 1-D cp ``mesh``.
 
         Raises:
-            ShardingError: the chunks do not divide ``seq_len`` (the nearest lengths named).
+            ShardingError: the chunks do not divide ``seq_len`` (the nearest lengths named), or
+                ``engine="ring"`` on a mesh that is not on CUDA.
         """
+        group = mesh.get_group()
+        check_ring_device(engine, mesh.device_type, mesh.mesh_dim_names[0] if mesh.mesh_dim_names else "cp")
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         check_sequence_length(seq_len, size, load_balance=load_balance)
         every = [token_positions(seq_len, size, r, load_balance=load_balance) for r in range(size)]
@@ -91,6 +101,8 @@ class SequenceShard:
             seq_len=seq_len,
             positions=positions,
             key_positions=keys,
+            load_balance=load_balance,
+            ring=mesh if runs_ring(engine, mesh.device_type) else None,
         )
 
     @functools.cached_property
@@ -164,12 +176,23 @@ def sequence_attention(
             f"{shard.positions.numel()} of the {shard.seq_len}-token sequence; pass the rank's chunks "
             "(fs.forward_backward cuts them)"
         )
-    keys = _GatherSequence.apply(key, key.dim() - 2, shard.group)
-    values = _GatherSequence.apply(value, value.dim() - 2, shard.group)
-    mask = shard.causal_mask if causal else None
     counted = _splits.get()
     if counted is not None:
         counted[0] += 1
+    if shard.ring is not None:
+        return ring_attention(
+            query,
+            key,
+            value,
+            shard.ring,
+            causal=causal,
+            scale=scale,
+            dropout_p=dropout_p,
+            load_balance=shard.load_balance,
+        )
+    keys = _GatherSequence.apply(key, key.dim() - 2, shard.group)
+    values = _GatherSequence.apply(value, value.dim() - 2, shard.group)
+    mask = shard.causal_mask if causal else None
     return _SDPA(
         query,
         keys,
@@ -207,8 +230,11 @@ def splitting_attention(shard: SequenceShard) -> Iterator[list[int]]:
     """Within it, attention runs over ``shard``'s whole sequence; yields the count of calls split."""
     counted = [0]
     tokens = (_current.set(shard), _splits.set(counted))
+    ring = (
+        ring_dispatch(load_balance=shard.load_balance) if shard.ring is not None else contextlib.nullcontext()
+    )
     try:
-        with routing_attention(_split):
+        with routing_attention(_split), ring:
             yield counted
     finally:
         _splits.reset(tokens[1])
@@ -310,10 +336,11 @@ def sequence_context(plan: Plan, module: nn.Module, seq_len: int) -> Iterator[to
         )
     device = next(module.parameters(), torch.empty(0)).device
     shard = SequenceShard.of(
-        applied.device_mesh[axis].get_group(),
+        applied.device_mesh[axis],
         seq_len,
         load_balance=plan.config.context_load_balance,
         device=device,
+        engine=plan.config.context_engine,
     )
     with splitting_attention(shard):
         yield shard.positions
@@ -336,11 +363,16 @@ def context_parallel_step(
     config = plan.config
     axis = config.context_parallel_axis
     assert axis is not None
-    group = device_mesh[axis].get_group()
+    mesh = device_mesh[axis]
+    group = mesh.get_group()
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         shard = SequenceShard.of(
-            group, inputs.shape[1], load_balance=config.context_load_balance, device=inputs.device
+            mesh,
+            inputs.shape[1],
+            load_balance=config.context_load_balance,
+            device=inputs.device,
+            engine=config.context_engine,
         )
         mine = cut_tensors(shard, inputs, targets)
         with splitting_attention(shard) as split:
