@@ -218,8 +218,8 @@ def _case_id(case):
     return f"{kind}-{'x'.join(f'{k}{v}' for k, v in mesh.items())}-{policy}"
 
 
-def _check_parity(world4, kind, mesh, policy):
-    results = world4.run(cp_cases.train, kind, mesh, policy)
+def _check_parity(world4, kind, mesh, policy, train=cp_cases.train):
+    results = world4.run(train, kind, mesh, policy)
     first = results[0]
     expected = cp_cases.reference(kind, first["data_parallel"])
     assert first["losses"] == pytest.approx(expected["losses"], abs=1e-5)
@@ -465,29 +465,18 @@ SLOW_RING_PARITY = [
 ]
 
 
-def _check_ring_parity(world4, kind, mesh, policy):
-    results = world4.run(cp_cases.train_ring_on_cpu, kind, mesh, policy)
-    first = results[0]
-    expected = cp_cases.reference(kind, first["data_parallel"])
-    assert first["losses"] == pytest.approx(expected["losses"], abs=1e-5)
-    for name, grad in expected["grads"].items():
-        torch.testing.assert_close(first["grads"][name], grad, atol=1e-6, rtol=1e-4, msg=name)
-    for name, value in expected["params"].items():
-        torch.testing.assert_close(first["params"][name], value, atol=2e-5, rtol=1e-4, msg=name)
-
-
 @pytest.mark.parametrize("case", RING_PARITY, ids=_case_id)
 def test_torchs_ring_trains_as_one_process_on_a_cpu_stand_in_kernel(world4, case):
     # the engine's ring path whole (DTensor q/k/v, torch's dispatcher through the backward, its
     # load-balance flag against our chunks, GQA heads repeated), with CPU's flash kernel standing
     # in for CUDA's (tests/ring_standin.py)
-    _check_ring_parity(world4, *case)
+    _check_parity(world4, *case, train=cp_cases.train_ring_on_cpu)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", SLOW_RING_PARITY, ids=_case_id)
 def test_every_ring_layout_trains_as_one_process_on_a_cpu_stand_in_kernel(world4, case):
-    _check_ring_parity(world4, *case)
+    _check_parity(world4, *case, train=cp_cases.train_ring_on_cpu)
 
 
 def test_a_ring_on_a_cpu_mesh_is_refused_before_anything_runs(world4):
