@@ -126,15 +126,23 @@ def metered(meter: LiveStorages, loss_fn: LossFn = upcast_loss) -> LossFn:
     return run
 
 
-def last_stage_loss_peak(spec: dict[str, Any]) -> dict[str, Any]:
+def last_stage_loss_peak(spec: dict[str, Any], loss_parallel: bool = False) -> dict[str, Any]:
     """On every rank: train ``spec`` (bf16 compute) a step, meter the next; the loss's peak bytes.
 
-    Returns the rank's pp coordinate, the measured peak of what the loss held, and the
-    estimate's loss workspace and one micro-batch's logits' elements for that rank.
+    FSDP's mixed precision makes the bf16 compute; with ``loss_parallel`` the model is bf16
+    and the head's logits stay split on the vocabulary over ``tp`` (torch's
+    ``loss_parallel()``). Returns the rank's pp coordinate, the measured peak of what the
+    loss held, the estimate's loss workspace for that rank and one micro-batch's logits'
+    elements on a rank (its vocabulary shard under loss parallel), with its tokens.
     """
     mesh = fs.Mesh(**spec["mesh"])
     model = pc.build(spec)
-    plan = fs.shard(model, mesh, pc.policy_of(spec) + fs.mixed_precision())
+    if loss_parallel:
+        model = model.to(torch.bfloat16)
+        policy = pc.policy_of({**spec, "tp": False}) + fs.tp(fs.rules.llama, "tp", loss_parallel=True)
+    else:
+        policy = pc.policy_of(spec) + fs.mixed_precision()
+    plan = fs.shard(model, mesh, policy)
     rows = spec["rows"]
     estimate = fs.estimate(model, plan, batch=rows, seq=pc.SEQ, rank=dist.get_rank())
     fs.apply(plan, model)
@@ -150,10 +158,12 @@ def last_stage_loss_peak(spec: dict[str, Any]) -> dict[str, Any]:
             continue
         with meter:
             step(inputs, targets)
-    vocab = pc.CONFIGS[spec["config"]].vocab_size
+    vocab = pc.CONFIGS[spec["config"]].vocab_size // (mesh["tp"] if loss_parallel else 1)
+    tokens = rows // spec["microbatches"] * pc.SEQ
     return {
         "pp_rank": plan.mesh.coords(dist.get_rank())["pp"],
         "measured": meter.peak.get("loss", 0),
         "loss_workspace": estimate.memory["loss_workspace"],
-        "numel": rows // spec["microbatches"] * pc.SEQ * vocab,
+        "numel": tokens * vocab,
+        "tokens": tokens,
     }
