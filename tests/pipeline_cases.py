@@ -76,7 +76,7 @@ def case(
 def name_of(spec: dict[str, Any]) -> str:
     """A short test id."""
     axes = "x".join(f"{a}{n}" for a, n in spec["mesh"].items())
-    tensor_parallel = {True: "tp", "sp": "tp_sp"}.get(spec["tp"], "")
+    tensor_parallel = {True: "tp", "sp": "tp_sp", "lp": "tp_loss_parallel"}.get(spec["tp"], "")
     extra = [spec["data"] or "", tensor_parallel, spec["config"], spec["model"]]
     extra += ["meta" if spec["meta"] else "", f"clip{spec['clip']}" if spec["clip"] else ""]
     extra += ["scaler" if spec["scaler"] else "", "checkpointing" if spec["checkpointing"] else ""]
@@ -99,7 +99,9 @@ def policy_of(spec: dict[str, Any]) -> fs.Policy:
         policy = policy + others[spec["data"]]()
     if spec["tp"]:
         rules = fs.rules.llama if spec["model"] == "zoo" else "auto"
-        policy = policy + fs.tp(rules, "tp", sequence_parallel=spec["tp"] == "sp")
+        policy = policy + fs.tp(
+            rules, "tp", sequence_parallel=spec["tp"] == "sp", loss_parallel=spec["tp"] == "lp"
+        )
     if spec["checkpointing"]:
         policy = policy + fs.checkpointing(Block)
     return policy

@@ -364,7 +364,9 @@ def test_loss_parallel_keeps_a_tp_th_of_the_logits_measured_and_estimated(world4
         )
         for text in ("fsdp(dp) + tp(llama, tp)", "fsdp(dp) + tp(llama, tp, loss_parallel=true)")
     ]
-    assert estimates[1].memory["loss_workspace"] == estimates[0].memory["loss_workspace"] // 2
+    # half the logits each, but torch's loss_parallel() backward holds four fp32 tensors of
+    # them where the plain loss's holds three (tests/test_loss_workspace.py)
+    assert estimates[1].memory["loss_workspace"] == estimates[0].memory["loss_workspace"] * 4 // 3 // 2
     assert estimates[1].peak_bytes < estimates[0].peak_bytes
 
 

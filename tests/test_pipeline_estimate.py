@@ -58,9 +58,10 @@ def test_stage_memory_by_hand():
     for stage, flight in ((stage0, 2), (stage1, 1)):
         params = _param_bytes(stage.modules)
         adam = 2 * params + 4 * _tensors(stage.modules)
-        # the last stage: the loss's fp32 copy of one micro-batch's logits; the logits and
-        # the log-softmax it keeps for backward are in its activations, per micro-batch
-        loss = 4 * logits if stage.stage == 1 else 0
+        # the last stage: one micro-batch's loss backward makes two fp32 gradients (more
+        # than its forward's fp32 copy); the logits and the log-softmax it keeps for
+        # backward are in its activations, per micro-batch
+        loss = 2 * 4 * logits if stage.stage == 1 else 0
         by_rank.append(3 * params + adam - params + stage.activation_bytes * flight + loss)
     assert pipe.rank_peak_bytes == tuple(by_rank)
     assert est.peak_bytes == max(by_rank)

@@ -121,6 +121,7 @@ SLOW_CASES = [
     pc.case({"pp": 2, "dp": 2}, "interleaved1f1b", stages_per_rank=2, data="fsdp", config="uneven"),
     pc.case({"pp": 2, "dp": 2}, data="zero2"),
     pc.case({"pp": 2, "tp": 2}, tp=True),
+    pc.case({"pp": 2, "tp": 2}, tp="lp"),  # the last stage's loss under torch's loss_parallel()
     pc.case({"pp": 2, "dp": 2}, data="fsdp", config="llama", model="hf"),
     pc.case({"pp": 2, "tp": 2}, tp=True, config="llama", model="hf"),
     pc.case({"pp": 2, "tp": 2}, tp="sp"),

@@ -13,6 +13,7 @@ from functional_shard.core.sequence import causal_imbalance
 
 from .cost import cost
 from .estimate_record import Estimate
+from .loss_memory import loss_workspace
 from .pipeline_estimate import pipeline_parts
 from .step_model import Assembly, StepParts, _recomputed, gathered_in_flight, step_time
 
@@ -30,10 +31,9 @@ def _flat_parts(assembly: Assembly) -> StepParts:
         if assembly.costs
         else cost(plan, assembly.optimizer, rank=assembly.rank, tokens=tokens)
     )
-    # the logits stay until the loss is computed; cross-entropy upcasts them to fp32 and
-    # keeps its log-softmax for backward, whose gradient then replaces the logits. Counted
-    # by elements: a model may hand back fp32 logits from a bf16 forward (no copy then, but
-    # the log-softmax and its gradient are as large)
+    # the loss's larger peak, forward or backward: with bf16 logits its backward (the saved
+    # fp32 log-softmax and two fp32 gradients, the logits gone), above its forward (the
+    # logits, their fp32 copy and the log-softmax); measured (loss_memory.loss_workspace)
     memory = {
         "params": plan_cost.params_bytes,
         "grads": plan_cost.grads_bytes,
@@ -41,7 +41,7 @@ def _flat_parts(assembly: Assembly) -> StepParts:
         "buffers": plan_cost.buffers_bytes,
         "gathered": gathered_in_flight(plan, assembly.units),
         "activations": int(trace.activation_bytes),
-        "loss_workspace": int(trace.output_bytes + 2 * 4 * trace.output_numel),
+        "loss_workspace": loss_workspace(trace.output_bytes, trace.output_numel, plan.config.loss_parallel),
     }
     return StepParts(
         plan=plan,

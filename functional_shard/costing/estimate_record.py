@@ -34,7 +34,11 @@ class Estimate:
 
     ``memory`` holds the parts of the peak (bytes): ``params``, ``grads``, ``optimizer``,
     ``buffers``, ``gathered`` (FSDP units in flight), ``activations`` and
-    ``loss_workspace`` (logits plus cross-entropy's fp32 copies). ``flops`` is per device
+    ``loss_workspace``: cross-entropy's peak, the larger of its forward's (the logits,
+    their fp32 copy and the fp32 log-softmax) and its backward's (the logits gone: the
+    saved log-softmax and two fp32 gradients; four fp32 tensors under loss parallel),
+    measured on real steps; under a pipeline, the last stage's beyond the logits and
+    log-softmax its ``activations`` hold per micro-batch in flight. ``flops`` is per device
     per step, recomputation included; ``model_flops`` without it (what MFU counts).
     Under pipeline parallelism ``batch`` is the step's batch (all micro-batches), the parts
     are those of the pp rank with the highest peak, ``compute_seconds`` is the schedule's

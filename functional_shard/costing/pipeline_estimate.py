@@ -4,8 +4,9 @@ A pp rank holds its stages' parameters, gradients and optimizer state (`cost` at
 of that pp coordinate), and the activations of one micro-batch (``batch / microbatches``
 sequences) per stage for as many micro-batches as torch's schedule keeps in flight there
 (`functional_shard.planning.schedules.held_peak`); on the last stage these include the logits and
-the log-softmax the loss keeps for its backward, and its rank also holds the loss's fp32
-copy of one micro-batch's logits. The step's compute time is the makespan of torch's action
+the log-softmax the loss keeps for its backward, and its rank also holds what one
+micro-batch's loss makes beyond those (`loss_memory.pipeline_loss_workspace`). The step's
+compute time is the makespan of torch's action
 lists run on a clock (`functional_shard.planning.schedules.simulate`), each stage's forward and
 backward at its traced flops, each boundary's activation sent at the pp axis's link speed:
 the bubble is in it. Data- and tensor-parallel communication is added as for any plan.
@@ -27,6 +28,7 @@ from functional_shard.planning.stages import rank_stages, stage_finder, stage_ra
 from .census import census_of
 from .cost import Cost, OptimizerKind, cost, unit_gathered
 from .estimate_record import PipelineEstimate, StageEstimate
+from .loss_memory import pipeline_loss_workspace
 from .step_model import Assembly, StepParts, gathered_in_flight
 
 if TYPE_CHECKING:
@@ -163,7 +165,7 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
     # and the last stage, per micro-batch until its backward, what the loss needs: the
     # logits (torch's stage caches its output for the backward) and the fp32 log-softmax
     # cross-entropy saves; GPipe holds every micro-batch's (measured on gloo ranks,
-    # tests/test_pipeline_memory.py). Only the loss's fp32 copy is one micro-batch's.
+    # tests/test_pipeline_memory.py). What the loss makes beyond them is one micro-batch's.
     kept[n - 1] += trace.output_bytes + 4 * trace.output_numel
     held = held_peak(schedule, pp, m, per_rank, kept)
     costs = assembly.costs or stage_costs(plan, assembly.optimizer, batch * seq, rank)
@@ -187,8 +189,11 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
                 "gathered": gathered_in_flight(sub_plans[c], stage_units[c]),
                 "accumulated_grads": _accumulated_grads(plan, stage_units[c]),
                 "activations": int(held[c]),
-                # the fp32 copy of the logits the loss of one micro-batch at a time makes
-                "loss_workspace": int(4 * trace.output_numel) if n - 1 in mine else 0,
+                # what one micro-batch's loss holds beyond its logits and log-softmax (in
+                # kept): the fp32 copy in the forward, below its backward's two fp32 gradients
+                "loss_workspace": pipeline_loss_workspace(trace.output_numel, plan.config.loss_parallel)
+                if n - 1 in mine
+                else 0,
             }
         )
     peaks = [sum(memory.values()) for memory in memories]

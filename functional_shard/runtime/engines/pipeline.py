@@ -308,9 +308,13 @@ def _ends(pipelined: Pipelined) -> tuple[bool, bool]:
 
 
 def _mean_from_last_stage(pipelined: Pipelined, losses: list[torch.Tensor], last: bool) -> torch.Tensor:
-    # float32 on every rank: under precision="bf16-true" the default dtype is bfloat16
+    from torch.distributed.tensor import DTensor
+
+    # float32 on every rank: under precision="bf16-true" the default dtype is bfloat16; a
+    # loss-parallel loss is a replicated DTensor, which c10d cannot broadcast: its value
+    plain = [x.full_tensor() if isinstance(x, DTensor) else x for x in losses]
     loss = (
-        torch.stack([x.detach().float() for x in losses]).mean()
+        torch.stack([x.detach().float() for x in plain]).mean()
         if last
         else torch.zeros((), dtype=torch.float32)
     )
