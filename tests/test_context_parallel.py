@@ -305,7 +305,7 @@ def test_the_trace_keeps_what_a_cp_rank_keeps(world4, kind, mesh, policy):
 def test_the_estimate_splits_activations_and_tokens_over_cp():
     model = llama("tiny")
     flat = fs.shard(model, fs.Mesh(dp=4), fs.fsdp("dp"))
-    split = fs.shard(model, fs.Mesh(dp=1, cp=4), fs.fsdp(("dp", "cp")) + fs.cp("cp"))
+    split = fs.shard(model, fs.Mesh(dp=1, cp=4), fs.fsdp(("dp", "cp")) + fs.cp("cp", engine="all_gather"))
     whole = fs.estimate(model, flat, batch=2, seq=1024, hardware="h100")
     cut = fs.estimate(model, split, batch=2, seq=1024, hardware="h100")
     # a rank's own tokens' activations are a quarter; each layer also keeps the gathered keys and
@@ -317,6 +317,7 @@ def test_the_estimate_splits_activations_and_tokens_over_cp():
     assert own + gathered <= cut.memory["activations"] <= own + 2 * gathered
     assert cut.flops == pytest.approx(whole.flops / 4, rel=1e-6)  # a quarter of the queries, all keys
     assert cut.context_parallel == 4
+    assert cut.context_engine == "all_gather"
     assert "all_gather over cp (intra)" in cut.comm_seconds
     with pytest.raises(fs.ShardingError, match="use 1016 or 1024 tokens"):
         fs.estimate(model, split, batch=2, seq=1020, hardware="h100")

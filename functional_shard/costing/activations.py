@@ -192,7 +192,17 @@ class _Run:
             )
             stack.enter_context(passing_on(setup.modules, groups, doubled, broken=self._not_passable))
             stack.enter_context(sequence_parallel(model, self.plan, setup.tp_size, setup.seq))
-            stack.enter_context(context_parallel_attention(setup.cp))
+            # "auto" counts as the all-gather engine here, as in `cost` (the estimate
+            # hands over the engine its hardware runs)
+            cp_axis = config.context_parallel_axis
+            stack.enter_context(
+                context_parallel_attention(
+                    setup.cp,
+                    config.context_engine,
+                    cp_rank=self.plan.mesh.coords(setup.rank)[cp_axis] if cp_axis else 0,
+                    load_balance=config.context_load_balance,
+                )
+            )
             stack.enter_context(unpacked_sequences(model))
             stack.enter_context(flex_on_fake_cpu())
             owners = [births.running, flops.running]
@@ -295,7 +305,10 @@ def trace_activations(
     Args:
         model: any ``nn.Module`` (meta device is enough); it is not changed.
         plan: the `functional_shard.Plan` for ``model``: tensor/sequence parallel,
-            mixed precision (``param_dtype``) and checkpointing are honoured.
+            mixed precision (``param_dtype``) and checkpointing are honoured; under
+            context parallel, its ``context_engine``: ``"ring"`` traces torch's ring
+            attention, ``"all_gather"`` and ``"auto"`` our engine (`fs.estimate` makes
+            ``"auto"`` the engine its hardware runs).
         batch: sequences per data-parallel rank (the micro-batch).
         seq: sequence length.
         rank: the rank whose local shapes are traced (default 0).

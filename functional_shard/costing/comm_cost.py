@@ -192,42 +192,63 @@ def activation_comm(plan: Plan, comm: Comm, tokens: int, held: Mapping[str, int]
 # Mistral, Qwen, torchtitan's wk/wv, BERT-style key/value); GPT-2's c_attn packs q, k and v
 _KEY_VALUE = ("k_proj", "v_proj", "wk", "wv", "key", "value")
 _PACKED_QKV = ("c_attn",)
+_QUERY = ("q_proj", "wq", "query")
 
 
-def key_value_features(plan: Plan) -> list[int]:
+def key_value_features(plan: Plan, *, repeated: bool = False) -> list[int]:
     """Per attention layer, the features per token of its keys and values together, on one rank.
 
     Tensor parallel splits the heads: a rank gathers its own heads' keys and values only.
+    ``repeated``: with the key/value heads repeated to the query heads first, as torch's
+    ring attention takes them (grouped-query attention's few heads become as many as the
+    queries'; head sizes alike, so keys and values each get the queries' features).
 
     Examples:
         >>> from functional_shard import zoo
         >>> plan = fs.shard(zoo.llama("tiny"), fs.Mesh(cp=2), fs.replicate() + fs.cp("cp"))
         >>> key_value_features(plan)  # 2 layers: 2 key/value heads of 16, for k and for v
         [64, 64]
+        >>> key_value_features(plan, repeated=True)  # repeated to the 4 query heads
+        [128, 128]
     """
     layers: dict[str, int] = {}
+    queries: dict[str, int] = {}
     for path, tensor in plan.tensors.items():
         module, _, leaf = path.rpartition(".")
         parent, _, name = module.rpartition(".")
         if leaf != "weight" or tensor.ndim != 2 or path not in plan.params:
             continue
         if name in _KEY_VALUE:  # (out, in): the keys or the values, on dim 0
-            out, features = 0, tensor.shape[0]
-        elif name in _PACKED_QKV:  # a Conv1D, (in, 3·out): two thirds are k and v
-            out, features = 1, 2 * tensor.shape[1] // 3
+            out, features, query = 0, tensor.shape[0], 0
+        elif name in _PACKED_QKV:  # a Conv1D, (in, 3·out): a third each for q, k and v
+            out, features, query = 1, 2 * tensor.shape[1] // 3, tensor.shape[1] // 3
+        elif name in _QUERY:
+            out, features, query = 0, 0, tensor.shape[0]
         else:
             continue
         split = plan.mesh.axes_size(plan.params[path].compute.dim_axes(2)[out])
-        layers[parent] = layers.get(parent, 0) + features // split
+        if features:
+            layers[parent] = layers.get(parent, 0) + features // split
+        queries[parent] = queries.get(parent, 0) + query // split
+    if repeated:  # keys and values each as wide as the queries, where the queries were found
+        return [2 * queries[parent] if queries.get(parent) else kv for parent, kv in layers.items()]
     return list(layers.values())
 
 
-def context_comm(plan: Plan, comm: Comm, tokens: int) -> None:
+def context_comm(plan: Plan, comm: Comm, tokens: int, engine: str = "all_gather") -> None:
     """Add context parallel's collectives for ``tokens`` tokens of whole sequences.
 
-    Each attention layer all-gathers its keys and values along cp in forward (again in the
-    recompute when it is checkpointed) and reduce-scatters their gradients in backward;
-    the step averages its loss over cp once (a 4-byte all-reduce).
+    ``engine="all_gather"`` (ours): each attention layer all-gathers its keys and values
+    along cp in forward (again in the recompute when it is checkpointed) and
+    reduce-scatters their gradients in backward. ``engine="ring"`` (torch's
+    ``context_parallel``, its default ``ALL_GATHER`` rotation, key/value heads repeated to
+    the query heads): each attention call all-gathers its keys and values once, the
+    concatenated local ones (forward, and again in a full recompute; selective
+    checkpointing keeps the attention's outputs and does not run it again), and its
+    backward all-gathers them again and passes the keys' and values' gradients round the
+    ring ``cp`` times by all-to-all permutes of float32 buffers (``_cp_options.convert_to_f32``),
+    each rank sending its whole local buffer each time. Either way the step averages its
+    loss over cp once (a 4-byte all-reduce).
     """
     config = plan.config
     axis = config.context_parallel_axis
@@ -235,10 +256,17 @@ def context_comm(plan: Plan, comm: Comm, tokens: int) -> None:
         return
     n = plan.mesh[axis]
     size = compute_itemsize(plan)
-    recomputed = 2 if config.checkpointed else 1
-    for features in key_value_features(plan):
-        comm.add("all_gather", (axis,), n, tokens * features * size, times=recomputed)
-        comm.add("reduce_scatter", (axis,), n, tokens * features * size)
+    if engine == "ring":
+        recomputed = 2 if config.checkpointed and config.checkpoint_policy != "selective" else 1
+        for features in key_value_features(plan, repeated=True):
+            comm.add("all_gather", (axis,), n, tokens * features * size, times=recomputed + 1)
+            if n > 1:  # cp permutes, each sending this rank's float32 buffer (a cp-th of the tokens)
+                comm.bytes["all_to_all"][axis] += tokens * features * 4
+    else:
+        recomputed = 2 if config.checkpointed else 1
+        for features in key_value_features(plan):
+            comm.add("all_gather", (axis,), n, tokens * features * size, times=recomputed)
+            comm.add("reduce_scatter", (axis,), n, tokens * features * size)
     comm.add("all_reduce", (axis,), n, 4)
 
 

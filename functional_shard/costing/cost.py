@@ -41,6 +41,7 @@ from functional_shard.planning.plan_cost import Cost, OptimizerKind
 
 from .census import Census, census_of, grouped, zero1_owners
 from .comm_cost import Comm, activation_comm, compute_itemsize, context_comm, parameter_comm, pipeline_comm
+from .context_engines import counted_engine
 from .expert_cost import expert_comm
 
 if TYPE_CHECKING:
@@ -222,7 +223,12 @@ def _stage_memory(
 
 
 def cost(
-    plan: Plan, optimizer: OptimizerKind = "adamw", *, rank: int | None = None, tokens: int | None = None
+    plan: Plan,
+    optimizer: OptimizerKind = "adamw",
+    *,
+    rank: int | None = None,
+    tokens: int | None = None,
+    context_engine: str | None = None,
 ) -> Cost:
     """Predict a plan's memory per device and bytes sent per training step.
 
@@ -239,8 +245,14 @@ def cost(
             modules' (`functional_shard.costing.expert_cost`): expert parallelism's
             ``all_to_all`` over its axis under balanced routing, tensor parallel's
             all-reduces inside the experts. Under context parallel (``tokens`` of whole
-            sequences) each attention layer's key/value all-gather and gradient
-            reduce-scatter over the cp axis (`functional_shard.costing.comm_cost.context_comm`).
+            sequences) each attention layer's collectives over the cp axis, those of the
+            engine counted (`functional_shard.costing.comm_cost.context_comm`).
+        context_engine: the cp engine counted: ``None`` (the default) the plan's own,
+            ``"auto"`` counted as ``"all_gather"`` (our engine: each layer's key/value
+            all-gather and gradient reduce-scatter), which is what runs without CUDA; the
+            cost model knows no device, so ask ``"ring"`` for torch's ring attention (what
+            ``"auto"`` runs on CUDA: key/value all-gathers and float32 gradient all-to-alls,
+            heads repeated to the query heads). `fs.estimate` counts what its hardware runs.
 
     Returns:
         A `Cost`. Params, grads and optimizer bytes are exact for torch's engines (FSDP2
@@ -255,7 +267,8 @@ def cost(
         dtype the mixed-precision one or the model's.
 
     Raises:
-        ShardingError: an unknown optimizer, or a rank outside the mesh.
+        ShardingError: an unknown optimizer, a rank outside the mesh, or an unknown
+            ``context_engine``.
 
     Examples:
         >>> import torch.nn as nn, functional_shard as fs
@@ -268,7 +281,11 @@ def cost(
         >>> c = piped.cost("sgd", tokens=1024)
         >>> c.boundary_bytes, c.comm_bytes["send_recv"]["pp"]
         ({0: 262144.0}, 262144.0)
+        >>> long = fs.shard(zoo.llama("tiny"), fs.Mesh(cp=2), fs.fsdp("cp") + fs.cp("cp"))
+        >>> sorted(long.cost(tokens=1024, context_engine="ring").comm_bytes["all_to_all"])
+        ['cp']
     """
+    engine = counted_engine(plan, context_engine)
     owners = zero1_owners(plan)
     census = census_of(plan, owners)
     if rank is not None:
@@ -306,7 +323,7 @@ def cost(
         cp_axis = plan.config.context_parallel_axis
         mine = tokens // plan.mesh[cp_axis] if cp_axis else tokens
         activation_comm(plan, comm, mine, coords)
-        context_comm(plan, comm, tokens)
+        context_comm(plan, comm, tokens, engine)
         expert_comm(plan, mine, compute_itemsize(plan), comm.add, coords)
         boundaries = pipeline_comm(plan, comm, mine, coords)
     return Cost(

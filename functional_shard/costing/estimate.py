@@ -17,6 +17,7 @@ from functional_shard.core.errors import ShardingError
 from functional_shard.core.units import parse_bytes
 
 from .assemble import Assembly, assemble
+from .context_engines import for_hardware, with_engine
 from .cost import OptimizerKind
 from .estimate_record import Estimate
 from .hardware import Hardware
@@ -71,6 +72,10 @@ def estimate(
         seq: tokens per sequence.
         optimizer: as for `cost`.
         hardware: a profile name (see `fs.hardware`) or a `Hardware`; ``None`` is ``"h100"``.
+            Under context parallel it also decides what ``fs.cp``'s ``"auto"`` engine
+            counts: torch's ring attention on CUDA profiles (``Hardware.cuda``: the
+            datasheet ones), our all-gather engine on the measured ``"local"`` one;
+            ``Estimate.context_engine`` says which (`functional_shard.costing.context_engines`).
         rank: estimate this rank; by default the worst one for the cost model's parts
             (params, grads, optimizer, buffers, collectives) and rank 0 for the traced
             activations (under a pipeline: the pp rank with the highest peak).
@@ -108,6 +113,7 @@ def estimate(
     hw = _hardware(hardware)
     dtype = compute_dtype(plan)
     hw.peak_flops(dtype)  # fail early, before tracing
+    plan = for_hardware(plan, hw)  # "auto" cp: the engine the hardware runs
     stages = plan.config.pipeline_stages or None
     trace = _trace(
         model,
@@ -120,7 +126,7 @@ def estimate(
         stages=stages,
     )
     units = unit_gathered_bytes(plan)
-    return assemble(
+    found = assemble(
         Assembly(
             plan=plan,
             trace=trace,
@@ -133,6 +139,7 @@ def estimate(
             rank=rank,
         )
     )
+    return with_engine(found, plan, microbatch_size(plan, batch) * seq)
 
 
 # the same keywords as `estimate`, spelled out rather than forwarded: each is typed and
@@ -194,8 +201,9 @@ def compare_schedules(
             and not isinstance(_actions_or_reason(name, pp, m, per_rank), str)
         ]
         schedules = fitting
-    planned = {name: with_schedule(plan, name) for name in schedules}
     hw = _hardware(hardware)
+    plan = for_hardware(plan, hw)  # "auto" cp: the engine the hardware runs
+    planned = {name: with_schedule(plan, name) for name in schedules}
     dtype = compute_dtype(plan)
     micro = microbatch_size(plan, batch)
     trace = _trace(model, plan, batch=micro, seq=seq, stages=config.pipeline_stages)
@@ -203,4 +211,7 @@ def compare_schedules(
     shared = dict(
         trace=trace, hardware=hw, dtype=dtype, batch=batch, seq=seq, units=units, optimizer=optimizer
     )
-    return {name: assemble(Assembly(plan=each, **shared)) for name, each in planned.items()}
+    return {
+        name: with_engine(assemble(Assembly(plan=each, **shared)), each, micro * seq)
+        for name, each in planned.items()
+    }

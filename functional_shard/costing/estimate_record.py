@@ -38,7 +38,9 @@ class Estimate:
     their fp32 copy and the fp32 log-softmax) and its backward's (the logits gone: the
     saved log-softmax and two fp32 gradients; four fp32 tensors under loss parallel),
     measured on real steps; under a pipeline, the last stage's beyond the logits and
-    log-softmax its ``activations`` hold per micro-batch in flight. ``flops`` is per device
+    log-softmax its ``activations`` hold per micro-batch in flight. Under torch's ring
+    attention, ``ring_workspace``: what its backward's buffers add beyond the loss's
+    workspace, which they follow. ``flops`` is per device
     per step, recomputation included; ``model_flops`` without it (what MFU counts).
     Under pipeline parallelism ``batch`` is the step's batch (all micro-batches), the parts
     are those of the pp rank with the highest peak, ``compute_seconds`` is the schedule's
@@ -62,6 +64,8 @@ class Estimate:
     tensor_parallel: int = 1
     context_parallel: int = 1
     """The cp size: its ranks share each sequence's tokens, as a tensor-parallel group shares them."""
+    context_engine: str | None = None
+    """The cp engine counted, ``"ring"`` (torch's) or ``"all_gather"`` (ours); ``None`` without cp."""
     cost: Cost | None = field(default=None, compare=False, repr=False)
     pipeline: PipelineEstimate | None = field(default=None, compare=False, repr=False)
 
@@ -107,6 +111,12 @@ class Estimate:
             + (f"; host {_bytes(self.host_bytes)}" if self.host_bytes else ""),
         ]
         lines += [f"  {part:<15} {_bytes(nbytes)}" for part, nbytes in self.memory.items()]
+        if self.context_engine is not None:
+            engine = {"ring": "torch's ring attention", "all_gather": "the all-gather engine"}
+            lines.append(
+                f"context parallel {self.context_parallel}: attention by "
+                f"{engine.get(self.context_engine, self.context_engine)}"
+            )
         lines.append(
             f"step {duration(self.step_seconds)}: compute {duration(self.compute_seconds)} "
             f"({self.flops / 1e12:.3f} TFLOP at {hw.achievable_flops(self.dtype) / 1e12:.1f} TFLOP/s)"
@@ -142,6 +152,7 @@ class Estimate:
             "step_seconds": self.step_seconds,
             "tokens_per_second": self.tokens_per_second,
             "mfu": self.mfu,
+            **({"context_engine": self.context_engine} if self.context_engine is not None else {}),
             **({"pipeline": self._pipeline_dict()} if self.pipeline is not None else {}),
         }
 

@@ -55,6 +55,11 @@ class Hardware:
     gloo on a CPU: no, they share the cores)."""
     collective_latency: float = 0.0
     """Seconds each collective costs beyond its bytes (0: bandwidth-bound sizes)."""
+    cuda: bool = True
+    """Whether the devices are CUDA GPUs. `fs.cp`'s ``"auto"`` engine runs torch's ring
+    attention there (its kernels are CUDA ones) and our all-gather engine elsewhere: the
+    estimate counts the engine that runs (`functional_shard.costing.context_engines`). The
+    measured ``"local"`` profile (gloo on CPUs) is not."""
     skips_masked_attention: bool = True
     """Whether causal attention skips the masked half (flash kernels, torch's ring attention
     on GPUs): then a context-parallel rank's attention work follows the chunks it holds,

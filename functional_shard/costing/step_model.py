@@ -19,6 +19,7 @@ from functional_shard.planning.plan_cost import Cost, OptimizerKind
 from functional_shard.planning.rules import sequence_gathers
 
 from .comm_cost import key_value_features
+from .context_engines import ring_exposed_seconds, ring_passes
 from .cost import unit_gathered
 from .estimate_record import PipelineEstimate
 from .hardware import Hardware
@@ -153,7 +154,12 @@ def collective_counts(plan: Plan, grads_bytes: int) -> dict[str, int]:
         "expert": 0,
         "context parallel": 0,
     }
-    if config.context_parallel_axis is not None:
+    if config.context_parallel_axis is not None and config.context_engine == "ring":
+        # torch's ring, each attention call: K and V gathered together in forward (again in
+        # a full recompute) and backward, cp permutes of their gradients; the loss averaged once
+        ring_gathers, ring_permutes = ring_passes(plan)
+        counts["context parallel"] = (ring_gathers + ring_permutes) * len(key_value_features(plan)) + 1
+    elif config.context_parallel_axis is not None:
         # each attention layer: K and V gathered forward (again in a recompute), their
         # gradients scattered backward; the loss averaged once
         per_layer = 4 + 2 * bool(config.checkpointed)
@@ -318,10 +324,13 @@ def step_time(
     reduce-scatters run under compute (all but the first gather); DDP's and HSDP's
     gradient all-reduce runs under backward; ZeRO-1's parameter broadcasts follow the
     optimizer step and are exposed (DDP, run by torch's composable ``replicate``, sends
-    no buffers). Context parallel's key/value gathers and gradient scatters run under the
-    step's compute, as torch's ring attention overlaps each chunk's pass with attention on
-    the previous one; only what exceeds the compute is exposed. On hardware that does not
-    overlap communication with compute (gloo on CPUs) every collective is exposed. Each
+    no buffers). Context parallel's key/value gathers and gradient scatters (the
+    all-gather engine's) run under the step's compute; only what exceeds the compute is
+    exposed. torch's ring (a plan whose ``context_engine`` is ``"ring"``; `fs.estimate`
+    makes ``"auto"`` that on CUDA hardware) hides its collectives only under the
+    attention op's own chunks (`functional_shard.costing.context_engines.ring_exposed_seconds`).
+    On hardware that does not overlap communication with compute (gloo on CPUs) every
+    collective is exposed. Each
     collective also costs the hardware's ``collective_latency`` (a tensor-parallel one its
     ``tensor_parallel_latency``). ``recomputed`` (bytes
     as `recomputed_collectives` gives them, and how many collectives) are the
@@ -402,9 +411,20 @@ def step_time(
             exposed["grad all-reduce"] = rest
     if broadcast:
         exposed["broadcast after step"] = broadcast
-    if context:
-        # torch's ring attention passes each key/value chunk while attention runs on the
-        # one at hand: hidden under the step's compute, exposed beyond it
+    if context and cp_axis is not None and plan.config.context_engine == "ring":
+        # torch's ring hides its collectives under the attention op's own chunks only
+        rest = ring_exposed_seconds(
+            plan,
+            plan_cost.comm_bytes,
+            hw.bandwidth(plan.mesh, (cp_axis,)),
+            attention_flops / rate,
+            hw.collective_latency,
+        )
+        if rest:
+            exposed["context parallel ring not overlapped"] = rest
+    elif context:
+        # our engine's gathers and scatters are issued as the layers run, beside their
+        # compute: hidden under the step's compute, exposed beyond it
         rest = max(0.0, context - compute)
         if rest:
             exposed["context parallel not overlapped"] = rest

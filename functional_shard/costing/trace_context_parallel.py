@@ -9,6 +9,11 @@ under a boolean mask of the local queries against every key. The flops then coun
 rank's queries against the whole sequence, in the one convention
 `functional_shard.costing.flops` uses (the full score matrix).
 
+Under torch's ring (``engine="ring"``) the gathered keys and values are not kept: each
+call gathers them, scores its chunks and lets them go, and SDPA keeps the local query,
+keys, values, output and logsumexp; `context_parallel_attention` then keeps those and
+counts the same flops.
+
 `routing_attention` is how both this trace and the runtime engine
 (`functional_shard.runtime.engines.context_parallel`) reach attention in plain modules:
 ``torch.nn.functional.scaled_dot_product_attention`` is swapped for a router while a step
@@ -99,11 +104,86 @@ def _whole_sequence(cp: int) -> Callable[..., Any]:
     return attend
 
 
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+class _RingKeeps(torch.autograd.Function):
+    """What torch's ring attention keeps for backward, and its backward's work, on fake tensors.
+
+    Forward hands back the output the caller computed; autograd keeps the local query,
+    keys, values, output and logsumexp (what SDPA saves under torch's ring). Backward
+    scores the local queries against ``cp`` times the keys again, as the ring's backward
+    does chunk by chunk, and hands each input the gradient of its own shape.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, *args: Any) -> torch.Tensor:
+        query, key, value, out, logsumexp, cp, scale = args
+        ctx.save_for_backward(query, key, value, out, logsumexp)
+        ctx.cp, ctx.scale = cp, scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        query, key, value, out, logsumexp = ctx.saved_tensors
+        keys, values = torch.cat([key] * ctx.cp, dim=-2), torch.cat([value] * ctx.cp, dim=-2)
+        grad_query, grad_keys, grad_values = _FLASH_BACKWARD(
+            grads[0], query, keys, values, out, logsumexp, 0.0, False, scale=ctx.scale
+        )
+        width = key.shape[-2]
+        return grad_query, grad_keys[..., :width, :], grad_values[..., :width, :], None, None, None, None
+
+
+def _ring(cp: int, merged: bool) -> Callable[..., Any]:
+    # F.scaled_dot_product_attention's own parameters, restated: calls reach it by name or position
+    def attend(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: Any = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        *,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        heads = query.shape[-3]
+        if key.shape[-3] != heads:  # the ring takes as many key/value heads as query heads
+            key = key.repeat_interleave(heads // key.shape[-3], dim=-3)
+            value = value.repeat_interleave(heads // value.shape[-3], dim=-3)
+        # the local queries scored against every key (the flops, in the one convention), on
+        # detached inputs: the gathered copies die with the call, as the ring's do; the
+        # shapes are what count on fake tensors, so no mask
+        keys = torch.cat([key.detach()] * cp, dim=-2)
+        values = torch.cat([value.detach()] * cp, dim=-2)
+        out, logsumexp = _FLASH(query.detach(), keys, values, 0.0, False, scale=scale)
+        del keys, values
+        if merged:
+            # torch's merge rebuilds the output by concatenating its halves whenever a later
+            # chunk updates only the second one (`_partial_update`, under load balancing on
+            # every cp rank but the last): it leaves contiguous in (batch, heads, seq, dim),
+            # not in the kernel's layout, and a model that transposes it back copies it
+            out = out.contiguous()
+        result: torch.Tensor = _RingKeeps.apply(query, key, value, out, logsumexp, cp, scale)
+        return result
+
+    return attend
+
+
 @contextlib.contextmanager
-def context_parallel_attention(cp: int) -> Iterator[None]:
-    """Within the block, attention runs over ``cp`` times the keys and values it is given."""
+def context_parallel_attention(
+    cp: int, engine: str = "all_gather", *, cp_rank: int = 0, load_balance: bool = True
+) -> Iterator[None]:
+    """Within the block, attention runs over ``cp`` times the keys and values it is given.
+
+    ``engine="all_gather"``: as our engine runs it, keeping the gathered keys and values;
+    ``"ring"``: as torch's ring runs it on cp rank ``cp_rank`` (key/value heads repeated to
+    the query heads first), keeping only the local query, keys, values, output and logsumexp.
+    """
     if cp <= 1:
         yield
         return
-    with routing_attention(_whole_sequence(cp)):
+    merged = load_balance and cp_rank < cp - 1
+    with routing_attention(_ring(cp, merged) if engine == "ring" else _whole_sequence(cp)):
         yield

@@ -377,6 +377,7 @@ def local_hardware(processes: int) -> Hardware:
         intra_node_bandwidth=bandwidth,
         inter_node_bandwidth=bandwidth,
         overlap_communication=False,
+        cuda=False,
         skips_masked_attention=False,
         collective_latency=max(r["engine_latency"]["fsdp"] for r in results),
         tensor_parallel_latency=max(r["engine_latency"]["tp"] for r in results),

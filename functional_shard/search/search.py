@@ -10,6 +10,7 @@ from torch import nn
 from functional_shard.core.errors import ShardingError, one_line
 from functional_shard.core.units import format_bytes as _bytes
 from functional_shard.costing.assemble import Assembly, assemble
+from functional_shard.costing.context_engines import for_hardware, with_engine
 from functional_shard.costing.cost import OptimizerKind, cost
 from functional_shard.costing.estimate_record import Estimate
 from functional_shard.costing.hardware import Hardware
@@ -128,6 +129,7 @@ class Search:
             )
         except ShardingError as error:
             return [self._failed(point, "none", error, "plan")]
+        plan = for_hardware(plan, inputs.hardware)  # "auto" cp: the engine the hardware runs
         micro = inputs.batch // point.dp
         plan_cost = cost(plan, inputs.optimizer, tokens=micro * inputs.seq)
         units = unit_gathered_bytes(plan)
@@ -153,7 +155,7 @@ class Search:
                     checkpointed=self.checkpointed if how != "none" else (),
                 )
             )
-            out.append(self._estimated(point, how, estimate))
+            out.append(self._estimated(point, how, with_engine(estimate, plan, micro * inputs.seq)))
         return out
 
     def _run_pipeline(self, point: Point) -> list[Candidate]:
@@ -165,6 +167,7 @@ class Search:
             plan = shard(inputs.facts.tree, point.mesh, self.policies.of(point, "none"))
         except ShardingError as error:
             return [self._failed(point, "none", error, "plan")]
+        plan = for_hardware(plan, inputs.hardware)
         unit_of = {module: index for index, unit in enumerate(inputs.facts.units) for module in unit}
         groups = [sorted({unit_of[m] for m in stage}) for stage in plan.config.pipeline_stages]
         local = inputs.batch // point.dp
@@ -192,5 +195,5 @@ class Search:
                     costs=costs,
                 )
             )
-            out.append(self._estimated(point, how, estimate))
+            out.append(self._estimated(point, how, with_engine(estimate, plan, micro * inputs.seq)))
         return out

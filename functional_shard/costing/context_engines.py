@@ -1,0 +1,211 @@
+"""Which context-parallel engine a cost or an estimate counts, and what torch's ring adds.
+
+A plan's ``fs.cp(..., engine=)`` is ``"auto"``, ``"ring"`` or ``"all_gather"``
+(`functional_shard.core.sequence.CONTEXT_ENGINES`). ``"auto"`` runs torch's ring on CUDA
+devices and our all-gather engine elsewhere, so what it costs depends on the hardware:
+
+- `plan.cost` is device-free: it counts ``"auto"`` as the all-gather engine (what runs on
+  gloo), unless asked for another with ``context_engine=``;
+- `fs.estimate` and `fs.auto` count the engine their hardware runs (`for_hardware`):
+  the ring on a profile with ``Hardware.cuda`` (h100, a100, ...), the all-gather engine on
+  the measured ``"local"`` one.
+
+What torch 2.13's ring (``torch.distributed.tensor.experimental._context_parallel``,
+``_templated_ring_attention`` and its backward, default options) does per attention call,
+read from its source and measured on gloo ranks (tests/test_ring_attention.py): forward,
+one all-gather of the concatenated local keys and values, waited for after the first
+chunk's attention; backward, the same all-gather again, then ``cp`` all-to-all permutes of
+the keys' and values' gradients, accumulated in float32, each waited for after the next
+chunk's attention (the last one after all of them). The gathered keys and values are not
+kept for backward: SDPA keeps the local query, keys, values, output and logsumexp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from functional_shard.core.errors import ShardingError
+from functional_shard.core.sequence import CONTEXT_ENGINES
+
+from .comm_cost import compute_itemsize, key_value_features
+
+if TYPE_CHECKING:
+    from functional_shard.planning.plan import Plan
+
+    from .estimate_record import Estimate
+    from .hardware import Hardware
+
+__all__ = [
+    "counted_engine",
+    "for_hardware",
+    "ring_exposed_seconds",
+    "ring_passes",
+    "ring_workspace_bytes",
+    "with_engine",
+]
+
+
+def counted_engine(plan: Plan, engine: str | None = None) -> str:
+    """The engine whose collectives `cost` counts: ``"ring"`` or ``"all_gather"``.
+
+    ``engine`` overrides the plan's; ``"auto"`` (the plan's default) counts as the
+    all-gather engine, which is what runs where no CUDA device is (`for_hardware` says
+    what runs on given hardware).
+
+    Raises:
+        ShardingError: ``engine`` is not one of `CONTEXT_ENGINES` (or None).
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> plan = fs.shard(llama("tiny"), fs.Mesh(cp=2), fs.replicate() + fs.cp("cp"))
+        >>> counted_engine(plan), counted_engine(plan, "ring")
+        ('all_gather', 'ring')
+    """
+    if engine is not None and engine not in CONTEXT_ENGINES:
+        raise ShardingError(
+            f"cost(context_engine={engine!r}): one of {', '.join(map(repr, CONTEXT_ENGINES))}, or None for "
+            f"the plan's own ({plan.config.context_engine!r})"
+        )
+    chosen = plan.config.context_engine if engine is None else engine
+    return "ring" if chosen == "ring" else "all_gather"
+
+
+def for_hardware(plan: Plan, hardware: Hardware) -> Plan:
+    """``plan`` with its ``"auto"`` cp engine made the one ``hardware`` runs (else unchanged).
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> plan = fs.shard(llama("tiny"), fs.Mesh(cp=2), fs.replicate() + fs.cp("cp"))
+        >>> for_hardware(plan, fs.hardware("h100")).config.context_engine
+        'ring'
+        >>> cpu = fs.hardware("h100").replace(cuda=False)
+        >>> for_hardware(plan, cpu).config.context_engine
+        'all_gather'
+    """
+    config = plan.config
+    if config.context_parallel_axis is None or config.context_engine != "auto":
+        return plan
+    engine = "ring" if hardware.cuda else "all_gather"
+    return dataclasses.replace(plan, config=dataclasses.replace(config, context_engine=engine))
+
+
+def _ring_layers(plan: Plan, tokens: int) -> tuple[int, int, list[int]]:
+    """The cp size, this rank's tokens and each attention layer's repeated key/value features."""
+    axis = plan.config.context_parallel_axis
+    n = plan.mesh[axis] if axis else 1
+    return n, tokens // n, key_value_features(plan, repeated=True)
+
+
+def ring_workspace_bytes(plan: Plan, tokens: int) -> int:
+    """Bytes torch's ring holds inside one attention backward, beyond what forward kept.
+
+    ``tokens`` of whole sequences on the cp group (batch x seq). From
+    ``_templated_ring_attention_backward``: the all-gathered keys and values of every cp
+    rank (compute dtype), and in float32 the query's gradient, the keys' and values'
+    accumulated gradient, the copy being sent and the one arriving. The widest layer's.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> plan = fs.shard(llama("tiny"), fs.Mesh(cp=2), fs.replicate() + fs.cp("cp", engine="ring"))
+        >>> ring_workspace_bytes(plan, 1024) == 1024 * 128 * 4 + 512 * (64 + 3 * 128) * 4
+        True
+    """
+    n, mine, layers = _ring_layers(plan, tokens)
+    if n <= 1 or not layers:
+        return 0
+    features = max(layers)
+    size = compute_itemsize(plan)
+    return n * mine * features * size + mine * (features // 2 + 3 * features) * 4
+
+
+def ring_passes(plan: Plan) -> tuple[int, int]:
+    """Per attention layer and step, torch's ring all-gathers and gradient permutes.
+
+    An all-gather in forward, again in a full recompute (selective checkpointing keeps the
+    attention's outputs), again in backward; ``cp`` permutes in backward.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> plan = fs.shard(llama("tiny"), fs.Mesh(cp=4), fs.replicate() + fs.cp("cp", engine="ring"))
+        >>> ring_passes(plan)
+        (2, 4)
+    """
+    config = plan.config
+    axis = config.context_parallel_axis
+    recomputed = bool(config.checkpointed) and config.checkpoint_policy != "selective"
+    return 2 + recomputed, plan.mesh[axis] if axis else 1
+
+
+def ring_exposed_seconds(
+    plan: Plan,
+    comm_bytes: Mapping[str, Mapping[str, float]],
+    bandwidth: float,
+    attention_seconds: float,
+    latency: float = 0.0,
+) -> float:
+    """Seconds of torch's ring collectives that its attention kernels do not hide, per step.
+
+    Each call issues its collectives inside the attention op, so only that op's chunks can
+    hide them: forward, the all-gather runs under the first chunk's attention (a cp-th of
+    the layer's); backward, the all-gather under the first chunk's, each of the first
+    ``cp - 1`` gradient permutes under the next chunk's, and the last permute after them
+    all. The bytes are the cost's (``comm_bytes``, `cost` with the ring counted), shared
+    out evenly over the attention layers and passes (`ring_passes`); so is
+    ``attention_seconds``, the rank's attention time per step (forward, backward and
+    recompute at the achievable rate): backward is twice forward
+    (`functional_shard.costing.flops`), a full recompute once more. The loss's all-reduce
+    over cp waits for the step: exposed whole.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> plan = fs.shard(llama("tiny"), fs.Mesh(cp=2), fs.replicate() + fs.cp("cp", engine="ring"))
+        >>> sent = plan.cost(tokens=1024).comm_bytes
+        >>> alone = ring_exposed_seconds(plan, sent, bandwidth=1e9, attention_seconds=0.0)
+        >>> hidden = ring_exposed_seconds(plan, sent, bandwidth=1e9, attention_seconds=1.0)
+        >>> hidden < alone  # all but the last permute of each backward hides
+        True
+    """
+    axis = plan.config.context_parallel_axis
+    layers = len(key_value_features(plan))
+    gathers, n = ring_passes(plan)
+    if axis is None or n <= 1 or not layers:
+        return 0.0
+    forward = attention_seconds / layers / (gathers + 1)  # fwd (+ recompute) + bwd (twice fwd)
+    backward = 2 * forward
+    gather = latency + comm_bytes.get("all_gather", {}).get(axis, 0.0) / (layers * gathers) / bandwidth
+    permute = latency + comm_bytes.get("all_to_all", {}).get(axis, 0.0) / (layers * n) / bandwidth
+    per_layer = (
+        (gathers - 1) * max(0.0, gather - forward / n)
+        + max(0.0, gather - backward / n)
+        + (n - 1) * max(0.0, permute - backward / n)
+        + permute
+    )
+    loss = comm_bytes.get("all_reduce", {}).get(axis, 0.0) / bandwidth + latency
+    return layers * per_layer + loss
+
+
+def with_engine(estimate: Estimate, plan: Plan, tokens: int) -> Estimate:
+    """``estimate`` of ``plan`` (its cp engine made the hardware's) saying which engine it counted.
+
+    Under torch's ring the memory gains ``ring_workspace``: the buffers of one attention
+    backward (`ring_workspace_bytes`, ``tokens`` of one micro-batch's whole sequences) run
+    after the loss's workspace is freed, so they raise the peak by what they exceed it.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> model = llama("tiny")
+        >>> plan = fs.shard(model, fs.Mesh(cp=2), fs.fsdp("cp") + fs.cp("cp"))
+        >>> found = fs.estimate(model, plan, batch=1, seq=64, hardware="h100")
+        >>> found.context_engine, "ring_workspace" in found.memory
+        ('ring', True)
+    """
+    if plan.config.context_parallel_axis is None:
+        return estimate
+    engine = counted_engine(plan)
+    memory = dict(estimate.memory)
+    if engine == "ring":
+        workspace = ring_workspace_bytes(plan, tokens)
+        memory["ring_workspace"] = max(0, workspace - memory.get("loss_workspace", 0))
+    return dataclasses.replace(estimate, memory=memory, context_engine=engine)
