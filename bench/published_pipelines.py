@@ -84,7 +84,7 @@ def main() -> None:
             f"| {est.tokens_per_second:.0f} | {tps} | {est.tokens_per_second / tps:.2f} |"
         )
     print("\nPer pp rank (Table 5's plans): our parts in GiB, and layer-micro-batches held at the peak")
-    print("| schedule | pp rank | peak | gathered | accumulated grads | activations | loss | layer-mbs held |")
+    print("| schedule | pp rank | peak | gathered | accumulated grads | activations | loss | layer-mbs |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for schedule, plan in plans.items():
         config = plan.config

@@ -4,11 +4,9 @@ torch's context parallel reaches its ring only through the CUDA SDPA kernels, bu
 itself, ``_templated_ring_attention`` and its backward (torch 2.13,
 ``torch/distributed/tensor/experimental/_context_parallel/_attention.py``), takes the attention
 op as an argument: given the CPU flash kernels they run on gloo ranks, or on the fake process
-group in one process. `CpuRing` is SDPA as torch's CP dispatcher runs it on CUDA (the
-forward and backward kernels swapped for the ring functions, with SDPA's own saved tensors:
-query, keys, values, output, logsumexp); `ring_route` reaches it from a model's
-``F.scaled_dot_product_attention`` calls, key/value heads repeated to the query heads first,
-as the runtime's ring does for grouped-query attention.
+group in one process. `ring_forward`/`ring_backward` call them directly; `model_step` runs a
+model through the runtime's own ring engine, with CPU's kernel standing in for CUDA's in
+torch's dispatcher (`tests.ring_standin`).
 """
 
 from __future__ import annotations
@@ -24,13 +22,10 @@ from torch.distributed.tensor.experimental._context_parallel._attention import (
 
 import functional_shard as fs
 from functional_shard.core.sequence import token_positions
-from functional_shard.costing.trace_context_parallel import routing_attention
-from functional_shard.runtime.engines.activation_checkpointing import apply_checkpointing
 
 from . import cp_cases
+from .ring_standin import BACKWARD, FORWARD
 
-FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 SEQ_DIM = 2
 RING_KINDS = ("all_gather", "all_to_all")
 
@@ -58,49 +53,6 @@ def ring_backward(group: Any, grad: torch.Tensor, *saved: torch.Tensor) -> Any:
         dropout_p=0.0,
         scale=None,
     )
-
-
-class CpuRing(torch.autograd.Function):
-    """Causal SDPA over the cp group's whole sequence by torch's ring, saving what SDPA saves."""
-
-    @staticmethod
-    def forward(ctx: Any, *args: Any) -> torch.Tensor:
-        query, key, value, group = args
-        out, logsumexp = ring_forward(group, query, key, value)
-        ctx.save_for_backward(query, key, value, out, logsumexp)
-        ctx.group = group
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        return (*ring_backward(ctx.group, grads[0], *ctx.saved_tensors), None)
-
-
-def ring_route(group: Any) -> Any:
-    """A `routing_attention` route sending causal SDPA calls to `CpuRing` over ``group``."""
-
-    def attend(query: Any, key: Any, value: Any, attn_mask: Any = None, **options: Any) -> torch.Tensor:
-        heads = query.shape[-3]
-        if key.shape[-3] != heads:  # the runtime's ring repeats grouped key/value heads (torchtitan)
-            key = key.repeat_interleave(heads // key.shape[-3], dim=-3)
-            value = value.repeat_interleave(heads // value.shape[-3], dim=-3)
-        return CpuRing.apply(query, key, value, group)
-
-    return attend
-
-
-def cp_group(mesh: fs.Mesh, axis: str = "cp") -> Any:
-    """This rank's group along ``axis`` (every rank makes every group, in one order)."""
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for rank in range(mesh.size):
-        coords = mesh.coords(rank)
-        groups.setdefault(tuple(c for a, c in coords.items() if a != axis), []).append(rank)
-    mine = None
-    for ranks in groups.values():
-        group = dist.new_group(ranks)
-        if dist.get_rank() in ranks:
-            mine = group
-    return mine
 
 
 def attention_call(shape: tuple[int, int, int, int], dtype_name: str) -> dict[str, Any]:
@@ -133,22 +85,28 @@ def attention_call(shape: tuple[int, int, int, int], dtype_name: str) -> dict[st
 
 
 def model_step(kind: str, mesh: dict[str, int], policy: str, seq: int) -> dict[str, Any]:
-    """A forward and backward of the model on this rank's chunks, attention by torch's ring:
-    the ring's bytes on cp and what the forward keeps, measured, beside plan.cost and the trace."""
+    """A forward and backward of the model on this rank's chunks through the runtime's ring
+    engine (torch's dispatcher with CPU's kernel standing in, `tests.ring_standin`): the ring's
+    bytes on cp and what the forward keeps, measured, beside plan.cost and the trace."""
+    from .ring_standin import cpu_ring_kernels
+
     model, plan = cp_cases.planned(kind, mesh, policy, applied=False)
     trace = fs.trace_activations(model, plan, batch=cp_cases.BATCH, seq=seq, rank=dist.get_rank())
-    # the plan's checkpointing as apply runs it; no data-parallel engine: its gradient
-    # all-reduce is no ring collective, and DDP's lazy buckets are born in the first forward
-    apply_checkpointing(plan, model)
-    group = cp_group(plan.mesh)
     tokens = torch.randint(0, 128, (cp_cases.BATCH, seq), generator=torch.Generator().manual_seed(0))
     mine = fs.context_chunks(plan, tokens)[0]
     log = fs.measure.CollectiveLog(plan.mesh)
-    with routing_attention(ring_route(group)), log:
-        kept, output = fs.kept_activation_bytes(model, mine)
-        cp_cases.logits_of(output).sum().backward()
-    predicted = plan.cost(tokens=tokens.numel()).comm_bytes
-    # the ring's kinds on cp (the data-parallel layer's gradient all-reduce is another kind)
+    with cpu_ring_kernels():
+        fs.apply(plan, model)
+        # two steps first: DDP makes its buckets in the first and rebuilds them in the second
+        # forward, which the measured forward would otherwise count as kept
+        for _ in range(2):
+            with fs.sequence_context(plan, model, seq):
+                cp_cases.logits_of(model(mine)).sum().backward()
+        with fs.sequence_context(plan, model, seq), log:
+            kept, output = fs.kept_activation_bytes(model, mine)
+            cp_cases.logits_of(output).sum().backward()
+    predicted = plan.cost(tokens=tokens.numel(), context_engine="ring").comm_bytes
+    # the ring's kinds on cp (the data-parallel layer's collectives are other kinds or axes)
     return {
         "measured": {kind: log.sent.get(kind, {}).get("cp", 0.0) for kind in RING_KINDS},
         "predicted": {kind: predicted.get(kind, {}).get("cp", 0.0) for kind in RING_KINDS},

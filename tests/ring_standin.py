@@ -22,8 +22,8 @@ from torch.distributed.tensor.experimental._context_parallel import _attention
 
 from functional_shard.runtime.engines import context_ring
 
-_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
 def _local(value: Any) -> Any:
@@ -40,7 +40,7 @@ def _forward(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
     out, logsumexp = _attention._templated_ring_attention(
         query.device_mesh.get_group(),
         2,
-        _FORWARD,
+        FORWARD,
         _local(query),
         _local(key),
         _local(value),
@@ -55,7 +55,7 @@ def _backward(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     grads = _attention._templated_ring_attention_backward(
         query.device_mesh.get_group(),
         2,
-        _BACKWARD,
+        BACKWARD,
         grad_out=_local(grad_out),
         grad_out_name="grad_out",
         query=_local(query),
@@ -73,7 +73,7 @@ def _backward(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
 @contextlib.contextmanager
 def cpu_ring_kernels() -> Iterator[None]:
     """Within it, torch's ring runs CPU's flash kernel and the engine allows a ring on CPU."""
-    handlers = {_FORWARD: _forward, _BACKWARD: _backward}
+    handlers = {FORWARD: _forward, BACKWARD: _backward}
     devices = context_ring.RING_DEVICES
     _attention.custom_ops.update(handlers)
     context_ring.RING_DEVICES = devices | {"cpu"}
