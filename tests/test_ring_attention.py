@@ -110,10 +110,17 @@ def test_torchs_ring_runs_on_cpu_ranks_as_one_sdpa_and_sends_float32_gradients(w
     [
         # grouped-query attention: the zoo repeats its 2 key/value heads to 4 before SDPA
         ("zoo", {"cp": 4}, "replicate(cp) + cp(cp, engine=ring)"),
-        # a checkpointed layer runs the ring's forward again in backward (under selective
-        # checkpointing torch caches the CUDA SDPA op whole, ring included, which a stand-in
-        # that is no aten op cannot show: the cost model follows the source there)
+        # a checkpointed layer runs the ring's forward again in backward; under selective
+        # checkpointing torch's caching mode keeps the SDPA op's outputs whole, ring included
+        # (the stand-in's kernel is an aten op too): no second gather
         ("zoo", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp, engine=ring) + checkpointing(Block)"),
+        pytest.param(
+            "zoo",
+            {"cp": 4},
+            "replicate(cp) + cp(cp, engine=ring) + checkpointing(Block, selective)",
+            marks=pytest.mark.slow,
+            id="zoo-selective",
+        ),
         pytest.param(
             "hf_qwen2",
             {"cp": 4},
