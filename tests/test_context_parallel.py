@@ -24,6 +24,7 @@ from functional_shard.core.sequence import (
     token_positions,
     token_ranges,
 )
+from functional_shard.planning.schedules import in_flight as in_flight_of
 from functional_shard.zoo import llama
 
 from . import cp_cases
@@ -321,6 +322,24 @@ def test_the_estimate_splits_activations_and_tokens_over_cp():
     assert "all_gather over cp (intra)" in cut.comm_seconds
     with pytest.raises(fs.ShardingError, match="use 1016 or 1024 tokens"):
         fs.estimate(model, split, batch=2, seq=1020, hardware="h100")
+
+
+def test_under_a_pipeline_the_all_gather_engines_mask_is_held_once_a_step_on_each_rank():
+    # the engine makes one causal mask a step (SequenceShard.causal_mask), which every
+    # micro-batch's attention shares: each pp rank holds one, not one per micro-batch in flight
+    model = llama("tiny")
+    seq, cp = 64, 2
+    mask = (seq // cp) * seq  # booleans: this rank's queries against every key
+    policy = fs.pipeline("pp", microbatches=4) + fs.fsdp("cp") + fs.cp("cp", engine="all_gather")
+    plan = fs.shard(model, fs.Mesh(pp=2, cp=cp), policy)
+    flat = fs.shard(model, fs.Mesh(cp=cp), fs.fsdp("cp") + fs.cp("cp", engine="all_gather"))
+    assert fs.trace_activations(model, flat, batch=1, seq=seq).step_bytes == mask
+    est = fs.estimate(model, plan, batch=4, seq=seq, hardware="h100")
+    kept = [stage.activation_bytes for stage in est.pipeline.stages]
+    in_flight = in_flight_of("1f1b", 2, 4)
+    for coordinate in range(2):
+        rank = fs.estimate(model, plan, batch=4, seq=seq, hardware="h100", rank=coordinate * cp)
+        assert rank.memory["activations"] == in_flight[coordinate] * kept[coordinate] + mask
 
 
 def test_auto_finds_a_cp_plan_for_256k_tokens_on_8_h100s_and_none_at_8k():

@@ -58,7 +58,7 @@ from .trace_repeats import (
     reached,
     repeated_layers,
 )
-from .trace_results import ActivationTrace, counts_of, regroup
+from .trace_results import PER_STEP, ActivationTrace, counts_of, regroup
 from .trace_sequence_parallel import check_sequence_parallel, sequence_parallel
 
 # ActivationTrace and regroup live in trace_results, SAVED_OPS and selective_context in
@@ -195,7 +195,7 @@ class _Run:
             # "auto" counts as the all-gather engine here, as in `cost` (the estimate
             # hands over the engine its hardware runs)
             cp_axis = config.context_parallel_axis
-            stack.enter_context(
+            per_step = stack.enter_context(
                 context_parallel_attention(
                     setup.cp,
                     config.context_engine,
@@ -230,6 +230,8 @@ class _Run:
             if not isinstance(output, torch.Tensor):
                 raise ShardingError(f"trace_activations: {type(model).__name__}'s forward returned no tensor")
             output_key = {StorageWeakRef(output.untyped_storage())}
+            for tensor in per_step:  # held once a step, not once a micro-batch
+                births.owner[storage_key(tensor)] = PER_STEP
             by_owner = kept_bytes_by_owner(births, excluded | output_key, collect=1)
             output_counts = (output.untyped_storage().nbytes(), output.numel())
             if backward:

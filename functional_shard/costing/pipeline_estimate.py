@@ -188,7 +188,8 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
                 "buffers": plan_cost.buffers_bytes,
                 "gathered": gathered_in_flight(sub_plans[c], stage_units[c]),
                 "accumulated_grads": _accumulated_grads(plan, stage_units[c]),
-                "activations": int(held[c]),
+                # and once per rank, whatever is in flight, what every micro-batch shares
+                "activations": int(held[c] + trace.step_bytes),
                 # what one micro-batch's loss holds beyond its logits and log-softmax (in
                 # kept): the fp32 copy in the forward, below its backward's two fp32 gradients
                 "loss_workspace": pipeline_loss_workspace(trace.output_numel, plan.config.loss_parallel)

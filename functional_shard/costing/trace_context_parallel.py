@@ -78,7 +78,7 @@ def routing_attention(route: Callable[..., Any]) -> Iterator[None]:
             functional.scaled_dot_product_attention = _SDPA
 
 
-def _whole_sequence(cp: int) -> Callable[..., Any]:
+def _whole_sequence(cp: int, per_step: list[torch.Tensor]) -> Callable[..., Any]:
     masks: dict[tuple[int, int], torch.Tensor] = {}  # one a step, shared by every layer, as the engine's
 
     # F.scaled_dot_product_attention's own parameters, restated: calls reach it by name or position
@@ -98,6 +98,7 @@ def _whole_sequence(cp: int) -> Callable[..., Any]:
             shape = (query.shape[-2], keys.shape[-2])
             if shape not in masks:
                 masks[shape] = torch.ones(shape, dtype=torch.bool).tril()
+                per_step.append(masks[shape])
             mask = masks[shape]
         return _SDPA(query, keys, values, attn_mask=mask, dropout_p=dropout_p, **options)
 
@@ -174,16 +175,19 @@ def _ring(cp: int, merged: bool) -> Callable[..., Any]:
 @contextlib.contextmanager
 def context_parallel_attention(
     cp: int, engine: str = "all_gather", *, cp_rank: int = 0, load_balance: bool = True
-) -> Iterator[None]:
+) -> Iterator[list[torch.Tensor]]:
     """Within the block, attention runs over ``cp`` times the keys and values it is given.
 
     ``engine="all_gather"``: as our engine runs it, keeping the gathered keys and values;
     ``"ring"``: as torch's ring runs it on cp rank ``cp_rank`` (key/value heads repeated to
     the query heads first), keeping only the local query, keys, values, output and logsumexp.
+    Yields the tensors made once a step whatever the micro-batches (the all-gather engine's
+    causal mask, which its step's every attention shares).
     """
+    per_step: list[torch.Tensor] = []
     if cp <= 1:
-        yield
+        yield per_step
         return
     merged = load_balance and cp_rank < cp - 1
-    with routing_attention(_ring(cp, merged) if engine == "ring" else _whole_sequence(cp)):
-        yield
+    with routing_attention(_ring(cp, merged) if engine == "ring" else _whole_sequence(cp, per_step)):
+        yield per_step

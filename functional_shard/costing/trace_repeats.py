@@ -26,6 +26,7 @@ _NOT_ADDED = (
     "stage_output_bytes",
     "stage_shared_bytes",
     "stage_shared_flops",
+    "step_bytes",
 )
 
 

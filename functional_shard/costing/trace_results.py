@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .trace_counting import Flops
 
-__all__ = ["ActivationTrace", "counts_of", "regroup"]
+__all__ = ["PER_STEP", "ActivationTrace", "counts_of", "regroup"]
+
+PER_STEP = -2
+"""The owner (`Births.owner`) of a storage made once a step and shared by every micro-batch."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +55,9 @@ class ActivationTrace:
         stage_shared_bytes: of each stage's activation bytes, those made outside every
             stage's modules (counted in each).
         stage_shared_flops: of each stage's forward flops, those run outside them.
+        step_bytes: of ``activation_bytes``, those made once a step and in no stage's
+            ``stage_activation_bytes``: every micro-batch's attention shares them (the
+            all-gather cp engine's causal mask).
         attention_flops: of ``forward_flops``, attention's (the kernels of
             `functional_shard.costing.flops.is_attention`): the work context parallel's
             chunks share out, evenly only when balanced.
@@ -77,6 +83,7 @@ class ActivationTrace:
     stage_output_bytes: tuple[int, ...] = ()
     stage_shared_bytes: int = 0
     stage_shared_flops: int = 0
+    step_bytes: int = 0
     attention_flops: int = 0
     attention_backward_flops: int = 0
     attention_recompute_flops: int = 0
@@ -158,6 +165,7 @@ def counts_of(
     """
     counts: dict[str, Any] = {
         "activation_bytes": sum(kept.values()),
+        "step_bytes": kept.get(PER_STEP, 0),
         "output_bytes": output[0],
         "output_numel": output[1],
         "forward_flops": flops.counts["forward"],
