@@ -13,8 +13,8 @@ from functional_shard.planning.plan import Plan
 
 from .applied import applied_with
 from .pipeline import Pipelined, pipeline_eval_loss, pipeline_eval_outputs, pipeline_of
-from .step import LossFn, _plain, check_microbatches
-from .tensor_parallel import loss_context
+from .step import LossFn, check_microbatches
+from .tensor_parallel import loss_context, plain_loss
 
 
 def _evaluated(plan: Plan, module: nn.Module, root: str, caller: str) -> tuple[nn.Module, Pipelined | None]:
@@ -123,6 +123,6 @@ def forward_loss(
             if pipelined is not None:
                 check_microbatches(plan, "fs.forward_loss", inputs=inputs, targets=targets)
                 return pipeline_eval_loss(pipelined, loss_fn, inputs, targets)
-            return _plain(loss_fn(forward(inputs), targets))
+            return plain_loss(loss_fn(forward(inputs), targets))
 
     return run

@@ -49,7 +49,7 @@ from .activation_checkpointing import apply_checkpointing
 from .applied import retie
 from .data_parallel import apply_data_parallel, reduce_whole_grads
 from .experts import apply_expert_parallel
-from .tensor_parallel import apply_tensor_parallel, refuse_uneven_sequences
+from .tensor_parallel import apply_tensor_parallel, plain_loss, refuse_uneven_sequences
 
 
 class PassThrough(nn.Module):
@@ -308,13 +308,10 @@ def _ends(pipelined: Pipelined) -> tuple[bool, bool]:
 
 
 def _mean_from_last_stage(pipelined: Pipelined, losses: list[torch.Tensor], last: bool) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     # float32 on every rank: under precision="bf16-true" the default dtype is bfloat16; a
     # loss-parallel loss is a replicated DTensor, which c10d cannot broadcast: its value
-    plain = [x.full_tensor() if isinstance(x, DTensor) else x for x in losses]
     loss = (
-        torch.stack([x.detach().float() for x in plain]).mean()
+        torch.stack([plain_loss(x).float() for x in losses]).mean()
         if last
         else torch.zeros((), dtype=torch.float32)
     )

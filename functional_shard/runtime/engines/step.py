@@ -14,7 +14,7 @@ from functional_shard.planning.plan import Plan
 from .applied import applied_with
 from .context_parallel import context_parallel_step
 from .pipeline import pipeline_of, pipeline_step
-from .tensor_parallel import loss_context
+from .tensor_parallel import loss_context, plain_loss
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -92,7 +92,7 @@ def forward_backward(
             with loss_context(plan):
                 loss = loss_fn(forward(inputs, **extra), targets)
                 (loss if scaler is None else scaler.scale(loss)).backward()
-            return _plain(loss)
+            return plain_loss(loss)
 
         return context_parallel_step(plan, applied.device_mesh, run)
 
@@ -106,7 +106,7 @@ def forward_backward(
             with loss_context(plan):
                 loss = loss_fn(forward(inputs), targets)
                 (loss if scaler is None else scaler.scale(loss)).backward()
-            return _plain(loss)
+            return plain_loss(loss)
 
         return step
 
@@ -125,13 +125,6 @@ def forward_backward(
     if context:  # each stage attends over the whole sequences from its rank's chunks
         return context_parallel_step(plan, applied.device_mesh, lambda i, t, _: pipeline(i, t), attends=False)
     return pipeline
-
-
-def _plain(loss: torch.Tensor) -> torch.Tensor:
-    """The loss, detached, as a plain tensor (a loss-parallel loss is a replicated DTensor)."""
-    loss = loss.detach()
-    full = getattr(loss, "full_tensor", None)
-    return full() if callable(full) else loss
 
 
 def check_microbatches(plan: Plan, caller: str, **batches: torch.Tensor) -> None:

@@ -121,6 +121,13 @@ def loss_context(plan: Plan) -> contextlib.AbstractContextManager[None]:
     return loss_parallel()
 
 
+def plain_loss(loss: torch.Tensor) -> torch.Tensor:
+    """The loss, detached, as a plain tensor (a loss-parallel loss is a replicated DTensor)."""
+    loss = loss.detach()
+    full = getattr(loss, "full_tensor", None)
+    return full() if callable(full) else loss
+
+
 def apply_tensor_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> None:
     """Split ``module``'s styled layers over the plan's tensor-parallel axis, in place."""
     from torch.distributed.tensor.parallel import parallelize_module
