@@ -31,6 +31,7 @@ __all__ = [
     "key_value_features",
     "parameter_comm",
     "pipeline_comm",
+    "ring_passes",
 ]
 
 
@@ -235,6 +236,24 @@ def key_value_features(plan: Plan, *, repeated: bool = False) -> list[int]:
     return list(layers.values())
 
 
+def ring_passes(plan: Plan) -> tuple[int, int]:
+    """Per attention layer and step, torch's ring all-gathers and gradient permutes.
+
+    An all-gather in forward, again in a full recompute (selective checkpointing keeps the
+    attention's outputs), again in backward; ``cp`` permutes in backward.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> plan = fs.shard(llama("tiny"), fs.Mesh(cp=4), fs.replicate() + fs.cp("cp", engine="ring"))
+        >>> ring_passes(plan)
+        (2, 4)
+    """
+    config = plan.config
+    axis = config.context_parallel_axis
+    recomputed = bool(config.checkpointed) and config.checkpoint_policy != "selective"
+    return 2 + recomputed, plan.mesh[axis] if axis else 1
+
+
 def context_comm(plan: Plan, comm: Comm, tokens: int, engine: str = "all_gather") -> None:
     """Add context parallel's collectives for ``tokens`` tokens of whole sequences.
 
@@ -257,9 +276,9 @@ def context_comm(plan: Plan, comm: Comm, tokens: int, engine: str = "all_gather"
     n = plan.mesh[axis]
     size = compute_itemsize(plan)
     if engine == "ring":
-        recomputed = 2 if config.checkpointed and config.checkpoint_policy != "selective" else 1
+        gathers = ring_passes(plan)[0]
         for features in key_value_features(plan, repeated=True):
-            comm.add("all_gather", (axis,), n, tokens * features * size, times=recomputed + 1)
+            comm.add("all_gather", (axis,), n, tokens * features * size, times=gathers)
             if n > 1:  # cp permutes, each sending this rank's float32 buffer (a cp-th of the tokens)
                 comm.bytes["all_to_all"][axis] += tokens * features * 4
     else:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.sequence import CONTEXT_ENGINES
 
-from .comm_cost import compute_itemsize, key_value_features
+from .comm_cost import compute_itemsize, key_value_features, ring_passes
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan import Plan
@@ -41,7 +41,6 @@ __all__ = [
     "counted_engine",
     "for_hardware",
     "ring_exposed_seconds",
-    "ring_passes",
     "ring_workspace_bytes",
     "with_engine",
 ]
@@ -118,24 +117,6 @@ def ring_workspace_bytes(plan: Plan, tokens: int) -> int:
     features = max(layers)
     size = compute_itemsize(plan)
     return n * mine * features * size + mine * (features // 2 + 3 * features) * 4
-
-
-def ring_passes(plan: Plan) -> tuple[int, int]:
-    """Per attention layer and step, torch's ring all-gathers and gradient permutes.
-
-    An all-gather in forward, again in a full recompute (selective checkpointing keeps the
-    attention's outputs), again in backward; ``cp`` permutes in backward.
-
-    Examples:
-        >>> from functional_shard.zoo import llama
-        >>> plan = fs.shard(llama("tiny"), fs.Mesh(cp=4), fs.replicate() + fs.cp("cp", engine="ring"))
-        >>> ring_passes(plan)
-        (2, 4)
-    """
-    config = plan.config
-    axis = config.context_parallel_axis
-    recomputed = bool(config.checkpointed) and config.checkpoint_policy != "selective"
-    return 2 + recomputed, plan.mesh[axis] if axis else 1
 
 
 def ring_exposed_seconds(

@@ -18,8 +18,8 @@ from functional_shard.core.tree import dtype_from_name, within
 from functional_shard.planning.plan_cost import Cost, OptimizerKind
 from functional_shard.planning.rules import sequence_gathers
 
-from .comm_cost import key_value_features
-from .context_engines import ring_exposed_seconds, ring_passes
+from .comm_cost import key_value_features, ring_passes
+from .context_engines import ring_exposed_seconds
 from .cost import unit_gathered
 from .estimate_record import PipelineEstimate
 from .hardware import Hardware
