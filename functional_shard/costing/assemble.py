@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING
 
 from functional_shard.core.sequence import causal_imbalance
 
+from .context_engines import with_engine
 from .cost import cost
 from .estimate_record import Estimate
 from .loss_memory import loss_workspace
-from .pipeline_estimate import pipeline_parts
+from .pipeline_estimate import microbatch_size, pipeline_parts
 from .step_model import Assembly, StepParts, _recomputed, gathered_in_flight, step_time
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ def assemble(assembly: Assembly) -> Estimate:
         attention=(parts.attention_flops, _causal_imbalance(plan, assembly.seq)),
     )
     tp_axes = plan.config.tensor_parallel_axes
-    return Estimate(
+    found = Estimate(
         rank=parts.rank,
         batch=assembly.batch,
         seq=assembly.seq,
@@ -116,3 +117,5 @@ def assemble(assembly: Assembly) -> Estimate:
         cost=parts.cost,
         pipeline=parts.pipeline,
     )
+    # under cp: the engine counted, and what torch's ring adds to one micro-batch's peak
+    return with_engine(found, plan, microbatch_size(plan, assembly.batch) * assembly.seq)

@@ -17,7 +17,7 @@ from functional_shard.core.errors import ShardingError
 from functional_shard.core.units import parse_bytes
 
 from .assemble import Assembly, assemble
-from .context_engines import for_hardware, with_engine
+from .context_engines import for_hardware
 from .cost import OptimizerKind
 from .estimate_record import Estimate
 from .hardware import Hardware
@@ -126,7 +126,7 @@ def estimate(
         stages=stages,
     )
     units = unit_gathered_bytes(plan)
-    found = assemble(
+    return assemble(
         Assembly(
             plan=plan,
             trace=trace,
@@ -139,7 +139,6 @@ def estimate(
             rank=rank,
         )
     )
-    return with_engine(found, plan, microbatch_size(plan, batch) * seq)
 
 
 # the same keywords as `estimate`, spelled out rather than forwarded: each is typed and
@@ -211,7 +210,4 @@ def compare_schedules(
     shared = dict(
         trace=trace, hardware=hw, dtype=dtype, batch=batch, seq=seq, units=units, optimizer=optimizer
     )
-    return {
-        name: with_engine(assemble(Assembly(plan=each, **shared)), each, micro * seq)
-        for name, each in planned.items()
-    }
+    return {name: assemble(Assembly(plan=each, **shared)) for name, each in planned.items()}

@@ -10,7 +10,7 @@ from torch import nn
 from functional_shard.core.errors import ShardingError, one_line
 from functional_shard.core.units import format_bytes as _bytes
 from functional_shard.costing.assemble import Assembly, assemble
-from functional_shard.costing.context_engines import for_hardware, with_engine
+from functional_shard.costing.context_engines import for_hardware
 from functional_shard.costing.cost import OptimizerKind, cost
 from functional_shard.costing.estimate_record import Estimate
 from functional_shard.costing.hardware import Hardware
@@ -155,7 +155,7 @@ class Search:
                     checkpointed=self.checkpointed if how != "none" else (),
                 )
             )
-            out.append(self._estimated(point, how, with_engine(estimate, plan, micro * inputs.seq)))
+            out.append(self._estimated(point, how, estimate))
         return out
 
     def _run_pipeline(self, point: Point) -> list[Candidate]:
@@ -195,5 +195,5 @@ class Search:
                     costs=costs,
                 )
             )
-            out.append(self._estimated(point, how, with_engine(estimate, plan, micro * inputs.seq)))
+            out.append(self._estimated(point, how, estimate))
         return out
