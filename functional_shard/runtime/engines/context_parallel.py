@@ -42,7 +42,7 @@ from functional_shard.core.sequence import check_sequence_length, token_position
 from functional_shard.costing.trace_context_parallel import routing_attention
 from functional_shard.planning.plan import Plan
 
-from .context_ring import check_ring_device, ring_attention, ring_dispatch, runs_ring
+from .context_ring import ring_attention, ring_dispatch, runs_ring
 
 __all__ = [
     "HF_ATTENTION",
@@ -84,12 +84,13 @@ class SequenceShard:
     ) -> SequenceShard:
         """This rank's share of a ``seq_len``-token sequence cut over the 1-D cp ``mesh``.
 
+        ``engine`` is the plan's; `fs.apply` has refused a ring where there are no ring
+        kernels (`context_ring.check_ring_device`).
+
         Raises:
-            ShardingError: the chunks do not divide ``seq_len`` (the nearest lengths named), or
-                ``engine="ring"`` on a mesh that is not on CUDA.
+            ShardingError: the chunks do not divide ``seq_len`` (the nearest lengths named).
         """
         group = mesh.get_group()
-        check_ring_device(engine, mesh.device_type, mesh.mesh_dim_names[0] if mesh.mesh_dim_names else "cp")
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         check_sequence_length(seq_len, size, load_balance=load_balance)
         every = [token_positions(seq_len, size, r, load_balance=load_balance) for r in range(size)]
