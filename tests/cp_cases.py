@@ -143,9 +143,11 @@ def reference_bf16(kind: str, data_parallel: int) -> dict[str, Any]:
     }
 
 
-def planned(kind: str, mesh: dict[str, int], policy: str, *, applied: bool = True) -> tuple[Any, fs.Plan]:
-    """The model of ``kind`` and its plan (applied unless ``applied=False``)."""
-    model = build(kind)
+def planned(
+    kind: str, mesh: dict[str, int], policy: str, *, applied: bool = True, device: torch.device | None = None
+) -> tuple[Any, fs.Plan]:
+    """The model of ``kind`` (on ``device``, else the CPU) and its plan (applied unless ``applied=False``)."""
+    model = build(kind) if device is None else build(kind).to(device)
     plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy, model))
     if applied:
         fs.apply(plan, model)
@@ -154,13 +156,15 @@ def planned(kind: str, mesh: dict[str, int], policy: str, *, applied: bool = Tru
 
 def _train_steps(model: Any, plan: fs.Plan, *, keep_grads: bool) -> dict[str, Any]:
     """`STEPS` AdamW steps through fs.forward_backward on this rank's data slice of the batches:
-    the global losses, this rank's last loss and (``keep_grads``) the first step's full gradients."""
+    the global losses, this rank's last loss and (``keep_grads``) the first step's full gradients
+    (on the CPU). The batches go to the model's device."""
+    device = next(model.parameters()).device
     optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR)
     step_fn = fs.forward_backward(plan, model, loss_fn)
     index, data_parallel = plan.data_parallel_rank(dist.get_rank())
     losses, grads = [], {}
     for step, tokens in enumerate(batches(data_parallel)):
-        mine = tokens[index * BATCH : (index + 1) * BATCH]
+        mine = tokens[index * BATCH : (index + 1) * BATCH].to(device)
         optimizer.zero_grad()
         loss = step_fn(mine[:, :-1], mine[:, 1:])
         if keep_grads and step == 0:
@@ -170,9 +174,9 @@ def _train_steps(model: Any, plan: fs.Plan, *, keep_grads: bool) -> dict[str, An
     return {"losses": losses, "rank_loss": loss.item(), "grads": grads, "data_parallel": data_parallel}
 
 
-def train(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
+def train(kind: str, mesh: dict[str, int], policy: str, device: torch.device | None = None) -> dict[str, Any]:
     """Train under the plan; rank 0 returns what `reference` does, every rank its losses."""
-    model, plan = planned(kind, mesh, policy)
+    model, plan = planned(kind, mesh, policy, device=device)
     result = _train_steps(model, plan, keep_grads=True)
     params = {k: full(v) for k, v in model.state_dict().items()}  # full_tensor: every rank takes part
     first = dist.get_rank() == 0
@@ -340,30 +344,4 @@ def train_ring_on_cpu(kind: str, mesh: dict[str, int], policy: str) -> dict[str,
 
 def train_on_cuda(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
     """`train` with the model and batches on this rank's GPU; results come back on the CPU."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    model = build(kind).to(device)
-    plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy, model))
-    fs.apply(plan, model)
-    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR)
-    step_fn = fs.forward_backward(plan, model, loss_fn)
-    index, data_parallel = plan.data_parallel_rank(dist.get_rank())
-    losses, grads = [], {}
-    for step, tokens in enumerate(batches(data_parallel)):
-        mine = tokens[index * BATCH : (index + 1) * BATCH].to(device)
-        optimizer.zero_grad()
-        loss = step_fn(mine[:, :-1], mine[:, 1:])
-        if step == 0:
-            grads = {name: full(p.grad) for name, p in model.named_parameters()}
-        optimizer.step()
-        total = loss.detach().clone()  # on the GPU: NCCL reduces device tensors only
-        dist.all_reduce(total)
-        losses.append(total.item() / dist.get_world_size())
-    params = {k: full(v) for k, v in model.state_dict().items()}
-    first = dist.get_rank() == 0
-    return {
-        "losses": losses,
-        "rank_loss": loss.item(),
-        "grads": grads if first else None,
-        "params": params if first else None,
-        "data_parallel": data_parallel,
-    }
+    return train(kind, mesh, policy, device=torch.device("cuda", torch.cuda.current_device()))

@@ -276,7 +276,7 @@ def meta_init(name: str, config: LlamaConfig) -> dict[str, torch.Tensor] | None:
 def mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
     """The mean over every rank: tensor-parallel ranks hold the same loss, data ranks their own
     (equal slices), so this is the loss of the global batch."""
-    total = full(values)
+    total = full(values).to(device())  # NCCL reduces device tensors only
     dist.all_reduce(total)
     return total / dist.get_world_size()
 

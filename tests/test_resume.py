@@ -166,15 +166,20 @@ def test_a_data_order_that_cannot_go_on_changes_nothing(one_rank, tmp_path, full
 # ---- on real process groups ------------------------------------------------------------
 
 
+def _rank0(world4, ranks: int, fn, *args):
+    """Rank 0's result of ``fn`` on ``ranks`` ranks: the shared four, or a world of its own."""
+    if ranks == 4:
+        return world4.run(fn, *args)[0]
+    with fs.LocalWorld(ranks) as world:
+        return world.run(fn, *args)[0]
+
+
 def _resume(world4, tmp_path, saved_under: tuple[str, int], resumed_under: tuple[str, int]) -> None:
     path = str(tmp_path / "ckpt")
     uninterrupted = resume_cases.reference(2 * resume_cases.STOP)
 
     def on(ranks: int, *args):
-        if ranks == 4:
-            return world4.run(resume_cases.train_and_save, *args)[0]
-        with fs.LocalWorld(ranks) as world:
-            return world.run(resume_cases.train_and_save, *args)[0]
+        return _rank0(world4, ranks, resume_cases.train_and_save, *args)
 
     stop = resume_cases.STOP
     first = on(saved_under[1], saved_under[0], path, stop, False)
@@ -217,10 +222,7 @@ def _fit_and_resume(world4, tmp_path, saved_under: tuple[str, int], resumed_unde
     uninterrupted = resume_cases.reference(2 * resume_cases.STOP)
 
     def on(ranks: int, *args):
-        if ranks == 4:
-            return world4.run(resume_cases.fit, *args)[0]
-        with fs.LocalWorld(ranks) as world:
-            return world.run(resume_cases.fit, *args)[0]
+        return _rank0(world4, ranks, resume_cases.fit, *args)
 
     stop = resume_cases.STOP
     first = on(saved_under[1], saved_under[0], folder, stop, None)

@@ -34,16 +34,20 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
+        return causal_attention(x, (self.wq, self.wk, self.wv, self.wo), self.head_dim)
 
-        # the local head count follows from the projections (fewer under tensor parallel)
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(
-            heads(self.wq(x)), heads(self.wk(x)), heads(self.wv(x)), is_causal=True
-        )
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+def causal_attention(x: torch.Tensor, projections: tuple[nn.Module, ...], head_dim: int) -> torch.Tensor:
+    """Causal SDPA of ``x`` through the (query, key, value, output) ``projections``."""
+    batch, seq, _ = x.shape
+    query, key, value, output = projections
+
+    # the local head count follows from the projections (fewer under tensor parallel)
+    def heads(t: torch.Tensor) -> torch.Tensor:
+        return t.view(batch, seq, -1, head_dim).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(heads(query(x)), heads(key(x)), heads(value(x)), is_causal=True)
+    return output(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):
@@ -232,11 +236,7 @@ class TitanDeepSeek(nn.Module):
         self.norm = nn.RMSNorm(config.dim)
         self.output = nn.Linear(config.dim, config.vocab, bias=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers.values():
-            h = layer(h)
-        return self.output(self.norm(h))
+    forward = TitanLlama.forward  # the same names, the same forward
 
 
 class FusedAttention(nn.Module):
@@ -346,15 +346,7 @@ class OddMix(nn.Module):
         self.a, self.b, self.c, self.d = (nn.Linear(dim, dim) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
-
-        def heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
-
-        out = F.scaled_dot_product_attention(
-            heads(self.a(x)), heads(self.b(x)), heads(self.c(x)), is_causal=True
-        )
-        return self.d(out.transpose(1, 2).reshape(batch, seq, -1))
+        return causal_attention(x, (self.a, self.b, self.c, self.d), self.head_dim)
 
 
 class OddFF(nn.Module):
