@@ -131,10 +131,9 @@ def measure(names: list[str]) -> dict[str, dict[str, int]]:
 def fit_selective() -> dict[str, object]:
     """A Lightning Trainer.fit under fsdp + selective checkpointing (ShardStrategy); with the
     modules the strategy checkpointed and how many times the selective policy was asked for."""
-    from torch.distributed._composable import checkpoint
-
     import functional_shard.costing.trace_checkpointing as trace_checkpointing
     from functional_shard.adapters.lightning import ShardStrategy
+    from functional_shard.runtime.engines.activation_checkpointing import is_checkpointed
 
     from . import lightning_cases
 
@@ -153,9 +152,26 @@ def fit_selective() -> dict[str, object]:
     finally:
         trace_checkpointing.selective_context = original
     result["checkpointed"] = [
-        path
-        for path, sub in module.named_modules()
-        if isinstance(sub, Block) and getattr(checkpoint.state(sub), "enable_hook", False)
+        path for path, sub in module.named_modules() if isinstance(sub, Block) and is_checkpointed(sub)
     ]
     result["selective_calls"] = len(calls)
     return result
+
+
+def mixed_precision_grads(checkpoint_policy: str) -> dict[str, torch.Tensor] | None:
+    """One step of fsdp with bf16 compute (fp32 reduction) under a checkpoint policy ("none",
+    "full" or "selective"); rank 0 returns the full fp32 gradients."""
+    policy = fs.fsdp("dp") + fs.mixed_precision()
+    if checkpoint_policy != "none":
+        policy = policy + fs.checkpointing(Block, policy=checkpoint_policy)
+    torch.manual_seed(0)
+    model = Llama(CONFIG)
+    plan = fs.shard(model, fs.Mesh(dp=dist.get_world_size()), policy)
+    fs.apply(plan, model)
+    tokens = dist_cases.batches(CONFIG, dist.get_world_size())[0]
+    rank = dist.get_rank()
+    dist_cases.loss_of(
+        model, tokens[rank * dist_cases.MICRO_BATCH : (rank + 1) * dist_cases.MICRO_BATCH]
+    ).backward()
+    grads = {name: dist_cases.full(p.grad) for name, p in model.named_parameters()}
+    return grads if rank == 0 else None

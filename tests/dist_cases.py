@@ -235,12 +235,12 @@ def mixed_precision_grads(config: LlamaConfig) -> dict[str, torch.Tensor]:
     """One step under FSDP with bf16 compute and fp32 reduction; the full fp32 gradients."""
     mesh, policy = strategy("fsdp_bf16", dist.get_world_size())
     torch.manual_seed(0)
-    model = Llama(config)
+    model = Llama(config).to(device())
     plan = fs.shard(model, mesh, policy)
     fs.apply(plan, model)
     rank = dist.get_rank()
     tokens = batches(config, mesh.size)[0][rank * MICRO_BATCH : (rank + 1) * MICRO_BATCH]
-    loss_of(model, tokens).backward()
+    loss_of(model, tokens.to(device())).backward()
     return {name: full(p.grad) for name, p in model.named_parameters()}
 
 

@@ -101,6 +101,32 @@ def test_an_optimizer_built_before_sharding_is_refused(fake_world):
     fs.check_optimizer(fs.optimizer(plan, model, torch.optim.AdamW), model)
 
 
+def test_a_group_mixing_dtensors_and_tensors_steps_per_tensor_or_is_refused(fake_world):
+    # tp without sp leaves the norms plain beside DTensor projections: torch's foreach kernels
+    # (its default on CUDA) refuse the mix at the first step
+    fake_world(2)
+    model = llama("tiny", device="cpu")
+    plan = fs.shard(model, fs.Mesh(tp=2), fs.tp(fs.rules.llama, "tp"))
+    fs.apply(plan, model)
+    assert {isinstance(p, DTensor) for p in model.parameters()} == {True, False}
+    adamw = fs.optimizer(plan, model, torch.optim.AdamW, lr=1e-3)
+    assert adamw.param_groups[0]["foreach"] is False
+    before = [(p.to_local() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    adamw.step()  # per tensor
+    after = [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in model.parameters()]
+    assert not any(torch.equal(b, a) for b, a in zip(before, after, strict=True))
+    example = "'layers.0.input_layernorm.weight'"
+    for option in ("foreach", "fused"):
+        message = f"optimizer param group 0: {option}=True steps DTensors and plain tensors (e.g. {example})"
+        with pytest.raises(fs.ShardingError, match=re.escape(message)):
+            fs.optimizer(plan, model, torch.optim.AdamW, **{option: True})
+    one_kind = [p for p in model.parameters() if isinstance(p, DTensor)]
+    assert torch.optim.AdamW(one_kind).param_groups[0]["foreach"] is None  # untouched: no mix
+    fs.check_optimizer(torch.optim.AdamW(one_kind), model)
+
+
 def test_optimizer_needs_the_applied_module(fake_world):
     fake_world(2)
     plan = fs.shard(nn.Linear(4, 4), fs.Mesh(dp=2), fs.fsdp())

@@ -128,20 +128,37 @@ def test_meta_init_equals_init_then_shard(worlds, world_size, strategy, config):
 
 
 GPUS = torch.cuda.device_count()
+# NCCL runs one rank per GPU: two ranks where there are two GPUs; on one GPU, the plans
+# whose mesh fits one rank run as a 1-rank world (NCCL, DTensor and FSDP2 on CUDA, no peers)
+NCCL_RANKS = min(GPUS, 2)
+NCCL_STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "tp", "tp_sp"]
+NCCL_STRATEGIES += ["hsdp", "fsdp_tp"] if NCCL_RANKS == 2 else []
 
 
-@pytest.mark.skipif(
-    GPUS < 2,
-    reason="NCCL parity needs two GPUs, one per rank; this machine has fewer, so the cases ran on gloo.",
-)
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "hsdp", "tp", "tp_sp", "fsdp_tp"])
+@pytest.mark.skipif(GPUS == 0, reason="NCCL parity needs a GPU; none here, so the cases ran on gloo.")
+@pytest.mark.parametrize("strategy", NCCL_STRATEGIES)
 def test_training_matches_one_process_on_nccl(strategy):
-    with fs.LocalWorld(2, backend="nccl") as world:
+    with fs.LocalWorld(NCCL_RANKS, backend="nccl") as world:
         result = world.run(dist_cases.train, strategy, dist_cases.EVEN)[0]
     losses, params = dist_cases.reference(dist_cases.EVEN, result["data_parallel"])
     assert result["losses"] == pytest.approx(losses, abs=1e-4)
     for name, value in params.items():
         torch.testing.assert_close(result["params"][name], value, atol=1e-4, rtol=1e-3, msg=name)
+
+
+@pytest.mark.skipif(GPUS == 0, reason="bf16 on CUDA needs a GPU")
+def test_bf16_mixed_precision_on_cuda_matches_its_emulation():
+    """FSDP2's bf16 compute with fp32 reduction on CUDA (NCCL): the gradients one process gets
+    from bf16 copies of the parameters, as on gloo."""
+    with fs.LocalWorld(NCCL_RANKS, backend="nccl") as world:
+        grads = world.run(dist_cases.mixed_precision_grads, dist_cases.EVEN)[0]
+    expected = dist_cases.emulated_mixed_precision_grads(dist_cases.EVEN, NCCL_RANKS)
+    for name, value in expected.items():
+        assert grads[name].dtype == torch.float32
+        # CUDA's bf16 kernels round in another order than the CPU's emulation: a few bf16
+        # ulps per element (2**-8 relative), so the whole tensor is compared by its norm
+        error = (grads[name] - value).norm() / value.norm()
+        assert error < 2e-2, f"{name}: relative error {error:.2e}"
 
 
 # (pure TP at 8 would split 4 attention heads 8 ways: the model cannot)

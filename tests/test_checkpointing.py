@@ -136,3 +136,14 @@ def test_a_lightning_strategy_runs_selective_checkpointing():
     assert results[0]["losses"] == pytest.approx(losses, abs=1e-5)
     for key, value in params.items():
         torch.testing.assert_close(results[0]["params"][key], value, atol=1e-5, rtol=1e-4, msg=key)
+
+
+def test_checkpointing_under_bf16_fsdp_gives_the_gradients_of_no_checkpointing(world4):
+    # FSDP2 casts a block's inputs to bf16 in a hook; the recompute must not run that hook again
+    # (selective checkpointing refused it as an op "not found in storage" under torch's
+    # composable checkpoint)
+    expected = world4.run(activation_cases.mixed_precision_grads, "none")[0]
+    for policy in ("full", "selective"):
+        grads = world4.run(activation_cases.mixed_precision_grads, policy)[0]
+        for name, value in expected.items():
+            torch.testing.assert_close(grads[name], value, atol=0, rtol=0, msg=f"{policy}: {name}")

@@ -1,22 +1,59 @@
-"""Activation checkpointing on the plan's modules (torch's composable ``checkpoint``)."""
+"""Activation checkpointing on the plan's modules: their forward runs under torch's checkpoint.
+
+Only the module's own forward is checkpointed, not its call: the hooks other engines put on
+the module (FSDP2's unshard and input casts, tensor-parallel redistributions) run once, outside
+the checkpointed region, in the forward and not again in the recompute. Torch's composable
+``checkpoint`` re-enters the whole call on recompute instead, and then FSDP2's input cast under
+mixed precision runs inside the recompute but not inside the forward, which selective
+checkpointing refuses (an op "encountered during backward but not found in storage").
+The parameter paths stay as they are (no wrapper module), and the cost model traces the
+same wrapping (`functional_shard.costing.trace_checkpointing.checkpointed`).
+"""
 
 from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
 from functional_shard.planning.plan import Plan
 
+__all__ = ["apply_checkpointing", "is_checkpointed"]
+
+
+def _checkpointed_forward(
+    context_fn: Callable[[], tuple[Any, Any]] | None,
+    inner: Callable[..., Any] | None,
+    module: nn.Module,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    from torch.utils.checkpoint import checkpoint
+
+    # the class's forward is looked up on each call, so a deep copy of the module runs its own
+    forward = inner if inner is not None else type(module).forward.__get__(module)
+    if context_fn is None:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
 
 def apply_checkpointing(plan: Plan, module: nn.Module) -> None:
-    """Wrap the plan's checkpointed modules in torch's composable ``checkpoint``."""
-    # the composable checkpoint works through hooks: parameter paths stay as they are
-    from torch.distributed._composable import checkpoint
-
+    """Run the forward of each of the plan's checkpointed modules under torch's checkpoint."""
     from functional_shard.costing.trace_checkpointing import selective_context
 
-    selective = plan.config.checkpoint_policy == "selective"
+    context = selective_context if plan.config.checkpoint_policy == "selective" else None
     for path in plan.config.checkpointed:
-        if selective:
-            checkpoint(module.get_submodule(path), context_fn=selective_context)
-        else:
-            checkpoint(module.get_submodule(path))
+        target = module.get_submodule(path)
+        inner = vars(target).get("forward")  # another engine's forward on this instance, if any
+        run = functools.partial(_checkpointed_forward, context, inner)
+        target.forward = types.MethodType(run, target)  # type: ignore[method-assign]
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether `apply_checkpointing` made ``module``'s forward run under torch's checkpoint."""
+    forward = vars(module).get("forward")
+    run = getattr(forward, "__func__", None)
+    return isinstance(run, functools.partial) and run.func is _checkpointed_forward

@@ -18,14 +18,23 @@ from .pipeline import pipeline_group_of
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
-    """Refuse an optimizer that holds parameters the module no longer has.
+    """Refuse an optimizer of stale parameters, or one that steps DTensors and tensors together.
 
     Sharding replaces Parameter objects; an optimizer built before would step tensors
-    no forward uses, and train nothing, silently.
+    no forward uses, and train nothing, silently. A plan that leaves some parameters whole
+    (tensor parallel without sequence parallel keeps the norms plain) gives groups that mix
+    DTensors and tensors, which torch's foreach and fused kernels refuse at the first step
+    (foreach is torch's default on CUDA): such groups with ``foreach`` unset step per tensor.
 
     Raises:
-        ShardingError: some of the optimizer's parameters are not the module's.
+        ShardingError: some of the optimizer's parameters are not the module's; or a group
+            that mixes DTensors and tensors asks for ``foreach=True`` or ``fused=True``.
+
+    Examples:
+        >>> # fs.check_optimizer(torch.optim.AdamW(model.parameters()), model)
     """
+    from torch.distributed.tensor import DTensor
+
     current = {id(p) for p in module.parameters()}
     stale = sum(id(p) not in current for group in optimizer.param_groups for p in group["params"])
     if stale:
@@ -34,6 +43,21 @@ def check_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> None
             "built before sharding replaced them. Build it after fs.apply, e.g. "
             "fs.optimizer(plan, module, torch.optim.AdamW, lr=...)"
         )
+    names = {id(p): name for name, p in module.named_parameters()}
+    for index, group in enumerate(optimizer.param_groups):
+        kinds = {isinstance(p, DTensor) for p in group["params"]}
+        if len(kinds) < 2:
+            continue
+        asked = [option for option in ("foreach", "fused") if group.get(option)]
+        if asked:
+            plain = next(names[id(p)] for p in group["params"] if not isinstance(p, DTensor))
+            raise ShardingError(
+                f"optimizer param group {index}: {asked[0]}=True steps DTensors and plain tensors "
+                f"(e.g. {plain!r}) in one kernel, which torch refuses; leave {asked[0]} unset (those "
+                "groups then step per tensor), or give the plain parameters a group of their own"
+            )
+        if "foreach" in group:
+            group["foreach"] = False
 
 
 def optimizer(
