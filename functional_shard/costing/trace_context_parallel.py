@@ -27,14 +27,43 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["context_parallel_attention", "routing_attention"]
+__all__ = ["AttentionCall", "context_parallel_attention", "repeat_kv_heads", "routing_attention"]
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
-_route: contextvars.ContextVar[Callable[..., Any] | None] = contextvars.ContextVar("_route", default=None)
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One ``F.scaled_dot_product_attention`` call, its arguments bound by name.
+
+    The fields are SDPA's parameters, in its order and with its defaults (``scale`` and
+    ``enable_gqa`` keyword-only), so ``AttentionCall(*args, **kwargs)`` binds a call as
+    SDPA itself does, whether it passed them by name or by position.
+
+    Examples:
+        >>> x = torch.ones(1, 1, 4, 2)
+        >>> AttentionCall(x, x, x, None, 0.0, True).is_causal
+        True
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attn_mask: torch.Tensor | None = None
+    dropout_p: float = 0.0
+    is_causal: bool = False
+    scale: float | None = field(default=None, kw_only=True)
+    enable_gqa: bool = field(default=False, kw_only=True)
+
+
+_route: contextvars.ContextVar[Callable[[AttentionCall], Any] | None] = contextvars.ContextVar(
+    "_route", default=None
+)
 
 
 def _routed(*args: Any, **kwargs: Any) -> Any:
@@ -43,22 +72,40 @@ def _routed(*args: Any, **kwargs: Any) -> Any:
         return _SDPA(*args, **kwargs)
     token = _route.set(None)
     try:
-        return route(*args, **kwargs)
+        return route(AttentionCall(*args, **kwargs))
     finally:
         _route.reset(token)
 
 
+def repeat_kv_heads(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query keys and values repeated to the query's heads (dim -3), as torch's ring takes them.
+
+    Examples:
+        >>> q, kv = torch.ones(1, 4, 3, 2), torch.ones(1, 2, 3, 2)
+        >>> [tuple(t.shape) for t in repeat_kv_heads(q, kv, kv)]
+        [(1, 4, 3, 2), (1, 4, 3, 2)]
+    """
+    heads, kv_heads = query.shape[-3], key.shape[-3]
+    if kv_heads == heads:
+        return key, value
+    return key.repeat_interleave(heads // kv_heads, dim=-3), value.repeat_interleave(
+        heads // kv_heads, dim=-3
+    )
+
+
 @contextlib.contextmanager
-def routing_attention(route: Callable[..., Any]) -> Iterator[None]:
+def routing_attention(route: Callable[[AttentionCall], Any]) -> Iterator[None]:
     """Within the block, this thread's ``F.scaled_dot_product_attention`` calls go to ``route``.
 
-    ``route`` takes SDPA's arguments; the SDPA it calls runs as usual.
+    ``route`` takes the call's arguments bound (`AttentionCall`); the SDPA it calls runs as usual.
 
     Examples:
         >>> seen = []
-        >>> def route(query, key, value, **kwargs):
-        ...     seen.append(tuple(key.shape))
-        ...     return torch.nn.functional.scaled_dot_product_attention(query, key, value, **kwargs)
+        >>> def route(call):
+        ...     seen.append(tuple(call.key.shape))
+        ...     return torch.nn.functional.scaled_dot_product_attention(call.query, call.key, call.value)
         >>> x = torch.ones(1, 1, 4, 2)
         >>> with routing_attention(route):
         ...     out = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
@@ -78,29 +125,28 @@ def routing_attention(route: Callable[..., Any]) -> Iterator[None]:
             functional.scaled_dot_product_attention = _SDPA
 
 
-def _whole_sequence(cp: int, per_step: list[torch.Tensor]) -> Callable[..., Any]:
+def _whole_sequence(cp: int, per_step: list[torch.Tensor]) -> Callable[[AttentionCall], torch.Tensor]:
     masks: dict[tuple[int, int], torch.Tensor] = {}  # one a step, shared by every layer, as the engine's
 
-    # F.scaled_dot_product_attention's own parameters, restated: calls reach it by name or position
-    def attend(
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn_mask: Any = None,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-        **options: Any,
-    ) -> torch.Tensor:
-        keys = torch.cat([key] * cp, dim=-2)
-        values = torch.cat([value] * cp, dim=-2)
+    def attend(call: AttentionCall) -> torch.Tensor:
+        keys = torch.cat([call.key] * cp, dim=-2)
+        values = torch.cat([call.value] * cp, dim=-2)
         mask = None
-        if is_causal:  # a local query against every key: the shape of the engine's mask
-            shape = (query.shape[-2], keys.shape[-2])
+        if call.is_causal:  # a local query against every key: the shape of the engine's mask
+            shape = (call.query.shape[-2], keys.shape[-2])
             if shape not in masks:
                 masks[shape] = torch.ones(shape, dtype=torch.bool).tril()
                 per_step.append(masks[shape])
             mask = masks[shape]
-        return _SDPA(query, keys, values, attn_mask=mask, dropout_p=dropout_p, **options)
+        return _SDPA(
+            call.query,
+            keys,
+            values,
+            attn_mask=mask,
+            dropout_p=call.dropout_p,
+            scale=call.scale,
+            enable_gqa=call.enable_gqa,
+        )
 
     return attend
 
@@ -136,23 +182,10 @@ class _RingKeeps(torch.autograd.Function):
         return grad_query, grad_keys[..., :width, :], grad_values[..., :width, :], None, None, None, None
 
 
-def _ring(cp: int, merged: bool) -> Callable[..., Any]:
-    # F.scaled_dot_product_attention's own parameters, restated: calls reach it by name or position
-    def attend(
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn_mask: Any = None,
-        dropout_p: float = 0.0,
-        is_causal: bool = False,
-        *,
-        scale: float | None = None,
-        enable_gqa: bool = False,
-    ) -> torch.Tensor:
-        heads = query.shape[-3]
-        if key.shape[-3] != heads:  # the ring takes as many key/value heads as query heads
-            key = key.repeat_interleave(heads // key.shape[-3], dim=-3)
-            value = value.repeat_interleave(heads // value.shape[-3], dim=-3)
+def _ring(cp: int, merged: bool) -> Callable[[AttentionCall], torch.Tensor]:
+    def attend(call: AttentionCall) -> torch.Tensor:
+        query, scale = call.query, call.scale
+        key, value = repeat_kv_heads(query, call.key, call.value)
         # the local queries scored against every key (the flops, in the one convention), on
         # detached inputs: the gathered copies die with the call, as the ring's do; the
         # shapes are what count on fake tensors, so no mask

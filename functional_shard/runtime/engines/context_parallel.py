@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.sequence import check_sequence_length, token_positions
-from functional_shard.costing.trace_context_parallel import routing_attention
+from functional_shard.costing.trace_context_parallel import AttentionCall, routing_attention
 from functional_shard.planning.plan import Plan
 
 from .context_ring import ring_attention, ring_dispatch, runs_ring
@@ -205,25 +205,16 @@ def sequence_attention(
     )
 
 
-# F.scaled_dot_product_attention's own parameters, restated: calls reach it by name or position
-def _split(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: Any = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    *,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> torch.Tensor:
-    """SDPA's arguments, run by `sequence_attention` (which finds GQA from the shapes)."""
-    if attn_mask is not None:
+def _split(call: AttentionCall) -> torch.Tensor:
+    """An SDPA call, run by `sequence_attention` (which finds GQA from the shapes)."""
+    if call.attn_mask is not None:
         raise ShardingError(
             "context parallel: F.scaled_dot_product_attention was called with attn_mask; the engine "
             "splits causal or full attention only (is_causal=True, or no mask)"
         )
-    return sequence_attention(query, key, value, causal=is_causal, scale=scale, dropout_p=dropout_p)
+    return sequence_attention(
+        call.query, call.key, call.value, causal=call.is_causal, scale=call.scale, dropout_p=call.dropout_p
+    )
 
 
 @contextlib.contextmanager

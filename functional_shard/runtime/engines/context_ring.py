@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.costing.trace_context_parallel import repeat_kv_heads
 
 __all__ = ["RING_DEVICES", "check_ring_device", "ring_attention", "ring_dispatch", "runs_ring"]
 
@@ -111,10 +112,7 @@ def ring_attention(
             "context parallel (torch's ring): a non-causal attention call under load balancing, which the "
             "ring cannot split; plan fs.cp(..., load_balance=False), or engine='all_gather'"
         )
-    heads, kv_heads = query.shape[-3], key.shape[-3]
-    if kv_heads != heads:
-        key = key.repeat_interleave(heads // kv_heads, dim=-3)
-        value = value.repeat_interleave(heads // kv_heads, dim=-3)
+    key, value = repeat_kv_heads(query, key, value)
     placement = [Shard(2)]
     q, k, v = (DTensor.from_local(t, mesh, placement, run_check=False) for t in (query, key, value))
     out = _SDPA(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale)
