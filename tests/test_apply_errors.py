@@ -65,6 +65,12 @@ def test_world_size_must_match_the_plan(fake_world):
             "mixed precision with ddp",
         ),
         (
+            lambda: nn.Sequential(nn.Linear(4, 4)),
+            fs.Mesh(tp=2),
+            fs.tp([("0", "colwise")], "tp") + fs.mixed_precision(torch.bfloat16),
+            "mixed precision without a data-parallel layer: apply() casts through FSDP2",
+        ),
+        (
             lambda: llama("tiny", device="cpu"),  # 4 query heads, 2 key/value heads
             fs.Mesh(tp=4),
             fs.tp(fs.rules.llama, "tp"),

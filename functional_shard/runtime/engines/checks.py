@@ -80,10 +80,11 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
             "model on a real device"
         )
     if kind in ("ddp", "zero1", "none"):
+        with_kind = "without a data-parallel layer" if kind == "none" else f"with {kind}"
         if config.param_dtype or config.reduce_dtype:
-            found.append(f"mixed precision with {kind}: apply() casts through FSDP2; use fs.fsdp(...)")
+            found.append(f"mixed precision {with_kind}: apply() casts through FSDP2; use fs.fsdp(...)")
         if config.offload_params or config.offload_grads or config.offload_optimizer:
-            found.append(f"CPU offload with {kind}: apply() offloads through FSDP2; use fs.fsdp(...)")
+            found.append(f"CPU offload {with_kind}: apply() offloads through FSDP2; use fs.fsdp(...)")
     offloads = {config.offload_params, config.offload_grads, config.offload_optimizer}
     if len(offloads) > 1:
         found.append(
