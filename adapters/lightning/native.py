@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 import functional_shard as fs
+
+# the names Lightning's FSDPStrategy takes for torch's ShardingStrategy
+_FsdpSharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"]
 
 __all__ = ["deepspeed_config", "to_lightning"]
 
@@ -133,7 +136,8 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
         chosen = {id(module.get_submodule(path)) for path in paths}
         return CustomPolicy(lambda m: id(m) in chosen)
 
-    strategy = {"zero2": "SHARD_GRAD_OP", "hsdp": "HYBRID_SHARD"}.get(kind, "FULL_SHARD")
+    shardings: dict[str, _FsdpSharding] = {"zero2": "SHARD_GRAD_OP", "hsdp": "HYBRID_SHARD"}
+    strategy = shardings.get(kind, "FULL_SHARD")
     precision = None
     if config.param_dtype or config.reduce_dtype:
         precision = MixedPrecision(

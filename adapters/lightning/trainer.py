@@ -197,14 +197,18 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
         FSDP2 and composable DDP both stop when told, and reduce the sum once.
         """
         assert self.model is not None  # Lightning calls this during fit only
-        engines = [m for m in self.model.modules() if hasattr(type(m), "set_requires_gradient_sync")]
-        for engine in engines:
-            engine.set_requires_gradient_sync(False)
+        switches = [
+            getattr(m, "set_requires_gradient_sync")  # noqa: B009 (FSDP2's and replicate's, found by name)
+            for m in self.model.modules()
+            if hasattr(type(m), "set_requires_gradient_sync")
+        ]
+        for switch in switches:
+            switch(False)
         try:
             yield
         finally:
-            for engine in engines:
-                engine.set_requires_gradient_sync(True)
+            for switch in switches:
+                switch(True)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's shards, or (``save_distributed_checkpoint=False``) all, on rank 0."""
