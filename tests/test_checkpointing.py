@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from copy import deepcopy
 
 import pytest
 import torch
@@ -147,3 +148,23 @@ def test_checkpointing_under_bf16_fsdp_gives_the_gradients_of_no_checkpointing(w
         grads = world4.run(activation_cases.mixed_precision_grads, policy)[0]
         for name, value in expected.items():
             torch.testing.assert_close(grads[name], value, atol=0, rtol=0, msg=f"{policy}: {name}")
+
+
+def test_a_deep_copy_of_a_checkpointed_model_runs_its_own_parameters():
+    # the checkpointed forward is bound to its module, so a copy (an EMA, say) binds to the copy
+    from functional_shard.runtime.engines.activation_checkpointing import is_checkpointed
+
+    torch.manual_seed(0)
+    model = Llama(CONFIG)
+    with torch.device("meta"):
+        plan = fs.shard(Llama(CONFIG), fs.Mesh(dp=1), fs.replicate() + fs.checkpointing(Block))
+    apply_checkpointing(plan, model)
+    copy = deepcopy(model)
+    assert all(is_checkpointed(block) for block in copy.layers)
+    tokens = torch.randint(0, 128, (2, 8))
+    expected = model(tokens)
+    with torch.no_grad():
+        for p in copy.parameters():
+            p.mul_(1.5)
+    assert not torch.allclose(copy(tokens), expected)
+    torch.testing.assert_close(model(tokens), expected)
