@@ -108,8 +108,19 @@ def fit_named(name: str, config: LlamaConfig, data_parallel: int) -> dict[str, o
     return fit(name, config, data_parallel)
 
 
-def fit_with(plan_or_policy: object, mesh: fs.Mesh | None, config: LlamaConfig, data_parallel: int):
-    return fit(ShardStrategy(plan_or_policy, mesh=mesh), config, data_parallel)
+def fit_with(
+    plan_or_policy: object,
+    mesh: fs.Mesh | None,
+    config: LlamaConfig,
+    data_parallel: int,
+    float16_autocast: bool = False,
+):
+    """`fit` under ``ShardStrategy(plan_or_policy)``; ``float16_autocast``: Lightning's
+    16-mixed plugin on the CPU (its flag turns 16-mixed into bf16-mixed there)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    plugins = [MixedPrecision("16-mixed", "cpu")] if float16_autocast else []
+    return fit(ShardStrategy(plan_or_policy, mesh=mesh), config, data_parallel, plugins=plugins)
 
 
 def reference(

@@ -256,6 +256,18 @@ def test_the_16_mixed_flag_is_accepted(world):
     assert flagged["losses"] == bf16["losses"]
 
 
+def test_a_plan_in_bf16_under_a_float16_flag_is_refused(world):
+    # autocast to float16 over FSDP2's bf16 copies: some ops refuse the mix deep inside torch
+    policy = fs.fsdp("dp") + fs.mixed_precision(torch.bfloat16)
+    message = (
+        "ShardStrategy: the plan computes in bfloat16 (mixed_precision in its policy) and "
+        "precision='16-mixed' in float16"
+    )
+    with pytest.raises(fs.ShardingError, match=re.escape(message)) as refused:
+        world.run(lightning_cases.fit_with, policy, fs.Mesh(dp=4), dist_cases.EVEN, 4, True)
+    assert "use precision='bf16-mixed' or '32-true'" in str(refused.value)
+
+
 def test_a_strict_rule_set_that_misses_parameters_is_refused_by_name(world):
     no_norms = fs.Rules(list(fs.rules.llama)[:-1], strict=True, name="no-norms")
     policy = fs.fsdp("dp") + fs.tp(no_norms, "tp")

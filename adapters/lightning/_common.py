@@ -204,3 +204,28 @@ def _agree_on_overflow(precision: Any) -> None:
             growth_interval=scaler.get_growth_interval(),
             enabled=scaler.is_enabled(),
         )
+
+
+# the dtype each Lightning precision flag computes in; "32-true" and "64-true" compute in
+# the parameters' own dtype
+_PRECISION_DTYPES = {
+    "16-mixed": "float16",
+    "16-true": "float16",
+    "bf16-mixed": "bfloat16",
+    "bf16-true": "bfloat16",
+}
+
+
+def _refuse_two_precisions(plan: fs.Plan, precision: Any, who: str) -> None:
+    """Refuse a plan that computes in one low precision under a Lightning flag for another."""
+    flag = getattr(precision, "precision", None)
+    flagged = _PRECISION_DTYPES.get(flag) if isinstance(flag, str) else None
+    planned = plan.config.param_dtype
+    if planned is not None and flagged is not None and planned != flagged:
+        same = next(f for f, d in _PRECISION_DTYPES.items() if d == planned and f.endswith("-mixed"))
+        raise fs.ShardingError(
+            f"{who}: the plan computes in {planned} (mixed_precision in its policy) and precision="
+            f"{flag!r} in {flagged}: autocast would recast the plan's {planned} copies, and some ops "
+            f"refuse the mix. Keep one: drop mixed_precision from the policy, or use precision="
+            f"{same!r} or '32-true'"
+        )

@@ -13,7 +13,7 @@ from lightning.fabric.wrappers import _FabricModule
 
 import functional_shard as fs
 
-from ._common import _agree_on_overflow, _RunsAPlan
+from ._common import _agree_on_overflow, _refuse_two_precisions, _RunsAPlan
 
 __all__ = ["FabricShardStrategy"]
 
@@ -65,6 +65,7 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
 
     def _parallelize(self, module: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
         self._run_plan(module, device_mesh, self.root_device)
+        _refuse_two_precisions(self.plan, self.precision, "FabricShardStrategy")
         _agree_on_overflow(self.precision)
         self._module = module
         return module

@@ -15,7 +15,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 import functional_shard as fs
 from functional_shard.runtime.engines.applied import APPLIED
 
-from ._common import _agree_on_overflow, _RunsAPlan
+from ._common import _agree_on_overflow, _refuse_two_precisions, _RunsAPlan
 from .pipeline_loop import (
     _RunsSchedules,
     forward_root,
@@ -149,6 +149,7 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
             self._run_plan(module, self.device_mesh, self.root_device, root=root)
         # Lightning clips with torch's clip_grad_norm_, which cannot mix meshes
         self.precision_plugin.clip_grad_by_norm = _clip_by_norm  # type: ignore[method-assign]
+        _refuse_two_precisions(self.plan, self.precision_plugin, "ShardStrategy")
         _agree_on_overflow(self.precision_plugin)
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
