@@ -268,6 +268,20 @@ def test_a_plan_in_bf16_under_a_float16_flag_is_refused(world):
     assert "use precision='bf16-mixed' or '32-true'" in str(refused.value)
 
 
+def test_a_float32_plan_under_a_low_precision_flag_names_the_one_flag_that_agrees():
+    # Lightning has no mixed flag for float32: only '32-true' is offered
+    from types import SimpleNamespace
+
+    from functional_shard.adapters.lightning._common import _refuse_two_precisions
+
+    plan = fs.shard(
+        dist_cases.Llama(dist_cases.EVEN), fs.Mesh(dp=2), fs.fsdp() + fs.mixed_precision(torch.float32)
+    )
+    with pytest.raises(fs.ShardingError, match=re.escape("or use precision='32-true'")):
+        _refuse_two_precisions(plan, SimpleNamespace(precision="bf16-mixed"), "ShardStrategy")
+    _refuse_two_precisions(plan, SimpleNamespace(precision="32-true"), "ShardStrategy")
+
+
 def test_a_strict_rule_set_that_misses_parameters_is_refused_by_name(world):
     no_norms = fs.Rules(list(fs.rules.llama)[:-1], strict=True, name="no-norms")
     policy = fs.fsdp("dp") + fs.tp(no_norms, "tp")

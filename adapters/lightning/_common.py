@@ -222,10 +222,11 @@ def _refuse_two_precisions(plan: fs.Plan, precision: Any, who: str) -> None:
     flagged = _PRECISION_DTYPES.get(flag) if isinstance(flag, str) else None
     planned = plan.config.param_dtype
     if planned is not None and flagged is not None and planned != flagged:
-        same = next(f for f, d in _PRECISION_DTYPES.items() if d == planned and f.endswith("-mixed"))
+        # the mixed flag of the plan's dtype, where Lightning has one (none for float32)
+        flags = [f for f, d in _PRECISION_DTYPES.items() if d == planned and f.endswith("-mixed")]
         raise fs.ShardingError(
             f"{who}: the plan computes in {planned} (mixed_precision in its policy) and precision="
             f"{flag!r} in {flagged}: autocast would recast the plan's {planned} copies, and some ops "
             f"refuse the mix. Keep one: drop mixed_precision from the policy, or use precision="
-            f"{same!r} or '32-true'"
+            + " or ".join(repr(f) for f in [*flags, "32-true"])
         )
