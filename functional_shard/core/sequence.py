@@ -23,6 +23,7 @@ __all__ = [
     "causal_imbalance",
     "causal_work",
     "check_sequence_length",
+    "engine_that_runs",
     "chunk_count",
     "sequence_chunks",
     "token_positions",
@@ -33,6 +34,20 @@ CONTEXT_ENGINES = ("auto", "ring", "all_gather")
 """How attention sees the whole sequence under cp: ``ring`` passes key/value chunks from rank
 to rank (torch's ``context_parallel``, CUDA kernels only), ``all_gather`` gathers them all
 (our engine, any backend); ``auto`` takes the ring on CUDA and the all-gather elsewhere."""
+
+
+def engine_that_runs(engine: str, *, cuda: bool) -> str:
+    """The cp engine that runs for a plan's ``engine``: ``"auto"`` is the ring on CUDA.
+
+    Examples:
+        >>> engine_that_runs("auto", cuda=True), engine_that_runs("auto", cuda=False)
+        ('ring', 'all_gather')
+        >>> engine_that_runs("ring", cuda=False)
+        'ring'
+    """
+    if engine != "auto":
+        return engine
+    return "ring" if cuda else "all_gather"
 
 
 def chunk_count(cp: int, *, load_balance: bool) -> int:

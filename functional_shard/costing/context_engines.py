@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from functional_shard.core.errors import ShardingError
-from functional_shard.core.sequence import CONTEXT_ENGINES
+from functional_shard.core.sequence import CONTEXT_ENGINES, engine_that_runs
 
 from .comm_cost import compute_itemsize, key_value_features, ring_passes
 
@@ -68,7 +68,7 @@ def counted_engine(plan: Plan, engine: str | None = None) -> str:
             f"the plan's own ({plan.config.context_engine!r})"
         )
     chosen = plan.config.context_engine if engine is None else engine
-    return "ring" if chosen == "ring" else "all_gather"
+    return engine_that_runs(chosen, cuda=False)  # the cost model knows no device
 
 
 def for_hardware(plan: Plan, hardware: Hardware) -> Plan:
@@ -86,7 +86,7 @@ def for_hardware(plan: Plan, hardware: Hardware) -> Plan:
     config = plan.config
     if config.context_parallel_axis is None or config.context_engine != "auto":
         return plan
-    engine = "ring" if hardware.cuda else "all_gather"
+    engine = engine_that_runs("auto", cuda=hardware.cuda)
     return dataclasses.replace(plan, config=dataclasses.replace(config, context_engine=engine))
 
 

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.core.sequence import engine_that_runs
 from functional_shard.costing.trace_context_parallel import repeat_kv_heads
 
 __all__ = ["RING_DEVICES", "check_ring_device", "ring_attention", "ring_dispatch", "runs_ring"]
@@ -46,7 +47,7 @@ def runs_ring(engine: str, device_type: str) -> bool:
         >>> runs_ring("auto", "cuda"), runs_ring("auto", "cpu"), runs_ring("all_gather", "cuda")
         (True, False, False)
     """
-    return engine == "ring" or (engine == "auto" and device_type in RING_DEVICES)
+    return engine_that_runs(engine, cuda=device_type in RING_DEVICES) == "ring"
 
 
 def check_ring_device(engine: str, device_type: str, axis: str) -> None:
