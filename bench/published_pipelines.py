@@ -17,6 +17,13 @@ match, and a Float8 gather holds half the bytes of a bf16 one. The memory they p
 the peak memory torch *reserved* (``reserved_bytes.all.peak``, the most over every GPU),
 which includes the caching allocator's cached blocks; ours is what is allocated.
 
+One engine behaviour of theirs we model as an option: torch's ``schedule.step()`` of that
+time (2.6 to 2.9 always; 2.10 on unless ``return_outputs=False``, which torchtitan passes
+since October 2025) keeps the last stage's output, the logits, of every micro-batch to the
+step's end to return them concatenated, where our runtime frees each at its backward.
+``fs.estimate(..., keep_outputs=True)`` counts that (measured on gloo ranks in
+tests/test_pipeline_memory.py); the tables print both, and the ratio of the kept one.
+
 Part 3 prints, per pp rank, what each schedule holds: our estimate's parts, and the
 layer-micro-batches of activations torch's own action lists keep at the peak. Under
 interleaving every rank but the last two holds at least as many as under 1F1B, and every
@@ -33,12 +40,15 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 
+from torch import nn
+
 import functional_shard as fs
 from functional_shard.planning import rules
 from functional_shard.planning.schedules import held_peak
 from functional_shard.zoo import Block, llama
 
 GIB = 2**30
+COLUMNS = "our peak, outputs freed | kept | published | ratio (kept) | our tokens/s | published | ratio |"
 # schedule -> (stages per rank, tokens/s per GPU, GiB)
 TABLE5 = {"1f1b": (1, 100, 82.5), "interleaved1f1b": (2, 128, 72.7)}
 # tokens -> (cp, tokens/s per GPU, GiB)
@@ -56,34 +66,37 @@ def policy(schedule: str, per_rank: int, *, cp: int = 1) -> fs.Policy:
     )
 
 
+def row(model: nn.Module, plan: fs.Plan, batch: int, seq: int, gib: float, tps: float) -> str:
+    """Our peak with the outputs freed and kept, the published one, and the tokens/s."""
+    freed, kept = (
+        fs.estimate(model, plan, batch=batch, seq=seq, hardware="h100", keep_outputs=keep)
+        for keep in (False, True)
+    )
+    peak = kept.peak_bytes / GIB
+    return (
+        f"{freed.peak_bytes / GIB:.1f} GiB | {peak:.1f} GiB | {gib} GiB | {peak / gib:.3f} "
+        f"| {kept.tokens_per_second:.0f} | {tps} | {kept.tokens_per_second / tps:.2f} |"
+    )
+
+
 def main() -> None:
     model = llama("llama-3-405b")
     mesh = fs.Mesh(pp=8, dp=8, tp=8)
     print("Table 5: FSDP 8 x TP 8 x PP 8, local batch 32, 8 micro-batches, 8,192 tokens, full ckpt")
-    print("| schedule | our peak | published | ratio | our tokens/s | published | ratio |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(f"| schedule | {COLUMNS}")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     plans = {}
     for schedule, (per_rank, tps, gib) in TABLE5.items():
         plan = plans[schedule] = fs.shard(model, mesh, policy(schedule, per_rank))
-        est = fs.estimate(model, plan, batch=32, seq=8192, hardware="h100")
-        peak = est.peak_bytes / GIB
-        print(
-            f"| {schedule} | {peak:.1f} GiB | {gib} GiB | {peak / gib:.2f} "
-            f"| {est.tokens_per_second:.0f} | {tps} | {est.tokens_per_second / tps:.2f} |"
-        )
+        print(f"| {schedule} | " + row(model, plan, 32, 8192, gib, tps))
     print("\nTable 6: TP 8 x PP 8, FSDP x CP over 8, local batch 8, 1F1B, full ckpt")
-    print("| tokens | cp | our peak | published | ratio | our tokens/s | published | ratio |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"| tokens | cp | {COLUMNS}")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for seq, (cp, tps, gib) in TABLE6.items():
         cp_mesh = fs.Mesh(pp=8, dp=8 // cp, cp=cp, tp=8)
         plan = fs.shard(model, cp_mesh, policy("1f1b", 1, cp=cp))
-        est = fs.estimate(model, plan, batch=8, seq=seq, hardware="h100")
-        peak = est.peak_bytes / GIB
-        print(
-            f"| {seq // 1024}k | {cp} | {peak:.1f} GiB | {gib} GiB | {peak / gib:.2f} "
-            f"| {est.tokens_per_second:.0f} | {tps} | {est.tokens_per_second / tps:.2f} |"
-        )
-    print("\nPer pp rank (Table 5's plans): our parts in GiB, and layer-micro-batches held at the peak")
+        print(f"| {seq // 1024}k | {cp} | " + row(model, plan, 8, seq, gib, tps))
+    print("\nPer pp rank (Table 5's plans, outputs kept): our parts in GiB, and layer-micro-batches held")
     print("| schedule | pp rank | peak | gathered | accumulated grads | activations | loss | layer-mbs |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for schedule, plan in plans.items():
@@ -91,7 +104,9 @@ def main() -> None:
         layers = [sum(name.startswith("layers.") for name in stage) for stage in config.pipeline_stages]
         held = held_peak(schedule, 8, 8, config.stages_per_rank, layers)
         for coordinate in range(8):
-            est = fs.estimate(model, plan, batch=32, seq=8192, hardware="h100", rank=coordinate * 64)
+            est = fs.estimate(
+                model, plan, batch=32, seq=8192, hardware="h100", rank=coordinate * 64, keep_outputs=True
+            )
             part = {key: value / GIB for key, value in est.memory.items()}
             print(
                 f"| {schedule} | {coordinate} | {est.peak_bytes / GIB:.1f} | {part['gathered']:.1f} "

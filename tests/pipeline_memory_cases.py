@@ -12,7 +12,8 @@ to come:
   the stage's inputs (the activation it received, or the token ids) and its outputs, which
   ``backward_one_chunk`` hands to ``torch.autograd.backward``; and the last stage's
   outputs it keeps to return them merged when the step ends (``output_chunks``: the
-  engine asks for none, so it keeps none).
+  engine asks for none, so it keeps none, unless a case asks for torch's default with
+  ``keep_outputs``).
 
 The count is taken after each forward, loss and backward action of the schedule: a
 forward and its loss only add to what is held and a backward only frees, so the peak is
@@ -67,6 +68,7 @@ class HeldForBackward:
         self.in_loss = False
         self.measuring = False
         self.peak = {"stages": 0, "loss": 0, "both": 0}
+        self.ended = 0  # what the last stage holds when the step returns (kept outputs)
         self.samples: list[tuple[str, int, int]] = []
 
     def _free(self, kind: str, key: StorageWeakRef) -> None:
@@ -165,6 +167,8 @@ def held_for_backward(spec: dict[str, Any]) -> dict[str, Any]:
         if number == 0:  # torch's stages infer their shapes in the first step
             step(inputs, targets)
             model.zero_grad()
+            if spec.get("keep_outputs"):
+                _keep_outputs(pipelined.schedule, held)
             continue
         for stage in pipelined.stages:
             for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
@@ -179,11 +183,29 @@ def held_for_backward(spec: dict[str, Any]) -> dict[str, Any]:
         "pp_rank": pp_rank,
         "stages": [stage.stage_index for stage in pipelined.stages],
         "peak": held.peak,
+        "ended": held.ended,
         "samples": held.samples,
         "mesh_rank": dist.get_rank(),
         "loss": float(mean_over_ranks(loss)),
         "data_parallel": data_parallel,
     }
+
+
+def _keep_outputs(schedule: Any, held: HeldForBackward) -> None:
+    """Make ``schedule.step`` keep the last stage's outputs, as torch's default does (the
+    engine asks it not to), and note in ``held.ended`` the bytes of the outputs it kept and
+    of their concatenation, when it returns that."""
+    step = schedule.step
+
+    def keeping(*args: Any, **kwargs: Any) -> Any:
+        merged = step(*args, **(kwargs | {"return_outputs": True}))
+        if merged is not None and held.measuring:
+            chunks = {StorageWeakRef(s): s for s in held._cached().values()}
+            chunks[StorageWeakRef(_local(merged).untyped_storage())] = _local(merged).untyped_storage()
+            held.ended = sum(storage.nbytes() for storage in chunks.values())
+        return merged
+
+    schedule.step = keeping
 
 
 def held_for_backward_each(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -136,6 +136,55 @@ def test_schedules_compared():
         compare_schedules(_model(), _plan("zbv", 2), batch=BATCH, seq=SEQ, schedules=["looped_bfs"])
 
 
+@pytest.mark.parametrize("microbatches", [4, 32])
+def test_kept_outputs_by_hand(microbatches):
+    """torch's default step keeps the last stage's logits to the end, then concatenates them."""
+    policy = fs.pipeline("pp", microbatches=microbatches)
+    plan = fs.shard(_model(), fs.Mesh(pp=2), policy)
+    batch = 2 * microbatches
+
+    def estimate(keep):
+        return fs.estimate(_model(), plan, batch=batch, seq=SEQ, hardware="h100", rank=1, keep_outputs=keep)
+
+    freed, kept = estimate(False), estimate(True)
+    logits = 2 * SEQ * 256 * 4
+    assert (freed.pipeline.kept_output_bytes, kept.pipeline.kept_output_bytes) == (0, logits)
+    last = kept.pipeline.stages[-1]
+    assert last.activation_bytes == freed.pipeline.stages[-1].activation_bytes - logits
+    # 1F1B's last stage: its one micro-batch in flight, and every earlier one's logits
+    during = dict(freed.memory) | {"activations": freed.memory["activations"] + (microbatches - 1) * logits}
+    # at the end: the states, the kept logits and their concatenation
+    static = {part: freed.memory[part] for part in ("params", "grads", "optimizer", "buffers")}
+    ending = sum(static.values()) + 2 * microbatches * logits
+    assert kept.peak_bytes == max(sum(during.values()), ending)
+    at_end = ending > sum(during.values())
+    assert (microbatches, at_end) in ((4, False), (32, True))
+    ending_label = "the step's end (its kept outputs concatenated)"
+    assert kept.peak_at == (ending_label if at_end else "the start of backward")
+    assert f"(at {kept.peak_at})" in kept.explain().splitlines()[1]
+    assert "keeps each micro-batch's output" in kept.explain()
+
+
+def test_kept_outputs_need_a_pipeline():
+    plan = fs.shard(_model(), fs.Mesh(dp=2), fs.fsdp("dp"))
+    message = "estimate(keep_outputs=True): only a pipeline's last stage keeps its outputs"
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
+        fs.estimate(_model(), plan, batch=2, seq=SEQ, keep_outputs=True)
+
+
+def test_the_worst_pp_rank_is_chosen_with_the_rings_workspace():
+    """Under torch's ring each pp rank's peak has its attention backward's buffers, less the
+    loss workspace they follow (the last stage's), before the worst rank is chosen."""
+    policy = fs.pipeline("pp", microbatches=M) + fs.fsdp("cp") + fs.cp("cp", engine="ring")
+    plan = fs.shard(_model(), fs.Mesh(pp=2, cp=2), policy)
+    worst = fs.estimate(_model(), plan, batch=BATCH, seq=64, hardware="h100")
+    ranks = [fs.estimate(_model(), plan, batch=BATCH, seq=64, hardware="h100", rank=r) for r in (0, 2)]
+    assert worst.pipeline.rank_peak_bytes == tuple(each.peak_bytes for each in ranks)
+    assert worst.peak_bytes == max(worst.pipeline.rank_peak_bytes)
+    first, last = (each.memory for each in ranks)
+    assert first["ring_workspace"] - last["ring_workspace"] == last["loss_workspace"] > 0
+
+
 def test_batch_the_microbatches_do_not_divide():
     message = "estimate(batch=6): pipeline(microbatches=4) cuts each step's batch into 4 equal micro-batches"
     with pytest.raises(fs.ShardingError, match=re.escape(message)):

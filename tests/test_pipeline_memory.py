@@ -52,7 +52,8 @@ def _estimate_of(key: str) -> fs.Estimate:
     spec = json.loads(key)
     model = pc.build(spec)
     plan = fs.shard(model, fs.Mesh(**spec["mesh"]), pc.policy_of(spec))
-    return fs.estimate(model, plan, batch=spec["rows"], seq=pc.SEQ)
+    keep = spec.get("keep_outputs", False)
+    return fs.estimate(model, plan, batch=spec["rows"], seq=pc.SEQ, keep_outputs=keep)
 
 
 def estimate_of(spec):
@@ -62,9 +63,11 @@ def estimate_of(spec):
 
 def estimated_held(spec):
     """Per pp rank, the estimate's activation bytes (the last stage's loss included) at its peak."""
-    kept = estimate_of(spec).pipeline.stage_activation_bytes
+    pipeline = estimate_of(spec).pipeline
+    kept = pipeline.stage_activation_bytes
     pp, per_rank = spec["mesh"]["pp"], spec["stages_per_rank"]
-    return held_peak(spec["schedule"], pp, spec["microbatches"], per_rank, kept)
+    to_end = [0] * (len(kept) - 1) + [pipeline.kept_output_bytes]
+    return held_peak(spec["schedule"], pp, spec["microbatches"], per_rank, kept, to_end)
 
 
 def _trace_gaps(spec):
@@ -108,16 +111,18 @@ def as_torch_holds(spec):
     kept = [b - micro_ids for b in estimate_of(spec).pipeline.stage_activation_bytes]
     kept = [b + (rotary if s < n - 1 else 0) - (sliced if s else 0) for s, b in enumerate(kept)]
     kept[-1] += 4  # the loss's total_weight
+    outputs = estimate_of(spec).pipeline.kept_output_bytes
     out = []
     for steps in schedule_actions(schedule, pp, m, per_rank):
         count = [0] * n
-        best = 0
+        ended = best = 0  # ended: the last stage's forwards done, whose outputs stay
         for action in (action for step in steps for action in step):
             if action.kind == "F":
                 count[action.stage] += 1
+                ended += action.stage == n - 1
             elif action.kind in ("B", "W"):
                 count[action.stage] -= 1
-            held = sum(c * b for c, b in zip(count, kept, strict=True))
+            held = sum(c * b for c, b in zip(count, kept, strict=True)) + ended * outputs
             best = max(best, held + batch_ids * ((count[0] > 0) + (count[n - 1] > 0)))
         out.append(best)
     return out
@@ -157,21 +162,29 @@ def check(spec, results):
 
 
 DEFAULT = [pc.case({"pp": 2, "dp": 2}, schedule, data="fsdp") for schedule in ("gpipe", "1f1b")]
+# torch's default step (return_outputs=True): the last stage keeps every output to the end
+KEPT = {**DEFAULT[1], "keep_outputs": True}
 
 
 def test_activations_in_flight_on_each_rank_are_the_estimates(world):
-    each = world.run(pm.held_for_backward_each, DEFAULT)
-    for index, spec in enumerate(DEFAULT):
+    each = world.run(pm.held_for_backward_each, [*DEFAULT, KEPT])
+    for index, spec in enumerate([*DEFAULT, KEPT]):
         check(spec, [ranks[index] for ranks in each])
     # GPipe's last stage holds every micro-batch's logits and log-softmax (1 x 12 x 128
     # fp32 each) until its backward, 1F1B one micro-batch's
-    gpipe, one_f_one_b = each[-1]
-    assert gpipe["stages"] == one_f_one_b["stages"] == [1]
+    gpipe, one_f_one_b, kept = each[-1]
+    assert gpipe["stages"] == one_f_one_b["stages"] == kept["stages"] == [1]
     logits = 12 * 128 * 4
     assert gpipe["peak"]["loss"] - one_f_one_b["peak"]["loss"] == 3 * (logits + 4)
     assert gpipe["peak"]["stages"] - one_f_one_b["peak"]["stages"] == 3 * (
         estimate_of(DEFAULT[0]).pipeline.stage_activation_bytes[1] - logits - 96
     )
+    # and 1F1B keeping its outputs holds the three earlier micro-batches' logits at the last
+    assert estimate_of(KEPT).pipeline.kept_output_bytes == logits
+    assert kept["peak"]["stages"] - one_f_one_b["peak"]["stages"] == 3 * logits
+    # and when the step returns, the four and their concatenation, as the estimate's end
+    assert kept["ended"] == 2 * 4 * logits
+    assert one_f_one_b["ended"] == 0
 
 
 SLOW = [

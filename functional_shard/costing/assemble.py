@@ -116,6 +116,7 @@ def assemble(assembly: Assembly) -> Estimate:
         context_parallel=plan.mesh[cp_axis] if (cp_axis := plan.config.context_parallel_axis) else 1,
         cost=parts.cost,
         pipeline=parts.pipeline,
+        peak_at=parts.peak_at,
     )
     # under cp: the engine counted, and what torch's ring adds to one micro-batch's peak
     return with_engine(found, plan, microbatch_size(plan, assembly.batch) * assembly.seq)

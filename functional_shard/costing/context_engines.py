@@ -184,9 +184,25 @@ def with_engine(estimate: Estimate, plan: Plan, tokens: int) -> Estimate:
     """
     if plan.config.context_parallel_axis is None:
         return estimate
-    engine = counted_engine(plan)
-    memory = dict(estimate.memory)
-    if engine == "ring":
-        workspace = ring_workspace_bytes(plan, tokens)
-        memory["ring_workspace"] = max(0, workspace - memory.get("loss_workspace", 0))
-    return dataclasses.replace(estimate, memory=memory, context_engine=engine)
+    memory = estimate.memory
+    if "ring_workspace" not in memory:  # a pipeline's ranks have it already
+        memory = with_ring_workspace(memory, plan, tokens)
+    return dataclasses.replace(estimate, memory=memory, context_engine=counted_engine(plan))
+
+
+def with_ring_workspace(memory: Mapping[str, int], plan: Plan, tokens: int) -> dict[str, int]:
+    """``memory`` with ``ring_workspace`` where ``plan``'s cp runs torch's ring, else as it is.
+
+    The buffers of one attention backward (`ring_workspace_bytes`) run after the loss's
+    workspace is freed, so they raise the peak by what they exceed it.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> plan = fs.shard(llama("tiny"), fs.Mesh(cp=2), fs.fsdp("cp") + fs.cp("cp", engine="ring"))
+        >>> with_ring_workspace({"loss_workspace": 0}, plan, 64)["ring_workspace"] > 0
+        True
+    """
+    if plan.config.context_parallel_axis is None or counted_engine(plan) != "ring":
+        return dict(memory)
+    workspace = ring_workspace_bytes(plan, tokens)
+    return dict(memory) | {"ring_workspace": max(0, workspace - memory.get("loss_workspace", 0))}

@@ -59,6 +59,7 @@ def estimate(
     rank: int | None = None,
     inputs: Any = None,
     expert_imbalance: float = 1.0,
+    keep_outputs: bool = False,
 ) -> Estimate:
     """Estimate a training step's peak memory and time for ``plan`` on ``hardware``.
 
@@ -90,6 +91,11 @@ def estimate(
             parallelism (`fs.ep`) the hot expert lives on ep rank 0, whose estimate (the
             default rank's) is the worst, and tensor parallel inside the experts runs
             every copy through each rank's slices.
+        keep_outputs: under a pipeline, count the last stage keeping every micro-batch's
+            output (the logits) to the step's end and then concatenating them, as torch's
+            ``schedule.step()`` does unless given ``return_outputs=False`` (torch 2.6 to
+            2.9 always did; torchtitan's published runs of 2024 ran so). The runtime
+            frees each at its micro-batch's backward, the default here.
 
     Returns:
         An `Estimate`.
@@ -98,7 +104,8 @@ def estimate(
         ShardingError: unknown hardware, a non-positive batch or seq, a batch the
             pipeline's micro-batch count does not divide, inputs that do not fit the
             model, a compute dtype the hardware has no rate for, or an
-            ``expert_imbalance`` below 1 or above E / k.
+            ``expert_imbalance`` below 1 or above E / k, or ``keep_outputs`` without a
+            pipeline.
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -110,6 +117,11 @@ def estimate(
     """
     _check_positive("batch", batch)
     _check_positive("seq", seq)
+    if keep_outputs and not plan.config.pipeline_axis:
+        raise ShardingError(
+            "estimate(keep_outputs=True): only a pipeline's last stage keeps its outputs to the "
+            "step's end; the plan has no fs.pipeline(...). Leave keep_outputs out"
+        )
     hw = _hardware(hardware)
     dtype = compute_dtype(plan)
     hw.peak_flops(dtype)  # fail early, before tracing
@@ -137,6 +149,7 @@ def estimate(
             units=units,
             optimizer=optimizer,
             rank=rank,
+            keep_outputs=keep_outputs,
         )
     )
 

@@ -68,6 +68,8 @@ class Estimate:
     """The cp engine counted, ``"ring"`` (torch's) or ``"all_gather"`` (ours); ``None`` without cp."""
     cost: Cost | None = field(default=None, compare=False, repr=False)
     pipeline: PipelineEstimate | None = field(default=None, compare=False, repr=False)
+    peak_at: str = "the start of backward"
+    """When in the step the peak falls."""
 
     @property
     def activation_bytes(self) -> int:
@@ -76,7 +78,7 @@ class Estimate:
 
     @property
     def peak_bytes(self) -> int:
-        """Device memory at the step's peak (the start of backward): every part together."""
+        """Device memory at the step's peak (`peak_at`): every part together."""
         return sum(self.memory.values())
 
     @property
@@ -107,7 +109,7 @@ class Estimate:
         lines = [
             f"estimate on rank {self.rank}, {hw.name}, {batch} {self.batch} x {self.seq} tokens, "
             f"compute in {self.dtype}",
-            f"peak memory {_bytes(self.peak_bytes)} (at the start of backward)"
+            f"peak memory {_bytes(self.peak_bytes)} (at {self.peak_at})"
             + (f"; host {_bytes(self.host_bytes)}" if self.host_bytes else ""),
         ]
         lines += [f"  {part:<15} {_bytes(nbytes)}" for part, nbytes in self.memory.items()]
@@ -208,6 +210,9 @@ class PipelineEstimate:
         stages: each stage's `StageEstimate`.
         rank_peak_bytes: per pp coordinate, its peak memory (the estimate reports the worst).
         timeline: the schedule run on the clock.
+        kept_output_bytes: the last stage's output per micro-batch when it is kept to the
+            step's end (``estimate(keep_outputs=True)``, torch's ``step()`` default); 0
+            when it is freed at the micro-batch's backward (the runtime's way).
     """
 
     schedule: str
@@ -216,6 +221,7 @@ class PipelineEstimate:
     stages: tuple[StageEstimate, ...]
     rank_peak_bytes: tuple[int, ...]
     timeline: Timeline
+    kept_output_bytes: int = 0
 
     @property
     def pp(self) -> int:
@@ -244,6 +250,11 @@ class PipelineEstimate:
                 f"  stage {s.stage} on pp rank {s.rank}: activations {_bytes(s.activation_bytes)} x "
                 f"{s.in_flight} in flight, forward {duration(s.forward_seconds)}, backward "
                 f"{duration(s.backward_seconds)}, sends {_bytes(s.send_bytes)}"
+            )
+        if self.kept_output_bytes:
+            lines.append(
+                f"  the last stage keeps each micro-batch's output ({_bytes(self.kept_output_bytes)}) "
+                "to the step's end, and concatenates them"
             )
         lines += [f"  pp rank {r} peak {_bytes(b)}" for r, b in enumerate(self.rank_peak_bytes)]
         return "\n".join(lines)

@@ -26,6 +26,7 @@ from functional_shard.planning.stage_plans import stage_plan
 from functional_shard.planning.stages import rank_stages, stage_finder, stage_rank
 
 from .census import census_of
+from .context_engines import with_ring_workspace
 from .cost import Cost, OptimizerKind, cost, unit_gathered
 from .estimate_record import PipelineEstimate, StageEstimate
 from .loss_memory import pipeline_loss_workspace
@@ -167,7 +168,13 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
     # cross-entropy saves; GPipe holds every micro-batch's (measured on gloo ranks,
     # tests/test_pipeline_memory.py). What the loss makes beyond them is one micro-batch's.
     kept[n - 1] += trace.output_bytes + 4 * trace.output_numel
-    held = held_peak(schedule, pp, m, per_rank, kept)
+    # torch's step(return_outputs=True), its default: the last stage also keeps every
+    # micro-batch's output to the step's end (``output_chunks``), and then concatenates them
+    to_end = [0] * n
+    if assembly.keep_outputs:
+        kept[n - 1] -= trace.output_bytes
+        to_end[n - 1] = trace.output_bytes
+    held = held_peak(schedule, pp, m, per_rank, kept, to_end)
     costs = assembly.costs or stage_costs(plan, assembly.optimizer, batch * seq, rank)
     memories = []
     sub_plans = []
@@ -197,6 +204,15 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
                 else 0,
             }
         )
+    # under cp, torch's ring adds its backward's buffers to each rank's peak (the worst
+    # rank is chosen with them)
+    memories = [with_ring_workspace(memory, plan, micro * seq) for memory in memories]
+    peak_at = ["the start of backward"] * pp
+    if assembly.keep_outputs:
+        last = owner[n - 1]
+        ending = _concatenating(memories[last], 2 * m * trace.output_bytes)
+        if sum(ending.values()) > sum(memories[last].values()):
+            memories[last], peak_at[last] = ending, "the step's end (its kept outputs concatenated)"
     peaks = [sum(memory.values()) for memory in memories]
     if rank is not None:
         chosen = plan.mesh.coords(rank)[axis]
@@ -239,8 +255,21 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
         attention_flops=_attention_share(trace, sum(flops.values())),
         compute_seconds=timeline.makespan,
         sends=crossings,
-        pipeline=PipelineEstimate(schedule, m, micro, stages, tuple(peaks), timeline),
+        pipeline=PipelineEstimate(
+            schedule, m, micro, stages, tuple(peaks), timeline, kept_output_bytes=to_end[n - 1]
+        ),
+        peak_at=peak_at[chosen],
     )
+
+
+def _concatenating(memory: Mapping[str, int], outputs: int) -> dict[str, int]:
+    """The last stage's rank when torch concatenates its kept outputs, after the step's backward.
+
+    The gradients are reduced and the gathered parameters freed by then (torch reduces
+    before it returns); ``outputs``: the kept outputs and their concatenation.
+    """
+    kept = ("params", "grads", "optimizer", "buffers")
+    return {part: nbytes if part in kept else 0 for part, nbytes in memory.items()} | {"activations": outputs}
 
 
 def _attention_share(trace: ActivationTrace, rank_flops: float) -> float:

@@ -56,6 +56,8 @@ class Assembly:
             pipeline), when already known.
         checkpointed: the modules checkpointing re-runs, when they differ from the
             plan's (a search costs one plan for several checkpointing choices).
+        keep_outputs: under a pipeline, whether the last stage keeps every micro-batch's
+            output to the step's end, as torch's ``schedule.step()`` does by default.
     """
 
     plan: Plan
@@ -69,6 +71,7 @@ class Assembly:
     rank: int | None = None
     costs: Sequence[Cost] | None = None
     checkpointed: tuple[str, ...] | None = None
+    keep_outputs: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +92,7 @@ class StepParts:
             flops at the achievable rate.
         sends: a pipeline's point-to-point sends, ``"send/recv ..."`` -> seconds.
         pipeline: the pipeline's record.
+        peak_at: when in the step the peak falls.
     """
 
     plan: Plan
@@ -103,6 +107,7 @@ class StepParts:
     compute_seconds: float | None = None
     sends: Mapping[str, float] = field(default_factory=dict)
     pipeline: PipelineEstimate | None = None
+    peak_at: str = "the start of backward"
 
 
 def compute_dtype(plan: Plan) -> str:
