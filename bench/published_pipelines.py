@@ -23,6 +23,9 @@ since October 2025) keeps the last stage's output, the logits, of every micro-ba
 step's end to return them concatenated, where our runtime frees each at its backward.
 ``fs.estimate(..., keep_outputs=True)`` counts that (measured on gloo ranks in
 tests/test_pipeline_memory.py); the tables print both, and the ratio of the kept one.
+Both count torch's receive buffers, one per micro-batch for each stage's input and for its
+output's gradient, kept from step to step (2 GiB on a middle rank here; torch 2.6 made
+them as 2.13 does).
 
 Part 3 prints, per pp rank, what each schedule holds: our estimate's parts, and the
 layer-micro-batches of activations torch's own action lists keep at the peak. Under
@@ -48,6 +51,7 @@ from functional_shard.planning.schedules import held_peak
 from functional_shard.zoo import Block, llama
 
 GIB = 2**30
+PARTS = "receive buffers | loss | layer-mbs |"
 COLUMNS = "our peak, outputs freed | kept | published | ratio (kept) | our tokens/s | published | ratio |"
 # schedule -> (stages per rank, tokens/s per GPU, GiB)
 TABLE5 = {"1f1b": (1, 100, 82.5), "interleaved1f1b": (2, 128, 72.7)}
@@ -97,8 +101,8 @@ def main() -> None:
         plan = fs.shard(model, cp_mesh, policy("1f1b", 1, cp=cp))
         print(f"| {seq // 1024}k | {cp} | " + row(model, plan, 8, seq, gib, tps))
     print("\nPer pp rank (Table 5's plans, outputs kept): our parts in GiB, and layer-micro-batches held")
-    print("| schedule | pp rank | peak | gathered | accumulated grads | activations | loss | layer-mbs |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"| schedule | pp rank | peak | gathered | accumulated grads | activations | {PARTS}")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for schedule, plan in plans.items():
         config = plan.config
         layers = [sum(name.startswith("layers.") for name in stage) for stage in config.pipeline_stages]
@@ -111,6 +115,7 @@ def main() -> None:
             print(
                 f"| {schedule} | {coordinate} | {est.peak_bytes / GIB:.1f} | {part['gathered']:.1f} "
                 f"| {part['accumulated_grads']:.1f} | {part['activations']:.1f} "
+                f"| {part['pipeline_buffers']:.1f} "
                 f"| {part['loss_workspace']:.1f} | {held[coordinate]:.0f} |"
             )
 

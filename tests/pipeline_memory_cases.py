@@ -10,7 +10,9 @@ to come:
   freed, which a weak reference on the packed holder sees;
 * what torch's ``PipelineStage`` caches between a micro-batch's forward and its backward:
   the stage's inputs (the activation it received, or the token ids) and its outputs, which
-  ``backward_one_chunk`` hands to ``torch.autograd.backward``; and the last stage's
+  ``backward_one_chunk`` hands to ``torch.autograd.backward``; its receive buffers, one per
+  micro-batch for the activation (not on the first stage) and for the output's gradient (not
+  on the last), which it keeps from step to step; and the last stage's
   outputs it keeps to return them merged when the step ends (``output_chunks``: the
   engine asks for none, so it keeps none, unless a case asks for torch's default with
   ``keep_outputs``).
@@ -110,11 +112,28 @@ class HeldForBackward:
                     out[StorageWeakRef(storage)] = storage
         return out
 
+    def _buffers(self) -> dict[StorageWeakRef, torch.UntypedStorage]:
+        # torch's receive buffers (torch 2.13): per micro-batch, the stage's inputs (not on
+        # the first stage) and its output's gradient (not on the last), kept between steps
+        out: dict[StorageWeakRef, torch.UntypedStorage] = {}
+        for stage in self.stages:
+            infos = [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
+            for info in (info for chunk in infos for info in chunk):
+                if isinstance(info.buffer, torch.Tensor):
+                    storage = _local(info.buffer).untyped_storage()
+                    out[StorageWeakRef(storage)] = storage
+        return out
+
+    def buffers(self) -> int:
+        """Bytes of the stages' receive buffers."""
+        return sum(storage.nbytes() for storage in self._buffers().values())
+
     def sample(self, what: str) -> None:
         if not self.measuring:
             return
         stages = {key: entry[0] for key, entry in self.live["stages"].items()}
         stages.update(self._cached())
+        stages.update(self._buffers())
         loss = {key: entry[0] for key, entry in self.live["loss"].items() if key not in stages}
         held = sum(s.nbytes() for s in stages.values())
         in_loss = sum(s.nbytes() for s in loss.values())
@@ -184,6 +203,7 @@ def held_for_backward(spec: dict[str, Any]) -> dict[str, Any]:
         "stages": [stage.stage_index for stage in pipelined.stages],
         "peak": held.peak,
         "ended": held.ended,
+        "buffers": held.buffers(),
         "samples": held.samples,
         "mesh_rank": dist.get_rank(),
         "loss": float(mean_over_ranks(loss)),

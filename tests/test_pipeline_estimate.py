@@ -62,7 +62,11 @@ def test_stage_memory_by_hand():
         # than its forward's fp32 copy); the logits and the log-softmax it keeps for
         # backward are in its activations, per micro-batch
         loss = 2 * 4 * logits if stage.stage == 1 else 0
-        by_rank.append(3 * params + adam - params + stage.activation_bytes * flight + loss)
+        # torch's receive buffers, one hidden state (fp32) per micro-batch: stage 0 for
+        # its output's gradients, stage 1 for its inputs
+        buffers = M * micro * SEQ * 64 * 4
+        assert stage.buffer_bytes == buffers
+        by_rank.append(3 * params + adam - params + stage.activation_bytes * flight + loss + buffers)
     assert pipe.rank_peak_bytes == tuple(by_rank)
     assert est.peak_bytes == max(by_rank)
     worst = by_rank.index(max(by_rank))
@@ -153,8 +157,10 @@ def test_kept_outputs_by_hand(microbatches):
     assert last.activation_bytes == freed.pipeline.stages[-1].activation_bytes - logits
     # 1F1B's last stage: its one micro-batch in flight, and every earlier one's logits
     during = dict(freed.memory) | {"activations": freed.memory["activations"] + (microbatches - 1) * logits}
-    # at the end: the states, the kept logits and their concatenation
-    static = {part: freed.memory[part] for part in ("params", "grads", "optimizer", "buffers")}
+    # at the end: the states, the receive buffers, the kept logits and their concatenation
+    static = {
+        part: freed.memory[part] for part in ("params", "grads", "optimizer", "buffers", "pipeline_buffers")
+    }
     ending = sum(static.values()) + 2 * microbatches * logits
     assert kept.peak_bytes == max(sum(during.values()), ending)
     at_end = ending > sum(during.values())
@@ -242,10 +248,13 @@ def test_stage_activations_against_a_real_forward():
     stage0, stage1 = est.pipeline.stages
     assert stage0.activation_bytes == kept0 + hidden.nbytes
     # the trace's stage 1 also counts the token ids every stage's forward is handed; and
-    # what the loss keeps: the logits and their fp32 log-softmax
+    # what the loss keeps: the logits and their fp32 log-softmax. The activation it
+    # received, which its first op saves, is one of torch's receive buffers (one per
+    # micro-batch, as stage 0's buffers for the gradients it receives)
     logits = micro * SEQ * 256 * 4
-    assert stage1.activation_bytes == kept1 + tokens.nbytes + 2 * logits
+    assert stage1.activation_bytes == kept1 - hidden.nbytes + tokens.nbytes + 2 * logits
     assert stage0.send_bytes == hidden.nbytes
+    assert stage0.buffer_bytes == stage1.buffer_bytes == M * hidden.nbytes
 
 
 @pytest.mark.parametrize("dtype", [None, "bfloat16"])

@@ -67,7 +67,29 @@ def estimated_held(spec):
     kept = pipeline.stage_activation_bytes
     pp, per_rank = spec["mesh"]["pp"], spec["stages_per_rank"]
     to_end = [0] * (len(kept) - 1) + [pipeline.kept_output_bytes]
-    return held_peak(spec["schedule"], pp, spec["microbatches"], per_rank, kept, to_end)
+    during = turn_outputs(spec)
+    held = held_peak(
+        spec["schedule"], pp, spec["microbatches"], per_rank, kept, kept_to_end=to_end, during_forward=during
+    )
+    return [h + b for h, b in zip(held, rank_buffers(spec), strict=True)]
+
+
+def turn_outputs(spec):
+    """Per stage, its output if the next stage runs on its rank (a V's turn), else 0: the
+    next stage's buffer holds the last step's until the new output replaces it."""
+    stages = estimate_of(spec).pipeline.stages
+    return [
+        s.send_bytes if i + 1 < len(stages) and stages[i + 1].rank == s.rank else 0
+        for i, s in enumerate(stages)
+    ]
+
+
+def rank_buffers(spec):
+    """Per pp rank, the estimate's receive buffers (torch keeps them from step to step)."""
+    out = [0] * spec["mesh"]["pp"]
+    for stage in estimate_of(spec).pipeline.stages:
+        out[stage.rank] += stage.buffer_bytes
+    return out
 
 
 def _trace_gaps(spec):
@@ -112,20 +134,23 @@ def as_torch_holds(spec):
     kept = [b + (rotary if s < n - 1 else 0) - (sliced if s else 0) for s, b in enumerate(kept)]
     kept[-1] += 4  # the loss's total_weight
     outputs = estimate_of(spec).pipeline.kept_output_bytes
+    during = turn_outputs(spec)
     out = []
     for steps in schedule_actions(schedule, pp, m, per_rank):
         count = [0] * n
         ended = best = 0  # ended: the last stage's forwards done, whose outputs stay
         for action in (action for step in steps for action in step):
+            extra = 0
             if action.kind == "F":
                 count[action.stage] += 1
                 ended += action.stage == n - 1
+                extra = during[action.stage]
             elif action.kind in ("B", "W"):
                 count[action.stage] -= 1
             held = sum(c * b for c, b in zip(count, kept, strict=True)) + ended * outputs
-            best = max(best, held + batch_ids * ((count[0] > 0) + (count[n - 1] > 0)))
+            best = max(best, held + extra + batch_ids * ((count[0] > 0) + (count[n - 1] > 0)))
         out.append(best)
-    return out
+    return [held + buffers for held, buffers in zip(out, rank_buffers(spec), strict=True)]
 
 
 SPLIT_BACKWARD = {"interleaved_zb", "zbv", "dualpipev"}
@@ -148,8 +173,10 @@ def check(spec, results):
         # stage_backward_input detaches, and what only the inputs' gradient needed (one
         # hidden-state tensor more here), for a micro-batch between its I and its W
         slack = spec["stages_per_rank"] * 2 * hidden_bytes(spec)
+    buffers = rank_buffers(spec)
     for result in results:
         c = result["pp_rank"]
+        assert result["buffers"] == buffers[c], (result["mesh_rank"], result["buffers"], buffers[c])
         measured = result["peak"]["both"]
         assert exact[c] - slack <= measured <= exact[c], (result["mesh_rank"], measured, exact[c])
         assert abs(measured - estimated[c]) <= bound + slack, (measured, estimated[c], bound + slack)

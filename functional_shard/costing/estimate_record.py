@@ -181,12 +181,16 @@ class StageEstimate:
         rank: the pp coordinate that runs it.
         modules: its module paths.
         activation_bytes: what it keeps for backward of one micro-batch: what its modules
-            make, its output and the activation it receives; on the last stage, what the
-            loss keeps too (the fp32 log-softmax).
+            make and its output (unless the next stage runs on the same rank: that
+            stage's buffer holds it); on the last stage, what the loss keeps too (the
+            logits and the fp32 log-softmax).
         in_flight: the most micro-batches it holds at once under the schedule.
         forward_seconds: one micro-batch's forward.
         backward_seconds: one micro-batch's backward (recompute included).
         send_bytes: the activation it sends the next stage per micro-batch (0 for the last).
+        buffer_bytes: torch's receive buffers, one per micro-batch, kept from step to step:
+            the activation it receives (not on the first stage) and its output's gradient
+            (not on the last).
     """
 
     stage: int
@@ -197,6 +201,7 @@ class StageEstimate:
     forward_seconds: float
     backward_seconds: float
     send_bytes: int
+    buffer_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -249,7 +254,8 @@ class PipelineEstimate:
             lines.append(
                 f"  stage {s.stage} on pp rank {s.rank}: activations {_bytes(s.activation_bytes)} x "
                 f"{s.in_flight} in flight, forward {duration(s.forward_seconds)}, backward "
-                f"{duration(s.backward_seconds)}, sends {_bytes(s.send_bytes)}"
+                f"{duration(s.backward_seconds)}, sends {_bytes(s.send_bytes)}, receive buffers "
+                f"{_bytes(s.buffer_bytes)}"
             )
         if self.kept_output_bytes:
             lines.append(

@@ -156,13 +156,18 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
     p2p = [nbytes / link + hw.collective_latency for nbytes in sends] or [0.0]
     timeline = simulate(schedule, pp, m, per_rank, forward=forward, backward=backward, weight=weight, p2p=p2p)
     flight = _in_flight(schedule, pp, m, per_rank)
-    # what a stage keeps per micro-batch: what its modules made (its output included: the
-    # stage holds it for its backward) and the activation it received, which its first
-    # ops save (the whole-model trace counts that storage once, with the stage that made it)
     owner = [stage_rank(s, pp, per_rank, schedule) for s in range(n)]
-    # (at a V's turn the next stage, on the same rank, takes the output itself: no copy)
-    received = [trace.stage_output_bytes[s - 1] if s and owner[s - 1] != owner[s] else 0 for s in range(n)]
-    kept = [trace.stage_activation_bytes[s] + received[s] for s in range(n)]
+    output = list(trace.stage_output_bytes)
+    # torch's PipelineStage receives each micro-batch into a buffer of its own, kept from
+    # step to step: every stage but the first holds m inputs, every stage but the last m
+    # gradients of its output. At a V's turn (the next stage on the same rank) the buffers
+    # keep the tensors passed themselves: the same bytes (tests/test_pipeline_memory.py).
+    buffers = [m * ((output[s - 1] if s else 0) + (output[s] if s < n - 1 else 0)) for s in range(n)]
+    # what a stage keeps per micro-batch until its backward: what its modules made and its
+    # output, which its backward starts from, unless the next stage's buffer holds it (a V's
+    # turn); the activation it received, which its first ops save, is its buffer
+    turn = [s < n - 1 and owner[s + 1] == owner[s] for s in range(n)]
+    kept = [trace.stage_activation_bytes[s] - (output[s] if turn[s] else 0) for s in range(n)]
     # and the last stage, per micro-batch until its backward, what the loss needs: the
     # logits (torch's stage caches its output for the backward) and the fp32 log-softmax
     # cross-entropy saves; GPipe holds every micro-batch's (measured on gloo ranks,
@@ -174,7 +179,10 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
     if assembly.keep_outputs:
         kept[n - 1] -= trace.output_bytes
         to_end[n - 1] = trace.output_bytes
-    held = held_peak(schedule, pp, m, per_rank, kept, to_end)
+    # at a V's turn the next stage's buffer holds the last step's tensor until the new one
+    # replaces it, just after the forward
+    during = [output[s] if turn[s] else 0 for s in range(n)]
+    held = held_peak(schedule, pp, m, per_rank, kept, kept_to_end=to_end, during_forward=during)
     costs = assembly.costs or stage_costs(plan, assembly.optimizer, batch * seq, rank)
     memories = []
     sub_plans = []
@@ -197,6 +205,7 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
                 "accumulated_grads": _accumulated_grads(plan, stage_units[c]),
                 # and once per rank, whatever is in flight, what every micro-batch shares
                 "activations": int(held[c] + trace.step_bytes),
+                "pipeline_buffers": sum(buffers[s] for s in mine),
                 # what one micro-batch's loss holds beyond its logits and log-softmax (in
                 # kept): the fp32 copy in the forward, below its backward's two fp32 gradients
                 "loss_workspace": pipeline_loss_workspace(trace.output_numel, plan.config.loss_parallel)
@@ -239,6 +248,7 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
             forward_seconds=forward[s],
             backward_seconds=backward[s],
             send_bytes=int(sends[s]) if s < n - 1 else 0,
+            buffer_bytes=buffers[s],
         )
         for s in range(n)
     )
@@ -268,7 +278,7 @@ def _concatenating(memory: Mapping[str, int], outputs: int) -> dict[str, int]:
     The gradients are reduced and the gathered parameters freed by then (torch reduces
     before it returns); ``outputs``: the kept outputs and their concatenation.
     """
-    kept = ("params", "grads", "optimizer", "buffers")
+    kept = ("params", "grads", "optimizer", "buffers", "pipeline_buffers")
     return {part: nbytes if part in kept else 0 for part, nbytes in memory.items()} | {"activations": outputs}
 
 

@@ -203,7 +203,9 @@ def held_peak(
     microbatches: int,
     stages_per_rank: int,
     stage_bytes: Sequence[float],
+    *,
     kept_to_end: Sequence[float] | None = None,
+    during_forward: Sequence[float] | None = None,
 ) -> tuple[float, ...]:
     """Per rank: the most activation bytes its stages hold at once, as its list orders them.
 
@@ -211,15 +213,20 @@ def held_peak(
     backward that frees it (as `in_flight` counts) takes it away. With one stage per rank
     this is ``in_flight × stage_bytes``; with several, their peaks need not coincide.
     ``kept_to_end[s]``, if given, is what a forward of stage ``s`` adds that no backward
-    frees: it stays until the step ends (torch's ``output_chunks``).
+    frees: it stays until the step ends (torch's ``output_chunks``). ``during_forward[s]``
+    is what a forward of stage ``s`` holds only until it ends (at a V's turn, the next
+    stage's buffer still holds the last step's tensor until the new one replaces it).
 
     Examples:
         >>> held_peak("interleaved1f1b", 2, 4, 2, [1, 10, 100, 1000])
         (203.0, 1020.0)
         >>> held_peak("1f1b", 2, 4, 1, [10, 10], kept_to_end=[0, 1])
         (20.0, 14.0)
+        >>> held_peak("1f1b", 2, 4, 1, [10, 10], during_forward=[5, 0])
+        (25.0, 10.0)
     """
     to_end = kept_to_end or [0.0] * len(stage_bytes)
+    during = during_forward or [0.0] * len(stage_bytes)
     out = []
     for steps in schedule_actions(schedule, pp, microbatches, stages_per_rank):
         held = best = 0.0
@@ -229,6 +236,7 @@ def held_peak(
             for action in step:
                 if action.kind == "F":
                     held += stage_bytes[action.stage] + to_end[action.stage]
+                    best = max(best, held + during[action.stage])
                 elif action.kind in _RELEASES:
                     held -= stage_bytes[action.stage]
                 best = max(best, held)
