@@ -223,10 +223,18 @@ def test_405b_on_512_h100s_gets_fsdp_tp_pp():
     assert best.mesh["dp"] > 1
     assert best.tensor_parallel > 1
     assert not any(c.fits for c in report.candidates if c.pipeline is None)
-    # torchtitan's FSDP 8 x TP 8 x PP 8 fits too, within a few percent of the best
-    titan = [c for c in report.candidates if c.fits and repr(c.mesh) == "Mesh(pp=8, dp=8, tp=8)"]
+    # torchtitan's FSDP 8 x TP 8 x PP 8 does not fit at this batch, for torch's receive
+    # buffers alone: 128 sequences per data-parallel rank keep their boundary activations
+    # (bf16, a tensor-parallel rank's sequence share) each way on every stage boundary
+    titan = [c for c in report.candidates if repr(c.mesh) == "Mesh(pp=8, dp=8, tp=8)"]
     assert titan
-    assert min(c.step_seconds for c in titan) < 1.05 * best.step_seconds
+    assert not any(c.fits for c in titan)
+    closest = min(titan, key=lambda c: c.peak_bytes)
+    boundary = 128 * 8192 * 16384 * 2 // 8
+    buffers = closest.estimate.memory["pipeline_buffers"]
+    assert buffers % boundary == 0
+    assert buffers >= 2 * boundary
+    assert closest.peak_bytes - buffers < fs.parse_bytes("80GB") < closest.peak_bytes
     assert took < 60
 
 
