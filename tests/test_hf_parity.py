@@ -122,7 +122,7 @@ def test_packed_weights_materialize_checkpoint_and_trace_as_they_run(world):
             assert "transformer.h.0.attn.c_attn.weight" in result["gaps"]
             assert max(result["gaps"].values()) == 0, f"{label}, rank {rank}: {result['gaps']}"
         assert saved["gap"] == 0, f"rank {rank}"
-        refusal = "transformer.h.0.attn.c_attn (2 layers in all) holds a 'packed_colwise' weight"
+        refusal = "transformer.h.0.attn.c_attn (2 layers in all) holds a packed weight"
         assert refusal in saved["refused"], f"rank {rank}: {saved['refused']!r}"
         for (_, _, strategy), result in zip(cases[3:], traced, strict=True):
             assert result["traced"] == result["kept"], f"{strategy}, rank {rank}"

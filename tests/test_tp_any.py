@@ -49,11 +49,23 @@ def test_fused_projections_split_piece_by_piece_and_train_as_one_process(world4)
     assert result["loss"] < 1e-5
     assert result["grad"] < 1e-5  # each rank's share of each piece, against one process's
     assert_sends_as_predicted(result)
-    # the whole wqkv cannot be gathered in order (unequal pieces): refused by name, not written wrong
-    refusal = "layers.0.attention.wqkv (2 layers in all) packs pieces of unequal sizes"
-    saved, _, loaded = result["refused"].partition("\nreading the checkpoint ")
-    assert f"fs.checkpoint.save(full=True): {refusal}" in saved
-    assert refusal in loaded  # and a load, before reading anything
+    # a full checkpoint holds the whole wqkv in order (no torch placement describes its
+    # split: the ranks' shares are put back piece by piece), its AdamW moments too, and
+    # loads back under the plan; a sharded one (torch's DCP) is refused by name both ways
+    saved = result["saved"]
+    assert saved["weights"] < 1e-5
+    assert saved["moments"] < 1e-5
+    assert saved["shards"] == 0
+    refusal = "layers.0.attention.wqkv (4 layers in all) holds a packed weight"
+    written, read = saved["refused"].splitlines()
+    assert f"fs.checkpoint.save(full=False): {refusal}" in written
+    assert "reading the sharded checkpoint" in read
+    assert refusal in read
+    # and under a pipeline beside tp, whose stages rank 0 gathers from their own ranks
+    saved = world4.run(tp_any_cases.full_checkpoint, "fused_gqa", rules)[0]
+    assert saved["weights"] < 1e-5
+    assert saved["moments"] < 1e-5
+    assert saved["shards"] == 0
     # a packed bias stays whole; each rank adds its slices of it, and its gradient sums theirs
     result = world4.run(tp_any_cases.parity, "fused_gqa_bias", rules)[0]
     assert result["loss"] < 1e-5
@@ -111,7 +123,7 @@ def test_packed_pieces_plan_a_colwise_local_shape_and_apply_splits_each_piece(ra
     # invariant: the plan keeps the pieces and gives each rank out/ranks rows; the runtime's
     # split gives each rank its share of every piece, and the ranks' shares, put back piece
     # by piece, are the whole weight
-    from functional_shard.runtime.engines.tensor_parallel import _packed_local
+    from functional_shard.runtime.engines.packed_pieces import rank_share
 
     pieces = tuple(unit * ranks for unit in units)
     model = nn.Sequential(nn.Linear(rows, sum(pieces), bias=bias), nn.Linear(sum(pieces), rows))
@@ -119,12 +131,34 @@ def test_packed_pieces_plan_a_colwise_local_shape_and_apply_splits_each_piece(ra
     assert plan.config.pieces_of("0") == pieces
     assert fs.Plan.from_json(plan.to_json()).config.tp_pieces == (("0", pieces),)
     full = torch.randn(sum(pieces), rows)
-    local = [_packed_local(full, 0, pieces, ranks, rank) for rank in range(ranks)]
+    local = [rank_share(full, 0, pieces, ranks, rank) for rank in range(ranks)]
     for rank, part in enumerate(local):
         assert tuple(part.shape) == plan.local_shape_and_offset("0.weight", rank)[0]
     shares = [part.split([n // ranks for n in pieces]) for part in local]
     rebuilt = torch.cat([torch.cat([share[i] for share in shares]) for i in range(len(pieces))])
     assert torch.equal(rebuilt, full)
+
+
+@given(
+    ranks=st.integers(1, 4),
+    units=st.lists(st.integers(1, 4), min_size=1, max_size=4),
+    other=st.integers(1, 3),
+    dim=st.integers(0, 1),
+)
+def test_rank_major_cuts_into_each_ranks_share_and_piece_major_undoes_it(ranks, units, other, dim):
+    # invariant: a whole value put in the ranks' order is cut by a plain Shard into each
+    # rank's share of every piece; gathering those shares end to end and putting them back
+    # piece by piece gives the whole value (what full checkpoints rely on)
+    from functional_shard.runtime.engines.packed_pieces import piece_major, rank_major, rank_share
+
+    pieces = tuple(unit * ranks for unit in units)
+    shape = [other, other]
+    shape[dim] = sum(pieces)
+    full = torch.randn(shape)
+    ordered = rank_major(full, dim, pieces, ranks)
+    for rank, block in enumerate(ordered.chunk(ranks, dim)):
+        assert torch.equal(block, rank_share(full, dim, pieces, ranks, rank))
+    assert torch.equal(piece_major(ordered, dim, pieces, ranks), full)
 
 
 @settings(max_examples=10)

@@ -49,7 +49,7 @@ def _expected(model: torch.nn.Module, path: str, whole: torch.Tensor) -> torch.T
     (a packed weight: this rank's share of each piece, as apply splits it)."""
     from torch.distributed.tensor import Replicate
 
-    from functional_shard.runtime.engines.tensor_parallel import _packed_local
+    from functional_shard.runtime.engines.packed_pieces import rank_share
 
     param = model.get_parameter(path)
     if not isinstance(param, DTensor):
@@ -57,39 +57,62 @@ def _expected(model: torch.nn.Module, path: str, whole: torch.Tensor) -> torch.T
     mesh = param.device_mesh
     packed = getattr(model.get_submodule(path.rpartition(".")[0]), "_fs_packed", None)
     if packed and path.endswith(".weight"):
-        return _packed_local(whole, packed[0], packed[1], mesh.size(), mesh.get_local_rank())
+        return rank_share(whole, packed[0], packed[1], mesh.size(), mesh.get_local_rank())
     replicated = DTensor.from_local(whole, mesh, [Replicate()], run_check=False)
     return replicated.redistribute(mesh, param.placements).to_local()
 
 
-def _full_save_refused(model: torch.nn.Module) -> str:
+def _checkpoints(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    alone: torch.nn.Module,
+    reference: torch.optim.Optimizer,
+) -> dict[str, object]:
+    """A full save, checked against one process's model and optimizer (``alone``, trained alike):
+    the largest difference of a parameter and of an AdamW moment as the file holds them; the
+    largest difference of this rank's shards after loading the file back into ``model`` with
+    its values scrambled; and why a sharded save and a sharded read were refused."""
     folder = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(folder)
     target = os.path.join(str(folder[0]), "full.pt")
-    try:
-        fs.checkpoint.save(target, model, full=True)
-        refused = ""
-    except fs.ShardingError as error:
-        refused = str(error)
-    dist.barrier()
-    if dist.get_rank() == 0 and not os.path.exists(target):
-        open(target, "wb").close()  # something to load: the refusal comes before any reading
-    dist.barrier()
-    try:
-        fs.checkpoint.load(target, model)
-    except fs.ShardingError as error:
-        refused += "\n" + str(error)
+    fs.checkpoint.save(target, model, optimizer, full=True)
+    # the file, read into a plain copy (every rank reads it whole), is one process's weights
+    plain = copy.deepcopy(alone)
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    fs.checkpoint.load(target, plain, plain_optimizer)
+    mine = dict(plain.named_parameters())
+    weights = max((mine[k] - v).abs().max().item() for k, v in alone.named_parameters())
+    names = {p: k for k, p in plain.named_parameters()}
+    theirs = {k: reference.state[p] for k, p in alone.named_parameters()}
+    moments = max(
+        (plain_optimizer.state[p][m] - theirs[names[p]][m]).abs().max().item()
+        for p in plain.parameters()
+        for m in ("exp_avg", "exp_avg_sq")
+    )
+    # loaded back under the plan, each rank gets its share of each piece again
+    before = {k: _held(v).detach().clone() for k, v in model.named_parameters()}
+    with torch.no_grad():
+        for param in model.parameters():
+            _held(param).normal_()
+    fs.checkpoint.load(target, model, optimizer)
+    shards = max((_held(v) - before[k]).abs().max().item() for k, v in model.named_parameters())
+    refused = ""
+    for action in ("save", "load"):
+        try:
+            getattr(fs.checkpoint, action)(str(folder[0]), model)
+        except fs.ShardingError as error:
+            refused += str(error) + "\n"
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(str(folder[0]))
-    return refused
+    return {"weights": weights, "moments": moments, "shards": shards, "refused": refused}
 
 
 def parity(name: str, rules: object, steps: int = 2, save: bool = False) -> dict[str, object] | None:
     """Train ``name`` split over every rank (``fs.tp(rules)``) beside one process's copy;
     rank 0 returns the largest loss and gradient differences over ``steps`` AdamW steps, the
-    count of split parameters, (with ``save``) why a full checkpoint was refused ("" if it
-    was not), and the bytes a further step sends, measured and as `plan.cost` predicts them."""
+    count of split parameters, (with ``save``) what `_checkpoints` found, and the bytes a
+    further step sends, measured and as `plan.cost` predicts them."""
     model = build(name)
     alone = copy.deepcopy(model)
     plan = fs.shard(model, fs.Mesh(tp=dist.get_world_size()), fs.tp(rules, "tp"))
@@ -115,10 +138,33 @@ def parity(name: str, rules: object, steps: int = 2, save: bool = False) -> dict
             grad_diff = max(grad_diff, (_held(grad) - _expected(model, path, param.grad)).abs().max().item())
         optimizer.step()
         reference.step()
-    refused = _full_save_refused(model) if save else ""
+    saved = _checkpoints(model, optimizer, alone, reference) if save else {}
     comm = dist_cases.steady_state_comm(
         model, optimizer, plan, lambda: _loss(model, tokens), tokens, warmups=0
     )
     split = sum(isinstance(p, DTensor) and not p.placements[0].is_replicate() for p in model.parameters())
-    result = {"loss": loss_diff, "grad": grad_diff, "split": split, "refused": refused, **comm}
+    result = {"loss": loss_diff, "grad": grad_diff, "split": split, "saved": saved, **comm}
     return result if dist.get_rank() == 0 else None
+
+
+def full_checkpoint(name: str, rules: object) -> dict[str, object] | None:
+    """`_checkpoints` under a pipeline of two stages beside tp=2 (rank 0 gathers the other
+    stage's whole tensors, each put in order by its own ranks), after one AdamW step on the
+    same batch on every rank, which one process's step on that batch matches; rank 0's findings."""
+    model = build(name)
+    alone = copy.deepcopy(model)
+    plan = fs.shard(model, fs.Mesh(pp=2, tp=2), fs.pipeline("pp", microbatches=2) + fs.tp(rules, "tp"))
+    fs.apply(plan, model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference = torch.optim.AdamW(alone.parameters(), lr=1e-2)
+    tokens = torch.randint(0, unit_models.TitanConfig().vocab, (BATCH, SEQ + 1), generator=torch.Generator())
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    fs.forward_backward(plan, model, loss_fn)(tokens[:, :-1], tokens[:, 1:])
+    optimizer.step()
+    _loss(alone, tokens).backward()
+    reference.step()
+    saved = _checkpoints(model, optimizer, alone, reference)
+    return saved if dist.get_rank() == 0 else None

@@ -58,7 +58,6 @@ from .checkpoint_state import (
     model_state,
     optimizer_state,
     refuse_packed,
-    refuse_unequal_packed,
     set_model_state,
     set_optimizer_state,
 )
@@ -195,7 +194,6 @@ def save(
         )
     if not full:
         refuse_packed(module, "fs.checkpoint.save(full=False)")
-    refuse_unequal_packed(module, f"fs.checkpoint.save(full={full})")
     wait_for_previous(module)
     state: dict[str, Any] = {"model": model_state(module, full=full)}
     if optimizer is not None:

@@ -43,7 +43,6 @@ from .checkpoint_state import (
     model_state,
     optimizer_state,
     refuse_packed,
-    refuse_unequal_packed,
     set_model_state,
     set_optimizer_state,
     zero1_template,
@@ -94,7 +93,6 @@ def read(
     path = Path(path)
     if not path.exists():
         raise ShardingError(f"no checkpoint at {path}")
-    refuse_unequal_packed(module[1], f"reading the checkpoint {path}")
     if path.is_dir():
         refuse_packed(module[1], f"reading the sharded checkpoint {path}")
         return _read_sharded(path, module, optimizers, strict=strict, trust=trust, check=check)

@@ -4,11 +4,14 @@
 (keyed by parameter path under every plan), `set_model_state` / `set_optimizer_state` put
 them back. Under a pipeline plan a rank holds its stages only: whole states gather every
 stage's on rank 0. ZeRO-1 optimizers (``ZeroRedundancyOptimizer``) keep whole tensors on
-their owner rank, so their sharded state is what each rank owns.
+their owner rank, so their sharded state is what each rank owns. A weight packing unequal
+pieces (grouped-query attention's fused qkv under tensor parallel) is gathered in the
+ranks' order, not the pieces': whole states put it in order (`engines.packed_pieces`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +29,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from functional_shard.core.errors import ShardingError
 
 from .checkpoint_checks import index_tensors
+from .engines.packed_pieces import piece_major, rank_major, unequal_packed
 
 if TYPE_CHECKING:
     from .engines.pipeline import Pipelined
@@ -34,7 +38,6 @@ __all__ = [
     "model_state",
     "optimizer_state",
     "refuse_packed",
-    "refuse_unequal_packed",
     "set_model_state",
     "set_optimizer_state",
     "zero1_template",
@@ -48,7 +51,38 @@ def _pipeline(module: nn.Module) -> Pipelined | None:
     return next((found for m in module.modules() if (found := pipeline_of(m)) is not None), None)
 
 
-def _gathered_stages(pipelined: Pipelined, sharded: dict[str, Any], merge: Any) -> dict[str, Any]:
+Orders = dict[str, tuple[int, tuple[int, ...], int]]
+Reorder = Callable[[torch.Tensor, int, tuple[int, ...], int], torch.Tensor]
+
+
+def _model_in_order(state: dict[str, Any], orders: Orders, reorder: Reorder) -> dict[str, Any]:
+    # a whole model state with each unequal packed weight reordered (see engines.packed_pieces)
+    return {k: reorder(v, *orders[k]) if k in orders and torch.is_tensor(v) else v for k, v in state.items()}
+
+
+def _optimizer_in_order(state: dict[str, Any], orders: Orders, reorder: Reorder) -> dict[str, Any]:
+    # the same for a whole optimizer state: each such parameter's tensors of its shape (moments)
+    def fixed(path: str, values: dict[str, Any]) -> dict[str, Any]:
+        dim, pieces, _ = orders[path]
+        return {
+            name: reorder(t, *orders[path])
+            if torch.is_tensor(t) and t.dim() > dim and t.size(dim) == sum(pieces)
+            else t
+            for name, t in values.items()
+        }
+
+    if "state" not in state:
+        return state
+    states = {k: fixed(k, v) if k in orders else v for k, v in state["state"].items()}
+    return {**state, "state": states}
+
+
+def _gathered_stages(
+    pipelined: Pipelined,
+    sharded: dict[str, Any],
+    merge: Any,
+    in_order: Callable[[dict[str, Any]], dict[str, Any]],
+) -> dict[str, Any]:
     """Whole tensors of every stage on rank 0: each stage's shards gathered, then sent to rank 0.
 
     Under pp a rank holds only its stages, so torch's full state dict (whole tensors on
@@ -64,7 +98,7 @@ def _gathered_stages(pipelined: Pipelined, sharded: dict[str, Any], merge: Any) 
         return value.detach().cpu() if torch.is_tensor(value) else value
 
     sends = 0 in dist.get_process_group_ranks(pipelined.group)
-    mine = _tree_map_in_order(whole, sharded)
+    mine = in_order(_tree_map_in_order(whole, sharded))  # the stage's ranks know its packing
     parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
     dist.gather_object(mine if sends else None, parts if dist.get_rank() == 0 else None, dst=0)
     if dist.get_rank() != 0:
@@ -101,10 +135,15 @@ def model_state(module: nn.Module, *, full: bool = False) -> dict[str, Any]:
     Under a pipeline plan a rank holds its stages' tensors only; the full state is still
     every stage's, on rank 0.
     """
-    pipelined = _pipeline(module) if full else None
+    if not full:
+        return get_model_state_dict(module)
+    orders = unequal_packed(module)
+    pipelined = _pipeline(module)
     if pipelined is not None:
-        return _gathered_stages(pipelined, model_state(module), _merge_models)
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+        ordered = lambda state: _model_in_order(state, orders, piece_major)  # noqa: E731
+        return _gathered_stages(pipelined, model_state(module), _merge_models, ordered)
+    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return _model_in_order(state, orders, piece_major)
 
 
 def set_model_state(module: nn.Module, state: dict[str, Any], *, full: bool, strict: bool = True) -> None:
@@ -116,6 +155,8 @@ def set_model_state(module: nn.Module, state: dict[str, Any], *, full: bool, str
     if full and _pipeline(module) is not None:
         own = set(module.state_dict())
         state = {k: v for k, v in state.items() if k in own}
+    if full:
+        state = _model_in_order(state, unequal_packed(module), rank_major)
     set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=full, strict=strict))
 
 
@@ -145,11 +186,16 @@ def optimizer_state(
     Full: every parameter's whole state on rank 0, nothing elsewhere.
     """
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
-        pipelined = _pipeline(module) if full else None
+        if not full:
+            return get_optimizer_state_dict(module, optimizer)
+        orders = unequal_packed(module)
+        pipelined = _pipeline(module)
         if pipelined is not None:
-            return _gathered_stages(pipelined, optimizer_state(module, optimizer), _merge_optimizers)
-        return get_optimizer_state_dict(
-            module, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full)
+            ordered = lambda state: _optimizer_in_order(state, orders, piece_major)  # noqa: E731
+            return _gathered_stages(pipelined, optimizer_state(module, optimizer), _merge_optimizers, ordered)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return _optimizer_in_order(
+            get_optimizer_state_dict(module, optimizer, options=options), orders, piece_major
         )
     owned = _owned(module, optimizer)
     state = {name: dict(optimizer.optim.state[p]) for name, p in owned.items() if p in optimizer.optim.state}
@@ -174,6 +220,8 @@ def set_optimizer_state(
         if full and _pipeline(module) is not None:
             own = {name for name, _ in module.named_parameters()}
             state = {**state, "state": {k: v for k, v in state.get("state", {}).items() if k in own}}
+        if full:
+            state = _optimizer_in_order(state, unequal_packed(module), rank_major)
         set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=full))
         return
     saved_groups = state.get("param_groups", [])
@@ -214,34 +262,14 @@ def zero1_template(
 
 def refuse_packed(module: nn.Module, what: str) -> None:
     """Refuse a sharded checkpoint of a module with packed weights, split piece by piece."""
-    # apply marks layers whose packed pieces it split one by one (GPT-2's c_attn): their
-    # weights are placed _StridedShard, whose strided chunks torch's DCP cannot describe
+    # apply marks layers whose packed pieces it split one by one (GPT-2's c_attn, a fused
+    # wqkv): equal pieces are placed _StridedShard, whose strided chunks torch's DCP cannot
+    # describe, and unequal ones Shard on each rank's pieces laid end to end, which another
+    # plan would cut wrongly; whole states put both in order
     packed = [path for path, sub in module.named_modules() if getattr(sub, "_fs_packed", None)]
     if packed:
         raise ShardingError(
-            f"{what}: {packed[0]} ({len(packed)} layers in all) holds a 'packed_colwise' weight, split "
-            "piece by piece (a strided split), which torch's sharded checkpoint (DCP) cannot describe. "
-            "Save and load with full=True (one file of whole tensors; it loads under any plan)"
-        )
-
-
-def refuse_unequal_packed(module: nn.Module, what: str) -> None:
-    """Refuse a checkpoint of a module whose packed pieces differ in size (not placed as torch reads them)."""
-    # a weight packing pieces of unequal sizes (grouped-query attention's wqkv) is placed Shard
-    # on each rank's pieces laid end to end: no torch placement says "each unequal piece split
-    # on its own", so full_tensor() would gather the rows out of order, and a whole value
-    # loaded back would be cut into the wrong rows
-    unequal = [
-        path
-        for path, sub in module.named_modules()
-        if isinstance(packed := getattr(sub, "_fs_packed", None), tuple)
-        and isinstance(packed[1], tuple)
-        and len(set(packed[1])) > 1
-    ]
-    if unequal:
-        raise ShardingError(
-            f"{what}: {unequal[0]} ({len(unequal)} layers in all) packs pieces of unequal sizes "
-            "(fs.packed), split piece by piece; no torch placement describes that split, so its whole "
-            "weight cannot be gathered or loaded in order yet. Save or load before applying the plan, "
-            "or split that projection into one Linear per piece"
+            f"{what}: {packed[0]} ({len(packed)} layers in all) holds a packed weight (fs.packed, "
+            "'packed_colwise'), split piece by piece, which torch's sharded checkpoint (DCP) cannot "
+            "describe. Save and load with full=True (one file of whole tensors; it loads under any plan)"
         )

@@ -37,7 +37,7 @@ from .checkpoint_checks import (
 )
 from .checkpoint_read import checked_file, checked_folder, refusals_raised
 from .checkpoint_safety import SafeLoadPlanner, SafeReader
-from .checkpoint_state import refuse_unequal_packed
+from .engines.packed_pieces import piece_major, unequal_packed
 from .hf_folder import (
     SAVE_PRETRAINED_SHARD_BYTES,
     Expected,
@@ -121,8 +121,7 @@ def export_hf(
         The folder written.
 
     Raises:
-        ShardingError: a packed weight of unequal pieces (fs.packed), which cannot be gathered in
-            order; no config (the model carries none and none given); a config whose
+        ShardingError: no config (the model carries none and none given); a config whose
             model does not match this one (tensor names, shapes, ties); a path that
             exists and is not an earlier export. Raised on every rank, before anything is written.
 
@@ -133,11 +132,11 @@ def export_hf(
     path = Path(path)
     if max_shard_bytes is not None and max_shard_bytes < 1:
         raise ShardingError(f"max_shard_bytes: {max_shard_bytes}; give a positive number of bytes, or None")
-    refuse_unequal_packed(model, "fs.checkpoint.export_hf")
     hf = hf_config(config, model)
     expected = expected_tensors(hf, model)
     # this rank's shards, keyed as the model names them
     state = {k: v for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor)}
+    orders = unequal_packed(model)
     shapes, holders = _every_ranks_tensors({k: (tuple(v.shape), v.dtype) for k, v in state.items()})
     problems = target_problems(path) + fit_problems({k: s for k, (s, _) in shapes.items()}, expected)
     problems += tie_problems({k: _local(v) for k, v in state.items()}, expected)
@@ -154,6 +153,8 @@ def export_hf(
         kept = {}
         for key in file.keys:
             whole = _whole(state[key], kept=file.writer == me) if key in state else None
+            if whole is not None and key in orders:  # gathered in the ranks' order
+                whole = piece_major(whole, *orders[key])
             if whole is not None:
                 kept[key] = whole
         if file.writer == me:

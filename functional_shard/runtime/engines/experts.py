@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from functional_shard.planning.plan import Plan
 
 from .applied import axes_mesh
+from .packed_pieces import rank_share
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 TITAN_EXPERT_PARAMS = ("w1", "w2", "w3")
@@ -122,10 +123,6 @@ def _tie(out: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
     return out + sum(0 * w.reshape(-1)[:1].sum() for w in weights)
 
 
-def _packed_local(full: torch.Tensor, dim: int, pieces: int, size: int, rank: int) -> torch.Tensor:
-    return torch.cat([piece.chunk(size, dim)[rank] for piece in full.chunk(pieces, dim)], dim).contiguous()
-
-
 def _as_dtensor(module: nn.Module, name: str, local: torch.Tensor, mesh: DeviceMesh, placement: Any) -> None:
     from torch.distributed.tensor import DTensor
 
@@ -154,7 +151,7 @@ def apply_expert_tensor_parallel(plan: Plan, module: nn.Module, device_mesh: Dev
             continue
         gate_up = experts.gate_up_proj.detach()
         down = experts.down_proj.detach()
-        packed = _packed_local(gate_up, 1, 2, size, rank)
+        packed = rank_share(gate_up, 1, 2, size, rank)
         _as_dtensor(experts, "gate_up_proj", packed, tp_mesh, _StridedShard(1, split_factor=2))
         _as_dtensor(experts, "down_proj", down.chunk(size, 2)[rank].contiguous(), tp_mesh, Shard(2))
         # as for GPT-2's packed c_attn: torch's DCP cannot describe the strided gate/up split,

@@ -20,6 +20,7 @@ from functional_shard.planning.rules import first_input_name, sequence_gathers
 
 from .checks import CONV1D_STYLES, features_of, is_conv1d_module
 from .experts import apply_expert_tensor_parallel
+from .packed_pieces import rank_share
 
 
 def _torch_styles(
@@ -161,18 +162,6 @@ def apply_tensor_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh
     place_grads_as_params(plan, module)
 
 
-def _packed_local(
-    full: torch.Tensor, dim: int, pieces: int | tuple[int, ...], size: int, rank: int
-) -> torch.Tensor:
-    """This rank's part of ``full`` split over ``size`` ranks on ``dim``, each packed piece on its own.
-
-    ``pieces`` is a count of equal pieces, or each piece's size (grouped-query attention's
-    q, k and v differ).
-    """
-    parts = full.chunk(pieces, dim) if isinstance(pieces, int) else full.split(list(pieces), dim)
-    return torch.cat([piece.chunk(size, dim)[rank] for piece in parts], dim).contiguous()
-
-
 def _equal(pieces: int | tuple[int, ...]) -> int | None:
     # the count of equal pieces (torch's _StridedShard describes those), or None
     if isinstance(pieces, int):
@@ -211,7 +200,7 @@ def _split_projection(target: Any, tp_mesh: DeviceMesh, style: str, pieces: int 
         if dim is None:
             local, placement = tensor.detach(), Replicate()
         elif packed:
-            local = _packed_local(tensor.detach(), dim, pieces, size, rank)
+            local = rank_share(tensor.detach(), dim, pieces, size, rank)
             placement = _StridedShard(dim, split_factor=equal) if equal else Shard(dim)
         else:
             local, placement = tensor.detach().chunk(size, dim)[rank].contiguous(), Shard(dim)
@@ -231,7 +220,7 @@ def _split_projection(target: Any, tp_mesh: DeviceMesh, style: str, pieces: int 
         if bias is not None and colwise and packed and equal:
             bias = bias.redistribute(tp_mesh, [_StridedShard(0, split_factor=equal)]).to_local()
         elif bias is not None and colwise and packed:  # this rank's slices; the gradient sums them
-            bias = _packed_local(bias.to_local(grad_placements=[Partial()]), 0, pieces, size, rank)
+            bias = rank_share(bias.to_local(grad_placements=[Partial()]), 0, pieces, size, rank)
         elif bias is not None:
             bias = bias.to_local()
         if colwise:  # identity forward; backward all-reduces the input's gradient
@@ -257,9 +246,7 @@ def packed_window(
     from torch.distributed.tensor import Shard
 
     mesh, placements = param.device_mesh, param.placements
-    value = _packed_local(
-        full_value, dim, pieces, mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
-    )
+    value = rank_share(full_value, dim, pieces, mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1))
     for mesh_dim, placement in enumerate(placements[:-1]):
         if isinstance(placement, Shard) and placement.dim == 0:  # FSDP2's shard, padded at the end
             chunks = value.chunk(mesh.size(mesh_dim), 0)
