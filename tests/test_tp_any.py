@@ -11,7 +11,15 @@ from torch import nn
 import functional_shard as fs
 
 from . import tp_any_cases
-from .unit_models import ODD_RULES, FusedLlama, OddNames, TitanConfig, TitanDeepSeek, fused_rules
+from .unit_models import (
+    ODD_RULES,
+    FusedLlama,
+    OddNames,
+    RopeNames,
+    TitanConfig,
+    TitanDeepSeek,
+    fused_rules,
+)
 
 
 def assert_sends_as_predicted(result):
@@ -85,20 +93,26 @@ def test_pieces_the_tp_size_does_not_divide_are_refused_by_name():
         fs.shard(FusedLlama(config, 4), fs.Mesh(tp=4), fs.tp([("*.wqkv", fs.packed((32, 16)))], "tp"))
 
 
-def test_auto_derives_rules_from_the_structure_when_no_named_set_fits(world4):
-    model = OddNames(TitanConfig())
+def _auto_is_named_and_trains(world, model, name):
+    # tp("auto") from the structure gives what ODD_RULES give by name, and trains as one
+    # process on 4 gloo ranks; the plan returned
     mesh = fs.Mesh(tp=4)
     auto = fs.shard(model, mesh, fs.tp("auto", "tp"))
     named = fs.shard(model, mesh, fs.tp(ODD_RULES, "tp"))
     assert auto.params == named.params
     assert auto.config.tp_styles == named.config.tp_styles
-    assert auto.sharding("blocks.1.mix.d.weight").compute == fs.P(None, "tp")
-    # named sets first: torchtitan's names still get fs.rules.torchtitan
-    assert fs.rules.for_model(TitanDeepSeek(TitanConfig())).name == "torchtitan"
-    result = world4.run(tp_any_cases.parity, "odd_names", "auto")[0]
+    result = world.run(tp_any_cases.parity, name, "auto")[0]
     assert result["loss"] < 1e-5
     assert result["grad"] < 1e-5
     assert_sends_as_predicted(result)
+    return auto
+
+
+def test_auto_derives_rules_from_the_structure_when_no_named_set_fits(world4):
+    auto = _auto_is_named_and_trains(world4, OddNames(TitanConfig()), "odd_names")
+    assert auto.sharding("blocks.1.mix.d.weight").compute == fs.P(None, "tp")
+    # named sets first: torchtitan's names still get fs.rules.torchtitan
+    assert fs.rules.for_model(TitanDeepSeek(TitanConfig())).name == "torchtitan"
 
 
 def test_auto_refuses_what_the_structure_cannot_classify_naming_the_modules():
@@ -111,6 +125,13 @@ def test_auto_refuses_what_the_structure_cannot_classify_naming_the_modules():
         fs.ShardingError, match=r"layers.0.attention.wqkv: its output passes through \['split'\]"
     ):
         fs.shard(FusedLlama(tp_any_cases.FUSED, 4), fs.Mesh(tp=4), fs.tp("auto", "tp"))
+
+
+def test_auto_traces_each_block_with_the_inputs_the_model_passes_it(world4):
+    # blocks called as block(h, frequencies) (rotary positions made once, as torchtitan's
+    # freqs_cis): the whole model runs once on meta token ids to see each block's inputs,
+    # and the trace follows the hidden states through them
+    _auto_is_named_and_trains(world4, RopeNames(TitanConfig()), "rope_names")
 
 
 @given(

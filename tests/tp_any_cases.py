@@ -30,6 +30,7 @@ def build(name: str) -> torch.nn.Module:
         "fused_gqa": lambda: unit_models.FusedLlama(FUSED, kv_heads=4),
         "fused_gqa_bias": lambda: unit_models.FusedLlama(FUSED, kv_heads=4, bias=True),
         "odd_names": lambda: unit_models.OddNames(config),
+        "rope_names": lambda: unit_models.RopeNames(config),
     }
     return builders[name]()
 

@@ -391,6 +391,72 @@ class OddNames(nn.Module):
         return self.proj_out(self.final(h))
 
 
+def rope_frequencies(seq: int, head_dim: int, device: torch.device | None = None) -> torch.Tensor:
+    """Rotary position embedding as complex numbers ``(seq, head_dim / 2)``, as torchtitan makes them."""
+    inverse = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    angles = torch.outer(torch.arange(seq, device=device).float(), inverse)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def _rotated(t: torch.Tensor, frequencies: torch.Tensor) -> torch.Tensor:
+    pairs = torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * frequencies[None, :, None, :]).flatten(3).type_as(t)
+
+
+class RopeMix(nn.Module):
+    """``OddMix`` with rotary positions: called as ``mix(x, frequencies)``."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.a, self.b, self.c, self.d = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, frequencies: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, seq, -1, self.head_dim)
+
+        q, k = _rotated(heads(self.a(x)), frequencies), _rotated(heads(self.b(x)), frequencies)
+        v = heads(self.c(x))
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.d(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class RopeBlock(nn.Module):
+    def __init__(self, config: TitanConfig) -> None:
+        super().__init__()
+        self.n1, self.n2 = nn.LayerNorm(config.dim), nn.LayerNorm(config.dim)
+        self.mix = RopeMix(config.dim, config.heads)
+        self.ff = OddFF(config.dim, config.hidden)
+
+    def forward(self, x: torch.Tensor, frequencies: torch.Tensor) -> torch.Tensor:
+        x = x + self.mix(self.n1(x), frequencies)
+        return x + self.ff(self.n2(x))
+
+
+class RopeNames(nn.Module):
+    """`OddNames` whose blocks take two inputs, ``block(h, frequencies)``: the rotary
+    positions the model makes once, as torchtitan's blocks take ``freqs_cis``."""
+
+    def __init__(self, config: TitanConfig) -> None:
+        super().__init__()
+        self.head_dim = config.dim // config.heads
+        self.emb = nn.Embedding(config.vocab, config.dim)
+        self.blocks = nn.ModuleList([RopeBlock(config) for _ in range(config.layers)])
+        self.final = nn.LayerNorm(config.dim)
+        self.proj_out = nn.Linear(config.dim, config.vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        frequencies = rope_frequencies(tokens.shape[1], self.head_dim, tokens.device)
+        h = self.emb(tokens)
+        for block in self.blocks:
+            h = block(h, frequencies)
+        return self.proj_out(self.final(h))
+
+
 ODD_RULES = [
     ("*.mix.a", "colwise"),
     ("*.mix.b", "colwise"),

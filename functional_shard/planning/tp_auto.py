@@ -1,7 +1,9 @@
 """Tensor-parallel rules from a model's structure: `tp("auto")` when no named rule set fits.
 
 Each kind of repeated block (as the FSDP unit finder finds them) is run once on meta
-tensors with one hidden-states input ``(batch, seq, dim)``, and the data flow is recorded:
+tensors with the inputs the model's own forward passes it (the whole model run once on
+meta token ids; where that does not reach a block, one hidden-states input ``(batch, seq,
+dim)``), the hidden states tagged as the block's input, and the data flow is recorded:
 which ``nn.Linear`` reads what, and which ops a projection's output passes through. A
 projection that reads the block's input (through norms and elementwise ops) is
 **colwise**; one that reads only colwise outputs and writes back into the block's output
@@ -34,7 +36,7 @@ from functional_shard.core.tree import read_model
 from .repeated_blocks import repeated_blocks
 from .styles import Style
 
-__all__ = ["BlockFlow", "structural_rules", "trace_block"]
+__all__ = ["BlockFlow", "block_calls", "structural_rules", "trace_block"]
 
 _INPUT = "<input>"
 _NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
@@ -48,7 +50,7 @@ _LOCAL_OPS = frozenset(
         "unsqueeze", "squeeze", "flatten", "unflatten", "expand", "repeat_interleave", "clone",
         "scaled_dot_product_attention", "__add__", "__radd__", "__iadd__", "__sub__", "__rsub__",
         "__mul__", "__rmul__", "__imul__", "__truediv__", "__neg__", "__getitem__", "dim", "size",
-        "__get__", "split", "chunk",
+        "__get__", "split", "chunk", "view_as_complex", "view_as_real",
     }
 )  # fmt: skip
 # of those, the ops that may cut a split output by position along its features (a fused
@@ -134,12 +136,15 @@ def _hidden_size(block: nn.Module) -> int | None:
     return None
 
 
-def trace_block(block: nn.Module, seq: int = 4) -> BlockFlow:
+def trace_block(block: nn.Module, seq: int = 4, call: Call | None = None) -> BlockFlow:
     """Classify ``block``'s projections by tracing one forward on meta tensors.
 
     Args:
-        block: a repeated block, called as ``block(hidden_states)``.
-        seq: the traced sequence length.
+        block: a repeated block.
+        seq: the traced sequence length, when ``call`` is not given.
+        call: the ``(args, kwargs)`` the model calls the block with (meta tensors, as
+            `block_calls` records them): its first tensor of the block's width is the
+            hidden states; ``None``: ``block(hidden_states)`` alone.
 
     Returns:
         The block's `BlockFlow` (projection paths relative to the block).
@@ -167,17 +172,23 @@ def trace_block(block: nn.Module, seq: int = 4) -> BlockFlow:
         handles.append(module.register_forward_pre_hook(_reader(path, reads, origin, depth)))
         handles.append(module.register_forward_hook(_writer(path, origin, keep, depth)))
     state = {name: torch.empty_like(t, device="meta") for name, t in _state(block)}
-    x = torch.zeros(2, seq, width, device="meta")
-    origin[id(x)] = frozenset({_INPUT})
+    args, kwargs = call or ((torch.zeros(2, seq, width, device="meta"),), {})
+    hidden = next((t for t in _tensors((args, kwargs)) if t.ndim and t.shape[-1] == width), None)
+    if hidden is None:
+        return BlockFlow((), (("", f"is called with no tensor of its width {width} (its hidden states)"),))
+    origin[id(hidden)] = frozenset({_INPUT})
     recorder = _Recorder(origin, keep, depth)
     try:
         with recorder:
-            out = torch.func.functional_call(block, state, (x,))
+            out = torch.func.functional_call(block, state, args, kwargs)
     except Exception as error:  # the block's own code: any failure is reported, not raised
-        why = (
-            f"could not be traced with one hidden-states input of shape (2, {seq}, {width}) on the meta "
-            f"device ({type(error).__name__}: {str(error)[:200]})"
+        given = (
+            "the inputs the model passes it"
+            if call
+            else f"one hidden-states input of shape (2, {seq}, {width})"
         )
+        failure = f"{type(error).__name__}: {str(error)[:200]}"
+        why = f"could not be traced with {given} on the meta device ({failure})"
         return BlockFlow((), (("", why),))
     finally:
         for handle in handles:
@@ -185,6 +196,44 @@ def trace_block(block: nn.Module, seq: int = 4) -> BlockFlow:
     result = next(_tensors(out), None)
     written = origin.get(id(result), frozenset()) if result is not None else frozenset()
     return _classify(linears, reads, written, recorder.misuse)
+
+
+Call = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def block_calls(model: nn.Module, blocks: list[str], seq: int = 4) -> dict[str, Call]:
+    """Each block's first call, as one forward of ``model`` on meta token ids ``(2, seq)`` makes it.
+
+    A model that does not run on token ids alone (or fails on the meta device) gives the
+    calls made before it stopped, maybe none: those blocks are traced with one input.
+
+    Examples:
+        >>> model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8))
+        >>> args, kwargs = block_calls(model, ["1"])["1"]
+        >>> tuple(args[0].shape), kwargs
+        ((2, 4, 8), {})
+    """
+    calls: dict[str, Call] = {}
+
+    def recorder(path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            calls.setdefault(path, (args, kwargs))
+
+        return hook
+
+    handles = [
+        model.get_submodule(path).register_forward_pre_hook(recorder(path), with_kwargs=True)
+        for path in blocks
+    ]
+    state = {name: torch.empty_like(t, device="meta") for name, t in _state(model)}
+    try:
+        torch.func.functional_call(model, state, (torch.zeros(2, seq, dtype=torch.long, device="meta"),))
+    except Exception:  # the model's own code: what ran before it stopped is kept
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
 
 
 def _join(block_path: str, relative: str) -> str:
@@ -281,7 +330,7 @@ def structural_rules(model: nn.Module) -> list[tuple[str, Style]]:
     """Tensor-parallel rules for ``model`` from its structure (see the module docstring).
 
     Args:
-        model: the module to split; its repeated blocks take one hidden-states input.
+        model: the module to split (called on token ids to see what its blocks are passed).
 
     Returns:
         ``(module path, style)`` pairs, exact paths, in model order: every repeated block's
@@ -313,6 +362,7 @@ def structural_rules(model: nn.Module) -> list[tuple[str, Style]]:
     found: dict[str, Style] = {}
     problems: list[str] = []
     flows: dict[tuple[Any, ...], BlockFlow] = {}
+    calls = block_calls(model, blocks)
     for block_path in blocks:
         block = model.get_submodule(block_path)
         # alike blocks are traced once: one class, same submodules and shapes
@@ -320,7 +370,7 @@ def structural_rules(model: nn.Module) -> list[tuple[str, Style]]:
         kind += tuple((name, tuple(t.shape)) for name, t in _state(block))
         flow = flows.get(kind)
         if flow is None:
-            flow = flows[kind] = trace_block(block)
+            flow = flows[kind] = trace_block(block, call=calls.get(block_path))
             problems += [f"{_join(block_path, relative)}: {why}" for relative, why in flow.problems]
         for relative, style in flow.styles:
             found[f"{block_path}.{relative}"] = style
