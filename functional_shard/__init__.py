@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from .core.spec import PartitionSpec as PartitionSpec
     from .core.tree import TensorSpec as TensorSpec
     from .core.tree import read_model as read_model
+    from .core.units import format_bytes as format_bytes
     from .core.units import parse_bytes as parse_bytes
     from .costing.activations import ActivationTrace as ActivationTrace
     from .costing.activations import trace_activations as trace_activations
@@ -139,6 +140,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "Estimate": ("costing.estimate", "Estimate"),
     "estimate": ("costing.estimate", "estimate"),
     "compare_schedules": ("costing.estimate", "compare_schedules"),
+    "format_bytes": ("core.units", "format_bytes"),
     "parse_bytes": ("core.units", "parse_bytes"),
     "Hardware": ("costing.hardware", "Hardware"),
     "hardware": ("costing.hardware", "hardware"),
@@ -246,6 +248,7 @@ __all__ = [
     "auto",
     "compare_schedules",
     "estimate",
+    "format_bytes",
     "hardware",
     "parse_bytes",
     "search_plans",
