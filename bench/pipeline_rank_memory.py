@@ -1,0 +1,261 @@
+"""One pp rank of torchtitan's 405B run on one GPU: allocated memory beside what torch reserves.
+
+torchtitan published 82.5 GiB for 1F1B and 72.7 GiB for interleaved 1F1B (FSDP 8 x TP 8 x
+PP 8, local batch 32, 8 micro-batches), the peak torch *reserved* over all GPUs; every
+allocated-memory account we have puts interleaving higher (docs/pipelines.md). This runs
+one pp rank of that layout on a single GPU, in the order torch's action lists give it, so
+that the caching allocator sees that rank's allocations:
+
+* its stages' blocks at tensor-parallel-local shapes (tp 8: 16 query heads, 1 key/value
+  head, 6,656 feed-forward rows), sequence parallel as torchtitan runs it (a block keeps
+  its input as its sequence share; the all-gather and the reduce-scatter are stood in for
+  by local copies of the same sizes), each block fully checkpointed;
+* the stages' parameters in bf16, kept gathered for the step, and their gradients
+  accumulated whole in fp32 across micro-batches (FSDP2's under pp), plus the sharded
+  optimizer state as one block;
+* torch's receive buffers (one per micro-batch for each stage's input and its output's
+  gradient), the last stage's logits and fp32 loss, and (``--keep-outputs``) every
+  micro-batch's logits kept to the step's end, as the torch of that run did.
+
+Each schedule runs in a fresh process, so the allocator starts empty, with and without
+``expandable_segments`` (torchtitan's run set it). It prints, per schedule,
+``max_memory_allocated`` and ``max_memory_reserved`` of the measured (second) step. No
+compile, Float8 or async TP: what they add is not here. On a machine without a GPU it runs
+a tiny shape on the CPU (``--tiny``) and prints no memory.
+
+Run: python bench/pipeline_rank_memory.py [--rank 1] [--keep-outputs] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+ROOT = pathlib.Path(__file__).parents[1]
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One rank's share of the model and of a micro-batch (tensor-parallel-local sizes)."""
+
+    dim: int = 16384
+    hidden: int = 53248
+    heads: int = 128
+    kv_heads: int = 8
+    vocab: int = 128256
+    layers: int = 126
+    tp: int = 8
+    microbatch: int = 4
+    seq: int = 8192
+    pp: int = 8
+    microbatches: int = 8
+    state_bytes: int = 12 * GIB  # FSDP's sharded fp32 parameters, gradients and AdamW moments
+
+
+TINY = Shape(
+    dim=64, hidden=128, heads=8, kv_heads=2, vocab=96, layers=16, microbatch=2, seq=32, state_bytes=0
+)
+
+
+class LocalBlock(nn.Module):
+    """A Llama block as one tensor-parallel rank runs it under sequence parallel."""
+
+    def __init__(self, shape: Shape) -> None:
+        super().__init__()
+        self.tp, head = shape.tp, shape.dim // shape.heads
+        self.head, self.kv = head, max(1, shape.kv_heads // shape.tp)
+        self.norm1, self.norm2 = nn.RMSNorm(shape.dim), nn.RMSNorm(shape.dim)
+        self.wq = nn.Linear(shape.dim, shape.dim // shape.tp, bias=False)
+        self.wk = nn.Linear(shape.dim, self.kv * head, bias=False)
+        self.wv = nn.Linear(shape.dim, self.kv * head, bias=False)
+        self.wo = nn.Linear(shape.dim // shape.tp, shape.dim, bias=False)
+        self.w1 = nn.Linear(shape.dim, shape.hidden // shape.tp, bias=False)
+        self.w3 = nn.Linear(shape.dim, shape.hidden // shape.tp, bias=False)
+        self.w2 = nn.Linear(shape.hidden // shape.tp, shape.dim, bias=False)
+
+    def _gathered(self, x: torch.Tensor) -> torch.Tensor:
+        return x.repeat(1, self.tp, 1)  # the sequence all-gather's output
+
+    def _scattered(self, y: torch.Tensor) -> torch.Tensor:
+        b, s, d = y.shape
+        return y.view(b, self.tp, s // self.tp, d).sum(1)  # the reduce-scatter's output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self._gathered(self.norm1(x))
+        b, s, _ = h.shape
+        q = self.wq(h).view(b, s, -1, self.head).transpose(1, 2)
+        k = self.wk(h).view(b, s, -1, self.head).transpose(1, 2)
+        v = self.wv(h).view(b, s, -1, self.head).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self._scattered(self.wo(out.transpose(1, 2).reshape(b, s, -1)))
+        h = self._gathered(self.norm2(x))
+        return x + self._scattered(self.w2(F.silu(self.w1(h)) * self.w3(h)))
+
+
+class Stage(nn.Module):
+    """One pipeline stage: its blocks, each checkpointed, and the embedding or the head at the ends."""
+
+    def __init__(self, shape: Shape, layers: int, first: bool, last: bool) -> None:
+        super().__init__()
+        self.shape = shape
+        self.embed = nn.Embedding(shape.vocab // shape.tp, shape.dim) if first else None
+        self.blocks = nn.ModuleList([LocalBlock(shape) for _ in range(layers)])
+        self.norm = nn.RMSNorm(shape.dim) if last else None
+        self.head = nn.Linear(shape.dim, shape.vocab // shape.tp, bias=False) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:  # rowwise embedding: this rank's rows, then its sequence share
+            x = self.embed(x.clamp(max=self.embed.num_embeddings - 1))[:, : x.shape[1] // self.shape.tp]
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        if self.norm is not None and self.head is not None:
+            x = self.head(self.norm(x).repeat(1, self.shape.tp, 1))  # loss parallel: vocab-split logits
+        return x
+
+
+def cuts(shape: Shape, stages: int) -> list[int]:
+    """Blocks per stage as torchtitan's generated split gives them (the two ends a block short)."""
+    base, extra = divmod(shape.layers, stages)
+    counts = [base] + [base + 1 if i < extra else base for i in range(stages - 2)]
+    return [*counts, shape.layers - sum(counts)]
+
+
+def run(schedule: str, rank: int, shape: Shape, keep_outputs: bool, device: str) -> dict[str, Any]:
+    """Two steps of ``rank``'s actions; the second measured: peak allocated and reserved bytes."""
+    from functional_shard.planning.schedules import schedule_actions
+    from functional_shard.planning.stages import rank_stages
+
+    per_rank = 1 if schedule == "1f1b" else 2
+    n = shape.pp * per_rank
+    layers = cuts(shape, n)
+    mine = list(rank_stages(rank, shape.pp, per_rank, schedule))
+    torch.manual_seed(0)
+    stages = {s: Stage(shape, layers[s], s == 0, s == n - 1).to(device, torch.bfloat16) for s in mine}
+    state = torch.empty(shape.state_bytes, dtype=torch.uint8, device=device)
+    m, micro = shape.microbatches, shape.microbatch
+
+    def buffers() -> list[torch.Tensor]:
+        # torch's receive buffers: one per micro-batch, kept from step to step
+        shape_ = (micro, shape.seq // shape.tp, shape.dim)
+        return [torch.randn(shape_, device=device, dtype=torch.bfloat16) for _ in range(m)]
+
+    inputs = {s: buffers() for s in mine if s}
+    grads = {s: buffers() for s in mine if s < n - 1}
+    tokens = torch.randint(0, shape.vocab, (micro, shape.seq), device=device)
+    actions = [action for step in schedule_actions(schedule, shape.pp, m, per_rank)[rank] for action in step]
+    result: dict[str, Any] = {}
+    for measured in (False, True):
+        if measured and device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        kept: list[torch.Tensor] = []
+        # FSDP2 under pp: each gradient made whole in fp32 at its first micro-batch, summed
+        # into after, and reduce-scattered (freed) once the step's backwards are done
+        accumulated: dict[nn.Parameter, torch.Tensor] = {}
+        for action in actions:
+            s, mb = action.stage, action.microbatch
+            if action.kind == "F":
+                x = tokens if s == 0 else inputs[s][mb].requires_grad_()
+                out = stages[s](x)
+                if s == n - 1:
+                    logits = out.float().flatten(0, 1)
+                    out = F.cross_entropy(logits, tokens.flatten() % logits.shape[-1])
+                    if keep_outputs:
+                        kept.append(logits.detach().to(torch.bfloat16))
+                cache[(s, mb)] = (x, out)
+            elif action.kind == "B":
+                x, out = cache.pop((s, mb))
+                out.backward(None if s == n - 1 else grads[s][mb])
+                for p in stages[s].parameters():
+                    if p.grad is not None:
+                        if p in accumulated:
+                            accumulated[p] += p.grad
+                        else:
+                            accumulated[p] = p.grad.float()
+                        p.grad = None
+                if s:
+                    x.grad = None  # sent to the stage before
+        if keep_outputs and kept:
+            kept.append(torch.cat(kept))  # torch concatenates the kept outputs at the end
+        if measured and device == "cuda":
+            torch.cuda.synchronize()
+            result = {
+                "allocated": torch.cuda.max_memory_allocated(),
+                "reserved": torch.cuda.max_memory_reserved(),
+            }
+    del state
+    return result
+
+
+def child(arguments: dict[str, Any]) -> None:
+    shape = Shape(**arguments["shape"])
+    found = run(
+        arguments["schedule"], arguments["rank"], shape, arguments["keep_outputs"], arguments["device"]
+    )
+    print(json.dumps(found))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rank", type=int, nargs="*", default=[1, 7])
+    parser.add_argument("--keep-outputs", action="store_true")
+    parser.add_argument(
+        "--expandable", choices=("on", "off", "both"), default="on", help="as torchtitan ran: on"
+    )
+    parser.add_argument("--tiny", action="store_true", help="a tiny shape (the CPU's default)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(json.loads(args.child))
+        return 0
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shape = TINY if args.tiny or device == "cpu" else Shape()
+    print(f"one pp rank on {device}: {shape}")
+    print("| schedule | pp rank | expandable segments | allocated | reserved | reserved - allocated |")
+    print("|---|---:|---|---:|---:|---:|")
+    for schedule in ("1f1b", "interleaved1f1b"):
+        for rank in args.rank:
+            choices = {"on": (True,), "off": (False,), "both": (False, True)}[args.expandable]
+            for expandable in choices if device == "cuda" else (False,):
+                env = {**os.environ, "PYTHONPATH": str(ROOT)}
+                if expandable:
+                    env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+                payload = {"schedule": schedule, "rank": rank, "shape": asdict(shape)}
+                payload |= {"keep_outputs": args.keep_outputs, "device": device}
+                out = subprocess.run(
+                    [sys.executable, __file__, "--child", json.dumps(payload)],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
+                if out.returncode:
+                    print(out.stderr[-2000:])
+                    return out.returncode
+                found = json.loads(out.stdout.strip().splitlines()[-1])
+                if not found:
+                    print(f"| {schedule} | {rank} | {expandable} | (no allocator on the CPU) | | |")
+                    continue
+                alloc, reserved = found["allocated"] / GIB, found["reserved"] / GIB
+                print(
+                    f"| {schedule} | {rank} | {expandable} | {alloc:.1f} GiB | {reserved:.1f} GiB "
+                    f"| {reserved - alloc:.1f} GiB |"
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
