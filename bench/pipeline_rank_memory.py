@@ -44,6 +44,10 @@ from torch.utils.checkpoint import checkpoint
 
 ROOT = pathlib.Path(__file__).parents[1]
 GIB = 2**30
+HEADER = (
+    "| schedule | pp rank | expandable segments | our estimate | allocated | reserved "
+    "| reserved - allocated |"
+)
 
 
 @dataclass(frozen=True)
@@ -200,6 +204,23 @@ def run(schedule: str, rank: int, shape: Shape, keep_outputs: bool, device: str)
     return result
 
 
+def estimated(schedule: str, rank: int, keep_outputs: bool) -> int:
+    """`fs.estimate`'s peak for that pp rank of the published plan (bench/published_pipelines.py)."""
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "bench"))
+    from published_pipelines import policy
+
+    import functional_shard as fs
+    from functional_shard.zoo import llama
+
+    model = llama("llama-3-405b")
+    plan = fs.shard(model, fs.Mesh(pp=8, dp=8, tp=8), policy(schedule, 1 if schedule == "1f1b" else 2))
+    found = fs.estimate(
+        model, plan, batch=32, seq=8192, hardware="h100", rank=rank * 64, keep_outputs=keep_outputs
+    )
+    return found.peak_bytes
+
+
 def child(arguments: dict[str, Any]) -> None:
     shape = Shape(**arguments["shape"])
     found = run(
@@ -224,8 +245,8 @@ def main() -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = TINY if args.tiny or device == "cpu" else Shape()
     print(f"one pp rank on {device}: {shape}")
-    print("| schedule | pp rank | expandable segments | allocated | reserved | reserved - allocated |")
-    print("|---|---:|---|---:|---:|---:|")
+    print(HEADER)
+    print("|---|---:|---|---:|---:|---:|---:|")
     for schedule in ("1f1b", "interleaved1f1b"):
         for rank in args.rank:
             choices = {"on": (True,), "off": (False,), "both": (False, True)}[args.expandable]
@@ -246,12 +267,15 @@ def main() -> int:
                     print(out.stderr[-2000:])
                     return out.returncode
                 found = json.loads(out.stdout.strip().splitlines()[-1])
+                ours = (
+                    "" if shape == TINY else f"{estimated(schedule, rank, args.keep_outputs) / GIB:.1f} GiB"
+                )
                 if not found:
-                    print(f"| {schedule} | {rank} | {expandable} | (no allocator on the CPU) | | |")
+                    print(f"| {schedule} | {rank} | {expandable} | {ours} | (no allocator on the CPU) | | |")
                     continue
                 alloc, reserved = found["allocated"] / GIB, found["reserved"] / GIB
                 print(
-                    f"| {schedule} | {rank} | {expandable} | {alloc:.1f} GiB | {reserved:.1f} GiB "
+                    f"| {schedule} | {rank} | {expandable} | {ours} | {alloc:.1f} GiB | {reserved:.1f} GiB "
                     f"| {reserved - alloc:.1f} GiB |"
                 )
     return 0
