@@ -5,7 +5,11 @@ of that pp coordinate), and the activations of one micro-batch (``batch / microb
 sequences) per stage for as many micro-batches as torch's schedule keeps in flight there
 (`functional_shard.planning.schedules.held_peak`); on the last stage these include the logits and
 the log-softmax the loss keeps for its backward, and its rank also holds what one
-micro-batch's loss makes beyond those (`loss_memory.pipeline_loss_workspace`). The step's
+micro-batch's loss makes beyond those (`loss_memory.pipeline_loss_workspace`). It also
+holds torch's receive buffers, one per micro-batch for each of its stages' input and
+output gradient, kept from step to step; and, as torch's ``schedule.step()`` does by
+default (``estimate(keep_outputs=True)``), the last stage may keep every micro-batch's
+output to the step's end and then concatenate them. The step's
 compute time is the makespan of torch's action
 lists run on a clock (`functional_shard.planning.schedules.simulate`), each stage's forward and
 backward at its traced flops, each boundary's activation sent at the pp axis's link speed:
