@@ -20,6 +20,7 @@ from .errors import ShardingError
 
 __all__ = [
     "CONTEXT_ENGINES",
+    "ENGINE_LABELS",
     "causal_imbalance",
     "causal_work",
     "check_sequence_length",
@@ -34,6 +35,13 @@ CONTEXT_ENGINES = ("auto", "ring", "all_gather")
 """How attention sees the whole sequence under cp: ``ring`` passes key/value chunks from rank
 to rank (torch's ``context_parallel``, CUDA kernels only), ``all_gather`` gathers them all
 (our engine, any backend); ``auto`` takes the ring on CUDA and the all-gather elsewhere."""
+
+ENGINE_LABELS = {
+    "auto": "torch's ring attention on CUDA, the all-gather engine elsewhere",
+    "ring": "torch's ring attention",
+    "all_gather": "the all-gather engine",
+}
+"""How explanations name each of `CONTEXT_ENGINES` (a plan's, and an estimate's counted one)."""
 
 
 def engine_that_runs(engine: str, *, cuda: bool) -> str:

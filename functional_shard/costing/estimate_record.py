@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from functional_shard.core.sequence import ENGINE_LABELS
 from functional_shard.core.units import format_bytes as _bytes
 from functional_shard.core.units import parse_bytes
 from functional_shard.planning.plan_cost import Cost
@@ -114,10 +115,9 @@ class Estimate:
         ]
         lines += [f"  {part:<15} {_bytes(nbytes)}" for part, nbytes in self.memory.items()]
         if self.context_engine is not None:
-            engine = {"ring": "torch's ring attention", "all_gather": "the all-gather engine"}
             lines.append(
                 f"context parallel {self.context_parallel}: attention by "
-                f"{engine.get(self.context_engine, self.context_engine)}"
+                f"{ENGINE_LABELS.get(self.context_engine, self.context_engine)}"
             )
         lines.append(
             f"step {duration(self.step_seconds)}: compute {duration(self.compute_seconds)} "

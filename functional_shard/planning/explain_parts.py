@@ -68,23 +68,18 @@ def units_section(config: PlanConfig, gathered: Mapping[str, int]) -> list[str]:
 
 def context_parallel_line(config: PlanConfig, mesh: Mesh) -> str:
     """The line that says how a context-parallel plan cuts sequences, and who holds which chunk."""
-    from functional_shard.core.sequence import chunk_count, sequence_chunks
+    from functional_shard.core.sequence import ENGINE_LABELS, chunk_count, sequence_chunks
 
     axis = config.context_parallel_axis
     assert axis is not None
     size = mesh[axis]
     chunks = sequence_chunks(size, load_balance=config.context_load_balance)
     held = "; ".join(f"rank {r}: {', '.join(map(str, held))}" for r, held in enumerate(chunks))
-    engine = {
-        "auto": "torch's ring on CUDA, all-gather elsewhere",
-        "ring": "torch's ring",
-        "all_gather": "all-gather",
-    }[config.context_engine]
     return (
         f"context parallel over {axis!r}: activations split on the sequence dim into "
         f"{chunk_count(size, load_balance=config.context_load_balance)} chunks "
         f"({'load-balanced' if config.context_load_balance else 'in order'}; {axis} {held}); "
-        f"attention by {engine}"
+        f"attention by {ENGINE_LABELS[config.context_engine]}"
     )
 
 
