@@ -146,6 +146,34 @@ def test_held_peak_weights_stages():
 
 @given(
     st.sampled_from(EVERY),
+    st.integers(1, 4),
+    st.integers(1, 8),
+    st.lists(st.integers(0, 50), min_size=24, max_size=24),
+)
+def test_what_stays_to_the_end_and_what_a_forward_holds_add_within_bounds(schedule, pp, m, sizes):
+    # invariant: bytes a forward keeps to the step's end (kept_to_end) and bytes it holds only
+    # while it runs (during_forward) only add to a rank's peak: at least the largest of
+    # them, at most every micro-batch's kept bytes and the largest transient together
+    name, per_rank = schedule
+    try:
+        check_pipeline(name, pp, per_rank, m)
+    except fs.ShardingError:
+        return
+    n = pp * per_rank
+    kept, to_end, during = sizes[:n], sizes[8 : 8 + n], sizes[16 : 16 + n]
+    base = held_peak(name, pp, m, per_rank, kept)
+    both = held_peak(name, pp, m, per_rank, kept, kept_to_end=to_end, during_forward=during)
+    assert held_peak(name, pp, m, per_rank, kept, kept_to_end=[0] * n, during_forward=[0] * n) == base
+    for rank in range(pp):
+        mine = [s for s in range(n) if stage_rank(s, pp, per_rank, name) == rank]
+        ends = m * sum(to_end[s] for s in mine)
+        assert base[rank] <= both[rank] <= base[rank] + ends + max(during[s] for s in mine)
+        # every forward done, its kept bytes all stay: the peak holds them all at the end
+        assert both[rank] >= ends
+
+
+@given(
+    st.sampled_from(EVERY),
     st.integers(1, 5),
     st.integers(1, 12),
     st.lists(st.floats(0.1, 3.0), min_size=3, max_size=3),
