@@ -42,6 +42,10 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
+
+from functional_shard.zoo import CONFIGS
+
 ROOT = pathlib.Path(__file__).parents[1]
 GIB = 2**30
 HEADER = (
@@ -50,16 +54,19 @@ HEADER = (
 )
 
 
+_405B = CONFIGS["llama-3-405b"]
+
+
 @dataclass(frozen=True)
 class Shape:
-    """One rank's share of the model and of a micro-batch (tensor-parallel-local sizes)."""
+    """The model (the zoo's 405B by default), its tensor-parallel size and one micro-batch."""
 
-    dim: int = 16384
-    hidden: int = 53248
-    heads: int = 128
-    kv_heads: int = 8
-    vocab: int = 128256
-    layers: int = 126
+    dim: int = _405B.hidden_size
+    hidden: int = _405B.intermediate_size
+    heads: int = _405B.num_heads
+    kv_heads: int = _405B.num_kv_heads
+    vocab: int = _405B.vocab_size
+    layers: int = _405B.num_layers
     tp: int = 8
     microbatch: int = 4
     seq: int = 8192
@@ -206,7 +213,6 @@ def run(schedule: str, rank: int, shape: Shape, keep_outputs: bool, device: str)
 
 def estimated(schedule: str, rank: int, keep_outputs: bool) -> int:
     """`fs.estimate`'s peak for that pp rank of the published plan (bench/published_pipelines.py)."""
-    sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "bench"))
     from published_pipelines import policy
 

@@ -144,6 +144,15 @@ def test_held_peak_weights_stages():
     assert peaks[1] <= flight[1] * 10 + flight[3] * 1000
 
 
+def _runs(name: str, pp: int, per_rank: int, m: int) -> bool:
+    # whether torch's schedule runs these sizes (drawn sizes it refuses are skipped)
+    try:
+        check_pipeline(name, pp, per_rank, m)
+    except fs.ShardingError:
+        return False
+    return True
+
+
 @given(
     st.sampled_from(EVERY),
     st.integers(1, 4),
@@ -155,9 +164,7 @@ def test_what_stays_to_the_end_and_what_a_forward_holds_add_within_bounds(schedu
     # while it runs (during_forward) only add to a rank's peak: at least the largest of
     # them, at most every micro-batch's kept bytes and the largest transient together
     name, per_rank = schedule
-    try:
-        check_pipeline(name, pp, per_rank, m)
-    except fs.ShardingError:
+    if not _runs(name, pp, per_rank, m):
         return
     n = pp * per_rank
     kept, to_end, during = sizes[:n], sizes[8 : 8 + n], sizes[16 : 16 + n]
@@ -180,9 +187,7 @@ def test_what_stays_to_the_end_and_what_a_forward_holds_add_within_bounds(schedu
 )
 def test_clock_respects_every_dependency(schedule, pp, m, times):
     name, per_rank = schedule
-    try:
-        check_pipeline(name, pp, per_rank, m)
-    except fs.ShardingError:
+    if not _runs(name, pp, per_rank, m):
         return
     f, b, hop = times
     line = simulate(name, pp, m, per_rank, forward=f, backward=b, p2p=hop)

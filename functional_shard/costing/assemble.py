@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 
 from functional_shard.core.sequence import causal_imbalance
 
-from .context_engines import with_engine
+from .context_engines import with_engine, with_ring_workspace
 from .cost import cost
 from .estimate_record import Estimate
 from .loss_memory import loss_workspace
-from .pipeline_estimate import microbatch_size, pipeline_parts
+from .pipeline_estimate import pipeline_parts
 from .step_model import Assembly, StepParts, _recomputed, gathered_in_flight, step_time
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ def _flat_parts(assembly: Assembly) -> StepParts:
         "activations": int(trace.activation_bytes),
         "loss_workspace": loss_workspace(trace.output_bytes, trace.output_numel, plan.config.loss_parallel),
     }
+    memory = with_ring_workspace(memory, plan, tokens)  # under cp, what torch's ring adds
     return StepParts(
         plan=plan,
         cost=plan_cost,
@@ -118,5 +119,5 @@ def assemble(assembly: Assembly) -> Estimate:
         pipeline=parts.pipeline,
         peak_at=parts.peak_at,
     )
-    # under cp: the engine counted, and what torch's ring adds to one micro-batch's peak
-    return with_engine(found, plan, microbatch_size(plan, assembly.batch) * assembly.seq)
+    # under cp: the engine counted
+    return with_engine(found, plan)

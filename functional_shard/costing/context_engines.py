@@ -167,12 +167,11 @@ def ring_exposed_seconds(
     return layers * per_layer + loss
 
 
-def with_engine(estimate: Estimate, plan: Plan, tokens: int) -> Estimate:
+def with_engine(estimate: Estimate, plan: Plan) -> Estimate:
     """``estimate`` of ``plan`` (its cp engine made the hardware's) saying which engine it counted.
 
-    Under torch's ring the memory gains ``ring_workspace``: the buffers of one attention
-    backward (`ring_workspace_bytes`, ``tokens`` of one micro-batch's whole sequences) run
-    after the loss's workspace is freed, so they raise the peak by what they exceed it.
+    Under torch's ring the memory already holds ``ring_workspace`` (`with_ring_workspace`,
+    added by the step's parts, per pp rank under a pipeline).
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -184,17 +183,15 @@ def with_engine(estimate: Estimate, plan: Plan, tokens: int) -> Estimate:
     """
     if plan.config.context_parallel_axis is None:
         return estimate
-    memory = estimate.memory
-    if "ring_workspace" not in memory:  # a pipeline's ranks have it already
-        memory = with_ring_workspace(memory, plan, tokens)
-    return dataclasses.replace(estimate, memory=memory, context_engine=counted_engine(plan))
+    return dataclasses.replace(estimate, context_engine=counted_engine(plan))
 
 
 def with_ring_workspace(memory: Mapping[str, int], plan: Plan, tokens: int) -> dict[str, int]:
     """``memory`` with ``ring_workspace`` where ``plan``'s cp runs torch's ring, else as it is.
 
-    The buffers of one attention backward (`ring_workspace_bytes`) run after the loss's
-    workspace is freed, so they raise the peak by what they exceed it.
+    The buffers of one attention backward (`ring_workspace_bytes`, ``tokens`` of one
+    micro-batch's whole sequences) run after the loss's workspace is freed, so they raise
+    the peak by what they exceed it.
 
     Examples:
         >>> from functional_shard.zoo import llama

@@ -155,13 +155,13 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
     # zero-bubble schedules split the backward: the weights' gradients (W) as the trace
     # counted them; the inputs' (I) and the recompute before them are the rest
     weight = [w / rate for w in trace.stage_backward_weight_flops]
-    sends = list(trace.stage_output_bytes)[: n - 1] if n > 1 else []
+    output = list(trace.stage_output_bytes)  # per stage, its last module's output
+    sends = output[: n - 1]
     link = hw.bandwidth(plan.mesh, (axis,))
     p2p = [nbytes / link + hw.collective_latency for nbytes in sends] or [0.0]
     timeline = simulate(schedule, pp, m, per_rank, forward=forward, backward=backward, weight=weight, p2p=p2p)
     flight = _in_flight(schedule, pp, m, per_rank)
     owner = [stage_rank(s, pp, per_rank, schedule) for s in range(n)]
-    output = list(trace.stage_output_bytes)
     # torch's PipelineStage receives each micro-batch into a buffer of its own, kept from
     # step to step: every stage but the first holds m inputs, every stage but the last m
     # gradients of its output. At a V's turn (the next stage on the same rank) the buffers

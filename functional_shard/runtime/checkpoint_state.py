@@ -11,6 +11,7 @@ ranks' order, not the pieces': whole states put it in order (`engines.packed_pie
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -140,7 +141,7 @@ def model_state(module: nn.Module, *, full: bool = False) -> dict[str, Any]:
     orders = unequal_packed(module)
     pipelined = _pipeline(module)
     if pipelined is not None:
-        ordered = lambda state: _model_in_order(state, orders, piece_major)  # noqa: E731
+        ordered = functools.partial(_model_in_order, orders=orders, reorder=piece_major)
         return _gathered_stages(pipelined, model_state(module), _merge_models, ordered)
     state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return _model_in_order(state, orders, piece_major)
@@ -191,7 +192,7 @@ def optimizer_state(
         orders = unequal_packed(module)
         pipelined = _pipeline(module)
         if pipelined is not None:
-            ordered = lambda state: _optimizer_in_order(state, orders, piece_major)  # noqa: E731
+            ordered = functools.partial(_optimizer_in_order, orders=orders, reorder=piece_major)
             return _gathered_stages(pipelined, optimizer_state(module, optimizer), _merge_optimizers, ordered)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return _optimizer_in_order(

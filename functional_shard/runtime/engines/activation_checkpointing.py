@@ -31,13 +31,11 @@ def _checkpointed_forward(
     *args: Any,
     **kwargs: Any,
 ) -> Any:
-    from torch.utils.checkpoint import checkpoint
+    from torch.utils.checkpoint import checkpoint, noop_context_fn
 
     # the class's forward is looked up on each call, so a deep copy of the module runs its own
     forward = inner if inner is not None else type(module).forward.__get__(module)
-    if context_fn is None:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn or noop_context_fn, **kwargs)
 
 
 def apply_checkpointing(plan: Plan, module: nn.Module) -> None:
