@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from .costing.estimate import estimate as estimate
     from .costing.hardware import Hardware as Hardware
     from .costing.hardware import hardware as hardware
+    from .costing.kernels import Kernels as Kernels
     from .frontends import demo as demo
     from .planning import rules as rules
     from .planning.plan import Plan as Plan
@@ -144,6 +145,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "parse_bytes": ("core.units", "parse_bytes"),
     "Hardware": ("costing.hardware", "Hardware"),
     "hardware": ("costing.hardware", "hardware"),
+    "Kernels": ("costing.kernels", "Kernels"),
     "AutoReport": ("search.report", "AutoReport"),
     "auto": ("search.auto", "auto"),
     "search_plans": ("search.auto", "search_plans"),
@@ -245,6 +247,7 @@ __all__ = [
     "AutoReport",
     "Estimate",
     "Hardware",
+    "Kernels",
     "auto",
     "compare_schedules",
     "estimate",

@@ -155,6 +155,12 @@ def test_a_factory_builds_the_model_on_the_meta_device(capsys, tmp_path, monkeyp
         ([*TINY, "--auto", "--devices", "4", "--budget", "1GiB"], "--auto needs --devices, --budget and"),
         ([*TINY, "--batch", "0", "--seq", "16"], "--batch 0: a positive number"),
         ([*TINY, "--batch", "1", "--seq", "16", "--hardware", "abacus"], "--hardware 'abacus'"),
+        ([*TINY, "--kernels", "compile"], "--kernels goes with --seq"),
+        ([*TINY, "--batch", "1", "--seq", "16", "--kernels", "fused"], "--kernels 'fused': name some of"),
+        (
+            [*TINY, "--batch", "1", "--seq", "16", "--kernels", "float8"],
+            "--kernels 'float8': fs.Kernels(float8=True)",
+        ),
         (
             [*TINY, "--auto", "--devices", "8", "--budget", "80 parsecs", "--batch", "8", "--seq", "64"],
             "--budget '80 parsecs'",
@@ -297,6 +303,17 @@ def test_batch_and_seq_add_the_estimate_on_the_named_hardware(capsys, tmp_path):
     code, _, err = run(capsys, *argv, "--hardware", "abacus")
     assert code == 2
     assert err.startswith("functional-shard: --hardware 'abacus': unknown hardware 'abacus'; choose one of")
+
+
+def test_kernels_reach_the_estimate(capsys):
+    argv = [*TINY, "--mesh", "dp=4", "--policy", "fsdp(dp) + bf16", "--batch", "2", "--seq", "16"]
+    code, out, _ = run(capsys, *argv, "--kernels", "compile")
+    assert code == 0
+    model = zoo.llama("tiny")
+    plan = fs.shard(model, fs.Mesh(dp=4), fs.parse_policy("fsdp(dp) + bf16"))
+    estimate = fs.estimate(model, plan, batch=2, seq=16, kernels=fs.Kernels(compile=True))
+    assert str(estimate) in out
+    assert "; with torch.compile)" in out
 
 
 def test_auto_prints_the_candidates_then_the_chosen_plan(capsys, tmp_path):

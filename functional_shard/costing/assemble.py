@@ -14,9 +14,10 @@ from functional_shard.core.sequence import causal_imbalance
 from .context_engines import with_engine, with_ring_workspace
 from .cost import cost
 from .estimate_record import Estimate
+from .kernels import Clock, saved_by_stage
 from .loss_memory import loss_workspace
 from .pipeline_estimate import pipeline_parts
-from .step_model import Assembly, StepParts, _recomputed, gathered_in_flight, step_time
+from .step_model import Assembly, StepParts, _recomputed, cp_size, gathered_in_flight, step_time
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan import Plan
@@ -57,15 +58,15 @@ def _flat_parts(assembly: Assembly) -> StepParts:
         attention_flops=trace.attention_flops
         + trace.attention_backward_flops
         + trace.attention_recompute_flops,
+        saved=saved_by_stage(trace, assembly.float8_linears, tokens // cp_size(plan), assembly.hardware)[0],
     )
 
 
 def _causal_imbalance(plan: Plan, seq: int) -> float:
     """The cp group's busiest rank's causal attention work over the mean (1.0 without cp)."""
-    axis = plan.config.context_parallel_axis
-    if axis is None or plan.mesh[axis] == 1:
+    if cp_size(plan) == 1:
         return 1.0
-    return causal_imbalance(seq, plan.mesh[axis], load_balance=plan.config.context_load_balance)
+    return causal_imbalance(seq, cp_size(plan), load_balance=plan.config.context_load_balance)
 
 
 def assemble(assembly: Assembly) -> Estimate:
@@ -98,6 +99,8 @@ def assemble(assembly: Assembly) -> Estimate:
         units=parts.units,
         recomputed=_recomputed(parts.plan, checkpointed, assembly.batch * assembly.seq),
         attention=(parts.attention_flops, _causal_imbalance(plan, assembly.seq)),
+        clock=Clock.of(assembly.kernels, hw, assembly.dtype),
+        saved=parts.saved,
     )
     tp_axes = plan.config.tensor_parallel_axes
     found = Estimate(
@@ -114,10 +117,11 @@ def assemble(assembly: Assembly) -> Estimate:
         exposed_seconds=exposed,
         comm_seconds=per_collective | dict(parts.sends),
         tensor_parallel=plan.mesh.axes_size(tp_axes) if tp_axes else 1,
-        context_parallel=plan.mesh[cp_axis] if (cp_axis := plan.config.context_parallel_axis) else 1,
+        context_parallel=cp_size(plan),
         cost=parts.cost,
         pipeline=parts.pipeline,
         peak_at=parts.peak_at,
+        kernels=assembly.kernels,
     )
     # under cp: the engine counted
     return with_engine(found, plan)

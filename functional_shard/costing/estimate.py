@@ -22,6 +22,7 @@ from .cost import OptimizerKind
 from .estimate_record import Estimate
 from .hardware import Hardware
 from .hardware import hardware as _hardware
+from .kernels import Kernels, check_kernels, float8_linears
 from .pipeline_estimate import microbatch_size
 from .step_model import compute_dtype, unit_gathered_bytes
 
@@ -60,6 +61,7 @@ def estimate(
     inputs: Any = None,
     expert_imbalance: float = 1.0,
     keep_outputs: bool = False,
+    kernels: Kernels | None = None,
 ) -> Estimate:
     """Estimate a training step's peak memory and time for ``plan`` on ``hardware``.
 
@@ -96,6 +98,9 @@ def estimate(
             ``schedule.step()`` does unless given ``return_outputs=False`` (torch 2.6 to
             2.9 always did; torchtitan's published runs of 2024 ran so). The runtime
             frees each at its micro-batch's backward, the default here.
+        kernels: `fs.Kernels`: count ``torch.compile``, torchao's Float8 linears and async
+            tensor parallel as torchtitan runs them (`functional_shard.costing.kernels`
+            says how each is modeled); by default eager bf16.
 
     Returns:
         An `Estimate`.
@@ -104,8 +109,8 @@ def estimate(
         ShardingError: unknown hardware, a non-positive batch or seq, a batch the
             pipeline's micro-batch count does not divide, inputs that do not fit the
             model, a compute dtype the hardware has no rate for, or an
-            ``expert_imbalance`` below 1 or above E / k, or ``keep_outputs`` without a
-            pipeline.
+            ``expert_imbalance`` below 1 or above E / k, ``keep_outputs`` without a
+            pipeline, or kernels the hardware profile or the plan cannot count.
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -125,6 +130,8 @@ def estimate(
     hw = _hardware(hardware)
     dtype = compute_dtype(plan)
     hw.peak_flops(dtype)  # fail early, before tracing
+    kernels = Kernels() if kernels is None else kernels
+    check_kernels(kernels, plan, hw, dtype)
     plan = for_hardware(plan, hw)  # "auto" cp: the engine the hardware runs
     stages = plan.config.pipeline_stages or None
     trace = _trace(
@@ -150,6 +157,8 @@ def estimate(
             optimizer=optimizer,
             rank=rank,
             keep_outputs=keep_outputs,
+            kernels=kernels,
+            float8_linears=float8_linears(model, plan) if kernels.float8 else (),
         )
     )
 

@@ -18,6 +18,7 @@ from functional_shard.planning.plan_cost import Cost
 from functional_shard.planning.schedules import Timeline
 
 from .hardware import Hardware
+from .kernels import Kernels
 
 __all__ = ["Estimate", "PipelineEstimate", "StageEstimate", "duration"]
 
@@ -71,6 +72,8 @@ class Estimate:
     pipeline: PipelineEstimate | None = field(default=None, compare=False, repr=False)
     peak_at: str = "the start of backward"
     """When in the step the peak falls."""
+    kernels: Kernels = field(default_factory=Kernels)
+    """The kernels counted beyond eager bf16 (``estimate(kernels=...)``)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -121,7 +124,9 @@ class Estimate:
             )
         lines.append(
             f"step {duration(self.step_seconds)}: compute {duration(self.compute_seconds)} "
-            f"({self.flops / 1e12:.3f} TFLOP at {hw.achievable_flops(self.dtype) / 1e12:.1f} TFLOP/s)"
+            f"({self.flops / 1e12:.3f} TFLOP at {hw.achievable_flops(self.dtype) / 1e12:.1f} TFLOP/s"
+            + (f"; with {', '.join(self.kernels.names)}" if self.kernels.names else "")
+            + ")"
         )
         why_width = max([22, *(len(why) for why in self.exposed_seconds)])
         what_width = max([34, *(len(what) for what in self.comm_seconds)])
@@ -155,6 +160,7 @@ class Estimate:
             "tokens_per_second": self.tokens_per_second,
             "mfu": self.mfu,
             **({"context_engine": self.context_engine} if self.context_engine is not None else {}),
+            **({"kernels": dataclasses.asdict(self.kernels)} if self.kernels.names else {}),
             **({"pipeline": self._pipeline_dict()} if self.pipeline is not None else {}),
         }
 

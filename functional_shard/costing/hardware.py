@@ -76,6 +76,17 @@ class Hardware:
     recomputation. Published MFU leaves recomputation out: docs/will-it-fit.md converts."""
     intra_node_efficiency: float = 1.0
     inter_node_efficiency: float = 1.0
+    compile_speedup: float | None = None
+    """How much faster ``torch.compile`` runs the work other than attention (Inductor fuses
+    the elementwise ops around the matmuls; attention is the same kernel): from a public
+    eager and compiled pair of runs (docs/will-it-fit.md); ``None``: none known, and
+    ``fs.Kernels(compile=True)`` is refused."""
+    gemm_efficiency: float | None = None
+    """Fraction of the peak a large GEMM reaches, for Float8's roofline (torchao's
+    ``pct_achievable_gemm_tops``); ``None``: ``fs.Kernels(float8=True)`` is refused."""
+    memory_efficiency: float | None = None
+    """Fraction of ``memory_bandwidth`` a large elementwise kernel reaches, for Float8's
+    casts (torchao's ``pct_achievable_mem_bw``)."""
     intra_node_axes: frozenset[str] | None = None
     """Mesh axes inside a node; ``None``: the minor axes that fit in ``devices_per_node``."""
     source: str = ""
@@ -172,7 +183,12 @@ PROFILES: dict[str, Hardware] = {
     "h100": Hardware(
         name="h100",
         host_bandwidth=64 * _GB,
-        flops={"bfloat16": 989 * _TFLOPS, "float16": 989 * _TFLOPS, "float32": 67 * _TFLOPS},
+        flops={
+            "bfloat16": 989 * _TFLOPS,
+            "float16": 989 * _TFLOPS,
+            "float32": 67 * _TFLOPS,
+            "float8_e4m3fn": 1979 * _TFLOPS,
+        },
         memory_bytes=80 * _GB,
         memory_bandwidth=3.35e12,
         devices_per_node=8,
@@ -181,10 +197,15 @@ PROFILES: dict[str, Hardware] = {
         compute_efficiency=0.40,
         intra_node_efficiency=0.80,
         inter_node_efficiency=0.80,
+        compile_speedup=1.21,
+        gemm_efficiency=0.78,
+        memory_efficiency=0.92,
         source=(
             "NVIDIA H100 Tensor Core GPU datasheet (SXM5); efficiency: Llama 3 paper (40-43% of 989 "
             "TFLOP/s at 8k tokens, SXM 700 W) and torchtitan's Llama 3.1 8B FSDP run (36.7% of 989 with "
-            "its recomputation, on 96 GB HBM2e parts at 500 W), as docs/will-it-fit.md converts them"
+            "its recomputation, on 96 GB HBM2e parts at 500 W), as docs/will-it-fit.md converts them; "
+            "compile speedup: torchtitan's eager and compiled 8B runs, attention set aside; Float8 "
+            "roofline fractions: torchao's roofline_utils (docs/will-it-fit.md, Kernels)"
         ),
     ),
     "a100": Hardware(
@@ -207,7 +228,7 @@ PROFILES: dict[str, Hardware] = {
     "b200": Hardware(
         name="b200",
         host_bandwidth=64 * _GB,
-        flops={"bfloat16": 2250 * _TFLOPS, "float16": 2250 * _TFLOPS},
+        flops={"bfloat16": 2250 * _TFLOPS, "float16": 2250 * _TFLOPS, "float8_e4m3fn": 4500 * _TFLOPS},
         memory_bytes=180 * _GB,
         memory_bandwidth=7.7e12,
         devices_per_node=8,
@@ -216,7 +237,13 @@ PROFILES: dict[str, Hardware] = {
         compute_efficiency=0.40,
         intra_node_efficiency=0.80,
         inter_node_efficiency=0.80,
-        source="NVIDIA DGX B200 datasheet; efficiency assumed as h100 (no public BF16 MFU found)",
+        compile_speedup=1.21,
+        gemm_efficiency=0.78,
+        memory_efficiency=0.92,
+        source=(
+            "NVIDIA DGX B200 datasheet; efficiency and compile speedup assumed as h100 (no public "
+            "BF16 MFU found); Float8 roofline fractions as torchao assumes them (copied from H100)"
+        ),
     ),
 }
 # The H200 is an H100 die with more and faster HBM: only memory differs.

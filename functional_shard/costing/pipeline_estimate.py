@@ -33,8 +33,9 @@ from .census import census_of
 from .context_engines import with_ring_workspace
 from .cost import Cost, OptimizerKind, cost, unit_gathered
 from .estimate_record import PipelineEstimate, StageEstimate
+from .kernels import Clock, phase_saved, saved_by_stage
 from .loss_memory import pipeline_loss_workspace
-from .step_model import Assembly, StepParts, gathered_in_flight
+from .step_model import Assembly, StepParts, cp_size, gathered_in_flight
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan import Plan
@@ -147,14 +148,27 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
     check_pipeline(schedule, pp, per_rank, m)
     n = pp * per_rank
     micro = batch // m
-    rate = hw.achievable_flops(assembly.dtype)
-    forward = [f / rate for f in trace.stage_forward_flops]
+    clock = Clock.of(assembly.kernels, hw, assembly.dtype)
+    saved = saved_by_stage(trace, assembly.float8_linears, micro * seq // cp_size(plan), hw, n)
+    # each stage's attention in its share of the phase's work (the trace counts it whole)
+    forward = [
+        clock.seconds(f, _share(trace.attention_flops, f, trace.forward_flops), saved[s]["forward"])
+        for s, f in enumerate(trace.stage_forward_flops)
+    ]
     backward = [
-        (b + r) / rate for b, r in zip(trace.stage_backward_flops, trace.stage_recompute_flops, strict=True)
+        clock.seconds(
+            b + r,
+            _share(trace.attention_backward_flops, b, trace.backward_flops)
+            + _share(trace.attention_recompute_flops, r, trace.recompute_flops),
+            phase_saved(saved[s], "backward", "weight", "recompute"),
+        )
+        for s, (b, r) in enumerate(zip(trace.stage_backward_flops, trace.stage_recompute_flops, strict=True))
     ]
     # zero-bubble schedules split the backward: the weights' gradients (W) as the trace
     # counted them; the inputs' (I) and the recompute before them are the rest
-    weight = [w / rate for w in trace.stage_backward_weight_flops]
+    weight = [
+        clock.seconds(w, 0.0, saved[s]["weight"]) for s, w in enumerate(trace.stage_backward_weight_flops)
+    ]
     output = list(trace.stage_output_bytes)  # per stage, its last module's output
     sends = output[: n - 1]
     link = hw.bandwidth(plan.mesh, (axis,))
@@ -273,7 +287,12 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
             schedule, m, micro, stages, tuple(peaks), timeline, kept_output_bytes=to_end[n - 1]
         ),
         peak_at=peak_at[chosen],
+        saved={phase: m * sum(saved[s].get(phase, 0.0) for s in ours) for phase in saved[0]},
     )
+
+
+def _share(total: float, part: float, whole: float) -> float:
+    return total * part / whole if whole else 0.0
 
 
 def _concatenating(memory: Mapping[str, int], outputs: int) -> dict[str, int]:

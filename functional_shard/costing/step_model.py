@@ -23,6 +23,7 @@ from .context_engines import ring_exposed_seconds
 from .cost import unit_gathered
 from .estimate_record import PipelineEstimate
 from .hardware import Hardware
+from .kernels import Clock, Kernels, phase_saved
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan import Plan
@@ -31,6 +32,7 @@ __all__ = [
     "Assembly",
     "StepParts",
     "compute_dtype",
+    "cp_size",
     "gathered_in_flight",
     "recomputed_collectives",
     "step_time",
@@ -58,6 +60,8 @@ class Assembly:
             plan's (a search costs one plan for several checkpointing choices).
         keep_outputs: under a pipeline, whether the last stage keeps every micro-batch's
             output to the step's end, as torch's ``schedule.step()`` does by default.
+        kernels: compile, Float8 and async TP (`functional_shard.costing.kernels`).
+        float8_linears: with Float8, the linears converted (`kernels.float8_linears`).
     """
 
     plan: Plan
@@ -72,6 +76,8 @@ class Assembly:
     costs: Sequence[Cost] | None = None
     checkpointed: tuple[str, ...] | None = None
     keep_outputs: bool = False
+    kernels: Kernels = field(default_factory=Kernels)
+    float8_linears: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +99,7 @@ class StepParts:
         sends: a pipeline's point-to-point sends, ``"send/recv ..."`` -> seconds.
         pipeline: the pipeline's record.
         peak_at: when in the step the peak falls.
+        saved: per phase, the seconds Float8 saves in the rank's step (`kernels.float8_saved`).
     """
 
     plan: Plan
@@ -108,6 +115,7 @@ class StepParts:
     sends: Mapping[str, float] = field(default_factory=dict)
     pipeline: PipelineEstimate | None = None
     peak_at: str = "the start of backward"
+    saved: Mapping[str, float] = field(default_factory=dict)
 
 
 def compute_dtype(plan: Plan) -> str:
@@ -296,6 +304,12 @@ def _recomputed_now(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> t
     return dict(sent), count
 
 
+def cp_size(plan: Plan) -> int:
+    """The context-parallel size: how many ranks share each sequence's tokens (1 without cp)."""
+    axis = plan.config.context_parallel_axis
+    return plan.mesh[axis] if axis else 1
+
+
 def optimizer_seconds(plan_cost: Cost, hw: Hardware) -> float:
     """Seconds of the optimizer step, which is bound by memory bandwidth.
 
@@ -321,6 +335,8 @@ def step_time(
     units: Mapping[str, int],
     recomputed: tuple[Mapping[str, float], int] = ({}, 0),
     attention: tuple[float, float] = (0.0, 1.0),
+    clock: Clock | None = None,
+    saved: Mapping[str, float] | None = None,
 ) -> tuple[float, dict[str, float], dict[str, float]]:
     """Compute seconds, exposed communication by reason, and each collective's seconds.
 
@@ -343,11 +359,21 @@ def step_time(
     ``attention`` is the rank's attention flops and its cp group's causal imbalance
     (`functional_shard.core.sequence.causal_imbalance`): on hardware whose kernels skip the
     masked half, the busiest rank's extra attention work is exposed (every rank waits for
-    it at the next collective).
+    it at the next collective). ``clock`` times the flops under `Kernels` (compile's
+    faster work other than attention; async TP's forward tensor-parallel collectives hidden
+    under the forward's work other than attention), less ``saved``, Float8's seconds by phase.
     """
-    rate = hw.achievable_flops(dtype)
-    compute = (forward_flops + backward_flops + recompute_flops) / rate
-    backward = (backward_flops + recompute_flops) / rate
+    clock = clock or Clock(hw.achievable_flops(dtype))
+    rate, saved = clock.rate, saved or {}
+    attention_flops, imbalance = attention
+    total = forward_flops + backward_flops + recompute_flops
+    compute = clock.seconds(total, attention_flops, phase_saved(saved, *saved))
+    back = backward_flops + recompute_flops
+    backward = clock.seconds(
+        back,
+        attention_flops * back / total if total else 0.0,  # attention in its share of the work
+        phase_saved(saved, "backward", "weight", "recompute"),
+    )
     tp_axes = set(plan.config.tensor_parallel_axes)
     per_collective: dict[str, float] = {}
     counts = collective_counts(plan, plan_cost.grads_bytes)
@@ -384,7 +410,14 @@ def step_time(
         per_collective[f"{what} ({tp_link}, recompute)"] = seconds
         recompute += seconds
     exposed: dict[str, float] = {}
-    attention_flops, imbalance = attention
+    if clock.async_tp and hw.overlap_communication:
+        # micro-pipelined in the forward: its collectives (half of them: each forward
+        # all-gather has a backward reduce-scatter, and the other way round) run inside the
+        # forward's matmuls; the backward's and the recompute's stay on the critical path
+        # (docs/will-it-fit.md, "Kernels": the published gains are the forward's)
+        forward_attention = attention_flops * forward_flops / total if total else 0.0
+        forward_work = clock.seconds(forward_flops, forward_attention, phase_saved(saved, "forward"))
+        tensor_parallel -= min(tensor_parallel / 2, forward_work - forward_attention / rate)
     if hw.skips_masked_attention and imbalance > 1 and attention_flops:
         exposed["unbalanced causal attention"] = attention_flops * (imbalance - 1) / rate
     if not hw.overlap_communication:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
     from functional_shard.core.mesh import Mesh
     from functional_shard.costing.hardware import Hardware
+    from functional_shard.costing.kernels import Kernels
     from functional_shard.planning.policy import Policy
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "parse_mesh",
     "read_budget",
     "read_hardware",
+    "read_kernels",
     "read_policy",
 ]
 
@@ -195,6 +197,29 @@ def read_hardware(name: str) -> Hardware:
         return hardware(name)
     except ShardingError as error:
         raise InputError(f"--hardware {name!r}: {one_line(error, 300)}") from None
+
+
+def read_kernels(text: str) -> Kernels:
+    """The `fs.Kernels` that ``--kernels`` names, comma-separated: compile, float8, async_tp.
+
+    Raises:
+        ShardingError: an unknown name, or one its option refuses (float8 without compile).
+
+    Examples:
+        >>> read_kernels("compile,float8")
+        Kernels(compile=True, float8=True, async_tp=False)
+    """
+    from functional_shard.costing.kernels import Kernels
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    known = ("compile", "float8", "async_tp")
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise InputError(f"--kernels {text!r}: name some of {', '.join(known)}, comma-separated")
+    try:
+        return Kernels(**dict.fromkeys(names, True))
+    except ShardingError as error:
+        raise InputError(f"--kernels {text!r}: {one_line(error, 300)}") from None
 
 
 def read_budget(text: str) -> int:

@@ -15,7 +15,7 @@ from functional_shard.core.errors import ShardingError, one_line
 from functional_shard.core.units import format_bytes as _bytes
 
 from . import plan_auto
-from .inputs import InputError, load_model, parse_mesh, read_budget, read_hardware, read_policy
+from .inputs import InputError, load_model, parse_mesh, read_budget, read_hardware, read_kernels, read_policy
 from .output import Out, cost_rows, write_file
 
 if TYPE_CHECKING:
@@ -43,6 +43,8 @@ def _check(args: argparse.Namespace) -> None:
         raise InputError("--batch needs --seq (sequences per data-parallel rank, tokens each)")
     if args.hardware and args.seq is None:
         raise InputError("--hardware needs --seq (a step's time depends on its tokens)")
+    if args.kernels and (args.seq is None or args.auto):
+        raise InputError("--kernels goes with --seq, for one plan's estimate (--auto searches eager plans)")
     for flag in ("batch", "seq", "devices", "top"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -132,8 +134,15 @@ def _estimate(
     per_rank = args.batch // plan.data_parallel_rank(0)[1] if args.auto else args.batch
     if plan.config.pipeline_axis and not batch_given:
         per_rank = plan.config.microbatches  # a pipeline's default: one sequence per micro-batch
+    kernels = read_kernels(args.kernels) if args.kernels else None
     return estimate(
-        model, plan, batch=max(per_rank, 1), seq=args.seq, optimizer=args.optimizer, hardware=hardware
+        model,
+        plan,
+        batch=max(per_rank, 1),
+        seq=args.seq,
+        optimizer=args.optimizer,
+        hardware=hardware,
+        kernels=kernels,
     )
 
 

@@ -79,6 +79,11 @@ def parser() -> argparse.ArgumentParser:
     plan_flags.add_argument("--seq", type=int, help="tokens per sequence")
     plan_flags.add_argument("--hardware", help="h100, h200, a100, b200 or local (default with --seq: h100)")
     plan_flags.add_argument(
+        "--kernels",
+        help="with --seq: count compile, float8 and/or async_tp in the step time, comma-separated "
+        "(e.g. compile,float8,async_tp as torchtitan runs; default: eager)",
+    )
+    plan_flags.add_argument(
         "--auto", action="store_true", help="search meshes and policies for the fastest plan that fits"
     )
     plan_flags.add_argument("--devices", type=int, help="with --auto: how many devices")

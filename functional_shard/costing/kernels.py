@@ -1,0 +1,262 @@
+"""What torch.compile, Float8 linears and async tensor parallel change in a step's time.
+
+torchtitan's published runs use all three; the estimate's default is eager bf16, the runs
+its `Hardware.compute_efficiency` comes from. Each option is a model with a public source
+(docs/will-it-fit.md, "Kernels"):
+
+* **compile**: Inductor fuses the elementwise work around the matmuls; attention runs the
+  same flash kernel compiled or not. So the work other than attention runs
+  `Hardware.compile_speedup` times faster, from torchtitan's eager and compiled Llama 3.1
+  8B runs (their Table 1) with attention's share of the work set aside.
+* **float8**: torchao's tensorwise Float8 linears, every ``nn.Linear`` but the output head
+  (torchtitan's filter). Each linear's three GEMMs run in float8 instead of bf16, and its
+  input, weight and output gradient are cast first: the time saved is torchao's roofline
+  (``torchao/testing/training/roofline_utils.py``): a GEMM at `Hardware.gemm_efficiency` of
+  the dtype's peak or bounded by its bytes, a cast at `Hardware.memory_efficiency` of the
+  memory bandwidth, per linear at its local shape. It needs compile (torchao's casts are
+  compiled kernels).
+* **async_tp**: torch's micro-pipelined tensor parallel (``_micro_pipeline_tp``) runs
+  sequence parallel's all-gathers and reduce-scatters inside the matmuls beside them: the
+  tensor-parallel collectives are hidden under the work other than attention, exposed
+  only beyond it. It needs compile (it is an Inductor pass) and sequence parallel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from functional_shard.core.errors import ShardingError
+
+from .hardware import Hardware
+
+if TYPE_CHECKING:
+    from functional_shard.planning.plan import Plan
+
+__all__ = [
+    "FLOAT8",
+    "Clock",
+    "Kernels",
+    "check_kernels",
+    "float8_linears",
+    "float8_saved",
+    "phase_saved",
+    "saved_by_stage",
+]
+
+FLOAT8 = "float8_e4m3fn"
+"""The flops key of a profile's float8 rate."""
+# torchao's tensorwise casts, bytes per element (bf16 in, float8 out; roofline_utils):
+# an activation's amax pass (2) then one cast writing both layouts (2 + 1 + 1); a weight's
+# amax pass (2), its forward cast (2 + 1) and its backward one (2 + 1)
+_ACTIVATION_CAST = 6
+_WEIGHT_FORWARD_CAST, _WEIGHT_BACKWARD_CAST = 5, 3
+_PHASES = ("forward", "backward", "weight", "recompute")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The kernels a run uses beyond eager bf16: what `fs.estimate` counts (``kernels=``).
+
+    Attributes:
+        compile: ``torch.compile`` of each block (torchtitan's ``training.compile``).
+        float8: torchao's tensorwise Float8 linears, the output head left out (needs compile).
+        async_tp: torch's async tensor parallel (needs compile and sequence parallel).
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> model = llama("tiny")
+        >>> plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp("dp") + fs.mixed_precision())
+        >>> eager = fs.estimate(model, plan, batch=2, seq=64)
+        >>> compiled = fs.estimate(model, plan, batch=2, seq=64, kernels=fs.Kernels(compile=True))
+        >>> compiled.compute_seconds < eager.compute_seconds
+        True
+    """
+
+    compile: bool = False
+    float8: bool = False
+    async_tp: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("compile", "float8", "async_tp"):
+            if not isinstance(getattr(self, name), bool):
+                raise ShardingError(f"fs.Kernels({name}={getattr(self, name)!r}): True or False")
+        for name in ("float8", "async_tp"):
+            if getattr(self, name) and not self.compile:
+                raise ShardingError(
+                    f"fs.Kernels({name}=True) without compile: "
+                    + ("torchao's Float8 casts" if name == "float8" else "async tensor parallel")
+                    + " run as compiled kernels; set compile=True as well"
+                )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The options set, as `explain` lists them."""
+        labels = {"compile": "torch.compile", "float8": "Float8 linears", "async_tp": "async TP"}
+        return tuple(label for name, label in labels.items() if getattr(self, name))
+
+
+def check_kernels(kernels: Kernels, plan: Plan, hw: Hardware, dtype: str) -> None:
+    """Refuse kernels the plan or the hardware profile cannot count, naming the fix.
+
+    Raises:
+        ShardingError: a profile without the option's figures, float8 outside bf16 compute,
+            or async TP without sequence parallel.
+    """
+    if not isinstance(kernels, Kernels):
+        raise ShardingError(f"estimate(kernels={kernels!r}): an fs.Kernels(...)")
+    if kernels.compile and hw.compile_speedup is None:
+        raise ShardingError(
+            f"estimate(kernels=...compile=True): hardware {hw.name!r} has no compile_speedup (no public "
+            "compiled run to take it from); give one with hw.replace(compile_speedup=...)"
+        )
+    if kernels.float8:
+        missing = [
+            what
+            for what, value in (
+                (f"flops[{FLOAT8!r}]", hw.flops.get(FLOAT8)),
+                ("gemm_efficiency", hw.gemm_efficiency),
+                ("memory_efficiency", hw.memory_efficiency),
+            )
+            if not value
+        ]
+        if missing:
+            raise ShardingError(
+                f"estimate(kernels=...float8=True): hardware {hw.name!r} has no {', '.join(missing)}; "
+                "it has no float8 tensor cores, or give them with hw.replace(...)"
+            )
+        if dtype != "bfloat16":
+            raise ShardingError(
+                f"estimate(kernels=...float8=True): the plan computes in {dtype}; Float8 linears "
+                "replace bf16 matmuls: add fs.mixed_precision()"
+            )
+    if kernels.async_tp and not plan.config.sequence_parallel:
+        raise ShardingError(
+            "estimate(kernels=...async_tp=True): async tensor parallel overlaps sequence parallel's "
+            "all-gathers and reduce-scatters; the plan has none: use fs.tp(..., sequence_parallel=True)"
+        )
+
+
+def float8_linears(model: Any, plan: Plan) -> tuple[tuple[int, int, int], ...]:
+    """``(stage, in_features, out_features)`` of each linear torchao converts, as its stage computes it.
+
+    Every ``nn.Linear`` but the output head: one whose outputs number the model's
+    vocabulary (an ``nn.Embedding``'s rows), as torchtitan's filter leaves out ``output``.
+    The experts of `fs.ep` are left out too (their tokens are routed, not every token).
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> model = llama("tiny")
+        >>> plan = fs.shard(model, fs.Mesh(tp=2), fs.tp(fs.rules.llama, "tp"))
+        >>> float8_linears(model, plan)[0]
+        (0, 64, 32)
+    """
+    from torch import nn
+
+    vocab = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+    experts = plan.config.expert_modules
+    found = []
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or module.out_features in vocab:
+            continue
+        if any(path == e or path.startswith(e + ".") for e in experts):
+            continue
+        stage = plan.stage_of(f"{path}.weight")
+        holder = plan.ranks_of_stage(stage)[0]  # tensor-parallel shards differ by at most a row
+        out_features, in_features = plan.local_shape(f"{path}.weight", holder, "compute")
+        found.append((stage, in_features, out_features))
+    return tuple(found)
+
+
+def _gemm_seconds(m: int, k: int, n: int, hw: Hardware, *, float8: bool) -> float:
+    """One ``m x k @ k x n`` GEMM by torchao's roofline: bound by its flops or by its bytes."""
+    assert hw.gemm_efficiency
+    assert hw.memory_efficiency
+    peak = hw.flops[FLOAT8] if float8 else hw.peak_flops("bfloat16")
+    operand = 1 if float8 else 2
+    compute = 2 * m * k * n / (peak * hw.gemm_efficiency)
+    traffic = (operand * (m * k + k * n) + 2 * m * n) / (hw.memory_bandwidth * hw.memory_efficiency)
+    return max(compute, traffic)
+
+
+def float8_saved(
+    linears: Iterable[tuple[int, int, int]], tokens: int, recompute: float, hw: Hardware, stages: int = 1
+) -> tuple[dict[str, float], ...]:
+    """Per stage, phase -> seconds Float8 saves in one micro-batch of ``tokens`` tokens.
+
+    Phases: ``forward``, ``backward`` (the inputs' gradients), ``weight`` (the weights'
+    gradients) and ``recompute`` (``recompute`` of the forward's linear work again).
+    Saved = bf16 GEMM time - float8 GEMM time - the casts, each linear at torchao's roofline.
+
+    Examples:
+        >>> saved = float8_saved([(0, 4096, 4096)], 8192, 1.0, fs.hardware("h100"))[0]
+        >>> sorted(saved), all(s > 0 for s in saved.values())
+        (['backward', 'forward', 'recompute', 'weight'], True)
+    """
+    assert hw.memory_efficiency
+    bandwidth = hw.memory_bandwidth * hw.memory_efficiency
+    out = [dict.fromkeys(_PHASES, 0.0) for _ in range(stages)]
+
+    def gemm(m: int, k: int, n: int) -> float:
+        return _gemm_seconds(m, k, n, hw, float8=False) - _gemm_seconds(m, k, n, hw, float8=True)
+
+    m = tokens
+    for stage, k, n in linears:
+        forward = gemm(m, k, n) - (_ACTIVATION_CAST * m * k + _WEIGHT_FORWARD_CAST * k * n) / bandwidth
+        saved = out[stage]
+        saved["forward"] += forward
+        backward_casts = _ACTIVATION_CAST * m * n + _WEIGHT_BACKWARD_CAST * k * n
+        saved["backward"] += gemm(m, n, k) - backward_casts / bandwidth
+        saved["weight"] += gemm(k, m, n)
+        saved["recompute"] += recompute * forward
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Clock:
+    """Compute seconds from flops under `Kernels`.
+
+    Attention runs at the achievable rate, the other work ``speedup`` times faster
+    (compile), less what Float8 saves.
+
+    Examples:
+        >>> Clock(rate=100.0, speedup=2.0).seconds(300.0, attention=100.0)
+        2.0
+    """
+
+    rate: float
+    speedup: float = 1.0
+    async_tp: bool = False
+
+    def seconds(self, flops: float, attention: float = 0.0, saved: float = 0.0) -> float:
+        """Seconds of ``flops``, ``attention`` of them attention's, less ``saved`` seconds."""
+        return attention / self.rate + (flops - attention) / (self.rate * self.speedup) - saved
+
+    @staticmethod
+    def of(kernels: Kernels, hw: Hardware, dtype: str) -> Clock:
+        """The clock of ``kernels`` on ``hw`` in ``dtype``."""
+        speedup = hw.compile_speedup if kernels.compile and hw.compile_speedup else 1.0
+        return Clock(hw.achievable_flops(dtype), speedup, kernels.async_tp)
+
+
+def phase_saved(saved: Mapping[str, float], *phases: str) -> float:
+    """The seconds ``saved`` holds for ``phases`` together."""
+    return sum(saved.get(phase, 0.0) for phase in phases)
+
+
+def saved_by_stage(
+    trace: Any, linears: tuple[tuple[int, int, int], ...], tokens: int, hw: Hardware, stages: int = 1
+) -> tuple[dict[str, float], ...]:
+    """`float8_saved` of a traced micro-batch: the recompute share as the trace counted it.
+
+    The share is the work recomputation re-ran other than attention, over the converted
+    linears' forward GEMMs (at most 1): full checkpointing re-runs all but a block's last
+    matmul, selective checkpointing the matmuls it does not keep.
+    """
+    if not linears:
+        return tuple(dict.fromkeys(_PHASES, 0.0) for _ in range(stages))
+    forward = sum(2 * tokens * k * n for _, k, n in linears)
+    redone = trace.recompute_flops - trace.attention_recompute_flops
+    share = min(1.0, redone / forward) if forward else 0.0
+    return float8_saved(linears, tokens, share, hw, stages)

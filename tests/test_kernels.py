@@ -1,0 +1,175 @@
+"""fs.Kernels: compile, Float8 linears and async TP in the estimate's step time.
+
+Float8's saving is torchao's roofline per linear (three GEMMs in float8 instead of bf16,
+less the casts); compile runs the work other than attention faster; async TP hides the
+tensor-parallel collectives under that work. Each is checked against its own statement,
+and the estimate against the parts it adds up.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import functional_shard as fs
+from functional_shard.costing.kernels import Clock, _gemm_seconds, float8_linears, float8_saved
+from functional_shard.planning import rules
+from functional_shard.zoo import Block, Llama, LlamaConfig
+
+H100 = fs.hardware("h100")
+ALL = fs.Kernels(compile=True, float8=True, async_tp=True)
+
+
+@functools.cache
+def _model():
+    # linears large enough for float8 to pay (vocab 1,024: the head is told apart by it)
+    return Llama(LlamaConfig(1024, 2048, 8192, 4, 16, 4)).to("meta")
+
+
+@functools.cache
+def _plan(kind: str) -> fs.Plan:
+    model = _model()
+    bf16 = fs.mixed_precision()
+    if kind == "fsdp":
+        return fs.shard(model, fs.Mesh(dp=8), fs.fsdp("dp") + bf16 + fs.checkpointing(Block))
+    if kind == "tp_sp":
+        tp = fs.tp(rules.llama, "tp", sequence_parallel=True)
+        return fs.shard(model, fs.Mesh(dp=2, tp=4), fs.fsdp("dp") + tp + bf16)
+    assert kind == "pp"
+    pipe = fs.pipeline("pp", microbatches=4)
+    return fs.shard(model, fs.Mesh(pp=2, dp=2), pipe + fs.fsdp("dp") + bf16 + fs.checkpointing(Block))
+
+
+def _estimate(kind: str, kernels: fs.Kernels | None = None, hardware: fs.Hardware = H100) -> fs.Estimate:
+    batch = 4 if kind == "pp" else 1
+    return fs.estimate(_model(), _plan(kind), batch=batch, seq=4096, hardware=hardware, kernels=kernels)
+
+
+def test_kernels_refuse_what_they_cannot_count():
+    with pytest.raises(fs.ShardingError, match=r"float8=True.*without compile"):
+        fs.Kernels(float8=True)
+    with pytest.raises(fs.ShardingError, match=r"async_tp=True.*without compile"):
+        fs.Kernels(async_tp=True)
+    with pytest.raises(fs.ShardingError, match="True or False"):
+        fs.Kernels(compile=1)  # type: ignore[arg-type]
+    model = _model()
+    with pytest.raises(fs.ShardingError, match=r"an fs.Kernels"):
+        fs.estimate(model, _plan("fsdp"), batch=1, seq=128, kernels="compile")  # type: ignore[arg-type]
+    a100 = fs.hardware("a100").replace(compile_speedup=1.2)
+    with pytest.raises(fs.ShardingError, match=r"'a100' has no flops\['float8_e4m3fn'\], gemm_efficiency"):
+        fs.estimate(model, _plan("fsdp"), batch=1, seq=128, hardware=a100, kernels=ALL)
+    no_compile = H100.replace(compile_speedup=None)
+    with pytest.raises(fs.ShardingError, match=r"no compile_speedup.*hw.replace"):
+        fs.estimate(model, _plan("fsdp"), batch=1, seq=128, hardware=no_compile, kernels=ALL)
+    fp32 = fs.shard(model, fs.Mesh(dp=8), fs.fsdp("dp"))
+    with pytest.raises(fs.ShardingError, match=r"computes in float32.*mixed_precision"):
+        fs.estimate(model, fp32, batch=1, seq=128, kernels=fs.Kernels(compile=True, float8=True))
+    with pytest.raises(fs.ShardingError, match="sequence_parallel=True"):
+        fs.estimate(model, _plan("fsdp"), batch=1, seq=128, kernels=ALL)
+
+
+@given(
+    m=st.integers(1, 1 << 16),
+    k=st.integers(1, 1 << 15),
+    n=st.integers(1, 1 << 15),
+    recompute=st.floats(0.0, 1.0),
+)
+def test_float8_saving_is_torchaos_roofline_of_the_linear(m, k, n, recompute):
+    # torchao's per-linear total: three GEMMs in bf16 against float8, and the tensorwise
+    # casts of the input (6 bytes an element), the weight (8) and the output's gradient (6)
+    saved = float8_saved([(0, k, n)], m, recompute, H100)[0]
+
+    def gemms(float8: bool) -> float:
+        return sum(_gemm_seconds(*shape, H100, float8=float8) for shape in ((m, k, n), (m, n, k), (k, m, n)))
+
+    assert H100.memory_efficiency is not None
+    casts = (6 * m * k + 8 * k * n + 6 * m * n) / (H100.memory_bandwidth * H100.memory_efficiency)
+    once = saved["forward"] + saved["backward"] + saved["weight"]
+    assert once == pytest.approx(gemms(False) - gemms(True) - casts, rel=1e-9, abs=1e-15)
+    assert saved["recompute"] == pytest.approx(recompute * saved["forward"], rel=1e-9, abs=1e-15)
+    assert saved["weight"] >= 0  # no cast before the weight's gradient: only the GEMM's gain
+
+
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 8192), st.integers(1, 8192)), max_size=6))
+def test_float8_saving_adds_up_per_stage(linears):
+    together = float8_saved(linears, 4096, 1.0, H100, stages=3)
+    for stage in range(3):
+        alone = [
+            float8_saved([linear], 4096, 1.0, H100, stages=3)[stage]
+            for linear in linears
+            if linear[0] == stage
+        ]
+        for phase, seconds in together[stage].items():
+            assert seconds == pytest.approx(sum(a[phase] for a in alone), rel=1e-9, abs=1e-15)
+
+
+def test_float8_linears_leave_out_the_head_and_take_local_shapes():
+    model = _model()
+    found = float8_linears(model, _plan("tp_sp"))
+    # 7 projections a block, the head (1,024 outputs, the vocabulary) left out
+    assert len(found) == 7 * 4
+    # column-wise q splits its outputs over tp=4, row-wise o its inputs
+    assert found[0] == (0, 2048, 512)
+    assert (0, 512, 2048) in found
+    stages = {stage for stage, _, _ in float8_linears(model, _plan("pp"))}
+    assert stages == {0, 1}
+
+
+def test_compile_speeds_up_all_but_attention():
+    eager = _estimate("fsdp")
+    same = _estimate("fsdp", fs.Kernels(compile=True), H100.replace(compile_speedup=1.0))
+    assert same.compute_seconds == pytest.approx(eager.compute_seconds)
+    twice = _estimate("fsdp", fs.Kernels(compile=True), H100.replace(compile_speedup=2.0))
+    # attention (a quarter of the work here, or so) is not sped up
+    assert eager.compute_seconds / 2 < twice.compute_seconds < eager.compute_seconds
+
+
+def test_float8_subtracts_its_saving_from_compiled_compute():
+    compiled = _estimate("fsdp", fs.Kernels(compile=True))
+    float8 = _estimate("fsdp", fs.Kernels(compile=True, float8=True))
+    saving = compiled.compute_seconds - float8.compute_seconds
+    linears = float8_linears(_model(), _plan("fsdp"))
+    # full checkpointing re-runs every block's linears but its last (down) projection
+    bounds = [sum(float8_saved(linears, 4096, share, H100)[0].values()) for share in (0.5, 1.0)]
+    assert bounds[0] < saving <= bounds[1]
+    assert float8.explain().count("Float8 linears") == 1
+    assert float8.to_dict()["kernels"] == {"compile": True, "float8": True, "async_tp": False}
+
+
+def test_float8_under_a_pipeline_saves_per_stage_as_its_linears_do():
+    compiled = _estimate("pp", fs.Kernels(compile=True))
+    float8 = _estimate("pp", fs.Kernels(compile=True, float8=True))
+    assert compiled.pipeline is not None
+    assert float8.pipeline is not None
+    linears = float8_linears(_model(), _plan("pp"))
+    # a micro-batch is one sequence: each stage's forward saves what its own linears save
+    saved = float8_saved(linears, 4096, 1.0, H100, stages=2)
+    for before, after, mine in zip(compiled.pipeline.stages, float8.pipeline.stages, saved, strict=True):
+        assert before.forward_seconds - after.forward_seconds == pytest.approx(mine["forward"])
+        assert after.backward_seconds < before.backward_seconds
+    assert float8.step_seconds < compiled.step_seconds
+
+
+def test_async_tp_hides_the_forwards_tensor_parallel_under_its_matmuls():
+    compiled = _estimate("tp_sp", fs.Kernels(compile=True, float8=True))
+    overlapped = _estimate("tp_sp", ALL)
+    # the forward's half of the collectives hides; backward's and recompute's do not
+    tp = compiled.exposed_seconds["tensor parallel"]
+    assert overlapped.exposed_seconds["tensor parallel"] == pytest.approx(tp / 2)
+    assert overlapped.step_seconds == pytest.approx(compiled.step_seconds - tp / 2)
+    # with links far slower than the matmuls, only as much as the forward's work hides
+    slow = H100.replace(intra_node_bandwidth=H100.intra_node_bandwidth / 1e4)
+    slow_tp = _estimate("tp_sp", fs.Kernels(compile=True, float8=True), slow).exposed_seconds[
+        "tensor parallel"
+    ]
+    hidden = slow_tp - _estimate("tp_sp", ALL, slow).exposed_seconds["tensor parallel"]
+    assert 0 < hidden < slow_tp / 100
+
+
+def test_clock_counts_attention_at_the_rate_and_the_rest_faster():
+    clock = Clock(rate=10.0, speedup=4.0)
+    assert clock.seconds(50.0, attention=10.0) == pytest.approx(1.0 + 1.0)
+    assert clock.seconds(50.0, attention=10.0, saved=0.5) == pytest.approx(1.5)
