@@ -31,6 +31,7 @@ from functional_shard.zoo import Block, llama
 
 COMPILE = fs.Kernels(compile=True)
 FLOAT8 = fs.Kernels(compile=True, float8=True)
+FLOAT8_GATHERS = fs.Kernels(compile=True, float8=True, float8_all_gather=True)
 ASYNC_TP = fs.Kernels(compile=True, float8=True, async_tp=True)
 
 
@@ -46,7 +47,7 @@ def rows() -> list[tuple[str, str, object, object, int, int, float | None]]:
         ("torchtitan T1 8B", "compile", COMPILE, (m8, fsdp8), 2, 8192, 6667),
         ("torchtitan T1 8B", "compile + Float8", FLOAT8, (m8, fsdp8), 2, 8192, 8532),
         ("torchao README 8B", "compile", COMPILE, (m8, fsdp8), 1, 8192, 6150),
-        ("torchao README 8B", "compile + Float8", FLOAT8, (m8, fsdp8), 1, 8192, 7689.5),
+        ("torchao README 8B", "+ Float8, Float8 all-gathers", FLOAT8_GATHERS, (m8, fsdp8), 1, 8192, 7689.5),
         ("torchtitan T4 70B", "eager", None, (m70, two_d), 16, 8192, None),
         ("torchtitan T4 70B", "compile + Float8", FLOAT8, (m70, two_d), 16, 8192, 829),
         ("torchtitan T4 70B", "+ async TP", ASYNC_TP, (m70, two_d), 16, 8192, 876),

@@ -15,7 +15,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_shard as fs
-from functional_shard.costing.kernels import Clock, _gemm_seconds, float8_linears, float8_saved
+from functional_shard.costing.kernels import (
+    Clock,
+    _gemm_seconds,
+    float8_gathered,
+    float8_linears,
+    float8_saved,
+)
 from functional_shard.planning import rules
 from functional_shard.zoo import Block, Llama, LlamaConfig
 
@@ -53,6 +59,8 @@ def test_kernels_refuse_what_they_cannot_count():
         fs.Kernels(float8=True)
     with pytest.raises(fs.ShardingError, match=r"async_tp=True.*without compile"):
         fs.Kernels(async_tp=True)
+    with pytest.raises(fs.ShardingError, match=r"float8_all_gather=True.*without float8"):
+        fs.Kernels(compile=True, float8_all_gather=True)
     with pytest.raises(fs.ShardingError, match="True or False"):
         fs.Kernels(compile=1)  # type: ignore[arg-type]
     model = _model()
@@ -67,6 +75,10 @@ def test_kernels_refuse_what_they_cannot_count():
     fp32 = fs.shard(model, fs.Mesh(dp=8), fs.fsdp("dp"))
     with pytest.raises(fs.ShardingError, match=r"computes in float32.*mixed_precision"):
         fs.estimate(model, fp32, batch=1, seq=128, kernels=fs.Kernels(compile=True, float8=True))
+    gathers = fs.Kernels(compile=True, float8=True, float8_all_gather=True)
+    tp_only = fs.shard(model, fs.Mesh(tp=8), fs.tp(rules.llama, "tp") + fs.mixed_precision())
+    with pytest.raises(fs.ShardingError, match=r"gathers no parameters.*fs.fsdp"):
+        fs.estimate(model, tp_only, batch=1, seq=128, kernels=gathers)
     with pytest.raises(fs.ShardingError, match="sequence_parallel=True"):
         fs.estimate(model, _plan("fsdp"), batch=1, seq=128, kernels=ALL)
 
@@ -136,7 +148,12 @@ def test_float8_subtracts_its_saving_from_compiled_compute():
     bounds = [sum(float8_saved(linears, 4096, share, H100)[0].values()) for share in (0.5, 1.0)]
     assert bounds[0] < saving <= bounds[1]
     assert float8.explain().count("Float8 linears") == 1
-    assert float8.to_dict()["kernels"] == {"compile": True, "float8": True, "async_tp": False}
+    assert float8.to_dict()["kernels"] == {
+        "compile": True,
+        "float8": True,
+        "async_tp": False,
+        "float8_all_gather": False,
+    }
 
 
 def test_float8_under_a_pipeline_saves_per_stage_as_its_linears_do():
@@ -167,6 +184,23 @@ def test_async_tp_hides_the_forwards_tensor_parallel_under_its_matmuls():
     ]
     hidden = slow_tp - _estimate("tp_sp", ALL, slow).exposed_seconds["tensor parallel"]
     assert 0 < hidden < slow_tp / 100
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "pp"])
+def test_float8_all_gathers_halve_the_gathered_weights_of_the_linears(kind):
+    float8 = fs.Kernels(compile=True, float8=True)
+    gathers = fs.Kernels(compile=True, float8=True, float8_all_gather=True)
+    before, after = (_estimate(kind, kernels) for kernels in (float8, gathers))
+    saved = float8_gathered(_model(), _plan(kind), "bfloat16")
+    # every block's unit saves alike: a byte of its linears' weights an element
+    assert len(set(saved.values())) == 1
+    assert "" not in saved  # the root holds the embedding and the head: not converted
+    # flat FSDP holds two blocks at once (the running one and the prefetched one); under a
+    # pipeline the rank's stage keeps its two blocks gathered across micro-batches
+    assert before.memory["gathered"] - after.memory["gathered"] == 2 * next(iter(saved.values()))
+    assert {k: v for k, v in before.memory.items() if k != "gathered"} == {
+        k: v for k, v in after.memory.items() if k != "gathered"
+    }
 
 
 def test_clock_counts_attention_at_the_rate_and_the_rest_faster():

@@ -14,7 +14,7 @@ from functional_shard.core.sequence import causal_imbalance
 from .context_engines import with_engine, with_ring_workspace
 from .cost import cost
 from .estimate_record import Estimate
-from .kernels import Clock, saved_by_stage
+from .kernels import Clock, gathered_with_float8, saved_by_stage
 from .loss_memory import loss_workspace
 from .pipeline_estimate import pipeline_parts
 from .step_model import Assembly, StepParts, _recomputed, cp_size, gathered_in_flight, step_time
@@ -28,6 +28,7 @@ __all__ = ["Assembly", "assemble"]
 def _flat_parts(assembly: Assembly) -> StepParts:
     plan, trace = assembly.plan, assembly.trace
     tokens = assembly.batch * assembly.seq
+    units = gathered_with_float8(assembly.units, assembly.float8_gathered)
     plan_cost = (
         assembly.costs[0]
         if assembly.costs
@@ -41,7 +42,7 @@ def _flat_parts(assembly: Assembly) -> StepParts:
         "grads": plan_cost.grads_bytes,
         "optimizer": plan_cost.optimizer_bytes,
         "buffers": plan_cost.buffers_bytes,
-        "gathered": gathered_in_flight(plan, assembly.units),
+        "gathered": gathered_in_flight(plan, units),
         "activations": int(trace.activation_bytes),
         "loss_workspace": loss_workspace(trace.output_bytes, trace.output_numel, plan.config.loss_parallel),
     }
@@ -54,7 +55,7 @@ def _flat_parts(assembly: Assembly) -> StepParts:
         forward_flops=trace.forward_flops,
         backward_flops=trace.backward_flops,
         recompute_flops=trace.recompute_flops,
-        units=assembly.units,
+        units=units,
         attention_flops=trace.attention_flops
         + trace.attention_backward_flops
         + trace.attention_recompute_flops,

@@ -22,7 +22,7 @@ from .cost import OptimizerKind
 from .estimate_record import Estimate
 from .hardware import Hardware
 from .hardware import hardware as _hardware
-from .kernels import Kernels, check_kernels, float8_linears
+from .kernels import Kernels, check_kernels, float8_gathered, float8_linears
 from .pipeline_estimate import microbatch_size
 from .step_model import compute_dtype, unit_gathered_bytes
 
@@ -98,9 +98,9 @@ def estimate(
             ``schedule.step()`` does unless given ``return_outputs=False`` (torch 2.6 to
             2.9 always did; torchtitan's published runs of 2024 ran so). The runtime
             frees each at its micro-batch's backward, the default here.
-        kernels: `fs.Kernels`: count ``torch.compile``, torchao's Float8 linears and async
-            tensor parallel as torchtitan runs them (`functional_shard.costing.kernels`
-            says how each is modeled); by default eager bf16.
+        kernels: `fs.Kernels`: count ``torch.compile``, torchao's Float8 linears (and their
+            Float8 all-gathers) and async tensor parallel as torchtitan runs them
+            (`functional_shard.costing.kernels` says how each is modeled); by default eager bf16.
 
     Returns:
         An `Estimate`.
@@ -159,6 +159,7 @@ def estimate(
             keep_outputs=keep_outputs,
             kernels=kernels,
             float8_linears=float8_linears(model, plan) if kernels.float8 else (),
+            float8_gathered=float8_gathered(model, plan, dtype) if kernels.float8_all_gather else {},
         )
     )
 

@@ -23,6 +23,7 @@ its `Hardware.compute_efficiency` comes from. Each option is a model with a publ
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -39,8 +40,11 @@ __all__ = [
     "Clock",
     "Kernels",
     "check_kernels",
+    "float8_gathered",
     "float8_linears",
     "float8_saved",
+    "float8_weights",
+    "gathered_with_float8",
     "phase_saved",
     "saved_by_stage",
 ]
@@ -63,6 +67,9 @@ class Kernels:
         compile: ``torch.compile`` of each block (torchtitan's ``training.compile``).
         float8: torchao's tensorwise Float8 linears, the output head left out (needs compile).
         async_tp: torch's async tensor parallel (needs compile and sequence parallel).
+        float8_all_gather: FSDP gathers the Float8 linears' weights in float8, one byte an
+            element, and they stay so while gathered (torchao's ``enable_fsdp_float8_all_gather``;
+            needs float8).
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -77,11 +84,17 @@ class Kernels:
     compile: bool = False
     float8: bool = False
     async_tp: bool = False
+    float8_all_gather: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("compile", "float8", "async_tp"):
+        for name in ("compile", "float8", "async_tp", "float8_all_gather"):
             if not isinstance(getattr(self, name), bool):
                 raise ShardingError(f"fs.Kernels({name}={getattr(self, name)!r}): True or False")
+        if self.float8_all_gather and not self.float8:
+            raise ShardingError(
+                "fs.Kernels(float8_all_gather=True) without float8: only Float8 linears' weights "
+                "gather in float8; set float8=True as well"
+            )
         for name in ("float8", "async_tp"):
             if getattr(self, name) and not self.compile:
                 raise ShardingError(
@@ -93,7 +106,12 @@ class Kernels:
     @property
     def names(self) -> tuple[str, ...]:
         """The options set, as `explain` lists them."""
-        labels = {"compile": "torch.compile", "float8": "Float8 linears", "async_tp": "async TP"}
+        labels = {
+            "compile": "torch.compile",
+            "float8": "Float8 linears",
+            "async_tp": "async TP",
+            "float8_all_gather": "Float8 all-gathers",
+        }
         return tuple(label for name, label in labels.items() if getattr(self, name))
 
 
@@ -131,6 +149,11 @@ def check_kernels(kernels: Kernels, plan: Plan, hw: Hardware, dtype: str) -> Non
                 f"estimate(kernels=...float8=True): the plan computes in {dtype}; Float8 linears "
                 "replace bf16 matmuls: add fs.mixed_precision()"
             )
+    if kernels.float8_all_gather and not plan.config.shard_axes:
+        raise ShardingError(
+            "estimate(kernels=...float8_all_gather=True): the plan gathers no parameters; it needs "
+            "FSDP (fs.fsdp, fs.hsdp or fs.zero(3))"
+        )
     if kernels.async_tp and not plan.config.sequence_parallel:
         raise ShardingError(
             "estimate(kernels=...async_tp=True): async tensor parallel overlaps sequence parallel's "
@@ -138,8 +161,8 @@ def check_kernels(kernels: Kernels, plan: Plan, hw: Hardware, dtype: str) -> Non
         )
 
 
-def float8_linears(model: Any, plan: Plan) -> tuple[tuple[int, int, int], ...]:
-    """``(stage, in_features, out_features)`` of each linear torchao converts, as its stage computes it.
+def float8_weights(model: Any, plan: Plan) -> tuple[str, ...]:
+    """The weight paths of the linears torchao converts.
 
     Every ``nn.Linear`` but the output head: one whose outputs number the model's
     vocabulary (an ``nn.Embedding``'s rows), as torchtitan's filter leaves out ``output``.
@@ -148,25 +171,72 @@ def float8_linears(model: Any, plan: Plan) -> tuple[tuple[int, int, int], ...]:
     Examples:
         >>> from functional_shard.zoo import llama
         >>> model = llama("tiny")
-        >>> plan = fs.shard(model, fs.Mesh(tp=2), fs.tp(fs.rules.llama, "tp"))
-        >>> float8_linears(model, plan)[0]
-        (0, 64, 32)
+        >>> plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp("dp"))
+        >>> float8_weights(model, plan)[:2]
+        ('layers.0.self_attn.q_proj.weight', 'layers.0.self_attn.k_proj.weight')
     """
     from torch import nn
 
     vocab = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
     experts = plan.config.expert_modules
+    return tuple(
+        f"{path}.weight"
+        for path, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+        and module.out_features not in vocab
+        and not any(path == e or path.startswith(e + ".") for e in experts)
+    )
+
+
+def float8_linears(model: Any, plan: Plan) -> tuple[tuple[int, int, int], ...]:
+    """``(stage, in_features, out_features)`` of each `float8_weights` linear, as its stage computes it.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> model = llama("tiny")
+        >>> plan = fs.shard(model, fs.Mesh(tp=2), fs.tp(fs.rules.llama, "tp"))
+        >>> float8_linears(model, plan)[0]
+        (0, 64, 32)
+    """
     found = []
-    for path, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or module.out_features in vocab:
-            continue
-        if any(path == e or path.startswith(e + ".") for e in experts):
-            continue
-        stage = plan.stage_of(f"{path}.weight")
+    for weight in float8_weights(model, plan):
+        stage = plan.stage_of(weight)
         holder = plan.ranks_of_stage(stage)[0]  # tensor-parallel shards differ by at most a row
-        out_features, in_features = plan.local_shape(f"{path}.weight", holder, "compute")
+        out_features, in_features = plan.local_shape(weight, holder, "compute")
         found.append((stage, in_features, out_features))
     return tuple(found)
+
+
+def float8_gathered(model: Any, plan: Plan, dtype: str) -> dict[str, int]:
+    """FSDP unit -> the gathered bytes Float8 all-gathers save: a byte an element, not ``dtype``'s.
+
+    Only weights FSDP shards at rest are gathered; each unit's saving is its converted
+    weights' compute-shape elements times (``dtype``'s size - 1).
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> model = llama("tiny")
+        >>> plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp("dp") + fs.mixed_precision())
+        >>> float8_gathered(model, plan, "bfloat16")["layers.0"]
+        46080
+    """
+    from functional_shard.core.tree import dtype_from_name
+
+    spare = dtype_from_name(dtype).itemsize - 1
+    saved: dict[str, int] = {}
+    for weight in float8_weights(model, plan):
+        if not plan.sharding(weight).at_rest_axes:
+            continue
+        holder = plan.ranks_of_stage(plan.stage_of(weight))[0]
+        numel = math.prod(plan.local_shape(weight, holder, "compute"))
+        unit = plan.unit_of(weight)
+        saved[unit] = saved.get(unit, 0) + numel * spare
+    return saved
+
+
+def gathered_with_float8(units: Mapping[str, int], saved: Mapping[str, int]) -> dict[str, int]:
+    """``units``' gathered bytes less what Float8 all-gathers save (`float8_gathered`)."""
+    return {unit: nbytes - saved.get(unit, 0) for unit, nbytes in units.items()}
 
 
 def _gemm_seconds(m: int, k: int, n: int, hw: Hardware, *, float8: bool) -> float:

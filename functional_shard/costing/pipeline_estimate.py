@@ -33,7 +33,7 @@ from .census import census_of
 from .context_engines import with_ring_workspace
 from .cost import Cost, OptimizerKind, cost, unit_gathered
 from .estimate_record import PipelineEstimate, StageEstimate
-from .kernels import Clock, phase_saved, saved_by_stage
+from .kernels import Clock, gathered_with_float8, phase_saved, saved_by_stage
 from .loss_memory import pipeline_loss_workspace
 from .step_model import Assembly, StepParts, cp_size, gathered_in_flight
 
@@ -213,13 +213,14 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
         # each pp coordinate's units, gathered where they live (``units`` are pp rank 0's)
         held_units = unit_gathered(plan, census, plan.mesh.coords(_rank_of_coordinate(plan, c, rank)))
         stage_units.append(_stage_units(plan, held_units, mine))
+        in_float8 = gathered_with_float8(stage_units[c], assembly.float8_gathered)
         memories.append(
             {
                 "params": plan_cost.params_bytes,
                 "grads": plan_cost.grads_bytes,
                 "optimizer": plan_cost.optimizer_bytes,
                 "buffers": plan_cost.buffers_bytes,
-                "gathered": gathered_in_flight(sub_plans[c], stage_units[c]),
+                "gathered": gathered_in_flight(sub_plans[c], in_float8),
                 "accumulated_grads": _accumulated_grads(plan, stage_units[c]),
                 # and once per rank, whatever is in flight, what every micro-batch shares
                 "activations": int(held[c] + trace.step_bytes),
@@ -278,7 +279,7 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
         forward_flops=flops["forward"],
         backward_flops=flops["backward"],
         recompute_flops=flops["recompute"],
-        units=stage_units[chosen],
+        units=gathered_with_float8(stage_units[chosen], assembly.float8_gathered),
         # the rank's stages' attention, in the share of the trace's flops they run
         attention_flops=_attention_share(trace, sum(flops.values())),
         compute_seconds=timeline.makespan,

@@ -62,6 +62,8 @@ class Assembly:
             output to the step's end, as torch's ``schedule.step()`` does by default.
         kernels: compile, Float8 and async TP (`functional_shard.costing.kernels`).
         float8_linears: with Float8, the linears converted (`kernels.float8_linears`).
+        float8_gathered: with Float8 all-gathers, each unit's gathered bytes they save
+            (`kernels.float8_gathered`).
     """
 
     plan: Plan
@@ -78,6 +80,7 @@ class Assembly:
     keep_outputs: bool = False
     kernels: Kernels = field(default_factory=Kernels)
     float8_linears: tuple[tuple[int, int, int], ...] = ()
+    float8_gathered: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -200,19 +200,19 @@ def read_hardware(name: str) -> Hardware:
 
 
 def read_kernels(text: str) -> Kernels:
-    """The `fs.Kernels` that ``--kernels`` names, comma-separated: compile, float8, async_tp.
+    """The `fs.Kernels` that ``--kernels`` names, comma-separated (its fields set to True).
 
     Raises:
         ShardingError: an unknown name, or one its option refuses (float8 without compile).
 
     Examples:
         >>> read_kernels("compile,float8")
-        Kernels(compile=True, float8=True, async_tp=False)
+        Kernels(compile=True, float8=True, async_tp=False, float8_all_gather=False)
     """
     from functional_shard.costing.kernels import Kernels
 
     names = [name.strip() for name in text.split(",") if name.strip()]
-    known = ("compile", "float8", "async_tp")
+    known = ("compile", "float8", "async_tp", "float8_all_gather")
     unknown = [name for name in names if name not in known]
     if unknown or not names:
         raise InputError(f"--kernels {text!r}: name some of {', '.join(known)}, comma-separated")

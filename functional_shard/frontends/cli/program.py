@@ -80,8 +80,8 @@ def parser() -> argparse.ArgumentParser:
     plan_flags.add_argument("--hardware", help="h100, h200, a100, b200 or local (default with --seq: h100)")
     plan_flags.add_argument(
         "--kernels",
-        help="with --seq: count compile, float8 and/or async_tp in the step time, comma-separated "
-        "(e.g. compile,float8,async_tp as torchtitan runs; default: eager)",
+        help="with --seq: count compile, float8, async_tp and/or float8_all_gather, comma-separated "
+        "(e.g. compile,float8,async_tp,float8_all_gather as torchtitan runs; default: eager)",
     )
     plan_flags.add_argument(
         "--auto", action="store_true", help="search meshes and policies for the fastest plan that fits"
