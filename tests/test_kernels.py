@@ -21,6 +21,7 @@ from functional_shard.costing.kernels import (
     float8_gathered,
     float8_linears,
     float8_saved,
+    float8_weights,
 )
 from functional_shard.planning import rules
 from functional_shard.zoo import Block, Llama, LlamaConfig
@@ -128,6 +129,14 @@ def test_float8_linears_leave_out_the_head_and_take_local_shapes():
     assert (0, 512, 2048) in found
     stages = {stage for stage, _, _ in float8_linears(model, _plan("pp"))}
     assert stages == {0, 1}
+
+
+def test_float8_leaves_out_the_head_even_where_the_vocabulary_is_the_width():
+    # a hidden width equal to the vocabulary: only the head is left out, by what it is
+    model = Llama(LlamaConfig(1024, 1024, 4096, 2, 8, 4)).to("meta")
+    plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp("dp"))
+    assert len(float8_weights(model, plan)) == 7 * 2
+    assert "lm_head.weight" not in float8_weights(model, plan)
 
 
 def test_compile_speeds_up_all_but_attention():

@@ -164,27 +164,32 @@ def check_kernels(kernels: Kernels, plan: Plan, hw: Hardware, dtype: str) -> Non
 def float8_weights(model: Any, plan: Plan) -> tuple[str, ...]:
     """The weight paths of the linears torchao converts.
 
-    Every ``nn.Linear`` but the output head: one whose outputs number the model's
-    vocabulary (an ``nn.Embedding``'s rows), as torchtitan's filter leaves out ``output``.
-    The experts of `fs.ep` are left out too (their tokens are routed, not every token).
+    Every ``nn.Linear`` but the output head, as torchtitan's filter leaves out ``output``:
+    the model's ``get_output_embeddings()`` (Hugging Face's), else its last linear when that
+    one's outputs number an ``nn.Embedding``'s rows (the vocabulary). The experts of `fs.ep`
+    are left out too (their tokens are routed, not every token).
 
     Examples:
         >>> from functional_shard.zoo import llama
         >>> model = llama("tiny")
         >>> plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp("dp"))
-        >>> float8_weights(model, plan)[:2]
-        ('layers.0.self_attn.q_proj.weight', 'layers.0.self_attn.k_proj.weight')
+        >>> weights = float8_weights(model, plan)
+        >>> weights[:2], "lm_head.weight" in weights
+        (('layers.0.self_attn.q_proj.weight', 'layers.0.self_attn.k_proj.weight'), False)
     """
     from torch import nn
 
+    linears = [(path, m) for path, m in model.named_modules() if isinstance(m, nn.Linear)]
+    output = getattr(model, "get_output_embeddings", None)
+    head = output() if callable(output) else None
     vocab = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+    if head is None and linears and linears[-1][1].out_features in vocab:
+        head = linears[-1][1]
     experts = plan.config.expert_modules
     return tuple(
         f"{path}.weight"
-        for path, module in model.named_modules()
-        if isinstance(module, nn.Linear)
-        and module.out_features not in vocab
-        and not any(path == e or path.startswith(e + ".") for e in experts)
+        for path, module in linears
+        if module is not head and not any(path == e or path.startswith(e + ".") for e in experts)
     )
 
 
