@@ -77,7 +77,7 @@ def test_kernels_refuse_what_they_cannot_count():
     with pytest.raises(fs.ShardingError, match=r"computes in float32.*mixed_precision"):
         fs.estimate(model, fp32, batch=1, seq=128, kernels=fs.Kernels(compile=True, float8=True))
     gathers = fs.Kernels(compile=True, float8=True, float8_all_gather=True)
-    tp_only = fs.shard(model, fs.Mesh(tp=8), fs.tp(rules.llama, "tp") + fs.mixed_precision())
+    tp_only = fs.shard(model, fs.Mesh(tp=4), fs.tp(rules.llama, "tp") + fs.mixed_precision())
     with pytest.raises(fs.ShardingError, match=r"gathers no parameters.*fs.fsdp"):
         fs.estimate(model, tp_only, batch=1, seq=128, kernels=gathers)
     with pytest.raises(fs.ShardingError, match="sequence_parallel=True"):
