@@ -204,6 +204,19 @@ def test_inputs_that_do_not_fit_the_model_are_a_sharding_error():
         fs.estimate(model, plans["fsdp"], batch=2, seq=16, rank=7)
 
 
+def test_a_plan_the_model_cannot_run_points_at_check_runnable():
+    model, _ = _plans()  # 2 key/value heads: 4 tensor-parallel ranks would split them
+    plan = fs.shard(model, fs.Mesh(tp=4), fs.tp(rules.llama, "tp"))
+    with pytest.raises(fs.ShardingError, match=re.escape("fs.check_runnable(plan, model) names it")):
+        fs.estimate(model, plan, batch=2, seq=16)
+    with pytest.raises(fs.ShardingError, match=r"its 2 attention heads .* do not split over 4"):
+        fs.check_runnable(plan, model)
+    # a plan without tensor parallel has nothing to split: the message stays about inputs
+    with pytest.raises(fs.ShardingError) as refused:
+        fs.estimate(model, _plans()[1]["fsdp"], batch=2, seq=16, inputs=torch.zeros(2, 16, 3, device="meta"))
+    assert "check_runnable" not in str(refused.value)
+
+
 @pytest.mark.parametrize("text", ["80 parsecs", "GiB", "-1GiB", "", "1e3GB"])
 def test_bad_sizes_are_refused(text):
     with pytest.raises(fs.ShardingError, match=re.escape(f"memory size {text!r}")):

@@ -220,10 +220,17 @@ class _Run:
                     shapes = tree_map_only(
                         torch.Tensor, lambda t: f"{t.dtype}{list(t.shape)}", (args, kwargs)
                     )
+                    split = (
+                        "; if they do, the plan may split what the model cannot run at its local "
+                        "shapes (attention heads a tensor-parallel size does not divide, say): "
+                        "fs.check_runnable(plan, model) names it"
+                        if config.tensor_parallel_axes
+                        else ""
+                    )
                     raise ShardingError(
                         f"trace_activations: {type(model).__name__}'s forward failed on inputs {shapes}: "
                         f"{type(error).__name__}: {error}. Pass inputs= that fit its forward (a tensor, a "
-                        "tuple or a dict of keyword arguments)"
+                        f"tuple or a dict of keyword arguments){split}"
                     ) from error
             output = _first_tensor(raw)
             del raw, args, kwargs
