@@ -1,7 +1,7 @@
-"""What torch.compile, Float8 linears and async tensor parallel change in a step's time.
+"""What torch.compile, Float8 linears and async tensor parallel change in a step.
 
-torchtitan's published runs use all three; the estimate's default is eager bf16, the runs
-its `Hardware.compute_efficiency` comes from. Each option is a model with a public source
+torchtitan's published runs use them; the estimate's default is eager bf16, the runs its
+`Hardware.compute_efficiency` comes from. Each option is a model with a public source
 (docs/will-it-fit.md, "Kernels"):
 
 * **compile**: Inductor fuses the elementwise work around the matmuls; attention runs the
@@ -16,9 +16,12 @@ its `Hardware.compute_efficiency` comes from. Each option is a model with a publ
   memory bandwidth, per linear at its local shape. It needs compile (torchao's casts are
   compiled kernels).
 * **async_tp**: torch's micro-pipelined tensor parallel (``_micro_pipeline_tp``) runs
-  sequence parallel's all-gathers and reduce-scatters inside the matmuls beside them: the
-  tensor-parallel collectives are hidden under the work other than attention, exposed
-  only beyond it. It needs compile (it is an Inductor pass) and sequence parallel.
+  sequence parallel's all-gathers and reduce-scatters inside the matmuls beside them. The
+  published gains are the forward's, so the forward's tensor-parallel collectives hide
+  under the forward's work other than attention; the backward's and the recompute's stay
+  exposed. It needs compile (it is an Inductor pass) and sequence parallel.
+* **float8_all_gather**: FSDP gathers the converted weights in float8 and holds them so:
+  a byte an element of the gathered memory (torchao's ``enable_fsdp_float8_all_gather``).
 """
 
 from __future__ import annotations
