@@ -10,8 +10,9 @@ import pytest
 import functional_shard as fs
 from functional_shard.costing.activations import regroup, trace_activations
 from functional_shard.costing.estimate import compare_schedules
+from functional_shard.costing.pipeline_estimate import with_schedule
 from functional_shard.planning.schedules import simulate
-from functional_shard.zoo import llama
+from functional_shard.zoo import Llama, LlamaConfig, llama
 
 BATCH, SEQ, M = 8, 16, 4
 
@@ -138,6 +139,20 @@ def test_schedules_compared():
     assert set(v_shaped) == {"zbv", "dualpipev"}
     with pytest.raises(fs.ShardingError, match=r"places stages on other ranks"):
         compare_schedules(_model(), _plan("zbv", 2), batch=BATCH, seq=SEQ, schedules=["looped_bfs"])
+
+
+def test_schedules_compared_with_kept_outputs_and_kernels_as_estimate_gives_them():
+    model = Llama(LlamaConfig(1024, 1024, 4096, 4, 8, 4)).to("meta")
+    policy = fs.pipeline("pp", microbatches=M, schedule="interleaved1f1b", stages_per_rank=2)
+    plan = fs.shard(model, fs.Mesh(pp=2, dp=2), policy + fs.fsdp("dp") + fs.mixed_precision())
+    kernels = fs.Kernels(compile=True, float8=True, float8_all_gather=True)
+    options = dict(batch=BATCH, seq=1024, hardware="h100", keep_outputs=True, kernels=kernels)
+    found = compare_schedules(model, plan, **options)
+    for schedule, compared in found.items():
+        alone = fs.estimate(model, with_schedule(plan, schedule), **options)
+        assert (compared.peak_bytes, compared.step_seconds) == (alone.peak_bytes, alone.step_seconds)
+        assert compared.kernels == kernels
+        assert compared.pipeline.kept_output_bytes > 0
 
 
 @pytest.mark.parametrize("microbatches", [4, 32])

@@ -175,6 +175,8 @@ def compare_schedules(
     schedules: Sequence[str] | None = None,
     optimizer: OptimizerKind = "adamw",
     hardware: str | Hardware | None = None,
+    keep_outputs: bool = False,
+    kernels: Kernels | None = None,
 ) -> dict[str, Estimate]:
     """`estimate` of ``plan`` under each schedule that runs its stages, placed as they are.
 
@@ -189,6 +191,8 @@ def compare_schedules(
         schedules: names to compare; by default every schedule torch can run here.
         optimizer: as for `cost`.
         hardware: as for `estimate`.
+        keep_outputs: as for `estimate`.
+        kernels: as for `estimate`.
 
     Returns:
         Schedule name -> its `Estimate` (``.pipeline.stage_activation_bytes``,
@@ -224,13 +228,25 @@ def compare_schedules(
         ]
         schedules = fitting
     hw = _hardware(hardware)
+    dtype = compute_dtype(plan)
+    kernels = Kernels() if kernels is None else kernels
+    check_kernels(kernels, plan, hw, dtype)
     plan = for_hardware(plan, hw)  # "auto" cp: the engine the hardware runs
     planned = {name: with_schedule(plan, name) for name in schedules}
-    dtype = compute_dtype(plan)
     micro = microbatch_size(plan, batch)
     trace = _trace(model, plan, batch=micro, seq=seq, stages=config.pipeline_stages)
     units = unit_gathered_bytes(plan)
     shared = dict(
-        trace=trace, hardware=hw, dtype=dtype, batch=batch, seq=seq, units=units, optimizer=optimizer
+        trace=trace,
+        hardware=hw,
+        dtype=dtype,
+        batch=batch,
+        seq=seq,
+        units=units,
+        optimizer=optimizer,
+        keep_outputs=keep_outputs,
+        kernels=kernels,
+        float8_linears=float8_linears(model, plan) if kernels.float8 else (),
+        float8_gathered=float8_gathered(model, plan, dtype) if kernels.float8_all_gather else {},
     )
     return {name: assemble(Assembly(plan=each, **shared)) for name, each in planned.items()}
