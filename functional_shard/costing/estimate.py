@@ -43,6 +43,19 @@ def _trace(model: Any, plan: Plan, **options: Any) -> Any:
         return trace_activations(model, plan, **options)
 
 
+def _kernel_fields(
+    model: Any, plan: Plan, kernels: Kernels | None, hw: Hardware, dtype: str
+) -> dict[str, Any]:
+    """`Assembly`'s kernel fields for ``kernels`` (``None``: eager), refused first if unfit."""
+    kernels = Kernels() if kernels is None else kernels
+    check_kernels(kernels, plan, hw, dtype)
+    return {
+        "kernels": kernels,
+        "float8_linears": float8_linears(model, plan) if kernels.float8 else (),
+        "float8_gathered": float8_gathered(model, plan, dtype) if kernels.float8_all_gather else {},
+    }
+
+
 def _check_positive(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ShardingError(f"estimate({name}={value!r}): a positive int")
@@ -130,8 +143,7 @@ def estimate(
     hw = _hardware(hardware)
     dtype = compute_dtype(plan)
     hw.peak_flops(dtype)  # fail early, before tracing
-    kernels = Kernels() if kernels is None else kernels
-    check_kernels(kernels, plan, hw, dtype)
+    with_kernels = _kernel_fields(model, plan, kernels, hw, dtype)
     plan = for_hardware(plan, hw)  # "auto" cp: the engine the hardware runs
     stages = plan.config.pipeline_stages or None
     trace = _trace(
@@ -157,9 +169,7 @@ def estimate(
             optimizer=optimizer,
             rank=rank,
             keep_outputs=keep_outputs,
-            kernels=kernels,
-            float8_linears=float8_linears(model, plan) if kernels.float8 else (),
-            float8_gathered=float8_gathered(model, plan, dtype) if kernels.float8_all_gather else {},
+            **with_kernels,
         )
     )
 
@@ -229,8 +239,7 @@ def compare_schedules(
         schedules = fitting
     hw = _hardware(hardware)
     dtype = compute_dtype(plan)
-    kernels = Kernels() if kernels is None else kernels
-    check_kernels(kernels, plan, hw, dtype)
+    with_kernels = _kernel_fields(model, plan, kernels, hw, dtype)
     plan = for_hardware(plan, hw)  # "auto" cp: the engine the hardware runs
     planned = {name: with_schedule(plan, name) for name in schedules}
     micro = microbatch_size(plan, batch)
@@ -245,8 +254,6 @@ def compare_schedules(
         units=units,
         optimizer=optimizer,
         keep_outputs=keep_outputs,
-        kernels=kernels,
-        float8_linears=float8_linears(model, plan) if kernels.float8 else (),
-        float8_gathered=float8_gathered(model, plan, dtype) if kernels.float8_all_gather else {},
+        **with_kernels,
     )
     return {name: assemble(Assembly(plan=each, **shared)) for name, each in planned.items()}

@@ -208,11 +208,14 @@ def float8_linears(model: Any, plan: Plan) -> tuple[tuple[int, int, int], ...]:
     """
     found = []
     for weight in float8_weights(model, plan):
-        stage = plan.stage_of(weight)
-        holder = plan.ranks_of_stage(stage)[0]  # tensor-parallel shards differ by at most a row
-        out_features, in_features = plan.local_shape(weight, holder, "compute")
-        found.append((stage, in_features, out_features))
+        out_features, in_features = _computed_shape(plan, weight)
+        found.append((plan.stage_of(weight), in_features, out_features))
     return tuple(found)
+
+
+def _computed_shape(plan: Plan, weight: str) -> tuple[int, ...]:
+    """``weight``'s compute shape on its stage's first rank (tp shards differ by a row at most)."""
+    return plan.local_shape(weight, plan.ranks_of_stage(plan.stage_of(weight))[0], "compute")
 
 
 def float8_gathered(model: Any, plan: Plan, dtype: str) -> dict[str, int]:
@@ -235,8 +238,7 @@ def float8_gathered(model: Any, plan: Plan, dtype: str) -> dict[str, int]:
     for weight in float8_weights(model, plan):
         if not plan.sharding(weight).at_rest_axes:
             continue
-        holder = plan.ranks_of_stage(plan.stage_of(weight))[0]
-        numel = math.prod(plan.local_shape(weight, holder, "compute"))
+        numel = math.prod(_computed_shape(plan, weight))
         unit = plan.unit_of(weight)
         saved[unit] = saved.get(unit, 0) + numel * spare
     return saved

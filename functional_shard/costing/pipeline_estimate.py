@@ -35,7 +35,7 @@ from .cost import Cost, OptimizerKind, cost, unit_gathered
 from .estimate_record import PipelineEstimate, StageEstimate
 from .kernels import Clock, gathered_with_float8, phase_saved, saved_by_stage
 from .loss_memory import pipeline_loss_workspace
-from .step_model import Assembly, StepParts, cp_size, gathered_in_flight
+from .step_model import Assembly, StepParts, cp_size, gathered_in_flight, in_share
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan import Plan
@@ -152,14 +152,14 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
     saved = saved_by_stage(trace, assembly.float8_linears, micro * seq // cp_size(plan), hw, n)
     # each stage's attention in its share of the phase's work (the trace counts it whole)
     forward = [
-        clock.seconds(f, _share(trace.attention_flops, f, trace.forward_flops), saved[s]["forward"])
+        clock.seconds(f, in_share(trace.attention_flops, f, trace.forward_flops), saved[s]["forward"])
         for s, f in enumerate(trace.stage_forward_flops)
     ]
     backward = [
         clock.seconds(
             b + r,
-            _share(trace.attention_backward_flops, b, trace.backward_flops)
-            + _share(trace.attention_recompute_flops, r, trace.recompute_flops),
+            in_share(trace.attention_backward_flops, b, trace.backward_flops)
+            + in_share(trace.attention_recompute_flops, r, trace.recompute_flops),
             phase_saved(saved[s], "backward", "weight", "recompute"),
         )
         for s, (b, r) in enumerate(zip(trace.stage_backward_flops, trace.stage_recompute_flops, strict=True))
@@ -205,6 +205,7 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
     memories = []
     sub_plans = []
     stage_units = []
+    gathered_units = []
     census = census_of(plan, {})
     for c in range(pp):
         mine = {s for s in range(n) if owner[s] == c}
@@ -213,14 +214,15 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
         # each pp coordinate's units, gathered where they live (``units`` are pp rank 0's)
         held_units = unit_gathered(plan, census, plan.mesh.coords(_rank_of_coordinate(plan, c, rank)))
         stage_units.append(_stage_units(plan, held_units, mine))
-        in_float8 = gathered_with_float8(stage_units[c], assembly.float8_gathered)
+        # what is held gathered: with Float8 all-gathers, less than the gradients kept whole
+        gathered_units.append(gathered_with_float8(stage_units[c], assembly.float8_gathered))
         memories.append(
             {
                 "params": plan_cost.params_bytes,
                 "grads": plan_cost.grads_bytes,
                 "optimizer": plan_cost.optimizer_bytes,
                 "buffers": plan_cost.buffers_bytes,
-                "gathered": gathered_in_flight(sub_plans[c], in_float8),
+                "gathered": gathered_in_flight(sub_plans[c], gathered_units[c]),
                 "accumulated_grads": _accumulated_grads(plan, stage_units[c]),
                 # and once per rank, whatever is in flight, what every micro-batch shares
                 "activations": int(held[c] + trace.step_bytes),
@@ -279,7 +281,7 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
         forward_flops=flops["forward"],
         backward_flops=flops["backward"],
         recompute_flops=flops["recompute"],
-        units=gathered_with_float8(stage_units[chosen], assembly.float8_gathered),
+        units=gathered_units[chosen],
         # the rank's stages' attention, in the share of the trace's flops they run
         attention_flops=_attention_share(trace, sum(flops.values())),
         compute_seconds=timeline.makespan,
@@ -290,10 +292,6 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
         peak_at=peak_at[chosen],
         saved={phase: m * sum(saved[s].get(phase, 0.0) for s in ours) for phase in saved[0]},
     )
-
-
-def _share(total: float, part: float, whole: float) -> float:
-    return total * part / whole if whole else 0.0
 
 
 def _concatenating(memory: Mapping[str, int], outputs: int) -> dict[str, int]:
@@ -308,7 +306,7 @@ def _concatenating(memory: Mapping[str, int], outputs: int) -> dict[str, int]:
 
 def _attention_share(trace: ActivationTrace, rank_flops: float) -> float:
     attention = trace.attention_flops + trace.attention_backward_flops + trace.attention_recompute_flops
-    return attention * rank_flops / trace.step_flops if trace.step_flops else 0.0
+    return in_share(attention, rank_flops, trace.step_flops)
 
 
 def with_schedule(plan: Plan, schedule: str) -> Plan:

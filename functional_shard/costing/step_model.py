@@ -33,6 +33,7 @@ __all__ = [
     "StepParts",
     "compute_dtype",
     "cp_size",
+    "in_share",
     "gathered_in_flight",
     "recomputed_collectives",
     "step_time",
@@ -307,6 +308,11 @@ def _recomputed_now(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> t
     return dict(sent), count
 
 
+def in_share(total: float, part: float, whole: float) -> float:
+    """``total`` in the share ``part`` is of ``whole`` (0 when ``whole`` is)."""
+    return total * part / whole if whole else 0.0
+
+
 def cp_size(plan: Plan) -> int:
     """The context-parallel size: how many ranks share each sequence's tokens (1 without cp)."""
     axis = plan.config.context_parallel_axis
@@ -374,7 +380,7 @@ def step_time(
     back = backward_flops + recompute_flops
     backward = clock.seconds(
         back,
-        attention_flops * back / total if total else 0.0,  # attention in its share of the work
+        in_share(attention_flops, back, total),  # attention in its share of the work
         phase_saved(saved, "backward", "weight", "recompute"),
     )
     tp_axes = set(plan.config.tensor_parallel_axes)
@@ -418,7 +424,7 @@ def step_time(
         # all-gather has a backward reduce-scatter, and the other way round) run inside the
         # forward's matmuls; the backward's and the recompute's stay on the critical path
         # (docs/will-it-fit.md, "Kernels": the published gains are the forward's)
-        forward_attention = attention_flops * forward_flops / total if total else 0.0
+        forward_attention = in_share(attention_flops, forward_flops, total)
         forward_work = clock.seconds(forward_flops, forward_attention, phase_saved(saved, "forward"))
         tensor_parallel -= min(tensor_parallel / 2, forward_work - forward_attention / rate)
     if hw.skips_masked_attention and imbalance > 1 and attention_flops:
