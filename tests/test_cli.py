@@ -155,7 +155,7 @@ def test_a_factory_builds_the_model_on_the_meta_device(capsys, tmp_path, monkeyp
         ([*TINY, "--auto", "--devices", "4", "--budget", "1GiB"], "--auto needs --devices, --budget and"),
         ([*TINY, "--batch", "0", "--seq", "16"], "--batch 0: a positive number"),
         ([*TINY, "--batch", "1", "--seq", "16", "--hardware", "abacus"], "--hardware 'abacus'"),
-        ([*TINY, "--kernels", "compile"], "--kernels goes with --seq"),
+        ([*TINY, "--kernels", "compile"], "--kernels needs --seq"),
         ([*TINY, "--batch", "1", "--seq", "16", "--kernels", "fused"], "--kernels 'fused': name some of"),
         (
             [*TINY, "--batch", "1", "--seq", "16", "--kernels", "float8"],
@@ -388,3 +388,16 @@ def test_auto_gives_a_mixture_of_experts_model_tensor_and_expert_parallel_candid
     assert "Mesh(dp=1, ep=2)" in out
     assert "fsdp(dp, ep) + ep(ep)" in out
     assert "chosen: " in out
+
+
+def test_auto_counts_the_kernels_in_every_candidate(capsys):
+    argv = [*TINY, "--auto", "--devices", "2", "--budget", "1GiB", "--batch", "2", "--seq", "16"]
+    code, out, _ = run(capsys, *argv, "--top", "1", "--kernels", "compile")
+    assert code == 0
+    report = fs.search_plans(
+        zoo.llama("tiny"), devices=2, memory_budget="1GiB", batch=2, seq=16, kernels=fs.Kernels(compile=True)
+    )
+    fits = sum(c.fits for c in report.candidates)
+    assert f"candidates on h100 with torch.compile, budget 1.00 GiB: {fits} fit" in out
+    assert report.best_candidate is not None
+    assert str(report.best_candidate.estimate) in out

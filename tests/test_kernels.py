@@ -18,6 +18,7 @@ import functional_shard as fs
 from functional_shard.costing.kernels import (
     Clock,
     _gemm_seconds,
+    check_kernels,
     float8_gathered,
     float8_linears,
     float8_saved,
@@ -28,6 +29,7 @@ from functional_shard.zoo import Block, Llama, LlamaConfig
 
 H100 = fs.hardware("h100")
 ALL = fs.Kernels(compile=True, float8=True, async_tp=True)
+ALL_FOUR = fs.Kernels(compile=True, float8=True, async_tp=True, float8_all_gather=True)
 
 
 @functools.cache
@@ -48,6 +50,11 @@ def _plan(kind: str) -> fs.Plan:
     assert kind == "pp"
     pipe = fs.pipeline("pp", microbatches=4)
     return fs.shard(model, fs.Mesh(pp=2, dp=2), pipe + fs.fsdp("dp") + bf16 + fs.checkpointing(Block))
+
+
+@functools.cache
+def _tp_only() -> fs.Plan:
+    return fs.shard(_model(), fs.Mesh(tp=4), fs.tp(rules.llama, "tp") + fs.mixed_precision())
 
 
 def _estimate(kind: str, kernels: fs.Kernels | None = None, hardware: fs.Hardware = H100) -> fs.Estimate:
@@ -216,3 +223,59 @@ def test_clock_counts_attention_at_the_rate_and_the_rest_faster():
     clock = Clock(rate=10.0, speedup=4.0)
     assert clock.seconds(50.0, attention=10.0) == pytest.approx(1.0 + 1.0)
     assert clock.seconds(50.0, attention=10.0, saved=0.5) == pytest.approx(1.5)
+
+
+@given(
+    kernels=st.sampled_from(
+        [
+            fs.Kernels(compile=True),
+            fs.Kernels(compile=True, float8=True),
+            fs.Kernels(compile=True, float8=True, async_tp=True),
+            fs.Kernels(compile=True, float8=True, float8_all_gather=True),
+            ALL_FOUR,
+        ]
+    ),
+    kind=st.sampled_from(["fsdp", "tp_sp", "tp_only", "pp"]),
+)
+def test_for_plan_keeps_what_the_plan_has_and_estimate_takes_it(kernels, kind):
+    plan = _plan(kind) if kind != "tp_only" else _tp_only()
+    fitted = kernels.for_plan(plan)
+    assert fitted.compile == kernels.compile
+    assert fitted.float8 == kernels.float8
+    assert fitted.async_tp == (kernels.async_tp and plan.config.sequence_parallel)
+    assert fitted.float8_all_gather == (kernels.float8_all_gather and bool(plan.config.shard_axes))
+    check_kernels(fitted, plan, H100, "bfloat16")  # what the search counts, estimate accepts
+
+
+def test_search_counts_the_kernels_as_estimate_does():
+    model = _model()
+    eager, fast = (
+        fs.search_plans(model, devices=8, memory_budget="80GB", batch=8, seq=2048, kernels=k)
+        for k in (None, ALL_FOUR)
+    )
+    assert eager.kernels is None
+    assert fast.kernels == ALL_FOUR
+    assert "with torch.compile, Float8 linears, async TP, Float8 all-gathers" in str(fast).splitlines()[0]
+    before = {(c.mesh, c.policy_text): c for c in eager.candidates if c.estimate is not None}
+    estimated = [c for c in fast.candidates if c.estimate is not None]
+    assert any(c.sequence_parallel for c in estimated)
+    assert any(not c.sequence_parallel for c in estimated)
+    for c in estimated:
+        assert c.estimate is not None
+        assert c.estimate.kernels.async_tp == c.sequence_parallel, c.policy_text
+        assert c.step_seconds is not None
+        assert c.step_seconds < before[c.mesh, c.policy_text].step_seconds
+    best = fast.best
+    assert best is not None
+    assert fast.best_candidate is not None
+    local = 8 // best.data_parallel_rank(0)[1]
+    again = fs.estimate(model, best, batch=local, seq=2048, kernels=ALL_FOUR.for_plan(best))
+    assert again.step_seconds == pytest.approx(fast.best_candidate.step_seconds, rel=1e-9)
+    assert again.peak_bytes == fast.best_candidate.peak_bytes
+
+
+def test_search_refuses_kernels_the_hardware_cannot_count():
+    with pytest.raises(fs.ShardingError, match=r"auto\(kernels=...compile=True\): hardware 'a100'"):
+        fs.auto(_model(), devices=8, memory_budget="80GB", batch=8, seq=128, hardware="a100", kernels=ALL)
+    with pytest.raises(fs.ShardingError, match=r"auto\(kernels='compile'\): an fs.Kernels"):
+        fs.search_plans(_model(), devices=8, memory_budget="80GB", batch=8, seq=128, kernels="compile")  # type: ignore[arg-type]

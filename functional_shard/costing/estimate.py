@@ -22,7 +22,7 @@ from .cost import OptimizerKind
 from .estimate_record import Estimate
 from .hardware import Hardware
 from .hardware import hardware as _hardware
-from .kernels import Kernels, check_kernels, float8_gathered, float8_linears
+from .kernels import Kernels, kernel_fields
 from .pipeline_estimate import microbatch_size
 from .step_model import compute_dtype, unit_gathered_bytes
 
@@ -41,19 +41,6 @@ def _trace(model: Any, plan: Plan, **options: Any) -> Any:
     # a failing fake kernel makes torch log its traceback before raising: our error says it
     with captured():
         return trace_activations(model, plan, **options)
-
-
-def _kernel_fields(
-    model: Any, plan: Plan, kernels: Kernels | None, hw: Hardware, dtype: str
-) -> dict[str, Any]:
-    """`Assembly`'s kernel fields for ``kernels`` (``None``: eager), refused first if unfit."""
-    kernels = Kernels() if kernels is None else kernels
-    check_kernels(kernels, plan, hw, dtype)
-    return {
-        "kernels": kernels,
-        "float8_linears": float8_linears(model, plan) if kernels.float8 else (),
-        "float8_gathered": float8_gathered(model, plan, dtype) if kernels.float8_all_gather else {},
-    }
 
 
 def _check_positive(name: str, value: Any) -> int:
@@ -143,7 +130,7 @@ def estimate(
     hw = _hardware(hardware)
     dtype = compute_dtype(plan)
     hw.peak_flops(dtype)  # fail early, before tracing
-    with_kernels = _kernel_fields(model, plan, kernels, hw, dtype)
+    with_kernels = kernel_fields(model, plan, kernels, hw, dtype)
     plan = for_hardware(plan, hw)  # "auto" cp: the engine the hardware runs
     stages = plan.config.pipeline_stages or None
     trace = _trace(
@@ -239,7 +226,7 @@ def compare_schedules(
         schedules = fitting
     hw = _hardware(hardware)
     dtype = compute_dtype(plan)
-    with_kernels = _kernel_fields(model, plan, kernels, hw, dtype)
+    with_kernels = kernel_fields(model, plan, kernels, hw, dtype)
     plan = for_hardware(plan, hw)  # "auto" cp: the engine the hardware runs
     planned = {name: with_schedule(plan, name) for name in schedules}
     micro = microbatch_size(plan, batch)

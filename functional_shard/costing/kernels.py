@@ -26,6 +26,7 @@ torchtitan's published runs use them; the estimate's default is eager bf16, the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -42,11 +43,13 @@ __all__ = [
     "FLOAT8",
     "Clock",
     "Kernels",
+    "check_kernel_hardware",
     "check_kernels",
     "float8_gathered",
     "float8_linears",
     "float8_saved",
     "float8_weights",
+    "kernel_fields",
     "gathered_with_float8",
     "phase_saved",
     "saved_by_stage",
@@ -117,41 +120,34 @@ class Kernels:
         }
         return tuple(label for name, label in labels.items() if getattr(self, name))
 
+    def for_plan(self, plan: Plan) -> Kernels:
+        """These kernels less what ``plan`` has nothing for: the search's view of one candidate.
+
+        Async TP needs sequence parallel and Float8 all-gathers need FSDP; a candidate
+        without them runs the rest (`fs.search_plans`' ``kernels=``). `fs.estimate` refuses
+        them instead: there the plan is the user's own.
+
+        Examples:
+            >>> from functional_shard.zoo import llama
+            >>> plan = fs.shard(llama("tiny"), fs.Mesh(dp=2), fs.fsdp("dp") + fs.mixed_precision())
+            >>> fs.Kernels(compile=True, float8=True, async_tp=True).for_plan(plan).names
+            ('torch.compile', 'Float8 linears')
+        """
+        return dataclasses.replace(
+            self,
+            async_tp=self.async_tp and plan.config.sequence_parallel,
+            float8_all_gather=self.float8_all_gather and bool(plan.config.shard_axes),
+        )
+
 
 def check_kernels(kernels: Kernels, plan: Plan, hw: Hardware, dtype: str) -> None:
     """Refuse kernels the plan or the hardware profile cannot count, naming the fix.
 
     Raises:
         ShardingError: a profile without the option's figures, float8 outside bf16 compute,
-            or async TP without sequence parallel.
+            Float8 all-gathers without FSDP, or async TP without sequence parallel.
     """
-    if not isinstance(kernels, Kernels):
-        raise ShardingError(f"estimate(kernels={kernels!r}): an fs.Kernels(...)")
-    if kernels.compile and hw.compile_speedup is None:
-        raise ShardingError(
-            f"estimate(kernels=...compile=True): hardware {hw.name!r} has no compile_speedup (no public "
-            "compiled run to take it from); give one with hw.replace(compile_speedup=...)"
-        )
-    if kernels.float8:
-        missing = [
-            what
-            for what, value in (
-                (f"flops[{FLOAT8!r}]", hw.flops.get(FLOAT8)),
-                ("gemm_efficiency", hw.gemm_efficiency),
-                ("memory_efficiency", hw.memory_efficiency),
-            )
-            if not value
-        ]
-        if missing:
-            raise ShardingError(
-                f"estimate(kernels=...float8=True): hardware {hw.name!r} has no {', '.join(missing)}; "
-                "it has no float8 tensor cores, or give them with hw.replace(...)"
-            )
-        if dtype != "bfloat16":
-            raise ShardingError(
-                f"estimate(kernels=...float8=True): the plan computes in {dtype}; Float8 linears "
-                "replace bf16 matmuls: add fs.mixed_precision()"
-            )
+    check_kernel_hardware(kernels, hw, dtype)
     if kernels.float8_all_gather and not plan.config.shard_axes:
         raise ShardingError(
             "estimate(kernels=...float8_all_gather=True): the plan gathers no parameters; it needs "
@@ -162,6 +158,74 @@ def check_kernels(kernels: Kernels, plan: Plan, hw: Hardware, dtype: str) -> Non
             "estimate(kernels=...async_tp=True): async tensor parallel overlaps sequence parallel's "
             "all-gathers and reduce-scatters; the plan has none: use fs.tp(..., sequence_parallel=True)"
         )
+
+
+def check_kernel_hardware(kernels: Kernels, hw: Hardware, dtype: str, caller: str = "estimate") -> None:
+    """Refuse kernels the hardware profile has no figures for, or a compute dtype float8 cannot replace.
+
+    ``caller`` names the function in the message (``"estimate"``, ``"auto"``).
+
+    Raises:
+        ShardingError: not a `Kernels`; compile without ``compile_speedup``; float8 without
+            the profile's float8 rate and roofline fractions, or outside bf16 compute.
+
+    Examples:
+        >>> check_kernel_hardware(fs.Kernels(compile=True), fs.hardware("a100"), "bfloat16", "auto")
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: auto(kernels=...compile=True): hardware 'a100' has no ...
+    """
+    if not isinstance(kernels, Kernels):
+        raise ShardingError(f"{caller}(kernels={kernels!r}): an fs.Kernels(...)")
+    if kernels.compile and hw.compile_speedup is None:
+        raise ShardingError(
+            f"{caller}(kernels=...compile=True): hardware {hw.name!r} has no compile_speedup (no public "
+            "compiled run to take it from); give one with hw.replace(compile_speedup=...)"
+        )
+    if not kernels.float8:
+        return
+    missing = [
+        what
+        for what, value in (
+            (f"flops[{FLOAT8!r}]", hw.flops.get(FLOAT8)),
+            ("gemm_efficiency", hw.gemm_efficiency),
+            ("memory_efficiency", hw.memory_efficiency),
+        )
+        if not value
+    ]
+    if missing:
+        raise ShardingError(
+            f"{caller}(kernels=...float8=True): hardware {hw.name!r} has no {', '.join(missing)}; "
+            "it has no float8 tensor cores, or give them with hw.replace(...)"
+        )
+    if dtype != "bfloat16":
+        raise ShardingError(
+            f"{caller}(kernels=...float8=True): the plan computes in {dtype}; Float8 linears "
+            "replace bf16 matmuls: add fs.mixed_precision()"
+        )
+
+
+def kernel_fields(
+    model: Any, plan: Plan, kernels: Kernels | None, hw: Hardware, dtype: str
+) -> dict[str, Any]:
+    """`Assembly`'s kernel fields for ``kernels`` (``None``: eager), refused first if unfit.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> model = llama("tiny")
+        >>> plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp("dp") + fs.mixed_precision())
+        >>> fast = fs.Kernels(compile=True, float8=True)
+        >>> fields = kernel_fields(model, plan, fast, fs.hardware("h100"), "bfloat16")
+        >>> sorted(fields), len(fields["float8_linears"]) > 0
+        (['float8_gathered', 'float8_linears', 'kernels'], True)
+    """
+    kernels = Kernels() if kernels is None else kernels
+    check_kernels(kernels, plan, hw, dtype)
+    return {
+        "kernels": kernels,
+        "float8_linears": float8_linears(model, plan) if kernels.float8 else (),
+        "float8_gathered": float8_gathered(model, plan, dtype) if kernels.float8_all_gather else {},
+    }
 
 
 def float8_weights(model: Any, plan: Plan) -> tuple[str, ...]:

@@ -23,6 +23,7 @@ from functional_shard.core.units import parse_bytes
 from functional_shard.costing.cost import OptimizerKind
 from functional_shard.costing.hardware import Hardware
 from functional_shard.costing.hardware import hardware as _hardware
+from functional_shard.costing.kernels import Kernels, check_kernel_hardware
 from functional_shard.planning.plan import Plan
 
 from .candidates import LONG_SEQUENCE, Point, Space, context_points, model_facts, pipeline_points, points
@@ -47,6 +48,7 @@ def search_plans(
     batch: int,
     seq: int,
     hardware: str | Hardware = "h100",
+    kernels: Kernels | None = None,
 ) -> AutoReport:
     """Estimate every plan in the search space; report them and the fastest that fits.
 
@@ -80,12 +82,18 @@ def search_plans(
         batch: the global batch, in sequences per step, split over the data-parallel ranks.
         seq: tokens per sequence.
         hardware: a profile name or `Hardware`.
+        kernels: the kernels the run will use (`fs.Kernels`: compile, Float8 linears, async
+            TP, Float8 all-gathers), counted as `fs.estimate` counts them in every candidate
+            that has what they need: async TP where it has sequence parallel, Float8
+            all-gathers where it has FSDP (`Kernels.for_plan`); None: eager, as functional_shard's
+            own runtime runs.
 
     Returns:
         An `AutoReport`; ``best`` is None when nothing fits.
 
     Raises:
-        ShardingError: bad devices, batch, budget or hardware, or no mesh the batch divides.
+        ShardingError: bad devices, batch, budget or hardware, or no mesh the batch divides;
+            kernels the hardware has no figures for (`check_kernel_hardware`).
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -96,6 +104,8 @@ def search_plans(
     _check_devices(devices, batch, seq)
     budget = parse_bytes(memory_budget)
     hw = _hardware(hardware)
+    if kernels is not None:  # what the candidates have in common is checked once, before any is made
+        check_kernel_hardware(kernels, hw, "bfloat16" if "bfloat16" in hw.flops else "float32", "auto")
     facts = model_facts(model)
     space = Space.of(facts, devices=devices, batch=batch, hardware=hw, seq=seq)
     flat = list(points(space))
@@ -111,7 +121,15 @@ def search_plans(
             "multiple of the device count"
         )
     search = Search(
-        SearchInputs(facts=facts, hardware=hw, optimizer=optimizer, batch=batch, seq=seq, budget=budget)
+        SearchInputs(
+            facts=facts,
+            hardware=hw,
+            optimizer=optimizer,
+            batch=batch,
+            seq=seq,
+            budget=budget,
+            kernels=kernels,
+        )
     )
     candidates = search.run(flat)
     if seq >= LONG_SEQUENCE or not any(c.fits for c in candidates):
@@ -123,7 +141,9 @@ def search_plans(
     fitting = [c for c in candidates if c.fits]
     best_candidate = min(fitting, key=Candidate.key) if fitting else None
     best = search.final_plan(best_candidate) if best_candidate else None
-    return AutoReport(tuple(candidates), best_candidate, best, budget, hw, facts.no_tensor_parallel)
+    return AutoReport(
+        tuple(candidates), best_candidate, best, budget, hw, facts.no_tensor_parallel, kernels=kernels
+    )
 
 
 # the same keywords as `search_plans`, spelled out rather than forwarded: each is typed and
@@ -137,6 +157,7 @@ def auto(
     batch: int,
     seq: int,
     hardware: str | Hardware = "h100",
+    kernels: Kernels | None = None,
 ) -> Plan:
     """The plan with the least estimated step time whose peak fits ``memory_budget``.
 
@@ -163,6 +184,7 @@ def auto(
         batch=batch,
         seq=seq,
         hardware=hardware,
+        kernels=kernels,
     )
     if report.best is None:
         estimated = [c for c in report.candidates if c.peak_bytes is not None]

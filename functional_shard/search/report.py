@@ -10,6 +10,7 @@ from functional_shard.core.units import format_bytes as _bytes
 from functional_shard.costing.estimate_record import Estimate
 from functional_shard.costing.estimate_record import duration as _duration
 from functional_shard.costing.hardware import Hardware
+from functional_shard.costing.kernels import Kernels
 from functional_shard.planning.plan import Plan
 
 __all__ = ["AutoReport", "Candidate", "step_text"]
@@ -69,6 +70,8 @@ class AutoReport:
     hardware: Hardware
     no_tensor_parallel: str | None = None
     """Why tensor parallelism was left out of the search (None when it was searched)."""
+    kernels: Kernels | None = None
+    """The kernels the candidates were estimated with (None: eager)."""
 
     @property
     def expert_parallel_candidates(self) -> tuple[Candidate, ...]:
@@ -106,9 +109,11 @@ class AutoReport:
 
     def __str__(self) -> str:
         fits = sum(c.fits for c in self.candidates)
+        kernels = self.kernels.names if self.kernels is not None else ()
         head = (
-            f"{len(self.candidates)} candidates on {self.hardware.name}, budget {_bytes(self.budget_bytes)}: "
-            f"{fits} fit"
+            f"{len(self.candidates)} candidates on {self.hardware.name}"
+            + (f" with {', '.join(kernels)}" if kernels else "")
+            + f", budget {_bytes(self.budget_bytes)}: {fits} fit"
         )
         if self.no_tensor_parallel:
             head += f"\nno tensor parallelism: {self.no_tensor_parallel}"

@@ -14,6 +14,7 @@ from functional_shard.costing.context_engines import for_hardware
 from functional_shard.costing.cost import OptimizerKind, cost
 from functional_shard.costing.estimate_record import Estimate
 from functional_shard.costing.hardware import Hardware
+from functional_shard.costing.kernels import Kernels, kernel_fields
 from functional_shard.costing.step_model import compute_dtype, unit_gathered_bytes
 from functional_shard.planning.plan import Plan
 from functional_shard.planning.planner import shard, with_expert_top_k
@@ -39,6 +40,8 @@ class SearchInputs:
     seq: int
     budget: int
     """Bytes per device a candidate's peak must fit."""
+    kernels: Kernels | None = None
+    """The kernels every candidate runs where it can (`Kernels.for_plan`); None: eager."""
 
 
 def _candidate(point: Point, how: str, policy: Policy, **outcome: Any) -> Candidate:
@@ -105,6 +108,12 @@ class Search:
         )
         return shard(self.inputs.facts.model, point.mesh, self.policies.of(point, candidate.checkpointing))
 
+    def _kernel_fields(self, plan: Plan) -> dict[str, Any]:
+        """`Assembly`'s kernel fields for ``plan``: the search's kernels, as far as it has them."""
+        kernels = self.inputs.kernels
+        fitted = kernels.for_plan(plan) if kernels is not None else None
+        return kernel_fields(self.inputs.facts.model, plan, fitted, self.inputs.hardware, compute_dtype(plan))
+
     def _estimated(self, point: Point, how: str, estimate: Estimate) -> Candidate:
         over = estimate.peak_bytes - self.inputs.budget
         return _candidate(
@@ -133,6 +142,7 @@ class Search:
         micro = inputs.batch // point.dp
         plan_cost = cost(plan, inputs.optimizer, tokens=micro * inputs.seq)
         units = unit_gathered_bytes(plan)
+        with_kernels = self._kernel_fields(plan)
         out = []
         for how in checkpoint_options(inputs.facts.block):
             key = TraceKey(
@@ -153,6 +163,7 @@ class Search:
                     seq=inputs.seq,
                     units=units,
                     checkpointed=self.checkpointed if how != "none" else (),
+                    **with_kernels,
                 )
             )
             out.append(self._estimated(point, how, estimate))
@@ -174,6 +185,7 @@ class Search:
         costs = stage_costs(plan, inputs.optimizer, local * inputs.seq)
         units = unit_gathered_bytes(plan)
         micro = local // plan.config.microbatches
+        with_kernels = self._kernel_fields(plan)
         out: list[Candidate] = []
         for how in checkpoint_options(inputs.facts.block):
             if out and out[-1].fits:
@@ -193,6 +205,7 @@ class Search:
                     optimizer=inputs.optimizer,
                     units=units,
                     costs=costs,
+                    **with_kernels,
                 )
             )
             out.append(self._estimated(point, how, estimate))

@@ -43,8 +43,8 @@ def _check(args: argparse.Namespace) -> None:
         raise InputError("--batch needs --seq (sequences per data-parallel rank, tokens each)")
     if args.hardware and args.seq is None:
         raise InputError("--hardware needs --seq (a step's time depends on its tokens)")
-    if args.kernels and (args.seq is None or args.auto):
-        raise InputError("--kernels goes with --seq, for one plan's estimate (--auto searches eager plans)")
+    if args.kernels and args.seq is None:
+        raise InputError("--kernels needs --seq (they change a step's time)")
     for flag in ("batch", "seq", "devices", "top"):
         value = getattr(args, flag)
         if value is not None and value < 1:

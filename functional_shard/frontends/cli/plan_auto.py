@@ -28,7 +28,8 @@ def search(
 
     Args:
         model: the model, on the meta device.
-        args: the plan command's arguments (``devices``, ``optimizer``, ``batch``, ``seq``, ``top``).
+        args: the plan command's arguments (``devices``, ``optimizer``, ``batch``, ``seq``, ``top``,
+            ``kernels``).
         budget: memory per device, bytes.
         hardware: the accelerator the step times are for.
         say: where the candidates table goes.
@@ -51,6 +52,8 @@ def search(
     """
     from functional_shard.search.auto import search_plans
 
+    from .inputs import read_kernels
+
     report = search_plans(
         model,
         devices=args.devices,
@@ -59,6 +62,7 @@ def search(
         batch=args.batch,
         seq=args.seq,
         hardware=hardware,
+        kernels=read_kernels(args.kernels) if args.kernels else None,
     )
     _candidates_table(say, report, args.top)
     say.text()

@@ -81,7 +81,8 @@ def parser() -> argparse.ArgumentParser:
     plan_flags.add_argument(
         "--kernels",
         help="with --seq: count compile, float8, async_tp and/or float8_all_gather, comma-separated "
-        "(e.g. compile,float8,async_tp,float8_all_gather as torchtitan runs; default: eager)",
+        "(e.g. compile,float8,async_tp,float8_all_gather as torchtitan runs; default: eager); with "
+        "--auto, in every candidate that has what each needs",
     )
     plan_flags.add_argument(
         "--auto", action="store_true", help="search meshes and policies for the fastest plan that fits"
