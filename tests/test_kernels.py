@@ -9,6 +9,7 @@ and the estimate against the parts it adds up.
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 from hypothesis import given
@@ -217,6 +218,25 @@ def test_float8_all_gathers_halve_the_gathered_weights_of_the_linears(kind):
     assert {k: v for k, v in before.memory.items() if k != "gathered"} == {
         k: v for k, v in after.memory.items() if k != "gathered"
     }
+    # and they travel so: a byte an element of the rank's converted weights, per gather
+    # (flat FSDP gathers each block twice a step, forward and backward; the pipeline's
+    # kept units once), over the dp ranks' (n-1)/n; the gradients' scatters unchanged
+    plan = _plan(kind)
+    held = {w for w in float8_weights(_model(), plan) if plan.unit_of(w) in _units_held(after)}
+    elements = sum(math.prod(plan.tensors[w].shape) for w in held)
+    times = 2 if kind == "fsdp" else 1
+    sent = before.cost.comm_bytes["all_gather"]["dp"] - after.cost.comm_bytes["all_gather"]["dp"]
+    n = plan.mesh["dp"]
+    assert sent == pytest.approx(elements * times * (n - 1) / n)
+    assert before.cost.comm_bytes["reduce_scatter"] == after.cost.comm_bytes["reduce_scatter"]
+
+
+def _units_held(estimate: fs.Estimate) -> set[str]:
+    """The FSDP units of the estimate's rank: every block flat, its stage's under a pipeline."""
+    if estimate.pipeline is None:
+        return {f"layers.{i}" for i in range(4)}
+    mine = [s for s in estimate.pipeline.stages if s.rank == 0]
+    return {m for s in mine for m in s.modules}
 
 
 def test_clock_counts_attention_at_the_rate_and_the_rest_faster():

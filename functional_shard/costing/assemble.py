@@ -14,7 +14,7 @@ from functional_shard.core.sequence import causal_imbalance
 from .context_engines import with_engine, with_ring_workspace
 from .cost import cost
 from .estimate_record import Estimate
-from .kernels import Clock, gathered_with_float8, saved_by_stage
+from .kernels import Clock, cost_with_float8_gathers, gathered_with_float8, saved_by_stage
 from .loss_memory import loss_workspace
 from .pipeline_estimate import pipeline_parts
 from .step_model import Assembly, StepParts, _recomputed, cp_size, gathered_in_flight, step_time
@@ -34,6 +34,7 @@ def _flat_parts(assembly: Assembly) -> StepParts:
         if assembly.costs
         else cost(plan, assembly.optimizer, rank=assembly.rank, tokens=tokens)
     )
+    plan_cost = cost_with_float8_gathers(plan_cost, plan, assembly.float8_gathered)
     # the loss's larger peak, forward or backward: with bf16 logits its backward (the saved
     # fp32 log-softmax and two fp32 gradients, the logits gone), above its forward (the
     # logits, their fp32 copy and the log-softmax); measured (loss_memory.loss_workspace)

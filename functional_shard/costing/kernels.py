@@ -21,7 +21,8 @@ torchtitan's published runs use them; the estimate's default is eager bf16, the 
   under the forward's work other than attention; the backward's and the recompute's stay
   exposed. It needs compile (it is an Inductor pass) and sequence parallel.
 * **float8_all_gather**: FSDP gathers the converted weights in float8 and holds them so:
-  a byte an element of the gathered memory (torchao's ``enable_fsdp_float8_all_gather``).
+  a byte an element of the gathered memory and of the all-gathers' traffic (torchao's
+  ``enable_fsdp_float8_all_gather``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from .hardware import Hardware
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan import Plan
+    from functional_shard.planning.plan_cost import Cost
 
 __all__ = [
     "FLOAT8",
@@ -45,6 +47,7 @@ __all__ = [
     "Kernels",
     "check_kernel_hardware",
     "check_kernels",
+    "cost_with_float8_gathers",
     "float8_gathered",
     "float8_linears",
     "float8_saved",
@@ -311,6 +314,35 @@ def float8_gathered(model: Any, plan: Plan, dtype: str) -> dict[str, int]:
 def gathered_with_float8(units: Mapping[str, int], saved: Mapping[str, int]) -> dict[str, int]:
     """``units``' gathered bytes less what Float8 all-gathers save (`float8_gathered`)."""
     return {unit: nbytes - saved.get(unit, 0) for unit, nbytes in units.items()}
+
+
+def cost_with_float8_gathers(plan_cost: Cost, plan: Plan, saved: Mapping[str, int]) -> Cost:
+    """``plan_cost`` with FSDP's all-gathers carrying the Float8 linears' weights a byte an element.
+
+    ``saved`` is `float8_gathered`'s (unit -> gathered bytes saved), for the units this
+    rank holds; each unit is gathered as often as `cost` counts it: twice a step when
+    resharded after forward, once when kept (the root always once). The gradients'
+    reduce-scatters are unchanged (they stay in the reduce dtype).
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> model = llama("tiny")
+        >>> plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp("dp") + fs.mixed_precision())
+        >>> before = plan.cost(tokens=64)
+        >>> after = cost_with_float8_gathers(before, plan, {"layers.0": 1000})
+        >>> before.comm_bytes["all_gather"]["dp"] - after.comm_bytes["all_gather"]["dp"]  # 2 x 1000 x 1/2
+        1000.0
+    """
+    axes = plan.config.shard_axes
+    if not saved or not axes:
+        return plan_cost
+    n = plan.mesh.axes_size(axes)
+    gathers = {unit: 2 if plan.config.reshard_after_forward and unit != "" else 1 for unit in saved}
+    less = sum(nbytes * gathers[unit] for unit, nbytes in saved.items()) * (n - 1) / n
+    comm = {kind: dict(by_axes) for kind, by_axes in plan_cost.comm_bytes.items()}
+    key = ",".join(axes)
+    comm["all_gather"][key] = comm["all_gather"][key] - less
+    return dataclasses.replace(plan_cost, comm_bytes=comm)
 
 
 def _gemm_seconds(m: int, k: int, n: int, hw: Hardware, *, float8: bool) -> float:

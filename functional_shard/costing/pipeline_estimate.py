@@ -33,7 +33,7 @@ from .census import census_of
 from .context_engines import with_ring_workspace
 from .cost import Cost, OptimizerKind, cost, unit_gathered
 from .estimate_record import PipelineEstimate, StageEstimate
-from .kernels import Clock, gathered_with_float8, phase_saved, saved_by_stage
+from .kernels import Clock, cost_with_float8_gathers, gathered_with_float8, phase_saved, saved_by_stage
 from .loss_memory import pipeline_loss_workspace
 from .step_model import Assembly, StepParts, cp_size, gathered_in_flight, in_share
 
@@ -275,7 +275,12 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
     )
     return StepParts(
         plan=sub_plans[chosen],
-        cost=costs[chosen],
+        # its units' Float8 all-gathers, where counted, a byte an element
+        cost=cost_with_float8_gathers(
+            costs[chosen],
+            plan,
+            {unit: saved for unit, saved in assembly.float8_gathered.items() if unit in stage_units[chosen]},
+        ),
         rank=_rank_of_coordinate(plan, chosen, rank),
         memory=memories[chosen],
         forward_flops=flops["forward"],
