@@ -204,16 +204,22 @@ def test_inputs_that_do_not_fit_the_model_are_a_sharding_error():
         fs.estimate(model, plans["fsdp"], batch=2, seq=16, rank=7)
 
 
-def test_a_plan_the_model_cannot_run_points_at_check_runnable():
+def test_a_plan_the_model_cannot_run_is_refused_before_tracing_naming_the_module():
     model, _ = _plans()  # 2 key/value heads: 4 tensor-parallel ranks would split them
     plan = fs.shard(model, fs.Mesh(tp=4), fs.tp(rules.llama, "tp"))
-    with pytest.raises(fs.ShardingError, match=re.escape("fs.check_runnable(plan, model) names it")):
+    heads = r"layers.0.self_attn.k_proj: its 2 attention heads .* do not split over 4"
+    with pytest.raises(fs.PlanError, match=heads):
         fs.estimate(model, plan, batch=2, seq=16)
-    with pytest.raises(fs.ShardingError, match=r"its 2 attention heads .* do not split over 4"):
-        fs.check_runnable(plan, model)
+    with pytest.raises(fs.PlanError, match=heads):
+        fs.check_runnable(plan, model)  # the runtime asks the same question
+    # a forward that fails for another reason under tensor parallel still says where to look
+    fits = fs.shard(model, fs.Mesh(tp=2), fs.tp(rules.llama, "tp"))
+    bad = torch.zeros(2, 16, 3, device="meta")
+    with pytest.raises(fs.ShardingError, match=re.escape("fs.check_runnable(plan, model) names it")):
+        fs.estimate(model, fits, batch=2, seq=16, inputs=bad)
     # a plan without tensor parallel has nothing to split: the message stays about inputs
     with pytest.raises(fs.ShardingError) as refused:
-        fs.estimate(model, _plans()[1]["fsdp"], batch=2, seq=16, inputs=torch.zeros(2, 16, 3, device="meta"))
+        fs.estimate(model, _plans()[1]["fsdp"], batch=2, seq=16, inputs=bad)
     assert "check_runnable" not in str(refused.value)
 
 

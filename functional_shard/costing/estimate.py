@@ -13,8 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from functional_shard.core.errors import ShardingError
+from torch import nn
+
+from functional_shard.core.errors import PlanError, ShardingError, bullets
 from functional_shard.core.units import parse_bytes
+from functional_shard.planning.module_splits import head_problems
 
 from .assemble import Assembly, assemble
 from .context_engines import for_hardware
@@ -41,6 +44,19 @@ def _trace(model: Any, plan: Plan, **options: Any) -> Any:
     # a failing fake kernel makes torch log its traceback before raising: our error says it
     with captured():
         return trace_activations(model, plan, **options)
+
+
+def _check_splits(model: Any, plan: Plan) -> None:
+    """Refuse, before tracing, attention projections split into parts of heads (`head_problems`)."""
+    if isinstance(model, nn.Module) and (problems := head_problems(plan, model)):
+        raise PlanError(
+            bullets(
+                f"estimate: {type(model).__name__} cannot run the tensor-parallel split of this plan "
+                f"on {plan.mesh!r}:",
+                problems,
+                "Choose a tensor-parallel size that divides the heads, or leave those modules unsplit.",
+            )
+        )
 
 
 def _check_positive(name: str, value: Any) -> int:
@@ -111,6 +127,8 @@ def estimate(
             model, a compute dtype the hardware has no rate for, or an
             ``expert_imbalance`` below 1 or above E / k, ``keep_outputs`` without a
             pipeline, or kernels the hardware profile or the plan cannot count.
+        PlanError: tensor-parallel splits the model's modules cannot run (attention heads
+            the tensor-parallel size does not divide, say), named before anything is traced.
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -131,6 +149,7 @@ def estimate(
     dtype = compute_dtype(plan)
     hw.peak_flops(dtype)  # fail early, before tracing
     with_kernels = kernel_fields(model, plan, kernels, hw, dtype)
+    _check_splits(model, plan)
     plan = for_hardware(plan, hw)  # "auto" cp: the engine the hardware runs
     stages = plan.config.pipeline_stages or None
     trace = _trace(
