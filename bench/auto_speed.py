@@ -14,9 +14,12 @@ traces are its own; code from before issue #21 kept them per model object and tr
 nothing then: its "traced again" column reads 0).
 
 ``--against PATH`` times another checkout of the repository (e.g. the main branch) in the
-same rounds, alternating with this one, so both see the same load.
+same rounds, alternating with this one, so both see the same load. ``--kernels`` adds a
+row of this checkout searching with torchtitan's kernels (``kernels=fs.Kernels(compile=True,
+float8=True, async_tp=True, float8_all_gather=True)``: the Float8 linears are read once per
+candidate), in the same rounds.
 
-Run: python bench/auto_speed.py [--rounds 3] [--model 70b|405b] [--against /path/to/other/checkout]
+Run: python bench/auto_speed.py [--rounds 3] [--model 70b|405b] [--against /path/to/checkout] [--kernels]
 (exit status 1 when the best cold round of this checkout misses the target)
 """
 
@@ -57,6 +60,8 @@ def timed(*args, **kwargs):
 estimate_module._trace = timed
 model = llama(MODEL)
 kwargs = dict(devices=DEVICES, batch=1024, seq=8192, hardware="h100")
+if KERNELS:
+    kwargs["kernels"] = fs.Kernels(compile=True, float8=True, async_tp=True, float8_all_gather=True)
 cpu, wall = time.process_time(), time.perf_counter()
 plan = fs.auto(model, memory_budget="80GB", **kwargs)
 cold = (time.process_time() - cpu, time.perf_counter() - wall)
@@ -75,10 +80,11 @@ print(json.dumps({"cold": cold, "warm": warm, "trace_s": cold_traced[0], "traces
 MODELS = {"70b": ("llama-70b", 1024), "405b": ("llama-3-405b", 512)}
 
 
-def one_round(root: pathlib.Path, model: str) -> dict:
+def one_round(root: pathlib.Path, model: str, kernels: bool = False) -> dict:
     env = {**os.environ, "PYTHONPATH": str(root)}
     name, devices = MODELS[model]
     script = ROUND.replace("MODEL", repr(name)).replace("DEVICES", str(devices))
+    script = script.replace("KERNELS", str(kernels))
     out = subprocess.run(
         [sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, check=True
     )
@@ -90,14 +96,17 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", choices=sorted(MODELS), default="70b")
     parser.add_argument("--against", type=pathlib.Path, help="another checkout, timed alongside")
+    parser.add_argument("--kernels", action="store_true", help="also this checkout with torchtitan's kernels")
     args = parser.parse_args()
-    roots = {"this checkout": ROOT}
+    roots = {"this checkout": (ROOT, False)}
+    if args.kernels:
+        roots["this checkout, kernels"] = (ROOT, True)
     if args.against:
-        roots[f"{args.against}"] = args.against.resolve()
+        roots[f"{args.against}"] = (args.against.resolve(), False)
     results: dict[str, list[dict]] = {name: [] for name in roots}
     for _ in range(args.rounds):  # interleaved: drift in the machine's load hits every row alike
-        for name, root in roots.items():
-            results[name].append(one_round(root, args.model))
+        for name, (root, kernels) in roots.items():
+            results[name].append(one_round(root, args.model, kernels))
     model, devices = MODELS[args.model]
     print(
         f"fs.auto(llama({model!r}), devices={devices}, batch=1024, seq=8192, memory_budget='80GB', "

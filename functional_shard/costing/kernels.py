@@ -224,10 +224,13 @@ def kernel_fields(
     """
     kernels = Kernels() if kernels is None else kernels
     check_kernels(kernels, plan, hw, dtype)
+    if not kernels.float8:
+        return {"kernels": kernels, "float8_linears": (), "float8_gathered": {}}
+    shapes = _computed_shapes(plan, float8_weights(model, plan))  # once for both (the search's many plans)
     return {
         "kernels": kernels,
-        "float8_linears": float8_linears(model, plan) if kernels.float8 else (),
-        "float8_gathered": float8_gathered(model, plan, dtype) if kernels.float8_all_gather else {},
+        "float8_linears": _linears(plan, shapes),
+        "float8_gathered": _gathered(plan, shapes, dtype) if kernels.float8_all_gather else {},
     }
 
 
@@ -273,16 +276,31 @@ def float8_linears(model: Any, plan: Plan) -> tuple[tuple[int, int, int], ...]:
         >>> float8_linears(model, plan)[0]
         (0, 64, 32)
     """
-    found = []
-    for weight in float8_weights(model, plan):
-        out_features, in_features = _computed_shape(plan, weight)
-        found.append((plan.stage_of(weight), in_features, out_features))
-    return tuple(found)
+    return _linears(plan, _computed_shapes(plan, float8_weights(model, plan)))
 
 
-def _computed_shape(plan: Plan, weight: str) -> tuple[int, ...]:
-    """``weight``'s compute shape on its stage's first rank (tp shards differ by a row at most)."""
-    return plan.local_shape(weight, plan.ranks_of_stage(plan.stage_of(weight))[0], "compute")
+def _linears(plan: Plan, shapes: Mapping[str, tuple[int, ...]]) -> tuple[tuple[int, int, int], ...]:
+    return tuple((plan.stage_of(weight), shape[1], shape[0]) for weight, shape in shapes.items())
+
+
+def _computed_shapes(plan: Plan, weights: Iterable[str]) -> dict[str, tuple[int, ...]]:
+    """Each weight's compute shape on its stage's first rank (tp shards differ by a row at most).
+
+    Weights alike in shape and compute spec share one answer: a search asks for every
+    linear of many plans.
+    """
+    first: dict[int, int] = {}
+    seen: dict[tuple[Any, ...], tuple[int, ...]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for weight in weights:
+        stage = plan.stage_of(weight)
+        if stage not in first:
+            first[stage] = plan.ranks_of_stage(stage)[0]
+        key = (plan.tensors[weight].shape, plan.sharding(weight).compute, first[stage])
+        if key not in seen:
+            seen[key] = plan.local_shape(weight, first[stage], "compute")
+        shapes[weight] = seen[key]
+    return shapes
 
 
 def float8_gathered(model: Any, plan: Plan, dtype: str) -> dict[str, int]:
@@ -298,16 +316,18 @@ def float8_gathered(model: Any, plan: Plan, dtype: str) -> dict[str, int]:
         >>> float8_gathered(model, plan, "bfloat16")["layers.0"]
         46080
     """
+    return _gathered(plan, _computed_shapes(plan, float8_weights(model, plan)), dtype)
+
+
+def _gathered(plan: Plan, shapes: Mapping[str, tuple[int, ...]], dtype: str) -> dict[str, int]:
     from functional_shard.core.tree import dtype_from_name
 
     spare = dtype_from_name(dtype).itemsize - 1
     saved: dict[str, int] = {}
-    for weight in float8_weights(model, plan):
-        if not plan.sharding(weight).at_rest_axes:
-            continue
-        numel = math.prod(_computed_shape(plan, weight))
-        unit = plan.unit_of(weight)
-        saved[unit] = saved.get(unit, 0) + numel * spare
+    for weight, shape in shapes.items():
+        if plan.sharding(weight).at_rest_axes:
+            unit = plan.unit_of(weight)
+            saved[unit] = saved.get(unit, 0) + math.prod(shape) * spare
     return saved
 
 
