@@ -10,7 +10,6 @@ all-to-all sends what it hands the other ranks (its input less this rank's own s
 from __future__ import annotations
 
 import functools
-import gc
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -345,9 +344,6 @@ def kept_activation_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) ->
     with births:
         output = module(*args, **kwargs)
     del args, kwargs
-    # garbage still waiting for the cycle collector (a caught exception's frames, say) is
-    # not kept for backward; when gc last ran must not decide the count
-    gc.collect()
     leaves = [leaf for leaf in torch.utils._pytree.tree_flatten(output)[0] if isinstance(leaf, torch.Tensor)]
     logits = getattr(output, "logits", None)
     leaves += [logits] if isinstance(logits, torch.Tensor) else []
