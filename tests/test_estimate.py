@@ -212,6 +212,9 @@ def test_a_plan_the_model_cannot_run_is_refused_before_tracing_naming_the_module
         fs.estimate(model, plan, batch=2, seq=16)
     with pytest.raises(fs.PlanError, match=heads):
         fs.check_runnable(plan, model)  # the runtime asks the same question
+    piped = fs.shard(model, fs.Mesh(pp=2, tp=4), fs.pipeline("pp", microbatches=2) + fs.tp(rules.llama, "tp"))
+    with pytest.raises(fs.PlanError, match=heads):
+        fs.compare_schedules(model, piped, batch=2, seq=16)  # its trace is estimate's
     # a forward that fails for another reason under tensor parallel still says where to look
     fits = fs.shard(model, fs.Mesh(tp=2), fs.tp(rules.llama, "tp"))
     bad = torch.zeros(2, 16, 3, device="meta")

@@ -28,6 +28,7 @@ __all__ = [
     "activation_comm",
     "compute_itemsize",
     "context_comm",
+    "gathers_per_step",
     "key_value_features",
     "parameter_comm",
     "pipeline_comm",
@@ -53,6 +54,21 @@ class Comm:
         return {kind: dict(by_axis) for kind, by_axis in self.bytes.items()}
 
 
+def gathers_per_step(plan: Plan, units: tuple[str, ...]) -> int:
+    """How often FSDP gathers a tensor of ``units`` in a step.
+
+    Twice (forward, backward) when it reshards after forward, else once; the root always
+    once: FSDP2 keeps the root gathered from forward to backward.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> plan = fs.shard(llama("tiny"), fs.Mesh(dp=2), fs.fsdp("dp"))
+        >>> gathers_per_step(plan, ("layers.0",)), gathers_per_step(plan, ("",))
+        (2, 1)
+    """
+    return 2 if plan.config.reshard_after_forward and units != ("",) else 1
+
+
 def parameter_comm(plan: Plan, comm: Comm, census: Census, held: Mapping[str, int]) -> None:
     """Add the parameters' and gradients' collectives of the rank at ``held``."""
     # rank 0 of every axis but the pp one: the first rank of the reported rank's stages
@@ -65,8 +81,7 @@ def parameter_comm(plan: Plan, comm: Comm, census: Census, held: Mapping[str, in
     reduce_size = dtype_from_name(config.reduce_dtype).itemsize if config.reduce_dtype else None
 
     def gathers(_: ParamSharding, units: tuple[str, ...], __: int) -> int:
-        # FSDP2 keeps the root gathered from forward to backward (the root is a kind of its own)
-        return 2 if config.reshard_after_forward and units != ("",) else 1
+        return gathers_per_step(plan, units)
 
     for (shape, itemsize, sharding, times), count in grouped(census, gathers).items():
         if not sharding.storage.holds(origin):

@@ -36,10 +36,16 @@ __all__ = ["Estimate", "compare_schedules", "estimate", "parse_bytes"]
 
 
 def _trace(model: Any, plan: Plan, **options: Any) -> Any:
-    """`trace_activations` (its keywords: batch, seq, rank, ...) with torch's own log captured."""
+    """`trace_activations` (its keywords: batch, seq, rank, ...) with torch's own log captured.
+
+    A plan that splits attention heads is refused first (`_check_splits`): the forward
+    cannot run it, and the trace would only say that it failed.
+    """
     from functional_shard.core.quiet import captured
 
     from .activations import trace_activations  # lazily: it loads torch's fake-tensor machinery
+
+    _check_splits(model, plan)
 
     # a failing fake kernel makes torch log its traceback before raising: our error says it
     with captured():
@@ -149,7 +155,6 @@ def estimate(
     dtype = compute_dtype(plan)
     hw.peak_flops(dtype)  # fail early, before tracing
     with_kernels = kernel_fields(model, plan, kernels, hw, dtype)
-    _check_splits(model, plan)
     plan = for_hardware(plan, hw)  # "auto" cp: the engine the hardware runs
     stages = plan.config.pipeline_stages or None
     trace = _trace(

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from functional_shard.core.errors import ShardingError
 
+from .comm_cost import gathers_per_step
 from .hardware import Hardware
 
 if TYPE_CHECKING:
@@ -357,8 +358,7 @@ def cost_with_float8_gathers(plan_cost: Cost, plan: Plan, saved: Mapping[str, in
     if not saved or not axes:
         return plan_cost
     n = plan.mesh.axes_size(axes)
-    gathers = {unit: 2 if plan.config.reshard_after_forward and unit != "" else 1 for unit in saved}
-    less = sum(nbytes * gathers[unit] for unit, nbytes in saved.items()) * (n - 1) / n
+    less = sum(nbytes * gathers_per_step(plan, (unit,)) for unit, nbytes in saved.items()) * (n - 1) / n
     comm = {kind: dict(by_axes) for kind, by_axes in plan_cost.comm_bytes.items()}
     key = ",".join(axes)
     comm["all_gather"][key] = comm["all_gather"][key] - less

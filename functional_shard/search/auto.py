@@ -23,7 +23,7 @@ from functional_shard.core.units import parse_bytes
 from functional_shard.costing.cost import OptimizerKind
 from functional_shard.costing.hardware import Hardware
 from functional_shard.costing.hardware import hardware as _hardware
-from functional_shard.costing.kernels import Kernels, check_kernel_hardware
+from functional_shard.costing.kernels import Kernels
 from functional_shard.planning.plan import Plan
 
 from .candidates import LONG_SEQUENCE, Point, Space, context_points, model_facts, pipeline_points, points
@@ -93,7 +93,7 @@ def search_plans(
 
     Raises:
         ShardingError: bad devices, batch, budget or hardware, or no mesh the batch divides;
-            kernels the hardware has no figures for (`check_kernel_hardware`).
+            kernels the hardware has no figures for (`check_kernel_hardware`, before any candidate).
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -104,8 +104,6 @@ def search_plans(
     _check_devices(devices, batch, seq)
     budget = parse_bytes(memory_budget)
     hw = _hardware(hardware)
-    if kernels is not None:  # what the candidates have in common is checked once, before any is made
-        check_kernel_hardware(kernels, hw, "bfloat16" if "bfloat16" in hw.flops else "float32", "auto")
     facts = model_facts(model)
     space = Space.of(facts, devices=devices, batch=batch, hardware=hw, seq=seq)
     flat = list(points(space))

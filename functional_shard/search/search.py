@@ -14,7 +14,7 @@ from functional_shard.costing.context_engines import for_hardware
 from functional_shard.costing.cost import OptimizerKind, cost
 from functional_shard.costing.estimate_record import Estimate
 from functional_shard.costing.hardware import Hardware
-from functional_shard.costing.kernels import Kernels, kernel_fields
+from functional_shard.costing.kernels import Kernels, check_kernel_hardware, kernel_fields
 from functional_shard.costing.step_model import compute_dtype, unit_gathered_bytes
 from functional_shard.planning.plan import Plan
 from functional_shard.planning.planner import shard, with_expert_top_k
@@ -78,7 +78,10 @@ class Search:
         self.inputs = inputs
         facts = inputs.facts
         # bf16 mixed precision where the hardware has a bf16 rate
-        self.policies = Policies(facts, "bfloat16" if "bfloat16" in inputs.hardware.flops else None)
+        dtype = "bfloat16" if "bfloat16" in inputs.hardware.flops else None
+        if inputs.kernels is not None:  # what every candidate shares, checked once, before any is made
+            check_kernel_hardware(inputs.kernels, inputs.hardware, dtype or "float32", "auto")
+        self.policies = Policies(facts, dtype)
         checkpointed: tuple[str, ...] = ()  # the modules fs.checkpointing(block) selects, as the planner does
         if facts.block is not None and isinstance(facts.model, nn.Module):
             checkpointed = tuple(
