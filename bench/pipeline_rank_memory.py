@@ -1,8 +1,7 @@
 """One pp rank of torchtitan's 405B run on one GPU: allocated memory beside what torch reserves.
 
 torchtitan published 82.5 GiB for 1F1B and 72.7 GiB for interleaved 1F1B (FSDP 8 x TP 8 x
-PP 8, local batch 32, 8 micro-batches), the peak torch *reserved* over all GPUs; every
-allocated-memory account we have puts interleaving higher (docs/pipelines.md). This runs
+PP 8, local batch 32, 8 micro-batches), the peak torch *reserved* over all GPUs. This runs
 one pp rank of that layout on a single GPU, in the order torch's action lists give it, so
 that the caching allocator sees that rank's allocations:
 
@@ -11,7 +10,8 @@ that the caching allocator sees that rank's allocations:
   its input as its sequence share; the all-gather and the reduce-scatter are stood in for
   by local copies of the same sizes), each block fully checkpointed;
 * the stages' parameters in bf16, kept gathered for the step, and their gradients
-  accumulated whole in fp32 across micro-batches (FSDP2's under pp), plus the sharded
+  folded into whole fp32 sums from each stage's first backward, each bf16 gradient freed
+  as it is folded in (FSDP2's under pp, which does it per block), plus the sharded
   optimizer state as one block;
 * torch's receive buffers (one per micro-batch for each stage's input and its output's
   gradient), the last stage's logits and fp32 loss, and (``--keep-outputs``) every
@@ -23,7 +23,11 @@ Each schedule runs in a fresh process, so the allocator starts empty, with and w
 compile, Float8 or async TP: what they add is not here. On a machine without a GPU it runs
 a tiny shape on the CPU (``--tiny``) and prints no memory.
 
-Run: python bench/pipeline_rank_memory.py [--rank 1] [--keep-outputs] [--tiny]
+On one H200 with torch 2.11 the estimate came out at 0.90-1.00 of the allocated peak on
+every rank measured (docs/pipelines.md, "Measured on one GPU"): about 6 minutes for the
+six runs of ``--keep-outputs --rank 1 7 0``.
+
+Run: python bench/pipeline_rank_memory.py [--rank 1 7] [--schedule 1f1b] [--keep-outputs] [--tiny]
 """
 
 from __future__ import annotations
@@ -128,7 +132,10 @@ class Stage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:  # rowwise embedding: this rank's rows, then its sequence share
-            x = self.embed(x.clamp(max=self.embed.num_embeddings - 1))[:, : x.shape[1] // self.shape.tp]
+            whole = self.embed(x.clamp(max=self.embed.num_embeddings - 1))
+            # the reduce-scatter's output is a tensor of its own: a slice would keep the whole
+            # sequence's output alive in every micro-batch's checkpoint
+            x = whole[:, : x.shape[1] // self.shape.tp].clone()
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False)
         if self.norm is not None and self.head is not None:
@@ -153,7 +160,15 @@ def run(schedule: str, rank: int, shape: Shape, keep_outputs: bool, device: str)
     layers = cuts(shape, n)
     mine = list(rank_stages(rank, shape.pp, per_rank, schedule))
     torch.manual_seed(0)
-    stages = {s: Stage(shape, layers[s], s == 0, s == n - 1).to(device, torch.bfloat16) for s in mine}
+    # built where they run, in bf16: a 405B rank's 6.4B parameters made in fp32 on the host
+    # first would take minutes and leave fp32-sized blocks in the allocator's cache
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            stages = {s: Stage(shape, layers[s], s == 0, s == n - 1) for s in mine}
+    finally:
+        torch.set_default_dtype(default)
     state = torch.empty(shape.state_bytes, dtype=torch.uint8, device=device)
     m, micro = shape.microbatches, shape.microbatch
 
@@ -166,6 +181,23 @@ def run(schedule: str, rank: int, shape: Shape, keep_outputs: bool, device: str)
     grads = {s: buffers() for s in mine if s < n - 1}
     tokens = torch.randint(0, shape.vocab, (micro, shape.seq), device=device)
     actions = [action for step in schedule_actions(schedule, shape.pp, m, per_rank)[rank] for action in step]
+    # FSDP2 under pp: each gradient made whole in fp32 at its first micro-batch and summed into
+    # after, the bf16 gradient freed as soon as it is folded in (FSDP2 does it per block, in
+    # its post-backward; per parameter here, within one block's bf16 gradients of it), and the
+    # sums reduce-scattered (freed) once the step's backwards are done
+    accumulated: dict[nn.Parameter, torch.Tensor] = {}
+
+    def fold_in(p: torch.Tensor) -> None:
+        assert p.grad is not None
+        if p in accumulated:
+            accumulated[p] += p.grad
+        else:
+            accumulated[p] = p.grad.float()
+        p.grad = None
+
+    for stage in stages.values():
+        for p in stage.parameters():
+            p.register_post_accumulate_grad_hook(fold_in)
     result: dict[str, Any] = {}
     for measured in (False, True):
         if measured and device == "cuda":
@@ -173,9 +205,7 @@ def run(schedule: str, rank: int, shape: Shape, keep_outputs: bool, device: str)
             torch.cuda.reset_peak_memory_stats()
         cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         kept: list[torch.Tensor] = []
-        # FSDP2 under pp: each gradient made whole in fp32 at its first micro-batch, summed
-        # into after, and reduce-scattered (freed) once the step's backwards are done
-        accumulated: dict[nn.Parameter, torch.Tensor] = {}
+        accumulated.clear()
         for action in actions:
             s, mb = action.stage, action.microbatch
             if action.kind == "F":
@@ -190,13 +220,6 @@ def run(schedule: str, rank: int, shape: Shape, keep_outputs: bool, device: str)
             elif action.kind == "B":
                 x, out = cache.pop((s, mb))
                 out.backward(None if s == n - 1 else grads[s][mb])
-                for p in stages[s].parameters():
-                    if p.grad is not None:
-                        if p in accumulated:
-                            accumulated[p] += p.grad
-                        else:
-                            accumulated[p] = p.grad.float()
-                        p.grad = None
                 if s:
                     x.grad = None  # sent to the stage before
         if keep_outputs and kept:
@@ -242,6 +265,7 @@ def main() -> int:
     parser.add_argument(
         "--expandable", choices=("on", "off", "both"), default="on", help="as torchtitan ran: on"
     )
+    parser.add_argument("--schedule", nargs="*", default=["1f1b", "interleaved1f1b"])
     parser.add_argument("--tiny", action="store_true", help="a tiny shape (the CPU's default)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -253,11 +277,12 @@ def main() -> int:
     print(f"one pp rank on {device}: {shape}")
     print(HEADER)
     print("|---|---:|---|---:|---:|---:|---:|")
-    for schedule in ("1f1b", "interleaved1f1b"):
+    for schedule in args.schedule:
         for rank in args.rank:
             choices = {"on": (True,), "off": (False,), "both": (False, True)}[args.expandable]
             for expandable in choices if device == "cuda" else (False,):
-                env = {**os.environ, "PYTHONPATH": str(ROOT)}
+                paths = (str(ROOT), os.environ.get("PYTHONPATH"))  # the caller's too: where torch's deps are
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
                 if expandable:
                     env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
                 payload = {"schedule": schedule, "rank": rank, "shape": asdict(shape)}

@@ -233,10 +233,27 @@ def held_for_backward_each(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [held_for_backward(spec) for spec in specs]
 
 
-def accumulated_grad_bytes(spec: dict[str, Any], mixed: bool) -> dict[str, int]:
+def _whole_grad_bytes(stage: Any) -> int:
+    """Bytes of a pipeline stage's gradients FSDP2 holds whole (accumulated or just made)."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(stage.submod)
+    total = 0
+    for inner in state._state_ctx.all_states:
+        for group in inner._fsdp_param_groups:
+            for param in group.fsdp_params:
+                whole = param.unsharded_accumulated_grad
+                if whole is None:
+                    whole = param._unsharded_param.grad
+                total += 0 if whole is None else whole.untyped_storage().nbytes()
+    return total
+
+
+def accumulated_grad_bytes(spec: dict[str, Any], mixed: bool) -> dict[str, Any]:
     """This rank's whole gradients as torch holds them just before its stages' one reduce-scatter
-    (every micro-batch's backward done), beside the estimate's ``accumulated_grads``; ``mixed``:
-    bf16 parameters, fp32 reduction."""
+    (every micro-batch's backward done), beside the sum of the estimate's ``whole_grad_bytes``
+    over the rank's stages; and, around each stage's first backward, what the stage held
+    before and after it, beside its estimate. ``mixed``: bf16 parameters, fp32 reduction."""
     from torch.distributed.pipelining.stage import PipelineStage
 
     mesh = fs.Mesh(**spec["mesh"])
@@ -246,32 +263,38 @@ def accumulated_grad_bytes(spec: dict[str, Any], mixed: bool) -> dict[str, int]:
     )
     plan = fs.shard(model, mesh, policy)
     estimate = fs.estimate(model, plan, batch=spec["rows"], seq=pc.SEQ, rank=dist.get_rank())
+    assert estimate.pipeline is not None
+    assert plan.config.pipeline_axis is not None
+    coordinate = mesh.coords(dist.get_rank())[plan.config.pipeline_axis]
+    expected = {s.stage: s.whole_grad_bytes for s in estimate.pipeline.stages if s.rank == coordinate}
     fs.apply(plan, model)
     seen: list[int] = []
-    original = PipelineStage.perform_reduce_grad
+    firsts: dict[int, tuple[int, int]] = {}
+    reduce, backward = PipelineStage.perform_reduce_grad, PipelineStage.backward_one_chunk
 
     def measured(stage: Any, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.fsdp import fully_shard
+        seen.append(_whole_grad_bytes(stage))
+        return reduce(stage, *args, **kwargs)
 
-        state = fully_shard.state(stage.submod)
-        total = 0
-        for inner in state._state_ctx.all_states:
-            for group in inner._fsdp_param_groups:
-                for param in group.fsdp_params:
-                    whole = param.unsharded_accumulated_grad
-                    if whole is None:
-                        whole = param._unsharded_param.grad
-                    total += 0 if whole is None else whole.untyped_storage().nbytes()
-        seen.append(total)
-        return original(stage, *args, **kwargs)
+    def watched(stage: Any, *args: Any, **kwargs: Any) -> Any:
+        before = _whole_grad_bytes(stage)
+        out = backward(stage, *args, **kwargs)
+        firsts.setdefault(stage.stage_index, (before, _whole_grad_bytes(stage)))
+        return out
 
     step = fs.forward_backward(plan, model, pc.lm_loss)
     index, data_parallel = plan.data_parallel_rank(dist.get_rank())
     rows = spec["rows"]
     mine = pc.batches(data_parallel, rows)[0][index * rows : (index + 1) * rows]
     PipelineStage.perform_reduce_grad = measured  # type: ignore[method-assign]
+    PipelineStage.backward_one_chunk = watched  # type: ignore[method-assign]
     try:
         step(mine[:, :-1], mine[:, 1:])
     finally:
-        PipelineStage.perform_reduce_grad = original  # type: ignore[method-assign]
-    return {"measured": sum(seen), "estimated": estimate.memory["accumulated_grads"]}
+        PipelineStage.perform_reduce_grad = reduce  # type: ignore[method-assign]
+        PipelineStage.backward_one_chunk = backward  # type: ignore[method-assign]
+    return {
+        "measured": sum(seen),
+        "estimated": sum(expected.values()),
+        "firsts": {stage: (*firsts[stage], expected[stage]) for stage in expected},
+    }

@@ -266,3 +266,8 @@ def test_whole_gradients_held_across_micro_batches_equal_the_estimate(world, spe
     # reduce dtype (FSDP2's unsharded_accumulated_grad). Measured on every rank, both pp coordinates.
     for result in world.run(pm.accumulated_grad_bytes, spec, mixed):
         assert result["measured"] == result["estimated"] > 0
+        # and a stage holds none before its first backward, all of them after it: the
+        # estimate's peak counts only the stages that ran one (held_peak_parts)
+        for before, after, estimated in result["firsts"].values():
+            assert before == 0
+            assert after == estimated > 0, result

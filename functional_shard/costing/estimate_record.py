@@ -197,6 +197,9 @@ class StageEstimate:
         buffer_bytes: torch's receive buffers, one per micro-batch, kept from step to step:
             the activation it receives (not on the first stage) and its output's gradient
             (not on the last).
+        whole_grad_bytes: its gradients as FSDP2 keeps them whole across micro-batches
+            under a pipeline, from the end of its first backward in the step to the
+            reduce-scatter after the last (0 without FSDP over its parameters).
     """
 
     stage: int
@@ -208,6 +211,7 @@ class StageEstimate:
     backward_seconds: float
     send_bytes: int
     buffer_bytes: int = 0
+    whole_grad_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -262,6 +266,11 @@ class PipelineEstimate:
                 f"{s.in_flight} in flight, forward {duration(s.forward_seconds)}, backward "
                 f"{duration(s.backward_seconds)}, sends {_bytes(s.send_bytes)}, receive buffers "
                 f"{_bytes(s.buffer_bytes)}"
+                + (
+                    f", gradients whole from its first backward {_bytes(s.whole_grad_bytes)}"
+                    if s.whole_grad_bytes
+                    else ""
+                )
             )
         if self.kept_output_bytes:
             lines.append(

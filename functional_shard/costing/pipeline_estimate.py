@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.tree import dtype_from_name
-from functional_shard.planning.schedules import check_pipeline, held_peak, in_flight, simulate
+from functional_shard.planning.schedules import check_pipeline, held_peak_parts, in_flight, simulate
 from functional_shard.planning.stage_plans import stage_plan
 from functional_shard.planning.stages import rank_stages, stage_finder, stage_rank
 
@@ -200,22 +200,40 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
     # at a V's turn the next stage's buffer holds the last step's tensor until the new one
     # replaces it, just after the forward
     during = [output[s] if turn[s] else 0 for s in range(n)]
-    held = held_peak(schedule, pp, m, per_rank, kept, kept_to_end=to_end, during_forward=during)
     costs = assembly.costs or stage_costs(plan, assembly.optimizer, batch * seq, rank)
     memories = []
     sub_plans = []
     stage_units = []
     gathered_units = []
+    whole_grads = [0] * n  # per stage, its gradients kept whole from its first backward
     census = census_of(plan, {})
     for c in range(pp):
         mine = {s for s in range(n) if owner[s] == c}
-        plan_cost = costs[c]
         sub_plans.append(stage_plan(plan, mine))
         # each pp coordinate's units, gathered where they live (``units`` are pp rank 0's)
-        held_units = unit_gathered(plan, census, plan.mesh.coords(_rank_of_coordinate(plan, c, rank)))
+        coords = plan.mesh.coords(_rank_of_coordinate(plan, c, rank))
+        held_units = unit_gathered(plan, census, coords)
         stage_units.append(_stage_units(plan, held_units, mine))
         # what is held gathered: with Float8 all-gathers, less than the gradients kept whole
         gathered_units.append(gathered_with_float8(stage_units[c], assembly.float8_gathered))
+        for s in mine:
+            # a rank's stages are separate modules, the root unit's parameters (embedding,
+            # head) split among them: each stage's own cut of the plan says which it holds
+            own = stage_units[c] if len(mine) == 1 else unit_gathered(stage_plan(plan, {s}), coords=coords)
+            whole_grads[s] = _accumulated_grads(plan, own)
+    held = held_peak_parts(
+        schedule,
+        pp,
+        m,
+        per_rank,
+        kept,
+        kept_to_end=to_end,
+        during_forward=during,
+        after_first_backward=whole_grads,
+    )
+    for c in range(pp):
+        mine = {s for s in range(n) if owner[s] == c}
+        plan_cost = costs[c]
         memories.append(
             {
                 "params": plan_cost.params_bytes,
@@ -223,9 +241,10 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
                 "optimizer": plan_cost.optimizer_bytes,
                 "buffers": plan_cost.buffers_bytes,
                 "gathered": gathered_in_flight(sub_plans[c], gathered_units[c]),
-                "accumulated_grads": _accumulated_grads(plan, stage_units[c]),
+                # at the activations' peak, the stages that ran a backward hold them whole
+                "accumulated_grads": int(held[c][1]),
                 # and once per rank, whatever is in flight, what every micro-batch shares
-                "activations": int(held[c] + trace.step_bytes),
+                "activations": int(held[c][0] + trace.step_bytes),
                 "pipeline_buffers": sum(buffers[s] for s in mine),
                 # what one micro-batch's loss holds beyond its logits and log-softmax (in
                 # kept): the fp32 copy in the forward, below its backward's two fp32 gradients
@@ -270,6 +289,7 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
             backward_seconds=backward[s],
             send_bytes=int(sends[s]) if s < n - 1 else 0,
             buffer_bytes=buffers[s],
+            whole_grad_bytes=whole_grads[s],
         )
         for s in range(n)
     )

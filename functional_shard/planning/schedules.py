@@ -34,6 +34,7 @@ __all__ = [
     "check_pipeline",
     "in_flight",
     "held_peak",
+    "held_peak_parts",
     "schedule_actions",
     "simulate",
 ]
@@ -225,21 +226,72 @@ def held_peak(
         >>> held_peak("1f1b", 2, 4, 1, [10, 10], during_forward=[5, 0])
         (25.0, 10.0)
     """
+    parts = held_peak_parts(
+        schedule,
+        pp,
+        microbatches,
+        stages_per_rank,
+        stage_bytes,
+        kept_to_end=kept_to_end,
+        during_forward=during_forward,
+    )
+    return tuple(held for held, _ in parts)
+
+
+def held_peak_parts(
+    schedule: str,
+    pp: int,
+    microbatches: int,
+    stages_per_rank: int,
+    stage_bytes: Sequence[float],
+    *,
+    kept_to_end: Sequence[float] | None = None,
+    during_forward: Sequence[float] | None = None,
+    after_first_backward: Sequence[float] | None = None,
+) -> tuple[tuple[float, float], ...]:
+    """Per rank: ``(activations, gradients)`` held when their sum peaks, as its list orders them.
+
+    As `held_peak` (its first element, when ``after_first_backward`` is not given), and
+    ``after_first_backward[s]``: what stage ``s`` holds from the end of its first backward
+    in the step (``B``, or ``W`` of a split one) to the step's end. FSDP2 under torch's
+    pipeline keeps each unit's gradient whole across micro-batches
+    (``unsharded_accumulated_grad``), made in the post-backward of the unit's first
+    micro-batch and reduce-scattered after the last: a rank whose activations peak before
+    one of its stages' first backward does not hold that stage's gradients there.
+
+    Examples:
+        >>> held_peak_parts("1f1b", 2, 4, 1, [10, 10], after_first_backward=[100, 100])
+        ((20.0, 100.0), (10.0, 100.0))
+        >>> held_peak_parts("interleaved1f1b", 2, 4, 2, [1, 1, 1, 1], after_first_backward=[5, 5, 5, 5])
+        ((5.0, 10.0), (3.0, 10.0))
+
+        Rank 1 holds 4 activations at most, but before its stages' gradients are whole.
+    """
     to_end = kept_to_end or [0.0] * len(stage_bytes)
     during = during_forward or [0.0] * len(stage_bytes)
+    gradients = after_first_backward or [0.0] * len(stage_bytes)
     out = []
     for steps in schedule_actions(schedule, pp, microbatches, stages_per_rank):
-        held = best = 0.0
+        held = whole = 0.0
+        best = (0.0, 0.0)
+        backed: set[int] = set()
         for step in steps:
             # DualPipeV's overlapped step runs its forward, then its backward: the peak
             # is between the two
             for action in step:
+                moments = []
                 if action.kind == "F":
                     held += stage_bytes[action.stage] + to_end[action.stage]
-                    best = max(best, held + during[action.stage])
+                    moments = [held + during[action.stage], held]
                 elif action.kind in _RELEASES:
                     held -= stage_bytes[action.stage]
-                best = max(best, held)
+                    if action.stage not in backed:
+                        backed.add(action.stage)
+                        whole += gradients[action.stage]
+                    moments = [held]
+                for activations in moments:
+                    if activations + whole > sum(best):
+                        best = (activations, whole)
         out.append(best)
     return tuple(out)
 
