@@ -119,7 +119,8 @@ def estimate(
             output (the logits) to the step's end and then concatenating them, as torch's
             ``schedule.step()`` does unless given ``return_outputs=False`` (torch 2.6 to
             2.9 always did; torchtitan's published runs of 2024 ran so). The runtime
-            frees each at its micro-batch's backward, the default here.
+            frees each at its micro-batch's backward, the default here, where torch takes
+            ``return_outputs`` (2.10 on); with an older torch, pass ``True``.
         kernels: `fs.Kernels`: count ``torch.compile``, torchao's Float8 linears (and their
             Float8 all-gathers) and async tensor parallel as torchtitan runs them
             (`functional_shard.costing.kernels` says how each is modeled); by default eager bf16.

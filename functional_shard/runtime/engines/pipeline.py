@@ -344,6 +344,23 @@ def pipeline_eval_loss(
     return _scheduled_loss(pipelined, loss_fn, inputs, targets, forward_only=True)
 
 
+def _returning(run: Callable[..., Any], outputs: bool) -> dict[str, Any]:
+    """``return_outputs=outputs`` for a schedule's ``step``/``eval`` where torch takes it.
+
+    torch 2.10 added it; before, those methods hand unknown keywords to the model, and the
+    last stage always keeps its outputs (docs/pipelines.md: ``estimate(keep_outputs=True)``
+    counts that).
+
+    Examples:
+        >>> _returning(lambda *args, target=None, return_outputs=True, **kwargs: None, False)
+        {'return_outputs': False}
+        >>> _returning(lambda *args, target=None, losses=None, **kwargs: None, False)
+        {}
+    """
+    taken = "return_outputs" in inspect.signature(run).parameters
+    return {"return_outputs": outputs} if taken else {}
+
+
 def _scheduled_loss(
     pipelined: Pipelined,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -359,7 +376,7 @@ def _scheduled_loss(
     losses: list[torch.Tensor] = []
     # return_outputs=False: else the last stage keeps every micro-batch's output (the
     # logits) until the next step, and concatenates them at the end, for a result unused
-    kwargs: dict[str, Any] = {"return_outputs": False}
+    kwargs = _returning(run, False)
     if last:
         kwargs |= {"target": targets, "losses": losses}
     with _grads_set_aside(pipelined):
@@ -385,7 +402,7 @@ def pipeline_eval_outputs(pipelined: Pipelined, inputs: torch.Tensor) -> torch.T
     pipelined.loss = _no_loss
     first, last = _ends(pipelined)
     device = pipelined.stages[0].device
-    kwargs: dict[str, Any] = {"return_outputs": True}
+    kwargs = _returning(schedule.eval, True)
     if last:
         kwargs["target"] = torch.zeros(inputs.shape[0], device=device)
     with _grads_set_aside(pipelined):
