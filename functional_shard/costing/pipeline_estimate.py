@@ -1,19 +1,22 @@
 """Peak memory and step time of a pipeline-parallel plan, stage by stage. Pure.
 
-A pp rank holds its stages' parameters, gradients and optimizer state (`cost` at a rank
-of that pp coordinate), and the activations of one micro-batch (``batch / microbatches``
+A pp rank holds its stages' parameters, gradients and optimizer state (`cost` at a rank of
+that pp coordinate), and the activations of one micro-batch (``batch / microbatches``
 sequences) per stage for as many micro-batches as torch's schedule keeps in flight there
-(`functional_shard.planning.schedules.held_peak`); on the last stage these include the logits and
-the log-softmax the loss keeps for its backward, and its rank also holds what one
-micro-batch's loss makes beyond those (`loss_memory.pipeline_loss_workspace`). It also
-holds torch's receive buffers, one per micro-batch for each of its stages' input and
-output gradient, kept from step to step; and, as torch's ``schedule.step()`` does by
-default (``estimate(keep_outputs=True)``), the last stage may keep every micro-batch's
-output to the step's end and then concatenate them. The step's
-compute time is the makespan of torch's action
-lists run on a clock (`functional_shard.planning.schedules.simulate`), each stage's forward and
-backward at its traced flops, each boundary's activation sent at the pp axis's link speed:
-the bubble is in it. Data- and tensor-parallel communication is added as for any plan.
+(`functional_shard.planning.schedules.held_peak`); on the last stage these include the
+logits and the log-softmax the loss keeps for its backward, and its rank also holds what one
+micro-batch's loss makes beyond those (`loss_memory.pipeline_loss_workspace`). It also holds
+torch's receive buffers, one per micro-batch for each of its stages' input and output
+gradient, kept from step to step; FSDP2's whole gradients of each of its stages from the end
+of that stage's first backward in the step
+(`functional_shard.planning.schedules.held_peak_parts` finds the moment activations and
+those gradients together peak); and, as torch's ``schedule.step()`` does by default
+(``estimate(keep_outputs=True)``), the last stage may keep every micro-batch's output to the
+step's end and then concatenate them. The step's compute time is the makespan of torch's
+action lists run on a clock (`functional_shard.planning.schedules.simulate`), each stage's
+forward and backward at its traced flops, each boundary's activation sent at the pp axis's
+link speed: the bubble is in it. Data- and tensor-parallel communication is added as for any
+plan.
 """
 
 from __future__ import annotations
