@@ -335,3 +335,47 @@ def test_a_forward_that_fails_after_its_layers_turned_out_unpassable_is_a_shardi
     plan = fs.shard(model, fs.Mesh(dp=1), fs.replicate())
     with pytest.raises(fs.ShardingError, match="this model's own failure"):
         trace_activations(model, plan, batch=2, seq=8, inputs=torch.zeros(2, 8))
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    heads=st.sampled_from([(4, 2), (4, 4), (2, 1)]),
+    head_dim=st.sampled_from([4, 8]),
+    hidden=st.integers(8, 40),
+    batch=st.integers(1, 3),
+    seq=st.integers(2, 10),
+)
+def test_a_full_recompute_rebuilds_what_checkpointing_dropped(heads, head_dim, hidden, batch, seq):
+    # invariant: a fully checkpointed block's recompute (the packed storages dead once the
+    # forward is over) holds what one block keeps without checkpointing beyond what it keeps
+    # with it: two counts, the pack hooks' and the live storages', that must agree
+    num_heads, num_kv_heads = heads
+
+    def per_layer(checkpoint: bool) -> tuple[int, int]:
+        found = []
+        for layers in (2, 3):
+            config = LlamaConfig(64, num_heads * head_dim, hidden, layers, num_heads, num_kv_heads)
+            model = Llama(config).to("meta")
+            policy = fs.replicate() + (fs.checkpointing(Block) if checkpoint else fs.Policy())
+            plan = fs.shard(model, fs.Mesh(dp=1), policy)
+            found.append(trace_activations(model, plan, batch=batch, seq=seq))
+        return found[1].activation_bytes - found[0].activation_bytes, found[1].recompute_bytes
+
+    whole, none_recomputed = per_layer(checkpoint=False)
+    kept, recomputed = per_layer(checkpoint=True)
+    assert none_recomputed == 0
+    assert recomputed == whole - kept > 0
+
+
+def test_selective_checkpointing_recomputes_less_than_full():
+    model = llama("tiny").to("meta")
+    found = {
+        policy: trace_activations(
+            model,
+            fs.shard(model, fs.Mesh(dp=1), fs.replicate() + fs.checkpointing(Block, policy=policy)),
+            batch=BATCH,
+            seq=SEQ,
+        ).recompute_bytes
+        for policy in ("full", "selective")
+    }
+    assert 0 < found["selective"] < found["full"]

@@ -45,7 +45,7 @@ from functional_shard.planning.stages import stage_finder
 from .routing import check_expert_imbalance
 from .trace_checkpointing import SAVED_OPS, checkpointed, selective_context
 from .trace_context_parallel import context_parallel_attention
-from .trace_counting import Births, Flops, kept_bytes_by_owner, storage_key
+from .trace_counting import Births, Flops, kept_bytes_by_owner, recomputed_bytes, storage_key
 from .trace_experts import rank_experts
 from .trace_inputs import first_tensor as _first_tensor  # the name the stage helpers below call
 from .trace_inputs import flex_on_fake_cpu, is_hf, model_inputs, tensors, unpacked_sequences
@@ -240,6 +240,8 @@ class _Run:
             for tensor in per_step:  # held once a step, not once a micro-batch
                 births.owner[storage_key(tensor)] = PER_STEP
             by_owner = kept_bytes_by_owner(births, excluded | output_key, collect=1)
+            # before the backward, whose recomputes make and free them again
+            recomputed = recomputed_bytes(flops.packed, collect=0)
             output_counts = (output.untyped_storage().nbytes(), output.numel())
             if backward:
                 flops.backward = True
@@ -262,6 +264,7 @@ class _Run:
         return counts_of(
             flops,
             by_owner,
+            recomputed=recomputed,
             output=output_counts,
             stages=setup.stages,
             stage_output_bytes=[outputs.get(last, 0) for last in setup.stage_last],

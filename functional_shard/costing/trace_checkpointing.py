@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 __all__ = ["SAVED_OPS", "RecomputeCounter", "checkpointed", "selective_context"]
@@ -55,6 +56,8 @@ class RecomputeCounter(Protocol):
     checkpointed: int  # how deep inside checkpointed forwards the forward is
     inside: dict[str, int]  # forward flops inside them: "all", and "saved" (SAVED_OPS')
     rerun: int  # of those, the flops up to each call's last saved tensor (what recompute runs)
+    # per checkpointed call, the storages autograd asked it to save, with their bytes
+    packed: list[dict[Any, int]]
 
 
 def _selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -122,9 +125,13 @@ def _saves_noted(inner: Any, flops: RecomputeCounter, *args: Any, **kwargs: Any)
     pack, unpack = hooks
     start = flops.inside["all"]
     last = [start]
+    packed: dict[Any, int] = {}
+    flops.packed.append(packed)
 
     def noted(tensor: torch.Tensor) -> Any:
         last[0] = flops.inside["all"]
+        local = getattr(tensor, "_local_tensor", tensor)  # a DTensor saves its local shard
+        packed[StorageWeakRef(local.untyped_storage())] = local.untyped_storage().nbytes()
         return pack(tensor)
 
     with torch.autograd.graph.saved_tensors_hooks(noted, unpack):

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 from .flops import is_attention, op_flops
 from .trace_checkpointing import SAVED_OPS
 
-__all__ = ["Births", "Flops", "kept_bytes", "kept_bytes_by_owner", "storage_key"]
+__all__ = ["Births", "Flops", "kept_bytes", "kept_bytes_by_owner", "recomputed_bytes", "storage_key"]
 
 _aten = torch.ops.aten
 _DEVICE = torch.ops.prim.device.default
@@ -129,6 +129,8 @@ class Flops(TorchDispatchMode):
         # of those, the flops up to the last op that saved a tensor for backward in each
         # checkpointed call: what torch's recompute runs before it stops (early stop)
         self.rerun = 0
+        # per checkpointed call, the storages it was asked to save (`checkpointed` fills it)
+        self.packed: list[dict[StorageWeakRef, int]] = []
         self.running: list[int] = []
         self.by_stage: dict[int, int] = {}
 
@@ -197,6 +199,24 @@ def kept_bytes(
         storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
         total += storage.nbytes()
     return total
+
+
+def recomputed_bytes(packed: list[dict[StorageWeakRef, int]], *, collect: int = 2) -> int:
+    """The most bytes one checkpointed call's recompute makes again and holds for its backward.
+
+    ``packed``: per call, the storages autograd asked it to save. Those dead once the forward
+    is over are what checkpoint dropped and its recompute rebuilds; those alive (parameters,
+    the call's input, selective checkpointing's kept outputs) are held anyway.
+
+    Examples:
+        >>> kept, dropped = torch.ones(2), torch.ones(3)
+        >>> packed = [{storage_key(kept): 8, storage_key(dropped): 12}]
+        >>> del dropped
+        >>> recomputed_bytes(packed)
+        12
+    """
+    gc.collect(collect)
+    return max((sum(n for ref, n in call.items() if ref.expired()) for call in packed), default=0)
 
 
 def kept_bytes_by_owner(births: Births, exclude: set[StorageWeakRef], *, collect: int = 2) -> dict[int, int]:

@@ -28,6 +28,8 @@ _NOT_ADDED = (
     "stage_shared_flops",
     "step_bytes",
 )
+# counts that are the largest of alike calls, which further layers repeat, not add to
+_LARGEST = ("recompute_bytes",)
 
 
 class NotPassableError(Exception):
@@ -246,6 +248,9 @@ def extrapolated(
     for group, second in zip(groups, seconds, strict=True):
         for key in counts:
             if key in _NOT_ADDED:
+                continue
+            if key in _LARGEST:
+                counts[key] = max(counts[key], second[key])
                 continue
             if isinstance(counts[key], list):
                 # each further layer adds what the second added, to its own stage

@@ -63,6 +63,10 @@ class ActivationTrace:
             chunks share out, evenly only when balanced.
         attention_backward_flops: of ``backward_flops``, attention's.
         attention_recompute_flops: of ``recompute_flops``, attention's.
+        recompute_bytes: the most bytes one checkpointed call's recompute makes again and
+            holds for that call's backward (`trace_counting.recomputed_bytes`): at the
+            start of backward, above what the forward kept, while the first checkpointed
+            module backwarded is recomputed. Not yet in `fs.estimate`'s peak.
     """
 
     rank: int
@@ -87,6 +91,7 @@ class ActivationTrace:
     attention_flops: int = 0
     attention_backward_flops: int = 0
     attention_recompute_flops: int = 0
+    recompute_bytes: int = 0
 
     @property
     def step_flops(self) -> int:
@@ -144,6 +149,7 @@ def counts_of(
     flops: Flops,
     kept: Mapping[int, int],
     *,
+    recomputed: int = 0,
     output: tuple[int, int],
     stages: int,
     stage_output_bytes: list[int],
@@ -153,6 +159,7 @@ def counts_of(
     Args:
         flops: the run's flop counter, the recompute filled in.
         kept: bytes kept for backward by the stage that made them (-1: outside every stage).
+        recomputed: the most one checkpointed call's recompute holds (`recompute_bytes`).
         output: the model output's bytes and elements.
         stages: how many pipeline stages to count for (0: none).
         stage_output_bytes: the bytes of each stage's last module's output.
@@ -175,6 +182,7 @@ def counts_of(
         "attention_flops": flops.attention["forward"],
         "attention_backward_flops": flops.attention["backward"],
         "attention_recompute_flops": flops.attention["recompute"],
+        "recompute_bytes": recomputed,
     }
     if stages:
         forward = _per_stage(flops.by_stage, stages)
