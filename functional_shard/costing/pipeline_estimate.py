@@ -210,8 +210,8 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
     gathered_units = []
     whole_grads = [0] * n  # per stage, its gradients kept whole from its first backward
     census = census_of(plan, {})
-    for c in range(pp):
-        mine = {s for s in range(n) if owner[s] == c}
+    ranks_stages = [{s for s in range(n) if owner[s] == c} for c in range(pp)]
+    for c, mine in enumerate(ranks_stages):
         sub_plans.append(stage_plan(plan, mine))
         # each pp coordinate's units, gathered where they live (``units`` are pp rank 0's)
         coords = plan.mesh.coords(_rank_of_coordinate(plan, c, rank))
@@ -234,8 +234,7 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
         during_forward=during,
         after_first_backward=whole_grads,
     )
-    for c in range(pp):
-        mine = {s for s in range(n) if owner[s] == c}
+    for c, mine in enumerate(ranks_stages):
         plan_cost = costs[c]
         memories.append(
             {

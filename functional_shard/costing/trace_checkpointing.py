@@ -14,7 +14,6 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 __all__ = ["SAVED_OPS", "RecomputeCounter", "checkpointed", "selective_context"]
@@ -58,6 +57,9 @@ class RecomputeCounter(Protocol):
     rerun: int  # of those, the flops up to each call's last saved tensor (what recompute runs)
     # per checkpointed call, the storages autograd asked it to save, with their bytes
     packed: list[dict[Any, int]]
+
+    def note_packed(self, call: dict[Any, int], tensor: torch.Tensor) -> None:
+        """Record in ``call`` (one of ``packed``) the storage of ``tensor``, which it saves."""
 
 
 def _selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -130,8 +132,7 @@ def _saves_noted(inner: Any, flops: RecomputeCounter, *args: Any, **kwargs: Any)
 
     def noted(tensor: torch.Tensor) -> Any:
         last[0] = flops.inside["all"]
-        local = getattr(tensor, "_local_tensor", tensor)  # a DTensor saves its local shard
-        packed[StorageWeakRef(local.untyped_storage())] = local.untyped_storage().nbytes()
+        flops.note_packed(packed, tensor)
         return pack(tensor)
 
     with torch.autograd.graph.saved_tensors_hooks(noted, unpack):

@@ -134,6 +134,11 @@ class Flops(TorchDispatchMode):
         self.running: list[int] = []
         self.by_stage: dict[int, int] = {}
 
+    def note_packed(self, call: dict[StorageWeakRef, int], tensor: torch.Tensor) -> None:
+        """Record in ``call`` (one of ``packed``) the storage of ``tensor``, which it saves."""
+        key = storage_key(tensor)
+        call[key] = torch.UntypedStorage._new_with_weak_ptr(key.cdata).nbytes()
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if (device := _device_query(func, args)) is not None:
             return device

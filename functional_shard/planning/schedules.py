@@ -279,19 +279,19 @@ def held_peak_parts(
             # DualPipeV's overlapped step runs its forward, then its backward: the peak
             # is between the two
             for action in step:
-                moments = []
                 if action.kind == "F":
                     held += stage_bytes[action.stage] + to_end[action.stage]
-                    moments = [held + during[action.stage], held]
+                    activations = held + during[action.stage]
                 elif action.kind in _RELEASES:
                     held -= stage_bytes[action.stage]
                     if action.stage not in backed:
                         backed.add(action.stage)
                         whole += gradients[action.stage]
-                    moments = [held]
-                for activations in moments:
-                    if activations + whole > sum(best):
-                        best = (activations, whole)
+                    activations = held
+                else:  # I: the graph stays for W, nothing is freed
+                    continue
+                if activations + whole > sum(best):
+                    best = (activations, whole)
         out.append(best)
     return tuple(out)
 
