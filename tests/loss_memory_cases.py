@@ -57,8 +57,11 @@ class LiveStorages(TorchDispatchMode):
             self.current[entry[0]] -= entry[1]
             self.total -= entry[1]
 
-    def note(self, tensor: torch.Tensor, label: str | None = None) -> None:
-        """Count ``tensor``'s storage under ``label`` (the current one by default), or move it there."""
+    def note(self, tensor: torch.Tensor, label: str | None = None, *, move: bool = True) -> None:
+        """Count ``tensor``'s storage under ``label`` (the current one by default), or move it there.
+
+        ``move=False`` leaves a storage already counted where it is (an op's output that
+        views a parameter or an input is still theirs)."""
         local = _local(tensor)
         if type(local) not in (torch.Tensor, torch.nn.Parameter) or local.device.type != "cpu":
             return  # meta, fake, and wrapper tensors (funcol's async one) have no storage of their own
@@ -72,7 +75,7 @@ class LiveStorages(TorchDispatchMode):
             self.current[label] = self.current.get(label, 0) + storage.nbytes()
             self.total += storage.nbytes()
             weakref.finalize(storage, self._forget, key)
-        elif entry[0] != label:
+        elif entry[0] != label and move:
             self.current[entry[0]] -= entry[1]
             self.current[label] = self.current.get(label, 0) + entry[1]
             entry[0] = label
@@ -91,7 +94,7 @@ class LiveStorages(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for leaf in torch.utils._pytree.tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
-                self.note(leaf)
+                self.note(leaf, move=False)
         return out
 
 

@@ -13,6 +13,7 @@ import functional_shard as fs
 from functional_shard.planning.schedules import (
     check_pipeline,
     held_peak,
+    held_peak_parts,
     in_flight,
     schedule_actions,
     simulate,
@@ -157,26 +158,34 @@ def _runs(name: str, pp: int, per_rank: int, m: int) -> bool:
     st.sampled_from(EVERY),
     st.integers(1, 4),
     st.integers(1, 8),
-    st.lists(st.integers(0, 50), min_size=24, max_size=24),
+    st.lists(st.integers(0, 50), min_size=32, max_size=32),
 )
-def test_what_stays_to_the_end_and_what_a_forward_holds_add_within_bounds(schedule, pp, m, sizes):
+def test_what_stays_to_the_end_and_what_a_forward_or_backward_holds_add_within_bounds(schedule, pp, m, sizes):
     # invariant: bytes a forward keeps to the step's end (kept_to_end) and bytes it holds only
     # while it runs (during_forward) only add to a rank's peak: at least the largest of
-    # them, at most every micro-batch's kept bytes and the largest transient together
+    # them, at most every micro-batch's kept bytes and the largest transient together.
+    # Bytes a backward holds only while it runs (during_backward: a checkpointed block's
+    # recompute) add at most the largest of the rank's stages'; where one stage a rank and
+    # every backward whole (GPipe, 1F1B), its first backward starts with every micro-batch
+    # in flight, so the peak rises by exactly its stage's
     name, per_rank = schedule
     if not _runs(name, pp, per_rank, m):
         return
     n = pp * per_rank
-    kept, to_end, during = sizes[:n], sizes[8 : 8 + n], sizes[16 : 16 + n]
+    kept, to_end, during, working = sizes[:n], sizes[8 : 8 + n], sizes[16 : 16 + n], sizes[24 : 24 + n]
     base = held_peak(name, pp, m, per_rank, kept)
     both = held_peak(name, pp, m, per_rank, kept, kept_to_end=to_end, during_forward=during)
     assert held_peak(name, pp, m, per_rank, kept, kept_to_end=[0] * n, during_forward=[0] * n) == base
+    backward = held_peak_parts(name, pp, m, per_rank, kept, during_backward=working)
     for rank in range(pp):
         mine = [s for s in range(n) if stage_rank(s, pp, per_rank, name) == rank]
         ends = m * sum(to_end[s] for s in mine)
         assert base[rank] <= both[rank] <= base[rank] + ends + max(during[s] for s in mine)
         # every forward done, its kept bytes all stay: the peak holds them all at the end
         assert both[rank] >= ends
+        assert base[rank] <= sum(backward[rank]) <= base[rank] + max(working[s] for s in mine)
+        if name in ("gpipe", "1f1b"):
+            assert sum(backward[rank]) == in_flight(name, pp, m)[rank] * kept[rank] + working[rank]
 
 
 @given(

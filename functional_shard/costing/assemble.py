@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from functional_shard.core.sequence import causal_imbalance
 
-from .context_engines import with_engine, with_ring_workspace
+from .context_engines import recompute_beyond, with_engine, with_ring_workspace
 from .cost import cost
 from .estimate_record import Estimate
 from .kernels import Clock, cost_with_float8_gathers, gathered_with_float8, saved_by_stage
@@ -48,6 +48,9 @@ def _flat_parts(assembly: Assembly) -> StepParts:
         "loss_workspace": loss_workspace(trace.output_bytes, trace.output_numel, plan.config.loss_parallel),
     }
     memory = with_ring_workspace(memory, plan, tokens)  # under cp, what torch's ring adds
+    # a checkpointed block's recompute, held through its backward, after the loss's
+    if recompute := recompute_beyond(plan, tokens, trace.recompute_bytes, memory["loss_workspace"]):
+        memory["recompute"] = recompute
     return StepParts(
         plan=plan,
         cost=plan_cost,

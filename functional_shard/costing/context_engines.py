@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "counted_engine",
     "for_hardware",
+    "recompute_beyond",
     "ring_exposed_seconds",
     "ring_workspace_bytes",
     "with_engine",
@@ -203,3 +204,24 @@ def with_ring_workspace(memory: Mapping[str, int], plan: Plan, tokens: int) -> d
         return dict(memory)
     workspace = ring_workspace_bytes(plan, tokens)
     return dict(memory) | {"ring_workspace": max(0, workspace - memory.get("loss_workspace", 0))}
+
+
+def recompute_beyond(plan: Plan, tokens: int, recompute: int, loss: int) -> int:
+    """What a checkpointed block's backward adds to the peak beyond the loss's workspace and the ring's.
+
+    A backward's recompute (``recompute`` bytes, `ActivationTrace.recompute_bytes`) runs
+    after the loss's backward has freed its workspace (``loss`` bytes), and holds while
+    the block's attention backward runs torch's ring (`ring_workspace_bytes` of
+    ``tokens``, where ``plan``'s cp runs it): the two together raise the peak by what they
+    exceed the loss's workspace, of which `with_ring_workspace` has counted the ring's.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> plan = fs.shard(llama("tiny"), fs.Mesh(dp=2), fs.fsdp())
+        >>> recompute_beyond(plan, 64, recompute=100, loss=30), recompute_beyond(plan, 64, 100, loss=300)
+        (70, 0)
+    """
+    ring = 0
+    if plan.config.context_parallel_axis is not None and counted_engine(plan) == "ring":
+        ring = ring_workspace_bytes(plan, tokens)
+    return max(0, recompute + ring - loss) - max(0, ring - loss)

@@ -42,7 +42,9 @@ class Estimate:
     measured on real steps; under a pipeline, the last stage's beyond the logits and
     log-softmax its ``activations`` hold per micro-batch in flight. Under torch's ring
     attention, ``ring_workspace``: what its backward's buffers add beyond the loss's
-    workspace, which they follow. ``flops`` is per device
+    workspace, which they follow. Under activation checkpointing, ``recompute``, where it adds to the
+    peak: what a checkpointed block's recompute, held through its backward, holds beyond
+    those two (under a pipeline, where its rank's peak falls in one). ``flops`` is per device
     per step, recomputation included; ``model_flops`` without it (what MFU counts).
     Under pipeline parallelism ``batch`` is the step's batch (all micro-batches), the parts
     are those of the pp rank with the highest peak, ``compute_seconds`` is the schedule's

@@ -10,13 +10,14 @@ torch's receive buffers, one per micro-batch for each of its stages' input and o
 gradient, kept from step to step; FSDP2's whole gradients of each of its stages from the end
 of that stage's first backward in the step
 (`functional_shard.planning.schedules.held_peak_parts` finds the moment activations and
-those gradients together peak); and, as torch's ``schedule.step()`` does by default
-(``estimate(keep_outputs=True)``), the last stage may keep every micro-batch's output to the
-step's end and then concatenate them. The step's compute time is the makespan of torch's
-action lists run on a clock (`functional_shard.planning.schedules.simulate`), each stage's
-forward and backward at its traced flops, each boundary's activation sent at the pp axis's
-link speed: the bubble is in it. Data- and tensor-parallel communication is added as for any
-plan.
+those gradients together peak, with, where it falls in a backward, the checkpointed
+block's recompute that backward holds, `context_engines.recompute_beyond`); and, as torch's
+``schedule.step()`` does by default (``estimate(keep_outputs=True)``), the last stage may
+keep every micro-batch's output to the step's end and then concatenate them. The step's
+compute time is the makespan of torch's action lists run on a clock
+(`functional_shard.planning.schedules.simulate`), each stage's forward and backward at its
+traced flops, each boundary's activation sent at the pp axis's link speed: the bubble is in
+it. Data- and tensor-parallel communication is added as for any plan.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from functional_shard.planning.stage_plans import stage_plan
 from functional_shard.planning.stages import rank_stages, stage_finder, stage_rank
 
 from .census import census_of
-from .context_engines import with_ring_workspace
+from .context_engines import recompute_beyond, with_ring_workspace
 from .cost import Cost, OptimizerKind, cost, unit_gathered
 from .estimate_record import PipelineEstimate, StageEstimate
 from .kernels import Clock, cost_with_float8_gathers, gathered_with_float8, phase_saved, saved_by_stage
@@ -103,6 +104,13 @@ def _accumulated_grads(plan: Plan, units: Mapping[str, int]) -> int:
     gathered = dtype_from_name(config.param_dtype).itemsize
     reduced = dtype_from_name(config.reduce_dtype).itemsize
     return sum(units.values()) * reduced // gathered
+
+
+def _recomputing_stages(plan: Plan, stages: int) -> list[bool]:
+    """Per stage, whether its backward recomputes: a checkpointed module is in it or holds it."""
+    stage_of = stage_finder(plan.config.pipeline_stages)
+    homes = {stage_of(path, module=True) for path in plan.config.checkpointed}
+    return [None in homes or s in homes for s in range(stages)]
 
 
 def _signature(plan: Plan) -> tuple[Any, ...]:
@@ -224,6 +232,15 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
             # head) split among them: each stage's own cut of the plan says which it holds
             own = stage_units[c] if len(mine) == 1 else unit_gathered(stage_plan(plan, {s}), coords=coords)
             whole_grads[s] = _accumulated_grads(plan, own)
+    loss = pipeline_loss_workspace(trace.output_numel, plan.config.loss_parallel)
+    # what a stage's backward holds while it runs: a checkpointed block's recompute, beyond
+    # what its rank's loss workspace and torch's ring count already (as for a flat plan)
+    recomputing = _recomputing_stages(plan, n)
+    loss_on = [loss if n - 1 in ranks_stages[owner[s]] else 0 for s in range(n)]
+    working = [
+        recompute_beyond(plan, micro * seq, trace.recompute_bytes, loss_on[s]) if recomputing[s] else 0
+        for s in range(n)
+    ]
     held = held_peak_parts(
         schedule,
         pp,
@@ -233,6 +250,7 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
         kept_to_end=to_end,
         during_forward=during,
         after_first_backward=whole_grads,
+        during_backward=working,
     )
     for c, mine in enumerate(ranks_stages):
         plan_cost = costs[c]
@@ -250,11 +268,12 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
                 "pipeline_buffers": sum(buffers[s] for s in mine),
                 # what one micro-batch's loss holds beyond its logits and log-softmax (in
                 # kept): the fp32 copy in the forward, below its backward's two fp32 gradients
-                "loss_workspace": pipeline_loss_workspace(trace.output_numel, plan.config.loss_parallel)
-                if n - 1 in mine
-                else 0,
+                "loss_workspace": loss if n - 1 in mine else 0,
             }
         )
+        if held[c][2]:
+            # where the peak falls in a backward: its checkpointed block's recompute
+            memories[c]["recompute"] = int(held[c][2])
     # under cp, torch's ring adds its backward's buffers to each rank's peak (the worst
     # rank is chosen with them)
     memories = [with_ring_workspace(memory, plan, micro * seq) for memory in memories]

@@ -66,7 +66,8 @@ class ActivationTrace:
         recompute_bytes: the most bytes one checkpointed call's recompute makes again and
             holds for that call's backward (`trace_counting.recomputed_bytes`): at the
             start of backward, above what the forward kept, while the first checkpointed
-            module backwarded is recomputed. Not yet in `fs.estimate`'s peak.
+            module backwarded is recomputed; `fs.estimate` adds it to the peak beyond the
+            loss's workspace (`context_engines.recompute_beyond`).
     """
 
     rank: int

@@ -235,7 +235,7 @@ def held_peak(
         kept_to_end=kept_to_end,
         during_forward=during_forward,
     )
-    return tuple(held for held, _ in parts)
+    return tuple(held for held, _, _ in parts)
 
 
 def held_peak_parts(
@@ -248,50 +248,62 @@ def held_peak_parts(
     kept_to_end: Sequence[float] | None = None,
     during_forward: Sequence[float] | None = None,
     after_first_backward: Sequence[float] | None = None,
-) -> tuple[tuple[float, float], ...]:
-    """Per rank: ``(activations, gradients)`` held when their sum peaks, as its list orders them.
+    during_backward: Sequence[float] | None = None,
+) -> tuple[tuple[float, float, float], ...]:
+    """Per rank: ``(activations, gradients, working)`` held when their sum peaks, as its list orders them.
 
-    As `held_peak` (its first element, when ``after_first_backward`` is not given), and
-    ``after_first_backward[s]``: what stage ``s`` holds from the end of its first backward
-    in the step (``B``, or ``W`` of a split one) to the step's end. FSDP2 under torch's
-    pipeline keeps each unit's gradient whole across micro-batches
-    (``unsharded_accumulated_grad``), made in the post-backward of the unit's first
-    micro-batch and reduce-scattered after the last: a rank whose activations peak before
-    one of its stages' first backward does not hold that stage's gradients there.
+    As `held_peak` (its first element, when neither ``after_first_backward`` nor
+    ``during_backward`` is given), and ``after_first_backward[s]``: what stage ``s`` holds
+    from the end of its first backward in the step (``B``, or ``W`` of a split one) to the
+    step's end. FSDP2 under torch's pipeline keeps each unit's gradient whole across
+    micro-batches (``unsharded_accumulated_grad``), made in the post-backward of the unit's
+    first micro-batch and reduce-scattered after the last: a rank whose activations peak
+    before one of its stages' first backward does not hold that stage's gradients there.
+    ``during_backward[s]`` is what a backward of stage ``s`` (``B``, or ``I`` of a split one)
+    holds while it runs, on top of the micro-batch it frees (a checkpointed block's
+    recompute): ``working`` is it where the peak falls in one, else 0.
 
     Examples:
         >>> held_peak_parts("1f1b", 2, 4, 1, [10, 10], after_first_backward=[100, 100])
-        ((20.0, 100.0), (10.0, 100.0))
+        ((20.0, 100.0, 0.0), (10.0, 100.0, 0.0))
         >>> held_peak_parts("interleaved1f1b", 2, 4, 2, [1, 1, 1, 1], after_first_backward=[5, 5, 5, 5])
-        ((5.0, 10.0), (3.0, 10.0))
+        ((5.0, 10.0, 0.0), (3.0, 10.0, 0.0))
 
         Rank 1 holds 4 activations at most, but before its stages' gradients are whole.
+        A backward's recompute peaks above the forward before it, with the gradients of
+        the stages backwarded before:
+
+        >>> grads = [100, 100]
+        >>> held_peak_parts("1f1b", 2, 4, 1, [10, 10], after_first_backward=grads, during_backward=[4, 4])
+        ((20.0, 100.0, 4.0), (10.0, 100.0, 4.0))
     """
     to_end = kept_to_end or [0.0] * len(stage_bytes)
     during = during_forward or [0.0] * len(stage_bytes)
     gradients = after_first_backward or [0.0] * len(stage_bytes)
+    working = during_backward or [0.0] * len(stage_bytes)
     out = []
     for steps in schedule_actions(schedule, pp, microbatches, stages_per_rank):
         held = whole = 0.0
-        best = (0.0, 0.0)
+        best = (0.0, 0.0, 0.0)
         backed: set[int] = set()
         for step in steps:
             # DualPipeV's overlapped step runs its forward, then its backward: the peak
             # is between the two
             for action in step:
+                moments = []
                 if action.kind == "F":
                     held += stage_bytes[action.stage] + to_end[action.stage]
-                    activations = held + during[action.stage]
-                elif action.kind in _RELEASES:
+                    moments.append((held + during[action.stage], whole, 0.0))
+                elif action.kind != "W":
+                    # B or I, as it starts: its micro-batch still held, the recompute made
+                    moments.append((held, whole, float(working[action.stage])))
+                if action.kind in _RELEASES:
                     held -= stage_bytes[action.stage]
                     if action.stage not in backed:
                         backed.add(action.stage)
                         whole += gradients[action.stage]
-                    activations = held
-                else:  # I: the graph stays for W, nothing is freed
-                    continue
-                if activations + whole > sum(best):
-                    best = (activations, whole)
+                    moments.append((held, whole, 0.0))
+                best = max([best, *moments], key=sum)
         out.append(best)
     return tuple(out)
 
