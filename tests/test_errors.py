@@ -4,9 +4,12 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import functional_shard as fs
+from functional_shard.core.tree import matches
 from functional_shard.zoo import llama
 
 MESH = fs.Mesh(dp=2, tp=2)
@@ -149,6 +152,38 @@ def test_policy_errors(combine, message):
 def test_class_selectors_need_a_module():
     with pytest.raises(fs.PolicyError, match=re.escape("select by path pattern, or pass the nn.Module")):
         fs.shard(nn.Linear(4, 4).state_dict(), fs.Mesh(dp=2), fs.fsdp(units=[nn.Linear]))
+
+
+@settings(max_examples=20)
+@given(
+    pattern=st.from_regex(r"[a-z_]{1,10}(\.[a-z0-9*]{1,4}){0,2}", fullmatch=True),
+    where=st.sampled_from(["checkpointing", "units"]),
+)
+def test_a_selector_that_selects_no_module_is_refused_by_name(pattern, where):
+    # invariant: a module selector selects something, or the plan is refused naming it; a
+    # policy that would silently checkpoint (or wrap) nothing is never made
+    model = llama("tiny")
+    paths = [path for path, _ in model.named_modules() if path]
+    hits = [path for path in paths if matches(pattern, path)]
+    policy = fs.fsdp() + fs.checkpointing(pattern) if where == "checkpointing" else fs.fsdp(units=[pattern])
+    if hits:
+        plan = fs.shard(model, fs.Mesh(dp=2), policy)
+        chosen = plan.config.checkpointed if where == "checkpointing" else plan.config.units
+        assert set(hits) <= set(chosen)
+        return
+    with pytest.raises(fs.PolicyError, match=re.escape(f"{pattern!r} selects no module of the model")):
+        fs.shard(model, fs.Mesh(dp=2), policy)
+
+
+def test_a_class_name_given_as_a_string_says_to_pass_the_class():
+    with pytest.raises(
+        fs.PolicyError, match=re.escape("Block is a module class of the model; pass the class")
+    ):
+        fs.shard(llama("tiny"), fs.Mesh(dp=2), fs.fsdp() + fs.checkpointing("Block"))
+    with pytest.raises(
+        fs.PolicyError, match=re.escape("no module of the model is a Conv2d; its module classes:")
+    ):
+        fs.shard(llama("tiny"), fs.Mesh(dp=2), fs.fsdp(units=[nn.Conv2d]))
 
 
 def test_unresolved_mesh_and_non_tensor_leaves():

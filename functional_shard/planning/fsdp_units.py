@@ -22,34 +22,62 @@ def select_modules(selectors: Iterable[Selector], tree: ModelTree, what: str) ->
     """The module paths any of ``selectors`` (classes, or path patterns) selects, in model order.
 
     Raises:
-        PolicyError: a class selector on a pytree, which has no module classes.
+        PolicyError: a class selector on a pytree, which has no module classes; a selector
+            that selects no module (a policy that would silently do nothing there).
 
     Examples:
         >>> from functional_shard.core.tree import read_model
         >>> tree = read_model(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)))
         >>> select_modules([nn.Linear], tree, "checkpointing()"), select_modules(["1"], tree, "units")
         (['0', '2'], ['1'])
+        >>> select_modules(["Linear"], tree, "checkpointing()")
+        Traceback (most recent call last):
+        ...
+        functional_shard.PolicyError: checkpointing(): 'Linear' selects no module of the model: ...
     """
     selectors = tuple(selectors)
-    if not selectors:
-        return []
-    chosen = []
-    for path, cls in tree.modules.items():
-        for selector in selectors:
-            if isinstance(selector, type):
-                if cls is None:
-                    raise PolicyError(
-                        f"{what} selects modules of class {selector.__name__}, but the model was "
-                        "given as a pytree with no module classes; select by path pattern, or pass "
-                        "the nn.Module"
-                    )
-                hit = issubclass(cls, selector)
-            else:
-                hit = bool(path) and matches(selector, path)
-            if hit:
-                chosen.append(path)
-                break
-    return chosen
+    pytree = any(cls is None for cls in tree.modules.values())
+    for selector in selectors:
+        if isinstance(selector, type) and pytree:
+            raise PolicyError(
+                f"{what} selects modules of class {selector.__name__}, but the model was "
+                "given as a pytree with no module classes; select by path pattern, or pass "
+                "the nn.Module"
+            )
+        if not any(_selects(selector, path, cls) for path, cls in tree.modules.items()):
+            raise PolicyError(f"{what}: {_nothing_selected(selector, tree)}")
+    return [
+        path
+        for path, cls in tree.modules.items()
+        if any(_selects(selector, path, cls) for selector in selectors)
+    ]
+
+
+def _selects(selector: Selector, path: str, cls: type[nn.Module] | None) -> bool:
+    if isinstance(selector, type):
+        return cls is not None and issubclass(cls, selector)
+    return bool(path) and matches(selector, path)
+
+
+def _nothing_selected(selector: Selector, tree: ModelTree) -> str:
+    """Why ``selector`` selects nothing in ``tree``, and what would."""
+    classes = sorted({cls.__name__ for cls in tree.modules.values() if cls is not None})
+    if isinstance(selector, type):
+        return (
+            f"no module of the model is a {selector.__name__}; its module classes: "
+            f"{', '.join(classes[:12])}. Select one of those, or a module-path pattern"
+        )
+    shown = repr(getattr(selector, "pattern", selector))
+    if isinstance(selector, str) and selector in classes:
+        return (
+            f"{shown} selects no module of the model: a string is a module-path pattern, and "
+            f"{selector} is a module class of the model; pass the class itself (in policy text, "
+            f"the bare name {selector}, unquoted)"
+        )
+    return (
+        f"{shown} selects no module of the model: its modules: {_some_modules(tree)}. "
+        "Use a module-path pattern ('layers.*', '*' spans dots) or a module class"
+    )
 
 
 # size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES and .FORCE_LEAF_MODULES of
@@ -114,7 +142,7 @@ def _selected_units(tree: ModelTree, selectors: tuple[Any, ...]) -> ChosenUnits:
     for group in (selector for selector in selectors if isinstance(selector, tuple)):
         members = []
         for member in group:
-            found = select_modules([member], tree, "fsdp(units=...)")
+            found = [path for path, cls in tree.modules.items() if _selects(member, path, cls)]
             if not found:
                 raise PolicyError(
                     f"fsdp(units=...): the group {group!r} names {member!r}, which is no module of "
