@@ -137,10 +137,7 @@ def main() -> int:
                     init(sub)
         optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=args.lr)
     except fs.ShardingError as error:
-        if rank == 0:
-            print(f"train_torchrun: {error}", file=sys.stderr)
-        dist.destroy_process_group()
-        return 2
+        return refuse(error, rank)
 
     start = resume(args.checkpoint_dir, model, optimizer, rank)
     vocab = plan.tensors[next(n for n in plan.tensors if "embed" in n or "wte" in n)].shape[0]
@@ -157,10 +154,7 @@ def main() -> int:
             try:
                 loss = forward_backward(mine[:, :-1], mine[:, 1:])
             except fs.ShardingError as error:  # a batch the micro-batches do not divide
-                if rank == 0:
-                    print(f"train_torchrun: {error}", file=sys.stderr)
-                dist.destroy_process_group()
-                return 2
+                return refuse(error, rank)
             optimizer.step()
             mean = loss.detach().clone()
             dist.all_reduce(mean)  # ranks of one data-parallel slice (tp, pp) hold the same loss
@@ -209,6 +203,19 @@ def resume(
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         print(f"resumed from {found} at step {step} (restart {restart})", flush=True)
     return step
+
+
+def refuse(error: fs.ShardingError, rank: int) -> int:
+    """Say why on rank 0 and leave with 2, every rank together.
+
+    Every rank refuses the same input; the others wait for rank 0's message, or torchrun,
+    seeing a first rank fail, could stop rank 0 before it is written.
+    """
+    if rank == 0:
+        print(f"train_torchrun: {error}", file=sys.stderr, flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 2
 
 
 if __name__ == "__main__":

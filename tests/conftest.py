@@ -1,4 +1,4 @@
-"""Hypothesis profiles, the fake process group fixture and four gloo ranks per test module."""
+"""Hypothesis profiles, the fake process group, a gloo world of one and four gloo ranks per module."""
 
 from __future__ import annotations
 
@@ -43,6 +43,15 @@ def fake_world() -> Iterator[Callable[..., None]]:
     yield join
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """This process as a gloo world of one (`worlds.alone`)."""
+    from .worlds import alone
+
+    with alone():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,7 @@ token (the loss's index tensors).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
-import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,19 +23,10 @@ import functional_shard as fs
 from functional_shard.frontends.zoo import Block, Llama, LlamaConfig
 
 from . import loss_memory_cases as lm
+from .worlds import alone
 
 TOKEN_BYTES = 64
 VOCAB = 32  # small: the loss's workspace stays below a block's recompute
-
-
-@contextlib.contextmanager
-def _alone() -> Iterator[None]:
-    """This process as a gloo world of one, for one drawn example."""
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _uncounted(config: LlamaConfig, batch: int, seq: int, policy: fs.Policy) -> tuple[int, fs.Estimate]:
@@ -73,7 +60,7 @@ def _uncounted(config: LlamaConfig, batch: int, seq: int, policy: fs.Policy) -> 
 )
 def test_a_checkpointed_backward_peaks_with_its_blocks_recompute(hidden, widening, batch, seq):
     config = LlamaConfig(VOCAB, hidden, hidden * widening, 2, 4, 2)
-    with _alone():
+    with alone():
         plain, _ = _uncounted(config, batch, seq, fs.Policy())
         checkpointed, estimate = _uncounted(config, batch, seq, fs.checkpointing(Block))
     recompute = estimate.memory["recompute"]

@@ -17,12 +17,10 @@ estimate counts with the stage's activations) plus the workspace.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import functional_shard as fs
 from functional_shard.costing.loss_memory import loss_workspace, pipeline_loss_workspace
@@ -35,16 +33,6 @@ from . import pipeline_cases as pc
 TOKEN_BYTES = 64
 SCALAR_BYTES = 512
 BATCH, SEQ = 2, 64
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    """This process as a gloo world of one (a real group: loss parallel all-reduces)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield
-    dist.destroy_process_group()
 
 
 def _step(policy: fs.Policy, tracker: Any = None) -> tuple[fs.Estimate, lm.LiveStorages, int]:

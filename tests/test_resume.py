@@ -7,7 +7,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from hypothesis import given
 from hypothesis import strategies as st
@@ -126,14 +125,6 @@ def test_a_global_batch_that_does_not_divide_is_refused_naming_both_numbers():
         other.load_state_dict(saved)
     with pytest.raises(fs.ShardingError, match=re.escape("['batch_size'] are the sampler's to set")):
         other.loader(range(24), batch_size=2)
-
-
-@pytest.fixture
-def one_rank():
-    """A gloo process group of this one process (checkpoints agree over the group)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("full", [True, False], ids=["file", "folder"])
