@@ -323,7 +323,10 @@ def kept_activation_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) ->
     instead of the caller's) is watched by weak reference; after the forward, those still
     alive but for the output and the parameters (gathered FSDP2 ones included) are what
     autograd's graph and checkpoint frames keep. Freed FSDP2 buffers have zero bytes left.
-    Agrees with `saved_tensor_bytes` without checkpointing, and sees through it.
+    Agrees with `saved_tensor_bytes` without checkpointing, and sees through it. A module
+    with DTensor parameters waits first for its meshes' collectives to end (a barrier on
+    each group, every rank together, as its forward is): gloo's worker threads may still
+    hold an ended collective's buffers for a moment, which would count as kept.
 
     Examples:
         >>> layer = nn.Linear(4, 3)
@@ -348,7 +351,25 @@ def kept_activation_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) ->
     logits = getattr(output, "logits", None)
     leaves += [logits] if isinstance(logits, torch.Tensor) else []
     exclude = {storage_key(t) for t in leaves} | {storage_key(p) for p in module.parameters()}
+    _collectives_ended(module)
     return kept_bytes(births.storages, exclude), output
+
+
+def _collectives_ended(module: torch.nn.Module) -> None:
+    """Wait until every collective on ``module``'s DTensor parameters' groups has ended.
+
+    A barrier on each group waits for the work before it (gloo's does). The groups go in
+    the order of their ranks, the same on every rank.
+    """
+    from torch.distributed.tensor import DTensor
+
+    groups = {}
+    for parameter in module.parameters():
+        if isinstance(parameter, DTensor):
+            for group in parameter.device_mesh.get_all_groups():
+                groups[tuple(dist.get_process_group_ranks(group))] = group
+    for _, group in sorted(groups.items()):
+        dist.barrier(group=group)
 
 
 @functools.cache  # measured once per process and count, as fs.hardware("local") promises
