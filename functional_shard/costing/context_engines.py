@@ -200,10 +200,17 @@ def with_ring_workspace(memory: Mapping[str, int], plan: Plan, tokens: int) -> d
         >>> with_ring_workspace({"loss_workspace": 0}, plan, 64)["ring_workspace"] > 0
         True
     """
-    if plan.config.context_parallel_axis is None or counted_engine(plan) != "ring":
+    workspace = _ring_backward_bytes(plan, tokens)
+    if workspace is None:
         return dict(memory)
-    workspace = ring_workspace_bytes(plan, tokens)
     return dict(memory) | {"ring_workspace": max(0, workspace - memory.get("loss_workspace", 0))}
+
+
+def _ring_backward_bytes(plan: Plan, tokens: int) -> int | None:
+    """`ring_workspace_bytes` where ``plan``'s cp runs torch's ring; None where it does not."""
+    if plan.config.context_parallel_axis is None or counted_engine(plan) != "ring":
+        return None
+    return ring_workspace_bytes(plan, tokens)
 
 
 def recompute_beyond(plan: Plan, tokens: int, recompute: int, loss: int) -> int:
@@ -221,7 +228,5 @@ def recompute_beyond(plan: Plan, tokens: int, recompute: int, loss: int) -> int:
         >>> recompute_beyond(plan, 64, recompute=100, loss=30), recompute_beyond(plan, 64, 100, loss=300)
         (70, 0)
     """
-    ring = 0
-    if plan.config.context_parallel_axis is not None and counted_engine(plan) == "ring":
-        ring = ring_workspace_bytes(plan, tokens)
+    ring = _ring_backward_bytes(plan, tokens) or 0
     return max(0, recompute + ring - loss) - max(0, ring - loss)

@@ -235,11 +235,11 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
     loss = pipeline_loss_workspace(trace.output_numel, plan.config.loss_parallel)
     # what a stage's backward holds while it runs: a checkpointed block's recompute, beyond
     # what its rank's loss workspace and torch's ring count already (as for a flat plan)
+    # (the same for every stage but the last rank's, which holds the loss's workspace)
+    beyond = {held: recompute_beyond(plan, micro * seq, trace.recompute_bytes, held) for held in (0, loss)}
     recomputing = _recomputing_stages(plan, n)
-    loss_on = [loss if n - 1 in ranks_stages[owner[s]] else 0 for s in range(n)]
     working = [
-        recompute_beyond(plan, micro * seq, trace.recompute_bytes, loss_on[s]) if recomputing[s] else 0
-        for s in range(n)
+        beyond[loss if n - 1 in ranks_stages[owner[s]] else 0] if recomputing[s] else 0 for s in range(n)
     ]
     held = held_peak_parts(
         schedule,

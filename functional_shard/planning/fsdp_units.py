@@ -37,6 +37,7 @@ def select_modules(selectors: Iterable[Selector], tree: ModelTree, what: str) ->
     """
     selectors = tuple(selectors)
     pytree = any(cls is None for cls in tree.modules.values())
+    chosen: set[str] = set()
     for selector in selectors:
         if isinstance(selector, type) and pytree:
             raise PolicyError(
@@ -44,19 +45,18 @@ def select_modules(selectors: Iterable[Selector], tree: ModelTree, what: str) ->
                 "given as a pytree with no module classes; select by path pattern, or pass "
                 "the nn.Module"
             )
-        if not any(_selects(selector, path, cls) for path, cls in tree.modules.items()):
+        found = _selected(selector, tree)
+        if not found:
             raise PolicyError(f"{what}: {_nothing_selected(selector, tree)}")
-    return [
-        path
-        for path, cls in tree.modules.items()
-        if any(_selects(selector, path, cls) for selector in selectors)
-    ]
+        chosen.update(found)
+    return [path for path in tree.modules if path in chosen]
 
 
-def _selects(selector: Selector, path: str, cls: type[nn.Module] | None) -> bool:
+def _selected(selector: Selector, tree: ModelTree) -> list[str]:
+    """The module paths ``selector`` alone selects, in model order."""
     if isinstance(selector, type):
-        return cls is not None and issubclass(cls, selector)
-    return bool(path) and matches(selector, path)
+        return [path for path, cls in tree.modules.items() if cls is not None and issubclass(cls, selector)]
+    return [path for path in tree.modules if path and matches(selector, path)]
 
 
 def _nothing_selected(selector: Selector, tree: ModelTree) -> str:
@@ -142,7 +142,7 @@ def _selected_units(tree: ModelTree, selectors: tuple[Any, ...]) -> ChosenUnits:
     for group in (selector for selector in selectors if isinstance(selector, tuple)):
         members = []
         for member in group:
-            found = [path for path, cls in tree.modules.items() if _selects(member, path, cls)]
+            found = _selected(member, tree)
             if not found:
                 raise PolicyError(
                     f"fsdp(units=...): the group {group!r} names {member!r}, which is no module of "
