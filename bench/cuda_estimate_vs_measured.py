@@ -12,11 +12,17 @@ per step, and measures in the last step:
 The estimate uses the datasheet profile of the GPU it finds (``"h100"`` or ``"h200"``) and
 is taken before anything runs. Ratios are estimate / measurement.
 
-Run: python bench/cuda_estimate_vs_measured.py [timed steps]
+With ``--vocab N`` the model's vocabulary is N instead (and the rows are the checkpointed
+ones up to 64k tokens): a small head's loss workspace is smaller than a checkpointed block's
+recompute, so the backward's recompute, not the loss, sets the peak.
+
+Run: python bench/cuda_estimate_vs_measured.py [--steps 3] [--vocab N]
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import gc
 import os
 import pathlib
@@ -32,7 +38,7 @@ import torch.nn.functional as F  # noqa: N812
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 
 import functional_shard as fs
-from functional_shard.zoo import Block, llama
+from functional_shard.zoo import CONFIGS, Block, Llama
 
 GIB = 2**30
 # (name, tokens per sequence, policy beside fsdp + bf16)
@@ -43,6 +49,22 @@ ROWS = [
     ("fsdp + full ckpt", 16384, "full"),
     ("fsdp + full ckpt", 32768, "full"),
 ]
+# a small vocabulary: the checkpointed rows, where a block's recompute sets the peak
+SMALL_VOCAB_ROWS = [
+    ("fsdp", 16384, None),
+    ("fsdp + full ckpt", 16384, "full"),
+    ("fsdp + full ckpt", 32768, "full"),
+    ("fsdp + full ckpt", 65536, "full"),
+]
+
+
+def llama_1b(vocab: int | None) -> Llama:
+    """The zoo's Llama 3.2 1B on the meta device, with ``vocab`` tokens if given."""
+    config = (
+        CONFIGS["llama-1b"] if vocab is None else dataclasses.replace(CONFIGS["llama-1b"], vocab_size=vocab)
+    )
+    with torch.device("meta"):
+        return Llama(config)
 
 
 def policy(checkpointing: str | None) -> fs.Policy:
@@ -52,10 +74,9 @@ def policy(checkpointing: str | None) -> fs.Policy:
     return base + fs.checkpointing(Block, policy=checkpointing)
 
 
-def measure(plan: fs.Plan, seq: int, steps: int) -> dict[str, float]:
+def measure(plan: fs.Plan, seq: int, steps: int, vocab: int | None) -> dict[str, float]:
     """Train on this GPU under ``plan``; peak bytes of the last step and the median step time."""
-    with torch.device("meta"):
-        model = llama("llama-1b")
+    model = llama_1b(vocab)
     fs.apply(plan, model, plan.mesh.device_mesh("cuda"))
     fs.materialize(plan, model, "cuda", seed=0)
     adamw = fs.optimizer(plan, model, torch.optim.AdamW, lr=1e-4)
@@ -86,7 +107,7 @@ def measure(plan: fs.Plan, seq: int, steps: int) -> dict[str, float]:
     return result
 
 
-def main(steps: int = 3) -> None:
+def main(steps: int = 3, vocab: int | None = None) -> None:
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     name = torch.cuda.get_device_name()
     profile = "h200" if "H200" in name else "h100"
@@ -95,8 +116,8 @@ def main(steps: int = 3) -> None:
     os.environ.setdefault("MASTER_PORT", "29533")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)
-    with torch.device("meta"):
-        shapes = llama("llama-1b")
+    shapes = llama_1b(vocab)
+    print(f"vocabulary {shapes.config.vocab_size:,}")
     print(
         "| plan | tokens | est. peak | measured peak (allocated) | ratio | max reserved "
         "| est. step | measured step | ratio | measured tokens/s | MFU (6N) |"
@@ -105,11 +126,11 @@ def main(steps: int = 3) -> None:
     params = sum(p.numel() for p in shapes.parameters())
     peak_flops = fs.hardware(profile).flops["bfloat16"]
     try:
-        for title, seq, checkpointing in ROWS:
+        for title, seq, checkpointing in ROWS if vocab is None else SMALL_VOCAB_ROWS:
             plan = fs.shard(shapes, fs.Mesh(dp=1), policy(checkpointing))
             est = fs.estimate(shapes, plan, batch=1, seq=seq, hardware=profile)
             try:
-                got = measure(plan, seq, steps)
+                got = measure(plan, seq, steps, vocab)
             except torch.OutOfMemoryError:
                 gc.collect()
                 torch.cuda.empty_cache()
@@ -133,4 +154,8 @@ def main(steps: int = 3) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after two warm-ups")
+    parser.add_argument("--vocab", type=int, help="a vocabulary size instead of the model's 128k")
+    arguments = parser.parse_args()
+    main(arguments.steps, arguments.vocab)

@@ -6,6 +6,7 @@ micro-batches, the data-parallel and tensor-parallel layers and the model config
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,8 @@ from functional_shard.zoo import Block, Llama, LlamaConfig
 from .dist_cases import full, mean_over_ranks
 
 STEPS = 3
+# the h100 profile with the CPU's kernels (`trace_kernels`): what the gloo runs here keep
+H100_ON_CPU = dataclasses.replace(fs.hardware("h100"), cuda=False)
 LR = 1e-2
 # AdamW's eps: with 1e-8 a near-zero gradient, its micro-batch sum reordered, turns rounding
 # noise into a full-size step (as in hf_cases); 1e-6 keeps that noise small

@@ -14,6 +14,8 @@ from functional_shard.costing.pipeline_estimate import with_schedule
 from functional_shard.planning.schedules import simulate
 from functional_shard.zoo import Llama, LlamaConfig, llama
 
+from .pipeline_cases import H100_ON_CPU
+
 BATCH, SEQ, M = 8, 16, 4
 
 
@@ -261,7 +263,8 @@ def test_stage_activations_against_a_real_forward():
     from torch import nn
 
     model = llama("tiny", device="cpu")
-    est = _estimate()
+    plan = _plan("1f1b", 1, 2)
+    est = fs.estimate(_model(), plan, batch=BATCH, seq=SEQ, hardware=H100_ON_CPU)  # these runs' kernels
     micro = BATCH // M
     tokens = torch.zeros(micro, SEQ, dtype=torch.long)
     first = nn.Sequential(model.embed_tokens, model.layers[0])
@@ -327,7 +330,7 @@ def test_the_searchs_shortcuts_for_pipelines_change_no_estimate(monkeypatch):
         TraceCache,
         "_checkpointed",
         lambda self, plan, key, plain, trace: trace(
-            self.model, plan, batch=key.micro_batch, seq=self.seq, stages=self.units
+            self.model, plan, batch=key.micro_batch, seq=self.seq, stages=self.units, cuda=self.cuda
         ),
     )
     slow = search()

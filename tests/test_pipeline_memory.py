@@ -53,7 +53,9 @@ def _estimate_of(key: str) -> fs.Estimate:
     model = pc.build(spec)
     plan = fs.shard(model, fs.Mesh(**spec["mesh"]), pc.policy_of(spec))
     keep = spec.get("keep_outputs", False)
-    return fs.estimate(model, plan, batch=spec["rows"], seq=pc.SEQ, keep_outputs=keep)
+    return fs.estimate(
+        model, plan, batch=spec["rows"], seq=pc.SEQ, keep_outputs=keep, hardware=pc.H100_ON_CPU
+    )
 
 
 def estimate_of(spec):

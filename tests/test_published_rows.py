@@ -3,9 +3,9 @@
 bench/published_pipelines.py and bench/long_context.py print these tables; here they are
 held to the issue's bar: tokens/s within 20% of the published figures counted with the
 kernels the runs used (`fs.Kernels`), and memory within 20% counted eager with the outputs
-kept. Two things are left out, and said so in docs/pipelines.md and docs/long-context.md:
-the 8B row at 256k tokens (tokens/s 1.23), and the 405B memory with their Float8
-all-gathers counted (0.77-0.90 of the reserved peaks they publish).
+kept. One thing is left out, and said so in docs/pipelines.md: the 405B memory with their
+Float8 all-gathers counted (0.76-0.90 of the reserved peaks they publish). The 8B row at
+256k tokens holds by a hair (1.198, with torch's ring's own merges counted: docs/long-context.md).
 """
 
 from __future__ import annotations
@@ -61,11 +61,9 @@ def test_405b_pipeline_rows_are_within_20_percent_with_their_kernels():
         assert _within(fast.tokens_per_second, tps), where
 
 
-def test_8b_long_context_rows_to_128k_are_within_20_percent_with_their_kernels():
+def test_8b_long_context_rows_are_within_20_percent_with_their_kernels():
     model = llama("llama-3-8b")
     for seq, (cp, tps, gib) in long_context.TORCHTITAN.items():
-        if seq > 131072:
-            continue  # 1.23: attention's share, see the module's docstring
         name, mesh, policy = long_context.context(cp) if cp > 1 else long_context.plans()[2]
         plan = fs.shard(model, mesh, policy)
         est = fs.estimate(model, plan, batch=1, seq=seq, hardware="h100", kernels=long_context.KERNELS)

@@ -49,6 +49,7 @@ from .trace_counting import Births, Flops, kept_bytes_by_owner, recomputed_bytes
 from .trace_experts import rank_experts
 from .trace_inputs import first_tensor as _first_tensor  # the name the stage helpers below call
 from .trace_inputs import flex_on_fake_cpu, is_hf, model_inputs, tensors, unpacked_sequences
+from .trace_kernels import cuda_kernels
 from .trace_parameters import FakeParameters
 from .trace_repeats import (
     NotPassableError,
@@ -132,6 +133,7 @@ class _RunSetup:
     inputs: Any
     dtype: torch.dtype | None
     cp: int = 1
+    cuda: bool = False  # torch's CUDA kernel choices (`trace_kernels.cuda_kernels`)
 
 
 class _Run:
@@ -158,6 +160,7 @@ class _Run:
         with (
             _reparametrize_module(setup.model, setup.parameters.state, tie_weights=False, strict=False),
             rank_experts(setup.modules, setup.expert_imbalance, self.plan, setup.rank),
+            cuda_kernels(setup.cuda),
         ):
             yield
 
@@ -311,6 +314,7 @@ def trace_activations(
     expert_imbalance: float = 1.0,
     backward: bool = True,
     stages: tuple[tuple[str, ...], ...] | None = None,
+    cuda: bool = False,
 ) -> ActivationTrace:
     """Bytes ``model`` keeps for backward and its flops on one rank, traced on meta tensors.
 
@@ -342,6 +346,9 @@ def trace_activations(
             the trace then also says what each stage keeps and computes
             (``stage_activation_bytes`` and the ``stage_*_flops``), for one micro-batch of
             ``batch`` sequences.
+        cuda: trace the kernels torch picks on CUDA where they keep other tensors than
+            the CPU's (`functional_shard.costing.trace_kernels`): ``fs.estimate`` sets it
+            for a CUDA profile. By default the CPU's, as a run on this machine keeps.
 
     Returns:
         An `ActivationTrace`.
@@ -410,6 +417,7 @@ def trace_activations(
             inputs=inputs,
             dtype=dtype,
             cp=cp,
+            cuda=cuda,
         )
     )
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from functional_shard.core.sequence import causal_imbalance
 
-from .context_engines import recompute_beyond, with_engine, with_ring_workspace
+from .context_engines import recompute_beyond, ring_merge_seconds, with_engine, with_ring_workspace
 from .cost import cost
 from .estimate_record import Estimate
 from .kernels import Clock, cost_with_float8_gathers, gathered_with_float8, saved_by_stage
@@ -93,6 +93,7 @@ def assemble(assembly: Assembly) -> Estimate:
     plan, hw = assembly.plan, assembly.hardware
     parts = pipeline_parts(assembly) if plan.config.pipeline_axis else _flat_parts(assembly)
     checkpointed = plan.config.checkpointed if assembly.checkpointed is None else assembly.checkpointed
+    clock = Clock.of(assembly.kernels, hw, assembly.dtype)
     compute, exposed, per_collective = step_time(
         parts.plan,
         parts.cost,
@@ -104,9 +105,12 @@ def assemble(assembly: Assembly) -> Estimate:
         units=parts.units,
         recomputed=_recomputed(parts.plan, checkpointed, assembly.batch * assembly.seq),
         attention=(parts.attention_flops, _causal_imbalance(plan, assembly.seq)),
-        clock=Clock.of(assembly.kernels, hw, assembly.dtype),
+        clock=clock,
         saved=parts.saved,
     )
+    # torch's ring's own float32 merges and sums, on the stream of its kernels: not hidden
+    if merges := ring_merge_seconds(parts.plan, parts.attention_flops, assembly.seq, hw, clock.speedup):
+        exposed["context parallel ring merges"] = merges
     tp_axes = plan.config.tensor_parallel_axes
     found = Estimate(
         rank=parts.rank,

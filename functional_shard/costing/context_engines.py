@@ -18,6 +18,13 @@ chunk's attention; backward, the same all-gather again, then ``cp`` all-to-all p
 the keys' and values' gradients, accumulated in float32, each waited for after the next
 chunk's attention (the last one after all of them). The gathered keys and values are not
 kept for backward: SDPA keeps the local query, keys, values, output and logsumexp.
+
+Beside its kernels and collectives, each call also runs elementwise passes of its own
+(`ring_merge_bytes`): it merges each chunk's output into a float32 running one and
+accumulates the keys', values' and query's gradients in float32, copying them whole for
+every permute. They grow with cp, not with the model's other work, so the efficiency
+calibrated on runs without cp does not hold them: `ring_merge_seconds` times them at the
+profile's memory rate.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from functional_shard.core.errors import ShardingError
 from functional_shard.core.sequence import CONTEXT_ENGINES, engine_that_runs
 
 from .comm_cost import compute_itemsize, key_value_features, ring_passes
+from .ring_merges import ring_merge_bytes, ring_merge_seconds
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan import Plan
@@ -42,6 +50,8 @@ __all__ = [
     "for_hardware",
     "recompute_beyond",
     "ring_exposed_seconds",
+    "ring_merge_bytes",
+    "ring_merge_seconds",
     "ring_workspace_bytes",
     "with_engine",
 ]

@@ -167,6 +167,7 @@ def estimate(
         inputs=inputs,
         expert_imbalance=expert_imbalance,
         stages=stages,
+        cuda=hw.cuda,
     )
     units = unit_gathered_bytes(plan)
     return assemble(
@@ -255,7 +256,7 @@ def compare_schedules(
     plan = for_hardware(plan, hw)  # "auto" cp: the engine the hardware runs
     planned = {name: with_schedule(plan, name) for name in schedules}
     micro = microbatch_size(plan, batch)
-    trace = _trace(model, plan, batch=micro, seq=seq, stages=config.pipeline_stages)
+    trace = _trace(model, plan, batch=micro, seq=seq, stages=config.pipeline_stages, cuda=hw.cuda)
     units = unit_gathered_bytes(plan)
     shared = dict(
         trace=trace,

@@ -88,7 +88,13 @@ class Search:
                 p for p, m in facts.model.named_modules() if p and isinstance(m, facts.block)
             )
         self.checkpointed = checkpointed
-        self.traces = TraceCache(facts.model, seq=inputs.seq, checkpointed=checkpointed, units=facts.units)
+        self.traces = TraceCache(
+            facts.model,
+            seq=inputs.seq,
+            checkpointed=checkpointed,
+            units=facts.units,
+            cuda=inputs.hardware.cuda,
+        )
 
     def run(self, points: list[Point]) -> list[Candidate]:
         """Each point's candidates: one per checkpointing (a pipeline's until one fits)."""

@@ -63,11 +63,13 @@ class TraceCache:
         seq: int,
         checkpointed: tuple[str, ...] = (),
         units: tuple[tuple[str, ...], ...] = (),
+        cuda: bool = False,
     ) -> None:
         self.model = model
         self.seq = seq
         self.checkpointed = checkpointed  # the modules fs.checkpointing(block) selects
         self.units = units  # the units of work a key by_unit traces as stages
+        self.cuda = cuda  # trace torch's CUDA kernel choices (the hardware's, as fs.estimate does)
         self._traces: dict[TraceKey, ActivationTrace | Exception] = {}
 
     def trace(self, plan: Plan, key: TraceKey) -> ActivationTrace | Exception:
@@ -96,7 +98,9 @@ class TraceCache:
 
     def _run(self, trace: Any, plan: Plan, key: TraceKey, **options: Any) -> ActivationTrace:
         stages = {"stages": self.units} if key.by_unit else {}
-        return trace(self.model, plan, batch=key.micro_batch, seq=self.seq, **stages, **options)
+        return trace(
+            self.model, plan, batch=key.micro_batch, seq=self.seq, cuda=self.cuda, **stages, **options
+        )
 
     def _checkpointed(self, plan: Plan, key: TraceKey, plain: ActivationTrace, trace: Any) -> ActivationTrace:
         # Checkpointing changes what the forward keeps and adds recomputation; the backward's

@@ -1,0 +1,169 @@
+"""The elementwise passes torch's ring attention runs beyond its kernels, counted in bytes (pure).
+
+Read from torch 2.13's ``_templated_ring_attention`` and its backward (default options:
+float32 merging, keys and values all-gathered once, gradients permuted round the ring),
+per attention call on cp rank ``r`` of ``n``, with ``Q`` the elements of the rank's local
+query (its keys and values, repeated to the query heads, are as many) and ``R`` its
+logsumexp rows. Each op reads its inputs and writes its output once; with load balancing
+a step's chunk is either whole or half (``Q/2``, ``R/2``):
+
+- forward: the local keys and values concatenated for each of the first ``n - 1`` steps;
+  each computed chunk's output cast to float32; from the second on, the merge
+  (``out - sigmoid(lse_b - lse) * (out - out_b)`` and ``lse - logsigmoid(lse - lse_b)``),
+  and for a half chunk a ``torch.cat`` rebuilding the whole running output and
+  logsumexp; the result cast back;
+- backward: three float32 zero gradients; the keys and values concatenated for each of
+  the first ``n - 1`` steps; each chunk's gradients added into the float32 sums (a half
+  chunk's through a ``torch.cat`` of the whole sum), the keys' and values' sums
+  concatenated for each permute, and the casts back.
+
+`tests/test_ring_merges.py` counts the same bytes by running torch's own functions on a
+fake process group (every op but the kernels and collectives), for drawn cp sizes,
+ranks and shapes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from functional_shard.planning.plan import Plan
+
+    from .hardware import Hardware
+
+__all__ = ["ring_merge_bytes", "ring_merge_seconds"]
+
+_BF, _F32 = 2, 4  # the ring's inputs (compute dtype, 2 bytes here) and its float32 sums
+
+
+def _chunks(n: int, rank: int, load_balance: bool) -> list[tuple[float, bool]]:
+    """Per ring step: the chunk's share of the local query (1, 1/2, 0 where skipped) and whether it is half.
+
+    A half chunk is torch's ``partial`` one: the second half of the query against all the keys.
+    """
+    steps = []
+    for i in range(n):
+        if i == 0 or (i <= rank and not load_balance):
+            steps.append((1.0, False))
+        elif not load_balance:
+            steps.append((0.0, False))  # a later chunk than the rank's own: causal skips it
+        elif i <= rank:
+            steps.append((1.0, False))  # the whole query against the first half of the keys
+        else:
+            steps.append((0.5, True))  # the second half of the query against all the keys
+    return steps
+
+
+def _forward(n: int, rank: int, load_balance: bool, size: int) -> tuple[float, float]:
+    features: float = (n - 1) * 2 * (2 * size)  # keys and values concatenated, read and written
+    rows = 0.0
+    merged = False
+    for share, partial in _chunks(n, rank, load_balance):
+        if not share:
+            continue
+        features += share * (size + _F32)  # the chunk's output cast to float32
+        if merged:
+            # out - sigmoid(lse_b - lse) * (out - out_b): a sub, a mul and a sub of float32 outputs
+            features += share * 8 * _F32
+            # lse_b - lse, its sigmoid, the broadcast in the mul, lse - lse_b, logsigmoid, lse - it
+            rows += share * 14 * _F32
+            if partial:  # torch.cat of the untouched half and the merged one: whole, read and written
+                features += 2 * _F32
+                rows += 2 * _F32
+        merged = True
+    features += _F32 + size  # the running output cast back
+    return features, rows
+
+
+def _backward(n: int, rank: int, load_balance: bool, size: int) -> tuple[float, float]:
+    features: float = 3 * _F32  # the float32 gradient sums of query, keys and values, zeroed
+    features += (n - 1) * 2 * (2 * size)  # keys and values concatenated for the first n - 1 steps
+    rows = 0.0
+    add = 2 * _F32  # a float32 sum read and written
+    for i, (share, partial) in enumerate(_chunks(n, rank, load_balance)):
+        grad = size if share else _F32  # a skipped chunk's gradients are float32 zeros, made for it
+        if not share:
+            features += 3 * _F32
+        if partial:
+            rows += 2 * _F32 / 2  # the logsumexp's second half made contiguous (more than one head)
+        if i and load_balance and not partial:
+            # the keys' first half: each sum's first half += it, then torch.cat of the whole sum
+            features += 2 * (0.5 * (add + grad) + 2 * _F32)
+        else:
+            features += 2 * (add + grad)
+        features += 2 * 2 * _F32  # keys' and values' sums concatenated for the permute
+        if partial:
+            features += 0.5 * (add + grad) + 2 * _F32  # the query's second half, then a cat
+        else:
+            features += add + grad
+    features += _F32 + size  # the query's gradient cast back
+    features += 2 * (_F32 + size)  # the keys' and values' last sums cast back
+    return features, rows
+
+
+def ring_merge_bytes(
+    cp: int, rank: int, *, load_balance: bool, queries: float, rows: float = 0.0, itemsize: int = 2
+) -> tuple[float, float]:
+    """Bytes torch's ring moves beyond its kernels in one call on cp rank ``rank``: (forward, backward).
+
+    ``queries``: elements of the rank's local query (batch x heads x local tokens x head
+    dim); ``rows``: its logsumexp rows (the same without the head dim); ``itemsize``:
+    bytes an element of the inputs (the model's compute dtype). Causal attention, as torch's
+    ring runs it.
+
+    Examples:
+        >>> ring_merge_bytes(1, 0, load_balance=True, queries=1)  # one chunk: casts, float32 sums, a copy
+        (12.0, 76.0)
+        >>> forward, backward = ring_merge_bytes(8, 7, load_balance=True, queries=1)
+        >>> forward > ring_merge_bytes(8, 0, load_balance=True, queries=1)[0]  # more whole chunks
+        True
+    """
+    forward = _forward(cp, rank, load_balance, itemsize)
+    backward = _backward(cp, rank, load_balance, itemsize)
+    return (
+        forward[0] * queries + forward[1] * rows,
+        backward[0] * queries + backward[1] * rows,
+    )
+
+
+def ring_merge_seconds(
+    plan: Plan, attention_flops: float, seq: int, hardware: Hardware, speedup: float = 1.0
+) -> float:
+    """Seconds a step of the busiest cp rank spends in torch's ring's own passes (`ring_merge_bytes`).
+
+    ``attention_flops`` is the rank's attention work in a step, forward, recompute and
+    backward in `functional_shard.costing.flops`' convention (a rank's queries against the
+    ``seq`` tokens of the whole sequence, ``4 x queries x seq`` a forward): the elements of
+    its local queries follow from it, whatever the layers, micro-batches and stages. The
+    logsumexp's row-sized passes (a head dim-th of these) are left out: the trace keeps no
+    head dims. Memory-bound: at ``memory_bandwidth`` times ``memory_efficiency`` (1 where
+    the profile has none), ``speedup`` times faster under compile, as the rest of the work
+    other than attention. 0 where the plan's cp does not run torch's ring.
+
+    Examples:
+        >>> from functional_shard.costing.hardware import hardware
+        >>> from functional_shard.zoo import llama
+        >>> plan = fs.shard(llama("tiny"), fs.Mesh(cp=4), fs.replicate() + fs.cp("cp", engine="ring"))
+        >>> ring_merge_seconds(plan, 3 * 4 * 1024 * 2048, 2048, hardware("h100")) > 0
+        True
+    """
+    from .comm_cost import compute_itemsize, ring_passes
+
+    config = plan.config
+    axis = config.context_parallel_axis
+    if axis is None or config.context_engine != "ring" or plan.mesh[axis] <= 1 or not attention_flops:
+        return 0.0
+    n = plan.mesh[axis]
+    gathers, _ = ring_passes(plan)
+    forwards = gathers - 1  # the forward, and a full recompute's again; the backward is twice one
+    queries = attention_flops / (forwards + 2) / (4 * seq)
+    size = compute_itemsize(plan)
+    worst = max(
+        forwards * forward + backward
+        for forward, backward in (
+            ring_merge_bytes(n, r, load_balance=config.context_load_balance, queries=queries, itemsize=size)
+            for r in range(n)
+        )
+    )
+    rate = hardware.memory_bandwidth * (hardware.memory_efficiency or 1.0)
+    return worst / rate / speedup
