@@ -324,9 +324,10 @@ def kept_activation_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) ->
     alive but for the output and the parameters (gathered FSDP2 ones included) are what
     autograd's graph and checkpoint frames keep. Freed FSDP2 buffers have zero bytes left.
     Agrees with `saved_tensor_bytes` without checkpointing, and sees through it. A module
-    with DTensor parameters waits first for its meshes' collectives to end (a barrier on
-    each group, every rank together, as its forward is): gloo's worker threads may still
-    hold an ended collective's buffers for a moment, which would count as kept.
+    with DTensor parameters, or called inside a context-parallel step, waits first for the
+    collectives of its meshes (or its cp group) to end (a barrier on each group, every rank
+    together, as its forward is): gloo's worker threads may still hold an ended
+    collective's buffers for a moment, which would count as kept.
 
     Examples:
         >>> layer = nn.Linear(4, 3)
@@ -358,16 +359,22 @@ def kept_activation_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) ->
 def _collectives_ended(module: torch.nn.Module) -> None:
     """Wait until every collective on ``module``'s DTensor parameters' groups has ended.
 
-    A barrier on each group waits for the work before it (gloo's does). The groups go in
+    And on the cp group of a context-parallel step running (`fs.sequence_context`): its
+    attention's gathers (ours or torch's ring) are collectives of the forward too. A
+    barrier on each group waits for the work before it (gloo's does). The groups go in
     the order of their ranks, the same on every rank.
     """
     from torch.distributed.tensor import DTensor
+
+    from .engines.context_parallel import current_sequence_group
 
     groups = {}
     for parameter in module.parameters():
         if isinstance(parameter, DTensor):
             for group in parameter.device_mesh.get_all_groups():
                 groups[tuple(dist.get_process_group_ranks(group))] = group
+    if (sequence := current_sequence_group()) is not None:
+        groups[tuple(dist.get_process_group_ranks(sequence))] = sequence
     for _, group in sorted(groups.items()):
         dist.barrier(group=group)
 

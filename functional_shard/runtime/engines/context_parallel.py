@@ -50,6 +50,7 @@ __all__ = [
     "attention_problems",
     "context_chunks",
     "context_parallel_step",
+    "current_sequence_group",
     "cut_tensors",
     "sequence_attention",
     "sequence_context",
@@ -118,6 +119,17 @@ class SequenceShard:
 _current: contextvars.ContextVar[SequenceShard | None] = contextvars.ContextVar("_current", default=None)
 # how many attention calls the engine split during the current step (None: not counting)
 _splits: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("_splits", default=None)
+
+
+def current_sequence_group() -> dist.ProcessGroup | None:
+    """The cp group the attention of the step now running is split over (``None``: no cp step).
+
+    Examples:
+        >>> current_sequence_group() is None  # outside fs.sequence_context
+        True
+    """
+    shard = _current.get()
+    return None if shard is None else shard.group
 
 
 class _GatherSequence(torch.autograd.Function):
