@@ -12,10 +12,11 @@ a step's chunk is either whole or half (``Q/2``, ``R/2``):
   (``out - sigmoid(lse_b - lse) * (out - out_b)`` and ``lse - logsigmoid(lse - lse_b)``),
   and for a half chunk a ``torch.cat`` rebuilding the whole running output and
   logsumexp; the result cast back;
-- backward: three float32 zero gradients; the keys and values concatenated for each of
-  the first ``n - 1`` steps; each chunk's gradients added into the float32 sums (a half
-  chunk's through a ``torch.cat`` of the whole sum), the keys' and values' sums
-  concatenated for each permute, and the casts back.
+- backward: three float32 zero gradients (three more for each chunk causal masking skips,
+  without load balancing); the keys and values concatenated for each of the first
+  ``n - 1`` steps; each chunk's gradients added into the float32 sums (where only half the
+  keys or half the query took part, into that half, then a ``torch.cat`` of the whole
+  sum); the keys' and values' sums concatenated for each permute; the casts back.
 
 `tests/test_ring_merges.py` counts the same bytes by running torch's own functions on a
 fake process group (every op but the kernels and collectives), for drawn cp sizes,
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ring_merge_bytes", "ring_merge_seconds"]
 
-_BF, _F32 = 2, 4  # the ring's inputs (compute dtype, 2 bytes here) and its float32 sums
+_F32 = 4  # bytes an element of the ring's float32 merges and sums
 
 
 def _chunks(n: int, rank: int, load_balance: bool) -> list[tuple[float, bool]]:
