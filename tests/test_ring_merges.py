@@ -123,3 +123,17 @@ def test_the_busiest_rank_sets_the_seconds_and_compile_speeds_them():
     assert ring_merge_seconds(plan, flops, seq, h100, speedup=2.0) == pytest.approx(worst / rate / 2)
     gather = fs.shard(llama("tiny"), fs.Mesh(cp=4), fs.replicate() + fs.cp("cp", engine="all_gather"))
     assert ring_merge_seconds(gather, flops, seq, h100) == 0.0
+
+
+def test_the_estimate_adds_them_to_the_step_whether_or_not_communication_overlaps():
+    import dataclasses
+
+    model = llama("tiny")
+    plan = fs.shard(model, fs.Mesh(cp=4), fs.fsdp("cp") + fs.cp("cp", engine="ring") + fs.mixed_precision())
+    for profile in (hardware("h100"), dataclasses.replace(hardware("h100"), overlap_communication=False)):
+        found = fs.estimate(model, plan, batch=1, seq=256, hardware=profile)
+        merges = found.exposed_seconds["context parallel ring merges"]
+        assert merges > 0
+        assert found.step_seconds == pytest.approx(
+            found.compute_seconds + sum(found.exposed_seconds.values())
+        )

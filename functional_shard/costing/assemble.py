@@ -107,10 +107,8 @@ def assemble(assembly: Assembly) -> Estimate:
         attention=(parts.attention_flops, _causal_imbalance(plan, assembly.seq)),
         clock=clock,
         saved=parts.saved,
+        ring_merges=ring_merge_seconds(parts.plan, parts.attention_flops, assembly.seq, hw, clock.speedup),
     )
-    # torch's ring's own float32 merges and sums, on the stream of its kernels: not hidden
-    if merges := ring_merge_seconds(parts.plan, parts.attention_flops, assembly.seq, hw, clock.speedup):
-        exposed["context parallel ring merges"] = merges
     tp_axes = plan.config.tensor_parallel_axes
     found = Estimate(
         rank=parts.rank,

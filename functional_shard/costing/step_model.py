@@ -346,6 +346,7 @@ def step_time(
     attention: tuple[float, float] = (0.0, 1.0),
     clock: Clock | None = None,
     saved: Mapping[str, float] | None = None,
+    ring_merges: float = 0.0,
 ) -> tuple[float, dict[str, float], dict[str, float]]:
     """Compute seconds, exposed communication by reason, and each collective's seconds.
 
@@ -371,6 +372,7 @@ def step_time(
     it at the next collective). ``clock`` times the flops under `Kernels` (compile's
     faster work other than attention; async TP's forward tensor-parallel collectives hidden
     under the forward's work other than attention), less ``saved``, Float8's seconds by phase.
+    ``ring_merges``: the seconds of torch's ring's own passes (`context_engines.ring_merge_seconds`).
     """
     clock = clock or Clock(hw.achievable_flops(dtype))
     rate, saved = clock.rate, saved or {}
@@ -429,6 +431,8 @@ def step_time(
         tensor_parallel -= min(tensor_parallel / 2, forward_work - forward_attention / rate)
     if hw.skips_masked_attention and imbalance > 1 and attention_flops:
         exposed["unbalanced causal attention"] = attention_flops * (imbalance - 1) / rate
+    if ring_merges:  # on the stream of the ring's kernels: not hidden, whatever overlaps
+        exposed["context parallel ring merges"] = ring_merges
     if not hw.overlap_communication:
         total = tensor_parallel + recompute + sharded + all_reduce + broadcast + expert + context
         if total:
