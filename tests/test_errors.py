@@ -149,9 +149,10 @@ def test_policy_errors(combine, message):
         combine()
 
 
-def test_class_selectors_need_a_module():
+@pytest.mark.parametrize("units", [[nn.Linear], [(nn.Linear,)]], ids=["alone", "in a group"])
+def test_class_selectors_need_a_module(units):
     with pytest.raises(fs.PolicyError, match=re.escape("select by path pattern, or pass the nn.Module")):
-        fs.shard(nn.Linear(4, 4).state_dict(), fs.Mesh(dp=2), fs.fsdp(units=[nn.Linear]))
+        fs.shard(nn.Linear(4, 4).state_dict(), fs.Mesh(dp=2), fs.fsdp(units=units))
 
 
 @settings(max_examples=20)

@@ -35,25 +35,27 @@ def select_modules(selectors: Iterable[Selector], tree: ModelTree, what: str) ->
         ...
         functional_shard.PolicyError: checkpointing(): 'Linear' selects no module of the model: ...
     """
-    selectors = tuple(selectors)
-    pytree = any(cls is None for cls in tree.modules.values())
     chosen: set[str] = set()
     for selector in selectors:
-        if isinstance(selector, type) and pytree:
-            raise PolicyError(
-                f"{what} selects modules of class {selector.__name__}, but the model was "
-                "given as a pytree with no module classes; select by path pattern, or pass "
-                "the nn.Module"
-            )
-        found = _selected(selector, tree)
+        found = _selected(selector, tree, what)
         if not found:
             raise PolicyError(f"{what}: {_nothing_selected(selector, tree)}")
         chosen.update(found)
     return [path for path in tree.modules if path in chosen]
 
 
-def _selected(selector: Selector, tree: ModelTree) -> list[str]:
-    """The module paths ``selector`` alone selects, in model order."""
+def _selected(selector: Selector, tree: ModelTree, what: str) -> list[str]:
+    """The module paths ``selector`` alone selects, in model order.
+
+    Raises:
+        PolicyError: a class selector on a pytree, which has no module classes.
+    """
+    if isinstance(selector, type) and any(cls is None for cls in tree.modules.values()):
+        raise PolicyError(
+            f"{what} selects modules of class {selector.__name__}, but the model was "
+            "given as a pytree with no module classes; select by path pattern, or pass "
+            "the nn.Module"
+        )
     if isinstance(selector, type):
         return [path for path, cls in tree.modules.items() if cls is not None and issubclass(cls, selector)]
     return [path for path in tree.modules if path and matches(selector, path)]
@@ -142,7 +144,7 @@ def _selected_units(tree: ModelTree, selectors: tuple[Any, ...]) -> ChosenUnits:
     for group in (selector for selector in selectors if isinstance(selector, tuple)):
         members = []
         for member in group:
-            found = _selected(member, tree)
+            found = _selected(member, tree, "fsdp(units=...)")
             if not found:
                 raise PolicyError(
                     f"fsdp(units=...): the group {group!r} names {member!r}, which is no module of "
