@@ -37,7 +37,7 @@ from functional_shard.core.errors import ShardingError
 from functional_shard.core.sequence import CONTEXT_ENGINES, engine_that_runs
 
 from .comm_cost import compute_itemsize, key_value_features, ring_passes
-from .ring_merges import ring_merge_bytes, ring_merge_seconds
+from .ring_merges import ring_merge_bytes
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan import Plan
@@ -216,11 +216,54 @@ def with_ring_workspace(memory: Mapping[str, int], plan: Plan, tokens: int) -> d
     return dict(memory) | {"ring_workspace": max(0, workspace - memory.get("loss_workspace", 0))}
 
 
+def _runs_ring(plan: Plan) -> bool:
+    """Whether ``plan``'s cp runs torch's ring (its engine as counted: `counted_engine`)."""
+    return plan.config.context_parallel_axis is not None and counted_engine(plan) == "ring"
+
+
 def _ring_backward_bytes(plan: Plan, tokens: int) -> int | None:
     """`ring_workspace_bytes` where ``plan``'s cp runs torch's ring; None where it does not."""
-    if plan.config.context_parallel_axis is None or counted_engine(plan) != "ring":
-        return None
-    return ring_workspace_bytes(plan, tokens)
+    return ring_workspace_bytes(plan, tokens) if _runs_ring(plan) else None
+
+
+def ring_merge_seconds(
+    plan: Plan, attention_flops: float, seq: int, hardware: Hardware, speedup: float = 1.0
+) -> float:
+    """Seconds a step of the busiest cp rank spends in torch's ring's own passes (`ring_merge_bytes`).
+
+    ``attention_flops`` is the rank's attention work in a step, forward, recompute and
+    backward in `functional_shard.costing.flops`' convention (a rank's queries against the
+    ``seq`` tokens of the whole sequence, ``4 x queries x seq`` a forward): the elements of
+    its local queries follow from it, whatever the layers, micro-batches and stages. The
+    logsumexp's row-sized passes (a head dim-th of these) are left out: the trace keeps no
+    head dims. Memory-bound: at ``memory_bandwidth`` times ``memory_efficiency`` (1 where
+    the profile has none), ``speedup`` times faster under compile, as the rest of the work
+    other than attention. 0 where the plan's cp does not run torch's ring.
+
+    Examples:
+        >>> from functional_shard.costing.hardware import hardware
+        >>> from functional_shard.zoo import llama
+        >>> plan = fs.shard(llama("tiny"), fs.Mesh(cp=4), fs.replicate() + fs.cp("cp", engine="ring"))
+        >>> ring_merge_seconds(plan, 3 * 4 * 1024 * 2048, 2048, hardware("h100")) > 0
+        True
+    """
+    config = plan.config
+    n = plan.mesh[config.context_parallel_axis] if config.context_parallel_axis else 1
+    if not _runs_ring(plan) or n <= 1 or not attention_flops:
+        return 0.0
+    gathers, _ = ring_passes(plan)
+    forwards = gathers - 1  # the forward, and a full recompute's again; the backward is twice one
+    queries = attention_flops / (forwards + 2) / (4 * seq)
+    size = compute_itemsize(plan)
+    worst = max(
+        forwards * forward + backward
+        for forward, backward in (
+            ring_merge_bytes(n, r, load_balance=config.context_load_balance, queries=queries, itemsize=size)
+            for r in range(n)
+        )
+    )
+    rate = hardware.memory_bandwidth * (hardware.memory_efficiency or 1.0)
+    return worst / rate / speedup
 
 
 def recompute_beyond(plan: Plan, tokens: int, recompute: int, loss: int) -> int:

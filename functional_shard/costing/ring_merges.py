@@ -25,14 +25,7 @@ ranks and shapes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from functional_shard.planning.plan import Plan
-
-    from .hardware import Hardware
-
-__all__ = ["ring_merge_bytes", "ring_merge_seconds"]
+__all__ = ["ring_merge_bytes"]
 
 _F32 = 4  # bytes an element of the ring's float32 merges and sums
 
@@ -44,12 +37,10 @@ def _chunks(n: int, rank: int, load_balance: bool) -> list[tuple[float, bool]]:
     """
     steps = []
     for i in range(n):
-        if i == 0 or (i <= rank and not load_balance):
+        if i <= rank:  # its own chunk; under load balancing, the whole query against half the keys
             steps.append((1.0, False))
         elif not load_balance:
             steps.append((0.0, False))  # a later chunk than the rank's own: causal skips it
-        elif i <= rank:
-            steps.append((1.0, False))  # the whole query against the first half of the keys
         else:
             steps.append((0.5, True))  # the second half of the query against all the keys
     return steps
@@ -125,46 +116,3 @@ def ring_merge_bytes(
         forward[0] * queries + forward[1] * rows,
         backward[0] * queries + backward[1] * rows,
     )
-
-
-def ring_merge_seconds(
-    plan: Plan, attention_flops: float, seq: int, hardware: Hardware, speedup: float = 1.0
-) -> float:
-    """Seconds a step of the busiest cp rank spends in torch's ring's own passes (`ring_merge_bytes`).
-
-    ``attention_flops`` is the rank's attention work in a step, forward, recompute and
-    backward in `functional_shard.costing.flops`' convention (a rank's queries against the
-    ``seq`` tokens of the whole sequence, ``4 x queries x seq`` a forward): the elements of
-    its local queries follow from it, whatever the layers, micro-batches and stages. The
-    logsumexp's row-sized passes (a head dim-th of these) are left out: the trace keeps no
-    head dims. Memory-bound: at ``memory_bandwidth`` times ``memory_efficiency`` (1 where
-    the profile has none), ``speedup`` times faster under compile, as the rest of the work
-    other than attention. 0 where the plan's cp does not run torch's ring.
-
-    Examples:
-        >>> from functional_shard.costing.hardware import hardware
-        >>> from functional_shard.zoo import llama
-        >>> plan = fs.shard(llama("tiny"), fs.Mesh(cp=4), fs.replicate() + fs.cp("cp", engine="ring"))
-        >>> ring_merge_seconds(plan, 3 * 4 * 1024 * 2048, 2048, hardware("h100")) > 0
-        True
-    """
-    from .comm_cost import compute_itemsize, ring_passes
-
-    config = plan.config
-    axis = config.context_parallel_axis
-    if axis is None or config.context_engine != "ring" or plan.mesh[axis] <= 1 or not attention_flops:
-        return 0.0
-    n = plan.mesh[axis]
-    gathers, _ = ring_passes(plan)
-    forwards = gathers - 1  # the forward, and a full recompute's again; the backward is twice one
-    queries = attention_flops / (forwards + 2) / (4 * seq)
-    size = compute_itemsize(plan)
-    worst = max(
-        forwards * forward + backward
-        for forward, backward in (
-            ring_merge_bytes(n, r, load_balance=config.context_load_balance, queries=queries, itemsize=size)
-            for r in range(n)
-        )
-    )
-    rate = hardware.memory_bandwidth * (hardware.memory_efficiency or 1.0)
-    return worst / rate / speedup
