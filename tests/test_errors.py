@@ -161,8 +161,9 @@ def test_class_selectors_need_a_module(units):
     where=st.sampled_from(["checkpointing", "units"]),
 )
 def test_a_selector_that_selects_no_module_is_refused_by_name(pattern, where):
-    # invariant: a module selector selects something, or the plan is refused naming it; a
-    # policy that would silently checkpoint (or wrap) nothing is never made
+    # invariants: a module selector selects something, or the plan is refused naming it (a
+    # policy that would silently checkpoint or wrap nothing is never made); a pattern selects
+    # the outermost modules it matches, never one inside another it selects
     model = llama("tiny")
     paths = [path for path, _ in model.named_modules() if path]
     hits = [path for path in paths if matches(pattern, path)]
@@ -170,10 +171,19 @@ def test_a_selector_that_selects_no_module_is_refused_by_name(pattern, where):
     if hits:
         plan = fs.shard(model, fs.Mesh(dp=2), policy)
         chosen = plan.config.checkpointed if where == "checkpointing" else plan.config.units
-        assert set(hits) <= set(chosen)
+        outermost = [path for path in hits if not any(path.startswith(f"{outer}.") for outer in hits)]
+        assert [path for path in chosen if path] == outermost
         return
     with pytest.raises(fs.PolicyError, match=re.escape(f"{pattern!r} selects no module of the model")):
         fs.shard(model, fs.Mesh(dp=2), policy)
+
+
+def test_a_pattern_checkpoints_each_block_and_two_selectors_nest_on_purpose():
+    model = llama("tiny")
+    blocks = fs.shard(model, fs.Mesh(dp=2), fs.fsdp() + fs.checkpointing("layers.*"))
+    assert blocks.config.checkpointed == ("layers.0", "layers.1")
+    nested = fs.shard(model, fs.Mesh(dp=2), fs.fsdp() + fs.checkpointing("layers.*", "*.mlp"))
+    assert nested.config.checkpointed == ("layers.0", "layers.0.mlp", "layers.1", "layers.1.mlp")
 
 
 def test_a_class_name_given_as_a_string_says_to_pass_the_class():

@@ -21,6 +21,10 @@ __all__ = ["ChosenUnits", "chosen_units", "fsdp_units", "select_modules"]
 def select_modules(selectors: Iterable[Selector], tree: ModelTree, what: str) -> list[str]:
     """The module paths any of ``selectors`` (classes, or path patterns) selects, in model order.
 
+    A class selects every module of that class; a path pattern, the outermost modules it
+    matches (``"layers.*"``: each layer, not the modules inside it, which ``*`` would also
+    match). Two selectors may nest on purpose.
+
     Raises:
         PolicyError: a class selector on a pytree, which has no module classes; a selector
             that selects no module (a policy that would silently do nothing there).
@@ -30,6 +34,9 @@ def select_modules(selectors: Iterable[Selector], tree: ModelTree, what: str) ->
         >>> tree = read_model(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)))
         >>> select_modules([nn.Linear], tree, "checkpointing()"), select_modules(["1"], tree, "units")
         (['0', '2'], ['1'])
+        >>> nested = read_model(nn.ModuleDict({"layers": nn.ModuleList([nn.Sequential(nn.Linear(2, 2))])}))
+        >>> select_modules(["layers.*"], nested, "checkpointing()")
+        ['layers.0']
         >>> select_modules(["Linear"], tree, "checkpointing()")
         Traceback (most recent call last):
         ...
@@ -58,7 +65,14 @@ def _selected(selector: Selector, tree: ModelTree, what: str) -> list[str]:
         )
     if isinstance(selector, type):
         return [path for path, cls in tree.modules.items() if cls is not None and issubclass(cls, selector)]
-    return [path for path in tree.modules if path and matches(selector, path)]
+    found = {path for path in tree.modules if path and matches(selector, path)}
+    # "*" spans dots, so a pattern meant for the blocks also matches every module inside
+    # them: nested checkpoints would run an inner forward once more per level
+    return [
+        path
+        for path in tree.modules
+        if path in found and not any(p in found for p in owner_paths(path) if p != path)
+    ]
 
 
 def _nothing_selected(selector: Selector, tree: ModelTree) -> str:

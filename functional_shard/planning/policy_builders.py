@@ -139,7 +139,8 @@ def fsdp(
             again in backward (``False`` is ZeRO-2). The root unit never reshards after
             forward, as FSDP2 does.
         units: which modules are sharded as one unit (one all-gather each): module
-            classes or module-path patterns, each module they pick a unit; or a tuple of
+            classes or module-path patterns, each module they pick a unit (a pattern picks
+            the outermost modules it matches: ``"layers.*"`` is each layer); or a tuple of
             them, whose modules make one unit together (``("norm", "output")``). By
             default the model's repeated blocks (every element of an ``nn.ModuleList`` or
             ``nn.ModuleDict``, the alike blocks of an ``nn.Sequential``), plus the root.
@@ -383,7 +384,9 @@ def checkpointing(*modules: Selector, policy: str = "full") -> Policy:
     """Recompute activations in backward for these modules (classes or path patterns).
 
     Args:
-        modules: module classes or path patterns to checkpoint.
+        modules: module classes or path patterns to checkpoint. A pattern picks the
+            outermost modules it matches (``"layers.*"``: each layer, not the modules inside
+            it, which ``*`` also matches); two selectors may nest checkpoints on purpose.
         policy: ``"full"`` keeps only each module's inputs and recomputes its whole forward;
             ``"selective"`` also keeps the outputs of matrix multiplies and attention (the
             op-level selective recipe of torchtitan, through torch's selective-checkpoint
