@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from einops import rearrange
 
-from .errors import ShardingError, SpecError
-from .mesh import Mesh
+from .errors import MeshError, ShardingError, SpecError
+from .mesh import Mesh, as_mesh
 from .spec import P
 
 __all__ = ["chunk", "local_numel", "local_shape", "local_shape_and_offset", "shard_tensor", "unshard_tensor"]
@@ -39,6 +39,39 @@ def _coords(mesh: Mesh, rank: int | Mapping[str, int]) -> Mapping[str, int]:
     return mesh.coords(rank) if isinstance(rank, int) else rank
 
 
+def _checked_coords(mesh: Mesh, rank: int | Mapping[str, int]) -> Mapping[str, int]:
+    """``rank``'s coordinates, or an error naming what is off (a wrong answer is worse)."""
+    if isinstance(rank, int) and not isinstance(rank, bool):
+        return mesh.coords(rank)
+    if not isinstance(rank, Mapping):
+        raise MeshError(
+            f"rank={rank!r}: a rank (an int in 0..{mesh.size - 1}) or coordinates by axis, "
+            f"e.g. {mesh.coords(0)}, on {mesh!r}"
+        )
+    problems = [f"axis {axis!r} is missing" for axis in mesh.axis_names if axis not in rank]
+    problems += [f"{axis!r} is not an axis" for axis in rank if axis not in mesh]
+    for axis, index in rank.items():
+        if axis in mesh and not (
+            isinstance(index, int) and not isinstance(index, bool) and 0 <= index < mesh[axis]
+        ):
+            problems.append(f"{axis}={index!r} is outside 0..{mesh[axis] - 1}")
+    if problems:
+        raise MeshError(
+            f"rank={dict(rank)!r} is not a place on {mesh!r}: "
+            + "; ".join(problems)
+            + f". Give every axis an index, e.g. {mesh.coords(0)}"
+        )
+    return rank
+
+
+def _check_spec(spec: P) -> None:
+    if not isinstance(spec, P):
+        entries = ", ".join(map(repr, spec)) if isinstance(spec, tuple | list) else repr(spec)
+        raise SpecError(
+            f"spec={spec!r}: expected a PartitionSpec, got {type(spec).__name__}; write fs.P({entries})"
+        )
+
+
 def local_shape_and_offset(
     shape: Sequence[int], spec: P, mesh: Mesh, rank: int | Mapping[str, int]
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -51,7 +84,8 @@ def local_shape_and_offset(
         rank: a rank (row-major over the mesh axes) or its coordinates by axis.
 
     Raises:
-        SpecError: the spec does not fit ``shape`` on ``mesh``.
+        SpecError: ``spec`` is not a `P`, or does not fit ``shape`` on ``mesh``.
+        MeshError: ``mesh`` is not a `Mesh`, or ``rank`` is not a place on it.
 
     Examples:
         >>> local_shape_and_offset((10, 4), P(("tp", "dp")), Mesh(dp=2, tp=2), 1)
@@ -59,9 +93,11 @@ def local_shape_and_offset(
         >>> local_shape_and_offset((10, 4), P("dp", on=("pp", 1)), Mesh(pp=2, dp=2), 1)
         ((0, 0), (10, 4))
     """
+    mesh = as_mesh(mesh, "mesh")
+    _check_spec(spec)
     if found := spec.problems(shape, mesh):
         raise SpecError("; ".join(found))
-    coords = _coords(mesh, rank)
+    coords = _checked_coords(mesh, rank)
     if not spec.holds(coords):
         return tuple(0 for _ in shape), tuple(shape)
     sizes: list[int] = []
@@ -78,6 +114,10 @@ def local_shape_and_offset(
 
 def local_shape(shape: Sequence[int], spec: P, mesh: Mesh, rank: int | Mapping[str, int]) -> tuple[int, ...]:
     """The local shape of ``rank``'s shard.
+
+    Raises:
+        SpecError: ``spec`` is not a `P`, or does not fit ``shape`` on ``mesh``.
+        MeshError: ``mesh`` is not a `Mesh`, or ``rank`` is not a place on it.
 
     Examples:
         >>> local_shape((100, 8), P("dp"), Mesh(dp=8), 7)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from .errors import MeshError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["Mesh"]
+__all__ = ["Mesh", "as_mesh"]
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -36,6 +37,11 @@ class Mesh:
     axes: tuple[tuple[str, int], ...]
 
     def __init__(self, axes: Mapping[str, int] | None = None, /, **sizes: int) -> None:
+        if axes is not None and not isinstance(axes, Mapping):
+            raise MeshError(
+                f"Mesh({axes!r}): axes are given as name=size, or as one mapping of names to "
+                f"sizes; got {type(axes).__name__}. Write e.g. Mesh(dp=2, tp=4) or Mesh({{'dp': 2}})"
+            )
         items = list((axes or {}).items()) + list(sizes.items())
         problems = []
         names = [name for name, _ in items]
@@ -194,6 +200,63 @@ class Mesh:
         return {"axes": [[name, size] for name, size in self.axes]}
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Mesh:
-        """The inverse of `to_json`."""
-        return cls({name: size for name, size in data["axes"]})
+    def from_json(cls, data: Mapping[str, Any] | str) -> Mesh:
+        """The inverse of `to_json`; also reads that dict as JSON text.
+
+        Raises:
+            MeshError: ``data`` is not what `to_json` writes.
+
+        Examples:
+            >>> Mesh.from_json(Mesh(dp=2, tp=4).to_json())
+            Mesh(dp=2, tp=4)
+            >>> Mesh.from_json('{"axes": [["dp", 2]]}')
+            Mesh(dp=2)
+        """
+        if isinstance(data, str):
+            try:
+                data = json.loads(data)
+            except json.JSONDecodeError as error:
+                raise MeshError(
+                    f"Mesh.from_json({data!r}): not JSON ({error}); it reads what Mesh.to_json writes, "
+                    'e.g. {"axes": [["dp", 2]]}. For "dp=2" text write Mesh(dp=2)'
+                ) from None
+        axes = data.get("axes") if isinstance(data, Mapping) else None
+        if not isinstance(axes, list) or not all(isinstance(a, list | tuple) and len(a) == 2 for a in axes):
+            raise MeshError(
+                f"Mesh.from_json({data!r}): expected what Mesh.to_json writes, a dict with "
+                '"axes": a list of [name, size] pairs, e.g. {"axes": [["dp", 2]]}'
+            )
+        return cls({name: size for name, size in axes})
+
+
+def as_mesh(mesh: Any, where: str) -> Mesh:
+    """``mesh`` as a `Mesh` (a torch ``DeviceMesh`` is read), else an error saying what to write.
+
+    ``where`` names the argument in the message, e.g. ``"shard(mesh=...)"``.
+
+    Raises:
+        MeshError: ``mesh`` is neither.
+
+    Examples:
+        >>> as_mesh(Mesh(dp=2), "shard(mesh=...)")
+        Mesh(dp=2)
+        >>> as_mesh({"dp": 2, "tp": 4}, "shard(mesh=...)")
+        Traceback (most recent call last):
+        ...
+        functional_shard.MeshError: shard(mesh=...): ... got dict; write fs.Mesh(dp=2, tp=4)
+    """
+    if isinstance(mesh, Mesh):
+        return mesh
+    # duck-typed so that the pure core never imports torch.distributed
+    if hasattr(mesh, "mesh_dim_names") and hasattr(mesh, "mesh"):
+        return Mesh.from_device_mesh(mesh)
+    example = "fs.Mesh(dp=2)"
+    if (
+        isinstance(mesh, Mapping)
+        and mesh
+        and all(isinstance(name, str) and name.isidentifier() for name in mesh)
+    ):
+        example = "fs.Mesh(" + ", ".join(f"{name}={size!r}" for name, size in mesh.items()) + ")"
+    raise MeshError(
+        f"{where}: expected an fs.Mesh (or a torch DeviceMesh), got {type(mesh).__name__}; write {example}"
+    )

@@ -97,9 +97,17 @@ class Plan:
     def local_shape_and_offset(
         self, path: str, rank: int, spec: str = "storage"
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """``rank``'s local shape and global offset of a tensor under one of its specs."""
+        """``rank``'s local shape and global offset of a tensor under one of its specs.
+
+        Raises:
+            ShardingError: no tensor has that path, or ``spec`` is not one of its specs.
+            MeshError: ``rank`` is not a place on the plan's mesh.
+        """
         canonical = self.canonical(path)
-        chosen = self.sharding(canonical).specs()[spec]
+        specs = self.sharding(canonical).specs()
+        if spec not in specs:
+            raise ShardingError(f"{path}: spec={spec!r} is not one of {', '.join(map(repr, specs))}")
+        chosen = specs[spec]
         if not isinstance(chosen, P):
             raise ShardingError(f"{path}: the {spec} spec {chosen!r} keeps whole tensors on owner ranks")
         return local_shape_and_offset(self.tensors[canonical].shape, chosen, self.mesh, rank)

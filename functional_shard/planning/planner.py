@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from functional_shard.core.errors import PlanError, bullets
-from functional_shard.core.mesh import Mesh
+from functional_shard.core.errors import MeshError, PlanError, bullets
+from functional_shard.core.mesh import Mesh, as_mesh
 from functional_shard.core.spec import ParamSharding
 from functional_shard.core.tree import ModelTree, read_model
 
@@ -44,8 +44,9 @@ def shard(model: Any, mesh: Mesh | DeviceMesh, policy: Policy | Any) -> Plan:
         buffer (replicated unless a rule says otherwise).
 
     Raises:
-        MeshError: the mesh has an axis of size -1.
-        PolicyError: the policy's layers conflict, or select modules the model lacks.
+        MeshError: ``mesh`` is not a mesh, or has an axis of size -1.
+        PolicyError: ``policy`` is not a policy (a builder not called: ``fs.cp`` for
+            ``fs.cp(...)``), its layers conflict, or select modules the model lacks.
         PlanError: the plan does not fit the model; one bullet per parameter path.
 
     Examples:
@@ -65,8 +66,7 @@ def _shard(model: Any, mesh: Mesh | DeviceMesh, policy: Policy | Any, *, reuse_b
     Both ways give equal plans (tests hold it); the per-parameter way is the reference,
     and also writes the error message when the reusing way finds any problem.
     """
-    if not isinstance(mesh, Mesh):
-        mesh = Mesh.from_device_mesh(mesh)
+    mesh = _as_mesh(model, mesh)
     mesh.require_resolved("shard()")
     policy = _with_model_pieces(resolve_rules(as_policy(policy), model), model)
     tree = read_model(model)
@@ -82,6 +82,14 @@ def _shard(model: Any, mesh: Mesh | DeviceMesh, policy: Policy | Any, *, reuse_b
     if plan is None:
         plan = _shard_each(tree, mesh, policy)
     return with_expert_top_k(plan, model)
+
+
+def _as_mesh(model: Any, mesh: Any) -> Mesh:
+    if isinstance(model, Mesh) and not isinstance(mesh, Mesh):
+        raise MeshError(
+            f"shard(model=...) got the mesh {model!r}; the arguments are shard(model, mesh, policy)"
+        )
+    return as_mesh(mesh, "shard(mesh=...)")
 
 
 def with_expert_top_k(plan: Plan, model: Any) -> Plan:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, TypeVar
 
 from functional_shard.core.errors import PolicyError
 from functional_shard.core.mesh import Mesh
@@ -41,6 +41,7 @@ __all__ = [
     "Policy",
     "TensorParallel",
     "UnitSelector",
+    "policy_builder",
 ]
 
 LayerFn: TypeAlias = Callable[[str, TensorSpec, Mesh], ParamSharding | None]
@@ -397,14 +398,29 @@ def _check_layers(layers: tuple[Layer, ...]) -> None:
         )
 
 
+_BUILDERS: set[Callable[..., Policy]] = set()
+Builder = TypeVar("Builder", bound=Callable[..., Policy])
+
+
+def policy_builder(fn: Builder) -> Builder:
+    """Mark ``fn`` as a policy constructor, so that passing it uncalled is refused by name."""
+    _BUILDERS.add(fn)
+    return fn
+
+
 def as_policy(obj: Policy | LayerFn) -> Policy:
     """A `Policy` as is; a plain function as a one-layer policy.
 
     Raises:
-        PolicyError: ``obj`` is neither.
+        PolicyError: ``obj`` is neither, or is a policy builder not called (``fs.cp``).
     """
     if isinstance(obj, Policy):
         return obj
+    if any(obj is builder for builder in _BUILDERS):
+        # a builder takes arguments, not (path, tensor, mesh): as a layer it would fail
+        # on the first parameter with a TypeError from inside the planner
+        name = getattr(obj, "__name__", "builder")
+        raise PolicyError(f"fs.{name} is the policy builder itself; call it: fs.{name}(...)")
     if callable(obj):
         return Policy((Custom(obj),))
     raise PolicyError(

@@ -27,6 +27,7 @@ from .policy import (
     Selector,
     TensorParallel,
     UnitSelector,
+    policy_builder,
 )
 from .rules import Rules, deferred
 
@@ -47,21 +48,40 @@ __all__ = [
 
 
 def _axes(axis: str | Iterable[str], what: str) -> tuple[str, ...]:
-    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    axes = (axis,) if isinstance(axis, str) else tuple(axis) if isinstance(axis, Iterable) else None
     if not axes or not all(isinstance(a, str) for a in axes):
-        raise PolicyError(f"{what}: axis must be a mesh axis name or a tuple of them, got {axis!r}")
+        raise PolicyError(
+            f"{what}: axis must be a mesh axis name or a tuple of them, got {axis!r}; "
+            "write a name such as 'dp', or a tuple such as ('dp', 'cp')"
+        )
+    if twice := sorted({a for a in axes if axes.count(a) > 1}):
+        raise PolicyError(f"{what}: axis {twice[0]!r} is named twice in {axis!r}; name each mesh axis once")
     return axes
 
 
-def _dtype_name(dtype: torch.dtype | str | None) -> str | None:
+def _flag(value: Any, builder: str, option: str) -> bool:
+    if not isinstance(value, bool):
+        raise PolicyError(f"{builder}({option}={value!r}): True or False")
+    return value
+
+
+def _dtype_name(dtype: torch.dtype | str | None, what: str) -> str | None:
     if dtype is None:
         return None
     name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    if not isinstance(getattr(torch, name, None), torch.dtype):
+    found = getattr(torch, name, None)
+    if not isinstance(found, torch.dtype):
         raise PolicyError(f"{dtype!r} is not a torch dtype; use e.g. torch.bfloat16")
+    if not found.is_floating_point:
+        # parameters and gradients are cast to it: an integer or bool dtype truncates them
+        raise PolicyError(
+            f"mixed_precision({what}={found}): a floating dtype, e.g. torch.bfloat16, torch.float16 "
+            "or torch.float32"
+        )
     return name
 
 
+@policy_builder
 def replicate(axis: str | Iterable[str] | None = None) -> Policy:
     """DDP: parameters, gradients and optimizer state replicated; batch split over ``axis``.
 
@@ -79,6 +99,7 @@ def replicate(axis: str | Iterable[str] | None = None) -> Policy:
     return Policy((DataParallel("ddp", (), axes),))
 
 
+@policy_builder
 def zero(stage: Literal[1, 2, 3], axis: str = "dp") -> Policy:
     """ZeRO stage 1, 2 or 3 over ``axis``, as torch's engines run them.
 
@@ -93,7 +114,7 @@ def zero(stage: Literal[1, 2, 3], axis: str = "dp") -> Policy:
         >>> zero(1).layers[0].kind, zero(2).layers[0].reshard_after_forward
         ('zero1', False)
     """
-    if stage not in (1, 2, 3):
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (1, 2, 3):
         raise PolicyError(f"zero(stage={stage!r}): stage is 1, 2 or 3; for plain DDP use replicate()")
     if not isinstance(axis, str):
         raise PolicyError(f"zero(axis={axis!r}): one mesh axis name")
@@ -108,10 +129,17 @@ def _is_selector(value: Any) -> bool:
 def _check_units(
     units: Iterable[Any] | Selector | None, min_params: int | None, *, groups: bool = True
 ) -> tuple[Any, ...] | None:
-    if min_params is not None and (not isinstance(min_params, int) or min_params < 1):
+    if min_params is not None and (
+        isinstance(min_params, bool) or not isinstance(min_params, int) or min_params < 1
+    ):
         raise PolicyError(f"min_params={min_params!r}: a positive number of parameters")
     if units is None:
         return None
+    if not isinstance(units, str | type | re.Pattern | Iterable):
+        raise PolicyError(
+            f"units={units!r}: module classes or module-path patterns, e.g. units=['layers.*'] "
+            "(for a size threshold use min_params=)"
+        )
     units = (units,) if isinstance(units, str | type | re.Pattern) else tuple(units)
     for unit in units:
         if groups and isinstance(unit, tuple) and unit and all(_is_selector(member) for member in unit):
@@ -124,6 +152,7 @@ def _check_units(
     return units
 
 
+@policy_builder
 def fsdp(
     axis: str | Iterable[str] = "dp",
     *,
@@ -169,6 +198,7 @@ def fsdp(
     return Policy((layer,))
 
 
+@policy_builder
 def hsdp(
     replicate_axis: str,
     shard_axis: str,
@@ -179,18 +209,31 @@ def hsdp(
 ) -> Policy:
     """Hybrid sharding: FSDP2 within ``shard_axis``, replicas across ``replicate_axis``.
 
+    Raises:
+        PolicyError: an axis is not a name, or one axis both replicates and shards.
+
     Examples:
         >>> layer = hsdp("node", "gpu").layers[0]
         >>> layer.replicate_axes, layer.shard_axes
         (('node',), ('gpu',))
     """
-    inner = fsdp(
-        shard_axis, reshard_after_forward=reshard_after_forward, units=units, min_params=min_params
-    ).layers[0]
-    layer = replace(cast(DataParallel, inner), kind="hsdp", replicate_axes=_axes(replicate_axis, "hsdp()"))
+    inner = cast(
+        DataParallel,
+        fsdp(
+            shard_axis, reshard_after_forward=reshard_after_forward, units=units, min_params=min_params
+        ).layers[0],
+    )
+    replicate_axes = _axes(replicate_axis, "hsdp()")
+    if both := [axis for axis in replicate_axes if axis in inner.shard_axes]:
+        raise PolicyError(
+            f"hsdp({replicate_axis!r}, {shard_axis!r}): axis {both[0]!r} would both replicate and shard; "
+            "replicas go across one mesh axis and shards within another, e.g. hsdp('node', 'gpu')"
+        )
+    layer = replace(inner, kind="hsdp", replicate_axes=replicate_axes)
     return Policy((layer,))
 
 
+@policy_builder
 def tp(
     rules: Rules | str | Iterable[Any],
     axis: str = "tp",
@@ -225,38 +268,53 @@ def tp(
         rule_set = deferred(rules)
     elif isinstance(rules, Rules):
         rule_set = rules
-    else:
+    elif isinstance(rules, Iterable):
         rule_set = Rules(cast(Iterable[Any], rules))
-    if not isinstance(loss_parallel, bool):
-        raise PolicyError(f"tp(loss_parallel={loss_parallel!r}): True or False")
+    else:
+        raise PolicyError(
+            f"tp(rules={rules!r}): a rule set (fs.rules.llama), 'hf', 'auto', or a list of "
+            "(pattern, style) pairs, e.g. tp([('*.q_proj', 'colwise')], 'tp')"
+        )
+    _flag(sequence_parallel, "tp", "sequence_parallel")
+    _flag(loss_parallel, "tp", "loss_parallel")
     return Policy((TensorParallel(rule_set, axis, sequence_parallel, loss_parallel),))
 
 
+@policy_builder
 def mixed_precision(
     param_dtype: torch.dtype | str = torch.bfloat16,
     reduce_dtype: torch.dtype | str | None = torch.float32,
 ) -> Policy:
     """Compute in ``param_dtype``, reduce gradients in ``reduce_dtype``; keep fp32 at rest.
 
+    Raises:
+        PolicyError: a dtype that is not a floating torch dtype.
+
     Examples:
         >>> mixed_precision(torch.bfloat16).options.param_dtype
         'bfloat16'
     """
-    return Policy(
-        options=Options(param_dtype=_dtype_name(param_dtype), reduce_dtype=_dtype_name(reduce_dtype))
-    )
+    param = _dtype_name(param_dtype, "param_dtype")
+    return Policy(options=Options(param_dtype=param, reduce_dtype=_dtype_name(reduce_dtype, "reduce_dtype")))
 
 
+@policy_builder
 def offload(*, params: bool = True, grads: bool = True, optimizer: bool = True) -> Policy:
     """Keep sharded parameters, gradients and/or optimizer state in host memory.
+
+    Raises:
+        PolicyError: a part given other than True or False.
 
     Examples:
         >>> offload(params=False).options.offload_optimizer
         True
     """
+    for part, value in (("params", params), ("grads", grads), ("optimizer", optimizer)):
+        _flag(value, "offload", part)
     return Policy(options=Options(offload_params=params, offload_grads=grads, offload_optimizer=optimizer))
 
 
+@policy_builder
 def pipeline(
     axis: str = "pp",
     *,
@@ -302,6 +360,7 @@ def pipeline(
     return Policy((Pipeline(axis, microbatches, schedule, stages_per_rank, stages),))
 
 
+@policy_builder
 def ep(axis: str = "ep", *, experts: Pattern | Iterable[Pattern] | None = None) -> Policy:
     """Expert parallelism: expert tensors split whole by expert index (dim 0) over ``axis``.
 
@@ -338,6 +397,7 @@ def ep(axis: str = "ep", *, experts: Pattern | Iterable[Pattern] | None = None) 
     return Policy((ExpertParallel(axis, patterns),))
 
 
+@policy_builder
 def cp(axis: str = "cp", *, load_balance: bool = True, engine: str = "auto") -> Policy:
     """Context parallelism: every sequence cut along its length over ``axis``.
 
@@ -380,6 +440,7 @@ def cp(axis: str = "cp", *, load_balance: bool = True, engine: str = "auto") -> 
 CHECKPOINT_POLICIES = ("full", "selective")
 
 
+@policy_builder
 def checkpointing(*modules: Selector, policy: str = "full") -> Policy:
     """Recompute activations in backward for these modules (classes or path patterns).
 
