@@ -16,6 +16,8 @@ Examples:
 
 from __future__ import annotations
 
+import math
+
 from .errors import ShardingError
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "causal_imbalance",
     "causal_work",
     "check_sequence_length",
+    "check_split_share",
     "engine_that_runs",
     "chunk_count",
     "sequence_chunks",
@@ -93,7 +96,14 @@ def check_sequence_length(seq: int, cp: int, *, load_balance: bool, what: str = 
         ...
         functional_shard.ShardingError: cp=4 with load balancing cuts each sequence into 8 equal chunks, ...
         use 96 or 104 tokens (pad the sequences), or cp(load_balance=False) (4 chunks)
+        >>> check_sequence_length(-2, 2, load_balance=False, what="seq_len")
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: the seq_len must be a positive int (a count of tokens), got -2
     """
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
+        # the nearest lengths below would be nonsense for these
+        raise ShardingError(f"the {what} must be a positive int (a count of tokens), got {seq!r}")
     chunks = chunk_count(cp, load_balance=load_balance)
     if seq > 0 and seq % chunks == 0:
         return
@@ -108,6 +118,40 @@ def check_sequence_length(seq: int, cp: int, *, load_balance: bool, what: str = 
     raise ShardingError(
         f"cp={cp} {balance} cuts each sequence into {chunks} equal chunks, and {chunks} does not divide "
         f"the {what} {seq}; use {nearest} tokens (pad the sequences){other}"
+    )
+
+
+def check_split_share(seq: int, cp: int, tp: int, *, load_balance: bool, axis: str, who: str) -> None:
+    """Refuse a length whose share on each cp rank sequence parallel over ``tp`` ranks cannot split.
+
+    ``seq`` is the whole length, which the cp chunks divide (`check_sequence_length`); the
+    message speaks of it, and of the lengths that work for both cuts.
+
+    Raises:
+        ShardingError: ``tp`` does not divide ``seq / cp``.
+
+    Examples:
+        >>> check_split_share(8, 2, 2, load_balance=False, axis="tp", who="step")  # 4 a rank, 2 a tp rank
+        >>> check_split_share(6, 2, 2, load_balance=False, axis="tp", who="trace_activations(seq=6)")
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: trace_activations(seq=6): the 6-token sequence leaves ...
+        use a sequence length that is a multiple of 4 (4 or 8: cp=2 ranks x tp=2), or drop sequence_parallel
+    """
+    share = seq // cp
+    if share % tp == 0:
+        return
+    multiple = math.lcm(chunk_count(cp, load_balance=load_balance), cp * tp)
+    below = seq - seq % multiple
+    nearest = f"{below} or {below + multiple}" if below > 0 else f"{multiple}"
+    chunks = (
+        f", cut into {chunk_count(cp, load_balance=load_balance)} chunks" if load_balance and cp > 1 else ""
+    )
+    raise ShardingError(
+        f"{who}: the {seq}-token sequence leaves {share} tokens on each of the cp={cp} ranks, which "
+        f"sequence parallel over {axis!r} splits evenly over its {tp} ranks, and {tp} does not divide "
+        f"{share}; use a sequence length that is a multiple of {multiple} ({nearest}: cp={cp} ranks x "
+        f"tp={tp}{chunks}), or drop sequence_parallel"
     )
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.core.sequence import check_split_share
 from functional_shard.planning.rules import first_input_name, sequence_gathers, sequence_parallel_problems
 
 __all__ = ["check_sequence_parallel", "sequence_parallel"]
@@ -158,11 +159,26 @@ def sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> It
 
 
 def check_sequence_parallel(modules: dict[str, nn.Module], plan: Any, seq: int, tp_size: int) -> None:
-    """Refuse, before tracing, what apply refuses to run under sequence parallel."""
+    """Refuse, before tracing, what apply refuses to run under sequence parallel.
+
+    ``seq`` is one rank's length: under cp, its share of the whole sequence.
+    """
     from functional_shard.core.errors import PlanError, bullets
 
     axes = ",".join(plan.config.tensor_parallel_axes)
-    if seq % tp_size:
+    cp_axis = plan.config.context_parallel_axis
+    cp = plan.mesh[cp_axis] if cp_axis else 1
+    if cp > 1:  # speak of the length the caller gave, not of a rank's share of it
+        whole = seq * cp
+        check_split_share(
+            whole,
+            cp,
+            tp_size,
+            load_balance=plan.config.context_load_balance,
+            axis=axes,
+            who=f"trace_activations(seq={whole})",
+        )
+    elif seq % tp_size:
         raise ShardingError(
             f"trace_activations(seq={seq}): sequence parallel over {axes!r} splits the sequence evenly "
             f"over its {tp_size} ranks (torch pads no activation), and {tp_size} does not divide {seq}. "

@@ -42,6 +42,7 @@ from functional_shard.core.sequence import check_sequence_length, token_position
 from functional_shard.costing.trace_context_parallel import AttentionCall, routing_attention
 from functional_shard.planning.plan import Plan
 
+from .context_inputs import chunk_rank, plan_given, positive_length, sequence_dim, share_check
 from .context_ring import ring_attention, ring_dispatch, runs_ring
 
 __all__ = [
@@ -260,7 +261,7 @@ def _chunks(
     """``positions`` of each of ``tensors`` along ``dim``, each checked to hold ``seq_len`` there."""
     cut = []
     for index, tensor in enumerate(tensors):
-        if tensor.dim() <= dim or tensor.shape[dim] != seq_len:
+        if tensor.shape[dim] != seq_len:
             raise ShardingError(
                 f"{who}: tensor {index} has shape {tuple(tensor.shape)}, but the sequence is {seq_len} "
                 f"tokens along dim {dim}; pass tensors of the same whole sequences (inputs, targets)"
@@ -287,7 +288,8 @@ def context_chunks(
 
     Raises:
         ShardingError: a plan without cp, a length the chunks do not divide (the nearest
-            lengths named), or tensors of another length.
+            lengths named), tensors of another length or without ``dim``, not tensors, or
+            no ``rank`` outside a process group.
 
     Examples:
         >>> plan = fs.shard(nn.Linear(2, 2), fs.Mesh(cp=2), fs.replicate() + fs.cp("cp"))
@@ -295,6 +297,7 @@ def context_chunks(
         >>> fs.context_chunks(plan, tokens, rank=1)
         (tensor([[2, 3, 4, 5]]), tensor([2, 3, 4, 5]))
     """
+    plan_given(plan, "fs.context_chunks")
     axis = plan.config.context_parallel_axis
     if axis is None:
         raise ShardingError(
@@ -302,9 +305,9 @@ def context_chunks(
         )
     if not tensors:
         raise ShardingError("fs.context_chunks: pass the tensors to cut (inputs, targets, ...)")
-    if rank is None:
-        rank = dist.get_rank()
-    seq = tensors[0].shape[dim] if tensors[0].dim() > dim else 0
+    sequence_dim("fs.context_chunks", tensors, dim)
+    rank = chunk_rank(plan, rank, dist.get_rank() if dist.is_initialized() else None)
+    seq = tensors[0].shape[dim]
     positions = torch.tensor(
         token_positions(
             seq, plan.mesh[axis], plan.mesh.coords(rank)[axis], load_balance=plan.config.context_load_balance
@@ -322,8 +325,8 @@ def sequence_context(plan: Plan, module: nn.Module, seq_len: int) -> Iterator[to
     checkpointed layer recomputes its attention in the backward).
 
     Raises:
-        ShardingError: ``module`` not applied with ``plan``, a plan without cp, or a length
-            the chunks do not divide.
+        ShardingError: ``module`` not applied with ``plan``, a plan without cp, or a
+            ``seq_len`` that is not a positive int or that the chunks do not divide.
 
     Examples:
         >>> # inputs, targets, positions = fs.context_chunks(plan, inputs, targets)
@@ -332,6 +335,7 @@ def sequence_context(plan: Plan, module: nn.Module, seq_len: int) -> Iterator[to
     """
     from .applied import applied_with
 
+    positive_length(seq_len, "fs.sequence_context")
     applied = applied_with(plan, module, "fs.sequence_context")
     axis = plan.config.context_parallel_axis
     if axis is None:
@@ -369,8 +373,12 @@ def context_parallel_step(
     assert axis is not None
     mesh = device_mesh[axis]
     group = mesh.get_group()
+    split_share = share_check(plan)
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        sequence_dim(
+            "fs.forward_backward under context parallel", (inputs, targets), 1, ("inputs", "targets")
+        )
         shard = SequenceShard.of(
             mesh,
             inputs.shape[1],
@@ -378,6 +386,8 @@ def context_parallel_step(
             device=inputs.device,
             engine=config.context_engine,
         )
+        if split_share is not None:
+            split_share(inputs.shape[1])
         mine = cut_tensors(shard, inputs, targets)
         with splitting_attention(shard) as split:
             loss = run(mine[0], mine[1], shard.positions)

@@ -65,7 +65,8 @@ def forward_backward(
 
     Raises:
         ShardingError: ``module`` was not applied with ``plan``; later, from ``step``, a
-            batch the micro-batch count does not divide (both numbers named).
+            batch the micro-batch count does not divide (both numbers named), or a
+            ``loss_fn`` that returns no scalar.
 
     Examples:
         >>> plan = fs.shard(nn.Linear(4, 2), fs.Mesh(dp=1), fs.replicate())
@@ -90,21 +91,21 @@ def forward_backward(
         def run(inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             extra = {"position_ids": positions.expand(inputs.shape[0], -1)} if takes_positions else {}
             with loss_context(plan):
-                loss = loss_fn(forward(inputs, **extra), targets)
+                loss = scalar_loss(loss_fn(forward(inputs, **extra), targets))
                 (loss if scaler is None else scaler.scale(loss)).backward()
             return plain_loss(loss)
 
         return context_parallel_step(plan, applied.device_mesh, run)
 
     def scaled(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = loss_fn(outputs, targets)
+        loss = scalar_loss(loss_fn(outputs, targets))
         return loss if scaler is None else scaler.scale(loss)
 
     if pipelined is None:
 
         def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             with loss_context(plan):
-                loss = loss_fn(forward(inputs), targets)
+                loss = scalar_loss(loss_fn(forward(inputs), targets))
                 (loss if scaler is None else scaler.scale(loss)).backward()
             return plain_loss(loss)
 
@@ -125,6 +126,24 @@ def forward_backward(
     if context:  # each stage attends over the whole sequences from its rank's chunks
         return context_parallel_step(plan, applied.device_mesh, lambda i, t, _: pipeline(i, t), attends=False)
     return pipeline
+
+
+def scalar_loss(loss: object) -> torch.Tensor:
+    """``loss`` if it is one number to run a backward from; refused otherwise, with the fix.
+
+    Examples:
+        >>> scalar_loss(torch.ones(3)).item()
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: fs.forward_backward: loss_fn returned a tensor of shape (3,), ...
+    """
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss
+    got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+    raise ShardingError(
+        f"fs.forward_backward: loss_fn returned {got}, but the step runs the backward from one number; "
+        "return a scalar loss: a mean over the batch (reduction='mean', or loss.mean()) or a sum"
+    )
 
 
 def check_microbatches(plan: Plan, caller: str, **batches: torch.Tensor) -> None:

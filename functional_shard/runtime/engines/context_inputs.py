@@ -1,0 +1,121 @@
+"""What `fs.context_chunks` and the context-parallel step refuse before cutting anything. Pure.
+
+Checked at the entry, cheaply, so that a wrong argument is named with its fix instead of
+failing deep in torch (an index out of range, a missing process group).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from functional_shard.core.errors import ShardingError
+from functional_shard.core.sequence import check_split_share
+from functional_shard.planning.plan import Plan
+
+__all__ = ["chunk_rank", "plan_given", "positive_length", "sequence_dim", "share_check"]
+
+
+def sequence_dim(who: str, tensors: tuple[Any, ...], dim: Any, names: tuple[str, ...] = ()) -> None:
+    """Refuse what is not a tensor, or a tensor without ``dim``, before any length is read.
+
+    ``names``: what the caller calls each tensor (the step's ``inputs``, ``targets``; its
+    sequence dim is fixed, so no other ``dim=`` is offered); by default ``tensor i``.
+
+    Examples:
+        >>> sequence_dim("fs.context_chunks", (torch.arange(8)[None],), 1)  # (batch, seq): fine
+        >>> sequence_dim("fs.context_chunks", (torch.arange(8),), 1)
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: fs.context_chunks: tensor 0 has shape (8,), no dim 1: ..., or dim=0
+    """
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise ShardingError(f"{who}: dim must be an int (the sequence dim), got {dim!r}")
+    named = [(names[i] if i < len(names) else f"tensor {i}", tensor) for i, tensor in enumerate(tensors)]
+    for name, tensor in named:
+        if not isinstance(tensor, torch.Tensor):
+            raise ShardingError(
+                f"{who}: expected a torch.Tensor for {name}, got {type(tensor).__name__}; "
+                "pass tensors (torch.as_tensor(...))"
+            )
+    ranks = {tensor.dim() for tensor in tensors}
+    for name, tensor in named:
+        if not -tensor.dim() <= dim < tensor.dim():
+            # another dim only helps where every tensor has the sequence on it
+            other = f", or dim={tensor.dim() - 1}" if tensor.dim() and not names and len(ranks) == 1 else ""
+            raise ShardingError(
+                f"{who}: {name} has shape {tuple(tensor.shape)}, no dim {dim}: pass (batch, seq) tensors "
+                f"(x[None] for one sequence){other}"
+            )
+
+
+def chunk_rank(plan: Plan, rank: Any, own: int | None) -> int:
+    """``rank`` checked, or ``own`` (this process's global rank; ``None``: no process group).
+
+    Examples:
+        >>> plan = fs.shard(torch.nn.Linear(2, 2), fs.Mesh(cp=2), fs.replicate() + fs.cp("cp"))
+        >>> chunk_rank(plan, 1, None), chunk_rank(plan, None, 0)
+        (1, 0)
+    """
+    if rank is None:
+        if own is None:
+            raise ShardingError(
+                "fs.context_chunks needs the rank whose chunks to cut: pass rank=, or call "
+                "dist.init_process_group(...) first"
+            )
+        return own
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < plan.mesh.size:
+        raise ShardingError(
+            f"fs.context_chunks: rank must be an int in [0, {plan.mesh.size}) (a global rank of the "
+            f"plan's {plan.mesh!r}), got {rank!r}"
+        )
+    return rank
+
+
+def plan_given(plan: Any, caller: str) -> None:
+    """Refuse what is not a plan (a policy, a model) where ``caller`` takes one."""
+    if not isinstance(plan, Plan):
+        raise ShardingError(
+            f"{caller}: expected a Plan (fs.shard(model, mesh, policy)), got {type(plan).__name__}"
+        )
+
+
+def positive_length(seq_len: Any, caller: str) -> None:
+    """Refuse a ``seq_len`` that is not a count of tokens.
+
+    Examples:
+        >>> positive_length(8, "fs.sequence_context")
+        >>> positive_length(8.0, "fs.sequence_context")
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: fs.sequence_context: seq_len must be a positive int ..., got 8.0
+    """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+        raise ShardingError(
+            f"{caller}: seq_len must be a positive int (the whole sequences' length in tokens), "
+            f"got {seq_len!r}"
+        )
+
+
+def share_check(plan: Plan) -> Callable[[int], None] | None:
+    """Under cp and sequence parallel, the check of a whole length's share on each cp rank.
+
+    The model's own check (`tensor_parallel.refuse_uneven_sequences`) sees a rank's share
+    only, so its message would name a length the caller never passed.
+    """
+    config = plan.config
+    axis = config.context_parallel_axis
+    if axis is None or not (config.sequence_parallel and config.tensor_parallel_axes):
+        return None
+    tp = config.tensor_parallel_axes[0]
+    return functools.partial(
+        check_split_share,
+        cp=plan.mesh[axis],
+        tp=plan.mesh[tp],
+        load_balance=config.context_load_balance,
+        axis=tp,
+        who="fs.forward_backward",
+    )

@@ -1,0 +1,263 @@
+"""Context-parallel inputs a caller gets wrong are refused with a fix, not a torch traceback.
+
+`fs.context_chunks` and `fs.forward_backward`'s step take whole (batch, seq) sequences;
+`fs.sequence_context` a positive token count; ``loss_fn`` a scalar. Under cp and sequence
+parallel, the length a caller gave is named, not a rank's share of it. Most checks fail
+before any process group is needed; the rest run in a gloo world of one, or torch's fake
+group where a mesh of several ranks is needed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import functional_shard as fs
+from functional_shard.core.sequence import check_sequence_length, check_split_share, chunk_count
+from functional_shard.costing import activations
+from functional_shard.zoo import Llama, LlamaConfig, llama
+
+CP2 = fs.shard(nn.Linear(2, 2), fs.Mesh(cp=2), fs.replicate() + fs.cp("cp"))
+TOKENS = torch.arange(8)[None]
+
+
+def _llama() -> nn.Module:
+    return Llama(LlamaConfig(128, 32, 64, num_layers=2, num_heads=4, num_kv_heads=2))
+
+
+def _cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(outputs.flatten(0, 1), targets.flatten())
+
+
+# ---- fs.context_chunks: no process group needed --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tensors", "kwargs", "message"),
+    [
+        (
+            (torch.arange(8),),
+            {"rank": 1},
+            "fs.context_chunks: tensor 0 has shape (8,), no dim 1: pass (batch, seq) tensors "
+            "(x[None] for one sequence), or dim=0",
+        ),
+        ((TOKENS,), {"rank": 1, "dim": 2}, "tensor 0 has shape (1, 8), no dim 2"),
+        ((TOKENS,), {"rank": 1, "dim": -3}, "tensor 0 has shape (1, 8), no dim -3"),
+        ((torch.tensor(3),), {"rank": 0}, "tensor 0 has shape (), no dim 1"),
+        # a mask of another rank: no other dim is offered, it would not suit tensor 0
+        (
+            (TOKENS, torch.arange(8)),
+            {"rank": 0},
+            "tensor 1 has shape (8,), no dim 1: pass (batch, seq) tensors",
+        ),
+        (
+            (TOKENS,),
+            {"rank": 0, "dim": 1.0},
+            "fs.context_chunks: dim must be an int (the sequence dim), got 1.0",
+        ),
+        (([[0, 1, 2, 3, 4, 5, 6, 7]],), {"rank": 1}, "expected a torch.Tensor for tensor 0, got list"),
+        ((np.arange(8)[None],), {"rank": 1}, "expected a torch.Tensor for tensor 0, got ndarray"),
+        ((TOKENS, None), {"rank": 1}, "expected a torch.Tensor for tensor 1, got NoneType"),
+        ((TOKENS,), {"rank": 1.0}, "fs.context_chunks: rank must be an int in [0, 2)"),
+        (
+            (TOKENS,),
+            {"rank": "1"},
+            "rank must be an int in [0, 2) (a global rank of the plan's Mesh(cp=2)), got '1'",
+        ),
+        ((TOKENS,), {"rank": True}, "rank must be an int in [0, 2)"),
+        ((TOKENS,), {"rank": 2}, "rank must be an int in [0, 2)"),
+        ((TOKENS,), {"rank": -1}, "rank must be an int in [0, 2)"),
+    ],
+)
+def test_context_chunks_refuses_what_is_no_batch_of_sequences(tensors, kwargs, message):
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
+        fs.context_chunks(CP2, *tensors, **kwargs)
+
+
+def test_context_chunks_outside_a_process_group_asks_for_a_rank():
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(
+        fs.ShardingError, match=re.escape("pass rank=, or call dist.init_process_group(...) first")
+    ):
+        fs.context_chunks(CP2, TOKENS)
+
+
+@pytest.mark.parametrize(
+    "plan", [fs.cp("cp"), fs.Mesh(cp=2), nn.Linear(2, 2)], ids=["policy", "mesh", "model"]
+)
+def test_context_chunks_refuses_what_is_not_a_plan(plan):
+    with pytest.raises(
+        fs.ShardingError,
+        match=re.escape(f"expected a Plan (fs.shard(model, mesh, policy)), got {type(plan).__name__}"),
+    ):
+        fs.context_chunks(plan, TOKENS, rank=0)
+
+
+@given(seq=st.integers(1, 64), rank=st.integers(0, 1), dim=st.sampled_from([1, -1]))
+def test_context_chunks_cuts_any_divisible_length_along_a_negative_dim_too(seq, rank, dim):
+    tokens = torch.arange(seq)[None]
+    if seq % 4:
+        with pytest.raises(fs.ShardingError, match=f"does not divide the sequence length {seq};"):
+            fs.context_chunks(CP2, tokens, rank=rank, dim=dim)
+        return
+    mine, positions = fs.context_chunks(CP2, tokens, rank=rank, dim=dim)
+    assert mine.tolist() == [positions.tolist()]
+
+
+@given(seq=st.one_of(st.integers(-100, 0), st.floats(allow_nan=False), st.none(), st.booleans()))
+def test_a_length_that_is_no_count_of_tokens_is_named_not_rounded(seq):
+    with pytest.raises(
+        fs.ShardingError,
+        match=re.escape(f"the seq_len must be a positive int (a count of tokens), got {seq!r}"),
+    ):
+        check_sequence_length(seq, 2, load_balance=True, what="seq_len")
+
+
+# ---- cp and sequence parallel: the whole length is named ------------------------------
+
+
+@given(
+    cp=st.integers(2, 4),
+    tp=st.integers(2, 4),
+    balance=st.booleans(),
+    per_chunk=st.integers(1, 12),
+)
+def test_a_share_tp_cannot_split_is_refused_naming_the_whole_length_and_the_lengths_that_work(
+    cp, tp, balance, per_chunk
+):
+    seq = per_chunk * chunk_count(cp, load_balance=balance)  # the chunks divide it
+    multiple = math.lcm(chunk_count(cp, load_balance=balance), cp * tp)
+    if seq % multiple == 0:
+        check_split_share(seq, cp, tp, load_balance=balance, axis="tp", who="x")
+        return
+    with pytest.raises(fs.ShardingError) as error:
+        check_split_share(seq, cp, tp, load_balance=balance, axis="tp", who="x")
+    text = str(error.value)
+    assert f"the {seq}-token sequence leaves {seq // cp} tokens on each of the cp={cp} ranks" in text
+    assert f"a multiple of {multiple} (" in text
+    above = (seq // multiple + 1) * multiple
+    assert f"{above}" in text
+    assert above % (cp * tp) == 0
+    assert above % chunk_count(cp, load_balance=balance) == 0
+
+
+def test_the_plan_under_cp_and_sequence_parallel_names_the_length_given(monkeypatch):
+    def no_trace(*args: object, **kwargs: object) -> None:
+        raise AssertionError("traced before refusing")
+
+    monkeypatch.setattr(activations._Run, "trace", no_trace)
+    model = llama("tiny")
+    policy = (
+        fs.fsdp("cp") + fs.cp("cp", load_balance=False) + fs.tp(fs.rules.llama, "tp", sequence_parallel=True)
+    )
+    plan = fs.shard(model, fs.Mesh(cp=2, tp=2), policy)
+    message = (
+        "trace_activations(seq=6): the 6-token sequence leaves 3 tokens on each of the cp=2 ranks, which "
+        "sequence parallel over 'tp' splits evenly over its 2 ranks, and 2 does not divide 3; use a sequence "
+        "length that is a multiple of 4 (4 or 8: cp=2 ranks x tp=2)"
+    )
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
+        activations.trace_activations(model, plan, batch=1, seq=6)
+
+
+def test_a_step_under_cp_and_sequence_parallel_names_the_length_given(fake_world):
+    fake_world(4)
+    policy = (
+        fs.fsdp("cp") + fs.cp("cp", load_balance=False) + fs.tp(fs.rules.llama, "tp", sequence_parallel=True)
+    )
+    model = _llama()
+    plan = fs.shard(model, fs.Mesh(cp=2, tp=2), policy)
+    model = fs.apply(plan, model)
+    step = fs.forward_backward(plan, model, _cross_entropy)
+    tokens = torch.randint(0, 128, (1, 6))
+    with pytest.raises(
+        fs.ShardingError, match=re.escape("fs.forward_backward: the 6-token sequence leaves 3 tokens")
+    ):
+        step(tokens, tokens)
+
+
+# ---- the step and sequence_context, in a gloo world of one --------------------------
+
+
+@pytest.fixture
+def cp1(one_rank):
+    model = _llama()
+    plan = fs.shard(model, fs.Mesh(cp=1), fs.replicate("cp") + fs.cp("cp"))
+    return plan, fs.apply(plan, model)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "targets", "message"),
+    [
+        (
+            torch.arange(8),
+            torch.arange(8),
+            "fs.forward_backward under context parallel: inputs has shape (8,), no dim 1: pass (batch, seq) "
+            "tensors (x[None] for one sequence)",
+        ),
+        (TOKENS, torch.arange(8), "targets has shape (8,), no dim 1"),
+        ([[0, 1, 2, 3]], TOKENS, "expected a torch.Tensor for inputs, got list"),
+        (TOKENS, None, "expected a torch.Tensor for targets, got NoneType"),
+    ],
+)
+def test_the_cp_step_refuses_what_is_no_batch_of_sequences(cp1, inputs, targets, message):
+    plan, model = cp1
+    step = fs.forward_backward(plan, model, _cross_entropy)
+    with pytest.raises(fs.ShardingError, match=re.escape(message)) as error:
+        step(inputs, targets)
+    assert "dim=" not in str(error.value)  # the step has no dim to pass
+
+
+@pytest.mark.parametrize("seq_len", [-2, 0, 8.0, None, True, "8"])
+def test_sequence_context_refuses_a_length_that_is_no_count_of_tokens(cp1, seq_len):
+    plan, model = cp1
+    message = "fs.sequence_context: seq_len must be a positive int (the whole sequences' length in tokens), "
+    with (
+        pytest.raises(fs.ShardingError, match=re.escape(f"{message}got {seq_len!r}")),
+        fs.sequence_context(plan, model, seq_len),
+    ):
+        pass
+
+
+def _per_token(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(outputs.flatten(0, 1), targets.flatten(), reduction="none")
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "message"),
+    [
+        (_per_token, "fs.forward_backward: loss_fn returned a tensor of shape (16,), but the step runs"),
+        (lambda o, t: (_cross_entropy(o, t), 0), "loss_fn returned tuple"),
+    ],
+    ids=["per-token", "tuple"],
+)
+@pytest.mark.parametrize("context", [True, False], ids=["cp", "plain"])
+def test_a_loss_fn_returning_no_scalar_is_refused_naming_the_fix(one_rank, loss_fn, message, context):
+    model = _llama()
+    policy = fs.replicate("cp") + fs.cp("cp") if context else fs.replicate("cp")
+    plan = fs.shard(model, fs.Mesh(cp=1), policy)
+    model = fs.apply(plan, model)
+    step = fs.forward_backward(plan, model, loss_fn)
+    tokens = torch.randint(0, 128, (2, 8))
+    with pytest.raises(fs.ShardingError, match=re.escape(message)) as error:
+        step(tokens, tokens)
+    assert "return a scalar loss: a mean over the batch (reduction='mean', or loss.mean()) or a sum" in str(
+        error.value
+    )
+
+
+def test_a_scalar_loss_of_one_element_still_steps(one_rank):
+    model = _llama()
+    plan = fs.shard(model, fs.Mesh(cp=1), fs.replicate("cp") + fs.cp("cp"))
+    model = fs.apply(plan, model)
+    step = fs.forward_backward(plan, model, lambda o, t: _cross_entropy(o, t)[None])
+    tokens = torch.randint(0, 128, (2, 8))
+    assert step(tokens, tokens).numel() == 1
