@@ -10,6 +10,7 @@ and the losses beside one process training on the same global batches.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -31,7 +32,7 @@ from functional_shard.runtime.measure import CollectiveLog, resident_bytes
 
 from .zoo import CONFIGS, Llama, LlamaConfig
 
-__all__ = ["DemoResult", "run"]
+__all__ = ["DemoResult", "process_limit", "run"]
 
 _LR = 1e-2
 _SEQUENCE = 16
@@ -40,6 +41,21 @@ _MEASURED_STEP = 2  # steady state: lazy optimizer state built, DDP's buckets re
 # against one float32 process: float32 reordering of sharded reductions is ~1e-6 here;
 # a low-precision plan computes in its dtype (bfloat16's relative step is 7.8e-3)
 _LOSS_TOLERANCE = {None: 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+
+
+def process_limit() -> int:
+    """How many local processes the demo starts on this machine without ``force``.
+
+    Four per CPU core this process may use, and never fewer than eight: past that, the gloo
+    ranks share the cores so thinly that the run crawls for minutes before a collective
+    times out.
+
+    Examples:
+        >>> process_limit() >= 8
+        True
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(8, 4 * (cores or 1))
 
 
 @dataclass(frozen=True)
@@ -129,6 +145,7 @@ def run(
     steps: int = 5,
     seed: int = 0,
     out: Callable[[str], None] = print,
+    force: bool = False,
 ) -> DemoResult:
     """Plan, train on ``mesh.size`` local processes, and compare with the prediction and one process.
 
@@ -140,10 +157,24 @@ def run(
         steps: AdamW steps (at least 3: the third is measured).
         seed: initialisation seed, for the run and the one-process reference.
         out: where report lines go.
+        force: start ``mesh.size`` processes even past `process_limit`.
+
+    Raises:
+        ShardingError: a mesh with more processes than `process_limit` (without ``force``),
+            too few steps, or a policy or plan that cannot run; all before any process starts.
 
     Examples:
         >>> # fs.demo.run(fs.Mesh(dp=2, tp=2), "fsdp(dp) + tp(llama, tp)").ok
     """
+    if not mesh.is_resolved:
+        raise ShardingError(f"{mesh!r}: the demo starts one process per device, so give every axis its size")
+    limit = process_limit()
+    if mesh.size > limit and not force:
+        raise ShardingError(
+            f"{mesh!r} needs {mesh.size} local processes (one per device), more than the {limit} the "
+            "demo starts on this machine (4 per CPU core, at least 8): use a smaller mesh, or pass --force "
+            "(force=True) to start them anyway"
+        )
     if steps <= _MEASURED_STEP:
         raise ShardingError(
             f"--steps {steps}: the demo measures step {_MEASURED_STEP + 1}, so give 3 or more"

@@ -128,6 +128,10 @@ def _terms(node: ast.expr) -> list[_Call]:
             raise _TextError(node, "**keywords are not accepted")
         if any(isinstance(arg, ast.Starred) for arg in node.args):
             raise _TextError(node, "*arguments are not accepted")
+        names = [str(keyword.arg) for keyword in node.keywords]
+        twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+        if twice is not None:  # ast parses it (only Python's compiler refuses); a dict keeps the last
+            raise _TextError(node, f"{node.func.id}() is given the keyword {twice!r} twice; give it once")
         args = tuple(_value(arg) for arg in node.args)
         kwargs = {str(keyword.arg): _value(keyword.value) for keyword in node.keywords}
         return [_Call(node, node.func.id, args, kwargs)]
@@ -282,6 +286,17 @@ def _checkpointing(call: _Call, resolver: _Resolver) -> Policy:
     policy = "full"
     if args and isinstance(args[-1], _Name) and args[-1].text in CHECKPOINT_POLICIES:
         policy = args.pop().text
+    elif (
+        len(args) > 1
+        and isinstance(args[-1], _Name)
+        and args[-1].text[:1].islower()
+        and args[-1].text not in resolver.classes
+    ):  # classes are CamelCase: a lower-case name after them is the policy, mistyped
+        raise _TextError(
+            call.node,
+            f"checkpointing policy {args[-1].text!r}: full or selective (the argument after the "
+            "module classes is the policy)",
+        )
     if "policy" in call.kwargs:
         policy = _text(call.kwargs["policy"], "the checkpointing policy", call.node)
         if policy not in CHECKPOINT_POLICIES:
@@ -445,7 +460,10 @@ def parse_policy(text: str, model: nn.Module | None = None) -> Policy:
         True
     """
     if not isinstance(text, str) or not text.strip():
-        raise PolicyError(f"policy {text!r}: write one, e.g. 'fsdp(dp) + tp(llama, tp)'. Accepted: {FORMS}")
+        raise PolicyError(
+            f"policy {text!r}: empty; write one, e.g. 'fsdp(dp) + tp(llama, tp)', or none for no policy. "
+            f"Accepted: {FORMS}"
+        )
     try:
         tree = ast.parse(text.strip(), mode="eval")
     except SyntaxError as error:

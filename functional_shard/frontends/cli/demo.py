@@ -19,7 +19,8 @@ def run(args: argparse.Namespace) -> int:
         0 when every prediction held and the run matched one process, else 1.
 
     Raises:
-        ShardingError: a bad mesh, policy or step count, before any process starts.
+        ShardingError: a bad mesh, policy or step count, or (without ``--force``) more
+            processes than the machine runs, before any process starts.
 
     Examples:
         >>> from functional_shard.frontends.cli import main
@@ -28,5 +29,6 @@ def run(args: argparse.Namespace) -> int:
     """
     from functional_shard.frontends.demo import run as run_demo
 
-    result = run_demo(parse_mesh(args.mesh), args.policy, model=args.model, steps=args.steps)
+    mesh = parse_mesh(args.mesh)
+    result = run_demo(mesh, args.policy, model=args.model, steps=args.steps, force=args.force)
     return 0 if result.ok else 1

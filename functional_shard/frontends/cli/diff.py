@@ -37,6 +37,30 @@ def _read_plan(path: str) -> Plan:
         raise InputError(f"{path!r}: not a plan written by --json ({one_line(error, 300)})") from None
 
 
+def _check_same_model(before: Plan, after: Plan, names: tuple[str, str]) -> None:
+    """Refuse plans of two models: their tensors differ in paths or shapes.
+
+    Placements of different tensors are not changes of one model's plan; the list of them
+    would read as one, so the first few tensors that differ are named instead.
+    """
+
+    def shape(plan: Plan, path: str) -> str:
+        tensor = plan.tensors.get(path)
+        return "absent" if tensor is None else "×".join(map(str, tensor.shape)) or "()"
+
+    differing = [
+        f"{path} ({shape(before, path)} -> {shape(after, path)})"
+        for path in dict.fromkeys([*before.tensors, *after.tensors])
+        if shape(before, path) != shape(after, path)
+    ]
+    if differing:
+        more = f" and {len(differing) - 3} more" if len(differing) > 3 else ""
+        raise InputError(
+            f"{names[0]!r} and {names[1]!r} plan different models: their tensors differ, "
+            f"{', '.join(differing[:3])}{more}; diff compares two plans of the same model"
+        )
+
+
 def _shown(value: object) -> str:
     if isinstance(value, tuple) and len(value) > 4:
         return f"({len(value)} entries)"
@@ -78,7 +102,8 @@ def run(args: argparse.Namespace, out: Out) -> int:
         0.
 
     Raises:
-        ShardingError: a file that cannot be read or holds no plan.
+        ShardingError: a file that cannot be read or holds no plan, or plans of two
+            models (tensors with other paths or shapes).
 
     Examples:
         >>> import pathlib, tempfile
@@ -98,6 +123,7 @@ def run(args: argparse.Namespace, out: Out) -> int:
         >>> scratch.cleanup()
     """
     before, after = _read_plan(args.before), _read_plan(args.after)
+    _check_same_model(before, after, (args.before, args.after))
     changes = before.diff(after)
     rows = _collapse(changes)
     if rows:

@@ -40,7 +40,8 @@ def parse_mesh(text: str) -> Mesh:
     """``dp=8,tp=4`` -> ``Mesh(dp=8, tp=4)``.
 
     Raises:
-        ShardingError: not ``axis=size`` pairs, or a mesh `Mesh` refuses.
+        ShardingError: empty, not ``axis=size`` pairs, an axis given twice, or a mesh
+            `Mesh` refuses.
 
     Examples:
         >>> from functional_shard.frontends.cli import parse_mesh
@@ -49,13 +50,17 @@ def parse_mesh(text: str) -> Mesh:
     """
     from functional_shard.core.mesh import Mesh
 
+    if not text.strip():
+        raise InputError(f"--mesh {text!r}: empty; write AXIS=SIZE pairs joined by commas, e.g. dp=8,tp=4")
     pairs = [item.strip().partition("=") for item in text.split(",")]
-    if not text.strip() or any(
-        not name or not sep or not re.fullmatch(r"-?\d+", size) for name, sep, size in pairs
-    ):
+    if any(not name or not sep or not re.fullmatch(r"-?\d+", size.strip()) for name, sep, size in pairs):
         raise InputError(f"--mesh {text!r}: write axis=size pairs joined by commas, e.g. dp=8,tp=4")
+    names = [name.strip() for name, _, _ in pairs]
+    twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if twice is not None:  # a dict would keep the last size without a word
+        raise InputError(f"--mesh {text!r}: axis {twice!r} given twice; give each axis once")
     try:
-        return Mesh({name.strip(): int(size) for name, _, size in pairs})
+        return Mesh({name: int(size) for name, (_, _, size) in zip(names, pairs, strict=True)})
     except ShardingError as error:
         raise InputError(f"--mesh {text!r}: {one_line(error, 300)}") from None
 
@@ -167,7 +172,8 @@ def read_policy(text: str, model: nn.Module | None) -> Policy:
             or None.
 
     Raises:
-        ShardingError: the text is not a policy; the message names the part that is wrong.
+        ShardingError: the text is empty or not a policy; the message names the part that
+            is wrong.
 
     Examples:
         >>> read_policy("fsdp(dp) + bf16", None).options.param_dtype
@@ -175,6 +181,11 @@ def read_policy(text: str, model: nn.Module | None) -> Policy:
     """
     from functional_shard.planning.policy_text import parse_policy
 
+    if not text.strip():  # an empty value is a mistake, not a request for the default
+        raise InputError(
+            f'--policy {text!r}: empty; write a policy, e.g. "fsdp(dp) + tp(llama, tp)", '
+            "or none for no policy"
+        )
     try:
         return parse_policy(text, model)
     except ShardingError as error:

@@ -7,6 +7,7 @@ with ``--auto`` the plan is searched for (`functional_shard.frontends.cli.plan_a
 from __future__ import annotations
 
 import argparse
+import pathlib
 import re
 import sys
 from typing import TYPE_CHECKING
@@ -33,7 +34,7 @@ DEFAULT_POLICY = "fsdp(dp) + tp(auto, tp) + bf16"
 
 def _check(args: argparse.Namespace) -> None:
     """The flags that go together, before anything is read or built."""
-    if args.auto and (args.mesh or args.policy):
+    if args.auto and (args.mesh is not None or args.policy is not None):
         raise InputError("--auto searches meshes and policies itself: leave out --mesh and --policy")
     if not args.auto and (args.devices is not None or args.budget is not None):
         raise InputError("--devices and --budget go with --auto")
@@ -53,6 +54,22 @@ def _check(args: argparse.Namespace) -> None:
         raise InputError(
             "--auto needs --devices, --budget and --seq (and --batch, or one sequence per device)"
         )
+    if args.png:
+        _check_picture_suffix(args.png)
+
+
+def _check_picture_suffix(path: str) -> None:
+    """A file name matplotlib can write, refused before the plan is drawn (or even made)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:  # drawing says how to install it
+        return
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    suffix = pathlib.PurePath(path).suffix[1:].lower()
+    if suffix not in formats:
+        # no suffix: matplotlib would append .png, writing a file other than the one named
+        found = f"the extension .{suffix} is not a picture format" if suffix else "the name has no extension"
+        raise InputError(f"--png {path!r}: {found}; end it with one of {', '.join('.' + f for f in formats)}")
 
 
 def run(args: argparse.Namespace, out: Out) -> int:
@@ -94,10 +111,12 @@ def run(args: argparse.Namespace, out: Out) -> int:
         model = load_model(args.model)
         plan, estimate = plan_auto.search(model, args, budget=budget, hardware=hardware, say=say)
     else:
-        mesh = parse_mesh(args.mesh or "dp=8,tp=4")
+        # only a flag left out takes the default: an empty value is refused, not replaced
+        mesh = parse_mesh("dp=8,tp=4" if args.mesh is None else args.mesh)
         hardware = read_hardware(args.hardware or "h100") if args.batch is not None else None
         model = load_model(args.model)
-        plan = shard(model, mesh, read_policy(args.policy or DEFAULT_POLICY, model))
+        policy = read_policy(DEFAULT_POLICY if args.policy is None else args.policy, model)
+        plan = shard(model, mesh, policy)
     if args.batch is not None and estimate is None:
         estimate = _estimate(model, plan, args, batch_given=batch_given, hardware=hardware)
     if to_stdout:

@@ -105,7 +105,7 @@ def parser() -> argparse.ArgumentParser:
         help="what changes between two plans written by --json: per tensor, memory and traffic",
     )
     diff_flags.add_argument("before", help="a plan written by plan --json")
-    diff_flags.add_argument("after", help="another plan of the same model")
+    diff_flags.add_argument("after", help="another plan of the same model (plans of two models are refused)")
     diff_flags.add_argument(
         "--optimizer", default="adamw", choices=["adamw", "adam", "sgd"], help="(default: adamw)"
     )
@@ -121,6 +121,11 @@ def parser() -> argparse.ArgumentParser:
     )
     demo_flags.add_argument("--model", default="tiny", choices=["tiny", "tiny-tied"], help="(default: tiny)")
     demo_flags.add_argument("--steps", type=int, default=5, help="AdamW steps, 3 or more (default: 5)")
+    demo_flags.add_argument(
+        "--force",
+        action="store_true",
+        help="start the mesh's processes past this machine's limit (4 per CPU core, at least 8)",
+    )
     checkpoint_flags = commands.add_parser("checkpoint", help="checkpoint tools")
     actions = checkpoint_flags.add_subparsers(dest="action", required=True, parser_class=_Parser)
     convert_flags = actions.add_parser(

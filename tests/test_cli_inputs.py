@@ -1,0 +1,228 @@
+"""Command-line values that were once replaced or let through in silence are refused in one line."""
+
+import re
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import functional_shard as fs
+from functional_shard.cli import main
+from functional_shard.frontends import demo
+from functional_shard.frontends.cli import parse_mesh
+from functional_shard.frontends.cli.inputs import InputError
+from functional_shard.zoo import llama
+
+TINY = ["plan", "--model", "tiny"]
+MODEL = llama("tiny")
+
+
+def refused(capsys, *argv: str) -> str:
+    """The one line of stderr a bad command line gives (exit code 2, no traceback)."""
+    code = main(list(argv))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("functional-shard: "), err
+    assert err.count("\n") == 1, err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("mesh", "says"),
+    [
+        ("dp=2,dp=4", "--mesh 'dp=2,dp=4': axis 'dp' given twice"),
+        ("dp=2,tp=2,dp=2", "--mesh 'dp=2,tp=2,dp=2': axis 'dp' given twice"),
+        ("dp=2, dp =4", "axis 'dp' given twice"),
+        ("", "--mesh '': empty; write AXIS=SIZE pairs"),
+        (" ", "--mesh ' ': empty; write AXIS=SIZE pairs"),
+    ],
+)
+def test_a_mesh_given_twice_or_empty_is_refused_not_replaced(capsys, mesh, says):
+    """An empty --mesh once became the default dp=8,tp=4, and a repeated axis kept its last size."""
+    assert says in refused(capsys, *TINY, "--mesh", mesh, "--policy", "fsdp(dp)")
+
+
+@given(
+    names=st.lists(st.sampled_from(["dp", "tp", "cp", "pp", "ep"]), min_size=1, max_size=4, unique=True),
+    sizes=st.lists(st.integers(1, 4), min_size=5, max_size=5),
+    repeat=st.integers(0, 3),
+)
+def test_any_axis_written_twice_is_named(names, sizes, repeat):
+    twice = names[repeat % len(names)]
+    text = ",".join(f"{n}={s}" for n, s in zip([*names, twice], sizes, strict=False))
+    with pytest.raises(InputError, match=re.escape(f"axis {twice!r} given twice")):
+        parse_mesh(text)
+    once = ",".join(f"{n}={s}" for n, s in zip(names, sizes, strict=False))
+    assert parse_mesh(once) == fs.Mesh(dict(zip(names, sizes, strict=False)))
+
+
+@pytest.mark.parametrize("policy", ["", " "])
+def test_an_empty_policy_is_refused_and_points_to_none(capsys, policy):
+    """An empty --policy once became the default fsdp(dp) + tp(auto, tp) + bf16."""
+    err = refused(capsys, *TINY, "--mesh", "dp=2", "--policy", policy)
+    assert f"--policy {policy!r}: empty; write a policy" in err
+    assert "or none for no policy" in err
+
+
+def test_auto_refuses_an_empty_mesh_or_policy_too(capsys):
+    err = refused(capsys, *TINY, "--auto", "--mesh", "", "--devices", "4", "--budget", "1GiB", "--seq", "8")
+    assert "--auto searches meshes and policies itself" in err
+
+
+def test_parse_policy_names_none_for_an_empty_text():
+    with pytest.raises(fs.PolicyError, match=re.escape("policy '': empty; write one, e.g. ")):
+        fs.parse_policy("")
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        (
+            "tp(llama, tp, loss_parallel=true, loss_parallel=false)",
+            "tp() is given the keyword 'loss_parallel' twice",
+        ),
+        ("fsdp(dp, min_params=1, min_params=2)", "fsdp() is given the keyword 'min_params' twice"),
+        (
+            "pipeline(pp, microbatches=4, microbatches=8)",
+            "pipeline() is given the keyword 'microbatches' twice",
+        ),
+        ("cp(cp, engine=ring, load_balance=false, engine=auto)", "cp() is given the keyword 'engine' twice"),
+    ],
+)
+def test_a_keyword_given_twice_is_refused_by_name(text, says):
+    """ast parses f(a=1, a=2) (only Python's compiler refuses it): the last value once won."""
+    with pytest.raises(fs.PolicyError, match=re.escape(says)):
+        fs.parse_policy(f"fsdp(dp) + {text}" if not text.startswith("fsdp") else text, MODEL)
+
+
+@pytest.mark.parametrize("model", [MODEL, None])
+@pytest.mark.parametrize("written", ["partial", "selectve", "fulll"])
+def test_a_mistyped_checkpointing_policy_is_called_a_policy(model, written):
+    """It was once reported as a module class the model lacks."""
+    for text in (f"checkpointing(Block, {written})", f"checkpointing('layers.*', Block, {written})"):
+        says = f"checkpointing policy {written!r}: full or selective"
+        with pytest.raises(fs.PolicyError, match=re.escape(says)):
+            fs.parse_policy(text, model)
+
+
+def test_checkpointing_still_takes_several_classes_and_names_an_unknown_one():
+    assert fs.parse_policy("checkpointing(Block, Attention, selective)", MODEL) == fs.checkpointing(
+        *(type(m) for m in (MODEL.layers[0], MODEL.layers[0].self_attn)), policy="selective"
+    )
+    with pytest.raises(fs.PolicyError, match=re.escape("checkpointing 'Blok' is not a module class")):
+        fs.parse_policy("checkpointing(Block, Blok)", MODEL)
+
+
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("x.jpgg", "the extension .jpgg is not a picture format"),
+        ("x.png.bak", "the extension .bak is not a picture format"),
+        ("x", "the name has no extension"),
+    ],
+)
+def test_a_picture_name_matplotlib_cannot_write_is_refused_before_anything_is_built(
+    capsys, tmp_path, name, says
+):
+    """It was once a matplotlib ValueError traceback, after the plan was made and drawn."""
+    pytest.importorskip("matplotlib")
+    target = tmp_path / name
+    # the model does not exist: the --png check comes before it is looked for
+    err = refused(capsys, "plan", "--model", "no-such-model", "--mesh", "dp=2", "--png", str(target))
+    assert f"--png {str(target)!r}: {says}; end it with one of " in err
+    assert all(f".{kind}," in err for kind in ("pdf", "png", "svg"))
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_picture_suffix_in_capitals_is_accepted(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "plan.SVG"
+    assert main([*TINY, "--mesh", "dp=2", "--policy", "fsdp(dp)", "--png", str(target)]) == 0
+    assert target.read_bytes().lstrip().startswith(b"<?xml")
+
+
+class _StartedError(Exception):
+    """Raised in place of starting the demo's processes."""
+
+
+def _no_processes(*_args, **_kwargs):
+    raise _StartedError
+
+
+@pytest.mark.parametrize("over", [1, 56])
+def test_the_demo_refuses_more_processes_than_the_machine_runs_before_starting_any(capsys, monkeypatch, over):
+    """A dp=64 demo on two cores once started 64 gloo processes and crawled for minutes."""
+    monkeypatch.setattr(demo, "LocalWorld", _no_processes)
+    limit = demo.process_limit()
+    size = limit + over
+    err = refused(capsys, "demo", "--mesh", f"dp={size}", "--policy", "fsdp(dp)")
+    assert f"Mesh(dp={size}) needs {size} local processes (one per device), more than the {limit}" in err
+    assert "pass --force" in err
+    with pytest.raises(fs.ShardingError, match=re.escape(f"more than the {limit} the demo starts")):
+        demo.run(fs.Mesh(dp=size), "fsdp(dp)")
+
+
+def test_force_starts_them_anyway(monkeypatch):
+    monkeypatch.setattr(demo, "LocalWorld", _no_processes)
+    monkeypatch.setattr(demo, "process_limit", lambda: 2)
+    with pytest.raises(fs.ShardingError, match="needs 4 local processes"):
+        demo.run(fs.Mesh(dp=4), "fsdp(dp)")
+    with pytest.raises(_StartedError):
+        demo.run(fs.Mesh(dp=4), "fsdp(dp)", force=True)
+    with pytest.raises(_StartedError):
+        main(["demo", "--mesh", "dp=4", "--policy", "fsdp(dp)", "--force"])
+
+
+@pytest.mark.parametrize(("cores", "limit"), [(1, 8), (2, 8), (3, 12), (16, 64)])
+def test_the_process_limit_is_four_per_core_and_at_least_eight(monkeypatch, cores, limit):
+    monkeypatch.setattr(demo.os, "sched_getaffinity", lambda _pid: set(range(cores)), raising=False)
+    assert demo.process_limit() == limit
+
+
+def test_the_demo_refuses_an_unsized_axis_before_starting(monkeypatch):
+    monkeypatch.setattr(demo, "LocalWorld", _no_processes)
+    says = "Mesh(dp=-1): the demo starts one process per device"
+    with pytest.raises(fs.ShardingError, match=re.escape(says)):
+        demo.run(fs.Mesh(dp=-1), "fsdp(dp)")
+
+
+def _write(path, model, mesh=None):
+    path.write_text(fs.shard(model, mesh or fs.Mesh(dp=2), fs.fsdp("dp")).to_json())
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "says"),
+    [
+        (nn.Linear(8, 8), nn.Linear(8, 16), "weight (8×8 -> 16×8), bias (8 -> 16);"),
+        (nn.Linear(8, 8), nn.Linear(8, 8, bias=False), "bias (8 -> absent);"),
+        (
+            MODEL,
+            llama("tiny-tied"),
+            "lm_head.weight (",
+        ),
+        (
+            MODEL,
+            llama("llama-1b"),
+            "embed_tokens.weight (256×64 -> 128256×2048), layers.0.input_layernorm.weight (64 -> 2048), "
+            "layers.0.self_attn.q_proj.weight (64×64 -> 2048×2048) and ",
+        ),
+    ],
+)
+def test_a_diff_of_plans_of_two_models_is_refused_naming_the_tensors(capsys, tmp_path, before, after, says):
+    """It once listed every tensor's change as though one model's plan had changed."""
+    a, b = _write(tmp_path / "a.json", before), _write(tmp_path / "b.json", after)
+    err = refused(capsys, "diff", a, b)
+    assert f"{a!r} and {b!r} plan different models: their tensors differ, " in err
+    assert says in err
+    assert err.rstrip().endswith("diff compares two plans of the same model")
+
+
+def test_a_diff_of_two_plans_of_one_model_still_runs(capsys, tmp_path):
+    a = _write(tmp_path / "a.json", MODEL)
+    b = tmp_path / "b.json"
+    b.write_text(fs.shard(MODEL, fs.Mesh(dp=2), fs.zero(2, "dp")).to_json())
+    assert main(["diff", a, str(b)]) == 0
+    assert "data_parallel" in capsys.readouterr().out
