@@ -47,7 +47,7 @@ from .expert_cost import expert_comm
 if TYPE_CHECKING:
     from functional_shard.planning.plan import Plan
 
-__all__ = ["Cost", "OptimizerKind", "cost", "unit_gathered"]
+__all__ = ["Cost", "OptimizerKind", "check_plan_and_optimizer", "cost", "unit_gathered"]
 
 # torch's Adam/AdamW keep exp_avg and exp_avg_sq in the parameter's dtype, plus a
 # float32 scalar "step" tensor per parameter.
@@ -57,11 +57,6 @@ _OPTIMIZERS: dict[str, tuple[int, int]] = {"adamw": (2, 4), "adam": (2, 4), "sgd
 def _memory(
     plan: Plan, coords: Mapping[str, int], optimizer: OptimizerKind, census: Census, buffers: bool = True
 ) -> dict[str, int]:
-    if isinstance(optimizer, str) and optimizer not in _OPTIMIZERS:
-        raise ShardingError(
-            f"cost(optimizer={optimizer!r}): one of {sorted(_OPTIMIZERS)} or bytes per element"
-        )
-
     def owns(sharding: ParamSharding, _: tuple[str, ...], owner: int) -> bool:
         optim = sharding.optim
         return isinstance(optim, Owned) and owner == coords[optim.axis] and optim.holds(coords)
@@ -88,6 +83,63 @@ def _memory(
         for p, s in (plan.buffers.items() if buffers else ())
     )
     return {"params": params, "grads": grads, "optimizer": optim, "buffers": buffer_bytes}
+
+
+def check_plan_and_optimizer(who: str, plan: Any, optimizer: Any) -> None:
+    """Refuse, naming the argument, a ``plan`` that is not a `Plan` or an optimizer `cost` cannot count.
+
+    Raises:
+        ShardingError: ``plan`` is no `Plan` (a model, say), or ``optimizer`` is neither one of
+            ``"adamw"``, ``"adam"``, ``"sgd"`` nor a number of bytes per element (an optimizer
+            class, say).
+
+    Examples:
+        >>> import torch
+        >>> check_plan_and_optimizer("cost", None, "adamw")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: cost(plan=NoneType): takes a Plan; make one with fs.shard(...)
+        >>> plan = fs.shard(nn.Linear(2, 2), fs.Mesh(dp=2), fs.fsdp())
+        >>> check_plan_and_optimizer("cost", plan, torch.optim.AdamW)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: cost(optimizer=<class '...AdamW'>): 'adamw', 'adam' or 'sgd' ...
+    """
+    from functional_shard.planning.plan import Plan
+
+    if not isinstance(plan, Plan):
+        raise ShardingError(
+            f"{who}(plan={type(plan).__name__}): takes a Plan; make one with fs.shard(model, mesh, policy)"
+        )
+    number = isinstance(optimizer, int | float) and not isinstance(optimizer, bool)
+    if (isinstance(optimizer, str) and optimizer not in _OPTIMIZERS) or (
+        not isinstance(optimizer, str) and not (number and math.isfinite(optimizer) and optimizer >= 0)
+    ):
+        raise ShardingError(
+            f"{who}(optimizer={optimizer!r}): {', '.join(map(repr, list(_OPTIMIZERS)[:-1]))} or "
+            f"{list(_OPTIMIZERS)[-1]!r} (the optimizer's name, not its class), or bytes of state per "
+            "element (a number >= 0)"
+        )
+
+
+def _check_tokens(plan: Plan, tokens: Any) -> None:
+    # under context parallel the tokens are whole sequences, cut as a run cuts them
+    from functional_shard.core.sequence import check_sequence_length, chunk_count
+
+    config = plan.config
+    cp = plan.mesh[config.context_parallel_axis] if config.context_parallel_axis else 1
+    chunks = chunk_count(cp, load_balance=config.context_load_balance)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        divided = f" that the {chunks} cp chunks divide" if chunks > 1 else ""
+        raise ShardingError(
+            f"cost(tokens={tokens!r}): a positive int{divided} (sequences × tokens per sequence, "
+            "on one data-parallel rank), or None for no activation collectives"
+        )
+    if cp > 1:
+        try:
+            check_sequence_length(tokens, cp, load_balance=config.context_load_balance, what="tokens")
+        except ShardingError as error:
+            raise ShardingError(f"cost(tokens={tokens}): {error}") from None
 
 
 def _state_bytes(numel: int, itemsize: int, optimizer: OptimizerKind) -> int:
@@ -267,8 +319,10 @@ def cost(
         dtype the mixed-precision one or the model's.
 
     Raises:
-        ShardingError: an unknown optimizer, a rank outside the mesh, or an unknown
-            ``context_engine``.
+        ShardingError: ``plan`` is not a `Plan`, an unknown optimizer (or an optimizer class
+            where its name belongs), a rank outside the mesh, ``tokens`` that is not a
+            positive int (under context parallel, one the plan's sequence chunks divide), or
+            an unknown ``context_engine``.
 
     Examples:
         >>> import torch.nn as nn, functional_shard as fs
@@ -285,6 +339,11 @@ def cost(
         >>> sorted(long.cost(tokens=1024, context_engine="ring").comm_bytes["all_to_all"])
         ['cp']
     """
+    check_plan_and_optimizer("cost", plan, optimizer)
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        raise ShardingError(f"cost(rank={rank!r}): a rank of {plan.mesh!r} (an int), or None for the worst")
+    if tokens is not None:
+        _check_tokens(plan, tokens)
     engine = counted_engine(plan, context_engine)
     owners = zero1_owners(plan)
     census = census_of(plan, owners)

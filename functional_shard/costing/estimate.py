@@ -17,17 +17,19 @@ from torch import nn
 
 from functional_shard.core.errors import PlanError, ShardingError, bullets
 from functional_shard.core.units import parse_bytes
+from functional_shard.planning.context_checks import context_parallel_problems
 from functional_shard.planning.module_splits import head_problems
 
 from .assemble import Assembly, assemble
 from .context_engines import for_hardware
-from .cost import OptimizerKind
+from .cost import OptimizerKind, check_plan_and_optimizer
 from .estimate_record import Estimate
 from .hardware import Hardware
 from .hardware import hardware as _hardware
 from .kernels import Kernels, kernel_fields
 from .pipeline_estimate import microbatch_size
 from .step_model import compute_dtype, unit_gathered_bytes
+from .trace_inputs import fitted_inputs
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan import Plan
@@ -46,6 +48,7 @@ def _trace(model: Any, plan: Plan, **options: Any) -> Any:
     from .activations import trace_activations  # lazily: it loads torch's fake-tensor machinery
 
     _check_splits(model, plan)
+    _check_context(model, plan)
 
     # a failing fake kernel makes torch log its traceback before raising: our error says it
     with captured():
@@ -62,6 +65,34 @@ def _check_splits(model: Any, plan: Plan) -> None:
                 problems,
                 "Choose a tensor-parallel size that divides the heads, or leave those modules unsplit.",
             )
+        )
+
+
+def _check_context(model: Any, plan: Plan) -> None:
+    """Refuse, before tracing, a cp plan whose attention the engine cannot split, as `check_runnable` does."""
+    if isinstance(model, nn.Module) and (problems := context_parallel_problems(plan, model)):
+        raise PlanError(
+            bullets(
+                f"estimate: context parallel cannot split {type(model).__name__}'s attention:",
+                problems,
+                "fs.apply refuses the plan too: leave out fs.cp(...) for this model, or give it attention "
+                "that cp can split.",
+            )
+        )
+
+
+def _check_model_and_plan(model: Any, plan: Any) -> None:
+    from functional_shard.planning.plan import Plan
+
+    if isinstance(model, Plan) and not isinstance(plan, Plan):
+        raise ShardingError(
+            f"estimate({type(model).__name__}, {type(plan).__name__}, ...): the model comes first, then "
+            "its plan: fs.estimate(model, plan, batch=..., seq=...)"
+        )
+    if not isinstance(model, nn.Module):
+        raise ShardingError(
+            f"estimate(model={type(model).__name__}): the nn.Module the plan was made from (meta device "
+            "is enough)"
         )
 
 
@@ -105,7 +136,10 @@ def estimate(
             (params, grads, optimizer, buffers, collectives) and rank 0 for the traced
             activations (under a pipeline: the pp rank with the highest peak).
         inputs: the model's inputs (tensors or a dict, meta allowed) when it does not take
-            token ids of shape ``(batch, seq)``.
+            token ids of shape ``(batch, seq)``: one data-parallel rank's step, its first
+            tensor ``(batch, seq, ...)`` (``(batch, ...)`` for ``seq=1``); the trace cuts them
+            as a run does, to a micro-batch under a pipeline and a cp rank's tokens under
+            context parallel (`trace_inputs.fitted_inputs`).
         expert_imbalance: routing in mixture-of-experts layers (Hugging Face's Mixtral,
             Qwen2-MoE, Qwen3-MoE, ...): each token visits top-k of E experts, shared out
             evenly at 1.0 (the default); above 1, each layer's most loaded expert gets that
@@ -129,13 +163,17 @@ def estimate(
         An `Estimate`.
 
     Raises:
-        ShardingError: unknown hardware, a non-positive batch or seq, a batch the
-            pipeline's micro-batch count does not divide, inputs that do not fit the
-            model, a compute dtype the hardware has no rate for, or an
+        ShardingError: a model that is no ``nn.Module`` (or model and plan swapped), a plan
+            that is no `Plan`, an optimizer `cost` cannot count, unknown hardware, a
+            non-positive batch or seq, a batch the pipeline's micro-batch count does not
+            divide, inputs whose first tensor is not ``(batch, seq, ...)`` or that do not
+            fit the model, a compute dtype the hardware has no rate for, or an
             ``expert_imbalance`` below 1 or above E / k, ``keep_outputs`` without a
             pipeline, or kernels the hardware profile or the plan cannot count.
         PlanError: tensor-parallel splits the model's modules cannot run (attention heads
-            the tensor-parallel size does not divide, say), named before anything is traced.
+            the tensor-parallel size does not divide, say), or context parallel over attention
+            it cannot split (a sliding window, ``nn.MultiheadAttention``: what `fs.check_runnable`
+            refuses, `functional_shard.planning.context_checks`), named before anything is traced.
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -145,6 +183,8 @@ def estimate(
         >>> est.memory["params"] == plan.cost().params_bytes, est.peak_bytes > est.activation_bytes > 0
         (True, True)
     """
+    _check_model_and_plan(model, plan)
+    check_plan_and_optimizer("estimate", plan, optimizer)
     _check_positive("batch", batch)
     _check_positive("seq", seq)
     if keep_outputs and not plan.config.pipeline_axis:
@@ -158,13 +198,16 @@ def estimate(
     with_kernels = kernel_fields(model, plan, kernels, hw, dtype)
     plan = for_hardware(plan, hw)  # "auto" cp: the engine the hardware runs
     stages = plan.config.pipeline_stages or None
+    micro = microbatch_size(plan, batch)
+    cp_axis = plan.config.context_parallel_axis
+    mine = seq // plan.mesh[cp_axis] if cp_axis else seq  # a cp rank's tokens of each sequence
     trace = _trace(
         model,
         plan,
-        batch=microbatch_size(plan, batch),
+        batch=micro,
         seq=seq,
         rank=rank,
-        inputs=inputs,
+        inputs=fitted_inputs(inputs, batch=batch, seq=seq, traced_batch=micro, traced_seq=mine),
         expert_imbalance=expert_imbalance,
         stages=stages,
         cuda=hw.cuda,

@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from functional_shard.core.errors import ShardingError
 
 __all__ = [
+    "fitted_inputs",
     "flex_on_fake_cpu",
     "first_tensor",
     "is_hf",
@@ -155,3 +156,50 @@ def model_inputs(
         f"trace_activations(inputs={type(inputs).__name__}): pass a tensor, a tuple of them or a dict of "
         "keyword arguments for the model's forward"
     )
+
+
+def fitted_inputs(inputs: Any, *, batch: int, seq: int, traced_batch: int, traced_seq: int) -> Any:
+    """``inputs`` of ``batch`` whole sequences of ``seq`` tokens, cut to what one rank's trace runs.
+
+    The first tensor is the one the batch and sequence are read from: its dim 0 must be
+    ``batch`` and, for ``seq > 1``, its dim 1 ``seq``, or the estimate would count other
+    tokens than it says. Every tensor is then cut as a run cuts it: dim 0 (where it is
+    ``batch``) to a micro-batch of ``traced_batch``, dim 1 (where it is ``seq``) to a
+    context-parallel rank's ``traced_seq`` tokens; into meta tensors, as only shapes and
+    dtypes are read. ``None`` and tensor-less inputs pass as they are.
+
+    Raises:
+        ShardingError: the first tensor's shape disagrees with ``batch`` or ``seq``.
+
+    Examples:
+        >>> fitted_inputs(torch.ones(4, 8), batch=4, seq=8, traced_batch=2, traced_seq=4).shape
+        torch.Size([2, 4])
+        >>> fitted_inputs(torch.ones(1, 6), batch=1, seq=8, traced_batch=1, traced_seq=8)
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: estimate(inputs=...): the first input has shape (1, 6), but ...
+    """
+    found = tensors(inputs)
+    if not found:
+        return inputs
+    shape = tuple(found[0].shape)
+    if not shape or shape[0] != batch or (seq > 1 and (len(shape) < 2 or shape[1] != seq)):
+        tokens = f", seq={seq}" if seq > 1 else ""
+        raise ShardingError(
+            f"estimate(inputs=...): the first input has shape {shape}, but batch={batch}{tokens} make it "
+            f"{(batch, seq) if seq > 1 else (batch,)} and up (dim 0 the sequences, dim 1 their tokens); "
+            "pass inputs of batch × seq whole sequences (one data-parallel rank's step), or the batch "
+            "and seq they hold"
+        )
+    if (traced_batch, traced_seq) == (batch, seq):
+        return inputs
+
+    def cut(tensor: torch.Tensor) -> torch.Tensor:
+        sizes = list(tensor.shape)
+        if sizes and sizes[0] == batch:
+            sizes[0] = traced_batch
+        if len(sizes) > 1 and sizes[1] == seq:
+            sizes[1] = traced_seq
+        return torch.empty(sizes, dtype=tensor.dtype, device="meta")
+
+    return tree_map_only(torch.Tensor, cut, inputs)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
 from functional_shard.core import pytree as _pytree
-from functional_shard.core.errors import PolicyError, ShardingError, bullets
+from functional_shard.core.errors import PolicyError, ShardingError
 from functional_shard.core.layout import local_numel, local_shape_and_offset
 from functional_shard.core.mesh import Mesh
 from functional_shard.core.providers import provider
@@ -21,10 +22,10 @@ from functional_shard.core.units import format_bytes as _bytes
 from .explain_parts import context_parallel_line, packed_lines, units_section
 from .plan_config import Change, PlanConfig, group_name
 from .plan_cost import Cost, OptimizerKind
+from .plan_json import FORMAT_VERSION
 
 __all__ = ["Change", "Plan", "PlanConfig"]
 
-FORMAT_VERSION = 1
 _SPECS = tuple(f.name for f in fields(ParamSharding))  # storage, compute, grad, optim: the table's columns
 
 
@@ -367,39 +368,32 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_json(cls, text: str | Mapping[str, Any]) -> Plan:
-        """Read a plan written by `to_json` (a string or the parsed dict).
+    def from_json(cls, source: str | os.PathLike[str] | Mapping[str, Any]) -> Plan:
+        """Read a plan written by `to_json`: its text, a `pathlib.Path` to its file, or the parsed dict.
+
+        A ``str`` is always the JSON text; a file is read from a ``Path`` (a ``str`` that looks
+        like a file name is refused, saying so).
 
         Raises:
-            ShardingError: not JSON, not a functional_shard plan, a newer format, or a plan
-                that does not hold together (`plan_json.plan_problems`: every problem named,
-                by tensor path and field).
-        """
-        from .plan_json import plan_problems
+            ShardingError: an unreadable file, not JSON, not a functional_shard plan, a newer
+                format, or a plan that does not hold together (`plan_json.plan_problems`:
+                every problem named, by tensor path and field).
 
-        if isinstance(text, str):
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as error:
-                raise ShardingError(f"not a plan file: the JSON is malformed ({error})") from None
-        else:
-            data = text
-        if not isinstance(data, Mapping):
-            raise ShardingError(f"not a plan file: it holds a JSON {type(data).__name__}, not an object")
-        if data.get("format") != "functional_shard.plan" or data.get("version") != FORMAT_VERSION:
-            raise ShardingError(
-                f"not a functional_shard plan of format version {FORMAT_VERSION} "
-                f"(format={data.get('format')!r}, version={data.get('version')!r})"
-            )
-        problems = plan_problems(data)
-        if problems:
-            raise ShardingError(
-                bullets(
-                    "the plan file does not hold together:",
-                    problems[:20],
-                    "Write it again with plan.to_json().",
-                )
-            )
+        Examples:
+            >>> import pathlib, tempfile, torch.nn as nn
+            >>> plan = fs.shard(nn.Linear(4, 4), fs.Mesh(dp=2), fs.fsdp())
+            >>> path = pathlib.Path(tempfile.mkdtemp()) / "plan.json"
+            >>> _ = path.write_text(plan.to_json())
+            >>> fs.Plan.from_json(path) == fs.Plan.from_json(path.read_text()) == plan
+            True
+            >>> fs.Plan.from_json(str(path))  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            functional_shard.ShardingError: not a plan file: ... looks like a path; pass Path(...) ...
+        """
+        from .plan_json import plan_data
+
+        data = plan_data(source)
         params: dict[str, ParamSharding] = {}
         buffers: dict[str, ParamSharding] = {}
         tensors: dict[str, TensorSpec] = {}
@@ -424,6 +418,9 @@ class Plan:
     def diff(self, other: Plan) -> list[Change]:
         """What changes, tensor by tensor, from this plan to ``other``: specs and bytes.
 
+        Raises:
+            ShardingError: ``other`` is not a `Plan` (JSON text is read with `Plan.from_json`).
+
         Examples:
             >>> import torch.nn as nn, functional_shard as fs
             >>> m, mesh = nn.Linear(8, 8, bias=False), fs.Mesh(dp=2)
@@ -441,6 +438,11 @@ class Plan:
             >>> [str(c) for c in even.diff(late) if c.path == "layers.0.mlp.up_proj.weight"]
             ['layers.0.mlp.up_proj.weight: stage 0 (pp=0) -> 1 (pp=1)']
         """
+        if not isinstance(other, Plan):
+            raise ShardingError(
+                f"plan.diff({type(other).__name__}): compares two Plans; load a plan file first with "
+                "fs.Plan.from_json(its text or Path(...))"
+            )
         changes = []
         if self.mesh != other.mesh:
             changes.append(Change("<plan>", "mesh", self.mesh, other.mesh))

@@ -10,6 +10,9 @@ the tensor) and the config's fields (their types, the axes and modules they name
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import pathlib
 import types
 import typing
 from collections.abc import Mapping
@@ -17,13 +20,15 @@ from typing import Any
 
 import torch
 
-from functional_shard.core.errors import ShardingError
+from functional_shard.core.errors import PolicyError, ShardingError, bullets
 from functional_shard.core.mesh import Mesh
 from functional_shard.core.spec import P, ParamSharding, spec_from_json
 
 from .plan_config import PlanConfig
 
-__all__ = ["plan_problems"]
+__all__ = ["FORMAT_VERSION", "plan_data", "plan_problems"]
+
+FORMAT_VERSION = 1
 
 _KINDS = ("param", "buffer")
 _SPECS = tuple(field.name for field in dataclasses.fields(ParamSharding))
@@ -173,6 +178,15 @@ def _config_value_problems(config: Mapping[str, Any]) -> list[str]:
         name = config.get(key)
         if name is not None and not isinstance(getattr(torch, name, None), torch.dtype):
             found.append(f"config.{key}: {name!r} is not a torch dtype (e.g. 'bfloat16')")
+    for key in ("microbatches", "stages_per_rank"):  # counts, with a pipeline or without
+        if config.get(key, 1) < 1:
+            found.append(f"config.{key}: {config[key]!r}; a positive count (1 without a pipeline)")
+    heads = [module for module, style, _ in config.get("tp_styles", []) if style == "colwise_gather"]
+    if config.get("loss_parallel") and not heads:  # as the tp builder refuses it (config_builder)
+        found.append(
+            "config.loss_parallel: true, but no module is a tensor-parallel head (style 'colwise_gather' "
+            "in config.tp_styles), so no vocabulary-split logits exist for the loss; set it false"
+        )
     for module, style, layout in config.get("tp_styles", []):
         if style not in STYLES or layout not in _LAYOUTS:
             found.append(
@@ -220,8 +234,14 @@ def _pipeline_problems(config: Mapping[str, Any], mesh: Mesh | None, paths: set[
         found.append(
             f"config.pipeline_schedule: {config.get('pipeline_schedule')!r} is not one of {list(SCHEDULES)}"
         )
-    if config.get("microbatches", 1) < 1 or per_rank < 1:
-        found.append("config.microbatches and config.stages_per_rank: positive counts")
+    schedule, microbatches = config.get("pipeline_schedule", "1f1b"), config.get("microbatches", 1)
+    if schedule in SCHEDULES and microbatches >= 1 and per_rank >= 1:
+        from .schedules import check_pipeline  # the builder's check: what torch's schedule runs
+
+        try:
+            check_pipeline(schedule, mesh[axis], per_rank, microbatches)
+        except PolicyError as error:
+            found.append(f"config: {error}")
     stage_of = stage_finder(stages)
     found += [f"tensors[{path!r}]: in no pipeline stage" for path in sorted(paths) if stage_of(path) is None][
         :5
@@ -270,3 +290,69 @@ def plan_problems(data: Any) -> list[str]:
     }
     found += _config_problems(data["config"], mesh, names, params)
     return found
+
+
+def _parsed(source: Any) -> Any:
+    """The JSON value of ``source``: text, a path to a file of it, or the parsed value itself."""
+    if isinstance(source, os.PathLike):
+        try:
+            source = pathlib.Path(source).read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ShardingError(f"Plan.from_json({str(source)!r}): cannot read the file ({error})") from None
+    elif isinstance(source, Mapping):
+        return source
+    elif not isinstance(source, str):
+        raise ShardingError(
+            f"Plan.from_json({type(source).__name__}): pass the JSON text (a str), a pathlib.Path to a "
+            "plan file, or the parsed dict"
+        )
+    try:
+        return json.loads(source)
+    except json.JSONDecodeError as error:
+        if _looks_like_path(source):
+            raise ShardingError(
+                f"not a plan file: Plan.from_json({source!r}) reads a str as the JSON text itself, and "
+                f"this one looks like a path; pass Path({source!r}) to read the file, or its text"
+            ) from None
+        raise ShardingError(f"not a plan file: the JSON is malformed ({error})") from None
+
+
+def _looks_like_path(text: str) -> bool:
+    if not text or "\n" in text or "{" in text or len(text) > 4096:
+        return False
+    try:
+        return text.endswith(".json") or pathlib.Path(text).exists()
+    except (OSError, ValueError):  # a name the file system cannot even look up
+        return False
+
+
+def plan_data(source: Any) -> Mapping[str, Any]:
+    """The parsed plan file ``source`` (JSON text, a `pathlib.Path`, or the parsed dict), checked.
+
+    Raises:
+        ShardingError: not readable, not JSON, not a functional_shard plan, a newer
+            format, or a plan that does not hold together (`plan_problems`: every problem
+            named, by tensor path and field).
+
+    Examples:
+        >>> plan_data("[1, 2]")
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: not a plan file: it holds a JSON list, not an object
+    """
+    data = _parsed(source)
+    if not isinstance(data, Mapping):
+        raise ShardingError(f"not a plan file: it holds a JSON {type(data).__name__}, not an object")
+    if data.get("format") != "functional_shard.plan" or data.get("version") != FORMAT_VERSION:
+        raise ShardingError(
+            f"not a functional_shard plan of format version {FORMAT_VERSION} "
+            f"(format={data.get('format')!r}, version={data.get('version')!r})"
+        )
+    problems = plan_problems(data)
+    if problems:
+        raise ShardingError(
+            bullets(
+                "the plan file does not hold together:", problems[:20], "Write it again with plan.to_json()."
+            )
+        )
+    return data

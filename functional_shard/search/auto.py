@@ -112,11 +112,13 @@ def search_plans(
         return list(pipeline_points(space, len(facts.units))) if facts.units else []
 
     pipes = [] if flat else pipelines()
-    if not flat and not pipes:
+    # context parallel splits sequences, not the batch: a batch below the device count may need it
+    contexts = [] if flat or pipes else list(context_points(space))
+    if not flat and not pipes and not contexts:
         raise ShardingError(
             f"auto(devices={devices}, batch={batch}): no data-parallel size divides the batch for any "
-            "tensor-parallel size that fits a node and divides the heads; choose a batch that is a "
-            "multiple of the device count"
+            "tensor-parallel size that fits a node and divides the heads, nor does context parallel "
+            "split the sequence evenly; choose a batch that is a multiple of the device count"
         )
     search = Search(
         SearchInputs(
@@ -186,8 +188,10 @@ def auto(
     )
     if report.best is None:
         estimated = [c for c in report.candidates if c.peak_bytes is not None]
-        if not estimated:
-            raise PlanError(f"auto: no candidate could be planned for this model on {devices} devices")
+        if not estimated:  # the first candidate's reason: often every one's (cp and a sliding window)
+            reasons = [c.rejected for c in report.candidates if c.rejected]
+            why = f"; the first: {reasons[0]}" if reasons else ""
+            raise PlanError(f"auto: no candidate could be planned for this model on {devices} devices{why}")
         closest = min(estimated, key=lambda c: (c.peak_bytes, c.key()))
         assert closest.peak_bytes is not None
         raise PlanError(

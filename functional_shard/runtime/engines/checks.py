@@ -6,6 +6,7 @@ from torch import nn
 
 from functional_shard.core.errors import PlanError, bullets
 from functional_shard.core.tree import read_model
+from functional_shard.planning.context_checks import context_parallel_problems
 from functional_shard.planning.module_splits import (
     is_conv1d_module,
     is_projection,
@@ -176,14 +177,6 @@ def _mesh_order_problems(plan: Plan) -> list[str]:
         for what, axes in groups.items()
         if list(axes) != sorted(axes, key=order.index)
     ][:1]
-
-
-def context_parallel_problems(plan: Plan, module: nn.Module) -> list[str]:
-    """What keeps the context-parallel engine from running ``plan`` on ``module``, one line each."""
-    from .context_parallel import attention_problems
-
-    name = f"cp({plan.config.context_parallel_axis!r})"
-    return [f"{name}: {problem}" for problem in attention_problems(module)]
 
 
 def check_runnable(plan: Plan, module: nn.Module) -> None:

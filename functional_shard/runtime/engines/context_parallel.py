@@ -40,6 +40,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.sequence import check_sequence_length, token_positions
 from functional_shard.costing.trace_context_parallel import AttentionCall, routing_attention
+from functional_shard.planning.context_checks import attention_problems  # pure: fs.estimate asks it too
+from functional_shard.planning.context_checks import takes_hf_attention as _is_hf
 from functional_shard.planning.plan import Plan
 
 from .context_inputs import chunk_rank, plan_given, positive_length, sequence_dim, share_check
@@ -450,45 +452,6 @@ def _register_hf() -> None:
 
     AttentionInterface.register(HF_ATTENTION, _hf_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(HF_ATTENTION, _hf_mask)
-
-
-def _is_hf(model: nn.Module) -> bool:
-    return hasattr(model, "set_attn_implementation") and hasattr(model, "config")
-
-
-def attention_problems(model: nn.Module) -> list[str]:
-    """What keeps the engine from splitting ``model``'s attention, one line each (pure).
-
-    Examples:
-        >>> attention_problems(nn.Sequential(nn.MultiheadAttention(8, 2)))[0][:50]
-        '0 (MultiheadAttention): computes attention in its '
-        >>> attention_problems(nn.Linear(2, 2))
-        []
-    """
-    found = [
-        f"{path} ({type(module).__name__}): computes attention in its own kernel, which cp cannot reach; "
-        "use a module calling F.scaled_dot_product_attention"
-        for path, module in model.named_modules()
-        if isinstance(module, nn.MultiheadAttention | nn.TransformerEncoderLayer | nn.TransformerDecoderLayer)
-    ]
-    if _is_hf(model):
-        config = model.config
-        kinds = set(getattr(config, "layer_types", None) or ())
-        windowed = kinds & {"sliding_attention", "chunked_attention"}
-        if windowed or (not kinds and getattr(config, "sliding_window", None) is not None):
-            found.append(
-                f"{type(model).__name__}: attends within a sliding window "
-                f"({', '.join(sorted(windowed)) or 'sliding_window'}); cp splits causal attention over the "
-                "whole sequence only"
-            )
-        if not getattr(config, "is_causal", True):
-            found.append(f"{type(model).__name__}: bidirectional attention (config.is_causal=False)")
-        if not getattr(model, "_supports_attention_backend", False):
-            found.append(
-                f"{type(model).__name__}: does not take attention functions from transformers' registry "
-                "(_supports_attention_backend is False), so cp cannot reach its attention"
-            )
-    return found
 
 
 def use_hf_attention(model: nn.Module) -> None:
