@@ -375,14 +375,13 @@ class Plan:
         like a file name is refused, saying so).
 
         Raises:
-            ShardingError: an unreadable file, not JSON, not a functional_shard plan, a newer
-                format, or a plan that does not hold together (`plan_json.plan_problems`:
-                every problem named, by tensor path and field).
+            ShardingError: an unreadable file, not JSON or not our plan, a newer format, or a plan
+                that does not hold together (`plan_json.plan_problems` names each problem).
 
         Examples:
             >>> import pathlib, tempfile, torch.nn as nn
             >>> plan = fs.shard(nn.Linear(4, 4), fs.Mesh(dp=2), fs.fsdp())
-            >>> path = pathlib.Path(tempfile.mkdtemp()) / "plan.json"
+            >>> path = pathlib.Path(tempfile.mkdtemp(), "plan.json")
             >>> _ = path.write_text(plan.to_json())
             >>> fs.Plan.from_json(path) == fs.Plan.from_json(path.read_text()) == plan
             True
