@@ -45,14 +45,25 @@ from .checkpoint_checks import (
     FORMAT,
     MANIFEST,
     MARK,
+    META,
     aside,
     manifest_problems,
+    need_process_group,
     put_in_place,
+    refuse_occupied,
     seal,
     seal_problems,
     write_manifest,
 )
-from .checkpoint_read import META, checked_file, checked_folder, optimizers_by_key, read, refusals_raised
+from .checkpoint_read import (
+    STATE_KEYS,
+    checked_file,
+    checked_folder,
+    kind_problems,
+    optimizers_by_key,
+    read,
+    refusals_raised,
+)
 from .checkpoint_safety import SafeReader, empty_state_planner, plain_problems
 from .checkpoint_state import (
     model_state,
@@ -87,8 +98,18 @@ def write(path: str | os.PathLike[str], state: dict[str, Any], *, full: bool, me
     Sharded: a distributed-checkpoint folder of ``state`` with ``meta`` in ``meta.pt`` beside
     and the digests of every file in ``manifest.json``. Full: one file of ``{**state, **meta}``,
     written by rank 0 (whose states are whole) and sealed with the digest of its bytes.
+
+    Raises:
+        ShardingError: no process group; or something other than an earlier checkpoint
+            (or an empty folder) at ``path``, which stays as it was.
     """
     path = Path(path)
+    need_process_group("fs.checkpoint.write")
+    refuse_occupied(path, "fs.checkpoint.write")
+    return _write(path, state, full=full, meta=meta)
+
+
+def _write(path: Path, state: dict[str, Any], *, full: bool, meta: dict[str, Any]) -> Path:
     temporary = aside(path)
     if full:
         if dist.get_rank() == 0:
@@ -151,7 +172,8 @@ def save(
     A save first waits for the module's previous asynchronous save, if one is unfinished.
 
     Args:
-        path: a folder (sharded) or a file (``full=True``).
+        path: a folder (sharded) or a file (``full=True``): new, an empty folder, or an
+            earlier checkpoint, which it replaces. Anything else there is refused.
         module: the module `apply` parallelized.
         optimizer: its optimizer (any plan's, ZeRO-1's included), if its state should be saved too.
         full: one file with full tensors, written by rank 0, instead of one file per rank.
@@ -169,8 +191,10 @@ def save(
         rank) finishes it and returns the path.
 
     Raises:
-        ShardingError: ``extra`` holds what a safe load could not rebuild (or a
-            ``"data_order"`` beside ``data``), or ``asynchronous`` with ``full``.
+        ShardingError: no process group; ``extra`` holds what a safe load could not rebuild
+            (or a ``"data_order"`` beside ``data``); ``asynchronous`` with ``full``; or
+            something other than an earlier checkpoint at ``path`` (a folder of other files,
+            a file no save wrote), which stays as it was: nothing is written.
 
     Examples:
         >>> # fs.checkpoint.save("ckpt", model, optimizer); fs.checkpoint.load("ckpt", model, optimizer)
@@ -192,17 +216,19 @@ def save(
             "async_save); save a folder asynchronously and convert it to one file offline "
             "(fs.checkpoint.convert), or save the file synchronously"
         )
+    need_process_group("fs.checkpoint.save")  # after the checks of the arguments alone
     if not full:
         refuse_packed(module, "fs.checkpoint.save(full=False)")
     wait_for_previous(module)
+    path = Path(path)
+    refuse_occupied(path, "fs.checkpoint.save")
     state: dict[str, Any] = {"model": model_state(module, full=full)}
     if optimizer is not None:
         state["optimizer"] = optimizer_state(module, optimizer, full=full)
     meta = {"extra": extra or {}}
     if asynchronous:
-        path = Path(path)
         return save_in_background(path, aside(path), module, state, meta)
-    return write(path, state, full=full, meta=meta)
+    return _write(path, state, full=full, meta=meta)
 
 
 def load(
@@ -345,7 +371,9 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], *, t
     in a folder.
 
     Raises:
-        ShardingError: ``source`` does not exist, is damaged, or holds code (without ``trust``).
+        ShardingError: ``source`` does not exist, is damaged, is no checkpoint of a module
+            (a plain ``torch.save`` file), or holds code (without ``trust``); ``target``
+            holds something other than an earlier checkpoint (or an empty folder).
 
     Examples:
         >>> # fs.checkpoint.convert("ckpt", "ckpt.pt")   # sharded -> full
@@ -356,6 +384,7 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], *, t
     source, target = Path(source), Path(target)
     if not source.exists():
         raise ShardingError(f"no checkpoint at {source}")
+    refuse_occupied(target, "fs.checkpoint.convert", alone=True)
     temporary = aside(target, alone=True)
     if source.is_dir():
         meta = checked_folder(source, trust=trust, alone=True)
@@ -369,12 +398,14 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], *, t
                 planner=empty_state_planner(where=source, trust=trust),
                 no_dist=True,
             )
+        _refuse_kind(source, state)
         optimizers = sorted((k for k in state if k.startswith("optimizer_")), key=lambda k: int(k[10:]))
         if optimizers:
             state["optimizer_states"] = [state.pop(k) for k in optimizers]
         _save_sealed({**state, **meta}, temporary)
     else:
         saved = optimizers_by_key(checked_file(source, trust=trust, alone=True))
+        _refuse_kind(source, saved)
         states = [k for k in saved if k in ("model", "optimizer", "state_dict") or k.startswith("optimizer_")]
         tensors = {k: saved.pop(k) for k in states}
         dcp.save(tensors, checkpoint_id=temporary, no_dist=True)
@@ -382,3 +413,13 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], *, t
         write_manifest(temporary, alone=True)
     put_in_place(temporary, target)
     return target
+
+
+def _refuse_kind(source: Path, saved: dict[str, Any]) -> None:
+    # as load refuses it: a file or folder holding no module's state is no checkpoint
+    problems = kind_problems(source, saved, STATE_KEYS)
+    if problems:
+        raise ShardingError(
+            f"{problems[0]}; fs.checkpoint.convert wrote nothing (it converts the checkpoints of "
+            "fs.checkpoint.save and of Lightning's Trainer and Fabric under functional_shard)"
+        )

@@ -22,8 +22,7 @@ from torch import nn
 
 from functional_shard.core.errors import ShardingError
 
-from .checkpoint_checks import FORMAT, MARK, put_in_place, write_manifest
-from .checkpoint_read import META
+from .checkpoint_checks import FORMAT, MARK, META, put_in_place, refuse_occupied, write_manifest
 
 __all__ = ["PendingSave", "finish_folder", "save_in_background", "wait_for_previous"]
 
@@ -71,7 +70,8 @@ class PendingSave:
         A collective: every rank calls it (the module's next save does, if nothing else).
 
         Raises:
-            ShardingError: the background writing failed; the previous checkpoint is untouched.
+            ShardingError: the background writing failed, or something other than a
+                checkpoint came to the path meanwhile; what is there is untouched.
         """
         module, self._module = self._module, None
         if module is None:
@@ -81,13 +81,21 @@ class PendingSave:
         try:
             self._writing.result()
         except Exception as error:
-            if dist.get_rank() == 0:
-                shutil.rmtree(self.temporary, ignore_errors=True)
+            self._discard()
             raise ShardingError(
                 f"the asynchronous save to {self.path} failed while writing ({type(error).__name__}: "
                 f"{error}); the previous checkpoint there is untouched. Save again"
             ) from error
+        try:  # the path was checked when the save began; training went on since
+            refuse_occupied(self.path, "fs.checkpoint.save(asynchronous=True)")
+        except ShardingError:
+            self._discard()
+            raise
         return finish_folder(self.temporary, self.path, self.meta)
+
+    def _discard(self) -> None:
+        if dist.get_rank() == 0:
+            shutil.rmtree(self.temporary, ignore_errors=True)
 
 
 def wait_for_previous(module: nn.Module) -> None:

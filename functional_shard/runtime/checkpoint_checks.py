@@ -8,12 +8,15 @@ a full file carries the digest of its bytes as its zip archive's comment, which 
 skips. Checkpoints from before digests have neither and load without them.
 
 The write side keeps the same promise: every save writes aside (`aside`) and renames once
-complete (`put_in_place`), so a crash never leaves a half-written checkpoint in place.
+complete (`put_in_place`), so a crash never leaves a half-written checkpoint in place; and
+it replaces only an earlier checkpoint (`refuse_occupied`): whatever else is at its path is
+the user's, and the save is refused before it writes anything.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -31,6 +34,7 @@ __all__ = [
     "FORMAT",
     "MANIFEST",
     "MARK",
+    "META",
     "Described",
     "agreed",
     "aside",
@@ -40,10 +44,14 @@ __all__ = [
     "distributed",
     "fit_problems",
     "index_tensors",
+    "is_ours",
     "key_differences",
     "manifest_problems",
+    "need_process_group",
+    "occupied_problems",
     "put_in_place",
     "raise_problems",
+    "refuse_occupied",
     "seal",
     "seal_problems",
     "write_manifest",
@@ -51,6 +59,7 @@ __all__ = [
 
 FORMAT = 2
 MANIFEST = "manifest.json"
+META = "meta.pt"  # a folder's values saved beside the tensors (``extra``, Lightning's loops)
 MARK = "functional_shard"  # meta.pt's {"format": ...}: a folder that has a manifest
 DAMAGED_FIX = "Load an intact copy, or save again"
 FIT_FIX = (
@@ -96,17 +105,115 @@ def aside(path: Path, *, alone: bool = False) -> Path:
     return path.with_name(str(names[0]))
 
 
+def need_process_group(what: str) -> None:
+    """Refuse ``what`` without a process group: its ranks write and agree over one."""
+    if not distributed():
+        raise ShardingError(
+            f"{what} needs torch.distributed: call dist.init_process_group(...) first "
+            "(one process alone: a gloo group of world size 1)"
+        )
+
+
 def put_in_place(temporary: Path, path: Path) -> None:
-    """Rename what was written aside to ``path``, once it is complete (one process calls it)."""
+    """Rename what was written aside to ``path``, once it is complete (one process calls it).
+
+    What is at ``path`` goes: the caller checked it may (`refuse_occupied`).
+    """
     # the old one is moved away only now: until here a crash leaves it whole
     old = path.with_name(path.name + ".old")
-    if path.exists():
+    if path.exists() or path.is_symlink():
+        problem = _foreign(old)
+        if problem:  # the callers' checks refused it already; the last guard of the user's files
+            raise ShardingError(f"{problem}; it was left as it is: move it away and save again")
+        _remove(old)  # a crash's leftover after its own rename: ``path`` is the whole one
         os.replace(path, old)
-    os.replace(temporary, path)
-    if old.is_dir():
-        shutil.rmtree(old)
-    elif old.exists():
-        old.unlink()
+        os.replace(temporary, path)
+        _remove(old)
+    else:
+        os.replace(temporary, path)
+
+
+def _remove(path: Path) -> None:
+    # a link goes, not what it points to (Lightning's ``last`` may be one)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def is_ours(path: Path) -> bool:
+    """Whether ``path`` holds a checkpoint a save wrote, which a save may replace.
+
+    A folder with ``meta.pt`` or ``manifest.json`` beside its shards (damaged or not), or
+    a file sealed with its digest (`seal`). A full file from before digests is not told
+    apart from any other ``torch.save`` file, so it is not one.
+
+    Examples:
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> is_ours(folder), (folder / MANIFEST).write_text("{}") > 0, is_ours(folder)
+        (False, True, True)
+    """
+    if path.is_dir():
+        return (path / META).is_file() or (path / MANIFEST).is_file()
+    if not path.is_file():
+        return False
+    sealed = len(_SEAL) + 64
+    size = path.stat().st_size
+    with open(path, "rb") as stream:
+        stream.seek(max(0, size - sealed))
+        return size >= sealed and stream.read(len(_SEAL)) == _SEAL
+
+
+def occupied_problems(path: Path) -> list[str]:
+    """What of the user's a save to ``path`` would replace (nothing: it may write there).
+
+    A save replaces an earlier checkpoint (`is_ours`) or an empty folder; beside one, a
+    crash's ``NAME.old`` goes too, so it must be one as well.
+
+    Examples:
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> occupied_problems(folder)
+        []
+        >>> (folder / "notes.txt").write_text("mine")
+        4
+        >>> occupied_problems(folder)[0].endswith("is a folder that is not a checkpoint (it holds notes.txt)")
+        True
+    """
+    if not (path.exists() or path.is_symlink()):
+        return []
+    return [problem for where in (path, path.with_name(path.name + ".old")) if (problem := _foreign(where))]
+
+
+def _foreign(path: Path) -> str | None:
+    if not path.exists() or is_ours(path):
+        return None
+    if not path.is_dir():
+        return f"{path} is a file that is not a checkpoint (a save seals its file with a sha256 digest)"
+    # a few entries say what it is; a huge folder is not listed whole
+    with os.scandir(path) as listing:
+        entries = sorted(itertools.islice(listing, _SHOWN + 1), key=lambda entry: entry.name)
+    if not entries:
+        return None
+    shown = ", ".join(entry.name + ("/" if entry.is_dir() else "") for entry in entries[:_SHOWN])
+    more = ", ..." if entries[_SHOWN:] else ""
+    return f"{path} is a folder that is not a checkpoint (it holds {shown}{more})"
+
+
+def refuse_occupied(path: Path, what: str, *, alone: bool = False) -> None:
+    """Refuse ``what``'s save to ``path``, on every rank, if the user's things are there.
+
+    Refused before anything is written (`occupied_problems` says why): only an earlier
+    checkpoint, or an empty folder, is replaced.
+    """
+    problems = agreed(occupied_problems(path), alone=alone)
+    if problems:
+        raise ShardingError(
+            f"{what} wrote nothing to {path}: {'; '.join(problems)}. A save replaces only an earlier "
+            f"checkpoint (a folder with {META} and {MANIFEST}, or a sealed file) or an empty folder: "
+            f"save to a new path, or delete {path} yourself if nothing in it is needed"
+        )
 
 
 def every_rank_keys(keys: Iterable[str]) -> set[str]:

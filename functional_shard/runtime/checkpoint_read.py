@@ -28,6 +28,7 @@ from .checkpoint_checks import (
     FIT_FIX,
     MANIFEST,
     MARK,
+    META,
     Described,
     agreed,
     described,
@@ -48,9 +49,18 @@ from .checkpoint_state import (
     zero1_template,
 )
 
-__all__ = ["META", "checked_file", "checked_folder", "optimizers_by_key", "read", "refusals_raised"]
+__all__ = [
+    "META",
+    "STATE_KEYS",
+    "checked_file",
+    "checked_folder",
+    "kind_problems",
+    "optimizers_by_key",
+    "read",
+    "refusals_raised",
+]
 
-META = "meta.pt"
+STATE_KEYS = ("model", "state_dict")  # a module's state: save's, and Lightning's (Trainer, Fabric)
 Target = tuple[str, nn.Module]  # the module's key in the checkpoint, and the module
 Optimizers = dict[str, torch.optim.Optimizer]  # by key in the checkpoint
 Check = Callable[[dict[str, Any]], list[str]] | None  # the meta's problems, before anything is set
@@ -119,11 +129,7 @@ def _read_full(
     # loading: the price of the one-file format)
     key, target = module
     saved = optimizers_by_key(checked_file(path, trust=trust))
-    refused = (
-        []
-        if key in saved
-        else [f"the checkpoint at {path} holds no {key!r} state: it is not a checkpoint of this kind"]
-    )
+    refused = kind_problems(path, saved, (key,))
     _first_refusal(agreed(refused or (check(saved) if check else [])))
     problems = _fits(target, saved, key, optimizers, strict=strict)
     raise_problems(agreed(problems), f"the checkpoint at {path} does not fit this module", FIT_FIX)
@@ -131,6 +137,24 @@ def _read_full(
     before = {name: _snapshot(optimizer) for name, (optimizer, _) in loaded.items()}
     _set_all(path, target, saved.pop(key), loaded, full=True, strict=strict, before=before)
     return saved
+
+
+def kind_problems(path: Path, saved: dict[str, Any], keys: tuple[str, ...]) -> list[str]:
+    """Why what was read from ``path`` is no checkpoint of a module: it holds none of ``keys``.
+
+    Examples:
+        >>> kind_problems(Path("ckpt"), {"model": {}}, STATE_KEYS)
+        []
+        >>> print(kind_problems(Path("x.pt"), {"a": 1}, ("model",))[0])
+        the checkpoint at x.pt holds no 'model' state (its keys: ['a']): it is not a checkpoint of this kind
+    """
+    if any(key in saved for key in keys):
+        return []
+    named = " or ".join(repr(key) for key in keys)
+    return [
+        f"the checkpoint at {path} holds no {named} state (its keys: {sorted(map(str, saved))[:5]}): "
+        "it is not a checkpoint of this kind"
+    ]
 
 
 def checked_file(path: Path, *, trust: bool, alone: bool = False) -> dict[str, Any]:
