@@ -398,13 +398,14 @@ def _check_layers(layers: tuple[Layer, ...]) -> None:
         )
 
 
-_BUILDERS: set[Callable[..., Policy]] = set()
 Builder = TypeVar("Builder", bound=Callable[..., Policy])
+_BUILDER_MARK = "_functional_shard_policy_builder"
 
 
 def policy_builder(fn: Builder) -> Builder:
     """Mark ``fn`` as a policy constructor, so that passing it uncalled is refused by name."""
-    _BUILDERS.add(fn)
+    # a mark on the function itself, not a module-level registry
+    setattr(fn, _BUILDER_MARK, True)
     return fn
 
 
@@ -416,7 +417,7 @@ def as_policy(obj: Policy | LayerFn) -> Policy:
     """
     if isinstance(obj, Policy):
         return obj
-    if any(obj is builder for builder in _BUILDERS):
+    if getattr(obj, _BUILDER_MARK, False):
         # a builder takes arguments, not (path, tensor, mesh): as a layer it would fail
         # on the first parameter with a TypeError from inside the planner
         name = getattr(obj, "__name__", "builder")
