@@ -169,11 +169,9 @@ def test_bad_expert_parallel_plans_are_refused_before_anything_runs():
     both = fs.shard(model, fs.Mesh(dp=2, tp=2), fs.fsdp("dp") + fs.ep("dp") + fs.tp("hf", "tp"))
     with pytest.raises(fs.PlanError, match=re.escape("split both by expert")):
         fs.check_runnable(both, model)
-    with torch.device("meta"):
+    with torch.device("meta"):  # split experts on the meta device run: fs.checkpoint.load_hf fills them
         meta = moe_cases.build("mixtral", 4)
-    plan = fs.shard(meta, fs.Mesh(dp=4), fs.fsdp("dp") + fs.ep("dp"))
-    with pytest.raises(fs.PlanError, match=re.escape("mlp.experts: expert weights on the meta device")):
-        fs.check_runnable(plan, meta)
+    fs.check_runnable(fs.shard(meta, fs.Mesh(dp=4), fs.fsdp("dp") + fs.ep("dp")), meta)
     sequence = fs.shard(model, fs.Mesh(tp=4), fs.tp("hf", "tp", sequence_parallel=True))
     with pytest.raises(fs.PlanError, match=re.escape("split by tensor parallel take whole activations")):
         fs.check_runnable(sequence, model)

@@ -73,22 +73,28 @@ from .checkpoint_state import (
     set_optimizer_state,
 )
 from .export_hf import HfConversion, convert_to_hf, export_hf
+from .hf_load import load_hf
+from .hf_names import Piece, torchtitan_llama, zoo_llama
 
 __all__ = [
     "HfConversion",
     "PendingSave",
+    "Piece",
     "convert",
     "convert_to_hf",
     "export_hf",
     "latest",
     "load",
+    "load_hf",
     "model_state",
     "optimizer_state",
     "read",
     "save",
     "set_model_state",
     "set_optimizer_state",
+    "torchtitan_llama",
     "write",
+    "zoo_llama",
 ]
 
 

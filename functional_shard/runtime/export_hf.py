@@ -52,6 +52,7 @@ from .hf_folder import (
     write_index,
     write_shard,
 )
+from .hf_names import Mapping_, name_map, piece_of_whole, reverse_map
 
 __all__ = ["HfConversion", "convert_to_hf", "export_hf"]
 
@@ -96,7 +97,12 @@ def _dtype(shapes: dict[str, Described]) -> torch.dtype:
 
 
 def export_hf(
-    path: str | os.PathLike[str], model: nn.Module, config: Any = None, *, max_shard_bytes: int | None = None
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    config: Any = None,
+    *,
+    max_shard_bytes: int | None = None,
+    mapping: Mapping_ | None = None,
 ) -> Path:
     """Write the model as a Hugging Face folder, called on every rank under any plan.
 
@@ -116,6 +122,8 @@ def export_hf(
             None takes ``model.config`` (a Hugging Face model's).
         max_shard_bytes: the largest file (save_pretrained's 50 GB unless given); files are
             also cut so that every rank writes its share.
+        mapping: the name map `load_hf` reads the folder with, run the other way: each of the
+            config's tensors cut out of the model's (fused pieces, experts, rotary rows).
 
     Returns:
         The folder written.
@@ -137,13 +145,20 @@ def export_hf(
     # this rank's shards, keyed as the model names them
     state = {k: v for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor)}
     orders = unequal_packed(model)
-    shapes, holders = _every_ranks_tensors({k: (tuple(v.shape), v.dtype) for k, v in state.items()})
-    problems = target_problems(path) + fit_problems({k: s for k, (s, _) in shapes.items()}, expected)
-    problems += tie_problems({k: _local(v) for k, v in state.items()}, expected)
+    ours, holders = _every_ranks_tensors({k: (tuple(v.shape), v.dtype) for k, v in state.items()})
+    if mapping is None:
+        sources: dict[str, tuple[str, Any]] = {key: (key, None) for key in ours}
+        problems = tie_problems({k: _local(v) for k, v in state.items()}, expected)
+    else:
+        sources, problems = _mapped(mapping, model, set(ours), expected, hf)
+    shapes = {key: _cut_shape(ours[our], cut) for key, (our, cut) in sources.items() if our in ours}
+    problems = (
+        target_problems(path) + fit_problems({k: s for k, (s, _) in shapes.items()}, expected) + problems
+    )
     raise_problems(agreed(problems), f"fs.checkpoint.export_hf wrote nothing to {path}", _FIX)
     sizes = _sizes(shapes, expected)
     files = shard_files(
-        [(key, size, holders[key]) for key, (size, _) in sizes.items()],
+        [(key, size, holders[sources[key][0]]) for key, (size, _) in sizes.items()],
         shard_bytes=max_shard_bytes or SAVE_PRETRAINED_SHARD_BYTES,
         writers=dist.get_world_size() if distributed() else 1,
     )
@@ -151,12 +166,18 @@ def export_hf(
     me = dist.get_rank() if distributed() else 0
     for file in files:
         kept = {}
+        gathered: tuple[str, torch.Tensor | None] | None = None  # a model tensor several keys cut
         for key in file.keys:
-            whole = _whole(state[key], kept=file.writer == me) if key in state else None
-            if whole is not None and key in orders:  # gathered in the ranks' order
-                whole = piece_major(whole, *orders[key])
-            if whole is not None:
-                kept[key] = whole
+            our, cut = sources[key]
+            if our not in state:
+                continue
+            if gathered is None or gathered[0] != our:
+                whole = _whole(state[our], kept=file.writer == me)
+                if whole is not None and our in orders:  # gathered in the ranks' order
+                    whole = piece_major(whole, *orders[our])
+                gathered = (our, whole)
+            if gathered[1] is not None:
+                kept[key] = gathered[1] if cut is None else cut(gathered[1])
         if file.writer == me:
             temporary.mkdir(parents=True, exist_ok=True)
             write_shard(temporary, file.name, kept)
@@ -171,10 +192,45 @@ def export_hf(
             config=hf,
             expected=expected,
             dtype=_dtype(shapes),
-            generation=generation,
+            generation=generation if mapping is None else None,
         )
     _barrier()
     return path
+
+
+def _mapped(
+    mapping: Mapping_, model: nn.Module, ours: set[str], expected: Expected, hf: Any
+) -> tuple[dict[str, tuple[str, Any]], list[str]]:
+    """Each of the config's tensors: the model tensor it is cut from, and how; what cannot be cut."""
+    resolve = name_map(mapping, model, ours)
+    keys = [*expected.shapes, *expected.tied]
+    filled = reverse_map(resolve, keys)
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    sources: dict[str, tuple[str, Any]] = {}
+    problems = []
+    for our, pieces in filled.items():
+        if our not in ours:
+            problems += [f"{key}: the map names {our}, which the model lacks" for key, _ in pieces]
+            continue
+        written = [(key, piece) for key, piece in pieces if key in expected.shapes]
+        cuts = piece_of_whole(written, expected.shapes, head_dim)
+        sources.update({key: (our, cuts[key]) for key, _ in written})
+    for name, kept in expected.tied.items():
+        apart = [resolve(n) for n in (name, kept)]
+        if all(isinstance(t, str) and t in ours for t in apart) and apart[0] != apart[1]:
+            problems.append(
+                f"{name}: the config ties it to {kept} (tie_word_embeddings), but the model holds "
+                f"{apart[0]} and {apart[1]} apart. Pass a config that does not tie them"
+            )
+    return sources, problems
+
+
+def _cut_shape(described: Described, cut: Any) -> Described:
+    # the shape a cut gives, found on the meta device (no memory)
+    shape, dtype = described
+    if cut is None:
+        return shape, dtype
+    return tuple(cut(torch.empty(shape, dtype=dtype, device="meta")).shape), dtype
 
 
 def _every_ranks_tensors(

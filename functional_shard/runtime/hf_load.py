@@ -1,0 +1,296 @@
+"""In from the ecosystem: a Hugging Face folder's weights into a parallelized model, each rank its slices.
+
+`load_hf` runs on every rank after `apply`, under any plan. Each rank reads from the
+memory-mapped safetensors files only the elements its local shards hold (a row block under
+FSDP, a column block under rowwise TP, its experts under EP, its own stages' layers under a
+pipeline), casting them to the parameter's dtype. A model still on the meta device is given
+its memory here, shard by shard, and filled straight from the files: no random
+initialisation first, and nothing the size of the whole model on any rank. Everything is
+checked on every rank together before anything changes: the folder's keys against the
+model's (through a name map, `hf_names`), shapes, quantized weights, damaged files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from functional_shard.core.errors import ShardingError
+
+from .checkpoint_checks import agreed, distributed, every_rank_keys, raise_problems
+from .engines.applied import APPLIED, Applied
+from .engines.buffers import buffer_problems, meta_buffers, restore_buffers
+from .engines.data_parallel import reduce_whole_grads
+from .engines.tensor_parallel import packed_window, place_grads_as_params
+from .hf_names import Mapping_, Piece, name_map
+from .hf_read import Folder, Source, composed_shape, fill_local, open_folder, quantized
+
+__all__ = ["load_hf"]
+
+_FIX = (
+    "Pass the folder of the model this one is built from (the same config), or mapping= to name "
+    "which of the folder's tensors fills which of the model's (docs: Hugging Face models)"
+)
+_TIED_HEAD = "lm_head.weight"
+_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "tok_embeddings.weight")
+
+
+def load_hf(
+    path: str | os.PathLike[str],
+    module: nn.Module,
+    *,
+    mapping: Mapping_ | None = None,
+    trust: bool = False,
+    device: str | torch.device | None = None,
+) -> nn.Module:
+    """Fill a model's local shards from a Hugging Face folder, on every rank after `apply`.
+
+    Args:
+        path: the folder (``model.safetensors``, or shards and ``model.safetensors.index.json``).
+        module: the module `apply` returned (any plan), on the meta device or materialized;
+            or a module no plan was applied to (whole tensors, one process).
+        mapping: which model tensor each folder key fills: a dict of patterns, a function,
+            or None (a transformers model's own names; otherwise the folder's as they are).
+            `functional_shard.runtime.hf_names` has ready maps (``zoo_llama``, ``torchtitan_llama``).
+        trust: read a folder of pickled ``pytorch_model.bin`` files (with ``weights_only``).
+        device: where a meta module's shards are made (the device mesh's device by default).
+
+    Returns:
+        The module, filled.
+
+    Raises:
+        ShardingError: the folder does not fit the model (missing or unexpected keys, shapes,
+            quantized weights, damaged files, pickles without ``trust``), or a computed buffer
+            cannot be restored. Raised on every rank, before anything changes.
+
+    Examples:
+        >>> # with torch.device("meta"): model = AutoModelForCausalLM.from_config(config)
+        >>> # fs.apply(plan, model); fs.checkpoint.load_hf("Llama-3-8B/", model)
+    """
+    path = Path(path)
+    applied = APPLIED.get(module)
+    canonical = _canonical_names(module)
+    buffers = _persistent_buffers(module)
+    local_names = {*canonical, *buffers}
+    whole_names = every_rank_keys(local_names) if distributed() else local_names
+    problems: list[str] = []
+    folder: Folder | None = None
+    try:
+        folder = open_folder(path, trust=trust)
+    except ShardingError as error:
+        problems.append(str(error).removeprefix("fs.checkpoint.load_hf changed nothing: "))
+    sources: dict[str, list[tuple[Source, Piece]]] = {}
+    if folder is not None:
+        try:
+            sources, found = _sources(folder, module, mapping, canonical, buffers, whole_names)
+        except ShardingError as error:
+            found = [str(error)]
+        problems += found
+    on_meta = any(p.is_meta for p in module.parameters())
+    computed = [name for name in meta_buffers(module) if name not in sources] if on_meta else []
+    problems += buffer_problems(module, computed)
+    raise_problems(
+        agreed(problems), f"fs.checkpoint.load_hf changed nothing: {path} does not fit the model", _FIX
+    )
+    assert folder is not None
+    if on_meta:
+        _allocate(module, _device(device, applied))
+        restore_buffers(module, computed, _device(device, applied))
+    rank = dist.get_rank() if distributed() else 0
+    with torch.no_grad():
+        for name, pieces in sources.items():
+            tensor = module.get_parameter(name) if name in canonical else module.get_buffer(name)
+            _fill(folder, module, applied, name, tensor, pieces, rank)
+    if on_meta and applied is not None:
+        place_grads_as_params(applied.local_plan, module)
+        reduce_whole_grads(applied.local_plan, module, applied.device_mesh)
+    return module
+
+
+def _canonical_names(module: nn.Module) -> dict[str, list[str]]:
+    # each parameter once, under its first name, with every name it goes by (tied weights)
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {group[0]: group for group in names.values()}
+
+
+def _persistent_buffers(module: nn.Module) -> set[str]:
+    found = set()
+    for path, sub in module.named_modules():
+        for name, buffer in sub.named_buffers(recurse=False):
+            if buffer is not None and name not in sub._non_persistent_buffers_set:
+                found.add(f"{path}.{name}" if path else name)
+    return found
+
+
+def _ignored(module: nn.Module, key: str) -> bool:
+    # transformers' own list of folder keys its models drop (old rotary buffers, ...)
+    import re
+
+    patterns = getattr(module, "_keys_to_ignore_on_load_unexpected", None) or []
+    return any(re.search(pattern, key) for pattern in patterns)
+
+
+def _sources(
+    folder: Folder,
+    module: nn.Module,
+    mapping: Mapping_ | None,
+    canonical: Mapping[str, list[str]],
+    buffers: set[str],
+    whole_names: set[str],
+) -> tuple[dict[str, list[tuple[Source, Piece]]], list[str]]:
+    """Each local tensor's pieces in the folder, and what does not fit."""
+    every_name = {*whole_names, *(n for names in canonical.values() for n in names)}
+    resolve = name_map(mapping, module, every_name)
+    owner = {name: first for first, names in canonical.items() for name in names}
+    owner.update({name: name for name in buffers})
+    non_persistent = {name for name, _ in module.named_buffers()} - buffers
+    problems: list[str] = []
+    pieces: dict[str, list[tuple[Source, Piece]]] = {}
+    quantization = folder.config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        problems.append(
+            f"config.json: quantization_config ({method}): the weights are quantized; load_hf reads "
+            "float weights"
+        )
+    for key, source in folder.sources.items():
+        target = resolve(key)
+        name = target.name if isinstance(target, Piece) else target
+        if name is None or name not in every_name:
+            if name not in non_persistent and not _ignored(module, key):
+                where = "maps to nothing" if name is None else f"maps to {name}, which the model lacks"
+                problems.append(f"{key} ({source.file}): unexpected, {where}")
+            continue
+        if name not in owner:  # another pipeline stage's
+            continue
+        piece = target if isinstance(target, Piece) else Piece(name)
+        placed = (source, dataclasses.replace(piece, name=owner[name]))
+        # a tied weight saved under two names: the one under its own name fills it
+        pieces.setdefault(owner[name], []).insert(
+            0 if name == owner[name] else len(pieces.get(owner[name], [])), placed
+        )
+    _tie_head(folder, resolve, owner, pieces)
+    for name, found in pieces.items():
+        if len(found) > 1 and all(piece == Piece(name) for _, piece in found):
+            del found[1:]
+    for name in canonical:
+        if name not in pieces:
+            problems.append(f"{name}: missing, no tensor of the folder fills it")
+    for name, found in pieces.items():
+        tensor = module.get_parameter(name) if name in canonical else module.get_buffer(name)
+        shape = composed_shape(found)
+        keys = ", ".join(source.key for source, _ in found[:3]) + (" ..." if len(found) > 3 else "")
+        if isinstance(shape, str):
+            problems.append(f"{name}: {keys} {shape}")
+        elif shape != tuple(tensor.shape):
+            problems.append(
+                f"{name}: shape {list(tensor.shape)} in the model, {list(shape)} in the folder ({keys})"
+            )
+        for source, _ in found:
+            if tensor.is_floating_point() and quantized(source):
+                problems.append(
+                    f"{source.key} ({source.file}): stored as {source.stored}, quantized; load_hf "
+                    "reads float weights (dequantize the folder first)"
+                )
+    return pieces, problems
+
+
+def _tie_head(
+    folder: Folder, resolve: Any, owner: Mapping[str, str], pieces: dict[str, list[tuple[Source, Piece]]]
+) -> None:
+    # save_pretrained leaves a tied head out: a model that keeps its own head reads the embedding
+    if _TIED_HEAD in folder.sources or not folder.config.get("tie_word_embeddings", False):
+        return
+    target = resolve(_TIED_HEAD)
+    name = owner.get(target.name if isinstance(target, Piece) else target or "")
+    embedding = next((k for k in folder.sources if k.endswith(_EMBEDDINGS)), None)
+    if name is not None and name not in pieces and embedding is not None:
+        pieces[name] = [(folder.sources[embedding], Piece(name))]
+
+
+def _device(device: str | torch.device | None, applied: Applied | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    kind = applied.device_mesh.device_type if applied is not None else "cpu"
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, getattr(torch, kind).current_device())
+
+
+def _allocate(module: nn.Module, device: torch.device) -> None:
+    # to_empty replaces every tensor: keep the buffers that are already real, and tie again
+    # the parameters that go by several names (it makes a new Parameter for each)
+    real = {name: b.detach().clone() for name, b in module.named_buffers() if not b.is_meta}
+    ties = [names for names in _canonical_names(module).values() if len(names) > 1]
+    module.to_empty(device=device)
+    for first, *others in ties:
+        shared = module.get_parameter(first)
+        for other in others:
+            owner_path, _, attr = other.rpartition(".")
+            setattr(module.get_submodule(owner_path), attr, shared)
+    for name, value in real.items():
+        module.get_buffer(name).copy_(value)
+
+
+def _indices(
+    module: nn.Module, applied: Applied | None, name: str, tensor: torch.Tensor, rank: int
+) -> list[torch.Tensor]:
+    """The global index, on each dim, of every element this rank holds of ``name``."""
+    from torch.distributed.tensor import DTensor
+
+    shape = tuple(tensor.shape)
+    if applied is None or not isinstance(tensor, DTensor):
+        return [torch.arange(size) for size in shape]
+    owner_path, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_path)
+    packed = getattr(owner, "_fs_packed", None)
+    # the packed weight: a layer's, or an experts module's gate and up (engines.experts)
+    if packed and attr == ("gate_up_proj" if hasattr(owner, "gate_up_proj") else "weight"):
+        # the engine's own split of a packed weight, applied to each dim's positions
+        found = []
+        for dim, size in enumerate(shape):
+            view = [1] * len(shape)
+            view[dim] = size
+            grid = torch.arange(size).view(view).expand(shape)
+            local = packed_window(grid, tensor, *packed).movedim(dim, 0)
+            found.append(local.reshape(local.shape[0], -1)[:, 0] if local.numel() else local.new_empty(0))
+        return found
+    local_shape, offset = applied.local_plan.local_shape_and_offset(name, rank)
+    return [torch.arange(start, start + size) for start, size in zip(offset, local_shape, strict=True)]
+
+
+def _fill(
+    folder: Folder,
+    module: nn.Module,
+    applied: Applied | None,
+    name: str,
+    tensor: torch.Tensor,
+    pieces: Sequence[tuple[Source, Piece]],
+    rank: int,
+) -> None:
+    from torch.distributed.tensor import DTensor
+
+    indices = _indices(module, applied, name, tensor, rank)
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if local.dim() and local.shape[0] != len(indices[0]):  # FSDP2 pads dim 0 at the end
+        local = local.narrow(0, 0, len(indices[0]))
+    if any(len(index) == 0 for index in indices):
+        return
+    fill_local(folder, local.data, indices, pieces, _head_dim(folder.config))
+
+
+def _head_dim(config: Mapping[str, Any]) -> int | None:
+    # a Hugging Face config's attention head size: its own, or hidden size over heads
+    if isinstance(config.get("head_dim"), int):
+        return int(config["head_dim"])
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None

@@ -1,0 +1,324 @@
+"""The tensors of a Hugging Face folder, read in slices: what the folder holds, and windows of it.
+
+No process group here. `open_folder` reads the headers only (safetensors files are
+memory-mapped; a slice reads its own bytes), and refuses what cannot be read safely: a
+folder of pickled ``pytorch_model.bin`` files without ``trust=True`` (read then with
+``weights_only``), damaged or truncated files, an index naming missing files.
+`fill_local` writes one rank's window of a model tensor, composed of one or more folder
+tensors (`hf_names.Piece`), reading only the rows, columns and experts the window covers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from functional_shard.core.errors import ShardingError
+
+from .hf_names import Piece, rotary_rows
+
+__all__ = ["Folder", "Source", "composed_shape", "fill_local", "open_folder", "quantized"]
+
+SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
+PICKLE_SINGLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+
+_SAFE_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+@dataclass(frozen=True)
+class Source:
+    """One tensor of the folder: its key, file, shape and dtype (None: a dtype torch lacks)."""
+
+    key: str
+    file: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None
+    stored: str
+
+
+@dataclass
+class Folder:
+    """A Hugging Face folder's tensors (headers read), and its files opened as they are read."""
+
+    path: Path
+    sources: dict[str, Source]
+    config: dict[str, Any]
+    pickled: bool
+    _open: dict[str, Any] = field(default_factory=dict)
+
+    def read(self, key: str, window: Sequence[slice]) -> torch.Tensor:
+        """The ``window`` of one tensor, read from its file (a memory-mapped slice)."""
+        source = self.sources[key]
+        handle = self._handle(source.file)
+        if self.pickled:
+            return handle[key][tuple(window)].clone()
+        sliced = handle.get_slice(key)
+        return sliced[tuple(window)] if window else handle.get_tensor(key)
+
+    def _handle(self, name: str) -> Any:
+        if name not in self._open:
+            if self.pickled:
+                self._open[name] = torch.load(
+                    self.path / name, mmap=True, weights_only=True, map_location="cpu"
+                )
+            else:
+                from safetensors import safe_open
+
+                self._open[name] = safe_open(str(self.path / name), framework="pt")
+        return self._open[name]
+
+
+def _refused(path: Path, what: str) -> ShardingError:
+    return ShardingError(f"fs.checkpoint.load_hf changed nothing: {path} {what}")
+
+
+def open_folder(path: Path, *, trust: bool) -> Folder:
+    """The folder's tensors, from their headers (no data read).
+
+    Raises:
+        ShardingError: not a folder; no weights; only pickled weights without ``trust``; an
+            index or file that cannot be read (named, with the key it names).
+    """
+    if not path.is_dir():
+        raise _refused(
+            path, "is not a folder; pass the folder save_pretrained wrote (config.json and weights)"
+        )
+    config = _config(path)
+    names = {entry.name for entry in path.iterdir()}
+    if SAFE_INDEX in names or SAFE_SINGLE in names:
+        return Folder(path, _safetensors(path, names), config, pickled=False)
+    if PICKLE_INDEX in names or PICKLE_SINGLE in names:
+        if not trust:
+            raise _refused(
+                path,
+                "holds only pickled weights (pytorch_model.bin), which can run code when read. Convert it to "
+                "safetensors, or pass trust=True for a folder you made yourself (read with weights_only)",
+            )
+        return Folder(path, _pickled(path, names), config, pickled=True)
+    raise _refused(
+        path,
+        f"holds no weights ({SAFE_SINGLE}, or {SAFE_INDEX} with its files); it holds {sorted(names)[:5]}",
+    )
+
+
+def _config(path: Path) -> dict[str, Any]:
+    file = path / "config.json"
+    if not file.exists():
+        return {}
+    try:
+        values = json.loads(file.read_text())
+    except (OSError, ValueError) as error:
+        raise _refused(
+            path, f"has a config.json that cannot be read ({error}); restore it or remove it"
+        ) from None
+    return values if isinstance(values, dict) else {}
+
+
+def _weight_map(path: Path, index: str) -> dict[str, str]:
+    try:
+        weight_map = json.loads((path / index).read_text())["weight_map"]
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise ValueError("weight_map is not names to file names")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise _refused(
+            path, f"has an {index} that cannot be read ({type(error).__name__}: {error})"
+        ) from None
+    outside = [name for name in set(weight_map.values()) if Path(name).name != name]
+    if outside:
+        raise _refused(path, f"has an {index} naming files outside the folder: {outside[:3]}")
+    return dict(weight_map)
+
+
+def _safetensors(path: Path, names: set[str]) -> dict[str, Source]:
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(set(_weight_map(path, SAFE_INDEX).values())) if SAFE_INDEX in names else [SAFE_SINGLE]
+    sources: dict[str, Source] = {}
+    for name in files:
+        if name not in names:
+            raise _refused(path, f"lacks {name}, which {SAFE_INDEX} names; copy the whole folder again")
+        try:
+            with safe_open(str(path / name), framework="pt") as handle:
+                for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                    sliced = handle.get_slice(key)
+                    stored = sliced.get_dtype()
+                    sources[key] = Source(
+                        key, name, tuple(sliced.get_shape()), _SAFE_DTYPES.get(stored), stored
+                    )
+        except (SafetensorError, OSError) as error:
+            raise _refused(path, f"has a damaged file {name} ({error}); copy it again") from None
+    if SAFE_INDEX in names:
+        weight_map = _weight_map(path, SAFE_INDEX)
+        absent = [
+            key for key, file in weight_map.items() if sources.get(key) is None or sources[key].file != file
+        ]
+        if absent:
+            raise _refused(
+                path, f"has an index naming tensors its files lack: {absent[:5]}; copy the folder again"
+            )
+    return sources
+
+
+def _pickled(path: Path, names: set[str]) -> dict[str, Source]:
+    files = (
+        sorted(set(_weight_map(path, PICKLE_INDEX).values())) if PICKLE_INDEX in names else [PICKLE_SINGLE]
+    )
+    sources: dict[str, Source] = {}
+    for name in files:
+        try:
+            state = torch.load(path / name, mmap=True, weights_only=True, map_location="cpu")
+        except Exception as error:
+            raise _refused(
+                path, f"has a file {name} that cannot be read ({type(error).__name__}); copy it again"
+            ) from None
+        if not isinstance(state, dict):
+            raise _refused(path, f"has a file {name} holding a {type(state).__name__}, not a state dict")
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                sources[key] = Source(key, name, tuple(value.shape), value.dtype, str(value.dtype))
+    return sources
+
+
+def quantized(source: Source) -> bool:
+    """Whether a tensor is stored quantized (8-bit or smaller integers or floats), not as plain floats."""
+    return source.dtype is None or source.dtype in (
+        torch.int8,
+        torch.uint8,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    )
+
+
+def composed_shape(pieces: Sequence[tuple[Source, Piece]]) -> tuple[int, ...] | str:
+    """The shape the pieces compose (in their order), or why they compose none."""
+    experts = {piece.expert for _, piece in pieces}
+    if None in experts and len(experts) > 1:
+        return "some pieces are experts and some not"
+    if None in experts:
+        return _laid(pieces)
+    shapes = set()
+    for expert in sorted(experts, key=lambda e: e or 0):
+        laid = _laid([(s, p) for s, p in pieces if p.expert == expert], expert=True)
+        if isinstance(laid, str):
+            return f"expert {expert}: {laid}"
+        shapes.add(laid)
+    if sorted(e or 0 for e in experts) != list(range(len(experts))):
+        return f"experts {sorted(e or 0 for e in experts)} are not 0..{len(experts) - 1}"
+    if len(shapes) != 1:
+        return f"the experts' shapes differ: {sorted(shapes)}"
+    return (len(experts), *shapes.pop())
+
+
+def _laid(pieces: Sequence[tuple[Source, Piece]], *, expert: bool = False) -> tuple[int, ...] | str:
+    indexes = [piece.index for _, piece in pieces]
+    if sorted(indexes) != list(range(len(pieces))):
+        return f"pieces {sorted(indexes)} are not 0..{len(pieces) - 1}"
+    if len(pieces) == 1:
+        return pieces[0][0].shape
+    dims = {piece.dim - expert for _, piece in pieces}
+    shapes = [source.shape for source, _ in sorted(pieces, key=lambda item: item[1].index)]
+    dim = dims.pop() if len(dims) == 1 else -1
+    if dim < 0 or any(len(s) != len(shapes[0]) or dim >= len(s) for s in shapes):
+        return f"pieces of shapes {shapes} cannot be laid end to end on one dim"
+    rest = {s[:dim] + s[dim + 1 :] for s in shapes}
+    if len(rest) != 1:
+        return f"pieces of shapes {shapes} differ off dim {dim}"
+    return (*shapes[0][:dim], sum(s[dim] for s in shapes), *shapes[0][dim + 1 :])
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A stretch of one dim: local positions ``at`` and folder positions ``read``.
+
+    ``pick``: the order to take what was read in, where the folder holds it in another order.
+    """
+
+    at: slice
+    read: slice
+    pick: torch.Tensor | None = None
+
+
+def _parts(positions: torch.Tensor, values: torch.Tensor) -> list[_Part]:
+    """Contiguous local positions read as few stretches of the folder as their order allows."""
+    if positions.numel() == 0:
+        return []
+    count = positions.numel()
+    low, high = int(values.min()), int(values.max())
+    contiguous = int(positions[-1]) - int(positions[0]) + 1 == count
+    if contiguous and high - low + 1 == count and not bool((values.diff() == 1).all()):
+        # a permutation of one stretch (rotary rows interleaved): read it once, then reorder
+        at = slice(int(positions[0]), int(positions[0]) + count)
+        return [_Part(at, slice(low, high + 1), values - low)]
+    breaks = ((positions.diff() != 1) | (values.diff() != 1)).nonzero().flatten() + 1
+    starts, ends = [0, *breaks.tolist()], [*breaks.tolist(), count]
+    return [
+        _Part(
+            slice(int(positions[a]), int(positions[a]) + b - a), slice(int(values[a]), int(values[a]) + b - a)
+        )
+        for a, b in zip(starts, ends, strict=True)
+    ]
+
+
+def fill_local(
+    folder: Folder,
+    local: torch.Tensor,
+    indices: Sequence[torch.Tensor],
+    pieces: Sequence[tuple[Source, Piece]],
+    head_dim: int | None = None,
+) -> int:
+    """Write into ``local`` the model tensor's elements at ``indices`` (one 1-D index per dim).
+
+    The model tensor is ``pieces`` laid end to end (experts stacked on dim 0). Only the
+    elements the indices name are read; ``head_dim`` serves `Piece.rotary`. Returns the bytes read.
+    """
+    read = 0
+    offsets: dict[tuple[int | None, int], int] = {}
+    for expert in sorted({p.expert for _, p in pieces}, key=lambda e: -1 if e is None else e):
+        start = 0
+        for source, piece in sorted(
+            ((s, p) for s, p in pieces if p.expert == expert), key=lambda i: i[1].index
+        ):
+            offsets[(expert, piece.index)] = start
+            start += source.shape[piece.dim - (expert is not None)] if source.shape else 0
+    for source, piece in pieces:
+        stacked = piece.expert is not None
+        parts: list[list[_Part]] = []
+        for dim, index in enumerate(indices):
+            if stacked and dim == 0:
+                positions = (index == piece.expert).nonzero().flatten().tolist()
+                parts.append([_Part(slice(p, p + 1), slice(0, 0)) for p in positions])
+                continue
+            low = offsets[(piece.expert, piece.index)] if dim == piece.dim else 0
+            inside = ((index >= low) & (index < low + source.shape[dim - stacked])).nonzero().flatten()
+            values = index[inside] - low
+            if piece.rotary and dim == piece.dim and head_dim:
+                values = rotary_rows(values, head_dim)
+            parts.append(_parts(inside, values))
+        for combination in itertools.product(*parts):
+            value = folder.read(source.key, [part.read for part in combination[stacked:]])
+            read += value.numel() * value.element_size()
+            for dim, part in enumerate(combination[stacked:]):
+                if part.pick is not None:
+                    value = value.index_select(dim, part.pick)
+            target = local[tuple(part.at for part in combination)]
+            target.copy_(value.reshape(target.shape))
+    return read

@@ -1,0 +1,186 @@
+"""Hugging Face folders written by save_pretrained (tiny configs, no download), loaded on every rank.
+
+Importable so that spawn can send the functions; transformers is imported when a model is built.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import functional_shard as fs
+
+from . import unit_models
+from .dist_cases import full
+
+SEQ = 8
+BATCH = 2
+VOCAB = 64
+
+_DECODER = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 2,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {**_DECODER, "tie_word_embeddings": False}),
+    "qwen2_tied": ("Qwen2Config", {**_DECODER, "tie_word_embeddings": True}),
+    "mixtral": ("MixtralConfig", {**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    # grouped-query (8 query heads of 4, 4 key/value heads), read into a fused wqkv and w13
+    "fused": ("LlamaConfig", {**_DECODER, "num_attention_heads": 8, "tie_word_embeddings": False}),
+}
+FUSED = unit_models.TitanConfig(vocab=VOCAB, dim=32, hidden=48, layers=2, heads=8)
+
+# (mesh, policy, built on the meta device) of each plan family on 4 ranks
+_EXPERTS_WHOLE = fs.Rules([("*.experts", "replicate")], name="experts_whole")
+
+
+def plans(family: str) -> dict[str, tuple[dict[str, int], fs.Policy, bool]]:
+    """Every plan family a folder loads under; tensor parallel by the model's own plan."""
+    tp = fs.tp(unit_models.fused_rules(FUSED, 4), "tp") if family == "fused" else fs.tp("auto", "tp")
+    found = {
+        "ddp": ({"dp": 4}, fs.replicate("dp"), False),
+        "zero1": ({"dp": 4}, fs.zero(1, "dp"), False),
+        "zero2": ({"dp": 4}, fs.zero(2, "dp"), True),
+        "zero3": ({"dp": 4}, fs.zero(3, "dp"), True),
+        "fsdp": ({"dp": 4}, fs.fsdp("dp"), True),
+        "hsdp": ({"node": 2, "gpu": 2}, fs.hsdp("node", "gpu"), True),
+        "tp": ({"tp": 4}, tp, True),
+        "fsdp_tp": ({"dp": 2, "tp": 2}, fs.fsdp("dp") + tp, False),
+        "fsdp_tp_meta": ({"dp": 2, "tp": 2}, fs.fsdp("dp") + tp, True),
+        "pp": ({"pp": 2, "dp": 2}, fs.pipeline("pp", microbatches=2) + fs.fsdp("dp"), True),
+        "cp": ({"dp": 2, "cp": 2}, fs.fsdp(("dp", "cp")) + fs.cp("cp"), True),
+    }
+    if family != "fused":
+        found["sp"] = ({"dp": 2, "tp": 2}, fs.fsdp("dp") + fs.tp("auto", "tp", sequence_parallel=True), True)
+        found["cp_tp"] = ({"cp": 2, "tp": 2}, fs.fsdp("cp") + fs.cp("cp") + fs.tp("auto", "tp"), True)
+    if family == "fused":  # a packed split inside FSDP2's is refused (engines.checks)
+        del found["fsdp_tp"], found["fsdp_tp_meta"]
+    if family == "qwen2_tied":  # a tie across stages is refused (pipeline engine)
+        del found["pp"]
+    if family == "mixtral":
+        found = {k: v for k, v in found.items() if k in ("fsdp", "fsdp_tp", "pp", "ddp")}
+        found["ep"] = ({"dp": 2, "ep": 2}, fs.fsdp(("dp", "ep")) + fs.ep("ep"), True)
+        found["ep_tp"] = (
+            {"dp": 2, "tp": 2},
+            fs.fsdp("dp") + fs.ep("dp") + fs.tp(_EXPERTS_WHOLE + fs.rules.llama, "tp"),
+            True,
+        )
+        found["ep_pp"] = (
+            {"pp": 2, "dp": 2},
+            fs.pipeline("pp", microbatches=2) + fs.fsdp("dp") + fs.ep("dp"),
+            True,
+        )
+    return found
+
+
+def build(
+    family: str, *, meta: bool = False, dtype: torch.dtype = torch.float32, seed: int = 0
+) -> torch.nn.Module:
+    """The family's model from its config, seeded (on the meta device: shapes only)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    with torch.device("meta" if meta else "cpu"):
+        if family == "fused":
+            return unit_models.FusedLlama(FUSED, kv_heads=4).to(dtype)
+        kind, options = FAMILIES[family]
+        config = getattr(transformers, kind)(**options)
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+
+
+def write_folder(folder: Path, family: str, dtype: torch.dtype = torch.float32, **save: Any) -> Path:
+    """``save_pretrained`` of the family's Hugging Face model (the fused family: a Llama of its sizes)."""
+    import transformers
+
+    kind, options = FAMILIES[family]
+    torch.manual_seed(3)
+    config = getattr(transformers, kind)(**options)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(folder, **save)
+    return folder
+
+
+def tokens() -> torch.Tensor:
+    """The batch every run sees."""
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def logits_of(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        output = model(tokens())
+    return full(output if isinstance(output, torch.Tensor) else output.logits)
+
+
+def mapping_of(family: str) -> Any:
+    """torchtitan's names, and Hugging Face's fused gate_up_proj (the fused family's odd layers)."""
+    if family != "fused":
+        return None
+    titan = dict(fs.checkpoint.torchtitan_llama)
+    extra = {
+        "mlp.gate_proj": fs.checkpoint.Piece("layers.*.mlp.gate_up_proj.weight", 0),
+        "mlp.up_proj": fs.checkpoint.Piece("layers.*.mlp.gate_up_proj.weight", 1),
+        "mlp.down_proj": "layers.*.mlp.down_proj.weight",
+    }
+    for name, target in extra.items():
+        key = f"model.layers.*.{name}.weight"
+        titan[key] = [*titan[key], target]  # type: ignore[misc]
+    return titan
+
+
+def reference(
+    folder: Path, family: str, dtype: torch.dtype = torch.float32
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The whole state and the logits one process gets: ``from_pretrained``, or (the fused
+    family) `load_hf` into a plain module."""
+    if family == "fused":
+        model = build(family, dtype=dtype)
+        fs.checkpoint.load_hf(folder, model, mapping=mapping_of(family))
+    else:
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, attn_implementation="sdpa"
+        )
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, logits_of(model)
+
+
+def load_under(
+    folder: str, family: str, plan_name: str, dtype: torch.dtype = torch.float32
+) -> dict[str, Any] | None:
+    """Build (meta or seeded on the CPU), plan, apply, load; rank 0: the whole state and the logits."""
+    mesh, policy, meta = plans(family)[plan_name]
+    model = build(family, meta=meta, dtype=dtype, seed=11 + dist.get_rank())
+    plan = fs.shard(model, fs.Mesh(**mesh), policy)
+    fs.apply(plan, model)
+    fs.checkpoint.load_hf(folder, model, mapping=mapping_of(family))
+    state = fs.checkpoint.model_state(model, full=True)
+    computes_whole = "pp" not in mesh and "cp" not in mesh
+    logits = logits_of(model) if computes_whole else None
+    buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
+    if dist.get_rank() != 0:
+        return None
+    return {"state": {k: full(v) for k, v in state.items()}, "logits": logits, "buffers": buffers}
+
+
+def load_all(folders: dict[str, str], cases: list[tuple[str, str, str]]) -> list[Any]:
+    """`load_under` for each (family, plan, dtype name) case, in one world."""
+    return [load_under(folders[family], family, plan, getattr(torch, dtype)) for family, plan, dtype in cases]
+
+
+def load_then_export(folder: str, family: str, plan_name: str, target: str, config: str) -> None:
+    """Load under one plan and write the model back as a Hugging Face folder through the same map."""
+    mesh, policy, meta = plans(family)[plan_name]
+    model = build(family, meta=meta, seed=11 + dist.get_rank())
+    plan = fs.shard(model, fs.Mesh(**mesh), policy)
+    fs.apply(plan, model)
+    fs.checkpoint.load_hf(folder, model, mapping=mapping_of(family))
+    fs.checkpoint.export_hf(target, model, config if family == "fused" else None, mapping=mapping_of(family))
