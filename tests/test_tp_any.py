@@ -121,10 +121,69 @@ def test_auto_refuses_what_the_structure_cannot_classify_naming_the_modules():
     message = str(refused.value)
     assert "blocks.0.ff.mid: reads split outputs (['ff.up']) but does not write the block's output" in message
     assert "blocks.0.ff.down: reads the output of ['ff.mid']" in message
-    with pytest.raises(
-        fs.ShardingError, match=r"layers.0.attention.wqkv: its output passes through \['split'\]"
-    ):
-        fs.shard(FusedLlama(tp_any_cases.FUSED, 4), fs.Mesh(tp=4), fs.tp("auto", "tp"))
+
+
+class _Cut(nn.Module):
+    """A fused feed-forward whose forward cuts its ``up`` output: by slicing, after a view, or twice."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.norm, self.up, self.down = nn.LayerNorm(8), nn.Linear(8, 32), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = self.up(self.norm(x))
+        if self.how == "slice":
+            gate, up = fused[..., :16], fused[..., 16:]
+        elif self.how == "view":  # pieces of each of 4 heads, not of the whole output
+            gate, up = fused.view(*x.shape[:-1], 4, 8).chunk(2, dim=-1)
+            gate, up = gate.flatten(-2), up.flatten(-2)
+        elif self.how == "twice":  # a second cut, into other pieces (what it makes goes unused)
+            gate, up = fused.chunk(2, dim=-1)
+            fused.chunk(4, dim=-1)
+        else:  # "chunk": equal pieces of the whole output, as w13
+            gate, up = fused.chunk(2, dim=-1)
+        return x + self.down(torch.nn.functional.silu(gate) * up)
+
+
+def test_auto_finds_a_fused_projections_pieces_from_the_split_in_its_forward():
+    # wqkv split [32, 16, 16] (grouped-query: unequal), w13 and gate_up_proj chunk(2): each a
+    # packed colwise of the pieces its forward cuts, as fs.packed rules by hand give
+    from functional_shard.planning.tp_auto import trace_block
+
+    config = tp_any_cases.FUSED
+    model = FusedLlama(config, kv_heads=4)
+    assert fs.rules.for_model(model).name == "structure"
+    auto = fs.shard(model, fs.Mesh(tp=4), fs.tp("auto", "tp"))
+    named = fs.shard(model, fs.Mesh(tp=4), fs.tp([*fused_rules(config, 4), ("*norm", "sequence")], "tp"))
+    assert auto.params == named.params
+    assert auto.config.tp_styles == named.config.tp_styles
+    assert auto.config.pieces_of("layers.0.attention.wqkv") == (32, 16, 16)
+    assert auto.config.pieces_of("layers.1.mlp.gate_up_proj") == (48, 48)
+    assert trace_block(_Cut("chunk")).styles == (("up", fs.packed((16, 16))), ("down", "rowwise"))
+
+
+@pytest.mark.parametrize(
+    ("how", "why"),
+    [
+        ("slice", "its output passes through ['__getitem__'], which mix or cut its features"),
+        ("view", "its output (32 features) is cut into (4, 4) of 8 features; a fused projection's"),
+        ("twice", "its output (32 features) is cut into (8, 8, 8, 8) of 32 features, (16, 16) of 32"),
+    ],
+)
+def test_auto_refuses_a_fused_output_cut_other_than_into_pieces_of_its_whole_width(how, why):
+    from functional_shard.planning.tp_auto import trace_block
+
+    problems = dict(trace_block(_Cut(how)).problems)
+    assert why in problems["up"], problems
+
+
+@pytest.mark.slow
+def test_fused_pieces_found_by_auto_train_as_one_process(world4):
+    result = world4.run(tp_any_cases.parity, "fused_gqa", "auto")[0]
+    assert result["loss"] < 1e-5
+    assert result["grad"] < 1e-5  # each rank's share of each piece, against one process's
+    assert_sends_as_predicted(result)
 
 
 def test_auto_traces_each_block_with_the_inputs_the_model_passes_it(world4):

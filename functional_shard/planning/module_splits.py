@@ -166,11 +166,23 @@ def _heads_split(
     # (Hugging Face's, the zoo's) say their head width in ``head_dim``. A gathered output
     # or a sliced whole input is whole again for the attention, which needs nothing then.
     # A packed projection holds its pieces' heads: each piece (q, k or v) must split whole.
+    # torchtitan's fused wqkv is laid out by key/value group (its module's r_dim rows of
+    # head_dim: the group's query heads, its key, its value): whole groups per rank.
     head_dim = getattr(parent, "head_dim", None)
     splits_heads = style in ("colwise", "rowwise", "packed_colwise")
     if not is_projection(target) or not isinstance(head_dim, int) or not splits_heads:
         return []
     in_features, out_features = features_of(target)
+    group = getattr(parent, "r_dim", None)
+    if style == "colwise" and isinstance(group, int) and group > 0 and out_features % (group * head_dim) == 0:
+        groups = out_features // (group * head_dim)
+        if groups % tp_size == 0:
+            return []
+        return [
+            f"{path}: its {groups} key/value groups (each {group} heads of head_dim {head_dim}: its query "
+            f"heads, a key and a value) do not split over {tp_size} tensor-parallel ranks; use a "
+            f"tensor-parallel size that divides {groups}"
+        ]
     width = in_features if style == "rowwise" else out_features
     split_size = getattr(parent, "split_size", None)
     widths = [width]

@@ -249,13 +249,26 @@ def from_hf(model_or_config: object) -> Rules:
 
 
 def _misfit(rules: Rules, paths: list[str]) -> str | None:
-    # a named set fits when each of its splitting rules covers some parameter; else why not
+    # a named set fits when each of its splitting rules covers some parameter, an optional
+    # one aside, and each group of alternative names has one alternative all of whose rules
+    # cover some; else why not
+    def covered(pattern: Pattern) -> bool:
+        return any(_covering(pattern).fullmatch(p) for p in paths)
+
+    patterns = {rule.pattern for rule in rules}
+    choices = [group for group in _ALTERNATIVES if patterns & {p for names in group for p in names}]
+    either = {pattern for group in choices for names in group for pattern in names}
     missing = [
         str(rule.pattern)
         for rule in rules
         if rule.target not in ("replicate", "sequence")
-        and rule.pattern not in _OPTIONAL
+        and rule.pattern not in _OPTIONAL | either
         and not any(rule.matches(p) for p in paths)
+    ]
+    missing += [
+        " or ".join(str(list(names)) for names in group)
+        for group in choices
+        if not any(all(covered(pattern) for pattern in names) for names in group)
     ]
     return f"no parameter matches {missing}" if missing else None
 
@@ -265,7 +278,8 @@ def for_model(model: object) -> Rules:
 
     A named set (`gpt2_hf` for Hugging Face models, then `llama`, `torchtitan` for other
     models, `gpt2`, `mlp`, in that order) fits when each of its splitting rules covers
-    some parameter of the model. When none fits, rules are derived from the model's data
+    some parameter of the model (where torchtitan's names changed between versions, one
+    version's names suffice). When none fits, rules are derived from the model's data
     flow (`functional_shard.planning.tp_auto.structural_rules`, named ``"structure"``):
     in each repeated block the projections reading the residual stream colwise, those
     writing back into it rowwise, the embedding and head as `llama` splits them.
@@ -385,30 +399,49 @@ _TITAN_MOE: tuple[tuple[str, Style], ...] = (
 # rules a named set may hold that its model need not have (a dense torchtitan model has no MoE)
 _OPTIONAL = frozenset(pattern for pattern, _ in _TITAN_MOE)
 
+# torchtitan's attention projections and head, under the names of each version: 0.3.0's
+# fused qkv_linear.wqkv (or, unfused, qkv_linear.wq/wk/wv) and lm_head; earlier,
+# attention.wq/wk/wv and output
+_TITAN_QKV = (
+    ("*.attention.qkv_linear.wqkv",),
+    ("*.attention.qkv_linear.wq", "*.attention.qkv_linear.wk", "*.attention.qkv_linear.wv"),
+    ("*.attention.wq", "*.attention.wk", "*.attention.wv"),
+)
+_TITAN_HEAD = (("lm_head",), ("output",))
+# groups of alternatives: a named set fits when one alternative of each group covers the model
+_ALTERNATIVES: tuple[tuple[tuple[str, ...], ...], ...] = (_TITAN_QKV, _TITAN_HEAD)
+
 torchtitan = Rules(
     [
         *_TITAN_MOE,
-        ("*.attention.wq", "colwise"),
-        ("*.attention.wk", "colwise"),
-        ("*.attention.wv", "colwise"),
+        # 0.3.0 lays the fused wqkv out by key/value group (each group's query heads, its
+        # key, its value), so a plain column split into whole groups gives each rank its
+        # heads of q, k and v: torchtitan itself splits it colwise, and no piece sizes are
+        # needed. The group size is the module's (its qkv_linear's head_dim and r_dim): apply
+        # refuses a tensor-parallel size that does not divide the key/value heads.
+        *((pattern, cast(Style, "colwise")) for names in _TITAN_QKV for pattern in names),
         ("*.attention.wo", "rowwise"),
         ("*.feed_forward.w1", "colwise"),
         ("*.feed_forward.w3", "colwise"),
         ("*.feed_forward.w2", "rowwise"),
         ("tok_embeddings", "rowwise"),
-        ("output", "colwise_gather"),
+        *((pattern, cast(Style, "colwise_gather")) for (pattern,) in _TITAN_HEAD),
         ("*norm", "sequence"),
     ],
     name="torchtitan",
 )
-"""torchtitan's Llama naming (``attention.wq/wk/wv/wo``, ``feed_forward.w1/w2/w3``,
-``tok_embeddings``, ``output``), split as `llama` splits Hugging Face's names. The
-attention must find its local head count from the split projections, as torchtitan's does
-(``view(batch, seq, -1, head_dim)``). Its mixture-of-experts layers (DeepSeek V3, Llama 4)
-split as torchtitan splits them: the router's ``moe.router.gate`` whole, the grouped experts'
-3-D ``moe.experts.w1/w3`` ``[E, f, d]`` colwise (dim 1) and ``w2`` ``[E, d, f]`` rowwise
-(dim 2), their output all-reduced, and ``moe.shared_experts`` as a feed-forward. A dense
-model fits without them."""
+"""torchtitan's Llama names, split as `llama` splits Hugging Face's: 0.3.0's fused
+``attention.qkv_linear.wqkv`` colwise (laid out by key/value group, so whole groups per rank:
+the tensor-parallel size must divide the key/value heads) or its unfused
+``qkv_linear.wq/wk/wv``, and the older ``attention.wq/wk/wv``; ``attention.wo`` rowwise,
+``feed_forward.w1/w3`` colwise, ``w2`` rowwise, ``tok_embeddings`` over the vocabulary, the
+head ``lm_head`` (older: ``output``) colwise with its logits gathered. A model fits with
+either version's names. The attention must read its local head count from the split
+projections (``view(..., -1, head_dim)``), as torchtitan's does. Its mixture-of-experts layers
+(DeepSeek V3, Llama 4) split as torchtitan splits them: the router's ``moe.router.gate``
+whole, the grouped experts' 3-D ``moe.experts.w1/w3`` ``[E, f, d]`` colwise (dim 1) and
+``w2`` ``[E, d, f]`` rowwise (dim 2), their output all-reduced, and ``moe.shared_experts``
+as a feed-forward. A dense model fits without them."""
 
 mlp = Rules([("*fc1", "colwise"), ("*fc2", "rowwise")], name="mlp")
 """A two-layer MLP (``fc1`` → activation → ``fc2``) split Megatron-style."""

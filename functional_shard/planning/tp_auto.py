@@ -9,6 +9,10 @@ projection that reads the block's input (through norms and elementwise ops) is
 **colwise**; one that reads only colwise outputs and writes back into the block's output
 (the residual stream) is **rowwise**. Between the two only head- or feature-local ops
 may run: elementwise ops, views and transposes to heads, scaled dot-product attention.
+A colwise projection whose whole output is cut by ``split`` or ``chunk`` along its features
+is a fused one (``wqkv``: q, k, v; ``w13``: w1, w3): it becomes a packed colwise
+(`functional_shard.planning.styles.Packed`) of the pieces the call made, equal or not,
+each split on its own over the ranks.
 The token embedding outside the blocks (the largest table) is rowwise and the head (the
 last projection outside them, unless tied to the embedding) colwise_gather, norms
 ``sequence``, as `functional_shard.planning.rules.llama` treats them. Names play no part.
@@ -16,7 +20,9 @@ last projection outside them, unless tied to the embedding) colwise_gather, norm
 Whatever cannot be classified is refused, naming the modules: a projection that reads
 another projection's output and does not write the residual stream, one that reads both
 the block's input and a projection's output, a projection's output reduced over its
-features (a norm over the split width, a sum), a colwise projection nothing reads back.
+features (a norm over the split width, a sum) or cut otherwise (a slice of its features,
+a split of part of its width after a view, two different splits), a colwise projection
+nothing reads back.
 Pure: meta tensors only, no process group.
 """
 
@@ -34,7 +40,7 @@ from functional_shard.core.errors import PolicyError
 from functional_shard.core.tree import read_model
 
 from .repeated_blocks import repeated_blocks
-from .styles import Style
+from .styles import Packed, Style
 
 __all__ = ["BlockFlow", "block_calls", "structural_rules", "trace_block"]
 
@@ -53,20 +59,23 @@ _LOCAL_OPS = frozenset(
         "__get__", "split", "chunk", "view_as_complex", "view_as_real",
     }
 )  # fmt: skip
-# of those, the ops that may cut a split output by position along its features (a fused
-# projection's pieces, which need fs.packed): refused when they do
+# of those, the ops that may cut a split output by position along its features: a
+# projection's whole output cut by split or chunk is a fused one (its pieces packed), any
+# other cut is refused
 _SPLITTING = frozenset({"split", "chunk", "__getitem__"})
+_PACKING = frozenset({"split", "chunk"})
 
 
 @dataclass(frozen=True, slots=True)
 class BlockFlow:
     """What one block's trace found: each projection's style, and what could not be classified.
 
-    ``styles`` map projection paths (relative to the block, ``mix.a``) to ``colwise`` or
-    ``rowwise``; ``problems`` name modules and say why, one line each.
+    ``styles`` map projection paths (relative to the block, ``mix.a``) to ``colwise``,
+    ``rowwise`` or a `Packed` colwise (a fused projection, its pieces as its forward cuts
+    them); ``problems`` name modules and say why, one line each.
     """
 
-    styles: tuple[tuple[str, Style], ...]
+    styles: tuple[tuple[str, Style | Packed], ...]
     problems: tuple[tuple[str, str], ...]
     """(module path relative to the block, "" for the block itself; why), one each."""
 
@@ -79,6 +88,9 @@ class _Recorder(TorchFunctionMode):
         # depth[0] > 0 inside a projection's own forward, whose ops its hooks account for
         self.origin, self.keep, self.depth = origin, keep, depth
         self.misuse: dict[str, set[str]] = {}
+        # projection -> {(width of the cut tensor, sizes of the pieces)} for each split/chunk
+        # of its output along the features
+        self.cuts: dict[str, set[tuple[int, tuple[int, ...]]]] = {}
 
     def __torch_function__(
         self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
@@ -91,7 +103,13 @@ class _Recorder(TorchFunctionMode):
             sources |= self.origin.get(id(tensor), frozenset())
         projections = sources - {_INPUT}
         cuts = name in _SPLITTING and _cuts_features(name, args, kwargs)
-        if projections and not self.depth[0] and (name not in _LOCAL_OPS or cuts):
+        pieces = tuple(int(t.shape[-1]) for t in _tensors(out)) if cuts and name in _PACKING else ()
+        if len(pieces) > 1 and len(sources) == 1 and projections and not self.depth[0]:
+            # one projection's output (and nothing else) cut into pieces: packed if the cut
+            # takes its whole output (_classify knows the projection's width)
+            (path,) = projections
+            self.cuts.setdefault(path, set()).add((int(args[0].shape[-1]), pieces))
+        elif projections and not self.depth[0] and (name not in _LOCAL_OPS or cuts):
             for path in projections:
                 self.misuse.setdefault(path, set()).add(name)
         for tensor in _tensors(out):
@@ -195,7 +213,7 @@ def trace_block(block: nn.Module, seq: int = 4, call: Call | None = None) -> Blo
             handle.remove()
     result = next(_tensors(out), None)
     written = origin.get(id(result), frozenset()) if result is not None else frozenset()
-    return _classify(linears, reads, written, recorder.misuse)
+    return _classify(linears, reads, written, recorder.misuse, recorder.cuts)
 
 
 Call = tuple[tuple[Any, ...], dict[str, Any]]
@@ -275,12 +293,13 @@ def _classify(
     reads: dict[str, frozenset[str]],
     written: frozenset[str],
     misuse: dict[str, set[str]],
+    cuts: dict[str, set[tuple[int, tuple[int, ...]]]],
 ) -> BlockFlow:
     # in call order: the residual stream is the block's input plus what rowwise projections
     # wrote into it; a projection reading only the stream is colwise, one reading only
     # colwise outputs and writing the block's output rowwise (joining the stream)
     stream = {_INPUT}
-    styles: dict[str, Style] = {}
+    styles: dict[str, Style | Packed] = {}
     problems: list[tuple[str, str]] = []
     for path, read in reads.items():
         sources = sorted(read - stream)
@@ -311,22 +330,46 @@ def _classify(
         problems.append((path, why))
     problems += [(path, "never called in the traced forward") for path in linears if path not in reads]
     read_back = {source for path, style in styles.items() if style == "rowwise" for source in reads[path]}
-    for path, style in styles.items():
-        if style == "colwise" and path not in read_back:
+    for path, style in list(styles.items()):
+        if style != "colwise":
+            continue
+        if path not in read_back:
             problems.append((path, "reads the residual stream, but no rowwise projection reads its output"))
-        if style == "colwise" and misuse.get(path):
+        if misuse.get(path):
             problems.append(
                 (
                     path,
                     f"its output passes through {sorted(misuse[path])}, which mix or cut its features (a "
-                    "reduction or norm over the split width, a fused projection's split); only elementwise "
-                    "ops, views to heads and attention may run between colwise and rowwise",
+                    "reduction or norm over the split width, a slice of its features); only elementwise ops, "
+                    "views to heads, attention and a split of its whole output into pieces may run between "
+                    "colwise and rowwise",
                 )
             )
+        elif path in cuts:
+            packed, why = _packed(linears[path], cuts[path])
+            if packed is not None:
+                styles[path] = packed
+            else:
+                problems.append((path, why))
     return BlockFlow(tuple(styles.items()), tuple(problems))
 
 
-def structural_rules(model: nn.Module) -> list[tuple[str, Style]]:
+def _packed(linear: nn.Module, cuts: set[tuple[int, tuple[int, ...]]]) -> tuple[Packed | None, str]:
+    # a fused projection: its whole output cut into the same pieces wherever it is cut (each
+    # rank then holds its share of each piece, and its own output cuts alike at 1/tp the sizes)
+    width = int(getattr(linear, "out_features", 0))
+    ways = sorted(cuts)
+    if len(ways) == 1 and ways[0][0] == width:
+        return Packed(ways[0][1]), ""
+    found = ", ".join(f"{pieces} of {cut} features" for cut, pieces in ways)
+    return None, (
+        f"its output ({width} features) is cut into {found}; a fused projection's whole output must be cut "
+        "into the same pieces wherever it is cut (split or chunk along its features) to split each piece "
+        "on its own"
+    )
+
+
+def structural_rules(model: nn.Module) -> list[tuple[str, Style | Packed]]:
     """Tensor-parallel rules for ``model`` from its structure (see the module docstring).
 
     Args:
@@ -334,8 +377,8 @@ def structural_rules(model: nn.Module) -> list[tuple[str, Style]]:
 
     Returns:
         ``(module path, style)`` pairs, exact paths, in model order: every repeated block's
-        projections, norms ``sequence``, the embedding ``rowwise`` and the head
-        ``colwise_gather``.
+        projections (a fused one's style a `Packed` of its pieces), norms ``sequence``, the
+        embedding ``rowwise`` and the head ``colwise_gather``.
 
     Raises:
         PolicyError: no repeated blocks, or a projection the trace cannot classify (every
@@ -359,7 +402,7 @@ def structural_rules(model: nn.Module) -> list[tuple[str, Style]]:
             "tp('auto'): the model has no repeated blocks (elements of a ModuleList, ModuleDict or "
             "Sequential) to derive rules from; pass rules: fs.tp([(pattern, 'colwise'), ...], axis)"
         )
-    found: dict[str, Style] = {}
+    found: dict[str, Style | Packed] = {}
     problems: list[str] = []
     flows: dict[tuple[Any, ...], BlockFlow] = {}
     calls = block_calls(model, blocks)
@@ -386,7 +429,7 @@ def structural_rules(model: nn.Module) -> list[tuple[str, Style]]:
     inside = tuple(f"{path}." for path in blocks)
     outside = [(path, m) for path, m in model.named_modules() if path and not path.startswith(inside)]
     outside = [(path, m) for path, m in outside if path not in blocks]
-    edge: dict[str, Style] = {}
+    edge: dict[str, Style | Packed] = {}
     # the token embedding: the largest table (a learned position table is smaller, left whole)
     tables = {path: m.num_embeddings for path, m in outside if isinstance(m, nn.Embedding)}
     heads = [path for path, m in outside if isinstance(m, nn.Linear)]

@@ -203,7 +203,7 @@ def check_runnable(plan: Plan, module: nn.Module) -> None:
 
 def _unfed_splits(tp_styles: tuple[tuple[str, str, str], ...], modules: dict[str, nn.Module]) -> list[str]:
     # A rowwise Linear takes its input split on the feature dim: some colwise Linear beside
-    # it (same parent module) must produce that split. A colwise Linear's split output must
+    # it (see _neighbours) must produce that split. A colwise Linear's split output must
     # reach a rowwise Linear beside it, or the module between them sees a fraction of the
     # features it expects. Layers whose split is made whole at the edge (colwise_gather,
     # rowwise_split_input) need no partner; embeddings take and give whole activations.
@@ -217,12 +217,7 @@ def _unfed_splits(tp_styles: tuple[tuple[str, str, str], ...], modules: dict[str
     for path, style in style_of.items():
         if style not in ("rowwise", "colwise") or not is_projection(modules.get(path)):
             continue
-        parent = path.rpartition(".")[0]
-        siblings = [
-            other
-            for other, module in modules.items()
-            if other != path and other.rpartition(".")[0] == parent and is_projection(module)
-        ]
+        siblings = _neighbours(path, [p for p, module in modules.items() if is_projection(module)], style_of)
         partner = "colwise" if style == "rowwise" else "rowwise"
         if any(style_of.get(other) == partner for other in siblings):
             continue
@@ -241,6 +236,21 @@ def _unfed_splits(tp_styles: tuple[tuple[str, str, str], ...], modules: dict[str
                 f"{readers}, so nothing takes the split output. Split the consuming layer rowwise, or "
                 f"make {path!r} 'colwise_gather'"
             )
+    return found
+
+
+def _neighbours(path: str, projections: list[str], style_of: dict[str, str]) -> list[str]:
+    # the other projections under the nearest module enclosing ``path`` that holds one not
+    # split as ``path`` is: its siblings (Hugging Face's o_proj beside q_proj), else its
+    # parent's (torchtitan 0.3.0's attention.qkv_linear.wq/wk/wv or fused wqkv, read by
+    # attention.wo one level up)
+    parent, found = path, []
+    while parent:
+        parent = parent.rpartition(".")[0]
+        prefix = f"{parent}." if parent else ""
+        found = [other for other in projections if other != path and other.startswith(prefix)]
+        if any(style_of.get(other) != style_of.get(path) for other in found):
+            break
     return found
 
 
