@@ -213,7 +213,8 @@ def _mapped(
             problems += [f"{key}: the map names {our}, which the model lacks" for key, _ in pieces]
             continue
         written = [(key, piece) for key, piece in pieces if key in expected.shapes]
-        cuts = piece_of_whole(written, expected.shapes, head_dim)
+        groups = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        cuts = piece_of_whole(written, expected.shapes, head_dim, groups)
         sources.update({key: (our, cuts[key]) for key, _ in written})
     for name, kept in expected.tied.items():
         apart = [resolve(n) for n in (name, kept)]

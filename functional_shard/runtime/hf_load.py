@@ -185,6 +185,7 @@ def _sources(
     for name in canonical:
         if name not in pieces:
             problems.append(f"{name}: missing, no tensor of the folder fills it")
+    problems += _layout_problems(folder, pieces)
     for name, found in pieces.items():
         tensor = module.get_parameter(name) if name in canonical else module.get_buffer(name)
         shape = composed_shape(found)
@@ -285,7 +286,8 @@ def _fill(
         local = local.narrow(0, 0, len(indices[0]))
     if any(len(index) == 0 for index in indices):
         return
-    fill_local(folder, local.data, indices, pieces, _head_dim(folder.config))
+    groups = folder.config.get("num_key_value_heads") or folder.config.get("num_attention_heads") or 1
+    fill_local(folder, local.data, indices, pieces, _head_dim(folder.config), int(groups))
 
 
 def _head_dim(config: Mapping[str, Any]) -> int | None:
@@ -294,3 +296,20 @@ def _head_dim(config: Mapping[str, Any]) -> int | None:
         return int(config["head_dim"])
     hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
     return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+
+
+def _layout_problems(folder: Folder, pieces: Mapping[str, list[tuple[Source, Piece]]]) -> list[str]:
+    # what rotary and grouped pieces need from the folder's config.json
+    problems = []
+    groups = folder.config.get("num_key_value_heads") or folder.config.get("num_attention_heads")
+    for name, found in pieces.items():
+        if any(piece.rotary for _, piece in found) and _head_dim(folder.config) is None:
+            problems.append(f"{name}: its rows are rotary pairs, but config.json gives no head size")
+        if any(piece.grouped for _, piece in found):
+            sizes = [source.shape[piece.dim - (piece.expert is not None)] for source, piece in found]
+            if not isinstance(groups, int) or any(size % groups for size in sizes):
+                problems.append(
+                    f"{name}: laid by key/value group, but config.json's num_key_value_heads "
+                    f"({groups}) does not divide its pieces {sizes}"
+                )
+    return problems

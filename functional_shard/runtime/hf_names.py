@@ -49,10 +49,13 @@ class Piece:
         rotary: the model interleaves each head's rotary pairs where the folder splits them
             in halves (torchtitan's query and key rows against Hugging Face's); the head size
             comes from the folder's config.json.
+        grouped: the pieces are laid group by group, not one after the other: each key/value
+            head's queries, then its key, then its value (torchtitan 0.3.0's ``wqkv``); the
+            group count is the folder config's ``num_key_value_heads``.
 
     Examples:
         >>> Piece("layers.0.attention.wqkv.weight", 1)  # k, after q
-        Piece(name='layers.0.attention.wqkv.weight', index=1, dim=0, expert=None, rotary=False)
+        Piece(name='layers.0.attention.wqkv.weight', index=1, dim=0, expert=None, rotary=False, grouped=False)
     """
 
     name: str
@@ -60,6 +63,7 @@ class Piece:
     dim: int = 0
     expert: int | None = None
     rotary: bool = False
+    grouped: bool = False
 
 
 Target: TypeAlias = "str | Piece"
@@ -275,9 +279,10 @@ def _titan_attention(hf: str, index: int, alone: str) -> tuple[str, list[Target]
     rotary = alone in ("wq", "wk")
     return _titan(
         f"self_attn.{hf}",
-        Piece("layers.*.attention.qkv_linear.wqkv.weight", index, rotary=rotary),
-        Piece("layers.*.attention.wqkv.weight", index, rotary=rotary),
+        Piece("layers.*.attention.qkv_linear.wqkv.weight", index, rotary=rotary, grouped=True),
+        Piece(f"layers.*.attention.qkv_linear.{alone}.weight", rotary=rotary),
         Piece(f"layers.*.attention.{alone}.weight", rotary=rotary),
+        Piece("layers.*.attention.wqkv.weight", index, rotary=rotary),
     )
 
 
@@ -301,18 +306,23 @@ torchtitan_llama: dict[str, Target | list[Target]] = dict(
         _titan("post_attention_layernorm", "layers.*.ffn_norm.weight"),
     ]
 )
-"""Hugging Face Llama names -> torchtitan's Llama 3: 0.3.0's fused ``attention.qkv_linear.wqkv``
-and ``lm_head``, or the older ``attention.wq/wk/wv`` and ``output``; ``feed_forward.w1/w2/w3``
-or a fused ``w13`` (whichever the model holds). Query and key rows are permuted as torchtitan's
-own converter permutes them: its rotary embedding rotates interleaved pairs, Hugging Face's halves."""
+"""Hugging Face Llama names -> torchtitan's Llama 3, whichever names the model holds: 0.3.0's
+``attention.qkv_linear.wqkv`` (laid by key/value group) or ``qkv_linear.wq/wk/wv`` and
+``lm_head``; the older ``attention.wq/wk/wv`` and ``output``; a ``wqkv`` of q, k, v end to end;
+``feed_forward.w1/w2/w3`` or a fused ``w13``. Query and key rows are permuted as torchtitan's own
+converter permutes them: its rotary embedding rotates interleaved pairs, Hugging Face's halves."""
 
 
 def piece_of_whole(
-    pieces: Sequence[tuple[str, Piece]], shapes: Mapping[str, Sequence[int]], head_dim: int | None
+    pieces: Sequence[tuple[str, Piece]],
+    shapes: Mapping[str, Sequence[int]],
+    head_dim: int | None,
+    groups: int = 1,
 ) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     """For each folder key, how to cut its tensor out of the model's whole tensor (`export_hf`).
 
-    ``pieces``: one model tensor's folder keys (`reverse_map`); ``shapes``: the folder's shapes.
+    ``pieces``: one model tensor's folder keys (`reverse_map`); ``shapes``: the folder's shapes;
+    ``head_dim`` and ``groups`` serve `Piece.rotary` and `Piece.grouped`.
 
     Examples:
         >>> pieces = [("q", Piece("qkv", 0)), ("k", Piece("qkv", 1))]
@@ -339,13 +349,15 @@ def piece_of_whole(
             several: bool = several,
         ) -> torch.Tensor:
             value = whole[piece.expert] if piece.expert is not None else whole
-            if several:
+            if several and piece.grouped and groups > 1:
+                laid = value.unflatten(dim, (groups, -1)).narrow(dim + 1, start // groups, size // groups)
+                value = laid.flatten(dim, dim + 1)
+            elif several:
                 value = value.narrow(dim, start, size)
             if piece.rotary and head_dim:
                 # the folder's row rotary_rows(r) holds the model's row r
-                value = value.index_select(
-                    dim, rotary_rows(torch.arange(value.shape[dim]), head_dim).argsort()
-                )
+                order = rotary_rows(torch.arange(value.shape[dim]), head_dim).argsort()
+                value = value.index_select(dim, order)
             return value.contiguous()
 
         cuts[key] = cut

@@ -278,20 +278,40 @@ def _parts(positions: torch.Tensor, values: torch.Tensor) -> list[_Part]:
     ]
 
 
+def _rows_of(
+    index: torch.Tensor, low: int, size: int, total: int, groups: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions of ``index`` a piece holds, and its own rows there.
+
+    The piece holds ``size`` of ``total`` rows from ``low`` on; laid in ``groups`` groups,
+    it holds ``size / groups`` rows of each, from ``low / groups`` within it.
+    """
+    if groups <= 1:
+        inside = torch.logical_and(index >= low, index < low + size).nonzero().flatten()
+        return inside, index[inside] - low
+    span, share, start = total // groups, size // groups, low // groups
+    within = index % span
+    inside = torch.logical_and(within >= start, within < start + share).nonzero().flatten()
+    return inside, (index[inside] // span) * share + within[inside] - start
+
+
 def fill_local(
     folder: Folder,
     local: torch.Tensor,
     indices: Sequence[torch.Tensor],
     pieces: Sequence[tuple[Source, Piece]],
     head_dim: int | None = None,
+    groups: int = 1,
 ) -> int:
     """Write into ``local`` the model tensor's elements at ``indices`` (one 1-D index per dim).
 
     The model tensor is ``pieces`` laid end to end (experts stacked on dim 0). Only the
-    elements the indices name are read; ``head_dim`` serves `Piece.rotary`. Returns the bytes read.
+    elements the indices name are read; ``head_dim`` and ``groups`` serve `Piece.rotary`
+    and `Piece.grouped`. Returns the bytes read.
     """
     read = 0
     offsets: dict[tuple[int | None, int], int] = {}
+    totals: dict[int | None, int] = {}
     for expert in sorted({p.expert for _, p in pieces}, key=lambda e: -1 if e is None else e):
         start = 0
         for source, piece in sorted(
@@ -299,6 +319,7 @@ def fill_local(
         ):
             offsets[(expert, piece.index)] = start
             start += source.shape[piece.dim - (expert is not None)] if source.shape else 0
+        totals[expert] = start
     for source, piece in pieces:
         stacked = piece.expert is not None
         parts: list[list[_Part]] = []
@@ -307,9 +328,13 @@ def fill_local(
                 positions = (index == piece.expert).nonzero().flatten().tolist()
                 parts.append([_Part(slice(p, p + 1), slice(0, 0)) for p in positions])
                 continue
-            low = offsets[(piece.expert, piece.index)] if dim == piece.dim else 0
-            inside = ((index >= low) & (index < low + source.shape[dim - stacked])).nonzero().flatten()
-            values = index[inside] - low
+            size = source.shape[dim - stacked]
+            if dim == piece.dim:
+                low = offsets[(piece.expert, piece.index)]
+                laid = groups if piece.grouped else 1
+                inside, values = _rows_of(index, low, size, totals[piece.expert], laid)
+            else:
+                inside, values = _rows_of(index, 0, size, size, 1)
             if piece.rotary and dim == piece.dim and head_dim:
                 values = rotary_rows(values, head_dim)
             parts.append(_parts(inside, values))
