@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import functional_shard as fs
 
-from . import unit_models
+from . import titan_models, unit_models
 from .dist_cases import full
 
 SEQ = 8
@@ -38,6 +38,24 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "fused": ("LlamaConfig", {**_DECODER, "num_attention_heads": 8, "tie_word_embeddings": False}),
 }
 FUSED = unit_models.TitanConfig(vocab=VOCAB, dim=32, hidden=48, layers=2, heads=8)
+# torchtitan 0.3.0's Llama 3 (grouped-query wqkv laid by key/value group, interleaved rotary)
+# and the Hugging Face Llama of its sizes: rope theta, norm eps and width as torchtitan's
+_TITAN = titan_models.SIZES["tiny"]
+FAMILIES["titan"] = (
+    "LlamaConfig",
+    {
+        **_DECODER,
+        "vocab_size": _TITAN.vocab_size,
+        "hidden_size": _TITAN.dim,
+        "intermediate_size": _TITAN.hidden_dim,
+        "num_attention_heads": _TITAN.n_heads,
+        "num_key_value_heads": _TITAN.kv_heads,
+        "rms_norm_eps": _TITAN.norm_eps,
+        "rope_theta": _TITAN.rope_theta,
+        "max_position_embeddings": _TITAN.max_seq_len,
+        "tie_word_embeddings": False,
+    },
+)
 
 # (mesh, policy, built on the meta device) of each plan family on 4 ranks
 _EXPERTS_WHOLE = fs.Rules([("*.experts", "replicate")], name="experts_whole")
@@ -62,6 +80,12 @@ def plans(family: str) -> dict[str, tuple[dict[str, int], fs.Policy, bool]]:
     if family != "fused":
         found["sp"] = ({"dp": 2, "tp": 2}, fs.fsdp("dp") + fs.tp("auto", "tp", sequence_parallel=True), True)
         found["cp_tp"] = ({"cp": 2, "tp": 2}, fs.fsdp("cp") + fs.cp("cp") + fs.tp("auto", "tp"), True)
+    if family == "titan":  # whole key/value groups per rank: tp 2 of its 2 groups
+        return {
+            "fsdp_tp_meta": ({"dp": 2, "tp": 2}, fs.fsdp("dp") + fs.tp("auto", "tp"), True),
+            "fsdp": ({"dp": 4}, fs.fsdp("dp"), True),
+            "pp": ({"pp": 2, "dp": 2}, fs.pipeline("pp", microbatches=2) + fs.fsdp("dp"), True),
+        }
     if family == "fused":  # a packed split inside FSDP2's is refused (engines.checks)
         del found["fsdp_tp"], found["fsdp_tp_meta"]
     if family == "qwen2_tied":  # a tie across stages is refused (pipeline engine)
@@ -92,6 +116,9 @@ def build(
     with torch.device("meta" if meta else "cpu"):
         if family == "fused":
             return unit_models.FusedLlama(FUSED, kv_heads=4).to(dtype)
+        if family == "titan":
+            titan = titan_models.titan_llama3("tiny", rope_scaling=False)
+            return titan.to(dtype) if dtype != torch.float32 else titan  # its rotary table is complex
         kind, options = FAMILIES[family]
         config = getattr(transformers, kind)(**options)
         return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
@@ -110,11 +137,12 @@ def write_folder(folder: Path, family: str, dtype: torch.dtype = torch.float32, 
 
 
 def tokens() -> torch.Tensor:
-    """The batch every run sees."""
+    """The batch every run sees (in every family's vocabulary)."""
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
 
 
 def logits_of(model: torch.nn.Module) -> torch.Tensor:
+    """The model's logits on `tokens`, whole."""
     with torch.no_grad():
         output = model(tokens())
     return full(output if isinstance(output, torch.Tensor) else output.logits)
@@ -122,6 +150,8 @@ def logits_of(model: torch.nn.Module) -> torch.Tensor:
 
 def mapping_of(family: str) -> Any:
     """torchtitan's names, and Hugging Face's fused gate_up_proj (the fused family's odd layers)."""
+    if family == "titan":
+        return fs.checkpoint.torchtitan_llama
     if family != "fused":
         return None
     titan = dict(fs.checkpoint.torchtitan_llama)
@@ -138,10 +168,10 @@ def mapping_of(family: str) -> Any:
 
 def reference(
     folder: Path, family: str, dtype: torch.dtype = torch.float32
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """The whole state and the logits one process gets: ``from_pretrained``, or (the fused
-    family) `load_hf` into a plain module."""
-    if family == "fused":
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]:
+    """The whole state, the logits and the buffers one process gets: ``from_pretrained``, or (a model of
+    other names) `load_hf` into a plain module."""
+    if family in ("fused", "titan"):
         model = build(family, dtype=dtype)
         fs.checkpoint.load_hf(folder, model, mapping=mapping_of(family))
     else:
@@ -150,7 +180,8 @@ def reference(
         model = transformers.AutoModelForCausalLM.from_pretrained(
             folder, dtype=dtype, attn_implementation="sdpa"
         )
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, logits_of(model)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return state, logits_of(model), {k: v.detach().clone() for k, v in model.named_buffers()}
 
 
 def load_under(

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import functional_shard as fs
+
 from . import load_hf_cases as cases
 from .worlds import RestartingWorld
 
@@ -24,6 +26,7 @@ DEFAULT = [
     ("mixtral", "ep", "float32"),  # experts stacked from one file tensor each, split by rank
     ("fused", "tp", "float32"),  # grouped-query q, k, v into one wqkv, split piece by piece
     ("llama", "pp", "bfloat16"),  # a stage reads its own layers; bf16 params
+    ("titan", "fsdp_tp_meta", "float32"),  # torchtitan 0.3.0's Llama 3 through the ready map
 ]
 EVERY = [(family, plan, "float32") for family in cases.FAMILIES for plan in cases.plans(family)] + [
     ("llama", "fsdp", "bfloat16"),
@@ -51,13 +54,15 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def check(world: RestartingWorld, folders: dict[str, str], chosen: list[tuple[str, str, str]]) -> None:
     results = world.run(cases.load_all, folders, chosen)[0]
-    references: dict[tuple[str, str], tuple[dict[str, torch.Tensor], torch.Tensor]] = {}
+    references: dict[
+        tuple[str, str], tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor]]
+    ] = {}
     for (family, plan, dtype), result in zip(chosen, results, strict=True):
         if (family, dtype) not in references:
             references[(family, dtype)] = cases.reference(
                 Path(folders[family]), family, getattr(torch, dtype)
             )
-        state, logits = references[(family, dtype)]
+        state, logits, buffers = references[(family, dtype)]
         label = f"{family} under {plan} ({dtype})"
         assert set(result["state"]) <= set(state), label
         for name, value in result["state"].items():
@@ -66,7 +71,7 @@ def check(world: RestartingWorld, folders: dict[str, str], chosen: list[tuple[st
                 f"{label}: {name} differs by {(value - state[name]).abs().max()}"
             )
         for name, value in result["buffers"].items():
-            assert torch.equal(value, state.get(name, value)), f"{label}: buffer {name}"
+            assert torch.equal(value, buffers[name]), f"{label}: buffer {name}"
         if result["logits"] is not None:
             tolerance = 1e-6 if dtype == "float32" else 2e-2
             torch.testing.assert_close(result["logits"], logits, atol=tolerance, rtol=tolerance, msg=label)
@@ -95,6 +100,16 @@ def test_export_under_one_plan_then_load_under_another_is_bit_identical(world, f
     for key, value in original.items():
         assert torch.equal(written[key], value.float()), key  # bf16 on disk, fp32 parameters
     result = world.run(cases.load_all, {"fused": str(exported)}, [("fused", "pp", "float32")])[0][0]
-    state, _ = cases.reference(Path(folders["fused"]), "fused")
+    state, _, _ = cases.reference(Path(folders["fused"]), "fused")
     for name, value in result["state"].items():
         assert torch.equal(value, state[name]), name
+
+
+def test_torchtitans_llama_reads_hugging_faces_weights_to_the_same_logits(folders):
+    # one process: the grouped wqkv and the interleaved rotary give Hugging Face's logits
+    import transformers
+
+    model = cases.build("titan")
+    fs.checkpoint.load_hf(folders["titan"], model, mapping=fs.checkpoint.torchtitan_llama)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folders["titan"], attn_implementation="sdpa")
+    torch.testing.assert_close(cases.logits_of(model), cases.logits_of(hf), atol=1e-6, rtol=1e-5)

@@ -200,10 +200,15 @@ def transformers_map(model: nn.Module, held: Collection[str]) -> NameMap:
     `Piece` s, and any other is refused by name (it cannot be read in slices).
     """
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, apply_renamings, rename_source_key
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        apply_renamings,
+        rename_source_key,
+    )
 
-    transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    transforms = get_model_conversion_mapping(model)  # type: ignore[arg-type]
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     prefix = getattr(model, "base_model_prefix", None)
     known = dict.fromkeys(held, True)

@@ -325,7 +325,7 @@ def fill_local(
         parts: list[list[_Part]] = []
         for dim, index in enumerate(indices):
             if stacked and dim == 0:
-                positions = (index == piece.expert).nonzero().flatten().tolist()
+                positions = torch.eq(index, int(piece.expert or 0)).nonzero().flatten().tolist()
                 parts.append([_Part(slice(p, p + 1), slice(0, 0)) for p in positions])
                 continue
             size = source.shape[dim - stacked]
