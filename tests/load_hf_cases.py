@@ -148,6 +148,16 @@ def logits_of(model: torch.nn.Module) -> torch.Tensor:
     return full(output if isinstance(output, torch.Tensor) else output.logits)
 
 
+def _logits(output: Any) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def loss_of(logits: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy of `tokens` under ``logits``."""
+    targets = tokens()[:, 1:].reshape(-1)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets)
+
+
 def mapping_of(family: str) -> Any:
     """torchtitan's names, and Hugging Face's fused gate_up_proj (the fused family's odd layers)."""
     if family == "titan":
@@ -194,8 +204,8 @@ def load_under(
     fs.apply(plan, model)
     fs.checkpoint.load_hf(folder, model, mapping=mapping_of(family))
     state = fs.checkpoint.model_state(model, full=True)
-    computes_whole = "pp" not in mesh and "cp" not in mesh
-    logits = logits_of(model) if computes_whole else None
+    # under cp a rank's tokens are its chunks (fs.sequence_context): its weights are checked
+    logits = None if "cp" in mesh else full(_logits(fs.forward_only(plan, model)(tokens())))
     buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
     if dist.get_rank() != 0:
         return None
