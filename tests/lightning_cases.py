@@ -366,3 +366,74 @@ def strategy_collectives(name: str, config: LlamaConfig) -> dict[str, object]:
         "broadcast": strategy.broadcast(f"from {rank}", src=2),
         "decision": strategy.reduce_boolean_decision(rank == 3, all=False),
     }
+
+
+class HFLanguageModelOnMeta(L.LightningModule):
+    """A tiny Hugging Face Llama built on the meta device in configure_model (no init=: the
+    strategy materializes it); records its per-step loss and its first parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[torch.Tensor] = []
+        self.first: dict[str, torch.Tensor] = {}
+
+    def configure_model(self) -> None:
+        from . import buffer_cases
+
+        if not hasattr(self, "model"):
+            self.model = buffer_cases.build_on_meta("llama")
+
+    def on_train_start(self) -> None:
+        self.first = {k.removeprefix("model."): dist_cases.full(v) for k, v in self.named_parameters()}
+
+    def training_step(self, batch: torch.Tensor, batch_index: int) -> torch.Tensor:
+        from . import hf_cases
+
+        loss = hf_cases.loss_of(self.model, batch)
+        self.losses.append(loss.detach())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        from . import hf_cases
+
+        return torch.optim.AdamW(self.parameters(), lr=hf_cases.LR, eps=hf_cases.EPS)
+
+
+def fit_hf_built_on_meta() -> dict[str, object]:
+    """Trainer.fit of `HFLanguageModelOnMeta` under FSDP over every rank: the global-batch losses,
+    the first parameters (rank 0) and the rotary buffers."""
+    from . import hf_cases
+
+    trainer = quiet_trainer(ShardStrategy(fs.fsdp("dp"), seed=0), max_steps=hf_cases.STEPS)
+    tokens = torch.cat(hf_cases.batches(dist.get_world_size()))
+    module = HFLanguageModelOnMeta()
+    trainer.fit(module, torch.utils.data.DataLoader(tokens, batch_size=hf_cases.MICRO_BATCH, shuffle=False))
+    rotary = module.model.model.rotary_emb
+    return {
+        "losses": dist_cases.mean_over_ranks(torch.stack(module.losses)).tolist(),
+        "first": module.first if dist.get_rank() == 0 else None,
+        "buffers": {
+            "inv_freq": rotary.inv_freq.clone(),
+            "original_inv_freq": rotary.original_inv_freq.clone(),
+        },
+    }
+
+
+def hf_reference(first: dict[str, torch.Tensor], data_parallel: int) -> list[float]:
+    """One process training the CPU-built tiny HF Llama from ``first`` on the global batches
+    Lightning's DistributedSampler makes (see `reference`): its losses."""
+    from . import buffer_cases, hf_cases
+
+    model = buffer_cases.build("llama")
+    model.load_state_dict(first, strict=False)  # the buffers stay the CPU build's
+    tokens = torch.cat(hf_cases.batches(data_parallel))
+    perm = torch.randperm(len(tokens), generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=hf_cases.LR, eps=hf_cases.EPS)
+    losses = []
+    for batch in tokens[perm].split(hf_cases.MICRO_BATCH * data_parallel)[: hf_cases.STEPS]:
+        optimizer.zero_grad()
+        loss = hf_cases.loss_of(model, batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses

@@ -159,8 +159,10 @@ def test_materialize_needs_reset_parameters_or_init(fake_world):
     module = nn.Sequential(Scale())
     plan = fs.shard(module, fs.Mesh(dp=2), fs.fsdp())
     fs.apply(plan, module)
-    with pytest.raises(fs.ShardingError, match=re.escape("cannot initialise ['0']")):
+    message = "* 0 (Scale): cannot initialise its parameters (gain): it has no reset_parameters. Pass init="
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
         fs.materialize(plan, module)
+    assert module[0].gain.is_meta  # refused before any change
 
 
 def test_heads_that_split_evenly_are_runnable():

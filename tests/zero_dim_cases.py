@@ -31,9 +31,10 @@ class ScaledLlama(Llama):
         return super().forward(tokens) * self.logit_scale * self.embed_scale
 
     def reset_parameters(self) -> None:
-        """The scale's initial value (materialize replays it)."""
+        """The scale's initial value (materialize replays it), and the buffer's (it restores it)."""
         with torch.no_grad():
             self.logit_scale.fill_(0.75)
+            self.embed_scale.fill_(1.25)
 
 
 def reference(data_parallel: int) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -97,7 +98,6 @@ def meta_init(name: str) -> dict[str, torch.Tensor] | None:
     plan = fs.shard(model, mesh, policy)
     fs.apply(plan, model)
     fs.materialize(plan, model, seed=0)
-    model.embed_scale = torch.tensor(1.25)  # to_empty leaves buffers uninitialised
     optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR)
     dist_cases.train_steps(model, optimizer, CONFIG, plan, range(STEPS))
     params = {k: full(v) for k, v in model.state_dict().items()}

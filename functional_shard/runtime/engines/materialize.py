@@ -1,4 +1,4 @@
-"""Real parameters for a module built on the meta device, each rank only its shards."""
+"""Real parameters and buffers for a module built on the meta device, each rank only its shards."""
 
 from __future__ import annotations
 
@@ -12,6 +12,16 @@ from functional_shard.core.errors import ShardingError
 from functional_shard.planning.plan import Plan
 
 from .applied import applied_with, retie
+from .buffers import (
+    Initialiser,
+    buffer_problems,
+    class_name,
+    hf_models,
+    initialisers,
+    meta_buffers,
+    restore_buffers,
+    sets,
+)
 from .data_parallel import reduce_whole_grads
 from .pipeline import PassThrough
 from .tensor_parallel import packed_window, place_grads_as_params
@@ -25,48 +35,57 @@ def materialize(
     seed: int | None = None,
     init: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
-    """Give a module built on the meta device real parameters, shard by shard, after `apply`.
+    """Give a module built on the meta device real parameters and buffers, shard by shard, after `apply`.
 
     Each rank allocates only its local shards. They are initialised by replaying each
-    module's own ``reset_parameters`` (or ``init``) in module order on full-size
-    temporaries, one module at a time, and copying in this rank's slice (the plan's
-    offsets). So the result equals initialising the whole model in one process with the
-    same seed and then sharding it — tied modules consume their random numbers as they do
-    in construction, and only the owner's values are kept.
+    module's initialiser in module order on full-size temporaries, one module at a time, and
+    copying in this rank's slice (the plan's offsets). The initialiser is ``init`` if given;
+    else, inside a Hugging Face model, the model's own ``_init_weights`` where it sets the
+    module's parameters; else the module's ``reset_parameters``. So the result is the same
+    under every plan for a seed; with ``reset_parameters`` it equals initialising the whole
+    model in one process with the same seed and then sharding it (tied modules consume their
+    random numbers as they do in construction, and only the owner's values are kept).
+    Buffers on the meta device get the values construction gives them (`restore_buffers`);
+    buffers on a real device keep theirs.
 
     Args:
         plan: the plan `apply` ran.
         module: the parallelized module, its parameters on the meta device.
-        device: where the shards live.
-        seed: ``torch.manual_seed`` first, if given.
-        init: called on each module (children first in module order) instead of
-            ``reset_parameters``.
+        device: where the shards and buffers live.
+        seed: ``torch.manual_seed`` before the parameters are drawn, if given.
+        init: called on each module with parameters (in module order) instead of its own initialiser.
 
     Raises:
-        ShardingError: the module was not applied with this plan, or a module with
-            parameters has no ``reset_parameters`` and no ``init`` was given.
+        ShardingError: the module was not applied with this plan; or, before anything
+            changes, a module holds parameters that nothing initialises (no ``init``, no
+            ``reset_parameters``, no Hugging Face ``_init_weights`` that sets them), or a meta
+            buffer that nothing recomputes (`buffer_problems`).
 
     Examples:
-        >>> # with torch.device("meta"): model = Llama(config)
+        >>> # with torch.device("meta"): model = transformers.LlamaForCausalLM(config)
         >>> # fs.apply(plan, model); fs.materialize(plan, model, seed=0)
     """
     from torch.distributed.tensor import DTensor
 
     applied = applied_with(plan, module, "fs.materialize")
     plan = applied.local_plan  # under pp: this rank's stages only
-    missing = [
-        path or "<root>"
-        for path, sub in module.named_modules()
-        if init is None
-        and any(True for _ in sub.parameters(recurse=False))
-        and not hasattr(sub, "reset_parameters")
-    ]
-    if missing:
+    chosen, problems = _initialisers_by_path(module, init)
+    buffers = meta_buffers(module)
+    problems += buffer_problems(module, buffers, init=init)
+    if problems:
         raise ShardingError(
-            f"cannot initialise {missing}: they hold parameters but have no reset_parameters; pass init=..."
+            "fs.materialize cannot give every parameter and buffer a value; nothing changed:\n"
+            + "\n".join(f"* {problem}" for problem in problems)
         )
+    # to_empty replaces every tensor, real ones too: those keep their values
+    kept = {path: b for path, b in module.named_buffers(remove_duplicate=False) if not b.is_meta}
     module.to_empty(device=device)
     retie(plan, module)  # to_empty makes new Parameter objects for plain tensors
+    with torch.no_grad():
+        for path, value in kept.items():
+            module.get_buffer(path).copy_(value)
+    # before the seed: random numbers an initialiser may draw here leave the parameters' as they are
+    restore_buffers(module, buffers, device, init=init)
     if seed is not None:
         torch.manual_seed(seed)
     rank = dist.get_rank()
@@ -75,21 +94,12 @@ def materialize(
         for path, sub in module.named_modules():
             replaced = getattr(sub, "replaced", None) if isinstance(sub, PassThrough) else None
             if replaced is not None:  # another stage's: draw its random numbers, keep nothing
-                _draw_as(replaced, device, init)
+                _draw_as(replaced, path, device, chosen)
                 continue
-            direct = dict(sub.named_parameters(recurse=False))
-            if not direct:
+            if path not in chosen:  # no parameters of its own
                 continue
             real = dict(sub._parameters)
-            for name, param in direct.items():
-                shape = param.shape  # a DTensor's shape is the global shape
-                sub._parameters[name] = nn.Parameter(torch.empty(shape, dtype=param.dtype, device=device))
-            try:
-                (init or type(sub).reset_parameters)(sub)
-                initialised = {name: sub._parameters[name] for name in direct}
-            finally:
-                sub._parameters.update(real)
-            for name, full_value in initialised.items():
+            for name, full_value in _whole_values(sub, chosen[path], device).items():
                 qualified = f"{path}.{name}" if path else name
                 if owner_of.get(qualified, qualified) != qualified:
                     continue  # a tied alias: its owner's values win, as in construction
@@ -112,23 +122,74 @@ def materialize(
     return module
 
 
-def _draw_as(
-    replaced: nn.Module, device: str | torch.device, init: Callable[[nn.Module], None] | None
-) -> None:
-    # as the loop above, on temporaries only: the random numbers drawn, the values dropped
-    for sub in replaced.modules():
-        direct = dict(sub.named_parameters(recurse=False))
+def _initialisers_by_path(
+    module: nn.Module, init: Initialiser | None
+) -> tuple[dict[str, Initialiser], list[str]]:
+    """The initialiser of each module with parameters, by path, and the modules that have none.
+
+    Another pipeline stage's modules too: materialize draws their random numbers.
+    """
+    hf = hf_models(module)
+    found: list[tuple[str, nn.Module, nn.Module | None]] = []
+    for path, sub in module.named_modules():
+        replaced = getattr(sub, "replaced", None) if isinstance(sub, PassThrough) else None
+        if replaced is None:
+            found.append((path, sub, hf[path]))
+            continue
+        inner = hf_models(replaced, outer=hf[path])
+        found.extend((f"{path}.{p}" if p else path, s, inner[p]) for p, s in replaced.named_modules())
+    chosen: dict[str, Initialiser] = {}
+    problems: list[str] = []
+    for path, sub, hf_model in found:
+        direct = {name for name, param in sub._parameters.items() if param is not None}
         if not direct:
             continue
-        if init is None and not hasattr(sub, "reset_parameters"):
-            raise ShardingError(
-                f"cannot initialise {type(sub).__name__} (another pipeline stage's): it holds parameters "
-                "but has no reset_parameters; pass init=..."
+        if init is not None:
+            chosen[path] = init
+            continue
+        unset = []
+        for label, run in initialisers(sub, hf_model, None):
+            # reset_parameters is torch's contract; a Hugging Face _init_weights passes over
+            # modules it does not know, so it must be seen to set every parameter
+            written, error = (direct, "") if label == "reset_parameters" else sets(run, sub)
+            if direct <= written:
+                chosen[path] = run
+                break
+            missing = ", ".join(sorted(direct - written))
+            unset.append(f"{label} raised {error}" if error else f"{label} leaves {missing} unset")
+        else:
+            also = "".join(f", and {u}" for u in unset)
+            problems.append(
+                f"{path or '<root>'} ({class_name(sub)}): cannot initialise its parameters "
+                f"({', '.join(sorted(direct))}): it has no reset_parameters{also}. "
+                "Pass init=... (a function that sets a module's own parameters in place)"
             )
-        real = dict(sub._parameters)
-        for name, param in direct.items():
-            sub._parameters[name] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device))
-        try:
-            (init or type(sub).reset_parameters)(sub)  # type: ignore[attr-defined]
-        finally:
-            sub._parameters.update(real)
+    return chosen, problems
+
+
+def _draw_as(
+    replaced: nn.Module, path: str, device: str | torch.device, chosen: dict[str, Initialiser]
+) -> None:
+    # as the loop above, on temporaries only: the random numbers drawn, the values dropped
+    for sub_path, sub in replaced.named_modules():
+        qualified = f"{path}.{sub_path}" if sub_path else path
+        if qualified in chosen:
+            _whole_values(sub, chosen[qualified], device)
+
+
+def _whole_values(sub: nn.Module, run: Initialiser, device: str | torch.device) -> dict[str, torch.Tensor]:
+    """``run(sub)`` on full-size temporaries of its own parameters: their values."""
+    params, buffers = dict(sub._parameters), dict(sub._buffers)
+    direct = dict(sub.named_parameters(recurse=False))
+    for name, param in direct.items():
+        shape = param.shape  # a DTensor's shape is the global shape
+        sub._parameters[name] = nn.Parameter(torch.empty(shape, dtype=param.dtype, device=device))
+    for name, buffer in buffers.items():
+        if buffer is not None:  # an initialiser may reset buffers too: theirs are set already
+            sub._buffers[name] = buffer.clone()
+    try:
+        run(sub)
+        return {name: sub.get_parameter(name) for name in direct}
+    finally:
+        sub._parameters.update(params)
+        sub._buffers.update(buffers)
