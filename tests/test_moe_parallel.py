@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import functional_shard as fs
 from functional_shard.planning.policy import resolve_rules
 
-from . import hf_cases, moe_cases
+from . import hf_cases, moe_cases, worlds
 
 transformers = pytest.importorskip("transformers")
 
@@ -172,6 +172,13 @@ def test_bad_expert_parallel_plans_are_refused_before_anything_runs():
     with torch.device("meta"):  # split experts on the meta device run: fs.checkpoint.load_hf fills them
         meta = moe_cases.build("mixtral", 4)
     fs.check_runnable(fs.shard(meta, fs.Mesh(dp=4), fs.fsdp("dp") + fs.ep("dp")), meta)
+    with worlds.alone():  # materialize cannot fill them, and says what can
+        plan = fs.shard(meta, fs.Mesh(dp=1), fs.fsdp("dp") + fs.ep("dp"))
+        fs.apply(plan, meta)
+        with pytest.raises(
+            fs.ShardingError, match=re.escape("mlp.experts: its experts are split on the meta")
+        ):
+            fs.materialize(plan, meta)
     sequence = fs.shard(model, fs.Mesh(tp=4), fs.tp("hf", "tp", sequence_parallel=True))
     with pytest.raises(fs.PlanError, match=re.escape("split by tensor parallel take whole activations")):
         fs.check_runnable(sequence, model)

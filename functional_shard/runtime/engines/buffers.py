@@ -150,7 +150,8 @@ def initialisers(
     """The initialisers of ``sub``, named, in the order tried.
 
     ``init``, then the ``_init_weights`` of ``hf_model`` (the Hugging Face model around
-    ``sub``), then ``sub``'s ``reset_parameters``: those present.
+    ``sub``), then ``sub``'s ``reset_parameters``, then its ``_init_self_buffers`` (torchtitan's
+    modules recompute their buffers there, as its rotary tables): those present.
     """
     found: list[tuple[str, Initialiser]] = []
     if init is not None:
@@ -161,6 +162,9 @@ def initialisers(
     reset: Initialiser | None = getattr(type(sub), "reset_parameters", None)
     if reset is not None:
         found.append(("reset_parameters", reset))
+    own_buffers: Initialiser | None = getattr(type(sub), "_init_self_buffers", None)
+    if own_buffers is not None:
+        found.append(("_init_self_buffers", own_buffers))
     return found
 
 

@@ -70,6 +70,13 @@ def materialize(
     applied = applied_with(plan, module, "fs.materialize")
     plan = applied.local_plan  # under pp: this rank's stages only
     chosen, problems = _initialisers_by_path(module, init)
+    config = applied.plan.config
+    problems += [
+        f"{path}: its experts are split on the meta device (fs.ep or tensor parallel inside them), which "
+        "materialize cannot fill; load them with fs.checkpoint.load_hf, or build the model on a real device"
+        for path in dict.fromkeys((*config.tensor_parallel_experts, *config.expert_modules))
+        if any(p.is_meta for p in module.get_submodule(path).parameters(recurse=False))
+    ]
     buffers = meta_buffers(module)
     problems += buffer_problems(module, buffers, init=init)
     if problems:
