@@ -5,6 +5,8 @@ Importable so that spawn can send the functions; transformers is imported when a
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 import functional_shard as fs
+from functional_shard.runtime import hf_read
+from functional_shard.runtime.checkpoint_checks import every_rank
 
 from . import titan_models, unit_models
 from .dist_cases import full
@@ -148,6 +152,30 @@ def logits_of(model: torch.nn.Module) -> torch.Tensor:
     return full(output if isinstance(output, torch.Tensor) else output.logits)
 
 
+@contextlib.contextmanager
+def counted_reads() -> Iterator[list[int]]:
+    """The elements this process reads from the folder's files while inside."""
+    count = [0]
+    original = hf_read.Folder.read
+
+    def read(self: hf_read.Folder, key: str, window: Any) -> torch.Tensor:
+        value = original(self, key, window)
+        count[0] += value.numel()
+        return value
+
+    hf_read.Folder.read = read  # type: ignore[method-assign]
+    try:
+        yield count
+    finally:
+        hf_read.Folder.read = original  # type: ignore[method-assign]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _logits(output: Any) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.logits
 
@@ -202,14 +230,24 @@ def load_under(
     model = build(family, meta=meta, dtype=dtype, seed=11 + dist.get_rank())
     plan = fs.shard(model, fs.Mesh(**mesh), policy)
     fs.apply(plan, model)
-    fs.checkpoint.load_hf(folder, model, mapping=mapping_of(family))
+    with counted_reads() as read:
+        fs.checkpoint.load_hf(folder, model, mapping=mapping_of(family))
+    persistent = model.state_dict().keys()
+    tensors = [*model.parameters(), *(b for n, b in model.named_buffers() if n in persistent)]
+    held = sum(_local(t).numel() for t in tensors)
+    reads = every_rank((read[0], held))
     state = fs.checkpoint.model_state(model, full=True)
     # under cp a rank's tokens are its chunks (fs.sequence_context): its weights are checked
     logits = None if "cp" in mesh else full(_logits(fs.forward_only(plan, model)(tokens())))
     buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
     if dist.get_rank() != 0:
         return None
-    return {"state": {k: full(v) for k, v in state.items()}, "logits": logits, "buffers": buffers}
+    return {
+        "state": {k: full(v) for k, v in state.items()},
+        "logits": logits,
+        "buffers": buffers,
+        "reads": reads,
+    }
 
 
 def load_all(folders: dict[str, str], cases: list[tuple[str, str, str]]) -> list[Any]:

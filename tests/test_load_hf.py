@@ -62,6 +62,9 @@ def check(world: RestartingWorld, folders: dict[str, str], chosen: list[tuple[st
             )
         state, logits, buffers = references[(family, dtype)]
         label = f"{family} under {plan} ({dtype})"
+        # each rank reads the elements its shards hold, no more (a tied weight once)
+        for rank, (read, held) in enumerate(result["reads"]):
+            assert read == held, f"{label}: rank {rank} read {read} elements for {held} held"
         assert set(result["state"]) <= set(state), label
         for name, value in result["state"].items():
             assert value.dtype == state[name].dtype, f"{label}: {name}"
