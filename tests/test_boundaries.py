@@ -23,9 +23,9 @@ ADAPTERS = pathlib.Path(functional_shard.adapters.__file__).parent
 # device_mesh, the one builder of DeviceMeshes (below mesh.py, so Mesh.device_mesh needs
 # no climb to apply), and measure, which only observes the collectives torch issues; the
 # engines apply runs live in engines/, whose checks stay pure
-# (checkpoint is one door in seven rooms: the public functions, the states, the reader, its
-# checks, its safe loaders, the asynchronous saves, and the Hugging Face export, which
-# gathers tensor by tensor)
+# (checkpoint is one door in eight rooms: the public functions, the states, the reader, its
+# checks, its safe loaders, the asynchronous saves, the Hugging Face export, which gathers
+# tensor by tensor, and the Hugging Face load, whose ranks agree on what they refuse)
 CHECKPOINT = (
     "checkpoint",
     "checkpoint_state",
@@ -34,6 +34,7 @@ CHECKPOINT = (
     "checkpoint_safety",
     "checkpoint_async",
     "export_hf",
+    "hf_load",
 )
 RUNTIME_EFFECTS = ("apply", *CHECKPOINT, "device_mesh", "launch", "measure", "timeouts")
 EFFECTS = {f"runtime/{name}.py" for name in RUNTIME_EFFECTS} | {

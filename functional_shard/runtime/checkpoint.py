@@ -1,9 +1,9 @@
 """Checkpoints that move between plans: sharded (a folder, one file per rank) or full (one file).
 
-With `apply` and `launch`, the only door to process groups (in seven rooms: this one, the
+With `apply` and `launch`, the only door to process groups (in eight rooms: this one, the
 states of `checkpoint_state`, the reader of `checkpoint_read`, its `checkpoint_checks`, the
-safe loaders of `checkpoint_safety`, the background saves of `checkpoint_async` and the
-Hugging Face export of `export_hf`). Sharded
+safe loaders of `checkpoint_safety`, the background saves of `checkpoint_async`, the
+Hugging Face export of `export_hf` and the Hugging Face load of `hf_load`). Sharded
 checkpoints use torch's distributed checkpoint, which reshards on load, so a checkpoint
 saved under one plan loads under any other (FSDP×4 → FSDP×2·TP×2 → ZeRO-1 → one
 process). Every save writes aside and renames: a crash in the middle leaves the previous
@@ -18,7 +18,7 @@ own, so their checkpoints are as sharded as the state is.
 
 `export_hf` (every rank of a run) and `convert_to_hf` (offline, from any checkpoint) write
 a Hugging Face folder instead: config.json and safetensors shards, spread over the ranks
-(`export_hf` module).
+(`export_hf` module); `load_hf` reads one into any plan, each rank its slices (`hf_load`).
 
 `save` / `load` / `convert` are the user's functions; `model_state`, `optimizer_state`,
 `set_model_state`, `set_optimizer_state`, `write` and `read` are the pieces they are made of,
