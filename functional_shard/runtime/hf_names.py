@@ -199,13 +199,16 @@ def transformers_map(model: nn.Module, held: Collection[str]) -> NameMap:
     own; of its conversions, stacking experts and concatenating pieces are read as
     `Piece` s, and any other is refused by name (it cannot be read in slices).
     """
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import (
-        WeightConverter,
-        WeightRenaming,
-        apply_renamings,
-        rename_source_key,
-    )
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            apply_renamings,
+            rename_source_key,
+        )
+    except ImportError:  # transformers 4 converts nothing: its models hold the folder's names
+        return lambda key: key
 
     transforms = get_model_conversion_mapping(model)  # type: ignore[arg-type]
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
