@@ -34,6 +34,7 @@ CHECKPOINT = (
     "checkpoint_safety",
     "checkpoint_async",
     "export_hf",
+    "hf_load",
 )
 RUNTIME_EFFECTS = ("apply", *CHECKPOINT, "device_mesh", "launch", "measure", "timeouts")
 EFFECTS = {f"runtime/{name}.py" for name in RUNTIME_EFFECTS} | {

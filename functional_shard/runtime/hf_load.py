@@ -107,7 +107,7 @@ def load_hf(
     with torch.no_grad():
         for name, pieces in sources.items():
             tensor = module.get_parameter(name) if name in canonical else module.get_buffer(name)
-            _fill(folder, module, applied, name, tensor, pieces, rank)
+            _fill(folder, module, applied, name, tensor, pieces, rank=rank)
     if on_meta and applied is not None:
         place_grads_as_params(applied.local_plan, module)
         reduce_whole_grads(applied.local_plan, module, applied.device_mesh)
@@ -276,6 +276,7 @@ def _fill(
     name: str,
     tensor: torch.Tensor,
     pieces: Sequence[tuple[Source, Piece]],
+    *,
     rank: int,
 ) -> None:
     from torch.distributed.tensor import DTensor
