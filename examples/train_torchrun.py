@@ -31,6 +31,14 @@ peer ends the job within 60 s with the collective and the ranks named):
         --mesh dp=4 --policy "fsdp(dp)" --steps 1000 \\
         --checkpoint-dir checkpoints --save-every 50 --timeout 60
 
+Fine-tuning a published model (a Hugging Face folder: config.json and its safetensors): the
+model is planned from the folder's config.json, and each rank reads its own shards from the
+folder's weights instead of initialising them (a zoo model reads them through
+`fs.checkpoint.zoo_llama`, a transformers model under its own names):
+
+    torchrun --standalone --nproc-per-node 4 examples/train_torchrun.py \\
+        --model Llama-3.2-1B --init-from Llama-3.2-1B --mesh dp=4 --policy "fsdp(dp)"
+
 Every process plans the same model on the meta device (pure: all ranks agree without
 talking), lets `fs.apply` parallelize it, then materializes only its own shards. The data
 is a learnable toy task (each next token is the previous one plus one), split over the
@@ -65,6 +73,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import functional_shard as fs
 from functional_shard.cli import load_model, parse_mesh
+from functional_shard.zoo import Llama
 
 
 def arguments() -> argparse.Namespace:
@@ -89,6 +98,9 @@ def arguments() -> argparse.Namespace:
     )
     parser.add_argument(
         "--timeout", type=float, default=300.0, help="seconds a collective waits for a hung or dead peer"
+    )
+    parser.add_argument(
+        "--init-from", type=pathlib.Path, help="a Hugging Face folder whose weights the model starts from"
     )
     return parser.parse_args()
 
@@ -115,6 +127,11 @@ def main() -> int:
     # torchrun's environment (rank, world size, rendezvous); NCCL on GPUs, gloo on CPUs
     device = fs.init_distributed(timeout=args.timeout)
     rank = dist.get_rank()
+    if args.init_from is not None and not args.init_from.is_dir():
+        # refused before any work (every rank sees the same path), through refuse's barrier
+        # so that rank 0's message is out before torchrun stops the job
+        wrong = f"--init-from {str(args.init_from)!r}: not a folder; pass a Hugging Face model's folder"
+        return refuse(fs.ShardingError(f"{wrong} (config.json and its safetensors)"), rank)
     try:
         model = load_model(args.model)  # the meta device: shapes only, the same on every rank
         mesh = parse_mesh(args.mesh).resolve(dist.get_world_size())
@@ -123,18 +140,14 @@ def main() -> int:
             print(plan.explain().split("\n\n")[0], flush=True)
             print(plan.cost("adamw", tokens=args.batch * args.seq), flush=True)
         fs.apply(plan, model, mesh.device_mesh(device.type))
-        # Hugging Face models initialise through their own _init_weights; zoo models by reset_parameters
-        init = getattr(model, "_init_weights", None)
-        fs.materialize(plan, model, device, seed=args.seed, init=init)
-        if init is not None:
-            # materialize initialises modules that hold parameters; a rotary embedding holds
-            # only buffers (inv_freq), which to_empty left unset
-            for sub in model.modules():
-                if (
-                    next(sub.buffers(recurse=False), None) is not None
-                    and next(sub.parameters(recurse=False), None) is None
-                ):
-                    init(sub)
+        if args.init_from is not None:
+            # the zoo's Llama has Hugging Face's names without the "model." prefix
+            mapping = fs.checkpoint.zoo_llama if isinstance(model, Llama) else None
+            fs.checkpoint.load_hf(args.init_from, model, mapping=mapping, device=device)
+            if rank == 0:
+                print(f"weights from {args.init_from}", flush=True)
+        else:
+            initialise(plan, model, device, args.seed)
         optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=args.lr)
     except fs.ShardingError as error:
         return refuse(error, rank)
@@ -183,6 +196,22 @@ def main() -> int:
     if rank == 0 and start < args.steps:
         print(f"loss {first:.4f} -> {last:.4f} over {args.steps - start} steps on {mesh!r}", flush=True)
     return 0 if start == args.steps or math.isfinite(last) else 1
+
+
+def initialise(plan: fs.Plan, model: torch.nn.Module, device: torch.device, seed: int) -> None:
+    """Each rank's shards of a meta-device model, made and initialised as the model does it."""
+    # Hugging Face models initialise through their own _init_weights; zoo models by reset_parameters
+    init = getattr(model, "_init_weights", None)
+    fs.materialize(plan, model, device, seed=seed, init=init)
+    if init is not None:
+        # materialize initialises modules that hold parameters; a rotary embedding holds
+        # only buffers (inv_freq), which to_empty left unset
+        for sub in model.modules():
+            if (
+                next(sub.buffers(recurse=False), None) is not None
+                and next(sub.parameters(recurse=False), None) is None
+            ):
+                init(sub)
 
 
 def resume(

@@ -12,7 +12,7 @@ import functional_shard as fs
 from functional_shard.adapters.lightning import ShardStrategy
 from functional_shard.zoo import Llama, LlamaConfig
 
-from . import dist_cases
+from . import dist_cases, load_hf_cases
 
 # AdamW divides by sqrt(v) + eps: with torch's default eps (1e-8) a gradient element near
 # zero turns the last-bit reordering of a cross-rank sum into a full-size update of either
@@ -437,3 +437,93 @@ def hf_reference(first: dict[str, torch.Tensor], data_parallel: int) -> list[flo
         optimizer.step()
         losses.append(loss.item())
     return losses
+
+
+def _loaded_at_fit_start(module: L.LightningModule) -> dict[str, torch.Tensor]:
+    # every rank: gathering a whole state is a collective
+    state = fs.checkpoint.model_state(module, full=True)
+    return {k.removeprefix("model."): dist_cases.full(v) for k, v in state.items()}
+
+
+class FromHuggingFace(L.LightningModule):
+    """A tiny Hugging Face model built in ``configure_model`` (on the meta device, or seeded
+    on the CPU); at the start of fit it records what the strategy's ``weights=`` loaded."""
+
+    def __init__(self, family: str, meta: bool) -> None:
+        super().__init__()
+        self.family, self.meta = family, meta
+        self.model: torch.nn.Module | None = None
+        self.losses: list[torch.Tensor] = []
+        self.loaded: dict[str, object] = {}
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = load_hf_cases.build(self.family, meta=self.meta, seed=11 + dist.get_rank())
+
+    def on_fit_start(self) -> None:
+        self.loaded = {"state": _loaded_at_fit_start(self), "logits": load_hf_cases.logits_of(self.model)}
+
+    def training_step(self, batch: torch.Tensor, batch_index: int) -> torch.Tensor:
+        assert self.model is not None
+        loss = hf_next_token_loss(self.model, batch)
+        self.losses.append(loss.detach())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=dist_cases.LR, eps=ADAM_EPS)
+
+
+class ZooFromFolder(LanguageModel):
+    """`LanguageModel` (the zoo's Llama, built seeded), recording what ``weights=`` loaded."""
+
+    def on_fit_start(self) -> None:
+        self.loaded = {"state": _loaded_at_fit_start(self), "logits": None}
+
+
+def hf_next_token_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def _tokens(rows: int) -> torch.Tensor:
+    return torch.randint(
+        0, load_hf_cases.VOCAB, (rows, load_hf_cases.SEQ + 1), generator=torch.Generator().manual_seed(0)
+    )
+
+
+def fit_from_folder(
+    folder: str, family: str, meta: bool, policy: fs.Policy, mesh: fs.Mesh, mapping: object = None
+) -> dict[str, object] | None:
+    """One step of Trainer.fit under ``ShardStrategy(policy, weights=folder)`` (``family``
+    ``"zoo"``: `ZooFromFolder`); rank 0 returns the whole state and the logits at the start
+    of fit, and the step's loss."""
+    strategy = ShardStrategy(policy, mesh=mesh, weights=folder, weights_mapping=mapping)
+    trainer = quiet_trainer(strategy, max_steps=1)
+    module = ZooFromFolder(dist_cases.EVEN) if family == "zoo" else FromHuggingFace(family, meta)
+    trainer.fit(module, torch.utils.data.DataLoader(_tokens(8), batch_size=2))
+    loss = dist_cases.mean_over_ranks(torch.stack([dist_cases.full(x) for x in module.losses]))
+    return {**module.loaded, "losses": loss.tolist()} if dist.get_rank() == 0 else None
+
+
+def fabric_from_folder(
+    folder: str, family: str, meta: bool, policy: fs.Policy, mesh: fs.Mesh
+) -> dict[str, object] | None:
+    """``fabric.setup_module`` under ``FabricShardStrategy(policy, weights=folder)``, then one
+    step; rank 0 returns the whole state and logits after setup, and the step's loss."""
+    from functional_shard.adapters.lightning import FabricShardStrategy
+
+    _, world = join_as_lightning_rank()
+    strategy = FabricShardStrategy(policy, mesh=mesh, weights=folder)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup_module(load_hf_cases.build(family, meta=meta, seed=11 + dist.get_rank()))
+    state = fs.checkpoint.model_state(model.module, full=True)
+    loaded = {
+        "state": {k: dist_cases.full(v) for k, v in state.items()},
+        "logits": load_hf_cases.logits_of(model),
+    }
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=dist_cases.LR))
+    loss = hf_next_token_loss(model, _tokens(2))
+    fabric.backward(loss)
+    optimizer.step()
+    return {**loaded, "losses": [loss.item()]} if dist.get_rank() == 0 else None

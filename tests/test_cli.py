@@ -368,6 +368,22 @@ def test_seq_alone_means_one_sequence_per_data_parallel_rank(capsys):
     assert str(chosen.estimate) in out
 
 
+def test_a_model_folder_with_its_weights_is_planned_from_config_json_alone(capsys, tmp_path):
+    """What save_pretrained writes (config.json and model.safetensors), as --init-from takes it:
+    planned on the meta device, no weights read."""
+    pytest.importorskip("transformers")
+    from . import load_hf_cases
+
+    folder = load_hf_cases.write_folder(tmp_path / "llama", "llama")
+    assert (folder / "model.safetensors").is_file()
+    assert cli.load_model(str(folder)).model.embed_tokens.weight.device.type == "meta"
+    code, out, err = run(
+        capsys, "plan", "--model", str(folder), "--mesh", "dp=2,tp=2", "--policy", "fsdp(dp) + tp(llama, tp)"
+    )
+    assert code == 0, err
+    assert "Plan on Mesh(dp=2, tp=2): data parallel fsdp over ('dp',); tensor parallel over ('tp',)" in out
+
+
 def test_auto_gives_a_mixture_of_experts_model_tensor_and_expert_parallel_candidates(capsys, tmp_path):
     transformers = pytest.importorskip("transformers")
     transformers.MixtralConfig(

@@ -6,13 +6,14 @@ import dataclasses
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import functional_shard as fs
 
-from . import dist_cases, lightning_cases
+from . import dist_cases, lightning_cases, load_hf_cases
 
 NAMED = [
     ("fs_ddp", 4),
@@ -327,3 +328,92 @@ def test_the_strategy_reduces_gathers_and_broadcasts_over_every_rank(world, name
         assert result["gathered"] == [0.0, 1.0, 2.0, 3.0]
         assert result["broadcast"] == "from 2.0"
         assert result["decision"] is True
+
+
+# weights=: a Hugging Face folder (save_pretrained of a tiny Llama) the run starts from
+FSDP = (fs.fsdp("dp"), fs.Mesh(dp=4))
+FSDP_TP = (fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp"), fs.Mesh(dp=2, tp=2))
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("transformers")
+    return load_hf_cases.write_folder(tmp_path_factory.mktemp("hf") / "llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def pretrained(hf_folder: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    return load_hf_cases.reference(hf_folder, "llama")
+
+
+def assert_loaded(result, state, logits=None):
+    assert result["state"], "nothing gathered"
+    assert set(result["state"]) <= set(state)
+    for name, value in result["state"].items():
+        assert torch.equal(value, state[name]), f"{name} differs by {(value - state[name]).abs().max()}"
+    if logits is not None:
+        torch.testing.assert_close(result["logits"], logits, atol=1e-6, rtol=1e-6)
+    assert all(0 < loss < 10 for loss in result["losses"])  # then a step trains
+
+
+@pytest.mark.parametrize(
+    ("meta", "plan"),
+    [pytest.param(True, FSDP, id="meta-fsdp"), pytest.param(False, FSDP_TP, id="cpu-fsdp_tp")],
+)
+def test_the_trainer_starts_from_a_hugging_face_folder(world, hf_folder, pretrained, meta, plan):
+    """ShardStrategy(policy, weights=folder): configure_model builds the model (on the meta
+    device: no memory, no random init; or seeded, then overwritten); the strategy applies the
+    plan and fills each shard from the folder: from_pretrained's weights bit for bit, its
+    logits to 1e-6."""
+    result = world.run(lightning_cases.fit_from_folder, str(hf_folder), "llama", meta, *plan)[0]
+    assert_loaded(result, *pretrained)
+
+
+def test_fabric_starts_from_a_hugging_face_folder(world, hf_folder, pretrained):
+    """FabricShardStrategy(policy, weights=folder): fabric.setup_module of a meta-device model."""
+    result = world.run(lightning_cases.fabric_from_folder, str(hf_folder), "llama", True, *FSDP_TP)[0]
+    assert_loaded(result, *pretrained)
+
+
+def test_weights_mapping_fills_a_zoo_model_from_a_hugging_face_folder(world, tmp_path):
+    """weights_mapping=fs.checkpoint.zoo_llama: the zoo's tied Llama from a folder that
+    leaves the tied head out (as save_pretrained writes it)."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    config = dist_cases.EVEN
+    torch.manual_seed(3)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        tie_word_embeddings=True,
+    )
+    transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path)
+    mapping = fs.checkpoint.zoo_llama
+    result = world.run(lightning_cases.fit_from_folder, str(tmp_path), "zoo", False, *FSDP, mapping)[0]
+    saved = load_file(tmp_path / "model.safetensors")
+    assert "lm_head.weight" not in saved
+    expected = {name: saved[f"model.{name}"] for name in result["state"] if name != "lm_head.weight"}
+    assert_loaded(result, {**expected, "lm_head.weight": saved["model.embed_tokens.weight"]})
+
+
+@pytest.mark.parametrize("strategy", ["ShardStrategy", "FabricShardStrategy"])
+def test_weights_that_are_not_a_folder_are_refused_when_the_strategy_is_made(hf_folder, strategy):
+    import functional_shard.adapters.lightning as adapter
+
+    made = getattr(adapter, strategy)
+    file = hf_folder / "model.safetensors"
+    wrong = f"{strategy}(weights={str(file)!r}): a file, not a folder; pass the folder that holds it"
+    with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
+        made(fs.fsdp("dp"), weights=file)
+    missing = str(hf_folder / "nowhere")
+    wrong = f"{strategy}(weights={missing!r}): no such folder; pass a Hugging Face model's folder"
+    with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
+        made(fs.fsdp("dp"), weights=missing)
+    wrong = f"{strategy}: weights_mapping= and trust_weights= say how to read weights=, which is not given"
+    with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
+        made(fs.fsdp("dp"), weights_mapping=fs.checkpoint.zoo_llama)

@@ -146,6 +146,28 @@ def test_a_meta_model_is_filled_straight_from_the_files(folder):
     torch.testing.assert_close(cases.logits_of(model), cases.logits_of(reference), atol=0, rtol=0)
 
 
+class Wrapped(torch.nn.Module):
+    """The model as a child, as a LightningModule holds it (``self.model``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = cases.build("llama", meta=True)
+
+
+def test_a_model_under_a_root_reads_the_folder_under_its_own_names(folder):
+    # the plan is applied to the wrapper with root="model"; names, ignored keys and computed
+    # buffers are the model's own
+    wrapped = Wrapped()
+    fs.checkpoint.load_hf(folder, wrapped, root="model")
+    reference = cases.build("llama", seed=9)
+    fs.checkpoint.load_hf(folder, reference)
+    for name, value in reference.state_dict().items():
+        assert torch.equal(wrapped.model.state_dict()[name], value), name
+    torch.testing.assert_close(cases.logits_of(wrapped.model), cases.logits_of(reference), atol=0, rtol=0)
+    with pytest.raises(fs.ShardingError, match=re.escape("load_hf(root='nowhere'): the module has no such")):
+        fs.checkpoint.load_hf(folder, Wrapped(), root="nowhere")
+
+
 def test_name_maps_take_patterns_candidates_and_pieces():
     mapping = pattern_map({"a.*.q": [Piece("b.*.qkv", 0), "b.*.wq"], "a.*.k": Piece("b.*.qkv", 1)})
     assert mapping("a.3.q") == [Piece("b.3.qkv", 0), "b.3.wq"]

@@ -1,5 +1,6 @@
 """examples/train_torchrun.py under torchrun for real: 4 gloo processes, a plan from the command line."""
 
+import importlib.util
 import math
 import pathlib
 import re
@@ -7,12 +8,18 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+from . import load_hf_cases
 
 ROOT = pathlib.Path(__file__).parents[1]
 
 
-def torchrun(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+def torchrun(*args: str, processes: int = 4) -> subprocess.CompletedProcess[str]:
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+        *("--nproc-per-node", str(processes)),
+    ]
     return subprocess.run(
         [*command, str(ROOT / "examples" / "train_torchrun.py"), *args],
         capture_output=True,
@@ -78,3 +85,49 @@ def test_a_context_parallel_plan_trains_under_torchrun():
     assert losses[-1] < losses[0] - 0.3  # the counting task is learnt from chunks of it
     assert "context parallel over 'cp': activations split on the sequence dim into 4 chunks" in result.stdout
     assert "Warning" not in result.stderr
+
+
+def example_module():
+    """The script as a module, for its batches (its main runs only as a script)."""
+    spec = importlib.util.spec_from_file_location("train_torchrun", ROOT / "examples" / "train_torchrun.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_a_run_starts_from_a_hugging_face_folder_under_torchrun(tmp_path):
+    """--model FOLDER --init-from FOLDER on 2 processes: each rank reads its FSDP shards from
+    the folder, so the first step's loss is from_pretrained's on the same batch."""
+    transformers = pytest.importorskip("transformers")
+    folder = load_hf_cases.write_folder(tmp_path / "llama", "llama")
+    model = ("--model", str(folder), "--init-from", str(folder))
+    plan = ("--mesh", "dp=2", "--policy", "fsdp(dp)")
+    result = torchrun(*model, *plan, "--steps", "2", "--batch", "2", "--seq", "8", processes=2)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"weights from {folder}" in result.stdout
+    losses = [float(x) for x in re.findall(r"^step +\d+  loss (\S+)$", result.stdout, re.M)]
+    assert len(losses) == 2
+    # step 0's batch over both data-parallel ranks, drawn as the script draws it
+    tokens = example_module().counting_batch(0, 2 * 2, 8, load_hf_cases.VOCAB, 0)
+    pretrained = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa")
+    with torch.no_grad():
+        logits = pretrained(tokens[:, :-1]).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    assert losses[0] == pytest.approx(expected.item(), abs=2e-4)  # printed to 4 decimals
+    assert "Warning" not in result.stderr
+
+
+@pytest.mark.slow
+def test_init_from_a_missing_folder_is_refused_before_the_run_starts(tmp_path):
+    missing = str(tmp_path / "nowhere")
+    result = torchrun("--mesh", "dp=2", "--policy", "fsdp(dp)", "--init-from", missing, processes=2)
+    assert result.returncode != 0
+    refusals = [line for line in result.stderr.splitlines() if line.startswith("train_torchrun:")]
+    assert len(refusals) == 1, result.stderr
+    assert refusals[0].startswith(
+        f"train_torchrun: --init-from {missing!r}: not a folder; pass a Hugging Face"
+    )
+    assert "step" not in result.stdout

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -70,6 +72,7 @@ class _RunsAPlan:
     _policy: fs.Policy | None
     _mesh: fs.Mesh
     _seed: int | None
+    _weights: Path | None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Watch the collectives of each strategy's steps, collectives and checkpoints.
@@ -96,9 +99,15 @@ class _RunsAPlan:
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        weights: str | os.PathLike[str] | None = None,
+        weights_mapping: Mapping[str, Any] | Callable[[str], Any] | None = None,
+        trust_weights: bool = False,
     ) -> None:
         super().__init__()  # the Lightning strategy this class is mixed into
         self._hold(plan, mesh, seed, save_distributed_checkpoint, process_group_backend, timeout)
+        self._weights = _weights_folder(type(self).__name__, weights, weights_mapping, trust_weights)
+        self._weights_mapping = weights_mapping
+        self._trust_weights = trust_weights
         self._start_state()
 
     def _start_state(self) -> None:
@@ -170,7 +179,17 @@ class _RunsAPlan:
         if self._plan is None:
             self._plan = fs.shard(module, self._mesh, self._policy)
         fs.apply(self._plan, module, device_mesh, root=root)
-        if any(p.is_meta for p in module.parameters()):
+        if self._weights is not None:
+            # meta or materialized, each rank's shards are filled from the folder: no random init
+            fs.checkpoint.load_hf(
+                self._weights,
+                module,
+                mapping=self._weights_mapping,
+                trust=self._trust_weights,
+                device=device,
+                root=root,
+            )
+        elif any(p.is_meta for p in module.parameters()):
             fs.materialize(self._plan, module, device, seed=self._seed)
 
     def _zero1(
@@ -189,6 +208,36 @@ class _RunsAPlan:
         accepted = inspect.signature(type(optimizer).__init__).parameters
         kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         return fs.optimizer(self.plan, module, type(optimizer), **kwargs)
+
+
+def _weights_folder(
+    who: str, weights: str | os.PathLike[str] | None, mapping: object, trust: bool
+) -> Path | None:
+    """The folder ``weights=`` names, checked to be one (its files are read at setup, on every rank)."""
+    if weights is None:
+        if mapping is not None or trust:
+            raise fs.ShardingError(
+                f"{who}: weights_mapping= and trust_weights= say how to read weights=, which is not "
+                "given; pass weights=FOLDER too, or drop them"
+            )
+        return None
+    folder = Path(weights)
+    if folder.is_dir():
+        return folder
+    if folder.exists():
+        problem, fix = (
+            "a file, not a folder",
+            f"pass the folder that holds it, weights={str(folder.parent)!r}",
+        )
+    else:
+        problem = "no such folder"
+        fix = (
+            "pass a Hugging Face model's folder (config.json and model.safetensors, as save_pretrained "
+            "writes them) at a path every node sees"
+        )
+    raise fs.ShardingError(
+        f"{who}(weights={str(weights)!r}): {problem}; {fix}, or weights=None to initialise the model as usual"
+    )
 
 
 def _agree_on_overflow(precision: Any) -> None:

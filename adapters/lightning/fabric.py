@@ -37,6 +37,10 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
     (aside, then renamed; any plan's, ZeRO-1's included), so a checkpoint moves between
     plans, Fabric and the Trainer.
 
+    The arguments are `ShardStrategy`'s: with ``weights="folder/"`` (and ``weights_mapping=``,
+    ``trust_weights=``) ``fabric.setup_module`` fills the module, built on the meta device or
+    not, from a Hugging Face folder after applying the plan, each rank reading its slices.
+
     Examples:
         >>> # fabric = L.Fabric(strategy=FabricShardStrategy(fs.fsdp()), accelerator="cpu", devices=4)
     """

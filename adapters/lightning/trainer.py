@@ -35,8 +35,10 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
 
     No ``configure_model`` override is needed: when the LightningModule has one, it runs
     first (so models can be built on the meta device), then the plan is applied and the
-    module materialized shard by shard. The distributed sampler splits the data over the
-    plan's data-parallel axes; tensor-parallel ranks read the same batches.
+    module materialized shard by shard, or with ``weights=`` filled from a Hugging Face
+    folder, each rank reading its own slices (`functional_shard.runtime.checkpoint.load_hf`).
+    The distributed sampler splits the data over the plan's data-parallel axes;
+    tensor-parallel ranks read the same batches.
 
     Pipeline plans (``fs.pipeline("pp", microbatches=4) + fs.fsdp("dp")``): the schedule runs
     each step's forward and backward over its micro-batches, so ``training_step`` returns
@@ -72,14 +74,21 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
         timeout: how long a collective waits for a hung or dead peer; past it the run ends
             with a `functional_shard.CollectiveTimeoutError` naming the collective and the
             ranks (joining the process group still waits for slow starts).
+        weights: a Hugging Face folder the model starts from, loaded once the plan is applied
+            (meta or materialized); its names are those of the LightningModule's model child.
+        weights_mapping: which model tensor each folder tensor fills (``load_hf``'s ``mapping``).
+        trust_weights: read pickled ``pytorch_model.bin`` files too (``load_hf``'s ``trust``).
 
     Raises:
         functional_shard.MeshError: the plan's mesh does not match the number of devices.
         functional_shard.PlanError: the plan does not fit the module, or torch cannot run it.
-        functional_shard.ShardingError: an optimizer built on parameters sharding replaced.
+        functional_shard.ShardingError: an optimizer built on parameters sharding replaced;
+            ``weights`` is not a folder (here), or does not fit the model (at setup, on every rank).
 
     Examples:
         >>> # trainer = L.Trainer(strategy=ShardStrategy(fs.fsdp()), accelerator="cpu", devices=4)
+        >>> # fine-tune a published model (configure_model builds it on the meta device):
+        >>> # ShardStrategy(fs.fsdp("dp"), weights="Llama-3.2-1B/")
     """
 
     def _start_state(self) -> None:

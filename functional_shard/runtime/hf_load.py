@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ def load_hf(
     mapping: Mapping_ | None = None,
     trust: bool = False,
     device: str | torch.device | None = None,
+    root: str = "",
 ) -> nn.Module:
     """Fill a model's local shards from a Hugging Face folder, on every rank after `apply`.
 
@@ -61,20 +62,25 @@ def load_hf(
             `functional_shard.runtime.hf_names` has ready maps (``zoo_llama``, ``torchtitan_llama``).
         trust: read a folder of pickled ``pytorch_model.bin`` files (with ``weights_only``).
         device: where a meta module's shards are made (the device mesh's device by default).
+        root: the submodule the folder holds, when the plan was applied around it
+            (``fs.apply(plan, module, root="model")``, as the Lightning adapter does).
 
     Returns:
         The module, filled.
 
     Raises:
         ShardingError: the folder does not fit the model (missing or unexpected keys, shapes,
-            quantized weights, damaged files, pickles without ``trust``), or a computed buffer
-            cannot be restored. Raised on every rank, before anything changes.
+            quantized weights, damaged files, pickles without ``trust``), a computed buffer
+            cannot be restored, or ``root`` names no submodule. Raised on every rank, before
+            anything changes.
 
     Examples:
         >>> # with torch.device("meta"): model = AutoModelForCausalLM.from_config(config)
         >>> # fs.apply(plan, model); fs.checkpoint.load_hf("Llama-3-8B/", model)
     """
     path = Path(path)
+    model = _submodule(module, root)
+    prefix = f"{root}." if root else ""
     applied = APPLIED.get(module)
     canonical = _canonical_names(module)
     buffers = _persistent_buffers(module)
@@ -89,20 +95,21 @@ def load_hf(
     sources: dict[str, list[tuple[Source, Piece]]] = {}
     if folder is not None:
         try:
-            sources, found = _sources(folder, module, mapping, canonical, buffers, whole_names)
+            sources, found = _sources(folder, module, mapping, canonical, buffers, whole_names, root=root)
         except ShardingError as error:
             found = [str(error)]
         problems += found
     on_meta = any(p.is_meta for p in module.parameters())
-    computed = [name for name in meta_buffers(module) if name not in sources] if on_meta else []
-    problems += buffer_problems(module, computed)
+    # the buffers are the model's own: computed from its config, under its own names
+    computed = [n for n in meta_buffers(model) if prefix + n not in sources] if on_meta else []
+    problems += buffer_problems(model, computed)
     raise_problems(
         agreed(problems), f"fs.checkpoint.load_hf changed nothing: {path} does not fit the model", _FIX
     )
     assert folder is not None
     if on_meta:
         _allocate(module, _device(device, applied))
-        restore_buffers(module, computed, _device(device, applied))
+        restore_buffers(model, computed, _device(device, applied))
     rank = dist.get_rank() if distributed() else 0
     with torch.no_grad():
         for name, pieces in sources.items():
@@ -112,6 +119,16 @@ def load_hf(
         place_grads_as_params(applied.local_plan, module)
         reduce_whole_grads(applied.local_plan, module, applied.device_mesh)
     return module
+
+
+def _submodule(module: nn.Module, root: str) -> nn.Module:
+    try:
+        return module.get_submodule(root)
+    except AttributeError:
+        raise ShardingError(
+            f"fs.checkpoint.load_hf(root={root!r}): the module has no such submodule; pass the name "
+            "of the child that holds the model (the root given to fs.apply), or none"
+        ) from None
 
 
 def _canonical_names(module: nn.Module) -> dict[str, list[str]]:
@@ -131,6 +148,20 @@ def _persistent_buffers(module: nn.Module) -> set[str]:
     return found
 
 
+def _under(root: str, resolve: Callable[[str], Piece | str | None]) -> Callable[[str], Piece | str | None]:
+    # the map names the root's tensors: the module's are under the root's name
+    if not root:
+        return resolve
+
+    def prefixed(key: str) -> Piece | str | None:
+        target = resolve(key)
+        if isinstance(target, Piece):
+            return dataclasses.replace(target, name=f"{root}.{target.name}")
+        return None if target is None else f"{root}.{target}"
+
+    return prefixed
+
+
 def _ignored(module: nn.Module, key: str) -> bool:
     # transformers' own list of folder keys its models drop (old rotary buffers, ...)
     import re
@@ -146,10 +177,15 @@ def _sources(
     canonical: Mapping[str, list[str]],
     buffers: set[str],
     whole_names: set[str],
+    *,
+    root: str,
 ) -> tuple[dict[str, list[tuple[Source, Piece]]], list[str]]:
     """Each local tensor's pieces in the folder, and what does not fit."""
     every_name = {*whole_names, *(n for names in canonical.values() for n in names)}
-    resolve = name_map(mapping, module, every_name)
+    model = module.get_submodule(root)
+    prefix = f"{root}." if root else ""
+    held = {n.removeprefix(prefix) for n in every_name if n.startswith(prefix)}
+    resolve = _under(root, name_map(mapping, model, held))
     owner = {name: first for first, names in canonical.items() for name in names}
     owner.update({name: name for name in buffers})
     non_persistent = {name for name, _ in module.named_buffers()} - buffers
@@ -166,7 +202,7 @@ def _sources(
         target = resolve(key)
         name = target.name if isinstance(target, Piece) else target
         if name is None or name not in every_name:
-            if name not in non_persistent and not _ignored(module, key):
+            if name not in non_persistent and not _ignored(model, key):
                 where = "maps to nothing" if name is None else f"maps to {name}, which the model lacks"
                 problems.append(f"{key} ({source.file}): unexpected, {where}")
             continue
