@@ -343,7 +343,8 @@ def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def pretrained(hf_folder: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    return load_hf_cases.reference(hf_folder, "llama")
+    state, logits, _ = load_hf_cases.reference(hf_folder, "llama")
+    return state, logits
 
 
 def assert_loaded(result, state, logits=None):
