@@ -408,3 +408,32 @@ def save_asynchronously(name: str, config: LlamaConfig, path: str, steps: int) -
     again.wait()
     result = {"state": state, "in_place_early": in_place_early, "first_done": first_done}
     return result if dist.get_rank() == 0 else None
+
+
+def adamw_steps(
+    plan: fs.Plan,
+    model: torch.nn.Module,
+    loss_of: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
+    batches: list[torch.Tensor],
+    *,
+    micro_batch: int,
+    lr: float,
+    eps: float,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """AdamW steps under ``plan``, this rank on its data-parallel rows of each global batch.
+
+    Returns the losses (each the mean over ranks) and the first step's gradients, whole.
+    """
+    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=lr, eps=eps)
+    index, _ = plan.data_parallel_rank(dist.get_rank())
+    losses = []
+    grads: dict[str, torch.Tensor] = {}
+    for tokens in batches:
+        optimizer.zero_grad()
+        loss = loss_of(model, tokens[index * micro_batch : (index + 1) * micro_batch])
+        loss.backward()
+        if not grads:
+            grads = {k: full(v.grad) for k, v in model.named_parameters() if v.grad is not None}
+        optimizer.step()
+        losses.append(mean_over_ranks(loss).item())
+    return losses, grads

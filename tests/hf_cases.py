@@ -5,6 +5,8 @@ Importable so that spawn can send the functions; transformers is imported when a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
@@ -94,10 +96,11 @@ def strategy(name: str, world: int) -> tuple[fs.Mesh, fs.Policy]:
     return mesh.resolve(world), policy
 
 
-def batches(data_parallel: int) -> list[torch.Tensor]:
+def batches(data_parallel: int, vocab: int = VOCAB) -> list[torch.Tensor]:
+    """The run's global batches: ``MICRO_BATCH`` rows per data-parallel rank, tokens below ``vocab``."""
     generator = torch.Generator().manual_seed(1234)
     return [
-        torch.randint(0, VOCAB, (MICRO_BATCH * data_parallel, SEQ + 1), generator=generator)
+        torch.randint(0, vocab, (MICRO_BATCH * data_parallel, SEQ + 1), generator=generator)
         for _ in range(STEPS)
     ]
 
@@ -115,15 +118,22 @@ def reference(
 
 
 def train_alone(
-    model: torch.nn.Module, data_parallel: int
+    model: torch.nn.Module,
+    data_parallel: int,
+    *,
+    loss_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None,
+    vocab: int = VOCAB,
 ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """`reference` of a model already built: the losses, parameters and first gradients."""
+    """`reference` of a model already built: the losses, parameters and first gradients.
+
+    ``loss_fn``: the model's next-token loss (`loss_of`, for a Hugging Face model, by default).
+    """
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses = []
     grads: dict[str, torch.Tensor] = {}
-    for tokens in batches(data_parallel):
+    for tokens in batches(data_parallel, vocab):
         optimizer.zero_grad()
-        loss = loss_of(model, tokens)
+        loss = (loss_fn or loss_of)(model, tokens)
         loss.backward()
         if not grads:
             grads = {k: v.grad.clone() for k, v in model.named_parameters() if v.grad is not None}

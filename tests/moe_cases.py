@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import functional_shard as fs
 
-from .dist_cases import full, mean_over_ranks
+from .dist_cases import adamw_steps, full, mean_over_ranks
 from .hf_cases import EPS, LR, MICRO_BATCH, STEPS, VOCAB, batches, loss_of, train_alone
 
 _COMMON = {
@@ -98,18 +98,10 @@ def train(family: str, experts: int, strategy_name: str) -> dict[str, object]:
     model = build(family, experts)
     plan = fs.shard(model, mesh, policy)
     fs.apply(plan, model)
-    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR, eps=EPS)
-    index, data_parallel = plan.data_parallel_rank(dist.get_rank())
-    losses = []
-    grads: dict[str, torch.Tensor] = {}
-    for tokens in batches(data_parallel):
-        optimizer.zero_grad()
-        loss = loss_of(model, tokens[index * MICRO_BATCH : (index + 1) * MICRO_BATCH])
-        loss.backward()
-        if not grads:
-            grads = {k: full(v.grad) for k, v in model.named_parameters() if v.grad is not None}
-        optimizer.step()
-        losses.append(mean_over_ranks(loss).item())
+    _, data_parallel = plan.data_parallel_rank(dist.get_rank())
+    losses, grads = adamw_steps(
+        plan, model, loss_of, batches(data_parallel), micro_batch=MICRO_BATCH, lr=LR, eps=EPS
+    )
     params = {k: full(v) for k, v in model.state_dict().items()}
     first = dist.get_rank() == 0
     return {

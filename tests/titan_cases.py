@@ -16,15 +16,13 @@ import torch.nn.functional as F  # noqa: N812
 
 import functional_shard as fs
 
-from .dist_cases import full, mean_over_ranks
+from . import hf_cases
+from .dist_cases import adamw_steps, full
 from .titan_models import Llama3Model, titan_llama3
 
-STEPS = 3
-LR = 1e-2
-# as in hf_cases: AdamW's eps of 1e-6 keeps the reordering noise of near-zero gradients small
-EPS = 1e-6
-MICRO_BATCH = 2
-SEQ = 8
+# as in hf_cases (whose AdamW eps of 1e-6 keeps the reordering noise of near-zero gradients small)
+STEPS, LR, EPS = hf_cases.STEPS, hf_cases.LR, hf_cases.EPS
+MICRO_BATCH, SEQ = hf_cases.MICRO_BATCH, hf_cases.SEQ
 VOCAB = 256  # the "tiny" size's
 
 
@@ -46,11 +44,7 @@ def strategy(name: str, world: int) -> tuple[fs.Mesh, fs.Policy]:
 
 
 def batches(data_parallel: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(1234)
-    return [
-        torch.randint(0, VOCAB, (MICRO_BATCH * data_parallel, SEQ + 1), generator=generator)
-        for _ in range(STEPS)
-    ]
+    return hf_cases.batches(data_parallel, VOCAB)
 
 
 def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -60,19 +54,7 @@ def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 def reference(changes: dict[str, Any], data_parallel: int) -> dict[str, Any]:
     """One process (built on the CPU) training on the whole global batch."""
-    model = build(changes)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses = []
-    grads: dict[str, torch.Tensor] = {}
-    for tokens in batches(data_parallel):
-        optimizer.zero_grad()
-        loss = loss_of(model, tokens)
-        loss.backward()
-        if not grads:
-            grads = {k: v.grad.clone() for k, v in model.named_parameters() if v.grad is not None}
-        optimizer.step()
-        losses.append(loss.item())
-    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    losses, params, grads = hf_cases.train_alone(build(changes), data_parallel, loss_fn=loss_of, vocab=VOCAB)
     return {"losses": losses, "params": params, "grads": grads}
 
 
@@ -91,18 +73,10 @@ def train(changes: dict[str, Any], strategy_name: str, meta: bool = False) -> di
     if meta:
         fs.materialize(plan, model, seed=0)
         model.init_buffers("cpu")
-    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR, eps=EPS)
-    index, data_parallel = plan.data_parallel_rank(dist.get_rank())
-    losses = []
-    grads: dict[str, torch.Tensor] = {}
-    for tokens in batches(data_parallel):
-        optimizer.zero_grad()
-        loss = loss_of(model, tokens[index * MICRO_BATCH : (index + 1) * MICRO_BATCH])
-        loss.backward()
-        if not grads:
-            grads = {k: full(v.grad) for k, v in model.named_parameters() if v.grad is not None}
-        optimizer.step()
-        losses.append(mean_over_ranks(loss).item())
+    _, data_parallel = plan.data_parallel_rank(dist.get_rank())
+    losses, grads = adamw_steps(
+        plan, model, loss_of, batches(data_parallel), micro_batch=MICRO_BATCH, lr=LR, eps=EPS
+    )
     params = {k: full(v) for k, v in model.state_dict().items()}
     if dist.get_rank() != 0:
         return None
