@@ -192,7 +192,7 @@ def _sources(
     problems: list[str] = []
     pieces: dict[str, list[tuple[Source, Piece]]] = {}
     quantization = folder.config.get("quantization_config")
-    if quantization:
+    if quantization:  # the folder says so itself: its tensors need not be 8-bit (4-bit packed)
         method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
         problems.append(
             f"config.json: quantization_config ({method}): the weights are quantized; load_hf reads "
@@ -221,7 +221,15 @@ def _sources(
     for name in canonical:
         if name not in pieces:
             problems.append(f"{name}: missing, no tensor of the folder fills it")
-    problems += _layout_problems(folder, pieces)
+    problems += _layout_problems(folder, pieces) + _fit_problems(module, canonical, pieces)
+    return pieces, problems
+
+
+def _fit_problems(
+    module: nn.Module, canonical: Mapping[str, list[str]], pieces: Mapping[str, list[tuple[Source, Piece]]]
+) -> list[str]:
+    """Shapes the pieces do not compose into, and quantized pieces for float tensors."""
+    problems = []
     for name, found in pieces.items():
         tensor = module.get_parameter(name) if name in canonical else module.get_buffer(name)
         shape = composed_shape(found)
@@ -238,7 +246,7 @@ def _sources(
                     f"{source.key} ({source.file}): stored as {source.stored}, quantized; load_hf "
                     "reads float weights (dequantize the folder first)"
                 )
-    return pieces, problems
+    return problems
 
 
 def _tie_head(
