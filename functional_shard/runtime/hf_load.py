@@ -253,7 +253,7 @@ def _tie_head(
     folder: Folder, resolve: Any, owner: Mapping[str, str], pieces: dict[str, list[tuple[Source, Piece]]]
 ) -> None:
     # save_pretrained leaves a tied head out: a model that keeps its own head reads the embedding
-    if _TIED_HEAD in folder.sources or not folder.config.get("tie_word_embeddings", False):
+    if _TIED_HEAD in folder.sources or not _ties(folder.config):
         return
     target = resolve(_TIED_HEAD)
     name = owner.get(target.name if isinstance(target, Piece) else target or "")
@@ -358,3 +358,16 @@ def _layout_problems(folder: Folder, pieces: Mapping[str, list[tuple[Source, Pie
                     f"({groups}) does not divide its pieces {sizes}"
                 )
     return problems
+
+
+def _ties(config: Mapping[str, Any]) -> bool:
+    # save_pretrained writes only what differs from the config class's defaults: a missing
+    # tie_word_embeddings is the model type's default (Gemma ties, Llama does not)
+    if "tie_word_embeddings" in config:
+        return bool(config["tie_word_embeddings"])
+    try:
+        import transformers
+
+        return bool(transformers.AutoConfig.for_model(config.get("model_type", "")).tie_word_embeddings)
+    except (ImportError, ValueError, AttributeError):
+        return False
