@@ -74,6 +74,15 @@ class Folder:
         sliced = handle.get_slice(key)
         return sliced[tuple(window)] if window else handle.get_tensor(key)
 
+    def release(self) -> None:
+        """Close the files opened so far (they open again when next read).
+
+        Both readers map a whole file; every page a window touched stays resident in this
+        process (RssFile) until the file is closed, so a rank that kept its files open
+        would end up holding its shards twice: once in its tensors, once in the mapping.
+        """
+        self._open.clear()
+
     def _handle(self, name: str) -> Any:
         if name not in self._open:
             if self.pickled:
@@ -324,7 +333,7 @@ def fill_local(
         stacked = piece.expert is not None
         parts: list[list[_Part]] = []
         for dim, index in enumerate(indices):
-            if stacked and dim == 0:
+            if piece.expert is not None and dim == 0:  # stacked, spelt out: expert is an int here
                 positions = (index == piece.expert).nonzero().flatten().tolist()
                 parts.append([_Part(slice(p, p + 1), slice(0, 0)) for p in positions])
                 continue
