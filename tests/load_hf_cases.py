@@ -6,6 +6,8 @@ Importable so that spawn can send the functions; transformers is imported when a
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -263,3 +265,76 @@ def load_then_export(folder: str, family: str, plan_name: str, target: str, conf
     fs.apply(plan, model)
     fs.checkpoint.load_hf(folder, model, mapping=mapping_of(family))
     fs.checkpoint.export_hf(target, model, config if family == "fused" else None, mapping=mapping_of(family))
+
+
+# 84 MB in fp32 (largest tensor 4.2 MB): a rank's half stands far above the noise of
+# Python and the allocator, and the folder is written and loaded in a few seconds
+MEMORY_LLAMA: dict[str, Any] = {
+    **_DECODER,
+    "vocab_size": 2048,
+    "hidden_size": 512,
+    "intermediate_size": 1376,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "tie_word_embeddings": False,
+}
+
+
+def write_memory_folder(folder: Path) -> Path:
+    """``save_pretrained`` of a Llama of `MEMORY_LLAMA`'s sizes (its values left uninitialised)."""
+    import transformers
+
+    # the values do not matter here: skipping transformers' random init saves seconds
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**MEMORY_LLAMA))
+    model.to_empty(device="cpu").save_pretrained(folder)
+    return folder
+
+
+def _resident(key: str) -> int:
+    with open("/proc/self/status") as lines:
+        return next(int(line.split()[1]) * 1024 for line in lines if line.startswith(f"{key}:"))
+
+
+def _load_fsdp(folder: str) -> torch.nn.Module:
+    # the zoo's Llama (Hugging Face's names, fs.checkpoint.zoo_llama): the same reads as
+    # transformers' model, without importing transformers on the ranks (half the test's time)
+    from functional_shard.zoo import Llama, LlamaConfig
+
+    sizes = MEMORY_LLAMA
+    config = LlamaConfig(
+        sizes["vocab_size"],
+        sizes["hidden_size"],
+        sizes["intermediate_size"],
+        sizes["num_hidden_layers"],
+        sizes["num_attention_heads"],
+        sizes["num_key_value_heads"],
+    )
+    with torch.device("meta"):
+        model = Llama(config)
+    fs.apply(fs.shard(model, fs.Mesh(dp=dist.get_world_size()), fs.fsdp("dp")), model)
+    return fs.checkpoint.load_hf(folder, model, mapping=fs.checkpoint.zoo_llama)
+
+
+def peak_during_load(folder: str) -> dict[str, int]:
+    """On a rank: resident bytes at the peak of building on meta, ``fsdp``, `load_hf`, above
+    the start; and the bytes of the storages the model then holds (its shards, padding and
+    buffers included)."""
+    from torch.distributed.tensor import DTensor
+
+    # once first, so that the code it runs is paged in and its lazy imports are done: what
+    # the second load adds is the model's memory alone
+    _load_fsdp(folder)
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the first load freed goes back to the system
+    start = _resident("VmRSS")
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # the peak (VmHWM) starts again from the current resident size
+    model = _load_fsdp(folder)
+    peak = _resident("VmHWM") - start
+    storages = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        storage = (tensor.to_local() if isinstance(tensor, DTensor) else tensor).untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return {"peak": peak, "held": sum(storages.values())}

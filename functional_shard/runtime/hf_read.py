@@ -74,6 +74,15 @@ class Folder:
         sliced = handle.get_slice(key)
         return sliced[tuple(window)] if window else handle.get_tensor(key)
 
+    def release(self) -> None:
+        """Close the files opened so far (they open again when next read).
+
+        Both readers map a whole file; every page a window touched stays resident in this
+        process (RssFile) until the file is closed, so a rank that kept its files open
+        would end up holding its shards twice: once in its tensors, once in the mapping.
+        """
+        self._open.clear()
+
     def _handle(self, name: str) -> Any:
         if name not in self._open:
             if self.pickled:
