@@ -10,8 +10,12 @@ tensors (`hf_names.Piece`), reading only the rows, columns and experts the windo
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import math
+import mmap
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +57,8 @@ class Source:
     shape: tuple[int, ...]
     dtype: torch.dtype | None
     stored: str
+    start: int = 0
+    """Where its bytes begin in a safetensors file."""
 
 
 @dataclass
@@ -66,13 +72,22 @@ class Folder:
     _open: dict[str, Any] = field(default_factory=dict)
 
     def read(self, key: str, window: Sequence[slice]) -> torch.Tensor:
-        """The ``window`` of one tensor, read from its file (a memory-mapped slice)."""
+        """The ``window`` of one tensor: a view of the memory-mapped file (copy it out).
+
+        Only the pages the caller copies are read from disk; a view, not a copy, so each
+        element is copied once, from the file's pages into the shard.
+        """
         source = self.sources[key]
         handle = self._handle(source.file)
         if self.pickled:
-            return handle[key][tuple(window)].clone()
-        sliced = handle.get_slice(key)
-        return sliced[tuple(window)] if window else handle.get_tensor(key)
+            return handle[key][tuple(window)]
+        count = math.prod(source.shape)
+        if source.dtype is None:  # refused before any read (quantized)
+            raise ShardingError(f"{key}: stored as {source.stored}, which torch cannot read")
+        if count == 0:
+            return torch.empty(source.shape, dtype=source.dtype)[tuple(window)]
+        whole = torch.frombuffer(handle, dtype=source.dtype, count=count, offset=source.start)
+        return whole.view(source.shape)[tuple(window)]
 
     def release(self) -> None:
         """Close the files opened so far (they open again when next read).
@@ -90,9 +105,9 @@ class Folder:
                     self.path / name, mmap=True, weights_only=True, map_location="cpu"
                 )
             else:
-                from safetensors import safe_open
-
-                self._open[name] = safe_open(str(self.path / name), framework="pt")
+                # copy-on-write: torch.frombuffer wants a writable buffer; nothing is written
+                with open(self.path / name, "rb") as file:
+                    self._open[name] = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
         return self._open[name]
 
 
@@ -166,7 +181,7 @@ def _safetensors(path: Path, names: set[str]) -> dict[str, Source]:
         if name not in names:
             raise _refused(path, f"lacks {name}, which {SAFE_INDEX} names; copy the whole folder again")
         try:
-            with safe_open(str(path / name), framework="pt") as handle:
+            with safe_open(str(path / name), framework="pt") as handle:  # checks the header
                 for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                     sliced = handle.get_slice(key)
                     stored = sliced.get_dtype()
@@ -175,6 +190,8 @@ def _safetensors(path: Path, names: set[str]) -> dict[str, Source]:
                     )
         except (SafetensorError, OSError) as error:
             raise _refused(path, f"has a damaged file {name} ({error}); copy it again") from None
+        for key, start in _starts(path / name).items():
+            sources[key] = dataclasses.replace(sources[key], start=start)
     if SAFE_INDEX in names:
         weight_map = _weight_map(path, SAFE_INDEX)
         absent = [
@@ -185,6 +202,17 @@ def _safetensors(path: Path, names: set[str]) -> dict[str, Source]:
                 path, f"has an index naming tensors its files lack: {absent[:5]}; copy the folder again"
             )
     return sources
+
+
+def _starts(file: Path) -> dict[str, int]:
+    # a safetensors file: 8 bytes of header length (little-endian), the JSON header, then the
+    # data; each tensor's data_offsets count from the data's start (safe_open checked them)
+    with open(file, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    return {
+        key: 8 + length + entry["data_offsets"][0] for key, entry in header.items() if key != "__metadata__"
+    }
 
 
 def _pickled(path: Path, names: set[str]) -> dict[str, Source]:
