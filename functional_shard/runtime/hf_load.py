@@ -28,6 +28,7 @@ from .checkpoint_checks import agreed, distributed, every_rank_keys, raise_probl
 from .engines.applied import APPLIED, Applied
 from .engines.buffers import buffer_problems, meta_buffers, restore_buffers
 from .engines.data_parallel import reduce_whole_grads
+from .engines.materialize import allocate, parameter_names
 from .engines.tensor_parallel import packed_window, place_grads_as_params
 from .hf_names import Mapping_, Piece, name_map
 from .hf_read import Folder, Source, composed_shape, fill_local, open_folder, quantized
@@ -82,7 +83,7 @@ def load_hf(
     model = _submodule(module, root)
     prefix = f"{root}." if root else ""
     applied = APPLIED.get(module)
-    canonical = _canonical_names(module)
+    canonical = parameter_names(module)
     buffers = _persistent_buffers(module)
     local_names = {*canonical, *buffers}
     whole_names = every_rank_keys(local_names) if distributed() else local_names
@@ -108,7 +109,7 @@ def load_hf(
     )
     assert folder is not None
     if on_meta:
-        _allocate(module, _device(device, applied))
+        allocate(module, _device(device, applied))
         restore_buffers(model, computed, _device(device, applied))
     rank = dist.get_rank() if distributed() else 0
     with torch.no_grad():
@@ -132,14 +133,6 @@ def _submodule(module: nn.Module, root: str) -> nn.Module:
             f"fs.checkpoint.load_hf(root={root!r}): the module has no such submodule; pass the name "
             "of the child that holds the model (the root given to fs.apply), or none"
         ) from None
-
-
-def _canonical_names(module: nn.Module) -> dict[str, list[str]]:
-    # each parameter once, under its first name, with every name it goes by (tied weights)
-    names: dict[int, list[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return {group[0]: group for group in names.values()}
 
 
 def _persistent_buffers(module: nn.Module) -> set[str]:
@@ -274,21 +267,6 @@ def _device(device: str | torch.device | None, applied: Applied | None) -> torch
     return torch.device(kind, getattr(torch, kind).current_device())
 
 
-def _allocate(module: nn.Module, device: torch.device) -> None:
-    # to_empty replaces every tensor: keep the buffers that are already real, and tie again
-    # the parameters that go by several names (it makes a new Parameter for each)
-    real = {name: b.detach().clone() for name, b in module.named_buffers() if not b.is_meta}
-    ties = [names for names in _canonical_names(module).values() if len(names) > 1]
-    module.to_empty(device=device)
-    for first, *others in ties:
-        shared = module.get_parameter(first)
-        for other in others:
-            owner_path, _, attr = other.rpartition(".")
-            setattr(module.get_submodule(owner_path), attr, shared)
-    for name, value in real.items():
-        module.get_buffer(name).copy_(value)
-
-
 def _indices(
     module: nn.Module, applied: Applied | None, name: str, tensor: torch.Tensor, rank: int
 ) -> list[torch.Tensor]:
@@ -334,28 +312,32 @@ def _fill(
         local = local.narrow(0, 0, len(indices[0]))
     if any(len(index) == 0 for index in indices):
         return
-    groups = folder.config.get("num_key_value_heads") or folder.config.get("num_attention_heads") or 1
-    fill_local(folder, local.data, indices, pieces, _head_dim(folder.config), int(groups))
+    head_dim, groups = _heads(folder.config)
+    fill_local(folder, local.data, indices, pieces, head_dim, groups or 1)
 
 
-def _head_dim(config: Mapping[str, Any]) -> int | None:
-    # a Hugging Face config's attention head size: its own, or hidden size over heads
-    if isinstance(config.get("head_dim"), int):
-        return int(config["head_dim"])
+def _heads(config: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    # a Hugging Face config's attention head size (its own, or hidden size over heads) and its
+    # key/value head count (the query heads' without grouped-query attention): None if absent
     hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
-    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+    heads = heads if isinstance(heads, int) and heads else None
+    head_dim = config.get("head_dim")
+    if not isinstance(head_dim, int):
+        head_dim = hidden // heads if isinstance(hidden, int) and heads else None
+    groups = config.get("num_key_value_heads") or heads
+    return head_dim, groups if isinstance(groups, int) else None
 
 
 def _layout_problems(folder: Folder, pieces: Mapping[str, list[tuple[Source, Piece]]]) -> list[str]:
     # what rotary and grouped pieces need from the folder's config.json
     problems = []
-    groups = folder.config.get("num_key_value_heads") or folder.config.get("num_attention_heads")
+    head_dim, groups = _heads(folder.config)
     for name, found in pieces.items():
-        if any(piece.rotary for _, piece in found) and _head_dim(folder.config) is None:
+        if any(piece.rotary for _, piece in found) and head_dim is None:
             problems.append(f"{name}: its rows are rotary pairs, but config.json gives no head size")
         if any(piece.grouped for _, piece in found):
             sizes = [source.shape[piece.dim - (piece.expert is not None)] for source, piece in found]
-            if not isinstance(groups, int) or any(size % groups for size in sizes):
+            if groups is None or any(size % groups for size in sizes):
                 problems.append(
                     f"{name}: laid by key/value group, but config.json's num_key_value_heads "
                     f"({groups}) does not divide its pieces {sizes}"

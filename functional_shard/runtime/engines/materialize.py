@@ -11,7 +11,7 @@ from torch import nn
 from functional_shard.core.errors import ShardingError
 from functional_shard.planning.plan import Plan
 
-from .applied import applied_with, retie
+from .applied import applied_with
 from .buffers import (
     Initialiser,
     buffer_problems,
@@ -84,13 +84,7 @@ def materialize(
             "fs.materialize cannot give every parameter and buffer a value; nothing changed:\n"
             + "\n".join(f"* {problem}" for problem in problems)
         )
-    # to_empty replaces every tensor, real ones too: those keep their values
-    kept = {path: b for path, b in module.named_buffers(remove_duplicate=False) if not b.is_meta}
-    module.to_empty(device=device)
-    retie(plan, module)  # to_empty makes new Parameter objects for plain tensors
-    with torch.no_grad():
-        for path, value in kept.items():
-            module.get_buffer(path).copy_(value)
+    allocate(module, device)
     # before the seed: random numbers an initialiser may draw here leave the parameters' as they are
     restore_buffers(module, buffers, device, init=init)
     if seed is not None:
@@ -200,3 +194,41 @@ def _whole_values(sub: nn.Module, run: Initialiser, device: str | torch.device) 
     finally:
         sub._parameters.update(params)
         sub._buffers.update(buffers)
+
+
+def allocate(module: nn.Module, device: str | torch.device) -> None:
+    """Give a meta module's tensors memory on ``device`` (``to_empty``), keeping what is already real.
+
+    ``to_empty`` replaces every tensor: buffers already on a real device get their values back,
+    and parameters that go by several names (tied) are tied again, since it makes a new
+    ``Parameter`` for each name. The values of the rest are uninitialised.
+
+    Examples:
+        >>> lin = nn.Linear(2, 2, device="meta")
+        >>> allocate(lin, "cpu"); lin.weight.device.type
+        'cpu'
+    """
+    kept = {path: b for path, b in module.named_buffers(remove_duplicate=False) if not b.is_meta}
+    ties = [group for group in parameter_names(module).values() if len(group) > 1]
+    module.to_empty(device=device)
+    for first, *others in ties:
+        shared = module.get_parameter(first)
+        for other in others:
+            owner_path, _, attr = other.rpartition(".")
+            setattr(module.get_submodule(owner_path), attr, shared)
+    with torch.no_grad():
+        for path, value in kept.items():
+            module.get_buffer(path).copy_(value)
+
+
+def parameter_names(module: nn.Module) -> dict[str, list[str]]:
+    """Each parameter once, under its first name, with every name it goes by (tied weights).
+
+    Examples:
+        >>> parameter_names(nn.Linear(2, 2))
+        {'weight': ['weight'], 'bias': ['bias']}
+    """
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {group[0]: group for group in names.values()}
