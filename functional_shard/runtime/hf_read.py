@@ -25,11 +25,11 @@ import torch
 
 from functional_shard.core.errors import ShardingError
 
+from .hf_folder import INDEX, SINGLE
 from .hf_names import Piece, rotary_rows
 
 __all__ = ["Folder", "Source", "composed_shape", "fill_local", "open_folder", "quantized"]
 
-SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE_SINGLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 
 _SAFE_DTYPES = {
@@ -128,7 +128,7 @@ def open_folder(path: Path, *, trust: bool) -> Folder:
         )
     config = _config(path)
     names = {entry.name for entry in path.iterdir()}
-    if SAFE_INDEX in names or SAFE_SINGLE in names:
+    if INDEX in names or SINGLE in names:
         return Folder(path, _safetensors(path, names), config, pickled=False)
     if PICKLE_INDEX in names or PICKLE_SINGLE in names:
         if not trust:
@@ -140,7 +140,7 @@ def open_folder(path: Path, *, trust: bool) -> Folder:
         return Folder(path, _pickled(path, names), config, pickled=True)
     raise _refused(
         path,
-        f"holds no weights ({SAFE_SINGLE}, or {SAFE_INDEX} with its files); it holds {sorted(names)[:5]}",
+        f"holds no weights ({SINGLE}, or {INDEX} with its files); it holds {sorted(names)[:5]}",
     )
 
 
@@ -175,11 +175,11 @@ def _weight_map(path: Path, index: str) -> dict[str, str]:
 def _safetensors(path: Path, names: set[str]) -> dict[str, Source]:
     from safetensors import SafetensorError, safe_open
 
-    files = sorted(set(_weight_map(path, SAFE_INDEX).values())) if SAFE_INDEX in names else [SAFE_SINGLE]
+    files = sorted(set(_weight_map(path, INDEX).values())) if INDEX in names else [SINGLE]
     sources: dict[str, Source] = {}
     for name in files:
         if name not in names:
-            raise _refused(path, f"lacks {name}, which {SAFE_INDEX} names; copy the whole folder again")
+            raise _refused(path, f"lacks {name}, which {INDEX} names; copy the whole folder again")
         try:
             with safe_open(str(path / name), framework="pt") as handle:  # checks the header
                 for key in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
@@ -192,8 +192,8 @@ def _safetensors(path: Path, names: set[str]) -> dict[str, Source]:
             raise _refused(path, f"has a damaged file {name} ({error}); copy it again") from None
         for key, start in _starts(path / name).items():
             sources[key] = dataclasses.replace(sources[key], start=start)
-    if SAFE_INDEX in names:
-        weight_map = _weight_map(path, SAFE_INDEX)
+    if INDEX in names:
+        weight_map = _weight_map(path, INDEX)
         absent = [
             key for key, file in weight_map.items() if sources.get(key) is None or sources[key].file != file
         ]
@@ -339,14 +339,13 @@ def fill_local(
     pieces: Sequence[tuple[Source, Piece]],
     head_dim: int | None = None,
     groups: int = 1,
-) -> int:
+) -> None:
     """Write into ``local`` the model tensor's elements at ``indices`` (one 1-D index per dim).
 
     The model tensor is ``pieces`` laid end to end (experts stacked on dim 0). Only the
     elements the indices name are read; ``head_dim`` and ``groups`` serve `Piece.rotary`
-    and `Piece.grouped`. Returns the bytes read.
+    and `Piece.grouped`.
     """
-    read = 0
     offsets: dict[tuple[int | None, int], int] = {}
     totals: dict[int | None, int] = {}
     for expert in sorted({p.expert for _, p in pieces}, key=lambda e: -1 if e is None else e):
@@ -377,10 +376,8 @@ def fill_local(
             parts.append(_parts(inside, values))
         for combination in itertools.product(*parts):
             value = folder.read(source.key, [part.read for part in combination[stacked:]])
-            read += value.numel() * value.element_size()
             for dim, part in enumerate(combination[stacked:]):
                 if part.pick is not None:
                     value = value.index_select(dim, part.pick)
             target = local[tuple(part.at for part in combination)]
             target.copy_(value.reshape(target.shape))
-    return read
