@@ -160,8 +160,8 @@ def counted_reads() -> Iterator[list[int]]:
     count = [0]
     original = hf_read.Folder.read
 
-    def read(self: hf_read.Folder, key: str, window: Any) -> torch.Tensor:
-        value = original(self, key, window)
+    def read(self: hf_read.Folder, key: str, window: Any, into: torch.Tensor | None = None) -> torch.Tensor:
+        value = original(self, key, window, into)
         count[0] += value.numel()
         return value
 

@@ -31,7 +31,7 @@ from .engines.data_parallel import reduce_whole_grads
 from .engines.materialize import allocate, parameter_names
 from .engines.tensor_parallel import packed_window, place_grads_as_params
 from .hf_names import Mapping_, Piece, name_map
-from .hf_read import Folder, Source, composed_shape, fill_local, open_folder, quantized
+from .hf_read import Folder, Index, Source, composed_shape, fill_local, open_folder, quantized
 
 __all__ = ["load_hf"]
 
@@ -269,20 +269,20 @@ def _device(device: str | torch.device | None, applied: Applied | None) -> torch
 
 def _indices(
     module: nn.Module, applied: Applied | None, name: str, tensor: torch.Tensor, rank: int
-) -> list[torch.Tensor]:
+) -> list[Index]:
     """The global index, on each dim, of every element this rank holds of ``name``."""
     from torch.distributed.tensor import DTensor
 
     shape = tuple(tensor.shape)
     if applied is None or not isinstance(tensor, DTensor):
-        return [torch.arange(size) for size in shape]
+        return [range(size) for size in shape]
     owner_path, _, attr = name.rpartition(".")
     owner = module.get_submodule(owner_path)
     packed = getattr(owner, "_fs_packed", None)
     # the packed weight: a layer's, or an experts module's gate and up (engines.experts)
     if packed and attr == ("gate_up_proj" if hasattr(owner, "gate_up_proj") else "weight"):
         # the engine's own split of a packed weight, applied to each dim's positions
-        found = []
+        found: list[Index] = []
         for dim, size in enumerate(shape):
             view = [1] * len(shape)
             view[dim] = size
@@ -291,7 +291,7 @@ def _indices(
             found.append(local.reshape(local.shape[0], -1)[:, 0] if local.numel() else local.new_empty(0))
         return found
     local_shape, offset = applied.local_plan.local_shape_and_offset(name, rank)
-    return [torch.arange(start, start + size) for start, size in zip(offset, local_shape, strict=True)]
+    return [range(start, start + size) for start, size in zip(offset, local_shape, strict=True)]
 
 
 def _fill(

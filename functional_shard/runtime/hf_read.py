@@ -15,6 +15,7 @@ import itertools
 import json
 import math
 import mmap
+import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from functional_shard.core.errors import ShardingError
 from .hf_folder import INDEX, SINGLE
 from .hf_names import Piece, rotary_rows
 
-__all__ = ["Folder", "Source", "composed_shape", "fill_local", "open_folder", "quantized"]
+__all__ = ["Folder", "Index", "Source", "composed_shape", "fill_local", "open_folder", "quantized"]
 
 PICKLE_SINGLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 
@@ -71,23 +72,47 @@ class Folder:
     pickled: bool
     _open: dict[str, Any] = field(default_factory=dict)
 
-    def read(self, key: str, window: Sequence[slice]) -> torch.Tensor:
-        """The ``window`` of one tensor: a view of the memory-mapped file (copy it out).
+    def read(self, key: str, window: Sequence[slice], into: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``window`` of one tensor: ``into``, filled, or a view of the mapped file (copy it out).
 
-        Only the pages the caller copies are read from disk; a view, not a copy, so each
+        A window whose bytes lie in one stretch of a safetensors file (a block of whole rows)
+        is read into ``into`` (contiguous, as many elements) with one read call: the kernel
+        copies it from the page cache, and no page of the file is mapped. Any other window is
+        a view of the memory-mapped file: only the pages the caller copies are read, and each
         element is copied once, from the file's pages into the shard.
         """
         source = self.sources[key]
+        if source.dtype is None:  # refused before any read (quantized)
+            raise ShardingError(f"{key}: stored as {source.stored}, which torch cannot read")
+        stretch = None if self.pickled else _stretch(source.shape, window)
+        if into is not None and stretch is not None and into.is_contiguous() and into.numel() == stretch[1]:
+            return self._read_stretch(source, *stretch, into=into)
         handle = self._handle(source.file)
         if self.pickled:
             return handle[key][tuple(window)]
         count = math.prod(source.shape)
-        if source.dtype is None:  # refused before any read (quantized)
-            raise ShardingError(f"{key}: stored as {source.stored}, which torch cannot read")
         if count == 0:
             return torch.empty(source.shape, dtype=source.dtype)[tuple(window)]
         whole = torch.frombuffer(handle, dtype=source.dtype, count=count, offset=source.start)
         return whole.view(source.shape)[tuple(window)]
+
+    def _read_stretch(self, source: Source, first: int, count: int, *, into: torch.Tensor) -> torch.Tensor:
+        # straight into the shard when the dtypes agree; else through one buffer of the window
+        buffer = into if into.dtype == source.dtype else torch.empty(count, dtype=source.dtype)
+        view = buffer.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+        offset = source.start + first * buffer.element_size()
+        with open(self.path / source.file, "rb", buffering=0) as file:
+            done = 0
+            while done < len(view):  # a read returns at most about 2 GiB on Linux
+                got = os.preadv(file.fileno(), [view[done:]], offset + done)
+                if got <= 0:
+                    raise ShardingError(
+                        f"{source.key} ({source.file}): the file ends inside the tensor; copy it again"
+                    )
+                done += got
+        if buffer is not into:
+            into.copy_(buffer.view(into.shape))
+        return into
 
     def release(self) -> None:
         """Close the files opened so far (they open again when next read).
@@ -109,6 +134,24 @@ class Folder:
                 with open(self.path / name, "rb") as file:
                     self._open[name] = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
         return self._open[name]
+
+
+def _stretch(shape: Sequence[int], window: Sequence[slice]) -> tuple[int, int] | None:
+    """The first element and count of a window in one stretch of a row-major tensor, else None.
+
+    One stretch: single positions on the outer dims, then one range, then whole dims.
+    """
+    first, count, stride, whole = 0, 1, 1, True
+    for size, part in zip(reversed(shape), reversed(window), strict=True):
+        start, stop, step = part.indices(size)
+        extent = max(0, stop - start)
+        if step != 1 or (not whole and extent != 1):
+            return None
+        first += start * stride
+        whole = whole and extent == size
+        count *= extent
+        stride *= size
+    return first, count
 
 
 def _refused(path: Path, what: str) -> ShardingError:
@@ -294,8 +337,23 @@ class _Part:
     pick: torch.Tensor | None = None
 
 
-def _parts(positions: torch.Tensor, values: torch.Tensor) -> list[_Part]:
+Index = torch.Tensor | range
+"""Global positions on one dim: a tensor, or a range where they run without a gap (FSDP's rows)."""
+
+
+def _tensor(index: Index) -> torch.Tensor:
+    return torch.arange(index.start, index.stop) if isinstance(index, range) else index
+
+
+def _parts(positions: Index, values: Index) -> list[_Part]:
     """Contiguous local positions read as few stretches of the folder as their order allows."""
+    if isinstance(positions, range) and isinstance(values, range):  # one stretch, nothing to search
+        return (
+            [_Part(slice(positions.start, positions.stop), slice(values.start, values.stop))]
+            if positions
+            else []
+        )
+    positions, values = _tensor(positions), _tensor(values)
     if positions.numel() == 0:
         return []
     count = positions.numel()
@@ -315,14 +373,17 @@ def _parts(positions: torch.Tensor, values: torch.Tensor) -> list[_Part]:
     ]
 
 
-def _rows_of(
-    index: torch.Tensor, low: int, size: int, total: int, groups: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows_of(index: Index, low: int, size: int, total: int, groups: int) -> tuple[Index, Index]:
     """The positions of ``index`` a piece holds, and its own rows there.
 
     The piece holds ``size`` of ``total`` rows from ``low`` on; laid in ``groups`` groups,
     it holds ``size / groups`` rows of each, from ``low / groups`` within it.
     """
+    if isinstance(index, range) and groups <= 1:
+        first = max(index.start, low)
+        stop = max(first, min(index.stop, low + size))
+        return range(first - index.start, stop - index.start), range(first - low, stop - low)
+    index = _tensor(index)
     if groups <= 1:
         inside = torch.logical_and(index >= low, index < low + size).nonzero().flatten()
         return inside, index[inside] - low
@@ -335,12 +396,12 @@ def _rows_of(
 def fill_local(
     folder: Folder,
     local: torch.Tensor,
-    indices: Sequence[torch.Tensor],
+    indices: Sequence[Index],
     pieces: Sequence[tuple[Source, Piece]],
     head_dim: int | None = None,
     groups: int = 1,
 ) -> None:
-    """Write into ``local`` the model tensor's elements at ``indices`` (one 1-D index per dim).
+    """Write into ``local`` the model tensor's elements at ``indices`` (one `Index` per dim).
 
     The model tensor is ``pieces`` laid end to end (experts stacked on dim 0). Only the
     elements the indices name are read; ``head_dim`` and ``groups`` serve `Piece.rotary`
@@ -361,7 +422,7 @@ def fill_local(
         parts: list[list[_Part]] = []
         for dim, index in enumerate(indices):
             if stacked and dim == 0:
-                positions = torch.eq(index, int(piece.expert or 0)).nonzero().flatten().tolist()
+                positions = torch.eq(_tensor(index), int(piece.expert or 0)).nonzero().flatten().tolist()
                 parts.append([_Part(slice(p, p + 1), slice(0, 0)) for p in positions])
                 continue
             size = source.shape[dim - stacked]
@@ -372,12 +433,16 @@ def fill_local(
             else:
                 inside, values = _rows_of(index, 0, size, size, 1)
             if piece.rotary and dim == piece.dim and head_dim:
-                values = rotary_rows(values, head_dim)
+                values = rotary_rows(_tensor(values), head_dim)
             parts.append(_parts(inside, values))
         for combination in itertools.product(*parts):
-            value = folder.read(source.key, [part.read for part in combination[stacked:]])
+            target = local[tuple(part.at for part in combination)]
+            picked = any(part.pick is not None for part in combination)
+            windows = [part.read for part in combination[stacked:]]
+            value = folder.read(source.key, windows, into=None if picked else target)
+            if value is target:
+                continue
             for dim, part in enumerate(combination[stacked:]):
                 if part.pick is not None:
                     value = value.index_select(dim, part.pick)
-            target = local[tuple(part.at for part in combination)]
             target.copy_(value.reshape(target.shape))
