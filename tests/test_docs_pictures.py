@@ -1,6 +1,6 @@
 """The docs' pictures stay the pages' own: every picture a page embeds is drawn at build time
 by a hook (docs/_hooks/), the home page and each parallelism's page embed the picture of
-their example and still say what it draws.
+their example and still say what it draws, and the home page links every page of the nav.
 
 Nothing is drawn here (the docs build draws every picture); the hook's check runs on the
 pages as they are and on made-up ones.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import re
 import sys
 from types import SimpleNamespace
 
@@ -86,3 +87,22 @@ def test_the_build_stops_on_a_picture_no_hook_drew(hooks, tmp_path):
     (tmp_path / "generated" / "architecture.png").write_bytes(b"\x89PNG")
     files = SimpleNamespace()
     assert pictures.on_files(files, config) is files
+
+
+def nav_pages() -> list[str]:
+    yaml = pytest.importorskip("yaml")
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+
+    def walk(items):
+        for item in items:
+            for value in item.values() if isinstance(item, dict) else [item]:
+                yield from walk(value) if isinstance(value, list) else [value]
+
+    return list(walk(config["nav"]))
+
+
+def test_the_home_page_links_every_page_of_the_nav():
+    pages = nav_pages()
+    assert len(pages) > 15
+    linked = re.findall(r"^- \[[^]]+\]\(([\w-]+\.md)\)", (DOCS / "index.md").read_text(), re.M)
+    assert linked == [page for page in pages if page != "index.md"]  # all of them, in the nav's order
