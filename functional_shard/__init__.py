@@ -47,30 +47,30 @@ if TYPE_CHECKING:
     from .costing.hardware import hardware as hardware
     from .costing.kernels import Kernels as Kernels
     from .frontends import demo as demo
-    from .planning import rules as rules
-    from .planning.plan import Plan as Plan
-    from .planning.plan_config import Change as Change
-    from .planning.plan_config import PlanConfig as PlanConfig
-    from .planning.plan_cost import Cost as Cost
+    from .planning.plan.config import Change as Change
+    from .planning.plan.config import PlanConfig as PlanConfig
+    from .planning.plan.cost_record import Cost as Cost
+    from .planning.plan.plan import Plan as Plan
     from .planning.planner import shard as shard
-    from .planning.policy import Policy as Policy
-    from .planning.policy_builders import checkpointing as checkpointing
-    from .planning.policy_builders import cp as cp
-    from .planning.policy_builders import ep as ep
-    from .planning.policy_builders import fsdp as fsdp
-    from .planning.policy_builders import hsdp as hsdp
-    from .planning.policy_builders import mixed_precision as mixed_precision
-    from .planning.policy_builders import offload as offload
-    from .planning.policy_builders import pipeline as pipeline
-    from .planning.policy_builders import replicate as replicate
-    from .planning.policy_builders import tp as tp
-    from .planning.policy_builders import zero as zero
-    from .planning.policy_format import format_policy as format_policy
-    from .planning.policy_text import parse_policy as parse_policy
-    from .planning.rules import Rule as Rule
-    from .planning.rules import Rules as Rules
-    from .planning.styles import Packed as Packed
-    from .planning.styles import packed as packed
+    from .planning.policy.builders import checkpointing as checkpointing
+    from .planning.policy.builders import cp as cp
+    from .planning.policy.builders import ep as ep
+    from .planning.policy.builders import fsdp as fsdp
+    from .planning.policy.builders import hsdp as hsdp
+    from .planning.policy.builders import mixed_precision as mixed_precision
+    from .planning.policy.builders import offload as offload
+    from .planning.policy.builders import pipeline as pipeline
+    from .planning.policy.builders import replicate as replicate
+    from .planning.policy.builders import tp as tp
+    from .planning.policy.builders import zero as zero
+    from .planning.policy.format import format_policy as format_policy
+    from .planning.policy.parse import parse_policy as parse_policy
+    from .planning.policy.types import Policy as Policy
+    from .planning.tp import rules as rules
+    from .planning.tp.rules import Rule as Rule
+    from .planning.tp.rules import Rules as Rules
+    from .planning.tp.styles import Packed as Packed
+    from .planning.tp.styles import packed as packed
     from .runtime import checkpoint as checkpoint
     from .runtime import measure as measure
     from .runtime.apply import apply as apply
@@ -123,7 +123,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "checkpoint": ("runtime.checkpoint", None),
     "demo": ("frontends.demo", None),
     "measure": ("runtime.measure", None),
-    "rules": ("planning.rules", None),
+    "rules": ("planning.tp.rules", None),
     "apply": ("runtime.apply", "apply"),
     "context_chunks": ("runtime.apply", "context_chunks"),
     "sequence_context": ("runtime.apply", "sequence_context"),
@@ -136,7 +136,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "grad_scaler": ("runtime.apply", "grad_scaler"),
     "materialize": ("runtime.apply", "materialize"),
     "optimizer": ("runtime.apply", "optimizer"),
-    "Cost": ("planning.plan_cost", "Cost"),
+    "Cost": ("planning.plan.cost_record", "Cost"),
     "cost": ("costing.cost", "cost"),
     "Estimate": ("costing.estimate", "Estimate"),
     "estimate": ("costing.estimate", "estimate"),
@@ -174,28 +174,28 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "ActivationTrace": ("costing.activations", "ActivationTrace"),
     "trace_activations": ("costing.activations", "trace_activations"),
     "Mesh": ("core.mesh", "Mesh"),
-    "Change": ("planning.plan_config", "Change"),
-    "Plan": ("planning.plan", "Plan"),
-    "PlanConfig": ("planning.plan_config", "PlanConfig"),
+    "Change": ("planning.plan.config", "Change"),
+    "Plan": ("planning.plan.plan", "Plan"),
+    "PlanConfig": ("planning.plan.config", "PlanConfig"),
     "shard": ("planning.planner", "shard"),
-    "Policy": ("planning.policy", "Policy"),
-    "checkpointing": ("planning.policy_builders", "checkpointing"),
-    "cp": ("planning.policy_builders", "cp"),
-    "ep": ("planning.policy_builders", "ep"),
-    "fsdp": ("planning.policy_builders", "fsdp"),
-    "hsdp": ("planning.policy_builders", "hsdp"),
-    "mixed_precision": ("planning.policy_builders", "mixed_precision"),
-    "offload": ("planning.policy_builders", "offload"),
-    "pipeline": ("planning.policy_builders", "pipeline"),
-    "replicate": ("planning.policy_builders", "replicate"),
-    "tp": ("planning.policy_builders", "tp"),
-    "zero": ("planning.policy_builders", "zero"),
-    "format_policy": ("planning.policy_format", "format_policy"),
-    "parse_policy": ("planning.policy_text", "parse_policy"),
-    "Rule": ("planning.rules", "Rule"),
-    "Rules": ("planning.rules", "Rules"),
-    "Packed": ("planning.styles", "Packed"),
-    "packed": ("planning.styles", "packed"),
+    "Policy": ("planning.policy.types", "Policy"),
+    "checkpointing": ("planning.policy.builders", "checkpointing"),
+    "cp": ("planning.policy.builders", "cp"),
+    "ep": ("planning.policy.builders", "ep"),
+    "fsdp": ("planning.policy.builders", "fsdp"),
+    "hsdp": ("planning.policy.builders", "hsdp"),
+    "mixed_precision": ("planning.policy.builders", "mixed_precision"),
+    "offload": ("planning.policy.builders", "offload"),
+    "pipeline": ("planning.policy.builders", "pipeline"),
+    "replicate": ("planning.policy.builders", "replicate"),
+    "tp": ("planning.policy.builders", "tp"),
+    "zero": ("planning.policy.builders", "zero"),
+    "format_policy": ("planning.policy.format", "format_policy"),
+    "parse_policy": ("planning.policy.parse", "parse_policy"),
+    "Rule": ("planning.tp.rules", "Rule"),
+    "Rules": ("planning.tp.rules", "Rules"),
+    "Packed": ("planning.tp.styles", "Packed"),
+    "packed": ("planning.tp.styles", "packed"),
     "Owned": ("core.spec", "Owned"),
     "P": ("core.spec", "P"),
     "ParamSharding": ("core.spec", "ParamSharding"),

@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import functional_shard as fs
 from functional_shard.core.quiet import captured
 from functional_shard.costing import activations, trace_counting
-from functional_shard.planning import rules
+from functional_shard.planning.tp import rules
 from functional_shard.search.candidates import Space, head_counts, points, repeated_block
 from functional_shard.zoo import CONFIGS, MLP, Block, Llama, LlamaConfig, llama
 

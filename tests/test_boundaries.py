@@ -196,7 +196,7 @@ def our_graph():
 def test_modules_import_each_other_without_circles():
     graph = our_graph()
     # the graph sees lazy imports and the façade's table, so it is not vacuous
-    assert "functional_shard.planning.plan_cost" in graph["functional_shard.planning.plan"]
+    assert "functional_shard.planning.plan.cost_record" in graph["functional_shard.planning.plan.plan"]
     assert "functional_shard.costing.activations" in graph["functional_shard.costing.estimate"]  # lazy
     adapters = "functional_shard.adapters.lightning"
     assert f"{adapters}._common" in graph[f"{adapters}.trainer"]
@@ -263,7 +263,7 @@ def test_public_names_stay_themselves_whatever_loads_first():
 def test_restated_auto_wrap_constants_equal_torchs():
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
-    from functional_shard.planning import fsdp_units
+    from functional_shard.planning.fsdp import unit_finder as fsdp_units
 
     assert set(fsdp_units._EXCLUDE_WRAP_MODULES) == size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES
     assert set(fsdp_units._FORCE_LEAF_MODULES) == size_based_auto_wrap_policy.FORCE_LEAF_MODULES

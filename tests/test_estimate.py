@@ -18,7 +18,7 @@ from functional_shard.costing.step_model import (
     recomputed_collectives,
     unit_gathered_bytes,
 )
-from functional_shard.planning import rules
+from functional_shard.planning.tp import rules
 from functional_shard.zoo import Block, llama
 
 _TRACED: dict = {}

@@ -25,7 +25,7 @@ from functional_shard.costing.kernels import (
     float8_saved,
     float8_weights,
 )
-from functional_shard.planning import rules
+from functional_shard.planning.tp import rules
 from functional_shard.zoo import Block, Llama, LlamaConfig
 
 H100 = fs.hardware("h100")

@@ -11,7 +11,7 @@ import functional_shard as fs
 from functional_shard.costing.activations import regroup, trace_activations
 from functional_shard.costing.estimate import compare_schedules
 from functional_shard.costing.pipeline_estimate import with_schedule
-from functional_shard.planning.schedules import simulate
+from functional_shard.planning.pipeline.schedules import simulate
 from functional_shard.zoo import Llama, LlamaConfig, llama
 
 from .pipeline_cases import H100_ON_CPU

@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_map_only
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.sequence import check_sequence_length
-from functional_shard.planning.stages import stage_finder
+from functional_shard.planning.pipeline.stages import stage_finder
 
 from .routing import check_expert_imbalance
 from .trace_checkpointing import SAVED_OPS, checkpointed, selective_context
@@ -284,7 +284,7 @@ def _stage_holder(plan: Any, rank: int) -> Any:
     axis = getattr(config, "pipeline_axis", None)
     if not axis or not config.pipeline_stages:
         return lambda path: rank
-    from functional_shard.planning.stages import stage_rank
+    from functional_shard.planning.pipeline.stages import stage_rank
 
     stage_of_module = {m: i for i, modules in enumerate(config.pipeline_stages) for m in modules}
     pp = plan.mesh[axis]

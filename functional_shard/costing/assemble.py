@@ -20,7 +20,7 @@ from .pipeline_estimate import pipeline_parts
 from .step_model import Assembly, StepParts, _recomputed, cp_size, gathered_in_flight, step_time
 
 if TYPE_CHECKING:
-    from functional_shard.planning.plan import Plan
+    from functional_shard.planning.plan.plan import Plan
 
 __all__ = ["Assembly", "assemble"]
 

@@ -15,7 +15,7 @@ from functional_shard.core.spec import Owned, ParamSharding
 from functional_shard.core.tree import TensorSpec, dtype_from_name
 
 if TYPE_CHECKING:
-    from functional_shard.planning.plan import Plan
+    from functional_shard.planning.plan.plan import Plan
 
 __all__ = ["Census", "census_of", "grouped", "itemsize_of", "zero1_owners"]
 

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 from functional_shard.core.layout import local_numel
 from functional_shard.core.spec import Owned, ParamSharding
 from functional_shard.core.tree import dtype_from_name
-from functional_shard.planning.rules import sequence_gathers
+from functional_shard.planning.tp.rules import sequence_gathers
 
 from .census import Census, grouped, itemsize_of
 from .expert_cost import expert_grad_axes
 
 if TYPE_CHECKING:
-    from functional_shard.planning.plan import Plan
+    from functional_shard.planning.plan.plan import Plan
 
 __all__ = [
     "Comm",
@@ -321,7 +321,7 @@ def pipeline_comm(plan: Plan, comm: Comm, tokens: int, held: Mapping[str, int]) 
     sequence parallel the hidden states between blocks are split along the sequence over
     the tensor-parallel axes, and each tensor-parallel rank sends its own slice.
     """
-    from functional_shard.planning.stages import stage_rank
+    from functional_shard.planning.pipeline.stages import stage_rank
 
     config = plan.config
     axis = config.pipeline_axis

@@ -40,7 +40,7 @@ from .comm_cost import compute_itemsize, key_value_features, ring_passes
 from .ring_merges import ring_merge_bytes
 
 if TYPE_CHECKING:
-    from functional_shard.planning.plan import Plan
+    from functional_shard.planning.plan.plan import Plan
 
     from .estimate_record import Estimate
     from .hardware import Hardware

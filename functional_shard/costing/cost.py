@@ -37,7 +37,7 @@ from functional_shard.core.errors import ShardingError
 from functional_shard.core.layout import local_numel
 from functional_shard.core.spec import Owned, ParamSharding
 from functional_shard.core.tree import dtype_from_name
-from functional_shard.planning.plan_cost import Cost, OptimizerKind
+from functional_shard.planning.plan.cost_record import Cost, OptimizerKind
 
 from .census import Census, census_of, grouped, zero1_owners
 from .comm_cost import Comm, activation_comm, compute_itemsize, context_comm, parameter_comm, pipeline_comm
@@ -45,7 +45,7 @@ from .context_engines import counted_engine
 from .expert_cost import expert_comm
 
 if TYPE_CHECKING:
-    from functional_shard.planning.plan import Plan
+    from functional_shard.planning.plan.plan import Plan
 
 __all__ = ["Cost", "OptimizerKind", "check_plan_and_optimizer", "cost", "unit_gathered"]
 
@@ -105,7 +105,7 @@ def check_plan_and_optimizer(who: str, plan: Any, optimizer: Any) -> None:
         ...
         functional_shard.ShardingError: cost(optimizer=<class '...AdamW'>): 'adamw', 'adam' or 'sgd' ...
     """
-    from functional_shard.planning.plan import Plan
+    from functional_shard.planning.plan.plan import Plan
 
     if not isinstance(plan, Plan):
         raise ShardingError(
@@ -247,7 +247,7 @@ def _stage_memory(
     ``gathered`` is every FSDP unit of the stage held gathered at once, as FSDP runs under
     a pipeline (gathered for the first micro-batch, resharded after the last).
     """
-    from functional_shard.planning.stages import stage_finder, stage_rank
+    from functional_shard.planning.pipeline.stages import stage_finder, stage_rank
 
     config = plan.config
     axis = config.pipeline_axis

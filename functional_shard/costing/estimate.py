@@ -18,7 +18,7 @@ from torch import nn
 from functional_shard.core.errors import PlanError, ShardingError, bullets
 from functional_shard.core.units import parse_bytes
 from functional_shard.planning.context_checks import context_parallel_problems
-from functional_shard.planning.module_splits import head_problems
+from functional_shard.planning.tp.module_splits import head_problems
 
 from .assemble import Assembly, assemble
 from .context_engines import for_hardware
@@ -32,7 +32,7 @@ from .step_model import compute_dtype, unit_gathered_bytes
 from .trace_inputs import fitted_inputs
 
 if TYPE_CHECKING:
-    from functional_shard.planning.plan import Plan
+    from functional_shard.planning.plan.plan import Plan
 
 __all__ = ["Estimate", "compare_schedules", "estimate", "parse_bytes"]
 
@@ -82,7 +82,7 @@ def _check_context(model: Any, plan: Plan) -> None:
 
 
 def _check_model_and_plan(model: Any, plan: Any) -> None:
-    from functional_shard.planning.plan import Plan
+    from functional_shard.planning.plan.plan import Plan
 
     if isinstance(model, Plan) and not isinstance(plan, Plan):
         raise ShardingError(
@@ -275,8 +275,8 @@ def compare_schedules(
         >>> sorted(found), found["gpipe"].peak_bytes > found["1f1b"].peak_bytes
         (['1f1b', 'gpipe'], True)
     """
-    from functional_shard.planning.schedules import _actions_or_reason
-    from functional_shard.planning.stages import SCHEDULES, SINGLE_STAGE, V_SHAPED
+    from functional_shard.planning.pipeline.schedules import _actions_or_reason
+    from functional_shard.planning.pipeline.stages import SCHEDULES, SINGLE_STAGE, V_SHAPED
 
     from .pipeline_estimate import with_schedule
 

@@ -14,8 +14,8 @@ from typing import Any
 from functional_shard.core.sequence import ENGINE_LABELS
 from functional_shard.core.units import format_bytes as _bytes
 from functional_shard.core.units import parse_bytes
-from functional_shard.planning.plan_cost import Cost
-from functional_shard.planning.schedules import Timeline
+from functional_shard.planning.pipeline.schedules import Timeline
+from functional_shard.planning.plan.cost_record import Cost
 
 from .hardware import Hardware
 from .kernels import Kernels

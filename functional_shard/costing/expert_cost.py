@@ -39,7 +39,7 @@ from functional_shard.core.spec import ParamSharding
 from functional_shard.core.tree import within
 
 if TYPE_CHECKING:
-    from functional_shard.planning.plan import Plan
+    from functional_shard.planning.plan.plan import Plan
 
 __all__ = ["expert_comm", "expert_grad_axes", "expert_layers"]
 

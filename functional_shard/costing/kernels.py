@@ -39,8 +39,8 @@ from .comm_cost import gathers_per_step
 from .hardware import Hardware
 
 if TYPE_CHECKING:
-    from functional_shard.planning.plan import Plan
-    from functional_shard.planning.plan_cost import Cost
+    from functional_shard.planning.plan.cost_record import Cost
+    from functional_shard.planning.plan.plan import Plan
 
 __all__ = [
     "FLOAT8",

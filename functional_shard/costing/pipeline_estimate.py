@@ -3,19 +3,19 @@
 A pp rank holds its stages' parameters, gradients and optimizer state (`cost` at a rank of
 that pp coordinate), and the activations of one micro-batch (``batch / microbatches``
 sequences) per stage for as many micro-batches as torch's schedule keeps in flight there
-(`functional_shard.planning.schedules.held_peak`); on the last stage these include the
+(`functional_shard.planning.pipeline.schedules.held_peak`); on the last stage these include the
 logits and the log-softmax the loss keeps for its backward, and its rank also holds what one
 micro-batch's loss makes beyond those (`loss_memory.pipeline_loss_workspace`). It also holds
 torch's receive buffers, one per micro-batch for each of its stages' input and output
 gradient, kept from step to step; FSDP2's whole gradients of each of its stages from the end
 of that stage's first backward in the step
-(`functional_shard.planning.schedules.held_peak_parts` finds the moment activations and
+(`functional_shard.planning.pipeline.schedules.held_peak_parts` finds the moment activations and
 those gradients together peak, with, where it falls in a backward, the checkpointed
 block's recompute that backward holds, `context_engines.recompute_beyond`); and, as torch's
 ``schedule.step()`` does by default (``estimate(keep_outputs=True)``), the last stage may
 keep every micro-batch's output to the step's end and then concatenate them. The step's
 compute time is the makespan of torch's action lists run on a clock
-(`functional_shard.planning.schedules.simulate`), each stage's forward and backward at its
+(`functional_shard.planning.pipeline.schedules.simulate`), each stage's forward and backward at its
 traced flops, each boundary's activation sent at the pp axis's link speed: the bubble is in
 it. Data- and tensor-parallel communication is added as for any plan.
 """
@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.tree import dtype_from_name
-from functional_shard.planning.schedules import check_pipeline, held_peak_parts, in_flight, simulate
-from functional_shard.planning.stage_plans import stage_plan
-from functional_shard.planning.stages import rank_stages, stage_finder, stage_rank
+from functional_shard.planning.pipeline.schedules import check_pipeline, held_peak_parts, in_flight, simulate
+from functional_shard.planning.pipeline.stage_plans import stage_plan
+from functional_shard.planning.pipeline.stages import rank_stages, stage_finder, stage_rank
 
 from .census import census_of
 from .context_engines import recompute_beyond, with_ring_workspace
@@ -42,7 +42,7 @@ from .loss_memory import pipeline_loss_workspace
 from .step_model import Assembly, StepParts, cp_size, gathered_in_flight, in_share
 
 if TYPE_CHECKING:
-    from functional_shard.planning.plan import Plan
+    from functional_shard.planning.plan.plan import Plan
 
     from .trace_results import ActivationTrace
 
@@ -363,7 +363,7 @@ def with_schedule(plan: Plan, schedule: str) -> Plan:
             ranks (V-shaped against looped): plan again with ``fs.pipeline(schedule=...)``.
         PolicyError: the schedule cannot run the plan's stages per rank or micro-batches.
     """
-    from functional_shard.planning.stages import V_SHAPED
+    from functional_shard.planning.pipeline.stages import V_SHAPED
 
     config = plan.config
     axis = config.pipeline_axis

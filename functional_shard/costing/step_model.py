@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from functional_shard.core.tree import dtype_from_name, within
-from functional_shard.planning.plan_cost import Cost, OptimizerKind
-from functional_shard.planning.rules import sequence_gathers
+from functional_shard.planning.plan.cost_record import Cost, OptimizerKind
+from functional_shard.planning.tp.rules import sequence_gathers
 
 from .comm_cost import key_value_features, ring_passes
 from .context_engines import ring_exposed_seconds
@@ -26,7 +26,7 @@ from .hardware import Hardware
 from .kernels import Clock, Kernels, phase_saved
 
 if TYPE_CHECKING:
-    from functional_shard.planning.plan import Plan
+    from functional_shard.planning.plan.plan import Plan
 
 __all__ = [
     "Assembly",

@@ -20,7 +20,7 @@ from torch import nn
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.sequence import check_split_share
-from functional_shard.planning.rules import first_input_name, sequence_gathers, sequence_parallel_problems
+from functional_shard.planning.tp.rules import first_input_name, sequence_gathers, sequence_parallel_problems
 
 __all__ = ["check_sequence_parallel", "sequence_parallel"]
 

@@ -22,10 +22,10 @@ import torch.nn.functional as F  # noqa: N812
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.mesh import Mesh
-from functional_shard.planning.plan import Plan
+from functional_shard.planning.plan.plan import Plan
 from functional_shard.planning.planner import shard
-from functional_shard.planning.policy import Policy
-from functional_shard.planning.policy_text import format_policy, parse_policy
+from functional_shard.planning.policy.parse import format_policy, parse_policy
+from functional_shard.planning.policy.types import Policy
 from functional_shard.runtime.apply import apply, check_runnable, materialize, optimizer
 from functional_shard.runtime.launch import LocalWorld, current_rank
 from functional_shard.runtime.measure import CollectiveLog, resident_bytes
@@ -152,7 +152,7 @@ def run(
     Args:
         mesh: the mesh (an axis of -1 is refused: the demo's world is the mesh).
         policy: the policy to plan with, or its text (``"fsdp(dp) + tp(llama, tp)"``, see
-            `functional_shard.planning.policy_text`; class names resolve against the zoo Llama).
+            `functional_shard.planning.policy.parse`; class names resolve against the zoo Llama).
         model: a small `functional_shard.zoo.CONFIGS` name.
         steps: AdamW steps (at least 3: the third is measured).
         seed: initialisation seed, for the run and the one-process reference.

@@ -15,7 +15,7 @@ from .picture_canvas import matplotlib_module
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from functional_shard.planning.plan import Plan
+    from functional_shard.planning.plan.plan import Plan
 
 __all__ = ["Block", "blocks", "draw_blocks"]
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from functional_shard.costing.cost import OptimizerKind
-    from functional_shard.planning.plan import Plan
+    from functional_shard.planning.plan.plan import Plan
 
 __all__ = ["draw_schedule", "draw_schedule_figure", "draw_stages"]
 
@@ -60,7 +60,7 @@ def draw_stages(axes: Axes, plan: Plan, optimizer: OptimizerKind = "adamw") -> N
         >>> figure.axes[2].get_title().splitlines()[0]
         "pipeline stages over 'pp' (schedule 1f1b, 2 micro-batches)"
     """
-    from functional_shard.planning.stages import rank_stages
+    from functional_shard.planning.pipeline.stages import rank_stages
 
     config = plan.config
     axis = config.pipeline_axis
@@ -113,17 +113,17 @@ def draw_schedule(axes: Axes, timeline: Any) -> None:
     """Draw a pipeline schedule: which rank runs which micro-batch when, into ``axes``.
 
     One row per pp rank; each action of torch's own list for that rank is a box from its
-    start to its end on the clock of `functional_shard.planning.schedules.simulate` (forwards blue,
+    start to its end on the clock of `functional_shard.planning.pipeline.schedules.simulate` (forwards blue,
     full backwards red, input-gradient backwards orange, weight-gradient backwards purple),
     labelled with the micro-batch, and the stage when a rank runs several. The white gaps
     are the bubble.
 
     Args:
         axes: where to draw.
-        timeline: a `functional_shard.planning.schedules.Timeline`.
+        timeline: a `functional_shard.planning.pipeline.schedules.Timeline`.
 
     Examples:
-        >>> from functional_shard.planning.schedules import simulate
+        >>> from functional_shard.planning.pipeline.schedules import simulate
         >>> figure = draw_schedule_figure(simulate("1f1b", 4, 8))
         >>> figure.axes[0].get_title().splitlines()[0]
         '1f1b: 4 ranks, 8 micro-batches, 1 stage per rank'
@@ -168,7 +168,7 @@ def draw_schedule_figure(timeline: Any, path: Any = None) -> Figure:
     """A figure with `draw_schedule` of ``timeline``; written to ``path`` if given.
 
     Examples:
-        >>> from functional_shard.planning.schedules import simulate
+        >>> from functional_shard.planning.pipeline.schedules import simulate
         >>> len(draw_schedule_figure(simulate("zbv", 2, 4, 2)).axes)
         1
     """

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from functional_shard.costing.cost import OptimizerKind
-    from functional_shard.planning.plan import Plan
+    from functional_shard.planning.plan.plan import Plan
 
 __all__ = [
     "blocks",
@@ -113,7 +113,7 @@ def visualize(
     draw_memory(panels[0], plan, estimate=estimate, optimizer=optimizer, ranks=ranks, budget=budget)
     draw_blocks(panels[1], plan, param if param is not None else _largest(plan), spec)
     if pipeline_axis is not None:
-        from functional_shard.planning.schedules import simulate
+        from functional_shard.planning.pipeline.schedules import simulate
 
         config = plan.config
         draw_stages(panels[2], plan, optimizer)

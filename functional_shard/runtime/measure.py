@@ -228,7 +228,7 @@ def _engine_collective_seconds(kind: str, repeats: int, layers: int = 8, width: 
     from torch import nn
 
     from functional_shard.planning.planner import shard
-    from functional_shard.planning.policy_builders import fsdp, tp
+    from functional_shard.planning.policy.builders import fsdp, tp
 
     from .apply import apply
 

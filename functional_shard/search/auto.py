@@ -24,7 +24,7 @@ from functional_shard.costing.cost import OptimizerKind
 from functional_shard.costing.hardware import Hardware
 from functional_shard.costing.hardware import hardware as _hardware
 from functional_shard.costing.kernels import Kernels
-from functional_shard.planning.plan import Plan
+from functional_shard.planning.plan.plan import Plan
 
 from .candidates import LONG_SEQUENCE, Point, Space, context_points, model_facts, pipeline_points, points
 from .report import AutoReport, Candidate

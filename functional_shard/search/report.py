@@ -11,7 +11,7 @@ from functional_shard.costing.estimate_record import Estimate
 from functional_shard.costing.estimate_record import duration as _duration
 from functional_shard.costing.hardware import Hardware
 from functional_shard.costing.kernels import Kernels
-from functional_shard.planning.plan import Plan
+from functional_shard.planning.plan.plan import Plan
 
 __all__ = ["AutoReport", "Candidate", "step_text"]
 

@@ -16,9 +16,9 @@ from functional_shard.costing.estimate_record import Estimate
 from functional_shard.costing.hardware import Hardware
 from functional_shard.costing.kernels import Kernels, check_kernel_hardware, kernel_fields
 from functional_shard.costing.step_model import compute_dtype, unit_gathered_bytes
-from functional_shard.planning.plan import Plan
+from functional_shard.planning.plan.plan import Plan
 from functional_shard.planning.planner import shard, with_expert_top_k
-from functional_shard.planning.policy import Policy
+from functional_shard.planning.policy.types import Policy
 
 from .candidates import ModelFacts, Point, Policies, checkpoint_options, policy_text
 from .report import Candidate

@@ -10,7 +10,7 @@ from functional_shard.costing import estimate as _estimate
 
 if TYPE_CHECKING:
     from functional_shard.costing.activations import ActivationTrace
-    from functional_shard.planning.plan import Plan
+    from functional_shard.planning.plan.plan import Plan
 
 __all__ = ["TraceCache", "TraceKey"]
 

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from functional_shard.core.mesh import Mesh
     from functional_shard.costing.hardware import Hardware
     from functional_shard.costing.kernels import Kernels
-    from functional_shard.planning.policy import Policy
+    from functional_shard.planning.policy.types import Policy
 
 __all__ = [
     "InputError",
@@ -164,7 +164,7 @@ def load_model(text: str) -> nn.Module:
 
 
 def read_policy(text: str, model: nn.Module | None) -> Policy:
-    """The policy ``--policy`` writes (see `functional_shard.planning.policy_text`).
+    """The policy ``--policy`` writes (see `functional_shard.planning.policy.parse`).
 
     Args:
         text: a policy expression, such as ``"fsdp(dp) + tp(llama, tp) + bf16"``.
@@ -179,7 +179,7 @@ def read_policy(text: str, model: nn.Module | None) -> Policy:
         >>> read_policy("fsdp(dp) + bf16", None).options.param_dtype
         'bfloat16'
     """
-    from functional_shard.planning.policy_text import parse_policy
+    from functional_shard.planning.policy.parse import parse_policy
 
     if not text.strip():  # an empty value is a mistake, not a request for the default
         raise InputError(

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from functional_shard.costing.cost import Cost
     from functional_shard.costing.estimate import Estimate
     from functional_shard.costing.hardware import Hardware
-    from functional_shard.planning.plan import Plan
+    from functional_shard.planning.plan.plan import Plan
 
 __all__ = ["DEFAULT_POLICY", "run"]
 

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from functional_shard.costing.estimate import Estimate
     from functional_shard.costing.hardware import Hardware
-    from functional_shard.planning.plan import Plan
+    from functional_shard.planning.plan.plan import Plan
     from functional_shard.search.report import AutoReport, Candidate
 
 __all__ = ["search"]

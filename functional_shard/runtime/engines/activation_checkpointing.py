@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from functional_shard.planning.plan import Plan
+from functional_shard.planning.plan.plan import Plan
 
 __all__ = ["apply_checkpointing", "is_checkpointed"]
 

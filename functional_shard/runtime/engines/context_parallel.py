@@ -42,7 +42,7 @@ from functional_shard.core.sequence import check_sequence_length, token_position
 from functional_shard.costing.trace_context_parallel import AttentionCall, routing_attention
 from functional_shard.planning.context_checks import attention_problems  # pure: fs.estimate asks it too
 from functional_shard.planning.context_checks import takes_hf_attention as _is_hf
-from functional_shard.planning.plan import Plan
+from functional_shard.planning.plan.plan import Plan
 
 from .context_inputs import chunk_rank, plan_given, positive_length, sequence_dim, share_check
 from .context_ring import ring_attention, ring_dispatch, runs_ring

@@ -15,7 +15,7 @@ from torch import nn
 from .styles import is_conv1d
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from functional_shard.planning.plan.plan import Plan
 
 __all__ = [
     "CONV1D_STYLES",

@@ -44,14 +44,14 @@ import torch
 from torch import nn
 
 from functional_shard.core.errors import PolicyError, one_line
+from functional_shard.planning.tp import rules as rules_module
+from functional_shard.planning.tp.rules import DEFERRED
 
-from . import policy_builders as build
-from . import rules as rules_module
-from .policy import Policy
-from .policy_builders import CHECKPOINT_POLICIES
-from .policy_format import OFFLOAD_PARTS, RULE_SETS
-from .policy_format import format_policy as format_policy
-from .rules import DEFERRED
+from . import builders as build
+from .builders import CHECKPOINT_POLICIES
+from .format import OFFLOAD_PARTS, RULE_SETS
+from .format import format_policy as format_policy
+from .types import Policy
 
 __all__ = ["FORMS", "format_policy", "parse_policy"]
 

@@ -6,7 +6,7 @@ class's ``_tp_plan`` (``lm_head``). A model instance combines them in ``model.tp
 the class plan first, the base plan prefixed by the base model's attribute name
 (``model.``), and ``embed_tokens`` split over the vocabulary when the plan is not empty.
 `plan_entries` reads that combined plan and maps each of its styles to ours, or refuses
-it by name with the parameter path; `functional_shard.planning.rules.from_hf` makes `Rules` of
+it by name with the parameter path; `functional_shard.planning.tp.rules.from_hf` makes `Rules` of
 it. transformers is imported only here, and only when a config has to be turned into a
 model. This module knows nothing of `Rules` (rules imports it, not the other way round).
 """
@@ -47,7 +47,7 @@ HF_STYLES: dict[str, str] = {
     "packed_colwise": "packed_colwise",
     "moe_tp_experts": "moe_tp_experts",
 }
-"""transformers' style name → ours (the styles of `functional_shard.planning.rules`)."""
+"""transformers' style name → ours (the styles of `functional_shard.planning.tp.rules`)."""
 
 REFUSED_HF_STYLES: dict[str, str] = {
     "packed_rowwise": "the rowwise twin of packed_colwise (mixture-of-experts weights)",
@@ -123,7 +123,7 @@ def plan_entries(model_or_config: object) -> tuple[str, list[tuple[re.Pattern[st
     """The model's class name and its plan as (pattern, our style) pairs, in the plan's order.
 
     A config is built into a model on the meta device (no weights) to read the plan and
-    its parameter paths. `functional_shard.planning.rules.from_hf` turns the pairs into `Rules`.
+    its parameter paths. `functional_shard.planning.tp.rules.from_hf` turns the pairs into `Rules`.
 
     Args:
         model_or_config: a ``PreTrainedModel`` or a ``PretrainedConfig``.

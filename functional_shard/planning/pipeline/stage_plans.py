@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from .plan import Plan
+from functional_shard.planning.plan.plan import Plan
+
 from .stages import stage_finder
 
 __all__ = ["stage_plan", "without_pipeline"]

@@ -24,7 +24,7 @@ from functional_shard.core.errors import PolicyError, ShardingError, bullets
 from functional_shard.core.mesh import Mesh
 from functional_shard.core.spec import P, ParamSharding, spec_from_json
 
-from .plan_config import PlanConfig
+from .config import PlanConfig
 
 __all__ = ["FORMAT_VERSION", "plan_data", "plan_problems"]
 
@@ -160,9 +160,8 @@ def _config_problems(config: Any, mesh: Mesh | None, paths: set[str], params: se
 def _config_value_problems(config: Mapping[str, Any]) -> list[str]:
     # the config's names the plan's readers look up: each must name what exists
     from functional_shard.core.sequence import CONTEXT_ENGINES
-
-    from .policy_builders import CHECKPOINT_POLICIES
-    from .styles import STYLES
+    from functional_shard.planning.policy.builders import CHECKPOINT_POLICIES
+    from functional_shard.planning.tp.styles import STYLES
 
     found = []
     kind = config.get("data_parallel", "none")
@@ -220,7 +219,7 @@ def _pipeline_problems(config: Mapping[str, Any], mesh: Mesh | None, paths: set[
     axis = config.get("pipeline_axis")
     if axis is None or mesh is None or axis not in mesh:
         return []
-    from .stages import SCHEDULES, stage_finder
+    from functional_shard.planning.pipeline.stages import SCHEDULES, stage_finder
 
     stages = tuple(tuple(stage) for stage in config.get("pipeline_stages", []))
     per_rank = config.get("stages_per_rank", 1)
@@ -236,7 +235,9 @@ def _pipeline_problems(config: Mapping[str, Any], mesh: Mesh | None, paths: set[
         )
     schedule, microbatches = config.get("pipeline_schedule", "1f1b"), config.get("microbatches", 1)
     if schedule in SCHEDULES and microbatches >= 1 and per_rank >= 1:
-        from .schedules import check_pipeline  # the builder's check: what torch's schedule runs
+        from functional_shard.planning.pipeline.schedules import (
+            check_pipeline,  # the builder's check: what torch's schedule runs
+        )
 
         try:
             check_pipeline(schedule, mesh[axis], per_rank, microbatches)

@@ -54,7 +54,7 @@ class PlanConfig:
     pipeline_axis: str | None = None
     """The mesh axis whose ranks hold successive pipeline stages (``None``: no pipeline)."""
     pipeline_stages: tuple[tuple[str, ...], ...] = ()
-    """Module paths of each stage, in stage order (see `functional_shard.planning.stages`)."""
+    """Module paths of each stage, in stage order (see `functional_shard.planning.pipeline.stages`)."""
     pipeline_schedule: str = "1f1b"
     microbatches: int = 1
     stages_per_rank: int = 1

@@ -10,9 +10,9 @@ from torch import nn
 
 from functional_shard.core.errors import PolicyError
 from functional_shard.core.tree import ModelTree, matches, owner_paths
+from functional_shard.planning.plan.config import group_name
+from functional_shard.planning.policy.types import DataParallel, Selector
 
-from .plan_config import group_name
-from .policy import DataParallel, Selector
 from .repeated_blocks import repeated_blocks as _repeated_blocks
 
 __all__ = ["ChosenUnits", "chosen_units", "fsdp_units", "select_modules"]

@@ -18,8 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from functional_shard.core.errors import PolicyError
 from functional_shard.core.tree import ModelTree, owner_paths
-
-from .rules import layout_of
+from functional_shard.planning.tp.rules import layout_of
 
 __all__ = ["SCHEDULES", "boundary_features", "rank_stages", "split_stages", "stage_finder", "stage_rank"]
 

@@ -1,6 +1,6 @@
 """Policies written back as text: `format_policy`, the inverse of `parse_policy`.
 
-The text forms are those `functional_shard.planning.policy_text` reads; a part text cannot
+The text forms are those `functional_shard.planning.policy.parse` reads; a part text cannot
 say (a policy function, a custom rule set, a compiled pattern) is refused by name.
 """
 
@@ -10,16 +10,16 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from functional_shard.core.errors import PolicyError
+from functional_shard.planning.tp import rules as rules_module
+from functional_shard.planning.tp.rules import DEFERRED
 
-from . import rules as rules_module
-from .policy import ContextParallel, DataParallel, ExpertParallel, Pipeline, Policy, TensorParallel
-from .policy_builders import CHECKPOINT_POLICIES
-from .rules import DEFERRED
+from .builders import CHECKPOINT_POLICIES
+from .types import ContextParallel, DataParallel, ExpertParallel, Pipeline, Policy, TensorParallel
 
 __all__ = ["OFFLOAD_PARTS", "RULE_SETS", "format_policy"]
 
 RULE_SETS = ("llama", "torchtitan", "gpt2", "gpt2_hf", "mlp")
-"""The named rule sets of `functional_shard.planning.rules` that text can name."""
+"""The named rule sets of `functional_shard.planning.tp.rules` that text can name."""
 OFFLOAD_PARTS = ("params", "grads", "optimizer")
 """What ``offload(...)`` can keep in host memory."""
 _SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}

@@ -23,7 +23,7 @@ Hugging Face's ``Conv1D`` (GPT-2) stores its weight ``(in, out)``, the transpose
 ``nn.Linear``'s: colwise splits its dim 1, rowwise its dim 0.
 
 Buffers of a styled module stay replicated: torch's styles distribute parameters only.
-Rules (`functional_shard.planning.rules`) give modules these styles.
+Rules (`functional_shard.planning.tp.rules`) give modules these styles.
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@ A pattern matches a parameter when it fullmatches the parameter's path or any en
 module path, so ``"*.q_proj"`` covers ``layers.0.self_attn.q_proj.weight`` and ``.bias``.
 Glob patterns (``*`` spans dots) or compiled regexes. A style (``colwise``, ``rowwise``,
 ...) expands to per-parameter specs by the owning module's type, as torch's parallel
-styles shard them (`functional_shard.planning.styles` has the table).
+styles shard them (`functional_shard.planning.tp.styles` has the table).
 
-`for_model` and `from_hf` (Hugging Face models' own plans, `functional_shard.planning.hf`) pick
+`for_model` and `from_hf` (Hugging Face models' own plans, `functional_shard.planning.tp.hf_plans`) pick
 rules for a model. The styles and what sequence parallel gathers
-(`functional_shard.planning.sequence_parallel`) are importable from here too.
+(`functional_shard.planning.tp.sequence_parallel`) are importable from here too.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from functional_shard.core.spec import P
 from functional_shard.core.tree import Pattern, TensorSpec
 
 from .sequence_parallel import first_input_name, sequence_gathers, sequence_parallel_problems
+from .structural_rules import structural_rules
 from .styles import STYLES, Packed, Style, expand_style, packed_problem
 from .styles import StyleError as StyleError
 from .styles import is_conv1d as is_conv1d
 from .styles import layout_of as layout_of
-from .tp_auto import structural_rules
 
 __all__ = [
     "DEFERRED",
@@ -216,7 +216,7 @@ def resolve(rules: Rules, model: object) -> Rules:
 
 
 def from_hf(model_or_config: object) -> Rules:
-    """Rules from a Hugging Face model's own tensor-parallel plan (see `functional_shard.planning.hf`).
+    """Rules from a Hugging Face model's own tensor-parallel plan (see `planning.tp.hf_plans`).
 
     The plan is read as transformers combines it (``model.tp_plan``: the class's
     ``_tp_plan``, the config's ``base_model_tp_plan`` under the base model's prefix); a
@@ -242,7 +242,7 @@ def from_hf(model_or_config: object) -> Rules:
         >>> rules.match("lm_head.weight").target
         'colwise_gather'
     """
-    from . import hf
+    from . import hf_plans as hf
 
     _, pairs = hf.plan_entries(model_or_config)
     return Rules([Rule(pattern, cast(Style, style)) for pattern, style in pairs], name="hf")
@@ -280,7 +280,7 @@ def for_model(model: object) -> Rules:
     models, `gpt2`, `mlp`, in that order) fits when each of its splitting rules covers
     some parameter of the model (where torchtitan's names changed between versions, one
     version's names suffice). When none fits, rules are derived from the model's data
-    flow (`functional_shard.planning.tp_auto.structural_rules`, named ``"structure"``):
+    flow (`functional_shard.planning.tp.structural_rules.structural_rules`, named ``"structure"``):
     in each repeated block the projections reading the residual stream colwise, those
     writing back into it rowwise, the embedding and head as `llama` splits them.
 
@@ -299,7 +299,7 @@ def for_model(model: object) -> Rules:
         >>> for_model(nn.ModuleDict({"fc1": nn.Linear(4, 8), "fc2": nn.Linear(8, 4)})).name
         'mlp'
     """
-    from . import hf
+    from . import hf_plans as hf
 
     if not isinstance(model, nn.Module):
         raise PolicyError(

@@ -1,7 +1,7 @@
 """The policy constructors: `fsdp`, `zero`, `hsdp`, `replicate`, `tp`, `ep`, `pipeline`, options.
 
 Each returns a one-layer `Policy` (or one carrying options) for ``+`` to combine; see
-`functional_shard.planning.policy` for how the layers merge.
+`functional_shard.planning.policy.types` for how the layers merge.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import torch
 from functional_shard.core.errors import PolicyError
 from functional_shard.core.sequence import CONTEXT_ENGINES
 from functional_shard.core.tree import Pattern
+from functional_shard.planning.tp.rules import Rules, deferred
 
-from .policy import (
+from .types import (
     ContextParallel,
     DataParallel,
     ExpertParallel,
@@ -29,7 +30,6 @@ from .policy import (
     UnitSelector,
     policy_builder,
 )
-from .rules import Rules, deferred
 
 # by kind: data parallel, model parallel, plan options
 __all__ = [
@@ -241,11 +241,11 @@ def tp(
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
 ) -> Policy:
-    """Tensor parallelism over ``axis`` following ``rules`` (see `functional_shard.planning.rules`).
+    """Tensor parallelism over ``axis`` following ``rules`` (see `functional_shard.planning.tp.rules`).
 
     Parameters no rule matches are left to the other layers (replicated if none), unless
     the rule set is strict. ``rules`` may be ``"hf"`` (the model's own Hugging Face plan)
-    or ``"auto"`` (`functional_shard.planning.rules.for_model`): ``shard()`` resolves them
+    or ``"auto"`` (`functional_shard.planning.tp.rules.for_model`): ``shard()`` resolves them
     against the model.
 
     With ``loss_parallel`` the head (the module the rules give ``colwise_gather``) keeps
@@ -349,7 +349,7 @@ def pipeline(
         >>> layer.name, layer.stages_per_rank
         ("pipeline('pp', microbatches=8, schedule='interleaved1f1b')", 2)
     """
-    from .stages import check_schedule
+    from functional_shard.planning.pipeline.stages import check_schedule
 
     if not isinstance(axis, str):
         raise PolicyError(f"pipeline(axis={axis!r}): one mesh axis name")

@@ -1,4 +1,4 @@
-"""Parts of `Plan.explain`: its FSDP units and its context-parallel line.
+"""What `Plan.explain` says beside its table: the FSDP units, context parallel, packed projections.
 
 Each unit is listed with what it gathers and why it is one (alike blocks folded).
 """
@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from functional_shard.core.mesh import Mesh
 from functional_shard.core.units import format_bytes
 
-from .plan_config import PlanConfig
+from .config import PlanConfig
 
 __all__ = ["context_parallel_line", "packed_lines", "units_section"]
 

@@ -19,10 +19,10 @@ from functional_shard.core.spec import P, ParamSharding
 from functional_shard.core.tree import TensorSpec, owner_paths
 from functional_shard.core.units import format_bytes as _bytes
 
-from .explain_parts import context_parallel_line, packed_lines, units_section
-from .plan_config import Change, PlanConfig, group_name
-from .plan_cost import Cost, OptimizerKind
-from .plan_json import FORMAT_VERSION
+from .config import Change, PlanConfig, group_name
+from .cost_record import Cost, OptimizerKind
+from .explain import context_parallel_line, packed_lines, units_section
+from .json_format import FORMAT_VERSION
 
 __all__ = ["Change", "Plan", "PlanConfig"]
 
@@ -172,7 +172,7 @@ class Plan:
             >>> plan.stage_of("embed_tokens.weight"), plan.stage_of("lm_head.weight")
             (0, 1)
         """
-        from .stages import stage_finder
+        from functional_shard.planning.pipeline.stages import stage_finder
 
         if self.config.pipeline_axis is None:
             return 0
@@ -196,7 +196,7 @@ class Plan:
             >>> plan.ranks_of_stage(0), plan.ranks_of_stage(1), plan.ranks_of_stage(3)
             ((0, 1), (2, 3), (0, 1))
         """
-        from .stages import stage_rank
+        from functional_shard.planning.pipeline.stages import stage_rank
 
         config = self.config
         if config.pipeline_axis is None:
@@ -390,7 +390,7 @@ class Plan:
             ...
             functional_shard.ShardingError: not a plan file: ... looks like a path; pass Path(...) ...
         """
-        from .plan_json import plan_data
+        from .json_format import plan_data
 
         data = plan_data(source)
         params: dict[str, ParamSharding] = {}

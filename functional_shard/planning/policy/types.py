@@ -13,7 +13,7 @@ A policy is a stack of layers plus plan-level options. Each layer gives a parame
   the same mesh axis, are an error.
 
 Options (mixed precision, offload, activation checkpointing) are set at most once each.
-The constructors (`fsdp`, `tp`, ...) are in `functional_shard.planning.policy_builders`.
+The constructors (`fsdp`, `tp`, ...) are in `functional_shard.planning.policy.builders`.
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ from functional_shard.core.errors import PolicyError
 from functional_shard.core.mesh import Mesh
 from functional_shard.core.spec import Owned, P, ParamSharding
 from functional_shard.core.tree import Pattern, TensorSpec
-
-from .rules import Rules, index_free, resolve
-from .styles import StyleError
+from functional_shard.planning.tp.rules import Rules, index_free, resolve
+from functional_shard.planning.tp.styles import StyleError
 
 __all__ = [
     "ContextParallel",
@@ -438,7 +437,7 @@ def resolve_rules(policy: Policy, model: Any) -> Policy:
     """
     experts = policy.expert_parallel
     if experts is not None and experts.experts is None:
-        from .hf import expert_patterns
+        from functional_shard.planning.tp.hf_plans import expert_patterns
 
         found = replace(experts, experts=expert_patterns(model))
         layers = tuple(found if layer is experts else layer for layer in policy.layers)

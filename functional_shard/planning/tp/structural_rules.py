@@ -11,11 +11,11 @@ projection that reads the block's input (through norms and elementwise ops) is
 may run: elementwise ops, views and transposes to heads, scaled dot-product attention.
 A colwise projection whose whole output is cut by ``split`` or ``chunk`` along its features
 is a fused one (``wqkv``: q, k, v; ``w13``: w1, w3): it becomes a packed colwise
-(`functional_shard.planning.styles.Packed`) of the pieces the call made, equal or not,
+(`functional_shard.planning.tp.styles.Packed`) of the pieces the call made, equal or not,
 each split on its own over the ranks.
 The token embedding outside the blocks (the largest table) is rowwise and the head (the
 last projection outside them, unless tied to the embedding) colwise_gather, norms
-``sequence``, as `functional_shard.planning.rules.llama` treats them. Names play no part.
+``sequence``, as `functional_shard.planning.tp.rules.llama` treats them. Names play no part.
 
 Whatever cannot be classified is refused, naming the modules: a projection that reads
 another projection's output and does not write the residual stream, one that reads both
@@ -38,8 +38,8 @@ from torch.overrides import TorchFunctionMode
 
 from functional_shard.core.errors import PolicyError
 from functional_shard.core.tree import read_model
+from functional_shard.planning.fsdp.repeated_blocks import repeated_blocks
 
-from .repeated_blocks import repeated_blocks
 from .styles import Packed, Style
 
 __all__ = ["BlockFlow", "block_calls", "structural_rules", "trace_block"]

@@ -391,7 +391,7 @@ def simulate(
     activation (or its gradient) takes ``p2p[s]`` seconds over boundary ``s → s + 1``.
 
     Args:
-        schedule: our schedule name (`functional_shard.planning.stages.SCHEDULES`).
+        schedule: our schedule name (`functional_shard.planning.pipeline.stages.SCHEDULES`).
         pp: ranks along the pipeline axis.
         microbatches: micro-batches per step.
         stages_per_rank: stages each rank runs.
