@@ -37,15 +37,15 @@ if TYPE_CHECKING:
     from .core.tree import read_model as read_model
     from .core.units import format_bytes as format_bytes
     from .core.units import parse_bytes as parse_bytes
-    from .costing.activations import ActivationTrace as ActivationTrace
-    from .costing.activations import trace_activations as trace_activations
-    from .costing.cost import cost as cost
-    from .costing.estimate import Estimate as Estimate
-    from .costing.estimate import compare_schedules as compare_schedules
-    from .costing.estimate import estimate as estimate
-    from .costing.hardware import Hardware as Hardware
-    from .costing.hardware import hardware as hardware
-    from .costing.kernels import Kernels as Kernels
+    from .costing.cost.cost_model import cost as cost
+    from .costing.estimate.estimate import Estimate as Estimate
+    from .costing.estimate.estimate import compare_schedules as compare_schedules
+    from .costing.estimate.estimate import estimate as estimate
+    from .costing.time.hardware import Hardware as Hardware
+    from .costing.time.hardware import hardware as hardware
+    from .costing.time.kernels import Kernels as Kernels
+    from .costing.trace.activations import ActivationTrace as ActivationTrace
+    from .costing.trace.activations import trace_activations as trace_activations
     from .frontends import demo as demo
     from .planning.plan.config import Change as Change
     from .planning.plan.config import PlanConfig as PlanConfig
@@ -111,8 +111,8 @@ __version__ = "0.1.0"
 _providers.provide(
     {
         "mesh.device_mesh": ("functional_shard.runtime.device_mesh", "build_device_mesh"),
-        "plan.cost": ("functional_shard.costing.cost", "cost"),
-        "plan.unit_gathered": ("functional_shard.costing.cost", "unit_gathered"),
+        "plan.cost": ("functional_shard.costing.cost.cost_model", "cost"),
+        "plan.unit_gathered": ("functional_shard.costing.cost.cost_model", "unit_gathered"),
         "plan.visualize": ("functional_shard.frontends.pictures", "visualize"),
         "hardware.local": ("functional_shard.runtime.measure", "local_hardware"),
     }
@@ -137,15 +137,15 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "materialize": ("runtime.apply", "materialize"),
     "optimizer": ("runtime.apply", "optimizer"),
     "Cost": ("planning.plan.cost_record", "Cost"),
-    "cost": ("costing.cost", "cost"),
-    "Estimate": ("costing.estimate", "Estimate"),
-    "estimate": ("costing.estimate", "estimate"),
-    "compare_schedules": ("costing.estimate", "compare_schedules"),
+    "cost": ("costing.cost.cost_model", "cost"),
+    "Estimate": ("costing.estimate.estimate", "Estimate"),
+    "estimate": ("costing.estimate.estimate", "estimate"),
+    "compare_schedules": ("costing.estimate.estimate", "compare_schedules"),
     "format_bytes": ("core.units", "format_bytes"),
     "parse_bytes": ("core.units", "parse_bytes"),
-    "Hardware": ("costing.hardware", "Hardware"),
-    "hardware": ("costing.hardware", "hardware"),
-    "Kernels": ("costing.kernels", "Kernels"),
+    "Hardware": ("costing.time.hardware", "Hardware"),
+    "hardware": ("costing.time.hardware", "hardware"),
+    "Kernels": ("costing.time.kernels", "Kernels"),
     "AutoReport": ("search.report", "AutoReport"),
     "auto": ("search.auto", "auto"),
     "search_plans": ("search.auto", "search_plans"),
@@ -171,8 +171,8 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "resident_bytes": ("runtime.measure", "resident_bytes"),
     "kept_activation_bytes": ("runtime.measure", "kept_activation_bytes"),
     "saved_tensor_bytes": ("runtime.measure", "saved_tensor_bytes"),
-    "ActivationTrace": ("costing.activations", "ActivationTrace"),
-    "trace_activations": ("costing.activations", "trace_activations"),
+    "ActivationTrace": ("costing.trace.activations", "ActivationTrace"),
+    "trace_activations": ("costing.trace.activations", "trace_activations"),
     "Mesh": ("core.mesh", "Mesh"),
     "Change": ("planning.plan.config", "Change"),
     "Plan": ("planning.plan.plan", "Plan"),

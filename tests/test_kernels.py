@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_shard as fs
-from functional_shard.costing.kernels import (
+from functional_shard.costing.time.kernels import (
     Clock,
     _gemm_seconds,
     check_kernels,

@@ -18,8 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_shard as fs
-from functional_shard.costing import activations
-from functional_shard.costing.activations import trace_activations
+from functional_shard.costing.trace import activations
+from functional_shard.costing.trace.activations import trace_activations
 from functional_shard.planning.tp.rules import sequence_gathers
 from functional_shard.zoo import CONFIGS, llama
 

@@ -78,7 +78,7 @@ def blocks(
     elsewhere: list[int] = []
     owner = None
     if isinstance(chosen, Owned):  # ZeRO-1: the whole tensor on the owner's ranks
-        from functional_shard.costing.census import zero1_owners
+        from functional_shard.costing.cost.census import zero1_owners
 
         owner = zero1_owners(plan)[canonical]
     elif not isinstance(chosen, P):  # pragma: no cover - specs are P or Owned

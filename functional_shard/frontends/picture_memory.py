@@ -12,7 +12,7 @@ from .picture_canvas import byte_unit, matplotlib_module
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from functional_shard.costing.cost import OptimizerKind
+    from functional_shard.costing.cost.cost_model import OptimizerKind
     from functional_shard.planning.plan.plan import Plan
 
 __all__ = ["draw_memory"]

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from functional_shard.costing.cost import OptimizerKind
+    from functional_shard.costing.cost.cost_model import OptimizerKind
     from functional_shard.planning.plan.plan import Plan
 
 __all__ = ["draw_schedule", "draw_schedule_figure", "draw_stages"]

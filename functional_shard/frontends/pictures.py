@@ -35,7 +35,7 @@ from .picture_sequence import draw_sequence
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from functional_shard.costing.cost import OptimizerKind
+    from functional_shard.costing.cost.cost_model import OptimizerKind
     from functional_shard.planning.plan.plan import Plan
 
 __all__ = [

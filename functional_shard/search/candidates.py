@@ -16,7 +16,7 @@ from torch import nn
 from functional_shard.core.errors import PolicyError, one_line
 from functional_shard.core.mesh import Mesh
 from functional_shard.core.tree import ModelTree, read_model
-from functional_shard.costing.hardware import Hardware
+from functional_shard.costing.time.hardware import Hardware
 from functional_shard.planning.policy import builders as policies
 from functional_shard.planning.policy.types import ExpertParallel, Policy
 

@@ -18,7 +18,7 @@ from .inputs import InputError
 from .output import Out, cost_rows
 
 if TYPE_CHECKING:
-    from functional_shard.costing.cost import Cost
+    from functional_shard.costing.cost.cost_model import Cost
     from functional_shard.planning.plan.plan import Change, Plan
 
 __all__ = ["run"]

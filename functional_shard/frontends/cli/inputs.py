@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from functional_shard.core.mesh import Mesh
-    from functional_shard.costing.hardware import Hardware
-    from functional_shard.costing.kernels import Kernels
+    from functional_shard.costing.time.hardware import Hardware
+    from functional_shard.costing.time.kernels import Kernels
     from functional_shard.planning.policy.types import Policy
 
 __all__ = [
@@ -193,7 +193,7 @@ def read_policy(text: str, model: nn.Module | None) -> Policy:
 
 
 def read_hardware(name: str) -> Hardware:
-    """The accelerator ``--hardware`` names (see `functional_shard.costing.hardware`).
+    """The accelerator ``--hardware`` names (see `functional_shard.costing.time.hardware`).
 
     Raises:
         ShardingError: no such hardware; the message lists the names there are.
@@ -202,7 +202,7 @@ def read_hardware(name: str) -> Hardware:
         >>> read_hardware("h100").memory_bytes
         80000000000
     """
-    from functional_shard.costing.hardware import hardware
+    from functional_shard.costing.time.hardware import hardware
 
     try:
         return hardware(name)
@@ -220,7 +220,7 @@ def read_kernels(text: str) -> Kernels:
         >>> read_kernels("compile,float8")
         Kernels(compile=True, float8=True, async_tp=False, float8_all_gather=False)
     """
-    from functional_shard.costing.kernels import Kernels
+    from functional_shard.costing.time.kernels import Kernels
 
     names = [name.strip() for name in text.split(",") if name.strip()]
     known = ("compile", "float8", "async_tp", "float8_all_gather")

@@ -1,7 +1,7 @@
 """`Cost`: what `Plan.cost` returns, memory per device and bytes sent per step.
 
 The record lives with the plan it describes; the cost model that fills it in is
-`functional_shard.costing.cost` (above planning: it reads plans, traces nothing).
+`functional_shard.costing.cost.cost_model` (above planning: it reads plans, traces nothing).
 """
 
 from __future__ import annotations

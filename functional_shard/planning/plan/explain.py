@@ -26,7 +26,7 @@ def units_section(config: PlanConfig, gathered: Mapping[str, int]) -> list[str]:
     """Lines for ``explain``: one per unit (alike blocks folded), its gathered bytes and why.
 
     ``gathered`` is what each unit holds while all-gathered on the first rank
-    (`functional_shard.costing.cost.unit_gathered`); a unit of whole tensors gathers nothing.
+    (`functional_shard.costing.cost.cost_model.unit_gathered`); a unit of whole tensors gathers nothing.
 
     Examples:
         >>> config = PlanConfig(data_parallel="fsdp", units=("", "layers.0", "layers.1"),

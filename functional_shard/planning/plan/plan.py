@@ -209,7 +209,7 @@ class Plan:
 
     # ---- views -------------------------------------------------------------------
     def cost(self, optimizer: OptimizerKind = "adamw", **kwargs: Any) -> Cost:
-        """Memory per device and bytes sent per step; see `functional_shard.costing.cost.cost`."""
+        """Memory per device and bytes sent per step; see `functional_shard.costing.cost.cost_model.cost`."""
         # the cost model is a layer above planning: the façade wires it in (core/providers.py)
         predicted: Cost = provider("plan.cost")(self, optimizer, **kwargs)
         return predicted

@@ -1,6 +1,6 @@
 """Experts modules on fake tensors as one rank of an expert- or tensor-parallel plan runs them.
 
-`functional_shard.costing.routing` re-enacts transformers' own experts implementations, which a
+`functional_shard.costing.trace.routing` re-enacts transformers' own experts implementations, which a
 data-parallel plan runs. A plan that splits the experts runs `engines.experts`' forwards
 instead, and the trace re-enacts those, op for op, on the rank's local shapes:
 
@@ -15,7 +15,7 @@ instead, and the trace re-enacts those, op for op, on the rank's local shapes:
 
 A collective becomes a stand-in autograd function that makes a new tensor of the shape
 the real one returns and saves nothing (as torch's autograd-aware all-to-all saves
-nothing): its bytes and time are the cost model's (`functional_shard.costing.expert_cost`).
+nothing): its bytes and time are the cost model's (`functional_shard.costing.cost.expert_traffic`).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def rank_experts(
     The modules the plan splits (``plan.config.expert_modules``, and those whose
     tensor-parallel style kind is ``experts``) re-enact `engines.experts`' forwards on the
     rank's local shapes; transformers' experts modules the plan leaves whole are routed
-    by `functional_shard.costing.routing.routed_experts`.
+    by `functional_shard.costing.trace.routing.routed_experts`.
 
     Examples:
         >>> import torch.nn as nn, functional_shard as fs

@@ -2,7 +2,8 @@
 
 Parameters and gradients (FSDP gathers and reduce-scatters, DDP's all-reduce, ZeRO-1's
 broadcasts), tensor parallel's activation collectives, context parallel's key/value
-gathers, and the pipeline's point-to-point sends; `functional_shard.costing.cost` puts them beside the memory.
+gathers, and the pipeline's point-to-point sends; `functional_shard.costing.cost.cost_model`
+puts them beside the memory.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from functional_shard.core.tree import dtype_from_name
 from functional_shard.planning.tp.rules import sequence_gathers
 
 from .census import Census, grouped, itemsize_of
-from .expert_cost import expert_grad_axes
+from .expert_traffic import expert_grad_axes
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan.plan import Plan

@@ -37,12 +37,12 @@ from functional_shard.core.errors import ShardingError
 from functional_shard.core.layout import local_numel
 from functional_shard.core.spec import Owned, ParamSharding
 from functional_shard.core.tree import dtype_from_name
+from functional_shard.costing.time.context_engines import counted_engine
 from functional_shard.planning.plan.cost_record import Cost, OptimizerKind
 
 from .census import Census, census_of, grouped, zero1_owners
-from .comm_cost import Comm, activation_comm, compute_itemsize, context_comm, parameter_comm, pipeline_comm
-from .context_engines import counted_engine
-from .expert_cost import expert_comm
+from .expert_traffic import expert_comm
+from .traffic import Comm, activation_comm, compute_itemsize, context_comm, parameter_comm, pipeline_comm
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan.plan import Plan
@@ -294,11 +294,11 @@ def cost(
             sequence; under a pipeline, the whole batch the schedule cuts into
             micro-batches); if given, tensor-parallel activation collectives and the
             pipeline's point-to-point bytes are counted too, and so are the experts
-            modules' (`functional_shard.costing.expert_cost`): expert parallelism's
+            modules' (`functional_shard.costing.cost.expert_traffic`): expert parallelism's
             ``all_to_all`` over its axis under balanced routing, tensor parallel's
             all-reduces inside the experts. Under context parallel (``tokens`` of whole
             sequences) each attention layer's collectives over the cp axis, those of the
-            engine counted (`functional_shard.costing.comm_cost.context_comm`).
+            engine counted (`functional_shard.costing.cost.traffic.context_comm`).
         context_engine: the cp engine counted: ``None`` (the default) the plan's own,
             ``"auto"`` counted as ``"all_gather"`` (our engine: each layer's key/value
             all-gather and gradient reduce-scatter), which is what runs without CUDA; the

@@ -17,19 +17,19 @@ from torch import nn
 
 from functional_shard.core.errors import PlanError, ShardingError, bullets
 from functional_shard.core.units import parse_bytes
+from functional_shard.costing.cost.cost_model import OptimizerKind, check_plan_and_optimizer
+from functional_shard.costing.time.context_engines import for_hardware
+from functional_shard.costing.time.hardware import Hardware
+from functional_shard.costing.time.hardware import hardware as _hardware
+from functional_shard.costing.time.kernels import Kernels, kernel_fields
+from functional_shard.costing.time.step_model import compute_dtype, unit_gathered_bytes
+from functional_shard.costing.trace.model_inputs import fitted_inputs
 from functional_shard.planning.context_checks import context_parallel_problems
 from functional_shard.planning.tp.module_splits import head_problems
 
-from .assemble import Assembly, assemble
-from .context_engines import for_hardware
-from .cost import OptimizerKind, check_plan_and_optimizer
-from .estimate_record import Estimate
-from .hardware import Hardware
-from .hardware import hardware as _hardware
-from .kernels import Kernels, kernel_fields
+from .from_trace import Assembly, assemble
 from .pipeline_estimate import microbatch_size
-from .step_model import compute_dtype, unit_gathered_bytes
-from .trace_inputs import fitted_inputs
+from .record import Estimate
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan.plan import Plan
@@ -44,8 +44,9 @@ def _trace(model: Any, plan: Plan, **options: Any) -> Any:
     cannot run it, and the trace would only say that it failed.
     """
     from functional_shard.core.quiet import captured
-
-    from .activations import trace_activations  # lazily: it loads torch's fake-tensor machinery
+    from functional_shard.costing.trace.activations import (
+        trace_activations,  # lazily: it loads torch's fake-tensor machinery
+    )
 
     _check_splits(model, plan)
     _check_context(model, plan)
@@ -131,7 +132,7 @@ def estimate(
             Under context parallel it also decides what ``fs.cp``'s ``"auto"`` engine
             counts: torch's ring attention on CUDA profiles (``Hardware.cuda``: the
             datasheet ones), our all-gather engine on the measured ``"local"`` one;
-            ``Estimate.context_engine`` says which (`functional_shard.costing.context_engines`).
+            ``Estimate.context_engine`` says which (`functional_shard.costing.time.context_engines`).
         rank: estimate this rank; by default the worst one for the cost model's parts
             (params, grads, optimizer, buffers, collectives) and rank 0 for the traced
             activations (under a pipeline: the pp rank with the highest peak).
@@ -157,7 +158,7 @@ def estimate(
             ``return_outputs`` (2.10 on); with an older torch, pass ``True``.
         kernels: `fs.Kernels`: count ``torch.compile``, torchao's Float8 linears (and their
             Float8 all-gathers) and async tensor parallel as torchtitan runs them
-            (`functional_shard.costing.kernels` says how each is modeled); by default eager bf16.
+            (`functional_shard.costing.time.kernels` says how each is modeled); by default eager bf16.
 
     Returns:
         An `Estimate`.

@@ -1,7 +1,8 @@
 """What `fs.estimate` returns: `Estimate`, and under a pipeline its `PipelineEstimate`.
 
 Records only: the numbers and their readable forms. The step model that fills them is
-`functional_shard.costing.step_model`, the pipeline's parts `functional_shard.costing.pipeline_estimate`.
+`functional_shard.costing.time.step_model`, the pipeline's parts
+`functional_shard.costing.estimate.pipeline_estimate`.
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ from typing import Any
 from functional_shard.core.sequence import ENGINE_LABELS
 from functional_shard.core.units import format_bytes as _bytes
 from functional_shard.core.units import parse_bytes
+from functional_shard.costing.time.hardware import Hardware
+from functional_shard.costing.time.kernels import Kernels
 from functional_shard.planning.pipeline.schedules import Timeline
 from functional_shard.planning.plan.cost_record import Cost
-
-from .hardware import Hardware
-from .kernels import Kernels
 
 __all__ = ["Estimate", "PipelineEstimate", "StageEstimate", "duration"]
 

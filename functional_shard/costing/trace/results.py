@@ -1,6 +1,6 @@
 """What a trace found: `ActivationTrace`, its counts per pipeline stage, and `regroup`.
 
-`functional_shard.costing.activations.trace_activations` makes one; the pipeline estimate
+`functional_shard.costing.trace.activations.trace_activations` makes one; the pipeline estimate
 and the search read its per-stage counts, traced once per unit of work and regrouped into
 each cut of the model into stages.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .trace_counting import Flops
+    from .counting import Flops
 
 __all__ = ["PER_STEP", "ActivationTrace", "counts_of", "regroup"]
 
@@ -32,7 +32,7 @@ class ActivationTrace:
         output_bytes: bytes of the model's output (logits, say).
         output_numel: elements of the model's output, whatever its dtype.
         forward_flops: flops of the forward: matmuls as torch's ``FlopCounterMode`` counts
-            them, attention on every kernel as its full score matrix (`functional_shard.costing.flops`).
+            them, attention on every kernel as its full score matrix (`functional_shard.costing.time.flops`).
         backward_flops: flops of the backward, recompute excluded.
         recompute_flops: flops of checkpointed modules run again in backward.
         batch: sequences per data-parallel rank.
@@ -59,7 +59,7 @@ class ActivationTrace:
             ``stage_activation_bytes``: every micro-batch's attention shares them (the
             all-gather cp engine's causal mask).
         attention_flops: of ``forward_flops``, attention's (the kernels of
-            `functional_shard.costing.flops.is_attention`): the work context parallel's
+            `functional_shard.costing.time.flops.is_attention`): the work context parallel's
             chunks share out, evenly only when balanced.
         attention_backward_flops: of ``backward_flops``, attention's.
         attention_recompute_flops: of ``recompute_flops``, attention's.
@@ -166,7 +166,7 @@ def counts_of(
         stage_output_bytes: the bytes of each stage's last module's output.
 
     Examples:
-        >>> from functional_shard.costing.trace_counting import Flops
+        >>> from functional_shard.costing.trace.counting import Flops
         >>> counts = counts_of(Flops(), {-1: 8, 0: 24}, output=(16, 4), stages=1, stage_output_bytes=[16])
         >>> counts["activation_bytes"], counts["stage_activation_bytes"], counts["stage_shared_bytes"]
         (32, [32], 8)

@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from functional_shard.core.tree import dtype_from_name, within
+from functional_shard.costing.cost.cost_model import unit_gathered
+from functional_shard.costing.cost.traffic import key_value_features, ring_passes
+from functional_shard.costing.estimate.record import PipelineEstimate
 from functional_shard.planning.plan.cost_record import Cost, OptimizerKind
 from functional_shard.planning.tp.rules import sequence_gathers
 
-from .comm_cost import key_value_features, ring_passes
 from .context_engines import ring_exposed_seconds
-from .cost import unit_gathered
-from .estimate_record import PipelineEstimate
 from .hardware import Hardware
 from .kernels import Clock, Kernels, phase_saved
 
@@ -43,7 +43,7 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True)
 class Assembly:
-    """What turning a trace into an `Estimate` needs (`functional_shard.costing.assemble`).
+    """What turning a trace into an `Estimate` needs (`functional_shard.costing.estimate.from_trace`).
 
     Attributes:
         plan: the plan.
@@ -61,7 +61,7 @@ class Assembly:
             plan's (a search costs one plan for several checkpointing choices).
         keep_outputs: under a pipeline, whether the last stage keeps every micro-batch's
             output to the step's end, as torch's ``schedule.step()`` does by default.
-        kernels: compile, Float8 and async TP (`functional_shard.costing.kernels`).
+        kernels: compile, Float8 and async TP (`functional_shard.costing.time.kernels`).
         float8_linears: with Float8, the linears converted (`kernels.float8_linears`).
         float8_gathered: with Float8 all-gathers, each unit's gathered bytes they save
             (`kernels.float8_gathered`).
@@ -359,7 +359,7 @@ def step_time(
     all-gather engine's) run under the step's compute; only what exceeds the compute is
     exposed. torch's ring (a plan whose ``context_engine`` is ``"ring"``; `fs.estimate`
     makes ``"auto"`` that on CUDA hardware) hides its collectives only under the
-    attention op's own chunks (`functional_shard.costing.context_engines.ring_exposed_seconds`).
+    attention op's own chunks (`functional_shard.costing.time.context_engines.ring_exposed_seconds`).
     On hardware that does not overlap communication with compute (gloo on CPUs) every
     collective is exposed. Each
     collective also costs the hardware's ``collective_latency`` (a tensor-parallel one its

@@ -29,22 +29,33 @@ from typing import TYPE_CHECKING, Any
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.tree import dtype_from_name
+from functional_shard.costing.cost.census import census_of
+from functional_shard.costing.cost.cost_model import Cost, OptimizerKind, cost, unit_gathered
+from functional_shard.costing.time.context_engines import recompute_beyond, with_ring_workspace
+from functional_shard.costing.time.kernels import (
+    Clock,
+    cost_with_float8_gathers,
+    gathered_with_float8,
+    phase_saved,
+    saved_by_stage,
+)
+from functional_shard.costing.time.step_model import (
+    Assembly,
+    StepParts,
+    cp_size,
+    gathered_in_flight,
+    in_share,
+)
 from functional_shard.planning.pipeline.schedules import check_pipeline, held_peak_parts, in_flight, simulate
 from functional_shard.planning.pipeline.stage_plans import stage_plan
 from functional_shard.planning.pipeline.stages import rank_stages, stage_finder, stage_rank
 
-from .census import census_of
-from .context_engines import recompute_beyond, with_ring_workspace
-from .cost import Cost, OptimizerKind, cost, unit_gathered
-from .estimate_record import PipelineEstimate, StageEstimate
-from .kernels import Clock, cost_with_float8_gathers, gathered_with_float8, phase_saved, saved_by_stage
 from .loss_memory import pipeline_loss_workspace
-from .step_model import Assembly, StepParts, cp_size, gathered_in_flight, in_share
+from .record import PipelineEstimate, StageEstimate
 
 if TYPE_CHECKING:
+    from functional_shard.costing.trace.results import ActivationTrace
     from functional_shard.planning.plan.plan import Plan
-
-    from .trace_results import ActivationTrace
 
 __all__ = [
     "microbatch_size",

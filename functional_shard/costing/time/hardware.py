@@ -58,7 +58,7 @@ class Hardware:
     cuda: bool = True
     """Whether the devices are CUDA GPUs. `fs.cp`'s ``"auto"`` engine runs torch's ring
     attention there (its kernels are CUDA ones) and our all-gather engine elsewhere: the
-    estimate counts the engine that runs (`functional_shard.costing.context_engines`). The
+    estimate counts the engine that runs (`functional_shard.costing.time.context_engines`). The
     measured ``"local"`` profile (gloo on CPUs) is not."""
     skips_masked_attention: bool = True
     """Whether causal attention skips the masked half (flash kernels, torch's ring attention

@@ -20,7 +20,7 @@ implementation is the one the config names (``"sdpa"`` and ``"eager"`` both trac
 Repeated layers (siblings of one class, with the same local parameter shapes and the same
 plan treatment, each handing on a tensor shaped like its input) are run once and twice,
 the others passing their input on; each further layer adds what the second one added
-(`functional_shard.costing.trace_repeats`). A model whose alike layers see other shapes, or
+(`functional_shard.costing.trace.repeats`). A model whose alike layers see other shapes, or
 alternate attention kinds (Hugging Face ``layer_types``), is traced whole.
 """
 
@@ -42,25 +42,18 @@ from functional_shard.core.errors import ShardingError
 from functional_shard.core.sequence import check_sequence_length
 from functional_shard.planning.pipeline.stages import stage_finder
 
+from .checkpointing import SAVED_OPS, checkpointed, selective_context
+from .context_attention import context_parallel_attention
+from .counting import Births, Flops, kept_bytes_by_owner, recomputed_bytes, storage_key
+from .cuda_kernels import cuda_kernels
+from .fake_parameters import FakeParameters
+from .model_inputs import first_tensor as _first_tensor  # the name the stage helpers below call
+from .model_inputs import flex_on_fake_cpu, is_hf, model_inputs, tensors, unpacked_sequences
+from .rank_experts import rank_experts
+from .repeats import NotPassableError, extrapolated, left_out_layers, passing_on, reached, repeated_layers
+from .results import PER_STEP, ActivationTrace, counts_of, regroup
 from .routing import check_expert_imbalance
-from .trace_checkpointing import SAVED_OPS, checkpointed, selective_context
-from .trace_context_parallel import context_parallel_attention
-from .trace_counting import Births, Flops, kept_bytes_by_owner, recomputed_bytes, storage_key
-from .trace_experts import rank_experts
-from .trace_inputs import first_tensor as _first_tensor  # the name the stage helpers below call
-from .trace_inputs import flex_on_fake_cpu, is_hf, model_inputs, tensors, unpacked_sequences
-from .trace_kernels import cuda_kernels
-from .trace_parameters import FakeParameters
-from .trace_repeats import (
-    NotPassableError,
-    extrapolated,
-    left_out_layers,
-    passing_on,
-    reached,
-    repeated_layers,
-)
-from .trace_results import PER_STEP, ActivationTrace, counts_of, regroup
-from .trace_sequence_parallel import check_sequence_parallel, sequence_parallel
+from .sequence_edges import check_sequence_parallel, sequence_parallel
 
 # ActivationTrace and regroup live in trace_results, SAVED_OPS and selective_context in
 # trace_checkpointing; they are named here too, where the trace's users find them
@@ -334,7 +327,7 @@ def trace_activations(
         expert_imbalance: how mixture-of-experts layers route (transformers' experts modules,
             whose routing fake tensors cannot compute): 1.0 shares each layer's tokens x top-k
             visits evenly over its experts, more gives expert 0 that many times its even
-            share; see `functional_shard.costing.routing.expert_loads`.
+            share; see `functional_shard.costing.trace.routing.expert_loads`.
         backward: run the backward too (the default). Without it the trace is about half as
             long: ``backward_flops`` is 0, and ``recompute_flops`` is the most recomputation
             can run, counted in the forward: the flops of checkpointed modules' forward ops,
@@ -347,7 +340,7 @@ def trace_activations(
             (``stage_activation_bytes`` and the ``stage_*_flops``), for one micro-batch of
             ``batch`` sequences.
         cuda: trace the kernels torch picks on CUDA where they keep other tensors than
-            the CPU's (`functional_shard.costing.trace_kernels`): ``fs.estimate`` sets it
+            the CPU's (`functional_shard.costing.trace.cuda_kernels`): ``fs.estimate`` sets it
             for a CUDA profile. By default the CPU's, as a run on this machine keeps.
 
     Returns:

@@ -4,7 +4,7 @@ A router picks each token's top-k experts from its logits' values, which fake te
 not have; transformers' experts modules then ask which experts were hit and which tokens
 each got (data-dependent shapes). `routed_experts` runs each experts module for loads fixed
 in advance by `expert_loads` (balanced, or one hot expert), as its implementation would run
-them, so that `functional_shard.costing.activations.trace_activations` counts the experts' flops
+them, so that `functional_shard.costing.trace.activations.trace_activations` counts the experts' flops
 and what they keep.
 """
 

@@ -35,14 +35,14 @@ from typing import TYPE_CHECKING
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.sequence import CONTEXT_ENGINES, engine_that_runs
+from functional_shard.costing.cost.traffic import compute_itemsize, key_value_features, ring_passes
 
-from .comm_cost import compute_itemsize, key_value_features, ring_passes
 from .ring_merges import ring_merge_bytes
 
 if TYPE_CHECKING:
+    from functional_shard.costing.estimate.record import Estimate
     from functional_shard.planning.plan.plan import Plan
 
-    from .estimate_record import Estimate
     from .hardware import Hardware
 
 __all__ = [
@@ -147,7 +147,7 @@ def ring_exposed_seconds(
     out evenly over the attention layers and passes (`ring_passes`); so is
     ``attention_seconds``, the rank's attention time per step (forward, backward and
     recompute at the achievable rate): backward is twice forward
-    (`functional_shard.costing.flops`), a full recompute once more. The loss's all-reduce
+    (`functional_shard.costing.time.flops`), a full recompute once more. The loss's all-reduce
     over cp waits for the step: exposed whole.
 
     Examples:
@@ -232,7 +232,7 @@ def ring_merge_seconds(
     """Seconds a step of the busiest cp rank spends in torch's ring's own passes (`ring_merge_bytes`).
 
     ``attention_flops`` is the rank's attention work in a step, forward, recompute and
-    backward in `functional_shard.costing.flops`' convention (a rank's queries against the
+    backward in `functional_shard.costing.time.flops`' convention (a rank's queries against the
     ``seq`` tokens of the whole sequence, ``4 x queries x seq`` a forward): the elements of
     its local queries follow from it, whatever the layers, micro-batches and stages. The
     logsumexp's row-sized passes (a head dim-th of these) are left out: the trace keeps no
@@ -241,7 +241,7 @@ def ring_merge_seconds(
     other than attention. 0 where the plan's cp does not run torch's ring.
 
     Examples:
-        >>> from functional_shard.costing.hardware import hardware
+        >>> from functional_shard.costing.time.hardware import hardware
         >>> from functional_shard.zoo import llama
         >>> plan = fs.shard(llama("tiny"), fs.Mesh(cp=4), fs.replicate() + fs.cp("cp", engine="ring"))
         >>> ring_merge_seconds(plan, 3 * 4 * 1024 * 2048, 2048, hardware("h100")) > 0

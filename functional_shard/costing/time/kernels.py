@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.costing.cost.traffic import gathers_per_step
 
-from .comm_cost import gathers_per_step
 from .hardware import Hardware
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """Flops of one op, with attention counted on every path and in one convention.
 
-`op_flops` counts what `functional_shard.costing.activations` traces: matrix multiplies by torch's
+`op_flops` counts what `functional_shard.costing.trace.activations` traces: matrix multiplies by torch's
 ``FlopCounterMode`` formulas (``torch.utils.flop_counter.flop_registry``), and attention by
 the formulas here, whichever kernel torch dispatches to: the CPU flash kernel (what fake CPU
 tensors run, and which torch's registry does not know), flash, memory-efficient, cuDNN, the

@@ -10,14 +10,31 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from functional_shard.core.sequence import causal_imbalance
+from functional_shard.costing.cost.cost_model import cost
+from functional_shard.costing.time.context_engines import (
+    recompute_beyond,
+    ring_merge_seconds,
+    with_engine,
+    with_ring_workspace,
+)
+from functional_shard.costing.time.kernels import (
+    Clock,
+    cost_with_float8_gathers,
+    gathered_with_float8,
+    saved_by_stage,
+)
+from functional_shard.costing.time.step_model import (
+    Assembly,
+    StepParts,
+    _recomputed,
+    cp_size,
+    gathered_in_flight,
+    step_time,
+)
 
-from .context_engines import recompute_beyond, ring_merge_seconds, with_engine, with_ring_workspace
-from .cost import cost
-from .estimate_record import Estimate
-from .kernels import Clock, cost_with_float8_gathers, gathered_with_float8, saved_by_stage
 from .loss_memory import loss_workspace
 from .pipeline_estimate import pipeline_parts
-from .step_model import Assembly, StepParts, _recomputed, cp_size, gathered_in_flight, step_time
+from .record import Estimate
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan.plan import Plan
@@ -78,9 +95,9 @@ def assemble(assembly: Assembly) -> Estimate:
     """The `Estimate` of ``assembly.plan`` from its trace, pipelined or not.
 
     Examples:
-        >>> from functional_shard.costing.estimate import _trace
-        >>> from functional_shard.costing.hardware import hardware
-        >>> from functional_shard.costing.step_model import compute_dtype, unit_gathered_bytes
+        >>> from functional_shard.costing.estimate.estimate import _trace
+        >>> from functional_shard.costing.time.hardware import hardware
+        >>> from functional_shard.costing.time.step_model import compute_dtype, unit_gathered_bytes
         >>> from functional_shard.zoo import llama
         >>> model = llama("tiny")
         >>> plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp())

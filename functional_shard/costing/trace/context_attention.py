@@ -7,7 +7,7 @@ the gathered copies (and one causal mask over them) are what SDPA keeps for back
 keys and values repeated ``cp`` times along the sequence (new buffers, as a gather makes)
 under a boolean mask of the local queries against every key. The flops then count this
 rank's queries against the whole sequence, in the one convention
-`functional_shard.costing.flops` uses (the full score matrix).
+`functional_shard.costing.time.flops` uses (the full score matrix).
 
 Under torch's ring (``engine="ring"``) the gathered keys and values are not kept: each
 call gathers them, scores its chunks and lets them go, and SDPA keeps the local query,

@@ -1,9 +1,9 @@
 """Counters a trace runs under: storages born during a forward, and flops by phase.
 
-`functional_shard.costing.activations` traces a model on fake tensors under these two dispatch
+`functional_shard.costing.trace.activations` traces a model on fake tensors under these two dispatch
 modes: `Births` notes every storage an op makes, so that what is still alive after the
 forward (what autograd and checkpoint frames keep) can be summed by `kept_bytes`;
-`Flops` counts matmul and attention flops (`functional_shard.costing.flops`' formulas), split into
+`Flops` counts matmul and attention flops (`functional_shard.costing.time.flops`' formulas), split into
 forward, backward, recompute and weight-gradient work. `functional_shard.runtime.measure` watches
 real runs with the same `Births` and sums what they keep with the same `kept_bytes`.
 """
@@ -20,8 +20,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .flops import is_attention, op_flops
-from .trace_checkpointing import SAVED_OPS
+from functional_shard.costing.time.flops import is_attention, op_flops
+
+from .checkpointing import SAVED_OPS
 
 __all__ = ["Births", "Flops", "kept_bytes", "kept_bytes_by_owner", "recomputed_bytes", "storage_key"]
 
@@ -100,7 +101,7 @@ _COPIES = frozenset(
 
 
 class Flops(TorchDispatchMode):
-    """Flops by `functional_shard.costing.flops.op_flops`, split into forward, backward, recompute.
+    """Flops by `functional_shard.costing.time.flops.op_flops`, split into forward, backward, recompute.
 
     Matmuls by torch's ``FlopCounterMode`` formulas; attention on every kernel (the CPU flash
     kernel fake tensors run included), full score matrix. Backward kernels run with grad mode
