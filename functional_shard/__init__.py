@@ -71,7 +71,6 @@ if TYPE_CHECKING:
     from .planning.tp.rules import Rules as Rules
     from .planning.tp.styles import Packed as Packed
     from .planning.tp.styles import packed as packed
-    from .runtime import checkpoint as checkpoint
     from .runtime import measure as measure
     from .runtime.apply import apply as apply
     from .runtime.apply import check_optimizer as check_optimizer
@@ -85,6 +84,7 @@ if TYPE_CHECKING:
     from .runtime.apply import materialize as materialize
     from .runtime.apply import optimizer as optimizer
     from .runtime.apply import sequence_context as sequence_context
+    from .runtime.checkpoint import api as checkpoint
     from .runtime.data_order import DataOrder as DataOrder
     from .runtime.data_order import ResumableLoader as ResumableLoader
     from .runtime.data_order import ResumableSampler as ResumableSampler
@@ -120,7 +120,7 @@ _providers.provide(
 
 # public name -> (module, attribute); attribute None means the module itself
 _EXPORTS: dict[str, tuple[str, str | None]] = {
-    "checkpoint": ("runtime.checkpoint", None),
+    "checkpoint": ("runtime.checkpoint.api", None),
     "demo": ("frontends.demo", None),
     "measure": ("runtime.measure", None),
     "rules": ("planning.tp.rules", None),

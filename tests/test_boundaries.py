@@ -27,14 +27,14 @@ ADAPTERS = pathlib.Path(functional_shard.adapters.__file__).parent
 # checks, its safe loaders, the asynchronous saves, the Hugging Face export, which gathers
 # tensor by tensor, and the Hugging Face load, whose ranks agree on what they refuse)
 CHECKPOINT = (
-    "checkpoint",
-    "checkpoint_state",
-    "checkpoint_read",
-    "checkpoint_checks",
-    "checkpoint_safety",
-    "checkpoint_async",
-    "export_hf",
-    "hf_load",
+    "checkpoint/api",
+    "checkpoint/state",
+    "checkpoint/read",
+    "checkpoint/integrity",
+    "checkpoint/safety",
+    "checkpoint/async_save",
+    "checkpoint/hf/export",
+    "checkpoint/hf/load",
 )
 RUNTIME_EFFECTS = ("apply", *CHECKPOINT, "device_mesh", "launch", "measure", "timeouts")
 EFFECTS = {f"runtime/{name}.py" for name in RUNTIME_EFFECTS} | {

@@ -28,12 +28,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.runtime.engines.packed_pieces import piece_major, rank_major, unequal_packed
 
-from .checkpoint_checks import index_tensors
-from .engines.packed_pieces import piece_major, rank_major, unequal_packed
+from .integrity import index_tensors
 
 if TYPE_CHECKING:
-    from .engines.pipeline import Pipelined
+    from functional_shard.runtime.engines.pipeline import Pipelined
 
 __all__ = [
     "model_state",
@@ -47,7 +47,7 @@ __all__ = [
 
 def _pipeline(module: nn.Module) -> Pipelined | None:
     """The pipeline ``module`` (or a module inside it, as a LightningModule's child) runs, if any."""
-    from .engines.pipeline import pipeline_of
+    from functional_shard.runtime.engines.pipeline import pipeline_of
 
     return next((found for m in module.modules() if (found := pipeline_of(m)) is not None), None)
 

@@ -7,7 +7,7 @@ pipeline), casting them to the parameter's dtype. A model still on the meta devi
 its memory here, shard by shard, and filled straight from the files: no random
 initialisation first, and nothing the size of the whole model on any rank. Everything is
 checked on every rank together before anything changes: the folder's keys against the
-model's (through a name map, `hf_names`), shapes, quantized weights, damaged files.
+model's (through a name map, `names`), shapes, quantized weights, damaged files.
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ import torch.distributed as dist
 from torch import nn
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.runtime.checkpoint.integrity import agreed, distributed, every_rank_keys, raise_problems
+from functional_shard.runtime.engines.applied import APPLIED, Applied
+from functional_shard.runtime.engines.buffers import buffer_problems, meta_buffers, restore_buffers
+from functional_shard.runtime.engines.data_parallel import reduce_whole_grads
+from functional_shard.runtime.engines.materialize import allocate, parameter_names
+from functional_shard.runtime.engines.tensor_parallel import packed_window, place_grads_as_params
 
-from .checkpoint_checks import agreed, distributed, every_rank_keys, raise_problems
-from .engines.applied import APPLIED, Applied
-from .engines.buffers import buffer_problems, meta_buffers, restore_buffers
-from .engines.data_parallel import reduce_whole_grads
-from .engines.materialize import allocate, parameter_names
-from .engines.tensor_parallel import packed_window, place_grads_as_params
-from .hf_names import Mapping_, Piece, name_map
-from .hf_read import Folder, Index, Source, composed_shape, fill_local, open_folder, quantized
+from .names import Mapping_, Piece, name_map
+from .slices import Folder, Index, Source, composed_shape, fill_local, open_folder, quantized
 
 __all__ = ["load_hf"]
 
@@ -60,7 +60,7 @@ def load_hf(
             or a module no plan was applied to (whole tensors, one process).
         mapping: which model tensor each folder key fills: a dict of patterns, a function,
             or None (a transformers model's own names; otherwise the folder's as they are).
-            `functional_shard.runtime.hf_names` has ready maps (``zoo_llama``, ``torchtitan_llama``).
+            `runtime.checkpoint.hf.names` has ready maps (``zoo_llama``, ``torchtitan_llama``).
         trust: read a folder of pickled ``pytorch_model.bin`` files (with ``weights_only``).
         device: where a meta module's shards are made (the device mesh's device by default).
         root: the submodule the folder holds, when the plan was applied around it

@@ -1,7 +1,7 @@
 """Reading a checkpoint into a module: all of it, or nothing.
 
-Every check runs before anything is written (`checkpoint_checks`): the files are whole,
-hold no code (`checkpoint_safety`), and fit the module and its optimizers. A sharded
+Every check runs before anything is written (`integrity`): the files are whole,
+hold no code (`safety`), and fit the module and its optimizers. A sharded
 folder is read into copies of this rank's states, which replace the module's and the
 optimizers' only once everything arrived. Should torch still fail while setting them, the
 optimizers get their own state back and the error says what happened.
@@ -23,7 +23,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from functional_shard.core.errors import ShardingError
 
-from .checkpoint_checks import (
+from .integrity import (
     DAMAGED_FIX,
     FIT_FIX,
     MANIFEST,
@@ -39,8 +39,8 @@ from .checkpoint_checks import (
     raise_problems,
     seal_problems,
 )
-from .checkpoint_safety import SafeLoadPlanner, SafeReader, load_file
-from .checkpoint_state import (
+from .safety import SafeLoadPlanner, SafeReader, load_file
+from .state import (
     model_state,
     optimizer_state,
     refuse_packed,

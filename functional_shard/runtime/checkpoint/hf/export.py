@@ -24,8 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from functional_shard.core.errors import ShardingError
-
-from .checkpoint_checks import (
+from functional_shard.runtime.checkpoint.integrity import (
     Described,
     agreed,
     aside,
@@ -35,10 +34,11 @@ from .checkpoint_checks import (
     put_in_place,
     raise_problems,
 )
-from .checkpoint_read import checked_file, checked_folder, refusals_raised
-from .checkpoint_safety import SafeLoadPlanner, SafeReader
-from .engines.packed_pieces import piece_major, unequal_packed
-from .hf_folder import (
+from functional_shard.runtime.checkpoint.read import checked_file, checked_folder, refusals_raised
+from functional_shard.runtime.checkpoint.safety import SafeLoadPlanner, SafeReader
+from functional_shard.runtime.engines.packed_pieces import piece_major, unequal_packed
+
+from .folder import (
     SAVE_PRETRAINED_SHARD_BYTES,
     Expected,
     ShardFile,
@@ -52,7 +52,7 @@ from .hf_folder import (
     write_index,
     write_shard,
 )
-from .hf_names import Mapping_, name_map, piece_of_whole, reverse_map
+from .names import Mapping_, name_map, piece_of_whole, reverse_map
 
 __all__ = ["HfConversion", "convert_to_hf", "export_hf"]
 

@@ -1,14 +1,14 @@
 """Checkpoints that move between plans: sharded (a folder, one file per rank) or full (one file).
 
-With `apply` and `launch`, the only door to process groups (in eight rooms: this one, the
-states of `checkpoint_state`, the reader of `checkpoint_read`, its `checkpoint_checks`, the
-safe loaders of `checkpoint_safety`, the background saves of `checkpoint_async`, the
-Hugging Face export of `export_hf` and the Hugging Face load of `hf_load`). Sharded
+With `apply` and `launch`, the only door to process groups (in eight rooms of this folder:
+this one, the states of `state`, the reader of `read`, its checks in `integrity`, the safe
+loaders of `safety`, the background saves of `async_save`, the Hugging Face export of
+`hf.export` and the Hugging Face load of `hf.load`). Sharded
 checkpoints use torch's distributed checkpoint, which reshards on load, so a checkpoint
 saved under one plan loads under any other (FSDP×4 → FSDP×2·TP×2 → ZeRO-1 → one
 process). Every save writes aside and renames: a crash in the middle leaves the previous
 checkpoint whole; and seals what it wrote with sha256 digests. ``asynchronous=True`` writes
-in the background while training goes on (`checkpoint_async`). Every load reads data,
+in the background while training goes on (`async_save`). Every load reads data,
 never code, and checks everything before it writes anything: a load that fails changes
 nothing.
 
@@ -18,7 +18,7 @@ own, so their checkpoints are as sharded as the state is.
 
 `export_hf` (every rank of a run) and `convert_to_hf` (offline, from any checkpoint) write
 a Hugging Face folder instead: config.json and safetensors shards, spread over the ranks
-(`export_hf` module); `load_hf` reads one into any plan, each rank its slices (`hf_load`).
+(`hf.export`); `load_hf` reads one into any plan, each rank its slices (`hf.load`).
 
 `save` / `load` / `convert` are the user's functions; `model_state`, `optimizer_state`,
 `set_model_state`, `set_optimizer_state`, `write` and `read` are the pieces they are made of,
@@ -40,8 +40,11 @@ from torch import nn
 
 from functional_shard.core.errors import ShardingError
 
-from .checkpoint_async import PendingSave, finish_folder, save_in_background, wait_for_previous
-from .checkpoint_checks import (
+from .async_save import PendingSave, finish_folder, save_in_background, wait_for_previous
+from .hf.export import HfConversion, convert_to_hf, export_hf
+from .hf.load import load_hf
+from .hf.names import Piece, torchtitan_llama, zoo_llama
+from .integrity import (
     FORMAT,
     MANIFEST,
     MARK,
@@ -55,7 +58,7 @@ from .checkpoint_checks import (
     seal_problems,
     write_manifest,
 )
-from .checkpoint_read import (
+from .read import (
     STATE_KEYS,
     checked_file,
     checked_folder,
@@ -64,17 +67,8 @@ from .checkpoint_read import (
     read,
     refusals_raised,
 )
-from .checkpoint_safety import SafeReader, empty_state_planner, plain_problems
-from .checkpoint_state import (
-    model_state,
-    optimizer_state,
-    refuse_packed,
-    set_model_state,
-    set_optimizer_state,
-)
-from .export_hf import HfConversion, convert_to_hf, export_hf
-from .hf_load import load_hf
-from .hf_names import Piece, torchtitan_llama, zoo_llama
+from .safety import SafeReader, empty_state_planner, plain_problems
+from .state import model_state, optimizer_state, refuse_packed, set_model_state, set_optimizer_state
 
 __all__ = [
     "HfConversion",

@@ -5,7 +5,7 @@ memory-mapped; a slice reads its own bytes), and refuses what cannot be read saf
 folder of pickled ``pytorch_model.bin`` files without ``trust=True`` (read then with
 ``weights_only``), damaged or truncated files, an index naming missing files.
 `fill_local` writes one rank's window of a model tensor, composed of one or more folder
-tensors (`hf_names.Piece`), reading only the rows, columns and experts the window covers.
+tensors (`names.Piece`), reading only the rows, columns and experts the window covers.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 
 from functional_shard.core.errors import ShardingError
 
-from .hf_folder import INDEX, SINGLE
-from .hf_names import Piece, rotary_rows
+from .folder import INDEX, SINGLE
+from .names import Piece, rotary_rows
 
 __all__ = ["Folder", "Index", "Source", "composed_shape", "fill_local", "open_folder", "quantized"]
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from functional_shard.core.errors import ShardingError
 
-from .checkpoint_checks import FORMAT, MARK, META, put_in_place, refuse_occupied, write_manifest
+from .integrity import FORMAT, MARK, META, put_in_place, refuse_occupied, write_manifest
 
 __all__ = ["PendingSave", "finish_folder", "save_in_background", "wait_for_previous"]
 

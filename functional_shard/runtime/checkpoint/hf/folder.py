@@ -21,8 +21,7 @@ import torch
 from torch import nn
 
 from functional_shard.core.errors import ShardingError
-
-from .checkpoint_checks import key_differences
+from functional_shard.runtime.checkpoint.integrity import key_differences
 
 __all__ = [
     "CONFIG",
