@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from .costing.time.kernels import Kernels as Kernels
     from .costing.trace.activations import ActivationTrace as ActivationTrace
     from .costing.trace.activations import trace_activations as trace_activations
-    from .frontends import demo as demo
+    from .frontends import live_demo as demo
     from .planning.plan.config import Change as Change
     from .planning.plan.config import PlanConfig as PlanConfig
     from .planning.plan.cost_record import Cost as Cost
@@ -113,7 +113,7 @@ _providers.provide(
         "mesh.device_mesh": ("functional_shard.runtime.device_mesh", "build_device_mesh"),
         "plan.cost": ("functional_shard.costing.cost.cost_model", "cost"),
         "plan.unit_gathered": ("functional_shard.costing.cost.cost_model", "unit_gathered"),
-        "plan.visualize": ("functional_shard.frontends.pictures", "visualize"),
+        "plan.visualize": ("functional_shard.frontends.pictures.visualize", "visualize"),
         "hardware.local": ("functional_shard.runtime.measure", "local_hardware"),
     }
 )
@@ -121,7 +121,7 @@ _providers.provide(
 # public name -> (module, attribute); attribute None means the module itself
 _EXPORTS: dict[str, tuple[str, str | None]] = {
     "checkpoint": ("runtime.checkpoint.api", None),
-    "demo": ("frontends.demo", None),
+    "demo": ("frontends.live_demo", None),
     "measure": ("runtime.measure", None),
     "rules": ("planning.tp.rules", None),
     "apply": ("runtime.apply", "apply"),

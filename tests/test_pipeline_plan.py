@@ -310,7 +310,7 @@ def test_cli_plans_with_stages(capsys):
 
 
 def test_blocks_show_the_ranks_off_the_stage_as_holding_none():
-    from functional_shard.frontends.pictures import blocks
+    from functional_shard.frontends.pictures.visualize import blocks
 
     plan = fs.shard(
         zoo.llama("tiny"), fs.Mesh(pp=2, dp=2), fs.pipeline("pp", microbatches=2) + fs.zero(1, "dp")

@@ -66,7 +66,7 @@ def parse_mesh(text: str) -> Mesh:
 
 
 def _zoo_names() -> list[str]:
-    from functional_shard.frontends.zoo import CONFIGS
+    from functional_shard.frontends.model_zoo import CONFIGS
 
     return sorted(CONFIGS)
 
@@ -147,7 +147,7 @@ def load_model(text: str) -> nn.Module:
         device(type='meta')
     """
     if text in _zoo_names():
-        from functional_shard.frontends.zoo import llama
+        from functional_shard.frontends.model_zoo import llama
 
         return llama(text)
     path = pathlib.Path(text)

@@ -217,7 +217,7 @@ class Plan:
     def visualize(self, param: str | None = None, **kwargs: Any) -> Any:
         """A matplotlib figure: memory per device, and ``param``'s blocks over the ranks.
 
-        See `functional_shard.frontends.pictures.visualize` (needs the ``plot`` extra).
+        See `functional_shard.frontends.pictures.visualize.visualize` (needs the ``plot`` extra).
         """
         # a front end, wired in by the façade; matplotlib loads only when a picture is asked for
         return provider("plan.visualize")(self, param, **kwargs)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from functional_shard.core.errors import ShardingError
 
-from .picture_canvas import byte_unit, matplotlib_module
+from .canvas import byte_unit, matplotlib_module
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

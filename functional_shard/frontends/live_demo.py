@@ -30,7 +30,7 @@ from functional_shard.runtime.apply import apply, check_runnable, materialize, o
 from functional_shard.runtime.launch import LocalWorld, current_rank
 from functional_shard.runtime.measure import CollectiveLog, resident_bytes
 
-from .zoo import CONFIGS, Llama, LlamaConfig
+from .model_zoo import CONFIGS, Llama, LlamaConfig
 
 __all__ = ["DemoResult", "process_limit", "run"]
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.sequence import chunk_count, sequence_chunks
 
-from .picture_canvas import matplotlib_module
+from .canvas import matplotlib_module
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

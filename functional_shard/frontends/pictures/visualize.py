@@ -16,8 +16,8 @@
 
 The figure is built on matplotlib's Agg canvas (no display needed) and never touches
 ``pyplot``'s global state. Each panel is drawn by its own module
-(`functional_shard.frontends.picture_memory`, `functional_shard.frontends.picture_blocks`,
-`functional_shard.frontends.picture_pipeline`); their drawing functions are importable
+(`functional_shard.frontends.pictures.memory`, `functional_shard.frontends.pictures.blocks`,
+`functional_shard.frontends.pictures.pipeline_chart`); their drawing functions are importable
 from here too.
 """
 
@@ -26,11 +26,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .picture_blocks import blocks, draw_blocks
-from .picture_canvas import new_figure
-from .picture_memory import draw_memory
-from .picture_pipeline import draw_schedule, draw_schedule_figure, draw_stages
-from .picture_sequence import draw_sequence
+from .blocks import blocks, draw_blocks
+from .canvas import new_figure
+from .memory import draw_memory
+from .pipeline_chart import draw_schedule, draw_schedule_figure, draw_stages
+from .sequence_chart import draw_sequence
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

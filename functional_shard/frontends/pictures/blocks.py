@@ -10,7 +10,7 @@ from functional_shard.core.errors import ShardingError
 from functional_shard.core.layout import local_shape_and_offset
 from functional_shard.core.spec import Owned, P
 
-from .picture_canvas import matplotlib_module
+from .canvas import matplotlib_module
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -62,7 +62,7 @@ def blocks(
         ShardingError: no such tensor or spec.
 
     Examples:
-        >>> from functional_shard.frontends.pictures import blocks
+        >>> from functional_shard.frontends.pictures.visualize import blocks
         >>> policy = fs.fsdp("dp") + fs.replicate("tp")
         >>> plan = fs.shard(nn.Linear(4, 3, bias=False), fs.Mesh(dp=2, tp=2), policy)
         >>> blocks(plan, "weight")
