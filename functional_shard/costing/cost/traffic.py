@@ -93,7 +93,7 @@ def parameter_comm(plan: Plan, comm: Comm, census: Census, held: Mapping[str, in
             n = plan.mesh.axes_size(at_rest)
             shard = local_numel(shape, sharding.storage, plan.mesh, origin, padded)
             comm.add("all_gather", at_rest, n, n * shard * (param_size or itemsize), times * count)
-        # an expert tensor's gradient is complete over the expert axis (expert_cost)
+        # an expert tensor's gradient is complete over the expert axis (expert_traffic)
         grad_axes = expert_grad_axes(plan, sharding, tuple(a for a in sharding.grad.axes if a in data_axes))
         grad_bytes = local_numel(shape, sharding.grad, plan.mesh, origin, padded) * (reduce_size or itemsize)
         if grad_axes:
@@ -157,7 +157,7 @@ def activation_comm(plan: Plan, comm: Comm, tokens: int, held: Mapping[str, int]
     counted: set[str] = set()
     for module_path, style, kind in plan.config.tp_styles:
         if style in ("sequence", "replicate", "replicate_grad_allreduce") or kind == "experts":
-            continue  # (an experts module's traffic: expert_cost)
+            continue  # (an experts module's traffic: expert_traffic)
         weight = plan.canonical(f"{module_path}.weight")
         tensor, compute = plan.tensors[weight], plan.sharding(weight).compute
         if not compute.holds(held):  # another stage's module

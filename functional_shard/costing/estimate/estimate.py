@@ -140,7 +140,7 @@ def estimate(
             token ids of shape ``(batch, seq)``: one data-parallel rank's step, its first
             tensor ``(batch, seq, ...)`` (``(batch, ...)`` for ``seq=1``); the trace cuts them
             as a run does, to a micro-batch under a pipeline and a cp rank's tokens under
-            context parallel (`trace_inputs.fitted_inputs`).
+            context parallel (`trace.model_inputs.fitted_inputs`).
         expert_imbalance: routing in mixture-of-experts layers (Hugging Face's Mixtral,
             Qwen2-MoE, Qwen3-MoE, ...): each token visits top-k of E experts, shared out
             evenly at 1.0 (the default); above 1, each layer's most loaded expert gets that

@@ -265,7 +265,7 @@ def _recomputed_now(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> t
             "replicate_grad_allreduce",
         ):
             continue
-        if kind == "experts":  # its output all-reduce (`expert_cost`), run again
+        if kind == "experts":  # its output all-reduce (`expert_traffic`), run again
             gate_up = plan.tensors[plan.canonical(f"{module_path}.gate_up_proj")]
             axes = plan.config.tensor_parallel_axes
             n = plan.mesh.axes_size(axes)

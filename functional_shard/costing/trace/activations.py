@@ -55,8 +55,8 @@ from .results import PER_STEP, ActivationTrace, counts_of, regroup
 from .routing import check_expert_imbalance
 from .sequence_edges import check_sequence_parallel, sequence_parallel
 
-# ActivationTrace and regroup live in trace_results, SAVED_OPS and selective_context in
-# trace_checkpointing; they are named here too, where the trace's users find them
+# ActivationTrace and regroup live in results, SAVED_OPS and selective_context in
+# checkpointing; they are named here too, where the trace's users find them
 __all__ = ["SAVED_OPS", "ActivationTrace", "regroup", "selective_context", "trace_activations"]
 
 
@@ -110,7 +110,7 @@ class _RunSetup:
     # every run walks the modules (a 70B model has over a thousand): walked once per trace
     modules: dict[str, nn.Module]
     parameters: FakeParameters
-    # the plan the runs follow at first: less what no run reaches (`trace_repeats.reached`)
+    # the plan the runs follow at first: less what no run reaches (`repeats.reached`)
     plan: Any
     tp_size: int
     expert_imbalance: float
@@ -119,14 +119,14 @@ class _RunSetup:
     stages: int = 0
     stage_modules: Mapping[str, int] = field(default_factory=dict)
     stage_last: tuple[str, ...] = ()
-    # the forward's call (`trace_inputs.model_inputs`): this rank's tokens of each sequence
+    # the forward's call (`model_inputs.model_inputs`): this rank's tokens of each sequence
     # (a cp-th of them under context parallel, whose attention sees ``cp`` times as many)
     batch: int
     seq: int
     inputs: Any
     dtype: torch.dtype | None
     cp: int = 1
-    cuda: bool = False  # torch's CUDA kernel choices (`trace_kernels.cuda_kernels`)
+    cuda: bool = False  # torch's CUDA kernel choices (`cuda_kernels.cuda_kernels`)
 
 
 class _Run:

@@ -46,9 +46,9 @@ SAVED_OPS = frozenset(
 
 
 class RecomputeCounter(Protocol):
-    """What `checkpointed` reads and moves on the flop counter (`trace_counting.Flops` is one).
+    """What `checkpointed` reads and moves on the flop counter (`counting.Flops` is one).
 
-    Said here, not imported: `trace_counting` counts `SAVED_OPS`, so it sits above this module.
+    Said here, not imported: `counting` counts `SAVED_OPS`, so it sits above this module.
     """
 
     backward: bool  # the backward is running (checkpoint's recompute runs inside it)

@@ -64,7 +64,7 @@ class ActivationTrace:
         attention_backward_flops: of ``backward_flops``, attention's.
         attention_recompute_flops: of ``recompute_flops``, attention's.
         recompute_bytes: the most bytes one checkpointed call's recompute makes again and
-            holds for that call's backward (`trace_counting.recomputed_bytes`): at the
+            holds for that call's backward (`counting.recomputed_bytes`): at the
             start of backward, above what the forward kept, while the first checkpointed
             module backwarded is recomputed; `fs.estimate` adds it to the peak beyond the
             loss's workspace (`context_engines.recompute_beyond`).

@@ -120,7 +120,7 @@ def sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> It
                 model.get_submodule(path).register_forward_pre_hook(first_input(name, part), with_kwargs=True)
             )
         for path, style, kind in plan.config.tp_styles:
-            if kind == "experts":  # split inside each expert: trace_experts re-enacts their forward
+            if kind == "experts":  # split inside each expert: rank_experts re-enacts their forward
                 continue
             module = model.get_submodule(path)
             if style in ("colwise", "rowwise", "packed_colwise") and (

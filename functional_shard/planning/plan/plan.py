@@ -376,7 +376,7 @@ class Plan:
 
         Raises:
             ShardingError: an unreadable file, not JSON or not our plan, a newer format, or a plan
-                that does not hold together (`plan_json.plan_problems` names each problem).
+                that does not hold together (`json_format.plan_problems` names each problem).
 
         Examples:
             >>> import pathlib, tempfile, torch.nn as nn
