@@ -44,7 +44,7 @@ from functional_shard.zoo import llama
 # of the checkout's files: an installed copy of the package could answer the import instead
 layered = pathlib.Path(fs.__file__).with_name("costing").is_dir()
 estimate_module = importlib.import_module(
-    "functional_shard.costing.estimate" if layered else "functional_shard.estimate"
+    "functional_shard.costing.estimate.estimate" if layered else "functional_shard.estimate"
 )
 traced = [0.0, 0]
 trace = estimate_module._trace

@@ -35,7 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 
 import functional_shard as fs
-from functional_shard.costing.flops import attention_backward, attention_forward
+from functional_shard.costing.time.flops import attention_backward, attention_forward
 
 HEADS, KV_HEADS, HEAD_DIM, LOCAL = 32, 8, 128, 32768
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}

@@ -57,7 +57,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 
 import functional_shard as fs
-from functional_shard.runtime.hf_read import open_folder
+from functional_shard.runtime.checkpoint.hf.slices import open_folder
 
 # 2.41 GB in fp32: four ranks each holding the whole model (from_pretrained) fit in 24 GiB
 CONFIG = {

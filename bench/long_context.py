@@ -20,7 +20,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 
 import functional_shard as fs
-from functional_shard.planning import rules
+from functional_shard.planning.tp import rules
 from functional_shard.zoo import Block, llama
 
 SEQS = (8192, 32768, 131072, 262144)

@@ -152,8 +152,8 @@ def cuts(shape: Shape, stages: int) -> list[int]:
 
 def run(schedule: str, rank: int, shape: Shape, keep_outputs: bool, device: str) -> dict[str, Any]:
     """Two steps of ``rank``'s actions; the second measured: peak allocated and reserved bytes."""
-    from functional_shard.planning.schedules import schedule_actions
-    from functional_shard.planning.stages import rank_stages
+    from functional_shard.planning.pipeline.schedules import schedule_actions
+    from functional_shard.planning.pipeline.stages import rank_stages
 
     per_rank = 1 if schedule == "1f1b" else 2
     n = shape.pp * per_rank

@@ -46,8 +46,8 @@ print(json.dumps({"cpu": took[0], "wall": took[1], "candidates": len(report.cand
 
 
 def schedules() -> None:
-    from functional_shard.planning.schedules import in_flight, simulate
-    from functional_shard.planning.stages import SCHEDULES, SINGLE_STAGE
+    from functional_shard.planning.pipeline.schedules import in_flight, simulate
+    from functional_shard.planning.pipeline.stages import SCHEDULES, SINGLE_STAGE
 
     head = f"{'schedule':<16} {'pp':>3} {'m':>3} {'bubble':>7} {'textbook':>8} {'lists ms':>8}"
     print(head + "  in flight per stage")

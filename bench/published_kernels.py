@@ -26,7 +26,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 
 import functional_shard as fs
-from functional_shard.planning import rules
+from functional_shard.planning.tp import rules
 from functional_shard.zoo import Block, llama
 
 COMPILE = fs.Kernels(compile=True)

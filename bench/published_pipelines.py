@@ -52,8 +52,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 from torch import nn
 
 import functional_shard as fs
-from functional_shard.planning import rules
-from functional_shard.planning.schedules import held_peak
+from functional_shard.planning.pipeline.schedules import held_peak
+from functional_shard.planning.tp import rules
 from functional_shard.zoo import Block, llama
 
 GIB = 2**30

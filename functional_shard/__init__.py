@@ -37,41 +37,40 @@ if TYPE_CHECKING:
     from .core.tree import read_model as read_model
     from .core.units import format_bytes as format_bytes
     from .core.units import parse_bytes as parse_bytes
-    from .costing.activations import ActivationTrace as ActivationTrace
-    from .costing.activations import trace_activations as trace_activations
-    from .costing.cost import cost as cost
-    from .costing.estimate import Estimate as Estimate
-    from .costing.estimate import compare_schedules as compare_schedules
-    from .costing.estimate import estimate as estimate
-    from .costing.hardware import Hardware as Hardware
-    from .costing.hardware import hardware as hardware
-    from .costing.kernels import Kernels as Kernels
-    from .frontends import demo as demo
-    from .planning import rules as rules
-    from .planning.plan import Plan as Plan
-    from .planning.plan_config import Change as Change
-    from .planning.plan_config import PlanConfig as PlanConfig
-    from .planning.plan_cost import Cost as Cost
+    from .costing.cost.cost_model import cost as cost
+    from .costing.estimate.estimate import Estimate as Estimate
+    from .costing.estimate.estimate import compare_schedules as compare_schedules
+    from .costing.estimate.estimate import estimate as estimate
+    from .costing.time.hardware import Hardware as Hardware
+    from .costing.time.hardware import hardware as hardware
+    from .costing.time.kernels import Kernels as Kernels
+    from .costing.trace.activations import ActivationTrace as ActivationTrace
+    from .costing.trace.activations import trace_activations as trace_activations
+    from .frontends import live_demo as demo
+    from .planning.plan.config import Change as Change
+    from .planning.plan.config import PlanConfig as PlanConfig
+    from .planning.plan.cost_record import Cost as Cost
+    from .planning.plan.plan import Plan as Plan
     from .planning.planner import shard as shard
-    from .planning.policy import Policy as Policy
-    from .planning.policy_builders import checkpointing as checkpointing
-    from .planning.policy_builders import cp as cp
-    from .planning.policy_builders import ep as ep
-    from .planning.policy_builders import fsdp as fsdp
-    from .planning.policy_builders import hsdp as hsdp
-    from .planning.policy_builders import mixed_precision as mixed_precision
-    from .planning.policy_builders import offload as offload
-    from .planning.policy_builders import pipeline as pipeline
-    from .planning.policy_builders import replicate as replicate
-    from .planning.policy_builders import tp as tp
-    from .planning.policy_builders import zero as zero
-    from .planning.policy_format import format_policy as format_policy
-    from .planning.policy_text import parse_policy as parse_policy
-    from .planning.rules import Rule as Rule
-    from .planning.rules import Rules as Rules
-    from .planning.styles import Packed as Packed
-    from .planning.styles import packed as packed
-    from .runtime import checkpoint as checkpoint
+    from .planning.policy.builders import checkpointing as checkpointing
+    from .planning.policy.builders import cp as cp
+    from .planning.policy.builders import ep as ep
+    from .planning.policy.builders import fsdp as fsdp
+    from .planning.policy.builders import hsdp as hsdp
+    from .planning.policy.builders import mixed_precision as mixed_precision
+    from .planning.policy.builders import offload as offload
+    from .planning.policy.builders import pipeline as pipeline
+    from .planning.policy.builders import replicate as replicate
+    from .planning.policy.builders import tp as tp
+    from .planning.policy.builders import zero as zero
+    from .planning.policy.format import format_policy as format_policy
+    from .planning.policy.parse import parse_policy as parse_policy
+    from .planning.policy.types import Policy as Policy
+    from .planning.tp import rules as rules
+    from .planning.tp.rules import Rule as Rule
+    from .planning.tp.rules import Rules as Rules
+    from .planning.tp.styles import Packed as Packed
+    from .planning.tp.styles import packed as packed
     from .runtime import measure as measure
     from .runtime.apply import apply as apply
     from .runtime.apply import check_optimizer as check_optimizer
@@ -85,6 +84,7 @@ if TYPE_CHECKING:
     from .runtime.apply import materialize as materialize
     from .runtime.apply import optimizer as optimizer
     from .runtime.apply import sequence_context as sequence_context
+    from .runtime.checkpoint import api as checkpoint
     from .runtime.data_order import DataOrder as DataOrder
     from .runtime.data_order import ResumableLoader as ResumableLoader
     from .runtime.data_order import ResumableSampler as ResumableSampler
@@ -111,19 +111,19 @@ __version__ = "0.1.0"
 _providers.provide(
     {
         "mesh.device_mesh": ("functional_shard.runtime.device_mesh", "build_device_mesh"),
-        "plan.cost": ("functional_shard.costing.cost", "cost"),
-        "plan.unit_gathered": ("functional_shard.costing.cost", "unit_gathered"),
-        "plan.visualize": ("functional_shard.frontends.pictures", "visualize"),
+        "plan.cost": ("functional_shard.costing.cost.cost_model", "cost"),
+        "plan.unit_gathered": ("functional_shard.costing.cost.cost_model", "unit_gathered"),
+        "plan.visualize": ("functional_shard.frontends.pictures.visualize", "visualize"),
         "hardware.local": ("functional_shard.runtime.measure", "local_hardware"),
     }
 )
 
 # public name -> (module, attribute); attribute None means the module itself
 _EXPORTS: dict[str, tuple[str, str | None]] = {
-    "checkpoint": ("runtime.checkpoint", None),
-    "demo": ("frontends.demo", None),
+    "checkpoint": ("runtime.checkpoint.api", None),
+    "demo": ("frontends.live_demo", None),
     "measure": ("runtime.measure", None),
-    "rules": ("planning.rules", None),
+    "rules": ("planning.tp.rules", None),
     "apply": ("runtime.apply", "apply"),
     "context_chunks": ("runtime.apply", "context_chunks"),
     "sequence_context": ("runtime.apply", "sequence_context"),
@@ -136,16 +136,16 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "grad_scaler": ("runtime.apply", "grad_scaler"),
     "materialize": ("runtime.apply", "materialize"),
     "optimizer": ("runtime.apply", "optimizer"),
-    "Cost": ("planning.plan_cost", "Cost"),
-    "cost": ("costing.cost", "cost"),
-    "Estimate": ("costing.estimate", "Estimate"),
-    "estimate": ("costing.estimate", "estimate"),
-    "compare_schedules": ("costing.estimate", "compare_schedules"),
+    "Cost": ("planning.plan.cost_record", "Cost"),
+    "cost": ("costing.cost.cost_model", "cost"),
+    "Estimate": ("costing.estimate.estimate", "Estimate"),
+    "estimate": ("costing.estimate.estimate", "estimate"),
+    "compare_schedules": ("costing.estimate.estimate", "compare_schedules"),
     "format_bytes": ("core.units", "format_bytes"),
     "parse_bytes": ("core.units", "parse_bytes"),
-    "Hardware": ("costing.hardware", "Hardware"),
-    "hardware": ("costing.hardware", "hardware"),
-    "Kernels": ("costing.kernels", "Kernels"),
+    "Hardware": ("costing.time.hardware", "Hardware"),
+    "hardware": ("costing.time.hardware", "hardware"),
+    "Kernels": ("costing.time.kernels", "Kernels"),
     "AutoReport": ("search.report", "AutoReport"),
     "auto": ("search.auto", "auto"),
     "search_plans": ("search.auto", "search_plans"),
@@ -171,31 +171,31 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "resident_bytes": ("runtime.measure", "resident_bytes"),
     "kept_activation_bytes": ("runtime.measure", "kept_activation_bytes"),
     "saved_tensor_bytes": ("runtime.measure", "saved_tensor_bytes"),
-    "ActivationTrace": ("costing.activations", "ActivationTrace"),
-    "trace_activations": ("costing.activations", "trace_activations"),
+    "ActivationTrace": ("costing.trace.activations", "ActivationTrace"),
+    "trace_activations": ("costing.trace.activations", "trace_activations"),
     "Mesh": ("core.mesh", "Mesh"),
-    "Change": ("planning.plan_config", "Change"),
-    "Plan": ("planning.plan", "Plan"),
-    "PlanConfig": ("planning.plan_config", "PlanConfig"),
+    "Change": ("planning.plan.config", "Change"),
+    "Plan": ("planning.plan.plan", "Plan"),
+    "PlanConfig": ("planning.plan.config", "PlanConfig"),
     "shard": ("planning.planner", "shard"),
-    "Policy": ("planning.policy", "Policy"),
-    "checkpointing": ("planning.policy_builders", "checkpointing"),
-    "cp": ("planning.policy_builders", "cp"),
-    "ep": ("planning.policy_builders", "ep"),
-    "fsdp": ("planning.policy_builders", "fsdp"),
-    "hsdp": ("planning.policy_builders", "hsdp"),
-    "mixed_precision": ("planning.policy_builders", "mixed_precision"),
-    "offload": ("planning.policy_builders", "offload"),
-    "pipeline": ("planning.policy_builders", "pipeline"),
-    "replicate": ("planning.policy_builders", "replicate"),
-    "tp": ("planning.policy_builders", "tp"),
-    "zero": ("planning.policy_builders", "zero"),
-    "format_policy": ("planning.policy_format", "format_policy"),
-    "parse_policy": ("planning.policy_text", "parse_policy"),
-    "Rule": ("planning.rules", "Rule"),
-    "Rules": ("planning.rules", "Rules"),
-    "Packed": ("planning.styles", "Packed"),
-    "packed": ("planning.styles", "packed"),
+    "Policy": ("planning.policy.types", "Policy"),
+    "checkpointing": ("planning.policy.builders", "checkpointing"),
+    "cp": ("planning.policy.builders", "cp"),
+    "ep": ("planning.policy.builders", "ep"),
+    "fsdp": ("planning.policy.builders", "fsdp"),
+    "hsdp": ("planning.policy.builders", "hsdp"),
+    "mixed_precision": ("planning.policy.builders", "mixed_precision"),
+    "offload": ("planning.policy.builders", "offload"),
+    "pipeline": ("planning.policy.builders", "pipeline"),
+    "replicate": ("planning.policy.builders", "replicate"),
+    "tp": ("planning.policy.builders", "tp"),
+    "zero": ("planning.policy.builders", "zero"),
+    "format_policy": ("planning.policy.format", "format_policy"),
+    "parse_policy": ("planning.policy.parse", "parse_policy"),
+    "Rule": ("planning.tp.rules", "Rule"),
+    "Rules": ("planning.tp.rules", "Rules"),
+    "Packed": ("planning.tp.styles", "Packed"),
+    "packed": ("planning.tp.styles", "packed"),
     "Owned": ("core.spec", "Owned"),
     "P": ("core.spec", "P"),
     "ParamSharding": ("core.spec", "ParamSharding"),

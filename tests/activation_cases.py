@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import functional_shard as fs
-from functional_shard.costing.activations import trace_activations
+from functional_shard.costing.trace.activations import trace_activations
 from functional_shard.runtime.measure import kept_activation_bytes, saved_tensor_bytes
 from functional_shard.zoo import Block, Llama, LlamaConfig
 
@@ -131,7 +131,7 @@ def measure(names: list[str]) -> dict[str, dict[str, int]]:
 def fit_selective() -> dict[str, object]:
     """A Lightning Trainer.fit under fsdp + selective checkpointing (ShardStrategy); with the
     modules the strategy checkpointed and how many times the selective policy was asked for."""
-    import functional_shard.costing.trace_checkpointing as trace_checkpointing
+    import functional_shard.costing.trace.checkpointing as trace_checkpointing
     from functional_shard.adapters.lightning import ShardStrategy
     from functional_shard.runtime.engines.activation_checkpointing import is_checkpointed
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 import functional_shard as fs
-from functional_shard.runtime import hf_read
-from functional_shard.runtime.checkpoint_checks import every_rank
+from functional_shard.runtime.checkpoint.hf import slices as hf_read
+from functional_shard.runtime.checkpoint.integrity import every_rank
 
 from . import titan_models, unit_models
 from .dist_cases import full

@@ -74,7 +74,7 @@ def measure(family: str, experts: int, strategy_name: str, uniform: bool) -> dic
 
 def traced_bytes(family: str, experts: int, strategy_name: str, rank: int) -> int:
     """What the trace (`fs.estimate`'s) says ``rank`` of the strategy's plan keeps for backward."""
-    from functional_shard.costing.activations import trace_activations
+    from functional_shard.costing.trace.activations import trace_activations
 
     mesh, policy = strategy(strategy_name)
     model = build_meta(family, experts)

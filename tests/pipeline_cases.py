@@ -21,7 +21,7 @@ from functional_shard.zoo import Block, Llama, LlamaConfig
 from .dist_cases import full, mean_over_ranks
 
 STEPS = 3
-# the h100 profile with the CPU's kernels (`trace_kernels`): what the gloo runs here keep
+# the h100 profile with the CPU's kernels (`trace.cuda_kernels`): what the gloo runs here keep
 H100_ON_CPU = dataclasses.replace(fs.hardware("h100"), cuda=False)
 LR = 1e-2
 # AdamW's eps: with 1e-8 a near-zero gradient, its micro-batch sum reordered, turns rounding

@@ -25,8 +25,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import functional_shard as fs
-from functional_shard.costing.activations import trace_activations
-from functional_shard.costing.trace_repeats import repeated_layers
+from functional_shard.costing.trace.activations import trace_activations
+from functional_shard.costing.trace.repeats import repeated_layers
 from functional_shard.runtime.engines.activation_checkpointing import apply_checkpointing
 from functional_shard.zoo import Block, Llama, LlamaConfig, llama
 

@@ -22,8 +22,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import functional_shard as fs
-from functional_shard.costing.flops import ATTENTION_BACKWARD, ATTENTION_FORWARD, attention_forward, op_flops
-from functional_shard.costing.trace_counting import Flops as _Flops
+from functional_shard.costing.time.flops import (
+    ATTENTION_BACKWARD,
+    ATTENTION_FORWARD,
+    attention_forward,
+    op_flops,
+)
+from functional_shard.costing.trace.counting import Flops as _Flops
 from functional_shard.zoo import Llama, LlamaConfig
 
 _aten = torch.ops.aten

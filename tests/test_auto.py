@@ -19,8 +19,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import functional_shard as fs
 from functional_shard.core.quiet import captured
-from functional_shard.costing import activations, trace_counting
-from functional_shard.planning import rules
+from functional_shard.costing.trace import activations
+from functional_shard.costing.trace import counting as trace_counting
+from functional_shard.planning.tp import rules
 from functional_shard.search.candidates import Space, head_counts, points, repeated_block
 from functional_shard.zoo import CONFIGS, MLP, Block, Llama, LlamaConfig, llama
 
@@ -45,7 +46,7 @@ def _trace_key(plan, batch, seq):
 @pytest.fixture(autouse=True)
 def _tracer(monkeypatch):
     # the enumeration below estimates ~40 plans; reuse one trace per key, as auto does
-    module = importlib.import_module("functional_shard.costing.estimate")
+    module = importlib.import_module("functional_shard.costing.estimate.estimate")
     trace = module._trace
 
     def remembered(model, plan, *, batch, seq, rank=None, inputs=None, **options):
@@ -135,7 +136,7 @@ def test_auto_is_optimal_in_its_space():
 
 def test_traces_do_not_depend_on_the_data_parallel_family():
     """What lets auto (and the enumeration above) trace once per key."""
-    from functional_shard.costing.activations import trace_activations
+    from functional_shard.costing.trace.activations import trace_activations
 
     tp = fs.tp(rules.llama, "tp", sequence_parallel=True) + fs.mixed_precision()
     plans = [
@@ -320,7 +321,7 @@ def test_a_search_traces_each_key_once_keeps_a_failure_as_its_error_and_owns_its
     assert "a and b must have same reduction dim" in str(failed)
     # every search traces for itself: nothing is left behind for the next one
     calls = []
-    module = importlib.import_module("functional_shard.costing.estimate")
+    module = importlib.import_module("functional_shard.costing.estimate.estimate")
     trace = module._trace
 
     def counted(*args, **kwargs):
@@ -486,7 +487,7 @@ def test_full_recompute_stops_at_the_last_saved_tensor():
 def test_the_search_traces_checkpointed_candidates_forward_only():
     # the backward is run only where it cannot be taken from the plan without checkpointing
     calls = []
-    module = importlib.import_module("functional_shard.costing.estimate")
+    module = importlib.import_module("functional_shard.costing.estimate.estimate")
     trace = module._trace
 
     def recorded(model, plan, *, batch, seq, rank=None, inputs=None, **options):

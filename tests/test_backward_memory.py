@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functional_shard as fs
-from functional_shard.frontends.zoo import Block, Llama, LlamaConfig
+from functional_shard.frontends.model_zoo import Block, Llama, LlamaConfig
 
 from . import loss_memory_cases as lm
 from .worlds import alone

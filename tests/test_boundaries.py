@@ -27,14 +27,14 @@ ADAPTERS = pathlib.Path(functional_shard.adapters.__file__).parent
 # checks, its safe loaders, the asynchronous saves, the Hugging Face export, which gathers
 # tensor by tensor, and the Hugging Face load, whose ranks agree on what they refuse)
 CHECKPOINT = (
-    "checkpoint",
-    "checkpoint_state",
-    "checkpoint_read",
-    "checkpoint_checks",
-    "checkpoint_safety",
-    "checkpoint_async",
-    "export_hf",
-    "hf_load",
+    "checkpoint/api",
+    "checkpoint/state",
+    "checkpoint/read",
+    "checkpoint/integrity",
+    "checkpoint/safety",
+    "checkpoint/async_save",
+    "checkpoint/hf/export",
+    "checkpoint/hf/load",
 )
 RUNTIME_EFFECTS = ("apply", *CHECKPOINT, "device_mesh", "launch", "measure", "timeouts")
 EFFECTS = {f"runtime/{name}.py" for name in RUNTIME_EFFECTS} | {
@@ -196,8 +196,9 @@ def our_graph():
 def test_modules_import_each_other_without_circles():
     graph = our_graph()
     # the graph sees lazy imports and the façade's table, so it is not vacuous
-    assert "functional_shard.planning.plan_cost" in graph["functional_shard.planning.plan"]
-    assert "functional_shard.costing.activations" in graph["functional_shard.costing.estimate"]  # lazy
+    assert "functional_shard.planning.plan.cost_record" in graph["functional_shard.planning.plan.plan"]
+    estimate = graph["functional_shard.costing.estimate.estimate"]
+    assert "functional_shard.costing.trace.activations" in estimate  # lazy
     adapters = "functional_shard.adapters.lightning"
     assert f"{adapters}._common" in graph[f"{adapters}.trainer"]
     # fs.apply(...) through the façade
@@ -263,7 +264,7 @@ def test_public_names_stay_themselves_whatever_loads_first():
 def test_restated_auto_wrap_constants_equal_torchs():
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
-    from functional_shard.planning import fsdp_units
+    from functional_shard.planning.fsdp import unit_finder as fsdp_units
 
     assert set(fsdp_units._EXCLUDE_WRAP_MODULES) == size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES
     assert set(fsdp_units._FORCE_LEAF_MODULES) == size_based_auto_wrap_policy.FORCE_LEAF_MODULES

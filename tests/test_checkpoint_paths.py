@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_shard as fs
-from functional_shard.runtime.checkpoint_checks import MANIFEST, META, occupied_problems
+from functional_shard.runtime.checkpoint.integrity import MANIFEST, META, occupied_problems
 from functional_shard.zoo import Llama
 
 from . import dist_cases

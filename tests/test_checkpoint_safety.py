@@ -24,7 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_shard as fs
-from functional_shard.runtime.checkpoint_checks import MANIFEST, seal, write_manifest
+from functional_shard.runtime.checkpoint.integrity import MANIFEST, seal, write_manifest
 from functional_shard.zoo import Llama
 
 from . import dist_cases, lightning_cases

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import functional_shard as fs
-from functional_shard.costing.activations import SAVED_OPS, selective_context
+from functional_shard.costing.trace.activations import SAVED_OPS, selective_context
 from functional_shard.runtime.apply import engine_problems
 from functional_shard.runtime.engines.activation_checkpointing import apply_checkpointing
 from functional_shard.zoo import Block, Llama, LlamaConfig

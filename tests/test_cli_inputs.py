@@ -9,7 +9,7 @@ from torch import nn
 
 import functional_shard as fs
 from functional_shard.cli import main
-from functional_shard.frontends import demo
+from functional_shard.frontends import live_demo as demo
 from functional_shard.frontends.cli import parse_mesh
 from functional_shard.frontends.cli.inputs import InputError
 from functional_shard.zoo import llama

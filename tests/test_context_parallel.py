@@ -24,7 +24,7 @@ from functional_shard.core.sequence import (
     token_positions,
     token_ranges,
 )
-from functional_shard.planning.schedules import in_flight as in_flight_of
+from functional_shard.planning.pipeline.schedules import in_flight as in_flight_of
 from functional_shard.zoo import llama
 
 from . import cp_cases

@@ -6,8 +6,8 @@ from torch import nn
 
 import functional_shard as fs
 from functional_shard.core.layout import local_numel
-from functional_shard.costing.census import zero1_owners
-from functional_shard.costing.cost import unit_gathered
+from functional_shard.costing.cost.census import zero1_owners
+from functional_shard.costing.cost.cost_model import unit_gathered
 
 from .strategies import data_policies, linear_colwise, module_trees
 
@@ -173,8 +173,8 @@ def test_zero1_worst_rank_is_the_heaviest_of_every_rank(model, n, other, optimiz
 @given(module_trees(tie=False), st.integers(2, 4))
 def test_worst_memory_of_candidates_whose_shards_differ_is_found_rank_by_rank(model, n):
     # the general path of _worst_memory: candidates differ along an axis the storage names
-    from functional_shard.costing.census import census_of
-    from functional_shard.costing.cost import _memory, _worst_memory
+    from functional_shard.costing.cost.census import census_of
+    from functional_shard.costing.cost.cost_model import _memory, _worst_memory
 
     plan = fs.shard(model, fs.Mesh(dp=n), fs.fsdp("dp"))
     census = census_of(plan, {})

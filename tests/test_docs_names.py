@@ -46,7 +46,7 @@ def test_the_pages_name_something():
     # the pattern finds the names the pages are known to give (a regex that matched nothing
     # would pass the test below on any page)
     names = dict(_names())
-    assert "functional_shard.costing.census.zero1_owners" in names
+    assert "functional_shard.costing.cost.census.zero1_owners" in names
     assert "functional_shard.shard" in names
 
 

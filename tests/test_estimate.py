@@ -13,12 +13,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_shard as fs
-from functional_shard.costing.step_model import (
+from functional_shard.costing.time.step_model import (
     gathered_in_flight,
     recomputed_collectives,
     unit_gathered_bytes,
 )
-from functional_shard.planning import rules
+from functional_shard.planning.tp import rules
 from functional_shard.zoo import Block, llama
 
 _TRACED: dict = {}
@@ -27,7 +27,7 @@ _TRACED: dict = {}
 @pytest.fixture(autouse=True)
 def _tracer(monkeypatch):
     # the plans below are built once, so a trace is reused by every test that asks again
-    module = importlib.import_module("functional_shard.costing.estimate")
+    module = importlib.import_module("functional_shard.costing.estimate.estimate")
     trace = module._trace
 
     def remembered(model, plan, *, batch, seq, rank=None, inputs=None, **options):

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import functional_shard as fs
-from functional_shard.costing.activations import trace_activations
+from functional_shard.costing.trace.activations import trace_activations
 from functional_shard.zoo import Llama, LlamaConfig
 
 from .strategies import uneven_llama_plans

@@ -10,7 +10,7 @@ import torch
 
 import functional_shard as fs
 from functional_shard.frontends.cli import main
-from functional_shard.runtime.hf_folder import shard_files
+from functional_shard.runtime.checkpoint.hf.folder import shard_files
 from functional_shard.zoo import Llama
 
 from . import dist_cases, export_hf_cases, hf_cases

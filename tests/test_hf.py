@@ -10,7 +10,7 @@ from torch import nn
 
 import functional_shard as fs
 from functional_shard import zoo
-from functional_shard.planning import hf
+from functional_shard.planning.tp import hf_plans as hf
 
 from . import hf_cases
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from functional_shard.runtime.hf_read import open_folder
+from functional_shard.runtime.checkpoint.hf.slices import open_folder
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

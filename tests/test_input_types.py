@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_shard as fs
-from functional_shard.planning import policy_builders
+from functional_shard.planning.policy import builders as policy_builders
 
 from .strategies import meshes
 

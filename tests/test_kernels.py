@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_shard as fs
-from functional_shard.costing.kernels import (
+from functional_shard.costing.time.kernels import (
     Clock,
     _gemm_seconds,
     check_kernels,
@@ -25,7 +25,7 @@ from functional_shard.costing.kernels import (
     float8_saved,
     float8_weights,
 )
-from functional_shard.planning import rules
+from functional_shard.planning.tp import rules
 from functional_shard.zoo import Block, Llama, LlamaConfig
 
 H100 = fs.hardware("h100")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import functional_shard as fs
-from functional_shard.runtime.hf_read import open_folder
+from functional_shard.runtime.checkpoint.hf.slices import open_folder
 
 from . import load_hf_cases as cases
 

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functional_shard as fs
-from functional_shard.runtime.hf_names import Piece, name_map, pattern_map, rotary_rows
+from functional_shard.runtime.checkpoint.hf.names import Piece, name_map, pattern_map, rotary_rows
 
 from . import load_hf_cases as cases
 

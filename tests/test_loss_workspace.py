@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import functional_shard as fs
-from functional_shard.costing.loss_memory import loss_workspace, pipeline_loss_workspace
-from functional_shard.planning.schedules import in_flight
+from functional_shard.costing.estimate.loss_memory import loss_workspace, pipeline_loss_workspace
+from functional_shard.planning.pipeline.schedules import in_flight
 from functional_shard.zoo import llama
 
 from . import loss_memory_cases as lm

@@ -7,7 +7,7 @@ Proofs:
   bytes each collective sends in a training step equal `plan.cost(tokens=)` exactly, per
   rank, all-to-alls included; the parameters, gradients and optimizer state held equal
   the prediction; and the bytes the forward saves for backward equal what the trace
-  (`trace_experts`, re-enacting the engine's forward on fake tensors) counts for that rank;
+  (`trace.rank_experts`, re-enacting the engine's forward on fake tensors) counts for that rank;
 - with the real router the prediction and the measurement are printed side by side;
 - by hand: the all-to-all bytes of the tiny models, and (hypothesis) the expert tensors'
   memory and gradient traffic per rank over expert counts, ep sizes and dp sizes.
@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import functional_shard as fs
-from functional_shard.costing.activations import trace_activations
-from functional_shard.costing.step_model import recomputed_collectives
+from functional_shard.costing.time.step_model import recomputed_collectives
+from functional_shard.costing.trace.activations import trace_activations
 
 from . import moe_cost_cases
 from .test_moe_estimate import build
@@ -296,7 +296,7 @@ def mixtral_8x7b() -> nn.Module:
 def counting_traces(monkeypatch) -> list[int]:
     import importlib
 
-    module = importlib.import_module("functional_shard.costing.estimate")
+    module = importlib.import_module("functional_shard.costing.estimate.estimate")
     trace, calls = module._trace, [0]
 
     def counted(*args, **kwargs):

@@ -1,7 +1,7 @@
 """Mixture-of-experts layers in the estimate: every token visits top-k of E experts.
 
 On fake tensors the router's choice has no values, so the trace routes deterministically
-(`functional_shard.costing.routing.expert_loads`: balanced by default, or one hot expert) and
+(`functional_shard.costing.trace.routing.expert_loads`: balanced by default, or one hot expert) and
 runs each experts module as its implementation (grouped_mm or eager) runs it. Two proofs, on tiny Hugging Face
 Mixtral, Qwen2-MoE (with its shared expert) and Qwen3-MoE configs built from their
 config classes (no download):
@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import functional_shard as fs
-from functional_shard.costing.activations import trace_activations
-from functional_shard.costing.routing import expert_loads
+from functional_shard.costing.trace.activations import trace_activations
+from functional_shard.costing.trace.routing import expert_loads
 
 transformers = pytest.importorskip("transformers")
 

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functional_shard as fs
-from functional_shard.planning.policy import resolve_rules
+from functional_shard.planning.policy.types import resolve_rules
 
 from . import hf_cases, moe_cases, worlds
 

@@ -8,10 +8,10 @@ import re
 import pytest
 
 import functional_shard as fs
-from functional_shard.costing.activations import regroup, trace_activations
-from functional_shard.costing.estimate import compare_schedules
-from functional_shard.costing.pipeline_estimate import with_schedule
-from functional_shard.planning.schedules import simulate
+from functional_shard.costing.estimate.estimate import compare_schedules
+from functional_shard.costing.estimate.pipeline_estimate import with_schedule
+from functional_shard.costing.trace.activations import regroup, trace_activations
+from functional_shard.planning.pipeline.schedules import simulate
 from functional_shard.zoo import Llama, LlamaConfig, llama
 
 from .pipeline_cases import H100_ON_CPU
@@ -215,7 +215,7 @@ def test_batch_the_microbatches_do_not_divide():
 
 
 def test_each_parameter_counted_on_one_pp_rank():
-    from functional_shard.costing.pipeline_estimate import stage_costs
+    from functional_shard.costing.estimate.pipeline_estimate import stage_costs
 
     plan = _plan("interleaved1f1b", 2)
     costs = stage_costs(plan, "adamw", BATCH * SEQ)
@@ -303,7 +303,7 @@ def test_the_searchs_shortcuts_for_pipelines_change_no_estimate(monkeypatch):
     # the search traces each unit of work once per (tp, checkpointing, micro-batch), the
     # checkpointed ones forward-only with the backward of the plan without checkpointing:
     # every pipeline candidate is what the same search gives tracing each with its backward
-    from functional_shard.costing.hardware import hardware
+    from functional_shard.costing.time.hardware import hardware
     from functional_shard.search import candidates
     from functional_shard.search.search import Search, SearchInputs
     from functional_shard.search.traces import TraceCache

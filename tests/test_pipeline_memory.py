@@ -6,7 +6,7 @@ for a backward still to come (autograd's saved tensors, parameters excluded, and
 inputs and outputs torch's ``PipelineStage`` caches for its backward); its peak over the
 step is compared with the estimate's activations for that rank: the schedule's
 micro-batches in flight walked over the rank's action list
-(`functional_shard.planning.schedules.held_peak`) with what one micro-batch keeps on each stage
+(`functional_shard.planning.pipeline.schedules.held_peak`) with what one micro-batch keeps on each stage
 (`Estimate.pipeline.stage_activation_bytes`, the last stage's logits and log-softmax
 included).
 
@@ -36,7 +36,7 @@ import json
 import pytest
 
 import functional_shard as fs
-from functional_shard.planning.schedules import held_peak, in_flight, schedule_actions
+from functional_shard.planning.pipeline.schedules import held_peak, in_flight, schedule_actions
 
 from . import pipeline_cases as pc
 from . import pipeline_memory_cases as pm

@@ -16,7 +16,7 @@ from functional_shard import zoo
 from functional_shard.cli import main
 from functional_shard.core.layout import local_numel
 from functional_shard.core.spec import Owned, ParamSharding, spec_from_json, without_axis
-from functional_shard.planning.stages import rank_stages
+from functional_shard.planning.pipeline.stages import rank_stages
 
 from .strategies import pipelined_llamas, staged_mesh_shape_spec
 
@@ -310,7 +310,7 @@ def test_cli_plans_with_stages(capsys):
 
 
 def test_blocks_show_the_ranks_off_the_stage_as_holding_none():
-    from functional_shard.frontends.pictures import blocks
+    from functional_shard.frontends.pictures.visualize import blocks
 
     plan = fs.shard(
         zoo.llama("tiny"), fs.Mesh(pp=2, dp=2), fs.pipeline("pp", microbatches=2) + fs.zero(1, "dp")
@@ -324,7 +324,7 @@ def test_a_models_own_pieces_order_the_stages_not_the_definition_order():
     from torch import nn
 
     from functional_shard.core.tree import read_model
-    from functional_shard.planning.stages import split_stages
+    from functional_shard.planning.pipeline.stages import split_stages
 
     class HeadFirst(nn.Module):  # defines its head before its embedding and blocks
         def __init__(self) -> None:
@@ -354,7 +354,7 @@ def test_send_bytes_per_rank_match_torchs_own_action_lists(schedule, pp):
     from torch.distributed.pipelining import schedules
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-    from functional_shard.planning.stages import SCHEDULES
+    from functional_shard.planning.pipeline.stages import SCHEDULES
 
     stages, microbatches, tokens_per_microbatch = 2 * pp, 6, 5
     widths = [8 + 4 * i for i in range(stages + 1)]  # a different width at every boundary

@@ -212,7 +212,7 @@ def test_a_full_file_loads_into_a_pipeline_and_the_pipeline_saves_one_again(worl
 
 
 def test_a_stage_plan_holds_its_stages_parameters_units_and_styles_only():
-    from functional_shard.planning.stage_plans import stage_plan, without_pipeline
+    from functional_shard.planning.pipeline.stage_plans import stage_plan, without_pipeline
     from functional_shard.zoo import llama
 
     policy = fs.pipeline("pp", microbatches=4) + fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import functional_shard as fs
-from functional_shard.costing.estimate import compare_schedules
+from functional_shard.costing.estimate.estimate import compare_schedules
 from functional_shard.zoo import Llama, LlamaConfig
 from tests.estimate_helpers import measure_steps
 

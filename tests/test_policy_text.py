@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_shard as fs
-from functional_shard.planning.policy_text import FORMS
-from functional_shard.planning.rules import Rules
+from functional_shard.planning.policy.parse import FORMS
+from functional_shard.planning.tp.rules import Rules
 from functional_shard.zoo import Block, llama
 
 MODEL = llama("tiny")

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import functional_shard as fs
-from functional_shard.costing.context_engines import ring_workspace_bytes
+from functional_shard.costing.time.context_engines import ring_workspace_bytes
 from functional_shard.zoo import Block, Llama, LlamaConfig, llama
 
 from . import ring_cases

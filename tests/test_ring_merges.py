@@ -17,9 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import functional_shard as fs
-from functional_shard.costing.context_engines import ring_merge_seconds
-from functional_shard.costing.hardware import hardware
-from functional_shard.costing.ring_merges import ring_merge_bytes
+from functional_shard.costing.time.context_engines import ring_merge_seconds
+from functional_shard.costing.time.hardware import hardware
+from functional_shard.costing.time.ring_merges import ring_merge_bytes
 from functional_shard.zoo import llama
 
 _MOVE_NOTHING = {"view", "_unsafe_view", "slice", "split", "unsqueeze", "squeeze", "detach", "alias", "t"}

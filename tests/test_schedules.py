@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
 import functional_shard as fs
-from functional_shard.planning.schedules import (
+from functional_shard.planning.pipeline.schedules import (
     check_pipeline,
     held_peak,
     held_peak_parts,
@@ -18,7 +18,7 @@ from functional_shard.planning.schedules import (
     schedule_actions,
     simulate,
 )
-from functional_shard.planning.stages import SCHEDULES, SINGLE_STAGE, V_SHAPED, stage_rank
+from functional_shard.planning.pipeline.stages import SCHEDULES, SINGLE_STAGE, V_SHAPED, stage_rank
 from functional_shard.zoo import llama
 
 # (schedule, stages per rank): every schedule torch has, with the stage counts it runs

@@ -22,7 +22,7 @@ from torch import nn
 
 import functional_shard as fs
 from functional_shard.core.sequence import check_sequence_length, check_split_share, chunk_count
-from functional_shard.costing import activations
+from functional_shard.costing.trace import activations
 from functional_shard.zoo import Llama, LlamaConfig, llama
 
 CP2 = fs.shard(nn.Linear(2, 2), fs.Mesh(cp=2), fs.replicate() + fs.cp("cp"))

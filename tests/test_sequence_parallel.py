@@ -18,9 +18,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_shard as fs
-from functional_shard.costing import activations
-from functional_shard.costing.activations import trace_activations
-from functional_shard.planning.rules import sequence_gathers
+from functional_shard.costing.trace import activations
+from functional_shard.costing.trace.activations import trace_activations
+from functional_shard.planning.tp.rules import sequence_gathers
 from functional_shard.zoo import CONFIGS, llama
 
 from . import dist_cases, hf_cases

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import functional_shard as fs
-from functional_shard.planning import rules
+from functional_shard.planning.tp import rules
 from functional_shard.zoo import Block, Llama, LlamaConfig
 from tests.estimate_helpers import measure_steps
 

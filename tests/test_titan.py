@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import functional_shard as fs
-from functional_shard.planning.tp_auto import structural_rules
+from functional_shard.planning.tp.structural_rules import structural_rules
 
 from . import titan_cases
 from .titan_models import SIZES, fuse_qkv, split_qkv, titan_llama3

@@ -149,7 +149,7 @@ class _Cut(nn.Module):
 def test_auto_finds_a_fused_projections_pieces_from_the_split_in_its_forward():
     # wqkv split [32, 16, 16] (grouped-query: unequal), w13 and gate_up_proj chunk(2): each a
     # packed colwise of the pieces its forward cuts, as fs.packed rules by hand give
-    from functional_shard.planning.tp_auto import trace_block
+    from functional_shard.planning.tp.structural_rules import trace_block
 
     config = tp_any_cases.FUSED
     model = FusedLlama(config, kv_heads=4)
@@ -172,7 +172,7 @@ def test_auto_finds_a_fused_projections_pieces_from_the_split_in_its_forward():
     ],
 )
 def test_auto_refuses_a_fused_output_cut_other_than_into_pieces_of_its_whole_width(how, why):
-    from functional_shard.planning.tp_auto import trace_block
+    from functional_shard.planning.tp.structural_rules import trace_block
 
     problems = dict(trace_block(_Cut(how)).problems)
     assert why in problems["up"], problems

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import functional_shard as fs
-from functional_shard.costing.activations import trace_activations
-from functional_shard.costing.trace_kernels import cuda_kernels, fused_rms_norm
+from functional_shard.costing.trace.activations import trace_activations
+from functional_shard.costing.trace.cuda_kernels import cuda_kernels, fused_rms_norm
 from functional_shard.zoo import Llama, LlamaConfig
 
 

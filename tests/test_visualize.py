@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from torch import nn
 
 import functional_shard as fs
-from functional_shard.frontends import pictures as visualize
+from functional_shard.frontends.pictures import visualize
 from functional_shard.zoo import llama
 
 from .strategies import mesh_shape_spec

@@ -10,7 +10,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch.distributed.tensor import DTensor
 
 import functional_shard as fs
-from functional_shard.costing.cost import unit_gathered
+from functional_shard.costing.cost.cost_model import unit_gathered
 
 from . import dist_cases
 from .unit_models import TitanConfig, TitanLlama, TransformerBlock

@@ -17,7 +17,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import functional_shard as fs
-from functional_shard.planning.policy import as_policy
+from functional_shard.planning.policy.types import as_policy
 from functional_shard.runtime.timeouts import set_timeout
 
 # the strategy methods Lightning calls that run collectives: a step (forward, backward, the

@@ -33,7 +33,7 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
     in the precision's autocast and with its loss scaler). Under a pipeline plan the
     schedule runs the forward and the backward of every micro-batch, so ``fabric.backward``
     is refused there: a stage's forward alone is not the model's.
-    ``fabric.save`` / ``fabric.load`` write and read `functional_shard.runtime.checkpoint`'s format
+    ``fabric.save`` / ``fabric.load`` write and read `functional_shard.runtime.checkpoint.api`'s format
     (aside, then renamed; any plan's, ZeRO-1's included), so a checkpoint moves between
     plans, Fabric and the Trainer.
 

@@ -36,7 +36,7 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
     No ``configure_model`` override is needed: when the LightningModule has one, it runs
     first (so models can be built on the meta device), then the plan is applied and the
     module materialized shard by shard, or with ``weights=`` filled from a Hugging Face
-    folder, each rank reading its own slices (`functional_shard.runtime.checkpoint.load_hf`).
+    folder, each rank reading its own slices (`functional_shard.runtime.checkpoint.api.load_hf`).
     The distributed sampler splits the data over the plan's data-parallel axes;
     tensor-parallel ranks read the same batches.
 

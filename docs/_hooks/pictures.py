@@ -111,8 +111,8 @@ def _tiny_zero1_optimizer() -> Any:
 
 def _schedule(name: str, stages_per_rank: int) -> Callable[[], Any]:
     def draw() -> Any:
-        from functional_shard.frontends.pictures import draw_schedule_figure
-        from functional_shard.planning.schedules import simulate
+        from functional_shard.frontends.pictures.visualize import draw_schedule_figure
+        from functional_shard.planning.pipeline.schedules import simulate
 
         return draw_schedule_figure(simulate(name, 4, 8, stages_per_rank))
 

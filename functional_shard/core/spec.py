@@ -8,7 +8,7 @@ chunks — FSDP nested inside a tensor-parallel shard.
 
 Pipeline parallelism places whole tensors, not slices: a spec may say ``on=("pp", 1)``,
 "this tensor exists only on the ranks whose ``pp`` coordinate is 1" (the pp *rank* that
-runs the tensor's stage, see `functional_shard.planning.stages.stage_rank`). Elsewhere the tensor
+runs the tensor's stage, see `functional_shard.planning.pipeline.stages.stage_rank`). Elsewhere the tensor
 is absent: zero elements, an all-zero local shape. The ``on`` axis never splits a dim,
 so `P.axes` keeps meaning "the axes that split the tensor".
 """

@@ -7,9 +7,9 @@ from functional_shard.core.mesh import Mesh
 from functional_shard.core.spec import ParamSharding
 from functional_shard.core.tree import ModelTree
 
-from .plan import Plan
-from .plan_config import PlanConfig
-from .stages import stage_finder, stage_rank
+from .pipeline.stages import stage_finder, stage_rank
+from .plan.config import PlanConfig
+from .plan.plan import Plan
 
 __all__ = ["assemble"]
 

@@ -20,9 +20,9 @@ from functional_shard.core.tree import Block, ModelTree, TensorSpec
 from .assemble import assemble
 from .config_builder import SharedStyles, StyleEntry, plan_config, styles_of, tp_styles
 from .placement import axis_problems, compute_free_axes, place, sharding_problems, unused_axes
-from .plan import Plan
-from .policy import DataParallel, ParamProblemError, Policy, TensorParallel
-from .rules import index_free
+from .plan.plan import Plan
+from .policy.types import DataParallel, ParamProblemError, Policy, TensorParallel
+from .tp.rules import index_free
 
 __all__ = ["shard_reusing_blocks"]
 

@@ -10,11 +10,11 @@ from functional_shard.core.errors import PolicyError
 from functional_shard.core.mesh import Mesh
 from functional_shard.core.tree import ModelTree
 
-from .fsdp_units import chosen_units, select_modules
-from .plan_config import PlanConfig
-from .policy import Policy
-from .stages import boundary_features, split_stages
-from .styles import Packed, layout_of
+from .fsdp.unit_finder import chosen_units, select_modules
+from .pipeline.stages import boundary_features, split_stages
+from .plan.config import PlanConfig
+from .policy.types import Policy
+from .tp.styles import Packed, layout_of
 
 __all__ = ["SharedStyles", "plan_config", "styles_of", "tp_pieces", "tp_styles"]
 
@@ -172,7 +172,7 @@ def plan_config(
     pipe = policy.pipeline
     pipe_config: dict[str, Any] = {}
     if pipe is not None and pipe.axis in mesh:  # a missing axis is reported with the others
-        from .schedules import check_pipeline  # torch's schedule refuses counts it cannot run
+        from .pipeline.schedules import check_pipeline  # torch's schedule refuses counts it cannot run
 
         stages = split_stages(tree, mesh[pipe.axis] * pipe.stages_per_rank, pipe.split, pipe.pieces)
         check_pipeline(pipe.schedule, mesh[pipe.axis], pipe.stages_per_rank, pipe.microbatches)
@@ -237,7 +237,7 @@ def _refuse_groups_across_stages(
     # different stages has no ranks to gather it
     if not stages:
         return
-    from .stages import stage_finder
+    from .pipeline.stages import stage_finder
 
     stage_of = stage_finder(stages)
     for group in groups:

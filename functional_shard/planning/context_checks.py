@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from .plan.plan import Plan
 
 __all__ = ["attention_problems", "context_parallel_problems", "takes_hf_attention"]
 

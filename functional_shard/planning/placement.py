@@ -1,6 +1,6 @@
 """One parameter's sharding: the layers' answers merged, and what is wrong with a placement.
 
-The merge follows `functional_shard.planning.policy`'s rules (compute splits major, then
+The merge follows `functional_shard.planning.policy.types`'s rules (compute splits major, then
 left before right, no layer overriding another); the checks say, per tensor, what torch's
 engines would refuse. Both are pure and memoised on hashable values: a model's blocks
 repeat a few (shape, sharding) pairs.
@@ -15,8 +15,8 @@ from functional_shard.core.mesh import Mesh
 from functional_shard.core.spec import Owned, P, ParamSharding, spec_problems
 from functional_shard.core.tree import ModelTree, TensorSpec
 
-from .plan_config import PlanConfig
-from .policy import DataParallel, Layer, ParamProblemError, Policy
+from .plan.config import PlanConfig
+from .policy.types import DataParallel, Layer, ParamProblemError, Policy
 
 __all__ = [
     "axis_problems",

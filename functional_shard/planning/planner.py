@@ -18,10 +18,10 @@ from functional_shard.core.tree import ModelTree, read_model
 from .assemble import assemble
 from .block_reuse import shard_reusing_blocks
 from .config_builder import plan_config, tp_styles
-from .hf import expert_top_k
 from .placement import axis_problems, compute_free_axes, place, tensor_problems, unused_axes
-from .plan import Plan
-from .policy import Custom, DataParallel, ParamProblemError, Policy, as_policy, resolve_rules
+from .plan.plan import Plan
+from .policy.types import Custom, DataParallel, ParamProblemError, Policy, as_policy, resolve_rules
+from .tp.hf_plans import expert_top_k
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -106,7 +106,7 @@ def with_expert_top_k(plan: Plan, model: Any) -> Plan:
 
 def _with_model_pieces(policy: Policy, model: Any) -> Policy:
     """The pipeline layer told what the model says of itself: HF pieces and hidden size."""
-    from .hf import hidden_size, pp_pieces
+    from .tp.hf_plans import hidden_size, pp_pieces
 
     pipe = policy.pipeline
     if pipe is None:

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from functional_shard.core.errors import MeshError, ShardingError
 from functional_shard.core.mesh import Mesh
-from functional_shard.planning.plan import Plan
+from functional_shard.planning.plan.plan import Plan
 
 # build_device_mesh lives below mesh.py (Mesh.device_mesh uses it); re-exported here
 from .device_mesh import build_device_mesh

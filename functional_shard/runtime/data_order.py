@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from functional_shard.core.errors import ShardingError
 
 if TYPE_CHECKING:
-    from functional_shard.planning.plan import Plan
+    from functional_shard.planning.plan.plan import Plan
 
 __all__ = ["DataOrder", "ResumableLoader", "ResumableSampler"]
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from functional_shard.core.mesh import Mesh
-from functional_shard.costing.hardware import Hardware
+from functional_shard.costing.time.hardware import Hardware
 
 from .launch import LocalWorld
 
@@ -228,7 +228,7 @@ def _engine_collective_seconds(kind: str, repeats: int, layers: int = 8, width: 
     from torch import nn
 
     from functional_shard.planning.planner import shard
-    from functional_shard.planning.policy_builders import fsdp, tp
+    from functional_shard.planning.policy.builders import fsdp, tp
 
     from .apply import apply
 
@@ -335,7 +335,7 @@ def kept_activation_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) ->
         32
     """
     # lazily: the trace's counters load torch's fake-tensor machinery
-    from functional_shard.costing.trace_counting import Births, kept_bytes, storage_key
+    from functional_shard.costing.trace.counting import Births, kept_bytes, storage_key
 
     births = Births()
 

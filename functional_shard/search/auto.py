@@ -20,11 +20,11 @@ from typing import Any
 from functional_shard.core.errors import PlanError, ShardingError
 from functional_shard.core.units import format_bytes as _bytes
 from functional_shard.core.units import parse_bytes
-from functional_shard.costing.cost import OptimizerKind
-from functional_shard.costing.hardware import Hardware
-from functional_shard.costing.hardware import hardware as _hardware
-from functional_shard.costing.kernels import Kernels
-from functional_shard.planning.plan import Plan
+from functional_shard.costing.cost.cost_model import OptimizerKind
+from functional_shard.costing.time.hardware import Hardware
+from functional_shard.costing.time.hardware import hardware as _hardware
+from functional_shard.costing.time.kernels import Kernels
+from functional_shard.planning.plan.plan import Plan
 
 from .candidates import LONG_SEQUENCE, Point, Space, context_points, model_facts, pipeline_points, points
 from .report import AutoReport, Candidate

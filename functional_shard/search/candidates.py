@@ -16,9 +16,9 @@ from torch import nn
 from functional_shard.core.errors import PolicyError, one_line
 from functional_shard.core.mesh import Mesh
 from functional_shard.core.tree import ModelTree, read_model
-from functional_shard.costing.hardware import Hardware
-from functional_shard.planning import policy_builders as policies
-from functional_shard.planning.policy import ExpertParallel, Policy
+from functional_shard.costing.time.hardware import Hardware
+from functional_shard.planning.policy import builders as policies
+from functional_shard.planning.policy.types import ExpertParallel, Policy
 
 __all__ = ["PIPELINE_SCHEDULES", "expert_count", "head_counts", "repeated_block"]
 
@@ -79,7 +79,7 @@ def repeated_block(model: Any) -> type | None:
 
 def tensor_parallel_rules(model: Any) -> tuple[Any, str | None]:
     """The model's tensor-parallel rules, or None and why no rule set fits it."""
-    from functional_shard.planning import rules
+    from functional_shard.planning.tp import rules
 
     try:
         found = rules.for_model(model)
@@ -98,7 +98,7 @@ def expert_count(model: Any, tree: ModelTree) -> int:
         0
     """
     from functional_shard.core.tree import matches
-    from functional_shard.planning.hf import expert_patterns
+    from functional_shard.planning.tp.hf_plans import expert_patterns
 
     try:
         patterns = expert_patterns(model)
@@ -158,7 +158,7 @@ def model_facts(model: Any) -> ModelFacts:
     experts = expert_count(model, tree)
     patterns = None
     if experts:
-        from functional_shard.planning.hf import expert_patterns
+        from functional_shard.planning.tp.hf_plans import expert_patterns
 
         patterns = expert_patterns(model)
     return ModelFacts(
@@ -295,7 +295,7 @@ def pipeline_points(space: Space, units: int) -> Iterator[Point]:
     # sequence parallel). Micro-batches: as many as the batch allows, up to 8 per stage
     # (the bubble of 1F1B is then under a tenth of the step); pipelines of up to 16 ranks,
     # as torchtitan and Megatron run 405B-class models
-    from functional_shard.planning.schedules import check_pipeline
+    from functional_shard.planning.pipeline.schedules import check_pipeline
 
     for pp in _divisors(space.devices)[1:]:
         if pp > MAX_PIPELINE:
@@ -319,7 +319,7 @@ def pipeline_points(space: Space, units: int) -> Iterator[Point]:
 
 def pipeline_units(tree: ModelTree) -> tuple[tuple[str, ...], ...]:
     """Each unit of work torchtitan's cut deals out (embedding, each block, norm + head); () if none."""
-    from functional_shard.planning.stages import _outer, split_stages
+    from functional_shard.planning.pipeline.stages import _outer, split_stages
 
     before, blocks, after = _outer(tree)
     if not blocks:
@@ -383,7 +383,7 @@ def policy_text(policy: Policy) -> str:
     )
     policy = Policy(layers, policy.options)
     try:
-        from functional_shard.planning.policy_text import format_policy
+        from functional_shard.planning.policy.parse import format_policy
 
         return format_policy(policy)
     except Exception:  # a policy the text form cannot spell: fall back to layer names

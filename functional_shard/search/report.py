@@ -7,11 +7,11 @@ from typing import Any
 
 from functional_shard.core.mesh import Mesh
 from functional_shard.core.units import format_bytes as _bytes
-from functional_shard.costing.estimate_record import Estimate
-from functional_shard.costing.estimate_record import duration as _duration
-from functional_shard.costing.hardware import Hardware
-from functional_shard.costing.kernels import Kernels
-from functional_shard.planning.plan import Plan
+from functional_shard.costing.estimate.record import Estimate
+from functional_shard.costing.estimate.record import duration as _duration
+from functional_shard.costing.time.hardware import Hardware
+from functional_shard.costing.time.kernels import Kernels
+from functional_shard.planning.plan.plan import Plan
 
 __all__ = ["AutoReport", "Candidate", "step_text"]
 

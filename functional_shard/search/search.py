@@ -9,16 +9,16 @@ from torch import nn
 
 from functional_shard.core.errors import ShardingError, one_line
 from functional_shard.core.units import format_bytes as _bytes
-from functional_shard.costing.assemble import Assembly, assemble
-from functional_shard.costing.context_engines import for_hardware
-from functional_shard.costing.cost import OptimizerKind, cost
-from functional_shard.costing.estimate_record import Estimate
-from functional_shard.costing.hardware import Hardware
-from functional_shard.costing.kernels import Kernels, check_kernel_hardware, kernel_fields
-from functional_shard.costing.step_model import compute_dtype, unit_gathered_bytes
-from functional_shard.planning.plan import Plan
+from functional_shard.costing.cost.cost_model import OptimizerKind, cost
+from functional_shard.costing.estimate.from_trace import Assembly, assemble
+from functional_shard.costing.estimate.record import Estimate
+from functional_shard.costing.time.context_engines import for_hardware
+from functional_shard.costing.time.hardware import Hardware
+from functional_shard.costing.time.kernels import Kernels, check_kernel_hardware, kernel_fields
+from functional_shard.costing.time.step_model import compute_dtype, unit_gathered_bytes
+from functional_shard.planning.plan.plan import Plan
 from functional_shard.planning.planner import shard, with_expert_top_k
-from functional_shard.planning.policy import Policy
+from functional_shard.planning.policy.types import Policy
 
 from .candidates import ModelFacts, Point, Policies, checkpoint_options, policy_text
 from .report import Candidate
@@ -179,8 +179,8 @@ class Search:
         return out
 
     def _run_pipeline(self, point: Point) -> list[Candidate]:
-        from functional_shard.costing.activations import regroup
-        from functional_shard.costing.pipeline_estimate import stage_costs
+        from functional_shard.costing.estimate.pipeline_estimate import stage_costs
+        from functional_shard.costing.trace.activations import regroup
 
         inputs = self.inputs
         try:

@@ -6,11 +6,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from functional_shard.costing import estimate as _estimate
+from functional_shard.costing.estimate import estimate as _estimate
 
 if TYPE_CHECKING:
-    from functional_shard.costing.activations import ActivationTrace
-    from functional_shard.planning.plan import Plan
+    from functional_shard.costing.trace.activations import ActivationTrace
+    from functional_shard.planning.plan.plan import Plan
 
 __all__ = ["TraceCache", "TraceKey"]
 
@@ -26,7 +26,7 @@ class TraceKey:
     family is not in it: what a trace reads of a plan is the same for every family
     (tests/test_auto.py checks it). Nor is the expert-parallel size: under balanced routing
     every ep size runs the same local work, a rank's E/ep experts getting ep times each
-    expert's share (T*k rows in all, trace_experts).
+    expert's share (T*k rows in all, trace.rank_experts).
     """
 
     tensor_parallel: int

@@ -14,7 +14,7 @@ __all__ = ["run"]
 def run(args: argparse.Namespace, out: Out) -> int:
     """Convert ``args.source`` into ``args.target``, the other form or (``--to hf``) a Hugging Face folder.
 
-    `functional_shard.runtime.checkpoint.convert` and `convert_to_hf` do the work.
+    `functional_shard.runtime.checkpoint.api.convert` and `convert_to_hf` do the work.
 
     Returns:
         0.
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace, out: Out) -> int:
         >>> main(["checkpoint", "convert", "/no/such/ckpt", "ckpt.pt"])  # one line on stderr
         2
     """
-    from functional_shard.runtime.checkpoint import convert, convert_to_hf
+    from functional_shard.runtime.checkpoint.api import convert, convert_to_hf
 
     if args.to != "hf":
         flags = [

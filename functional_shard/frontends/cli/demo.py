@@ -1,6 +1,6 @@
 """``functional-shard demo``: a plan trained on local processes, beside its prediction.
 
-The demo itself is `functional_shard.frontends.demo`; this module reads its flags.
+The demo itself is `functional_shard.frontends.live_demo`; this module reads its flags.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
         >>> main(["demo", "--mesh", "dp=2", "--policy", "fsdp(dp)", "--steps", "2"])  # one line on stderr
         2
     """
-    from functional_shard.frontends.demo import run as run_demo
+    from functional_shard.frontends.live_demo import run as run_demo
 
     mesh = parse_mesh(args.mesh)
     result = run_demo(mesh, args.policy, model=args.model, steps=args.steps, force=args.force)

@@ -18,14 +18,14 @@ from .inputs import InputError
 from .output import Out, cost_rows
 
 if TYPE_CHECKING:
-    from functional_shard.costing.cost import Cost
-    from functional_shard.planning.plan import Change, Plan
+    from functional_shard.costing.cost.cost_model import Cost
+    from functional_shard.planning.plan.plan import Change, Plan
 
 __all__ = ["run"]
 
 
 def _read_plan(path: str) -> Plan:
-    from functional_shard.planning.plan import Plan
+    from functional_shard.planning.plan.plan import Plan
 
     try:
         text = pathlib.Path(path).read_text()

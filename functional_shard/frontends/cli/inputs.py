@@ -17,9 +17,9 @@ if TYPE_CHECKING:
     from torch import nn
 
     from functional_shard.core.mesh import Mesh
-    from functional_shard.costing.hardware import Hardware
-    from functional_shard.costing.kernels import Kernels
-    from functional_shard.planning.policy import Policy
+    from functional_shard.costing.time.hardware import Hardware
+    from functional_shard.costing.time.kernels import Kernels
+    from functional_shard.planning.policy.types import Policy
 
 __all__ = [
     "InputError",
@@ -66,7 +66,7 @@ def parse_mesh(text: str) -> Mesh:
 
 
 def _zoo_names() -> list[str]:
-    from functional_shard.frontends.zoo import CONFIGS
+    from functional_shard.frontends.model_zoo import CONFIGS
 
     return sorted(CONFIGS)
 
@@ -147,7 +147,7 @@ def load_model(text: str) -> nn.Module:
         device(type='meta')
     """
     if text in _zoo_names():
-        from functional_shard.frontends.zoo import llama
+        from functional_shard.frontends.model_zoo import llama
 
         return llama(text)
     path = pathlib.Path(text)
@@ -164,7 +164,7 @@ def load_model(text: str) -> nn.Module:
 
 
 def read_policy(text: str, model: nn.Module | None) -> Policy:
-    """The policy ``--policy`` writes (see `functional_shard.planning.policy_text`).
+    """The policy ``--policy`` writes (see `functional_shard.planning.policy.parse`).
 
     Args:
         text: a policy expression, such as ``"fsdp(dp) + tp(llama, tp) + bf16"``.
@@ -179,7 +179,7 @@ def read_policy(text: str, model: nn.Module | None) -> Policy:
         >>> read_policy("fsdp(dp) + bf16", None).options.param_dtype
         'bfloat16'
     """
-    from functional_shard.planning.policy_text import parse_policy
+    from functional_shard.planning.policy.parse import parse_policy
 
     if not text.strip():  # an empty value is a mistake, not a request for the default
         raise InputError(
@@ -193,7 +193,7 @@ def read_policy(text: str, model: nn.Module | None) -> Policy:
 
 
 def read_hardware(name: str) -> Hardware:
-    """The accelerator ``--hardware`` names (see `functional_shard.costing.hardware`).
+    """The accelerator ``--hardware`` names (see `functional_shard.costing.time.hardware`).
 
     Raises:
         ShardingError: no such hardware; the message lists the names there are.
@@ -202,7 +202,7 @@ def read_hardware(name: str) -> Hardware:
         >>> read_hardware("h100").memory_bytes
         80000000000
     """
-    from functional_shard.costing.hardware import hardware
+    from functional_shard.costing.time.hardware import hardware
 
     try:
         return hardware(name)
@@ -220,7 +220,7 @@ def read_kernels(text: str) -> Kernels:
         >>> read_kernels("compile,float8")
         Kernels(compile=True, float8=True, async_tp=False, float8_all_gather=False)
     """
-    from functional_shard.costing.kernels import Kernels
+    from functional_shard.costing.time.kernels import Kernels
 
     names = [name.strip() for name in text.split(",") if name.strip()]
     known = ("compile", "float8", "async_tp", "float8_all_gather")

@@ -12,7 +12,7 @@ from functional_shard.core.errors import one_line
 from .inputs import InputError
 
 if TYPE_CHECKING:
-    from functional_shard.costing.cost import Cost
+    from functional_shard.costing.cost.cost_model import Cost
 
 __all__ = ["Out", "cost_rows", "write_file"]
 

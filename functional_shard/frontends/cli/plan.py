@@ -1,6 +1,6 @@
 """``functional-shard plan``: a model planned on the meta device, every tensor's placement and the cost.
 
-With ``--batch``/``--seq`` the step is estimated too (`functional_shard.costing.estimate`);
+With ``--batch``/``--seq`` the step is estimated too (`functional_shard.costing.estimate.estimate`);
 with ``--auto`` the plan is searched for (`functional_shard.frontends.cli.plan_auto`).
 """
 
@@ -22,10 +22,10 @@ from .output import Out, cost_rows, write_file
 if TYPE_CHECKING:
     from torch import nn
 
-    from functional_shard.costing.cost import Cost
-    from functional_shard.costing.estimate import Estimate
-    from functional_shard.costing.hardware import Hardware
-    from functional_shard.planning.plan import Plan
+    from functional_shard.costing.cost.cost_model import Cost
+    from functional_shard.costing.estimate.estimate import Estimate
+    from functional_shard.costing.time.hardware import Hardware
+    from functional_shard.planning.plan.plan import Plan
 
 __all__ = ["DEFAULT_POLICY", "run"]
 
@@ -147,7 +147,7 @@ def _estimate(
     batch_given: bool,
     hardware: Hardware | None,
 ) -> Estimate:
-    from functional_shard.costing.estimate import estimate
+    from functional_shard.costing.estimate.estimate import estimate
 
     # with --auto, --batch is the global batch; fs.estimate takes one data-parallel rank's
     per_rank = args.batch // plan.data_parallel_rank(0)[1] if args.auto else args.batch

@@ -13,9 +13,9 @@ from .output import Out
 if TYPE_CHECKING:
     from torch import nn
 
-    from functional_shard.costing.estimate import Estimate
-    from functional_shard.costing.hardware import Hardware
-    from functional_shard.planning.plan import Plan
+    from functional_shard.costing.estimate.estimate import Estimate
+    from functional_shard.costing.time.hardware import Hardware
+    from functional_shard.planning.plan.plan import Plan
     from functional_shard.search.report import AutoReport, Candidate
 
 __all__ = ["search"]

@@ -7,7 +7,7 @@ the checkpointed region, in the forward and not again in the recompute. Torch's 
 mixed precision runs inside the recompute but not inside the forward, which selective
 checkpointing refuses (an op "encountered during backward but not found in storage").
 The parameter paths stay as they are (no wrapper module), and the cost model traces the
-same wrapping (`functional_shard.costing.trace_checkpointing.checkpointed`).
+same wrapping (`functional_shard.costing.trace.checkpointing.checkpointed`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from functional_shard.planning.plan import Plan
+from functional_shard.planning.plan.plan import Plan
 
 __all__ = ["apply_checkpointing", "is_checkpointed"]
 
@@ -40,7 +40,7 @@ def _checkpointed_forward(
 
 def apply_checkpointing(plan: Plan, module: nn.Module) -> None:
     """Run the forward of each of the plan's checkpointed modules under torch's checkpoint."""
-    from functional_shard.costing.trace_checkpointing import selective_context
+    from functional_shard.costing.trace.checkpointing import selective_context
 
     context = selective_context if plan.config.checkpoint_policy == "selective" else None
     for path in plan.config.checkpointed:

@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from functional_shard.core.errors import ShardingError
-from functional_shard.planning.plan import Plan
+from functional_shard.planning.plan.plan import Plan
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,10 @@ from torch import nn
 from functional_shard.core.errors import PlanError, bullets
 from functional_shard.core.tree import read_model
 from functional_shard.planning.context_checks import context_parallel_problems
-from functional_shard.planning.module_splits import (
-    is_conv1d_module,
-    is_projection,
-    split_problems,
-)
-from functional_shard.planning.plan import Plan
-from functional_shard.planning.rules import sequence_parallel_problems
-from functional_shard.planning.stages import stage_finder
+from functional_shard.planning.pipeline.stages import stage_finder
+from functional_shard.planning.plan.plan import Plan
+from functional_shard.planning.tp.module_splits import is_conv1d_module, is_projection, split_problems
+from functional_shard.planning.tp.rules import sequence_parallel_problems
 
 from .experts import expert_data_axes, expert_hidden, expert_module_problems
 

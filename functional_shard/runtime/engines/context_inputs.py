@@ -14,7 +14,7 @@ import torch
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.sequence import check_split_share
-from functional_shard.planning.plan import Plan
+from functional_shard.planning.plan.plan import Plan
 
 __all__ = ["chunk_rank", "plan_given", "positive_length", "sequence_dim", "share_check"]
 

@@ -11,7 +11,7 @@ key/value heads and lets SDPA broadcast them (``enable_gqa``), never repeating t
 Attention is reached two ways, with no model code patched:
 
 * a plain module calling ``F.scaled_dot_product_attention``: the call is routed while a step
-  runs (`functional_shard.costing.trace_context_parallel.routing_attention`, which the trace
+  runs (`functional_shard.costing.trace.context_attention.routing_attention`, which the trace
   uses too), as torch's own ``context_parallel`` context does;
 * a Hugging Face model: an attention function registered in transformers' registry
   (``AttentionInterface``) and chosen with ``model.set_attn_implementation``, with a mask
@@ -39,10 +39,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.sequence import check_sequence_length, token_positions
-from functional_shard.costing.trace_context_parallel import AttentionCall, routing_attention
+from functional_shard.costing.trace.context_attention import AttentionCall, routing_attention
 from functional_shard.planning.context_checks import attention_problems  # pure: fs.estimate asks it too
 from functional_shard.planning.context_checks import takes_hf_attention as _is_hf
-from functional_shard.planning.plan import Plan
+from functional_shard.planning.plan.plan import Plan
 
 from .context_inputs import chunk_rank, plan_given, positive_length, sequence_dim, share_check
 from .context_ring import ring_attention, ring_dispatch, runs_ring

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.sequence import engine_that_runs
-from functional_shard.costing.trace_context_parallel import repeat_kv_heads
+from functional_shard.costing.trace.context_attention import repeat_kv_heads
 
 __all__ = ["RING_DEVICES", "check_ring_device", "ring_attention", "ring_dispatch", "runs_ring"]
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from functional_shard.core.tree import dtype_from_name
-from functional_shard.planning.plan import Plan
+from functional_shard.planning.plan.plan import Plan
 
 from .applied import axes_mesh
 from .experts import shard_experts

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from functional_shard.core.errors import ShardingError
-from functional_shard.planning.plan import Plan
+from functional_shard.planning.plan.plan import Plan
 
 from .applied import applied_with
 from .pipeline import Pipelined, pipeline_eval_loss, pipeline_eval_outputs, pipeline_of

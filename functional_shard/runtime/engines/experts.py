@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from functional_shard.planning.plan import Plan
+from functional_shard.planning.plan.plan import Plan
 
 from .applied import axes_mesh
 from .packed_pieces import rank_share

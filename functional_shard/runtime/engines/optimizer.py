@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from functional_shard.core.errors import ShardingError
-from functional_shard.planning.plan import Plan
+from functional_shard.planning.plan.plan import Plan
 
 from .applied import applied_with, axes_mesh
 from .pipeline import pipeline_group_of

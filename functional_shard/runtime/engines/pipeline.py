@@ -41,9 +41,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.tree import within
-from functional_shard.planning.plan import Plan
-from functional_shard.planning.stage_plans import stage_plan, without_pipeline
-from functional_shard.planning.stages import SCHEDULES, SINGLE_STAGE, rank_stages, stage_rank
+from functional_shard.planning.pipeline.stage_plans import stage_plan, without_pipeline
+from functional_shard.planning.pipeline.stages import SCHEDULES, SINGLE_STAGE, rank_stages, stage_rank
+from functional_shard.planning.plan.plan import Plan
 
 from .activation_checkpointing import apply_checkpointing
 from .applied import retie

@@ -15,9 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import PrepareModuleInput
 
 from functional_shard.core.errors import ShardingError
-from functional_shard.planning.module_splits import CONV1D_STYLES, features_of, is_conv1d_module
-from functional_shard.planning.plan import Plan
-from functional_shard.planning.rules import first_input_name, sequence_gathers
+from functional_shard.planning.plan.plan import Plan
+from functional_shard.planning.tp.module_splits import CONV1D_STYLES, features_of, is_conv1d_module
+from functional_shard.planning.tp.rules import first_input_name, sequence_gathers
 
 from .experts import apply_expert_tensor_parallel
 from .packed_pieces import rank_share

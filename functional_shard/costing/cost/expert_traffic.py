@@ -1,0 +1,148 @@
+"""The mixture-of-experts terms of the cost model: what expert layers send per step.
+
+Two engines run experts modules (`functional_shard.runtime.engines.experts`), and the cost model
+counts what each issues, per experts module and training step, for ``T`` tokens on a
+rank, each visiting ``k`` experts (``T·k`` token copies of ``d`` features, ``s`` bytes
+each in the compute dtype):
+
+| engine                        | collective, over the axis          | bytes sent per rank       |
+|-------------------------------|------------------------------------|---------------------------|
+| expert parallel over ``ep``   | counts, forward (``E`` int64)      | (ep-1)/ep · E · 8         |
+|                               | dispatch and combine, forward      | 2 · (ep-1)/ep · T·k·d·s   |
+|                               | their mirrors, backward            | 2 · (ep-1)/ep · T·k·d·s   |
+| tensor parallel over ``tp``   | output all-reduce, forward         | 2(tp-1)/tp · T·d·s        |
+|                               | input-gradient all-reduce, backward| 2(tp-1)/tp · T·d·s        |
+|                               | routing-weight gradient, backward  | 2(tp-1)/tp · T·k·4        |
+
+Inside a checkpointed module the forward rows are sent again when backward recomputes
+it (counts and dispatch and combine once more; tensor parallel's output all-reduce is
+counted with the other recomputed tensor-parallel collectives, in `step_model`).
+
+The all-to-all rows assume balanced routing: each rank keeps the ``1/ep`` of its copies
+whose experts it holds and sends the rest (with a forced uniform router the measured
+bytes equal these on gloo). The routing weights are counted in float32, the dtype
+Mixtral's router hands them in (Qwen's routers hand them in the compute dtype).
+
+Expert tensors under expert parallelism need no gradient collective over the expert
+axis: each rank's experts already get every rank's tokens through the all-to-all's
+backward. Their gradients are reduce-scattered over the other data axes only
+(`expert_grad_axes`), which is what FSDP2 runs on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from functional_shard.core.errors import ShardingError
+from functional_shard.core.spec import ParamSharding
+from functional_shard.core.tree import within
+
+if TYPE_CHECKING:
+    from functional_shard.planning.plan.plan import Plan
+
+__all__ = ["expert_comm", "expert_grad_axes", "expert_layers"]
+
+_COUNT_BYTES = 8  # the per-expert counts are int64
+_ROUTING_WEIGHT_BYTES = 4
+
+
+def expert_layers(plan: Plan) -> list[tuple[str, int, int]]:
+    """(module path, experts E, hidden features d) of each experts module an engine splits.
+
+    The expert-parallel modules, and the modules tensor parallel reaches inside (style
+    kind ``experts``), in module order.
+
+    Examples:
+        >>> expert_layers(fs.shard(nn.Linear(2, 2), fs.Mesh(dp=2), fs.fsdp()))
+        []
+    """
+    config = plan.config
+    paths = config.expert_modules + config.tensor_parallel_experts
+    layers = []
+    for path in dict.fromkeys(paths):
+        gate_up = plan.tensors[plan.canonical(_first_weight(plan, path))]
+        layers.append((path, gate_up.shape[0], gate_up.shape[2]))
+    return layers
+
+
+def _first_weight(plan: Plan, path: str) -> str:
+    # transformers' gate_up_proj [E, 2f, d], or torchtitan's grouped experts' w1 [E, f, d]
+    titan = f"{path}.w1"
+    return titan if titan in plan.tensors else f"{path}.gate_up_proj"
+
+
+def is_expert_tensor(plan: Plan, sharding: ParamSharding) -> bool:
+    """Whether ``sharding`` is an expert tensor's under expert parallelism (split over the expert axis).
+
+    The planner lets no other computation split a data-parallel axis, so a compute spec
+    naming the expert axis marks an expert tensor.
+    """
+    axis = plan.config.expert_axis
+    return axis is not None and axis in sharding.compute.axes
+
+
+def expert_grad_axes(plan: Plan, sharding: ParamSharding, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """``axes`` (data axes a gradient is reduced over) less the expert axis, for an expert tensor.
+
+    Examples:
+        >>> plan = fs.shard(nn.Linear(2, 2), fs.Mesh(dp=2), fs.fsdp())
+        >>> expert_grad_axes(plan, plan.params["weight"], ("dp",))
+        ('dp',)
+    """
+    if not is_expert_tensor(plan, sharding):
+        return axes
+    return tuple(axis for axis in axes if axis != plan.config.expert_axis)
+
+
+def expert_comm(
+    plan: Plan,
+    tokens: int,
+    itemsize: int,
+    add: Callable[[str, tuple[str, ...], int, float, int], None],
+    held: Mapping[str, int],
+) -> None:
+    """Add each experts module's activation traffic for ``tokens`` tokens to ``add``.
+
+    ``add(kind, axes, n, full_bytes, times)`` counts ``(n-1)/n · full_bytes`` sent (twice
+    that for an all-reduce), ``times`` times, as the cost model's collectives do; for an
+    all-to-all ``full_bytes`` is everything this rank's copies amount to, of which the
+    ``(n-1)/n`` going to other ranks is sent. See the module's table.
+
+    Raises:
+        ShardingError: the plan does not know how many experts a token visits (it was
+            made from a state dict rather than the model).
+    """
+    config = plan.config
+    layers = expert_layers(plan)
+    if not layers:
+        return
+    top_k = config.expert_top_k
+    if top_k < 1:
+        raise ShardingError(
+            "cost(tokens=...): the plan splits experts modules but does not know how many experts each "
+            "token visits (PlanConfig.expert_top_k is 0): make the plan with fs.shard(model, ...) from "
+            "the model itself, whose config names num_experts_per_tok"
+        )
+    dispatched = set(config.expert_modules)
+    tp_axes = config.tensor_parallel_axes
+    tp = plan.mesh.axes_size(tp_axes) if tp_axes else 1
+    for path, experts, hidden in layers:
+        gate_up = plan.sharding(plan.canonical(_first_weight(plan, path)))
+        if not gate_up.storage.holds(held):  # another pipeline stage's layer
+            continue
+        if path in dispatched:
+            axis = config.expert_axis
+            assert axis is not None
+            ep = plan.mesh[axis]
+            # a checkpointed module around the experts runs their forward again in backward
+            again = int(within(path, config.checkpointed))
+            add("all_to_all", (axis,), ep, experts * _COUNT_BYTES, 1 + again)
+            add("all_to_all", (axis,), ep, tokens * top_k * hidden * itemsize, 4 + 2 * again)
+        elif _first_weight(plan, path).endswith(".w1"):
+            # torchtitan's experts take the routed token copies: their input's gradient and
+            # their output are all-reduced (the routing weights apply outside, whole)
+            add("all_reduce", tp_axes, tp, tokens * top_k * hidden * itemsize, 2)
+        else:
+            add("all_reduce", tp_axes, tp, tokens * hidden * itemsize, 2)
+            add("all_reduce", tp_axes, tp, tokens * top_k * _ROUTING_WEIGHT_BYTES, 1)

@@ -1,0 +1,1 @@
+"""`fs.estimate`: a trace and the cost model put together into peak memory and step time."""

@@ -1,0 +1,316 @@
+"""Will it fit, and how fast: peak memory and step time of a plan, before any device is rented.
+
+`estimate` adds to the exact cost model (`cost`) what a training step also needs: the
+activations autograd keeps (traced on fake tensors by `activations.trace_activations`),
+the logits and the fp32 cross-entropy workspace, the FSDP units in flight while the next
+one is prefetched, and time: FLOPs at the hardware's achievable rate plus the
+communication the engines cannot hide. docs/will-it-fit.md states the model and its
+assumptions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from functional_shard.core.errors import PlanError, ShardingError, bullets
+from functional_shard.core.units import parse_bytes
+from functional_shard.costing.cost.cost_model import OptimizerKind, check_plan_and_optimizer
+from functional_shard.costing.time.context_engines import for_hardware
+from functional_shard.costing.time.hardware import Hardware
+from functional_shard.costing.time.hardware import hardware as _hardware
+from functional_shard.costing.time.kernels import Kernels, kernel_fields
+from functional_shard.costing.time.step_model import compute_dtype, unit_gathered_bytes
+from functional_shard.costing.trace.model_inputs import fitted_inputs
+from functional_shard.planning.context_checks import context_parallel_problems
+from functional_shard.planning.tp.module_splits import head_problems
+
+from .from_trace import Assembly, assemble
+from .pipeline_estimate import microbatch_size
+from .record import Estimate
+
+if TYPE_CHECKING:
+    from functional_shard.planning.plan.plan import Plan
+
+__all__ = ["Estimate", "compare_schedules", "estimate", "parse_bytes"]
+
+
+def _trace(model: Any, plan: Plan, **options: Any) -> Any:
+    """`trace_activations` (its keywords: batch, seq, rank, ...) with torch's own log captured.
+
+    A plan that splits attention heads is refused first (`_check_splits`): the forward
+    cannot run it, and the trace would only say that it failed.
+    """
+    from functional_shard.core.quiet import captured
+    from functional_shard.costing.trace.activations import (
+        trace_activations,  # lazily: it loads torch's fake-tensor machinery
+    )
+
+    _check_splits(model, plan)
+    _check_context(model, plan)
+
+    # a failing fake kernel makes torch log its traceback before raising: our error says it
+    with captured():
+        return trace_activations(model, plan, **options)
+
+
+def _check_splits(model: Any, plan: Plan) -> None:
+    """Refuse, before tracing, attention projections split into parts of heads (`head_problems`)."""
+    if isinstance(model, nn.Module) and (problems := head_problems(plan, model)):
+        raise PlanError(
+            bullets(
+                f"estimate: {type(model).__name__} cannot run the tensor-parallel split of this plan "
+                f"on {plan.mesh!r}:",
+                problems,
+                "Choose a tensor-parallel size that divides the heads, or leave those modules unsplit.",
+            )
+        )
+
+
+def _check_context(model: Any, plan: Plan) -> None:
+    """Refuse, before tracing, a cp plan whose attention the engine cannot split, as `check_runnable` does."""
+    if isinstance(model, nn.Module) and (problems := context_parallel_problems(plan, model)):
+        raise PlanError(
+            bullets(
+                f"estimate: context parallel cannot split {type(model).__name__}'s attention:",
+                problems,
+                "fs.apply refuses the plan too: leave out fs.cp(...) for this model, or give it attention "
+                "that cp can split.",
+            )
+        )
+
+
+def _check_model_and_plan(model: Any, plan: Any) -> None:
+    from functional_shard.planning.plan.plan import Plan
+
+    if isinstance(model, Plan) and not isinstance(plan, Plan):
+        raise ShardingError(
+            f"estimate({type(model).__name__}, {type(plan).__name__}, ...): the model comes first, then "
+            "its plan: fs.estimate(model, plan, batch=..., seq=...)"
+        )
+    if not isinstance(model, nn.Module):
+        raise ShardingError(
+            f"estimate(model={type(model).__name__}): the nn.Module the plan was made from (meta device "
+            "is enough)"
+        )
+
+
+def _check_positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ShardingError(f"estimate({name}={value!r}): a positive int")
+    return value
+
+
+def estimate(
+    model: Any,
+    plan: Plan,
+    *,
+    batch: int,
+    seq: int,
+    optimizer: OptimizerKind = "adamw",
+    hardware: str | Hardware | None = None,
+    rank: int | None = None,
+    inputs: Any = None,
+    expert_imbalance: float = 1.0,
+    keep_outputs: bool = False,
+    kernels: Kernels | None = None,
+) -> Estimate:
+    """Estimate a training step's peak memory and time for ``plan`` on ``hardware``.
+
+    Pure: the model may live on the meta device and no process group is needed.
+
+    Args:
+        model: the module the plan was made from (meta device is enough).
+        plan: its plan.
+        batch: sequences per data-parallel rank per step (the micro-batch); under a
+            pipeline, the step's batch, which the plan's ``microbatches`` must divide.
+        seq: tokens per sequence.
+        optimizer: as for `cost`.
+        hardware: a profile name (see `fs.hardware`) or a `Hardware`; ``None`` is ``"h100"``.
+            Under context parallel it also decides what ``fs.cp``'s ``"auto"`` engine
+            counts: torch's ring attention on CUDA profiles (``Hardware.cuda``: the
+            datasheet ones), our all-gather engine on the measured ``"local"`` one;
+            ``Estimate.context_engine`` says which (`functional_shard.costing.time.context_engines`).
+        rank: estimate this rank; by default the worst one for the cost model's parts
+            (params, grads, optimizer, buffers, collectives) and rank 0 for the traced
+            activations (under a pipeline: the pp rank with the highest peak).
+        inputs: the model's inputs (tensors or a dict, meta allowed) when it does not take
+            token ids of shape ``(batch, seq)``: one data-parallel rank's step, its first
+            tensor ``(batch, seq, ...)`` (``(batch, ...)`` for ``seq=1``); the trace cuts them
+            as a run does, to a micro-batch under a pipeline and a cp rank's tokens under
+            context parallel (`trace.model_inputs.fitted_inputs`).
+        expert_imbalance: routing in mixture-of-experts layers (Hugging Face's Mixtral,
+            Qwen2-MoE, Qwen3-MoE, ...): each token visits top-k of E experts, shared out
+            evenly at 1.0 (the default); above 1, each layer's most loaded expert gets that
+            many times an even share (``ceil(imbalance * tokens * k / E)`` tokens) and the
+            others share the rest. At most E / k. With every expert on every rank (ddp,
+            zero, fsdp) the work and memory are the same whatever it is; under expert
+            parallelism (`fs.ep`) the hot expert lives on ep rank 0, whose estimate (the
+            default rank's) is the worst, and tensor parallel inside the experts runs
+            every copy through each rank's slices.
+        keep_outputs: under a pipeline, count the last stage keeping every micro-batch's
+            output (the logits) to the step's end and then concatenating them, as torch's
+            ``schedule.step()`` does unless given ``return_outputs=False`` (torch 2.6 to
+            2.9 always did; torchtitan's published runs of 2024 ran so). The runtime
+            frees each at its micro-batch's backward, the default here, where torch takes
+            ``return_outputs`` (2.10 on); with an older torch, pass ``True``.
+        kernels: `fs.Kernels`: count ``torch.compile``, torchao's Float8 linears (and their
+            Float8 all-gathers) and async tensor parallel as torchtitan runs them
+            (`functional_shard.costing.time.kernels` says how each is modeled); by default eager bf16.
+
+    Returns:
+        An `Estimate`.
+
+    Raises:
+        ShardingError: a model that is no ``nn.Module`` (or model and plan swapped), a plan
+            that is no `Plan`, an optimizer `cost` cannot count, unknown hardware, a
+            non-positive batch or seq, a batch the pipeline's micro-batch count does not
+            divide, inputs whose first tensor is not ``(batch, seq, ...)`` or that do not
+            fit the model, a compute dtype the hardware has no rate for, or an
+            ``expert_imbalance`` below 1 or above E / k, ``keep_outputs`` without a
+            pipeline, or kernels the hardware profile or the plan cannot count.
+        PlanError: tensor-parallel splits the model's modules cannot run (attention heads
+            the tensor-parallel size does not divide, say), or context parallel over attention
+            it cannot split (a sliding window, ``nn.MultiheadAttention``: what `fs.check_runnable`
+            refuses, `functional_shard.planning.context_checks`), named before anything is traced.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> model = llama("tiny")
+        >>> plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp("dp") + fs.mixed_precision())
+        >>> est = fs.estimate(model, plan, batch=2, seq=16, hardware="h100")
+        >>> est.memory["params"] == plan.cost().params_bytes, est.peak_bytes > est.activation_bytes > 0
+        (True, True)
+    """
+    _check_model_and_plan(model, plan)
+    check_plan_and_optimizer("estimate", plan, optimizer)
+    _check_positive("batch", batch)
+    _check_positive("seq", seq)
+    if keep_outputs and not plan.config.pipeline_axis:
+        raise ShardingError(
+            "estimate(keep_outputs=True): only a pipeline's last stage keeps its outputs to the "
+            "step's end; the plan has no fs.pipeline(...). Leave keep_outputs out"
+        )
+    hw = _hardware(hardware)
+    dtype = compute_dtype(plan)
+    hw.peak_flops(dtype)  # fail early, before tracing
+    with_kernels = kernel_fields(model, plan, kernels, hw, dtype)
+    plan = for_hardware(plan, hw)  # "auto" cp: the engine the hardware runs
+    stages = plan.config.pipeline_stages or None
+    micro = microbatch_size(plan, batch)
+    cp_axis = plan.config.context_parallel_axis
+    mine = seq // plan.mesh[cp_axis] if cp_axis else seq  # a cp rank's tokens of each sequence
+    trace = _trace(
+        model,
+        plan,
+        batch=micro,
+        seq=seq,
+        rank=rank,
+        inputs=fitted_inputs(inputs, batch=batch, seq=seq, traced_batch=micro, traced_seq=mine),
+        expert_imbalance=expert_imbalance,
+        stages=stages,
+        cuda=hw.cuda,
+    )
+    units = unit_gathered_bytes(plan)
+    return assemble(
+        Assembly(
+            plan=plan,
+            trace=trace,
+            hardware=hw,
+            dtype=dtype,
+            batch=batch,
+            seq=seq,
+            units=units,
+            optimizer=optimizer,
+            rank=rank,
+            keep_outputs=keep_outputs,
+            **with_kernels,
+        )
+    )
+
+
+# the same keywords as `estimate`, spelled out rather than forwarded: each is typed and
+# documented where users read it
+def compare_schedules(
+    model: Any,
+    plan: Plan,
+    *,
+    batch: int,
+    seq: int,
+    schedules: Sequence[str] | None = None,
+    optimizer: OptimizerKind = "adamw",
+    hardware: str | Hardware | None = None,
+    keep_outputs: bool = False,
+    kernels: Kernels | None = None,
+) -> dict[str, Estimate]:
+    """`estimate` of ``plan`` under each schedule that runs its stages, placed as they are.
+
+    One trace serves them all: the stages, and what each keeps and computes per micro-batch,
+    do not depend on the schedule; in-flight counts, the bubble and the step time do.
+
+    Args:
+        model: the module the plan was made from.
+        plan: a plan with a pipeline.
+        batch: the step's batch per data-parallel rank.
+        seq: tokens per sequence.
+        schedules: names to compare; by default every schedule torch can run here.
+        optimizer: as for `cost`.
+        hardware: as for `estimate`.
+        keep_outputs: as for `estimate`.
+        kernels: as for `estimate`.
+
+    Returns:
+        Schedule name -> its `Estimate` (``.pipeline.stage_activation_bytes``,
+        ``.step_seconds``, ``.pipeline.bubble``).
+
+    Raises:
+        ShardingError: the plan has no pipeline, or a named schedule cannot run it.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> model = llama("tiny")
+        >>> plan = fs.shard(model, fs.Mesh(pp=2), fs.pipeline("pp", microbatches=4))
+        >>> found = compare_schedules(model, plan, batch=8, seq=16, hardware="h100")
+        >>> sorted(found), found["gpipe"].peak_bytes > found["1f1b"].peak_bytes
+        (['1f1b', 'gpipe'], True)
+    """
+    from functional_shard.planning.pipeline.schedules import _actions_or_reason
+    from functional_shard.planning.pipeline.stages import SCHEDULES, SINGLE_STAGE, V_SHAPED
+
+    from .pipeline_estimate import with_schedule
+
+    config = plan.config
+    if config.pipeline_axis is None:
+        raise ShardingError("compare_schedules(): the plan has no pipeline; add fs.pipeline(...)")
+    pp, per_rank, m = plan.mesh[config.pipeline_axis], config.stages_per_rank, config.microbatches
+    if schedules is None:
+        fitting = [
+            name
+            for name in SCHEDULES
+            if (name in SINGLE_STAGE) == (per_rank == 1)
+            and (name in V_SHAPED) == (config.pipeline_schedule in V_SHAPED)
+            and not isinstance(_actions_or_reason(name, pp, m, per_rank), str)
+        ]
+        schedules = fitting
+    hw = _hardware(hardware)
+    dtype = compute_dtype(plan)
+    with_kernels = kernel_fields(model, plan, kernels, hw, dtype)
+    plan = for_hardware(plan, hw)  # "auto" cp: the engine the hardware runs
+    planned = {name: with_schedule(plan, name) for name in schedules}
+    micro = microbatch_size(plan, batch)
+    trace = _trace(model, plan, batch=micro, seq=seq, stages=config.pipeline_stages, cuda=hw.cuda)
+    units = unit_gathered_bytes(plan)
+    shared = dict(
+        trace=trace,
+        hardware=hw,
+        dtype=dtype,
+        batch=batch,
+        seq=seq,
+        units=units,
+        optimizer=optimizer,
+        keep_outputs=keep_outputs,
+        **with_kernels,
+    )
+    return {name: assemble(Assembly(plan=each, **shared)) for name, each in planned.items()}

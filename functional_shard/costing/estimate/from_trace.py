@@ -1,0 +1,151 @@
+"""One trace to one `Estimate`, for every plan: a pipeline is its stages on torch's schedule.
+
+What a rank holds and computes comes from `StepParts`: the plan's own, or under a
+pipeline the worst pp rank's (`pipeline_estimate.pipeline_parts`); the step model then
+times it the same way for both (`step_model.step_time`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from functional_shard.core.sequence import causal_imbalance
+from functional_shard.costing.cost.cost_model import cost
+from functional_shard.costing.time.context_engines import (
+    recompute_beyond,
+    ring_merge_seconds,
+    with_engine,
+    with_ring_workspace,
+)
+from functional_shard.costing.time.kernels import (
+    Clock,
+    cost_with_float8_gathers,
+    gathered_with_float8,
+    saved_by_stage,
+)
+from functional_shard.costing.time.step_model import (
+    Assembly,
+    StepParts,
+    _recomputed,
+    cp_size,
+    gathered_in_flight,
+    step_time,
+)
+
+from .loss_memory import loss_workspace
+from .pipeline_estimate import pipeline_parts
+from .record import Estimate
+
+if TYPE_CHECKING:
+    from functional_shard.planning.plan.plan import Plan
+
+__all__ = ["Assembly", "assemble"]
+
+
+def _flat_parts(assembly: Assembly) -> StepParts:
+    plan, trace = assembly.plan, assembly.trace
+    tokens = assembly.batch * assembly.seq
+    units = gathered_with_float8(assembly.units, assembly.float8_gathered)
+    plan_cost = (
+        assembly.costs[0]
+        if assembly.costs
+        else cost(plan, assembly.optimizer, rank=assembly.rank, tokens=tokens)
+    )
+    plan_cost = cost_with_float8_gathers(plan_cost, plan, assembly.float8_gathered)
+    # the loss's larger peak, forward or backward: with bf16 logits its backward (the saved
+    # fp32 log-softmax and two fp32 gradients, the logits gone), above its forward (the
+    # logits, their fp32 copy and the log-softmax); measured (loss_memory.loss_workspace)
+    memory = {
+        "params": plan_cost.params_bytes,
+        "grads": plan_cost.grads_bytes,
+        "optimizer": plan_cost.optimizer_bytes,
+        "buffers": plan_cost.buffers_bytes,
+        "gathered": gathered_in_flight(plan, units),
+        "activations": int(trace.activation_bytes),
+        "loss_workspace": loss_workspace(trace.output_bytes, trace.output_numel, plan.config.loss_parallel),
+    }
+    memory = with_ring_workspace(memory, plan, tokens)  # under cp, what torch's ring adds
+    # a checkpointed block's recompute, held through its backward, after the loss's
+    if recompute := recompute_beyond(plan, tokens, trace.recompute_bytes, memory["loss_workspace"]):
+        memory["recompute"] = recompute
+    return StepParts(
+        plan=plan,
+        cost=plan_cost,
+        rank=plan_cost.rank,
+        memory=memory,
+        forward_flops=trace.forward_flops,
+        backward_flops=trace.backward_flops,
+        recompute_flops=trace.recompute_flops,
+        units=units,
+        attention_flops=trace.attention_flops
+        + trace.attention_backward_flops
+        + trace.attention_recompute_flops,
+        saved=saved_by_stage(trace, assembly.float8_linears, tokens // cp_size(plan), assembly.hardware)[0],
+    )
+
+
+def _causal_imbalance(plan: Plan, seq: int) -> float:
+    """The cp group's busiest rank's causal attention work over the mean (1.0 without cp)."""
+    if cp_size(plan) == 1:
+        return 1.0
+    return causal_imbalance(seq, cp_size(plan), load_balance=plan.config.context_load_balance)
+
+
+def assemble(assembly: Assembly) -> Estimate:
+    """The `Estimate` of ``assembly.plan`` from its trace, pipelined or not.
+
+    Examples:
+        >>> from functional_shard.costing.estimate.estimate import _trace
+        >>> from functional_shard.costing.time.hardware import hardware
+        >>> from functional_shard.costing.time.step_model import compute_dtype, unit_gathered_bytes
+        >>> from functional_shard.zoo import llama
+        >>> model = llama("tiny")
+        >>> plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp())
+        >>> trace = _trace(model, plan, batch=2, seq=16)
+        >>> hw, dtype, units = hardware("h100"), compute_dtype(plan), unit_gathered_bytes(plan)
+        >>> found = Assembly(plan=plan, trace=trace, hardware=hw, dtype=dtype, batch=2, seq=16, units=units)
+        >>> assemble(found).peak_bytes > 0
+        True
+    """
+    plan, hw = assembly.plan, assembly.hardware
+    parts = pipeline_parts(assembly) if plan.config.pipeline_axis else _flat_parts(assembly)
+    checkpointed = plan.config.checkpointed if assembly.checkpointed is None else assembly.checkpointed
+    clock = Clock.of(assembly.kernels, hw, assembly.dtype)
+    compute, exposed, per_collective = step_time(
+        parts.plan,
+        parts.cost,
+        hw,
+        dtype=assembly.dtype,
+        forward_flops=parts.forward_flops,
+        backward_flops=parts.backward_flops,
+        recompute_flops=parts.recompute_flops,
+        units=parts.units,
+        recomputed=_recomputed(parts.plan, checkpointed, assembly.batch * assembly.seq),
+        attention=(parts.attention_flops, _causal_imbalance(plan, assembly.seq)),
+        clock=clock,
+        saved=parts.saved,
+        ring_merges=ring_merge_seconds(parts.plan, parts.attention_flops, assembly.seq, hw, clock.speedup),
+    )
+    tp_axes = plan.config.tensor_parallel_axes
+    found = Estimate(
+        rank=parts.rank,
+        batch=assembly.batch,
+        seq=assembly.seq,
+        hardware=hw,
+        dtype=assembly.dtype,
+        memory=parts.memory,
+        host_bytes=parts.cost.host_bytes,
+        flops=parts.forward_flops + parts.backward_flops + parts.recompute_flops,
+        model_flops=parts.forward_flops + parts.backward_flops,
+        compute_seconds=compute if parts.compute_seconds is None else parts.compute_seconds,
+        exposed_seconds=exposed,
+        comm_seconds=per_collective | dict(parts.sends),
+        tensor_parallel=plan.mesh.axes_size(tp_axes) if tp_axes else 1,
+        context_parallel=cp_size(plan),
+        cost=parts.cost,
+        pipeline=parts.pipeline,
+        peak_at=parts.peak_at,
+        kernels=assembly.kernels,
+    )
+    # under cp: the engine counted
+    return with_engine(found, plan)

@@ -1,0 +1,389 @@
+"""Peak memory and step time of a pipeline-parallel plan, stage by stage. Pure.
+
+A pp rank holds its stages' parameters, gradients and optimizer state (`cost` at a rank of
+that pp coordinate), and the activations of one micro-batch (``batch / microbatches``
+sequences) per stage for as many micro-batches as torch's schedule keeps in flight there
+(`functional_shard.planning.pipeline.schedules.held_peak`); on the last stage these include the
+logits and the log-softmax the loss keeps for its backward, and its rank also holds what one
+micro-batch's loss makes beyond those (`loss_memory.pipeline_loss_workspace`). It also holds
+torch's receive buffers, one per micro-batch for each of its stages' input and output
+gradient, kept from step to step; FSDP2's whole gradients of each of its stages from the end
+of that stage's first backward in the step
+(`functional_shard.planning.pipeline.schedules.held_peak_parts` finds the moment activations and
+those gradients together peak, with, where it falls in a backward, the checkpointed
+block's recompute that backward holds, `context_engines.recompute_beyond`); and, as torch's
+``schedule.step()`` does by default (``estimate(keep_outputs=True)``), the last stage may
+keep every micro-batch's output to the step's end and then concatenate them. The step's
+compute time is the makespan of torch's action lists run on a clock
+(`functional_shard.planning.pipeline.schedules.simulate`), each stage's forward and backward at its
+traced flops, each boundary's activation sent at the pp axis's link speed: the bubble is in
+it. Data- and tensor-parallel communication is added as for any plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from functional_shard.core.errors import ShardingError
+from functional_shard.core.tree import dtype_from_name
+from functional_shard.costing.cost.census import census_of
+from functional_shard.costing.cost.cost_model import Cost, OptimizerKind, cost, unit_gathered
+from functional_shard.costing.time.context_engines import recompute_beyond, with_ring_workspace
+from functional_shard.costing.time.kernels import (
+    Clock,
+    cost_with_float8_gathers,
+    gathered_with_float8,
+    phase_saved,
+    saved_by_stage,
+)
+from functional_shard.costing.time.step_model import (
+    Assembly,
+    StepParts,
+    cp_size,
+    gathered_in_flight,
+    in_share,
+)
+from functional_shard.planning.pipeline.schedules import check_pipeline, held_peak_parts, in_flight, simulate
+from functional_shard.planning.pipeline.stage_plans import stage_plan
+from functional_shard.planning.pipeline.stages import rank_stages, stage_finder, stage_rank
+
+from .loss_memory import pipeline_loss_workspace
+from .record import PipelineEstimate, StageEstimate
+
+if TYPE_CHECKING:
+    from functional_shard.costing.trace.results import ActivationTrace
+    from functional_shard.planning.plan.plan import Plan
+
+__all__ = [
+    "microbatch_size",
+    "pipeline_parts",
+    "stage_costs",
+    "with_schedule",
+]
+
+
+def microbatch_size(plan: Plan, batch: int) -> int:
+    """Sequences per micro-batch: ``batch`` cut into the plan's micro-batches (``batch`` without pp).
+
+    Raises:
+        ShardingError: the micro-batch count does not divide ``batch``.
+    """
+    m = plan.config.microbatches if plan.config.pipeline_axis else 1
+    if not m or batch % m:
+        raise ShardingError(
+            f"estimate(batch={batch}): pipeline(microbatches={m}) cuts each step's batch into {m} "
+            f"equal micro-batches (torch splits the batch dim evenly), and {m} does not divide {batch}. "
+            f"Use a batch that is a multiple of {m}, or change microbatches"
+        )
+    return batch // m
+
+
+@functools.lru_cache(maxsize=256)
+def _in_flight(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> tuple[int, ...]:
+    # a search asks it of each schedule for every tensor-parallel size and checkpointing
+    return in_flight(schedule, pp, microbatches, stages_per_rank)
+
+
+def _rank_of_coordinate(plan: Plan, pp_coordinate: int, rank: int | None) -> int:
+    axis = plan.config.pipeline_axis
+    assert axis is not None
+    coords = plan.mesh.coords(rank or 0)
+    coords[axis] = pp_coordinate
+    return plan.mesh.rank(coords)
+
+
+def _stage_units(plan: Plan, units: Mapping[str, int], mine: set[int]) -> dict[str, int]:
+    stage_of = stage_finder(plan.config.pipeline_stages)
+    return {unit: nbytes for unit, nbytes in units.items() if stage_of(unit, module=True) in (*mine, None)}
+
+
+def _accumulated_grads(plan: Plan, units: Mapping[str, int]) -> int:
+    """Bytes of a rank's stages' whole (unsharded) gradients, kept across micro-batches.
+
+    torch's ``PipelineStage`` runs each micro-batch's backward on FSDP2 with gradient sync
+    off (``set_requires_gradient_sync(False)``) and reduce-scatters once, after the last
+    (``perform_reduce_grad``): until then every unit's gradient stays whole, in the reduce
+    dtype when mixed precision sets one (FSDP2's ``unsharded_accumulated_grad``), else in the
+    parameters' (gathered) dtype. ``units`` are the stages' units in gathered bytes.
+    """
+    config = plan.config
+    if not config.param_dtype or not config.reduce_dtype:
+        return sum(units.values())
+    gathered = dtype_from_name(config.param_dtype).itemsize
+    reduced = dtype_from_name(config.reduce_dtype).itemsize
+    return sum(units.values()) * reduced // gathered
+
+
+def _recomputing_stages(plan: Plan, stages: int) -> list[bool]:
+    """Per stage, whether its backward recomputes: a checkpointed module is in it or holds it."""
+    stage_of = stage_finder(plan.config.pipeline_stages)
+    homes = {stage_of(path, module=True) for path in plan.config.checkpointed}
+    return [None in homes or s in homes for s in range(stages)]
+
+
+def _signature(plan: Plan) -> tuple[Any, ...]:
+    # shard() gives alike blocks one TensorSpec and one ParamSharding object each: stages
+    # of alike blocks cost the same, and a 64-stage pipeline needs a few costs, not 64
+    return (
+        tuple((id(plan.tensors[path]), id(spec)) for path, spec in plan.params.items()),
+        tuple((id(plan.tensors[path]), id(spec)) for path, spec in plan.buffers.items()),
+        tuple((style, kind) for _, style, kind in plan.config.tp_styles),
+        len(plan.config.units),
+        len(plan.config.checkpointed),
+    )
+
+
+def stage_costs(
+    plan: Plan, optimizer: OptimizerKind, tokens: int, rank: int | None = None
+) -> tuple[Cost, ...]:
+    """Per pp coordinate, `cost` of what a rank there holds (`stage_plan` of its stages)."""
+    config = plan.config
+    assert config.pipeline_axis is not None
+    pp = plan.mesh[config.pipeline_axis]
+    per_rank, schedule = config.stages_per_rank, config.pipeline_schedule
+    seen: dict[tuple[Any, ...], Cost] = {}
+    out = []
+    for c in range(pp):
+        sub = stage_plan(plan, set(rank_stages(c, pp, per_rank, schedule)))
+        key = _signature(sub)
+        if key not in seen:
+            seen[key] = cost(sub, optimizer, rank=_rank_of_coordinate(plan, c, rank), tokens=tokens)
+        out.append(dataclasses.replace(seen[key], rank=_rank_of_coordinate(plan, c, rank)))
+    return tuple(out)
+
+
+def pipeline_parts(assembly: Assembly) -> StepParts:
+    """The worst pp rank's step (or ``assembly.rank``'s) from a trace of one micro-batch with ``stages=``.
+
+    ``assembly.costs`` (one per pp coordinate, at `_rank_of_coordinate`) may be given when known.
+    """
+    plan, trace, hw = assembly.plan, assembly.trace, assembly.hardware
+    batch, seq, rank = assembly.batch, assembly.seq, assembly.rank
+    config = plan.config
+    axis = config.pipeline_axis
+    assert axis is not None
+    schedule, m, per_rank = config.pipeline_schedule, config.microbatches, config.stages_per_rank
+    pp = plan.mesh[axis]
+    check_pipeline(schedule, pp, per_rank, m)
+    n = pp * per_rank
+    micro = batch // m
+    clock = Clock.of(assembly.kernels, hw, assembly.dtype)
+    saved = saved_by_stage(trace, assembly.float8_linears, micro * seq // cp_size(plan), hw, n)
+    # each stage's attention in its share of the phase's work (the trace counts it whole)
+    forward = [
+        clock.seconds(f, in_share(trace.attention_flops, f, trace.forward_flops), saved[s]["forward"])
+        for s, f in enumerate(trace.stage_forward_flops)
+    ]
+    backward = [
+        clock.seconds(
+            b + r,
+            in_share(trace.attention_backward_flops, b, trace.backward_flops)
+            + in_share(trace.attention_recompute_flops, r, trace.recompute_flops),
+            phase_saved(saved[s], "backward", "weight", "recompute"),
+        )
+        for s, (b, r) in enumerate(zip(trace.stage_backward_flops, trace.stage_recompute_flops, strict=True))
+    ]
+    # zero-bubble schedules split the backward: the weights' gradients (W) as the trace
+    # counted them; the inputs' (I) and the recompute before them are the rest
+    weight = [
+        clock.seconds(w, 0.0, saved[s]["weight"]) for s, w in enumerate(trace.stage_backward_weight_flops)
+    ]
+    output = list(trace.stage_output_bytes)  # per stage, its last module's output
+    sends = output[: n - 1]
+    link = hw.bandwidth(plan.mesh, (axis,))
+    p2p = [nbytes / link + hw.collective_latency for nbytes in sends] or [0.0]
+    timeline = simulate(schedule, pp, m, per_rank, forward=forward, backward=backward, weight=weight, p2p=p2p)
+    flight = _in_flight(schedule, pp, m, per_rank)
+    owner = [stage_rank(s, pp, per_rank, schedule) for s in range(n)]
+    # torch's PipelineStage receives each micro-batch into a buffer of its own, kept from
+    # step to step: every stage but the first holds m inputs, every stage but the last m
+    # gradients of its output. At a V's turn (the next stage on the same rank) the buffers
+    # keep the tensors passed themselves: the same bytes (tests/test_pipeline_memory.py).
+    buffers = [m * ((output[s - 1] if s else 0) + (output[s] if s < n - 1 else 0)) for s in range(n)]
+    # what a stage keeps per micro-batch until its backward: what its modules made and its
+    # output, which its backward starts from, unless the next stage's buffer holds it (a V's
+    # turn); the activation it received, which its first ops save, is its buffer
+    turn = [s < n - 1 and owner[s + 1] == owner[s] for s in range(n)]
+    kept = [trace.stage_activation_bytes[s] - (output[s] if turn[s] else 0) for s in range(n)]
+    # and the last stage, per micro-batch until its backward, what the loss needs: the
+    # logits (torch's stage caches its output for the backward) and the fp32 log-softmax
+    # cross-entropy saves; GPipe holds every micro-batch's (measured on gloo ranks,
+    # tests/test_pipeline_memory.py). What the loss makes beyond them is one micro-batch's.
+    kept[n - 1] += trace.output_bytes + 4 * trace.output_numel
+    # torch's step(return_outputs=True), its default: the last stage also keeps every
+    # micro-batch's output to the step's end (``output_chunks``), and then concatenates them
+    to_end = [0] * n
+    if assembly.keep_outputs:
+        kept[n - 1] -= trace.output_bytes
+        to_end[n - 1] = trace.output_bytes
+    # at a V's turn the next stage's buffer holds the last step's tensor until the new one
+    # replaces it, just after the forward
+    during = [output[s] if turn[s] else 0 for s in range(n)]
+    costs = assembly.costs or stage_costs(plan, assembly.optimizer, batch * seq, rank)
+    memories = []
+    sub_plans = []
+    stage_units = []
+    gathered_units = []
+    whole_grads = [0] * n  # per stage, its gradients kept whole from its first backward
+    census = census_of(plan, {})
+    ranks_stages = [{s for s in range(n) if owner[s] == c} for c in range(pp)]
+    for c, mine in enumerate(ranks_stages):
+        sub_plans.append(stage_plan(plan, mine))
+        # each pp coordinate's units, gathered where they live (``units`` are pp rank 0's)
+        coords = plan.mesh.coords(_rank_of_coordinate(plan, c, rank))
+        held_units = unit_gathered(plan, census, coords)
+        stage_units.append(_stage_units(plan, held_units, mine))
+        # what is held gathered: with Float8 all-gathers, less than the gradients kept whole
+        gathered_units.append(gathered_with_float8(stage_units[c], assembly.float8_gathered))
+        for s in mine:
+            # a rank's stages are separate modules, the root unit's parameters (embedding,
+            # head) split among them: each stage's own cut of the plan says which it holds
+            own = stage_units[c] if len(mine) == 1 else unit_gathered(stage_plan(plan, {s}), coords=coords)
+            whole_grads[s] = _accumulated_grads(plan, own)
+    loss = pipeline_loss_workspace(trace.output_numel, plan.config.loss_parallel)
+    # what a stage's backward holds while it runs: a checkpointed block's recompute, beyond
+    # what its rank's loss workspace and torch's ring count already (as for a flat plan)
+    # (the same for every stage but the last rank's, which holds the loss's workspace)
+    beyond = {held: recompute_beyond(plan, micro * seq, trace.recompute_bytes, held) for held in (0, loss)}
+    recomputing = _recomputing_stages(plan, n)
+    working = [
+        beyond[loss if n - 1 in ranks_stages[owner[s]] else 0] if recomputing[s] else 0 for s in range(n)
+    ]
+    held = held_peak_parts(
+        schedule,
+        pp,
+        m,
+        per_rank,
+        kept,
+        kept_to_end=to_end,
+        during_forward=during,
+        after_first_backward=whole_grads,
+        during_backward=working,
+    )
+    for c, mine in enumerate(ranks_stages):
+        plan_cost = costs[c]
+        memories.append(
+            {
+                "params": plan_cost.params_bytes,
+                "grads": plan_cost.grads_bytes,
+                "optimizer": plan_cost.optimizer_bytes,
+                "buffers": plan_cost.buffers_bytes,
+                "gathered": gathered_in_flight(sub_plans[c], gathered_units[c]),
+                # at the activations' peak, the stages that ran a backward hold them whole
+                "accumulated_grads": int(held[c][1]),
+                # and once per rank, whatever is in flight, what every micro-batch shares
+                "activations": int(held[c][0] + trace.step_bytes),
+                "pipeline_buffers": sum(buffers[s] for s in mine),
+                # what one micro-batch's loss holds beyond its logits and log-softmax (in
+                # kept): the fp32 copy in the forward, below its backward's two fp32 gradients
+                "loss_workspace": loss if n - 1 in mine else 0,
+            }
+        )
+        if held[c][2]:
+            # where the peak falls in a backward: its checkpointed block's recompute
+            memories[c]["recompute"] = int(held[c][2])
+    # under cp, torch's ring adds its backward's buffers to each rank's peak (the worst
+    # rank is chosen with them)
+    memories = [with_ring_workspace(memory, plan, micro * seq) for memory in memories]
+    peak_at = ["the start of backward"] * pp
+    if assembly.keep_outputs:
+        last = owner[n - 1]
+        ending = _concatenating(memories[last], 2 * m * trace.output_bytes)
+        if sum(ending.values()) > sum(memories[last].values()):
+            memories[last], peak_at[last] = ending, "the step's end (its kept outputs concatenated)"
+    peaks = [sum(memory.values()) for memory in memories]
+    if rank is not None:
+        chosen = plan.mesh.coords(rank)[axis]
+    else:
+        chosen = max(range(pp), key=lambda c: (peaks[c], -c))
+    ours = [s for s in range(n) if owner[s] == chosen]
+    flops = {
+        key: m * sum(getattr(trace, f"stage_{key}_flops")[s] for s in ours)
+        for key in ("forward", "backward", "recompute")
+    }
+    link_name = hw.link_of(plan.mesh, (axis,))
+    crossings = {
+        f"send/recv stage {s}->{s + 1} over {axis} ({link_name})": 2 * m * sends[s] / link
+        for s in range(n - 1)
+        if owner[s] != owner[s + 1]
+    }
+    stages = tuple(
+        StageEstimate(
+            stage=s,
+            rank=owner[s],
+            modules=tuple(config.pipeline_stages[s]),
+            activation_bytes=int(kept[s]),
+            in_flight=flight[s],
+            forward_seconds=forward[s],
+            backward_seconds=backward[s],
+            send_bytes=int(sends[s]) if s < n - 1 else 0,
+            buffer_bytes=buffers[s],
+            whole_grad_bytes=whole_grads[s],
+        )
+        for s in range(n)
+    )
+    return StepParts(
+        plan=sub_plans[chosen],
+        # its units' Float8 all-gathers, where counted, a byte an element
+        cost=cost_with_float8_gathers(
+            costs[chosen],
+            plan,
+            {unit: saved for unit, saved in assembly.float8_gathered.items() if unit in stage_units[chosen]},
+        ),
+        rank=_rank_of_coordinate(plan, chosen, rank),
+        memory=memories[chosen],
+        forward_flops=flops["forward"],
+        backward_flops=flops["backward"],
+        recompute_flops=flops["recompute"],
+        units=gathered_units[chosen],
+        # the rank's stages' attention, in the share of the trace's flops they run
+        attention_flops=_attention_share(trace, sum(flops.values())),
+        compute_seconds=timeline.makespan,
+        sends=crossings,
+        pipeline=PipelineEstimate(
+            schedule, m, micro, stages, tuple(peaks), timeline, kept_output_bytes=to_end[n - 1]
+        ),
+        peak_at=peak_at[chosen],
+        saved={phase: m * sum(saved[s].get(phase, 0.0) for s in ours) for phase in saved[0]},
+    )
+
+
+def _concatenating(memory: Mapping[str, int], outputs: int) -> dict[str, int]:
+    """The last stage's rank when torch concatenates its kept outputs, after the step's backward.
+
+    The gradients are reduced and the gathered parameters freed by then (torch reduces
+    before it returns); ``outputs``: the kept outputs and their concatenation.
+    """
+    kept = ("params", "grads", "optimizer", "buffers", "pipeline_buffers")
+    return {part: nbytes if part in kept else 0 for part, nbytes in memory.items()} | {"activations": outputs}
+
+
+def _attention_share(trace: ActivationTrace, rank_flops: float) -> float:
+    attention = trace.attention_flops + trace.attention_backward_flops + trace.attention_recompute_flops
+    return in_share(attention, rank_flops, trace.step_flops)
+
+
+def with_schedule(plan: Plan, schedule: str) -> Plan:
+    """``plan`` run by another schedule with the same stages per rank and the same placement.
+
+    Raises:
+        ShardingError: the plan has no pipeline, or the schedule places stages on other
+            ranks (V-shaped against looped): plan again with ``fs.pipeline(schedule=...)``.
+        PolicyError: the schedule cannot run the plan's stages per rank or micro-batches.
+    """
+    from functional_shard.planning.pipeline.stages import V_SHAPED
+
+    config = plan.config
+    axis = config.pipeline_axis
+    if axis is None:
+        raise ShardingError(f"with_schedule({schedule!r}): the plan has no pipeline axis")
+    if (schedule in V_SHAPED) != (config.pipeline_schedule in V_SHAPED):
+        raise ShardingError(
+            f"with_schedule({schedule!r}): it places stages on other ranks than "
+            f"{config.pipeline_schedule!r} does; plan again with fs.pipeline(schedule={schedule!r})"
+        )
+    check_pipeline(schedule, plan.mesh[axis], config.stages_per_rank, config.microbatches)
+    return dataclasses.replace(plan, config=dataclasses.replace(config, pipeline_schedule=schedule))

@@ -1,0 +1,283 @@
+"""What `fs.estimate` returns: `Estimate`, and under a pipeline its `PipelineEstimate`.
+
+Records only: the numbers and their readable forms. The step model that fills them is
+`functional_shard.costing.time.step_model`, the pipeline's parts
+`functional_shard.costing.estimate.pipeline_estimate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from functional_shard.core.sequence import ENGINE_LABELS
+from functional_shard.core.units import format_bytes as _bytes
+from functional_shard.core.units import parse_bytes
+from functional_shard.costing.time.hardware import Hardware
+from functional_shard.costing.time.kernels import Kernels
+from functional_shard.planning.pipeline.schedules import Timeline
+from functional_shard.planning.plan.cost_record import Cost
+
+__all__ = ["Estimate", "PipelineEstimate", "StageEstimate", "duration"]
+
+
+def duration(seconds: float) -> str:
+    """Milliseconds to two decimals; a tiny model's steps in microseconds, not "0.00 ms"."""
+    if 0 < seconds < 1e-5:
+        return f"{seconds * 1e6:.2f} us"
+    return f"{seconds * 1e3:.2f} ms"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Peak device memory and step time of one training step, on one rank.
+
+    ``memory`` holds the parts of the peak (bytes): ``params``, ``grads``, ``optimizer``,
+    ``buffers``, ``gathered`` (FSDP units in flight), ``activations`` and
+    ``loss_workspace``: cross-entropy's peak, the larger of its forward's (the logits,
+    their fp32 copy and the fp32 log-softmax) and its backward's (the logits gone: the
+    saved log-softmax and two fp32 gradients; four fp32 tensors under loss parallel),
+    measured on real steps; under a pipeline, the last stage's beyond the logits and
+    log-softmax its ``activations`` hold per micro-batch in flight. Under torch's ring
+    attention, ``ring_workspace``: what its backward's buffers add beyond the loss's
+    workspace, which they follow. Under activation checkpointing, ``recompute``, where it adds to the
+    peak: what a checkpointed block's recompute, held through its backward, holds beyond
+    those two (under a pipeline, where its rank's peak falls in one). ``flops`` is per device
+    per step, recomputation included; ``model_flops`` without it (what MFU counts).
+    Under pipeline parallelism ``batch`` is the step's batch (all micro-batches), the parts
+    are those of the pp rank with the highest peak, ``compute_seconds`` is the schedule's
+    makespan (bubble and point-to-point sends included) and ``pipeline`` has each stage.
+    """
+
+    rank: int
+    batch: int
+    seq: int
+    hardware: Hardware
+    dtype: str
+    memory: Mapping[str, int]
+    host_bytes: int
+    flops: float
+    model_flops: float
+    compute_seconds: float
+    exposed_seconds: Mapping[str, float]
+    """Communication that compute does not hide, by reason."""
+    comm_seconds: Mapping[str, float]
+    """Every collective's time at its link's bandwidth, ``"kind over axes (link)"`` -> s."""
+    tensor_parallel: int = 1
+    context_parallel: int = 1
+    """The cp size: its ranks share each sequence's tokens, as a tensor-parallel group shares them."""
+    context_engine: str | None = None
+    """The cp engine counted, ``"ring"`` (torch's) or ``"all_gather"`` (ours); ``None`` without cp."""
+    cost: Cost | None = field(default=None, compare=False, repr=False)
+    pipeline: PipelineEstimate | None = field(default=None, compare=False, repr=False)
+    peak_at: str = "the start of backward"
+    """When in the step the peak falls."""
+    kernels: Kernels = field(default_factory=Kernels)
+    """The kernels counted beyond eager bf16 (``estimate(kernels=...)``)."""
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes autograd keeps for backward during the model call."""
+        return self.memory["activations"]
+
+    @property
+    def peak_bytes(self) -> int:
+        """Device memory at the step's peak (`peak_at`): every part together."""
+        return sum(self.memory.values())
+
+    @property
+    def step_seconds(self) -> float:
+        """Compute at the achievable rate plus exposed communication."""
+        return self.compute_seconds + sum(self.exposed_seconds.values())
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Tokens per second per device (tensor-parallel and cp groups and a pipeline share tokens)."""
+        pp = self.pipeline.pp if self.pipeline is not None else 1
+        shared = self.tensor_parallel * self.context_parallel * pp
+        return self.batch * self.seq / shared / self.step_seconds
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs (no recompute) per second over the datasheet's peak in the compute dtype."""
+        return self.model_flops / self.step_seconds / self.hardware.peak_flops(self.dtype)
+
+    def fits(self, budget: int | str) -> bool:
+        """Whether the peak fits in ``budget`` (bytes or text, see `parse_bytes`)."""
+        return self.peak_bytes <= parse_bytes(budget)
+
+    def explain(self) -> str:
+        """A readable breakdown of memory and time."""
+        hw = self.hardware
+        batch = "batch" if self.pipeline is not None else "micro-batch"
+        lines = [
+            f"estimate on rank {self.rank}, {hw.name}, {batch} {self.batch} x {self.seq} tokens, "
+            f"compute in {self.dtype}",
+            f"peak memory {_bytes(self.peak_bytes)} (at {self.peak_at})"
+            + (f"; host {_bytes(self.host_bytes)}" if self.host_bytes else ""),
+        ]
+        lines += [f"  {part:<15} {_bytes(nbytes)}" for part, nbytes in self.memory.items()]
+        if self.context_engine is not None:
+            lines.append(
+                f"context parallel {self.context_parallel}: attention by "
+                f"{ENGINE_LABELS.get(self.context_engine, self.context_engine)}"
+            )
+        lines.append(
+            f"step {duration(self.step_seconds)}: compute {duration(self.compute_seconds)} "
+            f"({self.flops / 1e12:.3f} TFLOP at {hw.achievable_flops(self.dtype) / 1e12:.1f} TFLOP/s"
+            + (f"; with {', '.join(self.kernels.names)}" if self.kernels.names else "")
+            + ")"
+        )
+        why_width = max([22, *(len(why) for why in self.exposed_seconds)])
+        what_width = max([34, *(len(what) for what in self.comm_seconds)])
+        lines += [f"  exposed {why:<{why_width}} {duration(s)}" for why, s in self.exposed_seconds.items()]
+        lines += [f"  collective {what:<{what_width}} {duration(s)}" for what, s in self.comm_seconds.items()]
+        lines.append(f"tokens/s per device {self.tokens_per_second:,.0f}, MFU {self.mfu:.1%}")
+        if self.pipeline is not None:
+            lines.append(self.pipeline.explain())
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.explain()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The numbers as JSON-ready data."""
+        return {
+            "rank": self.rank,
+            "hardware": self.hardware.name,
+            "batch": self.batch,
+            "seq": self.seq,
+            "dtype": self.dtype,
+            "memory": dict(self.memory),
+            "peak_bytes": self.peak_bytes,
+            "host_bytes": self.host_bytes,
+            "flops": self.flops,
+            "model_flops": self.model_flops,
+            "compute_seconds": self.compute_seconds,
+            "exposed_seconds": dict(self.exposed_seconds),
+            "comm_seconds": dict(self.comm_seconds),
+            "step_seconds": self.step_seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "mfu": self.mfu,
+            **({"context_engine": self.context_engine} if self.context_engine is not None else {}),
+            **({"kernels": dataclasses.asdict(self.kernels)} if self.kernels.names else {}),
+            **({"pipeline": self._pipeline_dict()} if self.pipeline is not None else {}),
+        }
+
+    def _pipeline_dict(self) -> dict[str, Any]:
+        pipe = self.pipeline
+        assert pipe is not None
+        return {
+            "schedule": pipe.schedule,
+            "microbatches": pipe.microbatches,
+            "microbatch": pipe.microbatch,
+            "bubble": pipe.bubble,
+            "makespan": pipe.timeline.makespan,
+            "rank_peak_bytes": list(pipe.rank_peak_bytes),
+            "stages": [dataclasses.asdict(stage) for stage in pipe.stages],
+        }
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    """One pipeline stage: where it runs, what one micro-batch keeps and costs there.
+
+    Attributes:
+        stage: its index.
+        rank: the pp coordinate that runs it.
+        modules: its module paths.
+        activation_bytes: what it keeps for backward of one micro-batch: what its modules
+            make and its output (unless the next stage runs on the same rank: that
+            stage's buffer holds it); on the last stage, what the loss keeps too (the
+            logits and the fp32 log-softmax).
+        in_flight: the most micro-batches it holds at once under the schedule.
+        forward_seconds: one micro-batch's forward.
+        backward_seconds: one micro-batch's backward (recompute included).
+        send_bytes: the activation it sends the next stage per micro-batch (0 for the last).
+        buffer_bytes: torch's receive buffers, one per micro-batch, kept from step to step:
+            the activation it receives (not on the first stage) and its output's gradient
+            (not on the last).
+        whole_grad_bytes: its gradients as FSDP2 keeps them whole across micro-batches
+            under a pipeline, from the end of its first backward in the step to the
+            reduce-scatter after the last (0 without FSDP over its parameters).
+    """
+
+    stage: int
+    rank: int
+    modules: tuple[str, ...]
+    activation_bytes: int
+    in_flight: int
+    forward_seconds: float
+    backward_seconds: float
+    send_bytes: int
+    buffer_bytes: int = 0
+    whole_grad_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class PipelineEstimate:
+    """The pipeline side of an `functional_shard.estimate.Estimate`.
+
+    Attributes:
+        schedule: the schedule's name.
+        microbatches: micro-batches per step.
+        microbatch: sequences per micro-batch.
+        stages: each stage's `StageEstimate`.
+        rank_peak_bytes: per pp coordinate, its peak memory (the estimate reports the worst).
+        timeline: the schedule run on the clock.
+        kept_output_bytes: the last stage's output per micro-batch when it is kept to the
+            step's end (``estimate(keep_outputs=True)``, torch's ``step()`` default); 0
+            when it is freed at the micro-batch's backward (the runtime's way).
+    """
+
+    schedule: str
+    microbatches: int
+    microbatch: int
+    stages: tuple[StageEstimate, ...]
+    rank_peak_bytes: tuple[int, ...]
+    timeline: Timeline
+    kept_output_bytes: int = 0
+
+    @property
+    def pp(self) -> int:
+        """Ranks along the pipeline axis."""
+        return self.timeline.pp
+
+    @property
+    def bubble(self) -> float:
+        """The share of the ranks' time the schedule leaves idle."""
+        return self.timeline.bubble
+
+    @property
+    def stage_activation_bytes(self) -> tuple[int, ...]:
+        """Per stage, the activation bytes of one micro-batch."""
+        return tuple(stage.activation_bytes for stage in self.stages)
+
+    def explain(self) -> str:
+        """Lines on the schedule and each stage."""
+        lines = [
+            f"pipeline {self.schedule}: {self.pp} ranks, {len(self.stages)} stages, {self.microbatches} "
+            f"micro-batches of {self.microbatch}; bubble {self.bubble:.1%} of "
+            f"{duration(self.timeline.makespan)}"
+        ]
+        for s in self.stages:
+            lines.append(
+                f"  stage {s.stage} on pp rank {s.rank}: activations {_bytes(s.activation_bytes)} x "
+                f"{s.in_flight} in flight, forward {duration(s.forward_seconds)}, backward "
+                f"{duration(s.backward_seconds)}, sends {_bytes(s.send_bytes)}, receive buffers "
+                f"{_bytes(s.buffer_bytes)}"
+                + (
+                    f", gradients whole from its first backward {_bytes(s.whole_grad_bytes)}"
+                    if s.whole_grad_bytes
+                    else ""
+                )
+            )
+        if self.kept_output_bytes:
+            lines.append(
+                f"  the last stage keeps each micro-batch's output ({_bytes(self.kept_output_bytes)}) "
+                "to the step's end, and concatenates them"
+            )
+        lines += [f"  pp rank {r} peak {_bytes(b)}" for r, b in enumerate(self.rank_peak_bytes)]
+        return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Step time: hardware profiles, flops, kernels, and the step model that times a trace."""

@@ -1,0 +1,285 @@
+"""Which context-parallel engine a cost or an estimate counts, and what torch's ring adds.
+
+A plan's ``fs.cp(..., engine=)`` is ``"auto"``, ``"ring"`` or ``"all_gather"``
+(`functional_shard.core.sequence.CONTEXT_ENGINES`). ``"auto"`` runs torch's ring on CUDA
+devices and our all-gather engine elsewhere, so what it costs depends on the hardware:
+
+- `plan.cost` is device-free: it counts ``"auto"`` as the all-gather engine (what runs on
+  gloo), unless asked for another with ``context_engine=``;
+- `fs.estimate` and `fs.auto` count the engine their hardware runs (`for_hardware`):
+  the ring on a profile with ``Hardware.cuda`` (h100, a100, ...), the all-gather engine on
+  the measured ``"local"`` one.
+
+What torch 2.13's ring (``torch.distributed.tensor.experimental._context_parallel``,
+``_templated_ring_attention`` and its backward, default options) does per attention call,
+read from its source and measured on gloo ranks (tests/test_ring_attention.py): forward,
+one all-gather of the concatenated local keys and values, waited for after the first
+chunk's attention; backward, the same all-gather again, then ``cp`` all-to-all permutes of
+the keys' and values' gradients, accumulated in float32, each waited for after the next
+chunk's attention (the last one after all of them). The gathered keys and values are not
+kept for backward: SDPA keeps the local query, keys, values, output and logsumexp.
+
+Beside its kernels and collectives, each call also runs elementwise passes of its own
+(`ring_merge_bytes`): it merges each chunk's output into a float32 running one and
+accumulates the keys', values' and query's gradients in float32, copying them whole for
+every permute. They grow with cp, not with the model's other work, so the efficiency
+calibrated on runs without cp does not hold them: `ring_merge_seconds` times them at the
+profile's memory rate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from functional_shard.core.errors import ShardingError
+from functional_shard.core.sequence import CONTEXT_ENGINES, engine_that_runs
+from functional_shard.costing.cost.traffic import compute_itemsize, key_value_features, ring_passes
+
+from .ring_merges import ring_merge_bytes
+
+if TYPE_CHECKING:
+    from functional_shard.costing.estimate.record import Estimate
+    from functional_shard.planning.plan.plan import Plan
+
+    from .hardware import Hardware
+
+__all__ = [
+    "counted_engine",
+    "for_hardware",
+    "recompute_beyond",
+    "ring_exposed_seconds",
+    "ring_merge_bytes",
+    "ring_merge_seconds",
+    "ring_workspace_bytes",
+    "with_engine",
+]
+
+
+def counted_engine(plan: Plan, engine: str | None = None) -> str:
+    """The engine whose collectives `cost` counts: ``"ring"`` or ``"all_gather"``.
+
+    ``engine`` overrides the plan's; ``"auto"`` (the plan's default) counts as the
+    all-gather engine, which is what runs where no CUDA device is (`for_hardware` says
+    what runs on given hardware).
+
+    Raises:
+        ShardingError: ``engine`` is not one of `CONTEXT_ENGINES` (or None).
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> plan = fs.shard(llama("tiny"), fs.Mesh(cp=2), fs.replicate() + fs.cp("cp"))
+        >>> counted_engine(plan), counted_engine(plan, "ring")
+        ('all_gather', 'ring')
+    """
+    if engine is not None and engine not in CONTEXT_ENGINES:
+        raise ShardingError(
+            f"cost(context_engine={engine!r}): one of {', '.join(map(repr, CONTEXT_ENGINES))}, or None for "
+            f"the plan's own ({plan.config.context_engine!r})"
+        )
+    chosen = plan.config.context_engine if engine is None else engine
+    return engine_that_runs(chosen, cuda=False)  # the cost model knows no device
+
+
+def for_hardware(plan: Plan, hardware: Hardware) -> Plan:
+    """``plan`` with its ``"auto"`` cp engine made the one ``hardware`` runs (else unchanged).
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> plan = fs.shard(llama("tiny"), fs.Mesh(cp=2), fs.replicate() + fs.cp("cp"))
+        >>> for_hardware(plan, fs.hardware("h100")).config.context_engine
+        'ring'
+        >>> cpu = fs.hardware("h100").replace(cuda=False)
+        >>> for_hardware(plan, cpu).config.context_engine
+        'all_gather'
+    """
+    config = plan.config
+    if config.context_parallel_axis is None or config.context_engine != "auto":
+        return plan
+    engine = engine_that_runs("auto", cuda=hardware.cuda)
+    return dataclasses.replace(plan, config=dataclasses.replace(config, context_engine=engine))
+
+
+def _ring_layers(plan: Plan, tokens: int) -> tuple[int, int, list[int]]:
+    """The cp size, this rank's tokens and each attention layer's repeated key/value features."""
+    axis = plan.config.context_parallel_axis
+    n = plan.mesh[axis] if axis else 1
+    return n, tokens // n, key_value_features(plan, repeated=True)
+
+
+def ring_workspace_bytes(plan: Plan, tokens: int) -> int:
+    """Bytes torch's ring holds inside one attention backward, beyond what forward kept.
+
+    ``tokens`` of whole sequences on the cp group (batch x seq). From
+    ``_templated_ring_attention_backward``: the all-gathered keys and values of every cp
+    rank (compute dtype), and in float32 the query's gradient, the keys' and values'
+    accumulated gradient, the copy being sent and the one arriving. The widest layer's.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> plan = fs.shard(llama("tiny"), fs.Mesh(cp=2), fs.replicate() + fs.cp("cp", engine="ring"))
+        >>> ring_workspace_bytes(plan, 1024) == 1024 * 128 * 4 + 512 * (64 + 3 * 128) * 4
+        True
+    """
+    n, mine, layers = _ring_layers(plan, tokens)
+    if n <= 1 or not layers:
+        return 0
+    features = max(layers)
+    size = compute_itemsize(plan)
+    return n * mine * features * size + mine * (features // 2 + 3 * features) * 4
+
+
+def ring_exposed_seconds(
+    plan: Plan,
+    comm_bytes: Mapping[str, Mapping[str, float]],
+    bandwidth: float,
+    attention_seconds: float,
+    latency: float = 0.0,
+) -> float:
+    """Seconds of torch's ring collectives that its attention kernels do not hide, per step.
+
+    Each call issues its collectives inside the attention op, so only that op's chunks can
+    hide them: forward, the all-gather runs under the first chunk's attention (a cp-th of
+    the layer's); backward, the all-gather under the first chunk's, each of the first
+    ``cp - 1`` gradient permutes under the next chunk's, and the last permute after them
+    all. The bytes are the cost's (``comm_bytes``, `cost` with the ring counted), shared
+    out evenly over the attention layers and passes (`ring_passes`); so is
+    ``attention_seconds``, the rank's attention time per step (forward, backward and
+    recompute at the achievable rate): backward is twice forward
+    (`functional_shard.costing.time.flops`), a full recompute once more. The loss's all-reduce
+    over cp waits for the step: exposed whole.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> plan = fs.shard(llama("tiny"), fs.Mesh(cp=2), fs.replicate() + fs.cp("cp", engine="ring"))
+        >>> sent = plan.cost(tokens=1024).comm_bytes
+        >>> alone = ring_exposed_seconds(plan, sent, bandwidth=1e9, attention_seconds=0.0)
+        >>> hidden = ring_exposed_seconds(plan, sent, bandwidth=1e9, attention_seconds=1.0)
+        >>> hidden < alone  # all but the last permute of each backward hides
+        True
+    """
+    axis = plan.config.context_parallel_axis
+    layers = len(key_value_features(plan))
+    gathers, n = ring_passes(plan)
+    if axis is None or n <= 1 or not layers:
+        return 0.0
+    forward = attention_seconds / layers / (gathers + 1)  # fwd (+ recompute) + bwd (twice fwd)
+    backward = 2 * forward
+    gather = latency + comm_bytes.get("all_gather", {}).get(axis, 0.0) / (layers * gathers) / bandwidth
+    permute = latency + comm_bytes.get("all_to_all", {}).get(axis, 0.0) / (layers * n) / bandwidth
+    per_layer = (
+        (gathers - 1) * max(0.0, gather - forward / n)
+        + max(0.0, gather - backward / n)
+        + (n - 1) * max(0.0, permute - backward / n)
+        + permute
+    )
+    loss = comm_bytes.get("all_reduce", {}).get(axis, 0.0) / bandwidth + latency
+    return layers * per_layer + loss
+
+
+def with_engine(estimate: Estimate, plan: Plan) -> Estimate:
+    """``estimate`` of ``plan`` (its cp engine made the hardware's) saying which engine it counted.
+
+    Under torch's ring the memory already holds ``ring_workspace`` (`with_ring_workspace`,
+    added by the step's parts, per pp rank under a pipeline).
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> model = llama("tiny")
+        >>> plan = fs.shard(model, fs.Mesh(cp=2), fs.fsdp("cp") + fs.cp("cp"))
+        >>> found = fs.estimate(model, plan, batch=1, seq=64, hardware="h100")
+        >>> found.context_engine, "ring_workspace" in found.memory
+        ('ring', True)
+    """
+    if plan.config.context_parallel_axis is None:
+        return estimate
+    return dataclasses.replace(estimate, context_engine=counted_engine(plan))
+
+
+def with_ring_workspace(memory: Mapping[str, int], plan: Plan, tokens: int) -> dict[str, int]:
+    """``memory`` with ``ring_workspace`` where ``plan``'s cp runs torch's ring, else as it is.
+
+    The buffers of one attention backward (`ring_workspace_bytes`, ``tokens`` of one
+    micro-batch's whole sequences) run after the loss's workspace is freed, so they raise
+    the peak by what they exceed it.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> plan = fs.shard(llama("tiny"), fs.Mesh(cp=2), fs.fsdp("cp") + fs.cp("cp", engine="ring"))
+        >>> with_ring_workspace({"loss_workspace": 0}, plan, 64)["ring_workspace"] > 0
+        True
+    """
+    workspace = _ring_backward_bytes(plan, tokens)
+    if workspace is None:
+        return dict(memory)
+    return dict(memory) | {"ring_workspace": max(0, workspace - memory.get("loss_workspace", 0))}
+
+
+def _runs_ring(plan: Plan) -> bool:
+    """Whether ``plan``'s cp runs torch's ring (its engine as counted: `counted_engine`)."""
+    return plan.config.context_parallel_axis is not None and counted_engine(plan) == "ring"
+
+
+def _ring_backward_bytes(plan: Plan, tokens: int) -> int | None:
+    """`ring_workspace_bytes` where ``plan``'s cp runs torch's ring; None where it does not."""
+    return ring_workspace_bytes(plan, tokens) if _runs_ring(plan) else None
+
+
+def ring_merge_seconds(
+    plan: Plan, attention_flops: float, seq: int, hardware: Hardware, speedup: float = 1.0
+) -> float:
+    """Seconds a step of the busiest cp rank spends in torch's ring's own passes (`ring_merge_bytes`).
+
+    ``attention_flops`` is the rank's attention work in a step, forward, recompute and
+    backward in `functional_shard.costing.time.flops`' convention (a rank's queries against the
+    ``seq`` tokens of the whole sequence, ``4 x queries x seq`` a forward): the elements of
+    its local queries follow from it, whatever the layers, micro-batches and stages. The
+    logsumexp's row-sized passes (a head dim-th of these) are left out: the trace keeps no
+    head dims. Memory-bound: at ``memory_bandwidth`` times ``memory_efficiency`` (1 where
+    the profile has none), ``speedup`` times faster under compile, as the rest of the work
+    other than attention. 0 where the plan's cp does not run torch's ring.
+
+    Examples:
+        >>> from functional_shard.costing.time.hardware import hardware
+        >>> from functional_shard.zoo import llama
+        >>> plan = fs.shard(llama("tiny"), fs.Mesh(cp=4), fs.replicate() + fs.cp("cp", engine="ring"))
+        >>> ring_merge_seconds(plan, 3 * 4 * 1024 * 2048, 2048, hardware("h100")) > 0
+        True
+    """
+    config = plan.config
+    n = plan.mesh[config.context_parallel_axis] if config.context_parallel_axis else 1
+    if not _runs_ring(plan) or n <= 1 or not attention_flops:
+        return 0.0
+    gathers, _ = ring_passes(plan)
+    forwards = gathers - 1  # the forward, and a full recompute's again; the backward is twice one
+    queries = attention_flops / (forwards + 2) / (4 * seq)
+    size = compute_itemsize(plan)
+    worst = max(
+        forwards * forward + backward
+        for forward, backward in (
+            ring_merge_bytes(n, r, load_balance=config.context_load_balance, queries=queries, itemsize=size)
+            for r in range(n)
+        )
+    )
+    rate = hardware.memory_bandwidth * (hardware.memory_efficiency or 1.0)
+    return worst / rate / speedup
+
+
+def recompute_beyond(plan: Plan, tokens: int, recompute: int, loss: int) -> int:
+    """What a checkpointed block's backward adds to the peak beyond the loss's workspace and the ring's.
+
+    A backward's recompute (``recompute`` bytes, `ActivationTrace.recompute_bytes`) runs
+    after the loss's backward has freed its workspace (``loss`` bytes), and holds while
+    the block's attention backward runs torch's ring (`ring_workspace_bytes` of
+    ``tokens``, where ``plan``'s cp runs it): the two together raise the peak by what they
+    exceed the loss's workspace, of which `with_ring_workspace` has counted the ring's.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> plan = fs.shard(llama("tiny"), fs.Mesh(dp=2), fs.fsdp())
+        >>> recompute_beyond(plan, 64, recompute=100, loss=30), recompute_beyond(plan, 64, 100, loss=300)
+        (70, 0)
+    """
+    ring = _ring_backward_bytes(plan, tokens) or 0
+    return max(0, recompute + ring - loss) - max(0, ring - loss)

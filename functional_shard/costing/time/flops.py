@@ -1,0 +1,236 @@
+"""Flops of one op, with attention counted on every path and in one convention.
+
+`op_flops` counts what `functional_shard.costing.trace.activations` traces: matrix multiplies by torch's
+``FlopCounterMode`` formulas (``torch.utils.flop_counter.flop_registry``), and attention by
+the formulas here, whichever kernel torch dispatches to: the CPU flash kernel (what fake CPU
+tensors run, and which torch's registry does not know), flash, memory-efficient, cuDNN, the
+``_fused_attention_overrideable`` hook for other backends, their backwards, and the
+``flex_attention`` higher-order operators. SDPA's math path, and eager attention, decompose
+into ``bmm``/``mm``, which torch's registry already counts.
+
+The convention, the one PaLM (Chowdhery et al. 2022, appendix B), Megatron-LM (Narayanan et
+al. 2021) and torchtitan (``get_num_flop_per_token``) use for MFU: attention costs its
+**full** score matrix, causal or not, as eager matmuls compute it. Per layer, for queries of
+length ``s_q`` and keys of length ``s_k``, ``h`` query heads (grouped-query key/value heads
+are broadcast to them), query/key width ``d`` and value width ``d_v``:
+
+- forward: ``Q Kᵀ`` and ``P V``, ``2·b·h·s_q·s_k·(d + d_v)``;
+- backward: twice the forward (``dP = dO Vᵀ``, ``dV = Pᵀ dO``, ``dQ = dS K``, ``dK = dSᵀ Q``),
+  ``4·b·h·s_q·s_k·(d + d_v)``: what autograd runs for eager attention.
+
+Fused kernels skip the masked half of a causal matrix and recompute the scores in backward;
+neither is counted (torch's registry counts the recompute, a fifth matmul in backward): model
+flops are the same whichever kernel runs, so flops, MFU and the calibration of
+``compute_efficiency`` (docs/will-it-fit.md) share one convention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ATTENTION_BACKWARD",
+    "ATTENTION_FORWARD",
+    "attention_backward",
+    "attention_forward",
+    "is_attention",
+    "op_flops",
+]
+
+_aten = torch.ops.aten
+_Formula = Callable[..., int]
+
+
+def _shape(tensor: Any) -> tuple[int, ...]:
+    return tuple(int(n) for n in tensor.shape)
+
+
+def attention_forward(query: Sequence[int], key: Sequence[int], value: Sequence[int]) -> int:
+    """Forward flops of attention on ``(batch, heads, seq, dim)`` shapes, full score matrix.
+
+    Key/value heads may be fewer than query heads (grouped-query attention): each query head
+    still multiplies a whole score matrix.
+
+    Examples:
+        >>> attention_forward((1, 8, 1024, 64), (1, 2, 1024, 64), (1, 2, 1024, 64)) == 4 * 8 * 1024**2 * 64
+        True
+    """
+    batch, heads, s_q, d = query
+    s_k, d_v = key[-2], value[-1]
+    return 2 * batch * heads * s_q * s_k * (d + d_v)
+
+
+def attention_backward(query: Sequence[int], key: Sequence[int], value: Sequence[int]) -> int:
+    """Backward flops of attention: twice the forward (four matmuls, no recompute of the scores).
+
+    Examples:
+        >>> attention_backward((1, 8, 1024, 64), (1, 2, 1024, 64), (1, 2, 1024, 64)) == 8 * 8 * 1024**2 * 64
+        True
+    """
+    return 2 * attention_forward(query, key, value)
+
+
+def _bhsd_forward(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return attention_forward(_shape(query), _shape(key), _shape(value))
+
+
+def _bhsd_backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return attention_backward(_shape(query), _shape(key), _shape(value))
+
+
+def _lengths(offsets: Any, longest: Any) -> list[int]:
+    # fake or meta offsets have no values: every sequence is taken at the longest length
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(offsets, FakeTensor) or offsets.device.type == "meta":
+        return [int(longest)] * (offsets.shape[0] - 1)
+    return [int(n) for n in offsets.diff().tolist()]
+
+
+def _varlen_shapes(query: Any, key: Any, value: Any, lengths: Sequence[Any]) -> list[Any]:
+    # The lower-level flash/efficient kernels take (batch, seq, heads, dim), or sequences
+    # packed along one dim with cumulative offsets (``lengths``: the query's and key's
+    # offsets, then their longest lengths). torch's own unpacking
+    # (flop_counter._unpack_flash_attention_nested_shapes, 2.13) hands the unpacked case's
+    # (batch, seq, heads, dim) on as if it were (batch, heads, seq, dim), swapping heads
+    # and sequence: the shapes are rebuilt here.
+    cum_q, cum_k, max_q, max_k = lengths
+    q, k, v = _shape(query), _shape(key), _shape(value)
+    if cum_q is None:
+
+        def bhsd(shape: tuple[int, ...]) -> tuple[int, ...]:
+            return (shape[0], shape[2], shape[1], shape[3])
+
+        return [(bhsd(q), bhsd(k), bhsd(v))]
+    heads_q, d, heads_k, d_v = q[-2], q[-1], k[-2], v[-1]
+    return [
+        ((1, heads_q, len_q, d), (1, heads_k, len_k, d), (1, heads_k, len_k, d_v))
+        for len_q, len_k in zip(_lengths(cum_q, max_q), _lengths(cum_k, max_k), strict=True)
+    ]
+
+
+def _varlen(
+    formula: Callable[[Sequence[int], Sequence[int], Sequence[int]], int], query_at: int, lengths_at: int
+) -> _Formula:
+    """The flops formula of a lower-level flash or memory-efficient kernel, forward or backward.
+
+    Its schema has ``query, key, value`` at ``query_at`` and the query's and key's offsets
+    and longest lengths (``cum_seq_q, cum_seq_k, max_q, max_k``) at ``lengths_at``; the
+    other arguments (biases, outputs, dropout) do not change the flops.
+    """
+
+    def count(*args: Any, **kwargs: Any) -> int:
+        query, key, value = args[query_at : query_at + 3]
+        lengths = args[lengths_at : lengths_at + 4]
+        return sum(formula(*shapes) for shapes in _varlen_shapes(query, key, value, lengths))
+
+    return count
+
+
+def _flex_backward(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    return attention_backward(_shape(query), _shape(key), _shape(value))
+
+
+def _packets(names: Sequence[str]) -> list[Any]:
+    return [packet for name in names if (packet := getattr(_aten, name, None)) is not None]
+
+
+ATTENTION_FORWARD: dict[Any, _Formula] = {
+    **dict.fromkeys(
+        _packets(
+            (
+                "_scaled_dot_product_flash_attention_for_cpu",
+                "_scaled_dot_product_flash_attention",
+                "_scaled_dot_product_efficient_attention",
+                "_scaled_dot_product_cudnn_attention",
+                "_scaled_dot_product_fused_attention_overrideable",
+            )
+        ),
+        _bhsd_forward,
+    ),
+    # (query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, ...)
+    **dict.fromkeys(_packets(("_flash_attention_forward",)), _varlen(attention_forward, 0, 3)),
+    # (out, query, key, value, cum_seq_q, ...)
+    **dict.fromkeys(
+        _packets(("_flash_attention_forward_no_dropout_inplace",)), _varlen(attention_forward, 1, 4)
+    ),
+    # (query, key, value, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)
+    **dict.fromkeys(_packets(("_efficient_attention_forward",)), _varlen(attention_forward, 0, 4)),
+}
+"""Attention forward ops (``OpOverloadPacket`` or higher-order operator) -> flops formula."""
+
+ATTENTION_BACKWARD: dict[Any, _Formula] = {
+    **dict.fromkeys(
+        _packets(
+            (
+                "_scaled_dot_product_flash_attention_for_cpu_backward",
+                "_scaled_dot_product_flash_attention_backward",
+                "_scaled_dot_product_efficient_attention_backward",
+                "_scaled_dot_product_cudnn_attention_backward",
+                "_scaled_dot_product_fused_attention_overrideable_backward",
+            )
+        ),
+        _bhsd_backward,
+    ),
+    # (grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, ...)
+    **dict.fromkeys(_packets(("_flash_attention_backward",)), _varlen(attention_backward, 1, 6)),
+    # (grad_out, query, key, value, bias, out, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ...)
+    **dict.fromkeys(_packets(("_efficient_attention_backward",)), _varlen(attention_backward, 1, 6)),
+}
+"""Attention backward ops -> flops formula (twice the forward's)."""
+
+try:  # flex attention's operators are higher-order operators, not aten ops
+    from torch._higher_order_ops.flex_attention import flex_attention, flex_attention_backward
+except ImportError:  # pragma: no cover - every supported torch has them
+    pass
+else:
+    ATTENTION_FORWARD[flex_attention] = _bhsd_forward
+    ATTENTION_BACKWARD[flex_attention_backward] = _flex_backward
+
+
+def is_attention(func: Any) -> bool:
+    """Whether ``func`` (as a dispatch mode sees it) is an attention kernel, forward or backward.
+
+    Examples:
+        >>> is_attention(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+        True
+        >>> is_attention(torch.ops.aten.mm.default)
+        False
+    """
+    packet = getattr(func, "_overloadpacket", func)
+    return packet in ATTENTION_FORWARD or packet in ATTENTION_BACKWARD
+
+
+def op_flops(func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> int:
+    """Flops of one dispatched op: attention by this module's formulas, others by torch's.
+
+    Args:
+        func: the op as a ``TorchDispatchMode`` sees it (an ``OpOverload`` or a
+            higher-order operator).
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        out: what it returned.
+
+    Returns:
+        The op's flops; 0 for ops without a formula (element-wise ops, copies).
+
+    Examples:
+        >>> q = torch.zeros(2, 4, 16, 8)  # (batch, heads, seq, dim)
+        >>> out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, is_causal=True)
+        >>> op_flops(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q), {}, out)
+        65536
+        >>> a = torch.zeros(3, 5)
+        >>> op_flops(torch.ops.aten.mm.default, (a, a.t()), {}, a @ a.t())
+        90
+    """
+    packet = getattr(func, "_overloadpacket", func)
+    formula = ATTENTION_FORWARD.get(packet) or ATTENTION_BACKWARD.get(packet)
+    if formula is not None:
+        return formula(*args, **kwargs)
+    from torch.utils.flop_counter import flop_registry
+
+    count = flop_registry.get(packet)
+    return 0 if count is None else int(count(*args, **kwargs, out_val=out))

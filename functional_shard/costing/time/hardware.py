@@ -1,0 +1,297 @@
+"""Accelerators as data: peak rates from vendor datasheets, achievable fractions from public runs.
+
+A `Hardware` says how fast one device computes (dense FLOP/s per dtype), how much memory it
+has, how devices group into nodes and how fast the links inside and between nodes are. The
+efficiency factors turn datasheet peaks into what real training reaches; they come from
+published measurements of public training runs (see docs/will-it-fit.md), never from ours.
+
+Mesh axes map to links by position: the last mesh axis is the most minor (neighbouring
+ranks), so minor axes fill a node first. An axis lies inside a node when the product of its
+size and the sizes of all more-minor axes is at most ``devices_per_node``; set
+``intra_node_axes`` to name them instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from functional_shard.core.errors import ShardingError
+from functional_shard.core.mesh import Mesh
+from functional_shard.core.providers import provider
+
+__all__ = ["PROFILES", "Hardware", "hardware"]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One kind of device and the links between devices (all rates per device).
+
+    Examples:
+        >>> h = fs.hardware("h100")
+        >>> h.flops["bfloat16"] / 1e12, h.devices_per_node
+        (989.0, 8)
+        >>> h.link_of(fs.Mesh(dp=16, tp=8), ("tp",)), h.link_of(fs.Mesh(dp=16, tp=8), ("dp",))
+        ('intra', 'inter')
+    """
+
+    name: str
+    flops: Mapping[str, float]
+    """Dense peak FLOP/s per dtype name (``"bfloat16"``, ``"float16"``, ``"float32"``)."""
+    memory_bytes: int
+    memory_bandwidth: float
+    """Bytes/s of device memory."""
+    devices_per_node: int
+    intra_node_bandwidth: float
+    """Bytes/s one device sends inside a node (one direction)."""
+    inter_node_bandwidth: float
+    """Bytes/s one device sends to other nodes (one direction)."""
+    host_bandwidth: float = float("inf")
+    """Bytes/s between host and device memory (one direction), for offloading."""
+    overlap_communication: bool = True
+    """Whether collectives run beside compute (GPUs: yes, copy engines and NCCL's own SMs;
+    gloo on a CPU: no, they share the cores)."""
+    collective_latency: float = 0.0
+    """Seconds each collective costs beyond its bytes (0: bandwidth-bound sizes)."""
+    cuda: bool = True
+    """Whether the devices are CUDA GPUs. `fs.cp`'s ``"auto"`` engine runs torch's ring
+    attention there (its kernels are CUDA ones) and our all-gather engine elsewhere: the
+    estimate counts the engine that runs (`functional_shard.costing.time.context_engines`). The
+    measured ``"local"`` profile (gloo on CPUs) is not."""
+    skips_masked_attention: bool = True
+    """Whether causal attention skips the masked half (flash kernels, torch's ring attention
+    on GPUs): then a context-parallel rank's attention work follows the chunks it holds,
+    and without load balancing the rank with the latest chunk works most
+    (`functional_shard.core.sequence.causal_imbalance`). On CPUs the engine's masked SDPA
+    scores every pair, so every rank works alike."""
+    tensor_parallel_latency: float | None = None
+    """Seconds each tensor-parallel collective costs beyond its bytes, the engine's own work
+    around it included (DTensor's dispatch of the split module's ops); ``None``: as
+    ``collective_latency``."""
+    compute_efficiency: float = 1.0
+    """Fraction of the peak FLOP/s at which real training runs all the flops the estimate
+    counts: model flops (attention as its full score matrix) plus checkpointing's
+    recomputation. Published MFU leaves recomputation out: docs/will-it-fit.md converts."""
+    intra_node_efficiency: float = 1.0
+    inter_node_efficiency: float = 1.0
+    compile_speedup: float | None = None
+    """How much faster ``torch.compile`` runs the work other than attention (Inductor fuses
+    the elementwise ops around the matmuls; attention is the same kernel): from a public
+    eager and compiled pair of runs (docs/will-it-fit.md); ``None``: none known, and
+    ``fs.Kernels(compile=True)`` is refused."""
+    gemm_efficiency: float | None = None
+    """Fraction of the peak a large GEMM reaches, for Float8's roofline (torchao's
+    ``pct_achievable_gemm_tops``); ``None``: ``fs.Kernels(float8=True)`` is refused."""
+    memory_efficiency: float | None = None
+    """Fraction of ``memory_bandwidth`` a large elementwise kernel reaches, for Float8's
+    casts (torchao's ``pct_achievable_mem_bw``)."""
+    intra_node_axes: frozenset[str] | None = None
+    """Mesh axes inside a node; ``None``: the minor axes that fit in ``devices_per_node``."""
+    source: str = ""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Measurement details (the ``"local"`` profile) or notes."""
+
+    def achievable_flops(self, dtype: str) -> float:
+        """FLOP/s training reaches in ``dtype``: the datasheet peak times ``compute_efficiency``.
+
+        Raises:
+            ShardingError: the profile has no rate for ``dtype``.
+
+        Examples:
+            >>> round(fs.hardware("a100").achievable_flops("bfloat16") / 1e12, 1)
+            162.2
+        """
+        return self.peak_flops(dtype) * self.compute_efficiency
+
+    def peak_flops(self, dtype: str) -> float:
+        """The datasheet's dense FLOP/s in ``dtype``.
+
+        Raises:
+            ShardingError: the profile has no rate for ``dtype``.
+
+        Examples:
+            >>> fs.hardware("h100").peak_flops("float32") / 1e12
+            67.0
+        """
+        if dtype not in self.flops:
+            raise ShardingError(
+                f"hardware {self.name!r} has no FLOP/s for dtype {dtype!r} (it has {sorted(self.flops)}); "
+                "compute in one of those (e.g. fs.mixed_precision()) or give the profile a rate with "
+                "dataclasses.replace(hw, flops={...})"
+            )
+        return self.flops[dtype]
+
+    def intra_axes(self, mesh: Mesh) -> frozenset[str]:
+        """The mesh axes whose collectives stay inside a node.
+
+        Examples:
+            >>> sorted(fs.hardware("h100").intra_axes(fs.Mesh(node=4, dp=2, tp=4)))
+            ['dp', 'tp']
+        """
+        if self.intra_node_axes is not None:
+            return frozenset(a for a in mesh.axis_names if a in self.intra_node_axes)
+        inside, span = set(), 1
+        for axis in reversed(mesh.axis_names):
+            span *= mesh[axis]
+            if span > self.devices_per_node:
+                break
+            inside.add(axis)
+        return frozenset(inside)
+
+    def link_of(self, mesh: Mesh, axes: Iterable[str]) -> str:
+        """``"intra"`` if every axis lies inside a node, else ``"inter"``."""
+        inside = self.intra_axes(mesh)
+        return "intra" if all(a in inside for a in axes) else "inter"
+
+    def bandwidth(self, mesh: Mesh, axes: Iterable[str]) -> float:
+        """Achievable bytes/s one device sends in a collective over ``axes``.
+
+        Examples:
+            >>> h = fs.hardware("h100")
+            >>> h.bandwidth(fs.Mesh(dp=2, tp=8), ["tp"]) == h.intra_node_bandwidth * h.intra_node_efficiency
+            True
+        """
+        if self.link_of(mesh, axes) == "intra":
+            return self.intra_node_bandwidth * self.intra_node_efficiency
+        return self.inter_node_bandwidth * self.inter_node_efficiency
+
+    def replace(self, **changes: Any) -> Hardware:
+        """A copy with some fields changed (``intra_node_axes`` may be any iterable of names).
+
+        Examples:
+            >>> fs.hardware("h100").replace(intra_node_axes=["dp"]).intra_node_axes
+            frozenset({'dp'})
+        """
+        if changes.get("intra_node_axes") is not None:
+            changes["intra_node_axes"] = frozenset(changes["intra_node_axes"])
+        return dataclasses.replace(self, **changes)
+
+
+_GB = 10**9
+_TFLOPS = 10**12
+
+# Datasheet figures (dense, i.e. without 2:4 sparsity); bandwidths per GPU and direction:
+# NVLink totals are bidirectional, halved here; one 400 Gb/s NIC per GPU is 50 GB/s.
+# Efficiencies: compute from published BF16 runs, converted to our flop convention (full
+# attention matrix, recomputation counted); links from nccl-tests bus bandwidth reported
+# for the same systems (docs/will-it-fit.md gives each source's arithmetic).
+# The profiles look alike on purpose: each is one machine's figures, written out in full so
+# that each number stands beside its source (no profile derived from another).
+PROFILES: dict[str, Hardware] = {
+    "h100": Hardware(
+        name="h100",
+        host_bandwidth=64 * _GB,
+        flops={
+            "bfloat16": 989 * _TFLOPS,
+            "float16": 989 * _TFLOPS,
+            "float32": 67 * _TFLOPS,
+            "float8_e4m3fn": 1979 * _TFLOPS,
+        },
+        memory_bytes=80 * _GB,
+        memory_bandwidth=3.35e12,
+        devices_per_node=8,
+        intra_node_bandwidth=450 * _GB,
+        inter_node_bandwidth=50 * _GB,
+        compute_efficiency=0.40,
+        intra_node_efficiency=0.80,
+        inter_node_efficiency=0.80,
+        compile_speedup=1.21,
+        gemm_efficiency=0.78,
+        memory_efficiency=0.92,
+        source=(
+            "NVIDIA H100 Tensor Core GPU datasheet (SXM5); efficiency: Llama 3 paper (40-43% of 989 "
+            "TFLOP/s at 8k tokens, SXM 700 W) and torchtitan's Llama 3.1 8B FSDP run (36.7% of 989 with "
+            "its recomputation, on 96 GB HBM2e parts at 500 W), as docs/will-it-fit.md converts them; "
+            "compile speedup: torchtitan's eager and compiled 8B runs, attention set aside; Float8 "
+            "roofline fractions: torchao's roofline_utils (docs/will-it-fit.md, Kernels)"
+        ),
+    ),
+    "a100": Hardware(
+        name="a100",
+        host_bandwidth=32 * _GB,
+        flops={"bfloat16": 312 * _TFLOPS, "float16": 312 * _TFLOPS, "float32": 19.5 * _TFLOPS},
+        memory_bytes=80 * _GB,
+        memory_bandwidth=2.039e12,
+        devices_per_node=8,
+        intra_node_bandwidth=300 * _GB,
+        inter_node_bandwidth=25 * _GB,
+        compute_efficiency=0.52,
+        intra_node_efficiency=0.80,
+        inter_node_efficiency=0.80,
+        source=(
+            "NVIDIA A100 datasheet (SXM4 80GB); efficiency: Megatron-LM 2021 (52% of peak, counting "
+            "full recomputation and attention's full matrix, as we do)"
+        ),
+    ),
+    "b200": Hardware(
+        name="b200",
+        host_bandwidth=64 * _GB,
+        flops={"bfloat16": 2250 * _TFLOPS, "float16": 2250 * _TFLOPS, "float8_e4m3fn": 4500 * _TFLOPS},
+        memory_bytes=180 * _GB,
+        memory_bandwidth=7.7e12,
+        devices_per_node=8,
+        intra_node_bandwidth=900 * _GB,
+        inter_node_bandwidth=50 * _GB,
+        compute_efficiency=0.40,
+        intra_node_efficiency=0.80,
+        inter_node_efficiency=0.80,
+        compile_speedup=1.21,
+        gemm_efficiency=0.78,
+        memory_efficiency=0.92,
+        source=(
+            "NVIDIA DGX B200 datasheet; efficiency and compile speedup assumed as h100 (no public "
+            "BF16 MFU found); Float8 roofline fractions as torchao assumes them (copied from H100)"
+        ),
+    ),
+}
+# The H200 is an H100 die with more and faster HBM: only memory differs.
+PROFILES["h200"] = dataclasses.replace(
+    PROFILES["h100"],
+    name="h200",
+    memory_bytes=141 * _GB,
+    memory_bandwidth=4.8e12,
+    source="NVIDIA H200 Tensor Core GPU datasheet (SXM); efficiency as h100 (same compute die)",
+)
+
+
+def hardware(name: str | Hardware | None = None, *, processes: int = 4) -> Hardware:
+    """A named hardware profile (``None`` means ``"h100"``), or ``name`` itself if already one.
+
+    ``"local"`` is measured once per process and ``processes`` count: matmul FLOP/s of each
+    of ``processes`` gloo processes running together, and the bandwidth of a gloo
+    all-reduce between them (efficiencies 1: the rates are already achieved ones).
+
+    Args:
+        name: ``"h100"``, ``"h200"``, ``"a100"``, ``"b200"``, ``"local"`` or a `Hardware`.
+        processes: for ``"local"``: how many processes share this machine.
+
+    Returns:
+        The `Hardware`.
+
+    Raises:
+        ShardingError: an unknown name.
+
+    Examples:
+        >>> fs.hardware("h200").memory_bytes // 10**9
+        141
+        >>> fs.hardware("tpu9")
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: unknown hardware 'tpu9'; choose one of ['a100', 'b200', ...
+    """
+    if isinstance(name, Hardware):
+        return name
+    key = "h100" if name is None else name
+    if key == "local":
+        if not isinstance(processes, int) or processes < 1:
+            raise ShardingError(f"hardware('local', processes={processes!r}): a positive number")
+        # measuring runs gloo processes: the runtime does it, wired in by the façade
+        measured: Hardware = provider("hardware.local")(processes)
+        return measured
+    if not isinstance(key, str) or key not in PROFILES:
+        raise ShardingError(
+            f"unknown hardware {key!r}; choose one of {sorted([*PROFILES, 'local'])} or pass an fs.Hardware"
+        )
+    return PROFILES[key]

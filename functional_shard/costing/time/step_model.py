@@ -1,0 +1,493 @@
+"""What a training step takes, given a trace: the time model.
+
+The pieces `assemble` (one step, a pipeline's stages on torch's schedules among them)
+builds its `Estimate` from: the compute dtype, FSDP units in flight,
+collective counts and the recomputed collectives of checkpointing, the optimizer step,
+and `step_time` (compute plus the communication the engines cannot hide). Pure: the
+tracing itself happens in `estimate`. docs/will-it-fit.md states the model.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from functional_shard.core.tree import dtype_from_name, within
+from functional_shard.costing.cost.cost_model import unit_gathered
+from functional_shard.costing.cost.traffic import key_value_features, ring_passes
+from functional_shard.costing.estimate.record import PipelineEstimate
+from functional_shard.planning.plan.cost_record import Cost, OptimizerKind
+from functional_shard.planning.tp.rules import sequence_gathers
+
+from .context_engines import ring_exposed_seconds
+from .hardware import Hardware
+from .kernels import Clock, Kernels, phase_saved
+
+if TYPE_CHECKING:
+    from functional_shard.planning.plan.plan import Plan
+
+__all__ = [
+    "Assembly",
+    "StepParts",
+    "compute_dtype",
+    "cp_size",
+    "in_share",
+    "gathered_in_flight",
+    "recomputed_collectives",
+    "step_time",
+    "unit_gathered_bytes",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Assembly:
+    """What turning a trace into an `Estimate` needs (`functional_shard.costing.estimate.from_trace`).
+
+    Attributes:
+        plan: the plan.
+        trace: its `ActivationTrace` (of one micro-batch, per stage, under a pipeline).
+        hardware: the profile.
+        dtype: the compute dtype (`compute_dtype`).
+        batch: sequences per data-parallel rank per step (under a pipeline, the step's).
+        seq: tokens per sequence.
+        units: each FSDP unit's gathered bytes (`unit_gathered_bytes`).
+        optimizer: as for `cost`.
+        rank: the rank to estimate; ``None``: the worst.
+        costs: `cost` of what each pp coordinate holds (one, the plan's, without a
+            pipeline), when already known.
+        checkpointed: the modules checkpointing re-runs, when they differ from the
+            plan's (a search costs one plan for several checkpointing choices).
+        keep_outputs: under a pipeline, whether the last stage keeps every micro-batch's
+            output to the step's end, as torch's ``schedule.step()`` does by default.
+        kernels: compile, Float8 and async TP (`functional_shard.costing.time.kernels`).
+        float8_linears: with Float8, the linears converted (`kernels.float8_linears`).
+        float8_gathered: with Float8 all-gathers, each unit's gathered bytes they save
+            (`kernels.float8_gathered`).
+    """
+
+    plan: Plan
+    trace: Any
+    hardware: Hardware
+    dtype: str
+    batch: int
+    seq: int
+    units: Mapping[str, int]
+    optimizer: OptimizerKind = "adamw"
+    rank: int | None = None
+    costs: Sequence[Cost] | None = None
+    checkpointed: tuple[str, ...] | None = None
+    keep_outputs: bool = False
+    kernels: Kernels = field(default_factory=Kernels)
+    float8_linears: tuple[tuple[int, int, int], ...] = ()
+    float8_gathered: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepParts:
+    """One rank's step before the step model times it.
+
+    Attributes:
+        plan: what the rank holds (under a pipeline, its stages' plan).
+        cost: `cost` of that.
+        rank: the rank.
+        memory: its peak by part (see `Estimate`).
+        forward_flops: its forward flops per step.
+        backward_flops: its backward flops per step.
+        recompute_flops: what recomputation adds.
+        units: the FSDP units it gathers, with their bytes.
+        attention_flops: of those flops (forward, backward and recompute), attention's.
+        compute_seconds: a pipeline's makespan (bubble and sends in it); ``None``: the
+            flops at the achievable rate.
+        sends: a pipeline's point-to-point sends, ``"send/recv ..."`` -> seconds.
+        pipeline: the pipeline's record.
+        peak_at: when in the step the peak falls.
+        saved: per phase, the seconds Float8 saves in the rank's step (`kernels.float8_saved`).
+    """
+
+    plan: Plan
+    cost: Cost
+    rank: int
+    memory: Mapping[str, int]
+    forward_flops: float
+    backward_flops: float
+    recompute_flops: float
+    units: Mapping[str, int]
+    attention_flops: float = 0.0
+    compute_seconds: float | None = None
+    sends: Mapping[str, float] = field(default_factory=dict)
+    pipeline: PipelineEstimate | None = None
+    peak_at: str = "the start of backward"
+    saved: Mapping[str, float] = field(default_factory=dict)
+
+
+def compute_dtype(plan: Plan) -> str:
+    """The dtype matmuls run in: mixed precision's, else the parameters' most common one."""
+    if plan.config.param_dtype:
+        return plan.config.param_dtype
+    counts: dict[str, int] = defaultdict(int)
+    for path in plan.params:
+        tensor = plan.tensors[path]
+        counts[str(tensor.dtype).removeprefix("torch.")] += tensor.numel
+    return max(counts, key=lambda k: counts[k]) if counts else "float32"
+
+
+def unit_gathered_bytes(plan: Plan) -> dict[str, int]:
+    """Bytes each FSDP unit ("" is the root) holds while all-gathered, in the gather dtype."""
+    return unit_gathered(plan)
+
+
+def gathered_in_flight(plan: Plan, units: Mapping[str, int] | None = None) -> int:
+    """Gathered parameter bytes at the peak: the root, the running unit and the one prefetched.
+
+    FSDP2 prefetches the next unit's all-gather while one runs, so two non-root units are
+    gathered at once; without resharding after forward (ZeRO-2) every unit stays gathered.
+    """
+    units = dict(unit_gathered_bytes(plan) if units is None else units)
+    root = units.pop("", 0)
+    if not plan.config.reshard_after_forward:
+        return root + sum(units.values())
+    return root + sum(sorted(units.values(), reverse=True)[:2])
+
+
+_DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+
+
+def collective_counts(plan: Plan, grads_bytes: int) -> dict[str, int]:
+    """How many collectives a step issues, by the groups `step_time` times them in.
+
+    Latency is paid per collective: FSDP2 gathers each unit (twice when it reshards after
+    forward; the root once) and reduce-scatters it once; HSDP all-reduces each unit's
+    shard; DDP all-reduces 25 MiB buckets; ZeRO-1 broadcasts each parameter; each
+    tensor-parallel module issues one collective per step, two under sequence parallelism.
+    """
+    config = plan.config
+    counts = {
+        "tensor parallel": 0,
+        "sharded": 0,
+        "all_reduce": 0,
+        "broadcast": 0,
+        "expert": 0,
+        "context parallel": 0,
+    }
+    if config.context_parallel_axis is not None and config.context_engine == "ring":
+        # torch's ring, each attention call: K and V gathered together in forward (again in
+        # a full recompute) and backward, cp permutes of their gradients; the loss averaged once
+        ring_gathers, ring_permutes = ring_passes(plan)
+        counts["context parallel"] = (ring_gathers + ring_permutes) * len(key_value_features(plan)) + 1
+    elif config.context_parallel_axis is not None:
+        # each attention layer: K and V gathered forward (again in a recompute), their
+        # gradients scattered backward; the loss averaged once
+        per_layer = 4 + 2 * bool(config.checkpointed)
+        counts["context parallel"] = per_layer * len(key_value_features(plan)) + 1
+    # an expert-parallel experts module: counts, dispatch and combine forward, the last two
+    # again backward (and its forward three again where checkpointing recomputes it)
+    for path in config.expert_modules:
+        counts["expert"] += 5 + 3 * within(path, config.checkpointed)
+    if config.shard_axes:
+        units = _units(plan)
+        for unit in units:
+            counts["sharded"] += (2 if config.reshard_after_forward and unit else 1) + 1
+        if config.replicate_axes:
+            counts["all_reduce"] += len(units)
+    elif config.replicate_axes:
+        counts["all_reduce"] += max(1, -(-grads_bytes // _DDP_BUCKET_BYTES))
+    if config.data_parallel == "zero1":
+        counts["broadcast"] += len(plan.params)
+    # under sequence parallel a module that gathers its input for the column-split layers
+    # inside (rules.sequence_gathers) issues the all-gather and its reduce-scatter, once
+    gathers = set(sequence_gathers(config.tp_styles)) if config.sequence_parallel else set()
+    counts["tensor parallel"] += 2 * len(gathers)
+    for path, style, kind in config.tp_styles:
+        if style == "sequence":
+            counts["tensor parallel"] += config.sequence_parallel  # its weight's gradient all-reduce
+        elif path.rpartition(".")[0] in gathers and style in ("colwise", "colwise_gather"):
+            # a head's output all-gather; under loss parallel the loss's three all-reduces
+            counts["tensor parallel"] += (
+                (3 if config.loss_parallel else 1) if style == "colwise_gather" else 0
+            )
+        elif kind == "experts":  # output all-reduce; input and routing-weight gradients' in backward
+            counts["tensor parallel"] += 3
+        elif style != "replicate":
+            counts["tensor parallel"] += 2 if config.sequence_parallel else 1
+            counts["tensor parallel"] += 2 * (style == "colwise_gather" and config.loss_parallel)
+    return counts
+
+
+def _units(plan: Plan) -> frozenset[str]:
+    return frozenset(plan.unit_of(path) for path in plan.params)
+
+
+def recomputed_collectives(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> dict[str, float]:
+    """Bytes each rank sends again when checkpointed modules re-run their forward in backward.
+
+    Recomputation re-issues the forward's tensor-parallel collectives of the styled
+    modules inside checkpointed ones (full and selective alike: selective checkpointing
+    keeps matmul outputs, not collective ones). Forward collectives, as `cost` counts them:
+    a rowwise Linear's output all-reduce (a reduce-scatter under sequence parallelism), a
+    colwise Linear's input all-gather under sequence parallelism, a colwise_gather
+    Linear's output all-gather, and an embedding's output reduction or gather.
+
+    Returns:
+        ``"kind over axes"`` -> bytes sent per rank per step.
+
+    Examples:
+        >>> from functional_shard import rules
+        >>> from functional_shard.zoo import Block, llama
+        >>> model = llama("tiny")
+        >>> plan = fs.shard(model, fs.Mesh(tp=2), fs.tp(rules.llama, "tp") + fs.checkpointing(Block))
+        >>> recomputed_collectives(plan, plan.config.checkpointed, tokens=32)
+        {'all_reduce over tp': 32768.0}
+    """
+    return dict(_recomputed(plan, checkpointed, tokens)[0])
+
+
+def _recomputed(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> tuple[dict[str, float], int]:
+    # ``tokens`` of whole sequences: under context parallel a rank recomputes a cp-th of them
+    cp_axis = plan.config.context_parallel_axis
+    return _recomputed_now(plan, checkpointed, tokens // plan.mesh[cp_axis] if cp_axis else tokens)
+
+
+def _recomputed_now(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> tuple[dict[str, float], int]:
+    if not checkpointed or not plan.config.tensor_parallel_axes:
+        return {}, 0
+    prefixes = tuple(f"{path}." for path in checkpointed)
+    sequence = plan.config.sequence_parallel
+    gathers = set(sequence_gathers(plan.config.tp_styles)) if sequence else set()
+    entered: set[str] = set()
+    sent: dict[str, float] = defaultdict(float)
+    count = 0
+    for module_path, style, kind in plan.config.tp_styles:
+        if not module_path.startswith(prefixes) or style in (
+            "sequence",
+            "replicate",
+            "replicate_grad_allreduce",
+        ):
+            continue
+        if kind == "experts":  # its output all-reduce (`expert_traffic`), run again
+            gate_up = plan.tensors[plan.canonical(f"{module_path}.gate_up_proj")]
+            axes = plan.config.tensor_parallel_axes
+            n = plan.mesh.axes_size(axes)
+            dtype = plan.config.param_dtype
+            size = dtype_from_name(dtype).itemsize if dtype else gate_up.itemsize
+            if n > 1:
+                hidden_bytes = gate_up.shape[2] * size * tokens
+                sent[f"all_reduce over {','.join(axes)}"] += 2 * (n - 1) / n * hidden_bytes
+                count += 1
+            continue
+        weight = plan.canonical(f"{module_path}.weight")
+        tensor = plan.tensors[weight]
+        axes = plan.sharding(weight).compute.axes
+        n = plan.mesh.axes_size(tuple(axes))
+        if n <= 1:
+            continue
+        per_token = (
+            dtype_from_name(plan.config.param_dtype).itemsize if plan.config.param_dtype else tensor.itemsize
+        ) * tokens
+        out_features, in_features = tensor.shape[::-1] if kind == "conv1d" else tensor.shape
+        moves: list[tuple[str, int]] = []
+        if kind == "embedding":
+            if style == "rowwise":
+                moves.append(("reduce_scatter" if sequence else "all_reduce", in_features))
+            else:
+                moves.append(("all_gather", -(-in_features // n) * n))
+        else:
+            parent = module_path.rpartition(".")[0]
+            if style in ("rowwise", "rowwise_split_input"):
+                moves.append(("reduce_scatter" if sequence else "all_reduce", out_features))
+            elif sequence and (parent not in gathers or parent not in entered):
+                moves.append(("all_gather", in_features))  # once per gathering module
+                entered.add(parent)
+            if style == "colwise_gather" and not plan.config.loss_parallel:
+                moves.append(("all_gather", -(-out_features // n) * n))
+        for what, features in moves:
+            factor = 2 if what == "all_reduce" else 1
+            sent[f"{what} over {','.join(axes)}"] += factor * (n - 1) / n * features * per_token
+            count += 1
+    return dict(sent), count
+
+
+def in_share(total: float, part: float, whole: float) -> float:
+    """``total`` in the share ``part`` is of ``whole`` (0 when ``whole`` is)."""
+    return total * part / whole if whole else 0.0
+
+
+def cp_size(plan: Plan) -> int:
+    """The context-parallel size: how many ranks share each sequence's tokens (1 without cp)."""
+    axis = plan.config.context_parallel_axis
+    return plan.mesh[axis] if axis else 1
+
+
+def optimizer_seconds(plan_cost: Cost, hw: Hardware) -> float:
+    """Seconds of the optimizer step, which is bound by memory bandwidth.
+
+    It reads the parameters, gradients and state on the device and writes the parameters
+    and state back (0 if the profile has no memory bandwidth; offloaded parts run on the
+    host and are not counted).
+    """
+    if not hw.memory_bandwidth:
+        return 0.0
+    touched = 2 * plan_cost.params_bytes + plan_cost.grads_bytes + 2 * plan_cost.optimizer_bytes
+    return touched / hw.memory_bandwidth
+
+
+def step_time(
+    plan: Plan,
+    plan_cost: Cost,
+    hw: Hardware,
+    *,
+    dtype: str,
+    forward_flops: float,
+    backward_flops: float,
+    recompute_flops: float,
+    units: Mapping[str, int],
+    recomputed: tuple[Mapping[str, float], int] = ({}, 0),
+    attention: tuple[float, float] = (0.0, 1.0),
+    clock: Clock | None = None,
+    saved: Mapping[str, float] | None = None,
+    ring_merges: float = 0.0,
+) -> tuple[float, dict[str, float], dict[str, float]]:
+    """Compute seconds, exposed communication by reason, and each collective's seconds.
+
+    Tensor-parallel collectives and expert parallelism's all-to-alls (the experts wait
+    for their tokens, the layer for the results) sit on the critical path; FSDP/ZeRO gathers and
+    reduce-scatters run under compute (all but the first gather); DDP's and HSDP's
+    gradient all-reduce runs under backward; ZeRO-1's parameter broadcasts follow the
+    optimizer step and are exposed (DDP, run by torch's composable ``replicate``, sends
+    no buffers). Context parallel's key/value gathers and gradient scatters (the
+    all-gather engine's) run under the step's compute; only what exceeds the compute is
+    exposed. torch's ring (a plan whose ``context_engine`` is ``"ring"``; `fs.estimate`
+    makes ``"auto"`` that on CUDA hardware) hides its collectives only under the
+    attention op's own chunks (`functional_shard.costing.time.context_engines.ring_exposed_seconds`).
+    On hardware that does not overlap communication with compute (gloo on CPUs) every
+    collective is exposed. Each
+    collective also costs the hardware's ``collective_latency`` (a tensor-parallel one its
+    ``tensor_parallel_latency``). ``recomputed`` (bytes
+    as `recomputed_collectives` gives them, and how many collectives) are the
+    tensor-parallel collectives recomputation re-issues: on the critical path too.
+    ``attention`` is the rank's attention flops and its cp group's causal imbalance
+    (`functional_shard.core.sequence.causal_imbalance`): on hardware whose kernels skip the
+    masked half, the busiest rank's extra attention work is exposed (every rank waits for
+    it at the next collective). ``clock`` times the flops under `Kernels` (compile's
+    faster work other than attention; async TP's forward tensor-parallel collectives hidden
+    under the forward's work other than attention), less ``saved``, Float8's seconds by phase.
+    ``ring_merges``: the seconds of torch's ring's own passes (`context_engines.ring_merge_seconds`).
+    """
+    clock = clock or Clock(hw.achievable_flops(dtype))
+    rate, saved = clock.rate, saved or {}
+    attention_flops, imbalance = attention
+    total = forward_flops + backward_flops + recompute_flops
+    compute = clock.seconds(total, attention_flops, phase_saved(saved, *saved))
+    back = backward_flops + recompute_flops
+    backward = clock.seconds(
+        back,
+        in_share(attention_flops, back, total),  # attention in its share of the work
+        phase_saved(saved, "backward", "weight", "recompute"),
+    )
+    tp_axes = set(plan.config.tensor_parallel_axes)
+    per_collective: dict[str, float] = {}
+    counts = collective_counts(plan, plan_cost.grads_bytes)
+    tp_latency = hw.collective_latency if hw.tensor_parallel_latency is None else hw.tensor_parallel_latency
+    latency = {
+        group: n * (tp_latency if group == "tensor parallel" else hw.collective_latency)
+        for group, n in counts.items()
+    }
+    tensor_parallel, expert = latency["tensor parallel"], latency["expert"]
+    context, cp_axis = latency["context parallel"], plan.config.context_parallel_axis
+    sharded, all_reduce, broadcast = latency["sharded"], latency["all_reduce"], latency["broadcast"]
+    for kind, by_axes in plan_cost.comm_bytes.items():
+        for axes_text, nbytes in by_axes.items():
+            axes = tuple(axes_text.split(","))
+            seconds = nbytes / hw.bandwidth(plan.mesh, axes)
+            per_collective[f"{kind} over {axes_text} ({hw.link_of(plan.mesh, axes)})"] = seconds
+            if tp_axes and set(axes) <= tp_axes:
+                tensor_parallel += seconds
+            elif axes == (cp_axis,):
+                context += seconds
+            elif kind == "all_to_all":
+                expert += seconds
+            elif kind == "broadcast":
+                broadcast += seconds
+            elif kind == "all_reduce":
+                all_reduce += seconds
+            else:
+                sharded += seconds
+    tp_link = hw.link_of(plan.mesh, tuple(tp_axes)) if tp_axes else "intra"
+    recomputed_bytes, recomputed_count = recomputed
+    recompute = recomputed_count * tp_latency
+    for what, nbytes in recomputed_bytes.items():
+        seconds = nbytes / hw.bandwidth(plan.mesh, tuple(tp_axes))
+        per_collective[f"{what} ({tp_link}, recompute)"] = seconds
+        recompute += seconds
+    exposed: dict[str, float] = {}
+    if clock.async_tp and hw.overlap_communication:
+        # micro-pipelined in the forward: its collectives (half of them: each forward
+        # all-gather has a backward reduce-scatter, and the other way round) run inside the
+        # forward's matmuls; the backward's and the recompute's stay on the critical path
+        # (docs/will-it-fit.md, "Kernels": the published gains are the forward's)
+        forward_attention = in_share(attention_flops, forward_flops, total)
+        forward_work = clock.seconds(forward_flops, forward_attention, phase_saved(saved, "forward"))
+        tensor_parallel -= min(tensor_parallel / 2, forward_work - forward_attention / rate)
+    if hw.skips_masked_attention and imbalance > 1 and attention_flops:
+        exposed["unbalanced causal attention"] = attention_flops * (imbalance - 1) / rate
+    if ring_merges:  # on the stream of the ring's kernels: not hidden, whatever overlaps
+        exposed["context parallel ring merges"] = ring_merges
+    if not hw.overlap_communication:
+        total = tensor_parallel + recompute + sharded + all_reduce + broadcast + expert + context
+        if total:
+            exposed["communication (no overlap)"] = total
+        return compute, _with_step_tail(exposed, plan_cost, hw), per_collective
+    if tensor_parallel:
+        exposed["tensor parallel"] = tensor_parallel
+    if recompute:
+        exposed["tensor parallel recompute"] = recompute
+    if expert:
+        # the experts wait for their tokens, and the layer for the results: on the critical path
+        exposed["expert all-to-all"] = expert
+    if sharded:
+        # nothing runs before the first unit (root and largest block) is gathered
+        axes = plan.config.shard_axes
+        n = plan.mesh.axes_size(axes) if axes else 1
+        biggest = max((b for u, b in units.items() if u), default=0)
+        first = (units.get("", 0) + biggest) * (n - 1) / n / hw.bandwidth(plan.mesh, axes) if n > 1 else 0.0
+        first = min(first, sharded)
+        exposed["first all-gather"] = first
+        rest = max(0.0, sharded - first + all_reduce - compute, all_reduce - backward)
+        if rest:
+            exposed["fsdp not overlapped"] = rest
+    elif all_reduce:
+        rest = max(0.0, all_reduce - backward)
+        if rest:
+            exposed["grad all-reduce"] = rest
+    if broadcast:
+        exposed["broadcast after step"] = broadcast
+    if context and cp_axis is not None and plan.config.context_engine == "ring":
+        # torch's ring hides its collectives under the attention op's own chunks only
+        rest = ring_exposed_seconds(
+            plan,
+            plan_cost.comm_bytes,
+            hw.bandwidth(plan.mesh, (cp_axis,)),
+            attention_flops / rate,
+            hw.collective_latency,
+        )
+        if rest:
+            exposed["context parallel ring not overlapped"] = rest
+    elif context:
+        # our engine's gathers and scatters are issued as the layers run, beside their
+        # compute: hidden under the step's compute, exposed beyond it
+        rest = max(0.0, context - compute)
+        if rest:
+            exposed["context parallel not overlapped"] = rest
+    return compute, _with_step_tail(exposed, plan_cost, hw), per_collective
+
+
+def _with_step_tail(exposed: dict[str, float], plan_cost: Cost, hw: Hardware) -> dict[str, float]:
+    """``exposed`` plus what no plan overlaps: host transfers and the optimizer step."""
+    if plan_cost.host_bytes:
+        # offloaded state crosses the host link twice a step (to the device and back)
+        exposed["host transfers"] = 2 * plan_cost.host_bytes / hw.host_bandwidth
+    step = optimizer_seconds(plan_cost, hw)
+    if step:
+        exposed["optimizer step"] = step
+    return exposed

@@ -1,0 +1,439 @@
+"""What a model keeps for backward, traced on meta tensors at one rank's local shapes.
+
+`trace_activations` runs the model's forward (and backward, for flops) on the meta device:
+no memory, no process group. Tensor parallel is reproduced by handing every parameter to
+the forward at its compute shape on the rank (``Plan.local_shape(path, rank, "compute")``)
+and by re-enacting at module edges what torch's parallel styles do to activations under
+sequence parallel: a colwise layer all-gathers its sequence-split input (the gathered
+input is what its matmul saves), a rowwise layer reduce-scatters its output over the
+sequence. Checkpointed modules run under torch's own (non-reentrant) checkpoint, with
+`selective_context` for ``policy="selective"``, exactly as `functional_shard.apply` runs them.
+
+What counts as kept: every storage made during the forward (and the inputs) that is still
+alive once the forward has returned and the caller holds only the output, parameters and
+their casts excluded. That is what autograd's graph and checkpoint frames hold on to
+until backward; `functional_shard.runtime.measure.kept_activation_bytes` counts the same thing
+in real runs. Hugging Face models are called with ``use_cache=False``; their attention
+implementation is the one the config names (``"sdpa"`` and ``"eager"`` both trace;
+``"flex_attention"`` is refused: torch has no flex attention backward on CPU).
+
+Repeated layers (siblings of one class, with the same local parameter shapes and the same
+plan treatment, each handing on a tensor shaped like its input) are run once and twice,
+the others passing their input on; each further layer adds what the second one added
+(`functional_shard.costing.trace.repeats`). A model whose alike layers see other shapes, or
+alternate attention kinds (Hugging Face ``layer_types``), is traced whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_map_only
+
+from functional_shard.core.errors import ShardingError
+from functional_shard.core.sequence import check_sequence_length
+from functional_shard.planning.pipeline.stages import stage_finder
+
+from .checkpointing import SAVED_OPS, checkpointed, selective_context
+from .context_attention import context_parallel_attention
+from .counting import Births, Flops, kept_bytes_by_owner, recomputed_bytes, storage_key
+from .cuda_kernels import cuda_kernels
+from .fake_parameters import FakeParameters
+from .model_inputs import first_tensor as _first_tensor  # the name the stage helpers below call
+from .model_inputs import flex_on_fake_cpu, is_hf, model_inputs, tensors, unpacked_sequences
+from .rank_experts import rank_experts
+from .repeats import NotPassableError, extrapolated, left_out_layers, passing_on, reached, repeated_layers
+from .results import PER_STEP, ActivationTrace, counts_of, regroup
+from .routing import check_expert_imbalance
+from .sequence_edges import check_sequence_parallel, sequence_parallel
+
+# ActivationTrace and regroup live in results, SAVED_OPS and selective_context in
+# checkpointing; they are named here too, where the trace's users find them
+__all__ = ["SAVED_OPS", "ActivationTrace", "regroup", "selective_context", "trace_activations"]
+
+
+@contextlib.contextmanager
+def _stage_owner(
+    modules: Mapping[str, nn.Module],
+    stage_modules: Mapping[str, int],
+    stacks: list[list[int]],
+    outputs: dict[str, int],
+) -> Iterator[None]:
+    """While a stage's module runs its forward, its index is on top of each of ``stacks``.
+
+    ``outputs`` gets the bytes of each stage module's (first) output tensor.
+    """
+
+    def enter(stage: int) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            for stack in stacks:
+                stack.append(stage)
+
+        return hook
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        for stack in stacks:
+            if stack:
+                stack.pop()
+        first = _first_tensor(output)
+        if isinstance(first, torch.Tensor):
+            outputs[names[module]] = first.numel() * first.element_size()
+
+    names = {modules[path]: path for path in stage_modules if path in modules}
+
+    handles = []
+    try:
+        for path, stage in stage_modules.items():
+            module = modules.get(path)
+            if module is not None:
+                handles.append(module.register_forward_pre_hook(enter(stage)))
+                handles.append(module.register_forward_hook(leave, always_call=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@dataclass(frozen=True, kw_only=True)
+class _RunSetup:
+    """What every run of one trace shares: the model, its fake parameters, the call and the rank."""
+
+    model: nn.Module
+    # every run walks the modules (a 70B model has over a thousand): walked once per trace
+    modules: dict[str, nn.Module]
+    parameters: FakeParameters
+    # the plan the runs follow at first: less what no run reaches (`repeats.reached`)
+    plan: Any
+    tp_size: int
+    expert_imbalance: float
+    rank: int
+    # with ``stages``: how many, each stage module's stage, each stage's last module
+    stages: int = 0
+    stage_modules: Mapping[str, int] = field(default_factory=dict)
+    stage_last: tuple[str, ...] = ()
+    # the forward's call (`model_inputs.model_inputs`): this rank's tokens of each sequence
+    # (a cp-th of them under context parallel, whose attention sees ``cp`` times as many)
+    batch: int
+    seq: int
+    inputs: Any
+    dtype: torch.dtype | None
+    cp: int = 1
+    cuda: bool = False  # torch's CUDA kernel choices (`cuda_kernels.cuda_kernels`)
+
+
+class _Run:
+    """One rank's forward and backward on fake tensors, some repeated layers left out."""
+
+    def __init__(self, setup: _RunSetup) -> None:
+        self.setup = setup
+        # the plan the runs follow: the whole one once the model is traced whole
+        self.plan = setup.plan
+        self.repeats_are_passable = True
+
+    def _not_passable(self) -> None:
+        self.repeats_are_passable = False
+
+    @contextlib.contextmanager
+    def swapped(self) -> Iterator[None]:
+        """The traced parameters in the model and its experts routed, for the runs inside.
+
+        Parameters stay swapped through backward (checkpoint recomputes with them); the
+        runs of one trace share them, so they are swapped in once (each swap walks every
+        parameter of the model, a 405B one's too).
+        """
+        setup = self.setup
+        with (
+            _reparametrize_module(setup.model, setup.parameters.state, tie_weights=False, strict=False),
+            rank_experts(setup.modules, setup.expert_imbalance, self.plan, setup.rank),
+            cuda_kernels(setup.cuda),
+        ):
+            yield
+
+    def trace(
+        self, groups: list[tuple[str, ...]], doubled: tuple[int, ...] = (), *, backward: bool = True
+    ) -> dict[str, Any]:
+        """Bytes kept and flops of one forward and backward, repeated layers partly left out.
+
+        Each group runs its first member (its first two where ``doubled``); the rest pass
+        through. Without ``backward`` the backward is not run: its flops are 0 and the
+        recompute flops are those recomputation re-runs, counted in the forward.
+        """
+        setup, params = self.setup, self.setup.parameters.params
+        model, config, fake = setup.model, self.plan.config, setup.parameters.fake
+        with fake:
+            # token ids reach the embedding whole; the embedding's output is what sequence parallel splits
+            args, kwargs = model_inputs(model, setup.batch, setup.seq, setup.inputs, setup.dtype)
+        if is_hf(model):
+            kwargs.setdefault("use_cache", False)
+        births = Births()
+        for tensor in tensors((args, kwargs)):
+            births.note(tensor)
+        excluded = {StorageWeakRef(p.untyped_storage()) for p in params}
+        flops = Flops()
+        for param in params:
+            if param.dim() == 2:
+                flops.weight_shapes |= {tuple(param.shape), tuple(param.shape[::-1])}
+                flops.weights.add(storage_key(param))
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(
+                checkpointed(model, tuple(config.checkpointed), config.checkpoint_policy, flops)
+            )
+            stack.enter_context(passing_on(setup.modules, groups, doubled, broken=self._not_passable))
+            stack.enter_context(sequence_parallel(model, self.plan, setup.tp_size, setup.seq))
+            # "auto" counts as the all-gather engine here, as in `cost` (the estimate
+            # hands over the engine its hardware runs)
+            cp_axis = config.context_parallel_axis
+            per_step = stack.enter_context(
+                context_parallel_attention(
+                    setup.cp,
+                    config.context_engine,
+                    cp_rank=self.plan.mesh.coords(setup.rank)[cp_axis] if cp_axis else 0,
+                    load_balance=config.context_load_balance,
+                )
+            )
+            stack.enter_context(unpacked_sequences(model))
+            stack.enter_context(flex_on_fake_cpu())
+            owners = [births.running, flops.running]
+            outputs: dict[str, int] = {}
+            stack.enter_context(_stage_owner(setup.modules, setup.stage_modules, owners, outputs))
+            stack.enter_context(fake)
+            with flops, births:
+                try:
+                    raw = model(*args, **kwargs)
+                except (ShardingError, NotPassableError):
+                    raise
+                except Exception as error:
+                    if groups and not self.repeats_are_passable:  # a left-out layer's stand-in broke it
+                        raise NotPassableError from error
+                    shapes = tree_map_only(
+                        torch.Tensor, lambda t: f"{t.dtype}{list(t.shape)}", (args, kwargs)
+                    )
+                    split = (
+                        "; if they do, the plan may split what the model cannot run at its local "
+                        "shapes (attention heads a tensor-parallel size does not divide, say): "
+                        "fs.check_runnable(plan, model) names it"
+                        if config.tensor_parallel_axes
+                        else ""
+                    )
+                    raise ShardingError(
+                        f"trace_activations: {type(model).__name__}'s forward failed on inputs {shapes}: "
+                        f"{type(error).__name__}: {error}. Pass inputs= that fit its forward (a tensor, a "
+                        f"tuple or a dict of keyword arguments){split}"
+                    ) from error
+            output = _first_tensor(raw)
+            del raw, args, kwargs
+            if not isinstance(output, torch.Tensor):
+                raise ShardingError(f"trace_activations: {type(model).__name__}'s forward returned no tensor")
+            output_key = {StorageWeakRef(output.untyped_storage())}
+            for tensor in per_step:  # held once a step, not once a micro-batch
+                births.owner[storage_key(tensor)] = PER_STEP
+            by_owner = kept_bytes_by_owner(births, excluded | output_key, collect=1)
+            # before the backward, whose recomputes make and free them again
+            recomputed = recomputed_bytes(flops.packed, collect=0)
+            output_counts = (output.untyped_storage().nbytes(), output.numel())
+            if backward:
+                flops.backward = True
+                with flops:
+                    if output.requires_grad:
+                        torch.autograd.backward(output, torch.ones_like(output))
+        for param in params:
+            param.grad = None
+        if not backward:
+            # torch's checkpoint re-runs a module's forward in backward and stops once every
+            # saved tensor is back: under the full policy, up to the last op that saved one;
+            # selective checkpointing hands back SAVED_OPS' outputs instead of running them
+            if config.checkpoint_policy == "selective":
+                flops.counts["recompute"] = flops.inside["all"] - flops.inside["saved"]
+                flops.attention["recompute"] = flops.attention_inside["all"] - flops.attention_inside["saved"]
+            else:
+                flops.counts["recompute"] = flops.rerun
+                # (a block's attention runs before the ops that save its output: re-run too)
+                flops.attention["recompute"] = flops.attention_inside["all"]
+        return counts_of(
+            flops,
+            by_owner,
+            recomputed=recomputed,
+            output=output_counts,
+            stages=setup.stages,
+            stage_output_bytes=[outputs.get(last, 0) for last in setup.stage_last],
+        )
+
+
+def _stage_holder(plan: Any, rank: int) -> Any:
+    """``path -> rank`` to read a parameter's local shape at.
+
+    Under a pipeline: the rank with ``rank``'s coordinates but the pp coordinate of the
+    stage that holds the parameter (its shapes are those where it lives); else ``rank``.
+    """
+    config = plan.config
+    axis = getattr(config, "pipeline_axis", None)
+    if not axis or not config.pipeline_stages:
+        return lambda path: rank
+    from functional_shard.planning.pipeline.stages import stage_rank
+
+    stage_of_module = {m: i for i, modules in enumerate(config.pipeline_stages) for m in modules}
+    pp = plan.mesh[axis]
+    coords = plan.mesh.coords(rank)
+
+    def holder(path: str) -> int:
+        module = path.rpartition(".")[0]
+        while module and module not in stage_of_module:
+            module = module.rpartition(".")[0]
+        if module not in stage_of_module:
+            return rank
+        stage = stage_of_module[module]
+        coords[axis] = stage_rank(stage, pp, config.stages_per_rank, config.pipeline_schedule)
+        return plan.mesh.rank(coords)
+
+    return holder
+
+
+def trace_activations(
+    model: nn.Module,
+    plan: Any,
+    *,
+    batch: int,
+    seq: int,
+    rank: int | None = None,
+    inputs: Any = None,
+    expert_imbalance: float = 1.0,
+    backward: bool = True,
+    stages: tuple[tuple[str, ...], ...] | None = None,
+    cuda: bool = False,
+) -> ActivationTrace:
+    """Bytes ``model`` keeps for backward and its flops on one rank, traced on meta tensors.
+
+    Args:
+        model: any ``nn.Module`` (meta device is enough); it is not changed.
+        plan: the `functional_shard.Plan` for ``model``: tensor/sequence parallel,
+            mixed precision (``param_dtype``) and checkpointing are honoured; under
+            context parallel, its ``context_engine``: ``"ring"`` traces torch's ring
+            attention, ``"all_gather"`` and ``"auto"`` our engine (`fs.estimate` makes
+            ``"auto"`` the engine its hardware runs).
+        batch: sequences per data-parallel rank (the micro-batch).
+        seq: sequence length.
+        rank: the rank whose local shapes are traced (default 0).
+        inputs: the forward's arguments for other signatures: a tensor, a tuple of tensors
+            or a dict of keyword arguments (meta tensors are fine; only shapes and dtypes
+            are read). By default the model gets token ids of shape ``(batch, seq)``.
+        expert_imbalance: how mixture-of-experts layers route (transformers' experts modules,
+            whose routing fake tensors cannot compute): 1.0 shares each layer's tokens x top-k
+            visits evenly over its experts, more gives expert 0 that many times its even
+            share; see `functional_shard.costing.trace.routing.expert_loads`.
+        backward: run the backward too (the default). Without it the trace is about half as
+            long: ``backward_flops`` is 0, and ``recompute_flops`` is the most recomputation
+            can run, counted in the forward: the flops of checkpointed modules' forward ops,
+            under the selective policy all but `SAVED_OPS`' (torch stops recomputing once
+            every saved tensor is back, so a full recompute may run less; 0 is exact).
+            Checkpointing leaves the backward's own flops as they are without it. Nested
+            checkpointed modules are traced with the backward whatever this says.
+        stages: the module paths of each pipeline stage (``plan.config.pipeline_stages``):
+            the trace then also says what each stage keeps and computes
+            (``stage_activation_bytes`` and the ``stage_*_flops``), for one micro-batch of
+            ``batch`` sequences.
+        cuda: trace the kernels torch picks on CUDA where they keep other tensors than
+            the CPU's (`functional_shard.costing.trace.cuda_kernels`): ``fs.estimate`` sets it
+            for a CUDA profile. By default the CPU's, as a run on this machine keeps.
+
+    Returns:
+        An `ActivationTrace`.
+
+    Raises:
+        ShardingError: the inputs do not fit the model (its forward raised), the plan names
+            a checkpoint policy other than "full" and "selective", ``expert_imbalance`` is
+            below 1 or asks more of one expert than there are tokens, or, under sequence
+            parallel, the tensor-parallel size does not divide ``seq`` or the model has
+            layers sequence parallel cannot run (`PlanError`, as `functional_shard.apply`
+            refuses them), both before tracing.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> model = llama("tiny")
+        >>> plan = fs.shard(model, fs.Mesh(dp=1), fs.replicate())
+        >>> trace = fs.trace_activations(model, plan, batch=2, seq=8)
+        >>> trace.output_bytes == 2 * 8 * 256 * 4
+        True
+    """
+    rank = 0 if rank is None else rank
+    config = plan.config
+    checkpointed = tuple(config.checkpointed)
+    if any(i != o and (not o or i.startswith(f"{o}.")) for o in checkpointed for i in checkpointed):
+        backward = True  # an inner module's forward runs again in the outer one's recompute
+    if config.checkpointed and config.checkpoint_policy not in ("full", "selective"):
+        raise ShardingError(
+            f"trace_activations: checkpoint_policy {config.checkpoint_policy!r} is neither 'full' nor "
+            "'selective' (set it with fs.checkpointing(..., policy=...))"
+        )
+    check_expert_imbalance(expert_imbalance)
+    modules = dict(model.named_modules())
+    dtype = getattr(torch, config.param_dtype) if config.param_dtype else None
+    tp_size = 1
+    for axis in config.tensor_parallel_axes:
+        tp_size *= plan.mesh[axis]
+    cp = plan.mesh[config.context_parallel_axis] if config.context_parallel_axis else 1
+    if cp > 1:
+        check_sequence_length(seq, cp, load_balance=config.context_load_balance)
+    if config.sequence_parallel:
+        check_sequence_parallel(modules, plan, seq // cp, tp_size)
+
+    # fake CPU tensors: no memory, and torch picks the fused attention kernels it runs for real
+    fake = FakeTensorMode(allow_non_fake_inputs=False)
+    parameters = FakeParameters(model, plan, holder=_stage_holder(plan, rank), dtype=dtype, fake=fake)
+    # repeated layers (a transformer's blocks) are traced once and twice: each further one
+    # adds what the second added, so a 70B model traces as fast as a 2-layer one
+    groups = repeated_layers(model, plan, parameters.local)
+    left_out = left_out_layers(groups, tuple(range(len(groups))))
+    parameters.refill(left_out)
+    stage_modules = {path: index for index, paths in enumerate(stages or ()) for path in paths}
+    run = _Run(
+        _RunSetup(
+            model=model,
+            modules=modules,
+            parameters=parameters,
+            plan=reached(plan, left_out),
+            tp_size=tp_size,
+            expert_imbalance=expert_imbalance,
+            rank=rank,
+            stages=len(stages or ()),
+            stage_modules=stage_modules,
+            stage_last=tuple(paths[-1] if paths else "" for paths in stages or ()),
+            batch=batch,
+            seq=seq // cp,
+            inputs=inputs,
+            dtype=dtype,
+            cp=cp,
+            cuda=cuda,
+        )
+    )
+
+    stage_of = stage_finder(tuple(tuple(paths) for paths in stages or ()))
+
+    def stages_of(member: str) -> range | tuple[int, ...]:
+        # what a repeated layer adds goes to its stage; outside every stage's modules, to each
+        owner = stage_of(member, module=True)
+        return range(len(stages or ())) if owner is None else (owner,)
+
+    try:
+        with run.swapped():
+            first = run.trace(groups, backward=backward)
+            seconds = [run.trace(groups, (index,), backward=backward) for index in range(len(groups))]
+        counts = extrapolated(first, seconds, groups, stages_of=stages_of)
+    except NotPassableError:
+        run.repeats_are_passable = False
+    if not run.repeats_are_passable:  # a layer's output is not shaped like its input: trace them all
+        parameters.refill(())
+        run.plan = plan
+        with run.swapped():
+            counts = run.trace([], backward=backward)
+    fields: dict[str, Any] = {
+        key: tuple(value) if isinstance(value, list) else value for key, value in counts.items()
+    }
+    return ActivationTrace(rank=rank, batch=batch, seq=seq, **fields)

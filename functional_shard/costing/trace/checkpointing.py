@@ -1,0 +1,141 @@
+"""Activation checkpointing as a trace runs it: torch's own checkpoint, op-level selective or whole.
+
+`selective_context` is the ``context_fn`` both `functional_shard.apply` and the trace give
+torch's non-reentrant checkpoint for ``policy="selective"``; `checkpointed` wraps the
+plan's checkpointed modules for a trace and tells `Flops` what a backward recomputes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+__all__ = ["SAVED_OPS", "RecomputeCounter", "checkpointed", "selective_context"]
+
+_aten = torch.ops.aten
+# Op-level selective checkpointing keeps the outputs of matrix multiplies and attention
+# and recomputes the rest: the recipe torchtitan publishes (torchtitan/distributed/
+# activation_checkpoint.py, `_save_list`), which also recomputes every second mm; we keep
+# them all, as Korthikanti et al. 2022 ("Reducing Activation Recomputation") keep the
+# linear layers' outputs and recompute only the attention core's element-wise ops.
+# torchtitan also keeps the output of sequence parallel's reduce-scatter; we recompute
+# collectives (one more in backward per rowwise layer under sequence parallel), so that the
+# trace, which re-enacts them on plain tensors, counts exactly what is kept.
+SAVED_OPS = frozenset(
+    op
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
+        "_flash_attention_forward",
+        "_efficient_attention_forward",
+    )
+    if (op := getattr(getattr(_aten, name, None), "default", None)) is not None
+)
+
+
+class RecomputeCounter(Protocol):
+    """What `checkpointed` reads and moves on the flop counter (`counting.Flops` is one).
+
+    Said here, not imported: `counting` counts `SAVED_OPS`, so it sits above this module.
+    """
+
+    backward: bool  # the backward is running (checkpoint's recompute runs inside it)
+    checkpointed: int  # how deep inside checkpointed forwards the forward is
+    inside: dict[str, int]  # forward flops inside them: "all", and "saved" (SAVED_OPS')
+    rerun: int  # of those, the flops up to each call's last saved tensor (what recompute runs)
+    # per checkpointed call, the storages autograd asked it to save, with their bytes
+    packed: list[dict[Any, int]]
+
+    def note_packed(self, call: dict[Any, int], tensor: torch.Tensor) -> None:
+        """Record in ``call`` (one of ``packed``) the storage of ``tensor``, which it saves."""
+
+
+def _selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context() -> tuple[Any, Any]:
+    """Torch's selective-checkpoint contexts that keep `SAVED_OPS` outputs (a ``context_fn``).
+
+    Examples:
+        >>> layer = nn.Linear(4, 4)
+        >>> x = torch.ones(2, 4, requires_grad=True)
+        >>> from torch.utils.checkpoint import checkpoint
+        >>> out = checkpoint(layer, x, use_reentrant=False, context_fn=selective_context)
+        >>> out.sum().backward()
+        >>> x.grad.shape
+        torch.Size([2, 4])
+    """
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+@contextlib.contextmanager
+def checkpointed(
+    model: nn.Module, paths: tuple[str, ...], policy: str, flops: RecomputeCounter
+) -> Iterator[None]:
+    """Within the block, the modules at ``paths`` run under torch's checkpoint, as apply runs them."""
+    # wrap each module's forward in torch's checkpoint for the trace, and put it back after;
+    # ``flops`` learns when a checkpointed forward runs (recompute calls the inner one)
+    context = selective_context if policy == "selective" else None
+    wrapped = []
+    try:
+        for path in paths:
+            module = model.get_submodule(path)
+            inner = module.forward
+
+            def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
+                extra: dict[str, Any] = {"context_fn": context} if context is not None else {}
+                flops.checkpointed += 1
+                run = _inner if flops.backward else functools.partial(_saves_noted, _inner, flops)
+                try:
+                    return checkpoint(
+                        run, *args, use_reentrant=False, preserve_rng_state=False, **extra, **kwargs
+                    )
+                finally:
+                    flops.checkpointed -= 1
+
+            module.forward = forward  # type: ignore[method-assign]
+            wrapped.append(module)
+        yield
+    finally:
+        for module in wrapped:
+            del module.forward
+
+
+def _saves_noted(inner: Any, flops: RecomputeCounter, *args: Any, **kwargs: Any) -> Any:
+    # Inside checkpoint's forward its own saved-tensor hooks are on top: wrapped, each
+    # tensor it packs notes the flops counted so far (an op's flops are counted before
+    # autograd saves its tensors), and is packed by checkpoint as before
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is None:  # not under checkpoint's hooks: count all of it, the most it can re-run
+        start = flops.inside["all"]
+        out = inner(*args, **kwargs)
+        flops.rerun += flops.inside["all"] - start
+        return out
+    pack, unpack = hooks
+    start = flops.inside["all"]
+    last = [start]
+    packed: dict[Any, int] = {}
+    flops.packed.append(packed)
+
+    def noted(tensor: torch.Tensor) -> Any:
+        last[0] = flops.inside["all"]
+        flops.note_packed(packed, tensor)
+        return pack(tensor)
+
+    with torch.autograd.graph.saved_tensors_hooks(noted, unpack):
+        out = inner(*args, **kwargs)
+    flops.rerun += last[0] - start
+    return out

@@ -1,0 +1,238 @@
+"""Counters a trace runs under: storages born during a forward, and flops by phase.
+
+`functional_shard.costing.trace.activations` traces a model on fake tensors under these two dispatch
+modes: `Births` notes every storage an op makes, so that what is still alive after the
+forward (what autograd and checkpoint frames keep) can be summed by `kept_bytes`;
+`Flops` counts matmul and attention flops (`functional_shard.costing.time.flops`' formulas), split into
+forward, backward, recompute and weight-gradient work. `functional_shard.runtime.measure` watches
+real runs with the same `Births` and sums what they keep with the same `kept_bytes`.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from functional_shard.costing.time.flops import is_attention, op_flops
+
+from .checkpointing import SAVED_OPS
+
+__all__ = ["Births", "Flops", "kept_bytes", "kept_bytes_by_owner", "recomputed_bytes", "storage_key"]
+
+_aten = torch.ops.aten
+_DEVICE = torch.ops.prim.device.default
+
+
+def _device_query(func: Any, args: Any) -> torch.device | None:
+    """The answer to torch's device query of a fake tensor, as FakeTensor gives it; else None.
+
+    Two thirds of a trace's dispatches are this query (autograd asks it of every tensor in
+    backward): a mode answers it at once instead of handing it down the modes below.
+    """
+    if func is _DEVICE and len(args) == 1 and isinstance(args[0], FakeTensor):
+        return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
+    return None
+
+
+class Births(TorchDispatchMode):
+    """Weak references to the storage of every tensor an op makes (a DTensor's local one).
+
+    What a trace on fake tensors and `functional_shard.runtime.measure.kept_activation_bytes`
+    on real ranks both watch: the storages still alive after a forward are what it keeps.
+    ``owner`` says which pipeline stage's module ran when each storage was made (-1: none),
+    from ``running``, the stack of stages a trace pushes and pops at module edges.
+
+    Examples:
+        >>> births = Births()
+        >>> with births:
+        ...     kept = torch.ones(3) * 2
+        >>> kept_bytes(births.storages, set())
+        12
+    """
+
+    # flex attention is a higher-order operator: it passes through, its outputs noted
+    supports_higher_order_operators = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[StorageWeakRef, None] = {}
+        self.owner: dict[StorageWeakRef, int] = {}
+        self.running: list[int] = []
+
+    def note(self, tensor: torch.Tensor) -> None:
+        """Record ``tensor``'s storage as born now, under the running stage."""
+        ref = storage_key(tensor)
+        # a dead storage's address may be reused: the dict must hold the live one's reference
+        self.storages.pop(ref, None)
+        self.storages[ref] = None
+        self.owner[ref] = self.running[-1] if self.running else -1
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if (device := _device_query(func, args)) is not None:
+            return device
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor runs it as local ops, which come back through here
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor):
+                self.note(leaf)
+        return out
+
+
+_WEIGHT_GRAD_OPS = frozenset(
+    op for name in ("mm", "addmm") if (op := getattr(getattr(_aten, name, None), "default", None)) is not None
+)
+
+
+_COPIES = frozenset(
+    op
+    for name in ("_to_copy", "clone", "to")
+    if (op := getattr(getattr(_aten, name, None), "default", None)) is not None
+)
+
+
+class Flops(TorchDispatchMode):
+    """Flops by `functional_shard.costing.time.flops.op_flops`, split into forward, backward, recompute.
+
+    Matmuls by torch's ``FlopCounterMode`` formulas; attention on every kernel (the CPU flash
+    kernel fake tensors run included), full score matrix. Backward kernels run with grad mode
+    off; checkpoint's recompute inside backward runs with it on (it rebuilds a graph), which
+    tells the two apart. Higher-order operators (flex attention) pass through, counted.
+    """
+
+    supports_higher_order_operators = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backward = False
+        self.counts = {"forward": 0, "backward": 0, "recompute": 0, "weight": 0}
+        # of those, attention's by phase: the work context parallel shares out by chunk
+        self.attention = {"forward": 0, "backward": 0, "recompute": 0}
+        # the shapes of the 2-D parameters (either way round): a backward matmul whose
+        # output has one and whose operands are both activations is a weight's gradient
+        # (dW = dY^T X); one that multiplies by a weight (or its cast copy) is an input's
+        self.weight_shapes: set[tuple[int, ...]] = set()
+        self.weights: set[StorageWeakRef] = set()
+        # forward flops inside checkpointed modules (``checkpointed`` deep), and those of
+        # them selective checkpointing keeps (SAVED_OPS): what recomputation will re-run
+        self.checkpointed = 0
+        self.inside = {"all": 0, "saved": 0}
+        self.attention_inside = {"all": 0, "saved": 0}  # attention's part of ``inside``
+        # of those, the flops up to the last op that saved a tensor for backward in each
+        # checkpointed call: what torch's recompute runs before it stops (early stop)
+        self.rerun = 0
+        # per checkpointed call, the storages it was asked to save (`checkpointed` fills it)
+        self.packed: list[dict[StorageWeakRef, int]] = []
+        self.running: list[int] = []
+        self.by_stage: dict[int, int] = {}
+
+    def note_packed(self, call: dict[StorageWeakRef, int], tensor: torch.Tensor) -> None:
+        """Record in ``call`` (one of ``packed``) the storage of ``tensor``, which it saves."""
+        key = storage_key(tensor)
+        call[key] = torch.UntypedStorage._new_with_weak_ptr(key.cdata).nbytes()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if (device := _device_query(func, args)) is not None:
+            return device
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if (
+            func in _COPIES
+            and self.weights
+            and isinstance(out, torch.Tensor)
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and storage_key(args[0]) in self.weights
+        ):
+            self.weights.add(storage_key(out))  # mixed precision's cast of a weight
+        count = op_flops(func, args, kwargs, out)
+        if count:
+            phase = "forward" if not self.backward else "recompute" if torch.is_grad_enabled() else "backward"
+            self.counts[phase] += count
+            attention = is_attention(func)
+            if attention:
+                self.attention[phase] += count
+            if (
+                phase == "backward"
+                and func in _WEIGHT_GRAD_OPS
+                and isinstance(out, torch.Tensor)
+                and tuple(out.shape) in self.weight_shapes
+                and not any(storage_key(a) in self.weights for a in args if isinstance(a, torch.Tensor))
+            ):
+                self.counts["weight"] += count
+            if phase == "forward":
+                owner = self.running[-1] if self.running else -1
+                self.by_stage[owner] = self.by_stage.get(owner, 0) + count
+            if self.checkpointed and not self.backward:
+                self.inside["all"] += count
+                self.inside["saved"] += count if func in SAVED_OPS else 0
+                if attention:
+                    self.attention_inside["all"] += count
+                    self.attention_inside["saved"] += count if func in SAVED_OPS else 0
+        return out
+
+
+def storage_key(tensor: torch.Tensor) -> StorageWeakRef:
+    """The key of ``tensor``'s storage (a DTensor's local one), alive or dead."""
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return StorageWeakRef(local.untyped_storage())
+
+
+def kept_bytes(
+    births: Mapping[StorageWeakRef, None], exclude: set[StorageWeakRef], *, collect: int = 2
+) -> int:
+    """Bytes of the storages in ``births`` still alive, but for ``exclude``.
+
+    A garbage collection up to generation ``collect`` runs first: reference cycles (checkpoint
+    frames make some) would otherwise keep dead storages alive.
+    """
+    gc.collect(collect)
+    total = 0
+    for ref in births:
+        if ref.expired() or ref in exclude:
+            continue
+        storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+        total += storage.nbytes()
+    return total
+
+
+def recomputed_bytes(packed: list[dict[StorageWeakRef, int]], *, collect: int = 2) -> int:
+    """The most bytes one checkpointed call's recompute makes again and holds for its backward.
+
+    ``packed``: per call, the storages autograd asked it to save. Those dead once the forward
+    is over are what checkpoint dropped and its recompute rebuilds; those alive (parameters,
+    the call's input, selective checkpointing's kept outputs) are held anyway.
+
+    Examples:
+        >>> kept, dropped = torch.ones(2), torch.ones(3)
+        >>> packed = [{storage_key(kept): 8, storage_key(dropped): 12}]
+        >>> del dropped
+        >>> recomputed_bytes(packed)
+        12
+    """
+    gc.collect(collect)
+    return max((sum(n for ref, n in call.items() if ref.expired()) for call in packed), default=0)
+
+
+def kept_bytes_by_owner(births: Births, exclude: set[StorageWeakRef], *, collect: int = 2) -> dict[int, int]:
+    """`kept_bytes`, by the pipeline stage that made each storage (-1: made outside every stage)."""
+    gc.collect(collect)
+    out: dict[int, int] = {}
+    for ref in births.storages:
+        if ref.expired() or ref in exclude:
+            continue
+        storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+        owner = births.owner.get(ref, -1)
+        out[owner] = out.get(owner, 0) + storage.nbytes()
+    return out

@@ -1,0 +1,151 @@
+"""Experts modules on fake tensors as one rank of an expert- or tensor-parallel plan runs them.
+
+`functional_shard.costing.trace.routing` re-enacts transformers' own experts implementations, which a
+data-parallel plan runs. A plan that splits the experts runs `engines.experts`' forwards
+instead, and the trace re-enacts those, op for op, on the rank's local shapes:
+
+* **expert parallel** (``E / ep`` experts whole on each rank): the token copies sorted by
+  expert, sent (an all-to-all) to the ranks holding their experts; the rank runs each of
+  its local experts on what arrives, sends the results back, and weights and sums them
+  per token. Every rank routes alike (`routing.expert_loads`), so a local expert ``e``
+  receives ``ep × loads[e]`` copies: ``T·k`` rows in all under balanced routing; with
+  ``expert_imbalance`` the hot expert 0 lives on ep rank 0, whose trace is the heaviest.
+* **tensor parallel inside the experts**: every token copy through the rank's ``f / tp``
+  slice of its experts, the partial outputs summed (an all-reduce).
+
+A collective becomes a stand-in autograd function that makes a new tensor of the shape
+the real one returns and saves nothing (as torch's autograd-aware all-to-all saves
+nothing): its bytes and time are the cost model's (`functional_shard.costing.cost.expert_traffic`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import Tensor, nn
+
+from .routing import expert_loads, routed_experts
+
+__all__ = ["rank_experts"]
+
+
+class _Exchange(torch.autograd.Function):
+    """A collective's stand-in: ``rows`` rows out (its gradient: the input's shape back)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, rows: int) -> torch.Tensor:
+        ctx.shape = tensor.shape
+        return tensor.new_empty((rows, *tensor.shape[1:]))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.new_empty(ctx.shape), None
+
+
+def _tie(out: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+    # as the engine's: zero times a slice of each weight, so every rank's backward reaches them
+    return out + sum(0 * w.reshape(-1)[:1].sum() for w in weights)
+
+
+def _run_local(module: Any, rows: torch.Tensor, loads: list[int], gate_up: Any, down: Any) -> torch.Tensor:
+    # the engine's per-expert loop (its index of each expert's rows, an out-of-place index_add)
+    out = rows.new_zeros(rows.shape[0], down.shape[1])
+    for expert, load in enumerate(loads):
+        if not load:
+            continue
+        with torch.no_grad():
+            index = torch.empty(load, dtype=torch.long, device=rows.device)
+        gate, up = F.linear(rows[index], gate_up[expert]).chunk(2, dim=-1)
+        out = out.index_add(0, index, F.linear(module.act_fn(gate) * up, down[expert]))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class _SplitExperts:
+    """An experts module the plan splits, as one rank runs it: ``forward`` stands in for its own.
+
+    ``dispatched`` (expert parallel, the module among the plan's ``expert_modules``): ``ep``
+    ranks hold its experts whole, this rank the ``ep_index``-th ``E / ep`` of them; else
+    tensor parallel splits inside each expert, and ``ep`` is 1.
+    """
+
+    module: Any
+    imbalance: float
+    dispatched: bool
+    ep: int = 1
+    ep_index: int = 0
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """The engine's forward for the router's picks, its experts' loads by `expert_loads`."""
+        gate_up, down = self.module.gate_up_proj, self.module.down_proj
+        tokens, top_k = top_k_index.shape
+        local = gate_up.shape[0]
+        loads = expert_loads(tokens, top_k, local * self.ep, self.imbalance)
+        if not self.dispatched:  # every token copy through this rank's slice of each expert
+            token = torch.arange(tokens, device=hidden_states.device).repeat_interleave(top_k)
+            y = _run_local(self.module, hidden_states[token], loads, gate_up, down)
+            y = y * top_k_weights.reshape(-1, 1).to(y.dtype)
+            out = _tie(
+                torch.zeros_like(hidden_states).index_add(0, token, y.to(hidden_states.dtype)), gate_up, down
+            )
+            return _Exchange.apply(out, tokens)  # the partial sums all-reduced
+        # the copies sorted by expert, sent to the ranks holding theirs, run there and sent back
+        received = [self.ep * load for load in loads[self.ep_index * local : (self.ep_index + 1) * local]]
+        order = torch.argsort(top_k_index.reshape(-1), stable=True)
+        token = order // top_k
+        arrived = _Exchange.apply(hidden_states[token].contiguous(), sum(received))
+        done = _tie(_run_local(self.module, arrived, received, gate_up, down), arrived, gate_up, down)
+        back = _Exchange.apply(done, tokens * top_k)
+        weighted = back * top_k_weights.reshape(-1)[order].unsqueeze(1).to(back.dtype)
+        return torch.zeros_like(hidden_states).index_add(0, token, weighted.to(hidden_states.dtype))
+
+
+@contextlib.contextmanager
+def rank_experts(
+    modules: Mapping[str, nn.Module], imbalance: float, plan: Any, rank: int = 0
+) -> Iterator[None]:
+    """Within the block, experts modules run as ``rank`` of ``plan`` runs them, routed by `expert_loads`.
+
+    The modules the plan splits (``plan.config.expert_modules``, and those whose
+    tensor-parallel style kind is ``experts``) re-enact `engines.experts`' forwards on the
+    rank's local shapes; transformers' experts modules the plan leaves whole are routed
+    by `functional_shard.costing.trace.routing.routed_experts`.
+
+    Examples:
+        >>> import torch.nn as nn, functional_shard as fs
+        >>> model = nn.Linear(2, 2)
+        >>> with rank_experts(dict(model.named_modules()), 1.0, fs.shard(model, fs.Mesh(dp=1), fs.fsdp())):
+        ...     pass
+    """
+    config = plan.config
+    dispatched = set(config.expert_modules)
+    split = set(config.tensor_parallel_experts)
+    axis = config.expert_axis
+    ep = plan.mesh[axis] if axis else 1
+    ep_index = plan.mesh.coords(rank)[axis] if axis else 0
+    replaced: list[tuple[nn.Module, Any]] = []
+    try:
+        for path in dispatched | split:
+            module = modules.get(path)
+            if module is None:
+                continue
+            replaced.append((module, module.__dict__.get("forward")))
+            if path in dispatched:
+                split_experts = _SplitExperts(module, imbalance, dispatched=True, ep=ep, ep_index=ep_index)
+            else:
+                split_experts = _SplitExperts(module, imbalance, dispatched=False)
+            module.forward = split_experts.forward  # type: ignore[method-assign]
+        whole = [module for path, module in modules.items() if path not in dispatched | split]
+        with routed_experts(whole, imbalance):
+            yield
+    finally:
+        for module, previous in replaced:
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous  # type: ignore[method-assign]

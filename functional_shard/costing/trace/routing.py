@@ -1,0 +1,183 @@
+"""Mixture-of-experts layers on fake tensors: which experts each token visits, decided up front.
+
+A router picks each token's top-k experts from its logits' values, which fake tensors do
+not have; transformers' experts modules then ask which experts were hit and which tokens
+each got (data-dependent shapes). `routed_experts` runs each experts module for loads fixed
+in advance by `expert_loads` (balanced, or one hot expert), as its implementation would run
+them, so that `functional_shard.costing.trace.activations.trace_activations` counts the experts' flops
+and what they keep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from functional_shard.core.errors import ShardingError
+
+__all__ = ["check_expert_imbalance", "expert_loads", "routed_experts"]
+
+
+def check_expert_imbalance(imbalance: Any) -> float:
+    """``imbalance`` if it is a finite number >= 1, else a `ShardingError` saying what it means."""
+    if isinstance(imbalance, bool) or not isinstance(imbalance, int | float) or not 1 <= imbalance < math.inf:
+        raise ShardingError(
+            f"expert_imbalance={imbalance!r}: a finite number >= 1 (1.0 is balanced routing; 2.0 gives "
+            "the most loaded expert of each mixture-of-experts layer twice an even share of the tokens)"
+        )
+    return float(imbalance)
+
+
+def expert_loads(tokens: int, top_k: int, experts: int, imbalance: float = 1.0) -> list[int]:
+    """Tokens each of ``experts`` experts gets when ``tokens`` tokens each visit ``top_k`` of them.
+
+    The ``tokens * top_k`` visits are shared out as evenly as they go (the remainder one
+    more to each of the lowest-numbered experts). ``imbalance`` > 1 makes expert 0 the
+    hot one: it gets ``ceil(imbalance * tokens * top_k / experts)`` tokens and the others
+    share the rest evenly. A token visits an expert once, so expert 0 can get at most
+    ``tokens`` (``imbalance`` at most ``experts / top_k``).
+
+    Raises:
+        ShardingError: ``imbalance`` below 1, or more than the tokens there are.
+
+    Examples:
+        >>> expert_loads(tokens=10, top_k=2, experts=8)
+        [3, 3, 3, 3, 2, 2, 2, 2]
+        >>> expert_loads(tokens=10, top_k=2, experts=8, imbalance=2.0)
+        [5, 3, 2, 2, 2, 2, 2, 2]
+    """
+    visits = tokens * top_k
+    check_expert_imbalance(imbalance)
+    # rounded first, so that 1.0 * 20 / 8 is not pushed up by float error
+    hot = math.ceil(round(imbalance * visits / experts, 9))
+    if hot > tokens:
+        raise ShardingError(
+            f"expert_imbalance={imbalance!r}: the most loaded of {experts} experts would get {hot} tokens, "
+            f"but {tokens} tokens visit {top_k} experts each and a token visits an expert once: "
+            f"use at most {experts / top_k:g} (experts / top-k) for this model"
+        )
+    if experts == 1 or hot == -(-visits // experts):
+        share, extra = divmod(visits, experts)
+        return [share + (expert < extra) for expert in range(experts)]
+    share, extra = divmod(visits - hot, experts - 1)
+    return [hot] + [share + (expert < extra) for expert in range(experts - 1)]
+
+
+def _is_routed_experts(module: nn.Module) -> bool:
+    # transformers' experts (Mixtral, Qwen2-MoE, Qwen3-MoE, ...): gate and up projections
+    # concatenated in one [E, 2f, d] parameter, down [E, d, f], no biases
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (
+        isinstance(gate_up, torch.Tensor)
+        and isinstance(down, torch.Tensor)
+        and gate_up.ndim == down.ndim == 3
+        and isinstance(getattr(module, "num_experts", None), int)
+        and callable(getattr(module, "act_fn", None))
+        and getattr(module, "has_gate", True)
+        and not getattr(module, "has_bias", False)
+        and not getattr(module, "is_transposed", False)
+        and getattr(module, "is_concatenated", True)
+    )
+
+
+def _experts_implementation(module: nn.Module) -> str:
+    # set by transformers' use_experts_implementation from the config ("grouped_mm" by default)
+    return getattr(getattr(module, "config", None), "_experts_implementation", None) or "eager"
+
+
+def _eager_experts(
+    module: Any, loads: list[int], hidden_states: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    # transformers' eager loop, for the given loads: per expert, the rows `where` picks
+    final = torch.zeros_like(hidden_states)
+    for expert, load in enumerate(loads):
+        if not load:
+            continue  # the loop skips experts no token chose
+        with torch.no_grad():  # `where` on the expert's mask: one (load, 2) index storage
+            top_k_pos, token_idx = torch.empty(load, 2, dtype=torch.long, device=final.device).unbind(1)
+        gate, up = F.linear(hidden_states[token_idx], module.gate_up_proj[expert]).chunk(2, dim=-1)
+        out = F.linear(module.act_fn(gate) * up, module.down_proj[expert])
+        out = out * top_k_weights[token_idx, top_k_pos, None]
+        final.index_add_(0, token_idx, out.to(final.dtype))
+    return final
+
+
+def _grouped_experts(
+    module: Any,
+    loads: list[int],
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    # transformers' grouped_mm path: visits sorted by expert, each expert's rows one block
+    # of a (tokens * top_k)-row matrix; the grouped matmul is done block by block on views
+    # of that matrix (the same storages saved, and flops torch's formulas count)
+    top_k = top_k_index.shape[-1]
+    with torch.no_grad():
+        _, perm = torch.sort(top_k_index.reshape(-1))
+    rows = hidden_states[perm // top_k]
+    weights = top_k_weights.reshape(-1)[perm]
+
+    def grouped(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        blocks, start = [], 0
+        for expert, load in enumerate(loads):
+            blocks.append(F.linear(x.narrow(0, start, load), weight[expert]))
+            start += load
+        return torch.cat(blocks)
+
+    gate, up = grouped(rows.to(module.gate_up_proj.dtype), module.gate_up_proj).chunk(2, dim=-1)
+    out = grouped((module.act_fn(gate) * up).to(module.down_proj.dtype), module.down_proj)
+    weighted = out * weights.unsqueeze(-1)
+    with torch.no_grad():
+        inverse = torch.empty_like(perm)
+    weighted = weighted[inverse]
+    return weighted.view(hidden_states.shape[0], top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+@contextlib.contextmanager
+def routed_experts(modules: Iterable[nn.Module], imbalance: float) -> Iterator[None]:
+    """Within the block, the transformers experts modules among ``modules`` route by `expert_loads`.
+
+    Examples:
+        >>> with routed_experts(nn.Linear(2, 2).modules(), 1.0):  # no experts: nothing changes
+        ...     pass
+    """
+
+    # Which experts a token visits is read from the router's values, which fake tensors do
+    # not have: transformers' eager loop asks `nonzero` which experts were hit and `where`
+    # which tokens each got (data-dependent shapes), and its grouped_mm kernel has no
+    # fake-tensor kernel in float32 and no flop formula. Each experts module is run
+    # instead as its implementation runs it, for the loads `expert_loads` gives: the
+    # router still runs (its matmul and top-k are counted); its choice is replaced.
+    # batched_mm gathers one weight matrix per visit: it runs on fake tensors as it is.
+    def routed(
+        module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: Any
+    ) -> Any:
+        loads = expert_loads(hidden_states.shape[0], top_k_index.shape[-1], module.num_experts, imbalance)
+        if _experts_implementation(module) == "grouped_mm":
+            return _grouped_experts(module, loads, hidden_states, top_k_index, top_k_weights)
+        return _eager_experts(module, loads, hidden_states, top_k_weights)
+
+    replaced = [
+        module
+        for module in modules
+        if _is_routed_experts(module) and _experts_implementation(module) in ("eager", "grouped_mm")
+    ]
+    previous = [module.__dict__.get("forward") for module in replaced]
+    try:
+        for module in replaced:
+            module.forward = functools.partial(routed, module)  # type: ignore[method-assign]
+        yield
+    finally:
+        for module, forward in zip(replaced, previous, strict=True):
+            if forward is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = forward  # type: ignore[method-assign]

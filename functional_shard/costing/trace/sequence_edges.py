@@ -1,0 +1,194 @@
+"""Sequence parallel re-enacted on plain tensors, for a trace at one rank's local shapes.
+
+torch's parallel styles move activations at module edges under sequence parallel (a
+colwise layer all-gathers its sequence-split input, a rowwise one reduce-scatters its
+output over the sequence); `sequence_parallel` does the same to whole tensors during a
+trace so that each module keeps what it keeps on a rank. `check_sequence_parallel`
+refuses, before tracing, what `functional_shard.apply` refuses to run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from functional_shard.core.errors import ShardingError
+from functional_shard.core.sequence import check_split_share
+from functional_shard.planning.tp.rules import first_input_name, sequence_gathers, sequence_parallel_problems
+
+__all__ = ["check_sequence_parallel", "sequence_parallel"]
+
+
+def _gathered_features(plan: Any, path: str, kind: str) -> int:
+    """The global output width of a module whose output is gathered (a colwise_gather one)."""
+    shape = plan.tensors[plan.canonical(f"{path}.weight")].shape
+    # Linear's weight is (out, in); Conv1D's (in, out); an embedding's (num, dim) gives dim
+    return shape[-1] if kind in ("conv1d", "embedding") else shape[0]
+
+
+@contextlib.contextmanager
+def sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> Iterator[None]:
+    """Within the block, ``model``'s modules move activations as torch's styles do under sequence parallel."""
+    # What torch's styles do to activations, re-enacted on plain tensors, as apply runs
+    # them (apply._torch_styles). Under sequence parallel the residual stream is a DTensor
+    # split on the sequence: its shape reads whole (Hugging Face derives position ids and
+    # the attention mask from it) while each rank holds its part. Here the embedding's
+    # output stays whole, so the model reads the whole length, and each block (the
+    # module holding an attention or MLP that gathers) takes its part of it on entry: a
+    # new buffer, as the embedding's reduce-scatter makes one. A module that gathers
+    # (rules.sequence_gathers: attention, MLP) all-gathers its first input into a buffer
+    # of its own, which the matmuls inside save; a column-split layer elsewhere (lm_head)
+    # gathers its own input; a row-split layer reduce-scatters its output over the
+    # sequence. A colwise_gather layer also all-gathers its output over the features.
+    handles = []
+
+    def whole(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x] * tp_size, dim=1) if x.shape[1] * tp_size == seq else x
+
+    def first_input(name: str, change: Any) -> Any:
+        # the module's first input, by position or by name (Hugging Face's attention
+        # gets hidden_states=); the other arguments pass through
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if args and isinstance(args[0], torch.Tensor):
+                return (change(args[0]), *args[1:]), kwargs
+            if isinstance(kwargs.get(name), torch.Tensor):
+                return args, {**kwargs, name: change(kwargs[name])}
+            return None
+
+        return hook
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        gathered = whole(x)
+        return gathered if gathered is not x else x.clone()
+
+    def part(x: torch.Tensor) -> torch.Tensor:
+        if not x.is_floating_point() or x.shape[1] != seq:
+            return x  # token ids, or a part already
+        return x.narrow(1, 0, seq // tp_size).clone()
+
+    def gather_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (gather(args[0]), *args[1:])
+
+    def scatter_seq(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return out.narrow(1, 0, out.shape[1] // tp_size).clone()
+
+    def gather_features(full: int, module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        # the gathered output has the global width whatever this rank's piece is (uneven
+        # splits: trailing ranks hold less, torch.chunk style; DTensor pads only in transit)
+        return F.pad(out, (0, full - out.shape[-1]))
+
+    def split_input(kind: str, module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        # rowwise_split_input: torch's RowwiseParallel(input_layouts=Replicate()) keeps this
+        # rank's in-features of the whole input, a copy; the local weight says how many
+        local = module.weight.shape[0 if kind == "conv1d" else -1]
+        return (args[0].narrow(-1, 0, local).clone(), *args[1:])
+
+    def split_projection(module: Any, style: str, kind: str) -> Any:
+        # apply runs Conv1D layers and packed projections itself (_split_projection): a
+        # matmul on the local weight; a packed layer slices its whole bias to its pieces
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            y = x @ module.weight if kind == "conv1d" else x @ module.weight.t()
+            bias = module.bias
+            if bias is None:
+                return y
+            return y + (bias.narrow(0, 0, y.shape[-1]) if style == "packed_colwise" else bias)
+
+        return forward
+
+    sequence = plan.config.sequence_parallel
+    gathers = set(sequence_gathers(plan.config.tp_styles)) if sequence else set()
+    blocks = {path.rpartition(".")[0] for path in gathers} - {""}
+    overridden: list[Any] = []
+    resized: list[tuple[Any, str, int]] = []
+    try:
+        for path in sorted(gathers):
+            name = first_input_name(model.get_submodule(path)) or ""
+            handles.append(
+                model.get_submodule(path).register_forward_pre_hook(
+                    first_input(name, gather), with_kwargs=True
+                )
+            )
+        for path in sorted(blocks):
+            name = first_input_name(model.get_submodule(path)) or ""
+            handles.append(
+                model.get_submodule(path).register_forward_pre_hook(first_input(name, part), with_kwargs=True)
+            )
+        for path, style, kind in plan.config.tp_styles:
+            if kind == "experts":  # split inside each expert: rank_experts re-enacts their forward
+                continue
+            module = model.get_submodule(path)
+            if style in ("colwise", "rowwise", "packed_colwise") and (
+                kind == "conv1d" or style == "packed_colwise"
+            ):
+                module.forward = split_projection(module, style, kind)
+                overridden.append(module)
+            if style == "packed_colwise":  # as apply shrinks the attention to this rank's heads
+                parent = model.get_submodule(path.rpartition(".")[0])
+                for name in ("split_size", "num_heads"):
+                    if isinstance(getattr(parent, name, None), int):
+                        resized.append((parent, name, getattr(parent, name)))
+                        setattr(parent, name, getattr(parent, name) // tp_size)
+            inside = path.rpartition(".")[0] in gathers
+            if sequence and style in ("colwise", "colwise_gather") and kind != "embedding" and not inside:
+                handles.append(module.register_forward_pre_hook(gather_input))
+            head_of_parallel_loss = style == "colwise_gather" and plan.config.loss_parallel
+            if (style == "colwise_gather" and not head_of_parallel_loss) or (
+                style == "colwise" and kind == "embedding"
+            ):
+                # a colwise embedding's output is gathered over the features too
+                full = _gathered_features(plan, path, kind)
+                handles.append(module.register_forward_hook(functools.partial(gather_features, full)))
+            if sequence and style in ("rowwise", "rowwise_split_input") and kind != "embedding":
+                handles.append(module.register_forward_hook(scatter_seq))
+            if style == "rowwise_split_input":
+                handles.append(module.register_forward_pre_hook(functools.partial(split_input, kind)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module in overridden:
+            del module.forward
+        for parent, name, value in resized:
+            setattr(parent, name, value)
+
+
+def check_sequence_parallel(modules: dict[str, nn.Module], plan: Any, seq: int, tp_size: int) -> None:
+    """Refuse, before tracing, what apply refuses to run under sequence parallel.
+
+    ``seq`` is one rank's length: under cp, its share of the whole sequence.
+    """
+    from functional_shard.core.errors import PlanError, bullets
+
+    axes = ",".join(plan.config.tensor_parallel_axes)
+    cp_axis = plan.config.context_parallel_axis
+    cp = plan.mesh[cp_axis] if cp_axis else 1
+    if cp > 1:  # speak of the length the caller gave, not of a rank's share of it
+        whole = seq * cp
+        check_split_share(
+            whole,
+            cp,
+            tp_size,
+            load_balance=plan.config.context_load_balance,
+            axis=axes,
+            who=f"trace_activations(seq={whole})",
+        )
+    elif seq % tp_size:
+        raise ShardingError(
+            f"trace_activations(seq={seq}): sequence parallel over {axes!r} splits the sequence evenly "
+            f"over its {tp_size} ranks (torch pads no activation), and {tp_size} does not divide {seq}. "
+            f"Use a sequence length that is a multiple of {tp_size}, or drop sequence_parallel"
+        )
+    if problems := sequence_parallel_problems(plan.config.tp_styles, modules):
+        raise PlanError(
+            bullets(
+                f"trace_activations: torch's engines cannot run sequence parallel over {axes!r} here:",
+                problems,
+                "Change the rules, or drop sequence_parallel.",
+            )
+        )

@@ -1,0 +1,258 @@
+"""``functional-shard demo``: a plan trained for real on local processes, beside its prediction.
+
+A tiny Llama is planned on a mesh, built on the meta device on every rank, parallelized
+with torch's engines and materialized shard by shard; it trains a few AdamW steps on
+``world`` gloo processes while the collectives torch issues and the tensors each rank
+holds are measured. The demo then prints the plan's prediction beside the measurement,
+and the losses beside one process training on the same global batches.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from functional_shard.core.errors import ShardingError
+from functional_shard.core.mesh import Mesh
+from functional_shard.planning.plan.plan import Plan
+from functional_shard.planning.planner import shard
+from functional_shard.planning.policy.parse import format_policy, parse_policy
+from functional_shard.planning.policy.types import Policy
+from functional_shard.runtime.apply import apply, check_runnable, materialize, optimizer
+from functional_shard.runtime.launch import LocalWorld, current_rank
+from functional_shard.runtime.measure import CollectiveLog, resident_bytes
+
+from .model_zoo import CONFIGS, Llama, LlamaConfig
+
+__all__ = ["DemoResult", "process_limit", "run"]
+
+_LR = 1e-2
+_SEQUENCE = 16
+_MICRO_BATCH = 2
+_MEASURED_STEP = 2  # steady state: lazy optimizer state built, DDP's buckets rebuilt
+# against one float32 process: float32 reordering of sharded reductions is ~1e-6 here;
+# a low-precision plan computes in its dtype (bfloat16's relative step is 7.8e-3)
+_LOSS_TOLERANCE = {None: 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
+
+
+def process_limit() -> int:
+    """How many local processes the demo starts on this machine without ``force``.
+
+    Four per CPU core this process may use, and never fewer than eight: past that, the gloo
+    ranks share the cores so thinly that the run crawls for minutes before a collective
+    times out.
+
+    Examples:
+        >>> process_limit() >= 8
+        True
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(8, 4 * (cores or 1))
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    """What the demo found: each check's verdict, and the report it printed."""
+
+    memory_matches: bool
+    comm_matches: bool
+    losses_match: bool
+    report: str
+
+    @property
+    def ok(self) -> bool:
+        """Every prediction held and the run matched one process."""
+        return self.memory_matches and self.comm_matches and self.losses_match
+
+
+def _batches(config: LlamaConfig, data_parallel: int, steps: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1234)
+    shape = (_MICRO_BATCH * data_parallel, _SEQUENCE + 1)
+    return [torch.randint(0, config.vocab_size, shape, generator=generator) for _ in range(steps)]
+
+
+def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def _train_on_rank(plan: Plan, config: LlamaConfig, steps: int, seed: int) -> dict[str, Any]:
+    # FSDP2 warns that the logits are a view (of the tensor-parallel gather); the demo
+    # never writes into them, so the warning would only hide the report
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    # sharded plans build on the meta device and allocate only their shards; DDP and
+    # ZeRO-1 keep every parameter on every rank, so they build whole
+    meta = plan.config.data_parallel not in ("ddp", "zero1")
+    torch.manual_seed(seed)
+    with torch.device("meta") if meta else nullcontext():
+        model = Llama(config)
+    apply(plan, model)
+    if meta:
+        materialize(plan, model, seed=seed)
+    adamw = optimizer(plan, model, torch.optim.AdamW, lr=_LR)
+    index, data_parallel = plan.data_parallel_rank(current_rank())
+    log = CollectiveLog(plan.mesh)
+    losses = []
+    for step, batch in enumerate(_batches(config, data_parallel, steps)):
+        mine = batch[index * _MICRO_BATCH : (index + 1) * _MICRO_BATCH]
+        with log if step == _MEASURED_STEP else nullcontext():
+            adamw.zero_grad()
+            loss = _loss(model, mine)
+            loss.backward()
+            adamw.step()
+        losses.append(loss.item())
+    return {"losses": losses, "memory": resident_bytes(model, adamw), "sent": log.sent}
+
+
+def _one_process(config: LlamaConfig, data_parallel: int, steps: int, seed: int) -> list[float]:
+    torch.manual_seed(seed)
+    model = Llama(config)
+    adamw = torch.optim.AdamW(model.parameters(), lr=_LR)
+    losses = []
+    for batch in _batches(config, data_parallel, steps):
+        adamw.zero_grad()
+        loss = _loss(model, batch)
+        loss.backward()
+        adamw.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _policy_text(policy: Policy) -> str:
+    try:
+        return format_policy(policy)
+    except ShardingError:  # a policy function has no text form: name its layers
+        return " + ".join(layer.name for layer in policy.layers)
+
+
+def _mark(ok: bool) -> str:
+    return "ok" if ok else "DIFFERS"
+
+
+def run(
+    mesh: Mesh,
+    policy: Policy | str,
+    *,
+    model: str = "tiny",
+    steps: int = 5,
+    seed: int = 0,
+    out: Callable[[str], None] = print,
+    force: bool = False,
+) -> DemoResult:
+    """Plan, train on ``mesh.size`` local processes, and compare with the prediction and one process.
+
+    Args:
+        mesh: the mesh (an axis of -1 is refused: the demo's world is the mesh).
+        policy: the policy to plan with, or its text (``"fsdp(dp) + tp(llama, tp)"``, see
+            `functional_shard.planning.policy.parse`; class names resolve against the zoo Llama).
+        model: a small `functional_shard.zoo.CONFIGS` name.
+        steps: AdamW steps (at least 3: the third is measured).
+        seed: initialisation seed, for the run and the one-process reference.
+        out: where report lines go.
+        force: start ``mesh.size`` processes even past `process_limit`.
+
+    Raises:
+        ShardingError: a mesh with more processes than `process_limit` (without ``force``),
+            too few steps, or a policy or plan that cannot run; all before any process starts.
+
+    Examples:
+        >>> # fs.demo.run(fs.Mesh(dp=2, tp=2), "fsdp(dp) + tp(llama, tp)").ok
+    """
+    if not mesh.is_resolved:
+        raise ShardingError(f"{mesh!r}: the demo starts one process per device, so give every axis its size")
+    limit = process_limit()
+    if mesh.size > limit and not force:
+        raise ShardingError(
+            f"{mesh!r} needs {mesh.size} local processes (one per device), more than the {limit} the "
+            "demo starts on this machine (4 per CPU core, at least 8): use a smaller mesh, or pass --force "
+            "(force=True) to start them anyway"
+        )
+    if steps <= _MEASURED_STEP:
+        raise ShardingError(
+            f"--steps {steps}: the demo measures step {_MEASURED_STEP + 1}, so give 3 or more"
+        )
+    config = CONFIGS[model]
+    with torch.device("meta"):
+        shapes_only = Llama(config)
+    if isinstance(policy, str):
+        policy = parse_policy(policy, shapes_only)
+    plan = shard(shapes_only, mesh, policy)
+    check_runnable(plan, shapes_only)  # before any process starts
+    predicted = plan.cost("adamw", tokens=_MICRO_BATCH * _SEQUENCE)
+    lines: list[str] = []
+
+    def say(line: str = "") -> None:
+        lines.append(line)
+        out(line)
+
+    say(f"functional-shard demo: {model} Llama on {mesh.size} local processes (gloo), {mesh!r}")
+    say(f"policy: {_policy_text(policy)}")
+    say()
+    say("The plan, before anything runs:")
+    say(plan.explain())
+    say()
+    say(str(predicted))
+    say()
+    with LocalWorld(mesh.size) as world:
+        ranks = world.run(_train_on_rank, plan, config, steps, seed)
+
+    say(f"Memory per rank after {steps} steps, bytes (predicted by plan.cost / measured from storages):")
+    memory_ok = True
+    for rank, result in enumerate(ranks):
+        on_rank = plan.cost("adamw", rank=rank)
+        expected = {
+            "params": on_rank.params_bytes,
+            "grads": on_rank.grads_bytes,
+            "optimizer": on_rank.optimizer_bytes,
+        }
+        row_ok = expected == result["memory"]
+        memory_ok &= row_ok
+        cells = "  ".join(f"{k} {expected[k]:>9,} / {result['memory'][k]:>9,}" for k in expected)
+        say(f"  rank {rank}: {cells}  {_mark(row_ok)}")
+    say()
+
+    say(f"Bytes sent in step {_MEASURED_STEP + 1}, per rank (predicted / measured from torch's collectives):")
+    predicted_comm = predicted.comm_bytes
+    comm_ok = True
+    kinds = sorted({(k, a) for k, by in predicted_comm.items() for a in by})
+    kinds += sorted({(k, a) for r in ranks for k, by in r["sent"].items() for a in by} - set(kinds))
+    for kind, axes in kinds:
+        expected_bytes = predicted_comm.get(kind, {}).get(axes, 0.0)
+        measured = [r["sent"].get(kind, {}).get(axes, 0.0) for r in ranks]
+        row_ok = all(math.isclose(m, expected_bytes, abs_tol=0.5) for m in measured)
+        comm_ok &= row_ok
+        spread = f"{min(measured):,.0f}" + (
+            f"..{max(measured):,.0f}" if max(measured) != min(measured) else ""
+        )
+        say(f"  {kind:<15} over {axes or '-':<8} {expected_bytes:>12,.0f} / {spread:>12}  {_mark(row_ok)}")
+    say()
+
+    data_parallel = plan.data_parallel_rank(0)[1]
+    alone = _one_process(config, data_parallel, steps, seed)
+    # every data-parallel group weighs the same: the mean over ranks is the global loss
+    sharded = [sum(step) / len(ranks) for step in zip(*(r["losses"] for r in ranks), strict=True)]
+    worst = max(abs(a - b) for a, b in zip(sharded, alone, strict=True))
+    allowed = _LOSS_TOLERANCE[plan.config.param_dtype]
+    losses_ok = worst <= allowed
+    say(f"Training, global batch {_MICRO_BATCH * data_parallel} x {_SEQUENCE} tokens: loss per step")
+    say(f"  {'step':>4}  {f'{mesh.size} processes':>14}  {'1 process':>12}")
+    for step, (a, b) in enumerate(zip(sharded, alone, strict=True), start=1):
+        say(f"  {step:>4}  {a:>14.6f}  {b:>12.6f}")
+    tolerance = f"{plan.config.param_dtype or 'float32'} against float32; tolerance {allowed:g}"
+    say(f"  largest difference {worst:.2e} ({tolerance})  {_mark(losses_ok)}")
+    say()
+    verdict = all((memory_ok, comm_ok, losses_ok))
+    say(
+        "All predictions held and the run matched one process."
+        if verdict
+        else "Something differed: see the rows marked DIFFERS."
+    )
+    return DemoResult(memory_ok, comm_ok, losses_ok, "\n".join(lines))

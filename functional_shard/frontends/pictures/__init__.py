@@ -1,0 +1,1 @@
+"""Pictures of a plan with matplotlib: memory per device, blocks, pipelines, sequences."""

@@ -1,0 +1,126 @@
+"""Memory per device, as stacked bars: what `Plan.cost` predicts for each rank, an estimate on top."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from functional_shard.core.errors import ShardingError
+
+from .canvas import byte_unit, matplotlib_module
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+    from functional_shard.costing.cost.cost_model import OptimizerKind
+    from functional_shard.planning.plan.plan import Plan
+
+__all__ = ["draw_memory"]
+
+_COST_PARTS = (
+    ("params_bytes", "params"),
+    ("grads_bytes", "grads"),
+    ("optimizer_bytes", "optimizer"),
+    ("buffers_bytes", "buffers"),
+    ("gathered_bytes", "gathered (FSDP units in flight)"),
+)
+# parts of an estimate's memory that plan.cost() already draws
+_COST_KEYS = {"params", "grads", "optimizer", "buffers", "gathered", "params_bytes", "grads_bytes"}
+_MAX_BARS = 32
+
+
+def _ranks_shown(size: int, ranks: Sequence[int] | None) -> list[int]:
+    if ranks is not None:
+        bad = [r for r in ranks if not 0 <= r < size]
+        if bad:
+            raise ShardingError(f"ranks {bad} are outside the mesh of {size} devices")
+        return list(ranks)
+    if size <= _MAX_BARS:
+        return list(range(size))
+    step = (size - 1) / (_MAX_BARS - 1)
+    return sorted({round(i * step) for i in range(_MAX_BARS)})
+
+
+def _estimate_parts(estimate: Any) -> dict[str, int]:
+    """The estimate's memory parts that `Plan.cost` does not draw (activations, workspace)."""
+    if estimate is None:
+        return {}
+    memory: Mapping[str, int] | None = getattr(estimate, "memory", None)
+    if memory:
+        return {k: int(v) for k, v in memory.items() if k not in _COST_KEYS and v and "host" not in k}
+    activations = getattr(estimate, "activation_bytes", None)
+    if activations is None:
+        raise ShardingError(f"estimate={estimate!r}: pass the result of fs.estimate(...)")
+    return {"activations": int(activations)}
+
+
+def draw_memory(
+    axes: Axes,
+    plan: Plan,
+    *,
+    estimate: Any = None,
+    optimizer: OptimizerKind = "adamw",
+    ranks: Sequence[int] | None = None,
+    budget: int | None = None,
+) -> None:
+    """Stacked bars of each rank's predicted device memory, into matplotlib ``axes``.
+
+    Args:
+        axes: where to draw.
+        plan: the plan.
+        estimate: an `fs.estimate` result; its parts beyond the plan's (activations,
+            logits, workspace) are stacked on every bar (they are per data-parallel rank).
+        optimizer: as for `Plan.cost`.
+        ranks: the ranks to draw; by default all, or 32 spread evenly over a big mesh.
+        budget: draw a line at this many bytes (the device's memory).
+
+    Raises:
+        ShardingError: a rank outside the mesh, or ``estimate`` is not an estimate.
+    """
+    shown = _ranks_shown(plan.mesh.size, ranks)
+    costs = [plan.cost(optimizer, rank=rank) for rank in shown]
+    extra = _estimate_parts(estimate)
+    largest = max([c.total_bytes for c in costs] + [budget or 0]) + sum(extra.values())
+    unit, scale = byte_unit(largest)
+    stacks = {label: [getattr(c, field) / scale for c in costs] for field, label in _COST_PARTS}
+    stacks.update(
+        {
+            name.removesuffix("_bytes").replace("_", " "): [value / scale] * len(shown)
+            for name, value in extra.items()
+        }
+    )
+    positions = list(range(len(shown)))
+    bottom = [0.0] * len(shown)
+    colours = iter(matplotlib_module().colormaps["tab10"].colors)
+    for label, values in stacks.items():
+        colour = next(colours)
+        if not any(values):
+            continue
+        axes.bar(positions, values, bottom=bottom, label=label, color=colour, width=0.8)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    axes.set_xticks(positions)
+    if len(shown) <= 8 and len(plan.mesh.axis_names) > 1:
+        labels = [
+            f"{rank}\n" + ", ".join(f"{a}={i}" for a, i in plan.mesh.coords(rank).items()) for rank in shown
+        ]
+    else:
+        labels = [str(rank) for rank in shown]
+    axes.set_xticklabels(
+        labels, fontsize=8 if len(shown) <= 16 else 6, rotation=0 if len(shown) <= 16 else 90
+    )
+    axes.set_xlabel("rank" + ("" if len(shown) == plan.mesh.size else f" ({len(shown)} of {plan.mesh.size})"))
+    axes.set_ylabel(f"{unit} per device")
+    top = max(bottom, default=0.0)
+    subtitle = repr(plan.mesh)
+    # a budget far above the bars would flatten them: past 3x the tallest it is only named
+    if budget is not None and budget / scale <= 3 * top:
+        label = f"budget {budget / scale:.3g} {unit}"
+        axes.axhline(budget / scale, color="black", linestyle="--", linewidth=1, label=label)
+        top = max(top, budget / scale)
+    elif budget is not None:
+        subtitle += f"; budget {budget / scale:.3g} {unit}, off the scale"
+    axes.set_ylim(0, top * 1.3 or 1)
+    title = "memory per device (predicted)" + (" with activations" if extra else "")
+    axes.set_title(f"{title}\n{subtitle}", fontsize=10)
+    axes.legend(fontsize=8, loc="upper right", ncols=2)
+    axes.grid(axis="y", alpha=0.3)

@@ -1,0 +1,133 @@
+"""Pictures of a plan, from shapes alone: memory per device, and who holds which block.
+
+`visualize` draws two panels with matplotlib (the optional ``plot`` extra):
+
+* **memory per device** — stacked bars of parameters, gradients, optimizer state,
+  buffers and gathered FSDP units for each rank, as `Plan.cost` predicts them; with an
+  `fs.estimate` result, its activation and workspace parts are stacked on top;
+* **one parameter's blocks** — its global shape as a grid, each block labelled with the
+  ranks that hold it (replicas share a block), in the spirit of JAX's
+  ``visualize_sharding``, but computed from `local_shape_and_offset`: no processes, no
+  tensors;
+* **pipeline stages** (a plan with a pipeline) — for each pp rank, its stages in the
+  order it holds them, each as wide as its parameters, labelled with its modules;
+* **the sequence** (a plan with context parallel) — its chunks coloured by the cp rank
+  holding them, and each rank's share of the causal attention work.
+
+The figure is built on matplotlib's Agg canvas (no display needed) and never touches
+``pyplot``'s global state. Each panel is drawn by its own module
+(`functional_shard.frontends.pictures.memory`, `functional_shard.frontends.pictures.blocks`,
+`functional_shard.frontends.pictures.pipeline_chart`); their drawing functions are importable
+from here too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from .blocks import blocks, draw_blocks
+from .canvas import new_figure
+from .memory import draw_memory
+from .pipeline_chart import draw_schedule, draw_schedule_figure, draw_stages
+from .sequence_chart import draw_sequence
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from functional_shard.costing.cost.cost_model import OptimizerKind
+    from functional_shard.planning.plan.plan import Plan
+
+__all__ = [
+    "blocks",
+    "draw_blocks",
+    "draw_memory",
+    "draw_schedule",
+    "draw_schedule_figure",
+    "draw_sequence",
+    "draw_stages",
+    "visualize",
+]
+
+
+def _largest(plan: Plan) -> str:
+    return max(plan.params, key=lambda path: (plan.tensors[path].numel, path))
+
+
+def visualize(
+    plan: Plan,
+    param: str | None = None,
+    *,
+    estimate: Any = None,
+    optimizer: OptimizerKind = "adamw",
+    spec: str = "storage",
+    ranks: Sequence[int] | None = None,
+    budget: int | None = None,
+    path: Any = None,
+) -> Figure:
+    """Draw a plan: memory per device beside one parameter's blocks over the ranks.
+
+    A plan with a pipeline gets a third panel, which pp rank holds which stage
+    (`draw_stages`), and below them its schedule on a clock with equal stages
+    (`draw_schedule`; forward 1, backward 2).
+
+    Args:
+        plan: the plan.
+        param: the parameter (or buffer) whose blocks to draw; by default the largest.
+        estimate: an `fs.estimate` result, to stack activations on the memory bars.
+        optimizer: as for `Plan.cost`.
+        spec: which of the parameter's four specs to draw (default: at rest).
+        ranks: the ranks to give bars; by default all (32 spread evenly over a big mesh).
+        budget: device memory in bytes, drawn as a line over the bars.
+        path: if given, the figure is also written there (PNG, SVG, PDF: by the suffix).
+
+    Returns:
+        The matplotlib ``Figure``.
+
+    Raises:
+        ShardingError: matplotlib is missing (``pip install 'functional-shard[plot]'``),
+            an unknown parameter or spec, or a rank outside the mesh.
+
+    Examples:
+        >>> plan = fs.shard(nn.Linear(8, 6), fs.Mesh(dp=2, tp=2), fs.fsdp("dp") + fs.tp([("*", "colwise")]))
+        >>> figure = plan.visualize("weight")
+        >>> [axes.get_title().splitlines()[0] for axes in figure.axes]
+        ['memory per device (predicted)', 'weight  6×8']
+    """
+    pipeline_axis = plan.config.pipeline_axis
+    piped = pipeline_axis is not None
+    cut = plan.config.context_parallel_axis is not None
+    if not piped:
+        figure = new_figure(19 if cut else 13, 5)
+        panels = list(figure.subplots(1, 3 if cut else 2, width_ratios=[1, 1.15, 1.15][: 3 if cut else 2]))
+    else:
+        # the schedule gets a row of its own, as wide as the three panels above it (and the
+        # sequence one below it under cp)
+        figure = new_figure(19, 11.5 if cut else 8.5)
+        rows, heights = (3, [5, 3.5, 3]) if cut else (2, [5, 3.5])
+        grid = figure.add_gridspec(rows, 3, width_ratios=[1, 1.15, 1.15], height_ratios=heights)
+        panels = [figure.add_subplot(grid[0, column]) for column in range(3)]
+        panels.append(figure.add_subplot(grid[1, :]))
+        if cut:
+            panels.append(figure.add_subplot(grid[2, :]))
+    draw_memory(panels[0], plan, estimate=estimate, optimizer=optimizer, ranks=ranks, budget=budget)
+    draw_blocks(panels[1], plan, param if param is not None else _largest(plan), spec)
+    if pipeline_axis is not None:
+        from functional_shard.planning.pipeline.schedules import simulate
+
+        config = plan.config
+        draw_stages(panels[2], plan, optimizer)
+        draw_schedule(
+            panels[3],
+            simulate(
+                config.pipeline_schedule,
+                plan.mesh[pipeline_axis],
+                config.microbatches,
+                config.stages_per_rank,
+            ),
+        )
+    if cut:
+        draw_sequence(panels[-1], plan)
+    if path is not None:
+        figure.savefig(path, dpi=110)
+    return figure

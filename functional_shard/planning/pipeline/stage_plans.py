@@ -1,0 +1,82 @@
+"""What the ranks running some pipeline stages hold of a plan. Pure.
+
+The pipeline engine runs its engines on it, one stage at a time, and the cost model counts
+each pp rank's memory by it: one function for both, so that what runs and what is counted
+cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from functional_shard.planning.plan.plan import Plan
+
+from .stages import stage_finder
+
+__all__ = ["stage_plan", "without_pipeline"]
+
+
+def stage_plan(plan: Plan, stages: Iterable[int]) -> Plan:
+    """``plan`` cut down to what the ranks running ``stages`` hold.
+
+    Parameters, buffers, FSDP units, tensor-parallel styles, experts and checkpointed
+    modules of those stages stay; a tensor no stage lists (a rotary table at the model's
+    root) is every stage's. The pipeline fields stay too: `cost` of the result at a rank
+    of the right pp coordinate is that rank's share. FSDP units stay gathered from forward
+    to backward (``reshard_after_forward=False``), as torchtitan runs them under a
+    pipeline: the schedule's micro-batches would gather them again for every backward.
+
+    Examples:
+        >>> import functional_shard as fs
+        >>> from functional_shard import zoo
+        >>> plan = fs.shard(zoo.llama("tiny"), fs.Mesh(pp=2), fs.pipeline("pp", microbatches=2))
+        >>> last = stage_plan(plan, [1])
+        >>> "lm_head.weight" in last.params, "embed_tokens.weight" in last.params
+        (True, False)
+    """
+    chosen = frozenset(stages)
+    config = plan.config
+    stage_of = stage_finder(config.pipeline_stages)
+
+    def held(path: str) -> bool:
+        stage = stage_of(path)
+        return stage is None or stage in chosen
+
+    def runs(module: str) -> bool:
+        return stage_of(module, module=True) in chosen
+
+    params = {path: spec for path, spec in plan.params.items() if held(path)}
+    local_config = dataclasses.replace(
+        config,
+        units=tuple(unit for unit in config.units if unit == "" or runs(unit)),
+        # a group's modules run on one stage (the planner refuses others)
+        unit_groups=tuple(group for group in config.unit_groups if runs(group[0])),
+        tp_styles=tuple(entry for entry in config.tp_styles if runs(entry[0])),
+        tp_pieces=tuple(entry for entry in config.tp_pieces if runs(entry[0])),
+        expert_modules=tuple(module for module in config.expert_modules if runs(module)),
+        checkpointed=tuple(module for module in config.checkpointed if runs(module)),
+        reshard_after_forward=False,
+    )
+    return dataclasses.replace(
+        plan,
+        params=params,
+        buffers={path: spec for path, spec in plan.buffers.items() if held(path)},
+        tensors={path: t for path, t in plan.tensors.items() if path in params or held(path)},
+        aliases={path: names for path, names in plan.aliases.items() if path in params},
+        config=local_config,
+    )
+
+
+def without_pipeline(plan: Plan) -> Plan:
+    """``plan`` with no pipeline axis and no stages: what the engines run for one stage.
+
+    Examples:
+        >>> import functional_shard as fs
+        >>> from functional_shard import zoo
+        >>> plan = fs.shard(zoo.llama("tiny"), fs.Mesh(pp=2), fs.pipeline("pp", microbatches=2))
+        >>> without_pipeline(stage_plan(plan, [0])).config.pipeline_axis is None
+        True
+    """
+    config = dataclasses.replace(plan.config, pipeline_axis=None, pipeline_stages=())
+    return dataclasses.replace(plan, config=config)

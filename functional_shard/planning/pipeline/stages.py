@@ -1,0 +1,286 @@
+"""Pipeline stages as data: which modules each stage runs, which pp rank holds it. Pure.
+
+Stages are cut the way torchtitan cuts them: the repeated blocks (``layers.0`` ...) are
+the units of work, the modules before them (the embedding) count as one more unit with
+the first stage and the modules after them (final norm, head) as one more with the last;
+the units are split evenly, the remainder going to the earliest stages.
+
+A stage's index and the pp rank that runs it differ under multi-stage schedules: looped
+schedules (interleaved 1F1B, looped BFS, interleaved zero bubble) put stage ``s`` on rank
+``s % pp``; the V-shaped ones (ZBV, DualPipeV) put stages ``s`` and ``2·pp − 1 − s`` on
+rank ``s``, so the first and last stages share a rank.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+
+from functional_shard.core.errors import PolicyError
+from functional_shard.core.tree import ModelTree, owner_paths
+from functional_shard.planning.tp.rules import layout_of
+
+__all__ = ["SCHEDULES", "boundary_features", "rank_stages", "split_stages", "stage_finder", "stage_rank"]
+
+SCHEDULES: dict[str, str] = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved1f1b": "ScheduleInterleaved1F1B",
+    "looped_bfs": "ScheduleLoopedBFS",
+    "interleaved_zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+"""Our schedule names → the class in ``torch.distributed.pipelining.schedules``."""
+
+SINGLE_STAGE = frozenset({"gpipe", "1f1b"})
+"""Schedules that run exactly one stage per rank."""
+V_SHAPED = frozenset({"zbv", "dualpipev"})
+"""Schedules that run two stages per rank in a V (first and last stage on rank 0)."""
+
+
+def check_schedule(schedule: str, stages_per_rank: int) -> None:
+    """Refuse an unknown schedule, or a stage count per rank the schedule cannot run.
+
+    Raises:
+        PolicyError: naming the schedule, the count and what would work.
+    """
+    if schedule not in SCHEDULES:
+        raise PolicyError(
+            f"pipeline(schedule={schedule!r}): unknown schedule; choose one of {list(SCHEDULES)}"
+        )
+    if not isinstance(stages_per_rank, int) or stages_per_rank < 1:
+        raise PolicyError(f"pipeline(stages_per_rank={stages_per_rank!r}): a positive number of stages")
+    if schedule in SINGLE_STAGE and stages_per_rank != 1:
+        raise PolicyError(
+            f"pipeline(schedule={schedule!r}, stages_per_rank={stages_per_rank}): {schedule!r} runs one "
+            "stage per rank; use 'interleaved1f1b', 'looped_bfs' or 'interleaved_zb' for more"
+        )
+    if schedule in V_SHAPED and stages_per_rank != 2:
+        raise PolicyError(
+            f"pipeline(schedule={schedule!r}, stages_per_rank={stages_per_rank}): the V-shaped "
+            f"schedule {schedule!r} runs exactly two stages per rank; set stages_per_rank=2"
+        )
+
+
+def stage_rank(stage: int, pp: int, stages_per_rank: int, schedule: str) -> int:
+    """The pp coordinate of the rank that runs ``stage``.
+
+    Examples:
+        >>> stage_rank(5, 4, 2, "interleaved1f1b"), stage_rank(5, 4, 2, "zbv")
+        (1, 2)
+    """
+    stages = pp * stages_per_rank
+    if not 0 <= stage < stages:
+        raise PolicyError(f"stage {stage} does not exist: {pp} ranks × {stages_per_rank} stages each")
+    if schedule in V_SHAPED:
+        return stage if stage < pp else stages - 1 - stage
+    return stage % pp
+
+
+def rank_stages(rank: int, pp: int, stages_per_rank: int, schedule: str) -> tuple[int, ...]:
+    """The stages pp coordinate ``rank`` runs, in increasing order.
+
+    Examples:
+        >>> rank_stages(0, 4, 2, "interleaved1f1b"), rank_stages(0, 4, 2, "zbv")
+        ((0, 4), (0, 7))
+    """
+    return tuple(
+        s for s in range(pp * stages_per_rank) if stage_rank(s, pp, stages_per_rank, schedule) == rank
+    )
+
+
+def _owner_module(path: str) -> str:
+    return path.rpartition(".")[0]
+
+
+def _param_names(tree: ModelTree) -> list[str]:
+    """Every name of every parameter: a tied head's ``lm_head.weight`` as well as its embedding's."""
+    names = dict.fromkeys(tree.params)
+    for canonical in tree.params:
+        names.update(dict.fromkeys(tree.aliases.get(canonical, ())))
+    return list(names)
+
+
+def _outer(tree: ModelTree) -> tuple[list[str], list[str], list[str]]:
+    """(modules before the blocks, the blocks, modules after), each a param-owning module path."""
+    blocks = [block.path for block in tree.blocks]
+    in_block = {path for block in tree.blocks for path in block.params}
+    order = {path: index for index, path in enumerate(tree.modules)}
+    first = order[blocks[0]] if blocks else len(order)
+    before: list[str] = []
+    after: list[str] = []
+    for path in _param_names(tree):
+        if path in in_block:
+            continue
+        owner = _owner_module(path)
+        side = before if order.get(owner, 0) < first else after
+        if owner not in side:
+            side.append(owner)
+    before.sort(key=lambda m: order.get(m, 0))
+    after.sort(key=lambda m: order.get(m, 0))
+    return before, blocks, after
+
+
+def _from_pieces(tree: ModelTree, pieces: Sequence[str]) -> tuple[list[str], list[str], list[str]] | None:
+    """`_outer` read from a model's own list of pipeline pieces (an HF ``_pp_plan``), in order.
+
+    The piece that is the blocks' parent (``model.layers``) becomes one unit per block; the
+    pieces before it are the first stage's extra unit, those after it the last stage's.
+    None when the pieces do not name the blocks' parent or leave a parameter out.
+    """
+    blocks = [block.path for block in tree.blocks]
+    parents = {path.rpartition(".")[0] for path in blocks}
+    if len(parents) != 1 or (parent := parents.pop()) not in pieces:
+        return None
+    cut = list(pieces).index(parent)
+    before = [p for p in pieces[:cut] if p in tree.modules]
+    after = [p for p in pieces[cut + 1 :] if p in tree.modules]
+    covered = [*before, parent, *after]
+    if not all(any(m == "" or path.startswith(m + ".") for m in covered) for path in _param_names(tree)):
+        return None
+    return before, blocks, after
+
+
+def split_stages(
+    tree: ModelTree,
+    stages: int,
+    split: Sequence[Iterable[str]] | None = None,
+    pieces: Sequence[str] | None = None,
+) -> tuple[tuple[str, ...], ...]:
+    """The module paths of each stage, torchtitan's way or as ``split`` says.
+
+    ``pieces`` is a model's own ordered list of pipeline pieces (a Hugging Face model's
+    ``base_model_pp_plan`` keys under its prefix, then the head): the pieces before the
+    blocks go with the first stage, those after with the last. Pieces that do not name
+    the block list or miss a parameter are ignored for torchtitan's cut.
+
+    Raises:
+        PolicyError: the model has no repeated blocks, fewer units than stages, or a
+            ``split`` that misses, repeats or invents a module.
+
+    Examples:
+        >>> from functional_shard import zoo
+        >>> from functional_shard.core.tree import read_model
+        >>> stages = split_stages(read_model(zoo.llama("tiny")), 2)
+        >>> stages[0][:2], stages[1][-2:]
+        (('embed_tokens', 'layers.0'), ('norm', 'lm_head'))
+    """
+    if split is not None:
+        return _checked_split(tree, stages, split)
+    before, blocks, after = (pieces and _from_pieces(tree, pieces)) or _outer(tree)
+    if not blocks:
+        raise PolicyError(
+            "pipeline(): the model has no repeated blocks (an nn.ModuleList of layers) to cut "
+            "into stages; pass split=[[module paths of stage 0], [of stage 1], ...]"
+        )
+    units: list[list[str]] = ([before] if before else []) + [[b] for b in blocks] + ([after] if after else [])
+    if len(units) < stages:
+        raise PolicyError(
+            f"pipeline(): {stages} stages but only {len(blocks)} blocks"
+            + (" plus the embedding and head" if before or after else "")
+            + f" to share; use at most {len(units)} stages"
+        )
+    size, extra = divmod(len(units), stages)
+    out: list[tuple[str, ...]] = []
+    start = 0
+    for stage in range(stages):
+        take = size + (1 if stage < extra else 0)
+        out.append(tuple(path for unit in units[start : start + take] for path in unit))
+        start += take
+    return tuple(out)
+
+
+def _checked_split(
+    tree: ModelTree, stages: int, split: Sequence[Iterable[str]]
+) -> tuple[tuple[str, ...], ...]:
+    given = tuple(tuple(stage) for stage in split)
+    if len(given) != stages:
+        raise PolicyError(f"pipeline(split=...): {len(given)} stages listed, but the plan has {stages}")
+    seen: dict[str, int] = {}
+    problems = []
+    for index, stage in enumerate(given):
+        for path in stage:
+            if path not in tree.modules:
+                problems.append(f"stage {index}: {path!r} is not a module of the model")
+            elif path in seen:
+                problems.append(f"{path!r} is in stages {seen[path]} and {index}")
+            seen[path] = index
+    for path in _param_names(tree):
+        owners = [m for m in seen if m == "" or path.startswith(m + ".")]
+        if not owners:
+            problems.append(f"parameter {path!r} is in no stage")
+    if problems:
+        raise PolicyError("pipeline(split=...):\n" + "\n".join(f"* {p}" for p in problems))
+    return given
+
+
+# a search asks of a few cuts of one model again and again: each cut's finder (and what it
+# found) is kept
+@functools.lru_cache(maxsize=64)
+def stage_finder(stages: tuple[tuple[str, ...], ...]) -> Callable[..., int | None]:
+    """A function from a path to its stage (None when no stage holds it), memoized per module.
+
+    A tensor belongs to the stage of its innermost enclosing module that a stage lists;
+    a module (asked with ``module=True``) to the stage of itself or its innermost
+    enclosing listed module. The one answer to "which stage holds this path": plans,
+    costs, estimates, traces and engines all ask it.
+
+    Examples:
+        >>> find = stage_finder((("embed", "layers.0"), ("layers.1", "head")))
+        >>> find("layers.1.mlp.weight"), find("head.weight"), find("rope.freqs")
+        (1, 1, None)
+        >>> find("layers.0", module=True), find("layers.1.mlp", module=True), find("", module=True)
+        (0, 1, None)
+    """
+    by_module = {module: stage for stage, modules in enumerate(stages) for module in modules}
+    found: dict[str, int | None] = {}
+
+    def stage_of(path: str, *, module: bool = False) -> int | None:
+        owner = path if module else path.rpartition(".")[0]
+        if owner not in found:
+            found[owner] = next((by_module[m] for m in owner_paths(owner) if m in by_module), None)
+        return found[owner]
+
+    return stage_of
+
+
+def _output_features(tree: ModelTree, path: str) -> int | None:
+    """Features of what the module owning the weight at ``path`` outputs.
+
+    A Linear's weight is (out, in), a Hugging Face Conv1D's (in, out), an Embedding's
+    (num, dim); a norm's 1-d weight is its width.
+    """
+    tensor = tree.params[path]
+    if tensor.ndim == 1:
+        return tensor.shape[0]
+    if tensor.ndim == 2:
+        return tensor.shape[1] if layout_of(tensor) in ("embedding", "conv1d") else tensor.shape[0]
+    return None
+
+
+def boundary_features(
+    tree: ModelTree, stages: tuple[tuple[str, ...], ...], hidden_size: int | None = None
+) -> tuple[int, ...]:
+    """Features per token of the activation stage ``s`` sends to stage ``s + 1``, per boundary.
+
+    A cut between repeated blocks passes the residual stream: ``hidden_size`` when the
+    model names it (a Hugging Face config's), else the output features of the last
+    module with a weight in the sending stage (a block's down projection, a norm, an
+    embedding). 0 where neither says (the cost model then counts no bytes there).
+
+    Examples:
+        >>> from functional_shard import zoo
+        >>> from functional_shard.core.tree import read_model
+        >>> tree = read_model(zoo.llama("tiny"))
+        >>> boundary_features(tree, split_stages(tree, 2)), tree.params["norm.weight"].shape
+        ((64,), (64,))
+    """
+    if hidden_size is not None:
+        return tuple(hidden_size for _ in stages[1:])
+    stage_of = stage_finder(stages)
+    last: dict[int, str] = {}  # each stage's last weight with 1 or 2 dims, in model order
+    for path, tensor in tree.params.items():
+        if path.endswith(".weight") and tensor.ndim in (1, 2) and (stage := stage_of(path)) is not None:
+            last[stage] = path
+    return tuple(_output_features(tree, last[s]) or 0 if s in last else 0 for s in range(len(stages) - 1))

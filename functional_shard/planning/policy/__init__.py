@@ -1,0 +1,1 @@
+"""Policies: the layer types, their constructors, and their text form (read and written)."""

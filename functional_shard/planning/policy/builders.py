@@ -1,0 +1,473 @@
+"""The policy constructors: `fsdp`, `zero`, `hsdp`, `replicate`, `tp`, `ep`, `pipeline`, options.
+
+Each returns a one-layer `Policy` (or one carrying options) for ``+`` to combine; see
+`functional_shard.planning.policy.types` for how the layers merge.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any, Literal, cast
+
+import torch
+
+from functional_shard.core.errors import PolicyError
+from functional_shard.core.sequence import CONTEXT_ENGINES
+from functional_shard.core.tree import Pattern
+from functional_shard.planning.tp.rules import Rules, deferred
+
+from .types import (
+    ContextParallel,
+    DataParallel,
+    ExpertParallel,
+    Options,
+    Pipeline,
+    Policy,
+    Selector,
+    TensorParallel,
+    UnitSelector,
+    policy_builder,
+)
+
+# by kind: data parallel, model parallel, plan options
+__all__ = [
+    "replicate",
+    "zero",
+    "fsdp",
+    "hsdp",
+    "tp",
+    "ep",
+    "cp",
+    "pipeline",
+    "mixed_precision",
+    "offload",
+    "checkpointing",
+]
+
+
+def _axes(axis: str | Iterable[str], what: str) -> tuple[str, ...]:
+    axes = (axis,) if isinstance(axis, str) else tuple(axis) if isinstance(axis, Iterable) else None
+    if not axes or not all(isinstance(a, str) for a in axes):
+        raise PolicyError(
+            f"{what}: axis must be a mesh axis name or a tuple of them, got {axis!r}; "
+            "write a name such as 'dp', or a tuple such as ('dp', 'cp')"
+        )
+    if twice := sorted({a for a in axes if axes.count(a) > 1}):
+        raise PolicyError(f"{what}: axis {twice[0]!r} is named twice in {axis!r}; name each mesh axis once")
+    return axes
+
+
+def _flag(value: Any, builder: str, option: str) -> bool:
+    if not isinstance(value, bool):
+        raise PolicyError(f"{builder}({option}={value!r}): True or False")
+    return value
+
+
+def _dtype_name(dtype: torch.dtype | str | None, what: str) -> str | None:
+    if dtype is None:
+        return None
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    found = getattr(torch, name, None)
+    if not isinstance(found, torch.dtype):
+        raise PolicyError(f"{dtype!r} is not a torch dtype; use e.g. torch.bfloat16")
+    if not found.is_floating_point:
+        # parameters and gradients are cast to it: an integer or bool dtype truncates them
+        raise PolicyError(
+            f"mixed_precision({what}={found}): a floating dtype, e.g. torch.bfloat16, torch.float16 "
+            "or torch.float32"
+        )
+    return name
+
+
+@policy_builder
+def replicate(axis: str | Iterable[str] | None = None) -> Policy:
+    """DDP: parameters, gradients and optimizer state replicated; batch split over ``axis``.
+
+    Args:
+        axis: the data-parallel axis or axes; ``None`` takes every mesh axis that no other
+            layer claims.
+
+    Examples:
+        >>> from functional_shard import Mesh, shard
+        >>> plan = shard(nn.Linear(4, 4), Mesh(dp=2), replicate())
+        >>> plan.params["weight"]
+        ParamSharding(storage=P(None, None), compute=P(None, None), grad=P(None, None), optim=P(None, None))
+    """
+    axes = None if axis is None else _axes(axis, "replicate()")
+    return Policy((DataParallel("ddp", (), axes),))
+
+
+@policy_builder
+def zero(stage: Literal[1, 2, 3], axis: str = "dp") -> Policy:
+    """ZeRO stage 1, 2 or 3 over ``axis``, as torch's engines run them.
+
+    Stage 1 keeps each parameter's optimizer state whole on one rank
+    (ZeroRedundancyOptimizer); stage 2 is FSDP2 without resharding after forward; stage 3
+    is FSDP2.
+
+    Raises:
+        PolicyError: ``stage`` is not 1, 2 or 3.
+
+    Examples:
+        >>> zero(1).layers[0].kind, zero(2).layers[0].reshard_after_forward
+        ('zero1', False)
+    """
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (1, 2, 3):
+        raise PolicyError(f"zero(stage={stage!r}): stage is 1, 2 or 3; for plain DDP use replicate()")
+    if not isinstance(axis, str):
+        raise PolicyError(f"zero(axis={axis!r}): one mesh axis name")
+    kind: Literal["zero1", "zero2", "zero3"] = ("zero1", "zero2", "zero3")[stage - 1]
+    return Policy((DataParallel(kind, (axis,), (), reshard_after_forward=stage != 2),))
+
+
+def _is_selector(value: Any) -> bool:
+    return isinstance(value, str | type) or hasattr(value, "fullmatch")
+
+
+def _check_units(
+    units: Iterable[Any] | Selector | None, min_params: int | None, *, groups: bool = True
+) -> tuple[Any, ...] | None:
+    if min_params is not None and (
+        isinstance(min_params, bool) or not isinstance(min_params, int) or min_params < 1
+    ):
+        raise PolicyError(f"min_params={min_params!r}: a positive number of parameters")
+    if units is None:
+        return None
+    if not isinstance(units, str | type | re.Pattern | Iterable):
+        raise PolicyError(
+            f"units={units!r}: module classes or module-path patterns, e.g. units=['layers.*'] "
+            "(for a size threshold use min_params=)"
+        )
+    units = (units,) if isinstance(units, str | type | re.Pattern) else tuple(units)
+    for unit in units:
+        if groups and isinstance(unit, tuple) and unit and all(_is_selector(member) for member in unit):
+            continue  # a group: its modules make one unit
+        if not _is_selector(unit):
+            kinds = "a module class, a module-path pattern, or a tuple of them (one unit of several modules)"
+            raise PolicyError(
+                f"FSDP unit {unit!r}: {kinds if groups else 'a module class or a module-path pattern'}"
+            )
+    return units
+
+
+@policy_builder
+def fsdp(
+    axis: str | Iterable[str] = "dp",
+    *,
+    reshard_after_forward: bool = True,
+    units: Iterable[UnitSelector] | Selector | None = None,
+    min_params: int | None = None,
+) -> Policy:
+    """Fully sharded data parallel (ZeRO-3) with torch's FSDP2 over ``axis``.
+
+    Args:
+        axis: the mesh axis (or axes, flattened) to shard over; also data-parallel.
+        reshard_after_forward: free gathered parameters after forward and gather them
+            again in backward (``False`` is ZeRO-2). The root unit never reshards after
+            forward, as FSDP2 does.
+        units: which modules are sharded as one unit (one all-gather each): module
+            classes or module-path patterns, each module they pick a unit (a pattern picks
+            the outermost modules it matches: ``"layers.*"`` is each layer); or a tuple of
+            them, whose modules make one unit together (``("norm", "output")``). By
+            default the model's repeated blocks (every element of an ``nn.ModuleList`` or
+            ``nn.ModuleDict``, the alike blocks of an ``nn.Sequential``), plus the root.
+        min_params: instead, make a unit of every module whose not-yet-wrapped parameters
+            reach this count (FairScale's ``min_num_params``, Lightning's size policy).
+
+    Examples:
+        >>> layer = fsdp("dp", min_params=1_000_000).layers[0]
+        >>> layer.kind, layer.shard_axes, layer.min_params
+        ('fsdp', ('dp',), 1000000)
+    """
+    axes = _axes(axis, "fsdp()")
+    if not isinstance(reshard_after_forward, bool):
+        raise PolicyError(
+            f"fsdp(reshard_after_forward={reshard_after_forward!r}): True or False "
+            "(resharding to a smaller group is not modelled yet)"
+        )
+    layer = DataParallel(
+        "fsdp" if reshard_after_forward else "zero2",
+        axes,
+        (),
+        reshard_after_forward,
+        _check_units(units, min_params),
+        min_params,
+    )
+    return Policy((layer,))
+
+
+@policy_builder
+def hsdp(
+    replicate_axis: str,
+    shard_axis: str,
+    *,
+    reshard_after_forward: bool = True,
+    units: Iterable[UnitSelector] | Selector | None = None,
+    min_params: int | None = None,
+) -> Policy:
+    """Hybrid sharding: FSDP2 within ``shard_axis``, replicas across ``replicate_axis``.
+
+    Raises:
+        PolicyError: an axis is not a name, or one axis both replicates and shards.
+
+    Examples:
+        >>> layer = hsdp("node", "gpu").layers[0]
+        >>> layer.replicate_axes, layer.shard_axes
+        (('node',), ('gpu',))
+    """
+    inner = cast(
+        DataParallel,
+        fsdp(
+            shard_axis, reshard_after_forward=reshard_after_forward, units=units, min_params=min_params
+        ).layers[0],
+    )
+    replicate_axes = _axes(replicate_axis, "hsdp()")
+    if both := [axis for axis in replicate_axes if axis in inner.shard_axes]:
+        raise PolicyError(
+            f"hsdp({replicate_axis!r}, {shard_axis!r}): axis {both[0]!r} would both replicate and shard; "
+            "replicas go across one mesh axis and shards within another, e.g. hsdp('node', 'gpu')"
+        )
+    layer = replace(inner, kind="hsdp", replicate_axes=replicate_axes)
+    return Policy((layer,))
+
+
+@policy_builder
+def tp(
+    rules: Rules | str | Iterable[Any],
+    axis: str = "tp",
+    *,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+) -> Policy:
+    """Tensor parallelism over ``axis`` following ``rules`` (see `functional_shard.planning.tp.rules`).
+
+    Parameters no rule matches are left to the other layers (replicated if none), unless
+    the rule set is strict. ``rules`` may be ``"hf"`` (the model's own Hugging Face plan)
+    or ``"auto"`` (`functional_shard.planning.tp.rules.for_model`): ``shard()`` resolves them
+    against the model.
+
+    With ``loss_parallel`` the head (the module the rules give ``colwise_gather``) keeps
+    its logits split on the vocabulary, and `fs.forward_backward` computes the loss under
+    torch's ``loss_parallel()``: the whole logits never exist on one device.
+
+    Raises:
+        PolicyError: ``axis`` is not one name, or ``rules`` a name other than "hf"/"auto".
+
+    Examples:
+        >>> from functional_shard import rules
+        >>> tp(rules.mlp, "tp").layers[0].name
+        "tp(mlp, 'tp')"
+        >>> tp("auto", "tp").layers[0].name
+        "tp(auto, 'tp')"
+    """
+    if not isinstance(axis, str):
+        raise PolicyError(f"tp(axis={axis!r}): one mesh axis name")
+    if isinstance(rules, str):
+        rule_set = deferred(rules)
+    elif isinstance(rules, Rules):
+        rule_set = rules
+    elif isinstance(rules, Iterable):
+        rule_set = Rules(cast(Iterable[Any], rules))
+    else:
+        raise PolicyError(
+            f"tp(rules={rules!r}): a rule set (fs.rules.llama), 'hf', 'auto', or a list of "
+            "(pattern, style) pairs, e.g. tp([('*.q_proj', 'colwise')], 'tp')"
+        )
+    _flag(sequence_parallel, "tp", "sequence_parallel")
+    _flag(loss_parallel, "tp", "loss_parallel")
+    return Policy((TensorParallel(rule_set, axis, sequence_parallel, loss_parallel),))
+
+
+@policy_builder
+def mixed_precision(
+    param_dtype: torch.dtype | str = torch.bfloat16,
+    reduce_dtype: torch.dtype | str | None = torch.float32,
+) -> Policy:
+    """Compute in ``param_dtype``, reduce gradients in ``reduce_dtype``; keep fp32 at rest.
+
+    Raises:
+        PolicyError: a dtype that is not a floating torch dtype.
+
+    Examples:
+        >>> mixed_precision(torch.bfloat16).options.param_dtype
+        'bfloat16'
+    """
+    param = _dtype_name(param_dtype, "param_dtype")
+    return Policy(options=Options(param_dtype=param, reduce_dtype=_dtype_name(reduce_dtype, "reduce_dtype")))
+
+
+@policy_builder
+def offload(*, params: bool = True, grads: bool = True, optimizer: bool = True) -> Policy:
+    """Keep sharded parameters, gradients and/or optimizer state in host memory.
+
+    Raises:
+        PolicyError: a part given other than True or False.
+
+    Examples:
+        >>> offload(params=False).options.offload_optimizer
+        True
+    """
+    for part, value in (("params", params), ("grads", grads), ("optimizer", optimizer)):
+        _flag(value, "offload", part)
+    return Policy(options=Options(offload_params=params, offload_grads=grads, offload_optimizer=optimizer))
+
+
+@policy_builder
+def pipeline(
+    axis: str = "pp",
+    *,
+    microbatches: int,
+    schedule: str = "1f1b",
+    stages_per_rank: int = 1,
+    split: Iterable[Iterable[str]] | None = None,
+) -> Policy:
+    """Pipeline parallelism over ``axis``, run by ``torch.distributed.pipelining``.
+
+    Args:
+        axis: the mesh axis whose ranks hold successive stages.
+        microbatches: how many micro-batches each step's batch is cut into.
+        schedule: ``gpipe``, ``1f1b``, ``interleaved1f1b``, ``looped_bfs``,
+            ``interleaved_zb``, ``zbv`` or ``dualpipev`` (torch's schedules).
+        stages_per_rank: stages each rank runs (2 for the V-shaped schedules).
+        split: the module paths of each stage, in order; by default the repeated blocks
+            are split evenly with the embedding counted with the first stage and the
+            final norm and head with the last, as torchtitan does; a Hugging Face
+            model's ``base_model_pp_plan`` names the pieces when it has one.
+
+    Every tensor of the plan is then placed on its stage's pp rank (``P(..., on=("pp", r))``).
+    FSDP over the other axes keeps each stage's parameters gathered from the first
+    micro-batch's forward to the last one's backward (``reshard_after_forward=False``, as
+    torchtitan runs FSDP under a pipeline), so a step gathers them once.
+
+    Raises:
+        PolicyError: an unknown schedule, a stage count it cannot run, or a bad count.
+
+    Examples:
+        >>> layer = pipeline("pp", microbatches=8, schedule="interleaved1f1b", stages_per_rank=2).layers[0]
+        >>> layer.name, layer.stages_per_rank
+        ("pipeline('pp', microbatches=8, schedule='interleaved1f1b')", 2)
+    """
+    from functional_shard.planning.pipeline.stages import check_schedule
+
+    if not isinstance(axis, str):
+        raise PolicyError(f"pipeline(axis={axis!r}): one mesh axis name")
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise PolicyError(f"pipeline(microbatches={microbatches!r}): a positive number of micro-batches")
+    check_schedule(schedule, stages_per_rank)
+    stages = None if split is None else tuple(tuple(stage) for stage in split)
+    return Policy((Pipeline(axis, microbatches, schedule, stages_per_rank, stages),))
+
+
+@policy_builder
+def ep(axis: str = "ep", *, experts: Pattern | Iterable[Pattern] | None = None) -> Policy:
+    """Expert parallelism: expert tensors split whole by expert index (dim 0) over ``axis``.
+
+    Each rank of ``axis`` holds ``E / size`` experts whole (spec ``P(axis, None, None)``).
+    When ``axis`` is a data-parallel axis (its ranks read different tokens), `apply`
+    dispatches each token to the ranks holding its experts and combines the results back
+    with torch's autograd-aware all-to-all, as torchtitan does. Dense parameters follow
+    the data-parallel policy over all its axes; expert tensors are FSDP-sharded over the
+    data-parallel axes other than ``axis`` (``fsdp(("dp", "ep")) + ep("ep")``).
+
+    Args:
+        axis: the mesh axis whose ranks hold different experts.
+        experts: path patterns of the expert tensors (globs, ``*`` spanning dots, or
+            compiled regexes). By default ``shard()`` finds them: a Hugging Face model's
+            ``base_model_ep_plan`` (its ``grouped_gemm`` entries), else the 3-D parameters
+            of modules named like ``experts``.
+
+    Raises:
+        PolicyError: ``axis`` is not one name, or ``experts`` not patterns.
+
+    Examples:
+        >>> (fsdp("dp") + ep("dp")).expert_parallel.name
+        "ep('dp')"
+        >>> ep("ep", experts="*.experts.*").layers[0].experts
+        ('*.experts.*',)
+    """
+    if not isinstance(axis, str):
+        raise PolicyError(f"ep(axis={axis!r}): one mesh axis name")
+    patterns: tuple[Pattern, ...] | None = None
+    if experts is not None:
+        patterns = (experts,) if isinstance(experts, str | re.Pattern) else tuple(experts)
+        if not patterns or not all(isinstance(p, str | re.Pattern) for p in patterns):
+            raise PolicyError(f"ep(experts={experts!r}): path patterns (globs or compiled regexes)")
+    return Policy((ExpertParallel(axis, patterns),))
+
+
+@policy_builder
+def cp(axis: str = "cp", *, load_balance: bool = True, engine: str = "auto") -> Policy:
+    """Context parallelism: every sequence cut along its length over ``axis``.
+
+    Each rank of ``axis`` holds chunks of every sequence of its batch; attention gathers
+    the whole sequence's keys and values over ``axis`` (and sends their gradients back),
+    everything else works on the rank's own tokens, so activations shrink by the axis
+    size. With ``load_balance`` each rank holds chunk ``i`` and chunk ``2·cp − 1 − i`` of
+    ``2·cp``, so that causal attention costs every rank the same; without, chunk ``i`` of
+    ``cp``. The ranks of ``axis`` read the same sequences (`Plan.data_parallel_rank`
+    gives them one index) and average their gradients: name ``axis`` in the
+    data-parallel layer too, ``fsdp(("dp", "cp"))`` to shard parameters over it as well,
+    as torchtitan does.
+
+    Args:
+        axis: the mesh axis whose ranks hold different chunks of each sequence.
+        load_balance: pair an early chunk with a late one on every rank.
+        engine: how attention sees the whole sequence: ``"ring"``, torch's own
+            ``context_parallel`` (key/value chunks passed from rank to rank, CUDA SDPA
+            kernels only); ``"all_gather"``, our engine (keys and values gathered over
+            ``axis`` with autograd, any backend, any attention the engine reaches);
+            ``"auto"`` (the default) the ring where the mesh is on CUDA, else the all-gather.
+
+    Raises:
+        PolicyError: ``axis`` is not one name, ``load_balance`` not a bool, or an unknown
+            ``engine``.
+
+    Examples:
+        >>> (fsdp(("dp", "cp")) + cp("cp")).context_parallel.name
+        "cp('cp')"
+    """
+    if not isinstance(axis, str):
+        raise PolicyError(f"cp(axis={axis!r}): one mesh axis name")
+    if not isinstance(load_balance, bool):
+        raise PolicyError(f"cp(load_balance={load_balance!r}): True or False")
+    if engine not in CONTEXT_ENGINES:
+        raise PolicyError(f"cp(engine={engine!r}): one of {', '.join(map(repr, CONTEXT_ENGINES))}")
+    return Policy((ContextParallel(axis, load_balance, engine),))
+
+
+CHECKPOINT_POLICIES = ("full", "selective")
+
+
+@policy_builder
+def checkpointing(*modules: Selector, policy: str = "full") -> Policy:
+    """Recompute activations in backward for these modules (classes or path patterns).
+
+    Args:
+        modules: module classes or path patterns to checkpoint. A pattern picks the
+            outermost modules it matches (``"layers.*"``: each layer, not the modules inside
+            it, which ``*`` also matches); two selectors may nest checkpoints on purpose.
+        policy: ``"full"`` keeps only each module's inputs and recomputes its whole forward;
+            ``"selective"`` also keeps the outputs of matrix multiplies and attention (the
+            op-level selective recipe of torchtitan, through torch's selective-checkpoint
+            API) and recomputes only the cheap element-wise ops between them.
+
+    Raises:
+        PolicyError: no module selector given, or an unknown ``policy``.
+
+    Examples:
+        >>> checkpointing(nn.TransformerEncoderLayer).options.checkpoint
+        (<class 'torch.nn.modules.transformer.TransformerEncoderLayer'>,)
+        >>> checkpointing(nn.TransformerEncoderLayer, policy="selective").options.checkpoint_policy
+        'selective'
+    """
+    if not modules:
+        raise PolicyError("checkpointing() needs module classes or path patterns to recompute")
+    if policy not in CHECKPOINT_POLICIES:
+        raise PolicyError(
+            f"checkpointing(policy={policy!r}): unknown policy; choose one of {list(CHECKPOINT_POLICIES)}"
+        )
+    return Policy(
+        options=Options(checkpoint=_check_units(modules, None, groups=False), checkpoint_policy=policy)
+    )

@@ -1,0 +1,1 @@
+"""Tensor parallel: rule sets, torch's styles, Hugging Face's plans, rules from structure, splits."""

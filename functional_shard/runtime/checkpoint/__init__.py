@@ -1,0 +1,1 @@
+"""Checkpoints across plans: save, load, convert, their safety and checks, and Hugging Face folders."""

@@ -1,0 +1,425 @@
+"""Checkpoints that move between plans: sharded (a folder, one file per rank) or full (one file).
+
+With `apply` and `launch`, the only door to process groups (in eight rooms of this folder:
+this one, the states of `state`, the reader of `read`, its checks in `integrity`, the safe
+loaders of `safety`, the background saves of `async_save`, the Hugging Face export of
+`hf.export` and the Hugging Face load of `hf.load`). Sharded
+checkpoints use torch's distributed checkpoint, which reshards on load, so a checkpoint
+saved under one plan loads under any other (FSDP×4 → FSDP×2·TP×2 → ZeRO-1 → one
+process). Every save writes aside and renames: a crash in the middle leaves the previous
+checkpoint whole; and seals what it wrote with sha256 digests. ``asynchronous=True`` writes
+in the background while training goes on (`async_save`). Every load reads data,
+never code, and checks everything before it writes anything: a load that fails changes
+nothing.
+
+Optimizer state is keyed by parameter path under every plan. ZeRO-1 optimizers
+(``ZeroRedundancyOptimizer``) keep whole tensors on their owner rank; each owner writes its
+own, so their checkpoints are as sharded as the state is.
+
+`export_hf` (every rank of a run) and `convert_to_hf` (offline, from any checkpoint) write
+a Hugging Face folder instead: config.json and safetensors shards, spread over the ranks
+(`hf.export`); `load_hf` reads one into any plan, each rank its slices (`hf.load`).
+
+`save` / `load` / `convert` are the user's functions; `model_state`, `optimizer_state`,
+`set_model_state`, `set_optimizer_state`, `write` and `read` are the pieces they are made of,
+for framework adapters that assemble their own checkpoints (Lightning's Trainer, Fabric).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import zipfile
+from pathlib import Path
+from typing import Any, Literal, overload
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from functional_shard.core.errors import ShardingError
+
+from .async_save import PendingSave, finish_folder, save_in_background, wait_for_previous
+from .hf.export import HfConversion, convert_to_hf, export_hf
+from .hf.load import load_hf
+from .hf.names import Piece, torchtitan_llama, zoo_llama
+from .integrity import (
+    FORMAT,
+    MANIFEST,
+    MARK,
+    META,
+    aside,
+    manifest_problems,
+    need_process_group,
+    put_in_place,
+    refuse_occupied,
+    seal,
+    seal_problems,
+    write_manifest,
+)
+from .read import (
+    STATE_KEYS,
+    checked_file,
+    checked_folder,
+    kind_problems,
+    optimizers_by_key,
+    read,
+    refusals_raised,
+)
+from .safety import SafeReader, empty_state_planner, plain_problems
+from .state import model_state, optimizer_state, refuse_packed, set_model_state, set_optimizer_state
+
+__all__ = [
+    "HfConversion",
+    "PendingSave",
+    "Piece",
+    "convert",
+    "convert_to_hf",
+    "export_hf",
+    "latest",
+    "load",
+    "load_hf",
+    "model_state",
+    "optimizer_state",
+    "read",
+    "save",
+    "set_model_state",
+    "set_optimizer_state",
+    "torchtitan_llama",
+    "write",
+    "zoo_llama",
+]
+
+
+def write(path: str | os.PathLike[str], state: dict[str, Any], *, full: bool, meta: dict[str, Any]) -> Path:
+    """Write states from `model_state` / `optimizer_state` on every rank, aside then renamed.
+
+    Sharded: a distributed-checkpoint folder of ``state`` with ``meta`` in ``meta.pt`` beside
+    and the digests of every file in ``manifest.json``. Full: one file of ``{**state, **meta}``,
+    written by rank 0 (whose states are whole) and sealed with the digest of its bytes.
+
+    Raises:
+        ShardingError: no process group; or something other than an earlier checkpoint
+            (or an empty folder) at ``path``, which stays as it was.
+    """
+    path = Path(path)
+    need_process_group("fs.checkpoint.write")
+    refuse_occupied(path, "fs.checkpoint.write")
+    return _write(path, state, full=full, meta=meta)
+
+
+def _write(path: Path, state: dict[str, Any], *, full: bool, meta: dict[str, Any]) -> Path:
+    temporary = aside(path)
+    if full:
+        if dist.get_rank() == 0:
+            _save_sealed({**state, **meta}, temporary)
+    else:
+        dcp.save(state, checkpoint_id=temporary)
+        return finish_folder(temporary, path, meta)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        put_in_place(temporary, path)
+    dist.barrier()
+    return path
+
+
+def _save_sealed(content: dict[str, Any], path: Path) -> None:
+    torch.save(content, path)
+    seal(path)
+
+
+# the typing overloads restate save's signature (they cannot share it): the return type
+# follows ``asynchronous``, a path or a PendingSave
+@overload
+def save(
+    path: str | os.PathLike[str],
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    full: bool = False,
+    extra: dict[str, Any] | None = None,
+    asynchronous: Literal[False] = False,
+    data: Any = None,
+) -> Path: ...
+
+
+@overload
+def save(
+    path: str | os.PathLike[str],
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    full: bool = False,
+    extra: dict[str, Any] | None = None,
+    asynchronous: Literal[True],
+    data: Any = None,
+) -> PendingSave: ...
+
+
+def save(
+    path: str | os.PathLike[str],
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    full: bool = False,
+    extra: dict[str, Any] | None = None,
+    asynchronous: bool = False,
+    data: Any = None,
+) -> Path | PendingSave:
+    """Save a parallelized module (and optimizer) on every rank, atomically.
+
+    A save first waits for the module's previous asynchronous save, if one is unfinished.
+
+    Args:
+        path: a folder (sharded) or a file (``full=True``): new, an empty folder, or an
+            earlier checkpoint, which it replaces. Anything else there is refused.
+        module: the module `apply` parallelized.
+        optimizer: its optimizer (any plan's, ZeRO-1's included), if its state should be saved too.
+        full: one file with full tensors, written by rank 0, instead of one file per rank.
+        extra: small plain values to keep beside (step counters, say): tensors, None, bools,
+            numbers, strings, bytes, and lists, tuples and dicts of them, which load without
+            running code.
+        asynchronous: copy this rank's shards to host memory and write them in the
+            background (torch's ``async_save``); training goes on at once. Sharded only.
+        data: a `ResumableLoader` or `ResumableSampler` (anything with ``state_dict()``):
+            where the data order stands, kept in ``extra`` as ``"data_order"``; ``load(...,
+            data=)`` puts it back, under any plan and world size.
+
+    Returns:
+        The path written; with ``asynchronous``, a `PendingSave` whose ``wait()`` (every
+        rank) finishes it and returns the path.
+
+    Raises:
+        ShardingError: no process group; ``extra`` holds what a safe load could not rebuild
+            (or a ``"data_order"`` beside ``data``); ``asynchronous`` with ``full``; or
+            something other than an earlier checkpoint at ``path`` (a folder of other files,
+            a file no save wrote), which stays as it was: nothing is written.
+
+    Examples:
+        >>> # fs.checkpoint.save("ckpt", model, optimizer); fs.checkpoint.load("ckpt", model, optimizer)
+        >>> # pending = fs.checkpoint.save("ckpt", model, optimizer, asynchronous=True); pending.wait()
+        >>> # fs.checkpoint.save("ckpt", model, optimizer, data=loader)   # a fs.ResumableSampler's loader
+    """
+    extra = _with_data_order(extra, data)
+    problems = plain_problems(extra or {}, "extra")
+    if problems:
+        raise ShardingError(
+            f"fs.checkpoint.save: {problems[0]}{f' (and {len(problems) - 1} more)' if problems[1:] else ''}: "
+            "a checkpoint keeps tensors and plain values (None, bools, numbers, strings, bytes, and lists, "
+            "tuples and dicts of them), so that it loads without running code. Keep a plain form "
+            "instead (an object's state_dict(), its fields as a dict)"
+        )
+    if asynchronous and full:
+        raise ShardingError(
+            "fs.checkpoint.save(full=True, asynchronous=True): an asynchronous save writes shards (torch's "
+            "async_save); save a folder asynchronously and convert it to one file offline "
+            "(fs.checkpoint.convert), or save the file synchronously"
+        )
+    need_process_group("fs.checkpoint.save")  # after the checks of the arguments alone
+    if not full:
+        refuse_packed(module, "fs.checkpoint.save(full=False)")
+    wait_for_previous(module)
+    path = Path(path)
+    refuse_occupied(path, "fs.checkpoint.save")
+    state: dict[str, Any] = {"model": model_state(module, full=full)}
+    if optimizer is not None:
+        state["optimizer"] = optimizer_state(module, optimizer, full=full)
+    meta = {"extra": extra or {}}
+    if asynchronous:
+        return save_in_background(path, aside(path), module, state, meta)
+    return _write(path, state, full=full, meta=meta)
+
+
+def load(
+    path: str | os.PathLike[str],
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    strict: bool = True,
+    trust: bool = False,
+    data: Any = None,
+) -> dict[str, Any]:
+    """Load a checkpoint into a parallelized module (and optimizer), whatever plan saved it.
+
+    All or nothing: the files are checked against their digests and the tensors against the
+    module before anything is written, so a load that fails leaves the module and the
+    optimizer as they were. Nothing in the checkpoint runs as code: what only code could
+    rebuild is refused, unless ``trust=True`` says the file is yours.
+
+    Args:
+        path: a folder (sharded) or a file (full), of `save` under any plan.
+        module: the module `apply` parallelized.
+        optimizer: its optimizer, to load its state too.
+        strict: ``False`` skips keys the checkpoint lacks or the module lacks instead of
+            refusing them (shapes and dtypes must still match).
+        trust: rebuild any object the file names, running its code (only for files you trust).
+        data: a `ResumableLoader` or `ResumableSampler` to continue the data order saved
+            with ``save(..., data=)``, whatever plan and world size saved it. It is checked
+            before any tensor is set: a data order that cannot go on changes nothing.
+
+    Returns:
+        The ``extra`` values saved beside.
+
+    Raises:
+        ShardingError: no checkpoint at ``path``; one that is damaged (missing, cut short or
+            corrupted files), holds code, or does not fit the module (the first keys named);
+            ``data`` given and no data order saved, or one it cannot continue.
+
+    Examples:
+        >>> # extra = fs.checkpoint.load("ckpt", model, optimizer); step = extra["step"]
+        >>> # fs.checkpoint.load("ckpt", model, optimizer, data=loader)   # the data order goes on
+    """
+    optimizers = {"optimizer": optimizer} if optimizer is not None else {}
+    # read sees the saved meta before it sets anything, and every rank hears every verdict
+    check = None if data is None else functools.partial(_data_order_problems, path, data)
+    extra = dict(
+        read(path, ("model", module), optimizers, strict=strict, trust=trust, check=check).get("extra", {})
+    )
+    if data is not None:
+        data.load_state_dict(extra[DATA_ORDER])
+    return extra
+
+
+DATA_ORDER = "data_order"
+
+
+def _data_order_problems(path: str | os.PathLike[str], data: Any, meta: Any) -> list[str]:
+    """Why the data order saved in ``meta`` cannot go on in ``data`` (nothing: it can)."""
+    extra = meta.get("extra") if isinstance(meta, dict) else None
+    if not isinstance(extra, dict) or DATA_ORDER not in extra:
+        held = sorted(extra) if isinstance(extra, dict) else []
+        return [
+            f"fs.checkpoint.load(data=...): the checkpoint at {path} holds no data order (its extra has "
+            f"{held}); it was saved without save(..., data=loader). Nothing was loaded; load without "
+            "data= and start the data order anew, or resume from a checkpoint saved with data="
+        ]
+    if callable(getattr(data, "check_state_dict", None)):
+        try:
+            data.check_state_dict(extra[DATA_ORDER])
+        except ShardingError as error:
+            return [str(error)]
+    return []
+
+
+def _with_data_order(extra: dict[str, Any] | None, data: Any) -> dict[str, Any] | None:
+    if data is None:
+        return extra
+    if DATA_ORDER in (extra or {}):
+        raise ShardingError(
+            f"fs.checkpoint.save: extra[{DATA_ORDER!r}] and data= both say where the data order stands; "
+            f"rename the extra key or drop data="
+        )
+    if not callable(getattr(data, "state_dict", None)):
+        raise ShardingError(
+            f"fs.checkpoint.save(data=...): {type(data).__name__} has no state_dict(); pass the run's "
+            "fs.ResumableSampler or the loader it made"
+        )
+    return {**(extra or {}), DATA_ORDER: data.state_dict()}
+
+
+def latest(directory: str | os.PathLike[str]) -> Path | None:
+    """The newest whole checkpoint in ``directory`` (a folder or a file of `save`), or None.
+
+    A save that crashed leaves its files aside (``NAME.tmp-…``), never in place: they are
+    passed over. A folder is whole when every file its manifest lists is there at its
+    written size (`load` then checks their digests); a full file when its bytes match its
+    seal. A crash between the two renames that put a new checkpoint in place leaves the
+    previous one as ``NAME.old``, whole: it counts. Newest means last modified. No process
+    group is needed; every rank finds the same one.
+
+    Raises:
+        ShardingError: ``directory`` is not a folder.
+
+    Examples:
+        >>> # found = fs.checkpoint.latest("checkpoints"); extra = fs.checkpoint.load(found, model, optimizer)
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ShardingError(f"fs.checkpoint.latest: {directory} is not a folder of checkpoints")
+    candidates = sorted(
+        (entry for entry in directory.iterdir() if ".tmp-" not in entry.name and _is_checkpoint(entry)),
+        key=lambda entry: entry.stat().st_mtime_ns,
+        reverse=True,
+    )
+    for candidate in candidates:
+        if candidate.is_dir():
+            whole = not (candidate / MANIFEST).exists() or not manifest_problems(
+                candidate, alone=True, digests=False
+            )  # a folder from before digests has meta.pt and nothing more to compare
+        else:
+            whole = not seal_problems(candidate)
+        if whole:
+            return candidate
+    return None
+
+
+def _is_checkpoint(entry: Path) -> bool:
+    # a folder of save's (meta.pt or a manifest beside the shards), or a torch.save zip
+    if entry.is_dir():
+        return (entry / META).exists() or (entry / MANIFEST).exists()
+    return entry.is_file() and zipfile.is_zipfile(entry)
+
+
+def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], *, trust: bool = False) -> Path:
+    """Convert offline between a sharded folder and a full file (direction from ``source``).
+
+    No process group is needed. The source is checked as `load` checks it (digests, no code
+    unless ``trust``); the result is written aside, sealed with its digests, and renamed.
+    Works for `save`'s checkpoints and for the Trainer's (``ShardStrategy``), whose
+    optimizers are ``optimizer_states`` in a file and ``optimizer_0``, ``optimizer_1``, ...
+    in a folder.
+
+    Raises:
+        ShardingError: ``source`` does not exist, is damaged, is no checkpoint of a module
+            (a plain ``torch.save`` file), or holds code (without ``trust``); ``target``
+            holds something other than an earlier checkpoint (or an empty folder).
+
+    Examples:
+        >>> # fs.checkpoint.convert("ckpt", "ckpt.pt")   # sharded -> full
+    """
+    # torch's own loop of dcp_to_torch_save, with the safe reader and planner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    source, target = Path(source), Path(target)
+    if not source.exists():
+        raise ShardingError(f"no checkpoint at {source}")
+    refuse_occupied(target, "fs.checkpoint.convert", alone=True)
+    temporary = aside(target, alone=True)
+    if source.is_dir():
+        meta = checked_folder(source, trust=trust, alone=True)
+        reader = SafeReader(source, trust=trust)
+        reader.read_metadata()  # refused here, before torch falls back to other files
+        state: dict[str, Any] = {}
+        with refusals_raised(source):
+            _load_state_dict(
+                state,
+                storage_reader=reader,
+                planner=empty_state_planner(where=source, trust=trust),
+                no_dist=True,
+            )
+        _refuse_kind(source, state)
+        optimizers = sorted((k for k in state if k.startswith("optimizer_")), key=lambda k: int(k[10:]))
+        if optimizers:
+            state["optimizer_states"] = [state.pop(k) for k in optimizers]
+        _save_sealed({**state, **meta}, temporary)
+    else:
+        saved = optimizers_by_key(checked_file(source, trust=trust, alone=True))
+        _refuse_kind(source, saved)
+        states = [k for k in saved if k in ("model", "optimizer", "state_dict") or k.startswith("optimizer_")]
+        tensors = {k: saved.pop(k) for k in states}
+        dcp.save(tensors, checkpoint_id=temporary, no_dist=True)
+        torch.save({**saved, MARK: {"format": FORMAT}}, temporary / META)
+        write_manifest(temporary, alone=True)
+    put_in_place(temporary, target)
+    return target
+
+
+def _refuse_kind(source: Path, saved: dict[str, Any]) -> None:
+    # as load refuses it: a file or folder holding no module's state is no checkpoint
+    problems = kind_problems(source, saved, STATE_KEYS)
+    if problems:
+        raise ShardingError(
+            f"{problems[0]}; fs.checkpoint.convert wrote nothing (it converts the checkpoints of "
+            "fs.checkpoint.save and of Lightning's Trainer and Fabric under functional_shard)"
+        )
