@@ -265,9 +265,8 @@ BASE = {
 }
 
 
-def check_ranks(names: list[str]) -> None:
-    with fs.LocalWorld(4) as world:
-        ranks = world.run(activation_cases.measure, names)
+def check_ranks(world, names: list[str]) -> None:
+    ranks = world.run(activation_cases.measure, names)
     for rank, cases in enumerate(ranks):
         for name, result in cases.items():
             where = f"rank {rank}, {name}: {result}"
@@ -285,28 +284,28 @@ def check_ranks(names: list[str]) -> None:
             assert result["traced"] == pytest.approx(result["kept"] - runtime, rel=TOLERANCE), where
 
 
-def test_each_rank_traces_what_it_keeps_under_tensor_parallel_and_fsdp():
-    check_ranks(["tp", "fsdp_tp", "fsdp_tp_full", "fsdp_tp_selective"])
+def test_each_rank_traces_what_it_keeps_under_tensor_parallel_and_fsdp(world4):
+    check_ranks(world4, ["tp", "fsdp_tp", "fsdp_tp_full", "fsdp_tp_selective"])
 
 
 @pytest.mark.slow
-def test_each_rank_traces_what_it_keeps_under_sequence_parallel_and_mixed_precision():
-    check_ranks(["tp_sp", "fsdp_tp_sp", "fsdp_tp_bf16"])
+def test_each_rank_traces_what_it_keeps_under_sequence_parallel_and_mixed_precision(world4):
+    check_ranks(world4, ["tp_sp", "fsdp_tp_sp", "fsdp_tp_bf16"])
 
 
 @pytest.mark.slow
-def test_each_rank_of_a_hugging_face_model_traces_what_it_keeps():
+def test_each_rank_of_a_hugging_face_model_traces_what_it_keeps(world4):
     pytest.importorskip("transformers")
-    check_ranks(["hf_tp", "hf_fsdp_tp", "hf_fsdp_tp_selective"])
+    check_ranks(world4, ["hf_tp", "hf_fsdp_tp", "hf_fsdp_tp_selective"])
 
 
 @pytest.mark.slow
-def test_each_rank_of_a_hugging_face_model_traces_what_it_keeps_under_sequence_parallel():
+def test_each_rank_of_a_hugging_face_model_traces_what_it_keeps_under_sequence_parallel(world4):
     """The residual stream split on the sequence, gathered at the attention and MLP inputs
     (tp = 4 alone, tp = 2 under FSDP, with selective checkpointing); the default suite checks
     one such case in test_hf_parity."""
     pytest.importorskip("transformers")
-    check_ranks(["hf_sp", "hf_fsdp_sp", "hf_fsdp_sp_selective"])
+    check_ranks(world4, ["hf_sp", "hf_fsdp_sp", "hf_fsdp_sp_selective"])
 
 
 def test_a_forward_that_fails_after_its_layers_turned_out_unpassable_is_a_sharding_error():

@@ -25,21 +25,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def worlds():
-    """One LocalWorld per size, shared by every case of this module."""
-    started: dict[int, fs.LocalWorld] = {}
-
-    def get(size: int) -> fs.LocalWorld:
-        if size not in started or started[size].closed:
-            started[size] = fs.LocalWorld(size)
-        return started[size]
-
-    yield get
-    for world in started.values():
-        world.close()
-
-
 @pytest.mark.parametrize(
     ("world_size", "strategy", "config"), CASES, ids=[f"{n}-{s}-{c}" for n, s, c in CASES]
 )
@@ -138,6 +123,7 @@ NCCL_STRATEGIES += ["hsdp", "fsdp_tp"] if NCCL_RANKS == 2 else []
 @pytest.mark.skipif(GPUS == 0, reason="NCCL parity needs a GPU; none here, so the cases ran on gloo.")
 @pytest.mark.parametrize("strategy", NCCL_STRATEGIES)
 def test_training_matches_one_process_on_nccl(strategy):
+    # a world of its own: NCCL, one GPU per rank (the shared worlds are gloo)
     with fs.LocalWorld(NCCL_RANKS, backend="nccl") as world:
         result = world.run(dist_cases.train, strategy, dist_cases.EVEN)[0]
     losses, params = dist_cases.reference(dist_cases.EVEN, result["data_parallel"])
@@ -150,6 +136,7 @@ def test_training_matches_one_process_on_nccl(strategy):
 def test_bf16_mixed_precision_on_cuda_matches_its_emulation():
     """FSDP2's bf16 compute with fp32 reduction on CUDA (NCCL): the gradients one process gets
     from bf16 copies of the parameters, as on gloo."""
+    # a world of its own: NCCL, one GPU per rank (the shared worlds are gloo)
     with fs.LocalWorld(NCCL_RANKS, backend="nccl") as world:
         grads = world.run(dist_cases.mixed_precision_grads, dist_cases.EVEN)[0]
     expected = dist_cases.emulated_mixed_precision_grads(dist_cases.EVEN, NCCL_RANKS)

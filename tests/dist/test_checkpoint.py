@@ -30,13 +30,12 @@ def test_resume_continues_exactly(world4, tmp_path, full_file):
     assert resumed["losses"] == pytest.approx(uninterrupted[2:], abs=1e-5)
 
 
-def test_a_checkpoint_moves_between_plans(world4, tmp_path):
+def test_a_checkpoint_moves_between_plans(world4, worlds, tmp_path):
     path = str(tmp_path / "ckpt")
     saved = world4.run(dist_cases.save_after, "zero3", CONFIG, path, 2, False)[0]  # FSDP x4
     on_2d = world4.run(dist_cases.load_under, "fsdp_tp", CONFIG, path, 0)[0]  # FSDP x2 . TP x2
     assert_same_state(on_2d["state"], saved)
-    with fs.LocalWorld(1) as one:  # DDP x1
-        alone = one.run(dist_cases.load_under, "ddp", CONFIG, path, 0)[0]
+    alone = worlds(1).run(dist_cases.load_under, "ddp", CONFIG, path, 0)[0]  # DDP x1
     assert_same_state(alone["state"], saved)
 
 

@@ -115,9 +115,8 @@ def test_selective_context_works_with_torchs_own_checkpoint():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp_tp_full", "fsdp_tp_selective"])
-def test_fsdp_tp_with_checkpointing_trains_as_one_process(name):
-    with fs.LocalWorld(4) as world:
-        result = world.run(activation_cases.train, name)[0]
+def test_fsdp_tp_with_checkpointing_trains_as_one_process(world4, name):
+    result = world4.run(activation_cases.train, name)[0]
     losses, params = dist_cases.reference(activation_cases.CONFIG, result["data_parallel"])
     assert result["losses"] == pytest.approx(losses, abs=1e-5)
     for key, value in params.items():
@@ -125,12 +124,11 @@ def test_fsdp_tp_with_checkpointing_trains_as_one_process(name):
 
 
 @pytest.mark.slow
-def test_a_lightning_strategy_runs_selective_checkpointing():
+def test_a_lightning_strategy_runs_selective_checkpointing(worlds):
     pytest.importorskip("lightning")
     from .. import lightning_cases
 
-    with fs.LocalWorld(2) as world:
-        results = world.run(activation_cases.fit_selective)
+    results = worlds(2).run(activation_cases.fit_selective)
     losses, params = lightning_cases.reference(activation_cases.CONFIG, 2)
     assert results[0]["checkpointed"] == ["model.layers.0", "model.layers.1"]
     assert results[0]["selective_calls"] >= 2 * 5  # each checkpointed layer, every step

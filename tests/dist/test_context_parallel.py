@@ -525,6 +525,7 @@ def test_torchs_ring_on_cuda_trains_as_one_process():
     # (seen on an H200 with each of the flash, efficient and cuDNN kernels)
     ranks = min(torch.cuda.device_count(), 2)
     mesh = {"dp": 1, "cp": ranks}
+    # a world of its own: NCCL, one GPU per rank (the shared worlds are gloo)
     with fs.LocalWorld(ranks, backend="nccl") as world:
         for kind in ("zoo", "hf_qwen2"):
             first = world.run(cp_cases.train_on_cuda, kind, mesh, "fsdp(dp, cp) + cp(cp, engine=ring)")[0]

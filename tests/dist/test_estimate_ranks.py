@@ -155,12 +155,11 @@ def measure_uneven(case: str) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_an_uneven_rank_traces_what_torch_saves_there():
+def test_an_uneven_rank_traces_what_torch_saves_there(worlds):
     pytest.importorskip("transformers")
-    with fs.LocalWorld(2) as world:
-        for case in ("tp", "sp", "embedding_colwise", "embedding_colwise_sp", "phi3"):
-            ranks = world.run(measure_uneven, case)
-            for rank, result in enumerate(ranks):
-                where = (case, rank, result)
-                assert result["traced_output"] == result["output"] == 2 * 12 * 251 * 4, where
-                assert result["traced"] == pytest.approx(result["saved"], rel=0.03), where
+    for case in ("tp", "sp", "embedding_colwise", "embedding_colwise_sp", "phi3"):
+        ranks = worlds(2).run(measure_uneven, case)
+        for rank, result in enumerate(ranks):
+            where = (case, rank, result)
+            assert result["traced_output"] == result["output"] == 2 * 12 * 251 * 4, where
+            assert result["traced"] == pytest.approx(result["saved"], rel=0.03), where

@@ -48,9 +48,8 @@ EVERY = tuple((model, strategy) for model, strategies in MODELS.items() for stra
 
 
 @pytest.fixture(scope="module")
-def world():
-    with fs.LocalWorld(4) as started:
-        yield started
+def world(world4):
+    return world4
 
 
 def check(world: fs.LocalWorld, cases: tuple[tuple[str, str], ...]) -> None:

@@ -33,10 +33,8 @@ EVERY = [(family, plan, "float32") for family in cases.FAMILIES for plan in case
 
 
 @pytest.fixture(scope="module")
-def world():
-    world = RestartingWorld(4)
-    yield world
-    world.current.close()
+def world(world4):
+    return world4
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,8 @@ def test_each_rank_holds_its_shards_and_one_tensor_at_most_while_loading(tmp_pat
     folder = cases.write_memory_folder(tmp_path / "llama")
     files = list(folder.glob("*.safetensors"))
     largest = _largest_tensor_bytes(folder)
+    # a world of its own: the resident-size peak is read in fresh processes (a shared world's
+    # ranks hold memory other tests freed, which a load could reuse unseen)
     with fs.LocalWorld(2) as world:
         ranks = world.run(cases.peak_during_load, str(folder))
     whole = sum(file.stat().st_size for file in files)

@@ -177,9 +177,8 @@ def test_buffer_functions_name_what_they_cannot_restore():
 
 
 @pytest.fixture(scope="module")
-def world():
-    with fs.LocalWorld(2) as started:
-        yield started
+def world(worlds):
+    return worlds(2)
 
 
 @pytest.mark.slow

@@ -45,9 +45,8 @@ DEFAULT = (("qwen2_moe", 4, "fsdp_tp"), ("mixtral", 8, "ep_2d"))
 
 
 @pytest.fixture(scope="module")
-def world():
-    with fs.LocalWorld(4) as started:
-        yield started
+def world(world4):
+    return world4
 
 
 def check(world: fs.LocalWorld, cases: tuple[tuple[str, int, str], ...]) -> None:
@@ -292,11 +291,10 @@ def test_expert_parallelism_under_every_pipeline_case_trains_as_one_process(worl
 
 
 @pytest.mark.slow
-def test_expert_parallelism_beside_tensor_parallel_under_a_pipeline_trains_as_one_process():
+def test_expert_parallelism_beside_tensor_parallel_under_a_pipeline_trains_as_one_process(worlds):
     """pp=2 x dp=2 x tp=2 on 8 gloo ranks: tensor parallel on the attention, ep over dp."""
     case = ("mixtral", 8, 4, 2, "1f1b", "tp")
-    with fs.LocalWorld(8) as world8:
-        results = world8.run(moe_cases.run_cases, (("pipeline", *map(str, case)),))
+    results = worlds(8).run(moe_cases.run_cases, (("pipeline", *map(str, case)),))
     check_pipeline([r[0] for r in results], case)
 
 

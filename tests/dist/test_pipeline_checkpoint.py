@@ -66,12 +66,8 @@ def test_a_pipeline_run_resumes_exactly(world4, tmp_path, full_file):
 
 
 @pytest.mark.slow
-def test_a_pipeline_checkpoint_loads_in_one_process(tmp_path):
-    import functional_shard as fs
-
+def test_a_pipeline_checkpoint_loads_in_one_process(world4, worlds, tmp_path):
     path = str(tmp_path / "ckpt")
-    with fs.LocalWorld(4) as four:
-        saved = cases.merged(four.run(cases.save_after, "pp2_fsdp2", path, 2, False))
-    with fs.LocalWorld(1) as one:
-        alone = one.run(cases.load_under, "ddp1", path, 0)[0]
+    saved = cases.merged(world4.run(cases.save_after, "pp2_fsdp2", path, 2, False))
+    alone = worlds(1).run(cases.load_under, "ddp1", path, 0)[0]
     assert_same_state(alone, saved)

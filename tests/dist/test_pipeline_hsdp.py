@@ -17,12 +17,8 @@ from .test_pipeline_run import activation_bytes, assert_costs_as_predicted, asse
 
 
 @pytest.fixture(scope="module")
-def world8():
-    from ..worlds import RestartingWorld
-
-    shared = RestartingWorld(8)
-    yield shared
-    shared.current.close()
+def world8(worlds):
+    return worlds(8)
 
 
 @pytest.mark.slow

@@ -42,7 +42,7 @@ SCHEDULES = {
 
 
 @pytest.mark.slow
-def test_estimated_step_times_rank_schedules_as_measured():
+def test_estimated_step_times_rank_schedules_as_measured(worlds):
     local = fs.hardware("local", processes=2)
     with torch.device("meta"):
         model = Llama(CONFIG)
@@ -57,11 +57,10 @@ def test_estimated_step_times_rank_schedules_as_measured():
         for name, plan in plans.items()
     }
     times: dict[str, list[float]] = {name: [] for name in SCHEDULES}
-    with fs.LocalWorld(2) as world:
-        for _ in range(ROUNDS):  # rounds interleave the schedules: a neighbour's load falls on all
-            for name, plan in plans.items():
-                steps = world.run(measure_steps, plan, CONFIG, BATCH, SEQ, STEPS + 1)[0]
-                times[name] += steps[1:]  # after the warm-up step
+    for _ in range(ROUNDS):  # rounds interleave the schedules: a neighbour's load falls on all
+        for name, plan in plans.items():
+            steps = worlds(2).run(measure_steps, plan, CONFIG, BATCH, SEQ, STEPS + 1)[0]
+            times[name] += steps[1:]  # after the warm-up step
     measured = {name: statistics.median(t) for name, t in times.items()}
     table = "\n".join(
         f"{n:<34} est {estimated[n] * 1e3:8.1f} ms  measured {measured[n] * 1e3:8.1f} ms" for n in SCHEDULES

@@ -20,9 +20,8 @@ SHARED = settings(max_examples=25, deadline=None, suppress_health_check=[HealthC
 
 
 @pytest.fixture(scope="module")
-def world():
-    with fs.LocalWorld(WORLD) as world:
-        yield world
+def world(worlds):
+    return worlds(WORLD)
 
 
 @st.composite

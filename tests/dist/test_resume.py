@@ -157,20 +157,17 @@ def test_a_data_order_that_cannot_go_on_changes_nothing(one_rank, tmp_path, full
 # ---- on real process groups ------------------------------------------------------------
 
 
-def _rank0(world4, ranks: int, fn, *args):
-    """Rank 0's result of ``fn`` on ``ranks`` ranks: the shared four, or a world of its own."""
-    if ranks == 4:
-        return world4.run(fn, *args)[0]
-    with fs.LocalWorld(ranks) as world:
-        return world.run(fn, *args)[0]
+def _rank0(worlds, ranks: int, fn, *args):
+    """Rank 0's result of ``fn`` on the run's shared world of ``ranks`` ranks."""
+    return worlds(ranks).run(fn, *args)[0]
 
 
-def _resume(world4, tmp_path, saved_under: tuple[str, int], resumed_under: tuple[str, int]) -> None:
+def _resume(worlds, tmp_path, saved_under: tuple[str, int], resumed_under: tuple[str, int]) -> None:
     path = str(tmp_path / "ckpt")
     uninterrupted = resume_cases.reference(2 * resume_cases.STOP)
 
     def on(ranks: int, *args):
-        return _rank0(world4, ranks, resume_cases.train_and_save, *args)
+        return _rank0(worlds, ranks, resume_cases.train_and_save, *args)
 
     stop = resume_cases.STOP
     first = on(saved_under[1], saved_under[0], path, stop, False)
@@ -187,9 +184,9 @@ def _resume(world4, tmp_path, saved_under: tuple[str, int], resumed_under: tuple
     assert first["losses"] + second["losses"] == pytest.approx(uninterrupted, abs=1e-5)
 
 
-def test_fs_checkpoint_resumes_on_half_the_ranks_with_the_data_order(world4, tmp_path):
+def test_fs_checkpoint_resumes_on_half_the_ranks_with_the_data_order(worlds, tmp_path):
     """fsdp on 4 ranks, 2 steps, save; fsdp on 2 ranks, 2 more: the uninterrupted losses."""
-    _resume(world4, tmp_path, ("fsdp4", 4), ("fsdp2", 2))
+    _resume(worlds, tmp_path, ("fsdp4", 4), ("fsdp2", 2))
 
 
 @pytest.mark.slow
@@ -203,17 +200,17 @@ def test_fs_checkpoint_resumes_on_half_the_ranks_with_the_data_order(world4, tmp
     ids=["fsdp2-to-fsdp4", "fsdp2xtp2-to-pp2xfsdp2", "pp2xfsdp2-to-tp2"],
 )
 def test_fs_checkpoint_resumes_under_other_plans_and_world_sizes(
-    world4, tmp_path, saved_under, resumed_under
+    worlds, tmp_path, saved_under, resumed_under
 ):
-    _resume(world4, tmp_path, saved_under, resumed_under)
+    _resume(worlds, tmp_path, saved_under, resumed_under)
 
 
-def _fit_and_resume(world4, tmp_path, saved_under: tuple[str, int], resumed_under: tuple[str, int]) -> None:
+def _fit_and_resume(worlds, tmp_path, saved_under: tuple[str, int], resumed_under: tuple[str, int]) -> None:
     folder = str(tmp_path / "ckpts")
     uninterrupted = resume_cases.reference(2 * resume_cases.STOP)
 
     def on(ranks: int, *args):
-        return _rank0(world4, ranks, resume_cases.fit, *args)
+        return _rank0(worlds, ranks, resume_cases.fit, *args)
 
     stop = resume_cases.STOP
     first = on(saved_under[1], saved_under[0], folder, stop, None)
@@ -223,10 +220,10 @@ def _fit_and_resume(world4, tmp_path, saved_under: tuple[str, int], resumed_unde
     assert first["losses"] + second["losses"] == pytest.approx(uninterrupted, abs=1e-5)
 
 
-def test_a_trainer_resumes_mid_epoch_on_half_the_ranks_under_another_plan(world4, tmp_path):
+def test_a_trainer_resumes_mid_epoch_on_half_the_ranks_under_another_plan(worlds, tmp_path):
     """ModelCheckpoint at step 2 of fsdp on 4 processes; fit(ckpt_path=...) under tp on 2:
     the data order goes on mid-epoch and into the next, the losses the uninterrupted run's."""
-    _fit_and_resume(world4, tmp_path, ("fsdp4", 4), ("tp2", 2))
+    _fit_and_resume(worlds, tmp_path, ("fsdp4", 4), ("tp2", 2))
 
 
 @pytest.mark.slow
@@ -235,5 +232,5 @@ def test_a_trainer_resumes_mid_epoch_on_half_the_ranks_under_another_plan(world4
     [(("fsdp2", 2), ("fsdp2_tp2", 4)), (("fsdp2_tp2", 4), ("pp2_fsdp2", 4))],
     ids=["fsdp2-to-fsdp2xtp2", "fsdp2xtp2-to-pp2xfsdp2"],
 )
-def test_a_trainer_resumes_under_other_plans_and_world_sizes(world4, tmp_path, saved_under, resumed_under):
-    _fit_and_resume(world4, tmp_path, saved_under, resumed_under)
+def test_a_trainer_resumes_under_other_plans_and_world_sizes(worlds, tmp_path, saved_under, resumed_under):
+    _fit_and_resume(worlds, tmp_path, saved_under, resumed_under)

@@ -80,15 +80,14 @@ def test_a_module_with_weights_left_outside_the_gathered_ones_is_refused():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("world_size", "strategy"), [(2, "tp_sp"), (4, "fsdp_tp_sp")])
-def test_the_zoo_llama_trains_as_one_process_under_sequence_parallel(world_size, strategy):
+def test_the_zoo_llama_trains_as_one_process_under_sequence_parallel(worlds, world_size, strategy):
     """fs.rules.llama on zoo.llama("tiny"): sp over tp = 2 alone and under FSDP (dp = 2).
 
     5 AdamW steps (eps 1e-8) turn the float32 reordering noise of sharded reductions in
     near-zero gradient elements into visible parameter gaps (measured 4.4e-5 under plain tp,
     3.5e-5 under sp); a wrong gradient moves a parameter by a step, lr = 1e-2."""
     config = CONFIGS["tiny"]
-    with fs.LocalWorld(world_size) as world:
-        result = world.run(dist_cases.train, strategy, config)[0]
+    result = worlds(world_size).run(dist_cases.train, strategy, config)[0]
     losses, params = dist_cases.reference(config, result["data_parallel"])
     assert result["losses"] == pytest.approx(losses, abs=1e-5)
     for name, value in params.items():
@@ -96,13 +95,12 @@ def test_the_zoo_llama_trains_as_one_process_under_sequence_parallel(world_size,
 
 
 @pytest.mark.slow
-def test_measured_sequence_parallel_traffic_of_hugging_face_models_equals_the_cost_model():
+def test_measured_sequence_parallel_traffic_of_hugging_face_models_equals_the_cost_model(world4):
     """One all-gather per attention and MLP input (and lm_head's), a reduce-scatter per row-split
     output, Phi-3's gathered/sliced and Qwen3's head norms: bytes per collective and axis."""
     pytest.importorskip("transformers")
     cases = (("comm", "phi3", "sp"), ("comm", "qwen3", "sp"), ("comm", "llama", "fsdp_sp"))
-    with fs.LocalWorld(4) as world:
-        results = world.run(hf_cases.run_cases, cases)
+    results = world4.run(hf_cases.run_cases, cases)
     for rank, per_rank in enumerate(results):
         for (_, model, strategy), result in zip(cases, per_rank, strict=True):
             where = f"{model} {strategy}, rank {rank}"

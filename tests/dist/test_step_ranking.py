@@ -33,7 +33,7 @@ PLANS = {
 
 
 @pytest.mark.slow
-def test_estimated_step_times_rank_plans_as_measured():
+def test_estimated_step_times_rank_plans_as_measured(world4):
     local = fs.hardware("local", processes=4)
     with torch.device("meta"):
         model = Llama(CONFIG)
@@ -44,12 +44,11 @@ def test_estimated_step_times_rank_plans_as_measured():
         for name, plan in plans.items()
     }
     times: dict[str, list[float]] = {name: [] for name in PLANS}
-    with fs.LocalWorld(4) as world:
-        # rounds interleave the plans, so a neighbour's load on this shared machine falls on all
-        for _ in range(ROUNDS):
-            for name, plan in plans.items():
-                steps = world.run(measure_steps, plan, CONFIG, micro[name], SEQ, STEPS + 1)[0]
-                times[name] += steps[1:]  # after the warm-up step (lazy optimizer state)
+    # rounds interleave the plans, so a neighbour's load on this shared machine falls on all
+    for _ in range(ROUNDS):
+        for name, plan in plans.items():
+            steps = world4.run(measure_steps, plan, CONFIG, micro[name], SEQ, STEPS + 1)[0]
+            times[name] += steps[1:]  # after the warm-up step (lazy optimizer state)
     measured = {name: statistics.median(t) for name, t in times.items()}
     by_estimate = sorted(PLANS, key=estimated.__getitem__)
     by_measurement = sorted(PLANS, key=measured.__getitem__)

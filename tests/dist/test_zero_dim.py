@@ -69,9 +69,8 @@ def test_the_cost_model_counts_the_gradient_all_reduce(name, axes):
 
 
 @pytest.fixture(scope="module")
-def world():
-    with fs.LocalWorld(4) as started:
-        yield started
+def world(world4):
+    return world4
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero1", "fsdp", "hsdp", "fsdp_tp"])

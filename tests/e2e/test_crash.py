@@ -174,6 +174,8 @@ def test_a_hung_rank_ends_a_lightning_trainer_run_within_its_timeout(tmp_path):
 
 @pytest.mark.slow
 def test_a_hung_rank_ends_a_fabric_collective_within_the_timeout():
+    # here and below, worlds of their own (not the run's shared ones): a short timeout, and a
+    # rank that hangs or dies
     from .. import lightning_hang
 
     with pytest.raises(

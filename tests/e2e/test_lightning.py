@@ -71,12 +71,9 @@ def test_plan_mesh_must_match_the_devices(world):
         world.run(lightning_cases.fit_with, plan, None, dist_cases.EVEN, 2)
 
 
-def test_an_optimizer_built_before_sharding_is_refused():
-    with (
-        fs.LocalWorld(2) as world,
-        pytest.raises(fs.ShardingError, match="built before sharding replaced them"),
-    ):
-        world.run(lightning_cases.fit_early_optimizer, dist_cases.EVEN)
+def test_an_optimizer_built_before_sharding_is_refused(worlds):
+    with pytest.raises(fs.ShardingError, match="built before sharding replaced them"):
+        worlds(2).run(lightning_cases.fit_early_optimizer, dist_cases.EVEN)
 
 
 def test_registered_names_resolve():
@@ -162,7 +159,7 @@ def assert_same_training_state(got, expected):
 
 
 @pytest.mark.slow  # the default suite moves checkpoints between plans in tests/dist/test_checkpoint.py
-def test_trainer_checkpoints_move_between_plans(world, tmp_path):
+def test_trainer_checkpoints_move_between_plans(world, worlds, tmp_path):
     """A Trainer checkpoint saved under FSDP x4 resumes under FSDP x2 . TP x2 and ZeRO-1
     x4 (a folder), and under Lightning's own single-device strategy (one file): the same
     parameters and optimizer state, exactly."""
@@ -173,8 +170,7 @@ def test_trainer_checkpoints_move_between_plans(world, tmp_path):
         loaded = world.run(lightning_cases.fit_epochs, name, dist_cases.EVEN, 1, folder, None)[0]
         assert_same_training_state(loaded, saved)
     world.run(lightning_cases.fit_epochs, "fs_fsdp", dist_cases.EVEN, 1, folder, file, True)
-    with fs.LocalWorld(1) as alone:
-        loaded = alone.run(lightning_cases.fit_epochs, "auto", dist_cases.EVEN, 1, file, None)[0]
+    loaded = worlds(1).run(lightning_cases.fit_epochs, "auto", dist_cases.EVEN, 1, file, None)[0]
     assert_same_training_state(loaded, saved)
 
 
