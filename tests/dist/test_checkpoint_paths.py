@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functional_shard as fs
@@ -24,6 +24,7 @@ from functional_shard.runtime.checkpoint_checks import MANIFEST, META, occupied_
 from functional_shard.zoo import Llama
 
 from .. import dist_cases
+from ..sweeps import FEW
 
 FOREIGN_FOLDER = "is a folder that is not a checkpoint"
 FOREIGN_FILE = "is a file that is not a checkpoint"
@@ -181,11 +182,15 @@ def test_a_previous_checkpoint_a_crash_left_beside_is_replaced_too(one_rank, tmp
 _NAMES = st.text(st.sampled_from("abcxyz_.-0"), min_size=1, max_size=8).filter(lambda n: n.strip("."))
 
 
-@given(
-    files=st.lists(_NAMES, min_size=1, max_size=9, unique=True),
-    folders=st.lists(_NAMES, max_size=3, unique=True),
-    marked=st.sampled_from([None, META, MANIFEST]),
-)
+FOLDERS = {
+    "files": st.lists(_NAMES, min_size=1, max_size=9, unique=True),
+    "folders": st.lists(_NAMES, max_size=3, unique=True),
+    "marked": st.sampled_from([None, META, MANIFEST]),
+}
+
+
+@settings(max_examples=FEW)  # a folder written per example
+@given(**FOLDERS)
 def test_a_folder_may_be_replaced_only_when_it_is_a_checkpoint(files, folders, marked):
     """Any folder of files is refused, naming a few of its entries, unless a save's own file marks it."""
     folders = [name for name in folders if name not in files]
@@ -211,6 +216,12 @@ def test_a_folder_may_be_replaced_only_when_it_is_a_checkpoint(files, folders, m
                 assert set(named[:5]) <= entries
             else:
                 assert sorted(named) == sorted(entries)
+
+
+@pytest.mark.slow  # the profile's count of examples
+@given(**FOLDERS)
+def test_a_folder_may_be_replaced_only_when_it_is_a_checkpoint_full_sweep(files, folders, marked):
+    test_a_folder_may_be_replaced_only_when_it_is_a_checkpoint.hypothesis.inner_test(files, folders, marked)
 
 
 def test_a_save_without_a_process_group_says_to_initialise_one(tmp_path):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functional_shard as fs
@@ -28,6 +28,7 @@ from functional_shard.runtime.checkpoint_checks import MANIFEST, seal, write_man
 from functional_shard.zoo import Llama
 
 from .. import dist_cases, lightning_cases
+from ..sweeps import FEW
 
 CONFIG = dist_cases.EVEN
 
@@ -245,6 +246,7 @@ def _damage(path: Path, data: st.DataObject) -> None:
 KEYS = sorted(name for name, _ in Llama(CONFIG).named_parameters())
 
 
+@settings(max_examples=FEW)  # a checkpoint copied and damaged on disk per example
 @given(data=st.data(), full_file=st.booleans(), stepped=st.booleans(), semantic=st.booleans())
 def test_a_damaged_or_unfitting_checkpoint_is_refused_and_changes_nothing(
     saved, data, full_file, stepped, semantic
@@ -265,6 +267,16 @@ def test_a_damaged_or_unfitting_checkpoint_is_refused_and_changes_nothing(
         if semantic:
             assert key in str(refused.value)
         assert_untouched(model, optimizer, before)
+
+
+@pytest.mark.slow  # the profile's count of examples
+@given(data=st.data(), full_file=st.booleans(), stepped=st.booleans(), semantic=st.booleans())
+def test_a_damaged_or_unfitting_checkpoint_is_refused_and_changes_nothing_full_sweep(
+    saved, data, full_file, stepped, semantic
+):
+    test_a_damaged_or_unfitting_checkpoint_is_refused_and_changes_nothing.hypothesis.inner_test(
+        saved, data, full_file, stepped, semantic
+    )
 
 
 def test_a_damaged_shard_is_refused_on_every_rank_and_changes_nothing(world4, saved, tmp_path):

@@ -12,11 +12,15 @@ import functional_shard as fs
 from .. import dist_cases
 from ..spec_helpers import torch_distributes
 from ..strategies import shapes, specs
+from ..sweeps import FEW
 
 WORLD = 4
 MESHES = [fs.Mesh(a=4), fs.Mesh(a=2, b=2), fs.Mesh(a=1, b=4), fs.Mesh(a=4, b=1), fs.Mesh(a=2, b=1, c=2)]
 # the world is shared by every example (its processes and groups are the expensive part)
-SHARED = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SHARED = settings(
+    max_examples=FEW, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+SWEEP = settings(SHARED, max_examples=25)  # the slow twins
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +48,28 @@ def test_local_shards_equal_the_virtual_mesh_and_gather_back(world, layout, seed
         assert gathered_equal, f"rank {rank}: full_tensor() differs from the global tensor"
 
 
+@pytest.mark.slow
+@SWEEP
+@given(layouts(), st.integers(0, 2**16))
+def test_local_shards_equal_the_virtual_mesh_and_gather_back_full_sweep(world, layout, seed):
+    test_local_shards_equal_the_virtual_mesh_and_gather_back.hypothesis.inner_test(world, layout, seed)
+
+
 @SHARED
 @given(st.sampled_from(MESHES), st.integers(0, 7), st.integers(0, 2**16), st.data())
 def test_reduce_scatter_then_all_gather_equals_all_reduce(world, mesh, chunk, seed, data):
     axis = data.draw(st.sampled_from(mesh.axis_names))
     differences = world.run(dist_cases.check_reduce_scatter_all_gather, mesh, axis, chunk, seed)
     assert max(differences) <= 1e-5
+
+
+@pytest.mark.slow
+@SWEEP
+@given(st.sampled_from(MESHES), st.integers(0, 7), st.integers(0, 2**16), st.data())
+def test_reduce_scatter_then_all_gather_equals_all_reduce_full_sweep(world, mesh, chunk, seed, data):
+    test_reduce_scatter_then_all_gather_equals_all_reduce.hypothesis.inner_test(
+        world, mesh, chunk, seed, data
+    )
 
 
 @st.composite
@@ -77,3 +97,10 @@ def test_gathered_gradients_equal_one_process(world, case, seed):
     for rank, grads in enumerate(world.run(dist_cases.mlp_grads, mesh, policy, sizes, seed)):
         for name, grad in grads.items():
             torch.testing.assert_close(grad, expected[name], atol=1e-5, rtol=1e-4, msg=f"rank {rank} {name}")
+
+
+@pytest.mark.slow
+@SWEEP
+@given(mlp_plans(), st.integers(0, 2**16))
+def test_gathered_gradients_equal_one_process_full_sweep(world, case, seed):
+    test_gathered_gradients_equal_one_process.hypothesis.inner_test(world, case, seed)

@@ -10,6 +10,8 @@ from safetensors.torch import save_file
 
 from functional_shard.runtime.hf_read import open_folder
 
+from ..sweeps import FEW
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -23,7 +25,7 @@ def windows(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[slice, ...]]:
     return shape, tuple(window)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=FEW, deadline=None)  # a file written per example
 @given(case=windows(), stored=st.sampled_from(DTYPES), wanted=st.sampled_from(DTYPES))
 def test_a_window_read_into_a_tensor_equals_the_window_sliced(
     tmp_path_factory: pytest.TempPathFactory,
@@ -46,3 +48,17 @@ def test_a_window_read_into_a_tensor_equals_the_window_sliced(
     if read is not into:
         into.copy_(read)
     assert torch.equal(into, expected)
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None)
+@given(case=windows(), stored=st.sampled_from(DTYPES), wanted=st.sampled_from(DTYPES))
+def test_a_window_read_into_a_tensor_equals_the_window_sliced_full_sweep(
+    tmp_path_factory: pytest.TempPathFactory,
+    case: tuple[tuple[int, ...], tuple[slice, ...]],
+    stored: torch.dtype,
+    wanted: torch.dtype,
+) -> None:
+    test_a_window_read_into_a_tensor_equals_the_window_sliced.hypothesis.inner_test(
+        tmp_path_factory, case, stored, wanted
+    )
