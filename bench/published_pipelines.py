@@ -25,7 +25,7 @@ time (2.6 to 2.9 always; 2.10 on unless ``return_outputs=False``, which torchtit
 since October 2025) keeps the last stage's output, the logits, of every micro-batch to the
 step's end to return them concatenated, where our runtime frees each at its backward.
 ``fs.estimate(..., keep_outputs=True)`` counts that (measured on gloo ranks in
-tests/test_pipeline_memory.py); the tables print both, and the ratio of the kept one.
+tests/dist/test_pipeline_memory.py); the tables print both, and the ratio of the kept one.
 Both count torch's receive buffers, one per micro-batch for each stage's input and for its
 output's gradient, kept from step to step (2 GiB on a middle rank here; torch 2.6 made
 them as 2.13 does).

@@ -1,4 +1,9 @@
-"""Hypothesis profiles, the fake process group, a gloo world of one and four gloo ranks per module."""
+"""Hypothesis profiles, the fake process group, a gloo world of one, and LocalWorlds shared by
+the whole run (one per size, set back after each test that used one).
+
+The tests sit in folders by kind, each folder's conftest marking its tests: unit/ (pure and
+fast), dist/ (process worlds), e2e/ (whole jobs: torchrun, the demo, Lightning, the wheel).
+"""
 
 from __future__ import annotations
 
@@ -54,11 +59,26 @@ def one_rank() -> Iterator[None]:
         yield
 
 
-@pytest.fixture(scope="module")
-def world4() -> Iterator[object]:
-    """Four gloo ranks shared by a test module's tests, restarted after an intended failure."""
-    from .worlds import RestartingWorld
+@pytest.fixture(scope="session")
+def worlds() -> Iterator[Callable[[int], object]]:
+    """``worlds(size)``: the run's `RestartingWorld` of ``size`` gloo ranks, started when first
+    asked for, restarted only after an intended failure closed it."""
+    from .worlds import Worlds
 
-    shared = RestartingWorld(4)
-    yield shared
-    shared.current.close()
+    started = Worlds()
+    yield started
+    started.close()
+
+
+@pytest.fixture(autouse=True)
+def _reset_worlds(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test that ran on a shared world: its ranks set back for the next test."""
+    yield
+    if "worlds" in request.fixturenames:
+        request.getfixturevalue("worlds").reset()
+
+
+@pytest.fixture(scope="session")
+def world4(worlds: Callable[[int], object]) -> object:
+    """Four gloo ranks shared by the whole run."""
+    return worlds(4)

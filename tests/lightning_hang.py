@@ -1,4 +1,4 @@
-"""Lightning runs where rank 1 hangs, for tests/test_crash.py.
+"""Lightning runs where rank 1 hangs, for tests/e2e/test_crash.py.
 
 ``python -m tests.lightning_hang SECONDS``: a Trainer.fit on 4 CPU processes (Lightning
 launches them) where rank 1 hangs in its second step; the strategy's ``timeout`` is SECONDS.

@@ -4,7 +4,7 @@
 returns, with its bytes and the label current at its birth, and forgets it when torch
 frees it: a ``weakref.finalize`` on the storage's Python object, which torch keeps alive
 exactly as long as the storage itself (it preserves the object while the C++ storage
-lives, as it does a tensor's; `tests/test_loss_workspace.py` checks that frees are seen
+lives, as it does a tensor's; `tests/dist/test_loss_workspace.py` checks that frees are seen
 and that the meter's whole-step peak equals torch's own ``MemTracker``'s). DTensor ops
 are handed back to DTensor, so the meter sees the local ops they turn into.
 

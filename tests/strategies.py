@@ -180,7 +180,7 @@ def pipelined_llamas(draw: st.DrawFn) -> tuple[nn.Module, fs.Mesh, fs.Policy, fs
         rest = rest + fs.tp(fs.rules.llama, "tp")
     mesh = fs.Mesh(pp=pp, dp=dp, **({"tp": tp} if tp > 1 else {}))
     piped = fs.pipeline(
-        # a count every schedule runs: torch refuses some others (tests/test_schedules.py)
+        # a count every schedule runs: torch refuses some others (tests/unit/test_schedules.py)
         "pp",
         microbatches=pp * per_rank * draw(st.integers(1, 2)),
         schedule=schedule,

@@ -1,4 +1,4 @@
-"""Run by tests/test_wheel.py with an installed wheel's interpreter, outside the checkout.
+"""Run by tests/e2e/test_wheel.py with an installed wheel's interpreter, outside the checkout.
 
 Prints one JSON line: where the package was imported from, what is on ``sys.path`` and
 ``sys.meta_path`` (an editable finder would serve a package the wheel lacks), the modules

@@ -1,12 +1,14 @@
-"""Worlds for tests: this process alone, and a LocalWorld that a test's intended failure
-does not take from the next test."""
+"""Worlds for tests: this process alone, and LocalWorlds shared by the whole run, one per
+size, that a test's intended failure does not take from the next test."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 import functional_shard as fs
@@ -25,14 +27,59 @@ def alone() -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def reset_rank() -> None:
+    """On each rank between two tests: the state a test may leave behind, set back."""
+    gc.collect()  # the last test's models and groups, before the next one allocates
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+    dist.barrier()  # every rank is alive and past the last test's collectives
+
+
 class RestartingWorld:
     """``size`` ranks, restarted when a test's intended failure closed them."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.current = fs.LocalWorld(size)
+        self.used = False  # since the last reset
 
     def run(self, *args: Any, **kwargs: Any) -> list[Any]:
         if self.current.closed:
             self.current = fs.LocalWorld(self.size)
+        self.used = True
         return self.current.run(*args, **kwargs)
+
+    def reset(self) -> None:
+        """Set the ranks back after a test that used them (a closed world restarts at its next run)."""
+        if self.used and not self.current.closed:
+            self.current.run(reset_rank)
+        self.used = False
+
+    def close(self) -> None:
+        if not self.current.closed:
+            self.current.close()
+
+
+class Worlds:
+    """One `RestartingWorld` per size for the whole test run, each started when first asked for.
+
+    Starting 4 ranks (4 processes importing torch) costs seconds; a world per module paid
+    it some twenty times a run. Tests that need a world of their own (a timeout, a crash, a
+    fresh process's memory) still start one, and say why.
+    """
+
+    def __init__(self) -> None:
+        self._started: dict[int, RestartingWorld] = {}
+
+    def __call__(self, size: int) -> RestartingWorld:
+        if size not in self._started:
+            self._started[size] = RestartingWorld(size)
+        return self._started[size]
+
+    def reset(self) -> None:
+        for world in self._started.values():
+            world.reset()
+
+    def close(self) -> None:
+        for world in self._started.values():
+            world.close()

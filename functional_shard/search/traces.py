@@ -24,7 +24,7 @@ class TraceKey:
 
     The model, its rules, the dtype and the sequence are the search's own. The data-parallel
     family is not in it: what a trace reads of a plan is the same for every family
-    (tests/test_auto.py checks it). Nor is the expert-parallel size: under balanced routing
+    (tests/unit/test_auto.py checks it). Nor is the expert-parallel size: under balanced routing
     every ep size runs the same local work, a rank's E/ep experts getting ep times each
     expert's share (T*k rows in all, trace.rank_experts).
     """

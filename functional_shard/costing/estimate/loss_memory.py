@@ -10,7 +10,7 @@ holds a shifted copy and its exponent in the forward, and a backward that holds 
 gradient, an exponent, their sum and the product. Counted by the logits' elements,
 whatever their dtype: a model may hand back fp32 logits from a bf16 forward (the upcast
 copies nothing then; the rest is as large). Each figure was measured with a live-storage
-meter on real steps (tests/test_loss_workspace.py). Pure.
+meter on real steps (tests/dist/test_loss_workspace.py). Pure.
 """
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
     # torch's PipelineStage receives each micro-batch into a buffer of its own, kept from
     # step to step: every stage but the first holds m inputs, every stage but the last m
     # gradients of its output. At a V's turn (the next stage on the same rank) the buffers
-    # keep the tensors passed themselves: the same bytes (tests/test_pipeline_memory.py).
+    # keep the tensors passed themselves: the same bytes (tests/dist/test_pipeline_memory.py).
     buffers = [m * ((output[s - 1] if s else 0) + (output[s] if s < n - 1 else 0)) for s in range(n)]
     # what a stage keeps per micro-batch until its backward: what its modules made and its
     # output, which its backward starts from, unless the next stage's buffer holds it (a V's
@@ -211,7 +211,7 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
     # and the last stage, per micro-batch until its backward, what the loss needs: the
     # logits (torch's stage caches its output for the backward) and the fp32 log-softmax
     # cross-entropy saves; GPipe holds every micro-batch's (measured on gloo ranks,
-    # tests/test_pipeline_memory.py). What the loss makes beyond them is one micro-batch's.
+    # tests/dist/test_pipeline_memory.py). What the loss makes beyond them is one micro-batch's.
     kept[n - 1] += trace.output_bytes + 4 * trace.output_numel
     # torch's step(return_outputs=True), its default: the last stage also keeps every
     # micro-batch's output to the step's end (``output_chunks``), and then concatenates them

@@ -12,7 +12,7 @@ devices and our all-gather engine elsewhere, so what it costs depends on the har
 
 What torch 2.13's ring (``torch.distributed.tensor.experimental._context_parallel``,
 ``_templated_ring_attention`` and its backward, default options) does per attention call,
-read from its source and measured on gloo ranks (tests/test_ring_attention.py): forward,
+read from its source and measured on gloo ranks (tests/dist/test_ring_attention.py): forward,
 one all-gather of the concatenated local keys and values, waited for after the first
 chunk's attention; backward, the same all-gather again, then ``cp`` all-to-all permutes of
 the keys' and values' gradients, accumulated in float32, each waited for after the next

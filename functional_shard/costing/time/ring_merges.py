@@ -18,7 +18,7 @@ a step's chunk is either whole or half (``Q/2``, ``R/2``):
   keys or half the query took part, into that half, then a ``torch.cat`` of the whole
   sum); the keys' and values' sums concatenated for each permute; the casts back.
 
-`tests/test_ring_merges.py` counts the same bytes by running torch's own functions on a
+`tests/unit/test_ring_merges.py` counts the same bytes by running torch's own functions on a
 fake process group (every op but the kernels and collectives), for drawn cp sizes,
 ranks and shapes.
 """

@@ -98,7 +98,7 @@ def _nothing_selected(selector: Selector, tree: ModelTree) -> str:
 
 # size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES and .FORCE_LEAF_MODULES of
 # torch/distributed/fsdp/wrap.py, restated: reading them would import FSDP (~0.8 s, half of
-# `import torch`) into pure planning; tests/test_boundaries.py checks they still equal torch's
+# `import torch`) into pure planning; tests/unit/test_boundaries.py checks they still equal torch's
 _EXCLUDE_WRAP_MODULES: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.ModuleDict)
 _FORCE_LEAF_MODULES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 

@@ -1,0 +1,171 @@
+"""apply() refuses what torch's engines cannot run, before any parameter changes."""
+
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import functional_shard as fs
+from functional_shard.zoo import Llama, llama
+
+from ..dist_cases import UNEVEN
+from ..strategies import linear_colwise
+
+
+def params_untouched(model):
+    return not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_apply_needs_a_process_group():
+    plan = fs.shard(nn.Linear(4, 4), fs.Mesh(dp=2), fs.fsdp())
+    with pytest.raises(fs.MeshError, match=re.escape("call dist.init_process_group(...) first")):
+        fs.apply(plan, nn.Linear(4, 4))
+
+
+def test_world_size_must_match_the_plan(fake_world):
+    fake_world(4)
+    plan = fs.shard(nn.Linear(4, 4), fs.Mesh(dp=2), fs.fsdp())
+    with pytest.raises(fs.MeshError, match="has 2 devices but the world size is 4"):
+        fs.apply(plan, nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize(
+    ("model", "mesh", "policy", "message"),
+    [
+        (
+            lambda: Llama(UNEVEN),
+            fs.Mesh(tp=3),
+            fs.tp(fs.rules.llama, "tp"),
+            "layers.0.mlp.down_proj: rowwise Linear with in_features=50 over 'tp' (size 3)",
+        ),
+        (
+            lambda: llama("tiny", device="cpu"),
+            fs.Mesh(dp=2, tp=2),
+            fs.replicate("dp") + fs.tp(fs.rules.llama, "tp"),
+            "ddp with tensor parallel: torch's DDP does not run over DTensor shards",
+        ),
+        (
+            lambda: nn.Sequential(nn.Linear(4, 4)),
+            fs.Mesh(tp=2),
+            linear_colwise,
+            "0.weight: compute P('tp', None) comes from no tensor-parallel style",
+        ),
+        (
+            lambda: nn.Sequential(nn.Linear(4, 4)),
+            fs.Mesh(dp=2),
+            fs.fsdp() + fs.offload(params=False),
+            "offload of only some of params/grads/optimizer",
+        ),
+        (
+            lambda: nn.Sequential(nn.Linear(4, 4)),
+            fs.Mesh(dp=2),
+            fs.replicate() + fs.mixed_precision(torch.bfloat16),
+            "mixed precision with ddp",
+        ),
+        (
+            lambda: nn.Sequential(nn.Linear(4, 4)),
+            fs.Mesh(tp=2),
+            fs.tp([("0", "colwise")], "tp") + fs.mixed_precision(torch.bfloat16),
+            "mixed precision without a data-parallel layer: apply() casts through FSDP2",
+        ),
+        (
+            lambda: llama("tiny", device="cpu"),  # 4 query heads, 2 key/value heads
+            fs.Mesh(tp=4),
+            fs.tp(fs.rules.llama, "tp"),
+            "layers.0.self_attn.k_proj: its 2 attention heads (32 features, head_dim 16) do not split "
+            "over 4 tensor-parallel ranks",
+        ),
+    ],
+)
+def test_unrunnable_plans_fail_before_touching_data(fake_world, model, mesh, policy, message):
+    fake_world(mesh.size)
+    module = model()
+    plan = fs.shard(module, mesh, policy)
+    with pytest.raises(fs.PlanError, match=re.escape(message)):
+        fs.apply(plan, module)
+    assert params_untouched(module)
+
+
+def test_plan_must_fit_the_module(fake_world):
+    fake_world(2)
+    plan = fs.shard(nn.Linear(4, 4), fs.Mesh(dp=2), fs.fsdp())
+    message = "weight: shape (8, 8) in the module, (4, 4) in the plan"
+    with pytest.raises(fs.PlanError, match=re.escape(message)):
+        fs.apply(plan, nn.Linear(8, 8))
+
+
+def test_an_optimizer_built_before_sharding_is_refused(fake_world):
+    fake_world(2)
+    model = llama("tiny", device="cpu")
+    early = torch.optim.AdamW(model.parameters())
+    plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp())
+    fs.apply(plan, model)
+    with pytest.raises(fs.ShardingError, match="built before sharding replaced them"):
+        fs.check_optimizer(early, model)
+    fs.check_optimizer(fs.optimizer(plan, model, torch.optim.AdamW), model)
+
+
+def test_a_group_mixing_dtensors_and_tensors_steps_per_tensor_or_is_refused(fake_world):
+    # tp without sp leaves the norms plain beside DTensor projections: torch's foreach kernels
+    # (its default on CUDA) refuse the mix at the first step
+    fake_world(2)
+    model = llama("tiny", device="cpu")
+    plan = fs.shard(model, fs.Mesh(tp=2), fs.tp(fs.rules.llama, "tp"))
+    fs.apply(plan, model)
+    assert {isinstance(p, DTensor) for p in model.parameters()} == {True, False}
+    adamw = fs.optimizer(plan, model, torch.optim.AdamW, lr=1e-3)
+    assert adamw.param_groups[0]["foreach"] is False
+    before = [(p.to_local() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    adamw.step()  # per tensor
+    after = [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in model.parameters()]
+    assert not any(torch.equal(b, a) for b, a in zip(before, after, strict=True))
+    example = "'layers.0.input_layernorm.weight'"
+    for option in ("foreach", "fused"):
+        message = f"optimizer param group 0: {option}=True steps DTensors and plain tensors (e.g. {example})"
+        with pytest.raises(fs.ShardingError, match=re.escape(message)):
+            fs.optimizer(plan, model, torch.optim.AdamW, **{option: True})
+    one_kind = [p for p in model.parameters() if isinstance(p, DTensor)]
+    assert torch.optim.AdamW(one_kind).param_groups[0]["foreach"] is None  # untouched: no mix
+    fs.check_optimizer(torch.optim.AdamW(one_kind), model)
+
+
+def test_optimizer_needs_the_applied_module(fake_world):
+    fake_world(2)
+    plan = fs.shard(nn.Linear(4, 4), fs.Mesh(dp=2), fs.fsdp())
+    with pytest.raises(fs.ShardingError, match=re.escape("needs the module fs.apply(plan, module) returned")):
+        fs.optimizer(plan, nn.Linear(4, 4), torch.optim.SGD, lr=0.1)
+
+
+def test_ddp_refuses_a_meta_device_model(fake_world):
+    fake_world(2)
+    module = llama("tiny")  # meta device
+    plan = fs.shard(module, fs.Mesh(dp=2), fs.replicate())
+    with pytest.raises(fs.PlanError, match="ddp on a meta-device module"):
+        fs.apply(plan, module)
+
+
+def test_materialize_needs_reset_parameters_or_init(fake_world):
+    fake_world(2)
+
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gain = nn.Parameter(torch.ones(4, device="meta"))
+
+    module = nn.Sequential(Scale())
+    plan = fs.shard(module, fs.Mesh(dp=2), fs.fsdp())
+    fs.apply(plan, module)
+    message = "* 0 (Scale): cannot initialise its parameters (gain): it has no reset_parameters. Pass init="
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
+        fs.materialize(plan, module)
+    assert module[0].gain.is_meta  # refused before any change
+
+
+def test_heads_that_split_evenly_are_runnable():
+    """tp=2 keeps whole heads (2 of 4 query heads, 1 of 2 key/value heads per rank)."""
+    model = llama("tiny", device="cpu")
+    fs.check_runnable(fs.shard(model, fs.Mesh(tp=2), fs.tp(fs.rules.llama, "tp")), model)

@@ -1,0 +1,45 @@
+"""fs.forward_only and fs.forward_loss: a module the plan was not applied to is refused; between
+accumulating steps on 4 gloo ranks (slow) they leave the gradients whole."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+import functional_shard as fs
+
+from .. import evaluation_cases, pipeline_cases
+
+
+@pytest.mark.parametrize(
+    ("name", "make"),
+    [
+        ("fs.forward_only", lambda plan, model: fs.forward_only(plan, model)),
+        ("fs.forward_loss", lambda plan, model: fs.forward_loss(plan, model, F.mse_loss)),
+    ],
+)
+def test_evaluating_a_module_the_plan_was_not_applied_to_is_refused(name, make):
+    model = nn.Linear(4, 2)
+    plan = fs.shard(model, fs.Mesh(dp=1), fs.replicate())
+    message = f"{name} needs the module fs.apply(plan, module) returned, with the same plan"
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
+        make(plan, model)
+
+
+@pytest.mark.slow
+def test_evaluating_between_accumulating_steps_leaves_their_gradients_whole(world4):
+    """torch's schedules divide every .grad by the micro-batch count at the end of a step,
+    eval included: gradients held from an earlier step are set aside meanwhile."""
+    losses, outputs, grads = evaluation_cases.reference()
+    results = world4.run(evaluation_cases.accumulate_around_evaluation)
+    for result in results:
+        assert result["loss"] == pytest.approx(losses[result["index"]], abs=1e-5)
+        torch.testing.assert_close(result["outputs"], outputs[result["index"]], atol=1e-5, rtol=1e-4)
+    merged = pipeline_cases.merged_params(results)
+    assert merged.keys() == grads.keys()
+    for name, value in grads.items():
+        torch.testing.assert_close(merged[name], value, atol=1e-5, rtol=1e-4, msg=name)

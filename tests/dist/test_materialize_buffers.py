@@ -1,0 +1,221 @@
+"""fs.materialize without ``init=``: Hugging Face models take their own initialisation, and every
+buffer holds what the model built on the CPU holds, or the call is refused before any change.
+
+Buffers are compared exactly (``torch.equal``). Parameters are compared exactly across plans (the
+same seed gives the same values under FSDP, tensor parallel and a pipeline), and with the CPU
+build where the values are constant (norm weights, biases) or come from ``reset_parameters`` (the
+zoo's Llamas: init-then-shard, exactly). Other Hugging Face parameters are random draws in
+another order than the CPU build's: their standard deviation is held to within 4x of the CPU
+build's (torch's ``reset_parameters`` instead of the model's ``_init_weights`` would give an
+embedding 50 times wider; GPT-2's residual projections, which its ``_init_weights`` scales from
+their parent module, are 2x wider here).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import functional_shard as fs
+from functional_shard.runtime.engines.buffers import buffer_problems, meta_buffers, restore_buffers
+
+from .. import buffer_cases, hf_cases
+from ..dist_cases import full
+
+pytest.importorskip("transformers")
+
+
+def assert_like_the_cpu_build(name, params, buffers, cpu, stage=False):
+    """Buffers equal the CPU build's (a pipeline ``stage`` holds some); parameters finite, and
+    as the module docstring says."""
+    wanted = dict(cpu.named_buffers(remove_duplicate=False))
+    assert buffers.keys() <= wanted.keys() if stage else buffers.keys() == wanted.keys(), name
+    for path, value in buffers.items():
+        assert value.dtype == wanted[path].dtype, f"{name}: {path}"
+        assert torch.equal(value, wanted[path]), f"{name}: {path} is {value}, built on the CPU {wanted[path]}"
+    cpu_params = dict(cpu.named_parameters())
+    for path, value in params.items():
+        expected = cpu_params[path].detach()
+        label = f"{name}: {path}"
+        assert torch.isfinite(value).all(), label
+        if (
+            name.startswith("zoo_")
+            or expected.numel() == 1
+            or bool((expected == expected.flatten()[0]).all())
+        ):
+            assert torch.equal(value, expected), label
+        else:
+            ratio = (value.std() / expected.std()).item()
+            assert 0.25 < ratio < 4, (
+                f"{label}: std {value.std().item():.3g}, built on the CPU {expected.std().item():.3g}"
+            )
+
+
+def test_a_meta_built_hf_llama_materializes_without_init_as_built_on_the_cpu(one_rank):
+    """The refused case of issue 39: LlamaRMSNorm has no reset_parameters, and the rotary inv_freq
+    and original_inv_freq were left as uninitialised memory. Two plans on one rank give the same values."""
+    results = []
+    for mesh, policy in ((fs.Mesh(dp=1), fs.fsdp()), (fs.Mesh(tp=1), fs.tp("auto", "tp"))):
+        model = buffer_cases.build_on_meta("llama")
+        plan = fs.shard(model, mesh, policy)
+        fs.apply(plan, model)
+        assert set(meta_buffers(model)) == {"model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"}
+        fs.materialize(plan, model, seed=buffer_cases.SEED)
+        params = {k: full(v) for k, v in model.named_parameters()}
+        buffers = {k: full(v) for k, v in model.named_buffers()}
+        assert_like_the_cpu_build("llama", params, buffers, buffer_cases.build("llama"))
+        results.append(params)
+    for path, value in results[0].items():
+        assert torch.equal(value, results[1][path]), path
+
+
+def test_a_parameter_the_hf_init_does_not_know_is_refused_by_name(one_rank):
+    class Gain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gain = nn.Parameter(torch.ones(4))
+
+    model = buffer_cases.build_on_meta("llama")
+    with torch.device("meta"):
+        model.model.gain = Gain()
+    plan = fs.shard(model, fs.Mesh(dp=1), fs.fsdp())
+    fs.apply(plan, model)
+    message = (
+        "* model.gain (Gain): cannot initialise its parameters (gain): it has no reset_parameters, and "
+        "PreTrainedModel._init_weights leaves gain unset. Pass init="
+    )
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
+        fs.materialize(plan, model)
+    assert all(p.is_meta for p in model.parameters())
+    assert all(b.is_meta for b in model.buffers())
+
+
+class Rotary(nn.Module):
+    """Frequencies computed when built, as rotary embeddings keep them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("freqs", 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8), persistent=False)
+
+
+class RotaryThatResets(Rotary):
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.freqs.copy_(1.0 / 10000 ** (torch.arange(0, 8, 2) / 8))
+
+
+class Net(nn.Module):
+    def __init__(self, rotary: type[Rotary]) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.rotary = rotary()
+        self.register_buffer("mask", torch.ones(8))
+
+
+def applied_on_meta(rotary, real_mask=False):
+    with torch.device("meta"):
+        net = Net(rotary)
+    if real_mask:  # a buffer on a real device among meta ones
+        net.mask = torch.full((8,), 3.0)
+    plan = fs.shard(net, fs.Mesh(dp=1), fs.fsdp(min_params=1))
+    fs.apply(plan, net)
+    return net, plan
+
+
+def test_a_computed_buffer_nothing_recomputes_is_refused_before_any_change(one_rank):
+    net, plan = applied_on_meta(Rotary)
+    message = (
+        "fs.materialize cannot give every parameter and buffer a value; nothing changed:\n"
+        "* mask: Net computes this buffer when it is built, but it has no reset_parameters, "
+        "so after the meta device it would hold uninitialised memory. Give Net a reset_parameters that "
+        "sets it, or build the model with its buffers on a real device (only its parameters on meta)\n"
+        "* rotary.freqs: Rotary computes this buffer"
+    )
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
+        fs.materialize(plan, net)
+    assert all(t.is_meta for t in (*net.parameters(), *net.buffers()))
+
+
+def test_buffers_come_from_reset_parameters_init_or_stay_as_they_were(one_rank):
+    """A module's reset_parameters that sets a buffer restores it; so does an init= that does; a
+    buffer on a real device keeps its value through to_empty."""
+    net, plan = applied_on_meta(RotaryThatResets, real_mask=True)
+    fs.materialize(plan, net, seed=0)
+    assert torch.equal(net.rotary.freqs, Rotary().freqs)
+    assert torch.equal(net.mask, torch.full((8,), 3.0))
+
+    def init(module):
+        if isinstance(module, Rotary):
+            module.freqs.copy_(Rotary().freqs)
+        elif isinstance(module, nn.Linear):
+            module.reset_parameters()
+
+    net, plan = applied_on_meta(Rotary, real_mask=True)
+    fs.materialize(plan, net, seed=0, init=init)
+    assert torch.equal(net.rotary.freqs, Rotary().freqs)
+
+
+def test_buffer_functions_name_what_they_cannot_restore():
+    """What checkpoint loaders call: the paths before to_empty, the problems, the restore."""
+    with torch.device("meta"):
+        net = nn.Sequential(Rotary(), nn.BatchNorm1d(4))
+    paths = meta_buffers(net)
+    assert paths == ("0.freqs", "1.running_mean", "1.running_var", "1.num_batches_tracked")
+    problems = buffer_problems(net, paths)
+    assert [p.split(":")[0] for p in problems] == ["0.freqs"]
+    with pytest.raises(fs.ShardingError, match=re.escape("* 0.freqs: Rotary computes this buffer")):
+        restore_buffers(net, paths, "cpu")
+    net.to_empty(device="cpu")
+    net[1].running_mean.fill_(7.0)  # loaded from a file, say: not among the paths restored
+    restore_buffers(net, ("1.running_var", "1.num_batches_tracked"), "cpu")
+    assert torch.equal(net[1].running_var, torch.ones(4))
+    assert torch.equal(net[1].num_batches_tracked, torch.tensor(0))
+    assert torch.equal(net[1].running_mean, torch.full((4,), 7.0))
+
+
+@pytest.fixture(scope="module")
+def world(worlds):
+    return worlds(2)
+
+
+@pytest.mark.slow
+def test_every_model_family_materializes_without_init_as_built_on_the_cpu(world):
+    """Every family of the HF matrix, Mixtral and the zoo's Llamas on 2 ranks, under FSDP and
+    tensor parallel (and Llama in 2 pipeline stages): buffers as built on the CPU, parameters
+    equal across the plans."""
+    plans = ("fsdp", "tp")
+    cases = (*((m, s) for m in buffer_cases.MODELS for s in plans), ("llama", "pp"))
+    results = world.run(buffer_cases.run_cases, cases)
+    by_case = {case: [per_rank[i] for per_rank in results] for i, case in enumerate(cases)}
+    for (name, strategy), ranks in by_case.items():
+        cpu = buffer_cases.build(name)
+        for rank, result in enumerate(ranks):
+            label = f"{name} under {strategy}, rank {rank}"
+            assert_like_the_cpu_build(label, **result, cpu=cpu, stage=strategy == "pp")
+        merged = {k: v for result in ranks for k, v in result["params"].items()}
+        under_fsdp = by_case[(name, "fsdp")][0]["params"]
+        assert merged.keys() == under_fsdp.keys()
+        for path, value in merged.items():
+            assert torch.equal(value, under_fsdp[path]), f"{name}: {path} under {strategy} and fsdp"
+    assert set(hf_cases.CONFIGS) < set(buffer_cases.MODELS)
+
+
+@pytest.mark.slow  # 28 s: 2 ranks start Lightning and transformers
+def test_a_trainer_fits_a_hf_model_built_on_meta_in_configure_model(world):
+    """ShardStrategy(fs.fsdp("dp")) on 2 CPU devices materializes a tiny HF Llama built on the
+    meta device in configure_model (refused before: no init= to pass), with its rotary
+    frequencies as built on the CPU, and trains it as one process does from the same values."""
+    from .. import lightning_cases
+
+    results = world.run(lightning_cases.fit_hf_built_on_meta)
+    cpu = buffer_cases.build("llama")
+    rotary = cpu.model.rotary_emb
+    for result in results:
+        assert torch.equal(result["buffers"]["inv_freq"], rotary.inv_freq)
+        assert torch.equal(result["buffers"]["original_inv_freq"], rotary.original_inv_freq)
+    first = results[0]["first"]
+    assert first.keys() == dict(cpu.named_parameters()).keys()
+    assert results[0]["losses"] == pytest.approx(lightning_cases.hf_reference(first, 2), abs=1e-5)

@@ -1,0 +1,416 @@
+"""Real Trainer.fit runs (accelerator="cpu", 4 processes) against one process."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import functional_shard as fs
+
+from .. import dist_cases, lightning_cases, load_hf_cases
+
+NAMED = [
+    ("fs_ddp", 4),
+    ("fs_zero1", 4),
+    ("fs_zero2", 4),
+    ("fs_zero3", 4),
+    ("fs_fsdp", 4),
+    ("fs_hsdp", 4),
+    ("fs_fsdp_tp", 2),
+]
+# the default suite trains one registered strategy per engine family (ZeRO-1's optimizer,
+# FSDP2 with tensor parallel); the whole list runs under -m slow
+_DEFAULT_NAMED = {"fs_zero1", "fs_fsdp_tp"}
+NAMED_CASES = [
+    pytest.param(name, dp, marks=() if name in _DEFAULT_NAMED else pytest.mark.slow, id=f"{name}-{dp}")
+    for name, dp in NAMED
+]
+
+
+@pytest.fixture(scope="module")
+def world(world4):
+    return world4
+
+
+def assert_matches_one_process(result, data_parallel):
+    losses, params = lightning_cases.reference(dist_cases.EVEN, data_parallel)
+    assert result["losses"] == pytest.approx(losses, abs=1e-5)
+    for name, value in params.items():
+        torch.testing.assert_close(result["params"][name], value, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize(("name", "data_parallel"), NAMED_CASES)
+def test_registered_strategies_train_as_one_process(world, name, data_parallel):
+    result = world.run(lightning_cases.fit_named, name, dist_cases.EVEN, data_parallel)[0]
+    assert_matches_one_process(result, data_parallel)
+
+
+def test_a_hand_composed_2d_plan_trains_as_one_process(world):
+    module = lightning_cases.LanguageModel(dist_cases.EVEN)
+    plan = fs.shard(
+        module, fs.Mesh(dp=2, tp=2), fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp", sequence_parallel=True)
+    )
+    result = world.run(lightning_cases.fit_with, plan, None, dist_cases.EVEN, 2)[0]
+    assert_matches_one_process(result, 2)
+
+
+def test_zero1_steps_a_zero_redundancy_optimizer(world):
+    kinds = world.run(lightning_cases.optimizer_kinds, "fs_zero1", dist_cases.EVEN, 4)
+    assert {kind for per_rank in kinds for kind in per_rank} == {"ZeroRedundancyOptimizer"}
+
+
+def test_plan_mesh_must_match_the_devices(world):
+    plan = fs.shard(lightning_cases.LanguageModel(dist_cases.EVEN), fs.Mesh(dp=2), fs.fsdp())
+    with pytest.raises(fs.MeshError, match="has 2 devices but the world size is 4"):
+        world.run(lightning_cases.fit_with, plan, None, dist_cases.EVEN, 2)
+
+
+def test_an_optimizer_built_before_sharding_is_refused(worlds):
+    with pytest.raises(fs.ShardingError, match="built before sharding replaced them"):
+        worlds(2).run(lightning_cases.fit_early_optimizer, dist_cases.EVEN)
+
+
+def test_registered_names_resolve():
+    code = (
+        "import lightning as L, functional_shard.adapters.lightning as a;"
+        "t = L.Trainer(strategy='fs_fsdp_tp', accelerator='cpu', devices=1, logger=False);"
+        "print(type(t.strategy).__name__, t.strategy._mesh)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert re.search(r"ShardStrategy Mesh\(dp=-1, tp=2\)", out)
+
+
+@pytest.mark.parametrize("name", ["fs_fsdp", "fs_ddp"])
+def test_gradient_accumulation_reduces_once_per_step(world, name):
+    """2 micro-batches per step: the same training as one process on both together, and
+    gradients reduced once per optimizer step (Lightning's own Trainer path for
+    ModelParallelStrategy reduces on each micro-batch, twice these bytes).
+
+    Parameters to 1e-4: accumulating sums two half-batch gradients where the reference
+    takes one, and AdamW's division by sqrt(v) magnifies that reordering on near-zero
+    gradients (observed: 3.4e-5 at most, on a weight of 0.069)."""
+    result = world.run(lightning_cases.fit_accumulating, name, dist_cases.EVEN, 4, 2)
+    losses, params = lightning_cases.reference(dist_cases.EVEN, 4, accumulate=2)
+    assert result[0]["losses"] == pytest.approx(losses, abs=1e-5)
+    for key, value in params.items():
+        torch.testing.assert_close(result[0]["params"][key], value, atol=1e-4, rtol=1e-4)
+    plan = fs.shard(
+        lightning_cases.LanguageModel(dist_cases.EVEN),
+        fs.Mesh(dp=4),
+        fs.fsdp() if name == "fs_fsdp" else fs.replicate(),
+    )
+    per_step = sum(
+        sum(b.values()) for k, b in plan.cost().comm_bytes.items() if k in ("reduce_scatter", "all_reduce")
+    )
+    # gradients reduced once per optimizer step; Lightning adds a few scalar all-reduces of
+    # its own (its stopping decisions: 24 bytes over this fit)
+    assert per_step * dist_cases.STEPS <= result[0]["reduced_bytes"] <= per_step * dist_cases.STEPS + 64
+
+
+@pytest.mark.parametrize(("name", "data_parallel"), [("fs_fsdp", 4), ("fs_fsdp_tp", 2)])
+def test_gradient_clipping_clips_the_global_norm(world, name, data_parallel):
+    """gradient_clip_val=0.5 (well below these gradients' norm): as one process clipping."""
+    result = world.run(lightning_cases.fit_clipped, name, dist_cases.EVEN, data_parallel, 0.5)[0]
+    losses, params = lightning_cases.reference(dist_cases.EVEN, data_parallel, clip=0.5)
+    assert result["losses"] == pytest.approx(losses, abs=1e-5)
+    for key, value in params.items():
+        torch.testing.assert_close(result["params"][key], value, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("name", "full"),
+    [
+        ("fs_fsdp", False),
+        ("fs_fsdp_tp", False),
+        ("fs_fsdp_tp", True),
+        ("fs_zero1", False),
+        ("fs_zero1", True),
+    ],
+)
+def test_trainer_checkpoints_resume_exactly(world, tmp_path, name, full):
+    """Two epochs straight, against one epoch, a checkpoint (a folder, or with
+    save_distributed_checkpoint=False one file), and a resumed second epoch: the same losses
+    in epoch two and the same final parameters."""
+    straight = world.run(lightning_cases.fit_epochs, name, dist_cases.EVEN, 2, None, None)[0]
+    path = tmp_path / "epoch1.ckpt"
+    world.run(lightning_cases.fit_epochs, name, dist_cases.EVEN, 1, None, str(path), full)
+    assert path.is_file() == full
+    resumed = world.run(lightning_cases.fit_epochs, name, dist_cases.EVEN, 2, str(path), None, full)[0]
+    second_epoch = straight["losses"][len(straight["losses"]) // 2 :]
+    assert resumed["losses"] == pytest.approx(second_epoch, abs=1e-5)  # a float32 step at 25 is 1.9e-6
+    for key, value in straight["params"].items():
+        torch.testing.assert_close(resumed["params"][key], value, atol=1e-5, rtol=1e-4)
+
+
+def assert_same_training_state(got, expected):
+    assert got["params"].keys() == expected["params"].keys()
+    for key, value in expected["params"].items():
+        torch.testing.assert_close(got["params"][key], value, atol=0, rtol=0, msg=key)
+    assert got["optimizer"].keys() == expected["optimizer"].keys()
+    for key, state in expected["optimizer"].items():
+        for field, value in state.items():
+            torch.testing.assert_close(got["optimizer"][key][field], value, atol=0, rtol=0, msg=key)
+
+
+@pytest.mark.slow  # the default suite moves checkpoints between plans in tests/dist/test_checkpoint.py
+def test_trainer_checkpoints_move_between_plans(world, worlds, tmp_path):
+    """A Trainer checkpoint saved under FSDP x4 resumes under FSDP x2 . TP x2 and ZeRO-1
+    x4 (a folder), and under Lightning's own single-device strategy (one file): the same
+    parameters and optimizer state, exactly."""
+    folder, file = str(tmp_path / "fsdp"), str(tmp_path / "fsdp.ckpt")
+    saved = world.run(lightning_cases.fit_epochs, "fs_fsdp", dist_cases.EVEN, 1, None, folder)[0]
+    for name in ("fs_fsdp_tp", "fs_zero1"):
+        # max_epochs=1 is reached already: the fit loads and stops
+        loaded = world.run(lightning_cases.fit_epochs, name, dist_cases.EVEN, 1, folder, None)[0]
+        assert_same_training_state(loaded, saved)
+    world.run(lightning_cases.fit_epochs, "fs_fsdp", dist_cases.EVEN, 1, folder, file, True)
+    loaded = worlds(1).run(lightning_cases.fit_epochs, "auto", dist_cases.EVEN, 1, file, None)[0]
+    assert_same_training_state(loaded, saved)
+
+
+@pytest.mark.parametrize("name", ["zero3", "fsdp_tp"])
+def test_fabric_loop_trains_as_one_process(world, name):
+    result = world.run(lightning_cases.fabric_loop, name, dist_cases.EVEN)[0]
+    losses, params = dist_cases.reference(dist_cases.EVEN, result["data_parallel"], lightning_cases.ADAM_EPS)
+    assert result["losses"] == pytest.approx(losses, abs=1e-5)
+    for key, value in params.items():
+        torch.testing.assert_close(result["params"][key], value, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("name", "full"), [("zero3", False), ("fsdp_tp", False), ("zero1", True)])
+def test_fabric_save_and_load_resume_exactly(world, tmp_path, name, full):
+    """fabric.save after 2 steps, fabric.load in a new Fabric, 3 more steps: the losses of
+    an uninterrupted run (ZeRO-1: a plain AdamW rebound to ZeroRedundancyOptimizer)."""
+    path = str(tmp_path / ("ckpt.pt" if full else "ckpt"))
+    uninterrupted = world.run(lightning_cases.fabric_loop, name, dist_cases.EVEN)[0]
+    world.run(lightning_cases.fabric_loop, name, dist_cases.EVEN, False, 2, None, path, full)
+    resumed = world.run(lightning_cases.fabric_loop, name, dist_cases.EVEN, False, 3, path, None, full)[0]
+    assert resumed["start"] == 2
+    assert resumed["losses"] == pytest.approx(uninterrupted["losses"][2:], abs=1e-5)
+    if name == "zero1":
+        assert resumed["optimizer"] == "ZeroRedundancyOptimizer"
+
+
+@pytest.mark.parametrize("precision", ["16-mixed-cpu", "16-mixed"])
+def test_fabric_float16_with_a_scaler_that_agrees_over_ranks(world, precision):
+    """Fabric's float16 AMP plugin: the strategy swaps its GradScaler for fs.grad_scaler and
+    training follows one float32 process within float16's rounding. The "16-mixed" flag,
+    which Fabric refuses to its own ModelParallelStrategy, is accepted (on the CPU Fabric
+    runs it as bf16-mixed, without a scaler)."""
+    loop = lightning_cases.fabric_loop
+    result = world.run(
+        loop, "fsdp_tp", dist_cases.EVEN, False, dist_cases.STEPS, None, None, False, precision
+    )[0]
+    assert result["scaler"] == ("_LocalShardsGradScaler" if precision == "16-mixed-cpu" else "NoneType")
+    in_float32 = dist_cases.reference(dist_cases.EVEN, 2, lightning_cases.ADAM_EPS)[0]
+    assert result["losses"] == pytest.approx(in_float32, abs=5e-2)
+    assert _differs_somewhere(result["losses"], in_float32)
+
+
+def test_fabric_refuses_an_optimizer_built_before_sharding(world):
+    with pytest.raises(fs.ShardingError, match="built before sharding replaced them"):
+        world.run(lightning_cases.fabric_loop, "zero3", dist_cases.EVEN, True)
+
+
+def _differs_somewhere(losses, reference):
+    return any(abs(a - b) > 1e-5 for a, b in zip(losses, reference, strict=True))
+
+
+@pytest.mark.parametrize(("name", "data_parallel"), [("fs_fsdp", 4), ("fs_fsdp_tp", 2)])
+def test_bf16_mixed_trains_as_one_process_in_bf16(world, name, data_parallel):
+    """Trainer(precision="bf16-mixed"): bfloat16 autocast, as one process under the same
+    autocast to within bfloat16's rounding (measured 1.5e-2 at most on losses near 30;
+    bfloat16's relative step is 7.8e-3)."""
+    result = world.run(lightning_cases.fit_in_precision, name, dist_cases.EVEN, data_parallel, "bf16-mixed")
+    losses = result[0]["losses"]
+    in_bf16 = lightning_cases.reference(dist_cases.EVEN, data_parallel, autocast=torch.bfloat16)[0]
+    assert losses == pytest.approx(in_bf16, abs=5e-2)
+    assert _differs_somewhere(losses, lightning_cases.reference(dist_cases.EVEN, data_parallel)[0])
+
+
+def test_16_mixed_scales_the_loss_with_a_scaler_that_agrees_over_ranks(world):
+    """Lightning's float16 AMP plugin (on the CPU: its flag would fall back to bf16-mixed):
+    the strategy swaps torch's per-rank GradScaler for fs.grad_scaler; training follows one
+    float32 process to within float16's rounding (measured 1.6e-3)."""
+    result = world.run(lightning_cases.fit_in_precision, "fs_fsdp_tp", dist_cases.EVEN, 2, "16-mixed-cpu")[0]
+    assert result["scaler"] == "_LocalShardsGradScaler"
+    in_float32 = lightning_cases.reference(dist_cases.EVEN, 2)[0]
+    assert result["losses"] == pytest.approx(in_float32, abs=1e-2)
+    assert _differs_somewhere(result["losses"], in_float32)
+
+
+def test_the_16_mixed_flag_is_accepted(world):
+    """Lightning's own ModelParallelStrategy refuses precision="16-mixed"; ours takes it (on
+    the CPU Lightning then runs bf16-mixed, the same training as that flag)."""
+    flagged = world.run(lightning_cases.fit_in_precision, "fs_fsdp", dist_cases.EVEN, 4, "16-mixed")[0]
+    bf16 = world.run(lightning_cases.fit_in_precision, "fs_fsdp", dist_cases.EVEN, 4, "bf16-mixed")[0]
+    assert flagged["losses"] == bf16["losses"]
+
+
+def test_a_plan_in_bf16_under_a_float16_flag_is_refused(world):
+    # autocast to float16 over FSDP2's bf16 copies: some ops refuse the mix deep inside torch
+    policy = fs.fsdp("dp") + fs.mixed_precision(torch.bfloat16)
+    message = (
+        "ShardStrategy: the plan computes in bfloat16 (mixed_precision in its policy) and "
+        "precision='16-mixed' in float16"
+    )
+    with pytest.raises(fs.ShardingError, match=re.escape(message)) as refused:
+        world.run(lightning_cases.fit_with, policy, fs.Mesh(dp=4), dist_cases.EVEN, 4, True)
+    assert "use precision='bf16-mixed' or '32-true'" in str(refused.value)
+
+
+def test_a_float32_plan_under_a_low_precision_flag_names_the_one_flag_that_agrees():
+    # Lightning has no mixed flag for float32: only '32-true' is offered
+    from types import SimpleNamespace
+
+    from functional_shard.adapters.lightning._common import _refuse_two_precisions
+
+    plan = fs.shard(
+        dist_cases.Llama(dist_cases.EVEN), fs.Mesh(dp=2), fs.fsdp() + fs.mixed_precision(torch.float32)
+    )
+    with pytest.raises(fs.ShardingError, match=re.escape("or use precision='32-true'")):
+        _refuse_two_precisions(plan, SimpleNamespace(precision="bf16-mixed"), "ShardStrategy")
+    _refuse_two_precisions(plan, SimpleNamespace(precision="32-true"), "ShardStrategy")
+
+
+def test_a_strict_rule_set_that_misses_parameters_is_refused_by_name(world):
+    no_norms = fs.Rules(list(fs.rules.llama)[:-1], strict=True, name="no-norms")
+    policy = fs.fsdp("dp") + fs.tp(no_norms, "tp")
+    with pytest.raises(fs.PlanError, match=r"model\.norm\.weight.*no rule of the strict rule set 'no-norms'"):
+        world.run(lightning_cases.fit_with, policy, fs.Mesh(dp=2, tp=2), dist_cases.EVEN, 2)
+
+
+def test_a_plan_that_misses_parameters_of_the_module_is_refused_by_name(world):
+    one_layer = dataclasses.replace(dist_cases.EVEN, num_layers=1)
+    plan = fs.shard(lightning_cases.LanguageModel(one_layer), fs.Mesh(dp=4), fs.fsdp())
+    missing = r"model\.layers\.1\.mlp\.down_proj\.weight: a parameter of the module but not in the plan"
+    with pytest.raises(fs.PlanError, match=missing):
+        world.run(lightning_cases.fit_with, plan, None, dist_cases.EVEN, 4)
+
+
+def test_model_checkpoint_keeps_sharded_folders_and_resumes_from_them(world, tmp_path):
+    """ModelCheckpoint(every_n_train_steps=2, save_top_k=1): sharded checkpoints are
+    folders, the older ones removed, none left half-written; a fit resumes from the last."""
+    folder = str(tmp_path / "ckpts")
+    first = world.run(lightning_cases.fit_with_model_checkpoint, "fs_fsdp", dist_cases.EVEN, folder, None)[0]
+    assert first["held"] == ["epoch=0-step=4.ckpt"]
+    assert (tmp_path / "ckpts" / "epoch=0-step=4.ckpt").is_dir()
+    resumed = world.run(
+        lightning_cases.fit_with_model_checkpoint, "fs_fsdp", dist_cases.EVEN, folder, first["best"]
+    )[0]
+    assert resumed["step"] == dist_cases.STEPS + 1
+
+
+def test_a_2d_plan_through_lightnings_own_model_parallel_strategy(world):
+    """to_lightning(2D plan) -> ModelParallelStrategy(2, 2); the module's configure_model
+    applies the plan: the same training as one process."""
+    result = world.run(lightning_cases.fit_under_lightnings_model_parallel, dist_cases.EVEN)[0]
+    assert result["strategy"] == "ModelParallelStrategy"
+    assert_matches_one_process(result, 2)
+
+
+@pytest.mark.parametrize("name", ["fs_fsdp_tp", "fs_zero1"])
+def test_the_strategy_reduces_gathers_and_broadcasts_over_every_rank(world, name):
+    results = world.run(lightning_cases.strategy_collectives, name, dist_cases.EVEN)
+    for result in results:
+        assert result["mean"] == pytest.approx(1.5)
+        assert result["sum"] == 6.0
+        assert result["gathered"] == [0.0, 1.0, 2.0, 3.0]
+        assert result["broadcast"] == "from 2.0"
+        assert result["decision"] is True
+
+
+# weights=: a Hugging Face folder (save_pretrained of a tiny Llama) the run starts from
+FSDP = (fs.fsdp("dp"), fs.Mesh(dp=4))
+FSDP_TP = (fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp"), fs.Mesh(dp=2, tp=2))
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("transformers")
+    return load_hf_cases.write_folder(tmp_path_factory.mktemp("hf") / "llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def pretrained(hf_folder: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    state, logits, _ = load_hf_cases.reference(hf_folder, "llama")
+    return state, logits
+
+
+def assert_loaded(result, state, logits=None):
+    assert result["state"], "nothing gathered"
+    assert set(result["state"]) <= set(state)
+    for name, value in result["state"].items():
+        assert torch.equal(value, state[name]), f"{name} differs by {(value - state[name]).abs().max()}"
+    if logits is not None:
+        torch.testing.assert_close(result["logits"], logits, atol=1e-6, rtol=1e-6)
+    assert all(0 < loss < 10 for loss in result["losses"])  # then a step trains
+
+
+@pytest.mark.parametrize(
+    ("meta", "plan"),
+    [pytest.param(True, FSDP, id="meta-fsdp"), pytest.param(False, FSDP_TP, id="cpu-fsdp_tp")],
+)
+def test_the_trainer_starts_from_a_hugging_face_folder(world, hf_folder, pretrained, meta, plan):
+    """ShardStrategy(policy, weights=folder): configure_model builds the model (on the meta
+    device: no memory, no random init; or seeded, then overwritten); the strategy applies the
+    plan and fills each shard from the folder: from_pretrained's weights bit for bit, its
+    logits to 1e-6."""
+    result = world.run(lightning_cases.fit_from_folder, str(hf_folder), "llama", meta, *plan)[0]
+    assert_loaded(result, *pretrained)
+
+
+def test_fabric_starts_from_a_hugging_face_folder(world, hf_folder, pretrained):
+    """FabricShardStrategy(policy, weights=folder): fabric.setup_module of a meta-device model."""
+    result = world.run(lightning_cases.fabric_from_folder, str(hf_folder), "llama", True, *FSDP_TP)[0]
+    assert_loaded(result, *pretrained)
+
+
+def test_weights_mapping_fills_a_zoo_model_from_a_hugging_face_folder(world, tmp_path):
+    """weights_mapping=fs.checkpoint.zoo_llama: the zoo's tied Llama from a folder that
+    leaves the tied head out (as save_pretrained writes it)."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    config = dist_cases.EVEN
+    torch.manual_seed(3)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        tie_word_embeddings=True,
+    )
+    transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path)
+    mapping = fs.checkpoint.zoo_llama
+    result = world.run(lightning_cases.fit_from_folder, str(tmp_path), "zoo", False, *FSDP, mapping)[0]
+    saved = load_file(tmp_path / "model.safetensors")
+    assert "lm_head.weight" not in saved
+    expected = {name: saved[f"model.{name}"] for name in result["state"] if name != "lm_head.weight"}
+    assert_loaded(result, {**expected, "lm_head.weight": saved["model.embed_tokens.weight"]})
+
+
+@pytest.mark.parametrize("strategy", ["ShardStrategy", "FabricShardStrategy"])
+def test_weights_that_are_not_a_folder_are_refused_when_the_strategy_is_made(hf_folder, strategy):
+    import functional_shard.adapters.lightning as adapter
+
+    made = getattr(adapter, strategy)
+    file = hf_folder / "model.safetensors"
+    wrong = f"{strategy}(weights={str(file)!r}): a file, not a folder; pass the folder that holds it"
+    with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
+        made(fs.fsdp("dp"), weights=file)
+    missing = str(hf_folder / "nowhere")
+    wrong = f"{strategy}(weights={missing!r}): no such folder; pass a Hugging Face model's folder"
+    with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
+        made(fs.fsdp("dp"), weights=missing)
+    wrong = f"{strategy}: weights_mapping= and trust_weights= say how to read weights=, which is not given"
+    with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
+        made(fs.fsdp("dp"), weights_mapping=fs.checkpoint.zoo_llama)

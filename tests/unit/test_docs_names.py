@@ -1,0 +1,56 @@
+"""Every dotted name the README and the docs give in backticks (``functional_shard.x.y``,
+``fs.x``) is one the package has: a module moved or a function renamed leaves no stale name."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# names the text uses that are not attributes: the log channel `quiet` makes, and a
+# placeholder in the architecture page's pattern for a layer's modules
+NOT_ATTRIBUTES = {"functional_shard.trace", "functional_shard.layer.module"}
+NAME = re.compile(r"`[^`\n]*?\b((?:functional_shard|fs)(?:\.[A-Za-z_]\w*)+)")
+
+
+def _names() -> list[tuple[str, str]]:
+    found = {}
+    for page in PAGES:
+        for match in NAME.finditer(page.read_text()):
+            dotted = match.group(1)
+            full = "functional_shard" + dotted[2:] if dotted.startswith("fs.") else dotted
+            found.setdefault(full, page.name)
+    return sorted(found.items())
+
+
+def _missing(dotted: str) -> str | None:
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            target: object = importlib.import_module(".".join(parts[:cut]))
+            break
+        except ModuleNotFoundError:
+            continue
+    for at, part in enumerate(parts[cut:], start=cut):
+        if not hasattr(target, part):
+            return f"{'.'.join(parts[:at])} has no {part!r}"
+        target = getattr(target, part)
+    return None
+
+
+def test_the_pages_name_something():
+    # the pattern finds the names the pages are known to give (a regex that matched nothing
+    # would pass the test below on any page)
+    names = dict(_names())
+    assert "functional_shard.costing.cost.census.zero1_owners" in names
+    assert "functional_shard.shard" in names
+
+
+@pytest.mark.parametrize(("dotted", "page"), [n for n in _names() if n[0] not in NOT_ATTRIBUTES])
+def test_a_name_the_docs_give_exists(dotted, page):
+    missing = _missing(dotted)
+    assert missing is None, f"{page} names `{dotted}`, but {missing}"

@@ -1,0 +1,266 @@
+"""Wrong types and values at the public entry points get a ShardingError that says what to write.
+
+Meshes, policy builders, ``shard()`` and the local-shape helpers: a dict for a mesh, a
+builder not called, a tuple for a spec, a rank off the mesh, a dtype that cannot carry
+parameters — each is refused by name, never a raw AttributeError/TypeError from inside,
+never a silently wrong answer.
+"""
+
+import json
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given
+from hypothesis import strategies as st
+
+import functional_shard as fs
+from functional_shard.planning.policy import builders as policy_builders
+
+from ..strategies import meshes
+
+BUILDERS = [getattr(fs, name) for name in policy_builders.__all__]
+
+
+def _linear() -> nn.Module:
+    return nn.Linear(8, 8)
+
+
+# ---- shard(): the mesh and the policy ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mesh", "message"),
+    [
+        (
+            {"dp": 2},
+            "shard(mesh=...): expected an fs.Mesh (or a torch DeviceMesh), got dict; write fs.Mesh(dp=2)",
+        ),
+        ({"dp": 2, "tp": 4}, "got dict; write fs.Mesh(dp=2, tp=4)"),
+        ([("dp", 2)], "got list; write fs.Mesh(dp=2)"),
+        ("dp=2", "got str; write fs.Mesh(dp=2)"),
+        (2, "got int; write fs.Mesh(dp=2)"),
+        (None, "got NoneType"),
+    ],
+)
+def test_shard_refuses_a_mesh_that_is_not_one(mesh, message):
+    with pytest.raises(fs.MeshError, match=re.escape(message)):
+        fs.shard(_linear(), mesh, fs.fsdp("dp"))
+
+
+def test_shard_names_swapped_model_and_mesh():
+    with pytest.raises(fs.MeshError, match=re.escape("the arguments are shard(model, mesh, policy)")):
+        fs.shard(fs.Mesh(dp=2), _linear(), fs.fsdp("dp"))
+
+
+def test_shard_still_reads_a_device_mesh():
+    class DeviceMeshLike:  # what shard() reads of a torch DeviceMesh: dim names and the rank grid
+        mesh_dim_names = ("dp",)
+        mesh = torch.arange(2)
+
+    plan = fs.shard(_linear(), DeviceMeshLike(), fs.fsdp("dp"))
+    assert plan.mesh == fs.Mesh(dp=2)
+
+
+@pytest.mark.parametrize("builder", BUILDERS, ids=lambda b: b.__name__)
+@pytest.mark.parametrize("where", ["left of +", "right of +", "shard(policy=...)"])
+def test_a_builder_not_called_is_named(builder, where):
+    uses = {
+        "left of +": lambda: builder + fs.fsdp("dp"),
+        "right of +": lambda: fs.fsdp("dp") + builder,
+        "shard(policy=...)": lambda: fs.shard(_linear(), fs.Mesh(dp=2), builder),
+    }
+    name = builder.__name__
+    with pytest.raises(
+        fs.PolicyError, match=re.escape(f"fs.{name} is the policy builder itself; call it: fs.{name}(...)")
+    ):
+        uses[where]()
+
+
+def test_a_plain_function_is_still_a_policy():
+    def replicated(path, tensor, mesh):
+        return fs.ParamSharding.replicated()
+
+    plan = fs.shard(_linear(), fs.Mesh(dp=2), fs.replicate("dp") + replicated)
+    assert plan.params["weight"].storage == fs.P(None, None)
+
+
+# ---- Mesh -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: fs.Mesh("dp"), "Mesh('dp'): axes are given as name=size"),
+        (lambda: fs.Mesh([("dp", 2)]), "or as one mapping of names to sizes; got list"),
+        (lambda: fs.Mesh(2), "got int. Write e.g. Mesh(dp=2, tp=4)"),
+        (lambda: fs.Mesh.from_json('{"x": 1}'), 'expected what Mesh.to_json writes, a dict with "axes"'),
+        (lambda: fs.Mesh.from_json({"x": 1}), 'expected what Mesh.to_json writes, a dict with "axes"'),
+        (lambda: fs.Mesh.from_json({"axes": [["dp"]]}), "a list of [name, size] pairs"),
+        (lambda: fs.Mesh.from_json({"axes": "dp"}), "a list of [name, size] pairs"),
+        (lambda: fs.Mesh.from_json("dp=2"), "Mesh.from_json('dp=2'): not JSON"),
+        (lambda: fs.Mesh.from_json(["dp", 2]), "expected what Mesh.to_json writes"),
+        (lambda: fs.Mesh.from_json({"axes": [["dp", "2"]]}), "axis 'dp' has size '2'"),
+    ],
+)
+def test_mesh_refuses_wrong_types(make, message):
+    with pytest.raises(fs.MeshError, match=re.escape(message)):
+        make()
+
+
+@given(mesh=meshes())
+def test_mesh_json_round_trips_as_dict_and_as_text(mesh):
+    assert fs.Mesh.from_json(mesh.to_json()) == mesh
+    assert fs.Mesh.from_json(json.dumps(mesh.to_json())) == mesh
+
+
+# ---- local shapes ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (
+            lambda m: fs.local_shape((8, 8), ("dp", None), m, 0),
+            fs.SpecError,
+            "spec=('dp', None): expected a PartitionSpec, got tuple; write fs.P('dp', None)",
+        ),
+        (lambda m: fs.local_shape((8,), ["dp"], m, 0), fs.SpecError, "got list; write fs.P('dp')"),
+        (lambda m: fs.local_shape((8,), "dp", m, 0), fs.SpecError, "got str; write fs.P('dp')"),
+        (
+            lambda m: fs.local_shape((8,), fs.P("dp"), {"dp": 2, "tp": 2}, 0),
+            fs.MeshError,
+            "mesh: expected an fs.Mesh (or a torch DeviceMesh), got dict; write fs.Mesh(dp=2, tp=2)",
+        ),
+        (lambda m: fs.local_shape((8,), fs.P("dp"), m, {"dp": 1}), fs.MeshError, "axis 'tp' is missing"),
+        (
+            lambda m: fs.local_shape((8,), fs.P("dp"), m, {"dp": 5, "tp": 0}),
+            fs.MeshError,
+            "dp=5 is outside 0..1",
+        ),
+        (
+            lambda m: fs.local_shape((8,), fs.P("dp"), m, {"dp": -1, "tp": 0}),
+            fs.MeshError,
+            "dp=-1 is outside 0..1",
+        ),
+        (
+            lambda m: fs.local_shape((8,), fs.P("dp"), m, {"dp": 0, "tp": True}),
+            fs.MeshError,
+            "tp=True is outside",
+        ),
+        (
+            lambda m: fs.local_shape((8,), fs.P("dp"), m, {"dp": 0, "tp": 0, "cp": 0}),
+            fs.MeshError,
+            "'cp' is not an axis",
+        ),
+        (
+            lambda m: fs.local_shape((8,), fs.P("dp"), m, 4),
+            fs.MeshError,
+            "rank 4 is outside Mesh(dp=2, tp=2)",
+        ),
+        (lambda m: fs.local_shape((8,), fs.P("dp"), m, -1), fs.MeshError, "rank -1 is outside"),
+        (
+            lambda m: fs.local_shape((8,), fs.P("dp"), m, "1"),
+            fs.MeshError,
+            "rank='1': a rank (an int in 0..3)",
+        ),
+        (lambda m: fs.local_shape((8,), fs.P("dp"), m, True), fs.MeshError, "rank=True: a rank"),
+    ],
+)
+def test_local_shape_refuses_what_it_cannot_place(call, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        call(fs.Mesh(dp=2, tp=2))
+
+
+@given(mesh=meshes(), data=st.data())
+def test_a_rank_by_coordinates_is_its_rank_or_refused(mesh, data):
+    # invariant: coordinates on the mesh give the same shard as the rank they number;
+    # any other dict (an axis missing, an index out of range) is refused, never answered
+    spec = fs.P(mesh.axis_names[0])
+    coords = {
+        axis: data.draw(st.integers(-1, mesh[axis]), label=axis)
+        for axis in mesh.axis_names
+        if data.draw(st.booleans(), label=f"give {axis}") or len(mesh) == 1
+    }
+    on_mesh = len(coords) == len(mesh) and all(0 <= i < mesh[a] for a, i in coords.items())
+    if on_mesh:
+        assert fs.local_shape_and_offset((7, 3), spec, mesh, coords) == fs.local_shape_and_offset(
+            (7, 3), spec, mesh, mesh.rank(coords)
+        )
+    else:
+        with pytest.raises(fs.MeshError, match=re.escape("is not a place on")):
+            fs.local_shape((7, 3), spec, mesh, coords)
+
+
+def test_plan_local_shape_checks_rank_and_spec():
+    plan = fs.shard(_linear(), fs.Mesh(dp=2, cp=2), fs.fsdp(("dp", "cp")) + fs.cp("cp"))
+    with pytest.raises(fs.MeshError, match=re.escape("axis 'cp' is missing")):
+        plan.local_shape("weight", rank={"dp": 1})
+    with pytest.raises(fs.MeshError, match=re.escape("dp=2 is outside 0..1")):
+        plan.local_shape("weight", rank={"dp": 2, "cp": 0})
+    with pytest.raises(fs.ShardingError, match=re.escape("spec='store' is not one of 'storage', 'compute'")):
+        plan.local_shape("weight", rank=0, spec="store")
+    assert plan.local_shape("weight", rank={"dp": 1, "cp": 0}) == plan.local_shape("weight", rank=2)
+
+
+# ---- builder arguments ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: fs.fsdp(2), "fsdp(): axis must be a mesh axis name or a tuple of them, got 2"),
+        (lambda: fs.fsdp(None), "got None"),
+        (lambda: fs.replicate(3), "replicate(): axis must be a mesh axis name"),
+        (lambda: fs.hsdp(1, "dp"), "hsdp(): axis must be a mesh axis name"),
+        (lambda: fs.fsdp(("dp", "dp")), "fsdp(): axis 'dp' is named twice in ('dp', 'dp')"),
+        (lambda: fs.fsdp("dp", units=3), "units=3: module classes or module-path patterns"),
+        (lambda: fs.fsdp("dp", min_params=True), "min_params=True: a positive number"),
+        (lambda: fs.zero(2.0, "dp"), "zero(stage=2.0): stage is 1, 2 or 3"),
+        (lambda: fs.zero(True, "dp"), "zero(stage=True): stage is 1, 2 or 3"),
+        (lambda: fs.zero("2", "dp"), "zero(stage='2'): stage is 1, 2 or 3"),
+        (lambda: fs.tp(None, "tp"), "tp(rules=None): a rule set (fs.rules.llama), 'hf', 'auto', or a list"),
+        (lambda: fs.tp(3, "tp"), "tp(rules=3)"),
+        (
+            lambda: fs.tp(fs.rules.mlp, "tp", sequence_parallel="yes"),
+            "tp(sequence_parallel='yes'): True or False",
+        ),
+        (lambda: fs.hsdp("dp", "dp"), "hsdp('dp', 'dp'): axis 'dp' would both replicate and shard"),
+        (lambda: fs.hsdp(("node", "gpu"), "gpu"), "axis 'gpu' would both replicate and shard"),
+        (lambda: fs.mixed_precision(torch.int8), "mixed_precision(param_dtype=torch.int8): a floating dtype"),
+        (lambda: fs.mixed_precision("int64"), "mixed_precision(param_dtype=torch.int64): a floating dtype"),
+        (lambda: fs.mixed_precision(torch.bfloat16, torch.bool), "mixed_precision(reduce_dtype=torch.bool)"),
+        (lambda: fs.offload(params="yes"), "offload(params='yes'): True or False"),
+        (lambda: fs.offload(grads=1), "offload(grads=1): True or False"),
+        (lambda: fs.offload(optimizer=None), "offload(optimizer=None): True or False"),
+    ],
+)
+def test_builders_refuse_wrong_arguments(make, message):
+    with pytest.raises(fs.PolicyError, match=re.escape(message)):
+        make()
+
+
+DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
+@given(dtype=st.sampled_from(DTYPES), as_name=st.booleans())
+def test_mixed_precision_takes_exactly_the_floating_dtypes(dtype, as_name):
+    given_as = str(dtype).removeprefix("torch.") if as_name else dtype
+    if dtype.is_floating_point:
+        policy = fs.mixed_precision(given_as, given_as)
+        assert getattr(torch, policy.options.param_dtype) == dtype
+    else:
+        with pytest.raises(fs.PolicyError, match=re.escape("a floating dtype")):
+            fs.mixed_precision(given_as)
+
+
+@given(flags=st.tuples(*[st.booleans() | st.none() | st.integers(0, 1) | st.text(max_size=3)] * 3))
+def test_offload_takes_only_bools(flags):
+    params, grads, optimizer = flags
+    if all(isinstance(flag, bool) for flag in flags):
+        options = fs.offload(params=params, grads=grads, optimizer=optimizer).options
+        assert (options.offload_params, options.offload_grads, options.offload_optimizer) == flags
+    else:
+        with pytest.raises(fs.PolicyError, match=re.escape("True or False")):
+            fs.offload(params=params, grads=grads, optimizer=optimizer)

@@ -1,0 +1,72 @@
+"""The estimate against torchtitan's published H100 rows, at their settings (slow).
+
+bench/published_pipelines.py and bench/long_context.py print these tables; here they are
+held to the issue's bar: tokens/s within 20% of the published figures counted with the
+kernels the runs used (`fs.Kernels`), and memory within 20% counted eager with the outputs
+kept. One thing is left out, and said so in docs/pipelines.md: the 405B memory with their
+Float8 all-gathers counted (0.76-0.90 of the reserved peaks they publish). The 8B row at
+256k tokens holds by a hair (1.198, with torch's ring's own merges counted: docs/long-context.md).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+import functional_shard as fs
+from functional_shard.zoo import llama
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "bench"))
+
+import long_context
+import published_pipelines
+
+GIB = 2**30
+pytestmark = pytest.mark.slow
+
+
+def _within(ours: float, published: float) -> bool:
+    return 0.8 <= ours / published <= 1.2
+
+
+def test_405b_pipeline_rows_are_within_20_percent_with_their_kernels():
+    model = llama("llama-3-405b")
+    kernels = published_pipelines.KERNELS
+    rows = [
+        (fs.Mesh(pp=8, dp=8, tp=8), published_pipelines.policy(schedule, per_rank), 32, 8192, tps, gib)
+        for schedule, (per_rank, tps, gib) in published_pipelines.TABLE5.items()
+    ] + [
+        (
+            fs.Mesh(pp=8, dp=8 // cp, cp=cp, tp=8),
+            published_pipelines.policy("1f1b", 1, cp=cp),
+            8,
+            seq,
+            tps,
+            gib,
+        )
+        for seq, (cp, tps, gib) in published_pipelines.TABLE6.items()
+    ]
+    for mesh, policy, batch, seq, tps, gib in rows:
+        plan = fs.shard(model, mesh, policy)
+        eager, fast = (
+            fs.estimate(model, plan, batch=batch, seq=seq, hardware="h100", keep_outputs=True, kernels=k)
+            for k in (None, kernels)
+        )
+        where = (
+            f"{mesh}, {seq} tokens: {eager.peak_bytes / GIB:.1f} GiB, {fast.tokens_per_second:.1f} tokens/s"
+        )
+        assert _within(eager.peak_bytes / GIB, gib), where
+        assert _within(fast.tokens_per_second, tps), where
+
+
+def test_8b_long_context_rows_are_within_20_percent_with_their_kernels():
+    model = llama("llama-3-8b")
+    for seq, (cp, tps, gib) in long_context.TORCHTITAN.items():
+        name, mesh, policy = long_context.context(cp) if cp > 1 else long_context.plans()[2]
+        plan = fs.shard(model, mesh, policy)
+        est = fs.estimate(model, plan, batch=1, seq=seq, hardware="h100", kernels=long_context.KERNELS)
+        where = f"{name}, {seq} tokens: {est.peak_bytes / GIB:.1f} GiB, {est.tokens_per_second:.0f} tokens/s"
+        assert _within(est.peak_bytes / GIB, gib), where
+        assert _within(est.tokens_per_second, tps), where
