@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-ROOT = pathlib.Path(__file__).parents[1]
+ROOT = pathlib.Path(__file__).parents[2]
 DOCS = ROOT / "docs"
 
 
