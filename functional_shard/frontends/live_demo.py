@@ -22,6 +22,7 @@ import torch.nn.functional as F  # noqa: N812
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.mesh import Mesh
+from functional_shard.planning.plan.cost_record import Cost
 from functional_shard.planning.plan.plan import Plan
 from functional_shard.planning.planner import shard
 from functional_shard.planning.policy.parse import format_policy, parse_policy
@@ -166,19 +167,7 @@ def run(
     Examples:
         >>> # fs.demo.run(fs.Mesh(dp=2, tp=2), "fsdp(dp) + tp(llama, tp)").ok
     """
-    if not mesh.is_resolved:
-        raise ShardingError(f"{mesh!r}: the demo starts one process per device, so give every axis its size")
-    limit = process_limit()
-    if mesh.size > limit and not force:
-        raise ShardingError(
-            f"{mesh!r} needs {mesh.size} local processes (one per device), more than the {limit} the "
-            "demo starts on this machine (4 per CPU core, at least 8): use a smaller mesh, or pass --force "
-            "(force=True) to start them anyway"
-        )
-    if steps <= _MEASURED_STEP:
-        raise ShardingError(
-            f"--steps {steps}: the demo measures step {_MEASURED_STEP + 1}, so give 3 or more"
-        )
+    _check_demo(mesh, steps, force)
     config = CONFIGS[model]
     with torch.device("meta"):
         shapes_only = Llama(config)
@@ -204,6 +193,37 @@ def run(
     with LocalWorld(mesh.size) as world:
         ranks = world.run(_train_on_rank, plan, config, steps, seed)
 
+    memory_ok = _say_memory(plan, ranks, steps, say)
+    comm_ok = _say_comm(predicted, ranks, say)
+    losses_ok = _say_losses(plan, config, ranks, steps, seed, say)
+    verdict = all((memory_ok, comm_ok, losses_ok))
+    say(
+        "All predictions held and the run matched one process."
+        if verdict
+        else "Something differed: see the rows marked DIFFERS."
+    )
+    return DemoResult(memory_ok, comm_ok, losses_ok, "\n".join(lines))
+
+
+def _check_demo(mesh: Mesh, steps: int, force: bool) -> None:
+    """Refuse, before any process starts, a mesh the demo cannot start or too few steps to measure."""
+    if not mesh.is_resolved:
+        raise ShardingError(f"{mesh!r}: the demo starts one process per device, so give every axis its size")
+    limit = process_limit()
+    if mesh.size > limit and not force:
+        raise ShardingError(
+            f"{mesh!r} needs {mesh.size} local processes (one per device), more than the {limit} the "
+            "demo starts on this machine (4 per CPU core, at least 8): use a smaller mesh, or pass --force "
+            "(force=True) to start them anyway"
+        )
+    if steps <= _MEASURED_STEP:
+        raise ShardingError(
+            f"--steps {steps}: the demo measures step {_MEASURED_STEP + 1}, so give 3 or more"
+        )
+
+
+def _say_memory(plan: Plan, ranks: list[dict[str, Any]], steps: int, say: Callable[[str], None]) -> bool:
+    """Each rank's states, predicted beside measured; whether every rank's matched."""
     say(f"Memory per rank after {steps} steps, bytes (predicted by plan.cost / measured from storages):")
     memory_ok = True
     for rank, result in enumerate(ranks):
@@ -217,8 +237,12 @@ def run(
         memory_ok &= row_ok
         cells = "  ".join(f"{k} {expected[k]:>9,} / {result['memory'][k]:>9,}" for k in expected)
         say(f"  rank {rank}: {cells}  {_mark(row_ok)}")
-    say()
+    say("")
+    return memory_ok
 
+
+def _say_comm(predicted: Cost, ranks: list[dict[str, Any]], say: Callable[[str], None]) -> bool:
+    """The measured step's bytes sent by collective, predicted beside measured; whether all matched."""
     say(f"Bytes sent in step {_MEASURED_STEP + 1}, per rank (predicted / measured from torch's collectives):")
     predicted_comm = predicted.comm_bytes
     comm_ok = True
@@ -233,8 +257,19 @@ def run(
             f"..{max(measured):,.0f}" if max(measured) != min(measured) else ""
         )
         say(f"  {kind:<15} over {axes or '-':<8} {expected_bytes:>12,.0f} / {spread:>12}  {_mark(row_ok)}")
-    say()
+    say("")
+    return comm_ok
 
+
+def _say_losses(
+    plan: Plan,
+    config: LlamaConfig,
+    ranks: list[dict[str, Any]],
+    steps: int,
+    seed: int,
+    say: Callable[[str], None],
+) -> bool:
+    """Each step's loss beside one process training on the same batches; whether they agree."""
     data_parallel = plan.data_parallel_rank(0)[1]
     alone = _one_process(config, data_parallel, steps, seed)
     # every data-parallel group weighs the same: the mean over ranks is the global loss
@@ -243,16 +278,10 @@ def run(
     allowed = _LOSS_TOLERANCE[plan.config.param_dtype]
     losses_ok = worst <= allowed
     say(f"Training, global batch {_MICRO_BATCH * data_parallel} x {_SEQUENCE} tokens: loss per step")
-    say(f"  {'step':>4}  {f'{mesh.size} processes':>14}  {'1 process':>12}")
+    say(f"  {'step':>4}  {f'{len(ranks)} processes':>14}  {'1 process':>12}")
     for step, (a, b) in enumerate(zip(sharded, alone, strict=True), start=1):
         say(f"  {step:>4}  {a:>14.6f}  {b:>12.6f}")
     tolerance = f"{plan.config.param_dtype or 'float32'} against float32; tolerance {allowed:g}"
     say(f"  largest difference {worst:.2e} ({tolerance})  {_mark(losses_ok)}")
-    say()
-    verdict = all((memory_ok, comm_ok, losses_ok))
-    say(
-        "All predictions held and the run matched one process."
-        if verdict
-        else "Something differed: see the rows marked DIFFERS."
-    )
-    return DemoResult(memory_ok, comm_ok, losses_ok, "\n".join(lines))
+    say("")
+    return losses_ok

@@ -111,7 +111,7 @@ def assemble(assembly: Assembly) -> Estimate:
     parts = pipeline_parts(assembly) if plan.config.pipeline_axis else _flat_parts(assembly)
     checkpointed = plan.config.checkpointed if assembly.checkpointed is None else assembly.checkpointed
     clock = Clock.of(assembly.kernels, hw, assembly.dtype)
-    compute, exposed, per_collective = step_time(
+    timed = step_time(
         parts.plan,
         parts.cost,
         hw,
@@ -121,7 +121,8 @@ def assemble(assembly: Assembly) -> Estimate:
         recompute_flops=parts.recompute_flops,
         units=parts.units,
         recomputed=_recomputed(parts.plan, checkpointed, assembly.batch * assembly.seq),
-        attention=(parts.attention_flops, _causal_imbalance(plan, assembly.seq)),
+        attention_flops=parts.attention_flops,
+        causal_imbalance=_causal_imbalance(plan, assembly.seq),
         clock=clock,
         saved=parts.saved,
         ring_merges=ring_merge_seconds(parts.plan, parts.attention_flops, assembly.seq, hw, clock.speedup),
@@ -137,9 +138,9 @@ def assemble(assembly: Assembly) -> Estimate:
         host_bytes=parts.cost.host_bytes,
         flops=parts.forward_flops + parts.backward_flops + parts.recompute_flops,
         model_flops=parts.forward_flops + parts.backward_flops,
-        compute_seconds=compute if parts.compute_seconds is None else parts.compute_seconds,
-        exposed_seconds=exposed,
-        comm_seconds=per_collective | dict(parts.sends),
+        compute_seconds=timed.compute_seconds if parts.compute_seconds is None else parts.compute_seconds,
+        exposed_seconds=timed.exposed_seconds,
+        comm_seconds=timed.comm_seconds | dict(parts.sends),
         tensor_parallel=plan.mesh.axes_size(tp_axes) if tp_axes else 1,
         context_parallel=cp_size(plan),
         cost=parts.cost,

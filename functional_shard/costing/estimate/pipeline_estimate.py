@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from functional_shard.core.errors import ShardingError
@@ -55,6 +55,7 @@ from .record import PipelineEstimate, StageEstimate
 
 if TYPE_CHECKING:
     from functional_shard.costing.trace.results import ActivationTrace
+    from functional_shard.planning.pipeline.schedules import Timeline
     from functional_shard.planning.plan.plan import Plan
 
 __all__ = [
@@ -160,18 +161,109 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
 
     ``assembly.costs`` (one per pp coordinate, at `_rank_of_coordinate`) may be given when known.
     """
-    plan, trace, hw = assembly.plan, assembly.trace, assembly.hardware
-    batch, seq, rank = assembly.batch, assembly.seq, assembly.rank
+    plan, trace, rank = assembly.plan, assembly.trace, assembly.rank
+    layout = _layout(plan)
+    m, micro = layout.microbatches, assembly.batch // layout.microbatches
+    tokens = micro * assembly.seq // cp_size(plan)  # of one micro-batch, on a cp rank
+    saved = saved_by_stage(trace, assembly.float8_linears, tokens, assembly.hardware, layout.stages)
+    seconds = _stage_seconds(assembly, saved)
+    stage_bytes = _stage_bytes(trace, layout, assembly.keep_outputs)
+    timeline = _timeline(assembly, layout, seconds, stage_bytes.sends)
+    holdings = _holdings(assembly, layout)
+    costs = assembly.costs or stage_costs(plan, assembly.optimizer, assembly.batch * assembly.seq, rank)
+    memories, peak_at = _rank_memories(assembly, layout, stage_bytes, holdings, costs)
+    peaks = [sum(memory.values()) for memory in memories]
+    if rank is not None:
+        chosen = plan.mesh.coords(rank)[layout.axis]
+    else:
+        chosen = max(range(layout.pp), key=lambda c: (peaks[c], -c))
+    ours = sorted(layout.ranks_stages[chosen])
+    flops = {
+        key: m * sum(getattr(trace, f"stage_{key}_flops")[s] for s in ours)
+        for key in ("forward", "backward", "recompute")
+    }
+    stages = _stage_estimates(plan, layout, seconds, stage_bytes, holdings.whole_grads)
+    float8_gathered = {
+        unit: b for unit, b in assembly.float8_gathered.items() if unit in holdings.units[chosen]
+    }
+    return StepParts(
+        plan=holdings.plans[chosen],
+        # its units' Float8 all-gathers, where counted, a byte an element
+        cost=cost_with_float8_gathers(costs[chosen], plan, float8_gathered),
+        rank=_rank_of_coordinate(plan, chosen, rank),
+        memory=memories[chosen],
+        forward_flops=flops["forward"],
+        backward_flops=flops["backward"],
+        recompute_flops=flops["recompute"],
+        units=holdings.gathered[chosen],
+        # the rank's stages' attention, in the share of the trace's flops they run
+        attention_flops=_attention_share(trace, sum(flops.values())),
+        compute_seconds=timeline.makespan,
+        sends=_crossings(assembly, layout, stage_bytes.sends),
+        pipeline=PipelineEstimate(
+            layout.schedule,
+            m,
+            micro,
+            stages,
+            tuple(peaks),
+            timeline,
+            kept_output_bytes=stage_bytes.to_end[-1],
+        ),
+        peak_at=peak_at[chosen],
+        saved={phase: m * sum(saved[s].get(phase, 0.0) for s in ours) for phase in saved[0]},
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where a pipeline's stages run: torch's schedule, and the pp coordinate of each stage."""
+
+    axis: str
+    schedule: str
+    pp: int
+    microbatches: int
+    per_rank: int
+    owner: tuple[int, ...]  # per stage, the pp coordinate that runs it
+    ranks_stages: tuple[set[int], ...]  # per pp coordinate, the stages it runs
+
+    @property
+    def stages(self) -> int:
+        return len(self.owner)
+
+    def turn(self, stage: int) -> bool:
+        """Whether the stage after ``stage`` runs on the same rank: a V's turn."""
+        return stage < self.stages - 1 and self.owner[stage + 1] == self.owner[stage]
+
+    def on_last_rank(self, stage: int) -> bool:
+        """Whether ``stage`` runs on the rank that runs the last stage (and the loss)."""
+        return self.stages - 1 in self.ranks_stages[self.owner[stage]]
+
+
+def _layout(plan: Plan) -> _Layout:
+    """The plan's pipeline, checked against what torch's schedule can run."""
     config = plan.config
     axis = config.pipeline_axis
     assert axis is not None
     schedule, m, per_rank = config.pipeline_schedule, config.microbatches, config.stages_per_rank
     pp = plan.mesh[axis]
     check_pipeline(schedule, pp, per_rank, m)
-    n = pp * per_rank
-    micro = batch // m
-    clock = Clock.of(assembly.kernels, hw, assembly.dtype)
-    saved = saved_by_stage(trace, assembly.float8_linears, micro * seq // cp_size(plan), hw, n)
+    owner = tuple(stage_rank(s, pp, per_rank, schedule) for s in range(pp * per_rank))
+    ranks_stages = tuple({s for s in range(len(owner)) if owner[s] == c} for c in range(pp))
+    return _Layout(axis, schedule, pp, m, per_rank, owner, ranks_stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StageSeconds:
+    """Per stage, the seconds of one micro-batch's forward, backward and weight gradients."""
+
+    forward: list[float]
+    backward: list[float]  # the whole backward, and the recompute before it
+    weight: list[float]  # the weights' gradients alone (W), which zero-bubble schedules split off
+
+
+def _stage_seconds(assembly: Assembly, saved: Sequence[Mapping[str, float]]) -> _StageSeconds:
+    trace = assembly.trace
+    clock = Clock.of(assembly.kernels, assembly.hardware, assembly.dtype)
     # each stage's attention in its share of the phase's work (the trace counts it whole)
     forward = [
         clock.seconds(f, in_share(trace.attention_flops, f, trace.forward_flops), saved[s]["forward"])
@@ -191,13 +283,52 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
     weight = [
         clock.seconds(w, 0.0, saved[s]["weight"]) for s, w in enumerate(trace.stage_backward_weight_flops)
     ]
+    return _StageSeconds(forward, backward, weight)
+
+
+def _timeline(assembly: Assembly, layout: _Layout, seconds: _StageSeconds, sends: Sequence[int]) -> Timeline:
+    """The step on torch's action lists, run on a clock; each boundary's sends at the pp axis's link speed."""
+    hw = assembly.hardware
+    link = hw.bandwidth(assembly.plan.mesh, (layout.axis,))
+    p2p = [nbytes / link + hw.collective_latency for nbytes in sends] or [0.0]
+    return simulate(
+        layout.schedule,
+        layout.pp,
+        layout.microbatches,
+        layout.per_rank,
+        forward=seconds.forward,
+        backward=seconds.backward,
+        weight=seconds.weight,
+        p2p=p2p,
+    )
+
+
+def _crossings(assembly: Assembly, layout: _Layout, sends: Sequence[int]) -> dict[str, float]:
+    """The step's sends between ranks, ``"send/recv ..."`` -> seconds: each activation and its gradient."""
+    plan, hw, axis, owner = assembly.plan, assembly.hardware, layout.axis, layout.owner
+    link, link_name = hw.bandwidth(plan.mesh, (axis,)), hw.link_of(plan.mesh, (axis,))
+    return {
+        f"send/recv stage {s}->{s + 1} over {axis} ({link_name})": 2 * layout.microbatches * sends[s] / link
+        for s in range(layout.stages - 1)
+        if owner[s] != owner[s + 1]
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class _StageBytes:
+    """Per stage, the activation bytes its rank holds (`held_peak_parts` places them in time)."""
+
+    sends: list[int]  # per stage boundary, what one micro-batch sends across it
+    buffers: list[int]  # torch's receive buffers, kept from step to step
+    kept: list[int]  # per micro-batch, until its backward
+    to_end: list[int]  # to the step's end: the last stage's outputs, where they are kept
+    during_forward: list[int]  # during the forward only: what a V's turn replaces
+
+
+def _stage_bytes(trace: ActivationTrace, layout: _Layout, keep_outputs: bool) -> _StageBytes:
+    n, m, turn = layout.stages, layout.microbatches, layout.turn
     output = list(trace.stage_output_bytes)  # per stage, its last module's output
     sends = output[: n - 1]
-    link = hw.bandwidth(plan.mesh, (axis,))
-    p2p = [nbytes / link + hw.collective_latency for nbytes in sends] or [0.0]
-    timeline = simulate(schedule, pp, m, per_rank, forward=forward, backward=backward, weight=weight, p2p=p2p)
-    flight = _in_flight(schedule, pp, m, per_rank)
-    owner = [stage_rank(s, pp, per_rank, schedule) for s in range(n)]
     # torch's PipelineStage receives each micro-batch into a buffer of its own, kept from
     # step to step: every stage but the first holds m inputs, every stage but the last m
     # gradients of its output. At a V's turn (the next stage on the same rank) the buffers
@@ -206,8 +337,7 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
     # what a stage keeps per micro-batch until its backward: what its modules made and its
     # output, which its backward starts from, unless the next stage's buffer holds it (a V's
     # turn); the activation it received, which its first ops save, is its buffer
-    turn = [s < n - 1 and owner[s + 1] == owner[s] for s in range(n)]
-    kept = [trace.stage_activation_bytes[s] - (output[s] if turn[s] else 0) for s in range(n)]
+    kept = [trace.stage_activation_bytes[s] - (output[s] if turn(s) else 0) for s in range(n)]
     # and the last stage, per micro-batch until its backward, what the loss needs: the
     # logits (torch's stage caches its output for the backward) and the fp32 log-softmax
     # cross-entropy saves; GPipe holds every micro-batch's (measured on gloo ranks,
@@ -216,54 +346,79 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
     # torch's step(return_outputs=True), its default: the last stage also keeps every
     # micro-batch's output to the step's end (``output_chunks``), and then concatenates them
     to_end = [0] * n
-    if assembly.keep_outputs:
+    if keep_outputs:
         kept[n - 1] -= trace.output_bytes
         to_end[n - 1] = trace.output_bytes
     # at a V's turn the next stage's buffer holds the last step's tensor until the new one
     # replaces it, just after the forward
-    during = [output[s] if turn[s] else 0 for s in range(n)]
-    costs = assembly.costs or stage_costs(plan, assembly.optimizer, batch * seq, rank)
-    memories = []
-    sub_plans = []
-    stage_units = []
-    gathered_units = []
-    whole_grads = [0] * n  # per stage, its gradients kept whole from its first backward
+    during = [output[s] if turn(s) else 0 for s in range(n)]
+    return _StageBytes(sends, buffers, kept, to_end, during)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Holdings:
+    """Per pp coordinate, its stages' plan and FSDP units; per stage, its gradients kept whole."""
+
+    plans: list[Plan]
+    units: list[dict[str, int]]  # its stages' units, in gathered bytes where they live
+    gathered: list[dict[str, int]]  # what is held gathered: less with Float8 all-gathers
+    whole_grads: list[int]  # per stage, from the end of its first backward in the step
+
+
+def _holdings(assembly: Assembly, layout: _Layout) -> _Holdings:
+    plan, rank = assembly.plan, assembly.rank
+    plans, units, gathered = [], [], []
+    whole_grads = [0] * layout.stages
     census = census_of(plan, {})
-    ranks_stages = [{s for s in range(n) if owner[s] == c} for c in range(pp)]
-    for c, mine in enumerate(ranks_stages):
-        sub_plans.append(stage_plan(plan, mine))
+    for c, mine in enumerate(layout.ranks_stages):
+        plans.append(stage_plan(plan, mine))
         # each pp coordinate's units, gathered where they live (``units`` are pp rank 0's)
         coords = plan.mesh.coords(_rank_of_coordinate(plan, c, rank))
-        held_units = unit_gathered(plan, census, coords)
-        stage_units.append(_stage_units(plan, held_units, mine))
-        # what is held gathered: with Float8 all-gathers, less than the gradients kept whole
-        gathered_units.append(gathered_with_float8(stage_units[c], assembly.float8_gathered))
+        units.append(_stage_units(plan, unit_gathered(plan, census, coords), mine))
+        gathered.append(gathered_with_float8(units[c], assembly.float8_gathered))
         for s in mine:
             # a rank's stages are separate modules, the root unit's parameters (embedding,
             # head) split among them: each stage's own cut of the plan says which it holds
-            own = stage_units[c] if len(mine) == 1 else unit_gathered(stage_plan(plan, {s}), coords=coords)
+            own = units[c] if len(mine) == 1 else unit_gathered(stage_plan(plan, {s}), coords=coords)
             whole_grads[s] = _accumulated_grads(plan, own)
-    loss = pipeline_loss_workspace(trace.output_numel, plan.config.loss_parallel)
-    # what a stage's backward holds while it runs: a checkpointed block's recompute, beyond
-    # what its rank's loss workspace and torch's ring count already (as for a flat plan)
-    # (the same for every stage but the last rank's, which holds the loss's workspace)
-    beyond = {held: recompute_beyond(plan, micro * seq, trace.recompute_bytes, held) for held in (0, loss)}
-    recomputing = _recomputing_stages(plan, n)
-    working = [
-        beyond[loss if n - 1 in ranks_stages[owner[s]] else 0] if recomputing[s] else 0 for s in range(n)
+    return _Holdings(plans, units, gathered, whole_grads)
+
+
+def _recompute_held(assembly: Assembly, layout: _Layout, loss: int) -> list[int]:
+    """Per stage, what its backward holds while it runs: a checkpointed block's recompute.
+
+    Beyond what its rank's loss workspace and torch's ring count already (as for a flat
+    plan); the same for every stage but the last rank's, which holds the loss's workspace.
+    """
+    plan, trace = assembly.plan, assembly.trace
+    tokens = assembly.batch // layout.microbatches * assembly.seq
+    beyond = {held: recompute_beyond(plan, tokens, trace.recompute_bytes, held) for held in (0, loss)}
+    recomputing = _recomputing_stages(plan, layout.stages)
+    return [
+        beyond[loss if layout.on_last_rank(s) else 0] if recomputing[s] else 0 for s in range(layout.stages)
     ]
+
+
+def _rank_memories(
+    assembly: Assembly, layout: _Layout, stage_bytes: _StageBytes, holdings: _Holdings, costs: Sequence[Cost]
+) -> tuple[list[dict[str, int]], list[str]]:
+    """Per pp coordinate, its peak by part (`Estimate.memory`), and when in the step it falls."""
+    plan, trace = assembly.plan, assembly.trace
+    m, last = layout.microbatches, layout.stages - 1
+    loss = pipeline_loss_workspace(trace.output_numel, plan.config.loss_parallel)
     held = held_peak_parts(
-        schedule,
-        pp,
+        layout.schedule,
+        layout.pp,
         m,
-        per_rank,
-        kept,
-        kept_to_end=to_end,
-        during_forward=during,
-        after_first_backward=whole_grads,
-        during_backward=working,
+        layout.per_rank,
+        stage_bytes.kept,
+        kept_to_end=stage_bytes.to_end,
+        during_forward=stage_bytes.during_forward,
+        after_first_backward=holdings.whole_grads,
+        during_backward=_recompute_held(assembly, layout, loss),
     )
-    for c, mine in enumerate(ranks_stages):
+    memories = []
+    for c, mine in enumerate(layout.ranks_stages):
         plan_cost = costs[c]
         memories.append(
             {
@@ -271,15 +426,15 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
                 "grads": plan_cost.grads_bytes,
                 "optimizer": plan_cost.optimizer_bytes,
                 "buffers": plan_cost.buffers_bytes,
-                "gathered": gathered_in_flight(sub_plans[c], gathered_units[c]),
+                "gathered": gathered_in_flight(holdings.plans[c], holdings.gathered[c]),
                 # at the activations' peak, the stages that ran a backward hold them whole
                 "accumulated_grads": int(held[c][1]),
                 # and once per rank, whatever is in flight, what every micro-batch shares
                 "activations": int(held[c][0] + trace.step_bytes),
-                "pipeline_buffers": sum(buffers[s] for s in mine),
+                "pipeline_buffers": sum(stage_bytes.buffers[s] for s in mine),
                 # what one micro-batch's loss holds beyond its logits and log-softmax (in
                 # kept): the fp32 copy in the forward, below its backward's two fp32 gradients
-                "loss_workspace": loss if n - 1 in mine else 0,
+                "loss_workspace": loss if last in mine else 0,
             }
         )
         if held[c][2]:
@@ -287,67 +442,35 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
             memories[c]["recompute"] = int(held[c][2])
     # under cp, torch's ring adds its backward's buffers to each rank's peak (the worst
     # rank is chosen with them)
-    memories = [with_ring_workspace(memory, plan, micro * seq) for memory in memories]
-    peak_at = ["the start of backward"] * pp
+    tokens = assembly.batch // m * assembly.seq
+    memories = [with_ring_workspace(memory, plan, tokens) for memory in memories]
+    peak_at = ["the start of backward"] * layout.pp
     if assembly.keep_outputs:
-        last = owner[n - 1]
-        ending = _concatenating(memories[last], 2 * m * trace.output_bytes)
-        if sum(ending.values()) > sum(memories[last].values()):
-            memories[last], peak_at[last] = ending, "the step's end (its kept outputs concatenated)"
-    peaks = [sum(memory.values()) for memory in memories]
-    if rank is not None:
-        chosen = plan.mesh.coords(rank)[axis]
-    else:
-        chosen = max(range(pp), key=lambda c: (peaks[c], -c))
-    ours = [s for s in range(n) if owner[s] == chosen]
-    flops = {
-        key: m * sum(getattr(trace, f"stage_{key}_flops")[s] for s in ours)
-        for key in ("forward", "backward", "recompute")
-    }
-    link_name = hw.link_of(plan.mesh, (axis,))
-    crossings = {
-        f"send/recv stage {s}->{s + 1} over {axis} ({link_name})": 2 * m * sends[s] / link
-        for s in range(n - 1)
-        if owner[s] != owner[s + 1]
-    }
-    stages = tuple(
+        tail = layout.owner[last]  # the rank that keeps the outputs
+        ending = _concatenating(memories[tail], 2 * m * trace.output_bytes)
+        if sum(ending.values()) > sum(memories[tail].values()):
+            memories[tail], peak_at[tail] = ending, "the step's end (its kept outputs concatenated)"
+    return memories, peak_at
+
+
+def _stage_estimates(
+    plan: Plan, layout: _Layout, seconds: _StageSeconds, stage_bytes: _StageBytes, whole_grads: list[int]
+) -> tuple[StageEstimate, ...]:
+    flight = _in_flight(layout.schedule, layout.pp, layout.microbatches, layout.per_rank)
+    return tuple(
         StageEstimate(
             stage=s,
-            rank=owner[s],
-            modules=tuple(config.pipeline_stages[s]),
-            activation_bytes=int(kept[s]),
+            rank=layout.owner[s],
+            modules=tuple(plan.config.pipeline_stages[s]),
+            activation_bytes=int(stage_bytes.kept[s]),
             in_flight=flight[s],
-            forward_seconds=forward[s],
-            backward_seconds=backward[s],
-            send_bytes=int(sends[s]) if s < n - 1 else 0,
-            buffer_bytes=buffers[s],
+            forward_seconds=seconds.forward[s],
+            backward_seconds=seconds.backward[s],
+            send_bytes=int(stage_bytes.sends[s]) if s < layout.stages - 1 else 0,
+            buffer_bytes=stage_bytes.buffers[s],
             whole_grad_bytes=whole_grads[s],
         )
-        for s in range(n)
-    )
-    return StepParts(
-        plan=sub_plans[chosen],
-        # its units' Float8 all-gathers, where counted, a byte an element
-        cost=cost_with_float8_gathers(
-            costs[chosen],
-            plan,
-            {unit: saved for unit, saved in assembly.float8_gathered.items() if unit in stage_units[chosen]},
-        ),
-        rank=_rank_of_coordinate(plan, chosen, rank),
-        memory=memories[chosen],
-        forward_flops=flops["forward"],
-        backward_flops=flops["backward"],
-        recompute_flops=flops["recompute"],
-        units=gathered_units[chosen],
-        # the rank's stages' attention, in the share of the trace's flops they run
-        attention_flops=_attention_share(trace, sum(flops.values())),
-        compute_seconds=timeline.makespan,
-        sends=crossings,
-        pipeline=PipelineEstimate(
-            schedule, m, micro, stages, tuple(peaks), timeline, kept_output_bytes=to_end[n - 1]
-        ),
-        peak_at=peak_at[chosen],
-        saved={phase: m * sum(saved[s].get(phase, 0.0) for s in ours) for phase in saved[0]},
+        for s in range(layout.stages)
     )
 
 

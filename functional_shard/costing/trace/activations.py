@@ -167,8 +167,8 @@ class _Run:
         recompute flops are those recomputation re-runs, counted in the forward.
         """
         setup, params = self.setup, self.setup.parameters.params
-        model, config, fake = setup.model, self.plan.config, setup.parameters.fake
-        with fake:
+        model = setup.model
+        with setup.parameters.fake:
             # token ids reach the embedding whole; the embedding's output is what sequence parallel splits
             args, kwargs = model_inputs(model, setup.batch, setup.seq, setup.inputs, setup.dtype)
         if is_hf(model):
@@ -177,11 +177,57 @@ class _Run:
         for tensor in tensors((args, kwargs)):
             births.note(tensor)
         excluded = {StorageWeakRef(p.untyped_storage()) for p in params}
-        flops = Flops()
+        flops = _flops_knowing_weights(params)
+        outputs: dict[str, int] = {}
+        with self._running(groups, doubled, births, flops, outputs) as per_step:
+            with flops, births:
+                raw = self._forward(groups, args, kwargs)
+            output = _first_tensor(raw)
+            del raw, args, kwargs
+            if not isinstance(output, torch.Tensor):
+                raise ShardingError(f"trace_activations: {type(model).__name__}'s forward returned no tensor")
+            output_key = {StorageWeakRef(output.untyped_storage())}
+            for tensor in per_step:  # held once a step, not once a micro-batch
+                births.owner[storage_key(tensor)] = PER_STEP
+            by_owner = kept_bytes_by_owner(births, excluded | output_key, collect=1)
+            # before the backward, whose recomputes make and free them again
+            recomputed = recomputed_bytes(flops.packed, collect=0)
+            output_counts = (output.untyped_storage().nbytes(), output.numel())
+            if backward:
+                flops.backward = True
+                with flops:
+                    if output.requires_grad:
+                        torch.autograd.backward(output, torch.ones_like(output))
         for param in params:
-            if param.dim() == 2:
-                flops.weight_shapes |= {tuple(param.shape), tuple(param.shape[::-1])}
-                flops.weights.add(storage_key(param))
+            param.grad = None
+        if not backward:
+            _count_recompute_in_forward(flops, self.plan.config.checkpoint_policy)
+        return counts_of(
+            flops,
+            by_owner,
+            recomputed=recomputed,
+            output=output_counts,
+            stages=setup.stages,
+            stage_output_bytes=[outputs.get(last, 0) for last in setup.stage_last],
+        )
+
+    @contextlib.contextmanager
+    def _running(
+        self,
+        groups: list[tuple[str, ...]],
+        doubled: tuple[int, ...],
+        births: Births,
+        flops: Flops,
+        outputs: dict[str, int],
+    ) -> Iterator[Any]:
+        """Inside, the model runs as on its rank, on fake tensors.
+
+        Checkpointed, some layers left out, under the plan's sequence and context parallel;
+        each stage's output bytes noted in ``outputs``. Yields the tensors context parallel's
+        attention holds once a step.
+        """
+        setup, config = self.setup, self.plan.config
+        model = setup.model
         with contextlib.ExitStack() as stack:
             stack.enter_context(
                 checkpointed(model, tuple(config.checkpointed), config.checkpoint_policy, flops)
@@ -202,69 +248,65 @@ class _Run:
             stack.enter_context(unpacked_sequences(model))
             stack.enter_context(flex_on_fake_cpu())
             owners = [births.running, flops.running]
-            outputs: dict[str, int] = {}
             stack.enter_context(_stage_owner(setup.modules, setup.stage_modules, owners, outputs))
-            stack.enter_context(fake)
-            with flops, births:
-                try:
-                    raw = model(*args, **kwargs)
-                except (ShardingError, NotPassableError):
-                    raise
-                except Exception as error:
-                    if groups and not self.repeats_are_passable:  # a left-out layer's stand-in broke it
-                        raise NotPassableError from error
-                    shapes = tree_map_only(
-                        torch.Tensor, lambda t: f"{t.dtype}{list(t.shape)}", (args, kwargs)
-                    )
-                    split = (
-                        "; if they do, the plan may split what the model cannot run at its local "
-                        "shapes (attention heads a tensor-parallel size does not divide, say): "
-                        "fs.check_runnable(plan, model) names it"
-                        if config.tensor_parallel_axes
-                        else ""
-                    )
-                    raise ShardingError(
-                        f"trace_activations: {type(model).__name__}'s forward failed on inputs {shapes}: "
-                        f"{type(error).__name__}: {error}. Pass inputs= that fit its forward (a tensor, a "
-                        f"tuple or a dict of keyword arguments){split}"
-                    ) from error
-            output = _first_tensor(raw)
-            del raw, args, kwargs
-            if not isinstance(output, torch.Tensor):
-                raise ShardingError(f"trace_activations: {type(model).__name__}'s forward returned no tensor")
-            output_key = {StorageWeakRef(output.untyped_storage())}
-            for tensor in per_step:  # held once a step, not once a micro-batch
-                births.owner[storage_key(tensor)] = PER_STEP
-            by_owner = kept_bytes_by_owner(births, excluded | output_key, collect=1)
-            # before the backward, whose recomputes make and free them again
-            recomputed = recomputed_bytes(flops.packed, collect=0)
-            output_counts = (output.untyped_storage().nbytes(), output.numel())
-            if backward:
-                flops.backward = True
-                with flops:
-                    if output.requires_grad:
-                        torch.autograd.backward(output, torch.ones_like(output))
-        for param in params:
-            param.grad = None
-        if not backward:
-            # torch's checkpoint re-runs a module's forward in backward and stops once every
-            # saved tensor is back: under the full policy, up to the last op that saved one;
-            # selective checkpointing hands back SAVED_OPS' outputs instead of running them
-            if config.checkpoint_policy == "selective":
-                flops.counts["recompute"] = flops.inside["all"] - flops.inside["saved"]
-                flops.attention["recompute"] = flops.attention_inside["all"] - flops.attention_inside["saved"]
-            else:
-                flops.counts["recompute"] = flops.rerun
-                # (a block's attention runs before the ops that save its output: re-run too)
-                flops.attention["recompute"] = flops.attention_inside["all"]
-        return counts_of(
-            flops,
-            by_owner,
-            recomputed=recomputed,
-            output=output_counts,
-            stages=setup.stages,
-            stage_output_bytes=[outputs.get(last, 0) for last in setup.stage_last],
-        )
+            stack.enter_context(setup.parameters.fake)
+            yield per_step
+
+    def _forward(self, groups: list[tuple[str, ...]], args: Any, kwargs: dict[str, Any]) -> Any:
+        """The model's forward; a failure told as the inputs not fitting it, or a left-out layer's."""
+        model = self.setup.model
+        try:
+            return model(*args, **kwargs)
+        except (ShardingError, NotPassableError):
+            raise
+        except Exception as error:
+            if groups and not self.repeats_are_passable:  # a left-out layer's stand-in broke it
+                raise NotPassableError from error
+            raise _forward_failed(
+                model, args, kwargs, error, self.plan.config.tensor_parallel_axes
+            ) from error
+
+
+def _flops_knowing_weights(params: list[torch.Tensor]) -> Flops:
+    """A `Flops` counter told the 2-D parameters: it tells weights' gradients from inputs' by them."""
+    flops = Flops()
+    for param in params:
+        if param.dim() == 2:
+            flops.weight_shapes |= {tuple(param.shape), tuple(param.shape[::-1])}
+            flops.weights.add(storage_key(param))
+    return flops
+
+
+def _forward_failed(
+    model: nn.Module, args: Any, kwargs: dict[str, Any], error: Exception, tensor_parallel: tuple[str, ...]
+) -> ShardingError:
+    shapes = tree_map_only(torch.Tensor, lambda t: f"{t.dtype}{list(t.shape)}", (args, kwargs))
+    split = (
+        "; if they do, the plan may split what the model cannot run at its local "
+        "shapes (attention heads a tensor-parallel size does not divide, say): "
+        "fs.check_runnable(plan, model) names it"
+        if tensor_parallel
+        else ""
+    )
+    return ShardingError(
+        f"trace_activations: {type(model).__name__}'s forward failed on inputs {shapes}: "
+        f"{type(error).__name__}: {error}. Pass inputs= that fit its forward (a tensor, a "
+        f"tuple or a dict of keyword arguments){split}"
+    )
+
+
+def _count_recompute_in_forward(flops: Flops, policy: str) -> None:
+    """Without a backward, the recompute flops: what the forward's checkpointed modules would re-run."""
+    # torch's checkpoint re-runs a module's forward in backward and stops once every
+    # saved tensor is back: under the full policy, up to the last op that saved one;
+    # selective checkpointing hands back SAVED_OPS' outputs instead of running them
+    if policy == "selective":
+        flops.counts["recompute"] = flops.inside["all"] - flops.inside["saved"]
+        flops.attention["recompute"] = flops.attention_inside["all"] - flops.attention_inside["saved"]
+    else:
+        flops.counts["recompute"] = flops.rerun
+        # (a block's attention runs before the ops that save its output: re-run too)
+        flops.attention["recompute"] = flops.attention_inside["all"]
 
 
 def _stage_holder(plan: Any, rank: int) -> Any:

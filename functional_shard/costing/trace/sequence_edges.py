@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,124 +39,176 @@ def sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> It
     # What torch's styles do to activations, re-enacted on plain tensors, as apply runs
     # them (apply._torch_styles). Under sequence parallel the residual stream is a DTensor
     # split on the sequence: its shape reads whole (Hugging Face derives position ids and
-    # the attention mask from it) while each rank holds its part. Here the embedding's
-    # output stays whole, so the model reads the whole length, and each block (the
-    # module holding an attention or MLP that gathers) takes its part of it on entry: a
-    # new buffer, as the embedding's reduce-scatter makes one. A module that gathers
-    # (rules.sequence_gathers: attention, MLP) all-gathers its first input into a buffer
-    # of its own, which the matmuls inside save; a column-split layer elsewhere (lm_head)
-    # gathers its own input; a row-split layer reduce-scatters its output over the
-    # sequence. A colwise_gather layer also all-gathers its output over the features.
-    handles = []
-
-    def whole(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x] * tp_size, dim=1) if x.shape[1] * tp_size == seq else x
-
-    def first_input(name: str, change: Any) -> Any:
-        # the module's first input, by position or by name (Hugging Face's attention
-        # gets hidden_states=); the other arguments pass through
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if args and isinstance(args[0], torch.Tensor):
-                return (change(args[0]), *args[1:]), kwargs
-            if isinstance(kwargs.get(name), torch.Tensor):
-                return args, {**kwargs, name: change(kwargs[name])}
-            return None
-
-        return hook
-
-    def gather(x: torch.Tensor) -> torch.Tensor:
-        gathered = whole(x)
-        return gathered if gathered is not x else x.clone()
-
-    def part(x: torch.Tensor) -> torch.Tensor:
-        if not x.is_floating_point() or x.shape[1] != seq:
-            return x  # token ids, or a part already
-        return x.narrow(1, 0, seq // tp_size).clone()
-
-    def gather_input(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (gather(args[0]), *args[1:])
-
-    def scatter_seq(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
-        return out.narrow(1, 0, out.shape[1] // tp_size).clone()
-
-    def gather_features(full: int, module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
-        # the gathered output has the global width whatever this rank's piece is (uneven
-        # splits: trailing ranks hold less, torch.chunk style; DTensor pads only in transit)
-        return F.pad(out, (0, full - out.shape[-1]))
-
-    def split_input(kind: str, module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        # rowwise_split_input: torch's RowwiseParallel(input_layouts=Replicate()) keeps this
-        # rank's in-features of the whole input, a copy; the local weight says how many
-        local = module.weight.shape[0 if kind == "conv1d" else -1]
-        return (args[0].narrow(-1, 0, local).clone(), *args[1:])
-
-    def split_projection(module: Any, style: str, kind: str) -> Any:
-        # apply runs Conv1D layers and packed projections itself (_split_projection): a
-        # matmul on the local weight; a packed layer slices its whole bias to its pieces
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            y = x @ module.weight if kind == "conv1d" else x @ module.weight.t()
-            bias = module.bias
-            if bias is None:
-                return y
-            return y + (bias.narrow(0, 0, y.shape[-1]) if style == "packed_colwise" else bias)
-
-        return forward
-
-    sequence = plan.config.sequence_parallel
-    gathers = set(sequence_gathers(plan.config.tp_styles)) if sequence else set()
-    blocks = {path.rpartition(".")[0] for path in gathers} - {""}
-    overridden: list[Any] = []
-    resized: list[tuple[Any, str, int]] = []
+    # the attention mask from it) while each rank holds its part.
+    split = _SequenceSplit(tp_size, seq)
+    gathers = set(sequence_gathers(plan.config.tp_styles)) if plan.config.sequence_parallel else set()
+    changes = _Changes()
     try:
-        for path in sorted(gathers):
-            name = first_input_name(model.get_submodule(path)) or ""
-            handles.append(
-                model.get_submodule(path).register_forward_pre_hook(
-                    first_input(name, gather), with_kwargs=True
-                )
-            )
-        for path in sorted(blocks):
-            name = first_input_name(model.get_submodule(path)) or ""
-            handles.append(
-                model.get_submodule(path).register_forward_pre_hook(first_input(name, part), with_kwargs=True)
-            )
+        _hook_gathering_modules(model, gathers, split, changes)
         for path, style, kind in plan.config.tp_styles:
             if kind == "experts":  # split inside each expert: rank_experts re-enacts their forward
                 continue
-            module = model.get_submodule(path)
-            if style in ("colwise", "rowwise", "packed_colwise") and (
-                kind == "conv1d" or style == "packed_colwise"
-            ):
-                module.forward = split_projection(module, style, kind)
-                overridden.append(module)
-            if style == "packed_colwise":  # as apply shrinks the attention to this rank's heads
-                parent = model.get_submodule(path.rpartition(".")[0])
-                for name in ("split_size", "num_heads"):
-                    if isinstance(getattr(parent, name, None), int):
-                        resized.append((parent, name, getattr(parent, name)))
-                        setattr(parent, name, getattr(parent, name) // tp_size)
-            inside = path.rpartition(".")[0] in gathers
-            if sequence and style in ("colwise", "colwise_gather") and kind != "embedding" and not inside:
-                handles.append(module.register_forward_pre_hook(gather_input))
-            head_of_parallel_loss = style == "colwise_gather" and plan.config.loss_parallel
-            if (style == "colwise_gather" and not head_of_parallel_loss) or (
-                style == "colwise" and kind == "embedding"
-            ):
-                # a colwise embedding's output is gathered over the features too
-                full = _gathered_features(plan, path, kind)
-                handles.append(module.register_forward_hook(functools.partial(gather_features, full)))
-            if sequence and style in ("rowwise", "rowwise_split_input") and kind != "embedding":
-                handles.append(module.register_forward_hook(scatter_seq))
-            if style == "rowwise_split_input":
-                handles.append(module.register_forward_pre_hook(functools.partial(split_input, kind)))
+            _run_as_apply(model, (path, style, kind), tp_size, changes)
+            _hook_style(model, plan, (path, style, kind), gathers, split, changes)
         yield
     finally:
-        for handle in handles:
+        changes.undo()
+
+
+@dataclass(frozen=True)
+class _SequenceSplit:
+    """Activations cut into and gathered from ``tp_size`` parts of a ``seq``-long sequence."""
+
+    tp_size: int
+    seq: int
+
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x] * self.tp_size, dim=1) if x.shape[1] * self.tp_size == self.seq else x
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` all-gathered over the sequence: always a new buffer, as torch's all-gather makes."""
+        gathered = self.whole(x)
+        return gathered if gathered is not x else x.clone()
+
+    def part(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_floating_point() or x.shape[1] != self.seq:
+            return x  # token ids, or a part already
+        return x.narrow(1, 0, self.seq // self.tp_size).clone()
+
+    def gather_input(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (self.gather(args[0]), *args[1:])
+
+    def scatter_seq(self, module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        """A rowwise layer's output reduce-scattered over the sequence."""
+        return out.narrow(1, 0, out.shape[1] // self.tp_size).clone()
+
+
+@dataclass(frozen=True)
+class _Changes:
+    """What `sequence_parallel` changed in the model, to undo on leaving: hooks, forwards and sizes."""
+
+    handles: list[Any] = field(default_factory=list)
+    overridden: list[nn.Module] = field(default_factory=list)
+    resized: list[tuple[Any, str, int]] = field(default_factory=list)
+
+    def undo(self) -> None:
+        for handle in self.handles:
             handle.remove()
-        for module in overridden:
+        for module in self.overridden:
             del module.forward
-        for parent, name, value in resized:
+        for parent, name, value in self.resized:
             setattr(parent, name, value)
+
+
+def _first_input(name: str, change: Any) -> Any:
+    """A pre-hook that changes a module's first input, the other arguments passing through.
+
+    The first input by position or by name (Hugging Face's attention gets hidden_states=).
+    """
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if args and isinstance(args[0], torch.Tensor):
+            return (change(args[0]), *args[1:]), kwargs
+        if isinstance(kwargs.get(name), torch.Tensor):
+            return args, {**kwargs, name: change(kwargs[name])}
+        return None
+
+    return hook
+
+
+def _hook_gathering_modules(
+    model: nn.Module, gathers: set[str], split: _SequenceSplit, changes: _Changes
+) -> None:
+    """Each module that gathers takes its whole input; each block holding one takes its part.
+
+    Here the embedding's output stays whole, so the model reads the whole length, and each
+    block (the module holding an attention or MLP that gathers) takes its part of it on
+    entry: a new buffer, as the embedding's reduce-scatter makes one. A module that gathers
+    (rules.sequence_gathers: attention, MLP) all-gathers its first input into a buffer of
+    its own, which the matmuls inside save.
+    """
+    blocks = {path.rpartition(".")[0] for path in gathers} - {""}
+    for paths, change in ((gathers, split.gather), (blocks, split.part)):
+        for path in sorted(paths):
+            module = model.get_submodule(path)
+            name = first_input_name(module) or ""
+            changes.handles.append(
+                module.register_forward_pre_hook(_first_input(name, change), with_kwargs=True)
+            )
+
+
+def _run_as_apply(model: nn.Module, styled: tuple[str, str, str], tp_size: int, changes: _Changes) -> None:
+    """A Conv1D layer or a packed projection runs as apply runs it, a packed one's attention shrunk."""
+    path, style, kind = styled
+    module = model.get_submodule(path)
+    if style in ("colwise", "rowwise", "packed_colwise") and (kind == "conv1d" or style == "packed_colwise"):
+        module.forward = _split_projection(module, style, kind)
+        changes.overridden.append(module)
+    if style == "packed_colwise":  # as apply shrinks the attention to this rank's heads
+        parent = model.get_submodule(path.rpartition(".")[0])
+        for name in ("split_size", "num_heads"):
+            if isinstance(getattr(parent, name, None), int):
+                changes.resized.append((parent, name, getattr(parent, name)))
+                setattr(parent, name, getattr(parent, name) // tp_size)
+
+
+def _hook_style(
+    model: nn.Module,
+    plan: Any,
+    styled: tuple[str, str, str],
+    gathers: set[str],
+    split: _SequenceSplit,
+    changes: _Changes,
+) -> None:
+    """The moves at one styled layer's edges.
+
+    A column-split layer outside the gathering modules (lm_head) gathers its own input; a
+    row-split layer reduce-scatters its output over the sequence. A colwise_gather layer
+    also all-gathers its output over the features.
+    """
+    path, style, kind = styled
+    module = model.get_submodule(path)
+    sequence = plan.config.sequence_parallel
+    inside = path.rpartition(".")[0] in gathers
+    if sequence and style in ("colwise", "colwise_gather") and kind != "embedding" and not inside:
+        changes.handles.append(module.register_forward_pre_hook(split.gather_input))
+    head_of_parallel_loss = style == "colwise_gather" and plan.config.loss_parallel
+    if (style == "colwise_gather" and not head_of_parallel_loss) or (
+        style == "colwise" and kind == "embedding"
+    ):
+        # a colwise embedding's output is gathered over the features too
+        full = _gathered_features(plan, path, kind)
+        changes.handles.append(module.register_forward_hook(functools.partial(_gather_features, full)))
+    if sequence and style in ("rowwise", "rowwise_split_input") and kind != "embedding":
+        changes.handles.append(module.register_forward_hook(split.scatter_seq))
+    if style == "rowwise_split_input":
+        changes.handles.append(module.register_forward_pre_hook(functools.partial(_split_input, kind)))
+
+
+def _gather_features(full: int, module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+    # the gathered output has the global width whatever this rank's piece is (uneven
+    # splits: trailing ranks hold less, torch.chunk style; DTensor pads only in transit)
+    return F.pad(out, (0, full - out.shape[-1]))
+
+
+def _split_input(kind: str, module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    # rowwise_split_input: torch's RowwiseParallel(input_layouts=Replicate()) keeps this
+    # rank's in-features of the whole input, a copy; the local weight says how many
+    local = module.weight.shape[0 if kind == "conv1d" else -1]
+    return (args[0].narrow(-1, 0, local).clone(), *args[1:])
+
+
+def _split_projection(module: Any, style: str, kind: str) -> Any:
+    # apply runs Conv1D layers and packed projections itself (_split_projection): a
+    # matmul on the local weight; a packed layer slices its whole bias to its pieces
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        y = x @ module.weight if kind == "conv1d" else x @ module.weight.t()
+        bias = module.bias
+        if bias is None:
+            return y
+        return y + (bias.narrow(0, 0, y.shape[-1]) if style == "packed_colwise" else bias)
+
+    return forward
 
 
 def check_sequence_parallel(modules: dict[str, nn.Module], plan: Any, seq: int, tp_size: int) -> None:

@@ -53,6 +53,14 @@ def parser() -> argparse.ArgumentParser:
         description="Plan a model from the shell, compare plans, run the demo, convert checkpoints.",
     )
     commands = program.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_plan(commands)
+    _add_diff(commands)
+    _add_demo(commands)
+    _add_checkpoint(commands)
+    return program
+
+
+def _add_plan(commands: argparse._SubParsersAction[_Parser]) -> None:
     plan_flags = commands.add_parser(
         "plan",
         help="plan a model (on the meta device) and show every tensor's placement and the cost",
@@ -100,6 +108,9 @@ def parser() -> argparse.ArgumentParser:
     plan_flags.add_argument(
         "--full", action="store_true", help="one row per tensor (do not fold repeated layers)"
     )
+
+
+def _add_diff(commands: argparse._SubParsersAction[_Parser]) -> None:
     diff_flags = commands.add_parser(
         "diff",
         help="what changes between two plans written by --json: per tensor, memory and traffic",
@@ -109,6 +120,9 @@ def parser() -> argparse.ArgumentParser:
     diff_flags.add_argument(
         "--optimizer", default="adamw", choices=["adamw", "adam", "sgd"], help="(default: adamw)"
     )
+
+
+def _add_demo(commands: argparse._SubParsersAction[_Parser]) -> None:
     demo_flags = commands.add_parser(
         "demo",
         help="train a plan on local processes: predicted vs measured cost, parity with one process",
@@ -126,6 +140,9 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start the mesh's processes past this machine's limit (4 per CPU core, at least 8)",
     )
+
+
+def _add_checkpoint(commands: argparse._SubParsersAction[_Parser]) -> None:
     checkpoint_flags = commands.add_parser("checkpoint", help="checkpoint tools")
     actions = checkpoint_flags.add_subparsers(dest="action", required=True, parser_class=_Parser)
     convert_flags = actions.add_parser(
@@ -156,7 +173,6 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="rebuild any object the checkpoint names, running its code: only for a file you trust",
     )
-    return program
 
 
 def main(argv: list[str] | None = None) -> int:

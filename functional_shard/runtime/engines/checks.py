@@ -22,6 +22,26 @@ _SUPPORTED_STYLE_MODULES = (nn.Linear, nn.Embedding)
 def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
     """Everything about ``plan`` that torch's engines cannot run on ``module``, one line each."""
     config = plan.config
+    # a plan of another module: nothing else about it means anything
+    if found := _module_mismatches(plan, module):
+        return found
+    if config.pipeline_axis is not None:
+        found.extend(pipeline_problems(plan))
+    if config.context_parallel_axis is not None:
+        found.extend(context_parallel_problems(plan, module))
+    found.extend(_mesh_order_problems(plan))
+    found.extend(_config_problems(plan, module))
+    modules = dict(module.named_modules())
+    found.extend(_unfed_splits(config.tp_styles, modules))
+    found.extend(expert_problems(plan, modules))
+    found.extend(split_problems(plan, module))
+    found.extend(_style_problems(plan, modules))
+    found.extend(_placement_problems(plan, modules))
+    return found
+
+
+def _module_mismatches(plan: Plan, module: nn.Module) -> list[str]:
+    """The parameters the plan and ``module`` do not share, or share at other shapes."""
     found: list[str] = []
     tree = read_model(module)
     for path in plan.params.keys() - tree.params.keys():
@@ -34,14 +54,18 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
                 f"{path}: shape {tree.params[path].shape} in the module, "
                 f"{plan.tensors[path].shape} in the plan"
             )
-    if found:
-        return found
-    if config.pipeline_axis is not None:
-        found.extend(pipeline_problems(plan))
-    if config.context_parallel_axis is not None:
-        found.extend(context_parallel_problems(plan, module))
+    return found
+
+
+def _config_problems(plan: Plan, module: nn.Module) -> list[str]:
+    """Settings apply() does not run, or runs through FSDP2 alone.
+
+    Several tensor-parallel axes, DDP beside tensor parallel, a checkpoint policy other than
+    full or selective; mixed precision, CPU offload and HSDP, which only FSDP2 runs.
+    """
+    config = plan.config
+    found: list[str] = []
     kind = config.data_parallel
-    found.extend(_mesh_order_problems(plan))
     tp_axes = config.tensor_parallel_axes
     if len(tp_axes) > 1:
         found.append(f"tensor parallel over {tp_axes}: apply() runs one tensor-parallel axis")
@@ -78,12 +102,13 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
             f"replicate axes {config.replicate_axes} with shard axes {config.shard_axes}: apply() runs "
             "HSDP on one replicate and one shard axis"
         )
-    styled = {path: style for path, style, _ in config.tp_styles}
-    modules = dict(module.named_modules())
-    found.extend(_unfed_splits(config.tp_styles, modules))
-    found.extend(expert_problems(plan, modules))
-    experts = set(config.tensor_parallel_experts) | set(config.expert_modules)
-    found.extend(split_problems(plan, module))
+    return found
+
+
+def _style_problems(plan: Plan, modules: dict[str, nn.Module]) -> list[str]:
+    """Tensor-parallel styles torch's engines cannot run on the layers they name."""
+    config = plan.config
+    found: list[str] = []
     for path, style, _ in config.tp_styles:
         target = modules.get(path)
         if style == "packed_colwise" and isinstance(target, nn.Linear) and config.shard_axes:
@@ -92,8 +117,17 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
                 f"again over {config.shard_axes}; FSDP2 cannot describe a strided split inside a strided "
                 "split. Use plain tensor parallel for this layer, or replicate it"
             )
-    if config.sequence_parallel and tp_axes:
+    if config.sequence_parallel and config.tensor_parallel_axes:
         found.extend(sequence_parallel_problems(config.tp_styles, modules))
+    return found
+
+
+def _placement_problems(plan: Plan, modules: dict[str, nn.Module]) -> list[str]:
+    """Parameters placed otherwise than torch's styles compute them and FSDP2 stores them."""
+    config = plan.config
+    found: list[str] = []
+    styled = {path: style for path, style, _ in config.tp_styles}
+    experts = set(config.tensor_parallel_experts) | set(config.expert_modules)
     shard_axes = set(config.shard_axes)
     for path, sharding in plan.params.items():
         owner_path = path.rpartition(".")[0]
