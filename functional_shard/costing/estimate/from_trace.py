@@ -2,7 +2,7 @@
 
 What a rank holds and computes comes from `StepParts`: the plan's own, or under a
 pipeline the worst pp rank's (`pipeline_estimate.pipeline_parts`); the step model then
-times it the same way for both (`step_model.step_time`).
+times it the same way for both (`step_seconds.step_time`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from functional_shard.costing.time.step_model import (
     _recomputed,
     cp_size,
     gathered_in_flight,
-    step_time,
 )
+from functional_shard.costing.time.step_seconds import step_time
 
 from .loss_memory import loss_workspace
 from .pipeline_estimate import pipeline_parts

@@ -1,23 +1,11 @@
 """Peak memory and step time of a pipeline-parallel plan, stage by stage. Pure.
 
-A pp rank holds its stages' parameters, gradients and optimizer state (`cost` at a rank of
-that pp coordinate), and the activations of one micro-batch (``batch / microbatches``
-sequences) per stage for as many micro-batches as torch's schedule keeps in flight there
-(`functional_shard.planning.pipeline.schedules.held_peak`); on the last stage these include the
-logits and the log-softmax the loss keeps for its backward, and its rank also holds what one
-micro-batch's loss makes beyond those (`loss_memory.pipeline_loss_workspace`). It also holds
-torch's receive buffers, one per micro-batch for each of its stages' input and output
-gradient, kept from step to step; FSDP2's whole gradients of each of its stages from the end
-of that stage's first backward in the step
-(`functional_shard.planning.pipeline.schedules.held_peak_parts` finds the moment activations and
-those gradients together peak, with, where it falls in a backward, the checkpointed
-block's recompute that backward holds, `context_engines.recompute_beyond`); and, as torch's
-``schedule.step()`` does by default (``estimate(keep_outputs=True)``), the last stage may
-keep every micro-batch's output to the step's end and then concatenate them. The step's
-compute time is the makespan of torch's action lists run on a clock
-(`functional_shard.planning.pipeline.schedules.simulate`), each stage's forward and backward at its
-traced flops, each boundary's activation sent at the pp axis's link speed: the bubble is in
-it. Data- and tensor-parallel communication is added as for any plan.
+A pp rank holds its stages' states, one micro-batch's activations per stage for each
+micro-batch torch's schedule keeps in flight (`schedules.held_peak_parts`: when they peak
+with FSDP2's whole gradients and a recompute), torch's receive buffers, and on the last
+stage the loss's workspace and, with ``keep_outputs``, every micro-batch's output. Compute
+time is the makespan of torch's action lists on a clock (`schedules.simulate`), the bubble
+included; data- and tensor-parallel communication is added as for any plan.
 """
 
 from __future__ import annotations

@@ -1,0 +1,267 @@
+"""A step's seconds: its compute, and the communication the engines cannot hide behind it.
+
+`step_time` turns a plan's compute seconds and its collectives' bytes into the step's
+time: each collective's seconds on its group's links, the share FSDP's prefetch and
+DDP's buckets overlap with compute, context parallel's ring, and the optimizer's tail.
+Pure: the counts it reads come from `step_model`. docs/will-it-fit.md states the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from functional_shard.planning.plan.cost_record import Cost
+
+from .context_engines import ring_exposed_seconds
+from .hardware import Hardware
+from .kernels import Clock, phase_saved
+from .step_model import RecomputedCollectives, collective_counts, in_share, optimizer_seconds
+
+if TYPE_CHECKING:
+    from functional_shard.planning.plan.plan import Plan
+
+__all__ = ["StepTime", "step_time"]
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """What `step_time` finds: a step's compute and the communication it does not hide.
+
+    Attributes:
+        compute_seconds: the step's flops, timed by its clock.
+        exposed_seconds: what compute does not hide, by reason (communication, the
+            optimizer step, host transfers, unbalanced causal attention).
+        comm_seconds: each collective's seconds, ``"<kind> over <axes> (<link>)"``.
+    """
+
+    compute_seconds: float
+    exposed_seconds: dict[str, float]
+    comm_seconds: dict[str, float]
+
+
+def step_time(
+    plan: Plan,
+    plan_cost: Cost,
+    hw: Hardware,
+    *,
+    dtype: str,
+    forward_flops: float,
+    backward_flops: float,
+    recompute_flops: float,
+    units: Mapping[str, int],
+    recomputed: RecomputedCollectives | None = None,
+    attention_flops: float = 0.0,
+    causal_imbalance: float = 1.0,
+    clock: Clock | None = None,
+    saved: Mapping[str, float] | None = None,
+    ring_merges: float = 0.0,
+) -> StepTime:
+    """A step's `StepTime`: compute seconds, exposed communication by reason, each collective's seconds.
+
+    Tensor-parallel collectives and expert parallelism's all-to-alls (the experts wait
+    for their tokens, the layer for the results) sit on the critical path; FSDP/ZeRO gathers and
+    reduce-scatters run under compute (all but the first gather); DDP's and HSDP's
+    gradient all-reduce runs under backward; ZeRO-1's parameter broadcasts follow the
+    optimizer step and are exposed (DDP, run by torch's composable ``replicate``, sends
+    no buffers). Context parallel's key/value gathers and gradient scatters (the
+    all-gather engine's) run under the step's compute; only what exceeds the compute is
+    exposed. torch's ring (a plan whose ``context_engine`` is ``"ring"``; `fs.estimate`
+    makes ``"auto"`` that on CUDA hardware) hides its collectives only under the
+    attention op's own chunks (`functional_shard.costing.time.context_engines.ring_exposed_seconds`).
+    On hardware that does not overlap communication with compute (gloo on CPUs) every
+    collective is exposed. Each
+    collective also costs the hardware's ``collective_latency`` (a tensor-parallel one its
+    ``tensor_parallel_latency``). ``recomputed`` (`RecomputedCollectives`) are the
+    tensor-parallel collectives recomputation re-issues: on the critical path too.
+    ``attention_flops`` is the rank's attention flops, ``causal_imbalance`` its cp group's
+    (`functional_shard.core.sequence.causal_imbalance`): on hardware whose kernels skip the
+    masked half, the busiest rank's extra attention work is exposed (every rank waits for
+    it at the next collective). ``clock`` times the flops under `Kernels` (compile's
+    faster work other than attention; async TP's forward tensor-parallel collectives hidden
+    under the forward's work other than attention), less ``saved``, Float8's seconds by phase.
+    ``ring_merges``: the seconds of torch's ring's own passes (`context_engines.ring_merge_seconds`).
+    """
+    clock = clock or Clock(hw.achievable_flops(dtype))
+    rate, saved = clock.rate, saved or {}
+    total = forward_flops + backward_flops + recompute_flops
+    compute = clock.seconds(total, attention_flops, phase_saved(saved, *saved))
+    back = backward_flops + recompute_flops
+    backward = clock.seconds(
+        back,
+        in_share(attention_flops, back, total),  # attention in its share of the work
+        phase_saved(saved, "backward", "weight", "recompute"),
+    )
+    comm = _comm_seconds(plan, plan_cost, hw, recomputed or RecomputedCollectives())
+    if clock.async_tp and hw.overlap_communication:
+        # micro-pipelined in the forward: its collectives (half of them: each forward
+        # all-gather has a backward reduce-scatter, and the other way round) run inside the
+        # forward's matmuls; the backward's and the recompute's stay on the critical path
+        # (docs/will-it-fit.md, "Kernels": the published gains are the forward's)
+        forward_attention = in_share(attention_flops, forward_flops, total)
+        forward_work = clock.seconds(forward_flops, forward_attention, phase_saved(saved, "forward"))
+        hidden = min(comm.tensor_parallel / 2, forward_work - forward_attention / rate)
+        comm = replace(comm, tensor_parallel=comm.tensor_parallel - hidden)
+    exposed: dict[str, float] = {}
+    if hw.skips_masked_attention and causal_imbalance > 1 and attention_flops:
+        exposed["unbalanced causal attention"] = attention_flops * (causal_imbalance - 1) / rate
+    if ring_merges:  # on the stream of the ring's kernels: not hidden, whatever overlaps
+        exposed["context parallel ring merges"] = ring_merges
+    if not hw.overlap_communication:
+        if comm.total:
+            exposed["communication (no overlap)"] = comm.total
+    else:
+        exposed |= _overlapped_exposed(
+            plan, plan_cost, hw, comm, units=units, compute=compute, backward=backward
+        )
+        exposed |= _context_exposed(plan, plan_cost, hw, comm.context, compute, attention_flops / rate)
+    return StepTime(compute, _with_step_tail(exposed, plan_cost, hw), comm.per_collective)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _CommSeconds:
+    """A step's collectives' seconds, latencies in, summed by what hides them (`step_time`)."""
+
+    per_collective: dict[str, float]
+    tensor_parallel: float
+    recompute: float  # the tensor-parallel collectives recomputation re-issues
+    expert: float
+    context: float
+    sharded: float  # FSDP/ZeRO's gathers and reduce-scatters
+    all_reduce: float
+    broadcast: float
+
+    @property
+    def total(self) -> float:
+        return (
+            self.tensor_parallel
+            + self.recompute
+            + self.sharded
+            + self.all_reduce
+            + self.broadcast
+            + self.expert
+            + self.context
+        )
+
+
+def _collective_group(plan: Plan, kind: str, axes: tuple[str, ...]) -> str:
+    """Which of `collective_counts`' groups a collective of ``kind`` over ``axes`` is in."""
+    tp_axes = set(plan.config.tensor_parallel_axes)
+    if tp_axes and set(axes) <= tp_axes:
+        return "tensor parallel"
+    if axes == (plan.config.context_parallel_axis,):
+        return "context parallel"
+    if kind == "all_to_all":
+        return "expert"
+    if kind in ("broadcast", "all_reduce"):
+        return kind
+    return "sharded"
+
+
+def _comm_seconds(
+    plan: Plan, plan_cost: Cost, hw: Hardware, recomputed: RecomputedCollectives
+) -> _CommSeconds:
+    tp_axes = tuple(set(plan.config.tensor_parallel_axes))
+    per_collective: dict[str, float] = {}
+    counts = collective_counts(plan, plan_cost.grads_bytes)
+    tp_latency = hw.collective_latency if hw.tensor_parallel_latency is None else hw.tensor_parallel_latency
+    groups = {
+        group: n * (tp_latency if group == "tensor parallel" else hw.collective_latency)
+        for group, n in counts.items()
+    }
+    for kind, by_axes in plan_cost.comm_bytes.items():
+        for axes_text, nbytes in by_axes.items():
+            axes = tuple(axes_text.split(","))
+            seconds = nbytes / hw.bandwidth(plan.mesh, axes)
+            per_collective[f"{kind} over {axes_text} ({hw.link_of(plan.mesh, axes)})"] = seconds
+            groups[_collective_group(plan, kind, axes)] += seconds
+    tp_link = hw.link_of(plan.mesh, tp_axes) if tp_axes else "intra"
+    recompute = recomputed.count * tp_latency
+    for what, nbytes in recomputed.sent.items():
+        seconds = nbytes / hw.bandwidth(plan.mesh, tp_axes)
+        per_collective[f"{what} ({tp_link}, recompute)"] = seconds
+        recompute += seconds
+    return _CommSeconds(
+        per_collective=per_collective,
+        tensor_parallel=groups["tensor parallel"],
+        recompute=recompute,
+        expert=groups["expert"],
+        context=groups["context parallel"],
+        sharded=groups["sharded"],
+        all_reduce=groups["all_reduce"],
+        broadcast=groups["broadcast"],
+    )
+
+
+def _overlapped_exposed(
+    plan: Plan,
+    plan_cost: Cost,
+    hw: Hardware,
+    comm: _CommSeconds,
+    *,
+    units: Mapping[str, int],
+    compute: float,
+    backward: float,
+) -> dict[str, float]:
+    """What of the step's data-, tensor- and expert-parallel communication compute does not hide."""
+    exposed: dict[str, float] = {}
+    if comm.tensor_parallel:
+        exposed["tensor parallel"] = comm.tensor_parallel
+    if comm.recompute:
+        exposed["tensor parallel recompute"] = comm.recompute
+    if comm.expert:
+        # the experts wait for their tokens, and the layer for the results: on the critical path
+        exposed["expert all-to-all"] = comm.expert
+    if comm.sharded:
+        # nothing runs before the first unit (root and largest block) is gathered
+        axes = plan.config.shard_axes
+        n = plan.mesh.axes_size(axes) if axes else 1
+        biggest = max((b for u, b in units.items() if u), default=0)
+        first = (units.get("", 0) + biggest) * (n - 1) / n / hw.bandwidth(plan.mesh, axes) if n > 1 else 0.0
+        first = min(first, comm.sharded)
+        exposed["first all-gather"] = first
+        rest = max(0.0, comm.sharded - first + comm.all_reduce - compute, comm.all_reduce - backward)
+        if rest:
+            exposed["fsdp not overlapped"] = rest
+    elif comm.all_reduce:
+        rest = max(0.0, comm.all_reduce - backward)
+        if rest:
+            exposed["grad all-reduce"] = rest
+    if comm.broadcast:
+        exposed["broadcast after step"] = comm.broadcast
+    return exposed
+
+
+def _context_exposed(
+    plan: Plan, plan_cost: Cost, hw: Hardware, context: float, compute: float, attention_seconds: float
+) -> dict[str, float]:
+    """What of context parallel's communication (``context`` seconds) compute does not hide."""
+    cp_axis = plan.config.context_parallel_axis
+    if not context:
+        return {}
+    if cp_axis is not None and plan.config.context_engine == "ring":
+        # torch's ring hides its collectives under the attention op's own chunks only
+        rest = ring_exposed_seconds(
+            plan,
+            plan_cost.comm_bytes,
+            hw.bandwidth(plan.mesh, (cp_axis,)),
+            attention_seconds,
+            hw.collective_latency,
+        )
+        return {"context parallel ring not overlapped": rest} if rest else {}
+    # our engine's gathers and scatters are issued as the layers run, beside their
+    # compute: hidden under the step's compute, exposed beyond it
+    rest = max(0.0, context - compute)
+    return {"context parallel not overlapped": rest} if rest else {}
+
+
+def _with_step_tail(exposed: dict[str, float], plan_cost: Cost, hw: Hardware) -> dict[str, float]:
+    """``exposed`` plus what no plan overlaps: host transfers and the optimizer step."""
+    if plan_cost.host_bytes:
+        # offloaded state crosses the host link twice a step (to the device and back)
+        exposed["host transfers"] = 2 * plan_cost.host_bytes / hw.host_bandwidth
+    step = optimizer_seconds(plan_cost, hw)
+    if step:
+        exposed["optimizer step"] = step
+    return exposed
