@@ -14,7 +14,9 @@ estimate to (``bench/data/``):
 Each row trains under a plan on a 1-rank NCCL mesh: FSDP2 with bf16 compute and fp32
 reduction, AdamW. ``--dry`` runs tiny rows on the CPU (gloo) to try the script out.
 
-Run: python bench/cuda_step_kernels.py --out bench/data [--rows NAME ...] [--dry]
+Run: python bench/cuda_step_kernels.py --out bench/data/h200 [--rows NAME ...] [--dry]
+With ``--compare bench/data/h200/steps.json`` (no GPU needed) it prints the estimate beside
+each committed row instead: step, each kind of kernel, peak, reserved over allocated.
 """
 
 from __future__ import annotations
@@ -302,6 +304,33 @@ def summary(result: dict[str, Any]) -> str:
     )
 
 
+def compare(steps: pathlib.Path) -> None:
+    """Print `fs.estimate` (``hardware="h200"``) beside each measured row of ``steps``."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tests" / "unit"))
+    from test_gpu_truth import estimate_of, measured_kinds  # the test's own reading of the data
+
+    print(
+        "| row | measured step | GPU busy | estimate | est./measured | matmul est./meas. ms | attention "
+        "| memory-bound + optimizer | peak est./allocated | reserved/allocated |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for row in json.loads(steps.read_text())["rows"]:
+        if "error" in row:
+            continue
+        found, kinds = estimate_of(row), measured_kinds(row)
+        parts, ms = found.compute_parts, 1e3
+        memory = parts["memory-bound"] + found.exposed_seconds.get("optimizer step", 0.0)
+        print(
+            f"| {row['row']['name']} | {row['step_seconds'] * ms:.0f} ms | {sum(kinds.values()) * ms:.0f} ms "
+            f"| {found.step_seconds * ms:.0f} ms | {found.step_seconds / row['step_seconds']:.2f} "
+            f"| {parts['matmul'] * ms:.0f} / {kinds['matmul'] * ms:.0f} "
+            f"| {parts['attention'] * ms:.0f} / {kinds['attention'] * ms:.0f} "
+            f"| {memory * ms:.0f} / {(kinds['memory-bound'] + kinds['optimizer']) * ms:.0f} "
+            f"| {found.peak_bytes / row['allocated_peak']:.2f} "
+            f"| {row['reserved_peak'] / row['allocated_peak']:.2f} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/data"))
@@ -310,7 +339,11 @@ def main() -> None:
     parser.add_argument("--no-rates", action="store_true", help="skip fs.measure_rates")
     parser.add_argument("--tag", default="", help="a suffix for steps.json (steps-TAG.json)")
     parser.add_argument("--dry", action="store_true", help="tiny rows on the CPU, to try the script out")
+    parser.add_argument("--compare", type=pathlib.Path, help="a steps.json to print the estimate beside")
     arguments = parser.parse_args()
+    if arguments.compare:
+        compare(arguments.compare)
+        return
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     device = torch.device("cpu" if arguments.dry else "cuda")
     arguments.out.mkdir(parents=True, exist_ok=True)

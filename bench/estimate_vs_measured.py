@@ -111,7 +111,7 @@ def main(steps: int = 5) -> None:
             print(header)
             for rank, got in enumerate(results):
                 est = fs.estimate(shapes, plan, batch=MICRO_BATCH, seq=SEQ, hardware=local, rank=rank)
-                resident_est = est.memory["params"] + est.memory["grads"] + est.memory["optimizer"]
+                resident_est = est.memory["params"] + est.cost.grads_bytes + est.memory["optimizer"]
                 resident = sum(got["resident"].values())
                 peak_est = resident_est + est.activation_bytes
                 peak = resident + got["activations"]

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_shard as fs
+from functional_shard.costing.time.kernel_time import optimizer_bytes
 from functional_shard.costing.time.step_model import (
     gathered_in_flight,
     recomputed_collectives,
@@ -62,7 +63,10 @@ def test_memory_pieces_are_the_cost_models(name):
         est = fs.estimate(model, plan, batch=2, seq=16, rank=rank)
         exact = plan.cost("adamw", rank=rank)
         assert est.memory["params"] == exact.params_bytes
-        assert est.memory["grads"] == exact.grads_bytes
+        # no gradient is made yet at the start of backward; every one at the end
+        assert est.cost.grads_bytes == exact.grads_bytes
+        at_start = est.peak_at.startswith("the start of backward")
+        assert est.memory["grads"] == (0 if at_start else exact.grads_bytes)
         assert est.memory["optimizer"] == exact.optimizer_bytes
         assert est.memory["buffers"] == exact.buffers_bytes
         assert est.host_bytes == exact.host_bytes
@@ -100,9 +104,12 @@ def test_step_time_is_compute_plus_exposed_communication():
     for plan in plans.values():
         est = fs.estimate(model, plan, batch=2, seq=16, hardware="a100")
         assert est.step_seconds == pytest.approx(est.compute_seconds + sum(est.exposed_seconds.values()))
-        assert est.compute_seconds == pytest.approx(
-            est.flops / fs.hardware("a100").achievable_flops(est.dtype)
-        )
+        if est.compute_parts:  # bf16 on a profile with kernel rates: by kernel kind
+            assert est.compute_seconds == pytest.approx(sum(est.compute_parts.values()))
+        else:
+            assert est.compute_seconds == pytest.approx(
+                est.flops / fs.hardware("a100").achievable_flops(est.dtype)
+            )
         assert 0 < est.mfu < 1
         tp = plan.mesh.shape.get("tp", 1)
         assert est.tokens_per_second == pytest.approx(2 * 16 / tp / est.step_seconds)
@@ -138,8 +145,11 @@ def test_fsdp_exposes_the_first_gather_and_what_compute_cannot_hide():
     )
     assert set(fast.exposed_seconds) == {"first all-gather", "optimizer step"}
     exact = plan.cost("adamw")
-    touched = 2 * exact.params_bytes + exact.grads_bytes + 2 * exact.optimizer_bytes
-    assert fast.exposed_seconds["optimizer step"] == pytest.approx(touched / 3.35e12)
+    if fast.compute_parts:  # foreach AdamW's passes at the measured bandwidth
+        moved = optimizer_bytes(exact.params_bytes, "adamw") / fs.hardware("h100").kernel_rates.bandwidth
+    else:
+        moved = (2 * exact.params_bytes + exact.grads_bytes + 2 * exact.optimizer_bytes) / 3.35e12
+    assert fast.exposed_seconds["optimizer step"] == pytest.approx(moved)
     slow = fs.estimate(
         model, plan, batch=2, seq=16, hardware=fs.hardware("h100").replace(intra_node_bandwidth=1e6)
     )

@@ -85,6 +85,16 @@ def check(name: str) -> None:
         assert memory == pytest.approx(kinds["memory-bound"] + kinds["optimizer"], rel=0.15)
 
 
+# rows whose allocated peak the estimate misses by more than 5%, and why (docs/will-it-fit.md):
+# a peak later in backward than the parts describe; the memory-efficient kernel under a mask
+PEAK_MISSED = {"llama-1b 4k full", "phi3-mini b4 2k selective"}
+
+
+def check_peak(name: str) -> None:
+    row = ROWS[name]
+    assert estimate_of(row).peak_bytes == pytest.approx(row["allocated_peak"], rel=0.05)
+
+
 def test_llama_1b_at_16k_with_full_checkpointing() -> None:
     check("llama-1b 16k full")
 
@@ -109,7 +119,43 @@ def test_the_estimate_orders_plans_as_the_gpu_did() -> None:
                 assert estimated[a] > estimated[b], (a, b)
 
 
+def test_the_peak_of_llama_1b_at_32k_with_selective_checkpointing() -> None:
+    check_peak("llama-1b 32k selective")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in ROWS if not n.startswith("phi3")])
 def test_every_measured_row(name: str) -> None:
     check(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in ROWS if n not in PEAK_MISSED])
+def test_every_measured_peak(name: str) -> None:
+    check_peak(name)
+
+
+def fastest_measured(seq: int, budget: int) -> str:
+    """The checkpointing of the fastest llama-1b row at ``seq`` tokens whose measured peak fits."""
+    fitting = [
+        row
+        for name, row in ROWS.items()
+        if name.startswith(f"llama-1b {seq // 1024}k ") and row["allocated_peak"] <= budget
+    ]
+    return min(fitting, key=lambda row: row["step_seconds"])["row"]["checkpointing"] or "none"
+
+
+@pytest.mark.parametrize(
+    ("seq", "budget"),
+    [
+        (16384, 60 * 2**30),
+        pytest.param(32768, 100 * 2**30, marks=pytest.mark.slow),
+        pytest.param(32768, 80 * 2**30, marks=pytest.mark.slow),
+    ],
+)
+def test_auto_picks_what_was_fastest_among_what_fit(seq: int, budget: int) -> None:
+    """On one H200 with a budget, fs.auto's checkpointing is that of the fastest measured row that fit."""
+    with torch.device("meta"):
+        model = Llama(CONFIGS["llama-1b"])
+    report = fs.search_plans(model, devices=1, memory_budget=budget, batch=1, seq=seq, hardware="h200")
+    assert report.best_candidate.checkpointing == fastest_measured(seq, budget)

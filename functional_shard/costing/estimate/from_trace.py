@@ -70,6 +70,7 @@ def _flat_parts(assembly: Assembly) -> StepParts:
     # a checkpointed block's recompute, held through its backward, after the loss's
     if recompute := recompute_beyond(plan, tokens, trace.recompute_bytes, memory["loss_workspace"]):
         memory["recompute"] = recompute
+    memory, peak_at = _without_unmade_grads(memory)
     return StepParts(
         plan=plan,
         cost=plan_cost,
@@ -79,6 +80,7 @@ def _flat_parts(assembly: Assembly) -> StepParts:
         backward_flops=trace.backward_flops,
         recompute_flops=trace.recompute_flops,
         units=units,
+        peak_at=peak_at,
         attention_flops=trace.attention_flops
         + trace.attention_backward_flops
         + trace.attention_recompute_flops,
@@ -89,6 +91,24 @@ def _flat_parts(assembly: Assembly) -> StepParts:
             step_bytes=optimizer_bytes(plan_cost.params_bytes, assembly.optimizer),
         ),
     )
+
+
+def _without_unmade_grads(memory: dict[str, int]) -> tuple[dict[str, int], str]:
+    """The peak's parts, and when it falls: a step's gradients are made during its backward.
+
+    ``zero_grad()`` sets them to ``None`` (torch's default since 2.0) before the forward, so
+    at the start of backward no gradient exists yet; each appears as its unit's backward
+    frees the activations it kept. The peak is then the start of backward without them, or
+    the end of backward (every gradient, no activation) where that holds more. Measured on
+    an H200: the allocated peak is the start of backward's without gradients
+    (bench/data/h200/steps.json, docs/will-it-fit.md).
+    """
+    held = ("params", "grads", "optimizer", "buffers", "gathered")
+    end = sum(memory.get(part, 0) for part in held)
+    start = sum(memory.values()) - memory.get("grads", 0)
+    if start < end:
+        return memory, "the end of backward (every gradient made)"
+    return memory | {"grads": 0}, "the start of backward (no gradient made yet)"
 
 
 def _causal_imbalance(plan: Plan, seq: int) -> float:
