@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -38,10 +39,29 @@ def _checkpointed_forward(
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn or noop_context_fn, **kwargs)
 
 
+def _without_kv_cache(module: nn.Module) -> None:
+    """Turn off a Hugging Face model's key/value cache, which checkpointing cannot train with.
+
+    Its forward fills a cache in training too unless told ``use_cache=False``; a checkpointed
+    layer's recompute then sees the keys twice (selective checkpointing fails, "not found in
+    storage"). Hugging Face's own gradient checkpointing turns it off the same way.
+    """
+    config = getattr(module, "config", None)
+    if getattr(config, "use_cache", False):
+        warnings.warn(
+            f"{type(module).__name__}.config.use_cache set to False: a key/value cache filled by the "
+            "forward cannot be trained through activation checkpointing (set it back for generation)",
+            stacklevel=3,
+        )
+        config.use_cache = False
+
+
 def apply_checkpointing(plan: Plan, module: nn.Module) -> None:
     """Run the forward of each of the plan's checkpointed modules under torch's checkpoint."""
     from functional_shard.costing.trace.checkpointing import selective_context
 
+    if plan.config.checkpointed:
+        _without_kv_cache(module)
     context = selective_context if plan.config.checkpoint_policy == "selective" else None
     for path in plan.config.checkpointed:
         target = module.get_submodule(path)
