@@ -46,7 +46,7 @@ def _without_kv_cache(module: nn.Module) -> None:
     layer's recompute then sees the keys twice (selective checkpointing fails, "not found in
     storage"). Hugging Face's own gradient checkpointing turns it off the same way.
     """
-    config = getattr(module, "config", None)
+    config: Any = getattr(module, "config", None)
     if getattr(config, "use_cache", False):
         warnings.warn(
             f"{type(module).__name__}.config.use_cache set to False: a key/value cache filled by the "
