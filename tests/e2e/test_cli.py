@@ -313,7 +313,7 @@ def test_kernels_reach_the_estimate(capsys):
     plan = fs.shard(model, fs.Mesh(dp=4), fs.parse_policy("fsdp(dp) + bf16"))
     estimate = fs.estimate(model, plan, batch=2, seq=16, kernels=fs.Kernels(compile=True))
     assert str(estimate) in out
-    assert "; with torch.compile)" in out
+    assert "with torch.compile" in out
 
 
 def test_auto_prints_the_candidates_then_the_chosen_plan(capsys, tmp_path):
