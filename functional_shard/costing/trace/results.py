@@ -190,21 +190,16 @@ def counts_of(
         "step_bytes": kept.get(PER_STEP, 0),
         "output_bytes": output[0],
         "output_numel": output[1],
-        "forward_flops": flops.counts["forward"],
-        "backward_flops": flops.counts["backward"],
-        "recompute_flops": flops.counts["recompute"],
         "backward_weight_flops": flops.counts["weight"],
-        "attention_flops": flops.attention["forward"],
-        "attention_backward_flops": flops.attention["backward"],
-        "attention_recompute_flops": flops.attention["recompute"],
         "recompute_bytes": recomputed,
-        "attention_kernel_flops": flops.attention_kernel["forward"],
-        "attention_kernel_backward_flops": flops.attention_kernel["backward"],
-        "attention_kernel_recompute_flops": flops.attention_kernel["recompute"],
-        "memory_bound_bytes": flops.memory["forward"],
-        "memory_bound_backward_bytes": flops.memory["backward"],
-        "memory_bound_recompute_bytes": flops.memory["recompute"],
     }
+    # each count by phase: forward_flops, attention_backward_flops, memory_bound_recompute_bytes...
+    for phase in ("forward", "backward", "recompute"):
+        counts[f"{phase}_flops"] = flops.counts[phase]
+        infix = "" if phase == "forward" else f"_{phase}"
+        counts[f"attention{infix}_flops"] = flops.attention[phase]
+        counts[f"attention_kernel{infix}_flops"] = flops.attention_kernel[phase]
+        counts[f"memory_bound{infix}_bytes"] = flops.memory[phase]
     if stages:
         forward = _per_stage(flops.by_stage, stages)
         counts["stage_activation_bytes"] = _per_stage(kept, stages)
