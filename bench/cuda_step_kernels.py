@@ -369,6 +369,7 @@ def main() -> None:
             f"bandwidth {rates.memory_bandwidth / 1e12:.2f} TB/s",
             flush=True,
         )
+        print(f"    host seconds per op: {rates.host}")
         for group in ("matmuls", "attention", "bandwidth"):
             for case, values in getattr(rates, group).items():
                 print(

@@ -9,7 +9,7 @@ that device can carry the rates (`fs.Hardware.matmul_flops`, ``attention_flops``
 ``memory_bandwidth``).
 
 Examples:
-    >>> rates = fs.measure_rates("cpu", size=128, seqs=(128,), repeats=2)
+    >>> rates = fs.measure_rates("cpu", size=128, seqs=(128,), repeats=2, host_ops=20)
     >>> sorted(rates.as_dict())[:3]
     ['attention', 'attention_flops', 'bandwidth']
 """
@@ -58,6 +58,7 @@ class MeasuredRates:
             the kernel runs them (`attention_kernel_flops`), over ``attention``.
         memory_bandwidth: bytes/s read and written by memory-bound ops, over ``bandwidth``.
         matmuls / attention / bandwidth: each case's name and its seconds and rate.
+        host: the host's seconds per op, where it and not the device bounds a step.
     """
 
     device: str
@@ -68,6 +69,9 @@ class MeasuredRates:
     matmuls: dict[str, dict[str, float]] = field(default_factory=dict)
     attention: dict[str, dict[str, float]] = field(default_factory=dict)
     bandwidth: dict[str, dict[str, float]] = field(default_factory=dict)
+    host: dict[str, float] = field(default_factory=dict)
+    """Seconds the host spends per op: ``"eager"`` (launching a small op), ``"selective
+    checkpointing"`` (what its dispatch mode adds to each op of a checkpointed forward)."""
 
     def as_dict(self) -> dict[str, Any]:
         """The rates and cases as plain data (JSON-ready)."""
@@ -191,6 +195,34 @@ def _bandwidth(
     return cases
 
 
+def _host(device: torch.device, ops: int = 2000) -> dict[str, float]:
+    """The host's seconds per small op: eager, and what selective checkpointing's mode adds."""
+    from torch.utils.checkpoint import checkpoint
+
+    from functional_shard.costing.trace.checkpointing import selective_context
+
+    start = torch.ones(256, device=device, requires_grad=True)
+
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(ops):
+            x = x * 1.0
+        return x
+
+    def checkpointed() -> torch.Tensor:
+        out: torch.Tensor = checkpoint(chain, start, use_reentrant=False, context_fn=selective_context)
+        return out
+
+    seconds = {}
+    for name, work in {"eager": lambda: chain(start), "checkpointed": checkpointed}.items():
+        began = time.perf_counter()
+        for _ in range(3):
+            work()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds[name] = (time.perf_counter() - began) / 3 / ops
+    return {"eager": seconds["eager"], "selective checkpointing": seconds["checkpointed"] - seconds["eager"]}
+
+
 def measure_rates(
     device: str | torch.device = "cuda",
     *,
@@ -201,6 +233,7 @@ def measure_rates(
     head_dim: int = 64,
     elements: int = 2**29,
     repeats: int = 10,
+    host_ops: int = 2000,
 ) -> MeasuredRates:
     """Measure the matmul rate, the fused attention rate and the memory bandwidth of ``device``.
 
@@ -213,9 +246,10 @@ def measure_rates(
         head_dim: their head width.
         elements: elements of the memory-bound cases (large enough to leave the caches).
         repeats: timed runs per case (the median counts).
+        host_ops: small ops in a row for the host's seconds per op.
 
     Examples:
-        >>> fs.measure_rates("cpu", size=128, seqs=(128,), repeats=2).matmul_flops > 0
+        >>> fs.measure_rates("cpu", size=128, seqs=(128,), repeats=2, host_ops=20).matmul_flops > 0
         True
     """
     where = torch.device(device)
@@ -233,4 +267,5 @@ def measure_rates(
         matmuls=matmuls,
         attention=attention,
         bandwidth=bandwidth,
+        host=_host(where, host_ops),
     )
