@@ -9,7 +9,7 @@ that device can carry the rates (`fs.Hardware.matmul_flops`, ``attention_flops``
 ``memory_bandwidth``).
 
 Examples:
-    >>> rates = fs.measure_rates("cpu", size=128, seqs=(128,), repeats=2, host_ops=20)
+    >>> rates = fs.measure_rates("cpu", size=128, seqs=(128,), repeats=2, elements=2**16, host_ops=20)
     >>> sorted(rates.as_dict())[:3]
     ['attention', 'attention_flops', 'bandwidth']
 """
@@ -249,7 +249,7 @@ def measure_rates(
         host_ops: small ops in a row for the host's seconds per op.
 
     Examples:
-        >>> fs.measure_rates("cpu", size=128, seqs=(128,), repeats=2, host_ops=20).matmul_flops > 0
+        >>> fs.measure_rates("cpu", size=128, seqs=(128,), repeats=2, elements=2**16, host_ops=20).matmul_flops > 0
         True
     """
     where = torch.device(device)
