@@ -249,7 +249,8 @@ def measure_rates(
         host_ops: small ops in a row for the host's seconds per op.
 
     Examples:
-        >>> fs.measure_rates("cpu", size=128, seqs=(128,), repeats=2, elements=2**16, host_ops=20).matmul_flops > 0
+        >>> rates = fs.measure_rates("cpu", size=128, seqs=(128,), repeats=2, elements=2**16, host_ops=20)
+        >>> rates.matmul_flops > 0
         True
     """
     where = torch.device(device)
