@@ -147,10 +147,10 @@ class _CommSeconds:
 
 def _collective_group(plan: Plan, kind: str, axes: tuple[str, ...]) -> str:
     """Which of `collective_counts`' groups a collective of ``kind`` over ``axes`` is in."""
-    tp_axes = set(plan.config.tensor_parallel_axes)
+    tp_axes = set(plan.config.tp.axes if plan.config.tp else ())
     if tp_axes and set(axes) <= tp_axes:
         return "tensor parallel"
-    if axes == (plan.config.context_parallel_axis,):
+    if plan.config.context is not None and axes == (plan.config.context.axis,):
         return "context parallel"
     if kind == "all_to_all":
         return "expert"
@@ -162,7 +162,7 @@ def _collective_group(plan: Plan, kind: str, axes: tuple[str, ...]) -> str:
 def _comm_seconds(
     plan: Plan, plan_cost: Cost, hw: Hardware, recomputed: RecomputedCollectives
 ) -> _CommSeconds:
-    tp_axes = tuple(set(plan.config.tensor_parallel_axes))
+    tp_axes = tuple(set(plan.config.tp.axes if plan.config.tp else ()))
     per_collective: dict[str, float] = {}
     counts = collective_counts(plan, plan_cost.grads_bytes)
     tp_latency = hw.collective_latency if hw.tensor_parallel_latency is None else hw.tensor_parallel_latency
@@ -215,7 +215,7 @@ def _overlapped_exposed(
         exposed["expert all-to-all"] = comm.expert
     if comm.sharded:
         # nothing runs before the first unit (root and largest block) is gathered
-        axes = plan.config.shard_axes
+        axes = plan.config.fsdp.shard_axes if plan.config.fsdp else ()
         n = plan.mesh.axes_size(axes) if axes else 1
         biggest = max((b for u, b in units.items() if u), default=0)
         first = (units.get("", 0) + biggest) * (n - 1) / n / hw.bandwidth(plan.mesh, axes) if n > 1 else 0.0
@@ -237,15 +237,15 @@ def _context_exposed(
     plan: Plan, plan_cost: Cost, hw: Hardware, context: float, compute: float, attention_seconds: float
 ) -> dict[str, float]:
     """What of context parallel's communication (``context`` seconds) compute does not hide."""
-    cp_axis = plan.config.context_parallel_axis
+    cp = plan.config.context
     if not context:
         return {}
-    if cp_axis is not None and plan.config.context_engine == "ring":
+    if cp is not None and cp.engine == "ring":
         # torch's ring hides its collectives under the attention op's own chunks only
         rest = ring_exposed_seconds(
             plan,
             plan_cost.comm_bytes,
-            hw.bandwidth(plan.mesh, (cp_axis,)),
+            hw.bandwidth(plan.mesh, (cp.axis,)),
             attention_seconds,
             hw.collective_latency,
         )

@@ -63,7 +63,7 @@ def repeated_layers(model: nn.Module, plan: Any, state: Mapping[str, torch.Tenso
             yield owner, path.removeprefix(owner)
 
     styles_under: dict[str, list[tuple[str, str]]] = {}
-    for styled, style, _ in config.tp_styles:
+    for styled, style, _ in config.tp.styles if config.tp else ():
         for owner, relative in owners(styled):
             styles_under.setdefault(owner, []).append((relative, style))
     checkpointed_under: dict[str, list[str]] = {}
@@ -150,9 +150,10 @@ def reached(plan: Any, left_out: tuple[str, ...]) -> Any:
     def runs(path: str) -> bool:
         return path not in skipped and not path.startswith(prefixes)
 
+    tp = plan.config.tp
     config = dataclasses.replace(
         plan.config,
-        tp_styles=tuple(entry for entry in plan.config.tp_styles if runs(entry[0])),
+        tp=tp and dataclasses.replace(tp, styles=tuple(entry for entry in tp.styles if runs(entry[0]))),
         checkpointed=tuple(path for path in plan.config.checkpointed if runs(path)),
     )
     return dataclasses.replace(plan, config=config)
