@@ -157,7 +157,7 @@ def _model_parallel(plan: fs.Plan) -> Any:
     # data-parallel major; the plan must have that shape and FSDP2 over the first axis
     config, mesh = plan.config, plan.mesh
     axes = mesh.axis_names
-    tp_axes = config.tp.axes if config.tp else ()
+    tp_axes = config.tensor_parallel_axes
     shaped = (
         len(axes) == 2
         and config.fsdp is not None

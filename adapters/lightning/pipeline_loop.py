@@ -59,7 +59,7 @@ class _RunsSchedules:
         # under torch's loss_parallel(): either way fs.forward_backward runs the step
         if self._plan is not None:
             config = self._plan.config
-            return config.context is not None or (config.tp is not None and config.tp.loss_parallel)
+            return config.context is not None or config.loss_parallel
         if self._policy is None:
             return False
         return self._policy.context_parallel is not None or any(

@@ -58,7 +58,7 @@ def expert_layers(plan: Plan) -> list[tuple[str, int, int]]:
         []
     """
     config = plan.config
-    paths = (config.experts.modules if config.experts else ()) + config.tensor_parallel_experts
+    paths = config.expert_modules + config.tensor_parallel_experts
     layers = []
     for path in dict.fromkeys(paths):
         gate_up = plan.tensors[plan.canonical(_first_weight(plan, path))]
@@ -125,8 +125,8 @@ def expert_comm(
             "token visits (its config's experts.top_k is 0): make the plan with fs.shard(model, ...) from "
             "the model itself, whose config names num_experts_per_tok"
         )
-    dispatched = set(config.experts.modules if config.experts else ())
-    tp_axes = config.tp.axes if config.tp else ()
+    dispatched = set(config.expert_modules)
+    tp_axes = config.tensor_parallel_axes
     tp = config.tp_size(plan.mesh)
     for path, experts, hidden in layers:
         gate_up = plan.sharding(plan.canonical(_first_weight(plan, path)))

@@ -61,9 +61,7 @@ def _flat_parts(assembly: Assembly) -> StepParts:
         "buffers": plan_cost.buffers_bytes,
         "gathered": gathered_in_flight(plan, units),
         "activations": int(trace.activation_bytes),
-        "loss_workspace": loss_workspace(
-            trace.output_bytes, trace.output_numel, bool(plan.config.tp and plan.config.tp.loss_parallel)
-        ),
+        "loss_workspace": loss_workspace(trace.output_bytes, trace.output_numel, plan.config.loss_parallel),
     }
     memory = with_ring_workspace(memory, plan, tokens)  # under cp, what torch's ring adds
     # a checkpointed block's recompute, held through its backward, after the loss's

@@ -122,7 +122,7 @@ def _signature(plan: Plan) -> tuple[Any, ...]:
     return (
         tuple((id(plan.tensors[path]), id(spec)) for path, spec in plan.params.items()),
         tuple((id(plan.tensors[path]), id(spec)) for path, spec in plan.buffers.items()),
-        tuple((style, kind) for _, style, kind in (plan.config.tp.styles if plan.config.tp else ())),
+        tuple((style, kind) for _, style, kind in plan.config.tp_styles),
         len(plan.config.fsdp.units) if plan.config.fsdp else 0,
         len(plan.config.checkpointed),
     )
@@ -392,7 +392,7 @@ def _rank_memories(
     """Per pp coordinate, its peak by part (`Estimate.memory`), and when in the step it falls."""
     plan, trace = assembly.plan, assembly.trace
     m, last = layout.microbatches, layout.stages - 1
-    loss = pipeline_loss_workspace(trace.output_numel, bool(plan.config.tp and plan.config.tp.loss_parallel))
+    loss = pipeline_loss_workspace(trace.output_numel, plan.config.loss_parallel)
     held = held_peak_parts(
         layout.schedule,
         layout.pp,

@@ -139,8 +139,8 @@ class Kernels:
         """
         return dataclasses.replace(
             self,
-            async_tp=self.async_tp and _sequence_parallel(plan),
-            float8_all_gather=self.float8_all_gather and bool(_shard_axes(plan)),
+            async_tp=self.async_tp and plan.config.sequence_parallel,
+            float8_all_gather=self.float8_all_gather and bool(plan.config.shard_axes),
         )
 
 
@@ -152,12 +152,12 @@ def check_kernels(kernels: Kernels, plan: Plan, hw: Hardware, dtype: str) -> Non
             Float8 all-gathers without FSDP, or async TP without sequence parallel.
     """
     check_kernel_hardware(kernels, hw, dtype)
-    if kernels.float8_all_gather and not _shard_axes(plan):
+    if kernels.float8_all_gather and not plan.config.shard_axes:
         raise ShardingError(
             "estimate(kernels=...float8_all_gather=True): the plan gathers no parameters; it needs "
             "FSDP (fs.fsdp, fs.hsdp or fs.zero(3))"
         )
-    if kernels.async_tp and not _sequence_parallel(plan):
+    if kernels.async_tp and not plan.config.sequence_parallel:
         raise ShardingError(
             "estimate(kernels=...async_tp=True): async tensor parallel overlaps sequence parallel's "
             "all-gathers and reduce-scatters; the plan has none: use fs.tp(..., sequence_parallel=True)"
@@ -259,7 +259,7 @@ def float8_weights(model: Any, plan: Plan) -> tuple[str, ...]:
     vocab = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
     if head is None and linears and linears[-1][1].out_features in vocab:
         head = linears[-1][1]
-    experts = plan.config.experts.modules if plan.config.experts else ()
+    experts = plan.config.expert_modules
     return tuple(
         f"{path}.weight"
         for path, module in linears
@@ -354,7 +354,7 @@ def cost_with_float8_gathers(plan_cost: Cost, plan: Plan, saved: Mapping[str, in
         >>> before.comm_bytes["all_gather"]["dp"] - after.comm_bytes["all_gather"]["dp"]  # 2 x 1000 x 1/2
         1000.0
     """
-    axes = _shard_axes(plan)
+    axes = plan.config.shard_axes
     if not saved or not axes:
         return plan_cost
     n = plan.mesh.axes_size(axes)
@@ -456,11 +456,3 @@ def saved_by_stage(
     redone = trace.recompute_flops - trace.attention_recompute_flops
     share = min(1.0, redone / forward) if forward else 0.0
     return float8_saved(linears, tokens, share, hw, stages)
-
-
-def _shard_axes(plan: Plan) -> tuple[str, ...]:
-    return plan.config.fsdp.shard_axes if plan.config.fsdp else ()
-
-
-def _sequence_parallel(plan: Plan) -> bool:
-    return plan.config.tp is not None and plan.config.tp.sequence_parallel

@@ -183,7 +183,7 @@ def collective_counts(plan: Plan, grads_bytes: int) -> dict[str, int]:
         counts["context parallel"] = per_layer * len(key_value_features(plan)) + 1
     # an expert-parallel experts module: counts, dispatch and combine forward, the last two
     # again backward (and its forward three again where checkpointing recomputes it)
-    for path in config.experts.modules if config.experts else ():
+    for path in config.expert_modules:
         counts["expert"] += 5 + 3 * within(path, config.checkpointed)
     if fsdp is not None and fsdp.shard_axes:
         units = _units(plan)

@@ -147,7 +147,7 @@ class _CommSeconds:
 
 def _collective_group(plan: Plan, kind: str, axes: tuple[str, ...]) -> str:
     """Which of `collective_counts`' groups a collective of ``kind`` over ``axes`` is in."""
-    tp_axes = set(plan.config.tp.axes if plan.config.tp else ())
+    tp_axes = set(plan.config.tensor_parallel_axes)
     if tp_axes and set(axes) <= tp_axes:
         return "tensor parallel"
     if plan.config.context is not None and axes == (plan.config.context.axis,):
@@ -162,7 +162,7 @@ def _collective_group(plan: Plan, kind: str, axes: tuple[str, ...]) -> str:
 def _comm_seconds(
     plan: Plan, plan_cost: Cost, hw: Hardware, recomputed: RecomputedCollectives
 ) -> _CommSeconds:
-    tp_axes = tuple(set(plan.config.tp.axes if plan.config.tp else ()))
+    tp_axes = tuple(set(plan.config.tensor_parallel_axes))
     per_collective: dict[str, float] = {}
     counts = collective_counts(plan, plan_cost.grads_bytes)
     tp_latency = hw.collective_latency if hw.tensor_parallel_latency is None else hw.tensor_parallel_latency
@@ -215,7 +215,7 @@ def _overlapped_exposed(
         exposed["expert all-to-all"] = comm.expert
     if comm.sharded:
         # nothing runs before the first unit (root and largest block) is gathered
-        axes = plan.config.fsdp.shard_axes if plan.config.fsdp else ()
+        axes = plan.config.shard_axes
         n = plan.mesh.axes_size(axes) if axes else 1
         biggest = max((b for u, b in units.items() if u), default=0)
         first = (units.get("", 0) + biggest) * (n - 1) / n / hw.bandwidth(plan.mesh, axes) if n > 1 else 0.0

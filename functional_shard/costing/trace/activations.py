@@ -263,7 +263,7 @@ class _Run:
             if groups and not self.repeats_are_passable:  # a left-out layer's stand-in broke it
                 raise NotPassableError from error
             raise _forward_failed(
-                model, args, kwargs, error, self.plan.config.tp.axes if self.plan.config.tp else ()
+                model, args, kwargs, error, self.plan.config.tensor_parallel_axes
             ) from error
 
 
@@ -414,7 +414,7 @@ def trace_activations(
     cp = config.cp_size(plan.mesh)
     if config.context is not None and cp > 1:
         check_sequence_length(seq, cp, load_balance=config.context.load_balance)
-    if config.tp is not None and config.tp.sequence_parallel:
+    if config.sequence_parallel:
         check_sequence_parallel(modules, plan, seq // cp, tp_size)
 
     # fake CPU tensors: no memory, and torch picks the fused attention kernels it runs for real

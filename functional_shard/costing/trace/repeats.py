@@ -63,7 +63,7 @@ def repeated_layers(model: nn.Module, plan: Any, state: Mapping[str, torch.Tenso
             yield owner, path.removeprefix(owner)
 
     styles_under: dict[str, list[tuple[str, str]]] = {}
-    for styled, style, _ in config.tp.styles if config.tp else ():
+    for styled, style, _ in config.tp_styles:
         for owner, relative in owners(styled):
             styles_under.setdefault(owner, []).append((relative, style))
     checkpointed_under: dict[str, list[str]] = {}

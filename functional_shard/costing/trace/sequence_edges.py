@@ -221,8 +221,8 @@ def check_sequence_parallel(modules: dict[str, nn.Module], plan: Any, seq: int, 
     """
     from functional_shard.core.errors import PlanError, bullets
 
-    styles = plan.config.tp.styles if plan.config.tp else ()
-    axes = ",".join(plan.config.tp.axes if plan.config.tp else ())
+    styles = plan.config.tp_styles
+    axes = ",".join(plan.config.tensor_parallel_axes)
     context = plan.config.context
     cp = plan.config.cp_size(plan.mesh)
     if context is not None and cp > 1:  # speak of the length the caller gave, not of a rank's share of it

@@ -292,6 +292,36 @@ class PlanConfig:
         return self.tp.pieces_of(path) if self.tp is not None else None
 
     @property
+    def shard_axes(self) -> tuple[str, ...]:
+        """The data axes FSDP shards over (none without data parallelism)."""
+        return self.fsdp.shard_axes if self.fsdp is not None else ()
+
+    @property
+    def tensor_parallel_axes(self) -> tuple[str, ...]:
+        """The tensor-parallel axes (none without tensor parallel)."""
+        return self.tp.axes if self.tp is not None else ()
+
+    @property
+    def tp_styles(self) -> tuple[tuple[str, str, str], ...]:
+        """(module path, style, layout) of each styled module (none without tensor parallel)."""
+        return self.tp.styles if self.tp is not None else ()
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether tensor parallel also splits the sequence between its layers."""
+        return self.tp is not None and self.tp.sequence_parallel
+
+    @property
+    def loss_parallel(self) -> bool:
+        """Whether the loss runs on vocabulary-split logits under torch's ``loss_parallel()``."""
+        return self.tp is not None and self.tp.loss_parallel
+
+    @property
+    def expert_modules(self) -> tuple[str, ...]:
+        """Experts modules split over the expert axis (none without expert parallelism)."""
+        return self.experts.modules if self.experts is not None else ()
+
+    @property
     def tensor_parallel_experts(self) -> tuple[str, ...]:
         """Experts modules tensor parallel splits inside (style kind ``experts``), in plan order."""
         return self.tp.experts if self.tp is not None else ()

@@ -299,8 +299,8 @@ class Plan:
         summary = [
             f"Plan on {self.mesh!r}: data parallel {c.data_parallel} over {c.data_axes}; "
             f"tensor parallel over {c.tp.axes if c.tp else ()}"
-            + (" with sequence parallel" if c.tp and c.tp.sequence_parallel else "")
-            + (" and loss parallel" if c.tp and c.tp.loss_parallel else ""),
+            + (" with sequence parallel" if c.sequence_parallel else "")
+            + (" and loss parallel" if c.loss_parallel else ""),
             f"{len(self.params)} parameters, {len(self.buffers)} buffers, "
             f"{len(c.fsdp.units if c.fsdp else ())} FSDP units, "
             f"{len(c.checkpointed)} checkpointed modules; mixed precision: "

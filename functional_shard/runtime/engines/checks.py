@@ -32,7 +32,7 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
     found.extend(_mesh_order_problems(plan))
     found.extend(_config_problems(plan, module))
     modules = dict(module.named_modules())
-    found.extend(_unfed_splits(config.tp.styles if config.tp else (), modules))
+    found.extend(_unfed_splits(config.tp_styles, modules))
     found.extend(expert_problems(plan, modules))
     found.extend(split_problems(plan, module))
     found.extend(_style_problems(plan, modules))
@@ -66,7 +66,7 @@ def _config_problems(plan: Plan, module: nn.Module) -> list[str]:
     config = plan.config
     found: list[str] = []
     kind = config.data_parallel
-    tp_axes = config.tp.axes if config.tp else ()
+    tp_axes = config.tensor_parallel_axes
     if len(tp_axes) > 1:
         found.append(f"tensor parallel over {tp_axes}: apply() runs one tensor-parallel axis")
     if tp_axes and kind in ("ddp", "zero1"):
@@ -130,10 +130,10 @@ def _placement_problems(plan: Plan, modules: dict[str, nn.Module]) -> list[str]:
     """Parameters placed otherwise than torch's styles compute them and FSDP2 stores them."""
     config = plan.config
     found: list[str] = []
-    styled = {path: style for path, style, _ in (config.tp.styles if config.tp else ())}
-    dispatched = config.experts.modules if config.experts else ()
+    styled = {path: style for path, style, _ in config.tp_styles}
+    dispatched = config.expert_modules
     experts = set(config.tensor_parallel_experts) | set(dispatched)
-    shard_axes = config.fsdp.shard_axes if config.fsdp else ()
+    shard_axes = config.shard_axes
     for path, sharding in plan.params.items():
         owner_path = path.rpartition(".")[0]
         owner = modules.get(owner_path)
@@ -203,7 +203,7 @@ def pipeline_problems(plan: Plan) -> list[str]:
 def _mesh_order_problems(plan: Plan) -> list[str]:
     # torch slices a DeviceMesh only in its own order of dims (a KeyError otherwise)
     config, order = plan.config, list(plan.mesh.axis_names)
-    shard_axes = config.fsdp.shard_axes if config.fsdp else ()
+    shard_axes = config.shard_axes
     groups = {"the data-parallel axes": config.data_axes, "the FSDP shard axes": shard_axes}
     return [
         f"{what} {axes} are not in the mesh's order {tuple(order)}: torch's device meshes slice axes "
@@ -299,7 +299,7 @@ def expert_problems(plan: Plan, modules: dict[str, nn.Module]) -> list[str]:
     found: list[str] = []
     tp_experts = list(config.tensor_parallel_experts)
     tp_size = plan.mesh[config.tp.axes[0]] if config.tp and config.tp.axes else 1
-    dispatched = config.experts.modules if config.experts else ()
+    dispatched = config.expert_modules
     for path in dict.fromkeys(tp_experts + list(dispatched)):
         # torchtitan's grouped experts: tensor parallel only (expert parallelism runs HF's layout)
         titan = path in tp_experts and path not in dispatched

@@ -296,7 +296,7 @@ def expert_data_axes(plan: Plan) -> tuple[str, ...]:
     """The data-parallel axes FSDP2 shards the expert tensors over: all but the expert axis."""
     config = plan.config
     expert_axis = config.experts.axis if config.experts else None
-    return tuple(axis for axis in (config.fsdp.shard_axes if config.fsdp else ()) if axis != expert_axis)
+    return tuple(axis for axis in config.shard_axes if axis != expert_axis)
 
 
 def shard_experts(

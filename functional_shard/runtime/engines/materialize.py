@@ -74,9 +74,7 @@ def materialize(
     problems += [
         f"{path}: its experts are split on the meta device (fs.ep or tensor parallel inside them), which "
         "materialize cannot fill; load them with fs.checkpoint.load_hf, or build the model on a real device"
-        for path in dict.fromkeys(
-            (*config.tensor_parallel_experts, *(config.experts.modules if config.experts else ()))
-        )
+        for path in dict.fromkeys((*config.tensor_parallel_experts, *config.expert_modules))
         if any(p.is_meta for p in module.get_submodule(path).parameters(recurse=False))
     ]
     buffers = meta_buffers(module)
