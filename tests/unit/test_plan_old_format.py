@@ -71,3 +71,34 @@ def test_a_plan_file_of_the_flat_config_loads_as_the_plan_built_today(name):
     assert loaded == fresh
     assert fs.Plan.from_json(json.dumps(old)) == fresh
     assert fs.Plan.from_json(loaded.to_json()) == fresh  # and written again, it reads back
+
+
+def test_a_flat_config_field_the_reader_does_not_know_is_refused_by_name():
+    old = json.loads(json.dumps(OLD_PLANS["tp_only"]))
+    old["config"]["pipeline_axes"] = "pp"
+    with pytest.raises(fs.ShardingError, match=r"config\.pipeline_axes: not a field"):
+        fs.Plan.from_json(old)
+
+
+@pytest.mark.parametrize("version", [0, 3, True, "1"])
+def test_only_format_versions_1_and_2_are_read(version):
+    data = json.loads(_plan("tp_only").to_json())
+    assert data["version"] == 2
+    data["version"] = version
+    with pytest.raises(fs.ShardingError, match="format version 1 to 2"):
+        fs.Plan.from_json(data)
+
+
+def test_diff_names_config_changes_by_their_flat_names():
+    model, mesh = llama("tiny"), fs.Mesh(dp=2, tp=2)
+    ddp = fs.shard(model, mesh, fs.replicate())
+    fsdp_tp = fs.shard(model, mesh, fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp"))
+    changed = [change.what for change in ddp.diff(fsdp_tp) if change.path == "<plan>"]
+    assert changed == [
+        "data_parallel",
+        "replicate_axes",
+        "shard_axes",
+        "tensor_parallel_axes",
+        "tp_styles",
+        "units",
+    ]
