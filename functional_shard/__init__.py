@@ -95,6 +95,8 @@ if TYPE_CHECKING:
     from .runtime.measure import kept_activation_bytes as kept_activation_bytes
     from .runtime.measure import resident_bytes as resident_bytes
     from .runtime.measure import saved_tensor_bytes as saved_tensor_bytes
+    from .runtime.measure_rates import MeasuredRates as MeasuredRates
+    from .runtime.measure_rates import measure_rates as measure_rates
     from .runtime.timeouts import CollectiveTimeoutError as CollectiveTimeoutError
     from .runtime.timeouts import init_distributed as init_distributed
     from .runtime.timeouts import watch_collectives as watch_collectives
@@ -145,6 +147,8 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "parse_bytes": ("core.units", "parse_bytes"),
     "Hardware": ("costing.time.hardware", "Hardware"),
     "hardware": ("costing.time.hardware", "hardware"),
+    "MeasuredRates": ("runtime.measure_rates", "MeasuredRates"),
+    "measure_rates": ("runtime.measure_rates", "measure_rates"),
     "Kernels": ("costing.time.kernels", "Kernels"),
     "AutoReport": ("search.report", "AutoReport"),
     "auto": ("search.auto", "auto"),
@@ -253,6 +257,8 @@ __all__ = [
     "estimate",
     "format_bytes",
     "hardware",
+    "measure_rates",
+    "MeasuredRates",
     "parse_bytes",
     "search_plans",
     "local_shape",

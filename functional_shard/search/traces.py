@@ -14,7 +14,13 @@ if TYPE_CHECKING:
 
 __all__ = ["TraceCache", "TraceKey"]
 
-_BACKWARD = ("backward_flops", "backward_weight_flops", "attention_backward_flops")
+_BACKWARD = (
+    "backward_flops",
+    "backward_weight_flops",
+    "attention_backward_flops",
+    "attention_kernel_backward_flops",
+    "memory_bound_backward_bytes",
+)
 _STAGE_BACKWARD = ("stage_backward_flops", "stage_backward_weight_flops")
 
 

@@ -442,6 +442,8 @@ def test_a_forward_only_trace_with_the_plain_backward_is_the_whole_trace(tp, sp,
         "backward_flops": without.backward_flops,
         "backward_weight_flops": without.backward_weight_flops,
         "attention_backward_flops": without.attention_backward_flops,
+        "attention_kernel_backward_flops": without.attention_kernel_backward_flops,
+        "memory_bound_backward_bytes": without.memory_bound_backward_bytes,
     }
     assert dataclasses.replace(forward, **backward) == whole
 

@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING
 
 from functional_shard.core.sequence import causal_imbalance
 from functional_shard.costing.cost.cost_model import cost
+from functional_shard.costing.cost.traffic import gathers_per_step
 from functional_shard.costing.time.context_engines import (
     recompute_beyond,
     ring_merge_seconds,
     with_engine,
     with_ring_workspace,
 )
+from functional_shard.costing.time.kernel_time import fsdp_copy_bytes, optimizer_bytes, work_of
 from functional_shard.costing.time.kernels import (
     Clock,
     cost_with_float8_gathers,
@@ -82,6 +84,11 @@ def _flat_parts(assembly: Assembly) -> StepParts:
         saved=saved_by_stage(
             trace, assembly.float8_linears, tokens // plan.config.cp_size(plan.mesh), assembly.hardware
         )[0],
+        work=work_of(
+            trace,
+            fsdp_bytes=fsdp_copy_bytes(plan, units, {u: gathers_per_step(plan, (u,)) for u in units}),
+            step_bytes=optimizer_bytes(plan_cost.params_bytes, assembly.optimizer),
+        ),
     )
 
 
@@ -128,6 +135,7 @@ def assemble(assembly: Assembly) -> Estimate:
         clock=clock,
         saved=parts.saved,
         ring_merges=ring_merge_seconds(parts.plan, parts.attention_flops, assembly.seq, hw, clock.speedup),
+        work=parts.work,
     )
     found = Estimate(
         rank=parts.rank,
@@ -148,6 +156,7 @@ def assemble(assembly: Assembly) -> Estimate:
         pipeline=parts.pipeline,
         peak_at=parts.peak_at,
         kernels=assembly.kernels,
+        compute_parts=timed.compute_parts,
     )
     # under cp: the engine counted
     return with_engine(found, plan)

@@ -76,6 +76,9 @@ class Estimate:
     """When in the step the peak falls."""
     kernels: Kernels = field(default_factory=Kernels)
     """The kernels counted beyond eager bf16 (``estimate(kernels=...)``)."""
+    compute_parts: Mapping[str, float] = field(default_factory=dict)
+    """``compute_seconds`` by kind of kernel (matmul, attention, memory-bound) where the
+    hardware has `KernelRates`; empty where all flops run at one rate."""
 
     @property
     def activation_bytes(self) -> int:
@@ -124,12 +127,33 @@ class Estimate:
                 f"context parallel {self.context_parallel}: attention by "
                 f"{ENGINE_LABELS.get(self.context_engine, self.context_engine)}"
             )
-        lines.append(
-            f"step {duration(self.step_seconds)}: compute {duration(self.compute_seconds)} "
-            f"({self.flops / 1e12:.3f} TFLOP at {hw.achievable_flops(self.dtype) / 1e12:.1f} TFLOP/s"
-            + (f"; with {', '.join(self.kernels.names)}" if self.kernels.names else "")
-            + ")"
-        )
+        if self.compute_parts:
+            rates = hw.kernel_rates
+            rate_of = (
+                {
+                    "matmul": f"{rates.matmul / 1e12:.0f} TFLOP/s",
+                    "attention": f"{rates.attention / 1e12:.0f} TFLOP/s",
+                    "memory-bound": f"{rates.bandwidth / 1e12:.2f} TB/s",
+                }
+                if rates
+                else {}
+            )
+            lines.append(
+                f"step {duration(self.step_seconds)}: compute {duration(self.compute_seconds)} by kernel kind"
+                + (f" (with {', '.join(self.kernels.names)})" if self.kernels.names else "")
+                + f"; MFU {self.mfu:.1%} ({self.model_flops / 1e12:.3f} model TFLOP)"
+            )
+            lines += [
+                f"  {kind:<15} {duration(s)} at {rate_of.get(kind, '')}"
+                for kind, s in self.compute_parts.items()
+            ]
+        else:
+            lines.append(
+                f"step {duration(self.step_seconds)}: compute {duration(self.compute_seconds)} "
+                f"({self.flops / 1e12:.3f} TFLOP at {hw.achievable_flops(self.dtype) / 1e12:.1f} TFLOP/s"
+                + (f"; with {', '.join(self.kernels.names)}" if self.kernels.names else "")
+                + ")"
+            )
         why_width = max([22, *(len(why) for why in self.exposed_seconds)])
         what_width = max([34, *(len(what) for what in self.comm_seconds)])
         lines += [f"  exposed {why:<{why_width}} {duration(s)}" for why, s in self.exposed_seconds.items()]
@@ -163,6 +187,7 @@ class Estimate:
             "mfu": self.mfu,
             **({"context_engine": self.context_engine} if self.context_engine is not None else {}),
             **({"kernels": dataclasses.asdict(self.kernels)} if self.kernels.names else {}),
+            **({"compute_parts": dict(self.compute_parts)} if self.compute_parts else {}),
             **({"pipeline": self._pipeline_dict()} if self.pipeline is not None else {}),
         }
 

@@ -36,6 +36,8 @@ __all__ = [
     "ATTENTION_FORWARD",
     "attention_backward",
     "attention_forward",
+    "attention_kernel_flops",
+    "causal_fraction",
     "is_attention",
     "op_flops",
 ]
@@ -202,6 +204,57 @@ def is_attention(func: Any) -> bool:
     """
     packet = getattr(func, "_overloadpacket", func)
     return packet in ATTENTION_FORWARD or packet in ATTENTION_BACKWARD
+
+
+def _argument(func: Any, args: Sequence[Any], kwargs: dict[str, Any], name: str) -> Any:
+    """The value of ``func``'s argument ``name`` in this call (its default when left out)."""
+    if name in kwargs:
+        return kwargs[name]
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return None
+    for index, argument in enumerate(schema.arguments):
+        if argument.name == name:
+            return args[index] if index < len(args) else argument.default_value
+    return None
+
+
+def causal_fraction(seq_q: int, seq_k: int) -> float:
+    """The share of a causal score matrix a fused kernel computes: the diagonal and below.
+
+    Examples:
+        >>> causal_fraction(4, 4)
+        0.625
+    """
+    if seq_q != seq_k:  # torch's causal mask is upper-left: query i sees keys up to i
+        seen = sum(min(i + 1, seq_k) for i in range(min(seq_q, seq_k))) + max(0, seq_q - seq_k) * seq_k
+        return seen / (seq_q * seq_k)
+    return (seq_q + 1) / (2 * seq_q)
+
+
+def attention_kernel_flops(func: Any, args: Sequence[Any], kwargs: dict[str, Any], model_flops: int) -> float:
+    """The flops an attention kernel runs, from its model flops (`op_flops`).
+
+    A fused kernel with a causal mask and no other mask skips the blocks above the diagonal
+    (`causal_fraction`); its backward recomputes the scores, a fifth product beside the four
+    the model-flops convention counts (2.5 times the forward, not 2). Eager and math-path
+    attention are matmuls, counted as such.
+
+    Examples:
+        >>> q = torch.zeros(1, 2, 8, 4)
+        >>> sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        >>> attention_kernel_flops(sdpa, (q, q, q), {"is_causal": True}, 1000)
+        562.5
+    """
+    packet = getattr(func, "_overloadpacket", func)
+    backward = packet in ATTENTION_BACKWARD
+    flops = model_flops * (1.25 if backward else 1.0)
+    query = next((a for a in args[1 if backward else 0 :] if isinstance(a, torch.Tensor)), None)
+    key = next((a for a in args[2 if backward else 1 :] if isinstance(a, torch.Tensor)), None)
+    causal = _argument(func, args, kwargs, "is_causal") and _argument(func, args, kwargs, "attn_mask") is None
+    if causal and query is not None and key is not None and query.dim() == 4:
+        return flops * causal_fraction(int(query.shape[-2]), int(key.shape[-2]))
+    return flops
 
 
 def op_flops(func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> int:

@@ -22,7 +22,25 @@ from functional_shard.core.errors import ShardingError
 from functional_shard.core.mesh import Mesh
 from functional_shard.core.providers import provider
 
-__all__ = ["PROFILES", "Hardware", "hardware"]
+__all__ = ["PROFILES", "Hardware", "KernelRates", "hardware"]
+
+
+@dataclass(frozen=True)
+class KernelRates:
+    """What one device reaches in each kind of kernel, in bf16 (`functional_shard.costing.time.kernel_time`).
+
+    Examples:
+        >>> fs.hardware("h200").kernel_rates.attention / 1e12
+        437.0
+    """
+
+    matmul: float
+    """FLOP/s of the matmuls of a training step."""
+    attention: float
+    """FLOP/s of fused attention, forward and backward, counted as the kernels run them."""
+    bandwidth: float
+    """Bytes/s memory-bound ops read and write."""
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -89,6 +107,10 @@ class Hardware:
     casts (torchao's ``pct_achievable_mem_bw``)."""
     intra_node_axes: frozenset[str] | None = None
     """Mesh axes inside a node; ``None``: the minor axes that fit in ``devices_per_node``."""
+    kernel_rates: KernelRates | None = None
+    """The device's rates by kind of kernel: with them a bf16 step is timed kernel kind by
+    kind (`functional_shard.costing.time.kernel_time`); ``None``: all flops at
+    ``compute_efficiency`` of the peak."""
     source: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Measurement details (the ``"local"`` profile) or notes."""
@@ -252,7 +274,36 @@ PROFILES["h200"] = dataclasses.replace(
     name="h200",
     memory_bytes=141 * _GB,
     memory_bandwidth=4.8e12,
+    # measured: bench/cuda_step_kernels.py on one H200 (torch 2.11, cuDNN 9.19), bench/data/h200/rates.json
+    kernel_rates=KernelRates(
+        matmul=734 * _TFLOPS,
+        attention=437 * _TFLOPS,
+        bandwidth=3.16e12,
+        source="fs.measure_rates on one H200 SXM (bench/data/h200/rates.json)",
+    ),
     source="NVIDIA H200 Tensor Core GPU datasheet (SXM); efficiency as h100 (same compute die)",
+)
+# No H100 or A100 was at hand to measure: their compute-bound rates are the H200's measured
+# fractions of the bf16 peak (0.742 matmul, 0.442 attention) of their own peaks (the H100's
+# die and clocks are the H200's), their bandwidth the H200's measured fraction of its
+# datasheet (0.658) of theirs. Measure them with bench/cuda_step_kernels.py when one is.
+PROFILES["h100"] = dataclasses.replace(
+    PROFILES["h100"],
+    kernel_rates=KernelRates(
+        matmul=734 * _TFLOPS,
+        attention=437 * _TFLOPS,
+        bandwidth=0.658 * 3.35e12,
+        source="the H200's measured rates (same compute die); bandwidth at the H200's measured fraction",
+    ),
+)
+PROFILES["a100"] = dataclasses.replace(
+    PROFILES["a100"],
+    kernel_rates=KernelRates(
+        matmul=0.742 * 312 * _TFLOPS,
+        attention=0.442 * 312 * _TFLOPS,
+        bandwidth=0.658 * 2.039e12,
+        source="the H200's measured fractions of peak and of bandwidth, applied to the A100's datasheet",
+    ),
 )
 
 

@@ -24,6 +24,7 @@ from functional_shard.planning.plan.cost_record import Cost, OptimizerKind
 from functional_shard.planning.tp.rules import sequence_gathers
 
 from .hardware import Hardware
+from .kernel_time import Work
 from .kernels import Kernels
 
 if TYPE_CHECKING:
@@ -104,6 +105,8 @@ class StepParts:
         pipeline: the pipeline's record.
         peak_at: when in the step the peak falls.
         saved: per phase, the seconds Float8 saves in the rank's step (`kernels.float8_saved`).
+        work: what the step asks of each kind of kernel (`kernel_time.Work`); ``None``:
+            timed by flops alone.
     """
 
     plan: Plan
@@ -120,6 +123,7 @@ class StepParts:
     pipeline: PipelineEstimate | None = None
     peak_at: str = "the start of backward"
     saved: Mapping[str, float] = field(default_factory=dict)
+    work: Work | None = None
 
 
 def compute_dtype(plan: Plan) -> str:

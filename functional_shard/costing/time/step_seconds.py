@@ -9,13 +9,14 @@ Pure: the counts it reads come from `step_model`. docs/will-it-fit.md states the
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from functional_shard.planning.plan.cost_record import Cost
 
 from .context_engines import ring_exposed_seconds
 from .hardware import Hardware
+from .kernel_time import Work
 from .kernels import Clock, phase_saved
 from .step_model import RecomputedCollectives, collective_counts, in_share, optimizer_seconds
 
@@ -34,11 +35,14 @@ class StepTime:
         exposed_seconds: what compute does not hide, by reason (communication, the
             optimizer step, host transfers, unbalanced causal attention).
         comm_seconds: each collective's seconds, ``"<kind> over <axes> (<link>)"``.
+        compute_parts: the compute seconds by kind of kernel (`kernel_time.KINDS`) when
+            the hardware has `KernelRates`; empty when all flops run at one rate.
     """
 
     compute_seconds: float
     exposed_seconds: dict[str, float]
     comm_seconds: dict[str, float]
+    compute_parts: dict[str, float] = field(default_factory=dict)
 
 
 def step_time(
@@ -57,6 +61,7 @@ def step_time(
     clock: Clock | None = None,
     saved: Mapping[str, float] | None = None,
     ring_merges: float = 0.0,
+    work: Work | None = None,
 ) -> StepTime:
     """A step's `StepTime`: compute seconds, exposed communication by reason, each collective's seconds.
 
@@ -82,6 +87,8 @@ def step_time(
     faster work other than attention; async TP's forward tensor-parallel collectives hidden
     under the forward's work other than attention), less ``saved``, Float8's seconds by phase.
     ``ring_merges``: the seconds of torch's ring's own passes (`context_engines.ring_merge_seconds`).
+    ``work``: what the step asks of each kind of kernel; on hardware with `KernelRates`
+    and a 16-bit compute dtype, compute is timed kind by kind from it (`kernel_time`).
     """
     clock = clock or Clock(hw.achievable_flops(dtype))
     rate, saved = clock.rate, saved or {}
@@ -93,6 +100,17 @@ def step_time(
         in_share(attention_flops, back, total),  # attention in its share of the work
         phase_saved(saved, "backward", "weight", "recompute"),
     )
+    attention_seconds = attention_flops / rate
+    parts: dict[str, float] = {}
+    rates = hw.kernel_rates
+    if work is not None and rates is not None and dtype in ("bfloat16", "float16"):
+        phases = ("forward", "backward", "recompute")
+        parts = work.seconds(rates, phases, clock.speedup)
+        compute = sum(parts.values()) - phase_saved(saved, *saved)
+        backward = sum(work.seconds(rates, phases[1:], clock.speedup).values()) - phase_saved(
+            saved, "backward", "weight", "recompute"
+        )
+        attention_seconds = parts["attention"]
     comm = _comm_seconds(plan, plan_cost, hw, recomputed or RecomputedCollectives())
     if clock.async_tp and hw.overlap_communication:
         # micro-pipelined in the forward: its collectives (half of them: each forward
@@ -105,7 +123,7 @@ def step_time(
         comm = replace(comm, tensor_parallel=comm.tensor_parallel - hidden)
     exposed: dict[str, float] = {}
     if hw.skips_masked_attention and causal_imbalance > 1 and attention_flops:
-        exposed["unbalanced causal attention"] = attention_flops * (causal_imbalance - 1) / rate
+        exposed["unbalanced causal attention"] = attention_seconds * (causal_imbalance - 1)
     if ring_merges:  # on the stream of the ring's kernels: not hidden, whatever overlaps
         exposed["context parallel ring merges"] = ring_merges
     if not hw.overlap_communication:
@@ -115,8 +133,9 @@ def step_time(
         exposed |= _overlapped_exposed(
             plan, plan_cost, hw, comm, units=units, compute=compute, backward=backward
         )
-        exposed |= _context_exposed(plan, plan_cost, hw, comm.context, compute, attention_flops / rate)
-    return StepTime(compute, _with_step_tail(exposed, plan_cost, hw), comm.per_collective)
+        exposed |= _context_exposed(plan, plan_cost, hw, comm.context, compute, attention_seconds)
+    optimizer = work.memory.get("step", 0.0) / rates.bandwidth if parts and work and rates else None
+    return StepTime(compute, _with_step_tail(exposed, plan_cost, hw, optimizer), comm.per_collective, parts)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,12 +275,17 @@ def _context_exposed(
     return {"context parallel not overlapped": rest} if rest else {}
 
 
-def _with_step_tail(exposed: dict[str, float], plan_cost: Cost, hw: Hardware) -> dict[str, float]:
-    """``exposed`` plus what no plan overlaps: host transfers and the optimizer step."""
+def _with_step_tail(
+    exposed: dict[str, float], plan_cost: Cost, hw: Hardware, optimizer: float | None = None
+) -> dict[str, float]:
+    """``exposed`` plus what no plan overlaps: host transfers and the optimizer step.
+
+    ``optimizer``: the optimizer step's seconds, when counted by its passes (`kernel_time`).
+    """
     if plan_cost.host_bytes:
         # offloaded state crosses the host link twice a step (to the device and back)
         exposed["host transfers"] = 2 * plan_cost.host_bytes / hw.host_bandwidth
-    step = optimizer_seconds(plan_cost, hw)
+    step = optimizer_seconds(plan_cost, hw) if optimizer is None else optimizer
     if step:
         exposed["optimizer step"] = step
     return exposed

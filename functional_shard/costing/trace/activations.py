@@ -195,9 +195,10 @@ class _Run:
             output_counts = (output.untyped_storage().nbytes(), output.numel())
             if backward:
                 flops.backward = True
+                seed = torch.ones_like(output)  # the loss's gradient: the loss's own bytes are counted apart
                 with flops:
                     if output.requires_grad:
-                        torch.autograd.backward(output, torch.ones_like(output))
+                        torch.autograd.backward(output, seed)
         for param in params:
             param.grad = None
         if not backward:
@@ -303,10 +304,13 @@ def _count_recompute_in_forward(flops: Flops, policy: str) -> None:
     if policy == "selective":
         flops.counts["recompute"] = flops.inside["all"] - flops.inside["saved"]
         flops.attention["recompute"] = flops.attention_inside["all"] - flops.attention_inside["saved"]
+        flops.attention_kernel["recompute"] = flops.kernel_inside["all"] - flops.kernel_inside["saved"]
     else:
         flops.counts["recompute"] = flops.rerun
         # (a block's attention runs before the ops that save its output: re-run too)
         flops.attention["recompute"] = flops.attention_inside["all"]
+        flops.attention_kernel["recompute"] = flops.kernel_inside["all"]
+    flops.memory["recompute"] = flops.memory_rerun
 
 
 def _stage_holder(plan: Any, rank: int) -> Any:

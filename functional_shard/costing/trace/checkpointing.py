@@ -55,6 +55,8 @@ class RecomputeCounter(Protocol):
     checkpointed: int  # how deep inside checkpointed forwards the forward is
     inside: dict[str, int]  # forward flops inside them: "all", and "saved" (SAVED_OPS')
     rerun: int  # of those, the flops up to each call's last saved tensor (what recompute runs)
+    memory_inside: int  # bytes memory-bound ops move inside them
+    memory_rerun: int  # of those, the bytes up to each call's last saved tensor
     # per checkpointed call, the storages autograd asked it to save, with their bytes
     packed: list[dict[Any, int]]
 
@@ -119,23 +121,24 @@ def _saves_noted(inner: Any, flops: RecomputeCounter, *args: Any, **kwargs: Any)
     # tensor it packs notes the flops counted so far (an op's flops are counted before
     # autograd saves its tensors), and is packed by checkpoint as before
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    start, start_memory = flops.inside["all"], flops.memory_inside
     if hooks is None:  # not under checkpoint's hooks: count all of it, the most it can re-run
-        start = flops.inside["all"]
         out = inner(*args, **kwargs)
         flops.rerun += flops.inside["all"] - start
+        flops.memory_rerun += flops.memory_inside - start_memory
         return out
     pack, unpack = hooks
-    start = flops.inside["all"]
-    last = [start]
+    last = [start, start_memory]
     packed: dict[Any, int] = {}
     flops.packed.append(packed)
 
     def noted(tensor: torch.Tensor) -> Any:
-        last[0] = flops.inside["all"]
+        last[:] = [flops.inside["all"], flops.memory_inside]
         flops.note_packed(packed, tensor)
         return pack(tensor)
 
     with torch.autograd.graph.saved_tensors_hooks(noted, unpack):
         out = inner(*args, **kwargs)
     flops.rerun += last[0] - start
+    flops.memory_rerun += last[1] - start_memory
     return out

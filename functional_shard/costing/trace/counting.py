@@ -10,21 +10,31 @@ real runs with the same `Births` and sums what they keep with the same `kept_byt
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
-from functional_shard.costing.time.flops import is_attention, op_flops
+from functional_shard.costing.time.flops import attention_kernel_flops, is_attention, op_flops
 
 from .checkpointing import SAVED_OPS
 
-__all__ = ["Births", "Flops", "kept_bytes", "kept_bytes_by_owner", "recomputed_bytes", "storage_key"]
+__all__ = [
+    "Births",
+    "Flops",
+    "fused_kernel",
+    "kept_bytes",
+    "moved_bytes",
+    "kept_bytes_by_owner",
+    "recomputed_bytes",
+    "storage_key",
+]
 
 _aten = torch.ops.aten
 _DEVICE = torch.ops.prim.device.default
@@ -134,6 +144,26 @@ class Flops(TorchDispatchMode):
         self.packed: list[dict[StorageWeakRef, int]] = []
         self.running: list[int] = []
         self.by_stage: dict[int, int] = {}
+        # what the kernels themselves run, by phase: attention's flops as a fused kernel runs
+        # them (`flops.attention_kernel_flops`), and the bytes memory-bound ops read and write
+        self.attention_kernel = {"forward": 0.0, "backward": 0.0, "recompute": 0.0}
+        self.memory = {"forward": 0, "backward": 0, "recompute": 0}
+        self.fused = 0  # inside a fused kernel's ops (`fused_kernel`): its bytes come whole
+        # the same inside checkpointed modules' forwards, for a trace without a backward
+        self.memory_inside = 0
+        self.memory_rerun = 0
+        self.kernel_inside = {"all": 0.0, "saved": 0.0}
+
+    def phase(self) -> str:
+        """The phase an op runs in now: forward, backward, or checkpoint's recompute."""
+        return "forward" if not self.backward else "recompute" if torch.is_grad_enabled() else "backward"
+
+    def add_memory(self, moved: int) -> None:
+        """Count ``moved`` bytes of memory-bound work in the running phase."""
+        if moved:
+            self.memory[self.phase()] += moved
+            if self.checkpointed and not self.backward:
+                self.memory_inside += moved
 
     def note_packed(self, call: dict[StorageWeakRef, int], tensor: torch.Tensor) -> None:
         """Record in ``call`` (one of ``packed``) the storage of ``tensor``, which it saves."""
@@ -155,12 +185,19 @@ class Flops(TorchDispatchMode):
         ):
             self.weights.add(storage_key(out))  # mixed precision's cast of a weight
         count = op_flops(func, args, kwargs, out)
+        if not count and not self.fused:
+            self.add_memory(moved_bytes(func, args, kwargs, out, self.weights))
         if count:
-            phase = "forward" if not self.backward else "recompute" if torch.is_grad_enabled() else "backward"
+            phase = self.phase()
             self.counts[phase] += count
             attention = is_attention(func)
             if attention:
                 self.attention[phase] += count
+                kernel = attention_kernel_flops(func, args, kwargs, count)
+                self.attention_kernel[phase] += kernel
+                if self.checkpointed and not self.backward:
+                    self.kernel_inside["all"] += kernel
+                    self.kernel_inside["saved"] += kernel if func in SAVED_OPS else 0.0
             if (
                 phase == "backward"
                 and func in _WEIGHT_GRAD_OPS
@@ -179,6 +216,75 @@ class Flops(TorchDispatchMode):
                     self.attention_inside["all"] += count
                     self.attention_inside["saved"] += count if func in SAVED_OPS else 0
         return out
+
+
+_FREE = frozenset(
+    op
+    for name in ("detach", "alias", "empty", "empty_like", "empty_strided", "lift_fresh", "set_", "resize_")
+    if (op := getattr(getattr(_aten, name, None), "default", None)) is not None
+)
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    # a broadcast (expanded) tensor is read once: at most its storage
+    size = tensor.numel() * tensor.element_size()
+    try:
+        return min(size, tensor.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return size
+
+
+def moved_bytes(
+    func: Any, args: Any, kwargs: Mapping[str, Any], out: Any, weights: set[StorageWeakRef]
+) -> int:
+    """Bytes a memory-bound op reads and writes: its tensor inputs and its new outputs.
+
+    Views and aliases move nothing; an in-place op writes the tensor it read. Mixed
+    precision's cast of a weight is the engine's (FSDP's copies), counted apart.
+
+    Examples:
+        >>> x, y = torch.ones(4), torch.ones(4)
+        >>> moved_bytes(torch.ops.aten.add.Tensor, (x, y), {}, x + y, set())
+        48
+        >>> moved_bytes(torch.ops.aten.view.default, (x, [2, 2]), {}, x.view(2, 2), set())
+        0
+    """
+    if func in _FREE or getattr(func, "is_view", False):
+        return 0
+    inputs = [t for t in tree_flatten((args, dict(kwargs)))[0] if isinstance(t, torch.Tensor)]
+    if func in _COPIES and any(storage_key(t) in weights for t in inputs):
+        return 0
+    read = {storage_key(t): _tensor_bytes(t) for t in inputs}
+    outputs = [leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
+    if not outputs:
+        return 0  # a query (its device, its size), not a kernel
+    mutates = any(a.alias_info is not None and a.alias_info.is_write for a in _schema_arguments(func))
+    if outputs and not mutates and all(storage_key(t) in read for t in outputs):
+        return 0  # a view by another name (``_unsafe_view``, ``reshape`` of a contiguous tensor)
+    return sum(read.values()) + sum(t.numel() * t.element_size() for t in outputs)
+
+
+def _schema_arguments(func: Any) -> list[Any]:
+    schema = getattr(func, "_schema", None)
+    return list(schema.arguments) if schema is not None else []
+
+
+@contextlib.contextmanager
+def fused_kernel(moved: int) -> Iterator[None]:
+    """Within the block, ops are one fused kernel's: their bytes count as ``moved``, once.
+
+    For ops a CUDA kernel fuses that a trace on the CPU runs one by one
+    (`functional_shard.costing.trace.cuda_kernels`' RMSNorm).
+    """
+    counters = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, Flops)]
+    for counter in counters:
+        counter.fused += 1
+    try:
+        yield
+    finally:
+        for counter in counters:
+            counter.fused -= 1
+            counter.add_memory(moved)
 
 
 def storage_key(tensor: torch.Tensor) -> StorageWeakRef:

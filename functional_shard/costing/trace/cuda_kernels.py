@@ -19,11 +19,14 @@ same on both devices and are not touched.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+
+from .counting import fused_kernel
 
 __all__ = ["cuda_kernels", "fused_rms_norm"]
 
@@ -41,15 +44,20 @@ class _FusedRMSNorm(torch.autograd.Function):
     ) -> torch.Tensor:
         dims = tuple(range(-len(shape), 0))
         floor = torch.finfo(torch.float32).eps if eps is None else eps  # the composite's default
-        inverse_rms = torch.rsqrt(x.float().pow(2).mean(dims, keepdim=True) + floor)
-        ctx.shape, ctx.eps = shape, eps
-        ctx.save_for_backward(x, weight, inverse_rms)
-        return _COMPOSITE(x, list(shape), weight, eps)
+        rows = x.numel() // max(1, math.prod(shape))
+        # the kernel reads its input and weight, writes its output and a float32 inverse RMS a row
+        with fused_kernel(2 * _nbytes(x) + _nbytes(weight) + 4 * rows):
+            inverse_rms = torch.rsqrt(x.float().pow(2).mean(dims, keepdim=True) + floor)
+            ctx.shape, ctx.eps = shape, eps
+            ctx.save_for_backward(x, weight, inverse_rms)
+            return _COMPOSITE(x, list(shape), weight, eps)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight, _ = ctx.saved_tensors
-        with torch.enable_grad():
+        x, weight, inverse_rms = ctx.saved_tensors
+        # reads the gradient, the input, the inverse RMS and the weight, writes both gradients
+        moved = 3 * _nbytes(x) + _nbytes(inverse_rms) + 2 * _nbytes(weight)
+        with fused_kernel(moved), torch.enable_grad():
             leaves = [x.detach().requires_grad_()]
             if weight is not None:
                 leaves.append(weight.detach().requires_grad_())
@@ -59,6 +67,10 @@ class _FusedRMSNorm(torch.autograd.Function):
 
 
 _COMPOSITE = F.rms_norm
+
+
+def _nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
 
 
 def fused_rms_norm(

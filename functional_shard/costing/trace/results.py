@@ -68,6 +68,14 @@ class ActivationTrace:
             start of backward, above what the forward kept, while the first checkpointed
             module backwarded is recomputed; `fs.estimate` adds it to the peak beyond the
             loss's workspace (`context_engines.recompute_beyond`).
+        attention_kernel_flops: attention's forward flops as fused kernels run them (the
+            causal half; `functional_shard.costing.time.flops.attention_kernel_flops`).
+        attention_kernel_backward_flops: the same of the backward (the scores recomputed).
+        attention_kernel_recompute_flops: the same of checkpointing's recompute.
+        memory_bound_bytes: bytes the forward's memory-bound ops read and write (those
+            neither matmuls nor attention: norms, element-wise ops, softmax, casts).
+        memory_bound_backward_bytes: the same of the backward.
+        memory_bound_recompute_bytes: the same of checkpointing's recompute.
     """
 
     rank: int
@@ -93,6 +101,12 @@ class ActivationTrace:
     attention_backward_flops: int = 0
     attention_recompute_flops: int = 0
     recompute_bytes: int = 0
+    attention_kernel_flops: float = 0.0
+    attention_kernel_backward_flops: float = 0.0
+    attention_kernel_recompute_flops: float = 0.0
+    memory_bound_bytes: int = 0
+    memory_bound_backward_bytes: int = 0
+    memory_bound_recompute_bytes: int = 0
 
     @property
     def step_flops(self) -> int:
@@ -184,6 +198,12 @@ def counts_of(
         "attention_backward_flops": flops.attention["backward"],
         "attention_recompute_flops": flops.attention["recompute"],
         "recompute_bytes": recomputed,
+        "attention_kernel_flops": flops.attention_kernel["forward"],
+        "attention_kernel_backward_flops": flops.attention_kernel["backward"],
+        "attention_kernel_recompute_flops": flops.attention_kernel["recompute"],
+        "memory_bound_bytes": flops.memory["forward"],
+        "memory_bound_backward_bytes": flops.memory["backward"],
+        "memory_bound_recompute_bytes": flops.memory["recompute"],
     }
     if stages:
         forward = _per_stage(flops.by_stage, stages)

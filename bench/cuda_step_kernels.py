@@ -1,0 +1,381 @@
+"""What a GPU really does in a training step: rates, step times, peaks and profiled kernels.
+
+Measures on the GPU it runs on, and writes JSON for the CPU tests and docs to hold the
+estimate to (``bench/data/``):
+
+- ``rates.json``: `fs.measure_rates` (matmul rate, fused attention rate, memory bandwidth);
+- ``steps.json``: for each row (the zoo's Llama 3.2 1B at 4k-32k tokens under none,
+  selective and full checkpointing; Hugging Face models of other families at batch > 1),
+  the median step of timed steps after two warm-ups, each phase's time (forward and loss,
+  backward, optimizer), ``max_memory_allocated`` and ``max_memory_reserved`` with the
+  allocator's statistics, and one profiled step: every kernel's device time and count, and
+  every aten op's own device time by input shapes.
+
+Each row trains under a plan on a 1-rank NCCL mesh: FSDP2 with bf16 compute and fp32
+reduction, AdamW. ``--dry`` runs tiny rows on the CPU (gloo) to try the script out.
+
+Run: python bench/cuda_step_kernels.py --out bench/data [--rows NAME ...] [--dry]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import gc
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
+
+import functional_shard as fs
+from functional_shard.zoo import CONFIGS, Block, Llama
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str
+    family: str  # "zoo" or a transformers config class
+    batch: int
+    seq: int
+    checkpointing: str | None
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+QWEN2_1_5B = {
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "rope_theta": 1e6,
+    "max_position_embeddings": 32768,
+}
+GEMMA_2B = {
+    "hidden_size": 2048,
+    "intermediate_size": 16384,
+    "num_hidden_layers": 18,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "vocab_size": 256000,
+    "max_position_embeddings": 8192,
+}
+PHI3_MINI = {
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "vocab_size": 32064,
+    "max_position_embeddings": 4096,
+    "sliding_window": 2047,
+    "pad_token_id": 32000,
+}
+ROWS = [
+    *(
+        Row(f"llama-1b {seq // 1024}k {ckpt or 'none'}", "zoo", 1, seq, ckpt)
+        for seq in (4096, 8192, 16384, 32768)
+        for ckpt in (None, "selective", "full")
+    ),
+    Row("qwen2-1.5b b2 4k none", "Qwen2Config", 2, 4096, None, QWEN2_1_5B),
+    Row("qwen2-1.5b b4 2k selective", "Qwen2Config", 4, 2048, "selective", QWEN2_1_5B),
+    Row("gemma-2b b4 2k selective", "GemmaConfig", 4, 2048, "selective", GEMMA_2B),
+    Row("phi3-mini b4 2k selective", "Phi3Config", 4, 2048, "selective", PHI3_MINI),
+]
+DRY_ROWS = [
+    Row("llama-tiny 128 none", "zoo", 1, 128, None),
+    Row("llama-tiny 128 full", "zoo", 1, 128, "full"),
+    Row(
+        "qwen2-tiny b2 64 selective",
+        "Qwen2Config",
+        2,
+        64,
+        "selective",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 256,
+        },
+    ),
+]
+STATS = (
+    "allocated_bytes.all.peak",
+    "reserved_bytes.all.peak",
+    "reserved_bytes.large_pool.peak",
+    "reserved_bytes.small_pool.peak",
+    "active_bytes.all.peak",
+    "requested_bytes.all.peak",
+    "inactive_split_bytes.all.peak",
+    "segment.all.peak",
+    "num_alloc_retries",
+    "num_device_alloc",
+)
+
+
+def build(row: Row, dry: bool) -> tuple[torch.nn.Module, type[torch.nn.Module]]:
+    """The row's model on the meta device and its repeated block's class."""
+    if row.family == "zoo":
+        config = CONFIGS["tiny" if dry else "llama-1b"]
+        with torch.device("meta"):
+            return Llama(config), Block
+    import transformers
+
+    config = getattr(transformers, row.family)(**row.config)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model, type(model.model.layers[0])
+
+
+def forward(model: torch.nn.Module, tokens: torch.Tensor, family: str) -> torch.Tensor:
+    if family == "zoo":
+        return model(tokens)
+    # no KV cache in training: a cache filled by the forward changes what a recompute sees
+    return model(input_ids=tokens, use_cache=False).logits
+
+
+class Phases:
+    """CUDA events between a step's phases (forward and loss, backward, optimizer)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:], strict=False)]
+        return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
+
+
+def step(
+    model: torch.nn.Module, adamw: torch.optim.Optimizer, tokens: torch.Tensor, family: str
+) -> list[float]:
+    phases = Phases(tokens.device)
+    phases.mark()
+    adamw.zero_grad()
+    logits = forward(model, tokens[:, :-1], family)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+    del logits
+    phases.mark()
+    loss.backward()
+    phases.mark()
+    adamw.step()
+    phases.mark()
+    return phases.seconds()
+
+
+def _device_us(event: Any, total: bool = False) -> float:
+    names = (
+        ("device_time_total", "cuda_time_total")
+        if total
+        else ("self_device_time_total", "self_cuda_time_total")
+    )
+    for name in names:
+        if hasattr(event, name):
+            return float(getattr(event, name))
+    return 0.0
+
+
+def profiled(run: Callable[[], Any], device: torch.device) -> dict[str, Any]:
+    """One profiled run: kernels by name, aten ops' own device time by input shapes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    kernels, ops = [], []
+    for event in prof.key_averages():
+        if str(getattr(event, "device_type", "")).endswith("CUDA"):
+            kernels.append({"name": event.key, "count": event.count, "us": _device_us(event, total=True)})
+    for event in prof.key_averages(group_by_input_shape=True):
+        own = _device_us(event) if device.type == "cuda" else float(event.self_cpu_time_total)
+        if own > 0 and not str(getattr(event, "device_type", "")).endswith("CUDA"):
+            ops.append(
+                {"name": event.key, "shapes": str(event.input_shapes), "count": event.count, "us": own}
+            )
+    kernels.sort(key=lambda k: -k["us"])
+    ops.sort(key=lambda k: -k["us"])
+    return {"kernels": kernels, "ops": ops}
+
+
+def measure(row: Row, steps: int, device: torch.device, dry: bool) -> dict[str, Any]:
+    model, block = build(row, dry)
+    policy = fs.fsdp("dp") + fs.mixed_precision()
+    if row.checkpointing:
+        policy = policy + fs.checkpointing(block, policy=row.checkpointing)
+    plan = fs.shard(model, fs.Mesh(dp=1), policy)
+    fs.apply(plan, model, plan.mesh.device_mesh(device.type))
+    fs.materialize(plan, model, device.type, seed=0)
+    adamw = fs.optimizer(plan, model, torch.optim.AdamW, lr=1e-4)
+    vocab = model.get_output_embeddings().weight.shape[0] if row.family != "zoo" else model.config.vocab_size
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def tokens() -> torch.Tensor:
+        return torch.randint(0, vocab, (row.batch, row.seq + 1), generator=generator, device=device)
+
+    times, phases = [], []
+    stats: dict[str, int] = {}
+    for number in range(steps + 2):  # two warm-ups: lazy optimizer state, cuBLAS and flash autotuning
+        batch = tokens()
+        if number == steps + 1 and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        phase = step(model, adamw, batch, row.family)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - began)
+        phases.append(phase)
+    if device.type == "cuda":
+        every = torch.cuda.memory_stats()
+        stats = {key: every.get(key, 0) for key in STATS}
+    batch = tokens()
+    profile = profiled(functools.partial(step, model, adamw, batch, row.family), device)
+    result = {
+        "row": dataclasses.asdict(row),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "step_seconds": statistics.median(times[2:]),
+        "steps": times,
+        "phase_seconds": [statistics.median(p[i] for p in phases[2:]) for i in range(3)],
+        "allocated_peak": stats.get("allocated_bytes.all.peak", 0),
+        "reserved_peak": stats.get("reserved_bytes.all.peak", 0),
+        "memory_stats": stats,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        **profile,
+    }
+    del model, adamw, batch
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def summary(result: dict[str, Any]) -> str:
+    kinds = {"attention": 0.0, "matmul": 0.0, "other": 0.0}
+    for kernel in result["kernels"]:
+        name = kernel["name"].lower()
+        kind = (
+            "attention"
+            if any(w in name for w in ("flash", "fmha", "attention", "cudnn_sdpa"))
+            else "matmul"
+            if any(w in name for w in ("gemm", "nvjet", "sm90_xmma", "cutlass", "wgmma"))
+            else "other"
+        )
+        kinds[kind] += kernel["us"] / 1e3
+    row = result["row"]
+    return (
+        f"| {row['name']} | {result['step_seconds'] * 1e3:.0f} ms | "
+        f"{' / '.join(f'{p * 1e3:.0f}' for p in result['phase_seconds'])} | "
+        f"{result['allocated_peak'] / GIB:.2f} | {result['reserved_peak'] / GIB:.2f} | "
+        f"{kinds['attention']:.0f} | {kinds['matmul']:.0f} | {kinds['other']:.0f} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench/data"))
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after two warm-ups")
+    parser.add_argument("--rows", nargs="*", help="names of rows to run (a prefix is enough)")
+    parser.add_argument("--no-rates", action="store_true", help="skip fs.measure_rates")
+    parser.add_argument("--tag", default="", help="a suffix for steps.json (steps-TAG.json)")
+    parser.add_argument("--dry", action="store_true", help="tiny rows on the CPU, to try the script out")
+    arguments = parser.parse_args()
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    device = torch.device("cpu" if arguments.dry else "cuda")
+    arguments.out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    environment = {
+        "device": name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
+    }
+    print(environment, flush=True)
+    if not arguments.no_rates:
+        began = time.perf_counter()
+        if arguments.dry:
+            rates = fs.measure_rates("cpu", size=256, seqs=(256,), elements=2**20, repeats=2)
+        else:
+            rates = fs.measure_rates("cuda")
+        data = {"environment": environment, **rates.as_dict()}
+        (arguments.out / "rates.json").write_text(json.dumps(data, indent=1) + "\n")
+        print(
+            f"rates ({time.perf_counter() - began:.0f} s): matmul {rates.matmul_flops / 1e12:.0f} TFLOP/s, "
+            f"attention {rates.attention_flops / 1e12:.0f} TFLOP/s, "
+            f"bandwidth {rates.memory_bandwidth / 1e12:.2f} TB/s",
+            flush=True,
+        )
+        for group in ("matmuls", "attention", "bandwidth"):
+            for case, values in getattr(rates, group).items():
+                print(
+                    f"    {group}: {case}: {values['rate'] / 1e12:.3g} T/s ({values['seconds'] * 1e3:.3f} ms)"
+                )
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    rows = DRY_ROWS if arguments.dry else ROWS
+    if arguments.rows:
+        rows = [r for r in rows if any(r.name.startswith(p) for p in arguments.rows)]
+    results: list[dict[str, Any]] = []
+    target = arguments.out / f"steps{'-' + arguments.tag if arguments.tag else ''}.json"
+    print(
+        "| row | step | fwd / bwd / opt ms | allocated GiB | reserved GiB | attention | matmul | other (ms) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    try:
+        for row in rows:
+            began = time.perf_counter()
+            try:
+                result = measure(row, arguments.steps, device, arguments.dry)
+            except Exception as error:  # a row that fails must not cost the others
+                traceback.print_exc()
+                results.append(
+                    {"row": dataclasses.asdict(row), "error": f"{type(error).__name__}: {error}"[:2000]}
+                )
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
+            results.append(result)
+            print(summary(result), f"({time.perf_counter() - began:.0f} s)", flush=True)
+            target.write_text(json.dumps({"environment": environment, "rows": results}) + "\n")
+    finally:
+        target.write_text(json.dumps({"environment": environment, "rows": results}) + "\n")
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
