@@ -234,9 +234,7 @@ def unit_gathered(
 def _gathered(plan: Plan, census: Census, coords: Mapping[str, int]) -> int:
     per_unit = unit_gathered(plan, census, coords)
     root = per_unit.pop("", 0)
-    fsdp = plan.config.fsdp
-    # ZeRO-2: every unit stays gathered until backward
-    if fsdp is not None and not fsdp.reshard_after_forward:
+    if not plan.config.reshard_after_forward:  # ZeRO-2: every unit stays gathered until backward
         return root + sum(per_unit.values())
     return root + max(per_unit.values(), default=0)
 

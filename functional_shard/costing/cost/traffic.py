@@ -67,8 +67,7 @@ def gathers_per_step(plan: Plan, units: tuple[str, ...]) -> int:
         >>> gathers_per_step(plan, ("layers.0",)), gathers_per_step(plan, ("",))
         (2, 1)
     """
-    fsdp = plan.config.fsdp
-    return 2 if (fsdp is None or fsdp.reshard_after_forward) and units != ("",) else 1
+    return 2 if plan.config.reshard_after_forward and units != ("",) else 1
 
 
 def parameter_comm(plan: Plan, comm: Comm, census: Census, held: Mapping[str, int]) -> None:

@@ -150,7 +150,7 @@ def gathered_in_flight(plan: Plan, units: Mapping[str, int] | None = None) -> in
     """
     units = dict(unit_gathered_bytes(plan) if units is None else units)
     root = units.pop("", 0)
-    if plan.config.fsdp is not None and not plan.config.fsdp.reshard_after_forward:
+    if not plan.config.reshard_after_forward:
         return root + sum(units.values())
     return root + sum(sorted(units.values(), reverse=True)[:2])
 

@@ -292,6 +292,11 @@ class PlanConfig:
         return self.tp.pieces_of(path) if self.tp is not None else None
 
     @property
+    def reshard_after_forward(self) -> bool:
+        """Whether FSDP frees each unit's gathered parameters after forward (ZeRO-2 and pipelines: no)."""
+        return self.fsdp is None or self.fsdp.reshard_after_forward
+
+    @property
     def shard_axes(self) -> tuple[str, ...]:
         """The data axes FSDP shards over (none without data parallelism)."""
         return self.fsdp.shard_axes if self.fsdp is not None else ()

@@ -316,11 +316,10 @@ def shard_experts(
     data_size = plan.mesh.axes_size(config.data_axes)
     axes = expert_data_axes(plan)
     experts = [module.get_submodule(path) for path in config.experts.modules]
-    reshard = config.fsdp is None or config.fsdp.reshard_after_forward
     if axes:
         mesh = axes_mesh(device_mesh, axes)
         for unit in experts:
-            fully_shard(unit, **{**options, "mesh": mesh}, reshard_after_forward=reshard)
+            fully_shard(unit, **{**options, "mesh": mesh}, reshard_after_forward=config.reshard_after_forward)
             unit.set_gradient_divide_factor(float(data_size))  # type: ignore[operator]
             # gloo has no pre-multiplied sum (NCCL's PreMulSum): sum, then scale
             unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
