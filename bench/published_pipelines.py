@@ -119,9 +119,9 @@ def main() -> None:
     print(f"| schedule | pp rank | peak | gathered | accumulated grads | activations | {PARTS}")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for schedule, plan in plans.items():
-        config = plan.config
-        layers = [sum(name.startswith("layers.") for name in stage) for stage in config.pipeline_stages]
-        held = held_peak(schedule, 8, 8, config.stages_per_rank, layers)
+        pipeline = plan.config.pipeline
+        layers = [sum(name.startswith("layers.") for name in stage) for stage in pipeline.stages]
+        held = held_peak(schedule, 8, 8, pipeline.stages_per_rank, layers)
         for coordinate in range(8):
             est = fs.estimate(
                 model, plan, batch=32, seq=8192, hardware="h100", rank=coordinate * 64, keep_outputs=True

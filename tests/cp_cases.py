@@ -267,7 +267,7 @@ def kept_bytes(kind: str, mesh: dict[str, int], policy: str, seq: int) -> dict[s
     trace = fs.trace_activations(model, plan, batch=BATCH, seq=seq, rank=dist.get_rank())
     fs.apply(plan, model)
     tokens = torch.randint(0, 128, (BATCH, seq))
-    cut = plan.config.context_parallel_axis is not None
+    cut = plan.config.context is not None
     with fs.sequence_context(plan, model, seq) if cut else contextlib.nullcontext():
         mine = fs.context_chunks(plan, tokens)[0] if cut else tokens
         kept, output = fs.kept_activation_bytes(model, mine)

@@ -23,7 +23,7 @@ def measure_steps(plan, config, micro_batch, seq, steps, seed=0):
     from functional_shard.zoo import Llama
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    meta = plan.config.data_parallel not in ("ddp", "zero1") and plan.config.pipeline_axis is None
+    meta = plan.config.data_parallel not in ("ddp", "zero1") and plan.config.pipeline is None
     torch.manual_seed(seed)
     with torch.device("meta") if meta else nullcontext():
         model = Llama(config)

@@ -264,8 +264,8 @@ def accumulated_grad_bytes(spec: dict[str, Any], mixed: bool) -> dict[str, Any]:
     plan = fs.shard(model, mesh, policy)
     estimate = fs.estimate(model, plan, batch=spec["rows"], seq=pc.SEQ, rank=dist.get_rank())
     assert estimate.pipeline is not None
-    assert plan.config.pipeline_axis is not None
-    coordinate = mesh.coords(dist.get_rank())[plan.config.pipeline_axis]
+    assert plan.config.pipeline is not None
+    coordinate = mesh.coords(dist.get_rank())[plan.config.pipeline.axis]
     expected = {s.stage: s.whole_grad_bytes for s in estimate.pipeline.stages if s.rank == coordinate}
     fs.apply(plan, model)
     seen: list[int] = []

@@ -80,7 +80,7 @@ def train(changes: dict[str, Any], strategy_name: str, meta: bool = False) -> di
     params = {k: full(v) for k, v in model.state_dict().items()}
     if dist.get_rank() != 0:
         return None
-    styles = {path: style for path, style, _ in plan.config.tp_styles}
+    styles = {path: style for path, style, _ in plan.config.tp.styles}
     return {
         "losses": losses,
         "params": params,

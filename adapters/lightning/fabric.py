@@ -105,9 +105,9 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
         self, tensor: torch.Tensor, module: torch.nn.Module | None, *args: Any, **kwargs: Any
     ) -> None:
         """``fabric.backward``; refused under a pipeline plan, whose schedule runs the backward."""
-        if self._plan is not None and self._plan.config.pipeline_axis is not None:
+        if self._plan is not None and self._plan.config.pipeline is not None:
             raise fs.ShardingError(
-                f"fabric.backward under a pipeline plan (axis {self._plan.config.pipeline_axis!r}): the "
+                f"fabric.backward under a pipeline plan (axis {self._plan.config.pipeline.axis!r}): the "
                 "schedule runs every micro-batch's forward and backward, and a stage's output is not the "
                 "model's. Use step = fabric.strategy.forward_backward(model, loss_fn); loss = step(x, y)"
             )

@@ -29,14 +29,11 @@ def deepspeed_config(plan: fs.Plan) -> dict[str, Any]:
     """
     config = plan.config
     stages = {"zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
-    if config.tensor_parallel_axes or config.data_parallel not in stages or config.replicate_axes:
+    replicated = config.fsdp is not None and config.fsdp.replicate_axes
+    if config.tp is not None or config.data_parallel not in stages or replicated:
         raise fs.ShardingError(
             f"DeepSpeed runs ZeRO over one data-parallel axis; this plan is {config.data_parallel!r}"
-            + (
-                f" with tensor parallel over {config.tensor_parallel_axes}"
-                if config.tensor_parallel_axes
-                else ""
-            )
+            + (f" with tensor parallel over {config.tp.axes}" if config.tp is not None else "")
             + ". Use ShardStrategy(plan), or to_lightning(plan, target='model_parallel')"
         )
     stage = stages[config.data_parallel]
@@ -97,13 +94,13 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
 
     config = plan.config
     kind = config.data_parallel
-    default = "model_parallel" if config.tensor_parallel_axes else "fsdp"
+    default = "model_parallel" if config.tp is not None else "fsdp"
     target = target or {"ddp": "ddp", "zero1": "deepspeed"}.get(kind, default)
     if target == "model_parallel":
         return _model_parallel(plan)
-    if config.tensor_parallel_axes:
+    if config.tp is not None:
         raise fs.ShardingError(
-            f"tensor parallel over {config.tensor_parallel_axes}: Lightning's {target} strategy "
+            f"tensor parallel over {config.tp.axes}: Lightning's {target} strategy "
             "cannot run it; use ShardStrategy(plan), or to_lightning(plan, target='model_parallel')"
         )
     if target == "deepspeed":
@@ -146,7 +143,9 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
         )
     return FSDPStrategy(
         sharding_strategy=strategy,
-        auto_wrap_policy=by_path(tuple(u for u in config.units if u), "FSDP units"),
+        auto_wrap_policy=by_path(
+            tuple(u for u in (config.fsdp.units if config.fsdp else ()) if u), "FSDP units"
+        ),
         activation_checkpointing_policy=by_path(config.checkpointed, "checkpointed modules"),
         cpu_offload=config.offload_params,
         mixed_precision=precision,
@@ -158,18 +157,20 @@ def _model_parallel(plan: fs.Plan) -> Any:
     # data-parallel major; the plan must have that shape and FSDP2 over the first axis
     config, mesh = plan.config, plan.mesh
     axes = mesh.axis_names
+    tp_axes = config.tensor_parallel_axes
     shaped = (
         len(axes) == 2
-        and config.shard_axes == axes[:1]
-        and config.tensor_parallel_axes == axes[1:]
-        and not config.replicate_axes
+        and config.fsdp is not None
+        and config.fsdp.shard_axes == axes[:1]
+        and tp_axes == axes[1:]
+        and not config.fsdp.replicate_axes
         and config.data_parallel in ("fsdp", "zero3", "zero2")
     )
     if not shaped:
         raise fs.ShardingError(
             f"Lightning's ModelParallelStrategy runs FSDP over one axis and tensor parallel over the "
             f"next (Mesh(dp=..., tp=...)); this plan is {config.data_parallel!r} over "
-            f"{config.data_axes} and tensor parallel over {config.tensor_parallel_axes} on {mesh!r}. "
+            f"{config.data_axes} and tensor parallel over {tp_axes} on {mesh!r}. "
             "Use ShardStrategy(plan)"
         )
     return ModelParallelStrategy(data_parallel_size=mesh.sizes[0], tensor_parallel_size=mesh.sizes[1])

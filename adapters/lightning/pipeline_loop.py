@@ -46,7 +46,8 @@ class _RunsSchedules:
 
     def _pipeline_axis(self) -> str | None:
         if self._plan is not None:
-            return self._plan.config.pipeline_axis
+            pipeline = self._plan.config.pipeline
+            return pipeline.axis if pipeline is not None else None
         layer = self._policy.pipeline if self._policy is not None else None
         return layer.axis if layer is not None else None
 
@@ -58,7 +59,7 @@ class _RunsSchedules:
         # under torch's loss_parallel(): either way fs.forward_backward runs the step
         if self._plan is not None:
             config = self._plan.config
-            return config.context_parallel_axis is not None or config.loss_parallel
+            return config.context is not None or config.loss_parallel
         if self._policy is None:
             return False
         return self._policy.context_parallel is not None or any(
@@ -250,7 +251,7 @@ def model_outputs(module: pl.LightningModule, inputs: torch.Tensor) -> torch.Ten
 
 def _context_parallel(strategy: _RunsSchedules) -> bool:
     # cp's evaluation is not built (fs.forward_loss refuses it): its ranks run the plain forward
-    return strategy._plan is not None and strategy._plan.config.context_parallel_axis is not None
+    return strategy._plan is not None and strategy._plan.config.context is not None
 
 
 def refuse_under_pipeline(trainer: pl.Trainer, module: torch.nn.Module, axis: str | None) -> None:

@@ -7,7 +7,7 @@ from functional_shard.core.mesh import Mesh
 from functional_shard.core.spec import ParamSharding
 from functional_shard.core.tree import ModelTree
 
-from .pipeline.stages import stage_finder, stage_rank
+from .pipeline.stages import stage_finder
 from .plan.config import PlanConfig
 from .plan.plan import Plan
 
@@ -25,11 +25,10 @@ def _staged(
     Raises:
         PolicyError: a tied parameter whose names fall in different stages.
     """
-    axis = config.pipeline_axis
-    if axis is None:
+    pipeline = config.pipeline
+    if pipeline is None:
         return
-    stage_of = stage_finder(config.pipeline_stages)
-    pp, per_rank, schedule = mesh[axis], config.stages_per_rank, config.pipeline_schedule
+    stage_of = stage_finder(pipeline.stages)
     copies: dict[tuple[int, int], ParamSharding] = {}
     problems = []
     for placed in groups:
@@ -47,10 +46,10 @@ def _staged(
             stage = stages[path]
             if stage is None:
                 continue
-            rank = stage_rank(stage, pp, per_rank, schedule)
+            rank = pipeline.coordinate_of(stage, mesh)
             copy = copies.get((id(sharding), rank))
             if copy is None:
-                copy = copies[id(sharding), rank] = sharding.staged((axis, rank))
+                copy = copies[id(sharding), rank] = sharding.staged((pipeline.axis, rank))
             placed[path] = copy
     if problems:
         raise PolicyError("pipeline():\n" + "\n".join(f"* {p}" for p in problems))

@@ -12,14 +12,14 @@ from functional_shard.core.tree import ModelTree
 
 from .fsdp.unit_finder import chosen_units, select_modules
 from .pipeline.stages import boundary_features, split_stages
-from .plan.config import PlanConfig
-from .policy.types import Policy
+from .plan.config import ContextConfig, ExpertConfig, FsdpConfig, PipelineConfig, PlanConfig, TpConfig
+from .policy.types import ExpertParallel, Policy
 from .tp.styles import Packed, layout_of
 
 __all__ = ["SharedStyles", "plan_config", "styles_of", "tp_pieces", "tp_styles"]
 
 StyleEntry = tuple[str, str, str]
-"""(module path, style, layout), as `PlanConfig.tp_styles` holds them."""
+"""(module path, style, layout), as `TpConfig.styles` holds them."""
 
 
 def styles_of(policy: Policy, tree: ModelTree, paths: Iterable[str], styles: dict[str, StyleEntry]) -> None:
@@ -151,7 +151,7 @@ def plan_config(
         >>> from functional_shard.core.tree import read_model
         >>> config = plan_config(fs.fsdp("dp"), fs.Mesh(dp=2), read_model(nn.Linear(2, 2)),
         ...     compute_axes=set(), tp_styles=())
-        >>> config.data_parallel, config.shard_axes, config.units
+        >>> config.data_parallel, config.fsdp.shard_axes, config.fsdp.units
         ('fsdp', ('dp',), ('',))
     """
     data = policy.data_parallel
@@ -170,55 +170,48 @@ def plan_config(
     kind = "hsdp" if kinds[0] == "fsdp" and replicate else kinds[0]
     options = policy.options
     pipe = policy.pipeline
-    pipe_config: dict[str, Any] = {}
+    pipeline = None
     if pipe is not None and pipe.axis in mesh:  # a missing axis is reported with the others
         from .pipeline.schedules import check_pipeline  # torch's schedule refuses counts it cannot run
 
         stages = split_stages(tree, mesh[pipe.axis] * pipe.stages_per_rank, pipe.split, pipe.pieces)
         check_pipeline(pipe.schedule, mesh[pipe.axis], pipe.stages_per_rank, pipe.microbatches)
-        pipe_config = {
-            "pipeline_axis": pipe.axis,
-            "pipeline_stages": stages,
-            "pipeline_schedule": pipe.schedule,
-            "microbatches": pipe.microbatches,
-            "stages_per_rank": pipe.stages_per_rank,
-            "boundary_features": boundary_features(tree, stages, pipe.hidden_size),
-        }
-    experts = policy.expert_parallel
-    if experts is not None:
-        owners = {path.rpartition(".")[0] for path in tree.params if experts.selects(path)}
-        pipe_config["expert_axis"] = experts.axis
-        pipe_config["expert_modules"] = tuple(path for path in tree.modules if path in owners)
-    units = chosen_units(tree, sharding_layer)
-    _refuse_groups_across_stages(units.groups, pipe_config.get("pipeline_stages", ()))
-    parallel_loss = [layer for layer in policy.tensor_parallel if layer.loss_parallel]
-    if parallel_loss and not any(style == "colwise_gather" for _, style, _ in tp_styles):
-        raise PolicyError(
-            f"{parallel_loss[0].name} with loss_parallel=True: no module is a tensor-parallel head (the "
-            "style 'colwise_gather', which lm_head gets from the llama, gpt2 and Hugging Face rules), so "
-            "no vocabulary-split logits exist for the loss; give the head that style, or drop loss_parallel"
+        pipeline = PipelineConfig(
+            axis=pipe.axis,
+            stages=stages,
+            schedule=pipe.schedule,
+            microbatches=pipe.microbatches,
+            stages_per_rank=pipe.stages_per_rank,
+            boundary_features=boundary_features(tree, stages, pipe.hidden_size),
         )
-    context = policy.context_parallel
-    if context is not None:
-        pipe_config["context_parallel_axis"] = context.axis
-        pipe_config["context_load_balance"] = context.load_balance
-        pipe_config["context_engine"] = context.engine
+    units = chosen_units(tree, sharding_layer)
+    _refuse_groups_across_stages(units.groups, pipeline.stages if pipeline is not None else ())
+    tp = _tp_config(policy, mesh, tp_styles)
+    fsdp = None
+    if kind != "none":
+        fsdp = FsdpConfig(
+            kind=kind,
+            replicate_axes=tuple(replicate),
+            shard_axes=sharding_layer.shard_axes if sharding_layer else (),
+            # under a pipeline FSDP keeps each stage gathered across its micro-batches, as
+            # torchtitan runs it (reshard_after_forward = not pp_enabled): one all-gather a step
+            reshard_after_forward=(sharding_layer.reshard_after_forward if sharding_layer else True)
+            and pipeline is None,
+            units=units.units,
+            unit_groups=units.groups,
+            unit_reasons=units.reasons,
+        )
+    experts, context = policy.expert_parallel, policy.context_parallel
     return PlanConfig(
-        data_parallel=kind,
-        replicate_axes=tuple(replicate),
-        shard_axes=sharding_layer.shard_axes if sharding_layer else (),
-        tensor_parallel_axes=tuple(layer.axis for layer in policy.tensor_parallel),
-        tp_styles=tp_styles,
-        tp_pieces=tp_pieces(policy, mesh, tp_styles),
-        sequence_parallel=any(layer.sequence_parallel for layer in policy.tensor_parallel),
-        loss_parallel=any(layer.loss_parallel for layer in policy.tensor_parallel),
-        # under a pipeline FSDP keeps each stage gathered across its micro-batches, as
-        # torchtitan runs it (reshard_after_forward = not pp_enabled): one all-gather a step
-        reshard_after_forward=(sharding_layer.reshard_after_forward if sharding_layer else True)
-        and "pipeline_axis" not in pipe_config,  # (pipe_config also carries the expert and cp axes)
-        units=units.units,
-        unit_groups=units.groups,
-        unit_reasons=units.reasons,
+        fsdp=fsdp,
+        tp=tp,
+        pipeline=pipeline,
+        experts=_expert_config(experts, tree) if experts is not None else None,
+        context=(
+            ContextConfig(axis=context.axis, load_balance=context.load_balance, engine=context.engine)
+            if context is not None
+            else None
+        ),
         checkpointed=tuple(select_modules(options.checkpoint or (), tree, "checkpointing()")),
         checkpoint_policy=options.checkpoint_policy or "full",
         param_dtype=options.param_dtype,
@@ -226,7 +219,31 @@ def plan_config(
         offload_params=bool(options.offload_params),
         offload_grads=bool(options.offload_grads),
         offload_optimizer=bool(options.offload_optimizer),
-        **pipe_config,
+    )
+
+
+def _expert_config(experts: ExpertParallel, tree: ModelTree) -> ExpertConfig:
+    owners = {path.rpartition(".")[0] for path in tree.params if experts.selects(path)}
+    return ExpertConfig(axis=experts.axis, modules=tuple(path for path in tree.modules if path in owners))
+
+
+def _tp_config(policy: Policy, mesh: Mesh, tp_styles: tuple[StyleEntry, ...]) -> TpConfig | None:
+    layers = policy.tensor_parallel
+    if not layers:
+        return None
+    parallel_loss = [layer for layer in layers if layer.loss_parallel]
+    if parallel_loss and not any(style == "colwise_gather" for _, style, _ in tp_styles):
+        raise PolicyError(
+            f"{parallel_loss[0].name} with loss_parallel=True: no module is a tensor-parallel head (the "
+            "style 'colwise_gather', which lm_head gets from the llama, gpt2 and Hugging Face rules), so "
+            "no vocabulary-split logits exist for the loss; give the head that style, or drop loss_parallel"
+        )
+    return TpConfig(
+        axes=tuple(layer.axis for layer in layers),
+        styles=tp_styles,
+        pieces=tp_pieces(policy, mesh, tp_styles),
+        sequence_parallel=any(layer.sequence_parallel for layer in layers),
+        loss_parallel=bool(parallel_loss),
     )
 
 

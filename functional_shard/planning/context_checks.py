@@ -75,7 +75,7 @@ def context_parallel_problems(plan: Plan, module: nn.Module) -> list[str]:
         >>> context_parallel_problems(fs.shard(nn.Linear(8, 8), fs.Mesh(dp=2), fs.fsdp()), nn.Linear(8, 8))
         []
     """
-    axis = plan.config.context_parallel_axis
-    if axis is None:
+    context = plan.config.context
+    if context is None:
         return []
-    return [f"cp({axis!r}): {problem}" for problem in attention_problems(module)]
+    return [f"cp({context.axis!r}): {problem}" for problem in attention_problems(module)]

@@ -280,7 +280,9 @@ def compute_free_axes(config: PlanConfig) -> frozenset[str]:
     split over it (tokens travel to them).
 
     Examples:
-        >>> sorted(compute_free_axes(fs.PlanConfig(replicate_axes=("rep",), shard_axes=("dp",))))
+        >>> from functional_shard.planning.plan.config import FsdpConfig
+        >>> hsdp = FsdpConfig("hsdp", replicate_axes=("rep",), shard_axes=("dp",))
+        >>> sorted(compute_free_axes(fs.PlanConfig(hsdp)))
         ['dp', 'rep']
     """
-    return frozenset(config.data_axes) - {config.expert_axis}
+    return frozenset(config.data_axes) - {config.experts.axis if config.experts else None}

@@ -19,6 +19,7 @@ from .assemble import assemble
 from .block_reuse import shard_reusing_blocks
 from .config_builder import plan_config, tp_styles
 from .placement import axis_problems, compute_free_axes, place, tensor_problems, unused_axes
+from .plan.config import ExpertConfig
 from .plan.plan import Plan
 from .policy.types import Custom, DataParallel, ParamProblemError, Policy, as_policy, resolve_rules
 from .tp.hf_plans import expert_top_k
@@ -99,9 +100,13 @@ def with_expert_top_k(plan: Plan, model: Any) -> Plan:
     config or a router) says it: a plan made from a `ModelTree` learns it here.
     """
     config = plan.config
-    if not config.expert_modules and not config.tensor_parallel_experts:
+    experts = config.experts or ExpertConfig()
+    if not experts.modules and not config.tensor_parallel_experts:
         return plan
-    return dataclasses.replace(plan, config=dataclasses.replace(config, expert_top_k=expert_top_k(model)))
+    told = dataclasses.replace(experts, top_k=expert_top_k(model))
+    # experts split by tp alone, of a model that does not say its top-k: still no expert config
+    config = dataclasses.replace(config, experts=None if told == ExpertConfig() else told)
+    return dataclasses.replace(plan, config=config)
 
 
 def _with_model_pieces(policy: Policy, model: Any) -> Policy:

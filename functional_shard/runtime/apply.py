@@ -125,16 +125,16 @@ def apply(
             f"apply(root={root!r}): parameters {outside[:3]} lie outside the root, where no engine would "
             "gather or reduce them; move them under it or choose an enclosing root"
         )
-    if plan.config.pipeline_axis is not None and root:
+    if plan.config.pipeline is not None and root:
         raise ShardingError(
             f"apply(root={root!r}) under a pipeline plan: a stage runs the module's own forward, so "
             "pipeline the model itself (plan and apply it, not the module holding it)"
         )
     check_runnable(plan, module)
-    if (cp_axis := plan.config.context_parallel_axis) is not None:
-        check_ring_device(plan.config.context_engine, device_mesh.device_type, cp_axis)
+    if (context := plan.config.context) is not None:
+        check_ring_device(context.engine, device_mesh.device_type, context.axis)
         use_hf_attention(module.get_submodule(root))  # a Hugging Face model's attention: the engine's
-    if plan.config.pipeline_axis is not None:
+    if plan.config.pipeline is not None:
         stage_plan = apply_pipeline(plan, module, device_mesh)
         APPLIED[module] = Applied(plan, device_mesh, stage_plan)
         return module

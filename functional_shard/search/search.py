@@ -188,12 +188,14 @@ class Search:
         except ShardingError as error:
             return [self._failed(point, "none", error, "plan")]
         plan = for_hardware(plan, inputs.hardware)
+        pipeline = plan.config.pipeline
+        assert pipeline is not None  # (a point with pp > 1 plans a pipeline)
         unit_of = {module: index for index, unit in enumerate(inputs.facts.units) for module in unit}
-        groups = [sorted({unit_of[m] for m in stage}) for stage in plan.config.pipeline_stages]
+        groups = [sorted({unit_of[m] for m in stage}) for stage in pipeline.stages]
         local = inputs.batch // point.dp
         costs = stage_costs(plan, inputs.optimizer, local * inputs.seq)
         units = unit_gathered_bytes(plan)
-        micro = local // plan.config.microbatches
+        micro = local // pipeline.microbatches
         with_kernels = self._kernel_fields(plan)
         out: list[Candidate] = []
         for how in checkpoint_options(inputs.facts.block):

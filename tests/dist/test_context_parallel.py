@@ -79,7 +79,7 @@ def test_cp_ranks_read_the_same_batch_slice_and_the_plan_says_who_holds_which_ch
     mesh = fs.Mesh(dp=dp, cp=cp) if dp_first else fs.Mesh(cp=cp, dp=dp)
     axes = ("dp", "cp") if dp_first else ("cp", "dp")
     plan = fs.shard(llama("tiny"), mesh, fs.fsdp(axes) + fs.cp("cp", load_balance=balance))
-    assert plan.config.context_parallel_axis == "cp"
+    assert plan.config.context.axis == "cp"
     assert plan.config.data_axes == axes  # gradients are averaged over cp too
     for rank in range(mesh.size):
         index, count = plan.data_parallel_rank(rank)
@@ -353,7 +353,7 @@ def test_auto_finds_a_cp_plan_for_256k_tokens_on_8_h100s_and_none_at_8k():
     assert long.best_candidate is not None
     assert long.best_candidate.context_parallel == 8
     assert "cp(cp)" in long.best_candidate.policy_text
-    assert long.best.config.context_parallel_axis == "cp"
+    assert long.best.config.context.axis == "cp"
     assert not any(c.fits for c in long.candidates if c.context_parallel == 1)  # 339 GiB and more
     short = fs.search_plans(model, devices=8, memory_budget="80GiB", batch=8, seq=8192, hardware="h100")
     assert short.best_candidate.context_parallel == 1
@@ -399,7 +399,7 @@ def test_loss_parallel_needs_a_tensor_parallel_head_and_reads_back_as_text():
     assert fs.format_policy(policy) == "fsdp(dp) + tp(llama, tp, loss_parallel=true)"
     assert fs.parse_policy(fs.format_policy(policy)) == policy
     plan = fs.shard(llama("tiny"), fs.Mesh(dp=2, tp=2), policy)
-    assert plan.config.loss_parallel
+    assert plan.config.tp.loss_parallel
     assert "and loss parallel" in plan.explain()
     headless = fs.tp([("*.q_proj", "colwise"), ("*.o_proj", "rowwise")], "tp", loss_parallel=True)
     with pytest.raises(fs.PolicyError, match="no module is a tensor-parallel head"):

@@ -89,7 +89,7 @@ def test_a_split_input_is_sliced_to_the_rank_s_features():
     pytest.importorskip("transformers")
     model = phi3("meta", intermediate_size=37)
     plan = fs.shard(model, fs.Mesh(tp=2), fs.tp("hf", "tp"))
-    assert ("model.layers.0.mlp.down_proj", "rowwise_split_input", "linear") in plan.config.tp_styles
+    assert ("model.layers.0.mlp.down_proj", "rowwise_split_input", "linear") in plan.config.tp.styles
     assert plan.local_shape("model.layers.0.mlp.down_proj.weight", 1, "compute") == (32, 18)
     flops = []
     for rank in range(2):

@@ -126,13 +126,13 @@ def test_expert_tensors_are_split_by_expert_and_fsdp_nests_inside():
     assert experts.storage == fs.P(("ep", "dp"), None, None)
     assert experts.compute == fs.P("ep", None, None)
     assert plan.params["model.layers.0.mlp.gate.weight"].storage == fs.P(("dp", "ep"), None)
-    assert plan.config.expert_modules == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
+    assert plan.config.experts.modules == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
     alone = fs.shard(model, fs.Mesh(dp=4), fs.fsdp("dp") + fs.ep("dp"))
     assert alone.params["model.layers.1.mlp.experts.down_proj"].storage == fs.P("dp", None, None)
     tp = fs.shard(model, fs.Mesh(dp=2, tp=2), fs.fsdp("dp") + fs.tp("hf", "tp"))
     assert tp.params["model.layers.0.mlp.experts.gate_up_proj"].compute == fs.P(None, "tp", None)
     assert tp.params["model.layers.0.mlp.experts.down_proj"].compute == fs.P(None, None, "tp")
-    assert ("model.layers.0.mlp.experts", "packed_colwise", "experts") in tp.config.tp_styles
+    assert ("model.layers.0.mlp.experts", "packed_colwise", "experts") in tp.config.tp.styles
 
 
 def test_experts_are_found_by_ep_plan_by_name_or_by_pattern():
@@ -147,7 +147,7 @@ def test_experts_are_found_by_ep_plan_by_name_or_by_pattern():
         "model.layers.*.mlp.experts.down_proj",
     }
     plan = fs.shard(model, fs.Mesh(dp=4), fs.fsdp("dp") + fs.ep("dp", experts="model.layers.0.*.down_proj"))
-    assert plan.config.expert_modules == ("model.layers.0.mlp.experts",)
+    assert plan.config.experts.modules == ("model.layers.0.mlp.experts",)
     assert plan.params["model.layers.1.mlp.experts.down_proj"].compute == fs.P(None, None, None)
     with pytest.raises(fs.PolicyError, match=re.escape("found no expert tensors")):
         fs.shard(torch.nn.Linear(4, 4), fs.Mesh(dp=2), fs.fsdp("dp") + fs.ep("dp"))
@@ -259,7 +259,7 @@ def check_pipeline(results: list[Any], case: tuple[Any, ...]) -> None:
     for rank, result in enumerate(results):
         mine = [
             path
-            for path in plan.config.expert_modules
+            for path in plan.config.experts.modules
             if rank in plan.ranks_of_stage(plan.stage_of(f"{path}.gate_up_proj"))
         ]
         assert sorted(result["tokens_per_call"]) == mine, f"{label}, rank {rank}"
@@ -370,7 +370,7 @@ def test_each_ep_rank_holds_whole_experts_or_the_plan_is_refused(experts, ep_siz
             fs.shard(model, mesh, policy)
         return
     plan = fs.shard(model, mesh, policy)
-    assert plan.config.expert_modules == ("0.experts", "1.experts")
+    assert plan.config.experts.modules == ("0.experts", "1.experts")
     assert plan.params["0.router.weight"].compute.is_replicated
     per_rank = experts // ep_size
     for path in ("0.experts.gate_up_proj", "1.experts.down_proj"):

@@ -224,8 +224,8 @@ def test_a_stage_plan_holds_its_stages_parameters_units_and_styles_only():
     assert "embed_tokens.weight" in first.params
     assert "lm_head.weight" in last.params
     assert all(p.startswith("layers.1.") for p in last.params if p.startswith("layers."))
-    assert {u for u in first.config.units if u} == {"layers.0"}
-    assert {path.split(".")[1] for path, _, _ in last.config.tp_styles if path.startswith("layers.")} == {"1"}
+    assert {u for u in first.config.fsdp.units if u} == {"layers.0"}
+    assert {path.split(".")[1] for path, _, _ in last.config.tp.styles if path.startswith("layers.")} == {"1"}
     for local in (first, last):
-        assert local.config.pipeline_axis is None
-        assert local.config.reshard_after_forward is False  # as torchtitan runs FSDP under PP
+        assert local.config.pipeline is None
+        assert local.config.fsdp.reshard_after_forward is False  # as torchtitan runs FSDP under PP

@@ -52,8 +52,8 @@ def test_estimated_step_times_rank_schedules_as_measured(worlds):
     }
     estimated = {
         name: compare_schedules(
-            model, plan, batch=BATCH, seq=SEQ, schedules=[plan.config.pipeline_schedule], hardware=local
-        )[plan.config.pipeline_schedule].step_seconds
+            model, plan, batch=BATCH, seq=SEQ, schedules=[plan.config.pipeline.schedule], hardware=local
+        )[plan.config.pipeline.schedule].step_seconds
         for name, plan in plans.items()
     }
     times: dict[str, list[float]] = {name: [] for name in SCHEDULES}

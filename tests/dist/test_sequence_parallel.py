@@ -30,7 +30,7 @@ SP = fs.tp(fs.rules.llama, "tp", sequence_parallel=True)
 
 def test_attention_and_mlp_gather_and_lm_head_gathers_its_own_input():
     plan = fs.shard(llama("tiny"), fs.Mesh(tp=2), SP)
-    gathers = sequence_gathers(plan.config.tp_styles)
+    gathers = sequence_gathers(plan.config.tp.styles)
     assert gathers == ("layers.0.self_attn", "layers.0.mlp", "layers.1.self_attn", "layers.1.mlp")
 
 

@@ -79,11 +79,11 @@ def test_names_and_structure_give_one_plan(changes):
         for rules in ("auto", fs.rules.torchtitan, structural_rules(model))
     ]
     assert plans[0].params == plans[1].params == plans[2].params
-    assert plans[0].config.tp_styles == plans[1].config.tp_styles == plans[2].config.tp_styles
+    assert plans[0].config.tp.styles == plans[1].config.tp.styles == plans[2].config.tp.styles
     q = "layers.1.attention.qkv_linear." + ("wqkv" if not changes else "wk")
     assert plans[0].sharding(f"{q}.weight").compute == fs.P("tp", None)
     assert plans[0].sharding("layers.1.attention.wo.weight").compute == fs.P(None, "tp")
-    assert ("lm_head", "colwise_gather", "linear") in plans[0].config.tp_styles
+    assert ("lm_head", "colwise_gather", "linear") in plans[0].config.tp.styles
     fs.check_runnable(plans[0], model)
 
 

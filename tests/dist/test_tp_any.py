@@ -100,7 +100,7 @@ def _auto_is_named_and_trains(world, model, name):
     auto = fs.shard(model, mesh, fs.tp("auto", "tp"))
     named = fs.shard(model, mesh, fs.tp(ODD_RULES, "tp"))
     assert auto.params == named.params
-    assert auto.config.tp_styles == named.config.tp_styles
+    assert auto.config.tp.styles == named.config.tp.styles
     result = world.run(tp_any_cases.parity, name, "auto")[0]
     assert result["loss"] < 1e-5
     assert result["grad"] < 1e-5
@@ -157,7 +157,7 @@ def test_auto_finds_a_fused_projections_pieces_from_the_split_in_its_forward():
     auto = fs.shard(model, fs.Mesh(tp=4), fs.tp("auto", "tp"))
     named = fs.shard(model, fs.Mesh(tp=4), fs.tp([*fused_rules(config, 4), ("*norm", "sequence")], "tp"))
     assert auto.params == named.params
-    assert auto.config.tp_styles == named.config.tp_styles
+    assert auto.config.tp.styles == named.config.tp.styles
     assert auto.config.pieces_of("layers.0.attention.wqkv") == (32, 16, 16)
     assert auto.config.pieces_of("layers.1.mlp.gate_up_proj") == (48, 48)
     assert trace_block(_Cut("chunk")).styles == (("up", fs.packed((16, 16))), ("down", "rowwise"))
@@ -209,7 +209,7 @@ def test_packed_pieces_plan_a_colwise_local_shape_and_apply_splits_each_piece(ra
     model = nn.Sequential(nn.Linear(rows, sum(pieces), bias=bias), nn.Linear(sum(pieces), rows))
     plan = fs.shard(model, fs.Mesh(tp=ranks), fs.tp([("0", fs.packed(pieces)), ("1", "rowwise")], "tp"))
     assert plan.config.pieces_of("0") == pieces
-    assert fs.Plan.from_json(plan.to_json()).config.tp_pieces == (("0", pieces),)
+    assert fs.Plan.from_json(plan.to_json()).config.tp.pieces == (("0", pieces),)
     full = torch.randn(sum(pieces), rows)
     local = [rank_share(full, 0, pieces, ranks, rank) for rank in range(ranks)]
     for rank, part in enumerate(local):
@@ -249,4 +249,4 @@ def test_the_structure_gives_what_named_rules_give_whatever_the_sizes(layers, he
     named = fs.shard(model, fs.Mesh(tp=2), fs.tp(ODD_RULES, "tp"))
     assert fs.rules.for_model(model).name == "structure"
     assert auto.params == named.params
-    assert auto.config.tp_styles == named.config.tp_styles
+    assert auto.config.tp.styles == named.config.tp.styles

@@ -69,8 +69,8 @@ def test_repeated_blocks_are_units_wherever_they_live(kinds, counts):
         expected += [f"{name}.layers.{block}" for block in blocks]
     model.head = nn.Linear(4, 2)
     plan = fs.shard(model, MESH, fs.fsdp("dp"))
-    assert plan.config.units == ("", *expected)
-    reasons = dict(plan.config.unit_reasons)
+    assert plan.config.fsdp.units == ("", *expected)
+    reasons = dict(plan.config.fsdp.unit_reasons)
     for unit in expected:
         assert re.fullmatch(r"a repeated block: \d+ × Sequential in .*\.layers \(\w+\)", reasons[unit])
     assert plan.unit_of("head.weight") == ""
@@ -79,9 +79,9 @@ def test_repeated_blocks_are_units_wherever_they_live(kinds, counts):
 def test_torchtitans_llama_gets_a_unit_per_block_and_a_group_for_norm_and_head():
     model = TitanLlama(TitanConfig(layers=3))
     plan = fs.shard(model, MESH, fs.fsdp("dp"))
-    assert plan.config.units == ("", "layers.0", "layers.1", "layers.2")
+    assert plan.config.fsdp.units == ("", "layers.0", "layers.1", "layers.2")
     grouped = fs.shard(model, MESH, fs.fsdp("dp", units=(TransformerBlock, ("norm", "output"))))
-    assert grouped.config.unit_groups == (("norm", "output"),)
+    assert grouped.config.fsdp.unit_groups == (("norm", "output"),)
     assert grouped.unit_of("output.weight") == grouped.unit_of("norm.weight") == "norm+output"
     assert grouped.unit_of("tok_embeddings.weight") == ""
     explained = grouped.explain()
@@ -97,11 +97,11 @@ def test_torchtitans_llama_gets_a_unit_per_block_and_a_group_for_norm_and_head()
 
 def test_a_deepseek_shaped_moe_and_a_sequential_vit_get_their_blocks():
     moe = fs.shard(DeepSeekMoE(TitanConfig()), MESH, fs.fsdp("dp"))
-    assert moe.config.units == ("", "layers.0", "layers.1", "layers.2")
+    assert moe.config.fsdp.units == ("", "layers.0", "layers.1", "layers.2")
     vit = fs.shard(SequentialViT(depth=3), MESH, fs.fsdp("dp"))
-    assert vit.config.units == ("", "blocks.0", "blocks.1", "blocks.2")
+    assert vit.config.fsdp.units == ("", "blocks.0", "blocks.1", "blocks.2")
     assert (
-        dict(vit.config.unit_reasons)["blocks.1"]
+        dict(vit.config.fsdp.unit_reasons)["blocks.1"]
         == "a repeated block: 3 × VisionBlock in blocks (Sequential)"
     )
 
@@ -118,13 +118,13 @@ def test_hugging_face_encoder_decoders_and_vits_get_both_stacks():
         vit = ViTModel(
             ViTConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
         )
-    units = fs.shard(t5, MESH, fs.fsdp("dp")).config.units
+    units = fs.shard(t5, MESH, fs.fsdp("dp")).config.fsdp.units
     blocks = {"encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1", "decoder.block.2"}
     assert blocks <= set(units)  # and, inside each, the elements of its own ModuleList of sublayers
     assert all(
         unit == "" or any(unit == b or unit.startswith(f"{b}.layer.") for b in blocks) for unit in units
     )
-    vit_units = fs.shard(vit, MESH, fs.fsdp("dp")).config.units
+    vit_units = fs.shard(vit, MESH, fs.fsdp("dp")).config.fsdp.units
     assert [type(vit.get_submodule(unit)).__name__ for unit in vit_units] == [
         "ViTModel",
         "ViTLayer",
@@ -138,7 +138,7 @@ def test_a_model_without_repeated_blocks_is_one_unit_and_explain_says_what_it_co
         warnings.simplefilter("error")
         plan = fs.shard(model, MESH, fs.fsdp("dp"))
         explained = plan.explain()
-    assert plan.config.units == ("",)
+    assert plan.config.fsdp.units == ("",)
     gathered = format_bytes(plan.cost().gathered_bytes)
     assert re.search(
         rf"\(root\)\s+{re.escape(gathered)}\s+the root: every parameter no other unit holds", explained

@@ -31,10 +31,9 @@ _TRACES: dict = {}
 def _trace_key(plan, batch, seq):
     """What an activation trace depends on: not the data-parallel family (checked below)."""
     config = plan.config
-    tp_axes = config.tensor_parallel_axes
     return (
-        plan.mesh.axes_size(tp_axes) if tp_axes else 1,
-        config.sequence_parallel,
+        config.tp_size(plan.mesh),
+        config.tp is not None and config.tp.sequence_parallel,
         config.checkpointed,
         config.checkpoint_policy,
         config.param_dtype,

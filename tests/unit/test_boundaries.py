@@ -238,7 +238,8 @@ def test_import_and_planning_load_no_lightning_checkpoint_fsdp_or_extras():
         "model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.MultiheadAttention(8, 2))\n"
         "plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp(min_params=1) + fs.mixed_precision())\n"
         "plan.cost(); plan.explain(); fs.Plan.from_json(plan.to_json())\n"
-        "print(json.dumps({'import': imported, 'plan': sorted(sys.modules), 'units': plan.config.units}))\n"
+        "units = plan.config.fsdp.units\n"
+        "print(json.dumps({'import': imported, 'plan': sorted(sys.modules), 'units': units}))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = json.loads(result.stdout)

@@ -170,7 +170,7 @@ def test_a_selector_that_selects_no_module_is_refused_by_name(pattern, where):
     policy = fs.fsdp() + fs.checkpointing(pattern) if where == "checkpointing" else fs.fsdp(units=[pattern])
     if hits:
         plan = fs.shard(model, fs.Mesh(dp=2), policy)
-        chosen = plan.config.checkpointed if where == "checkpointing" else plan.config.units
+        chosen = plan.config.checkpointed if where == "checkpointing" else plan.config.fsdp.units
         outermost = [path for path in hits if not any(path.startswith(f"{outer}.") for outer in hits)]
         assert [path for path in chosen if path] == outermost
         return

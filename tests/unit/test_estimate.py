@@ -80,7 +80,7 @@ def test_gathered_units_agree_with_the_cost_model_and_add_the_prefetched_one():
         plan = plans[name]
         units = unit_gathered_bytes(plan)
         root = units.pop("", 0)
-        if plan.config.reshard_after_forward:
+        if plan.config.fsdp.reshard_after_forward:
             assert root + max(units.values()) == plan.cost().gathered_bytes
             second = sorted(units.values())[-2]
             assert gathered_in_flight(plan) == plan.cost().gathered_bytes + second
@@ -275,7 +275,7 @@ def test_recomputation_reissues_the_forward_tensor_parallel_collectives():
     # (for the colwise Linears inside) and every rowwise Linear reduce-scatters its output in
     # forward: one of the two collectives of each, half its bytes
     blocks = {}
-    for path, style, _ in checkpointed.config.tp_styles:
+    for path, style, _ in checkpointed.config.tp.styles:
         if path.startswith("layers.") and style in ("colwise", "rowwise"):
             weight = checkpointed.tensors[f"{path}.weight"]
             features = weight.shape[1] if style == "colwise" else weight.shape[0]

@@ -62,9 +62,9 @@ def test_diff_with_json_text_says_to_load_it_first():
 # ---- plan files: fields the builders check are checked when read --------------------------
 
 
-def _edited(plan: fs.Plan, **config) -> dict:
+def _edited(plan: fs.Plan, section: str, **fields) -> dict:
     data = json.loads(plan.to_json())
-    data["config"].update(config)
+    data["config"][section] = {**(data["config"][section] or {}), **fields}
     return data
 
 
@@ -75,13 +75,19 @@ PIPED = fs.shard(MODEL, fs.Mesh(pp=2), fs.pipeline("pp", microbatches=4))
     ("data", "message"),
     [
         (
-            _edited(CP_PLAN, loss_parallel=True),
-            "config.loss_parallel: true, but no module is a tensor-parallel head",
+            _edited(CP_PLAN, "tp", axes=["dp"], loss_parallel=True),
+            "config.tp.loss_parallel: true, but no module is a tensor-parallel head",
         ),
-        (_edited(CP_PLAN, microbatches=-1), "config.microbatches: -1; a positive count"),
-        (_edited(CP_PLAN, stages_per_rank=0), "config.stages_per_rank: 0; a positive count"),
-        (_edited(PIPED, microbatches=-1), "config.microbatches: -1; a positive count"),
-        (_edited(PIPED, microbatches=1), "torch's Schedule1F1B refuses 1 micro-batches over 2 stages"),
+        (_edited(PIPED, "pipeline", microbatches=0), "config.pipeline.microbatches: 0; a positive count"),
+        (
+            _edited(PIPED, "pipeline", stages_per_rank=0),
+            "config.pipeline.stages_per_rank: 0; a positive count",
+        ),
+        (_edited(PIPED, "pipeline", microbatches=-1), "config.pipeline.microbatches: -1; a positive count"),
+        (
+            _edited(PIPED, "pipeline", microbatches=1),
+            "torch's Schedule1F1B refuses 1 micro-batches over 2 stages",
+        ),
     ],
     ids=[
         "loss-parallel-without-head",
@@ -253,4 +259,4 @@ def test_auto_names_the_sliding_window_when_only_cp_could_split_the_work():
 
 def test_auto_tries_cp_when_the_batch_is_below_the_device_count():
     plan = fs.auto(MODEL, devices=8, memory_budget="80GiB", batch=1, seq=65536)
-    assert plan.config.context_parallel_axis is not None
+    assert plan.config.context is not None

@@ -64,7 +64,7 @@ def test_qwen3_head_norms_are_replicated_with_gradients_all_reduced():
     assert rules.match("model.layers.0.self_attn.q_norm.weight").target == "replicate_grad_allreduce"
     plan = fs.shard(meta("qwen3"), fs.Mesh(tp=2), fs.tp("hf", "tp"))
     assert plan.params["model.layers.0.self_attn.q_norm.weight"].compute.is_replicated
-    assert ("model.layers.0.self_attn.k_norm", "replicate_grad_allreduce", "other") in plan.config.tp_styles
+    assert ("model.layers.0.self_attn.k_norm", "replicate_grad_allreduce", "other") in plan.config.tp.styles
 
 
 def test_every_style_transformers_uses_maps_or_is_refused_by_name():
@@ -172,7 +172,7 @@ def test_gpt2_conv1d_layers_split_as_their_stored_layout():
     assert specs["transformer.h.0.attn.c_attn.bias"].is_replicated
     assert specs["transformer.h.0.attn.c_proj.weight"] == fs.P("tp", None)
     assert specs["transformer.h.0.mlp.c_fc.bias"] == fs.P("tp")
-    assert ("transformer.h.0.attn.c_attn", "packed_colwise", "conv1d") in plan.config.tp_styles
+    assert ("transformer.h.0.attn.c_attn", "packed_colwise", "conv1d") in plan.config.tp.styles
     fs.check_runnable(plan, model)
 
 

@@ -262,8 +262,10 @@ def test_for_plan_keeps_what_the_plan_has_and_estimate_takes_it(kernels, kind):
     fitted = kernels.for_plan(plan)
     assert fitted.compile == kernels.compile
     assert fitted.float8 == kernels.float8
-    assert fitted.async_tp == (kernels.async_tp and plan.config.sequence_parallel)
-    assert fitted.float8_all_gather == (kernels.float8_all_gather and bool(plan.config.shard_axes))
+    sequence_parallel = plan.config.tp is not None and plan.config.tp.sequence_parallel
+    assert fitted.async_tp == (kernels.async_tp and sequence_parallel)
+    sharded = plan.config.fsdp is not None and bool(plan.config.fsdp.shard_axes)
+    assert fitted.float8_all_gather == (kernels.float8_all_gather and sharded)
     check_kernels(fitted, plan, H100, "bfloat16")  # what the search counts, estimate accepts
 
 

@@ -81,7 +81,7 @@ def test_stage_activations_add_up_to_the_whole_models():
     model, plan = _model(), _plan()
     micro = BATCH // M
     whole = trace_activations(model, plan, batch=micro, seq=SEQ)
-    staged = trace_activations(model, plan, batch=micro, seq=SEQ, stages=plan.config.pipeline_stages)
+    staged = trace_activations(model, plan, batch=micro, seq=SEQ, stages=plan.config.pipeline.stages)
     shared = staged.stage_shared_bytes
     assert sum(staged.stage_activation_bytes) - shared == whole.activation_bytes
     assert sum(staged.stage_forward_flops) - staged.stage_shared_flops == whole.forward_flops
@@ -293,7 +293,7 @@ def test_weight_gradients_by_hand(dtype):
     if dtype:
         policy = policy + fs.mixed_precision(dtype)
     plan = fs.shard(_model(), fs.Mesh(pp=2), policy)
-    trace = trace_activations(_model(), plan, batch=2, seq=SEQ, stages=plan.config.pipeline_stages)
+    trace = trace_activations(_model(), plan, batch=2, seq=SEQ, stages=plan.config.pipeline.stages)
     linear = sum(m.weight.numel() for m in _model().modules() if isinstance(m, torch.nn.Linear))
     assert trace.backward_weight_flops == 2 * 2 * SEQ * linear
     assert sum(trace.stage_backward_weight_flops) == trace.backward_weight_flops

@@ -16,7 +16,6 @@ from functional_shard import zoo
 from functional_shard.cli import main
 from functional_shard.core.layout import local_numel
 from functional_shard.core.spec import Owned, ParamSharding, spec_from_json, without_axis
-from functional_shard.planning.pipeline.stages import rank_stages
 
 from ..strategies import pipelined_llamas, staged_mesh_shape_spec
 
@@ -105,7 +104,7 @@ def test_every_spec_of_a_pipelined_plan_names_its_stage_rank():
         fs.pipeline("pp", microbatches=4, schedule="zbv", stages_per_rank=2) + fs.fsdp("dp"),
     )
     # four stages in a V over two ranks: stages 0 and 3 on pp=0, stages 1 and 2 on pp=1
-    assert plan.config.pipeline_stages == (
+    assert plan.config.pipeline.stages == (
         ("embed_tokens",),
         ("layers.0",),
         ("layers.1",),
@@ -118,7 +117,7 @@ def test_every_spec_of_a_pipelined_plan_names_its_stage_rank():
         assert all(spec.on == ("pp", rank) for spec in sharding.specs().values()), path
     assert plan.local_shape("lm_head.weight", rank=0) == (128, 64)
     assert plan.local_shape("lm_head.weight", rank=2) == (0, 0)  # pp=1 holds stages 1 and 2 only
-    assert not plan.config.reshard_after_forward  # FSDP stays gathered across micro-batches
+    assert not plan.config.fsdp.reshard_after_forward  # FSDP stays gathered across micro-batches
     assert fs.Plan.from_json(plan.to_json()) == plan
 
 
@@ -177,11 +176,11 @@ def test_a_hugging_face_llama_is_cut_by_its_pipeline_plan():
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
     plan = fs.shard(model, fs.Mesh(pp=2), fs.pipeline("pp", microbatches=2))
-    assert plan.config.pipeline_stages == (
+    assert plan.config.pipeline.stages == (
         ("model.embed_tokens", "model.layers.0", "model.layers.1"),
         ("model.layers.2", "model.norm", "lm_head"),
     )
-    assert plan.config.boundary_features == (32,)  # the config's hidden_size
+    assert plan.config.pipeline.boundary_features == (32,)  # the config's hidden_size
     # the rotary table is in no stage: every stage's ranks keep it
     assert all(s.on is None for s in plan.buffers.values())
     assert plan.buffers
@@ -256,7 +255,7 @@ def test_cost_per_rank_is_the_sum_over_its_stages(case):
     stage_bytes = costs[0].stage_bytes
     zero1 = config.data_parallel == "zero1"
     for i, cost in enumerate(costs):
-        mine = rank_stages(i, pp, config.stages_per_rank, config.pipeline_schedule)
+        mine = config.pipeline.stages_at(mesh, i)
         for part in ("params", "grads", "gathered") + (() if zero1 else ("optimizer",)):
             assert getattr(cost, f"{part}_bytes") == sum(stage_bytes[s][part] for s in mine), (i, part)
     # every parameter is on exactly one pp rank: the pp ranks together hold what one rank of
@@ -362,7 +361,7 @@ def test_send_bytes_per_rank_match_torchs_own_action_lists(schedule, pp):
     model.layers = nn.ModuleList(nn.Linear(widths[i], widths[i + 1]) for i in range(stages))
     policy = fs.pipeline("pp", microbatches=microbatches, schedule=schedule, stages_per_rank=2)
     plan = fs.shard(model, fs.Mesh(pp=pp), policy)
-    assert plan.config.boundary_features == tuple(widths[1:-1])
+    assert plan.config.pipeline.boundary_features == tuple(widths[1:-1])
     with contextlib.redirect_stdout(io.StringIO()):  # it prints as it builds
         actions = get_schedule_ops(
             getattr(schedules, SCHEDULES[schedule]), pp, microbatches, 2, with_comms=True

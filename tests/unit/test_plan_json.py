@@ -109,8 +109,14 @@ def test_a_cut_plan_file_is_refused(plan, cut):
             lambda d: d["tensors"]["norm.weight"]["sharding"].__setitem__("storage", ["ep"]),
             "axis 'ep' is not an axis",
         ),
-        (lambda d: d["config"].__setitem__("units", ["nowhere"]), "config.units: 'nowhere' is no module"),
-        (lambda d: d["config"].__setitem__("microbatches", "two"), "config.microbatches"),
+        (
+            lambda d: d["config"]["fsdp"].__setitem__("units", ["nowhere"]),
+            "config.fsdp.units: 'nowhere' is no module",
+        ),
+        (lambda d: d["config"].__setitem__("microbatches", 2), "config.microbatches: not a field"),
+        (lambda d: d["config"]["tp"].__setitem__("styles", "two"), "config.tp.styles"),
+        (lambda d: d["config"].__setitem__("pipeline", {"microbatches": 2}), "config.pipeline.axis: missing"),
+        (lambda d: d["config"]["fsdp"].__setitem__("kind", "none"), "config.fsdp.kind: 'none'"),
         (lambda d: d["mesh"].__setitem__("axes", [["dp", 0]]), "mesh:"),
     ],
 )
@@ -126,7 +132,7 @@ def test_every_problem_is_reported_at_once():
     data = json.loads(TEXTS[0])
     data["tensors"]["norm.weight"]["kind"] = "weights"
     data["tensors"]["lm_head.weight"]["dtype"] = "float99"
-    data["config"]["shard_axes"] = ["zz"]
+    data["config"]["fsdp"]["shard_axes"] = ["zz"]
     with pytest.raises(fs.ShardingError) as error:
         fs.Plan.from_json(data)
     text = str(error.value)

@@ -246,7 +246,7 @@ def test_shard_refuses_before_anything_runs():
     ):
         fs.shard(model, fs.Mesh(pp=2, dp=2), fs.pipeline("pp", microbatches=1) + fs.fsdp("dp"))
     plan = fs.shard(model, fs.Mesh(pp=2, dp=2), fs.pipeline("pp", microbatches=2) + fs.fsdp("dp"))
-    assert plan.config.microbatches == 2
+    assert plan.config.pipeline.microbatches == 2
 
 
 def test_v_shaped_first_and_last_stage_share_rank_zero():

@@ -142,7 +142,7 @@ def test_buffers_are_listed_and_replicated():
 
 def test_units_default_to_module_list_blocks_plus_root():
     plan = fs.shard(llama("tiny"), MESH, fs.fsdp("dp") + fs.replicate("tp"))
-    assert plan.config.units == ("", "layers.0", "layers.1")
+    assert plan.config.fsdp.units == ("", "layers.0", "layers.1")
     assert plan.unit_of("layers.1.mlp.up_proj.weight") == "layers.1"
     assert plan.unit_of("embed_tokens.weight") == ""
 
@@ -152,21 +152,25 @@ def test_units_by_class_by_pattern_and_by_size():
 
     model = llama("tiny")
     mesh = fs.Mesh(dp=2)
-    assert fs.shard(model, mesh, fs.fsdp(units=[MLP])).config.units == ("", "layers.0.mlp", "layers.1.mlp")
-    assert fs.shard(model, mesh, fs.fsdp(units="*.self_attn")).config.units == (
+    assert fs.shard(model, mesh, fs.fsdp(units=[MLP])).config.fsdp.units == (
+        "",
+        "layers.0.mlp",
+        "layers.1.mlp",
+    )
+    assert fs.shard(model, mesh, fs.fsdp(units="*.self_attn")).config.fsdp.units == (
         "",
         "layers.0.self_attn",
         "layers.1.self_attn",
     )
     # each MLP holds 3 * 64 * 176 = 33792 parameters, each attention 64*64*2 + 64*32*2 = 12288,
     # each embedding 256 * 64 = 16384; a block without its MLP 12288 + 128
-    by_size = fs.shard(model, mesh, fs.fsdp(min_params=30000)).config.units
+    by_size = fs.shard(model, mesh, fs.fsdp(min_params=30000)).config.fsdp.units
     assert by_size == ("", "layers.0.mlp", "layers.1.mlp")
-    by_size = fs.shard(model, mesh, fs.fsdp(min_params=16000)).config.units
+    by_size = fs.shard(model, mesh, fs.fsdp(min_params=16000)).config.fsdp.units
     # the ModuleList "layers" (2 * 12416 left) is never a unit, as in torch
     assert by_size == ("", "embed_tokens", "layers.0.mlp", "layers.1.mlp", "lm_head")
     # a block's attention and norms together (12288 + 128) do not reach 30000
-    assert fs.shard(model, mesh, fs.fsdp(units=[Block])).config.units == ("", "layers.0", "layers.1")
+    assert fs.shard(model, mesh, fs.fsdp(units=[Block])).config.fsdp.units == ("", "layers.0", "layers.1")
 
 
 def test_checkpointing_and_options_are_recorded():
@@ -211,7 +215,7 @@ def test_size_based_units_equal_torchs_auto_wrap(model, min_params):
         only_wrap_children=True,
     )
     units = [p.replace(".module", "") for p, m in wrapped.named_modules() if isinstance(m, _Unit)]
-    assert plan.config.units == ("", *units)
+    assert plan.config.fsdp.units == ("", *units)
 
 
 @given(
@@ -426,5 +430,5 @@ def test_expert_parallelism_keeps_the_data_parallel_resharding(policy, reshards)
     model = nn.ModuleDict({"experts": nn.ParameterDict({"w": nn.Parameter(torch.zeros(4, 2, 2))})})
     model["dense"] = nn.Linear(2, 2)
     plan = fs.shard(model, fs.Mesh(dp=2), policy)
-    assert plan.config.expert_axis == "dp"
-    assert plan.config.reshard_after_forward is reshards
+    assert plan.config.experts.axis == "dp"
+    assert plan.config.fsdp.reshard_after_forward is reshards

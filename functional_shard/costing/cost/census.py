@@ -67,7 +67,7 @@ def census_of(plan: Plan, owners: Mapping[str, int]) -> Census:
         [(('0', '1', '2'), 1), (('0', '1', '2'), 1)]
     """
     tensors, aliases = plan.tensors, plan.aliases
-    units = set(plan.config.units)
+    units = set(plan.config.fsdp.units if plan.config.fsdp else ())
     # a module of a group of modules is its group's unit; seeded here, found like a unit
     unit_by_module: dict[str, str] = {"": "", **plan.config.group_of()}
 

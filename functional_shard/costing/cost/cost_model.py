@@ -126,9 +126,9 @@ def _check_tokens(plan: Plan, tokens: Any) -> None:
     # under context parallel the tokens are whole sequences, cut as a run cuts them
     from functional_shard.core.sequence import check_sequence_length, chunk_count
 
-    config = plan.config
-    cp = plan.mesh[config.context_parallel_axis] if config.context_parallel_axis else 1
-    chunks = chunk_count(cp, load_balance=config.context_load_balance)
+    cp = plan.config.cp_size(plan.mesh)
+    balanced = plan.config.context.load_balance if plan.config.context else True
+    chunks = chunk_count(cp, load_balance=balanced)
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         divided = f" that the {chunks} cp chunks divide" if chunks > 1 else ""
         raise ShardingError(
@@ -137,7 +137,7 @@ def _check_tokens(plan: Plan, tokens: Any) -> None:
         )
     if cp > 1:
         try:
-            check_sequence_length(tokens, cp, load_balance=config.context_load_balance, what="tokens")
+            check_sequence_length(tokens, cp, load_balance=balanced, what="tokens")
         except ShardingError as error:
             raise ShardingError(f"cost(tokens={tokens}): {error}") from None
 
@@ -247,23 +247,20 @@ def _stage_memory(
     ``gathered`` is every FSDP unit of the stage held gathered at once, as FSDP runs under
     a pipeline (gathered for the first micro-batch, resharded after the last).
     """
-    from functional_shard.planning.pipeline.stages import stage_finder, stage_rank
+    from functional_shard.planning.pipeline.stages import stage_finder
 
-    config = plan.config
-    axis = config.pipeline_axis
-    if axis is None:
+    pipeline = plan.config.pipeline
+    if pipeline is None:
         return {}
-    stage_of = stage_finder(config.pipeline_stages)
-    pp = plan.mesh[axis]
+    stage_of = stage_finder(pipeline.stages)
     by_stage: dict[int, dict[str, ParamSharding]] = defaultdict(dict)
     for path, sharding in plan.params.items():
         stage = stage_of(path)
         if stage is not None:
             by_stage[stage][path] = sharding
     result = {}
-    for stage in range(len(config.pipeline_stages)):
-        rank = stage_rank(stage, pp, config.stages_per_rank, config.pipeline_schedule)
-        coords = dict.fromkeys(plan.mesh.axis_names, 0) | {axis: rank}
+    for stage in range(len(pipeline.stages)):
+        coords = pipeline.first_coords(plan.mesh, pipeline.coordinate_of(stage, plan.mesh))
         census: Census = [
             (plan.tensors[path], sharding, ("",), owners.get(path, -1), 1)
             for path, sharding in by_stage[stage].items()
@@ -314,7 +311,7 @@ def cost(
         the memory and collectives are one rank's (the worst over every pp coordinate
         unless ``rank`` is given), ``stage_bytes`` breaks memory down by stage and
         ``boundary_bytes`` gives the activation bytes crossing each stage boundary; the
-        width at a boundary is ``plan.config.boundary_features`` (an HF config's
+        width at a boundary is ``plan.config.pipeline.boundary_features`` (an HF config's
         ``hidden_size``, else the sending stage's last weight's output features), the
         dtype the mixed-precision one or the model's.
 
@@ -354,10 +351,10 @@ def cost(
         # Rank 0 holds the largest chunk of every split; only ZeRO-1 ownership can make
         # another rank heavier, so try each owner along that axis, on each pp rank.
         zero_axes = {s.optim.axis for s in plan.params.values() if isinstance(s.optim, Owned)}
-        pp_axis = plan.config.pipeline_axis
+        pipeline = plan.config.pipeline
         worst_total = -1
-        for pp_rank in range(plan.mesh[pp_axis] if pp_axis else 1):
-            base = dict.fromkeys(plan.mesh.axis_names, 0) | ({pp_axis: pp_rank} if pp_axis else {})
+        for pp_rank in range(plan.config.pp_size(plan.mesh)):
+            base = pipeline.first_coords(plan.mesh, pp_rank) if pipeline else plan.mesh.coords(0)
             candidates = [base] + [{**base, a: i} for a in zero_axes for i in range(1, plan.mesh[a])]
             found, found_coords = _worst_memory(plan, candidates, optimizer, census)
             found_gathered = _gathered(plan, census, found_coords)
@@ -379,8 +376,7 @@ def cost(
     boundaries: dict[int, float] = {}
     if tokens is not None:
         # under context parallel a rank runs a cp-th of the tokens; only attention sees them all
-        cp_axis = plan.config.context_parallel_axis
-        mine = tokens // plan.mesh[cp_axis] if cp_axis else tokens
+        mine = tokens // plan.config.cp_size(plan.mesh)
         activation_comm(plan, comm, mine, coords)
         context_comm(plan, comm, tokens, engine)
         expert_comm(plan, mine, compute_itemsize(plan), comm.add, coords)

@@ -78,8 +78,8 @@ def is_expert_tensor(plan: Plan, sharding: ParamSharding) -> bool:
     The planner lets no other computation split a data-parallel axis, so a compute spec
     naming the expert axis marks an expert tensor.
     """
-    axis = plan.config.expert_axis
-    return axis is not None and axis in sharding.compute.axes
+    experts = plan.config.experts
+    return experts is not None and experts.axis is not None and experts.axis in sharding.compute.axes
 
 
 def expert_grad_axes(plan: Plan, sharding: ParamSharding, axes: tuple[str, ...]) -> tuple[str, ...]:
@@ -92,7 +92,8 @@ def expert_grad_axes(plan: Plan, sharding: ParamSharding, axes: tuple[str, ...])
     """
     if not is_expert_tensor(plan, sharding):
         return axes
-    return tuple(axis for axis in axes if axis != plan.config.expert_axis)
+    assert plan.config.experts is not None  # (is_expert_tensor says so)
+    return tuple(axis for axis in axes if axis != plan.config.experts.axis)
 
 
 def expert_comm(
@@ -117,22 +118,22 @@ def expert_comm(
     layers = expert_layers(plan)
     if not layers:
         return
-    top_k = config.expert_top_k
+    top_k = config.experts.top_k if config.experts else 0
     if top_k < 1:
         raise ShardingError(
             "cost(tokens=...): the plan splits experts modules but does not know how many experts each "
-            "token visits (PlanConfig.expert_top_k is 0): make the plan with fs.shard(model, ...) from "
+            "token visits (its config's experts.top_k is 0): make the plan with fs.shard(model, ...) from "
             "the model itself, whose config names num_experts_per_tok"
         )
     dispatched = set(config.expert_modules)
     tp_axes = config.tensor_parallel_axes
-    tp = plan.mesh.axes_size(tp_axes) if tp_axes else 1
+    tp = config.tp_size(plan.mesh)
     for path, experts, hidden in layers:
         gate_up = plan.sharding(plan.canonical(_first_weight(plan, path)))
         if not gate_up.storage.holds(held):  # another pipeline stage's layer
             continue
         if path in dispatched:
-            axis = config.expert_axis
+            axis = config.experts.axis if config.experts else None
             assert axis is not None
             ep = plan.mesh[axis]
             # a checkpointed module around the experts runs their forward again in backward

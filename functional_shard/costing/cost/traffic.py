@@ -73,8 +73,9 @@ def gathers_per_step(plan: Plan, units: tuple[str, ...]) -> int:
 def parameter_comm(plan: Plan, comm: Comm, census: Census, held: Mapping[str, int]) -> None:
     """Add the parameters' and gradients' collectives of the rank at ``held``."""
     # rank 0 of every axis but the pp one: the first rank of the reported rank's stages
+    pipeline = plan.config.pipeline
     origin = {axis: 0 for axis in plan.mesh.axis_names} | (
-        {plan.config.pipeline_axis: held[plan.config.pipeline_axis]} if plan.config.pipeline_axis else {}
+        {pipeline.axis: held[pipeline.axis]} if pipeline else {}
     )
     config = plan.config
     data_axes = config.data_axes
@@ -117,15 +118,15 @@ def _sequence_parallel_grad_comm(
     # rank but sees only this rank's tokens: its gradient is a partial sum, all-reduced
     # whole over the tensor-parallel axes once (by FSDP2 before it reduces; without FSDP2,
     # by apply's gradient hook)
-    axes = plan.config.tensor_parallel_axes
-    n = plan.mesh.axes_size(axes)
+    tp = plan.config.tp
+    if tp is None:
+        return
+    axes, n = tp.axes, tp.size(plan.mesh)
     # (a replicate_grad_allreduce module, a per-head norm, likewise sees this rank's heads,
     # with or without sequence parallel)
-    partial_styles = ("sequence", "replicate_grad_allreduce") if plan.config.sequence_parallel else ()
+    partial_styles = ("sequence", "replicate_grad_allreduce") if tp.sequence_parallel else ()
     sequence_modules = {
-        path
-        for path, style, _ in plan.config.tp_styles
-        if style in (*partial_styles, "replicate_grad_allreduce")
+        path for path, style, _ in tp.styles if style in (*partial_styles, "replicate_grad_allreduce")
     }
     if not sequence_modules:
         return
@@ -152,10 +153,13 @@ def activation_comm(plan: Plan, comm: Comm, tokens: int, held: Mapping[str, int]
     # Under sequence parallel a module holding column-split layers (attention, MLP) gathers
     # its input once on entry (`rules.sequence_gathers`), and reduce-scatters its gradient
     # once in backward, for all the layers inside: counted with the first of them.
-    sequence = plan.config.sequence_parallel
-    gathered = set(sequence_gathers(plan.config.tp_styles)) if sequence else set()
+    tp = plan.config.tp
+    if tp is None:
+        return
+    sequence = tp.sequence_parallel
+    gathered = set(sequence_gathers(tp.styles)) if sequence else set()
     counted: set[str] = set()
-    for module_path, style, kind in plan.config.tp_styles:
+    for module_path, style, kind in tp.styles:
         if style in ("sequence", "replicate", "replicate_grad_allreduce") or kind == "experts":
             continue  # (an experts module's traffic: expert_traffic)
         weight = plan.canonical(f"{module_path}.weight")
@@ -189,7 +193,7 @@ def activation_comm(plan: Plan, comm: Comm, tokens: int, held: Mapping[str, int]
                 counted.add(parent)
             # a loss-parallel head keeps its logits split: no gather; its loss all-reduces
             # each token's max, sum of exponentials and target logit (torch's loss_parallel)
-            head_of_parallel_loss = style == "colwise_gather" and plan.config.loss_parallel
+            head_of_parallel_loss = style == "colwise_gather" and tp.loss_parallel
             gathers = [out_features] if style == "colwise_gather" and not head_of_parallel_loss else []
             if head_of_parallel_loss:
                 comm.add("all_reduce", axes, n, 3 * per_token)
@@ -265,9 +269,8 @@ def ring_passes(plan: Plan) -> tuple[int, int]:
         (2, 4)
     """
     config = plan.config
-    axis = config.context_parallel_axis
     recomputed = bool(config.checkpointed) and config.checkpoint_policy != "selective"
-    return 2 + recomputed, plan.mesh[axis] if axis else 1
+    return 2 + recomputed, config.cp_size(plan.mesh)
 
 
 def context_comm(plan: Plan, comm: Comm, tokens: int, engine: str = "all_gather") -> None:
@@ -286,10 +289,9 @@ def context_comm(plan: Plan, comm: Comm, tokens: int, engine: str = "all_gather"
     loss over cp once (a 4-byte all-reduce).
     """
     config = plan.config
-    axis = config.context_parallel_axis
-    if axis is None:
+    if config.context is None:
         return
-    n = plan.mesh[axis]
+    axis, n = config.context.axis, config.context.size(plan.mesh)
     size = compute_itemsize(plan)
     if engine == "ring":
         gathers = ring_passes(plan)[0]
@@ -322,22 +324,19 @@ def pipeline_comm(plan: Plan, comm: Comm, tokens: int, held: Mapping[str, int]) 
     sequence parallel the hidden states between blocks are split along the sequence over
     the tensor-parallel axes, and each tensor-parallel rank sends its own slice.
     """
-    from functional_shard.planning.pipeline.stages import stage_rank
-
-    config = plan.config
-    axis = config.pipeline_axis
-    if axis is None:
+    pipeline, tp = plan.config.pipeline, plan.config.tp
+    if pipeline is None:
         return {}
-    pp, per_rank, schedule = plan.mesh[axis], config.stages_per_rank, config.pipeline_schedule
+    axis = pipeline.axis
     itemsize = compute_itemsize(plan)
     # the planner refuses a sequence the tp size does not divide, so the slices are equal
-    slices = plan.mesh.axes_size(config.tensor_parallel_axes) if config.sequence_parallel else 1
+    slices = tp.size(plan.mesh) if tp is not None and tp.sequence_parallel else 1
     boundaries: dict[int, float] = {}
     sent = 0.0
-    for stage, features in enumerate(config.boundary_features):
+    for stage, features in enumerate(pipeline.boundary_features):
         source, target = (
-            stage_rank(stage, pp, per_rank, schedule),
-            stage_rank(stage + 1, pp, per_rank, schedule),
+            pipeline.coordinate_of(stage, plan.mesh),
+            pipeline.coordinate_of(stage + 1, plan.mesh),
         )
         crossing = 0.0 if source == target else float(tokens * features * itemsize) / slices
         boundaries[stage] = crossing

@@ -188,7 +188,7 @@ def estimate(
     check_plan_and_optimizer("estimate", plan, optimizer)
     _check_positive("batch", batch)
     _check_positive("seq", seq)
-    if keep_outputs and not plan.config.pipeline_axis:
+    if keep_outputs and plan.config.pipeline is None:
         raise ShardingError(
             "estimate(keep_outputs=True): only a pipeline's last stage keeps its outputs to the "
             "step's end; the plan has no fs.pipeline(...). Leave keep_outputs out"
@@ -198,10 +198,9 @@ def estimate(
     hw.peak_flops(dtype)  # fail early, before tracing
     with_kernels = kernel_fields(model, plan, kernels, hw, dtype)
     plan = for_hardware(plan, hw)  # "auto" cp: the engine the hardware runs
-    stages = plan.config.pipeline_stages or None
+    stages = (plan.config.pipeline.stages if plan.config.pipeline else ()) or None
     micro = microbatch_size(plan, batch)
-    cp_axis = plan.config.context_parallel_axis
-    mine = seq // plan.mesh[cp_axis] if cp_axis else seq  # a cp rank's tokens of each sequence
+    mine = seq // plan.config.cp_size(plan.mesh)  # a cp rank's tokens of each sequence
     trace = _trace(
         model,
         plan,
@@ -281,16 +280,16 @@ def compare_schedules(
 
     from .pipeline_estimate import with_schedule
 
-    config = plan.config
-    if config.pipeline_axis is None:
+    pipeline = plan.config.pipeline
+    if pipeline is None:
         raise ShardingError("compare_schedules(): the plan has no pipeline; add fs.pipeline(...)")
-    pp, per_rank, m = plan.mesh[config.pipeline_axis], config.stages_per_rank, config.microbatches
+    pp, per_rank, m = pipeline.size(plan.mesh), pipeline.stages_per_rank, pipeline.microbatches
     if schedules is None:
         fitting = [
             name
             for name in SCHEDULES
             if (name in SINGLE_STAGE) == (per_rank == 1)
-            and (name in V_SHAPED) == (config.pipeline_schedule in V_SHAPED)
+            and (name in V_SHAPED) == (pipeline.schedule in V_SHAPED)
             and not isinstance(_actions_or_reason(name, pp, m, per_rank), str)
         ]
         schedules = fitting
@@ -300,7 +299,7 @@ def compare_schedules(
     plan = for_hardware(plan, hw)  # "auto" cp: the engine the hardware runs
     planned = {name: with_schedule(plan, name) for name in schedules}
     micro = microbatch_size(plan, batch)
-    trace = _trace(model, plan, batch=micro, seq=seq, stages=config.pipeline_stages, cuda=hw.cuda)
+    trace = _trace(model, plan, batch=micro, seq=seq, stages=pipeline.stages, cuda=hw.cuda)
     units = unit_gathered_bytes(plan)
     shared = dict(
         trace=trace,

@@ -29,7 +29,6 @@ from functional_shard.costing.time.step_model import (
     Assembly,
     StepParts,
     _recomputed,
-    cp_size,
     gathered_in_flight,
 )
 from functional_shard.costing.time.step_seconds import step_time
@@ -84,7 +83,9 @@ def _flat_parts(assembly: Assembly) -> StepParts:
         attention_flops=trace.attention_flops
         + trace.attention_backward_flops
         + trace.attention_recompute_flops,
-        saved=saved_by_stage(trace, assembly.float8_linears, tokens // cp_size(plan), assembly.hardware)[0],
+        saved=saved_by_stage(
+            trace, assembly.float8_linears, tokens // plan.config.cp_size(plan.mesh), assembly.hardware
+        )[0],
         work=work_of(
             trace,
             fsdp_bytes=fsdp_copy_bytes(plan, units, {u: gathers_per_step(plan, (u,)) for u in units}),
@@ -113,9 +114,10 @@ def _without_unmade_grads(memory: dict[str, int]) -> tuple[dict[str, int], str]:
 
 def _causal_imbalance(plan: Plan, seq: int) -> float:
     """The cp group's busiest rank's causal attention work over the mean (1.0 without cp)."""
-    if cp_size(plan) == 1:
+    context = plan.config.context
+    if context is None or context.size(plan.mesh) == 1:
         return 1.0
-    return causal_imbalance(seq, cp_size(plan), load_balance=plan.config.context_load_balance)
+    return causal_imbalance(seq, context.size(plan.mesh), load_balance=context.load_balance)
 
 
 def assemble(assembly: Assembly) -> Estimate:
@@ -135,7 +137,7 @@ def assemble(assembly: Assembly) -> Estimate:
         True
     """
     plan, hw = assembly.plan, assembly.hardware
-    parts = pipeline_parts(assembly) if plan.config.pipeline_axis else _flat_parts(assembly)
+    parts = pipeline_parts(assembly) if plan.config.pipeline else _flat_parts(assembly)
     checkpointed = plan.config.checkpointed if assembly.checkpointed is None else assembly.checkpointed
     clock = Clock.of(assembly.kernels, hw, assembly.dtype)
     timed = step_time(
@@ -155,7 +157,6 @@ def assemble(assembly: Assembly) -> Estimate:
         ring_merges=ring_merge_seconds(parts.plan, parts.attention_flops, assembly.seq, hw, clock.speedup),
         work=parts.work,
     )
-    tp_axes = plan.config.tensor_parallel_axes
     found = Estimate(
         rank=parts.rank,
         batch=assembly.batch,
@@ -169,8 +170,8 @@ def assemble(assembly: Assembly) -> Estimate:
         compute_seconds=timed.compute_seconds if parts.compute_seconds is None else parts.compute_seconds,
         exposed_seconds=timed.exposed_seconds,
         comm_seconds=timed.comm_seconds | dict(parts.sends),
-        tensor_parallel=plan.mesh.axes_size(tp_axes) if tp_axes else 1,
-        context_parallel=cp_size(plan),
+        tensor_parallel=plan.config.tp_size(plan.mesh),
+        context_parallel=plan.config.cp_size(plan.mesh),
         cost=parts.cost,
         pipeline=parts.pipeline,
         peak_at=parts.peak_at,

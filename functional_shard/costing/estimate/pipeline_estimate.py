@@ -30,13 +30,13 @@ from functional_shard.costing.time.kernels import (
 from functional_shard.costing.time.step_model import (
     Assembly,
     StepParts,
-    cp_size,
     gathered_in_flight,
     in_share,
 )
 from functional_shard.planning.pipeline.schedules import check_pipeline, held_peak_parts, in_flight, simulate
 from functional_shard.planning.pipeline.stage_plans import stage_plan
-from functional_shard.planning.pipeline.stages import rank_stages, stage_finder, stage_rank
+from functional_shard.planning.pipeline.stages import rank_stages, stage_finder
+from functional_shard.planning.plan.config import PipelineConfig
 
 from .loss_memory import pipeline_loss_workspace
 from .record import PipelineEstimate, StageEstimate
@@ -60,7 +60,7 @@ def microbatch_size(plan: Plan, batch: int) -> int:
     Raises:
         ShardingError: the micro-batch count does not divide ``batch``.
     """
-    m = plan.config.microbatches if plan.config.pipeline_axis else 1
+    m = plan.config.pipeline.microbatches if plan.config.pipeline else 1
     if not m or batch % m:
         raise ShardingError(
             f"estimate(batch={batch}): pipeline(microbatches={m}) cuts each step's batch into {m} "
@@ -77,15 +77,18 @@ def _in_flight(schedule: str, pp: int, microbatches: int, stages_per_rank: int) 
 
 
 def _rank_of_coordinate(plan: Plan, pp_coordinate: int, rank: int | None) -> int:
-    axis = plan.config.pipeline_axis
-    assert axis is not None
-    coords = plan.mesh.coords(rank or 0)
-    coords[axis] = pp_coordinate
-    return plan.mesh.rank(coords)
+    return _pipeline(plan).moved(plan.mesh, rank or 0, pp_coordinate)
+
+
+def _pipeline(plan: Plan) -> PipelineConfig:
+    pipeline = plan.config.pipeline
+    if pipeline is None:
+        raise ShardingError("a pipeline estimate of a plan without a pipeline: use fs.estimate(plan, ...)")
+    return pipeline
 
 
 def _stage_units(plan: Plan, units: Mapping[str, int], mine: set[int]) -> dict[str, int]:
-    stage_of = stage_finder(plan.config.pipeline_stages)
+    stage_of = stage_finder(_pipeline(plan).stages)
     return {unit: nbytes for unit, nbytes in units.items() if stage_of(unit, module=True) in (*mine, None)}
 
 
@@ -108,7 +111,7 @@ def _accumulated_grads(plan: Plan, units: Mapping[str, int]) -> int:
 
 def _recomputing_stages(plan: Plan, stages: int) -> list[bool]:
     """Per stage, whether its backward recomputes: a checkpointed module is in it or holds it."""
-    stage_of = stage_finder(plan.config.pipeline_stages)
+    stage_of = stage_finder(_pipeline(plan).stages)
     homes = {stage_of(path, module=True) for path in plan.config.checkpointed}
     return [None in homes or s in homes for s in range(stages)]
 
@@ -120,7 +123,7 @@ def _signature(plan: Plan) -> tuple[Any, ...]:
         tuple((id(plan.tensors[path]), id(spec)) for path, spec in plan.params.items()),
         tuple((id(plan.tensors[path]), id(spec)) for path, spec in plan.buffers.items()),
         tuple((style, kind) for _, style, kind in plan.config.tp_styles),
-        len(plan.config.units),
+        len(plan.config.fsdp.units) if plan.config.fsdp else 0,
         len(plan.config.checkpointed),
     )
 
@@ -129,10 +132,8 @@ def stage_costs(
     plan: Plan, optimizer: OptimizerKind, tokens: int, rank: int | None = None
 ) -> tuple[Cost, ...]:
     """Per pp coordinate, `cost` of what a rank there holds (`stage_plan` of its stages)."""
-    config = plan.config
-    assert config.pipeline_axis is not None
-    pp = plan.mesh[config.pipeline_axis]
-    per_rank, schedule = config.stages_per_rank, config.pipeline_schedule
+    pipeline = _pipeline(plan)
+    pp, per_rank, schedule = pipeline.size(plan.mesh), pipeline.stages_per_rank, pipeline.schedule
     seen: dict[tuple[Any, ...], Cost] = {}
     out = []
     for c in range(pp):
@@ -152,7 +153,7 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
     plan, trace, rank = assembly.plan, assembly.trace, assembly.rank
     layout = _layout(plan)
     m, micro = layout.microbatches, assembly.batch // layout.microbatches
-    tokens = micro * assembly.seq // cp_size(plan)  # of one micro-batch, on a cp rank
+    tokens = micro * assembly.seq // plan.config.cp_size(plan.mesh)  # of one micro-batch, on a cp rank
     saved = saved_by_stage(trace, assembly.float8_linears, tokens, assembly.hardware, layout.stages)
     seconds = _stage_seconds(assembly, saved)
     stage_bytes = _stage_bytes(trace, layout, assembly.keep_outputs)
@@ -229,13 +230,11 @@ class _Layout:
 
 def _layout(plan: Plan) -> _Layout:
     """The plan's pipeline, checked against what torch's schedule can run."""
-    config = plan.config
-    axis = config.pipeline_axis
-    assert axis is not None
-    schedule, m, per_rank = config.pipeline_schedule, config.microbatches, config.stages_per_rank
-    pp = plan.mesh[axis]
+    pipeline = _pipeline(plan)
+    axis, pp = pipeline.axis, pipeline.size(plan.mesh)
+    schedule, m, per_rank = pipeline.schedule, pipeline.microbatches, pipeline.stages_per_rank
     check_pipeline(schedule, pp, per_rank, m)
-    owner = tuple(stage_rank(s, pp, per_rank, schedule) for s in range(pp * per_rank))
+    owner = tuple(pipeline.coordinate_of(s, plan.mesh) for s in range(pp * per_rank))
     ranks_stages = tuple({s for s in range(len(owner)) if owner[s] == c} for c in range(pp))
     return _Layout(axis, schedule, pp, m, per_rank, owner, ranks_stages)
 
@@ -449,7 +448,7 @@ def _stage_estimates(
         StageEstimate(
             stage=s,
             rank=layout.owner[s],
-            modules=tuple(plan.config.pipeline_stages[s]),
+            modules=tuple(_pipeline(plan).stages[s]),
             activation_bytes=int(stage_bytes.kept[s]),
             in_flight=flight[s],
             forward_seconds=seconds.forward[s],
@@ -487,14 +486,14 @@ def with_schedule(plan: Plan, schedule: str) -> Plan:
     """
     from functional_shard.planning.pipeline.stages import V_SHAPED
 
-    config = plan.config
-    axis = config.pipeline_axis
-    if axis is None:
+    pipeline = plan.config.pipeline
+    if pipeline is None:
         raise ShardingError(f"with_schedule({schedule!r}): the plan has no pipeline axis")
-    if (schedule in V_SHAPED) != (config.pipeline_schedule in V_SHAPED):
+    if (schedule in V_SHAPED) != (pipeline.schedule in V_SHAPED):
         raise ShardingError(
             f"with_schedule({schedule!r}): it places stages on other ranks than "
-            f"{config.pipeline_schedule!r} does; plan again with fs.pipeline(schedule={schedule!r})"
+            f"{pipeline.schedule!r} does; plan again with fs.pipeline(schedule={schedule!r})"
         )
-    check_pipeline(schedule, plan.mesh[axis], config.stages_per_rank, config.microbatches)
-    return dataclasses.replace(plan, config=dataclasses.replace(config, pipeline_schedule=schedule))
+    check_pipeline(schedule, pipeline.size(plan.mesh), pipeline.stages_per_rank, pipeline.microbatches)
+    config = dataclasses.replace(plan.config, pipeline=dataclasses.replace(pipeline, schedule=schedule))
+    return dataclasses.replace(plan, config=config)

@@ -73,12 +73,13 @@ def counted_engine(plan: Plan, engine: str | None = None) -> str:
         >>> counted_engine(plan), counted_engine(plan, "ring")
         ('all_gather', 'ring')
     """
+    own = plan.config.context.engine if plan.config.context else "auto"
     if engine is not None and engine not in CONTEXT_ENGINES:
         raise ShardingError(
             f"cost(context_engine={engine!r}): one of {', '.join(map(repr, CONTEXT_ENGINES))}, or None for "
-            f"the plan's own ({plan.config.context_engine!r})"
+            f"the plan's own ({own!r})"
         )
-    chosen = plan.config.context_engine if engine is None else engine
+    chosen = own if engine is None else engine
     return engine_that_runs(chosen, cuda=False)  # the cost model knows no device
 
 
@@ -88,23 +89,23 @@ def for_hardware(plan: Plan, hardware: Hardware) -> Plan:
     Examples:
         >>> from functional_shard.zoo import llama
         >>> plan = fs.shard(llama("tiny"), fs.Mesh(cp=2), fs.replicate() + fs.cp("cp"))
-        >>> for_hardware(plan, fs.hardware("h100")).config.context_engine
+        >>> for_hardware(plan, fs.hardware("h100")).config.context.engine
         'ring'
         >>> cpu = fs.hardware("h100").replace(cuda=False)
-        >>> for_hardware(plan, cpu).config.context_engine
+        >>> for_hardware(plan, cpu).config.context.engine
         'all_gather'
     """
-    config = plan.config
-    if config.context_parallel_axis is None or config.context_engine != "auto":
+    context = plan.config.context
+    if context is None or context.engine != "auto":
         return plan
     engine = engine_that_runs("auto", cuda=hardware.cuda)
-    return dataclasses.replace(plan, config=dataclasses.replace(config, context_engine=engine))
+    config = dataclasses.replace(plan.config, context=dataclasses.replace(context, engine=engine))
+    return dataclasses.replace(plan, config=config)
 
 
 def _ring_layers(plan: Plan, tokens: int) -> tuple[int, int, list[int]]:
     """The cp size, this rank's tokens and each attention layer's repeated key/value features."""
-    axis = plan.config.context_parallel_axis
-    n = plan.mesh[axis] if axis else 1
+    n = plan.config.cp_size(plan.mesh)
     return n, tokens // n, key_value_features(plan, repeated=True)
 
 
@@ -159,11 +160,12 @@ def ring_exposed_seconds(
         >>> hidden < alone  # all but the last permute of each backward hides
         True
     """
-    axis = plan.config.context_parallel_axis
+    context = plan.config.context
     layers = len(key_value_features(plan))
     gathers, n = ring_passes(plan)
-    if axis is None or n <= 1 or not layers:
+    if context is None or n <= 1 or not layers:
         return 0.0
+    axis = context.axis
     forward = attention_seconds / layers / (gathers + 1)  # fwd (+ recompute) + bwd (twice fwd)
     backward = 2 * forward
     gather = latency + comm_bytes.get("all_gather", {}).get(axis, 0.0) / (layers * gathers) / bandwidth
@@ -192,7 +194,7 @@ def with_engine(estimate: Estimate, plan: Plan) -> Estimate:
         >>> found.context_engine, "ring_workspace" in found.memory
         ('ring', True)
     """
-    if plan.config.context_parallel_axis is None:
+    if plan.config.context is None:
         return estimate
     return dataclasses.replace(estimate, context_engine=counted_engine(plan))
 
@@ -218,7 +220,7 @@ def with_ring_workspace(memory: Mapping[str, int], plan: Plan, tokens: int) -> d
 
 def _runs_ring(plan: Plan) -> bool:
     """Whether ``plan``'s cp runs torch's ring (its engine as counted: `counted_engine`)."""
-    return plan.config.context_parallel_axis is not None and counted_engine(plan) == "ring"
+    return plan.config.context is not None and counted_engine(plan) == "ring"
 
 
 def _ring_backward_bytes(plan: Plan, tokens: int) -> int | None:
@@ -247,9 +249,9 @@ def ring_merge_seconds(
         >>> ring_merge_seconds(plan, 3 * 4 * 1024 * 2048, 2048, hardware("h100")) > 0
         True
     """
-    config = plan.config
-    n = plan.mesh[config.context_parallel_axis] if config.context_parallel_axis else 1
-    if not _runs_ring(plan) or n <= 1 or not attention_flops:
+    context = plan.config.context
+    n = plan.config.cp_size(plan.mesh)
+    if context is None or not _runs_ring(plan) or n <= 1 or not attention_flops:
         return 0.0
     gathers, _ = ring_passes(plan)
     forwards = gathers - 1  # the forward, and a full recompute's again; the backward is twice one
@@ -258,7 +260,7 @@ def ring_merge_seconds(
     worst = max(
         forwards * forward + backward
         for forward, backward in (
-            ring_merge_bytes(n, r, load_balance=config.context_load_balance, queries=queries, itemsize=size)
+            ring_merge_bytes(n, r, load_balance=context.load_balance, queries=queries, itemsize=size)
             for r in range(n)
         )
     )

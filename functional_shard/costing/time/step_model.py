@@ -19,6 +19,7 @@ from functional_shard.core.tree import dtype_from_name, within
 from functional_shard.costing.cost.cost_model import unit_gathered
 from functional_shard.costing.cost.traffic import key_value_features, ring_passes
 from functional_shard.costing.estimate.record import PipelineEstimate
+from functional_shard.planning.plan.config import TpConfig
 from functional_shard.planning.plan.cost_record import Cost, OptimizerKind
 from functional_shard.planning.tp.rules import sequence_gathers
 
@@ -34,7 +35,6 @@ __all__ = [
     "RecomputedCollectives",
     "StepParts",
     "compute_dtype",
-    "cp_size",
     "in_share",
     "gathered_in_flight",
     "recomputed_collectives",
@@ -166,7 +166,7 @@ def collective_counts(plan: Plan, grads_bytes: int) -> dict[str, int]:
     shard; DDP all-reduces 25 MiB buckets; ZeRO-1 broadcasts each parameter; each
     tensor-parallel module issues one collective per step, two under sequence parallelism.
     """
-    config = plan.config
+    config, fsdp, tp = plan.config, plan.config.fsdp, plan.config.tp
     counts = {
         "tensor parallel": 0,
         "sharded": 0,
@@ -175,12 +175,12 @@ def collective_counts(plan: Plan, grads_bytes: int) -> dict[str, int]:
         "expert": 0,
         "context parallel": 0,
     }
-    if config.context_parallel_axis is not None and config.context_engine == "ring":
+    if config.context is not None and config.context.engine == "ring":
         # torch's ring, each attention call: K and V gathered together in forward (again in
         # a full recompute) and backward, cp permutes of their gradients; the loss averaged once
         ring_gathers, ring_permutes = ring_passes(plan)
         counts["context parallel"] = (ring_gathers + ring_permutes) * len(key_value_features(plan)) + 1
-    elif config.context_parallel_axis is not None:
+    elif config.context is not None:
         # each attention layer: K and V gathered forward (again in a recompute), their
         # gradients scattered backward; the loss averaged once
         per_layer = 4 + 2 * bool(config.checkpointed)
@@ -189,34 +189,37 @@ def collective_counts(plan: Plan, grads_bytes: int) -> dict[str, int]:
     # again backward (and its forward three again where checkpointing recomputes it)
     for path in config.expert_modules:
         counts["expert"] += 5 + 3 * within(path, config.checkpointed)
-    if config.shard_axes:
+    if fsdp is not None and fsdp.shard_axes:
         units = _units(plan)
         for unit in units:
-            counts["sharded"] += (2 if config.reshard_after_forward and unit else 1) + 1
-        if config.replicate_axes:
+            counts["sharded"] += (2 if fsdp.reshard_after_forward and unit else 1) + 1
+        if fsdp.replicate_axes:
             counts["all_reduce"] += len(units)
-    elif config.replicate_axes:
+    elif fsdp is not None and fsdp.replicate_axes:
         counts["all_reduce"] += max(1, -(-grads_bytes // _DDP_BUCKET_BYTES))
     if config.data_parallel == "zero1":
         counts["broadcast"] += len(plan.params)
+    if tp is not None:
+        _count_tensor_parallel(tp, counts)
+    return counts
+
+
+def _count_tensor_parallel(tp: TpConfig, counts: dict[str, int]) -> None:
     # under sequence parallel a module that gathers its input for the column-split layers
     # inside (rules.sequence_gathers) issues the all-gather and its reduce-scatter, once
-    gathers = set(sequence_gathers(config.tp_styles)) if config.sequence_parallel else set()
+    gathers = set(sequence_gathers(tp.styles)) if tp.sequence_parallel else set()
     counts["tensor parallel"] += 2 * len(gathers)
-    for path, style, kind in config.tp_styles:
+    for path, style, kind in tp.styles:
         if style == "sequence":
-            counts["tensor parallel"] += config.sequence_parallel  # its weight's gradient all-reduce
+            counts["tensor parallel"] += tp.sequence_parallel  # its weight's gradient all-reduce
         elif path.rpartition(".")[0] in gathers and style in ("colwise", "colwise_gather"):
             # a head's output all-gather; under loss parallel the loss's three all-reduces
-            counts["tensor parallel"] += (
-                (3 if config.loss_parallel else 1) if style == "colwise_gather" else 0
-            )
+            counts["tensor parallel"] += (3 if tp.loss_parallel else 1) if style == "colwise_gather" else 0
         elif kind == "experts":  # output all-reduce; input and routing-weight gradients' in backward
             counts["tensor parallel"] += 3
         elif style != "replicate":
-            counts["tensor parallel"] += 2 if config.sequence_parallel else 1
-            counts["tensor parallel"] += 2 * (style == "colwise_gather" and config.loss_parallel)
-    return counts
+            counts["tensor parallel"] += 2 if tp.sequence_parallel else 1
+            counts["tensor parallel"] += 2 * (style == "colwise_gather" and tp.loss_parallel)
 
 
 def _units(plan: Plan) -> frozenset[str]:
@@ -262,20 +265,20 @@ class RecomputedCollectives:
 
 def _recomputed(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> RecomputedCollectives:
     # ``tokens`` of whole sequences: under context parallel a rank recomputes a cp-th of them
-    cp_axis = plan.config.context_parallel_axis
-    return _recomputed_now(plan, checkpointed, tokens // plan.mesh[cp_axis] if cp_axis else tokens)
+    return _recomputed_now(plan, checkpointed, tokens // plan.config.cp_size(plan.mesh))
 
 
 def _recomputed_now(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> RecomputedCollectives:
-    if not checkpointed or not plan.config.tensor_parallel_axes:
+    tp = plan.config.tp
+    if not checkpointed or tp is None or not tp.axes:
         return RecomputedCollectives()
     prefixes = tuple(f"{path}." for path in checkpointed)
-    sequence = plan.config.sequence_parallel
-    gathers = set(sequence_gathers(plan.config.tp_styles)) if sequence else set()
+    sequence = tp.sequence_parallel
+    gathers = set(sequence_gathers(tp.styles)) if sequence else set()
     entered: set[str] = set()
     sent: dict[str, float] = defaultdict(float)
     count = 0
-    for module_path, style, kind in plan.config.tp_styles:
+    for module_path, style, kind in tp.styles:
         if not module_path.startswith(prefixes) or style in (
             "sequence",
             "replicate",
@@ -284,8 +287,8 @@ def _recomputed_now(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> R
             continue
         if kind == "experts":  # its output all-reduce (`expert_traffic`), run again
             gate_up = plan.tensors[plan.canonical(f"{module_path}.gate_up_proj")]
-            axes = plan.config.tensor_parallel_axes
-            n = plan.mesh.axes_size(axes)
+            axes = tp.axes
+            n = tp.size(plan.mesh)
             dtype = plan.config.param_dtype
             size = dtype_from_name(dtype).itemsize if dtype else gate_up.itemsize
             if n > 1:
@@ -316,7 +319,7 @@ def _recomputed_now(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> R
             elif sequence and (parent not in gathers or parent not in entered):
                 moves.append(("all_gather", in_features))  # once per gathering module
                 entered.add(parent)
-            if style == "colwise_gather" and not plan.config.loss_parallel:
+            if style == "colwise_gather" and not tp.loss_parallel:
                 moves.append(("all_gather", -(-out_features // n) * n))
         for what, features in moves:
             factor = 2 if what == "all_reduce" else 1
@@ -328,12 +331,6 @@ def _recomputed_now(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> R
 def in_share(total: float, part: float, whole: float) -> float:
     """``total`` in the share ``part`` is of ``whole`` (0 when ``whole`` is)."""
     return total * part / whole if whole else 0.0
-
-
-def cp_size(plan: Plan) -> int:
-    """The context-parallel size: how many ranks share each sequence's tokens (1 without cp)."""
-    axis = plan.config.context_parallel_axis
-    return plan.mesh[axis] if axis else 1
 
 
 def optimizer_seconds(plan_cost: Cost, hw: Hardware) -> float:

@@ -169,7 +169,7 @@ def _collective_group(plan: Plan, kind: str, axes: tuple[str, ...]) -> str:
     tp_axes = set(plan.config.tensor_parallel_axes)
     if tp_axes and set(axes) <= tp_axes:
         return "tensor parallel"
-    if axes == (plan.config.context_parallel_axis,):
+    if plan.config.context is not None and axes == (plan.config.context.axis,):
         return "context parallel"
     if kind == "all_to_all":
         return "expert"
@@ -256,15 +256,15 @@ def _context_exposed(
     plan: Plan, plan_cost: Cost, hw: Hardware, context: float, compute: float, attention_seconds: float
 ) -> dict[str, float]:
     """What of context parallel's communication (``context`` seconds) compute does not hide."""
-    cp_axis = plan.config.context_parallel_axis
+    cp = plan.config.context
     if not context:
         return {}
-    if cp_axis is not None and plan.config.context_engine == "ring":
+    if cp is not None and cp.engine == "ring":
         # torch's ring hides its collectives under the attention op's own chunks only
         rest = ring_exposed_seconds(
             plan,
             plan_cost.comm_bytes,
-            hw.bandwidth(plan.mesh, (cp_axis,)),
+            hw.bandwidth(plan.mesh, (cp.axis,)),
             attention_seconds,
             hw.collective_latency,
         )

@@ -237,13 +237,13 @@ class _Run:
             stack.enter_context(sequence_parallel(model, self.plan, setup.tp_size, setup.seq))
             # "auto" counts as the all-gather engine here, as in `cost` (the estimate
             # hands over the engine its hardware runs)
-            cp_axis = config.context_parallel_axis
+            context = config.context
             per_step = stack.enter_context(
                 context_parallel_attention(
                     setup.cp,
-                    config.context_engine,
-                    cp_rank=self.plan.mesh.coords(setup.rank)[cp_axis] if cp_axis else 0,
-                    load_balance=config.context_load_balance,
+                    context.engine if context else "auto",
+                    cp_rank=self.plan.mesh.coords(setup.rank)[context.axis] if context else 0,
+                    load_balance=context.load_balance if context else True,
                 )
             )
             stack.enter_context(unpacked_sequences(model))
@@ -319,15 +319,10 @@ def _stage_holder(plan: Any, rank: int) -> Any:
     Under a pipeline: the rank with ``rank``'s coordinates but the pp coordinate of the
     stage that holds the parameter (its shapes are those where it lives); else ``rank``.
     """
-    config = plan.config
-    axis = getattr(config, "pipeline_axis", None)
-    if not axis or not config.pipeline_stages:
+    pipeline = plan.config.pipeline
+    if pipeline is None or not pipeline.stages:
         return lambda path: rank
-    from functional_shard.planning.pipeline.stages import stage_rank
-
-    stage_of_module = {m: i for i, modules in enumerate(config.pipeline_stages) for m in modules}
-    pp = plan.mesh[axis]
-    coords = plan.mesh.coords(rank)
+    stage_of_module = {m: i for i, modules in enumerate(pipeline.stages) for m in modules}
 
     def holder(path: str) -> int:
         module = path.rpartition(".")[0]
@@ -335,9 +330,7 @@ def _stage_holder(plan: Any, rank: int) -> Any:
             module = module.rpartition(".")[0]
         if module not in stage_of_module:
             return rank
-        stage = stage_of_module[module]
-        coords[axis] = stage_rank(stage, pp, config.stages_per_rank, config.pipeline_schedule)
-        return plan.mesh.rank(coords)
+        return pipeline.moved(plan.mesh, rank, pipeline.coordinate_of(stage_of_module[module], plan.mesh))
 
     return holder
 
@@ -381,7 +374,7 @@ def trace_activations(
             every saved tensor is back, so a full recompute may run less; 0 is exact).
             Checkpointing leaves the backward's own flops as they are without it. Nested
             checkpointed modules are traced with the backward whatever this says.
-        stages: the module paths of each pipeline stage (``plan.config.pipeline_stages``):
+        stages: the module paths of each pipeline stage (``plan.config.pipeline.stages``):
             the trace then also says what each stage keeps and computes
             (``stage_activation_bytes`` and the ``stage_*_flops``), for one micro-batch of
             ``batch`` sequences.
@@ -421,12 +414,10 @@ def trace_activations(
     check_expert_imbalance(expert_imbalance)
     modules = dict(model.named_modules())
     dtype = getattr(torch, config.param_dtype) if config.param_dtype else None
-    tp_size = 1
-    for axis in config.tensor_parallel_axes:
-        tp_size *= plan.mesh[axis]
-    cp = plan.mesh[config.context_parallel_axis] if config.context_parallel_axis else 1
-    if cp > 1:
-        check_sequence_length(seq, cp, load_balance=config.context_load_balance)
+    tp_size = config.tp_size(plan.mesh)
+    cp = config.cp_size(plan.mesh)
+    if config.context is not None and cp > 1:
+        check_sequence_length(seq, cp, load_balance=config.context.load_balance)
     if config.sequence_parallel:
         check_sequence_parallel(modules, plan, seq // cp, tp_size)
 

@@ -111,7 +111,7 @@ def rank_experts(
 ) -> Iterator[None]:
     """Within the block, experts modules run as ``rank`` of ``plan`` runs them, routed by `expert_loads`.
 
-    The modules the plan splits (``plan.config.expert_modules``, and those whose
+    The modules the plan splits (``plan.config.experts.modules``, and those whose
     tensor-parallel style kind is ``experts``) re-enact `engines.experts`' forwards on the
     rank's local shapes; transformers' experts modules the plan leaves whole are routed
     by `functional_shard.costing.trace.routing.routed_experts`.
@@ -123,11 +123,11 @@ def rank_experts(
         ...     pass
     """
     config = plan.config
-    dispatched = set(config.expert_modules)
+    experts = config.experts
+    dispatched = set(experts.modules if experts else ())
     split = set(config.tensor_parallel_experts)
-    axis = config.expert_axis
-    ep = plan.mesh[axis] if axis else 1
-    ep_index = plan.mesh.coords(rank)[axis] if axis else 0
+    ep = experts.size(plan.mesh) if experts else 1
+    ep_index = plan.mesh.coords(rank)[experts.axis] if experts and experts.axis else 0
     replaced: list[tuple[nn.Module, Any]] = []
     try:
         for path in dispatched | split:

@@ -150,9 +150,10 @@ def reached(plan: Any, left_out: tuple[str, ...]) -> Any:
     def runs(path: str) -> bool:
         return path not in skipped and not path.startswith(prefixes)
 
+    tp = plan.config.tp
     config = dataclasses.replace(
         plan.config,
-        tp_styles=tuple(entry for entry in plan.config.tp_styles if runs(entry[0])),
+        tp=tp and dataclasses.replace(tp, styles=tuple(entry for entry in tp.styles if runs(entry[0]))),
         checkpointed=tuple(path for path in plan.config.checkpointed if runs(path)),
     )
     return dataclasses.replace(plan, config=config)

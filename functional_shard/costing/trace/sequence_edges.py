@@ -41,11 +41,13 @@ def sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> It
     # split on the sequence: its shape reads whole (Hugging Face derives position ids and
     # the attention mask from it) while each rank holds its part.
     split = _SequenceSplit(tp_size, seq)
-    gathers = set(sequence_gathers(plan.config.tp_styles)) if plan.config.sequence_parallel else set()
+    tp = plan.config.tp
+    styles = tp.styles if tp else ()
+    gathers = set(sequence_gathers(styles)) if tp and tp.sequence_parallel else set()
     changes = _Changes()
     try:
         _hook_gathering_modules(model, gathers, split, changes)
-        for path, style, kind in plan.config.tp_styles:
+        for path, style, kind in styles:
             if kind == "experts":  # split inside each expert: rank_experts re-enacts their forward
                 continue
             _run_as_apply(model, (path, style, kind), tp_size, changes)
@@ -168,11 +170,12 @@ def _hook_style(
     """
     path, style, kind = styled
     module = model.get_submodule(path)
-    sequence = plan.config.sequence_parallel
+    tp = plan.config.tp
+    sequence = tp is not None and tp.sequence_parallel
     inside = path.rpartition(".")[0] in gathers
     if sequence and style in ("colwise", "colwise_gather") and kind != "embedding" and not inside:
         changes.handles.append(module.register_forward_pre_hook(split.gather_input))
-    head_of_parallel_loss = style == "colwise_gather" and plan.config.loss_parallel
+    head_of_parallel_loss = style == "colwise_gather" and tp is not None and tp.loss_parallel
     if (style == "colwise_gather" and not head_of_parallel_loss) or (
         style == "colwise" and kind == "embedding"
     ):
@@ -218,16 +221,17 @@ def check_sequence_parallel(modules: dict[str, nn.Module], plan: Any, seq: int, 
     """
     from functional_shard.core.errors import PlanError, bullets
 
+    styles = plan.config.tp_styles
     axes = ",".join(plan.config.tensor_parallel_axes)
-    cp_axis = plan.config.context_parallel_axis
-    cp = plan.mesh[cp_axis] if cp_axis else 1
-    if cp > 1:  # speak of the length the caller gave, not of a rank's share of it
+    context = plan.config.context
+    cp = plan.config.cp_size(plan.mesh)
+    if context is not None and cp > 1:  # speak of the length the caller gave, not of a rank's share of it
         whole = seq * cp
         check_split_share(
             whole,
             cp,
             tp_size,
-            load_balance=plan.config.context_load_balance,
+            load_balance=context.load_balance,
             axis=axes,
             who=f"trace_activations(seq={whole})",
         )
@@ -237,7 +241,7 @@ def check_sequence_parallel(modules: dict[str, nn.Module], plan: Any, seq: int, 
             f"over its {tp_size} ranks (torch pads no activation), and {tp_size} does not divide {seq}. "
             f"Use a sequence length that is a multiple of {tp_size}, or drop sequence_parallel"
         )
-    if problems := sequence_parallel_problems(plan.config.tp_styles, modules):
+    if problems := sequence_parallel_problems(styles, modules):
         raise PlanError(
             bullets(
                 f"trace_activations: torch's engines cannot run sequence parallel over {axes!r} here:",

@@ -151,8 +151,8 @@ def _estimate(
 
     # with --auto, --batch is the global batch; fs.estimate takes one data-parallel rank's
     per_rank = args.batch // plan.data_parallel_rank(0)[1] if args.auto else args.batch
-    if plan.config.pipeline_axis and not batch_given:
-        per_rank = plan.config.microbatches  # a pipeline's default: one sequence per micro-batch
+    if plan.config.pipeline is not None and not batch_given:
+        per_rank = plan.config.pipeline.microbatches  # a pipeline's default: one sequence per micro-batch
     kernels = read_kernels(args.kernels) if args.kernels else None
     return estimate(
         model,

@@ -60,31 +60,22 @@ def draw_stages(axes: Axes, plan: Plan, optimizer: OptimizerKind = "adamw") -> N
         >>> figure.axes[2].get_title().splitlines()[0]
         "pipeline stages over 'pp' (schedule 1f1b, 2 micro-batches)"
     """
-    from functional_shard.planning.pipeline.stages import rank_stages
-
-    config = plan.config
-    axis = config.pipeline_axis
-    if axis is None:
+    pipeline = plan.config.pipeline
+    if pipeline is None:
         raise ShardingError("draw_stages: the plan has no pipeline; make one with fs.pipeline(...)")
-    pp = plan.mesh[axis]
+    axis, pp = pipeline.axis, pipeline.size(plan.mesh)
     stage_bytes = plan.cost(optimizer).stage_bytes
-    largest = max(
-        sum(
-            stage_bytes[s]["params"]
-            for s in rank_stages(r, pp, config.stages_per_rank, config.pipeline_schedule)
-        )
-        for r in range(pp)
-    )
+    largest = max(sum(stage_bytes[s]["params"] for s in pipeline.stages_at(plan.mesh, r)) for r in range(pp))
     unit, scale = byte_unit(largest)
     colours = matplotlib_module().colormaps["tab10" if len(stage_bytes) <= 10 else "tab20"].colors
     for rank in range(pp):
         left = 0.0
-        for stage in rank_stages(rank, pp, config.stages_per_rank, config.pipeline_schedule):
+        for stage in pipeline.stages_at(plan.mesh, rank):
             width = stage_bytes[stage]["params"] / scale
             axes.barh(
                 rank, width, left=left, color=colours[stage % len(colours)], edgecolor="white", height=0.7
             )
-            label = f"stage {stage}\n{_modules_label(config.pipeline_stages[stage])}"
+            label = f"stage {stage}\n{_modules_label(pipeline.stages[stage])}"
             axes.text(
                 left + width / 2,
                 rank,
@@ -98,9 +89,9 @@ def draw_stages(axes: Axes, plan: Plan, optimizer: OptimizerKind = "adamw") -> N
     axes.set_ylim(pp - 0.5, -0.5)
     axes.set_xlabel(f"{unit} of parameters (on the stage's first rank)")
     axes.set_title(
-        f"pipeline stages over {axis!r} (schedule {config.pipeline_schedule}, "
-        f"{config.microbatches} micro-batches)\n{len(config.pipeline_stages)} stages, "
-        f"{config.stages_per_rank} per rank",
+        f"pipeline stages over {axis!r} (schedule {pipeline.schedule}, "
+        f"{pipeline.microbatches} micro-batches)\n{len(pipeline.stages)} stages, "
+        f"{pipeline.stages_per_rank} per rank",
         fontsize=10,
     )
     axes.grid(axis="x", alpha=0.3)

@@ -34,11 +34,10 @@ def draw_sequence(axes: Axes, plan: Plan) -> None:
         >>> figure.axes[2].get_title().splitlines()[0]
         "sequence over 'cp': 4 chunks, load-balanced"
     """
-    axis = plan.config.context_parallel_axis
-    if axis is None:
+    context = plan.config.context
+    if context is None:
         raise ShardingError("draw_sequence: the plan has no cp axis; add fs.cp(...)")
-    balance = plan.config.context_load_balance
-    cp = plan.mesh[axis]
+    axis, balance, cp = context.axis, context.load_balance, context.size(plan.mesh)
     chunks = chunk_count(cp, load_balance=balance)
     held = sequence_chunks(cp, load_balance=balance)
     colors = matplotlib_module().colormaps["tab10"]

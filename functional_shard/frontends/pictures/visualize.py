@@ -94,9 +94,9 @@ def visualize(
         >>> [axes.get_title().splitlines()[0] for axes in figure.axes]
         ['memory per device (predicted)', 'weight  6×8']
     """
-    pipeline_axis = plan.config.pipeline_axis
-    piped = pipeline_axis is not None
-    cut = plan.config.context_parallel_axis is not None
+    pipeline = plan.config.pipeline
+    piped = pipeline is not None
+    cut = plan.config.context is not None
     if not piped:
         figure = new_figure(19 if cut else 13, 5)
         panels = list(figure.subplots(1, 3 if cut else 2, width_ratios=[1, 1.15, 1.15][: 3 if cut else 2]))
@@ -112,18 +112,17 @@ def visualize(
             panels.append(figure.add_subplot(grid[2, :]))
     draw_memory(panels[0], plan, estimate=estimate, optimizer=optimizer, ranks=ranks, budget=budget)
     draw_blocks(panels[1], plan, param if param is not None else _largest(plan), spec)
-    if pipeline_axis is not None:
+    if pipeline is not None:
         from functional_shard.planning.pipeline.schedules import simulate
 
-        config = plan.config
         draw_stages(panels[2], plan, optimizer)
         draw_schedule(
             panels[3],
             simulate(
-                config.pipeline_schedule,
-                plan.mesh[pipeline_axis],
-                config.microbatches,
-                config.stages_per_rank,
+                pipeline.schedule,
+                pipeline.size(plan.mesh),
+                pipeline.microbatches,
+                pipeline.stages_per_rank,
             ),
         )
     if cut:

@@ -37,7 +37,7 @@ def stage_plan(plan: Plan, stages: Iterable[int]) -> Plan:
     """
     chosen = frozenset(stages)
     config = plan.config
-    stage_of = stage_finder(config.pipeline_stages)
+    stage_of = stage_finder(config.pipeline.stages if config.pipeline else ())
 
     def held(path: str) -> bool:
         stage = stage_of(path)
@@ -47,16 +47,26 @@ def stage_plan(plan: Plan, stages: Iterable[int]) -> Plan:
         return stage_of(module, module=True) in chosen
 
     params = {path: spec for path, spec in plan.params.items() if held(path)}
+    fsdp, tp, experts = config.fsdp, config.tp, config.experts
     local_config = dataclasses.replace(
         config,
-        units=tuple(unit for unit in config.units if unit == "" or runs(unit)),
-        # a group's modules run on one stage (the planner refuses others)
-        unit_groups=tuple(group for group in config.unit_groups if runs(group[0])),
-        tp_styles=tuple(entry for entry in config.tp_styles if runs(entry[0])),
-        tp_pieces=tuple(entry for entry in config.tp_pieces if runs(entry[0])),
-        expert_modules=tuple(module for module in config.expert_modules if runs(module)),
+        fsdp=fsdp
+        and dataclasses.replace(
+            fsdp,
+            units=tuple(unit for unit in fsdp.units if unit == "" or runs(unit)),
+            # a group's modules run on one stage (the planner refuses others)
+            unit_groups=tuple(group for group in fsdp.unit_groups if runs(group[0])),
+            reshard_after_forward=False,
+        ),
+        tp=tp
+        and dataclasses.replace(
+            tp,
+            styles=tuple(entry for entry in tp.styles if runs(entry[0])),
+            pieces=tuple(entry for entry in tp.pieces if runs(entry[0])),
+        ),
+        experts=experts
+        and dataclasses.replace(experts, modules=tuple(module for module in experts.modules if runs(module))),
         checkpointed=tuple(module for module in config.checkpointed if runs(module)),
-        reshard_after_forward=False,
     )
     return dataclasses.replace(
         plan,
@@ -75,8 +85,8 @@ def without_pipeline(plan: Plan) -> Plan:
         >>> import functional_shard as fs
         >>> from functional_shard import zoo
         >>> plan = fs.shard(zoo.llama("tiny"), fs.Mesh(pp=2), fs.pipeline("pp", microbatches=2))
-        >>> without_pipeline(stage_plan(plan, [0])).config.pipeline_axis is None
+        >>> without_pipeline(stage_plan(plan, [0])).config.pipeline is None
         True
     """
-    config = dataclasses.replace(plan.config, pipeline_axis=None, pipeline_stages=())
+    config = dataclasses.replace(plan.config, pipeline=None)
     return dataclasses.replace(plan, config=config)

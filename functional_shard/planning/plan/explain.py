@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from functional_shard.core.mesh import Mesh
 from functional_shard.core.units import format_bytes
 
-from .config import PlanConfig
+from .config import ContextConfig, FsdpConfig, TpConfig
 
 __all__ = ["context_parallel_line", "packed_lines", "units_section"]
 
@@ -22,14 +22,14 @@ _ROOT_ALONE = (
 )
 
 
-def units_section(config: PlanConfig, gathered: Mapping[str, int]) -> list[str]:
+def units_section(config: FsdpConfig, gathered: Mapping[str, int]) -> list[str]:
     """Lines for ``explain``: one per unit (alike blocks folded), its gathered bytes and why.
 
     ``gathered`` is what each unit holds while all-gathered on the first rank
     (`functional_shard.costing.cost.cost_model.unit_gathered`); a unit of whole tensors gathers nothing.
 
     Examples:
-        >>> config = PlanConfig(data_parallel="fsdp", units=("", "layers.0", "layers.1"),
+        >>> config = FsdpConfig("fsdp", units=("", "layers.0", "layers.1"),
         ...     unit_reasons=(("", "the root"), ("layers.0", "a block"), ("layers.1", "a block")))
         >>> for line in units_section(config, {"": 4096, "layers.0": 2048, "layers.1": 2048}):
         ...     print(line)
@@ -66,40 +66,38 @@ def units_section(config: PlanConfig, gathered: Mapping[str, int]) -> list[str]:
     return lines
 
 
-def context_parallel_line(config: PlanConfig, mesh: Mesh) -> str:
+def context_parallel_line(context: ContextConfig, mesh: Mesh) -> str:
     """The line that says how a context-parallel plan cuts sequences, and who holds which chunk."""
     from functional_shard.core.sequence import ENGINE_LABELS, chunk_count, sequence_chunks
 
-    axis = config.context_parallel_axis
-    assert axis is not None
-    size = mesh[axis]
-    chunks = sequence_chunks(size, load_balance=config.context_load_balance)
+    axis, size, balanced = context.axis, context.size(mesh), context.load_balance
+    chunks = sequence_chunks(size, load_balance=balanced)
     held = "; ".join(f"rank {r}: {', '.join(map(str, held))}" for r, held in enumerate(chunks))
     return (
         f"context parallel over {axis!r}: activations split on the sequence dim into "
-        f"{chunk_count(size, load_balance=config.context_load_balance)} chunks "
-        f"({'load-balanced' if config.context_load_balance else 'in order'}; {axis} {held}); "
-        f"attention by {ENGINE_LABELS[config.context_engine]}"
+        f"{chunk_count(size, load_balance=balanced)} chunks "
+        f"({'load-balanced' if balanced else 'in order'}; {axis} {held}); "
+        f"attention by {ENGINE_LABELS[context.engine]}"
     )
 
 
-def packed_lines(config: PlanConfig) -> list[str]:
+def packed_lines(tp: TpConfig | None) -> list[str]:
     """Lines for ``explain``: each sized packed projection and its pieces (alike blocks folded).
 
     Examples:
-        >>> packed_lines(PlanConfig(tensor_parallel_axes=("tp",),
-        ...     tp_pieces=(("layers.0.wqkv", (8, 4, 4)), ("layers.1.wqkv", (8, 4, 4)))))
+        >>> pieces = (("layers.0.wqkv", (8, 4, 4)), ("layers.1.wqkv", (8, 4, 4)))
+        >>> packed_lines(TpConfig(("tp",), pieces=pieces))
         ['packed projections (each piece split on its own over tp): layers.*.wqkv (8, 4, 4) ×2']
     """
-    if not config.tp_pieces:
+    if tp is None or not tp.pieces:
         return []
     folded: dict[tuple[str, tuple[int, ...]], int] = {}
-    for module, pieces in config.tp_pieces:
+    for module, pieces in tp.pieces:
         key = (re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", module), tuple(pieces))
         folded[key] = folded.get(key, 0) + 1
     shown = ", ".join(
         f"{module} {pieces}" + (f" ×{count}" if count > 1 else "")
         for (module, pieces), count in folded.items()
     )
-    axes = ", ".join(config.tensor_parallel_axes)
+    axes = ", ".join(tp.axes)
     return [f"packed projections (each piece split on its own over {axes}): {shown}"]

@@ -24,19 +24,24 @@ from functional_shard.core.errors import PolicyError, ShardingError, bullets
 from functional_shard.core.mesh import Mesh
 from functional_shard.core.spec import P, ParamSharding, spec_from_json
 
-from .config import PlanConfig
+from .config import FLAT_FIELDS, SECTIONS, PipelineConfig, PlanConfig, TpConfig
 
-__all__ = ["FORMAT_VERSION", "plan_data", "plan_problems"]
+__all__ = ["FORMAT_VERSION", "nested_config", "plan_data", "plan_problems"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Version 2 holds a config per parallelism; version 1 (one flat config) is read through `nested_config`."""
 
 _KINDS = ("param", "buffer")
 _SPECS = tuple(field.name for field in dataclasses.fields(ParamSharding))
 _CONFIG_TYPES = typing.get_type_hints(PlanConfig)
-_CONFIG_AXES = ("replicate_axes", "shard_axes", "tensor_parallel_axes")
-_CONFIG_AXIS = ("pipeline_axis", "expert_axis", "context_parallel_axis")
-_CONFIG_MODULES = ("units", "checkpointed", "expert_modules")
-_DATA_PARALLEL = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
+_SECTION_TYPES = {key: typing.get_type_hints(section) for key, section in SECTIONS.items()}
+_SECTION_REQUIRED = {
+    key: tuple(field.name for field in dataclasses.fields(section) if field.default is dataclasses.MISSING)
+    for key, section in SECTIONS.items()
+}
+# version 1's flat config: each field of a parallelism -> (its config, its name there)
+_FLAT_FIELDS = {flat: (key, name) for flat, key, name in FLAT_FIELDS if key is not None}
+_DATA_PARALLEL = ("ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp")
 _LAYOUTS = ("linear", "embedding", "conv1d", "experts", "other")  # styles.layout_of's
 
 
@@ -131,123 +136,217 @@ def _tensor_problems(path: str, entry: Any, mesh: Mesh | None) -> list[str]:
 def _config_problems(config: Any, mesh: Mesh | None, paths: set[str], params: set[str]) -> list[str]:
     if not isinstance(config, Mapping):
         return ["config: must be an object"]
-    found = [f"config.{key}: not a field of a plan's config" for key in config if key not in _CONFIG_TYPES]
-    for key, value in config.items():
-        if key in _CONFIG_TYPES and not _is(value, _CONFIG_TYPES[key]):
-            found.append(f"config.{key}: {value!r} is not a {_CONFIG_TYPES[key]}".replace("typing.", ""))
+    found = _config_type_problems(config)
     if found:
         return found
-    found += _config_value_problems(config)
+    read = PlanConfig.from_json(config)
+    found += _config_value_problems(read)
     if mesh is not None:
-        named = [axis for key in _CONFIG_AXES for axis in config.get(key, [])]
-        named += [config[key] for key in _CONFIG_AXIS if config.get(key) is not None]
-        found += [f"config: axis {axis!r} is not an axis of {mesh!r}" for axis in named if axis not in mesh]
+        found += [
+            f"config.{key}: axis {axis!r} is not an axis of {mesh!r}"
+            for key, axis in _named_axes(read)
+            if axis not in mesh
+        ]
     modules = {""} | {path.rpartition(".")[0] for path in paths}
     modules |= {prefix for module in list(modules) for prefix in _prefixes(module)}
-    named_modules = [(key, module) for key in _CONFIG_MODULES for module in config.get(key, [])]
-    named_modules += [("tp_styles", entry[0]) for entry in config.get("tp_styles", [])]
-    found += _pieces_problems(config, mesh)
-    named_modules += [("pipeline_stages", m) for stage in config.get("pipeline_stages", []) for m in stage]
-    named_modules += [("unit_groups", m) for group in config.get("unit_groups", []) for m in group]
+    found += _pieces_problems(read.tp, mesh)
     found += [
         f"config.{key}: {module!r} is no module of the plan's tensors"
-        for key, module in named_modules
+        for key, module in _named_modules(read)
         if module not in modules
     ]
-    return found + _pipeline_problems(config, mesh, params)
+    return found + _pipeline_problems(read.pipeline, mesh, params)
 
 
-def _config_value_problems(config: Mapping[str, Any]) -> list[str]:
+def _config_type_problems(config: Mapping[str, Any]) -> list[str]:
+    found = []
+    for key, value in config.items():
+        if key not in _CONFIG_TYPES:
+            found.append(f"config.{key}: not a field of a plan's config")
+        elif key in _SECTION_TYPES and value is not None:
+            found += _section_type_problems(key, value)
+        elif key not in _SECTION_TYPES and not _is(value, _CONFIG_TYPES[key]):
+            found.append(f"config.{key}: {value!r} is not a {_CONFIG_TYPES[key]}".replace("typing.", ""))
+    return found
+
+
+def _section_type_problems(key: str, section: Any) -> list[str]:
+    # one parallelism's config: an object of its fields (null when the plan does not use it)
+    if not isinstance(section, Mapping):
+        return [f"config.{key}: must be an object, or null when the plan does not use it"]
+    kinds = _SECTION_TYPES[key]
+    found = [f"config.{key}.{name}: not a field of the {key} config" for name in section if name not in kinds]
+    found += [f"config.{key}.{name}: missing" for name in _SECTION_REQUIRED[key] if name not in section]
+    for name, value in section.items():
+        if name in kinds and not _is(value, kinds[name]):
+            found.append(f"config.{key}.{name}: {value!r} is not a {kinds[name]}".replace("typing.", ""))
+    return found
+
+
+def _named_axes(config: PlanConfig) -> list[tuple[str, str]]:
+    """(config key, axis) of every mesh axis the config names."""
+    named = []
+    if config.fsdp is not None:
+        named += [("fsdp.replicate_axes", axis) for axis in config.fsdp.replicate_axes]
+        named += [("fsdp.shard_axes", axis) for axis in config.fsdp.shard_axes]
+    if config.tp is not None:
+        named += [("tp.axes", axis) for axis in config.tp.axes]
+    for key, section in (
+        ("pipeline", config.pipeline),
+        ("experts", config.experts),
+        ("context", config.context),
+    ):
+        axis = getattr(section, "axis", None)
+        if axis is not None:
+            named.append((f"{key}.axis", axis))
+    return named
+
+
+def _named_modules(config: PlanConfig) -> list[tuple[str, str]]:
+    """(config key, module path) of every module the config names."""
+    named = [("checkpointed", module) for module in config.checkpointed]
+    if config.fsdp is not None:
+        named += [("fsdp.units", module) for module in config.fsdp.units]
+        named += [("fsdp.unit_groups", module) for group in config.fsdp.unit_groups for module in group]
+    if config.tp is not None:
+        named += [("tp.styles", entry[0]) for entry in config.tp.styles]
+    if config.experts is not None:
+        named += [("experts.modules", module) for module in config.experts.modules]
+    if config.pipeline is not None:
+        named += [("pipeline.stages", module) for stage in config.pipeline.stages for module in stage]
+    return named
+
+
+def _config_value_problems(config: PlanConfig) -> list[str]:
     # the config's names the plan's readers look up: each must name what exists
     from functional_shard.core.sequence import CONTEXT_ENGINES
     from functional_shard.planning.policy.builders import CHECKPOINT_POLICIES
-    from functional_shard.planning.tp.styles import STYLES
 
     found = []
-    kind = config.get("data_parallel", "none")
-    if kind not in _DATA_PARALLEL:
-        found.append(f"config.data_parallel: {kind!r} is not one of {list(_DATA_PARALLEL)}")
-    policy = config.get("checkpoint_policy", "full")
+    if config.fsdp is not None and config.fsdp.kind not in _DATA_PARALLEL:
+        found.append(
+            f"config.fsdp.kind: {config.fsdp.kind!r} is not one of {list(_DATA_PARALLEL)} "
+            '(a plan without data parallelism has "fsdp": null)'
+        )
+    policy = config.checkpoint_policy
     if policy not in CHECKPOINT_POLICIES:
         found.append(f"config.checkpoint_policy: {policy!r} is not one of {list(CHECKPOINT_POLICIES)}")
-    engine = config.get("context_engine", "auto")
-    if engine not in CONTEXT_ENGINES:
-        found.append(f"config.context_engine: {engine!r} is not one of {list(CONTEXT_ENGINES)}")
+    if config.context is not None and config.context.engine not in CONTEXT_ENGINES:
+        found.append(
+            f"config.context.engine: {config.context.engine!r} is not one of {list(CONTEXT_ENGINES)}"
+        )
     for key in ("param_dtype", "reduce_dtype"):
-        name = config.get(key)
+        name = getattr(config, key)
         if name is not None and not isinstance(getattr(torch, name, None), torch.dtype):
             found.append(f"config.{key}: {name!r} is not a torch dtype (e.g. 'bfloat16')")
-    for key in ("microbatches", "stages_per_rank"):  # counts, with a pipeline or without
-        if config.get(key, 1) < 1:
-            found.append(f"config.{key}: {config[key]!r}; a positive count (1 without a pipeline)")
-    heads = [module for module, style, _ in config.get("tp_styles", []) if style == "colwise_gather"]
-    if config.get("loss_parallel") and not heads:  # as the tp builder refuses it (config_builder)
+    if config.pipeline is not None:
+        for key in ("microbatches", "stages_per_rank"):
+            if getattr(config.pipeline, key) < 1:
+                found.append(f"config.pipeline.{key}: {getattr(config.pipeline, key)!r}; a positive count")
+    return found + _tp_value_problems(config.tp)
+
+
+def _tp_value_problems(tp: TpConfig | None) -> list[str]:
+    from functional_shard.planning.tp.styles import STYLES
+
+    if tp is None:
+        return []
+    found = []
+    if not tp.axes:
+        found.append('config.tp.axes: empty; a plan without tensor parallelism has "tp": null')
+    heads = [module for module, style, _ in tp.styles if style == "colwise_gather"]
+    if tp.loss_parallel and not heads:  # as the tp builder refuses it (config_builder)
         found.append(
-            "config.loss_parallel: true, but no module is a tensor-parallel head (style 'colwise_gather' "
-            "in config.tp_styles), so no vocabulary-split logits exist for the loss; set it false"
+            "config.tp.loss_parallel: true, but no module is a tensor-parallel head (style 'colwise_gather' "
+            "in config.tp.styles), so no vocabulary-split logits exist for the loss; set it false"
         )
-    for module, style, layout in config.get("tp_styles", []):
+    for module, style, layout in tp.styles:
         if style not in STYLES or layout not in _LAYOUTS:
             found.append(
-                f"config.tp_styles: {module!r} has style {style!r} and layout {layout!r}; "
+                f"config.tp.styles: {module!r} has style {style!r} and layout {layout!r}; "
                 f"styles are {list(STYLES)}, layouts {list(_LAYOUTS)}"
             )
     return found
 
 
-def _pieces_problems(config: Mapping[str, Any], mesh: Mesh | None) -> list[str]:
+def _pieces_problems(tp: TpConfig | None, mesh: Mesh | None) -> list[str]:
     # each sized packed projection: a packed_colwise module, two or more positive pieces, each
     # split evenly over the tensor-parallel axis
-    packed = {entry[0] for entry in config.get("tp_styles", []) if entry[1] == "packed_colwise"}
-    axes = config.get("tensor_parallel_axes", [])
+    if tp is None:
+        return []
+    packed = {entry[0] for entry in tp.styles if entry[1] == "packed_colwise"}
+    axes = tp.axes
     size = mesh[axes[0]] if mesh is not None and axes and axes[0] in mesh else 1
     found = []
-    for module, pieces in config.get("tp_pieces", []):
+    for module, pieces in tp.pieces:
         if module not in packed:
-            found.append(f"config.tp_pieces: {module!r} is no 'packed_colwise' module of config.tp_styles")
+            found.append(f"config.tp.pieces: {module!r} is no 'packed_colwise' module of config.tp.styles")
         elif len(pieces) < 2 or any(n < 1 for n in pieces):
-            found.append(f"config.tp_pieces: {module!r} has pieces {pieces}; two or more positive sizes")
+            found.append(f"config.tp.pieces: {module!r} has pieces {pieces}; two or more positive sizes")
         elif any(n % size for n in pieces):
             found.append(
-                f"config.tp_pieces: {module!r} has pieces {pieces}, which {axes[0]!r} (size {size}) "
+                f"config.tp.pieces: {module!r} has pieces {pieces}, which {axes[0]!r} (size {size}) "
                 "does not split evenly"
             )
     return found
 
 
-def _pipeline_problems(config: Mapping[str, Any], mesh: Mesh | None, paths: set[str]) -> list[str]:
-    axis = config.get("pipeline_axis")
-    if axis is None or mesh is None or axis not in mesh:
+def _pipeline_problems(pipeline: PipelineConfig | None, mesh: Mesh | None, paths: set[str]) -> list[str]:
+    if pipeline is None or mesh is None or pipeline.axis not in mesh:
         return []
     from functional_shard.planning.pipeline.stages import SCHEDULES, stage_finder
 
-    stages = tuple(tuple(stage) for stage in config.get("pipeline_stages", []))
-    per_rank = config.get("stages_per_rank", 1)
+    axis, per_rank, pp = pipeline.axis, pipeline.stages_per_rank, pipeline.size(mesh)
     found = []
-    if len(stages) != mesh[axis] * per_rank:
+    if len(pipeline.stages) != pp * per_rank:
         found.append(
-            f"config.pipeline_stages: {len(stages)} stages, but {axis!r} (size {mesh[axis]}) × "
-            f"{per_rank} stages per rank makes {mesh[axis] * per_rank}"
+            f"config.pipeline.stages: {len(pipeline.stages)} stages, but {axis!r} (size {pp}) × "
+            f"{per_rank} stages per rank makes {pp * per_rank}"
         )
-    if config.get("pipeline_schedule", "1f1b") not in SCHEDULES:
-        found.append(
-            f"config.pipeline_schedule: {config.get('pipeline_schedule')!r} is not one of {list(SCHEDULES)}"
-        )
-    schedule, microbatches = config.get("pipeline_schedule", "1f1b"), config.get("microbatches", 1)
-    if schedule in SCHEDULES and microbatches >= 1 and per_rank >= 1:
+    if pipeline.schedule not in SCHEDULES:
+        found.append(f"config.pipeline.schedule: {pipeline.schedule!r} is not one of {list(SCHEDULES)}")
+    elif pipeline.microbatches >= 1 and per_rank >= 1:
         from functional_shard.planning.pipeline.schedules import (
             check_pipeline,  # the builder's check: what torch's schedule runs
         )
 
         try:
-            check_pipeline(schedule, mesh[axis], per_rank, microbatches)
+            check_pipeline(pipeline.schedule, pp, per_rank, pipeline.microbatches)
         except PolicyError as error:
             found.append(f"config: {error}")
-    stage_of = stage_finder(stages)
+    stage_of = stage_finder(pipeline.stages)
     found += [f"tensors[{path!r}]: in no pipeline stage" for path in sorted(paths) if stage_of(path) is None][
         :5
     ]
     return found
+
+
+def nested_config(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """A version-1 config (one flat object of 31 fields) as version 2 writes it: a config per parallelism.
+
+    A parallelism's fields go into its own object, which is null where the flat config left
+    it off (no data-parallel kind, no tensor-parallel axes, no pipeline, expert or cp axis, and
+    no experts' top-k); fields the reader does not know stay where they are, to be refused.
+
+    Examples:
+        >>> nested_config({"data_parallel": "ddp", "shard_axes": [], "pipeline_axis": None,
+        ...     "microbatches": 1, "checkpointed": []})
+        {'checkpointed': [], 'fsdp': {'kind': 'ddp', 'shard_axes': []}, 'pipeline': None}
+    """
+    nested: dict[str, Any] = {key: value for key, value in flat.items() if key not in _FLAT_FIELDS}
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key in _FLAT_FIELDS:
+            section, name = _FLAT_FIELDS[key]
+            sections.setdefault(section, {})[name] = value
+    for section, values in sections.items():
+        used = {
+            "fsdp": values.get("kind", "none") != "none",
+            "tp": bool(values.get("axes")),
+            "experts": values.get("axis") is not None or bool(values.get("top_k")),
+        }.get(section, values.get("axis") is not None)  # pipeline and context: their axis
+        nested[section] = values if used else None
+    return nested
 
 
 def _prefixes(module: str) -> list[str]:
@@ -344,11 +443,18 @@ def plan_data(source: Any) -> Mapping[str, Any]:
     data = _parsed(source)
     if not isinstance(data, Mapping):
         raise ShardingError(f"not a plan file: it holds a JSON {type(data).__name__}, not an object")
-    if data.get("format") != "functional_shard.plan" or data.get("version") != FORMAT_VERSION:
+    version = data.get("version")
+    if (
+        data.get("format") != "functional_shard.plan"
+        or type(version) is not int
+        or version not in (1, FORMAT_VERSION)
+    ):
         raise ShardingError(
-            f"not a functional_shard plan of format version {FORMAT_VERSION} "
+            f"not a functional_shard plan of format version 1 to {FORMAT_VERSION} "
             f"(format={data.get('format')!r}, version={data.get('version')!r})"
         )
+    if version == 1 and isinstance(data.get("config"), Mapping):
+        data = {**data, "config": nested_config(data["config"])}
     problems = plan_problems(data)
     if problems:
         raise ShardingError(

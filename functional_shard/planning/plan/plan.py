@@ -19,7 +19,7 @@ from functional_shard.core.spec import P, ParamSharding
 from functional_shard.core.tree import TensorSpec, owner_paths
 from functional_shard.core.units import format_bytes as _bytes
 
-from .config import Change, PlanConfig, group_name
+from .config import Change, PlanConfig, first_rank, group_name
 from .cost_record import Cost, OptimizerKind
 from .explain import context_parallel_line, packed_lines, units_section
 from .json_format import FORMAT_VERSION
@@ -146,7 +146,8 @@ class Plan:
         """
         canonical = self.canonical(path)
         names = self.aliases.get(canonical, (canonical,))
-        units = _unit_set(self.config.units, self.config.unit_groups)
+        fsdp = self.config.fsdp
+        units = _unit_set(fsdp.units, fsdp.unit_groups) if fsdp is not None else {}
         for module in owner_paths(names[0]):
             unit = units.get(module)
             if unit is not None and all(module == "" or name.startswith(module + ".") for name in names):
@@ -174,10 +175,11 @@ class Plan:
         """
         from functional_shard.planning.pipeline.stages import stage_finder
 
-        if self.config.pipeline_axis is None:
+        pipeline = self.config.pipeline
+        if pipeline is None:
             return 0
         self.canonical(path)  # raises for a path that is no tensor of the plan
-        stage = stage_finder(self.config.pipeline_stages)(path)
+        stage = stage_finder(pipeline.stages)(path)
         if stage is None:
             raise PolicyError(f"parameter {path!r} is in no pipeline stage")
         return stage
@@ -196,16 +198,12 @@ class Plan:
             >>> plan.ranks_of_stage(0), plan.ranks_of_stage(1), plan.ranks_of_stage(3)
             ((0, 1), (2, 3), (0, 1))
         """
-        from functional_shard.planning.pipeline.stages import stage_rank
-
-        config = self.config
-        if config.pipeline_axis is None:
+        pipeline = self.config.pipeline
+        if pipeline is None:
             if stage != 0:
                 raise PolicyError(f"stage {stage} does not exist: the plan has no pipeline (one stage, 0)")
             return tuple(range(self.mesh.size))
-        axis = config.pipeline_axis
-        index = stage_rank(stage, self.mesh[axis], config.stages_per_rank, config.pipeline_schedule)
-        return tuple(r for r in range(self.mesh.size) if self.mesh.coords(r)[axis] == index)
+        return pipeline.ranks(self.mesh, pipeline.coordinate_of(stage, self.mesh))
 
     # ---- views -------------------------------------------------------------------
     def cost(self, optimizer: OptimizerKind = "adamw", **kwargs: Any) -> Cost:
@@ -226,8 +224,7 @@ class Plan:
         """The first rank holding a tensor: rank 0, or the first of its stage's ranks."""
         if sharding.on is None:
             return 0
-        axis, index = sharding.on
-        return self.mesh.rank(dict.fromkeys(self.mesh.axis_names, 0) | {axis: index})
+        return first_rank(self.mesh, *sharding.on)
 
     def _stage_label(self, path: str) -> str:
         sharding = self.sharding(path)
@@ -237,7 +234,7 @@ class Plan:
 
     def _rows(self) -> list[tuple[str, ...]]:
         rows = []
-        staged = self.config.pipeline_axis is not None
+        staged = self.config.pipeline is not None
         for group in (self.params, self.buffers):
             for path, sharding in group.items():
                 tensor = self.tensors[path]
@@ -290,7 +287,8 @@ class Plan:
                 (key[0] + (f" ×{count}" if count > 1 else ""), *key[1:-1], str(int(key[-1]) * count))
                 for key, count in grouped.values()
             ]
-        staged = c.pipeline_axis is not None
+        pipe = c.pipeline
+        staged = pipe is not None
         local = "local (first holder)" if staged else "local (rank 0)"
         header = ("path", *(("stage",) if staged else ()), "shape", "dtype", *_SPECS, local, "bytes/device")
         body = [(*row[:-1], _bytes(int(row[-1]))) for row in rows]
@@ -300,24 +298,25 @@ class Plan:
         total_local, largest = self._largest_local()
         summary = [
             f"Plan on {self.mesh!r}: data parallel {c.data_parallel} over {c.data_axes}; "
-            f"tensor parallel over {c.tensor_parallel_axes}"
+            f"tensor parallel over {c.tp.axes if c.tp else ()}"
             + (" with sequence parallel" if c.sequence_parallel else "")
             + (" and loss parallel" if c.loss_parallel else ""),
-            f"{len(self.params)} parameters, {len(self.buffers)} buffers, {len(c.units)} FSDP units, "
+            f"{len(self.params)} parameters, {len(self.buffers)} buffers, "
+            f"{len(c.fsdp.units if c.fsdp else ())} FSDP units, "
             f"{len(c.checkpointed)} checkpointed modules; mixed precision: "
             f"{c.param_dtype or 'off'} (reduce {c.reduce_dtype or 'as params'}); offload: "
             + (", ".join(k for k in ("params", "grads", "optimizer") if getattr(c, f"offload_{k}")) or "off"),
-            *((context_parallel_line(c, self.mesh),) if c.context_parallel_axis else ()),
+            *((context_parallel_line(c.context, self.mesh),) if c.context else ()),
             *(
                 (
-                    f"pipeline over {c.pipeline_axis!r}: {len(c.pipeline_stages)} stages, "
-                    f"{c.stages_per_rank} per rank, schedule {c.pipeline_schedule}, "
-                    f"{c.microbatches} micro-batches",
+                    f"pipeline over {pipe.axis!r}: {len(pipe.stages)} stages, "
+                    f"{pipe.stages_per_rank} per rank, schedule {pipe.schedule}, "
+                    f"{pipe.microbatches} micro-batches",
                 )
-                if staged
+                if pipe
                 else ()
             ),
-            *packed_lines(c),
+            *packed_lines(c.tp),
             "",
             line.format(*header),
             *(line.format(*row) for row in body),
@@ -335,10 +334,11 @@ class Plan:
         return "\n".join(s.rstrip() for s in summary)
 
     def _units_lines(self) -> list[str]:
-        if not self.config.unit_names:
+        fsdp = self.config.fsdp
+        if fsdp is None or not fsdp.unit_names:
             return []
         # what each unit gathers is the cost model's (a layer above): the façade wires it in
-        lines = units_section(self.config, provider("plan.unit_gathered")(self))
+        lines = units_section(fsdp, provider("plan.unit_gathered")(self))
         return [*lines, ""]
 
     def __str__(self) -> str:
@@ -446,11 +446,10 @@ class Plan:
         if self.mesh != other.mesh:
             changes.append(Change("<plan>", "mesh", self.mesh, other.mesh))
         # why a unit is one says nothing the units do not: not a difference of its own
-        for f in (f for f in fields(self.config) if f.name != "unit_reasons"):
-            if getattr(self.config, f.name) != getattr(other.config, f.name):
-                changes.append(
-                    Change("<plan>", f.name, getattr(self.config, f.name), getattr(other.config, f.name))
-                )
+        was, becomes = self.config.flat(), other.config.flat()
+        for name in (name for name in was if name != "unit_reasons"):
+            if was[name] != becomes[name]:
+                changes.append(Change("<plan>", name, was[name], becomes[name]))
         for path in dict.fromkeys([*self.tensors, *other.tensors]):
             if path not in other.tensors or path not in self.tensors:
                 changes.append(Change(path, "presence", path in self.tensors, path in other.tensors))
@@ -483,14 +482,14 @@ class Plan:
 
     def _largest_local(self) -> tuple[int, int]:
         """(bytes at rest, rank) of the heaviest among each pp coordinate's first rank."""
-        axis = self.config.pipeline_axis
+        pipeline = self.config.pipeline
         totals: dict[int, int] = {}
         for group in (self.params, self.buffers):
             for path, sharding in group.items():
                 holder = self._holder(sharding)
-                if sharding.on is None and axis is not None:  # on every stage's ranks
-                    for index in range(self.mesh[axis]):
-                        rank = self.mesh.rank(dict.fromkeys(self.mesh.axis_names, 0) | {axis: index})
+                if sharding.on is None and pipeline is not None:  # on every stage's ranks
+                    for index in range(pipeline.size(self.mesh)):
+                        rank = pipeline.first_rank(self.mesh, index)
                         totals[rank] = totals.get(rank, 0) + self._local_bytes(path)
                 else:
                     totals[holder] = totals.get(holder, 0) + self._local_bytes(path)

@@ -15,6 +15,7 @@ from torch import nn
 from .styles import is_conv1d
 
 if TYPE_CHECKING:
+    from functional_shard.planning.plan.config import TpConfig
     from functional_shard.planning.plan.plan import Plan
 
 __all__ = [
@@ -69,11 +70,11 @@ def split_problems(plan: Plan, module: nn.Module) -> list[str]:
         if rowwise and is_projection(target) and features_of(target)[0] % tp_size:
             found.append(
                 f"{path}: rowwise {type(target).__name__} with in_features={features_of(target)[0]} over "
-                f"{plan.config.tensor_parallel_axes[0]!r} (size {tp_size}); torch's RowwiseParallel rebuilds "
+                f"{_tp(plan).axes[0]!r} (size {tp_size}); torch's RowwiseParallel rebuilds "
                 f"its input from local shards as if they were even ({features_of(target)[0]} % {tp_size} "
                 "!= 0). Make the dim divisible"
             )
-        pieces = plan.config.pieces_of(path)
+        pieces = _tp(plan).pieces_of(path)
         found.extend(_conv1d_problems(path, style, target, parent, tp_size, pieces=pieces))
         found.extend(_heads_split(path, style, target, parent, tp_size, pieces=pieces))
     return found
@@ -101,13 +102,19 @@ def head_problems(plan: Plan, module: nn.Module) -> list[str]:
 
 def _split_modules(plan: Plan, module: nn.Module) -> Iterator[tuple[str, str, Any, Any, int]]:
     """(path, style, module, its parent, tp size) of each module a dense tensor-parallel style names."""
-    tp_axes = plan.config.tensor_parallel_axes
-    if not tp_axes:
+    tp = plan.config.tp
+    if tp is None or not tp.axes:
         return
     modules = dict(module.named_modules())
-    for path, style, kind in plan.config.tp_styles:
+    for path, style, kind in tp.styles:
         if kind != "experts":  # 3-D expert weights: the experts engine checks them
-            yield path, style, modules.get(path), modules.get(path.rpartition(".")[0]), plan.mesh[tp_axes[0]]
+            yield path, style, modules.get(path), modules.get(path.rpartition(".")[0]), plan.mesh[tp.axes[0]]
+
+
+def _tp(plan: Plan) -> TpConfig:
+    # (asked only of the modules _split_modules yields, which a tensor-parallel plan has)
+    assert plan.config.tp is not None
+    return plan.config.tp
 
 
 def _conv1d_problems(

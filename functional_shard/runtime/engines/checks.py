@@ -25,9 +25,9 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
     # a plan of another module: nothing else about it means anything
     if found := _module_mismatches(plan, module):
         return found
-    if config.pipeline_axis is not None:
+    if config.pipeline is not None:
         found.extend(pipeline_problems(plan))
-    if config.context_parallel_axis is not None:
+    if config.context is not None:
         found.extend(context_parallel_problems(plan, module))
     found.extend(_mesh_order_problems(plan))
     found.extend(_config_problems(plan, module))
@@ -97,9 +97,10 @@ def _config_problems(plan: Plan, module: nn.Module) -> list[str]:
             "offload of only some of params/grads/optimizer: FSDP2 offloads all three together "
             "(the optimizer steps on the CPU); use fs.offload() or to_lightning() for DeepSpeed"
         )
-    if len(config.replicate_axes) > 1 or (config.replicate_axes and len(config.shard_axes) > 1):
+    fsdp = config.fsdp
+    if fsdp and (len(fsdp.replicate_axes) > 1 or (fsdp.replicate_axes and len(fsdp.shard_axes) > 1)):
         found.append(
-            f"replicate axes {config.replicate_axes} with shard axes {config.shard_axes}: apply() runs "
+            f"replicate axes {fsdp.replicate_axes} with shard axes {fsdp.shard_axes}: apply() runs "
             "HSDP on one replicate and one shard axis"
         )
     return found
@@ -107,18 +108,21 @@ def _config_problems(plan: Plan, module: nn.Module) -> list[str]:
 
 def _style_problems(plan: Plan, modules: dict[str, nn.Module]) -> list[str]:
     """Tensor-parallel styles torch's engines cannot run on the layers they name."""
-    config = plan.config
+    tp, fsdp = plan.config.tp, plan.config.fsdp
+    if tp is None:
+        return []
+    shard_axes = fsdp.shard_axes if fsdp else ()
     found: list[str] = []
-    for path, style, _ in config.tp_styles:
+    for path, style, _ in tp.styles:
         target = modules.get(path)
-        if style == "packed_colwise" and isinstance(target, nn.Linear) and config.shard_axes:
+        if style == "packed_colwise" and isinstance(target, nn.Linear) and shard_axes:
             found.append(
                 f"{path}: 'packed_colwise' on an nn.Linear splits its weight's dim 0, which FSDP2 shards "
-                f"again over {config.shard_axes}; FSDP2 cannot describe a strided split inside a strided "
+                f"again over {shard_axes}; FSDP2 cannot describe a strided split inside a strided "
                 "split. Use plain tensor parallel for this layer, or replicate it"
             )
-    if config.sequence_parallel and config.tensor_parallel_axes:
-        found.extend(sequence_parallel_problems(config.tp_styles, modules))
+    if tp.sequence_parallel and tp.axes:
+        found.extend(sequence_parallel_problems(tp.styles, modules))
     return found
 
 
@@ -127,8 +131,9 @@ def _placement_problems(plan: Plan, modules: dict[str, nn.Module]) -> list[str]:
     config = plan.config
     found: list[str] = []
     styled = {path: style for path, style, _ in config.tp_styles}
-    experts = set(config.tensor_parallel_experts) | set(config.expert_modules)
-    shard_axes = set(config.shard_axes)
+    dispatched = config.expert_modules
+    experts = set(config.tensor_parallel_experts) | set(dispatched)
+    shard_axes = config.shard_axes
     for path, sharding in plan.params.items():
         owner_path = path.rpartition(".")[0]
         owner = modules.get(owner_path)
@@ -144,11 +149,9 @@ def _placement_problems(plan: Plan, modules: dict[str, nn.Module]) -> list[str]:
                     "styles support nn.Linear and nn.Embedding"
                 )
         at_rest = sharding.at_rest_axes
-        expected = set(expert_data_axes(plan)) if owner_path in config.expert_modules else shard_axes
+        expected = set(expert_data_axes(plan)) if owner_path in dispatched else set(shard_axes)
         if at_rest and set(at_rest) != expected:
-            found.append(
-                f"{path}: split at rest over {sorted(at_rest)}, but FSDP2 shards over {config.shard_axes}"
-            )
+            found.append(f"{path}: split at rest over {sorted(at_rest)}, but FSDP2 shards over {shard_axes}")
         ndim = plan.tensors[path].ndim
         for d, axes in enumerate(sharding.storage.dim_axes(ndim)):
             if d and any(a in at_rest for a in axes):
@@ -162,16 +165,17 @@ def _placement_problems(plan: Plan, modules: dict[str, nn.Module]) -> list[str]:
 
 def pipeline_problems(plan: Plan) -> list[str]:
     """What the pipeline engine cannot run in ``plan``, one line each (pure)."""
-    config = plan.config
-    axis = config.pipeline_axis
+    config, pipeline = plan.config, plan.config.pipeline
     found: list[str] = []
-    if axis is None or axis not in plan.mesh:
+    if pipeline is None or pipeline.axis not in plan.mesh:
+        axis = pipeline.axis if pipeline else None
         return [f"pipeline axis {axis!r} is not an axis of {plan.mesh!r}; add it to the mesh"]
-    expected = plan.mesh[axis] * config.stages_per_rank
-    if len(config.pipeline_stages) != expected:
+    axis, pp = pipeline.axis, pipeline.size(plan.mesh)
+    expected = pp * pipeline.stages_per_rank
+    if len(pipeline.stages) != expected:
         found.append(
-            f"the plan lists {len(config.pipeline_stages)} stages, but {axis!r} (size {plan.mesh[axis]}) "
-            f"× {config.stages_per_rank} stages per rank makes {expected}; plan it again"
+            f"the plan lists {len(pipeline.stages)} stages, but {axis!r} (size {pp}) "
+            f"× {pipeline.stages_per_rank} stages per rank makes {expected}; plan it again"
         )
     if config.data_parallel in ("ddp", "zero1"):
         found.append(
@@ -179,7 +183,7 @@ def pipeline_problems(plan: Plan) -> list[str]:
             "gradient sync across micro-batches, not composable DDP's; use fs.fsdp(...), fs.hsdp(...) "
             "or fs.zero(2)/fs.zero(3) for the data-parallel axes"
         )
-    stage_of = stage_finder(config.pipeline_stages)
+    stage_of = stage_finder(pipeline.stages)
     for canonical, names in plan.aliases.items():
         where = {name: stage_of(name) for name in names}
         if len(set(where.values())) > 1:
@@ -199,7 +203,8 @@ def pipeline_problems(plan: Plan) -> list[str]:
 def _mesh_order_problems(plan: Plan) -> list[str]:
     # torch slices a DeviceMesh only in its own order of dims (a KeyError otherwise)
     config, order = plan.config, list(plan.mesh.axis_names)
-    groups = {"the data-parallel axes": config.data_axes, "the FSDP shard axes": config.shard_axes}
+    shard_axes = config.shard_axes
+    groups = {"the data-parallel axes": config.data_axes, "the FSDP shard axes": shard_axes}
     return [
         f"{what} {axes} are not in the mesh's order {tuple(order)}: torch's device meshes slice axes "
         f"in their own order; list them as the mesh does ({tuple(sorted(axes, key=order.index))}), "
@@ -293,10 +298,11 @@ def expert_problems(plan: Plan, modules: dict[str, nn.Module]) -> list[str]:
     config = plan.config
     found: list[str] = []
     tp_experts = list(config.tensor_parallel_experts)
-    tp_size = plan.mesh[config.tensor_parallel_axes[0]] if config.tensor_parallel_axes else 1
-    for path in dict.fromkeys(tp_experts + list(config.expert_modules)):
+    tp_size = plan.mesh[config.tp.axes[0]] if config.tp and config.tp.axes else 1
+    dispatched = config.expert_modules
+    for path in dict.fromkeys(tp_experts + list(dispatched)):
         # torchtitan's grouped experts: tensor parallel only (expert parallelism runs HF's layout)
-        titan = path in tp_experts and path not in config.expert_modules
+        titan = path in tp_experts and path not in dispatched
         problems = expert_module_problems(path, modules.get(path), titan=titan)
         found.extend(problems)
         target = modules.get(path)
@@ -308,17 +314,17 @@ def expert_problems(plan: Plan, modules: dict[str, nn.Module]) -> list[str]:
                 f"{path}: each expert's {hidden} intermediate features (gate and up each) do not split over "
                 f"{tp_size} tensor-parallel ranks; use a tensor-parallel size that divides {hidden}"
             )
-    if tp_experts and config.sequence_parallel:
+    if tp_experts and config.tp and config.tp.sequence_parallel:
         found.append(
             f"{tp_experts[0]}: experts split by tensor parallel take whole activations, which sequence "
             "parallel does not hand them. Drop sequence_parallel, or leave the experts whole"
         )
-    axis = config.expert_axis
+    axis = config.experts.axis if config.experts else None
     if axis is None:
         return found
-    if not config.expert_modules:
+    if not dispatched:
         found.append(f"ep({axis!r}): no expert tensor in the plan")
-    both = sorted(set(tp_experts) & set(config.expert_modules))
+    both = sorted(set(tp_experts) & set(dispatched))
     if both:
         found.append(
             f"{both[0]}: split both by expert (ep over {axis!r}) and inside each expert (tensor parallel); "
@@ -330,7 +336,7 @@ def expert_problems(plan: Plan, modules: dict[str, nn.Module]) -> list[str]:
             "apply() has none to dispatch. Borrow a data axis: fs.fsdp(('dp', 'ep')) + fs.ep('ep'), or "
             "fs.fsdp('dp') + fs.ep('dp')"
         )
-    if config.data_parallel not in _EXPERT_DATA_PARALLEL or config.replicate_axes:
+    if config.data_parallel not in _EXPERT_DATA_PARALLEL or (config.fsdp and config.fsdp.replicate_axes):
         found.append(
             f"ep({axis!r}) with {config.data_parallel} over {config.data_axes}: apply() runs expert "
             "parallelism with FSDP2 over the data axes (fs.fsdp(...)), no replicate axis"

@@ -106,16 +106,14 @@ def share_check(plan: Plan) -> Callable[[int], None] | None:
     The model's own check (`tensor_parallel.refuse_uneven_sequences`) sees a rank's share
     only, so its message would name a length the caller never passed.
     """
-    config = plan.config
-    axis = config.context_parallel_axis
-    if axis is None or not (config.sequence_parallel and config.tensor_parallel_axes):
+    context, tp = plan.config.context, plan.config.tp
+    if context is None or tp is None or not (tp.sequence_parallel and tp.axes):
         return None
-    tp = config.tensor_parallel_axes[0]
     return functools.partial(
         check_split_share,
-        cp=plan.mesh[axis],
-        tp=plan.mesh[tp],
-        load_balance=config.context_load_balance,
-        axis=tp,
+        cp=context.size(plan.mesh),
+        tp=plan.mesh[tp.axes[0]],
+        load_balance=context.load_balance,
+        axis=tp.axes[0],
         who="fs.forward_backward",
     )

@@ -300,8 +300,8 @@ def context_chunks(
         (tensor([[2, 3, 4, 5]]), tensor([2, 3, 4, 5]))
     """
     plan_given(plan, "fs.context_chunks")
-    axis = plan.config.context_parallel_axis
-    if axis is None:
+    context = plan.config.context
+    if context is None:
         raise ShardingError(
             "fs.context_chunks: the plan has no context-parallel axis (plan it with fs.cp(...))"
         )
@@ -312,7 +312,10 @@ def context_chunks(
     seq = tensors[0].shape[dim]
     positions = torch.tensor(
         token_positions(
-            seq, plan.mesh[axis], plan.mesh.coords(rank)[axis], load_balance=plan.config.context_load_balance
+            seq,
+            context.size(plan.mesh),
+            plan.mesh.coords(rank)[context.axis],
+            load_balance=context.load_balance,
         ),
         device=tensors[0].device,
     )
@@ -339,18 +342,18 @@ def sequence_context(plan: Plan, module: nn.Module, seq_len: int) -> Iterator[to
 
     positive_length(seq_len, "fs.sequence_context")
     applied = applied_with(plan, module, "fs.sequence_context")
-    axis = plan.config.context_parallel_axis
-    if axis is None:
+    context = plan.config.context
+    if context is None:
         raise ShardingError(
             "fs.sequence_context: the plan has no context-parallel axis (plan it with fs.cp(...))"
         )
     device = next(module.parameters(), torch.empty(0)).device
     shard = SequenceShard.of(
-        applied.device_mesh[axis],
+        applied.device_mesh[context.axis],
         seq_len,
-        load_balance=plan.config.context_load_balance,
+        load_balance=context.load_balance,
         device=device,
-        engine=plan.config.context_engine,
+        engine=context.engine,
     )
     with splitting_attention(shard):
         yield shard.positions
@@ -370,10 +373,9 @@ def context_parallel_step(
     the mean over the cp group, every token's. ``attends``: this rank's forward must reach
     attention (not so for a pipeline stage that holds none).
     """
-    config = plan.config
-    axis = config.context_parallel_axis
-    assert axis is not None
-    mesh = device_mesh[axis]
+    context = plan.config.context
+    assert context is not None
+    mesh = device_mesh[context.axis]
     group = mesh.get_group()
     split_share = share_check(plan)
 
@@ -384,9 +386,9 @@ def context_parallel_step(
         shard = SequenceShard.of(
             mesh,
             inputs.shape[1],
-            load_balance=config.context_load_balance,
+            load_balance=context.load_balance,
             device=inputs.device,
-            engine=config.context_engine,
+            engine=context.engine,
         )
         if split_share is not None:
             split_share(inputs.shape[1])
@@ -395,9 +397,9 @@ def context_parallel_step(
             loss = run(mine[0], mine[1], shard.positions)
             if attends and not split[0]:
                 raise ShardingError(
-                    f"context parallel over {axis!r}: the model's forward made no attention call the engine "
-                    "could split (it computes attention by hand?); call F.scaled_dot_product_attention, or "
-                    "use a Hugging Face model"
+                    f"context parallel over {context.axis!r}: the model's forward made no attention call the "
+                    "engine could split (it computes attention by hand?); call "
+                    "F.scaled_dot_product_attention, or use a Hugging Face model"
                 )
         # each rank's loss is the mean over its tokens (equal counts): their mean is the batch's
         mean = loss.detach().clone()

@@ -22,10 +22,10 @@ from .experts import shard_experts
 
 def apply_data_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh, root: str) -> None:
     """Run the plan's data parallel on ``module``: FSDP2 units bottom-up then ``root``, or DDP."""
-    config = plan.config
-    kind = config.data_parallel
-    if kind == "none":
+    config, fsdp = plan.config, plan.config.fsdp
+    if fsdp is None:
         return
+    kind = fsdp.kind
     if kind in ("ddp", "zero1"):
         from torch.distributed._composable import replicate
 
@@ -34,10 +34,10 @@ def apply_data_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh, 
         return
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    if config.replicate_axes:  # HSDP: a 2D (replicate, shard) mesh
-        fsdp_mesh = device_mesh[(*config.replicate_axes, *config.shard_axes)]
+    if fsdp.replicate_axes:  # HSDP: a 2D (replicate, shard) mesh
+        fsdp_mesh = device_mesh[(*fsdp.replicate_axes, *fsdp.shard_axes)]
     else:
-        fsdp_mesh = axes_mesh(device_mesh, config.shard_axes)
+        fsdp_mesh = axes_mesh(device_mesh, fsdp.shard_axes)
     options: dict[str, Any] = {
         "mesh": fsdp_mesh,
         "mp_policy": MixedPrecisionPolicy(
@@ -62,19 +62,19 @@ def apply_data_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh, 
         options["ignored_params"] = whole
     # bottom-up, as fully_shard requires: a unit takes the parameters no inner unit took; a
     # group of modules is one unit (fully_shard of their list), as deep as its shallowest
-    units = [(unit,) for unit in config.units if unit] + list(config.unit_groups)
+    units = [(unit,) for unit in fsdp.units if unit] + list(fsdp.unit_groups)
     for members in sorted(units, key=lambda paths: -min(path.count(".") for path in paths)):
         chosen = [module.get_submodule(path) for path in members]
         fully_shard(
             chosen[0] if len(chosen) == 1 else chosen,
-            reshard_after_forward=config.reshard_after_forward,
+            reshard_after_forward=fsdp.reshard_after_forward,
             **options,
         )
     # the root: left to FSDP2's default it stays gathered from forward to backward (an
     # explicit True would make it reshard); ZeRO-2 says False everywhere
     fully_shard(
         module.get_submodule(root),
-        reshard_after_forward=None if config.reshard_after_forward else False,
+        reshard_after_forward=None if fsdp.reshard_after_forward else False,
         **options,
     )
 

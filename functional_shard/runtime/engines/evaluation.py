@@ -24,7 +24,7 @@ def _evaluated(plan: Plan, module: nn.Module, root: str, caller: str) -> tuple[n
         raise ShardingError(
             f"{caller}(root={root!r}) under a pipeline plan: a stage runs the module's own forward"
         )
-    if plan.config.context_parallel_axis is not None:
+    if plan.config.context is not None:
         raise ShardingError(
             f"{caller} under a context-parallel plan is not built: each rank holds chunks of the "
             "sequences; evaluate under a plan without cp (a checkpoint loads under any plan)"

@@ -138,11 +138,11 @@ def apply_expert_tensor_parallel(plan: Plan, module: nn.Module, device_mesh: Dev
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    config = plan.config
-    paths = config.tensor_parallel_experts
-    if not paths:
+    tp = plan.config.tp
+    paths = tp.experts if tp else ()
+    if tp is None or not paths:
         return
-    tp_mesh = device_mesh[config.tensor_parallel_axes[0]]
+    tp_mesh = device_mesh[tp.axes[0]]
     size, rank = tp_mesh.size(), tp_mesh.get_local_rank()
     for path in paths:
         experts: Any = module.get_submodule(path)
@@ -166,7 +166,8 @@ def _split_titan_experts(plan: Plan, path: str, experts: Any, tp_mesh: DeviceMes
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     size, rank = tp_mesh.size(), tp_mesh.get_local_rank()
-    axis = plan.config.tensor_parallel_axes[0]
+    assert plan.config.tp is not None  # (its caller splits experts only under tensor parallel)
+    axis = plan.config.tp.axes[0]
     for name in TITAN_EXPERT_PARAMS:
         full = getattr(experts, name).detach()
         spec = plan.sharding(plan.canonical(f"{path}.{name}")).compute
@@ -215,12 +216,12 @@ def apply_expert_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh
     """Split each experts module by expert index over the plan's expert axis; tokens dispatched."""
     from torch.distributed.tensor import Shard
 
-    config = plan.config
-    if config.expert_axis is None:
+    experts_config = plan.config.experts
+    if experts_config is None or experts_config.axis is None:
         return
-    ep_mesh = device_mesh[config.expert_axis]
+    ep_mesh = device_mesh[experts_config.axis]
     size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    for path in config.expert_modules:
+    for path in experts_config.modules:
         experts: Any = module.get_submodule(path)
         total = experts.gate_up_proj.shape[0]
         for name in EXPERT_PARAMS:
@@ -293,7 +294,9 @@ def _dispatching_forward(
 
 def expert_data_axes(plan: Plan) -> tuple[str, ...]:
     """The data-parallel axes FSDP2 shards the expert tensors over: all but the expert axis."""
-    return tuple(axis for axis in plan.config.shard_axes if axis != plan.config.expert_axis)
+    config = plan.config
+    expert_axis = config.experts.axis if config.experts else None
+    return tuple(axis for axis in config.shard_axes if axis != expert_axis)
 
 
 def shard_experts(
@@ -306,13 +309,13 @@ def shard_experts(
     such axis FSDP2 leaves them alone and the dispatching forward averages their gradients.
     """
     config = plan.config
-    if config.expert_axis is None:
+    if config.experts is None or config.experts.axis is None:
         return set()
     from torch.distributed.fsdp import fully_shard
 
     data_size = plan.mesh.axes_size(config.data_axes)
     axes = expert_data_axes(plan)
-    experts = [module.get_submodule(path) for path in config.expert_modules]
+    experts = [module.get_submodule(path) for path in config.experts.modules]
     if axes:
         mesh = axes_mesh(device_mesh, axes)
         for unit in experts:

@@ -79,7 +79,8 @@ def optimizer(
     if plan.config.data_parallel == "zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        group = axes_mesh(applied.device_mesh, plan.config.shard_axes).get_group()
+        assert plan.config.fsdp is not None  # (zero1 is a data-parallel kind)
+        group = axes_mesh(applied.device_mesh, plan.config.fsdp.shard_axes).get_group()
         return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, process_group=group, **kwargs)
     result = optimizer_class(params, **kwargs)
     check_optimizer(result, module)

@@ -42,7 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.tree import within
 from functional_shard.planning.pipeline.stage_plans import stage_plan, without_pipeline
-from functional_shard.planning.pipeline.stages import SCHEDULES, SINGLE_STAGE, rank_stages, stage_rank
+from functional_shard.planning.pipeline.stages import SCHEDULES, SINGLE_STAGE, rank_stages
 from functional_shard.planning.plan.plan import Plan
 
 from .activation_checkpointing import apply_checkpointing
@@ -211,24 +211,23 @@ def apply_pipeline(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> Pl
     """
     from torch.distributed.pipelining import PipelineStage
 
-    config = plan.config
-    axis = config.pipeline_axis
-    if axis is None:
+    pipeline = plan.config.pipeline
+    if pipeline is None:
         raise ShardingError("apply_pipeline needs a plan with a pipeline axis")
-    pp = plan.mesh[axis]
-    pp_mesh = device_mesh[axis]
+    pp = pipeline.size(plan.mesh)
+    pp_mesh = device_mesh[pipeline.axis]
     pp_rank = pp_mesh.get_local_rank()
-    n_stages = len(config.pipeline_stages)
-    mine = rank_stages(pp_rank, pp, config.stages_per_rank, config.pipeline_schedule)
-    others = {m for s in range(n_stages) if s not in mine for m in config.pipeline_stages[s]}
+    n_stages = len(pipeline.stages)
+    mine = rank_stages(pp_rank, pp, pipeline.stages_per_rank, pipeline.schedule)
+    others = {m for s in range(n_stages) if s not in mine for m in pipeline.stages[s]}
     _drop_in_place(module, others)
     stage_modules: list[tuple[int, nn.Module]] = []
     for stage in mine:
         if len(mine) == 1:
             view = module
         else:
-            own = set(config.pipeline_stages[stage])
-            siblings = {m for s in mine if s != stage for m in config.pipeline_stages[s]}
+            own = set(pipeline.stages[stage])
+            siblings = {m for s in mine if s != stage for m in pipeline.stages[s]}
             view = _pruned(module, "", own, siblings)
         stage_modules.append((stage, view))
     device = _device(device_mesh)
@@ -250,7 +249,7 @@ def apply_pipeline(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> Pl
                 view, stage, n_stages, device, group=pp_mesh.get_group(), get_mesh=_sub_mesh(device_mesh)
             )
         )
-    last_rank = stage_rank(n_stages - 1, pp, config.stages_per_rank, config.pipeline_schedule)
+    last_rank = pipeline.coordinate_of(n_stages - 1, plan.mesh)
     pipelined = Pipelined(plan, tuple(built), pp_mesh.get_group(), last_rank)
     module.__dict__["_fs_pipeline"] = pipelined
     _PIPELINED.add(module)
@@ -261,21 +260,22 @@ def _schedule(pipelined: Pipelined) -> Any:
     from torch.distributed.pipelining import schedules
 
     if pipelined.schedule is None:
-        config = pipelined.plan.config
-        schedule_class = getattr(schedules, SCHEDULES[config.pipeline_schedule])
-        single = config.pipeline_schedule in SINGLE_STAGE
+        pipeline = pipelined.plan.config.pipeline
+        assert pipeline is not None  # (apply_pipeline made it of a plan with one)
+        schedule_class = getattr(schedules, SCHEDULES[pipeline.schedule])
+        single = pipeline.schedule in SINGLE_STAGE
         stages: Any = pipelined.stages[0] if single else list(pipelined.stages)
         try:
             pipelined.schedule = schedule_class(
                 stages,
-                n_microbatches=config.microbatches,
+                n_microbatches=pipeline.microbatches,
                 loss_fn=pipelined.loss_of_microbatch,
                 scale_grads=True,
             )
         except (ValueError, RuntimeError, AssertionError) as error:
             raise ShardingError(
-                f"torch's {schedule_class.__name__} refuses {config.microbatches} micro-batches over "
-                f"{len(config.pipeline_stages)} stages: {error}"
+                f"torch's {schedule_class.__name__} refuses {pipeline.microbatches} micro-batches over "
+                f"{len(pipeline.stages)} stages: {error}"
             ) from None
     return pipelined.schedule
 

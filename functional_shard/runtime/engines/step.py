@@ -84,7 +84,7 @@ def forward_backward(
         forward = module.get_submodule(root)
     except AttributeError:
         raise ShardingError(f"fs.forward_backward(root={root!r}): the module has no such submodule") from None
-    context = plan.config.context_parallel_axis is not None
+    context = plan.config.context is not None
     if context and pipelined is None:
         takes_positions = "position_ids" in inspect.signature(forward.forward).parameters
 
@@ -148,7 +148,7 @@ def scalar_loss(loss: object) -> torch.Tensor:
 
 def check_microbatches(plan: Plan, caller: str, **batches: torch.Tensor) -> None:
     """Refuse a batch that the plan's micro-batch count does not divide (both numbers named)."""
-    microbatches = plan.config.microbatches
+    microbatches = plan.config.pipeline.microbatches if plan.config.pipeline else 1
     for name, batch in batches.items():
         if batch.shape[0] % microbatches:
             raise ShardingError(

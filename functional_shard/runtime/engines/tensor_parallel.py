@@ -115,7 +115,7 @@ class _SequenceGather(PrepareModuleInput):
 
 def loss_context(plan: Plan) -> contextlib.AbstractContextManager[None]:
     """Torch's ``loss_parallel()`` under a loss-parallel plan (forward and backward in it), else nothing."""
-    if not plan.config.loss_parallel:
+    if plan.config.tp is None or not plan.config.tp.loss_parallel:
         return contextlib.nullcontext()
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -133,19 +133,17 @@ def apply_tensor_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh
     """Split ``module``'s styled layers over the plan's tensor-parallel axis, in place."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    config = plan.config
-    if not config.tensor_parallel_axes:
+    tp = plan.config.tp
+    if tp is None or not tp.axes:
         return
-    styles, own = _torch_styles(
-        config.tp_styles, module, config.sequence_parallel, loss_parallel=config.loss_parallel
-    )
-    tp_mesh = device_mesh[config.tensor_parallel_axes[0]]
+    styles, own = _torch_styles(tp.styles, module, tp.sequence_parallel, loss_parallel=tp.loss_parallel)
+    tp_mesh = device_mesh[tp.axes[0]]
     parallelize_module(module, tp_mesh, styles)
     apply_expert_tensor_parallel(plan, module, device_mesh)
     for path, style in own:
         parent_path = path.rpartition(".")[0]
         parent: Any = module.get_submodule(parent_path) if parent_path else module
-        sized = config.pieces_of(path)  # sizes a rule gave (fs.packed), else the attention's split_size
+        sized = tp.pieces_of(path)  # sizes a rule gave (fs.packed), else the attention's split_size
         pieces: int | tuple[int, ...] = (
             (sized or features_of(module.get_submodule(path))[1] // parent.split_size)
             if style == "packed_colwise"
@@ -259,7 +257,7 @@ def place_grads_as_params(plan: Plan, module: nn.Module) -> None:
     """Without FSDP2, hook each DTensor parameter so its gradient is placed as the parameter."""
     # Only without FSDP2, which reduces gradients itself. Meta parameters get theirs in
     # materialize: to_empty swaps their tensors, and hooks registered before do not fire.
-    if not plan.config.tensor_parallel_axes or plan.config.data_axes:
+    if plan.config.tp is None or plan.config.data_axes:
         return
     from torch.distributed.tensor import DTensor
 
@@ -287,10 +285,10 @@ def refuse_uneven_sequences(plan: Plan, root: nn.Module) -> None:
     # length fails deep in a rank (a reshape with the wrong length) or aborts the group in
     # a collective. Checked first in the root's forward, before FSDP2's hooks gather
     # anything; every rank of a tensor-parallel group gets the same shape and refuses alike.
-    config = plan.config
-    if not (config.sequence_parallel and config.tensor_parallel_axes):
+    tp = plan.config.tp
+    if tp is None or not (tp.sequence_parallel and tp.axes):
         return
-    axis = config.tensor_parallel_axes[0]
+    axis = tp.axes[0]
     size = plan.mesh[axis]
 
     def check(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
