@@ -13,8 +13,8 @@ same wrapping (`functional_shard.costing.trace.checkpointing.checkpointed`).
 from __future__ import annotations
 
 import functools
+import logging
 import types
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -48,10 +48,11 @@ def _without_kv_cache(module: nn.Module) -> None:
     """
     config: Any = getattr(module, "config", None)
     if getattr(config, "use_cache", False):
-        warnings.warn(
-            f"{type(module).__name__}.config.use_cache set to False: a key/value cache filled by the "
-            "forward cannot be trained through activation checkpointing (set it back for generation)",
-            stacklevel=3,
+        # logged, as Hugging Face's own gradient checkpointing says it
+        logging.getLogger(__name__).warning(
+            "%s.config.use_cache set to False: a key/value cache filled by the forward cannot be "
+            "trained through activation checkpointing (set it back for generation)",
+            type(module).__name__,
         )
         config.use_cache = False
 
