@@ -313,6 +313,8 @@ def check_packed_inputs(
         * row 0: token 2 is at position 2, but it is token 0 of its document (which starts at token 2)
         Pass positions that count 0, 1, 2, ... from each document's first token ...
     """
+    if positions is None and document_ids is None:
+        return
     for name, value in (("positions", positions), ("document_ids", document_ids)):
         _check_shape(tokens, name, value, who)
     if not _has_values(tokens, positions, document_ids):
