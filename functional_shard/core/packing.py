@@ -216,10 +216,10 @@ def _document(document: Any) -> tuple[torch.Tensor, str | None]:
         return torch.empty(0), f"({type(document).__name__}) is not a sequence of token ids"
     if tensor.ndim != 1:
         return tensor, f"has shape {tuple(tensor.shape)}, not one dim of token ids"
-    if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
-        return tensor, f"holds {tensor.dtype} values, not integer token ids"
     if tensor.numel() == 0:
         return tensor, "is empty"
+    if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
+        return tensor, f"holds {tensor.dtype} values, not integer token ids"
     return tensor.to(device="cpu", dtype=torch.long), None
 
 
