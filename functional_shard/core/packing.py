@@ -317,8 +317,10 @@ def check_packed_inputs(
         return
     for name, value in (("positions", positions), ("document_ids", document_ids)):
         _check_shape(tokens, name, value, who)
-    if not _has_values(tokens, positions, document_ids):
+    if tokens.numel() == 0 or not _has_values(tokens, positions, document_ids):
         return
+    if _well_formed(positions, document_ids):
+        return  # one look at the device's answer; the rows are read only to say what is wrong
     if document_ids is not None:
         _raise_for_rows(
             who,
@@ -333,7 +335,7 @@ def check_packed_inputs(
             "positions disagree with document_ids",
             _position_problems(positions, document_positions(document_ids)),
             "Pass positions that count 0, 1, 2, ... from each document's first token "
-            "(PackedBatch.positions), or leave them out to have them counted so.",
+            "(PackedBatch.positions).",
         )
     elif positions is not None:
         _raise_for_rows(
@@ -357,6 +359,18 @@ def _check_shape(tokens: torch.Tensor, name: str, value: Any, who: str) -> None:
             f"{who}: {name} has shape {tuple(value.shape)}, but the tokens have {tuple(tokens.shape)}; "
             f"pass one {name[:-1].replace('_id', ' id')} a token (rows x seq_len, as PackedBatch.{name})"
         )
+
+
+def _well_formed(positions: torch.Tensor | None, document_ids: torch.Tensor | None) -> bool:
+    checks = []
+    if document_ids is not None:
+        steps = document_ids.diff(dim=-1)
+        checks += [(document_ids[:, :1] == 0).all(), ((steps == 0) | (steps == 1)).all()]
+        if positions is not None:
+            checks.append((positions == document_positions(document_ids)).all())
+    elif positions is not None:
+        checks.append((positions[:, 1:] != 0).all())
+    return bool(torch.stack(checks).all())
 
 
 def _has_values(*tensors: torch.Tensor | None) -> bool:
