@@ -25,7 +25,8 @@ from functional_shard.core.packing import (
     document_positions,
 )
 from functional_shard.zoo import CONFIGS, Llama, llama
-from tests.strategies import documents
+
+from ..strategies import documents
 
 
 def _pieces(docs: list[list[int]], seq_len: int) -> list[list[int]]:
