@@ -29,6 +29,8 @@ if TYPE_CHECKING:
     from .core.layout import shard_tensor as shard_tensor
     from .core.layout import unshard_tensor as unshard_tensor
     from .core.mesh import Mesh as Mesh
+    from .core.packing import PackedBatch as PackedBatch
+    from .core.packing import pack as pack
     from .core.spec import Owned as Owned
     from .core.spec import P as P
     from .core.spec import ParamSharding as ParamSharding
@@ -206,6 +208,8 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "PartitionSpec": ("core.spec", "PartitionSpec"),
     "TensorSpec": ("core.tree", "TensorSpec"),
     "read_model": ("core.tree", "read_model"),
+    "PackedBatch": ("core.packing", "PackedBatch"),
+    "pack": ("core.packing", "pack"),
 }
 
 __all__ = [
@@ -286,6 +290,8 @@ __all__ = [
     "run_local",
     "checkpoint",
     # the data order, resumable on any plan
+    "PackedBatch",
+    "pack",
     "DataOrder",
     "ResumableLoader",
     "ResumableSampler",

@@ -187,3 +187,12 @@ def pipelined_llamas(draw: st.DrawFn) -> tuple[nn.Module, fs.Mesh, fs.Policy, fs
         stages_per_rank=per_rank,
     )
     return model, mesh, piped + rest, rest
+
+
+@st.composite
+def documents(
+    draw: st.DrawFn, max_documents: int = 8, max_length: int = 20, vocab: int = 256
+) -> list[list[int]]:
+    """Token-id documents of drawn lengths (at least one token each), as `fs.pack` takes them."""
+    lengths = draw(st.lists(st.integers(1, max_length), min_size=1, max_size=max_documents))
+    return [draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n)) for n in lengths]

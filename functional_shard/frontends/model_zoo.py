@@ -3,6 +3,11 @@
 `Llama` is a faithful-in-shape Llama (RMSNorm, grouped-query attention, SwiGLU MLP,
 optional tied embedding) whose parameter names match Hugging Face's, so `rules.llama`
 applies to it as to the real thing. Build big ones on the meta device.
+
+It takes packed documents (`functional_shard.core.packing.pack`): given ``document_ids``,
+attention stays inside each document (a block-diagonal causal mask); given ``positions``,
+queries and keys are turned by the rotary embedding at those positions. Called with the
+tokens alone it runs as it always has: causal over the whole row, no rotary embedding.
 """
 
 from __future__ import annotations
@@ -13,7 +18,12 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-__all__ = ["CONFIGS", "Llama", "LlamaConfig", "llama"]
+from functional_shard.core.packing import check_packed_inputs, document_mask
+
+__all__ = ["CONFIGS", "ROPE_THETA", "Llama", "LlamaConfig", "llama", "rotary_angles"]
+
+ROPE_THETA = 10000.0
+"""The rotary embedding's base (Llama 2's; Llama 3 uses 500,000)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,28 @@ CONFIGS: dict[str, LlamaConfig] = {
 }
 
 
+def rotary_angles(positions: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embedding's cosines and sines at ``positions``, shaped ``(rows, 1, seq, head_dim)``.
+
+    Hugging Face's layout: the first half of each head's features pairs with the second half.
+
+    Examples:
+        >>> cos, sin = rotary_angles(torch.tensor([[0, 1, 0]]), head_dim=4)
+        >>> cos.shape, cos[0, 0, 0].tolist(), sin[0, 0, 2].tolist()
+        (torch.Size([1, 1, 3, 4]), [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0])
+    """
+    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
+    angles = positions[..., None].float() * ROPE_THETA**-exponents
+    angles = torch.cat((angles, angles), dim=-1)[:, None]
+    return angles.cos(), angles.sin()
+
+
+def _rotate(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    cos, sin = (part.to(x.dtype) for part in rotary)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
 class Attention(nn.Module):
     """Causal grouped-query self-attention."""
 
@@ -55,15 +87,30 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(config.num_heads * head_dim, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Attend causally; head counts come from the (possibly TP-local) projections."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attend causally, within ``mask``'s documents where one is given.
+
+        Head counts come from the (possibly TP-local) projections; ``rotary`` is
+        `rotary_angles`'s cosines and sines, ``mask`` `document_mask`'s.
+        """
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        if rotary is not None:
+            q, k = _rotate(q, rotary), _rotate(k, rotary)
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -91,9 +138,18 @@ class Block(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=1e-5)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Residual attention, then residual MLP."""
-        x = x + self.self_attn(self.input_layernorm(x))
+        if rotary is None and mask is None:
+            x = x + self.self_attn(self.input_layernorm(x))
+        else:
+            x = x + self.self_attn(self.input_layernorm(x), rotary=rotary, mask=mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -104,6 +160,9 @@ class Llama(nn.Module):
         >>> model = Llama(CONFIGS["tiny"])
         >>> model(torch.zeros(2, 8, dtype=torch.long)).shape
         torch.Size([2, 8, 256])
+        >>> batch = fs.pack([[5, 6, 7], [8, 9, 10, 11]], seq_len=8)
+        >>> model(batch.tokens, positions=batch.positions, document_ids=batch.document_ids).shape
+        torch.Size([1, 8, 256])
     """
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -116,11 +175,38 @@ class Llama(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits for every position."""
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits for every position.
+
+        Args:
+            tokens: ``(rows, seq)`` token ids.
+            positions: ``(rows, seq)``: each token's rotary position (`PackedBatch.positions`);
+                ``None`` (the default) turns no rotary embedding.
+            document_ids: ``(rows, seq)``: each token's document in its row
+                (`PackedBatch.document_ids`); attention stays inside each. ``None`` (the
+                default) attends causally over the whole row.
+
+        Raises:
+            ShardingError: ``positions`` or ``document_ids`` shaped unlike the tokens, or
+                values that do not describe documents laid end to end (`check_packed_inputs`).
+        """
+        check_packed_inputs(tokens, positions=positions, document_ids=document_ids, who="Llama.forward")
         x = self.embed_tokens(tokens)
+        if positions is None and document_ids is None:
+            for layer in self.layers:
+                x = layer(x)
+            return self.lm_head(self.norm(x))
+        head_dim = self.config.hidden_size // self.config.num_heads
+        rotary = None if positions is None else rotary_angles(positions, head_dim)
+        mask = None if document_ids is None else document_mask(document_ids)
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, rotary=rotary, mask=mask)
         return self.lm_head(self.norm(x))
 
 

@@ -1,0 +1,429 @@
+"""Packed documents: many short documents in rows of one length, each attending only to itself.
+
+`pack` lays documents end to end into rows of ``seq_len`` tokens, next fit and in order: a
+document goes into the current row if it fits what is left of it, else it starts a new row
+(no reordering, so a row may end with unused room: the padding). Each document's tokens get
+their own positions (0, 1, 2, ... from its first token) and a document id within the row, so
+a model can keep its attention inside each document (`document_mask`) and turn its rotary
+embedding by each document's own positions; the padding after a row's last document is one
+more segment of its own, its labels ignored. `check_packed_inputs` is what a model runs
+before it uses such inputs: it refuses ids or positions that do not describe documents laid
+end to end.
+
+Examples:
+    >>> batch = pack([[5, 6, 7], [8, 9], [3, 4, 2, 1]], seq_len=6)
+    >>> batch.tokens.tolist()
+    [[5, 6, 7, 8, 9, 0], [3, 4, 2, 1, 0, 0]]
+    >>> batch.positions.tolist()
+    [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]]
+    >>> batch.offsets, batch.sources
+    (((0, 3, 5), (0, 4)), ((0, 1), (2,)))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from .errors import ShardingError, bullets
+
+__all__ = [
+    "IGNORE_INDEX",
+    "DocumentTooLongError",
+    "PackedBatch",
+    "check_packed_inputs",
+    "document_mask",
+    "document_positions",
+    "pack",
+]
+
+IGNORE_INDEX = -100
+"""The label of a token that predicts nothing (a document's last token, the padding):
+``torch.nn.functional.cross_entropy``'s default ``ignore_index``."""
+
+
+class DocumentTooLongError(ShardingError):
+    """A document longer than the rows `pack` was asked to fill, with ``long="refuse"``."""
+
+
+# eq=False: the fields hold tensors, whose == is elementwise; two batches compare by identity
+@dataclass(frozen=True, eq=False)
+class PackedBatch:
+    """Documents packed into rows of one length, as `pack` returns them.
+
+    Attributes:
+        tokens: ``(rows, seq_len)`` token ids; each row's documents end to end, then padding.
+        positions: ``(rows, seq_len)``: 0, 1, 2, ... from each document's first token (the
+            padding counts from 0 too, as a segment of its own).
+        document_ids: ``(rows, seq_len)``: 0 for a row's first document, 1 for its second, ...;
+            the padding has the id after its row's last document.
+        labels: ``(rows, seq_len)``: the next token of the same document, `IGNORE_INDEX` at each
+            document's last token and in the padding.
+        offsets: each row's document boundaries, as flash attention's ``cu_seqlens``: 0, the
+            end of its first document, ..., the end of its last one (the padding follows).
+        sources: each row's documents as indices into the documents `pack` was given (a
+            document split by ``long="split"`` appears once for each of its pieces).
+        pad_id: the token id of the padding.
+    """
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    document_ids: torch.Tensor
+    labels: torch.Tensor
+    offsets: tuple[tuple[int, ...], ...]
+    sources: tuple[tuple[int, ...], ...]
+    pad_id: int
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens in each row."""
+        return int(self.tokens.shape[1])
+
+    @property
+    def padding(self) -> int:
+        """Padding tokens in all the rows together (at the end of each row)."""
+        return sum(self.seq_len - row[-1] for row in self.offsets)
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """Every segment's boundaries over the flattened rows, int32, as flash attention's varlen.
+
+        Each row's documents and then its padding (where it has some) are the segments of
+        ``tokens.view(-1)``; the last boundary is ``rows * seq_len``.
+
+        Examples:
+            >>> pack([[1, 2, 3], [4]], seq_len=3).cu_seqlens.tolist()
+            [0, 3, 4, 6]
+        """
+        bounds = [0]
+        for row, offsets in enumerate(self.offsets):
+            start = row * self.seq_len
+            bounds.extend(start + end for end in offsets[1:])
+            if offsets[-1] < self.seq_len:
+                bounds.append(start + self.seq_len)
+        return torch.tensor(bounds, dtype=torch.int32)
+
+
+def pack(
+    documents: Sequence[Any],
+    seq_len: int,
+    *,
+    long: Literal["refuse", "split"] = "refuse",
+    pad_id: int = 0,
+) -> PackedBatch:
+    """Pack token sequences into rows of ``seq_len`` tokens, next fit and in order.
+
+    Args:
+        documents: the documents, each a sequence of token ids (a list, or a 1-D integer tensor).
+        seq_len: tokens in each row.
+        long: what to do with a document longer than ``seq_len``: ``"refuse"`` (the default)
+            raises; ``"split"`` cuts it into pieces of ``seq_len`` tokens (the last one
+            shorter), each packed as a document of its own (no piece attends to another, and
+            each piece's last token predicts nothing).
+        pad_id: the token id that fills each row after its last document.
+
+    Returns:
+        A `PackedBatch`: the rows, each token's position and document id, the labels, and
+        each row's document boundaries.
+
+    Raises:
+        DocumentTooLongError: a document is longer than ``seq_len`` and ``long="refuse"``.
+        ShardingError: no documents, an empty one, one that is not a 1-D sequence of ints,
+            or a ``seq_len``, ``long`` or ``pad_id`` that is not one of the values above.
+
+    Examples:
+        >>> pack([[1, 2, 3, 4, 5], [6]], seq_len=4, long="split").tokens.tolist()
+        [[1, 2, 3, 4], [5, 6, 0, 0]]
+        >>> pack([[1, 2, 3, 4, 5]], seq_len=4)
+        Traceback (most recent call last):
+        ...
+        functional_shard.core.packing.DocumentTooLongError: pack(seq_len=4): 1 document is longer than a row:
+        * document 0 has 5 tokens
+        Pass long="split" to cut each into pieces of at most 4 tokens, or raise seq_len to 5.
+    """
+    _check_arguments(seq_len, long, pad_id)
+    tensors = _documents(documents, seq_len)
+    rows = _rows([len(doc) for doc in tensors], seq_len, long=long)
+    tokens = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
+    positions = torch.zeros_like(tokens)
+    document_ids = torch.zeros_like(tokens)
+    labels = torch.full_like(tokens, IGNORE_INDEX)
+    offsets, sources = [], []
+    for row, pieces in enumerate(rows):
+        ends = [0]
+        for number, (source, start, stop) in enumerate(pieces):
+            at, length = ends[-1], stop - start
+            tokens[row, at : at + length] = tensors[source][start:stop]
+            positions[row, at : at + length] = torch.arange(length)
+            document_ids[row, at : at + length] = number
+            labels[row, at : at + length - 1] = tensors[source][start + 1 : stop]
+            ends.append(at + length)
+        # the padding: one segment more, counting its positions from 0
+        positions[row, ends[-1] :] = torch.arange(seq_len - ends[-1])
+        document_ids[row, ends[-1] :] = len(pieces)
+        offsets.append(tuple(ends))
+        sources.append(tuple(source for source, _, _ in pieces))
+    return PackedBatch(tokens, positions, document_ids, labels, tuple(offsets), tuple(sources), pad_id)
+
+
+def _check_arguments(seq_len: Any, long: Any, pad_id: Any) -> None:
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+        raise ShardingError(f"pack(seq_len={seq_len!r}): seq_len is the tokens in each row, a positive int")
+    if long not in ("refuse", "split"):
+        raise ShardingError(
+            f"pack(long={long!r}): long is what to do with a document longer than seq_len: "
+            "'refuse' (raise) or 'split' (cut it into pieces of seq_len tokens)"
+        )
+    if isinstance(pad_id, bool) or not isinstance(pad_id, int):
+        raise ShardingError(f"pack(pad_id={pad_id!r}): pad_id is the token id of the padding, an int")
+
+
+def _documents(documents: Any, seq_len: int) -> list[torch.Tensor]:
+    """Each document as a 1-D long tensor; every malformed one named in one error."""
+    if isinstance(documents, str | bytes) or not isinstance(documents, Sequence | torch.Tensor):
+        raise ShardingError(
+            f"pack(documents={type(documents).__name__}): pass a sequence of documents, each a list "
+            "or 1-D tensor of token ids"
+        )
+    if len(documents) == 0:
+        raise ShardingError(f"pack(seq_len={seq_len}): no documents to pack; pass at least one")
+    tensors, problems = [], []
+    for index, document in enumerate(documents):
+        tensor, problem = _document(document)
+        if problem is not None:
+            problems.append(f"document {index} {problem}")
+        tensors.append(tensor)
+    if problems:
+        raise ShardingError(
+            bullets(
+                f"pack(seq_len={seq_len}): {len(problems)} of {len(tensors)} documents cannot be packed:",
+                problems,
+                "Pass each document as a non-empty list or 1-D integer tensor of token ids.",
+            )
+        )
+    return tensors
+
+
+def _document(document: Any) -> tuple[torch.Tensor, str | None]:
+    if isinstance(document, str | bytes):
+        return torch.empty(0), f"is a {type(document).__name__}, not token ids"
+    try:
+        tensor = torch.as_tensor(document)
+    except (TypeError, ValueError, RuntimeError):
+        return torch.empty(0), f"({type(document).__name__}) is not a sequence of token ids"
+    if tensor.ndim != 1:
+        return tensor, f"has shape {tuple(tensor.shape)}, not one dim of token ids"
+    if tensor.numel() == 0:
+        return tensor, "is empty"
+    if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
+        return tensor, f"holds {tensor.dtype} values, not integer token ids"
+    return tensor.to(device="cpu", dtype=torch.long), None
+
+
+def _rows(lengths: list[int], seq_len: int, *, long: str) -> list[list[tuple[int, int, int]]]:
+    """Each row's pieces ``(document, start, stop)``: next fit, in order, long ones split if asked."""
+    too_long = [(index, length) for index, length in enumerate(lengths) if length > seq_len]
+    if too_long and long == "refuse":
+        noun = "document is" if len(too_long) == 1 else "documents are"
+        raise DocumentTooLongError(
+            bullets(
+                f"pack(seq_len={seq_len}): {len(too_long)} {noun} longer than a row:",
+                [f"document {index} has {length} tokens" for index, length in too_long],
+                f'Pass long="split" to cut each into pieces of at most {seq_len} tokens, or raise '
+                f"seq_len to {max(length for _, length in too_long)}.",
+            )
+        )
+    rows: list[list[tuple[int, int, int]]] = [[]]
+    used = 0
+    for index, length in enumerate(lengths):
+        for start in range(0, length, seq_len):
+            stop = min(start + seq_len, length)
+            if used + stop - start > seq_len:
+                rows.append([])
+                used = 0
+            rows[-1].append((index, start, stop))
+            used += stop - start
+    return rows
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's position in its document: 0 where its id first appears in the row, then 1, 2, ...
+
+    Tensor operations only, so it runs on fake and meta tensors as on real ones.
+
+    Examples:
+        >>> document_positions(torch.tensor([[0, 0, 0, 1, 1, 2]])).tolist()
+        [[0, 1, 2, 0, 1, 0]]
+    """
+    index = torch.arange(document_ids.shape[-1], device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+    return index - first
+
+
+def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """The ``(rows, 1, seq, seq)`` boolean attention mask that keeps causal attention inside documents.
+
+    True where a query may attend to a key: the key is at or before the query, in the same
+    document. Block-diagonal and causal, broadcast over the heads; for
+    ``F.scaled_dot_product_attention(..., attn_mask=mask)``. Tensor operations only, so it
+    runs on fake and meta tensors as on real ones.
+
+    Examples:
+        >>> document_mask(torch.tensor([[0, 0, 1]])).int().tolist()
+        [[[[1, 0, 0], [1, 1, 0], [0, 0, 1]]]]
+    """
+    seq = document_ids.shape[-1]
+    same = document_ids[:, :, None] == document_ids[:, None, :]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    return (same & causal)[:, None]
+
+
+def check_packed_inputs(
+    tokens: torch.Tensor,
+    *,
+    positions: torch.Tensor | None,
+    document_ids: torch.Tensor | None,
+    who: str = "forward",
+) -> None:
+    """Refuse positions and document ids that do not describe documents laid end to end.
+
+    ``document_ids`` count up from 0 along each row, by one where a document starts;
+    ``positions`` are 0, 1, 2, ... from each document's first token (`pack` makes both).
+    Positions without document ids may not restart at 0 inside a row: that is packed data
+    whose attention would cross documents. Shapes are always checked; values only on real
+    tensors (fake and meta ones have none).
+
+    Raises:
+        ShardingError: a shape or dtype other than the tokens', or values as above, one
+            bullet a row.
+
+    Examples:
+        >>> batch = pack([[1, 2], [3, 4, 5]], seq_len=6)
+        >>> ids = batch.document_ids
+        >>> check_packed_inputs(batch.tokens, positions=batch.positions, document_ids=ids)
+        >>> check_packed_inputs(batch.tokens, positions=torch.arange(6)[None], document_ids=ids)
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: forward: positions disagree with document_ids in 1 row:
+        * row 0: token 2 is at position 2, but it is token 0 of its document (which starts at token 2)
+        Pass positions that count 0, 1, 2, ... from each document's first token ...
+    """
+    if positions is None and document_ids is None:
+        return
+    for name, value in (("positions", positions), ("document_ids", document_ids)):
+        _check_shape(tokens, name, value, who)
+    if tokens.numel() == 0 or not _has_values(tokens, positions, document_ids):
+        return
+    if _well_formed(positions, document_ids):
+        return  # one look at the device's answer; the rows are read only to say what is wrong
+    if document_ids is not None:
+        _raise_for_rows(
+            who,
+            "document_ids do not count up by one from 0",
+            _id_problems(document_ids),
+            "Pass ids that are 0 for each row's first document and one more at each next one "
+            "(pack() makes them: PackedBatch.document_ids).",
+        )
+    if positions is not None and document_ids is not None:
+        _raise_for_rows(
+            who,
+            "positions disagree with document_ids",
+            _position_problems(positions, document_positions(document_ids)),
+            "Pass positions that count 0, 1, 2, ... from each document's first token "
+            "(PackedBatch.positions).",
+        )
+    elif positions is not None:
+        _raise_for_rows(
+            who,
+            "positions restart inside a row, as packed documents' do, without document_ids",
+            _restart_problems(positions),
+            "Pass document_ids too (PackedBatch.document_ids) so that attention stays inside each "
+            "document; positions alone only turn the rotary embedding.",
+        )
+
+
+def _check_shape(tokens: torch.Tensor, name: str, value: Any, who: str) -> None:
+    if value is None:
+        return
+    if not isinstance(value, torch.Tensor):
+        raise ShardingError(f"{who}({name}={type(value).__name__}): pass a tensor shaped like the tokens")
+    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        raise ShardingError(f"{who}: {name} holds {value.dtype} values; pass integers (torch.long)")
+    if tuple(value.shape) != tuple(tokens.shape):
+        raise ShardingError(
+            f"{who}: {name} has shape {tuple(value.shape)}, but the tokens have {tuple(tokens.shape)}; "
+            f"pass one {name[:-1].replace('_id', ' id')} a token (rows x seq_len, as PackedBatch.{name})"
+        )
+
+
+def _well_formed(positions: torch.Tensor | None, document_ids: torch.Tensor | None) -> bool:
+    checks = []
+    if document_ids is not None:
+        steps = document_ids.diff(dim=-1)
+        checks += [(document_ids[:, :1] == 0).all(), ((steps == 0) | (steps == 1)).all()]
+        if positions is not None:
+            checks.append((positions == document_positions(document_ids)).all())
+    elif positions is not None:
+        checks.append((positions[:, 1:] != 0).all())
+    return bool(torch.stack(checks).all())
+
+
+def _has_values(*tensors: torch.Tensor | None) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return not any(
+        isinstance(tensor, FakeTensor) or tensor.device.type == "meta"
+        for tensor in tensors
+        if tensor is not None
+    )
+
+
+def _id_problems(document_ids: torch.Tensor) -> list[str]:
+    problems = []
+    for row, ids in enumerate(document_ids.tolist()):
+        if ids and ids[0] != 0:
+            problems.append(f"row {row}: its first document has id {ids[0]}, not 0")
+            continue
+        for token in range(1, len(ids)):
+            if ids[token] - ids[token - 1] not in (0, 1):
+                problems.append(
+                    f"row {row}: the id goes from {ids[token - 1]} to {ids[token]} at token {token}"
+                )
+                break
+    return problems
+
+
+def _position_problems(positions: torch.Tensor, expected: torch.Tensor) -> list[str]:
+    problems = []
+    for row in range(positions.shape[0]):
+        wrong = (positions[row] != expected[row]).nonzero()
+        if wrong.numel():
+            token = int(wrong[0, 0])
+            place = int(expected[row, token])
+            problems.append(
+                f"row {row}: token {token} is at position {int(positions[row, token])}, but it is "
+                f"token {place} of its document (which starts at token {token - place})"
+            )
+    return problems
+
+
+def _restart_problems(positions: torch.Tensor) -> list[str]:
+    problems = []
+    for row in range(positions.shape[0]):
+        restarts = (positions[row, 1:] == 0).nonzero()
+        if restarts.numel():
+            problems.append(f"row {row}: position 0 again at token {int(restarts[0, 0]) + 1}")
+    return problems
+
+
+def _raise_for_rows(who: str, what: str, problems: list[str], fix: str) -> None:
+    if not problems:
+        return
+    shown = problems[:5] + ([f"... and {len(problems) - 5} rows more"] if len(problems) > 5 else [])
+    noun = "row" if len(problems) == 1 else "rows"
+    raise ShardingError(bullets(f"{who}: {what} in {len(problems)} {noun}:", shown, fix))

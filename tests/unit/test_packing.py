@@ -1,0 +1,268 @@
+"""`fs.pack` and the zoo Llama on packed documents.
+
+`pack` keeps every token in order, restarts positions at each document, fills rows next fit
+and pads only after a row's last document; the zoo's tiny Llama gives a packed batch the
+loss and the gradients of its documents run one by one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import functional_shard as fs
+from functional_shard.core.packing import (
+    IGNORE_INDEX,
+    DocumentTooLongError,
+    check_packed_inputs,
+    document_mask,
+    document_positions,
+)
+from functional_shard.zoo import CONFIGS, Llama, llama
+
+from ..strategies import documents
+
+
+def _pieces(docs: list[list[int]], seq_len: int) -> list[list[int]]:
+    """Each document cut into pieces of at most ``seq_len`` tokens, in order."""
+    return [doc[start : start + seq_len] for doc in docs for start in range(0, len(doc), seq_len)]
+
+
+# ---- pack: its invariants, drawn, and a table of hand-checked rows ------------------------
+
+
+@given(docs=documents(), seq_len=st.integers(1, 24), pad_id=st.integers(-1, 3))
+def test_pack_keeps_every_token_in_order_and_restarts_positions(docs, seq_len, pad_id):
+    batch = fs.pack(docs, seq_len, long="split", pad_id=pad_id)
+    rows = batch.tokens.tolist()
+    assert batch.tokens.shape == batch.positions.shape == batch.labels.shape == (len(rows), seq_len)
+    segments = []
+    for row, offsets in enumerate(batch.offsets):
+        assert offsets[0] == 0
+        assert all(a < b for a, b in itertools.pairwise(offsets))
+        assert offsets[-1] <= seq_len
+        assert len(batch.sources[row]) == len(offsets) - 1
+        bounds = [*offsets, seq_len] if offsets[-1] < seq_len else list(offsets)
+        for number, (start, stop) in enumerate(itertools.pairwise(bounds)):
+            assert batch.positions[row, start:stop].tolist() == list(range(stop - start))
+            assert batch.document_ids[row, start:stop].tolist() == [number] * (stop - start)
+        for start, stop in itertools.pairwise(offsets):
+            segments.append(rows[row][start:stop])
+            assert batch.labels[row, start : stop - 1].tolist() == rows[row][start + 1 : stop]
+            assert batch.labels[row, stop - 1] == IGNORE_INDEX
+        # padding only after the row's last document, and it predicts nothing
+        assert rows[row][offsets[-1] :] == [pad_id] * (seq_len - offsets[-1])
+        assert set(batch.labels[row, offsets[-1] :].tolist()) <= {IGNORE_INDEX}
+    assert segments == _pieces(docs, seq_len)
+    assert [s for row in batch.sources for s in row] == [
+        index for index, doc in enumerate(docs) for _ in range(0, len(doc), seq_len)
+    ]
+    assert batch.padding == len(rows) * seq_len - sum(len(doc) for doc in docs)
+    assert torch.equal(document_positions(batch.document_ids), batch.positions)
+    check_packed_inputs(batch.tokens, positions=batch.positions, document_ids=batch.document_ids)
+
+
+@given(docs=documents(), seq_len=st.integers(1, 24))
+def test_pack_fills_rows_next_fit(docs, seq_len):
+    # a row ends only where the next piece would not fit in what is left of it
+    batch = fs.pack(docs, seq_len, long="split")
+    for offsets, following in zip(batch.offsets, batch.offsets[1:], strict=False):
+        assert offsets[-1] + following[1] > seq_len
+
+
+@given(docs=documents(), seq_len=st.integers(1, 24))
+def test_cu_seqlens_bound_every_document_and_padding_over_the_flattened_rows(docs, seq_len):
+    batch = fs.pack(docs, seq_len, long="split")
+    bounds = batch.cu_seqlens.tolist()
+    assert batch.cu_seqlens.dtype == torch.int32
+    assert bounds[0] == 0
+    assert bounds[-1] == batch.tokens.numel()
+    assert all(a < b for a, b in itertools.pairwise(bounds))
+    assert set(range(0, batch.tokens.numel(), seq_len)) <= set(bounds)  # no segment crosses rows
+    flat = batch.positions.view(-1).tolist()
+    assert [i for i, p in enumerate(flat) if p == 0] == bounds[:-1]
+
+
+@given(docs=documents(), seq_len=st.integers(1, 24))
+def test_pack_refuses_each_long_document_by_index_unless_split(docs, seq_len):
+    long = [(index, len(doc)) for index, doc in enumerate(docs) if len(doc) > seq_len]
+    if not long:
+        assert fs.pack(docs, seq_len).offsets == fs.pack(docs, seq_len, long="split").offsets
+        return
+    with pytest.raises(DocumentTooLongError) as raised:
+        fs.pack(docs, seq_len)
+    message = str(raised.value)
+    for index, length in long:
+        assert f"* document {index} has {length} tokens" in message
+    assert 'Pass long="split"' in message
+    assert f"raise seq_len to {max(n for _, n in long)}" in message
+
+
+@pytest.mark.parametrize(
+    ("docs", "seq_len", "tokens", "offsets"),
+    [
+        ([[1, 2], [3, 4]], 4, [[1, 2, 3, 4]], ((0, 2, 4),)),
+        ([[1, 2, 3], [4, 5]], 4, [[1, 2, 3, 0], [4, 5, 0, 0]], ((0, 3), (0, 2))),
+        ([[1], [2, 3, 4, 5, 6]], 2, [[1, 0], [2, 3], [4, 5], [6, 0]], ((0, 1), (0, 2), (0, 2), (0, 1))),
+        ([torch.tensor([7, 8]), (9,)], 3, [[7, 8, 9]], ((0, 2, 3),)),
+    ],
+)
+def test_pack_by_hand(docs, seq_len, tokens, offsets):
+    batch = fs.pack(docs, seq_len, long="split")
+    assert batch.tokens.tolist() == tokens
+    assert batch.offsets == offsets
+
+
+def test_pack_by_hand_labels_and_ids():
+    batch = fs.pack([[1, 2, 3], [4, 5]], 6, pad_id=9)
+    assert batch.tokens.tolist() == [[1, 2, 3, 4, 5, 9]]
+    assert batch.labels.tolist() == [[2, 3, -100, 5, -100, -100]]
+    assert batch.document_ids.tolist() == [[0, 0, 0, 1, 1, 2]]
+    assert batch.positions.tolist() == [[0, 1, 2, 0, 1, 0]]
+    assert batch.cu_seqlens.tolist() == [0, 3, 5, 6]
+    assert (batch.seq_len, batch.padding, batch.pad_id) == (6, 1, 9)
+
+
+@pytest.mark.parametrize(
+    ("docs", "kwargs", "message"),
+    [
+        ([[1, 2, 3]], {"seq_len": 0}, "pack(seq_len=0): seq_len is the tokens in each row, a positive int"),
+        ([[1]], {"seq_len": 4, "long": "truncate"}, "pack(long='truncate'): long is what to do"),
+        ([[1]], {"seq_len": 4, "pad_id": 0.5}, "pack(pad_id=0.5): pad_id is the token id"),
+        ([], {"seq_len": 4}, "pack(seq_len=4): no documents to pack"),
+        ("abc", {"seq_len": 4}, "pack(documents=str): pass a sequence of documents"),
+        (
+            [[1], [], [0.5, 1.5], [[1, 2]], "hi"],
+            {"seq_len": 4},
+            "pack(seq_len=4): 4 of 5 documents cannot be packed:\n* document 1 is empty\n"
+            "* document 2 holds torch.float32 values, not integer token ids\n"
+            "* document 3 has shape (1, 2), not one dim of token ids\n* document 4 is a str, not token ids",
+        ),
+    ],
+)
+def test_pack_refuses_what_it_cannot_pack(docs, kwargs, message):
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
+        fs.pack(docs, **kwargs)
+
+
+def test_a_long_document_is_a_sharding_error_naming_the_fix():
+    with pytest.raises(
+        fs.ShardingError,
+        match=re.escape(
+            "pack(seq_len=3): 2 documents are longer than a row:\n* document 0 has 4 tokens\n"
+            '* document 2 has 5 tokens\nPass long="split" to cut each into pieces of at most 3 tokens, '
+            "or raise seq_len to 5."
+        ),
+    ):
+        fs.pack([[1, 2, 3, 4], [5], [1, 2, 3, 4, 5]], 3)
+
+
+# ---- the zoo Llama on packed documents ---------------------------------------------------
+
+MODEL = Llama(CONFIGS["tiny"])
+torch.manual_seed(0)
+for _parameter in MODEL.parameters():
+    torch.nn.init.normal_(_parameter, std=0.1)
+
+
+def _loss_and_grads(loss: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    grads = torch.autograd.grad(loss, list(MODEL.parameters()))
+    return loss.detach(), list(grads)
+
+
+@settings(max_examples=20)
+@given(docs=documents(max_documents=5, max_length=12), seq_len=st.integers(4, 16), rotary=st.booleans())
+def test_a_packed_batch_has_the_loss_and_gradients_of_its_documents_alone(docs, seq_len, rotary):
+    batch = fs.pack(docs, seq_len, long="split")
+    positions = batch.positions if rotary else None
+    logits = MODEL(batch.tokens, positions=positions, document_ids=batch.document_ids)
+    packed = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="sum")
+    alone = torch.zeros(())
+    for piece in _pieces(docs, seq_len):
+        tokens = torch.tensor([piece])
+        at = torch.arange(len(piece))[None] if rotary else None
+        out = MODEL(tokens, positions=at)
+        alone = alone + F.cross_entropy(out[0, :-1], tokens[0, 1:], reduction="sum")
+    packed_loss, packed_grads = _loss_and_grads(packed)
+    alone_loss, alone_grads = _loss_and_grads(alone)
+    torch.testing.assert_close(packed_loss, alone_loss)
+    torch.testing.assert_close(packed_grads, alone_grads)
+
+
+def test_an_unpacked_call_is_causal_over_the_row_without_rotary():
+    tokens = torch.randint(0, 256, (2, 8))
+    one_document = torch.zeros_like(tokens)
+    with torch.no_grad():
+        torch.testing.assert_close(MODEL(tokens), MODEL(tokens, document_ids=one_document))
+        turned = MODEL(tokens, positions=torch.arange(8).expand(2, 8))
+    assert not torch.allclose(MODEL(tokens).detach(), turned)
+
+
+def test_document_mask_is_block_diagonal_and_causal():
+    mask = document_mask(torch.tensor([[0, 0, 1, 1, 1, 2]]))[0, 0].int().tolist()
+    assert mask == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [0, 0, 1, 0, 0, 0],
+        [0, 0, 1, 1, 0, 0],
+        [0, 0, 1, 1, 1, 0],
+        [0, 0, 0, 0, 0, 1],
+    ]
+
+
+@pytest.mark.parametrize(
+    ("positions", "document_ids", "message"),
+    [
+        (
+            [[0, 1, 2, 3, 4, 5]],
+            [[0, 0, 0, 1, 1, 1]],
+            "Llama.forward: positions disagree with document_ids in 1 row:\n* row 0: token 3 is at "
+            "position 3, but it is token 0 of its document (which starts at token 3)",
+        ),
+        (
+            None,
+            [[0, 0, 2, 2, 2, 2]],
+            "Llama.forward: document_ids do not count up by one from 0 in 1 row:\n* row 0: the id goes "
+            "from 0 to 2 at token 2",
+        ),
+        (None, [[1, 1, 1, 1, 2, 2]], "* row 0: its first document has id 1, not 0"),
+        (None, [[0, 0, 1, 1, 0, 0]], "* row 0: the id goes from 1 to 0 at token 4"),
+        (
+            [[0, 1, 2, 0, 1, 2]],
+            None,
+            "Llama.forward: positions restart inside a row, as packed documents' do, without "
+            "document_ids in 1 row:\n* row 0: position 0 again at token 3\nPass document_ids too",
+        ),
+        ([[0, 1, 2]], None, "Llama.forward: positions has shape (1, 3), but the tokens have (1, 6)"),
+        ([[0.0] * 6], None, "Llama.forward: positions holds torch.float32 values; pass integers"),
+    ],
+)
+def test_packed_inputs_that_describe_no_documents_are_refused_before_anything_runs(
+    positions, document_ids, message
+):
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
+        MODEL(
+            torch.zeros(1, 6, dtype=torch.long),
+            positions=None if positions is None else torch.tensor(positions),
+            document_ids=None if document_ids is None else torch.tensor(document_ids),
+        )
+
+
+# ---- the estimate traces the zoo model on fake tensors, packed or not ---------------------
+
+
+def test_estimate_traces_the_zoo_model_with_and_without_packing():
+    model = llama("tiny")
+    plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp("dp"))
+    batch = fs.pack([[1] * 5, [2] * 9, [3] * 2], 8, long="split")
+    inputs = {"tokens": batch.tokens, "positions": batch.positions, "document_ids": batch.document_ids}
+    plain = fs.estimate(model, plan, batch=3, seq=8)
+    packed = fs.estimate(model, plan, batch=3, seq=8, inputs=inputs)
+    # the same weights; the packed step also holds the rotary angles and each row's mask
+    assert packed.peak_bytes > plain.peak_bytes > 0
