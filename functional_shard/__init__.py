@@ -11,27 +11,13 @@ Examples:
 """
 
 # One list, `_EXPORTS`, says what the package exports: public name -> (the module that
-# defines it, the attribute; None exports the module itself). Names load on first use
-# (PEP 562), so `import functional_shard` loads no engine, checkpoint or launcher code.
-# Type checkers, IDEs and the API docs read `__init__.pyi`, written from this list by
-# `python3 tests/unit/test_facade.py` (the test fails when the two differ).
+# defines it, the attribute; None exports the module itself); `__all__` is its public names.
+# Names load on first use (PEP 562), so `import functional_shard` loads no engine,
+# checkpoint or launcher code. Type checkers, IDEs and the API docs read `__init__.pyi`,
+# written from this list by `python3 tests/unit/test_facade.py` (which fails when they differ).
 from typing import Any
 
-from .core import providers as _providers
-
 __version__ = "0.1.0"
-
-# methods of the vocabulary whose work lives in a higher layer (core/providers.py): the
-# façade sees every layer, so it says where; each module loads on its method's first call
-_providers.provide(
-    {
-        "mesh.device_mesh": ("functional_shard.runtime.device_mesh", "build_device_mesh"),
-        "plan.cost": ("functional_shard.costing.cost.cost_model", "cost"),
-        "plan.unit_gathered": ("functional_shard.costing.cost.cost_model", "unit_gathered"),
-        "plan.visualize": ("functional_shard.frontends.pictures.visualize", "visualize"),
-        "hardware.local": ("functional_shard.runtime.measure", "local_hardware"),
-    }
-)
 
 _EXPORTS: dict[str, tuple[str, str | None]] = {
     # meshes and specs
@@ -125,9 +111,15 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "PolicyError": ("core.errors", "PolicyError"),
     "ShardingError": ("core.errors", "ShardingError"),
     "SpecError": ("core.errors", "SpecError"),
+    # not public: the work of a method that a lower layer's data offers and a higher layer
+    # does (`plan.visualize()`, `mesh.device_mesh()`, the units in `plan.explain()`); the
+    # method reaches it here, through the one door that sees every layer (docs/architecture.md)
+    "_build_device_mesh": ("runtime.device_mesh", "build_device_mesh"),
+    "_unit_gathered": ("costing.cost.cost_model", "unit_gathered"),
+    "_visualize": ("frontends.pictures.visualize", "visualize"),
 }
 
-__all__ = list(_EXPORTS)
+__all__ = [name for name in _EXPORTS if not name.startswith("_")]
 
 
 def __getattr__(name: str) -> Any:

@@ -23,6 +23,7 @@ from .core.tree import read_model as read_model
 from .core.units import format_bytes as format_bytes
 from .core.units import parse_bytes as parse_bytes
 from .costing.cost.cost_model import cost as cost
+from .costing.cost.cost_model import unit_gathered as _unit_gathered_definition
 from .costing.estimate.estimate import compare_schedules as compare_schedules
 from .costing.estimate.estimate import estimate as estimate
 from .costing.estimate.record import Estimate as Estimate
@@ -32,6 +33,7 @@ from .costing.time.kernels import Kernels as Kernels
 from .costing.trace.activations import trace_activations as trace_activations
 from .costing.trace.results import ActivationTrace as ActivationTrace
 from .frontends import live_demo as demo
+from .frontends.pictures.visualize import visualize as _visualize_definition
 from .planning.plan.config import Change as Change
 from .planning.plan.config import PlanConfig as PlanConfig
 from .planning.plan.cost_record import Cost as Cost
@@ -62,6 +64,7 @@ from .runtime.checkpoint import api as checkpoint
 from .runtime.data_order import DataOrder as DataOrder
 from .runtime.data_order import ResumableLoader as ResumableLoader
 from .runtime.data_order import ResumableSampler as ResumableSampler
+from .runtime.device_mesh import build_device_mesh as _build_device_mesh_definition
 from .runtime.engines.checks import check_runnable as check_runnable
 from .runtime.engines.context_parallel import context_chunks as context_chunks
 from .runtime.engines.context_parallel import sequence_context as sequence_context
@@ -86,6 +89,11 @@ from .runtime.timeouts import watch_collectives as watch_collectives
 from .search.auto import auto as auto
 from .search.auto import search_plans as search_plans
 from .search.report import AutoReport as AutoReport
+
+# not public: the work of methods whose work lives above (docs/architecture.md)
+_build_device_mesh = _build_device_mesh_definition
+_unit_gathered = _unit_gathered_definition
+_visualize = _visualize_definition
 
 __version__: str
 

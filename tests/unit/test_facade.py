@@ -18,13 +18,16 @@ import pytest
 
 import functional_shard as fs
 
-STUB = pathlib.Path(fs.__file__).with_suffix(".pyi")
+ROOT = pathlib.Path(__file__).parents[2]
+STUB = ROOT / "functional_shard" / "__init__.pyi"
 HEADER = (
     '"""What `import functional_shard` exports, for type checkers, IDEs and the API docs.\n\n'
     "Written from `_EXPORTS` in ``__init__.py`` (the one list) by ``python3 tests/unit/test_facade.py``;\n"
     "tests/unit/test_facade.py fails when the two differ. Do not edit by hand.\n"
     '"""\n\n'
 )
+
+PRIVATE = "# not public: the work of methods whose work lives above (docs/architecture.md)"
 
 
 def _member_key(name: str) -> tuple[int, str]:
@@ -34,17 +37,24 @@ def _member_key(name: str) -> tuple[int, str]:
 
 
 def stub_text(exports: dict[str, tuple[str, str | None]]) -> str:
-    """The stub for ``exports``: one ``from .module import name as name`` line per name."""
-    lines = []
+    """The stub for ``exports``: one ``from .module import name as name`` line per name.
+
+    A private name (``_visualize``, for a method whose work lives above) is imported under a
+    longer name and bound by assignment: type checkers export a renamed import only when
+    ``__all__`` lists it, and ``__all__`` lists the public names.
+    """
+    lines, private = [], []
     for name, (module, attribute) in exports.items():
+        alias = f"{name}_definition" if name.startswith("_") else name
         if attribute is None:
-            package, _, leaf = module.rpartition(".")
-            lines.append((package, _member_key(leaf), f"from .{package} import {leaf} as {name}"))
-        else:
-            lines.append((module, _member_key(attribute), f"from .{module} import {attribute} as {name}"))
+            module, _, attribute = module.rpartition(".")
+        lines.append((module, _member_key(attribute), f"from .{module} import {attribute} as {alias}"))
+        if alias != name:
+            private.append(f"{name} = {alias}\n")
     imports = "\n".join(line for *_, line in sorted(lines))
-    names = "\n".join(f'    "{name}",' for name in exports)
-    return f"{HEADER}{imports}\n\n__version__: str\n\n__all__ = [\n{names}\n]\n"
+    names = "\n".join(f'    "{name}",' for name in exports if not name.startswith("_"))
+    bound = "".join(f"\n{PRIVATE}\n{''.join(private)}" if private else "")
+    return f"{HEADER}{imports}\n{bound}\n__version__: str\n\n__all__ = [\n{names}\n]\n"
 
 
 def test_the_stub_is_written_from_the_one_list():
@@ -54,7 +64,11 @@ def test_the_stub_is_written_from_the_one_list():
 def test_runtime_and_type_checkers_see_the_same_names():
     stub = ast.parse(STUB.read_text())
     imported = {a.asname for node in stub.body if isinstance(node, ast.ImportFrom) for a in node.names}
-    assert imported == set(fs.__all__) == set(fs._EXPORTS)
+    bound = {t.id for node in stub.body if isinstance(node, ast.Assign) for t in node.targets}
+    assert {name for name in imported if not name.endswith("_definition")} | bound == set(fs._EXPORTS) | {
+        "__all__"
+    }
+    assert fs.__all__ == [name for name in fs._EXPORTS if not name.startswith("_")]
     assert set(dir(fs)) >= set(fs.__all__)
     # the façade defines nothing public of its own but its version
     source = ast.parse(pathlib.Path(fs.__file__).read_text())
@@ -92,5 +106,7 @@ def test_each_public_name_points_at_its_definition(name):
 
 
 if __name__ == "__main__":
+    if pathlib.Path(fs.__file__).parent != STUB.parent:  # the list of another checkout
+        sys.exit(f"functional_shard loads from {fs.__file__}: run with PYTHONPATH={ROOT}")
     STUB.write_text(stub_text(fs._EXPORTS))
     print(f"wrote {STUB}")

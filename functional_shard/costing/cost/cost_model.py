@@ -29,6 +29,7 @@ each other activations: ``send_recv`` bytes, point to point, counted once by the
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -105,9 +106,10 @@ def check_plan_and_optimizer(who: str, plan: Any, optimizer: Any) -> None:
         ...
         functional_shard.ShardingError: cost(optimizer=<class '...AdamW'>): 'adamw', 'adam' or 'sgd' ...
     """
-    from functional_shard.planning.plan.plan import Plan
-
-    if not isinstance(plan, Plan):
+    # a Plan exists only once its module has loaded: looked up, not imported, as Plan.cost
+    # imports this module (an import back would close a circle)
+    plans = sys.modules.get("functional_shard.planning.plan.plan")
+    if plans is None or not isinstance(plan, plans.Plan):
         raise ShardingError(
             f"{who}(plan={type(plan).__name__}): takes a Plan; make one with fs.shard(model, mesh, policy)"
         )
