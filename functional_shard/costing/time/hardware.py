@@ -22,6 +22,7 @@ from typing import Any
 import functional_shard as fs
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.mesh import Mesh
+from functional_shard.core.validate import entry_point, positive_int
 
 __all__ = ["PROFILES", "Hardware", "hardware"]
 
@@ -257,6 +258,7 @@ PROFILES["h200"] = dataclasses.replace(
 )
 
 
+@entry_point
 def hardware(name: str | Hardware | None = None, *, processes: int = 4) -> Hardware:
     """A named hardware profile (``None`` means ``"h100"``), or ``name`` itself if already one.
 
@@ -286,8 +288,7 @@ def hardware(name: str | Hardware | None = None, *, processes: int = 4) -> Hardw
         return name
     key = "h100" if name is None else name
     if key == "local":
-        if not isinstance(processes, int) or processes < 1:
-            raise ShardingError(f"hardware('local', processes={processes!r}): a positive number")
+        positive_int(processes, "processes", meaning="the processes sharing this machine")
         return _local(processes)
     if not isinstance(key, str) or key not in PROFILES:
         raise ShardingError(
