@@ -24,6 +24,7 @@ Examples:
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
 import pathlib
@@ -162,19 +163,21 @@ def path(value: Any, name: str, *, error: type[ShardingError] = ShardingError) -
         >>> path(10, "path")
         Traceback (most recent call last):
         ...
-        functional_shard.ShardingError: path=10: a folder's path (a str or os.PathLike)
+        functional_shard.ShardingError: path=10: a path (a str or os.PathLike)
     """
     if not isinstance(value, str | os.PathLike) or value == "":
-        refuse(name, repr(value), "a folder's path (a str or os.PathLike)", error=error)
+        refuse(name, repr(value), "a path (a str or os.PathLike)", error=error)
     return pathlib.Path(value)
 
 
 def entry_point(function: Callable[_P, _R]) -> Callable[_P, _R]:
     """``function`` naming itself in front of what its checks refuse: ``cost(tokens=0): ...``.
 
-    Only a check's error (`refuse`) is renamed, once: an error with its own context passes as
-    it is, and an entry point that calls another leaves the inner one's name standing. The
-    traceback into the check is dropped (``from None``): the message says it all.
+    Only a check's error (`refuse`) of one of ``function``'s own parameters is renamed, once:
+    an error with its own context passes as it is, a check of a helper's argument that is no
+    parameter here is left for an entry point that has it, and an entry point that calls
+    another leaves the inner one's name standing. The traceback into the check is dropped
+    (``from None``): the message says it all.
 
     Examples:
         >>> @entry_point
@@ -186,6 +189,7 @@ def entry_point(function: Callable[_P, _R]) -> Callable[_P, _R]:
         functional_shard.ShardingError: pipeline(microbatches=-1): a positive int
     """
     who = function.__name__
+    parameters = frozenset(inspect.signature(function).parameters)
 
     @functools.wraps(function)
     def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
@@ -193,7 +197,7 @@ def entry_point(function: Callable[_P, _R]) -> Callable[_P, _R]:
             return function(*args, **kwargs)
         except ShardingError as problem:
             argument = problem.argument
-            if argument is None:
+            if argument is None or argument.partition("=")[0] not in parameters:
                 raise
             message = str(problem)
             raise type(problem)(f"{who}({argument}){message[len(argument) :]}") from None

@@ -80,7 +80,7 @@ def test_path_takes_text_and_path_likes(value):
         assert path(value, "path") == pathlib.Path(value)
     else:
         message = refused(lambda: path(value, "path"))
-        assert message.startswith(f"path={value!r}: a folder's path")
+        assert message == f"path={value!r}: a path (a str or os.PathLike)"
 
 
 @entry_point
@@ -115,6 +115,12 @@ def test_an_entry_point_leaves_other_errors_and_its_callers_alone():
     def planned():
         raise fs.PlanError("the plan does not fit: fix it")
 
+    @entry_point
+    def staged(stages):
+        return positive_int(stages - 1, "pp")  # a helper's argument: no parameter of staged
+
+    assert refused(lambda: staged(1)) == "pp=0: a positive int"
+
     assert refused(planned, fs.PlanError) == "the plan does not fit: fix it"
     assert refused(lambda: outer(1, 3)) == "outer(axis=int): a str"
     with pytest.raises(fs.ShardingError) as caught:
@@ -132,6 +138,8 @@ def test_an_entry_point_leaves_other_errors_and_its_callers_alone():
         (lambda: fs.tp(fs.rules.mlp, axis=None), "tp(axis=NoneType): a str (one mesh axis name)"),
         (lambda: fs.hardware("local", processes=0), "hardware(processes=0): a positive int"),
         (lambda: fs.cost(None), "cost(plan=NoneType): a Plan (make one with fs.shard("),
+        (lambda: fs.checkpoint.latest(None), "latest(directory=None): a path (a str or os.PathLike)"),
+        (lambda: fs.checkpoint.convert("a", 3), "convert(target=3): a path"),
     ],
 )
 def test_public_entry_points_refuse_in_one_form(call, message):

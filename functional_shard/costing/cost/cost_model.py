@@ -133,7 +133,9 @@ def _check_tokens(plan: Plan, tokens: Any) -> None:
     positive_int(tokens, "tokens", meaning=meaning)
     if cp > 1:
         try:
-            check_sequence_length(tokens, cp, load_balance=config.context_load_balance, what="tokens")
+            check_sequence_length(
+                tokens, cp, load_balance=config.context_load_balance, what="tokens", name="tokens"
+            )
         except ShardingError as error:
             refuse("tokens", str(tokens), str(error))
 
