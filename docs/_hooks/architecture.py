@@ -7,8 +7,8 @@ core at the bottom, adapters on top; each import between two modules is a line, 
 inside functions and under ``if TYPE_CHECKING:`` included. Modules appear, move and vanish
 with the code; only the order of the layers is written here. An import that points up a
 layer is drawn red. ``fs.name`` and ``from functional_shard import name`` count as imports
-of the module the façade loads for ``name``. The dashed lines are the work a lower layer's
-method asks for by name (``core/providers.py``), as the façade wires it.
+of the module the façade loads for ``name``; such a reference that climbs a layer (a method
+whose work lives above, reaching it through the façade) is drawn dashed, named.
 
 The PNG goes to ``docs/generated/architecture.png`` (git-ignored), rewritten only when its
 bytes change. Run alone to draw it and print the graph:
@@ -27,7 +27,6 @@ from typing import Any
 
 ROOT = pathlib.Path(__file__).parents[2]
 PACKAGE = "functional_shard"
-PROVIDERS = f"{PACKAGE}.core.providers"
 # the house rule (issue #21): a module imports from its own layer or the ones below
 LAYERS = ("core", "planning", "costing", "search", "runtime", "frontends", "adapters")
 PICTURE = "architecture.png"
@@ -118,35 +117,34 @@ def is_note(module: Module) -> bool:
     return all(isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) for node in body)
 
 
-def _facade_table(modules: dict[str, Module], call: str | None, assigned: str | None) -> dict[str, str]:
-    """A literal table of the façade's source, name -> module: its ``call(...)``'s or ``assigned``'s."""
-    for node in ast.walk(ast.parse(modules[PACKAGE].path.read_text())):
-        value = None
-        if call and isinstance(node, ast.Call) and getattr(node.func, "attr", None) == call and node.args:
-            value = node.args[0]
-        elif assigned and isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == assigned:
-            value = node.value
-        if value is not None:
-            return {name: module for name, (module, _) in ast.literal_eval(value).items()}
-    return {}
-
-
 def exports(modules: dict[str, Module]) -> dict[str, str]:
-    """The façade's PEP 562 table: public name -> the module it loads."""
-    table = _facade_table(modules, None, "_EXPORTS")
-    return {name: f"{PACKAGE}.{module}" for name, module in table.items()}
-
-
-def provided(modules: dict[str, Module]) -> dict[str, str]:
-    """What the façade wires through core/providers.py: the work's name -> the module doing it."""
-    return _facade_table(modules, "provide", None)
+    """The façade's PEP 562 table (`_EXPORTS`, a literal): name -> the module it loads."""
+    for node in ast.walk(ast.parse(modules[PACKAGE].path.read_text())):
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "_EXPORTS":
+            table = ast.literal_eval(node.value)
+            return {name: f"{PACKAGE}.{module}" for name, (module, _) in table.items()}
+    return {}
 
 
 def imports(module: Module, modules: dict[str, Module], exported: dict[str, str]) -> set[str]:
     """The modules of the package that ``module`` imports, anywhere in its source."""
+    direct, through = _references(module, modules, exported)
+    return direct | set(through)
+
+
+def _known(target: str, module: Module, modules: dict[str, Module]) -> str | None:
+    while target and target not in modules:
+        target = target.rpartition(".")[0]
+    return target if target and target not in (module.name, PACKAGE) else None
+
+
+def _references(
+    module: Module, modules: dict[str, Module], exported: dict[str, str]
+) -> tuple[set[str], dict[str, str]]:
+    """What ``module`` imports by name, and what it reaches through the façade (module -> fs.name)."""
     tree = ast.parse(module.path.read_text())
     package = module.name if module.path.name == "__init__.py" else module.name.rpartition(".")[0]
-    facades, targets = set(), set()
+    facades, targets, through = set(), set(), {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             targets.update(alias.name for alias in node.names)
@@ -162,14 +160,30 @@ def imports(module: Module, modules: dict[str, Module], exported: dict[str, str]
                 else:
                     targets.add(exported.get(alias.name, base) if base == PACKAGE else base)
     for node in ast.walk(tree):  # fs.apply where `import functional_shard as fs`
-        if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) in facades:
-            targets.add(exported.get(node.attr, PACKAGE))
-    found = set()
-    for target in targets:
-        while target and target not in modules:
-            target = target.rpartition(".")[0]
-        if target and target not in (module.name, PACKAGE):
-            found.add(target)
+        if (
+            isinstance(node, ast.Attribute)
+            and getattr(node.value, "id", None) in facades
+            and (target := _known(exported.get(node.attr, PACKAGE), module, modules)) is not None
+        ):
+            named = {*through.get(target, "").split(", "), f"fs.{node.attr}"} - {""}
+            through[target] = ", ".join(sorted(named))
+    direct = {found for target in targets if (found := _known(target, module, modules)) is not None}
+    return direct, {target: name for target, name in through.items() if target not in direct}
+
+
+def climbs(modules: dict[str, Module]) -> dict[tuple[str, str], str]:
+    """The references up a layer made only through the façade: (module, target) -> ``fs.name``.
+
+    A method of a lower layer's data whose work lives above (``plan.cost()``) reaches it so.
+    """
+    exported = exports(modules)
+    found = {}
+    for name, module in modules.items():
+        if name == PACKAGE:
+            continue
+        for target, through in _references(module, modules, exported)[1].items():
+            if rank(modules[target].layer) > rank(module.layer):
+                found[(name, target)] = through
     return found
 
 
@@ -268,9 +282,9 @@ def draw_figure(root: pathlib.Path = ROOT) -> Any:
     axes.set_ylim(0, place.height)
     axes.axis("off")
     _draw_bands(axes, place, modules)
-    _draw_imports(axes, place, boxes, drawn)
-    _draw_wiring(axes, place, provided(modules))
-    _draw_facade(axes, place, len(exports(modules)))
+    climbing = climbs(modules)
+    _draw_imports(axes, place, boxes, drawn, climbing)
+    _draw_facade(axes, place, sum(not name.startswith("_") for name in exports(modules)))
     edges = sum(len(targets) for targets in drawn.values())
     lines = sum(module.lines for module in modules.values())
     axes.text(
@@ -292,9 +306,10 @@ def draw_figure(root: pathlib.Path = ROOT) -> Any:
     )
     legend = (
         "grey line: an import down a layer     blue: an import within a layer     "
-        f"red arrow: an import up a layer (the house rule forbids it; {len(upward(boxes, drawn))} now)\n"
-        "dashed purple: work a lower layer's method asks for by name (core/providers.py), wired by the "
-        "façade     thick border: a module in a sub-folder (engines/, cli/)     small number: its lines"
+        f"red arrow: an import up a layer (the house rule forbids it; "
+        f"{len(set(upward(boxes, drawn)) - set(climbing))} now)\n"
+        "dashed purple: a method whose work lives a layer above, reaching it through the façade (fs.name)"
+        "     thick border: a module in a sub-folder (engines/, cli/)     small number: its lines"
     )
     axes.text(MARGIN - 0.1, 0.55, legend, fontsize=8.5, va="center", color="dimgray", linespacing=1.6)
     return figure
@@ -368,7 +383,13 @@ def _draw_box(axes: Any, centre: tuple[float, float], module: Module) -> None:
     axes.text(x, y - 0.1, str(module.lines), ha="center", va="center", fontsize=6, color="gray", zorder=4)
 
 
-def _draw_imports(axes: Any, place: Layout, boxes: dict[str, Module], graph: dict[str, set[str]]) -> None:
+def _draw_imports(
+    axes: Any,
+    place: Layout,
+    boxes: dict[str, Module],
+    graph: dict[str, set[str]],
+    climbing: dict[tuple[str, str], str],
+) -> None:
     from matplotlib.patches import FancyArrowPatch, PathPatch
     from matplotlib.path import Path
 
@@ -377,7 +398,9 @@ def _draw_imports(axes: Any, place: Layout, boxes: dict[str, Module], graph: dic
         for target in sorted(targets):
             (x0, y0), (x1, y1) = place.centre[name], place.centre[target]
             here, there = rank(boxes[name].layer), rank(boxes[target].layer)
-            if there > here:  # up a layer: the one kind the house forbids
+            if (name, target) in climbing:
+                _draw_climb(axes, (x0, y0 + top), (x1, y1 - top), climbing[name, target])
+            elif there > here:  # up a layer: the one kind the house forbids
                 arrow = FancyArrowPatch((x0, y0), (x1, y1), arrowstyle="-|>", mutation_scale=12)
                 arrow.set(color="red", linewidth=1.8, zorder=5)
                 axes.add_patch(arrow)
@@ -393,33 +416,23 @@ def _draw_imports(axes: Any, place: Layout, boxes: dict[str, Module], graph: dic
                 axes.plot([x0, x1], [y0, y1], color="tab:blue", alpha=0.3, linewidth=0.6, zorder=2)
 
 
-def _draw_wiring(axes: Any, place: Layout, wiring: dict[str, str]) -> None:
+def _draw_climb(axes: Any, start: tuple[float, float], end: tuple[float, float], label: str) -> None:
     from matplotlib.patches import FancyArrowPatch
 
-    for work, target in sorted(wiring.items()):
-        if PROVIDERS not in place.centre or target not in place.centre:
-            continue
-        (x0, y0), (x1, y1) = place.centre[PROVIDERS], place.centre[target]
-        arrow = FancyArrowPatch(
-            (x0, y0 + BOX_HEIGHT / 2),
-            (x1, y1 - BOX_HEIGHT / 2),
-            arrowstyle="-|>",
-            mutation_scale=12,
-            connectionstyle="arc3,rad=0.12",
-        )
-        arrow.set(color="tab:purple", linestyle="--", linewidth=1.2, zorder=5)
-        axes.add_patch(arrow)
-        axes.text(
-            x1,
-            y1 - BOX_HEIGHT / 2 - 0.04,
-            work,
-            ha="center",
-            va="top",
-            fontsize=7,
-            color="tab:purple",
-            zorder=6,
-            bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5, "alpha": 0.8},
-        )
+    arrow = FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=12, connectionstyle="arc3,rad=0.12")
+    arrow.set(color="tab:purple", linestyle="--", linewidth=1.2, zorder=5)
+    axes.add_patch(arrow)
+    axes.text(
+        end[0],
+        end[1] - 0.04,
+        label,
+        ha="center",
+        va="top",
+        fontsize=7,
+        color="tab:purple",
+        zorder=6,
+        bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5, "alpha": 0.8},
+    )
 
 
 def _draw_facade(axes: Any, place: Layout, exported: int) -> None:
@@ -442,7 +455,7 @@ def _draw_facade(axes: Any, place: Layout, exported: int) -> None:
         0.29,
         (bottom + top) / 2,
         f"the façade, {PACKAGE}/__init__.py: {exported} public names from every layer, each loaded "
-        "on first use (PEP 562); it tells core/providers.py who does what",
+        "on first use (PEP 562); a method whose work lives above reaches it here",
         rotation=90,
         ha="center",
         va="center",
@@ -498,10 +511,13 @@ def main() -> int:
     for band in layout(boxes, drawn).bands:
         labels = ", ".join(modules[name].label for name in band.names)
         print(f"{band.layer:<10} {len(band.names):>3} modules: {labels}")
-    up = upward(boxes, drawn)
+    climbing = climbs(modules)
+    up = [edge for edge in upward(boxes, drawn) if edge not in climbing]
     print(f"{sum(map(len, drawn.values()))} imports, {len(up)} up a layer")
     for name, target in up:
         print(f"  {name} -> {target}")
+    for (name, target), through in sorted(climbing.items()):
+        print(f"  through the façade: {name} -> {target} ({through})")
     print(f"wrote {picture}")
     return 0
 

@@ -15,6 +15,10 @@ __all__ = ["MeshError", "PlanError", "PolicyError", "ShardingError", "SpecError"
 class ShardingError(ValueError):
     """A plan, policy, mesh or spec that cannot work, with the reason and a fix."""
 
+    # ``name=value`` when a check of core/validate.py refused one argument: the public entry
+    # point that took it names itself in front (`core.validate.entry_point`), then clears it
+    argument: str | None = None
+
 
 class MeshError(ShardingError):
     """A mesh that is malformed or does not fit the processes at hand."""

@@ -8,6 +8,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import functional_shard as fs
+
 from .errors import MeshError
 
 if TYPE_CHECKING:
@@ -188,12 +190,9 @@ class Mesh:
             >>> # inside torch.distributed with 8 processes:
             >>> # Mesh(dp=2, tp=4).device_mesh("cuda")
         """
-        # the runtime builds it (`functional_shard.runtime.device_mesh`): the pure core
-        # never loads torch.distributed's device meshes
-        from .providers import provider
-
-        device_mesh: DeviceMesh = provider("mesh.device_mesh")(self, device_type)
-        return device_mesh
+        # the runtime builds it, reached through the façade (docs/architecture.md): the pure
+        # core never loads torch.distributed's device meshes itself
+        return fs._build_device_mesh(self, device_type)
 
     def to_json(self) -> dict[str, Any]:
         """The mesh as a JSON-ready dict."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 from .errors import ShardingError
+from .validate import positive_int
 
 __all__ = [
     "CONTEXT_ENGINES",
@@ -83,8 +84,12 @@ def sequence_chunks(cp: int, *, load_balance: bool) -> tuple[tuple[int, ...], ..
     return tuple((rank, 2 * cp - 1 - rank) for rank in range(cp))
 
 
-def check_sequence_length(seq: int, cp: int, *, load_balance: bool, what: str = "sequence length") -> None:
+def check_sequence_length(
+    seq: int, cp: int, *, load_balance: bool, what: str = "sequence length", name: str = "seq"
+) -> None:
     """Refuse a length the chunks do not divide, naming the nearest lengths that would work.
+
+    ``what`` is the length in words, ``name`` the argument that gave it.
 
     Raises:
         ShardingError: ``seq`` is not a positive multiple of `chunk_count`.
@@ -96,14 +101,13 @@ def check_sequence_length(seq: int, cp: int, *, load_balance: bool, what: str = 
         ...
         functional_shard.ShardingError: cp=4 with load balancing cuts each sequence into 8 equal chunks, ...
         use 96 or 104 tokens (pad the sequences), or cp(load_balance=False) (4 chunks)
-        >>> check_sequence_length(-2, 2, load_balance=False, what="seq_len")
+        >>> check_sequence_length(-2, 2, load_balance=False, name="seq_len")
         Traceback (most recent call last):
         ...
-        functional_shard.ShardingError: the seq_len must be a positive int (a count of tokens), got -2
+        functional_shard.ShardingError: seq_len=-2: a positive int (a count of tokens)
     """
-    if isinstance(seq, bool) or not isinstance(seq, int) or seq <= 0:
-        # the nearest lengths below would be nonsense for these
-        raise ShardingError(f"the {what} must be a positive int (a count of tokens), got {seq!r}")
+    # the nearest lengths below would be nonsense for these
+    positive_int(seq, name, meaning="a count of tokens")
     chunks = chunk_count(cp, load_balance=load_balance)
     if seq > 0 and seq % chunks == 0:
         return

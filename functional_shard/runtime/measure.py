@@ -9,7 +9,6 @@ all-to-all sends what it hands the other ranks (its input less this rank's own s
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -19,14 +18,13 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from functional_shard.core.mesh import Mesh
-from functional_shard.costing.time.hardware import Hardware
 
 from .launch import LocalWorld
 
 __all__ = [
     "CollectiveLog",
     "kept_activation_bytes",
-    "local_hardware",
+    "local_rates",
     "probe_local_rates",
     "resident_bytes",
     "saved_tensor_bytes",
@@ -379,15 +377,15 @@ def _collectives_ended(module: torch.nn.Module) -> None:
         dist.barrier(group=group)
 
 
-@functools.cache  # measured once per process and count, as fs.hardware("local") promises
-def local_hardware(processes: int) -> Hardware:
-    """This machine as a `Hardware` profile, measured on ``processes`` local gloo ranks at once.
+def local_rates(processes: int) -> dict[str, Any]:
+    """This machine's rates, measured on ``processes`` local gloo ranks running at once.
 
-    What ``fs.hardware("local", processes=...)`` returns: each rate the slowest rank's, the
-    latencies each collective's as it costs inside a real step of its engine.
+    What ``fs.hardware("local", processes=...)`` makes its `Hardware` from: each rate the
+    slowest rank's, the latencies each collective's as it costs inside a real step of its
+    engine, and the memory a process may count on.
 
     Examples:
-        >>> # local_hardware(4).flops["float32"]
+        >>> # local_rates(4)["flops"]["float32"]
     """
     world = LocalWorld(processes)
     try:
@@ -395,20 +393,12 @@ def local_hardware(processes: int) -> Hardware:
     finally:
         world.close()
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    bandwidth = min(r["bandwidth"] for r in results)
-    return Hardware(
-        name="local",
-        flops={k: min(r["flops"][k] for r in results) for k in results[0]["flops"]},
-        memory_bytes=pages // processes,
-        memory_bandwidth=min(r["memory_bandwidth"] for r in results),
-        devices_per_node=processes,
-        intra_node_bandwidth=bandwidth,
-        inter_node_bandwidth=bandwidth,
-        overlap_communication=False,
-        cuda=False,
-        skips_masked_attention=False,
-        collective_latency=max(r["engine_latency"]["fsdp"] for r in results),
-        tensor_parallel_latency=max(r["engine_latency"]["tp"] for r in results),
-        source=f"measured on this machine with {processes} gloo processes running together",
-        extra={"processes": processes, "per_rank": results},
-    )
+    return {
+        "flops": {k: min(r["flops"][k] for r in results) for k in results[0]["flops"]},
+        "memory_bytes": pages // processes,
+        "memory_bandwidth": min(r["memory_bandwidth"] for r in results),
+        "bandwidth": min(r["bandwidth"] for r in results),
+        "collective_latency": max(r["engine_latency"]["fsdp"] for r in results),
+        "tensor_parallel_latency": max(r["engine_latency"]["tp"] for r in results),
+        "per_rank": results,
+    }

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from functional_shard.core.errors import ShardingError
+from functional_shard.core.validate import entry_point, positive_number
 
 __all__ = [
     "CollectiveTimeoutError",
@@ -232,6 +232,7 @@ def watch_collectives() -> Iterator[None]:
         raise named from error
 
 
+@entry_point
 def init_distributed(
     backend: str | None = None, *, timeout: float | datetime.timedelta = 300.0
 ) -> torch.device:
@@ -253,12 +254,9 @@ def init_distributed(
         >>> # with fs.watch_collectives():
         >>> #     train_step()
     """
-    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
-    if not seconds > 0:
-        raise ShardingError(
-            f"init_distributed: timeout={timeout!r} must be a positive number of seconds "
-            "(or a timedelta): a collective waits that long for a hung or dead peer"
-        )
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    meaning = "seconds, or a timedelta: a collective waits that long for a hung or dead peer"
+    seconds = positive_number(seconds, "timeout", meaning=meaning)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":

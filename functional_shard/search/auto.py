@@ -20,6 +20,7 @@ from typing import Any
 from functional_shard.core.errors import PlanError, ShardingError
 from functional_shard.core.units import format_bytes as _bytes
 from functional_shard.core.units import parse_bytes
+from functional_shard.core.validate import entry_point, positive_int
 from functional_shard.costing.cost.cost_model import OptimizerKind
 from functional_shard.costing.time.hardware import Hardware
 from functional_shard.costing.time.hardware import hardware as _hardware
@@ -33,12 +34,12 @@ from .search import Search, SearchInputs
 __all__ = ["auto", "search_plans"]
 
 
-def _check_devices(devices: Any, batch: Any, seq: Any) -> None:
+def _check_counts(devices: Any, batch: Any, seq: Any) -> None:
     for name, value in (("devices", devices), ("batch", batch), ("seq", seq)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ShardingError(f"auto({name}={value!r}): a positive int")
+        positive_int(value, name)
 
 
+@entry_point
 def search_plans(
     model: Any,
     *,
@@ -101,7 +102,7 @@ def search_plans(
         >>> report.best is not None and report.best_candidate.fits
         True
     """
-    _check_devices(devices, batch, seq)
+    _check_counts(devices, batch, seq)
     budget = parse_bytes(memory_budget)
     hw = _hardware(hardware)
     facts = model_facts(model)
@@ -148,6 +149,7 @@ def search_plans(
 
 # the same keywords as `search_plans`, spelled out rather than forwarded: each is typed and
 # documented where users read it
+@entry_point
 def auto(
     model: Any,
     *,
@@ -176,6 +178,7 @@ def auto(
         >>> plan.mesh.size
         1
     """
+    _check_counts(devices, batch, seq)  # named as auto's arguments, before search_plans names them
     report = search_plans(
         model,
         devices=devices,

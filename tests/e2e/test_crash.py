@@ -227,5 +227,5 @@ def test_a_dead_peer_ends_the_run_at_once_naming_the_collective_and_the_rank():
 
 
 def test_a_timeout_must_be_positive():
-    with pytest.raises(fs.ShardingError, match=re.escape("init_distributed: timeout=0 must be a positive")):
+    with pytest.raises(fs.ShardingError, match=re.escape("init_distributed(timeout=0): a positive number")):
         fs.init_distributed(timeout=0)

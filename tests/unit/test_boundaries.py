@@ -300,9 +300,6 @@ MAX_LINES = 500
 MAX_POSITIONAL = 6
 # module-level objects written at run time that are no caches, each with why it must stay
 NOT_A_CACHE = {
-    # the façade's table of what answers Plan.cost, Plan.visualize and Mesh.device_mesh,
-    # set once when functional_shard is imported (core cannot import the layers above it)
-    ("core/providers.py", "_where"),
     # what apply() built for each module: a weak registry (a module that dies leaves it),
     # read by forward_backward, checkpoints and the optimizer
     ("runtime/apply.py", "APPLIED"),

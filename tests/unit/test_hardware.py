@@ -65,7 +65,7 @@ def test_a_dtype_without_a_rate_is_refused():
 
 
 def test_local_processes_must_be_positive():
-    with pytest.raises(fs.ShardingError, match=re.escape("hardware('local', processes=0)")):
+    with pytest.raises(fs.ShardingError, match=re.escape("hardware(processes=0): a positive int")):
         fs.hardware("local", processes=0)
 
 

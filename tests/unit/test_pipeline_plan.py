@@ -135,7 +135,7 @@ def test_every_spec_of_a_pipelined_plan_names_its_stage_rank():
             fs.Mesh(pp=2),
             "pipeline(pp, microbatches=2, schedule=pipedream)",
             fs.PolicyError,
-            "unknown schedule",
+            "pipeline(schedule='pipedream'): one of 'gpipe', '1f1b'",
         ),
         (
             fs.Mesh(pp=2),

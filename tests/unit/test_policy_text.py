@@ -146,7 +146,7 @@ def _refused(text: str, model=MODEL) -> str:
             "hf, auto",
         ),
         ("zero(2.5, dp)", "in '2.5': arguments are bare names, 'strings', integers, true/false"),
-        ("zero(4, dp)", "zero(stage=4): stage is 1, 2 or 3"),
+        ("zero(4, dp)", "zero(stage=4): one of 1, 2, 3"),
         ("zero1(dp)", "write zero(1, AXIS)"),
         ("fsdp(dp, reshard=false)", "fsdp() takes no keyword 'reshard'"),
         ("tp(tp)", "tp() takes a rule set and an axis, e.g. tp(llama, tp)"),

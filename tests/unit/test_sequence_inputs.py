@@ -61,20 +61,20 @@ def _cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
         (
             (TOKENS,),
             {"rank": 0, "dim": 1.0},
-            "fs.context_chunks: dim must be an int (the sequence dim), got 1.0",
+            "context_chunks(dim=1.0): an int (the sequence dim)",
         ),
         (([[0, 1, 2, 3, 4, 5, 6, 7]],), {"rank": 1}, "expected a torch.Tensor for tensor 0, got list"),
         ((np.arange(8)[None],), {"rank": 1}, "expected a torch.Tensor for tensor 0, got ndarray"),
         ((TOKENS, None), {"rank": 1}, "expected a torch.Tensor for tensor 1, got NoneType"),
-        ((TOKENS,), {"rank": 1.0}, "fs.context_chunks: rank must be an int in [0, 2)"),
+        ((TOKENS,), {"rank": 1.0}, "context_chunks(rank=1.0): an int in [0, 2)"),
         (
             (TOKENS,),
             {"rank": "1"},
-            "rank must be an int in [0, 2) (a global rank of the plan's Mesh(cp=2)), got '1'",
+            "context_chunks(rank='1'): an int in [0, 2) (a global rank of the plan's Mesh(cp=2))",
         ),
-        ((TOKENS,), {"rank": True}, "rank must be an int in [0, 2)"),
-        ((TOKENS,), {"rank": 2}, "rank must be an int in [0, 2)"),
-        ((TOKENS,), {"rank": -1}, "rank must be an int in [0, 2)"),
+        ((TOKENS,), {"rank": True}, "(rank=True): an int in [0, 2)"),
+        ((TOKENS,), {"rank": 2}, "(rank=2): an int in [0, 2)"),
+        ((TOKENS,), {"rank": -1}, "(rank=-1): an int in [0, 2)"),
     ],
 )
 def test_context_chunks_refuses_what_is_no_batch_of_sequences(tensors, kwargs, message):
@@ -96,7 +96,7 @@ def test_context_chunks_outside_a_process_group_asks_for_a_rank():
 def test_context_chunks_refuses_what_is_not_a_plan(plan):
     with pytest.raises(
         fs.ShardingError,
-        match=re.escape(f"expected a Plan (fs.shard(model, mesh, policy)), got {type(plan).__name__}"),
+        match=re.escape(f"context_chunks(plan={type(plan).__name__}): a Plan (fs.shard(model, mesh, policy)"),
     ):
         fs.context_chunks(plan, TOKENS, rank=0)
 
@@ -116,9 +116,9 @@ def test_context_chunks_cuts_any_divisible_length_along_a_negative_dim_too(seq, 
 def test_a_length_that_is_no_count_of_tokens_is_named_not_rounded(seq):
     with pytest.raises(
         fs.ShardingError,
-        match=re.escape(f"the seq_len must be a positive int (a count of tokens), got {seq!r}"),
+        match=re.escape(f"seq_len={seq!r}: a positive int (a count of tokens)"),
     ):
-        check_sequence_length(seq, 2, load_balance=True, what="seq_len")
+        check_sequence_length(seq, 2, load_balance=True, name="seq_len")
 
 
 # ---- cp and sequence parallel: the whole length is named ------------------------------
@@ -219,9 +219,9 @@ def test_the_cp_step_refuses_what_is_no_batch_of_sequences(cp1, inputs, targets,
 @pytest.mark.parametrize("seq_len", [-2, 0, 8.0, None, True, "8"])
 def test_sequence_context_refuses_a_length_that_is_no_count_of_tokens(cp1, seq_len):
     plan, model = cp1
-    message = "fs.sequence_context: seq_len must be a positive int (the whole sequences' length in tokens), "
+    message = "a positive int (the whole sequences' length in tokens)"
     with (
-        pytest.raises(fs.ShardingError, match=re.escape(f"{message}got {seq_len!r}")),
+        pytest.raises(fs.ShardingError, match=re.escape(f"sequence_context(seq_len={seq_len!r}): {message}")),
         fs.sequence_context(plan, model, seq_len),
     ):
         pass

@@ -29,6 +29,7 @@ each other activations: ``send_recv`` bytes, point to point, counted once by the
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ from functional_shard.core.errors import ShardingError
 from functional_shard.core.layout import local_numel
 from functional_shard.core.spec import Owned, ParamSharding
 from functional_shard.core.tree import dtype_from_name
+from functional_shard.core.validate import entry_point, positive_int, refuse
 from functional_shard.costing.time.context_engines import counted_engine
 from functional_shard.planning.plan.cost_record import Cost, OptimizerKind
 
@@ -85,7 +87,7 @@ def _memory(
     return {"params": params, "grads": grads, "optimizer": optim, "buffers": buffer_bytes}
 
 
-def check_plan_and_optimizer(who: str, plan: Any, optimizer: Any) -> None:
+def check_plan_and_optimizer(plan: Any, optimizer: Any) -> None:
     """Refuse, naming the argument, a ``plan`` that is not a `Plan` or an optimizer `cost` cannot count.
 
     Raises:
@@ -95,51 +97,46 @@ def check_plan_and_optimizer(who: str, plan: Any, optimizer: Any) -> None:
 
     Examples:
         >>> import torch
-        >>> check_plan_and_optimizer("cost", None, "adamw")  # doctest: +ELLIPSIS
+        >>> check_plan_and_optimizer(None, "adamw")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        functional_shard.ShardingError: cost(plan=NoneType): takes a Plan; make one with fs.shard(...)
+        functional_shard.ShardingError: plan=NoneType: a Plan (make one with fs.shard(...))
         >>> plan = fs.shard(nn.Linear(2, 2), fs.Mesh(dp=2), fs.fsdp())
-        >>> check_plan_and_optimizer("cost", plan, torch.optim.AdamW)  # doctest: +ELLIPSIS
+        >>> check_plan_and_optimizer(plan, torch.optim.AdamW)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        functional_shard.ShardingError: cost(optimizer=<class '...AdamW'>): 'adamw', 'adam' or 'sgd' ...
+        functional_shard.ShardingError: optimizer=<class '...AdamW'>: 'adamw', 'adam' or 'sgd' ...
     """
-    from functional_shard.planning.plan.plan import Plan
-
-    if not isinstance(plan, Plan):
-        raise ShardingError(
-            f"{who}(plan={type(plan).__name__}): takes a Plan; make one with fs.shard(model, mesh, policy)"
-        )
+    # a Plan exists only once its module has loaded: looked up, not imported, as Plan.cost
+    # imports this module (an import back would close a circle)
+    plans = sys.modules.get("functional_shard.planning.plan.plan")
+    if plans is None or not isinstance(plan, plans.Plan):
+        refuse("plan", type(plan).__name__, "a Plan", meaning="make one with fs.shard(model, mesh, policy)")
     number = isinstance(optimizer, int | float) and not isinstance(optimizer, bool)
     if (isinstance(optimizer, str) and optimizer not in _OPTIMIZERS) or (
         not isinstance(optimizer, str) and not (number and math.isfinite(optimizer) and optimizer >= 0)
     ):
-        raise ShardingError(
-            f"{who}(optimizer={optimizer!r}): {', '.join(map(repr, list(_OPTIMIZERS)[:-1]))} or "
-            f"{list(_OPTIMIZERS)[-1]!r} (the optimizer's name, not its class), or bytes of state per "
-            "element (a number >= 0)"
-        )
+        names = f"{', '.join(map(repr, list(_OPTIMIZERS)[:-1]))} or {list(_OPTIMIZERS)[-1]!r}"
+        what = f"{names} (the optimizer's name, not its class), or bytes of state per element (a number >= 0)"
+        refuse("optimizer", repr(optimizer), what)
 
 
 def _check_tokens(plan: Plan, tokens: Any) -> None:
     # under context parallel the tokens are whole sequences, cut as a run cuts them
     from functional_shard.core.sequence import check_sequence_length, chunk_count
 
-    cp = plan.config.cp_size(plan.mesh)
-    balanced = plan.config.context.load_balance if plan.config.context else True
+    config = plan.config
+    cp = config.cp_size(plan.mesh)
+    balanced = config.context.load_balance if config.context else True
     chunks = chunk_count(cp, load_balance=balanced)
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-        divided = f" that the {chunks} cp chunks divide" if chunks > 1 else ""
-        raise ShardingError(
-            f"cost(tokens={tokens!r}): a positive int{divided} (sequences × tokens per sequence, "
-            "on one data-parallel rank), or None for no activation collectives"
-        )
+    divided = f"that the {chunks} cp chunks divide: " if chunks > 1 else ""
+    meaning = f"{divided}sequences × tokens per sequence, on one data-parallel rank"
+    positive_int(tokens, "tokens", meaning=meaning)
     if cp > 1:
         try:
-            check_sequence_length(tokens, cp, load_balance=balanced, what="tokens")
+            check_sequence_length(tokens, cp, load_balance=balanced, what="tokens", name="tokens")
         except ShardingError as error:
-            raise ShardingError(f"cost(tokens={tokens}): {error}") from None
+            refuse("tokens", str(tokens), str(error))
 
 
 def _state_bytes(numel: int, itemsize: int, optimizer: OptimizerKind) -> int:
@@ -271,6 +268,7 @@ def _stage_memory(
     return result
 
 
+@entry_point
 def cost(
     plan: Plan,
     optimizer: OptimizerKind = "adamw",
@@ -336,9 +334,9 @@ def cost(
         >>> sorted(long.cost(tokens=1024, context_engine="ring").comm_bytes["all_to_all"])
         ['cp']
     """
-    check_plan_and_optimizer("cost", plan, optimizer)
+    check_plan_and_optimizer(plan, optimizer)
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
-        raise ShardingError(f"cost(rank={rank!r}): a rank of {plan.mesh!r} (an int), or None for the worst")
+        refuse("rank", repr(rank), f"a rank of {plan.mesh!r} (an int), or None for the worst")
     if tokens is not None:
         _check_tokens(plan, tokens)
     engine = counted_engine(plan, context_engine)

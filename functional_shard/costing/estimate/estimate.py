@@ -17,6 +17,7 @@ from torch import nn
 
 from functional_shard.core.errors import PlanError, ShardingError, bullets
 from functional_shard.core.units import parse_bytes
+from functional_shard.core.validate import entry_point, positive_int, refuse
 from functional_shard.costing.cost.cost_model import OptimizerKind, check_plan_and_optimizer
 from functional_shard.costing.time.context_engines import for_hardware
 from functional_shard.costing.time.hardware import Hardware
@@ -91,18 +92,11 @@ def _check_model_and_plan(model: Any, plan: Any) -> None:
             "its plan: fs.estimate(model, plan, batch=..., seq=...)"
         )
     if not isinstance(model, nn.Module):
-        raise ShardingError(
-            f"estimate(model={type(model).__name__}): the nn.Module the plan was made from (meta device "
-            "is enough)"
-        )
+        what = "the nn.Module the plan was made from"
+        refuse("model", type(model).__name__, what, meaning="meta device is enough")
 
 
-def _check_positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ShardingError(f"estimate({name}={value!r}): a positive int")
-    return value
-
-
+@entry_point
 def estimate(
     model: Any,
     plan: Plan,
@@ -185,13 +179,13 @@ def estimate(
         (True, True)
     """
     _check_model_and_plan(model, plan)
-    check_plan_and_optimizer("estimate", plan, optimizer)
-    _check_positive("batch", batch)
-    _check_positive("seq", seq)
+    check_plan_and_optimizer(plan, optimizer)
+    positive_int(batch, "batch")
+    positive_int(seq, "seq")
     if keep_outputs and plan.config.pipeline is None:
-        raise ShardingError(
-            "estimate(keep_outputs=True): only a pipeline's last stage keeps its outputs to the "
-            "step's end; the plan has no fs.pipeline(...). Leave keep_outputs out"
+        what = "only a pipeline's last stage keeps its outputs to the step's end"
+        refuse(
+            "keep_outputs", "True", what, meaning="the plan has no fs.pipeline(...); leave keep_outputs out"
         )
     hw = _hardware(hardware)
     dtype = compute_dtype(plan)

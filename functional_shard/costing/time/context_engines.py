@@ -33,8 +33,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from functional_shard.core.errors import ShardingError
 from functional_shard.core.sequence import CONTEXT_ENGINES, engine_that_runs
+from functional_shard.core.validate import one_of
 from functional_shard.costing.cost.traffic import compute_itemsize, key_value_features, ring_passes
 
 from .ring_merges import ring_merge_bytes
@@ -74,11 +74,8 @@ def counted_engine(plan: Plan, engine: str | None = None) -> str:
         ('all_gather', 'ring')
     """
     own = plan.config.context.engine if plan.config.context else "auto"
-    if engine is not None and engine not in CONTEXT_ENGINES:
-        raise ShardingError(
-            f"cost(context_engine={engine!r}): one of {', '.join(map(repr, CONTEXT_ENGINES))}, or None for "
-            f"the plan's own ({own!r})"
-        )
+    if engine is not None:
+        one_of(engine, CONTEXT_ENGINES, "context_engine", meaning=f"or None for the plan's own, {own!r}")
     chosen = own if engine is None else engine
     return engine_that_runs(chosen, cuda=False)  # the cost model knows no device
 

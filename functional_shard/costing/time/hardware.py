@@ -14,13 +14,15 @@ size and the sizes of all more-minor axes is at most ``devices_per_node``; set
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import functional_shard as fs
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.mesh import Mesh
-from functional_shard.core.providers import provider
+from functional_shard.core.validate import entry_point, positive_int
 
 __all__ = ["PROFILES", "Hardware", "KernelRates", "hardware"]
 
@@ -307,6 +309,7 @@ PROFILES["a100"] = dataclasses.replace(
 )
 
 
+@entry_point
 def hardware(name: str | Hardware | None = None, *, processes: int = 4) -> Hardware:
     """A named hardware profile (``None`` means ``"h100"``), or ``name`` itself if already one.
 
@@ -336,13 +339,33 @@ def hardware(name: str | Hardware | None = None, *, processes: int = 4) -> Hardw
         return name
     key = "h100" if name is None else name
     if key == "local":
-        if not isinstance(processes, int) or processes < 1:
-            raise ShardingError(f"hardware('local', processes={processes!r}): a positive number")
-        # measuring runs gloo processes: the runtime does it, wired in by the façade
-        measured: Hardware = provider("hardware.local")(processes)
-        return measured
+        positive_int(processes, "processes", meaning="the processes sharing this machine")
+        return _local(processes)
     if not isinstance(key, str) or key not in PROFILES:
         raise ShardingError(
             f"unknown hardware {key!r}; choose one of {sorted([*PROFILES, 'local'])} or pass an fs.Hardware"
         )
     return PROFILES[key]
+
+
+@functools.cache  # measured once per process and count, as hardware("local") promises
+def _local(processes: int) -> Hardware:
+    """This machine, measured on ``processes`` gloo ranks running at once."""
+    # only the runtime starts gloo processes: reached through the façade (docs/architecture.md)
+    rates = fs.measure.local_rates(processes)
+    return Hardware(
+        name="local",
+        flops=rates["flops"],
+        memory_bytes=rates["memory_bytes"],
+        memory_bandwidth=rates["memory_bandwidth"],
+        devices_per_node=processes,
+        intra_node_bandwidth=rates["bandwidth"],
+        inter_node_bandwidth=rates["bandwidth"],
+        overlap_communication=False,
+        cuda=False,
+        skips_masked_attention=False,
+        collective_latency=rates["collective_latency"],
+        tensor_parallel_latency=rates["tensor_parallel_latency"],
+        source=f"measured on this machine with {processes} gloo processes running together",
+        extra={"processes": processes, "per_rank": rates["per_rank"]},
+    )

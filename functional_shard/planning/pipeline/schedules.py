@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from functional_shard.core.errors import PolicyError, one_line
+from functional_shard.core.validate import positive_int
 
 from .stages import SCHEDULES, SINGLE_STAGE, check_schedule, stage_rank
 
@@ -157,10 +158,8 @@ def check_pipeline(schedule: str, pp: int, stages_per_rank: int, microbatches: i
         functional_shard.PolicyError: pipeline(schedule='1f1b', microbatches=2) on pp=4 ...
     """
     check_schedule(schedule, stages_per_rank)
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise PolicyError(f"pipeline(microbatches={microbatches!r}): a positive number of micro-batches")
-    if not isinstance(pp, int) or pp < 1:
-        raise PolicyError(f"pipeline(): the pp axis has size {pp!r}; it needs at least 1 rank")
+    positive_int(microbatches, "microbatches", meaning="micro-batches per step", error=PolicyError)
+    positive_int(pp, "pp", meaning="the pipeline axis' size", error=PolicyError)
     reason = _actions_or_reason(schedule, pp, microbatches, stages_per_rank)
     if isinstance(reason, str):
         working = _nearest_working(schedule, pp, microbatches, stages_per_rank)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from functional_shard.core.errors import PolicyError
 from functional_shard.core.tree import ModelTree, owner_paths
+from functional_shard.core.validate import one_of, positive_int
 from functional_shard.planning.tp.rules import layout_of
 
 __all__ = ["SCHEDULES", "boundary_features", "rank_stages", "split_stages", "stage_finder", "stage_rank"]
@@ -45,12 +46,8 @@ def check_schedule(schedule: str, stages_per_rank: int) -> None:
     Raises:
         PolicyError: naming the schedule, the count and what would work.
     """
-    if schedule not in SCHEDULES:
-        raise PolicyError(
-            f"pipeline(schedule={schedule!r}): unknown schedule; choose one of {list(SCHEDULES)}"
-        )
-    if not isinstance(stages_per_rank, int) or stages_per_rank < 1:
-        raise PolicyError(f"pipeline(stages_per_rank={stages_per_rank!r}): a positive number of stages")
+    one_of(schedule, SCHEDULES, "schedule", error=PolicyError)
+    positive_int(stages_per_rank, "stages_per_rank", meaning="model chunks each rank runs", error=PolicyError)
     if schedule in SINGLE_STAGE and stages_per_rank != 1:
         raise PolicyError(
             f"pipeline(schedule={schedule!r}, stages_per_rank={stages_per_rank}): {schedule!r} runs one "

@@ -10,11 +10,11 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
+import functional_shard as fs
 from functional_shard.core import pytree as _pytree
 from functional_shard.core.errors import PolicyError, ShardingError
 from functional_shard.core.layout import local_numel, local_shape_and_offset
 from functional_shard.core.mesh import Mesh
-from functional_shard.core.providers import provider
 from functional_shard.core.spec import P, ParamSharding
 from functional_shard.core.tree import TensorSpec, owner_paths
 from functional_shard.core.units import format_bytes as _bytes
@@ -208,17 +208,16 @@ class Plan:
     # ---- views -------------------------------------------------------------------
     def cost(self, optimizer: OptimizerKind = "adamw", **kwargs: Any) -> Cost:
         """Memory per device and bytes sent per step; see `functional_shard.costing.cost.cost_model.cost`."""
-        # the cost model is a layer above planning: the façade wires it in (core/providers.py)
-        predicted: Cost = provider("plan.cost")(self, optimizer, **kwargs)
-        return predicted
+        # the cost model is a layer above: reached through the façade (docs/architecture.md)
+        return fs.cost(self, optimizer, **kwargs)
 
     def visualize(self, param: str | None = None, **kwargs: Any) -> Any:
         """A matplotlib figure: memory per device, and ``param``'s blocks over the ranks.
 
         See `functional_shard.frontends.pictures.visualize.visualize` (needs the ``plot`` extra).
         """
-        # a front end, wired in by the façade; matplotlib loads only when a picture is asked for
-        return provider("plan.visualize")(self, param, **kwargs)
+        # a front end, reached through the façade; matplotlib loads only when a picture is drawn
+        return fs._visualize(self, param, **kwargs)
 
     def _holder(self, sharding: ParamSharding) -> int:
         """The first rank holding a tensor: rank 0, or the first of its stage's ranks."""
@@ -337,8 +336,8 @@ class Plan:
         fsdp = self.config.fsdp
         if fsdp is None or not fsdp.unit_names:
             return []
-        # what each unit gathers is the cost model's (a layer above): the façade wires it in
-        lines = units_section(fsdp, provider("plan.unit_gathered")(self))
+        # what each unit gathers is the cost model's, a layer above: reached through the façade
+        lines = units_section(fsdp, fs._unit_gathered(self))
         return [*lines, ""]
 
     def __str__(self) -> str:

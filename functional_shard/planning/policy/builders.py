@@ -16,6 +16,7 @@ import torch
 from functional_shard.core.errors import PolicyError
 from functional_shard.core.sequence import CONTEXT_ENGINES
 from functional_shard.core.tree import Pattern
+from functional_shard.core.validate import instance_of, one_of, positive_int, refuse
 from functional_shard.planning.tp.rules import Rules, deferred
 
 from .types import (
@@ -47,21 +48,24 @@ __all__ = [
 ]
 
 
-def _axes(axis: str | Iterable[str], what: str) -> tuple[str, ...]:
+def _axes(axis: str | Iterable[str], name: str = "axis") -> tuple[str, ...]:
     axes = (axis,) if isinstance(axis, str) else tuple(axis) if isinstance(axis, Iterable) else None
     if not axes or not all(isinstance(a, str) for a in axes):
-        raise PolicyError(
-            f"{what}: axis must be a mesh axis name or a tuple of them, got {axis!r}; "
-            "write a name such as 'dp', or a tuple such as ('dp', 'cp')"
-        )
+        fix = "write a name such as 'dp', or a tuple such as ('dp', 'cp')"
+        refuse(name, repr(axis), "a mesh axis name or a tuple of them", meaning=fix, error=PolicyError)
     if twice := sorted({a for a in axes if axes.count(a) > 1}):
-        raise PolicyError(f"{what}: axis {twice[0]!r} is named twice in {axis!r}; name each mesh axis once")
+        fix = "name each mesh axis once"
+        refuse(name, repr(axis), f"names {twice[0]!r} twice", meaning=fix, error=PolicyError)
     return axes
 
 
-def _flag(value: Any, builder: str, option: str) -> bool:
+def _axis(axis: Any) -> str:
+    return instance_of(axis, str, "axis", meaning="one mesh axis name", error=PolicyError)
+
+
+def _flag(value: Any, option: str, meaning: str = "") -> bool:
     if not isinstance(value, bool):
-        raise PolicyError(f"{builder}({option}={value!r}): True or False")
+        refuse(option, repr(value), "True or False", meaning=meaning, error=PolicyError)
     return value
 
 
@@ -71,13 +75,11 @@ def _dtype_name(dtype: torch.dtype | str | None, what: str) -> str | None:
     name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     found = getattr(torch, name, None)
     if not isinstance(found, torch.dtype):
-        raise PolicyError(f"{dtype!r} is not a torch dtype; use e.g. torch.bfloat16")
+        refuse(what, repr(dtype), "a torch dtype", meaning="e.g. torch.bfloat16", error=PolicyError)
     if not found.is_floating_point:
         # parameters and gradients are cast to it: an integer or bool dtype truncates them
-        raise PolicyError(
-            f"mixed_precision({what}={found}): a floating dtype, e.g. torch.bfloat16, torch.float16 "
-            "or torch.float32"
-        )
+        fix = "e.g. torch.bfloat16, torch.float16 or torch.float32"
+        refuse(what, str(found), "a floating dtype", meaning=fix, error=PolicyError)
     return name
 
 
@@ -95,7 +97,7 @@ def replicate(axis: str | Iterable[str] | None = None) -> Policy:
         >>> plan.params["weight"]
         ParamSharding(storage=P(None, None), compute=P(None, None), grad=P(None, None), optim=P(None, None))
     """
-    axes = None if axis is None else _axes(axis, "replicate()")
+    axes = None if axis is None else _axes(axis)
     return Policy((DataParallel("ddp", (), axes),))
 
 
@@ -114,10 +116,8 @@ def zero(stage: Literal[1, 2, 3], axis: str = "dp") -> Policy:
         >>> zero(1).layers[0].kind, zero(2).layers[0].reshard_after_forward
         ('zero1', False)
     """
-    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (1, 2, 3):
-        raise PolicyError(f"zero(stage={stage!r}): stage is 1, 2 or 3; for plain DDP use replicate()")
-    if not isinstance(axis, str):
-        raise PolicyError(f"zero(axis={axis!r}): one mesh axis name")
+    one_of(stage, (1, 2, 3), "stage", meaning="for plain DDP use replicate()", error=PolicyError)
+    _axis(axis)
     kind: Literal["zero1", "zero2", "zero3"] = ("zero1", "zero2", "zero3")[stage - 1]
     return Policy((DataParallel(kind, (axis,), (), reshard_after_forward=stage != 2),))
 
@@ -129,17 +129,14 @@ def _is_selector(value: Any) -> bool:
 def _check_units(
     units: Iterable[Any] | Selector | None, min_params: int | None, *, groups: bool = True
 ) -> tuple[Any, ...] | None:
-    if min_params is not None and (
-        isinstance(min_params, bool) or not isinstance(min_params, int) or min_params < 1
-    ):
-        raise PolicyError(f"min_params={min_params!r}: a positive number of parameters")
+    if min_params is not None:
+        meaning = "the parameters a unit holds at least"
+        positive_int(min_params, "min_params", meaning=meaning, error=PolicyError)
     if units is None:
         return None
     if not isinstance(units, str | type | re.Pattern | Iterable):
-        raise PolicyError(
-            f"units={units!r}: module classes or module-path patterns, e.g. units=['layers.*'] "
-            "(for a size threshold use min_params=)"
-        )
+        what = "module classes or module-path patterns, e.g. units=['layers.*']"
+        refuse("units", repr(units), what, meaning="for a size threshold use min_params=", error=PolicyError)
     units = (units,) if isinstance(units, str | type | re.Pattern) else tuple(units)
     for unit in units:
         if groups and isinstance(unit, tuple) and unit and all(_is_selector(member) for member in unit):
@@ -181,12 +178,8 @@ def fsdp(
         >>> layer.kind, layer.shard_axes, layer.min_params
         ('fsdp', ('dp',), 1000000)
     """
-    axes = _axes(axis, "fsdp()")
-    if not isinstance(reshard_after_forward, bool):
-        raise PolicyError(
-            f"fsdp(reshard_after_forward={reshard_after_forward!r}): True or False "
-            "(resharding to a smaller group is not modelled yet)"
-        )
+    axes = _axes(axis)
+    _flag(reshard_after_forward, "reshard_after_forward", "resharding to a smaller group is not modelled yet")
     layer = DataParallel(
         "fsdp" if reshard_after_forward else "zero2",
         axes,
@@ -223,7 +216,7 @@ def hsdp(
             shard_axis, reshard_after_forward=reshard_after_forward, units=units, min_params=min_params
         ).layers[0],
     )
-    replicate_axes = _axes(replicate_axis, "hsdp()")
+    replicate_axes = _axes(replicate_axis, "replicate_axis")
     if both := [axis for axis in replicate_axes if axis in inner.shard_axes]:
         raise PolicyError(
             f"hsdp({replicate_axis!r}, {shard_axis!r}): axis {both[0]!r} would both replicate and shard; "
@@ -262,8 +255,7 @@ def tp(
         >>> tp("auto", "tp").layers[0].name
         "tp(auto, 'tp')"
     """
-    if not isinstance(axis, str):
-        raise PolicyError(f"tp(axis={axis!r}): one mesh axis name")
+    _axis(axis)
     if isinstance(rules, str):
         rule_set = deferred(rules)
     elif isinstance(rules, Rules):
@@ -271,12 +263,11 @@ def tp(
     elif isinstance(rules, Iterable):
         rule_set = Rules(cast(Iterable[Any], rules))
     else:
-        raise PolicyError(
-            f"tp(rules={rules!r}): a rule set (fs.rules.llama), 'hf', 'auto', or a list of "
-            "(pattern, style) pairs, e.g. tp([('*.q_proj', 'colwise')], 'tp')"
-        )
-    _flag(sequence_parallel, "tp", "sequence_parallel")
-    _flag(loss_parallel, "tp", "loss_parallel")
+        what = "a rule set (fs.rules.llama), 'hf', 'auto', or a list of (pattern, style) pairs"
+        fix = "e.g. tp([('*.q_proj', 'colwise')], 'tp')"
+        refuse("rules", repr(rules), what, meaning=fix, error=PolicyError)
+    _flag(sequence_parallel, "sequence_parallel")
+    _flag(loss_parallel, "loss_parallel")
     return Policy((TensorParallel(rule_set, axis, sequence_parallel, loss_parallel),))
 
 
@@ -310,7 +301,7 @@ def offload(*, params: bool = True, grads: bool = True, optimizer: bool = True) 
         True
     """
     for part, value in (("params", params), ("grads", grads), ("optimizer", optimizer)):
-        _flag(value, "offload", part)
+        _flag(value, part)
     return Policy(options=Options(offload_params=params, offload_grads=grads, offload_optimizer=optimizer))
 
 
@@ -351,10 +342,8 @@ def pipeline(
     """
     from functional_shard.planning.pipeline.stages import check_schedule
 
-    if not isinstance(axis, str):
-        raise PolicyError(f"pipeline(axis={axis!r}): one mesh axis name")
-    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise PolicyError(f"pipeline(microbatches={microbatches!r}): a positive number of micro-batches")
+    _axis(axis)
+    positive_int(microbatches, "microbatches", meaning="micro-batches per step", error=PolicyError)
     check_schedule(schedule, stages_per_rank)
     stages = None if split is None else tuple(tuple(stage) for stage in split)
     return Policy((Pipeline(axis, microbatches, schedule, stages_per_rank, stages),))
@@ -387,13 +376,12 @@ def ep(axis: str = "ep", *, experts: Pattern | Iterable[Pattern] | None = None) 
         >>> ep("ep", experts="*.experts.*").layers[0].experts
         ('*.experts.*',)
     """
-    if not isinstance(axis, str):
-        raise PolicyError(f"ep(axis={axis!r}): one mesh axis name")
+    _axis(axis)
     patterns: tuple[Pattern, ...] | None = None
     if experts is not None:
         patterns = (experts,) if isinstance(experts, str | re.Pattern) else tuple(experts)
         if not patterns or not all(isinstance(p, str | re.Pattern) for p in patterns):
-            raise PolicyError(f"ep(experts={experts!r}): path patterns (globs or compiled regexes)")
+            refuse("experts", repr(experts), "path patterns (globs or compiled regexes)", error=PolicyError)
     return Policy((ExpertParallel(axis, patterns),))
 
 
@@ -428,12 +416,9 @@ def cp(axis: str = "cp", *, load_balance: bool = True, engine: str = "auto") -> 
         >>> (fsdp(("dp", "cp")) + cp("cp")).context_parallel.name
         "cp('cp')"
     """
-    if not isinstance(axis, str):
-        raise PolicyError(f"cp(axis={axis!r}): one mesh axis name")
-    if not isinstance(load_balance, bool):
-        raise PolicyError(f"cp(load_balance={load_balance!r}): True or False")
-    if engine not in CONTEXT_ENGINES:
-        raise PolicyError(f"cp(engine={engine!r}): one of {', '.join(map(repr, CONTEXT_ENGINES))}")
+    _axis(axis)
+    _flag(load_balance, "load_balance")
+    one_of(engine, CONTEXT_ENGINES, "engine", error=PolicyError)
     return Policy((ContextParallel(axis, load_balance, engine),))
 
 
@@ -464,10 +449,7 @@ def checkpointing(*modules: Selector, policy: str = "full") -> Policy:
     """
     if not modules:
         raise PolicyError("checkpointing() needs module classes or path patterns to recompute")
-    if policy not in CHECKPOINT_POLICIES:
-        raise PolicyError(
-            f"checkpointing(policy={policy!r}): unknown policy; choose one of {list(CHECKPOINT_POLICIES)}"
-        )
+    one_of(policy, CHECKPOINT_POLICIES, "policy", error=PolicyError)
     return Policy(
         options=Options(checkpoint=_check_units(modules, None, groups=False), checkpoint_policy=policy)
     )

@@ -21,12 +21,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Literal, TypeAlias, TypeVar
+from typing import Any, Literal, TypeAlias, TypeVar, cast
 
 from functional_shard.core.errors import PolicyError
 from functional_shard.core.mesh import Mesh
 from functional_shard.core.spec import Owned, P, ParamSharding
 from functional_shard.core.tree import Pattern, TensorSpec
+from functional_shard.core.validate import entry_point
 from functional_shard.planning.tp.rules import Rules, index_free, resolve
 from functional_shard.planning.tp.styles import StyleError
 
@@ -402,10 +403,11 @@ _BUILDER_MARK = "_functional_shard_policy_builder"
 
 
 def policy_builder(fn: Builder) -> Builder:
-    """Mark ``fn`` as a policy constructor, so that passing it uncalled is refused by name."""
+    """``fn`` as a public entry point (`entry_point`), marked: passed uncalled, it is refused by name."""
+    checked = cast(Builder, entry_point(fn))
     # a mark on the function itself, not a module-level registry
-    setattr(fn, _BUILDER_MARK, True)
-    return fn
+    setattr(checked, _BUILDER_MARK, True)
+    return checked
 
 
 def as_policy(obj: Policy | LayerFn) -> Policy:

@@ -39,6 +39,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.core.validate import entry_point
+from functional_shard.core.validate import path as check_path
 
 from .async_save import PendingSave, finish_folder, save_in_background, wait_for_previous
 from .hf.export import HfConversion, convert_to_hf, export_hf
@@ -157,6 +159,7 @@ def save(
 ) -> PendingSave: ...
 
 
+@entry_point
 def save(
     path: str | os.PathLike[str],
     module: nn.Module,
@@ -220,7 +223,7 @@ def save(
     if not full:
         refuse_packed(module, "fs.checkpoint.save(full=False)")
     wait_for_previous(module)
-    path = Path(path)
+    path = check_path(path, "path")
     refuse_occupied(path, "fs.checkpoint.save")
     state: dict[str, Any] = {"model": model_state(module, full=full)}
     if optimizer is not None:
@@ -231,6 +234,7 @@ def save(
     return _write(path, state, full=full, meta=meta)
 
 
+@entry_point
 def load(
     path: str | os.PathLike[str],
     module: nn.Module,
@@ -270,6 +274,7 @@ def load(
         >>> # extra = fs.checkpoint.load("ckpt", model, optimizer); step = extra["step"]
         >>> # fs.checkpoint.load("ckpt", model, optimizer, data=loader)   # the data order goes on
     """
+    path = check_path(path, "path")
     optimizers = {"optimizer": optimizer} if optimizer is not None else {}
     # read sees the saved meta before it sets anything, and every rank hears every verdict
     check = None if data is None else functools.partial(_data_order_problems, path, data)
@@ -318,6 +323,7 @@ def _with_data_order(extra: dict[str, Any] | None, data: Any) -> dict[str, Any] 
     return {**(extra or {}), DATA_ORDER: data.state_dict()}
 
 
+@entry_point
 def latest(directory: str | os.PathLike[str]) -> Path | None:
     """The newest whole checkpoint in ``directory`` (a folder or a file of `save`), or None.
 
@@ -334,7 +340,7 @@ def latest(directory: str | os.PathLike[str]) -> Path | None:
     Examples:
         >>> # found = fs.checkpoint.latest("checkpoints"); extra = fs.checkpoint.load(found, model, optimizer)
     """
-    directory = Path(directory)
+    directory = check_path(directory, "directory")
     if not directory.is_dir():
         raise ShardingError(f"fs.checkpoint.latest: {directory} is not a folder of checkpoints")
     candidates = sorted(
@@ -361,6 +367,7 @@ def _is_checkpoint(entry: Path) -> bool:
     return entry.is_file() and zipfile.is_zipfile(entry)
 
 
+@entry_point
 def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], *, trust: bool = False) -> Path:
     """Convert offline between a sharded folder and a full file (direction from ``source``).
 
@@ -381,7 +388,7 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], *, t
     # torch's own loop of dcp_to_torch_save, with the safe reader and planner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    source, target = Path(source), Path(target)
+    source, target = check_path(source, "source"), check_path(target, "target")
     if not source.exists():
         raise ShardingError(f"no checkpoint at {source}")
     refuse_occupied(target, "fs.checkpoint.convert", alone=True)

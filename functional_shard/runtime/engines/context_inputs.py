@@ -14,9 +14,10 @@ import torch
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.sequence import check_split_share
+from functional_shard.core.validate import instance_of, refuse
 from functional_shard.planning.plan.plan import Plan
 
-__all__ = ["chunk_rank", "plan_given", "positive_length", "sequence_dim", "share_check"]
+__all__ = ["chunk_rank", "plan_given", "sequence_dim", "share_check"]
 
 
 def sequence_dim(who: str, tensors: tuple[Any, ...], dim: Any, names: tuple[str, ...] = ()) -> None:
@@ -33,7 +34,7 @@ def sequence_dim(who: str, tensors: tuple[Any, ...], dim: Any, names: tuple[str,
         functional_shard.ShardingError: fs.context_chunks: tensor 0 has shape (8,), no dim 1: ..., or dim=0
     """
     if isinstance(dim, bool) or not isinstance(dim, int):
-        raise ShardingError(f"{who}: dim must be an int (the sequence dim), got {dim!r}")
+        refuse("dim", repr(dim), "an int", meaning="the sequence dim")
     named = [(names[i] if i < len(names) else f"tensor {i}", tensor) for i, tensor in enumerate(tensors)]
     for name, tensor in named:
         if not isinstance(tensor, torch.Tensor):
@@ -62,42 +63,18 @@ def chunk_rank(plan: Plan, rank: Any, own: int | None) -> int:
     """
     if rank is None:
         if own is None:
-            raise ShardingError(
-                "fs.context_chunks needs the rank whose chunks to cut: pass rank=, or call "
-                "dist.init_process_group(...) first"
-            )
+            fix = "pass rank=, or call dist.init_process_group(...) first"
+            refuse("rank", "None", "the rank whose chunks to cut, outside a process group", meaning=fix)
         return own
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < plan.mesh.size:
-        raise ShardingError(
-            f"fs.context_chunks: rank must be an int in [0, {plan.mesh.size}) (a global rank of the "
-            f"plan's {plan.mesh!r}), got {rank!r}"
-        )
+        meaning = f"a global rank of the plan's {plan.mesh!r}"
+        refuse("rank", repr(rank), f"an int in [0, {plan.mesh.size})", meaning=meaning)
     return rank
 
 
-def plan_given(plan: Any, caller: str) -> None:
-    """Refuse what is not a plan (a policy, a model) where ``caller`` takes one."""
-    if not isinstance(plan, Plan):
-        raise ShardingError(
-            f"{caller}: expected a Plan (fs.shard(model, mesh, policy)), got {type(plan).__name__}"
-        )
-
-
-def positive_length(seq_len: Any, caller: str) -> None:
-    """Refuse a ``seq_len`` that is not a count of tokens.
-
-    Examples:
-        >>> positive_length(8, "fs.sequence_context")
-        >>> positive_length(8.0, "fs.sequence_context")
-        Traceback (most recent call last):
-        ...
-        functional_shard.ShardingError: fs.sequence_context: seq_len must be a positive int ..., got 8.0
-    """
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
-        raise ShardingError(
-            f"{caller}: seq_len must be a positive int (the whole sequences' length in tokens), "
-            f"got {seq_len!r}"
-        )
+def plan_given(plan: Any) -> Plan:
+    """``plan``, if it is one: not a policy, a mesh or a model."""
+    return instance_of(plan, Plan, "plan", meaning="fs.shard(model, mesh, policy) makes one")
 
 
 def share_check(plan: Plan) -> Callable[[int], None] | None:

@@ -39,12 +39,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.sequence import check_sequence_length, token_positions
+from functional_shard.core.validate import entry_point, positive_int
 from functional_shard.costing.trace.context_attention import AttentionCall, routing_attention
 from functional_shard.planning.context_checks import attention_problems  # pure: fs.estimate asks it too
 from functional_shard.planning.context_checks import takes_hf_attention as _is_hf
 from functional_shard.planning.plan.plan import Plan
 
-from .context_inputs import chunk_rank, plan_given, positive_length, sequence_dim, share_check
+from .context_inputs import chunk_rank, plan_given, sequence_dim, share_check
 from .context_ring import ring_attention, ring_dispatch, runs_ring
 
 __all__ = [
@@ -272,6 +273,7 @@ def _chunks(
     return tuple(cut)
 
 
+@entry_point
 def context_chunks(
     plan: Plan, *tensors: torch.Tensor, rank: int | None = None, dim: int = 1
 ) -> tuple[torch.Tensor, ...]:
@@ -299,7 +301,7 @@ def context_chunks(
         >>> fs.context_chunks(plan, tokens, rank=1)
         (tensor([[2, 3, 4, 5]]), tensor([2, 3, 4, 5]))
     """
-    plan_given(plan, "fs.context_chunks")
+    plan_given(plan)
     context = plan.config.context
     if context is None:
         raise ShardingError(
@@ -322,8 +324,10 @@ def context_chunks(
     return (*_chunks("fs.context_chunks", tensors, positions, seq, dim), positions)
 
 
-@contextlib.contextmanager
-def sequence_context(plan: Plan, module: nn.Module, seq_len: int) -> Iterator[torch.Tensor]:
+@entry_point
+def sequence_context(
+    plan: Plan, module: nn.Module, seq_len: int
+) -> contextlib.AbstractContextManager[torch.Tensor]:
     """Within it, ``module``'s attention runs over whole ``seq_len``-token sequences from this rank's chunks.
 
     Yields this rank's global positions. Run the forward and the backward inside it (a
@@ -340,7 +344,7 @@ def sequence_context(plan: Plan, module: nn.Module, seq_len: int) -> Iterator[to
     """
     from .applied import applied_with
 
-    positive_length(seq_len, "fs.sequence_context")
+    positive_int(seq_len, "seq_len", meaning="the whole sequences' length in tokens")
     applied = applied_with(plan, module, "fs.sequence_context")
     context = plan.config.context
     if context is None:
@@ -355,6 +359,11 @@ def sequence_context(plan: Plan, module: nn.Module, seq_len: int) -> Iterator[to
         device=device,
         engine=context.engine,
     )
+    return _positions_while_splitting(shard)
+
+
+@contextlib.contextmanager
+def _positions_while_splitting(shard: SequenceShard) -> Iterator[torch.Tensor]:
     with splitting_attention(shard):
         yield shard.positions
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.core.validate import entry_point, refuse
 from functional_shard.planning.plan.plan import Plan
 
 from .applied import applied_with
@@ -21,8 +22,8 @@ def _evaluated(plan: Plan, module: nn.Module, root: str, caller: str) -> tuple[n
     applied_with(plan, module, caller)
     pipelined = pipeline_of(module)
     if root and pipelined is not None:
-        raise ShardingError(
-            f"{caller}(root={root!r}) under a pipeline plan: a stage runs the module's own forward"
+        refuse(
+            "root", repr(root), "'' under a pipeline plan", meaning="a stage runs the module's own forward"
         )
     if plan.config.context is not None:
         raise ShardingError(
@@ -32,7 +33,7 @@ def _evaluated(plan: Plan, module: nn.Module, root: str, caller: str) -> tuple[n
     try:
         return module.get_submodule(root), pipelined
     except AttributeError:
-        raise ShardingError(f"{caller}(root={root!r}): the module has no such submodule") from None
+        refuse("root", repr(root), "a submodule of the module", meaning="'' for the module itself")
 
 
 @contextmanager
@@ -44,6 +45,7 @@ def _no_grad() -> Iterator[None]:
         yield
 
 
+@entry_point
 def forward_only(plan: Plan, module: nn.Module, *, root: str = "") -> Callable[[torch.Tensor], torch.Tensor]:
     """A function ``forward(inputs) -> outputs``: the model's forward under ``plan``, without gradients.
 
@@ -85,6 +87,7 @@ def forward_only(plan: Plan, module: nn.Module, *, root: str = "") -> Callable[[
     return run
 
 
+@entry_point
 def forward_loss(
     plan: Plan, module: nn.Module, loss_fn: LossFn, *, root: str = ""
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.core.validate import entry_point, refuse
 from functional_shard.planning.plan.plan import Plan
 
 from .applied import applied_with
@@ -19,6 +20,7 @@ from .tensor_parallel import loss_context, plain_loss
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+@entry_point
 def forward_backward(
     plan: Plan,
     module: nn.Module,
@@ -77,13 +79,13 @@ def forward_backward(
     applied = applied_with(plan, module, "fs.forward_backward")
     pipelined = pipeline_of(module)
     if root and pipelined is not None:
-        raise ShardingError(
-            f"fs.forward_backward(root={root!r}) under a pipeline plan: a stage runs the module's own forward"
+        refuse(
+            "root", repr(root), "'' under a pipeline plan", meaning="a stage runs the module's own forward"
         )
     try:
         forward = module.get_submodule(root)
     except AttributeError:
-        raise ShardingError(f"fs.forward_backward(root={root!r}): the module has no such submodule") from None
+        refuse("root", repr(root), "a submodule of the module", meaning="'' for the module itself")
     context = plan.config.context is not None
     if context and pipelined is None:
         takes_positions = "position_ids" in inspect.signature(forward.forward).parameters

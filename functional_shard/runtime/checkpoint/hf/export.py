@@ -24,6 +24,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.core.validate import entry_point, positive_int
+from functional_shard.core.validate import path as check_path
 from functional_shard.runtime.checkpoint.integrity import (
     Described,
     agreed,
@@ -96,6 +98,7 @@ def _dtype(shapes: dict[str, Described]) -> torch.dtype:
     return next((dtype for _, dtype in shapes.values() if dtype.is_floating_point), torch.float32)
 
 
+@entry_point
 def export_hf(
     path: str | os.PathLike[str],
     model: nn.Module,
@@ -137,9 +140,9 @@ def export_hf(
         >>> # fs.checkpoint.export_hf("out/llama-hf", model)    # on every rank, after training
         >>> # transformers.AutoModelForCausalLM.from_pretrained("out/llama-hf")
     """
-    path = Path(path)
-    if max_shard_bytes is not None and max_shard_bytes < 1:
-        raise ShardingError(f"max_shard_bytes: {max_shard_bytes}; give a positive number of bytes, or None")
+    path = check_path(path, "path")
+    if max_shard_bytes is not None:
+        positive_int(max_shard_bytes, "max_shard_bytes", meaning="bytes per file, or None for one file")
     hf = hf_config(config, model)
     expected = expected_tensors(hf, model)
     # this rank's shards, keyed as the model names them

@@ -1,0 +1,205 @@
+"""The checks of one argument that every public entry point shares: a positive int, one of, a type.
+
+Four checks and a positive number: `positive_int`, `positive_number`, `one_of`, `instance_of`,
+`path`. A check says what is wrong with the argument in one short line that names it and its value
+(``tokens=0: a positive int``); the public function that took the argument, wrapped in
+`entry_point`, names itself once in front (``cost(tokens=0): a positive int``), as einops adds
+its pattern to every error of ``reduce``. So no message spells its caller's name by hand, and
+the same mistake reads the same at every door. Each check raises the class its caller names
+(``error=PolicyError`` in a policy's builder), `ShardingError` by default, and returns the
+value (a path as a `pathlib.Path`), so a check is also the line that reads the argument.
+
+Examples:
+    >>> @entry_point
+    ... def grow(size):
+    ...     return positive_int(size, "size", meaning="a count of blocks")
+    >>> grow(3)
+    3
+    >>> grow(0)
+    Traceback (most recent call last):
+    ...
+    functional_shard.ShardingError: grow(size=0): a positive int (a count of blocks)
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import os
+import pathlib
+from collections.abc import Callable, Collection
+from typing import Any, NoReturn, ParamSpec, TypeVar
+
+from .errors import ShardingError
+
+__all__ = ["entry_point", "instance_of", "one_of", "path", "positive_int", "positive_number", "refuse"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_T = TypeVar("_T")
+
+
+def refuse(
+    name: str, shown: str, what: str, *, meaning: str = "", error: type[ShardingError] = ShardingError
+) -> NoReturn:
+    """Raise ``error``: ``name=shown: what (meaning)``, which `entry_point` prefixes with its name.
+
+    Args:
+        name: the argument, as its caller writes it.
+        shown: its value as the message shows it (a repr, or a type's name).
+        what: what the argument must be.
+        meaning: what the argument is for, in brackets after ``what``; may say the fix.
+        error: the exception class, a `ShardingError`.
+
+    Raises:
+        ShardingError: always (``error``).
+
+    Examples:
+        >>> refuse("axis", "3", "one mesh axis name")
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: axis=3: one mesh axis name
+    """
+    argument = f"{name}={shown}"
+    problem = error(f"{argument}: {what}{f' ({meaning})' if meaning else ''}")
+    problem.argument = argument
+    raise problem
+
+
+def positive_int(
+    value: Any, name: str, *, meaning: str = "", error: type[ShardingError] = ShardingError
+) -> int:
+    """``value`` if it is an int of at least 1 (not a bool, not a float), else refused.
+
+    Examples:
+        >>> positive_int(4, "microbatches")
+        4
+        >>> positive_int(2.0, "microbatches")
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: microbatches=2.0: a positive int
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        refuse(name, repr(value), "a positive int", meaning=meaning, error=error)
+    return value
+
+
+def positive_number(
+    value: Any, name: str, *, meaning: str = "", error: type[ShardingError] = ShardingError
+) -> float:
+    """``value`` if it is a finite int or float above 0 (not a bool), else refused.
+
+    Examples:
+        >>> positive_number(0.5, "timeout")
+        0.5
+        >>> positive_number(float("nan"), "timeout")
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: timeout=nan: a positive number
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not value > 0
+    ):
+        refuse(name, repr(value), "a positive number", meaning=meaning, error=error)
+    return value
+
+
+def one_of(
+    value: Any,
+    choices: Collection[_T],
+    name: str,
+    *,
+    meaning: str = "",
+    error: type[ShardingError] = ShardingError,
+) -> _T:
+    """``value`` if it is one of ``choices``, of the same type (``2.0`` and ``True`` are not ``2``, ``1``).
+
+    Examples:
+        >>> one_of("ring", ("allgather", "ring"), "engine")
+        'ring'
+        >>> one_of("tree", ("allgather", "ring"), "engine")
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: engine='tree': one of 'allgather', 'ring'
+    """
+    if not any(type(value) is type(choice) and value == choice for choice in choices):
+        refuse(name, repr(value), f"one of {', '.join(map(repr, choices))}", meaning=meaning, error=error)
+    return value  # type: ignore[no-any-return]  # it is one of choices
+
+
+def instance_of(
+    value: Any,
+    kind: type[_T],
+    name: str,
+    *,
+    meaning: str = "",
+    error: type[ShardingError] = ShardingError,
+) -> _T:
+    """``value`` if it is a ``kind``, else refused, naming the type it is (not its repr: a model's is long).
+
+    Examples:
+        >>> instance_of("dp", str, "axis", meaning="one mesh axis name")
+        'dp'
+        >>> instance_of(None, str, "axis", meaning="one mesh axis name")
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: axis=NoneType: a str (one mesh axis name)
+    """
+    if not isinstance(value, kind):
+        refuse(name, type(value).__name__, f"a {kind.__name__}", meaning=meaning, error=error)
+    return value
+
+
+def path(value: Any, name: str, *, error: type[ShardingError] = ShardingError) -> pathlib.Path:
+    """``value`` as a `pathlib.Path` if it is a ``str`` or ``os.PathLike`` naming one, else refused.
+
+    Examples:
+        >>> path("out/step-10", "path")
+        PosixPath('out/step-10')
+        >>> path(10, "path")
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: path=10: a path (a str or os.PathLike)
+    """
+    if not isinstance(value, str | os.PathLike) or value == "":
+        refuse(name, repr(value), "a path (a str or os.PathLike)", error=error)
+    return pathlib.Path(value)
+
+
+def entry_point(function: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``function`` naming itself in front of what its checks refuse: ``cost(tokens=0): ...``.
+
+    Only a check's error (`refuse`) of one of ``function``'s own parameters is renamed, once:
+    an error with its own context passes as it is, a check of a helper's argument that is no
+    parameter here is left for an entry point that has it, and an entry point that calls
+    another leaves the inner one's name standing. The traceback into the check is dropped
+    (``from None``): the message says it all.
+
+    Examples:
+        >>> @entry_point
+        ... def pipeline(microbatches):
+        ...     positive_int(microbatches, "microbatches")
+        >>> pipeline(-1)
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: pipeline(microbatches=-1): a positive int
+    """
+    who = function.__name__
+    parameters = frozenset(inspect.signature(function).parameters)
+
+    @functools.wraps(function)
+    def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return function(*args, **kwargs)
+        except ShardingError as problem:
+            argument = problem.argument
+            if argument is None or argument.partition("=")[0] not in parameters:
+                raise
+            message = str(problem)
+            raise type(problem)(f"{who}({argument}){message[len(argument) :]}") from None
+
+    return checked
