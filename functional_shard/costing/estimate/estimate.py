@@ -114,61 +114,29 @@ def estimate(
     """Estimate a training step's peak memory and time for ``plan`` on ``hardware``.
 
     Pure: the model may live on the meta device and no process group is needed.
+    docs/will-it-fit.md states the model behind each part.
 
     Args:
         model: the module the plan was made from (meta device is enough).
         plan: its plan.
-        batch: sequences per data-parallel rank per step (the micro-batch); under a
-            pipeline, the step's batch, which the plan's ``microbatches`` must divide.
+        batch: sequences per data-parallel rank per step; under a pipeline, the step's batch.
         seq: tokens per sequence.
         optimizer: as for `cost`.
-        hardware: a profile name (see `fs.hardware`) or a `Hardware`; ``None`` is ``"h100"``.
-            Under context parallel it also decides what ``fs.cp``'s ``"auto"`` engine
-            counts: torch's ring attention on CUDA profiles (``Hardware.cuda``: the
-            datasheet ones), our all-gather engine on the measured ``"local"`` one;
-            ``Estimate.context_engine`` says which (`functional_shard.costing.time.context_engines`).
-        rank: estimate this rank; by default the worst one for the cost model's parts
-            (params, grads, optimizer, buffers, collectives) and rank 0 for the traced
-            activations (under a pipeline: the pp rank with the highest peak).
-        inputs: the model's inputs (tensors or a dict, meta allowed) when it does not take
-            token ids of shape ``(batch, seq)``: one data-parallel rank's step, its first
-            tensor ``(batch, seq, ...)`` (``(batch, ...)`` for ``seq=1``); the trace cuts them
-            as a run does, to a micro-batch under a pipeline and a cp rank's tokens under
-            context parallel (`trace.model_inputs.fitted_inputs`).
-        expert_imbalance: routing in mixture-of-experts layers (Hugging Face's Mixtral,
-            Qwen2-MoE, Qwen3-MoE, ...): each token visits top-k of E experts, shared out
-            evenly at 1.0 (the default); above 1, each layer's most loaded expert gets that
-            many times an even share (``ceil(imbalance * tokens * k / E)`` tokens) and the
-            others share the rest. At most E / k. With every expert on every rank (ddp,
-            zero, fsdp) the work and memory are the same whatever it is; under expert
-            parallelism (`fs.ep`) the hot expert lives on ep rank 0, whose estimate (the
-            default rank's) is the worst, and tensor parallel inside the experts runs
-            every copy through each rank's slices.
-        keep_outputs: under a pipeline, count the last stage keeping every micro-batch's
-            output (the logits) to the step's end and then concatenating them, as torch's
-            ``schedule.step()`` does unless given ``return_outputs=False`` (torch 2.6 to
-            2.9 always did; torchtitan's published runs of 2024 ran so). The runtime
-            frees each at its micro-batch's backward, the default here, where torch takes
-            ``return_outputs`` (2.10 on); with an older torch, pass ``True``.
-        kernels: `fs.Kernels`: count ``torch.compile``, torchao's Float8 linears (and their
-            Float8 all-gathers) and async tensor parallel as torchtitan runs them
-            (`functional_shard.costing.time.kernels` says how each is modeled); by default eager bf16.
+        hardware: a profile name (`fs.hardware`) or a `Hardware`; ``None`` is ``"h100"``.
+        rank: the rank to estimate; by default the worst (`Estimate.rank` says which).
+        inputs: the model's inputs when they are not token ids ``(batch, seq)`` (meta allowed).
+        expert_imbalance: the most loaded expert's tokens over an even share (1 to E / k).
+        keep_outputs: under a pipeline, the last stage keeps every micro-batch's output to
+            the step's end (torch before 2.10; docs/torch-versions.md).
+        kernels: `fs.Kernels` (compile, Float8, async tensor parallel); by default eager bf16.
 
     Returns:
         An `Estimate`.
 
     Raises:
-        ShardingError: a model that is no ``nn.Module`` (or model and plan swapped), a plan
-            that is no `Plan`, an optimizer `cost` cannot count, unknown hardware, a
-            non-positive batch or seq, a batch the pipeline's micro-batch count does not
-            divide, inputs whose first tensor is not ``(batch, seq, ...)`` or that do not
-            fit the model, a compute dtype the hardware has no rate for, or an
-            ``expert_imbalance`` below 1 or above E / k, ``keep_outputs`` without a
-            pipeline, or kernels the hardware profile or the plan cannot count.
-        PlanError: tensor-parallel splits the model's modules cannot run (attention heads
-            the tensor-parallel size does not divide, say), or context parallel over attention
-            it cannot split (a sliding window, ``nn.MultiheadAttention``: what `fs.check_runnable`
-            refuses, `functional_shard.planning.context_checks`), named before anything is traced.
+        ShardingError: an argument of the wrong type or value, named with its fix.
+        PlanError: splits the model cannot run (heads tensor parallel does not divide, cp over
+            attention it cannot split), named before anything is traced.
 
     Examples:
         >>> from functional_shard.zoo import llama
