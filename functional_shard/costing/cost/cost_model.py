@@ -279,45 +279,24 @@ def cost(
 ) -> Cost:
     """Predict a plan's memory per device and bytes sent per training step.
 
+    docs/cost-model.md gives each formula and what it was measured against.
+
     Args:
         plan: the plan.
-        optimizer: ``"adamw"``/``"adam"`` (two states in the parameter dtype and a
-            4-byte step per tensor, as torch keeps them), ``"sgd"`` (no state), or bytes of
-            state per element.
+        optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, or bytes of optimizer state per element.
         rank: report this rank's memory; by default the worst rank's.
-        tokens: tokens of one forward and backward on one data-parallel rank (batch ×
-            sequence; under a pipeline, the whole batch the schedule cuts into
-            micro-batches); if given, tensor-parallel activation collectives and the
-            pipeline's point-to-point bytes are counted too, and so are the experts
-            modules' (`functional_shard.costing.cost.expert_traffic`): expert parallelism's
-            ``all_to_all`` over its axis under balanced routing, tensor parallel's
-            all-reduces inside the experts. Under context parallel (``tokens`` of whole
-            sequences) each attention layer's collectives over the cp axis, those of the
-            engine counted (`functional_shard.costing.cost.traffic.context_comm`).
-        context_engine: the cp engine counted: ``None`` (the default) the plan's own,
-            ``"auto"`` counted as ``"all_gather"`` (our engine: each layer's key/value
-            all-gather and gradient reduce-scatter), which is what runs without CUDA; the
-            cost model knows no device, so ask ``"ring"`` for torch's ring attention (what
-            ``"auto"`` runs on CUDA: key/value all-gathers and float32 gradient all-to-alls,
-            heads repeated to the query heads). `fs.estimate` counts what its hardware runs.
+        tokens: tokens of one data-parallel rank's step (batch × sequence); adds activation
+            collectives (tensor parallel, pipeline sends, experts' all-to-alls, cp's).
+        context_engine: the cp engine counted: ``None`` the plan's own (``"auto"`` counts
+            ``"all_gather"``: the cost model knows no device), or ``"ring"`` for torch's.
 
     Returns:
-        A `Cost`. Params, grads and optimizer bytes are exact for torch's engines (FSDP2
-        padding included); ``gathered_bytes`` is the peak of all-gathered parameters (the
-        root unit plus the largest other unit, or every unit under ZeRO-2 and under a
-        pipeline, which keeps its stages gathered across micro-batches). Under a pipeline
-        the memory and collectives are one rank's (the worst over every pp coordinate
-        unless ``rank`` is given), ``stage_bytes`` breaks memory down by stage and
-        ``boundary_bytes`` gives the activation bytes crossing each stage boundary; the
-        width at a boundary is ``plan.config.pipeline.boundary_features`` (an HF config's
-        ``hidden_size``, else the sending stage's last weight's output features), the
-        dtype the mixed-precision one or the model's.
+        A `Cost`: exact parameter, gradient and optimizer bytes for torch's engines, the
+        gathered peak, collectives by kind and axis; under a pipeline, one rank's, with
+        ``stage_bytes`` and ``boundary_bytes``.
 
     Raises:
-        ShardingError: ``plan`` is not a `Plan`, an unknown optimizer (or an optimizer class
-            where its name belongs), a rank outside the mesh, ``tokens`` that is not a
-            positive int (under context parallel, one the plan's sequence chunks divide), or
-            an unknown ``context_engine``.
+        ShardingError: an argument of the wrong type or value, named with its fix.
 
     Examples:
         >>> import torch.nn as nn, functional_shard as fs
