@@ -108,8 +108,8 @@ def _without_unmade_grads(memory: dict[str, int]) -> tuple[dict[str, int], str]:
     end = sum(memory.get(part, 0) for part in held)
     start = sum(memory.values()) - memory.get("grads", 0)
     if start < end:
-        return memory, "the end of backward (every gradient made)"
-    return memory | {"grads": 0}, "the start of backward (no gradient made yet)"
+        return memory, "the end of backward, every gradient made"
+    return memory | {"grads": 0}, "the start of backward, before any gradient is made"
 
 
 def _causal_imbalance(plan: Plan, seq: int) -> float:
