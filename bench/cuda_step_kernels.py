@@ -101,6 +101,15 @@ ROWS = [
     Row("gemma-2b b4 2k selective", "GemmaConfig", 4, 2048, "selective", GEMMA_2B),
     Row("phi3-mini b4 2k selective", "Phi3Config", 4, 2048, "selective", PHI3_MINI),
 ]
+# rows the time model was not first checked on: other batches, lengths and families
+HELD_OUT_ROWS = [
+    Row("llama-1b b2 8k none", "zoo", 2, 8192, None),
+    Row("llama-1b b4 2k selective", "zoo", 4, 2048, "selective"),
+    Row("llama-1b b8 1k none", "zoo", 8, 1024, None),
+    Row("qwen2-1.5b b1 16k full", "Qwen2Config", 1, 16384, "full", QWEN2_1_5B),
+    Row("gemma-2b b1 8k none", "GemmaConfig", 1, 8192, None, GEMMA_2B),
+    Row("qwen2-1.5b b8 1k none", "Qwen2Config", 8, 1024, None, QWEN2_1_5B),
+]
 DRY_ROWS = [
     Row("llama-tiny 128 none", "zoo", 1, 128, None),
     Row("llama-tiny 128 full", "zoo", 1, 128, "full"),
@@ -380,7 +389,7 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
-    rows = DRY_ROWS if arguments.dry else ROWS
+    rows = DRY_ROWS if arguments.dry else ROWS + HELD_OUT_ROWS
     if arguments.rows:
         rows = [r for r in rows if any(r.name.startswith(p) for p in arguments.rows)]
     results: list[dict[str, Any]] = []

@@ -82,8 +82,7 @@ def _seconds(work: Callable[[], Any], device: torch.device, repeats: int, back_t
     """The median seconds of ``work`` over ``repeats`` timings after two warm-ups.
 
     On a GPU each timing runs ``work`` ``back_to_back`` times between two events, as a
-    step runs its kernels: one launch alone between events counts its launch gap too
-    (measured: 8% slower GEMMs than the same ones inside a training step).
+    step runs its kernels: one launch alone between events counts its launch gap too.
     """
     for _ in range(2):
         work()

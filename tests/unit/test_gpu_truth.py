@@ -5,6 +5,9 @@ median step, and one profiled step's kernels. `fs.estimate(hardware="h200")`, wh
 kernel rates came from the same script's microbenchmarks (bench/data/h200/rates.json), not
 from these steps, must give each row's step and each kind of kernel's time within 10%.
 
+bench/data/h200/steps-heldout.json holds rows measured after the model was written (other
+batches, lengths and families): they are held to the same bounds.
+
 A row whose GPU idles for more than a tenth of its step is bound by the host (Python
 dispatch; selective checkpointing's dispatch mode at short sequences): the estimate counts
 the device's work, so such rows are held to the kernels' busy time instead.
@@ -23,6 +26,12 @@ from functional_shard.zoo import CONFIGS, Block, Llama
 
 DATA = pathlib.Path(__file__).parents[2] / "bench" / "data" / "h200"
 ROWS = {row["row"]["name"]: row for row in json.loads((DATA / "steps.json").read_text())["rows"]}
+# measured later, on rows the model was not first checked on (two reruns of the above left out)
+HELD_OUT = {
+    row["row"]["name"]: row
+    for row in json.loads((DATA / "steps-heldout.json").read_text())["rows"]
+    if row["row"]["name"] not in ROWS
+}
 ANNOTATIONS = ("FSDP::", "Optimizer.", "ProfilerStep")
 
 
@@ -69,15 +78,15 @@ def estimate_of(row: dict) -> fs.Estimate:
 
 
 def check(name: str) -> None:
-    row = ROWS[name]
+    row = ROWS.get(name) or HELD_OUT[name]
     found = estimate_of(row)
     kinds = measured_kinds(row)
     busy = sum(kinds.values())
     measured = row["step_seconds"] if busy >= 0.9 * row["step_seconds"] else busy
     assert found.step_seconds == pytest.approx(measured, rel=0.10), (name, found.compute_parts, kinds)
     if row["row"]["family"] == "zoo":  # kind by kind where the model is ours
-        # 15%: rates.json's matmul rate timed each GEMM alone, launch gaps included, 8% below
-        # the same GEMMs back to back in a step (measure_rates now times them back to back)
+        # 15%: rates.json's GEMMs on random operands run 8-10% below the same shapes inside a
+        # training step (measured twice: one GEMM per event pair, and 8 back to back)
         assert found.compute_parts["matmul"] == pytest.approx(kinds["matmul"], rel=0.15)
         if row["row"]["seq"] >= 8192:  # shorter sequences fill the GPU less: a lower rate
             assert found.compute_parts["attention"] == pytest.approx(kinds["attention"], rel=0.15)
@@ -127,6 +136,13 @@ def test_the_peak_of_llama_1b_at_32k_with_selective_checkpointing() -> None:
 @pytest.mark.parametrize("name", [n for n in ROWS if not n.startswith("phi3")])
 def test_every_measured_row(name: str) -> None:
     check(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(HELD_OUT))
+def test_every_held_out_row(name: str) -> None:
+    check(name)
+    assert estimate_of(HELD_OUT[name]).peak_bytes == pytest.approx(HELD_OUT[name]["allocated_peak"], rel=0.05)
 
 
 @pytest.mark.slow
