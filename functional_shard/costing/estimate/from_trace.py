@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 
 from functional_shard.core.sequence import causal_imbalance
 from functional_shard.costing.cost.cost_model import cost
-from functional_shard.costing.cost.traffic import gathers_per_step
 from functional_shard.costing.time.context_engines import (
     recompute_beyond,
     ring_merge_seconds,
@@ -88,7 +87,7 @@ def _flat_parts(assembly: Assembly) -> StepParts:
         )[0],
         work=work_of(
             trace,
-            fsdp_bytes=fsdp_copy_bytes(plan, units, {u: gathers_per_step(plan, (u,)) for u in units}),
+            fsdp_bytes=fsdp_copy_bytes(plan, units),
             step_bytes=optimizer_bytes(plan_cost.params_bytes, assembly.optimizer),
         ),
     )

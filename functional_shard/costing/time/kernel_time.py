@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from functional_shard.core.tree import dtype_from_name
+from functional_shard.costing.cost.traffic import gathers_per_step
 
 from .hardware import KernelRates
 
@@ -91,7 +92,7 @@ def loss_bytes(output_bytes: int, output_numel: int) -> int:
     return casts + 2 * fp32 + fp32 + 3 * fp32
 
 
-def fsdp_copy_bytes(plan: Plan, units: Mapping[str, int], gathers: Mapping[str, int]) -> dict[str, float]:
+def fsdp_copy_bytes(plan: Plan, units: Mapping[str, int]) -> dict[str, float]:
     """Bytes FSDP2's copies around its collectives move in a step, by phase.
 
     Each gather of a unit of ``b`` bytes (in the compute dtype) over ``n`` ranks casts the
@@ -103,8 +104,8 @@ def fsdp_copy_bytes(plan: Plan, units: Mapping[str, int], gathers: Mapping[str, 
 
     Args:
         plan: the plan (its compute and reduce dtypes, its FSDP axes).
-        units: gathered bytes of each FSDP unit ("" is the root), in the compute dtype.
-        gathers: how often each unit is gathered in a step (forward and backward).
+        units: gathered bytes of each FSDP unit ("" is the root), in the compute dtype; each
+            is gathered as often as `traffic.gathers_per_step` says.
     """
     config = plan.config
     n = plan.mesh.axes_size(config.shard_axes) if config.shard_axes else 1
@@ -117,7 +118,7 @@ def fsdp_copy_bytes(plan: Plan, units: Mapping[str, int], gathers: Mapping[str, 
     for unit, size in units.items():
         gather = size * ((cast + 2) / n + 2)
         forward += gather
-        backward += gather * (gathers.get(unit, 1) - 1)
+        backward += gather * (gathers_per_step(plan, (unit,)) - 1)
         backward += size * (1 + reduce / compute + 2 * reduce / compute / n)
     return {"forward": forward, "backward": backward}
 

@@ -93,24 +93,21 @@ def step_time(
     clock = clock or Clock(hw.achievable_flops(dtype))
     rate, saved = clock.rate, saved or {}
     total = forward_flops + backward_flops + recompute_flops
-    compute = clock.seconds(total, attention_flops, phase_saved(saved, *saved))
-    back = backward_flops + recompute_flops
-    backward = clock.seconds(
-        back,
-        in_share(attention_flops, back, total),  # attention in its share of the work
-        phase_saved(saved, "backward", "weight", "recompute"),
-    )
-    attention_seconds = attention_flops / rate
+    backward_saved = phase_saved(saved, "backward", "weight", "recompute")
     parts: dict[str, float] = {}
     rates = hw.kernel_rates
     if work is not None and rates is not None and dtype in ("bfloat16", "float16"):
         phases = ("forward", "backward", "recompute")
         parts = work.seconds(rates, phases, clock.speedup)
         compute = sum(parts.values()) - phase_saved(saved, *saved)
-        backward = sum(work.seconds(rates, phases[1:], clock.speedup).values()) - phase_saved(
-            saved, "backward", "weight", "recompute"
-        )
+        backward = sum(work.seconds(rates, phases[1:], clock.speedup).values()) - backward_saved
         attention_seconds = parts["attention"]
+    else:
+        compute = clock.seconds(total, attention_flops, phase_saved(saved, *saved))
+        back = backward_flops + recompute_flops
+        # attention in its share of the work
+        backward = clock.seconds(back, in_share(attention_flops, back, total), backward_saved)
+        attention_seconds = attention_flops / rate
     comm = _comm_seconds(plan, plan_cost, hw, recomputed or RecomputedCollectives())
     if clock.async_tp and hw.overlap_communication:
         # micro-pipelined in the forward: its collectives (half of them: each forward
