@@ -43,6 +43,7 @@ import torch.nn.functional as F  # noqa: N812
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 
 import functional_shard as fs
+from functional_shard.runtime.measure_rates import kernel_kind
 from functional_shard.zoo import CONFIGS, Block, Llama
 
 GIB = 2**30
@@ -293,23 +294,16 @@ def measure(row: Row, steps: int, device: torch.device, dry: bool) -> dict[str, 
 
 
 def summary(result: dict[str, Any]) -> str:
-    kinds = {"attention": 0.0, "matmul": 0.0, "other": 0.0}
+    kinds = {"attention": 0.0, "matmul": 0.0, "memory-bound": 0.0}
     for kernel in result["kernels"]:
-        name = kernel["name"].lower()
-        kind = (
-            "attention"
-            if any(w in name for w in ("flash", "fmha", "attention", "cudnn_sdpa"))
-            else "matmul"
-            if any(w in name for w in ("gemm", "nvjet", "sm90_xmma", "cutlass", "wgmma"))
-            else "other"
-        )
-        kinds[kind] += kernel["us"] / 1e3
+        if (kind := kernel_kind(kernel["name"])) is not None:
+            kinds[kind] += kernel["us"] / 1e3
     row = result["row"]
     return (
         f"| {row['name']} | {result['step_seconds'] * 1e3:.0f} ms | "
         f"{' / '.join(f'{p * 1e3:.0f}' for p in result['phase_seconds'])} | "
         f"{result['allocated_peak'] / GIB:.2f} | {result['reserved_peak'] / GIB:.2f} | "
-        f"{kinds['attention']:.0f} | {kinds['matmul']:.0f} | {kinds['other']:.0f} |"
+        f"{kinds['attention']:.0f} | {kinds['matmul']:.0f} | {kinds['memory-bound']:.0f} |"
     )
 
 
@@ -395,7 +389,8 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     target = arguments.out / f"steps{'-' + arguments.tag if arguments.tag else ''}.json"
     print(
-        "| row | step | fwd / bwd / opt ms | allocated GiB | reserved GiB | attention | matmul | other (ms) |"
+        "| row | step | fwd / bwd / opt ms | allocated GiB | reserved GiB "
+        "| attention | matmul | memory-bound (ms) |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     try:

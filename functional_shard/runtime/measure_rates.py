@@ -25,7 +25,29 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-__all__ = ["MeasuredRates", "attention_kernel_flops", "measure_rates"]
+__all__ = ["MeasuredRates", "attention_kernel_flops", "kernel_kind", "measure_rates"]
+
+# a profiler's CUDA events that are annotations (engine and optimizer ranges), not kernels
+_ANNOTATIONS = ("FSDP::", "Optimizer.", "ProfilerStep")
+
+
+def kernel_kind(name: str) -> str | None:
+    """The kind of a kernel a profiler named: ``"matmul"``, ``"attention"`` or ``"memory-bound"``.
+
+    ``None`` for an annotation listed beside the kernels (its time overlaps theirs).
+
+    Examples:
+        >>> kernel_kind("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT"), kernel_kind("FSDP::pre_forward")
+        ('matmul', None)
+    """
+    lower = name.lower()
+    if name.startswith(_ANNOTATIONS):
+        return None
+    if any(word in lower for word in ("sdpa", "flash", "fmha", "attention")):
+        return "attention"
+    if any(word in lower for word in ("nvjet", "gemm", "sm90_xmma", "cutlass", "wgmma")):
+        return "matmul"
+    return "memory-bound"
 
 
 def attention_kernel_flops(

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import functional_shard as fs
+from functional_shard.runtime.measure_rates import kernel_kind
 from functional_shard.zoo import CONFIGS, Block, Llama
 
 DATA = pathlib.Path(__file__).parents[2] / "bench" / "data" / "h200"
@@ -32,19 +33,6 @@ HELD_OUT = {
     for row in json.loads((DATA / "steps-heldout.json").read_text())["rows"]
     if row["row"]["name"] not in ROWS
 }
-ANNOTATIONS = ("FSDP::", "Optimizer.", "ProfilerStep")
-
-
-def kernel_kind(name: str) -> str | None:
-    """The kind of a profiled kernel (None: a profiler annotation, not a kernel)."""
-    lower = name.lower()
-    if name.startswith(ANNOTATIONS):
-        return None
-    if any(word in lower for word in ("sdpa", "flash", "fmha", "attention")):
-        return "attention"
-    if any(word in lower for word in ("nvjet", "gemm", "sm90_xmma", "cutlass")):
-        return "matmul"
-    return "memory-bound"
 
 
 def measured_kinds(row: dict) -> dict[str, float]:
