@@ -126,8 +126,7 @@ def estimate(
         rank: the rank to estimate; by default the worst (`Estimate.rank` says which).
         inputs: the model's inputs when they are not token ids ``(batch, seq)`` (meta allowed).
         expert_imbalance: the most loaded expert's tokens over an even share (1 to E / k).
-        keep_outputs: under a pipeline, the last stage keeps every micro-batch's output to
-            the step's end (torch before 2.10; docs/torch-versions.md).
+        keep_outputs: under a pipeline, the last stage keeps every micro-batch's output to the step's end.
         kernels: `fs.Kernels` (compile, Float8, async tensor parallel); by default eager bf16.
 
     Returns:
@@ -135,8 +134,7 @@ def estimate(
 
     Raises:
         ShardingError: an argument of the wrong type or value, named with its fix.
-        PlanError: splits the model cannot run (heads tensor parallel does not divide, cp over
-            attention it cannot split), named before anything is traced.
+        PlanError: a split the model cannot run (heads tp does not divide, cp over attention it cannot split).
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -223,8 +221,7 @@ def compare_schedules(
         kernels: as for `estimate`.
 
     Returns:
-        Schedule name -> its `Estimate` (``.pipeline.stage_activation_bytes``,
-        ``.step_seconds``, ``.pipeline.bubble``).
+        Schedule name -> its `Estimate`.
 
     Raises:
         ShardingError: the plan has no pipeline, or a named schedule cannot run it.
