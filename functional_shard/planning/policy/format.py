@@ -113,8 +113,7 @@ def format_policy(policy: Policy) -> str:
         policy: the policy.
 
     Returns:
-        Its text; ``parse_policy(format_policy(p), model) == p`` when ``model`` holds the
-        classes the policy names.
+        Its text: ``parse_policy(format_policy(p), model) == p`` for a ``model`` with the classes it names.
 
     Raises:
         PolicyError: a part with no text form (a policy function, a custom rule set).

@@ -437,16 +437,13 @@ def parse_policy(text: str, model: nn.Module | None = None) -> Policy:
 
     Args:
         text: terms joined by ``+`` (see the module docs for every form).
-        model: resolves bare class names in ``checkpointing(...)`` and ``units=`` against
-            the model's module classes.
+        model: resolves bare class names in ``checkpointing(...)`` and ``units=`` to its module classes.
 
     Returns:
         The `Policy` the same Python calls would build.
 
     Raises:
-        PolicyError: the text is not a policy; the message names the bad part and lists
-            the accepted forms. Also what the Python call itself refuses (e.g. two layers
-            claiming one axis).
+        PolicyError: the text is not a policy (the bad part named), or the Python call refuses it.
 
     Examples:
         >>> policy = fs.parse_policy("fsdp(dp) + tp(llama, tp) + bf16")
