@@ -1,21 +1,10 @@
 """The cost model: memory per device and bytes sent per training step, before running.
 
 It follows torch's engines, not the textbook (FSDP2's padding, its root unit gathered from forward
-to backward, ZeroRedundancyOptimizer's whole-tensor state; docs/cost-model.md). Collective bytes are
-what each rank sends with ring algorithms over ``n`` ranks on a tensor of ``S`` (gathered) bytes:
-
-| kind           | bytes sent per rank |
-|----------------|---------------------|
-| all_gather     | (n-1)/n · S         |
-| reduce_scatter | (n-1)/n · S         |
-| all_reduce     | 2(n-1)/n · S        |
-| broadcast      | (n-1)/n · S         |
-| all_to_all     | what goes to others |
-
-(gloo runs reduce-scatter as an all-reduce; the model counts what NCCL runs.)
-
-Under a pipeline a rank counts its own stages' tensors and collectives, the worst rank is sought
-over every pp coordinate, and activations between stages are ``send_recv`` bytes, counted by the sender.
+to backward, ZeroRedundancyOptimizer's whole-tensor state). Collective bytes are what each rank sends
+with NCCL's ring algorithms; docs/cost-model.md gives each formula. Under a pipeline a rank counts
+its own stages' tensors, the worst rank is sought over every pp coordinate, and activations between
+stages are ``send_recv`` bytes, counted by the sender.
 """
 
 from __future__ import annotations

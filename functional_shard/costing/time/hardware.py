@@ -267,10 +267,9 @@ PROFILES["h200"] = dataclasses.replace(
     ),
     source="NVIDIA H200 Tensor Core GPU datasheet (SXM); efficiency as h100 (same compute die)",
 )
-# No H100 or A100 was at hand to measure: their compute-bound rates are the H200's measured
-# fractions of the bf16 peak (0.742 matmul, 0.442 attention) of their own peaks (the H100's
-# die and clocks are the H200's), their bandwidth the H200's measured fraction of its
-# datasheet (0.658) of theirs. Measure them with bench/cuda_step_kernels.py when one is.
+# H100 and A100 are not measured: their rates are the H200's measured fractions of the peak
+# (0.742 matmul, 0.442 attention; bandwidth 0.658) of their own datasheets (the H100 shares the
+# H200's die). bench/cuda_step_kernels.py measures them.
 PROFILES["h100"] = dataclasses.replace(
     PROFILES["h100"],
     kernel_rates=KernelRates(

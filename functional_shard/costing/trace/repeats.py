@@ -52,7 +52,7 @@ def repeated_layers(model: nn.Module, plan: Any, state: Mapping[str, torch.Tenso
         return []  # e.g. sliding-window and full attention alternate: same shapes, other work
 
     # the styled and checkpointed paths under each module, relative to it, in plan order
-    # (indexed once: scanning every style for every module was quadratic in the layers)
+    # (indexed once: scanning every style per module is quadratic in the layers)
     def owners(path: str) -> Iterator[tuple[str, str]]:
         parts = path.split(".")
         for end in range(1, len(parts) + 1):
