@@ -33,9 +33,8 @@ __all__ = [
 ]
 
 CONTEXT_ENGINES = ("auto", "ring", "all_gather")
-"""How attention sees the whole sequence under cp: ``ring`` passes key/value chunks from rank
-to rank (torch's ``context_parallel``, CUDA kernels only), ``all_gather`` gathers them all
-(our engine, any backend); ``auto`` takes the ring on CUDA and the all-gather elsewhere."""
+"""How attention sees the whole sequence under cp: ``ring`` (torch's, CUDA only), ``all_gather``
+(ours, any backend), or ``auto``: the ring on CUDA, else the all-gather."""
 
 ENGINE_LABELS = {
     "auto": "torch's ring attention on CUDA, the all-gather engine elsewhere",
