@@ -1,8 +1,7 @@
 """A plan's parameters counted once per kind: the census both halves of the cost model read.
 
-Big models repeat a few (shape, dtype, sharding) combinations across their blocks; the
-memory (`functional_shard.costing.cost.cost_model`) and the traffic (`traffic`) are summed over
-these kinds, each with its count. Also who owns ZeRO-1's optimizer state.
+Big models repeat a few (shape, dtype, sharding) kinds across their blocks: memory and traffic are
+summed over the kinds, each with its count. Also who owns ZeRO-1's optimizer state.
 """
 
 from __future__ import annotations

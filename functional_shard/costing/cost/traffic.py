@@ -1,9 +1,7 @@
 """The traffic half of the cost model: bytes each rank sends per training step.
 
-Parameters and gradients (FSDP gathers and reduce-scatters, DDP's all-reduce, ZeRO-1's
-broadcasts), tensor parallel's activation collectives, context parallel's key/value
-gathers, and the pipeline's point-to-point sends; `functional_shard.costing.cost.cost_model`
-puts them beside the memory.
+Parameters' and gradients' collectives, tensor and context parallel's activation collectives, and
+the pipeline's point-to-point sends.
 """
 
 from __future__ import annotations

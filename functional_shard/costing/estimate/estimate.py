@@ -1,11 +1,7 @@
 """Will it fit, and how fast: peak memory and step time of a plan, before any device is rented.
 
-`estimate` adds to the exact cost model (`cost`) what a training step also needs: the
-activations autograd keeps (traced on fake tensors by `activations.trace_activations`),
-the logits and the fp32 cross-entropy workspace, the FSDP units in flight while the next
-one is prefetched, and time: FLOPs at the hardware's achievable rate plus the
-communication the engines cannot hide. docs/will-it-fit.md states the model and its
-assumptions.
+`estimate` adds to the cost model (`cost`) the activations autograd keeps (traced on fake tensors),
+the loss's workspace, the FSDP units in flight, and time. docs/will-it-fit.md states the model.
 """
 
 from __future__ import annotations

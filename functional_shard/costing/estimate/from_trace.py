@@ -1,8 +1,7 @@
 """One trace to one `Estimate`, for every plan: a pipeline is its stages on torch's schedule.
 
-What a rank holds and computes comes from `StepParts`: the plan's own, or under a
-pipeline the worst pp rank's (`pipeline_estimate.pipeline_parts`); the step model then
-times it the same way for both (`step_seconds.step_time`).
+The rank's `StepParts` (under a pipeline the worst pp rank's, `pipeline_estimate.pipeline_parts`) are
+timed the same way for both (`step_seconds.step_time`).
 """
 
 from __future__ import annotations

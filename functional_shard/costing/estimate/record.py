@@ -1,8 +1,6 @@
 """What `fs.estimate` returns: `Estimate`, and under a pipeline its `PipelineEstimate`.
 
-Records only: the numbers and their readable forms. The step model that fills them is
-`functional_shard.costing.time.step_model`, the pipeline's parts
-`functional_shard.costing.estimate.pipeline_estimate`.
+Records only: the numbers and their readable forms.
 """
 
 from __future__ import annotations

@@ -84,12 +84,10 @@ def _lengths(offsets: Any, longest: Any) -> list[int]:
 
 
 def _varlen_shapes(query: Any, key: Any, value: Any, lengths: Sequence[Any]) -> list[Any]:
-    # The lower-level flash/efficient kernels take (batch, seq, heads, dim), or sequences
-    # packed along one dim with cumulative offsets (``lengths``: the query's and key's
-    # offsets, then their longest lengths). torch's own unpacking
-    # (flop_counter._unpack_flash_attention_nested_shapes, 2.13) hands the unpacked case's
-    # (batch, seq, heads, dim) on as if it were (batch, heads, seq, dim), swapping heads
-    # and sequence: the shapes are rebuilt here.
+    # the lower-level flash/efficient kernels take (batch, seq, heads, dim), or sequences packed
+    # along one dim with offsets (``lengths``); torch's own unpacking
+    # (flop_counter._unpack_flash_attention_nested_shapes) swaps heads and sequence in the
+    # unpacked case (docs/torch-versions.md), so the shapes are rebuilt here
     cum_q, cum_k, max_q, max_k = lengths
     q, k, v = _shape(query), _shape(key), _shape(value)
     if cum_q is None:

@@ -1,14 +1,8 @@
 """Accelerators as data: peak rates from vendor datasheets, achievable fractions from public runs.
 
-A `Hardware` says how fast one device computes (dense FLOP/s per dtype), how much memory it
-has, how devices group into nodes and how fast the links inside and between nodes are. The
-efficiency factors turn datasheet peaks into what real training reaches; they come from
-published measurements of public training runs (see docs/will-it-fit.md), never from ours.
-
-Mesh axes map to links by position: the last mesh axis is the most minor (neighbouring
-ranks), so minor axes fill a node first. An axis lies inside a node when the product of its
-size and the sizes of all more-minor axes is at most ``devices_per_node``; set
-``intra_node_axes`` to name them instead.
+The efficiency factors turn datasheet peaks into what real training reaches, from published runs
+(docs/will-it-fit.md). Minor mesh axes fill a node first: an axis is inside a node when its size times
+the more-minor axes' is at most ``devices_per_node`` (or name them in ``intra_node_axes``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Activation checkpointing as a trace runs it: torch's own checkpoint, op-level selective or whole.
 
-`selective_context` is the ``context_fn`` both `functional_shard.apply` and the trace give
-torch's non-reentrant checkpoint for ``policy="selective"``; `checkpointed` wraps the
-plan's checkpointed modules for a trace and tells `Flops` what a backward recomputes.
+`selective_context` is the ``context_fn`` `functional_shard.apply` and the trace both give torch's
+checkpoint for ``policy="selective"``; `checkpointed` wraps the plan's checkpointed modules for a trace.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """What a trace found: `ActivationTrace`, its counts per pipeline stage, and `regroup`.
 
-`functional_shard.costing.trace.activations.trace_activations` makes one; the pipeline estimate
-and the search read its per-stage counts, traced once per unit of work and regrouped into
-each cut of the model into stages.
+Traced once per unit of work, a trace is regrouped into each cut of the model into stages.
 """
 
 from __future__ import annotations
