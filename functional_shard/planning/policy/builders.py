@@ -159,7 +159,7 @@ def fsdp(
     Args:
         axis: the mesh axis (or axes, flattened) to shard over; also data-parallel.
         reshard_after_forward: free gathered parameters after forward (``False`` is ZeRO-2; never the root).
-        units: module classes or path patterns (a unit each), or tuples of them (one unit); default: blocks.
+        units: module classes or path patterns (a unit each) or tuples of them (one unit); default: blocks.
         min_params: instead, a unit of every module whose unwrapped parameters reach this count.
 
     Examples:

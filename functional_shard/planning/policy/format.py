@@ -1,7 +1,6 @@
 """Policies written back as text: `format_policy`, the inverse of `parse_policy`.
 
-The text forms are those `functional_shard.planning.policy.parse` reads; a part text cannot
-say (a policy function, a custom rule set, a compiled pattern) is refused by name.
+A part text cannot say (a policy function, a custom rule set, a compiled pattern) is refused by name.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """Policies as text: ``"fsdp(dp) + tp(llama, tp) + bf16"`` for the command line and configs.
 
-The text reads like the Python API with the quotes left out. It is parsed with `ast` as
-one expression and walked by hand: only calls of the names below, ``+`` between them, and
-bare names, strings, integers, booleans or tuples of those as arguments. Nothing is ever
+The text reads like the Python API without quotes. It is parsed with `ast` and walked by hand, never
 evaluated, so a policy string cannot run code.
 
 | text                                      | Python                                              |
