@@ -278,7 +278,7 @@ LONG_SEQUENCE = 32768
 def context_points(space: Space) -> Iterator[Point]:
     """The context-parallel points: ``Mesh(dp, cp)`` with FSDP over both, as torchtitan runs cp.
 
-    A cp size divides the devices and the sequence into 2·cp chunks, and leaves a dp dividing the batch.
+    A cp size divides the devices and cuts each sequence into 2·cp equal chunks; dp must divide the batch.
     """
     for cp in _divisors(space.devices)[1:]:
         dp = space.devices // cp
