@@ -261,7 +261,7 @@ def cost(
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, or bytes of optimizer state per element.
         rank: report this rank's memory; by default the worst rank's.
         tokens: tokens of one data-parallel rank's step (batch × sequence); adds activation collectives.
-        context_engine: the cp engine counted, ``"ring"`` or ``"all_gather"``; ``None``: the plan's own.
+        context_engine: ``"ring"`` or ``"all_gather"``; ``None``: the plan's, ``"auto"`` as all-gather.
 
     Returns:
         A `Cost`: memory by kind and collectives by kind and axis, for one rank.
