@@ -1,8 +1,7 @@
 """The one exception family of functional_shard.
 
-Every problem a caller can fix is a `ShardingError`: it says what failed, where (the
-parameter path or option), the values involved, the mesh, and how to fix it. Problems
-found while checking a whole plan are collected and raised once, one bullet each.
+Every problem a caller can fix is a `ShardingError` saying what failed, where, the values, the mesh
+and the fix; a whole plan's problems are raised once, one bullet each.
 """
 
 from __future__ import annotations
@@ -53,8 +52,7 @@ def bullets(header: str, problems: Iterable[str], fix: str) -> str:
 def one_line(error: BaseException | str, limit: int | None = None) -> str:
     r"""An error's message on one line: its header, bullets and fix joined by ``"; "``.
 
-    For a table cell or a prefix of another message (the CLI's, the search report's). Past
-    ``limit`` characters the text is cut at a word and ends with ``" …"``.
+    For a table cell or a prefix of another message; past ``limit`` characters, cut at a word with ``" …"``.
 
     Examples:
         >>> one_line(ShardingError(bullets("2 problems:", ["a is odd", "b is odd"], "Fix both.")))

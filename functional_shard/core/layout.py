@@ -1,11 +1,8 @@
 """Where each rank's shard sits: local shapes, offsets, and shard/unshard on a virtual mesh.
 
-The arithmetic is torch's: a dim split ``k`` ways gets chunks of ``ceil(n / k)``, the
-trailing ranks smaller or empty (``torch.chunk``, DTensor's ``Shard``); a dim split by
-several axes is split by each in turn, major to minor. An empty shard's offset is the
-dim's size, as torch reports it. A staged spec (``on=("pp", 1)``) holds nothing on the
-ranks off its stage: their local shape is all zeros (their offsets the dim sizes) and
-their shard an empty tensor.
+The arithmetic is torch's: a dim split ``k`` ways gets chunks of ``ceil(n / k)``, the trailing ranks
+smaller or empty, several axes splitting in turn, major to minor. An empty shard's offset is the dim's
+size; off a staged spec's stage a rank's local shape is all zeros.
 """
 
 from __future__ import annotations
@@ -135,10 +132,7 @@ def local_numel(
 ) -> int:
     """Elements ``rank`` holds; splits over ``padded_axes`` count chunk 0's size on every rank.
 
-    FSDP2 pads each parameter's sharded dim to a multiple of the shard count, so over
-    its axes every rank allocates as much as rank 0.
-
-    Off a staged spec's stage a rank holds nothing.
+    FSDP2 pads the sharded dim to a multiple of the shard count, so every rank allocates as much as rank 0.
 
     Examples:
         >>> mesh = Mesh(dp=8)
@@ -166,8 +160,8 @@ def _local_numel(shape: tuple[int, ...], spec: P, mesh: Mesh, index: tuple[int, 
 
 
 def _split(tensor: torch.Tensor, dim: int, parts: int) -> list[torch.Tensor]:
-    # Pad to parts * ceil(n / parts) and fold: chunk i of the padded tensor is exactly
-    # torch.chunk's chunk i followed by padding, which is how FSDP2 lays shards out too.
+    # pad to parts * ceil(n / parts) and fold: chunk i is torch.chunk's chunk i, then padding
+    # (as FSDP2 lays shards out)
     size = tensor.shape[dim]
     step = -(-size // parts)
     moved = tensor.movedim(dim, 0)
@@ -185,11 +179,10 @@ def _splits(spec: P, ndim: int) -> list[tuple[int, str]]:
 def shard_tensor(tensor: torch.Tensor, spec: P, mesh: Mesh) -> list[torch.Tensor]:
     """Every rank's shard of ``tensor`` under ``spec``, indexed by rank (a virtual mesh).
 
+    Ranks off a staged spec's stage get an empty tensor (a 0-d tensor's is shaped ``(0,)``).
+
     Raises:
         SpecError: the spec does not fit the tensor on ``mesh``.
-
-    Ranks off a staged spec's stage get an empty tensor (zeros in every dim; a 0-d
-    tensor's is shaped ``(0,)``, as a 0-d tensor cannot be empty).
 
     Examples:
         >>> [s.tolist() for s in shard_tensor(torch.arange(5), P("dp"), Mesh(dp=2))]
@@ -219,8 +212,7 @@ def shard_tensor(tensor: torch.Tensor, spec: P, mesh: Mesh) -> list[torch.Tensor
 def unshard_tensor(shards: Sequence[torch.Tensor], spec: P, mesh: Mesh) -> torch.Tensor:
     """Reassemble the global tensor from every rank's shard (inverse of `shard_tensor`).
 
-    Replicas (ranks that differ only along axes the spec does not name) must agree; the
-    shards of ranks off a staged spec's stage are ignored.
+    Replicas must agree; shards of ranks off a staged spec's stage are ignored.
 
     Raises:
         ShardingError: wrong number of shards, or replicas that differ.

@@ -22,9 +22,8 @@ __all__ = ["Mesh", "as_mesh"]
 class Mesh:
     """An abstract device mesh: ordered axis names and their sizes.
 
-    Axis order is major to minor, as in `torch.distributed.init_device_mesh`: rank
-    ``r`` has coordinates ``divmod``-ed out of ``r`` with the last axis varying fastest.
-    One axis may have size ``-1``, meaning "the rest of the world"; `resolve` fills it in.
+    Axes are major to minor, as in `torch.distributed.init_device_mesh` (the last varies fastest).
+    One axis may have size ``-1``, "the rest of the world"; `resolve` fills it in.
 
     Examples:
         >>> mesh = Mesh(dp=2, tp=4)
@@ -118,8 +117,7 @@ class Mesh:
         """Fill in the axis of size -1 so that the mesh has ``world_size`` devices.
 
         Raises:
-            MeshError: the known axes do not divide ``world_size``, or a resolved mesh
-                has another size.
+            MeshError: the known axes do not divide ``world_size``, or a resolved mesh has another size.
 
         Examples:
             >>> Mesh(dp=-1, tp=4).resolve(32)

@@ -1,14 +1,9 @@
 """Packed documents: many short documents in rows of one length, each attending only to itself.
 
-`pack` lays documents end to end into rows of ``seq_len`` tokens, next fit and in order: a
-document goes into the current row if it fits what is left of it, else it starts a new row
-(no reordering, so a row may end with unused room: the padding). Each document's tokens get
-their own positions (0, 1, 2, ... from its first token) and a document id within the row, so
-a model can keep its attention inside each document (`document_mask`) and turn its rotary
-embedding by each document's own positions; the padding after a row's last document is one
-more segment of its own, its labels ignored. `check_packed_inputs` is what a model runs
-before it uses such inputs: it refuses ids or positions that do not describe documents laid
-end to end.
+`pack` lays documents end to end into rows of ``seq_len`` tokens, next fit and in order (a row may
+end with padding). Each document's tokens get their own positions and a document id, so a model can
+keep attention inside each document (`document_mask`); `check_packed_inputs` refuses ids or positions
+that do not describe documents laid end to end.
 
 Examples:
     >>> batch = pack([[5, 6, 7], [8, 9], [3, 4, 2, 1]], seq_len=6)
@@ -56,16 +51,11 @@ class PackedBatch:
 
     Attributes:
         tokens: ``(rows, seq_len)`` token ids; each row's documents end to end, then padding.
-        positions: ``(rows, seq_len)``: 0, 1, 2, ... from each document's first token (the
-            padding counts from 0 too, as a segment of its own).
-        document_ids: ``(rows, seq_len)``: 0 for a row's first document, 1 for its second, ...;
-            the padding has the id after its row's last document.
-        labels: ``(rows, seq_len)``: the next token of the same document, `IGNORE_INDEX` at each
-            document's last token and in the padding.
-        offsets: each row's document boundaries, as flash attention's ``cu_seqlens``: 0, the
-            end of its first document, ..., the end of its last one (the padding follows).
-        sources: each row's documents as indices into the documents `pack` was given (a
-            document split by ``long="split"`` appears once for each of its pieces).
+        positions: ``(rows, seq_len)``: 0, 1, 2, ... from each document's first token (and the padding's).
+        document_ids: ``(rows, seq_len)``: 0, 1, ... by document within the row; the padding the next id.
+        labels: ``(rows, seq_len)``: the next token of the same document, else `IGNORE_INDEX`.
+        offsets: each row's document boundaries, as flash attention's ``cu_seqlens`` (padding after).
+        sources: each row's documents as indices into `pack`'s input (a split document once per piece).
         pad_id: the token id of the padding.
     """
 
@@ -91,8 +81,7 @@ class PackedBatch:
     def cu_seqlens(self) -> torch.Tensor:
         """Every segment's boundaries over the flattened rows, int32, as flash attention's varlen.
 
-        Each row's documents and then its padding (where it has some) are the segments of
-        ``tokens.view(-1)``; the last boundary is ``rows * seq_len``.
+        The segments of ``tokens.view(-1)``: each row's documents, then its padding if any.
 
         Examples:
             >>> pack([[1, 2, 3], [4]], seq_len=3).cu_seqlens.tolist()
@@ -119,20 +108,15 @@ def pack(
     Args:
         documents: the documents, each a sequence of token ids (a list, or a 1-D integer tensor).
         seq_len: tokens in each row.
-        long: what to do with a document longer than ``seq_len``: ``"refuse"`` (the default)
-            raises; ``"split"`` cuts it into pieces of ``seq_len`` tokens (the last one
-            shorter), each packed as a document of its own (no piece attends to another, and
-            each piece's last token predicts nothing).
+        long: a document longer than ``seq_len``: ``"refuse"`` raises, ``"split"`` packs its pieces apart.
         pad_id: the token id that fills each row after its last document.
 
     Returns:
-        A `PackedBatch`: the rows, each token's position and document id, the labels, and
-        each row's document boundaries.
+        A `PackedBatch`.
 
     Raises:
         DocumentTooLongError: a document is longer than ``seq_len`` and ``long="refuse"``.
-        ShardingError: no documents, an empty one, one that is not a 1-D sequence of ints,
-            or a ``seq_len``, ``long`` or ``pad_id`` that is not one of the values above.
+        ShardingError: no documents, an empty one, not 1-D ints, or a bad ``seq_len``, ``long`` or ``pad_id``.
 
     Examples:
         >>> pack([[1, 2, 3, 4, 5], [6]], seq_len=4, long="split").tokens.tolist()
@@ -252,7 +236,7 @@ def _rows(lengths: list[int], seq_len: int, *, long: str) -> list[list[tuple[int
 def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
     """Each token's position in its document: 0 where its id first appears in the row, then 1, 2, ...
 
-    Tensor operations only, so it runs on fake and meta tensors as on real ones.
+    Tensor operations only: it runs on fake and meta tensors too.
 
     Examples:
         >>> document_positions(torch.tensor([[0, 0, 0, 1, 1, 2]])).tolist()
@@ -268,10 +252,8 @@ def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
 def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
     """The ``(rows, 1, seq, seq)`` boolean attention mask that keeps causal attention inside documents.
 
-    True where a query may attend to a key: the key is at or before the query, in the same
-    document. Block-diagonal and causal, broadcast over the heads; for
-    ``F.scaled_dot_product_attention(..., attn_mask=mask)``. Tensor operations only, so it
-    runs on fake and meta tensors as on real ones.
+    True where the key is at or before the query in the same document, for SDPA's ``attn_mask``.
+    Tensor operations only: it runs on fake and meta tensors too.
 
     Examples:
         >>> document_mask(torch.tensor([[0, 0, 1]])).int().tolist()
@@ -292,15 +274,11 @@ def check_packed_inputs(
 ) -> None:
     """Refuse positions and document ids that do not describe documents laid end to end.
 
-    ``document_ids`` count up from 0 along each row, by one where a document starts;
-    ``positions`` are 0, 1, 2, ... from each document's first token (`pack` makes both).
-    Positions without document ids may not restart at 0 inside a row: that is packed data
-    whose attention would cross documents. Shapes are always checked; values only on real
-    tensors (fake and meta ones have none).
+    As `pack` makes them. Positions without document ids may not restart inside a row (attention would
+    cross documents). Values are checked on real tensors only.
 
     Raises:
-        ShardingError: a shape or dtype other than the tokens', or values as above, one
-            bullet a row.
+        ShardingError: a shape or dtype other than the tokens', or values as above, one bullet a row.
 
     Examples:
         >>> batch = pack([[1, 2], [3, 4, 5]], seq_len=6)

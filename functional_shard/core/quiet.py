@@ -1,11 +1,8 @@
 """Keep torch's and transformers' own logging and warnings off the user's stderr while we trace.
 
-A trace that fails inside a fake-tensor kernel makes torch log the whole traceback
-(``torch._subclasses.fake_tensor`` logs "failed while attempting to run meta for ..."
-before raising); `functional_shard` turns the exception into a reason of its own, so the
-log only repeats it, dozens of lines per candidate of a search. `captured` takes those
-records and warnings for the duration of a block and hands them to the
-``functional_shard.trace`` logger at DEBUG level (silent unless a user asks for it).
+A failing fake-tensor kernel makes torch log its whole traceback before raising, which our own error
+already says. `captured` hands such records and warnings to the ``functional_shard.trace`` logger at
+DEBUG level.
 """
 
 from __future__ import annotations
@@ -49,8 +46,7 @@ def _loggers() -> list[logging.Logger]:
 def captured() -> Iterator[list[str]]:
     """Hold back the log records and warnings of torch and transformers raised in the block.
 
-    Yields the list the held-back messages are appended to (filled when the block ends);
-    the loggers' handlers, propagation and the warning filters are restored after.
+    Yields the list of held-back messages, filled when the block ends.
 
     Examples:
         >>> import logging, sys

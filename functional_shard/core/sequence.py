@@ -1,11 +1,8 @@
 """Which tokens of a sequence each context-parallel rank holds. Pure arithmetic.
 
-Context parallelism cuts every sequence along its length. With load balancing (the
-default, as torchtitan and Megatron-LM do it) the sequence is cut into ``2·cp`` equal
-chunks and rank ``i`` holds chunks ``i`` and ``2·cp − 1 − i``: under a causal mask a
-query attends to every key before it, so early chunks are cheap and late ones dear, and
-pairing one of each gives every rank the same attention work. Without load balancing the
-sequence is cut into ``cp`` chunks, rank ``i`` holding chunk ``i``.
+With load balancing (the default) the sequence is cut into ``2·cp`` chunks and rank ``i`` holds chunks
+``i`` and ``2·cp − 1 − i``: a cheap early chunk and a dear late one, so causal attention work is
+even. Without it, ``cp`` chunks, rank ``i`` holding chunk ``i``.
 
 Examples:
     >>> sequence_chunks(4, load_balance=True)
@@ -36,9 +33,8 @@ __all__ = [
 ]
 
 CONTEXT_ENGINES = ("auto", "ring", "all_gather")
-"""How attention sees the whole sequence under cp: ``ring`` passes key/value chunks from rank
-to rank (torch's ``context_parallel``, CUDA kernels only), ``all_gather`` gathers them all
-(our engine, any backend); ``auto`` takes the ring on CUDA and the all-gather elsewhere."""
+"""How attention sees the whole sequence under cp: ``ring`` (torch's, CUDA only), ``all_gather``
+(ours, any backend), or ``auto``: the ring on CUDA, else the all-gather."""
 
 ENGINE_LABELS = {
     "auto": "torch's ring attention on CUDA, the all-gather engine elsewhere",
@@ -128,8 +124,7 @@ def check_sequence_length(
 def check_split_share(seq: int, cp: int, tp: int, *, load_balance: bool, axis: str, who: str) -> None:
     """Refuse a length whose share on each cp rank sequence parallel over ``tp`` ranks cannot split.
 
-    ``seq`` is the whole length, which the cp chunks divide (`check_sequence_length`); the
-    message speaks of it, and of the lengths that work for both cuts.
+    ``seq``: the whole length, which the cp chunks divide (`check_sequence_length`).
 
     Raises:
         ShardingError: ``tp`` does not divide ``seq / cp``.
@@ -193,8 +188,7 @@ def token_positions(seq: int, cp: int, rank: int, *, load_balance: bool) -> tupl
 def causal_work(seq: int, cp: int, rank: int, *, load_balance: bool) -> int:
     """Query-key pairs cp rank ``rank`` scores under a causal mask: ``p + 1`` for its query at ``p``.
 
-    What a kernel that skips masked blocks (flash attention, torch's ring) does on that
-    rank, in pairs; its sum over the ranks is the whole sequence's.
+    What a kernel that skips masked blocks does on that rank.
 
     Examples:
         >>> [causal_work(8, 2, rank, load_balance=False) for rank in range(2)]
@@ -212,8 +206,7 @@ def causal_work(seq: int, cp: int, rank: int, *, load_balance: bool) -> int:
 def causal_imbalance(seq: int, cp: int, *, load_balance: bool) -> float:
     """The busiest cp rank's causal attention work over the ranks' mean: 1.0 when balanced.
 
-    Unbalanced, the last rank holds the latest chunk and scores almost ``(2·cp − 1) / cp``
-    times the mean; every rank waits for it at the next collective.
+    Unbalanced, the last rank scores almost ``(2·cp − 1) / cp`` times the mean.
 
     Examples:
         >>> causal_imbalance(1024, 4, load_balance=True)

@@ -1,16 +1,9 @@
 """PartitionSpec (`P`), whole-tensor ownership (`Owned`) and `ParamSharding`.
 
-A `P` has one entry per tensor dim: ``None`` (not split), an axis name, or a tuple of
-axis names. A dim split by several axes is split by them major to minor, each split as
-``torch.chunk`` splits (ceil-sized chunks, trailing ranks smaller or empty): in
-``P(("tp", "dp"), None)`` dim 0 is cut into ``tp`` chunks and each of those into ``dp``
-chunks — FSDP nested inside a tensor-parallel shard.
-
-Pipeline parallelism places whole tensors, not slices: a spec may say ``on=("pp", 1)``,
-"this tensor exists only on the ranks whose ``pp`` coordinate is 1" (the pp *rank* that
-runs the tensor's stage, see `functional_shard.planning.pipeline.stages.stage_rank`). Elsewhere the tensor
-is absent: zero elements, an all-zero local shape. The ``on`` axis never splits a dim,
-so `P.axes` keeps meaning "the axes that split the tensor".
+A `P` has one entry per tensor dim: ``None``, an axis name, or a tuple of axis names splitting it in
+turn, major to minor, as ``torch.chunk`` does (``P(("tp", "dp"))``: FSDP inside a tensor-parallel shard).
+``on=("pp", 1)`` keeps a whole tensor on the ranks whose ``pp`` coordinate is 1 (its stage's); it
+never splits a dim.
 """
 
 from __future__ import annotations
@@ -184,7 +177,7 @@ class P:
         """The entries as JSON (tuples become lists); with a stage, ``{"entries", "on"}``."""
         entries = [list(e) if isinstance(e, tuple) else e for e in self.entries]
         if self.on is None:
-            return entries  # plans written before stages existed read back unchanged
+            return entries  # a plan without stages keeps the plain list form
         return {"entries": entries, "on": list(self.on)}
 
     @classmethod
@@ -197,19 +190,12 @@ class P:
     def to_placements(self, mesh: Mesh, shape: Sequence[int]) -> tuple[Placement, ...]:
         """The DTensor placements (one per mesh axis) that lay a tensor out as this spec.
 
-        Axes named in mesh order map to ``Shard(dim)``. An axis named after an axis
-        that is later in the mesh (FSDP inside a TP shard) maps to torch's
-        ``_StridedShard``, which matches nested ``torch.chunk`` splitting only when the
-        dim divides evenly by the axes it nests inside; other cases raise rather than
-        describe a different layout.
-
-        A staged spec (``on=("pp", 1)``) gives placements over ``mesh`` *without* the
-        ``on`` axis: the stage's own sub-mesh, on which a pipeline engine builds the
-        stage's DTensors (the tensor does not exist on the other stages' ranks).
+        An axis named after one later in the mesh (FSDP inside a TP shard) maps to ``_StridedShard``,
+        which matches nested ``torch.chunk`` only for even splits: others raise. A staged spec gives
+        placements over the stage's sub-mesh (``mesh`` without the ``on`` axis).
 
         Raises:
-            SpecError: the spec is malformed for ``mesh``/``shape``, or torch has no
-                placement for this uneven nested split.
+            SpecError: the spec is malformed for ``mesh``/``shape``, or an uneven nested split.
 
         Examples:
             >>> P(("tp", "dp"), None).to_placements(Mesh(dp=2, tp=4), (16, 8))
@@ -333,10 +319,7 @@ def _normalized(spec: P, ndim: int) -> P:
 class Owned:
     """A whole tensor kept on one rank along ``axis``, as ZeRO-1 places optimizer state.
 
-    torch's ZeroRedundancyOptimizer does not split tensors: it hands each parameter's
-    state, whole, to one rank, largest tensors first to the least-loaded rank. A `P`
-    cannot say that, so the ``optim`` spec of a ZeRO-1 plan is an `Owned`.
-
+    ZeroRedundancyOptimizer hands each parameter's state whole to one rank, which a `P` cannot say.
     ``on`` places it on a pipeline stage's ranks, as for a `P`.
 
     Examples:
@@ -393,9 +376,7 @@ REPLICATED = P()
 class ParamSharding:
     """Where one parameter lives at rest, is computed on, gets its gradient, keeps its state.
 
-    Every classic strategy is one choice of these four specs (see the Concepts page):
-    DDP is all ``P()``, FSDP is ``P('dp')`` everywhere but ``compute=P()``, tensor
-    parallel puts the same split in all four.
+    DDP is all ``P()``, FSDP ``P('dp')`` but ``compute=P()``, tensor parallel one split in all four.
 
     Examples:
         >>> fsdp = ParamSharding(storage=P("dp"), compute=P(), grad=P("dp"), optim=P("dp"))

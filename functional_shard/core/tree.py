@@ -103,9 +103,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 class Block:
     """One repeated block (``layers.3``): its tensors, and a key equal for blocks alike.
 
-    Two blocks with equal ``key`` sit under the same parent and hold tensors at the same
-    relative paths with the same shapes, dtypes and owning module classes, and modules
-    of the same classes at the same relative paths; none of their tensors is tied.
+    Equal keys: same parent, same tensors and module classes at the same relative paths, nothing tied.
     """
 
     path: str
@@ -170,9 +168,7 @@ class _Members:
 
 def _blocks(members: dict[str, _Members], tied: Iterable[str]) -> tuple[Block, ...]:
     """The model's blocks from their ``members``; a block holding a tied tensor is none."""
-    # Big models repeat one block tens of times; finding the repeats here lets shard()
-    # plan each kind of block once. The key holds everything a policy can see of a block
-    # but its index: relative paths, tensors (with their owners' classes), module classes.
+    # shard() plans each kind of block once: the key holds all a policy sees of a block but its index
     broken = {_block_of(name.rpartition(".")[0]) for name in tied}
     return tuple(
         Block(
@@ -267,8 +263,7 @@ class _Reading:
 def _walk(module: nn.Module, reading: _Reading) -> None:
     """named_parameters(remove_duplicate=False), named_buffers() and named_modules(), one pass.
 
-    A module's first visit in the full pre-order walk is where named_modules() (which
-    skips repeats) lists it, so one walk gives all three, each with its block.
+    named_modules() lists a module at its first visit in the full pre-order walk, so one walk gives all three.
     """
     seen_modules: set[int] = set()
     seen_buffers: set[int] = set()
@@ -382,14 +377,10 @@ def read_model(model: Any) -> ModelTree:
     """Read shapes, dtypes, owners and ties of ``model`` without touching its data.
 
     Args:
-        model: an ``nn.Module`` (any device, meta included), a state dict, any optree
-            pytree whose leaves are tensors or `TensorSpec`s, or a `ModelTree` already
-            read (returned as it is: a search plans one model many times).
+        model: an ``nn.Module`` (meta too), a state dict, a pytree of tensors or `TensorSpec`s, a `ModelTree`.
 
     Returns:
-        The model's tensors by path. For modules the paths are ``named_parameters()``
-        names; a parameter shared by several modules appears once, under its first
-        name, with every name in ``aliases``.
+        The tensors by path (``named_parameters()`` names; a shared one once, its names in ``aliases``).
 
     Raises:
         ShardingError: a pytree leaf is not a tensor, or there are no tensors.

@@ -16,10 +16,7 @@ def format_bytes(n: float) -> str:
     """``n`` bytes in B, KiB, MiB, GiB or TiB (powers of 1024), two decimals above bytes.
 
     Args:
-        n: a number of bytes (may be fractional, e.g. bytes sent per step on average).
-
-    Returns:
-        The size as text: ``"512 B"``, ``"1.50 KiB"``, ``"80.00 GiB"``.
+        n: a number of bytes (may be fractional).
 
     Examples:
         >>> format_bytes(512), format_bytes(1536), format_bytes(80 * 2**30)

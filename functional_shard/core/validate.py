@@ -1,13 +1,9 @@
 """The checks of one argument that every public entry point shares: a positive int, one of, a type.
 
-Four checks and a positive number: `positive_int`, `positive_number`, `one_of`, `instance_of`,
-`path`. A check says what is wrong with the argument in one short line that names it and its value
-(``tokens=0: a positive int``); the public function that took the argument, wrapped in
-`entry_point`, names itself once in front (``cost(tokens=0): a positive int``), as einops adds
-its pattern to every error of ``reduce``. So no message spells its caller's name by hand, and
-the same mistake reads the same at every door. Each check raises the class its caller names
-(``error=PolicyError`` in a policy's builder), `ShardingError` by default, and returns the
-value (a path as a `pathlib.Path`), so a check is also the line that reads the argument.
+A check says in one short line what is wrong with the argument (``tokens=0: a positive int``); the
+public function wrapped in `entry_point` names itself in front (``cost(tokens=0): ...``), as einops
+does in ``reduce``. Each check raises the class its caller names (`ShardingError` by default) and
+returns the value, so it is also the line that reads the argument.
 
 Examples:
     >>> @entry_point
@@ -173,11 +169,8 @@ def path(value: Any, name: str, *, error: type[ShardingError] = ShardingError) -
 def entry_point(function: Callable[_P, _R]) -> Callable[_P, _R]:
     """``function`` naming itself in front of what its checks refuse: ``cost(tokens=0): ...``.
 
-    Only a check's error (`refuse`) of one of ``function``'s own parameters is renamed, once:
-    an error with its own context passes as it is, a check of a helper's argument that is no
-    parameter here is left for an entry point that has it, and an entry point that calls
-    another leaves the inner one's name standing. The traceback into the check is dropped
-    (``from None``): the message says it all.
+    Only a `refuse` of one of ``function``'s own parameters is renamed, once (the innermost entry point
+    wins); the traceback into the check is dropped.
 
     Examples:
         >>> @entry_point

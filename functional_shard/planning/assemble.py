@@ -19,8 +19,7 @@ def _staged(
 ) -> None:
     """Place every tensor of a pipelined plan on the pp rank of its stage, in ``groups``.
 
-    A buffer in no stage (a rotary table at the root) stays on every rank; shardings that
-    blocks share stay shared (one staged copy per pp rank), which the cost model counts on.
+    A buffer in no stage stays on every rank; shared shardings stay shared (the cost model counts on it).
 
     Raises:
         PolicyError: a tied parameter whose names fall in different stages.

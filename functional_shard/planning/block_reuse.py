@@ -1,11 +1,8 @@
 """`shard()`'s fast way: each kind of repeated block (``layers.0`` ... ``layers.79``) planned once.
 
-Blocks are of one kind when their keys are equal (same parent, relative paths, tensors,
-owners' classes and module classes, see `functional_shard.core.tree.Block`) and every
-tensor-parallel layer picks the same rule for each of their tensors. Nothing else a layer
-sees differs between them: data-parallel layers read the tensor only, styles the tensor
-and its last name. So one block of each kind is placed, styled and checked, and the
-others take its answers; the parameters outside the blocks are placed one by one.
+Blocks are of one kind when their keys are equal (`functional_shard.core.tree.Block`) and every
+tensor-parallel layer picks the same rule for their tensors: one block of each kind is placed, styled
+and checked, the others take its answers.
 """
 
 from __future__ import annotations
@@ -37,8 +34,7 @@ def _first_rules(
 ) -> _FirstRules:
     """For each tensor-parallel layer and path, the index of the first rule that matches.
 
-    ``free`` holds the first index-free rule matching each relative path (the same in
-    every block of a kind); only the index-sensitive rules before it are tried here.
+    ``free``: the first index-free rule matching each relative path; only earlier ones are tried here.
     """
     result = []
     for layer, free_first, candidates in zip(tp_layers, free, sensitive, strict=True):
@@ -105,8 +101,7 @@ def shard_reusing_blocks(tree: ModelTree, mesh: Mesh, policy: Policy) -> Plan | 
     ``None`` on any problem: the per-parameter way then writes the message.
 
     Raises:
-        PolicyError: the pipeline cannot be cut or scheduled, or a selector selects what a
-            pytree cannot say (as the per-parameter way would).
+        PolicyError: the pipeline cannot be cut or scheduled, or a selector selects what a pytree cannot say.
 
     Examples:
         >>> from functional_shard.core.tree import read_model

@@ -49,8 +49,7 @@ def styles_of(policy: Policy, tree: ModelTree, paths: Iterable[str], styles: dic
 class SharedStyles:
     """The styles of a plan whose repeated blocks were planned once per kind.
 
-    ``outside`` are the parameters in no such block, in model order; ``blocks`` each such
-    block's path with its kind's styles, module paths relative to the block (``.mlp.fc1``).
+    ``outside``: the parameters in no such block; ``blocks``: each block's path and its kind's styles.
     """
 
     outside: tuple[str, ...]
@@ -60,9 +59,7 @@ class SharedStyles:
 def tp_styles(policy: Policy, tree: ModelTree, shared: SharedStyles | None = None) -> tuple[StyleEntry, ...]:
     """(module path, style, layout) of each module a tensor-parallel rule gave a style, in model order.
 
-    apply needs the style, not only the specs (an output gathered for the loss, sequence
-    parallel norms), and the cost model the layout ("linear", "embedding"). With
-    ``shared``, each block's styles are its kind's, moved to the block's path.
+    apply needs the style, not only the specs, and the cost model the layout ("linear", "embedding").
 
     Examples:
         >>> from functional_shard.core.tree import read_model
@@ -140,12 +137,10 @@ def plan_config(
 ) -> PlanConfig:
     """The plan-level config of ``policy`` on ``mesh`` for ``tree``.
 
-    ``compute_axes`` are the axes the placed specs split for compute (a policy function
-    claims none up front); ``tp_styles`` as `tp_styles` gives them.
+    ``compute_axes``: the axes the placed specs split for compute; ``tp_styles``: as `tp_styles` gives them.
 
     Raises:
-        PolicyError: the pipeline cannot be cut or scheduled, or a selector selects nothing
-            a pytree can say.
+        PolicyError: the pipeline cannot be cut or scheduled, or a selector selects nothing a pytree can say.
 
     Examples:
         >>> from functional_shard.core.tree import read_model

@@ -1,11 +1,8 @@
 """What keeps context parallel from splitting a model's attention. Pure: it reads modules only.
 
-Context parallel reaches attention two ways (`functional_shard.runtime.engines.context_parallel`):
-a module calling ``F.scaled_dot_product_attention``, or a Hugging Face model taking attention
-functions from transformers' registry. Attention computed in its own kernel
-(``nn.MultiheadAttention``), within a sliding window, or bidirectionally it cannot split. The
-runtime's `check_runnable` asks this before it runs a plan, `fs.estimate` before it traces
-one, so both refuse the same models with the same words.
+Context parallel reaches attention through ``F.scaled_dot_product_attention`` or transformers'
+registry; it cannot split ``nn.MultiheadAttention``, sliding windows or bidirectional attention. The
+runtime's `check_runnable` and `fs.estimate` both ask this, so they refuse alike.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """One parameter's sharding: the layers' answers merged, and what is wrong with a placement.
 
-The merge follows `functional_shard.planning.policy.types`'s rules (compute splits major, then
-left before right, no layer overriding another); the checks say, per tensor, what torch's
-engines would refuse. Both are pure and memoised on hashable values: a model's blocks
-repeat a few (shape, sharding) pairs.
+The merge follows `functional_shard.planning.policy.types`'s rules; the checks say, per tensor, what
+torch's engines would refuse. Both are memoised: a model's blocks repeat a few (shape, sharding) pairs.
 """
 
 from __future__ import annotations
@@ -42,8 +40,7 @@ def _merge_spec(a: P, b: P, model: tuple[tuple[str, ...], ...], ndim: int) -> P:
 def merge(a: ParamSharding, b: ParamSharding, ndim: int) -> ParamSharding | str:
     """``a`` (from the layers before) merged with ``b`` (one more layer's answer), or why not.
 
-    Why not is a message with ``{0}`` and ``{1}`` for the two layers' names: both split
-    one dim for compute, or ZeRO-1 meets a split optimizer state. Cached: blocks repeat.
+    Why not: a message with ``{0}`` and ``{1}`` for the two layers' names.
 
     Examples:
         >>> fsdp = ParamSharding(storage=P("dp"), grad=P("dp"), optim=P("dp"))
@@ -96,8 +93,7 @@ def place(
     """The sharding ``layers`` give one tensor, known by ``names`` (tied names: several).
 
     Raises:
-        ParamProblemError: a layer's answer does not fit, tied names disagree, or two
-            layers' answers do not merge.
+        ParamProblemError: a layer's answer does not fit, tied names disagree, or answers do not merge.
 
     Examples:
         >>> from functional_shard.core.tree import read_model
@@ -276,8 +272,7 @@ def unused_axes(policy: Policy, mesh: Mesh, shardings: Iterable[ParamSharding]) 
 def compute_free_axes(config: PlanConfig) -> frozenset[str]:
     """The data-parallel axes no computation may split.
 
-    Expert parallelism borrows its axis from data parallelism: the expert tensors are
-    split over it (tokens travel to them).
+    Expert parallelism's axis is one of them: expert tensors are split over it, tokens travel to them.
 
     Examples:
         >>> from functional_shard.planning.plan.config import FsdpConfig

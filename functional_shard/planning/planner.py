@@ -1,8 +1,7 @@
 """`shard()`: model + mesh + policy → `Plan`. Pure and deterministic; touches no data.
 
-Two ways give equal plans (tests hold it): every parameter placed on its own (the
-reference, which also writes the error message), and each kind of repeated block planned
-once (`functional_shard.planning.block_reuse`), taken whenever it applies.
+Two ways give equal plans (tests hold it): every parameter placed on its own (the reference, which
+writes the error message), and each kind of repeated block once (`functional_shard.planning.block_reuse`).
 """
 
 from __future__ import annotations
@@ -34,20 +33,16 @@ def shard(model: Any, mesh: Mesh | DeviceMesh, policy: Policy | Any) -> Plan:
     """Plan how ``model`` is laid out on ``mesh`` under ``policy``. Pure and deterministic.
 
     Args:
-        model: an ``nn.Module`` (meta device included), a state dict, or any optree
-            pytree of tensors; only shapes, dtypes, names and owners are read.
+        model: an ``nn.Module`` (meta too), a state dict or a pytree of tensors; no data is read.
         mesh: an `fs.Mesh` (every axis resolved) or a torch ``DeviceMesh``.
-        policy: layers combined with ``+`` (`fsdp`, `tp`, ...), or a function
-            ``(path, tensor_spec, mesh) -> ParamSharding | None``.
+        policy: layers joined by ``+``, or a function ``(path, tensor_spec, mesh) -> ParamSharding | None``.
 
     Returns:
-        A `Plan` with one `ParamSharding` per parameter (tied parameters once) and per
-        buffer (replicated unless a rule says otherwise).
+        A `Plan` with one `ParamSharding` per parameter (tied ones once) and per buffer.
 
     Raises:
         MeshError: ``mesh`` is not a mesh, or has an axis of size -1.
-        PolicyError: ``policy`` is not a policy (a builder not called: ``fs.cp`` for
-            ``fs.cp(...)``), its layers conflict, or select modules the model lacks.
+        PolicyError: ``policy`` is not a policy, its layers conflict, or they select modules the model lacks.
         PlanError: the plan does not fit the model; one bullet per parameter path.
 
     Examples:
@@ -64,8 +59,7 @@ def shard(model: Any, mesh: Mesh | DeviceMesh, policy: Policy | Any) -> Plan:
 def _shard(model: Any, mesh: Mesh | DeviceMesh, policy: Policy | Any, *, reuse_blocks: bool) -> Plan:
     """`shard`; with ``reuse_blocks`` each kind of repeated block is planned once.
 
-    Both ways give equal plans (tests hold it); the per-parameter way is the reference,
-    and also writes the error message when the reusing way finds any problem.
+    The per-parameter way writes the error message when the reusing way finds any problem.
     """
     mesh = _as_mesh(model, mesh)
     mesh.require_resolved("shard()")
@@ -96,8 +90,7 @@ def _as_mesh(model: Any, mesh: Any) -> Mesh:
 def with_expert_top_k(plan: Plan, model: Any) -> Plan:
     """``plan`` told how many experts each token visits, where it splits experts modules.
 
-    The cost of dispatching tokens to experts depends on it, and only the model (its
-    config or a router) says it: a plan made from a `ModelTree` learns it here.
+    Dispatch costs depend on it and only the model says it: a plan made from a `ModelTree` learns it here.
     """
     config = plan.config
     experts = config.experts or ExpertConfig()

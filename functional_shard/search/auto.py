@@ -1,16 +1,8 @@
 """Choose a plan: the fastest estimated step whose peak memory fits a budget.
 
-`search_plans` enumerates a small, explicit space (meshes over the devices, data-parallel
-families, tensor and sequence parallelism within a node, activation checkpointing of the
-repeated blocks, bf16 mixed precision; pipeline parallelism when nothing fits without it;
-CPU offload only when nothing else fits: `candidates`), estimates every candidate with
-`estimate` (`search`), and keeps the one with the least step time that fits (`report`).
-Activation traces are shared by every candidate with the same (tp, sp, checkpointing,
-micro-batch), plans and costs by every candidate with the same mesh and family; pipelines
-share one trace of each unit of work (embedding, each block, head) as its own stage,
-whatever their stages. Expert-parallel candidates of every ep size share one trace (under
-balanced routing each rank runs T x k token copies through its experts, whatever the ep
-size).
+`search_plans` enumerates a small, explicit space (`candidates`), estimates every candidate
+(`search`, sharing traces, plans and costs between alike candidates) and keeps the fastest that
+fits (`report`). docs/will-it-fit.md, "Choosing a plan", lists the space.
 """
 
 from __future__ import annotations
@@ -53,27 +45,11 @@ def search_plans(
 ) -> AutoReport:
     """Estimate every plan in the search space; report them and the fastest that fits.
 
-    The space: meshes ``dp x tp`` (and ``replicate x shard x tp`` for HSDP) over
-    ``devices``, with ``tp`` inside one node and dividing the query and key/value heads;
-    DDP, ZeRO-1, ZeRO-2, FSDP and HSDP; tensor parallelism with the model's rules, with and
-    without sequence parallelism; no, selective or full checkpointing of the repeated
-    blocks; bf16 mixed precision (fp32 when the hardware has no bf16 rate). When nothing
-    fits that way (or no such mesh divides the batch), pipelines: meshes ``pp x dp x tp``
-    for every pp size that divides the devices, FSDP over ``dp`` (the pipeline engine keeps a
-    stage's units gathered across micro-batches, as torchtitan), tensor parallelism with sequence
-    parallelism, the 1F1B and interleaved 1F1B (two stages per rank) schedules, one
-    sequence per micro-batch. CPU offload (with ZeRO-2, FSDP or HSDP) is tried only when
-    nothing else fits. A mixture-of-experts model also gets expert-parallel candidates,
-    as torchtitan lays them out: for every ep size dividing the expert count and the
-    data-parallel size, ``Mesh(dp=dp/ep, ep=ep)`` with ``fsdp(dp, ep) + ep(ep)`` (dense
-    tensors FSDP-sharded over every data rank, experts split by index over ``ep`` and
-    FSDP-sharded over ``dp``; ``AutoReport.expert_parallel_candidates``); its tensor-parallel
-    candidates split inside the experts (transformers' plan), without sequence parallel,
-    as apply runs them. A model no
-    tensor-parallel rule set fits (`fs.rules.for_model` refuses it) gets data-parallel
-    candidates only, and the report says why (``AutoReport.no_tensor_parallel``). Torch's
-    own logging while tracing is held back; a candidate that cannot be traced keeps the
-    reason in its row.
+    The space (docs/will-it-fit.md, "Choosing a plan"): meshes over ``devices`` with ``tp`` inside a
+    node; DDP, ZeRO-1/2, FSDP, HSDP; tensor and sequence parallelism by the model's rules; expert
+    parallelism for a mixture of experts; checkpointing of the repeated blocks; bf16 mixed precision.
+    Pipelines, then CPU offload, only when nothing else fits. A candidate that cannot be traced keeps
+    the reason in its row.
 
     Args:
         model: the module (meta device is enough).
@@ -83,18 +59,13 @@ def search_plans(
         batch: the global batch, in sequences per step, split over the data-parallel ranks.
         seq: tokens per sequence.
         hardware: a profile name or `Hardware`.
-        kernels: the kernels the run will use (`fs.Kernels`: compile, Float8 linears, async
-            TP, Float8 all-gathers), counted as `fs.estimate` counts them in every candidate
-            that has what they need: async TP where it has sequence parallel, Float8
-            all-gathers where it has FSDP (`Kernels.for_plan`); None: eager, as functional_shard's
-            own runtime runs.
+        kernels: the kernels the run will use (`fs.Kernels`), in each candidate that has what they need.
 
     Returns:
         An `AutoReport`; ``best`` is None when nothing fits.
 
     Raises:
-        ShardingError: bad devices, batch, budget or hardware, or no mesh the batch divides;
-            kernels the hardware has no figures for (`check_kernel_hardware`, before any candidate).
+        ShardingError: bad devices, batch, budget, hardware or kernels, or no mesh the batch divides.
 
     Examples:
         >>> from functional_shard.zoo import llama

@@ -262,9 +262,8 @@ def points(space: Space, *, offload: bool = False) -> Iterator[Point]:
                 else:
                     yield Point(Mesh(dp=dp, **tp_axes), family, tp_size, sp, offload)
         if tp_size == 1 and dp > 1 and not offload:
-            # expert parallelism borrows its axis from the data-parallel ranks, as torchtitan
-            # does: dense tensors FSDP-sharded over all of them, experts over the rest. (apply
-            # splits an experts module one way: with tp it would reach inside them too)
+            # ep borrows its axis from the data-parallel ranks, as torchtitan does; apply splits
+            # an experts module one way, so not with tp (which would reach inside them too)
             for ep_size in _divisors(space.experts)[1:]:
                 if dp % ep_size == 0:
                     yield Point(Mesh(dp=dp // ep_size, ep=ep_size), "fsdp", 1, False, False, ep=ep_size)
@@ -279,8 +278,7 @@ LONG_SEQUENCE = 32768
 def context_points(space: Space) -> Iterator[Point]:
     """The context-parallel points: ``Mesh(dp, cp)`` with FSDP over both, as torchtitan runs cp.
 
-    A cp size divides the devices, cuts the sequence into 2·cp equal chunks and leaves a
-    data-parallel size dividing the batch; apply runs cp with data parallelism only.
+    A cp size divides the devices and cuts each sequence into 2·cp equal chunks; dp must divide the batch.
     """
     for cp in _divisors(space.devices)[1:]:
         dp = space.devices // cp
@@ -291,10 +289,8 @@ def context_points(space: Space) -> Iterator[Point]:
 
 def pipeline_points(space: Space, units: int) -> Iterator[Point]:
     """The pipelines: ``pp x dp x tp`` meshes for ``units`` units of work, FSDP over dp."""
-    # torchtitan's layout (pp outermost, then FSDP, tensor parallel within a node with
-    # sequence parallel). Micro-batches: as many as the batch allows, up to 8 per stage
-    # (the bubble of 1F1B is then under a tenth of the step); pipelines of up to 16 ranks,
-    # as torchtitan and Megatron run 405B-class models
+    # torchtitan's layout (pp outermost, then FSDP, tp with sp within a node); up to 8
+    # micro-batches per stage (1F1B's bubble under a tenth) and 16 pp ranks, as 405B runs use
     from functional_shard.planning.pipeline.schedules import check_pipeline
 
     for pp in _divisors(space.devices)[1:]:

@@ -28,11 +28,8 @@ _STAGE_BACKWARD = ("stage_backward_flops", "stage_backward_weight_flops")
 class TraceKey:
     """What a trace of one of the search's plans depends on, besides what the whole search shares.
 
-    The model, its rules, the dtype and the sequence are the search's own. The data-parallel
-    family is not in it: what a trace reads of a plan is the same for every family
-    (tests/unit/test_auto.py checks it). Nor is the expert-parallel size: under balanced routing
-    every ep size runs the same local work, a rank's E/ep experts getting ep times each
-    expert's share (T*k rows in all, trace.rank_experts).
+    Neither the data-parallel family (tests/unit/test_auto.py checks it) nor the ep size is in it:
+    under balanced routing every ep size runs the same local work (`trace.rank_experts`).
     """
 
     tensor_parallel: int
@@ -109,13 +106,9 @@ class TraceCache:
         )
 
     def _checkpointed(self, plan: Plan, key: TraceKey, plain: ActivationTrace, trace: Any) -> ActivationTrace:
-        # Checkpointing changes what the forward keeps and adds recomputation; the backward's
-        # own kernels are those of the same plan without it. Full checkpointing re-runs each
-        # block up to the last op that saved a tensor, which the forward notes (torch stops
-        # recomputing there). Selective checkpointing keeps the outputs of the ops that have
-        # flops (matmuls, attention): when the forward shows no flops in the others,
-        # recomputation runs none. Then the backward's flops (each stage's, by unit) are the
-        # plan's without checkpointing; otherwise the trace runs its own backward.
+        # checkpointing leaves the backward's own kernels as they are, and a forward-only trace
+        # counts the recompute (selective: none when the kept ops hold every flop), so the
+        # backward's flops are the plan's without checkpointing, unless the forward differs
         forward = self._run(trace, plan, key, backward=False)
         if (
             (key.checkpointing == "selective" and forward.recompute_flops)

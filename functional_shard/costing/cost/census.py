@@ -1,8 +1,7 @@
 """A plan's parameters counted once per kind: the census both halves of the cost model read.
 
-Big models repeat a few (shape, dtype, sharding) combinations across their blocks; the
-memory (`functional_shard.costing.cost.cost_model`) and the traffic (`traffic`) are summed over
-these kinds, each with its count. Also who owns ZeRO-1's optimizer state.
+Big models repeat a few (shape, dtype, sharding) kinds across their blocks: memory and traffic are
+summed over the kinds, each with its count. Also who owns ZeRO-1's optimizer state.
 """
 
 from __future__ import annotations
@@ -23,9 +22,8 @@ __all__ = ["Census", "census_of", "grouped", "itemsize_of", "zero1_owners"]
 def zero1_owners(plan: Plan) -> dict[str, int]:
     """The rank index (along the ZeRO-1 axis) that owns each parameter's optimizer state.
 
-    ZeroRedundancyOptimizer sorts parameters by size, largest first (a stable sort, so
-    ties keep model order), and gives each to the rank with the fewest elements so far.
-    Under a pipeline each pp rank's optimizer partitions its own stages' parameters.
+    As ZeroRedundancyOptimizer does: largest first (ties in model order), each to the rank with the
+    fewest elements so far; under a pipeline, per pp rank over its own stages' parameters.
     """
     owned = [(path, s.optim) for path, s in plan.params.items() if isinstance(s.optim, Owned)]
     if not owned:
@@ -53,13 +51,9 @@ Census: TypeAlias = list[tuple[TensorSpec, ParamSharding, tuple[str, ...], int, 
 def census_of(plan: Plan, owners: Mapping[str, int]) -> Census:
     """(tensor, sharding, FSDP units, ZeRO-1 owner or -1, count in each unit) for the plan's parameters.
 
-    Big models repeat a few (shape, dtype, sharding) combinations across their blocks, and
-    their FSDP units repeat alike: units holding the same kinds of parameters in the same
-    order are counted once, all their names in one entry, so the cost model's time goes
-    to the distinct kinds, not to every block. shard() gives the tensors of blocks alike
-    one TensorSpec and one ParamSharding object, so kinds are told apart by identity,
-    without hashing specs per parameter. Each parameter's unit is `Plan.unit_of`, worked
-    out once per enclosing module.
+    Units holding the same kinds of parameters in the same order share one entry, so the cost model's
+    time goes to distinct kinds, not blocks; kinds are told apart by the identity of the objects
+    shard() shares between alike blocks.
 
     Examples:
         >>> plan = fs.shard(nn.ModuleList([nn.Linear(4, 4) for _ in range(3)]), fs.Mesh(dp=2), fs.fsdp())

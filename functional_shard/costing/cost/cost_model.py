@@ -1,29 +1,10 @@
 """The cost model: memory per device and bytes sent per training step, before running.
 
-It follows torch's engines, not the textbook: FSDP2 pads each sharded dim to chunk 0's
-size on every rank; the root FSDP unit stays gathered from forward to backward;
-ZeroRedundancyOptimizer keeps each tensor's state whole on one rank (largest first, to
-the least-loaded rank) and broadcasts updated parameters; DDP all-reduces gradients (and,
-as apply runs it, leaves buffers alone). A 0-d parameter, which FSDP2 cannot shard, stays
-whole and its gradient is all-reduced over the data axes. Collective bytes are what each
-rank sends with ring algorithms, for a collective over ``n`` ranks on a tensor of ``S``
-bytes (the full, gathered size):
-
-| kind           | bytes sent per rank |
-|----------------|---------------------|
-| all_gather     | (n-1)/n · S         |
-| reduce_scatter | (n-1)/n · S         |
-| all_reduce     | 2(n-1)/n · S        |
-| broadcast      | (n-1)/n · S         |
-| all_to_all     | what goes to others |
-
-(gloo runs reduce-scatter as an all-reduce; the model counts what NCCL runs.)
-
-Under a pipeline (a plan with ``pipeline_axis``) every tensor is placed on its stage's pp
-rank (``P(..., on=("pp", r))``): a rank counts the parameters, gradients, optimizer state
-and FSDP gathers of its own stages only, the worst rank is sought over every pp
-coordinate, and the collectives are those of the reported rank's stages. Stages also send
-each other activations: ``send_recv`` bytes, point to point, counted once by the sender.
+It follows torch's engines, not the textbook (FSDP2's padding, its root unit gathered from forward
+to backward, ZeroRedundancyOptimizer's whole-tensor state). Collective bytes are what each rank sends
+with NCCL's ring algorithms; docs/cost-model.md gives each formula. Under a pipeline a rank counts
+its own stages' tensors, the worst rank is sought over every pp coordinate, and activations between
+stages are ``send_recv`` bytes, counted by the sender.
 """
 
 from __future__ import annotations
@@ -91,9 +72,7 @@ def check_plan_and_optimizer(plan: Any, optimizer: Any) -> None:
     """Refuse, naming the argument, a ``plan`` that is not a `Plan` or an optimizer `cost` cannot count.
 
     Raises:
-        ShardingError: ``plan`` is no `Plan` (a model, say), or ``optimizer`` is neither one of
-            ``"adamw"``, ``"adam"``, ``"sgd"`` nor a number of bytes per element (an optimizer
-            class, say).
+        ShardingError: ``plan`` is no `Plan`, or ``optimizer`` is not a known name nor bytes per element.
 
     Examples:
         >>> import torch
@@ -152,10 +131,8 @@ def _worst_memory(
 ) -> tuple[dict[str, int], dict[str, int]]:
     """The heaviest candidate rank's memory, and its coordinates (the first one on ties).
 
-    The candidates differ from the first one in one ZeRO-1 axis each. When no spec but the
-    `Owned` ones names such an axis, they differ only in whose state they own: one pass
-    over the census gives every owner's share, instead of one `_memory` per rank (a
-    1024-way ZeRO-1 plan has 1024 candidates).
+    When only `Owned` specs name a ZeRO-1 axis, candidates differ only in whose state they own: one
+    pass over the census gives every owner's share instead of one `_memory` per rank.
     """
     base = candidates[0]
     memory = _memory(plan, base, optimizer, census)
@@ -196,9 +173,8 @@ def unit_gathered(
 ) -> dict[str, int]:
     """Bytes each FSDP unit ("" is the root) holds while all-gathered, in the gather dtype.
 
-    Only units holding sharded parameters appear; under a pipeline, only the parameters
-    of the stages at ``coords`` (by default pp rank 0's): each stage is gathered by its
-    own ranks.
+    Only units holding sharded parameters appear; under a pipeline, only the stages at ``coords``
+    (by default pp rank 0's).
 
     Examples:
         >>> plan = fs.shard(nn.ModuleList([nn.Linear(4, 4)]), fs.Mesh(dp=2), fs.fsdp())
@@ -241,8 +217,7 @@ def _stage_memory(
 ) -> dict[int, dict[str, int]]:
     """Params, grads, optimizer and gathered bytes of each stage's own tensors, on its first rank.
 
-    ``gathered`` is every FSDP unit of the stage held gathered at once, as FSDP runs under
-    a pipeline (gathered for the first micro-batch, resharded after the last).
+    ``gathered``: every FSDP unit of the stage at once, as FSDP runs under a pipeline.
     """
     from functional_shard.planning.pipeline.stages import stage_finder
 
@@ -285,15 +260,11 @@ def cost(
         plan: the plan.
         optimizer: ``"adamw"``, ``"adam"``, ``"sgd"``, or bytes of optimizer state per element.
         rank: report this rank's memory; by default the worst rank's.
-        tokens: tokens of one data-parallel rank's step (batch × sequence); adds activation
-            collectives (tensor parallel, pipeline sends, experts' all-to-alls, cp's).
-        context_engine: the cp engine counted: ``None`` the plan's own (``"auto"`` counts
-            ``"all_gather"``: the cost model knows no device), or ``"ring"`` for torch's.
+        tokens: tokens of one data-parallel rank's step (batch × sequence); adds activation collectives.
+        context_engine: ``"ring"`` or ``"all_gather"``; ``None``: the plan's, ``"auto"`` as all-gather.
 
     Returns:
-        A `Cost`: exact parameter, gradient and optimizer bytes for torch's engines, the
-        gathered peak, collectives by kind and axis; under a pipeline, one rank's, with
-        ``stage_bytes`` and ``boundary_bytes``.
+        A `Cost`: memory by kind and collectives by kind and axis, for one rank.
 
     Raises:
         ShardingError: an argument of the wrong type or value, named with its fix.

@@ -1,9 +1,7 @@
 """The mixture-of-experts terms of the cost model: what expert layers send per step.
 
-Two engines run experts modules (`functional_shard.runtime.engines.experts`), and the cost model
-counts what each issues, per experts module and training step, for ``T`` tokens on a
-rank, each visiting ``k`` experts (``T·k`` token copies of ``d`` features, ``s`` bytes
-each in the compute dtype):
+Per experts module and step, for ``T`` tokens on a rank each visiting ``k`` experts (``d`` features,
+``s`` bytes each in the compute dtype):
 
 | engine                        | collective, over the axis          | bytes sent per rank       |
 |-------------------------------|------------------------------------|---------------------------|
@@ -14,19 +12,9 @@ each in the compute dtype):
 |                               | input-gradient all-reduce, backward| 2(tp-1)/tp · T·d·s        |
 |                               | routing-weight gradient, backward  | 2(tp-1)/tp · T·k·4        |
 
-Inside a checkpointed module the forward rows are sent again when backward recomputes
-it (counts and dispatch and combine once more; tensor parallel's output all-reduce is
-counted with the other recomputed tensor-parallel collectives, in `step_model`).
-
-The all-to-all rows assume balanced routing: each rank keeps the ``1/ep`` of its copies
-whose experts it holds and sends the rest (with a forced uniform router the measured
-bytes equal these on gloo). The routing weights are counted in float32, the dtype
-Mixtral's router hands them in (Qwen's routers hand them in the compute dtype).
-
-Expert tensors under expert parallelism need no gradient collective over the expert
-axis: each rank's experts already get every rank's tokens through the all-to-all's
-backward. Their gradients are reduce-scattered over the other data axes only
-(`expert_grad_axes`), which is what FSDP2 runs on them.
+A checkpointed module sends its forward rows again in the recompute. The all-to-all rows assume
+balanced routing; routing weights count as float32 (Mixtral's). Expert gradients need no collective
+over the expert axis (the all-to-all's backward brings every rank's tokens): see `expert_grad_axes`.
 """
 
 from __future__ import annotations
@@ -50,8 +38,7 @@ _ROUTING_WEIGHT_BYTES = 4
 def expert_layers(plan: Plan) -> list[tuple[str, int, int]]:
     """(module path, experts E, hidden features d) of each experts module an engine splits.
 
-    The expert-parallel modules, and the modules tensor parallel reaches inside (style
-    kind ``experts``), in module order.
+    The expert-parallel modules and those tensor parallel reaches inside, in module order.
 
     Examples:
         >>> expert_layers(fs.shard(nn.Linear(2, 2), fs.Mesh(dp=2), fs.fsdp()))
@@ -73,11 +60,7 @@ def _first_weight(plan: Plan, path: str) -> str:
 
 
 def is_expert_tensor(plan: Plan, sharding: ParamSharding) -> bool:
-    """Whether ``sharding`` is an expert tensor's under expert parallelism (split over the expert axis).
-
-    The planner lets no other computation split a data-parallel axis, so a compute spec
-    naming the expert axis marks an expert tensor.
-    """
+    """Whether ``sharding`` is an expert tensor's: its compute spec names the expert axis."""
     experts = plan.config.experts
     return experts is not None and experts.axis is not None and experts.axis in sharding.compute.axes
 
@@ -105,14 +88,10 @@ def expert_comm(
 ) -> None:
     """Add each experts module's activation traffic for ``tokens`` tokens to ``add``.
 
-    ``add(kind, axes, n, full_bytes, times)`` counts ``(n-1)/n · full_bytes`` sent (twice
-    that for an all-reduce), ``times`` times, as the cost model's collectives do; for an
-    all-to-all ``full_bytes`` is everything this rank's copies amount to, of which the
-    ``(n-1)/n`` going to other ranks is sent. See the module's table.
+    ``add(kind, axes, n, full_bytes, times)`` counts as the cost model's collectives do (the module's table).
 
     Raises:
-        ShardingError: the plan does not know how many experts a token visits (it was
-            made from a state dict rather than the model).
+        ShardingError: the plan does not know how many experts a token visits (made from a state dict).
     """
     config = plan.config
     layers = expert_layers(plan)

@@ -1,9 +1,7 @@
 """The traffic half of the cost model: bytes each rank sends per training step.
 
-Parameters and gradients (FSDP gathers and reduce-scatters, DDP's all-reduce, ZeRO-1's
-broadcasts), tensor parallel's activation collectives, context parallel's key/value
-gathers, and the pipeline's point-to-point sends; `functional_shard.costing.cost.cost_model`
-puts them beside the memory.
+Parameters' and gradients' collectives, tensor and context parallel's activation collectives, and
+the pipeline's point-to-point sends.
 """
 
 from __future__ import annotations
@@ -58,8 +56,7 @@ class Comm:
 def gathers_per_step(plan: Plan, units: tuple[str, ...]) -> int:
     """How often FSDP gathers a tensor of ``units`` in a step.
 
-    Twice (forward, backward) when it reshards after forward, else once; the root always
-    once: FSDP2 keeps the root gathered from forward to backward.
+    Twice when it reshards after forward, else once; the root once (FSDP2 keeps it gathered).
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -114,10 +111,8 @@ def parameter_comm(plan: Plan, comm: Comm, census: Census, held: Mapping[str, in
 def _sequence_parallel_grad_comm(
     plan: Plan, comm: Comm, param_size: int | None, held: Mapping[str, int]
 ) -> None:
-    # a sequence-parallel module (a norm) keeps its weight whole on every tensor-parallel
-    # rank but sees only this rank's tokens: its gradient is a partial sum, all-reduced
-    # whole over the tensor-parallel axes once (by FSDP2 before it reduces; without FSDP2,
-    # by apply's gradient hook)
+    # a sequence-parallel module sees only this rank's tokens: its whole weight's gradient is a
+    # partial sum, all-reduced over the tensor-parallel axes once
     tp = plan.config.tp
     if tp is None:
         return
@@ -138,21 +133,9 @@ def _sequence_parallel_grad_comm(
 
 def activation_comm(plan: Plan, comm: Comm, tokens: int, held: Mapping[str, int]) -> None:
     """Add tensor parallel's activation collectives for ``tokens`` tokens."""
-    # Per styled module, as torch's styles issue them (tied modules included): a colwise
-    # Linear all-reduces its input gradient in backward (tokens x in_features), a rowwise
-    # Linear or vocabulary-split Embedding all-reduces its output in forward, a dim-split
-    # Embedding and a colwise_gather Linear all-gather their output. A rowwise_split_input
-    # Linear slices its whole input (no traffic) and so all-gathers the input gradient in
-    # backward. Sequence parallel swaps each all-reduce for an all-gather plus a
-    # reduce-scatter of the same size. (A replicate_grad_allreduce module moves no
-    # activations; its gradient all-reduce is a gradient collective.) Hugging Face's Conv1D
-    # stores its weight (in, out) and moves what a Linear would; a packed_colwise layer
-    # moves what a colwise one does, and all-gathers its whole bias's gradient over the
-    # tensor-parallel ranks in backward (each rank slices its pieces of it in forward; with
-    # pieces of unequal sizes the gradient is a partial sum, all-reduced).
-    # Under sequence parallel a module holding column-split layers (attention, MLP) gathers
-    # its input once on entry (`rules.sequence_gathers`), and reduce-scatters its gradient
-    # once in backward, for all the layers inside: counted with the first of them.
+    # per styled module, as torch's styles issue them (docs/cost-model.md lists them); under
+    # sequence parallel a module holding column-split layers gathers its input once on entry
+    # (`rules.sequence_gathers`), counted with the first of them
     tp = plan.config.tp
     if tp is None:
         return
@@ -219,10 +202,8 @@ _QUERY = ("q_proj", "wq", "query")
 def key_value_features(plan: Plan, *, repeated: bool = False) -> list[int]:
     """Per attention layer, the features per token of its keys and values together, on one rank.
 
-    Tensor parallel splits the heads: a rank gathers its own heads' keys and values only.
-    ``repeated``: with the key/value heads repeated to the query heads first, as torch's
-    ring attention takes them (grouped-query attention's few heads become as many as the
-    queries'; head sizes alike, so keys and values each get the queries' features).
+    Tensor parallel splits the heads: a rank gathers its own heads' only. ``repeated``: key/value heads
+    repeated to the query heads first, as torch's ring attention takes them.
 
     Examples:
         >>> from functional_shard import zoo
@@ -259,8 +240,7 @@ def key_value_features(plan: Plan, *, repeated: bool = False) -> list[int]:
 def ring_passes(plan: Plan) -> tuple[int, int]:
     """Per attention layer and step, torch's ring all-gathers and gradient permutes.
 
-    An all-gather in forward, again in a full recompute (selective checkpointing keeps the
-    attention's outputs), again in backward; ``cp`` permutes in backward.
+    An all-gather in forward, in a full recompute and in backward; ``cp`` permutes in backward.
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -276,17 +256,9 @@ def ring_passes(plan: Plan) -> tuple[int, int]:
 def context_comm(plan: Plan, comm: Comm, tokens: int, engine: str = "all_gather") -> None:
     """Add context parallel's collectives for ``tokens`` tokens of whole sequences.
 
-    ``engine="all_gather"`` (ours): each attention layer all-gathers its keys and values
-    along cp in forward (again in the recompute when it is checkpointed) and
-    reduce-scatters their gradients in backward. ``engine="ring"`` (torch's
-    ``context_parallel``, its default ``ALL_GATHER`` rotation, key/value heads repeated to
-    the query heads): each attention call all-gathers its keys and values once, the
-    concatenated local ones (forward, and again in a full recompute; selective
-    checkpointing keeps the attention's outputs and does not run it again), and its
-    backward all-gathers them again and passes the keys' and values' gradients round the
-    ring ``cp`` times by all-to-all permutes of float32 buffers (``_cp_options.convert_to_f32``),
-    each rank sending its whole local buffer each time. Either way the step averages its
-    loss over cp once (a 4-byte all-reduce).
+    ``"all_gather"`` (ours): keys and values all-gathered in forward (and recompute), their gradients
+    reduce-scattered in backward. ``"ring"`` (torch's): `ring_passes` all-gathers, and the gradients
+    passed round the ring ``cp`` times as float32 all-to-alls. Either way a 4-byte loss all-reduce.
     """
     config = plan.config
     if config.context is None:
@@ -318,11 +290,8 @@ def compute_itemsize(plan: Plan) -> int:
 def pipeline_comm(plan: Plan, comm: Comm, tokens: int, held: Mapping[str, int]) -> dict[int, float]:
     """Bytes crossing each stage boundary per step, each way; adds what ``held``'s rank sends.
 
-    A boundary carries the sending stage's output for every token of the step (all
-    micro-batches together): ``tokens × features × itemsize`` forward, and as many bytes
-    of its gradient backward. Both stages on one rank (a V's turn) send nothing. Under
-    sequence parallel the hidden states between blocks are split along the sequence over
-    the tensor-parallel axes, and each tensor-parallel rank sends its own slice.
+    A boundary carries the sending stage's output for every token of the step forward and its
+    gradient backward; a V's turn sends nothing; under sequence parallel each tp rank sends its slice.
     """
     pipeline, tp = plan.config.pipeline, plan.config.tp
     if pipeline is None:

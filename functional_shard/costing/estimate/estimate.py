@@ -1,11 +1,7 @@
 """Will it fit, and how fast: peak memory and step time of a plan, before any device is rented.
 
-`estimate` adds to the exact cost model (`cost`) what a training step also needs: the
-activations autograd keeps (traced on fake tensors by `activations.trace_activations`),
-the logits and the fp32 cross-entropy workspace, the FSDP units in flight while the next
-one is prefetched, and time: FLOPs at the hardware's achievable rate plus the
-communication the engines cannot hide. docs/will-it-fit.md states the model and its
-assumptions.
+`estimate` adds to the cost model (`cost`) the activations autograd keeps (traced on fake tensors),
+the loss's workspace, the FSDP units in flight, and time. docs/will-it-fit.md states the model.
 """
 
 from __future__ import annotations
@@ -126,8 +122,7 @@ def estimate(
         rank: the rank to estimate; by default the worst (`Estimate.rank` says which).
         inputs: the model's inputs when they are not token ids ``(batch, seq)`` (meta allowed).
         expert_imbalance: the most loaded expert's tokens over an even share (1 to E / k).
-        keep_outputs: under a pipeline, the last stage keeps every micro-batch's output to
-            the step's end (torch before 2.10; docs/torch-versions.md).
+        keep_outputs: under a pipeline, the last stage keeps every micro-batch's output to the step's end.
         kernels: `fs.Kernels` (compile, Float8, async tensor parallel); by default eager bf16.
 
     Returns:
@@ -135,8 +130,7 @@ def estimate(
 
     Raises:
         ShardingError: an argument of the wrong type or value, named with its fix.
-        PlanError: splits the model cannot run (heads tensor parallel does not divide, cp over
-            attention it cannot split), named before anything is traced.
+        PlanError: a split the model cannot run (heads tp does not divide, cp over attention it cannot split).
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -223,8 +217,7 @@ def compare_schedules(
         kernels: as for `estimate`.
 
     Returns:
-        Schedule name -> its `Estimate` (``.pipeline.stage_activation_bytes``,
-        ``.step_seconds``, ``.pipeline.bubble``).
+        Schedule name -> its `Estimate`.
 
     Raises:
         ShardingError: the plan has no pipeline, or a named schedule cannot run it.

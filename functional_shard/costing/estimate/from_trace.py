@@ -1,8 +1,7 @@
 """One trace to one `Estimate`, for every plan: a pipeline is its stages on torch's schedule.
 
-What a rank holds and computes comes from `StepParts`: the plan's own, or under a
-pipeline the worst pp rank's (`pipeline_estimate.pipeline_parts`); the step model then
-times it the same way for both (`step_seconds.step_time`).
+The rank's `StepParts` (under a pipeline the worst pp rank's, `pipeline_estimate.pipeline_parts`) are
+timed the same way for both (`step_seconds.step_time`).
 """
 
 from __future__ import annotations
@@ -52,9 +51,6 @@ def _flat_parts(assembly: Assembly) -> StepParts:
         else cost(plan, assembly.optimizer, rank=assembly.rank, tokens=tokens)
     )
     plan_cost = cost_with_float8_gathers(plan_cost, plan, assembly.float8_gathered)
-    # the loss's larger peak, forward or backward: with bf16 logits its backward (the saved
-    # fp32 log-softmax and two fp32 gradients, the logits gone), above its forward (the
-    # logits, their fp32 copy and the log-softmax); measured (loss_memory.loss_workspace)
     memory = {
         "params": plan_cost.params_bytes,
         "grads": plan_cost.grads_bytes,
@@ -96,12 +92,8 @@ def _flat_parts(assembly: Assembly) -> StepParts:
 def _without_unmade_grads(memory: dict[str, int]) -> tuple[dict[str, int], str]:
     """The peak's parts, and when it falls: a step's gradients are made during its backward.
 
-    ``zero_grad()`` sets them to ``None`` (torch's default since 2.0) before the forward, so
-    at the start of backward no gradient exists yet; each appears as its unit's backward
-    frees the activations it kept. The peak is then the start of backward without them, or
-    the end of backward (every gradient, no activation) where that holds more. Measured on
-    an H200: the allocated peak is the start of backward's without gradients
-    (bench/data/h200/steps.json, docs/will-it-fit.md).
+    ``zero_grad()`` sets them to ``None``, so the peak is the start of backward without them, or the
+    end of backward (every gradient, no activation) where that holds more (bench/data/h200/steps.json).
     """
     held = ("params", "grads", "optimizer", "buffers", "gathered")
     end = sum(memory.get(part, 0) for part in held)
@@ -177,5 +169,4 @@ def assemble(assembly: Assembly) -> Estimate:
         kernels=assembly.kernels,
         compute_parts=timed.compute_parts,
     )
-    # under cp: the engine counted
     return with_engine(found, plan)

@@ -1,16 +1,8 @@
 """What a rank's cross-entropy holds at its peak, beside the activations: the loss workspace.
 
-The loss (``F.cross_entropy(logits.float(), targets)``, as torchtitan and our examples
-write it) upcasts the logits to fp32 and saves its fp32 log-softmax for backward. Its
-backward holds more than its forward: the saved log-softmax, the dense fp32 gradient
-``nll_loss``'s backward makes and the fp32 gradient log-softmax's backward makes from it,
-three fp32 tensors of the logits' size. Under torch's ``loss_parallel()`` (vocabulary-split
-logits, torch/distributed/tensor/parallel/loss.py) the log-softmax is a decomposition that
-holds a shifted copy and its exponent in the forward, and a backward that holds a zeroed
-gradient, an exponent, their sum and the product. Counted by the logits' elements,
-whatever their dtype: a model may hand back fp32 logits from a bf16 forward (the upcast
-copies nothing then; the rest is as large). Each figure was measured with a live-storage
-meter on real steps (tests/dist/test_loss_workspace.py). Pure.
+The loss is ``F.cross_entropy(logits.float(), targets)``; its backward holds three fp32 tensors of
+the logits' size (four under ``loss_parallel()``), counted by the logits' elements whatever their
+dtype. Measured on real steps by tests/dist/test_loss_workspace.py; docs/will-it-fit.md has the model.
 """
 
 from __future__ import annotations
@@ -21,12 +13,8 @@ __all__ = ["loss_workspace", "pipeline_loss_workspace"]
 def loss_workspace(output_bytes: int, output_numel: int, loss_parallel: bool) -> int:
     """Bytes the loss holds at its peak, the logits included, without a pipeline.
 
-    Forward: the logits, their fp32 copy and the log-softmax (``output_bytes + 8·numel``),
-    plus under loss parallel the shifted copy (``+ 4·numel``). Backward, once the logits are
-    gone (nothing saves them: ``ToCopyBackward`` keeps no input, and neither
-    `fs.forward_backward` nor Lightning's ``training_step`` holds them): three fp32 tensors
-    (``12·numel``), four under loss parallel (``16·numel``). The larger counts: the backward
-    for bf16 logits, both alike for fp32 ones.
+    The larger of the forward (logits, their fp32 copy, the log-softmax: ``output_bytes + 8·numel``,
+    ``+ 4·numel`` under loss parallel) and the backward, logits freed (``12·numel``, ``16·numel``).
 
     Examples:
         >>> loss_workspace(2 * 1000, 1000, False), loss_workspace(4 * 1000, 1000, False)
@@ -43,12 +31,8 @@ def loss_workspace(output_bytes: int, output_numel: int, loss_parallel: bool) ->
 def pipeline_loss_workspace(output_numel: int, loss_parallel: bool) -> int:
     """Bytes the last stage's loss holds at its peak beyond its logits and log-softmax.
 
-    Those two are held per micro-batch in flight (the stage caches its output in
-    ``fwd_cache``, and ``backward_one_chunk`` keeps it in hand through the backward; the
-    log-softmax is saved) and counted with the stage's activations. Beyond them, forward:
-    the fp32 copy (``4·numel``; under loss parallel also the shifted copy and its exponent,
-    ``12·numel``); backward: the two fp32 gradients (``8·numel``; under loss parallel the
-    zeroed gradient, the exponent and their sum, ``12·numel``). The larger counts.
+    Those two count with the stage's activations, per micro-batch in flight. Beyond them the
+    backward's two fp32 gradients (``8·numel``; ``12·numel`` under loss parallel) are the larger.
 
     Examples:
         >>> pipeline_loss_workspace(1000, False), pipeline_loss_workspace(1000, True)

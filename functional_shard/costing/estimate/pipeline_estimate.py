@@ -1,11 +1,8 @@
 """Peak memory and step time of a pipeline-parallel plan, stage by stage. Pure.
 
-A pp rank holds its stages' states, one micro-batch's activations per stage for each
-micro-batch torch's schedule keeps in flight (`schedules.held_peak_parts`: when they peak
-with FSDP2's whole gradients and a recompute), torch's receive buffers, and on the last
-stage the loss's workspace and, with ``keep_outputs``, every micro-batch's output. Compute
-time is the makespan of torch's action lists on a clock (`schedules.simulate`), the bubble
-included; data- and tensor-parallel communication is added as for any plan.
+A pp rank holds its stages' states, one micro-batch's activations per stage per micro-batch in
+flight (`schedules.held_peak_parts`), torch's receive buffers, and on the last stage the loss's
+workspace. Compute time is the makespan of torch's action lists on a clock (`schedules.simulate`).
 """
 
 from __future__ import annotations
@@ -95,11 +92,8 @@ def _stage_units(plan: Plan, units: Mapping[str, int], mine: set[int]) -> dict[s
 def _accumulated_grads(plan: Plan, units: Mapping[str, int]) -> int:
     """Bytes of a rank's stages' whole (unsharded) gradients, kept across micro-batches.
 
-    torch's ``PipelineStage`` runs each micro-batch's backward on FSDP2 with gradient sync
-    off (``set_requires_gradient_sync(False)``) and reduce-scatters once, after the last
-    (``perform_reduce_grad``): until then every unit's gradient stays whole, in the reduce
-    dtype when mixed precision sets one (FSDP2's ``unsharded_accumulated_grad``), else in the
-    parameters' (gathered) dtype. ``units`` are the stages' units in gathered bytes.
+    torch's ``PipelineStage`` reduce-scatters once, after the last micro-batch: until then each gradient
+    stays whole, in the reduce dtype if set, else the gathered dtype. ``units``: gathered bytes per unit.
     """
     config = plan.config
     if not config.param_dtype or not config.reduce_dtype:
@@ -316,22 +310,15 @@ def _stage_bytes(trace: ActivationTrace, layout: _Layout, keep_outputs: bool) ->
     n, m, turn = layout.stages, layout.microbatches, layout.turn
     output = list(trace.stage_output_bytes)  # per stage, its last module's output
     sends = output[: n - 1]
-    # torch's PipelineStage receives each micro-batch into a buffer of its own, kept from
-    # step to step: every stage but the first holds m inputs, every stage but the last m
-    # gradients of its output. At a V's turn (the next stage on the same rank) the buffers
-    # keep the tensors passed themselves: the same bytes (tests/dist/test_pipeline_memory.py).
+    # torch's PipelineStage receives each micro-batch into a buffer of its own, kept from step to
+    # step: m inputs (not on the first stage), m output gradients (not on the last)
     buffers = [m * ((output[s - 1] if s else 0) + (output[s] if s < n - 1 else 0)) for s in range(n)]
-    # what a stage keeps per micro-batch until its backward: what its modules made and its
-    # output, which its backward starts from, unless the next stage's buffer holds it (a V's
-    # turn); the activation it received, which its first ops save, is its buffer
+    # at a V's turn the next stage's buffer holds the output; the input received is its buffer
     kept = [trace.stage_activation_bytes[s] - (output[s] if turn(s) else 0) for s in range(n)]
-    # and the last stage, per micro-batch until its backward, what the loss needs: the
-    # logits (torch's stage caches its output for the backward) and the fp32 log-softmax
-    # cross-entropy saves; GPipe holds every micro-batch's (measured on gloo ranks,
-    # tests/dist/test_pipeline_memory.py). What the loss makes beyond them is one micro-batch's.
+    # the last stage keeps the logits (torch's stage caches its output) and the fp32 log-softmax
+    # per micro-batch until its backward (tests/dist/test_pipeline_memory.py)
     kept[n - 1] += trace.output_bytes + 4 * trace.output_numel
-    # torch's step(return_outputs=True), its default: the last stage also keeps every
-    # micro-batch's output to the step's end (``output_chunks``), and then concatenates them
+    # step(return_outputs=True) keeps every micro-batch's output to the step's end, then concatenates
     to_end = [0] * n
     if keep_outputs:
         kept[n - 1] -= trace.output_bytes
@@ -419,16 +406,14 @@ def _rank_memories(
                 # and once per rank, whatever is in flight, what every micro-batch shares
                 "activations": int(held[c][0] + trace.step_bytes),
                 "pipeline_buffers": sum(stage_bytes.buffers[s] for s in mine),
-                # what one micro-batch's loss holds beyond its logits and log-softmax (in
-                # kept): the fp32 copy in the forward, below its backward's two fp32 gradients
+                # one micro-batch's loss beyond its logits and log-softmax (those are in kept)
                 "loss_workspace": loss if last in mine else 0,
             }
         )
         if held[c][2]:
             # where the peak falls in a backward: its checkpointed block's recompute
             memories[c]["recompute"] = int(held[c][2])
-    # under cp, torch's ring adds its backward's buffers to each rank's peak (the worst
-    # rank is chosen with them)
+    # torch's ring adds its backward's buffers before the worst rank is chosen
     tokens = assembly.batch // m * assembly.seq
     memories = [with_ring_workspace(memory, plan, tokens) for memory in memories]
     peak_at = ["the start of backward"] * layout.pp
@@ -480,8 +465,7 @@ def with_schedule(plan: Plan, schedule: str) -> Plan:
     """``plan`` run by another schedule with the same stages per rank and the same placement.
 
     Raises:
-        ShardingError: the plan has no pipeline, or the schedule places stages on other
-            ranks (V-shaped against looped): plan again with ``fs.pipeline(schedule=...)``.
+        ShardingError: the plan has no pipeline, or the schedule places stages on other ranks.
         PolicyError: the schedule cannot run the plan's stages per rank or micro-batches.
     """
     from functional_shard.planning.pipeline.stages import V_SHAPED

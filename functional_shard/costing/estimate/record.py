@@ -1,8 +1,6 @@
 """What `fs.estimate` returns: `Estimate`, and under a pipeline its `PipelineEstimate`.
 
-Records only: the numbers and their readable forms. The step model that fills them is
-`functional_shard.costing.time.step_model`, the pipeline's parts
-`functional_shard.costing.estimate.pipeline_estimate`.
+Records only: the numbers and their readable forms.
 """
 
 from __future__ import annotations
@@ -34,21 +32,11 @@ def duration(seconds: float) -> str:
 class Estimate:
     """Peak device memory and step time of one training step, on one rank.
 
-    ``memory`` holds the parts of the peak (bytes): ``params``, ``grads``, ``optimizer``,
-    ``buffers``, ``gathered`` (FSDP units in flight), ``activations`` and
-    ``loss_workspace``: cross-entropy's peak, the larger of its forward's (the logits,
-    their fp32 copy and the fp32 log-softmax) and its backward's (the logits gone: the
-    saved log-softmax and two fp32 gradients; four fp32 tensors under loss parallel),
-    measured on real steps; under a pipeline, the last stage's beyond the logits and
-    log-softmax its ``activations`` hold per micro-batch in flight. Under torch's ring
-    attention, ``ring_workspace``: what its backward's buffers add beyond the loss's
-    workspace, which they follow. Under activation checkpointing, ``recompute``, where it adds to the
-    peak: what a checkpointed block's recompute, held through its backward, holds beyond
-    those two (under a pipeline, where its rank's peak falls in one). ``flops`` is per device
-    per step, recomputation included; ``model_flops`` without it (what MFU counts).
-    Under pipeline parallelism ``batch`` is the step's batch (all micro-batches), the parts
-    are those of the pp rank with the highest peak, ``compute_seconds`` is the schedule's
-    makespan (bubble and point-to-point sends included) and ``pipeline`` has each stage.
+    ``memory`` holds the parts of the peak in bytes (``params``, ``grads``, ``optimizer``, ``buffers``,
+    ``gathered``, ``activations``, ``loss_workspace``, and ``ring_workspace`` or ``recompute`` where
+    they add to it; docs/will-it-fit.md says what each counts). ``flops`` is per device per step,
+    recompute included; ``model_flops`` without it (what MFU counts). Under a pipeline ``batch`` is
+    the step's batch, the parts are the worst pp rank's and ``compute_seconds`` is the schedule's makespan.
     """
 
     rank: int
@@ -77,8 +65,7 @@ class Estimate:
     kernels: Kernels = field(default_factory=Kernels)
     """The kernels counted beyond eager bf16 (``estimate(kernels=...)``)."""
     compute_parts: Mapping[str, float] = field(default_factory=dict)
-    """``compute_seconds`` by kind of kernel (matmul, attention, memory-bound) where the
-    hardware has `KernelRates`; empty where all flops run at one rate."""
+    """``compute_seconds`` by kind of kernel where the hardware has `KernelRates`; else empty."""
 
     @property
     def activation_bytes(self) -> int:
@@ -213,20 +200,13 @@ class StageEstimate:
         stage: its index.
         rank: the pp coordinate that runs it.
         modules: its module paths.
-        activation_bytes: what it keeps for backward of one micro-batch: what its modules
-            make and its output (unless the next stage runs on the same rank: that
-            stage's buffer holds it); on the last stage, what the loss keeps too (the
-            logits and the fp32 log-softmax).
+        activation_bytes: what it keeps for backward of one micro-batch, its output and loss included.
         in_flight: the most micro-batches it holds at once under the schedule.
         forward_seconds: one micro-batch's forward.
         backward_seconds: one micro-batch's backward (recompute included).
         send_bytes: the activation it sends the next stage per micro-batch (0 for the last).
-        buffer_bytes: torch's receive buffers, one per micro-batch, kept from step to step:
-            the activation it receives (not on the first stage) and its output's gradient
-            (not on the last).
-        whole_grad_bytes: its gradients as FSDP2 keeps them whole across micro-batches
-            under a pipeline, from the end of its first backward in the step to the
-            reduce-scatter after the last (0 without FSDP over its parameters).
+        buffer_bytes: torch's receive buffers (activation in, output's gradient), one per micro-batch.
+        whole_grad_bytes: its gradients as FSDP2 keeps them whole across micro-batches (0 without FSDP).
     """
 
     stage: int
@@ -252,9 +232,7 @@ class PipelineEstimate:
         stages: each stage's `StageEstimate`.
         rank_peak_bytes: per pp coordinate, its peak memory (the estimate reports the worst).
         timeline: the schedule run on the clock.
-        kept_output_bytes: the last stage's output per micro-batch when it is kept to the
-            step's end (``estimate(keep_outputs=True)``, torch's ``step()`` default); 0
-            when it is freed at the micro-batch's backward (the runtime's way).
+        kept_output_bytes: the last stage's output per micro-batch kept to the step's end, else 0.
     """
 
     schedule: str

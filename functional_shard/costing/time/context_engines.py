@@ -1,30 +1,10 @@
 """Which context-parallel engine a cost or an estimate counts, and what torch's ring adds.
 
-A plan's ``fs.cp(..., engine=)`` is ``"auto"``, ``"ring"`` or ``"all_gather"``
-(`functional_shard.core.sequence.CONTEXT_ENGINES`). ``"auto"`` runs torch's ring on CUDA
-devices and our all-gather engine elsewhere, so what it costs depends on the hardware:
-
-- `plan.cost` is device-free: it counts ``"auto"`` as the all-gather engine (what runs on
-  gloo), unless asked for another with ``context_engine=``;
-- `fs.estimate` and `fs.auto` count the engine their hardware runs (`for_hardware`):
-  the ring on a profile with ``Hardware.cuda`` (h100, a100, ...), the all-gather engine on
-  the measured ``"local"`` one.
-
-What torch 2.13's ring (``torch.distributed.tensor.experimental._context_parallel``,
-``_templated_ring_attention`` and its backward, default options) does per attention call,
-read from its source and measured on gloo ranks (tests/dist/test_ring_attention.py): forward,
-one all-gather of the concatenated local keys and values, waited for after the first
-chunk's attention; backward, the same all-gather again, then ``cp`` all-to-all permutes of
-the keys' and values' gradients, accumulated in float32, each waited for after the next
-chunk's attention (the last one after all of them). The gathered keys and values are not
-kept for backward: SDPA keeps the local query, keys, values, output and logsumexp.
-
-Beside its kernels and collectives, each call also runs elementwise passes of its own
-(`ring_merge_bytes`): it merges each chunk's output into a float32 running one and
-accumulates the keys', values' and query's gradients in float32, copying them whole for
-every permute. They grow with cp, not with the model's other work, so the efficiency
-calibrated on runs without cp does not hold them: `ring_merge_seconds` times them at the
-profile's memory rate.
+``"auto"`` runs torch's ring on CUDA devices and our all-gather engine elsewhere: `plan.cost`,
+device-free, counts it as the all-gather engine; `fs.estimate` and `fs.auto` count the engine their
+hardware runs (`for_hardware`). Per attention call, torch's ring all-gathers the local keys and values
+in forward and again in backward, then permutes their float32 gradients ``cp`` times
+(tests/dist/test_ring_attention.py); its elementwise merges are timed apart (`ring_merge_seconds`).
 """
 
 from __future__ import annotations
@@ -60,9 +40,7 @@ __all__ = [
 def counted_engine(plan: Plan, engine: str | None = None) -> str:
     """The engine whose collectives `cost` counts: ``"ring"`` or ``"all_gather"``.
 
-    ``engine`` overrides the plan's; ``"auto"`` (the plan's default) counts as the
-    all-gather engine, which is what runs where no CUDA device is (`for_hardware` says
-    what runs on given hardware).
+    ``engine`` overrides the plan's; ``"auto"`` counts as the all-gather engine (what runs without CUDA).
 
     Raises:
         ShardingError: ``engine`` is not one of `CONTEXT_ENGINES` (or None).
@@ -109,10 +87,8 @@ def _ring_layers(plan: Plan, tokens: int) -> tuple[int, int, list[int]]:
 def ring_workspace_bytes(plan: Plan, tokens: int) -> int:
     """Bytes torch's ring holds inside one attention backward, beyond what forward kept.
 
-    ``tokens`` of whole sequences on the cp group (batch x seq). From
-    ``_templated_ring_attention_backward``: the all-gathered keys and values of every cp
-    rank (compute dtype), and in float32 the query's gradient, the keys' and values'
-    accumulated gradient, the copy being sent and the one arriving. The widest layer's.
+    ``tokens``: whole sequences' tokens on the cp group. The widest layer's gathered keys and values,
+    and in float32 the query's gradient and the keys' and values' sum, the copy sent and the one arriving.
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -137,16 +113,10 @@ def ring_exposed_seconds(
 ) -> float:
     """Seconds of torch's ring collectives that its attention kernels do not hide, per step.
 
-    Each call issues its collectives inside the attention op, so only that op's chunks can
-    hide them: forward, the all-gather runs under the first chunk's attention (a cp-th of
-    the layer's); backward, the all-gather under the first chunk's, each of the first
-    ``cp - 1`` gradient permutes under the next chunk's, and the last permute after them
-    all. The bytes are the cost's (``comm_bytes``, `cost` with the ring counted), shared
-    out evenly over the attention layers and passes (`ring_passes`); so is
-    ``attention_seconds``, the rank's attention time per step (forward, backward and
-    recompute at the achievable rate): backward is twice forward
-    (`functional_shard.costing.time.flops`), a full recompute once more. The loss's all-reduce
-    over cp waits for the step: exposed whole.
+    Only the attention op's own chunks hide them: each all-gather under the first chunk, each of the
+    first ``cp - 1`` permutes under the next, the last permute after them all. ``sent`` and
+    ``attention_seconds`` (the rank's per step) are shared evenly over layers and passes; the loss's
+    all-reduce is exposed whole.
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -180,8 +150,7 @@ def ring_exposed_seconds(
 def with_engine(estimate: Estimate, plan: Plan) -> Estimate:
     """``estimate`` of ``plan`` (its cp engine made the hardware's) saying which engine it counted.
 
-    Under torch's ring the memory already holds ``ring_workspace`` (`with_ring_workspace`,
-    added by the step's parts, per pp rank under a pipeline).
+    Under torch's ring the memory already holds ``ring_workspace`` (`with_ring_workspace`).
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -199,9 +168,8 @@ def with_engine(estimate: Estimate, plan: Plan) -> Estimate:
 def with_ring_workspace(memory: Mapping[str, int], plan: Plan, tokens: int) -> dict[str, int]:
     """``memory`` with ``ring_workspace`` where ``plan``'s cp runs torch's ring, else as it is.
 
-    The buffers of one attention backward (`ring_workspace_bytes`, ``tokens`` of one
-    micro-batch's whole sequences) run after the loss's workspace is freed, so they raise
-    the peak by what they exceed it.
+    One attention backward's buffers (`ring_workspace_bytes` of one micro-batch's ``tokens``) follow the
+    loss's workspace, so they raise the peak by what they exceed it.
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -230,14 +198,9 @@ def ring_merge_seconds(
 ) -> float:
     """Seconds a step of the busiest cp rank spends in torch's ring's own passes (`ring_merge_bytes`).
 
-    ``attention_flops`` is the rank's attention work in a step, forward, recompute and
-    backward in `functional_shard.costing.time.flops`' convention (a rank's queries against the
-    ``seq`` tokens of the whole sequence, ``4 x queries x seq`` a forward): the elements of
-    its local queries follow from it, whatever the layers, micro-batches and stages. The
-    logsumexp's row-sized passes (a head dim-th of these) are left out: the trace keeps no
-    head dims. Memory-bound: at ``memory_bandwidth`` times ``memory_efficiency`` (1 where
-    the profile has none), ``speedup`` times faster under compile, as the rest of the work
-    other than attention. 0 where the plan's cp does not run torch's ring.
+    ``attention_flops``: the rank's attention flops per step (`functional_shard.costing.time.flops`'
+    convention), from which its query elements follow. Timed at the memory rate, ``speedup`` times
+    faster under compile; 0 where the plan's cp does not run torch's ring.
 
     Examples:
         >>> from functional_shard.costing.time.hardware import hardware
@@ -268,11 +231,8 @@ def ring_merge_seconds(
 def recompute_beyond(plan: Plan, tokens: int, recompute: int, loss: int) -> int:
     """What a checkpointed block's backward adds to the peak beyond the loss's workspace and the ring's.
 
-    A backward's recompute (``recompute`` bytes, `ActivationTrace.recompute_bytes`) runs
-    after the loss's backward has freed its workspace (``loss`` bytes), and holds while
-    the block's attention backward runs torch's ring (`ring_workspace_bytes` of
-    ``tokens``, where ``plan``'s cp runs it): the two together raise the peak by what they
-    exceed the loss's workspace, of which `with_ring_workspace` has counted the ring's.
+    The recompute (``recompute`` bytes) and torch's ring workspace, where it runs, follow the loss's
+    workspace (``loss`` bytes): they raise the peak by what they exceed it, less the ring's already counted.
 
     Examples:
         >>> from functional_shard.zoo import llama

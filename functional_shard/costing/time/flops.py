@@ -1,27 +1,19 @@
 """Flops of one op, with attention counted on every path and in one convention.
 
-`op_flops` counts what `functional_shard.costing.trace.activations` traces: matrix multiplies by torch's
-``FlopCounterMode`` formulas (``torch.utils.flop_counter.flop_registry``), and attention by
-the formulas here, whichever kernel torch dispatches to: the CPU flash kernel (what fake CPU
-tensors run, and which torch's registry does not know), flash, memory-efficient, cuDNN, the
-``_fused_attention_overrideable`` hook for other backends, their backwards, and the
-``flex_attention`` higher-order operators. SDPA's math path, and eager attention, decompose
-into ``bmm``/``mm``, which torch's registry already counts.
+`op_flops` counts matrix multiplies by torch's ``FlopCounterMode`` formulas, and attention by the
+formulas here, whichever kernel torch dispatches to (flash on CPU, flash, memory-efficient, cuDNN,
+the overrideable hook, flex attention, their backwards).
 
-The convention, the one PaLM (Chowdhery et al. 2022, appendix B), Megatron-LM (Narayanan et
-al. 2021) and torchtitan (``get_num_flop_per_token``) use for MFU: attention costs its
-**full** score matrix, causal or not, as eager matmuls compute it. Per layer, for queries of
-length ``s_q`` and keys of length ``s_k``, ``h`` query heads (grouped-query key/value heads
-are broadcast to them), query/key width ``d`` and value width ``d_v``:
+The convention is PaLM's, Megatron-LM's and torchtitan's for MFU: attention costs its **full**
+score matrix, causal or not. Per layer, for ``h`` query heads, ``s_q`` queries, ``s_k`` keys,
+query/key width ``d`` and value width ``d_v``:
 
 - forward: ``Q Kᵀ`` and ``P V``, ``2·b·h·s_q·s_k·(d + d_v)``;
 - backward: twice the forward (``dP = dO Vᵀ``, ``dV = Pᵀ dO``, ``dQ = dS K``, ``dK = dSᵀ Q``),
   ``4·b·h·s_q·s_k·(d + d_v)``: what autograd runs for eager attention.
 
-Fused kernels skip the masked half of a causal matrix and recompute the scores in backward;
-neither is counted (torch's registry counts the recompute, a fifth matmul in backward): model
-flops are the same whichever kernel runs, so flops, MFU and the calibration of
-``compute_efficiency`` (docs/will-it-fit.md) share one convention.
+Neither the masked half fused kernels skip nor their recomputed scores is counted, so model flops
+are the same whichever kernel runs (`attention_kernel_flops` counts what a kernel runs).
 """
 
 from __future__ import annotations
@@ -53,8 +45,7 @@ def _shape(tensor: Any) -> tuple[int, ...]:
 def attention_forward(query: Sequence[int], key: Sequence[int], value: Sequence[int]) -> int:
     """Forward flops of attention on ``(batch, heads, seq, dim)`` shapes, full score matrix.
 
-    Key/value heads may be fewer than query heads (grouped-query attention): each query head
-    still multiplies a whole score matrix.
+    Each query head multiplies a whole score matrix, however few the key/value heads.
 
     Examples:
         >>> attention_forward((1, 8, 1024, 64), (1, 2, 1024, 64), (1, 2, 1024, 64)) == 4 * 8 * 1024**2 * 64
@@ -93,12 +84,10 @@ def _lengths(offsets: Any, longest: Any) -> list[int]:
 
 
 def _varlen_shapes(query: Any, key: Any, value: Any, lengths: Sequence[Any]) -> list[Any]:
-    # The lower-level flash/efficient kernels take (batch, seq, heads, dim), or sequences
-    # packed along one dim with cumulative offsets (``lengths``: the query's and key's
-    # offsets, then their longest lengths). torch's own unpacking
-    # (flop_counter._unpack_flash_attention_nested_shapes, 2.13) hands the unpacked case's
-    # (batch, seq, heads, dim) on as if it were (batch, heads, seq, dim), swapping heads
-    # and sequence: the shapes are rebuilt here.
+    # the lower-level flash/efficient kernels take (batch, seq, heads, dim), or sequences packed
+    # along one dim with offsets (``lengths``); torch's own unpacking
+    # (flop_counter._unpack_flash_attention_nested_shapes) swaps heads and sequence in the
+    # unpacked case (docs/torch-versions.md), so the shapes are rebuilt here
     cum_q, cum_k, max_q, max_k = lengths
     q, k, v = _shape(query), _shape(key), _shape(value)
     if cum_q is None:
@@ -119,9 +108,8 @@ def _varlen(
 ) -> _Formula:
     """The flops formula of a lower-level flash or memory-efficient kernel, forward or backward.
 
-    Its schema has ``query, key, value`` at ``query_at`` and the query's and key's offsets
-    and longest lengths (``cum_seq_q, cum_seq_k, max_q, max_k``) at ``lengths_at``; the
-    other arguments (biases, outputs, dropout) do not change the flops.
+    Its schema has ``query, key, value`` at ``query_at`` and ``cum_seq_q, cum_seq_k, max_q, max_k``
+    at ``lengths_at``.
     """
 
     def count(*args: Any, **kwargs: Any) -> int:
@@ -235,10 +223,8 @@ def causal_fraction(seq_q: int, seq_k: int) -> float:
 def attention_kernel_flops(func: Any, args: Sequence[Any], kwargs: dict[str, Any], model_flops: int) -> float:
     """The flops an attention kernel runs, from its model flops (`op_flops`).
 
-    A fused kernel with a causal mask and no other mask skips the blocks above the diagonal
-    (`causal_fraction`); its backward recomputes the scores, a fifth product beside the four
-    the model-flops convention counts (2.5 times the forward, not 2). Eager and math-path
-    attention are matmuls, counted as such.
+    A fused causal kernel skips the blocks above the diagonal (`causal_fraction`); its backward
+    recomputes the scores (2.5 times the forward, not 2).
 
     Examples:
         >>> q = torch.zeros(1, 2, 8, 4)
@@ -261,8 +247,7 @@ def op_flops(func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -
     """Flops of one dispatched op: attention by this module's formulas, others by torch's.
 
     Args:
-        func: the op as a ``TorchDispatchMode`` sees it (an ``OpOverload`` or a
-            higher-order operator).
+        func: the op as a ``TorchDispatchMode`` sees it (an ``OpOverload`` or a higher-order operator).
         args: its positional arguments.
         kwargs: its keyword arguments.
         out: what it returned.

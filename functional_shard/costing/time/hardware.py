@@ -1,14 +1,8 @@
 """Accelerators as data: peak rates from vendor datasheets, achievable fractions from public runs.
 
-A `Hardware` says how fast one device computes (dense FLOP/s per dtype), how much memory it
-has, how devices group into nodes and how fast the links inside and between nodes are. The
-efficiency factors turn datasheet peaks into what real training reaches; they come from
-published measurements of public training runs (see docs/will-it-fit.md), never from ours.
-
-Mesh axes map to links by position: the last mesh axis is the most minor (neighbouring
-ranks), so minor axes fill a node first. An axis lies inside a node when the product of its
-size and the sizes of all more-minor axes is at most ``devices_per_node``; set
-``intra_node_axes`` to name them instead.
+The efficiency factors turn datasheet peaks into what real training reaches, from published runs
+(docs/will-it-fit.md). Minor mesh axes fill a node first: an axis is inside a node when its size times
+the more-minor axes' is at most ``devices_per_node`` (or name them in ``intra_node_axes``).
 """
 
 from __future__ import annotations
@@ -71,48 +65,30 @@ class Hardware:
     host_bandwidth: float = float("inf")
     """Bytes/s between host and device memory (one direction), for offloading."""
     overlap_communication: bool = True
-    """Whether collectives run beside compute (GPUs: yes, copy engines and NCCL's own SMs;
-    gloo on a CPU: no, they share the cores)."""
+    """Whether collectives run beside compute (GPUs yes; gloo on a CPU no: they share the cores)."""
     collective_latency: float = 0.0
     """Seconds each collective costs beyond its bytes (0: bandwidth-bound sizes)."""
     cuda: bool = True
-    """Whether the devices are CUDA GPUs. `fs.cp`'s ``"auto"`` engine runs torch's ring
-    attention there (its kernels are CUDA ones) and our all-gather engine elsewhere: the
-    estimate counts the engine that runs (`functional_shard.costing.time.context_engines`). The
-    measured ``"local"`` profile (gloo on CPUs) is not."""
+    """Whether the devices are CUDA GPUs, where `fs.cp`'s ``"auto"`` engine runs torch's ring."""
     skips_masked_attention: bool = True
-    """Whether causal attention skips the masked half (flash kernels, torch's ring attention
-    on GPUs): then a context-parallel rank's attention work follows the chunks it holds,
-    and without load balancing the rank with the latest chunk works most
-    (`functional_shard.core.sequence.causal_imbalance`). On CPUs the engine's masked SDPA
-    scores every pair, so every rank works alike."""
+    """Whether causal attention skips the masked half, so cp ranks' work follows their chunks."""
     tensor_parallel_latency: float | None = None
-    """Seconds each tensor-parallel collective costs beyond its bytes, the engine's own work
-    around it included (DTensor's dispatch of the split module's ops); ``None``: as
-    ``collective_latency``."""
+    """Seconds each tensor-parallel collective costs, DTensor's dispatch included; ``None``: as others."""
     compute_efficiency: float = 1.0
-    """Fraction of the peak FLOP/s at which real training runs all the flops the estimate
-    counts: model flops (attention as its full score matrix) plus checkpointing's
-    recomputation. Published MFU leaves recomputation out: docs/will-it-fit.md converts."""
+    """Fraction of the peak FLOP/s training reaches on the flops the estimate counts (recompute included)."""
     intra_node_efficiency: float = 1.0
     inter_node_efficiency: float = 1.0
     compile_speedup: float | None = None
-    """How much faster ``torch.compile`` runs the work other than attention (Inductor fuses
-    the elementwise ops around the matmuls; attention is the same kernel): from a public
-    eager and compiled pair of runs (docs/will-it-fit.md); ``None``: none known, and
-    ``fs.Kernels(compile=True)`` is refused."""
+    """How much faster ``torch.compile`` runs the work other than attention; ``None``: compile is refused."""
     gemm_efficiency: float | None = None
     """Fraction of the peak a large GEMM reaches, for Float8's roofline (torchao's
     ``pct_achievable_gemm_tops``); ``None``: ``fs.Kernels(float8=True)`` is refused."""
     memory_efficiency: float | None = None
-    """Fraction of ``memory_bandwidth`` a large elementwise kernel reaches, for Float8's
-    casts (torchao's ``pct_achievable_mem_bw``)."""
+    """Fraction of ``memory_bandwidth`` elementwise kernels reach (torchao's ``pct_achievable_mem_bw``)."""
     intra_node_axes: frozenset[str] | None = None
     """Mesh axes inside a node; ``None``: the minor axes that fit in ``devices_per_node``."""
     kernel_rates: KernelRates | None = None
-    """The device's rates by kind of kernel: with them a bf16 step is timed kernel kind by
-    kind (`functional_shard.costing.time.kernel_time`); ``None``: all flops at
-    ``compute_efficiency`` of the peak."""
+    """Rates by kind of kernel, to time a bf16 step kind by kind; ``None``: all at ``compute_efficiency``."""
     source: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Measurement details (the ``"local"`` profile) or notes."""
@@ -285,10 +261,9 @@ PROFILES["h200"] = dataclasses.replace(
     ),
     source="NVIDIA H200 Tensor Core GPU datasheet (SXM); efficiency as h100 (same compute die)",
 )
-# No H100 or A100 was at hand to measure: their compute-bound rates are the H200's measured
-# fractions of the bf16 peak (0.742 matmul, 0.442 attention) of their own peaks (the H100's
-# die and clocks are the H200's), their bandwidth the H200's measured fraction of its
-# datasheet (0.658) of theirs. Measure them with bench/cuda_step_kernels.py when one is.
+# H100 and A100 are not measured: their rates are the H200's measured fractions of the peak
+# (0.742 matmul, 0.442 attention; bandwidth 0.658) of their own datasheets (the H100 shares the
+# H200's die). bench/cuda_step_kernels.py measures them.
 PROFILES["h100"] = dataclasses.replace(
     PROFILES["h100"],
     kernel_rates=KernelRates(
@@ -313,9 +288,7 @@ PROFILES["a100"] = dataclasses.replace(
 def hardware(name: str | Hardware | None = None, *, processes: int = 4) -> Hardware:
     """A named hardware profile (``None`` means ``"h100"``), or ``name`` itself if already one.
 
-    ``"local"`` is measured once per process and ``processes`` count: matmul FLOP/s of each
-    of ``processes`` gloo processes running together, and the bandwidth of a gloo
-    all-reduce between them (efficiencies 1: the rates are already achieved ones).
+    ``"local"`` is measured once per process and ``processes`` count (matmul rate and gloo all-reduce).
 
     Args:
         name: ``"h100"``, ``"h200"``, ``"a100"``, ``"b200"``, ``"local"`` or a `Hardware`.

@@ -1,20 +1,8 @@
 """A step's compute timed by kernel kind: matmuls, fused attention, memory-bound work.
 
-Each kind is bound by something else, so each has its own rate (`KernelRates`, measured
-by `fs.measure_rates`):
-
-- **matmuls** run their flops (torch's ``FlopCounterMode`` count) at the matmul rate;
-- **fused attention** runs the flops the kernel itself runs: the causal half of the score
-  matrix, and in backward the scores again (`functional_shard.costing.time.flops.attention_kernel_flops`),
-  at the attention rate;
-- **memory-bound** ops (norms, element-wise ops, rotary, softmax and cross-entropy, the
-  optimizer's step, FSDP's casts and copies) move bytes at the memory bandwidth: those a
-  trace counts op by op (`functional_shard.costing.trace.counting.moved_bytes`), the loss's
-  (`loss_bytes`), FSDP's copies around each collective (`fsdp_copy_bytes`) and the
-  optimizer's passes (`optimizer_bytes`).
-
-MFU still counts model flops (attention's full score matrix, no recompute): time and MFU
-count attention differently on purpose (docs/cost-model.md).
+Each kind has its own rate (`KernelRates`, measured by `fs.measure_rates`): matmuls their flops,
+fused attention the flops the kernel runs (`functional_shard.costing.time.flops.attention_kernel_flops`),
+memory-bound ops the bytes they move. MFU still counts model flops (docs/cost-model.md).
 """
 
 from __future__ import annotations
@@ -78,10 +66,8 @@ class Work:
 def loss_bytes(output_bytes: int, output_numel: int) -> int:
     """Bytes ``F.cross_entropy(logits.float(), targets)`` moves, forward and backward.
 
-    Forward: the upcast (read the logits, write fp32; nothing when they are fp32 already)
-    and the log-softmax (read, write). Backward: the zeroed dense gradient of ``nll_loss``
-    (write), the log-softmax's backward (read the gradient and the saved output, write),
-    and the cast back (read fp32, write the logits' dtype).
+    The upcast (none for fp32 logits), the log-softmax, the dense zeroed gradient, the log-softmax's
+    backward and the cast back.
 
     Examples:
         >>> loss_bytes(2 * 1000, 1000), loss_bytes(4 * 1000, 1000)
@@ -95,17 +81,12 @@ def loss_bytes(output_bytes: int, output_numel: int) -> int:
 def fsdp_copy_bytes(plan: Plan, units: Mapping[str, int]) -> dict[str, float]:
     """Bytes FSDP2's copies around its collectives move in a step, by phase.
 
-    Each gather of a unit of ``b`` bytes (in the compute dtype) over ``n`` ranks casts the
-    local shard from the parameter dtype (``p/c`` of ``b/n`` read, ``b/n`` written),
-    copies it into the gather's input (``2·b/n``) and copies the gathered result out to
-    each parameter (``2·b``). Each reduce-scatter copies the gradients into its input,
-    cast to the reduce dtype (``b`` read, ``r/c·b`` written), and adds the reduced shard
-    into the sharded gradient (``2·r/c·b/n``).
+    A gather casts the local shard, copies it into the gather's input and the result out to each
+    parameter; a reduce-scatter copies the gradients into its input (reduce dtype) and adds the shard.
 
     Args:
         plan: the plan (its compute and reduce dtypes, its FSDP axes).
-        units: gathered bytes of each FSDP unit ("" is the root), in the compute dtype; each
-            is gathered as often as `traffic.gathers_per_step` says.
+        units: gathered bytes of each FSDP unit ("" is the root), in the compute dtype.
     """
     config = plan.config
     n = plan.mesh.axes_size(config.shard_axes) if config.shard_axes else 1
@@ -126,8 +107,7 @@ def fsdp_copy_bytes(plan: Plan, units: Mapping[str, int]) -> dict[str, float]:
 def optimizer_bytes(params_bytes: int, optimizer: str | float) -> float:
     """Bytes the optimizer's step moves over a rank's ``params_bytes`` of fp32 parameters.
 
-    ``optimizer`` is a name, or the state's bytes per parameter element (as for `cost`):
-    then one pass reads and writes the parameters and the state and reads the gradients.
+    ``optimizer``: a name, or the state's bytes per element (one pass over parameters, state, gradients).
 
     Examples:
         >>> optimizer_bytes(4 * 1000, "adamw"), optimizer_bytes(4 * 1000, 8.0)

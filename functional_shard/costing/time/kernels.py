@@ -1,28 +1,10 @@
 """What torch.compile, Float8 linears and async tensor parallel change in a step.
 
-torchtitan's published runs use them; the estimate's default is eager bf16, the runs its
-`Hardware.compute_efficiency` comes from. Each option is a model with a public source
-(docs/will-it-fit.md, "Kernels"):
-
-* **compile**: Inductor fuses the elementwise work around the matmuls; attention runs the
-  same flash kernel compiled or not. So the work other than attention runs
-  `Hardware.compile_speedup` times faster, from torchtitan's eager and compiled Llama 3.1
-  8B runs (their Table 1) with attention's share of the work set aside.
-* **float8**: torchao's tensorwise Float8 linears, every ``nn.Linear`` but the output head
-  (torchtitan's filter). Each linear's three GEMMs run in float8 instead of bf16, and its
-  input, weight and output gradient are cast first: the time saved is torchao's roofline
-  (``torchao/testing/training/roofline_utils.py``): a GEMM at `Hardware.gemm_efficiency` of
-  the dtype's peak or bounded by its bytes, a cast at `Hardware.memory_efficiency` of the
-  memory bandwidth, per linear at its local shape. It needs compile (torchao's casts are
-  compiled kernels).
-* **async_tp**: torch's micro-pipelined tensor parallel (``_micro_pipeline_tp``) runs
-  sequence parallel's all-gathers and reduce-scatters inside the matmuls beside them. The
-  published gains are the forward's, so the forward's tensor-parallel collectives hide
-  under the forward's work other than attention; the backward's and the recompute's stay
-  exposed. It needs compile (it is an Inductor pass) and sequence parallel.
-* **float8_all_gather**: FSDP gathers the converted weights in float8 and holds them so:
-  a byte an element of the gathered memory and of the all-gathers' traffic (torchao's
-  ``enable_fsdp_float8_all_gather``).
+The estimate's default is eager bf16. Each option is a model with a public source
+(docs/will-it-fit.md, "Kernels"): **compile** runs the work other than attention
+`Hardware.compile_speedup` times faster; **float8** saves what torchao's roofline says per linear;
+**async_tp** hides the forward's tensor-parallel collectives; **float8_all_gather** gathers and
+holds the converted weights a byte an element.
 """
 
 from __future__ import annotations
@@ -77,9 +59,7 @@ class Kernels:
         compile: ``torch.compile`` of each block (torchtitan's ``training.compile``).
         float8: torchao's tensorwise Float8 linears, the output head left out (needs compile).
         async_tp: torch's async tensor parallel (needs compile and sequence parallel).
-        float8_all_gather: FSDP gathers the Float8 linears' weights in float8, one byte an
-            element, and they stay so while gathered (torchao's ``enable_fsdp_float8_all_gather``;
-            needs float8).
+        float8_all_gather: FSDP gathers and holds the Float8 linears' weights in float8 (needs float8).
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -127,9 +107,7 @@ class Kernels:
     def for_plan(self, plan: Plan) -> Kernels:
         """These kernels less what ``plan`` has nothing for: the search's view of one candidate.
 
-        Async TP needs sequence parallel and Float8 all-gathers need FSDP; a candidate
-        without them runs the rest (`fs.search_plans`' ``kernels=``). `fs.estimate` refuses
-        them instead: there the plan is the user's own.
+        Async TP needs sequence parallel and Float8 all-gathers FSDP; `fs.estimate` refuses them instead.
 
         Examples:
             >>> from functional_shard.zoo import llama
@@ -148,8 +126,7 @@ def check_kernels(kernels: Kernels, plan: Plan, hw: Hardware, dtype: str) -> Non
     """Refuse kernels the plan or the hardware profile cannot count, naming the fix.
 
     Raises:
-        ShardingError: a profile without the option's figures, float8 outside bf16 compute,
-            Float8 all-gathers without FSDP, or async TP without sequence parallel.
+        ShardingError: the profile lacks the option's figures, or the plan what the option needs.
     """
     check_kernel_hardware(kernels, hw, dtype)
     if kernels.float8_all_gather and not plan.config.shard_axes:
@@ -170,8 +147,7 @@ def check_kernel_hardware(kernels: Kernels, hw: Hardware, dtype: str, caller: st
     ``caller`` names the function in the message (``"estimate"``, ``"auto"``).
 
     Raises:
-        ShardingError: not a `Kernels`; compile without ``compile_speedup``; float8 without
-            the profile's float8 rate and roofline fractions, or outside bf16 compute.
+        ShardingError: not a `Kernels`, a profile without the option's figures, or float8 outside bf16.
 
     Examples:
         >>> check_kernel_hardware(fs.Kernels(compile=True), fs.hardware("a100"), "bfloat16", "auto")
@@ -238,10 +214,8 @@ def kernel_fields(
 def float8_weights(model: Any, plan: Plan) -> tuple[str, ...]:
     """The weight paths of the linears torchao converts.
 
-    Every ``nn.Linear`` but the output head, as torchtitan's filter leaves out ``output``:
-    the model's ``get_output_embeddings()`` (Hugging Face's), else its last linear when that
-    one's outputs number an ``nn.Embedding``'s rows (the vocabulary). The experts of `fs.ep`
-    are left out too (their tokens are routed, not every token).
+    Every ``nn.Linear`` but the output head (``get_output_embeddings()``, else a last linear as wide as
+    the vocabulary) and `fs.ep`'s experts.
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -287,8 +261,7 @@ def _linears(plan: Plan, shapes: Mapping[str, tuple[int, ...]]) -> tuple[tuple[i
 def _computed_shapes(plan: Plan, weights: Iterable[str]) -> dict[str, tuple[int, ...]]:
     """Each weight's compute shape on its stage's first rank (tp shards differ by a row at most).
 
-    Weights alike in shape and compute spec share one answer: a search asks for every
-    linear of many plans.
+    Weights alike in shape and compute spec share one answer.
     """
     first: dict[int, int] = {}
     seen: dict[tuple[Any, ...], tuple[int, ...]] = {}
@@ -307,8 +280,7 @@ def _computed_shapes(plan: Plan, weights: Iterable[str]) -> dict[str, tuple[int,
 def float8_gathered(model: Any, plan: Plan, dtype: str) -> dict[str, int]:
     """FSDP unit -> the gathered bytes Float8 all-gathers save: a byte an element, not ``dtype``'s.
 
-    Only weights FSDP shards at rest are gathered; each unit's saving is its converted
-    weights' compute-shape elements times (``dtype``'s size - 1).
+    Per unit, its converted weights' compute-shape elements times (``dtype``'s size - 1).
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -340,10 +312,7 @@ def gathered_with_float8(units: Mapping[str, int], saved: Mapping[str, int]) -> 
 def cost_with_float8_gathers(plan_cost: Cost, plan: Plan, saved: Mapping[str, int]) -> Cost:
     """``plan_cost`` with FSDP's all-gathers carrying the Float8 linears' weights a byte an element.
 
-    ``saved`` is `float8_gathered`'s (unit -> gathered bytes saved), for the units this
-    rank holds; each unit is gathered as often as `cost` counts it: twice a step when
-    resharded after forward, once when kept (the root always once). The gradients'
-    reduce-scatters are unchanged (they stay in the reduce dtype).
+    ``saved``: `float8_gathered`'s, for the units this rank holds; reduce-scatters are unchanged.
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -381,9 +350,7 @@ def float8_saved(
 ) -> tuple[dict[str, float], ...]:
     """Per stage, phase -> seconds Float8 saves in one micro-batch of ``tokens`` tokens.
 
-    Phases: ``forward``, ``backward`` (the inputs' gradients), ``weight`` (the weights'
-    gradients) and ``recompute`` (``recompute`` of the forward's linear work again).
-    Saved = bf16 GEMM time - float8 GEMM time - the casts, each linear at torchao's roofline.
+    Saved: bf16 GEMM time less float8 GEMM time and the casts, each linear at torchao's roofline.
 
     Examples:
         >>> saved = float8_saved([(0, 4096, 4096)], 8192, 1.0, fs.hardware("h100"))[0]
@@ -446,9 +413,7 @@ def saved_by_stage(
 ) -> tuple[dict[str, float], ...]:
     """`float8_saved` of a traced micro-batch: the recompute share as the trace counted it.
 
-    The share is the work recomputation re-ran other than attention, over the converted
-    linears' forward GEMMs (at most 1): full checkpointing re-runs all but a block's last
-    matmul, selective checkpointing the matmuls it does not keep.
+    The share: the recomputed work other than attention over the converted linears' forward GEMMs (≤ 1).
     """
     if not linears:
         return tuple(dict.fromkeys(_PHASES, 0.0) for _ in range(stages))

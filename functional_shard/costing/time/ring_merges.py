@@ -1,26 +1,14 @@
 """The elementwise passes torch's ring attention runs beyond its kernels, counted in bytes (pure).
 
-Read from torch 2.13's ``_templated_ring_attention`` and its backward (default options:
-float32 merging, keys and values all-gathered once, gradients permuted round the ring),
-per attention call on cp rank ``r`` of ``n``, with ``Q`` the elements of the rank's local
-query (its keys and values, repeated to the query heads, are as many) and ``R`` its
-logsumexp rows. Each op reads its inputs and writes its output once; with load balancing
-a step's chunk is either whole or half (``Q/2``, ``R/2``):
+Per attention call on cp rank ``r`` of ``n`` (torch's ``_templated_ring_attention`` and its backward,
+default options), each op reading its inputs and writing its output once:
 
-- forward: the local keys and values concatenated for each of the first ``n - 1`` steps;
-  each computed chunk's output cast to float32; from the second on, the merge
-  (``out - sigmoid(lse_b - lse) * (out - out_b)`` and ``lse - logsigmoid(lse - lse_b)``),
-  and for a half chunk a ``torch.cat`` rebuilding the whole running output and
-  logsumexp; the result cast back;
-- backward: three float32 zero gradients (three more for each chunk causal masking skips,
-  without load balancing); the keys and values concatenated for each of the first
-  ``n - 1`` steps; each chunk's gradients added into the float32 sums (where only half the
-  keys or half the query took part, into that half, then a ``torch.cat`` of the whole
-  sum); the keys' and values' sums concatenated for each permute; the casts back.
+- forward: the local keys and values concatenated per step, each chunk's output cast to float32
+  and merged into the running one (a ``torch.cat`` for a half chunk), the result cast back;
+- backward: float32 zero gradients, the concatenations again, each chunk's gradients added into the
+  float32 sums, the keys' and values' sums concatenated for each permute, the casts back.
 
-`tests/unit/test_ring_merges.py` counts the same bytes by running torch's own functions on a
-fake process group (every op but the kernels and collectives), for drawn cp sizes,
-ranks and shapes.
+`tests/unit/test_ring_merges.py` counts the same bytes by running torch's own functions.
 """
 
 from __future__ import annotations
@@ -98,10 +86,8 @@ def ring_merge_bytes(
 ) -> tuple[float, float]:
     """Bytes torch's ring moves beyond its kernels in one call on cp rank ``rank``: (forward, backward).
 
-    ``queries``: elements of the rank's local query (batch x heads x local tokens x head
-    dim); ``rows``: its logsumexp rows (the same without the head dim); ``itemsize``:
-    bytes an element of the inputs (the model's compute dtype). Causal attention, as torch's
-    ring runs it.
+    ``queries``: elements of the rank's local query; ``rows``: its logsumexp rows; ``itemsize``: bytes an
+    element in the compute dtype. Causal attention, as torch's ring runs it.
 
     Examples:
         >>> ring_merge_bytes(1, 0, load_balance=True, queries=1)  # one chunk: casts, float32 sums, a copy

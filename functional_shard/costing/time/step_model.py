@@ -1,11 +1,7 @@
 """What a training step takes, given a trace: the time model.
 
-The pieces `assemble` (one step, a pipeline's stages on torch's schedules among them)
-builds its `Estimate` from: the compute dtype, FSDP units in flight,
-collective counts and the recomputed collectives of checkpointing, the optimizer step,
-and, in `step_seconds`, `step_time` (compute plus the communication the engines cannot
-hide). Pure: the
-tracing itself happens in `estimate`. docs/will-it-fit.md states the model.
+The pieces `assemble` builds its `Estimate` from: the compute dtype, FSDP units in flight, collective
+counts, checkpointing's recomputed collectives and the optimizer step. docs/will-it-fit.md states the model.
 """
 
 from __future__ import annotations
@@ -56,16 +52,12 @@ class Assembly:
         units: each FSDP unit's gathered bytes (`unit_gathered_bytes`).
         optimizer: as for `cost`.
         rank: the rank to estimate; ``None``: the worst.
-        costs: `cost` of what each pp coordinate holds (one, the plan's, without a
-            pipeline), when already known.
-        checkpointed: the modules checkpointing re-runs, when they differ from the
-            plan's (a search costs one plan for several checkpointing choices).
-        keep_outputs: under a pipeline, whether the last stage keeps every micro-batch's
-            output to the step's end, as torch's ``schedule.step()`` does by default.
+        costs: `cost` of what each pp coordinate holds, when already known.
+        checkpointed: the modules checkpointing re-runs, when they differ from the plan's.
+        keep_outputs: under a pipeline, whether the last stage keeps every output to the step's end.
         kernels: compile, Float8 and async TP (`functional_shard.costing.time.kernels`).
         float8_linears: with Float8, the linears converted (`kernels.float8_linears`).
-        float8_gathered: with Float8 all-gathers, each unit's gathered bytes they save
-            (`kernels.float8_gathered`).
+        float8_gathered: each unit's gathered bytes Float8 all-gathers save (`kernels.float8_gathered`).
     """
 
     plan: Plan
@@ -99,14 +91,12 @@ class StepParts:
         recompute_flops: what recomputation adds.
         units: the FSDP units it gathers, with their bytes.
         attention_flops: of those flops (forward, backward and recompute), attention's.
-        compute_seconds: a pipeline's makespan (bubble and sends in it); ``None``: the
-            flops at the achievable rate.
+        compute_seconds: a pipeline's makespan; ``None``: the flops at the achievable rate.
         sends: a pipeline's point-to-point sends, ``"send/recv ..."`` -> seconds.
         pipeline: the pipeline's record.
         peak_at: when in the step the peak falls.
         saved: per phase, the seconds Float8 saves in the rank's step (`kernels.float8_saved`).
-        work: what the step asks of each kind of kernel (`kernel_time.Work`); ``None``:
-            timed by flops alone.
+        work: what the step asks of each kind of kernel (`kernel_time.Work`); ``None``: flops alone.
     """
 
     plan: Plan
@@ -145,8 +135,7 @@ def unit_gathered_bytes(plan: Plan) -> dict[str, int]:
 def gathered_in_flight(plan: Plan, units: Mapping[str, int] | None = None) -> int:
     """Gathered parameter bytes at the peak: the root, the running unit and the one prefetched.
 
-    FSDP2 prefetches the next unit's all-gather while one runs, so two non-root units are
-    gathered at once; without resharding after forward (ZeRO-2) every unit stays gathered.
+    FSDP2 prefetches the next unit while one runs; without resharding after forward every unit stays.
     """
     units = dict(unit_gathered_bytes(plan) if units is None else units)
     root = units.pop("", 0)
@@ -161,10 +150,8 @@ _DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 def collective_counts(plan: Plan, grads_bytes: int) -> dict[str, int]:
     """How many collectives a step issues, by the groups `step_time` times them in.
 
-    Latency is paid per collective: FSDP2 gathers each unit (twice when it reshards after
-    forward; the root once) and reduce-scatters it once; HSDP all-reduces each unit's
-    shard; DDP all-reduces 25 MiB buckets; ZeRO-1 broadcasts each parameter; each
-    tensor-parallel module issues one collective per step, two under sequence parallelism.
+    Latency is paid per collective: per FSDP unit its gathers and one reduce-scatter, DDP's 25 MiB
+    buckets, ZeRO-1's per-parameter broadcasts, one per tensor-parallel module (two under sp).
     """
     config, fsdp, tp = plan.config, plan.config.fsdp, plan.config.tp
     counts = {
@@ -229,12 +216,8 @@ def _units(plan: Plan) -> frozenset[str]:
 def recomputed_collectives(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> dict[str, float]:
     """Bytes each rank sends again when checkpointed modules re-run their forward in backward.
 
-    Recomputation re-issues the forward's tensor-parallel collectives of the styled
-    modules inside checkpointed ones (full and selective alike: selective checkpointing
-    keeps matmul outputs, not collective ones). Forward collectives, as `cost` counts them:
-    a rowwise Linear's output all-reduce (a reduce-scatter under sequence parallelism), a
-    colwise Linear's input all-gather under sequence parallelism, a colwise_gather
-    Linear's output all-gather, and an embedding's output reduction or gather.
+    The forward's tensor-parallel collectives, as `cost` counts them, of the styled modules inside
+    checkpointed ones (selective checkpointing keeps matmul outputs, not collective ones).
 
     Returns:
         ``"kind over axes"`` -> bytes sent per rank per step.
@@ -336,9 +319,7 @@ def in_share(total: float, part: float, whole: float) -> float:
 def optimizer_seconds(plan_cost: Cost, hw: Hardware) -> float:
     """Seconds of the optimizer step, which is bound by memory bandwidth.
 
-    It reads the parameters, gradients and state on the device and writes the parameters
-    and state back (0 if the profile has no memory bandwidth; offloaded parts run on the
-    host and are not counted).
+    0 if the profile has no memory bandwidth; offloaded parts run on the host and are not counted.
     """
     if not hw.memory_bandwidth:
         return 0.0

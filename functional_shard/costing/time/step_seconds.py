@@ -1,9 +1,6 @@
 """A step's seconds: its compute, and the communication the engines cannot hide behind it.
 
-`step_time` turns a plan's compute seconds and its collectives' bytes into the step's
-time: each collective's seconds on its group's links, the share FSDP's prefetch and
-DDP's buckets overlap with compute, context parallel's ring, and the optimizer's tail.
-Pure: the counts it reads come from `step_model`. docs/will-it-fit.md states the model.
+docs/will-it-fit.md states the model; the counts it reads come from `step_model`.
 """
 
 from __future__ import annotations
@@ -32,11 +29,9 @@ class StepTime:
 
     Attributes:
         compute_seconds: the step's flops, timed by its clock.
-        exposed_seconds: what compute does not hide, by reason (communication, the
-            optimizer step, host transfers, unbalanced causal attention).
+        exposed_seconds: what compute does not hide, by reason.
         comm_seconds: each collective's seconds, ``"<kind> over <axes> (<link>)"``.
-        compute_parts: the compute seconds by kind of kernel (`kernel_time.KINDS`) when
-            the hardware has `KernelRates`; empty when all flops run at one rate.
+        compute_parts: the compute seconds by kind of kernel where the hardware has `KernelRates`.
     """
 
     compute_seconds: float
@@ -65,30 +60,28 @@ def step_time(
 ) -> StepTime:
     """A step's `StepTime`: compute seconds, exposed communication by reason, each collective's seconds.
 
-    Tensor-parallel collectives and expert parallelism's all-to-alls (the experts wait
-    for their tokens, the layer for the results) sit on the critical path; FSDP/ZeRO gathers and
-    reduce-scatters run under compute (all but the first gather); DDP's and HSDP's
-    gradient all-reduce runs under backward; ZeRO-1's parameter broadcasts follow the
-    optimizer step and are exposed (DDP, run by torch's composable ``replicate``, sends
-    no buffers). Context parallel's key/value gathers and gradient scatters (the
-    all-gather engine's) run under the step's compute; only what exceeds the compute is
-    exposed. torch's ring (a plan whose ``context_engine`` is ``"ring"``; `fs.estimate`
-    makes ``"auto"`` that on CUDA hardware) hides its collectives only under the
-    attention op's own chunks (`functional_shard.costing.time.context_engines.ring_exposed_seconds`).
-    On hardware that does not overlap communication with compute (gloo on CPUs) every
-    collective is exposed. Each
-    collective also costs the hardware's ``collective_latency`` (a tensor-parallel one its
-    ``tensor_parallel_latency``). ``recomputed`` (`RecomputedCollectives`) are the
-    tensor-parallel collectives recomputation re-issues: on the critical path too.
-    ``attention_flops`` is the rank's attention flops, ``causal_imbalance`` its cp group's
-    (`functional_shard.core.sequence.causal_imbalance`): on hardware whose kernels skip the
-    masked half, the busiest rank's extra attention work is exposed (every rank waits for
-    it at the next collective). ``clock`` times the flops under `Kernels` (compile's
-    faster work other than attention; async TP's forward tensor-parallel collectives hidden
-    under the forward's work other than attention), less ``saved``, Float8's seconds by phase.
-    ``ring_merges``: the seconds of torch's ring's own passes (`context_engines.ring_merge_seconds`).
-    ``work``: what the step asks of each kind of kernel; on hardware with `KernelRates`
-    and a 16-bit compute dtype, compute is timed kind by kind from it (`kernel_time`).
+    Tensor-parallel collectives (``recomputed`` ones too) and expert all-to-alls sit on the critical
+    path; FSDP's gathers and reduce-scatters and DDP's all-reduce run under compute; ZeRO-1's
+    broadcasts follow the optimizer step; torch's ring hides only under its attention chunks
+    (`functional_shard.costing.time.context_engines.ring_exposed_seconds`). Without overlap (gloo on
+    CPUs) every collective is exposed. Each collective also pays the hardware's latency.
+
+    Args:
+        plan: the plan (or, under a pipeline, the rank's stages' plan).
+        plan_cost: its `cost`.
+        hw: the hardware profile.
+        dtype: the compute dtype.
+        forward_flops: the rank's forward flops per step.
+        backward_flops: its backward flops per step.
+        recompute_flops: what recomputation adds.
+        units: the FSDP units it gathers, with their bytes.
+        recomputed: the tensor-parallel collectives recomputation re-issues (`RecomputedCollectives`).
+        attention_flops: of the flops, attention's.
+        causal_imbalance: the cp group's busiest rank's causal attention over the mean; the excess is exposed.
+        clock: times the flops under `Kernels`; by default the achievable rate.
+        saved: Float8's seconds saved, by phase.
+        ring_merges: seconds of torch's ring's own passes (`context_engines.ring_merge_seconds`).
+        work: what the step asks of each kind of kernel; timed kind by kind on hardware with `KernelRates`.
     """
     clock = clock or Clock(hw.achievable_flops(dtype))
     rate, saved = clock.rate, saved or {}
@@ -110,10 +103,8 @@ def step_time(
         attention_seconds = attention_flops / rate
     comm = _comm_seconds(plan, plan_cost, hw, recomputed or RecomputedCollectives())
     if clock.async_tp and hw.overlap_communication:
-        # micro-pipelined in the forward: its collectives (half of them: each forward
-        # all-gather has a backward reduce-scatter, and the other way round) run inside the
-        # forward's matmuls; the backward's and the recompute's stay on the critical path
-        # (docs/will-it-fit.md, "Kernels": the published gains are the forward's)
+        # async TP hides the forward's half of them; the published gains are the forward's
+        # (docs/will-it-fit.md, "Kernels")
         forward_attention = in_share(attention_flops, forward_flops, total)
         forward_work = clock.seconds(forward_flops, forward_attention, phase_saved(saved, "forward"))
         hidden = min(comm.tensor_parallel / 2, forward_work - forward_attention / rate)

@@ -1,27 +1,13 @@
 """What a model keeps for backward, traced on meta tensors at one rank's local shapes.
 
-`trace_activations` runs the model's forward (and backward, for flops) on the meta device:
-no memory, no process group. Tensor parallel is reproduced by handing every parameter to
-the forward at its compute shape on the rank (``Plan.local_shape(path, rank, "compute")``)
-and by re-enacting at module edges what torch's parallel styles do to activations under
-sequence parallel: a colwise layer all-gathers its sequence-split input (the gathered
-input is what its matmul saves), a rowwise layer reduce-scatters its output over the
-sequence. Checkpointed modules run under torch's own (non-reentrant) checkpoint, with
-`selective_context` for ``policy="selective"``, exactly as `functional_shard.apply` runs them.
+`trace_activations` runs the model's forward and backward on fake tensors: no memory, no process
+group. Every parameter has its compute shape on the rank, sequence parallel's moves are re-enacted at
+module edges, and checkpointed modules run under torch's own checkpoint, as `functional_shard.apply`
+runs them.
 
-What counts as kept: every storage made during the forward (and the inputs) that is still
-alive once the forward has returned and the caller holds only the output, parameters and
-their casts excluded. That is what autograd's graph and checkpoint frames hold on to
-until backward; `functional_shard.runtime.measure.kept_activation_bytes` counts the same thing
-in real runs. Hugging Face models are called with ``use_cache=False``; their attention
-implementation is the one the config names (``"sdpa"`` and ``"eager"`` both trace;
-``"flex_attention"`` is refused: torch has no flex attention backward on CPU).
-
-Repeated layers (siblings of one class, with the same local parameter shapes and the same
-plan treatment, each handing on a tensor shaped like its input) are run once and twice,
-the others passing their input on; each further layer adds what the second one added
-(`functional_shard.costing.trace.repeats`). A model whose alike layers see other shapes, or
-alternate attention kinds (Hugging Face ``layer_types``), is traced whole.
+Kept: every storage made during the forward that is still alive once it has returned, parameters and
+their casts excluded (`functional_shard.runtime.measure.kept_activation_bytes` counts the same in real
+runs). Repeated layers run once and twice, the rest worked out (`functional_shard.costing.trace.repeats`).
 """
 
 from __future__ import annotations
@@ -145,9 +131,7 @@ class _Run:
     def swapped(self) -> Iterator[None]:
         """The traced parameters in the model and its experts routed, for the runs inside.
 
-        Parameters stay swapped through backward (checkpoint recomputes with them); the
-        runs of one trace share them, so they are swapped in once (each swap walks every
-        parameter of the model, a 405B one's too).
+        Swapped in once for all the runs of one trace, and through backward (checkpoint recomputes with them).
         """
         setup = self.setup
         with (
@@ -162,9 +146,7 @@ class _Run:
     ) -> dict[str, Any]:
         """Bytes kept and flops of one forward and backward, repeated layers partly left out.
 
-        Each group runs its first member (its first two where ``doubled``); the rest pass
-        through. Without ``backward`` the backward is not run: its flops are 0 and the
-        recompute flops are those recomputation re-runs, counted in the forward.
+        Each group runs its first member (its first two where ``doubled``); the rest pass through.
         """
         setup, params = self.setup, self.setup.parameters.params
         model = setup.model
@@ -223,9 +205,7 @@ class _Run:
     ) -> Iterator[Any]:
         """Inside, the model runs as on its rank, on fake tensors.
 
-        Checkpointed, some layers left out, under the plan's sequence and context parallel;
-        each stage's output bytes noted in ``outputs``. Yields the tensors context parallel's
-        attention holds once a step.
+        Each stage's output bytes go to ``outputs``; yields the tensors cp's attention holds once a step.
         """
         setup, config = self.setup, self.plan.config
         model = setup.model
@@ -298,9 +278,8 @@ def _forward_failed(
 
 def _count_recompute_in_forward(flops: Flops, policy: str) -> None:
     """Without a backward, the recompute flops: what the forward's checkpointed modules would re-run."""
-    # torch's checkpoint re-runs a module's forward in backward and stops once every
-    # saved tensor is back: under the full policy, up to the last op that saved one;
-    # selective checkpointing hands back SAVED_OPS' outputs instead of running them
+    # torch's checkpoint stops recomputing once every saved tensor is back; selective
+    # checkpointing hands back SAVED_OPS' outputs instead of running them
     if policy == "selective":
         flops.counts["recompute"] = flops.inside["all"] - flops.inside["saved"]
         flops.attention["recompute"] = flops.attention_inside["all"] - flops.attention_inside["saved"]
@@ -316,8 +295,7 @@ def _count_recompute_in_forward(flops: Flops, policy: str) -> None:
 def _stage_holder(plan: Any, rank: int) -> Any:
     """``path -> rank`` to read a parameter's local shape at.
 
-    Under a pipeline: the rank with ``rank``'s coordinates but the pp coordinate of the
-    stage that holds the parameter (its shapes are those where it lives); else ``rank``.
+    Under a pipeline, ``rank`` moved to the pp coordinate of the stage holding the parameter.
     """
     pipeline = plan.config.pipeline
     if pipeline is None or not pipeline.stages:
@@ -352,46 +330,22 @@ def trace_activations(
 
     Args:
         model: any ``nn.Module`` (meta device is enough); it is not changed.
-        plan: the `functional_shard.Plan` for ``model``: tensor/sequence parallel,
-            mixed precision (``param_dtype``) and checkpointing are honoured; under
-            context parallel, its ``context_engine``: ``"ring"`` traces torch's ring
-            attention, ``"all_gather"`` and ``"auto"`` our engine (`fs.estimate` makes
-            ``"auto"`` the engine its hardware runs).
+        plan: the `functional_shard.Plan` for ``model`` (its cp ``"auto"`` engine traces as ``"all_gather"``).
         batch: sequences per data-parallel rank (the micro-batch).
         seq: sequence length.
         rank: the rank whose local shapes are traced (default 0).
-        inputs: the forward's arguments for other signatures: a tensor, a tuple of tensors
-            or a dict of keyword arguments (meta tensors are fine; only shapes and dtypes
-            are read). By default the model gets token ids of shape ``(batch, seq)``.
-        expert_imbalance: how mixture-of-experts layers route (transformers' experts modules,
-            whose routing fake tensors cannot compute): 1.0 shares each layer's tokens x top-k
-            visits evenly over its experts, more gives expert 0 that many times its even
-            share; see `functional_shard.costing.trace.routing.expert_loads`.
-        backward: run the backward too (the default). Without it the trace is about half as
-            long: ``backward_flops`` is 0, and ``recompute_flops`` is the most recomputation
-            can run, counted in the forward: the flops of checkpointed modules' forward ops,
-            under the selective policy all but `SAVED_OPS`' (torch stops recomputing once
-            every saved tensor is back, so a full recompute may run less; 0 is exact).
-            Checkpointing leaves the backward's own flops as they are without it. Nested
-            checkpointed modules are traced with the backward whatever this says.
-        stages: the module paths of each pipeline stage (``plan.config.pipeline.stages``):
-            the trace then also says what each stage keeps and computes
-            (``stage_activation_bytes`` and the ``stage_*_flops``), for one micro-batch of
-            ``batch`` sequences.
-        cuda: trace the kernels torch picks on CUDA where they keep other tensors than
-            the CPU's (`functional_shard.costing.trace.cuda_kernels`): ``fs.estimate`` sets it
-            for a CUDA profile. By default the CPU's, as a run on this machine keeps.
+        inputs: the forward's arguments (a tensor, a tuple, or a dict of keywords); default: token ids.
+        expert_imbalance: expert 0's share of routed tokens over an even share (`routing.expert_loads`).
+        backward: run the backward; without it ``backward_flops`` is 0 and ``recompute_flops`` a bound.
+        stages: each pipeline stage's module paths; the trace then counts per stage, for one micro-batch.
+        cuda: trace the kernels torch picks on CUDA (`functional_shard.costing.trace.cuda_kernels`).
 
     Returns:
         An `ActivationTrace`.
 
     Raises:
-        ShardingError: the inputs do not fit the model (its forward raised), the plan names
-            a checkpoint policy other than "full" and "selective", ``expert_imbalance`` is
-            below 1 or asks more of one expert than there are tokens, or, under sequence
-            parallel, the tensor-parallel size does not divide ``seq`` or the model has
-            layers sequence parallel cannot run (`PlanError`, as `functional_shard.apply`
-            refuses them), both before tracing.
+        ShardingError: inputs that do not fit the model, an unknown checkpoint policy, a bad imbalance.
+        PlanError: under sequence parallel, tp does not divide ``seq`` or a layer sp cannot run.
 
     Examples:
         >>> from functional_shard.zoo import llama

@@ -1,8 +1,7 @@
 """Activation checkpointing as a trace runs it: torch's own checkpoint, op-level selective or whole.
 
-`selective_context` is the ``context_fn`` both `functional_shard.apply` and the trace give
-torch's non-reentrant checkpoint for ``policy="selective"``; `checkpointed` wraps the
-plan's checkpointed modules for a trace and tells `Flops` what a backward recomputes.
+`selective_context` is the ``context_fn`` `functional_shard.apply` and the trace both give torch's
+checkpoint for ``policy="selective"``; `checkpointed` wraps the plan's checkpointed modules for a trace.
 """
 
 from __future__ import annotations
@@ -19,14 +18,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 __all__ = ["SAVED_OPS", "RecomputeCounter", "checkpointed", "selective_context"]
 
 _aten = torch.ops.aten
-# Op-level selective checkpointing keeps the outputs of matrix multiplies and attention
-# and recomputes the rest: the recipe torchtitan publishes (torchtitan/distributed/
-# activation_checkpoint.py, `_save_list`), which also recomputes every second mm; we keep
-# them all, as Korthikanti et al. 2022 ("Reducing Activation Recomputation") keep the
-# linear layers' outputs and recompute only the attention core's element-wise ops.
-# torchtitan also keeps the output of sequence parallel's reduce-scatter; we recompute
-# collectives (one more in backward per rowwise layer under sequence parallel), so that the
-# trace, which re-enacts them on plain tensors, counts exactly what is kept.
+# Selective checkpointing keeps matmul and attention outputs and recomputes the rest (torchtitan's
+# `_save_list`, but every mm kept, as Korthikanti et al. 2022). Collectives are recomputed, unlike
+# torchtitan, so that the trace, which re-enacts them on plain tensors, counts exactly what is kept.
 SAVED_OPS = frozenset(
     op
     for name in (
@@ -117,9 +111,7 @@ def checkpointed(
 
 
 def _saves_noted(inner: Any, flops: RecomputeCounter, *args: Any, **kwargs: Any) -> Any:
-    # Inside checkpoint's forward its own saved-tensor hooks are on top: wrapped, each
-    # tensor it packs notes the flops counted so far (an op's flops are counted before
-    # autograd saves its tensors), and is packed by checkpoint as before
+    # wrap checkpoint's own saved-tensor hooks: each tensor packed notes the flops counted so far
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     start, start_memory = flops.inside["all"], flops.memory_inside
     if hooks is None:  # not under checkpoint's hooks: count all of it, the most it can re-run

@@ -1,25 +1,10 @@
 """Context parallel re-enacted on one rank's tokens, for a trace at its local shapes.
 
-Under context parallel a rank runs the model on its ``seq / cp`` tokens of each sequence;
-only attention sees the whole sequence: its keys and values are gathered over cp, and
-the gathered copies (and one causal mask over them) are what SDPA keeps for backward.
-`context_parallel_attention` does the same to fake tensors during a trace: SDPA runs over
-keys and values repeated ``cp`` times along the sequence (new buffers, as a gather makes)
-under a boolean mask of the local queries against every key. The flops then count this
-rank's queries against the whole sequence, in the one convention
-`functional_shard.costing.time.flops` uses (the full score matrix).
-
-Under torch's ring (``engine="ring"``) the gathered keys and values are not kept: each
-call gathers them, scores its chunks and lets them go, and SDPA keeps the local query,
-keys, values, output and logsumexp; `context_parallel_attention` then keeps those and
-counts the same flops.
-
-`routing_attention` is how both this trace and the runtime engine
-(`functional_shard.runtime.engines.context_parallel`) reach attention in plain modules:
-``torch.nn.functional.scaled_dot_product_attention`` is swapped for a router while a step
-runs. A ``TorchFunctionMode`` would not do: torch's checkpoint recomputes a module's
-forward in backward with no function mode active, so a recomputed layer would attend
-over its own tokens only.
+A rank runs its ``seq / cp`` tokens of each sequence; attention runs over keys and values repeated
+``cp`` times (as a gather makes them), keeping them under our engine and only the local ones under
+torch's ring. `routing_attention` swaps ``F.scaled_dot_product_attention`` for a router, for this trace
+and the runtime engine alike: a ``TorchFunctionMode`` would not do, since torch's checkpoint
+recomputes with no function mode active.
 """
 
 from __future__ import annotations
@@ -41,9 +26,7 @@ _SDPA = torch.nn.functional.scaled_dot_product_attention
 class AttentionCall:
     """One ``F.scaled_dot_product_attention`` call, its arguments bound by name.
 
-    The fields are SDPA's parameters, in its order and with its defaults (``scale`` and
-    ``enable_gqa`` keyword-only), so ``AttentionCall(*args, **kwargs)`` binds a call as
-    SDPA itself does, whether it passed them by name or by position.
+    The fields are SDPA's parameters in its order, so ``AttentionCall(*args, **kwargs)`` binds as SDPA does.
 
     Examples:
         >>> x = torch.ones(1, 1, 4, 2)
@@ -158,10 +141,8 @@ _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 class _RingKeeps(torch.autograd.Function):
     """What torch's ring attention keeps for backward, and its backward's work, on fake tensors.
 
-    Forward hands back the output the caller computed; autograd keeps the local query,
-    keys, values, output and logsumexp (what SDPA saves under torch's ring). Backward
-    scores the local queries against ``cp`` times the keys again, as the ring's backward
-    does chunk by chunk, and hands each input the gradient of its own shape.
+    Autograd keeps the local query, keys, values, output and logsumexp; backward scores the local
+    queries against ``cp`` times the keys again, as the ring's backward does chunk by chunk.
     """
 
     @staticmethod
@@ -186,18 +167,14 @@ def _ring(cp: int, merged: bool) -> Callable[[AttentionCall], torch.Tensor]:
     def attend(call: AttentionCall) -> torch.Tensor:
         query, scale = call.query, call.scale
         key, value = repeat_kv_heads(query, call.key, call.value)
-        # the local queries scored against every key (the flops, in the one convention), on
-        # detached inputs: the gathered copies die with the call, as the ring's do; the
-        # shapes are what count on fake tensors, so no mask
+        # detached: the gathered copies die with the call, as the ring's do; shapes only, so no mask
         keys = torch.cat([key.detach()] * cp, dim=-2)
         values = torch.cat([value.detach()] * cp, dim=-2)
         out, logsumexp = _FLASH(query.detach(), keys, values, 0.0, False, scale=scale)
         del keys, values
         if merged:
-            # torch's merge rebuilds the output by concatenating its halves whenever a later
-            # chunk updates only the second one (`_partial_update`, under load balancing on
-            # every cp rank but the last): it leaves contiguous in (batch, heads, seq, dim),
-            # not in the kernel's layout, and a model that transposes it back copies it
+            # torch's `_partial_update` concatenates the output's halves (load balancing, every
+            # cp rank but the last), leaving it contiguous in (batch, heads, seq, dim)
             out = out.contiguous()
         result: torch.Tensor = _RingKeeps.apply(query, key, value, out, logsumexp, cp, scale)
         return result
@@ -211,11 +188,8 @@ def context_parallel_attention(
 ) -> Iterator[list[torch.Tensor]]:
     """Within the block, attention runs over ``cp`` times the keys and values it is given.
 
-    ``engine="all_gather"``: as our engine runs it, keeping the gathered keys and values;
-    ``"ring"``: as torch's ring runs it on cp rank ``cp_rank`` (key/value heads repeated to
-    the query heads first), keeping only the local query, keys, values, output and logsumexp.
-    Yields the tensors made once a step whatever the micro-batches (the all-gather engine's
-    causal mask, which its step's every attention shares).
+    ``"all_gather"`` keeps the gathered keys and values; ``"ring"`` (on cp rank ``cp_rank``) only the
+    local ones. Yields the tensors made once a step (the all-gather engine's shared causal mask).
     """
     per_step: list[torch.Tensor] = []
     if cp <= 1:

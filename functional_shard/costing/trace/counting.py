@@ -1,11 +1,8 @@
 """Counters a trace runs under: storages born during a forward, and flops by phase.
 
-`functional_shard.costing.trace.activations` traces a model on fake tensors under these two dispatch
-modes: `Births` notes every storage an op makes, so that what is still alive after the
-forward (what autograd and checkpoint frames keep) can be summed by `kept_bytes`;
-`Flops` counts matmul and attention flops (`functional_shard.costing.time.flops`' formulas), split into
-forward, backward, recompute and weight-gradient work. `functional_shard.runtime.measure` watches
-real runs with the same `Births` and sums what they keep with the same `kept_bytes`.
+`Births` notes every storage an op makes, so that what is alive after the forward can be summed by
+`kept_bytes` (`functional_shard.runtime.measure` does the same on real runs); `Flops` counts flops by
+phase.
 """
 
 from __future__ import annotations
@@ -43,8 +40,7 @@ _DEVICE = torch.ops.prim.device.default
 def _device_query(func: Any, args: Any) -> torch.device | None:
     """The answer to torch's device query of a fake tensor, as FakeTensor gives it; else None.
 
-    Two thirds of a trace's dispatches are this query (autograd asks it of every tensor in
-    backward): a mode answers it at once instead of handing it down the modes below.
+    Two thirds of a trace's dispatches are this query: answering it at once saves handing it down.
     """
     if func is _DEVICE and len(args) == 1 and isinstance(args[0], FakeTensor):
         return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
@@ -54,10 +50,8 @@ def _device_query(func: Any, args: Any) -> torch.device | None:
 class Births(TorchDispatchMode):
     """Weak references to the storage of every tensor an op makes (a DTensor's local one).
 
-    What a trace on fake tensors and `functional_shard.runtime.measure.kept_activation_bytes`
-    on real ranks both watch: the storages still alive after a forward are what it keeps.
-    ``owner`` says which pipeline stage's module ran when each storage was made (-1: none),
-    from ``running``, the stack of stages a trace pushes and pops at module edges.
+    ``owner``: the pipeline stage whose module ran when each storage was made (-1: none), from
+    ``running``, the stack of stages a trace pushes and pops at module edges.
 
     Examples:
         >>> births = Births()
@@ -113,10 +107,7 @@ _COPIES = frozenset(
 class Flops(TorchDispatchMode):
     """Flops by `functional_shard.costing.time.flops.op_flops`, split into forward, backward, recompute.
 
-    Matmuls by torch's ``FlopCounterMode`` formulas; attention on every kernel (the CPU flash
-    kernel fake tensors run included), full score matrix. Backward kernels run with grad mode
-    off; checkpoint's recompute inside backward runs with it on (it rebuilds a graph), which
-    tells the two apart. Higher-order operators (flex attention) pass through, counted.
+    Backward kernels run with grad mode off and checkpoint's recompute with it on, which tells them apart.
     """
 
     supports_higher_order_operators = True
@@ -239,8 +230,7 @@ def moved_bytes(
 ) -> int:
     """Bytes a memory-bound op reads and writes: its tensor inputs and its new outputs.
 
-    Views and aliases move nothing; an in-place op writes the tensor it read. Mixed
-    precision's cast of a weight is the engine's (FSDP's copies), counted apart.
+    Views move nothing; an in-place op writes what it read; a weight's cast is FSDP's, counted apart.
 
     Examples:
         >>> x, y = torch.ones(4), torch.ones(4)
@@ -273,8 +263,7 @@ def _schema_arguments(func: Any) -> list[Any]:
 def fused_kernel(moved: int) -> Iterator[None]:
     """Within the block, ops are one fused kernel's: their bytes count as ``moved``, once.
 
-    For ops a CUDA kernel fuses that a trace on the CPU runs one by one
-    (`functional_shard.costing.trace.cuda_kernels`' RMSNorm).
+    For ops a CUDA kernel fuses (`functional_shard.costing.trace.cuda_kernels`' RMSNorm).
     """
     counters = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, Flops)]
     for counter in counters:
@@ -300,8 +289,7 @@ def kept_bytes(
 ) -> int:
     """Bytes of the storages in ``births`` still alive, but for ``exclude``.
 
-    A garbage collection up to generation ``collect`` runs first: reference cycles (checkpoint
-    frames make some) would otherwise keep dead storages alive.
+    A garbage collection up to generation ``collect`` runs first: checkpoint frames make cycles.
     """
     gc.collect(collect)
     total = 0
@@ -316,9 +304,7 @@ def kept_bytes(
 def recomputed_bytes(packed: list[dict[StorageWeakRef, int]], *, collect: int = 2) -> int:
     """The most bytes one checkpointed call's recompute makes again and holds for its backward.
 
-    ``packed``: per call, the storages autograd asked it to save. Those dead once the forward
-    is over are what checkpoint dropped and its recompute rebuilds; those alive (parameters,
-    the call's input, selective checkpointing's kept outputs) are held anyway.
+    ``packed``: per call, the storages it saved; those dead after the forward are what the recompute rebuilds.
 
     Examples:
         >>> kept, dropped = torch.ones(2), torch.ones(3)

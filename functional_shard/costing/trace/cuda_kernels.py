@@ -1,19 +1,9 @@
 """The kernels torch picks on CUDA, re-enacted in a trace that runs on fake CPU tensors.
 
-A trace runs on fake CPU tensors, so where torch chooses a kernel by the input's device,
-it chooses the CPU's. For most ops what autograd keeps is the same either way. Not for
-``torch.nn.functional.rms_norm`` (``nn.RMSNorm``): on CUDA it runs as one fused kernel
-(``aten._fused_rms_norm``) that keeps its input and the inverse RMS, four bytes a row;
-the CPU's composite keeps two float32 copies of a bf16 input, eight bytes a feature.
-Measured on an H200 with torch 2.11: a bf16 Llama 3.2 1B block keeps 94,344 bytes a token
-on CUDA and 123,016 on the CPU, the difference being its two RMSNorms' float32 copies.
-`cuda_kernels` swaps ``F.rms_norm`` for a function that keeps what the fused kernel keeps
-while a trace for a CUDA profile runs (a swap, not a function mode: checkpoint recomputes
-with no mode active). It cannot call the fused kernel itself: a CPU build of torch
-decomposes ``aten._fused_rms_norm`` into the composite's ops.
-
-Models that write their norm out in tensor ops (Hugging Face's ``LlamaRMSNorm``) keep the
-same on both devices and are not touched.
+Where torch picks a kernel by device, a trace on fake CPU tensors gets the CPU's. ``F.rms_norm``
+differs in what it keeps: CUDA's fused kernel its input and a float32 inverse RMS a row, the CPU's
+composite two float32 copies of the input (docs/torch-versions.md). `cuda_kernels` swaps in a function
+keeping what the fused kernel keeps (a swap, not a function mode: checkpoint recomputes with none).
 """
 
 from __future__ import annotations
@@ -34,8 +24,7 @@ __all__ = ["cuda_kernels", "fused_rms_norm"]
 class _FusedRMSNorm(torch.autograd.Function):
     """What CUDA's ``aten._fused_rms_norm`` keeps (input, weight, float32 inverse RMS a row).
 
-    The values are the composite's: only what autograd holds on to differs, and the
-    backward recomputes the composite to give the same gradients.
+    The values are the composite's; the backward recomputes it to give the same gradients.
     """
 
     @staticmethod
@@ -94,8 +83,7 @@ def fused_rms_norm(
 def cuda_kernels(cuda: bool) -> Iterator[None]:
     """Within the block, ``F.rms_norm`` runs as on CUDA (``cuda``), or is left as it is.
 
-    Torch builds without the fused kernel (``aten._fused_rms_norm``) are left as they
-    are: they run the composite on CUDA too.
+    Torch builds without ``aten._fused_rms_norm`` run the composite on CUDA too: left as they are.
     """
     if not cuda or not hasattr(torch.ops.aten, "_fused_rms_norm"):
         yield

@@ -15,9 +15,8 @@ __all__ = ["FakeParameters"]
 class FakeParameters:
     """What a trace swaps into the model for its parameters and buffers, refilled per trace.
 
-    ``local`` holds a meta tensor per parameter path at its compute shape on the rank
-    ``holder(path)`` names (cheap: made once); `refill` makes ``state``, the fake tensors
-    by path the model runs with, and ``params``, the fake parameters among them.
+    ``local``: a meta tensor per path at its compute shape on rank ``holder(path)``; `refill` makes
+    ``state`` (the fake tensors the model runs with) and ``params`` (the parameters among them).
 
     Examples:
         >>> model = nn.Sequential(nn.Linear(4, 2))
@@ -65,8 +64,7 @@ class FakeParameters:
     def refill(self, left_out: tuple[str, ...]) -> None:
         """New fake tensors in ``state`` and ``params``; those only ``left_out`` modules hold shared.
 
-        The repeated layers no run reaches share one fake tensor per shape (making one each
-        was a fifth of a 70B model's trace).
+        The repeated layers no run reaches share one fake tensor per shape: a 70B model has many.
         """
         prefixes = tuple(f"{path}." for path in left_out)
         running = {

@@ -36,8 +36,6 @@ def tensors(value: Any) -> list[torch.Tensor]:
 def first_tensor(output: Any) -> Any:
     """What counts as a forward's output: its logits, or its first tensor (``output`` if none).
 
-    Hugging Face models return a ModelOutput: its logits (or first tensor) is the output.
-
     Examples:
         >>> first_tensor((torch.ones(2), torch.ones(3))).shape
         torch.Size([2])
@@ -65,11 +63,8 @@ def is_hf(model: nn.Module) -> bool:
 def flex_on_fake_cpu() -> Iterator[None]:
     """Within the block, flex attention takes fake CPU tensors that need gradients.
 
-    torch refuses flex attention's backward on CPU (``_validate_device``: its CPU kernels
-    have none), but fake tensors run no kernel: the trace takes the shapes, saved tensors
-    and flops of the forward and backward operators, as on the GPUs the plan is for. Its
-    eager path would compile the operator, which refuses the trace's dispatch modes, so it
-    runs uncompiled (torch's ``_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG``).
+    torch refuses flex attention's backward on CPU, but fake tensors run no kernel; it runs
+    uncompiled (``_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG``), since compiling refuses the trace's modes.
 
     Examples:
         >>> with flex_on_fake_cpu():
@@ -127,9 +122,7 @@ def model_inputs(
 ) -> tuple[Any, Any]:
     """The forward's ``(args, kwargs)`` as new tensors (fake ones, under a `FakeTensorMode`).
 
-    Token ids of shape ``(batch, seq)`` by default; else ``inputs`` (a tensor, a tuple or list
-    of them, or a dict of keyword arguments) at its shapes, floating point ones cast to
-    ``dtype`` (mixed precision's) where it is given.
+    Token ids ``(batch, seq)`` by default; else ``inputs`` at its shapes, floats cast to ``dtype`` if given.
 
     Raises:
         ShardingError: ``inputs`` is none of those.
@@ -161,12 +154,8 @@ def model_inputs(
 def fitted_inputs(inputs: Any, *, batch: int, seq: int, traced_batch: int, traced_seq: int) -> Any:
     """``inputs`` of ``batch`` whole sequences of ``seq`` tokens, cut to what one rank's trace runs.
 
-    The first tensor is the one the batch and sequence are read from: its dim 0 must be
-    ``batch`` and, for ``seq > 1``, its dim 1 ``seq``, or the estimate would count other
-    tokens than it says. Every tensor is then cut as a run cuts it: dim 0 (where it is
-    ``batch``) to a micro-batch of ``traced_batch``, dim 1 (where it is ``seq``) to a
-    context-parallel rank's ``traced_seq`` tokens; into meta tensors, as only shapes and
-    dtypes are read. ``None`` and tensor-less inputs pass as they are.
+    The first tensor must be ``(batch, seq, ...)``. Each tensor's dim 0 (where it is ``batch``) is cut to
+    ``traced_batch`` and dim 1 (where it is ``seq``) to ``traced_seq``, as meta tensors.
 
     Raises:
         ShardingError: the first tensor's shape disagrees with ``batch`` or ``seq``.

@@ -1,21 +1,10 @@
 """Experts modules on fake tensors as one rank of an expert- or tensor-parallel plan runs them.
 
-`functional_shard.costing.trace.routing` re-enacts transformers' own experts implementations, which a
-data-parallel plan runs. A plan that splits the experts runs `engines.experts`' forwards
-instead, and the trace re-enacts those, op for op, on the rank's local shapes:
-
-* **expert parallel** (``E / ep`` experts whole on each rank): the token copies sorted by
-  expert, sent (an all-to-all) to the ranks holding their experts; the rank runs each of
-  its local experts on what arrives, sends the results back, and weights and sums them
-  per token. Every rank routes alike (`routing.expert_loads`), so a local expert ``e``
-  receives ``ep × loads[e]`` copies: ``T·k`` rows in all under balanced routing; with
-  ``expert_imbalance`` the hot expert 0 lives on ep rank 0, whose trace is the heaviest.
-* **tensor parallel inside the experts**: every token copy through the rank's ``f / tp``
-  slice of its experts, the partial outputs summed (an all-reduce).
-
-A collective becomes a stand-in autograd function that makes a new tensor of the shape
-the real one returns and saves nothing (as torch's autograd-aware all-to-all saves
-nothing): its bytes and time are the cost model's (`functional_shard.costing.cost.expert_traffic`).
+A plan that splits the experts runs `engines.experts`' forwards, re-enacted here op for op on the
+rank's local shapes. Under expert parallel every rank routes alike (`routing.expert_loads`), so local
+expert ``e`` receives ``ep × loads[e]`` copies; the hot expert 0 lives on ep rank 0. A collective
+becomes a stand-in that makes a tensor of the real one's shape and saves nothing; its bytes are the
+cost model's (`functional_shard.costing.cost.expert_traffic`).
 """
 
 from __future__ import annotations
@@ -69,9 +58,8 @@ def _run_local(module: Any, rows: torch.Tensor, loads: list[int], gate_up: Any, 
 class _SplitExperts:
     """An experts module the plan splits, as one rank runs it: ``forward`` stands in for its own.
 
-    ``dispatched`` (expert parallel, the module among the plan's ``expert_modules``): ``ep``
-    ranks hold its experts whole, this rank the ``ep_index``-th ``E / ep`` of them; else
-    tensor parallel splits inside each expert, and ``ep`` is 1.
+    ``dispatched``: expert parallel, this rank holding the ``ep_index``-th ``E / ep`` experts; else
+    tensor parallel inside each expert (``ep`` 1).
     """
 
     module: Any
@@ -111,10 +99,7 @@ def rank_experts(
 ) -> Iterator[None]:
     """Within the block, experts modules run as ``rank`` of ``plan`` runs them, routed by `expert_loads`.
 
-    The modules the plan splits (``plan.config.experts.modules``, and those whose
-    tensor-parallel style kind is ``experts``) re-enact `engines.experts`' forwards on the
-    rank's local shapes; transformers' experts modules the plan leaves whole are routed
-    by `functional_shard.costing.trace.routing.routed_experts`.
+    Modules the plan leaves whole are routed by `functional_shard.costing.trace.routing.routed_experts`.
 
     Examples:
         >>> import torch.nn as nn, functional_shard as fs

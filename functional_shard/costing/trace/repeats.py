@@ -1,9 +1,7 @@
 """Repeated layers (a transformer's blocks) traced once and twice, the rest worked out from those.
 
-Siblings of one class, with the same local parameter shapes and the same plan treatment,
-each handing on a tensor shaped like its input, are alike: a trace runs one of each group
-and then two, the others passing their input on (`passing_on`), and each further layer
-adds what the second one added (`extrapolated`). A 70B model traces as fast as a 2-layer one.
+A trace runs one of each group of alike siblings and then two, the others passing their input on
+(`passing_on`); each further layer adds what the second added (`extrapolated`).
 """
 
 from __future__ import annotations
@@ -39,8 +37,7 @@ class NotPassableError(Exception):
 def repeated_layers(model: nn.Module, plan: Any, state: Mapping[str, torch.Tensor]) -> list[tuple[str, ...]]:
     """Sibling modules of one class, local parameter shapes and plan treatment, 3 or more of them.
 
-    ``state`` holds the parameters at the traced rank's local shapes, by path. A model whose
-    Hugging Face config alternates ``layer_types`` has none (same shapes, other work).
+    ``state``: the parameters at the traced rank's local shapes. Alternating ``layer_types`` makes none.
 
     Examples:
         >>> from functional_shard.zoo import Llama, LlamaConfig
@@ -55,7 +52,7 @@ def repeated_layers(model: nn.Module, plan: Any, state: Mapping[str, torch.Tenso
         return []  # e.g. sliding-window and full attention alternate: same shapes, other work
 
     # the styled and checkpointed paths under each module, relative to it, in plan order
-    # (indexed once: scanning every style for every module was quadratic in the layers)
+    # (indexed once: scanning every style per module is quadratic in the layers)
     def owners(path: str) -> Iterator[tuple[str, str]]:
         parts = path.split(".")
         for end in range(1, len(parts) + 1):
@@ -71,9 +68,7 @@ def repeated_layers(model: nn.Module, plan: Any, state: Mapping[str, torch.Tenso
         for owner, relative in owners(checkpointed_path):
             checkpointed_under.setdefault(owner, []).append(relative)
 
-    # each module's parameters and buffers, relative to it, in its own named_parameters'
-    # order (the model's pre-order walk, cut at the module): one walk of the model, not
-    # one per module and level (a fifth of a 405B model's trace)
+    # each module's parameters and buffers, relative to it, from one walk of the model
     def index(named: Iterator[tuple[str, torch.Tensor]], *read: Any) -> dict[str, list[tuple[Any, ...]]]:
         under: dict[str, list[tuple[Any, ...]]] = {}
         for full, tensor in named:
@@ -134,8 +129,6 @@ def left_out_layers(groups: list[tuple[str, ...]], doubled: tuple[int, ...]) -> 
 def reached(plan: Any, left_out: tuple[str, ...]) -> Any:
     """``plan`` less the styles and checkpointing of modules inside ``left_out`` (no run reaches them).
 
-    Hooking the styled modules of 80 layers for every run was a tenth of a 70B model's trace.
-
     Examples:
         >>> from functional_shard.zoo import Block, llama
         >>> plan = fs.shard(llama("tiny"), fs.Mesh(dp=1), fs.checkpointing(Block))
@@ -168,8 +161,10 @@ def passing_on(
 ) -> Iterator[None]:
     """Within the block, the layers `left_out_layers` names hand their input on.
 
-    ``broken`` is called whenever that cannot stand in for them; a left-out layer called
-    without a tensor first also raises `NotPassableError`.
+    ``broken`` is called where that cannot stand in for them.
+
+    Raises:
+        NotPassableError: a left-out layer called without a tensor first.
 
     Examples:
         >>> model = nn.Sequential(*[nn.Sequential(nn.Linear(2, 2)) for _ in range(3)])
@@ -177,9 +172,8 @@ def passing_on(
         ...     model(torch.ones(1, 2)).shape
         torch.Size([1, 2])
     """
-    # a left-out layer hands its input on; that stands in for it only where the layers
-    # that do run give back a tensor shaped like their first argument, and each layer of
-    # a group sees the shape the others see (a chain, not a U-Net's levels)
+    # handing the input on stands in only where running layers return their first argument's
+    # shape and every layer of a group sees the same shape (a chain, not a U-Net's levels)
     seen: dict[int, tuple[Any, ...]] = {}
     group_of = {path: index for index, group in enumerate(groups) for path in group}
 
@@ -235,9 +229,8 @@ def extrapolated(
 ) -> dict[str, Any]:
     """The counts of a run of every layer, from a run of one per group and one of two for each.
 
-    ``first`` ran each group's first member, ``seconds[i]`` also the second of group ``i``:
-    each further member adds what that second one added, and, per stage (lists), adds it to
-    the stages ``stages_of(member)`` names.
+    ``first`` ran each group's first member, ``seconds[i]`` also group ``i``'s second; per-stage lists
+    add to the stages ``stages_of(member)`` names.
 
     Examples:
         >>> first = {"activation_bytes": 10, "output_bytes": 4}

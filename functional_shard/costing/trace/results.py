@@ -1,8 +1,6 @@
 """What a trace found: `ActivationTrace`, its counts per pipeline stage, and `regroup`.
 
-`functional_shard.costing.trace.activations.trace_activations` makes one; the pipeline estimate
-and the search read its per-stage counts, traced once per unit of work and regrouped into
-each cut of the model into stages.
+Traced once per unit of work, a trace is regrouped into each cut of the model into stages.
 """
 
 from __future__ import annotations
@@ -27,53 +25,32 @@ class ActivationTrace:
 
     Attributes:
         rank: the rank traced.
-        activation_bytes: bytes of unique storages kept for backward during the model call
-            (parameters and their gathered/cast copies excluded; the output excluded).
+        activation_bytes: unique storages' bytes kept for backward (not parameters, their casts, the output).
         output_bytes: bytes of the model's output (logits, say).
         output_numel: elements of the model's output, whatever its dtype.
-        forward_flops: flops of the forward: matmuls as torch's ``FlopCounterMode`` counts
-            them, attention on every kernel as its full score matrix (`functional_shard.costing.time.flops`).
+        forward_flops: flops of the forward (`functional_shard.costing.time.flops`' convention).
         backward_flops: flops of the backward, recompute excluded.
         recompute_flops: flops of checkpointed modules run again in backward.
         batch: sequences per data-parallel rank.
         seq: sequence length (global, before sequence parallel splits it).
-        stage_activation_bytes: when traced with ``stages``, the activation bytes each
-            pipeline stage keeps: storages made while one of its modules ran, plus those
-            made outside every stage's modules (the inputs, the model's own code between
-            them), which every stage's forward makes again.
-        stage_forward_flops: per stage, forward flops of ops run inside its modules (ops
-            outside them counted for every stage).
-        stage_backward_flops: per stage, backward flops, shared out as the forward's are
-            (autograd runs backward outside the modules' calls); repeated layers exactly.
+        stage_activation_bytes: with ``stages``, what each stage keeps, what no stage's modules made included.
+        stage_forward_flops: per stage, forward flops inside its modules (those outside: in every stage).
+        stage_backward_flops: per stage, backward flops, shared out as the forward's are.
         stage_recompute_flops: per stage, recompute flops shared out the same way.
-        backward_weight_flops: of ``backward_flops``, the weights' gradients (the matmuls
-            whose output has a 2-D parameter's shape): what zero-bubble schedules defer
-            to their ``W`` step; the rest is the inputs' (``I``).
+        backward_weight_flops: of ``backward_flops``, the weights' gradients (zero-bubble schedules' ``W``).
         stage_backward_weight_flops: per stage, shared out as the backward's.
-        stage_output_bytes: per stage, the bytes of its last module's output: what it
-            sends the next stage per micro-batch.
-        stage_shared_bytes: of each stage's activation bytes, those made outside every
-            stage's modules (counted in each).
+        stage_output_bytes: per stage, its last module's output: what it sends the next stage.
+        stage_shared_bytes: of each stage's activation bytes, those made outside every stage's modules.
         stage_shared_flops: of each stage's forward flops, those run outside them.
-        step_bytes: of ``activation_bytes``, those made once a step and in no stage's
-            ``stage_activation_bytes``: every micro-batch's attention shares them (the
-            all-gather cp engine's causal mask).
-        attention_flops: of ``forward_flops``, attention's (the kernels of
-            `functional_shard.costing.time.flops.is_attention`): the work context parallel's
-            chunks share out, evenly only when balanced.
+        step_bytes: of ``activation_bytes``, those made once a step, shared by every micro-batch.
+        attention_flops: of ``forward_flops``, attention's (`flops.is_attention`).
         attention_backward_flops: of ``backward_flops``, attention's.
         attention_recompute_flops: of ``recompute_flops``, attention's.
-        recompute_bytes: the most bytes one checkpointed call's recompute makes again and
-            holds for that call's backward (`counting.recomputed_bytes`): at the
-            start of backward, above what the forward kept, while the first checkpointed
-            module backwarded is recomputed; `fs.estimate` adds it to the peak beyond the
-            loss's workspace (`context_engines.recompute_beyond`).
-        attention_kernel_flops: attention's forward flops as fused kernels run them (the
-            causal half; `functional_shard.costing.time.flops.attention_kernel_flops`).
+        recompute_bytes: the most one checkpointed call's recompute holds (`counting.recomputed_bytes`).
+        attention_kernel_flops: attention's forward flops as fused kernels run them.
         attention_kernel_backward_flops: the same of the backward (the scores recomputed).
         attention_kernel_recompute_flops: the same of checkpointing's recompute.
-        memory_bound_bytes: bytes the forward's memory-bound ops read and write (those
-            neither matmuls nor attention: norms, element-wise ops, softmax, casts).
+        memory_bound_bytes: bytes the forward's memory-bound ops read and write.
         memory_bound_backward_bytes: the same of the backward.
         memory_bound_recompute_bytes: the same of checkpointing's recompute.
     """
@@ -117,9 +94,8 @@ class ActivationTrace:
 def regroup(trace: ActivationTrace, groups: list[list[int]]) -> ActivationTrace:
     """A trace with ``stages=`` seen through coarser stages: new stage ``i`` is the old ``groups[i]``.
 
-    Tracing each unit of work (embedding, each block, head) as its own stage once serves
-    every cut into stages of whole units: what a stage keeps and computes is the sum of
-    its units', what they all make outside their modules counted once per new stage.
+    One trace with each unit of work as a stage serves every cut into whole units; what is made
+    outside every stage's modules counts once per new stage.
 
     Examples:
         >>> trace = ActivationTrace(0, 30, 1, 1, 30, 60, 0, 1, 8, stage_activation_bytes=(11, 11, 11),

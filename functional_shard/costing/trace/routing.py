@@ -1,11 +1,7 @@
 """Mixture-of-experts layers on fake tensors: which experts each token visits, decided up front.
 
-A router picks each token's top-k experts from its logits' values, which fake tensors do
-not have; transformers' experts modules then ask which experts were hit and which tokens
-each got (data-dependent shapes). `routed_experts` runs each experts module for loads fixed
-in advance by `expert_loads` (balanced, or one hot expert), as its implementation would run
-them, so that `functional_shard.costing.trace.activations.trace_activations` counts the experts' flops
-and what they keep.
+Fake tensors have no values to route by: `routed_experts` runs each experts module as its
+implementation would, for loads fixed in advance by `expert_loads` (balanced, or one hot expert).
 """
 
 from __future__ import annotations
@@ -38,11 +34,8 @@ def check_expert_imbalance(imbalance: Any) -> float:
 def expert_loads(tokens: int, top_k: int, experts: int, imbalance: float = 1.0) -> list[int]:
     """Tokens each of ``experts`` experts gets when ``tokens`` tokens each visit ``top_k`` of them.
 
-    The ``tokens * top_k`` visits are shared out as evenly as they go (the remainder one
-    more to each of the lowest-numbered experts). ``imbalance`` > 1 makes expert 0 the
-    hot one: it gets ``ceil(imbalance * tokens * top_k / experts)`` tokens and the others
-    share the rest evenly. A token visits an expert once, so expert 0 can get at most
-    ``tokens`` (``imbalance`` at most ``experts / top_k``).
+    Evenly, the remainder to the lowest-numbered experts; ``imbalance`` > 1 gives expert 0
+    ``ceil(imbalance * tokens * top_k / experts)`` (at most ``tokens``) and shares the rest evenly.
 
     Raises:
         ShardingError: ``imbalance`` below 1, or more than the tokens there are.
@@ -116,9 +109,8 @@ def _grouped_experts(
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
-    # transformers' grouped_mm path: visits sorted by expert, each expert's rows one block
-    # of a (tokens * top_k)-row matrix; the grouped matmul is done block by block on views
-    # of that matrix (the same storages saved, and flops torch's formulas count)
+    # transformers' grouped_mm path, block by block on views of the sorted visits' matrix
+    # (the same storages saved, and flops torch's formulas count)
     top_k = top_k_index.shape[-1]
     with torch.no_grad():
         _, perm = torch.sort(top_k_index.reshape(-1))
@@ -150,13 +142,9 @@ def routed_experts(modules: Iterable[nn.Module], imbalance: float) -> Iterator[N
         ...     pass
     """
 
-    # Which experts a token visits is read from the router's values, which fake tensors do
-    # not have: transformers' eager loop asks `nonzero` which experts were hit and `where`
-    # which tokens each got (data-dependent shapes), and its grouped_mm kernel has no
-    # fake-tensor kernel in float32 and no flop formula. Each experts module is run
-    # instead as its implementation runs it, for the loads `expert_loads` gives: the
-    # router still runs (its matmul and top-k are counted); its choice is replaced.
-    # batched_mm gathers one weight matrix per visit: it runs on fake tensors as it is.
+    # transformers' eager loop needs values (`nonzero`, `where`) and grouped_mm has no float32
+    # fake kernel nor flop formula: the router still runs, its choice replaced by the loads.
+    # batched_mm runs on fake tensors as it is.
     def routed(
         module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: Any
     ) -> Any:

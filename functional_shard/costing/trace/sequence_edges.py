@@ -1,10 +1,7 @@
 """Sequence parallel re-enacted on plain tensors, for a trace at one rank's local shapes.
 
-torch's parallel styles move activations at module edges under sequence parallel (a
-colwise layer all-gathers its sequence-split input, a rowwise one reduce-scatters its
-output over the sequence); `sequence_parallel` does the same to whole tensors during a
-trace so that each module keeps what it keeps on a rank. `check_sequence_parallel`
-refuses, before tracing, what `functional_shard.apply` refuses to run.
+`sequence_parallel` does to whole tensors what torch's styles do at module edges, so each module
+keeps what it keeps on a rank; `check_sequence_parallel` refuses what `functional_shard.apply` refuses.
 """
 
 from __future__ import annotations
@@ -36,10 +33,8 @@ def _gathered_features(plan: Any, path: str, kind: str) -> int:
 @contextlib.contextmanager
 def sequence_parallel(model: nn.Module, plan: Any, tp_size: int, seq: int) -> Iterator[None]:
     """Within the block, ``model``'s modules move activations as torch's styles do under sequence parallel."""
-    # What torch's styles do to activations, re-enacted on plain tensors, as apply runs
-    # them (apply._torch_styles). Under sequence parallel the residual stream is a DTensor
-    # split on the sequence: its shape reads whole (Hugging Face derives position ids and
-    # the attention mask from it) while each rank holds its part.
+    # the residual stream is a sequence-split DTensor whose shape reads whole (Hugging Face
+    # derives position ids and the mask from it) while each rank holds its part
     split = _SequenceSplit(tp_size, seq)
     tp = plan.config.tp
     styles = tp.styles if tp else ()
@@ -123,11 +118,8 @@ def _hook_gathering_modules(
 ) -> None:
     """Each module that gathers takes its whole input; each block holding one takes its part.
 
-    Here the embedding's output stays whole, so the model reads the whole length, and each
-    block (the module holding an attention or MLP that gathers) takes its part of it on
-    entry: a new buffer, as the embedding's reduce-scatter makes one. A module that gathers
-    (rules.sequence_gathers: attention, MLP) all-gathers its first input into a buffer of
-    its own, which the matmuls inside save.
+    The embedding's output stays whole so the model reads the whole length; each block takes its
+    part on entry (a new buffer), and each gathering module (`rules.sequence_gathers`) a buffer of its own.
     """
     blocks = {path.rpartition(".")[0] for path in gathers} - {""}
     for paths, change in ((gathers, split.gather), (blocks, split.part)):
@@ -164,9 +156,8 @@ def _hook_style(
 ) -> None:
     """The moves at one styled layer's edges.
 
-    A column-split layer outside the gathering modules (lm_head) gathers its own input; a
-    row-split layer reduce-scatters its output over the sequence. A colwise_gather layer
-    also all-gathers its output over the features.
+    A column-split layer outside the gathering modules gathers its own input; a row-split one
+    reduce-scatters its output; a colwise_gather one also all-gathers its output.
     """
     path, style, kind = styled
     module = model.get_submodule(path)

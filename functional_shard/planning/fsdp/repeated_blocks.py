@@ -22,9 +22,8 @@ def repeated_blocks(tree: ModelTree) -> list[tuple[str, str]]:
         >>> [path for path, _ in repeated_blocks(tree)]
         ['0', '1']
     """
-    # every element of a ModuleList or ModuleDict (subclasses too), and the elements of a
-    # Sequential whose class repeats and that hold modules of their own: the repeated
-    # blocks, wherever they live (layers, encoder and decoder stacks, vision stages)
+    # every element of a ModuleList or ModuleDict, and a Sequential's repeating elements that
+    # hold modules of their own, wherever they live (layers, encoder and decoder stacks)
     modules = tree.modules
     is_container: dict[type | None, bool] = {None: False}  # a model has a handful of classes
     containers: dict[str, type] = {}

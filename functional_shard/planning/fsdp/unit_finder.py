@@ -21,13 +21,10 @@ __all__ = ["ChosenUnits", "chosen_units", "fsdp_units", "select_modules"]
 def select_modules(selectors: Iterable[Selector], tree: ModelTree, what: str) -> list[str]:
     """The module paths any of ``selectors`` (classes, or path patterns) selects, in model order.
 
-    A class selects every module of that class; a path pattern, the outermost modules it
-    matches (``"layers.*"``: each layer, not the modules inside it, which ``*`` would also
-    match). Two selectors may nest on purpose.
+    A class selects every module of that class; a path pattern the outermost modules it matches.
 
     Raises:
-        PolicyError: a class selector on a pytree, which has no module classes; a selector
-            that selects no module (a policy that would silently do nothing there).
+        PolicyError: a class selector on a pytree, or a selector that selects no module.
 
     Examples:
         >>> from functional_shard.core.tree import read_model
@@ -104,9 +101,8 @@ _FORCE_LEAF_MODULES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 
 
 def _size_based_units(tree: ModelTree, min_params: int) -> list[str]:
-    # torch's size_based_auto_wrap_policy, post-order: a module becomes a unit when the
-    # parameters its subtree holds outside units already made reach min_params. Like
-    # torch, never a ModuleList/ModuleDict, and nothing inside a forced leaf (attention).
+    # torch's size_based_auto_wrap_policy, post-order: a module becomes a unit when its subtree's
+    # parameters outside units reach min_params; never a ModuleList/ModuleDict nor inside a forced leaf
     excluded, leaves = _EXCLUDE_WRAP_MODULES, _FORCE_LEAF_MODULES
     counts = dict.fromkeys(tree.modules, 0)
     for path, tensor in tree.params.items():
@@ -192,8 +188,7 @@ def _some_modules(tree: ModelTree) -> str:
 def chosen_units(tree: ModelTree, layer: DataParallel | None) -> ChosenUnits:
     """The FSDP units of the sharding layer ``layer``, and why each is one.
 
-    By the layer's ``min_params`` (torch's size-based policy), its ``units`` selectors
-    (tuples of them: groups), or by default the model's repeated blocks.
+    By the layer's ``min_params``, its ``units`` selectors (tuples: groups), or else the repeated blocks.
 
     Raises:
         PolicyError: a group names no module, or nests, or a module is named twice.

@@ -1,19 +1,9 @@
 """Pipeline schedules as torch runs them: each pp rank's actions, what they keep, how long. Pure.
 
-The action lists come from torch itself: each schedule class in
-``torch.distributed.pipelining.schedules`` computes every rank's ``pipeline_order`` when it
-is made, and needs nothing of a stage but its rank, the group size and the stage count.
-We make it with stand-in stages, in one process and with no process group (what torch's
-own ``_schedule_visualizer.get_schedule_ops`` does with mocks, a hundred times slower), and
-keep the compute actions: ``F`` (forward), ``B`` (full backward), ``I`` (backward for the
-input) and ``W`` (backward for the weights) of a stage and micro-batch. DualPipeV runs a
-forward and a backward as one overlapped action: a `Step` of two actions here.
-
-From the lists: how many micro-batches each stage holds activations for at most
-(`in_flight`), and, given each stage's durations and the point-to-point time between
-stages, when every action runs (`simulate`): the step's makespan and each rank's idle time,
-the bubble. A schedule that cannot run a micro-batch count is refused with torch's own
-reason (`check_pipeline`).
+The action lists come from torch's own schedule classes, made with stand-in stages and no process
+group; the compute actions are kept: ``F``, ``B`` (full backward), ``I`` (the input's) and ``W`` (the
+weights'), a DualPipeV overlapped pair as one `Step`. From them: the micro-batches each stage holds
+(`in_flight`), and when every action runs (`simulate`), hence the makespan and the bubble.
 """
 
 from __future__ import annotations
@@ -115,10 +105,8 @@ def _actions_or_reason(
 
 
 def _renumbered(steps: list[Step]) -> list[Step]:
-    # torch 2.13's Schedule1F1B._get_pipeline_order numbers the last rank's forwards from 1
-    # (its counter starts at 0 and is incremented before its first use); the schedule's own
-    # step() runs each stage's forwards, and its backwards, on micro-batches 0, 1, 2... in
-    # order. Renumber by order of appearance.
+    # torch's Schedule1F1B._get_pipeline_order numbers the last rank's forwards from 1 while its
+    # step() runs micro-batches 0, 1, 2...: renumber by order of appearance
     seen: dict[tuple[int, str], int] = {}
     out: list[Step] = []
     for (action,) in steps:
@@ -143,12 +131,10 @@ def _nearest_working(schedule: str, pp: int, microbatches: int, stages_per_rank:
 def check_pipeline(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> None:
     """Refuse a schedule, stage count or micro-batch count torch's schedule cannot run.
 
-    The truth is torch's: its schedule is made for these counts (no process group) and its
-    refusal is passed on, with the micro-batch counts near ``microbatches`` that would work.
+    Torch's schedule is made for these counts and its refusal passed on, with counts nearby that work.
 
     Raises:
-        PolicyError: an unknown schedule, a stage count per rank it cannot run, a
-            micro-batch count below 1 or one torch refuses.
+        PolicyError: an unknown schedule, or a stage or micro-batch count it cannot run.
 
     Examples:
         >>> check_pipeline("1f1b", 4, 1, 8)
@@ -191,9 +177,8 @@ def schedule_actions(
     return actions
 
 
-# a full backward (B) frees a micro-batch's activations; the input-grad step (I) keeps the
-# graph for the weight-grad step (torch's stage_backward_input retains it), which frees
-# them. DualPipeV's lists have both: B in its overlapped steps, I and W at the ends.
+# B frees a micro-batch's activations; I keeps the graph for W (torch's stage_backward_input
+# retains it), which frees them
 _RELEASES = frozenset({"B", "W"})
 
 
@@ -209,13 +194,9 @@ def held_peak(
 ) -> tuple[float, ...]:
     """Per rank: the most activation bytes its stages hold at once, as its list orders them.
 
-    ``stage_bytes[s]`` is what stage ``s`` keeps for one micro-batch; a forward adds it, the
-    backward that frees it (as `in_flight` counts) takes it away. With one stage per rank
-    this is ``in_flight × stage_bytes``; with several, their peaks need not coincide.
-    ``kept_to_end[s]``, if given, is what a forward of stage ``s`` adds that no backward
-    frees: it stays until the step ends (torch's ``output_chunks``). ``during_forward[s]``
-    is what a forward of stage ``s`` holds only until it ends (at a V's turn, the next
-    stage's buffer still holds the last step's tensor until the new one replaces it).
+    ``stage_bytes[s]``: what stage ``s`` keeps for one micro-batch, from its forward to the backward that
+    frees it. ``kept_to_end[s]``: what a forward adds that stays to the step's end. ``during_forward[s]``:
+    what a forward holds only while it runs.
 
     Examples:
         >>> held_peak("interleaved1f1b", 2, 4, 2, [1, 10, 100, 1000])
@@ -251,16 +232,9 @@ def held_peak_parts(
 ) -> tuple[tuple[float, float, float], ...]:
     """Per rank: ``(activations, gradients, working)`` held when their sum peaks, as its list orders them.
 
-    As `held_peak` (its first element, when neither ``after_first_backward`` nor
-    ``during_backward`` is given), and ``after_first_backward[s]``: what stage ``s`` holds
-    from the end of its first backward in the step (``B``, or ``W`` of a split one) to the
-    step's end. FSDP2 under torch's pipeline keeps each unit's gradient whole across
-    micro-batches (``unsharded_accumulated_grad``), made in the post-backward of the unit's
-    first micro-batch and reduce-scattered after the last: a rank whose activations peak
-    before one of its stages' first backward does not hold that stage's gradients there.
-    ``during_backward[s]`` is what a backward of stage ``s`` (``B``, or ``I`` of a split one)
-    holds while it runs, on top of the micro-batch it frees (a checkpointed block's
-    recompute): ``working`` is it where the peak falls in one, else 0.
+    As `held_peak`, and ``after_first_backward[s]``: what stage ``s`` holds from the end of its first
+    backward to the step's end (FSDP2's whole gradients); ``during_backward[s]``: what a backward holds
+    while it runs (a recompute), ``working`` where the peak falls in one.
 
     Examples:
         >>> held_peak_parts("1f1b", 2, 4, 1, [10, 10], after_first_backward=[100, 100])
@@ -268,9 +242,7 @@ def held_peak_parts(
         >>> held_peak_parts("interleaved1f1b", 2, 4, 2, [1, 1, 1, 1], after_first_backward=[5, 5, 5, 5])
         ((5.0, 10.0, 0.0), (3.0, 10.0, 0.0))
 
-        Rank 1 holds 4 activations at most, but before its stages' gradients are whole.
-        A backward's recompute peaks above the forward before it, with the gradients of
-        the stages backwarded before:
+        A backward's recompute peaks above the forward before it:
 
         >>> grads = [100, 100]
         >>> held_peak_parts("1f1b", 2, 4, 1, [10, 10], after_first_backward=grads, during_backward=[4, 4])
@@ -310,9 +282,7 @@ def held_peak_parts(
 def in_flight(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> tuple[int, ...]:
     """The most micro-batches whose activations each stage holds at once, by stage index.
 
-    A forward adds one; the backward that frees its saved tensors takes it away: the full
-    backward ``B``, or the weight step ``W`` of a split one (torch's input step ``I``
-    keeps the graph for it).
+    A forward adds one; ``B``, or ``W`` of a split backward, takes it away.
 
     Examples:
         >>> in_flight("1f1b", 4, 8), in_flight("gpipe", 4, 8)
@@ -384,10 +354,8 @@ def simulate(
 ) -> Timeline:
     """Run torch's action lists on a clock: each rank in its order, each action once its inputs arrive.
 
-    A forward of stage ``s`` on micro-batch ``m`` waits for stage ``s − 1``'s forward of
-    ``m``; a backward (``B`` or ``I``) for stage ``s + 1``'s backward of ``m`` (the last
-    stage: its own forward); ``W`` for its ``I``. Between stages on different ranks the
-    activation (or its gradient) takes ``p2p[s]`` seconds over boundary ``s → s + 1``.
+    A forward waits for the previous stage's, a backward for the next stage's (the last stage: its own
+    forward), ``W`` for its ``I``; crossing ranks over boundary ``s → s + 1`` takes ``p2p[s]`` seconds.
 
     Args:
         schedule: our schedule name (`functional_shard.planning.pipeline.stages.SCHEDULES`).

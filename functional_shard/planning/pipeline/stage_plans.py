@@ -1,8 +1,6 @@
 """What the ranks running some pipeline stages hold of a plan. Pure.
 
-The pipeline engine runs its engines on it, one stage at a time, and the cost model counts
-each pp rank's memory by it: one function for both, so that what runs and what is counted
-cannot drift apart.
+The pipeline engine runs it and the cost model counts it: one function, so the two cannot drift apart.
 """
 
 from __future__ import annotations
@@ -20,12 +18,8 @@ __all__ = ["stage_plan", "without_pipeline"]
 def stage_plan(plan: Plan, stages: Iterable[int]) -> Plan:
     """``plan`` cut down to what the ranks running ``stages`` hold.
 
-    Parameters, buffers, FSDP units, tensor-parallel styles, experts and checkpointed
-    modules of those stages stay; a tensor no stage lists (a rotary table at the model's
-    root) is every stage's. The pipeline fields stay too: `cost` of the result at a rank
-    of the right pp coordinate is that rank's share. FSDP units stay gathered from forward
-    to backward (``reshard_after_forward=False``), as torchtitan runs them under a
-    pipeline: the schedule's micro-batches would gather them again for every backward.
+    A tensor no stage lists is every stage's. FSDP units stay gathered from forward to backward, as
+    torchtitan runs them under a pipeline (else every micro-batch's backward would gather them again).
 
     Examples:
         >>> import functional_shard as fs

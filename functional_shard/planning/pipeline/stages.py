@@ -1,14 +1,9 @@
 """Pipeline stages as data: which modules each stage runs, which pp rank holds it. Pure.
 
-Stages are cut the way torchtitan cuts them: the repeated blocks (``layers.0`` ...) are
-the units of work, the modules before them (the embedding) count as one more unit with
-the first stage and the modules after them (final norm, head) as one more with the last;
-the units are split evenly, the remainder going to the earliest stages.
-
-A stage's index and the pp rank that runs it differ under multi-stage schedules: looped
-schedules (interleaved 1F1B, looped BFS, interleaved zero bubble) put stage ``s`` on rank
-``s % pp``; the V-shaped ones (ZBV, DualPipeV) put stages ``s`` and ``2·pp − 1 − s`` on
-rank ``s``, so the first and last stages share a rank.
+Cut as torchtitan cuts them: the repeated blocks are the units of work, the modules before them one
+more with the first stage, those after one more with the last, split evenly (the remainder early).
+Looped schedules put stage ``s`` on rank ``s % pp``; V-shaped ones stages ``s`` and ``2·pp − 1 − s``
+on rank ``s``.
 """
 
 from __future__ import annotations
@@ -122,8 +117,6 @@ def _outer(tree: ModelTree) -> tuple[list[str], list[str], list[str]]:
 def _from_pieces(tree: ModelTree, pieces: Sequence[str]) -> tuple[list[str], list[str], list[str]] | None:
     """`_outer` read from a model's own list of pipeline pieces (an HF ``_pp_plan``), in order.
 
-    The piece that is the blocks' parent (``model.layers``) becomes one unit per block; the
-    pieces before it are the first stage's extra unit, those after it the last stage's.
     None when the pieces do not name the blocks' parent or leave a parameter out.
     """
     blocks = [block.path for block in tree.blocks]
@@ -147,14 +140,11 @@ def split_stages(
 ) -> tuple[tuple[str, ...], ...]:
     """The module paths of each stage, torchtitan's way or as ``split`` says.
 
-    ``pieces`` is a model's own ordered list of pipeline pieces (a Hugging Face model's
-    ``base_model_pp_plan`` keys under its prefix, then the head): the pieces before the
-    blocks go with the first stage, those after with the last. Pieces that do not name
-    the block list or miss a parameter are ignored for torchtitan's cut.
+    ``pieces``: a model's own ordered pipeline pieces (Hugging Face's ``base_model_pp_plan``), used
+    where they name the block list and miss no parameter.
 
     Raises:
-        PolicyError: the model has no repeated blocks, fewer units than stages, or a
-            ``split`` that misses, repeats or invents a module.
+        PolicyError: no repeated blocks, fewer units than stages, or a bad ``split``.
 
     Examples:
         >>> from functional_shard import zoo
@@ -218,10 +208,8 @@ def _checked_split(
 def stage_finder(stages: tuple[tuple[str, ...], ...]) -> Callable[..., int | None]:
     """A function from a path to its stage (None when no stage holds it), memoized per module.
 
-    A tensor belongs to the stage of its innermost enclosing module that a stage lists;
-    a module (asked with ``module=True``) to the stage of itself or its innermost
-    enclosing listed module. The one answer to "which stage holds this path": plans,
-    costs, estimates, traces and engines all ask it.
+    A tensor belongs to the stage of its innermost listed enclosing module; a module (``module=True``)
+    to its own or its innermost listed enclosing module's.
 
     Examples:
         >>> find = stage_finder((("embed", "layers.0"), ("layers.1", "head")))
@@ -245,8 +233,7 @@ def stage_finder(stages: tuple[tuple[str, ...], ...]) -> Callable[..., int | Non
 def _output_features(tree: ModelTree, path: str) -> int | None:
     """Features of what the module owning the weight at ``path`` outputs.
 
-    A Linear's weight is (out, in), a Hugging Face Conv1D's (in, out), an Embedding's
-    (num, dim); a norm's 1-d weight is its width.
+    A Linear's weight is (out, in), a Conv1D's (in, out), an Embedding's (num, dim), a norm's its width.
     """
     tensor = tree.params[path]
     if tensor.ndim == 1:
@@ -261,10 +248,8 @@ def boundary_features(
 ) -> tuple[int, ...]:
     """Features per token of the activation stage ``s`` sends to stage ``s + 1``, per boundary.
 
-    A cut between repeated blocks passes the residual stream: ``hidden_size`` when the
-    model names it (a Hugging Face config's), else the output features of the last
-    module with a weight in the sending stage (a block's down projection, a norm, an
-    embedding). 0 where neither says (the cost model then counts no bytes there).
+    ``hidden_size`` where the model's config names it, else the last weighted module's output features
+    in the sending stage; 0 where neither says.
 
     Examples:
         >>> from functional_shard import zoo

@@ -1,8 +1,7 @@
 """`PlanConfig` (everything in a plan that is not per tensor) and `Change` (one plan difference).
 
-The config holds one small frozen dataclass per parallelism, ``None`` when the plan does not use
-it (torchtitan's ``parallel_dims``): each answers its own questions (its size, its ranks, the
-first rank of a coordinate) here, so no reader works them out again.
+One small frozen dataclass per parallelism, ``None`` when unused (torchtitan's ``parallel_dims``),
+each answering its own questions (its size, its ranks) so no reader works them out again.
 """
 
 from __future__ import annotations
@@ -54,8 +53,7 @@ def first_rank(mesh: Mesh, axis: str, coordinate: int) -> int:
 class FsdpConfig:
     """Data parallelism: DDP, ZeRO or FSDP over the data axes, and FSDP's units.
 
-    One config holds every data-parallel engine because each is FSDP with choices fixed: DDP
-    shards nothing, ZeRO-1 only the optimizer state, HSDP also replicates over an axis.
+    Each engine is FSDP with choices fixed: DDP shards nothing, ZeRO-1 only the optimizer state.
     """
 
     kind: str = "fsdp"

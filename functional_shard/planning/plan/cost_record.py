@@ -1,7 +1,6 @@
 """`Cost`: what `Plan.cost` returns, memory per device and bytes sent per step.
 
-The record lives with the plan it describes; the cost model that fills it in is
-`functional_shard.costing.cost.cost_model` (above planning: it reads plans, traces nothing).
+The cost model that fills it in is `functional_shard.costing.cost.cost_model`.
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ _DEVICE_PARTS = ("params_bytes", "grads_bytes", "optimizer_bytes", "buffers_byte
 class Cost:
     """Predicted memory (bytes, on one device) and communication (bytes sent per step).
 
-    Memory fields are for ``rank`` (the worst rank unless one was asked for);
-    ``host_bytes`` is what offloading keeps in host memory instead.
+    Memory fields are ``rank``'s; ``host_bytes`` is what offloading keeps in host memory instead.
     """
 
     rank: int
@@ -36,19 +34,15 @@ class Cost:
     gathered_bytes: int
     host_bytes: int
     comm_bytes: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
-    """Collective kind → mesh axis (several joined by ``,``) → bytes sent per step.
-
-    Under a pipeline, ``send_recv`` over the pp axis is what this rank sends its
-    neighbour stages (with ``tokens=``): activations forward, their gradients back."""
+    """Collective kind → mesh axis (several joined by ``,``) → bytes sent per step (``send_recv``: to
+    neighbour stages)."""
     activation_comm_included: bool = False
     boundary_bytes: Mapping[int, float] = field(default_factory=dict)
-    """Pipeline boundary ``s`` (stage ``s`` → ``s + 1``) → bytes crossing it per step in each
-    direction (activations forward, as many gradient bytes back); 0 where both stages are
-    on one rank (a V's turn). Empty without a pipeline or ``tokens=``."""
+    """Pipeline boundary ``s`` (stage ``s`` → ``s + 1``) → bytes crossing it per step each way (0 at a
+    V's turn); empty without a pipeline or ``tokens=``."""
     stage_bytes: Mapping[int, Mapping[str, int]] = field(default_factory=dict)
-    """Pipeline stage → its ``params``, ``grads``, ``optimizer`` and ``gathered`` (its FSDP
-    units, gathered together) bytes on the stage's first rank, which holds the largest
-    chunks (before offloading). Empty without a pipeline."""
+    """Pipeline stage → its ``params``, ``grads``, ``optimizer`` and ``gathered`` bytes on its first rank
+    (the largest chunks); empty without a pipeline."""
 
     @property
     def total_bytes(self) -> int:

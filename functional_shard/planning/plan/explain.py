@@ -25,8 +25,7 @@ _ROOT_ALONE = (
 def units_section(config: FsdpConfig, gathered: Mapping[str, int]) -> list[str]:
     """Lines for ``explain``: one per unit (alike blocks folded), its gathered bytes and why.
 
-    ``gathered`` is what each unit holds while all-gathered on the first rank
-    (`functional_shard.costing.cost.cost_model.unit_gathered`); a unit of whole tensors gathers nothing.
+    ``gathered``: each unit's bytes while all-gathered on the first rank (`cost_model.unit_gathered`).
 
     Examples:
         >>> config = FsdpConfig("fsdp", units=("", "layers.0", "layers.1"),

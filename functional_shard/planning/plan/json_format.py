@@ -1,10 +1,7 @@
 """A plan read from JSON, checked against the format `Plan.to_json` writes. Pure.
 
-Plan files travel between people and jobs: one written by hand, cut short or edited must be
-refused with every problem named (the tensor path and the field), never half-read into a
-plan that fails later. `plan_problems` walks the parsed data once and lists what is wrong:
-types, shapes, dtypes, tensor kinds, the mesh, every spec's axes (known, used once, fitting
-the tensor) and the config's fields (their types, the axes and modules they name).
+A plan file written by hand, cut short or edited is refused with every problem named (tensor path
+and field), never half-read into a plan that fails later (`plan_problems`).
 """
 
 from __future__ import annotations
@@ -324,9 +321,7 @@ def _pipeline_problems(pipeline: PipelineConfig | None, mesh: Mesh | None, paths
 def nested_config(flat: Mapping[str, Any]) -> dict[str, Any]:
     """A version-1 config (one flat object of 31 fields) as version 2 writes it: a config per parallelism.
 
-    A parallelism's fields go into its own object, which is null where the flat config left
-    it off (no data-parallel kind, no tensor-parallel axes, no pipeline, expert or cp axis, and
-    no experts' top-k); fields the reader does not know stay where they are, to be refused.
+    A parallelism's object is null where the flat config left it off; unknown fields stay, to be refused.
 
     Examples:
         >>> nested_config({"data_parallel": "ddp", "shard_axes": [], "pipeline_axis": None,
@@ -430,9 +425,7 @@ def plan_data(source: Any) -> Mapping[str, Any]:
     """The parsed plan file ``source`` (JSON text, a `pathlib.Path`, or the parsed dict), checked.
 
     Raises:
-        ShardingError: not readable, not JSON, not a functional_shard plan, a newer
-            format, or a plan that does not hold together (`plan_problems`: every problem
-            named, by tensor path and field).
+        ShardingError: not readable, not JSON, not our plan, a newer format, or `plan_problems`.
 
     Examples:
         >>> plan_data("[1, 2]")

@@ -40,9 +40,7 @@ def _unit_set(units: tuple[str, ...], groups: tuple[tuple[str, ...], ...]) -> Ma
 class Plan:
     """A sharding plan: pure data, made by `shard`, run by `apply`.
 
-    A frozen optree dataclass in the ``functional_shard`` namespace: its pytree leaves
-    are the `ParamSharding` of each parameter and buffer, so
-    ``optree.tree_map(f, plan, namespace="functional_shard")`` maps over them.
+    Its pytree leaves (namespace ``functional_shard``) are each tensor's `ParamSharding`.
 
     Examples:
         >>> import torch.nn as nn, functional_shard as fs
@@ -120,8 +118,7 @@ class Plan:
     def data_parallel_rank(self, rank: int) -> tuple[int, int]:
         """Which slice of the global batch ``rank`` reads: (index, number of slices).
 
-        Ranks that differ only along model axes (tensor parallel) or along the
-        context-parallel axis (which cuts the same sequences) read the same slice.
+        Ranks differing only along model axes or the cp axis read the same slice.
 
         Examples:
             >>> import torch.nn as nn, functional_shard as fs
@@ -140,9 +137,7 @@ class Plan:
     def unit_of(self, path: str) -> str:
         """The FSDP unit (module path, "" for the root) that gathers this parameter.
 
-        A tied parameter belongs to the innermost unit holding every name it has. A module
-        in a group of modules (``fsdp(units=[("norm", "output")])``) is in the group's unit,
-        named by its modules joined with ``+`` (``"norm+output"``).
+        A tied parameter: the innermost unit holding all its names; a group's unit is named ``"norm+output"``.
         """
         canonical = self.canonical(path)
         names = self.aliases.get(canonical, (canonical,))
@@ -157,14 +152,11 @@ class Plan:
     def stage_of(self, path: str) -> int:
         """The pipeline stage that holds a parameter or buffer (0 for a plan without pp).
 
-        A tied parameter is asked for by any of its names (a plan refuses ties across
-        stages). Where the tensor lives is also in its specs: ``plan.sharding(path).on`` is
-        ``(pp axis, pp coordinate of the rank running the stage)``.
+        Any of a tied parameter's names will do; ``plan.sharding(path).on`` gives the pp coordinate.
 
         Raises:
             ShardingError: no tensor has that path.
-            PolicyError: a tensor in no stage (a buffer every stage keeps, such as a
-                rotary table at the model's root).
+            PolicyError: a tensor in no stage (a buffer every stage keeps).
 
         Examples:
             >>> import functional_shard as fs
@@ -263,12 +255,10 @@ class Plan:
     def explain(self, collapse: bool = True) -> str:
         """A table of every tensor: shape, dtype, the four specs, rank 0's local shape, bytes.
 
-        Under a pipeline a stage column says which stage holds each tensor and on which pp
-        coordinate; the local shape and bytes are those of the first rank holding it.
+        Under a pipeline a stage column is added, the local shape being the first holding rank's.
 
         Args:
-            collapse: fold rows that differ only in a layer index (``layers.0``,
-                ``layers.1``, ...) into one row with a count.
+            collapse: fold rows that differ only in a layer index into one row with a count.
 
         Examples:
             >>> import torch.nn as nn, functional_shard as fs
@@ -370,12 +360,10 @@ class Plan:
     def from_json(cls, source: str | os.PathLike[str] | Mapping[str, Any]) -> Plan:
         """Read a plan written by `to_json`: its text, a `pathlib.Path` to its file, or the parsed dict.
 
-        A ``str`` is always the JSON text; a file is read from a ``Path`` (a ``str`` that looks
-        like a file name is refused, saying so).
+        A ``str`` is always JSON text; a file is read from a ``Path``.
 
         Raises:
-            ShardingError: an unreadable file, not JSON or not our plan, a newer format, or a plan
-                that does not hold together (`json_format.plan_problems` names each problem).
+            ShardingError: unreadable, not JSON, not our plan, a newer format, or `json_format.plan_problems`.
 
         Examples:
             >>> import pathlib, tempfile, torch.nn as nn

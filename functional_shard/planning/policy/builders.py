@@ -88,8 +88,7 @@ def replicate(axis: str | Iterable[str] | None = None) -> Policy:
     """DDP: parameters, gradients and optimizer state replicated; batch split over ``axis``.
 
     Args:
-        axis: the data-parallel axis or axes; ``None`` takes every mesh axis that no other
-            layer claims.
+        axis: the data-parallel axis or axes; ``None``: every mesh axis no other layer claims.
 
     Examples:
         >>> from functional_shard import Mesh, shard
@@ -105,9 +104,7 @@ def replicate(axis: str | Iterable[str] | None = None) -> Policy:
 def zero(stage: Literal[1, 2, 3], axis: str = "dp") -> Policy:
     """ZeRO stage 1, 2 or 3 over ``axis``, as torch's engines run them.
 
-    Stage 1 keeps each parameter's optimizer state whole on one rank
-    (ZeroRedundancyOptimizer); stage 2 is FSDP2 without resharding after forward; stage 3
-    is FSDP2.
+    Stage 1 is ZeroRedundancyOptimizer; stage 2 FSDP2 without resharding after forward; stage 3 FSDP2.
 
     Raises:
         PolicyError: ``stage`` is not 1, 2 or 3.
@@ -161,17 +158,9 @@ def fsdp(
 
     Args:
         axis: the mesh axis (or axes, flattened) to shard over; also data-parallel.
-        reshard_after_forward: free gathered parameters after forward and gather them
-            again in backward (``False`` is ZeRO-2). The root unit never reshards after
-            forward, as FSDP2 does.
-        units: which modules are sharded as one unit (one all-gather each): module
-            classes or module-path patterns, each module they pick a unit (a pattern picks
-            the outermost modules it matches: ``"layers.*"`` is each layer); or a tuple of
-            them, whose modules make one unit together (``("norm", "output")``). By
-            default the model's repeated blocks (every element of an ``nn.ModuleList`` or
-            ``nn.ModuleDict``, the alike blocks of an ``nn.Sequential``), plus the root.
-        min_params: instead, make a unit of every module whose not-yet-wrapped parameters
-            reach this count (FairScale's ``min_num_params``, Lightning's size policy).
+        reshard_after_forward: free gathered parameters after forward (``False`` is ZeRO-2; never the root).
+        units: module classes or path patterns (a unit each) or tuples of them (one unit); default: blocks.
+        min_params: instead, a unit of every module whose unwrapped parameters reach this count.
 
     Examples:
         >>> layer = fsdp("dp", min_params=1_000_000).layers[0]
@@ -236,14 +225,10 @@ def tp(
 ) -> Policy:
     """Tensor parallelism over ``axis`` following ``rules`` (see `functional_shard.planning.tp.rules`).
 
-    Parameters no rule matches are left to the other layers (replicated if none), unless
-    the rule set is strict. ``rules`` may be ``"hf"`` (the model's own Hugging Face plan)
-    or ``"auto"`` (`functional_shard.planning.tp.rules.for_model`): ``shard()`` resolves them
-    against the model.
-
-    With ``loss_parallel`` the head (the module the rules give ``colwise_gather``) keeps
-    its logits split on the vocabulary, and `fs.forward_backward` computes the loss under
-    torch's ``loss_parallel()``: the whole logits never exist on one device.
+    Parameters no rule matches are left to the other layers, unless the rule set is strict. ``rules``
+    may be ``"hf"`` (the model's own plan) or ``"auto"`` (`functional_shard.planning.tp.rules.for_model`).
+    With ``loss_parallel`` the head keeps its logits split on the vocabulary and `fs.forward_backward`
+    computes the loss under torch's ``loss_parallel()``.
 
     Raises:
         PolicyError: ``axis`` is not one name, or ``rules`` a name other than "hf"/"auto".
@@ -316,21 +301,16 @@ def pipeline(
 ) -> Policy:
     """Pipeline parallelism over ``axis``, run by ``torch.distributed.pipelining``.
 
+    Every tensor is placed on its stage's pp rank; FSDP keeps each stage gathered for the whole step.
+    The schedules are torch's: ``gpipe``, ``1f1b``, ``interleaved1f1b``, ``looped_bfs``,
+    ``interleaved_zb``, ``zbv`` and ``dualpipev``.
+
     Args:
         axis: the mesh axis whose ranks hold successive stages.
         microbatches: how many micro-batches each step's batch is cut into.
-        schedule: ``gpipe``, ``1f1b``, ``interleaved1f1b``, ``looped_bfs``,
-            ``interleaved_zb``, ``zbv`` or ``dualpipev`` (torch's schedules).
+        schedule: the schedule's name.
         stages_per_rank: stages each rank runs (2 for the V-shaped schedules).
-        split: the module paths of each stage, in order; by default the repeated blocks
-            are split evenly with the embedding counted with the first stage and the
-            final norm and head with the last, as torchtitan does; a Hugging Face
-            model's ``base_model_pp_plan`` names the pieces when it has one.
-
-    Every tensor of the plan is then placed on its stage's pp rank (``P(..., on=("pp", r))``).
-    FSDP over the other axes keeps each stage's parameters gathered from the first
-    micro-batch's forward to the last one's backward (``reshard_after_forward=False``, as
-    torchtitan runs FSDP under a pipeline), so a step gathers them once.
+        split: each stage's module paths, in order; by default the blocks split evenly (torchtitan's cut).
 
     Raises:
         PolicyError: an unknown schedule, a stage count it cannot run, or a bad count.
@@ -353,19 +333,12 @@ def pipeline(
 def ep(axis: str = "ep", *, experts: Pattern | Iterable[Pattern] | None = None) -> Policy:
     """Expert parallelism: expert tensors split whole by expert index (dim 0) over ``axis``.
 
-    Each rank of ``axis`` holds ``E / size`` experts whole (spec ``P(axis, None, None)``).
-    When ``axis`` is a data-parallel axis (its ranks read different tokens), `apply`
-    dispatches each token to the ranks holding its experts and combines the results back
-    with torch's autograd-aware all-to-all, as torchtitan does. Dense parameters follow
-    the data-parallel policy over all its axes; expert tensors are FSDP-sharded over the
-    data-parallel axes other than ``axis`` (``fsdp(("dp", "ep")) + ep("ep")``).
+    Each rank of ``axis`` holds ``E / size`` experts whole; `apply` dispatches tokens to them by
+    all-to-all, as torchtitan does. ``axis`` is a data-parallel one: ``fsdp(("dp", "ep")) + ep("ep")``.
 
     Args:
         axis: the mesh axis whose ranks hold different experts.
-        experts: path patterns of the expert tensors (globs, ``*`` spanning dots, or
-            compiled regexes). By default ``shard()`` finds them: a Hugging Face model's
-            ``base_model_ep_plan`` (its ``grouped_gemm`` entries), else the 3-D parameters
-            of modules named like ``experts``.
+        experts: the expert tensors' path patterns (globs or regexes); by default found by ``shard()``.
 
     Raises:
         PolicyError: ``axis`` is not one name, or ``experts`` not patterns.
@@ -389,28 +362,17 @@ def ep(axis: str = "ep", *, experts: Pattern | Iterable[Pattern] | None = None) 
 def cp(axis: str = "cp", *, load_balance: bool = True, engine: str = "auto") -> Policy:
     """Context parallelism: every sequence cut along its length over ``axis``.
 
-    Each rank of ``axis`` holds chunks of every sequence of its batch; attention gathers
-    the whole sequence's keys and values over ``axis`` (and sends their gradients back),
-    everything else works on the rank's own tokens, so activations shrink by the axis
-    size. With ``load_balance`` each rank holds chunk ``i`` and chunk ``2·cp − 1 − i`` of
-    ``2·cp``, so that causal attention costs every rank the same; without, chunk ``i`` of
-    ``cp``. The ranks of ``axis`` read the same sequences (`Plan.data_parallel_rank`
-    gives them one index) and average their gradients: name ``axis`` in the
-    data-parallel layer too, ``fsdp(("dp", "cp"))`` to shard parameters over it as well,
-    as torchtitan does.
+    Attention sees the whole sequence; everything else works on the rank's own tokens, so activations
+    shrink by the axis size. The ranks of ``axis`` read the same sequences and average their gradients:
+    name ``axis`` in the data-parallel layer too (``fsdp(("dp", "cp"))``), as torchtitan does.
 
     Args:
         axis: the mesh axis whose ranks hold different chunks of each sequence.
         load_balance: pair an early chunk with a late one on every rank.
-        engine: how attention sees the whole sequence: ``"ring"``, torch's own
-            ``context_parallel`` (key/value chunks passed from rank to rank, CUDA SDPA
-            kernels only); ``"all_gather"``, our engine (keys and values gathered over
-            ``axis`` with autograd, any backend, any attention the engine reaches);
-            ``"auto"`` (the default) the ring where the mesh is on CUDA, else the all-gather.
+        engine: ``"ring"`` (torch's, CUDA only), ``"all_gather"`` (ours) or ``"auto"`` (ring on CUDA).
 
     Raises:
-        PolicyError: ``axis`` is not one name, ``load_balance`` not a bool, or an unknown
-            ``engine``.
+        PolicyError: ``axis`` is not one name, ``load_balance`` not a bool, or an unknown ``engine``.
 
     Examples:
         >>> (fsdp(("dp", "cp")) + cp("cp")).context_parallel.name
@@ -430,13 +392,8 @@ def checkpointing(*modules: Selector, policy: str = "full") -> Policy:
     """Recompute activations in backward for these modules (classes or path patterns).
 
     Args:
-        modules: module classes or path patterns to checkpoint. A pattern picks the
-            outermost modules it matches (``"layers.*"``: each layer, not the modules inside
-            it, which ``*`` also matches); two selectors may nest checkpoints on purpose.
-        policy: ``"full"`` keeps only each module's inputs and recomputes its whole forward;
-            ``"selective"`` also keeps the outputs of matrix multiplies and attention (the
-            op-level selective recipe of torchtitan, through torch's selective-checkpoint
-            API) and recomputes only the cheap element-wise ops between them.
+        modules: module classes or path patterns (a pattern picks the outermost modules it matches).
+        policy: ``"full"`` recomputes each whole forward; ``"selective"`` keeps matmul and attention outputs.
 
     Raises:
         PolicyError: no module selector given, or an unknown ``policy``.

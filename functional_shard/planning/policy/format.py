@@ -1,7 +1,6 @@
 """Policies written back as text: `format_policy`, the inverse of `parse_policy`.
 
-The text forms are those `functional_shard.planning.policy.parse` reads; a part text cannot
-say (a policy function, a custom rule set, a compiled pattern) is refused by name.
+A part text cannot say (a policy function, a custom rule set, a compiled pattern) is refused by name.
 """
 
 from __future__ import annotations
@@ -113,8 +112,7 @@ def format_policy(policy: Policy) -> str:
         policy: the policy.
 
     Returns:
-        Its text; ``parse_policy(format_policy(p), model) == p`` when ``model`` holds the
-        classes the policy names.
+        Its text: ``parse_policy(format_policy(p), model) == p`` for a ``model`` with the classes it names.
 
     Raises:
         PolicyError: a part with no text form (a policy function, a custom rule set).

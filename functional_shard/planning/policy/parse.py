@@ -1,8 +1,6 @@
 """Policies as text: ``"fsdp(dp) + tp(llama, tp) + bf16"`` for the command line and configs.
 
-The text reads like the Python API with the quotes left out. It is parsed with `ast` as
-one expression and walked by hand: only calls of the names below, ``+`` between them, and
-bare names, strings, integers, booleans or tuples of those as arguments. Nothing is ever
+The text reads like the Python API without quotes. It is parsed with `ast` and walked by hand, never
 evaluated, so a policy string cannot run code.
 
 | text                                      | Python                                              |
@@ -437,16 +435,13 @@ def parse_policy(text: str, model: nn.Module | None = None) -> Policy:
 
     Args:
         text: terms joined by ``+`` (see the module docs for every form).
-        model: resolves bare class names in ``checkpointing(...)`` and ``units=`` against
-            the model's module classes.
+        model: resolves bare class names in ``checkpointing(...)`` and ``units=`` to its module classes.
 
     Returns:
         The `Policy` the same Python calls would build.
 
     Raises:
-        PolicyError: the text is not a policy; the message names the bad part and lists
-            the accepted forms. Also what the Python call itself refuses (e.g. two layers
-            claiming one axis).
+        PolicyError: the text is not a policy (the bad part named), or the Python call refuses it.
 
     Examples:
         >>> policy = fs.parse_policy("fsdp(dp) + tp(llama, tp) + bf16")

@@ -60,9 +60,7 @@ class ParamProblemError(Exception):
 class DataParallel:
     """Data parallelism: the batch is split over ``replicate_axes + shard_axes``.
 
-    ``kind`` names the engine behaviour: ``ddp`` (all replicated), ``zero1`` (optimizer
-    state owned whole per rank), ``zero2`` (FSDP2 without resharding after forward),
-    ``zero3``/``fsdp`` (FSDP2), ``hsdp`` (FSDP2 on a replicate × shard mesh).
+    ``kind``: ``ddp``, ``zero1``, ``zero2``, ``zero3``/``fsdp`` or ``hsdp`` (see `zero` and `hsdp`).
     """
 
     kind: Literal["ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp"]
@@ -210,10 +208,8 @@ class Pipeline(_OnOneAxis):
 class ExpertParallel:
     """Expert parallelism over ``axis``: expert tensors split whole by expert index (dim 0).
 
-    ``experts`` are path patterns of the expert parameters (globs, ``*`` spanning dots, or
-    compiled regexes); ``None`` until ``shard()`` finds them in the model (see `ep`).
-    The axis is borrowed from data parallelism (tokens are dispatched over it), so this
-    layer claims no axis of its own.
+    ``experts``: path patterns, ``None`` until ``shard()`` finds them. The axis is data parallelism's:
+    this layer claims none.
     """
 
     axis: str
@@ -260,11 +256,7 @@ class ExpertParallel:
 class ContextParallel:
     """Context parallelism over ``axis``: its ranks hold chunks of every sequence.
 
-    Attention gathers the keys and values of the whole sequence over ``axis``; every other
-    layer works on the rank's own tokens. The ranks of ``axis`` read the same sequences and
-    see different tokens of them, so their gradients are averaged: ``axis`` is one of the
-    plan's data-parallel axes (``fsdp(("dp", "cp"))`` shards parameters over it too),
-    borrowed as `ExpertParallel` borrows its own, and claims no axis.
+    ``axis`` is one of the plan's data-parallel axes (its ranks average gradients): this layer claims none.
     """
 
     axis: str

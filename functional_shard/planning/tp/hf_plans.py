@@ -1,14 +1,9 @@
 """Tensor-parallel rules from Hugging Face transformers models' own plans.
 
-transformers keeps a tensor-parallel plan per architecture: ``config.base_model_tp_plan``
-(module patterns inside the base model, ``*`` standing for a layer index) and the model
-class's ``_tp_plan`` (``lm_head``). A model instance combines them in ``model.tp_plan``:
-the class plan first, the base plan prefixed by the base model's attribute name
-(``model.``), and ``embed_tokens`` split over the vocabulary when the plan is not empty.
-`plan_entries` reads that combined plan and maps each of its styles to ours, or refuses
-it by name with the parameter path; `functional_shard.planning.tp.rules.from_hf` makes `Rules` of
-it. transformers is imported only here, and only when a config has to be turned into a
-model. This module knows nothing of `Rules` (rules imports it, not the other way round).
+`plan_entries` reads a model's combined ``model.tp_plan`` (the class's ``_tp_plan`` and the config's
+``base_model_tp_plan`` under the base model's prefix) and maps each style to ours, or refuses it by
+name; `functional_shard.planning.tp.rules.from_hf` makes `Rules` of it. transformers is imported only
+here, and only to build a model from a config.
 """
 
 from __future__ import annotations
@@ -99,8 +94,7 @@ def hf_plan(model: nn.Module) -> dict[str, str]:
     """The combined tensor-parallel plan of a transformers model, as transformers combines it.
 
     Returns:
-        Module (or parameter) pattern → transformers style name, ``*`` for a layer index;
-        empty when the architecture has none (GPT-2).
+        Module pattern → transformers style name (``*`` for a layer index); empty when there is none.
     """
     plan = getattr(model, "tp_plan", None)
     if isinstance(plan, dict):
@@ -122,20 +116,16 @@ def _pattern(key: str) -> re.Pattern[str]:
 def plan_entries(model_or_config: object) -> tuple[str, list[tuple[re.Pattern[str], str]]]:
     """The model's class name and its plan as (pattern, our style) pairs, in the plan's order.
 
-    A config is built into a model on the meta device (no weights) to read the plan and
-    its parameter paths. `functional_shard.planning.tp.rules.from_hf` turns the pairs into `Rules`.
+    A config is built into a model on the meta device to read the plan and its parameter paths.
 
     Args:
         model_or_config: a ``PreTrainedModel`` or a ``PretrainedConfig``.
 
     Returns:
-        ``(class name, pairs)``: one pair per plan entry that covers a parameter of the
-        model, its transformers style mapped by `HF_STYLES`.
+        ``(class name, pairs)``: one per plan entry covering a parameter, its style mapped by `HF_STYLES`.
 
     Raises:
-        PolicyError: not a transformers model or config; the architecture has no plan;
-            or a plan entry that covers parameters uses a style torch cannot run (the
-            style, the entry and a parameter path are named).
+        PolicyError: not a transformers model or config, no plan, or a style torch cannot run (named).
 
     Examples:
         >>> import transformers
@@ -191,11 +181,9 @@ _SPLIT_STYLES = ("colwise", "colwise_gather")
 def _residual_norms(
     model: nn.Module, pairs: list[tuple[re.Pattern[str], str]]
 ) -> list[tuple[re.Pattern[str], str]]:
-    # transformers' plans name the projections only. Under sequence parallel the norms
-    # between them (input_layernorm, post_attention_layernorm, the final norm) see this
-    # rank's tokens: they need torch's SequenceParallel, which keeps their weight whole
-    # and all-reduces its gradient. Norms inside a module with split projections (Qwen3's
-    # q_norm, k_norm) see gathered activations and keep the plan's own style.
+    # transformers' plans name the projections only; under sequence parallel the norms between
+    # them see this rank's tokens and need SequenceParallel. Norms inside a module with split
+    # projections (Qwen3's q_norm) see gathered activations and keep the plan's style.
     split = [
         path
         for path, module in model.named_modules()
@@ -216,8 +204,7 @@ def _residual_norms(
 def pp_pieces(model: object) -> tuple[str, ...] | None:
     """A transformers model's pipeline pieces in forward order, from its ``base_model_pp_plan``.
 
-    The base model's pieces (``embed_tokens``, ``layers``, ``norm``) under its prefix, then
-    the class's own (``lm_head``); None for a model without a pipeline plan.
+    The base model's pieces under its prefix, then the class's own; None without a pipeline plan.
 
     Examples:
         >>> import torch, transformers
@@ -263,9 +250,8 @@ def _ep_plan_patterns(model: nn.Module) -> tuple[str, ...]:
 def expert_patterns(model: object) -> tuple[str, ...]:
     """Glob patterns (``*`` for a layer index) of a model's expert tensors, for `fs.ep`.
 
-    A transformers model's ``config.base_model_ep_plan`` names them (its ``grouped_gemm``
-    entries, under the base model's prefix); otherwise every 3-D parameter of a module whose
-    name contains ``experts`` (``layers.0.mlp.experts.gate_up_proj``; not a shared expert).
+    From a transformers config's ``base_model_ep_plan``, else every 3-D parameter of a module named like
+    ``experts`` (not a shared expert).
 
     Raises:
         PolicyError: no expert tensor found; the message says how to name them.
@@ -300,8 +286,7 @@ def expert_patterns(model: object) -> tuple[str, ...]:
 def expert_top_k(model: Any) -> int:
     """Experts each token visits in ``model``'s mixture-of-experts layers (0: none found).
 
-    Read from a transformers config's ``num_experts_per_tok`` (Mixtral, Qwen-MoE,
-    DeepSeek, ...), else from a router module's ``top_k``.
+    From a transformers config's ``num_experts_per_tok``, else a router module's ``top_k``.
 
     Examples:
         >>> import torch.nn as nn

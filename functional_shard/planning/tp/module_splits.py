@@ -1,8 +1,7 @@
 """What a model's modules let tensor parallel split: whole heads, even features, packed pieces.
 
-Pure: it reads the modules a plan's tensor-parallel styles name (their kind, features and
-the attention's ``head_dim`` or ``split_size``) and needs no process group: the runtime's
-`check_runnable` asks every question here, `fs.estimate` (before it traces) the heads.
+Pure: it reads the styled modules only. The runtime's `check_runnable` asks every question here,
+`fs.estimate` the heads.
 """
 
 from __future__ import annotations
@@ -52,10 +51,8 @@ def features_of(module: Any) -> tuple[int, int]:
 def split_problems(plan: Plan, module: nn.Module) -> list[str]:
     """Every tensor-parallel split of ``plan`` that ``module``'s modules or the engines cannot run.
 
-    A split projection must keep whole attention heads on each rank (`head_problems`), a
-    rowwise one an even split of its input (torch's ``RowwiseParallel`` assumes it), a
-    packed one (fused q/k/v) even pieces; a Conv1D splits only as functional_shard splits
-    it. One line each; empty without tensor parallel.
+    Whole attention heads per rank (`head_problems`), even rowwise inputs (``RowwiseParallel`` assumes it),
+    even packed pieces, a Conv1D only as our own split runs it. One line each.
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -83,10 +80,7 @@ def split_problems(plan: Plan, module: nn.Module) -> list[str]:
 def head_problems(plan: Plan, module: nn.Module) -> list[str]:
     """The attention projections ``plan`` splits into parts of heads, one line each.
 
-    ``module``'s forward cannot run them at their local shapes (it reshapes its features
-    into whole heads). What `fs.estimate` refuses before tracing; the rest of
-    `split_problems` (uneven features torch's styles cannot rebuild) it still estimates,
-    rank by rank.
+    The forward cannot run them (it reshapes its features into whole heads): `fs.estimate` refuses them.
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -120,10 +114,8 @@ def _tp(plan: Plan) -> TpConfig:
 def _conv1d_problems(
     path: str, style: str, target: Any, parent: Any, tp_size: int, *, pieces: tuple[int, ...] | None = None
 ) -> list[str]:
-    # Conv1D (and packed pieces) run through functional_shard's own split (_split_projection):
-    # colwise, packed_colwise and rowwise, with whole activations between layers; a packed
-    # projection's pieces are the sizes its rule gave (fs.packed), else told apart by its
-    # attention's split_size (Hugging Face GPT-2)
+    # Conv1D and packed pieces run through our own split (_split_projection); a packed
+    # projection's pieces are its rule's sizes, else its attention's split_size (GPT-2)
     found = []
     if is_conv1d_module(target) and style not in (*CONV1D_STYLES, "sequence", "replicate"):
         found.append(
@@ -168,13 +160,9 @@ def _conv1d_problems(
 def _heads_split(
     path: str, style: str, target: Any, parent: Any, tp_size: int, *, pieces: tuple[int, ...] | None = None
 ) -> list[str]:
-    # An attention projection split for tensor parallel must keep whole heads on each rank:
-    # the module reshapes its local features into (heads, head_dim). Attention modules
-    # (Hugging Face's, the zoo's) say their head width in ``head_dim``. A gathered output
-    # or a sliced whole input is whole again for the attention, which needs nothing then.
-    # A packed projection holds its pieces' heads: each piece (q, k or v) must split whole.
-    # torchtitan's fused wqkv is laid out by key/value group (its module's r_dim rows of
-    # head_dim: the group's query heads, its key, its value): whole groups per rank.
+    # the module reshapes its local features into (heads, head_dim): each rank needs whole heads
+    # (a gathered output or sliced whole input needs nothing); a packed projection each piece's,
+    # torchtitan's fused wqkv (laid out by key/value group) whole groups
     head_dim = getattr(parent, "head_dim", None)
     splits_heads = style in ("colwise", "rowwise", "packed_colwise")
     if not is_projection(target) or not isinstance(head_dim, int) or not splits_heads:

@@ -1,14 +1,9 @@
 """Tensor-parallel rule sets: ordered (path pattern → spec or module style), first match wins.
 
-A pattern matches a parameter when it fullmatches the parameter's path or any enclosing
-module path, so ``"*.q_proj"`` covers ``layers.0.self_attn.q_proj.weight`` and ``.bias``.
-Glob patterns (``*`` spans dots) or compiled regexes. A style (``colwise``, ``rowwise``,
-...) expands to per-parameter specs by the owning module's type, as torch's parallel
-styles shard them (`functional_shard.planning.tp.styles` has the table).
-
-`for_model` and `from_hf` (Hugging Face models' own plans, `functional_shard.planning.tp.hf_plans`) pick
-rules for a model. The styles and what sequence parallel gathers
-(`functional_shard.planning.tp.sequence_parallel`) are importable from here too.
+A pattern (a glob, ``*`` spanning dots, or a compiled regex) matches a parameter when it fullmatches
+its path or an enclosing module's: ``"*.q_proj"`` covers ``layers.0.self_attn.q_proj.weight``. A style
+expands to per-parameter specs as torch's styles shard them (`functional_shard.planning.tp.styles`).
+`for_model` and `from_hf` pick rules for a model.
 """
 
 from __future__ import annotations
@@ -91,9 +86,7 @@ class Rule:
         return expand_style(self.target, path, tensor, axis)
 
 
-# A glob of these characters can tell one block index from another (``layers.3.*``,
-# ``layers.?.*``); any other glob matches ``layers.3.x`` exactly when it matches
-# ``layers.7.x``: its literals cannot match the digits, so only a ``*`` spans them.
+# only a glob with these characters can tell one block index from another (``layers.3.*``)
 _INDEX_SENSITIVE = frozenset("0123456789?[")
 
 
@@ -111,9 +104,7 @@ def index_free(pattern: Pattern) -> bool:
 
 @functools.lru_cache(maxsize=1024)
 def _covering(pattern: Pattern) -> re.Pattern[str]:
-    # "matches the path or an enclosing module path" as one regex: the pattern, then
-    # optionally a dot and the rest of the path
-    # (fnmatch's translation ends in \Z, which would forbid the suffix)
+    # the pattern, then optionally a dot and the rest of the path (fnmatch's \Z would forbid it)
     source = fnmatch.translate(pattern).removesuffix(r"\Z") if isinstance(pattern, str) else pattern.pattern
     return re.compile(rf"(?:{source})(?:\..*)?", re.S)
 
@@ -218,9 +209,7 @@ def resolve(rules: Rules, model: object) -> Rules:
 def from_hf(model_or_config: object) -> Rules:
     """Rules from a Hugging Face model's own tensor-parallel plan (see `planning.tp.hf_plans`).
 
-    The plan is read as transformers combines it (``model.tp_plan``: the class's
-    ``_tp_plan``, the config's ``base_model_tp_plan`` under the base model's prefix); a
-    config is built into a model on the meta device first.
+    A config is built into a model on the meta device first.
 
     Args:
         model_or_config: a transformers ``PreTrainedModel`` or ``PretrainedConfig``.
@@ -229,8 +218,7 @@ def from_hf(model_or_config: object) -> Rules:
         Rules named ``"hf"``, one per plan entry that covers a parameter, in plan order.
 
     Raises:
-        PolicyError: not a transformers model or config, the model has no plan, or the
-            plan uses a style torch's tensor parallel cannot run (named, with its path).
+        PolicyError: not a transformers model or config, no plan, or a style torch cannot run (named).
 
     Examples:
         >>> import transformers
@@ -249,9 +237,8 @@ def from_hf(model_or_config: object) -> Rules:
 
 
 def _misfit(rules: Rules, paths: list[str]) -> str | None:
-    # a named set fits when each of its splitting rules covers some parameter, an optional
-    # one aside, and each group of alternative names has one alternative all of whose rules
-    # cover some; else why not
+    # each splitting rule covers some parameter (optional ones aside), and one alternative of
+    # each group covers some with all its rules; else why not
     def covered(pattern: Pattern) -> bool:
         return any(_covering(pattern).fullmatch(p) for p in paths)
 
@@ -276,13 +263,9 @@ def _misfit(rules: Rules, paths: list[str]) -> str | None:
 def for_model(model: object) -> Rules:
     """HF rules for a transformers model with a plan, else the named set that fits, else its structure's.
 
-    A named set (`gpt2_hf` for Hugging Face models, then `llama`, `torchtitan` for other
-    models, `gpt2`, `mlp`, in that order) fits when each of its splitting rules covers
-    some parameter of the model (where torchtitan's names changed between versions, one
-    version's names suffice). When none fits, rules are derived from the model's data
-    flow (`functional_shard.planning.tp.structural_rules.structural_rules`, named ``"structure"``):
-    in each repeated block the projections reading the residual stream colwise, those
-    writing back into it rowwise, the embedding and head as `llama` splits them.
+    A named set (`gpt2_hf`, `llama`, `torchtitan`, `gpt2`, `mlp`, in that order) fits when each of its
+    splitting rules covers some parameter. When none fits, rules come from the model's data flow
+    (`functional_shard.planning.tp.structural_rules.structural_rules`, named ``"structure"``).
 
     Args:
         model: the module to split.
@@ -291,9 +274,7 @@ def for_model(model: object) -> Rules:
         `from_hf` rules, or the first named set that fits.
 
     Raises:
-        PolicyError: ``model`` is not a module, or no rule set fits and the structure
-            gives none; the message names every set tried and why it did not fit, and each
-            module the structure could not classify.
+        PolicyError: ``model`` is not a module, or nothing fits (every set tried named, with why).
 
     Examples:
         >>> for_model(nn.ModuleDict({"fc1": nn.Linear(4, 8), "fc2": nn.Linear(8, 4)})).name
@@ -363,11 +344,8 @@ gpt2 = Rules(
     ],
     name="gpt2",
 )
-"""GPT-2 naming with ``nn.Linear`` layers (nanoGPT/minGPT style). The MLP and embeddings
-are split; attention stays replicated because ``c_attn`` packs q, k and v in one output
-dim, so a plain column split would hand each rank a mix of the three rather than whole
-heads (for Hugging Face's GPT-2, whose attention says how q, k and v are packed, see
-`gpt2_hf`)."""
+"""GPT-2 naming with ``nn.Linear`` layers (nanoGPT style): MLP and embeddings split, attention
+replicated (``c_attn`` packs q, k and v, which a plain column split would mix; see `gpt2_hf`)."""
 
 gpt2_hf = Rules(
     [
@@ -382,10 +360,8 @@ gpt2_hf = Rules(
     ],
     name="gpt2_hf",
 )
-"""Hugging Face GPT-2 (``GPT2LMHeadModel``, ``Conv1D`` layers, weight ``(in, out)``), which
-has no tensor-parallel plan in transformers: ``c_attn`` packs q, k and v in its output, so
-it is ``packed_colwise`` (each rank holds its heads of each), the attention's ``c_proj``
-rowwise; the MLP and the embeddings split as in `gpt2`. `for_model` picks it for HF GPT-2."""
+"""Hugging Face GPT-2 (``Conv1D`` layers), which has no plan in transformers: ``c_attn``
+``packed_colwise``, the attention's ``c_proj`` rowwise, the rest as in `gpt2`."""
 
 _TITAN_MOE: tuple[tuple[str, Style], ...] = (
     ("*.moe.router.gate", "replicate"),
@@ -399,9 +375,8 @@ _TITAN_MOE: tuple[tuple[str, Style], ...] = (
 # rules a named set may hold that its model need not have (a dense torchtitan model has no MoE)
 _OPTIONAL = frozenset(pattern for pattern, _ in _TITAN_MOE)
 
-# torchtitan's attention projections and head, under the names of each version: 0.3.0's
-# fused qkv_linear.wqkv (or, unfused, qkv_linear.wq/wk/wv) and lm_head; earlier,
-# attention.wq/wk/wv and output
+# torchtitan's attention projections and head under each name its releases use (fused
+# qkv_linear.wqkv, qkv_linear.wq/wk/wv, attention.wq/wk/wv; lm_head, output)
 _TITAN_QKV = (
     ("*.attention.qkv_linear.wqkv",),
     ("*.attention.qkv_linear.wq", "*.attention.qkv_linear.wk", "*.attention.qkv_linear.wv"),
@@ -414,11 +389,8 @@ _ALTERNATIVES: tuple[tuple[tuple[str, ...], ...], ...] = (_TITAN_QKV, _TITAN_HEA
 torchtitan = Rules(
     [
         *_TITAN_MOE,
-        # 0.3.0 lays the fused wqkv out by key/value group (each group's query heads, its
-        # key, its value), so a plain column split into whole groups gives each rank its
-        # heads of q, k and v: torchtitan itself splits it colwise, and no piece sizes are
-        # needed. The group size is the module's (its qkv_linear's head_dim and r_dim): apply
-        # refuses a tensor-parallel size that does not divide the key/value heads.
+        # the fused wqkv is laid out by key/value group, so a column split into whole groups
+        # gives each rank its heads of q, k and v, as torchtitan splits it (no piece sizes)
         *((pattern, cast(Style, "colwise")) for names in _TITAN_QKV for pattern in names),
         ("*.attention.wo", "rowwise"),
         ("*.feed_forward.w1", "colwise"),
@@ -430,18 +402,10 @@ torchtitan = Rules(
     ],
     name="torchtitan",
 )
-"""torchtitan's Llama names, split as `llama` splits Hugging Face's: 0.3.0's fused
-``attention.qkv_linear.wqkv`` colwise (laid out by key/value group, so whole groups per rank:
-the tensor-parallel size must divide the key/value heads) or its unfused
-``qkv_linear.wq/wk/wv``, and the older ``attention.wq/wk/wv``; ``attention.wo`` rowwise,
-``feed_forward.w1/w3`` colwise, ``w2`` rowwise, ``tok_embeddings`` over the vocabulary, the
-head ``lm_head`` (older: ``output``) colwise with its logits gathered. A model fits with
-either version's names. The attention must read its local head count from the split
-projections (``view(..., -1, head_dim)``), as torchtitan's does. Its mixture-of-experts layers
-(DeepSeek V3, Llama 4) split as torchtitan splits them: the router's ``moe.router.gate``
-whole, the grouped experts' 3-D ``moe.experts.w1/w3`` ``[E, f, d]`` colwise (dim 1) and
-``w2`` ``[E, d, f]`` rowwise (dim 2), their output all-reduced, and ``moe.shared_experts``
-as a feed-forward. A dense model fits without them."""
+"""torchtitan's Llama names, split as `llama` splits Hugging Face's, under each name its releases
+use (the fused ``wqkv`` needs tp to divide the key/value heads); mixture-of-experts layers split as
+torchtitan splits them (router whole, experts colwise/rowwise per expert). The attention must read
+its local head count from the split projections (``view(..., -1, head_dim)``)."""
 
 mlp = Rules([("*fc1", "colwise"), ("*fc2", "rowwise")], name="mlp")
 """A two-layer MLP (``fc1`` → activation → ``fc2``) split Megatron-style."""

@@ -1,9 +1,6 @@
 """Sequence parallel: which modules gather the sequence, and what it cannot run.
 
-Under sequence parallel the residual stream holds each rank's part of the sequence; the
-modules holding column-split projections gather it on entry (torch's
-``PrepareModuleInput``), as torchtitan does. Pure: the planner, the cost model, the
-activation trace and `functional_shard.apply` read the same answers.
+Pure: the planner, the cost model, the activation trace and `functional_shard.apply` read the same answers.
 """
 
 from __future__ import annotations
@@ -24,20 +21,15 @@ _GATHERED_STYLES = ("colwise", "colwise_gather", "packed_colwise")
 def sequence_gathers(tp_styles: Iterable[tuple[str, str, str]]) -> tuple[str, ...]:
     """Modules that gather the sequence under sequence parallel: attention and MLP blocks.
 
-    Under sequence parallel the residual stream holds each rank's part of the sequence. As
-    torchtitan does, the module holding column-split projections (a layer's ``self_attn``
-    or ``mlp``) all-gathers its input over the sequence once, on entry (torch's
-    ``PrepareModuleInput``), and the projections inside take that whole input; the
-    row-split projections inside reduce-scatter their outputs back over the sequence.
-    A column-split layer whose parent also holds other such modules or an embedding (the
-    model around ``lm_head``) gathers its own input.
+    As torchtitan does, the module holding column-split projections all-gathers its input once on entry
+    (``PrepareModuleInput``); a column-split layer whose parent holds an embedding or other such
+    modules (``lm_head``) gathers its own.
 
     Args:
         tp_styles: ``(module path, style, layout)`` as ``PlanConfig.tp_styles`` holds them.
 
     Returns:
-        The parent module path of column-split projections (embeddings aside), innermost
-        only and holding no split embedding, in first-seen order.
+        The innermost parents of column-split projections holding no split embedding, in first-seen order.
 
     Examples:
         >>> sequence_gathers([("embed", "rowwise", "embedding"),
@@ -94,8 +86,7 @@ def sequence_parallel_problems(
 ) -> list[str]:
     """What sequence parallel cannot run of ``tp_styles`` on these modules, one line each.
 
-    Pure (the modules may live on the meta device): `functional_shard.apply` and the
-    activation trace refuse the same.
+    `functional_shard.apply` and the activation trace refuse the same.
 
     Args:
         tp_styles: ``(module path, style, layout)`` as ``PlanConfig.tp_styles`` holds them.
@@ -125,11 +116,9 @@ def sequence_parallel_problems(
                 "GPT-2) takes whole activations, which sequence parallel does not hand it. Drop "
                 "sequence_parallel (plain tensor parallel runs it)"
             )
-    # Under sequence parallel the residual stream holds this rank's tokens; the modules
-    # sequence_gathers names gather them on entry. Outside those, a module with weights sees
-    # a part of the sequence: only a split layer or a 'sequence' one (torch's SequenceParallel,
-    # which all-reduces the weight's gradient) computes its gradient whole. Inside, activations
-    # are whole: a 'sequence' module there would take its whole input for a part.
+    # outside the gathering modules a module with weights sees part of the sequence: only a split
+    # layer or a 'sequence' one computes its gradient whole; inside, a 'sequence' one would take
+    # its whole input for a part
     for path in gathering:
         if first_input_name(modules[path]) is None:
             found.append(

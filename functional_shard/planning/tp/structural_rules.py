@@ -1,29 +1,10 @@
 """Tensor-parallel rules from a model's structure: `tp("auto")` when no named rule set fits.
 
-Each kind of repeated block (as the FSDP unit finder finds them) is run once on meta
-tensors with the inputs the model's own forward passes it (the whole model run once on
-meta token ids; where that does not reach a block, one hidden-states input ``(batch, seq,
-dim)``), the hidden states tagged as the block's input, and the data flow is recorded:
-which ``nn.Linear`` reads what, and which ops a projection's output passes through. A
-projection that reads the block's input (through norms and elementwise ops) is
-**colwise**; one that reads only colwise outputs and writes back into the block's output
-(the residual stream) is **rowwise**. Between the two only head- or feature-local ops
-may run: elementwise ops, views and transposes to heads, scaled dot-product attention.
-A colwise projection whose whole output is cut by ``split`` or ``chunk`` along its features
-is a fused one (``wqkv``: q, k, v; ``w13``: w1, w3): it becomes a packed colwise
-(`functional_shard.planning.tp.styles.Packed`) of the pieces the call made, equal or not,
-each split on its own over the ranks.
-The token embedding outside the blocks (the largest table) is rowwise and the head (the
-last projection outside them, unless tied to the embedding) colwise_gather, norms
-``sequence``, as `functional_shard.planning.tp.rules.llama` treats them. Names play no part.
-
-Whatever cannot be classified is refused, naming the modules: a projection that reads
-another projection's output and does not write the residual stream, one that reads both
-the block's input and a projection's output, a projection's output reduced over its
-features (a norm over the split width, a sum) or cut otherwise (a slice of its features,
-a split of part of its width after a view, two different splits), a colwise projection
-nothing reads back.
-Pure: meta tensors only, no process group.
+Each kind of repeated block runs once on meta tensors with the inputs the model passes it, and the
+data flow decides, not the names: a projection reading the block's input is **colwise**, one reading
+only colwise outputs and writing the block's output **rowwise**, a colwise one whose output is cut by
+``split`` or ``chunk`` a `functional_shard.planning.tp.styles.Packed`. Whatever cannot be classified is
+refused, naming the modules. docs/your-model.md ("`tp("auto")` from the model's structure") has the rules.
 """
 
 from __future__ import annotations
@@ -70,9 +51,7 @@ _PACKING = frozenset({"split", "chunk"})
 class BlockFlow:
     """What one block's trace found: each projection's style, and what could not be classified.
 
-    ``styles`` map projection paths (relative to the block, ``mix.a``) to ``colwise``,
-    ``rowwise`` or a `Packed` colwise (a fused projection, its pieces as its forward cuts
-    them); ``problems`` name modules and say why, one line each.
+    ``styles``: relative projection path → ``colwise``, ``rowwise`` or `Packed`; ``problems``: one line each.
     """
 
     styles: tuple[tuple[str, Style | Packed], ...]
@@ -160,9 +139,7 @@ def trace_block(block: nn.Module, seq: int = 4, call: Call | None = None) -> Blo
     Args:
         block: a repeated block.
         seq: the traced sequence length, when ``call`` is not given.
-        call: the ``(args, kwargs)`` the model calls the block with (meta tensors, as
-            `block_calls` records them): its first tensor of the block's width is the
-            hidden states; ``None``: ``block(hidden_states)`` alone.
+        call: the ``(args, kwargs)`` the model calls it with (`block_calls`); ``None``: hidden states only.
 
     Returns:
         The block's `BlockFlow` (projection paths relative to the block).
@@ -222,8 +199,7 @@ Call = tuple[tuple[Any, ...], dict[str, Any]]
 def block_calls(model: nn.Module, blocks: list[str], seq: int = 4) -> dict[str, Call]:
     """Each block's first call, as one forward of ``model`` on meta token ids ``(2, seq)`` makes it.
 
-    A model that does not run on token ids alone (or fails on the meta device) gives the
-    calls made before it stopped, maybe none: those blocks are traced with one input.
+    A model that stops early (not runnable on token ids or meta) gives the calls made until then.
 
     Examples:
         >>> model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8))
@@ -376,13 +352,10 @@ def structural_rules(model: nn.Module) -> list[tuple[str, Style | Packed]]:
         model: the module to split (called on token ids to see what its blocks are passed).
 
     Returns:
-        ``(module path, style)`` pairs, exact paths, in model order: every repeated block's
-        projections (a fused one's style a `Packed` of its pieces), norms ``sequence``, the
-        embedding ``rowwise`` and the head ``colwise_gather``.
+        ``(module path, style)`` pairs in model order: projections, norms, embedding and head.
 
     Raises:
-        PolicyError: no repeated blocks, or a projection the trace cannot classify (every
-            such module named, with why).
+        PolicyError: no repeated blocks, or projections the trace cannot classify (each named, with why).
 
     Examples:
         >>> class Block(nn.Module):

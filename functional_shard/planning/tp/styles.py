@@ -15,15 +15,9 @@ styles shard them:
 | replicate  | replicated                   | replicated              |
 | moe_tp_experts | (marks an experts module whose 3-D weights are split; replicated otherwise) | — |
 
-Mixture-of-experts weights stacked in 3-D tensors (Hugging Face's ``gate_up_proj``
-``[E, 2f, d]`` and ``down_proj`` ``[E, d, f]``, each expert an (out, in) matrix) split per
-expert as a Linear would: colwise (and packed_colwise) on dim 1, rowwise on dim 2.
-
-Hugging Face's ``Conv1D`` (GPT-2) stores its weight ``(in, out)``, the transpose of
-``nn.Linear``'s: colwise splits its dim 1, rowwise its dim 0.
-
-Buffers of a styled module stay replicated: torch's styles distribute parameters only.
-Rules (`functional_shard.planning.tp.rules`) give modules these styles.
+3-D expert weights (``[E, out, in]``) split per expert as a Linear would (colwise dim 1, rowwise
+dim 2); Hugging Face's ``Conv1D`` stores ``(in, out)`` (colwise dim 1, rowwise dim 0). Buffers stay
+replicated: torch's styles distribute parameters only.
 """
 
 from __future__ import annotations
@@ -51,29 +45,17 @@ Style: TypeAlias = Literal[
     "moe_tp_experts",
 ]
 STYLES: tuple[str, ...] = get_args(Style)
-"""``colwise_gather`` splits like ``colwise`` and all-gathers the output, for a final
-projection whose whole output the loss needs (torch's ``ColwiseParallel(output_layouts=
-Replicate())``). ``rowwise_split_input`` splits like ``rowwise`` but takes a whole
-(replicated) input and slices it locally, after a ``colwise_gather`` layer (Hugging
-Face's Phi-3). ``replicate_grad_allreduce`` keeps a module whole on every rank while it
-sees only this rank's heads (a per-head norm after a colwise projection): its gradient is
-a partial sum, all-reduced over the tensor-parallel axis. ``packed_colwise`` is for a
-projection whose output packs equal pieces (GPT-2's ``c_attn``: q, k, v): each piece is
-split on its own, so every rank holds its heads of each (a strided split: the spec says
-how much each rank holds, the pieces say which part); the attention module's
-``split_size`` tells the pieces apart, and apply shrinks it and ``num_heads`` to this
-rank's share, as torch tensor-parallel users adjust head counts."""
+"""The style names (the module's table). ``replicate_grad_allreduce`` is for a whole module that sees
+only this rank's heads (a per-head norm): its gradient is a partial sum, all-reduced. ``packed_colwise``
+splits each packed piece on its own; apply shrinks the attention's ``split_size`` and ``num_heads``."""
 
 
 @dataclass(frozen=True, slots=True)
 class Packed:
     """A projection whose output packs pieces of the given sizes, each split on its own.
 
-    The rule target of a fused projection (``wqkv``: q, k and v; ``w13``: w1 and w3): every
-    tensor-parallel rank holds its share of each piece, so a piece of ``n`` features gives
-    each of ``tp`` ranks ``n / tp``. The sizes may differ (grouped-query attention's q is
-    wider than k and v). Its parameters split as ``packed_colwise``; the plan keeps the
-    sizes (``PlanConfig.tp_pieces``), apply splits by them.
+    The rule target of a fused projection (``wqkv``, ``w13``): each rank holds ``n / tp`` of each piece
+    of ``n`` features; sizes may differ. The plan keeps them (``PlanConfig.tp_pieces``).
     """
 
     pieces: tuple[int, ...]
@@ -149,9 +131,7 @@ def is_conv1d(module_name: str | None) -> bool:
 def layout_of(tensor: TensorSpec) -> str:
     """How torch's styles see the owning module: "linear", "embedding", "conv1d", "experts" or "other".
 
-    A bare pytree (no module type) is read with the Linear (out, in) layout; "conv1d" is
-    Hugging Face's ``Conv1D``, weight (in, out); "experts" a 3-D parameter of any other
-    module: a stack of per-expert (out, in) matrices (mixture-of-experts weights).
+    A bare pytree reads as Linear (out, in); "experts" is a 3-D parameter of any other module.
     """
     if tensor.module_is(nn.Linear):
         return "linear"
