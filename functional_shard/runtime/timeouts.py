@@ -202,7 +202,7 @@ def how_it_ended(error: BaseException, collective: str, seconds: float) -> str:
 def watch_collectives() -> Iterator[None]:
     """Turn torch's timeout of a collective in the block into a `CollectiveTimeoutError`.
 
-    gloo's word that a peer died in it too. Wrap a training step in it; the process group's
+    So does gloo's word that a peer died in it. Wrap a training step in it; the process group's
     ``timeout`` (`init_distributed`'s) decides how long a rank waits. Other errors pass unchanged.
 
     Raises:
@@ -231,7 +231,7 @@ def init_distributed(
     Restart-safe under ``torchrun --max-restarts``: each attempt meets under keys of its own.
 
     Args:
-        backend: NCCL when CUDA is there (one GPU per process, by ``LOCAL_RANK``), else gloo.
+        backend: by default NCCL when CUDA is there (one GPU per process, by ``LOCAL_RANK``), else gloo.
         timeout: seconds (or a timedelta) a collective waits for its peers before raising.
 
     Raises:

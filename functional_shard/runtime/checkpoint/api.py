@@ -165,7 +165,7 @@ def save(
         module: the module `apply` parallelized.
         optimizer: its optimizer (any plan's, ZeRO-1's included), if its state should be saved too.
         full: one file with full tensors, written by rank 0, instead of one file per rank.
-        extra: small plain values to keep beside (tensors, numbers, strings, and lists and dicts of them).
+        extra: small plain values to keep beside (tensors, None, numbers, strings, bytes, containers of them).
         asynchronous: write this rank's shards in the background while training goes on; sharded only.
         data: a `ResumableLoader` or `ResumableSampler`, whose data order ``load(..., data=)`` puts back.
 

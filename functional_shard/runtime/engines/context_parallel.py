@@ -314,7 +314,8 @@ def sequence_context(
     recomputes its attention there.
 
     Raises:
-        ShardingError: ``module`` not applied with ``plan``, a plan without cp, or a bad ``seq_len``.
+        ShardingError: ``module`` not applied with ``plan``, a plan without cp, or a ``seq_len``
+            that is not a positive int or that the chunks do not divide.
 
     Examples:
         >>> # inputs, targets, positions = fs.context_chunks(plan, inputs, targets)

@@ -56,7 +56,7 @@ def forward_only(plan: Plan, module: nn.Module, *, root: str = "") -> Callable[[
     Args:
         plan: the plan `apply` ran.
         module: the module `apply` returned.
-        root: the submodule whose forward runs the model, as `apply` took it; '' under a pipeline.
+        root: the submodule whose forward runs the model, as `apply` took it; "" under a pipeline.
 
     Returns:
         ``forward(inputs)``, returning the model's outputs (detached; under a pipeline one tensor).

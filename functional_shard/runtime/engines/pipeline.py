@@ -62,8 +62,8 @@ class PassThrough(nn.Module):
 class Pipelined:
     """This rank's pipeline: its stages, the pp group, and the one schedule that drives them.
 
-    Training and evaluation share one schedule: torch's schedule re-initialises its stages
-    when it switches between ``step`` and ``eval``, which a second schedule would not see.
+    Training and evaluation share one schedule: torch's schedule re-initialises its stages'
+    buffers when it switches between ``step`` and ``eval``; a second schedule would not.
     Its loss function calls ``loss``, the loss of the step that runs now.
     """
 
@@ -329,7 +329,7 @@ def pipeline_eval_loss(
 def _returning(run: Callable[..., Any], outputs: bool) -> dict[str, Any]:
     """``return_outputs=outputs`` for a schedule's ``step``/``eval`` where torch takes it.
 
-    Older schedules hand unknown keywords to the model (docs/torch-versions.md).
+    A schedule without the keyword would hand it to the model (docs/torch-versions.md).
 
     Examples:
         >>> _returning(lambda *args, target=None, return_outputs=True, **kwargs: None, False)

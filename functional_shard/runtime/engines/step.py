@@ -43,7 +43,7 @@ def forward_backward(
         module: the module `apply` returned.
         loss_fn: ``loss_fn(outputs, targets)``, a mean over the (micro-)batch, as ``F.cross_entropy``.
         scaler: a loss scaler (`grad_scaler`) for float16; unscale and step through it as usual.
-        root: the submodule whose forward runs the model (a LightningModule's ``model``); '' under a pipeline.
+        root: the submodule whose forward runs the model (a LightningModule's ``model``); "" under a pipeline.
 
     Returns:
         ``step(inputs, targets)``, returning the batch's mean loss (detached), the same on every
