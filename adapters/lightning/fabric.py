@@ -22,8 +22,9 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
     """The same plans through Fabric: ``L.Fabric(strategy=FabricShardStrategy(plan_or_policy))``.
 
     ``fabric.setup_module(model)`` plans (for a policy), applies and materializes (or fills
-    from ``weights=``); build the optimizer after it. ``fabric.backward``,
-    ``fabric.no_backward_sync`` and ``precision="16-mixed"`` work as with any strategy.
+    from ``weights=``); build the optimizer after it. ``fabric.backward`` and
+    ``fabric.no_backward_sync`` work as usual, and ``precision="16-mixed"`` too, its loss
+    scaler agreeing over ranks (`functional_shard.grad_scaler`).
 
     One loop for every plan: ``step = strategy.forward_backward(model, loss_fn)`` gives
     ``step(inputs, targets) -> loss`` (`functional_shard.forward_backward` under the

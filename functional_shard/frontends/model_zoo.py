@@ -186,7 +186,7 @@ class Llama(nn.Module):
         Args:
             tokens: ``(rows, seq)`` token ids.
             positions: ``(rows, seq)`` rotary positions (`PackedBatch.positions`); None: no rotary embedding.
-            document_ids: ``(rows, seq)`` each token's document (`PackedBatch.document_ids`); None: the row.
+            document_ids: ``(rows, seq)`` each token's document, attention staying inside it; None: the row.
 
         Raises:
             ShardingError: ``positions`` or ``document_ids`` shaped unlike the tokens, or not documents
