@@ -10,8 +10,7 @@ Examples:
     (16, 64)
 """
 
-# One list, `_EXPORTS`, says what the package exports: public name -> (the module that
-# defines it, the attribute; None exports the module itself); `__all__` is its public names.
+# `_EXPORTS` maps each public name to (defining module, attribute; None: the module itself).
 # Names load on first use (PEP 562), so `import functional_shard` loads no engine,
 # checkpoint or launcher code. Type checkers, IDEs and the API docs read `__init__.pyi`,
 # written from this list by `python3 tests/unit/test_facade.py` (which fails when they differ).

@@ -1,8 +1,7 @@
 """The ``functional-shard`` command's entry point, at the path installers and users name.
 
-The commands live in `functional_shard.frontends.cli`; the two readers a training script
-borrows (examples/train_torchrun.py, docs: Launching) keep their path too, and so does
-``python -m functional_shard.cli``.
+The commands live in `functional_shard.frontends.cli`; this path also serves the two readers
+training scripts borrow (examples/train_torchrun.py) and ``python -m functional_shard.cli``.
 """
 
 from .frontends.cli import load_model as load_model

@@ -1,4 +1,4 @@
-"""Small, real models with Hugging Face naming: `functional_shard.frontends.model_zoo`, at its old path.
+"""Small, real models with Hugging Face naming: `functional_shard.frontends.model_zoo`, at a short path.
 
 Examples:
     >>> from functional_shard.zoo import llama

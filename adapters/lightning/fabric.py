@@ -21,25 +21,17 @@ __all__ = ["FabricShardStrategy"]
 class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
     """The same plans through Fabric: ``L.Fabric(strategy=FabricShardStrategy(plan_or_policy))``.
 
-    ``fabric.setup_module(model)`` plans (for a policy), applies and materializes; build the
-    optimizer after it (an optimizer on the replaced parameters is refused by
-    ``fabric.setup_optimizers``; under a ZeRO-1 plan a plain one is rebound to
-    ``ZeroRedundancyOptimizer``). ``fabric.backward`` and ``fabric.no_backward_sync`` work
-    as with Lightning's ModelParallelStrategy; ``precision="16-mixed"`` too (which that one
-    refuses), its loss scaler agreeing over ranks (`functional_shard.grad_scaler`).
+    ``fabric.setup_module(model)`` plans (for a policy), applies and materializes (or fills
+    from ``weights=``); build the optimizer after it. ``fabric.backward`` and
+    ``fabric.no_backward_sync`` work as usual, and ``precision="16-mixed"`` too, its loss
+    scaler agreeing over ranks (`functional_shard.grad_scaler`).
 
-    One loop for every plan, pipelines included: ``step = strategy.forward_backward(model,
-    loss_fn)`` gives ``step(inputs, targets) -> loss`` (`functional_shard.forward_backward`
-    in the precision's autocast and with its loss scaler). Under a pipeline plan the
-    schedule runs the forward and the backward of every micro-batch, so ``fabric.backward``
-    is refused there: a stage's forward alone is not the model's.
-    ``fabric.save`` / ``fabric.load`` write and read `functional_shard.runtime.checkpoint.api`'s format
-    (aside, then renamed; any plan's, ZeRO-1's included), so a checkpoint moves between
-    plans, Fabric and the Trainer.
-
-    The arguments are `ShardStrategy`'s: with ``weights="folder/"`` (and ``weights_mapping=``,
-    ``trust_weights=``) ``fabric.setup_module`` fills the module, built on the meta device or
-    not, from a Hugging Face folder after applying the plan, each rank reading its slices.
+    One loop for every plan: ``step = strategy.forward_backward(model, loss_fn)`` gives
+    ``step(inputs, targets) -> loss`` (`functional_shard.forward_backward` under the
+    precision's autocast and loss scaler); under a pipeline plan ``fabric.backward`` is
+    refused, since a stage's forward alone is not the model's. ``fabric.save`` /
+    ``fabric.load`` use `functional_shard.runtime.checkpoint.api`'s format, so a checkpoint
+    moves between plans, Fabric and the Trainer. The arguments are `ShardStrategy`'s.
 
     Examples:
         >>> # fabric = L.Fabric(strategy=FabricShardStrategy(fs.fsdp()), accelerator="cpu", devices=4)

@@ -66,24 +66,20 @@ def deepspeed_config(plan: fs.Plan) -> dict[str, Any]:
 def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target: str | None = None) -> Any:
     """Lightning's own strategy for a plan, where one expresses it exactly.
 
-    ``ddp`` plans give ``DDPStrategy``; ZeRO-2/3, FSDP and HSDP give ``FSDPStrategy``
-    (FSDP1: SHARD_GRAD_OP / FULL_SHARD / HYBRID_SHARD, the plan's units as its wrap policy,
-    its checkpointed modules, CPU offload, mixed precision); ZeRO-1, or ``target="deepspeed"``,
-    gives ``DeepSpeedStrategy(config=deepspeed_config(plan))``. 2D plans (FSDP over one axis,
-    tensor parallel over the next) give ``ModelParallelStrategy`` with the plan's sizes;
-    Lightning's strategy leaves parallelizing to the LightningModule, so its
-    ``configure_model`` calls ``fs.apply(plan, self, root="model")``.
+    ``ddp`` plans give ``DDPStrategy``; ZeRO-2/3, FSDP and HSDP give ``FSDPStrategy`` (FSDP1,
+    with the plan's units, checkpointing, offload and precision); ZeRO-1 gives
+    ``DeepSpeedStrategy(config=deepspeed_config(plan))``. 2D plans (FSDP, then tensor
+    parallel) give ``ModelParallelStrategy``, whose LightningModule's ``configure_model``
+    calls ``fs.apply(plan, self, root="model")``.
 
     Args:
         plan: the plan.
-        module: the module the plan was made for; needed when the plan names FSDP units or
-            checkpointed modules (FSDP1 selects modules by object, not by path).
-        target: ``"ddp"``, ``"fsdp"``, ``"deepspeed"`` or ``"model_parallel"``; by default
-            the exact match.
+        module: the module the plan was made for; needed for FSDP units or checkpointed modules.
+        target: ``"ddp"``, ``"fsdp"``, ``"deepspeed"`` or ``"model_parallel"``; by default the exact match.
 
     Raises:
-        functional_shard.ShardingError: the target cannot express the plan (the message names
-            the feature), or DeepSpeed is not installed.
+        functional_shard.ShardingError: the target cannot express the plan (the feature named), or
+            DeepSpeed is not installed.
 
     Examples:
         >>> plan = fs.shard(torch.nn.Linear(4, 4), fs.Mesh(dp=2), fs.zero(2))

@@ -1,9 +1,7 @@
 """The Trainer's loops under a pipeline (or context-parallel) plan: the step helpers and the strategy's part.
 
-A stage's forward alone is not the model's, so under a pipeline plan the LightningModule's
-steps call the helpers here, the same for every plan: `training_loss` runs the schedule's
-forward and backward, `evaluation_loss` and `model_outputs` its forward only (torch's
-``schedule.eval``), each result sent from the last stage to every rank of the pipeline.
+A stage's forward alone is not the model's, so the LightningModule's steps call the helpers
+here, the same under every plan: `training_loss`, `evaluation_loss`, `model_outputs`.
 `_RunsSchedules` is the strategy's side: it builds the step functions once and hands the
 schedule's gradients to Lightning's backward, scaled for gradient accumulation.
 """
@@ -79,12 +77,9 @@ class _RunsSchedules:
     def pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Run the plan's schedule (or cp's step) on the module's ``loss_fn``: the batch's mean loss.
 
-        Under context parallel the step cuts this rank's chunks of the whole sequences and
-        returns the mean over every token of its cp group (`fs.forward_backward`).
-
-        The step function (and torch's schedule with it) is built once, with the precision
-        plugin's loss scaler if any. The gradients earlier batches accumulated stay where
-        they are (Lightning may zero them next); this step's are set aside for `backward`.
+        The step (`fs.forward_backward`) is built once, with the precision plugin's loss scaler.
+        Earlier batches' gradients stay where they are (Lightning may zero them next); this
+        step's are set aside for `backward`.
         """
         module = self._module("pipeline_step")
         if self._pipeline_step is None:
@@ -165,14 +160,10 @@ def _loss_fn(module: pl.LightningModule, helper: str) -> Callable[[torch.Tensor,
 def training_loss(module: pl.LightningModule, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The loss of a training step under any strategy; return it from ``training_step``.
 
-    Under a `ShardStrategy` with a pipeline plan, the plan's schedule runs the forward and
-    the backward of every micro-batch and this returns their mean loss (detached, the same
-    on every rank of the pipeline); Lightning's backward is then skipped. Under a
-    context-parallel plan the step cuts this rank's chunks of the whole sequences, runs the
-    forward and backward over them and returns the mean loss over every token of its cp
-    group (detached); Lightning's backward is skipped too. Otherwise it is
-    ``module.loss_fn(child(inputs), targets)``, with ``child`` the module holding the
-    parameters, for Lightning to backward as usual. So one ``training_step`` runs any plan.
+    Under a `ShardStrategy` with a pipeline or context-parallel plan it runs the forward and
+    backward (`fs.forward_backward`) and returns the detached mean loss; Lightning's backward
+    is then skipped. Otherwise it is ``module.loss_fn(child(inputs), targets)``, with
+    ``child`` the module holding the parameters, for Lightning to backward as usual.
 
     Args:
         module: the LightningModule, with a ``loss_fn(outputs, targets)`` method.
@@ -196,11 +187,8 @@ def training_loss(module: pl.LightningModule, inputs: torch.Tensor, targets: tor
 def evaluation_loss(module: pl.LightningModule, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The loss of a validation or test step under any strategy, without gradients.
 
-    Under a `ShardStrategy` with a pipeline plan the schedule runs forward only (torch's
-    ``schedule.eval``), the last stage calls ``loss_fn`` on each micro-batch, and the mean
-    is sent to every rank of the pipeline: log it with ``sync_dist=True`` and every rank
-    logs the same value as under a plan without pp (`fs.forward_loss`). Otherwise it is
-    ``module.loss_fn(child(inputs), targets)`` under ``torch.no_grad()``.
+    Under a `ShardStrategy` with a pipeline plan it is `fs.forward_loss`, the same on every rank
+    of the pipeline; otherwise ``module.loss_fn(child(inputs), targets)`` under ``torch.no_grad()``.
 
     Args:
         module: the LightningModule, with a ``loss_fn(outputs, targets)`` method.
@@ -225,11 +213,8 @@ def evaluation_loss(module: pl.LightningModule, inputs: torch.Tensor, targets: t
 def model_outputs(module: pl.LightningModule, inputs: torch.Tensor) -> torch.Tensor:
     """The whole model's outputs on ``inputs`` under any strategy, without gradients (for ``predict_step``).
 
-    Under a `ShardStrategy` with a pipeline plan the schedule runs forward only and the
-    last stage's outputs, put back together from the micro-batches, are sent to every rank
-    of the pipeline, so every rank returns the same predictions as a plan without pp
-    would (`fs.forward_only`). Otherwise it is ``child(inputs)`` under ``torch.no_grad()``,
-    with ``child`` the module holding the parameters.
+    Under a `ShardStrategy` with a pipeline plan it is `fs.forward_only`, whose outputs every
+    rank of the pipeline gets; otherwise ``child(inputs)`` under ``torch.no_grad()``.
 
     Args:
         module: the LightningModule.

@@ -33,57 +33,35 @@ __all__ = ["ShardStrategy"]
 class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
     """A Lightning strategy that runs a functional_shard plan (or a policy, planned at setup).
 
-    No ``configure_model`` override is needed: when the LightningModule has one, it runs
-    first (so models can be built on the meta device), then the plan is applied and the
-    module materialized shard by shard, or with ``weights=`` filled from a Hugging Face
-    folder, each rank reading its own slices (`functional_shard.runtime.checkpoint.api.load_hf`).
-    The distributed sampler splits the data over the plan's data-parallel axes;
-    tensor-parallel ranks read the same batches.
+    The LightningModule's ``configure_model`` (if any) runs first, so models can be built on the
+    meta device; then the plan is applied and the module materialized shard by shard, or filled
+    from ``weights=``. The sampler splits the data over the plan's data-parallel axes.
 
-    Pipeline plans (``fs.pipeline("pp", microbatches=4) + fs.fsdp("dp")``): the schedule runs
-    each step's forward and backward over its micro-batches, so ``training_step`` returns
-    `training_loss` ``(self, inputs, targets)`` and the LightningModule names its loss as a
-    ``loss_fn(outputs, targets)`` method (a mean over the batch); Lightning's optimization,
-    automatic or manual, then steps, clips, accumulates and logs as usual, and its backward
-    hands over the schedule's gradients (the schedule ran it). Validation, test and predict
-    steps call `evaluation_loss` and `model_outputs`, which run the schedule forward only and
-    send the last stage's loss or outputs to every rank of the pipeline. The plan is made for
-    the one child module that holds the parameters (``fs.shard(module.model, ...)``; a policy
-    is planned on it). Precision plugins other than ``"32-true"``, ``"*-mixed"`` and
-    ``"*-true"`` are refused by name before anything runs.
+    Under a pipeline plan ``training_step`` returns `training_loss` ``(self, inputs, targets)``
+    and the LightningModule defines ``loss_fn(outputs, targets)``; evaluation steps call
+    `evaluation_loss` and `model_outputs`. Lightning's optimization then steps, clips,
+    accumulates and logs as usual (docs/lightning.md, "Pipeline plans").
 
-    Expert-parallel plans (``fs.fsdp("dp") + fs.ep("dp")``, alone or under a pipeline) need
-    nothing more: the sampler splits batches over the ep axis too, and each forward
-    dispatches its tokens to the ranks holding their experts; accumulation, clipping,
-    validation and ``"*-mixed"`` precision run as with any other plan.
-
-    Precision: ``"32-true"``, ``"bf16-mixed"``, and ``"16-mixed"`` with a loss scaler that
-    agrees over every rank (`functional_shard.grad_scaler`). Checkpoints (``trainer.save_checkpoint``,
-    ``ModelCheckpoint``, ``fit(ckpt_path=...)``) are written aside then renamed, sharded or
-    full, for every plan (ZeRO-1's included), and load under any other plan.
+    Precision: ``"32-true"``, ``"*-true"``, ``"bf16-mixed"``, and ``"16-mixed"`` with a loss
+    scaler that agrees over every rank; others are refused. Checkpoints are written aside then
+    renamed, sharded or full, and load under any other plan.
 
     Args:
-        plan: a `functional_shard.Plan` for the LightningModule, or a policy
-            (``fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp")``) planned once the world is known.
-        mesh: the mesh for a policy; an axis of size -1 takes what the devices leave.
-            Default ``Mesh(dp=-1)``. Ignored for a plan (it carries its mesh).
+        plan: a `functional_shard.Plan` for the LightningModule, or a policy planned once the world is known.
+        mesh: the mesh for a policy (default ``Mesh(dp=-1)``); ignored for a plan.
         seed: seed for materializing a meta-device model (default: Lightning's seed state).
-        save_distributed_checkpoint: a folder with one file per rank (default), or one full
-            file written by rank 0.
+        save_distributed_checkpoint: a folder with one file per rank (default), or one full file.
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default by device.
-        timeout: how long a collective waits for a hung or dead peer; past it the run ends
-            with a `functional_shard.CollectiveTimeoutError` naming the collective and the
-            ranks (joining the process group still waits for slow starts).
-        weights: a Hugging Face folder the model starts from, loaded once the plan is applied
-            (meta or materialized); its names are those of the LightningModule's model child.
+        timeout: seconds a collective waits for a hung or dead peer before a `CollectiveTimeoutError`.
+        weights: a Hugging Face folder the model child starts from, loaded once the plan is applied.
         weights_mapping: which model tensor each folder tensor fills (``load_hf``'s ``mapping``).
         trust_weights: read pickled ``pytorch_model.bin`` files too (``load_hf``'s ``trust``).
 
     Raises:
         functional_shard.MeshError: the plan's mesh does not match the number of devices.
         functional_shard.PlanError: the plan does not fit the module, or torch cannot run it.
-        functional_shard.ShardingError: an optimizer built on parameters sharding replaced;
-            ``weights`` is not a folder (here), or does not fit the model (at setup, on every rank).
+        functional_shard.ShardingError: an optimizer built on replaced parameters; or ``weights`` is
+            not a folder, or does not fit the model.
 
     Examples:
         >>> # trainer = L.Trainer(strategy=ShardStrategy(fs.fsdp()), accelerator="cpu", devices=4)

@@ -1,10 +1,9 @@
 """``functional-shard demo``: a plan trained for real on local processes, beside its prediction.
 
-A tiny Llama is planned on a mesh, built on the meta device on every rank, parallelized
-with torch's engines and materialized shard by shard; it trains a few AdamW steps on
-``world`` gloo processes while the collectives torch issues and the tensors each rank
-holds are measured. The demo then prints the plan's prediction beside the measurement,
-and the losses beside one process training on the same global batches.
+A tiny Llama is planned, built on the meta device, applied and materialized shard by shard,
+then trains a few AdamW steps on gloo processes while its collectives and tensors are
+measured. The demo prints the prediction beside the measurement, and the losses beside one
+process training on the same batches.
 """
 
 from __future__ import annotations
@@ -47,9 +46,8 @@ _LOSS_TOLERANCE = {None: 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 def process_limit() -> int:
     """How many local processes the demo starts on this machine without ``force``.
 
-    Four per CPU core this process may use, and never fewer than eight: past that, the gloo
-    ranks share the cores so thinly that the run crawls for minutes before a collective
-    times out.
+    Four per usable CPU core, at least eight: past that, gloo ranks crawl for minutes before a
+    collective times out.
 
     Examples:
         >>> process_limit() >= 8
@@ -152,8 +150,7 @@ def run(
 
     Args:
         mesh: the mesh (an axis of -1 is refused: the demo's world is the mesh).
-        policy: the policy to plan with, or its text (``"fsdp(dp) + tp(llama, tp)"``, see
-            `functional_shard.planning.policy.parse`; class names resolve against the zoo Llama).
+        policy: the policy, or its text (``"fsdp(dp) + tp(llama, tp)"``, as `planning.policy.parse` reads it).
         model: a small `functional_shard.zoo.CONFIGS` name.
         steps: AdamW steps (at least 3: the third is measured).
         seed: initialisation seed, for the run and the one-process reference.
@@ -161,8 +158,8 @@ def run(
         force: start ``mesh.size`` processes even past `process_limit`.
 
     Raises:
-        ShardingError: a mesh with more processes than `process_limit` (without ``force``),
-            too few steps, or a policy or plan that cannot run; all before any process starts.
+        ShardingError: more processes than `process_limit` (without ``force``), too few steps, or a
+            policy or plan that cannot run; before any process starts.
 
     Examples:
         >>> # fs.demo.run(fs.Mesh(dp=2, tp=2), "fsdp(dp) + tp(llama, tp)").ok

@@ -4,10 +4,9 @@
 optional tied embedding) whose parameter names match Hugging Face's, so `rules.llama`
 applies to it as to the real thing. Build big ones on the meta device.
 
-It takes packed documents (`functional_shard.core.packing.pack`): given ``document_ids``,
-attention stays inside each document (a block-diagonal causal mask); given ``positions``,
-queries and keys are turned by the rotary embedding at those positions. Called with the
-tokens alone it runs as it always has: causal over the whole row, no rotary embedding.
+It takes packed documents (`functional_shard.core.packing.pack`): ``document_ids`` keep
+attention inside each document, ``positions`` turn queries and keys by the rotary embedding.
+Given the tokens alone it attends causally over the whole row, with no rotary embedding.
 """
 
 from __future__ import annotations
@@ -186,15 +185,12 @@ class Llama(nn.Module):
 
         Args:
             tokens: ``(rows, seq)`` token ids.
-            positions: ``(rows, seq)``: each token's rotary position (`PackedBatch.positions`);
-                ``None`` (the default) turns no rotary embedding.
-            document_ids: ``(rows, seq)``: each token's document in its row
-                (`PackedBatch.document_ids`); attention stays inside each. ``None`` (the
-                default) attends causally over the whole row.
+            positions: ``(rows, seq)`` rotary positions (`PackedBatch.positions`); None: no rotary embedding.
+            document_ids: ``(rows, seq)`` each token's document, attention staying inside it; None: the row.
 
         Raises:
-            ShardingError: ``positions`` or ``document_ids`` shaped unlike the tokens, or
-                values that do not describe documents laid end to end (`check_packed_inputs`).
+            ShardingError: ``positions`` or ``document_ids`` shaped unlike the tokens, or not documents
+                laid end to end (`check_packed_inputs`).
         """
         check_packed_inputs(tokens, positions=positions, document_ids=document_ids, who="Llama.forward")
         x = self.embed_tokens(tokens)

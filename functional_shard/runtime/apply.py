@@ -1,17 +1,11 @@
 """Run a plan with torch's own engines.
 
-With `launch` and `checkpoint`, the only module that talks to torch.distributed process groups.
-
-``apply`` turns a `Plan` into a module parallelized in place: tensor parallel through
-``parallelize_module`` with the plan's styles, then data parallel through FSDP2
-(``fully_shard``: ZeRO-2/3, FSDP, HSDP) or DDP (composable ``replicate``; ZeRO-1 adds
-``ZeroRedundancyOptimizer`` in `optimizer`). Under a pipeline plan it first keeps this
-rank's stages, runs those engines per stage and wraps each in torch's ``PipelineStage``
-(`functional_shard.runtime.engines.pipeline`); `forward_backward` drives the schedule
-(`forward_only` and `forward_loss` run it forward only, to evaluate). Nothing
-here re-implements a collective. Every check runs before any parameter is touched. The
-engines live in `functional_shard.runtime.engines`, one module each; this module orchestrates
-them and re-exports their public functions.
+``apply`` parallelizes a module in place: tensor parallel through ``parallelize_module``, then
+data parallel through FSDP2 (``fully_shard``) or DDP (composable ``replicate``); under a
+pipeline plan, per stage of this rank, each wrapped in torch's ``PipelineStage``. Nothing here
+re-implements a collective, and every check runs before any parameter is touched. The engines
+live in `functional_shard.runtime.engines`, one module each; this module orchestrates them and
+re-exports their public functions.
 """
 
 from __future__ import annotations
@@ -65,33 +59,25 @@ def apply(
     """Parallelize ``module`` in place as ``plan`` says, with torch's engines.
 
     Call it on every rank, after ``torch.distributed`` is initialised and before the
-    optimizer is built (use `optimizer`).
+    optimizer is built (use `optimizer`). Under a pipeline plan this rank keeps only its
+    stages (the others' modules become pass-throughs, paths unchanged); train it with
+    `forward_backward`.
 
     Args:
         plan: the plan, made for this module.
         module: the module, with the same parameters on every rank (same seed).
-        device_mesh: the mesh to run on; by default one is built from ``plan.mesh`` on the
-            module's device type.
-        root: the submodule whose ``forward`` runs the model, when the module's own
-            forward is not called (a LightningModule's ``training_step`` calls its
-            ``self.model``): it takes FSDP's root unit, or DDP. Every parameter must be
-            inside it.
-
-    Under a pipeline plan (``fs.pipeline(...)``) this rank keeps only its stages: the
-    modules of the other stages become parameter-free pass-throughs (paths unchanged, so
-    state dicts and checkpoints keep the model's names), and the module's forward runs
-    this rank's stage. Train it with `forward_backward`.
+        device_mesh: the mesh to run on; by default built from ``plan.mesh`` on the module's device type.
+        root: the submodule whose ``forward`` runs the model (a LightningModule's ``model``), holding every
+            parameter.
 
     Returns:
         ``module`` itself, parallelized.
 
     Raises:
         MeshError: no process group, or a world size / device mesh that differs from the plan's.
-        ShardingError: ``root`` under a pipeline plan.
         PlanError: what the engines cannot run, one bullet per parameter, before anything changes.
-        ShardingError: later, from the module's forward under sequence parallel, on every
-            rank and before any collective: an input whose sequence length (dim 1) is not
-            a multiple of the tensor-parallel size.
+        ShardingError: ``root`` under a pipeline plan; later, from the forward under sequence
+            parallel, a sequence length not a multiple of the tensor-parallel size.
 
     Examples:
         >>> # on each of 4 ranks:

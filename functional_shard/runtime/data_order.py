@@ -1,15 +1,11 @@
 """A data order defined globally, so a run resumes on any plan and world size where it stopped.
 
-`DataOrder` is the pure part: each epoch a permutation of the dataset from ``seed + epoch``,
-cut into global batches of ``global_batch`` samples (the tail that fills no whole global
-batch is left out), each global batch cut into equal contiguous slices, one per
-data-parallel rank. Ranks that differ only along model axes (tp, pp, cp) read the same
-slice, as `Plan.data_parallel_rank` says.
-
-`ResumableSampler` walks that order for one rank, and its `ResumableLoader` counts the
-batches it hands out; their ``state_dict()`` holds the epoch, the samples of the epoch
-consumed (globally), the seed and the global batch, so a resume under another
-data-parallel size continues with the very next global batch. No process group is needed.
+`DataOrder` is the pure part: each epoch a permutation from ``seed + epoch``, cut into whole
+global batches, each cut into equal contiguous slices, one per data-parallel rank (ranks that
+differ only along tp, pp or cp read the same slice). `ResumableSampler` walks that order for
+one rank and `ResumableLoader` counts the batches it hands out; their ``state_dict()`` counts
+samples globally, so a resume under another data-parallel size continues with the very next
+global batch. No process group is needed.
 """
 
 from __future__ import annotations
@@ -106,12 +102,9 @@ class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
     """This rank's share of a globally defined data order, resumable on any plan.
 
     Each step reads one global batch of the epoch's permutation (`DataOrder`), cut over the
-    plan's data-parallel ranks; tp, pp and cp ranks of one data-parallel group read the same
-    samples. Feed it through `loader` (a DataLoader of ``global batch / dp`` samples per
-    step that counts the steps it hands out); its ``state_dict()`` and `fs.checkpoint.save`'s
-    ``data=`` keep the position, and a run resumed under another plan or world size goes on
-    with the next global batch. A torch ``DistributedSampler``, so Lightning uses it as it is;
-    it follows ``set_epoch`` (a new epoch starts from its first batch; the current one goes on).
+    plan's data-parallel ranks. Feed it through `loader`; its ``state_dict()`` (or
+    `fs.checkpoint.save`'s ``data=``) keeps the position for a resume under any plan or world
+    size. A torch ``DistributedSampler``, so Lightning uses it as it is, ``set_epoch`` included.
 
     Args:
         dataset_len: ``len(dataset)``.
@@ -250,8 +243,7 @@ class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
 
         Args:
             dataset: the dataset (``len(dataset)`` as given to the sampler).
-            **options: other DataLoader options (``num_workers``, ``collate_fn``, ...); the
-                sampler sets ``batch_size``, ``sampler``, ``shuffle`` and ``drop_last``.
+            **options: other DataLoader options (``num_workers``, ...), but not those the sampler sets.
 
         Raises:
             ShardingError: ``dataset``'s length differs, or an option the sampler sets.
@@ -271,10 +263,10 @@ def _slice(order: list[int], step: int, global_batch: int, index: int, local: in
 class ResumableLoader(DataLoader):  # type: ignore[type-arg]
     """A DataLoader over a `ResumableSampler` that counts the steps it hands out.
 
-    A batch counts as consumed once the loader hands it out (workers that read ahead do
-    not move the position). ``state_dict()`` / ``load_state_dict()`` are the sampler's, so
-    Lightning's loops save and restore the position with its checkpoints, and
-    `fs.checkpoint.save` / `load` take it as ``data=``. Make one with `ResumableSampler.loader`.
+    A batch counts as consumed once handed out (workers reading ahead do not move the
+    position). ``state_dict()`` / ``load_state_dict()`` are the sampler's, so Lightning's loops
+    and `fs.checkpoint.save` / `load` (``data=``) keep the position. Make one with
+    `ResumableSampler.loader`.
 
     Raises:
         ShardingError: ``dataset``'s length differs from the sampler's, or an option the

@@ -1,15 +1,12 @@
 """Run a function on N local processes joined in a gloo process group (tests, demo, bench).
 
-`LocalWorld` keeps its processes (and their process group) alive across calls, so a
-test run pays the start-up once. A rank's exception is re-raised in the parent with the
-child's traceback attached. When every rank reports back (each raised or returned), the
-world lives on with a fresh process group; when a rank stays silent (hung in a collective,
-or dead), the whole world ends at once, so that no rank is left waiting.
+`LocalWorld` keeps its processes (and their process group) alive across calls, so a test run
+pays the start-up once. A rank's exception is re-raised in the parent with the child's
+traceback attached. When every rank reports back, the world goes on with a fresh process
+group; when a rank stays silent (hung in a collective, or dead), the whole world ends at once.
 
-Worlds never meet: the parent serves the world's rendezvous store itself, on a port the
-kernel picks and the parent holds until the world closes, and the ranks only connect to
-it. (Choosing a free port, releasing it and letting rank 0 bind it later leaves a window in
-which a second world, started at the same moment, can be handed the same port and join.)
+The parent serves the rendezvous store itself on a port it holds until the world closes, so
+two worlds started at the same moment cannot be handed the same port.
 """
 
 from __future__ import annotations
@@ -126,9 +123,7 @@ class LocalWorld:
     Args:
         world_size: number of ranks.
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank).
-        timeout: seconds a collective waits for its peers, and a `run` (with a grace for
-            the ranks' own errors to arrive) before every rank is killed. A rank whose
-            peers hang or died ends with a `CollectiveTimeoutError` naming the collective.
+        timeout: seconds a collective waits for its peers, and a `run` (plus a grace) before killing ranks.
 
     Examples:
         >>> # with LocalWorld(4) as world:
@@ -287,8 +282,7 @@ def run_local(
 ) -> list[Any]:
     """Run ``fn`` once on ``world_size`` fresh local ranks; results by rank.
 
-    ``timeout`` is `LocalWorld`'s: a collective whose peers hang or died ends the run
-    with a `CollectiveTimeoutError` naming the collective and the ranks that never came.
+    ``timeout`` is `LocalWorld`'s: a hung or dead peer ends the run with a `CollectiveTimeoutError`.
 
     Examples:
         >>> # run_local(torch.distributed.get_world_size, 2) == [2, 2]

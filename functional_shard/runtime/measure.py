@@ -213,13 +213,10 @@ def probe_local_rates(size: int = 1024, tensor_bytes: int = 1 << 22, repeats: in
 def _engine_collective_seconds(kind: str, repeats: int, layers: int = 8, width: int = 64) -> float:
     """Seconds each collective adds to a real training step of ``kind`` ("fsdp" or "tp").
 
-    A one-element all-reduce after a barrier finds every rank ready; inside a step the ranks
-    reach each collective at different moments, and the engine wraps each one in work of
-    its own (FSDP2 copies in and out, DTensor dispatches every op of a split module). On a
-    shared CPU that costs far more than the collective's bytes or a bare all-reduce (about
-    10 ms against 0.6 ms with 4 gloo processes on 2 cores). So: time a forward and backward
-    of ``layers`` small linear layers under the engine and without it, and divide the
-    difference by the collectives the engine issued.
+    Inside a step ranks reach each collective at different moments and the engine wraps it in
+    work of its own (FSDP2's copies, DTensor's dispatch): on a shared CPU about 10 ms against a
+    bare all-reduce's 0.6 ms. So: time ``layers`` small linear layers with and without the
+    engine, and divide the difference by the collectives it issued.
     """
     import warnings
 
@@ -317,15 +314,11 @@ def saved_tensor_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) -> tu
 def kept_activation_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[int, Any]:
     """Bytes still held for backward once ``module(*args, **kwargs)`` returns, and its output.
 
-    Every storage the forward makes (and copies of the tensor inputs, which the call gets
-    instead of the caller's) is watched by weak reference; after the forward, those still
-    alive but for the output and the parameters (gathered FSDP2 ones included) are what
-    autograd's graph and checkpoint frames keep. Freed FSDP2 buffers have zero bytes left.
-    Agrees with `saved_tensor_bytes` without checkpointing, and sees through it. A module
-    with DTensor parameters, or called inside a context-parallel step, waits first for the
-    collectives of its meshes (or its cp group) to end (a barrier on each group, every rank
-    together, as its forward is): gloo's worker threads may still hold an ended
-    collective's buffers for a moment, which would count as kept.
+    Every storage the forward makes (the tensor inputs are copied first) is watched by weak
+    reference; those alive afterwards, but for the output and the parameters, are what autograd
+    and checkpoint frames keep. Agrees with `saved_tensor_bytes` without checkpointing, and
+    sees through it. With DTensor parameters or inside a cp step, every rank calls it together:
+    it waits on a barrier per group, since gloo's threads may hold an ended collective's buffers.
 
     Examples:
         >>> layer = nn.Linear(4, 3)
@@ -357,10 +350,8 @@ def kept_activation_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) ->
 def _collectives_ended(module: torch.nn.Module) -> None:
     """Wait until every collective on ``module``'s DTensor parameters' groups has ended.
 
-    And on the cp group of a context-parallel step running (`fs.sequence_context`): its
-    attention's gathers (ours or torch's ring) are collectives of the forward too. A
-    barrier on each group waits for the work before it (gloo's does). The groups go in
-    the order of their ranks, the same on every rank.
+    And on the cp group of a running context-parallel step, whose attention gathers too. A
+    barrier on each group (in rank order, the same on every rank) waits for the work before it.
     """
     from torch.distributed.tensor import DTensor
 

@@ -1,12 +1,9 @@
 """The three rates a step's time is counted in, measured on the device at hand.
 
-A training step spends its time in three kinds of kernel, each bound by something else:
-matmuls by the tensor cores, fused attention by its own kernels' rate (lower than a plain
-matmul's: softmax and masking sit between its two products), and everything else (norms,
-elementwise ops, casts, the optimizer's step) by memory bandwidth. `measure_rates` times
-each on the device it is given, with the shapes of a transformer's step, so a profile of
-that device can carry the rates (`fs.Hardware.matmul_flops`, ``attention_flops``,
-``memory_bandwidth``).
+Matmuls are bound by the tensor cores, fused attention by its own kernels' lower rate, and
+everything else (norms, elementwise ops, the optimizer's step) by memory bandwidth.
+`measure_rates` times each with the shapes of a transformer's step, so a device's profile can
+carry them (`fs.Hardware.matmul_flops`, ``attention_flops``, ``memory_bandwidth``).
 
 Examples:
     >>> rates = fs.measure_rates("cpu", size=128, seqs=(128,), repeats=2, elements=2**16, host_ops=20)
@@ -76,8 +73,7 @@ class MeasuredRates:
     Attributes:
         device: the device's name (``torch.cuda.get_device_name`` or ``"cpu"``).
         matmul_flops: FLOP/s of the matmuls, flops-weighted over ``matmuls``.
-        attention_flops: FLOP/s of fused causal attention forward and backward, counted as
-            the kernel runs them (`attention_kernel_flops`), over ``attention``.
+        attention_flops: FLOP/s of fused causal attention, forward and backward (`attention_kernel_flops`).
         memory_bandwidth: bytes/s read and written by memory-bound ops, over ``bandwidth``.
         matmuls / attention / bandwidth: each case's name and its seconds and rate.
         host: the host's seconds per op, where it and not the device bounds a step.

@@ -1,13 +1,10 @@
 """A collective whose peers never come: an error naming it and them, under any launcher.
 
-torch ends a collective that waited past the process group's timeout with the backend's own
-words (gloo: ``Timed out waiting 3000ms for recv operation to complete``), which name neither
-the collective nor the rank that never came. `watch_collectives` turns that into a
-`CollectiveTimeoutError`: this rank, the collective it waited in, how long, and the ranks
-that hung or died — found through the process group's store, which outlives the collective:
-every rank whose wait ran out says so there, and after a short grace the ranks that said
-nothing are the ones that never came. `LocalWorld`, torchrun scripts (`init_distributed`) and
-the Lightning strategies all end a hung run this way.
+torch's timeout error names neither the collective nor the rank that never came (gloo:
+``Timed out waiting 3000ms for recv operation to complete``). `watch_collectives` turns it
+into a `CollectiveTimeoutError` naming this rank, the collective, the wait, and the ranks that
+hung or died: every rank whose wait ran out says so in the group's store, and after a short
+grace the silent ones are those that never came.
 """
 
 from __future__ import annotations
@@ -61,10 +58,8 @@ for _error in (RankFailedError, CollectiveTimeoutError):
 def collective_timed_out(error: BaseException) -> str | None:
     """The collective a rank waited in when ``error``, a timeout, ended its wait; None for other errors.
 
-    The innermost public function of ``torch.distributed`` in the traceback (``all_reduce``,
-    ``barrier``, ``all_gather_into_tensor``, ...); a collective waited for elsewhere in
-    torch.distributed (FSDP's all-gather) by its module and function; one that autograd ran
-    (DDP's and FSDP's gradient reductions) as the backward pass's.
+    The innermost public ``torch.distributed`` function in the traceback (``all_reduce``, ...),
+    else the module and function that waited (FSDP's all-gather), else the backward pass.
 
     Examples:
         >>> collective_timed_out(ValueError("not a timeout")) is None
@@ -207,16 +202,11 @@ def how_it_ended(error: BaseException, collective: str, seconds: float) -> str:
 def watch_collectives() -> Iterator[None]:
     """Turn torch's timeout of a collective in the block into a `CollectiveTimeoutError`.
 
-    gloo's word that a peer died in it (its connection closed) too. The error names this
-    rank, the collective and the ranks that never joined it.
-    Wrap a training step (forward, backward, optimizer step, the loss's all-reduce) in it;
-    the process group's ``timeout`` (`init_distributed`'s) decides how long a rank waits for
-    a hung or dead peer. Other errors pass unchanged.
+    So does gloo's word that a peer died in it. Wrap a training step in it; the process group's
+    ``timeout`` (`init_distributed`'s) decides how long a rank waits. Other errors pass unchanged.
 
     Raises:
-        CollectiveTimeoutError: a collective in the block waited past the group's timeout,
-            e.g. ``rank 0 waited 3s in torch.distributed.all_reduce; ranks [2] never joined
-            it: hung or dead``.
+        CollectiveTimeoutError: a collective in the block waited past the group's timeout, or lost a peer.
 
     Examples:
         >>> # device = fs.init_distributed(timeout=60)
@@ -238,13 +228,11 @@ def init_distributed(
 ) -> torch.device:
     """Join the process group torchrun (or any ``env://`` launcher) set up; return this rank's device.
 
-    Restart-safe under ``torchrun --max-restarts``: each attempt's workers meet in the
-    launcher's store under keys of their own, never reading those the attempt before left.
+    Restart-safe under ``torchrun --max-restarts``: each attempt meets under keys of its own.
 
-    ``backend`` defaults to NCCL when CUDA is there (one GPU per process, by ``LOCAL_RANK``)
-    and gloo otherwise. ``timeout`` is how long a collective waits for its peers before
-    raising; inside `watch_collectives` that error names the collective and the ranks that
-    never came, so a hung or dead peer ends the job within it.
+    Args:
+        backend: by default NCCL when CUDA is there (one GPU per process, by ``LOCAL_RANK``), else gloo.
+        timeout: seconds (or a timedelta) a collective waits for its peers before raising.
 
     Raises:
         functional_shard.ShardingError: a timeout that is not positive.

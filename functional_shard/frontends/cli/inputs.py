@@ -40,8 +40,7 @@ def parse_mesh(text: str) -> Mesh:
     """``dp=8,tp=4`` -> ``Mesh(dp=8, tp=4)``.
 
     Raises:
-        ShardingError: empty, not ``axis=size`` pairs, an axis given twice, or a mesh
-            `Mesh` refuses.
+        ShardingError: empty, not ``axis=size`` pairs, an axis given twice, or a mesh `Mesh` refuses.
 
     Examples:
         >>> from functional_shard.frontends.cli import parse_mesh
@@ -134,9 +133,8 @@ def load_model(text: str) -> nn.Module:
     """The model ``--model`` names, built on the meta device (shapes only, no weights).
 
     Args:
-        text: a zoo name (``tiny``, ``llama-7b``, ...), a Hugging Face ``config.json`` or a
-            folder holding one (built with transformers' ``AutoModelForCausalLM.from_config``),
-            or ``package.module:factory`` (a function or class called with no arguments).
+        text: a zoo name (``tiny``, ``llama-7b``, ...), a Hugging Face ``config.json`` or its folder,
+            or ``package.module:factory`` (called with no arguments).
 
     Raises:
         ShardingError: none of these, naming what was tried.
@@ -168,12 +166,10 @@ def read_policy(text: str, model: nn.Module | None) -> Policy:
 
     Args:
         text: a policy expression, such as ``"fsdp(dp) + tp(llama, tp) + bf16"``.
-        model: the model it is for (class names in ``checkpointing(...)`` resolve against it),
-            or None.
+        model: the model it is for (class names in ``checkpointing(...)`` resolve against it), or None.
 
     Raises:
-        ShardingError: the text is empty or not a policy; the message names the part that
-            is wrong.
+        ShardingError: the text is empty or not a policy; the message names the wrong part.
 
     Examples:
         >>> read_policy("fsdp(dp) + bf16", None).options.param_dtype

@@ -68,8 +68,7 @@ def draw_memory(
     Args:
         axes: where to draw.
         plan: the plan.
-        estimate: an `fs.estimate` result; its parts beyond the plan's (activations,
-            logits, workspace) are stacked on every bar (they are per data-parallel rank).
+        estimate: an `fs.estimate` result, whose activations, logits and workspace top every bar.
         optimizer: as for `Plan.cost`.
         ranks: the ranks to draw; by default all, or 32 spread evenly over a big mesh.
         budget: draw a line at this many bytes (the device's memory).

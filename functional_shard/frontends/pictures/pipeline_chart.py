@@ -41,9 +41,8 @@ def _modules_label(modules: Sequence[str]) -> str:
 def draw_stages(axes: Axes, plan: Plan, optimizer: OptimizerKind = "adamw") -> None:
     """Draw which pp rank holds which pipeline stage, into matplotlib ``axes``.
 
-    One row per pp coordinate; each of its stages is a box as wide as the stage's
-    parameter bytes (on the stage's first rank), labelled with the stage index and its
-    modules.
+    One row per pp coordinate; each stage a box as wide as its parameter bytes, labelled
+    with its index and modules.
 
     Args:
         axes: where to draw.
@@ -103,11 +102,10 @@ _KIND_COLOURS = {"F": "#4c78a8", "B": "#e45756", "I": "#f58518", "W": "#b279a2"}
 def draw_schedule(axes: Axes, timeline: Any) -> None:
     """Draw a pipeline schedule: which rank runs which micro-batch when, into ``axes``.
 
-    One row per pp rank; each action of torch's own list for that rank is a box from its
-    start to its end on the clock of `functional_shard.planning.pipeline.schedules.simulate` (forwards blue,
-    full backwards red, input-gradient backwards orange, weight-gradient backwards purple),
-    labelled with the micro-batch, and the stage when a rank runs several. The white gaps
-    are the bubble.
+    One row per pp rank; each of torch's actions is a box on the clock of
+    `functional_shard.planning.pipeline.schedules.simulate` (forward blue, backward red,
+    input-gradient orange, weight-gradient purple), labelled with its micro-batch. The white
+    gaps are the bubble.
 
     Args:
         axes: where to draw.

@@ -21,8 +21,7 @@ def draw_sequence(axes: Axes, plan: Plan) -> None:
     """Draw the sequence cut into chunks over the cp axis, into matplotlib ``axes``.
 
     The top row is one sequence, its chunks coloured by the cp rank that holds them; below,
-    each rank's row shows its chunks and, at the right, the share of the causal attention
-    work it does (a query attends to every key before it), even when load-balanced.
+    each rank's chunks and its share of the causal attention work.
 
     Raises:
         ShardingError: the plan has no cp axis.

@@ -1,24 +1,16 @@
 """Pictures of a plan, from shapes alone: memory per device, and who holds which block.
 
-`visualize` draws two panels with matplotlib (the optional ``plot`` extra):
+`visualize` draws with matplotlib (the optional ``plot`` extra), one module per panel:
 
-* **memory per device** — stacked bars of parameters, gradients, optimizer state,
-  buffers and gathered FSDP units for each rank, as `Plan.cost` predicts them; with an
-  `fs.estimate` result, its activation and workspace parts are stacked on top;
-* **one parameter's blocks** — its global shape as a grid, each block labelled with the
-  ranks that hold it (replicas share a block), in the spirit of JAX's
-  ``visualize_sharding``, but computed from `local_shape_and_offset`: no processes, no
-  tensors;
-* **pipeline stages** (a plan with a pipeline) — for each pp rank, its stages in the
-  order it holds them, each as wide as its parameters, labelled with its modules;
-* **the sequence** (a plan with context parallel) — its chunks coloured by the cp rank
-  holding them, and each rank's share of the causal attention work.
+* **memory per device** (`memory`): `Plan.cost`'s parts stacked per rank, with an
+  `fs.estimate`'s activations on top;
+* **one parameter's blocks** (`blocks`): its shape as a grid, each block labelled with the
+  ranks that hold it, as JAX's ``visualize_sharding`` but from `local_shape_and_offset`;
+* **pipeline stages** (`pipeline_chart`) and **the sequence** (`sequence_chart`), for plans
+  with a pipeline or context parallel.
 
 The figure is built on matplotlib's Agg canvas (no display needed) and never touches
-``pyplot``'s global state. Each panel is drawn by its own module
-(`functional_shard.frontends.pictures.memory`, `functional_shard.frontends.pictures.blocks`,
-`functional_shard.frontends.pictures.pipeline_chart`); their drawing functions are importable
-from here too.
+``pyplot``'s global state.
 """
 
 from __future__ import annotations
@@ -67,9 +59,8 @@ def visualize(
 ) -> Figure:
     """Draw a plan: memory per device beside one parameter's blocks over the ranks.
 
-    A plan with a pipeline gets a third panel, which pp rank holds which stage
-    (`draw_stages`), and below them its schedule on a clock with equal stages
-    (`draw_schedule`; forward 1, backward 2).
+    A plan with a pipeline also gets its stages per pp rank (`draw_stages`) and its schedule
+    (`draw_schedule`).
 
     Args:
         plan: the plan.
@@ -85,8 +76,8 @@ def visualize(
         The matplotlib ``Figure``.
 
     Raises:
-        ShardingError: matplotlib is missing (``pip install 'functional-shard[plot]'``),
-            an unknown parameter or spec, or a rank outside the mesh.
+        ShardingError: matplotlib is missing (the ``plot`` extra), an unknown parameter or spec,
+            or a rank outside the mesh.
 
     Examples:
         >>> plan = fs.shard(nn.Linear(8, 6), fs.Mesh(dp=2, tp=2), fs.fsdp("dp") + fs.tp([("*", "colwise")]))

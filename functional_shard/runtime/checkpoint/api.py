@@ -1,28 +1,15 @@
 """Checkpoints that move between plans: sharded (a folder, one file per rank) or full (one file).
 
-With `apply` and `launch`, the only door to process groups (in eight rooms of this folder:
-this one, the states of `state`, the reader of `read`, its checks in `integrity`, the safe
-loaders of `safety`, the background saves of `async_save`, the Hugging Face export of
-`hf.export` and the Hugging Face load of `hf.load`). Sharded
-checkpoints use torch's distributed checkpoint, which reshards on load, so a checkpoint
-saved under one plan loads under any other (FSDP×4 → FSDP×2·TP×2 → ZeRO-1 → one
-process). Every save writes aside and renames: a crash in the middle leaves the previous
-checkpoint whole; and seals what it wrote with sha256 digests. ``asynchronous=True`` writes
-in the background while training goes on (`async_save`). Every load reads data,
-never code, and checks everything before it writes anything: a load that fails changes
-nothing.
-
-Optimizer state is keyed by parameter path under every plan. ZeRO-1 optimizers
-(``ZeroRedundancyOptimizer``) keep whole tensors on their owner rank; each owner writes its
-own, so their checkpoints are as sharded as the state is.
-
-`export_hf` (every rank of a run) and `convert_to_hf` (offline, from any checkpoint) write
-a Hugging Face folder instead: config.json and safetensors shards, spread over the ranks
-(`hf.export`); `load_hf` reads one into any plan, each rank its slices (`hf.load`).
+Sharded checkpoints use torch's distributed checkpoint, which reshards on load, so a
+checkpoint saved under one plan loads under any other. Every save writes aside, seals what it
+wrote with sha256 digests and renames, so a crash leaves the previous checkpoint whole. Every
+load reads data, never code, and checks everything before it writes anything. Optimizer state
+is keyed by parameter path under every plan.
 
 `save` / `load` / `convert` are the user's functions; `model_state`, `optimizer_state`,
-`set_model_state`, `set_optimizer_state`, `write` and `read` are the pieces they are made of,
-for framework adapters that assemble their own checkpoints (Lightning's Trainer, Fabric).
+`set_model_state`, `set_optimizer_state`, `write` and `read` are their pieces, for framework
+adapters that assemble their own checkpoints. `export_hf`, `convert_to_hf` and `load_hf` write
+and read Hugging Face folders (`hf`).
 """
 
 from __future__ import annotations
@@ -97,9 +84,8 @@ __all__ = [
 def write(path: str | os.PathLike[str], state: dict[str, Any], *, full: bool, meta: dict[str, Any]) -> Path:
     """Write states from `model_state` / `optimizer_state` on every rank, aside then renamed.
 
-    Sharded: a distributed-checkpoint folder of ``state`` with ``meta`` in ``meta.pt`` beside
-    and the digests of every file in ``manifest.json``. Full: one file of ``{**state, **meta}``,
-    written by rank 0 (whose states are whole) and sealed with the digest of its bytes.
+    Sharded: a distributed-checkpoint folder, ``meta`` in ``meta.pt`` and the digests in
+    ``manifest.json``. Full: one sealed file of ``{**state, **meta}``, written by rank 0.
 
     Raises:
         ShardingError: no process group; or something other than an earlier checkpoint
@@ -175,29 +161,21 @@ def save(
     A save first waits for the module's previous asynchronous save, if one is unfinished.
 
     Args:
-        path: a folder (sharded) or a file (``full=True``): new, an empty folder, or an
-            earlier checkpoint, which it replaces. Anything else there is refused.
+        path: a folder (sharded) or a file (``full=True``): new, empty, or an earlier checkpoint it replaces.
         module: the module `apply` parallelized.
         optimizer: its optimizer (any plan's, ZeRO-1's included), if its state should be saved too.
         full: one file with full tensors, written by rank 0, instead of one file per rank.
-        extra: small plain values to keep beside (step counters, say): tensors, None, bools,
-            numbers, strings, bytes, and lists, tuples and dicts of them, which load without
-            running code.
-        asynchronous: copy this rank's shards to host memory and write them in the
-            background (torch's ``async_save``); training goes on at once. Sharded only.
-        data: a `ResumableLoader` or `ResumableSampler` (anything with ``state_dict()``):
-            where the data order stands, kept in ``extra`` as ``"data_order"``; ``load(...,
-            data=)`` puts it back, under any plan and world size.
+        extra: small plain values to keep beside (tensors, None, numbers, strings, bytes, containers of them).
+        asynchronous: write this rank's shards in the background while training goes on; sharded only.
+        data: a `ResumableLoader` or `ResumableSampler`, whose data order ``load(..., data=)`` puts back.
 
     Returns:
-        The path written; with ``asynchronous``, a `PendingSave` whose ``wait()`` (every
-        rank) finishes it and returns the path.
+        The path written; with ``asynchronous``, a `PendingSave` whose ``wait()`` (every rank) finishes it.
 
     Raises:
-        ShardingError: no process group; ``extra`` holds what a safe load could not rebuild
-            (or a ``"data_order"`` beside ``data``); ``asynchronous`` with ``full``; or
-            something other than an earlier checkpoint at ``path`` (a folder of other files,
-            a file no save wrote), which stays as it was: nothing is written.
+        ShardingError: no process group; ``extra`` holds what a safe load could not rebuild;
+            ``asynchronous`` with ``full``; or something other than an earlier checkpoint at
+            ``path``, which stays as it was.
 
     Examples:
         >>> # fs.checkpoint.save("ckpt", model, optimizer); fs.checkpoint.load("ckpt", model, optimizer)
@@ -246,29 +224,24 @@ def load(
 ) -> dict[str, Any]:
     """Load a checkpoint into a parallelized module (and optimizer), whatever plan saved it.
 
-    All or nothing: the files are checked against their digests and the tensors against the
-    module before anything is written, so a load that fails leaves the module and the
-    optimizer as they were. Nothing in the checkpoint runs as code: what only code could
-    rebuild is refused, unless ``trust=True`` says the file is yours.
+    All or nothing: digests, tensors and the data order are checked before anything is
+    written, so a failed load changes nothing. Nothing in the checkpoint runs as code unless
+    ``trust=True``.
 
     Args:
         path: a folder (sharded) or a file (full), of `save` under any plan.
         module: the module `apply` parallelized.
         optimizer: its optimizer, to load its state too.
-        strict: ``False`` skips keys the checkpoint lacks or the module lacks instead of
-            refusing them (shapes and dtypes must still match).
+        strict: ``False`` skips keys either side lacks instead of refusing them (shapes must still match).
         trust: rebuild any object the file names, running its code (only for files you trust).
-        data: a `ResumableLoader` or `ResumableSampler` to continue the data order saved
-            with ``save(..., data=)``, whatever plan and world size saved it. It is checked
-            before any tensor is set: a data order that cannot go on changes nothing.
+        data: a `ResumableLoader` or `ResumableSampler` to continue the data order saved with ``save(data=)``.
 
     Returns:
         The ``extra`` values saved beside.
 
     Raises:
-        ShardingError: no checkpoint at ``path``; one that is damaged (missing, cut short or
-            corrupted files), holds code, or does not fit the module (the first keys named);
-            ``data`` given and no data order saved, or one it cannot continue.
+        ShardingError: no checkpoint at ``path``; one that is damaged, holds code, or does not fit
+            the module; ``data`` given and no data order saved, or one it cannot continue.
 
     Examples:
         >>> # extra = fs.checkpoint.load("ckpt", model, optimizer); step = extra["step"]
@@ -327,12 +300,10 @@ def _with_data_order(extra: dict[str, Any] | None, data: Any) -> dict[str, Any] 
 def latest(directory: str | os.PathLike[str]) -> Path | None:
     """The newest whole checkpoint in ``directory`` (a folder or a file of `save`), or None.
 
-    A save that crashed leaves its files aside (``NAME.tmp-…``), never in place: they are
-    passed over. A folder is whole when every file its manifest lists is there at its
-    written size (`load` then checks their digests); a full file when its bytes match its
-    seal. A crash between the two renames that put a new checkpoint in place leaves the
-    previous one as ``NAME.old``, whole: it counts. Newest means last modified. No process
-    group is needed; every rank finds the same one.
+    Crashed saves (``NAME.tmp-…``) are passed over; a folder is whole when every file its
+    manifest lists is there at its written size, a file when its bytes match its seal; a
+    ``NAME.old`` left between two renames counts. Newest means last modified. No process
+    group is needed.
 
     Raises:
         ShardingError: ``directory`` is not a folder.
@@ -352,7 +323,7 @@ def latest(directory: str | os.PathLike[str]) -> Path | None:
         if candidate.is_dir():
             whole = not (candidate / MANIFEST).exists() or not manifest_problems(
                 candidate, alone=True, digests=False
-            )  # a folder from before digests has meta.pt and nothing more to compare
+            )  # a folder without a manifest has nothing to compare
         else:
             whole = not seal_problems(candidate)
         if whole:
@@ -371,16 +342,13 @@ def _is_checkpoint(entry: Path) -> bool:
 def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], *, trust: bool = False) -> Path:
     """Convert offline between a sharded folder and a full file (direction from ``source``).
 
-    No process group is needed. The source is checked as `load` checks it (digests, no code
-    unless ``trust``); the result is written aside, sealed with its digests, and renamed.
-    Works for `save`'s checkpoints and for the Trainer's (``ShardStrategy``), whose
-    optimizers are ``optimizer_states`` in a file and ``optimizer_0``, ``optimizer_1``, ...
-    in a folder.
+    No process group is needed. The source is checked as `load` checks it; the result is
+    written aside, sealed and renamed. Works for `save`'s checkpoints and the Trainer's
+    (``ShardStrategy``).
 
     Raises:
-        ShardingError: ``source`` does not exist, is damaged, is no checkpoint of a module
-            (a plain ``torch.save`` file), or holds code (without ``trust``); ``target``
-            holds something other than an earlier checkpoint (or an empty folder).
+        ShardingError: ``source`` does not exist, is damaged, is no checkpoint of a module, or
+            holds code (without ``trust``); ``target`` holds something other than an earlier checkpoint.
 
     Examples:
         >>> # fs.checkpoint.convert("ckpt", "ckpt.pt")   # sharded -> full

@@ -1,11 +1,9 @@
 """Saves that let training go on: torch's asynchronous distributed checkpoint, finished later.
 
-``save(..., asynchronous=True)`` copies this rank's shards to host memory (torch's
-staging), hands the writing to a background thread and returns a `PendingSave` at once.
-The folder is written aside, as every save is; only `PendingSave.wait` (or the module's
-next save, which waits for its previous one first) writes ``meta.pt`` and the manifest and
-renames it into place. Until then the previous checkpoint stays whole, so a crash during
-an asynchronous save loses nothing either.
+``save(..., asynchronous=True)`` copies this rank's shards to host memory, hands the writing
+to a background thread and returns a `PendingSave` at once. Only `PendingSave.wait` (or the
+module's next save) writes ``meta.pt`` and the manifest and renames the folder into place, so
+until then the previous checkpoint stays whole.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """What a load checks before it writes anything: the files are whole and the tensors fit.
 
-A load that fails half-way would leave a module of mixed weights, so every check runs
-first and every rank hears every rank's verdict: either all of them load, or none
-changes anything. Files are checked against sha256 digests written with them: a folder
-keeps ``manifest.json`` of its files' digests (and ``meta.pt`` says it does, under `MARK`);
-a full file carries the digest of its bytes as its zip archive's comment, which torch.load
-skips. Checkpoints from before digests have neither and load without them.
+Every check runs first and every rank hears every rank's verdict, so either all ranks load
+or none changes anything. A folder keeps the sha256 digests of its files in ``manifest.json``
+(``meta.pt`` says so, under `MARK`); a full file carries its digest as its zip comment, which
+torch.load skips; a checkpoint without digests loads unchecked.
 
-The write side keeps the same promise: every save writes aside (`aside`) and renames once
-complete (`put_in_place`), so a crash never leaves a half-written checkpoint in place; and
-it replaces only an earlier checkpoint (`refuse_occupied`): whatever else is at its path is
-the user's, and the save is refused before it writes anything.
+Saves write aside (`aside`), rename once complete (`put_in_place`), and replace only an earlier
+checkpoint (`refuse_occupied`): whatever else is at the path is the user's.
 """
 
 from __future__ import annotations
@@ -144,9 +140,8 @@ def _remove(path: Path) -> None:
 def is_ours(path: Path) -> bool:
     """Whether ``path`` holds a checkpoint a save wrote, which a save may replace.
 
-    A folder with ``meta.pt`` or ``manifest.json`` beside its shards (damaged or not), or
-    a file sealed with its digest (`seal`). A full file from before digests is not told
-    apart from any other ``torch.save`` file, so it is not one.
+    A folder with ``meta.pt`` or ``manifest.json`` beside its shards (damaged or not), or a
+    file sealed with its digest (`seal`); an unsealed ``torch.save`` file is not one.
 
     Examples:
         >>> import tempfile
@@ -319,7 +314,7 @@ def seal(path: Path) -> None:
 def seal_problems(path: Path) -> list[str]:
     """What is wrong with a full file's bytes: nothing, or how it differs from when sealed.
 
-    A file torch wrote and nobody sealed (from before digests) has no comment: it passes.
+    An unsealed file (no comment) passes.
     """
     size = path.stat().st_size
     sealed = len(_SEAL) + 64
@@ -327,7 +322,7 @@ def seal_problems(path: Path) -> list[str]:
         stream.seek(max(0, size - sealed - 22))
         tail = stream.read()
     if tail.endswith(b"\0\0") and tail[-22:-18] == _END_OF_ZIP:
-        return []  # unsealed: written before digests
+        return []  # unsealed: nothing to compare
     trailer = tail[-sealed:]
     if (
         tail[:4] != _END_OF_ZIP

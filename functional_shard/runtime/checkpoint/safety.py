@@ -1,16 +1,11 @@
 """Reading checkpoints as data, never as code.
 
-A checkpoint travels: it is downloaded, shared between teams, written by a job that
-crashed. Python's pickle rebuilds objects by calling whatever the file names, so a file
-from elsewhere could run anything while it loads. Every read here goes through an
-allowlist instead: torch's own ``weights_only`` loader for ``torch.save`` files, and, for
-the index torch's distributed checkpoint pickles beside its shards (``.metadata``), an
-unpickler that rebuilds only that index's own classes. What needs more is refused with a
-`ShardingError` that names the type it met; ``trust=True`` lifts the allowlist for a file
-the caller trusts, and never by default.
-
-The write side keeps to the same allowlist: `plain_problems` says which of the values a
-caller asked to keep beside the tensors a safe reader could not rebuild.
+Pickle rebuilds objects by calling whatever the file names, so a checkpoint from elsewhere
+could run anything while it loads. Every read here goes through an allowlist: torch's
+``weights_only`` loader for ``torch.save`` files, and for the distributed checkpoint's
+``.metadata`` index an unpickler that rebuilds only that index's classes. Anything else is
+refused with a `ShardingError` naming the type; ``trust=True`` lifts the allowlist. On the
+write side, `plain_problems` names the values a safe reader could not rebuild.
 """
 
 from __future__ import annotations

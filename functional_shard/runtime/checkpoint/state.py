@@ -1,12 +1,10 @@
 """The states a checkpoint holds, under any plan: this rank's shards, or whole tensors.
 
-`model_state` / `optimizer_state` take them out of a parallelized module and its optimizer
-(keyed by parameter path under every plan), `set_model_state` / `set_optimizer_state` put
-them back. Under a pipeline plan a rank holds its stages only: whole states gather every
-stage's on rank 0. ZeRO-1 optimizers (``ZeroRedundancyOptimizer``) keep whole tensors on
-their owner rank, so their sharded state is what each rank owns. A weight packing unequal
-pieces (grouped-query attention's fused qkv under tensor parallel) is gathered in the
-ranks' order, not the pieces': whole states put it in order (`engines.packed_pieces`).
+`model_state` / `optimizer_state` take them out of a parallelized module and its optimizer,
+keyed by parameter path under every plan; `set_model_state` / `set_optimizer_state` put them
+back. Whole states gather every pipeline stage's on rank 0, and put weights packing unequal
+pieces back in the pieces' order (`engines.packed_pieces`). A ZeRO-1 optimizer's sharded
+state is the whole tensors each rank owns.
 """
 
 from __future__ import annotations

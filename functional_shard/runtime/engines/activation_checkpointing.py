@@ -1,13 +1,11 @@
 """Activation checkpointing on the plan's modules: their forward runs under torch's checkpoint.
 
-Only the module's own forward is checkpointed, not its call: the hooks other engines put on
-the module (FSDP2's unshard and input casts, tensor-parallel redistributions) run once, outside
-the checkpointed region, in the forward and not again in the recompute. Torch's composable
-``checkpoint`` re-enters the whole call on recompute instead, and then FSDP2's input cast under
-mixed precision runs inside the recompute but not inside the forward, which selective
-checkpointing refuses (an op "encountered during backward but not found in storage").
-The parameter paths stay as they are (no wrapper module), and the cost model traces the
-same wrapping (`functional_shard.costing.trace.checkpointing.checkpointed`).
+Only the module's own forward is checkpointed, not its call, so the hooks other engines put
+on the module (FSDP2's unshard and input casts, tensor-parallel redistributions) run outside
+the recompute. Torch's composable ``checkpoint`` re-enters the whole call, and FSDP2's input
+cast under mixed precision then breaks selective checkpointing ("encountered during backward
+but not found in storage"). Parameter paths stay as they are; the cost model traces the same
+wrapping (`functional_shard.costing.trace.checkpointing.checkpointed`).
 """
 
 from __future__ import annotations

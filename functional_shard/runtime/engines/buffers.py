@@ -1,23 +1,15 @@
 """Buffers of a module built on the meta device, given the values its construction computes.
 
-A buffer built under ``torch.device("meta")`` (a rotary embedding's ``inv_freq``, position ids,
-a mask, a norm's running statistics) holds no value, and ``to_empty`` leaves uninitialised
-memory there: training then runs, silently wrong. Each such buffer is recomputed by its
-module's own initialiser: the caller's ``init``, the ``_init_weights`` of the Hugging Face
-model around it, or its ``reset_parameters`` (torch's ``BatchNorm`` resets its running
-statistics there). Which of them sets which buffer is found first by a dry run on meta
-stand-ins (an in-place write bumps a tensor's version counter, on the meta device too), so a
-buffer nothing recomputes is refused before any change.
+A buffer built on meta (a rotary ``inv_freq``, position ids, a norm's running statistics)
+holds no value, and ``to_empty`` leaves uninitialised memory there: training runs, silently
+wrong. Each such buffer is recomputed by its module's own initialiser: the caller's ``init``,
+the ``_init_weights`` of the Hugging Face model around it, or its ``reset_parameters``. A dry
+run on meta stand-ins (an in-place write bumps the version counter, on meta too) finds which
+sets which, so a buffer nothing recomputes is refused before any change.
 
-Why the initialiser and not a second construction of the model with its buffers on the CPU
-(accelerate's ``init_empty_weights(include_buffers=False)``): constructing needs the
-constructor's arguments, which only Hugging Face models carry (their ``config``), and the
-class ``fs.apply`` swapped (FSDP2's ``FSDPLlamaForCausalLM``); it runs the constructor's side
-effects (logging, warnings, allocation of each parameter before it is moved to meta). The
-initialiser needs none of that, and transformers relies on it itself: since version 5,
-``from_pretrained`` builds on the meta device and gives non-persistent buffers their values
-through ``_init_weights``, which recomputes rotary frequencies, embedding scales and
-position ids.
+The initialiser, not a second construction on the CPU: constructing needs the constructor's
+arguments and the class ``fs.apply`` swapped, and runs its side effects; transformers'
+``from_pretrained`` restores non-persistent buffers through ``_init_weights`` in the same way.
 """
 
 from __future__ import annotations
@@ -52,8 +44,7 @@ def meta_buffers(module: nn.Module) -> tuple[str, ...]:
         module: the module, built (in part) on the meta device.
 
     Returns:
-        Every path at which a meta buffer sits, in module order (a buffer shared by two
-        modules once per path: ``to_empty`` gives each path its own tensor).
+        Every path of a meta buffer, in module order; a shared buffer once per path (``to_empty`` splits it).
 
     Examples:
         >>> with torch.device("meta"):
@@ -93,9 +84,8 @@ def restore_buffers(
 ) -> None:
     """Give each buffer in ``paths`` the value the module's construction gives it, on ``device``.
 
-    Each buffer's module runs its initialiser (see the module's docstring) with its own
-    parameters replaced by meta stand-ins (nothing written to them, no random numbers drawn)
-    and its other buffers by copies (their values kept).
+    Each initialiser runs with its module's parameters replaced by meta stand-ins (nothing
+    written, no random numbers drawn) and its other buffers by copies (their values kept).
 
     Args:
         module: the module, after ``to_empty`` (or with real buffers elsewhere).
@@ -104,8 +94,7 @@ def restore_buffers(
         init: an initialiser tried first on each buffer's module.
 
     Raises:
-        ShardingError: a buffer nothing recomputes (`buffer_problems` names them; call it
-            before changing anything).
+        ShardingError: a buffer nothing recomputes (`buffer_problems` names them without changing anything).
 
     Examples:
         >>> with torch.device("meta"):
@@ -129,9 +118,8 @@ def restore_buffers(
 def hf_models(module: nn.Module, outer: nn.Module | None = None) -> dict[str, nn.Module | None]:
     """For each submodule path, the Hugging Face model nearest around it (itself included), or None.
 
-    The nearest, as transformers' own ``initialize_weights`` dispatches a sub-model's modules
-    to the sub-model's ``_init_weights``; ``isinstance``, since ``fs.apply`` swaps classes
-    (FSDP2 makes ``FSDPLlamaForCausalLM``, a subclass). ``outer``: the model around ``module``.
+    The nearest, as transformers' ``initialize_weights`` dispatches; by ``isinstance``, since
+    ``fs.apply`` swaps classes. ``outer``: the model around ``module``.
     """
     # transformers is optional and heavy to import: a model of its classes has imported it
     pretrained = getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
@@ -147,11 +135,10 @@ def hf_models(module: nn.Module, outer: nn.Module | None = None) -> dict[str, nn
 def initialisers(
     sub: nn.Module, hf_model: nn.Module | None, init: Initialiser | None
 ) -> list[tuple[str, Initialiser]]:
-    """The initialisers of ``sub``, named, in the order tried.
+    """The initialisers of ``sub`` present, named, in the order tried.
 
-    ``init``, then the ``_init_weights`` of ``hf_model`` (the Hugging Face model around
-    ``sub``), then ``sub``'s ``reset_parameters``, then its ``_init_self_buffers`` (torchtitan's
-    modules recompute their buffers there, as its rotary tables): those present.
+    ``init``, ``hf_model._init_weights``, ``sub.reset_parameters``, then ``sub._init_self_buffers``
+    (where torchtitan's modules recompute their buffers).
     """
     found: list[tuple[str, Initialiser]] = []
     if init is not None:
@@ -169,11 +156,7 @@ def initialisers(
 
 
 def sets(run: Initialiser, sub: nn.Module) -> tuple[frozenset[str], str]:
-    """Which of ``sub``'s own parameters and buffers ``run(sub)`` sets, run on meta stand-ins.
-
-    Returns the names it sets (written in place or replaced), and, when ``run`` raised on the
-    meta device, the error ("" otherwise).
-    """
+    """The names of ``sub``'s own tensors ``run(sub)`` sets on meta stand-ins, and its error ("" if none)."""
     params, buffers = dict(sub._parameters), dict(sub._buffers)
     stand_ins: dict[str, torch.Tensor] = {}
     for name, param in params.items():

@@ -1,26 +1,16 @@
 """Context parallel on any backend: each rank's queries attend over the whole sequence. Effects.
 
-Each rank of the cp axis holds chunks of every sequence (`functional_shard.core.sequence`).
-Everything but attention works on those tokens alone. Attention needs every key and value
-of the sequence: they are all-gathered over cp along the sequence dim, with autograd (the
-backward reduce-scatters their gradients back to the ranks that made them), and SDPA runs
-this rank's queries against them under a causal mask built from global positions, so that
-the balanced chunk order needs no reordering. Grouped-query attention gathers the few
-key/value heads and lets SDPA broadcast them (``enable_gqa``), never repeating them first.
+Each cp rank holds chunks of every sequence (`functional_shard.core.sequence`). Attention
+all-gathers keys and values along the sequence dim (the backward reduce-scatters their
+gradients) and runs SDPA under a causal mask built from global positions, so the balanced
+chunk order needs no reordering; grouped-query attention gathers only the key/value heads.
 
-Attention is reached two ways, with no model code patched:
-
-* a plain module calling ``F.scaled_dot_product_attention``: the call is routed while a step
-  runs (`functional_shard.costing.trace.context_attention.routing_attention`, which the trace
-  uses too), as torch's own ``context_parallel`` context does;
-* a Hugging Face model: an attention function registered in transformers' registry
-  (``AttentionInterface``) and chosen with ``model.set_attn_implementation``, with a mask
-  function that makes no mask (the engine builds its own).
-
-All of it is plain collectives (``all_gather_single``, ``reduce_scatter_single``), so it
-runs on gloo and NCCL alike. Where the plan's engine is torch's ring (``fs.cp(engine="ring")``,
-or ``"auto"`` on a CUDA mesh), the same calls go to `context_ring` instead: the cut, the
-positions and the loss stay the same.
+Attention is reached without patching the model: a plain module's
+``F.scaled_dot_product_attention`` call is routed while a step runs
+(`functional_shard.costing.trace.context_attention.routing_attention`); a Hugging Face model
+gets an attention function registered in transformers' ``AttentionInterface``. Plain
+collectives run on gloo and NCCL alike; a plan whose engine is torch's ring goes to
+`context_ring` instead.
 """
 
 from __future__ import annotations
@@ -89,9 +79,6 @@ class SequenceShard:
     ) -> SequenceShard:
         """This rank's share of a ``seq_len``-token sequence cut over the 1-D cp ``mesh``.
 
-        ``engine`` is the plan's; `fs.apply` has refused a ring where there are no ring
-        kernels (`context_ring.check_ring_device`).
-
         Raises:
             ShardingError: the chunks do not divide ``seq_len`` (the nearest lengths named).
         """
@@ -113,10 +100,7 @@ class SequenceShard:
 
     @functools.cached_property
     def causal_mask(self) -> torch.Tensor:
-        """Which keys each of this rank's queries sees (``[local, whole]``), one for every layer.
-
-        Made by the first attention that needs it: memory of the forward, as the trace counts it.
-        """
+        """Which keys each of this rank's queries sees (``[local, whole]``), made once for every layer."""
         return self.key_positions[None, :] <= self.positions[:, None]
 
 
@@ -168,10 +152,8 @@ def sequence_attention(
 ) -> torch.Tensor:
     """SDPA of this rank's queries (``[batch, heads, local_seq, dim]``) over the whole sequence.
 
-    Keys and values (this rank's chunks, fewer heads under grouped-query attention) are
-    gathered over the cp group of the step under way (`sequence_context`). Outside a step
-    the model attends over what it is given, as any model does (whole sequences, for
-    evaluation).
+    Keys and values are gathered over the cp group of the step under way (`sequence_context`);
+    outside a step it is plain SDPA over what it is given (whole sequences, for evaluation).
 
     Raises:
         ShardingError: query tokens that are not this rank's share of the step's sequence.
@@ -279,10 +261,9 @@ def context_chunks(
 ) -> tuple[torch.Tensor, ...]:
     """A rank's chunks of each of ``tensors`` (whole sequences along ``dim``), then their positions.
 
-    For loops that cut batches themselves: every rank of a cp group holds the same whole
-    sequences and keeps its chunks (`functional_shard.core.sequence`); the last tensor
-    returned is their global positions (``position_ids`` for RoPE). Run the model on the
-    chunks inside `sequence_context`. `forward_backward` does all of it.
+    For loops that cut batches themselves (`forward_backward` does it for you): the last tensor
+    returned is the chunks' global positions (``position_ids`` for RoPE). Run the model on the
+    chunks inside `sequence_context`.
 
     Args:
         plan: a plan with a cp axis (`fs.cp`).
@@ -291,9 +272,8 @@ def context_chunks(
         dim: the sequence dim.
 
     Raises:
-        ShardingError: a plan without cp, a length the chunks do not divide (the nearest
-            lengths named), tensors of another length or without ``dim``, not tensors, or
-            no ``rank`` outside a process group.
+        ShardingError: a plan without cp, a length the chunks do not divide, tensors of another
+            length or without ``dim``, or no ``rank`` outside a process group.
 
     Examples:
         >>> plan = fs.shard(nn.Linear(2, 2), fs.Mesh(cp=2), fs.replicate() + fs.cp("cp"))
@@ -330,12 +310,12 @@ def sequence_context(
 ) -> contextlib.AbstractContextManager[torch.Tensor]:
     """Within it, ``module``'s attention runs over whole ``seq_len``-token sequences from this rank's chunks.
 
-    Yields this rank's global positions. Run the forward and the backward inside it (a
-    checkpointed layer recomputes its attention in the backward).
+    Yields this rank's global positions. Run the backward inside it too: a checkpointed layer
+    recomputes its attention there.
 
     Raises:
-        ShardingError: ``module`` not applied with ``plan``, a plan without cp, or a
-            ``seq_len`` that is not a positive int or that the chunks do not divide.
+        ShardingError: ``module`` not applied with ``plan``, a plan without cp, or a ``seq_len``
+            that is not a positive int or that the chunks do not divide.
 
     Examples:
         >>> # inputs, targets, positions = fs.context_chunks(plan, inputs, targets)
@@ -377,10 +357,9 @@ def context_parallel_step(
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """`fs.forward_backward`'s step under context parallel: ``run`` on this rank's chunks.
 
-    ``run(inputs, targets, positions)`` runs forward and backward on this rank's chunks of the
-    whole sequences and returns its loss (a mean over its tokens, detached); the step returns
-    the mean over the cp group, every token's. ``attends``: this rank's forward must reach
-    attention (not so for a pipeline stage that holds none).
+    ``run(inputs, targets, positions)`` runs forward and backward; the step returns the mean
+    loss over the cp group. ``attends``: this rank's forward must reach attention (not so for a
+    pipeline stage that holds none).
     """
     context = plan.config.context
     assert context is not None

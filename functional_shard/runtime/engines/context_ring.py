@@ -1,22 +1,13 @@
 """torch's own ring attention behind the cp axis (``fs.cp(engine="ring")``, and ``"auto"`` on CUDA). Effects.
 
-torch's ``context_parallel`` runs attention over a sequence split along cp by passing key
-and value chunks between the ranks (its "ring": today one all-gather of K and V in
-forward, an all-gather and a ring of their gradients in backward). It does so for
-DTensors sharded on the sequence dim (``Shard(2)`` of ``[batch, heads, seq, dim]``) while
-its CP dispatcher is on: the dispatcher maps the CUDA SDPA kernels (flash, memory-efficient,
-cuDNN) to ring versions, as torchtitan's ``_ContextParallel`` style does per attention
-module. So this engine wraps this rank's q, k, v as DTensors on the cp mesh, calls SDPA and
-takes the local output back; the step keeps the dispatcher on through its backward.
+While torch's CP dispatcher is on, it maps the CUDA SDPA kernels to ring versions for DTensors
+sharded on the sequence dim (``Shard(2)`` of ``[batch, heads, seq, dim]``), as torchtitan's
+``_ContextParallel`` style does. So this engine wraps this rank's q, k, v as DTensors on the
+cp mesh, calls SDPA and takes the local output back; the dispatcher stays on through the backward.
 
-Our cut of the sequence is torch's: with load balancing, rank ``i`` holds chunks ``i`` and
-``2·cp − 1 − i`` of ``2·cp`` (its head-tail balancer), else chunk ``i`` of ``cp``; the
-dispatcher is told which (``enable_load_balance``), so causal masking skips exactly the
-pairs our layout needs skipped.
-
-Only CUDA has ring kernels: on any other device the dispatcher finds no sharding for the
-CPU kernel, so a ring is refused there before anything runs (``engine="all_gather"`` runs
-everywhere).
+Our cut of the sequence is torch's (with load balancing, rank ``i`` holds chunks ``i`` and
+``2·cp − 1 − i`` of ``2·cp``), and the dispatcher is told which (``enable_load_balance``).
+Only CUDA has ring kernels, so a ring is refused elsewhere before anything runs.
 """
 
 from __future__ import annotations

@@ -49,26 +49,21 @@ def _no_grad() -> Iterator[None]:
 def forward_only(plan: Plan, module: nn.Module, *, root: str = "") -> Callable[[torch.Tensor], torch.Tensor]:
     """A function ``forward(inputs) -> outputs``: the model's forward under ``plan``, without gradients.
 
-    Under a pipeline plan it drives the plan's schedule forward only (torch's
-    ``schedule.eval``): the first stage takes ``inputs``, cut into the plan's micro-batches,
-    and the last stage's outputs, put back together, are sent to every rank of the
-    pipeline, so each rank gets the whole model's outputs. Otherwise it is
-    ``module(inputs)`` under ``torch.no_grad()``. Every rank passes its data-parallel slice
-    of the batch (the same on the ranks of one pipeline).
+    Under a pipeline plan the schedule runs forward only and the last stage's outputs are
+    sent to every rank of the pipeline; otherwise it is ``module(inputs)`` under
+    ``torch.no_grad()``. Every rank passes its data-parallel slice of the batch.
 
     Args:
         plan: the plan `apply` ran.
         module: the module `apply` returned.
-        root: the submodule whose forward runs the model, as `apply` took it; not under a
-            pipeline, whose stages run the module's own forward.
+        root: the submodule whose forward runs the model, as `apply` took it; "" under a pipeline.
 
     Returns:
-        ``forward(inputs)``, which returns the model's outputs (detached; under a pipeline
-        one tensor, the model's output or its ``logits``).
+        ``forward(inputs)``, returning the model's outputs (detached; under a pipeline one tensor).
 
     Raises:
-        ShardingError: ``module`` was not applied with ``plan``, or the plan has context
-            parallel; later, from ``forward``, a batch the micro-batch count does not divide.
+        ShardingError: ``module`` was not applied with ``plan``, or the plan has context parallel;
+            from ``forward``, a batch the micro-batch count does not divide.
 
     Examples:
         >>> plan = fs.shard(nn.Linear(4, 2), fs.Mesh(dp=1), fs.replicate())
@@ -93,11 +88,8 @@ def forward_loss(
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """A function ``loss(inputs, targets) -> loss``: ``loss_fn`` evaluated under ``plan``, without gradients.
 
-    The evaluation counterpart of `forward_backward`: under a pipeline plan the schedule
-    runs forward only, the last stage calls ``loss_fn`` on each micro-batch and the mean is
-    sent to every rank of the pipeline (only a number crosses, not the outputs); otherwise
-    it is ``loss_fn(module(inputs), targets)`` under ``torch.no_grad()``. So a validation
-    loop logs the same loss on every rank, and the same as under a plan without pp.
+    The evaluation counterpart of `forward_backward`: under a pipeline plan the last stage
+    computes the loss per micro-batch and only the mean is sent to every rank of the pipeline.
 
     Args:
         plan: the plan `apply` ran.
@@ -106,12 +98,11 @@ def forward_loss(
         root: the submodule whose forward runs the model, as `apply` took it.
 
     Returns:
-        ``loss(inputs, targets)``, which returns the batch's mean loss (detached; under a
-        pipeline the mean of the micro-batch losses, equal on every rank of a pipeline).
+        ``loss(inputs, targets)``, returning the batch's mean loss (detached), the same on every pp rank.
 
     Raises:
-        ShardingError: ``module`` was not applied with ``plan``, or the plan has context
-            parallel; later, from ``loss``, a batch the micro-batch count does not divide.
+        ShardingError: ``module`` was not applied with ``plan``, or the plan has context parallel;
+            from ``loss``, a batch the micro-batch count does not divide.
 
     Examples:
         >>> plan = fs.shard(nn.Linear(4, 2), fs.Mesh(dp=1), fs.replicate())

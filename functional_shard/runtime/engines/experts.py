@@ -1,33 +1,17 @@
 """Mixture-of-experts layers: tensor parallel inside the experts, and expert parallelism.
 
-An experts module here is what transformers 5 builds for Mixtral, Qwen2-MoE and
-Qwen3-MoE: two 3-D parameters, ``gate_up_proj [E, 2f, d]`` (gate then up, each expert an
-(out, in) matrix) and ``down_proj [E, d, f]``, an ``act_fn``, and
-``forward(hidden_states [T, d], top_k_index [T, k], top_k_weights [T, k])``, the router
-outside it. Its forward is replaced by one that computes on this rank's shards:
+An experts module is transformers' (Mixtral, Qwen-MoE: ``gate_up_proj [E, 2f, d]``,
+``down_proj [E, d, f]``, ``forward(hidden_states, top_k_index, top_k_weights)``) or
+torchtitan's ``GroupedExperts`` (``w1``/``w3`` ``[E, f, d]``, ``w2`` ``[E, d, f]``):
 
-* **tensor parallel** (the plan's ``packed_colwise`` gate/up, ``rowwise`` down): every
-  rank holds ``f / tp`` of each expert's gate and up rows (a strided split: gate and up
-  each split on their own) and the matching columns of ``down``; it runs every token
-  through its slice and the partial outputs are all-reduced over the tp group. The input
-  and the routing weights are whole on every rank; their gradients, partial sums of the
-  slices, are all-reduced in backward (as ``ColwiseParallel`` does for its input), so the
-  router learns as in one process.
-* **tensor parallel on torchtitan's GroupedExperts** (``w1``/``w3`` ``[E, f, d]`` colwise,
-  ``w2`` ``[E, d, f]`` rowwise, as torchtitan splits them): the weights become DTensors
-  placed as the plan says and the module's own forward runs (it reads them with
-  ``to_local()``, as torchtitan's does) on a whole input whose gradient is all-reduced; its
-  output, a partial sum over the ranks' slices of ``f``, is all-reduced.
-* **expert parallelism** over a data-parallel axis: each rank holds ``E / ep`` experts
-  whole. The token copies (one per chosen expert) are sorted by expert, the per-expert
-  counts exchanged, the copies sent to the ranks holding their experts and the results
-  sent back with torch's autograd-aware ``all_to_all_single`` (variable splits, any count
-  including zero), weighted and summed per token locally. Each expert's gradient then
-  sums the contributions of every rank's tokens; it is divided by the data-parallel size,
-  as the data-parallel engine averages the dense ones: by FSDP2 (``gradient_divide_factor``)
-  when the experts are also sharded over the other data axes, else inside the dispatching
-  forward's autograd graph (not by a hook on the parameter: Lightning's ``module.to(device)``
-  swaps a DTensor parameter's tensor and drops the hooks on it).
+* **tensor parallel**: each rank runs every token through its slice of ``f`` and the partial
+  outputs are all-reduced over tp; the whole input's gradient is all-reduced in backward, so
+  the router learns as in one process.
+* **expert parallelism** over a data-parallel axis: each rank holds ``E / ep`` experts whole;
+  token copies go to their experts' ranks and back through autograd-aware
+  ``all_to_all_single``. Expert gradients are divided by the data-parallel size, by FSDP2
+  when it shards the experts, else inside the forward's graph (a hook on the parameter would
+  be dropped by Lightning's ``module.to(device)``).
 """
 
 from __future__ import annotations

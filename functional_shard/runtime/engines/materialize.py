@@ -37,16 +37,11 @@ def materialize(
 ) -> nn.Module:
     """Give a module built on the meta device real parameters and buffers, shard by shard, after `apply`.
 
-    Each rank allocates only its local shards. They are initialised by replaying each
-    module's initialiser in module order on full-size temporaries, one module at a time, and
-    copying in this rank's slice (the plan's offsets). The initialiser is ``init`` if given;
-    else, inside a Hugging Face model, the model's own ``_init_weights`` where it sets the
-    module's parameters; else the module's ``reset_parameters``. So the result is the same
-    under every plan for a seed; with ``reset_parameters`` it equals initialising the whole
-    model in one process with the same seed and then sharding it (tied modules consume their
-    random numbers as they do in construction, and only the owner's values are kept).
-    Buffers on the meta device get the values construction gives them (`restore_buffers`);
-    buffers on a real device keep theirs.
+    Each rank allocates only its local shards: each module's initialiser (``init``, else the
+    Hugging Face model's ``_init_weights``, else ``reset_parameters``) runs in module order on
+    full-size temporaries, and this rank's slice is copied in. So for a seed the result is the
+    same under every plan, and equals initialising the whole model in one process. Meta buffers
+    get the values construction gives them (`restore_buffers`); real buffers keep theirs.
 
     Args:
         plan: the plan `apply` ran.
@@ -56,10 +51,8 @@ def materialize(
         init: called on each module with parameters (in module order) instead of its own initialiser.
 
     Raises:
-        ShardingError: the module was not applied with this plan; or, before anything
-            changes, a module holds parameters that nothing initialises (no ``init``, no
-            ``reset_parameters``, no Hugging Face ``_init_weights`` that sets them), or a meta
-            buffer that nothing recomputes (`buffer_problems`).
+        ShardingError: the module was not applied with this plan; or, before anything changes,
+            parameters or meta buffers that nothing initialises.
 
     Examples:
         >>> # with torch.device("meta"): model = transformers.LlamaForCausalLM(config)

@@ -20,11 +20,9 @@ from .pipeline import pipeline_group_of
 def check_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
     """Refuse an optimizer of stale parameters, or one that steps DTensors and tensors together.
 
-    Sharding replaces Parameter objects; an optimizer built before would step tensors
-    no forward uses, and train nothing, silently. A plan that leaves some parameters whole
-    (tensor parallel without sequence parallel keeps the norms plain) gives groups that mix
-    DTensors and tensors, which torch's foreach and fused kernels refuse at the first step
-    (foreach is torch's default on CUDA): such groups with ``foreach`` unset step per tensor.
+    Sharding replaces Parameter objects: an optimizer built before would silently train nothing.
+    torch's foreach and fused kernels refuse groups that mix DTensors and tensors (tensor
+    parallel keeps the norms plain), so such groups with ``foreach`` unset step per tensor.
 
     Raises:
         ShardingError: some of the optimizer's parameters are not the module's; or a group
@@ -92,11 +90,9 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clip gradients by their global norm, across every shard of every mesh and every stage.
 
-    torch's ``clip_grad_norm_`` stacks per-parameter norms, which fails when parameters
-    live on different meshes (FSDP-only norm weights beside FSDP x TP projections). Here
-    the norm is taken per mesh, made whole, then combined; under a pipeline plan the
-    stages' norms are combined over the pp group too (each rank holds its stages only),
-    so every rank clips by the norm of the whole model.
+    Unlike torch's ``clip_grad_norm_``, it works when parameters live on different meshes
+    (FSDP-only norms beside FSDP x TP projections) and combines the stages of a pipeline, so
+    every rank clips by the norm of the whole model.
 
     Returns:
         The total norm before clipping.
@@ -147,16 +143,12 @@ def _across_stages(norm: torch.Tensor, norm_type: float, group: dist.ProcessGrou
 def grad_scaler(device: str = "cuda", **kwargs: Any) -> torch.amp.GradScaler:
     """A loss scaler for float16 training under any plan: every rank skips the same steps.
 
-    torch's ``GradScaler`` decides per rank whether gradients overflowed, so one rank may
-    step while another skips; its ``ShardedGradScaler`` agrees across ranks but hands
-    DTensor gradients of different meshes (FSDP x TP beside FSDP-only norms) to one
-    kernel, which DTensor refuses. This one unscales each rank's local shards, then agrees
-    over every rank.
+    It unscales each rank's local shards, then agrees over every rank: torch's ``GradScaler``
+    decides per rank, and its ``ShardedGradScaler`` fails on gradients of different meshes.
 
     Args:
         device: where the gradients live (``"cuda"``, or ``"cpu"``).
-        kwargs: ``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
-            ``enabled``, as for ``torch.amp.GradScaler``.
+        kwargs: as for ``torch.amp.GradScaler`` (``init_scale``, ``growth_interval``, ``enabled``, ...).
 
     Examples:
         >>> # scaler = fs.grad_scaler("cuda"); scaler.scale(loss).backward()

@@ -1,13 +1,9 @@
 """Weights packing several pieces (q, k and v; gate and up), split over tensor-parallel ranks piece by piece.
 
-Pure: tensors in, tensors out. A rank holds its share of every piece, laid end to end
-(`rank_share`). With equal pieces torch places such a weight ``_StridedShard``, and
-``full_tensor()`` gives the whole weight back in order. Unequal pieces (grouped-query
-attention's q, k and v) have no torch placement: the weight is placed ``Shard`` on the
-rank's shares, so a gathered value lays the ranks' shares end to end (`rank_major`)
-instead of the pieces. `piece_major` puts a gathered value back in the pieces' order, and
-`rank_major` turns a whole value into the order a ``Shard`` placement cuts as this split
-wants: full checkpoints save and load such weights through the two.
+Pure. A rank holds its share of every piece, laid end to end (`rank_share`). Equal pieces are
+placed ``_StridedShard`` by torch; unequal ones (grouped-query attention's q, k and v) have no
+torch placement and are placed ``Shard`` on the ranks' shares, so full checkpoints reorder
+them: `piece_major` (gathered value to pieces' order) and `rank_major` (the reverse).
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """Pipeline parallel: this rank's stages kept, each a torch ``PipelineStage`` over the pp group.
 
 Module paths stay as they are, so state dicts and checkpoints keep the model's names. The
-modules of the stages another rank runs become parameter-free pass-throughs (they return
-their first argument), so a stage runs the model's *own* forward on the hidden states it
-receives: on the first stage the embedding turns the input into hidden states; on the
-others the embedding, like every module of another stage, hands the received hidden
-states on. torchtitan deep-copies the model per stage and sets those modules to None,
-which needs a forward written for it; a pass-through needs none.
-
-What a model needs to be pipelined (documented in docs/pipelines, checked where it can be
-before anything runs):
-
-* its forward takes the batch as its first argument and calls its stage modules (the
-  embedding, the blocks, the final norm, the head) one after the other, each on the
-  hidden states as its first positional argument, using what it returns as the new
-  hidden states;
-* the model's output is a tensor, a tuple whose first element is one, or a Hugging Face
-  output (its ``logits``, else its ``last_hidden_state``); a Hugging Face model (whose
-  forward takes ``inputs_embeds``) gets the received hidden states as ``inputs_embeds=``
-  on every stage but the first, and recomputes its rotary embeddings and mask there;
-* no tied parameter lies in two stages (torchtitan refuses these too);
-* its data parallel runs through FSDP2 (``fsdp``, ``hsdp``, ``zero(2)``, ``zero(3)``) or
-  not at all: torch's pipeline stages drive FSDP2's gradient sync across micro-batches.
+modules of other ranks' stages become parameter-free pass-throughs, so a stage runs the
+model's *own* forward on the hidden states it receives (torchtitan's per-stage deep copy
+with modules set to None needs a forward written for it). What a model needs to be
+pipelined: docs/applying.md, "Pipeline parallel".
 """
 
 from __future__ import annotations
@@ -58,9 +41,9 @@ class PassThrough(nn.Module):
     def __init__(self, replaces: str, module: nn.Module | None = None) -> None:
         super().__init__()
         self.replaces = replaces
-        # A module built on the meta device is kept (it holds no memory, and is no child, so
-        # no engine sees it): materialize replays its initialisation to draw the random
-        # numbers it draws in one process, so the stages this rank keeps get theirs.
+        # A module on the meta device is kept (no memory, no child, so no engine sees it):
+        # materialize replays its initialisation so this rank's stages draw the random
+        # numbers they would in one process.
         on_meta = module is not None and all(p.is_meta for p in module.parameters())
         self.__dict__["replaced"] = module if on_meta else None
 
@@ -79,9 +62,8 @@ class PassThrough(nn.Module):
 class Pipelined:
     """This rank's pipeline: its stages, the pp group, and the one schedule that drives them.
 
-    Training and evaluation share the schedule: torch's schedule re-initialises its stages
-    when it switches between ``step`` and ``eval`` (it keeps the flags), so a second
-    schedule over the same stages would run them on buffers set up for the other mode.
+    Training and evaluation share one schedule: torch's schedule re-initialises its stages'
+    buffers when it switches between ``step`` and ``eval``; a second schedule would not.
     Its loss function calls ``loss``, the loss of the step that runs now.
     """
 
@@ -347,9 +329,7 @@ def pipeline_eval_loss(
 def _returning(run: Callable[..., Any], outputs: bool) -> dict[str, Any]:
     """``return_outputs=outputs`` for a schedule's ``step``/``eval`` where torch takes it.
 
-    torch 2.10 added it; before, those methods hand unknown keywords to the model, and the
-    last stage always keeps its outputs (docs/pipelines.md: ``estimate(keep_outputs=True)``
-    counts that).
+    A schedule without the keyword would hand it to the model (docs/torch-versions.md).
 
     Examples:
         >>> _returning(lambda *args, target=None, return_outputs=True, **kwargs: None, False)
@@ -394,9 +374,8 @@ def _no_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def pipeline_eval_outputs(pipelined: Pipelined, inputs: torch.Tensor) -> torch.Tensor:
     """Run the schedule forward only; the last stage's whole outputs, sent to every pp rank.
 
-    Every rank passes its batch (the same on a pipeline's ranks): the last stage needs its
-    size for the stand-in targets, as torch's schedule computes a loss where it has a loss
-    function (an eval without targets would fail there).
+    Every rank passes its batch: the last stage sizes stand-in targets from it, since torch's
+    schedule computes a loss wherever it has a loss function.
     """
     schedule = _schedule(pipelined)
     pipelined.loss = _no_loss

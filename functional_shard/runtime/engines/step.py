@@ -31,44 +31,27 @@ def forward_backward(
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """A step function ``step(inputs, targets) -> loss`` that runs forward and backward under ``plan``.
 
-    Under a pipeline plan it drives the plan's schedule: the batch is cut into the plan's
-    micro-batches, the first stage takes ``inputs``, the last compares its outputs with
-    ``targets`` through ``loss_fn`` and the schedule runs every backward. Otherwise it is
-    ``loss_fn(module(inputs), targets).backward()``. So one loop trains under any plan.
-
-    Under context parallel every rank passes the same whole sequences as the others of its
-    cp group: the step cuts each into this rank's chunks (`fs.context_chunks`), gives the
-    model their global positions (``position_ids=``, when its forward takes them) and
-    returns the mean loss over every token of the sequences, the same on the whole cp group.
-
-    Gradients are left for ``optimizer.step()``, scaled as one process's would be for the
-    same batch (torch's pipeline schedules divide by the micro-batch count; ``loss_fn``
-    should average over its batch, as ``F.cross_entropy`` does), and added to the
-    gradients already there, so steps without ``zero_grad`` between them accumulate (under
-    a pipeline too: torch's schedule would divide earlier gradients again, so they are set
-    aside for the step). Every rank passes its data-parallel slice of the batch, inputs and
-    targets alike.
+    Under a pipeline plan it runs the plan's schedule over its micro-batches; under context
+    parallel it cuts each sequence into this rank's chunks (`fs.context_chunks`) and passes
+    ``position_ids=`` when the forward takes them; otherwise it is
+    ``loss_fn(module(inputs), targets).backward()``. Every rank passes its data-parallel slice
+    of the batch. Gradients are scaled as one process's would be for the same batch and add to
+    those already there, so steps without ``zero_grad`` between them accumulate.
 
     Args:
         plan: the plan `apply` ran.
         module: the module `apply` returned.
-        loss_fn: ``loss_fn(outputs, targets)``, a mean over the (micro-)batch.
-        scaler: a loss scaler (`grad_scaler`) for float16: each (micro-)batch loss is scaled
-            before its backward; unscale and step through the scaler as usual.
-        root: the submodule whose forward runs the model, as `apply` took it (a
-            LightningModule's ``model``); not under a pipeline, whose stages run the
-            module's own forward.
+        loss_fn: ``loss_fn(outputs, targets)``, a mean over the (micro-)batch, as ``F.cross_entropy``.
+        scaler: a loss scaler (`grad_scaler`) for float16; unscale and step through it as usual.
+        root: the submodule whose forward runs the model (a LightningModule's ``model``); "" under a pipeline.
 
     Returns:
-        ``step(inputs, targets)``, which returns the batch's mean loss (detached): under a
-        pipeline the mean of the micro-batch losses, the same on every rank of a pipeline
-        (sent from the last stage); under context parallel the mean over every token of its
-        cp group's sequences; otherwise this rank's loss.
+        ``step(inputs, targets)``, returning the batch's mean loss (detached), the same on every
+        rank of a pipeline or cp group.
 
     Raises:
-        ShardingError: ``module`` was not applied with ``plan``; later, from ``step``, a
-            batch the micro-batch count does not divide (both numbers named), or a
-            ``loss_fn`` that returns no scalar.
+        ShardingError: ``module`` was not applied with ``plan``; from ``step``, a batch the micro-batch
+            count does not divide, or a ``loss_fn`` that returns no scalar.
 
     Examples:
         >>> plan = fs.shard(nn.Linear(4, 2), fs.Mesh(dp=1), fs.replicate())

@@ -34,12 +34,10 @@ def _torch_styles(
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-    # Without sequence parallel the activations between styled modules are whole
-    # (replicated). With it, as torchtitan runs it: the residual stream is split on the
-    # sequence dim (1) and stays a DTensor (its shape reads whole: Hugging Face derives
-    # position ids and the attention mask from it); each module that holds column-split
-    # layers (attention, MLP) gathers its input once on entry, the layers inside take it
-    # whole, and row-split layers reduce-scatter their output back over the sequence.
+    # Under sequence parallel (as torchtitan runs it) the residual stream is split on the
+    # sequence dim and stays a DTensor, whose shape reads whole (Hugging Face derives position
+    # ids and the mask from it); attention and MLP gather their input once on entry, and
+    # row-split layers reduce-scatter their output back. Without it activations are whole.
     between = Shard(1) if sequence else Replicate()
     local = not sequence
     gathers = set(sequence_gathers(tp_styles)) if sequence else set()
@@ -168,21 +166,13 @@ def _equal(pieces: int | tuple[int, ...]) -> int | None:
 
 
 def _split_projection(target: Any, tp_mesh: DeviceMesh, style: str, pieces: int | tuple[int, ...]) -> None:
-    # Torch's styles take nn.Linear and nn.Embedding only, and a plain Shard cannot say
-    # "each packed piece split on its own". Here the parameters become DTensors placed as
-    # the plan says (a packed weight as _StridedShard, torch's placement for a dim split
-    # again inside each of split_factor pieces, so full_tensor() and state dicts give the
-    # unpermuted weight back), and the forward computes on the local shards with the
-    # collectives torch's styles would issue: a colwise layer takes its whole input and
-    # all-reduces the input's gradient; a rowwise layer takes its input split on the
-    # feature dim and all-reduces its output (its bias added once, after). A packed bias
-    # stays whole (FSDP2 shards dim 0 again and cannot describe a strided split inside a
-    # strided split): each rank slices its pieces through DTensor, whose backward
-    # all-gathers the gradient. Pieces of unequal sizes (q, k, v under grouped-query
-    # attention) no torch placement describes: the weight is placed Shard on the rank's
-    # pieces laid end to end (to_local is right; full_tensor is not the unpermuted weight,
-    # so fs.checkpoint refuses it by name), and a packed bias is sliced locally, its
-    # gradient a partial sum.
+    # Torch's styles take nn.Linear and nn.Embedding only, and a plain Shard cannot split
+    # each packed piece on its own. So the parameters become DTensors placed as the plan says
+    # (equal pieces as _StridedShard, so full_tensor() gives the weight back in order) and the
+    # forward issues the collectives torch's styles would. A packed bias stays whole (FSDP2
+    # cannot describe a strided split inside a strided split) and each rank slices its pieces.
+    # Unequal pieces (q, k, v under grouped-query attention) have no torch placement: Shard on
+    # the rank's pieces laid end to end, which fs.checkpoint refuses by name.
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 

@@ -1,13 +1,9 @@
 """Out to the ecosystem: a parallelized model, or a saved checkpoint, as a Hugging Face folder.
 
-`export_hf` runs on every rank of a run, under any plan: it gathers the model tensor by
-tensor (each ``DTensor.full_tensor()`` a collective of that tensor's own ranks, in the same
-order everywhere) and spreads the shard files over the ranks, so no rank ever holds the
-whole model: each keeps the tensors of the files it writes, one file at a time. Under a
-pipeline plan a file holds one stage's tensors and one of that stage's ranks writes it.
-`convert_to_hf` does the same offline, in one process, from a checkpoint of `save` (or of
-the Lightning adapters), reading it as data through the checked, safe readers and loading
-one file's tensors at a time. Both write aside and rename, like every save.
+`export_hf` runs on every rank under any plan: tensors are gathered one by one, in the same
+order everywhere, and the files are spread over the ranks, so no rank ever holds the whole
+model. `convert_to_hf` does the same offline, in one process, from a checkpoint of `save` (or
+of the Lightning adapters), one file's tensors at a time. Both write aside and rename.
 """
 
 from __future__ import annotations
@@ -109,32 +105,23 @@ def export_hf(
 ) -> Path:
     """Write the model as a Hugging Face folder, called on every rank under any plan.
 
-    The folder is what ``save_pretrained`` writes: ``config.json`` and the weights in
-    safetensors files (``model-00001-of-0000N.safetensors`` and
-    ``model.safetensors.index.json``; one ``model.safetensors`` if one file holds them
-    all), named by the model's own state-dict keys, tied weights once.
-    ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads it. No rank holds the
-    whole model: tensors are gathered one by one, and each rank writes its share of the
-    files, keeping only their tensors. Everything is checked before anything is written,
-    and the folder is written aside and renamed, so a crash leaves no half folder.
+    The folder is what ``save_pretrained`` writes (``config.json`` and safetensors files, tied
+    weights once), so ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads it. No
+    rank holds the whole model; everything is checked before anything is written.
 
     Args:
         path: the folder to write (replaced if it is an earlier export or empty).
-        model: the module `apply` parallelized (any plan: FSDP, TP, ZeRO-1, DDP, pipelines).
-        config: a transformers ``PretrainedConfig``, a dict, or the path of a config.json;
-            None takes ``model.config`` (a Hugging Face model's).
-        max_shard_bytes: the largest file (save_pretrained's 50 GB unless given); files are
-            also cut so that every rank writes its share.
-        mapping: the name map `load_hf` reads the folder with, run the other way: each of the
-            config's tensors cut out of the model's (fused pieces, experts, rotary rows).
+        model: the module `apply` parallelized, under any plan.
+        config: a ``PretrainedConfig``, a dict, or a config.json path; None takes ``model.config``.
+        max_shard_bytes: the largest file (save_pretrained's 50 GB by default).
+        mapping: the name map `load_hf` would read the folder with, run the other way.
 
     Returns:
         The folder written.
 
     Raises:
-        ShardingError: no config (the model carries none and none given); a config whose
-            model does not match this one (tensor names, shapes, ties); a path that
-            exists and is not an earlier export. Raised on every rank, before anything is written.
+        ShardingError: no config; a config whose model does not match this one (names, shapes,
+            ties); a path that is not an earlier export. On every rank, before anything is written.
 
     Examples:
         >>> # fs.checkpoint.export_hf("out/llama-hf", model)    # on every rank, after training
@@ -354,27 +341,23 @@ def convert_to_hf(
 ) -> HfConversion:
     """Write a saved checkpoint, of any plan, as a Hugging Face folder; offline, one process.
 
-    The checkpoint is a sharded folder or a full file of `save`, or of the Lightning
-    adapters (a Trainer's module state lives under ``state_dict``, named with the
-    LightningModule's own prefix, such as ``model.``). It is checked and read as `load`
-    reads it (digests, no code unless ``trust``); a folder's tensors are loaded one
-    output file at a time. The folder written is `export_hf`'s.
+    The checkpoint is `save`'s or the Lightning adapters' (a Trainer's keys carry the
+    LightningModule's prefix, such as ``model.``), checked and read as `load` reads it. The
+    folder written is `export_hf`'s.
 
     Args:
         source: the checkpoint folder or file.
         target: the folder to write (replaced if it is an earlier export or empty).
         config: the model's config (a ``PretrainedConfig``, a dict, or a config.json path).
-        prefix: what to strip from the checkpoint's keys; None finds it: none, or the one
-            first name (``model.``) under which every tensor of the config's model is found.
+        prefix: what to strip from the checkpoint's keys; None finds the one under which every tensor is.
         trust: rebuild any object the checkpoint names, running its code (your own files only).
 
     Returns:
         The folder, the prefix stripped and the keys left out (those outside the prefix).
 
     Raises:
-        ShardingError: no checkpoint at ``source``, or one damaged or holding code; no
-            ``config``, or one that does not match the checkpoint's tensors; a ``target``
-            that exists and is not an earlier export. Nothing is written then.
+        ShardingError: no checkpoint at ``source``, or one damaged or holding code; no or a
+            mismatched ``config``; a ``target`` that is not an earlier export. Nothing is written then.
 
     Examples:
         >>> # fs.checkpoint.convert_to_hf("ckpt", "llama-hf", "config.json").prefix

@@ -1,10 +1,8 @@
 """A Hugging Face model folder, as ``save_pretrained`` writes it: what it must hold, and its files.
 
-No process group here: `export_hf` gathers the tensors and decides who writes what; this
-module says what the folder must hold for the config's model class (its tensors, their
-shapes, which are tied), cuts the tensors into shard files, and writes the files
-(``config.json``, ``model-00001-of-0000N.safetensors`` or ``model.safetensors``, and
-``model.safetensors.index.json``). transformers and safetensors are imported only when used.
+No process group here (`export_hf` gathers and decides who writes what): the tensors the
+config's model class holds, their cut into shard files, and the writing of ``config.json``,
+the safetensors files and their index. transformers and safetensors are imported when used.
 """
 
 from __future__ import annotations

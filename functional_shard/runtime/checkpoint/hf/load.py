@@ -1,13 +1,10 @@
 """In from the ecosystem: a Hugging Face folder's weights into a parallelized model, each rank its slices.
 
 `load_hf` runs on every rank after `apply`, under any plan. Each rank reads from the
-memory-mapped safetensors files only the elements its local shards hold (a row block under
-FSDP, a column block under rowwise TP, its experts under EP, its own stages' layers under a
-pipeline), casting them to the parameter's dtype. A model still on the meta device is given
-its memory here, shard by shard, and filled straight from the files: no random
-initialisation first, and nothing the size of the whole model on any rank. Everything is
-checked on every rank together before anything changes: the folder's keys against the
-model's (through a name map, `names`), shapes, quantized weights, damaged files.
+memory-mapped safetensors files only the elements its local shards hold, cast to the
+parameter's dtype. A model on the meta device gets its memory here, filled straight from the
+files: no random initialisation, nothing the size of the whole model on any rank. Every rank
+checks everything (keys through a name map, `names`; shapes; damaged files) before anything changes.
 """
 
 from __future__ import annotations
@@ -56,24 +53,20 @@ def load_hf(
 
     Args:
         path: the folder (``model.safetensors``, or shards and ``model.safetensors.index.json``).
-        module: the module `apply` returned (any plan), on the meta device or materialized;
-            or a module no plan was applied to (whole tensors, one process).
-        mapping: which model tensor each folder key fills: a dict of patterns, a function,
-            or None (a transformers model's own names; otherwise the folder's as they are).
-            `runtime.checkpoint.hf.names` has ready maps (``zoo_llama``, ``torchtitan_llama``).
+        module: the module `apply` returned, on the meta device or materialized; or an unapplied module.
+        mapping: which model tensor each folder key fills: a dict of patterns, a function, or None
+            (the folder's names); ready maps in `runtime.checkpoint.hf.names` (``zoo_llama``, ...).
         trust: read a folder of pickled ``pytorch_model.bin`` files (with ``weights_only``).
         device: where a meta module's shards are made (the device mesh's device by default).
-        root: the submodule the folder holds, when the plan was applied around it
-            (``fs.apply(plan, module, root="model")``, as the Lightning adapter does).
+        root: the submodule the folder holds, when the plan was applied around it (``root="model"``).
 
     Returns:
         The module, filled.
 
     Raises:
-        ShardingError: the folder does not fit the model (missing or unexpected keys, shapes,
-            quantized weights, damaged files, pickles without ``trust``), a computed buffer
-            cannot be restored, or ``root`` names no submodule. Raised on every rank, before
-            anything changes.
+        ShardingError: the folder does not fit the model (keys, shapes, quantized weights, damaged
+            files, pickles without ``trust``), a buffer cannot be restored, or ``root`` names no
+            submodule. On every rank, before anything changes.
 
     Examples:
         >>> # with torch.device("meta"): model = AutoModelForCausalLM.from_config(config)

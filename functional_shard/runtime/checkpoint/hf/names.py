@@ -44,14 +44,9 @@ class Piece:
         name: the model's tensor.
         index: its place among the pieces laid along ``dim`` (0 first).
         dim: the model tensor's dim the pieces are laid along.
-        expert: the model tensor stacks one folder tensor per expert along its dim 0; this
-            one is at ``expert`` (the folder tensor has no such dim).
-        rotary: the model interleaves each head's rotary pairs where the folder splits them
-            in halves (torchtitan's query and key rows against Hugging Face's); the head size
-            comes from the folder's config.json.
-        grouped: the pieces are laid group by group, not one after the other: each key/value
-            head's queries, then its key, then its value (torchtitan 0.3.0's ``wqkv``); the
-            group count is the folder config's ``num_key_value_heads``.
+        expert: the place along dim 0 where the model tensor stacks this expert's folder tensor.
+        rotary: the model interleaves each head's rotary pairs where the folder splits them in halves.
+        grouped: the pieces are laid per key/value head (its queries, key, value), as torchtitan's ``wqkv``.
 
     Examples:
         >>> Piece("layers.0.attention.wqkv.weight", 1)  # k, after q
@@ -147,9 +142,8 @@ def name_map(
     """The map a load uses: each folder key to the tensor of ``model`` it fills, or None.
 
     Args:
-        mapping: a dict of patterns (`pattern_map`), a function, or None: a transformers
-            model's own names through transformers' conversions (`transformers_map`),
-            otherwise the folder's names as they are.
+        mapping: a dict of patterns (`pattern_map`), a function, or None (`transformers_map` for a
+            transformers model, otherwise the folder's names as they are).
         model: the model loaded into (a transformers model is recognised by its class).
         held: every tensor name the whole model holds (all pipeline stages).
 
@@ -193,11 +187,10 @@ def _is_transformers(model: nn.Module) -> bool:
 def transformers_map(model: nn.Module, held: Collection[str]) -> NameMap:
     """A transformers model's map: the folder's names through transformers' own conversions.
 
-    ``save_pretrained`` writes some families under older names (Mixtral's
-    ``block_sparse_moe.experts.N.w1``, one tensor per expert) that transformers converts
-    while loading (into ``mlp.experts.gate_up_proj``). The renamings are transformers'
-    own; of its conversions, stacking experts and concatenating pieces are read as
-    `Piece` s, and any other is refused by name (it cannot be read in slices).
+    ``save_pretrained`` writes some families under legacy names (Mixtral's
+    ``block_sparse_moe.experts.N.w1``) that transformers converts while loading. Stacked
+    experts and concatenated pieces are read as `Piece` s; any other conversion is refused by
+    name (it cannot be read in slices).
     """
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping

@@ -75,11 +75,9 @@ class Folder:
     def read(self, key: str, window: Sequence[slice], into: torch.Tensor | None = None) -> torch.Tensor:
         """The ``window`` of one tensor: ``into``, filled, or a view of the mapped file (copy it out).
 
-        A window whose bytes lie in one stretch of a safetensors file (a block of whole rows)
-        is read into ``into`` (contiguous, as many elements) with one read call: the kernel
-        copies it from the page cache, and no page of the file is mapped. Any other window is
-        a view of the memory-mapped file: only the pages the caller copies are read, and each
-        element is copied once, from the file's pages into the shard.
+        A window in one stretch of a safetensors file (whole rows) is read into ``into`` with
+        one read call, mapping no page. Any other window is a view of the memory-mapped file:
+        only the pages the caller copies are read, each element copied once.
         """
         source = self.sources[key]
         if source.dtype is None:  # refused before any read (quantized)
@@ -117,9 +115,8 @@ class Folder:
     def release(self) -> None:
         """Close the files opened so far (they open again when next read).
 
-        Both readers map a whole file; every page a window touched stays resident in this
-        process (RssFile) until the file is closed, so a rank that kept its files open
-        would end up holding its shards twice: once in its tensors, once in the mapping.
+        Every page a window touched stays resident (RssFile) until its file is closed, so a
+        rank that kept its files open would hold its shards twice.
         """
         self._open.clear()
 
