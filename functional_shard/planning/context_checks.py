@@ -1,6 +1,6 @@
 """What keeps context parallel from splitting a model's attention. Pure: it reads modules only.
 
-Context parallel reaches attention two ways (`functional_shard.runtime.engines.context_parallel`):
+Context parallel reaches attention two ways (`functional_shard.runtime.engines.context.parallel`):
 a module calling ``F.scaled_dot_product_attention``, or a Hugging Face model taking attention
 functions from transformers' registry. Attention computed in its own kernel
 (``nn.MultiheadAttention``), within a sliding window, or bidirectionally it cannot split. The

@@ -15,7 +15,7 @@ keys, values, output and logsumexp; `context_parallel_attention` then keeps thos
 counts the same flops.
 
 `routing_attention` is how both this trace and the runtime engine
-(`functional_shard.runtime.engines.context_parallel`) reach attention in plain modules:
+(`functional_shard.runtime.engines.context.parallel`) reach attention in plain modules:
 ``torch.nn.functional.scaled_dot_product_attention`` is swapped for a router while a step
 runs. A ``TorchFunctionMode`` would not do: torch's checkpoint recomputes a module's
 forward in backward with no function mode active, so a recomputed layer would attend

@@ -19,7 +19,7 @@ Attention is reached two ways, with no model code patched:
 
 All of it is plain collectives (``all_gather_single``, ``reduce_scatter_single``), so it
 runs on gloo and NCCL alike. Where the plan's engine is torch's ring (``fs.cp(engine="ring")``,
-or ``"auto"`` on a CUDA mesh), the same calls go to `context_ring` instead: the cut, the
+or ``"auto"`` on a CUDA mesh), the same calls go to `ring` instead: the cut, the
 positions and the loss stay the same.
 """
 
@@ -45,8 +45,8 @@ from functional_shard.planning.context_checks import attention_problems  # pure:
 from functional_shard.planning.context_checks import takes_hf_attention as _is_hf
 from functional_shard.planning.plan.plan import Plan
 
-from .context_inputs import chunk_rank, plan_given, sequence_dim, share_check
-from .context_ring import ring_attention, ring_dispatch, runs_ring
+from .arguments import chunk_rank, plan_given, sequence_dim, share_check
+from .ring import ring_attention, ring_dispatch, runs_ring
 
 __all__ = [
     "HF_ATTENTION",
@@ -90,7 +90,7 @@ class SequenceShard:
         """This rank's share of a ``seq_len``-token sequence cut over the 1-D cp ``mesh``.
 
         ``engine`` is the plan's; `fs.apply` has refused a ring where there are no ring
-        kernels (`context_ring.check_ring_device`).
+        kernels (`ring.check_ring_device`).
 
         Raises:
             ShardingError: the chunks do not divide ``seq_len`` (the nearest lengths named).
@@ -342,7 +342,7 @@ def sequence_context(
         >>> # with fs.sequence_context(plan, model, seq_len):
         >>> #     loss_fn(model(inputs, position_ids=positions[None]), targets).backward()
     """
-    from .applied import applied_with
+    from functional_shard.runtime.engines.applied import applied_with
 
     positive_int(seq_len, "seq_len", meaning="the whole sequences' length in tokens")
     applied = applied_with(plan, module, "fs.sequence_context")
