@@ -110,8 +110,8 @@ def forward_loss(
         pipeline the mean of the micro-batch losses, equal on every rank of a pipeline).
 
     Raises:
-        ShardingError: ``module`` was not applied with ``plan``, or the plan has context
-            parallel; later, from ``loss``, a batch the micro-batch count does not divide.
+        ShardingError: as `forward_only`; later, from ``loss``, a batch the micro-batch
+            count does not divide.
 
     Examples:
         >>> plan = fs.shard(nn.Linear(4, 2), fs.Mesh(dp=1), fs.replicate())
