@@ -80,7 +80,7 @@ def ring_rank(cp: int, rank: int, backend: str) -> float:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from functional_shard.runtime.engines.context_ring import ring_attention, ring_dispatch
+    from functional_shard.runtime.engines.context.ring import ring_attention, ring_dispatch
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
     try:

@@ -68,8 +68,8 @@ from .runtime.data_order import ResumableLoader as ResumableLoader
 from .runtime.data_order import ResumableSampler as ResumableSampler
 from .runtime.device_mesh import build_device_mesh as _build_device_mesh_definition
 from .runtime.engines.checks import check_runnable as check_runnable
-from .runtime.engines.context_parallel import context_chunks as context_chunks
-from .runtime.engines.context_parallel import sequence_context as sequence_context
+from .runtime.engines.context.parallel import context_chunks as context_chunks
+from .runtime.engines.context.parallel import sequence_context as sequence_context
 from .runtime.engines.evaluation import forward_loss as forward_loss
 from .runtime.engines.evaluation import forward_only as forward_only
 from .runtime.engines.materialize import materialize as materialize

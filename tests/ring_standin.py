@@ -4,7 +4,7 @@ torch's context parallel maps only CUDA's SDPA kernels to its ring (its CP dispa
 handlers for flash, memory-efficient and cuDNN attention). The ring itself
 (``_templated_ring_attention`` and its backward) takes the kernel as an argument and its
 collectives are plain c10d ones, so this adds CPU's flash kernel to the dispatcher's table
-while it is on: our engine (`functional_shard.runtime.engines.context_ring`) then runs
+while it is on: our engine (`functional_shard.runtime.engines.context.ring`) then runs
 unchanged on CPU: q, k, v wrapped as ``Shard(2)`` DTensors, torch's dispatcher on through
 the backward, its load-balance flag, our chunk layout. What it cannot show is the CUDA
 kernels themselves: the GPU test does (skipped without one).
@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.experimental._context_parallel import _attention
 
-from functional_shard.runtime.engines import context_ring
+from functional_shard.runtime.engines.context import ring
 
 FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -74,12 +74,12 @@ def _backward(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
 def cpu_ring_kernels() -> Iterator[None]:
     """Within it, torch's ring runs CPU's flash kernel and the engine allows a ring on CPU."""
     handlers = {FORWARD: _forward, BACKWARD: _backward}
-    devices = context_ring.RING_DEVICES
+    devices = ring.RING_DEVICES
     _attention.custom_ops.update(handlers)
-    context_ring.RING_DEVICES = devices | {"cpu"}
+    ring.RING_DEVICES = devices | {"cpu"}
     try:
         yield
     finally:
-        context_ring.RING_DEVICES = devices
+        ring.RING_DEVICES = devices
         for op in handlers:
             _attention.custom_ops.pop(op)

@@ -104,6 +104,8 @@ def positive_number(
     return value
 
 
+# one_of and instance_of are alike in shape on purpose: each check takes the vocabulary's
+# keywords (meaning, error) and shows its own refusal where its callers read it
 def one_of(
     value: Any,
     choices: Collection[_T],

@@ -137,6 +137,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=1e-5)
         self.mlp = MLP(config)
 
+    # Attention's keywords, written out again rather than forwarded: torch calls forward by
+    # its signature, and a block's recorded call (`block_calls`) names them
     def forward(
         self,
         x: torch.Tensor,

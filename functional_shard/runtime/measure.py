@@ -355,7 +355,7 @@ def _collectives_ended(module: torch.nn.Module) -> None:
     """
     from torch.distributed.tensor import DTensor
 
-    from .engines.context_parallel import current_sequence_group
+    from .engines.context.parallel import current_sequence_group
 
     groups = {}
     for parameter in module.parameters():

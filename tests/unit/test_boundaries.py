@@ -42,8 +42,8 @@ EFFECTS = {f"runtime/{name}.py" for name in RUNTIME_EFFECTS} | {
     for name in (
         "activation_checkpointing",
         "applied",
-        "context_parallel",
-        "context_ring",
+        "context/parallel",
+        "context/ring",
         "data_parallel",
         "experts",
         "materialize",

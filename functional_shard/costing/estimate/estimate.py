@@ -6,6 +6,7 @@ the loss's workspace, the FSDP units in flight, and time. docs/will-it-fit.md st
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -149,6 +150,40 @@ def estimate(
         refuse(
             "keep_outputs", "True", what, meaning="the plan has no fs.pipeline(...); leave keep_outputs out"
         )
+    return assemble(
+        _assembly(
+            model,
+            plan,
+            hardware,
+            kernels,
+            batch,
+            seq,
+            optimizer=optimizer,
+            keep_outputs=keep_outputs,
+            rank=rank,
+            inputs=inputs,
+            expert_imbalance=expert_imbalance,
+        )
+    )
+
+
+# rank, inputs and expert_imbalance are `trace_activations`' own keywords, passed on as it takes
+# them: `estimate` gives the caller's, `compare_schedules` the defaults
+def _assembly(
+    model: Any,
+    plan: Plan,
+    hardware: str | Hardware | None,
+    kernels: Kernels | None,
+    batch: int,
+    seq: int,
+    *,
+    optimizer: OptimizerKind,
+    keep_outputs: bool,
+    rank: int | None = None,
+    inputs: Any = None,
+    expert_imbalance: float = 1.0,
+) -> Assembly:
+    """``plan`` on ``hardware`` (an ``"auto"`` cp engine chosen), traced once, ready to `assemble`."""
     hw = _hardware(hardware)
     dtype = compute_dtype(plan)
     hw.peak_flops(dtype)  # fail early, before tracing
@@ -169,20 +204,18 @@ def estimate(
         cuda=hw.cuda,
     )
     units = unit_gathered_bytes(plan)
-    return assemble(
-        Assembly(
-            plan=plan,
-            trace=trace,
-            hardware=hw,
-            dtype=dtype,
-            batch=batch,
-            seq=seq,
-            units=units,
-            optimizer=optimizer,
-            rank=rank,
-            keep_outputs=keep_outputs,
-            **with_kernels,
-        )
+    return Assembly(
+        plan=plan,
+        trace=trace,
+        hardware=hw,
+        dtype=dtype,
+        batch=batch,
+        seq=seq,
+        units=units,
+        optimizer=optimizer,
+        rank=rank,
+        keep_outputs=keep_outputs,
+        **with_kernels,
     )
 
 
@@ -248,23 +281,11 @@ def compare_schedules(
             and not isinstance(_actions_or_reason(name, pp, m, per_rank), str)
         ]
         schedules = fitting
-    hw = _hardware(hardware)
-    dtype = compute_dtype(plan)
-    with_kernels = kernel_fields(model, plan, kernels, hw, dtype)
-    plan = for_hardware(plan, hw)  # "auto" cp: the engine the hardware runs
-    planned = {name: with_schedule(plan, name) for name in schedules}
-    micro = microbatch_size(plan, batch)
-    trace = _trace(model, plan, batch=micro, seq=seq, stages=pipeline.stages, cuda=hw.cuda)
-    units = unit_gathered_bytes(plan)
-    shared = dict(
-        trace=trace,
-        hardware=hw,
-        dtype=dtype,
-        batch=batch,
-        seq=seq,
-        units=units,
-        optimizer=optimizer,
-        keep_outputs=keep_outputs,
-        **with_kernels,
+    # one trace for every schedule: the stages, and what each keeps per micro-batch, are the same
+    traced = _assembly(
+        model, plan, hardware, kernels, batch, seq, optimizer=optimizer, keep_outputs=keep_outputs
     )
-    return {name: assemble(Assembly(plan=each, **shared)) for name, each in planned.items()}
+    return {
+        name: assemble(dataclasses.replace(traced, plan=with_schedule(traced.plan, name)))
+        for name in schedules
+    }

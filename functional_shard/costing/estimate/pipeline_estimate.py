@@ -213,6 +213,11 @@ class _Layout:
     def stages(self) -> int:
         return len(self.owner)
 
+    @property
+    def schedule_args(self) -> tuple[str, int, int, int]:
+        """``(schedule, pp, microbatches, stages per rank)``, as `schedules`' functions take them first."""
+        return self.schedule, self.pp, self.microbatches, self.per_rank
+
     def turn(self, stage: int) -> bool:
         """Whether the stage after ``stage`` runs on the same rank: a V's turn."""
         return stage < self.stages - 1 and self.owner[stage + 1] == self.owner[stage]
@@ -273,10 +278,7 @@ def _timeline(assembly: Assembly, layout: _Layout, seconds: _StageSeconds, sends
     link = hw.bandwidth(assembly.plan.mesh, (layout.axis,))
     p2p = [nbytes / link + hw.collective_latency for nbytes in sends] or [0.0]
     return simulate(
-        layout.schedule,
-        layout.pp,
-        layout.microbatches,
-        layout.per_rank,
+        *layout.schedule_args,
         forward=seconds.forward,
         backward=seconds.backward,
         weight=seconds.weight,
@@ -381,10 +383,7 @@ def _rank_memories(
     m, last = layout.microbatches, layout.stages - 1
     loss = pipeline_loss_workspace(trace.output_numel, plan.config.loss_parallel)
     held = held_peak_parts(
-        layout.schedule,
-        layout.pp,
-        m,
-        layout.per_rank,
+        *layout.schedule_args,
         stage_bytes.kept,
         kept_to_end=stage_bytes.to_end,
         during_forward=stage_bytes.during_forward,
@@ -428,7 +427,7 @@ def _rank_memories(
 def _stage_estimates(
     plan: Plan, layout: _Layout, seconds: _StageSeconds, stage_bytes: _StageBytes, whole_grads: list[int]
 ) -> tuple[StageEstimate, ...]:
-    flight = _in_flight(layout.schedule, layout.pp, layout.microbatches, layout.per_rank)
+    flight = _in_flight(*layout.schedule_args)
     return tuple(
         StageEstimate(
             stage=s,

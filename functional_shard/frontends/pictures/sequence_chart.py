@@ -27,10 +27,10 @@ def draw_sequence(axes: Axes, plan: Plan) -> None:
         ShardingError: the plan has no cp axis.
 
     Examples:
-        >>> from functional_shard import zoo
-        >>> plan = fs.shard(zoo.llama("tiny"), fs.Mesh(cp=2), fs.replicate() + fs.cp("cp"))
-        >>> figure = plan.visualize()
-        >>> figure.axes[2].get_title().splitlines()[0]
+        >>> from functional_shard.frontends.pictures.canvas import new_figure
+        >>> axes = new_figure(4, 2).subplots()
+        >>> draw_sequence(axes, fs.shard(nn.Linear(8, 8), fs.Mesh(cp=2), fs.replicate() + fs.cp("cp")))
+        >>> axes.get_title().splitlines()[0]
         "sequence over 'cp': 4 chunks, load-balanced"
     """
     context = plan.config.context

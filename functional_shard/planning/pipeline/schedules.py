@@ -182,6 +182,8 @@ def schedule_actions(
 _RELEASES = frozenset({"B", "W"})
 
 
+# held_peak restates held_peak_parts' leading parameters rather than forwarding them: it is
+# the activations-only view the tests and bench/published_pipelines.py call, typed and documented
 def held_peak(
     schedule: str,
     pp: int,

@@ -294,6 +294,8 @@ class PlanConfig:
         """Whether FSDP frees each unit's gathered parameters after forward (ZeRO-2 and pipelines: no)."""
         return self.fsdp is None or self.fsdp.reshard_after_forward
 
+    # the properties below are alike in shape on purpose: each is one public question of the
+    # plan, answered by its parallelism's config, with the answer when that parallelism is unused
     @property
     def shard_axes(self) -> tuple[str, ...]:
         """The data axes FSDP shards over (none without data parallelism)."""

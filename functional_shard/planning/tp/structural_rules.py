@@ -145,14 +145,9 @@ def trace_block(block: nn.Module, seq: int = 4, call: Call | None = None) -> Blo
         The block's `BlockFlow` (projection paths relative to the block).
 
     Examples:
-        >>> class Mlp(nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.norm, self.up, self.down = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)
-        ...     def forward(self, x):
-        ...         return x + self.down(torch.relu(self.up(self.norm(x))))
-        >>> trace_block(Mlp()).styles
-        (('up', 'colwise'), ('down', 'rowwise'))
+        >>> mlp = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        >>> trace_block(mlp).styles
+        (('1', 'colwise'), ('3', 'rowwise'))
     """
     width = _hidden_size(block)
     if width is None:

@@ -101,8 +101,8 @@ def forward_loss(
         ``loss(inputs, targets)``, returning the batch's mean loss (detached), the same on every pp rank.
 
     Raises:
-        ShardingError: ``module`` was not applied with ``plan``, or the plan has context parallel;
-            from ``loss``, a batch the micro-batch count does not divide.
+        ShardingError: as `forward_only`; later, from ``loss``, a batch the micro-batch
+            count does not divide.
 
     Examples:
         >>> plan = fs.shard(nn.Linear(4, 2), fs.Mesh(dp=1), fs.replicate())

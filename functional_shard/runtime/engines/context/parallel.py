@@ -10,7 +10,7 @@ Attention is reached without patching the model: a plain module's
 (`functional_shard.costing.trace.context_attention.routing_attention`); a Hugging Face model
 gets an attention function registered in transformers' ``AttentionInterface``. Plain
 collectives run on gloo and NCCL alike; a plan whose engine is torch's ring goes to
-`context_ring` instead.
+`ring` instead.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from functional_shard.planning.context_checks import attention_problems  # pure:
 from functional_shard.planning.context_checks import takes_hf_attention as _is_hf
 from functional_shard.planning.plan.plan import Plan
 
-from .context_inputs import chunk_rank, plan_given, sequence_dim, share_check
-from .context_ring import ring_attention, ring_dispatch, runs_ring
+from .arguments import chunk_rank, plan_given, sequence_dim, share_check
+from .ring import ring_attention, ring_dispatch, runs_ring
 
 __all__ = [
     "HF_ATTENTION",
@@ -322,7 +322,7 @@ def sequence_context(
         >>> # with fs.sequence_context(plan, model, seq_len):
         >>> #     loss_fn(model(inputs, position_ids=positions[None]), targets).backward()
     """
-    from .applied import applied_with
+    from functional_shard.runtime.engines.applied import applied_with
 
     positive_int(seq_len, "seq_len", meaning="the whole sequences' length in tokens")
     applied = applied_with(plan, module, "fs.sequence_context")
