@@ -129,9 +129,7 @@ def plan_entries(model_or_config: object) -> tuple[str, list[tuple[re.Pattern[st
 
     Examples:
         >>> import transformers
-        >>> config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
-        >>> name, pairs = plan_entries(config)
+        >>> name, pairs = plan_entries(transformers.LlamaConfig(num_hidden_layers=1))
         >>> name, pairs[0][1]
         ('LlamaForCausalLM', 'colwise_gather')
     """
