@@ -1,9 +1,8 @@
 """Run a function on N local processes joined in a gloo process group (tests, demo, bench).
 
-`LocalWorld` keeps its processes (and their process group) alive across calls, so a test run
-pays the start-up once. A rank's exception is re-raised in the parent with the child's
-traceback attached. When every rank reports back, the world goes on with a fresh process
-group; when a rank stays silent (hung in a collective, or dead), the whole world ends at once.
+`LocalWorld` keeps its processes (and their process group) alive across calls, so a test
+module pays the start-up once. A rank that raises ends the whole world at once, and its
+exception is re-raised in the parent with the child's traceback attached.
 
 The parent serves the rendezvous store itself on a port it holds until the world closes, so
 two worlds started at the same moment cannot be handed the same port.
@@ -50,11 +49,6 @@ _HOST = "127.0.0.1"
 _TIMEOUT = datetime.timedelta(seconds=300)  # to join the store
 _GRACE = 15.0  # seconds the parent waits past the ranks' timeout for their own errors
 _DEATH_GRACE = 5.0  # seconds it waits, once a rank died, for the others' errors
-# seconds it waits, once a rank raised, for every other rank to report: a rank still silent
-# then is taken as blocked in a collective the failed rank never reached
-_REPORT_GRACE = 3.0
-_REGROUP = "regroup"  # the task that gives the ranks a fresh process group
-_REGROUP_TIMEOUT = 60.0  # seconds idle ranks get to join it
 
 
 @dataclass(frozen=True)
@@ -77,26 +71,12 @@ def _serve(me: _Rank, inbox: Any, outbox: Any) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # a client of the store the parent serves: no rank ever binds a port of its own choosing
     store = dist.TCPStore(_HOST, me.port, me.world_size, is_master=False, timeout=_TIMEOUT)
-
-    def join(generation: int) -> None:
-        # joining waits for every rank to start (a rank still importing torch is not hung); the
-        # world's timeout is for the collectives after. Each generation's keys stand apart.
-        prefixed = dist.PrefixStore(f"generation{generation}/", store)
-        dist.init_process_group(
-            me.backend, store=prefixed, rank=rank, world_size=me.world_size, timeout=_TIMEOUT
-        )
-        set_timeout(me.timeout)
-
-    join(0)
+    # joining waits for every rank to start (a rank still importing torch is not hung); the
+    # world's timeout is for the collectives after
+    dist.init_process_group(me.backend, store=store, rank=rank, world_size=me.world_size, timeout=_TIMEOUT)
+    set_timeout(me.timeout)
     try:
         while (task := inbox.get()) is not None:
-            if task[0] == _REGROUP:
-                # after a failure every rank reported: drop the groups (and any collective a
-                # failed rank left half-posted) and join a fresh one
-                dist.destroy_process_group()
-                join(task[1])
-                outbox.put((rank, True, None))
-                continue
             fn, args, kwargs = task
             try:
                 outbox.put((rank, True, fn(*args, **kwargs)))
@@ -157,7 +137,6 @@ class LocalWorld:
         for process in self._processes:
             process.start()
         self._broken = False
-        self._generation = 0  # of the ranks' process group: one more after each failure survived
 
     @property
     def closed(self) -> bool:
@@ -171,8 +150,7 @@ class LocalWorld:
 
         Raises:
             RankFailedError: a rank died or the run timed out; the world is closed.
-            BaseException: the exception a rank raised, re-raised with its traceback; the world
-                is closed when a rank stayed silent, else it goes on with a fresh process group.
+            BaseException: the exception a rank raised, re-raised with its traceback.
         """
         if self._broken:
             raise RankFailedError("this LocalWorld was closed after a failure; make a new one")
@@ -180,71 +158,41 @@ class LocalWorld:
             inbox.put((fn, args, kwargs))
         results: list[Any] = [None] * self.world_size
         pending = set(range(self.world_size))
-        failure: tuple[int, Any] | None = None  # the first rank that raised, and what
         # past the ranks' own collective timeout, so that their error, naming where they
         # waited, arrives before the parent gives up on them
         deadline = time.monotonic() + self.timeout + _GRACE
         while pending:
-            if failure is not None and time.monotonic() > deadline:
-                break  # the ranks still silent wait in a collective the failed rank left
             try:
                 rank, ok, payload = self._outbox.get(timeout=0.25)
             except queue.Empty:
-                if failure is None:
-                    deadline = self._deadline_for(pending, deadline, fn)
+                dead = [r for r in pending if not self._processes[r].is_alive()]
+                if dead and deadline > time.monotonic() + _DEATH_GRACE:
+                    # the living ranks' errors name the collective the dead one left: a
+                    # moment for them to arrive (gloo tells them at once)
+                    deadline = time.monotonic() + _DEATH_GRACE
+                    continue
+                if time.monotonic() > deadline:
+                    self.close(force=True)
+                    why = (
+                        f"ranks {dead} died" if dead else f"ranks {sorted(pending)} ran past {self.timeout}s"
+                    )
+                    raise RankFailedError(f"{why} in {getattr(fn, '__name__', fn)}") from None
                 continue
-            pending.discard(rank)
-            if ok:
-                results[rank] = payload
-            elif failure is None:
-                failure = (rank, payload)
-                deadline = time.monotonic() + _REPORT_GRACE
-        if failure is None:
-            return results
-        rank, (error, text) = failure
-        silent = sorted(pending)
-        if silent:
-            dead = [r for r in silent if not self._processes[r].is_alive()]
-            self.close(force=True)  # the silent ranks may be blocked in a collective
-            if isinstance(error, CollectiveTimeoutError):
-                waiting = [r for r in silent if r not in dead]
-                reasons = [f"ranks {dead} died"] if dead else []
-                reasons += [f"ranks {waiting} had not returned: hung or dead"] if waiting else []
-                running = getattr(fn, "__name__", fn)
-                error = CollectiveTimeoutError(f"{error} (running {running}); {' and '.join(reasons)}")
-        else:
-            self._regroup()
-        raise error from _RemoteTracebackError(f"rank {rank} of {self.world_size}:\n{text}")
-
-    def _deadline_for(self, pending: set[int], deadline: float, fn: Callable[..., Any]) -> float:
-        """The run's deadline, shortened once a pending rank died (past it: closed, `RankFailedError`)."""
-        dead = [r for r in pending if not self._processes[r].is_alive()]
-        if dead and deadline > time.monotonic() + _DEATH_GRACE:
-            # the living ranks' errors name the collective the dead one left: a moment for
-            # them to arrive (gloo tells them at once)
-            return time.monotonic() + _DEATH_GRACE
-        if time.monotonic() > deadline:
-            self.close(force=True)
-            why = f"ranks {dead} died" if dead else f"ranks {sorted(pending)} ran past {self.timeout}s"
-            raise RankFailedError(f"{why} in {getattr(fn, '__name__', fn)}") from None
-        return deadline
-
-    def _regroup(self) -> None:
-        """Give every rank a fresh process group (all of them are idle); close the world if one fails."""
-        self._generation += 1
-        for inbox in self._inboxes:
-            inbox.put((_REGROUP, self._generation))
-        deadline = time.monotonic() + _REGROUP_TIMEOUT
-        joined = 0
-        while joined < self.world_size:
-            try:
-                _, ok, _ = self._outbox.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                ok = False
             if not ok:
-                self.close(force=True)
-                return
-            joined += 1
+                others = sorted(pending - {rank})
+                dead = [r for r in others if not self._processes[r].is_alive()]
+                self.close(force=True)  # the others may be blocked in a collective
+                error, text = payload
+                if isinstance(error, CollectiveTimeoutError):
+                    waiting = [r for r in others if r not in dead]
+                    reasons = [f"ranks {dead} died"] if dead else []
+                    reasons += [f"ranks {waiting} had not returned: hung or dead"] if waiting else []
+                    running = getattr(fn, "__name__", fn)
+                    error = CollectiveTimeoutError(f"{error} (running {running}); {' and '.join(reasons)}")
+                raise error from _RemoteTracebackError(f"rank {rank} of {self.world_size}:\n{text}")
+            results[rank] = payload
+            pending.discard(rank)
+        return results
 
     def close(self, force: bool = False) -> None:
         """Stop every rank (at once when ``force``)."""

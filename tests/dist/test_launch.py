@@ -17,7 +17,6 @@ import functional_shard as fs
 # worlds of their own here, never the run's shared ones: what is tested is LocalWorld itself
 # (worlds started at one moment, the port it holds, a run past its timeout)
 
-
 def gather_tokens(token: str) -> tuple[int, list[str]]:
     """This rank's view of its group: its size and every member's token."""
     tokens: list[str] = [""] * dist.get_world_size()
@@ -92,45 +91,3 @@ def test_a_hung_peer_ends_the_run_within_the_timeout_naming_the_collective_and_r
     ):
         fs.run_local(one_rank_hangs, 2, timeout=3)
     assert time.monotonic() - start < 40  # the wait, not the sleeping rank's 60 s
-
-
-def raises_on(ranks: tuple[int, ...], left_posted: bool = False) -> int:
-    """Raise on ``ranks``; with ``left_posted``, rank 0 first posts an all-reduce no peer joins."""
-    import torch
-
-    if left_posted and dist.get_rank() == 0:
-        dist.all_reduce(torch.ones(1), async_op=True)
-    if dist.get_rank() in ranks:
-        raise ValueError(f"rank {dist.get_rank()} refuses")
-    if ranks:  # the others wait for the ranks that raised
-        dist.all_reduce(torch.ones(1))
-    return dist.get_rank()
-
-
-def sum_of_ranks() -> float:
-    import torch
-
-    total = torch.tensor([float(dist.get_rank())])
-    dist.all_reduce(total)
-    return total.item()
-
-
-@pytest.mark.parametrize("left_posted", [False, True])
-def test_a_failure_every_rank_reported_leaves_the_world_running_on_a_fresh_group(left_posted):
-    with fs.LocalWorld(2, timeout=60) as world:
-        with pytest.raises(ValueError, match="refuses"):
-            world.run(raises_on, (0, 1), left_posted)
-        assert not world.closed
-        # the collective rank 0 left half-posted went with the old group: sums match again
-        assert world.run(sum_of_ranks) == [1.0, 1.0]
-
-
-def test_a_failure_that_leaves_a_rank_waiting_closes_the_world_at_once():
-    import time
-
-    start = time.monotonic()
-    with fs.LocalWorld(2, timeout=60) as world:
-        with pytest.raises(ValueError, match="rank 0 refuses"):
-            world.run(raises_on, (0,))
-        assert world.closed
-    assert time.monotonic() - start < 40  # the report grace, not the ranks' 60 s timeout
