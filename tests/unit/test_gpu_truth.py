@@ -11,10 +11,17 @@ batches, lengths and families): they are held to the same bounds.
 A row whose GPU idles for more than a tenth of its step is bound by the host (Python
 dispatch; selective checkpointing's dispatch mode at short sequences): the estimate counts
 the device's work, so such rows are held to the kernels' busy time instead.
+
+The caching-allocator simulator (what ``max_memory_reserved`` counts) is held to torch
+itself: bench/cuda_memory_history.py recorded every allocation and free of one step
+(bench/data/h200/memory-*.json.gz), and the simulator, replaying them from the segments the
+warm-up steps left, must put every block where torch put it and end with the segments torch
+ended with.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import pathlib
 
@@ -22,6 +29,7 @@ import pytest
 import torch
 
 import functional_shard as fs
+from functional_shard.costing.estimate.caching_allocator import blocks_of, replay
 from functional_shard.runtime.measure_rates import kernel_kind
 from functional_shard.zoo import CONFIGS, Block, Llama
 
@@ -163,3 +171,28 @@ def test_auto_picks_what_was_fastest_among_what_fit(seq: int, budget: int) -> No
         model = Llama(CONFIGS["llama-1b"])
     report = fs.search_plans(model, devices=1, memory_budget=budget, batch=1, seq=seq, hardware="h200")
     assert report.best_candidate.checkpointing == fastest_measured(seq, budget)
+
+
+def check_replay(name: str) -> None:
+    history = json.loads(gzip.decompress((DATA / f"memory-{name}.json.gz").read_bytes()))
+    found = replay(history)
+    assert found.misplaced == 0, (found.misplaced, found.allocations)
+    recorded = sorted(
+        (s["address"], s["size"], [(size, state.startswith("active")) for size, state in s["blocks"]])
+        for s in history["segments"]
+    )
+    assert blocks_of(found.allocator.segments) == recorded
+    assert found.allocator.peak_allocated == history["allocated_peak"]
+    assert found.allocator.peak_reserved == history["reserved_peak"]
+
+
+def test_the_simulator_replays_a_recorded_step_as_torch_ran_it() -> None:
+    check_replay("llama-1b_8k_full")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name", [p.name.removeprefix("memory-").removesuffix(".json.gz") for p in sorted(DATA.glob("memory-*"))]
+)
+def test_the_simulator_replays_every_recorded_step(name: str) -> None:
+    check_replay(name)
