@@ -1,4 +1,4 @@
-"""Choose a plan: the fastest estimated step whose peak memory fits a budget.
+"""Choose a plan: the fastest estimated step whose reserved peak memory fits a budget.
 
 `search_plans` enumerates a small, explicit space (meshes over the devices, data-parallel
 families, tensor and sequence parallelism within a node, activation checkpointing of the
@@ -161,7 +161,7 @@ def auto(
     hardware: str | Hardware = "h100",
     kernels: Kernels | None = None,
 ) -> Plan:
-    """The plan with the least estimated step time whose peak fits ``memory_budget``.
+    """The plan with the least estimated step time whose reserved peak fits ``memory_budget``.
 
     Arguments as for `search_plans`.
 

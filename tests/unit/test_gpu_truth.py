@@ -12,11 +12,11 @@ A row whose GPU idles for more than a tenth of its step is bound by the host (Py
 dispatch; selective checkpointing's dispatch mode at short sequences): the estimate counts
 the device's work, so such rows are held to the kernels' busy time instead.
 
-The caching-allocator simulator (what ``max_memory_reserved`` counts) is held to torch
-itself: bench/cuda_memory_history.py recorded every allocation and free of one step
-(bench/data/h200/memory-*.json.gz), and the simulator, replaying them from the segments the
-warm-up steps left, must put every block where torch put it and end with the segments torch
-ended with.
+The reserved peak (``max_memory_reserved``) is held to each row within 10%, and the
+caching-allocator simulator behind it to torch itself: bench/cuda_memory_history.py
+recorded every allocation and free of one step (bench/data/h200/memory-*.json.gz), and the
+simulator, replaying them from the segments the warm-up steps left, must put every block
+where torch put it and end with the segments torch ended with.
 """
 
 from __future__ import annotations
@@ -171,6 +171,40 @@ def test_auto_picks_what_was_fastest_among_what_fit(seq: int, budget: int) -> No
         model = Llama(CONFIGS["llama-1b"])
     report = fs.search_plans(model, devices=1, memory_budget=budget, batch=1, seq=seq, hardware="h200")
     assert report.best_candidate.checkpointing == fastest_measured(seq, budget)
+
+
+# rows whose reserved peak the model misses by more than 10%, and why (docs/will-it-fit.md)
+RESERVED_MISSED = {
+    # its allocated peak is missed by 10% already (PEAK_MISSED)
+    "llama-1b 4k full",
+    # the default stream's own fragmentation, which the model does not count: the loss's
+    # fp32 logits (8 and 16 GiB blocks at 32k) get segments of their own, and blocks cut
+    # from them for smaller tensors leave them too small for the next step's loss
+    "llama-1b 32k none",
+    "llama-1b 32k selective",
+}
+
+
+def check_reserved(row: dict) -> None:
+    found = estimate_of(row).reserved_peak_bytes
+    assert found == pytest.approx(row["reserved_peak"], rel=0.10), found / row["reserved_peak"]
+
+
+def test_the_reserved_peak_of_llama_1b_at_16k() -> None:
+    check_reserved(ROWS["llama-1b 16k none"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in [*ROWS, *HELD_OUT] if n not in RESERVED_MISSED])
+def test_every_reserved_peak(name: str) -> None:
+    check_reserved(ROWS.get(name) or HELD_OUT[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(RESERVED_MISSED))
+def test_the_missed_reserved_peaks_are_under(name: str) -> None:
+    """What the model leaves out (fragmentation) only adds: a missed row is under, not over."""
+    assert estimate_of(ROWS[name]).reserved_peak_bytes < ROWS[name]["reserved_peak"]
 
 
 def check_replay(name: str) -> None:
