@@ -345,3 +345,56 @@ def replay(history: dict) -> Replay:
         else:
             allocator.free(where.pop(address))
     return Replay(allocator, allocations, misplaced)
+
+
+def from_the_start(history: dict, steps: int = 3) -> CachingAllocator:
+    """The allocator after ``steps`` steps of ``history``'s order, from an empty cache.
+
+    What the warm-up does, in torch's order: the parameters are allocated first
+    (``fs.materialize``); the first step runs without optimizer state, which AdamW makes in
+    its first ``step()`` (after the backward's last reduce-scatter), two states the size of
+    each parameter, so of the blocks every step keeps, a third of each size are
+    parameters; each later step frees the previous one's gradients (``zero_grad``). Every
+    step allocates and frees as the recorded one did. Its ``peak_reserved`` is then what
+    the run's ``max_memory_reserved`` would be if only the step's order and torch's rules
+    set it.
+    """
+    events = [e for e in history["events"] if e[0] in ("alloc", "free_completed")]
+    live: set[int] = set()
+    freed_first: set[int] = set()  # alive when the step began: the previous step's gradients
+    for action, _, address, _ in events:
+        if action == "alloc":
+            live.add(address)
+        elif address in live:
+            live.remove(address)
+        else:
+            freed_first.add(address)
+    kept_sizes: dict[int, int] = {}
+    for segment in history["segments"]:
+        address = segment["address"]
+        for size, state in segment["blocks"]:
+            if state.startswith("active") and address not in live and address not in freed_first:
+                kept_sizes[size] = kept_sizes.get(size, 0) + 1
+            address += size
+    parameters = {size: max(1, count // 3) for size, count in kept_sizes.items()}
+    states = [size for size, count in kept_sizes.items() for _ in range(count - parameters[size])]
+    optimizer_step = max(i for i, e in enumerate(events) if e[0] == "alloc" and e[3] != 0) + 1
+    allocator = CachingAllocator()
+    for size, count in parameters.items():
+        for _ in range(count):
+            allocator.malloc(size)
+    previous: dict[int, int] = {}
+    for step in range(steps):
+        current: dict[int, int] = {}
+        for index, (action, size, address, stream) in enumerate(events):
+            if step == 0 and index == optimizer_step:
+                for state in states:
+                    allocator.malloc(state)
+            if action == "alloc":
+                current[address] = allocator.malloc(size, stream)
+            elif address in current:
+                allocator.free(current.pop(address))
+            elif address in previous:
+                allocator.free(previous.pop(address))
+        previous = current
+    return allocator
