@@ -140,10 +140,9 @@ class Estimate:
             + (f"; host {_bytes(self.host_bytes)}" if self.host_bytes else ""),
         ]
         lines += [f"  {part:<15} {_bytes(nbytes)}" for part, nbytes in self.memory.items()]
-        if self.reserved:
-            lines.append(f"reserved peak {_bytes(self.reserved_peak_bytes)}: {RESERVED_MODEL}")
-            width = max(15, *(len(part) for part in self.reserved))
-            lines += [f"  {part:<{width}} {_bytes(nbytes)}" for part, nbytes in self.reserved.items()]
+        lines.append(f"reserved peak {_bytes(self.reserved_peak_bytes)}: {RESERVED_MODEL}")
+        width = max([15, *(len(part) for part in self.reserved)])
+        lines += [f"  {part:<{width}} {_bytes(nbytes)}" for part, nbytes in self.reserved.items()]
         if self.context_engine is not None:
             lines.append(
                 f"context parallel {self.context_parallel}: attention by "

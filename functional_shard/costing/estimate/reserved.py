@@ -20,9 +20,12 @@ two kinds of blocks on streams of their own:
   skips the all-gather (``FSDPParamGroup.unshard``), so the bench's rows did not measure it.
 
 Each stream's blocks go through `caching_allocator.CachingAllocator`, which rounds them into
-segments as torch does. Not counted: the default stream's own fragmentation (cached blocks
-split by one request and too small for the next), which depends on the order of every
-allocation in the step; docs/will-it-fit.md lists the rows where it shows.
+segments as torch does. Under CPU offload the gradients leave the device: their
+reduce-scatter outputs pass through that stream one unit at a time, not counted. Not
+counted either: the default stream's own fragmentation (cached blocks split by one request
+and too small for the next), which depends on the order of every allocation in the step
+(`caching_allocator.from_the_start` shows that order, recorded, gives the measured reserved
+peak); docs/will-it-fit.md lists the rows where it shows.
 """
 
 from __future__ import annotations
