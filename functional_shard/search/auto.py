@@ -1,4 +1,4 @@
-"""Choose a plan: the fastest estimated step whose peak memory fits a budget.
+"""Choose a plan: the fastest estimated step whose reserved peak memory fits a budget.
 
 `search_plans` enumerates a small, explicit space (`candidates`), estimates every candidate
 (`search`, sharing traces, plans and costs between alike candidates) and keeps the fastest that
@@ -132,7 +132,7 @@ def auto(
     hardware: str | Hardware = "h100",
     kernels: Kernels | None = None,
 ) -> Plan:
-    """The plan with the least estimated step time whose peak fits ``memory_budget``.
+    """The plan with the least estimated step time whose reserved peak fits ``memory_budget``.
 
     Arguments as for `search_plans`.
 

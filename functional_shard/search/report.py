@@ -28,6 +28,7 @@ class Candidate:
     offload: bool
     policy_text: str
     peak_bytes: int | None = None
+    """The estimate's reserved peak (`Estimate.reserved_peak_bytes`), which the budget holds."""
     step_seconds: float | None = None
     rejected: str | None = None
     """Why it was not chosen for fitting: None if it fits."""

@@ -124,12 +124,13 @@ class Search:
         return kernel_fields(self.inputs.facts.model, plan, fitted, self.inputs.hardware, compute_dtype(plan))
 
     def _estimated(self, point: Point, how: str, estimate: Estimate) -> Candidate:
-        over = estimate.peak_bytes - self.inputs.budget
+        # the budget holds the caching allocator's segments, not only the tensors in them
+        over = estimate.reserved_peak_bytes - self.inputs.budget
         return _candidate(
             point,
             how,
             self.policies.of(point, how),
-            peak_bytes=estimate.peak_bytes,
+            peak_bytes=estimate.reserved_peak_bytes,
             step_seconds=estimate.step_seconds,
             rejected=None if over <= 0 else f"needs {_bytes(over)} more",
             estimate=estimate,

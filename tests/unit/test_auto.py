@@ -100,7 +100,7 @@ def _space(devices, batch):
 
 @functools.cache
 def _estimated_space(devices, batch, seq):
-    """(peak, step) of every plan in the space that plans and traces."""
+    """(reserved peak, step) of every plan in the space that plans and traces."""
     out = []
     for mesh, policy in _space(devices, batch):
         try:
@@ -111,7 +111,7 @@ def _estimated_space(devices, batch, seq):
             est = fs.estimate(_MODEL, plan, batch=batch // (devices // plan.mesh.shape.get("tp", 1)), seq=seq)
         except fs.ShardingError:  # the tracer cannot run this one; auto reports it as rejected
             continue
-        out.append((est.peak_bytes, est.step_seconds))
+        out.append((est.reserved_peak_bytes, est.step_seconds))
     return tuple(out)
 
 

@@ -11,10 +11,17 @@ batches, lengths and families): they are held to the same bounds.
 A row whose GPU idles for more than a tenth of its step is bound by the host (Python
 dispatch; selective checkpointing's dispatch mode at short sequences): the estimate counts
 the device's work, so such rows are held to the kernels' busy time instead.
+
+The reserved peak (``max_memory_reserved``) is held to each row within 10%, and the
+caching-allocator simulator behind it to torch itself: bench/cuda_memory_history.py
+recorded every allocation and free of one step (bench/data/h200/memory-*.json.gz), and the
+simulator, replaying them from the segments the warm-up steps left, must put every block
+where torch put it and end with the segments torch ended with.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import pathlib
 
@@ -22,6 +29,8 @@ import pytest
 import torch
 
 import functional_shard as fs
+from functional_shard.costing.estimate.caching_allocator import blocks_of, from_the_start, replay
+from functional_shard.costing.estimate.reserved import simulated_peaks
 from functional_shard.runtime.measure_rates import kernel_kind
 from functional_shard.zoo import CONFIGS, Block, Llama
 
@@ -55,13 +64,17 @@ def model_of(row: dict) -> torch.nn.Module:
         return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
-def estimate_of(row: dict) -> fs.Estimate:
+def plan_of(row: dict) -> tuple[torch.nn.Module, fs.Plan]:
     model = model_of(row)
     block = Block if row["row"]["family"] == "zoo" else type(model.model.layers[0])
     policy = fs.fsdp("dp") + fs.mixed_precision()
     if row["row"]["checkpointing"]:
         policy = policy + fs.checkpointing(block, policy=row["row"]["checkpointing"])
-    plan = fs.shard(model, fs.Mesh(dp=1), policy)
+    return model, fs.shard(model, fs.Mesh(dp=1), policy)
+
+
+def estimate_of(row: dict) -> fs.Estimate:
+    model, plan = plan_of(row)
     return fs.estimate(model, plan, batch=row["row"]["batch"], seq=row["row"]["seq"], hardware="h200")
 
 
@@ -163,3 +176,118 @@ def test_auto_picks_what_was_fastest_among_what_fit(seq: int, budget: int) -> No
         model = Llama(CONFIGS["llama-1b"])
     report = fs.search_plans(model, devices=1, memory_budget=budget, batch=1, seq=seq, hardware="h200")
     assert report.best_candidate.checkpointing == fastest_measured(seq, budget)
+
+
+# rows whose reserved peak the model misses by more than 10%, and why (docs/will-it-fit.md)
+RESERVED_MISSED = {
+    # its allocated peak is missed by 10% already (PEAK_MISSED)
+    "llama-1b 4k full",
+    # the default stream's own fragmentation, which the model does not count: the loss's
+    # fp32 logits (8 and 16 GiB blocks at 32k) get segments of their own, and blocks cut
+    # from them for smaller tensors leave them too small for the next step's loss
+    "llama-1b 32k none",
+    "llama-1b 32k selective",
+}
+
+
+def check_reserved(row: dict) -> None:
+    found = estimate_of(row).reserved_peak_bytes
+    assert found == pytest.approx(row["reserved_peak"], rel=0.10), found / row["reserved_peak"]
+
+
+def test_the_reserved_peak_of_llama_1b_at_16k() -> None:
+    check_reserved(ROWS["llama-1b 16k none"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in [*ROWS, *HELD_OUT] if n not in RESERVED_MISSED])
+def test_every_reserved_peak(name: str) -> None:
+    check_reserved(ROWS.get(name) or HELD_OUT[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(RESERVED_MISSED))
+def test_the_missed_reserved_peaks_are_under(name: str) -> None:
+    """What the model leaves out (fragmentation) only adds: a missed row is under, not over."""
+    assert estimate_of(ROWS[name]).reserved_peak_bytes < ROWS[name]["reserved_peak"]
+
+
+def check_replay(name: str) -> None:
+    history = json.loads(gzip.decompress((DATA / f"memory-{name}.json.gz").read_bytes()))
+    found = replay(history)
+    assert found.misplaced == 0, (found.misplaced, found.allocations)
+    recorded = sorted(
+        (s["address"], s["size"], [(size, state.startswith("active")) for size, state in s["blocks"]])
+        for s in history["segments"]
+    )
+    assert blocks_of(found.allocator.segments) == recorded
+    assert found.allocator.peak_allocated == history["allocated_peak"]
+    assert found.allocator.peak_reserved == history["reserved_peak"]
+
+
+def test_the_simulator_replays_a_recorded_step_as_torch_ran_it() -> None:
+    check_replay("llama-1b_8k_full")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name", [p.name.removeprefix("memory-").removesuffix(".json.gz") for p in sorted(DATA.glob("memory-*"))]
+)
+def test_the_simulator_replays_every_recorded_step(name: str) -> None:
+    check_replay(name)
+
+
+def check_from_the_start(name: str) -> None:
+    """The recorded step's order, run from an empty cache with the warm-up's order, reserves what the row did.
+
+    Held to steps.json's row (a run of its own): two histories were recorded in a process
+    that still cached the previous row's blocks (segments no stream of the step touches:
+    9.3 GiB free beside llama-1b 32k full, 5.1 GiB beside qwen2), which the rows' own runs
+    did not hold.
+    """
+    history = json.loads(gzip.decompress((DATA / f"memory-{name}.json.gz").read_bytes()))
+    measured = ROWS[history["row"]]["reserved_peak"]
+    assert from_the_start(history).peak_reserved == pytest.approx(measured, rel=0.01)
+
+
+def test_the_step_order_and_torchs_rules_give_the_reserved_peak() -> None:
+    check_from_the_start("llama-1b_4k_full")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name", [p.name.removeprefix("memory-").removesuffix(".json.gz") for p in sorted(DATA.glob("memory-*"))]
+)
+def test_every_recorded_order_gives_its_reserved_peak(name: str) -> None:
+    check_from_the_start(name)
+
+
+def check_simulated(name: str) -> None:
+    """Three steps of the step's traced allocations through the simulator: both peaks, as torch ran them.
+
+    Within 2% (seen: 0.995-1.007 reserved, 0.997-0.999 allocated on every row).
+    """
+    row = ROWS.get(name) or HELD_OUT[name]
+    model, plan = plan_of(row)
+    allocated, reserved = simulated_peaks(model, plan, batch=row["row"]["batch"], seq=row["row"]["seq"])
+    assert reserved == pytest.approx(row["reserved_peak"], rel=0.02), reserved / row["reserved_peak"]
+    assert allocated == pytest.approx(row["allocated_peak"], rel=0.02), allocated / row["allocated_peak"]
+
+
+def test_the_simulated_step_reserves_what_llama_1b_at_32k_with_selective_checkpointing_did() -> None:
+    check_simulated("llama-1b 32k selective")  # a row the fast model misses (RESERVED_MISSED)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*ROWS, *HELD_OUT])
+def test_every_simulated_step(name: str) -> None:
+    check_simulated(name)
+
+
+def test_the_simulated_step_refuses_what_was_not_measured() -> None:
+    from functional_shard.zoo import llama
+
+    model = llama("tiny")
+    plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp("dp") + fs.mixed_precision())
+    with pytest.raises(fs.PlanError, match="more than one rank"):
+        simulated_peaks(model, plan, batch=1, seq=16)

@@ -34,6 +34,7 @@ from functional_shard.costing.time.step_seconds import step_time
 from .loss_memory import loss_workspace
 from .pipeline_estimate import pipeline_parts
 from .record import Estimate
+from .reserved import reserved_beyond
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan.plan import Plan
@@ -168,5 +169,6 @@ def assemble(assembly: Assembly) -> Estimate:
         peak_at=parts.peak_at,
         kernels=assembly.kernels,
         compute_parts=timed.compute_parts,
+        reserved=reserved_beyond(parts.plan, parts.cost, parts.memory, parts.units),
     )
     return with_engine(found, plan)

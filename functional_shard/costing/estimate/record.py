@@ -18,6 +18,8 @@ from functional_shard.costing.time.kernels import Kernels
 from functional_shard.planning.pipeline.schedules import Timeline
 from functional_shard.planning.plan.cost_record import Cost
 
+from .reserved import MODEL as RESERVED_MODEL
+
 __all__ = ["Estimate", "PipelineEstimate", "StageEstimate", "duration"]
 
 
@@ -66,6 +68,8 @@ class Estimate:
     """The kernels counted beyond eager bf16 (``estimate(kernels=...)``)."""
     compute_parts: Mapping[str, float] = field(default_factory=dict)
     """``compute_seconds`` by kind of kernel where the hardware has `KernelRates`; else empty."""
+    reserved: Mapping[str, int] = field(default_factory=dict)
+    """What the CUDA caching allocator holds at the peak beyond ``memory``, by stream (`reserved.reserved_beyond`)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -76,6 +80,15 @@ class Estimate:
     def peak_bytes(self) -> int:
         """Device memory at the step's peak (`peak_at`): every part together."""
         return sum(self.memory.values())
+
+    @property
+    def reserved_peak_bytes(self) -> int:
+        """The peak as ``torch.cuda.max_memory_reserved`` counts it: the caching allocator's segments.
+
+        ``peak_bytes`` plus ``reserved``; docs/will-it-fit.md states the model and holds it
+        to an H200's rows.
+        """
+        return self.peak_bytes + sum(self.reserved.values())
 
     @property
     def step_seconds(self) -> float:
@@ -95,8 +108,12 @@ class Estimate:
         return self.model_flops / self.step_seconds / self.hardware.peak_flops(self.dtype)
 
     def fits(self, budget: int | str) -> bool:
-        """Whether the peak fits in ``budget`` (bytes or text, see `parse_bytes`)."""
-        return self.peak_bytes <= parse_bytes(budget)
+        """Whether the reserved peak fits in ``budget`` (bytes or text, see `parse_bytes`).
+
+        The reserved peak, not the allocated one: torch runs out of memory when its
+        allocator cannot reserve a segment, cached blocks of other streams counted.
+        """
+        return self.reserved_peak_bytes <= parse_bytes(budget)
 
     def explain(self) -> str:
         """A readable breakdown of memory and time."""
@@ -109,6 +126,9 @@ class Estimate:
             + (f"; host {_bytes(self.host_bytes)}" if self.host_bytes else ""),
         ]
         lines += [f"  {part:<15} {_bytes(nbytes)}" for part, nbytes in self.memory.items()]
+        lines.append(f"reserved peak {_bytes(self.reserved_peak_bytes)}: {RESERVED_MODEL}")
+        width = max([15, *(len(part) for part in self.reserved)])
+        lines += [f"  {part:<{width}} {_bytes(nbytes)}" for part, nbytes in self.reserved.items()]
         if self.context_engine is not None:
             lines.append(
                 f"context parallel {self.context_parallel}: attention by "
@@ -163,6 +183,8 @@ class Estimate:
             "dtype": self.dtype,
             "memory": dict(self.memory),
             "peak_bytes": self.peak_bytes,
+            "reserved_peak_bytes": self.reserved_peak_bytes,
+            **({"reserved": dict(self.reserved)} if self.reserved else {}),
             "host_bytes": self.host_bytes,
             "flops": self.flops,
             "model_flops": self.model_flops,
