@@ -69,7 +69,7 @@ class Estimate:
     compute_parts: Mapping[str, float] = field(default_factory=dict)
     """``compute_seconds`` by kind of kernel where the hardware has `KernelRates`; else empty."""
     reserved: Mapping[str, int] = field(default_factory=dict)
-    """What the CUDA caching allocator holds at the peak beyond ``memory``, by stream (`reserved.reserved_beyond`)."""
+    """What the CUDA caching allocator holds at the peak beyond ``memory``, by stream."""
 
     @property
     def activation_bytes(self) -> int:
