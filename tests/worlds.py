@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -25,6 +25,15 @@ def alone() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def refusing(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> fs.ShardingError | None:
+    """On a rank: the `ShardingError` ``fn`` raised, caught and sent back; None if it ran through."""
+    try:
+        fn(*args, **kwargs)
+    except fs.ShardingError as error:
+        return error
+    return None
 
 
 def reset_rank() -> None:
@@ -48,6 +57,18 @@ class RestartingWorld:
             self.current = fs.LocalWorld(self.size)
         self.used = True
         return self.current.run(*args, **kwargs)
+
+    def refusal(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Run ``fn`` where every rank refuses at the same check, and raise rank 0's refusal.
+
+        Each rank catches its own `ShardingError`, so the ranks come back idle and the world
+        lives on; raised through `run`, the error would close the world and the next test would
+        start four processes again. A rank that ran through fails the test.
+        """
+        refusals = self.run(refusing, fn, *args, **kwargs)
+        through = [rank for rank, refused in enumerate(refusals) if refused is None]
+        assert not through, f"ranks {through} ran {getattr(fn, '__name__', fn)} without a refusal"
+        raise refusals[0]  # type: ignore[misc]
 
     def reset(self) -> None:
         """Set the ranks back after a test that used them (a closed world restarts at its next run)."""

@@ -88,7 +88,7 @@ def test_a_checkpoint_that_does_not_fit_the_module_is_refused(world4, tmp_path):
         r"checkpoint, \[127, 30\] float32 in the module; .* \(and \d+ more\)\. Load it under a module"
     )
     with pytest.raises(fs.ShardingError, match=fits):
-        world4.run(dist_cases.load_under, "zero3", dist_cases.UNEVEN, path, 0)
+        world4.refusal(dist_cases.load_under, "zero3", dist_cases.UNEVEN, path, 0)
 
 
 def test_an_asynchronous_save_lets_training_go_on_and_loads_as_saved(world4, tmp_path):

@@ -175,7 +175,7 @@ def test_a_lightning_checkpoint_carrying_code_is_refused_and_the_code_never_runs
     world4.run(lightning_cases.fit_epochs, "fs_fsdp", CONFIG, 1, None, str(path), True)
     rewrite_file(path, lambda c: c["callbacks"].update(evil=CreatesAFile(marker)))
     with pytest.raises(fs.ShardingError, match=r"holds a io\.open.*weights_only=False"):
-        world4.run(lightning_cases.fit_epochs, "fs_fsdp", CONFIG, 2, str(path), None, True)
+        world4.refusal(lightning_cases.fit_epochs, "fs_fsdp", CONFIG, 2, str(path), None, True)
     assert not marker.exists()
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import pathlib
 import re
@@ -26,8 +27,16 @@ import torch.distributed as dist
 import functional_shard as fs
 
 ROOT = pathlib.Path(__file__).parents[2]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 TP = ("--mesh", "dp=2,tp=2", "--policy", "fsdp(dp) + tp(llama, tp)")
+# the default suite's kill: the same resume on 2 ranks, half the processes to start (4 ranks: slow)
+TP_ON_TWO = ("--mesh", "tp=2", "--policy", "tp(llama, tp)")
+
+
+def ranks_of(args: tuple[str, ...]) -> int:
+    """The world size the plan's ``--mesh`` (``dp=2,tp=2``) asks torchrun for."""
+    mesh = args[args.index("--mesh") + 1]
+    return math.prod(int(axis.split("=")[1]) for axis in mesh.split(","))
 
 
 @dataclasses.dataclass
@@ -51,9 +60,10 @@ def launch(command: list[str], folder: pathlib.Path, env: dict[str, str] | None 
 
 
 def start(script: str, *args: str, folder: pathlib.Path, restarts: int = 0, crash: str = "") -> Launched:
-    """torchrun on 4 gloo processes; ``crash`` arms tests/crash_run.py (first attempt only)."""
+    """torchrun on the mesh's gloo processes; ``crash`` arms tests/crash_run.py (first attempt only)."""
     env = {**os.environ, "CRASH_AT": crash, "CRASH_MARKER": str(folder / "struck")}
-    return launch([*TORCHRUN, f"--max-restarts={restarts}", str(ROOT / script), *args], folder, env)
+    ranks = ("--nproc-per-node", str(ranks_of(args)))
+    return launch([*TORCHRUN, *ranks, f"--max-restarts={restarts}", str(ROOT / script), *args], folder, env)
 
 
 def finish(launched: Launched, timeout: float = 280) -> tuple[int, str, str]:
@@ -120,7 +130,7 @@ def crash_and_compare(tmp_path: pathlib.Path, plan: tuple[str, ...], crash: str,
 
 def test_a_rank_killed_in_mid_step_resumes_to_the_weights_of_a_run_that_never_crashed(tmp_path):
     """Rank 1 is killed after step 3's backward; torchrun restarts every worker; they resume at 2."""
-    crash_and_compare(tmp_path, TP, "step:3:1", steps=4, resumed_at=2)
+    crash_and_compare(tmp_path, TP_ON_TWO, "step:3:1", steps=4, resumed_at=2)
 
 
 @pytest.mark.slow
@@ -134,10 +144,11 @@ def test_a_rank_killed_while_a_checkpoint_is_written_resumes_from_the_one_before
 @pytest.mark.parametrize(
     "plan",
     [
+        TP,
         ("--mesh", "dp=4", "--policy", "fsdp(dp)"),
         ("--mesh", "pp=2,dp=2", "--policy", "pipeline(pp, microbatches=4) + fsdp(dp)"),
     ],
-    ids=["fsdp", "pipeline"],
+    ids=["fsdp_tp", "fsdp", "pipeline"],
 )
 def test_other_plans_resume_after_a_kill_in_mid_step(tmp_path, plan):
     crash_and_compare(tmp_path, plan, "step:3:1", steps=4, resumed_at=2)

@@ -68,12 +68,12 @@ def test_zero1_steps_a_zero_redundancy_optimizer(world):
 def test_plan_mesh_must_match_the_devices(world):
     plan = fs.shard(lightning_cases.LanguageModel(dist_cases.EVEN), fs.Mesh(dp=2), fs.fsdp())
     with pytest.raises(fs.MeshError, match="has 2 devices but the world size is 4"):
-        world.run(lightning_cases.fit_with, plan, None, dist_cases.EVEN, 2)
+        world.refusal(lightning_cases.fit_with, plan, None, dist_cases.EVEN, 2)
 
 
 def test_an_optimizer_built_before_sharding_is_refused(worlds):
     with pytest.raises(fs.ShardingError, match="built before sharding replaced them"):
-        worlds(2).run(lightning_cases.fit_early_optimizer, dist_cases.EVEN)
+        worlds(2).refusal(lightning_cases.fit_early_optimizer, dist_cases.EVEN)
 
 
 def test_registered_names_resolve():
@@ -215,7 +215,7 @@ def test_fabric_float16_with_a_scaler_that_agrees_over_ranks(world, precision):
 
 def test_fabric_refuses_an_optimizer_built_before_sharding(world):
     with pytest.raises(fs.ShardingError, match="built before sharding replaced them"):
-        world.run(lightning_cases.fabric_loop, "zero3", dist_cases.EVEN, True)
+        world.refusal(lightning_cases.fabric_loop, "zero3", dist_cases.EVEN, True)
 
 
 def _differs_somewhere(losses, reference):
@@ -261,7 +261,7 @@ def test_a_plan_in_bf16_under_a_float16_flag_is_refused(world):
         "precision='16-mixed' in float16"
     )
     with pytest.raises(fs.ShardingError, match=re.escape(message)) as refused:
-        world.run(lightning_cases.fit_with, policy, fs.Mesh(dp=4), dist_cases.EVEN, 4, True)
+        world.refusal(lightning_cases.fit_with, policy, fs.Mesh(dp=4), dist_cases.EVEN, 4, True)
     assert "use precision='bf16-mixed' or '32-true'" in str(refused.value)
 
 
@@ -283,7 +283,7 @@ def test_a_strict_rule_set_that_misses_parameters_is_refused_by_name(world):
     no_norms = fs.Rules(list(fs.rules.llama)[:-1], strict=True, name="no-norms")
     policy = fs.fsdp("dp") + fs.tp(no_norms, "tp")
     with pytest.raises(fs.PlanError, match=r"model\.norm\.weight.*no rule of the strict rule set 'no-norms'"):
-        world.run(lightning_cases.fit_with, policy, fs.Mesh(dp=2, tp=2), dist_cases.EVEN, 2)
+        world.refusal(lightning_cases.fit_with, policy, fs.Mesh(dp=2, tp=2), dist_cases.EVEN, 2)
 
 
 def test_a_plan_that_misses_parameters_of_the_module_is_refused_by_name(world):
@@ -291,7 +291,7 @@ def test_a_plan_that_misses_parameters_of_the_module_is_refused_by_name(world):
     plan = fs.shard(lightning_cases.LanguageModel(one_layer), fs.Mesh(dp=4), fs.fsdp())
     missing = r"model\.layers\.1\.mlp\.down_proj\.weight: a parameter of the module but not in the plan"
     with pytest.raises(fs.PlanError, match=missing):
-        world.run(lightning_cases.fit_with, plan, None, dist_cases.EVEN, 4)
+        world.refusal(lightning_cases.fit_with, plan, None, dist_cases.EVEN, 4)
 
 
 def test_model_checkpoint_keeps_sharded_folders_and_resumes_from_them(world, tmp_path):
