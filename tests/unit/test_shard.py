@@ -147,6 +147,16 @@ def test_units_default_to_module_list_blocks_plus_root():
     assert plan.unit_of("embed_tokens.weight") == ""
 
 
+@given(module_trees(tie=None), st.integers(1, 4), st.sampled_from(["fsdp", "fsdp_leaves", "zero2"]))
+def test_each_parameters_unit_is_found_in_one_walk_as_unit_of_finds_it(model, dp, family):
+    # units: the default blocks, or every leaf module of its own (nested inside the default's)
+    leaves = sorted({type(m) for m in model.modules() if not any(m.children())}, key=lambda t: t.__name__)
+    units = leaves if family == "fsdp_leaves" else None
+    policy = fs.zero(2, "dp") if family == "zero2" else fs.fsdp("dp", units=units)
+    plan = fs.shard(model, fs.Mesh(dp=dp), policy)
+    assert plan.param_units() == {path: plan.unit_of(path) for path in plan.params}
+
+
 def test_units_by_class_by_pattern_and_by_size():
     from functional_shard.zoo import MLP, Block
 

@@ -210,7 +210,7 @@ def _count_tensor_parallel(tp: TpConfig, counts: dict[str, int]) -> None:
 
 
 def _units(plan: Plan) -> frozenset[str]:
-    return frozenset(plan.unit_of(path) for path in plan.params)
+    return frozenset(plan.param_units().values())
 
 
 def recomputed_collectives(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> dict[str, float]:
