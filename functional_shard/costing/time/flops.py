@@ -14,6 +14,8 @@ query/key width ``d`` and value width ``d_v``:
 
 Neither the masked half fused kernels skip nor their recomputed scores is counted, so model flops
 are the same whichever kernel runs (`attention_kernel_flops` counts what a kernel runs).
+Over packed rows (``fs.estimate(documents=...)``) each document's score matrix is counted instead of
+the row's (`document_attention_flops`).
 """
 
 from __future__ import annotations
