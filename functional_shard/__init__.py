@@ -23,6 +23,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "Mesh": ("core.mesh", "Mesh"),
     "PackedBatch": ("core.packing", "PackedBatch"),
     "pack": ("core.packing", "pack"),
+    "collate_packed": ("core.packing", "collate_packed"),
     "Owned": ("core.spec", "Owned"),
     "P": ("core.spec", "P"),
     "ParamSharding": ("core.spec", "ParamSharding"),

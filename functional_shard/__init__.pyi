@@ -15,6 +15,7 @@ from .core.layout import shard_tensor as shard_tensor
 from .core.layout import unshard_tensor as unshard_tensor
 from .core.mesh import Mesh as Mesh
 from .core.packing import PackedBatch as PackedBatch
+from .core.packing import collate_packed as collate_packed
 from .core.packing import pack as pack
 from .core.spec import Owned as Owned
 from .core.spec import P as P
@@ -105,6 +106,7 @@ __all__ = [
     "Mesh",
     "PackedBatch",
     "pack",
+    "collate_packed",
     "Owned",
     "P",
     "ParamSharding",

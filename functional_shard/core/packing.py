@@ -18,7 +18,7 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -30,6 +30,7 @@ __all__ = [
     "DocumentTooLongError",
     "PackedBatch",
     "check_packed_inputs",
+    "collate_packed",
     "document_mask",
     "document_positions",
     "pack",
@@ -47,7 +48,10 @@ class DocumentTooLongError(ShardingError):
 # eq=False: the fields hold tensors, whose == is elementwise; two batches compare by identity
 @dataclass(frozen=True, eq=False)
 class PackedBatch:
-    """Documents packed into rows of one length, as `pack` returns them.
+    """Documents packed into rows of one length, as `pack` returns them; a dataset of its rows.
+
+    ``len(batch)`` is its rows and ``batch[i]`` (an int, a slice or a sequence of ints) a `PackedBatch`
+    of those rows, so a DataLoader reads it row by row and `collate_packed` puts the rows back together.
 
     Attributes:
         tokens: ``(rows, seq_len)`` token ids; each row's documents end to end, then padding.
@@ -66,6 +70,43 @@ class PackedBatch:
     offsets: tuple[tuple[int, ...], ...]
     sources: tuple[tuple[int, ...], ...]
     pad_id: int
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def __getitem__(self, index: int | slice | Sequence[int]) -> PackedBatch:
+        """The rows at ``index``, every field cut alike.
+
+        Examples:
+            >>> batch = pack([[1, 2], [3, 4, 5], [6]], seq_len=3)
+            >>> batch[1].tokens.tolist(), batch[[2, 0]].offsets, batch[1:].sources
+            ([[3, 4, 5]], ((0, 1), (0, 2)), ((1,), (2,)))
+        """
+        count = len(self)
+        if isinstance(index, slice):
+            rows = list(range(count))[index]
+        elif isinstance(index, int) and not isinstance(index, bool):
+            rows = [index]
+        elif isinstance(index, Sequence) and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in index
+        ):
+            rows = list(index)
+        else:
+            raise ShardingError(
+                f"PackedBatch[{type(index).__name__}]: index its rows by an int, a slice or a list of ints"
+            )
+        if bad := [i for i in rows if not -count <= i < count]:
+            raise ShardingError(f"PackedBatch[{bad[0]}]: the batch has {count} rows (0 to {count - 1})")
+        rows = [i % count for i in rows]
+        return replace(
+            self,
+            tokens=self.tokens[rows],
+            positions=self.positions[rows],
+            document_ids=self.document_ids[rows],
+            labels=self.labels[rows],
+            offsets=tuple(self.offsets[i] for i in rows),
+            sources=tuple(self.sources[i] for i in rows),
+        )
 
     @property
     def seq_len(self) -> int:
@@ -151,6 +192,48 @@ def pack(
         offsets.append(tuple(ends))
         sources.append(tuple(source for source, _, _ in pieces))
     return PackedBatch(tokens, positions, document_ids, labels, tuple(offsets), tuple(sources), pad_id)
+
+
+def collate_packed(items: Sequence[Any]) -> Any:
+    """A DataLoader's batch of `PackedBatch` rows as one `PackedBatch`; other items as torch collates them.
+
+    `functional_shard.ResumableLoader` collates with it, so a `PackedBatch` is a dataset it walks as it is.
+
+    Raises:
+        ShardingError: rows of different lengths or padding ids, or packed rows mixed with other items.
+
+    Examples:
+        >>> batch = pack([[1, 2], [3, 4, 5], [6]], seq_len=3)
+        >>> together = collate_packed([batch[2], batch[0]])
+        >>> together.tokens.tolist(), together.offsets, together.sources
+        ([[6, 0, 0], [1, 2, 0]], ((0, 1), (0, 2)), ((2,), (0,)))
+        >>> collate_packed([1, 2]).tolist()
+        [1, 2]
+    """
+    packed = [isinstance(item, PackedBatch) for item in items]
+    if not any(packed):
+        from torch.utils.data import default_collate
+
+        return default_collate(list(items))
+    if not all(packed):
+        raise ShardingError(
+            "collate_packed: a batch mixes PackedBatch rows with other items; read one kind of dataset"
+        )
+    shapes = sorted({(item.seq_len, item.pad_id) for item in items})
+    if len(shapes) > 1:
+        raise ShardingError(
+            f"collate_packed: the rows differ in (seq_len, pad_id): {shapes}; pack every row alike"
+        )
+    first = items[0]
+    return replace(
+        first,
+        tokens=torch.cat([item.tokens for item in items]),
+        positions=torch.cat([item.positions for item in items]),
+        document_ids=torch.cat([item.document_ids for item in items]),
+        labels=torch.cat([item.labels for item in items]),
+        offsets=tuple(row for item in items for row in item.offsets),
+        sources=tuple(row for item in items for row in item.sources),
+    )
 
 
 def _check_arguments(seq_len: Any, long: Any, pad_id: Any) -> None:

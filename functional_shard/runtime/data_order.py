@@ -5,7 +5,8 @@ global batches, each cut into equal contiguous slices, one per data-parallel ran
 differ only along tp, pp or cp read the same slice). `ResumableSampler` walks that order for
 one rank and `ResumableLoader` counts the batches it hands out; their ``state_dict()`` counts
 samples globally, so a resume under another data-parallel size continues with the very next
-global batch. No process group is needed.
+global batch. No process group is needed. A `functional_shard.PackedBatch` is a dataset of its rows:
+the loader hands out each step's rows as one `PackedBatch` (`functional_shard.core.packing.collate_packed`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.core.packing import collate_packed
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan.plan import Plan
@@ -266,7 +268,8 @@ class ResumableLoader(DataLoader):  # type: ignore[type-arg]
     A batch counts as consumed once handed out (workers reading ahead do not move the
     position). ``state_dict()`` / ``load_state_dict()`` are the sampler's, so Lightning's loops
     and `fs.checkpoint.save` / `load` (``data=``) keep the position. Make one with
-    `ResumableSampler.loader`.
+    `ResumableSampler.loader`. It collates with `functional_shard.core.packing.collate_packed` unless
+    given a ``collate_fn``: packed rows come as one `functional_shard.PackedBatch`, the rest as torch's.
 
     Raises:
         ShardingError: ``dataset``'s length differs from the sampler's, or an option the
@@ -276,6 +279,11 @@ class ResumableLoader(DataLoader):  # type: ignore[type-arg]
         >>> loader = ResumableSampler(6, batch_size=2, shuffle=False).loader(range(6))
         >>> next(iter(loader)).tolist(), loader.state_dict()["consumed"]
         ([0, 1], 2)
+        >>> rows = fs.pack([[1, 2], [3, 4], [5]], seq_len=2)  # a PackedBatch: a dataset of 3 rows
+        >>> packed = ResumableSampler(len(rows), batch_size=2, shuffle=False).loader(rows)
+        >>> step = next(iter(packed))
+        >>> step.tokens.tolist(), step.sources
+        ([[1, 2], [3, 4]], ((0,), (1,)))
     """
 
     def __init__(self, dataset: Any, sampler: ResumableSampler, **options: Any) -> None:
@@ -295,6 +303,7 @@ class ResumableLoader(DataLoader):  # type: ignore[type-arg]
                 f"ResumableLoader: the dataset holds {len(dataset)} samples, the sampler was made for "
                 f"{sampler.order.dataset_len}; pass len(dataset) to ResumableSampler"
             )
+        options.setdefault("collate_fn", collate_packed)
         super().__init__(dataset, batch_size=sampler.local_batch, sampler=sampler, drop_last=True, **options)
         self.order_sampler = sampler
 

@@ -17,6 +17,7 @@ from functional_shard.core.units import parse_bytes
 from functional_shard.core.validate import entry_point, positive_int, refuse
 from functional_shard.costing.cost.cost_model import OptimizerKind, check_plan_and_optimizer
 from functional_shard.costing.time.context_engines import for_hardware
+from functional_shard.costing.time.documents import RowDocuments, row_documents
 from functional_shard.costing.time.hardware import Hardware
 from functional_shard.costing.time.hardware import hardware as _hardware
 from functional_shard.costing.time.kernels import Kernels, kernel_fields
@@ -107,6 +108,7 @@ def estimate(
     expert_imbalance: float = 1.0,
     keep_outputs: bool = False,
     kernels: Kernels | None = None,
+    documents: Any = None,
 ) -> Estimate:
     """Estimate a training step's peak memory and time for ``plan`` on ``hardware``.
 
@@ -125,12 +127,15 @@ def estimate(
         expert_imbalance: the most loaded expert's tokens over an even share (1 to E / k).
         keep_outputs: under a pipeline, the last stage keeps every micro-batch's output to the step's end.
         kernels: `fs.Kernels` (compile, Float8, async tensor parallel); by default eager bf16.
+        documents: packed rows' document lengths (a `PackedBatch`, a list per row, or one row's for every
+            row): attention counted per document, as a kernel that runs them apart does.
 
     Returns:
         An `Estimate`.
 
     Raises:
-        ShardingError: an argument of the wrong type or value, named with its fix.
+        ShardingError: an argument of the wrong type or value, named with its fix; ``documents`` of
+            more than ``seq`` tokens in a row (each named), or under context parallel.
         PlanError: a split the model cannot run (heads tp does not divide, cp over attention it cannot split).
 
     Examples:
@@ -139,6 +144,9 @@ def estimate(
         >>> plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp("dp") + fs.mixed_precision())
         >>> est = fs.estimate(model, plan, batch=2, seq=16, hardware="h100")
         >>> est.memory["params"] == plan.cost().params_bytes, est.peak_bytes > est.activation_bytes > 0
+        (True, True)
+        >>> packed = fs.estimate(model, plan, batch=2, seq=16, hardware="h100", documents=[8, 8])
+        >>> packed.model_flops < est.model_flops, packed.peak_bytes == est.peak_bytes
         (True, True)
     """
     _check_model_and_plan(model, plan)
@@ -150,7 +158,8 @@ def estimate(
         refuse(
             "keep_outputs", "True", what, meaning="the plan has no fs.pipeline(...); leave keep_outputs out"
         )
-    return assemble(
+    rows = None if documents is None else row_documents(documents, seq, cp=plan.config.cp_size(plan.mesh))
+    found = assemble(
         _assembly(
             model,
             plan,
@@ -163,11 +172,13 @@ def estimate(
             rank=rank,
             inputs=inputs,
             expert_imbalance=expert_imbalance,
+            documents=rows,
         )
     )
+    return found if rows is None else dataclasses.replace(found, documents=rows)
 
 
-# rank, inputs and expert_imbalance are `trace_activations`' own keywords, passed on as it takes
+# rank, inputs, expert_imbalance and documents are `trace_activations`' own keywords, passed on as it takes
 # them: `estimate` gives the caller's, `compare_schedules` the defaults
 def _assembly(
     model: Any,
@@ -182,6 +193,7 @@ def _assembly(
     rank: int | None = None,
     inputs: Any = None,
     expert_imbalance: float = 1.0,
+    documents: RowDocuments | None = None,
 ) -> Assembly:
     """``plan`` on ``hardware`` (an ``"auto"`` cp engine chosen), traced once, ready to `assemble`."""
     hw = _hardware(hardware)
@@ -202,6 +214,7 @@ def _assembly(
         expert_imbalance=expert_imbalance,
         stages=stages,
         cuda=hw.cuda,
+        documents=documents,
     )
     units = unit_gathered_bytes(plan)
     return Assembly(

@@ -13,6 +13,7 @@ from typing import Any
 from functional_shard.core.sequence import ENGINE_LABELS
 from functional_shard.core.units import format_bytes as _bytes
 from functional_shard.core.units import parse_bytes
+from functional_shard.costing.time.documents import RowDocuments
 from functional_shard.costing.time.hardware import Hardware
 from functional_shard.costing.time.kernels import Kernels
 from functional_shard.planning.pipeline.schedules import Timeline
@@ -70,6 +71,8 @@ class Estimate:
     """``compute_seconds`` by kind of kernel where the hardware has `KernelRates`; else empty."""
     reserved: Mapping[str, int] = field(default_factory=dict)
     """What the CUDA caching allocator holds at the peak beyond ``memory``, by stream."""
+    documents: RowDocuments | None = None
+    """The packed rows whose documents attention was counted for (``estimate(documents=...)``)."""
 
     @property
     def activation_bytes(self) -> int:
@@ -122,6 +125,7 @@ class Estimate:
         lines = [
             f"estimate on rank {self.rank}, {hw.name}, {batch} {self.batch} x {self.seq} tokens, "
             f"compute in {self.dtype}",
+            *([self.documents.describe()] if self.documents is not None else []),
             f"peak memory {_bytes(self.peak_bytes)} (at {self.peak_at})"
             + (f"; host {_bytes(self.host_bytes)}" if self.host_bytes else ""),
         ]
@@ -195,6 +199,11 @@ class Estimate:
             "tokens_per_second": self.tokens_per_second,
             "mfu": self.mfu,
             **({"context_engine": self.context_engine} if self.context_engine is not None else {}),
+            **(
+                {"documents": [list(row) for row in self.documents.rows]}
+                if self.documents is not None
+                else {}
+            ),
             **({"kernels": dataclasses.asdict(self.kernels)} if self.kernels.names else {}),
             **({"compute_parts": dict(self.compute_parts)} if self.compute_parts else {}),
             **({"pipeline": self._pipeline_dict()} if self.pipeline is not None else {}),

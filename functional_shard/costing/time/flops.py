@@ -14,14 +14,19 @@ query/key width ``d`` and value width ``d_v``:
 
 Neither the masked half fused kernels skip nor their recomputed scores is counted, so model flops
 are the same whichever kernel runs (`attention_kernel_flops` counts what a kernel runs).
+Over packed rows (``fs.estimate(documents=...)``) each document's score matrix is counted instead of
+the row's (`document_attention_flops`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .documents import RowDocuments
 
 __all__ = [
     "ATTENTION_BACKWARD",
@@ -30,6 +35,7 @@ __all__ = [
     "attention_forward",
     "attention_kernel_flops",
     "causal_fraction",
+    "document_attention_flops",
     "is_attention",
     "op_flops",
 ]
@@ -241,6 +247,42 @@ def attention_kernel_flops(func: Any, args: Sequence[Any], kwargs: dict[str, Any
     if causal and query is not None and key is not None and query.dim() == 4:
         return flops * causal_fraction(int(query.shape[-2]), int(key.shape[-2]))
     return flops
+
+
+def document_attention_flops(
+    func: Any, args: Sequence[Any], kwargs: dict[str, Any], model_flops: int, documents: RowDocuments
+) -> tuple[int, float] | None:
+    """Model flops and kernel flops of an attention call over packed rows, each document alone.
+
+    For a self-attention call over whole rows (queries and keys ``documents.seq`` long, batch-heads-seq-dim
+    kernels): model flops the documents' share (`RowDocuments.model_share`). A call without a mask runs as a
+    kernel that runs the documents apart would (causal: `RowDocuments.causal_share`); one with a mask reads
+    it over the whole row and runs what it did. None for other calls (cross attention, context parallel's
+    chunks), which stay as counted.
+
+    Examples:
+        >>> from functional_shard.costing.time.documents import RowDocuments
+        >>> q = torch.zeros(1, 2, 8, 4)
+        >>> sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        >>> document_attention_flops(sdpa, (q, q, q), {"is_causal": True}, 1000, RowDocuments(8, ((4, 4),)))
+        (500, 312.5)
+    """
+    packet = getattr(func, "_overloadpacket", func)
+    formula = ATTENTION_FORWARD.get(packet) or ATTENTION_BACKWARD.get(packet)
+    if formula not in (_bhsd_forward, _bhsd_backward, _flex_backward):
+        return None
+    backward = packet in ATTENTION_BACKWARD
+    query = next((a for a in args[1 if backward else 0 :] if isinstance(a, torch.Tensor)), None)
+    key = next((a for a in args[2 if backward else 1 :] if isinstance(a, torch.Tensor)), None)
+    if query is None or key is None or query.dim() != 4 or key.dim() != 4:
+        return None
+    if not int(query.shape[-2]) == int(key.shape[-2]) == documents.seq:
+        return None
+    model = round(model_flops * documents.model_share)
+    if any(_argument(func, args, kwargs, name) is not None for name in ("attn_mask", "attn_bias")):
+        return model, attention_kernel_flops(func, args, kwargs, model_flops)
+    share = documents.causal_share if _argument(func, args, kwargs, "is_causal") else documents.model_share
+    return model, model_flops * (1.25 if backward else 1.0) * share
 
 
 def op_flops(func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> int:

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_map_only
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.sequence import check_sequence_length
+from functional_shard.costing.time.documents import RowDocuments, row_documents
 from functional_shard.planning.pipeline.stages import stage_finder
 
 from .checkpointing import SAVED_OPS, checkpointed, selective_context
@@ -113,6 +114,7 @@ class _RunSetup:
     dtype: torch.dtype | None
     cp: int = 1
     cuda: bool = False  # torch's CUDA kernel choices (`cuda_kernels.cuda_kernels`)
+    documents: RowDocuments | None = None  # packed rows: attention counted per document
 
 
 class _Run:
@@ -159,7 +161,7 @@ class _Run:
         for tensor in tensors((args, kwargs)):
             births.note(tensor)
         excluded = {StorageWeakRef(p.untyped_storage()) for p in params}
-        flops = _flops_knowing_weights(params)
+        flops = _flops_knowing_weights(params, setup.documents)
         outputs: dict[str, int] = {}
         with self._running(groups, doubled, births, flops, outputs) as per_step:
             with flops, births:
@@ -248,9 +250,9 @@ class _Run:
             ) from error
 
 
-def _flops_knowing_weights(params: list[torch.Tensor]) -> Flops:
+def _flops_knowing_weights(params: list[torch.Tensor], documents: RowDocuments | None) -> Flops:
     """A `Flops` counter told the 2-D parameters: it tells weights' gradients from inputs' by them."""
-    flops = Flops()
+    flops = Flops(documents)
     for param in params:
         if param.dim() == 2:
             flops.weight_shapes |= {tuple(param.shape), tuple(param.shape[::-1])}
@@ -325,6 +327,7 @@ def trace_activations(
     backward: bool = True,
     stages: tuple[tuple[str, ...], ...] | None = None,
     cuda: bool = False,
+    documents: Any = None,
 ) -> ActivationTrace:
     """Bytes ``model`` keeps for backward and its flops on one rank, traced on meta tensors.
 
@@ -339,12 +342,15 @@ def trace_activations(
         backward: run the backward; without it ``backward_flops`` is 0 and ``recompute_flops`` a bound.
         stages: each pipeline stage's module paths; the trace then counts per stage, for one micro-batch.
         cuda: trace the kernels torch picks on CUDA (`functional_shard.costing.trace.cuda_kernels`).
+        documents: packed rows' document lengths (`functional_shard.costing.time.documents.row_documents`):
+            attention over a row is counted per document.
 
     Returns:
         An `ActivationTrace`.
 
     Raises:
-        ShardingError: inputs that do not fit the model, an unknown checkpoint policy, a bad imbalance.
+        ShardingError: inputs that do not fit the model, an unknown checkpoint policy, a bad imbalance,
+            ``documents`` malformed or of more than ``seq`` tokens a row, or under context parallel.
         PlanError: under sequence parallel, tp does not divide ``seq`` or a layer sp cannot run.
 
     Examples:
@@ -374,6 +380,7 @@ def trace_activations(
         check_sequence_length(seq, cp, load_balance=config.context.load_balance)
     if config.sequence_parallel:
         check_sequence_parallel(modules, plan, seq // cp, tp_size)
+    rows = None if documents is None else row_documents(documents, seq, cp=cp, who="trace_activations")
 
     # fake CPU tensors: no memory, and torch picks the fused attention kernels it runs for real
     fake = FakeTensorMode(allow_non_fake_inputs=False)
@@ -402,6 +409,7 @@ def trace_activations(
             dtype=dtype,
             cp=cp,
             cuda=cuda,
+            documents=rows,
         )
     )
 

@@ -18,7 +18,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
-from functional_shard.costing.time.flops import attention_kernel_flops, is_attention, op_flops
+from functional_shard.costing.time.documents import RowDocuments
+from functional_shard.costing.time.flops import (
+    attention_kernel_flops,
+    document_attention_flops,
+    is_attention,
+    op_flops,
+)
 
 from .checkpointing import SAVED_OPS
 
@@ -108,12 +114,14 @@ class Flops(TorchDispatchMode):
     """Flops by `functional_shard.costing.time.flops.op_flops`, split into forward, backward, recompute.
 
     Backward kernels run with grad mode off and checkpoint's recompute with it on, which tells them apart.
+    With ``documents``, attention over whole rows is counted per document (`document_attention_flops`).
     """
 
     supports_higher_order_operators = True
 
-    def __init__(self) -> None:
+    def __init__(self, documents: RowDocuments | None = None) -> None:
         super().__init__()
+        self.documents = documents
         self.backward = False
         self.counts = {"forward": 0, "backward": 0, "recompute": 0, "weight": 0}
         # of those, attention's by phase: the work context parallel shares out by chunk
@@ -178,13 +186,20 @@ class Flops(TorchDispatchMode):
         count = op_flops(func, args, kwargs, out)
         if not count and not self.fused:
             self.add_memory(moved_bytes(func, args, kwargs, out, self.weights))
+        attention = bool(count) and is_attention(func)
+        kernel = 0.0
+        if attention:
+            per_document = (
+                document_attention_flops(func, args, kwargs, count, self.documents)
+                if self.documents is not None
+                else None
+            )
+            count, kernel = per_document or (count, attention_kernel_flops(func, args, kwargs, count))
         if count:
             phase = self.phase()
             self.counts[phase] += count
-            attention = is_attention(func)
             if attention:
                 self.attention[phase] += count
-                kernel = attention_kernel_flops(func, args, kwargs, count)
                 self.attention_kernel[phase] += kernel
                 if self.checkpointed and not self.backward:
                     self.kernel_inside["all"] += kernel

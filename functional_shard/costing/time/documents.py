@@ -1,0 +1,181 @@
+"""Packed rows' documents, as the estimate counts attention for them: each document attends to itself.
+
+A row of ``seq`` tokens holding documents of lengths ``d₁ … d_k`` (then padding, a segment of its own,
+as `functional_shard.core.packing.PackedBatch.cu_seqlens` hands it to a varlen kernel) does the attention
+of each segment alone. In the convention of `functional_shard.costing.time.flops` (a full score matrix,
+causal or not) that is ``Σ dᵢ²`` query-key pairs where the whole row is ``seq²``; a fused causal kernel
+that runs the documents apart (flash attention's varlen, flex attention with a document mask) computes
+``Σ dᵢ(dᵢ + 1) / 2`` of them.
+
+Examples:
+    >>> rows = row_documents([[4, 4], [8]], seq=8)
+    >>> rows.model_share, rows.causal_share
+    (0.75, 0.4375)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from functional_shard.core.errors import ShardingError, bullets
+from functional_shard.core.packing import PackedBatch
+
+__all__ = ["RowDocuments", "row_documents"]
+
+
+@dataclass(frozen=True)
+class RowDocuments:
+    """Rows of ``seq`` tokens and the document lengths each holds (its padding left out).
+
+    Attributes:
+        seq: tokens in each row.
+        rows: each row's document lengths, in order; every row's sum at most ``seq``.
+    """
+
+    seq: int
+    rows: tuple[tuple[int, ...], ...]
+
+    def segments(self, row: int) -> tuple[int, ...]:
+        """Row ``row``'s documents, then its padding (if any) as one segment more.
+
+        Examples:
+            >>> RowDocuments(8, ((3, 2),)).segments(0)
+            (3, 2, 3)
+        """
+        lengths = self.rows[row]
+        padding = self.seq - sum(lengths)
+        return (*lengths, padding) if padding else lengths
+
+    @property
+    def model_share(self) -> float:
+        """Query-key pairs of the documents over the whole row's (``Σ dᵢ² / seq²``), mean of the rows."""
+        pairs = [sum(n * n for n in self.segments(row)) for row in range(len(self.rows))]
+        return sum(pairs) / len(pairs) / self.seq**2
+
+    @property
+    def causal_share(self) -> float:
+        """Pairs a causal kernel runs inside the documents over the row's ``seq²`` (mean of the rows)."""
+        pairs = [sum(n * (n + 1) // 2 for n in self.segments(row)) for row in range(len(self.rows))]
+        return sum(pairs) / len(pairs) / self.seq**2
+
+    @property
+    def mean_documents(self) -> float:
+        """Documents in a row, on average (padding not counted)."""
+        return sum(len(lengths) for lengths in self.rows) / len(self.rows)
+
+    @property
+    def padding_share(self) -> float:
+        """Padding tokens over all tokens of the rows."""
+        return sum(self.seq - sum(lengths) for lengths in self.rows) / (len(self.rows) * self.seq)
+
+    def describe(self) -> str:
+        r"""One line: the documents a row, the padding, and attention's model flops against the whole row's.
+
+        Examples:
+            >>> line = RowDocuments(8, ((4, 4),)).describe()
+            >>> print(*line.split("; "), sep="\n")
+            packed documents: 2.0 a row of 8 tokens (1 row given), padding 0.0%
+            attention counted per document, 50.0% of the whole row's model flops
+        """
+        noun = "row" if len(self.rows) == 1 else "rows"
+        return (
+            f"packed documents: {self.mean_documents:.1f} a row of {self.seq} tokens "
+            f"({len(self.rows)} {noun} given), padding {self.padding_share:.1%}; "
+            f"attention counted per document, {self.model_share:.1%} of the whole row's model flops"
+        )
+
+
+def row_documents(documents: Any, seq: int, *, cp: int = 1, who: str = "estimate") -> RowDocuments:
+    """``documents`` as `RowDocuments` of rows of ``seq`` tokens, checked.
+
+    Args:
+        documents: a `PackedBatch` (its rows' documents), a sequence of rows (each a sequence of document
+            lengths), or one row's document lengths (the same in every row).
+        seq: tokens in each row.
+        cp: the plan's context-parallel size: above 1, refused.
+        who: the caller, as errors name it.
+
+    Raises:
+        ShardingError: no rows, a length that is not a positive int, a row of more than ``seq`` tokens
+            (each such row named), a `PackedBatch` of rows of another length, or context parallel.
+
+    Examples:
+        >>> row_documents([512, 512], seq=2048).rows
+        ((512, 512),)
+        >>> row_documents([[1024, 1024], [2000, 100]], seq=2048)
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: estimate(documents=...): 1 row holds more than seq=2048 tokens:
+        * row 1: documents [2000, 100] hold 2100 tokens
+        Pass each row's document lengths (at most seq tokens a row), or pack a sample of them: ...
+    """
+    if cp > 1:
+        # a cp rank attends with chunks of each row: which documents meet in a chunk is not modelled
+        raise ShardingError(
+            f"{who}(documents=...): packed documents are not counted under context parallel (cp={cp}) "
+            "yet; leave documents out (attention is then counted as one causal sequence a row)"
+        )
+    if isinstance(documents, RowDocuments):
+        rows = documents.rows
+    elif isinstance(documents, PackedBatch):
+        if documents.seq_len != seq:
+            raise ShardingError(
+                f"{who}(documents=PackedBatch): its rows hold {documents.seq_len} tokens, but seq={seq}; "
+                f"pass seq={documents.seq_len}, or pack with seq_len={seq}"
+            )
+        rows = tuple(
+            tuple(end - start for start, end in itertools.pairwise(offsets)) for offsets in documents.offsets
+        )
+    else:
+        rows = _rows(documents, who)
+    problems = [
+        f"row {index}: documents {list(lengths)} hold {sum(lengths)} tokens"
+        for index, lengths in enumerate(rows)
+        if sum(lengths) > seq
+    ]
+    if problems:
+        noun = "row holds" if len(problems) == 1 else "rows hold"
+        shown = problems[:5] + ([f"... and {len(problems) - 5} rows more"] if len(problems) > 5 else [])
+        raise ShardingError(
+            bullets(
+                f"{who}(documents=...): {len(problems)} {noun} more than seq={seq} tokens:",
+                shown,
+                "Pass each row's document lengths (at most seq tokens a row), or pack a sample of them: "
+                "documents=fs.pack([[0] * n for n in lengths], seq_len=seq, long='split').",
+            )
+        )
+    return RowDocuments(seq, rows)
+
+
+def _rows(documents: Any, who: str) -> tuple[tuple[int, ...], ...]:
+    """A sequence of rows of lengths, or one row's lengths, as a tuple of rows; malformed ones refused."""
+
+    def is_length(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+    def is_sequence(value: Any) -> bool:
+        return isinstance(value, Sequence) and not isinstance(value, str | bytes)
+
+    what = (
+        "a PackedBatch, a sequence of rows (each a sequence of document lengths, positive ints), "
+        "or one row's document lengths"
+    )
+    if not is_sequence(documents) or len(documents) == 0:
+        shown = type(documents).__name__ if not is_sequence(documents) else "[]"
+        raise ShardingError(f"{who}(documents={shown}): pass {what}")
+    if all(is_length(n) for n in documents):
+        return (tuple(documents),)
+    problems = []
+    for index, row in enumerate(documents):
+        if not is_sequence(row) or len(row) == 0:
+            problems.append(f"row {index} is {row!r}, not a non-empty sequence of document lengths")
+        elif not all(is_length(n) for n in row):
+            problems.append(f"row {index} holds {list(row)!r}: each length must be a positive int")
+    if problems:
+        raise ShardingError(
+            bullets(f"{who}(documents=...): {len(problems)} malformed:", problems[:5], f"Pass {what}.")
+        )
+    return tuple(tuple(row) for row in documents)
