@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import functional_shard as fs
+from functional_shard.costing.cost.census import param_units
 from functional_shard.zoo import llama
 
 from ..strategies import data_policies, linear_colwise, meshes, module_trees
@@ -154,7 +155,7 @@ def test_each_parameters_unit_is_found_in_one_walk_as_unit_of_finds_it(model, dp
     units = leaves if family == "fsdp_leaves" else None
     policy = fs.zero(2, "dp") if family == "zero2" else fs.fsdp("dp", units=units)
     plan = fs.shard(model, fs.Mesh(dp=dp), policy)
-    assert plan.param_units() == {path: plan.unit_of(path) for path in plan.params}
+    assert param_units(plan) == {path: plan.unit_of(path) for path in plan.params}
 
 
 def test_units_by_class_by_pattern_and_by_size():

@@ -16,7 +16,7 @@ from functional_shard.core.tree import TensorSpec, dtype_from_name
 if TYPE_CHECKING:
     from functional_shard.planning.plan.plan import Plan
 
-__all__ = ["Census", "census_of", "grouped", "itemsize_of", "zero1_owners"]
+__all__ = ["Census", "census_of", "grouped", "itemsize_of", "param_units", "zero1_owners"]
 
 
 def zero1_owners(plan: Plan) -> dict[str, int]:
@@ -48,6 +48,43 @@ Census: TypeAlias = list[tuple[TensorSpec, ParamSharding, tuple[str, ...], int, 
 """(tensor, sharding, units, ZeRO-1 owner or -1, count in each unit) for each kind of parameter."""
 
 
+def _module_units(plan: Plan) -> tuple[set[str], dict[str, str], Callable[[str], str]]:
+    """The plan's units, the modules whose unit is known, and a finder of a module's innermost unit.
+
+    The finder answers "" for a module in no unit, and keeps each answer in the known modules.
+    """
+    units = set(plan.config.fsdp.units if plan.config.fsdp else ())
+    # a module of a group of modules is its group's unit; seeded here, found like a unit
+    unit_by_module: dict[str, str] = {"": "", **plan.config.group_of()}
+
+    def unit_of_module(module_path: str) -> str:
+        unit = unit_by_module.get(module_path)
+        if unit is None:
+            unit = unit_by_module[module_path] = (
+                module_path if module_path in units else unit_of_module(module_path.rpartition(".")[0])
+            )
+        return unit
+
+    return units, unit_by_module, unit_of_module
+
+
+def param_units(plan: Plan) -> dict[str, str]:
+    """Every parameter's `Plan.unit_of`, by path, from one walk up the module tree.
+
+    Examples:
+        >>> from functional_shard.zoo import Block, llama
+        >>> units = param_units(fs.shard(llama("tiny"), fs.Mesh(dp=2), fs.fsdp("dp", units=Block)))
+        >>> units["layers.1.mlp.up_proj.weight"], units["norm.weight"]
+        ('layers.1', '')
+    """
+    unit_of_module = _module_units(plan)[2]
+    # a tied parameter's unit holds all its names: unit_of's own walk
+    return {
+        path: plan.unit_of(path) if path in plan.aliases else unit_of_module(path.rpartition(".")[0])
+        for path in plan.params
+    }
+
+
 def census_of(plan: Plan, owners: Mapping[str, int]) -> Census:
     """(tensor, sharding, FSDP units, ZeRO-1 owner or -1, count in each unit) for the plan's parameters.
 
@@ -61,18 +98,7 @@ def census_of(plan: Plan, owners: Mapping[str, int]) -> Census:
         [(('0', '1', '2'), 1), (('0', '1', '2'), 1)]
     """
     tensors, aliases = plan.tensors, plan.aliases
-    units = set(plan.config.fsdp.units if plan.config.fsdp else ())
-    # a module of a group of modules is its group's unit; seeded here, found like a unit
-    unit_by_module: dict[str, str] = {"": "", **plan.config.group_of()}
-
-    def unit_of_module(module_path: str) -> str:
-        # the innermost unit enclosing a module: its own path, or its parent's unit
-        unit = unit_by_module.get(module_path)
-        if unit is None:
-            unit = unit_by_module[module_path] = (
-                module_path if module_path in units else unit_of_module(module_path.rpartition(".")[0])
-            )
-        return unit
+    units, unit_by_module, unit_of_module = _module_units(plan)
 
     # each unit's parameters as identities (tensor, sharding, owner), flat: a unit's
     # signature, equal for units alike; and its paths, read back for one unit of a kind

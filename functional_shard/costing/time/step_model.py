@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from functional_shard.core.tree import dtype_from_name, within
+from functional_shard.costing.cost.census import param_units
 from functional_shard.costing.cost.cost_model import unit_gathered
 from functional_shard.costing.cost.traffic import key_value_features, ring_passes
 from functional_shard.costing.estimate.record import PipelineEstimate
@@ -210,7 +211,7 @@ def _count_tensor_parallel(tp: TpConfig, counts: dict[str, int]) -> None:
 
 
 def _units(plan: Plan) -> frozenset[str]:
-    return frozenset(plan.param_units().values())
+    return frozenset(param_units(plan).values())
 
 
 def recomputed_collectives(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> dict[str, float]:

@@ -149,35 +149,6 @@ class Plan:
                 return unit
         return ""
 
-    def param_units(self) -> dict[str, str]:
-        """Every parameter's `unit_of`, by path: one walk up the module tree, each module's unit kept.
-
-        Examples:
-            >>> from functional_shard.zoo import Block, llama
-            >>> plan = fs.shard(llama("tiny"), fs.Mesh(dp=2), fs.fsdp("dp", units=Block))
-            >>> units = plan.param_units()
-            >>> units["layers.1.mlp.up_proj.weight"], units["norm.weight"]
-            ('layers.1', '')
-        """
-        fsdp = self.config.fsdp
-        units = _unit_set(fsdp.units, fsdp.unit_groups) if fsdp is not None else {}
-        of_module: dict[str, str] = {}
-
-        def module_unit(module: str) -> str:
-            unit = of_module.get(module)
-            if unit is None:
-                unit = units.get(module)
-                if unit is None:
-                    unit = module_unit(module.rpartition(".")[0]) if module else ""
-                of_module[module] = unit
-            return unit
-
-        # a tied parameter's unit must hold all its names: unit_of's walk
-        return {
-            path: self.unit_of(path) if path in self.aliases else module_unit(path.rpartition(".")[0])
-            for path in self.params
-        }
-
     def stage_of(self, path: str) -> int:
         """The pipeline stage that holds a parameter or buffer (0 for a plan without pp).
 
