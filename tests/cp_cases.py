@@ -345,3 +345,92 @@ def train_ring_on_cpu(kind: str, mesh: dict[str, int], policy: str) -> dict[str,
 def train_on_cuda(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any]:
     """`train` with the model and batches on this rank's GPU; results come back on the CPU."""
     return train(kind, mesh, policy, device=torch.device("cuda", torch.cuda.current_device()))
+
+
+PACKED_SEQ = 64  # a multiple of cp 2 and 4; the cut by work needs no 2·cp chunks
+
+
+def packed_batches(data_parallel: int) -> list[dict[str, torch.Tensor]]:
+    """`STEPS` batches of packed rows, ``BATCH`` a data-parallel rank: in each row one long document
+    (30 to 44 tokens) among short ones (1 to 6), somewhere in the row, then padding."""
+    generator = torch.Generator().manual_seed(4321)
+
+    def draw(low: int, high: int) -> int:
+        return int(torch.randint(low, high + 1, (), generator=generator))
+
+    steps = []
+    for _ in range(STEPS):
+        rows = []
+        for _ in range(BATCH * data_parallel):
+            lengths = [draw(1, 6) for _ in range(draw(3, 6))]
+            lengths.insert(draw(0, len(lengths)), draw(30, 44))
+            while sum(lengths) + 6 <= PACKED_SEQ - draw(0, 4):
+                lengths.append(draw(1, 6))
+            docs = [torch.randint(1, 128, (n,), generator=generator) for n in lengths]
+            rows.append(fs.pack(docs, PACKED_SEQ))
+        steps.append(
+            {
+                name: torch.cat([getattr(row, name) for row in rows])
+                for name in ("tokens", "labels", "positions", "document_ids")
+            }
+        )
+    return steps
+
+
+def reference_packed(data_parallel: int) -> dict[str, Any]:
+    """One process on the whole packed batches: each data-parallel slice's mean loss, averaged
+    (data parallel averages its ranks' gradients), as `reference`."""
+    model = build("zoo")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grads = [], {}
+    for step, batch in enumerate(packed_batches(data_parallel)):
+        optimizer.zero_grad()
+        slices = [{k: v[i * BATCH : (i + 1) * BATCH] for k, v in batch.items()} for i in range(data_parallel)]
+        loss = (
+            sum(
+                loss_fn(
+                    model(part["tokens"], positions=part["positions"], document_ids=part["document_ids"]),
+                    part["labels"],
+                )
+                for part in slices
+            )
+            / data_parallel
+        )
+        loss.backward()
+        if step == 0:
+            grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(loss.item())
+    return {
+        "losses": losses,
+        "grads": grads,
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
+
+
+def train_packed(mesh: dict[str, int], policy: str) -> dict[str, Any]:
+    """`train` on `packed_batches`: the zoo Llama through fs.forward_backward with positions= and
+    document_ids=; rank 0 returns what `reference_packed` does."""
+    model, plan = planned("zoo", mesh, policy)
+    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR)
+    step_fn = fs.forward_backward(plan, model, loss_fn)
+    index, data_parallel = plan.data_parallel_rank(dist.get_rank())
+    losses, grads = [], {}
+    for step, batch in enumerate(packed_batches(data_parallel)):
+        mine = {k: v[index * BATCH : (index + 1) * BATCH] for k, v in batch.items()}
+        optimizer.zero_grad()
+        loss = step_fn(
+            mine["tokens"], mine["labels"], positions=mine["positions"], document_ids=mine["document_ids"]
+        )
+        if step == 0:
+            grads = {name: full(p.grad) for name, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(mean_over_ranks(loss).item())
+    params = {k: full(v) for k, v in model.state_dict().items()}
+    first = dist.get_rank() == 0
+    return {
+        "losses": losses,
+        "grads": grads if first else None,
+        "params": params if first else None,
+        "data_parallel": data_parallel,
+    }

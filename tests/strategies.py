@@ -196,3 +196,19 @@ def documents(
     """Token-id documents of drawn lengths (at least one token each), as `fs.pack` takes them."""
     lengths = draw(st.lists(st.integers(1, max_length), min_size=1, max_size=max_documents))
     return [draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n)) for n in lengths]
+
+
+@st.composite
+def skewed_rows(draw: st.DrawFn, cp: int) -> tuple[int, ...]:
+    """A packed row's segments: one long document among many short ones, padded to a multiple of ``2·cp``.
+
+    The long one holds most of the row's tokens (twice the short ones', and 32 a rank) and nearly all
+    its attention work, anywhere in the row: the case where cutting by tokens is far off.
+    """
+    shorts = draw(st.lists(st.integers(1, 32), min_size=4 * cp, max_size=60))
+    least = max(2 * sum(shorts), 32 * cp)
+    long = draw(st.integers(least, 4 * least))
+    at = draw(st.integers(0, len(shorts)))
+    lengths = [*shorts[:at], long, *shorts[at:]]
+    padding = -sum(lengths) % (2 * cp)
+    return tuple(lengths + ([padding] if padding else []))

@@ -17,7 +17,9 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -34,6 +36,7 @@ __all__ = [
     "document_mask",
     "document_positions",
     "pack",
+    "rank_share",
 ]
 
 IGNORE_INDEX = -100
@@ -348,6 +351,29 @@ def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
+# set while a context-parallel step runs a model on its rank's share of rows it checked whole
+_share: contextvars.ContextVar[bool] = contextvars.ContextVar("_share", default=False)
+
+
+@contextlib.contextmanager
+def rank_share() -> Iterator[None]:
+    """Within it, `check_packed_inputs` checks shapes and dtypes only: the rows are a cp rank's share.
+
+    A share holds pieces of documents, not documents laid end to end, so its values cannot pass
+    the check; the step that cut it checked the whole rows first.
+
+    Examples:
+        >>> ids = torch.tensor([[0, 0, 2, 2]])  # documents 0 and 2 of a row, without 1
+        >>> with rank_share():
+        ...     check_packed_inputs(ids, positions=torch.tensor([[0, 3, 4, 5]]), document_ids=ids)
+    """
+    token = _share.set(True)
+    try:
+        yield
+    finally:
+        _share.reset(token)
+
+
 def check_packed_inputs(
     tokens: torch.Tensor,
     *,
@@ -358,7 +384,7 @@ def check_packed_inputs(
     """Refuse positions and document ids that do not describe documents laid end to end.
 
     As `pack` makes them. Positions without document ids may not restart inside a row (attention would
-    cross documents). Values are checked on real tensors only.
+    cross documents). Values are checked on real tensors only, and not within `rank_share`.
 
     Raises:
         ShardingError: a shape or dtype other than the tokens', or values as above, one bullet a row.
@@ -378,7 +404,7 @@ def check_packed_inputs(
         return
     for name, value in (("positions", positions), ("document_ids", document_ids)):
         _check_shape(tokens, name, value, who)
-    if tokens.numel() == 0 or not _has_values(tokens, positions, document_ids):
+    if tokens.numel() == 0 or _share.get() or not _has_values(tokens, positions, document_ids):
         return
     if _well_formed(positions, document_ids):
         return  # one look at the device's answer; the rows are read only to say what is wrong

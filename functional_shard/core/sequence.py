@@ -4,16 +4,23 @@ With load balancing (the default) the sequence is cut into ``2·cp`` chunks and 
 ``i`` and ``2·cp − 1 − i``: a cheap early chunk and a dear late one, so causal attention work is
 even. Without it, ``cp`` chunks, rank ``i`` holding chunk ``i``.
 
+Packed documents (`functional_shard.core.packing`) attend only inside each document, so the
+work of a token is its position in its document, not in the row: `document_ranges` cuts a packed
+row by that work instead (`document_work`).
+
 Examples:
     >>> sequence_chunks(4, load_balance=True)
     ((0, 7), (1, 6), (2, 5), (3, 4))
     >>> token_ranges(16, 2, 1, load_balance=True)
     ((4, 8), (8, 12))
+    >>> document_ranges((12, 2, 2), 2)  # a long document cut in four, the short ones dealt whole
+    (((0, 3), (9, 14)), ((3, 9), (14, 16)))
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from .errors import ShardingError
 from .validate import positive_int
@@ -24,6 +31,11 @@ __all__ = [
     "causal_imbalance",
     "causal_work",
     "check_sequence_length",
+    "document_imbalance",
+    "document_ranges",
+    "document_work",
+    "held_positions",
+    "segment_lengths",
     "check_split_share",
     "engine_that_runs",
     "chunk_count",
@@ -215,4 +227,170 @@ def causal_imbalance(seq: int, cp: int, *, load_balance: bool) -> float:
         1.749
     """
     work = [causal_work(seq, cp, rank, load_balance=load_balance) for rank in range(cp)]
+    return max(work) * cp / sum(work)
+
+
+# ---- packed documents: the cut by attention work ------------------------------------------
+
+CUT_SHARE = 32
+"""A document whose causal work exceeds ``1/CUT_SHARE`` of a rank's share is cut over every rank;
+smaller ones are dealt whole, so no rank ends more than about that fraction above the mean."""
+
+
+def segment_lengths(offsets: Sequence[int], seq_len: int) -> tuple[int, ...]:
+    """A packed row's segments: its documents (``offsets``, as ``cu_seqlens``), then its padding if any.
+
+    The padding attends causally to itself (`functional_shard.core.packing.pack` gives it an id), so
+    it is one segment more.
+
+    Examples:
+        >>> segment_lengths((0, 3, 5), 8), segment_lengths((0, 4, 8), 8)
+        ((3, 2, 3), (4, 4))
+    """
+    ends = [*offsets[1:], *([seq_len] if offsets[-1] < seq_len else [])]
+    return tuple(stop - start for start, stop in zip((0, *ends[:-1]), ends, strict=True))
+
+
+def _triangle(n: int) -> int:
+    return n * (n + 1) // 2
+
+
+def document_work(lengths: Sequence[int], ranges: Sequence[tuple[int, int]]) -> int:
+    """Query-key pairs the row's tokens in ``ranges`` score, attending causally inside their documents.
+
+    A token ``p`` tokens into its document sees ``p + 1`` keys: what a kernel that skips masked
+    blocks does. ``lengths``: the row's segments (`segment_lengths`), end to end.
+
+    Examples:
+        >>> document_work((4, 4), [(0, 8)])  # two documents of 4: 10 pairs each
+        20
+        >>> document_work((4, 4), [(2, 6)])  # 3 + 4 of the first, 1 + 2 of the second
+        10
+    """
+    work, start = 0, 0
+    for length in lengths:
+        for low, high in ranges:
+            first, last = max(low, start), min(high, start + length)
+            if first < last:
+                work += _triangle(last - start) - _triangle(first - start)
+        start += length
+    return work
+
+
+def document_ranges(lengths: Sequence[int], cp: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Each cp rank's ``[start, stop)`` token ranges of a packed row, balanced by attention work.
+
+    Every rank holds ``seq / cp`` tokens (the all-gather engine's collectives take equal shares),
+    and about the same `document_work`:
+
+    1. A document whose work exceeds ``1/CUT_SHARE`` of a rank's share (the row's work over ``cp``)
+       is cut like a causal sequence (`sequence_chunks`): ``2·cp`` equal chunks, rank ``r`` holding
+       chunks ``r`` and ``2·cp − 1 − r``, whose work adds up the same on every rank. The first
+       ``length % 2·cp`` tokens, the chunks' remainder, join the short documents token by token,
+       as does a whole document shorter than ``2·cp`` tokens (in a row of few tokens a rank).
+    2. The short documents (and those remainders) are dealt whole, dearest first, each to the
+       least loaded rank with room for it (longest processing time first, which ends at most one
+       piece's work above the mean). When no rank has room, the least loaded rank with any room
+       takes as many of its first tokens as fit, and the rest is dealt again.
+
+    Cutting the row by tokens instead puts the end of a long document, its dearest tokens, on one
+    or two ranks: a rank holding the end of one long document does far more than one holding twenty
+    short ones. ``lengths``: the row's segments (`segment_lengths`), padding included.
+
+    Raises:
+        ShardingError: ``cp`` does not divide the row's length, or a length is not a positive int.
+
+    Examples:
+        >>> document_ranges((2, 2, 2, 2), 2)  # rank 0 holds the first and third documents
+        (((0, 2), (4, 6)), ((2, 4), (6, 8)))
+        >>> [document_work((12, 2, 2), held) for held in document_ranges((12, 2, 2), 2)]
+        [42, 42]
+    """
+    positive_int(cp, "cp", meaning="the context-parallel degree")
+    for length in lengths:
+        positive_int(length, "a document length", meaning="tokens in one document of the row")
+    seq = sum(lengths)
+    check_sequence_length(seq, cp, load_balance=False, what="packed row's length")
+    share = max(1, sum(_triangle(length) for length in lengths) // cp)
+    held: list[list[tuple[int, int]]] = [[] for _ in range(cp)]
+    loads = [0] * cp
+    # a piece to deal: (its document's first token, its first token, its stop)
+    pieces: list[tuple[int, int, int]] = []
+    start = 0
+    for length in lengths:
+        if cp > 1 and length < 2 * cp and _triangle(length) * CUT_SHARE > share:
+            pieces += [(start, token, token + 1) for token in range(start, start + length)]
+        elif cp > 1 and _triangle(length) * CUT_SHARE > share:
+            head = length % (2 * cp)
+            pieces += [(start, token, token + 1) for token in range(start, start + head)]
+            size = (length - head) // (2 * cp)
+            for rank, chunks in enumerate(sequence_chunks(cp, load_balance=True)):
+                for chunk in chunks:
+                    low = head + chunk * size
+                    held[rank].append((start + low, start + low + size))
+                    loads[rank] += _triangle(low + size) - _triangle(low)
+        else:
+            pieces.append((start, start, start + length))
+        start += length
+    _deal(pieces, held, loads, seq // cp)
+    return tuple(_merged(ranges) for ranges in held)
+
+
+def _deal(
+    pieces: list[tuple[int, int, int]], held: list[list[tuple[int, int]]], loads: list[int], tokens: int
+) -> None:
+    """Deal ``pieces`` onto ``held`` (with work ``loads``), dearest first, filling each rank to ``tokens``."""
+
+    def work(piece: tuple[int, int, int]) -> int:
+        document, first, stop = piece
+        return _triangle(stop - document) - _triangle(first - document)
+
+    rooms = [tokens - sum(stop - start for start, stop in ranges) for ranges in held]
+    waiting = sorted(pieces, key=lambda piece: (-work(piece), piece[1]))
+    while waiting:
+        piece = waiting.pop(0)
+        document, first, stop = piece
+        fits = [rank for rank in range(len(held)) if rooms[rank] >= stop - first]
+        if fits:
+            rank = min(fits, key=lambda r: (loads[r], r))
+            taken = stop
+        else:
+            rank = min((r for r in range(len(held)) if rooms[r]), key=lambda r: (loads[r], r))
+            taken = first + rooms[rank]
+            rest = (document, taken, stop)
+            waiting.append(rest)
+            waiting.sort(key=lambda piece: (-work(piece), piece[1]))
+        held[rank].append((first, taken))
+        loads[rank] += work((document, first, taken))
+        rooms[rank] -= taken - first
+
+
+def _merged(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    merged: list[tuple[int, int]] = []
+    for start, stop in sorted(ranges):
+        if merged and merged[-1][1] == start:
+            merged[-1] = (merged[-1][0], stop)
+        else:
+            merged.append((start, stop))
+    return tuple(merged)
+
+
+def held_positions(ranges: Sequence[tuple[int, int]]) -> tuple[int, ...]:
+    """The tokens ``ranges`` hold, in order (`document_ranges`' or `token_ranges`' of one rank).
+
+    Examples:
+        >>> held_positions(((0, 2), (6, 8)))
+        (0, 1, 6, 7)
+    """
+    return tuple(p for start, stop in ranges for p in range(start, stop))
+
+
+def document_imbalance(lengths: Sequence[int], cp: int) -> float:
+    """The busiest cp rank's `document_work` over the ranks' mean under `document_ranges`: 1.0 balanced.
+
+    Examples:
+        >>> document_imbalance((12, 2, 2), 2)
+        1.0
+    """
+    work = [document_work(lengths, held) for held in document_ranges(lengths, cp)]
     return max(work) * cp / sum(work)

@@ -24,7 +24,8 @@ from .device_mesh import build_device_mesh
 from .engines.activation_checkpointing import apply_checkpointing
 from .engines.applied import APPLIED, Applied, retie
 from .engines.checks import check_runnable, engine_problems
-from .engines.context.parallel import context_chunks, sequence_context, use_hf_attention
+from .engines.context.hf import use_hf_attention
+from .engines.context.parallel import context_chunks, sequence_context
 from .engines.context.ring import check_ring_device
 from .engines.data_parallel import apply_data_parallel, reduce_whole_grads
 from .engines.evaluation import forward_loss, forward_only

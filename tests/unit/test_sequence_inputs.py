@@ -21,9 +21,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 import functional_shard as fs
+from functional_shard.core.packing import document_mask
 from functional_shard.core.sequence import check_sequence_length, check_split_share, chunk_count
 from functional_shard.costing.trace import activations
 from functional_shard.zoo import Llama, LlamaConfig, llama
+
+from ..strategies import documents
 
 CP2 = fs.shard(nn.Linear(2, 2), fs.Mesh(cp=2), fs.replicate() + fs.cp("cp"))
 TOKENS = torch.arange(8)[None]
@@ -261,3 +264,90 @@ def test_a_scalar_loss_of_one_element_still_steps(one_rank):
     step = fs.forward_backward(plan, model, lambda o, t: _cross_entropy(o, t)[None])
     tokens = torch.randint(0, 128, (2, 8))
     assert step(tokens, tokens).numel() == 1
+
+
+# ---- packed rows: the engine's mask, and the step's keywords --------------------------
+
+
+@given(docs=documents(max_documents=10, max_length=24), seq_len=st.sampled_from([24, 32, 48]))
+def test_the_packed_mask_is_the_rows_document_mask_at_each_ranks_queries(docs, seq_len):
+    from functional_shard.runtime.engines.context.parallel import SequenceShard, packed_positions
+
+    batch = fs.pack(docs, seq_len, long="split")
+    ids = batch.document_ids
+    whole = document_mask(ids)[:, 0]  # [rows, seq, seq]
+    rows = torch.arange(ids.shape[0])[:, None, None]
+    for cp in (2, 4):
+        held = []
+        for rank in range(cp):
+            positions, keys = packed_positions(ids, cp, rank)
+            held.append(positions)
+            shard = SequenceShard(
+                group=None,
+                size=cp,
+                seq_len=seq_len,
+                positions=positions,
+                key_positions=keys,
+                query_documents=ids.gather(1, positions),
+                key_documents=ids.gather(1, keys),
+            )
+            expected = whole[rows, positions[:, :, None], keys[:, None, :]]
+            assert torch.equal(shard.causal_mask[:, 0], expected)
+            # what the model makes from its share of the ids: the same mask on its own keys
+            mine = shard.causal_mask[:, 0][
+                rows,
+                torch.arange(positions.shape[1])[:, None],
+                rank * positions.shape[1] + torch.arange(positions.shape[1]),
+            ]
+            assert torch.equal(shard.local_document_mask[:, 0], mine)
+        every = torch.cat(held, dim=1).sort(dim=1).values
+        assert torch.equal(every, torch.arange(seq_len).expand_as(every))
+
+
+def _packed() -> fs.PackedBatch:
+    return fs.pack([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [3, 4], [7, 8, 9]], seq_len=16)
+
+
+@pytest.mark.parametrize("context", [True, False], ids=["cp", "plain"])
+def test_packed_rows_step_as_the_model_run_on_them(one_rank, context):
+    model = _llama()
+    policy = fs.replicate("cp") + fs.cp("cp") if context else fs.replicate("cp")
+    plan = fs.shard(model, fs.Mesh(cp=1), policy)
+    model = fs.apply(plan, model)
+    batch = _packed()
+    step = fs.forward_backward(plan, model, _cross_entropy)
+    loss = step(batch.tokens, batch.labels, positions=batch.positions, document_ids=batch.document_ids)
+    outputs = model(batch.tokens, positions=batch.positions, document_ids=batch.document_ids)
+    assert loss.item() == pytest.approx(_cross_entropy(outputs, batch.labels).item(), abs=1e-6)
+
+
+def test_packed_rows_the_cp_step_checks_whole(cp1):
+    plan, model = cp1
+    batch = _packed()
+    step = fs.forward_backward(plan, model, _cross_entropy)
+    with pytest.raises(fs.ShardingError, match=re.escape("under context parallel: positions disagree")):
+        step(batch.tokens, batch.labels, positions=torch.arange(16)[None], document_ids=batch.document_ids)
+
+
+@pytest.mark.parametrize("context", [True, False], ids=["cp", "plain"])
+def test_packed_rows_to_a_forward_without_them_are_refused(one_rank, context):
+    model = nn.Sequential(nn.Embedding(128, 8), nn.Linear(8, 128))
+    policy = fs.replicate("cp") + fs.cp("cp") if context else fs.replicate("cp")
+    plan = fs.shard(model, fs.Mesh(cp=1), policy)
+    model = fs.apply(plan, model)
+    batch = _packed()
+    step = fs.forward_backward(plan, model, _cross_entropy)
+    message = "fs.forward_backward: the step was given document_ids=, but the forward does not take them"
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
+        step(batch.tokens, batch.labels, document_ids=batch.document_ids)
+
+
+def test_explain_says_packed_rows_are_cut_by_work_and_which_engine_runs_them():
+    model = _llama()
+    for engine, says in (
+        ("auto", "by the all-gather engine (the ring has no document mask)"),
+        ("all_gather", ""),
+    ):
+        text = fs.shard(model, fs.Mesh(cp=2), fs.replicate() + fs.cp("cp", engine=engine)).explain()
+        assert "packed rows (document_ids=) are cut by attention work instead, each row its own way" in text
+        assert (says in text) if says else ("the ring has no document mask" not in text)

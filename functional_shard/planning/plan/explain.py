@@ -72,11 +72,16 @@ def context_parallel_line(context: ContextConfig, mesh: Mesh) -> str:
     axis, size, balanced = context.axis, context.size(mesh), context.load_balance
     chunks = sequence_chunks(size, load_balance=balanced)
     held = "; ".join(f"rank {r}: {', '.join(map(str, held))}" for r, held in enumerate(chunks))
+    # torch's ring masks causally over the whole sequence only, not inside documents
+    packed = (
+        "" if context.engine == "all_gather" else ", by the all-gather engine (the ring has no document mask)"
+    )
     return (
         f"context parallel over {axis!r}: activations split on the sequence dim into "
         f"{chunk_count(size, load_balance=balanced)} chunks "
         f"({'load-balanced' if balanced else 'in order'}; {axis} {held}); "
-        f"attention by {ENGINE_LABELS[context.engine]}"
+        f"attention by {ENGINE_LABELS[context.engine]}; packed rows (document_ids=) are cut by "
+        f"attention work instead, each row its own way, and attend inside documents{packed}"
     )
 
 

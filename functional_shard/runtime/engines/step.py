@@ -13,11 +13,13 @@ from functional_shard.core.validate import entry_point, refuse
 from functional_shard.planning.plan.plan import Plan
 
 from .applied import applied_with
-from .context.parallel import context_parallel_step
+from .context.step import context_parallel_step
 from .pipeline import pipeline_of, pipeline_step
 from .tensor_parallel import loss_context, plain_loss
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Step = Callable[..., torch.Tensor]
+"""``step(inputs, targets, *, positions=None, document_ids=None) -> loss``."""
 
 
 @entry_point
@@ -28,7 +30,7 @@ def forward_backward(
     *,
     scaler: torch.amp.GradScaler | None = None,
     root: str = "",
-) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+) -> Step:
     """A step function ``step(inputs, targets) -> loss`` that runs forward and backward under ``plan``.
 
     Under a pipeline plan it runs the plan's schedule over its micro-batches; under context
@@ -38,6 +40,12 @@ def forward_backward(
     of the batch. Gradients are scaled as one process's would be for the same batch and add to
     those already there, so steps without ``zero_grad`` between them accumulate.
 
+    Packed rows (`fs.pack`) go in by keyword, ``step(batch.tokens, batch.labels,
+    positions=batch.positions, document_ids=batch.document_ids)``, to a forward that takes them (the
+    zoo's Llama). Under context parallel the rows are then cut by attention work, not by tokens
+    (docs/packed-documents.md), and the loss, a mean over the targets that are not ``-100``, is
+    weighted by each rank's share of them.
+
     Args:
         plan: the plan `apply` ran.
         module: the module `apply` returned.
@@ -46,12 +54,13 @@ def forward_backward(
         root: the submodule whose forward runs the model (a LightningModule's ``model``); "" under a pipeline.
 
     Returns:
-        ``step(inputs, targets)``, returning the batch's mean loss (detached), the same on every
-        rank of a pipeline or cp group.
+        ``step(inputs, targets, *, positions=None, document_ids=None)``, returning the batch's mean
+        loss (detached), the same on every rank of a pipeline or cp group.
 
     Raises:
         ShardingError: ``module`` was not applied with ``plan``; from ``step``, a batch the micro-batch
-            count does not divide, or a ``loss_fn`` that returns no scalar.
+            count does not divide, a ``loss_fn`` that returns no scalar, or packed rows given to a
+            pipeline or to a forward that does not take them.
 
     Examples:
         >>> plan = fs.shard(nn.Linear(4, 2), fs.Mesh(dp=1), fs.replicate())
@@ -70,17 +79,28 @@ def forward_backward(
     except AttributeError:
         refuse("root", repr(root), "a submodule of the module", meaning="'' for the module itself")
     context = plan.config.context is not None
+    takes = set(inspect.signature(forward.forward).parameters)
     if context and pipelined is None:
-        takes_positions = "position_ids" in inspect.signature(forward.forward).parameters
 
-        def run(inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            extra = {"position_ids": positions.expand(inputs.shape[0], -1)} if takes_positions else {}
+        def run(
+            inputs: torch.Tensor,
+            targets: torch.Tensor,
+            positions: torch.Tensor,
+            packed: dict[str, torch.Tensor],
+            weight: float,
+        ) -> torch.Tensor:
+            extra = (
+                {"position_ids": positions.expand(inputs.shape[0], -1)}
+                if "position_ids" in takes and not packed
+                else packed
+            )
             with loss_context(plan):
                 loss = scalar_loss(loss_fn(forward(inputs, **extra), targets))
-                (loss if scaler is None else scaler.scale(loss)).backward()
+                weighted = loss if weight == 1.0 else loss * weight
+                (weighted if scaler is None else scaler.scale(weighted)).backward()
             return plain_loss(loss)
 
-        return context_parallel_step(plan, applied.device_mesh, run)
+        return _taking_packed(context_parallel_step(plan, applied.device_mesh, run), takes)
 
     def scaled(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = scalar_loss(loss_fn(outputs, targets))
@@ -88,13 +108,13 @@ def forward_backward(
 
     if pipelined is None:
 
-        def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        def step(inputs: torch.Tensor, targets: torch.Tensor, **packed: torch.Tensor) -> torch.Tensor:
             with loss_context(plan):
-                loss = scalar_loss(loss_fn(forward(inputs), targets))
+                loss = scalar_loss(loss_fn(forward(inputs, **packed), targets))
                 (loss if scaler is None else scaler.scale(loss)).backward()
             return plain_loss(loss)
 
-        return step
+        return _taking_packed(step, takes)
 
     def pipeline(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         check_microbatches(plan, "fs.forward_backward", inputs=inputs, targets=targets)
@@ -109,8 +129,46 @@ def forward_backward(
         return loss
 
     if context:  # each stage attends over the whole sequences from its rank's chunks
-        return context_parallel_step(plan, applied.device_mesh, lambda i, t, _: pipeline(i, t), attends=False)
-    return pipeline
+        staged = context_parallel_step(
+            plan, applied.device_mesh, lambda i, t, *_: pipeline(i, t), attends=False
+        )
+        return _taking_packed(staged, set())
+    return _taking_packed(pipeline, set())
+
+
+def _taking_packed(step: Callable[..., torch.Tensor], takes: set[str]) -> Step:
+    """``step`` taking packed rows' ``positions=`` and ``document_ids=`` where the forward takes them.
+
+    A pipeline hands its stages the hidden states alone, so it takes none.
+    """
+
+    def packed_step(
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        given = {
+            name: value
+            for name, value in (("positions", positions), ("document_ids", document_ids))
+            if value is not None
+        }
+        missing = [name for name in given if name not in takes]
+        if missing:
+            why = (
+                "the forward does not take them"
+                if takes
+                else "a pipeline hands its stages hidden states alone"
+            )
+            raise ShardingError(
+                f"fs.forward_backward: the step was given {' and '.join(f'{n}=' for n in missing)}, but "
+                f"{why}; pass packed rows to a model that takes them (functional_shard.zoo.Llama), "
+                "without a pipeline"
+            )
+        return step(inputs, targets, **given)
+
+    return packed_step
 
 
 def scalar_loss(loss: object) -> torch.Tensor:

@@ -5,10 +5,14 @@ all-gathers keys and values along the sequence dim (the backward reduce-scatters
 gradients) and runs SDPA under a causal mask built from global positions, so the balanced
 chunk order needs no reordering; grouped-query attention gathers only the key/value heads.
 
+Packed rows (`functional_shard.core.packing`) are cut by attention work instead
+(`functional_shard.core.sequence.document_ranges`), each row its own way, and the mask keeps
+each query inside its document as well: a key of the same document, at or before it.
+
 Attention is reached without patching the model: a plain module's
 ``F.scaled_dot_product_attention`` call is routed while a step runs
 (`functional_shard.costing.trace.context_attention.routing_attention`); a Hugging Face model
-gets an attention function registered in transformers' ``AttentionInterface``. Plain
+gets an attention function registered in transformers' ``AttentionInterface`` (`hf`). Plain
 collectives run on gloo and NCCL alike; a plan whose engine is torch's ring goes to
 `ring` instead.
 """
@@ -18,7 +22,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Callable, Iterator
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,34 +33,34 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from functional_shard.core.errors import ShardingError
-from functional_shard.core.sequence import check_sequence_length, token_positions
+from functional_shard.core.packing import document_mask
+from functional_shard.core.sequence import (
+    check_sequence_length,
+    document_ranges,
+    held_positions,
+    token_positions,
+)
 from functional_shard.core.validate import entry_point, positive_int
 from functional_shard.costing.trace.context_attention import AttentionCall, routing_attention
 from functional_shard.planning.context_checks import attention_problems  # pure: fs.estimate asks it too
-from functional_shard.planning.context_checks import takes_hf_attention as _is_hf
 from functional_shard.planning.plan.plan import Plan
 
-from .arguments import chunk_rank, plan_given, sequence_dim, share_check
+from .arguments import chunk_rank, plan_given, sequence_dim
 from .ring import ring_attention, ring_dispatch, runs_ring
 
 __all__ = [
-    "HF_ATTENTION",
     "SequenceShard",
     "attention_problems",
     "context_chunks",
-    "context_parallel_step",
     "current_sequence_group",
     "cut_tensors",
+    "packed_positions",
     "sequence_attention",
     "sequence_context",
     "splitting_attention",
-    "use_hf_attention",
 ]
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
-
-HF_ATTENTION = "functional_shard_context_parallel"
-"""The name the engine's attention function has in transformers' registry."""
 
 
 @dataclass(frozen=True)
@@ -66,12 +71,16 @@ class SequenceShard:
     size: int
     seq_len: int
     positions: torch.Tensor
-    """Global positions of this rank's tokens, in the order it holds them."""
+    """Global positions of this rank's tokens, in the order it holds them (packed: ``[rows, local]``)."""
     key_positions: torch.Tensor
     """Global positions of every rank's tokens, in the order a gather along cp lays them."""
     load_balance: bool = True
     ring: DeviceMesh | None = None
     """The cp mesh torch's ring attention runs over (``None``: the all-gather engine)."""
+    query_documents: torch.Tensor | None = None
+    """Packed rows: the document of each of this rank's tokens (``[rows, local]``); ``None``: one a row."""
+    key_documents: torch.Tensor | None = None
+    """Packed rows: the document of each key, in the order a gather along cp lays them."""
 
     @classmethod
     def of(
@@ -98,10 +107,69 @@ class SequenceShard:
             ring=mesh if runs_ring(engine, mesh.device_type) else None,
         )
 
+    @classmethod
+    def packed(cls, mesh: DeviceMesh, document_ids: torch.Tensor) -> SequenceShard:
+        """This rank's share of packed rows (``document_ids``: the whole rows' ids) cut by attention work.
+
+        Each row is cut its own way (`document_ranges`); the all-gather engine runs it, whatever
+        the plan's engine: torch's ring has no mask that keeps attention inside documents.
+
+        Raises:
+            ShardingError: the cp degree does not divide the rows' length.
+        """
+        group = mesh.get_group()
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        positions, keys = packed_positions(document_ids, size, rank)
+        return cls(
+            group=group,
+            size=size,
+            seq_len=int(document_ids.shape[1]),
+            positions=positions,
+            key_positions=keys,
+            query_documents=document_ids.gather(1, positions),
+            key_documents=document_ids.gather(1, keys),
+        )
+
     @functools.cached_property
     def causal_mask(self) -> torch.Tensor:
-        """Which keys each of this rank's queries sees (``[local, whole]``), made once for every layer."""
-        return self.key_positions[None, :] <= self.positions[:, None]
+        """Which keys each of this rank's queries sees (``[local, whole]``), made once for every layer.
+
+        Packed: ``[rows, 1, local, whole]``, a key of the query's document at or before it.
+        """
+        if self.query_documents is None or self.key_documents is None:
+            return self.key_positions[None, :] <= self.positions[:, None]
+        causal = self.key_positions[:, None, :] <= self.positions[:, :, None]
+        same = self.key_documents[:, None, :] == self.query_documents[:, :, None]
+        return (causal & same)[:, None]
+
+    @functools.cached_property
+    def local_document_mask(self) -> torch.Tensor | None:
+        """Packed: the mask a model makes from this rank's share of the ids (`document_mask`)."""
+        return None if self.query_documents is None else document_mask(self.query_documents)
+
+
+def packed_positions(document_ids: torch.Tensor, cp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cp rank ``rank``'s tokens of each packed row (`document_ranges`), and every rank's as gathered.
+
+    Returns ``[rows, seq / cp]`` global positions, and ``[rows, seq]``: rank 0's, then rank 1's, ...
+
+    Examples:
+        >>> ids = torch.tensor([[0] * 12 + [1, 1, 2, 2]])
+        >>> [t.tolist() for t in packed_positions(ids, 2, 1)][0]
+        [[3, 4, 5, 6, 7, 8, 14, 15]]
+    """
+    held = [document_ranges(_segments(row), cp) for row in document_ids.tolist()]
+    device = document_ids.device
+    positions = torch.tensor([held_positions(row[rank]) for row in held], device=device)
+    keys = torch.tensor(
+        [[p for ranges in row for p in held_positions(ranges)] for row in held], device=device
+    )
+    return positions, keys
+
+
+def _segments(ids: list[int]) -> tuple[int, ...]:
+    """A row's segment lengths from its document ids (the same id on a document's tokens, in a run)."""
+    return tuple(len(list(run)) for _, run in itertools.groupby(ids))
 
 
 _current: contextvars.ContextVar[SequenceShard | None] = contextvars.ContextVar("_current", default=None)
@@ -169,11 +237,16 @@ def sequence_attention(
             scale=scale,
             enable_gqa=key.shape[-3] != query.shape[-3],
         )
-    if query.shape[-2] != shard.positions.numel():
+    if query.shape[-2] != shard.positions.shape[-1]:
         raise ShardingError(
             f"context parallel: attention got {query.shape[-2]} query tokens, but this rank holds "
-            f"{shard.positions.numel()} of the {shard.seq_len}-token sequence; pass the rank's chunks "
+            f"{shard.positions.shape[-1]} of the {shard.seq_len}-token sequence; pass the rank's chunks "
             "(fs.forward_backward cuts them)"
+        )
+    if shard.query_documents is not None and not causal:
+        raise ShardingError(
+            "context parallel on packed rows: a non-causal attention call, which would attend across "
+            "documents; the engine keeps causal attention inside each document only"
         )
     counted = _splits.get()
     if counted is not None:
@@ -204,7 +277,16 @@ def sequence_attention(
 
 
 def _split(call: AttentionCall) -> torch.Tensor:
-    """An SDPA call, run by `sequence_attention` (which finds GQA from the shapes)."""
+    """An SDPA call, run by `sequence_attention` (which finds GQA from the shapes).
+
+    On packed rows the model's mask is its share's `document_mask`: the engine runs the same
+    mask over the whole rows' keys (`SequenceShard.causal_mask`).
+    """
+    shard = _current.get()
+    if call.attn_mask is not None and shard is not None and _is_share_mask(shard, call.attn_mask):
+        return sequence_attention(
+            call.query, call.key, call.value, causal=True, scale=call.scale, dropout_p=call.dropout_p
+        )
     if call.attn_mask is not None:
         raise ShardingError(
             "context parallel: F.scaled_dot_product_attention was called with attn_mask; the engine "
@@ -213,6 +295,14 @@ def _split(call: AttentionCall) -> torch.Tensor:
     return sequence_attention(
         call.query, call.key, call.value, causal=call.is_causal, scale=call.scale, dropout_p=call.dropout_p
     )
+
+
+def _is_share_mask(shard: SequenceShard, mask: torch.Tensor) -> bool:
+    """Whether ``mask`` keeps this rank's packed queries inside their documents, as the engine will."""
+    local = shard.local_document_mask
+    if local is None or mask.dtype != torch.bool or mask.shape[-2:] != local.shape[-2:]:
+        return False
+    return bool(torch.equal(mask.expand_as(local), local.to(mask.device)))
 
 
 @contextlib.contextmanager
@@ -243,7 +333,10 @@ def cut_tensors(shard: SequenceShard, *tensors: torch.Tensor, dim: int = 1) -> t
 def _chunks(
     who: str, tensors: tuple[torch.Tensor, ...], positions: torch.Tensor, seq_len: int, dim: int
 ) -> tuple[torch.Tensor, ...]:
-    """``positions`` of each of ``tensors`` along ``dim``, each checked to hold ``seq_len`` there."""
+    """``positions`` of each of ``tensors`` along ``dim``, each checked to hold ``seq_len`` there.
+
+    Packed rows' ``positions`` are one row each (``[rows, local]``): ``(rows, seq)`` tensors, ``dim=1``.
+    """
     cut = []
     for index, tensor in enumerate(tensors):
         if tensor.shape[dim] != seq_len:
@@ -251,7 +344,10 @@ def _chunks(
                 f"{who}: tensor {index} has shape {tuple(tensor.shape)}, but the sequence is {seq_len} "
                 f"tokens along dim {dim}; pass tensors of the same whole sequences (inputs, targets)"
             )
-        cut.append(tensor.index_select(dim, positions.to(tensor.device)))
+        if positions.dim() == 2:
+            cut.append(tensor.gather(dim, positions.to(tensor.device)))
+        else:
+            cut.append(tensor.index_select(dim, positions.to(tensor.device)))
     return tuple(cut)
 
 
@@ -346,106 +442,3 @@ def sequence_context(
 def _positions_while_splitting(shard: SequenceShard) -> Iterator[torch.Tensor]:
     with splitting_attention(shard):
         yield shard.positions
-
-
-def context_parallel_step(
-    plan: Plan,
-    device_mesh: DeviceMesh,
-    run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-    *,
-    attends: bool = True,
-) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """`fs.forward_backward`'s step under context parallel: ``run`` on this rank's chunks.
-
-    ``run(inputs, targets, positions)`` runs forward and backward; the step returns the mean
-    loss over the cp group. ``attends``: this rank's forward must reach attention (not so for a
-    pipeline stage that holds none).
-    """
-    context = plan.config.context
-    assert context is not None
-    mesh = device_mesh[context.axis]
-    group = mesh.get_group()
-    split_share = share_check(plan)
-
-    def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        sequence_dim(
-            "fs.forward_backward under context parallel", (inputs, targets), 1, ("inputs", "targets")
-        )
-        shard = SequenceShard.of(
-            mesh,
-            inputs.shape[1],
-            load_balance=context.load_balance,
-            device=inputs.device,
-            engine=context.engine,
-        )
-        if split_share is not None:
-            split_share(inputs.shape[1])
-        mine = cut_tensors(shard, inputs, targets)
-        with splitting_attention(shard) as split:
-            loss = run(mine[0], mine[1], shard.positions)
-            if attends and not split[0]:
-                raise ShardingError(
-                    f"context parallel over {context.axis!r}: the model's forward made no attention call the "
-                    "engine could split (it computes attention by hand?); call "
-                    "F.scaled_dot_product_attention, or use a Hugging Face model"
-                )
-        # each rank's loss is the mean over its tokens (equal counts): their mean is the batch's
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=group)
-        return mean / shard.size
-
-    return step
-
-
-# ---- Hugging Face ------------------------------------------------------------------
-
-
-def _hf_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    *,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    name = type(module).__name__
-    if attention_mask is not None:
-        raise ShardingError(
-            f"context parallel: {name} got an attention mask (padding, or a custom 4-D mask); the engine "
-            "splits causal attention over whole sequences only: pack sequences without padding"
-        )
-    if kwargs.get("sliding_window") is not None:
-        raise ShardingError(
-            f"context parallel: {name} attends within a sliding window, which cp cannot split"
-        )
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    out = sequence_attention(query, key, value, causal=bool(causal), scale=scaling, dropout_p=dropout)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _hf_mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
-    # the engine masks by global positions itself; a padding mask it cannot honour
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ShardingError(
-            "context parallel: the batch has padding (an attention_mask with zeros); the engine splits "
-            "whole sequences only: pack sequences without padding, or drop the attention_mask"
-        )
-
-
-def _register_hf() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-    AttentionInterface.register(HF_ATTENTION, _hf_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(HF_ATTENTION, _hf_mask)
-
-
-def use_hf_attention(model: nn.Module) -> None:
-    """Point a Hugging Face model's attention at the engine (nothing for other modules)."""
-    if _is_hf(model):
-        _register_hf()
-        model.set_attn_implementation(HF_ATTENTION)  # type: ignore[operator]

@@ -1,0 +1,119 @@
+"""`fs.forward_backward`'s step under context parallel: each rank runs its share of the batch. Effects.
+
+Whole sequences are cut into the plan's chunks (`SequenceShard.of`), packed rows by attention
+work (`SequenceShard.packed`); attention runs split (`splitting_attention`) and the ranks' losses
+are averaged over the cp group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from functional_shard.core.errors import ShardingError
+from functional_shard.core.packing import IGNORE_INDEX, check_packed_inputs, rank_share
+from functional_shard.planning.plan.plan import Plan
+
+from .arguments import sequence_dim, share_check
+from .parallel import SequenceShard, cut_tensors, splitting_attention
+
+__all__ = ["Run", "context_parallel_step"]
+
+Run = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor], float], torch.Tensor]
+"""``run(inputs, targets, positions, packed, weight)``: forward and backward on this rank's share.
+
+``positions``: the share's global positions; ``packed``: its share of the packed keywords given to
+the step (``positions``, ``document_ids``; empty for whole sequences); ``weight``: what to scale the
+loss by before the backward."""
+
+
+def context_parallel_step(
+    plan: Plan, device_mesh: DeviceMesh, run: Run, *, attends: bool = True
+) -> Callable[..., torch.Tensor]:
+    """`fs.forward_backward`'s step under context parallel: ``run`` on this rank's chunks.
+
+    ``step(inputs, targets, *, positions=None, document_ids=None)`` returns the mean loss over the
+    cp group. Packed rows (``document_ids``, `functional_shard.core.packing`) are cut by attention
+    work (`SequenceShard.packed`), and each rank's loss, a mean over the targets it counts (not
+    `IGNORE_INDEX`), weighted by its share of them. ``attends``: this rank's forward must reach
+    attention (not so for a pipeline stage that holds none).
+    """
+    context = plan.config.context
+    assert context is not None
+    mesh = device_mesh[context.axis]
+    group = mesh.get_group()
+    split_share = share_check(plan)
+
+    def step(
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        sequence_dim(
+            "fs.forward_backward under context parallel", (inputs, targets), 1, ("inputs", "targets")
+        )
+        if positions is not None or document_ids is not None:
+            return packed_step(inputs, targets, positions, document_ids)
+        shard = SequenceShard.of(
+            mesh,
+            inputs.shape[1],
+            load_balance=context.load_balance,
+            device=inputs.device,
+            engine=context.engine,
+        )
+        if split_share is not None:
+            split_share(inputs.shape[1])
+        mine = cut_tensors(shard, inputs, targets)
+        # each rank's loss is the mean over its tokens (equal counts): their mean is the batch's
+        return run_share(shard, mine[0], mine[1], {}, 1.0)
+
+    def packed_step(
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        positions: torch.Tensor | None,
+        document_ids: torch.Tensor | None,
+    ) -> torch.Tensor:
+        who = "fs.forward_backward under context parallel"
+        check_packed_inputs(inputs, positions=positions, document_ids=document_ids, who=who)
+        # positions alone that never restart: one document a row
+        shard = SequenceShard.packed(mesh, torch.zeros_like(inputs) if document_ids is None else document_ids)
+        if split_share is not None:
+            split_share(inputs.shape[1])
+        given = {
+            name: value
+            for name, value in (("positions", positions), ("document_ids", document_ids))
+            if value is not None
+        }
+        mine = cut_tensors(shard, inputs, targets, *given.values())
+        # the loss is a mean over counted targets, which the ranks hold unevenly: weighted by
+        # each rank's share of them, the ranks' mean is the rows'
+        counted = int((targets != IGNORE_INDEX).sum())
+        weight = shard.size * int((mine[1] != IGNORE_INDEX).sum()) / counted if counted else 1.0
+        with rank_share():
+            return run_share(shard, mine[0], mine[1], dict(zip(given, mine[2:], strict=True)), weight)
+
+    def run_share(
+        shard: SequenceShard,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        packed: dict[str, torch.Tensor],
+        weight: float,
+    ) -> torch.Tensor:
+        with splitting_attention(shard) as split:
+            loss = run(inputs, targets, shard.positions, packed, weight)
+            if attends and not split[0]:
+                raise ShardingError(
+                    f"context parallel over {context.axis!r}: the model's forward made no attention call the "
+                    "engine could split (it computes attention by hand?); call "
+                    "F.scaled_dot_product_attention, or use a Hugging Face model"
+                )
+        mean = loss.detach().clone() * weight
+        dist.all_reduce(mean, group=group)
+        return mean / shard.size
+
+    return step
