@@ -2,8 +2,7 @@
 
 `pack` lays documents end to end into rows of ``seq_len`` tokens, next fit and in order (a row may
 end with padding). Each document's tokens get their own positions and a document id, so a model can
-keep attention inside each document (`document_mask`); `check_packed_inputs` refuses ids or positions
-that do not describe documents laid end to end.
+keep attention inside each document (`functional_shard.core.document_masks`).
 
 Examples:
     >>> batch = pack([[5, 6, 7], [8, 9], [3, 4, 2, 1]], seq_len=6)
@@ -17,9 +16,7 @@ Examples:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -31,12 +28,8 @@ __all__ = [
     "IGNORE_INDEX",
     "DocumentTooLongError",
     "PackedBatch",
-    "check_packed_inputs",
     "collate_packed",
-    "document_mask",
-    "document_positions",
     "pack",
-    "rank_share",
 ]
 
 IGNORE_INDEX = -100
@@ -317,200 +310,3 @@ def _rows(lengths: list[int], seq_len: int, *, long: str) -> list[list[tuple[int
             rows[-1].append((index, start, stop))
             used += stop - start
     return rows
-
-
-def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
-    """Each token's position in its document: 0 where its id first appears in the row, then 1, 2, ...
-
-    Tensor operations only: it runs on fake and meta tensors too.
-
-    Examples:
-        >>> document_positions(torch.tensor([[0, 0, 0, 1, 1, 2]])).tolist()
-        [[0, 1, 2, 0, 1, 0]]
-    """
-    index = torch.arange(document_ids.shape[-1], device=document_ids.device).expand_as(document_ids)
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
-    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
-    return index - first
-
-
-def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """The ``(rows, 1, seq, seq)`` boolean attention mask that keeps causal attention inside documents.
-
-    True where the key is at or before the query in the same document, for SDPA's ``attn_mask``.
-    Tensor operations only: it runs on fake and meta tensors too.
-
-    Examples:
-        >>> document_mask(torch.tensor([[0, 0, 1]])).int().tolist()
-        [[[[1, 0, 0], [1, 1, 0], [0, 0, 1]]]]
-    """
-    seq = document_ids.shape[-1]
-    same = document_ids[:, :, None] == document_ids[:, None, :]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
-    return (same & causal)[:, None]
-
-
-# set while a context-parallel step runs a model on its rank's share of rows it checked whole
-_share: contextvars.ContextVar[bool] = contextvars.ContextVar("_share", default=False)
-
-
-@contextlib.contextmanager
-def rank_share() -> Iterator[None]:
-    """Within it, `check_packed_inputs` checks shapes and dtypes only: the rows are a cp rank's share.
-
-    A share holds pieces of documents, not documents laid end to end, so its values cannot pass
-    the check; the step that cut it checked the whole rows first.
-
-    Examples:
-        >>> ids = torch.tensor([[0, 0, 2, 2]])  # documents 0 and 2 of a row, without 1
-        >>> with rank_share():
-        ...     check_packed_inputs(ids, positions=torch.tensor([[0, 3, 4, 5]]), document_ids=ids)
-    """
-    token = _share.set(True)
-    try:
-        yield
-    finally:
-        _share.reset(token)
-
-
-def check_packed_inputs(
-    tokens: torch.Tensor,
-    *,
-    positions: torch.Tensor | None,
-    document_ids: torch.Tensor | None,
-    who: str = "forward",
-) -> None:
-    """Refuse positions and document ids that do not describe documents laid end to end.
-
-    As `pack` makes them. Positions without document ids may not restart inside a row (attention would
-    cross documents). Values are checked on real tensors only, and not within `rank_share`.
-
-    Raises:
-        ShardingError: a shape or dtype other than the tokens', or values as above, one bullet a row.
-
-    Examples:
-        >>> batch = pack([[1, 2], [3, 4, 5]], seq_len=6)
-        >>> ids = batch.document_ids
-        >>> check_packed_inputs(batch.tokens, positions=batch.positions, document_ids=ids)
-        >>> check_packed_inputs(batch.tokens, positions=torch.arange(6)[None], document_ids=ids)
-        Traceback (most recent call last):
-        ...
-        functional_shard.ShardingError: forward: positions disagree with document_ids in 1 row:
-        * row 0: token 2 is at position 2, but it is token 0 of its document (which starts at token 2)
-        Pass positions that count 0, 1, 2, ... from each document's first token ...
-    """
-    if positions is None and document_ids is None:
-        return
-    for name, value in (("positions", positions), ("document_ids", document_ids)):
-        _check_shape(tokens, name, value, who)
-    if tokens.numel() == 0 or _share.get() or not _has_values(tokens, positions, document_ids):
-        return
-    if _well_formed(positions, document_ids):
-        return  # one look at the device's answer; the rows are read only to say what is wrong
-    if document_ids is not None:
-        _raise_for_rows(
-            who,
-            "document_ids do not count up by one from 0",
-            _id_problems(document_ids),
-            "Pass ids that are 0 for each row's first document and one more at each next one "
-            "(pack() makes them: PackedBatch.document_ids).",
-        )
-    if positions is not None and document_ids is not None:
-        _raise_for_rows(
-            who,
-            "positions disagree with document_ids",
-            _position_problems(positions, document_positions(document_ids)),
-            "Pass positions that count 0, 1, 2, ... from each document's first token "
-            "(PackedBatch.positions).",
-        )
-    elif positions is not None:
-        _raise_for_rows(
-            who,
-            "positions restart inside a row, as packed documents' do, without document_ids",
-            _restart_problems(positions),
-            "Pass document_ids too (PackedBatch.document_ids) so that attention stays inside each "
-            "document; positions alone only turn the rotary embedding.",
-        )
-
-
-def _check_shape(tokens: torch.Tensor, name: str, value: Any, who: str) -> None:
-    if value is None:
-        return
-    if not isinstance(value, torch.Tensor):
-        raise ShardingError(f"{who}({name}={type(value).__name__}): pass a tensor shaped like the tokens")
-    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-        raise ShardingError(f"{who}: {name} holds {value.dtype} values; pass integers (torch.long)")
-    if tuple(value.shape) != tuple(tokens.shape):
-        raise ShardingError(
-            f"{who}: {name} has shape {tuple(value.shape)}, but the tokens have {tuple(tokens.shape)}; "
-            f"pass one {name[:-1].replace('_id', ' id')} a token (rows x seq_len, as PackedBatch.{name})"
-        )
-
-
-def _well_formed(positions: torch.Tensor | None, document_ids: torch.Tensor | None) -> bool:
-    checks = []
-    if document_ids is not None:
-        steps = document_ids.diff(dim=-1)
-        checks += [(document_ids[:, :1] == 0).all(), ((steps == 0) | (steps == 1)).all()]
-        if positions is not None:
-            checks.append((positions == document_positions(document_ids)).all())
-    elif positions is not None:
-        checks.append((positions[:, 1:] != 0).all())
-    return bool(torch.stack(checks).all())
-
-
-def _has_values(*tensors: torch.Tensor | None) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return not any(
-        isinstance(tensor, FakeTensor) or tensor.device.type == "meta"
-        for tensor in tensors
-        if tensor is not None
-    )
-
-
-def _id_problems(document_ids: torch.Tensor) -> list[str]:
-    problems = []
-    for row, ids in enumerate(document_ids.tolist()):
-        if ids and ids[0] != 0:
-            problems.append(f"row {row}: its first document has id {ids[0]}, not 0")
-            continue
-        for token in range(1, len(ids)):
-            if ids[token] - ids[token - 1] not in (0, 1):
-                problems.append(
-                    f"row {row}: the id goes from {ids[token - 1]} to {ids[token]} at token {token}"
-                )
-                break
-    return problems
-
-
-def _position_problems(positions: torch.Tensor, expected: torch.Tensor) -> list[str]:
-    problems = []
-    for row in range(positions.shape[0]):
-        wrong = (positions[row] != expected[row]).nonzero()
-        if wrong.numel():
-            token = int(wrong[0, 0])
-            place = int(expected[row, token])
-            problems.append(
-                f"row {row}: token {token} is at position {int(positions[row, token])}, but it is "
-                f"token {place} of its document (which starts at token {token - place})"
-            )
-    return problems
-
-
-def _restart_problems(positions: torch.Tensor) -> list[str]:
-    problems = []
-    for row in range(positions.shape[0]):
-        restarts = (positions[row, 1:] == 0).nonzero()
-        if restarts.numel():
-            problems.append(f"row {row}: position 0 again at token {int(restarts[0, 0]) + 1}")
-    return problems
-
-
-def _raise_for_rows(who: str, what: str, problems: list[str], fix: str) -> None:
-    if not problems:
-        return
-    shown = problems[:5] + ([f"... and {len(problems) - 5} rows more"] if len(problems) > 5 else [])
-    noun = "row" if len(problems) == 1 else "rows"
-    raise ShardingError(bullets(f"{who}: {what} in {len(problems)} {noun}:", shown, fix))

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from functional_shard.core.packing import check_packed_inputs, document_mask
+from functional_shard.core.document_masks import check_packed_inputs, document_mask
 
 __all__ = ["CONFIGS", "ROPE_THETA", "Llama", "LlamaConfig", "llama", "rotary_angles"]
 

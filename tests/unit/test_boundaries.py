@@ -44,7 +44,7 @@ EFFECTS = {f"runtime/{name}.py" for name in RUNTIME_EFFECTS} | {
         "applied",
         "context/parallel",
         "context/ring",
-        "context/step",
+        "context/sharded_step",
         "data_parallel",
         "experts",
         "materialize",

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functional_shard as fs
-from functional_shard.core.packing import document_mask
+from functional_shard.core.document_masks import document_mask
 from functional_shard.costing.time.documents import RowDocuments, row_documents
 from functional_shard.zoo import llama
 

@@ -17,13 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functional_shard as fs
-from functional_shard.core.packing import (
-    IGNORE_INDEX,
-    DocumentTooLongError,
-    check_packed_inputs,
-    document_mask,
-    document_positions,
-)
+from functional_shard.core.document_masks import check_packed_inputs, document_mask, document_positions
+from functional_shard.core.packing import IGNORE_INDEX, DocumentTooLongError
 from functional_shard.zoo import CONFIGS, Llama, llama
 
 from ..strategies import documents

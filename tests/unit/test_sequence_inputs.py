@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import functional_shard as fs
-from functional_shard.core.packing import document_mask
+from functional_shard.core.document_masks import document_mask
 from functional_shard.core.sequence import check_sequence_length, check_split_share, chunk_count
 from functional_shard.costing.trace import activations
 from functional_shard.zoo import Llama, LlamaConfig, llama

@@ -13,7 +13,7 @@ from functional_shard.core.validate import entry_point, refuse
 from functional_shard.planning.plan.plan import Plan
 
 from .applied import applied_with
-from .context.step import context_parallel_step
+from .context.sharded_step import context_parallel_step
 from .pipeline import pipeline_of, pipeline_step
 from .tensor_parallel import loss_context, plain_loss
 

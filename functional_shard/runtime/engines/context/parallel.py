@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from functional_shard.core.document_masks import document_mask
 from functional_shard.core.errors import ShardingError
-from functional_shard.core.packing import document_mask
 from functional_shard.core.sequence import (
     check_sequence_length,
     document_ranges,

@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from functional_shard.core.document_masks import check_packed_inputs, rank_share
 from functional_shard.core.errors import ShardingError
-from functional_shard.core.packing import IGNORE_INDEX, check_packed_inputs, rank_share
+from functional_shard.core.packing import IGNORE_INDEX
 from functional_shard.planning.plan.plan import Plan
 
 from .arguments import sequence_dim, share_check
