@@ -23,6 +23,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "Mesh": ("core.mesh", "Mesh"),
     "PackedBatch": ("core.packing", "PackedBatch"),
     "pack": ("core.packing", "pack"),
+    "packed_inputs": ("core.document_attention", "packed_inputs"),
     "Owned": ("core.spec", "Owned"),
     "P": ("core.spec", "P"),
     "ParamSharding": ("core.spec", "ParamSharding"),
