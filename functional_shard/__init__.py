@@ -24,6 +24,7 @@ _EXPORTS: dict[str, tuple[str, str | None]] = {
     "PackedBatch": ("core.packing", "PackedBatch"),
     "pack": ("core.packing", "pack"),
     "collate_packed": ("core.packing", "collate_packed"),
+    "packed_inputs": ("core.document_attention", "packed_inputs"),
     "Owned": ("core.spec", "Owned"),
     "P": ("core.spec", "P"),
     "ParamSharding": ("core.spec", "ParamSharding"),

@@ -4,6 +4,7 @@ Written from `_EXPORTS` in ``__init__.py`` (the one list) by ``python3 tests/uni
 tests/unit/test_facade.py fails when the two differ. Do not edit by hand.
 """
 
+from .core.document_attention import packed_inputs as packed_inputs
 from .core.errors import MeshError as MeshError
 from .core.errors import PlanError as PlanError
 from .core.errors import PolicyError as PolicyError
@@ -107,6 +108,7 @@ __all__ = [
     "PackedBatch",
     "pack",
     "collate_packed",
+    "packed_inputs",
     "Owned",
     "P",
     "ParamSharding",
