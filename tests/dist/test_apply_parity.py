@@ -16,17 +16,20 @@ import functional_shard as fs
 
 from .. import dist_cases
 
+FAMILIES = ("ddp", "zero1", "zero2", "zero3", "hsdp", "tp", "tp_sp", "fsdp_tp")
 CASES = [
-    *[(2, name, "EVEN") for name in ("ddp", "zero1", "zero2", "zero3", "hsdp", "tp", "tp_sp", "fsdp_tp")],
-    *[(4, name, "EVEN") for name in ("ddp", "zero1", "zero2", "zero3", "hsdp", "tp", "tp_sp", "fsdp_tp")],
+    *[(4, name, "EVEN") for name in FAMILIES],
     *[(3, name, "UNEVEN") for name in ("ddp", "zero1", "zero2", "zero3")],
     *[(3, name, "UNEVEN_TP") for name in ("tp", "tp_sp")],
     *[(2, name, "EVEN") for name in ("fsdp_checkpointing", "fsdp_offload")],
 ]
+# every family again on 2 ranks: the default suite has each on 4 (and the uneven ones on 3)
+TWO_RANK_CASES = [pytest.param(2, name, "EVEN", marks=pytest.mark.slow, id=f"2-{name}-EVEN") for name in FAMILIES]
 
 
 @pytest.mark.parametrize(
-    ("world_size", "strategy", "config"), CASES, ids=[f"{n}-{s}-{c}" for n, s, c in CASES]
+    ("world_size", "strategy", "config"),
+    [*(pytest.param(*case, id="-".join(map(str, case))) for case in CASES), *TWO_RANK_CASES],
 )
 def test_training_matches_one_process(worlds, world_size, strategy, config):
     config = getattr(dist_cases, config)

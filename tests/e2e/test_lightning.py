@@ -86,7 +86,7 @@ def test_registered_names_resolve():
     assert re.search(r"ShardStrategy Mesh\(dp=-1, tp=2\)", out)
 
 
-@pytest.mark.parametrize("name", ["fs_fsdp", "fs_ddp"])
+@pytest.mark.parametrize("name", ["fs_fsdp", pytest.param("fs_ddp", marks=pytest.mark.slow)])
 def test_gradient_accumulation_reduces_once_per_step(world, name):
     """2 micro-batches per step: the same training as one process on both together, and
     gradients reduced once per optimizer step (Lightning's own Trainer path for
@@ -113,7 +113,9 @@ def test_gradient_accumulation_reduces_once_per_step(world, name):
     assert per_step * dist_cases.STEPS <= result[0]["reduced_bytes"] <= per_step * dist_cases.STEPS + 64
 
 
-@pytest.mark.parametrize(("name", "data_parallel"), [("fs_fsdp", 4), ("fs_fsdp_tp", 2)])
+@pytest.mark.parametrize(
+    ("name", "data_parallel"), [pytest.param("fs_fsdp", 4, marks=pytest.mark.slow), ("fs_fsdp_tp", 2)]
+)
 def test_gradient_clipping_clips_the_global_norm(world, name, data_parallel):
     """gradient_clip_val=0.5 (well below these gradients' norm): as one process clipping."""
     result = world.run(lightning_cases.fit_clipped, name, dist_cases.EVEN, data_parallel, 0.5)[0]
@@ -126,11 +128,11 @@ def test_gradient_clipping_clips_the_global_norm(world, name, data_parallel):
 @pytest.mark.parametrize(
     ("name", "full"),
     [
-        ("fs_fsdp", False),
-        ("fs_fsdp_tp", False),
-        ("fs_fsdp_tp", True),
-        ("fs_zero1", False),
-        ("fs_zero1", True),
+        pytest.param("fs_fsdp", False, marks=pytest.mark.slow),
+        pytest.param("fs_fsdp_tp", False, marks=pytest.mark.slow),
+        ("fs_fsdp_tp", True),  # a full file of a 2-D plan
+        ("fs_zero1", False),  # ZeRO-1's owned state, in folders
+        pytest.param("fs_zero1", True, marks=pytest.mark.slow),
     ],
 )
 def test_trainer_checkpoints_resume_exactly(world, tmp_path, name, full):
@@ -183,7 +185,14 @@ def test_fabric_loop_trains_as_one_process(world, name):
         torch.testing.assert_close(result["params"][key], value, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("name", "full"), [("zero3", False), ("fsdp_tp", False), ("zero1", True)])
+@pytest.mark.parametrize(
+    ("name", "full"),
+    [
+        pytest.param("zero3", False, marks=pytest.mark.slow),
+        ("fsdp_tp", False),
+        pytest.param("zero1", True, marks=pytest.mark.slow),
+    ],
+)
 def test_fabric_save_and_load_resume_exactly(world, tmp_path, name, full):
     """fabric.save after 2 steps, fabric.load in a new Fabric, 3 more steps: the losses of
     an uninterrupted run (ZeRO-1: a plain AdamW rebound to ZeroRedundancyOptimizer)."""
@@ -197,7 +206,7 @@ def test_fabric_save_and_load_resume_exactly(world, tmp_path, name, full):
         assert resumed["optimizer"] == "ZeroRedundancyOptimizer"
 
 
-@pytest.mark.parametrize("precision", ["16-mixed-cpu", "16-mixed"])
+@pytest.mark.parametrize("precision", [pytest.param("16-mixed-cpu", marks=pytest.mark.slow), "16-mixed"])
 def test_fabric_float16_with_a_scaler_that_agrees_over_ranks(world, precision):
     """Fabric's float16 AMP plugin: the strategy swaps its GradScaler for fs.grad_scaler and
     training follows one float32 process within float16's rounding. The "16-mixed" flag,
@@ -222,7 +231,9 @@ def _differs_somewhere(losses, reference):
     return any(abs(a - b) > 1e-5 for a, b in zip(losses, reference, strict=True))
 
 
-@pytest.mark.parametrize(("name", "data_parallel"), [("fs_fsdp", 4), ("fs_fsdp_tp", 2)])
+@pytest.mark.parametrize(
+    ("name", "data_parallel"), [pytest.param("fs_fsdp", 4, marks=pytest.mark.slow), ("fs_fsdp_tp", 2)]
+)
 def test_bf16_mixed_trains_as_one_process_in_bf16(world, name, data_parallel):
     """Trainer(precision="bf16-mixed"): bfloat16 autocast, as one process under the same
     autocast to within bfloat16's rounding (measured 1.5e-2 at most on losses near 30;
