@@ -83,6 +83,15 @@ def batches(data_parallel: int) -> list[torch.Tensor]:
     ]
 
 
+def outcome(model: torch.nn.Module, losses: list[float], grads: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """What a one-process reference returns: its losses, first gradients and last parameters."""
+    return {
+        "losses": losses,
+        "grads": grads,
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
+
+
 def reference(kind: str, data_parallel: int, *, shuffled: bool = False) -> dict[str, Any]:
     """One process on the whole batch: losses, first gradients, last parameters.
 
@@ -105,11 +114,7 @@ def reference(kind: str, data_parallel: int, *, shuffled: bool = False) -> dict[
             grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
         optimizer.step()
         losses.append(loss.item())
-    return {
-        "losses": losses,
-        "grads": grads,
-        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
-    }
+    return outcome(model, losses, grads)
 
 
 def reference_bf16(kind: str, data_parallel: int) -> dict[str, Any]:
@@ -136,11 +141,7 @@ def reference_bf16(kind: str, data_parallel: int) -> dict[str, Any]:
             grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
         optimizer.step()
         losses.append(loss.item())
-    return {
-        "losses": losses,
-        "grads": grads,
-        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
-    }
+    return outcome(model, losses, grads)
 
 
 def planned(
@@ -401,11 +402,7 @@ def reference_packed(data_parallel: int) -> dict[str, Any]:
             grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
         optimizer.step()
         losses.append(loss.item())
-    return {
-        "losses": losses,
-        "grads": grads,
-        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
-    }
+    return outcome(model, losses, grads)
 
 
 def train_packed(mesh: dict[str, int], policy: str) -> dict[str, Any]:
