@@ -23,6 +23,7 @@ from torch import nn
 from .document_masks import check_packed_inputs
 from .errors import ShardingError
 from .packing import PackedBatch
+from .tree import is_hf_model
 
 __all__ = ["DOCUMENT_MASKS", "VARLEN", "packed_inputs"]
 
@@ -79,7 +80,7 @@ def packed_inputs(model: nn.Module, batch: PackedBatch) -> dict[str, Any]:
         batch.tokens, positions=batch.positions, document_ids=batch.document_ids, who="packed_inputs"
     )
     device = _device(model)
-    if _is_hf(model):
+    if is_hf_model(model):
         return _hf_inputs(model, batch, device)
     if {"positions", "document_ids"} <= _keywords(model):
         return {
@@ -147,14 +148,6 @@ def _hf_attention(model: nn.Module) -> str:
             "documents for a model that builds its mask there (Llama, Qwen2, Mistral, ...), or pad them."
         )
     return str(implementation)
-
-
-def _is_hf(model: nn.Module) -> bool:
-    # without importing transformers: a model of its own has loaded it already
-    return any(
-        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.")
-        for cls in type(model).__mro__
-    )
 
 
 def _keywords(model: nn.Module) -> set[str]:

@@ -19,7 +19,7 @@ from torch import nn
 from . import pytree as _pytree
 from .errors import ShardingError
 
-__all__ = ["Block", "ModelTree", "Pattern", "TensorSpec", "matches", "read_model", "within"]
+__all__ = ["Block", "ModelTree", "Pattern", "TensorSpec", "is_hf_model", "matches", "read_model", "within"]
 
 Pattern = str | re.Pattern[str]
 
@@ -432,3 +432,16 @@ def owner_paths(path: str) -> Iterable[str]:
     while path:
         path = _module_path(path)
         yield path
+
+
+def is_hf_model(model: object) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel`` (without importing transformers).
+
+    Examples:
+        >>> is_hf_model(nn.Linear(2, 2))
+        False
+    """
+    return isinstance(model, nn.Module) and any(
+        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.")
+        for cls in type(model).__mro__
+    )

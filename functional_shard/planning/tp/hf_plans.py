@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from functional_shard.core.errors import PolicyError
+from functional_shard.core.tree import is_hf_model
 
 __all__ = [
     "HF_STYLES",
@@ -52,14 +53,6 @@ REFUSED_HF_STYLES: dict[str, str] = {
     "all_reduce": "an output all-reduce with no split parameter, outside torch's styles",
 }
 """transformers' styles that torch's tensor-parallel styles cannot run, and why."""
-
-
-def is_hf_model(model: object) -> bool:
-    """Whether ``model`` is a transformers ``PreTrainedModel`` (without importing transformers)."""
-    return isinstance(model, nn.Module) and any(
-        cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.")
-        for cls in type(model).__mro__
-    )
 
 
 def _is_hf_config(value: object) -> bool:
