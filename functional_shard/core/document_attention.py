@@ -14,6 +14,7 @@ Nothing here imports transformers unless the model is one of its own.
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 from typing import Any
 
@@ -25,7 +26,7 @@ from .errors import ShardingError
 from .packing import PackedBatch
 from .tree import is_hf_model
 
-__all__ = ["DOCUMENT_MASKS", "VARLEN", "packed_inputs"]
+__all__ = ["DOCUMENT_MASKS", "RECURRENT_LAYER_TYPES", "VARLEN", "packed_inputs"]
 
 DOCUMENT_MASKS = ("sdpa", "eager", "flex_attention")
 """Hugging Face attention implementations whose mask transformers builds block-diagonal from
@@ -34,6 +35,15 @@ packed ``position_ids`` (any number of rows)."""
 VARLEN = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 """Hugging Face attention implementations that run each document apart given its boundaries
 (``cu_seq_lens_q``/``_k``, ``max_length_q``/``_k``), over all the rows flattened."""
+
+RECURRENT_LAYER_TYPES = ("linear_attention", "hybrid", "hybrid_sliding", "conv", "mamba")
+"""transformers' ``config.layer_types`` of layers that carry a state from token to token (Mamba,
+gated delta nets, lightning attention, short convolutions): masks do not reach that state."""
+
+# the classes of those layers' state-carrying modules, to name them (transformers' own names)
+_RECURRENT_MODULE = re.compile(
+    r"(Mixer|MambaLayer|ShortConv|GatedDeltaNet|LightningAttention|LinearAttention)$"
+)
 
 
 def packed_inputs(model: nn.Module, batch: PackedBatch) -> dict[str, Any]:
@@ -57,8 +67,9 @@ def packed_inputs(model: nn.Module, batch: PackedBatch) -> dict[str, Any]:
     Raises:
         ShardingError: ``batch`` is not a `PackedBatch` (or its positions and ids disagree), or
             ``model``'s attention cannot keep documents apart: its attention implementation, a
-            mask built without transformers' packed-sequence path, bidirectional attention, or
-            a forward that takes no document boundaries at all; the message names the class.
+            mask built without transformers' packed-sequence path, bidirectional attention, layers
+            that carry a state across tokens (a hybrid model), or a forward that takes no document
+            boundaries at all; the message names the class.
 
     Examples:
         >>> from functional_shard.core.packing import pack
@@ -147,7 +158,32 @@ def _hf_attention(model: nn.Module) -> str:
             "position_ids, so its attention (or its recurrent state) would cross documents. Pack "
             "documents for a model that builds its mask there (Llama, Qwen2, Mistral, ...), or pad them."
         )
+    if recurrent := _recurrent_layers(model):
+        raise ShardingError(
+            f"packed_inputs({name}): {recurrent} carry a state from each token to the next, which "
+            "would run on from one packed document into the next: transformers keeps documents apart "
+            "in attention masks only. Pack documents for a model of attention layers alone, or pad them."
+        )
     return str(implementation)
+
+
+def _recurrent_layers(model: nn.Module) -> str:
+    """The layers of a hybrid model whose state crosses documents, named for a message ('' if none)."""
+    config: Any = model.config
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kinds = [str(kind) for kind in getattr(text_config, "layer_types", None) or ()]
+    layers = [index for index, kind in enumerate(kinds) if kind in RECURRENT_LAYER_TYPES]
+    modules = [
+        f"{path} ({type(module).__name__})"
+        for path, module in model.named_modules()
+        if _RECURRENT_MODULE.search(type(module).__name__)
+    ]
+    if not layers and not modules:
+        return ""
+    if not modules:
+        return f"its layers {layers} ({', '.join(sorted({kinds[i] for i in layers}))} in config.layer_types)"
+    more = f" and {len(modules) - 3} more" if len(modules) > 3 else ""
+    return f"its layers {', '.join(modules[:3])}{more}"
 
 
 def _keywords(model: nn.Module) -> set[str]:

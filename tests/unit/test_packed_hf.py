@@ -205,6 +205,53 @@ def test_a_model_that_builds_no_mask_from_position_ids_is_refused():
     )
 
 
+_TINY = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2}
+
+
+@pytest.mark.parametrize(
+    ("family", "sizes", "named"),
+    [
+        # a Mamba layer beside an attention one: the mask reaches the attention layer only
+        (
+            "Jamba",
+            {"attn_layer_period": 2, "attn_layer_offset": 1, "mamba_d_state": 4, "mamba_dt_rank": 4},
+            "its layers model.layers.0.mamba (JambaMambaMixer)",
+        ),
+        (
+            "Qwen3Next",
+            {"linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "head_dim": 8},
+            "its layers model.layers.0.linear_attn (Qwen3NextGatedDeltaNet), model.layers.1.linear_attn",
+        ),
+        # a short causal convolution reaches a few tokens back, into the document before
+        (
+            "Lfm2",
+            {"layer_types": ["conv", "full_attention"]},
+            "its layers model.layers.0.conv (Lfm2ShortConv)",
+        ),
+    ],
+)
+def test_a_hybrid_model_whose_layers_carry_state_across_documents_is_refused(family, sizes, named):
+    config = getattr(transformers, f"{family}Config")(
+        **_TINY, num_attention_heads=2, num_key_value_heads=1, **sizes
+    )
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        model = getattr(transformers, f"{family}ForCausalLM")(config)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    model.config._attn_implementation = "sdpa"
+    message = _refusal(model)
+    assert message.startswith(f"packed_inputs({family}ForCausalLM): {named}"), message
+    assert message.endswith("Pack documents for a model of attention layers alone, or pad them.")
+
+
+def test_recurrent_layers_named_only_in_the_config_are_refused_too():
+    model = _build("qwen2", "sdpa")
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    assert "its layers [1] (linear_attention in config.layer_types) carry a state" in _refusal(model)
+
+
 def test_a_module_without_document_boundaries_and_a_batch_not_packed_are_refused():
     assert _refusal(torch.nn.Linear(2, 2)).startswith(
         "packed_inputs(Linear): its forward takes no document boundaries"
