@@ -8,14 +8,26 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
-from typing import Any
+import functools
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .errors import ShardingError, bullets
 
-__all__ = ["check_packed_inputs", "document_mask", "document_positions", "rank_share"]
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
+__all__ = [
+    "attend_within_documents",
+    "check_packed_inputs",
+    "document_attention_mask",
+    "document_block_mask",
+    "document_mask",
+    "document_positions",
+    "rank_share",
+]
 
 
 def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
@@ -48,6 +60,77 @@ def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
     same = document_ids[:, :, None] == document_ids[:, None, :]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
     return (same & causal)[:, None]
+
+
+def document_block_mask(document_ids: torch.Tensor) -> BlockMask:
+    """Flex attention's block mask keeping causal attention inside documents.
+
+    Its kernel skips every block of query-key pairs the mask holds wholly out, so a row of short
+    documents costs their causal triangles, not the row's. Flex attention imports here, lazily.
+
+    Examples:
+        >>> document_block_mask(torch.tensor([[0] * 100 + [1] * 156])).shape
+        (1, 1, 256, 256)
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_document_causal(row: Any, head: Any, query: Any, key: Any) -> Any:
+        return (document_ids[row, query] == document_ids[row, key]) & (query >= key)
+
+    rows, seq = document_ids.shape
+    # compiled on CUDA so the mask is made block by block, never as a whole seq x seq tensor
+    return create_block_mask(
+        same_document_causal, rows, None, seq, seq, device=document_ids.device, _compile=document_ids.is_cuda
+    )
+
+
+def document_attention_mask(document_ids: torch.Tensor) -> torch.Tensor | BlockMask:
+    """The mask a model's attention takes for ``document_ids``, as `attend_within_documents` runs it.
+
+    On CUDA, flex attention's block mask (`document_block_mask`); elsewhere, and for a cp rank's
+    share (`rank_share`: the context-parallel engine routes SDPA calls, reading their masks), SDPA's
+    boolean mask (`document_mask`): flex attention has no backward on the CPU.
+
+    Examples:
+        >>> document_attention_mask(torch.tensor([[0, 0, 1]])).dtype
+        torch.bool
+    """
+    if document_ids.is_cuda and not _share.get():
+        return document_block_mask(document_ids)
+    return document_mask(document_ids)
+
+
+def attend_within_documents(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | BlockMask
+) -> torch.Tensor:
+    """Attention of ``(rows, heads, seq, head_dim)`` tensors under `document_attention_mask`'s ``mask``.
+
+    A boolean mask goes to SDPA; a block mask to flex attention, compiled on CUDA (eager flex
+    attention, forward only, elsewhere: it scores every pair).
+
+    Examples:
+        >>> q = torch.randn(1, 2, 3, 4)
+        >>> ids = torch.tensor([[0, 0, 1]])
+        >>> out = attend_within_documents(q, q, q, document_attention_mask(ids))
+        >>> torch.allclose(out[:, :, 2], q[:, :, 2])  # the last token's document is itself alone
+        True
+    """
+    if isinstance(mask, torch.Tensor):
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+    attention = _compiled_flex_attention() if query.is_cuda else _flex_attention()
+    return attention(query, key, value, block_mask=mask)  # type: ignore[no-any-return]
+
+
+def _flex_attention() -> Callable[..., Any]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention
+
+
+@functools.cache
+def _compiled_flex_attention() -> Callable[..., Any]:
+    # flex attention runs its fused kernel only compiled; one compiled function serves every call
+    return torch.compile(_flex_attention())
 
 
 # set while a context-parallel step runs a model on its rank's share of rows it checked whole

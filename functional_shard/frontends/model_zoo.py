@@ -12,12 +12,20 @@ Given the tokens alone it attends causally over the whole row, with no rotary em
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from functional_shard.core.document_masks import check_packed_inputs, document_mask
+from functional_shard.core.document_masks import (
+    attend_within_documents,
+    check_packed_inputs,
+    document_attention_mask,
+)
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 __all__ = ["CONFIGS", "ROPE_THETA", "Llama", "LlamaConfig", "llama", "rotary_angles"]
 
@@ -91,12 +99,12 @@ class Attention(nn.Module):
         x: torch.Tensor,
         *,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | BlockMask | None = None,
     ) -> torch.Tensor:
         """Attend causally, within ``mask``'s documents where one is given.
 
         Head counts come from the (possibly TP-local) projections; ``rotary`` is
-        `rotary_angles`'s cosines and sines, ``mask`` `document_mask`'s.
+        `rotary_angles`'s cosines and sines, ``mask`` `document_attention_mask`'s.
         """
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
@@ -109,7 +117,7 @@ class Attention(nn.Module):
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = attend_within_documents(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -144,7 +152,7 @@ class Block(nn.Module):
         x: torch.Tensor,
         *,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | BlockMask | None = None,
     ) -> torch.Tensor:
         """Residual attention, then residual MLP."""
         if rotary is None and mask is None:
@@ -202,7 +210,7 @@ class Llama(nn.Module):
             return self.lm_head(self.norm(x))
         head_dim = self.config.hidden_size // self.config.num_heads
         rotary = None if positions is None else rotary_angles(positions, head_dim)
-        mask = None if document_ids is None else document_mask(document_ids)
+        mask = None if document_ids is None else document_attention_mask(document_ids)
         for layer in self.layers:
             x = layer(x, rotary=rotary, mask=mask)
         return self.lm_head(self.norm(x))

@@ -7,8 +7,11 @@ loss and the gradients of its documents run one by one.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
+import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,8 +20,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functional_shard as fs
-from functional_shard.core.document_masks import check_packed_inputs, document_mask, document_positions
+from functional_shard.core.document_masks import (
+    check_packed_inputs,
+    document_block_mask,
+    document_mask,
+    document_positions,
+)
 from functional_shard.core.packing import IGNORE_INDEX, DocumentTooLongError
+from functional_shard.frontends import model_zoo
 from functional_shard.zoo import CONFIGS, Llama, llama
 
 from ..strategies import documents
@@ -188,6 +197,30 @@ def test_a_packed_batch_has_the_loss_and_gradients_of_its_documents_alone(docs, 
     alone_loss, alone_grads = _loss_and_grads(alone)
     torch.testing.assert_close(packed_loss, alone_loss)
     torch.testing.assert_close(packed_grads, alone_grads)
+
+
+@settings(max_examples=5, deadline=None)
+@given(docs=documents(max_documents=5, max_length=40), seq_len=st.integers(8, 48))
+def test_flex_attentions_block_mask_gives_the_logits_of_sdpas_boolean_mask(docs, seq_len):
+    # the path CUDA takes (flex attention skipping masked blocks), run eagerly, forward only:
+    # flex attention has no backward on the CPU
+    batch = fs.pack(docs, seq_len, long="split")
+    inputs = {"positions": batch.positions, "document_ids": batch.document_ids}
+    with torch.no_grad():
+        on_sdpa = MODEL(batch.tokens, **inputs)
+        with _flex_on_the_cpu():
+            on_flex = MODEL(batch.tokens, **inputs)
+    torch.testing.assert_close(on_flex, on_sdpa, atol=1e-5, rtol=1e-4)
+
+
+@contextlib.contextmanager
+def _flex_on_the_cpu() -> Iterator[None]:
+    """Within it, the zoo Llama takes flex attention's block mask on the CPU, as on CUDA."""
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+        # eager flex attention warns that it is not the fused kernel: it is the CPU's stand-in
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+        patch.setattr(model_zoo, "document_attention_mask", document_block_mask)
+        yield
 
 
 def test_an_unpacked_call_is_causal_over_the_row_without_rotary():
