@@ -431,3 +431,20 @@ def train_packed(mesh: dict[str, int], policy: str) -> dict[str, Any]:
         "params": params if first else None,
         "data_parallel": data_parallel,
     }
+
+
+def loss_of_a_row_mostly_padding(mesh: dict[str, int], policy: str) -> float:
+    """fs.forward_backward's loss on one packed row, a 5-token document then padding: the cp ranks
+    holding padding alone count no target."""
+    model, plan = planned("zoo", mesh, policy)
+    row = fs.pack([torch.arange(1, 6)], PACKED_SEQ)
+    step = fs.forward_backward(plan, model, loss_fn)
+    loss = step(row.tokens, row.labels, positions=row.positions, document_ids=row.document_ids)
+    return float(loss)
+
+
+def reference_row_mostly_padding() -> float:
+    """`loss_of_a_row_mostly_padding` in one process."""
+    row = fs.pack([torch.arange(1, 6)], PACKED_SEQ)
+    logits = build("zoo")(row.tokens, positions=row.positions, document_ids=row.document_ids)
+    return loss_fn(logits, row.labels).item()

@@ -267,6 +267,12 @@ def test_packed_rows_cut_by_work_train_as_one_process(world4, mesh, policy):
         torch.testing.assert_close(first["params"][name], value, atol=cp_cases.LR / 100, rtol=1e-4, msg=name)
 
 
+def test_a_cp_rank_holding_padding_alone_adds_nothing_to_the_loss(world4):
+    # its loss is a mean over no target (F.cross_entropy: nan), weighted by its share of them, 0
+    losses = world4.run(cp_cases.loss_of_a_row_mostly_padding, {"cp": 4}, "replicate(cp) + cp(cp)")
+    assert losses == pytest.approx([cp_cases.reference_row_mostly_padding()] * 4, rel=1e-5)
+
+
 @pytest.mark.parametrize(
     ("kind", "mesh", "policy"),
     [

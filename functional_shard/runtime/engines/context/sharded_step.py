@@ -113,7 +113,9 @@ def context_parallel_step(
                     "engine could split (it computes attention by hand?); call "
                     "F.scaled_dot_product_attention, or use a Hugging Face model"
                 )
-        mean = loss.detach().clone() * weight
+        # a share of padding alone counts no target: its loss, a mean over none, is nan (its
+        # gradient, scaled by the weight 0, is zero); it adds nothing to the rows' mean
+        mean = loss.detach().clone() * weight if weight else torch.zeros_like(loss.detach())
         dist.all_reduce(mean, group=group)
         return mean / shard.size
 
