@@ -156,6 +156,12 @@ def test_a_factory_builds_the_model_on_the_meta_device(capsys, tmp_path, monkeyp
         ([*TINY, "--batch", "0", "--seq", "16"], "--batch 0: a positive number"),
         ([*TINY, "--batch", "1", "--seq", "16", "--hardware", "abacus"], "--hardware 'abacus'"),
         ([*TINY, "--kernels", "compile"], "--kernels needs --seq"),
+        ([*TINY, "--documents", "8,8"], "--documents needs --seq"),
+        ([*TINY, "--batch", "1", "--seq", "16", "--documents", "8,eight"], "--documents '8,eight': write"),
+        (
+            [*TINY, "--batch", "1", "--seq", "16", "--documents", "8,16"],
+            "--documents '8,16': estimate(documents=...): 1 row holds more than seq=16 tokens",
+        ),
         ([*TINY, "--batch", "1", "--seq", "16", "--kernels", "fused"], "--kernels 'fused': name some of"),
         (
             [*TINY, "--batch", "1", "--seq", "16", "--kernels", "float8"],
@@ -314,6 +320,17 @@ def test_kernels_reach_the_estimate(capsys):
     estimate = fs.estimate(model, plan, batch=2, seq=16, kernels=fs.Kernels(compile=True))
     assert str(estimate) in out
     assert "with torch.compile" in out
+
+
+def test_documents_reach_the_estimate(capsys):
+    argv = [*TINY, "--mesh", "dp=4", "--policy", "fsdp(dp) + bf16", "--batch", "2", "--seq", "16"]
+    code, out, _ = run(capsys, *argv, "--documents", "4,4,8")
+    assert code == 0
+    model = zoo.llama("tiny")
+    plan = fs.shard(model, fs.Mesh(dp=4), fs.parse_policy("fsdp(dp) + bf16"))
+    estimate = fs.estimate(model, plan, batch=2, seq=16, documents=[4, 4, 8])
+    assert str(estimate) in out
+    assert "packed documents: 3.0 a row of 16 tokens" in out
 
 
 def test_auto_prints_the_candidates_then_the_chosen_plan(capsys, tmp_path):

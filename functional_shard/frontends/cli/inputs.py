@@ -229,6 +229,26 @@ def read_kernels(text: str) -> Kernels:
         raise InputError(f"--kernels {text!r}: {one_line(error, 300)}") from None
 
 
+def read_documents(text: str) -> list[int]:
+    """The document lengths of one row that ``--documents`` gives, comma-separated.
+
+    Examples:
+        >>> read_documents("2048, 2048,4096")
+        [2048, 2048, 4096]
+        >>> read_documents("2048,half")
+        Traceback (most recent call last):
+        ...
+        functional_shard.frontends.cli.inputs.InputError: --documents '2048,half': write positive ...
+    """
+    pieces = [piece.strip() for piece in text.split(",")]
+    if not all(piece.isdigit() and int(piece) > 0 for piece in pieces):
+        raise InputError(
+            f"--documents {text!r}: write positive whole numbers of tokens joined by commas, "
+            "e.g. 2048,2048,4096"
+        )
+    return [int(piece) for piece in pieces]
+
+
 def read_budget(text: str) -> int:
     """Bytes per device that ``--budget`` gives, as ``80GiB`` or ``512MB``.
 

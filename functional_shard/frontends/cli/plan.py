@@ -16,7 +16,16 @@ from functional_shard.core.errors import ShardingError, one_line
 from functional_shard.core.units import format_bytes as _bytes
 
 from . import plan_auto
-from .inputs import InputError, load_model, parse_mesh, read_budget, read_hardware, read_kernels, read_policy
+from .inputs import (
+    InputError,
+    load_model,
+    parse_mesh,
+    read_budget,
+    read_documents,
+    read_hardware,
+    read_kernels,
+    read_policy,
+)
 from .output import Out, cost_rows, write_file
 
 if TYPE_CHECKING:
@@ -46,6 +55,10 @@ def _check(args: argparse.Namespace) -> None:
         raise InputError("--hardware needs --seq (a step's time depends on its tokens)")
     if args.kernels and args.seq is None:
         raise InputError("--kernels needs --seq (they change a step's time)")
+    if args.documents and args.seq is None:
+        raise InputError("--documents needs --seq (the tokens of a row the documents fill)")
+    if args.documents and args.auto:
+        raise InputError("--documents goes without --auto: the search counts whole sequences")
     for flag in ("batch", "seq", "devices", "top"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -154,15 +167,22 @@ def _estimate(
     if plan.config.pipeline is not None and not batch_given:
         per_rank = plan.config.pipeline.microbatches  # a pipeline's default: one sequence per micro-batch
     kernels = read_kernels(args.kernels) if args.kernels else None
-    return estimate(
-        model,
-        plan,
-        batch=max(per_rank, 1),
-        seq=args.seq,
-        optimizer=args.optimizer,
-        hardware=hardware,
-        kernels=kernels,
-    )
+    documents = read_documents(args.documents) if args.documents else None
+    try:
+        return estimate(
+            model,
+            plan,
+            batch=max(per_rank, 1),
+            seq=args.seq,
+            optimizer=args.optimizer,
+            hardware=hardware,
+            kernels=kernels,
+            documents=documents,
+        )
+    except ShardingError as error:
+        if documents is None:
+            raise
+        raise InputError(f"--documents {args.documents!r}: {one_line(error, 300)}") from None
 
 
 def _draw(

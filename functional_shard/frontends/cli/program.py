@@ -93,6 +93,11 @@ def _add_plan(commands: argparse._SubParsersAction[_Parser]) -> None:
         "--auto, in every candidate that has what each needs",
     )
     plan_flags.add_argument(
+        "--documents",
+        help="with --seq: the lengths of the documents packed in each row, comma-separated (e.g. "
+        "2048,2048,4096); attention is counted per document",
+    )
+    plan_flags.add_argument(
         "--auto", action="store_true", help="search meshes and policies for the fastest plan that fits"
     )
     plan_flags.add_argument("--devices", type=int, help="with --auto: how many devices")
