@@ -19,6 +19,8 @@ SLOW = [
     ({"dp": 4}, "fsdp(dp)", "zoo"),
     ({"dp": 2, "tp": 2}, "fsdp(dp) + tp(llama, tp)", "zoo"),
     ({"cp": 2, "tp": 2}, "fsdp(cp) + sp(llama, tp) + cp(cp)", "zoo"),
+    # sequence parallel's hidden states go between stages split over tp
+    ({"pp": 2, "tp": 2}, "pipeline(pp, microbatches=2) + sp(llama, tp)", "zoo_untied"),
     # four stages of one unit each (embedding, two blocks, head), two a rank, looped
     (
         {"pp": 2, "dp": 2},
