@@ -378,10 +378,10 @@ def packed_batches(data_parallel: int) -> list[dict[str, torch.Tensor]]:
     return steps
 
 
-def reference_packed(data_parallel: int) -> dict[str, Any]:
+def reference_packed(data_parallel: int, kind: str = "zoo") -> dict[str, Any]:
     """One process on the whole packed batches: each data-parallel slice's mean loss, averaged
     (data parallel averages its ranks' gradients), as `reference`."""
-    model = build("zoo")
+    model = build(kind)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads = [], {}
     for step, batch in enumerate(packed_batches(data_parallel)):
@@ -405,10 +405,11 @@ def reference_packed(data_parallel: int) -> dict[str, Any]:
     return outcome(model, losses, grads)
 
 
-def train_packed(mesh: dict[str, int], policy: str) -> dict[str, Any]:
+def train_packed(mesh: dict[str, int], policy: str, kind: str = "zoo") -> dict[str, Any]:
     """`train` on `packed_batches`: the zoo Llama through fs.forward_backward with positions= and
-    document_ids=; rank 0 returns what `reference_packed` does."""
-    model, plan = planned("zoo", mesh, policy)
+    document_ids=; rank 0 returns what `reference_packed` does, of the parameters it holds (under a
+    pipeline, every rank returns those of its stages)."""
+    model, plan = planned(kind, mesh, policy)
     optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR)
     step_fn = fs.forward_backward(plan, model, loss_fn)
     index, data_parallel = plan.data_parallel_rank(dist.get_rank())
@@ -424,11 +425,11 @@ def train_packed(mesh: dict[str, int], policy: str) -> dict[str, Any]:
         optimizer.step()
         losses.append(mean_over_ranks(loss).item())
     params = {k: full(v) for k, v in model.state_dict().items()}
-    first = dist.get_rank() == 0
+    keep = dist.get_rank() == 0 or plan.config.pipeline is not None
     return {
         "losses": losses,
-        "grads": grads if first else None,
-        "params": params if first else None,
+        "grads": grads if keep else None,
+        "params": params if keep else None,
         "data_parallel": data_parallel,
     }
 
@@ -448,3 +449,40 @@ def reference_row_mostly_padding() -> float:
     row = fs.pack([torch.arange(1, 6)], PACKED_SEQ)
     logits = build("zoo")(row.tokens, positions=row.positions, document_ids=row.document_ids)
     return loss_fn(logits, row.labels).item()
+
+
+def assert_packed_as_one_process(results: list[dict[str, Any]], kind: str = "zoo") -> None:
+    """`train_packed`'s results equal `reference_packed`'s: the losses, the first gradients and the
+    last parameters, each parameter's from the first rank that holds it."""
+    import pytest
+
+    expected = reference_packed(results[0]["data_parallel"], kind)
+    assert results[0]["losses"] == pytest.approx(expected["losses"], abs=1e-5)
+    for field, atol in (("grads", 1e-6), ("params", LR / 100)):
+        held = {name: value for result in reversed(results) for name, value in (result[field] or {}).items()}
+        assert held.keys() == expected[field].keys(), field
+        for name, value in expected[field].items():
+            torch.testing.assert_close(held[name], value, atol=atol, rtol=1e-4, msg=f"{field} {name}")
+
+
+def refused_packed(mesh: dict[str, int], policy: str, kind: str, how: str) -> str:
+    """The error a step on packed rows raises: ``how`` is "straddling" (row 1, the second
+    micro-batch's first, goes on with row 0's last document) or "rows" (as packed)."""
+    model, plan = planned(kind, mesh, policy)
+    step_fn = fs.forward_backward(plan, model, loss_fn)
+    batch = fs.pack([[5, 6, 7], [8, 9, 10], [11, 12, 13, 14]], seq_len=4)  # rows of 3, 3 and 4 tokens
+    tokens, labels, positions, ids = (
+        batch.tokens[:2],
+        batch.labels[:2],
+        batch.positions[:2],
+        batch.document_ids[:2],
+    )
+    if how == "straddling":
+        positions = positions.clone()
+        positions[1] = torch.arange(3, 7)
+        ids = torch.zeros_like(ids)
+    try:
+        step_fn(tokens, labels, positions=positions, document_ids=ids)
+    except fs.ShardingError as error:
+        return str(error)
+    return ""

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "attend_within_documents",
+    "check_microbatch_documents",
     "check_packed_inputs",
     "document_attention_mask",
     "document_block_mask",
@@ -165,7 +166,8 @@ def check_packed_inputs(
 ) -> None:
     """Refuse positions and document ids that do not describe documents laid end to end.
 
-    As `functional_shard.core.packing.pack` makes them. Positions without document ids may not restart
+    As `functional_shard.core.packing.pack` makes them. ``tokens`` may be the ``(rows, seq, features)``
+    hidden states a later pipeline stage runs the model on. Positions without document ids may not restart
     inside a row (attention would cross documents). Values are checked on real tensors only, and not
     within `rank_share`.
 
@@ -217,6 +219,54 @@ def check_packed_inputs(
         )
 
 
+def check_microbatch_documents(
+    positions: torch.Tensor | None, document_ids: torch.Tensor | None, microbatches: int, who: str
+) -> None:
+    """Refuse a document that goes on from one pipeline micro-batch into the next.
+
+    A pipeline cuts its batch into micro-batches between rows, and runs each apart. A row whose
+    first token is not at position 0 while ``document_ids`` say a document starts there holds the
+    rest of a document begun in the row before: at the first row of a micro-batch, it straddles two.
+    Positions alone say nothing of where documents start: a row of them is one document, whatever
+    its first position, and no row attends to another in one process either. Values are checked on
+    real tensors only.
+
+    Raises:
+        ShardingError: one bullet a straddling row, with the fix.
+
+    Examples:
+        >>> ids = torch.zeros(4, 3, dtype=torch.long)
+        >>> positions = torch.tensor([[0, 1, 2], [3, 4, 5], [0, 1, 2], [0, 1, 2]])
+        >>> check_microbatch_documents(positions, ids, 4, who="step")
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: step: a document straddles two pipeline micro-batches in 1 row:
+        * row 1, micro-batch 1's first, starts at position 3: its document goes on from row 0, ...
+        >>> check_microbatch_documents(positions, ids, 2, who="step")  # rows 0 and 1 run together
+    """
+    if positions is None or document_ids is None or not _has_values(positions, document_ids):
+        return
+    rows = positions.shape[0]
+    if microbatches < 2 or rows % microbatches:
+        return
+    firsts = torch.arange(rows // microbatches, rows, rows // microbatches, device=positions.device)
+    going_on = (positions[firsts, 0] != 0).nonzero().flatten().tolist()
+    per = rows // microbatches
+    problems = [
+        f"row {int(firsts[i])}, micro-batch {int(firsts[i]) // per}'s first, starts at position "
+        f"{int(positions[firsts[i], 0])}: its document goes on from row {int(firsts[i]) - 1}, in "
+        f"micro-batch {int(firsts[i]) // per - 1}"
+        for i in going_on
+    ]
+    _raise_for_rows(
+        who,
+        "a document straddles two pipeline micro-batches",
+        problems,
+        "Each micro-batch's rows run apart, and no row attends to another: pack every document into "
+        "one row (fs.pack does; long='split' makes each piece a document of its own, from position 0).",
+    )
+
+
 def _check_shape(tokens: torch.Tensor, name: str, value: Any, who: str) -> None:
     if value is None:
         return
@@ -224,9 +274,11 @@ def _check_shape(tokens: torch.Tensor, name: str, value: Any, who: str) -> None:
         raise ShardingError(f"{who}({name}={type(value).__name__}): pass a tensor shaped like the tokens")
     if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
         raise ShardingError(f"{who}: {name} holds {value.dtype} values; pass integers (torch.long)")
-    if tuple(value.shape) != tuple(tokens.shape):
+    # a later pipeline stage's model is given the hidden states, (rows, seq, features)
+    rows_by_seq = tuple(tokens.shape[:2])
+    if tuple(value.shape) != rows_by_seq:
         raise ShardingError(
-            f"{who}: {name} has shape {tuple(value.shape)}, but the tokens have {tuple(tokens.shape)}; "
+            f"{who}: {name} has shape {tuple(value.shape)}, but the tokens have {rows_by_seq}; "
             f"pass one {name[:-1].replace('_id', ' id')} a token (rows x seq_len, as PackedBatch.{name})"
         )
 

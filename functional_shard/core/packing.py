@@ -29,12 +29,29 @@ __all__ = [
     "DocumentTooLongError",
     "PackedBatch",
     "collate_packed",
+    "counted_share",
     "pack",
 ]
 
 IGNORE_INDEX = -100
 """The label of a token that predicts nothing (a document's last token, the padding):
 ``torch.nn.functional.cross_entropy``'s default ``ignore_index``."""
+
+
+def counted_share(part: torch.Tensor, whole: torch.Tensor, parts: int) -> float:
+    """What to weight a mean loss over ``part``'s counted targets by, ``whole`` cut into ``parts`` parts.
+
+    Packed rows count their targets unevenly (`IGNORE_INDEX` at each document's last token), so the
+    mean of the parts' mean losses is not the mean over ``whole``; each part's loss weighted by its
+    share of the counted targets (times ``parts``) makes it so.
+
+    Examples:
+        >>> whole = torch.tensor([[1, 2, IGNORE_INDEX, IGNORE_INDEX], [1, 2, 3, 4]])
+        >>> counted_share(whole[:1], whole, 2), counted_share(whole[1:], whole, 2)
+        (0.6666666666666666, 1.3333333333333333)
+    """
+    counted = int((whole != IGNORE_INDEX).sum())
+    return parts * int((part != IGNORE_INDEX).sum()) / counted if counted else 1.0
 
 
 class DocumentTooLongError(ShardingError):

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 import functional_shard as fs
 from functional_shard.core.document_masks import (
+    check_microbatch_documents,
     check_packed_inputs,
     document_block_mask,
     document_mask,
@@ -294,3 +295,22 @@ def test_estimate_traces_the_zoo_model_with_and_without_packing():
     packed = fs.estimate(model, plan, batch=3, seq=8, inputs=inputs)
     # the same weights; the packed step also holds the rotary angles and each row's mask
     assert packed.peak_bytes > plain.peak_bytes > 0
+
+
+def test_a_straddle_is_seen_at_micro_batch_boundaries_only():
+    ids = torch.zeros(4, 3, dtype=torch.long)
+    going_on = torch.tensor([[0, 1, 2], [0, 1, 2], [3, 4, 5], [0, 1, 2]])
+    with pytest.raises(
+        fs.ShardingError, match=re.escape("row 2, micro-batch 1's first, starts at position 3")
+    ):
+        check_microbatch_documents(going_on, ids, 2, who="step")
+    check_microbatch_documents(going_on, ids, 1, who="step")  # one micro-batch: nothing to straddle
+    check_microbatch_documents(going_on, None, 2, who="step")  # positions alone: a row is one document
+
+
+def test_a_later_pipeline_stage_checks_the_ids_against_its_hidden_states():
+    batch = fs.pack([[1, 2], [3, 4, 5]], seq_len=6)
+    hidden = torch.zeros(*batch.tokens.shape, 8)
+    check_packed_inputs(hidden, positions=batch.positions, document_ids=batch.document_ids)
+    with pytest.raises(fs.ShardingError, match=re.escape("has shape (1, 5), but the tokens have (1, 6)")):
+        check_packed_inputs(hidden, positions=None, document_ids=batch.document_ids[:, :5])

@@ -351,3 +351,6 @@ def test_explain_says_packed_rows_are_cut_by_work_and_which_engine_runs_them():
         text = fs.shard(model, fs.Mesh(cp=2), fs.replicate() + fs.cp("cp", engine=engine)).explain()
         assert "packed rows (document_ids=) are cut by attention work instead, each row its own way" in text
         assert (says in text) if says else ("the ring has no document mask" not in text)
+    policy = fs.pipeline("pp", microbatches=2) + fs.fsdp("cp") + fs.cp("cp")
+    text = fs.shard(model, fs.Mesh(pp=2, cp=2), policy).explain()
+    assert "packed rows (document_ids=) are refused: under a pipeline the engine's document masks" in text

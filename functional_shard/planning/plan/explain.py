@@ -65,8 +65,11 @@ def units_section(config: FsdpConfig, gathered: Mapping[str, int]) -> list[str]:
     return lines
 
 
-def context_parallel_line(context: ContextConfig, mesh: Mesh) -> str:
-    """The line that says how a context-parallel plan cuts sequences, and who holds which chunk."""
+def context_parallel_line(context: ContextConfig, mesh: Mesh, *, pipelined: bool = False) -> str:
+    """The line that says how a context-parallel plan cuts sequences, and who holds which chunk.
+
+    ``pipelined``: the plan has a pipeline too, which packed rows do not run under with cp.
+    """
     from functional_shard.core.sequence import ENGINE_LABELS, chunk_count, sequence_chunks
 
     axis, size, balanced = context.axis, context.size(mesh), context.load_balance
@@ -76,12 +79,19 @@ def context_parallel_line(context: ContextConfig, mesh: Mesh) -> str:
     packed = (
         "" if context.engine == "all_gather" else ", by the all-gather engine (the ring has no document mask)"
     )
+    # the engine's document masks are built for a step's rows, and a stage runs a micro-batch's
+    rows = (
+        "packed rows (document_ids=) are refused: under a pipeline the engine's document masks "
+        "would cover the step's rows, not a micro-batch's"
+        if pipelined
+        else "packed rows (document_ids=) are cut by attention work instead, each row its own way, "
+        f"and attend inside documents{packed}"
+    )
     return (
         f"context parallel over {axis!r}: activations split on the sequence dim into "
         f"{chunk_count(size, load_balance=balanced)} chunks "
         f"({'load-balanced' if balanced else 'in order'}; {axis} {held}); "
-        f"attention by {ENGINE_LABELS[context.engine]}; packed rows (document_ids=) are cut by "
-        f"attention work instead, each row its own way, and attend inside documents{packed}"
+        f"attention by {ENGINE_LABELS[context.engine]}; {rows}"
     )
 
 

@@ -295,7 +295,7 @@ class Plan:
             f"{len(c.checkpointed)} checkpointed modules; mixed precision: "
             f"{c.param_dtype or 'off'} (reduce {c.reduce_dtype or 'as params'}); offload: "
             + (", ".join(k for k in ("params", "grads", "optimizer") if getattr(c, f"offload_{k}")) or "off"),
-            *((context_parallel_line(c.context, self.mesh),) if c.context else ()),
+            *((context_parallel_line(c.context, self.mesh, pipelined=staged),) if c.context else ()),
             *(
                 (
                     f"pipeline over {pipe.axis!r}: {len(pipe.stages)} stages, "

@@ -71,6 +71,8 @@ class Pipelined:
     stages: tuple[Any, ...]  # torch PipelineStage, in increasing stage order
     group: dist.ProcessGroup
     last_stage_rank: int  # the pp-group rank that runs the last stage
+    # the keywords of the model's own forward, which every stage runs (packed rows' positions=)
+    takes: frozenset[str] = frozenset()
     schedule: Any = None
     loss: Callable[..., torch.Tensor] | None = field(default=None, repr=False)
 
@@ -133,11 +135,11 @@ def _drop_in_place(module: nn.Module, drop: set[str]) -> None:
         setattr(parent, name, PassThrough(path, getattr(parent, name)))
 
 
-def _takes_inputs_embeds(module: nn.Module) -> bool:
+def _keywords(module: nn.Module) -> frozenset[str]:
     try:
-        return "inputs_embeds" in inspect.signature(module.forward).parameters
+        return frozenset(inspect.signature(module.forward).parameters)
     except (TypeError, ValueError):
-        return False
+        return frozenset()
 
 
 def _tensor_of(output: Any, stage: int) -> torch.Tensor:
@@ -157,12 +159,15 @@ def _tensor_of(output: Any, stage: int) -> torch.Tensor:
 
 def _run_as_stage(stage_module: nn.Module, stage: int, first: bool) -> None:
     # The stage's module runs the model's own forward; only what goes in and what comes out
-    # change: a later stage's input is the hidden states (inputs_embeds= for Hugging Face)
+    # change: a later stage's input is the hidden states (inputs_embeds= for Hugging Face).
+    # Keywords (packed rows' positions= and document_ids=) reach every stage: torch's schedule
+    # splits the step's keyword tensors into micro-batches and hands them to each stage it runs
     forward = stage_module.forward
-    embeds = not first and _takes_inputs_embeds(stage_module)
+    embeds = not first and "inputs_embeds" in _keywords(stage_module)
 
-    def stage_forward(hidden: torch.Tensor) -> torch.Tensor:
-        output = _tensor_of(forward(inputs_embeds=hidden) if embeds else forward(hidden), stage)
+    def stage_forward(hidden: torch.Tensor, **keywords: torch.Tensor) -> torch.Tensor:
+        given = forward(inputs_embeds=hidden, **keywords) if embeds else forward(hidden, **keywords)
+        output = _tensor_of(given, stage)
         # a view (Hugging Face slices the hidden states for its head) would lose FSDP2's
         # pre-backward hook to any in-place op, and FSDP2 warns: hand on a tensor of its own
         return output.clone() if output._is_view() else output
@@ -201,6 +206,7 @@ def apply_pipeline(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> Pl
     pp_rank = pp_mesh.get_local_rank()
     n_stages = len(pipeline.stages)
     mine = rank_stages(pp_rank, pp, pipeline.stages_per_rank, pipeline.schedule)
+    takes = _keywords(module)
     others = {m for s in range(n_stages) if s not in mine for m in pipeline.stages[s]}
     _drop_in_place(module, others)
     stage_modules: list[tuple[int, nn.Module]] = []
@@ -232,7 +238,7 @@ def apply_pipeline(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> Pl
             )
         )
     last_rank = pipeline.coordinate_of(n_stages - 1, plan.mesh)
-    pipelined = Pipelined(plan, tuple(built), pp_mesh.get_group(), last_rank)
+    pipelined = Pipelined(plan, tuple(built), pp_mesh.get_group(), last_rank, takes)
     module.__dict__["_fs_pipeline"] = pipelined
     _PIPELINED.add(module)
     return without_pipeline(stage_plan(plan, mine))
@@ -307,9 +313,15 @@ def pipeline_step(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     inputs: torch.Tensor,
     targets: torch.Tensor,
+    keywords: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Run one forward and backward of the schedule; the mean micro-batch loss, on every pp rank."""
-    return _scheduled_loss(pipelined, loss_fn, inputs, targets, forward_only=False)
+    """Run one forward and backward of the schedule; the mean micro-batch loss, on every pp rank.
+
+    ``keywords``: tensors of the batch's rows for the model's forward, which every stage runs
+    (packed rows' ``positions`` and ``document_ids``); each micro-batch's rows of them reach
+    every stage of every pp rank.
+    """
+    return _scheduled_loss(pipelined, loss_fn, inputs, targets, forward_only=False, keywords=keywords)
 
 
 def pipeline_eval_loss(
@@ -348,6 +360,7 @@ def _scheduled_loss(
     targets: torch.Tensor,
     *,
     forward_only: bool,
+    keywords: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     schedule = _schedule(pipelined)
     run = schedule.eval if forward_only else schedule.step
@@ -356,7 +369,7 @@ def _scheduled_loss(
     losses: list[torch.Tensor] = []
     # return_outputs=False: else the last stage keeps every micro-batch's output (the
     # logits) until the next step, and concatenates them at the end, for a result unused
-    kwargs = _returning(run, False)
+    kwargs = _returning(run, False) | (keywords or {})
     if last:
         kwargs |= {"target": targets, "losses": losses}
     with _grads_set_aside(pipelined):

@@ -8,7 +8,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from functional_shard.core.document_masks import check_microbatch_documents, check_packed_inputs
 from functional_shard.core.errors import ShardingError
+from functional_shard.core.packing import counted_share
 from functional_shard.core.validate import entry_point, refuse
 from functional_shard.planning.plan.plan import Plan
 
@@ -44,7 +46,8 @@ def forward_backward(
     positions=batch.positions, document_ids=batch.document_ids)``, to a forward that takes them (the
     zoo's Llama). Under context parallel the rows are then cut by attention work, not by tokens
     (docs/packed-documents.md), and the loss, a mean over the targets that are not ``-100``, is
-    weighted by each rank's share of them.
+    weighted by each rank's share of them. Under a pipeline every stage is given its micro-batch's
+    rows of them, and each micro-batch's loss is weighted by its share of the targets alike.
 
     Args:
         plan: the plan `apply` ran.
@@ -59,8 +62,9 @@ def forward_backward(
 
     Raises:
         ShardingError: ``module`` was not applied with ``plan``; from ``step``, a batch the micro-batch
-            count does not divide, a ``loss_fn`` that returns no scalar, or packed rows given to a
-            pipeline or to a forward that does not take them.
+            count does not divide, a ``loss_fn`` that returns no scalar, packed rows given to a
+            forward that does not take them (or to context parallel under a pipeline), or, under a
+            pipeline, a packed document that straddles two micro-batches.
 
     Examples:
         >>> plan = fs.shard(nn.Linear(4, 2), fs.Mesh(dp=1), fs.replicate())
@@ -116,14 +120,15 @@ def forward_backward(
 
         return _taking_packed(step, takes)
 
-    def pipeline(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        check_microbatches(plan, "fs.forward_backward", inputs=inputs, targets=targets)
+    def pipeline(inputs: torch.Tensor, targets: torch.Tensor, **packed: torch.Tensor) -> torch.Tensor:
+        check_microbatches(plan, "fs.forward_backward", inputs=inputs, targets=targets, **packed)
+        loss_of = scaled if not packed else _packed_microbatch_loss(plan, scaled, inputs, targets, packed)
         if scaler is not None:
             # only the last stage's ranks scale a loss; the others' scalers must have a
             # scale too, to unscale their gradients and step
             scaler.scale(torch.zeros((), device=inputs.device))
         with loss_context(plan):
-            loss = pipeline_step(pipelined, scaled, inputs, targets)
+            loss = pipeline_step(pipelined, loss_of, inputs, targets, packed)
         if scaler is not None:
             loss = loss / scaler.get_scale()
         return loss
@@ -132,14 +137,51 @@ def forward_backward(
         staged = context_parallel_step(
             plan, applied.device_mesh, lambda i, t, *_: pipeline(i, t), attends=False
         )
-        return _taking_packed(staged, set())
-    return _taking_packed(pipeline, set())
+        return _taking_packed(
+            staged,
+            set(),
+            refusal="packed rows do not run under context parallel and a pipeline together (the context "
+            "engine's document masks would cover the step's rows, not a micro-batch's); train them under "
+            "a pipeline without cp, or under cp without a pipeline",
+        )
+    return _taking_packed(pipeline, set(pipelined.takes))
 
 
-def _taking_packed(step: Callable[..., torch.Tensor], takes: set[str]) -> Step:
+def _packed_microbatch_loss(
+    plan: Plan,
+    loss_fn: LossFn,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    packed: dict[str, torch.Tensor],
+) -> LossFn:
+    """``loss_fn`` on a micro-batch of packed rows, checked whole first, weighted by its share of targets.
+
+    The rows are checked on every rank before the schedule runs (a stage's forward refusing on
+    one rank would leave the others waiting for its hidden states). Each micro-batch's loss, a mean
+    over its counted targets, is weighted by its share of them: the schedule's mean over the
+    micro-batches is then the rows' mean, as in one process.
+    """
+    who = "fs.forward_backward under a pipeline"
+    microbatches = plan.config.pipeline.microbatches if plan.config.pipeline else 1
+    positions, document_ids = packed.get("positions"), packed.get("document_ids")
+    check_microbatch_documents(positions, document_ids, microbatches, who)
+    check_packed_inputs(inputs, positions=positions, document_ids=document_ids, who=who)
+
+    def weighted(outputs: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+        weight = counted_share(part, targets, microbatches)
+        loss = loss_fn(outputs, part)
+        if weight == 0.0:  # padding alone: a mean over no target is nan, its gradient zero
+            return loss.nan_to_num() * 0.0
+        return loss if weight == 1.0 else loss * weight
+
+    return weighted
+
+
+def _taking_packed(step: Callable[..., torch.Tensor], takes: set[str], refusal: str = "") -> Step:
     """``step`` taking packed rows' ``positions=`` and ``document_ids=`` where the forward takes them.
 
-    A pipeline hands its stages the hidden states alone, so it takes none.
+    A pipeline's stages run the model's own forward, so it takes what that forward takes.
+    ``refusal``: why and what instead, where the step takes no packed rows whatever the forward.
     """
 
     def packed_step(
@@ -156,15 +198,14 @@ def _taking_packed(step: Callable[..., torch.Tensor], takes: set[str]) -> Step:
         }
         missing = [name for name in given if name not in takes]
         if missing:
-            why = (
-                "the forward does not take them"
-                if takes
-                else "a pipeline hands its stages hidden states alone"
-            )
             raise ShardingError(
                 f"fs.forward_backward: the step was given {' and '.join(f'{n}=' for n in missing)}, but "
-                f"{why}; pass packed rows to a model that takes them (functional_shard.zoo.Llama), "
-                "without a pipeline"
+                + (
+                    refusal
+                    or "the forward does not take them; pass packed rows to a model whose forward takes "
+                    "positions= and document_ids= (functional_shard.zoo.Llama); each pipeline stage "
+                    "runs that forward"
+                )
             )
         return step(inputs, targets, **given)
 

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from functional_shard.core.document_masks import check_packed_inputs, rank_share
 from functional_shard.core.errors import ShardingError
-from functional_shard.core.packing import IGNORE_INDEX
+from functional_shard.core.packing import counted_share
 from functional_shard.planning.plan.plan import Plan
 
 from .arguments import sequence_dim, share_check
@@ -93,8 +93,7 @@ def context_parallel_step(
         mine = cut_tensors(shard, inputs, targets, *given.values())
         # the loss is a mean over counted targets, which the ranks hold unevenly: weighted by
         # each rank's share of them, the ranks' mean is the rows'
-        counted = int((targets != IGNORE_INDEX).sum())
-        weight = shard.size * int((mine[1] != IGNORE_INDEX).sum()) / counted if counted else 1.0
+        weight = counted_share(mine[1], targets, shard.size)
         with rank_share():
             return run_share(shard, mine[0], mine[1], dict(zip(given, mine[2:], strict=True)), weight)
 
