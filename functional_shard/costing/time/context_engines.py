@@ -58,8 +58,11 @@ def counted_engine(plan: Plan, engine: str | None = None) -> str:
     return engine_that_runs(chosen, cuda=False)  # the cost model knows no device
 
 
-def for_hardware(plan: Plan, hardware: Hardware) -> Plan:
+def for_hardware(plan: Plan, hardware: Hardware, *, packed: bool = False) -> Plan:
     """``plan`` with its ``"auto"`` cp engine made the one ``hardware`` runs (else unchanged).
+
+    ``packed``: rows of packed documents, which the all-gather engine runs whatever the plan's engine
+    (torch's ring masks causally over the whole sequence only).
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -69,11 +72,13 @@ def for_hardware(plan: Plan, hardware: Hardware) -> Plan:
         >>> cpu = fs.hardware("h100").replace(cuda=False)
         >>> for_hardware(plan, cpu).config.context.engine
         'all_gather'
+        >>> for_hardware(plan, fs.hardware("h100"), packed=True).config.context.engine
+        'all_gather'
     """
     context = plan.config.context
-    if context is None or context.engine != "auto":
+    if context is None or (context.engine != "auto" and not packed):
         return plan
-    engine = engine_that_runs("auto", cuda=hardware.cuda)
+    engine = "all_gather" if packed else engine_that_runs("auto", cuda=hardware.cuda)
     config = dataclasses.replace(plan.config, context=dataclasses.replace(context, engine=engine))
     return dataclasses.replace(plan, config=config)
 
