@@ -267,6 +267,14 @@ def test_packed_rows_under_cp_are_counted_on_the_all_gather_engine():
     assert fs.estimate(MODEL, plan, batch=2, seq=SEQ, hardware="h100").context_engine == "ring"
 
 
+def test_packed_rows_need_cp_to_divide_them_not_2_cp():
+    plan = _cp_plan(2)  # load balancing: unpacked rows are cut in 4 chunks
+    with pytest.raises(fs.ShardingError, match="cuts each sequence into 4 equal chunks"):
+        fs.estimate(MODEL, plan, batch=1, seq=30, hardware="h100")
+    found = fs.estimate(MODEL, plan, batch=1, seq=30, hardware="h100", documents=[20, 10])
+    assert found.documents.rank_pairs(0) + found.documents.rank_pairs(1) == 20 * 20 + 10 * 10
+
+
 def test_a_cp_size_that_does_not_divide_the_rows_is_refused():
     plan = fs.shard(MODEL, fs.Mesh(cp=3), fs.fsdp("cp") + fs.cp("cp", load_balance=False))
     with pytest.raises(fs.ShardingError, match=re.escape("does not divide the packed rows' length 32")):

@@ -382,7 +382,8 @@ def trace_activations(
     tp_size = config.tp_size(plan.mesh)
     cp = config.cp_size(plan.mesh)
     if config.context is not None and cp > 1:
-        check_sequence_length(seq, cp, load_balance=config.context.load_balance)
+        # packed rows are cut into cp shares by work (`document_ranges`), never into 2·cp chunks
+        check_sequence_length(seq, cp, load_balance=config.context.load_balance and documents is None)
     if config.sequence_parallel:
         check_sequence_parallel(modules, plan, seq // cp, tp_size)
     rows = (
