@@ -128,6 +128,16 @@ def test_the_estimate_counts_and_says_the_documents(whole):
     assert "documents" not in whole.to_dict()
 
 
+def test_useful_tokens_leave_the_padding_out(whole):
+    found = fs.estimate(MODEL, PLAN, batch=2, seq=SEQ, hardware="h100", documents=[[8, 8], [24]])
+    assert found.useful_tokens_per_second == pytest.approx(found.tokens_per_second * 40 / 64, rel=1e-12)
+    assert found.to_dict()["useful_tokens_per_second"] == found.useful_tokens_per_second
+    assert f"({found.useful_tokens_per_second:,.0f} of documents, padding left out)" in found.explain()
+    assert whole.useful_tokens_per_second == whole.tokens_per_second
+    assert "useful_tokens_per_second" not in whole.to_dict()
+    assert "padding left out" not in whole.explain()
+
+
 def test_a_pipeline_counts_each_micro_batch_per_document():
     plan = fs.shard(MODEL, fs.Mesh(pp=2), fs.pipeline("pp", microbatches=2))
     whole = fs.estimate(MODEL, plan, batch=4, seq=SEQ, hardware="h100")
