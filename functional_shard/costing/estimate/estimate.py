@@ -17,7 +17,7 @@ from functional_shard.core.units import parse_bytes
 from functional_shard.core.validate import entry_point, positive_int, refuse
 from functional_shard.costing.cost.cost_model import OptimizerKind, check_plan_and_optimizer
 from functional_shard.costing.time.context_engines import for_hardware
-from functional_shard.costing.time.documents import RowDocuments, row_documents
+from functional_shard.costing.time.documents import RowDocuments, cp_rank_of, row_documents
 from functional_shard.costing.time.hardware import Hardware
 from functional_shard.costing.time.hardware import hardware as _hardware
 from functional_shard.costing.time.kernels import Kernels, kernel_fields
@@ -183,9 +183,7 @@ def estimate(
 
 def _rows(documents: Any, plan: Plan, seq: int, rank: int | None) -> RowDocuments:
     """``documents`` checked, each row cut over the cp ranks: ``rank``'s share counted, or the busiest."""
-    context = plan.config.context
-    cp_rank = None if rank is None or context is None else plan.mesh.coords(rank)[context.axis]
-    return row_documents(documents, seq, cp=plan.config.cp_size(plan.mesh), cp_rank=cp_rank)
+    return row_documents(documents, seq, cp=plan.config.cp_size(plan.mesh), cp_rank=cp_rank_of(plan, rank))
 
 
 # rank, inputs, expert_imbalance and documents are `trace_activations`' own keywords, passed on as it takes

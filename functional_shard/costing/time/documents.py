@@ -35,7 +35,7 @@ from functional_shard.core.errors import ShardingError, bullets
 from functional_shard.core.packing import PackedBatch
 from functional_shard.core.sequence import check_sequence_length, document_ranges
 
-__all__ = ["RowDocuments", "row_documents"]
+__all__ = ["RowDocuments", "cp_rank_of", "row_documents"]
 
 
 @dataclass(frozen=True)
@@ -170,6 +170,19 @@ class RowDocuments:
             f"{max(pairs) * self.cp / sum(pairs):.2f}); the all-gather engine's SDPA reads a boolean mask "
             "over its queries and the whole row's keys, skipping no pair"
         )
+
+
+def cp_rank_of(plan: Any, rank: int | None) -> int | None:
+    """``rank``'s coordinate along ``plan``'s cp axis, whose share of packed rows is counted; None if none.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> plan = fs.shard(llama("tiny"), fs.Mesh(dp=2, cp=2), fs.fsdp(("dp", "cp")) + fs.cp("cp"))
+        >>> cp_rank_of(plan, 3), cp_rank_of(plan, None)
+        (1, None)
+    """
+    context = plan.config.context
+    return None if rank is None or context is None else plan.mesh.coords(rank)[context.axis]
 
 
 def row_documents(

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_map_only
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.sequence import check_sequence_length
-from functional_shard.costing.time.documents import RowDocuments, row_documents
+from functional_shard.costing.time.documents import RowDocuments, cp_rank_of, row_documents
 from functional_shard.planning.pipeline.stages import stage_finder
 
 from .checkpointing import SAVED_OPS, checkpointed, selective_context
@@ -365,8 +365,7 @@ def trace_activations(
         True
     """
     config = plan.config
-    # packed rows: the cp rank whose share is counted, by default the busiest (`row_documents`)
-    cp_rank = None if rank is None or config.context is None else plan.mesh.coords(rank)[config.context.axis]
+    cp_rank = cp_rank_of(plan, rank)  # packed rows: whose share is counted; None: the busiest
     rank = 0 if rank is None else rank
     checkpointed = tuple(config.checkpointed)
     if any(i != o and (not o or i.startswith(f"{o}.")) for o in checkpointed for i in checkpointed):
