@@ -5,6 +5,10 @@ A row holding documents ``d₁ … d_k`` does the attention of each document alo
 apart ``Σ dᵢ(dᵢ + 1) / 2`` of them. Held three ways: one document of ``seq`` tokens changes nothing;
 ``k`` equal documents cost ``1/k`` of the row; and a packed row's attention equals that of tracing its
 documents one by one, and the kernel's that of the pairs the zoo's real document mask keeps.
+
+Under context parallel each row is cut as the runtime cuts it (`document_ranges`): a cp rank's model
+flops are its queries' pairs in their documents (the ranks' add up to the unsplit rows'), its kernel
+flops every pair of its queries and the rows' keys, as the all-gather engine's mask-reading SDPA runs them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from hypothesis import strategies as st
 import functional_shard as fs
 from functional_shard.core.document_masks import document_mask
 from functional_shard.costing.time.documents import RowDocuments, row_documents
+from functional_shard.runtime.engines.context.parallel import packed_positions
 from functional_shard.zoo import llama
 
 MODEL = llama("tiny")
@@ -123,6 +128,16 @@ def test_the_estimate_counts_and_says_the_documents(whole):
     assert "documents" not in whole.to_dict()
 
 
+def test_useful_tokens_leave_the_padding_out(whole):
+    found = fs.estimate(MODEL, PLAN, batch=2, seq=SEQ, hardware="h100", documents=[[8, 8], [24]])
+    assert found.useful_tokens_per_second == pytest.approx(found.tokens_per_second * 40 / 64, rel=1e-12)
+    assert found.to_dict()["useful_tokens_per_second"] == found.useful_tokens_per_second
+    assert f"({found.useful_tokens_per_second:,.0f} of documents, padding left out)" in found.explain()
+    assert whole.useful_tokens_per_second == whole.tokens_per_second
+    assert "useful_tokens_per_second" not in whole.to_dict()
+    assert "padding left out" not in whole.explain()
+
+
 def test_a_pipeline_counts_each_micro_batch_per_document():
     plan = fs.shard(MODEL, fs.Mesh(pp=2), fs.pipeline("pp", microbatches=2))
     whole = fs.estimate(MODEL, plan, batch=4, seq=SEQ, hardware="h100")
@@ -159,12 +174,121 @@ def test_documents_that_do_not_fit_are_refused_by_row(documents, message):
         fs.estimate(MODEL, PLAN, batch=2, seq=SEQ, documents=documents)
 
 
-def test_context_parallel_is_refused_with_documents():
-    plan = fs.shard(MODEL, fs.Mesh(dp=2, cp=2), fs.fsdp(("dp", "cp")) + fs.cp("cp"))
-    with pytest.raises(
-        fs.ShardingError, match=re.escape("packed documents are not counted under context parallel")
-    ):
-        fs.estimate(MODEL, plan, batch=2, seq=SEQ, documents=[16, 16])
+# ---- under context parallel: each cp rank's share, as the runtime cuts the rows -------------
+
+
+def _cp_plan(cp: int, **options):
+    return fs.shard(
+        MODEL, fs.Mesh(dp=2, cp=cp), fs.fsdp(("dp", "cp")) + fs.cp("cp", **options) + fs.mixed_precision()
+    )
+
+
+def _packed_rows(draw_lengths: list[list[int]]) -> fs.PackedBatch:
+    return fs.pack([[1] * n for row in draw_lengths for n in row], seq_len=SEQ)
+
+
+drawn_documents = st.lists(st.integers(1, SEQ), min_size=1, max_size=8)
+
+
+@settings(max_examples=5, deadline=None)
+@given(lengths=drawn_documents)
+def test_cp_1_counts_as_no_cp(lengths):
+    batch = _packed_rows([lengths])
+    rows = len(batch)
+    no_cp = fs.shard(MODEL, fs.Mesh(dp=2, cp=1), fs.fsdp(("dp", "cp")) + fs.mixed_precision())
+    plain = fs.estimate(MODEL, no_cp, batch=rows, seq=SEQ, hardware="h100", documents=batch)
+    one = fs.estimate(MODEL, _cp_plan(1), batch=rows, seq=SEQ, hardware="h100", documents=batch)
+    assert (one.flops, one.model_flops, one.peak_bytes) == (plain.flops, plain.model_flops, plain.peak_bytes)
+    assert one.compute_seconds == pytest.approx(plain.compute_seconds, rel=1e-12)
+
+
+@settings(max_examples=5, deadline=None)
+@given(lengths=drawn_documents, cp=st.sampled_from([2, 4]))
+def test_the_ranks_model_flops_add_up_to_the_unsplit_rows(lengths, cp):
+    batch = _packed_rows([lengths])
+    rows = len(batch)
+    unsplit = _attention(_trace(SEQ, batch=rows, documents=batch))[0]
+    plan = _cp_plan(cp)
+    # the ranks 0 .. cp-1 are the cp coordinates 0 .. cp-1 of dp rank 0
+    shares = [
+        _attention(fs.trace_activations(MODEL, plan, batch=rows, seq=SEQ, rank=rank, documents=batch))[0]
+        for rank in range(cp)
+    ]
+    assert sum(shares) == pytest.approx(unsplit, abs=64 * cp)
+
+
+@settings(max_examples=5, deadline=None)
+@given(lengths=drawn_documents, cp=st.sampled_from([2, 4]), rank=st.integers(0, 3))
+def test_a_cp_rank_counts_what_the_engine_runs_on_its_share(lengths, cp, rank):
+    rank %= cp
+    batch = _packed_rows([lengths])
+    rows, local = len(batch), SEQ // cp
+    plan = _cp_plan(cp)
+    traced = fs.trace_activations(
+        MODEL, plan, batch=rows, seq=SEQ, rank=rank, backward=False, documents=batch
+    )
+    plain = fs.trace_activations(MODEL, plan, batch=rows, seq=SEQ, rank=rank, backward=False)
+    per_pair = plain.attention_flops / (rows * local * SEQ)  # the full score matrix's, per query-key pair
+    # the tokens the runtime hands this rank, and their documents, from the rows' real document ids
+    positions, _ = packed_positions(batch.document_ids, cp, rank)
+    ids = batch.document_ids
+    pairs = sum(
+        int((ids[row] == ids[row, position]).sum())
+        for row in range(rows)
+        for position in positions[row].tolist()
+    )
+    assert traced.attention_flops == pytest.approx(per_pair * pairs, abs=64)
+    # the all-gather engine's SDPA reads a boolean mask of its queries and the whole rows' keys:
+    # it runs every pair of them, those of other documents and later keys too
+    assert traced.attention_kernel_flops == pytest.approx(per_pair * rows * local * SEQ, rel=1e-12)
+    # and keeps the mask, a byte a pair a row, where the unpacked rows share one causal mask
+    assert traced.activation_bytes - plain.activation_bytes >= (rows - 1) * local * SEQ
+
+
+def test_the_estimate_counts_the_busiest_cp_rank_and_says_so():
+    documents = [[30, 2], [4] * 8]
+    plan = _cp_plan(2)
+    found = fs.estimate(MODEL, plan, batch=2, seq=SEQ, hardware="h100", documents=documents)
+    ranks = [
+        fs.estimate(MODEL, plan, batch=2, seq=SEQ, hardware="h100", documents=documents, rank=rank)
+        for rank in range(2)
+    ]
+    assert [each.documents.cp_rank for each in ranks] == [0, 1]
+    assert found.documents.cp_rank == 1
+    assert (
+        found.model_flops == max(each.model_flops for each in ranks) > min(each.model_flops for each in ranks)
+    )
+    # the engine's mask kernel runs the same pairs on every rank, and keeps the same mask
+    assert ranks[0].peak_bytes == ranks[1].peak_bytes
+    assert found.compute_parts["attention"] == pytest.approx(ranks[0].compute_parts["attention"], rel=1e-12)
+    assert found.compute_seconds == pytest.approx(ranks[0].compute_seconds, rel=1e-12)
+    line = next(line for line in found.explain().splitlines() if "packed documents" in line)
+    assert (
+        "cut over cp=2 ranks by attention work, cp rank 1's share counted (52.7% of the model flops" in line
+    )
+    assert "skipping no pair" in line
+
+
+def test_packed_rows_under_cp_are_counted_on_the_all_gather_engine():
+    plan = _cp_plan(2, engine="ring")
+    found = fs.estimate(MODEL, plan, batch=2, seq=SEQ, hardware="h100", documents=[16, 16])
+    assert found.context_engine == "all_gather"
+    assert "ring_workspace" not in found.memory
+    assert fs.estimate(MODEL, plan, batch=2, seq=SEQ, hardware="h100").context_engine == "ring"
+
+
+def test_packed_rows_need_cp_to_divide_them_not_2_cp():
+    plan = _cp_plan(2)  # load balancing: unpacked rows are cut in 4 chunks
+    with pytest.raises(fs.ShardingError, match="cuts each sequence into 4 equal chunks"):
+        fs.estimate(MODEL, plan, batch=1, seq=30, hardware="h100")
+    found = fs.estimate(MODEL, plan, batch=1, seq=30, hardware="h100", documents=[20, 10])
+    assert found.documents.rank_pairs(0) + found.documents.rank_pairs(1) == 20 * 20 + 10 * 10
+
+
+def test_a_cp_size_that_does_not_divide_the_rows_is_refused():
+    plan = fs.shard(MODEL, fs.Mesh(cp=3), fs.fsdp("cp") + fs.cp("cp", load_balance=False))
+    with pytest.raises(fs.ShardingError, match=re.escape("does not divide the packed rows' length 32")):
+        fs.estimate(MODEL, plan, batch=1, seq=SEQ, documents=[16, 16])
 
 
 @pytest.mark.parametrize(

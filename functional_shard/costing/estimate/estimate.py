@@ -17,7 +17,7 @@ from functional_shard.core.units import parse_bytes
 from functional_shard.core.validate import entry_point, positive_int, refuse
 from functional_shard.costing.cost.cost_model import OptimizerKind, check_plan_and_optimizer
 from functional_shard.costing.time.context_engines import for_hardware
-from functional_shard.costing.time.documents import RowDocuments, row_documents
+from functional_shard.costing.time.documents import RowDocuments, cp_rank_of, row_documents
 from functional_shard.costing.time.hardware import Hardware
 from functional_shard.costing.time.hardware import hardware as _hardware
 from functional_shard.costing.time.kernels import Kernels, kernel_fields
@@ -128,14 +128,17 @@ def estimate(
         keep_outputs: under a pipeline, the last stage keeps every micro-batch's output to the step's end.
         kernels: `fs.Kernels` (compile, Float8, async tensor parallel); by default eager bf16.
         documents: packed rows' document lengths (a `PackedBatch`, a list per row, or one row's for every
-            row): attention counted per document, as a kernel that runs them apart does.
+            row): attention counted per document, as a kernel that runs them apart does. Under context
+            parallel each row is cut as the runtime cuts it (`functional_shard.core.sequence.document_ranges`)
+            and run by the all-gather engine; the model flops are ``rank``'s share (by default the busiest
+            cp rank's), the kernel's every pair of its queries and the row's keys (a boolean mask).
 
     Returns:
         An `Estimate`.
 
     Raises:
         ShardingError: an argument of the wrong type or value, named with its fix; ``documents`` of
-            more than ``seq`` tokens in a row (each named), or under context parallel.
+            more than ``seq`` tokens in a row (each named), or a cp size that does not divide ``seq``.
         PlanError: a split the model cannot run (heads tp does not divide, cp over attention it cannot split).
 
     Examples:
@@ -158,7 +161,7 @@ def estimate(
         refuse(
             "keep_outputs", "True", what, meaning="the plan has no fs.pipeline(...); leave keep_outputs out"
         )
-    rows = None if documents is None else row_documents(documents, seq, cp=plan.config.cp_size(plan.mesh))
+    rows = None if documents is None else _rows(documents, plan, seq, rank)
     found = assemble(
         _assembly(
             model,
@@ -176,6 +179,11 @@ def estimate(
         )
     )
     return found if rows is None else dataclasses.replace(found, documents=rows)
+
+
+def _rows(documents: Any, plan: Plan, seq: int, rank: int | None) -> RowDocuments:
+    """``documents`` checked, each row cut over the cp ranks: ``rank``'s share counted, or the busiest."""
+    return row_documents(documents, seq, cp=plan.config.cp_size(plan.mesh), cp_rank=cp_rank_of(plan, rank))
 
 
 # rank, inputs, expert_imbalance and documents are `trace_activations`' own keywords, passed on as it takes
@@ -200,7 +208,8 @@ def _assembly(
     dtype = compute_dtype(plan)
     hw.peak_flops(dtype)  # fail early, before tracing
     with_kernels = kernel_fields(model, plan, kernels, hw, dtype)
-    plan = for_hardware(plan, hw)  # "auto" cp: the engine the hardware runs
+    # "auto" cp: the engine the hardware runs; packed rows, the all-gather engine's masks
+    plan = for_hardware(plan, hw, packed=documents is not None)
     stages = (plan.config.pipeline.stages if plan.config.pipeline else ()) or None
     micro = microbatch_size(plan, batch)
     mine = seq // plan.config.cp_size(plan.mesh)  # a cp rank's tokens of each sequence
@@ -228,6 +237,7 @@ def _assembly(
         optimizer=optimizer,
         rank=rank,
         keep_outputs=keep_outputs,
+        documents=documents,
         **with_kernels,
     )
 

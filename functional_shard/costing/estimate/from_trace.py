@@ -104,10 +104,14 @@ def _without_unmade_grads(memory: dict[str, int]) -> tuple[dict[str, int], str]:
     return memory | {"grads": 0}, "the start of backward, before any gradient is made"
 
 
-def _causal_imbalance(plan: Plan, seq: int) -> float:
-    """The cp group's busiest rank's causal attention work over the mean (1.0 without cp)."""
+def _causal_imbalance(plan: Plan, seq: int, *, packed: bool = False) -> float:
+    """The cp group's busiest rank's causal attention work over the mean (1.0 without cp).
+
+    ``packed``: 1.0, as the all-gather engine runs packed rows: its boolean mask skips no pair, so every
+    rank's kernel runs the same (the cut by work pays once a kernel skips masked blocks).
+    """
     context = plan.config.context
-    if context is None or context.size(plan.mesh) == 1:
+    if context is None or context.size(plan.mesh) == 1 or packed:
         return 1.0
     return causal_imbalance(seq, context.size(plan.mesh), load_balance=context.load_balance)
 
@@ -143,7 +147,7 @@ def assemble(assembly: Assembly) -> Estimate:
         units=parts.units,
         recomputed=_recomputed(parts.plan, checkpointed, assembly.batch * assembly.seq),
         attention_flops=parts.attention_flops,
-        causal_imbalance=_causal_imbalance(plan, assembly.seq),
+        causal_imbalance=_causal_imbalance(plan, assembly.seq, packed=assembly.documents is not None),
         clock=clock,
         saved=parts.saved,
         ring_merges=ring_merge_seconds(parts.plan, parts.attention_flops, assembly.seq, hw, clock.speedup),

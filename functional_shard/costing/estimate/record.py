@@ -106,6 +106,16 @@ class Estimate:
         return self.batch * self.seq / shared / self.step_seconds
 
     @property
+    def useful_tokens_per_second(self) -> float:
+        """`tokens_per_second` of the documents' tokens alone, padding left out (``estimate(documents=...)``).
+
+        Without ``documents`` every token counts: `tokens_per_second`.
+        """
+        if self.documents is None:
+            return self.tokens_per_second
+        return self.tokens_per_second * (1 - self.documents.padding_share)
+
+    @property
     def mfu(self) -> float:
         """Model FLOPs (no recompute) per second over the datasheet's peak in the compute dtype."""
         return self.model_flops / self.step_seconds / self.hardware.peak_flops(self.dtype)
@@ -169,7 +179,12 @@ class Estimate:
         what_width = max([34, *(len(what) for what in self.comm_seconds)])
         lines += [f"  exposed {why:<{why_width}} {duration(s)}" for why, s in self.exposed_seconds.items()]
         lines += [f"  collective {what:<{what_width}} {duration(s)}" for what, s in self.comm_seconds.items()]
-        lines.append(f"tokens/s per device {self.tokens_per_second:,.0f}, MFU {self.mfu:.1%}")
+        useful = (
+            f" ({self.useful_tokens_per_second:,.0f} of documents, padding left out)"
+            if self.documents is not None and self.documents.padding_share
+            else ""
+        )
+        lines.append(f"tokens/s per device {self.tokens_per_second:,.0f}{useful}, MFU {self.mfu:.1%}")
         if self.pipeline is not None:
             lines.append(self.pipeline.explain())
         return "\n".join(lines)
@@ -197,6 +212,11 @@ class Estimate:
             "comm_seconds": dict(self.comm_seconds),
             "step_seconds": self.step_seconds,
             "tokens_per_second": self.tokens_per_second,
+            **(
+                {"useful_tokens_per_second": self.useful_tokens_per_second}
+                if self.documents is not None
+                else {}
+            ),
             "mfu": self.mfu,
             **({"context_engine": self.context_engine} if self.context_engine is not None else {}),
             **(

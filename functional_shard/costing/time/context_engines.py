@@ -58,8 +58,12 @@ def counted_engine(plan: Plan, engine: str | None = None) -> str:
     return engine_that_runs(chosen, cuda=False)  # the cost model knows no device
 
 
-def for_hardware(plan: Plan, hardware: Hardware) -> Plan:
+def for_hardware(plan: Plan, hardware: Hardware, *, packed: bool = False) -> Plan:
     """``plan`` with its ``"auto"`` cp engine made the one ``hardware`` runs (else unchanged).
+
+    ``packed``: rows of packed documents, which the all-gather engine runs whatever the plan's engine
+    (torch's ring masks causally over the whole sequence only), each cut into ``cp`` shares by work
+    (`functional_shard.core.sequence.document_ranges`), not into the ``2·cp`` chunks of load balancing.
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -69,13 +73,18 @@ def for_hardware(plan: Plan, hardware: Hardware) -> Plan:
         >>> cpu = fs.hardware("h100").replace(cuda=False)
         >>> for_hardware(plan, cpu).config.context.engine
         'all_gather'
+        >>> packed = for_hardware(plan, fs.hardware("h100"), packed=True).config.context
+        >>> packed.engine, packed.load_balance
+        ('all_gather', False)
     """
     context = plan.config.context
-    if context is None or context.engine != "auto":
+    if context is None or (context.engine != "auto" and not packed):
         return plan
-    engine = engine_that_runs("auto", cuda=hardware.cuda)
-    config = dataclasses.replace(plan.config, context=dataclasses.replace(context, engine=engine))
-    return dataclasses.replace(plan, config=config)
+    if packed:
+        context = dataclasses.replace(context, engine="all_gather", load_balance=False)
+    else:
+        context = dataclasses.replace(context, engine=engine_that_runs("auto", cuda=hardware.cuda))
+    return dataclasses.replace(plan, config=dataclasses.replace(plan.config, context=context))
 
 
 def _ring_layers(plan: Plan, tokens: int) -> tuple[int, int, list[int]]:

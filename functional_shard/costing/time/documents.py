@@ -7,14 +7,25 @@ causal or not) that is ``Σ dᵢ²`` query-key pairs where the whole row is ``se
 that runs the documents apart (flash attention's varlen, flex attention with a document mask) computes
 ``Σ dᵢ(dᵢ + 1) / 2`` of them.
 
+Under context parallel each row is cut over the cp ranks as the runtime cuts it
+(`functional_shard.core.sequence.document_ranges`), and a rank's share of the model flops is that of
+its queries: each query pairs with every token of its document, so the ranks' shares add up to the
+row's ``Σ dᵢ²``. The all-gather engine runs them with SDPA reading a boolean mask over the rank's
+queries and the whole row's keys, a kernel that skips no masked pair.
+
 Examples:
     >>> rows = row_documents([[4, 4], [8]], seq=8)
     >>> rows.model_share, rows.causal_share
     (0.75, 0.4375)
+    >>> cut = row_documents([12, 2, 2], seq=16, cp=2)
+    >>> cut.rank_pairs(0) + cut.rank_pairs(1) == 12 * 12 + 2 * 2 + 2 * 2
+    True
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,8 +33,9 @@ from typing import Any
 
 from functional_shard.core.errors import ShardingError, bullets
 from functional_shard.core.packing import PackedBatch
+from functional_shard.core.sequence import check_sequence_length, document_ranges
 
-__all__ = ["RowDocuments", "row_documents"]
+__all__ = ["RowDocuments", "cp_rank_of", "row_documents"]
 
 
 @dataclass(frozen=True)
@@ -33,10 +45,14 @@ class RowDocuments:
     Attributes:
         seq: tokens in each row.
         rows: each row's document lengths, in order; every row's sum at most ``seq``.
+        cp: the context-parallel ranks each row is cut over (`document_ranges`); 1 without.
+        cp_rank: the cp rank whose share of each row is counted (`rank_model_share`).
     """
 
     seq: int
     rows: tuple[tuple[int, ...], ...]
+    cp: int = 1
+    cp_rank: int = 0
 
     def segments(self, row: int) -> tuple[int, ...]:
         """Row ``row``'s documents, then its padding (if any) as one segment more.
@@ -61,6 +77,65 @@ class RowDocuments:
         pairs = [sum(n * (n + 1) // 2 for n in self.segments(row)) for row in range(len(self.rows))]
         return sum(pairs) / len(pairs) / self.seq**2
 
+    def rank_ranges(self, row: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Each cp rank's ``[start, stop)`` tokens of row ``row``, as the runtime cuts it (`document_ranges`).
+
+        Examples:
+            >>> RowDocuments(8, ((4, 4),), cp=2).rank_ranges(0)  # each document's head-tail chunks
+            (((0, 1), (3, 5), (7, 8)), ((1, 3), (5, 7)))
+        """
+        return document_ranges(self.segments(row), self.cp)
+
+    def rank_pairs(self, cp_rank: int) -> float:
+        """Query-key pairs of cp rank ``cp_rank``'s queries in their documents, mean of the rows.
+
+        Each query pairs with every token of its document (the full-score-matrix convention).
+
+        Examples:
+            >>> RowDocuments(8, ((6, 2),), cp=2).rank_pairs(0)  # 3 + 1 queries of the 6, 0 of the 2
+            24.0
+        """
+        return self._pairs_by_rank[cp_rank]
+
+    @functools.cached_property
+    def _pairs_by_rank(self) -> tuple[float, ...]:
+        # cut once: the trace asks for it at every attention call
+        totals = [0] * self.cp
+        for row in range(len(self.rows)):
+            segments = self.segments(row)
+            for rank, held in enumerate(self.rank_ranges(row)):
+                start = 0
+                for length in segments:
+                    for low, high in held:
+                        totals[rank] += max(0, min(high, start + length) - max(low, start)) * length
+                    start += length
+        return tuple(total / len(self.rows) for total in totals)
+
+    @functools.cached_property
+    def rank_model_share(self) -> float:
+        """`cp_rank`'s pairs in their documents over those of its queries and the whole row's keys.
+
+        The share of a traced cp attention call (``seq / cp`` queries, ``seq`` keys) that is model
+        flops; without context parallel, `model_share`.
+
+        Examples:
+            >>> RowDocuments(8, ((6, 2),), cp=2, cp_rank=0).rank_model_share  # 24 of 4 x 8
+            0.75
+        """
+        if self.cp == 1:
+            return self.model_share
+        return self.rank_pairs(self.cp_rank) / (self.seq // self.cp * self.seq)
+
+    def busiest_rank(self) -> int:
+        """The cp rank whose queries pair with the most keys in their documents (the lowest on ties).
+
+        Examples:
+            >>> RowDocuments(8, ((6, 2),), cp=2).busiest_rank()
+            0
+        """
+        pairs = [self.rank_pairs(rank) for rank in range(self.cp)]
+        return pairs.index(max(pairs))
+
     @property
     def mean_documents(self) -> float:
         """Documents in a row, on average (padding not counted)."""
@@ -81,26 +156,52 @@ class RowDocuments:
             attention counted per document, 50.0% of the whole row's model flops
         """
         noun = "row" if len(self.rows) == 1 else "rows"
-        return (
+        line = (
             f"packed documents: {self.mean_documents:.1f} a row of {self.seq} tokens "
             f"({len(self.rows)} {noun} given), padding {self.padding_share:.1%}; "
             f"attention counted per document, {self.model_share:.1%} of the whole row's model flops"
         )
+        if self.cp == 1:
+            return line
+        pairs = [self.rank_pairs(rank) for rank in range(self.cp)]
+        return (
+            f"{line}; cut over cp={self.cp} ranks by attention work, cp rank {self.cp_rank}'s share counted "
+            f"({pairs[self.cp_rank] / sum(pairs):.1%} of the model flops, busiest over mean "
+            f"{max(pairs) * self.cp / sum(pairs):.2f}); the all-gather engine's SDPA reads a boolean mask "
+            "over its queries and the whole row's keys, skipping no pair"
+        )
 
 
-def row_documents(documents: Any, seq: int, *, cp: int = 1, who: str = "estimate") -> RowDocuments:
+def cp_rank_of(plan: Any, rank: int | None) -> int | None:
+    """``rank``'s coordinate along ``plan``'s cp axis, whose share of packed rows is counted; None if none.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> plan = fs.shard(llama("tiny"), fs.Mesh(dp=2, cp=2), fs.fsdp(("dp", "cp")) + fs.cp("cp"))
+        >>> cp_rank_of(plan, 3), cp_rank_of(plan, None)
+        (1, None)
+    """
+    context = plan.config.context
+    return None if rank is None or context is None else plan.mesh.coords(rank)[context.axis]
+
+
+def row_documents(
+    documents: Any, seq: int, *, cp: int = 1, cp_rank: int | None = None, who: str = "estimate"
+) -> RowDocuments:
     """``documents`` as `RowDocuments` of rows of ``seq`` tokens, checked.
 
     Args:
         documents: a `PackedBatch` (its rows' documents), a sequence of rows (each a sequence of document
             lengths), or one row's document lengths (the same in every row).
         seq: tokens in each row.
-        cp: the plan's context-parallel size: above 1, refused.
+        cp: the plan's context-parallel size: each row is cut over that many ranks (`document_ranges`).
+        cp_rank: the cp rank whose share is counted; ``None``: that of ``documents`` if it is a
+            `RowDocuments` cut alike, else the busiest (`RowDocuments.busiest_rank`).
         who: the caller, as errors name it.
 
     Raises:
         ShardingError: no rows, a length that is not a positive int, a row of more than ``seq`` tokens
-            (each such row named), a `PackedBatch` of rows of another length, or context parallel.
+            (each such row named), a `PackedBatch` of rows of another length, or ``cp`` not dividing ``seq``.
 
     Examples:
         >>> row_documents([512, 512], seq=2048).rows
@@ -111,13 +212,19 @@ def row_documents(documents: Any, seq: int, *, cp: int = 1, who: str = "estimate
         functional_shard.ShardingError: estimate(documents=...): 1 row holds more than seq=2048 tokens:
         * row 1: documents [2000, 100] hold 2100 tokens
         Pass each row's document lengths (at most seq tokens a row), or pack a sample of them: ...
+        >>> row_documents([[30, 2], [4] * 8], seq=32, cp=2).cp_rank  # the rank holding most pairs
+        1
     """
     if cp > 1:
-        # a cp rank attends with chunks of each row: which documents meet in a chunk is not modelled
-        raise ShardingError(
-            f"{who}(documents=...): packed documents are not counted under context parallel (cp={cp}) "
-            "yet; leave documents out (attention is then counted as one causal sequence a row)"
-        )
+        # the runtime cuts packed rows into cp equal shares (`document_ranges`), whatever load balancing
+        check_sequence_length(seq, cp, load_balance=False, what="packed rows' length")
+    if (
+        isinstance(documents, RowDocuments)
+        and documents.seq == seq
+        and documents.cp == cp
+        and cp_rank is None
+    ):
+        cp_rank = documents.cp_rank
     if isinstance(documents, RowDocuments):
         rows = documents.rows
     elif isinstance(documents, PackedBatch):
@@ -147,7 +254,10 @@ def row_documents(documents: Any, seq: int, *, cp: int = 1, who: str = "estimate
                 "documents=fs.pack([[0] * n for n in lengths], seq_len=seq, long='split').",
             )
         )
-    return RowDocuments(seq, rows)
+    found = RowDocuments(seq, rows, cp=cp)
+    if cp == 1:
+        return found
+    return dataclasses.replace(found, cp_rank=found.busiest_rank() if cp_rank is None else cp_rank)
 
 
 def _rows(documents: Any, who: str) -> tuple[tuple[int, ...], ...]:

@@ -257,8 +257,10 @@ def document_attention_flops(
     For a self-attention call over whole rows (queries and keys ``documents.seq`` long, batch-heads-seq-dim
     kernels): model flops the documents' share (`RowDocuments.model_share`). A call without a mask runs as a
     kernel that runs the documents apart would (causal: `RowDocuments.causal_share`); one with a mask reads
-    it over the whole row and runs what it did. None for other calls (cross attention, context parallel's
-    chunks), which stay as counted.
+    it over the whole row and runs what it did. A cp rank's call (its ``seq / cp`` queries, the row's
+    ``seq`` keys, `RowDocuments.cp`): model flops its queries' pairs in their documents
+    (`RowDocuments.rank_model_share`), kernel flops every pair, as the all-gather engine's mask-reading
+    SDPA runs them. None for other calls (cross attention), which stay as counted.
 
     Examples:
         >>> from functional_shard.costing.time.documents import RowDocuments
@@ -276,7 +278,12 @@ def document_attention_flops(
     key = next((a for a in args[2 if backward else 1 :] if isinstance(a, torch.Tensor)), None)
     if query is None or key is None or query.dim() != 4 or key.dim() != 4:
         return None
-    if not int(query.shape[-2]) == int(key.shape[-2]) == documents.seq:
+    queries, keys = int(query.shape[-2]), int(key.shape[-2])
+    if documents.cp > 1 and queries == documents.seq // documents.cp and keys == documents.seq:
+        # a cp rank's queries against the whole row's keys, under the engine's mask: every pair is run
+        model = round(model_flops * documents.rank_model_share)
+        return model, attention_kernel_flops(func, args, kwargs, model_flops)
+    if not queries == keys == documents.seq:
         return None
     model = round(model_flops * documents.model_share)
     if any(_argument(func, args, kwargs, name) is not None for name in ("attn_mask", "attn_bias")):

@@ -20,6 +20,7 @@ from functional_shard.planning.plan.config import TpConfig
 from functional_shard.planning.plan.cost_record import Cost, OptimizerKind
 from functional_shard.planning.tp.rules import sequence_gathers
 
+from .documents import RowDocuments
 from .hardware import Hardware
 from .kernel_time import Work
 from .kernels import Kernels
@@ -59,6 +60,7 @@ class Assembly:
         kernels: compile, Float8 and async TP (`functional_shard.costing.time.kernels`).
         float8_linears: with Float8, the linears converted (`kernels.float8_linears`).
         float8_gathered: each unit's gathered bytes Float8 all-gathers save (`kernels.float8_gathered`).
+        documents: packed rows (``estimate(documents=...)``), whose attention the trace counted per document.
     """
 
     plan: Plan
@@ -76,6 +78,7 @@ class Assembly:
     kernels: Kernels = field(default_factory=Kernels)
     float8_linears: tuple[tuple[int, int, int], ...] = ()
     float8_gathered: Mapping[str, int] = field(default_factory=dict)
+    documents: RowDocuments | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_map_only
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.sequence import check_sequence_length
-from functional_shard.costing.time.documents import RowDocuments, row_documents
+from functional_shard.costing.time.documents import RowDocuments, cp_rank_of, row_documents
 from functional_shard.planning.pipeline.stages import stage_finder
 
 from .checkpointing import SAVED_OPS, checkpointed, selective_context
@@ -226,6 +226,7 @@ class _Run:
                     context.engine if context else "auto",
                     cp_rank=self.plan.mesh.coords(setup.rank)[context.axis] if context else 0,
                     load_balance=context.load_balance if context else True,
+                    packed=setup.documents is not None,
                 )
             )
             stack.enter_context(unpacked_sequences(model))
@@ -343,14 +344,16 @@ def trace_activations(
         stages: each pipeline stage's module paths; the trace then counts per stage, for one micro-batch.
         cuda: trace the kernels torch picks on CUDA (`functional_shard.costing.trace.cuda_kernels`).
         documents: packed rows' document lengths (`functional_shard.costing.time.documents.row_documents`):
-            attention over a row is counted per document.
+            attention over a row is counted per document; under cp, ``rank``'s share of each row as
+            `functional_shard.core.sequence.document_ranges` cuts it (by default the busiest cp rank's),
+            run by the all-gather engine under a boolean mask a row.
 
     Returns:
         An `ActivationTrace`.
 
     Raises:
         ShardingError: inputs that do not fit the model, an unknown checkpoint policy, a bad imbalance,
-            ``documents`` malformed or of more than ``seq`` tokens a row, or under context parallel.
+            ``documents`` malformed or of more than ``seq`` tokens a row, or cp not dividing ``seq``.
         PlanError: under sequence parallel, tp does not divide ``seq`` or a layer sp cannot run.
 
     Examples:
@@ -361,8 +364,9 @@ def trace_activations(
         >>> trace.output_bytes == 2 * 8 * 256 * 4
         True
     """
-    rank = 0 if rank is None else rank
     config = plan.config
+    cp_rank = cp_rank_of(plan, rank)  # packed rows: whose share is counted; None: the busiest
+    rank = 0 if rank is None else rank
     checkpointed = tuple(config.checkpointed)
     if any(i != o and (not o or i.startswith(f"{o}.")) for o in checkpointed for i in checkpointed):
         backward = True  # an inner module's forward runs again in the outer one's recompute
@@ -377,10 +381,15 @@ def trace_activations(
     tp_size = config.tp_size(plan.mesh)
     cp = config.cp_size(plan.mesh)
     if config.context is not None and cp > 1:
-        check_sequence_length(seq, cp, load_balance=config.context.load_balance)
+        # packed rows are cut into cp shares by work (`document_ranges`), never into 2·cp chunks
+        check_sequence_length(seq, cp, load_balance=config.context.load_balance and documents is None)
     if config.sequence_parallel:
         check_sequence_parallel(modules, plan, seq // cp, tp_size)
-    rows = None if documents is None else row_documents(documents, seq, cp=cp, who="trace_activations")
+    rows = (
+        None
+        if documents is None
+        else row_documents(documents, seq, cp=cp, cp_rank=cp_rank, who="trace_activations")
+    )
 
     # fake CPU tensors: no memory, and torch picks the fused attention kernels it runs for real
     fake = FakeTensorMode(allow_non_fake_inputs=False)

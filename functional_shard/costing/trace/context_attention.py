@@ -108,15 +108,21 @@ def routing_attention(route: Callable[[AttentionCall], Any]) -> Iterator[None]:
             functional.scaled_dot_product_attention = _SDPA
 
 
-def _whole_sequence(cp: int, per_step: list[torch.Tensor]) -> Callable[[AttentionCall], torch.Tensor]:
-    masks: dict[tuple[int, int], torch.Tensor] = {}  # one a step, shared by every layer, as the engine's
+def _whole_sequence(
+    cp: int, per_step: list[torch.Tensor], *, packed: bool = False
+) -> Callable[[AttentionCall], torch.Tensor]:
+    masks: dict[tuple[int, ...], torch.Tensor] = {}  # one a step, shared by every layer, as the engine's
 
     def attend(call: AttentionCall) -> torch.Tensor:
         keys = torch.cat([call.key] * cp, dim=-2)
         values = torch.cat([call.value] * cp, dim=-2)
         mask = None
-        if call.is_causal:  # a local query against every key: the shape of the engine's mask
-            shape = (call.query.shape[-2], keys.shape[-2])
+        # a local query against every key: the shape of the engine's mask; packed rows, a mask a row
+        # (whatever mask the model made of its share, which the engine replaces)
+        if call.is_causal or packed:
+            shape: tuple[int, ...] = (call.query.shape[-2], keys.shape[-2])
+            if packed:
+                shape = (call.query.shape[0], 1, *shape)
             if shape not in masks:
                 masks[shape] = torch.ones(shape, dtype=torch.bool).tril()
                 per_step.append(masks[shape])
@@ -184,17 +190,22 @@ def _ring(cp: int, merged: bool) -> Callable[[AttentionCall], torch.Tensor]:
 
 @contextlib.contextmanager
 def context_parallel_attention(
-    cp: int, engine: str = "all_gather", *, cp_rank: int = 0, load_balance: bool = True
+    cp: int, engine: str = "all_gather", *, cp_rank: int = 0, load_balance: bool = True, packed: bool = False
 ) -> Iterator[list[torch.Tensor]]:
     """Within the block, attention runs over ``cp`` times the keys and values it is given.
 
     ``"all_gather"`` keeps the gathered keys and values; ``"ring"`` (on cp rank ``cp_rank``) only the
     local ones. Yields the tensors made once a step (the all-gather engine's shared causal mask).
+    ``packed``: rows of packed documents, which the all-gather engine runs (whatever ``engine``) under
+    a boolean mask a row, ``[batch, 1, local, whole]``.
     """
     per_step: list[torch.Tensor] = []
     if cp <= 1:
         yield per_step
         return
     merged = load_balance and cp_rank < cp - 1
-    with routing_attention(_ring(cp, merged) if engine == "ring" else _whole_sequence(cp, per_step)):
+    route = (
+        _ring(cp, merged) if engine == "ring" and not packed else _whole_sequence(cp, per_step, packed=packed)
+    )
+    with routing_attention(route):
         yield per_step
