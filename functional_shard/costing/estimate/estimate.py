@@ -29,6 +29,7 @@ from functional_shard.planning.tp.module_splits import head_problems
 from .from_trace import Assembly, assemble
 from .pipeline_estimate import microbatch_size
 from .record import Estimate
+from .reserved import SIMULATED, ReservedModel, check_reserved_model, traced_reserved
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan.plan import Plan
@@ -109,6 +110,7 @@ def estimate(
     keep_outputs: bool = False,
     kernels: Kernels | None = None,
     documents: Any = None,
+    reserved: ReservedModel = "streams",
 ) -> Estimate:
     """Estimate a training step's peak memory and time for ``plan`` on ``hardware``.
 
@@ -132,6 +134,10 @@ def estimate(
             parallel each row is cut as the runtime cuts it (`functional_shard.core.sequence.document_ranges`)
             and run by the all-gather engine; the model flops are ``rank``'s share (by default the busiest
             cp rank's), the kernel's every pair of its queries and the row's keys (a boolean mask).
+        reserved: how `Estimate.reserved_peak_bytes` counts the caching allocator: ``"streams"``, the
+            segments cached on FSDP2's own streams beyond the allocated peak (fast); ``"traced"``, the
+            step's allocations traced in order through torch's allocator rules, its fragmentation
+            counted (seconds; FSDP on one rank with AdamW, token-id inputs, eager kernels).
 
     Returns:
         An `Estimate`.
@@ -139,7 +145,8 @@ def estimate(
     Raises:
         ShardingError: an argument of the wrong type or value, named with its fix; ``documents`` of
             more than ``seq`` tokens in a row (each named), or a cp size that does not divide ``seq``.
-        PlanError: a split the model cannot run (heads tp does not divide, cp over attention it cannot split).
+        PlanError: a split the model cannot run (heads tp does not divide, cp over attention it cannot split);
+            ``reserved="traced"`` for a plan whose allocation order the trace does not know (its kind named).
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -161,6 +168,7 @@ def estimate(
         refuse(
             "keep_outputs", "True", what, meaning="the plan has no fs.pipeline(...); leave keep_outputs out"
         )
+    check_reserved_model(reserved, inputs=inputs, documents=documents, kernels=kernels)
     rows = None if documents is None else _rows(documents, plan, seq, rank)
     found = assemble(
         _assembly(
@@ -178,6 +186,9 @@ def estimate(
             documents=rows,
         )
     )
+    if reserved == "traced":
+        beyond = traced_reserved(model, plan, found.peak_bytes, batch=batch, seq=seq, optimizer=optimizer)
+        found = dataclasses.replace(found, reserved=beyond, reserved_model=SIMULATED)
     return found if rows is None else dataclasses.replace(found, documents=rows)
 
 

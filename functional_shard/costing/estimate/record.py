@@ -71,6 +71,8 @@ class Estimate:
     """``compute_seconds`` by kind of kernel where the hardware has `KernelRates`; else empty."""
     reserved: Mapping[str, int] = field(default_factory=dict)
     """What the CUDA caching allocator holds at the peak beyond ``memory``, by stream."""
+    reserved_model: str = RESERVED_MODEL
+    """How ``reserved`` was counted (``estimate(reserved=...)``), as `explain` states it."""
     documents: RowDocuments | None = None
     """The packed rows whose documents attention was counted for (``estimate(documents=...)``)."""
 
@@ -140,7 +142,7 @@ class Estimate:
             + (f"; host {_bytes(self.host_bytes)}" if self.host_bytes else ""),
         ]
         lines += [f"  {part:<15} {_bytes(nbytes)}" for part, nbytes in self.memory.items()]
-        lines.append(f"reserved peak {_bytes(self.reserved_peak_bytes)}: {RESERVED_MODEL}")
+        lines.append(f"reserved peak {_bytes(self.reserved_peak_bytes)}: {self.reserved_model}")
         width = max([15, *(len(part) for part in self.reserved)])
         lines += [f"  {part:<{width}} {_bytes(nbytes)}" for part, nbytes in self.reserved.items()]
         if self.context_engine is not None:
@@ -204,6 +206,7 @@ class Estimate:
             "peak_bytes": self.peak_bytes,
             "reserved_peak_bytes": self.reserved_peak_bytes,
             **({"reserved": dict(self.reserved)} if self.reserved else {}),
+            "reserved_model": self.reserved_model,
             "host_bytes": self.host_bytes,
             "flops": self.flops,
             "model_flops": self.model_flops,

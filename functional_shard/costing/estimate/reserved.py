@@ -23,23 +23,42 @@ Each stream's blocks go through `caching_allocator.CachingAllocator`, which roun
 segments as torch does. Under CPU offload the gradients leave the device: their
 reduce-scatter outputs pass through that stream one unit at a time, not counted. Not
 counted either: the default stream's own fragmentation (cached blocks split by one request
-and too small for the next), which depends on the order of every allocation in the step
-(`simulated_peaks` traces that order and runs it through the simulator, for the plans an
-H200 measured); docs/will-it-fit.md lists the rows where it shows.
+and too small for the next), which depends on the order of every allocation in the step.
+
+``fs.estimate(..., reserved="traced")`` counts it: `traced_reserved` traces that order
+(`functional_shard.costing.trace.allocations.step_allocations`) and runs three steps of it
+through the simulator, for the plans whose order the trace knows (FSDP on one rank, AdamW,
+token-id inputs, eager kernels); others raise. docs/will-it-fit.md holds both models to an
+H200's rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
+
+from functional_shard.core.errors import PlanError
+from functional_shard.core.validate import refuse
+from functional_shard.costing.time.kernels import Kernels
 
 from .caching_allocator import CachingAllocator, run
 
 if TYPE_CHECKING:
-    from functional_shard.planning.plan.cost_record import Cost
+    from functional_shard.planning.plan.cost_record import Cost, OptimizerKind
     from functional_shard.planning.plan.plan import Plan
 
-__all__ = ["MODEL", "SIMULATED", "reserved_beyond", "simulated_peaks"]
+__all__ = [
+    "MODEL",
+    "SIMULATED",
+    "ReservedModel",
+    "check_reserved_model",
+    "reserved_beyond",
+    "simulated_peaks",
+    "traced_reserved",
+]
+
+ReservedModel = Literal["streams", "traced"]
+"""``fs.estimate(reserved=...)``: FSDP2's streams (fast), or the step's allocations traced in order."""
 
 MODEL = (
     "the allocated peak plus the segments cached on FSDP2's own streams; "
@@ -87,7 +106,7 @@ def reserved_beyond(
 
 
 def simulated_peaks(
-    model: Any, plan: Plan, *, batch: int, seq: int, optimizer: str = "adamw"
+    model: Any, plan: Plan, *, batch: int, seq: int, optimizer: OptimizerKind = "adamw"
 ) -> tuple[int, int]:
     """(allocated, reserved) peaks of three steps of ``plan`` through the allocator simulator.
 
@@ -104,9 +123,79 @@ def simulated_peaks(
         >>> reserved >= allocated > 0
         True
     """
+    allocator = _simulated(model, plan, batch=batch, seq=seq, optimizer=optimizer)
+    return allocator.peak_allocated, allocator.peak_reserved
+
+
+def _simulated(model: Any, plan: Plan, *, batch: int, seq: int, optimizer: OptimizerKind) -> CachingAllocator:
     from functional_shard.costing.trace.allocations import step_allocations  # fake-tensor machinery
 
     allocator = CachingAllocator()
     for _ in run(allocator, step_allocations(model, plan, batch=batch, seq=seq, optimizer=optimizer)):
         pass
-    return allocator.peak_allocated, allocator.peak_reserved
+    return allocator
+
+
+def check_reserved_model(
+    reserved: object, *, inputs: object, documents: object, kernels: Kernels | None
+) -> None:
+    """Refuse a ``reserved`` `fs.estimate` does not know, or ``"traced"`` with what the trace cannot run.
+
+    The trace feeds the model token ids and runs eager kernels in their order: other inputs,
+    packed documents (another attention kernel) or compiled and Float8 kernels allocate in
+    another order.
+
+    Raises:
+        ShardingError: as above, named with the fix.
+    """
+    if reserved not in ("streams", "traced"):
+        refuse("reserved", repr(reserved), '"streams" or "traced"', meaning=_MEANING)
+    if reserved == "streams":
+        return
+    given = {"inputs": inputs, "documents": documents}
+    for name, value in given.items():
+        if value is not None:
+            refuse(
+                "reserved",
+                '"traced"',
+                f"the trace feeds token ids, without {name}",
+                meaning=f'leave {name} out, or use reserved="streams"',
+            )
+    if kernels is not None and kernels != Kernels():
+        refuse(
+            "reserved",
+            '"traced"',
+            f"the trace runs eager kernels in their order, not {kernels}",
+            meaning='leave kernels out, or use reserved="streams"',
+        )
+
+
+_MEANING = (
+    'how the reserved peak is counted: "streams" adds the segments cached on FSDP2\'s own streams '
+    '(fast); "traced" runs the step\'s traced allocations through the caching allocator (seconds)'
+)
+
+
+def traced_reserved(
+    model: Any, plan: Plan, peak_bytes: int, *, batch: int, seq: int, optimizer: OptimizerKind
+) -> dict[str, int]:
+    """What the caching allocator holds beyond ``peak_bytes``, by stream, from the step's traced order.
+
+    The simulator's segments after three steps (none is released: their sum is the reserved
+    peak): the reduce-scatter stream's, and the default stream's beyond ``peak_bytes`` (its
+    fragmentation, and where the traced allocated peak differs from ``peak_bytes``, that too).
+
+    Raises:
+        PlanError: a plan whose allocation order the trace does not know, its kind named.
+    """
+    try:
+        allocator = _simulated(model, plan, batch=batch, seq=seq, optimizer=optimizer)
+    except PlanError as error:
+        raise PlanError(f'reserved="traced": {error}; reserved="streams" counts any plan') from error
+    by_stream: dict[int, int] = {}
+    for segment in allocator.segments:
+        by_stream[segment.stream] = by_stream.get(segment.stream, 0) + segment.size
+    beyond = {"default stream": by_stream.pop(0, 0) - peak_bytes}
+    if by_stream:
+        beyond["reduce-scatter stream"] = sum(by_stream.values())
+    return beyond

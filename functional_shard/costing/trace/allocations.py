@@ -20,16 +20,19 @@ trace does not run is placed where torch runs it:
   step counts on the host;
 - the parameters' fp32 shards first (``fs.materialize``), each step's token ids.
 
-Three steps, the first without optimizer state, are what the warm-up leaves in the cache:
+Three steps, the first without optimizer state, are what the warm-up leaves in the cache
+(one step is traced: every step runs the same ops):
 `functional_shard.costing.estimate.caching_allocator` runs them. Held to an H200's rows in
 tests/unit/test_gpu_truth.py. Only plans of that kind are traced (FSDP whose shard group is
-one rank, without tensor, context or pipeline parallelism, experts or offload; AdamW):
+one rank, resharding after forward, one module a unit; a 16-bit compute dtype with float32
+reduction; without tensor, context or pipeline parallelism, experts or offload; AdamW):
 others raise `PlanError`.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from functional_shard.core.errors import PlanError
+from functional_shard.planning.plan.cost_record import OptimizerKind
 
 from .activations import _Run, _RunSetup, _stage_holder
 from .counting import Births, Flops, _device_query
@@ -105,14 +109,23 @@ class _Lifetimes(TorchDispatchMode):
         return out
 
 
-def _check(plan: Any, optimizer: str) -> None:
+def _check(plan: Any, optimizer: OptimizerKind) -> None:
     config = plan.config
     fsdp = config.fsdp
     problems = []
-    if fsdp is None or fsdp.kind != "fsdp":
-        problems.append("it is not FSDP (fs.fsdp)")
-    elif fsdp.shard_axes and plan.mesh.axes_size(fsdp.shard_axes) != 1:
-        problems.append("FSDP shards over more than one rank (its all-gathers were not measured)")
+    if fsdp is None:
+        problems.append("it has no FSDP (fs.fsdp)")
+    elif fsdp.kind != "fsdp":
+        problems.append(f"its data parallelism is {fsdp.kind}, not FSDP resharding after forward (fs.fsdp)")
+    else:
+        if fsdp.shard_axes and plan.mesh.axes_size(fsdp.shard_axes) != 1:
+            problems.append("FSDP shards over more than one rank (its all-gathers were not measured)")
+        if not fsdp.reshard_after_forward:
+            problems.append("FSDP keeps the gathered parameters after forward")
+        if fsdp.unit_groups:
+            problems.append("it has FSDP units of several modules")
+    if config.param_dtype not in ("bfloat16", "float16") or config.reduce_dtype != "float32":
+        problems.append("its mixed precision is not a 16-bit compute dtype with float32 reduction")
     if config.tp_size(plan.mesh) > 1 or config.cp_size(plan.mesh) > 1 or config.pipeline is not None:
         problems.append("it has tensor, context or pipeline parallelism")
     if config.expert_modules or config.offload_params or config.offload_grads or config.offload_optimizer:
@@ -121,8 +134,8 @@ def _check(plan: Any, optimizer: str) -> None:
         problems.append(f"its optimizer is {optimizer!r}, not AdamW")
     if problems:
         raise PlanError(
-            "step_allocations traces only what an H200 measured (FSDP on one rank, AdamW): "
-            + "; ".join(problems)
+            "the step's allocations are traced only for plans of the kind an H200 measured "
+            "(fs.fsdp on one rank with fs.mixed_precision(), AdamW): " + "; ".join(problems)
         )
 
 
@@ -133,7 +146,7 @@ def _unit_of(path: str, units: tuple[str, ...]) -> str:
 
 
 def step_allocations(
-    model: nn.Module, plan: Any, *, batch: int, seq: int, steps: int = 3, optimizer: str = "adamw"
+    model: nn.Module, plan: Any, *, batch: int, seq: int, steps: int = 3, optimizer: OptimizerKind = "adamw"
 ) -> list[Event]:
     """The device allocations and frees of ``steps`` training steps of ``plan``, in order.
 
@@ -173,16 +186,59 @@ def step_allocations(
     fp32_bytes = {name: tensor[name].numel() * 4 for name in names}
     fsdp = _Fsdp(log, members, compute_bytes, fp32_bytes, tensor)
 
-    for name in names:  # fs.materialize: the fp32 shards
-        log.alloc(fp32_bytes[name])
     with _hooks(modules, model, members, fsdp, tensor, unit_of), run.swapped():
-        for step in range(steps):
-            fsdp.zero_grad()
-            _one_step(run, model, log, fake, batch=batch, seq=seq, dtype=dtype, fsdp=fsdp)
-            _adamw_step(log, [fp32_bytes[name] for name in names], first=step == 0)
-            gc.collect()
-            log.collect()
-    return log.events
+        _one_step(run, model, log, fake, batch=batch, seq=seq, dtype=dtype, fsdp=fsdp)
+    traced, log.events = log.events, []
+    gc.collect()
+    log.collect()
+    remains = log.events  # what died with the step's last references, freed after the optimizer's step
+    return _repeated(
+        traced,
+        remains,
+        gradients=list(fsdp.gradients.values()),
+        parameters=[fp32_bytes[name] for name in names],
+        steps=steps,
+    )
+
+
+def _repeated(
+    traced: list[Event], remains: list[Event], *, gradients: list[int], parameters: list[int], steps: int
+) -> list[Event]:
+    """``steps`` steps of one traced step, in torch's order around it.
+
+    Every step runs the same ops, so one trace serves them all, each step's blocks under keys
+    of their own. Around each: ``zero_grad`` first (the previous step's reduce-scatter outputs),
+    the optimizer's step before the step's last references die; the fp32 shards before the
+    first (``fs.materialize``).
+    """
+    events: list[Event] = []
+    keys = itertools.count(1)
+
+    def alloc(size: int, stream: int = 0) -> int:
+        key = next(keys)
+        events.append(("alloc", size, key, stream))
+        return key
+
+    for size in parameters:
+        alloc(size)
+    kept: list[int] = []
+    for step in range(steps):
+        events.extend(("free", 0, key, 0) for key in kept)
+        renamed: dict[int, int] = {}
+        for action, size, key, stream in traced:
+            if action == "alloc":
+                renamed[key] = alloc(size, stream)
+            else:
+                events.append((action, size, renamed[key], stream))
+        if step == 0:
+            for size in parameters:  # AdamW's first step() makes exp_avg and exp_avg_sq
+                alloc(size)
+                alloc(size)
+        temporaries = [alloc(size) for size in parameters]  # _foreach_sqrt(exp_avg_sqs)
+        events.extend(("free", 0, key, 0) for key in temporaries)
+        events.extend((action, size, renamed[key], stream) for action, size, key, stream in remains)
+        kept = [renamed[key] for key in gradients]
+    return events
 
 
 class _Fsdp:
@@ -307,12 +363,3 @@ def _one_step(
         log.collect()
     fsdp.reshard("")
     del tokens
-
-
-def _adamw_step(log: _Log, sizes: list[int], *, first: bool) -> None:
-    if first:
-        for size in sizes:  # exp_avg, exp_avg_sq
-            log.alloc(size)
-            log.alloc(size)
-    for key in [log.alloc(size) for size in sizes]:  # _foreach_sqrt(exp_avg_sqs)
-        log.free(key)
