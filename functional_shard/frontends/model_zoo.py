@@ -12,12 +12,16 @@ Given the tokens alone it attends causally over the whole row, with no rotary em
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from functional_shard.core.document_masks import check_packed_inputs, document_mask
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's from Python 3.11
 
 __all__ = ["CONFIGS", "ROPE_THETA", "Llama", "LlamaConfig", "llama", "rotary_angles"]
 
@@ -72,6 +76,13 @@ def _rotate(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch
     cos, sin = (part.to(x.dtype) for part in rotary)
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class AttentionKeywords(TypedDict, total=False):
+    """What attention takes beside the hidden states, which a block passes on as it gets it."""
+
+    rotary: tuple[torch.Tensor, torch.Tensor] | None
+    mask: torch.Tensor | None
 
 
 class Attention(nn.Module):
@@ -137,20 +148,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=1e-5)
         self.mlp = MLP(config)
 
-    # Attention's keywords, written out again rather than forwarded: torch calls forward by
-    # its signature, and a block's recorded call (`block_calls`) names them
-    def forward(
-        self,
-        x: torch.Tensor,
-        *,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, **attention: Unpack[AttentionKeywords]) -> torch.Tensor:
         """Residual attention, then residual MLP."""
-        if rotary is None and mask is None:
-            x = x + self.self_attn(self.input_layernorm(x))
-        else:
-            x = x + self.self_attn(self.input_layernorm(x), rotary=rotary, mask=mask)
+        x = x + self.self_attn(self.input_layernorm(x), **attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
