@@ -401,17 +401,17 @@ def _rank_memories(
                 "buffers": plan_cost.buffers_bytes,
                 "gathered": gathered_in_flight(holdings.plans[c], holdings.gathered[c]),
                 # at the activations' peak, the stages that ran a backward hold them whole
-                "accumulated_grads": int(held[c][1]),
+                "accumulated_grads": int(held[c].gradients),
                 # and once per rank, whatever is in flight, what every micro-batch shares
-                "activations": int(held[c][0] + trace.step_bytes),
+                "activations": int(held[c].activations + trace.step_bytes),
                 "pipeline_buffers": sum(stage_bytes.buffers[s] for s in mine),
                 # one micro-batch's loss beyond its logits and log-softmax (those are in kept)
                 "loss_workspace": loss if last in mine else 0,
             }
         )
-        if held[c][2]:
+        if held[c].working:
             # where the peak falls in a backward: its checkpointed block's recompute
-            memories[c]["recompute"] = int(held[c][2])
+            memories[c]["recompute"] = int(held[c].working)
     # torch's ring adds its backward's buffers before the worst rank is chosen
     tokens = assembly.batch // m * assembly.seq
     memories = [with_ring_workspace(memory, plan, tokens) for memory in memories]
