@@ -173,7 +173,6 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
         plan=holdings.plans[chosen],
         # its units' Float8 all-gathers, where counted, a byte an element
         cost=cost_with_float8_gathers(costs[chosen], plan, float8_gathered),
-        rank=_rank_of_coordinate(plan, chosen, rank),
         memory=memories[chosen],
         forward_flops=flops["forward"],
         backward_flops=flops["backward"],
