@@ -52,7 +52,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 from torch import nn
 
 import functional_shard as fs
-from functional_shard.planning.pipeline.schedules import held_peak
+from functional_shard.planning.pipeline.schedules import held_peak_parts
 from functional_shard.planning.tp import rules
 from functional_shard.zoo import Block, llama
 
@@ -121,7 +121,9 @@ def main() -> None:
     for schedule, plan in plans.items():
         pipeline = plan.config.pipeline
         layers = [sum(name.startswith("layers.") for name in stage) for stage in pipeline.stages]
-        held = held_peak(schedule, 8, 8, pipeline.stages_per_rank, layers)
+        held = [
+            part.activations for part in held_peak_parts(schedule, 8, 8, pipeline.stages_per_rank, layers)
+        ]
         for coordinate in range(8):
             est = fs.estimate(
                 model, plan, batch=32, seq=8192, hardware="h100", rank=coordinate * 64, keep_outputs=True

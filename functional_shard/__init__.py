@@ -11,6 +11,8 @@ Examples:
 """
 
 # `_EXPORTS` maps each public name to (defining module, attribute; None: the module itself).
+# Its lines look alike on purpose: one literal name -> definition entry each, which `__getattr__`
+# looks up and docs/_hooks/architecture.py reads with ast.literal_eval, neither building an index.
 # Names load on first use (PEP 562), so `import functional_shard` loads no engine,
 # checkpoint or launcher code. Type checkers, IDEs and the API docs read `__init__.pyi`,
 # written from this list by `python3 tests/unit/test_facade.py` (which fails when they differ).

@@ -25,9 +25,12 @@ import math
 import os
 import pathlib
 from collections.abc import Callable, Collection
-from typing import Any, NoReturn, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypedDict, TypeVar
 
 from .errors import ShardingError
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's from Python 3.11
 
 __all__ = ["entry_point", "instance_of", "one_of", "path", "positive_int", "positive_number", "refuse"]
 
@@ -63,9 +66,14 @@ def refuse(
     raise problem
 
 
-def positive_int(
-    value: Any, name: str, *, meaning: str = "", error: type[ShardingError] = ShardingError
-) -> int:
+class Refusal(TypedDict, total=False):
+    """How a check words and raises its refusal: `refuse`'s keywords, which every check passes on."""
+
+    meaning: str
+    error: type[ShardingError]
+
+
+def positive_int(value: Any, name: str, **refusal: Unpack[Refusal]) -> int:
     """``value`` if it is an int of at least 1 (not a bool, not a float), else refused.
 
     Examples:
@@ -77,13 +85,11 @@ def positive_int(
         functional_shard.ShardingError: microbatches=2.0: a positive int
     """
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        refuse(name, repr(value), "a positive int", meaning=meaning, error=error)
+        refuse(name, repr(value), "a positive int", **refusal)
     return value
 
 
-def positive_number(
-    value: Any, name: str, *, meaning: str = "", error: type[ShardingError] = ShardingError
-) -> float:
+def positive_number(value: Any, name: str, **refusal: Unpack[Refusal]) -> float:
     """``value`` if it is a finite int or float above 0 (not a bool), else refused.
 
     Examples:
@@ -100,20 +106,11 @@ def positive_number(
         or not math.isfinite(value)
         or not value > 0
     ):
-        refuse(name, repr(value), "a positive number", meaning=meaning, error=error)
+        refuse(name, repr(value), "a positive number", **refusal)
     return value
 
 
-# one_of and instance_of are alike in shape on purpose: each check takes the vocabulary's
-# keywords (meaning, error) and shows its own refusal where its callers read it
-def one_of(
-    value: Any,
-    choices: Collection[_T],
-    name: str,
-    *,
-    meaning: str = "",
-    error: type[ShardingError] = ShardingError,
-) -> _T:
+def one_of(value: Any, choices: Collection[_T], name: str, **refusal: Unpack[Refusal]) -> _T:
     """``value`` if it is one of ``choices``, of the same type (``2.0`` and ``True`` are not ``2``, ``1``).
 
     Examples:
@@ -125,18 +122,11 @@ def one_of(
         functional_shard.ShardingError: engine='tree': one of 'allgather', 'ring'
     """
     if not any(type(value) is type(choice) and value == choice for choice in choices):
-        refuse(name, repr(value), f"one of {', '.join(map(repr, choices))}", meaning=meaning, error=error)
+        refuse(name, repr(value), f"one of {', '.join(map(repr, choices))}", **refusal)
     return value  # type: ignore[no-any-return]  # it is one of choices
 
 
-def instance_of(
-    value: Any,
-    kind: type[_T],
-    name: str,
-    *,
-    meaning: str = "",
-    error: type[ShardingError] = ShardingError,
-) -> _T:
+def instance_of(value: Any, kind: type[_T], name: str, **refusal: Unpack[Refusal]) -> _T:
     """``value`` if it is a ``kind``, else refused, naming the type it is (not its repr: a model's is long).
 
     Examples:
@@ -148,7 +138,7 @@ def instance_of(
         functional_shard.ShardingError: axis=NoneType: a str (one mesh axis name)
     """
     if not isinstance(value, kind):
-        refuse(name, type(value).__name__, f"a {kind.__name__}", meaning=meaning, error=error)
+        refuse(name, type(value).__name__, f"a {kind.__name__}", **refusal)
     return value
 
 

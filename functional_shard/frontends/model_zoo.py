@@ -12,7 +12,7 @@ Given the tokens alone it attends causally over the whole row, with no rotary em
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -26,6 +26,7 @@ from functional_shard.core.document_masks import (
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
+    from typing_extensions import Unpack  # typing's from Python 3.11
 
 __all__ = ["CONFIGS", "ROPE_THETA", "Llama", "LlamaConfig", "llama", "rotary_angles"]
 
@@ -80,6 +81,13 @@ def _rotate(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch
     cos, sin = (part.to(x.dtype) for part in rotary)
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class AttentionKeywords(TypedDict, total=False):
+    """What attention takes beside the hidden states, which a block passes on as it gets it."""
+
+    rotary: tuple[torch.Tensor, torch.Tensor] | None
+    mask: torch.Tensor | BlockMask | None
 
 
 class Attention(nn.Module):
@@ -145,20 +153,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=1e-5)
         self.mlp = MLP(config)
 
-    # Attention's keywords, written out again rather than forwarded: torch calls forward by
-    # its signature, and a block's recorded call (`block_calls`) names them
-    def forward(
-        self,
-        x: torch.Tensor,
-        *,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-        mask: torch.Tensor | BlockMask | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, **attention: Unpack[AttentionKeywords]) -> torch.Tensor:
         """Residual attention, then residual MLP."""
-        if rotary is None and mask is None:
-            x = x + self.self_attn(self.input_layernorm(x))
-        else:
-            x = x + self.self_attn(self.input_layernorm(x), rotary=rotary, mask=mask)
+        x = x + self.self_attn(self.input_layernorm(x), **attention)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

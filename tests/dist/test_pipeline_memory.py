@@ -6,7 +6,7 @@ for a backward still to come (autograd's saved tensors, parameters excluded, and
 inputs and outputs torch's ``PipelineStage`` caches for its backward); its peak over the
 step is compared with the estimate's activations for that rank: the schedule's
 micro-batches in flight walked over the rank's action list
-(`functional_shard.planning.pipeline.schedules.held_peak`) with what one micro-batch keeps on each stage
+(`functional_shard.planning.pipeline.schedules.held_peak_parts`) with what one micro-batch keeps on each stage
 (`Estimate.pipeline.stage_activation_bytes`, the last stage's logits and log-softmax
 included).
 
@@ -36,7 +36,7 @@ import json
 import pytest
 
 import functional_shard as fs
-from functional_shard.planning.pipeline.schedules import held_peak, in_flight, schedule_actions
+from functional_shard.planning.pipeline.schedules import held_peak_parts, in_flight, schedule_actions
 
 from .. import pipeline_cases as pc
 from .. import pipeline_memory_cases as pm
@@ -70,10 +70,10 @@ def estimated_held(spec):
     pp, per_rank = spec["mesh"]["pp"], spec["stages_per_rank"]
     to_end = [0] * (len(kept) - 1) + [pipeline.kept_output_bytes]
     during = turn_outputs(spec)
-    held = held_peak(
+    held = held_peak_parts(
         spec["schedule"], pp, spec["microbatches"], per_rank, kept, kept_to_end=to_end, during_forward=during
     )
-    return [h + b for h, b in zip(held, rank_buffers(spec), strict=True)]
+    return [h.activations + b for h, b in zip(held, rank_buffers(spec), strict=True)]
 
 
 def turn_outputs(spec):
@@ -121,7 +121,7 @@ def hidden_bytes(spec):
 def as_torch_holds(spec):
     """The estimate's held bytes per pp rank with what torch holds otherwise put right.
 
-    `held_peak`'s walk over each rank's actions, with the ids moved: no stage holds one
+    `held_peak_parts`' walk over each rank's actions, with the ids moved: no stage holds one
     micro-batch's token ids per micro-batch; the first stage holds the step's ids, and the
     last the step's targets, while any of its micro-batches is in flight. And the trace's
     two misplaced storages (`_trace_gaps`) put where torch keeps them.
@@ -245,7 +245,7 @@ def test_dualpipev_frees_at_its_full_backwards_and_peaks_inside_overlapped_steps
     # micro-batches at once, right after the forward half of an overlapped forward+backward
     # step; a walk that freed only at W (B never freeing) or looked after whole steps only
     # would not say 9
-    assert held_peak("dualpipev", 4, 8, 2, [1] * 8) == (9, 9, 9, 9)
+    assert [held.activations for held in held_peak_parts("dualpipev", 4, 8, 2, [1] * 8)] == [9, 9, 9, 9]
     assert in_flight("dualpipev", 4, 8, 2) == (8, 7, 6, 5, 4, 3, 2, 1)
 
 

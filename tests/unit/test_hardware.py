@@ -23,6 +23,16 @@ def test_named_profiles_carry_datasheet_numbers():
         assert hw.intra_node_bandwidth > hw.inter_node_bandwidth > 0
 
 
+def test_b200_is_an_h100_node_with_blackwell_figures():
+    h100, b200 = fs.hardware("h100"), fs.hardware("b200")
+    blackwell = {"name", "flops", "memory_bytes", "memory_bandwidth", "intra_node_bandwidth", "source"}
+    for f in dataclasses.fields(b200):
+        if f.name not in blackwell | {"kernel_rates"}:
+            assert getattr(b200, f.name) == getattr(h100, f.name), f.name
+    assert (b200.memory_bytes, b200.memory_bandwidth, b200.intra_node_bandwidth) == (180e9, 7.7e12, 900e9)
+    assert b200.kernel_rates is None  # not measured: its steps are timed at compute_efficiency
+
+
 def test_hardware_is_frozen_and_passes_through():
     hw = fs.hardware("h100")
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -12,7 +12,6 @@ from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 import functional_shard as fs
 from functional_shard.planning.pipeline.schedules import (
     check_pipeline,
-    held_peak,
     held_peak_parts,
     in_flight,
     schedule_actions,
@@ -136,11 +135,15 @@ def test_in_flight(name, per_rank, pp, m, expected):
     assert in_flight(name, pp, m, per_rank) == expected
 
 
+def activations(parts):
+    return [held.activations for held in parts]
+
+
 def test_held_peak_weights_stages():
-    assert held_peak("1f1b", 4, 8, 1, [1, 10, 100, 1000]) == (4, 30, 200, 1000)
+    assert activations(held_peak_parts("1f1b", 4, 8, 1, [1, 10, 100, 1000])) == [4, 30, 200, 1000]
     # a rank's stages peak together at most: never more than the sum of their own peaks
     flight = in_flight("interleaved1f1b", 2, 4, 2)
-    peaks = held_peak("interleaved1f1b", 2, 4, 2, [1, 10, 100, 1000])
+    peaks = activations(held_peak_parts("interleaved1f1b", 2, 4, 2, [1, 10, 100, 1000]))
     assert peaks[0] <= flight[0] * 1 + flight[2] * 100
     assert peaks[1] <= flight[1] * 10 + flight[3] * 1000
 
@@ -173,9 +176,12 @@ def test_what_stays_to_the_end_and_what_a_forward_or_backward_holds_add_within_b
         return
     n = pp * per_rank
     kept, to_end, during, working = sizes[:n], sizes[8 : 8 + n], sizes[16 : 16 + n], sizes[24 : 24 + n]
-    base = held_peak(name, pp, m, per_rank, kept)
-    both = held_peak(name, pp, m, per_rank, kept, kept_to_end=to_end, during_forward=during)
-    assert held_peak(name, pp, m, per_rank, kept, kept_to_end=[0] * n, during_forward=[0] * n) == base
+    plain = held_peak_parts(name, pp, m, per_rank, kept)
+    base = activations(plain)
+    both = activations(
+        held_peak_parts(name, pp, m, per_rank, kept, kept_to_end=to_end, during_forward=during)
+    )
+    assert held_peak_parts(name, pp, m, per_rank, kept, kept_to_end=[0] * n, during_forward=[0] * n) == plain
     backward = held_peak_parts(name, pp, m, per_rank, kept, during_backward=working)
     for rank in range(pp):
         mine = [s for s in range(n) if stage_rank(s, pp, per_rank, name) == rank]

@@ -69,7 +69,6 @@ def _flat_parts(assembly: Assembly) -> StepParts:
     return StepParts(
         plan=plan,
         cost=plan_cost,
-        rank=plan_cost.rank,
         memory=memory,
         forward_flops=trace.forward_flops,
         backward_flops=trace.backward_flops,

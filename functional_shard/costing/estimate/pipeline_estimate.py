@@ -173,7 +173,6 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
         plan=holdings.plans[chosen],
         # its units' Float8 all-gathers, where counted, a byte an element
         cost=cost_with_float8_gathers(costs[chosen], plan, float8_gathered),
-        rank=_rank_of_coordinate(plan, chosen, rank),
         memory=memories[chosen],
         forward_flops=flops["forward"],
         backward_flops=flops["backward"],
@@ -401,17 +400,17 @@ def _rank_memories(
                 "buffers": plan_cost.buffers_bytes,
                 "gathered": gathered_in_flight(holdings.plans[c], holdings.gathered[c]),
                 # at the activations' peak, the stages that ran a backward hold them whole
-                "accumulated_grads": int(held[c][1]),
+                "accumulated_grads": int(held[c].gradients),
                 # and once per rank, whatever is in flight, what every micro-batch shares
-                "activations": int(held[c][0] + trace.step_bytes),
+                "activations": int(held[c].activations + trace.step_bytes),
                 "pipeline_buffers": sum(stage_bytes.buffers[s] for s in mine),
                 # one micro-batch's loss beyond its logits and log-softmax (those are in kept)
                 "loss_workspace": loss if last in mine else 0,
             }
         )
-        if held[c][2]:
+        if held[c].working:
             # where the peak falls in a backward: its checkpointed block's recompute
-            memories[c]["recompute"] = int(held[c][2])
+            memories[c]["recompute"] = int(held[c].working)
     # torch's ring adds its backward's buffers before the worst rank is chosen
     tokens = assembly.batch // m * assembly.seq
     memories = [with_ring_workspace(memory, plan, tokens) for memory in memories]

@@ -87,8 +87,7 @@ class StepParts:
 
     Attributes:
         plan: what the rank holds (under a pipeline, its stages' plan).
-        cost: `cost` of that.
-        rank: the rank.
+        cost: `cost` of that, on the rank (its ``rank``).
         memory: its peak by part (see `Estimate`).
         forward_flops: its forward flops per step.
         backward_flops: its backward flops per step.
@@ -105,7 +104,6 @@ class StepParts:
 
     plan: Plan
     cost: Cost
-    rank: int
     memory: Mapping[str, int]
     forward_flops: float
     backward_flops: float
@@ -118,6 +116,11 @@ class StepParts:
     peak_at: str = "the start of backward"
     saved: Mapping[str, float] = field(default_factory=dict)
     work: Work | None = None
+
+    @property
+    def rank(self) -> int:
+        """The rank: the one its `cost` is of."""
+        return self.cost.rank
 
 
 def compute_dtype(plan: Plan) -> str:

@@ -12,7 +12,7 @@ import functools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import NamedTuple, cast
 
 from functional_shard.core.errors import PolicyError, one_line
 from functional_shard.core.validate import positive_int
@@ -21,11 +21,11 @@ from .stages import SCHEDULES, SINGLE_STAGE, check_schedule, stage_rank
 
 __all__ = [
     "Action",
+    "HeldAtPeak",
     "Timeline",
     "check_pipeline",
-    "in_flight",
-    "held_peak",
     "held_peak_parts",
+    "in_flight",
     "schedule_actions",
     "simulate",
 ]
@@ -182,42 +182,15 @@ def schedule_actions(
 _RELEASES = frozenset({"B", "W"})
 
 
-# held_peak restates held_peak_parts' leading parameters rather than forwarding them: it is
-# the activations-only view the tests and bench/published_pipelines.py call, typed and documented
-def held_peak(
-    schedule: str,
-    pp: int,
-    microbatches: int,
-    stages_per_rank: int,
-    stage_bytes: Sequence[float],
-    *,
-    kept_to_end: Sequence[float] | None = None,
-    during_forward: Sequence[float] | None = None,
-) -> tuple[float, ...]:
-    """Per rank: the most activation bytes its stages hold at once, as its list orders them.
+class HeldAtPeak(NamedTuple):
+    """What one pp rank holds, in bytes, at the moment the three together peak (`held_peak_parts`)."""
 
-    ``stage_bytes[s]``: what stage ``s`` keeps for one micro-batch, from its forward to the backward that
-    frees it. ``kept_to_end[s]``: what a forward adds that stays to the step's end. ``during_forward[s]``:
-    what a forward holds only while it runs.
-
-    Examples:
-        >>> held_peak("interleaved1f1b", 2, 4, 2, [1, 10, 100, 1000])
-        (203.0, 1020.0)
-        >>> held_peak("1f1b", 2, 4, 1, [10, 10], kept_to_end=[0, 1])
-        (20.0, 14.0)
-        >>> held_peak("1f1b", 2, 4, 1, [10, 10], during_forward=[5, 0])
-        (25.0, 10.0)
-    """
-    parts = held_peak_parts(
-        schedule,
-        pp,
-        microbatches,
-        stages_per_rank,
-        stage_bytes,
-        kept_to_end=kept_to_end,
-        during_forward=during_forward,
-    )
-    return tuple(held for held, _, _ in parts)
+    activations: float
+    """What its stages keep of the micro-batches in flight (and what stays to the step's end)."""
+    gradients: float
+    """Whole gradients held from each stage's first backward (``after_first_backward``)."""
+    working: float
+    """What the backward running then holds only while it runs (``during_backward``)."""
 
 
 def held_peak_parts(
@@ -231,24 +204,39 @@ def held_peak_parts(
     during_forward: Sequence[float] | None = None,
     after_first_backward: Sequence[float] | None = None,
     during_backward: Sequence[float] | None = None,
-) -> tuple[tuple[float, float, float], ...]:
-    """Per rank: ``(activations, gradients, working)`` held when their sum peaks, as its list orders them.
+) -> tuple[HeldAtPeak, ...]:
+    """Per rank, as its list orders them: what it holds when the sum peaks (`HeldAtPeak`).
 
-    As `held_peak`, and ``after_first_backward[s]``: what stage ``s`` holds from the end of its first
-    backward to the step's end (FSDP2's whole gradients); ``during_backward[s]``: what a backward holds
-    while it runs (a recompute), ``working`` where the peak falls in one.
+    ``stage_bytes[s]``: what stage ``s`` keeps for one micro-batch, from its forward to the backward that
+    frees it. ``kept_to_end[s]``: what a forward adds that stays to the step's end. ``during_forward[s]``:
+    what a forward holds only while it runs. ``after_first_backward[s]``: what stage ``s`` holds from the
+    end of its first backward to the step's end (FSDP2's whole gradients). ``during_backward[s]``: what a
+    backward holds while it runs (a recompute), ``working`` where the peak falls in one.
 
     Examples:
+        Activations alone: the most each rank's stages hold at once.
+
+        >>> [held.activations for held in held_peak_parts("interleaved1f1b", 2, 4, 2, [1, 10, 100, 1000])]
+        [203.0, 1020.0]
+        >>> [held.activations for held in held_peak_parts("1f1b", 2, 4, 1, [10, 10], kept_to_end=[0, 1])]
+        [20.0, 14.0]
+        >>> [held.activations for held in held_peak_parts("1f1b", 2, 4, 1, [10, 10], during_forward=[5, 0])]
+        [25.0, 10.0]
+
+        With FSDP2's whole gradients:
+
         >>> held_peak_parts("1f1b", 2, 4, 1, [10, 10], after_first_backward=[100, 100])
-        ((20.0, 100.0, 0.0), (10.0, 100.0, 0.0))
-        >>> held_peak_parts("interleaved1f1b", 2, 4, 2, [1, 1, 1, 1], after_first_backward=[5, 5, 5, 5])
-        ((5.0, 10.0, 0.0), (3.0, 10.0, 0.0))
+        (HeldAtPeak(activations=20.0, gradients=100.0, working=0.0),
+         HeldAtPeak(activations=10.0, gradients=100.0, working=0.0))
+        >>> parts = held_peak_parts("interleaved1f1b", 2, 4, 2, [1] * 4, after_first_backward=[5] * 4)
+        >>> [tuple(held) for held in parts]
+        [(5.0, 10.0, 0.0), (3.0, 10.0, 0.0)]
 
         A backward's recompute peaks above the forward before it:
 
         >>> grads = [100, 100]
-        >>> held_peak_parts("1f1b", 2, 4, 1, [10, 10], after_first_backward=grads, during_backward=[4, 4])
-        ((20.0, 100.0, 4.0), (10.0, 100.0, 4.0))
+        >>> held_peak_parts("1f1b", 2, 4, 1, [10, 10], after_first_backward=grads, during_backward=[4, 4])[0]
+        HeldAtPeak(activations=20.0, gradients=100.0, working=4.0)
     """
     to_end = kept_to_end or [0.0] * len(stage_bytes)
     during = during_forward or [0.0] * len(stage_bytes)
@@ -257,25 +245,25 @@ def held_peak_parts(
     out = []
     for steps in schedule_actions(schedule, pp, microbatches, stages_per_rank):
         held = whole = 0.0
-        best = (0.0, 0.0, 0.0)
+        best = HeldAtPeak(0.0, 0.0, 0.0)
         backed: set[int] = set()
         for step in steps:
             # DualPipeV's overlapped step runs its forward, then its backward: the peak
             # is between the two
             for action in step:
-                moments = []
+                moments: list[HeldAtPeak] = []
                 if action.kind == "F":
                     held += stage_bytes[action.stage] + to_end[action.stage]
-                    moments.append((held + during[action.stage], whole, 0.0))
+                    moments.append(HeldAtPeak(held + during[action.stage], whole, 0.0))
                 elif action.kind != "W":
                     # B or I, as it starts: its micro-batch still held, the recompute made
-                    moments.append((held, whole, float(working[action.stage])))
+                    moments.append(HeldAtPeak(held, whole, float(working[action.stage])))
                 if action.kind in _RELEASES:
                     held -= stage_bytes[action.stage]
                     if action.stage not in backed:
                         backed.add(action.stage)
                         whole += gradients[action.stage]
-                    moments.append((held, whole, 0.0))
+                    moments.append(HeldAtPeak(held, whole, 0.0))
                 best = max([best, *moments], key=sum)
         out.append(best)
     return tuple(out)

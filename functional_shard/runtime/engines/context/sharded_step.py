@@ -36,8 +36,9 @@ def context_parallel_step(
 ) -> Callable[..., torch.Tensor]:
     """`fs.forward_backward`'s step under context parallel: ``run`` on this rank's chunks.
 
-    ``step(inputs, targets, *, positions=None, document_ids=None)`` returns the mean loss over the
-    cp group. Packed rows (``document_ids``, `functional_shard.core.packing`) are cut by attention
+    ``step(inputs, targets, **packed)`` returns the mean loss over the cp group; ``packed``: the packed
+    rows' keywords that were given (``positions``, ``document_ids``), as `fs.forward_backward`'s step
+    hands them on. Packed rows (``document_ids``, `functional_shard.core.packing`) are cut by attention
     work (`SequenceShard.packed`), and each rank's loss, a mean over the targets it counts (not
     `IGNORE_INDEX`), weighted by its share of them. ``attends``: this rank's forward must reach
     attention (not so for a pipeline stage that holds none).
@@ -48,18 +49,12 @@ def context_parallel_step(
     group = mesh.get_group()
     split_share = share_check(plan)
 
-    def step(
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-        *,
-        positions: torch.Tensor | None = None,
-        document_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def step(inputs: torch.Tensor, targets: torch.Tensor, **packed: torch.Tensor) -> torch.Tensor:
         sequence_dim(
             "fs.forward_backward under context parallel", (inputs, targets), 1, ("inputs", "targets")
         )
-        if positions is not None or document_ids is not None:
-            return packed_step(inputs, targets, positions, document_ids)
+        if packed:
+            return packed_step(inputs, targets, packed)
         shard = SequenceShard.of(
             mesh,
             inputs.shape[1],
@@ -74,28 +69,21 @@ def context_parallel_step(
         return run_share(shard, mine[0], mine[1], {}, 1.0)
 
     def packed_step(
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-        positions: torch.Tensor | None,
-        document_ids: torch.Tensor | None,
+        inputs: torch.Tensor, targets: torch.Tensor, packed: dict[str, torch.Tensor]
     ) -> torch.Tensor:
+        positions, document_ids = packed.get("positions"), packed.get("document_ids")
         who = "fs.forward_backward under context parallel"
         check_packed_inputs(inputs, positions=positions, document_ids=document_ids, who=who)
         # positions alone that never restart: one document a row
         shard = SequenceShard.packed(mesh, torch.zeros_like(inputs) if document_ids is None else document_ids)
         if split_share is not None:
             split_share(inputs.shape[1])
-        given = {
-            name: value
-            for name, value in (("positions", positions), ("document_ids", document_ids))
-            if value is not None
-        }
-        mine = cut_tensors(shard, inputs, targets, *given.values())
+        mine = cut_tensors(shard, inputs, targets, *packed.values())
         # the loss is a mean over counted targets, which the ranks hold unevenly: weighted by
         # each rank's share of them, the ranks' mean is the rows'
         weight = counted_share(mine[1], targets, shard.size)
         with rank_share():
-            return run_share(shard, mine[0], mine[1], dict(zip(given, mine[2:], strict=True)), weight)
+            return run_share(shard, mine[0], mine[1], dict(zip(packed, mine[2:], strict=True)), weight)
 
     def run_share(
         shard: SequenceShard,
