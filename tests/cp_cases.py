@@ -351,31 +351,41 @@ def train_on_cuda(kind: str, mesh: dict[str, int], policy: str) -> dict[str, Any
 PACKED_SEQ = 64  # a multiple of cp 2 and 4; the cut by work needs no 2·cp chunks
 
 
-def packed_batches(data_parallel: int) -> list[dict[str, torch.Tensor]]:
-    """`STEPS` batches of packed rows, ``BATCH`` a data-parallel rank: in each row one long document
-    (30 to 44 tokens) among short ones (1 to 6), somewhere in the row, then padding."""
+def packed_rows(count: int) -> fs.PackedBatch:
+    """``count`` packed rows of ``PACKED_SEQ`` tokens: in each one long document (30 to 44 tokens)
+    among short ones (1 to 6), somewhere in the row, then padding; the same rows on every call."""
     generator = torch.Generator().manual_seed(4321)
 
     def draw(low: int, high: int) -> int:
         return int(torch.randint(low, high + 1, (), generator=generator))
 
-    steps = []
-    for _ in range(STEPS):
-        rows = []
-        for _ in range(BATCH * data_parallel):
-            lengths = [draw(1, 6) for _ in range(draw(3, 6))]
-            lengths.insert(draw(0, len(lengths)), draw(30, 44))
-            while sum(lengths) + 6 <= PACKED_SEQ - draw(0, 4):
-                lengths.append(draw(1, 6))
-            docs = [torch.randint(1, 128, (n,), generator=generator) for n in lengths]
-            rows.append(fs.pack(docs, PACKED_SEQ))
-        steps.append(
-            {
-                name: torch.cat([getattr(row, name) for row in rows])
-                for name in ("tokens", "labels", "positions", "document_ids")
-            }
-        )
-    return steps
+    rows = []
+    for _ in range(count):
+        lengths = [draw(1, 6) for _ in range(draw(3, 6))]
+        lengths.insert(draw(0, len(lengths)), draw(30, 44))
+        while sum(lengths) + 6 <= PACKED_SEQ - draw(0, 4):
+            lengths.append(draw(1, 6))
+        docs = [torch.randint(1, 128, (n,), generator=generator) for n in lengths]
+        rows.append(fs.pack(docs, PACKED_SEQ))
+    return fs.collate_packed(rows)
+
+
+PACKED_FIELDS = ("tokens", "labels", "positions", "document_ids")
+
+
+def packed_batches(data_parallel: int) -> list[dict[str, torch.Tensor]]:
+    """`STEPS` batches of `packed_rows`, ``BATCH`` a data-parallel rank, as dicts of tensors."""
+    rows = packed_rows(STEPS * BATCH * data_parallel)
+    step = BATCH * data_parallel
+    return [
+        {name: getattr(rows[i * step : (i + 1) * step], name) for name in PACKED_FIELDS} for i in range(STEPS)
+    ]
+
+
+def packed_loss(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The mean loss of the zoo Llama on packed rows, each document attending only to itself."""
+    outputs = model(rows["tokens"], positions=rows["positions"], document_ids=rows["document_ids"])
+    return loss_fn(outputs, rows["labels"])
 
 
 def reference_packed(data_parallel: int, kind: str = "zoo") -> dict[str, Any]:
@@ -387,16 +397,7 @@ def reference_packed(data_parallel: int, kind: str = "zoo") -> dict[str, Any]:
     for step, batch in enumerate(packed_batches(data_parallel)):
         optimizer.zero_grad()
         slices = [{k: v[i * BATCH : (i + 1) * BATCH] for k, v in batch.items()} for i in range(data_parallel)]
-        loss = (
-            sum(
-                loss_fn(
-                    model(part["tokens"], positions=part["positions"], document_ids=part["document_ids"]),
-                    part["labels"],
-                )
-                for part in slices
-            )
-            / data_parallel
-        )
+        loss = sum(packed_loss(model, part) for part in slices) / data_parallel
         loss.backward()
         if step == 0:
             grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}

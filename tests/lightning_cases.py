@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 import functional_shard as fs
-from functional_shard.adapters.lightning import ShardStrategy
+from functional_shard.adapters.lightning import ShardStrategy, training_loss
 from functional_shard.zoo import Llama, LlamaConfig
 
-from . import dist_cases, load_hf_cases
+from . import cp_cases, dist_cases, load_hf_cases
 
 # AdamW divides by sqrt(v) + eps: with torch's default eps (1e-8) a gradient element near
 # zero turns the last-bit reordering of a cross-rank sum into a full-size update of either
@@ -527,3 +527,113 @@ def fabric_from_folder(
     fabric.backward(loss)
     optimizer.step()
     return {**loaded, "losses": [loss.item()]} if dist.get_rank() == 0 else None
+
+
+class PackedLanguageModel(L.LightningModule):
+    """The zoo Llama on packed rows (`cp_cases.packed_rows`, a `fs.PackedBatch` each step) through
+    `training_loss`: each document attends only to itself, under cp cut by attention work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = cp_cases.build("zoo")
+        self.losses: list[float] = []
+
+    def loss_fn(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cp_cases.loss_fn(outputs, targets)
+
+    def training_step(self, batch: fs.PackedBatch, index: int) -> torch.Tensor:
+        loss = training_loss(
+            self, batch.tokens, batch.labels, positions=batch.positions, document_ids=batch.document_ids
+        )
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=cp_cases.LR)
+
+
+def packed_data_parallel(mesh: dict[str, int]) -> int:
+    return mesh.get("dp", 1)  # the cases' batch axis
+
+
+def fit_packed(mesh: dict[str, int], policy: str) -> dict[str, object]:
+    """Trainer.fit of `PackedLanguageModel` under ``ShardStrategy``: a DataLoader of packed rows
+    (collated by `fs.collate_packed`), each rank's sampler taking its data-parallel rows; the
+    losses each rank saw (its data-parallel group's) and rank 0's parameters."""
+    module = PackedLanguageModel()
+    strategy = ShardStrategy(fs.parse_policy(policy, module.model), mesh=fs.Mesh(**mesh))
+    trainer = quiet_trainer(strategy, max_steps=cp_cases.STEPS)
+    rows = cp_cases.packed_rows(cp_cases.STEPS * cp_cases.BATCH * packed_data_parallel(mesh))
+    trainer.fit(
+        module, torch.utils.data.DataLoader(rows, batch_size=cp_cases.BATCH, collate_fn=fs.collate_packed)
+    )
+    params = {k.removeprefix("model."): dist_cases.full(v) for k, v in module.state_dict().items()}
+    index = strategy.plan.data_parallel_rank(dist.get_rank())[0]
+    return {"losses": module.losses, "params": params if dist.get_rank() == 0 else None, "index": index}
+
+
+def fabric_packed(mesh: dict[str, int], policy: str) -> dict[str, object]:
+    """A Fabric loop on packed rows through ``FabricShardStrategy.forward_backward``: each rank
+    reads its data-parallel rows in order from ``fabric.setup_dataloaders``; as `fit_packed`."""
+    from functional_shard.adapters.lightning import FabricShardStrategy
+
+    rank, world = join_as_lightning_rank()
+    model = cp_cases.build("zoo")
+    strategy = FabricShardStrategy(fs.parse_policy(policy, model), mesh=fs.Mesh(**mesh))
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    module = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(module.parameters(), lr=cp_cases.LR))
+    step = strategy.forward_backward(module, cp_cases.loss_fn)
+    rows = cp_cases.packed_rows(cp_cases.STEPS * cp_cases.BATCH * packed_data_parallel(mesh))
+    loader = fabric.setup_dataloaders(
+        torch.utils.data.DataLoader(rows, batch_size=cp_cases.BATCH, collate_fn=fs.collate_packed),
+        use_distributed_sampler=False,
+    )
+    index, data_parallel = strategy.plan.data_parallel_rank(rank)
+    losses = []
+    for number, batch in enumerate(loader):
+        if number % data_parallel != index:
+            continue  # another data-parallel rank's rows
+        optimizer.zero_grad()
+        loss = step(batch.tokens, batch.labels, positions=batch.positions, document_ids=batch.document_ids)
+        optimizer.step()
+        losses.append(loss.item())
+    params = {k.removeprefix("_forward_module."): dist_cases.full(v) for k, v in module.state_dict().items()}
+    return {"losses": losses, "params": params if rank == 0 else None, "index": index}
+
+
+def packed_reference(data_parallel: int, *, shuffled: bool) -> dict[str, object]:
+    """One process on the packed rows: each step the mean of the data-parallel slices' mean losses
+    (data parallel averages its ranks' gradients); each slice's loss too (``slice_losses``).
+
+    ``shuffled``: the slices Lightning's DistributedSampler makes (a permutation with seed 0;
+    data-parallel rank r reads perm[r::n] in batches); otherwise the rows in order, batch after
+    batch dealt to the ranks in turn (`fabric_packed`).
+    """
+    count = cp_cases.STEPS * cp_cases.BATCH * data_parallel
+    rows = cp_cases.packed_rows(count)
+    order = torch.arange(count)
+    if shuffled:
+        perm = torch.randperm(count, generator=torch.Generator().manual_seed(0))
+        order = torch.cat([perm[r::data_parallel].view(-1, cp_cases.BATCH) for r in range(data_parallel)], 1)
+    # one row of order per step, its data-parallel slices side by side
+    order = order.reshape(cp_cases.STEPS, data_parallel, cp_cases.BATCH)
+    model = cp_cases.build("zoo")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cp_cases.LR)
+    losses, slice_losses = [], []
+    for step in order:
+        optimizer.zero_grad()
+        parts = [
+            cp_cases.packed_loss(
+                model, {name: getattr(rows[part.tolist()], name) for name in cp_cases.PACKED_FIELDS}
+            )
+            for part in step
+        ]
+        loss = sum(parts) / data_parallel
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        slice_losses.append([part.item() for part in parts])
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "slice_losses": slice_losses, "params": params}

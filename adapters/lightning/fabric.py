@@ -68,12 +68,15 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
 
     def forward_backward(
         self, module: torch.nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    ) -> Callable[..., torch.Tensor]:
         """``step(inputs, targets) -> loss``: one forward and backward under the plan, any plan.
 
         `functional_shard.forward_backward` on the module ``fabric.setup_module`` returned,
         run in the precision's autocast and scaled by its loss scaler (float16); under a
         pipeline plan the schedule runs every micro-batch. Step the optimizer after it.
+        Packed rows pass their layout by keyword, ``step(batch.tokens, batch.labels,
+        positions=batch.positions, document_ids=batch.document_ids)``; under cp they are
+        cut by attention work.
 
         Raises:
             functional_shard.ShardingError: ``module`` is not the one this strategy set up.
@@ -87,9 +90,11 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
         step = fs.forward_backward(self.plan, inner, loss_fn, scaler=scaler)
         precision = self.precision
 
-        def in_precision(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        def in_precision(
+            inputs: torch.Tensor, targets: torch.Tensor, **packed: torch.Tensor | None
+        ) -> torch.Tensor:
             with precision.forward_context():
-                return step(inputs, targets)
+                return step(inputs, targets, **packed)
 
         return in_precision
 

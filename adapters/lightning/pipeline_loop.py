@@ -30,7 +30,7 @@ class _RunsSchedules:
 
     _plan: fs.Plan | None
     _policy: fs.Policy | None
-    _pipeline_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+    _pipeline_step: Callable[..., torch.Tensor] | None
     _schedule_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None
     _evaluations: dict[str, Callable[..., torch.Tensor]]
     lightning_module: Any
@@ -74,12 +74,15 @@ class _RunsSchedules:
             raise fs.ShardingError(f"ShardStrategy.{who} runs inside the Trainer's loops, after setup")
         return module
 
-    def pipeline_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def pipeline_step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, **packed: torch.Tensor | None
+    ) -> torch.Tensor:
         """Run the plan's schedule (or cp's step) on the module's ``loss_fn``: the batch's mean loss.
 
-        The step (`fs.forward_backward`) is built once, with the precision plugin's loss scaler.
-        Earlier batches' gradients stay where they are (Lightning may zero them next); this
-        step's are set aside for `backward`.
+        The step (`fs.forward_backward`) is built once, with the precision plugin's loss scaler;
+        ``packed`` (``positions=``, ``document_ids=``) goes to it as it is, so cp cuts packed
+        rows by attention work. Earlier batches' gradients stay where they are (Lightning may
+        zero them next); this step's are set aside for `backward`.
         """
         module = self._module("pipeline_step")
         if self._pipeline_step is None:
@@ -97,7 +100,7 @@ class _RunsSchedules:
         held = [param.grad for param in params]
         for param in params:
             param.grad = None
-        loss = self._pipeline_step(inputs, targets)
+        loss = self._pipeline_step(inputs, targets, **packed)
         self._schedule_grads = [(param, param.grad) for param in params]
         for param, grad in zip(params, held, strict=True):
             param.grad = grad
@@ -157,7 +160,14 @@ def _loss_fn(module: pl.LightningModule, helper: str) -> Callable[[torch.Tensor,
     return cast(Callable[[torch.Tensor, torch.Tensor], torch.Tensor], loss_fn)
 
 
-def training_loss(module: pl.LightningModule, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def training_loss(
+    module: pl.LightningModule,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    positions: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The loss of a training step under any strategy; return it from ``training_step``.
 
     Under a `ShardStrategy` with a pipeline or context-parallel plan it runs the forward and
@@ -165,23 +175,41 @@ def training_loss(module: pl.LightningModule, inputs: torch.Tensor, targets: tor
     is then skipped. Otherwise it is ``module.loss_fn(child(inputs), targets)``, with
     ``child`` the module holding the parameters, for Lightning to backward as usual.
 
+    Packed rows (`fs.pack`) pass their layout by keyword, as to `fs.forward_backward`: the
+    child's forward takes them (the zoo's Llama), and under cp the rows are cut by attention
+    work (docs/packed-documents.md).
+
     Args:
         module: the LightningModule, with a ``loss_fn(outputs, targets)`` method.
         inputs: this rank's batch of inputs (its data-parallel slice, as the sampler gives).
-        targets: the matching targets.
+        targets: the matching targets (a packed batch's ``labels``).
+        positions: packed rows' positions, restarting at each document (``batch.positions``).
+        document_ids: packed rows' document ids (``batch.document_ids``).
 
     Returns:
         The mean loss of the batch.
 
+    Raises:
+        functional_shard.ShardingError: packed rows under a pipeline plan, or for a forward that
+            does not take them (from `fs.forward_backward`).
+
     Examples:
         >>> # def training_step(self, batch, index):
         >>> #     return training_loss(self, batch[:, :-1], batch[:, 1:])
+        >>> # packed rows (a DataLoader of fs.pack(...) with collate_fn=fs.collate_packed):
+        >>> #     return training_loss(self, batch.tokens, batch.labels,
+        >>> #                          positions=batch.positions, document_ids=batch.document_ids)
     """
     loss_fn = _loss_fn(module, "training_loss")
     strategy = _strategy(module)
+    packed = {
+        name: value
+        for name, value in (("positions", positions), ("document_ids", document_ids))
+        if value is not None
+    }
     if strategy is not None and strategy._runs_its_own_backward():
-        return strategy.pipeline_step(inputs, targets)
-    return loss_fn(module.get_submodule(forward_root(module))(inputs), targets)
+        return strategy.pipeline_step(inputs, targets, **packed)
+    return loss_fn(module.get_submodule(forward_root(module))(inputs, **packed), targets)
 
 
 def evaluation_loss(module: pl.LightningModule, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

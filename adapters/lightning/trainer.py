@@ -71,7 +71,7 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
 
     def _start_state(self) -> None:
         self.num_nodes = 1
-        self._pipeline_step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self._pipeline_step: Callable[..., torch.Tensor] | None = None
         self._schedule_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
         self._evaluations: dict[str, Callable[..., torch.Tensor]] = {}
 

@@ -3,7 +3,9 @@
 A tiny Llama is planned, built on the meta device, applied and materialized shard by shard,
 then trains a few AdamW steps on gloo processes while its collectives and tensors are
 measured. The demo prints the prediction beside the measurement, and the losses beside one
-process training on the same batches.
+process training on the same batches. With ``packed=True`` the batches are packed rows
+(`functional_shard.core.packing.pack`): documents of mixed lengths end to end, each attending
+only to itself, under cp cut over the ranks by attention work.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ import torch.nn.functional as F  # noqa: N812
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.mesh import Mesh
+from functional_shard.core.packing import PackedBatch, collate_packed, pack
 from functional_shard.planning.plan.cost_record import Cost
 from functional_shard.planning.plan.plan import Plan
 from functional_shard.planning.planner import shard
 from functional_shard.planning.policy.parse import format_policy, parse_policy
 from functional_shard.planning.policy.types import Policy
 from functional_shard.runtime.apply import apply, check_runnable, materialize, optimizer
+from functional_shard.runtime.engines.step import forward_backward
 from functional_shard.runtime.launch import LocalWorld, current_rank
 from functional_shard.runtime.measure import CollectiveLog, resident_bytes
 
@@ -72,18 +76,61 @@ class DemoResult:
         return self.memory_matches and self.comm_matches and self.losses_match
 
 
+# A step's rows: the model's inputs, its targets, and for packed rows their layout by keyword.
+_Rows = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+
+
 def _batches(config: LlamaConfig, data_parallel: int, steps: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(1234)
     shape = (_MICRO_BATCH * data_parallel, _SEQUENCE + 1)
     return [torch.randint(0, config.vocab_size, shape, generator=generator) for _ in range(steps)]
 
 
-def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+def _packed_batches(config: LlamaConfig, data_parallel: int, steps: int) -> list[PackedBatch]:
+    """Each step's packed rows of ``_SEQUENCE`` tokens, the same on every rank.
+
+    One long document (7 to 11 tokens) among short ones (1 to 3) in each row, then padding if any.
+    """
+    generator = torch.Generator().manual_seed(1234)
+
+    def draw(low: int, high: int) -> int:
+        return int(torch.randint(low, high + 1, (), generator=generator))
+
+    def row() -> PackedBatch:
+        lengths = [draw(1, 3) for _ in range(draw(1, 3))]
+        lengths.insert(draw(0, len(lengths)), draw(7, 11))
+        while sum(lengths) + 3 <= _SEQUENCE:
+            lengths.append(draw(1, 3))
+        return pack(
+            [torch.randint(0, config.vocab_size, (n,), generator=generator) for n in lengths], _SEQUENCE
+        )
+
+    return [collate_packed([row() for _ in range(_MICRO_BATCH * data_parallel)]) for _ in range(steps)]
 
 
-def _train_on_rank(plan: Plan, config: LlamaConfig, steps: int, seed: int) -> dict[str, Any]:
+def _steps_rows(config: LlamaConfig, data_parallel: int, steps: int, packed: bool) -> list[_Rows]:
+    """Every step's global rows, as the model takes them."""
+    if not packed:
+        return [(b[:, :-1], b[:, 1:], {}) for b in _batches(config, data_parallel, steps)]
+    return [
+        (b.tokens, b.labels, {"positions": b.positions, "document_ids": b.document_ids})
+        for b in _packed_batches(config, data_parallel, steps)
+    ]
+
+
+def _slice(rows: _Rows, index: int) -> _Rows:
+    """Data-parallel slice ``index`` of a step's rows."""
+    cut = slice(index * _MICRO_BATCH, (index + 1) * _MICRO_BATCH)
+    inputs, targets, layout = rows
+    return inputs[cut], targets[cut], {k: v[cut] for k, v in layout.items()}
+
+
+def _loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # the mean over the targets, a packed row's -100s (cross_entropy's ignore_index) left out
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _train_on_rank(plan: Plan, config: LlamaConfig, steps: int, seed: int, packed: bool) -> dict[str, Any]:
     # FSDP2 warns that the logits are a view (of the tensor-parallel gather); the demo
     # never writes into them, so the warning would only hide the report
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
@@ -97,28 +144,32 @@ def _train_on_rank(plan: Plan, config: LlamaConfig, steps: int, seed: int) -> di
     if meta:
         materialize(plan, model, seed=seed)
     adamw = optimizer(plan, model, torch.optim.AdamW, lr=_LR)
+    # the plain forward and backward, or under cp each rank's chunks of the rows
+    train_step = forward_backward(plan, model, _loss_fn)
     index, data_parallel = plan.data_parallel_rank(current_rank())
     log = CollectiveLog(plan.mesh)
     losses = []
-    for step, batch in enumerate(_batches(config, data_parallel, steps)):
-        mine = batch[index * _MICRO_BATCH : (index + 1) * _MICRO_BATCH]
+    for step, rows in enumerate(_steps_rows(config, data_parallel, steps, packed)):
+        inputs, targets, layout = _slice(rows, index)
         with log if step == _MEASURED_STEP else nullcontext():
             adamw.zero_grad()
-            loss = _loss(model, mine)
-            loss.backward()
+            loss = train_step(inputs, targets, **layout)
             adamw.step()
         losses.append(loss.item())
     return {"losses": losses, "memory": resident_bytes(model, adamw), "sent": log.sent}
 
 
-def _one_process(config: LlamaConfig, data_parallel: int, steps: int, seed: int) -> list[float]:
+def _one_process(config: LlamaConfig, data_parallel: int, steps: int, seed: int, packed: bool) -> list[float]:
     torch.manual_seed(seed)
     model = Llama(config)
     adamw = torch.optim.AdamW(model.parameters(), lr=_LR)
     losses = []
-    for batch in _batches(config, data_parallel, steps):
+    for rows in _steps_rows(config, data_parallel, steps, packed):
         adamw.zero_grad()
-        loss = _loss(model, batch)
+        # data parallel averages its ranks' gradients: the mean of each slice's mean loss (a
+        # packed slice's targets are its own count, so not the mean over the whole batch)
+        slices = [_slice(rows, index) for index in range(data_parallel)] if packed else [rows]
+        loss = torch.stack([_loss_fn(model(i, **layout), t) for i, t, layout in slices]).sum() / len(slices)
         loss.backward()
         adamw.step()
         losses.append(loss.item())
@@ -145,6 +196,7 @@ def run(
     seed: int = 0,
     out: Callable[[str], None] = print,
     force: bool = False,
+    packed: bool = False,
 ) -> DemoResult:
     """Plan, train on ``mesh.size`` local processes, and compare with the prediction and one process.
 
@@ -156,6 +208,8 @@ def run(
         seed: initialisation seed, for the run and the one-process reference.
         out: where report lines go.
         force: start ``mesh.size`` processes even past `process_limit`.
+        packed: train on packed rows (one long document among short ones in each), each document
+            attending only to itself; the one process runs the same rows.
 
     Raises:
         ShardingError: more processes than `process_limit` (without ``force``), too few steps, or a
@@ -181,6 +235,12 @@ def run(
 
     say(f"functional-shard demo: {model} Llama on {mesh.size} local processes (gloo), {mesh!r}")
     say(f"policy: {_policy_text(policy)}")
+    if packed:
+        say(
+            f"packed rows of {_SEQUENCE} tokens: one long document among short ones in each, every "
+            "document attending only to itself"
+            + ("; cut over the cp ranks by attention work" if plan.config.context is not None else "")
+        )
     say()
     say("The plan, before anything runs:")
     say(plan.explain())
@@ -188,11 +248,11 @@ def run(
     say(str(predicted))
     say()
     with LocalWorld(mesh.size) as world:
-        ranks = world.run(_train_on_rank, plan, config, steps, seed)
+        ranks = world.run(_train_on_rank, plan, config, steps, seed, packed)
 
     memory_ok = _say_memory(plan, ranks, steps, say)
     comm_ok = _say_comm(predicted, ranks, say)
-    losses_ok = _say_losses(plan, config, ranks, steps, seed, say)
+    losses_ok = _say_losses(plan, config, ranks, steps, seed, say, packed=packed)
     verdict = all((memory_ok, comm_ok, losses_ok))
     say(
         "All predictions held and the run matched one process."
@@ -265,16 +325,19 @@ def _say_losses(
     steps: int,
     seed: int,
     say: Callable[[str], None],
+    *,
+    packed: bool,
 ) -> bool:
     """Each step's loss beside one process training on the same batches; whether they agree."""
     data_parallel = plan.data_parallel_rank(0)[1]
-    alone = _one_process(config, data_parallel, steps, seed)
+    alone = _one_process(config, data_parallel, steps, seed, packed)
     # every data-parallel group weighs the same: the mean over ranks is the global loss
     sharded = [sum(step) / len(ranks) for step in zip(*(r["losses"] for r in ranks), strict=True)]
     worst = max(abs(a - b) for a, b in zip(sharded, alone, strict=True))
     allowed = _LOSS_TOLERANCE[plan.config.param_dtype]
     losses_ok = worst <= allowed
-    say(f"Training, global batch {_MICRO_BATCH * data_parallel} x {_SEQUENCE} tokens: loss per step")
+    rows = "packed rows" if packed else "tokens"
+    say(f"Training, global batch {_MICRO_BATCH * data_parallel} x {_SEQUENCE} {rows}: loss per step")
     say(f"  {'step':>4}  {f'{len(ranks)} processes':>14}  {'1 process':>12}")
     for step, (a, b) in enumerate(zip(sharded, alone, strict=True), start=1):
         say(f"  {step:>4}  {a:>14.6f}  {b:>12.6f}")

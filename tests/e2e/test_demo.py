@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).parents[2]
 
 
@@ -38,3 +40,18 @@ def test_a_mesh_the_model_cannot_split_is_refused_before_anything_starts():
     assert result.returncode == 2
     assert "its 2 attention heads (32 features, head_dim 16) do not split over 4" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow  # a whole job keeps one smoke case by default: the plain demo above
+def test_the_packed_demo_trains_packed_rows_as_one_process():
+    """--packed: rows of documents of mixed lengths, each attending only to itself; the same
+    predictions hold (packing moves no bytes of its own) and the losses are one process's on
+    the same rows."""
+    result = demo("--packed")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "packed rows of 16 tokens: one long document among short ones in each" in out
+    assert "Training, global batch 4 x 16 packed rows: loss per step" in out
+    assert len(re.findall(r"^  rank \d: .* ok$", out, re.M)) == 4
+    assert "DIFFERS" not in out
+    assert out.rstrip().endswith("All predictions held and the run matched one process.")

@@ -425,3 +425,37 @@ def test_weights_that_are_not_a_folder_are_refused_when_the_strategy_is_made(hf_
     wrong = f"{strategy}: weights_mapping= and trust_weights= say how to read weights=, which is not given"
     with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
         made(fs.fsdp("dp"), weights_mapping=fs.checkpoint.zoo_llama)
+
+
+# packed rows (fs.pack): one long document among short ones in each row, the ranks' targets
+# uneven; the default suite runs the Trainer under cp, whose rows the strategy cuts by work
+PACKED = [
+    pytest.param({"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp)", id="dp2xcp2"),
+    pytest.param({"dp": 4}, "fsdp(dp)", marks=pytest.mark.slow, id="fsdp4"),
+]
+
+
+def assert_packed_matches_one_process(results, expected):
+    # each rank saw its data-parallel slice's mean loss over its targets (under cp, its group's)
+    for result in results:
+        seen = [step[result["index"]] for step in expected["slice_losses"]]
+        assert result["losses"] == pytest.approx(seen, abs=1e-5)
+    for name, value in expected["params"].items():
+        torch.testing.assert_close(results[0]["params"][name], value, atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize(("mesh", "policy"), PACKED)
+def test_the_trainer_fits_packed_rows_as_one_process(world, mesh, policy):
+    """A DataLoader of a PackedBatch (collate_fn=fs.collate_packed): training_loss passes the
+    rows' positions and document ids; the same training as one process on the same slices."""
+    results = world.run(lightning_cases.fit_packed, mesh, policy)
+    expected = lightning_cases.packed_reference(mesh.get("dp", 1), shuffled=True)
+    assert_packed_matches_one_process(results, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mesh", "policy"), [p.values for p in PACKED], ids=[p.id for p in PACKED])
+def test_fabric_trains_packed_rows_as_one_process(world, mesh, policy):
+    results = world.run(lightning_cases.fabric_packed, mesh, policy)
+    expected = lightning_cases.packed_reference(mesh.get("dp", 1), shuffled=False)
+    assert_packed_matches_one_process(results, expected)

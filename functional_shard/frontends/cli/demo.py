@@ -30,5 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from functional_shard.frontends.live_demo import run as run_demo
 
     mesh = parse_mesh(args.mesh)
-    result = run_demo(mesh, args.policy, model=args.model, steps=args.steps, force=args.force)
+    result = run_demo(
+        mesh, args.policy, model=args.model, steps=args.steps, force=args.force, packed=args.packed
+    )
     return 0 if result.ok else 1

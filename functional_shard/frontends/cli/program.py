@@ -145,6 +145,11 @@ def _add_demo(commands: argparse._SubParsersAction[_Parser]) -> None:
         action="store_true",
         help="start the mesh's processes past this machine's limit (4 per CPU core, at least 8)",
     )
+    demo_flags.add_argument(
+        "--packed",
+        action="store_true",
+        help="train on packed rows: documents of mixed lengths, each attending only to itself",
+    )
 
 
 def _add_checkpoint(commands: argparse._SubParsersAction[_Parser]) -> None:
