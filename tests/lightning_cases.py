@@ -533,9 +533,9 @@ class PackedLanguageModel(L.LightningModule):
     """The zoo Llama on packed rows (`cp_cases.packed_rows`, a `fs.PackedBatch` each step) through
     `training_loss`: each document attends only to itself, under cp cut by attention work."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str = "zoo") -> None:
         super().__init__()
-        self.model = cp_cases.build("zoo")
+        self.model = cp_cases.build(kind)
         self.losses: list[float] = []
 
     def loss_fn(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -556,11 +556,11 @@ def packed_data_parallel(mesh: dict[str, int]) -> int:
     return mesh.get("dp", 1)  # the cases' batch axis
 
 
-def fit_packed(mesh: dict[str, int], policy: str) -> dict[str, object]:
+def fit_packed(mesh: dict[str, int], policy: str, kind: str = "zoo") -> dict[str, object]:
     """Trainer.fit of `PackedLanguageModel` under ``ShardStrategy``: a DataLoader of packed rows
     (collated by `fs.collate_packed`), each rank's sampler taking its data-parallel rows; the
     losses each rank saw (its data-parallel group's) and rank 0's parameters."""
-    module = PackedLanguageModel()
+    module = PackedLanguageModel(kind)
     strategy = ShardStrategy(fs.parse_policy(policy, module.model), mesh=fs.Mesh(**mesh))
     trainer = quiet_trainer(strategy, max_steps=cp_cases.STEPS)
     rows = cp_cases.packed_rows(cp_cases.STEPS * cp_cases.BATCH * packed_data_parallel(mesh))
@@ -569,7 +569,7 @@ def fit_packed(mesh: dict[str, int], policy: str) -> dict[str, object]:
     )
     params = {k.removeprefix("model."): dist_cases.full(v) for k, v in module.state_dict().items()}
     index = strategy.plan.data_parallel_rank(dist.get_rank())[0]
-    return {"losses": module.losses, "params": params if dist.get_rank() == 0 else None, "index": index}
+    return {"losses": module.losses, "params": params, "index": index}  # a pipeline stage's params alone
 
 
 def fabric_packed(mesh: dict[str, int], policy: str) -> dict[str, object]:
@@ -603,7 +603,7 @@ def fabric_packed(mesh: dict[str, int], policy: str) -> dict[str, object]:
     return {"losses": losses, "params": params if rank == 0 else None, "index": index}
 
 
-def packed_reference(data_parallel: int, *, shuffled: bool) -> dict[str, object]:
+def packed_reference(data_parallel: int, *, shuffled: bool, kind: str = "zoo") -> dict[str, object]:
     """One process on the packed rows: each step the mean of the data-parallel slices' mean losses
     (data parallel averages its ranks' gradients); each slice's loss too (``slice_losses``).
 
@@ -619,7 +619,7 @@ def packed_reference(data_parallel: int, *, shuffled: bool) -> dict[str, object]
         order = torch.cat([perm[r::data_parallel].view(-1, cp_cases.BATCH) for r in range(data_parallel)], 1)
     # one row of order per step, its data-parallel slices side by side
     order = order.reshape(cp_cases.STEPS, data_parallel, cp_cases.BATCH)
-    model = cp_cases.build("zoo")
+    model = cp_cases.build(kind)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cp_cases.LR)
     losses, slice_losses = [], []
     for step in order:
