@@ -10,7 +10,7 @@ import contextlib
 import contextvars
 import functools
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -80,9 +80,10 @@ def document_block_mask(document_ids: torch.Tensor) -> BlockMask:
 
     rows, seq = document_ids.shape
     # compiled on CUDA so the mask is made block by block, never as a whole seq x seq tensor
-    return create_block_mask(
-        same_document_causal, rows, None, seq, seq, device=document_ids.device, _compile=document_ids.is_cuda
+    make: Callable[..., BlockMask] = (
+        _compiled(create_block_mask) if document_ids.is_cuda else create_block_mask
     )
+    return make(same_document_causal, rows, None, seq, seq, device=document_ids.device)
 
 
 def document_attention_mask(document_ids: torch.Tensor) -> torch.Tensor | BlockMask:
@@ -118,20 +119,16 @@ def attend_within_documents(
     """
     if isinstance(mask, torch.Tensor):
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
-    attention = _compiled_flex_attention() if query.is_cuda else _flex_attention()
-    return attention(query, key, value, block_mask=mask)  # type: ignore[no-any-return]
-
-
-def _flex_attention() -> Callable[..., Any]:
     from torch.nn.attention.flex_attention import flex_attention
 
-    return flex_attention
+    run = _compiled(flex_attention) if query.is_cuda else cast("Callable[..., Any]", flex_attention)
+    return cast(torch.Tensor, run(query, key, value, block_mask=mask))
 
 
 @functools.cache
-def _compiled_flex_attention() -> Callable[..., Any]:
+def _compiled(function: Callable[..., Any]) -> Callable[..., Any]:
     # flex attention runs its fused kernel only compiled; one compiled function serves every call
-    return torch.compile(_flex_attention())
+    return torch.compile(function)
 
 
 # set while a context-parallel step runs a model on its rank's share of rows it checked whole
