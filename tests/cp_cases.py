@@ -383,9 +383,16 @@ def packed_batches(data_parallel: int) -> list[dict[str, torch.Tensor]]:
 
 
 def packed_loss(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The mean loss of the zoo Llama on packed rows, each document attending only to itself."""
-    outputs = model(rows["tokens"], positions=rows["positions"], document_ids=rows["document_ids"])
-    return loss_fn(outputs, rows["labels"])
+    """The mean loss of ``model`` on packed rows (`run_packed`), each document attending only to itself."""
+    return loss_fn(run_packed(model, rows), rows["labels"])
+
+
+def run_packed(model: torch.nn.Module, rows: dict[str, torch.Tensor]) -> Any:
+    """``model`` on packed ``rows`` in one process: the zoo Llama given them as they are, a Hugging
+    Face model as transformers takes packed documents (position_ids, no cache), written out here."""
+    if isinstance(model, Llama):
+        return model(rows["tokens"], positions=rows["positions"], document_ids=rows["document_ids"])
+    return model(input_ids=rows["tokens"], position_ids=rows["positions"], use_cache=False)
 
 
 def reference_packed(data_parallel: int, kind: str = "zoo") -> dict[str, Any]:
@@ -407,7 +414,7 @@ def reference_packed(data_parallel: int, kind: str = "zoo") -> dict[str, Any]:
 
 
 def train_packed(mesh: dict[str, int], policy: str, kind: str = "zoo") -> dict[str, Any]:
-    """`train` on `packed_batches`: the zoo Llama through fs.forward_backward with positions= and
+    """`train` on `packed_batches`: the model through fs.forward_backward with positions= and
     document_ids=; rank 0 returns what `reference_packed` does, of the parameters it holds (under a
     pipeline, every rank returns those of its stages)."""
     model, plan = planned(kind, mesh, policy)
@@ -433,6 +440,53 @@ def train_packed(mesh: dict[str, int], policy: str, kind: str = "zoo") -> dict[s
         "params": params if keep else None,
         "data_parallel": data_parallel,
     }
+
+
+def packed_evaluation_batches(data_parallel: int) -> list[dict[str, torch.Tensor]]:
+    """`packed_batches`, then one whose second row in each data-parallel slice is padding alone (no
+    target: under a pipeline of 2 micro-batches, a micro-batch whose mean loss is nan, weighted 0)."""
+    steps = packed_batches(data_parallel)
+    padded = {k: v.clone() for k, v in steps[-1].items()}
+    for row in range(1, BATCH * data_parallel, BATCH):
+        padded["tokens"][row] = 0
+        padded["labels"][row] = -100
+        padded["positions"][row] = torch.arange(PACKED_SEQ)
+        padded["document_ids"][row] = 0
+    return [*steps, padded]
+
+
+def evaluate_packed(mesh: dict[str, int], policy: str, kind: str) -> dict[str, Any]:
+    """fs.forward_loss and fs.forward_only on this rank's slice of `packed_evaluation_batches`:
+    its data-parallel index, the losses and the logits."""
+    model, plan = planned(kind, mesh, policy)
+    evaluate = fs.forward_loss(plan, model, loss_fn)
+    forward = fs.forward_only(plan, model)
+    index, data_parallel = plan.data_parallel_rank(dist.get_rank())
+    losses, logits = [], []
+    for batch in packed_evaluation_batches(data_parallel):
+        mine = {k: v[index * BATCH : (index + 1) * BATCH] for k, v in batch.items()}
+        packed = {"positions": mine["positions"], "document_ids": mine["document_ids"]}
+        losses.append(float(evaluate(mine["tokens"], mine["labels"], **packed)))
+        logits.append(full(logits_of(forward(mine["tokens"], **packed))))
+    return {"index": index, "data_parallel": data_parallel, "losses": losses, "logits": logits}
+
+
+def assert_packed_evaluation_as_one_process(results: list[dict[str, Any]], kind: str) -> None:
+    """`evaluate_packed`'s results equal one process's on each data-parallel slice."""
+    import pytest
+
+    model = build(kind)
+    batches = packed_evaluation_batches(results[0]["data_parallel"])
+    for result in results:
+        index = result["index"]
+        with torch.no_grad():
+            for step, batch in enumerate(batches):
+                mine = {k: v[index * BATCH : (index + 1) * BATCH] for k, v in batch.items()}
+                logits = logits_of(run_packed(model, mine))
+                assert result["losses"][step] == pytest.approx(
+                    loss_fn(logits, mine["labels"]).item(), abs=1e-5
+                )
+                torch.testing.assert_close(result["logits"][step], logits, atol=1e-5, rtol=1e-4)
 
 
 def loss_of_a_row_mostly_padding(mesh: dict[str, int], policy: str) -> float:

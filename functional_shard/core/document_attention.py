@@ -8,6 +8,11 @@ boundaries as its varlen ``cu_seq_lens``. transformers does so only without a ca
 without a 2-D ``attention_mask``: the arguments turn the cache off and carry no mask. A model
 whose attention would cross documents is refused before anything runs.
 
+`packed_forward` reads once how a model's forward takes packed rows (`PackedForward`), and its
+`PackedForward.keywords` turns the rows' positions and document ids into that forward's keyword
+arguments: `packed_inputs` runs on it, and so do `fs.forward_backward`, `fs.forward_only` and
+`fs.forward_loss` given ``positions=`` and ``document_ids=``, each pipeline stage on its micro-batch.
+
 Nothing here imports transformers unless the model is one of its own.
 """
 
@@ -16,17 +21,25 @@ from __future__ import annotations
 import inspect
 import re
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from .document_masks import check_packed_inputs
+from .document_masks import check_packed_inputs, document_positions
 from .errors import ShardingError
 from .packing import PackedBatch
 from .tree import is_hf_model
 
-__all__ = ["DOCUMENT_MASKS", "RECURRENT_LAYER_TYPES", "VARLEN", "packed_inputs"]
+__all__ = [
+    "DOCUMENT_MASKS",
+    "RECURRENT_LAYER_TYPES",
+    "VARLEN",
+    "PackedForward",
+    "packed_forward",
+    "packed_inputs",
+]
 
 DOCUMENT_MASKS = ("sdpa", "eager", "flex_attention")
 """Hugging Face attention implementations whose mask transformers builds block-diagonal from
@@ -91,80 +104,192 @@ def packed_inputs(model: nn.Module, batch: PackedBatch) -> dict[str, Any]:
         batch.tokens, positions=batch.positions, document_ids=batch.document_ids, who="packed_inputs"
     )
     device = _device(model)
-    if is_hf_model(model):
-        return _hf_inputs(model, batch, device)
-    if {"positions", "document_ids"} <= _keywords(model):
-        return {
-            "tokens": batch.tokens.to(device),
-            "positions": batch.positions.to(device),
-            "document_ids": batch.document_ids.to(device),
-        }
-    raise ShardingError(
-        f"packed_inputs({name}): its forward takes no document boundaries (no document_ids=, and it is "
-        "not a Hugging Face model), so its attention would cross the packed documents. Pass a Hugging "
-        "Face causal LM, or a model whose forward takes positions= and document_ids= (the zoo's Llama)."
+    forward = packed_forward(model)
+    tokens = batch.tokens.to(device)
+    keywords = forward.keywords(
+        tokens, batch.positions.to(device), batch.document_ids.to(device), who="packed_inputs"
     )
+    return {("input_ids" if forward.attention else "tokens"): tokens} | keywords
 
 
-def _hf_inputs(model: nn.Module, batch: PackedBatch, device: torch.device) -> dict[str, Any]:
-    implementation = _hf_attention(model)
-    inputs: dict[str, Any] = {
-        "input_ids": batch.tokens.to(device),
-        "position_ids": batch.positions.to(device),
-        # a cache, even an empty one, turns transformers' search for packed documents off
-        "use_cache": False,
-    }
-    if implementation in VARLEN:
-        # transformers finds documents in position_ids for flash attention only in one row;
-        # the boundaries over the flattened rows (the padding a segment) hold for any number
-        bounds = batch.cu_seqlens.to(device)
-        longest = int(batch.cu_seqlens.diff().max())
-        inputs |= {
-            "cu_seq_lens_q": bounds,
-            "cu_seq_lens_k": bounds,
-            "max_length_q": longest,
-            "max_length_k": longest,
+@dataclass(frozen=True)
+class PackedForward:
+    """How one model's forward takes packed rows, read from the whole model by `packed_forward`.
+
+    Under a pipeline a rank holds its own stages alone: read before they are cut, every rank
+    refuses alike, and each stage turns its micro-batch's rows into the forward's keywords.
+
+    Attributes:
+        name: the model's class, to name it in a refusal.
+        attention: a Hugging Face model's attention implementation; "" for a forward that takes
+            ``positions=`` and ``document_ids=`` itself (the zoo's Llama).
+        takes: the keywords of the model's forward.
+        refusal: why the model's attention would cross packed documents, and the fix; "" if it would not.
+    """
+
+    name: str
+    attention: str
+    takes: frozenset[str]
+    refusal: str = ""
+
+    def refuse(self, given: tuple[str, ...], who: str) -> None:
+        """Refuse packed rows' ``given`` keywords (``"positions"``, ``"document_ids"``) the model cannot take.
+
+        Raises:
+            ShardingError: the model's attention would cross documents (the `refusal`), or its forward
+                takes none of Hugging Face's arguments and not ``given``; named ``who(name)``.
+        """
+        if self.refusal:
+            raise ShardingError(f"{who}({self.name}): {self.refusal}")
+        missing = [] if self.attention else [f"{n}=" for n in given if n not in self.takes]
+        if missing:
+            raise ShardingError(
+                f"{who}({self.name}): its forward takes no document boundaries (no {' or '.join(missing)}, "
+                "and it is not a Hugging Face model), so its attention would cross the packed documents. "
+                "Pass a Hugging Face causal LM, or a model whose forward takes positions= and "
+                "document_ids= (the zoo's Llama)."
+            )
+
+    def keywords(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None,
+        document_ids: torch.Tensor | None,
+        *,
+        who: str,
+    ) -> dict[str, Any]:
+        """The forward's keyword arguments for packed rows, beside the ``tokens`` (or hidden states).
+
+        For a forward that takes them: ``positions`` and ``document_ids`` as given (it checks them
+        itself). For a Hugging Face model, whose forward does not, they are checked first
+        (`check_packed_inputs`), then turned into ``position_ids`` (from ``document_ids`` where no
+        positions are given), ``use_cache=False`` and, under flash attention, the segments'
+        boundaries over the flattened rows (the padding a segment of its own, as
+        `PackedBatch.cu_seqlens`).
+
+        Raises:
+            ShardingError: as `refuse`; for a Hugging Face model, rows whose positions and ids disagree.
+
+        Examples:
+            >>> from functional_shard.core.packing import pack
+            >>> from functional_shard.zoo import llama
+            >>> batch = pack([[5, 6, 7], [8, 9]], seq_len=6)
+            >>> keywords = packed_forward(llama("tiny")).keywords(
+            ...     batch.tokens, batch.positions, None, who="step")
+            >>> sorted(keywords)
+            ['positions']
+        """
+        given = {
+            name: value
+            for name, value in (("positions", positions), ("document_ids", document_ids))
+            if value is not None
         }
-    return inputs
+        self.refuse(tuple(given), who)
+        if not self.attention or not given:
+            return given
+        check_packed_inputs(tokens, positions=positions, document_ids=document_ids, who=who)
+        if positions is None:
+            assert document_ids is not None  # (given holds one of them)
+            positions = document_positions(document_ids)
+        keywords: dict[str, Any] = {
+            "position_ids": positions,
+            # a cache, even an empty one, turns transformers' search for packed documents off
+            "use_cache": False,
+        }
+        if self.attention in VARLEN:
+            # transformers finds documents in position_ids for flash attention only in one row;
+            # the boundaries over the flattened rows hold for any number
+            bounds = segment_bounds(torch.zeros_like(positions) if document_ids is None else document_ids)
+            longest = int(bounds.diff().max())
+            keywords |= {
+                "cu_seq_lens_q": bounds,
+                "cu_seq_lens_k": bounds,
+                "max_length_q": longest,
+                "max_length_k": longest,
+            }
+        return keywords
 
 
-def _hf_attention(model: nn.Module) -> str:
-    """A Hugging Face model's attention implementation; refused if it would cross packed documents."""
-    name = type(model).__name__
+def packed_forward(model: nn.Module) -> PackedForward:
+    """How ``model``'s forward takes packed rows, or why its attention would cross documents.
+
+    Reads the model alone (its class, config and modules), never raises: the refusal is kept for
+    `PackedForward.refuse`, as a model may never be given packed rows.
+
+    Examples:
+        >>> from functional_shard.zoo import llama
+        >>> packed_forward(llama("tiny")).attention, "document_ids" in packed_forward(llama("tiny")).takes
+        ('', True)
+        >>> packed_forward(nn.Linear(2, 2)).refuse(("document_ids",), who="step")
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: step(Linear): its forward takes no document boundaries (no ...
+    """
+    takes = _keywords(model)
+    name = _class_name(model)
+    if not is_hf_model(model):
+        return PackedForward(name, "", frozenset(takes))
+    implementation, refusal = _hf_attention(model)
+    return PackedForward(name, implementation, frozenset(takes), refusal)
+
+
+def segment_bounds(document_ids: torch.Tensor) -> torch.Tensor:
+    """Every segment's boundaries over the flattened rows of ``document_ids``, int32, as varlen kernels take.
+
+    A segment is a run of one id in a row (a document, or the padding after a row's last one).
+
+    Examples:
+        >>> segment_bounds(torch.tensor([[0, 0, 0], [0, 1, 1]])).tolist()
+        [0, 3, 4, 6]
+    """
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    end = torch.tensor([document_ids.numel()], device=document_ids.device)
+    return torch.cat([starts.flatten().nonzero().flatten(), end]).to(torch.int32)
+
+
+def _hf_attention(model: nn.Module) -> tuple[str, str]:
+    """A Hugging Face model's attention implementation, and why it would cross packed documents, or ''."""
     config: Any = model.config
-    implementation = config._attn_implementation
+    implementation = str(getattr(config, "_attn_implementation", None))
     fix = "Load it with attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))."
     if implementation not in DOCUMENT_MASKS + VARLEN:
-        raise ShardingError(
-            f"packed_inputs({name}): its attention implementation {implementation!r} cannot keep packed "
+        return implementation, (
+            f"its attention implementation {implementation!r} cannot keep packed "
             f"documents apart; transformers does so for {', '.join(map(repr, DOCUMENT_MASKS))} (a "
             f"block-diagonal mask from position_ids) and {', '.join(map(repr, VARLEN))} (each "
             f"document's own varlen call). {fix}"
         )
     if not getattr(config, "is_causal", True):
-        raise ShardingError(
-            f"packed_inputs({name}): its attention is bidirectional (config.is_causal=False), and "
+        return implementation, (
+            "its attention is bidirectional (config.is_causal=False), and "
             "transformers keeps packed documents apart in causal masks only. Pack documents for a "
             "causal LM, or pad them instead."
         )
-    import transformers.masking_utils as masking
+    try:
+        import transformers.masking_utils as masking
+    except ImportError:
+        return implementation, (
+            "this transformers has no masking_utils.create_causal_mask, the mask builder that finds "
+            "packed documents in position_ids. Install transformers 4.53 or later."
+        )
 
     base = getattr(model, "base_model", model)
     builder = getattr(sys.modules.get(type(base).__module__), "create_causal_mask", None)
     if builder is not masking.create_causal_mask:
-        raise ShardingError(
-            f"packed_inputs({name}): {type(base).__module__} builds its attention without "
+        return implementation, (
+            f"{type(base).__module__} builds its attention without "
             "transformers.masking_utils.create_causal_mask, the path that finds packed documents in "
             "position_ids, so its attention (or its recurrent state) would cross documents. Pack "
             "documents for a model that builds its mask there (Llama, Qwen2, Mistral, ...), or pad them."
         )
     if recurrent := _recurrent_layers(model):
-        raise ShardingError(
-            f"packed_inputs({name}): {recurrent} carry a state from each token to the next, which "
+        return implementation, (
+            f"{recurrent} carry a state from each token to the next, which "
             "would run on from one packed document into the next: transformers keeps documents apart "
             "in attention masks only. Pack documents for a model of attention layers alone, or pad them."
         )
-    return str(implementation)
+    return implementation, ""
 
 
 def _recurrent_layers(model: nn.Module) -> str:
@@ -184,6 +309,12 @@ def _recurrent_layers(model: nn.Module) -> str:
         return f"its layers {layers} ({', '.join(sorted({kinds[i] for i in layers}))} in config.layer_types)"
     more = f" and {len(modules) - 3} more" if len(modules) > 3 else ""
     return f"its layers {', '.join(modules[:3])}{more}"
+
+
+def _class_name(model: nn.Module) -> str:
+    """The model's own class, not the one a torch engine (FSDP2, replicate) made around it."""
+    own = (c for c in type(model).__mro__ if not c.__module__.startswith("torch.distributed"))
+    return next(own, type(model)).__name__
 
 
 def _keywords(model: nn.Module) -> set[str]:

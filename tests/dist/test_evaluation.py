@@ -1,5 +1,6 @@
 """fs.forward_only and fs.forward_loss: a module the plan was not applied to is refused; between
-accumulating steps on 4 gloo ranks (slow) they leave the gradients whole."""
+accumulating steps on 4 gloo ranks (slow) they leave the gradients whole; packed rows under a
+pipeline evaluate as in one process."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from torch import nn
 
 import functional_shard as fs
 
-from .. import evaluation_cases, pipeline_cases
+from .. import cp_cases, evaluation_cases, pipeline_cases
+
+PIPELINE = {"pp": 2, "dp": 2}, "pipeline(pp, microbatches=2) + fsdp(dp)"
 
 
 @pytest.mark.parametrize(
@@ -43,3 +46,14 @@ def test_evaluating_between_accumulating_steps_leaves_their_gradients_whole(worl
     assert merged.keys() == grads.keys()
     for name, value in grads.items():
         torch.testing.assert_close(merged[name], value, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["hf_llama", pytest.param("zoo_untied", marks=pytest.mark.slow)])
+def test_packed_rows_evaluate_under_a_pipeline_as_one_process(world4, kind):
+    # every stage is given its micro-batch's rows of positions= and document_ids= (a Hugging Face
+    # model's as position_ids=); forward_loss weights each micro-batch's mean by its targets, and
+    # the last batch's micro-batches of padding alone (no target, a nan mean) add nothing
+    mesh, policy = PIPELINE
+    cp_cases.assert_packed_evaluation_as_one_process(
+        world4.run(cp_cases.evaluate_packed, mesh, policy, kind), kind
+    )

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functional_shard as fs
+from functional_shard.core.document_attention import packed_forward, segment_bounds
 from functional_shard.zoo import llama
 
 from ..hf_cases import config
@@ -149,6 +150,29 @@ def test_flash_attention_gets_each_documents_boundaries_over_the_flattened_rows(
     assert inputs["cu_seq_lens_q"].tolist() == inputs["cu_seq_lens_k"].tolist() == [0, 3, 5, 9, 10]
     assert inputs["cu_seq_lens_q"].dtype == torch.int32
     assert inputs["max_length_q"] == inputs["max_length_k"] == 4
+
+
+@settings(max_examples=30)
+@given(docs=documents(max_documents=8, max_length=24, vocab=128), seq_len=st.integers(2, 32))
+def test_the_boundaries_read_from_document_ids_are_the_batchs_own(docs, seq_len):
+    # fs.forward_backward has the rows' tensors only: their ids give the boundaries pack() knew
+    batch = fs.pack(docs, seq_len, long="split")
+    assert segment_bounds(batch.document_ids).tolist() == batch.cu_seqlens.tolist()
+
+
+def test_packed_rows_by_tensors_get_the_arguments_packed_inputs_gives():
+    model = _build("llama", "sdpa")
+    model.config._attn_implementation = "flash_attention_2"
+    batch = fs.pack([[1, 2, 3], [4, 5], [6, 7, 8, 9]], 5)
+    inputs = fs.packed_inputs(model, batch)
+    forward = packed_forward(model)
+    for positions, ids in ((batch.positions, batch.document_ids), (None, batch.document_ids)):
+        keywords = forward.keywords(batch.tokens, positions, ids, who="step")
+        assert keywords.keys() == inputs.keys() - {"input_ids"}
+        for name, value in keywords.items():
+            assert (
+                value.tolist() == inputs[name].tolist() if torch.is_tensor(value) else value == inputs[name]
+            )
 
 
 def test_the_zoo_llama_gets_its_own_keywords():

@@ -337,7 +337,7 @@ def test_packed_rows_to_a_forward_without_them_are_refused(one_rank, context):
     model = fs.apply(plan, model)
     batch = _packed()
     step = fs.forward_backward(plan, model, _cross_entropy)
-    message = "fs.forward_backward: the step was given document_ids=, but the forward does not take them"
+    message = "fs.forward_backward(Sequential): its forward takes no document boundaries (no document_ids="
     with pytest.raises(fs.ShardingError, match=re.escape(message)):
         step(batch.tokens, batch.labels, document_ids=batch.document_ids)
 

@@ -8,17 +8,20 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from functional_shard.core.document_attention import PackedForward, packed_forward
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.validate import entry_point, refuse
 from functional_shard.planning.plan.plan import Plan
 
 from .applied import applied_with
 from .pipeline import Pipelined, pipeline_eval_loss, pipeline_eval_outputs, pipeline_of
-from .step import LossFn, check_microbatches
+from .step import LossFn, check_microbatches, check_pipelined_rows, forward_keywords, packed_microbatch_loss
 from .tensor_parallel import loss_context, plain_loss
 
 
-def _evaluated(plan: Plan, module: nn.Module, root: str, caller: str) -> tuple[nn.Module, Pipelined | None]:
+def _evaluated(
+    plan: Plan, module: nn.Module, root: str, caller: str
+) -> tuple[nn.Module, Pipelined | None, PackedForward]:
     applied_with(plan, module, caller)
     pipelined = pipeline_of(module)
     if root and pipelined is not None:
@@ -31,9 +34,25 @@ def _evaluated(plan: Plan, module: nn.Module, root: str, caller: str) -> tuple[n
             "sequences; evaluate under a plan without cp (a checkpoint loads under any plan)"
         )
     try:
-        return module.get_submodule(root), pipelined
+        forward = module.get_submodule(root)
     except AttributeError:
         refuse("root", repr(root), "a submodule of the module", meaning="'' for the module itself")
+    # read from the whole model: under a pipeline, before this rank's stages were cut from it
+    return forward, pipelined, pipelined.packing if pipelined is not None else packed_forward(forward)
+
+
+def _packed(
+    packing: PackedForward, caller: str, positions: torch.Tensor | None, document_ids: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """The packed rows' keywords given, refused before anything runs if the model cannot take them."""
+    given = {
+        name: value
+        for name, value in (("positions", positions), ("document_ids", document_ids))
+        if value is not None
+    }
+    if given:
+        packing.refuse(tuple(given), caller)
+    return given
 
 
 @contextmanager
@@ -46,12 +65,17 @@ def _no_grad() -> Iterator[None]:
 
 
 @entry_point
-def forward_only(plan: Plan, module: nn.Module, *, root: str = "") -> Callable[[torch.Tensor], torch.Tensor]:
+def forward_only(plan: Plan, module: nn.Module, *, root: str = "") -> Callable[..., torch.Tensor]:
     """A function ``forward(inputs) -> outputs``: the model's forward under ``plan``, without gradients.
 
     Under a pipeline plan the schedule runs forward only and the last stage's outputs are
     sent to every rank of the pipeline; otherwise it is ``module(inputs)`` under
     ``torch.no_grad()``. Every rank passes its data-parallel slice of the batch.
+
+    Packed rows (`fs.pack`) go in by keyword, ``forward(batch.tokens, positions=batch.positions,
+    document_ids=batch.document_ids)``, as to `forward_backward`: to the zoo's Llama as they are, to a
+    Hugging Face causal LM as `fs.packed_inputs` gives them; under a pipeline every stage is given
+    its micro-batch's rows of them.
 
     Args:
         plan: the plan `apply` ran.
@@ -59,25 +83,41 @@ def forward_only(plan: Plan, module: nn.Module, *, root: str = "") -> Callable[[
         root: the submodule whose forward runs the model, as `apply` took it; "" under a pipeline.
 
     Returns:
-        ``forward(inputs)``, returning the model's outputs (detached; under a pipeline one tensor).
+        ``forward(inputs, *, positions=None, document_ids=None)``, returning the model's outputs
+        (detached; under a pipeline one tensor). Its arguments:
+
+        - ``inputs``: this rank's data-parallel slice of the batch (packed rows' ``tokens``).
+        - ``positions``: packed rows' positions, each document's from 0 (`PackedBatch.positions`).
+        - ``document_ids``: packed rows' document ids (`PackedBatch.document_ids`).
 
     Raises:
         ShardingError: ``module`` was not applied with ``plan``, or the plan has context parallel;
-            from ``forward``, a batch the micro-batch count does not divide.
+            from ``forward``, a batch the micro-batch count does not divide, packed rows given to a
+            model whose attention would cross documents, or (under a pipeline) a packed document
+            that straddles two micro-batches.
 
     Examples:
         >>> plan = fs.shard(nn.Linear(4, 2), fs.Mesh(dp=1), fs.replicate())
         >>> # on every rank, after fs.apply(plan, model):
         >>> # forward = fs.forward_only(plan, model); logits = forward(inputs)
     """
-    forward, pipelined = _evaluated(plan, module, root, "fs.forward_only")
+    caller = "fs.forward_only"
+    forward, pipelined, packing = _evaluated(plan, module, root, caller)
 
-    def run(inputs: torch.Tensor) -> torch.Tensor:
+    def run(
+        inputs: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        packed = _packed(packing, caller, positions, document_ids)
         with _no_grad():
             if pipelined is not None:
-                check_microbatches(plan, "fs.forward_only", inputs=inputs)
-                return pipeline_eval_outputs(pipelined, inputs)
-            return forward(inputs)
+                check_microbatches(plan, caller, inputs=inputs, **packed)
+                if packed:
+                    check_pipelined_rows(plan, inputs, packed, f"{caller} under a pipeline")
+                return pipeline_eval_outputs(pipelined, inputs, packed)
+            return forward(inputs, **forward_keywords(packing, inputs, packed, caller))
 
     return run
 
@@ -85,11 +125,13 @@ def forward_only(plan: Plan, module: nn.Module, *, root: str = "") -> Callable[[
 @entry_point
 def forward_loss(
     plan: Plan, module: nn.Module, loss_fn: LossFn, *, root: str = ""
-) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+) -> Callable[..., torch.Tensor]:
     """A function ``loss(inputs, targets) -> loss``: ``loss_fn`` evaluated under ``plan``, without gradients.
 
     The evaluation counterpart of `forward_backward`: under a pipeline plan the last stage
     computes the loss per micro-batch and only the mean is sent to every rank of the pipeline.
+    Packed rows go in by keyword as to `forward_only`; under a pipeline each micro-batch's loss, a
+    mean over its targets that are not ``-100``, is weighted by its share of them, as in training.
 
     Args:
         plan: the plan `apply` ran.
@@ -98,11 +140,16 @@ def forward_loss(
         root: the submodule whose forward runs the model, as `apply` took it.
 
     Returns:
-        ``loss(inputs, targets)``, returning the batch's mean loss (detached), the same on every pp rank.
+        ``loss(inputs, targets, *, positions=None, document_ids=None)``, returning the batch's mean
+        loss (detached), the same on every pp rank. Its arguments:
+
+        - ``inputs``: this rank's data-parallel slice of the batch (packed rows' ``tokens``).
+        - ``targets``: the slice's targets (packed rows' ``labels``).
+        - ``positions``: packed rows' positions, each document's from 0 (`PackedBatch.positions`).
+        - ``document_ids``: packed rows' document ids (`PackedBatch.document_ids`).
 
     Raises:
-        ShardingError: as `forward_only`; later, from ``loss``, a batch the micro-batch
-            count does not divide.
+        ShardingError: as `forward_only`; later, from ``loss``, as ``forward`` of `forward_only`.
 
     Examples:
         >>> plan = fs.shard(nn.Linear(4, 2), fs.Mesh(dp=1), fs.replicate())
@@ -110,13 +157,29 @@ def forward_loss(
         >>> # evaluate = fs.forward_loss(plan, model, torch.nn.functional.mse_loss)
         >>> # loss = evaluate(inputs, targets)
     """
-    forward, pipelined = _evaluated(plan, module, root, "fs.forward_loss")
+    caller = "fs.forward_loss"
+    forward, pipelined, packing = _evaluated(plan, module, root, caller)
 
-    def run(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def run(
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        packed = _packed(packing, caller, positions, document_ids)
         with _no_grad(), loss_context(plan):
             if pipelined is not None:
-                check_microbatches(plan, "fs.forward_loss", inputs=inputs, targets=targets)
-                return pipeline_eval_loss(pipelined, loss_fn, inputs, targets)
-            return plain_loss(loss_fn(forward(inputs), targets))
+                check_microbatches(plan, caller, inputs=inputs, targets=targets, **packed)
+                loss_of = (
+                    packed_microbatch_loss(
+                        plan, loss_fn, inputs, targets, packed, f"{caller} under a pipeline"
+                    )
+                    if packed
+                    else loss_fn
+                )
+                return pipeline_eval_loss(pipelined, loss_of, inputs, targets, packed)
+            keywords = forward_keywords(packing, inputs, packed, caller)
+            return plain_loss(loss_fn(forward(inputs, **keywords), targets))
 
     return run

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from functional_shard.core.document_attention import PackedForward, packed_forward
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.tree import within
 from functional_shard.planning.pipeline.stage_plans import stage_plan, without_pipeline
@@ -71,8 +72,9 @@ class Pipelined:
     stages: tuple[Any, ...]  # torch PipelineStage, in increasing stage order
     group: dist.ProcessGroup
     last_stage_rank: int  # the pp-group rank that runs the last stage
-    # the keywords of the model's own forward, which every stage runs (packed rows' positions=)
-    takes: frozenset[str] = frozenset()
+    # how the model's own forward, which every stage runs, takes packed rows: read from the
+    # whole model before this rank's stages were cut from it, so every rank refuses alike
+    packing: PackedForward
     schedule: Any = None
     loss: Callable[..., torch.Tensor] | None = field(default=None, repr=False)
 
@@ -157,15 +159,23 @@ def _tensor_of(output: Any, stage: int) -> torch.Tensor:
     )
 
 
-def _run_as_stage(stage_module: nn.Module, stage: int, first: bool) -> None:
+def _run_as_stage(stage_module: nn.Module, stage: int, first: bool, packing: PackedForward) -> None:
     # The stage's module runs the model's own forward; only what goes in and what comes out
     # change: a later stage's input is the hidden states (inputs_embeds= for Hugging Face).
-    # Keywords (packed rows' positions= and document_ids=) reach every stage: torch's schedule
-    # splits the step's keyword tensors into micro-batches and hands them to each stage it runs
+    # Packed rows' positions= and document_ids= reach every stage: torch's schedule splits the
+    # step's keyword tensors into micro-batches and hands them to each stage it runs, which turns
+    # its micro-batch's into what the forward takes (a Hugging Face model's position_ids=,
+    # use_cache=False: no value but a tensor goes through the schedule's keywords)
     forward = stage_module.forward
     embeds = not first and "inputs_embeds" in _keywords(stage_module)
+    who = f"pipeline stage {stage}"
 
-    def stage_forward(hidden: torch.Tensor, **keywords: torch.Tensor) -> torch.Tensor:
+    def stage_forward(hidden: torch.Tensor, **packed: torch.Tensor) -> torch.Tensor:
+        keywords = (
+            packing.keywords(hidden, packed.get("positions"), packed.get("document_ids"), who=who)
+            if packed
+            else {}
+        )
         given = forward(inputs_embeds=hidden, **keywords) if embeds else forward(hidden, **keywords)
         output = _tensor_of(given, stage)
         # a view (Hugging Face slices the hidden states for its head) would lose FSDP2's
@@ -206,7 +216,7 @@ def apply_pipeline(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> Pl
     pp_rank = pp_mesh.get_local_rank()
     n_stages = len(pipeline.stages)
     mine = rank_stages(pp_rank, pp, pipeline.stages_per_rank, pipeline.schedule)
-    takes = _keywords(module)
+    packing = packed_forward(module)
     others = {m for s in range(n_stages) if s not in mine for m in pipeline.stages[s]}
     _drop_in_place(module, others)
     stage_modules: list[tuple[int, nn.Module]] = []
@@ -231,14 +241,14 @@ def apply_pipeline(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> Pl
         apply_data_parallel(local, view, device_mesh, "")
         reduce_whole_grads(local, view, device_mesh)
         refuse_uneven_sequences(local, view)
-        _run_as_stage(view, stage, first=stage == 0)
+        _run_as_stage(view, stage, first=stage == 0, packing=packing)
         built.append(
             PipelineStage(
                 view, stage, n_stages, device, group=pp_mesh.get_group(), get_mesh=_sub_mesh(device_mesh)
             )
         )
     last_rank = pipeline.coordinate_of(n_stages - 1, plan.mesh)
-    pipelined = Pipelined(plan, tuple(built), pp_mesh.get_group(), last_rank, takes)
+    pipelined = Pipelined(plan, tuple(built), pp_mesh.get_group(), last_rank, packing)
     module.__dict__["_fs_pipeline"] = pipelined
     _PIPELINED.add(module)
     return without_pipeline(stage_plan(plan, mine))
@@ -329,13 +339,16 @@ def pipeline_eval_loss(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     inputs: torch.Tensor,
     targets: torch.Tensor,
+    keywords: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Run the schedule forward only (torch's ``schedule.eval``, under the caller's no_grad).
+
+    ``keywords``: as `pipeline_step`'s.
 
     Returns:
         The mean micro-batch loss, on every pp rank.
     """
-    return _scheduled_loss(pipelined, loss_fn, inputs, targets, forward_only=True)
+    return _scheduled_loss(pipelined, loss_fn, inputs, targets, forward_only=True, keywords=keywords)
 
 
 def _returning(run: Callable[..., Any], outputs: bool) -> dict[str, Any]:
@@ -384,17 +397,19 @@ def _no_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), device=targets.device)
 
 
-def pipeline_eval_outputs(pipelined: Pipelined, inputs: torch.Tensor) -> torch.Tensor:
+def pipeline_eval_outputs(
+    pipelined: Pipelined, inputs: torch.Tensor, keywords: dict[str, torch.Tensor] | None = None
+) -> torch.Tensor:
     """Run the schedule forward only; the last stage's whole outputs, sent to every pp rank.
 
     Every rank passes its batch: the last stage sizes stand-in targets from it, since torch's
-    schedule computes a loss wherever it has a loss function.
+    schedule computes a loss wherever it has a loss function. ``keywords``: as `pipeline_step`'s.
     """
     schedule = _schedule(pipelined)
     pipelined.loss = _no_loss
     first, last = _ends(pipelined)
     device = pipelined.stages[0].device
-    kwargs = _returning(schedule.eval, True)
+    kwargs = _returning(schedule.eval, True) | (keywords or {})
     if last:
         kwargs["target"] = torch.zeros(inputs.shape[0], device=device)
     with _grads_set_aside(pipelined):

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from functional_shard.core.document_attention import PackedForward, packed_forward
 from functional_shard.core.document_masks import check_microbatch_documents, check_packed_inputs
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.packing import counted_share
@@ -44,10 +44,11 @@ def forward_backward(
 
     Packed rows (`fs.pack`) go in by keyword, ``step(batch.tokens, batch.labels,
     positions=batch.positions, document_ids=batch.document_ids)``, to a forward that takes them (the
-    zoo's Llama). Under context parallel the rows are then cut by attention work, not by tokens
-    (docs/packed-documents.md), and the loss, a mean over the targets that are not ``-100``, is
-    weighted by each rank's share of them. Under a pipeline every stage is given its micro-batch's
-    rows of them, and each micro-batch's loss is weighted by its share of the targets alike.
+    zoo's Llama) or to a Hugging Face causal LM, given them as `fs.packed_inputs` gives them
+    (``position_ids=``, ``use_cache=False``). Under context parallel the rows are then cut by attention
+    work, not by tokens (docs/packed-documents.md), and the loss, a mean over the targets that are not
+    ``-100``, is weighted by each rank's share of them. Under a pipeline every stage is given its
+    micro-batch's rows of them, and each micro-batch's loss is weighted by its share of the targets alike.
 
     Args:
         plan: the plan `apply` ran.
@@ -63,7 +64,8 @@ def forward_backward(
     Raises:
         ShardingError: ``module`` was not applied with ``plan``; from ``step``, a batch the micro-batch
             count does not divide, a ``loss_fn`` that returns no scalar, packed rows given to a
-            forward that does not take them (or to context parallel under a pipeline), or, under a
+            model whose attention would cross documents (`fs.packed_inputs` refuses alike), to a Hugging
+            Face model under context parallel or to context parallel under a pipeline, or, under a
             pipeline, a packed document that straddles two micro-batches.
 
     Examples:
@@ -83,7 +85,9 @@ def forward_backward(
     except AttributeError:
         refuse("root", repr(root), "a submodule of the module", meaning="'' for the module itself")
     context = plan.config.context is not None
-    takes = set(inspect.signature(forward.forward).parameters)
+    # read from the whole model: under a pipeline, before this rank's stages were cut from it
+    packing = pipelined.packing if pipelined is not None else packed_forward(forward)
+    takes = packing.takes
     if context and pipelined is None:
 
         def run(
@@ -104,7 +108,17 @@ def forward_backward(
                 (weighted if scaler is None else scaler.scale(weighted)).backward()
             return plain_loss(loss)
 
-        return _taking_packed(context_parallel_step(plan, applied.device_mesh, run), takes)
+        return _taking_packed(
+            context_parallel_step(plan, applied.device_mesh, run),
+            packing,
+            refusal=""
+            if not packing.attention
+            else "a Hugging Face model's packed rows do not run under context parallel: the context "
+            "engine keeps each document's attention apart by the mask of a forward that takes "
+            "document_ids= (the zoo's Llama), and it would have to read the mask a Hugging Face model "
+            "builds from position_ids inside its forward, which it does not; train the model's packed "
+            "rows under fsdp, tp or a pipeline, or the zoo's Llama under cp",
+        )
 
     def scaled(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = scalar_loss(loss_fn(outputs, targets))
@@ -113,16 +127,23 @@ def forward_backward(
     if pipelined is None:
 
         def step(inputs: torch.Tensor, targets: torch.Tensor, **packed: torch.Tensor) -> torch.Tensor:
+            keywords = forward_keywords(packing, inputs, packed, "fs.forward_backward")
             with loss_context(plan):
-                loss = scalar_loss(loss_fn(forward(inputs, **packed), targets))
+                loss = scalar_loss(loss_fn(forward(inputs, **keywords), targets))
                 (loss if scaler is None else scaler.scale(loss)).backward()
             return plain_loss(loss)
 
-        return _taking_packed(step, takes)
+        return _taking_packed(step, packing)
 
     def pipeline(inputs: torch.Tensor, targets: torch.Tensor, **packed: torch.Tensor) -> torch.Tensor:
         check_microbatches(plan, "fs.forward_backward", inputs=inputs, targets=targets, **packed)
-        loss_of = scaled if not packed else _packed_microbatch_loss(plan, scaled, inputs, targets, packed)
+        loss_of = (
+            scaled
+            if not packed
+            else packed_microbatch_loss(
+                plan, scaled, inputs, targets, packed, "fs.forward_backward under a pipeline"
+            )
+        )
         if scaler is not None:
             # only the last stage's ranks scale a loss; the others' scalers must have a
             # scale too, to unscale their gradients and step
@@ -139,33 +160,50 @@ def forward_backward(
         )
         return _taking_packed(
             staged,
-            set(),
+            packing,
             refusal="packed rows do not run under context parallel and a pipeline together (the context "
             "engine's document masks would cover the step's rows, not a micro-batch's); train them under "
             "a pipeline without cp, or under cp without a pipeline",
         )
-    return _taking_packed(pipeline, set(pipelined.takes))
+    return _taking_packed(pipeline, packing)
 
 
-def _packed_microbatch_loss(
+def forward_keywords(
+    packing: PackedForward, inputs: torch.Tensor, packed: dict[str, torch.Tensor], who: str
+) -> dict[str, object]:
+    """What the forward is given beside ``inputs`` for the ``packed`` rows' keywords (none: nothing)."""
+    if not packed:
+        return {}
+    return packing.keywords(inputs, packed.get("positions"), packed.get("document_ids"), who=who)
+
+
+def check_pipelined_rows(plan: Plan, inputs: torch.Tensor, packed: dict[str, torch.Tensor], who: str) -> None:
+    """Refuse packed rows a pipeline cannot run, checked whole on every rank before the schedule runs.
+
+    A stage's forward refusing on one rank would leave the others waiting for its hidden states.
+    """
+    microbatches = plan.config.pipeline.microbatches if plan.config.pipeline else 1
+    positions, document_ids = packed.get("positions"), packed.get("document_ids")
+    check_microbatch_documents(positions, document_ids, microbatches, who)
+    check_packed_inputs(inputs, positions=positions, document_ids=document_ids, who=who)
+
+
+def packed_microbatch_loss(
     plan: Plan,
     loss_fn: LossFn,
     inputs: torch.Tensor,
     targets: torch.Tensor,
     packed: dict[str, torch.Tensor],
+    who: str,
 ) -> LossFn:
     """``loss_fn`` on a micro-batch of packed rows, checked whole first, weighted by its share of targets.
 
-    The rows are checked on every rank before the schedule runs (a stage's forward refusing on
-    one rank would leave the others waiting for its hidden states). Each micro-batch's loss, a mean
-    over its counted targets, is weighted by its share of them: the schedule's mean over the
-    micro-batches is then the rows' mean, as in one process.
+    The rows are checked on every rank before the schedule runs (`check_pipelined_rows`). Each
+    micro-batch's loss, a mean over its counted targets, is weighted by its share of them: the
+    schedule's mean over the micro-batches is then the rows' mean, as in one process.
     """
-    who = "fs.forward_backward under a pipeline"
     microbatches = plan.config.pipeline.microbatches if plan.config.pipeline else 1
-    positions, document_ids = packed.get("positions"), packed.get("document_ids")
-    check_microbatch_documents(positions, document_ids, microbatches, who)
-    check_packed_inputs(inputs, positions=positions, document_ids=document_ids, who=who)
+    check_pipelined_rows(plan, inputs, packed, who)
 
     def weighted(outputs: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
         weight = counted_share(part, targets, microbatches)
@@ -177,11 +215,12 @@ def _packed_microbatch_loss(
     return weighted
 
 
-def _taking_packed(step: Callable[..., torch.Tensor], takes: set[str], refusal: str = "") -> Step:
-    """``step`` taking packed rows' ``positions=`` and ``document_ids=`` where the forward takes them.
+def _taking_packed(step: Callable[..., torch.Tensor], packing: PackedForward, refusal: str = "") -> Step:
+    """``step`` taking packed rows' ``positions=`` and ``document_ids=`` where the model can take them.
 
-    A pipeline's stages run the model's own forward, so it takes what that forward takes.
-    ``refusal``: why and what instead, where the step takes no packed rows whatever the forward.
+    They are refused before anything runs, on every rank alike, where the model's attention would
+    cross documents (``packing``, read from the whole model; a pipeline's stages run its own
+    forward) or ``refusal`` says why the plan runs no packed rows for it, and what instead.
     """
 
     def packed_step(
@@ -196,17 +235,13 @@ def _taking_packed(step: Callable[..., torch.Tensor], takes: set[str], refusal: 
             for name, value in (("positions", positions), ("document_ids", document_ids))
             if value is not None
         }
-        missing = [name for name in given if name not in takes]
-        if missing:
+        if given and refusal:
             raise ShardingError(
-                f"fs.forward_backward: the step was given {' and '.join(f'{n}=' for n in missing)}, but "
-                + (
-                    refusal
-                    or "the forward does not take them; pass packed rows to a model whose forward takes "
-                    "positions= and document_ids= (functional_shard.zoo.Llama); each pipeline stage "
-                    "runs that forward"
-                )
+                f"fs.forward_backward: the step was given {' and '.join(f'{n}=' for n in given)}, "
+                f"but {refusal}"
             )
+        if given:
+            packing.refuse(tuple(given), "fs.forward_backward")
         return step(inputs, targets, **given)
 
     return packed_step
