@@ -30,7 +30,8 @@ from torch import nn
 
 import functional_shard as fs
 from functional_shard.costing.trace.activations import trace_activations
-from functional_shard.costing.trace.routing import expert_loads
+from functional_shard.costing.trace.counting import Flops
+from functional_shard.costing.trace.routing import expert_loads, routed_experts
 
 transformers = pytest.importorskip("transformers")
 
@@ -178,6 +179,55 @@ def test_expert_loads_give_each_token_top_k_experts(tokens, top_k, extra_experts
     assert max(loads[1:], default=0) - min(loads[1:], default=0) <= 1  # the others share evenly
     if imbalance == 1:
         assert max(loads) - min(loads) <= 1
+
+
+def grouped_experts_memory_bytes(
+    experts: int, tokens: int, top_k: int, hidden: int, intermediate: int
+) -> int:
+    """Memory-bound bytes the trace counts for a grouped_mm Mixtral experts module's forward and backward."""
+    config = transformers.MixtralConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_local_experts=experts,
+        num_experts_per_tok=top_k,
+        experts_implementation="grouped_mm",
+    )
+    with torch.device("meta"):
+        module = transformers.models.mixtral.modeling_mixtral.MixtralExperts(config)
+        x = torch.empty(tokens, hidden, requires_grad=True)
+        weights = torch.empty(tokens, top_k, requires_grad=True)
+        chosen = torch.empty(tokens, top_k, dtype=torch.long)  # the trace routes by expert_loads
+    flops = Flops()
+    with routed_experts([module], 1.0), flops:
+        out = module(x, chosen, weights)
+        flops.backward = True
+        out.sum().backward()
+    return flops.memory["forward"] + flops.memory["backward"]
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    tokens=st.integers(1, 24),
+    top_k=st.integers(1, 3),
+    experts=st.lists(st.integers(0, 6), min_size=2, max_size=2),
+    hidden=st.integers(1, 16),
+    intermediate=st.integers(1, 16),
+)
+def test_grouped_experts_move_no_memory_bound_bytes_per_expert(tokens, top_k, experts, hidden, intermediate):
+    # transformers' grouped_mm runs each projection as one kernel over every expert's rows: its
+    # weights and their gradient are read and written by the matmul itself, so the memory-bound work
+    # around it (gather, activation, weighting, the sum of the top-k) is the same for any expert count
+    few, many = (
+        grouped_experts_memory_bytes(top_k + e, tokens, top_k, hidden, intermediate) for e in experts
+    )
+    assert few == many
+
+
+@pytest.mark.parametrize(("tokens", "experts"), [(4, 2), (8, 8), (3, 5)])
+def test_grouped_experts_memory_bound_bytes_match_one_expert(tokens, experts):
+    assert grouped_experts_memory_bytes(experts, tokens, 2, 8, 12) == grouped_experts_memory_bytes(
+        2, tokens, 2, 8, 12
+    )
 
 
 @pytest.mark.parametrize("imbalance", [0.5, 0, -1, float("nan"), float("inf"), True, "2"])
