@@ -230,6 +230,71 @@ def test_grouped_experts_memory_bound_bytes_match_one_expert(tokens, experts):
     )
 
 
+def indexed_write_bytes(rows: int, touched: int, width: int, write: str) -> int:
+    """Memory-bound bytes the trace counts for one in-place indexed write of ``touched`` rows."""
+    with torch.device("meta"):
+        destination = torch.empty(rows, width)
+        index, source = torch.empty(touched, dtype=torch.long), torch.empty(touched, width)
+    flops = Flops()
+    with flops:
+        if write == "index_add_":
+            destination.index_add_(0, index, source)
+        elif write == "index_copy_":
+            destination.index_copy_(0, index, source)
+        else:
+            destination.index_put_((index,), source, accumulate=write == "index_put_ accumulate")
+    return flops.memory["forward"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    touched=st.integers(0, 8),
+    rows=st.lists(st.integers(0, 64), min_size=2, max_size=2),
+    width=st.integers(1, 8),
+    write=st.sampled_from(["index_add_", "index_copy_", "index_put_", "index_put_ accumulate"]),
+)
+def test_an_indexed_write_moves_the_rows_it_names_not_its_whole_destination(touched, rows, width, write):
+    # CUDA's index_add_ (transformers' eager experts add each expert's rows into the whole output)
+    # and index_put_ read the index and the source and touch only the rows named
+    few, many = (indexed_write_bytes(touched + extra, touched, width, write) for extra in rows)
+    assert few == many
+
+
+def gather_backward_bytes(rows: int, touched: int, width: int) -> int:
+    """Memory-bound bytes the trace counts for the backward of ``x[index]``."""
+    with torch.device("meta"):
+        x = torch.empty(rows, width, requires_grad=True)
+        index = torch.empty(touched, dtype=torch.long)
+    gathered = x[index]
+    flops = Flops()
+    with flops:
+        flops.backward = True
+        gathered.backward(torch.ones_like(gathered))
+    return flops.memory["backward"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(touched=st.integers(1, 8), rows=st.integers(8, 64), extra=st.integers(0, 64), width=st.integers(1, 8))
+def test_the_backward_of_a_gather_writes_its_zeros_once(touched, rows, extra, width):
+    # torch adds the gradient into fresh zeros in place: the whole input's gradient is written
+    # once (the zeros), the rest is the touched rows, however many rows the input has
+    grown = gather_backward_bytes(rows + extra, touched, width) - gather_backward_bytes(rows, touched, width)
+    assert grown == extra * width * 4
+
+
+@pytest.mark.parametrize(
+    ("write", "moved"),
+    [
+        ("index_add_", 3 * 8 + 3 * 4 * 4 + 2 * 3 * 4 * 4),  # index, source; the rows read and written
+        ("index_copy_", 3 * 8 + 3 * 4 * 4 + 3 * 4 * 4),  # the rows written
+        ("index_put_", 3 * 8 + 3 * 4 * 4 + 3 * 4 * 4),
+        ("index_put_ accumulate", 3 * 8 + 3 * 4 * 4 + 2 * 3 * 4 * 4),
+    ],
+)
+def test_indexed_write_bytes_by_hand(write, moved):
+    assert indexed_write_bytes(100, 3, 4, write) == moved
+
+
 @pytest.mark.parametrize("imbalance", [0.5, 0, -1, float("nan"), float("inf"), True, "2"])
 def test_an_imbalance_that_is_not_a_number_from_one_up_is_refused(imbalance):
     model = build("mixtral")
