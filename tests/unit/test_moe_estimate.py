@@ -30,7 +30,8 @@ from torch import nn
 
 import functional_shard as fs
 from functional_shard.costing.trace.activations import trace_activations
-from functional_shard.costing.trace.routing import expert_loads
+from functional_shard.costing.trace.counting import Flops
+from functional_shard.costing.trace.routing import expert_loads, routed_experts
 
 transformers = pytest.importorskip("transformers")
 
@@ -178,6 +179,120 @@ def test_expert_loads_give_each_token_top_k_experts(tokens, top_k, extra_experts
     assert max(loads[1:], default=0) - min(loads[1:], default=0) <= 1  # the others share evenly
     if imbalance == 1:
         assert max(loads) - min(loads) <= 1
+
+
+def grouped_experts_memory_bytes(
+    experts: int, tokens: int, top_k: int, hidden: int, intermediate: int
+) -> int:
+    """Memory-bound bytes the trace counts for a grouped_mm Mixtral experts module's forward and backward."""
+    config = transformers.MixtralConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_local_experts=experts,
+        num_experts_per_tok=top_k,
+        experts_implementation="grouped_mm",
+    )
+    with torch.device("meta"):
+        module = transformers.models.mixtral.modeling_mixtral.MixtralExperts(config)
+        x = torch.empty(tokens, hidden, requires_grad=True)
+        weights = torch.empty(tokens, top_k, requires_grad=True)
+        chosen = torch.empty(tokens, top_k, dtype=torch.long)  # the trace routes by expert_loads
+    flops = Flops()
+    with routed_experts([module], 1.0), flops:
+        out = module(x, chosen, weights)
+        flops.backward = True
+        out.sum().backward()
+    return flops.memory["forward"] + flops.memory["backward"]
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    tokens=st.integers(1, 24),
+    top_k=st.integers(1, 3),
+    experts=st.lists(st.integers(0, 6), min_size=2, max_size=2),
+    hidden=st.integers(1, 16),
+    intermediate=st.integers(1, 16),
+)
+def test_grouped_experts_move_no_memory_bound_bytes_per_expert(tokens, top_k, experts, hidden, intermediate):
+    # transformers' grouped_mm runs each projection as one kernel over every expert's rows: its
+    # weights and their gradient are read and written by the matmul itself, so the memory-bound work
+    # around it (gather, activation, weighting, the sum of the top-k) is the same for any expert count
+    few, many = (
+        grouped_experts_memory_bytes(top_k + e, tokens, top_k, hidden, intermediate) for e in experts
+    )
+    assert few == many
+
+
+@pytest.mark.parametrize(("tokens", "experts"), [(4, 2), (8, 8), (3, 5)])
+def test_grouped_experts_memory_bound_bytes_match_one_expert(tokens, experts):
+    assert grouped_experts_memory_bytes(experts, tokens, 2, 8, 12) == grouped_experts_memory_bytes(
+        2, tokens, 2, 8, 12
+    )
+
+
+def indexed_write_bytes(rows: int, touched: int, width: int, write: str) -> int:
+    """Memory-bound bytes the trace counts for one in-place indexed write of ``touched`` rows."""
+    with torch.device("meta"):
+        destination = torch.empty(rows, width)
+        index, source = torch.empty(touched, dtype=torch.long), torch.empty(touched, width)
+    flops = Flops()
+    with flops:
+        if write == "index_add_":
+            destination.index_add_(0, index, source)
+        elif write == "index_copy_":
+            destination.index_copy_(0, index, source)
+        else:
+            destination.index_put_((index,), source, accumulate=write == "index_put_ accumulate")
+    return flops.memory["forward"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    touched=st.integers(0, 8),
+    rows=st.lists(st.integers(0, 64), min_size=2, max_size=2),
+    width=st.integers(1, 8),
+    write=st.sampled_from(["index_add_", "index_copy_", "index_put_", "index_put_ accumulate"]),
+)
+def test_an_indexed_write_moves_the_rows_it_names_not_its_whole_destination(touched, rows, width, write):
+    # CUDA's index_add_ (transformers' eager experts add each expert's rows into the whole output)
+    # and index_put_ read the index and the source and touch only the rows named
+    few, many = (indexed_write_bytes(touched + extra, touched, width, write) for extra in rows)
+    assert few == many
+
+
+def gather_backward_bytes(rows: int, touched: int, width: int) -> int:
+    """Memory-bound bytes the trace counts for the backward of ``x[index]``."""
+    with torch.device("meta"):
+        x = torch.empty(rows, width, requires_grad=True)
+        index = torch.empty(touched, dtype=torch.long)
+    gathered = x[index]
+    flops = Flops()
+    with flops:
+        flops.backward = True
+        gathered.backward(torch.ones_like(gathered))
+    return flops.memory["backward"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(touched=st.integers(1, 8), rows=st.integers(8, 64), extra=st.integers(0, 64), width=st.integers(1, 8))
+def test_the_backward_of_a_gather_writes_its_zeros_once(touched, rows, extra, width):
+    # torch adds the gradient into fresh zeros in place: the whole input's gradient is written
+    # once (the zeros), the rest is the touched rows, however many rows the input has
+    grown = gather_backward_bytes(rows + extra, touched, width) - gather_backward_bytes(rows, touched, width)
+    assert grown == extra * width * 4
+
+
+@pytest.mark.parametrize(
+    ("write", "moved"),
+    [
+        ("index_add_", 3 * 8 + 3 * 4 * 4 + 2 * 3 * 4 * 4),  # index, source; the rows read and written
+        ("index_copy_", 3 * 8 + 3 * 4 * 4 + 3 * 4 * 4),  # the rows written
+        ("index_put_", 3 * 8 + 3 * 4 * 4 + 3 * 4 * 4),
+        ("index_put_ accumulate", 3 * 8 + 3 * 4 * 4 + 2 * 3 * 4 * 4),
+    ],
+)
+def test_indexed_write_bytes_by_hand(write, moved):
+    assert indexed_write_bytes(100, 3, 4, write) == moved
 
 
 @pytest.mark.parametrize("imbalance", [0.5, 0, -1, float("nan"), float("inf"), True, "2"])

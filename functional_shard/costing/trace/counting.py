@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -110,6 +111,10 @@ _COPIES = frozenset(
 )
 
 
+_INDEX_PUT = _aten.index_put.default
+_INDEX_PUT_IN_PLACE = _aten.index_put_.default
+
+
 class Flops(TorchDispatchMode):
     """Flops by `functional_shard.costing.time.flops.op_flops`, split into forward, backward, recompute.
 
@@ -185,7 +190,11 @@ class Flops(TorchDispatchMode):
             self.weights.add(storage_key(out))  # mixed precision's cast of a weight
         count = op_flops(func, args, kwargs, out)
         if not count and not self.fused:
-            self.add_memory(moved_bytes(func, args, kwargs, out, self.weights))
+            # autograd's backward of indexing adds the gradient into fresh zeros in place
+            # (at::_index_put_impl_) but under a dispatch mode, as this one, takes the functional
+            # index_put (torch's FunctionsManual.cpp index_backward, isTensorSubclassLike)
+            runs = _INDEX_PUT_IN_PLACE if func is _INDEX_PUT and self.phase() == "backward" else func
+            self.add_memory(moved_bytes(runs, args, kwargs, out, self.weights))
         attention = bool(count) and is_attention(func)
         kernel = 0.0
         if attention:
@@ -240,12 +249,58 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
         return size
 
 
+# in-place writes through an index: (dim or indices, source) arguments, and whether they add
+_INDEXED_WRITES = {
+    op: adds
+    for name, adds in (
+        ("index_add_", True),
+        ("index_copy_", False),
+        ("index_put_", None),
+        ("_index_put_impl_", None),
+    )
+    if (op := getattr(getattr(_aten, name, None), "default", None)) is not None
+}
+
+
+def _indexed_write_bytes(func: Any, args: Any, kwargs: Mapping[str, Any]) -> int:
+    # the kernel reads the index and the source and touches only the destination's indexed
+    # elements (read and written when it adds, written when it copies), not the whole of it
+    destination = args[0]
+    adds = _INDEXED_WRITES[func]
+    if adds is None:  # index_put_(self, indices, values, accumulate=False)
+        adds = bool(args[3] if len(args) > 3 else kwargs.get("accumulate", False))
+        others = [i for i in args[1] if i is not None] + [args[2]]
+        touched = _indexed_elements(destination, args[1])
+    else:  # index_add_(self, dim, index, source) and index_copy_ alike
+        touched, others = args[3].numel(), [args[2], args[3]]
+    read = {storage_key(t): _tensor_bytes(t) for t in others if isinstance(t, torch.Tensor)}
+    # a repeated index touches its element again in cache: at most the whole destination
+    touched = min(touched, destination.numel())
+    return sum(read.values()) + (2 if adds else 1) * touched * destination.element_size()
+
+
+def _indexed_elements(destination: torch.Tensor, indices: Any) -> int:
+    # the elements ``destination[indices]`` names: the indices' positions (a boolean mask counts
+    # all it covers, at most what it selects) times the elements of the dims left whole
+    dim, indexed_size, shapes = 0, 1, []
+    for index in indices:
+        span = 1 if index is None or index.dtype != torch.bool else index.ndim
+        if index is not None:
+            indexed_size *= math.prod(destination.shape[dim : dim + span])
+            shapes.append(index.shape)
+        dim += span
+    if not shapes or not indexed_size:
+        return destination.numel() if not shapes else 0
+    return math.prod(torch.broadcast_shapes(*shapes)) * (destination.numel() // indexed_size)
+
+
 def moved_bytes(
     func: Any, args: Any, kwargs: Mapping[str, Any], out: Any, weights: set[StorageWeakRef]
 ) -> int:
     """Bytes a memory-bound op reads and writes: its tensor inputs and its new outputs.
 
-    Views move nothing; an in-place op writes what it read; a weight's cast is FSDP's, counted apart.
+    Views move nothing; an in-place op writes what it read, an in-place indexed write (``index_add_``,
+    ``index_put_``) only the elements its index names; a weight's cast is FSDP's, counted apart.
 
     Examples:
         >>> x, y = torch.ones(4), torch.ones(4)
@@ -253,9 +308,16 @@ def moved_bytes(
         48
         >>> moved_bytes(torch.ops.aten.view.default, (x, [2, 2]), {}, x.view(2, 2), set())
         0
+        >>> rows, index, source = torch.zeros(1000, 4), torch.tensor([3, 7]), torch.ones(2, 4)
+        >>> rows.index_add_(0, index, source).shape  # reads index and source, adds into 2 rows
+        torch.Size([1000, 4])
+        >>> moved_bytes(torch.ops.aten.index_add_.default, (rows, 0, index, source), {}, rows, set())
+        112
     """
     if func in _FREE or getattr(func, "is_view", False):
         return 0
+    if func in _INDEXED_WRITES:
+        return _indexed_write_bytes(func, args, kwargs)
     inputs = [t for t in tree_flatten((args, dict(kwargs)))[0] if isinstance(t, torch.Tensor)]
     if func in _COPIES and any(storage_key(t) in weights for t in inputs):
         return 0

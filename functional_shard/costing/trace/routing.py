@@ -18,6 +18,8 @@ from torch import nn
 
 from functional_shard.core.errors import ShardingError
 
+from .counting import fused_kernel
+
 __all__ = ["check_expert_imbalance", "expert_loads", "routed_experts"]
 
 
@@ -102,6 +104,36 @@ def _eager_experts(
     return final
 
 
+class _GroupedLinear(torch.autograd.Function):
+    """transformers' ``grouped_mm`` of ``x``'s row blocks by their experts' weights, as one kernel.
+
+    Each block ``loads[e]`` rows long goes through ``weight[e]`` (``[E, out, in]``). The flops are
+    the blocks' matmuls, forward and backward; the bytes are the kernel's own, none memory-bound:
+    it writes its output, the input's gradient and the weight's whole ``[E, out, in]`` gradient
+    once. Autograd through per-expert views would instead write a dense zero-filled gradient of
+    ``x`` and of ``weight`` per expert and add them up (``slice_backward``, ``select_backward``).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, loads: list[int]) -> torch.Tensor:  # type: ignore[override]
+        ctx.loads = loads
+        ctx.save_for_backward(x, weight)
+        with fused_kernel(0):
+            return torch.cat([F.linear(block, weight[e]) for e, block in enumerate(x.split(loads))])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x, weight = ctx.saved_tensors
+        grad_x = grad_weight = None
+        with fused_kernel(0):
+            pairs = list(zip(grad.split(ctx.loads), x.split(ctx.loads), strict=True))
+            if ctx.needs_input_grad[0]:
+                grad_x = torch.cat([g.mm(weight[e]) for e, (g, _) in enumerate(pairs)])
+            if ctx.needs_input_grad[1]:
+                grad_weight = torch.stack([g.t().mm(rows) for g, rows in pairs])
+        return grad_x, grad_weight, None
+
+
 def _grouped_experts(
     module: Any,
     loads: list[int],
@@ -109,23 +141,15 @@ def _grouped_experts(
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
-    # transformers' grouped_mm path, block by block on views of the sorted visits' matrix
-    # (the same storages saved, and flops torch's formulas count)
+    # transformers' grouped_mm path: the visits sorted by expert, two grouped matmuls
     top_k = top_k_index.shape[-1]
     with torch.no_grad():
         _, perm = torch.sort(top_k_index.reshape(-1))
     rows = hidden_states[perm // top_k]
     weights = top_k_weights.reshape(-1)[perm]
-
-    def grouped(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        blocks, start = [], 0
-        for expert, load in enumerate(loads):
-            blocks.append(F.linear(x.narrow(0, start, load), weight[expert]))
-            start += load
-        return torch.cat(blocks)
-
-    gate, up = grouped(rows.to(module.gate_up_proj.dtype), module.gate_up_proj).chunk(2, dim=-1)
-    out = grouped((module.act_fn(gate) * up).to(module.down_proj.dtype), module.down_proj)
+    gate_up = _GroupedLinear.apply(rows.to(module.gate_up_proj.dtype), module.gate_up_proj, loads)
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = _GroupedLinear.apply((module.act_fn(gate) * up).to(module.down_proj.dtype), module.down_proj, loads)
     weighted = out * weights.unsqueeze(-1)
     with torch.no_grad():
         inverse = torch.empty_like(perm)
