@@ -370,21 +370,11 @@ def trace_activations(
     checkpointed = tuple(config.checkpointed)
     if any(i != o and (not o or i.startswith(f"{o}.")) for o in checkpointed for i in checkpointed):
         backward = True  # an inner module's forward runs again in the outer one's recompute
-    if config.checkpointed and config.checkpoint_policy not in ("full", "selective"):
-        raise ShardingError(
-            f"trace_activations: checkpoint_policy {config.checkpoint_policy!r} is neither 'full' nor "
-            "'selective' (set it with fs.checkpointing(..., policy=...))"
-        )
-    check_expert_imbalance(expert_imbalance)
     modules = dict(model.named_modules())
     dtype = getattr(torch, config.param_dtype) if config.param_dtype else None
     tp_size = config.tp_size(plan.mesh)
     cp = config.cp_size(plan.mesh)
-    if config.context is not None and cp > 1:
-        # packed rows are cut into cp shares by work (`document_ranges`), never into 2·cp chunks
-        check_sequence_length(seq, cp, load_balance=config.context.load_balance and documents is None)
-    if config.sequence_parallel:
-        check_sequence_parallel(modules, plan, seq // cp, tp_size)
+    _check_traceable(plan, modules, seq, expert_imbalance, packed=documents is not None)
     rows = (
         None
         if documents is None
@@ -445,3 +435,22 @@ def trace_activations(
         key: tuple(value) if isinstance(value, list) else value for key, value in counts.items()
     }
     return ActivationTrace(rank=rank, batch=batch, seq=seq, **fields)
+
+
+def _check_traceable(
+    plan: Any, modules: dict[str, nn.Module], seq: int, expert_imbalance: float, *, packed: bool
+) -> None:
+    """Refuse a plan the trace cannot run at ``seq`` tokens (`trace_activations`' Raises)."""
+    config = plan.config
+    if config.checkpointed and config.checkpoint_policy not in ("full", "selective"):
+        raise ShardingError(
+            f"trace_activations: checkpoint_policy {config.checkpoint_policy!r} is neither 'full' nor "
+            "'selective' (set it with fs.checkpointing(..., policy=...))"
+        )
+    check_expert_imbalance(expert_imbalance)
+    cp = config.cp_size(plan.mesh)
+    if config.context is not None and cp > 1:
+        # packed rows are cut into cp shares by work (`document_ranges`), never into 2·cp chunks
+        check_sequence_length(seq, cp, load_balance=config.context.load_balance and not packed)
+    if config.sequence_parallel:
+        check_sequence_parallel(modules, plan, seq // cp, config.tp_size(plan.mesh))

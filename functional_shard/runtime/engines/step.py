@@ -14,9 +14,9 @@ from functional_shard.core.packing import counted_share
 from functional_shard.core.validate import entry_point, refuse
 from functional_shard.planning.plan.plan import Plan
 
-from .applied import applied_with
+from .applied import Applied, applied_with
 from .context.sharded_step import context_parallel_step
-from .pipeline import pipeline_of, pipeline_step
+from .pipeline import Pipelined, pipeline_of, pipeline_step
 from .tensor_parallel import loss_context, plain_loss
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -84,56 +84,71 @@ def forward_backward(
         forward = module.get_submodule(root)
     except AttributeError:
         refuse("root", repr(root), "a submodule of the module", meaning="'' for the module itself")
-    context = plan.config.context is not None
-    # read from the whole model: under a pipeline, before this rank's stages were cut from it
-    packing = pipelined.packing if pipelined is not None else packed_forward(forward)
-    takes = packing.takes
-    if context and pipelined is None:
+    if pipelined is not None:
+        return _pipelined_step(plan, applied, pipelined, loss_fn, scaler)
+    packing = packed_forward(forward)
+    if plan.config.context is not None:
+        return _context_parallel_step(plan, applied, forward, packing, loss_fn, scaler)
 
-        def run(
-            inputs: torch.Tensor,
-            targets: torch.Tensor,
-            positions: torch.Tensor,
-            packed: dict[str, torch.Tensor],
-            weight: float,
-        ) -> torch.Tensor:
-            extra = (
-                {"position_ids": positions.expand(inputs.shape[0], -1)}
-                if "position_ids" in takes and not packed
-                else packed
-            )
-            with loss_context(plan):
-                loss = scalar_loss(loss_fn(forward(inputs, **extra), targets))
-                weighted = loss if weight == 1.0 else loss * weight
-                (weighted if scaler is None else scaler.scale(weighted)).backward()
-            return plain_loss(loss)
+    def step(inputs: torch.Tensor, targets: torch.Tensor, **packed: torch.Tensor) -> torch.Tensor:
+        keywords = forward_keywords(packing, inputs, packed, "fs.forward_backward")
+        with loss_context(plan):
+            loss = scalar_loss(loss_fn(forward(inputs, **keywords), targets))
+            (loss if scaler is None else scaler.scale(loss)).backward()
+        return plain_loss(loss)
 
-        return _taking_packed(
-            context_parallel_step(plan, applied.device_mesh, run),
-            packing,
-            refusal=""
-            if not packing.attention
-            else "a Hugging Face model's packed rows do not run under context parallel: the context "
-            "engine keeps each document's attention apart by the mask of a forward that takes "
-            "document_ids= (the zoo's Llama), and it would have to read the mask a Hugging Face model "
-            "builds from position_ids inside its forward, which it does not; train the model's packed "
-            "rows under fsdp, tp or a pipeline, or the zoo's Llama under cp",
+    return _taking_packed(step, packing)
+
+
+def _context_parallel_step(
+    plan: Plan,
+    applied: Applied,
+    forward: nn.Module,
+    packing: PackedForward,
+    loss_fn: LossFn,
+    scaler: torch.amp.GradScaler | None,
+) -> Step:
+    """`forward_backward`'s step under cp without a pipeline: ``forward`` on this rank's chunks."""
+
+    def run(
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        positions: torch.Tensor,
+        packed: dict[str, torch.Tensor],
+        weight: float,
+    ) -> torch.Tensor:
+        extra = (
+            {"position_ids": positions.expand(inputs.shape[0], -1)}
+            if "position_ids" in packing.takes and not packed
+            else packed
         )
+        with loss_context(plan):
+            loss = scalar_loss(loss_fn(forward(inputs, **extra), targets))
+            weighted = loss if weight == 1.0 else loss * weight
+            (weighted if scaler is None else scaler.scale(weighted)).backward()
+        return plain_loss(loss)
+
+    return _taking_packed(
+        context_parallel_step(plan, applied.device_mesh, run),
+        packing,
+        refusal=""
+        if not packing.attention
+        else "a Hugging Face model's packed rows do not run under context parallel: the context "
+        "engine keeps each document's attention apart by the mask of a forward that takes "
+        "document_ids= (the zoo's Llama), and it would have to read the mask a Hugging Face model "
+        "builds from position_ids inside its forward, which it does not; train the model's packed "
+        "rows under fsdp, tp or a pipeline, or the zoo's Llama under cp",
+    )
+
+
+def _pipelined_step(
+    plan: Plan, applied: Applied, pipelined: Pipelined, loss_fn: LossFn, scaler: torch.amp.GradScaler | None
+) -> Step:
+    """`forward_backward`'s step under a pipeline: the plan's schedule over the micro-batches."""
 
     def scaled(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = scalar_loss(loss_fn(outputs, targets))
         return loss if scaler is None else scaler.scale(loss)
-
-    if pipelined is None:
-
-        def step(inputs: torch.Tensor, targets: torch.Tensor, **packed: torch.Tensor) -> torch.Tensor:
-            keywords = forward_keywords(packing, inputs, packed, "fs.forward_backward")
-            with loss_context(plan):
-                loss = scalar_loss(loss_fn(forward(inputs, **keywords), targets))
-                (loss if scaler is None else scaler.scale(loss)).backward()
-            return plain_loss(loss)
-
-        return _taking_packed(step, packing)
 
     def pipeline(inputs: torch.Tensor, targets: torch.Tensor, **packed: torch.Tensor) -> torch.Tensor:
         check_microbatches(plan, "fs.forward_backward", inputs=inputs, targets=targets, **packed)
@@ -154,7 +169,9 @@ def forward_backward(
             loss = loss / scaler.get_scale()
         return loss
 
-    if context:  # each stage attends over the whole sequences from its rank's chunks
+    # read from the whole model, before this rank's stages were cut from it
+    packing = pipelined.packing
+    if plan.config.context is not None:  # each stage attends over the whole sequences from its rank's chunks
         staged = context_parallel_step(
             plan, applied.device_mesh, lambda i, t, *_: pipeline(i, t), attends=False
         )
