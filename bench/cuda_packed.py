@@ -24,7 +24,6 @@ import contextlib
 import gc
 import json
 import math
-import os
 import pathlib
 import random
 import sys
@@ -37,6 +36,8 @@ import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
+
+from cuda_step_kernels import join_one_rank_group
 
 import functional_shard as fs
 from functional_shard.core.document_masks import document_mask
@@ -229,11 +230,7 @@ def main() -> None:
             f"| {len(row['documents'])} ({sum(row['documents'])} tokens) | {row['loss']:.4f} "
             f"| {row['loss_difference']:.2e} | {row['largest_gradient_difference']:.2e} |"
         )
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29534")
-    if device.type == "cuda":
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    join_one_rank_group(device, port=29534)
     try:
         found["ways"] = tokens_per_second(device, arguments.dry)
     finally:

@@ -293,6 +293,15 @@ def measure(row: Row, steps: int, device: torch.device, dry: bool) -> dict[str, 
     return result
 
 
+def join_one_rank_group(device: torch.device, port: int) -> None:
+    """This process as the one rank of a process group: NCCL on the GPU, gloo on the CPU (``--dry``)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+
+
 def summary(result: dict[str, Any]) -> str:
     kinds = {"attention": 0.0, "matmul": 0.0, "memory-bound": 0.0}
     for kernel in result["kernels"]:
@@ -378,11 +387,7 @@ def main() -> None:
                 print(
                     f"    {group}: {case}: {values['rate'] / 1e12:.3g} T/s ({values['seconds'] * 1e3:.3f} ms)"
                 )
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    if device.type == "cuda":
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    join_one_rank_group(device, port=29533)
     rows = DRY_ROWS if arguments.dry else ROWS + HELD_OUT_ROWS
     if arguments.rows:
         rows = [r for r in rows if any(r.name.startswith(p) for p in arguments.rows)]

@@ -311,26 +311,22 @@ def test_batch_and_seq_add_the_estimate_on_the_named_hardware(capsys, tmp_path):
     assert err.startswith("functional-shard: --hardware 'abacus': unknown hardware 'abacus'; choose one of")
 
 
-def test_kernels_reach_the_estimate(capsys):
+@pytest.mark.parametrize(
+    ("flag", "value", "options", "says"),
+    [
+        ("--kernels", "compile", {"kernels": fs.Kernels(compile=True)}, "with torch.compile"),
+        ("--documents", "4,4,8", {"documents": [4, 4, 8]}, "packed documents: 3.0 a row of 16 tokens"),
+    ],
+)
+def test_estimate_flags_reach_the_estimate(capsys, flag, value, options, says):
     argv = [*TINY, "--mesh", "dp=4", "--policy", "fsdp(dp) + bf16", "--batch", "2", "--seq", "16"]
-    code, out, _ = run(capsys, *argv, "--kernels", "compile")
+    code, out, _ = run(capsys, *argv, flag, value)
     assert code == 0
     model = zoo.llama("tiny")
     plan = fs.shard(model, fs.Mesh(dp=4), fs.parse_policy("fsdp(dp) + bf16"))
-    estimate = fs.estimate(model, plan, batch=2, seq=16, kernels=fs.Kernels(compile=True))
+    estimate = fs.estimate(model, plan, batch=2, seq=16, **options)
     assert str(estimate) in out
-    assert "with torch.compile" in out
-
-
-def test_documents_reach_the_estimate(capsys):
-    argv = [*TINY, "--mesh", "dp=4", "--policy", "fsdp(dp) + bf16", "--batch", "2", "--seq", "16"]
-    code, out, _ = run(capsys, *argv, "--documents", "4,4,8")
-    assert code == 0
-    model = zoo.llama("tiny")
-    plan = fs.shard(model, fs.Mesh(dp=4), fs.parse_policy("fsdp(dp) + bf16"))
-    estimate = fs.estimate(model, plan, batch=2, seq=16, documents=[4, 4, 8])
-    assert str(estimate) in out
-    assert "packed documents: 3.0 a row of 16 tokens" in out
+    assert says in out
 
 
 def test_auto_prints_the_candidates_then_the_chosen_plan(capsys, tmp_path):
