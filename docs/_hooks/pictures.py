@@ -201,6 +201,16 @@ def _llama_8b_cp() -> Any:
     return plan.visualize("lm_head.weight", estimate=estimate, budget=80 * 10**9)
 
 
+def _packed_cp_cut() -> Any:
+    # docs/packed-documents.md, "Balance under cp": one long document among short ones, cp=4
+    from functional_shard.frontends.pictures.document_chart import draw_document_cut
+
+    short = [2 + (7 * i) % 5 for i in range(48)]  # short turns of 2 to 6 tokens
+    lengths = [*short[:20], 200, *short[20:]]
+    lengths[-1] += -sum(lengths) % 4  # cp divides the row
+    return draw_document_cut(lengths, cp=4)
+
+
 PICTURES: dict[str, Callable[[], Any]] = {
     "home-llama-7b": _home,
     "policies-llama-7b": _policies,
@@ -215,6 +225,7 @@ PICTURES: dict[str, Callable[[], Any]] = {
     "tiny-mixtral-ep": _tiny_mixtral_ep,
     "expert-dispatch": _expert_dispatch,
     "llama-8b-cp": _llama_8b_cp,
+    "packed-cp-cut": _packed_cp_cut,
 }
 
 
