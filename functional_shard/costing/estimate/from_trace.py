@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from functional_shard.core.sequence import causal_imbalance
+from functional_shard.core.sequence import causal_imbalance, engine_that_runs
 from functional_shard.costing.cost.cost_model import cost
 from functional_shard.costing.time.context_engines import (
     recompute_beyond,
@@ -37,6 +37,7 @@ from .record import Estimate
 from .reserved import reserved_beyond
 
 if TYPE_CHECKING:
+    from functional_shard.costing.time.hardware import Hardware
     from functional_shard.planning.plan.plan import Plan
 
 __all__ = ["Assembly", "assemble"]
@@ -103,14 +104,18 @@ def _without_unmade_grads(memory: dict[str, int]) -> tuple[dict[str, int], str]:
     return memory | {"grads": 0}, "the start of backward, before any gradient is made"
 
 
-def _causal_imbalance(plan: Plan, seq: int, *, packed: bool = False) -> float:
+def _causal_imbalance(plan: Plan, seq: int, hardware: Hardware, *, packed: bool = False) -> float:
     """The cp group's busiest rank's causal attention work over the mean (1.0 without cp).
 
-    ``packed``: 1.0, as the all-gather engine runs packed rows: its boolean mask skips no pair, so every
-    rank's kernel runs the same (the cut by work pays once a kernel skips masked blocks).
+    Only torch's ring follows the ranks' chunks: per chunk pair it runs a causal kernel on its own
+    chunk, a full one on an earlier rank's and none on a later one's. The all-gather engine (and
+    packed rows, which it runs whatever the plan's engine) calls SDPA with a boolean mask, which
+    skips no pair: every rank's kernel runs its queries against every key, as the trace counts.
     """
     context = plan.config.context
     if context is None or context.size(plan.mesh) == 1 or packed:
+        return 1.0
+    if engine_that_runs(context.engine, cuda=hardware.cuda) != "ring":
         return 1.0
     return causal_imbalance(seq, context.size(plan.mesh), load_balance=context.load_balance)
 
@@ -146,7 +151,7 @@ def assemble(assembly: Assembly) -> Estimate:
         units=parts.units,
         recomputed=_recomputed(parts.plan, checkpointed, assembly.batch * assembly.seq),
         attention_flops=parts.attention_flops,
-        causal_imbalance=_causal_imbalance(plan, assembly.seq, packed=assembly.documents is not None),
+        causal_imbalance=_causal_imbalance(plan, assembly.seq, hw, packed=assembly.documents is not None),
         clock=clock,
         saved=parts.saved,
         ring_merges=ring_merge_seconds(parts.plan, parts.attention_flops, assembly.seq, hw, clock.speedup),
