@@ -42,15 +42,17 @@ def _tie(out: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
 
 
 def _run_local(module: Any, rows: torch.Tensor, loads: list[int], gate_up: Any, down: Any) -> torch.Tensor:
-    # the engine's per-expert loop (its index of each expert's rows, an out-of-place index_add)
+    # the engine's loop: rows gathered once in expert order and split, experts taken by unbind,
+    # outputs added in place (its bincount is left out: a fake tensor cannot size it)
+    with torch.no_grad():
+        order = torch.argsort(torch.empty(rows.shape[0], dtype=torch.long, device=rows.device), stable=True)
     out = rows.new_zeros(rows.shape[0], down.shape[1])
-    for expert, load in enumerate(loads):
-        if not load:
+    pieces = zip(rows[order].split(loads), order.split(loads), gate_up.unbind(0), down.unbind(0), strict=True)
+    for piece, index, expert_gate_up, expert_down in pieces:
+        if index.numel() == 0:
             continue
-        with torch.no_grad():
-            index = torch.empty(load, dtype=torch.long, device=rows.device)
-        gate, up = F.linear(rows[index], gate_up[expert]).chunk(2, dim=-1)
-        out = out.index_add(0, index, F.linear(module.act_fn(gate) * up, down[expert]))
+        gate, up = F.linear(piece, expert_gate_up).chunk(2, dim=-1)
+        out.index_add_(0, index, F.linear(module.act_fn(gate) * up, expert_down))
     return out
 
 

@@ -86,17 +86,30 @@ def _run_experts(
     down: torch.Tensor,
     act: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """Each row through its expert's MLP: ``down[e] @ (act(gate[e] @ x) * (up[e] @ x))``."""
+    """Each row through its expert's MLP: ``down[e] @ (act(gate[e] @ x) * (up[e] @ x))``.
+
+    The rows are gathered once in expert order and split, the experts taken by ``unbind`` and
+    the outputs added in place: in backward that is one gradient of ``rows``, of ``gate_up``
+    and of ``down`` each, where indexing per expert would make a full-size zero-filled one per
+    expert and an out-of-place add would copy the whole output per expert.
+    """
+    experts = gate_up.shape[0]
+    with torch.no_grad():
+        order = torch.argsort(expert_of_row, stable=True)
+        counts = torch.bincount(expert_of_row, minlength=experts).tolist()
     out = rows.new_zeros(rows.shape[0], down.shape[1])
-    for expert in range(gate_up.shape[0]):
-        index = (expert_of_row == expert).nonzero().squeeze(1)
+    pieces = zip(
+        rows[order].split(counts), order.split(counts), gate_up.unbind(0), down.unbind(0), strict=True
+    )
+    for piece, index, expert_gate_up, expert_down in pieces:
         if index.numel() == 0:
             continue
-        gate, up = nn.functional.linear(rows[index], gate_up[expert]).chunk(2, dim=-1)
+        gate, up = nn.functional.linear(piece, expert_gate_up).chunk(2, dim=-1)
         # under autocast the linears compute in the autocast dtype; the sum stays in the
         # hidden states' dtype, as transformers' own experts keep it
-        y = nn.functional.linear(act(gate) * up, down[expert])
-        out = out.index_add(0, index, y.to(out.dtype))
+        y = nn.functional.linear(act(gate) * up, expert_down)
+        # in place on a buffer autograd never saves: index_add_'s backward needs only the index
+        out.index_add_(0, index, y.to(out.dtype))
     return out
 
 
