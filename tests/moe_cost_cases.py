@@ -135,3 +135,15 @@ def comparison_table(case: tuple[str, ...], results: list[dict[str, Any]]) -> st
         ]
         lines.append(f"  rank {result['rank']}: " + "; ".join(cells))
     return "\n".join(lines)
+
+
+def traced_memory_bytes(forward: Any) -> int:
+    """Memory-bound bytes the trace counts for ``forward()`` and the backward of its sum."""
+    from functional_shard.costing.trace.counting import Flops
+
+    flops = Flops()
+    with flops:
+        out = forward()
+        flops.backward = True
+        out.sum().backward()
+    return flops.memory["forward"] + flops.memory["backward"]

@@ -33,6 +33,8 @@ from functional_shard.costing.trace.activations import trace_activations
 from functional_shard.costing.trace.counting import Flops
 from functional_shard.costing.trace.routing import expert_loads, routed_experts
 
+from ..moe_cost_cases import traced_memory_bytes
+
 transformers = pytest.importorskip("transformers")
 
 BATCH, SEQ = 2, 16
@@ -197,12 +199,8 @@ def grouped_experts_memory_bytes(
         x = torch.empty(tokens, hidden, requires_grad=True)
         weights = torch.empty(tokens, top_k, requires_grad=True)
         chosen = torch.empty(tokens, top_k, dtype=torch.long)  # the trace routes by expert_loads
-    flops = Flops()
-    with routed_experts([module], 1.0), flops:
-        out = module(x, chosen, weights)
-        flops.backward = True
-        out.sum().backward()
-    return flops.memory["forward"] + flops.memory["backward"]
+    with routed_experts([module], 1.0):
+        return traced_memory_bytes(lambda: module(x, chosen, weights))
 
 
 @settings(max_examples=20, deadline=None)

@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from functional_shard.costing.trace.counting import Flops
 from functional_shard.costing.trace.rank_experts import _run_local
 from functional_shard.runtime.engines.experts import _run_experts
+
+from ..moe_cost_cases import traced_memory_bytes
 
 
 def per_expert_indexing(
@@ -80,12 +81,7 @@ def trace_memory_bytes(experts: int, load: int, hidden: int, intermediate: int) 
         gate_up = torch.empty(experts, 2 * intermediate, hidden, requires_grad=True)
         down = torch.empty(experts, hidden, intermediate, requires_grad=True)
         rows = torch.empty(experts * load, hidden, requires_grad=True)
-    flops = Flops()
-    with flops:
-        out = _run_local(module, rows, [load] * experts, gate_up, down)
-        flops.backward = True
-        out.sum().backward()
-    return flops.memory["forward"] + flops.memory["backward"]
+    return traced_memory_bytes(lambda: _run_local(module, rows, [load] * experts, gate_up, down))
 
 
 @settings(max_examples=15, deadline=None)
