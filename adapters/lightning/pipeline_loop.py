@@ -202,13 +202,10 @@ def training_loss(
     """
     loss_fn = _loss_fn(module, "training_loss")
     strategy = _strategy(module)
-    packed = {
-        name: value
-        for name, value in (("positions", positions), ("document_ids", document_ids))
-        if value is not None
-    }
     if strategy is not None and strategy._runs_its_own_backward():
-        return strategy.pipeline_step(inputs, targets, **packed)
+        return strategy.pipeline_step(inputs, targets, positions=positions, document_ids=document_ids)
+    given = {"positions": positions, "document_ids": document_ids}
+    packed = {name: value for name, value in given.items() if value is not None}
     return loss_fn(module.get_submodule(forward_root(module))(inputs, **packed), targets)
 
 

@@ -150,6 +150,39 @@ class PackedForward:
                 "document_ids= (the zoo's Llama)."
             )
 
+    def taken(
+        self,
+        who: str,
+        positions: torch.Tensor | None,
+        document_ids: torch.Tensor | None,
+        *,
+        refusal: str = "",
+    ) -> dict[str, torch.Tensor]:
+        """The packed rows' keywords given (``None`` left out), refused before anything runs.
+
+        ``refusal``: why the caller's plan runs no packed rows, and what instead; "" if it does.
+
+        Raises:
+            ShardingError: rows given where ``refusal`` says why not, or as `refuse`.
+
+        Examples:
+            >>> forward = PackedForward("Llama", "", frozenset({"positions", "document_ids"}))
+            >>> sorted(forward.taken("fs.forward_loss", None, torch.zeros(1, 4, dtype=torch.long)))
+            ['document_ids']
+        """
+        given = {
+            name: value
+            for name, value in (("positions", positions), ("document_ids", document_ids))
+            if value is not None
+        }
+        if given and refusal:
+            raise ShardingError(
+                f"{who}: the step was given {' and '.join(f'{n}=' for n in given)}, but {refusal}"
+            )
+        if given:
+            self.refuse(tuple(given), who)
+        return given
+
     def keywords(
         self,
         tokens: torch.Tensor,

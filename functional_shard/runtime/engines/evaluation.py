@@ -14,8 +14,15 @@ from functional_shard.core.validate import entry_point, refuse
 from functional_shard.planning.plan.plan import Plan
 
 from .applied import applied_with
-from .pipeline import Pipelined, pipeline_eval_loss, pipeline_eval_outputs, pipeline_of
-from .step import LossFn, check_microbatches, check_pipelined_rows, forward_keywords, packed_microbatch_loss
+from .pipeline import Pipelined, pipeline_eval_outputs, pipeline_of, scheduled_loss
+from .step import (
+    LossFn,
+    check_microbatches,
+    check_pipelined_rows,
+    forward_keywords,
+    packed_microbatch_loss,
+    taking_packed,
+)
 from .tensor_parallel import loss_context, plain_loss
 
 
@@ -39,20 +46,6 @@ def _evaluated(
         refuse("root", repr(root), "a submodule of the module", meaning="'' for the module itself")
     # read from the whole model: under a pipeline, before this rank's stages were cut from it
     return forward, pipelined, pipelined.packing if pipelined is not None else packed_forward(forward)
-
-
-def _packed(
-    packing: PackedForward, caller: str, positions: torch.Tensor | None, document_ids: torch.Tensor | None
-) -> dict[str, torch.Tensor]:
-    """The packed rows' keywords given, refused before anything runs if the model cannot take them."""
-    given = {
-        name: value
-        for name, value in (("positions", positions), ("document_ids", document_ids))
-        if value is not None
-    }
-    if given:
-        packing.refuse(tuple(given), caller)
-    return given
 
 
 @contextmanager
@@ -110,7 +103,7 @@ def forward_only(plan: Plan, module: nn.Module, *, root: str = "") -> Callable[.
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        packed = _packed(packing, caller, positions, document_ids)
+        packed = packing.taken(caller, positions, document_ids)
         with _no_grad():
             if pipelined is not None:
                 check_microbatches(plan, caller, inputs=inputs, **packed)
@@ -160,14 +153,7 @@ def forward_loss(
     caller = "fs.forward_loss"
     forward, pipelined, packing = _evaluated(plan, module, root, caller)
 
-    def run(
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-        *,
-        positions: torch.Tensor | None = None,
-        document_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        packed = _packed(packing, caller, positions, document_ids)
+    def run(inputs: torch.Tensor, targets: torch.Tensor, **packed: torch.Tensor) -> torch.Tensor:
         with _no_grad(), loss_context(plan):
             if pipelined is not None:
                 check_microbatches(plan, caller, inputs=inputs, targets=targets, **packed)
@@ -178,8 +164,8 @@ def forward_loss(
                     if packed
                     else loss_fn
                 )
-                return pipeline_eval_loss(pipelined, loss_of, inputs, targets, packed)
+                return scheduled_loss(pipelined, loss_of, inputs, targets, forward_only=True, keywords=packed)
             keywords = forward_keywords(packing, inputs, packed, caller)
             return plain_loss(loss_fn(forward(inputs, **keywords), targets))
 
-    return run
+    return taking_packed(run, packing, caller)

@@ -318,39 +318,6 @@ def _mean_from_last_stage(pipelined: Pipelined, losses: list[torch.Tensor], last
     return loss
 
 
-def pipeline_step(
-    pipelined: Pipelined,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
-    keywords: dict[str, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Run one forward and backward of the schedule; the mean micro-batch loss, on every pp rank.
-
-    ``keywords``: tensors of the batch's rows for the model's forward, which every stage runs
-    (packed rows' ``positions`` and ``document_ids``); each micro-batch's rows of them reach
-    every stage of every pp rank.
-    """
-    return _scheduled_loss(pipelined, loss_fn, inputs, targets, forward_only=False, keywords=keywords)
-
-
-def pipeline_eval_loss(
-    pipelined: Pipelined,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
-    keywords: dict[str, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Run the schedule forward only (torch's ``schedule.eval``, under the caller's no_grad).
-
-    ``keywords``: as `pipeline_step`'s.
-
-    Returns:
-        The mean micro-batch loss, on every pp rank.
-    """
-    return _scheduled_loss(pipelined, loss_fn, inputs, targets, forward_only=True, keywords=keywords)
-
-
 def _returning(run: Callable[..., Any], outputs: bool) -> dict[str, Any]:
     """``return_outputs=outputs`` for a schedule's ``step``/``eval`` where torch takes it.
 
@@ -366,15 +333,24 @@ def _returning(run: Callable[..., Any], outputs: bool) -> dict[str, Any]:
     return {"return_outputs": outputs} if taken else {}
 
 
-def _scheduled_loss(
+def scheduled_loss(
     pipelined: Pipelined,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     inputs: torch.Tensor,
     targets: torch.Tensor,
     *,
-    forward_only: bool,
+    forward_only: bool = False,
     keywords: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
+    """Run the schedule once: forward and backward, or forward only (``schedule.eval``, under no_grad).
+
+    ``keywords``: tensors of the batch's rows for the model's forward, which every stage runs
+    (packed rows' ``positions`` and ``document_ids``); each micro-batch's rows of them reach
+    every stage of every pp rank.
+
+    Returns:
+        The mean micro-batch loss, on every pp rank.
+    """
     schedule = _schedule(pipelined)
     run = schedule.eval if forward_only else schedule.step
     pipelined.loss = loss_fn
@@ -403,7 +379,7 @@ def pipeline_eval_outputs(
     """Run the schedule forward only; the last stage's whole outputs, sent to every pp rank.
 
     Every rank passes its batch: the last stage sizes stand-in targets from it, since torch's
-    schedule computes a loss wherever it has a loss function. ``keywords``: as `pipeline_step`'s.
+    schedule computes a loss wherever it has a loss function. ``keywords``: as `scheduled_loss`'s.
     """
     schedule = _schedule(pipelined)
     pipelined.loss = _no_loss

@@ -16,7 +16,7 @@ from functional_shard.planning.plan.plan import Plan
 
 from .applied import Applied, applied_with
 from .context.sharded_step import context_parallel_step
-from .pipeline import Pipelined, pipeline_of, pipeline_step
+from .pipeline import Pipelined, pipeline_of, scheduled_loss
 from .tensor_parallel import loss_context, plain_loss
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -97,7 +97,7 @@ def forward_backward(
             (loss if scaler is None else scaler.scale(loss)).backward()
         return plain_loss(loss)
 
-    return _taking_packed(step, packing)
+    return taking_packed(step, packing)
 
 
 def _context_parallel_step(
@@ -128,7 +128,7 @@ def _context_parallel_step(
             (weighted if scaler is None else scaler.scale(weighted)).backward()
         return plain_loss(loss)
 
-    return _taking_packed(
+    return taking_packed(
         context_parallel_step(plan, applied.device_mesh, run),
         packing,
         refusal=""
@@ -164,7 +164,7 @@ def _pipelined_step(
             # scale too, to unscale their gradients and step
             scaler.scale(torch.zeros((), device=inputs.device))
         with loss_context(plan):
-            loss = pipeline_step(pipelined, loss_of, inputs, targets, packed)
+            loss = scheduled_loss(pipelined, loss_of, inputs, targets, keywords=packed)
         if scaler is not None:
             loss = loss / scaler.get_scale()
         return loss
@@ -175,14 +175,14 @@ def _pipelined_step(
         staged = context_parallel_step(
             plan, applied.device_mesh, lambda i, t, *_: pipeline(i, t), attends=False
         )
-        return _taking_packed(
+        return taking_packed(
             staged,
             packing,
             refusal="packed rows do not run under context parallel and a pipeline together (the context "
             "engine's document masks would cover the step's rows, not a micro-batch's); train them under "
             "a pipeline without cp, or under cp without a pipeline",
         )
-    return _taking_packed(pipeline, packing)
+    return taking_packed(pipeline, packing)
 
 
 def forward_keywords(
@@ -232,8 +232,10 @@ def packed_microbatch_loss(
     return weighted
 
 
-def _taking_packed(step: Callable[..., torch.Tensor], packing: PackedForward, refusal: str = "") -> Step:
-    """``step`` taking packed rows' ``positions=`` and ``document_ids=`` where the model can take them.
+def taking_packed(
+    step: Step, packing: PackedForward, who: str = "fs.forward_backward", refusal: str = ""
+) -> Step:
+    """``step(inputs, targets, **packed)`` taking packed rows' ``positions=`` and ``document_ids=``.
 
     They are refused before anything runs, on every rank alike, where the model's attention would
     cross documents (``packing``, read from the whole model; a pipeline's stages run its own
@@ -247,19 +249,7 @@ def _taking_packed(step: Callable[..., torch.Tensor], packing: PackedForward, re
         positions: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        given = {
-            name: value
-            for name, value in (("positions", positions), ("document_ids", document_ids))
-            if value is not None
-        }
-        if given and refusal:
-            raise ShardingError(
-                f"fs.forward_backward: the step was given {' and '.join(f'{n}=' for n in given)}, "
-                f"but {refusal}"
-            )
-        if given:
-            packing.refuse(tuple(given), "fs.forward_backward")
-        return step(inputs, targets, **given)
+        return step(inputs, targets, **packing.taken(who, positions, document_ids, refusal=refusal))
 
     return packed_step
 
