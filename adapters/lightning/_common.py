@@ -189,7 +189,7 @@ class _RunsAPlan:
                 device=device,
                 root=root,
             )
-        elif any(p.is_meta for p in module.parameters()):
+        elif any(t.is_meta for t in (*module.parameters(), *module.buffers())):
             fs.materialize(self._plan, module, device, seed=self._seed)
 
     def _zero1(

@@ -219,3 +219,27 @@ def test_a_trainer_fits_a_hf_model_built_on_meta_in_configure_model(world):
     first = results[0]["first"]
     assert first.keys() == dict(cpu.named_parameters()).keys()
     assert results[0]["losses"] == pytest.approx(lightning_cases.hf_reference(first, 2), abs=1e-5)
+
+
+def test_real_parameters_keep_their_values_and_only_meta_buffers_are_filled(one_rank):
+    """Parameters already real (loaded or trained) are never drawn again: only the meta buffers
+    get their values, and a mix of real and meta parameters is refused before any change."""
+    net, plan = applied_on_meta(RotaryThatResets, real_mask=True)
+    fs.materialize(plan, net, seed=0)
+    weights = {path: p.full_tensor().clone() for path, p in net.named_parameters()}
+    net.rotary.freqs = torch.empty(4, device="meta")
+    net.mask = torch.empty(8, device="meta")
+    with pytest.raises(fs.ShardingError, match=re.escape("* mask: Net computes this buffer")):
+        fs.materialize(plan, net, seed=1)
+    net.register_buffer("mask", torch.full((8,), 3.0))
+    fs.materialize(plan, net, seed=1)
+    assert torch.equal(net.rotary.freqs, Rotary().freqs)
+    assert torch.equal(net.mask, torch.full((8,), 3.0))
+    for path, param in net.named_parameters():
+        assert torch.equal(param.full_tensor(), weights[path]), path
+
+    net, plan = applied_on_meta(Rotary, real_mask=True)
+    net.proj.bias = nn.Parameter(torch.zeros(8))
+    with pytest.raises(fs.ShardingError, match=re.escape("fs.materialize: proj.bias already hold values")):
+        fs.materialize(plan, net)
+    assert net.proj.weight.is_meta and not net.proj.bias.is_meta

@@ -41,18 +41,19 @@ def materialize(
     Hugging Face model's ``_init_weights``, else ``reset_parameters``) runs in module order on
     full-size temporaries, and this rank's slice is copied in. So for a seed the result is the
     same under every plan, and equals initialising the whole model in one process. Meta buffers
-    get the values construction gives them (`restore_buffers`); real buffers keep theirs.
+    get the values construction gives them (`restore_buffers`); real buffers keep theirs, and so do
+    parameters that are all real already (loaded or trained): then only meta buffers are filled.
 
     Args:
         plan: the plan `apply` ran.
-        module: the parallelized module, its parameters on the meta device.
+        module: the parallelized module, its parameters on the meta device (or all real).
         device: where the shards and buffers live.
         seed: ``torch.manual_seed`` before the parameters are drawn, if given.
         init: called on each module with parameters (in module order) instead of its own initialiser.
 
     Raises:
         ShardingError: the module was not applied with this plan; or, before anything changes,
-            parameters or meta buffers that nothing initialises.
+            parameters or meta buffers that nothing initialises, or real parameters beside meta ones.
 
     Examples:
         >>> # with torch.device("meta"): model = transformers.LlamaForCausalLM(config)
@@ -62,6 +63,8 @@ def materialize(
 
     applied = applied_with(plan, module, "fs.materialize")
     plan = applied.local_plan  # under pp: this rank's stages only
+    if _parameters_real(module):  # loaded or trained already: only meta buffers get values
+        return _fill_meta_buffers(module, device, init)
     chosen, problems = _initialisers_by_path(module, init)
     config = applied.plan.config
     problems += [
@@ -187,6 +190,42 @@ def _whole_values(sub: nn.Module, run: Initialiser, device: str | torch.device) 
     finally:
         sub._parameters.update(params)
         sub._buffers.update(buffers)
+
+
+def _parameters_real(module: nn.Module) -> bool:
+    """Whether every parameter holds values already (none on meta); a mix is refused."""
+    real = [path for path, param in module.named_parameters() if not param.is_meta]
+    if real and len(real) < len(list(module.parameters())):
+        named = f"{', '.join(real[:3])}{' ...' if len(real) > 3 else ''}"
+        raise ShardingError(
+            f"fs.materialize: {named} already hold values beside parameters on the meta device; drawing "
+            "the others would overwrite them or draw in another order than the whole model built in one "
+            "process. Build every parameter on the meta device, or load every one "
+            "(fs.checkpoint.load_hf, fs.checkpoint.load)"
+        )
+    return bool(real)
+
+
+def _fill_meta_buffers(module: nn.Module, device: str | torch.device, init: Initialiser | None) -> nn.Module:
+    """Give ``module``'s meta buffers their values, its parameters untouched; refused before any change."""
+    buffers = meta_buffers(module)
+    problems = buffer_problems(module, buffers, init=init)
+    if problems:
+        raise ShardingError(
+            "fs.materialize cannot give every buffer a value; nothing changed:\n"
+            + "\n".join(f"* {problem}" for problem in problems)
+        )
+    _allocate_buffers(module, buffers, device)
+    restore_buffers(module, buffers, device, init=init)
+    return module
+
+
+def _allocate_buffers(module: nn.Module, paths: tuple[str, ...], device: str | torch.device) -> None:
+    """Give the meta buffers at ``paths`` memory on ``device``, leaving parameters as they are."""
+    for path in paths:
+        owner_path, _, name = path.rpartition(".")
+        owner = module.get_submodule(owner_path)
+        owner._buffers[name] = torch.empty_like(owner.get_buffer(name), device=device)
 
 
 def allocate(module: nn.Module, device: str | torch.device) -> None:
