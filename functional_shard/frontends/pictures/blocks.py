@@ -164,7 +164,8 @@ def draw_blocks(axes: Axes, plan: Plan, path: str, spec: str = "storage") -> Non
     ]
     if tensor.ndim > 2:
         lines.append(
-            f"the slice at index 0 of dims 2-{tensor.ndim - 1}"
+            "the slice at index 0 of "
+            + ("dim 2" if tensor.ndim == 3 else f"dims 2-{tensor.ndim - 1}")
             + (f"; ranks {_compress(elsewhere)} hold other slices" if elsewhere else "")
         )
     if empty:
