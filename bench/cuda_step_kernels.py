@@ -103,6 +103,9 @@ ROWS = [
     Row("phi3-mini b4 2k selective", "Phi3Config", 4, 2048, "selective", PHI3_MINI),
 ]
 # rows the time model was not first checked on: other batches, lengths and families
+# each SDPA kernel's own rate: the default pick is cuDNN on an H200 (torch 2.11); flash is what
+# torch picked on H100s before, and the memory-efficient kernel runs masked attention (sliding windows)
+SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
 HELD_OUT_ROWS = [
     Row("llama-1b b2 8k none", "zoo", 2, 8192, None),
     Row("llama-1b b4 2k selective", "zoo", 4, 2048, "selective"),
@@ -370,9 +373,11 @@ def main() -> None:
     if not arguments.no_rates:
         began = time.perf_counter()
         if arguments.dry:
-            rates = fs.measure_rates("cpu", size=256, seqs=(256,), elements=2**20, repeats=2)
+            rates = fs.measure_rates(
+                "cpu", size=256, seqs=(256,), elements=2**20, repeats=2, backends=SDPA_BACKENDS
+            )
         else:
-            rates = fs.measure_rates("cuda")
+            rates = fs.measure_rates("cuda", backends=SDPA_BACKENDS)
         data = {"environment": environment, **rates.as_dict()}
         (arguments.out / "rates.json").write_text(json.dumps(data, indent=1) + "\n")
         print(
@@ -382,8 +387,13 @@ def main() -> None:
             flush=True,
         )
         print(f"    host seconds per op: {rates.host}")
-        for group in ("matmuls", "attention", "bandwidth"):
-            for case, values in getattr(rates, group).items():
+        groups = {group: getattr(rates, group) for group in ("matmuls", "attention", "bandwidth")}
+        groups |= {f"attention {backend}": cases for backend, cases in rates.attention_kernels.items()}
+        for group, cases in groups.items():
+            for case, values in cases.items():
+                if "rate" not in values:  # a backend with no kernel here, and why
+                    print(f"    {group}: {case}: {values}")
+                    continue
                 print(
                     f"    {group}: {case}: {values['rate'] / 1e12:.3g} T/s ({values['seconds'] * 1e3:.3f} ms)"
                 )

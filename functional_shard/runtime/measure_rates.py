@@ -7,8 +7,8 @@ carry them (`fs.Hardware.matmul_flops`, ``attention_flops``, ``memory_bandwidth`
 
 Examples:
     >>> rates = fs.measure_rates("cpu", size=128, seqs=(128,), repeats=2, elements=2**16, host_ops=20)
-    >>> sorted(rates.as_dict())[:3]
-    ['attention', 'attention_flops', 'bandwidth']
+    >>> sorted(rates.as_dict())[:4]
+    ['attention', 'attention_flops', 'attention_kernels', 'bandwidth']
 """
 
 from __future__ import annotations
@@ -90,6 +90,8 @@ class MeasuredRates:
     host: dict[str, float] = field(default_factory=dict)
     """Seconds the host spends per op: ``"eager"`` (launching a small op), ``"selective
     checkpointing"`` (what its dispatch mode adds to each op of a checkpointed forward)."""
+    attention_kernels: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
+    """The attention cases again under each SDPA backend asked for, alone (or why it could not run)."""
 
     def as_dict(self) -> dict[str, Any]:
         """The rates and cases as plain data (JSON-ready)."""
@@ -156,9 +158,24 @@ def _matmuls(
 
 
 def _attention(
-    seqs: Sequence[int], heads: int, head_dim: int, device: torch.device, dtype: torch.dtype, repeats: int
+    seqs: Sequence[int],
+    heads: int,
+    head_dim: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    repeats: int,
+    backend: str = "",
 ) -> dict[str, dict[str, float]]:
-    """Causal SDPA forward and backward at each length in ``seqs``, torch's default kernel."""
+    """Causal SDPA forward and backward at each length in ``seqs``: torch's default kernel, or ``backend``'s.
+
+    ``backend``: a name of torch's ``SDPBackend`` (``"FLASH_ATTENTION"``, ``"EFFICIENT_ATTENTION"``,
+    ``"CUDNN_ATTENTION"``), the only kernel SDPA may pick.
+    """
+    if backend:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([getattr(SDPBackend, backend)]):
+            return _attention(seqs, heads, head_dim, device, dtype, repeats)
     cases: dict[str, dict[str, float]] = {}
     for seq in seqs:
         q, k, v = (
@@ -251,6 +268,7 @@ def measure_rates(
     elements: int = 2**29,
     repeats: int = 10,
     host_ops: int = 2000,
+    backends: Sequence[str] = (),
 ) -> MeasuredRates:
     """Measure the matmul rate, the fused attention rate and the memory bandwidth of ``device``.
 
@@ -264,6 +282,8 @@ def measure_rates(
         elements: elements of the memory-bound cases (large enough to leave the caches).
         repeats: timed runs per case (the median counts).
         host_ops: small ops in a row for the host's seconds per op.
+        backends: SDPA backends to measure the attention cases again with, each alone
+            (``"FLASH_ATTENTION"``, ``"EFFICIENT_ATTENTION"``, ``"CUDNN_ATTENTION"``).
 
     Examples:
         >>> rates = fs.measure_rates("cpu", size=128, seqs=(128,), repeats=2, elements=2**16, host_ops=20)
@@ -276,6 +296,12 @@ def measure_rates(
     attention = _attention(seqs, heads, head_dim, where, dtype, repeats)
     bandwidth = _bandwidth(elements, where, dtype, repeats)
     both = {k: v for k, v in attention.items() if "backward" in k}
+    kernels: dict[str, dict[str, dict[str, Any]]] = {}
+    for backend in backends:
+        try:
+            kernels[backend] = _attention(seqs, heads, head_dim, where, dtype, repeats, backend)
+        except RuntimeError as unavailable:  # no kernel of that backend for these inputs or this device
+            kernels[backend] = {"unavailable": {"reason": str(unavailable).splitlines()[0]}}
     return MeasuredRates(
         device=name,
         dtype=str(dtype).removeprefix("torch."),
@@ -286,4 +312,5 @@ def measure_rates(
         attention=attention,
         bandwidth=bandwidth,
         host=_host(where, host_ops),
+        attention_kernels=kernels,
     )
