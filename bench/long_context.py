@@ -6,13 +6,16 @@ rank (global batch = dp sequences; the ranks of a cp group share one). It prints
 markdown tables docs/will-it-fit.md and docs/long-context.md show: every plan at every
 length, then the context-parallel rows beside torchtitan's published ones (Llama 3.1 8B on
 8 H100s, FSDP + CP, full activation checkpointing, local batch 1, torch.compile and Float8
-linears: ``fs.Kernels(compile=True, float8=True)``), with our figure over theirs.
+linears: ``fs.Kernels(compile=True, float8=True)``), with our figure over theirs. Those rows
+are counted on `TORCHTITAN_H100`: the ``"h100"`` profile with attention at the rate of the
+kernels their runs called (FlashAttention-2, not the cuDNN kernels the profile's rate is of).
 
 Run: python bench/long_context.py
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import sys
 import time
@@ -29,6 +32,26 @@ SEQS = (8192, 32768, 131072, 262144)
 TORCHTITAN = {32768: (1, 3890, 83.9), 65536: (2, 2540, 84.2), 131072: (4, 1071, 84.0), 262144: (8, 548, 84.5)}
 BUDGET = 80 * 10**9
 KERNELS = fs.Kernels(compile=True, float8=True)  # torchtitan's runs: compiled, Float8 linears
+# Their runs (benchmarks/llama3_h100_202412_torchtitan.md: torch 1963fc8, Dec 2024) called torch's
+# flash kernels, FlashAttention-2: under cp torchtitan's train context allowed only the flash and
+# memory-efficient backends ("TODO (xilunwu): support cuDNN backend", until torchtitan#1000, Mar
+# 2025), and without cp SDPA picked flash on H100, cuDNN being last since pytorch#138522 (Oct 2024)
+# until torch preferred it again on sm90 with a cuDNN newer than 9.15 (torch 2.11's).
+# FlashAttention-2 on an H100 SXM5, forward + backward, causal, head dim 128, 16k tokens: 328 TFLOP/s
+# (flash-attention's assets/flash2_h100_fwd_bwd_benchmark.png, panel d, July 2023), its flops counted
+# as `KernelRates.attention` counts them (half the matrix, backward 2.5 forwards:
+# benchmarks/benchmark_flash_attention.py). The profile's 437 is cuDNN 9.19's, measured on an H200.
+FLASH_ATTENTION_2_H100 = 328e12
+_H100 = fs.hardware("h100")
+assert _H100.kernel_rates is not None
+TORCHTITAN_H100 = _H100.replace(
+    name="h100, FlashAttention-2",
+    kernel_rates=dataclasses.replace(
+        _H100.kernel_rates,
+        attention=FLASH_ATTENTION_2_H100,
+        source="h100's, attention at FlashAttention-2's published H100 SXM5 rate (causal, head dim 128)",
+    ),
+)
 GIB = 2**30
 
 
@@ -103,7 +126,7 @@ def main() -> None:
         name, mesh, policy = context(cp) if cp > 1 else plans()[2]
         plan = fs.shard(model, mesh, policy)
         est, fast = (
-            fs.estimate(model, plan, batch=1, seq=seq, hardware="h100", kernels=kernels)
+            fs.estimate(model, plan, batch=1, seq=seq, hardware=TORCHTITAN_H100, kernels=kernels)
             for kernels in (None, KERNELS)
         )
         peak, tps = est.peak_bytes / GIB, fast.tokens_per_second

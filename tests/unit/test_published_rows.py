@@ -4,8 +4,11 @@ bench/published_pipelines.py and bench/long_context.py print these tables; here 
 held to the issue's bar: tokens/s within 20% of the published figures counted with the
 kernels the runs used (`fs.Kernels`), and memory within 20% counted eager with the outputs
 kept. One thing is left out, and said so in docs/pipelines.md: the 405B memory with their
-Float8 all-gathers counted (0.76-0.90 of the reserved peaks they publish). The 8B row at
-256k tokens holds by a hair (1.198, with torch's ring's own merges counted: docs/long-context.md).
+Float8 all-gathers counted (0.76-0.90 of the reserved peaks they publish). The 8B long-context
+rows, counted with torch's ring's causal pairs and the FlashAttention-2 kernels their runs called
+(bench/long_context.py's TORCHTITAN_H100), do not hold: ours are 1.30-1.75 times theirs, as the
+8B rows at 8k tokens are (bench/published_kernels.py); docs/long-context.md, "Against published
+runs", says why and what measurement would settle it.
 """
 
 from __future__ import annotations
@@ -66,7 +69,9 @@ def test_8b_long_context_rows_are_within_20_percent_with_their_kernels():
     for seq, (cp, tps, gib) in long_context.TORCHTITAN.items():
         name, mesh, policy = long_context.context(cp) if cp > 1 else long_context.plans()[2]
         plan = fs.shard(model, mesh, policy)
-        est = fs.estimate(model, plan, batch=1, seq=seq, hardware="h100", kernels=long_context.KERNELS)
+        est = fs.estimate(
+            model, plan, batch=1, seq=seq, hardware=long_context.TORCHTITAN_H100, kernels=long_context.KERNELS
+        )
         where = f"{name}, {seq} tokens: {est.peak_bytes / GIB:.1f} GiB, {est.tokens_per_second:.0f} tokens/s"
         assert _within(est.peak_bytes / GIB, gib), where
         assert _within(est.tokens_per_second, tps), where

@@ -13,14 +13,17 @@ query/key width ``d`` and value width ``d_v``:
   ``4·b·h·s_q·s_k·(d + d_v)``: what autograd runs for eager attention.
 
 Neither the masked half fused kernels skip nor their recomputed scores is counted, so model flops
-are the same whichever kernel runs (`attention_kernel_flops` counts what a kernel runs).
+are the same whichever kernel runs (`attention_kernel_flops` counts what a kernel runs; a trace's
+stand-in for torch's ring attention says so with `torch_ring_call`).
 Over packed rows (``fs.estimate(documents=...)``) each document's score matrix is counted instead of
 the row's (`document_attention_flops`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,6 +41,7 @@ __all__ = [
     "document_attention_flops",
     "is_attention",
     "op_flops",
+    "torch_ring_call",
 ]
 
 _aten = torch.ops.aten
@@ -226,11 +230,43 @@ def causal_fraction(seq_q: int, seq_k: int) -> float:
     return (seq_q + 1) / (2 * seq_q)
 
 
+_TORCH_RING: contextvars.ContextVar[bool] = contextvars.ContextVar("_TORCH_RING", default=False)
+
+
+@contextlib.contextmanager
+def torch_ring_call() -> Iterator[None]:
+    """Within the block, a call of a cp rank's queries against a whole causal sequence's keys is torch's ring.
+
+    A trace stands in for torch's ring attention with one call without a mask (its model flops, the
+    rank's queries against every key, the MFU convention). The ring runs it chunk pair by chunk pair
+    (``_templated_ring_attention`` and its backward): a causal kernel on the rank's own chunks, a full
+    one on the chunks its queries see and none on the others (``_is_causal_behavior``; under load
+    balancing, the half of each pair's chunks that is seen). Over the cp group that is exactly the
+    sequence's causal pairs, a cp-th of them each on average: ``causal_fraction(seq, seq)`` of each
+    rank's call, every rank alike when balanced (unbalanced, `fs.estimate` adds the busiest rank's
+    excess as ``"unbalanced causal attention"``).
+
+    Examples:
+        >>> q, k = torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 8, 4)  # cp 2: 4 queries, 8 keys
+        >>> sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        >>> with torch_ring_call():
+        ...     ring = attention_kernel_flops(sdpa, (q, k, k), {}, 1000)
+        >>> ring, attention_kernel_flops(sdpa, (q, k, k), {}, 1000)
+        (562.5, 1000.0)
+    """
+    token = _TORCH_RING.set(True)
+    try:
+        yield
+    finally:
+        _TORCH_RING.reset(token)
+
+
 def attention_kernel_flops(func: Any, args: Sequence[Any], kwargs: dict[str, Any], model_flops: int) -> float:
     """The flops an attention kernel runs, from its model flops (`op_flops`).
 
     A fused causal kernel skips the blocks above the diagonal (`causal_fraction`); its backward
-    recomputes the scores (2.5 times the forward, not 2).
+    recomputes the scores (2.5 times the forward, not 2). Inside `torch_ring_call`, a cp rank's share
+    of the causal pairs torch's ring runs.
 
     Examples:
         >>> q = torch.zeros(1, 2, 8, 4)
@@ -243,8 +279,12 @@ def attention_kernel_flops(func: Any, args: Sequence[Any], kwargs: dict[str, Any
     flops = model_flops * (1.25 if backward else 1.0)
     query = next((a for a in args[1 if backward else 0 :] if isinstance(a, torch.Tensor)), None)
     key = next((a for a in args[2 if backward else 1 :] if isinstance(a, torch.Tensor)), None)
+    if query is None or key is None or query.dim() != 4:
+        return flops
+    if _TORCH_RING.get():
+        return flops * causal_fraction(int(key.shape[-2]), int(key.shape[-2]))
     causal = _argument(func, args, kwargs, "is_causal") and _argument(func, args, kwargs, "attn_mask") is None
-    if causal and query is not None and key is not None and query.dim() == 4:
+    if causal:
         return flops * causal_fraction(int(query.shape[-2]), int(key.shape[-2]))
     return flops
 

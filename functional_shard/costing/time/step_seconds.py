@@ -110,8 +110,9 @@ def step_time(
         hidden = min(comm.tensor_parallel / 2, forward_work - forward_attention / rate)
         comm = replace(comm, tensor_parallel=comm.tensor_parallel - hidden)
     exposed: dict[str, float] = {}
-    # attention_seconds is any rank's, as the balanced ring's ranks run alike: torch's ring without
-    # balancing runs causal_imbalance times that on its busiest rank (1.0 for masked all-gather SDPA)
+    # attention_seconds is the cp group's mean rank's (flops.torch_ring_call), which every rank runs
+    # under load balancing: torch's ring without it runs causal_imbalance times that on its busiest
+    # rank (1.0 for masked all-gather SDPA)
     if hw.skips_masked_attention and causal_imbalance > 1 and attention_flops:
         exposed["unbalanced causal attention"] = attention_seconds * (causal_imbalance - 1)
     if ring_merges:  # on the stream of the ring's kernels: not hidden, whatever overlaps

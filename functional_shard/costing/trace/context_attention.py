@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from functional_shard.costing.time.flops import torch_ring_call
+
 __all__ = ["AttentionCall", "context_parallel_attention", "repeat_kv_heads", "routing_attention"]
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
@@ -148,7 +150,8 @@ class _RingKeeps(torch.autograd.Function):
     """What torch's ring attention keeps for backward, and its backward's work, on fake tensors.
 
     Autograd keeps the local query, keys, values, output and logsumexp; backward scores the local
-    queries against ``cp`` times the keys again, as the ring's backward does chunk by chunk.
+    queries against ``cp`` times the keys again, as the ring's backward does chunk by chunk (its
+    kernels the causal pairs: `torch_ring_call`).
     """
 
     @staticmethod
@@ -162,9 +165,10 @@ class _RingKeeps(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         query, key, value, out, logsumexp = ctx.saved_tensors
         keys, values = torch.cat([key] * ctx.cp, dim=-2), torch.cat([value] * ctx.cp, dim=-2)
-        grad_query, grad_keys, grad_values = _FLASH_BACKWARD(
-            grads[0], query, keys, values, out, logsumexp, 0.0, False, scale=ctx.scale
-        )
+        with torch_ring_call():  # its kernels run the causal pairs only
+            grad_query, grad_keys, grad_values = _FLASH_BACKWARD(
+                grads[0], query, keys, values, out, logsumexp, 0.0, False, scale=ctx.scale
+            )
         width = key.shape[-2]
         return grad_query, grad_keys[..., :width, :], grad_values[..., :width, :], None, None, None, None
 
@@ -176,7 +180,8 @@ def _ring(cp: int, merged: bool) -> Callable[[AttentionCall], torch.Tensor]:
         # detached: the gathered copies die with the call, as the ring's do; shapes only, so no mask
         keys = torch.cat([key.detach()] * cp, dim=-2)
         values = torch.cat([value.detach()] * cp, dim=-2)
-        out, logsumexp = _FLASH(query.detach(), keys, values, 0.0, False, scale=scale)
+        with torch_ring_call():  # its kernels run the causal pairs only
+            out, logsumexp = _FLASH(query.detach(), keys, values, 0.0, False, scale=scale)
         del keys, values
         if merged:
             # torch's `_partial_update` concatenates the output's halves (load balancing, every
