@@ -64,6 +64,12 @@ def test_405b_pipeline_rows_are_within_20_percent_with_their_kernels():
         assert _within(fast.tokens_per_second, tps), where
 
 
+# issue #41 point 4, open: ours are 1.30-1.75 times theirs, as at 8k tokens (docs/long-context.md,
+# "Against published runs"); strict, so the run that makes these rows hold says so
+@pytest.mark.xfail(
+    strict=True,
+    reason="the h100 profile's kernel rates are an H200's at 700 W; torchtitan's parts ran at 500 W",
+)
 def test_8b_long_context_rows_are_within_20_percent_with_their_kernels():
     model = llama("llama-3-8b")
     for seq, (cp, tps, gib) in long_context.TORCHTITAN.items():
