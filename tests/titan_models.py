@@ -1,4 +1,4 @@
-"""torchtitan 0.3.0's Llama 3, written again for tests: its module tree, names and forward.
+"""torchtitan 0.3.0's Llama 3 and its main branch's MoE, written again for tests: names and forwards.
 
 Read from the registry wheel (``torchtitan/models/llama3`` and ``models/common``; nothing
 copied). The paths are torchtitan's: ``tok_embeddings``, ``layers`` (an ``nn.ModuleDict``
@@ -32,6 +32,23 @@ The rotary table is a non-persistent buffer computed in ``__init__`` (torchtitan
 ``ComplexRoPE.cache``): built on the meta device it is meta too, and after ``to_empty``
 or ``fs.materialize`` holds garbage until `Llama3Model.init_buffers` computes it again
 (torchtitan's ``init_states(buffer_device=...)`` does the same).
+
+torchtitan's mixture of experts as its main branch writes it today (`titan_moe`; read at
+commit b5bcd76c of 2026-08-21, ``torchtitan/models/common/moe.py`` and ``moe_sharding.py``),
+in the Llama 3 decoder above (today's Qwen3 and DeepSeek V3 blocks keep its names): a block
+holds ``moe`` instead of ``feed_forward``, with ``router.gate`` (a Linear to the experts),
+``routed_experts.inner_experts.w1_EFD``/``w3_EFD`` ``[E, F, D]`` and ``w2_EDF`` ``[E, D, F]``
+(``routed_experts`` pairs the experts with a token dispatcher that holds no tensors),
+``shared_experts.w1/w2/w3`` (a feed-forward, optional), the persistent buffer
+``expert_bias_E`` and the non-persistent ``tokens_per_expert_E``. torchtitan splits it over
+tp (no expert parallelism) as: router whole, ``w1_EFD``/``w3_EFD`` on F (dim 1),
+``w2_EDF`` on F (dim 2), shared experts colwise/rowwise; ``GroupedExperts.forward`` reads
+DTensor weights with ``to_local()``. torchtitan's 0.3.0 names (``moe.experts.w1/w2/w3``)
+are `tests.unit_models.TitanMoELayer`'s. What differs here: the experts loop over experts in
+the input's dtype (torchtitan runs ``torch._grouped_mm`` in bfloat16); the MoE takes
+``(batch, seq, dim)`` and flattens it to tokens (today's decoder hands it tokens already);
+nothing updates ``expert_bias_E`` (torchtitan's optimizer hook does); ``index_add`` where
+torchtitan runs its deterministic scatter-add.
 
 Examples:
     >>> model = titan_llama3("tiny")  # dim 64, 4 heads, 2 kv heads, 2 layers, vocab 256
@@ -98,6 +115,21 @@ SIZES = {
     ),
     "8B": Llama3Config(),
 }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The sizes and routing of today's torchtitan ``MoE.Config`` (defaults: small, DeepSeek V3's routing)."""
+
+    num_experts: int = 4
+    hidden_dim: int = 32  # each expert's F
+    top_k: int = 2
+    shared_hidden_dim: int | None = 32  # None: no shared experts (Qwen3's MoE)
+    score_func: str = "sigmoid"  # or "softmax" (Qwen3's)
+    route_norm: bool = True
+    route_scale: float = 1.0
+    load_balance_coeff: float | None = 1e-3  # None: no expert_bias_E buffer
+    first_moe_layer: int = 1  # the blocks before it dense (DeepSeek V3's first dense layers)
 
 
 class Linear(nn.Linear):
@@ -221,37 +253,186 @@ class GQAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, config: Llama3Config, layer_id: int) -> None:
+    def __init__(self, dim: int, hidden_dim: int, layer_id: int) -> None:
         super().__init__()
-        self.w1 = Linear(config.dim, config.hidden_dim)
-        self.w2 = Linear(config.hidden_dim, config.dim, std=_depth_std(layer_id))
-        self.w3 = Linear(config.dim, config.hidden_dim, std=_depth_std(layer_id))
+        self.w1 = Linear(dim, hidden_dim)
+        self.w2 = Linear(hidden_dim, dim, std=_depth_std(layer_id))
+        self.w3 = Linear(dim, hidden_dim, std=_depth_std(layer_id))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class GroupedExperts(nn.Module):
+    """Today's torchtitan ``GroupedExperts``: ``w1_EFD``, ``w2_EDF``, ``w3_EFD``, one SwiGLU per expert.
+
+    ``forward(rows, tokens_per_expert)`` takes token rows sorted by expert; split weights are
+    DTensors, read locally as torchtitan's forward reads them.
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, layer_id: int) -> None:
+        super().__init__()
+        self.num_experts, self.layer_id = num_experts, layer_id
+        # torchtitan's names: the letters give the dims (E experts, F hidden, D model)
+        self.w1_EFD = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2_EDF = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3_EFD = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for weight, std in (
+            (self.w1_EFD, 0.02),
+            (self.w2_EDF, _depth_std(self.layer_id)),
+            (self.w3_EFD, 0.02),
+        ):
+            nn.init.trunc_normal_(weight, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        weights = (self.w1_EFD, self.w2_EDF, self.w3_EFD)
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in weights)
+        pieces = torch.split(rows, tokens_per_expert.tolist())
+        out = [(F.silu(x @ w1[e].t()) * (x @ w3[e].t())) @ w2[e].t() for e, x in enumerate(pieces)]
+        return torch.cat(out)
+
+
+class LocalTokenDispatcher:
+    """torchtitan's dispatcher without expert parallelism (no tensors): tokens sorted by expert and back."""
+
+    def __init__(self, top_k: int) -> None:
+        self.top_k = top_k
+
+    def dispatch(
+        self, tokens: torch.Tensor, scores: torch.Tensor, expert_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        order = torch.argsort(expert_ids.reshape(-1), stable=True)
+        token_of_row = order // self.top_k
+        return tokens[token_of_row], (token_of_row, scores.reshape(-1)[order])
+
+    def combine(
+        self, out: torch.Tensor, metadata: tuple[torch.Tensor, torch.Tensor], tokens: torch.Tensor
+    ) -> torch.Tensor:
+        # the scores weigh the experts' outputs after them, in float32, as torchtitan's combine
+        token_of_row, scores = metadata
+        scored = (out.float() * scores.reshape(-1, 1)).to(out.dtype)
+        return torch.zeros_like(tokens).index_add(0, token_of_row, scored)
+
+
+class RoutedExperts(nn.Module):
+    """torchtitan's ``RoutedExperts``: the dispatcher and ``inner_experts`` side by side."""
+
+    def __init__(self, config: MoEConfig, dim: int, layer_id: int) -> None:
+        super().__init__()
+        self.inner_experts = GroupedExperts(config.num_experts, dim, config.hidden_dim, layer_id)
+        self.token_dispatcher = LocalTokenDispatcher(config.top_k)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        scores: torch.Tensor,
+        expert_ids: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+    ) -> torch.Tensor:
+        rows, metadata = self.token_dispatcher.dispatch(tokens, scores, expert_ids)
+        return self.token_dispatcher.combine(self.inner_experts(rows, tokens_per_expert), metadata, tokens)
+
+
+class TokenChoiceTopKRouter(nn.Module):
+    """torchtitan's router: ``gate`` scores the experts, each token takes its ``top_k``."""
+
+    def __init__(self, config: MoEConfig, dim: int) -> None:
+        super().__init__()
+        self.gate = Linear(dim, config.num_experts)
+        self.config, self.top_k = config, config.top_k
+
+    def forward(
+        self, tokens: torch.Tensor, expert_bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = self.gate(tokens).float()
+        scores = torch.sigmoid(logits) if self.config.score_func == "sigmoid" else logits.softmax(-1)
+        # the bias steers the choice only; the weights come from the scores themselves
+        choice = scores if expert_bias is None else scores + expert_bias
+        expert_ids = torch.topk(choice, self.top_k, dim=-1).indices
+        chosen = scores.gather(-1, expert_ids)
+        if self.config.route_norm:
+            chosen = chosen / (chosen.sum(-1, keepdim=True) + 1e-20)
+        return chosen * self.config.route_scale, expert_ids, scores
+
+
+class MoE(nn.Module):
+    """Today's torchtitan ``MoE``: ``router``, ``routed_experts``, ``shared_experts`` and two buffers."""
+
+    def __init__(self, config: MoEConfig, dim: int, layer_id: int) -> None:
+        super().__init__()
+        self.config = config
+        self.routed_experts = RoutedExperts(config, dim, layer_id)
+        self.router = TokenChoiceTopKRouter(config, dim)
+        self.shared_experts = (
+            FeedForward(dim, config.shared_hidden_dim, layer_id) if config.shared_hidden_dim else None
+        )
+        self.expert_bias_E: torch.Tensor | None
+        bias = torch.zeros(config.num_experts) if config.load_balance_coeff is not None else None
+        self.register_buffer("expert_bias_E", bias, persistent=True)
+        # how many tokens each expert took while training (torchtitan's load balancing reads it)
+        self.register_buffer("tokens_per_expert_E", torch.zeros(config.num_experts), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        scores, expert_ids, all_scores = self.router(tokens, self.expert_bias_E)
+        chosen = torch.zeros_like(all_scores, dtype=torch.bool).scatter_(-1, expert_ids, True)
+        tokens_per_expert = chosen.sum(0)
+        if self.training:
+            with torch.no_grad():
+                self.tokens_per_expert_E.add_(tokens_per_expert)
+        out = self.routed_experts(tokens, scores, expert_ids, tokens_per_expert)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        return out.reshape(x.shape)
+
+    def _init_self_buffers(self, buffer_device: torch.device | str | None = None) -> None:
+        """Zero the counters again (torchtitan's name), where ``buffer_device`` says or where they are."""
+        with torch.device(buffer_device or self.tokens_per_expert_E.device):
+            self.tokens_per_expert_E = torch.zeros(self.config.num_experts)
+            if self.expert_bias_E is not None:
+                self.expert_bias_E = torch.zeros(self.config.num_experts)
+
+
 class TransformerBlock(nn.Module):
-    def __init__(self, config: Llama3Config, layer_id: int) -> None:
+    def __init__(self, config: Llama3Config, layer_id: int, moe: MoEConfig | None = None) -> None:
         super().__init__()
         self.attention = GQAttention(config, layer_id)
-        self.feed_forward = FeedForward(config, layer_id)
+        # torchtitan's blocks hold one of the two, by whether the layer is a mixture of experts
+        self.moe_enabled = moe is not None
+        if moe is not None:
+            self.moe = MoE(moe, config.dim, layer_id)
+        else:
+            self.feed_forward = FeedForward(config.dim, config.hidden_dim, layer_id)
         self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x))
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + (self.moe if self.moe_enabled else self.feed_forward)(self.ffn_norm(h))
 
 
 class Llama3Model(nn.Module):
-    """torchtitan's ``Llama3Model`` (a ``Decoder``): token ids ``(batch, seq)`` to logits."""
+    """torchtitan's ``Llama3Model`` (a ``Decoder``): token ids ``(batch, seq)`` to logits.
 
-    def __init__(self, config: Llama3Config) -> None:
+    With ``moe``, the blocks from ``moe.first_moe_layer`` on are today's mixtures of experts.
+    """
+
+    def __init__(self, config: Llama3Config, moe: MoEConfig | None = None) -> None:
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)  # normal(0, 1), as torchtitan's
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(config, i) for i in range(config.n_layers)})
+
+        def moe_of(layer_id: int) -> MoEConfig | None:
+            return moe if moe is not None and layer_id >= moe.first_moe_layer else None
+
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(config, i, moe_of(i)) for i in range(config.n_layers)}
+        )
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.lm_head = Linear(config.dim, config.vocab_size, std=config.dim**-0.5)
 
@@ -262,9 +443,10 @@ class Llama3Model(nn.Module):
         return self.lm_head(self.norm(h))
 
     def init_buffers(self, buffer_device: torch.device | str | None = None) -> None:
-        """Compute every rotary table again (after ``to_empty`` or ``fs.materialize``)."""
+        """Compute every rotary table again and zero the experts' counters (after ``to_empty`` or
+        ``fs.materialize``)."""
         for module in self.modules():
-            if isinstance(module, ComplexRoPE):
+            if isinstance(module, ComplexRoPE | MoE):
                 module._init_self_buffers(buffer_device)
 
 
@@ -285,6 +467,28 @@ def titan_llama3(
     config = dataclasses.replace(config, **changes)  # type: ignore[arg-type]
     with torch.device(device) if device is not None else contextlib.nullcontext():
         return Llama3Model(config)
+
+
+def titan_moe(
+    config_or_size: Llama3Config | str = "tiny",
+    moe: MoEConfig | None = None,
+    device: torch.device | str | None = None,
+    **changes: object,
+) -> Llama3Model:
+    """`titan_llama3` whose blocks from ``moe.first_moe_layer`` on are today's torchtitan MoE.
+
+    Examples:
+        >>> model = titan_moe("tiny", MoEConfig(num_experts=8), device="meta")
+        >>> tuple(model.layers["1"].moe.routed_experts.inner_experts.w2_EDF.shape)
+        (8, 64, 32)
+        >>> moe = model.layers["1"].moe  # layer 0 is dense: it has a feed_forward instead
+        >>> "expert_bias_E" in moe.state_dict(), "tokens_per_expert_E" in moe.state_dict()
+        (True, False)
+    """
+    config = SIZES[config_or_size] if isinstance(config_or_size, str) else config_or_size
+    config = dataclasses.replace(config, **changes)  # type: ignore[arg-type]
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        return Llama3Model(config, moe if moe is not None else MoEConfig())
 
 
 def fuse_qkv(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, n_kv_heads: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 import functional_shard as fs
 
-from . import dist_cases, unit_models
+from . import dist_cases, titan_models, unit_models
 
 SEQ = 8
 BATCH = 2
@@ -27,6 +27,7 @@ def build(name: str) -> torch.nn.Module:
     config = unit_models.TitanConfig()
     builders = {
         "titan_moe": lambda: unit_models.TitanDeepSeek(config),
+        "titan_moe_today": lambda: titan_models.titan_moe("tiny", n_kv_heads=4),
         "fused_gqa": lambda: unit_models.FusedLlama(FUSED, kv_heads=4),
         "fused_gqa_bias": lambda: unit_models.FusedLlama(FUSED, kv_heads=4, bias=True),
         "odd_names": lambda: unit_models.OddNames(config),
@@ -139,12 +140,16 @@ def parity(name: str, rules: object, steps: int = 2, save: bool = False) -> dict
             grad_diff = max(grad_diff, (_held(grad) - _expected(model, path, param.grad)).abs().max().item())
         optimizer.step()
         reference.step()
+    # before the step that measures the sends, which only ``model`` takes
+    theirs = dict(alone.named_buffers())
+    buffers = max((abs(b - theirs[k]).max().item() for k, b in model.named_buffers()), default=0.0)
     saved = _checkpoints(model, optimizer, alone, reference) if save else {}
     comm = dist_cases.steady_state_comm(
         model, optimizer, plan, lambda: _loss(model, tokens), tokens, warmups=0
     )
     split = sum(isinstance(p, DTensor) and not p.placements[0].is_replicate() for p in model.parameters())
-    result = {"loss": loss_diff, "grad": grad_diff, "split": split, "saved": saved, **comm}
+    result = {"loss": loss_diff, "grad": grad_diff, "split": split, "buffers": buffers, "saved": saved}
+    result.update(comm)
     return result if dist.get_rank() == 0 else None
 
 

@@ -1,5 +1,6 @@
 """torchtitan 0.3.0's Llama 3 as torchtitan writes it (`tests.titan_models`): planned by its
-names and by its structure alike, and trained under FSDP × TP like one process.
+names and by its structure alike, and trained under FSDP × TP like one process; its main
+branch's mixture of experts planned by its names and trained under tp like one process.
 
 Parity as in test_hf_parity.py: 3 AdamW steps (lr 1e-2, eps 1e-6, fp32) against one process
 on the whole global batch; the first gradients within 1e-6 + 1e-4 relative, losses within
@@ -16,8 +17,8 @@ import torch
 import functional_shard as fs
 from functional_shard.planning.tp.structural_rules import structural_rules
 
-from .. import titan_cases
-from ..titan_models import SIZES, fuse_qkv, split_qkv, titan_llama3
+from .. import titan_cases, tp_any_cases
+from ..titan_models import SIZES, MoEConfig, fuse_qkv, split_qkv, titan_llama3, titan_moe
 from ..unit_models import TitanConfig, TitanLlama
 
 BLOCK = (
@@ -94,6 +95,57 @@ def test_older_torchtitan_names_still_fit():
     plan = fs.shard(model, fs.Mesh(tp=2), fs.tp(fs.rules.torchtitan, "tp"))
     assert plan.sharding("layers.0.attention.wk.weight").compute == fs.P("tp", None)
     assert plan.sharding("output.weight").compute == fs.P("tp", None)
+
+
+EXPERTS = "layers.1.moe.routed_experts.inner_experts"
+
+
+def test_todays_moe_names_fit_and_split_each_expert_on_its_hidden_features():
+    # torchtitan's main branch: w1_EFD/w3_EFD [E, F, D] split on F (dim 1), w2_EDF [E, D, F] on F
+    # (dim 2), the router whole, the shared experts as a feed-forward; layer 0 stays dense
+    model = titan_moe("tiny", MoEConfig(num_experts=4, hidden_dim=32), device="meta")
+    assert fs.rules.for_model(model).name == "torchtitan"
+    plan = fs.shard(model, fs.Mesh(dp=2, tp=2), fs.fsdp("dp") + fs.tp("auto", "tp"))
+    specs = {name: plan.sharding(f"{EXPERTS}.{name}").compute for name in ("w1_EFD", "w2_EDF", "w3_EFD")}
+    assert specs == {
+        "w1_EFD": fs.P(None, "tp", None),
+        "w2_EDF": fs.P(None, None, "tp"),
+        "w3_EFD": fs.P(None, "tp", None),
+    }
+    assert plan.local_shape_and_offset(f"{EXPERTS}.w1_EFD", 1, "compute") == ((4, 16, 64), (0, 16, 0))
+    assert plan.local_shape_and_offset(f"{EXPERTS}.w2_EDF", 1, "compute") == ((4, 64, 16), (0, 0, 16))
+    assert plan.sharding("layers.1.moe.router.gate.weight").compute.is_replicated
+    assert plan.sharding("layers.1.moe.shared_experts.w1.weight").compute == fs.P("tp", None)
+    assert plan.sharding("layers.1.moe.shared_experts.w2.weight").compute == fs.P(None, "tp")
+    assert plan.sharding("layers.0.feed_forward.w2.weight").compute == fs.P(None, "tp")
+    assert plan.config.tp.experts == (EXPERTS,)
+    fs.check_runnable(plan, model)
+    # the buffers stay whole on every rank (torchtitan: replicated over tp without ep)
+    assert plan.sharding("layers.1.moe.expert_bias_E").compute.is_replicated
+    # between May and July 2026 the same weights sat under moe.experts
+    rules = fs.rules.torchtitan
+    assert [rules.match(f"layers.3.moe.experts.{n}").target for n in ("w1_EFD", "w2_EDF")] == [
+        "colwise",
+        "rowwise",
+    ]
+    # each expert's hidden features must split evenly over tp
+    odd = titan_moe("tiny", MoEConfig(hidden_dim=30), device="meta")
+    refusal = f"{EXPERTS}: each expert's 30 intermediate features (gate and up each) do not split over 4"
+    with pytest.raises(fs.ShardingError, match=re.escape(refusal)):
+        fs.check_runnable(fs.shard(odd, fs.Mesh(tp=4), fs.tp("auto", "tp")), odd)
+
+
+def test_todays_moe_trains_under_tp_like_one_process(world4):
+    # tp = 4 (four key/value groups): loss and every rank's gradient shares against one process
+    result = world4.run(tp_any_cases.parity, "titan_moe_today", fs.rules.torchtitan)[0]
+    # wqkv and wo twice, the dense feed-forward, the experts, the shared experts, embedding and head
+    assert result["split"] == 15
+    assert result["loss"] < 1e-5
+    assert result["grad"] < 1e-5
+    assert result["buffers"] == 0  # tokens_per_expert_E counted alike on every rank
+    assert result["measured"].keys() == result["predicted"].keys(), result["ops"]
+    for kind, by_axis in result["predicted"].items():
+        assert result["measured"][kind] == pytest.approx(by_axis), (kind, result["ops"])
 
 
 def test_a_tp_size_that_cuts_a_key_value_group_is_refused_by_name():

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.spec import ParamSharding
 from functional_shard.core.tree import within
+from functional_shard.planning.tp.styles import TITAN_EXPERT_WEIGHTS
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan.plan import Plan
@@ -53,10 +54,14 @@ def expert_layers(plan: Plan) -> list[tuple[str, int, int]]:
     return layers
 
 
+def _titan_first_weight(plan: Plan, path: str) -> str | None:
+    # torchtitan's grouped experts' w1 [E, f, d] under either naming, if the module is theirs
+    return next((f"{path}.{w1}" for w1, _, _ in TITAN_EXPERT_WEIGHTS if f"{path}.{w1}" in plan.tensors), None)
+
+
 def _first_weight(plan: Plan, path: str) -> str:
     # transformers' gate_up_proj [E, 2f, d], or torchtitan's grouped experts' w1 [E, f, d]
-    titan = f"{path}.w1"
-    return titan if titan in plan.tensors else f"{path}.gate_up_proj"
+    return _titan_first_weight(plan, path) or f"{path}.gate_up_proj"
 
 
 def is_expert_tensor(plan: Plan, sharding: ParamSharding) -> bool:
@@ -119,7 +124,7 @@ def expert_comm(
             again = int(within(path, config.checkpointed))
             add("all_to_all", (axis,), ep, experts * _COUNT_BYTES, 1 + again)
             add("all_to_all", (axis,), ep, tokens * top_k * hidden * itemsize, 4 + 2 * again)
-        elif _first_weight(plan, path).endswith(".w1"):
+        elif _titan_first_weight(plan, path):
             # torchtitan's experts take the routed token copies: their input's gradient and
             # their output are all-reduced (the routing weights apply outside, whole)
             add("all_reduce", tp_axes, tp, tokens * top_k * hidden * itemsize, 2)

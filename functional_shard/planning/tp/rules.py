@@ -365,9 +365,18 @@ gpt2_hf = Rules(
 
 _TITAN_MOE: tuple[tuple[str, Style], ...] = (
     ("*.moe.router.gate", "replicate"),
+    # the grouped experts, each split on its hidden features (f): 0.3.0's
     ("*.moe.experts.w1", "colwise"),
     ("*.moe.experts.w3", "colwise"),
     ("*.moe.experts.w2", "rowwise"),
+    # torchtitan's main branch's (styles.TITAN_EXPERT_WEIGHTS): under routed_experts.inner_experts
+    # since July 2026, under experts from May
+    ("*.moe.routed_experts.inner_experts.w1_EFD", "colwise"),
+    ("*.moe.routed_experts.inner_experts.w3_EFD", "colwise"),
+    ("*.moe.routed_experts.inner_experts.w2_EDF", "rowwise"),
+    ("*.moe.experts.w1_EFD", "colwise"),
+    ("*.moe.experts.w3_EFD", "colwise"),
+    ("*.moe.experts.w2_EDF", "rowwise"),
     ("*.moe.shared_experts.w1", "colwise"),
     ("*.moe.shared_experts.w3", "colwise"),
     ("*.moe.shared_experts.w2", "rowwise"),
@@ -404,8 +413,9 @@ torchtitan = Rules(
 )
 """torchtitan's Llama names, split as `llama` splits Hugging Face's, under each name its releases
 use (the fused ``wqkv`` needs tp to divide the key/value heads); mixture-of-experts layers split as
-torchtitan splits them (router whole, experts colwise/rowwise per expert). The attention must read
-its local head count from the split projections (``view(..., -1, head_dim)``)."""
+torchtitan splits them (router whole, experts colwise/rowwise per expert), its 0.3.0 names
+(``moe.experts.w1``) and its main branch's (``moe.routed_experts.inner_experts.w1_EFD``) alike. The
+attention must read its local head count from the split projections (``view(..., -1, head_dim)``)."""
 
 mlp = Rules([("*fc1", "colwise"), ("*fc2", "rowwise")], name="mlp")
 """A two-layer MLP (``fc1`` → activation → ``fc2``) split Megatron-style."""

@@ -31,7 +31,17 @@ from functional_shard.core.errors import PolicyError
 from functional_shard.core.spec import P
 from functional_shard.core.tree import TensorSpec
 
-__all__ = ["STYLES", "Packed", "Style", "StyleError", "expand_style", "is_conv1d", "layout_of", "packed"]
+__all__ = [
+    "STYLES",
+    "TITAN_EXPERT_WEIGHTS",
+    "Packed",
+    "Style",
+    "StyleError",
+    "expand_style",
+    "is_conv1d",
+    "layout_of",
+    "packed",
+]
 
 Style: TypeAlias = Literal[
     "colwise",
@@ -48,6 +58,11 @@ STYLES: tuple[str, ...] = get_args(Style)
 """The style names (the module's table). ``replicate_grad_allreduce`` is for a whole module that sees
 only this rank's heads (a per-head norm): its gradient is a partial sum, all-reduced. ``packed_colwise``
 splits each packed piece on its own; apply shrinks the attention's ``split_size`` and ``num_heads``."""
+
+TITAN_EXPERT_WEIGHTS: tuple[tuple[str, str, str], ...] = (("w1", "w2", "w3"), ("w1_EFD", "w2_EDF", "w3_EFD"))
+"""torchtitan's grouped experts' weights, ``(w1, w2, w3)`` of shapes ``[E, f, d]``, ``[E, d, f]``,
+``[E, f, d]``, under each name its versions give them: 0.3.0's, then its main branch's, named by
+their dims (E experts, F hidden, D model) since May 2026."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,8 @@
 
 An experts module is transformers' (Mixtral, Qwen-MoE: ``gate_up_proj [E, 2f, d]``,
 ``down_proj [E, d, f]``, ``forward(hidden_states, top_k_index, top_k_weights)``) or
-torchtitan's ``GroupedExperts`` (``w1``/``w3`` ``[E, f, d]``, ``w2`` ``[E, d, f]``):
+torchtitan's ``GroupedExperts`` (``w1``/``w3`` ``[E, f, d]``, ``w2`` ``[E, d, f]``, or as its
+main branch names them, ``w1_EFD``/``w3_EFD`` and ``w2_EDF``):
 
 * **tensor parallel**: each rank runs every token through its slice of ``f`` and the partial
   outputs are all-reduced over tp; the whole input's gradient is all-reduced in backward, so
@@ -25,27 +26,36 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from functional_shard.planning.plan.plan import Plan
+from functional_shard.planning.tp.styles import TITAN_EXPERT_WEIGHTS
 
 from .applied import axes_mesh
 from .packed_pieces import rank_share
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
-TITAN_EXPERT_PARAMS = ("w1", "w2", "w3")
+
+
+def titan_expert_names(module: Any) -> tuple[str, str, str] | None:
+    """The names of ``module``'s (w1, w2, w3) when it holds torchtitan's grouped experts, else None.
+
+    ``w1``/``w3`` [E, f, d] and ``w2`` [E, d, f], under one of `TITAN_EXPERT_WEIGHTS`'s namings.
+    """
+    params = dict(module.named_parameters(recurse=False)) if isinstance(module, nn.Module) else {}
+    names = next((names for names in TITAN_EXPERT_WEIGHTS if set(params) == set(names)), None)
+    if names is None or any(p.ndim != 3 for p in params.values()):
+        return None
+    w1, w2, w3 = (tuple(params[name].shape) for name in names)
+    return names if w1 == w3 and w2 == (w1[0], w1[2], w1[1]) else None
 
 
 def is_titan_experts(module: Any) -> bool:
-    """Whether ``module`` holds torchtitan's grouped experts: ``w1``/``w3`` [E, f, d], ``w2`` [E, d, f]."""
-    params = dict(module.named_parameters(recurse=False)) if isinstance(module, nn.Module) else {}
-    if set(params) != set(TITAN_EXPERT_PARAMS) or any(p.ndim != 3 for p in params.values()):
-        return False
-    w1, w2, w3 = (tuple(params[name].shape) for name in TITAN_EXPERT_PARAMS)
-    return w1 == w3 and w2 == (w1[0], w1[2], w1[1])
+    """Whether ``module`` holds torchtitan's grouped experts (`titan_expert_names`)."""
+    return titan_expert_names(module) is not None
 
 
 def expert_hidden(module: nn.Module) -> int:
     """Each expert's intermediate features ``f`` (either layout)."""
-    name = "w2" if is_titan_experts(module) else "down_proj"
-    return int(module.get_parameter(name).shape[2])
+    titan = titan_expert_names(module)
+    return int(module.get_parameter(titan[1] if titan else "down_proj").shape[2])
 
 
 def expert_module_problems(path: str, module: Any, *, titan: bool = False) -> list[str]:
@@ -69,7 +79,11 @@ def expert_module_problems(path: str, module: Any, *, titan: bool = False) -> li
     )
     if fits or (titan and is_titan_experts(module)):
         return []
-    titan_note = " or torchtitan's (tensor parallel only): w1/w3 [E, f, d], w2 [E, d, f]," if titan else ""
+    titan_note = (
+        " or torchtitan's (tensor parallel only): w1/w3 [E, f, d], w2 [E, d, f] (or w1_EFD/w3_EFD, w2_EDF),"
+        if titan
+        else ""
+    )
     return [
         f"{path}: a {type(module).__name__} with parameters {shapes}; functional_shard splits experts "
         "modules shaped as transformers 5's (Mixtral, Qwen2-MoE, Qwen3-MoE): exactly gate_up_proj "
@@ -165,7 +179,7 @@ def _split_titan_experts(plan: Plan, path: str, experts: Any, tp_mesh: DeviceMes
     size, rank = tp_mesh.size(), tp_mesh.get_local_rank()
     assert plan.config.tp is not None  # (its caller splits experts only under tensor parallel)
     axis = plan.config.tp.axes[0]
-    for name in TITAN_EXPERT_PARAMS:
+    for name in titan_expert_names(experts) or ():
         full = getattr(experts, name).detach()
         spec = plan.sharding(plan.canonical(f"{path}.{name}")).compute
         dim = next(d for d, axes in enumerate(spec.dim_axes(full.ndim)) if axis in axes)
