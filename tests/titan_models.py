@@ -84,6 +84,7 @@ class Llama3Config:
     rope_scaling: bool = True  # torchtitan's "llama" frequency scaling (Llama 3.1)
     max_seq_len: int = 131072
     fuse_qkv: bool = True
+    qk_norm: bool = False  # Qwen3's per-head RMSNorms of the queries and keys, before the rotation
 
     @property
     def head_dim(self) -> int:
@@ -244,9 +245,14 @@ class GQAttention(nn.Module):
         self.qkv_linear = FusedQKVLinear(config) if config.fuse_qkv else QKVLinear(config)
         self.wo = Linear(config.n_heads * config.head_dim, config.dim, std=_depth_std(layer_id))
         self.inner_attention = ScaledDotProductAttention()
+        if config.qk_norm:  # one weight of head_dim for every head: a tp rank sees its own heads only
+            self.q_norm = nn.RMSNorm(config.head_dim, eps=config.norm_eps)
+            self.k_norm = nn.RMSNorm(config.head_dim, eps=config.norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xq, xk, xv = self.qkv_linear(x)
+        if hasattr(self, "q_norm"):
+            xq, xk = self.q_norm(xq), self.k_norm(xk)
         xq, xk = self.rope(xq, xk)
         out = self.inner_attention(xq, xk, xv, scale=None, enable_gqa=self.enable_gqa).contiguous()
         return self.wo(out.flatten(2))

@@ -28,6 +28,7 @@ def build(name: str) -> torch.nn.Module:
     builders = {
         "titan_moe": lambda: unit_models.TitanDeepSeek(config),
         "titan_moe_today": lambda: titan_models.titan_moe("tiny", n_kv_heads=4),
+        "titan_qk_norm": lambda: titan_models.titan_llama3("tiny", n_kv_heads=4, qk_norm=True),
         "fused_gqa": lambda: unit_models.FusedLlama(FUSED, kv_heads=4),
         "fused_gqa_bias": lambda: unit_models.FusedLlama(FUSED, kv_heads=4, bias=True),
         "odd_names": lambda: unit_models.OddNames(config),

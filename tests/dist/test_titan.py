@@ -148,6 +148,18 @@ def test_todays_moe_trains_under_tp_like_one_process(world4):
         assert result["measured"][kind] == pytest.approx(by_axis), (kind, result["ops"])
 
 
+def test_qwen3_per_head_norms_train_under_tp_like_one_process(world4):
+    # q_norm and k_norm each have one weight all heads share: a tp rank's gradient of it is its
+    # heads' part, all-reduced (under "sequence", as *norm matched them before, each rank kept its own)
+    plan = fs.shard(
+        titan_llama3("tiny", device="meta", qk_norm=True), fs.Mesh(tp=4), fs.tp(fs.rules.torchtitan)
+    )
+    assert ("layers.0.attention.q_norm", "replicate_grad_allreduce", "other") in plan.config.tp_styles
+    result = world4.run(tp_any_cases.parity, "titan_qk_norm", fs.rules.torchtitan)[0]
+    assert result["loss"] < 1e-5
+    assert result["grad"] < 1e-5
+
+
 def test_a_tp_size_that_cuts_a_key_value_group_is_refused_by_name():
     model = titan_llama3("tiny", device="meta")  # 2 key/value groups
     plan = fs.shard(model, fs.Mesh(tp=4), fs.tp("auto", "tp"))

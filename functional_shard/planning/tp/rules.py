@@ -381,8 +381,14 @@ _TITAN_MOE: tuple[tuple[str, Style], ...] = (
     ("*.moe.shared_experts.w3", "colwise"),
     ("*.moe.shared_experts.w2", "rowwise"),
 )
+# Qwen3's per-head norms of the queries and keys: one weight of head_dim that every head uses,
+# so a tp rank, holding some heads, has part of its gradient (as torchtitan's NoParallel)
+_TITAN_QK_NORM: tuple[tuple[str, Style], ...] = (
+    ("*.attention.q_norm", "replicate_grad_allreduce"),
+    ("*.attention.k_norm", "replicate_grad_allreduce"),
+)
 # rules a named set may hold that its model need not have (a dense torchtitan model has no MoE)
-_OPTIONAL = frozenset(pattern for pattern, _ in _TITAN_MOE)
+_OPTIONAL = frozenset(pattern for pattern, _ in (*_TITAN_MOE, *_TITAN_QK_NORM))
 
 # torchtitan's attention projections and head under each name its releases use (fused
 # qkv_linear.wqkv, qkv_linear.wq/wk/wv, attention.wq/wk/wv; lm_head, output)
@@ -407,6 +413,7 @@ torchtitan = Rules(
         ("*.feed_forward.w2", "rowwise"),
         ("tok_embeddings", "rowwise"),
         *((pattern, cast(Style, "colwise_gather")) for (pattern,) in _TITAN_HEAD),
+        *_TITAN_QK_NORM,
         ("*norm", "sequence"),
     ],
     name="torchtitan",
@@ -414,8 +421,9 @@ torchtitan = Rules(
 """torchtitan's Llama names, split as `llama` splits Hugging Face's, under each name its releases
 use (the fused ``wqkv`` needs tp to divide the key/value heads); mixture-of-experts layers split as
 torchtitan splits them (router whole, experts colwise/rowwise per expert), its 0.3.0 names
-(``moe.experts.w1``) and its main branch's (``moe.routed_experts.inner_experts.w1_EFD``) alike. The
-attention must read its local head count from the split projections (``view(..., -1, head_dim)``)."""
+(``moe.experts.w1``) and its main branch's (``moe.routed_experts.inner_experts.w1_EFD``) alike;
+Qwen3's per-head ``q_norm``/``k_norm`` whole, their gradients all-reduced. The attention must read
+its local head count from the split projections (``view(..., -1, head_dim)``)."""
 
 mlp = Rules([("*fc1", "colwise"), ("*fc2", "rowwise")], name="mlp")
 """A two-layer MLP (``fc1`` → activation → ``fc2``) split Megatron-style."""
