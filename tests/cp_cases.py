@@ -8,8 +8,10 @@ the parameters after the last step.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -541,3 +543,61 @@ def refused_packed(mesh: dict[str, int], policy: str, kind: str, how: str) -> st
     except fs.ShardingError as error:
         return str(error)
     return ""
+
+
+# the ops that read a tensor's value to the host: on a GPU each one waits for the device
+HOST_READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero")
+
+
+@contextlib.contextmanager
+def counting_host_reads() -> Iterator[collections.Counter[str]]:
+    """Within it, the ops of `HOST_READS` that run, and each ``Tensor.tolist``, counted by name.
+
+    ``.item()``, ``bool()``, ``int()`` and ``float()`` of a tensor dispatch ``_local_scalar_dense``;
+    ``nonzero`` waits for its count; ``tolist`` reads a CPU tensor without dispatching anything.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: collections.Counter[str] = collections.Counter()
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if str(func.overloadpacket) in HOST_READS:
+                counts[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(tensor: torch.Tensor) -> Any:
+        counts["Tensor.tolist"] += 1
+        return tolist(tensor)
+
+    torch.Tensor.tolist = counted_tolist  # type: ignore[method-assign]
+    try:
+        with Reads():
+            yield counts
+    finally:
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+
+
+def host_reads_of_packed_pipeline_steps(microbatches: int) -> dict[str, collections.Counter[str]]:
+    """The host reads (`counting_host_reads`) of a training step, a `forward_loss` and a `forward_only`
+    on 4 packed rows under a pipeline of ``microbatches`` on this one rank, each run once before."""
+    model, plan = planned("zoo_untied", {"pp": 1}, f"pipeline(pp, microbatches={microbatches})")
+    rows = packed_rows(4)
+    packed = {"positions": rows.positions, "document_ids": rows.document_ids}
+    step = fs.forward_backward(plan, model, loss_fn)
+    evaluate = fs.forward_loss(plan, model, loss_fn)
+    forward = fs.forward_only(plan, model)
+    runs = {
+        "fs.forward_backward": lambda: step(rows.tokens, rows.labels, **packed),
+        "fs.forward_loss": lambda: evaluate(rows.tokens, rows.labels, **packed),
+        "fs.forward_only": lambda: forward(rows.tokens, **packed),
+    }
+    reads = {}
+    for name, run in runs.items():
+        run()  # torch's schedule sets its stages up at its first step and at its first eval
+        with counting_host_reads() as counts:
+            run()
+        reads[name] = counts
+    return reads

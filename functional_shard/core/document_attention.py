@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .document_masks import check_packed_inputs, document_positions
+from .document_masks import check_packed_inputs, document_positions, values_checked
 from .errors import ShardingError
 from .packing import PackedBatch
 from .tree import is_hf_model
@@ -106,9 +106,10 @@ def packed_inputs(model: nn.Module, batch: PackedBatch) -> dict[str, Any]:
     device = _device(model)
     forward = packed_forward(model)
     tokens = batch.tokens.to(device)
-    keywords = forward.keywords(
-        tokens, batch.positions.to(device), batch.document_ids.to(device), who="packed_inputs"
-    )
+    with values_checked():  # above, on the batch as given
+        keywords = forward.keywords(
+            tokens, batch.positions.to(device), batch.document_ids.to(device), who="packed_inputs"
+        )
     return {("input_ids" if forward.attention else "tokens"): tokens} | keywords
 
 
@@ -195,10 +196,11 @@ class PackedForward:
 
         For a forward that takes them: ``positions`` and ``document_ids`` as given (it checks them
         itself). For a Hugging Face model, whose forward does not, they are checked first
-        (`check_packed_inputs`), then turned into ``position_ids`` (from ``document_ids`` where no
-        positions are given), ``use_cache=False`` and, under flash attention, the segments'
-        boundaries over the flattened rows (the padding a segment of its own, as
-        `PackedBatch.cu_seqlens`).
+        (`check_packed_inputs`; their shapes alone within `values_checked`, where a pipeline's
+        stages run, whose step checked the rows whole), then turned into ``position_ids`` (from
+        ``document_ids`` where no positions are given), ``use_cache=False`` and, under flash
+        attention, the segments' boundaries over the flattened rows (the padding a segment of its
+        own, as `PackedBatch.cu_seqlens`).
 
         Raises:
             ShardingError: as `refuse`; for a Hugging Face model, rows whose positions and ids disagree.

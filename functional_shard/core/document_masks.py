@@ -23,11 +23,13 @@ __all__ = [
     "attend_within_documents",
     "check_microbatch_documents",
     "check_packed_inputs",
+    "check_pipelined_documents",
     "document_attention_mask",
     "document_block_mask",
     "document_mask",
     "document_positions",
     "rank_share",
+    "values_checked",
 ]
 
 
@@ -135,6 +137,31 @@ def _compiled(function: Callable[..., Any]) -> Callable[..., Any]:
 _share: contextvars.ContextVar[bool] = contextvars.ContextVar("_share", default=False)
 
 
+# set while a model runs on some of the rows whose values its step checked whole, up front
+_checked: contextvars.ContextVar[bool] = contextvars.ContextVar("_checked", default=False)
+
+
+@contextlib.contextmanager
+def values_checked() -> Iterator[None]:
+    """Within it, `check_packed_inputs` checks shapes and dtypes only: the caller checked the values.
+
+    A pipeline's step checks its rows whole before the schedule runs, on every rank alike
+    (`check_pipelined_documents`); each stage's forward then runs on a micro-batch of those rows,
+    where a check of their values again would read the device once a micro-batch and a stage. Unlike
+    `rank_share`, the rows are whole rows, and the model's attention mask its usual one.
+
+    Examples:
+        >>> ids = torch.tensor([[0, 2, 2]])  # no document 1: refused outside
+        >>> with values_checked():
+        ...     check_packed_inputs(ids, positions=None, document_ids=ids)
+    """
+    token = _checked.set(True)
+    try:
+        yield
+    finally:
+        _checked.reset(token)
+
+
 @contextlib.contextmanager
 def rank_share() -> Iterator[None]:
     """Within it, `check_packed_inputs` checks shapes and dtypes only: the rows are a cp rank's share.
@@ -166,7 +193,7 @@ def check_packed_inputs(
     As `functional_shard.core.packing.pack` makes them. ``tokens`` may be the ``(rows, seq, features)``
     hidden states a later pipeline stage runs the model on. Positions without document ids may not restart
     inside a row (attention would cross documents). Values are checked on real tensors only, and not
-    within `rank_share`.
+    within `rank_share` or `values_checked`.
 
     Raises:
         ShardingError: a shape or dtype other than the tokens', or values as above, one bullet a row.
@@ -186,9 +213,9 @@ def check_packed_inputs(
         return
     for name, value in (("positions", positions), ("document_ids", document_ids)):
         _check_shape(tokens, name, value, who)
-    if tokens.numel() == 0 or _share.get() or not _has_values(tokens, positions, document_ids):
+    if not _values_to_check(tokens, positions, document_ids):
         return
-    if _well_formed(positions, document_ids):
+    if bool(torch.stack(_well_formed(positions, document_ids)).all()):
         return  # one look at the device's answer; the rows are read only to say what is wrong
     if document_ids is not None:
         _raise_for_rows(
@@ -241,14 +268,11 @@ def check_microbatch_documents(
         * row 1, micro-batch 1's first, starts at position 3: its document goes on from row 0, ...
         >>> check_microbatch_documents(positions, ids, 2, who="step")  # rows 0 and 1 run together
     """
-    if positions is None or document_ids is None or not _has_values(positions, document_ids):
+    firsts = _microbatch_firsts(positions, document_ids, microbatches)
+    if positions is None or firsts is None:
         return
-    rows = positions.shape[0]
-    if microbatches < 2 or rows % microbatches:
-        return
-    firsts = torch.arange(rows // microbatches, rows, rows // microbatches, device=positions.device)
     going_on = (positions[firsts, 0] != 0).nonzero().flatten().tolist()
-    per = rows // microbatches
+    per = positions.shape[0] // microbatches
     problems = [
         f"row {int(firsts[i])}, micro-batch {int(firsts[i]) // per}'s first, starts at position "
         f"{int(positions[firsts[i], 0])}: its document goes on from row {int(firsts[i]) - 1}, in "
@@ -264,23 +288,104 @@ def check_microbatch_documents(
     )
 
 
-def _check_shape(tokens: torch.Tensor, name: str, value: Any, who: str) -> None:
-    if value is None:
+def check_pipelined_documents(
+    tokens: torch.Tensor,
+    *,
+    positions: torch.Tensor | None,
+    document_ids: torch.Tensor | None,
+    microbatches: int,
+    who: str,
+) -> None:
+    """`check_microbatch_documents`, then `check_packed_inputs`, with one look at the device for both.
+
+    A pipeline's step checks its rows so before its schedule runs; its stages then check their
+    micro-batches' shapes alone (`values_checked`). The rows are read, to say what is wrong, only
+    where that one look finds something.
+
+    Raises:
+        ShardingError: as `check_microbatch_documents`, then as `check_packed_inputs`.
+
+    Examples:
+        >>> batch = fs.pack([[1, 2], [3, 4, 5], [6, 7]], seq_len=3)
+        >>> check_pipelined_documents(
+        ...     batch.tokens, positions=batch.positions, document_ids=batch.document_ids,
+        ...     microbatches=3, who="step")
+    """
+    if _pass_both(tokens, positions, document_ids, microbatches):
         return
+    check_microbatch_documents(positions, document_ids, microbatches, who)
+    check_packed_inputs(tokens, positions=positions, document_ids=document_ids, who=who)
+
+
+def _pass_both(
+    tokens: torch.Tensor, positions: torch.Tensor | None, document_ids: torch.Tensor | None, microbatches: int
+) -> bool:
+    """Whether both checks of `check_pipelined_documents` pass, read from the device once.
+
+    False wherever the checks answer without that read (no values to check, a refused shape), so
+    that they run as they are.
+    """
+    if positions is None and document_ids is None:
+        return True
+    shaped = all(
+        _shape_problem(tokens, name, value, "") is None
+        for name, value in (("positions", positions), ("document_ids", document_ids))
+    )
+    if not shaped or not _values_to_check(tokens, positions, document_ids):
+        return False
+    checks = _well_formed(positions, document_ids)
+    firsts = _microbatch_firsts(positions, document_ids, microbatches)
+    if positions is not None and firsts is not None:
+        checks.append((positions[firsts, 0] == 0).all())
+    return bool(torch.stack(checks).all())
+
+
+def _microbatch_firsts(
+    positions: torch.Tensor | None, document_ids: torch.Tensor | None, microbatches: int
+) -> torch.Tensor | None:
+    """The rows that begin each micro-batch but the first, where a document could straddle two; or None."""
+    if positions is None or document_ids is None or not _has_values(positions, document_ids):
+        return None
+    rows = positions.shape[0]
+    if microbatches < 2 or rows % microbatches:
+        return None
+    return torch.arange(rows // microbatches, rows, rows // microbatches, device=positions.device)
+
+
+def _check_shape(tokens: torch.Tensor, name: str, value: Any, who: str) -> None:
+    problem = _shape_problem(tokens, name, value, who)
+    if problem is not None:
+        raise ShardingError(problem)
+
+
+def _shape_problem(tokens: torch.Tensor, name: str, value: Any, who: str) -> str | None:
+    if value is None:
+        return None
     if not isinstance(value, torch.Tensor):
-        raise ShardingError(f"{who}({name}={type(value).__name__}): pass a tensor shaped like the tokens")
+        return f"{who}({name}={type(value).__name__}): pass a tensor shaped like the tokens"
     if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-        raise ShardingError(f"{who}: {name} holds {value.dtype} values; pass integers (torch.long)")
+        return f"{who}: {name} holds {value.dtype} values; pass integers (torch.long)"
     # a later pipeline stage's model is given the hidden states, (rows, seq, features)
     rows_by_seq = tuple(tokens.shape[:2])
     if tuple(value.shape) != rows_by_seq:
-        raise ShardingError(
+        return (
             f"{who}: {name} has shape {tuple(value.shape)}, but the tokens have {rows_by_seq}; "
             f"pass one {name[:-1].replace('_id', ' id')} a token (rows x seq_len, as PackedBatch.{name})"
         )
+    return None
 
 
-def _well_formed(positions: torch.Tensor | None, document_ids: torch.Tensor | None) -> bool:
+def _values_to_check(
+    tokens: torch.Tensor, positions: torch.Tensor | None, document_ids: torch.Tensor | None
+) -> bool:
+    """Whether `check_packed_inputs` looks at the values: real, non-empty, not a share, not checked."""
+    if tokens.numel() == 0 or _share.get() or _checked.get():
+        return False
+    return _has_values(tokens, positions, document_ids)
+
+
+def _well_formed(positions: torch.Tensor | None, document_ids: torch.Tensor | None) -> list[torch.Tensor]:
+    """`check_packed_inputs`' conditions on the values, each a boolean tensor on their device, unread."""
     checks = []
     if document_ids is not None:
         steps = document_ids.diff(dim=-1)
@@ -289,7 +394,7 @@ def _well_formed(positions: torch.Tensor | None, document_ids: torch.Tensor | No
             checks.append((positions == document_positions(document_ids)).all())
     elif positions is not None:
         checks.append((positions[:, 1:] != 0).all())
-    return bool(torch.stack(checks).all())
+    return checks
 
 
 def _has_values(*tensors: torch.Tensor | None) -> bool:

@@ -31,6 +31,7 @@ __all__ = [
     "collate_packed",
     "counted_share",
     "pack",
+    "share_weighted",
 ]
 
 IGNORE_INDEX = -100
@@ -52,6 +53,31 @@ def counted_share(part: torch.Tensor, whole: torch.Tensor, parts: int) -> float:
     """
     counted = int((whole != IGNORE_INDEX).sum())
     return parts * int((part != IGNORE_INDEX).sum()) / counted if counted else 1.0
+
+
+def share_weighted(loss: torch.Tensor, part: torch.Tensor, counted: torch.Tensor, parts: int) -> torch.Tensor:
+    """``loss``, a mean over ``part``'s counted targets, weighted by `counted_share`, read from no device.
+
+    ``counted``: the whole's count of counted targets, a tensor (``(whole != IGNORE_INDEX).sum()``).
+    The weight stays on the device, so a pipeline's micro-batches cost no read each: ``part`` of no
+    counted target (padding alone; its mean is NaN) gives 0 and a zero gradient where the whole
+    has some, and where it has none the loss is as it is (a weight of 1, as `counted_share`'s).
+
+    Examples:
+        >>> whole = torch.tensor([[1, 2, IGNORE_INDEX, IGNORE_INDEX], [IGNORE_INDEX] * 4])
+        >>> counted = (whole != IGNORE_INDEX).sum()
+        >>> share_weighted(torch.tensor(0.5), whole[:1], counted, 2).item()
+        1.0
+        >>> share_weighted(torch.tensor(float("nan")), whole[1:], counted, 2).item()
+        0.0
+    """
+    mine = (part != IGNORE_INDEX).sum()
+    # float64, as counted_share's Python division: the same weight, rounded once to the loss's
+    share = torch.where(counted > 0, parts * mine.double() / counted.double(), 1.0)
+    # a Python number multiplies a half or bfloat16 tensor in float32: so does this
+    compute = torch.promote_types(loss.dtype, torch.float32)
+    weighted = (loss.to(compute) * share.to(compute)).to(loss.dtype)
+    return torch.where((mine > 0) | (counted == 0), weighted, torch.zeros_like(weighted))
 
 
 class DocumentTooLongError(ShardingError):

@@ -81,3 +81,13 @@ def test_evaluating_packed_rows_with_a_forward_without_them_is_refused(one_rank,
     message = f"{evaluation}(Sequential): its forward takes no document boundaries (no document_ids="
     with pytest.raises(fs.ShardingError, match=re.escape(message)):
         run(rows["tokens"], document_ids=rows["document_ids"])
+
+
+def test_a_packed_pipeline_step_reads_the_device_as_often_whatever_its_micro_batches(one_rank):
+    # the rows are checked once, up front, and each micro-batch's loss weighted on the device: on
+    # a GPU every read waits for it, so a read a micro-batch (or a stage) would cost a wait each
+    two, four = (cp_cases.host_reads_of_packed_pipeline_steps(count) for count in (2, 4))
+    assert two == four
+    # one look at the device's answer to the rows' checks; evaluation's forward alike
+    assert two["fs.forward_backward"] == {"aten._local_scalar_dense": 1}
+    assert two["fs.forward_only"] == {"aten._local_scalar_dense": 1}

@@ -11,7 +11,7 @@ import contextlib
 import itertools
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -24,14 +24,16 @@ import functional_shard as fs
 from functional_shard.core.document_masks import (
     check_microbatch_documents,
     check_packed_inputs,
+    check_pipelined_documents,
     document_block_mask,
     document_mask,
     document_positions,
 )
-from functional_shard.core.packing import IGNORE_INDEX, DocumentTooLongError
+from functional_shard.core.packing import IGNORE_INDEX, DocumentTooLongError, counted_share, share_weighted
 from functional_shard.frontends import model_zoo
 from functional_shard.zoo import CONFIGS, Llama, llama
 
+from .. import cp_cases
 from ..strategies import documents
 
 
@@ -319,3 +321,65 @@ def test_a_later_pipeline_stage_checks_the_ids_against_its_hidden_states():
     check_packed_inputs(hidden, positions=batch.positions, document_ids=batch.document_ids)
     with pytest.raises(fs.ShardingError, match=re.escape("has shape (1, 5), but the tokens have (1, 6)")):
         check_packed_inputs(hidden, positions=None, document_ids=batch.document_ids[:, :5])
+
+
+def _refusal(check: Callable[[], object]) -> str | None:
+    try:
+        check()
+    except fs.ShardingError as error:
+        return str(error)
+    return None
+
+
+@given(docs=documents(max_length=12), seq_len=st.integers(2, 12), data=st.data())
+def test_a_pipelines_check_refuses_as_its_two_checks_after_one_read(docs, seq_len, data):
+    batch = fs.pack(docs, seq_len, long="split")
+    positions, ids = batch.positions.clone(), batch.document_ids.clone()
+    if data.draw(st.booleans(), label="corrupted"):
+        wrong = data.draw(st.sampled_from([positions, ids]))
+        wrong[data.draw(st.integers(0, len(batch) - 1)), data.draw(st.integers(0, seq_len - 1))] += 1
+    given = data.draw(st.sampled_from([(positions, ids), (positions, None), (None, ids)]))
+    rows = len(batch)
+    microbatches = data.draw(st.sampled_from([m for m in range(1, rows + 1) if rows % m == 0]))
+
+    def apart() -> None:
+        check_microbatch_documents(*given, microbatches, who="step")
+        check_packed_inputs(batch.tokens, positions=given[0], document_ids=given[1], who="step")
+
+    expected = _refusal(apart)
+    with cp_cases.counting_host_reads() as reads:
+        got = _refusal(
+            lambda: check_pipelined_documents(
+                batch.tokens, positions=given[0], document_ids=given[1], microbatches=microbatches, who="step"
+            )
+        )
+    assert got == expected
+    if expected is None:  # the rows are read only to say what is wrong
+        assert reads == {"aten._local_scalar_dense": 1}
+
+
+@given(parts=st.sampled_from([1, 2, 4]), data=st.data())
+def test_share_weighted_is_the_loss_weighted_by_its_counted_share(parts, data):
+    rows = parts * data.draw(st.integers(1, 2))
+    counts = data.draw(st.lists(st.booleans(), min_size=rows * 3, max_size=rows * 3))
+    whole = torch.where(torch.tensor(counts).view(rows, 3), 7, IGNORE_INDEX)
+    counted = (whole != IGNORE_INDEX).sum()
+    for part in whole.chunk(parts):
+        # a mean over no counted target is nan, as F.cross_entropy's
+        empty = bool((part == IGNORE_INDEX).all())
+        loss = torch.tensor(float("nan") if empty else data.draw(st.floats(0.125, 10.0, width=32)))
+        weight = counted_share(part, whole, parts)
+        expected = torch.tensor(0.0) if weight == 0.0 else loss * weight
+        got = share_weighted(loss, part, counted, parts)
+        torch.testing.assert_close(got, expected, atol=0, rtol=0, equal_nan=True)
+
+
+def test_a_part_of_padding_alone_adds_nothing_to_the_loss_nor_its_gradient():
+    logits = torch.randn(3, 5, requires_grad=True)
+    padding = torch.full((3,), IGNORE_INDEX)
+    loss = F.cross_entropy(logits, padding)
+    assert loss.isnan()
+    weighted = share_weighted(loss, padding, torch.tensor(4), 2)
+    weighted.backward()
+    assert weighted.item() == 0.0
+    assert torch.equal(logits.grad, torch.zeros_like(logits))

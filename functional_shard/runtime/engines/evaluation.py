@@ -18,7 +18,7 @@ from .pipeline import Pipelined, pipeline_eval_outputs, pipeline_of, scheduled_l
 from .step import (
     LossFn,
     check_microbatches,
-    check_pipelined_rows,
+    checked_pipelined_rows,
     forward_keywords,
     packed_microbatch_loss,
     taking_packed,
@@ -107,9 +107,8 @@ def forward_only(plan: Plan, module: nn.Module, *, root: str = "") -> Callable[.
         with _no_grad():
             if pipelined is not None:
                 check_microbatches(plan, caller, inputs=inputs, **packed)
-                if packed:
-                    check_pipelined_rows(plan, inputs, packed, f"{caller} under a pipeline")
-                return pipeline_eval_outputs(pipelined, inputs, packed)
+                with checked_pipelined_rows(plan, inputs, packed, f"{caller} under a pipeline"):
+                    return pipeline_eval_outputs(pipelined, inputs, packed)
             return forward(inputs, **forward_keywords(packing, inputs, packed, caller))
 
     return run
@@ -157,14 +156,11 @@ def forward_loss(
         with _no_grad(), loss_context(plan):
             if pipelined is not None:
                 check_microbatches(plan, caller, inputs=inputs, targets=targets, **packed)
-                loss_of = (
-                    packed_microbatch_loss(
-                        plan, loss_fn, inputs, targets, packed, f"{caller} under a pipeline"
+                with checked_pipelined_rows(plan, inputs, packed, f"{caller} under a pipeline"):
+                    loss_of = packed_microbatch_loss(plan, loss_fn, targets) if packed else loss_fn
+                    return scheduled_loss(
+                        pipelined, loss_of, inputs, targets, forward_only=True, keywords=packed
                     )
-                    if packed
-                    else loss_fn
-                )
-                return scheduled_loss(pipelined, loss_of, inputs, targets, forward_only=True, keywords=packed)
             keywords = forward_keywords(packing, inputs, packed, caller)
             return plain_loss(loss_fn(forward(inputs, **keywords), targets))
 

@@ -346,7 +346,9 @@ def scheduled_loss(
 
     ``keywords``: tensors of the batch's rows for the model's forward, which every stage runs
     (packed rows' ``positions`` and ``document_ids``); each micro-batch's rows of them reach
-    every stage of every pp rank.
+    every stage of every pp rank. The caller checks packed rows whole first, on every rank, and runs
+    this within `values_checked` (the step's ``checked_pipelined_rows``): a stage's forward then
+    checks its micro-batch's shapes alone.
 
     Returns:
         The mean micro-batch loss, on every pp rank.

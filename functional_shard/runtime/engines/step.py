@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from functional_shard.core.document_attention import PackedForward, packed_forward
-from functional_shard.core.document_masks import check_microbatch_documents, check_packed_inputs
+from functional_shard.core.document_masks import check_pipelined_documents, values_checked
 from functional_shard.core.errors import ShardingError
-from functional_shard.core.packing import counted_share
+from functional_shard.core.packing import IGNORE_INDEX, share_weighted
 from functional_shard.core.validate import entry_point, refuse
 from functional_shard.planning.plan.plan import Plan
 
@@ -152,19 +153,14 @@ def _pipelined_step(
 
     def pipeline(inputs: torch.Tensor, targets: torch.Tensor, **packed: torch.Tensor) -> torch.Tensor:
         check_microbatches(plan, "fs.forward_backward", inputs=inputs, targets=targets, **packed)
-        loss_of = (
-            scaled
-            if not packed
-            else packed_microbatch_loss(
-                plan, scaled, inputs, targets, packed, "fs.forward_backward under a pipeline"
-            )
-        )
-        if scaler is not None:
-            # only the last stage's ranks scale a loss; the others' scalers must have a
-            # scale too, to unscale their gradients and step
-            scaler.scale(torch.zeros((), device=inputs.device))
-        with loss_context(plan):
-            loss = scheduled_loss(pipelined, loss_of, inputs, targets, keywords=packed)
+        with checked_pipelined_rows(plan, inputs, packed, "fs.forward_backward under a pipeline"):
+            loss_of = packed_microbatch_loss(plan, scaled, targets) if packed else scaled
+            if scaler is not None:
+                # only the last stage's ranks scale a loss; the others' scalers must have a
+                # scale too, to unscale their gradients and step
+                scaler.scale(torch.zeros((), device=inputs.device))
+            with loss_context(plan):
+                loss = scheduled_loss(pipelined, loss_of, inputs, targets, keywords=packed)
         if scaler is not None:
             loss = loss / scaler.get_scale()
         return loss
@@ -194,40 +190,40 @@ def forward_keywords(
     return packing.keywords(inputs, packed.get("positions"), packed.get("document_ids"), who=who)
 
 
-def check_pipelined_rows(plan: Plan, inputs: torch.Tensor, packed: dict[str, torch.Tensor], who: str) -> None:
+@contextmanager
+def checked_pipelined_rows(
+    plan: Plan, inputs: torch.Tensor, packed: dict[str, torch.Tensor], who: str
+) -> Iterator[None]:
     """Refuse packed rows a pipeline cannot run, checked whole on every rank before the schedule runs.
 
     A stage's forward refusing on one rank would leave the others waiting for its hidden states.
+    Within, each stage's forward checks its micro-batch's shapes alone (`values_checked`): the
+    step reads the device once for the rows, not once a micro-batch and a stage.
     """
+    if not packed:
+        yield
+        return
     microbatches = plan.config.pipeline.microbatches if plan.config.pipeline else 1
     positions, document_ids = packed.get("positions"), packed.get("document_ids")
-    check_microbatch_documents(positions, document_ids, microbatches, who)
-    check_packed_inputs(inputs, positions=positions, document_ids=document_ids, who=who)
+    check_pipelined_documents(
+        inputs, positions=positions, document_ids=document_ids, microbatches=microbatches, who=who
+    )
+    with values_checked():
+        yield
 
 
-def packed_microbatch_loss(
-    plan: Plan,
-    loss_fn: LossFn,
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
-    packed: dict[str, torch.Tensor],
-    who: str,
-) -> LossFn:
-    """``loss_fn`` on a micro-batch of packed rows, checked whole first, weighted by its share of targets.
+def packed_microbatch_loss(plan: Plan, loss_fn: LossFn, targets: torch.Tensor) -> LossFn:
+    """``loss_fn`` on a micro-batch of packed rows, weighted by its share of the step's ``targets``.
 
-    The rows are checked on every rank before the schedule runs (`check_pipelined_rows`). Each
-    micro-batch's loss, a mean over its counted targets, is weighted by its share of them: the
-    schedule's mean over the micro-batches is then the rows' mean, as in one process.
+    Each micro-batch's loss, a mean over its counted targets, is weighted by its share of them: the
+    schedule's mean over the micro-batches is then the rows' mean, as in one process. The weights
+    stay on the device (`share_weighted`): no micro-batch waits for a read of its count.
     """
     microbatches = plan.config.pipeline.microbatches if plan.config.pipeline else 1
-    check_pipelined_rows(plan, inputs, packed, who)
+    counted = (targets != IGNORE_INDEX).sum()
 
     def weighted(outputs: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
-        weight = counted_share(part, targets, microbatches)
-        loss = loss_fn(outputs, part)
-        if weight == 0.0:  # padding alone: a mean over no target is nan, its gradient zero
-            return loss.nan_to_num() * 0.0
-        return loss if weight == 1.0 else loss * weight
+        return share_weighted(loss_fn(outputs, part), part, counted, microbatches)
 
     return weighted
 
