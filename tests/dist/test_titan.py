@@ -160,6 +160,36 @@ def test_qwen3_per_head_norms_train_under_tp_like_one_process(world4):
     assert result["grad"] < 1e-5
 
 
+def test_checkpointed_titan_experts_recompute_their_routed_copies_all_reduce():
+    # a checkpointed block runs its forward's tp collectives again: torchtitan's experts all-reduce
+    # their output per routed copy (top_k a token), where the dense feed-forward's w2 sent one a token
+    from functional_shard.costing.time.step_model import _recomputed_now
+    from tests.titan_models import TransformerBlock
+
+    tokens, tp = 64, 2
+    sent = {}
+    for name, model in (
+        ("moe", titan_moe("tiny", MoEConfig(num_experts=8), device="meta", n_kv_heads=4)),
+        ("dense", titan_llama3("tiny", device="meta", n_kv_heads=4)),
+    ):
+        policy = fs.tp(fs.rules.torchtitan, "tp") + fs.checkpointing(TransformerBlock)
+        plan = fs.shard(model, fs.Mesh(tp=tp), policy)
+        sent[name] = _recomputed_now(plan, plan.config.checkpointed, tokens).sent["all_reduce over tp"]
+        if name == "moe":
+            top_k, dim = plan.config.experts.top_k, model.config.dim
+    moe_layers = 1  # layer 0 stays dense (MoEConfig.first_moe_layer)
+    experts = 2 * (tp - 1) / tp * tokens * top_k * dim * 4  # float32
+    assert sent["moe"] - sent["dense"] == pytest.approx(moe_layers * experts)
+
+
+def test_the_estimate_refuses_titan_experts_by_name():
+    model = titan_moe("tiny", MoEConfig(num_experts=8), device="meta", n_kv_heads=4)
+    plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp("dp"))
+    refusal = "trace_activations: layers.1.moe.routed_experts.inner_experts (GroupedExperts) holds torchtitan's"
+    with pytest.raises(fs.PlanError, match=re.escape(refusal)):
+        fs.estimate(model, plan, batch=2, seq=32, hardware="h100")
+
+
 def test_a_tp_size_that_cuts_a_key_value_group_is_refused_by_name():
     model = titan_llama3("tiny", device="meta")  # 2 key/value groups
     plan = fs.shard(model, fs.Mesh(tp=4), fs.tp("auto", "tp"))

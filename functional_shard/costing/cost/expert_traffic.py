@@ -30,7 +30,7 @@ from functional_shard.planning.tp.styles import TITAN_EXPERT_WEIGHTS
 if TYPE_CHECKING:
     from functional_shard.planning.plan.plan import Plan
 
-__all__ = ["expert_comm", "expert_grad_axes", "expert_layers"]
+__all__ = ["expert_comm", "expert_grad_axes", "expert_layers", "first_expert_weight", "tp_forward_copies"]
 
 _COUNT_BYTES = 8  # the per-expert counts are int64
 _ROUTING_WEIGHT_BYTES = 4
@@ -49,7 +49,7 @@ def expert_layers(plan: Plan) -> list[tuple[str, int, int]]:
     paths = config.expert_modules + config.tensor_parallel_experts
     layers = []
     for path in dict.fromkeys(paths):
-        gate_up = plan.tensors[plan.canonical(_first_weight(plan, path))]
+        gate_up = plan.tensors[plan.canonical(first_expert_weight(plan, path))]
         layers.append((path, gate_up.shape[0], gate_up.shape[2]))
     return layers
 
@@ -59,9 +59,23 @@ def _titan_first_weight(plan: Plan, path: str) -> str | None:
     return next((f"{path}.{w1}" for w1, _, _ in TITAN_EXPERT_WEIGHTS if f"{path}.{w1}" in plan.tensors), None)
 
 
-def _first_weight(plan: Plan, path: str) -> str:
-    # transformers' gate_up_proj [E, 2f, d], or torchtitan's grouped experts' w1 [E, f, d]
+def first_expert_weight(plan: Plan, path: str) -> str:
+    """The path of the first weight of the experts at ``path``.
+
+    transformers' ``gate_up_proj`` ``[E, 2f, d]``, or torchtitan's grouped experts' ``w1`` ``[E, f, d]``.
+    """
     return _titan_first_weight(plan, path) or f"{path}.gate_up_proj"
+
+
+def tp_forward_copies(plan: Plan, path: str) -> int:
+    """Copies of each token the forward of the experts at ``path`` all-reduces under tensor parallel.
+
+    torchtitan's experts take the routed copies and all-reduce their output, ``top_k`` a token;
+    transformers' sum the copies inside, so their output is one a token.
+    """
+    if _titan_first_weight(plan, path) is None:
+        return 1
+    return plan.config.experts.top_k if plan.config.experts else 0
 
 
 def is_expert_tensor(plan: Plan, sharding: ParamSharding) -> bool:
@@ -113,7 +127,7 @@ def expert_comm(
     tp_axes = config.tensor_parallel_axes
     tp = config.tp_size(plan.mesh)
     for path, experts, hidden in layers:
-        gate_up = plan.sharding(plan.canonical(_first_weight(plan, path)))
+        gate_up = plan.sharding(plan.canonical(first_expert_weight(plan, path)))
         if not gate_up.storage.holds(held):  # another pipeline stage's layer
             continue
         if path in dispatched:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from functional_shard.core.tree import dtype_from_name, within
 from functional_shard.costing.cost.census import param_units
 from functional_shard.costing.cost.cost_model import unit_gathered
+from functional_shard.costing.cost.expert_traffic import first_expert_weight, tp_forward_copies
 from functional_shard.costing.cost.traffic import key_value_features, ring_passes
 from functional_shard.costing.estimate.record import PipelineEstimate
 from functional_shard.planning.plan.config import TpConfig
@@ -276,13 +277,14 @@ def _recomputed_now(plan: Plan, checkpointed: tuple[str, ...], tokens: int) -> R
         ):
             continue
         if kind == "experts":  # its output all-reduce (`expert_traffic`), run again
-            gate_up = plan.tensors[plan.canonical(f"{module_path}.gate_up_proj")]
+            gate_up = plan.tensors[plan.canonical(first_expert_weight(plan, module_path))]
             axes = tp.axes
             n = tp.size(plan.mesh)
             dtype = plan.config.param_dtype
             size = dtype_from_name(dtype).itemsize if dtype else gate_up.itemsize
             if n > 1:
-                hidden_bytes = gate_up.shape[2] * size * tokens
+                copies = tp_forward_copies(plan, module_path)
+                hidden_bytes = gate_up.shape[2] * size * tokens * copies
                 sent[f"all_reduce over {','.join(axes)}"] += 2 * (n - 1) / n * hidden_bytes
                 count += 1
             continue

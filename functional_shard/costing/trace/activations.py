@@ -24,10 +24,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_map_only
 
-from functional_shard.core.errors import ShardingError
+from functional_shard.core.errors import PlanError, ShardingError
 from functional_shard.core.sequence import check_sequence_length
 from functional_shard.costing.time.documents import RowDocuments, cp_rank_of, row_documents
 from functional_shard.planning.pipeline.stages import stage_finder
+from functional_shard.planning.tp.styles import TITAN_EXPERT_WEIGHTS
 
 from .checkpointing import SAVED_OPS, checkpointed, selective_context
 from .context_attention import context_parallel_attention
@@ -437,6 +438,14 @@ def trace_activations(
     return ActivationTrace(rank=rank, batch=batch, seq=seq, **fields)
 
 
+def _titan_grouped_experts(module: nn.Module) -> bool:
+    """Whether ``module`` holds torchtitan's grouped experts' 3-D weights, under either naming."""
+    direct = module._parameters
+    return any(
+        all(getattr(direct.get(name), "ndim", 0) == 3 for name in names) for names in TITAN_EXPERT_WEIGHTS
+    )
+
+
 def _check_traceable(
     plan: Any, modules: dict[str, nn.Module], seq: int, expert_imbalance: float, *, packed: bool
 ) -> None:
@@ -448,6 +457,14 @@ def _check_traceable(
             "'selective' (set it with fs.checkpointing(..., policy=...))"
         )
     check_expert_imbalance(expert_imbalance)
+    grouped = next((path for path, module in modules.items() if _titan_grouped_experts(module)), None)
+    if grouped is not None:
+        raise PlanError(
+            f"trace_activations: {grouped} ({type(modules[grouped]).__name__}) holds torchtitan's grouped "
+            "experts, whose token dispatch sizes its work from the routed counts, which fake tensors do not "
+            "have; the trace runs mixture-of-experts layers in transformers' layout only. plan.cost() counts "
+            "this plan's memory at rest and its traffic"
+        )
     cp = config.cp_size(plan.mesh)
     if config.context is not None and cp > 1:
         # packed rows are cut into cp shares by work (`document_ranges`), never into 2·cp chunks
