@@ -89,6 +89,8 @@ def strategy(name: str, world: int) -> tuple[fs.Mesh, fs.Policy]:
         "fsdp": (fs.Mesh(dp=-1), fs.fsdp()),
         "fsdp_tp": (fs.Mesh(dp=2, tp=-1), fs.fsdp("dp") + fs.tp("auto", "tp")),
         "tp": (fs.Mesh(tp=-1), fs.tp("auto", "tp")),
+        # the named Llama rules instead of the model's own plan (Qwen3's head norms by name)
+        "tp_llama_rules": (fs.Mesh(tp=-1), fs.tp(fs.rules.llama, "tp")),
         # sequence parallel: tp = 4 alone, tp = 2 under FSDP (on 4 ranks)
         "sp": (fs.Mesh(tp=-1), fs.tp("auto", "tp", sequence_parallel=True)),
         "fsdp_sp": (fs.Mesh(dp=2, tp=-1), fs.fsdp("dp") + fs.tp("auto", "tp", sequence_parallel=True)),

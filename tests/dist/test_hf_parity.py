@@ -85,6 +85,12 @@ def test_hf_models_train_as_one_process(world):
     check(world, DEFAULT)
 
 
+def test_qwen3_under_the_named_llama_rules_trains_as_one_process(world):
+    """Its q_norm and k_norm, one weight all heads share, have their gradients all-reduced
+    (``*norm`` as "sequence" left each rank its own heads' part)."""
+    check(world, (("qwen3", "tp_llama_rules"),))
+
+
 @pytest.mark.slow
 def test_every_hf_model_under_every_strategy_trains_as_one_process(world):
     check(world, tuple(case for case in EVERY if case not in DEFAULT))

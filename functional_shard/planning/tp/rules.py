@@ -312,6 +312,14 @@ def for_model(model: object) -> Rules:
     )
 
 
+# Qwen3's per-head norms of the queries and keys: one weight of head_dim that every head uses,
+# so a tp rank, holding some heads, has part of its gradient (torchtitan's NoParallel, transformers'
+# replicated_with_grad_allreduce)
+_QK_NORM: tuple[tuple[str, Style], ...] = (
+    ("*.q_norm", "replicate_grad_allreduce"),
+    ("*.k_norm", "replicate_grad_allreduce"),
+)
+
 llama = Rules(
     [
         ("*.q_proj", "colwise"),
@@ -323,13 +331,15 @@ llama = Rules(
         ("*.down_proj", "rowwise"),
         ("*embed_tokens", "rowwise"),
         ("*lm_head", "colwise_gather"),
+        *_QK_NORM,
         ("*norm", "sequence"),
     ],
     name="llama",
 )
 """Hugging Face Llama naming: attention and MLP projections split Megatron-style, the
 embedding split over the vocabulary (rowwise), ``lm_head`` colwise with its logits
-gathered for the loss, norms replicated (sequence-parallel when `tp` asks for it)."""
+gathered for the loss, norms replicated (sequence-parallel when `tp` asks for it), Qwen3's per-head
+``q_norm``/``k_norm`` with their gradients all-reduced."""
 
 gpt2 = Rules(
     [
@@ -381,14 +391,8 @@ _TITAN_MOE: tuple[tuple[str, Style], ...] = (
     ("*.moe.shared_experts.w3", "colwise"),
     ("*.moe.shared_experts.w2", "rowwise"),
 )
-# Qwen3's per-head norms of the queries and keys: one weight of head_dim that every head uses,
-# so a tp rank, holding some heads, has part of its gradient (as torchtitan's NoParallel)
-_TITAN_QK_NORM: tuple[tuple[str, Style], ...] = (
-    ("*.attention.q_norm", "replicate_grad_allreduce"),
-    ("*.attention.k_norm", "replicate_grad_allreduce"),
-)
 # rules a named set may hold that its model need not have (a dense torchtitan model has no MoE)
-_OPTIONAL = frozenset(pattern for pattern, _ in (*_TITAN_MOE, *_TITAN_QK_NORM))
+_OPTIONAL = frozenset(pattern for pattern, _ in (*_TITAN_MOE, *_QK_NORM))
 
 # torchtitan's attention projections and head under each name its releases use (fused
 # qkv_linear.wqkv, qkv_linear.wq/wk/wv, attention.wq/wk/wv; lm_head, output)
@@ -413,7 +417,7 @@ torchtitan = Rules(
         ("*.feed_forward.w2", "rowwise"),
         ("tok_embeddings", "rowwise"),
         *((pattern, cast(Style, "colwise_gather")) for (pattern,) in _TITAN_HEAD),
-        *_TITAN_QK_NORM,
+        *_QK_NORM,
         ("*norm", "sequence"),
     ],
     name="torchtitan",
