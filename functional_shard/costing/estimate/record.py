@@ -36,10 +36,11 @@ class Estimate:
     """Peak device memory and step time of one training step, on one rank.
 
     ``memory`` holds the parts of the peak in bytes (``params``, ``grads``, ``optimizer``, ``buffers``,
-    ``gathered``, ``activations``, ``loss_workspace``, and ``ring_workspace`` or ``recompute`` where
-    they add to it; docs/will-it-fit.md says what each counts). ``flops`` is per device per step,
-    recompute included; ``model_flops`` without it (what MFU counts). Under a pipeline ``batch`` is
-    the step's batch, the parts are the worst pp rank's and ``compute_seconds`` is the schedule's makespan.
+    ``gathered``, ``activations``, ``loss_workspace``, and ``ring_workspace``, ``recompute`` or
+    ``optimizer_step`` where they add to it; docs/will-it-fit.md says what each counts). ``flops``
+    is per device per step, recompute included; ``model_flops`` without it (what MFU counts). Under
+    a pipeline ``batch`` is the step's batch, the parts are the worst pp rank's and
+    ``compute_seconds`` is the schedule's makespan.
     """
 
     rank: int

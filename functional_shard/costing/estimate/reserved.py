@@ -98,6 +98,12 @@ def reserved_beyond(
         # each unit's reduce-scatter output holds its share of the rank's gradients
         shares = [cost.grads_bytes * part // gathered for part in units.values()]
         beyond["reduce-scatter stream"] = _segments(shares, _REDUCE_SCATTER)
+        if step := memory.get("optimizer_step", 0):
+            # the peak is the optimizer step, which holds the gradients: beyond it, the rest of
+            # their segments, and the default stream's segments cached at the start of
+            # backward, which held grads - optimizer_step more there than the step does
+            beyond["reduce-scatter stream"] -= cost.grads_bytes
+            beyond["default stream"] = max(0, cost.grads_bytes - step)
     fsdp = plan.config.fsdp
     sharding = plan.mesh.axes_size(fsdp.shard_axes) if fsdp is not None and fsdp.shard_axes else 1
     if sharding > 1:
