@@ -164,6 +164,7 @@ def _attention(
     device: torch.device,
     dtype: torch.dtype,
     repeats: int,
+    *,
     backend: str = "",
 ) -> dict[str, dict[str, float]]:
     """Causal SDPA forward and backward at each length in ``seqs``: torch's default kernel, or ``backend``'s.
@@ -299,7 +300,7 @@ def measure_rates(
     kernels: dict[str, dict[str, dict[str, Any]]] = {}
     for backend in backends:
         try:
-            kernels[backend] = _attention(seqs, heads, head_dim, where, dtype, repeats, backend)
+            kernels[backend] = _attention(seqs, heads, head_dim, where, dtype, repeats, backend=backend)
         except RuntimeError as unavailable:  # no kernel of that backend for these inputs or this device
             kernels[backend] = {"unavailable": {"reason": str(unavailable).splitlines()[0]}}
     return MeasuredRates(

@@ -285,7 +285,14 @@ def check_ranks(world, names: list[str]) -> None:
 
 
 def test_each_rank_traces_what_it_keeps_under_tensor_parallel_and_fsdp(world4):
-    check_ranks(world4, ["tp", "fsdp_tp", "fsdp_tp_full", "fsdp_tp_selective"])
+    """tp under FSDP, and with selective checkpointing (measured against it); the slow test below
+    runs tp alone and full checkpointing."""
+    check_ranks(world4, ["fsdp_tp", "fsdp_tp_selective"])
+
+
+@pytest.mark.slow
+def test_each_rank_traces_what_it_keeps_under_tp_alone_and_full_checkpointing(world4):
+    check_ranks(world4, ["tp", "fsdp_tp", "fsdp_tp_full"])
 
 
 @pytest.mark.slow
