@@ -203,7 +203,7 @@ def checked_pipelined_rows(
     if not packed:
         yield
         return
-    microbatches = plan.config.pipeline.microbatches if plan.config.pipeline else 1
+    microbatches = _microbatches(plan)
     positions, document_ids = packed.get("positions"), packed.get("document_ids")
     check_pipelined_documents(
         inputs, positions=positions, document_ids=document_ids, microbatches=microbatches, who=who
@@ -219,13 +219,18 @@ def packed_microbatch_loss(plan: Plan, loss_fn: LossFn, targets: torch.Tensor) -
     schedule's mean over the micro-batches is then the rows' mean, as in one process. The weights
     stay on the device (`share_weighted`): no micro-batch waits for a read of its count.
     """
-    microbatches = plan.config.pipeline.microbatches if plan.config.pipeline else 1
+    microbatches = _microbatches(plan)
     counted = (targets != IGNORE_INDEX).sum()
 
     def weighted(outputs: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
         return share_weighted(loss_fn(outputs, part), part, counted, microbatches)
 
     return weighted
+
+
+def _microbatches(plan: Plan) -> int:
+    """Micro-batches a step's rows are cut into (1 without a pipeline)."""
+    return plan.config.pipeline.microbatches if plan.config.pipeline else 1
 
 
 def taking_packed(
@@ -270,7 +275,7 @@ def scalar_loss(loss: object) -> torch.Tensor:
 
 def check_microbatches(plan: Plan, caller: str, **batches: torch.Tensor) -> None:
     """Refuse a batch that the plan's micro-batch count does not divide (both numbers named)."""
-    microbatches = plan.config.pipeline.microbatches if plan.config.pipeline else 1
+    microbatches = _microbatches(plan)
     for name, batch in batches.items():
         if batch.shape[0] % microbatches:
             raise ShardingError(
