@@ -28,7 +28,7 @@ from functional_shard.core.errors import PlanError, ShardingError
 from functional_shard.core.sequence import check_sequence_length
 from functional_shard.costing.time.documents import RowDocuments, cp_rank_of, row_documents
 from functional_shard.planning.pipeline.stages import stage_finder
-from functional_shard.planning.tp.styles import TITAN_EXPERT_WEIGHTS
+from functional_shard.planning.tp.styles import titan_expert_names
 
 from .checkpointing import SAVED_OPS, checkpointed, selective_context
 from .context_attention import context_parallel_attention
@@ -438,14 +438,6 @@ def trace_activations(
     return ActivationTrace(rank=rank, batch=batch, seq=seq, **fields)
 
 
-def _titan_grouped_experts(module: nn.Module) -> bool:
-    """Whether ``module`` holds torchtitan's grouped experts' 3-D weights, under either naming."""
-    direct = module._parameters
-    return any(
-        all(getattr(direct.get(name), "ndim", 0) == 3 for name in names) for names in TITAN_EXPERT_WEIGHTS
-    )
-
-
 def _check_traceable(
     plan: Any, modules: dict[str, nn.Module], seq: int, expert_imbalance: float, *, packed: bool
 ) -> None:
@@ -457,7 +449,7 @@ def _check_traceable(
             "'selective' (set it with fs.checkpointing(..., policy=...))"
         )
     check_expert_imbalance(expert_imbalance)
-    grouped = next((path for path, module in modules.items() if _titan_grouped_experts(module)), None)
+    grouped = next((path for path, module in modules.items() if titan_expert_names(module) is not None), None)
     if grouped is not None:
         raise PlanError(
             f"trace_activations: {grouped} ({type(modules[grouped]).__name__}) holds torchtitan's grouped "

@@ -23,7 +23,7 @@ replicated: torch's styles distribute parameters only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, TypeAlias, get_args
+from typing import Any, Literal, TypeAlias, get_args
 
 from torch import nn
 
@@ -41,6 +41,7 @@ __all__ = [
     "is_conv1d",
     "layout_of",
     "packed",
+    "titan_expert_names",
 ]
 
 Style: TypeAlias = Literal[
@@ -63,6 +64,19 @@ TITAN_EXPERT_WEIGHTS: tuple[tuple[str, str, str], ...] = (("w1", "w2", "w3"), ("
 """torchtitan's grouped experts' weights, ``(w1, w2, w3)`` of shapes ``[E, f, d]``, ``[E, d, f]``,
 ``[E, f, d]``, under each name its versions give them: 0.3.0's, then its main branch's, named by
 their dims (E experts, F hidden, D model) since May 2026."""
+
+
+def titan_expert_names(module: Any) -> tuple[str, str, str] | None:
+    """The names of ``module``'s (w1, w2, w3) when it holds torchtitan's grouped experts, else None.
+
+    ``w1``/``w3`` [E, f, d] and ``w2`` [E, d, f], under one of `TITAN_EXPERT_WEIGHTS`'s namings.
+    """
+    params = dict(module.named_parameters(recurse=False)) if isinstance(module, nn.Module) else {}
+    names = next((names for names in TITAN_EXPERT_WEIGHTS if set(params) == set(names)), None)
+    if names is None or any(p.ndim != 3 for p in params.values()):
+        return None
+    w1, w2, w3 = (tuple(params[name].shape) for name in names)
+    return names if w1 == w3 and w2 == (w1[0], w1[2], w1[1]) else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,25 +26,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from functional_shard.planning.plan.plan import Plan
-from functional_shard.planning.tp.styles import TITAN_EXPERT_WEIGHTS
+from functional_shard.planning.tp.styles import titan_expert_names
 
 from .applied import axes_mesh
 from .packed_pieces import rank_share
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
-
-
-def titan_expert_names(module: Any) -> tuple[str, str, str] | None:
-    """The names of ``module``'s (w1, w2, w3) when it holds torchtitan's grouped experts, else None.
-
-    ``w1``/``w3`` [E, f, d] and ``w2`` [E, d, f], under one of `TITAN_EXPERT_WEIGHTS`'s namings.
-    """
-    params = dict(module.named_parameters(recurse=False)) if isinstance(module, nn.Module) else {}
-    names = next((names for names in TITAN_EXPERT_WEIGHTS if set(params) == set(names)), None)
-    if names is None or any(p.ndim != 3 for p in params.values()):
-        return None
-    w1, w2, w3 = (tuple(params[name].shape) for name in names)
-    return names if w1 == w3 and w2 == (w1[0], w1[2], w1[1]) else None
 
 
 def is_titan_experts(module: Any) -> bool:
