@@ -19,6 +19,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import math
@@ -161,8 +162,9 @@ def path(value: Any, name: str, *, error: type[ShardingError] = ShardingError) -
 def entry_point(function: Callable[_P, _R]) -> Callable[_P, _R]:
     """``function`` naming itself in front of what its checks refuse: ``cost(tokens=0): ...``.
 
-    Only a `refuse` of one of ``function``'s own parameters is renamed, once (the innermost entry point
-    wins); the traceback into the check is dropped.
+    Only a `refuse` of one of ``function``'s own parameters is renamed, once, by the outermost entry
+    point running that takes it: the function the user called (``auto`` searching through
+    ``search_plans`` names itself); the traceback into the check is dropped.
 
     Examples:
         >>> @entry_point
@@ -178,13 +180,25 @@ def entry_point(function: Callable[_P, _R]) -> Callable[_P, _R]:
 
     @functools.wraps(function)
     def checked(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        outer = _running.get()
+        token = _running.set((*outer, parameters))
         try:
             return function(*args, **kwargs)
         except ShardingError as problem:
             argument = problem.argument
-            if argument is None or argument.partition("=")[0] not in parameters:
+            taken = "" if argument is None else argument.partition("=")[0]
+            if argument is None or taken not in parameters or any(taken in taking for taking in outer):
                 raise
             message = str(problem)
             raise type(problem)(f"{who}({argument}){message[len(argument) :]}") from None
+        finally:
+            _running.reset(token)
 
     return checked
+
+
+# the parameters of each entry point running, outermost first: an inner one leaves a refusal of an
+# argument an outer one also takes to the outer one, which the user called
+_running: contextvars.ContextVar[tuple[frozenset[str], ...]] = contextvars.ContextVar(
+    "functional_shard_entry_points", default=()
+)

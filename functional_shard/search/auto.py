@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from functional_shard.core.errors import PlanError, ShardingError
+from functional_shard.core.errors import PlanError
 from functional_shard.core.units import format_bytes as _bytes
 from functional_shard.core.units import parse_bytes
-from functional_shard.core.validate import entry_point, positive_int
+from functional_shard.core.validate import entry_point, positive_int, refuse
 from functional_shard.costing.cost.cost_model import OptimizerKind
 from functional_shard.costing.time.hardware import Hardware
 from functional_shard.costing.time.hardware import hardware as _hardware
@@ -24,11 +24,6 @@ from .report import AutoReport, Candidate
 from .search import Search, SearchInputs
 
 __all__ = ["auto", "search_plans"]
-
-
-def _check_counts(devices: Any, batch: Any, seq: Any) -> None:
-    for name, value in (("devices", devices), ("batch", batch), ("seq", seq)):
-        positive_int(value, name)
 
 
 @entry_point
@@ -73,7 +68,8 @@ def search_plans(
         >>> report.best is not None and report.best_candidate.fits
         True
     """
-    _check_counts(devices, batch, seq)
+    for name, value in (("devices", devices), ("batch", batch), ("seq", seq)):
+        positive_int(value, name)
     budget = parse_bytes(memory_budget)
     hw = _hardware(hardware)
     facts = model_facts(model)
@@ -87,10 +83,12 @@ def search_plans(
     # context parallel splits sequences, not the batch: a batch below the device count may need it
     contexts = [] if flat or pipes else list(context_points(space))
     if not flat and not pipes and not contexts:
-        raise ShardingError(
-            f"auto(devices={devices}, batch={batch}): no data-parallel size divides the batch for any "
-            "tensor-parallel size that fits a node and divides the heads, nor does context parallel "
-            "split the sequence evenly; choose a batch that is a multiple of the device count"
+        refuse(
+            "devices",
+            f"{devices}, batch={batch}",
+            "no data-parallel size divides the batch for any tensor-parallel size that fits a node and "
+            "divides the heads, nor does context parallel split the sequence evenly",
+            meaning="choose a batch that is a multiple of the device count",
         )
     search = Search(
         SearchInputs(
@@ -149,7 +147,6 @@ def auto(
         >>> plan.mesh.size
         1
     """
-    _check_counts(devices, batch, seq)  # named as auto's arguments, before search_plans names them
     report = search_plans(
         model,
         devices=devices,

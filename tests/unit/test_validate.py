@@ -94,6 +94,11 @@ def outer(count, axis):
     return inner(count)
 
 
+@entry_point
+def passing_on(size):
+    return inner(size)
+
+
 @given(count=ANYTHING, error=st.sampled_from(ERRORS))
 def test_an_entry_point_names_itself_once_in_front_keeping_the_class(count, error):
     @entry_point
@@ -106,8 +111,10 @@ def test_an_entry_point_names_itself_once_in_front_keeping_the_class(count, erro
     message = refused(lambda: grow(count), error)
     assert message == f"grow(count={count!r}): a positive int"
     assert "\n" not in message
-    # the argument's entry point names it, not the one that called it
-    assert refused(lambda: outer(count, "dp"), fs.PolicyError).startswith(f"inner(count={count!r}): ")
+    # the outermost entry point taking the argument names it: the function the user called
+    assert refused(lambda: outer(count, "dp"), fs.PolicyError).startswith(f"outer(count={count!r}): ")
+    # an inner entry point names an argument its callers do not take
+    assert refused(lambda: passing_on(count), fs.PolicyError).startswith(f"inner(count={count!r}): ")
 
 
 def test_an_entry_point_leaves_other_errors_and_its_callers_alone():
