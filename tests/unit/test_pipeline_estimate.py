@@ -337,3 +337,17 @@ def test_the_searchs_shortcuts_for_pipelines_change_no_estimate(monkeypatch):
     assert [(c.peak_bytes, c.step_seconds, c.estimate) for c in fast] == [
         (c.peak_bytes, c.step_seconds, c.estimate) for c in slow
     ]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_rank_peaks_in_the_optimizer_step_where_it_holds_more(optimizer):
+    """Two tokens a micro-batch: each rank's states and foreach AdamW's step temporaries outweigh backward."""
+    est = fs.estimate(_model(), _plan(), batch=M, seq=2, hardware="h100", optimizer=optimizer)
+    for stage, rank_peak in zip(est.pipeline.stages, est.pipeline.rank_peak_bytes, strict=True):
+        params = _param_bytes(stage.modules)
+        state = 2 * params + 4 * _tensors(stage.modules) if optimizer == "adamw" else 0
+        # parameters, gradients, the state, and half the state: `_foreach_sqrt` of every exp_avg_sq
+        at_step = 2 * params + state + state // 2
+        assert (rank_peak == at_step) == (optimizer == "adamw")
+    assert ("optimizer_step" in est.memory) == (optimizer == "adamw")
+    assert est.peak_at.startswith("the optimizer step") == (optimizer == "adamw")

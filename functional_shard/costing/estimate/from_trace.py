@@ -32,12 +32,12 @@ from functional_shard.costing.time.step_model import (
 from functional_shard.costing.time.step_seconds import step_time
 
 from .loss_memory import loss_workspace
+from .peak_moment import peak_moment
 from .pipeline_estimate import pipeline_parts
 from .record import Estimate
 from .reserved import reserved_beyond
 
 if TYPE_CHECKING:
-    from functional_shard.costing.cost.cost_model import OptimizerKind
     from functional_shard.costing.time.hardware import Hardware
     from functional_shard.planning.plan.plan import Plan
 
@@ -67,7 +67,7 @@ def _flat_parts(assembly: Assembly) -> StepParts:
     # a checkpointed block's recompute, held through its backward, after the loss's
     if recompute := recompute_beyond(plan, tokens, trace.recompute_bytes, memory["loss_workspace"]):
         memory["recompute"] = recompute
-    memory, peak_at = _peak_moment(memory, _step_temporaries(plan_cost.optimizer_bytes, assembly.optimizer))
+    memory, peak_at = peak_moment(memory, assembly.optimizer)
     return StepParts(
         plan=plan,
         cost=plan_cost,
@@ -89,51 +89,6 @@ def _flat_parts(assembly: Assembly) -> StepParts:
             step_bytes=optimizer_bytes(plan_cost.params_bytes, assembly.optimizer),
         ),
     )
-
-
-def _step_temporaries(optimizer_bytes: int, optimizer: OptimizerKind) -> int:
-    """Bytes the optimizer's ``step()`` allocates beside its state, alive to the step's end.
-
-    torch's foreach Adam and AdamW (``_multi_tensor_adam``) take ``_foreach_sqrt`` of every
-    ``exp_avg_sq`` at once: a temporary the size of one of the two states for each parameter,
-    half the state. SGD steps in place; of an optimizer given as state bytes per element,
-    nothing is known.
-
-    Examples:
-        >>> _step_temporaries(800, "adamw"), _step_temporaries(800, "sgd"), _step_temporaries(800, 8.0)
-        (400, 0, 0)
-    """
-    return optimizer_bytes // 2 if optimizer in ("adam", "adamw") else 0
-
-
-def _peak_moment(memory: dict[str, int], step_temporaries: int) -> tuple[dict[str, int], str]:
-    """The peak's parts, and when it falls: gradients are made during backward, used by the step after it.
-
-    ``zero_grad()`` sets them to ``None``, so the peak is the start of backward without them, or the
-    end of backward (every gradient, no activation) where that holds more. Then the optimizer's
-    ``step()`` holds every gradient and its ``step_temporaries``, the activations, the loss's
-    workspace and the gathered units freed; where that holds more still (a short, checkpointed
-    sequence: bench/data/h200/memory-llama-1b_4k_full.json.gz), ``optimizer_step`` is what it adds.
-
-    Examples:
-        >>> parts = {"params": 4, "grads": 4, "optimizer": 8, "gathered": 1}
-        >>> parts |= {"activations": 1, "loss_workspace": 5}
-        >>> _peak_moment(parts, step_temporaries=0)[1]
-        'the start of backward, before any gradient is made'
-        >>> found, peak_at = _peak_moment(parts, step_temporaries=4)
-        >>> found["optimizer_step"], sum(found.values()), peak_at
-        (1, 20, 'the optimizer step, every gradient made')
-    """
-    held = sum(memory.get(part, 0) for part in ("params", "grads", "optimizer", "buffers"))
-    start = sum(memory.values()) - memory.get("grads", 0)
-    if start < held + memory.get("gathered", 0):
-        parts, peak_at = memory, "the end of backward, every gradient made"
-    else:
-        parts, peak_at = memory | {"grads": 0}, "the start of backward, before any gradient is made"
-    beyond = held + step_temporaries - sum(parts.values())
-    if beyond > 0:
-        return parts | {"optimizer_step": beyond}, "the optimizer step, every gradient made"
-    return parts, peak_at
 
 
 def _causal_imbalance(plan: Plan, seq: int, hardware: Hardware, *, packed: bool = False) -> float:

@@ -36,6 +36,7 @@ from functional_shard.planning.pipeline.stages import rank_stages, stage_finder
 from functional_shard.planning.plan.config import PipelineConfig
 
 from .loss_memory import pipeline_loss_workspace
+from .peak_moment import step_held, with_optimizer_step
 from .record import PipelineEstimate, StageEstimate
 
 if TYPE_CHECKING:
@@ -420,7 +421,11 @@ def _rank_memories(
         ending = _concatenating(memories[tail], 2 * m * trace.output_bytes)
         if sum(ending.values()) > sum(memories[tail].values()):
             memories[tail], peak_at[tail] = ending, "the step's end (its kept outputs concatenated)"
-    return memories, peak_at
+    moments = [
+        with_optimizer_step(memory, at, step_held(memory, assembly.optimizer))
+        for memory, at in zip(memories, peak_at, strict=True)
+    ]
+    return [memory for memory, _ in moments], [at for _, at in moments]
 
 
 def _stage_estimates(
