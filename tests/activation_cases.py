@@ -160,7 +160,7 @@ def fit_selective() -> dict[str, object]:
 
 def mixed_precision_grads(checkpoint_policy: str) -> dict[str, torch.Tensor] | None:
     """One step of fsdp with bf16 compute (fp32 reduction) under a checkpoint policy ("none",
-    "full" or "selective"); rank 0 returns the full fp32 gradients."""
+    "full", "selective" or "torchtitan"); rank 0 returns the full fp32 gradients."""
     policy = fs.fsdp("dp") + fs.mixed_precision()
     if checkpoint_policy != "none":
         policy = policy + fs.checkpointing(Block, policy=checkpoint_policy)

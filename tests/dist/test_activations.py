@@ -82,7 +82,7 @@ def measured(model: nn.Module, plan: fs.Plan, tokens: torch.Tensor) -> tuple[int
     return kept, saved
 
 
-@pytest.mark.parametrize("checkpoint", ["none", "full", "selective"])
+@pytest.mark.parametrize("checkpoint", ["none", "full", "selective", "torchtitan"])
 @pytest.mark.parametrize("kind", ["zoo", "hf_sdpa", pytest.param("hf_eager", marks=pytest.mark.slow)])
 def test_traced_bytes_equal_a_real_forward(kind, checkpoint):
     model = build(kind)
@@ -382,9 +382,10 @@ def test_selective_checkpointing_recomputes_less_than_full():
             batch=BATCH,
             seq=SEQ,
         ).recompute_bytes
-        for policy in ("full", "selective")
+        for policy in ("full", "selective", "torchtitan")
     }
-    assert 0 < found["selective"] < found["full"]
+    # torchtitan's policy recomputes every second matmul as well: more than selective holds
+    assert 0 < found["selective"] < found["torchtitan"] < found["full"]
 
 
 @pytest.mark.parametrize("checkpoint", ["full", "selective"])

@@ -48,7 +48,7 @@ def test_apply_refuses_a_policy_it_does_not_know():
     plan = fs.shard(model, fs.Mesh(dp=1), fs.replicate() + fs.checkpointing(Block))
     bad = dataclasses.replace(plan, config=dataclasses.replace(plan.config, checkpoint_policy="some"))
     problems = engine_problems(bad, model)  # what fs.apply checks before it changes the model
-    assert "checkpoint_policy 'some': apply() runs 'full' or 'selective'" in " ".join(problems)
+    assert "checkpoint_policy 'some': apply() runs 'full', 'selective', 'torchtitan'" in " ".join(problems)
 
 
 def test_the_saved_ops_are_matmuls_and_attention():
@@ -89,9 +89,37 @@ def test_selective_recomputes_the_elementwise_ops_but_no_matmul():
     assert "aten.silu.default" in selective  # the MLP's activation is recomputed
 
 
+def test_torchtitan_recomputes_every_second_matmul_of_each_block():
+    """torchtitan's per-op selective checkpointing: of a Block's seven matmuls (q, k, v, o, gate, up,
+    down, in its forward's order) it keeps the 1st, 3rd, 5th and 7th and recomputes the others."""
+    forward = forward_matmuls()
+    assert len(forward) == 2 * 7
+    recomputed = [op for op in recomputed_ops("torchtitan") if op == "aten.mm.default"]
+    assert len(recomputed) == 2 * 3
+    assert "aten._scaled_dot_product_flash_attention_for_cpu.default" not in recomputed_ops("torchtitan")
+    assert not [op for op in recomputed_ops("selective") if op == "aten.mm.default"]
+
+
+def forward_matmuls() -> list[str]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = Llama(CONFIG)
+    seen: list[str] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        for layer in model.layers:
+            layer(torch.randn(2, 8, CONFIG.hidden_size))
+    return [op for op in seen if op == "aten.mm.default"]
+
+
 def test_selective_checkpointing_gives_the_same_gradients():
     grads = {}
-    for policy in ("none", "full", "selective"):
+    for policy in ("none", "full", "selective", "torchtitan"):
         torch.manual_seed(0)
         model = Llama(CONFIG)
         if policy != "none":
@@ -99,7 +127,7 @@ def test_selective_checkpointing_gives_the_same_gradients():
             apply_checkpointing(plan, model)
         model(torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))).sum().backward()
         grads[policy] = {name: p.grad for name, p in model.named_parameters()}
-    for policy in ("full", "selective"):
+    for policy in ("full", "selective", "torchtitan"):
         for name, grad in grads["none"].items():
             torch.testing.assert_close(grads[policy][name], grad, msg=name)
 
@@ -142,7 +170,7 @@ def test_checkpointing_under_bf16_fsdp_gives_the_gradients_of_no_checkpointing(w
     # (selective checkpointing refused it as an op "not found in storage" under torch's
     # composable checkpoint)
     expected = world4.run(activation_cases.mixed_precision_grads, "none")[0]
-    for policy in ("full", "selective"):
+    for policy in ("full", "selective", "torchtitan"):
         grads = world4.run(activation_cases.mixed_precision_grads, policy)[0]
         for name, value in expected.items():
             torch.testing.assert_close(grads[name], value, atol=0, rtol=0, msg=f"{policy}: {name}")

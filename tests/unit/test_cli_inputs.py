@@ -102,7 +102,7 @@ def test_a_keyword_given_twice_is_refused_by_name(text, says):
 def test_a_mistyped_checkpointing_policy_is_called_a_policy(model, written):
     """It was once reported as a module class the model lacks."""
     for text in (f"checkpointing(Block, {written})", f"checkpointing('layers.*', Block, {written})"):
-        says = f"checkpointing policy {written!r}: full or selective"
+        says = f"checkpointing policy {written!r}: full, selective or torchtitan"
         with pytest.raises(fs.PolicyError, match=re.escape(says)):
             fs.parse_policy(text, model)
 

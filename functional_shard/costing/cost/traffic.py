@@ -249,7 +249,8 @@ def ring_passes(plan: Plan) -> tuple[int, int]:
         (2, 4)
     """
     config = plan.config
-    recomputed = bool(config.checkpointed) and config.checkpoint_policy != "selective"
+    # a selective policy keeps attention's output, which the ring's collectives run inside
+    recomputed = bool(config.checkpointed) and config.checkpoint_policy == "full"
     return 2 + recomputed, config.cp_size(plan.mesh)
 
 

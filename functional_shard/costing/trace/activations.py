@@ -28,6 +28,7 @@ from functional_shard.core.errors import PlanError, ShardingError
 from functional_shard.core.sequence import check_sequence_length
 from functional_shard.costing.time.documents import RowDocuments, cp_rank_of, row_documents
 from functional_shard.planning.pipeline.stages import stage_finder
+from functional_shard.planning.policy.builders import CHECKPOINT_POLICIES
 from functional_shard.planning.tp.styles import titan_expert_names
 
 from .checkpointing import SAVED_OPS, checkpointed, selective_context
@@ -283,8 +284,8 @@ def _forward_failed(
 def _count_recompute_in_forward(flops: Flops, policy: str) -> None:
     """Without a backward, the recompute flops: what the forward's checkpointed modules would re-run."""
     # torch's checkpoint stops recomputing once every saved tensor is back; selective
-    # checkpointing hands back SAVED_OPS' outputs instead of running them
-    if policy == "selective":
+    # checkpointing hands back the outputs it keeps (`checkpointing.keeps`) instead of running them
+    if policy != "full":  # selective ones
         flops.counts["recompute"] = flops.inside["all"] - flops.inside["saved"]
         flops.attention["recompute"] = flops.attention_inside["all"] - flops.attention_inside["saved"]
         flops.attention_kernel["recompute"] = flops.kernel_inside["all"] - flops.kernel_inside["saved"]
@@ -443,10 +444,10 @@ def _check_traceable(
 ) -> None:
     """Refuse a plan the trace cannot run at ``seq`` tokens (`trace_activations`' Raises)."""
     config = plan.config
-    if config.checkpointed and config.checkpoint_policy not in ("full", "selective"):
+    if config.checkpointed and config.checkpoint_policy not in CHECKPOINT_POLICIES:
         raise ShardingError(
-            f"trace_activations: checkpoint_policy {config.checkpoint_policy!r} is neither 'full' nor "
-            "'selective' (set it with fs.checkpointing(..., policy=...))"
+            f"trace_activations: checkpoint_policy {config.checkpoint_policy!r} is not one of "
+            f"{', '.join(map(repr, CHECKPOINT_POLICIES))} (set it with fs.checkpointing(..., policy=...))"
         )
     check_expert_imbalance(expert_imbalance)
     grouped = next((path for path, module in modules.items() if titan_expert_names(module) is not None), None)

@@ -1,21 +1,22 @@
 """Activation checkpointing as a trace runs it: torch's own checkpoint, op-level selective or whole.
 
-`selective_context` is the ``context_fn`` `functional_shard.apply` and the trace both give torch's
-checkpoint for ``policy="selective"``; `checkpointed` wraps the plan's checkpointed modules for a trace.
+`context_of` is the ``context_fn`` `functional_shard.apply` and the trace both give torch's checkpoint
+for a policy (`keeps` says which outputs it keeps); `checkpointed` wraps the plan's checkpointed modules
+for a trace.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-__all__ = ["SAVED_OPS", "RecomputeCounter", "checkpointed", "selective_context"]
+__all__ = ["SAVED_OPS", "RecomputeCounter", "checkpointed", "context_of", "keeps", "selective_context"]
 
 _aten = torch.ops.aten
 # Selective checkpointing keeps matmul and attention outputs and recomputes the rest (torchtitan's
@@ -47,6 +48,8 @@ class RecomputeCounter(Protocol):
 
     backward: bool  # the backward is running (checkpoint's recompute runs inside it)
     checkpointed: int  # how deep inside checkpointed forwards the forward is
+    policy: str  # the plan's checkpoint policy, which `keeps` reads
+    matmuls: int  # the mm ops the running checkpointed call made so far (`keeps`)
     inside: dict[str, int]  # forward flops inside them: "all", and "saved" (SAVED_OPS')
     rerun: int  # of those, the flops up to each call's last saved tensor (what recompute runs)
     memory_inside: int  # bytes memory-bound ops move inside them
@@ -58,12 +61,39 @@ class RecomputeCounter(Protocol):
         """Record in ``call`` (one of ``packed``) the storage of ``tensor``, which it saves."""
 
 
-def _selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+_MM = getattr(_aten.mm, "default", None)
+
+
+def keeps(policy: str, func: Any, matmuls: int) -> bool:
+    """Whether ``policy`` keeps the output of ``func``, the ``matmuls``-th ``mm`` of its call if it is one.
+
+    ``"selective"`` keeps `SAVED_OPS`' outputs; ``"torchtitan"`` too, but recomputes every second
+    ``mm`` of each checkpointed call (torchtitan's per-op selective checkpointing); ``"full"`` none.
+
+    Examples:
+        >>> mm = torch.ops.aten.mm.default
+        >>> [keeps("torchtitan", mm, n) for n in (1, 2, 3)], keeps("selective", mm, 2), keeps("full", mm, 1)
+        ([True, False, True], True, False)
+    """
+    if policy == "full" or func not in SAVED_OPS:
+        return False
+    return not (policy == "torchtitan" and func is _MM and matmuls % 2 == 0)
+
+
+def _policy_of(policy: str) -> Any:
+    matmuls = {"forward": 0, "recompute": 0}  # one call's: its forward and its recompute count alike
+
+    def decide(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        pass_ = "recompute" if ctx.is_recompute else "forward"
+        matmuls[pass_] += func is _MM
+        kept = keeps(policy, func, matmuls[pass_])
+        return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return decide
 
 
 def selective_context() -> tuple[Any, Any]:
-    """Torch's selective-checkpoint contexts that keep `SAVED_OPS` outputs (a ``context_fn``).
+    """Torch's selective-checkpoint contexts for ``policy="selective"`` (a ``context_fn``).
 
     Examples:
         >>> layer = nn.Linear(4, 4)
@@ -74,7 +104,21 @@ def selective_context() -> tuple[Any, Any]:
         >>> x.grad.shape
         torch.Size([2, 4])
     """
-    return create_selective_checkpoint_contexts(_selective_policy)
+    return create_selective_checkpoint_contexts(_policy_of("selective"))
+
+
+def _torchtitan_context() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(_policy_of("torchtitan"))
+
+
+def context_of(policy: str) -> Callable[[], tuple[Any, Any]] | None:
+    """The ``context_fn`` torch's checkpoint takes for ``policy``; None for ``"full"``.
+
+    Examples:
+        >>> context_of("full") is None, context_of("selective") is selective_context
+        (True, True)
+    """
+    return {"selective": selective_context, "torchtitan": _torchtitan_context}.get(policy)
 
 
 @contextlib.contextmanager
@@ -84,7 +128,8 @@ def checkpointed(
     """Within the block, the modules at ``paths`` run under torch's checkpoint, as apply runs them."""
     # wrap each module's forward in torch's checkpoint for the trace, and put it back after;
     # ``flops`` learns when a checkpointed forward runs (recompute calls the inner one)
-    context = selective_context if policy == "selective" else None
+    context = context_of(policy)
+    flops.policy = policy
     wrapped = []
     try:
         for path in paths:
@@ -94,6 +139,7 @@ def checkpointed(
             def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
                 extra: dict[str, Any] = {"context_fn": context} if context is not None else {}
                 flops.checkpointed += 1
+                outer_matmuls, flops.matmuls = flops.matmuls, 0  # each call counts its own, as torch's policy
                 run = _inner if flops.backward else functools.partial(_saves_noted, _inner, flops)
                 try:
                     return checkpoint(
@@ -101,6 +147,7 @@ def checkpointed(
                     )
                 finally:
                     flops.checkpointed -= 1
+                    flops.matmuls = outer_matmuls
 
             module.forward = forward  # type: ignore[method-assign]
             wrapped.append(module)

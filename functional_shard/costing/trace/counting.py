@@ -27,7 +27,7 @@ from functional_shard.costing.time.flops import (
     op_flops,
 )
 
-from .checkpointing import SAVED_OPS
+from .checkpointing import keeps
 
 __all__ = [
     "Births",
@@ -139,6 +139,9 @@ class Flops(TorchDispatchMode):
         # forward flops inside checkpointed modules (``checkpointed`` deep), and those of
         # them selective checkpointing keeps (SAVED_OPS): what recomputation will re-run
         self.checkpointed = 0
+        # the plan's checkpoint policy, and the mm count of the checkpointed call running (`keeps`)
+        self.policy = "full"
+        self.matmuls = 0
         self.inside = {"all": 0, "saved": 0}
         self.attention_inside = {"all": 0, "saved": 0}  # attention's part of ``inside``
         # of those, the flops up to the last op that saved a tensor for backward in each
@@ -196,6 +199,10 @@ class Flops(TorchDispatchMode):
             runs = _INDEX_PUT_IN_PLACE if func is _INDEX_PUT and self.phase() == "backward" else func
             self.add_memory(moved_bytes(runs, args, kwargs, out, self.weights))
         attention = bool(count) and is_attention(func)
+        kept = False
+        if self.checkpointed and not self.backward:
+            self.matmuls += func is _aten.mm.default
+            kept = keeps(self.policy, func, self.matmuls)
         kernel = 0.0
         if attention:
             per_document = (
@@ -212,7 +219,7 @@ class Flops(TorchDispatchMode):
                 self.attention_kernel[phase] += kernel
                 if self.checkpointed and not self.backward:
                     self.kernel_inside["all"] += kernel
-                    self.kernel_inside["saved"] += kernel if func in SAVED_OPS else 0.0
+                    self.kernel_inside["saved"] += kernel if kept else 0.0
             if (
                 phase == "backward"
                 and func in _WEIGHT_GRAD_OPS
@@ -226,10 +233,10 @@ class Flops(TorchDispatchMode):
                 self.by_stage[owner] = self.by_stage.get(owner, 0) + count
             if self.checkpointed and not self.backward:
                 self.inside["all"] += count
-                self.inside["saved"] += count if func in SAVED_OPS else 0
+                self.inside["saved"] += count if kept else 0
                 if attention:
                     self.attention_inside["all"] += count
-                    self.attention_inside["saved"] += count if func in SAVED_OPS else 0
+                    self.attention_inside["saved"] += count if kept else 0
         return out
 
 

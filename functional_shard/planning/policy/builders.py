@@ -384,7 +384,7 @@ def cp(axis: str = "cp", *, load_balance: bool = True, engine: str = "auto") -> 
     return Policy((ContextParallel(axis, load_balance, engine),))
 
 
-CHECKPOINT_POLICIES = ("full", "selective")
+CHECKPOINT_POLICIES = ("full", "selective", "torchtitan")
 
 
 @policy_builder
@@ -393,7 +393,9 @@ def checkpointing(*modules: Selector, policy: str = "full") -> Policy:
 
     Args:
         modules: module classes or path patterns (a pattern picks the outermost modules it matches).
-        policy: ``"full"`` recomputes each whole forward; ``"selective"`` keeps matmul and attention outputs.
+        policy: ``"full"`` recomputes each whole forward; ``"selective"`` keeps matmul and attention outputs;
+            ``"torchtitan"`` keeps them too but recomputes every second matmul of each call, as torchtitan's
+            per-op selective checkpointing does.
 
     Raises:
         PolicyError: no module selector given, or an unknown ``policy``.

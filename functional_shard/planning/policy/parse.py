@@ -278,6 +278,9 @@ def _dtype(value: _Value, node: ast.AST) -> torch.dtype | None:
     return _DTYPES[name]
 
 
+_CHECKPOINT_CHOICES = f"{', '.join(CHECKPOINT_POLICIES[:-1])} or {CHECKPOINT_POLICIES[-1]}"
+
+
 def _checkpointing(call: _Call, resolver: _Resolver) -> Policy:
     _only(call, ("policy",))
     args = list(call.args)
@@ -292,13 +295,13 @@ def _checkpointing(call: _Call, resolver: _Resolver) -> Policy:
     ):  # classes are CamelCase: a lower-case name after them is the policy, mistyped
         raise _TextError(
             call.node,
-            f"checkpointing policy {args[-1].text!r}: full or selective (the argument after the "
+            f"checkpointing policy {args[-1].text!r}: {_CHECKPOINT_CHOICES} (the argument after the "
             "module classes is the policy)",
         )
     if "policy" in call.kwargs:
         policy = _text(call.kwargs["policy"], "the checkpointing policy", call.node)
         if policy not in CHECKPOINT_POLICIES:
-            raise _TextError(call.node, f"checkpointing policy {policy!r}: full or selective")
+            raise _TextError(call.node, f"checkpointing policy {policy!r}: {_CHECKPOINT_CHOICES}")
     if not args:
         raise _TextError(
             call.node, "checkpointing() needs the module classes (or 'path.*' patterns) to recompute"

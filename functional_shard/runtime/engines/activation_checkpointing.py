@@ -57,11 +57,11 @@ def _without_kv_cache(module: nn.Module) -> None:
 
 def apply_checkpointing(plan: Plan, module: nn.Module) -> None:
     """Run the forward of each of the plan's checkpointed modules under torch's checkpoint."""
-    from functional_shard.costing.trace.checkpointing import selective_context
+    from functional_shard.costing.trace.checkpointing import context_of
 
     if plan.config.checkpointed:
         _without_kv_cache(module)
-    context = selective_context if plan.config.checkpoint_policy == "selective" else None
+    context = context_of(plan.config.checkpoint_policy)
     for path in plan.config.checkpointed:
         target = module.get_submodule(path)
         inner = vars(target).get("forward")  # another engine's forward on this instance, if any

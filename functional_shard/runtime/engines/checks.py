@@ -9,6 +9,7 @@ from functional_shard.core.tree import read_model
 from functional_shard.planning.context_checks import context_parallel_problems
 from functional_shard.planning.pipeline.stages import stage_finder
 from functional_shard.planning.plan.plan import Plan
+from functional_shard.planning.policy.builders import CHECKPOINT_POLICIES
 from functional_shard.planning.tp.module_splits import is_conv1d_module, is_projection, split_problems
 from functional_shard.planning.tp.rules import sequence_parallel_problems
 
@@ -60,8 +61,8 @@ def _module_mismatches(plan: Plan, module: nn.Module) -> list[str]:
 def _config_problems(plan: Plan, module: nn.Module) -> list[str]:
     """Settings apply() does not run, or runs through FSDP2 alone.
 
-    Several tensor-parallel axes, DDP beside tensor parallel, a checkpoint policy other than
-    full or selective; mixed precision, CPU offload and HSDP, which only FSDP2 runs.
+    Several tensor-parallel axes, DDP beside tensor parallel, a checkpoint policy `fs.checkpointing`
+    does not take; mixed precision, CPU offload and HSDP, which only FSDP2 runs.
     """
     config = plan.config
     found: list[str] = []
@@ -74,10 +75,10 @@ def _config_problems(plan: Plan, module: nn.Module) -> list[str]:
             f"{kind} with tensor parallel: torch's DDP does not run over DTensor shards; "
             "use fs.fsdp(...) (or fs.zero(2)) for the data-parallel axis"
         )
-    if config.checkpointed and config.checkpoint_policy not in ("full", "selective"):
+    if config.checkpointed and config.checkpoint_policy not in CHECKPOINT_POLICIES:
         found.append(
-            f"checkpoint_policy {config.checkpoint_policy!r}: apply() runs 'full' or 'selective' "
-            "(set it with fs.checkpointing(..., policy=...))"
+            f"checkpoint_policy {config.checkpoint_policy!r}: apply() runs "
+            f"{', '.join(map(repr, CHECKPOINT_POLICIES))} (set it with fs.checkpointing(..., policy=...))"
         )
     if kind in ("ddp", "zero1") and any(p.is_meta for p in module.parameters()):
         found.append(
