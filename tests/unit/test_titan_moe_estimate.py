@@ -158,3 +158,11 @@ def test_search_plans_finds_plans_that_fit():
     assert any(c.tensor_parallel == 2 for c in fitting)
     expert_parallel = [c for c in report.candidates if c.expert_parallel > 1]
     assert all("expert parallelism does not run" in (c.rejected or "") for c in expert_parallel)
+
+
+def test_search_plans_under_a_tight_budget_estimates_the_pipelines_too():
+    # nothing flat fits 200 kB a device: the pipelines' stage costs count the tp experts' traffic,
+    # which needs the experts a token visits (the model's, as for the flat candidates)
+    report = fs.search_plans(moe_model(), devices=4, memory_budget=200_000, batch=8, seq=SEQ)
+    pipelines = [c for c in report.candidates if c.pipeline is not None]
+    assert any(c.peak_bytes is not None for c in pipelines)
