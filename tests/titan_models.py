@@ -45,10 +45,10 @@ tp (no expert parallelism) as: router whole, ``w1_EFD``/``w3_EFD`` on F (dim 1),
 ``w2_EDF`` on F (dim 2), shared experts colwise/rowwise; ``GroupedExperts.forward`` reads
 DTensor weights with ``to_local()``. torchtitan's 0.3.0 names (``moe.experts.w1/w2/w3``)
 are `tests.unit_models.TitanMoELayer`'s. What differs here: the experts loop over experts in
-the input's dtype (torchtitan runs ``torch._grouped_mm`` in bfloat16); the MoE takes
-``(batch, seq, dim)`` and flattens it to tokens (today's decoder hands it tokens already);
-nothing updates ``expert_bias_E`` (torchtitan's optimizer hook does); ``index_add`` where
-torchtitan runs its deterministic scatter-add.
+the input's dtype (torchtitan runs ``torch._grouped_mm`` in bfloat16, which the estimate's
+trace follows); the MoE takes ``(batch, seq, dim)`` and flattens it to tokens (today's
+decoder hands it tokens already); nothing updates ``expert_bias_E`` (torchtitan's optimizer
+hook does); ``index_add`` where torchtitan runs its deterministic scatter-add.
 
 Examples:
     >>> model = titan_llama3("tiny")  # dim 64, 4 heads, 2 kv heads, 2 layers, vocab 256

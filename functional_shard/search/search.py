@@ -184,8 +184,10 @@ class Search:
         from functional_shard.costing.trace.activations import regroup
 
         inputs = self.inputs
-        try:
-            plan = shard(inputs.facts.tree, point.mesh, self.policies.of(point, "none"))
+        try:  # as in _run_flat: the stages' expert traffic needs the experts per token
+            plan = with_expert_top_k(
+                shard(inputs.facts.tree, point.mesh, self.policies.of(point, "none")), inputs.facts.model
+            )
         except ShardingError as error:
             return [self._failed(point, "none", error, "plan")]
         plan = for_hardware(plan, inputs.hardware)

@@ -182,14 +182,6 @@ def test_checkpointed_titan_experts_recompute_their_routed_copies_all_reduce():
     assert sent["moe"] - sent["dense"] == pytest.approx(moe_layers * experts)
 
 
-def test_the_estimate_refuses_titan_experts_by_name():
-    model = titan_moe("tiny", MoEConfig(num_experts=8), device="meta", n_kv_heads=4)
-    plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp("dp"))
-    refusal = "trace_activations: layers.1.moe.routed_experts.inner_experts (GroupedExperts) holds torchtitan's"
-    with pytest.raises(fs.PlanError, match=re.escape(refusal)):
-        fs.estimate(model, plan, batch=2, seq=32, hardware="h100")
-
-
 def test_a_tp_size_that_cuts_a_key_value_group_is_refused_by_name():
     model = titan_llama3("tiny", device="meta")  # 2 key/value groups
     plan = fs.shard(model, fs.Mesh(tp=4), fs.tp("auto", "tp"))

@@ -41,7 +41,7 @@ from .model_inputs import flex_on_fake_cpu, is_hf, model_inputs, tensors, unpack
 from .rank_experts import rank_experts
 from .repeats import NotPassableError, extrapolated, left_out_layers, passing_on, reached, repeated_layers
 from .results import PER_STEP, ActivationTrace, counts_of, regroup
-from .routing import check_expert_imbalance
+from .routing import check_expert_imbalance, is_traced_titan_experts
 from .sequence_edges import check_sequence_parallel, sequence_parallel
 
 # ActivationTrace and regroup live in results, SAVED_OPS and selective_context in
@@ -356,7 +356,8 @@ def trace_activations(
     Raises:
         ShardingError: inputs that do not fit the model, an unknown checkpoint policy, a bad imbalance,
             ``documents`` malformed or of more than ``seq`` tokens a row, or cp not dividing ``seq``.
-        PlanError: under sequence parallel, tp does not divide ``seq`` or a layer sp cannot run.
+        PlanError: under sequence parallel, tp does not divide ``seq`` or a layer sp cannot run;
+            torchtitan's grouped experts the trace does not run (0.3.0's, or under expert parallelism).
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -439,6 +440,28 @@ def trace_activations(
     return ActivationTrace(rank=rank, batch=batch, seq=seq, **fields)
 
 
+def _check_titan_experts(plan: Any, modules: dict[str, nn.Module]) -> None:
+    """Refuse torchtitan's grouped experts where the trace does not run them as torchtitan would."""
+    dispatched = set(plan.config.expert_modules)
+    for path, module in modules.items():
+        if titan_expert_names(module) is None:
+            continue
+        what = f"trace_activations: {path} ({type(module).__name__}) holds torchtitan's grouped experts"
+        if not is_traced_titan_experts(module):
+            raise PlanError(
+                f"{what} under 0.3.0's names (w1, w2, w3), whose forward pads each expert's rows to a "
+                "multiple of 8 (generate_permute_indices), which the trace does not re-enact; it runs "
+                "torchtitan's main-branch experts (w1_EFD, w2_EDF, w3_EFD). plan.cost() counts this plan's "
+                "memory at rest and its traffic"
+            )
+        if path in dispatched:
+            raise PlanError(
+                f"{what}, which expert parallelism does not run (functional_shard's experts engine splits "
+                "them by tensor parallel only). Leave them to tensor or data parallelism, or use "
+                "transformers' expert layout under fs.ep"
+            )
+
+
 def _check_traceable(
     plan: Any, modules: dict[str, nn.Module], seq: int, expert_imbalance: float, *, packed: bool
 ) -> None:
@@ -450,14 +473,7 @@ def _check_traceable(
             f"{', '.join(map(repr, CHECKPOINT_POLICIES))} (set it with fs.checkpointing(..., policy=...))"
         )
     check_expert_imbalance(expert_imbalance)
-    grouped = next((path for path, module in modules.items() if titan_expert_names(module) is not None), None)
-    if grouped is not None:
-        raise PlanError(
-            f"trace_activations: {grouped} ({type(modules[grouped]).__name__}) holds torchtitan's grouped "
-            "experts, whose token dispatch sizes its work from the routed counts, which fake tensors do not "
-            "have; the trace runs mixture-of-experts layers in transformers' layout only. plan.cost() counts "
-            "this plan's memory at rest and its traffic"
-        )
+    _check_titan_experts(plan, modules)
     cp = config.cp_size(plan.mesh)
     if config.context is not None and cp > 1:
         # packed rows are cut into cp shares by work (`document_ranges`), never into 2·cp chunks

@@ -1,8 +1,10 @@
 """Experts modules on fake tensors as one rank of an expert- or tensor-parallel plan runs them.
 
 A plan that splits the experts runs `engines.experts`' forwards, re-enacted here op for op on the
-rank's local shapes. Under expert parallel every rank routes alike (`routing.expert_loads`), so local
-expert ``e`` receives ``ep × loads[e]`` copies; the hot expert 0 lives on ep rank 0. A collective
+rank's local shapes. torchtitan's grouped experts split by tensor parallel run their own forward
+(`routing.titan_experts`) on the rank's slice of each expert, their output all-reduced. Under
+expert parallel every rank routes alike (`routing.expert_loads`), so local expert ``e`` receives
+``ep × loads[e]`` copies; the hot expert 0 lives on ep rank 0. A collective
 becomes a stand-in that makes a tensor of the real one's shape and saves nothing; its bytes are the
 cost model's (`functional_shard.costing.cost.expert_traffic`).
 """
@@ -18,7 +20,9 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
-from .routing import expert_loads, routed_experts
+from functional_shard.planning.tp.hf_plans import expert_top_k
+
+from .routing import expert_loads, is_traced_titan_experts, routed_experts, titan_experts, titan_loads
 
 __all__ = ["rank_experts"]
 
@@ -95,6 +99,37 @@ class _SplitExperts:
         return torch.zeros_like(hidden_states).index_add(0, token, weighted.to(hidden_states.dtype))
 
 
+@dataclass(frozen=True, slots=True)
+class _SplitTitanExperts:
+    """torchtitan's grouped experts split by tensor parallel, as one rank runs them.
+
+    The engine's (``engines.experts``): every routed copy, whole, through the rank's slice of each
+    expert's hidden features; the partial output all-reduced. ``top_k`` as `routing.titan_loads` takes it.
+    """
+
+    module: Any
+    imbalance: float
+    top_k: int
+
+    def forward(self, rows: Tensor, *counts: Any) -> Tensor:
+        """The experts' own forward for the loads of `routing.titan_loads`, its output all-reduced."""
+        loads = titan_loads(self.module, rows.shape[0], self.top_k, self.imbalance)
+        return _Exchange.apply(titan_experts(self.module, rows, loads), rows.shape[0])
+
+
+def _split_forward(module: Any, dispatched: bool, setup: tuple[float, int, int, int]) -> Any:
+    """The forward one rank runs for ``module``, split by expert (``dispatched``) or inside each expert.
+
+    ``setup``: the imbalance, each token's copies (top-k, 0 unknown), ep and this rank's ep index.
+    """
+    imbalance, top_k, ep, ep_index = setup
+    if is_traced_titan_experts(module):  # tensor parallel only (the trace refuses them under ep)
+        return _SplitTitanExperts(module, imbalance, top_k).forward
+    if dispatched:
+        return _SplitExperts(module, imbalance, dispatched=True, ep=ep, ep_index=ep_index).forward
+    return _SplitExperts(module, imbalance, dispatched=False).forward
+
+
 @contextlib.contextmanager
 def rank_experts(
     modules: Mapping[str, nn.Module], imbalance: float, plan: Any, rank: int = 0
@@ -115,6 +150,8 @@ def rank_experts(
     split = set(config.tensor_parallel_experts)
     ep = experts.size(plan.mesh) if experts else 1
     ep_index = plan.mesh.coords(rank)[experts.axis] if experts and experts.axis else 0
+    # the plan knows each token's top-k where it splits experts; for whole ones the model says it
+    top_k = (experts.top_k if experts else 0) or expert_top_k(modules.get(""))
     replaced: list[tuple[nn.Module, Any]] = []
     try:
         for path in dispatched | split:
@@ -122,13 +159,10 @@ def rank_experts(
             if module is None:
                 continue
             replaced.append((module, module.__dict__.get("forward")))
-            if path in dispatched:
-                split_experts = _SplitExperts(module, imbalance, dispatched=True, ep=ep, ep_index=ep_index)
-            else:
-                split_experts = _SplitExperts(module, imbalance, dispatched=False)
-            module.forward = split_experts.forward  # type: ignore[method-assign]
+            forward = _split_forward(module, path in dispatched, (imbalance, top_k, ep, ep_index))
+            module.forward = forward  # type: ignore[method-assign]
         whole = [module for path, module in modules.items() if path not in dispatched | split]
-        with routed_experts(whole, imbalance):
+        with routed_experts(whole, imbalance, top_k):
             yield
     finally:
         for module, previous in replaced:

@@ -1,7 +1,8 @@
 """Mixture-of-experts layers on fake tensors: which experts each token visits, decided up front.
 
 Fake tensors have no values to route by: `routed_experts` runs each experts module as its
-implementation would, for loads fixed in advance by `expert_loads` (balanced, or one hot expert).
+implementation would, for loads fixed in advance by `expert_loads` (balanced, or one hot expert):
+transformers' experts modules, and torchtitan's grouped experts as its main branch names them.
 """
 
 from __future__ import annotations
@@ -17,10 +18,18 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.planning.tp.styles import TITAN_EXPERT_WEIGHTS, titan_expert_names
 
 from .counting import fused_kernel
 
-__all__ = ["check_expert_imbalance", "expert_loads", "routed_experts"]
+__all__ = [
+    "check_expert_imbalance",
+    "expert_loads",
+    "is_traced_titan_experts",
+    "routed_experts",
+    "titan_experts",
+    "titan_loads",
+]
 
 
 def check_expert_imbalance(imbalance: Any) -> float:
@@ -157,14 +166,44 @@ def _grouped_experts(
     return weighted.view(hidden_states.shape[0], top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
-@contextlib.contextmanager
-def routed_experts(modules: Iterable[nn.Module], imbalance: float) -> Iterator[None]:
-    """Within the block, the transformers experts modules among ``modules`` route by `expert_loads`.
+# torchtitan's main branch names its grouped experts by their dims (w1_EFD, w2_EDF, w3_EFD) and
+# runs them unpadded; 0.3.0's (w1, w2, w3) first pad each expert's rows to a multiple of 8
+# through generate_permute_indices, which the trace does not re-enact
+_TRACED_TITAN_NAMES = TITAN_EXPERT_WEIGHTS[1]
 
-    Examples:
-        >>> with routed_experts(nn.Linear(2, 2).modules(), 1.0):  # no experts: nothing changes
-        ...     pass
+
+def is_traced_titan_experts(module: Any) -> bool:
+    """Whether ``module`` holds torchtitan's grouped experts under the names the trace runs (main's)."""
+    return titan_expert_names(module) == _TRACED_TITAN_NAMES
+
+
+def titan_experts(module: Any, rows: torch.Tensor, loads: list[int]) -> torch.Tensor:
+    """What torchtitan's ``GroupedExperts.forward`` runs for ``rows`` sorted by expert, ``loads`` a group.
+
+    As its kernels run it: three ``torch._grouped_mm`` in bfloat16 whatever the weights' dtype (each
+    call casts its operands, so float32 rows are copied once per matmul that reads them), the output
+    cast back to the rows' dtype. Its ``[E, f, d]`` and ``[E, d, f]`` weights are `_GroupedLinear`'s
+    ``[E, out, in]`` as they are.
     """
+    w1, w2, w3 = (getattr(module, name) for name in _TRACED_TITAN_NAMES)
+    h = F.silu(_GroupedLinear.apply(rows.bfloat16(), w1.bfloat16(), loads))
+    h = h * _GroupedLinear.apply(rows.bfloat16(), w3.bfloat16(), loads)
+    return _GroupedLinear.apply(h, w2.bfloat16(), loads).type_as(rows)
+
+
+def titan_loads(module: Any, rows: int, top_k: int, imbalance: float) -> list[int]:
+    """`expert_loads` of the ``rows`` token copies torchtitan's grouped experts ``module`` receives.
+
+    Without expert parallelism they are every token's ``top_k`` copies; ``top_k`` 0 (unknown) takes
+    each copy for a token, which routes alike and only loosens `expert_loads`' bound on imbalance.
+    """
+    top_k = top_k if top_k > 0 and rows % top_k == 0 else 1
+    experts = getattr(module, _TRACED_TITAN_NAMES[0]).shape[0]
+    return expert_loads(rows // top_k, top_k, experts, imbalance)
+
+
+def _routed_forward(module: nn.Module, imbalance: float, top_k: int) -> Any:
+    """The stand-in for ``module``'s forward that routes by `expert_loads`; None if it needs none."""
 
     # transformers' eager loop needs values (`nonzero`, `where`) and grouped_mm has no float32
     # fake kernel nor flop formula: the router still runs, its choice replaced by the loads.
@@ -177,18 +216,38 @@ def routed_experts(modules: Iterable[nn.Module], imbalance: float) -> Iterator[N
             return _grouped_experts(module, loads, hidden_states, top_k_index, top_k_weights)
         return _eager_experts(module, loads, hidden_states, top_k_weights)
 
-    replaced = [
-        module
-        for module in modules
-        if _is_routed_experts(module) and _experts_implementation(module) in ("eager", "grouped_mm")
-    ]
-    previous = [module.__dict__.get("forward") for module in replaced]
+    # torchtitan's experts take the copies sorted by expert and the counts (whose values size the
+    # grouped matmuls' groups): the rows run for the loads instead
+    def titan_routed(module: Any, rows: torch.Tensor, *counts: Any) -> torch.Tensor:
+        return titan_experts(module, rows, titan_loads(module, rows.shape[0], top_k, imbalance))
+
+    if _is_routed_experts(module) and _experts_implementation(module) in ("eager", "grouped_mm"):
+        return functools.partial(routed, module)
+    if is_traced_titan_experts(module):
+        return functools.partial(titan_routed, module)
+    return None
+
+
+@contextlib.contextmanager
+def routed_experts(modules: Iterable[nn.Module], imbalance: float, top_k: int = 0) -> Iterator[None]:
+    """Within the block, the experts modules among ``modules`` route by `expert_loads`.
+
+    transformers' experts modules, and torchtitan's grouped experts (main's names), each token's
+    copies ``top_k`` (0: unknown) of the rows they receive.
+
+    Examples:
+        >>> with routed_experts(nn.Linear(2, 2).modules(), 1.0):  # no experts: nothing changes
+        ...     pass
+    """
+    forwards = [(module, _routed_forward(module, imbalance, top_k)) for module in modules]
+    replaced = [(module, forward) for module, forward in forwards if forward is not None]
+    previous = [module.__dict__.get("forward") for module, _ in replaced]
     try:
-        for module in replaced:
-            module.forward = functools.partial(routed, module)  # type: ignore[method-assign]
+        for module, forward in replaced:
+            module.forward = forward  # type: ignore[method-assign]
         yield
     finally:
-        for module, forward in zip(replaced, previous, strict=True):
+        for (module, _), forward in zip(replaced, previous, strict=True):
             if forward is None:
                 module.__dict__.pop("forward", None)
             else:
