@@ -9,6 +9,9 @@ speedup beside theirs:
   compiled 6,667, compiled + Float8 8,532. (Its eager and compiled rows are where
   ``compile_speedup`` comes from: that row checks the arithmetic, not the model; the Float8
   row is a check.)
+* torchtitan Table 3: the same on 128 GPUs (16 nodes; FSDP across them): eager 5,605, compiled
+  6,514, compiled + Float8 8,380; 67.0, 62.0 and 61.8 GiB. Beside Table 1 it shows what FSDP
+  across nodes costs: 2.7% of tokens/s.
 * torchao ``docs/source/workflows/training.md``, "e2e training benchmarks", NVIDIA H100:
   Llama 3 8B, FSDP on 8 GPUs, batch 1 x 8,192, per-op selective checkpointing, compiled:
   bf16 6,150, tensorwise Float8 with Float8 all-gathers 7,689.5 (1.25x).
@@ -18,8 +21,7 @@ speedup beside theirs:
   e7c0cae): Llama 3.1 8B on 4 and 8 nodes of 8 H200s (400 Gb/s a GPU between nodes), FSDP
   over all of them, local batch 2 x 8,192, compiled + Float8 with Float8 all-gathers: 10,938
   and 10,753, 47.96 and 46.97 GiB. The same GPU as the ``h200`` profile's measured rates.
-  That torchtitan compiled the loss too (``build_cross_entropy_loss``), which the estimate
-  does not count.
+  That torchtitan compiled the loss too (``build_cross_entropy_loss``): ``compiled_loss``.
 
 The 8B rows ran torchtitan's per-op selective checkpointing (``llama3_8b.toml``: selective,
 ``op``), counted as it runs: ``fs.checkpointing(Block, policy="torchtitan")``.
@@ -43,6 +45,8 @@ COMPILE = fs.Kernels(compile=True)
 FLOAT8 = fs.Kernels(compile=True, float8=True)
 FLOAT8_GATHERS = fs.Kernels(compile=True, float8=True, float8_all_gather=True)
 ASYNC_TP = fs.Kernels(compile=True, float8=True, async_tp=True)
+# torchtitan compiles the loss with the model from April 2025 (build_cross_entropy_loss)
+TRAINY = fs.Kernels(compile=True, float8=True, float8_all_gather=True, compiled_loss=True)
 
 
 class Row(NamedTuple):
@@ -63,13 +67,18 @@ def rows() -> list[Row]:
     bf16 = fs.mixed_precision()
     titan_sac = fs.checkpointing(Block, policy="torchtitan")
     fsdp8 = fs.shard(m8, fs.Mesh(dp=8), fs.fsdp("dp") + bf16 + titan_sac)
-    fsdp32, fsdp64 = (fs.shard(m8, fs.Mesh(dp=n), fs.fsdp("dp") + bf16 + titan_sac) for n in (32, 64))
+    fsdp32, fsdp64, fsdp128 = (
+        fs.shard(m8, fs.Mesh(dp=n), fs.fsdp("dp") + bf16 + titan_sac) for n in (32, 64, 128)
+    )
     tp = fs.tp(rules.llama, "tp", sequence_parallel=True, loss_parallel=True)
     two_d = fs.shard(m70, fs.Mesh(dp=32, tp=8), fs.fsdp("dp") + tp + bf16 + fs.checkpointing(Block))
     return [
         Row("torchtitan T1 8B", "eager", None, (m8, fsdp8), 2, 8192, 5762, 82.4),
         Row("torchtitan T1 8B", "compile", COMPILE, (m8, fsdp8), 2, 8192, 6667, 77.0),
         Row("torchtitan T1 8B", "compile + Float8", FLOAT8, (m8, fsdp8), 2, 8192, 8532, 76.8),
+        Row("torchtitan T3 8B, 128 GPUs", "eager", None, (m8, fsdp128), 2, 8192, 5605, 67.0),
+        Row("torchtitan T3 8B, 128 GPUs", "compile", COMPILE, (m8, fsdp128), 2, 8192, 6514, 62.0),
+        Row("torchtitan T3 8B, 128 GPUs", "compile + Float8", FLOAT8, (m8, fsdp128), 2, 8192, 8380, 61.8),
         Row("torchao README 8B", "compile", COMPILE, (m8, fsdp8), 1, 8192, 6150),
         Row(
             "torchao README 8B", "+ Float8, Float8 all-gathers", FLOAT8_GATHERS, (m8, fsdp8), 1, 8192, 7689.5
@@ -79,8 +88,8 @@ def rows() -> list[Row]:
         Row("torchtitan T4 70B", "+ async TP", ASYNC_TP, (m70, two_d), 16, 8192, 876, 67.6),
         Row(
             "Trainy H200 8B, 32 GPUs",
-            "compile + Float8 all-gathers",
-            FLOAT8_GATHERS,
+            "compile + Float8 all-gathers, loss",
+            TRAINY,
             (m8, fsdp32),
             2,
             8192,
@@ -90,8 +99,8 @@ def rows() -> list[Row]:
         ),
         Row(
             "Trainy H200 8B, 64 GPUs",
-            "compile + Float8 all-gathers",
-            FLOAT8_GATHERS,
+            "compile + Float8 all-gathers, loss",
+            TRAINY,
             (m8, fsdp64),
             2,
             8192,

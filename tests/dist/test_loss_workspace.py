@@ -141,3 +141,40 @@ def test_workspace_is_the_larger_of_forward_and_backward():
             assert loss_workspace(itemsize * numel, numel, True) == 16 * numel
         # fp64 logits: the forward's (8 + 4 + 4) is the larger
         assert loss_workspace(8 * numel, numel, False) == 16 * numel
+
+
+_COMPILED_LOSS = """
+import os, resource, sys, torch, torch.nn.functional as F
+torch.set_num_threads(1)
+rows, vocab = int(sys.argv[1]), int(sys.argv[2])
+loss = torch.compile(lambda x, y: F.cross_entropy(x.float(), y))
+targets = torch.randint(0, vocab, (rows,))
+logits = torch.randn(rows, vocab, dtype=torch.bfloat16, requires_grad=True)
+loss(logits, targets).backward()  # compiled at this shape
+logits.grad = None
+resident = int(open(f"/proc/{os.getpid()}/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+loss(logits, targets).backward()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - resident)
+"""
+
+
+@pytest.mark.slow
+def test_a_compiled_loss_holds_its_gradient_beside_the_logits():
+    """Measured in a fresh process: the high-water mark of its resident memory beyond what it held
+    before a compiled cross-entropy's forward and backward (Inductor writes the gradient, in the
+    logits' dtype, and a float32 or two per row). fs.Kernels(compiled_loss=True) counts that."""
+    import subprocess
+    import sys
+
+    rows, vocab = 4096, 32000  # 262 MB of bf16 logits: far above the allocator's and the page size's noise
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILED_LOSS, str(rows), str(vocab)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    beyond = int(run.stdout.split()[-1])
+    logits = 2 * rows * vocab
+    assert beyond == pytest.approx(
+        loss_workspace(logits, rows * vocab, False, compiled=True) - logits, rel=0.05
+    )

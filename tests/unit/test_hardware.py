@@ -6,6 +6,8 @@ import dataclasses
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import functional_shard as fs
 
@@ -58,6 +60,29 @@ def test_minor_axes_fill_a_node_first():
     assert hw.intra_axes(fs.Mesh(tp=16)) == frozenset()  # bigger than a node
     assert hw.bandwidth(mesh, ["tp"]) == 450e9 * 0.8
     assert hw.bandwidth(mesh, ["node"]) == 50e9 * 0.8
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from([1, 2, 4, 8, 16]), min_size=1, max_size=4),
+    data=st.data(),
+)
+def test_a_group_drives_as_many_nics_as_it_has_ranks_in_a_node(sizes, data):
+    """Counted rank by rank: consecutive ranks fill a node of 8; rank 0's group over the drawn axes."""
+    hw = fs.hardware("h100")
+    mesh = fs.Mesh(**{f"a{i}": size for i, size in enumerate(sizes)})
+    axes = data.draw(st.lists(st.sampled_from(mesh.axis_names), min_size=1, unique=True))
+    first = mesh.coords(0)
+    group = [
+        rank
+        for rank in range(mesh.size)
+        if all(c == first[a] for a, c in mesh.coords(rank).items() if a not in axes)
+    ]
+    in_node = sum(1 for rank in group if rank // hw.devices_per_node == 0)
+    assert hw.ranks_per_node(mesh, axes) == in_node
+    nic, nvlink = 50e9 * 0.8, 450e9 * 0.8
+    expected = nvlink if hw.link_of(mesh, axes) == "intra" else min(nvlink, in_node * nic)
+    assert hw.bandwidth(mesh, axes) == expected
 
 
 def test_intra_node_axes_can_be_named():

@@ -170,6 +170,7 @@ def test_float8_subtracts_its_saving_from_compiled_compute():
         "float8": True,
         "async_tp": False,
         "float8_all_gather": False,
+        "compiled_loss": False,
     }
 
 
@@ -301,3 +302,34 @@ def test_search_refuses_kernels_the_hardware_cannot_count():
         fs.auto(_model(), devices=8, memory_budget="80GB", batch=8, seq=128, hardware="a100", kernels=ALL)
     with pytest.raises(fs.ShardingError, match=r"auto\(kernels='compile'\): an fs.Kernels"):
         fs.search_plans(_model(), devices=8, memory_budget="80GB", batch=8, seq=128, kernels="compile")  # type: ignore[arg-type]
+
+
+def test_a_compiled_loss_holds_the_logits_and_their_gradient_alone():
+    """Inductor's cross-entropy keeps a float32 per row, not per logit, and reads the logits three
+    times (tests/dist/test_loss_workspace.py measures what it holds)."""
+    eager = _estimate("fsdp", fs.Kernels(compile=True))
+    compiled = _estimate("fsdp", fs.Kernels(compile=True, compiled_loss=True))
+    logits = 4096 * _model().config.vocab_size  # one sequence's, in bf16
+    assert eager.memory["loss_workspace"] == 12 * logits
+    assert compiled.memory["loss_workspace"] == 2 * 2 * logits
+    assert compiled.peak_bytes <= eager.peak_bytes  # (here the optimizer step holds the peak)
+    saved = (36 - 8) * logits / H100.kernel_rates.bandwidth / H100.compile_speedup
+    assert eager.compute_parts["memory-bound"] - compiled.compute_parts["memory-bound"] == pytest.approx(
+        saved
+    )
+    assert "compiled loss" in compiled.explain()
+
+
+@pytest.mark.parametrize("kind", ["pp", "loss_parallel"])
+def test_a_compiled_loss_is_refused_where_it_was_not_measured(kind):
+    plan = (
+        _plan("pp")
+        if kind == "pp"
+        else fs.shard(
+            _model(), fs.Mesh(tp=4), fs.tp(rules.llama, "tp", loss_parallel=True) + fs.mixed_precision()
+        )
+    )
+    with pytest.raises(fs.ShardingError, match=r"compiled_loss=True.*leave compiled_loss out"):
+        fs.estimate(_model(), plan, batch=4, seq=64, kernels=fs.Kernels(compiled_loss=True))
+    # the search's view of such a candidate counts the loss eager instead
+    assert not fs.Kernels(compiled_loss=True).for_plan(plan).compiled_loss

@@ -8,7 +8,8 @@ Float8 all-gathers counted (0.76-0.90 of the reserved peaks they publish). The 8
 rows, counted with torch's ring's causal pairs and the FlashAttention-2 kernels their runs called
 (bench/long_context.py's TORCHTITAN_H100), do not hold: ours are 1.30-1.75 times theirs, as the
 8B rows at 8k tokens are (bench/published_kernels.py); docs/long-context.md, "Against published
-runs", says why and what measurement would settle it.
+runs", says what is known of why (the Trainy H200 rows, on the GPU the rates were measured on,
+are as far off) and what measurement would settle it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from functional_shard.zoo import llama
 sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "bench"))
 
 import long_context
+import published_kernels
 import published_pipelines
 
 GIB = 2**30
@@ -68,7 +70,7 @@ def test_405b_pipeline_rows_are_within_20_percent_with_their_kernels():
 # "Against published runs"); strict, so the run that makes these rows hold says so
 @pytest.mark.xfail(
     strict=True,
-    reason="the h100 profile's kernel rates are an H200's at 700 W; torchtitan's parts ran at 500 W",
+    reason="the 8B's multi-GPU FSDP steps run 1.6-1.8x the one-GPU kernels' sum, on 700 W H200s too",
 )
 def test_8b_long_context_rows_are_within_20_percent_with_their_kernels():
     model = llama("llama-3-8b")
@@ -81,3 +83,21 @@ def test_8b_long_context_rows_are_within_20_percent_with_their_kernels():
         where = f"{name}, {seq} tokens: {est.peak_bytes / GIB:.1f} GiB, {est.tokens_per_second:.0f} tokens/s"
         assert _within(est.peak_bytes / GIB, gib), where
         assert _within(est.tokens_per_second, tps), where
+
+
+def test_published_memory_is_within_20_percent_and_the_8b_rows_within_10():
+    """torchtitan's 8B and 70B rows (H100) and Trainy's 8B rows (H200): the reserved peak against the
+    published ``max_reserved``, each counted with the run's checkpointing policy and kernels."""
+    for row in published_kernels.rows():
+        if row.gib is None:
+            continue
+        model, plan = row.model_and_plan
+        est = fs.estimate(
+            model, plan, batch=row.batch, seq=row.seq, hardware=row.hardware, kernels=row.kernels
+        )
+        ratio = est.reserved_peak_bytes / GIB / row.gib
+        assert abs(ratio - 1) <= (0.10 if "8B" in row.source else 0.20), (
+            row.source,
+            row.kernels_label,
+            ratio,
+        )

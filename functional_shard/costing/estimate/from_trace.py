@@ -48,6 +48,7 @@ def _flat_parts(assembly: Assembly) -> StepParts:
     plan, trace = assembly.plan, assembly.trace
     tokens = assembly.batch * assembly.seq
     units = gathered_with_float8(assembly.units, assembly.float8_gathered)
+    compiled_loss = assembly.kernels.compiled_loss
     plan_cost = (
         assembly.costs[0]
         if assembly.costs
@@ -61,7 +62,9 @@ def _flat_parts(assembly: Assembly) -> StepParts:
         "buffers": plan_cost.buffers_bytes,
         "gathered": gathered_in_flight(plan, units),
         "activations": int(trace.activation_bytes),
-        "loss_workspace": loss_workspace(trace.output_bytes, trace.output_numel, plan.config.loss_parallel),
+        "loss_workspace": loss_workspace(
+            trace.output_bytes, trace.output_numel, plan.config.loss_parallel, compiled=compiled_loss
+        ),
     }
     memory = with_ring_workspace(memory, plan, tokens)  # under cp, what torch's ring adds
     # a checkpointed block's recompute, held through its backward, after the loss's
@@ -87,6 +90,7 @@ def _flat_parts(assembly: Assembly) -> StepParts:
             trace,
             fsdp_bytes=fsdp_copy_bytes(plan, units),
             step_bytes=optimizer_bytes(plan_cost.params_bytes, assembly.optimizer),
+            compiled_loss=compiled_loss,
         ),
     )
 

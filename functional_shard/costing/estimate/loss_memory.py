@@ -10,18 +10,27 @@ from __future__ import annotations
 __all__ = ["loss_workspace", "pipeline_loss_workspace"]
 
 
-def loss_workspace(output_bytes: int, output_numel: int, loss_parallel: bool) -> int:
+def loss_workspace(
+    output_bytes: int, output_numel: int, loss_parallel: bool, *, compiled: bool = False
+) -> int:
     """Bytes the loss holds at its peak, the logits included, without a pipeline.
 
     The larger of the forward (logits, their fp32 copy, the log-softmax: ``output_bytes + 8·numel``,
     ``+ 4·numel`` under loss parallel) and the backward, logits freed (``12·numel``, ``16·numel``).
+    ``compiled`` (``torch.compile``'s fused cross-entropy, without loss parallel): the logits and their
+    gradient, in their dtype; it keeps a float32 per row, not per logit (measured: 2 bytes a bf16 logit
+    beside them, tests/dist/test_loss_workspace.py).
 
     Examples:
         >>> loss_workspace(2 * 1000, 1000, False), loss_workspace(4 * 1000, 1000, False)
         (12000, 12000)
         >>> loss_workspace(2 * 1000, 1000, True), loss_workspace(4 * 1000, 1000, True)
         (16000, 16000)
+        >>> loss_workspace(2 * 1000, 1000, False, compiled=True)
+        4000
     """
+    if compiled:
+        return 2 * output_bytes
     fp32 = 4 * output_numel
     if loss_parallel:
         return int(max(output_bytes + 3 * fp32, 4 * fp32))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,7 +62,8 @@ class Hardware:
     intra_node_bandwidth: float
     """Bytes/s one device sends inside a node (one direction)."""
     inter_node_bandwidth: float
-    """Bytes/s one device sends to other nodes (one direction)."""
+    """Bytes/s one device's NIC sends to other nodes (one direction): a collective's ranks in one node
+    drive their NICs together (`bandwidth`)."""
     host_bandwidth: float = float("inf")
     """Bytes/s between host and device memory (one direction), for offloading."""
     overlap_communication: bool = True
@@ -148,14 +150,43 @@ class Hardware:
     def bandwidth(self, mesh: Mesh, axes: Iterable[str]) -> float:
         """Achievable bytes/s one device sends in a collective over ``axes``.
 
+        Across nodes, NCCL runs one ring per NIC: a group with ``k`` ranks in each node (`ranks_per_node`)
+        sends through ``k`` NICs at once, each rank's bytes at ``k`` times one NIC's rate, up to the
+        node's own links (nccl-tests' bus bandwidth across nodes of 8 GPUs with a 400 Gb/s NIC each is
+        that of 8 NICs, docs/will-it-fit.md, "Links").
+
         Examples:
             >>> h = fs.hardware("h100")
             >>> h.bandwidth(fs.Mesh(dp=2, tp=8), ["tp"]) == h.intra_node_bandwidth * h.intra_node_efficiency
             True
+            >>> [h.bandwidth(mesh, ["dp"]) / 1e9 for mesh in (fs.Mesh(dp=16, tp=8), fs.Mesh(dp=32, tp=4))]
+            [40.0, 80.0]
         """
+        intra = self.intra_node_bandwidth * self.intra_node_efficiency
         if self.link_of(mesh, axes) == "intra":
-            return self.intra_node_bandwidth * self.intra_node_efficiency
-        return self.inter_node_bandwidth * self.inter_node_efficiency
+            return intra
+        nics = self.ranks_per_node(mesh, axes)
+        return min(intra, nics * self.inter_node_bandwidth * self.inter_node_efficiency)
+
+    def ranks_per_node(self, mesh: Mesh, axes: Iterable[str]) -> int:
+        """How many ranks of one collective group over ``axes`` share a node (consecutive ranks fill a node).
+
+        Examples:
+            >>> h = fs.hardware("h100")
+            >>> h.ranks_per_node(fs.Mesh(dp=32), ["dp"]), h.ranks_per_node(fs.Mesh(dp=16, tp=8), ["dp"])
+            (8, 1)
+            >>> h.ranks_per_node(fs.Mesh(dp=4, cp=2, tp=4), ["dp", "cp"])
+            2
+        """
+        group = set(axes)
+        if self.intra_node_axes is not None:
+            return math.prod(mesh[a] for a in mesh.axis_names if a in group and a in self.intra_node_axes)
+        ranks, stride = 1, 1
+        for axis in reversed(mesh.axis_names):
+            if axis in group:
+                ranks *= max(1, min(mesh[axis], self.devices_per_node // stride))
+            stride *= mesh[axis]
+        return ranks
 
     def replace(self, **changes: Any) -> Hardware:
         """A copy with some fields changed (``intra_node_axes`` may be any iterable of names).

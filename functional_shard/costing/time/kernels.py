@@ -4,7 +4,8 @@ The estimate's default is eager bf16. Each option is a model with a public sourc
 (docs/will-it-fit.md, "Kernels"): **compile** runs the work other than attention
 `Hardware.compile_speedup` times faster; **float8** saves what torchao's roofline says per linear;
 **async_tp** hides the forward's tensor-parallel collectives; **float8_all_gather** gathers and
-holds the converted weights a byte an element.
+holds the converted weights a byte an element; **compiled_loss** fuses the cross-entropy, which then
+holds only the logits' gradient beside them (`loss_memory.loss_workspace`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ class Kernels:
         float8: torchao's tensorwise Float8 linears, the output head left out (needs compile).
         async_tp: torch's async tensor parallel (needs compile and sequence parallel).
         float8_all_gather: FSDP gathers and holds the Float8 linears' weights in float8 (needs float8).
+        compiled_loss: ``torch.compile`` of the loss too (torchtitan's ``compile.components``, "loss" by
+            default since April 2025): no float32 copy of the logits, their gradient in their dtype.
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -75,9 +78,10 @@ class Kernels:
     float8: bool = False
     async_tp: bool = False
     float8_all_gather: bool = False
+    compiled_loss: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("compile", "float8", "async_tp", "float8_all_gather"):
+        for name in ("compile", "float8", "async_tp", "float8_all_gather", "compiled_loss"):
             if not isinstance(getattr(self, name), bool):
                 raise ShardingError(f"fs.Kernels({name}={getattr(self, name)!r}): True or False")
         if self.float8_all_gather and not self.float8:
@@ -101,13 +105,15 @@ class Kernels:
             "float8": "Float8 linears",
             "async_tp": "async TP",
             "float8_all_gather": "Float8 all-gathers",
+            "compiled_loss": "compiled loss",
         }
         return tuple(label for name, label in labels.items() if getattr(self, name))
 
     def for_plan(self, plan: Plan) -> Kernels:
         """These kernels less what ``plan`` has nothing for: the search's view of one candidate.
 
-        Async TP needs sequence parallel and Float8 all-gathers FSDP; `fs.estimate` refuses them instead.
+        Async TP needs sequence parallel, Float8 all-gathers FSDP, and a compiled loss is counted neither
+        under loss parallel nor in a pipeline's last stage; `fs.estimate` refuses them instead.
 
         Examples:
             >>> from functional_shard.zoo import llama
@@ -119,7 +125,14 @@ class Kernels:
             self,
             async_tp=self.async_tp and plan.config.sequence_parallel,
             float8_all_gather=self.float8_all_gather and bool(plan.config.shard_axes),
+            compiled_loss=self.compiled_loss and _counts_compiled_loss(plan),
         )
+
+
+def _counts_compiled_loss(plan: Plan) -> bool:
+    # measured where the loss takes the whole logits of one step; loss parallel's DTensor loss and a
+    # pipeline's per-micro-batch loss inside torch's schedule were not
+    return not plan.config.loss_parallel and plan.config.pipeline is None
 
 
 def check_kernels(kernels: Kernels, plan: Plan, hw: Hardware, dtype: str) -> None:
@@ -133,6 +146,11 @@ def check_kernels(kernels: Kernels, plan: Plan, hw: Hardware, dtype: str) -> Non
         raise ShardingError(
             "estimate(kernels=...float8_all_gather=True): the plan gathers no parameters; it needs "
             "FSDP (fs.fsdp, fs.hsdp or fs.zero(3))"
+        )
+    if kernels.compiled_loss and not _counts_compiled_loss(plan):
+        raise ShardingError(
+            "estimate(kernels=...compiled_loss=True): a compiled loss is counted where it takes a step's "
+            "whole logits; under loss parallel or a pipeline it is not: leave compiled_loss out there"
         )
     if kernels.async_tp and not plan.config.sequence_parallel:
         raise ShardingError(
