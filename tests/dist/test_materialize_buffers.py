@@ -5,14 +5,16 @@ Buffers are compared exactly (``torch.equal``). Parameters are compared exactly 
 same seed gives the same values under FSDP, tensor parallel and a pipeline), and with the CPU
 build where the values are constant (norm weights, biases) or come from ``reset_parameters`` (the
 zoo's Llamas: init-then-shard, exactly). Other Hugging Face parameters are random draws in
-another order than the CPU build's: their standard deviation is held to within 4x of the CPU
-build's (torch's ``reset_parameters`` instead of the model's ``_init_weights`` would give an
-embedding 50 times wider; GPT-2's residual projections, which its ``_init_weights`` scales from
-their parent module, are 2x wider here).
+another order than the CPU build's, whose construction draws first: their standard deviation is
+held to within 4x of the CPU build's (torch's ``reset_parameters`` instead of the model's
+``_init_weights`` would give an embedding 50 times wider). GPT-2's are compared exactly with
+what transformers' ``initialize_weights`` draws with the seed, the residual projections its
+parent modules re-draw included.
 """
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 import functional_shard as fs
-from functional_shard.runtime.engines.buffers import buffer_problems, meta_buffers, restore_buffers
+from functional_shard.runtime.engines.buffers import buffer_problems, meta_buffers, restore_buffers, sets
 
 from .. import buffer_cases, hf_cases
 from ..dist_cases import full
@@ -70,6 +72,55 @@ def test_a_meta_built_hf_llama_materializes_without_init_as_built_on_the_cpu(one
         results.append(params)
     for path, value in results[0].items():
         assert torch.equal(value, results[1][path]), path
+
+
+def assert_as_transformers_draws(label, params, expected):
+    """Every parameter equals the one transformers draws with the seed; GPT-2's residual
+    projections, re-drawn by their parent modules, with their std of 0.02 / sqrt(2 * n_layer)."""
+    wanted = dict(expected.named_parameters())
+    assert params.keys() <= wanted.keys(), label
+    for path, value in params.items():
+        if path.endswith("c_proj.weight"):  # 0.02 would be 2.8 times as wide
+            std = value.std().item()
+            assert std == pytest.approx(0.02 / math.sqrt(8), rel=0.1), f"{label}: {path} has std {std:.4f}"
+        assert torch.equal(value, wanted[path].detach()), f"{label}: {path}"
+
+
+def test_a_gpt2_parent_s_init_of_its_child_s_weight_wins_as_in_transformers(one_rank):
+    """GPT-2's _init_weights re-draws each residual projection (c_proj) on its parent module
+    (GPT2Attention, GPT2MLP, with no parameters of their own), after c_proj's own draw: so does
+    materialize, and every parameter equals what transformers draws, under FSDP and under tensor
+    parallel (GPT-2's packed c_attn split piece by piece)."""
+    expected = buffer_cases.initialised_by_transformers(buffer_cases.deep_gpt2())
+    for name in ("fsdp", "tp"):
+        params = buffer_cases.materialized_model(buffer_cases.deep_gpt2(), name)
+        assert params.keys() == dict(expected.named_parameters()).keys()
+        assert sum(path.endswith("c_proj.weight") for path in params) == 8
+        assert_as_transformers_draws(name, params, expected)
+
+
+def test_a_parent_s_hf_init_setting_its_child_s_parameter_is_seen_on_meta():
+    """The dry run on meta stand-ins names a descendant's parameter a parent's initialiser sets
+    (by its path under the parent), changes nothing, and draws no random numbers."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.norm = nn.LayerNorm(4)
+
+    def scale_proj(module: nn.Module) -> None:
+        if isinstance(module, Block):
+            nn.init.normal_(module.proj.weight, std=0.5)
+
+    with torch.device("meta"):
+        block = Block()
+    before = dict(block.named_parameters())
+    state = torch.get_rng_state()
+    assert sets(scale_proj, block) == (frozenset(), "")
+    assert sets(scale_proj, block, below=True) == (frozenset({"proj.weight"}), "")
+    assert dict(block.named_parameters()) == before
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_a_parameter_the_hf_init_does_not_know_is_refused_by_name(one_rank):
@@ -179,6 +230,20 @@ def test_buffer_functions_name_what_they_cannot_restore():
 @pytest.fixture(scope="module")
 def world(worlds):
     return worlds(2)
+
+
+def test_gpt2_materializes_as_transformers_draws_it_under_fsdp_tp_and_a_pipeline(world):
+    """On 2 ranks, each rank of 2 pipeline stages too: it draws the other stage's random numbers,
+    its parent modules' re-draws of c_proj included, so each stage holds what transformers draws."""
+    strategies = ("fsdp", "tp", "pp")
+    results = world.run(buffer_cases.run_deep_gpt2, strategies)
+    expected = buffer_cases.initialised_by_transformers(buffer_cases.deep_gpt2())
+    for index, name in enumerate(strategies):
+        merged = {}
+        for rank, per_rank in enumerate(results):
+            assert_as_transformers_draws(f"{name}, rank {rank}", per_rank[index], expected)
+            merged.update(per_rank[index])
+        assert merged.keys() == dict(expected.named_parameters()).keys(), name
 
 
 @pytest.mark.slow
