@@ -276,7 +276,10 @@ def _whole_values(
                 continue
             relative = _join(path, name)
             if relative in so_far:
-                owner._parameters[name] = nn.Parameter(so_far[relative])
+                # the same object, as in transformers: its init.* pass over a tensor an earlier
+                # initialiser marked _is_hf_initialized
+                value = so_far[relative]
+                owner._parameters[name] = value if isinstance(value, nn.Parameter) else nn.Parameter(value)
             else:  # a DTensor's shape is the global shape
                 where = device if step.own and not path else "meta"
                 owner._parameters[name] = nn.Parameter(
