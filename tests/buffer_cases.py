@@ -37,6 +37,46 @@ def build_on_meta(name: str) -> torch.nn.Module:
         return build(name)
 
 
+def deep_gpt2() -> torch.nn.Module:
+    """A GPT-2 on the meta device deep enough that its residual projections' std, 0.02 / sqrt(2 * 4),
+    which its ``_init_weights`` sets from their parent modules, is far from the 0.02 of its other weights.
+
+    Untied: a pipeline keeps a tied embedding and head in one stage.
+    """
+    import transformers
+
+    sizes = {"n_layer": 4, "n_embd": 64, "n_head": 4, "vocab_size": 128, "n_positions": 64}
+    ids = {"bos_token_id": 1, "eos_token_id": 2}  # GPT-2's own lie outside a vocabulary of 128
+    config = transformers.GPT2Config(**sizes, **ids, tie_word_embeddings=False)
+    with torch.device("meta"):
+        return transformers.GPT2LMHeadModel(config)
+
+
+def initialised_by_transformers(model: torch.nn.Module) -> torch.nn.Module:
+    """``model``, built on the meta device, on the CPU with the values transformers draws with the seed.
+
+    As ``post_init`` on the CPU, less the draws of construction: ``initialize_weights`` (each
+    module's ``_init_weights``, children first), then the ties.
+    """
+    model.to_empty(device="cpu")  # a tied parameter becomes one per name, as before the ties
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)
+    torch.manual_seed(SEED)
+    model.initialize_weights()
+    model.tie_weights()
+    return model
+
+
+def materialized_model(model: torch.nn.Module, strategy_name: str) -> dict[str, torch.Tensor]:
+    """``model`` (on meta) sharded by a strategy of `strategy`, applied, materialized with the seed:
+    this rank's whole parameters."""
+    mesh, policy = strategy("", strategy_name, dist.get_world_size())
+    plan = fs.shard(model, mesh, policy)
+    fs.apply(plan, model)
+    fs.materialize(plan, model, seed=SEED)
+    return {k: full(v) for k, v in model.named_parameters()}
+
+
 def strategy(model_name: str, name: str, world: int) -> tuple[fs.Mesh, fs.Policy]:
     """Plain FSDP over every rank; tensor parallel (the model's own rules); two pipeline stages."""
     if name == "fsdp":
@@ -66,3 +106,8 @@ def materialized(model_name: str, strategy_name: str) -> dict[str, dict[str, tor
 def run_cases(cases: tuple[tuple[str, str], ...]) -> list[dict[str, dict[str, torch.Tensor]]]:
     """(model, strategy) cases in turn, in one world run (starting ranks dominates)."""
     return [materialized(model_name, strategy_name) for model_name, strategy_name in cases]
+
+
+def run_deep_gpt2(strategies: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
+    """`deep_gpt2` materialized under each strategy in turn: this rank's whole parameters."""
+    return [materialized_model(deep_gpt2(), name) for name in strategies]

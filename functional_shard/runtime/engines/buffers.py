@@ -15,7 +15,7 @@ arguments and the class ``fs.apply`` swapped, and runs its side effects; transfo
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ __all__ = [
     "Initialiser",
     "buffer_problems",
     "class_name",
+    "hf_initialiser",
     "hf_models",
     "initialisers",
     "meta_buffers",
@@ -143,9 +144,8 @@ def initialisers(
     found: list[tuple[str, Initialiser]] = []
     if init is not None:
         found.append(("init", init))
-    hf_init: Initialiser | None = getattr(hf_model, "_init_weights", None)
-    if hf_init is not None:
-        found.append((getattr(hf_init, "__qualname__", "_init_weights"), hf_init))
+    if (hf_init := hf_initialiser(hf_model)) is not None:
+        found.append(hf_init)
     reset: Initialiser | None = getattr(type(sub), "reset_parameters", None)
     if reset is not None:
         found.append(("reset_parameters", reset))
@@ -155,18 +155,35 @@ def initialisers(
     return found
 
 
-def sets(run: Initialiser, sub: nn.Module) -> tuple[frozenset[str], str]:
-    """The names of ``sub``'s own tensors ``run(sub)`` sets on meta stand-ins, and its error ("" if none)."""
-    params, buffers = dict(sub._parameters), dict(sub._buffers)
-    stand_ins: dict[str, torch.Tensor] = {}
-    for name, param in params.items():
-        if param is not None:
-            stand_in = nn.Parameter(_on_meta(param), requires_grad=param.requires_grad)
-            stand_ins[name] = sub._parameters[name] = stand_in
-    for name, buffer in buffers.items():
-        if buffer is not None:
-            stand_ins[name] = sub._buffers[name] = _on_meta(buffer)
-    versions = {name: tensor._version for name, tensor in stand_ins.items()}
+def hf_initialiser(hf_model: nn.Module | None) -> tuple[str, Initialiser] | None:
+    """``hf_model._init_weights``, named by its qualified name, or None."""
+    run: Initialiser | None = getattr(hf_model, "_init_weights", None)
+    return None if run is None else (getattr(run, "__qualname__", "_init_weights"), run)
+
+
+def sets(run: Initialiser, sub: nn.Module, *, below: bool = False) -> tuple[frozenset[str], str]:
+    """What ``run(sub)`` sets on meta stand-ins, by path under ``sub``, and its error ("" if none).
+
+    ``sub``'s own parameters and buffers; with ``below``, its descendants' parameters too (their
+    buffers stand by on meta, unreported): a Hugging Face ``_init_weights`` may set a child's
+    parameter from its parent, as GPT-2's scales its residual projections.
+    """
+    owners = dict(sub.named_modules()) if below else {"": sub}
+    saved = {path: (dict(owner._parameters), dict(owner._buffers)) for path, owner in owners.items()}
+    # path under sub -> (its table, its name there, the stand-in), for each tensor reported
+    stand_ins: dict[str, tuple[Mapping[str, torch.Tensor | None], str, torch.Tensor]] = {}
+    for path, owner in owners.items():
+        for name, param in saved[path][0].items():
+            if param is not None:
+                stand_in = nn.Parameter(_on_meta(param), requires_grad=param.requires_grad)
+                owner._parameters[name] = stand_in
+                stand_ins[_join(path, name)] = (owner._parameters, name, stand_in)
+        for name, buffer in saved[path][1].items():
+            if buffer is not None:
+                owner._buffers[name] = buffer_stand_in = _on_meta(buffer)
+                if not path:
+                    stand_ins[name] = (owner._buffers, name, buffer_stand_in)
+    versions = {label: tensor._version for label, (_, _, tensor) in stand_ins.items()}
     error = ""
     try:
         # a dry run: whatever an initialiser raises on meta tensors (an .item(), say), it sets
@@ -176,15 +193,16 @@ def sets(run: Initialiser, sub: nn.Module) -> tuple[frozenset[str], str]:
                 run(sub)
         except Exception as raised:
             error = f"{type(raised).__name__}: {raised}"
-        after = {**sub._parameters, **sub._buffers}
+        after = {label: table.get(name) for label, (table, name, _) in stand_ins.items()}
     finally:
-        sub._parameters.update(params)
-        sub._buffers.update(buffers)
+        for path, owner in owners.items():
+            owner._parameters.update(saved[path][0])
+            owner._buffers.update(saved[path][1])
     written = set()
-    for name, tensor in stand_ins.items():
-        replaced = after.get(name)
-        if tensor._version != versions[name] or (replaced is not None and replaced is not tensor):
-            written.add(name)
+    for label, (_, _, tensor) in stand_ins.items():
+        replaced = after[label]
+        if tensor._version != versions[label] or (replaced is not None and replaced is not tensor):
+            written.add(label)
     return frozenset(written), error
 
 

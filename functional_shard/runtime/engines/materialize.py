@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -16,6 +18,7 @@ from .buffers import (
     Initialiser,
     buffer_problems,
     class_name,
+    hf_initialiser,
     hf_models,
     initialisers,
     meta_buffers,
@@ -40,7 +43,9 @@ def materialize(
     Each rank allocates only its local shards: each module's initialiser (``init``, else the
     Hugging Face model's ``_init_weights``, else ``reset_parameters``) runs in module order on
     full-size temporaries, and this rank's slice is copied in. So for a seed the result is the
-    same under every plan, and equals initialising the whole model in one process. Meta buffers
+    same under every plan, and equals initialising the whole model in one process. A Hugging
+    Face model's ``_init_weights`` runs children first, as transformers' ``initialize_weights``,
+    and on a parent that sets a child's parameter too (GPT-2's residual projections). Meta buffers
     get the values construction gives them (`restore_buffers`); real buffers keep theirs, and so do
     parameters that are all real already (loaded or trained): then only meta buffers are filled.
 
@@ -65,7 +70,8 @@ def materialize(
     plan = applied.local_plan  # under pp: this rank's stages only
     if _parameters_real(module):  # loaded or trained already: only meta buffers get values
         return _fill_meta_buffers(module, device, init)
-    chosen, problems = _initialisers_by_path(module, init)
+    with _other_stages_in_place(module):
+        steps, last_writer, problems = _steps(module, init)
     config = applied.plan.config
     problems += [
         f"{path}: its experts are split on the meta device (fs.ep or tensor parallel inside them), which "
@@ -87,20 +93,23 @@ def materialize(
         torch.manual_seed(seed)
     rank = dist.get_rank()
     owner_of = {name: canonical for canonical, names in plan.aliases.items() for name in names}
-    with torch.no_grad():
-        for path, sub in module.named_modules():
-            replaced = getattr(sub, "replaced", None) if isinstance(sub, PassThrough) else None
-            if replaced is not None:  # another stage's: draw its random numbers, keep nothing
-                _draw_as(replaced, path, device, chosen)
-                continue
-            if path not in chosen:  # no parameters of its own
-                continue
-            real = dict(sub._parameters)
-            for name, full_value in _whole_values(sub, chosen[path], device).items():
-                qualified = f"{path}.{name}" if path else name
+    # values a later step (an ancestor's initialiser) sets again, kept whole until it has
+    pending: dict[str, torch.Tensor] = {}
+    with torch.no_grad(), _other_stages_in_place(module) as elsewhere:
+        for step in steps:
+            so_far = {below: pending.pop(_join(step.path, below)) for below in step.below}
+            for relative, full_value in _whole_values(step, device, so_far).items():
+                qualified = _join(step.path, relative)
+                if last_writer.get(qualified, step.path) != step.path:
+                    pending[qualified] = full_value
+                    continue
+                if any(qualified.startswith(f"{other}.") for other in elsewhere):
+                    continue  # another stage's: its random numbers drawn, its values dropped
                 if owner_of.get(qualified, qualified) != qualified:
                     continue  # a tied alias: its owner's values win, as in construction
-                target = real[name]
+                owner_path, _, name = qualified.rpartition(".")
+                sub = module.get_submodule(owner_path)
+                target = sub._parameters[name]
                 if target is None:  # a parameter slot set to None: nothing to fill
                     continue
                 local = target.to_local() if isinstance(target, DTensor) else target
@@ -119,77 +128,177 @@ def materialize(
     return module
 
 
-def _initialisers_by_path(
-    module: nn.Module, init: Initialiser | None
-) -> tuple[dict[str, Initialiser], list[str]]:
-    """The initialiser of each module with parameters, by path, and the modules that have none.
+@dataclass(frozen=True)
+class _Step:
+    """One initialiser's call in materialize's order, and which parameters take its values."""
 
-    Another pipeline stage's modules too: materialize draws their random numbers.
+    path: str
+    module: nn.Module
+    run: Initialiser
+    own: bool  # the module's own parameters (else they stand by on meta)
+    below: tuple[str, ...] = ()  # descendants' parameters it sets too, by path under the module
+
+
+def _steps(module: nn.Module, init: Initialiser | None) -> tuple[list[_Step], dict[str, str], list[str]]:
+    """The initialisers' calls in order, who sets each parameter an ancestor sets last, and the refusals.
+
+    Each module with parameters runs its initialiser (``init``, else the Hugging Face model's
+    ``_init_weights``, else ``reset_parameters``). Under a Hugging Face model without ``init``,
+    ``_init_weights`` runs as transformers' ``initialize_weights`` does, children first, and on a
+    parent too where a dry run on meta stand-ins sees it set a descendant's parameter (GPT-2's
+    residual projections): a parameter takes its own module's values, then each such ancestor's.
+    Call it with the other stages' modules in place (`_other_stages_in_place`): every rank draws theirs.
     """
     hf = hf_models(module)
-    found: list[tuple[str, nn.Module, nn.Module | None]] = []
-    for path, sub in module.named_modules():
-        replaced = getattr(sub, "replaced", None) if isinstance(sub, PassThrough) else None
-        if replaced is None:
-            found.append((path, sub, hf[path]))
+    modules = dict(module.named_modules())
+    hf_runs = {path: found for path in modules if init is None and (found := hf_initialiser(hf[path]))}
+    hf_sets: dict[str, tuple[frozenset[str], str]] = {}
+    below: dict[str, tuple[str, ...]] = {}
+    last_writer: dict[str, str] = {}
+    for path, (_, run) in hf_runs.items():  # module order: an ancestor before its descendants
+        sub = modules[path]
+        if not any(True for child in sub.children() for _ in child.parameters()):
             continue
-        inner = hf_models(replaced, outer=hf[path])
-        found.extend((f"{path}.{p}" if p else path, s, inner[p]) for p, s in replaced.named_modules())
+        hf_sets[path] = written, error = sets(run, sub, below=True)
+        # a dry run that raised: the real call would raise too, after the model has changed
+        below[path] = () if error else tuple(sorted(w for w in written if "." in w))
+        for relative in below[path]:
+            last_writer.setdefault(_join(path, relative), path)  # the outermost writes last
     chosen: dict[str, Initialiser] = {}
     problems: list[str] = []
-    for path, sub, hf_model in found:
+    for path, sub in modules.items():
         direct = {name for name, param in sub._parameters.items() if param is not None}
         if not direct:
             continue
-        if init is not None:
-            chosen[path] = init
-            continue
+        from_above = {name for name in direct if _join(path, name) in last_writer}
         unset = []
-        for label, run in initialisers(sub, hf_model, None):
-            # reset_parameters is torch's contract; a Hugging Face _init_weights passes over
-            # modules it does not know, so it must be seen to set every parameter
-            written, error = (direct, "") if label == "reset_parameters" else sets(run, sub)
-            if direct <= written:
+        for label, run in initialisers(sub, hf[path], init):
+            if label == "reset_parameters":  # torch's contract: it sets every parameter of its own
+                written, error = frozenset(direct), ""
+            elif path in hf_sets and label == hf_runs[path][0]:
+                written, error = hf_sets[path]
+            else:  # a Hugging Face _init_weights passes over modules it does not know
+                written, error = sets(run, sub)
+            if direct <= written | from_above:
                 chosen[path] = run
                 break
-            missing = ", ".join(sorted(direct - written))
+            missing = ", ".join(sorted(direct - written - from_above))
             unset.append(f"{label} raised {error}" if error else f"{label} leaves {missing} unset")
         else:
+            if direct <= from_above:  # its ancestors set them all: nothing to draw before them
+                chosen[path] = _sets_nothing
+                continue
             also = "".join(f", and {u}" for u in unset)
             problems.append(
                 f"{path or '<root>'} ({class_name(sub)}): cannot initialise its parameters "
                 f"({', '.join(sorted(direct))}): it has no reset_parameters{also}. "
                 "Pass init=... (a function that sets a module's own parameters in place)"
             )
-    return chosen, problems
+    steps: list[_Step] = []
+    visited: set[int] = set()
+
+    def visit(path: str, sub: nn.Module) -> None:
+        visited.add(id(sub))
+        children_first = path in hf_runs  # as transformers' initialize_weights (nn.Module.apply)
+        if not children_first:
+            steps.extend(_steps_of(path, sub, chosen.get(path), hf_runs.get(path), below.get(path, ())))
+        for name, child in sub._modules.items():
+            if child is not None and id(child) not in visited:  # as named_modules: a shared module once
+                visit(_join(path, name), child)
+        if children_first:
+            steps.extend(_steps_of(path, sub, chosen.get(path), hf_runs.get(path), below.get(path, ())))
+
+    visit("", module)
+    return steps, last_writer, problems
 
 
-def _draw_as(
-    replaced: nn.Module, path: str, device: str | torch.device, chosen: dict[str, Initialiser]
-) -> None:
-    # as the loop above, on temporaries only: the random numbers drawn, the values dropped
-    for sub_path, sub in replaced.named_modules():
-        qualified = f"{path}.{sub_path}" if sub_path else path
-        if qualified in chosen:
-            _whole_values(sub, chosen[qualified], device)
+def _steps_of(
+    path: str,
+    sub: nn.Module,
+    own: Initialiser | None,
+    hf_run: tuple[str, Initialiser] | None,
+    below: tuple[str, ...],
+) -> list[_Step]:
+    """A module's calls: its own initialiser, then ``_init_weights`` for its descendants' parameters.
+
+    One call where the two are the same initialiser.
+    """
+    steps = [] if own is None else [_Step(path, sub, own, own=True)]
+    if below and hf_run is not None:
+        if steps and own == hf_run[1]:  # equal bound methods: the one call sets both
+            steps[0] = _Step(path, sub, own, own=True, below=below)
+        else:
+            steps.append(_Step(path, sub, hf_run[1], own=False, below=below))
+    return steps
 
 
-def _whole_values(sub: nn.Module, run: Initialiser, device: str | torch.device) -> dict[str, torch.Tensor]:
-    """``run(sub)`` on full-size temporaries of its own parameters: their values."""
-    params, buffers = dict(sub._parameters), dict(sub._buffers)
-    direct = dict(sub.named_parameters(recurse=False))
-    for name, param in direct.items():
-        shape = param.shape  # a DTensor's shape is the global shape
-        sub._parameters[name] = nn.Parameter(torch.empty(shape, dtype=param.dtype, device=device))
-    for name, buffer in buffers.items():
-        if buffer is not None:  # an initialiser may reset buffers too: theirs are set already
-            sub._buffers[name] = buffer.clone()
+def _sets_nothing(module: nn.Module) -> None:
+    """The own initialiser of a module whose parameters its ancestors' initialisers set."""
+
+
+@contextmanager
+def _other_stages_in_place(module: nn.Module) -> Iterator[tuple[str, ...]]:
+    """The modules other pipeline stages run (on meta), back where their `PassThrough` stands; their paths.
+
+    So every rank runs the same initialisers in the same order, and a parent's initialiser
+    that reaches into a child of another stage finds it.
+    """
+    swapped: list[tuple[str, nn.Module, nn.Module]] = []
+    for path, sub in list(module.named_modules()):
+        replaced = getattr(sub, "replaced", None) if isinstance(sub, PassThrough) else None
+        if replaced is not None and path:
+            swapped.append((path, module.get_submodule(path.rpartition(".")[0]), sub))
+            swapped[-1][1]._modules[path.rpartition(".")[2]] = replaced
     try:
-        run(sub)
-        return {name: sub.get_parameter(name) for name in direct}
+        yield tuple(path for path, _, _ in swapped)
     finally:
-        sub._parameters.update(params)
-        sub._buffers.update(buffers)
+        for path, parent, stand_in in reversed(swapped):
+            parent._modules[path.rpartition(".")[2]] = stand_in
+
+
+def _whole_values(
+    step: _Step, device: str | torch.device, so_far: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``step.run(step.module)`` on full-size temporaries: the values of the parameters it gives values to.
+
+    Its own parameters start empty; the descendants' in ``step.below`` from ``so_far`` (their
+    values until now); every other parameter under the module, and the descendants' buffers,
+    stand by on meta (a draw there draws nothing). Its own buffers are copies: an initialiser may
+    reset them too, and theirs are set already.
+    """
+    sub = step.module
+    own = tuple(dict(sub.named_parameters(recurse=False))) if step.own else ()  # a tie inside it once
+    owners = dict(sub.named_modules()) if step.below else {"": sub}
+    saved = {path: (dict(owner._parameters), dict(owner._buffers)) for path, owner in owners.items()}
+    for path, owner in owners.items():
+        for name, param in saved[path][0].items():
+            if param is None:
+                continue
+            relative = _join(path, name)
+            if relative in so_far:
+                # the same object, as in transformers: its init.* pass over a tensor an earlier
+                # initialiser marked _is_hf_initialized
+                value = so_far[relative]
+                owner._parameters[name] = value if isinstance(value, nn.Parameter) else nn.Parameter(value)
+            else:  # a DTensor's shape is the global shape
+                where = device if step.own and not path else "meta"
+                owner._parameters[name] = nn.Parameter(
+                    torch.empty(param.shape, dtype=param.dtype, device=where)
+                )
+        for name, buffer in saved[path][1].items():
+            if buffer is not None:
+                owner._buffers[name] = (
+                    buffer.clone()
+                    if not path
+                    else torch.empty(buffer.shape, dtype=buffer.dtype, device="meta")
+                )
+    try:
+        step.run(sub)
+        return {relative: sub.get_parameter(relative) for relative in (*own, *step.below)}
+    finally:
+        for path, owner in owners.items():
+            owner._parameters.update(saved[path][0])
+            owner._buffers.update(saved[path][1])
 
 
 def _parameters_real(module: nn.Module) -> bool:
@@ -264,3 +373,7 @@ def parameter_names(module: nn.Module) -> dict[str, list[str]]:
     for name, param in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
     return {group[0]: group for group in names.values()}
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
