@@ -88,9 +88,9 @@ def _add_plan(commands: argparse._SubParsersAction[_Parser]) -> None:
     plan_flags.add_argument("--hardware", help="h100, h200, a100, b200 or local (default with --seq: h100)")
     plan_flags.add_argument(
         "--kernels",
-        help="with --seq: count compile, float8, async_tp and/or float8_all_gather, comma-separated "
-        "(e.g. compile,float8,async_tp,float8_all_gather as torchtitan runs; default: eager); with "
-        "--auto, in every candidate that has what each needs",
+        help="with --seq: count compile, float8, async_tp, float8_all_gather and/or compiled_loss, "
+        "comma-separated (e.g. compile,float8,async_tp,float8_all_gather as torchtitan runs; default: "
+        "eager); with --auto, in every candidate that has what each needs",
     )
     plan_flags.add_argument(
         "--documents",
