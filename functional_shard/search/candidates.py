@@ -19,6 +19,7 @@ from functional_shard.core.tree import ModelTree, read_model
 from functional_shard.costing.time.hardware import Hardware
 from functional_shard.planning.policy import builders as policies
 from functional_shard.planning.policy.types import ExpertParallel, Policy
+from functional_shard.planning.tp.styles import titan_expert_names
 
 __all__ = ["PIPELINE_SCHEDULES", "expert_count", "head_counts", "repeated_block"]
 
@@ -140,6 +141,8 @@ class ModelFacts:
     expert_patterns: tuple[str, ...] | None
     """The expert tensors' patterns, for ep (None for a dense model)."""
     experts_split_by_tp: bool
+    expert_parallel: bool = True
+    """Whether fs.ep runs its experts (torchtitan's grouped experts: tensor parallel only)."""
     units: tuple[tuple[str, ...], ...]
     """The units of work a pipeline deals out to its stages; () without repeated blocks."""
 
@@ -161,6 +164,7 @@ def model_facts(model: Any) -> ModelFacts:
         from functional_shard.planning.tp.hf_plans import expert_patterns
 
         patterns = expert_patterns(model)
+    grouped = any(titan_expert_names(module) is not None for module in model.modules())
     return ModelFacts(
         model=model,
         tree=tree,
@@ -171,6 +175,7 @@ def model_facts(model: Any) -> ModelFacts:
         experts=experts,
         expert_patterns=patterns,
         experts_split_by_tp=splits_experts(rules, tree),
+        expert_parallel=not grouped,
         units=pipeline_units(tree),
     )
 
@@ -191,7 +196,7 @@ class Space:
     tensor_parallel: bool = True
     """False when no rule set fits the model: data parallelism only."""
     experts: int = 0
-    """Experts per layer: expert-parallel sizes divide it (0: a dense model)."""
+    """Experts per layer, which expert-parallel sizes divide (0: no ep, a dense model or ep-less experts)."""
     experts_split_by_tp: bool = False
     """Whether tp reaches inside the experts: then without sequence parallelism."""
     seq: int = 0
@@ -207,7 +212,7 @@ class Space:
             hardware=hardware,
             heads=facts.heads,
             tensor_parallel=facts.rules is not None,
-            experts=facts.experts,
+            experts=facts.experts if facts.expert_parallel else 0,
             experts_split_by_tp=facts.experts_split_by_tp,
         )
 
