@@ -81,8 +81,10 @@ def test_a_group_drives_as_many_nics_as_it_has_ranks_in_a_node(sizes, data):
     in_node = sum(1 for rank in group if rank // hw.devices_per_node == 0)
     assert hw.ranks_per_node(mesh, axes) == in_node
     nic, nvlink = 50e9 * 0.8, 450e9 * 0.8
-    expected = nvlink if hw.link_of(mesh, axes) == "intra" else min(nvlink, in_node * nic)
-    assert hw.bandwidth(mesh, axes) == expected
+    across = hw.link_of(mesh, axes) == "inter"
+    assert hw.bandwidth(mesh, axes) == (min(nvlink, in_node * nic) if across else nvlink)
+    # an all-to-all's or a pipeline's sends: each rank's bytes through its own NIC
+    assert hw.bandwidth(mesh, axes, point_to_point=True) == (nic if across else nvlink)
 
 
 def test_intra_node_axes_can_be_named():

@@ -275,7 +275,7 @@ def _stage_seconds(assembly: Assembly, saved: Sequence[Mapping[str, float]]) -> 
 def _timeline(assembly: Assembly, layout: _Layout, seconds: _StageSeconds, sends: Sequence[int]) -> Timeline:
     """The step on torch's action lists, run on a clock; each boundary's sends at the pp axis's link speed."""
     hw = assembly.hardware
-    link = hw.bandwidth(assembly.plan.mesh, (layout.axis,))
+    link = hw.bandwidth(assembly.plan.mesh, (layout.axis,), point_to_point=True)
     p2p = [nbytes / link + hw.collective_latency for nbytes in sends] or [0.0]
     return simulate(
         *layout.schedule_args,
@@ -289,7 +289,7 @@ def _timeline(assembly: Assembly, layout: _Layout, seconds: _StageSeconds, sends
 def _crossings(assembly: Assembly, layout: _Layout, sends: Sequence[int]) -> dict[str, float]:
     """The step's sends between ranks, ``"send/recv ..."`` -> seconds: each activation and its gradient."""
     plan, hw, axis, owner = assembly.plan, assembly.hardware, layout.axis, layout.owner
-    link, link_name = hw.bandwidth(plan.mesh, (axis,)), hw.link_of(plan.mesh, (axis,))
+    link, link_name = hw.bandwidth(plan.mesh, (axis,), point_to_point=True), hw.link_of(plan.mesh, (axis,))
     return {
         f"send/recv stage {s}->{s + 1} over {axis} ({link_name})": 2 * layout.microbatches * sends[s] / link
         for s in range(layout.stages - 1)

@@ -116,23 +116,22 @@ def ring_workspace_bytes(plan: Plan, tokens: int) -> int:
 def ring_exposed_seconds(
     plan: Plan,
     comm_bytes: Mapping[str, Mapping[str, float]],
-    bandwidth: float,
+    hw: Hardware,
     attention_seconds: float,
-    latency: float = 0.0,
 ) -> float:
     """Seconds of torch's ring collectives that its attention kernels do not hide, per step.
 
     Only the attention op's own chunks hide them: each all-gather under the first chunk, each of the
     first ``cp - 1`` permutes under the next, the last permute after them all. ``sent`` and
     ``attention_seconds`` (the rank's per step) are shared evenly over layers and passes; the loss's
-    all-reduce is exposed whole.
+    all-reduce is exposed whole. The permutes go rank to rank (`Hardware.bandwidth`'s point to point).
 
     Examples:
         >>> from functional_shard.zoo import llama
         >>> plan = fs.shard(llama("tiny"), fs.Mesh(cp=2), fs.replicate() + fs.cp("cp", engine="ring"))
-        >>> sent = plan.cost(tokens=1024).comm_bytes
-        >>> alone = ring_exposed_seconds(plan, sent, bandwidth=1e9, attention_seconds=0.0)
-        >>> hidden = ring_exposed_seconds(plan, sent, bandwidth=1e9, attention_seconds=1.0)
+        >>> sent, h100 = plan.cost(tokens=1024).comm_bytes, fs.hardware("h100")
+        >>> alone = ring_exposed_seconds(plan, sent, h100, attention_seconds=0.0)
+        >>> hidden = ring_exposed_seconds(plan, sent, h100, attention_seconds=1e-6)
         >>> hidden < alone  # all but the last permute of each backward hides
         True
     """
@@ -141,11 +140,13 @@ def ring_exposed_seconds(
     gathers, n = ring_passes(plan)
     if context is None or n <= 1 or not layers:
         return 0.0
-    axis = context.axis
+    axis, latency = context.axis, hw.collective_latency
+    bandwidth = hw.bandwidth(plan.mesh, (axis,))
     forward = attention_seconds / layers / (gathers + 1)  # fwd (+ recompute) + bwd (twice fwd)
     backward = 2 * forward
     gather = latency + comm_bytes.get("all_gather", {}).get(axis, 0.0) / (layers * gathers) / bandwidth
-    permute = latency + comm_bytes.get("all_to_all", {}).get(axis, 0.0) / (layers * n) / bandwidth
+    sent = comm_bytes.get("all_to_all", {}).get(axis, 0.0) / (layers * n)
+    permute = latency + sent / hw.bandwidth(plan.mesh, (axis,), point_to_point=True)
     per_layer = (
         (gathers - 1) * max(0.0, gather - forward / n)
         + max(0.0, gather - backward / n)

@@ -147,13 +147,14 @@ class Hardware:
         inside = self.intra_axes(mesh)
         return "intra" if all(a in inside for a in axes) else "inter"
 
-    def bandwidth(self, mesh: Mesh, axes: Iterable[str]) -> float:
+    def bandwidth(self, mesh: Mesh, axes: Iterable[str], *, point_to_point: bool = False) -> float:
         """Achievable bytes/s one device sends in a collective over ``axes``.
 
         Across nodes, NCCL runs one ring per NIC: a group with ``k`` ranks in each node (`ranks_per_node`)
         sends through ``k`` NICs at once, each rank's bytes at ``k`` times one NIC's rate, up to the
         node's own links (nccl-tests' bus bandwidth across nodes of 8 GPUs with a 400 Gb/s NIC each is
-        that of 8 NICs, docs/will-it-fit.md, "Links").
+        that of 8 NICs, docs/will-it-fit.md, "Links"). ``point_to_point`` (all-to-alls, a pipeline's
+        sends): each rank's bytes go to its own peers, through its own NIC.
 
         Examples:
             >>> h = fs.hardware("h100")
@@ -161,11 +162,13 @@ class Hardware:
             True
             >>> [h.bandwidth(mesh, ["dp"]) / 1e9 for mesh in (fs.Mesh(dp=16, tp=8), fs.Mesh(dp=32, tp=4))]
             [40.0, 80.0]
+            >>> h.bandwidth(fs.Mesh(dp=32, tp=4), ["dp"], point_to_point=True) / 1e9
+            40.0
         """
         intra = self.intra_node_bandwidth * self.intra_node_efficiency
         if self.link_of(mesh, axes) == "intra":
             return intra
-        nics = self.ranks_per_node(mesh, axes)
+        nics = 1 if point_to_point else self.ranks_per_node(mesh, axes)
         return min(intra, nics * self.inter_node_bandwidth * self.inter_node_efficiency)
 
     def ranks_per_node(self, mesh: Mesh, axes: Iterable[str]) -> int:

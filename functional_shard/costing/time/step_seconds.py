@@ -183,7 +183,7 @@ def _comm_seconds(
     for kind, by_axes in plan_cost.comm_bytes.items():
         for axes_text, nbytes in by_axes.items():
             axes = tuple(axes_text.split(","))
-            seconds = nbytes / hw.bandwidth(plan.mesh, axes)
+            seconds = nbytes / hw.bandwidth(plan.mesh, axes, point_to_point=kind == "all_to_all")
             per_collective[f"{kind} over {axes_text} ({hw.link_of(plan.mesh, axes)})"] = seconds
             groups[_collective_group(plan, kind, axes)] += seconds
     tp_link = hw.link_of(plan.mesh, tp_axes) if tp_axes else "intra"
@@ -252,13 +252,7 @@ def _context_exposed(
         return {}
     if cp is not None and cp.engine == "ring":
         # torch's ring hides its collectives under the attention op's own chunks only
-        rest = ring_exposed_seconds(
-            plan,
-            plan_cost.comm_bytes,
-            hw.bandwidth(plan.mesh, (cp.axis,)),
-            attention_seconds,
-            hw.collective_latency,
-        )
+        rest = ring_exposed_seconds(plan, plan_cost.comm_bytes, hw, attention_seconds)
         return {"context parallel ring not overlapped": rest} if rest else {}
     # our engine's gathers and scatters are issued as the layers run, beside their
     # compute: hidden under the step's compute, exposed beyond it
