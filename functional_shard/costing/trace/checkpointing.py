@@ -43,14 +43,14 @@ SAVED_OPS = frozenset(
 class RecomputeCounter(Protocol):
     """What `checkpointed` reads and moves on the flop counter (`counting.Flops` is one).
 
-    Said here, not imported: `counting` counts `SAVED_OPS`, so it sits above this module.
+    Said here, not imported: `counting` counts what `keeps` keeps, so it sits above this module.
     """
 
     backward: bool  # the backward is running (checkpoint's recompute runs inside it)
     checkpointed: int  # how deep inside checkpointed forwards the forward is
     policy: str  # the plan's checkpoint policy, which `keeps` reads
     matmuls: int  # the mm ops the running checkpointed call made so far (`keeps`)
-    inside: dict[str, int]  # forward flops inside them: "all", and "saved" (SAVED_OPS')
+    inside: dict[str, int]  # forward flops inside them: "all", and "saved" (what the policy `keeps`)
     rerun: int  # of those, the flops up to each call's last saved tensor (what recompute runs)
     memory_inside: int  # bytes memory-bound ops move inside them
     memory_rerun: int  # of those, the bytes up to each call's last saved tensor
@@ -61,7 +61,7 @@ class RecomputeCounter(Protocol):
         """Record in ``call`` (one of ``packed``) the storage of ``tensor``, which it saves."""
 
 
-_MM = getattr(_aten.mm, "default", None)
+_MM = _aten.mm.default
 
 
 def keeps(policy: str, func: Any, matmuls: int) -> bool:
@@ -84,9 +84,9 @@ def _policy_of(policy: str) -> Any:
     matmuls = {"forward": 0, "recompute": 0}  # one call's: its forward and its recompute count alike
 
     def decide(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        pass_ = "recompute" if ctx.is_recompute else "forward"
-        matmuls[pass_] += func is _MM
-        kept = keeps(policy, func, matmuls[pass_])
+        phase = "recompute" if ctx.is_recompute else "forward"
+        matmuls[phase] += func is _MM
+        kept = keeps(policy, func, matmuls[phase])
         return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
 
     return decide
