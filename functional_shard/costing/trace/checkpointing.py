@@ -16,7 +16,15 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-__all__ = ["SAVED_OPS", "RecomputeCounter", "checkpointed", "context_of", "keeps", "selective_context"]
+__all__ = [
+    "SAVED_OPS",
+    "CallKeeps",
+    "RecomputeCounter",
+    "checkpointed",
+    "context_of",
+    "keeps",
+    "selective_context",
+]
 
 _aten = torch.ops.aten
 # Selective checkpointing keeps matmul and attention outputs and recomputes the rest (torchtitan's
@@ -48,8 +56,7 @@ class RecomputeCounter(Protocol):
 
     backward: bool  # the backward is running (checkpoint's recompute runs inside it)
     checkpointed: int  # how deep inside checkpointed forwards the forward is
-    policy: str  # the plan's checkpoint policy, which `keeps` reads
-    matmuls: int  # the mm ops the running checkpointed call made so far (`keeps`)
+    call: CallKeeps  # what the running checkpointed call keeps
     inside: dict[str, int]  # forward flops inside them: "all", and "saved" (what the policy `keeps`)
     rerun: int  # of those, the flops up to each call's last saved tensor (what recompute runs)
     memory_inside: int  # bytes memory-bound ops move inside them
@@ -80,13 +87,33 @@ def keeps(policy: str, func: Any, matmuls: int) -> bool:
     return not (policy == "torchtitan" and func is _MM and matmuls % 2 == 0)
 
 
+class CallKeeps:
+    """`keeps` for one checkpointed call's ops, in their order: it counts the call's ``mm`` ops itself.
+
+    torch's checkpoint asks it in the call's forward and again in its recompute (one each); the trace
+    asks it in the forward.
+
+    Examples:
+        >>> call, mm = CallKeeps("torchtitan"), torch.ops.aten.mm.default
+        >>> [call.keeps(mm) for _ in range(3)]
+        [True, False, True]
+    """
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self.matmuls = 0
+
+    def keeps(self, func: Any) -> bool:
+        """Whether the policy keeps ``func``'s output, the call's next op."""
+        self.matmuls += func is _MM
+        return keeps(self.policy, func, self.matmuls)
+
+
 def _policy_of(policy: str) -> Any:
-    matmuls = {"forward": 0, "recompute": 0}  # one call's: its forward and its recompute count alike
+    calls = {"forward": CallKeeps(policy), "recompute": CallKeeps(policy)}
 
     def decide(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        phase = "recompute" if ctx.is_recompute else "forward"
-        matmuls[phase] += func is _MM
-        kept = keeps(policy, func, matmuls[phase])
+        kept = calls["recompute" if ctx.is_recompute else "forward"].keeps(func)
         return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
 
     return decide
@@ -129,7 +156,6 @@ def checkpointed(
     # wrap each module's forward in torch's checkpoint for the trace, and put it back after;
     # ``flops`` learns when a checkpointed forward runs (recompute calls the inner one)
     context = context_of(policy)
-    flops.policy = policy
     wrapped = []
     try:
         for path in paths:
@@ -139,7 +165,7 @@ def checkpointed(
             def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
                 extra: dict[str, Any] = {"context_fn": context} if context is not None else {}
                 flops.checkpointed += 1
-                outer_matmuls, flops.matmuls = flops.matmuls, 0  # each call counts its own, as torch's policy
+                outer, flops.call = flops.call, CallKeeps(policy)  # each call counts its own, as torch's
                 run = _inner if flops.backward else functools.partial(_saves_noted, _inner, flops)
                 try:
                     return checkpoint(
@@ -147,7 +173,7 @@ def checkpointed(
                     )
                 finally:
                     flops.checkpointed -= 1
-                    flops.matmuls = outer_matmuls
+                    flops.call = outer
 
             module.forward = forward  # type: ignore[method-assign]
             wrapped.append(module)

@@ -27,7 +27,7 @@ from functional_shard.costing.time.flops import (
     op_flops,
 )
 
-from .checkpointing import keeps
+from .checkpointing import CallKeeps
 
 __all__ = [
     "Births",
@@ -137,11 +137,9 @@ class Flops(TorchDispatchMode):
         self.weight_shapes: set[tuple[int, ...]] = set()
         self.weights: set[StorageWeakRef] = set()
         # forward flops inside checkpointed modules (``checkpointed`` deep), and those of
-        # them selective checkpointing keeps (SAVED_OPS): what recomputation will re-run
+        # them the policy keeps (``call``, the running call's): what recomputation will re-run
         self.checkpointed = 0
-        # the plan's checkpoint policy, and the mm count of the checkpointed call running (`keeps`)
-        self.policy = "full"
-        self.matmuls = 0
+        self.call = CallKeeps("full")
         self.inside = {"all": 0, "saved": 0}
         self.attention_inside = {"all": 0, "saved": 0}  # attention's part of ``inside``
         # of those, the flops up to the last op that saved a tensor for backward in each
@@ -199,10 +197,7 @@ class Flops(TorchDispatchMode):
             runs = _INDEX_PUT_IN_PLACE if func is _INDEX_PUT and self.phase() == "backward" else func
             self.add_memory(moved_bytes(runs, args, kwargs, out, self.weights))
         attention = bool(count) and is_attention(func)
-        kept = False
-        if self.checkpointed and not self.backward:
-            self.matmuls += func is _aten.mm.default
-            kept = keeps(self.policy, func, self.matmuls)
+        kept = self.checkpointed > 0 and not self.backward and self.call.keeps(func)
         kernel = 0.0
         if attention:
             per_document = (
