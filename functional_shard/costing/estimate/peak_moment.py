@@ -42,9 +42,11 @@ def step_held(memory: Mapping[str, int], optimizer: OptimizerKind) -> int:
         >>> step_held({"params": 4, "grads": 4, "optimizer": 8, "activations": 2}, "adamw")
         20
     """
-    return sum(memory.get(part, 0) for part in _STATES) + step_temporaries(
-        memory.get("optimizer", 0), optimizer
-    )
+    return _states(memory) + step_temporaries(memory.get("optimizer", 0), optimizer)
+
+
+def _states(memory: Mapping[str, int]) -> int:
+    return sum(memory.get(part, 0) for part in _STATES)
 
 
 def with_optimizer_step(parts: dict[str, int], peak_at: str, held: int) -> tuple[dict[str, int], str]:
@@ -82,8 +84,7 @@ def peak_moment(memory: dict[str, int], optimizer: OptimizerKind) -> tuple[dict[
         (1, 20, 'the optimizer step, every gradient made')
     """
     held = step_held(memory, optimizer)
-    states = held - step_temporaries(memory.get("optimizer", 0), optimizer)
-    if sum(memory.values()) - memory.get("grads", 0) < states + memory.get("gathered", 0):
+    if sum(memory.values()) - memory.get("grads", 0) < _states(memory) + memory.get("gathered", 0):
         return with_optimizer_step(memory, "the end of backward, every gradient made", held)
     return with_optimizer_step(
         memory | {"grads": 0}, "the start of backward, before any gradient is made", held
