@@ -29,6 +29,7 @@ __all__ = [
     "hf_initialiser",
     "hf_models",
     "initialisers",
+    "join_path",
     "meta_buffers",
     "restore_buffers",
     "sets",
@@ -177,7 +178,7 @@ def sets(run: Initialiser, sub: nn.Module, *, below: bool = False) -> tuple[froz
             if param is not None:
                 stand_in = nn.Parameter(_on_meta(param), requires_grad=param.requires_grad)
                 owner._parameters[name] = stand_in
-                stand_ins[_join(path, name)] = (owner._parameters, name, stand_in)
+                stand_ins[join_path(path, name)] = (owner._parameters, name, stand_in)
         for name, buffer in saved[path][1].items():
             if buffer is not None:
                 owner._buffers[name] = buffer_stand_in = _on_meta(buffer)
@@ -226,7 +227,9 @@ def _recipes(module: nn.Module, paths: Iterable[str], init: Initialiser | None) 
     for owner_path, names in wanted.items():
         owner = _submodule(module, owner_path)
         if owner is None or any(getattr(owner, "_buffers", {}).get(n) is None for n in names):
-            problems.extend(f"{_join(owner_path, n)}: the module holds no buffer at this path" for n in names)
+            problems.extend(
+                f"{join_path(owner_path, n)}: the module holds no buffer at this path" for n in names
+            )
             continue
         left, runs, tried = list(names), [], []
         for label, run in initialisers(owner, hf.get(owner_path), init):
@@ -237,7 +240,7 @@ def _recipes(module: nn.Module, paths: Iterable[str], init: Initialiser | None) 
                 left = [n for n in left if n not in written]
         if runs:
             steps[owner_path] = (owner, runs)
-        problems.extend(_problem(_join(owner_path, n), owner, tried) for n in left)
+        problems.extend(_problem(join_path(owner_path, n), owner, tried) for n in left)
     return steps, problems
 
 
@@ -279,7 +282,7 @@ def _run_for(
         value = after.get(name)
         if value is None or (value is fresh[name] and value._version == versions[name]):
             raise ShardingError(
-                f"{_join(owner_path, name)}: its initialiser set it on meta tensors but not here"
+                f"{join_path(owner_path, name)}: its initialiser set it on meta tensors but not here"
             )
         _put(owner, name, value, device)
 
@@ -314,5 +317,11 @@ def _submodule(module: nn.Module, path: str) -> nn.Module | None:
         return None
 
 
-def _join(owner_path: str, name: str) -> str:
+def join_path(owner_path: str, name: str) -> str:
+    """``name`` under the module at ``owner_path`` (``""``: the root).
+
+    Examples:
+        >>> join_path("layers.0", "weight"), join_path("", "weight")
+        ('layers.0.weight', 'weight')
+    """
     return f"{owner_path}.{name}" if owner_path else name

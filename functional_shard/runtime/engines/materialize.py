@@ -21,6 +21,7 @@ from .buffers import (
     hf_initialiser,
     hf_models,
     initialisers,
+    join_path,
     meta_buffers,
     restore_buffers,
     sets,
@@ -97,9 +98,9 @@ def materialize(
     pending: dict[str, torch.Tensor] = {}
     with torch.no_grad(), _other_stages_in_place(module) as elsewhere:
         for step in steps:
-            so_far = {below: pending.pop(_join(step.path, below)) for below in step.below}
+            so_far = {below: pending.pop(join_path(step.path, below)) for below in step.below}
             for relative, full_value in _whole_values(step, device, so_far).items():
-                qualified = _join(step.path, relative)
+                qualified = join_path(step.path, relative)
                 if last_writer.get(qualified, step.path) != step.path:
                     pending[qualified] = full_value
                     continue
@@ -163,14 +164,14 @@ def _steps(module: nn.Module, init: Initialiser | None) -> tuple[list[_Step], di
         # a dry run that raised: the real call would raise too, after the model has changed
         below[path] = () if error else tuple(sorted(w for w in written if "." in w))
         for relative in below[path]:
-            last_writer.setdefault(_join(path, relative), path)  # the outermost writes last
+            last_writer.setdefault(join_path(path, relative), path)  # the outermost writes last
     chosen: dict[str, Initialiser] = {}
     problems: list[str] = []
     for path, sub in modules.items():
         direct = {name for name, param in sub._parameters.items() if param is not None}
         if not direct:
             continue
-        from_above = {name for name in direct if _join(path, name) in last_writer}
+        from_above = {name for name in direct if join_path(path, name) in last_writer}
         unset = []
         for label, run in initialisers(sub, hf[path], init):
             if label == "reset_parameters":  # torch's contract: it sets every parameter of its own
@@ -204,7 +205,7 @@ def _steps(module: nn.Module, init: Initialiser | None) -> tuple[list[_Step], di
             steps.extend(_steps_of(path, sub, chosen.get(path), hf_runs.get(path), below.get(path, ())))
         for name, child in sub._modules.items():
             if child is not None and id(child) not in visited:  # as named_modules: a shared module once
-                visit(_join(path, name), child)
+                visit(join_path(path, name), child)
         if children_first:
             steps.extend(_steps_of(path, sub, chosen.get(path), hf_runs.get(path), below.get(path, ())))
 
@@ -274,7 +275,7 @@ def _whole_values(
         for name, param in saved[path][0].items():
             if param is None:
                 continue
-            relative = _join(path, name)
+            relative = join_path(path, name)
             if relative in so_far:
                 # the same object, as in transformers: its init.* pass over a tensor an earlier
                 # initialiser marked _is_hf_initialized
@@ -373,7 +374,3 @@ def parameter_names(module: nn.Module) -> dict[str, list[str]]:
     for name, param in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
     return {group[0]: group for group in names.values()}
-
-
-def _join(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
