@@ -7,7 +7,10 @@ fits (`report`). docs/will-it-fit.md, "Choosing a plan", lists the space.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, ParamSpec
 
 from functional_shard.core.errors import PlanError
 from functional_shard.core.units import format_bytes as _bytes
@@ -24,6 +27,8 @@ from .report import AutoReport, Candidate
 from .search import Search, SearchInputs
 
 __all__ = ["auto", "search_plans"]
+
+_P = ParamSpec("_P")
 
 
 @entry_point
@@ -116,20 +121,35 @@ def search_plans(
     )
 
 
-# the same keywords as `search_plans`, spelled out rather than forwarded: each is typed and
-# documented where users read it
+def _arguments_of(search: Callable[_P, AutoReport]) -> Callable[[Callable[..., Plan]], Callable[_P, Plan]]:
+    """A function taking ``search``'s arguments, declared once.
+
+    Type checkers, IDEs and `entry_point` read ``search``'s signature, so the defaults cannot drift
+    apart; a missing or unknown argument is refused in the function's own name, as Python would.
+    """
+
+    def adopt(function: Callable[..., Plan]) -> Callable[_P, Plan]:
+        signature = inspect.signature(search).replace(
+            return_annotation=inspect.signature(function).return_annotation
+        )
+
+        @functools.wraps(function)
+        def taking(*args: Any, **kwargs: Any) -> Plan:
+            try:
+                signature.bind(*args, **kwargs)
+            except TypeError as problem:
+                raise TypeError(f"{function.__name__}() {problem}") from None
+            return function(*args, **kwargs)
+
+        taking.__signature__ = signature  # type: ignore[attr-defined]
+        return taking
+
+    return adopt
+
+
 @entry_point
-def auto(
-    model: Any,
-    *,
-    devices: int,
-    memory_budget: int | str,
-    optimizer: OptimizerKind = "adamw",
-    batch: int,
-    seq: int,
-    hardware: str | Hardware = "h100",
-    kernels: Kernels | None = None,
-) -> Plan:
+@_arguments_of(search_plans)
+def auto(model: Any, **options: Any) -> Plan:
     """The plan with the least estimated step time whose reserved peak fits ``memory_budget``.
 
     Arguments as for `search_plans`.
@@ -147,16 +167,8 @@ def auto(
         >>> plan.mesh.size
         1
     """
-    report = search_plans(
-        model,
-        devices=devices,
-        memory_budget=memory_budget,
-        optimizer=optimizer,
-        batch=batch,
-        seq=seq,
-        hardware=hardware,
-        kernels=kernels,
-    )
+    report = search_plans(model, **options)
+    devices = options["devices"]
     if report.best is None:
         estimated = [c for c in report.candidates if c.peak_bytes is not None]
         if not estimated:  # the first candidate's reason: often every one's (cp and a sliding window)

@@ -226,6 +226,16 @@ def test_devices_that_cannot_form_a_mesh(devices, batch, message):
         fs.auto(_MODEL, devices=devices, memory_budget="80GiB", batch=batch, seq=16)
 
 
+def test_auto_takes_search_plans_arguments_and_refuses_in_its_own_name():
+    searched = inspect.signature(fs.search_plans)
+    assert inspect.signature(fs.auto).parameters == searched.parameters
+    assert inspect.signature(fs.auto).return_annotation == "Plan"
+    with pytest.raises(TypeError, match=re.escape("auto() missing a required argument: 'seq'")):
+        fs.auto(_MODEL, devices=4, memory_budget="80GiB", batch=8)
+    with pytest.raises(TypeError, match=re.escape("auto() got an unexpected keyword argument 'hardwar'")):
+        fs.auto(_MODEL, devices=4, memory_budget="80GiB", batch=8, seq=16, hardwar="h100")
+
+
 def test_bad_budget_is_a_sharding_error():
     with pytest.raises(fs.ShardingError, match=re.escape("memory size '80 parsecs'")):
         fs.auto(_MODEL, devices=4, memory_budget="80 parsecs", batch=8, seq=16)
