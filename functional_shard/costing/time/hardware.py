@@ -1,5 +1,7 @@
 """Accelerators as data: peak rates from vendor datasheets, achievable fractions from public runs.
 
+The named profiles are tables of profiles.toml, each figure beside its source.
+
 The efficiency factors turn datasheet peaks into what real training reaches, from published runs
 (docs/will-it-fit.md). Minor mesh axes fill a node first: an axis is inside a node when its size times
 the more-minor axes' is at most ``devices_per_node`` (or name them in ``intra_node_axes``).
@@ -10,9 +12,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - the backport, on Python 3.10
+    import tomli as tomllib
 
 import functional_shard as fs
 from functional_shard.core.errors import ShardingError
@@ -203,115 +212,25 @@ class Hardware:
         return dataclasses.replace(self, **changes)
 
 
-_GB = 10**9
-_TFLOPS = 10**12
+def _profiles() -> dict[str, Hardware]:
+    """The named profiles, read from profiles.toml (datasheet figures, each beside its source)."""
+    tables = tomllib.loads(resources.files(__package__).joinpath("profiles.toml").read_text(encoding="utf-8"))
+    profiles: dict[str, Hardware] = {}
+    for name, table in tables.items():
+        fields = dict(table)
+        like = fields.pop("like", None)
+        # never inherited: a profile built on another states its own kernel rates and source, or has none
+        rates = fields.pop("kernel_rates", None)
+        fields["kernel_rates"] = None if rates is None else KernelRates(**rates)
+        fields.setdefault("source", "")
+        base = profiles[like] if like is not None else None
+        profiles[name] = (
+            Hardware(name=name, **fields) if base is None else dataclasses.replace(base, name=name, **fields)
+        )
+    return profiles
 
-# Datasheet figures (dense, i.e. without 2:4 sparsity); bandwidths per GPU and direction:
-# NVLink totals are bidirectional, halved here; one 400 Gb/s NIC per GPU is 50 GB/s.
-# Efficiencies: compute from published BF16 runs, converted to our flop convention (full
-# attention matrix, recomputation counted); links from nccl-tests bus bandwidth reported
-# for the same systems (docs/will-it-fit.md gives each source's arithmetic).
-# h100 and a100 are written out in full, each number beside its source; the machines built from
-# an H100 (h200, b200) are derived from it and name only what differs.
-PROFILES: dict[str, Hardware] = {
-    "h100": Hardware(
-        name="h100",
-        host_bandwidth=64 * _GB,
-        flops={
-            "bfloat16": 989 * _TFLOPS,
-            "float16": 989 * _TFLOPS,
-            "float32": 67 * _TFLOPS,
-            "float8_e4m3fn": 1979 * _TFLOPS,
-        },
-        memory_bytes=80 * _GB,
-        memory_bandwidth=3.35e12,
-        devices_per_node=8,
-        intra_node_bandwidth=450 * _GB,
-        inter_node_bandwidth=50 * _GB,
-        compute_efficiency=0.40,
-        intra_node_efficiency=0.80,
-        inter_node_efficiency=0.80,
-        compile_speedup=1.21,
-        gemm_efficiency=0.78,
-        memory_efficiency=0.92,
-        source=(
-            "NVIDIA H100 Tensor Core GPU datasheet (SXM5); efficiency: Llama 3 paper (40-43% of 989 "
-            "TFLOP/s at 8k tokens, SXM 700 W) and torchtitan's Llama 3.1 8B FSDP run (36.7% of 989 with "
-            "its recomputation, on 96 GB HBM2e parts at 500 W), as docs/will-it-fit.md converts them; "
-            "compile speedup: torchtitan's eager and compiled 8B runs, attention set aside; Float8 "
-            "roofline fractions: torchao's roofline_utils (docs/will-it-fit.md, Kernels)"
-        ),
-    ),
-    "a100": Hardware(
-        name="a100",
-        host_bandwidth=32 * _GB,
-        flops={"bfloat16": 312 * _TFLOPS, "float16": 312 * _TFLOPS, "float32": 19.5 * _TFLOPS},
-        memory_bytes=80 * _GB,
-        memory_bandwidth=2.039e12,
-        devices_per_node=8,
-        intra_node_bandwidth=300 * _GB,
-        inter_node_bandwidth=25 * _GB,
-        compute_efficiency=0.52,
-        intra_node_efficiency=0.80,
-        inter_node_efficiency=0.80,
-        source=(
-            "NVIDIA A100 datasheet (SXM4 80GB); efficiency: Megatron-LM 2021 (52% of peak, counting "
-            "full recomputation and attention's full matrix, as we do)"
-        ),
-    ),
-}
-# A DGX B200 node is built as a DGX H100 (8 GPUs, a 400 Gb/s NIC each, PCIe 5 to the host) around
-# Blackwell GPUs: their rates, memory and NVLink 5 differ. No public BF16 MFU exists for it, so the
-# efficiencies and the compile speedup stay the H100's (derived before the H100 gets kernel rates:
-# the B200 has none).
-PROFILES["b200"] = dataclasses.replace(
-    PROFILES["h100"],
-    name="b200",
-    flops={"bfloat16": 2250 * _TFLOPS, "float16": 2250 * _TFLOPS, "float8_e4m3fn": 4500 * _TFLOPS},
-    memory_bytes=180 * _GB,
-    memory_bandwidth=7.7e12,
-    intra_node_bandwidth=900 * _GB,
-    source=(
-        "NVIDIA DGX B200 datasheet; efficiency and compile speedup assumed as h100 (no public "
-        "BF16 MFU found); Float8 roofline fractions as torchao assumes them (copied from H100)"
-    ),
-)
-# The H200 is an H100 die with more and faster HBM: only memory differs.
-PROFILES["h200"] = dataclasses.replace(
-    PROFILES["h100"],
-    name="h200",
-    memory_bytes=141 * _GB,
-    memory_bandwidth=4.8e12,
-    # measured: bench/cuda_step_kernels.py on one H200 (torch 2.11, cuDNN 9.19), bench/data/h200/rates.json
-    kernel_rates=KernelRates(
-        matmul=734 * _TFLOPS,
-        attention=437 * _TFLOPS,
-        bandwidth=3.16e12,
-        source="fs.measure_rates on one H200 SXM (bench/data/h200/rates.json)",
-    ),
-    source="NVIDIA H200 Tensor Core GPU datasheet (SXM); efficiency as h100 (same compute die)",
-)
-# H100 and A100 are not measured: their rates are the H200's measured fractions of the peak
-# (0.742 matmul, 0.442 attention; bandwidth 0.658) of their own datasheets (the H100 shares the
-# H200's die). bench/cuda_step_kernels.py measures them.
-PROFILES["h100"] = dataclasses.replace(
-    PROFILES["h100"],
-    kernel_rates=KernelRates(
-        matmul=734 * _TFLOPS,
-        attention=437 * _TFLOPS,
-        bandwidth=0.658 * 3.35e12,
-        source="the H200's measured rates (same compute die); bandwidth at the H200's measured fraction",
-    ),
-)
-PROFILES["a100"] = dataclasses.replace(
-    PROFILES["a100"],
-    kernel_rates=KernelRates(
-        matmul=0.742 * 312 * _TFLOPS,
-        attention=0.442 * 312 * _TFLOPS,
-        bandwidth=0.658 * 2.039e12,
-        source="the H200's measured fractions of peak and of bandwidth, applied to the A100's datasheet",
-    ),
-)
+
+PROFILES: dict[str, Hardware] = _profiles()
 
 
 @entry_point
