@@ -23,7 +23,8 @@ def test_named_profiles_carry_datasheet_numbers():
         assert 0 < hw.compute_efficiency < 1
         assert hw.source
         assert hw.intra_node_bandwidth > hw.inter_node_bandwidth > 0
-        assert isinstance(hw.memory_bytes, int) and isinstance(hw.devices_per_node, int)
+        assert isinstance(hw.memory_bytes, int)
+        assert isinstance(hw.devices_per_node, int)
         # kernel rates are the profile's own (measured or derived), each saying from where
         assert hw.kernel_rates is None or hw.kernel_rates.source
     assert h200.kernel_rates.bandwidth == 3.16e12 != h100.kernel_rates.bandwidth
