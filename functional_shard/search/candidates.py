@@ -256,7 +256,9 @@ def points(space: Space, *, offload: bool = False) -> Iterator[Point]:
             continue
         tp_axes = {"tp": tp_size} if tp_size > 1 else {}
         for sp in (False, True) if tp_size > 1 and not space.experts_split_by_tp else (False,):
-            families = ("ddp",) if dp == 1 else FAMILIES
+            # one data-parallel rank: the families shard nothing. On one device FSDP2, as the
+            # one-GPU rows were measured: its allocations are traced (`Search`), offload possible
+            families = FAMILIES if dp > 1 else ("fsdp",) if space.devices == 1 else ("ddp",)
             for family in families:
                 if offload and family not in ("zero2", "fsdp", "hsdp"):
                     continue

@@ -7,11 +7,13 @@ from typing import Any
 
 from torch import nn
 
-from functional_shard.core.errors import ShardingError, one_line
+from functional_shard.core.errors import PlanError, ShardingError, one_line
 from functional_shard.core.units import format_bytes as _bytes
 from functional_shard.costing.cost.cost_model import OptimizerKind, cost
+from functional_shard.costing.estimate.estimate import with_traced_reserved
 from functional_shard.costing.estimate.from_trace import Assembly, assemble
 from functional_shard.costing.estimate.record import Estimate
+from functional_shard.costing.estimate.reserved import order_known
 from functional_shard.costing.time.context_engines import for_hardware
 from functional_shard.costing.time.hardware import Hardware
 from functional_shard.costing.time.kernels import Kernels, check_kernel_hardware, kernel_fields
@@ -123,7 +125,29 @@ class Search:
         fitted = kernels.for_plan(plan) if kernels is not None else None
         return kernel_fields(self.inputs.facts.model, plan, fitted, self.inputs.hardware, compute_dtype(plan))
 
+    def _confirmed(self, point: Point, how: str, estimate: Estimate) -> Estimate:
+        """``estimate``, its reserved peak traced where it fits and the trace knows the plan's allocations.
+
+        The fast model leaves out the default stream's fragmentation and misses under on long
+        sequences (docs/will-it-fit.md): a fitting plan of the kind an H200 measured is checked
+        against the allocator's simulation of its step before it can be chosen.
+        """
+        inputs = self.inputs
+        if estimate.reserved_peak_bytes > inputs.budget or not isinstance(inputs.facts.model, nn.Module):
+            return estimate
+        plan = shard(inputs.facts.tree, point.mesh, self.policies.of(point, how))
+        if not order_known(plan, inputs.optimizer, inputs.kernels):
+            return estimate
+        micro = inputs.batch // point.dp
+        try:
+            return with_traced_reserved(
+                estimate, inputs.facts.model, plan, batch=micro, seq=inputs.seq, optimizer=inputs.optimizer
+            )
+        except PlanError:  # not a language model's step: the fast model's figure, which it names, stands
+            return estimate
+
     def _estimated(self, point: Point, how: str, estimate: Estimate) -> Candidate:
+        estimate = self._confirmed(point, how, estimate)
         # the budget holds the caching allocator's segments, not only the tensors in them
         over = estimate.reserved_peak_bytes - self.inputs.budget
         return _candidate(

@@ -34,7 +34,7 @@ from .reserved import SIMULATED, ReservedModel, check_reserved_model, traced_res
 if TYPE_CHECKING:
     from functional_shard.planning.plan.plan import Plan
 
-__all__ = ["Estimate", "compare_schedules", "estimate", "parse_bytes"]
+__all__ = ["Estimate", "compare_schedules", "estimate", "parse_bytes", "with_traced_reserved"]
 
 
 def _trace(model: Any, plan: Plan, **options: Any) -> Any:
@@ -187,9 +187,16 @@ def estimate(
         )
     )
     if reserved == "traced":
-        beyond = traced_reserved(model, plan, found.peak_bytes, batch=batch, seq=seq, optimizer=optimizer)
-        found = dataclasses.replace(found, reserved=beyond, reserved_model=SIMULATED)
+        found = with_traced_reserved(found, model, plan, batch=batch, seq=seq, optimizer=optimizer)
     return found if rows is None else dataclasses.replace(found, documents=rows)
+
+
+def with_traced_reserved(
+    found: Estimate, model: Any, plan: Plan, *, batch: int, seq: int, optimizer: OptimizerKind
+) -> Estimate:
+    """``found`` with its reserved peak from the step's traced allocations (`traced_reserved`)."""
+    beyond = traced_reserved(model, plan, found.peak_bytes, batch=batch, seq=seq, optimizer=optimizer)
+    return dataclasses.replace(found, reserved=beyond, reserved_model=SIMULATED)
 
 
 def _rows(documents: Any, plan: Plan, seq: int, rank: int | None) -> RowDocuments:

@@ -52,6 +52,7 @@ __all__ = [
     "SIMULATED",
     "ReservedModel",
     "check_reserved_model",
+    "order_known",
     "reserved_beyond",
     "simulated_peaks",
     "traced_reserved",
@@ -131,6 +132,13 @@ def simulated_peaks(
     """
     allocator = _simulated(model, plan, batch=batch, seq=seq, optimizer=optimizer)
     return allocator.peak_allocated, allocator.peak_reserved
+
+
+def order_known(plan: Plan, optimizer: OptimizerKind, kernels: Kernels | None = None) -> bool:
+    """Whether `traced_reserved` knows ``plan``'s allocation order (token-id inputs assumed)."""
+    from functional_shard.costing.trace.allocations import order_problems  # fake-tensor machinery
+
+    return (kernels is None or kernels == Kernels()) and not order_problems(plan, optimizer)
 
 
 def _simulated(model: Any, plan: Plan, *, batch: int, seq: int, optimizer: OptimizerKind) -> CachingAllocator:

@@ -25,8 +25,8 @@ Three steps, the first without optimizer state, are what the warm-up leaves in t
 `functional_shard.costing.estimate.caching_allocator` runs them. Held to an H200's rows in
 tests/unit/test_gpu_truth.py. Only plans of that kind are traced (FSDP whose shard group is
 one rank, resharding after forward, one module a unit; a 16-bit compute dtype with float32
-reduction; without tensor, context or pipeline parallelism, experts or offload; AdamW):
-others raise `PlanError`.
+reduction; without tensor, context or pipeline parallelism, experts or offload; AdamW), and
+only a language model's (logits to the loss): others raise `PlanError`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from .counting import Births, Flops, _device_query
 from .fake_parameters import FakeParameters
 from .model_inputs import first_tensor, is_hf, model_inputs
 
-__all__ = ["REDUCE_SCATTER", "Event", "step_allocations"]
+__all__ = ["REDUCE_SCATTER", "Event", "order_problems", "step_allocations"]
 
 REDUCE_SCATTER = 1  # the reduce-scatter stream's id in the events (the default stream is 0)
 
@@ -109,7 +109,8 @@ class _Lifetimes(TorchDispatchMode):
         return out
 
 
-def _check(plan: Any, optimizer: OptimizerKind) -> None:
+def order_problems(plan: Any, optimizer: OptimizerKind) -> list[str]:
+    """Why the step's allocation order of ``plan`` is not known (empty: it is traced)."""
     config = plan.config
     fsdp = config.fsdp
     problems = []
@@ -132,11 +133,7 @@ def _check(plan: Any, optimizer: OptimizerKind) -> None:
         problems.append("it splits experts or offloads")
     if optimizer not in ("adamw", "adam"):
         problems.append(f"its optimizer is {optimizer!r}, not AdamW")
-    if problems:
-        raise PlanError(
-            "the step's allocations are traced only for plans of the kind an H200 measured "
-            "(fs.fsdp on one rank with fs.mixed_precision(), AdamW): " + "; ".join(problems)
-        )
+    return problems
 
 
 def _unit_of(path: str, units: tuple[str, ...]) -> str:
@@ -153,7 +150,11 @@ def step_allocations(
     Raises:
         PlanError: a plan of another kind than the module docstring names.
     """
-    _check(plan, optimizer)
+    if problems := order_problems(plan, optimizer):
+        raise PlanError(
+            "the step's allocations are traced only for plans of the kind an H200 measured "
+            "(fs.fsdp on one rank with fs.mixed_precision(), AdamW): " + "; ".join(problems)
+        )
     dtype = getattr(torch, plan.config.param_dtype) if plan.config.param_dtype else None
     fake = FakeTensorMode(allow_non_fake_inputs=False)
     parameters = FakeParameters(model, plan, holder=_stage_holder(plan, 0), dtype=dtype, fake=fake)
@@ -355,6 +356,12 @@ def _one_step(
             kwargs.setdefault("use_cache", False)
         logits = first_tensor(model(*args, **kwargs))
         del args, kwargs
+        if logits.dim() != 3 or tuple(logits.shape[:2]) != (batch, seq):
+            raise PlanError(
+                f"the step's allocations are traced for a language model, whose output is logits "
+                f"(batch, seq, vocabulary) = ({batch}, {seq}, ...) to a cross-entropy loss; "
+                f"{type(model).__name__} returned shape {tuple(logits.shape)}"
+            )
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
         del logits
         log.collect()
