@@ -71,11 +71,12 @@ def test_memory_pieces_are_the_cost_models(name):
             assert est.memory["grads"] == 0
         if est.peak_at.startswith("the end of backward"):
             assert est.memory["grads"] == exact.grads_bytes
+            assert est.memory["activations"] == 0  # backward freed them
         assert est.memory["optimizer"] == exact.optimizer_bytes
         assert est.memory["buffers"] == exact.buffers_bytes
         assert est.host_bytes == exact.host_bytes
         assert est.peak_bytes == sum(est.memory.values())
-        assert est.activation_bytes == est.memory["activations"] > 0
+        assert est.activation_bytes == (est.activations or est.memory["activations"]) > 0
 
 
 def test_gathered_units_agree_with_the_cost_model_and_add_the_prefetched_one():
@@ -93,6 +94,19 @@ def test_gathered_units_agree_with_the_cost_model_and_add_the_prefetched_one():
     assert gathered_in_flight(plans["ddp"]) == 0
 
 
+def test_a_peak_at_the_end_of_backward_holds_the_states_and_gathered_units_alone():
+    # SGD steps in place: with gradients larger than what the forward keeps, the peak is the
+    # end of backward, every gradient made and every activation freed
+    model = llama("tiny")
+    plan = fs.shard(model, fs.Mesh(dp=1), fs.fsdp("dp"))
+    est = fs.estimate(model, plan, batch=1, seq=4, optimizer="sgd")
+    assert est.peak_at == "the end of backward, every gradient made"
+    held = est.cost.params_bytes + est.cost.grads_bytes + est.cost.optimizer_bytes + est.cost.buffers_bytes
+    assert est.peak_bytes == held + est.memory["gathered"]
+    assert est.memory["activations"] == est.memory["loss_workspace"] == 0
+    assert est.activation_bytes > 0  # what the forward kept, as at any other peak
+
+
 def test_a_short_sequence_peaks_in_the_optimizer_step():
     # foreach AdamW's step holds every gradient and one _foreach_sqrt temporary per
     # parameter, half its state, once backward freed the activations and the loss's workspace
@@ -103,7 +117,10 @@ def test_a_short_sequence_peaks_in_the_optimizer_step():
     held = est.cost.params_bytes + est.cost.grads_bytes + est.cost.optimizer_bytes + est.cost.buffers_bytes
     assert est.peak_at == "the optimizer step, every gradient made"
     assert est.peak_bytes == held + est.cost.optimizer_bytes // 2
-    assert est.memory["activations"] == est.activation_bytes > 0  # the parts keep their sizes
+    # its gradients outweigh what the forward keeps: the step follows backward's end, which
+    # freed the activations (where backward's start held more, the parts keep its sizes)
+    assert est.memory["activations"] == 0
+    assert est.activation_bytes > 0
     sgd = fs.estimate(model, plan, batch=1, seq=2, optimizer="sgd")  # steps in place
     assert "optimizer_step" not in sgd.memory
     assert not sgd.peak_at.startswith("the optimizer step")

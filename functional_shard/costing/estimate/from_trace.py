@@ -70,11 +70,13 @@ def _flat_parts(assembly: Assembly) -> StepParts:
     # a checkpointed block's recompute, held through its backward, after the loss's
     if recompute := recompute_beyond(plan, tokens, trace.recompute_bytes, memory["loss_workspace"]):
         memory["recompute"] = recompute
+    kept = memory["activations"]
     memory, peak_at = peak_moment(memory, assembly.optimizer)
     return StepParts(
         plan=plan,
         cost=plan_cost,
         memory=memory,
+        activations=kept,
         forward_flops=trace.forward_flops,
         backward_flops=trace.backward_flops,
         recompute_flops=trace.recompute_flops,
@@ -169,5 +171,6 @@ def assemble(assembly: Assembly) -> Estimate:
         kernels=assembly.kernels,
         compute_parts=timed.compute_parts,
         reserved=reserved_beyond(parts.plan, parts.cost, parts.memory, parts.units),
+        activations=parts.activations,
     )
     return with_engine(found, plan)

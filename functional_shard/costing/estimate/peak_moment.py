@@ -71,21 +71,27 @@ def with_optimizer_step(parts: dict[str, int], peak_at: str, held: int) -> tuple
 def peak_moment(memory: dict[str, int], optimizer: OptimizerKind) -> tuple[dict[str, int], str]:
     """A rank's peak by part, and when it falls, for a step without a pipeline.
 
-    The start of backward, without gradients, or its end (every gradient, no activation) where
-    that holds more; then the optimizer step (`with_optimizer_step`).
+    The start of backward, without gradients, or its end where that holds more: every gradient,
+    and of the rest only the states and the gathered units (the activation-side parts are 0);
+    then the optimizer step (`with_optimizer_step`).
 
     Examples:
         >>> parts = {"params": 4, "grads": 4, "optimizer": 8, "gathered": 1}
         >>> parts |= {"activations": 1, "loss_workspace": 5}
         >>> peak_moment(parts, "sgd")[1]
         'the start of backward, before any gradient is made'
+        >>> ended, peak_at = peak_moment(parts | {"grads": 9}, "sgd")
+        >>> ended["activations"], sum(ended.values()), peak_at
+        (0, 22, 'the end of backward, every gradient made')
         >>> found, peak_at = peak_moment(parts, "adamw")
         >>> found["optimizer_step"], sum(found.values()), peak_at
         (1, 20, 'the optimizer step, every gradient made')
     """
     held = step_held(memory, optimizer)
     if sum(memory.values()) - memory.get("grads", 0) < _states(memory) + memory.get("gathered", 0):
-        return with_optimizer_step(memory, "the end of backward, every gradient made", held)
+        # backward has freed what the forward kept: the states and the units still gathered
+        ended = {part: n if part in (*_STATES, "gathered") else 0 for part, n in memory.items()}
+        return with_optimizer_step(ended, "the end of backward, every gradient made", held)
     return with_optimizer_step(
         memory | {"grads": 0}, "the start of backward, before any gradient is made", held
     )

@@ -76,11 +76,13 @@ class Estimate:
     """How ``reserved`` was counted (``estimate(reserved=...)``), as `explain` states it."""
     documents: RowDocuments | None = None
     """The packed rows whose documents attention was counted for (``estimate(documents=...)``)."""
+    activations: int | None = None
+    """What the forward keeps, where the peak falls after backward freed it; ``None``: the part's."""
 
     @property
     def activation_bytes(self) -> int:
-        """Bytes autograd keeps for backward during the model call."""
-        return self.memory["activations"]
+        """Bytes autograd keeps for backward during the model call, wherever the peak falls."""
+        return self.memory["activations"] if self.activations is None else self.activations
 
     @property
     def peak_bytes(self) -> int:

@@ -101,6 +101,8 @@ class StepParts:
         peak_at: when in the step the peak falls.
         saved: per phase, the seconds Float8 saves in the rank's step (`kernels.float8_saved`).
         work: what the step asks of each kind of kernel (`kernel_time.Work`); ``None``: flops alone.
+        activations: what the forward keeps for backward, where the peak falls after backward freed
+            it (``memory["activations"]`` is then 0); ``None``: ``memory["activations"]``.
     """
 
     plan: Plan
@@ -117,6 +119,7 @@ class StepParts:
     peak_at: str = "the start of backward"
     saved: Mapping[str, float] = field(default_factory=dict)
     work: Work | None = None
+    activations: int | None = None
 
     @property
     def rank(self) -> int:
