@@ -152,7 +152,10 @@ def _arguments_of(search: Callable[_P, AutoReport]) -> Callable[[Callable[..., P
 def auto(model: Any, **options: Any) -> Plan:
     """The plan with the least estimated step time whose reserved peak fits ``memory_budget``.
 
-    Arguments as for `search_plans`.
+    Args:
+        model: the module (meta device is enough).
+        options: `search_plans`' keywords, its signature's: ``devices``, ``memory_budget``, ``batch``,
+            ``seq``, and optionally ``optimizer``, ``hardware``, ``kernels``.
 
     Returns:
         The chosen `Plan`.
