@@ -9,6 +9,7 @@ from functional_shard.core.mesh import Mesh
 from functional_shard.core.units import format_bytes as _bytes
 from functional_shard.costing.estimate.record import Estimate
 from functional_shard.costing.estimate.record import duration as _duration
+from functional_shard.costing.estimate.reserved import SIMULATED
 from functional_shard.costing.time.hardware import Hardware
 from functional_shard.costing.time.kernels import Kernels
 from functional_shard.planning.plan.plan import Plan
@@ -118,6 +119,9 @@ class AutoReport:
         )
         if self.no_tensor_parallel:
             head += f"\nno tensor parallelism: {self.no_tensor_parallel}"
+        traced = sum(getattr(c.estimate, "reserved_model", None) == SIMULATED for c in self.candidates)
+        if traced:  # docs/will-it-fit.md, "Choosing a plan"
+            head += f"\n{traced} reserved peaks traced through the caching allocator where the fast model fit"
         text = head + "\n" + self.table()
         if self.expert_parallel_candidates:
             text += "\nexpert parallel, the best of each ep size:\n" + self.table(

@@ -357,6 +357,7 @@ def test_a_search_on_one_device_traces_the_reserved_peak_of_what_fits() -> None:
     report = fs.search_plans(llama("tiny"), devices=1, memory_budget="1GiB", batch=2, seq=16)
     assert {c.policy_text.split(" ")[0] for c in report.candidates} == {"fsdp(dp)"}
     assert {c.estimate.reserved_model for c in report.candidates} == {SIMULATED}
+    assert "\n3 reserved peaks traced through the caching allocator where the fast model fit\n" in str(report)
     tight = fs.search_plans(
         llama("tiny"), devices=1, memory_budget=report.best_candidate.peak_bytes - 1, batch=2, seq=16
     )
