@@ -22,7 +22,7 @@ from functional_shard.planning.plan.plan import Plan
 # build_device_mesh lives below mesh.py (Mesh.device_mesh uses it); re-exported here
 from .device_mesh import build_device_mesh
 from .engines.activation_checkpointing import apply_checkpointing
-from .engines.applied import APPLIED, Applied, retie
+from .engines.applied import APPLIED, Applied, check_plan_and_module, retie
 from .engines.checks import check_runnable, engine_problems
 from .engines.context.hf import use_hf_attention
 from .engines.context.parallel import context_chunks, sequence_context
@@ -86,6 +86,7 @@ def apply(
         >>> # fs.apply(plan, model)
         >>> # opt = fs.optimizer(plan, model, torch.optim.AdamW, lr=1e-3)
     """
+    check_plan_and_module(plan, module, "fs.apply")
     if not dist.is_initialized():
         raise MeshError("fs.apply needs torch.distributed: call dist.init_process_group(...) first")
     if plan.mesh.size != dist.get_world_size():

@@ -24,6 +24,37 @@ def test_apply_needs_a_process_group():
         fs.apply(plan, nn.Linear(4, 4))
 
 
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda plan, model: fs.apply(model, plan),
+        lambda plan, model: fs.materialize(model, plan),
+        lambda plan, model: fs.optimizer(model, plan, torch.optim.AdamW),
+        lambda plan, model: fs.check_runnable(model, plan),
+        lambda plan, model: fs.forward_only(model, plan),
+    ],
+)
+def test_a_module_and_plan_swapped_are_named_as_such(call):
+    model = nn.Linear(4, 4)
+    plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp())
+    with pytest.raises(
+        fs.ShardingError, match=r"takes the Plan first, then the nn.Module; it got Linear, then Plan: swap"
+    ):
+        call(plan, model)
+
+
+def test_what_is_neither_a_plan_nor_a_module_is_named_with_its_fix():
+    plan = fs.shard(nn.Linear(4, 4), fs.Mesh(dp=2), fs.fsdp())
+    with pytest.raises(
+        fs.ShardingError, match="it got Plan, then str: pass the model the plan was made from"
+    ):
+        fs.apply(plan, "model")
+    with pytest.raises(
+        fs.ShardingError, match=r"it got dict, then Linear: fs.shard\(model, mesh, policy\) makes"
+    ):
+        fs.materialize({"plan": 1}, nn.Linear(4, 4))
+
+
 def test_world_size_must_match_the_plan(fake_world):
     fake_world(4)
     plan = fs.shard(nn.Linear(4, 4), fs.Mesh(dp=2), fs.fsdp())

@@ -31,8 +31,25 @@ class Applied:
 APPLIED: weakref.WeakKeyDictionary[nn.Module, Applied] = weakref.WeakKeyDictionary()
 
 
+def check_plan_and_module(plan: object, module: object, caller: str) -> None:
+    """Refuse anything but a `Plan` then an ``nn.Module``, naming a swapped pair as such."""
+    if isinstance(plan, Plan) and isinstance(module, nn.Module):
+        return
+    if isinstance(plan, nn.Module) and isinstance(module, Plan):
+        fix = "swap them"
+    elif isinstance(plan, Plan):
+        fix = "pass the model the plan was made from"
+    else:
+        fix = "fs.shard(model, mesh, policy) makes the plan"
+    raise ShardingError(
+        f"{caller}(plan, module, ...) takes the Plan first, then the nn.Module; it got "
+        f"{type(plan).__name__}, then {type(module).__name__}: {fix}"
+    )
+
+
 def applied_with(plan: Plan, module: nn.Module, caller: str) -> Applied:
     """What `apply` recorded for ``module``; refuses a module applied with another plan, or none."""
+    check_plan_and_module(plan, module, caller)
     applied = APPLIED.get(module)
     if applied is None or applied.plan != plan:
         raise ShardingError(f"{caller} needs the module fs.apply(plan, module) returned, with the same plan")

@@ -13,6 +13,7 @@ from functional_shard.planning.policy.builders import CHECKPOINT_POLICIES
 from functional_shard.planning.tp.module_splits import is_conv1d_module, is_projection, split_problems
 from functional_shard.planning.tp.rules import sequence_parallel_problems
 
+from .applied import check_plan_and_module
 from .experts import expert_data_axes, expert_hidden, expert_module_problems
 
 _SUPPORTED_STYLE_MODULES = (nn.Linear, nn.Embedding)
@@ -227,6 +228,7 @@ def check_runnable(plan: Plan, module: nn.Module) -> None:
         >>> plan = fs.shard(nn.Linear(8, 8), fs.Mesh(dp=2), fs.fsdp())
         >>> check_runnable(plan, nn.Linear(8, 8))  # fine: returns None
     """
+    check_plan_and_module(plan, module, "fs.check_runnable")
     if problems := engine_problems(plan, module):
         raise PlanError(
             bullets(
