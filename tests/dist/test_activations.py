@@ -229,7 +229,7 @@ def test_inputs_that_do_not_fit_the_forward_name_what_was_passed():
         trace_activations(model, plan, batch=3, seq=1, inputs=(torch.randn(3, 5), torch.randn(3, 8)))
     with pytest.raises(fs.ShardingError, match=re.escape("TwoInputs's forward failed on inputs")):
         trace_activations(model, plan, batch=3, seq=1)  # default token ids: one argument missing
-    with pytest.raises(fs.ShardingError, match=re.escape("trace_activations(inputs=int): pass a tensor")):
+    with pytest.raises(fs.ShardingError, match=re.escape("trace_activations(inputs=int): a tensor, a tuple of them")):
         trace_activations(model, plan, batch=3, seq=1, inputs=3)
 
 

@@ -174,6 +174,15 @@ def test_cost_and_estimate_refuse_the_same_sequence_length():
         (lambda: fs.estimate("llama", CP_PLAN, batch=1, seq=8), "estimate(model=str): the nn.Module"),
         (lambda: fs.estimate(MODEL, MODEL, batch=1, seq=8), "estimate(plan=Llama): a Plan"),
         (
+            lambda: fs.trace_activations(CP_PLAN, MODEL, batch=1, seq=8),
+            "trace_activations(Plan, Llama, ...): the model comes first, then its plan",
+        ),
+        (
+            lambda: fs.trace_activations(MODEL, CP_PLAN, batch=1, seq="8"),
+            "trace_activations(seq='8'): a positive",
+        ),
+        (lambda: fs.estimate(MODEL, CP_PLAN, batch=1, seq=8, inputs="ids"), "estimate(inputs=str): a tensor"),
+        (
             lambda: fs.estimate(MODEL, CP_PLAN, batch=1, seq=8, optimizer=torch.optim.SGD),
             "estimate(optimizer=<class 'torch.optim.sgd.SGD'>): 'adamw', 'adam' or 'sgd'",
         ),

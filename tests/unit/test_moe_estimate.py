@@ -298,7 +298,7 @@ def test_an_imbalance_that_is_not_a_number_from_one_up_is_refused(imbalance):
     model = build("mixtral")
     plan = fs.shard(model, fs.Mesh(dp=1), fs.replicate())
     with pytest.raises(
-        fs.ShardingError, match=re.escape(f"expert_imbalance={imbalance!r}: a finite number >= 1")
+        fs.ShardingError, match=re.escape(f"estimate(expert_imbalance={imbalance!r}): a finite number >= 1")
     ):
         fs.estimate(model, plan, batch=1, seq=4, expert_imbalance=imbalance)
 

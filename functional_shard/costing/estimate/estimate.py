@@ -22,7 +22,7 @@ from functional_shard.costing.time.hardware import Hardware
 from functional_shard.costing.time.hardware import hardware as _hardware
 from functional_shard.costing.time.kernels import Kernels, kernel_fields
 from functional_shard.costing.time.step_model import compute_dtype, unit_gathered_bytes
-from functional_shard.costing.trace.model_inputs import fitted_inputs
+from functional_shard.costing.trace.model_inputs import check_model_and_plan, fitted_inputs
 from functional_shard.planning.context_checks import context_parallel_problems
 from functional_shard.planning.tp.module_splits import head_problems
 
@@ -80,19 +80,6 @@ def _check_context(model: Any, plan: Plan) -> None:
                 "that cp can split.",
             )
         )
-
-
-def _check_model_and_plan(model: Any, plan: Any) -> None:
-    from functional_shard.planning.plan.plan import Plan
-
-    if isinstance(model, Plan) and not isinstance(plan, Plan):
-        raise ShardingError(
-            f"estimate({type(model).__name__}, {type(plan).__name__}, ...): the model comes first, then "
-            "its plan: fs.estimate(model, plan, batch=..., seq=...)"
-        )
-    if not isinstance(model, nn.Module):
-        what = "the nn.Module the plan was made from"
-        refuse("model", type(model).__name__, what, meaning="meta device is enough")
 
 
 @entry_point
@@ -159,7 +146,7 @@ def estimate(
         >>> packed.model_flops < est.model_flops, packed.peak_bytes == est.peak_bytes
         (True, True)
     """
-    _check_model_and_plan(model, plan)
+    check_model_and_plan(model, plan, "estimate")
     check_plan_and_optimizer(plan, optimizer)
     positive_int(batch, "batch")
     positive_int(seq, "seq")

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_map_only
 
 from functional_shard.core.errors import PlanError, ShardingError
 from functional_shard.core.sequence import check_sequence_length
+from functional_shard.core.validate import entry_point, positive_int
 from functional_shard.costing.time.documents import RowDocuments, cp_rank_of, row_documents
 from functional_shard.planning.pipeline.stages import stage_finder
 from functional_shard.planning.policy.builders import CHECKPOINT_POLICIES
@@ -36,8 +37,15 @@ from .context_attention import context_parallel_attention
 from .counting import Births, Flops, kept_bytes_by_owner, recomputed_bytes, storage_key
 from .cuda_kernels import cuda_kernels
 from .fake_parameters import FakeParameters
+from .model_inputs import (
+    check_model_and_plan,
+    flex_on_fake_cpu,
+    is_hf,
+    model_inputs,
+    tensors,
+    unpacked_sequences,
+)
 from .model_inputs import first_tensor as _first_tensor  # the name the stage helpers below call
-from .model_inputs import flex_on_fake_cpu, is_hf, model_inputs, tensors, unpacked_sequences
 from .rank_experts import rank_experts
 from .repeats import NotPassableError, extrapolated, left_out_layers, passing_on, reached, repeated_layers
 from .results import PER_STEP, ActivationTrace, counts_of, regroup
@@ -318,6 +326,7 @@ def _stage_holder(plan: Any, rank: int) -> Any:
     return holder
 
 
+@entry_point
 def trace_activations(
     model: nn.Module,
     plan: Any,
@@ -367,6 +376,9 @@ def trace_activations(
         >>> trace.output_bytes == 2 * 8 * 256 * 4
         True
     """
+    check_model_and_plan(model, plan, "trace_activations")
+    positive_int(batch, "batch")
+    positive_int(seq, "seq")
     config = plan.config
     cp_rank = cp_rank_of(plan, rank)  # packed rows: whose share is counted; None: the busiest
     rank = 0 if rank is None else rank

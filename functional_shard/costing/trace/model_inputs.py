@@ -11,8 +11,10 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.core.validate import refuse
 
 __all__ = [
+    "check_model_and_plan",
     "fitted_inputs",
     "flex_on_fake_cpu",
     "first_tensor",
@@ -21,6 +23,22 @@ __all__ = [
     "tensors",
     "unpacked_sequences",
 ]
+
+
+def check_model_and_plan(model: object, plan: object, caller: str) -> None:
+    """Refuse anything but an ``nn.Module`` then a `Plan`, naming a swapped pair as such."""
+    from functional_shard.planning.plan.plan import Plan  # the planning layer, below; loaded by now
+
+    if isinstance(model, Plan) and not isinstance(plan, Plan):
+        raise ShardingError(
+            f"{caller}({type(model).__name__}, {type(plan).__name__}, ...): the model comes first, then "
+            f"its plan: fs.{caller}(model, plan, batch=..., seq=...)"
+        )
+    if not isinstance(model, nn.Module):
+        what = "the nn.Module the plan was made from"
+        refuse("model", type(model).__name__, what, meaning="meta device is enough")
+    if not isinstance(plan, Plan):
+        refuse("plan", type(plan).__name__, "a Plan", meaning="make one with fs.shard(model, mesh, policy)")
 
 
 def tensors(value: Any) -> list[torch.Tensor]:
@@ -143,12 +161,14 @@ def model_inputs(
         return (to_meta(inputs),), {}
     if isinstance(inputs, tuple | list):
         return tuple(tree_map_only(torch.Tensor, to_meta, list(inputs))), {}
-    if isinstance(inputs, Mapping):
-        return (), dict(tree_map_only(torch.Tensor, to_meta, dict(inputs)))
-    raise ShardingError(
-        f"trace_activations(inputs={type(inputs).__name__}): pass a tensor, a tuple of them or a dict of "
-        "keyword arguments for the model's forward"
-    )
+    if not isinstance(inputs, Mapping):
+        refuse(
+            "inputs",
+            type(inputs).__name__,
+            "a tensor, a tuple of them or a dict of keyword arguments",
+            meaning="what the model's forward takes",
+        )
+    return (), dict(tree_map_only(torch.Tensor, to_meta, dict(inputs)))
 
 
 def fitted_inputs(inputs: Any, *, batch: int, seq: int, traced_batch: int, traced_seq: int) -> Any:

@@ -18,6 +18,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.core.validate import refuse
 from functional_shard.planning.tp.styles import TITAN_EXPERT_WEIGHTS, titan_expert_names
 
 from .counting import fused_kernel
@@ -35,9 +36,12 @@ __all__ = [
 def check_expert_imbalance(imbalance: Any) -> float:
     """``imbalance`` if it is a finite number >= 1, else a `ShardingError` saying what it means."""
     if isinstance(imbalance, bool) or not isinstance(imbalance, int | float) or not 1 <= imbalance < math.inf:
-        raise ShardingError(
-            f"expert_imbalance={imbalance!r}: a finite number >= 1 (1.0 is balanced routing; 2.0 gives "
-            "the most loaded expert of each mixture-of-experts layer twice an even share of the tokens)"
+        refuse(
+            "expert_imbalance",
+            repr(imbalance),
+            "a finite number >= 1",
+            meaning="1.0 is balanced routing; 2.0 gives the most loaded expert of each mixture-of-experts "
+            "layer twice an even share of the tokens",
         )
     return float(imbalance)
 
