@@ -16,6 +16,7 @@ from einops import rearrange
 from .errors import MeshError, ShardingError, SpecError
 from .mesh import Mesh, as_mesh
 from .spec import P
+from .validate import instance_of
 
 __all__ = ["chunk", "local_numel", "local_shape", "local_shape_and_offset", "shard_tensor", "unshard_tensor"]
 
@@ -190,6 +191,7 @@ def shard_tensor(tensor: torch.Tensor, spec: P, mesh: Mesh) -> list[torch.Tensor
         >>> [s.tolist() for s in shard_tensor(torch.arange(3), P(on=("pp", 1)), Mesh(pp=2))]
         [[], [0, 1, 2]]
     """
+    instance_of(tensor, torch.Tensor, "tensor", meaning="the whole tensor, which the ranks split")
     if found := spec.problems(tensor.shape, mesh):
         raise SpecError("; ".join(found))
     splits = _splits(spec, tensor.ndim)

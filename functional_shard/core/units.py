@@ -5,9 +5,11 @@ A leaf module: the modules that print sizes import it, and it imports nothing of
 
 from __future__ import annotations
 
+import numbers
 import re
 
 from .errors import ShardingError
+from .validate import refuse
 
 __all__ = ["format_bytes", "parse_bytes"]
 
@@ -22,6 +24,8 @@ def format_bytes(n: float) -> str:
         >>> format_bytes(512), format_bytes(1536), format_bytes(80 * 2**30)
         ('512 B', '1.50 KiB', '80.00 GiB')
     """
+    if isinstance(n, bool) or not isinstance(n, numbers.Real):
+        refuse("n", repr(n), "a number of bytes", meaning="format_bytes' argument")
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"

@@ -139,7 +139,8 @@ def instance_of(value: Any, kind: type[_T], name: str, **refusal: Unpack[Refusal
         functional_shard.ShardingError: axis=NoneType: a str (one mesh axis name)
     """
     if not isinstance(value, kind):
-        refuse(name, type(value).__name__, f"a {kind.__name__}", **refusal)
+        article = "an" if kind.__name__[:1] in tuple("AEIOUaeiou") else "a"
+        refuse(name, type(value).__name__, f"{article} {kind.__name__}", **refusal)
     return value
 
 
@@ -155,7 +156,8 @@ def path(value: Any, name: str, *, error: type[ShardingError] = ShardingError) -
         functional_shard.ShardingError: path=10: a path (a str or os.PathLike)
     """
     if not isinstance(value, str | os.PathLike) or value == "":
-        refuse(name, repr(value), "a path (a str or os.PathLike)", error=error)
+        shown = repr(value) if isinstance(value, str | int | float | None) else type(value).__name__
+        refuse(name, shown, "a path (a str or os.PathLike)", error=error)
     return pathlib.Path(value)
 
 

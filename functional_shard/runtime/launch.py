@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from functional_shard.core.validate import positive_int
+
 from .timeouts import (
     CollectiveTimeoutError,
     RankFailedError,
@@ -111,7 +113,7 @@ class LocalWorld:
     """
 
     def __init__(self, world_size: int, backend: str = "gloo", timeout: float = 300.0) -> None:
-        self.world_size = world_size
+        self.world_size = positive_int(world_size, "world_size", meaning="how many local ranks to start")
         self.timeout = timeout
         context = mp.get_context("spawn")
         self._outbox = context.Queue()

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from functional_shard.core.mesh import Mesh
+from functional_shard.core.validate import instance_of
 
 from .launch import LocalWorld
 
@@ -140,6 +141,8 @@ def resident_bytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     Examples:
         >>> # fs.resident_bytes(model, optimizer)["optimizer"] == plan.cost("adamw", rank=r).optimizer_bytes
     """
+    instance_of(module, torch.nn.Module, "module")
+    instance_of(optimizer, torch.optim.Optimizer, "optimizer", meaning="its optimizer")
     params = list(module.parameters())
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local one
     states = [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
@@ -296,6 +299,7 @@ def saved_tensor_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) -> tu
         >>> fs.saved_tensor_bytes(layer, torch.ones(2, 4))[0]  # the input, for the weight gradient
         32
     """
+    instance_of(module, torch.nn.Module, "module", meaning="the module to call on the arguments")
     from torch.multiprocessing.reductions import StorageWeakRef
 
     saved: dict[Any, torch.UntypedStorage] = {}

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from functional_shard.core.validate import refuse
+
 __all__ = ["MeasuredRates", "attention_kernel_flops", "kernel_kind", "measure_rates"]
 
 # a profiler's CUDA events that are annotations (engine and optimizer ranges), not kernels
@@ -292,6 +294,9 @@ def measure_rates(
         True
     """
     where = torch.device(device)
+    if where.type == "cuda" and not torch.cuda.is_available():
+        meaning = 'no CUDA GPU here; "cpu" tries it out'
+        refuse("device", repr(device), "a device this machine has", meaning=meaning)
     name = torch.cuda.get_device_name(where) if where.type == "cuda" else where.type
     matmuls = _matmuls(size, where, dtype, repeats)
     attention = _attention(seqs, heads, head_dim, where, dtype, repeats)

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from functional_shard.core.errors import ShardingError
 from functional_shard.core.validate import entry_point, positive_number
 
 __all__ = [
@@ -222,6 +223,9 @@ def watch_collectives() -> Iterator[None]:
         raise named from error
 
 
+_LAUNCHED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what env:// reads, a launcher sets
+
+
 @entry_point
 def init_distributed(
     backend: str | None = None, *, timeout: float | datetime.timedelta = 300.0
@@ -235,7 +239,8 @@ def init_distributed(
         timeout: seconds (or a timedelta) a collective waits for its peers before raising.
 
     Raises:
-        functional_shard.ShardingError: a timeout that is not positive.
+        functional_shard.ShardingError: a timeout that is not positive, or no launcher's environment
+            (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
 
     Examples:
         >>> # device = fs.init_distributed(timeout=60)   # under torchrun, on every rank
@@ -245,6 +250,11 @@ def init_distributed(
     seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
     meaning = "seconds, or a timedelta: a collective waits that long for a hung or dead peer"
     seconds = positive_number(seconds, "timeout", meaning=meaning)
+    if unset := [name for name in _LAUNCHED if name not in os.environ]:
+        raise ShardingError(
+            f"init_distributed: {', '.join(unset)} unset, so no launcher started this process; run it under "
+            "torchrun --nproc-per-node N (or any env:// launcher), or start local ranks with fs.run_local"
+        )
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":

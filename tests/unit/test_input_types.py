@@ -264,3 +264,47 @@ def test_offload_takes_only_bools(flags):
     else:
         with pytest.raises(fs.PolicyError, match=re.escape("True or False")):
             fs.offload(params=params, grads=grads, optimizer=optimizer)
+
+
+# ---- helpers beside the plan: layout, launch, measurement, text ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: fs.shard_tensor([1, 2], fs.P("dp"), fs.Mesh(dp=2)), "tensor=list: a Tensor"),
+        (lambda: fs.LocalWorld(0), "world_size=0: a positive int (how many local ranks to start)"),
+        (lambda: fs.run_local(print, "2"), "world_size='2': a positive int"),
+        (
+            lambda: fs.check_optimizer(_linear(), torch.optim.SGD(_linear().parameters(), lr=0.1)),
+            "optimizer=Linear: an Optimizer (the optimizer first, then its module)",
+        ),
+        (lambda: fs.resident_bytes(_linear(), "adamw"), "optimizer=str: an Optimizer (its optimizer)"),
+        (lambda: fs.saved_tensor_bytes("model", torch.ones(2)), "module=str: a Module"),
+        (lambda: fs.format_policy("fsdp(dp)"), "policy=str: a Policy (fs.fsdp(...) + fs.tp(...)"),
+        (lambda: fs.format_bytes("12"), "n='12': a number of bytes"),
+        (lambda: fs.checkpoint.load_hf(3, _linear()), "path=3: a path (a str or os.PathLike)"),
+        (
+            lambda: fs.checkpoint.export_hf(fs.shard(_linear(), fs.Mesh(dp=1), fs.fsdp()), _linear(), "out"),
+            "export_hf(path=Plan): a path",
+        ),
+    ],
+)
+def test_helpers_refuse_a_wrong_argument_by_name(call, message):
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
+        call()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")
+def test_measuring_a_gpu_that_is_not_there_is_refused():
+    with pytest.raises(
+        fs.ShardingError, match=re.escape("device='cuda': a device this machine has (no CUDA GPU")
+    ):
+        fs.measure_rates("cuda")
+
+
+def test_init_distributed_outside_a_launcher_says_how_to_launch(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(fs.ShardingError, match=r"RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT unset.*torchrun"):
+        fs.init_distributed()

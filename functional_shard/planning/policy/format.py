@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from functional_shard.core.errors import PolicyError
+from functional_shard.core.validate import instance_of
 from functional_shard.planning.tp import rules as rules_module
 from functional_shard.planning.tp.rules import DEFERRED
 
@@ -125,6 +126,8 @@ def format_policy(policy: Policy) -> str:
         >>> fs.format_policy(fs.pipeline("pp", microbatches=8, schedule="zbv", stages_per_rank=2))
         'pipeline(pp, microbatches=8, schedule=zbv, stages_per_rank=2)'
     """
+    meaning = "fs.fsdp(...) + fs.tp(...), or fs.parse_policy(text)"
+    instance_of(policy, Policy, "policy", meaning=meaning, error=PolicyError)
     terms: list[str] = []
     for layer in policy.layers:
         if isinstance(layer, DataParallel):

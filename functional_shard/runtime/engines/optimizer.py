@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.core.validate import instance_of
 from functional_shard.planning.plan.plan import Plan
 
 from .applied import applied_with, axes_mesh
@@ -33,6 +34,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> None
     """
     from torch.distributed.tensor import DTensor
 
+    instance_of(optimizer, torch.optim.Optimizer, "optimizer", meaning="the optimizer first, then its module")
+    instance_of(module, nn.Module, "module", meaning="the module fs.apply parallelized")
     current = {id(p) for p in module.parameters()}
     stale = sum(id(p) not in current for group in optimizer.param_groups for p in group["params"])
     if stale:

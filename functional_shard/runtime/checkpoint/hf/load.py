@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.core.validate import path as checked_path
 from functional_shard.runtime.checkpoint.integrity import agreed, distributed, every_rank_keys, raise_problems
 from functional_shard.runtime.engines.applied import APPLIED, Applied
 from functional_shard.runtime.engines.buffers import buffer_problems, meta_buffers, restore_buffers
@@ -72,7 +72,7 @@ def load_hf(
         >>> # with torch.device("meta"): model = AutoModelForCausalLM.from_config(config)
         >>> # fs.apply(plan, model); fs.checkpoint.load_hf("Llama-3-8B/", model)
     """
-    path = Path(path)
+    path = checked_path(path, "path")
     model = _submodule(module, root)
     prefix = f"{root}." if root else ""
     applied = APPLIED.get(module)
