@@ -80,7 +80,9 @@ def test_path_takes_text_and_path_likes(value):
         assert path(value, "path") == pathlib.Path(value)
     else:
         message = refused(lambda: path(value, "path"))
-        assert message == f"path={value!r}: a path (a str or os.PathLike)"
+        # a plain value as written, anything else (a plan, a model: long reprs) by its type
+        shown = repr(value) if isinstance(value, str | int | float | None) else type(value).__name__
+        assert message == f"path={shown}: a path (a str or os.PathLike)"
 
 
 @entry_point
