@@ -177,7 +177,8 @@ def auto(model: Any, **options: Any) -> Plan:
         if not estimated:  # the first candidate's reason: often every one's (cp and a sliding window)
             reasons = [c.rejected for c in report.candidates if c.rejected]
             why = f"; the first: {reasons[0]}" if reasons else ""
-            raise PlanError(f"auto: no candidate could be planned for this model on {devices} devices{why}")
+            on = f"{devices} device{'s' if devices > 1 else ''}"
+            raise PlanError(f"auto: no candidate could be planned for this model on {on}{why}")
         closest = min(estimated, key=lambda c: (c.peak_bytes, c.key()))
         assert closest.peak_bytes is not None
         raise PlanError(

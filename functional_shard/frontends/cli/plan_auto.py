@@ -113,7 +113,8 @@ def _candidates_table(out: Out, report: AutoReport, top: int) -> None:
 
 def _nothing_fits(report: AutoReport, devices: int) -> str:
     estimated = [(c.peak_bytes, c) for c in report.candidates if c.peak_bytes is not None]
-    head = f"--budget: no plan fits {_bytes(report.budget_bytes)} per device on {devices} devices"
+    on = f"{devices} device{'s' if devices > 1 else ''}"
+    head = f"--budget: no plan fits {_bytes(report.budget_bytes)} per device on {on}"
     if not estimated:
         return head + "; no candidate could be planned for this model"
     peak, closest = min(estimated, key=lambda pair: pair[0])
