@@ -119,3 +119,24 @@ def test_local_profile_is_measured_once_per_process():
     assert local.devices_per_node == 2
     assert len(local.extra["per_rank"]) == 2
     assert fs.hardware("local", processes=2) is local  # cached
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"devices_per_node": "8"}, "Hardware.devices_per_node='8': a positive int"),
+        ({"memory_bytes": "80GB"}, "Hardware.memory_bytes='80GB': a positive number"),
+        ({"flops": {"bfloat16": 0}}, "Hardware.flops['bfloat16']=0: a positive number (dense FLOP/s)"),
+        ({"compute_efficiency": None}, "Hardware.compute_efficiency=None: a positive number"),
+        ({"gemm_efficiency": -0.5}, "Hardware.gemm_efficiency=-0.5: a positive number"),
+    ],
+)
+def test_a_profile_written_by_hand_is_checked_where_it_is_made(changes, message):
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
+        fs.hardware("h100").replace(**changes)
+
+
+def test_what_a_profile_may_leave_open_stays_open():
+    hw = fs.hardware("h100").replace(gemm_efficiency=None, intra_node_bandwidth=float("inf"))
+    assert hw.gemm_efficiency is None
+    assert hw.intra_node_bandwidth == float("inf")

@@ -26,7 +26,7 @@ else:  # pragma: no cover - the backport, on Python 3.10
 import functional_shard as fs
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.mesh import Mesh
-from functional_shard.core.validate import entry_point, positive_int
+from functional_shard.core.validate import entry_point, positive_int, positive_number
 
 __all__ = ["PROFILES", "Hardware", "KernelRates", "hardware"]
 
@@ -103,6 +103,15 @@ class Hardware:
     source: str = ""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Measurement details (the ``"local"`` profile) or notes."""
+
+    def __post_init__(self) -> None:
+        # a profile written by hand (fs.Hardware(...), replace) is refused where it is made, not in a step
+        positive_int(self.devices_per_node, "Hardware.devices_per_node")
+        for dtype, rate in self.flops.items():
+            positive_number(rate, f"Hardware.flops[{dtype!r}]", meaning="dense FLOP/s")
+        for name in _SIZES_AND_RATES:
+            if getattr(self, name) is not None or name in _REQUIRED:
+                _positive_or_unbounded(getattr(self, name), name)
 
     def achievable_flops(self, dtype: str) -> float:
         """FLOP/s training reaches in ``dtype``: the datasheet peak times ``compute_efficiency``.
@@ -210,6 +219,26 @@ class Hardware:
         if changes.get("intra_node_axes") is not None:
             changes["intra_node_axes"] = frozenset(changes["intra_node_axes"])
         return dataclasses.replace(self, **changes)
+
+
+_REQUIRED = (
+    "memory_bytes",
+    "memory_bandwidth",
+    "intra_node_bandwidth",
+    "inter_node_bandwidth",
+    "host_bandwidth",
+    "compute_efficiency",
+    "intra_node_efficiency",
+    "inter_node_efficiency",
+)
+# the three beyond the required ones may be None (the profile has no figure for them)
+_SIZES_AND_RATES = (*_REQUIRED, "compile_speedup", "gemm_efficiency", "memory_efficiency")
+
+
+def _positive_or_unbounded(value: Any, name: str) -> None:
+    """A rate or size above 0; infinite where nothing bounds it (a measured link that never waited)."""
+    if value != math.inf:
+        positive_number(value, f"Hardware.{name}")
 
 
 def _profiles() -> dict[str, Hardware]:
