@@ -117,10 +117,7 @@ def test_a_short_sequence_peaks_in_the_optimizer_step():
     held = est.cost.params_bytes + est.cost.grads_bytes + est.cost.optimizer_bytes + est.cost.buffers_bytes
     assert est.peak_at == "the optimizer step, every gradient made"
     assert est.peak_bytes == held + est.cost.optimizer_bytes // 2
-    # its gradients outweigh what the forward keeps: the step follows backward's end, which
-    # freed the activations (where backward's start held more, the parts keep its sizes)
-    assert est.memory["activations"] == 0
-    assert est.activation_bytes > 0
+    assert est.memory["activations"] == est.activation_bytes > 0  # the parts keep their sizes
     sgd = fs.estimate(model, plan, batch=1, seq=2, optimizer="sgd")  # steps in place
     assert "optimizer_step" not in sgd.memory
     assert not sgd.peak_at.startswith("the optimizer step")

@@ -89,9 +89,12 @@ def peak_moment(memory: dict[str, int], optimizer: OptimizerKind) -> tuple[dict[
     """
     held = step_held(memory, optimizer)
     if sum(memory.values()) - memory.get("grads", 0) < _states(memory) + memory.get("gathered", 0):
+        at = "the end of backward, every gradient made"
+        if held >= sum(memory.values()):  # the step outweighs every part: they keep their sizes
+            return with_optimizer_step(memory, at, held)
         # backward has freed what the forward kept: the states and the units still gathered
         ended = {part: n if part in (*_STATES, "gathered") else 0 for part, n in memory.items()}
-        return with_optimizer_step(ended, "the end of backward, every gradient made", held)
+        return with_optimizer_step(ended, at, held)
     return with_optimizer_step(
         memory | {"grads": 0}, "the start of backward, before any gradient is made", held
     )
