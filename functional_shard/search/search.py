@@ -143,7 +143,7 @@ class Search:
             return with_traced_reserved(
                 estimate, inputs.facts.model, plan, batch=micro, seq=inputs.seq, optimizer=inputs.optimizer
             )
-        except PlanError:  # not a language model's step: the fast model's figure, which it names, stands
+        except PlanError:  # a step the trace cannot run (no logits): the fast model's figure, which it names
             return estimate
 
     def _estimated(self, point: Point, how: str, estimate: Estimate) -> Candidate:
