@@ -109,8 +109,10 @@ class Hardware:
         positive_int(self.devices_per_node, "Hardware.devices_per_node")
         for dtype, rate in self.flops.items():
             positive_number(rate, f"Hardware.flops[{dtype!r}]", meaning="dense FLOP/s")
-        for name in _SIZES_AND_RATES:
-            if getattr(self, name) is not None or name in _REQUIRED:
+        for name in _REQUIRED:
+            _positive_or_unbounded(getattr(self, name), name)
+        for name in _OPTIONAL:
+            if getattr(self, name) is not None:
                 _positive_or_unbounded(getattr(self, name), name)
 
     def achievable_flops(self, dtype: str) -> float:
@@ -231,8 +233,7 @@ _REQUIRED = (
     "intra_node_efficiency",
     "inter_node_efficiency",
 )
-# the three beyond the required ones may be None (the profile has no figure for them)
-_SIZES_AND_RATES = (*_REQUIRED, "compile_speedup", "gemm_efficiency", "memory_efficiency")
+_OPTIONAL = ("compile_speedup", "gemm_efficiency", "memory_efficiency")  # None: the profile has no figure
 
 
 def _positive_or_unbounded(value: Any, name: str) -> None:
