@@ -76,15 +76,14 @@ def _flat_parts(assembly: Assembly) -> StepParts:
         plan=plan,
         cost=plan_cost,
         memory=memory,
-        activations=kept,
         forward_flops=trace.forward_flops,
         backward_flops=trace.backward_flops,
         recompute_flops=trace.recompute_flops,
         units=units,
-        peak_at=peak_at,
         attention_flops=trace.attention_flops
         + trace.attention_backward_flops
         + trace.attention_recompute_flops,
+        peak_at=peak_at,
         saved=saved_by_stage(
             trace, assembly.float8_linears, tokens // plan.config.cp_size(plan.mesh), assembly.hardware
         )[0],
@@ -94,6 +93,7 @@ def _flat_parts(assembly: Assembly) -> StepParts:
             step_bytes=optimizer_bytes(plan_cost.params_bytes, assembly.optimizer),
             compiled_loss=compiled_loss,
         ),
+        activations=kept,
     )
 
 
