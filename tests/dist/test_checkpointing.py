@@ -42,13 +42,18 @@ def test_the_plan_keeps_the_policy_through_json():
     assert default.config.checkpoint_policy == "full"
 
 
-def test_apply_refuses_a_policy_it_does_not_know():
+def test_apply_and_the_trace_refuse_a_policy_they_do_not_know_as_the_plan_reader_does():
     with torch.device("meta"):
         model = Llama(CONFIG)
     plan = fs.shard(model, fs.Mesh(dp=1), fs.replicate() + fs.checkpointing(Block))
     bad = dataclasses.replace(plan, config=dataclasses.replace(plan.config, checkpoint_policy="some"))
+    said = "config.checkpoint_policy: 'some' is not one of ['full', 'selective', 'torchtitan']"
     problems = engine_problems(bad, model)  # what fs.apply checks before it changes the model
-    assert "checkpoint_policy 'some': apply() runs 'full', 'selective', 'torchtitan'" in " ".join(problems)
+    assert f"plan.{said}" in problems
+    with pytest.raises(fs.ShardingError, match=re.escape(f"* plan.{said}")):
+        fs.trace_activations(model, bad, batch=2, seq=16)
+    with pytest.raises(fs.ShardingError, match=re.escape(said)):
+        fs.Plan.from_json(bad.to_json())
 
 
 def test_the_saved_ops_are_matmuls_and_attention():

@@ -24,12 +24,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_map_only
 
-from functional_shard.core.errors import PlanError, ShardingError
+from functional_shard.core.errors import PlanError, ShardingError, bullets
 from functional_shard.core.sequence import check_sequence_length
 from functional_shard.core.validate import entry_point, positive_int
 from functional_shard.costing.time.documents import RowDocuments, cp_rank_of, row_documents
 from functional_shard.planning.pipeline.stages import stage_finder
-from functional_shard.planning.policy.builders import CHECKPOINT_POLICIES
+from functional_shard.planning.plan.json_format import config_value_problems
 from functional_shard.planning.tp.styles import titan_expert_names
 
 from .checkpointing import SAVED_OPS, checkpointed, selective_context
@@ -479,10 +479,13 @@ def _check_traceable(
 ) -> None:
     """Refuse a plan the trace cannot run at ``seq`` tokens (`trace_activations`' Raises)."""
     config = plan.config
-    if config.checkpointed and config.checkpoint_policy not in CHECKPOINT_POLICIES:
+    if problems := config_value_problems(config):  # a config built by hand
         raise ShardingError(
-            f"trace_activations: checkpoint_policy {config.checkpoint_policy!r} is not one of "
-            f"{', '.join(map(repr, CHECKPOINT_POLICIES))} (set it with fs.checkpointing(..., policy=...))"
+            bullets(
+                "trace_activations: the plan's config holds values nothing runs:",
+                [f"plan.{problem}" for problem in problems],
+                "set each to a value named, or make the plan with fs.shard(model, mesh, policy)",
+            )
         )
     check_expert_imbalance(expert_imbalance)
     _check_titan_experts(plan, modules)

@@ -23,7 +23,7 @@ from functional_shard.core.spec import P, ParamSharding, spec_from_json
 
 from .config import FLAT_FIELDS, SECTIONS, PipelineConfig, PlanConfig, TpConfig
 
-__all__ = ["FORMAT_VERSION", "nested_config", "plan_data", "plan_problems"]
+__all__ = ["FORMAT_VERSION", "config_value_problems", "nested_config", "plan_data", "plan_problems"]
 
 FORMAT_VERSION = 2
 """Version 2 holds a config per parallelism; version 1 (one flat config) is read through `nested_config`."""
@@ -137,7 +137,7 @@ def _config_problems(config: Any, mesh: Mesh | None, paths: set[str], params: se
     if found:
         return found
     read = PlanConfig.from_json(config)
-    found += _config_value_problems(read)
+    found += config_value_problems(read)
     if mesh is not None:
         found += [
             f"config.{key}: axis {axis!r} is not an axis of {mesh!r}"
@@ -214,8 +214,16 @@ def _named_modules(config: PlanConfig) -> list[tuple[str, str]]:
     return named
 
 
-def _config_value_problems(config: PlanConfig) -> list[str]:
-    # the config's names the plan's readers look up: each must name what exists
+def config_value_problems(config: PlanConfig) -> list[str]:
+    """What in ``config`` names nothing that exists, or counts below one: a line each, by field.
+
+    The one check of a config's values, for a plan read from JSON and for one built by hand alike
+    (`apply` and `trace_activations` run it too).
+
+    Examples:
+        >>> config_value_problems(PlanConfig(checkpoint_policy="some"))
+        ["config.checkpoint_policy: 'some' is not one of ['full', 'selective', 'torchtitan']"]
+    """
     from functional_shard.core.sequence import CONTEXT_ENGINES
     from functional_shard.planning.policy.builders import CHECKPOINT_POLICIES
 

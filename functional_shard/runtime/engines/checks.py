@@ -8,8 +8,8 @@ from functional_shard.core.errors import PlanError, bullets
 from functional_shard.core.tree import read_model
 from functional_shard.planning.context_checks import context_parallel_problems
 from functional_shard.planning.pipeline.stages import stage_finder
+from functional_shard.planning.plan.json_format import config_value_problems
 from functional_shard.planning.plan.plan import Plan
-from functional_shard.planning.policy.builders import CHECKPOINT_POLICIES
 from functional_shard.planning.tp.module_splits import is_conv1d_module, is_projection, split_problems
 from functional_shard.planning.tp.rules import sequence_parallel_problems
 
@@ -76,11 +76,7 @@ def _config_problems(plan: Plan, module: nn.Module) -> list[str]:
             f"{kind} with tensor parallel: torch's DDP does not run over DTensor shards; "
             "use fs.fsdp(...) (or fs.zero(2)) for the data-parallel axis"
         )
-    if config.checkpointed and config.checkpoint_policy not in CHECKPOINT_POLICIES:
-        found.append(
-            f"checkpoint_policy {config.checkpoint_policy!r}: apply() runs "
-            f"{', '.join(map(repr, CHECKPOINT_POLICIES))} (set it with fs.checkpointing(..., policy=...))"
-        )
+    found += [f"plan.{problem}" for problem in config_value_problems(config)]  # a config built by hand
     if kind in ("ddp", "zero1") and any(p.is_meta for p in module.parameters()):
         found.append(
             f"{kind} on a meta-device module: DDP keeps every parameter on every rank (meta init saves "
