@@ -226,3 +226,29 @@ def test_a_diff_of_two_plans_of_one_model_still_runs(capsys, tmp_path):
     b.write_text(fs.shard(MODEL, fs.Mesh(dp=2), fs.zero(2, "dp")).to_json())
     assert main(["diff", a, str(b)]) == 0
     assert "data_parallel" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flag", "needs"),
+    [
+        ("--model", []),
+        ("--hardware", ["--seq", "16"]),
+        ("--kernels", ["--seq", "16"]),
+        ("--documents", ["--seq", "16"]),
+        ("--json", []),
+        ("--png", []),
+        ("--param", ["--png", "plan.png"]),
+    ],
+)
+@pytest.mark.parametrize("value", ["", " "])
+def test_an_empty_value_is_refused_not_taken_for_the_flag_left_out(
+    capsys, monkeypatch, tmp_path, flag, needs, value
+):
+    """An empty --json once wrote no file (a blank one wrote a file named ' '), --hardware became h100,
+    --kernels and --documents were dropped, all with exit code 0; an empty --model was the folder '.'."""
+    monkeypatch.chdir(tmp_path)  # where a file named ' ' would once have been written
+    argv = ["plan", "--mesh", "dp=2", "--policy", "fsdp(dp)", *needs, flag, value]
+    err = refused(capsys, *argv)
+    assert f"{flag} {value!r}: empty; give a value, or leave the flag out" in err
+    assert not list(tmp_path.iterdir())
+

@@ -43,6 +43,10 @@ DEFAULT_POLICY = "fsdp(dp) + tp(auto, tp) + bf16"
 
 def _check(args: argparse.Namespace) -> None:
     """The flags that go together, before anything is read or built."""
+    for flag in ("model", "hardware", "kernels", "documents", "json", "png", "param"):
+        value = getattr(args, flag)
+        if value is not None and not value.strip():  # a mistake, not a request for the default
+            raise InputError(f"--{flag} {value!r}: empty; give a value, or leave the flag out")
     if args.auto and (args.mesh is not None or args.policy is not None):
         raise InputError("--auto searches meshes and policies itself: leave out --mesh and --policy")
     if not args.auto and (args.devices is not None or args.budget is not None):
