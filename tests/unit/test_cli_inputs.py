@@ -252,3 +252,9 @@ def test_an_empty_value_is_refused_not_taken_for_the_flag_left_out(
     assert f"{flag} {value!r}: empty; give a value, or leave the flag out" in err
     assert not list(tmp_path.iterdir())
 
+
+def test_plan_refuses_an_unsized_axis_by_naming_the_mesh_flag(capsys):
+    """It was once shard()'s advice to call mesh.resolve(world_size), which no flag of plan can do."""
+    err = refused(capsys, *TINY, "--mesh", "dp=-1,tp=2", "--policy", "fsdp(dp)")
+    assert "--mesh 'dp=-1,tp=2': size -1 takes the devices left over" in err
+    assert err.rstrip().endswith("give every axis its size")

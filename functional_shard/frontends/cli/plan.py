@@ -130,6 +130,11 @@ def run(args: argparse.Namespace, out: Out) -> int:
     else:
         # only a flag left out takes the default: an empty value is refused, not replaced
         mesh = parse_mesh("dp=8,tp=4" if args.mesh is None else args.mesh)
+        if not mesh.is_resolved:
+            raise InputError(
+                f"--mesh {args.mesh!r}: size -1 takes the devices left over, but a plan has no device "
+                "count to take them from; give every axis its size"
+            )
         hardware = read_hardware(args.hardware or "h100") if args.batch is not None else None
         model = load_model(args.model)
         policy = read_policy(DEFAULT_POLICY if args.policy is None else args.policy, model)
