@@ -258,3 +258,13 @@ def test_plan_refuses_an_unsized_axis_by_naming_the_mesh_flag(capsys):
     err = refused(capsys, *TINY, "--mesh", "dp=-1,tp=2", "--policy", "fsdp(dp)")
     assert "--mesh 'dp=-1,tp=2': size -1 takes the devices left over" in err
     assert err.rstrip().endswith("give every axis its size")
+
+
+def test_a_config_json_whose_values_transformers_refuses_is_one_line(capsys, tmp_path):
+    """transformers checks a config's values with huggingface_hub, whose error was a traceback."""
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": -5}')
+    err = refused(capsys, "plan", "--model", str(tmp_path), "--mesh", "dp=2", "--policy", "fsdp(dp)")
+    assert (
+        f"--model {str(tmp_path / 'config.json')!r}: transformers cannot build a causal LM from it (" in err
+    )

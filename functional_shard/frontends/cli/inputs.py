@@ -95,7 +95,7 @@ def _from_hf_config(path: pathlib.Path) -> nn.Module:
         config = transformers.AutoConfig.for_model(**values)
         with torch.device("meta"):  # shapes only: no weights are read or allocated
             return transformers.AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
+    except Exception as error:  # the config's values reach transformers' and huggingface_hub's checks
         raise InputError(
             f"--model {str(file)!r}: transformers cannot build a causal LM from it ({one_line(error, 200)})"
         ) from None
