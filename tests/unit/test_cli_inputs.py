@@ -260,6 +260,24 @@ def test_plan_refuses_an_unsized_axis_by_naming_the_mesh_flag(capsys):
     assert err.rstrip().endswith("give every axis its size")
 
 
+@pytest.mark.parametrize(
+    ("module", "source", "says"),
+    [
+        ("raising_models", "raise ValueError('no GPU here')", "(ValueError: no GPU here)"),
+        ("broken_models", "def build(:\n", "(SyntaxError: "),
+        (".relative_models", "", "(TypeError: the 'package' argument is required"),
+    ],
+)
+def test_a_factory_module_that_fails_to_import_is_one_line(
+    capsys, tmp_path, monkeypatch, module, source, says
+):
+    """Only an ImportError was reported; the module's own error, or a relative name, was a traceback."""
+    (tmp_path / f"{module.lstrip('.')}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    err = refused(capsys, "plan", "--model", f"{module}:build", "--mesh", "dp=2", "--policy", "fsdp(dp)")
+    assert f"--model '{module}:build': cannot import '{module}' {says}" in err
+
+
 def test_a_config_json_whose_values_transformers_refuses_is_one_line(capsys, tmp_path):
     """transformers checks a config's values with huggingface_hub, whose error was a traceback."""
     pytest.importorskip("transformers")

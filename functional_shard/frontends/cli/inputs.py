@@ -114,6 +114,11 @@ def _from_factory(text: str) -> nn.Module:
         raise InputError(
             f"--model {text!r}: cannot import {module_name!r} ({one_line(error, 300)})"
         ) from None
+    except Exception as error:  # the module's own code raised, or a name import_module refuses
+        raise InputError(
+            f"--model {text!r}: cannot import {module_name!r} "
+            f"({type(error).__name__}: {one_line(error, 300)})"
+        ) from None
     factory = getattr(module, attribute, None)
     if not callable(factory):
         raise InputError(f"--model {text!r}: {module_name} has no function or class {attribute!r}")
