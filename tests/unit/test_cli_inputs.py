@@ -286,3 +286,12 @@ def test_a_config_json_whose_values_transformers_refuses_is_one_line(capsys, tmp
     assert (
         f"--model {str(tmp_path / 'config.json')!r}: transformers cannot build a causal LM from it (" in err
     )
+
+
+def test_a_diff_of_a_file_that_is_not_text_is_one_line(capsys, tmp_path):
+    """A file that is not UTF-8 (a .pt checkpoint given for its plan) was a UnicodeDecodeError traceback."""
+    binary = tmp_path / "model.pt"
+    binary.write_bytes(b"\x80\x02\xff\xfe")
+    plan = _write(tmp_path / "plan.json", MODEL)
+    err = refused(capsys, "diff", str(binary), plan)
+    assert f"{str(binary)!r}: cannot read ('utf-8' codec can't decode byte 0x80" in err

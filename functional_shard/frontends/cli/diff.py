@@ -29,7 +29,7 @@ def _read_plan(path: str) -> Plan:
 
     try:
         text = pathlib.Path(path).read_text()
-    except OSError as error:
+    except (OSError, UnicodeDecodeError) as error:  # a picture or a checkpoint is not text
         raise InputError(f"{path!r}: cannot read ({one_line(error, 300)})") from None
     try:
         return Plan.from_json(text)
