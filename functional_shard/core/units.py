@@ -61,7 +61,7 @@ def parse_bytes(value: int | str) -> int:
         >>> parse_bytes("80 parsecs")
         Traceback (most recent call last):
         ...
-        functional_shard.ShardingError: memory size '80 parsecs': a number of bytes or text like ...
+        functional_shard.ShardingError: memory size '80 parsecs': a positive number of bytes or text ...
     """
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise ShardingError(f"memory size {value!r}: an int of bytes or text like '80GiB'")
@@ -73,7 +73,7 @@ def parse_bytes(value: int | str) -> int:
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
         raise ShardingError(
-            f"memory size {value!r}: a number of bytes or text like '80GiB', '80GB', '512MiB' "
+            f"memory size {value!r}: a positive number of bytes or text like '80GiB', '80GB', '512MiB' "
             "(units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
         )
     return round(float(match.group(1)) * _UNITS[unit])
