@@ -1,6 +1,7 @@
 """Command-line values that were once replaced or let through in silence are refused in one line."""
 
 import re
+import sys
 
 import pytest
 from hypothesis import given
@@ -134,6 +135,16 @@ def test_a_picture_name_matplotlib_cannot_write_is_refused_before_anything_is_bu
     assert f"--png {str(target)!r}: {says}; end it with one of " in err
     assert all(f".{kind}," in err for kind in ("pdf", "png", "svg"))
     assert not list(tmp_path.iterdir())
+
+
+def test_a_picture_without_matplotlib_is_refused_before_anything_is_built(capsys, tmp_path, monkeypatch):
+    """It was refused only once the plan was made (or searched for) and printed."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as though it were not installed
+    target = tmp_path / "plan.png"
+    # the model does not exist: the --png check comes before it is looked for
+    err = refused(capsys, "plan", "--model", "no-such-model", "--mesh", "dp=2", "--png", str(target))
+    assert f"--png {str(target)!r}: plan.visualize() draws with matplotlib, which is not installed" in err
+    assert "pip install 'functional-shard[plot]'" in err
 
 
 def test_a_picture_suffix_in_capitals_is_accepted(capsys, tmp_path):

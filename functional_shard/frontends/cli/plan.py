@@ -77,10 +77,14 @@ def _check(args: argparse.Namespace) -> None:
 
 def _check_picture_suffix(path: str) -> None:
     """A file name matplotlib can write, refused before the plan is drawn (or even made)."""
+    from functional_shard.frontends.pictures.canvas import matplotlib_module
+
     try:
-        from matplotlib.backend_bases import FigureCanvasBase
-    except ImportError:  # drawing says how to install it
-        return
+        matplotlib_module()
+    except ShardingError as error:  # not after a search that may take minutes
+        raise InputError(f"--png {path!r}: {one_line(error, 300)}") from None
+    from matplotlib.backend_bases import FigureCanvasBase
+
     formats = sorted(FigureCanvasBase.get_supported_filetypes())
     suffix = pathlib.PurePath(path).suffix[1:].lower()
     if suffix not in formats:
