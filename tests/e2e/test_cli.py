@@ -180,7 +180,7 @@ def test_a_factory_builds_the_model_on_the_meta_device(capsys, tmp_path, monkeyp
         (["diff", "/no/such/a.json", "/no/such/b.json"], "'/no/such/a.json': cannot read"),
         (
             [*TINY, "--mesh", "dp=4", "--policy", "fsdp(dp)", "--png", "p.png", "--param", "wieght"],
-            "--png: the plan has no tensor 'wieght'",
+            "--param 'wieght': the plan has no tensor 'wieght'",
         ),
         ([*TINY, "--param", "lm_head.weight"], "--param goes with --png"),
         ([*TINY, "--polcy", "fsdp(dp)"], "unrecognized arguments: --polcy"),

@@ -314,3 +314,18 @@ def test_a_budget_of_no_bytes_is_asked_to_be_positive(capsys, budget):
     argv = ["--auto", "--devices", "2", "--budget", budget, "--seq", "16"]
     err = refused(capsys, *TINY, *argv)
     assert f"--budget {budget!r}: memory size {budget!r}: a positive number of bytes or text like" in err
+
+
+def test_an_unknown_param_is_refused_by_name_before_the_tables_with_the_tensors_it_may_mean(capsys, tmp_path):
+    """It was blamed on --png, after the plan's tables were printed, with no tensor to suggest."""
+    target = tmp_path / "plan.png"
+    argv = ["--mesh", "dp=2", "--policy", "fsdp(dp)", "--png", str(target), "--param", "lm_head"]
+    code = main([*TINY, *argv])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""
+    assert err == (
+        "functional-shard: --param 'lm_head': the plan has no tensor 'lm_head'; "
+        "did you mean ['lm_head.weight']?\n"
+    )
+    assert not target.exists()

@@ -143,6 +143,11 @@ def run(args: argparse.Namespace, out: Out) -> int:
         model = load_model(args.model)
         policy = read_policy(DEFAULT_POLICY if args.policy is None else args.policy, model)
         plan = shard(model, mesh, policy)
+    if args.param is not None:  # before the tables: the picture is drawn last
+        try:
+            plan.canonical(args.param)
+        except ShardingError as error:
+            raise InputError(f"--param {args.param!r}: {one_line(error, 300)}") from None
     if args.batch is not None and estimate is None:
         estimate = _estimate(model, plan, args, batch_given=batch_given, hardware=hardware)
     if to_stdout:

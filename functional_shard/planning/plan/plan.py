@@ -81,7 +81,12 @@ class Plan:
         for canonical, names in self.aliases.items():
             if path in names:
                 return canonical
-        close = [p for p in self.tensors if p.rpartition(".")[2] == path.rpartition(".")[2]][:3]
+        # a module's tensors (lm_head for lm_head.weight), or tensors of the same name elsewhere
+        close = [
+            p
+            for p in self.tensors
+            if p.startswith(f"{path}.") or p.rpartition(".")[2] == path.rpartition(".")[2]
+        ][:3]
         raise ShardingError(
             f"the plan has no tensor {path!r}" + (f"; did you mean {close}?" if close else "")
         )
