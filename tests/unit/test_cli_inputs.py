@@ -329,3 +329,9 @@ def test_an_unknown_param_is_refused_by_name_before_the_tables_with_the_tensors_
         "did you mean ['lm_head.weight']?\n"
     )
     assert not target.exists()
+
+
+def test_top_without_auto_is_refused_like_devices_and_budget(capsys):
+    """--top, which only the search's candidates table reads, was ignored without --auto."""
+    err = refused(capsys, *TINY, "--mesh", "dp=2", "--policy", "fsdp(dp)", "--top", "3")
+    assert "--top goes with --auto" in err

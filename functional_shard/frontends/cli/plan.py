@@ -51,6 +51,8 @@ def _check(args: argparse.Namespace) -> None:
         raise InputError("--auto searches meshes and policies itself: leave out --mesh and --policy")
     if not args.auto and (args.devices is not None or args.budget is not None):
         raise InputError("--devices and --budget go with --auto")
+    if not args.auto and args.top is not None:
+        raise InputError("--top goes with --auto (the candidates of the search to list)")
     if args.param and not args.png:
         raise InputError("--param goes with --png (the parameter to draw)")
     if args.batch is not None and args.seq is None:

@@ -64,7 +64,7 @@ def search(
         hardware=hardware,
         kernels=read_kernels(args.kernels) if args.kernels else None,
     )
-    _candidates_table(say, report, args.top)
+    _candidates_table(say, report, 10 if args.top is None else args.top)
     say.text()
     if report.best is None or report.best_candidate is None:
         raise InputError(_nothing_fits(report, args.devices))

@@ -102,9 +102,7 @@ def _add_plan(commands: argparse._SubParsersAction[_Parser]) -> None:
     )
     plan_flags.add_argument("--devices", type=int, help="with --auto: how many devices")
     plan_flags.add_argument("--budget", help="with --auto: memory per device, e.g. 80GiB")
-    plan_flags.add_argument(
-        "--top", type=int, default=10, help="with --auto: candidates to list (default: 10)"
-    )
+    plan_flags.add_argument("--top", type=int, help="with --auto: candidates to list (default: 10)")
     plan_flags.add_argument(
         "--json", metavar="FILE", help="write the plan as JSON (- prints it instead of the tables)"
     )
