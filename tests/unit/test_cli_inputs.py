@@ -335,3 +335,9 @@ def test_top_without_auto_is_refused_like_devices_and_budget(capsys):
     """--top, which only the search's candidates table reads, was ignored without --auto."""
     err = refused(capsys, *TINY, "--mesh", "dp=2", "--policy", "fsdp(dp)", "--top", "3")
     assert "--top goes with --auto" in err
+
+
+def test_a_diff_of_an_empty_file_name_says_so(capsys, tmp_path):
+    """An unset shell variable ("$BEFORE") was reported as the folder '.' that cannot be read."""
+    err = refused(capsys, "diff", "", _write(tmp_path / "plan.json", MODEL))
+    assert "'': an empty file name; give the file plan --json wrote" in err

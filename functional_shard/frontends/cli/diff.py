@@ -27,6 +27,8 @@ __all__ = ["run"]
 def _read_plan(path: str) -> Plan:
     from functional_shard.planning.plan.plan import Plan
 
+    if not path.strip():  # pathlib reads '' as '.', the folder here
+        raise InputError(f"{path!r}: an empty file name; give the file plan --json wrote")
     try:
         text = pathlib.Path(path).read_text()
     except (OSError, UnicodeDecodeError) as error:  # a picture or a checkpoint is not text
