@@ -71,9 +71,11 @@ def parse_bytes(value: int | str) -> int:
         return value
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
     unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+    # 0.4 (bytes) rounds to none at all, as 0 does
+    size = round(float(match.group(1)) * _UNITS[unit]) if match and unit in _UNITS else 0
+    if size < 1:
         raise ShardingError(
             f"memory size {value!r}: a positive number of bytes or text like '80GiB', '80GB', '512MiB' "
             "(units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
         )
-    return round(float(match.group(1)) * _UNITS[unit])
+    return size

@@ -308,9 +308,10 @@ def test_a_diff_of_a_file_that_is_not_text_is_one_line(capsys, tmp_path):
     assert f"{str(binary)!r}: cannot read ('utf-8' codec can't decode byte 0x80" in err
 
 
-@pytest.mark.parametrize("budget", ["0", "0GiB", "-1"])
+@pytest.mark.parametrize("budget", ["0", "0GiB", "-1", "0.4"])
 def test_a_budget_of_no_bytes_is_asked_to_be_positive(capsys, budget):
-    """The refusal once asked for 'a number of bytes', which 0 is."""
+    """The refusal once asked for 'a number of bytes', which 0 is; 0.4 was read as 0 bytes, which
+    the search then refused without naming --budget."""
     argv = ["--auto", "--devices", "2", "--budget", budget, "--seq", "16"]
     err = refused(capsys, *TINY, *argv)
     assert f"--budget {budget!r}: memory size {budget!r}: a positive number of bytes or text like" in err
