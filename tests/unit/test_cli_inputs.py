@@ -342,3 +342,16 @@ def test_a_diff_of_an_empty_file_name_says_so(capsys, tmp_path):
     """An unset shell variable ("$BEFORE") was reported as the folder '.' that cannot be read."""
     err = refused(capsys, "diff", "", _write(tmp_path / "plan.json", MODEL))
     assert "'': an empty file name; give the file plan --json wrote" in err
+
+
+def test_an_empty_config_for_a_hugging_face_export_is_refused_not_read_from_here(
+    capsys, tmp_path, monkeypatch
+):
+    """An empty --config (an unset "$CONFIG") once read the config.json of the folder it ran in."""
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    (tmp_path / "ckpt").mkdir()
+    err = refused(capsys, "checkpoint", "convert", "ckpt", "hf", "--to", "hf", "--config", "")
+    assert "config='': a path (a str or os.PathLike)" in err
+    assert not (tmp_path / "hf").exists()

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.core.validate import path as check_path
 from functional_shard.runtime.checkpoint.integrity import key_differences
 
 __all__ = [
@@ -111,7 +112,7 @@ def hf_config(config: Any, model: nn.Module | None) -> Any:
     if isinstance(config, Mapping):
         return _config_from_dict(config, "config (a dict)")
     if isinstance(config, str | os.PathLike):
-        path = Path(config)
+        path = check_path(config, "config")  # '' would be the folder here, and its config.json read
         path = path / CONFIG if path.is_dir() else path
         try:
             values = json.loads(path.read_text())
