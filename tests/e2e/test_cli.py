@@ -175,7 +175,7 @@ def test_a_factory_builds_the_model_on_the_meta_device(capsys, tmp_path, monkeyp
         ([*TINY, "--budget", "80GiB"], "--devices and --budget go with --auto"),
         (
             [*TINY, "--mesh", "dp=4", "--policy", "fsdp(dp)", "--png", "/no/such/folder/p.png"],
-            "--png '/no/such/folder/p.png': cannot write",
+            "--png '/no/such/folder/p.png': there is no folder '/no/such/folder' to write it in",
         ),
         (["diff", "/no/such/a.json", "/no/such/b.json"], "'/no/such/a.json': cannot read"),
         (

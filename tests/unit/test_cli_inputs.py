@@ -355,3 +355,12 @@ def test_an_empty_config_for_a_hugging_face_export_is_refused_not_read_from_here
     err = refused(capsys, "checkpoint", "convert", "ckpt", "hf", "--to", "hf", "--config", "")
     assert "config='': a path (a str or os.PathLike)" in err
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(("name", "says"), [("out/plan.json", "there is no folder "), (".", "a folder; ")])
+def test_a_json_file_that_cannot_be_written_is_refused_before_the_plan_is_made(capsys, tmp_path, name, says):
+    """It was refused only after the plan was made (after a search, perhaps minutes long) and printed."""
+    target = str(tmp_path / name)
+    # the model does not exist: the --json check comes before it is looked for
+    err = refused(capsys, "plan", "--model", "no-such-model", "--mesh", "dp=2", "--json", target)
+    assert f"--json {target!r}: {says}" in err

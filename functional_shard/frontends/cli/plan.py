@@ -73,8 +73,20 @@ def _check(args: argparse.Namespace) -> None:
         raise InputError(
             "--auto needs --devices, --budget and --seq (and --batch, or one sequence per device)"
         )
+    for flag, path in (("--json", args.json), ("--png", args.png)):
+        if path is not None and path != "-":
+            _check_file_to_write(path, flag)
     if args.png:
         _check_picture_suffix(args.png)
+
+
+def _check_file_to_write(path: str, flag: str) -> None:
+    """A file the command will write, refused before the plan is made (a search may take minutes)."""
+    target = pathlib.Path(path)
+    if target.is_dir():
+        raise InputError(f"{flag} {path!r}: a folder; name a file to write")
+    if not target.parent.is_dir():
+        raise InputError(f"{flag} {path!r}: there is no folder {str(target.parent)!r} to write it in")
 
 
 def _check_picture_suffix(path: str) -> None:
