@@ -29,6 +29,8 @@ from .search import Search, SearchInputs
 __all__ = ["auto", "search_plans"]
 
 _P = ParamSpec("_P")
+MOST_DEVICES = 2**24
+"""The most devices a search takes: a guard against a typo, whose meshes would take hours to lay out."""
 
 
 @entry_point
@@ -75,6 +77,11 @@ def search_plans(
     """
     for name, value in (("devices", devices), ("batch", batch), ("seq", seq)):
         positive_int(value, name)
+    if devices > MOST_DEVICES:
+        what = f"at most {MOST_DEVICES:,} (2**24), beyond any cluster"
+        refuse(
+            "devices", f"{devices:,}", what, meaning="the search lays out a mesh for each way to split them"
+        )
     budget = parse_bytes(memory_budget)
     hw = _hardware(hardware)
     facts = model_facts(model)

@@ -7,6 +7,7 @@ experts); `search` estimates the points, `auto` chooses among them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -181,7 +182,9 @@ def model_facts(model: Any) -> ModelFacts:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    # in pairs (d, n // d) up to the square root: a million devices cost a thousand tries, not a million
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 @dataclass(frozen=True, kw_only=True)

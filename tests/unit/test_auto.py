@@ -22,7 +22,7 @@ from functional_shard.core.quiet import captured
 from functional_shard.costing.trace import activations
 from functional_shard.costing.trace import counting as trace_counting
 from functional_shard.planning.tp import rules
-from functional_shard.search.candidates import Space, head_counts, points, repeated_block
+from functional_shard.search.candidates import Space, _divisors, head_counts, points, repeated_block
 from functional_shard.zoo import CONFIGS, MLP, Block, Llama, LlamaConfig, llama
 
 _TRACES: dict = {}
@@ -219,6 +219,8 @@ def test_nothing_fits_names_the_closest_candidate():
         (-2, 8, "auto(devices=-2): a positive int"),
         # (4 devices and a batch of 3 run as pp=2 x tp=2; 5 devices have no such mesh)
         (5, 3, "auto(devices=5, batch=3): no data-parallel size divides the batch"),
+        # a typo's count, whose meshes would take hours to lay out
+        (10**20, 8, "auto(devices=100,000,000,000,000,000,000): at most 16,777,216 (2**24)"),
     ],
 )
 def test_devices_that_cannot_form_a_mesh(devices, batch, message):
@@ -514,3 +516,8 @@ def test_the_search_traces_checkpointed_candidates_forward_only():
         ("none", (("cuda", True),)),
         ("selective", (("cuda", True), ("backward", False))),
     ]
+
+
+@given(st.integers(1, 5000))
+def test_the_divisors_of_a_device_count_are_every_divisor_in_order(devices):
+    assert _divisors(devices) == [d for d in range(1, devices + 1) if devices % d == 0]
