@@ -23,7 +23,7 @@ import math
 from collections.abc import Sequence
 
 from .errors import ShardingError
-from .validate import positive_int
+from .validate import positive_int, refuse
 
 __all__ = [
     "CONTEXT_ENGINES",
@@ -31,6 +31,7 @@ __all__ = [
     "causal_imbalance",
     "causal_work",
     "check_sequence_length",
+    "check_step_tokens",
     "document_imbalance",
     "document_ranges",
     "document_work",
@@ -131,6 +132,26 @@ def check_sequence_length(
         f"cp={cp} {balance} cuts each sequence into {chunks} equal chunks, and {chunks} does not divide "
         f"the {what} {seq}; use {nearest} tokens (pad the sequences){other}"
     )
+
+
+MOST_STEP_TOKENS = 2**32
+"""The most tokens a step may hold (batch × seq): far beyond any run, and short of the sizes
+whose tensors torch can no longer count (a typo's ``seq=10**23``)."""
+
+
+def check_step_tokens(batch: object, seq: object) -> None:
+    """Refuse a ``batch`` or ``seq`` that is no positive int, or a step of more than 2**32 tokens.
+
+    Examples:
+        >>> check_step_tokens(8, 4096)
+        >>> check_step_tokens(2**20, 2**20)
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: seq=1048576, batch=1048576: at most 4,294,967,296 (2**32) tokens ...
+    """
+    if positive_int(batch, "batch") * positive_int(seq, "seq") > MOST_STEP_TOKENS:
+        what = f"at most {MOST_STEP_TOKENS:,} (2**32) tokens a step (batch × seq), far beyond any run"
+        refuse("seq", f"{seq}, batch={batch}", what, meaning="a typo? count the tokens again")
 
 
 def check_split_share(seq: int, cp: int, tp: int, *, load_balance: bool, axis: str, who: str) -> None:

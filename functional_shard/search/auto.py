@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any, ParamSpec
 
 from functional_shard.core.errors import PlanError
+from functional_shard.core.sequence import check_step_tokens
 from functional_shard.core.units import format_bytes as _bytes
 from functional_shard.core.units import parse_bytes
 from functional_shard.core.validate import entry_point, positive_int, refuse
@@ -75,8 +76,8 @@ def search_plans(
         >>> report.best is not None and report.best_candidate.fits
         True
     """
-    for name, value in (("devices", devices), ("batch", batch), ("seq", seq)):
-        positive_int(value, name)
+    positive_int(devices, "devices")
+    check_step_tokens(batch, seq)
     if devices > MOST_DEVICES:
         what = f"at most {MOST_DEVICES:,} (2**24), beyond any cluster"
         refuse(

@@ -182,6 +182,11 @@ def test_cost_and_estimate_refuse_the_same_sequence_length():
             "trace_activations(seq='8'): a positive",
         ),
         (lambda: fs.estimate(MODEL, CP_PLAN, batch=1, seq=8, inputs="ids"), "estimate(inputs=str): a tensor"),
+        # a typo's length, whose tensors torch cannot count: refused, not torch's overflow
+        (
+            lambda: fs.estimate(MODEL, CP_PLAN, batch=2, seq=10**23),
+            "estimate(seq=100000000000000000000000, batch=2): at most 4,294,967,296 (2**32) tokens a step",
+        ),
         (
             lambda: fs.estimate(MODEL, CP_PLAN, batch=1, seq=8, optimizer=torch.optim.SGD),
             "estimate(optimizer=<class 'torch.optim.sgd.SGD'>): 'adamw', 'adam' or 'sgd'",

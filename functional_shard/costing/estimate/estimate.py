@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from functional_shard.core.errors import PlanError, ShardingError, bullets
+from functional_shard.core.sequence import check_step_tokens
 from functional_shard.core.units import parse_bytes
-from functional_shard.core.validate import entry_point, positive_int, refuse
+from functional_shard.core.validate import entry_point, refuse
 from functional_shard.costing.cost.cost_model import OptimizerKind, check_plan_and_optimizer
 from functional_shard.costing.time.context_engines import for_hardware
 from functional_shard.costing.time.documents import RowDocuments, cp_rank_of, row_documents
@@ -148,8 +149,7 @@ def estimate(
     """
     check_model_and_plan(model, plan, "estimate")
     check_plan_and_optimizer(plan, optimizer)
-    positive_int(batch, "batch")
-    positive_int(seq, "seq")
+    check_step_tokens(batch, seq)
     if keep_outputs and plan.config.pipeline is None:
         what = "only a pipeline's last stage keeps its outputs to the step's end"
         refuse(

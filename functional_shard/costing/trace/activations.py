@@ -25,8 +25,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_map_only
 
 from functional_shard.core.errors import PlanError, ShardingError, bullets
-from functional_shard.core.sequence import check_sequence_length
-from functional_shard.core.validate import entry_point, positive_int
+from functional_shard.core.sequence import check_sequence_length, check_step_tokens
+from functional_shard.core.validate import entry_point
 from functional_shard.costing.time.documents import RowDocuments, cp_rank_of, row_documents
 from functional_shard.planning.pipeline.stages import stage_finder
 from functional_shard.planning.plan.json_format import config_value_problems
@@ -377,8 +377,7 @@ def trace_activations(
         True
     """
     check_model_and_plan(model, plan, "trace_activations")
-    positive_int(batch, "batch")
-    positive_int(seq, "seq")
+    check_step_tokens(batch, seq)
     config = plan.config
     cp_rank = cp_rank_of(plan, rank)  # packed rows: whose share is counted; None: the busiest
     rank = 0 if rank is None else rank
