@@ -154,6 +154,7 @@ def _refused(text: str, model=MODEL) -> str:
         ("cp(cp, engine=flash)", "cp(engine='flash'): one of 'auto', 'ring', 'all_gather'"),
         ("offload(weights)", "offload part 'weights': use any of params, grads, optimizer"),
         ("fsdp(dp) + zero(1, dp)", "axis 'dp' is claimed by both fsdp('dp') and zero1('dp')"),
+        ("fsdp(dp) + fsdp(dp)", "Give each layer its own mesh axes. Accepted: "),  # one period
         ("bf16 + fp16", "option 'param_dtype' is set twice"),
         ("", "write one, e.g. 'fsdp(dp) + tp(llama, tp)'"),
     ],

@@ -486,5 +486,6 @@ def parse_policy(text: str, model: nn.Module | None = None) -> Policy:
     except _TextError as problem:
         part = ast.get_source_segment(source, problem.node) if problem.node is not None else None
         where = f" in {part!r}" if part and part != source else ""
-        raise PolicyError(f"policy {text!r}{where}: {problem.message}. Accepted: {FORMS}") from None
+        message = problem.message.rstrip(".")  # a refusal's own fix may end its sentence
+        raise PolicyError(f"policy {text!r}{where}: {message}. Accepted: {FORMS}") from None
     return policy
