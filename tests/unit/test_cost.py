@@ -8,6 +8,7 @@ import functional_shard as fs
 from functional_shard.core.layout import local_numel
 from functional_shard.costing.cost.census import zero1_owners
 from functional_shard.costing.cost.cost_model import unit_gathered
+from functional_shard.zoo import llama
 
 from ..strategies import data_policies, linear_colwise, module_trees
 
@@ -210,3 +211,13 @@ def test_gathered_bytes_per_unit_equal_the_sum_over_its_parameters(sizes, dp, da
             )
     assert unit_gathered(plan) == expected
     assert len(expected) == 1 + len(sizes)  # the root and each block
+
+
+@pytest.mark.parametrize("pattern", ["*norm", "*embed_tokens", "*.q_proj"])
+def test_moe_tp_experts_on_a_module_without_expert_weights_leaves_it_whole(pattern):
+    # the style splits 3-D expert weights only; apply gives such a module no style
+    model, mesh = llama("tiny"), fs.Mesh(tp=2)
+    plan = fs.shard(model, mesh, fs.tp(fs.Rules([(pattern, "moe_tp_experts")]), "tp"))
+    whole = fs.shard(model, mesh, fs.tp(fs.Rules([(pattern, "replicate")]), "tp"))
+    assert plan == whole
+    assert plan.cost(tokens=8) == whole.cost(tokens=8)
