@@ -11,6 +11,7 @@ from functional_shard.costing.cost.cost_model import unit_gathered
 from functional_shard.zoo import llama
 
 from ..strategies import data_policies, linear_colwise, module_trees
+from ..unit_models import DeepSeekMoE, TitanConfig
 
 MB = 10**6
 
@@ -221,3 +222,11 @@ def test_moe_tp_experts_on_a_module_without_expert_weights_leaves_it_whole(patte
     whole = fs.shard(model, mesh, fs.tp(fs.Rules([(pattern, "replicate")]), "tp"))
     assert plan == whole
     assert plan.cost(tokens=8) == whole.cost(tokens=8)
+
+
+def test_a_plan_whose_model_names_no_top_k_says_where_the_model_can_name_it():
+    with torch.device("meta"):
+        model = DeepSeekMoE(TitanConfig())  # its routers have no top_k, its config no num_experts_per_tok
+    plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp("dp") + fs.ep("dp"))
+    with pytest.raises(fs.ShardingError, match="num_experts_per_tok or a router module's int top_k"):
+        plan.cost(tokens=8)
