@@ -8,7 +8,7 @@ import functional_shard as fs
 from functional_shard.core.layout import local_numel
 from functional_shard.costing.cost.census import zero1_owners
 from functional_shard.costing.cost.cost_model import unit_gathered
-from functional_shard.zoo import llama
+from functional_shard.zoo import Llama, LlamaConfig, llama
 
 from ..strategies import data_policies, linear_colwise, module_trees
 from ..unit_models import DeepSeekMoE, TitanConfig
@@ -170,6 +170,18 @@ def test_zero1_worst_rank_is_the_heaviest_of_every_rank(model, n, other, optimiz
     by_rank = [plan.cost(optimizer, rank=rank) for rank in range(mesh.size)]
     worst = max(by_rank, key=lambda c: c.total_bytes)
     assert plan.cost(optimizer) == worst
+
+
+@settings(max_examples=20)
+@given(st.integers(1, 4), st.integers(2, 3), st.integers(2, 3), st.sampled_from(["adamw", "sgd", 2.5]))
+def test_zero1_worst_rank_under_a_pipeline_is_the_heaviest_of_every_rank(layers, pp, dp, optimizer):
+    # a stage's ranks own the state of that stage's tensors only, not of every stage's
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(16, 8, 16, num_layers=layers, num_heads=2, num_kv_heads=2))
+    mesh = fs.Mesh(pp=pp, dp=dp)
+    plan = fs.shard(model, mesh, fs.pipeline("pp", microbatches=pp) + fs.zero(1, "dp"))
+    by_rank = [plan.cost(optimizer, rank=rank) for rank in range(mesh.size)]
+    assert plan.cost(optimizer) == max(by_rank, key=lambda c: c.total_bytes)
 
 
 @given(module_trees(tie=False), st.integers(2, 4))
