@@ -154,21 +154,29 @@ def check_step_tokens(batch: object, seq: object) -> None:
         refuse("seq", f"{seq}, batch={batch}", what, meaning="a typo? count the tokens again")
 
 
-def check_split_share(seq: int, cp: int, tp: int, *, load_balance: bool, axis: str, who: str) -> None:
+def check_split_share(
+    seq: int, cp: int, tp: int, *, load_balance: bool, axis: str, who: str | None = None
+) -> None:
     """Refuse a length whose share on each cp rank sequence parallel over ``tp`` ranks cannot split.
 
-    ``seq``: the whole length, which the cp chunks divide (`check_sequence_length`).
+    ``seq``: the whole length, which the cp chunks divide (`check_sequence_length`). ``who`` names the
+    caller in front; without it the argument ``seq`` is refused, which the public function the user
+    called names (`functional_shard.core.validate.entry_point`).
 
     Raises:
         ShardingError: ``tp`` does not divide ``seq / cp``.
 
     Examples:
         >>> check_split_share(8, 2, 2, load_balance=False, axis="tp", who="step")  # 4 a rank, 2 a tp rank
-        >>> check_split_share(6, 2, 2, load_balance=False, axis="tp", who="trace_activations(seq=6)")
+        >>> check_split_share(6, 2, 2, load_balance=False, axis="tp", who="step")
         Traceback (most recent call last):
         ...
-        functional_shard.ShardingError: trace_activations(seq=6): the 6-token sequence leaves ...
+        functional_shard.ShardingError: step: the 6-token sequence leaves ...
         use a sequence length that is a multiple of 4 (4 or 8: cp=2 ranks x tp=2), or drop sequence_parallel
+        >>> check_split_share(6, 2, 2, load_balance=False, axis="tp")
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: seq=6: the 6-token sequence leaves ...
     """
     share = seq // cp
     if share % tp == 0:
@@ -179,12 +187,15 @@ def check_split_share(seq: int, cp: int, tp: int, *, load_balance: bool, axis: s
     chunks = (
         f", cut into {chunk_count(cp, load_balance=load_balance)} chunks" if load_balance and cp > 1 else ""
     )
-    raise ShardingError(
-        f"{who}: the {seq}-token sequence leaves {share} tokens on each of the cp={cp} ranks, which "
+    problem = (
+        f"the {seq}-token sequence leaves {share} tokens on each of the cp={cp} ranks, which "
         f"sequence parallel over {axis!r} splits evenly over its {tp} ranks, and {tp} does not divide "
         f"{share}; use a sequence length that is a multiple of {multiple} ({nearest}: cp={cp} ranks x "
         f"tp={tp}{chunks}), or drop sequence_parallel"
     )
+    if who is None:
+        refuse("seq", str(seq), problem)
+    raise ShardingError(f"{who}: {problem}")
 
 
 def token_ranges(seq: int, cp: int, rank: int, *, load_balance: bool) -> tuple[tuple[int, int], ...]:

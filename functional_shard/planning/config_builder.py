@@ -42,6 +42,8 @@ def styles_of(policy: Policy, tree: ModelTree, paths: Iterable[str], styles: dic
                 style = rule.style if rule is not None else None
                 if style is not None and style != "replicate":
                     kind = layout_of(tree.spec_as(name, path))
+                    if style == "moe_tp_experts" and kind != "experts":
+                        continue  # it splits 3-D expert weights only: elsewhere the module stays whole
                     styles.setdefault(module_path, (module_path, style, kind))
 
 

@@ -8,8 +8,10 @@ import functional_shard as fs
 from functional_shard.core.layout import local_numel
 from functional_shard.costing.cost.census import zero1_owners
 from functional_shard.costing.cost.cost_model import unit_gathered
+from functional_shard.zoo import Llama, LlamaConfig, llama
 
 from ..strategies import data_policies, linear_colwise, module_trees
+from ..unit_models import DeepSeekMoE, TitanConfig
 
 MB = 10**6
 
@@ -170,6 +172,18 @@ def test_zero1_worst_rank_is_the_heaviest_of_every_rank(model, n, other, optimiz
     assert plan.cost(optimizer) == worst
 
 
+@settings(max_examples=20)
+@given(st.integers(1, 4), st.integers(2, 3), st.integers(2, 3), st.sampled_from(["adamw", "sgd", 2.5]))
+def test_zero1_worst_rank_under_a_pipeline_is_the_heaviest_of_every_rank(layers, pp, dp, optimizer):
+    # a stage's ranks own the state of that stage's tensors only, not of every stage's
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(16, 8, 16, num_layers=layers, num_heads=2, num_kv_heads=2))
+    mesh = fs.Mesh(pp=pp, dp=dp)
+    plan = fs.shard(model, mesh, fs.pipeline("pp", microbatches=pp) + fs.zero(1, "dp"))
+    by_rank = [plan.cost(optimizer, rank=rank) for rank in range(mesh.size)]
+    assert plan.cost(optimizer) == max(by_rank, key=lambda c: c.total_bytes)
+
+
 @given(module_trees(tie=False), st.integers(2, 4))
 def test_worst_memory_of_candidates_whose_shards_differ_is_found_rank_by_rank(model, n):
     # the general path of _worst_memory: candidates differ along an axis the storage names
@@ -210,3 +224,21 @@ def test_gathered_bytes_per_unit_equal_the_sum_over_its_parameters(sizes, dp, da
             )
     assert unit_gathered(plan) == expected
     assert len(expected) == 1 + len(sizes)  # the root and each block
+
+
+@pytest.mark.parametrize("pattern", ["*norm", "*embed_tokens", "*.q_proj"])
+def test_moe_tp_experts_on_a_module_without_expert_weights_leaves_it_whole(pattern):
+    # the style splits 3-D expert weights only; apply gives such a module no style
+    model, mesh = llama("tiny"), fs.Mesh(tp=2)
+    plan = fs.shard(model, mesh, fs.tp(fs.Rules([(pattern, "moe_tp_experts")]), "tp"))
+    whole = fs.shard(model, mesh, fs.tp(fs.Rules([(pattern, "replicate")]), "tp"))
+    assert plan == whole
+    assert plan.cost(tokens=8) == whole.cost(tokens=8)
+
+
+def test_a_plan_whose_model_names_no_top_k_says_where_the_model_can_name_it():
+    with torch.device("meta"):
+        model = DeepSeekMoE(TitanConfig())  # its routers have no top_k, its config no num_experts_per_tok
+    plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp("dp") + fs.ep("dp"))
+    with pytest.raises(fs.ShardingError, match="num_experts_per_tok or a router module's int top_k"):
+        plan.cost(tokens=8)

@@ -138,6 +138,10 @@ def test_tied_names_that_disagree_are_refused():
         (lambda: fs.zero(4), "zero(stage=4): one of 1, 2, 3"),
         (lambda: fs.fsdp(reshard_after_forward=2), "True or False"),
         (lambda: fs.fsdp(min_params=0), "fsdp(min_params=0): a positive int"),
+        (
+            lambda: fs.hsdp("node", "gpu", units=["layers.*"], min_params=10),
+            "hsdp(units=['layers.*']): modules to make units, or min_params=10, not both",
+        ),
         (lambda: fs.checkpointing(), "needs module classes or path patterns"),
         (lambda: fs.Rules([("*", "diagonal")]), "one of the styles"),
         (lambda: fs.mixed_precision("bfloat17"), "mixed_precision(param_dtype='bfloat17'): a torch dtype"),

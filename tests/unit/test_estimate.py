@@ -20,7 +20,7 @@ from functional_shard.costing.time.step_model import (
     unit_gathered_bytes,
 )
 from functional_shard.planning.tp import rules
-from functional_shard.zoo import Block, llama
+from functional_shard.zoo import Block, Llama, LlamaConfig, llama
 
 _TRACED: dict = {}
 
@@ -270,6 +270,16 @@ def test_a_plan_the_model_cannot_run_is_refused_before_tracing_naming_the_module
     with pytest.raises(fs.ShardingError) as refused:
         fs.estimate(model, _plans()[1]["fsdp"], batch=2, seq=16, inputs=bad)
     assert "check_runnable" not in str(refused.value)
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op:UserWarning")
+def test_a_model_with_fewer_features_than_heads_is_refused_by_its_forward_not_a_division():
+    # hidden 2 over 4 heads: head_dim 0, no heads to count for the tensor-parallel check
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(hidden_size=2, num_heads=4, num_kv_heads=2))
+    plan = fs.shard(model, fs.Mesh(tp=2), fs.tp(rules.llama, "tp"))
+    with pytest.raises(fs.ShardingError, match=re.escape("Llama's forward failed on inputs")):
+        fs.estimate(model, plan, batch=1, seq=4)
 
 
 @pytest.mark.parametrize("text", ["80 parsecs", "GiB", "-1GiB", "", "1e3GB"])

@@ -9,6 +9,7 @@ import json
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from torch import nn
 
 import functional_shard as fs
 from functional_shard.zoo import llama
@@ -89,6 +90,30 @@ def test_a_cut_plan_file_is_refused(plan, cut):
     text = TEXTS[plan]
     with pytest.raises(fs.ShardingError, match="not a plan file"):
         fs.Plan.from_json(text[: cut % len(text)])
+
+
+class _WithActivations(nn.Module):
+    """Two blocks, then an activation and a dropout, which hold no tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.act = nn.GELU()
+        self.drop = nn.Dropout()
+
+
+@pytest.mark.parametrize(
+    ("mesh", "policy"),
+    [
+        (fs.Mesh(dp=2), fs.fsdp("dp") + fs.checkpointing(nn.GELU)),
+        (fs.Mesh(dp=2), fs.fsdp("dp", units=["drop"])),
+        (fs.Mesh(pp=2), fs.pipeline("pp", microbatches=2, split=[["layers.0"], ["layers.1", "act", "drop"]])),
+    ],
+    ids=["checkpointed", "fsdp unit", "pipeline stage"],
+)
+def test_a_plan_naming_modules_that_hold_no_tensors_reads_back(mesh, policy):
+    plan = fs.shard(_WithActivations(), mesh, policy)
+    assert fs.Plan.from_json(plan.to_json()) == plan
 
 
 @pytest.mark.parametrize(

@@ -81,10 +81,12 @@ def text_policies(draw: st.DrawFn) -> fs.Policy:
     elif kind == "zero":
         parts.append(fs.zero(draw(st.sampled_from([1, 2, 3])), axes[0]))
     elif kind in ("fsdp", "hsdp"):
+        chosen = draw(units)
         options = {
             "reshard_after_forward": draw(st.booleans()),
-            "units": draw(units),
-            "min_params": draw(st.none() | st.integers(1, 10**9)),
+            "units": chosen,
+            # units or a size threshold, not both
+            "min_params": None if chosen is not None else draw(st.none() | st.integers(1, 10**9)),
         }
         if kind == "fsdp":
             shard_axes = axes[: draw(st.integers(1, 2))]

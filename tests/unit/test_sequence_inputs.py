@@ -171,6 +171,32 @@ def test_the_plan_under_cp_and_sequence_parallel_names_the_length_given(monkeypa
         activations.trace_activations(model, plan, batch=1, seq=6)
 
 
+@pytest.mark.parametrize(
+    ("mesh", "policy", "seq", "says"),
+    [
+        (
+            fs.Mesh(tp=2),
+            fs.tp(fs.rules.llama, "tp", sequence_parallel=True),
+            3,
+            "sequence parallel over 'tp'",
+        ),
+        (
+            fs.Mesh(cp=2, tp=2),
+            fs.fsdp("cp")
+            + fs.cp("cp", load_balance=False)
+            + fs.tp(fs.rules.llama, "tp", sequence_parallel=True),
+            6,
+            "the 6-token sequence leaves 3 tokens",
+        ),
+    ],
+    ids=["tp", "cp and tp"],
+)
+def test_an_estimate_of_a_length_sequence_parallel_cannot_split_names_estimate(mesh, policy, seq, says):
+    model = llama("tiny")
+    with pytest.raises(fs.ShardingError, match=re.escape(f"estimate(seq={seq}): {says}")):
+        fs.estimate(model, fs.shard(model, mesh, policy), batch=1, seq=seq)
+
+
 def test_a_step_under_cp_and_sequence_parallel_names_the_length_given(fake_world):
     fake_world(4)
     policy = (

@@ -152,7 +152,8 @@ def _worst_memory(
         )
     owned: dict[tuple[str, int], int] = defaultdict(int)
     for tensor, sharding, units, owner, count in census:
-        if isinstance(sharding.optim, Owned):
+        # another pipeline stage's tensors are owned on other ranks: their state is not the candidates'
+        if isinstance(sharding.optim, Owned) and sharding.storage.holds(base) and sharding.optim.holds(base):
             owned[sharding.optim.axis, owner] += (
                 count * len(units) * _state_bytes(tensor.numel, tensor.itemsize, optimizer)
             )

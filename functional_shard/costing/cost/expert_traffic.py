@@ -110,7 +110,8 @@ def expert_comm(
     ``add(kind, axes, n, full_bytes, times)`` counts as the cost model's collectives do (the module's table).
 
     Raises:
-        ShardingError: the plan does not know how many experts a token visits (made from a state dict).
+        ShardingError: the plan does not know how many experts a token visits (made from a state dict, or
+            from a model that names no top-k).
     """
     config = plan.config
     layers = expert_layers(plan)
@@ -121,7 +122,7 @@ def expert_comm(
         raise ShardingError(
             "cost(tokens=...): the plan splits experts modules but does not know how many experts each "
             "token visits (its config's experts.top_k is 0): make the plan with fs.shard(model, ...) from "
-            "the model itself, whose config names num_experts_per_tok"
+            "a model that says it, by its config's num_experts_per_tok or a router module's int top_k"
         )
     dispatched = set(config.expert_modules)
     tp_axes = config.tensor_parallel_axes

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from functional_shard.core.errors import ShardingError
 from functional_shard.core.sequence import check_split_share
+from functional_shard.core.validate import refuse
 from functional_shard.planning.tp.rules import first_input_name, sequence_gathers, sequence_parallel_problems
 
 __all__ = ["check_sequence_parallel", "sequence_parallel"]
@@ -216,21 +216,16 @@ def check_sequence_parallel(modules: dict[str, nn.Module], plan: Any, seq: int, 
     axes = ",".join(plan.config.tensor_parallel_axes)
     context = plan.config.context
     cp = plan.config.cp_size(plan.mesh)
+    # refused as the argument ``seq``: the public function the caller ran (estimate, auto) names itself
     if context is not None and cp > 1:  # speak of the length the caller gave, not of a rank's share of it
-        whole = seq * cp
-        check_split_share(
-            whole,
-            cp,
-            tp_size,
-            load_balance=context.load_balance,
-            axis=axes,
-            who=f"trace_activations(seq={whole})",
-        )
+        check_split_share(seq * cp, cp, tp_size, load_balance=context.load_balance, axis=axes)
     elif seq % tp_size:
-        raise ShardingError(
-            f"trace_activations(seq={seq}): sequence parallel over {axes!r} splits the sequence evenly "
-            f"over its {tp_size} ranks (torch pads no activation), and {tp_size} does not divide {seq}. "
-            f"Use a sequence length that is a multiple of {tp_size}, or drop sequence_parallel"
+        refuse(
+            "seq",
+            str(seq),
+            f"sequence parallel over {axes!r} splits the sequence evenly over its {tp_size} ranks (torch "
+            f"pads no activation), and {tp_size} does not divide {seq}. Use a sequence length that is a "
+            f"multiple of {tp_size}, or drop sequence_parallel",
         )
     if problems := sequence_parallel_problems(styles, modules):
         raise PlanError(

@@ -12,7 +12,7 @@ import os
 import pathlib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -23,7 +23,14 @@ from functional_shard.core.spec import P, ParamSharding, spec_from_json
 
 from .config import FLAT_FIELDS, SECTIONS, PipelineConfig, PlanConfig, TpConfig
 
-__all__ = ["FORMAT_VERSION", "config_value_problems", "nested_config", "plan_data", "plan_problems"]
+__all__ = [
+    "FORMAT_VERSION",
+    "config_value_problems",
+    "modules_without_tensors",
+    "nested_config",
+    "plan_data",
+    "plan_problems",
+]
 
 FORMAT_VERSION = 2
 """Version 2 holds a config per parallelism; version 1 (one flat config) is read through `nested_config`."""
@@ -130,7 +137,9 @@ def _tensor_problems(path: str, entry: Any, mesh: Mesh | None) -> list[str]:
     return found
 
 
-def _config_problems(config: Any, mesh: Mesh | None, paths: set[str], params: set[str]) -> list[str]:
+def _config_problems(
+    config: Any, mesh: Mesh | None, paths: set[str], params: set[str], untensored: set[str]
+) -> list[str]:
     if not isinstance(config, Mapping):
         return ["config: must be an object"]
     found = _config_type_problems(config)
@@ -144,8 +153,7 @@ def _config_problems(config: Any, mesh: Mesh | None, paths: set[str], params: se
             for key, axis in _named_axes(read)
             if axis not in mesh
         ]
-    modules = {""} | {path.rpartition(".")[0] for path in paths}
-    modules |= {prefix for module in list(modules) for prefix in _prefixes(module)}
+    modules = _tensor_modules(paths) | untensored
     found += _pieces_problems(read.tp, mesh)
     found += [
         f"config.{key}: {module!r} is no module of the plan's tensors"
@@ -212,6 +220,26 @@ def _named_modules(config: PlanConfig) -> list[tuple[str, str]]:
     if config.pipeline is not None:
         named += [("pipeline.stages", module) for stage in config.pipeline.stages for module in stage]
     return named
+
+
+def _tensor_modules(paths: Iterable[str]) -> set[str]:
+    """Every module that holds one of ``paths`` or a module that does, the root ``""`` included."""
+    modules = {""} | {path.rpartition(".")[0] for path in paths}
+    return modules | {prefix for module in list(modules) for prefix in _prefixes(module)}
+
+
+def modules_without_tensors(config: PlanConfig, paths: Iterable[str]) -> list[str]:
+    """The modules ``config`` names that hold none of ``paths``: a plan file lists them.
+
+    The reader knows a module by the tensors under it; a dropout or an activation, checkpointed or
+    given to a pipeline stage, it knows only from this list.
+
+    Examples:
+        >>> modules_without_tensors(PlanConfig(checkpointed=("0", "1")), ["0.weight", "2.weight"])
+        ['1']
+    """
+    known = _tensor_modules(paths)
+    return list(dict.fromkeys(module for _, module in _named_modules(config) if module not in known))
 
 
 def config_value_problems(config: PlanConfig) -> list[str]:
@@ -391,7 +419,10 @@ def plan_problems(data: Any) -> list[str]:
         for name in entry["aliases"]
         if isinstance(name, str)
     }
-    found += _config_problems(data["config"], mesh, names, params)
+    untensored = data.get("modules_without_tensors", [])
+    if not isinstance(untensored, list) or not all(isinstance(module, str) for module in untensored):
+        return [*found, "modules_without_tensors: must be a list of module paths"]
+    found += _config_problems(data["config"], mesh, names, params, set(untensored))
     return found
 
 

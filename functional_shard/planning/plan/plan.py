@@ -22,7 +22,7 @@ from functional_shard.core.units import format_bytes as _bytes
 from .config import Change, PlanConfig, first_rank, group_name
 from .cost_record import Cost, OptimizerKind
 from .explain import context_parallel_line, packed_lines, units_section
-from .json_format import FORMAT_VERSION
+from .json_format import FORMAT_VERSION, modules_without_tensors
 
 __all__ = ["Change", "Plan", "PlanConfig"]
 
@@ -341,7 +341,7 @@ class Plan:
     # ---- serialisation -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-ready data."""
-        return {
+        data = {
             "format": "functional_shard.plan",
             "version": FORMAT_VERSION,
             "mesh": self.mesh.to_json(),
@@ -356,6 +356,10 @@ class Plan:
                 for path, sharding in group.items()
             },
         }
+        names = [*self.tensors, *(name for names in self.aliases.values() for name in names)]
+        if untensored := modules_without_tensors(self.config, names):
+            data["modules_without_tensors"] = untensored
+        return data
 
     def to_json(self, indent: int | None = None) -> str:
         """The plan as a JSON string; `Plan.from_json` reads it back exactly."""

@@ -131,6 +131,11 @@ def _check_units(
         positive_int(min_params, "min_params", meaning=meaning, error=PolicyError)
     if units is None:
         return None
+    if min_params is not None:
+        # the planner picks units by size when min_params is given: units would be dropped unread
+        what = f"modules to make units, or min_params={min_params}, not both"
+        meaning = "units picks the modules, min_params picks them by size"
+        refuse("units", repr(units), what, meaning=meaning, error=PolicyError)
     if not isinstance(units, str | type | re.Pattern | Iterable):
         what = "module classes or module-path patterns, e.g. units=['layers.*']"
         refuse("units", repr(units), what, meaning="for a size threshold use min_params=", error=PolicyError)

@@ -165,7 +165,8 @@ def _heads_split(
     # torchtitan's fused wqkv (laid out by key/value group) whole groups
     head_dim = getattr(parent, "head_dim", None)
     splits_heads = style in ("colwise", "rowwise", "packed_colwise")
-    if not is_projection(target) or not isinstance(head_dim, int) or not splits_heads:
+    # a head_dim of 0 (fewer features than heads) has no heads to count: the forward says what fails
+    if not is_projection(target) or not isinstance(head_dim, int) or head_dim < 1 or not splits_heads:
         return []
     in_features, out_features = features_of(target)
     group = getattr(parent, "r_dim", None)
