@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["MeshError", "PlanError", "PolicyError", "ShardingError", "SpecError", "bullets", "one_line"]
+__all__ = [
+    "MeshError",
+    "PlanError",
+    "PolicyError",
+    "ShardingError",
+    "SpecError",
+    "bullets",
+    "counted",
+    "one_line",
+]
 
 
 class ShardingError(ValueError):
@@ -47,6 +56,16 @@ def bullets(header: str, problems: Iterable[str], fix: str) -> str:
     lines.extend(f"* {problem}" for problem in problems)
     lines.append(fix)
     return "\n".join(lines)
+
+
+def counted(number: int, noun: str) -> str:
+    """``number`` and ``noun``, plural unless it is one, for a message.
+
+    Examples:
+        >>> counted(1, "device"), counted(8, "device")
+        ('1 device', '8 devices')
+    """
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def one_line(error: BaseException | str, limit: int | None = None) -> str:

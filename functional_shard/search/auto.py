@@ -12,7 +12,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, ParamSpec
 
-from functional_shard.core.errors import PlanError
+from functional_shard.core.errors import PlanError, counted
 from functional_shard.core.sequence import check_step_tokens
 from functional_shard.core.units import format_bytes as _bytes
 from functional_shard.core.units import parse_bytes
@@ -185,7 +185,7 @@ def auto(model: Any, **options: Any) -> Plan:
         if not estimated:  # the first candidate's reason: often every one's (cp and a sliding window)
             reasons = [c.rejected for c in report.candidates if c.rejected]
             why = f"; the first: {reasons[0]}" if reasons else ""
-            on = f"{devices} device{'s' if devices > 1 else ''}"
+            on = counted(devices, "device")
             raise PlanError(f"auto: no candidate could be planned for this model on {on}{why}")
         closest = min(estimated, key=lambda c: (c.peak_bytes, c.key()))
         assert closest.peak_bytes is not None

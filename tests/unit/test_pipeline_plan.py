@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 import functional_shard as fs
 from functional_shard import zoo
@@ -130,7 +131,12 @@ def test_every_spec_of_a_pipelined_plan_names_its_stage_rank():
             fs.PlanError,
             "pipeline('pp', microbatches=2, schedule='1f1b') names axis 'pp', which is not in Mesh(dp=2)",
         ),
-        (fs.Mesh(pp=8), fs.pipeline("pp", microbatches=2), fs.PolicyError, "8 stages but only 2 blocks"),
+        (
+            fs.Mesh(pp=8),
+            fs.pipeline("pp", microbatches=2),
+            fs.PolicyError,
+            "8 stages but only 2 blocks plus the modules before and after them to share; use at most 4",
+        ),
         (
             fs.Mesh(pp=2),
             "pipeline(pp, microbatches=2, schedule=pipedream)",
@@ -376,3 +382,10 @@ def test_send_bytes_per_rank_match_torchs_own_action_lists(schedule, pp):
                 sent += widths[stage] * tokens_per_microbatch * 4
         cost = plan.cost("sgd", rank=rank, tokens=microbatches * tokens_per_microbatch)
         assert cost.comm_bytes.get("send_recv", {}).get("pp", 0) == sent, rank
+
+
+def test_one_block_is_counted_as_one():
+    blocks = nn.Module()
+    blocks.layers = nn.ModuleList([nn.Linear(2, 2)])
+    with pytest.raises(fs.PolicyError, match=re.escape("only 1 block to share; use at most 1 stage")):
+        fs.shard(blocks, fs.Mesh(pp=2), fs.pipeline("pp", microbatches=2))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from functional_shard.core.errors import counted
 from functional_shard.core.units import format_bytes as _bytes
 
 from .inputs import InputError
@@ -113,7 +114,7 @@ def _candidates_table(out: Out, report: AutoReport, top: int) -> None:
 
 def _nothing_fits(report: AutoReport, devices: int) -> str:
     estimated = [(c.peak_bytes, c) for c in report.candidates if c.peak_bytes is not None]
-    on = f"{devices} device{'s' if devices > 1 else ''}"
+    on = counted(devices, "device")
     head = f"--budget: no plan fits {_bytes(report.budget_bytes)} per device on {on}"
     if not estimated:
         return head + "; no candidate could be planned for this model"

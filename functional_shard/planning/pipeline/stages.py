@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Sequence
 
-from functional_shard.core.errors import PolicyError
+from functional_shard.core.errors import PolicyError, counted
 from functional_shard.core.tree import ModelTree, owner_paths
 from functional_shard.core.validate import one_of, positive_int
 from functional_shard.planning.tp.rules import layout_of
@@ -163,10 +163,11 @@ def split_stages(
         )
     units: list[list[str]] = ([before] if before else []) + [[b] for b in blocks] + ([after] if after else [])
     if len(units) < stages:
+        sides = " and ".join(side for side, held in (("before", before), ("after", after)) if held)
         raise PolicyError(
-            f"pipeline(): {stages} stages but only {len(blocks)} blocks"
-            + (" plus the embedding and head" if before or after else "")
-            + f" to share; use at most {len(units)} stages"
+            f"pipeline(): {stages} stages but only {counted(len(blocks), 'block')}"
+            + (f" plus the modules {sides} them" if sides else "")
+            + f" to share; use at most {counted(len(units), 'stage')}"
         )
     size, extra = divmod(len(units), stages)
     out: list[tuple[str, ...]] = []
