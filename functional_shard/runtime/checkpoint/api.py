@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from functional_shard.core.errors import ShardingError
-from functional_shard.core.validate import entry_point
+from functional_shard.core.validate import entry_point, instance_of, refuse
 from functional_shard.core.validate import path as check_path
 
 from .async_save import PendingSave, finish_folder, save_in_background, wait_for_previous
@@ -182,6 +182,9 @@ def save(
         >>> # pending = fs.checkpoint.save("ckpt", model, optimizer, asynchronous=True); pending.wait()
         >>> # fs.checkpoint.save("ckpt", model, optimizer, data=loader)   # a fs.ResumableSampler's loader
     """
+    _check_module(module, optimizer)
+    if extra is not None:
+        instance_of(extra, dict, "extra", meaning="plain values by name, as {'step': 10}")
     extra = _with_data_order(extra, data)
     problems = plain_problems(extra or {}, "extra")
     if problems:
@@ -248,6 +251,9 @@ def load(
         >>> # fs.checkpoint.load("ckpt", model, optimizer, data=loader)   # the data order goes on
     """
     path = check_path(path, "path")
+    _check_module(module, optimizer)
+    if data is not None and not callable(getattr(data, "load_state_dict", None)):
+        refuse("data", type(data).__name__, "a ResumableLoader or ResumableSampler", meaning=_DATA_MEANING)
     optimizers = {"optimizer": optimizer} if optimizer is not None else {}
     # read sees the saved meta before it sets anything, and every rank hears every verdict
     check = None if data is None else functools.partial(_data_order_problems, path, data)
@@ -260,6 +266,27 @@ def load(
 
 
 DATA_ORDER = "data_order"
+_DATA_MEANING = "the run's fs.ResumableSampler or the loader it made"
+
+
+def _check_module(module: Any, optimizer: Any) -> None:
+    # before torch reads them: a wrong object fails deep inside torch, an optimizer of other
+    # parameters (built before fs.apply replaced them) with a bare KeyError
+    instance_of(module, nn.Module, "module", meaning="the module fs.apply parallelized")
+    if optimizer is None:
+        return
+    instance_of(
+        optimizer, torch.optim.Optimizer, "optimizer", meaning="a torch optimizer of the module, or None"
+    )
+    own = {id(parameter) for parameter in module.parameters()}
+    foreign = sum(id(p) not in own for group in optimizer.param_groups for p in group["params"])
+    if foreign:
+        refuse(
+            "optimizer",
+            type(optimizer).__name__,
+            f"an optimizer of the module's parameters ({foreign} of its parameters are not the module's)",
+            meaning="build it from module.parameters() after fs.apply, which replaces them",
+        )
 
 
 def _data_order_problems(path: str | os.PathLike[str], data: Any, meta: Any) -> list[str]:
