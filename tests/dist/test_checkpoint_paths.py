@@ -143,6 +143,25 @@ def test_a_save_into_an_empty_folder_writes_there(one_rank, tmp_path):
     assert (path / MANIFEST).is_file()
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+def test_a_save_under_a_file_is_refused_and_keeps_it(one_rank, tmp_path, full):
+    text_file(tmp_path / "notes")
+    path = tmp_path / "notes" / "runs" / "ckpt"
+    refused = f"fs.checkpoint.save wrote nothing to {path}: {tmp_path / 'notes'} is a file, not a folder"
+    with pytest.raises(fs.ShardingError, match=re.escape(refused)):
+        fs.checkpoint.save(path, parallel_model(), full=full)
+    assert contents(tmp_path) == {"notes": b"important"}
+
+
+def test_a_full_save_makes_its_missing_folders_as_a_sharded_one_does(one_rank, tmp_path):
+    model = parallel_model()
+    for full in (False, True):
+        fs.checkpoint.save(
+            tmp_path / f"full-{full}" / "runs" / "ckpt", model, full=full, extra={"full": full}
+        )
+        assert fs.checkpoint.load(tmp_path / f"full-{full}" / "runs" / "ckpt", model) == {"full": full}
+
+
 def test_lightnings_write_refuses_the_users_files_and_replaces_its_own_checkpoint(one_rank, tmp_path):
     """Lightning's strategies save through `write`: ModelCheckpoint may save ``last`` again."""
     model = parallel_model()

@@ -113,6 +113,7 @@ def _write(path: Path, state: dict[str, Any], *, full: bool, meta: dict[str, Any
 
 
 def _save_sealed(content: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)  # as a folder's save makes its folders
     torch.save(content, path)
     seal(path)
 

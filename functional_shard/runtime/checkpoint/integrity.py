@@ -196,12 +196,27 @@ def _foreign(path: Path) -> str | None:
     return f"{path} is a folder that is not a checkpoint (it holds {shown}{more})"
 
 
+def _blocked_problems(path: Path) -> list[str]:
+    # a file where the path needs a folder: torch would fail deep inside its writer
+    existing = next((parent for parent in path.absolute().parents if parent.exists()), None)
+    if existing is None or existing.is_dir():
+        return []
+    return [f"{existing} is a file"]
+
+
 def refuse_occupied(path: Path, what: str, *, alone: bool = False) -> None:
     """Refuse ``what``'s save to ``path``, on every rank, if the user's things are there.
 
     Refused before anything is written (`occupied_problems` says why): only an earlier
-    checkpoint, or an empty folder, is replaced.
+    checkpoint, or an empty folder, is replaced. A file where ``path`` needs a folder is
+    refused too.
     """
+    blocked = agreed(_blocked_problems(path), alone=alone)
+    if blocked:
+        raise ShardingError(
+            f"{what} wrote nothing to {path}: {blocked[0]}, not a folder, so nothing can be written "
+            "inside it. Save to a path under a folder (a missing folder is made)"
+        )
     problems = agreed(occupied_problems(path), alone=alone)
     if problems:
         raise ShardingError(
