@@ -46,6 +46,7 @@ from .state import (
     refuse_packed,
     set_model_state,
     set_optimizer_state,
+    state_made,
     zero1_template,
 )
 
@@ -348,7 +349,8 @@ def _copies(
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             states[name] = zero1_template(target, optimizer, name, index)
         else:
-            states[name] = copies(optimizer_state(target, optimizer))
+            with state_made(optimizer):
+                states[name] = copies(optimizer_state(target, optimizer))
             own_params[name] = [group["params"] for group in states[name].get("param_groups", [])]
     return states, own_params
 
