@@ -1,7 +1,8 @@
 """Optimizer state loads whole, whatever the optimizer is when the load begins.
 
 A fresh optimizer of a module whose parameters hold gradients (a step's backward ran) gets
-the saved state, from a folder as from a file, and keeps the gradients.
+the saved state, from a folder as from a file, and keeps the gradients; a stateless
+optimizer (SGD without momentum) gets its hyperparameters back.
 """
 
 from __future__ import annotations
@@ -58,3 +59,14 @@ def test_a_fresh_optimizer_with_gradients_gets_the_saved_state(one_rank, tmp_pat
     assert all(
         torch.equal(p.grad.full_tensor(), g) for p, g in zip(loaded.parameters(), gradients, strict=True)
     )
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+def test_a_stateless_optimizer_gets_its_hyperparameters_back(one_rank, tmp_path, full):
+    model, optimizer = trained(lambda parameters: torch.optim.SGD(parameters, lr=0.25))
+    path = fs.checkpoint.save(tmp_path / "ckpt", model, optimizer, full=full)
+    loaded = parallel_model(seed=1)
+    fresh = torch.optim.SGD(loaded.parameters(), lr=0.5)
+    fs.checkpoint.load(path, loaded, fresh)
+    assert fresh.param_groups[0]["lr"] == 0.25
+    assert not fresh.state

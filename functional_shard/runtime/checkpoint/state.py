@@ -244,6 +244,13 @@ def set_optimizer_state(
         if full and _pipeline(module) is not None:
             own = {name for name, _ in module.named_parameters()}
             state = {**state, "state": {k: v for k, v in state.get("state", {}).items() if k in own}}
+        if full and not state.get("state"):
+            # nothing per parameter (a stateless optimizer: SGD without momentum): torch's full
+            # load learns the device from the optimizer's own state tensors, and asserts without
+            optimizer.state.clear()
+            for saved, group in zip(state.get("param_groups", []), optimizer.param_groups, strict=False):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+            return
         if full:
             state = _optimizer_in_order(state, unequal_packed(module), rank_major)
         with state_made(optimizer):
