@@ -2,10 +2,13 @@
 
 A fresh optimizer of a module whose parameters hold gradients (a step's backward ran) gets
 the saved state, from a folder as from a file, and keeps the gradients; a stateless
-optimizer (SGD without momentum) gets its hyperparameters back.
+optimizer (SGD without momentum) gets its hyperparameters back. An optimizer the checkpoint
+lacks, or one of another kind, is refused with the optimizer as it was.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -70,3 +73,23 @@ def test_a_stateless_optimizer_gets_its_hyperparameters_back(one_rank, tmp_path,
     fs.checkpoint.load(path, loaded, fresh)
     assert fresh.param_groups[0]["lr"] == 0.25
     assert not fresh.state
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+def test_an_optimizer_the_checkpoint_lacks_is_refused(one_rank, tmp_path, full):
+    model, optimizer = trained(torch.optim.AdamW)
+    path = fs.checkpoint.save(tmp_path / "ckpt", model, full=full)
+    missing = "optimizer: missing, the checkpoint was saved without it (load without it)"
+    with pytest.raises(fs.ShardingError, match=re.escape(missing)):
+        fs.checkpoint.load(path, model, optimizer)
+    assert fs.checkpoint.load(path, model, optimizer, strict=False) == {}
+
+
+def test_an_optimizer_of_another_kind_is_refused_and_kept(one_rank, tmp_path):
+    model, optimizer = trained(torch.optim.AdamW)
+    path = fs.checkpoint.save(tmp_path / "ckpt.pt", model, optimizer, full=True)
+    other, sgd = trained(lambda parameters: torch.optim.SGD(parameters, lr=0.25))
+    with pytest.raises(fs.ShardingError, match=re.escape("and an optimizer of the kind that saved it")):
+        fs.checkpoint.load(path, other, sgd)
+    assert sgd.param_groups[0]["lr"] == 0.25
+    assert "betas" not in sgd.param_groups[0]

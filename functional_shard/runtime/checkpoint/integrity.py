@@ -59,8 +59,8 @@ META = "meta.pt"  # a folder's values saved beside the tensors (``extra``, Light
 MARK = "functional_shard"  # meta.pt's {"format": ...}: a folder that has a manifest
 DAMAGED_FIX = "Load an intact copy, or save again"
 FIT_FIX = (
-    "Load it under a module of the same parameter paths, shapes and dtypes, or with strict=False "
-    "to skip keys that are missing or extra"
+    "Load it under a module of the same parameter paths, shapes and dtypes (and an optimizer of the "
+    "kind that saved it), or with strict=False to skip keys that are missing or extra"
 )
 _SEAL = b"functional_shard-sha256:"
 _END_OF_ZIP = b"PK\x05\x06"  # the signature of a zip archive's last record

@@ -188,6 +188,8 @@ def _fits(
     for name, optimizer in optimizers.items():
         if name in saved:
             problems += _optimizer_fit(saved[name], optimizer, expected, wanted=wanted, prefix=f"{name}.")
+        elif strict:  # as a folder's missing keys are: a file's missing optimizer is no silent skip
+            problems.append(f"{name}: missing, the checkpoint was saved without it (load without it)")
     return problems
 
 
@@ -268,7 +270,7 @@ def _set_all(
         for optimizer, state in optimizers.values():
             set_optimizer_state(target, optimizer, state, full=full)
         set_model_state(target, model, full=full, strict=strict)
-    except (RuntimeError, ValueError, KeyError, TypeError) as error:
+    except (RuntimeError, ValueError, KeyError, TypeError, AssertionError) as error:
         for name, (optimizer, _) in optimizers.items():
             _restore(optimizer, before[name])
         raise ShardingError(
