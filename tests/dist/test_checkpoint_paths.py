@@ -162,6 +162,26 @@ def test_a_full_save_makes_its_missing_folders_as_a_sharded_one_does(one_rank, t
         assert fs.checkpoint.load(tmp_path / f"full-{full}" / "runs" / "ckpt", model) == {"full": full}
 
 
+@pytest.mark.parametrize(
+    ("make", "what"),
+    [
+        (text_file, "it is a file, but not one torch.save wrote (a zip archive)"),
+        (
+            folder_of_notes,
+            "the folder holds none of meta.pt, manifest.json or .metadata (it holds notes.txt)",
+        ),
+    ],
+    ids=["file", "folder"],
+)
+def test_loading_what_is_not_a_checkpoint_says_there_is_none(one_rank, tmp_path, make, what):
+    path = tmp_path / "runs"
+    make(path)
+    with pytest.raises(fs.ShardingError, match=re.escape(f"there is no checkpoint at {path}: {what}")):
+        fs.checkpoint.load(path, parallel_model())
+    with pytest.raises(fs.ShardingError, match=re.escape(f"there is no checkpoint at {path}: {what}")):
+        fs.checkpoint.convert(path, tmp_path / "converted")
+
+
 def test_lightnings_write_refuses_the_users_files_and_replaces_its_own_checkpoint(one_rank, tmp_path):
     """Lightning's strategies save through `write`: ModelCheckpoint may save ``last`` again."""
     model = parallel_model()

@@ -35,6 +35,7 @@ from .integrity import (
     every_rank_keys,
     fit_problems,
     index_tensors,
+    is_ours,
     manifest_problems,
     raise_problems,
     seal_problems,
@@ -160,6 +161,7 @@ def kind_problems(path: Path, saved: dict[str, Any], keys: tuple[str, ...]) -> l
 
 def checked_file(path: Path, *, trust: bool, alone: bool = False) -> dict[str, Any]:
     """A full file's contents, once its bytes match its seal and the safe loader rebuilt them."""
+    _first_refusal(agreed(_foreign_file_problems(path), alone=alone))
     raise_problems(
         agreed(seal_problems(path), alone=alone), f"the checkpoint at {path} is damaged", DAMAGED_FIX
     )
@@ -168,6 +170,23 @@ def checked_file(path: Path, *, trust: bool, alone: bool = False) -> dict[str, A
         problems = [f"the checkpoint at {path} holds a {type(saved).__name__}, not a dict of states"]
     _first_refusal(agreed(problems, alone=alone))
     return saved
+
+
+def _foreign_file_problems(path: Path) -> list[str]:
+    # a file torch.save never wrote (no zip archive, no seal) is no damaged checkpoint
+    if is_ours(path):
+        return []
+    with open(path, "rb") as stream:
+        if stream.read(4) == _ZIP_START:
+            return []
+    return [
+        f"{_NOT_ONE.format(path=path)}: it is a file, but not one torch.save wrote (a zip archive). {_PASS}"
+    ]
+
+
+_ZIP_START = b"PK\x03\x04"
+_NOT_ONE = "there is no checkpoint at {path}"
+_PASS = "Pass the folder or the file fs.checkpoint.save wrote"
 
 
 def _fits(
@@ -390,6 +409,18 @@ def checked_folder(path: Path, *, trust: bool, alone: bool = False) -> dict[str,
     """
     damaged = f"the checkpoint at {path} is damaged"
     has_manifest = (path / MANIFEST).exists()
+    if not has_manifest and not (path / META).exists() and not (path / ".metadata").exists():
+        # none of a checkpoint's files: the user's folder, not a damaged checkpoint
+        shown = ", ".join(sorted(entry.name for entry in path.iterdir())[:5]) or "nothing"
+        _first_refusal(
+            agreed(
+                [
+                    f"{_NOT_ONE.format(path=path)}: the folder holds none of {META}, {MANIFEST} or .metadata "
+                    f"(it holds {shown}). {_PASS}"
+                ],
+                alone=alone,
+            )
+        )
     problems = manifest_problems(path, alone=alone) if has_manifest else []
     if not (path / META).exists() and not has_manifest:
         problems.append(f"{META} (what was saved beside the tensors): missing")
