@@ -35,13 +35,25 @@ def parallel_model(seed: int = 0) -> torch.nn.Module:
             "load(data=list): a ResumableLoader or ResumableSampler",
         ),
         (
+            lambda m, path: fs.checkpoint.save(path, m, extra=(lambda d: d.update(me=d) or d)({})),
+            "fs.checkpoint.save: extra['me'] is a dict that holds itself",
+        ),
+        (
             # built before fs.apply replaced the parameters
             lambda m, path: fs.checkpoint.save(path, m, torch.optim.AdamW(parallel_model(1).parameters())),
             "save(optimizer=AdamW): an optimizer of the module's parameters (20 of its parameters are not "
             "the module's) (build it from module.parameters() after fs.apply",
         ),
     ],
-    ids=["save-module", "load-module", "save-optimizer", "save-extra", "load-data", "foreign-optimizer"],
+    ids=[
+        "save-module",
+        "load-module",
+        "save-optimizer",
+        "save-extra",
+        "load-data",
+        "looped-extra",
+        "foreign-optimizer",
+    ],
 )
 def test_arguments_of_another_kind_are_refused_by_name(one_rank, tmp_path, call, message):
     model = parallel_model()
