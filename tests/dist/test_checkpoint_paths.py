@@ -153,6 +153,20 @@ def test_a_save_under_a_file_is_refused_and_keeps_it(one_rank, tmp_path, full):
     assert contents(tmp_path) == {"notes": b"important"}
 
 
+def test_a_save_inside_a_checkpoint_and_a_conversion_onto_its_source_are_refused(one_rank, tmp_path):
+    model = parallel_model()
+    outer = fs.checkpoint.save(tmp_path / "ckpt", model, extra={"step": 1})
+    before = contents(outer)
+    inside = f"{outer} is a checkpoint, which a save to its path replaces whole, with what is inside it"
+    with pytest.raises(fs.ShardingError, match=re.escape(inside)):
+        fs.checkpoint.save(outer / "inner", model)
+    with pytest.raises(fs.ShardingError, match=re.escape(inside)):
+        fs.checkpoint.convert(outer, outer / "whole.pt")
+    with pytest.raises(fs.ShardingError, match=re.escape(f"the target {outer} is the source")):
+        fs.checkpoint.convert(outer, tmp_path / "." / "ckpt")
+    assert contents(outer) == before
+
+
 def test_a_full_save_makes_its_missing_folders_as_a_sharded_one_does(one_rank, tmp_path):
     model = parallel_model()
     for full in (False, True):

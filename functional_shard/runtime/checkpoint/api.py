@@ -387,6 +387,11 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], *, t
     source, target = check_path(source, "source"), check_path(target, "target")
     if not source.exists():
         raise ShardingError(f"no checkpoint at {source}")
+    if target.resolve() == source.resolve():
+        raise ShardingError(
+            f"fs.checkpoint.convert wrote nothing: the target {target} is the source; convert to another "
+            "path (the source is a sharded folder, the result a file, or the other way round)"
+        )
     refuse_occupied(target, "fs.checkpoint.convert", alone=True)
     temporary = aside(target, alone=True)
     if source.is_dir():

@@ -197,25 +197,28 @@ def _foreign(path: Path) -> str | None:
 
 
 def _blocked_problems(path: Path) -> list[str]:
-    # a file where the path needs a folder: torch would fail deep inside its writer
-    existing = next((parent for parent in path.absolute().parents if parent.exists()), None)
-    if existing is None or existing.is_dir():
-        return []
-    return [f"{existing} is a file"]
+    # a file where the path needs a folder: torch would fail deep inside its writer; a
+    # checkpoint folder: the next save to its own path would delete what is inside
+    parents = [parent for parent in path.absolute().parents if parent.exists()]
+    if parents and not parents[0].is_dir():
+        return [f"{parents[0]} is a file, not a folder, so nothing can be written inside it"]
+    inside = next((parent for parent in parents if is_ours(parent)), None)
+    if inside is not None:
+        return [f"{inside} is a checkpoint, which a save to its path replaces whole, with what is inside it"]
+    return []
 
 
 def refuse_occupied(path: Path, what: str, *, alone: bool = False) -> None:
     """Refuse ``what``'s save to ``path``, on every rank, if the user's things are there.
 
     Refused before anything is written (`occupied_problems` says why): only an earlier
-    checkpoint, or an empty folder, is replaced. A file where ``path`` needs a folder is
+    checkpoint, or an empty folder, is replaced. A path under a file or inside a checkpoint is
     refused too.
     """
     blocked = agreed(_blocked_problems(path), alone=alone)
     if blocked:
         raise ShardingError(
-            f"{what} wrote nothing to {path}: {blocked[0]}, not a folder, so nothing can be written "
-            "inside it. Save to a path under a folder (a missing folder is made)"
+            f"{what} wrote nothing to {path}: {blocked[0]}. Save to another path (missing folders are made)"
         )
     problems = agreed(occupied_problems(path), alone=alone)
     if problems:
