@@ -437,3 +437,16 @@ def adamw_steps(
         optimizer.step()
         losses.append(mean_over_ranks(loss).item())
     return losses, grads
+
+
+def save_with_extra_plain_on_rank_0_only(name: str, config: LlamaConfig, path: str) -> list[str]:
+    """Save with an extra no safe load rebuilds on every rank but 0, then save again: the refusals."""
+    model, _, _ = _built(name, config)
+    extra = {"best": 1.0} if dist.get_rank() == 0 else {"best": object()}
+    refusals = []
+    for attempt in (extra, {"best": 1.0}):
+        try:
+            fs.checkpoint.save(path, model, extra=attempt)
+        except fs.ShardingError as error:
+            refusals.append(str(error))
+    return refusals

@@ -1,7 +1,8 @@
 """A user's mistakes in the arguments of the checkpoint functions, refused by name.
 
 Each is refused with a `ShardingError` that names the argument and the fix, before anything
-is read or written, instead of an error from deep inside torch.
+is read or written, instead of an error from deep inside torch; a value refused on one rank
+is refused on every rank.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import functional_shard as fs
 from functional_shard.zoo import Llama
 
 from .. import dist_cases
+
+CONFIG = dist_cases.EVEN
 
 
 def parallel_model(seed: int = 0) -> torch.nn.Module:
@@ -62,3 +65,10 @@ def test_arguments_of_another_kind_are_refused_by_name(one_rank, tmp_path, call,
     with pytest.raises(fs.ShardingError, match=re.escape(message)):
         call(model, path)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_an_extra_refused_on_one_rank_is_refused_on_every_rank(world4, tmp_path):
+    refusals = world4.run(dist_cases.save_with_extra_plain_on_rank_0_only, "zero3", CONFIG, str(tmp_path / "c"))
+    assert all(len(refused) == 1 for refused in refusals)  # the second save went through on every rank
+    assert all("extra['best'] is a builtins.object" in refused[0] for refused in refusals)
+    assert fs.checkpoint.latest(tmp_path) == tmp_path / "c"

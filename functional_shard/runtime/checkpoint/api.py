@@ -38,6 +38,7 @@ from .integrity import (
     MANIFEST,
     MARK,
     META,
+    agreed,
     aside,
     manifest_problems,
     need_process_group,
@@ -187,7 +188,9 @@ def save(
     if extra is not None:
         instance_of(extra, dict, "extra", meaning="plain values by name, as {'step': 10}")
     extra = _with_data_order(extra, data)
-    problems = plain_problems(extra or {}, "extra")
+    # every rank hears every rank's verdict: a rank refusing alone would leave the others in
+    # the save's collectives
+    problems = agreed(plain_problems(extra or {}, "extra"))
     if problems:
         raise ShardingError(
             f"fs.checkpoint.save: {problems[0]}{f' (and {len(problems) - 1} more)' if problems[1:] else ''}: "
