@@ -85,7 +85,11 @@ def load_hf(
     try:
         folder = open_folder(path, trust=trust)
     except ShardingError as error:
-        problems.append(str(error).removeprefix("fs.checkpoint.load_hf changed nothing: "))
+        problems.append(str(error))
+    # a folder that cannot be opened says its own fix: no fit to compare, no mapping to pass
+    unopened = agreed(problems)
+    if unopened:
+        raise ShardingError(unopened[0])
     sources: dict[str, list[tuple[Source, Piece]]] = {}
     if folder is not None:
         try:
