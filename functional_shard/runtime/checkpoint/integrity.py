@@ -34,6 +34,7 @@ __all__ = [
     "Described",
     "agreed",
     "aside",
+    "blocked_problems",
     "every_rank",
     "DAMAGED_FIX",
     "FIT_FIX",
@@ -196,9 +197,12 @@ def _foreign(path: Path) -> str | None:
     return f"{path} is a folder that is not a checkpoint (it holds {shown}{more})"
 
 
-def _blocked_problems(path: Path) -> list[str]:
-    # a file where the path needs a folder: torch would fail deep inside its writer; a
-    # checkpoint folder: the next save to its own path would delete what is inside
+def blocked_problems(path: Path) -> list[str]:
+    """Why nothing may be written at ``path``: a file or a checkpoint around it.
+
+    Torch would fail deep inside its writer under a file; the next save to a checkpoint's own
+    path would delete whatever was written inside it.
+    """
     parents = [parent for parent in path.absolute().parents if parent.exists()]
     if parents and not parents[0].is_dir():
         return [f"{parents[0]} is a file, not a folder, so nothing can be written inside it"]
@@ -215,7 +219,7 @@ def refuse_occupied(path: Path, what: str, *, alone: bool = False) -> None:
     checkpoint, or an empty folder, is replaced. A path under a file or inside a checkpoint is
     refused too.
     """
-    blocked = agreed(_blocked_problems(path), alone=alone)
+    blocked = agreed(blocked_problems(path), alone=alone)
     if blocked:
         raise ShardingError(
             f"{what} wrote nothing to {path}: {blocked[0]}. Save to another path (missing folders are made)"

@@ -73,6 +73,11 @@ def load_hf(
         >>> # fs.apply(plan, model); fs.checkpoint.load_hf("Llama-3-8B/", model)
     """
     path = checked_path(path, "path")
+    if not isinstance(module, nn.Module):
+        raise ShardingError(
+            f"fs.checkpoint.load_hf(module={type(module).__name__}): not a Module; pass the model "
+            "fs.apply parallelized (or will)"
+        )
     model = _submodule(module, root)
     prefix = f"{root}." if root else ""
     applied = APPLIED.get(module)
