@@ -450,3 +450,13 @@ def save_with_extra_plain_on_rank_0_only(name: str, config: LlamaConfig, path: s
         except fs.ShardingError as error:
             refusals.append(str(error))
     return refusals
+
+
+def save_where_nothing_may_be_written(name: str, config: LlamaConfig, path: str, full_file: bool) -> str:
+    """Save to ``path``, which no process may write: the refusal each rank raised."""
+    model, _, _ = _built(name, config)
+    try:
+        fs.checkpoint.save(path, model, full=full_file)
+    except fs.ShardingError as error:
+        return str(error)
+    return ""

@@ -167,6 +167,14 @@ def test_a_save_inside_a_checkpoint_and_a_conversion_onto_its_source_are_refused
     assert contents(outer) == before
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="Needs /proc, where no process may make files.")
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+def test_a_save_where_nothing_may_be_written_is_refused_on_every_rank(world4, full):
+    path = "/proc/fs-checkpoint-test/ckpt"
+    refusals = world4.run(dist_cases.save_where_nothing_may_be_written, "zero3", dist_cases.EVEN, path, full)
+    assert all(refused.startswith(f"fs.checkpoint.save could not write {path} (") for refused in refusals)
+
+
 def test_a_full_save_makes_its_missing_folders_as_a_sharded_one_does(one_rank, tmp_path):
     model = parallel_model()
     for full in (False, True):

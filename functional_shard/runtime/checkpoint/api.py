@@ -99,14 +99,30 @@ def write(path: str | os.PathLike[str], state: dict[str, Any], *, full: bool, me
 
 
 def _write(path: Path, state: dict[str, Any], *, full: bool, meta: dict[str, Any]) -> Path:
+    from torch.distributed.checkpoint.api import CheckpointException
+
     temporary = aside(path)
+    failed: list[str] = []
     if full:
         if dist.get_rank() == 0:
-            _save_sealed({**state, **meta}, temporary)
+            try:
+                _save_sealed({**state, **meta}, temporary)
+            except (OSError, RuntimeError) as error:  # torch.save's own, for a file it cannot open
+                failed = [f"{type(error).__name__}: {str(error).strip()[:200]}"]
+        failed = agreed(failed)  # every rank hears rank 0's verdict (the barrier before the rename)
     else:
-        dcp.save(state, checkpoint_id=temporary)
+        try:
+            dcp.save(state, checkpoint_id=temporary)
+        except CheckpointException as error:  # a BaseException, raised on every rank alike
+            cause = next(iter(error.failures.values()))[0] if error.failures else error
+            failed = [f"{type(cause).__name__}: {str(cause).strip()[:200]}"]
+    if failed:
+        raise ShardingError(
+            f"fs.checkpoint.save could not write {path} ({failed[0]}); what was there is untouched. "
+            "Save to a path this process may write, on a disk with room for it"
+        )
+    if not full:
         return finish_folder(temporary, path, meta)
-    dist.barrier()
     if dist.get_rank() == 0:
         put_in_place(temporary, path)
     dist.barrier()
