@@ -175,6 +175,15 @@ def test_a_save_where_nothing_may_be_written_is_refused_on_every_rank(world4, fu
     assert all(refused.startswith(f"fs.checkpoint.save could not write {path} (") for refused in refusals)
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="Needs /proc, where no process may make files.")
+def test_a_conversion_to_where_nothing_may_be_written_is_refused(one_rank, tmp_path):
+    folder = fs.checkpoint.save(tmp_path / "ckpt", parallel_model())
+    whole = fs.checkpoint.convert(folder, tmp_path / "ckpt.pt")
+    for source, target in ((folder, "/proc/fs-checkpoint-test.pt"), (whole, "/proc/fs-checkpoint-test")):
+        with pytest.raises(fs.ShardingError, match=re.escape(f"fs.checkpoint.convert could not write {target} (")):
+            fs.checkpoint.convert(source, target)
+
+
 def test_a_full_save_makes_its_missing_folders_as_a_sharded_one_does(one_rank, tmp_path):
     model = parallel_model()
     for full in (False, True):

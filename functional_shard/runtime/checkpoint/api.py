@@ -14,9 +14,11 @@ and read Hugging Face folders (`hf`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.validate import entry_point, instance_of, refuse
@@ -99,8 +102,6 @@ def write(path: str | os.PathLike[str], state: dict[str, Any], *, full: bool, me
 
 
 def _write(path: Path, state: dict[str, Any], *, full: bool, meta: dict[str, Any]) -> Path:
-    from torch.distributed.checkpoint.api import CheckpointException
-
     temporary = aside(path)
     failed: list[str] = []
     if full:
@@ -108,25 +109,34 @@ def _write(path: Path, state: dict[str, Any], *, full: bool, meta: dict[str, Any
             try:
                 _save_sealed({**state, **meta}, temporary)
             except (OSError, RuntimeError) as error:  # torch.save's own, for a file it cannot open
-                failed = [f"{type(error).__name__}: {str(error).strip()[:200]}"]
+                failed = [_cause(error)]
         failed = agreed(failed)  # every rank hears rank 0's verdict (the barrier before the rename)
     else:
         try:
             dcp.save(state, checkpoint_id=temporary)
-        except CheckpointException as error:  # a BaseException, raised on every rank alike
-            cause = next(iter(error.failures.values()))[0] if error.failures else error
-            failed = [f"{type(cause).__name__}: {str(cause).strip()[:200]}"]
-    if failed:
-        raise ShardingError(
-            f"fs.checkpoint.save could not write {path} ({failed[0]}); what was there is untouched. "
-            "Save to a path this process may write, on a disk with room for it"
-        )
-    if not full:
+        except CheckpointException as error:  # each rank's failure, on every rank alike; a rank's
+            raise _unwritable("fs.checkpoint.save", path, _cause(error)) from error  # death is not one
         return finish_folder(temporary, path, meta)
+    if failed:
+        raise _unwritable("fs.checkpoint.save", path, failed[0])
     if dist.get_rank() == 0:
         put_in_place(temporary, path)
     dist.barrier()
     return path
+
+
+def _cause(error: BaseException) -> str:
+    # torch's distributed checkpoint wraps each rank's error (a BaseException): the first one's
+    failures = error.failures if isinstance(error, CheckpointException) else {}
+    cause = next(iter(failures.values()))[0] if failures else error
+    return f"{type(cause).__name__}: {str(cause).strip()[:200]}"
+
+
+def _unwritable(what: str, path: Path, cause: str) -> ShardingError:
+    return ShardingError(
+        f"{what} could not write {path} ({cause}); what was there is untouched. "
+        "Save to a path this process may write, on a disk with room for it"
+    )
 
 
 def _save_sealed(content: dict[str, Any], path: Path) -> None:
@@ -429,17 +439,29 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], *, t
         optimizers = sorted((k for k in state if k.startswith("optimizer_")), key=lambda k: int(k[10:]))
         if optimizers:
             state["optimizer_states"] = [state.pop(k) for k in optimizers]
-        _save_sealed({**state, **meta}, temporary)
+        with _writing("fs.checkpoint.convert", target):
+            _save_sealed({**state, **meta}, temporary)
     else:
         saved = optimizers_by_key(checked_file(source, trust=trust, alone=True))
         _refuse_kind(source, saved)
         states = [k for k in saved if k in ("model", "optimizer", "state_dict") or k.startswith("optimizer_")]
         tensors = {k: saved.pop(k) for k in states}
-        dcp.save(tensors, checkpoint_id=temporary, no_dist=True)
-        torch.save({**saved, MARK: {"format": FORMAT}}, temporary / META)
-        write_manifest(temporary, alone=True)
+        with _writing("fs.checkpoint.convert", target):
+            dcp.save(tensors, checkpoint_id=temporary, no_dist=True)
+            torch.save({**saved, MARK: {"format": FORMAT}}, temporary / META)
+            write_manifest(temporary, alone=True)
     put_in_place(temporary, target)
     return target
+
+
+@contextlib.contextmanager
+def _writing(what: str, path: Path) -> Iterator[None]:
+    # an offline write's refusal (a read-only or full disk) as ours: torch.save raises a
+    # RuntimeError, torch's distributed checkpoint a CheckpointException; no peer can die here
+    try:
+        yield
+    except (OSError, RuntimeError, CheckpointException) as error:
+        raise _unwritable(what, path, _cause(error)) from error
 
 
 def _refuse_kind(source: Path, saved: dict[str, Any]) -> None:
