@@ -437,3 +437,26 @@ def adamw_steps(
         optimizer.step()
         losses.append(mean_over_ranks(loss).item())
     return losses, grads
+
+
+def save_with_extra_plain_on_rank_0_only(name: str, config: LlamaConfig, path: str) -> list[str]:
+    """Save with an extra no safe load rebuilds on every rank but 0, then save again: the refusals."""
+    model, _, _ = _built(name, config)
+    extra = {"best": 1.0} if dist.get_rank() == 0 else {"best": object()}
+    refusals = []
+    for attempt in (extra, {"best": 1.0}):
+        try:
+            fs.checkpoint.save(path, model, extra=attempt)
+        except fs.ShardingError as error:
+            refusals.append(str(error))
+    return refusals
+
+
+def save_where_nothing_may_be_written(name: str, config: LlamaConfig, path: str, full_file: bool) -> str:
+    """Save to ``path``, which no process may write: the refusal each rank raised."""
+    model, _, _ = _built(name, config)
+    try:
+        fs.checkpoint.save(path, model, full=full_file)
+    except fs.ShardingError as error:
+        return str(error)
+    return ""

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.packing import collate_packed
+from functional_shard.core.validate import instance_of
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan.plan import Plan
@@ -117,8 +118,8 @@ class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
         shuffle: permute each epoch.
 
     Raises:
-        ShardingError: ``batch_size`` does not divide over the plan's data-parallel ranks,
-            or does not fit the dataset.
+        ShardingError: ``plan`` is not a `Plan`; ``batch_size`` does not divide over the plan's
+            data-parallel ranks, or does not fit the dataset.
 
     Examples:
         >>> sampler = ResumableSampler(10, batch_size=4, shuffle=False)
@@ -138,6 +139,15 @@ class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
         seed: int = 0,
         shuffle: bool = True,
     ) -> None:
+        from functional_shard.planning.plan.plan import Plan
+
+        if plan is not None:
+            instance_of(
+                plan,
+                Plan,
+                "plan",
+                meaning="fs.ResumableSampler takes the run's plan, whose data-parallel axes split each batch",
+            )
         self.order = DataOrder(dataset_len, batch_size, seed, shuffle)
         self.index, self.count = plan.data_parallel_rank(rank) if plan is not None else (0, 1)
         self.local_batch = self.order.local_batch(self.count)

@@ -143,6 +143,76 @@ def test_a_save_into_an_empty_folder_writes_there(one_rank, tmp_path):
     assert (path / MANIFEST).is_file()
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+def test_a_save_under_a_file_is_refused_and_keeps_it(one_rank, tmp_path, full):
+    text_file(tmp_path / "notes")
+    path = tmp_path / "notes" / "runs" / "ckpt"
+    refused = f"fs.checkpoint.save wrote nothing to {path}: {tmp_path / 'notes'} is a file, not a folder"
+    with pytest.raises(fs.ShardingError, match=re.escape(refused)):
+        fs.checkpoint.save(path, parallel_model(), full=full)
+    assert contents(tmp_path) == {"notes": b"important"}
+
+
+def test_a_save_inside_a_checkpoint_and_a_conversion_onto_its_source_are_refused(one_rank, tmp_path):
+    model = parallel_model()
+    outer = fs.checkpoint.save(tmp_path / "ckpt", model, extra={"step": 1})
+    before = contents(outer)
+    inside = f"{outer} is a checkpoint, which a save to its path replaces whole, with what is inside it"
+    with pytest.raises(fs.ShardingError, match=re.escape(inside)):
+        fs.checkpoint.save(outer / "inner", model)
+    with pytest.raises(fs.ShardingError, match=re.escape(inside)):
+        fs.checkpoint.convert(outer, outer / "whole.pt")
+    with pytest.raises(fs.ShardingError, match=re.escape(f"the target {outer} is the source")):
+        fs.checkpoint.convert(outer, tmp_path / "." / "ckpt")
+    assert contents(outer) == before
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="Needs /proc, where no process may make files.")
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+def test_a_save_where_nothing_may_be_written_is_refused_on_every_rank(world4, full):
+    path = "/proc/fs-checkpoint-test/ckpt"
+    refusals = world4.run(dist_cases.save_where_nothing_may_be_written, "zero3", dist_cases.EVEN, path, full)
+    assert all(refused.startswith(f"fs.checkpoint.save could not write {path} (") for refused in refusals)
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="Needs /proc, where no process may make files.")
+def test_a_conversion_to_where_nothing_may_be_written_is_refused(one_rank, tmp_path):
+    folder = fs.checkpoint.save(tmp_path / "ckpt", parallel_model())
+    whole = fs.checkpoint.convert(folder, tmp_path / "ckpt.pt")
+    for source, target in ((folder, "/proc/fs-checkpoint-test.pt"), (whole, "/proc/fs-checkpoint-test")):
+        with pytest.raises(fs.ShardingError, match=re.escape(f"fs.checkpoint.convert could not write {target} (")):
+            fs.checkpoint.convert(source, target)
+
+
+def test_a_full_save_makes_its_missing_folders_as_a_sharded_one_does(one_rank, tmp_path):
+    model = parallel_model()
+    for full in (False, True):
+        fs.checkpoint.save(
+            tmp_path / f"full-{full}" / "runs" / "ckpt", model, full=full, extra={"full": full}
+        )
+        assert fs.checkpoint.load(tmp_path / f"full-{full}" / "runs" / "ckpt", model) == {"full": full}
+
+
+@pytest.mark.parametrize(
+    ("make", "what"),
+    [
+        (text_file, "it is a file, but not one torch.save wrote (a zip archive)"),
+        (
+            folder_of_notes,
+            "the folder holds none of meta.pt, manifest.json or .metadata (it holds notes.txt)",
+        ),
+    ],
+    ids=["file", "folder"],
+)
+def test_loading_what_is_not_a_checkpoint_says_there_is_none(one_rank, tmp_path, make, what):
+    path = tmp_path / "runs"
+    make(path)
+    with pytest.raises(fs.ShardingError, match=re.escape(f"there is no checkpoint at {path}: {what}")):
+        fs.checkpoint.load(path, parallel_model())
+    with pytest.raises(fs.ShardingError, match=re.escape(f"there is no checkpoint at {path}: {what}")):
+        fs.checkpoint.convert(path, tmp_path / "converted")
+
+
 def test_lightnings_write_refuses_the_users_files_and_replaces_its_own_checkpoint(one_rank, tmp_path):
     """Lightning's strategies save through `write`: ModelCheckpoint may save ``last`` again."""
     model = parallel_model()

@@ -174,6 +174,19 @@ def test_a_plain_module_exports_with_a_config_dict(tmp_path):
     assert weights(tmp_path / "out").keys() == model.state_dict().keys()
 
 
+def test_an_export_under_a_file_or_of_no_module_is_refused(tmp_path):
+    model = hf_cases.build("llama")
+    (tmp_path / "notes").write_text("important")
+    under = f"path: {tmp_path / 'notes'} is a file, not a folder, so nothing can be written inside it"
+    with pytest.raises(fs.ShardingError, match=re.escape(under)):
+        fs.checkpoint.export_hf(tmp_path / "notes" / "out", model)
+    with pytest.raises(fs.ShardingError, match=re.escape("export_hf(model=str): a Module")):
+        fs.checkpoint.export_hf(tmp_path / "out", "model")
+    with pytest.raises(fs.ShardingError, match=re.escape("load_hf(module=str): not a Module")):
+        fs.checkpoint.load_hf(tmp_path / "out", "model")
+    assert [p.name for p in tmp_path.iterdir()] == ["notes"]
+
+
 @pytest.mark.parametrize(
     ("change", "problem"),
     [

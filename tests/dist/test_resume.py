@@ -127,6 +127,11 @@ def test_a_global_batch_that_does_not_divide_is_refused_naming_both_numbers():
         other.loader(range(24), batch_size=2)
 
 
+def test_a_plan_of_another_kind_is_refused_by_name():
+    with pytest.raises(fs.ShardingError, match=re.escape("plan=str: a Plan (fs.ResumableSampler takes")):
+        fs.ResumableSampler(24, plan="dp=4", rank=0, batch_size=8)
+
+
 @pytest.mark.parametrize("full", [True, False], ids=["file", "folder"])
 def test_a_data_order_that_cannot_go_on_changes_nothing(one_rank, tmp_path, full):
     # a load with data= is refused before any tensor is set: another global batch, or a

@@ -126,6 +126,17 @@ def test_a_damaged_folder_is_refused_by_name_and_changes_nothing(
         assert untouched(model, before)
 
 
+def test_a_path_that_is_no_folder_is_refused_with_its_own_fix(tmp_path):
+    # not "does not fit the model ... or mapping=": there is no folder to fit
+    nowhere = tmp_path / "nowhere"
+    with pytest.raises(fs.ShardingError) as refused:
+        fs.checkpoint.load_hf(nowhere, cases.build("llama", meta=True, seed=5))
+    assert str(refused.value) == (
+        f"fs.checkpoint.load_hf changed nothing: {nowhere} is not a folder; pass the folder "
+        "save_pretrained wrote (config.json and weights)"
+    )
+
+
 def test_pickled_weights_load_with_trust_as_safetensors_do(folder, tmp_path):
     target = tmp_path / "pickled"
     damaged(folder, target, "pickle", 0, 0)

@@ -14,9 +14,11 @@ and read Hugging Face folders (`hf`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -24,9 +26,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from functional_shard.core.errors import ShardingError
-from functional_shard.core.validate import entry_point
+from functional_shard.core.validate import entry_point, instance_of, refuse
 from functional_shard.core.validate import path as check_path
 
 from .async_save import PendingSave, finish_folder, save_in_background, wait_for_previous
@@ -38,6 +41,7 @@ from .integrity import (
     MANIFEST,
     MARK,
     META,
+    agreed,
     aside,
     manifest_problems,
     need_process_group,
@@ -99,20 +103,44 @@ def write(path: str | os.PathLike[str], state: dict[str, Any], *, full: bool, me
 
 def _write(path: Path, state: dict[str, Any], *, full: bool, meta: dict[str, Any]) -> Path:
     temporary = aside(path)
+    failed: list[str] = []
     if full:
         if dist.get_rank() == 0:
-            _save_sealed({**state, **meta}, temporary)
+            try:
+                _save_sealed({**state, **meta}, temporary)
+            except (OSError, RuntimeError) as error:  # torch.save's own, for a file it cannot open
+                failed = [_cause(error)]
+        failed = agreed(failed)  # every rank hears rank 0's verdict (the barrier before the rename)
     else:
-        dcp.save(state, checkpoint_id=temporary)
+        try:
+            dcp.save(state, checkpoint_id=temporary)
+        except CheckpointException as error:  # each rank's failure, on every rank alike; a rank's
+            raise _unwritable("fs.checkpoint.save", path, _cause(error)) from error  # death is not one
         return finish_folder(temporary, path, meta)
-    dist.barrier()
+    if failed:
+        raise _unwritable("fs.checkpoint.save", path, failed[0])
     if dist.get_rank() == 0:
         put_in_place(temporary, path)
     dist.barrier()
     return path
 
 
+def _cause(error: BaseException) -> str:
+    # torch's distributed checkpoint wraps each rank's error (a BaseException): the first one's
+    failures = error.failures if isinstance(error, CheckpointException) else {}
+    cause = next(iter(failures.values()))[0] if failures else error
+    return f"{type(cause).__name__}: {str(cause).strip()[:200]}"
+
+
+def _unwritable(what: str, path: Path, cause: str) -> ShardingError:
+    return ShardingError(
+        f"{what} could not write {path} ({cause}); what was there is untouched. "
+        "Save to a path this process may write, on a disk with room for it"
+    )
+
+
 def _save_sealed(content: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)  # as a folder's save makes its folders
     torch.save(content, path)
     seal(path)
 
@@ -182,8 +210,13 @@ def save(
         >>> # pending = fs.checkpoint.save("ckpt", model, optimizer, asynchronous=True); pending.wait()
         >>> # fs.checkpoint.save("ckpt", model, optimizer, data=loader)   # a fs.ResumableSampler's loader
     """
+    _check_module(module, optimizer)
+    if extra is not None:
+        instance_of(extra, dict, "extra", meaning="plain values by name, as {'step': 10}")
     extra = _with_data_order(extra, data)
-    problems = plain_problems(extra or {}, "extra")
+    # every rank hears every rank's verdict: a rank refusing alone would leave the others in
+    # the save's collectives
+    problems = agreed(plain_problems(extra or {}, "extra"))
     if problems:
         raise ShardingError(
             f"fs.checkpoint.save: {problems[0]}{f' (and {len(problems) - 1} more)' if problems[1:] else ''}: "
@@ -248,6 +281,9 @@ def load(
         >>> # fs.checkpoint.load("ckpt", model, optimizer, data=loader)   # the data order goes on
     """
     path = check_path(path, "path")
+    _check_module(module, optimizer)
+    if data is not None and not callable(getattr(data, "load_state_dict", None)):
+        refuse("data", type(data).__name__, "a ResumableLoader or ResumableSampler", meaning=_DATA_MEANING)
     optimizers = {"optimizer": optimizer} if optimizer is not None else {}
     # read sees the saved meta before it sets anything, and every rank hears every verdict
     check = None if data is None else functools.partial(_data_order_problems, path, data)
@@ -260,6 +296,27 @@ def load(
 
 
 DATA_ORDER = "data_order"
+_DATA_MEANING = "the run's fs.ResumableSampler or the loader it made"
+
+
+def _check_module(module: Any, optimizer: Any) -> None:
+    # before torch reads them: a wrong object fails deep inside torch, an optimizer of other
+    # parameters (built before fs.apply replaced them) with a bare KeyError
+    instance_of(module, nn.Module, "module", meaning="the module fs.apply parallelized")
+    if optimizer is None:
+        return
+    instance_of(
+        optimizer, torch.optim.Optimizer, "optimizer", meaning="a torch optimizer of the module, or None"
+    )
+    own = {id(parameter) for parameter in module.parameters()}
+    foreign = sum(id(p) not in own for group in optimizer.param_groups for p in group["params"])
+    if foreign:
+        refuse(
+            "optimizer",
+            type(optimizer).__name__,
+            f"an optimizer of the module's parameters ({foreign} of its parameters are not the module's)",
+            meaning="build it from module.parameters() after fs.apply, which replaces them",
+        )
 
 
 def _data_order_problems(path: str | os.PathLike[str], data: Any, meta: Any) -> list[str]:
@@ -359,6 +416,11 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], *, t
     source, target = check_path(source, "source"), check_path(target, "target")
     if not source.exists():
         raise ShardingError(f"no checkpoint at {source}")
+    if target.resolve() == source.resolve():
+        raise ShardingError(
+            f"fs.checkpoint.convert wrote nothing: the target {target} is the source; convert to another "
+            "path (the source is a sharded folder, the result a file, or the other way round)"
+        )
     refuse_occupied(target, "fs.checkpoint.convert", alone=True)
     temporary = aside(target, alone=True)
     if source.is_dir():
@@ -377,17 +439,29 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], *, t
         optimizers = sorted((k for k in state if k.startswith("optimizer_")), key=lambda k: int(k[10:]))
         if optimizers:
             state["optimizer_states"] = [state.pop(k) for k in optimizers]
-        _save_sealed({**state, **meta}, temporary)
+        with _writing("fs.checkpoint.convert", target):
+            _save_sealed({**state, **meta}, temporary)
     else:
         saved = optimizers_by_key(checked_file(source, trust=trust, alone=True))
         _refuse_kind(source, saved)
         states = [k for k in saved if k in ("model", "optimizer", "state_dict") or k.startswith("optimizer_")]
         tensors = {k: saved.pop(k) for k in states}
-        dcp.save(tensors, checkpoint_id=temporary, no_dist=True)
-        torch.save({**saved, MARK: {"format": FORMAT}}, temporary / META)
-        write_manifest(temporary, alone=True)
+        with _writing("fs.checkpoint.convert", target):
+            dcp.save(tensors, checkpoint_id=temporary, no_dist=True)
+            torch.save({**saved, MARK: {"format": FORMAT}}, temporary / META)
+            write_manifest(temporary, alone=True)
     put_in_place(temporary, target)
     return target
+
+
+@contextlib.contextmanager
+def _writing(what: str, path: Path) -> Iterator[None]:
+    # an offline write's refusal (a read-only or full disk) as ours: torch.save raises a
+    # RuntimeError, torch's distributed checkpoint a CheckpointException; no peer can die here
+    try:
+        yield
+    except (OSError, RuntimeError, CheckpointException) as error:
+        raise _unwritable(what, path, _cause(error)) from error
 
 
 def _refuse_kind(source: Path, saved: dict[str, Any]) -> None:

@@ -34,6 +34,7 @@ __all__ = [
     "Described",
     "agreed",
     "aside",
+    "blocked_problems",
     "every_rank",
     "DAMAGED_FIX",
     "FIT_FIX",
@@ -59,8 +60,8 @@ META = "meta.pt"  # a folder's values saved beside the tensors (``extra``, Light
 MARK = "functional_shard"  # meta.pt's {"format": ...}: a folder that has a manifest
 DAMAGED_FIX = "Load an intact copy, or save again"
 FIT_FIX = (
-    "Load it under a module of the same parameter paths, shapes and dtypes, or with strict=False "
-    "to skip keys that are missing or extra"
+    "Load it under a module of the same parameter paths, shapes and dtypes (and an optimizer of the "
+    "kind that saved it), or with strict=False to skip keys that are missing or extra"
 )
 _SEAL = b"functional_shard-sha256:"
 _END_OF_ZIP = b"PK\x05\x06"  # the signature of a zip archive's last record
@@ -196,12 +197,33 @@ def _foreign(path: Path) -> str | None:
     return f"{path} is a folder that is not a checkpoint (it holds {shown}{more})"
 
 
+def blocked_problems(path: Path) -> list[str]:
+    """Why nothing may be written at ``path``: a file or a checkpoint around it.
+
+    Torch would fail deep inside its writer under a file; the next save to a checkpoint's own
+    path would delete whatever was written inside it.
+    """
+    parents = [parent for parent in path.absolute().parents if parent.exists()]
+    if parents and not parents[0].is_dir():
+        return [f"{parents[0]} is a file, not a folder, so nothing can be written inside it"]
+    inside = next((parent for parent in parents if is_ours(parent)), None)
+    if inside is not None:
+        return [f"{inside} is a checkpoint, which a save to its path replaces whole, with what is inside it"]
+    return []
+
+
 def refuse_occupied(path: Path, what: str, *, alone: bool = False) -> None:
     """Refuse ``what``'s save to ``path``, on every rank, if the user's things are there.
 
     Refused before anything is written (`occupied_problems` says why): only an earlier
-    checkpoint, or an empty folder, is replaced.
+    checkpoint, or an empty folder, is replaced. A path under a file or inside a checkpoint is
+    refused too.
     """
+    blocked = agreed(blocked_problems(path), alone=alone)
+    if blocked:
+        raise ShardingError(
+            f"{what} wrote nothing to {path}: {blocked[0]}. Save to another path (missing folders are made)"
+        )
     problems = agreed(occupied_problems(path), alone=alone)
     if problems:
         raise ShardingError(

@@ -35,6 +35,7 @@ from .integrity import (
     every_rank_keys,
     fit_problems,
     index_tensors,
+    is_ours,
     manifest_problems,
     raise_problems,
     seal_problems,
@@ -46,6 +47,7 @@ from .state import (
     refuse_packed,
     set_model_state,
     set_optimizer_state,
+    state_made,
     zero1_template,
 )
 
@@ -159,6 +161,7 @@ def kind_problems(path: Path, saved: dict[str, Any], keys: tuple[str, ...]) -> l
 
 def checked_file(path: Path, *, trust: bool, alone: bool = False) -> dict[str, Any]:
     """A full file's contents, once its bytes match its seal and the safe loader rebuilt them."""
+    _first_refusal(agreed(_foreign_file_problems(path), alone=alone))
     raise_problems(
         agreed(seal_problems(path), alone=alone), f"the checkpoint at {path} is damaged", DAMAGED_FIX
     )
@@ -167,6 +170,23 @@ def checked_file(path: Path, *, trust: bool, alone: bool = False) -> dict[str, A
         problems = [f"the checkpoint at {path} holds a {type(saved).__name__}, not a dict of states"]
     _first_refusal(agreed(problems, alone=alone))
     return saved
+
+
+def _foreign_file_problems(path: Path) -> list[str]:
+    # a file torch.save never wrote (no zip archive, no seal) is no damaged checkpoint
+    if is_ours(path):
+        return []
+    with open(path, "rb") as stream:
+        if stream.read(4) == _ZIP_START:
+            return []
+    return [
+        f"{_NOT_ONE.format(path=path)}: it is a file, but not one torch.save wrote (a zip archive). {_PASS}"
+    ]
+
+
+_ZIP_START = b"PK\x03\x04"
+_NOT_ONE = "there is no checkpoint at {path}"
+_PASS = "Pass the folder or the file fs.checkpoint.save wrote"
 
 
 def _fits(
@@ -187,6 +207,8 @@ def _fits(
     for name, optimizer in optimizers.items():
         if name in saved:
             problems += _optimizer_fit(saved[name], optimizer, expected, wanted=wanted, prefix=f"{name}.")
+        elif strict:  # as a folder's missing keys are: a file's missing optimizer is no silent skip
+            problems.append(f"{name}: missing, the checkpoint was saved without it (load without it)")
     return problems
 
 
@@ -267,7 +289,7 @@ def _set_all(
         for optimizer, state in optimizers.values():
             set_optimizer_state(target, optimizer, state, full=full)
         set_model_state(target, model, full=full, strict=strict)
-    except (RuntimeError, ValueError, KeyError, TypeError) as error:
+    except (RuntimeError, ValueError, KeyError, TypeError, AssertionError) as error:
         for name, (optimizer, _) in optimizers.items():
             _restore(optimizer, before[name])
         raise ShardingError(
@@ -348,7 +370,8 @@ def _copies(
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             states[name] = zero1_template(target, optimizer, name, index)
         else:
-            states[name] = copies(optimizer_state(target, optimizer))
+            with state_made(optimizer):
+                states[name] = copies(optimizer_state(target, optimizer))
             own_params[name] = [group["params"] for group in states[name].get("param_groups", [])]
     return states, own_params
 
@@ -386,6 +409,18 @@ def checked_folder(path: Path, *, trust: bool, alone: bool = False) -> dict[str,
     """
     damaged = f"the checkpoint at {path} is damaged"
     has_manifest = (path / MANIFEST).exists()
+    if not has_manifest and not (path / META).exists() and not (path / ".metadata").exists():
+        # none of a checkpoint's files: the user's folder, not a damaged checkpoint
+        shown = ", ".join(sorted(entry.name for entry in path.iterdir())[:5]) or "nothing"
+        _first_refusal(
+            agreed(
+                [
+                    f"{_NOT_ONE.format(path=path)}: the folder holds none of {META}, {MANIFEST} or .metadata "
+                    f"(it holds {shown}). {_PASS}"
+                ],
+                alone=alone,
+            )
+        )
     problems = manifest_problems(path, alone=alone) if has_manifest else []
     if not (path / META).exists() and not has_manifest:
         problems.append(f"{META} (what was saved beside the tensors): missing")

@@ -202,26 +202,39 @@ def empty_state_planner(*, where: Any, trust: bool) -> DefaultLoadPlanner:
     return planner
 
 
-def plain_problems(value: Any, where: str) -> list[str]:
+def plain_problems(value: Any, where: str, *, inside: tuple[int, ...] = ()) -> list[str]:
     """Where ``value`` holds something a safe reader could not rebuild, one line each.
+
+    ``inside``: the ids of the containers ``value`` is in, so that one holding itself is named.
 
     Examples:
         >>> plain_problems({"step": 3, "seen": [1, 2]}, "extra")
         []
         >>> plain_problems({"when": object()}, "extra")
         ["extra['when'] is a builtins.object"]
+        >>> looped = {"seen": []}
+        >>> looped["seen"].append(looped)
+        >>> plain_problems(looped, "extra")
+        ["extra['seen'][0] is a dict that holds itself"]
     """
     if type(value) in _PLAIN_LEAVES or type(value) in _PLAIN_TENSORS:
         return []
+    if type(value) in (dict, OrderedDict, list, tuple) and id(value) in inside:
+        return [f"{where} is a {type(value).__name__} that holds itself"]
+    inside = (*inside, id(value))
     if type(value) in (dict, OrderedDict):
-        return [p for key, item in value.items() for p in _keyed(key, item, where)]
+        return [p for key, item in value.items() for p in _keyed(key, item, where, inside)]
     if type(value) in (list, tuple):
-        return [p for index, item in enumerate(value) for p in plain_problems(item, f"{where}[{index}]")]
+        return [
+            p
+            for index, item in enumerate(value)
+            for p in plain_problems(item, f"{where}[{index}]", inside=inside)
+        ]
     kind = type(value)
     return [f"{where} is a {kind.__module__}.{kind.__qualname__}"]
 
 
-def _keyed(key: Any, item: Any, where: str) -> list[str]:
+def _keyed(key: Any, item: Any, where: str, inside: tuple[int, ...]) -> list[str]:
     if type(key) not in (str, int, float, bool, type(None)):
         return [f"{where} has a key of type {type(key).__qualname__}"]
-    return plain_problems(item, f"{where}[{key!r}]")
+    return plain_problems(item, f"{where}[{key!r}]", inside=inside)

@@ -9,8 +9,9 @@ state is the whole tensors each rank owns.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -39,6 +40,7 @@ __all__ = [
     "refuse_packed",
     "set_model_state",
     "set_optimizer_state",
+    "state_made",
     "zero1_template",
 ]
 
@@ -211,6 +213,29 @@ def _on_cpu(values: dict[str, Any]) -> dict[str, Any]:
     return {k: v.cpu() if torch.is_tensor(v) else v for k, v in values.items()}
 
 
+@contextlib.contextmanager
+def state_made(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """While torch loads into ``optimizer``: its gradients set aside, so that torch makes its state.
+
+    Torch makes an empty optimizer's state to load into (a step with zero gradients and lr 0)
+    only when no parameter has a gradient (``_init_optim_state`` in
+    torch.distributed.checkpoint.state_dict); otherwise a sharded load finds no state to fill
+    and drops the saved one, and a full load fails on an assertion.
+    """
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    gradients = [p.grad for p in parameters]
+    if optimizer.state or all(gradient is None for gradient in gradients):
+        yield
+        return
+    for parameter in parameters:
+        parameter.grad = None
+    try:
+        yield
+    finally:
+        for parameter, gradient in zip(parameters, gradients, strict=True):
+            parameter.grad = gradient
+
+
 def set_optimizer_state(
     module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], *, full: bool
 ) -> None:
@@ -219,9 +244,17 @@ def set_optimizer_state(
         if full and _pipeline(module) is not None:
             own = {name for name, _ in module.named_parameters()}
             state = {**state, "state": {k: v for k, v in state.get("state", {}).items() if k in own}}
+        if full and not state.get("state"):
+            # nothing per parameter (a stateless optimizer: SGD without momentum): torch's full
+            # load learns the device from the optimizer's own state tensors, and asserts without
+            optimizer.state.clear()
+            for saved, group in zip(state.get("param_groups", []), optimizer.param_groups, strict=False):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+            return
         if full:
             state = _optimizer_in_order(state, unequal_packed(module), rank_major)
-        set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=full))
+        with state_made(optimizer):
+            set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=full))
         return
     saved_groups = state.get("param_groups", [])
     if saved_groups and len(saved_groups) != len(optimizer.param_groups):

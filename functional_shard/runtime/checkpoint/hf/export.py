@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from functional_shard.core.errors import ShardingError
-from functional_shard.core.validate import entry_point, positive_int
+from functional_shard.core.validate import entry_point, instance_of, positive_int
 from functional_shard.core.validate import path as check_path
 from functional_shard.runtime.checkpoint.integrity import (
     Described,
@@ -128,6 +128,7 @@ def export_hf(
         >>> # transformers.AutoModelForCausalLM.from_pretrained("out/llama-hf")
     """
     path = check_path(path, "path")
+    instance_of(model, nn.Module, "model", meaning="the model fs.apply parallelized")
     if max_shard_bytes is not None:
         positive_int(max_shard_bytes, "max_shard_bytes", meaning="bytes per file, or None for one file")
     hf = hf_config(config, model)

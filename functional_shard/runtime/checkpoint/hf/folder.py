@@ -20,7 +20,7 @@ from torch import nn
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.validate import path as check_path
-from functional_shard.runtime.checkpoint.integrity import key_differences
+from functional_shard.runtime.checkpoint.integrity import blocked_problems, key_differences
 
 __all__ = [
     "CONFIG",
@@ -261,7 +261,10 @@ def is_earlier_export(path: Path) -> bool:
 
 
 def target_problems(path: Path) -> list[str]:
-    """Why ``path`` may not be replaced by an export: it holds something else."""
+    """Why an export may not replace ``path``: something else is there, or a file or checkpoint around it."""
+    blocked = blocked_problems(path)
+    if blocked:
+        return [f"path: {blocked[0]}. Choose another path"]
     if not path.exists() or is_earlier_export(path) or (path.is_dir() and not any(path.iterdir())):
         return []
     what = "a file" if not path.is_dir() else "a folder that is not a Hugging Face export"

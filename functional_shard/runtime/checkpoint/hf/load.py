@@ -73,6 +73,11 @@ def load_hf(
         >>> # fs.apply(plan, model); fs.checkpoint.load_hf("Llama-3-8B/", model)
     """
     path = checked_path(path, "path")
+    if not isinstance(module, nn.Module):
+        raise ShardingError(
+            f"fs.checkpoint.load_hf(module={type(module).__name__}): not a Module; pass the model "
+            "fs.apply parallelized (or will)"
+        )
     model = _submodule(module, root)
     prefix = f"{root}." if root else ""
     applied = APPLIED.get(module)
@@ -85,7 +90,11 @@ def load_hf(
     try:
         folder = open_folder(path, trust=trust)
     except ShardingError as error:
-        problems.append(str(error).removeprefix("fs.checkpoint.load_hf changed nothing: "))
+        problems.append(str(error))
+    # a folder that cannot be opened says its own fix: no fit to compare, no mapping to pass
+    unopened = agreed(problems)
+    if unopened:
+        raise ShardingError(unopened[0])
     sources: dict[str, list[tuple[Source, Piece]]] = {}
     if folder is not None:
         try:

@@ -1,0 +1,95 @@
+"""Optimizer state loads whole, whatever the optimizer is when the load begins.
+
+A fresh optimizer of a module whose parameters hold gradients (a step's backward ran) gets
+the saved state, from a folder as from a file, and keeps the gradients; a stateless
+optimizer (SGD without momentum) gets its hyperparameters back. An optimizer the checkpoint
+lacks, or one of another kind, is refused with the optimizer as it was.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import functional_shard as fs
+from functional_shard.zoo import Llama
+
+from .. import dist_cases
+
+
+def parallel_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = Llama(dist_cases.EVEN)
+    return fs.apply(fs.shard(model, fs.Mesh(dp=1), fs.fsdp("dp")), model)
+
+
+def backward(model: torch.nn.Module) -> None:
+    model(torch.randint(0, dist_cases.EVEN.vocab_size, (2, 8))).sum().backward()
+
+
+def trained(optimizer_of):
+    model = parallel_model()
+    optimizer = optimizer_of(model.parameters())
+    for _ in range(2):
+        backward(model)
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def moments(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [
+        value.full_tensor() if hasattr(value, "full_tensor") else value
+        for state in optimizer.state_dict()["state"].values()
+        for value in state.values()
+    ]
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+def test_a_fresh_optimizer_with_gradients_gets_the_saved_state(one_rank, tmp_path, full):
+    model, optimizer = trained(torch.optim.AdamW)
+    path = fs.checkpoint.save(tmp_path / "ckpt", model, optimizer, full=full)
+    loaded = parallel_model(seed=1)
+    backward(loaded)
+    gradients = [p.grad.full_tensor().clone() for p in loaded.parameters()]
+    fresh = torch.optim.AdamW(loaded.parameters())
+    fs.checkpoint.load(path, loaded, fresh)
+    saved, got = moments(optimizer), moments(fresh)
+    assert len(got) == len(saved) > 0
+    assert all(torch.equal(a, b) for a, b in zip(got, saved, strict=True))
+    assert all(
+        torch.equal(p.grad.full_tensor(), g) for p, g in zip(loaded.parameters(), gradients, strict=True)
+    )
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+def test_a_stateless_optimizer_gets_its_hyperparameters_back(one_rank, tmp_path, full):
+    model, optimizer = trained(lambda parameters: torch.optim.SGD(parameters, lr=0.25))
+    path = fs.checkpoint.save(tmp_path / "ckpt", model, optimizer, full=full)
+    loaded = parallel_model(seed=1)
+    fresh = torch.optim.SGD(loaded.parameters(), lr=0.5)
+    fs.checkpoint.load(path, loaded, fresh)
+    assert fresh.param_groups[0]["lr"] == 0.25
+    assert not fresh.state
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+def test_an_optimizer_the_checkpoint_lacks_is_refused(one_rank, tmp_path, full):
+    model, optimizer = trained(torch.optim.AdamW)
+    path = fs.checkpoint.save(tmp_path / "ckpt", model, full=full)
+    missing = "optimizer: missing, the checkpoint was saved without it (load without it)"
+    with pytest.raises(fs.ShardingError, match=re.escape(missing)):
+        fs.checkpoint.load(path, model, optimizer)
+    assert fs.checkpoint.load(path, model, optimizer, strict=False) == {}
+
+
+def test_an_optimizer_of_another_kind_is_refused_and_kept(one_rank, tmp_path):
+    model, optimizer = trained(torch.optim.AdamW)
+    path = fs.checkpoint.save(tmp_path / "ckpt.pt", model, optimizer, full=True)
+    other, sgd = trained(lambda parameters: torch.optim.SGD(parameters, lr=0.25))
+    with pytest.raises(fs.ShardingError, match=re.escape("and an optimizer of the kind that saved it")):
+        fs.checkpoint.load(path, other, sgd)
+    assert sgd.param_groups[0]["lr"] == 0.25
+    assert "betas" not in sgd.param_groups[0]
