@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.runtime.engines.gradients import gradients_set_aside
 from functional_shard.runtime.engines.packed_pieces import piece_major, rank_major, unequal_packed
 
 from .integrity import index_tensors
@@ -213,8 +214,7 @@ def _on_cpu(values: dict[str, Any]) -> dict[str, Any]:
     return {k: v.cpu() if torch.is_tensor(v) else v for k, v in values.items()}
 
 
-@contextlib.contextmanager
-def state_made(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+def state_made(optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None]:
     """While torch loads into ``optimizer``: its gradients set aside, so that torch makes its state.
 
     Torch makes an empty optimizer's state to load into (a step with zero gradients and lr 0)
@@ -222,18 +222,7 @@ def state_made(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     torch.distributed.checkpoint.state_dict); otherwise a sharded load finds no state to fill
     and drops the saved one, and a full load fails on an assertion.
     """
-    parameters = [p for group in optimizer.param_groups for p in group["params"]]
-    gradients = [p.grad for p in parameters]
-    if optimizer.state or all(gradient is None for gradient in gradients):
-        yield
-        return
-    for parameter in parameters:
-        parameter.grad = None
-    try:
-        yield
-    finally:
-        for parameter, gradient in zip(parameters, gradients, strict=True):
-            parameter.grad = gradient
+    return gradients_set_aside(p for group in optimizer.param_groups for p in group["params"])
 
 
 def set_optimizer_state(

@@ -9,11 +9,11 @@ pipelined: docs/applying.md, "Pipeline parallel".
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ from .activation_checkpointing import apply_checkpointing
 from .applied import retie
 from .data_parallel import apply_data_parallel, reduce_whole_grads
 from .experts import apply_expert_parallel
+from .gradients import gradients_set_aside
 from .tensor_parallel import apply_tensor_parallel, plain_loss, refuse_uneven_sequences
 
 
@@ -278,26 +279,14 @@ def _schedule(pipelined: Pipelined) -> Any:
     return pipelined.schedule
 
 
-@contextmanager
-def _grads_set_aside(pipelined: Pipelined) -> Iterator[None]:
+def _grads_set_aside(pipelined: Pipelined) -> contextlib.AbstractContextManager[None]:
     """Run a schedule step with the stages' gradients set aside, then add them back.
 
     Every torch schedule ends a step, ``eval`` included, by dividing each parameter's
     ``.grad`` by the micro-batch count (``perform_reduce_grad``): gradients accumulated
     before the step (an earlier batch's, kept for accumulation) would be divided too.
     """
-    params = [p for stage in pipelined.stages for p in stage.submod.parameters()]
-    held = [p.grad for p in params]
-    for param in params:
-        param.grad = None
-    try:
-        yield
-    finally:
-        for param, before in zip(params, held, strict=True):
-            if before is not None:
-                if param.grad is not None:
-                    before.add_(param.grad)
-                param.grad = before
+    return gradients_set_aside(p for stage in pipelined.stages for p in stage.submod.parameters())
 
 
 def _ends(pipelined: Pipelined) -> tuple[bool, bool]:
