@@ -108,7 +108,7 @@ def check_sequence_length(
         >>> check_sequence_length(100, 4, load_balance=True)
         Traceback (most recent call last):
         ...
-        functional_shard.ShardingError: cp=4 with load balancing cuts each sequence into 8 equal chunks, ...
+        functional_shard.ShardingError: seq=100: cp=4 with load balancing cuts each sequence into 8 equal ...
         use 96 or 104 tokens (pad the sequences), or cp(load_balance=False) (4 chunks)
         >>> check_sequence_length(-2, 2, load_balance=False, name="seq_len")
         Traceback (most recent call last):
@@ -128,9 +128,11 @@ def check_sequence_length(
         if load_balance and cp > 1 and seq > 0 and seq % cp == 0
         else ""
     )
-    raise ShardingError(
+    refuse(
+        name,
+        str(seq),
         f"cp={cp} {balance} cuts each sequence into {chunks} equal chunks, and {chunks} does not divide "
-        f"the {what} {seq}; use {nearest} tokens (pad the sequences){other}"
+        f"the {what} {seq}; use {nearest} tokens (pad the sequences){other}",
     )
 
 

@@ -182,6 +182,10 @@ def test_cost_and_estimate_refuse_the_same_sequence_length():
             "trace_activations(seq='8'): a positive",
         ),
         (lambda: fs.estimate(MODEL, CP_PLAN, batch=1, seq=8, inputs="ids"), "estimate(inputs=str): a tensor"),
+        (
+            lambda: fs.estimate(MODEL, CP_PLAN, batch=1, seq=6),
+            "estimate(seq=6): cp=2 with load balancing cuts each sequence into 4 equal chunks",
+        ),
         # a typo's length, whose tensors torch cannot count: refused, not torch's overflow
         (
             lambda: fs.estimate(MODEL, CP_PLAN, batch=2, seq=10**23),

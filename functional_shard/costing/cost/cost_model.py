@@ -15,7 +15,6 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from functional_shard.core.errors import ShardingError
 from functional_shard.core.layout import local_numel
 from functional_shard.core.spec import Owned, ParamSharding
 from functional_shard.core.tree import dtype_from_name
@@ -112,10 +111,7 @@ def _check_tokens(plan: Plan, tokens: Any) -> None:
     meaning = f"{divided}sequences × tokens per sequence, on one data-parallel rank"
     positive_int(tokens, "tokens", meaning=meaning)
     if cp > 1:
-        try:
-            check_sequence_length(tokens, cp, load_balance=balanced, what="tokens", name="tokens")
-        except ShardingError as error:
-            refuse("tokens", str(tokens), str(error))
+        check_sequence_length(tokens, cp, load_balance=balanced, what="tokens", name="tokens")
 
 
 def _state_bytes(numel: int, itemsize: int, optimizer: OptimizerKind) -> int:

@@ -93,7 +93,7 @@ class SequenceShard:
         """
         group = mesh.get_group()
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        check_sequence_length(seq_len, size, load_balance=load_balance)
+        check_sequence_length(seq_len, size, load_balance=load_balance, name="seq_len")
         every = [token_positions(seq_len, size, r, load_balance=load_balance) for r in range(size)]
         positions = torch.tensor(every[rank], device=device)
         keys = torch.tensor([p for held in every for p in held], device=device)
