@@ -26,6 +26,9 @@ class ShardingError(ValueError):
     # ``name=value`` when a check of core/validate.py refused one argument: the public entry
     # point that took it names itself in front (`core.validate.entry_point`), then clears it
     argument: str | None = None
+    # (that entry point, ``name=value``) once it has: a front end that took the value under
+    # another name (a command line's flag) can name it its own way
+    named: tuple[str, str] | None = None
 
 
 class MeshError(ShardingError):

@@ -192,7 +192,9 @@ def entry_point(function: Callable[_P, _R]) -> Callable[_P, _R]:
             if argument is None or taken not in parameters or any(taken in taking for taking in outer):
                 raise
             message = str(problem)
-            raise type(problem)(f"{who}({argument}){message[len(argument) :]}") from None
+            renamed = type(problem)(f"{who}({argument}){message[len(argument) :]}")
+            renamed.named = (who, argument)
+            raise renamed from None
         finally:
             _running.reset(token)
 

@@ -364,3 +364,15 @@ def test_a_json_file_that_cannot_be_written_is_refused_before_the_plan_is_made(c
     # the model does not exist: the --json check comes before it is looked for
     err = refused(capsys, "plan", "--model", "no-such-model", "--mesh", "dp=2", "--json", target)
     assert f"--json {target!r}: {says}" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--mesh", "dp=1,cp=2", "--policy", "fsdp((dp, cp)) + cp(cp)", "--seq", "6"], "--seq 6: cp=2 with"),
+        (["--mesh", "dp=2", "--policy", "fsdp(dp)", "--seq", "8", "--kernels", "float8"], "--kernels"),
+    ],
+)
+def test_a_value_the_library_refuses_is_named_by_the_flag_that_gave_it(capsys, flags, says):
+    """The estimate's refusals named its own arguments: estimate(seq=6), for what --seq 6 gave."""
+    assert refused(capsys, *TINY, *flags).startswith(f"functional-shard: {says}")

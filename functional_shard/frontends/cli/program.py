@@ -41,6 +41,29 @@ def _summary(error: ShardingError) -> str:
     return " ".join([f"{header} {problems[0]}{more}.", *fixes])
 
 
+# the library's arguments `plan` passes its flags to: a refusal of one names the flag the user typed
+_FLAGS = {
+    "batch": "--batch",
+    "seq": "--seq",
+    "devices": "--devices",
+    "memory_budget": "--budget",
+    "hardware": "--hardware",
+    "kernels": "--kernels",
+    "documents": "--documents",
+}
+
+
+def _as_flag(error: ShardingError) -> ShardingError:
+    """``error`` with ``estimate(seq=6): ...`` said as ``--seq 6: ...`` where a flag gave the value."""
+    if error.named is None:
+        return error
+    who, argument = error.named
+    name, _, value = argument.partition("=")
+    if name not in _FLAGS:
+        return error
+    return type(error)(f"{_FLAGS[name]} {value}{str(error)[len(f'{who}({argument})') :]}")
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser of ``functional-shard``: its commands and their flags.
 
@@ -203,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             return demo.run(args)
         return checkpoint.run(args, out)
     except ShardingError as error:
-        print(f"functional-shard: {_summary(error)}", file=sys.stderr)
+        print(f"functional-shard: {_summary(_as_flag(error))}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader left (| head): stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
