@@ -61,6 +61,10 @@ class DataOrder:
             )
             if isinstance(value, bool) or not isinstance(value, int) or value < least
         ]
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            problems.append(f"seed={self.seed!r} must be a whole number")
+        if not isinstance(self.shuffle, bool):
+            problems.append(f"shuffle={self.shuffle!r} must be True or False")
         if not problems and self.global_batch > self.dataset_len:
             problems.append(
                 f"global_batch={self.global_batch} is larger than dataset_len={self.dataset_len}: "
@@ -68,7 +72,8 @@ class DataOrder:
             )
         if problems:
             raise ShardingError(
-                f"DataOrder: {'; '.join(problems)}; pass the dataset's length and samples per step"
+                f"DataOrder: {'; '.join(problems)}; pass the dataset's length, the samples per step and "
+                "the seed as whole numbers, and shuffle as True or False"
             )
 
     @property
@@ -99,6 +104,24 @@ class DataOrder:
                 "whose data-parallel size divides it"
             )
         return self.global_batch // count
+
+
+def _value_problems(state: dict[str, Any]) -> list[str]:
+    """What in a sampler state is not a value `ResumableSampler.state_dict` writes."""
+    least = {"dataset_len": 1, "global_batch": 1, "seed": None, "epoch": 0, "consumed": 0, "steps": 0}
+    found = [
+        f"{key}={state[key]!r}: a whole number{'' if at_least is None else f' of at least {at_least}'}"
+        for key, at_least in least.items()
+        if isinstance(state[key], bool)
+        or not isinstance(state[key], int)
+        or (at_least is not None and state[key] < at_least)
+    ]
+    if not isinstance(state["shuffle"], bool):
+        found.append(f"shuffle={state['shuffle']!r}: True or False")
+    batch = state["global_batch"]
+    if not found and state["consumed"] % batch:
+        found.append(f"consumed={state['consumed']}: a whole number of global batches of {batch} samples")
+    return found
 
 
 class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
@@ -227,7 +250,13 @@ class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
                 f"ResumableSampler: the state lacks {list(missing)}; pass what "
                 "ResumableSampler.state_dict() (or fs.checkpoint.save(data=...)) wrote"
             )
-        problems = []
+        problems = _value_problems(state)
+        if problems:  # a state edited by hand or another program's: its numbers cannot be compared
+            raise ShardingError(
+                "ResumableSampler cannot resume this state:\n"
+                + "\n".join(f"* {p}" for p in problems)
+                + "\nPass what ResumableSampler.state_dict() (or fs.checkpoint.save(data=...)) wrote"
+            )
         if state["dataset_len"] != self.order.dataset_len:
             problems.append(
                 f"it was saved over a dataset of {state['dataset_len']} samples, this sampler has "

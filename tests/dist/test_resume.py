@@ -132,6 +132,31 @@ def test_a_plan_of_another_kind_is_refused_by_name():
         fs.ResumableSampler(24, plan="dp=4", rank=0, batch_size=8)
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [
+        ("consumed", -6, "consumed=-6: a whole number of at least 0"),
+        ("consumed", 5, "consumed=5: a whole number of global batches of 6 samples"),
+        ("epoch", "2", "epoch='2': a whole number of at least 0"),
+        ("shuffle", 1, "shuffle=1: True or False"),
+        ("global_batch", 0, "global_batch=0: a whole number of at least 1"),
+    ],
+)
+def test_a_sampler_state_edited_by_hand_is_refused_by_its_value_and_changes_nothing(key, value, says):
+    sampler = fs.ResumableSampler(24, batch_size=6)
+    before = sampler.state_dict()
+    edited = {**before, key: value}
+    with pytest.raises(fs.ShardingError, match=re.escape(says)):
+        sampler.load_state_dict(edited)
+    assert sampler.state_dict() == before
+
+
+@pytest.mark.parametrize(("options", "says"), [({"seed": "x"}, "seed='x'"), ({"shuffle": "yes"}, "shuffle='yes'")])
+def test_a_seed_or_shuffle_of_another_kind_is_refused(options, says):
+    with pytest.raises(fs.ShardingError, match=re.escape(says)):
+        fs.ResumableSampler(24, batch_size=6, **options)
+
+
 @pytest.mark.parametrize("full", [True, False], ids=["file", "folder"])
 def test_a_data_order_that_cannot_go_on_changes_nothing(one_rank, tmp_path, full):
     # a load with data= is refused before any tensor is set: another global batch, or a
