@@ -137,6 +137,17 @@ def test_a_path_that_is_no_folder_is_refused_with_its_own_fix(tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    ("device", "what"), [("nonsense", "a torch device"), ("meta", "a device this machine has")]
+)
+def test_a_device_that_cannot_hold_the_shards_is_refused_before_anything_is_read(folder, device, what):
+    # torch's own RuntimeError came from deep inside; meta would have left the model unfilled
+    model = cases.build("llama", meta=True, seed=5)
+    with pytest.raises(fs.ShardingError, match=re.escape(f"load_hf(device={device!r}): {what}")):
+        fs.checkpoint.load_hf(folder, model, device=device)
+    assert all(p.is_meta for p in model.parameters())
+
+
 def test_pickled_weights_load_with_trust_as_safetensors_do(folder, tmp_path):
     target = tmp_path / "pickled"
     damaged(folder, target, "pickle", 0, 0)
