@@ -148,6 +148,22 @@ def test_a_device_that_cannot_hold_the_shards_is_refused_before_anything_is_read
     assert all(p.is_meta for p in model.parameters())
 
 
+def test_an_untied_folder_into_a_model_that_ties_its_head_is_refused_not_half_read(folder):
+    # the folder's lm_head.weight holds its own values: filling the tied pair with the embedding's
+    # alone dropped them, where from_pretrained unties the pair and keeps both
+    import transformers
+
+    kind, options = cases.FAMILIES["llama"]
+    config = getattr(transformers, kind)(**{**options, "tie_word_embeddings": True})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(
+        fs.ShardingError, match=re.escape("holds model.embed_tokens.weight and lm_head.weight apart")
+    ):
+        fs.checkpoint.load_hf(folder, model)
+    assert all(p.is_meta for p in model.parameters())
+
+
 def test_pickled_weights_load_with_trust_as_safetensors_do(folder, tmp_path):
     target = tmp_path / "pickled"
     damaged(folder, target, "pickle", 0, 0)

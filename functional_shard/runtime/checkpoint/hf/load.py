@@ -218,6 +218,14 @@ def _sources(
     _tie_head(folder, resolve, owner, pieces)
     for name, found in pieces.items():
         if len(found) > 1 and all(piece == Piece(name) for _, piece in found):
+            if folder.config and not _ties(folder.config):
+                # the folder's own config keeps them apart: one of its tensors would be dropped
+                keys = " and ".join(source.key for source, _ in found)
+                problems.append(
+                    f"{name}: the model ties it to another weight, but the folder holds {keys} apart "
+                    "(its config.json does not tie them), so one would be lost. Build the model from "
+                    "the folder's config (tie_word_embeddings=False)"
+                )
             del found[1:]
     for name in canonical:
         if name not in pieces:
