@@ -164,6 +164,16 @@ def test_an_untied_folder_into_a_model_that_ties_its_head_is_refused_not_half_re
     assert all(p.is_meta for p in model.parameters())
 
 
+def test_a_config_that_is_no_json_object_is_refused_not_read_as_none(folder, tmp_path):
+    target = tmp_path / "listed"
+    shutil.copytree(folder, target)
+    (target / "config.json").write_text("[1, 2]")
+    with pytest.raises(
+        fs.ShardingError, match=re.escape("has a config.json holding a JSON list, not an object")
+    ):
+        fs.checkpoint.load_hf(target, cases.build("llama", meta=True))
+
+
 def test_pickled_weights_load_with_trust_as_safetensors_do(folder, tmp_path):
     target = tmp_path / "pickled"
     damaged(folder, target, "pickle", 0, 0)
