@@ -162,6 +162,15 @@ def test_an_untied_folder_into_a_model_that_ties_its_head_is_refused_not_half_re
     ):
         fs.checkpoint.load_hf(folder, model)
     assert all(p.is_meta for p in model.parameters())
+    # two keys mapped to one weight the model does not tie: no tie to speak of
+    norm = "model.layers.0.input_layernorm.weight"
+    with pytest.raises(fs.ShardingError, match=re.escape(f"{norm}: missing")) as refused:
+        fs.checkpoint.load_hf(
+            folder,
+            cases.build("llama", meta=True),
+            mapping=lambda key: {norm: "model.norm.weight"}.get(key, key),
+        )
+    assert "ties" not in str(refused.value)
 
 
 def test_a_config_that_is_no_json_object_is_refused_not_read_as_none(folder, tmp_path):

@@ -218,7 +218,7 @@ def _sources(
     _tie_head(folder, resolve, owner, pieces)
     for name, found in pieces.items():
         if len(found) > 1 and all(piece == Piece(name) for _, piece in found):
-            if folder.config and not _ties(folder.config):
+            if len(canonical.get(name, ())) > 1 and folder.config and not _ties(folder.config):
                 # the folder's own config keeps them apart: one of its tensors would be dropped
                 keys = " and ".join(source.key for source, _ in found)
                 problems.append(
