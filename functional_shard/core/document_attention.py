@@ -96,6 +96,8 @@ def packed_inputs(model: nn.Module, batch: PackedBatch) -> dict[str, Any]:
         functional_shard.ShardingError: packed_inputs(Linear): its forward takes no document ...
     """
     name = type(model).__name__
+    if not isinstance(model, nn.Module):
+        raise ShardingError(f"packed_inputs(model={name}): pass the model to run on the batch, a Module")
     if not isinstance(batch, PackedBatch):
         raise ShardingError(
             f"packed_inputs({name}, batch={type(batch).__name__}): pass the PackedBatch that fs.pack returns"
@@ -301,6 +303,12 @@ def _hf_attention(model: nn.Module) -> tuple[str, str]:
             "transformers keeps packed documents apart in causal masks only. Pack documents for a "
             "causal LM, or pad them instead."
         )
+    if encoder := _bidirectional_layer(model):
+        return implementation, (
+            f"its attention {encoder} is bidirectional (is_causal=False, an encoder's), and "
+            "transformers keeps packed documents apart in causal masks only. Pack documents for a "
+            "causal LM, or pad them instead."
+        )
     try:
         import transformers.masking_utils as masking
     except ImportError:
@@ -325,6 +333,28 @@ def _hf_attention(model: nn.Module) -> tuple[str, str]:
             "in attention masks only. Pack documents for a model of attention layers alone, or pad them."
         )
     return implementation, ""
+
+
+def _bidirectional_layer(model: nn.Module) -> str:
+    """The first attention layer of the model's text decoder that sees the whole row, named ('' if none).
+
+    An encoder (BERT) says so in its layers alone, not in its config; a vision tower beside the
+    decoder (Qwen2-VL) is left out, as its attention never sees the packed tokens.
+    """
+    try:
+        decoder = model.get_decoder()  # type: ignore[operator]
+    except (AttributeError, TypeError, NotImplementedError):
+        decoder = None
+    decoder = decoder if isinstance(decoder, nn.Module) else model
+    paths = {id(module): path for path, module in model.named_modules()}
+    return next(
+        (
+            f"{paths.get(id(module), path)} ({type(module).__name__})"
+            for path, module in decoder.named_modules()
+            if getattr(module, "is_causal", None) is False
+        ),
+        "",
+    )
 
 
 def _recurrent_layers(model: nn.Module) -> str:

@@ -215,7 +215,8 @@ def pack(
 
     Raises:
         DocumentTooLongError: a document is longer than ``seq_len`` and ``long="refuse"``.
-        ShardingError: no documents, an empty one, not 1-D ints, or a bad ``seq_len``, ``long`` or ``pad_id``.
+        ShardingError: no documents, an empty one, not 1-D ints (or a negative one), or a bad ``seq_len``,
+            ``long`` or ``pad_id``.
 
     Examples:
         >>> pack([[1, 2, 3, 4, 5], [6]], seq_len=4, long="split").tokens.tolist()
@@ -326,7 +327,7 @@ def _documents(documents: Any, seq_len: int) -> list[torch.Tensor]:
             bullets(
                 f"pack(seq_len={seq_len}): {len(problems)} of {len(tensors)} documents cannot be packed:",
                 problems,
-                "Pass each document as a non-empty list or 1-D integer tensor of token ids.",
+                "Pass each document as a non-empty list or 1-D integer tensor of token ids (0 or more).",
             )
         )
     return tensors
@@ -345,6 +346,9 @@ def _document(document: Any) -> tuple[torch.Tensor, str | None]:
         return tensor, "is empty"
     if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
         return tensor, f"holds {tensor.dtype} values, not integer token ids"
+    if tensor.dtype.is_signed and bool((tensor < 0).any()):
+        # an embedding reads no negative row: refused here by document, not deep inside the model
+        return tensor, f"holds a negative token id ({int(tensor.min())}); token ids count from 0"
     return tensor.to(device="cpu", dtype=torch.long), None
 
 

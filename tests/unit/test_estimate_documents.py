@@ -166,7 +166,12 @@ def test_a_pipeline_counts_each_micro_batch_per_document():
         ([[4], []], "row 1 is [], not a non-empty sequence of document lengths"),
         ([], "estimate(documents=[]): pass a PackedBatch, a sequence of rows"),
         (8, "estimate(documents=int): pass a PackedBatch"),
-        ([2.5], "row 0 is 2.5, not a non-empty sequence"),
+        ([2.5], "one row's lengths [2.5], not all positive ints:\n* length 0 is 2.5"),
+        # one row's lengths, one of them not a length: not read as rows (row 1 is 16, ...)
+        (
+            [0, 16],
+            "estimate(documents=...): one row's lengths [0, 16], not all positive ints:\n* length 0 is 0\n",
+        ),
     ],
 )
 def test_documents_that_do_not_fit_are_refused_by_row(documents, message):

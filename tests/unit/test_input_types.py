@@ -283,7 +283,7 @@ def test_offload_takes_only_bools(flags):
         (lambda: fs.saved_tensor_bytes("model", torch.ones(2)), "module=str: a Module"),
         (lambda: fs.format_policy("fsdp(dp)"), "policy=str: a Policy (fs.fsdp(...) + fs.tp(...)"),
         (lambda: fs.format_bytes("12"), "n='12': a number of bytes"),
-        (lambda: fs.checkpoint.load_hf(3, _linear()), "path=3: a path (a str or os.PathLike)"),
+        (lambda: fs.checkpoint.load_hf(3, _linear()), "load_hf(path=3): a path (a str or os.PathLike)"),
         (
             lambda: fs.checkpoint.export_hf(fs.shard(_linear(), fs.Mesh(dp=1), fs.fsdp()), _linear(), "out"),
             "export_hf(path=Plan): a path",

@@ -137,6 +137,52 @@ def test_a_path_that_is_no_folder_is_refused_with_its_own_fix(tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    ("device", "what"), [("nonsense", "a torch device"), ("meta", "a device this machine has")]
+)
+def test_a_device_that_cannot_hold_the_shards_is_refused_before_anything_is_read(folder, device, what):
+    # torch's own RuntimeError came from deep inside; meta would have left the model unfilled
+    model = cases.build("llama", meta=True, seed=5)
+    with pytest.raises(fs.ShardingError, match=re.escape(f"load_hf(device={device!r}): {what}")):
+        fs.checkpoint.load_hf(folder, model, device=device)
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_an_untied_folder_into_a_model_that_ties_its_head_is_refused_not_half_read(folder):
+    # the folder's lm_head.weight holds its own values: filling the tied pair with the embedding's
+    # alone dropped them, where from_pretrained unties the pair and keeps both
+    import transformers
+
+    kind, options = cases.FAMILIES["llama"]
+    config = getattr(transformers, kind)(**{**options, "tie_word_embeddings": True})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(
+        fs.ShardingError, match=re.escape("holds model.embed_tokens.weight and lm_head.weight apart")
+    ):
+        fs.checkpoint.load_hf(folder, model)
+    assert all(p.is_meta for p in model.parameters())
+    # two keys mapped to one weight the model does not tie: no tie to speak of
+    norm = "model.layers.0.input_layernorm.weight"
+    with pytest.raises(fs.ShardingError, match=re.escape(f"{norm}: missing")) as refused:
+        fs.checkpoint.load_hf(
+            folder,
+            cases.build("llama", meta=True),
+            mapping=lambda key: {norm: "model.norm.weight"}.get(key, key),
+        )
+    assert "ties" not in str(refused.value)
+
+
+def test_a_config_that_is_no_json_object_is_refused_not_read_as_none(folder, tmp_path):
+    target = tmp_path / "listed"
+    shutil.copytree(folder, target)
+    (target / "config.json").write_text("[1, 2]")
+    with pytest.raises(
+        fs.ShardingError, match=re.escape("has a config.json holding a JSON list, not an object")
+    ):
+        fs.checkpoint.load_hf(target, cases.build("llama", meta=True))
+
+
 def test_pickled_weights_load_with_trust_as_safetensors_do(folder, tmp_path):
     target = tmp_path / "pickled"
     damaged(folder, target, "pickle", 0, 0)

@@ -209,6 +209,23 @@ def test_bidirectional_attention_is_refused():
     )
 
 
+def test_an_encoder_whose_layers_attend_both_ways_is_refused_by_layer():
+    # BERT's config says nothing (no is_causal); its layers do, and it builds its masks with the
+    # same create_causal_mask import as a decoder
+    model = transformers.BertModel(
+        transformers.BertConfig(
+            vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+        )
+    )
+    model.config._attn_implementation = "sdpa"
+    assert _refusal(model).startswith(
+        "packed_inputs(BertModel): its attention encoder.layer.0.attention.self (BertSelfAttention) "
+        "is bidirectional"
+    )
+    with pytest.raises(fs.ShardingError, match=re.escape("packed_inputs(model=NoneType): pass the model")):
+        fs.packed_inputs(None, fs.pack([[1, 2]], seq_len=2))  # type: ignore[arg-type]
+
+
 def test_a_model_that_builds_no_mask_from_position_ids_is_refused():
     # Mamba has no attention: its recurrent state runs on from one document into the next
     verbosity = transformers.logging.get_verbosity()

@@ -152,6 +152,11 @@ def test_pack_by_hand_labels_and_ids():
             "* document 2 holds torch.float32 values, not integer token ids\n"
             "* document 3 has shape (1, 2), not one dim of token ids\n* document 4 is a str, not token ids",
         ),
+        (
+            [[1, 2], [3, -1, -7]],
+            {"seq_len": 4},
+            "* document 1 holds a negative token id (-7); token ids count from 0",
+        ),
     ],
 )
 def test_pack_refuses_what_it_cannot_pack(docs, kwargs, message):

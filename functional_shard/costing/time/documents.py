@@ -279,6 +279,15 @@ def _rows(documents: Any, who: str) -> tuple[tuple[int, ...], ...]:
     if all(is_length(n) for n in documents):
         return (tuple(documents),)
     problems = []
+    if not any(is_sequence(n) for n in documents):  # one row's lengths, not rows
+        bad = [f"length {index} is {n!r}" for index, n in enumerate(documents) if not is_length(n)]
+        raise ShardingError(
+            bullets(
+                f"{who}(documents=...): one row's lengths {list(documents)!r}, not all positive ints:",
+                bad[:5],
+                f"Pass {what}.",
+            )
+        )
     for index, row in enumerate(documents):
         if not is_sequence(row) or len(row) == 0:
             problems.append(f"row {index} is {row!r}, not a non-empty sequence of document lengths")

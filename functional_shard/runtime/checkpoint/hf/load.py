@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.core.validate import entry_point, refuse
 from functional_shard.core.validate import path as checked_path
 from functional_shard.runtime.checkpoint.integrity import agreed, distributed, every_rank_keys, raise_problems
 from functional_shard.runtime.engines.applied import APPLIED, Applied
@@ -40,6 +41,7 @@ _TIED_HEAD = "lm_head.weight"
 _EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "tok_embeddings.weight")
 
 
+@entry_point
 def load_hf(
     path: str | os.PathLike[str],
     module: nn.Module,
@@ -73,6 +75,7 @@ def load_hf(
         >>> # fs.apply(plan, model); fs.checkpoint.load_hf("Llama-3-8B/", model)
     """
     path = checked_path(path, "path")
+    _check_device(device)
     if not isinstance(module, nn.Module):
         raise ShardingError(
             f"fs.checkpoint.load_hf(module={type(module).__name__}): not a Module; pass the model "
@@ -215,6 +218,14 @@ def _sources(
     _tie_head(folder, resolve, owner, pieces)
     for name, found in pieces.items():
         if len(found) > 1 and all(piece == Piece(name) for _, piece in found):
+            if len(canonical.get(name, ())) > 1 and folder.config and not _ties(folder.config):
+                # the folder's own config keeps them apart: one of its tensors would be dropped
+                keys = " and ".join(source.key for source, _ in found)
+                problems.append(
+                    f"{name}: the model ties it to another weight, but the folder holds {keys} apart "
+                    "(its config.json does not tie them), so one would be lost. Build the model from "
+                    "the folder's config (tie_word_embeddings=False)"
+                )
             del found[1:]
     for name in canonical:
         if name not in pieces:
@@ -258,6 +269,21 @@ def _tie_head(
     embedding = next((k for k in folder.sources if k.endswith(_EMBEDDINGS)), None)
     if name is not None and name not in pieces and embedding is not None:
         pieces[name] = [(folder.sources[embedding], Piece(name))]
+
+
+def _check_device(device: Any) -> None:
+    # before the folder is read: a meta module is allocated on it only after every check
+    if device is None:
+        return
+    meaning = 'where a meta module\'s shards are made: "cpu", "cuda", "cuda:1" or a torch.device'
+    try:
+        found = torch.device(device)
+    except (RuntimeError, TypeError):
+        refuse("device", repr(device), "a torch device", meaning=meaning)
+    backend = getattr(torch, found.type, None)
+    available = getattr(backend, "is_available", None)
+    if found.type == "meta" or (callable(available) and not available()):
+        refuse("device", repr(device), "a device this machine has", meaning=meaning)
 
 
 def _device(device: str | torch.device | None, applied: Applied | None) -> torch.device:

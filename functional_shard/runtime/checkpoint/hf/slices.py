@@ -194,7 +194,12 @@ def _config(path: Path) -> dict[str, Any]:
         raise _refused(
             path, f"has a config.json that cannot be read ({error}); restore it or remove it"
         ) from None
-    return values if isinstance(values, dict) else {}
+    if not isinstance(values, dict):
+        # not read as no config: the tie of the head and the head sizes come from it
+        raise _refused(
+            path, f"has a config.json holding a JSON {type(values).__name__}, not an object; restore it"
+        )
+    return values
 
 
 def _weight_map(path: Path, index: str) -> dict[str, str]:
