@@ -23,6 +23,7 @@ from typing import Any, Literal
 import torch
 
 from .errors import ShardingError, bullets
+from .validate import entry_point, refuse
 
 __all__ = [
     "IGNORE_INDEX",
@@ -253,13 +254,15 @@ def pack(
     return PackedBatch(tokens, positions, document_ids, labels, tuple(offsets), tuple(sources), pad_id)
 
 
+@entry_point
 def collate_packed(items: Sequence[Any]) -> Any:
     """A DataLoader's batch of `PackedBatch` rows as one `PackedBatch`; other items as torch collates them.
 
     `functional_shard.ResumableLoader` collates with it, so a `PackedBatch` is a dataset it walks as it is.
 
     Raises:
-        ShardingError: rows of different lengths or padding ids, or packed rows mixed with other items.
+        ShardingError: no items; rows of different lengths or padding ids, or packed rows mixed with
+            other items.
 
     Examples:
         >>> batch = pack([[1, 2], [3, 4, 5], [6]], seq_len=3)
@@ -269,6 +272,14 @@ def collate_packed(items: Sequence[Any]) -> Any:
         >>> collate_packed([1, 2]).tolist()
         [1, 2]
     """
+    if not isinstance(items, Sequence) or isinstance(items, str | bytes) or not items:
+        shown = repr(items) if isinstance(items, Sequence) else type(items).__name__
+        refuse(
+            "items",
+            shown,
+            "a non-empty list of dataset items",
+            meaning="what a DataLoader hands its collate_fn",
+        )
     packed = [isinstance(item, PackedBatch) for item in items]
     if not any(packed):
         from torch.utils.data import default_collate

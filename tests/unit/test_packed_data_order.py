@@ -107,6 +107,8 @@ def test_rows_index_and_collate_back_alike():
             "collate_packed: the rows differ in (seq_len, pad_id): [(2, 0), (2, 5)]",
         ),
         ([fs.pack([[1]], seq_len=2), torch.ones(2)], "collate_packed: a batch mixes PackedBatch rows"),
+        ([], "collate_packed(items=[]): a non-empty list of dataset items"),
+        (None, "collate_packed(items=NoneType): a non-empty list"),
     ],
 )
 def test_collate_refuses_rows_that_do_not_go_together(items, message):
