@@ -171,6 +171,23 @@ def test_optimizer_needs_the_applied_module(fake_world):
         fs.optimizer(plan, nn.Linear(4, 4), torch.optim.SGD, lr=0.1)
 
 
+def test_the_optimizer_class_and_the_loss_function_are_checked_before_any_step(fake_world):
+    fake_world(2)
+    model = nn.Linear(4, 4)
+    plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp())
+    fs.apply(plan, model)
+    built = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(
+        fs.ShardingError, match=re.escape("optimizer(optimizer_class=SGD): a torch.optim.Optimizer class")
+    ):
+        fs.optimizer(plan, model, built)
+    for evaluate in (fs.forward_backward, fs.forward_loss):
+        with pytest.raises(
+            fs.ShardingError, match=re.escape("(loss_fn='mse'): a function loss_fn(outputs, targets)")
+        ):
+            evaluate(plan, model, "mse")
+
+
 def test_ddp_refuses_a_meta_device_model(fake_world):
     fake_world(2)
     module = llama("tiny")  # meta device

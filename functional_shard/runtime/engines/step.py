@@ -63,11 +63,12 @@ def forward_backward(
         loss (detached), the same on every rank of a pipeline or cp group.
 
     Raises:
-        ShardingError: ``module`` was not applied with ``plan``; from ``step``, a batch the micro-batch
-            count does not divide, a ``loss_fn`` that returns no scalar, packed rows given to a
-            model whose attention would cross documents (`fs.packed_inputs` refuses alike), to a Hugging
-            Face model under context parallel or to context parallel under a pipeline, or, under a
-            pipeline, a packed document that straddles two micro-batches.
+        ShardingError: ``module`` was not applied with ``plan``, or ``loss_fn`` is no function; from
+            ``step``, a batch the micro-batch count does not divide, a ``loss_fn`` that returns no
+            scalar, packed rows given to a model whose attention would cross documents
+            (`fs.packed_inputs` refuses alike), to a Hugging Face model under context parallel or to
+            context parallel under a pipeline, or, under a pipeline, a packed document that straddles
+            two micro-batches.
 
     Examples:
         >>> plan = fs.shard(nn.Linear(4, 2), fs.Mesh(dp=1), fs.replicate())
@@ -76,6 +77,7 @@ def forward_backward(
         >>> # loss = step(inputs, targets); optimizer.step(); optimizer.zero_grad()
     """
     applied = applied_with(plan, module, "fs.forward_backward")
+    loss_function(loss_fn)
     pipelined = pipeline_of(module)
     if root and pipelined is not None:
         refuse(
@@ -253,6 +255,20 @@ def taking_packed(
         return step(inputs, targets, **packing.taken(who, positions, document_ids, refusal=refusal))
 
     return packed_step
+
+
+def loss_function(loss_fn: object) -> LossFn:
+    """``loss_fn`` if it can be called as ``loss_fn(outputs, targets)``; refused before any step runs.
+
+    Examples:
+        >>> loss_function("mse")
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: loss_fn='mse': a function loss_fn(outputs, targets) (as ...)
+    """
+    if not callable(loss_fn):
+        refuse("loss_fn", repr(loss_fn), "a function loss_fn(outputs, targets)", meaning="as F.cross_entropy")
+    return loss_fn  # type: ignore[no-any-return]  # callable, the signature is the caller's to keep
 
 
 def scalar_loss(loss: object) -> torch.Tensor:
