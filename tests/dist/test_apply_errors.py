@@ -188,6 +188,21 @@ def test_the_optimizer_class_and_the_loss_function_are_checked_before_any_step(f
             evaluate(plan, model, "mse")
 
 
+def test_a_step_with_no_gradient_to_run_or_no_scaler_says_why(one_rank):
+    model = nn.Linear(4, 2)
+    plan = fs.shard(model, fs.Mesh(dp=1), fs.fsdp())
+    fs.apply(plan, model)
+    with pytest.raises(fs.ShardingError, match=re.escape("forward_backward(scaler=str): a GradScaler")):
+        fs.forward_backward(plan, model, nn.functional.mse_loss, scaler="float16")
+    step = fs.forward_backward(plan, model, nn.functional.mse_loss)
+    with (
+        torch.no_grad(),
+        pytest.raises(fs.ShardingError, match=re.escape("a loss that no gradient flows back")),
+    ):
+        step(torch.ones(3, 4), torch.ones(3, 2))
+    assert step(torch.ones(3, 4), torch.ones(3, 2)).ndim == 0  # outside no_grad it runs
+
+
 def test_ddp_refuses_a_meta_device_model(fake_world):
     fake_world(2)
     module = llama("tiny")  # meta device
