@@ -275,6 +275,11 @@ def test_offload_takes_only_bools(flags):
         (lambda: fs.shard_tensor([1, 2], fs.P("dp"), fs.Mesh(dp=2)), "tensor=list: a Tensor"),
         (lambda: fs.LocalWorld(0), "world_size=0: a positive int (how many local ranks to start)"),
         (lambda: fs.run_local(print, "2"), "world_size='2': a positive int"),
+        (lambda: fs.run_local("main", 2), "fn='main': a function (called on every rank)"),
+        (
+            lambda: fs.run_local(lambda: 0, 2),
+            "<lambda>: a module-level function (the spawned ranks import it by name",
+        ),
         (
             lambda: fs.check_optimizer(_linear(), torch.optim.SGD(_linear().parameters(), lr=0.1)),
             "optimizer=Linear: an Optimizer (the optimizer first, then its module)",
