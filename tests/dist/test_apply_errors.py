@@ -119,6 +119,14 @@ def test_unrunnable_plans_fail_before_touching_data(fake_world, model, mesh, pol
     assert params_untouched(module)
 
 
+def test_a_device_mesh_that_is_no_device_mesh_is_named(fake_world):
+    fake_world(2)
+    model = nn.Linear(4, 4)
+    with pytest.raises(fs.MeshError, match=re.escape("apply(device_mesh=str): a torch DeviceMesh, or None")):
+        fs.apply(fs.shard(model, fs.Mesh(dp=2), fs.fsdp()), model, "cpu")
+    assert params_untouched(model)
+
+
 def test_plan_must_fit_the_module(fake_world):
     fake_world(2)
     plan = fs.shard(nn.Linear(4, 4), fs.Mesh(dp=2), fs.fsdp())
