@@ -122,7 +122,21 @@ class _RunsAPlan:
         process_group_backend: str | None,
         timeout: timedelta | None,
     ) -> None:
+        who = type(self).__name__
+        if mesh is not None and not isinstance(mesh, fs.Mesh):
+            raise fs.ShardingError(f"{who}(mesh={type(mesh).__name__}): a Mesh, as fs.Mesh(dp=-1)")
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise fs.ShardingError(
+                f"{who}(timeout={timeout!r}): a timedelta, as Lightning's strategies take it; pass "
+                f"timeout=timedelta(seconds={timeout!r})"
+            )
         if isinstance(plan, fs.Plan):
+            if mesh is not None and mesh != plan.mesh:
+                # the plan is laid out on its own mesh: another one would be silently ignored
+                raise fs.ShardingError(
+                    f"{who}(mesh={mesh!r}): the plan is made for {plan.mesh!r}; drop mesh= (a plan carries "
+                    "its mesh), or plan for this mesh, or pass the policy with mesh="
+                )
             self._plan, self._policy, self._mesh = plan, None, plan.mesh
         else:
             self._plan, self._policy = None, as_policy(plan)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 import functional_shard as fs
+from functional_shard.core.validate import entry_point, instance_of
 
 # the names Lightning's FSDPStrategy takes for torch's ShardingStrategy
 _FsdpSharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"]
@@ -63,6 +65,7 @@ def deepspeed_config(plan: fs.Plan) -> dict[str, Any]:
     return result
 
 
+@entry_point
 def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target: str | None = None) -> Any:
     """Lightning's own strategy for a plan, where one expresses it exactly.
 
@@ -78,8 +81,9 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
         target: ``"ddp"``, ``"fsdp"``, ``"deepspeed"`` or ``"model_parallel"``; by default the exact match.
 
     Raises:
-        functional_shard.ShardingError: the target cannot express the plan (the feature named), or
-            DeepSpeed is not installed.
+        functional_shard.ShardingError: ``plan`` is no plan; the target cannot express the plan (the
+            feature named: pipeline, context and expert parallelism none of them do), or DeepSpeed is
+            not installed.
 
     Examples:
         >>> plan = fs.shard(torch.nn.Linear(4, 4), fs.Mesh(dp=2), fs.zero(2))
@@ -88,7 +92,20 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
     """
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 
+    instance_of(plan, fs.Plan, "plan", meaning="fs.shard(model, mesh, policy) makes one")
     config = plan.config
+    # none of Lightning's own strategies runs these: the strategy built would drop them
+    unexpressed = {
+        "pipeline parallel": config.pipeline,
+        "context parallel": config.context,
+        "expert parallel": config.experts,
+    }
+    for feature, setting in unexpressed.items():
+        if setting is not None:
+            raise fs.ShardingError(
+                f"to_lightning: the plan runs {feature}, which none of Lightning's own strategies "
+                "runs; use ShardStrategy(plan)"
+            )
     kind = config.data_parallel
     default = "model_parallel" if config.tp is not None else "fsdp"
     target = target or {"ddp": "ddp", "zero1": "deepspeed"}.get(kind, default)
@@ -145,7 +162,24 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
         activation_checkpointing_policy=by_path(config.checkpointed, "checkpointed modules"),
         cpu_offload=config.offload_params,
         mixed_precision=precision,
+        device_mesh=_hybrid_sizes(plan) if kind == "hsdp" else None,
     )
+
+
+def _hybrid_sizes(plan: fs.Plan) -> tuple[int, int]:
+    # without a mesh FSDPStrategy's HYBRID_SHARD shards within each node and replicates across
+    # nodes, whatever the plan's sizes (and refuses a module without units); its mesh is
+    # (replicate, shard), replicate major, as the plan's must be
+    assert plan.config.fsdp is not None  # (hsdp is a data-parallel kind)
+    replicate, shard = plan.config.fsdp.replicate_axes, plan.config.fsdp.shard_axes
+    order = [axis for axis in plan.mesh.axis_names if axis in (*replicate, *shard)]
+    if order != [*replicate, *shard]:
+        raise fs.ShardingError(
+            f"to_lightning: FSDPStrategy lays HSDP out as (replicate, shard), replicate major, but "
+            f"{plan.mesh!r} orders the replicate axes {replicate} and shard axes {shard} otherwise; "
+            "list the replicate axes first in the mesh, or use ShardStrategy(plan)"
+        )
+    return math.prod(plan.mesh[a] for a in replicate), math.prod(plan.mesh[a] for a in shard)
 
 
 def _model_parallel(plan: fs.Plan) -> Any:

@@ -48,11 +48,12 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
 
     Args:
         plan: a `functional_shard.Plan` for the LightningModule, or a policy planned once the world is known.
-        mesh: the mesh for a policy (default ``Mesh(dp=-1)``); ignored for a plan.
+        mesh: the mesh for a policy (default ``Mesh(dp=-1)``); for a plan, its own or None.
         seed: seed for materializing a meta-device model (default: Lightning's seed state).
         save_distributed_checkpoint: a folder with one file per rank (default), or one full file.
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default by device.
-        timeout: seconds a collective waits for a hung or dead peer before a `CollectiveTimeoutError`.
+        timeout: how long (a ``timedelta``) a collective waits for a hung or dead peer before a
+            `CollectiveTimeoutError`.
         weights: a Hugging Face folder the model child starts from, loaded once the plan is applied.
         weights_mapping: which model tensor each folder tensor fills (``load_hf``'s ``mapping``).
         trust_weights: read pickled ``pytorch_model.bin`` files too (``load_hf``'s ``trust``).
@@ -60,8 +61,9 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
     Raises:
         functional_shard.MeshError: the plan's mesh does not match the number of devices.
         functional_shard.PlanError: the plan does not fit the module, or torch cannot run it.
-        functional_shard.ShardingError: an optimizer built on replaced parameters; or ``weights`` is
-            not a folder, or does not fit the model.
+        functional_shard.ShardingError: an optimizer built on replaced parameters; ``weights`` is
+            not a folder, or does not fit the model; ``mesh`` is no Mesh, or not a plan's own;
+            ``timeout`` is no ``timedelta``.
 
     Examples:
         >>> # trainer = L.Trainer(strategy=ShardStrategy(fs.fsdp()), accelerator="cpu", devices=4)

@@ -75,7 +75,8 @@ def apply(
         ``module`` itself, parallelized.
 
     Raises:
-        MeshError: no process group, or a world size / device mesh that differs from the plan's.
+        MeshError: no process group, a world size / device mesh that differs from the plan's, or a
+            ``device_mesh`` that is no DeviceMesh.
         PlanError: what the engines cannot run, one bullet per parameter, before anything changes.
         ShardingError: ``root`` under a pipeline plan; later, from the forward under sequence
             parallel, a sequence length not a multiple of the tensor-parallel size.
@@ -97,6 +98,11 @@ def apply(
     if device_mesh is None:
         device = next(module.parameters(), torch.empty(0)).device.type
         device_mesh = build_device_mesh(plan.mesh, "cpu" if device == "meta" else device)
+    elif not isinstance(device_mesh, DeviceMesh):
+        raise MeshError(
+            f"apply(device_mesh={type(device_mesh).__name__}): a torch DeviceMesh, or None to build one "
+            "from plan.mesh on the module's device"
+        )
     elif Mesh.from_device_mesh(device_mesh) != plan.mesh:
         raise MeshError(
             f"the device mesh is {Mesh.from_device_mesh(device_mesh)!r} but the plan is for {plan.mesh!r}"

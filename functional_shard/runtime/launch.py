@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from functional_shard.core.validate import positive_int
+from functional_shard.core.validate import positive_int, refuse
 
 from .timeouts import (
     CollectiveTimeoutError,
@@ -151,13 +152,28 @@ class LocalWorld:
         ``fn`` must be importable (a module-level function): it is sent by reference.
 
         Raises:
+            ShardingError: ``fn`` is no function, or it or its arguments do not pickle (a lambda); nothing
+                is sent and the world stays open.
             RankFailedError: a rank died or the run timed out; the world is closed.
             BaseException: the exception a rank raised, re-raised with its traceback.
         """
         if self._broken:
             raise RankFailedError("this LocalWorld was closed after a failure; make a new one")
-        for inbox in self._inboxes:
-            inbox.put((fn, args, kwargs))
+        _sendable(fn)
+        try:
+            # each put pickles first: a failure on the first one sends nothing
+            for inbox in self._inboxes:
+                inbox.put((fn, args, kwargs))
+            unsent = None
+        except Exception as pickling:  # pickle raises PicklingError, AttributeError or TypeError alike
+            unsent = str(pickling)
+        if unsent is not None:
+            refuse(
+                "args",
+                "...",
+                "arguments that pickle",
+                meaning=f"they are sent to the spawned ranks: {unsent}",
+            )
         results: list[Any] = [None] * self.world_size
         pending = set(range(self.world_size))
         # past the ranks' own collective timeout, so that their error, naming where they
@@ -217,6 +233,29 @@ class LocalWorld:
         self.close(force=exc_info[0] is not None)
 
 
+def _sendable(fn: object) -> None:
+    # checked before anything is sent: a rank failing on it would close the whole world, and a
+    # pickling error would otherwise come from inside multiprocessing
+    if not callable(fn):
+        refuse("fn", repr(fn), "a function", meaning="called on every rank")
+    if _pickling_error(fn) is not None:
+        refuse(
+            "fn",
+            getattr(fn, "__qualname__", type(fn).__name__),
+            "a module-level function",
+            meaning="the spawned ranks import it by name: not a lambda, a nested function, or a bound "
+            "method of an object that does not pickle",
+        )
+
+
+def _pickling_error(value: object) -> str | None:
+    try:
+        pickle.dumps(value)  # a function pickles by reference: cheap, and no side effect
+    except Exception as error:  # pickle raises PicklingError, AttributeError or TypeError alike
+        return str(error)
+    return None
+
+
 def current_rank() -> int:
     """This process's rank in the running world (0 where no process group is running)."""
     return dist.get_rank() if dist.is_initialized() else 0
@@ -233,9 +272,11 @@ def run_local(
     """Run ``fn`` once on ``world_size`` fresh local ranks; results by rank.
 
     ``timeout`` is `LocalWorld`'s: a hung or dead peer ends the run with a `CollectiveTimeoutError`.
+    ``fn`` must be importable (a module-level function), and its arguments must pickle.
 
     Examples:
         >>> # run_local(torch.distributed.get_world_size, 2) == [2, 2]
     """
+    _sendable(fn)  # before any rank is started
     with LocalWorld(world_size, backend, timeout) as world:
         return world.run(fn, *args, **kwargs)

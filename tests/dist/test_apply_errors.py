@@ -119,6 +119,14 @@ def test_unrunnable_plans_fail_before_touching_data(fake_world, model, mesh, pol
     assert params_untouched(module)
 
 
+def test_a_device_mesh_that_is_no_device_mesh_is_named(fake_world):
+    fake_world(2)
+    model = nn.Linear(4, 4)
+    with pytest.raises(fs.MeshError, match=re.escape("apply(device_mesh=str): a torch DeviceMesh, or None")):
+        fs.apply(fs.shard(model, fs.Mesh(dp=2), fs.fsdp()), model, "cpu")
+    assert params_untouched(model)
+
+
 def test_plan_must_fit_the_module(fake_world):
     fake_world(2)
     plan = fs.shard(nn.Linear(4, 4), fs.Mesh(dp=2), fs.fsdp())
@@ -169,6 +177,38 @@ def test_optimizer_needs_the_applied_module(fake_world):
     plan = fs.shard(nn.Linear(4, 4), fs.Mesh(dp=2), fs.fsdp())
     with pytest.raises(fs.ShardingError, match=re.escape("needs the module fs.apply(plan, module) returned")):
         fs.optimizer(plan, nn.Linear(4, 4), torch.optim.SGD, lr=0.1)
+
+
+def test_the_optimizer_class_and_the_loss_function_are_checked_before_any_step(fake_world):
+    fake_world(2)
+    model = nn.Linear(4, 4)
+    plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp())
+    fs.apply(plan, model)
+    built = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(
+        fs.ShardingError, match=re.escape("optimizer(optimizer_class=SGD): a torch.optim.Optimizer class")
+    ):
+        fs.optimizer(plan, model, built)
+    for evaluate in (fs.forward_backward, fs.forward_loss):
+        with pytest.raises(
+            fs.ShardingError, match=re.escape("(loss_fn='mse'): a function loss_fn(outputs, targets)")
+        ):
+            evaluate(plan, model, "mse")
+
+
+def test_a_step_with_no_gradient_to_run_or_no_scaler_says_why(one_rank):
+    model = nn.Linear(4, 2)
+    plan = fs.shard(model, fs.Mesh(dp=1), fs.fsdp())
+    fs.apply(plan, model)
+    with pytest.raises(fs.ShardingError, match=re.escape("forward_backward(scaler=str): a GradScaler")):
+        fs.forward_backward(plan, model, nn.functional.mse_loss, scaler="float16")
+    step = fs.forward_backward(plan, model, nn.functional.mse_loss)
+    with (
+        torch.no_grad(),
+        pytest.raises(fs.ShardingError, match=re.escape("a loss that no gradient flows back")),
+    ):
+        step(torch.ones(3, 4), torch.ones(3, 2))
+    assert step(torch.ones(3, 4), torch.ones(3, 2)).ndim == 0  # outside no_grad it runs
 
 
 def test_ddp_refuses_a_meta_device_model(fake_world):

@@ -410,6 +410,26 @@ def test_weights_mapping_fills_a_zoo_model_from_a_hugging_face_folder(world, tmp
 
 
 @pytest.mark.parametrize("strategy", ["ShardStrategy", "FabricShardStrategy"])
+def test_a_mesh_or_timeout_the_strategy_would_ignore_or_fail_on_is_refused_when_it_is_made(strategy):
+    from datetime import timedelta
+
+    import functional_shard.adapters.lightning as adapter
+
+    made = getattr(adapter, strategy)
+    plan = fs.shard(torch.nn.Linear(4, 4), fs.Mesh(dp=4), fs.fsdp())
+    wrong = f"{strategy}(mesh=Mesh(dp=8)): the plan is made for Mesh(dp=4); drop mesh="
+    with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
+        made(plan, mesh=fs.Mesh(dp=8))
+    made(plan, mesh=fs.Mesh(dp=4))  # its own mesh: nothing to ignore
+    with pytest.raises(fs.ShardingError, match=re.escape(f"{strategy}(mesh=dict): a Mesh")):
+        made(fs.fsdp(), mesh={"dp": 4})
+    wrong = f"{strategy}(timeout=60): a timedelta, as Lightning's strategies take it; pass timeout=timedelta("
+    with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
+        made(fs.fsdp(), timeout=60)
+    made(fs.fsdp(), timeout=timedelta(seconds=60))
+
+
+@pytest.mark.parametrize("strategy", ["ShardStrategy", "FabricShardStrategy"])
 def test_weights_that_are_not_a_folder_are_refused_when_the_strategy_is_made(hf_folder, strategy):
     import functional_shard.adapters.lightning as adapter
 

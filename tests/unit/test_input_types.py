@@ -275,6 +275,11 @@ def test_offload_takes_only_bools(flags):
         (lambda: fs.shard_tensor([1, 2], fs.P("dp"), fs.Mesh(dp=2)), "tensor=list: a Tensor"),
         (lambda: fs.LocalWorld(0), "world_size=0: a positive int (how many local ranks to start)"),
         (lambda: fs.run_local(print, "2"), "world_size='2': a positive int"),
+        (lambda: fs.run_local("main", 2), "fn='main': a function (called on every rank)"),
+        (
+            lambda: fs.run_local(lambda: 0, 2),
+            "<lambda>: a module-level function (the spawned ranks import it by name",
+        ),
         (
             lambda: fs.check_optimizer(_linear(), torch.optim.SGD(_linear().parameters(), lr=0.1)),
             "optimizer=Linear: an Optimizer (the optimizer first, then its module)",
@@ -283,6 +288,22 @@ def test_offload_takes_only_bools(flags):
         (lambda: fs.saved_tensor_bytes("model", torch.ones(2)), "module=str: a Module"),
         (lambda: fs.format_policy("fsdp(dp)"), "policy=str: a Policy (fs.fsdp(...) + fs.tp(...)"),
         (lambda: fs.format_bytes("12"), "n='12': a number of bytes"),
+        (
+            lambda: fs.clip_grad_norm_(_linear(), 1.0),
+            "clip_grad_norm_(parameters=Linear): parameters, not a module",
+        ),
+        (
+            lambda: fs.clip_grad_norm_(_linear().parameters(), -1.0),
+            "clip_grad_norm_(max_norm=-1.0): a number of at least 0",
+        ),
+        (
+            lambda: fs.clip_grad_norm_(_linear().parameters(), 1.0, 0),
+            "clip_grad_norm_(norm_type=0): a number above 0",
+        ),
+        (
+            lambda: fs.clip_grad_norm_(_linear().parameters(), 1.0, "inf"),
+            "(norm_type='inf'): a number above 0",
+        ),
         (lambda: fs.checkpoint.load_hf(3, _linear()), "load_hf(path=3): a path (a str or os.PathLike)"),
         (
             lambda: fs.checkpoint.export_hf(fs.shard(_linear(), fs.Mesh(dp=1), fs.fsdp()), _linear(), "out"),
@@ -293,6 +314,13 @@ def test_offload_takes_only_bools(flags):
 def test_helpers_refuse_a_wrong_argument_by_name(call, message):
     with pytest.raises(fs.ShardingError, match=re.escape(message)):
         call()
+
+
+def test_clipping_one_tensor_clips_it_as_torch_does():
+    weight = nn.Parameter(torch.zeros(2, 2))
+    weight.grad = torch.full((2, 2), 3.0)
+    assert fs.clip_grad_norm_(weight, 1.0).item() == pytest.approx(6.0)
+    assert weight.grad.norm().item() == pytest.approx(1.0, rel=1e-4)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")

@@ -105,6 +105,21 @@ def test_deepspeed_config_carries_mixed_precision():
             "deepspeed",
             "DeepSpeed offloads parameters only at ZeRO stage 3",
         ),
+        (
+            lambda: plan(fs.pipeline("pp", microbatches=2) + fs.fsdp("dp"), fs.Mesh(pp=2, dp=2)),
+            None,
+            "the plan runs pipeline parallel, which none of Lightning's own strategies runs",
+        ),
+        (
+            lambda: plan(fs.fsdp("cp") + fs.cp("cp"), fs.Mesh(cp=2)),
+            "fsdp",
+            "the plan runs context parallel, which none of Lightning's own strategies runs",
+        ),
+        (
+            lambda: fs.fsdp(),
+            None,
+            "to_lightning(plan=Policy): a Plan (fs.shard(model, mesh, policy) makes one)",
+        ),
     ],
 )
 def test_targets_that_cannot_express_a_plan_say_why(p, target, message):
@@ -116,6 +131,16 @@ def test_2d_plans_give_lightnings_model_parallel_strategy_with_their_sizes():
     strategy = to_lightning(plan(fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp"), fs.Mesh(dp=2, tp=4)))
     assert isinstance(strategy, ModelParallelStrategy)
     assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (2, 4)
+
+
+def test_hsdp_gives_fsdp_strategy_the_plans_replicate_and_shard_sizes():
+    # no units to wrap by: FSDPStrategy would refuse HYBRID_SHARD, or guess the sizes from the nodes
+    linear = torch.nn.Linear(4, 4)
+    strategy = to_lightning(fs.shard(linear, fs.Mesh(r=2, s=4), fs.hsdp("r", "s")))
+    assert strategy.sharding_strategy == ShardingStrategy.HYBRID_SHARD
+    assert strategy.kwargs["device_mesh"] == (2, 4)
+    with pytest.raises(fs.ShardingError, match=re.escape("list the replicate axes first in the mesh")):
+        to_lightning(fs.shard(linear, fs.Mesh(s=2, r=2), fs.hsdp("r", "s")))
 
 
 def test_units_need_the_module():

@@ -20,6 +20,7 @@ from .step import (
     check_microbatches,
     checked_pipelined_rows,
     forward_keywords,
+    loss_function,
     packed_microbatch_loss,
     taking_packed,
 )
@@ -141,7 +142,8 @@ def forward_loss(
         - ``document_ids``: packed rows' document ids (`PackedBatch.document_ids`).
 
     Raises:
-        ShardingError: as `forward_only`; later, from ``loss``, as ``forward`` of `forward_only`.
+        ShardingError: as `forward_only`, or a ``loss_fn`` that is no function; later, from ``loss``, as
+            ``forward`` of `forward_only`.
 
     Examples:
         >>> plan = fs.shard(nn.Linear(4, 2), fs.Mesh(dp=1), fs.replicate())
@@ -151,6 +153,7 @@ def forward_loss(
     """
     caller = "fs.forward_loss"
     forward, pipelined, packing = _evaluated(plan, module, root, caller)
+    loss_function(loss_fn)
 
     def run(inputs: torch.Tensor, targets: torch.Tensor, **packed: torch.Tensor) -> torch.Tensor:
         with _no_grad(), loss_context(plan):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
@@ -11,7 +12,7 @@ from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from functional_shard.core.errors import ShardingError
-from functional_shard.core.validate import instance_of
+from functional_shard.core.validate import entry_point, instance_of, refuse
 from functional_shard.planning.plan.plan import Plan
 
 from .applied import applied_with, axes_mesh
@@ -61,6 +62,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> None
             group["foreach"] = False
 
 
+@entry_point
 def optimizer(
     plan: Plan, module: nn.Module, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
 ) -> torch.optim.Optimizer:
@@ -70,12 +72,22 @@ def optimizer(
     other plans the plain optimizer over the module's (DTensor) shards.
 
     Raises:
-        ShardingError: ``module`` was not parallelized by `apply` with this plan.
+        ShardingError: ``module`` was not parallelized by `apply` with this plan, or ``optimizer_class``
+            is not a class of optimizers (an optimizer already built, say).
 
     Examples:
         >>> # opt = fs.optimizer(plan, model, torch.optim.AdamW, lr=1e-3)
     """
     applied = applied_with(plan, module, "fs.optimizer")
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        refuse(
+            "optimizer_class",
+            type(optimizer_class).__name__
+            if not isinstance(optimizer_class, type)
+            else optimizer_class.__name__,
+            "a torch.optim.Optimizer class",
+            meaning="pass the class and its arguments, fs.optimizer(plan, module, torch.optim.AdamW, lr=...)",
+        )
     params: Iterable[nn.Parameter] = module.parameters()
     if plan.config.data_parallel == "zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -88,6 +100,7 @@ def optimizer(
     return result
 
 
+@entry_point
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
 ) -> torch.Tensor:
@@ -97,15 +110,42 @@ def clip_grad_norm_(
     (FSDP-only norms beside FSDP x TP projections) and combines the stages of a pipeline, so
     every rank clips by the norm of the whole model.
 
+    Args:
+        parameters: the parameters whose gradients to clip (``model.parameters()``), or one of them.
+        max_norm: the largest total norm kept, at least 0 (``inf`` measures without clipping).
+        norm_type: the order of the norm, above 0 (``float("inf")`` for the largest entry).
+
     Returns:
         The total norm before clipping.
+
+    Raises:
+        ShardingError: a module given for its parameters, a negative or NaN ``max_norm`` (it would
+            flip or blank the gradients), or a ``norm_type`` that is not a number above 0 (the shards'
+            norms, and the stages', combine into the total only for such orders).
 
     Examples:
         >>> # fs.clip_grad_norm_(model.parameters(), 1.0)
     """
     from torch.distributed.tensor import DTensor
 
-    params = list(parameters)
+    if isinstance(parameters, nn.Module):
+        refuse(
+            "parameters",
+            type(parameters).__name__,
+            "parameters, not a module",
+            meaning="pass module.parameters()",
+        )
+    if not _real(max_norm) or not max_norm >= 0:
+        refuse("max_norm", repr(max_norm), "a number of at least 0", meaning="the largest total norm kept")
+    if not _real(norm_type) or not norm_type > 0:
+        refuse(
+            "norm_type",
+            repr(norm_type),
+            "a number above 0",
+            meaning="the order of the norm: 2.0, or float('inf') for the largest entry",
+        )
+    # one tensor is its own parameter list, as torch takes it (iterating it would yield its rows)
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
     groups: dict[object, list[torch.Tensor]] = {}
     for grad in grads:
@@ -131,6 +171,11 @@ def clip_grad_norm_(
         for grad in grads:
             grad.mul_(coefficient)
     return total
+
+
+def _real(value: object) -> bool:
+    # a plain or numpy number; not a bool, nor a str that torch would convert with float()
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _across_stages(norm: torch.Tensor, norm_type: float, group: dist.ProcessGroup) -> torch.Tensor:

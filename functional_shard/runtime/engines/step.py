@@ -12,7 +12,7 @@ from functional_shard.core.document_attention import PackedForward, packed_forwa
 from functional_shard.core.document_masks import check_pipelined_documents, values_checked
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.packing import IGNORE_INDEX, share_weighted
-from functional_shard.core.validate import entry_point, refuse
+from functional_shard.core.validate import entry_point, instance_of, refuse
 from functional_shard.planning.plan.plan import Plan
 
 from .applied import Applied, applied_with
@@ -63,11 +63,12 @@ def forward_backward(
         loss (detached), the same on every rank of a pipeline or cp group.
 
     Raises:
-        ShardingError: ``module`` was not applied with ``plan``; from ``step``, a batch the micro-batch
-            count does not divide, a ``loss_fn`` that returns no scalar, packed rows given to a
-            model whose attention would cross documents (`fs.packed_inputs` refuses alike), to a Hugging
-            Face model under context parallel or to context parallel under a pipeline, or, under a
-            pipeline, a packed document that straddles two micro-batches.
+        ShardingError: ``module`` was not applied with ``plan``, ``loss_fn`` is no function, or
+            ``scaler`` no ``GradScaler``; from ``step``, a batch the micro-batch count does not divide,
+            a ``loss_fn`` that returns no scalar or one no gradient flows back from, packed rows
+            given to a model whose attention would cross documents (`fs.packed_inputs` refuses
+            alike), to a Hugging Face model under context parallel or to context parallel under a
+            pipeline, or, under a pipeline, a packed document that straddles two micro-batches.
 
     Examples:
         >>> plan = fs.shard(nn.Linear(4, 2), fs.Mesh(dp=1), fs.replicate())
@@ -76,6 +77,9 @@ def forward_backward(
         >>> # loss = step(inputs, targets); optimizer.step(); optimizer.zero_grad()
     """
     applied = applied_with(plan, module, "fs.forward_backward")
+    loss_function(loss_fn)
+    if scaler is not None:
+        instance_of(scaler, torch.amp.GradScaler, "scaler", meaning="fs.grad_scaler(...), or None")
     pipelined = pipeline_of(module)
     if root and pipelined is not None:
         refuse(
@@ -255,6 +259,20 @@ def taking_packed(
     return packed_step
 
 
+def loss_function(loss_fn: object) -> LossFn:
+    """``loss_fn`` if it can be called as ``loss_fn(outputs, targets)``; refused before any step runs.
+
+    Examples:
+        >>> loss_function("mse")
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: loss_fn='mse': a function loss_fn(outputs, targets) (as ...)
+    """
+    if not callable(loss_fn):
+        refuse("loss_fn", repr(loss_fn), "a function loss_fn(outputs, targets)", meaning="as F.cross_entropy")
+    return loss_fn  # type: ignore[no-any-return]  # callable, the signature is the caller's to keep
+
+
 def scalar_loss(loss: object) -> torch.Tensor:
     """``loss`` if it is one number to run a backward from; refused otherwise, with the fix.
 
@@ -265,6 +283,13 @@ def scalar_loss(loss: object) -> torch.Tensor:
         functional_shard.ShardingError: fs.forward_backward: loss_fn returned a tensor of shape (3,), ...
     """
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        if not loss.requires_grad:
+            raise ShardingError(
+                "fs.forward_backward: loss_fn returned a loss that no gradient flows back from: the "
+                "module's parameters are all frozen (requires_grad=False), the step ran under "
+                "torch.no_grad(), or loss_fn detached the loss; train some parameter, call the step "
+                "outside no_grad, or evaluate with fs.forward_loss"
+            )
         return loss
     got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
     raise ShardingError(
