@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.validate import entry_point, instance_of, refuse
 from functional_shard.core.validate import path as check_path
+from functional_shard.runtime.engines.optimizer import stale_parameters
 
 from .async_save import PendingSave, finish_folder, save_in_background, wait_for_previous
 from .hf.export import HfConversion, convert_to_hf, export_hf
@@ -308,9 +309,7 @@ def _check_module(module: Any, optimizer: Any) -> None:
     instance_of(
         optimizer, torch.optim.Optimizer, "optimizer", meaning="a torch optimizer of the module, or None"
     )
-    own = {id(parameter) for parameter in module.parameters()}
-    foreign = sum(id(p) not in own for group in optimizer.param_groups for p in group["params"])
-    if foreign:
+    if foreign := stale_parameters(optimizer, module):
         refuse(
             "optimizer",
             type(optimizer).__name__,

@@ -37,9 +37,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> None
 
     instance_of(optimizer, torch.optim.Optimizer, "optimizer", meaning="the optimizer first, then its module")
     instance_of(module, nn.Module, "module", meaning="the module fs.apply parallelized")
-    current = {id(p) for p in module.parameters()}
-    stale = sum(id(p) not in current for group in optimizer.param_groups for p in group["params"])
-    if stale:
+    if stale := stale_parameters(optimizer, module):
         raise ShardingError(
             f"the optimizer holds {stale} parameters that are not the module's current ones: it was "
             "built before sharding replaced them. Build it after fs.apply, e.g. "
@@ -60,6 +58,18 @@ def check_optimizer(optimizer: torch.optim.Optimizer, module: nn.Module) -> None
             )
         if "foreach" in group:
             group["foreach"] = False
+
+
+def stale_parameters(optimizer: torch.optim.Optimizer, module: nn.Module) -> int:
+    """How many of ``optimizer``'s parameters are not ``module``'s own (those sharding replaced, say).
+
+    Examples:
+        >>> layer = nn.Linear(2, 2)
+        >>> stale_parameters(torch.optim.SGD(layer.parameters(), lr=0.1), nn.Linear(2, 2))
+        2
+    """
+    current = {id(p) for p in module.parameters()}
+    return sum(id(p) not in current for group in optimizer.param_groups for p in group["params"])
 
 
 @entry_point
