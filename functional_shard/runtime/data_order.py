@@ -53,18 +53,7 @@ class DataOrder:
     shuffle: bool = True
 
     def __post_init__(self) -> None:
-        problems = [
-            f"{name}={value!r} must be a whole number of at least {least}"
-            for name, value, least in (
-                ("dataset_len", self.dataset_len, 1),
-                ("global_batch", self.global_batch, 1),
-            )
-            if isinstance(value, bool) or not isinstance(value, int) or value < least
-        ]
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            problems.append(f"seed={self.seed!r} must be a whole number")
-        if not isinstance(self.shuffle, bool):
-            problems.append(f"shuffle={self.shuffle!r} must be True or False")
+        problems = _value_problems(dataclasses.asdict(self))
         if not problems and self.global_batch > self.dataset_len:
             problems.append(
                 f"global_batch={self.global_batch} is larger than dataset_len={self.dataset_len}: "
@@ -106,21 +95,27 @@ class DataOrder:
         return self.global_batch // count
 
 
-def _value_problems(state: dict[str, Any]) -> list[str]:
-    """What in a sampler state is not a value `ResumableSampler.state_dict` writes."""
-    least = {"dataset_len": 1, "global_batch": 1, "seed": None, "epoch": 0, "consumed": 0, "steps": 0}
+# the least value of each count a data order or a sampler state holds (None: any whole number)
+_LEAST = {"dataset_len": 1, "global_batch": 1, "seed": None, "epoch": 0, "consumed": 0, "steps": 0}
+
+
+def _value_problems(values: dict[str, Any]) -> list[str]:
+    """What in ``values`` (a `DataOrder`'s fields, or a sampler state) is not a value of its kind."""
     found = [
-        f"{key}={state[key]!r}: a whole number{'' if at_least is None else f' of at least {at_least}'}"
-        for key, at_least in least.items()
-        if isinstance(state[key], bool)
-        or not isinstance(state[key], int)
-        or (at_least is not None and state[key] < at_least)
+        f"{key}={values[key]!r}: a whole number{'' if at_least is None else f' of at least {at_least}'}"
+        for key, at_least in _LEAST.items()
+        if key in values
+        and (
+            isinstance(values[key], bool)
+            or not isinstance(values[key], int)
+            or (at_least is not None and values[key] < at_least)
+        )
     ]
-    if not isinstance(state["shuffle"], bool):
-        found.append(f"shuffle={state['shuffle']!r}: True or False")
-    batch = state["global_batch"]
-    if not found and state["consumed"] % batch:
-        found.append(f"consumed={state['consumed']}: a whole number of global batches of {batch} samples")
+    if not isinstance(values["shuffle"], bool):
+        found.append(f"shuffle={values['shuffle']!r}: True or False")
+    if not found and "consumed" in values and values["consumed"] % values["global_batch"]:
+        batch = values["global_batch"]
+        found.append(f"consumed={values['consumed']}: a whole number of global batches of {batch} samples")
     return found
 
 
