@@ -168,6 +168,7 @@ def test_search_is_deterministic():
     ]
 
 
+@pytest.mark.slow  # two searches an example; test_auto_is_optimal_in_its_space holds the search by default
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(200_000, 3_000_000), st.integers(0, 2_000_000))
 def test_a_larger_budget_never_gives_a_slower_plan(budget, more):
