@@ -304,6 +304,10 @@ def test_offload_takes_only_bools(flags):
             lambda: fs.clip_grad_norm_(_linear().parameters(), 1.0, "inf"),
             "(norm_type='inf'): a number above 0",
         ),
+        (
+            lambda: fs.grad_scaler("tpu"),
+            "grad_scaler(device='tpu'): one of 'cuda', 'cpu' (where the gradients",
+        ),
         (lambda: fs.checkpoint.load_hf(3, _linear()), "load_hf(path=3): a path (a str or os.PathLike)"),
         (
             lambda: fs.checkpoint.export_hf(fs.shard(_linear(), fs.Mesh(dp=1), fs.fsdp()), _linear(), "out"),

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from functional_shard.core.errors import ShardingError
-from functional_shard.core.validate import entry_point, instance_of, refuse
+from functional_shard.core.validate import entry_point, instance_of, one_of, refuse
 from functional_shard.planning.plan.plan import Plan
 
 from .applied import applied_with, axes_mesh
@@ -198,6 +198,7 @@ def _across_stages(norm: torch.Tensor, norm_type: float, group: dist.ProcessGrou
     return powered ** (1.0 / norm_type)
 
 
+@entry_point
 def grad_scaler(device: str = "cuda", **kwargs: Any) -> torch.amp.GradScaler:
     """A loss scaler for float16 training under any plan: every rank skips the same steps.
 
@@ -212,6 +213,8 @@ def grad_scaler(device: str = "cuda", **kwargs: Any) -> torch.amp.GradScaler:
         >>> # scaler = fs.grad_scaler("cuda"); scaler.scale(loss).backward()
         >>> # scaler.step(optimizer); scaler.update()
     """
+    # torch's GradScaler takes any device name, and a typo scales nothing where the gradients are
+    one_of(device, ("cuda", "cpu"), "device", meaning="where the gradients live: the plan's ranks run on one")
     if not dist.is_initialized():
         raise ShardingError(
             "fs.grad_scaler agrees over the process group: initialise torch.distributed first"
