@@ -24,6 +24,7 @@ import torch.nn.functional as F  # noqa: N812
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.mesh import Mesh
 from functional_shard.core.packing import PackedBatch, collate_packed, pack
+from functional_shard.core.validate import entry_point, instance_of, one_of, refuse
 from functional_shard.planning.plan.cost_record import Cost
 from functional_shard.planning.plan.plan import Plan
 from functional_shard.planning.planner import shard
@@ -36,7 +37,7 @@ from functional_shard.runtime.measure import CollectiveLog, resident_bytes
 
 from .model_zoo import CONFIGS, Llama, LlamaConfig
 
-__all__ = ["DemoResult", "process_limit", "run"]
+__all__ = ["DemoResult", "model_shapes", "process_limit", "run"]
 
 _LR = 1e-2
 _SEQUENCE = 16
@@ -187,6 +188,19 @@ def _mark(ok: bool) -> str:
     return "ok" if ok else "DIFFERS"
 
 
+def model_shapes(model: str) -> Llama:
+    """The demo's ``model`` built on the meta device: its shapes, for planning and reading a policy.
+
+    Examples:
+        >>> model_shapes("tiny").lm_head.weight.device
+        device(type='meta')
+    """
+    config = CONFIGS[one_of(model, tuple(CONFIGS), "model", meaning="a functional_shard.zoo model name")]
+    with torch.device("meta"):
+        return Llama(config)
+
+
+@entry_point
 def run(
     mesh: Mesh,
     policy: Policy | str,
@@ -219,9 +233,8 @@ def run(
         >>> # fs.demo.run(fs.Mesh(dp=2, tp=2), "fsdp(dp) + tp(llama, tp)").ok
     """
     _check_demo(mesh, steps, force)
-    config = CONFIGS[model]
-    with torch.device("meta"):
-        shapes_only = Llama(config)
+    shapes_only = model_shapes(model)
+    config = shapes_only.config
     if isinstance(policy, str):
         policy = parse_policy(policy, shapes_only)
     plan = shard(shapes_only, mesh, policy)
@@ -264,6 +277,7 @@ def run(
 
 def _check_demo(mesh: Mesh, steps: int, force: bool) -> None:
     """Refuse, before any process starts, a mesh the demo cannot start or too few steps to measure."""
+    instance_of(mesh, Mesh, "mesh", meaning="as fs.Mesh(dp=2, tp=2)")
     if not mesh.is_resolved:
         raise ShardingError(f"{mesh!r}: the demo starts one process per device, so give every axis its size")
     limit = process_limit()
@@ -273,9 +287,12 @@ def _check_demo(mesh: Mesh, steps: int, force: bool) -> None:
             "demo starts on this machine (4 per CPU core, at least 8): use a smaller mesh, or pass --force "
             "(force=True) to start them anyway"
         )
-    if steps <= _MEASURED_STEP:
-        raise ShardingError(
-            f"--steps {steps}: the demo measures step {_MEASURED_STEP + 1}, so give 3 or more"
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps <= _MEASURED_STEP:
+        refuse(
+            "steps",
+            repr(steps),
+            "an int of 3 or more",
+            meaning=f"the demo measures step {_MEASURED_STEP + 1}",
         )
 
 

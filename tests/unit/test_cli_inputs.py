@@ -376,3 +376,32 @@ def test_a_json_file_that_cannot_be_written_is_refused_before_the_plan_is_made(c
 def test_a_value_the_library_refuses_is_named_by_the_flag_that_gave_it(capsys, flags, says):
     """The estimate's refusals named its own arguments: estimate(seq=6), for what --seq 6 gave."""
     assert refused(capsys, *TINY, *flags).startswith(f"functional-shard: {says}")
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--policy", "fsdp("], "--policy: policy 'fsdp(' is not an expression"),
+        (["--policy", "fsdp(dp) + checkpointing(Nope)"], "--policy: policy 'fsdp(dp) + checkpointing(Nope)'"),
+        (["--steps", "2"], "--steps 2: an int of 3 or more (the demo measures step 3)"),
+    ],
+)
+def test_the_demo_names_the_flag_it_refuses(capsys, monkeypatch, argv, says):
+    monkeypatch.setattr(demo, "LocalWorld", _no_processes)
+    assert says in refused(capsys, "demo", "--mesh", "dp=2", *argv)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "says"),
+    [
+        ({"model": "nope"}, "run(model='nope'): one of 'tiny', 'tiny-tied'"),
+        ({"steps": 2}, "run(steps=2): an int of 3 or more"),
+        ({"steps": 3.0}, "run(steps=3.0): an int of 3 or more"),
+        ({"mesh": {"dp": 2}}, "run(mesh=dict): a Mesh"),
+    ],
+)
+def test_the_demo_from_python_names_the_argument_it_refuses(monkeypatch, arguments, says):
+    monkeypatch.setattr(demo, "LocalWorld", _no_processes)
+    arguments = {"mesh": fs.Mesh(dp=2), "policy": "fsdp(dp)"} | arguments
+    with pytest.raises(fs.ShardingError, match=re.escape(says)):
+        demo.run(**arguments)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from .inputs import parse_mesh
+from .inputs import parse_mesh, read_policy
 
 __all__ = ["run"]
 
@@ -27,10 +27,10 @@ def run(args: argparse.Namespace) -> int:
         >>> main(["demo", "--mesh", "dp=2", "--policy", "fsdp(dp)", "--steps", "2"])  # one line on stderr
         2
     """
+    from functional_shard.frontends.live_demo import model_shapes
     from functional_shard.frontends.live_demo import run as run_demo
 
     mesh = parse_mesh(args.mesh)
-    result = run_demo(
-        mesh, args.policy, model=args.model, steps=args.steps, force=args.force, packed=args.packed
-    )
+    policy = read_policy(args.policy, model_shapes(args.model))  # its errors name --policy
+    result = run_demo(mesh, policy, model=args.model, steps=args.steps, force=args.force, packed=args.packed)
     return 0 if result.ok else 1

@@ -50,6 +50,7 @@ _FLAGS = {
     "hardware": "--hardware",
     "kernels": "--kernels",
     "documents": "--documents",
+    "steps": "--steps",
 }
 
 
