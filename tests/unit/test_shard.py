@@ -443,3 +443,11 @@ def test_expert_parallelism_keeps_the_data_parallel_resharding(policy, reshards)
     plan = fs.shard(model, fs.Mesh(dp=2), policy)
     assert plan.config.experts.axis == "dp"
     assert plan.config.fsdp.reshard_after_forward is reshards
+
+
+@pytest.mark.parametrize("experts", ["nothing.*", ("*.gate_up", re.compile(r"none\..*"))])
+def test_expert_patterns_that_select_nothing_are_refused(experts):
+    # they once gave a plan that split and dispatched nothing: plain FSDP under the name ep
+    model = nn.ModuleDict({"experts": nn.ParameterDict({"w": nn.Parameter(torch.zeros(4, 2, 2))})})
+    with pytest.raises(fs.PolicyError, match=re.escape("selects no parameter of the model")):
+        fs.shard(model, fs.Mesh(dp=2), fs.fsdp("dp") + fs.ep("dp", experts=experts))
