@@ -198,6 +198,45 @@ def refused(kind: str, mesh: dict[str, int], policy: str, seq: int) -> str:
     return ""
 
 
+class _AttentionByHand(torch.nn.Module):
+    """Causal attention computed by hand (softmax of scores), which cp cannot reach."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(128, 8)
+        self.qkv = torch.nn.Linear(8, 24)
+        self.head = torch.nn.Linear(8, 128)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        query, key, value = self.qkv(self.embed(tokens)).chunk(3, dim=-1)
+        scores = query @ key.transpose(-1, -2)
+        hidden = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), -torch.inf)
+        return self.head(hidden.softmax(-1) @ value)
+
+
+def refused_by_hand(mesh: dict[str, int], policy: str) -> list[str]:
+    """What a model computing attention by hand raises under a cp plan: through fs.forward_backward,
+    then through fs.context_chunks and fs.sequence_context ("" where nothing is raised)."""
+    torch.manual_seed(0)
+    model = _AttentionByHand()
+    plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy, model))
+    fs.apply(plan, model)
+    tokens = torch.randint(0, 128, (BATCH, SEQ + 1))
+    errors = []
+    for loop in ("forward_backward", "sequence_context"):
+        try:
+            if loop == "forward_backward":
+                fs.forward_backward(plan, model, loss_fn)(tokens[:, :-1], tokens[:, 1:])
+            else:
+                inputs, targets, _ = fs.context_chunks(plan, tokens[:, :-1], tokens[:, 1:])
+                with fs.sequence_context(plan, model, SEQ):
+                    loss_fn(model(inputs), targets).backward()
+            errors.append("")
+        except fs.ShardingError as error:
+            errors.append(str(error))
+    return errors
+
+
 def refused_apply(kind: str, mesh: dict[str, int], policy: str) -> str:
     """The error `fs.apply` raises for the plan (the same on every rank)."""
     try:

@@ -282,6 +282,12 @@ def test_measured_bytes_on_cp_equal_the_cost_model(world4, kind, mesh, policy):
         assert result["measured"] == result["predicted"]
 
 
+def test_a_model_computing_attention_by_hand_is_refused_by_either_loop(world4):
+    # fs.sequence_context once let it run: each rank's queries saw only its own chunks' keys
+    for errors in world4.run(cp_cases.refused_by_hand, {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp)"):
+        assert all("made no attention call the engine could split" in error for error in errors), errors
+
+
 def test_a_step_with_a_length_the_chunks_do_not_divide_is_refused_on_every_rank(world4):
     errors = world4.run(cp_cases.refused, "zoo", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp)", 14)
     assert len(set(errors)) == 1

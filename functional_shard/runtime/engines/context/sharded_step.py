@@ -14,12 +14,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from functional_shard.core.document_masks import check_packed_inputs, rank_share
-from functional_shard.core.errors import ShardingError
 from functional_shard.core.packing import counted_share
 from functional_shard.planning.plan.plan import Plan
 
 from .arguments import sequence_dim, share_check
-from .parallel import SequenceShard, cut_tensors, splitting_attention
+from .parallel import SequenceShard, check_attention_split, cut_tensors, splitting_attention
 
 __all__ = ["Run", "context_parallel_step"]
 
@@ -94,12 +93,8 @@ def context_parallel_step(
     ) -> torch.Tensor:
         with splitting_attention(shard) as split:
             loss = run(inputs, targets, shard.positions, packed, weight)
-            if attends and not split[0]:
-                raise ShardingError(
-                    f"context parallel over {context.axis!r}: the model's forward made no attention call the "
-                    "engine could split (it computes attention by hand?); call "
-                    "F.scaled_dot_product_attention, or use a Hugging Face model"
-                )
+            if attends:
+                check_attention_split(split, context.axis)
         # a share of padding alone counts no target: its loss, a mean over none, is nan (its
         # gradient, scaled by the weight 0, is zero); it adds nothing to the rows' mean
         mean = loss.detach().clone() * weight if weight else torch.zeros_like(loss.detach())
