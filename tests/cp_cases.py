@@ -237,6 +237,26 @@ def refused_by_hand(mesh: dict[str, int], policy: str) -> list[str]:
     return errors
 
 
+def _smoothed_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    logits = logits_of(outputs)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), label_smoothing=0.1)
+
+
+def refused_smoothed_loss(kind: str, mesh: dict[str, int], policy: str) -> list[str]:
+    """What a label-smoothed cross-entropy raises in a training step, then in an evaluation
+    (torch's loss_parallel() does not take it; "" where nothing is raised)."""
+    model, plan = planned(kind, mesh, policy)
+    tokens = batches(1)[0][:BATCH]
+    errors = []
+    for loop in (fs.forward_backward, fs.forward_loss):
+        try:
+            loop(plan, model, _smoothed_loss)(tokens[:, :-1], tokens[:, 1:])
+            errors.append("")
+        except fs.ShardingError as error:
+            errors.append(str(error))
+    return errors
+
+
 def refused_apply(kind: str, mesh: dict[str, int], policy: str) -> str:
     """The error `fs.apply` raises for the plan (the same on every rank)."""
     try:

@@ -417,6 +417,15 @@ def test_loss_parallel_keeps_a_tp_th_of_the_logits_measured_and_estimated(world4
     assert estimates[1].peak_bytes < estimates[0].peak_bytes
 
 
+def test_a_loss_torchs_loss_parallel_cannot_compute_is_refused_naming_loss_parallel(world4):
+    # label smoothing once failed deep in DTensor ("aten.masked_fill_.Scalar got mixed torch.Tensor
+    # and DTensor"), naming neither loss parallel nor a fix
+    policy = "fsdp(dp) + tp(llama, tp, loss_parallel=true)"
+    for errors in world4.run(cp_cases.refused_smoothed_loss, "zoo", {"dp": 2, "tp": 2}, policy):
+        assert all("loss_parallel=True: loss_fn failed on the logits" in error for error in errors), errors
+        assert all("or plan without loss_parallel" in error for error in errors), errors
+
+
 def test_loss_parallel_needs_a_tensor_parallel_head_and_reads_back_as_text():
     policy = fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp", loss_parallel=True)
     assert fs.format_policy(policy) == "fsdp(dp) + tp(llama, tp, loss_parallel=true)"
