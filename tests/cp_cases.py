@@ -567,6 +567,32 @@ def reference_row_mostly_padding() -> float:
     return loss_fn(logits, row.labels).item()
 
 
+def _masked_prompt() -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole sequences whose first 6 targets are ignored (-100, a masked prompt): the cp chunks
+    hold uneven counts of counted targets."""
+    tokens = batches(1)[0][:BATCH]
+    targets = tokens[:, 1:].clone()
+    targets[:, :6] = -100
+    return tokens[:, :-1], targets
+
+
+def step_on_masked_prompt(mesh: dict[str, int], policy: str) -> dict[str, Any]:
+    """fs.forward_backward's loss on `_masked_prompt` and the gradients (rank 0's, whole)."""
+    model, plan = planned("zoo", mesh, policy)
+    loss = fs.forward_backward(plan, model, loss_fn)(*_masked_prompt())
+    grads = {name: full(p.grad) for name, p in model.named_parameters()}
+    return {"loss": float(loss), "grads": grads if dist.get_rank() == 0 else None}
+
+
+def reference_masked_prompt() -> dict[str, Any]:
+    """`step_on_masked_prompt` in one process."""
+    model = build("zoo")
+    inputs, targets = _masked_prompt()
+    loss = loss_fn(model(inputs), targets)
+    loss.backward()
+    return {"loss": loss.item(), "grads": {name: p.grad for name, p in model.named_parameters()}}
+
+
 def assert_packed_as_one_process(results: list[dict[str, Any]], kind: str = "zoo") -> None:
     """`train_packed`'s results equal `reference_packed`'s: the losses, the first gradients and the
     last parameters, each parameter's from the first rank that holds it."""

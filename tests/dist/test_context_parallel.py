@@ -266,6 +266,18 @@ def test_a_cp_rank_holding_padding_alone_adds_nothing_to_the_loss(world4):
     assert losses == pytest.approx([cp_cases.reference_row_mostly_padding()] * 4, rel=1e-5)
 
 
+def test_ignored_targets_falling_unevenly_on_the_chunks_train_as_one_process(world4):
+    # a masked prompt (-100) once left each rank's mean over its own targets averaged as if the
+    # ranks counted alike: loss and gradients off by a tenth; each is now weighted by its share
+    results = world4.run(
+        cp_cases.step_on_masked_prompt, {"cp": 4}, "replicate(cp) + cp(cp, load_balance=false)"
+    )
+    expected = cp_cases.reference_masked_prompt()
+    assert [result["loss"] for result in results] == pytest.approx([expected["loss"]] * 4, rel=1e-5)
+    for name, grad in expected["grads"].items():
+        torch.testing.assert_close(results[0]["grads"][name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
 @pytest.mark.parametrize(
     ("kind", "mesh", "policy"),
     [

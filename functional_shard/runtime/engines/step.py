@@ -173,8 +173,10 @@ def _pipelined_step(
     # read from the whole model, before this rank's stages were cut from it
     packing = pipelined.packing
     if plan.config.context is not None:  # each stage attends over the whole sequences from its rank's chunks
+        # whole sequences' loss under a pipeline is its micro-batches' mean of means, each chunk's
+        # unweighted: weighting the cp ranks alone would not make it the rows' mean
         staged = context_parallel_step(
-            plan, applied.device_mesh, lambda i, t, *_: pipeline(i, t), attends=False
+            plan, applied.device_mesh, lambda i, t, *_: pipeline(i, t), attends=False, weighs=False
         )
         return taking_packed(
             staged,

@@ -31,16 +31,17 @@ loss by before the backward."""
 
 
 def context_parallel_step(
-    plan: Plan, device_mesh: DeviceMesh, run: Run, *, attends: bool = True
+    plan: Plan, device_mesh: DeviceMesh, run: Run, *, attends: bool = True, weighs: bool = True
 ) -> Callable[..., torch.Tensor]:
     """`fs.forward_backward`'s step under context parallel: ``run`` on this rank's chunks.
 
     ``step(inputs, targets, **packed)`` returns the mean loss over the cp group; ``packed``: the packed
     rows' keywords that were given (``positions``, ``document_ids``), as `fs.forward_backward`'s step
     hands them on. Packed rows (``document_ids``, `functional_shard.core.packing`) are cut by attention
-    work (`SequenceShard.packed`), and each rank's loss, a mean over the targets it counts (not
-    `IGNORE_INDEX`), weighted by its share of them. ``attends``: this rank's forward must reach
-    attention (not so for a pipeline stage that holds none).
+    work (`SequenceShard.packed`). Each rank's loss, a mean over the targets it counts (not
+    `IGNORE_INDEX`), is weighted by its share of them, packed or not (whole sequences only with
+    ``weighs``). ``attends``: this rank's forward must reach attention (not so for a pipeline stage
+    that holds none).
     """
     context = plan.config.context
     assert context is not None
@@ -64,8 +65,11 @@ def context_parallel_step(
         if split_share is not None:
             split_share(inputs.shape[1])
         mine = cut_tensors(shard, inputs, targets)
-        # each rank's loss is the mean over its tokens (equal counts): their mean is the batch's
-        return run_share(shard, mine[0], mine[1], {}, 1.0)
+        # each rank's loss is the mean over its counted targets; ignored ones (IGNORE_INDEX: a
+        # masked prompt, padding) fall unevenly on the chunks, so each is weighted by its share
+        # of them, as packed rows are (1.0 when every target counts)
+        weight = counted_share(mine[1], targets, shard.size) if weighs else 1.0
+        return run_share(shard, mine[0], mine[1], {}, weight)
 
     def packed_step(
         inputs: torch.Tensor, targets: torch.Tensor, packed: dict[str, torch.Tensor]
