@@ -198,6 +198,65 @@ def refused(kind: str, mesh: dict[str, int], policy: str, seq: int) -> str:
     return ""
 
 
+class _AttentionByHand(torch.nn.Module):
+    """Causal attention computed by hand (softmax of scores), which cp cannot reach."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(128, 8)
+        self.qkv = torch.nn.Linear(8, 24)
+        self.head = torch.nn.Linear(8, 128)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        query, key, value = self.qkv(self.embed(tokens)).chunk(3, dim=-1)
+        scores = query @ key.transpose(-1, -2)
+        hidden = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), -torch.inf)
+        return self.head(hidden.softmax(-1) @ value)
+
+
+def refused_by_hand(mesh: dict[str, int], policy: str) -> list[str]:
+    """What a model computing attention by hand raises under a cp plan: through fs.forward_backward,
+    then through fs.context_chunks and fs.sequence_context ("" where nothing is raised)."""
+    torch.manual_seed(0)
+    model = _AttentionByHand()
+    plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy, model))
+    fs.apply(plan, model)
+    tokens = torch.randint(0, 128, (BATCH, SEQ + 1))
+    errors = []
+    for loop in ("forward_backward", "sequence_context"):
+        try:
+            if loop == "forward_backward":
+                fs.forward_backward(plan, model, loss_fn)(tokens[:, :-1], tokens[:, 1:])
+            else:
+                inputs, targets, _ = fs.context_chunks(plan, tokens[:, :-1], tokens[:, 1:])
+                with fs.sequence_context(plan, model, SEQ):
+                    loss_fn(model(inputs), targets).backward()
+            errors.append("")
+        except fs.ShardingError as error:
+            errors.append(str(error))
+    return errors
+
+
+def _smoothed_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    logits = logits_of(outputs)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), label_smoothing=0.1)
+
+
+def refused_smoothed_loss(kind: str, mesh: dict[str, int], policy: str) -> list[str]:
+    """What a label-smoothed cross-entropy raises in a training step, then in an evaluation
+    (torch's loss_parallel() does not take it; "" where nothing is raised)."""
+    model, plan = planned(kind, mesh, policy)
+    tokens = batches(1)[0][:BATCH]
+    errors = []
+    for loop in (fs.forward_backward, fs.forward_loss):
+        try:
+            loop(plan, model, _smoothed_loss)(tokens[:, :-1], tokens[:, 1:])
+            errors.append("")
+        except fs.ShardingError as error:
+            errors.append(str(error))
+    return errors
+
+
 def refused_apply(kind: str, mesh: dict[str, int], policy: str) -> str:
     """The error `fs.apply` raises for the plan (the same on every rank)."""
     try:
@@ -506,6 +565,32 @@ def reference_row_mostly_padding() -> float:
     row = fs.pack([torch.arange(1, 6)], PACKED_SEQ)
     logits = build("zoo")(row.tokens, positions=row.positions, document_ids=row.document_ids)
     return loss_fn(logits, row.labels).item()
+
+
+def _masked_prompt() -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole sequences whose first 6 targets are ignored (-100, a masked prompt): the cp chunks
+    hold uneven counts of counted targets."""
+    tokens = batches(1)[0][:BATCH]
+    targets = tokens[:, 1:].clone()
+    targets[:, :6] = -100
+    return tokens[:, :-1], targets
+
+
+def step_on_masked_prompt(mesh: dict[str, int], policy: str) -> dict[str, Any]:
+    """fs.forward_backward's loss on `_masked_prompt` and the gradients (rank 0's, whole)."""
+    model, plan = planned("zoo", mesh, policy)
+    loss = fs.forward_backward(plan, model, loss_fn)(*_masked_prompt())
+    grads = {name: full(p.grad) for name, p in model.named_parameters()}
+    return {"loss": float(loss), "grads": grads if dist.get_rank() == 0 else None}
+
+
+def reference_masked_prompt() -> dict[str, Any]:
+    """`step_on_masked_prompt` in one process."""
+    model = build("zoo")
+    inputs, targets = _masked_prompt()
+    loss = loss_fn(model(inputs), targets)
+    loss.backward()
+    return {"loss": loss.item(), "grads": {name: p.grad for name, p in model.named_parameters()}}
 
 
 def assert_packed_as_one_process(results: list[dict[str, Any]], kind: str = "zoo") -> None:

@@ -221,6 +221,13 @@ def plan_config(
 
 def _expert_config(experts: ExpertParallel, tree: ModelTree) -> ExpertConfig:
     owners = {path.rpartition(".")[0] for path in tree.params if experts.selects(path)}
+    if not owners:
+        # ep() would then split nothing and dispatch nothing: the plan would silently be plain FSDP
+        shown = ", ".join(repr(getattr(pattern, "pattern", pattern)) for pattern in experts.experts or ())
+        raise PolicyError(
+            f"{experts.name}: experts={shown} selects no parameter of the model; name the expert "
+            "tensors' paths ('*.experts.*'), or leave experts= out for shard() to find them"
+        )
     return ExpertConfig(axis=experts.axis, modules=tuple(path for path in tree.modules if path in owners))
 
 

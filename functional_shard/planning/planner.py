@@ -91,15 +91,39 @@ def with_expert_top_k(plan: Plan, model: Any) -> Plan:
     """``plan`` told how many experts each token visits, where it splits experts modules.
 
     Dispatch costs depend on it and only the model says it: a plan made from a `ModelTree` learns it here.
+
+    Raises:
+        PlanError: the model's tokens visit more experts than a split experts module holds.
     """
     config = plan.config
     experts = config.experts or ExpertConfig()
     if not experts.modules and not config.tensor_parallel_experts:
         return plan
     told = dataclasses.replace(experts, top_k=expert_top_k(model))
+    _refuse_top_k_beyond_experts(plan, told.top_k, (*experts.modules, *config.tensor_parallel_experts))
     # experts split by tp alone, of a model that does not say its top-k: still no expert config
     config = dataclasses.replace(config, experts=None if told == ExpertConfig() else told)
     return dataclasses.replace(plan, config=config)
+
+
+def _refuse_top_k_beyond_experts(plan: Plan, top_k: int, modules: tuple[str, ...]) -> None:
+    # a router cannot pick more experts than a layer holds (torch.topk fails in the forward), and
+    # the cost model would count dispatch for token copies that never exist
+    for module in modules:
+        experts = min(
+            (
+                tensor.shape[0]
+                for path, tensor in plan.tensors.items()
+                if path.rpartition(".")[0] == module and tensor.ndim == 3
+            ),
+            default=top_k,
+        )
+        if top_k > experts:
+            raise PlanError(
+                f"{module}: each token visits {top_k} experts (the model's num_experts_per_tok or its "
+                f"router's top_k), but the module holds {experts}; set num_experts_per_tok (or top_k) "
+                f"to at most {experts}"
+            )
 
 
 def _with_model_pieces(policy: Policy, model: Any) -> Policy:

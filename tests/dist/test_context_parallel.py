@@ -266,6 +266,18 @@ def test_a_cp_rank_holding_padding_alone_adds_nothing_to_the_loss(world4):
     assert losses == pytest.approx([cp_cases.reference_row_mostly_padding()] * 4, rel=1e-5)
 
 
+def test_ignored_targets_falling_unevenly_on_the_chunks_train_as_one_process(world4):
+    # a masked prompt (-100) once left each rank's mean over its own targets averaged as if the
+    # ranks counted alike: loss and gradients off by a tenth; each is now weighted by its share
+    results = world4.run(
+        cp_cases.step_on_masked_prompt, {"cp": 4}, "replicate(cp) + cp(cp, load_balance=false)"
+    )
+    expected = cp_cases.reference_masked_prompt()
+    assert [result["loss"] for result in results] == pytest.approx([expected["loss"]] * 4, rel=1e-5)
+    for name, grad in expected["grads"].items():
+        torch.testing.assert_close(results[0]["grads"][name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
 @pytest.mark.parametrize(
     ("kind", "mesh", "policy"),
     [
@@ -280,6 +292,12 @@ def test_a_cp_rank_holding_padding_alone_adds_nothing_to_the_loss(world4):
 def test_measured_bytes_on_cp_equal_the_cost_model(world4, kind, mesh, policy):
     for result in world4.run(cp_cases.measure_comm, kind, mesh, policy):
         assert result["measured"] == result["predicted"]
+
+
+def test_a_model_computing_attention_by_hand_is_refused_by_either_loop(world4):
+    # fs.sequence_context once let it run: each rank's queries saw only its own chunks' keys
+    for errors in world4.run(cp_cases.refused_by_hand, {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp)"):
+        assert all("made no attention call the engine could split" in error for error in errors), errors
 
 
 def test_a_step_with_a_length_the_chunks_do_not_divide_is_refused_on_every_rank(world4):
@@ -409,6 +427,15 @@ def test_loss_parallel_keeps_a_tp_th_of_the_logits_measured_and_estimated(world4
     # them where the plain loss's holds three (tests/dist/test_loss_workspace.py)
     assert estimates[1].memory["loss_workspace"] == estimates[0].memory["loss_workspace"] * 4 // 3 // 2
     assert estimates[1].peak_bytes < estimates[0].peak_bytes
+
+
+def test_a_loss_torchs_loss_parallel_cannot_compute_is_refused_naming_loss_parallel(world4):
+    # label smoothing once failed deep in DTensor ("aten.masked_fill_.Scalar got mixed torch.Tensor
+    # and DTensor"), naming neither loss parallel nor a fix
+    policy = "fsdp(dp) + tp(llama, tp, loss_parallel=true)"
+    for errors in world4.run(cp_cases.refused_smoothed_loss, "zoo", {"dp": 2, "tp": 2}, policy):
+        assert all("loss_parallel=True: loss_fn failed on the logits" in error for error in errors), errors
+        assert all("or plan without loss_parallel" in error for error in errors), errors
 
 
 def test_loss_parallel_needs_a_tensor_parallel_head_and_reads_back_as_text():

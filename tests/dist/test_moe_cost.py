@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -128,6 +128,7 @@ def test_expert_memory_and_traffic_per_rank(ep, per_rank, dp, hidden, intermedia
     # their gradients reduce-scattered over dp only: the all-to-all's backward already
     # brought every rank's tokens to them
     experts = ep * per_rank
+    assume(experts >= TOP_K)  # a router picks TOP_K of them
     model = nn.ModuleList([_Moe(experts, hidden, intermediate) for _ in range(2)])
     mesh = fs.Mesh(dp=dp, ep=ep)
     plan = fs.shard(model, mesh, fs.fsdp(("dp", "ep")) + fs.ep("ep", experts="*.experts.*"))

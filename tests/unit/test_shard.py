@@ -443,3 +443,23 @@ def test_expert_parallelism_keeps_the_data_parallel_resharding(policy, reshards)
     plan = fs.shard(model, fs.Mesh(dp=2), policy)
     assert plan.config.experts.axis == "dp"
     assert plan.config.fsdp.reshard_after_forward is reshards
+
+
+@pytest.mark.parametrize("experts", ["nothing.*", ("*.gate_up", re.compile(r"none\..*"))])
+def test_expert_patterns_that_select_nothing_are_refused(experts):
+    # they once gave a plan that split and dispatched nothing: plain FSDP under the name ep
+    model = nn.ModuleDict({"experts": nn.ParameterDict({"w": nn.Parameter(torch.zeros(4, 2, 2))})})
+    with pytest.raises(fs.PolicyError, match=re.escape("selects no parameter of the model")):
+        fs.shard(model, fs.Mesh(dp=2), fs.fsdp("dp") + fs.ep("dp", experts=experts))
+
+
+def test_a_top_k_beyond_the_experts_a_module_holds_is_refused_naming_it():
+    # it once planned dispatch (and costed all-to-alls) for 5 copies of each token among 4 experts
+    model = nn.ModuleDict({"experts": nn.ParameterDict({"w": nn.Parameter(torch.zeros(4, 2, 2))})})
+    model["router"] = nn.Linear(2, 4)
+    model.router.top_k = 5
+    with pytest.raises(fs.PlanError, match=re.escape("experts: each token visits 5 experts")) as error:
+        fs.shard(model, fs.Mesh(dp=2), fs.fsdp("dp") + fs.ep("dp"))
+    assert "set num_experts_per_tok (or top_k) to at most 4" in str(error.value)
+    model.router.top_k = 4
+    assert fs.shard(model, fs.Mesh(dp=2), fs.fsdp("dp") + fs.ep("dp")).config.experts.top_k == 4

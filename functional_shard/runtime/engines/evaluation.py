@@ -24,7 +24,7 @@ from .step import (
     packed_microbatch_loss,
     taking_packed,
 )
-from .tensor_parallel import loss_context, plain_loss
+from .tensor_parallel import loss_context, plain_loss, vocabulary_split_loss
 
 
 def _evaluated(
@@ -143,7 +143,8 @@ def forward_loss(
 
     Raises:
         ShardingError: as `forward_only`, or a ``loss_fn`` that is no function; later, from ``loss``, as
-            ``forward`` of `forward_only`.
+            ``forward`` of `forward_only`, or a ``loss_fn`` that fails on a loss-parallel plan's
+            vocabulary-split logits.
 
     Examples:
         >>> plan = fs.shard(nn.Linear(4, 2), fs.Mesh(dp=1), fs.replicate())
@@ -153,7 +154,7 @@ def forward_loss(
     """
     caller = "fs.forward_loss"
     forward, pipelined, packing = _evaluated(plan, module, root, caller)
-    loss_function(loss_fn)
+    loss_fn = vocabulary_split_loss(plan, loss_function(loss_fn))
 
     def run(inputs: torch.Tensor, targets: torch.Tensor, **packed: torch.Tensor) -> torch.Tensor:
         with _no_grad(), loss_context(plan):

@@ -18,7 +18,7 @@ from functional_shard.planning.plan.plan import Plan
 from .applied import Applied, applied_with
 from .context.sharded_step import context_parallel_step
 from .pipeline import Pipelined, pipeline_of, scheduled_loss
-from .tensor_parallel import loss_context, plain_loss
+from .tensor_parallel import loss_context, plain_loss, vocabulary_split_loss
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Step = Callable[..., torch.Tensor]
@@ -65,7 +65,8 @@ def forward_backward(
     Raises:
         ShardingError: ``module`` was not applied with ``plan``, ``loss_fn`` is no function, or
             ``scaler`` no ``GradScaler``; from ``step``, a batch the micro-batch count does not divide,
-            a ``loss_fn`` that returns no scalar or one no gradient flows back from, packed rows
+            a ``loss_fn`` that returns no scalar or one no gradient flows back from (or that fails on
+            a loss-parallel plan's vocabulary-split logits), packed rows
             given to a model whose attention would cross documents (`fs.packed_inputs` refuses
             alike), to a Hugging Face model under context parallel or to context parallel under a
             pipeline, or, under a pipeline, a packed document that straddles two micro-batches.
@@ -77,7 +78,7 @@ def forward_backward(
         >>> # loss = step(inputs, targets); optimizer.step(); optimizer.zero_grad()
     """
     applied = applied_with(plan, module, "fs.forward_backward")
-    loss_function(loss_fn)
+    loss_fn = vocabulary_split_loss(plan, loss_function(loss_fn))
     if scaler is not None:
         instance_of(scaler, torch.amp.GradScaler, "scaler", meaning="fs.grad_scaler(...), or None")
     pipelined = pipeline_of(module)
@@ -172,8 +173,10 @@ def _pipelined_step(
     # read from the whole model, before this rank's stages were cut from it
     packing = pipelined.packing
     if plan.config.context is not None:  # each stage attends over the whole sequences from its rank's chunks
+        # whole sequences' loss under a pipeline is its micro-batches' mean of means, each chunk's
+        # unweighted: weighting the cp ranks alone would not make it the rows' mean
         staged = context_parallel_step(
-            plan, applied.device_mesh, lambda i, t, *_: pipeline(i, t), attends=False
+            plan, applied.device_mesh, lambda i, t, *_: pipeline(i, t), attends=False, weighs=False
         )
         return taking_packed(
             staged,

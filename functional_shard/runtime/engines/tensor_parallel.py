@@ -7,6 +7,8 @@ styles do not take, are split here with the collectives those styles would issue
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -118,6 +120,34 @@ def loss_context(plan: Plan) -> contextlib.AbstractContextManager[None]:
     from torch.distributed.tensor.parallel import loss_parallel
 
     return loss_parallel()
+
+
+def vocabulary_split_loss(
+    plan: Plan, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """``loss_fn`` as a loss-parallel plan calls it, on logits split over the vocabulary (a DTensor).
+
+    Torch's ``loss_parallel()`` computes ``F.cross_entropy`` of them; most other operations on them
+    fail deep inside DTensor, so such a failure is refused naming loss parallel and its fix. Without
+    loss parallel ``loss_fn`` itself.
+    """
+    if plan.config.tp is None or not plan.config.tp.loss_parallel:
+        return loss_fn
+
+    @functools.wraps(loss_fn)
+    def on_split_logits(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        try:
+            return loss_fn(outputs, targets)
+        except (RuntimeError, NotImplementedError) as error:
+            failure = str(error).strip().partition("\n")[0]
+            raise ShardingError(
+                f"loss_parallel=True: loss_fn failed on the logits, which the plan keeps split over the "
+                f"vocabulary as a DTensor for torch's loss_parallel(): {type(error).__name__}: {failure}; "
+                "compute the loss as F.cross_entropy(logits, class indices) (no label_smoothing), or plan "
+                "without loss_parallel"
+            ) from None
+
+    return on_split_logits
 
 
 def plain_loss(loss: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,7 @@ from .ring import ring_attention, ring_dispatch, runs_ring
 __all__ = [
     "SequenceShard",
     "attention_problems",
+    "check_attention_split",
     "context_chunks",
     "current_sequence_group",
     "cut_tensors",
@@ -305,6 +306,22 @@ def _is_share_mask(shard: SequenceShard, mask: torch.Tensor) -> bool:
     return bool(torch.equal(mask.expand_as(local), local.to(mask.device)))
 
 
+def check_attention_split(split: list[int], axis: str) -> None:
+    """Refuse a cp forward with no attention call split (``split``: `splitting_attention`'s count).
+
+    Its queries then attended to their own rank's chunks only: every rank's output would be wrong, silently.
+
+    Raises:
+        ShardingError: no call was split.
+    """
+    if not split[0]:
+        raise ShardingError(
+            f"context parallel over {axis!r}: the model's forward made no attention call the engine could "
+            "split (it computes attention by hand?); call F.scaled_dot_product_attention, or use a Hugging "
+            "Face model"
+        )
+
+
 @contextlib.contextmanager
 def splitting_attention(shard: SequenceShard) -> Iterator[list[int]]:
     """Within it, attention runs over ``shard``'s whole sequence; yields the count of calls split."""
@@ -410,8 +427,9 @@ def sequence_context(
     recomputes its attention there.
 
     Raises:
-        ShardingError: ``module`` not applied with ``plan``, a plan without cp, or a ``seq_len``
-            that is not a positive int or that the chunks do not divide.
+        ShardingError: ``module`` not applied with ``plan``, a plan without cp, a ``seq_len``
+            that is not a positive int or that the chunks do not divide, or (on leaving) a body
+            that made no attention call the engine could split.
 
     Examples:
         >>> # inputs, targets, positions = fs.context_chunks(plan, inputs, targets)
@@ -435,10 +453,11 @@ def sequence_context(
         device=device,
         engine=context.engine,
     )
-    return _positions_while_splitting(shard)
+    return _positions_while_splitting(shard, context.axis)
 
 
 @contextlib.contextmanager
-def _positions_while_splitting(shard: SequenceShard) -> Iterator[torch.Tensor]:
-    with splitting_attention(shard):
+def _positions_while_splitting(shard: SequenceShard, axis: str) -> Iterator[torch.Tensor]:
+    with splitting_attention(shard) as split:
         yield shard.positions
+        check_attention_split(split, axis)

@@ -14,12 +14,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from functional_shard.core.document_masks import check_packed_inputs, rank_share
-from functional_shard.core.errors import ShardingError
 from functional_shard.core.packing import counted_share
 from functional_shard.planning.plan.plan import Plan
 
 from .arguments import sequence_dim, share_check
-from .parallel import SequenceShard, cut_tensors, splitting_attention
+from .parallel import SequenceShard, check_attention_split, cut_tensors, splitting_attention
 
 __all__ = ["Run", "context_parallel_step"]
 
@@ -32,16 +31,17 @@ loss by before the backward."""
 
 
 def context_parallel_step(
-    plan: Plan, device_mesh: DeviceMesh, run: Run, *, attends: bool = True
+    plan: Plan, device_mesh: DeviceMesh, run: Run, *, attends: bool = True, weighs: bool = True
 ) -> Callable[..., torch.Tensor]:
     """`fs.forward_backward`'s step under context parallel: ``run`` on this rank's chunks.
 
     ``step(inputs, targets, **packed)`` returns the mean loss over the cp group; ``packed``: the packed
     rows' keywords that were given (``positions``, ``document_ids``), as `fs.forward_backward`'s step
     hands them on. Packed rows (``document_ids``, `functional_shard.core.packing`) are cut by attention
-    work (`SequenceShard.packed`), and each rank's loss, a mean over the targets it counts (not
-    `IGNORE_INDEX`), weighted by its share of them. ``attends``: this rank's forward must reach
-    attention (not so for a pipeline stage that holds none).
+    work (`SequenceShard.packed`). Each rank's loss, a mean over the targets it counts (not
+    `IGNORE_INDEX`), is weighted by its share of them, packed or not (whole sequences only with
+    ``weighs``). ``attends``: this rank's forward must reach attention (not so for a pipeline stage
+    that holds none).
     """
     context = plan.config.context
     assert context is not None
@@ -65,8 +65,11 @@ def context_parallel_step(
         if split_share is not None:
             split_share(inputs.shape[1])
         mine = cut_tensors(shard, inputs, targets)
-        # each rank's loss is the mean over its tokens (equal counts): their mean is the batch's
-        return run_share(shard, mine[0], mine[1], {}, 1.0)
+        # each rank's loss is the mean over its counted targets; ignored ones (IGNORE_INDEX: a
+        # masked prompt, padding) fall unevenly on the chunks, so each is weighted by its share
+        # of them, as packed rows are (1.0 when every target counts)
+        weight = counted_share(mine[1], targets, shard.size) if weighs else 1.0
+        return run_share(shard, mine[0], mine[1], {}, weight)
 
     def packed_step(
         inputs: torch.Tensor, targets: torch.Tensor, packed: dict[str, torch.Tensor]
@@ -94,12 +97,8 @@ def context_parallel_step(
     ) -> torch.Tensor:
         with splitting_attention(shard) as split:
             loss = run(inputs, targets, shard.positions, packed, weight)
-            if attends and not split[0]:
-                raise ShardingError(
-                    f"context parallel over {context.axis!r}: the model's forward made no attention call the "
-                    "engine could split (it computes attention by hand?); call "
-                    "F.scaled_dot_product_attention, or use a Hugging Face model"
-                )
+            if attends:
+                check_attention_split(split, context.axis)
         # a share of padding alone counts no target: its loss, a mean over none, is nan (its
         # gradient, scaled by the weight 0, is zero); it adds nothing to the rows' mean
         mean = loss.detach().clone() * weight if weight else torch.zeros_like(loss.detach())
