@@ -54,3 +54,15 @@ def test_the_pages_name_something():
 def test_a_name_the_docs_give_exists(dotted, page):
     missing = _missing(dotted)
     assert missing is None, f"{page} names `{dotted}`, but {missing}"
+
+
+# a path into this repository, as the pages write it (a glob's `*` included)
+PATH = re.compile(r"(?<![\w/.])((?:functional_shard|adapters|tests|bench|examples)/[\w./*-]*\w)")
+
+
+def test_every_file_the_docs_give_exists():
+    # a module moved into a layer's folder leaves no stale path on a page
+    given = {(m.group(1), page.name) for page in PAGES for m in PATH.finditer(page.read_text())}
+    assert len(given) > 20
+    missing = sorted((path, page) for path, page in given if not any(ROOT.glob(path)))
+    assert missing == []
