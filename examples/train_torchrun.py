@@ -203,7 +203,8 @@ def main() -> int:
             if rank == 0:
                 print(f"weights from {args.init_from}", flush=True)
         else:
-            initialise(plan, model, device, args.seed)
+            # each rank its shards; a Hugging Face model initialised by its own _init_weights
+            fs.materialize(plan, model, device, seed=args.seed)
         optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=args.lr)
     except fs.ShardingError as error:
         return refuse(error, rank)
@@ -307,22 +308,6 @@ def say_parity(losses: list[float], alone: list[float], plan: fs.Plan) -> bool:
         flush=True,
     )
     return worst <= allowed
-
-
-def initialise(plan: fs.Plan, model: torch.nn.Module, device: torch.device, seed: int) -> None:
-    """Each rank's shards of a meta-device model, made and initialised as the model does it."""
-    # Hugging Face models initialise through their own _init_weights; zoo models by reset_parameters
-    init = getattr(model, "_init_weights", None)
-    fs.materialize(plan, model, device, seed=seed, init=init)
-    if init is not None:
-        # materialize initialises modules that hold parameters; a rotary embedding holds
-        # only buffers (inv_freq), which to_empty left unset
-        for sub in model.modules():
-            if (
-                next(sub.buffers(recurse=False), None) is not None
-                and next(sub.parameters(recurse=False), None) is None
-            ):
-                init(sub)
 
 
 def resume(
