@@ -1,10 +1,14 @@
-"""The pages' interactive examples (```pycon blocks) print what they show, run as doctests."""
+"""The pages show what runs: their interactive examples (```pycon blocks) run as doctests, and
+(slow) the tables a bench prints are the ones on the pages."""
 
 from __future__ import annotations
 
+import contextlib
 import doctest
+import io
 import pathlib
 import re
+import runpy
 
 import pytest
 
@@ -31,3 +35,16 @@ def test_an_interactive_example_prints_what_it_shows(where, block):
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
     runner.run(test)
     assert runner.summarize(verbose=False).failed == 0, where
+
+
+@pytest.mark.slow
+def test_the_long_context_tables_are_what_the_bench_prints():
+    # bench/long_context.py's rows (about a minute of estimates), on the two pages that show them
+    script = runpy.run_path(str(ROOT / "bench" / "long_context.py"))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        script["main"]()
+    rows = [line for line in printed.getvalue().splitlines() if line.startswith("| ") and "GiB" in line]
+    pages = (ROOT / "docs" / "long-context.md").read_text() + (ROOT / "docs" / "will-it-fit.md").read_text()
+    assert len(rows) > 30
+    assert [row for row in rows if row not in pages] == []
