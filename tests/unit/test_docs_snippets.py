@@ -48,3 +48,16 @@ def test_the_long_context_tables_are_what_the_bench_prints():
     pages = (ROOT / "docs" / "long-context.md").read_text() + (ROOT / "docs" / "will-it-fit.md").read_text()
     assert len(rows) > 30
     assert [row for row in rows if row not in pages] == []
+
+
+@pytest.mark.slow
+def test_the_will_it_fit_example_prints_the_estimate_and_table_the_page_shows():
+    # the page's first snippet (Llama-70B on 64 H100s, about 15 s), and the two outputs it quotes
+    page = (ROOT / "docs" / "will-it-fit.md").read_text()
+    code = re.search(r"^```python\n(.*?)^```", page, re.M | re.S).group(1)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "will-it-fit.md", "exec"), {})
+    for start in ("estimate on rank 0, h100, micro-batch 1 x 8192", "mesh" + " " * 30 + "policy"):
+        shown = page[page.index(start) : page.index("```", page.index(start))].strip()
+        assert shown in printed.getvalue(), start
