@@ -28,8 +28,8 @@ largest difference of the losses (a check for small models: it trains the model 
 Two nodes of 8 GPUs (run the same line on each node; node 0's address is the rendezvous):
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node0:29500 \\
-        --rdzv-id my-run examples/train_torchrun.py --mesh dp=2,tp=8 \\
-        --policy "hsdp(dp, tp)" --model llama-1b
+        --rdzv-id my-run examples/train_torchrun.py --mesh node=2,gpu=8 \\
+        --policy "hsdp(node, gpu)" --model llama-1b
 
 A long run (checkpoints every 50 steps; a restart resumes from the newest whole one, so a
 rank killed in mid-step, or in mid-save, costs at most the steps since it; a hung or dead
