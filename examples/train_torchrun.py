@@ -28,8 +28,8 @@ largest difference of the losses (a check for small models: it trains the model 
 Two nodes of 8 GPUs (run the same line on each node; node 0's address is the rendezvous):
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node0:29500 \\
-        --rdzv-id my-run examples/train_torchrun.py --mesh dp=2,tp=8 \\
-        --policy "hsdp(dp, tp)" --model llama-1b
+        --rdzv-id my-run examples/train_torchrun.py --mesh node=2,gpu=8 \\
+        --policy "hsdp(node, gpu)" --model llama-1b
 
 A long run (checkpoints every 50 steps; a restart resumes from the newest whole one, so a
 rank killed in mid-step, or in mid-save, costs at most the steps since it; a hung or dead
@@ -203,7 +203,8 @@ def main() -> int:
             if rank == 0:
                 print(f"weights from {args.init_from}", flush=True)
         else:
-            initialise(plan, model, device, args.seed)
+            # each rank its shards; a Hugging Face model initialised by its own _init_weights
+            fs.materialize(plan, model, device, seed=args.seed)
         optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=args.lr)
     except fs.ShardingError as error:
         return refuse(error, rank)
@@ -307,22 +308,6 @@ def say_parity(losses: list[float], alone: list[float], plan: fs.Plan) -> bool:
         flush=True,
     )
     return worst <= allowed
-
-
-def initialise(plan: fs.Plan, model: torch.nn.Module, device: torch.device, seed: int) -> None:
-    """Each rank's shards of a meta-device model, made and initialised as the model does it."""
-    # Hugging Face models initialise through their own _init_weights; zoo models by reset_parameters
-    init = getattr(model, "_init_weights", None)
-    fs.materialize(plan, model, device, seed=seed, init=init)
-    if init is not None:
-        # materialize initialises modules that hold parameters; a rotary embedding holds
-        # only buffers (inv_freq), which to_empty left unset
-        for sub in model.modules():
-            if (
-                next(sub.buffers(recurse=False), None) is not None
-                and next(sub.parameters(recurse=False), None) is None
-            ):
-                init(sub)
 
 
 def resume(

@@ -68,7 +68,19 @@ def test_arguments_of_another_kind_are_refused_by_name(one_rank, tmp_path, call,
 
 
 def test_an_extra_refused_on_one_rank_is_refused_on_every_rank(world4, tmp_path):
-    refusals = world4.run(dist_cases.save_with_extra_plain_on_rank_0_only, "zero3", CONFIG, str(tmp_path / "c"))
+    refusals = world4.run(
+        dist_cases.save_with_extra_plain_on_rank_0_only, "zero3", CONFIG, str(tmp_path / "c")
+    )
     assert all(len(refused) == 1 for refused in refusals)  # the second save went through on every rank
     assert all("extra['best'] is a builtins.object" in refused[0] for refused in refusals)
     assert fs.checkpoint.latest(tmp_path) == tmp_path / "c"
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+def test_a_module_still_on_the_meta_device_is_refused_before_anything_is_written(one_rank, tmp_path, full):
+    with torch.device("meta"):
+        model = Llama(dist_cases.EVEN)
+    fs.apply(fs.shard(model, fs.Mesh(dp=1), fs.fsdp("dp")), model)  # applied, never materialized
+    with pytest.raises(fs.ShardingError, match=re.escape("on the meta device (they hold no values: ")):
+        fs.checkpoint.save(tmp_path / "ckpt", model, full=full)
+    assert list(tmp_path.iterdir()) == []

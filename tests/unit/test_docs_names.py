@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
+import inspect
 import re
 from pathlib import Path
 
@@ -54,3 +56,46 @@ def test_the_pages_name_something():
 def test_a_name_the_docs_give_exists(dotted, page):
     missing = _missing(dotted)
     assert missing is None, f"{page} names `{dotted}`, but {missing}"
+
+
+# a path into this repository, as the pages write it (a glob's `*` included)
+PATH = re.compile(r"(?<![\w/.])((?:functional_shard|adapters|tests|bench|examples)/[\w./*-]*\w)")
+
+
+def test_every_file_the_docs_give_exists():
+    # a module moved into a layer's folder leaves no stale path on a page
+    given = {(m.group(1), page.name) for page in PAGES for m in PATH.finditer(page.read_text())}
+    assert len(given) > 20
+    missing = sorted((path, page) for path, page in given if not any(ROOT.glob(path)))
+    assert missing == []
+
+
+def _calls() -> list[tuple[str, str, ast.Call]]:
+    """Every call of a public name (``fs.x(...)``, ``fs.checkpoint.x(...)``) in the pages' Python blocks."""
+    found = []
+    for page in PAGES:
+        for block in re.findall(r"^```python\n(.*?)^```", page.read_text(), re.M | re.S):
+            for node in ast.walk(ast.parse(block)):
+                if isinstance(node, ast.Call) and re.fullmatch(r"fs(\.\w+)+", ast.unparse(node.func)):
+                    found.append((page.name, ast.unparse(node.func), node))
+    return found
+
+
+def test_the_pages_call_something():
+    assert len(_calls()) > 50
+
+
+def test_every_call_the_docs_show_fits_its_signature():
+    # a renamed keyword or a positional argument that became keyword-only leaves no stale call
+    wrong = []
+    for page, name, node in _calls():
+        if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
+            continue
+        target = importlib.import_module("functional_shard")
+        for part in name.split(".")[1:]:
+            target = getattr(target, part)
+        try:
+            inspect.signature(target).bind(*node.args, **{k.arg: k.value for k in node.keywords})
+        except TypeError as error:
+            wrong.append(f"{page}: {ast.unparse(node)}: {error}")
+    assert wrong == []

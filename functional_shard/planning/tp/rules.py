@@ -263,15 +263,16 @@ def _misfit(rules: Rules, paths: list[str]) -> str | None:
 def for_model(model: object) -> Rules:
     """HF rules for a transformers model with a plan, else the named set that fits, else its structure's.
 
-    A named set (`gpt2_hf`, `llama`, `torchtitan`, `gpt2`, `mlp`, in that order) fits when each of its
-    splitting rules covers some parameter. When none fits, rules come from the model's data flow
+    A named set fits when each of its splitting rules covers some parameter; tried in order,
+    `gpt2_hf`, `llama`, `gpt2`, `mlp` for a transformers model and `llama`, `torchtitan`, `gpt2`,
+    `mlp` for any other. When none fits, rules come from the model's data flow
     (`functional_shard.planning.tp.structural_rules.structural_rules`, named ``"structure"``).
 
     Args:
         model: the module to split.
 
     Returns:
-        `from_hf` rules, or the first named set that fits.
+        `from_hf` rules, the first named set that fits, or the structure's rules.
 
     Raises:
         PolicyError: ``model`` is not a module, or nothing fits (every set tried named, with why).

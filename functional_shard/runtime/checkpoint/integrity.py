@@ -228,7 +228,7 @@ def refuse_occupied(path: Path, what: str, *, alone: bool = False) -> None:
     if problems:
         raise ShardingError(
             f"{what} wrote nothing to {path}: {'; '.join(problems)}. A save replaces only an earlier "
-            f"checkpoint (a folder with {META} and {MANIFEST}, or a sealed file) or an empty folder: "
+            f"checkpoint (a folder with {META} or {MANIFEST}, or a sealed file) or an empty folder: "
             f"save to a new path, or delete {path} yourself if nothing in it is needed"
         )
 
