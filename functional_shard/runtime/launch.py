@@ -52,6 +52,7 @@ _HOST = "127.0.0.1"
 _TIMEOUT = datetime.timedelta(seconds=300)  # to join the store
 _GRACE = 15.0  # seconds the parent waits past the ranks' timeout for their own errors
 _DEATH_GRACE = 5.0  # seconds it waits, once a rank died, for the others' errors
+_STARTED = "functional_shard/started/"  # a store key each rank sets once it runs
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ def _serve(me: _Rank, inbox: Any, outbox: Any) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # a client of the store the parent serves: no rank ever binds a port of its own choosing
     store = dist.TCPStore(_HOST, me.port, me.world_size, is_master=False, timeout=_TIMEOUT)
+    store.set(f"{_STARTED}{rank}", "")  # a rank that dies without it never ran our code: see `_died`
     # joining waits for every rank to start (a rank still importing torch is not hung); the
     # world's timeout is for the collectives after
     dist.init_process_group(me.backend, store=store, rank=rank, world_size=me.world_size, timeout=_TIMEOUT)
@@ -190,11 +192,15 @@ class LocalWorld:
                     deadline = time.monotonic() + _DEATH_GRACE
                     continue
                 if time.monotonic() > deadline:
+                    store = self._store
+                    unstarted = [r for r in dead if store is not None and not store.check([f"{_STARTED}{r}"])]
                     self.close(force=True)
                     why = (
                         f"ranks {dead} died" if dead else f"ranks {sorted(pending)} ran past {self.timeout}s"
                     )
-                    raise RankFailedError(f"{why} in {getattr(fn, '__name__', fn)}") from None
+                    raise RankFailedError(
+                        f"{why} in {getattr(fn, '__name__', fn)}{_died(unstarted)}"
+                    ) from None
                 continue
             if not ok:
                 others = sorted(pending - {rank})
@@ -231,6 +237,17 @@ class LocalWorld:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close(force=exc_info[0] is not None)
+
+
+def _died(unstarted: list[int]) -> str:
+    """What to add where ranks died before running any of our code: most often an unguarded script."""
+    if not unstarted:
+        return ""
+    return (
+        f", ranks {unstarted} as they started, before joining the world (their own output above says "
+        "why): a spawned rank imports the script that started it, so a script must start ranks under "
+        '`if __name__ == "__main__":`'
+    )
 
 
 def _sendable(fn: object) -> None:

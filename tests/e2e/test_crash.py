@@ -240,3 +240,17 @@ def test_a_dead_peer_ends_the_run_at_once_naming_the_collective_and_the_rank():
 def test_a_timeout_must_be_positive():
     with pytest.raises(fs.ShardingError, match=re.escape("init_distributed(timeout=0): a positive number")):
         fs.init_distributed(timeout=0)
+
+
+@pytest.mark.slow  # a script's whole start, twice over (its ranks import it again)
+def test_ranks_started_from_a_script_without_a_main_guard_are_said_to_need_one(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import torch.distributed as dist\nimport functional_shard as fs\n\n"
+        "print(fs.run_local(dist.get_rank, 2, timeout=20))\n"
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert "RankFailedError: ranks [0, 1] died in get_rank, ranks [0, 1] as they started" in last
+    assert 'under `if __name__ == "__main__":`' in last
