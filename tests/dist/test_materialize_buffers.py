@@ -298,6 +298,6 @@ def test_real_parameters_keep_their_values_and_only_meta_buffers_are_filled(one_
 
     net, plan = applied_on_meta(Rotary, real_mask=True)
     net.proj.bias = nn.Parameter(torch.zeros(8))
-    with pytest.raises(fs.ShardingError, match=re.escape("fs.materialize: proj.bias already hold values")):
+    with pytest.raises(fs.ShardingError, match=re.escape("fs.materialize: proj.bias already holds values")):
         fs.materialize(plan, net)
     assert net.proj.weight.is_meta and not net.proj.bias.is_meta

@@ -307,8 +307,9 @@ def _parameters_real(module: nn.Module) -> bool:
     real = [path for path, param in module.named_parameters() if not param.is_meta]
     if real and len(real) < len(list(module.parameters())):
         named = f"{', '.join(real[:3])}{' ...' if len(real) > 3 else ''}"
+        hold = "holds" if len(real) == 1 else "hold"
         raise ShardingError(
-            f"fs.materialize: {named} already hold values beside parameters on the meta device; drawing "
+            f"fs.materialize: {named} already {hold} values beside parameters on the meta device; drawing "
             "the others would overwrite them or draw in another order than the whole model built in one "
             "process. Build every parameter on the meta device, or load every one "
             "(fs.checkpoint.load_hf, fs.checkpoint.load)"
