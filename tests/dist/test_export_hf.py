@@ -174,6 +174,14 @@ def test_a_plain_module_exports_with_a_config_dict(tmp_path):
     assert weights(tmp_path / "out").keys() == model.state_dict().keys()
 
 
+def test_a_model_still_on_the_meta_device_is_refused_before_anything_is_written(tmp_path):
+    with torch.device("meta"):
+        model = hf_cases.build("llama")
+    with pytest.raises(fs.ShardingError, match=re.escape("more are on the meta device (built there and never")):
+        fs.checkpoint.export_hf(tmp_path / "out", model)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_export_under_a_file_or_of_no_module_is_refused(tmp_path):
     model = hf_cases.build("llama")
     (tmp_path / "notes").write_text("important")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import os
 import zipfile
 from collections.abc import Iterator
@@ -43,11 +42,14 @@ from .integrity import (
     MANIFEST,
     MARK,
     META,
+    META_FIX,
     agreed,
     aside,
     manifest_problems,
+    meta_problems,
     need_process_group,
     put_in_place,
+    raise_problems,
     refuse_occupied,
     seal,
     seal_problems,
@@ -233,7 +235,7 @@ def save(
             "(fs.checkpoint.convert), or save the file synchronously"
         )
     need_process_group("fs.checkpoint.save")  # after the checks of the arguments alone
-    _refuse_meta(module)
+    raise_problems(agreed(meta_problems(module)), "fs.checkpoint.save wrote nothing", META_FIX)
     if not full:
         refuse_packed(module, "fs.checkpoint.save(full=False)")
     wait_for_previous(module)
@@ -317,20 +319,6 @@ def _check_module(module: Any, optimizer: Any) -> None:
             type(optimizer).__name__,
             f"an optimizer of the module's parameters ({foreign} of its parameters are not the module's)",
             meaning="build it from module.parameters() after fs.apply, which replaces them",
-        )
-
-
-def _refuse_meta(module: nn.Module) -> None:
-    # torch's writers fail on a meta tensor deep inside ("Cannot copy out of meta tensor")
-    tensors = itertools.chain(module.named_parameters(), module.named_buffers())
-    empty = [path for path, tensor in tensors if tensor.is_meta]
-    more = f" and {len(empty) - 3} more" if empty[3:] else ""
-    problems = agreed([", ".join(empty[:3]) + more] if empty else [])
-    if problems:
-        raise ShardingError(
-            f"fs.checkpoint.save: {problems[0]} are on the meta device (they hold no values: the module "
-            "was built there and never filled); nothing was written. Give them values first: "
-            "fs.materialize(plan, module), or fs.checkpoint.load / fs.checkpoint.load_hf"
         )
 
 

@@ -44,6 +44,8 @@ __all__ = [
     "is_ours",
     "key_differences",
     "manifest_problems",
+    "meta_problems",
+    "META_FIX",
     "need_process_group",
     "occupied_problems",
     "put_in_place",
@@ -236,6 +238,29 @@ def refuse_occupied(path: Path, what: str, *, alone: bool = False) -> None:
 def every_rank_keys(keys: Iterable[str]) -> set[str]:
     """The union of every rank's keys (a pipeline rank holds its own stages' only)."""
     return {key for part in every_rank(sorted(keys)) for key in part}
+
+
+META_FIX = (
+    "Give them values first: fs.materialize(plan, module), or fs.checkpoint.load / fs.checkpoint.load_hf"
+)
+
+
+def meta_problems(module: torch.nn.Module) -> list[str]:
+    """``module``'s tensors still on the meta device, said once (none: every tensor holds values).
+
+    Torch's writers fail on them deep inside ("Cannot copy out of meta tensor").
+
+    Examples:
+        >>> meta_problems(torch.nn.Linear(2, 2, device="meta"))
+        ['weight, bias are on the meta device (built there and never filled, they hold no values)']
+    """
+    tensors = itertools.chain(module.named_parameters(), module.named_buffers())
+    empty = [path for path, tensor in tensors if tensor.is_meta]
+    if not empty:
+        return []
+    more = f" and {len(empty) - 3} more" if empty[3:] else ""
+    where = "on the meta device (built there and never filled, they hold no values)"
+    return [f"{', '.join(empty[:3])}{more} are {where}"]
 
 
 def raise_problems(problems: list[str], header: str, fix: str) -> None:

@@ -23,12 +23,14 @@ from functional_shard.core.errors import ShardingError
 from functional_shard.core.validate import entry_point, instance_of, positive_int
 from functional_shard.core.validate import path as check_path
 from functional_shard.runtime.checkpoint.integrity import (
+    META_FIX,
     Described,
     agreed,
     aside,
     distributed,
     every_rank,
     index_tensors,
+    meta_problems,
     put_in_place,
     raise_problems,
 )
@@ -143,10 +145,15 @@ def export_hf(
     else:
         sources, problems = _mapped(mapping, model, set(ours), expected, hf)
     shapes = {key: _cut_shape(ours[our], cut) for key, (our, cut) in sources.items() if our in ours}
+    empty = meta_problems(model)
     problems = (
-        target_problems(path) + fit_problems({k: s for k, (s, _) in shapes.items()}, expected) + problems
+        target_problems(path)
+        + empty
+        + fit_problems({k: s for k, (s, _) in shapes.items()}, expected)
+        + problems
     )
-    raise_problems(agreed(problems), f"fs.checkpoint.export_hf wrote nothing to {path}", _FIX)
+    fix = META_FIX if empty else _FIX
+    raise_problems(agreed(problems), f"fs.checkpoint.export_hf wrote nothing to {path}", fix)
     sizes = _sizes(shapes, expected)
     files = shard_files(
         [(key, size, holders[sources[key][0]]) for key, (size, _) in sizes.items()],
