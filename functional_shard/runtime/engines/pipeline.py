@@ -13,7 +13,7 @@ import contextlib
 import copy
 import inspect
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -289,6 +289,25 @@ def _grads_set_aside(pipelined: Pipelined) -> contextlib.AbstractContextManager[
     return gradients_set_aside(p for stage in pipelined.stages for p in stage.submod.parameters())
 
 
+@contextlib.contextmanager
+def _evaluating(pipelined: Pipelined) -> Iterator[None]:
+    """Let a schedule's ``eval`` run over two adjacent stages of this rank (a V-shaped schedule's).
+
+    Torch's runtime schedules keep their backward actions in ``eval``: each stage's backward returns
+    at once, but between two stages of one rank the schedule then hands the gradient over by
+    ``get_local_bwd_output``, which asserts the stage has a backward (torch 2.13), and the other
+    ranks wait for this one forever. With no backward there is no gradient to hand over.
+    """
+    for stage in pipelined.stages:
+        stage.get_local_bwd_output = lambda mb_index: ()
+        stage.set_local_bwd_input = lambda outputs, mb_index: None
+    try:
+        yield
+    finally:
+        for stage in pipelined.stages:
+            del stage.get_local_bwd_output, stage.set_local_bwd_input
+
+
 def _ends(pipelined: Pipelined) -> tuple[bool, bool]:
     """Whether this rank runs the first stage, and the last."""
     return any(s.is_first for s in pipelined.stages), any(s.is_last for s in pipelined.stages)
@@ -352,7 +371,8 @@ def scheduled_loss(
     kwargs = _returning(run, False) | (keywords or {})
     if last:
         kwargs |= {"target": targets, "losses": losses}
-    with _grads_set_aside(pipelined):
+    evaluating = _evaluating(pipelined) if forward_only else contextlib.nullcontext()
+    with _grads_set_aside(pipelined), evaluating:
         if first:
             run(inputs, **kwargs)
         else:
@@ -379,7 +399,7 @@ def pipeline_eval_outputs(
     kwargs = _returning(schedule.eval, True) | (keywords or {})
     if last:
         kwargs["target"] = torch.zeros(inputs.shape[0], device=device)
-    with _grads_set_aside(pipelined):
+    with _grads_set_aside(pipelined), _evaluating(pipelined):
         outputs = schedule.eval(inputs, **kwargs) if first else schedule.eval(**kwargs)
     if last:
         full = getattr(outputs, "full_tensor", None)  # a DTensor from a tensor-parallel head
