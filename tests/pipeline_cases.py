@@ -375,3 +375,45 @@ def full_file_into_pipeline(spec: dict[str, Any], path: str) -> dict[str, Any]:
     except fs.ShardingError as error:
         refusal = str(error)
     return {"saved": saved, "loaded": _states(target, target_optimizer), "refusal": refusal}
+
+
+# (rows, tokens) of successive batches: fewer rows (an epoch's last batch), then shorter rows
+SHAPES = ((4, SEQ), (2, SEQ), (4, SEQ - 4))
+
+
+def batches_of_other_shapes() -> list[torch.Tensor]:
+    """One batch of each of `SHAPES` (each with the next-token column)."""
+    generator = torch.Generator().manual_seed(99)
+    return [torch.randint(0, 128, (rows, seq + 1), generator=generator) for rows, seq in SHAPES]
+
+
+def steps_of_other_shapes(spec: dict[str, Any]) -> dict[str, Any]:
+    """A step on each of `batches_of_other_shapes`, then an evaluation of each: the losses, the gradients.
+
+    (Not step and evaluation in turn: torch sizes its buffers again when a schedule turns from one
+    to the other, which would hide a step's buffers sized for the step before.)
+    """
+    model = build(spec)
+    plan = fs.shard(model, fs.Mesh(**spec["mesh"]), policy_of(spec))
+    fs.apply(plan, model)
+    step = fs.forward_backward(plan, model, lm_loss)
+    evaluate = fs.forward_loss(plan, model, lm_loss)
+    every = batches_of_other_shapes()
+    losses = [float(step(tokens[:, :-1], tokens[:, 1:])) for tokens in every]
+    losses += [float(evaluate(tokens[:, :-2], tokens[:, 1:-1])) for tokens in every]
+    grads = {name: full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+    return {"losses": losses, "params": grads}
+
+
+def steps_of_other_shapes_in_one_process(spec: dict[str, Any]) -> dict[str, Any]:
+    """`steps_of_other_shapes` in one process."""
+    model = build(spec)
+    every = batches_of_other_shapes()
+    losses = []
+    for tokens in every:
+        loss = lm_loss(_logits(model(tokens[:, :-1])), tokens[:, 1:])
+        loss.backward()
+        losses.append(loss.item())
+    with torch.no_grad():
+        losses += [lm_loss(_logits(model(tokens[:, :-2])), tokens[:, 1:-1]).item() for tokens in every]
+    return {"losses": losses, "params": {k: p.grad.clone() for k, p in model.named_parameters()}}

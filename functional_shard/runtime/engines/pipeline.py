@@ -78,6 +78,8 @@ class Pipelined:
     packing: PackedForward
     schedule: Any = None
     loss: Callable[..., torch.Tensor] | None = field(default=None, repr=False)
+    # the shapes and dtypes of the batch the schedule sized its stages' buffers for
+    batch_layout: tuple[Any, ...] | None = None
 
     def loss_of_microbatch(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function: the current step's loss on one micro-batch."""
@@ -255,9 +257,19 @@ def apply_pipeline(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> Pl
     return without_pipeline(stage_plan(plan, mine))
 
 
-def _schedule(pipelined: Pipelined) -> Any:
+def _schedule(pipelined: Pipelined, inputs: torch.Tensor, keywords: dict[str, torch.Tensor] | None) -> Any:
+    """The schedule for a batch of ``inputs`` (and ``keywords``): made again when their shapes change.
+
+    Torch's schedule sizes the buffers its stages send and receive from its first step's
+    micro-batches and reuses them; a batch of other rows or another length would then send
+    more or fewer bytes than the next stage waits for (a hang, or gloo aborting the process).
+    A new schedule sizes them again; every pp rank passes the same batch, so all make one.
+    """
     from torch.distributed.pipelining import schedules
 
+    layout = tuple((name, tuple(t.shape), t.dtype) for name, t in {"": inputs, **(keywords or {})}.items())
+    if layout != pipelined.batch_layout:
+        pipelined.schedule, pipelined.batch_layout = None, layout
     if pipelined.schedule is None:
         pipeline = pipelined.plan.config.pipeline
         assert pipeline is not None  # (apply_pipeline made it of a plan with one)
@@ -361,7 +373,7 @@ def scheduled_loss(
     Returns:
         The mean micro-batch loss, on every pp rank.
     """
-    schedule = _schedule(pipelined)
+    schedule = _schedule(pipelined, inputs, keywords)
     run = schedule.eval if forward_only else schedule.step
     pipelined.loss = loss_fn
     first, last = _ends(pipelined)
@@ -392,7 +404,7 @@ def pipeline_eval_outputs(
     Every rank passes its batch: the last stage sizes stand-in targets from it, since torch's
     schedule computes a loss wherever it has a loss function. ``keywords``: as `scheduled_loss`'s.
     """
-    schedule = _schedule(pipelined)
+    schedule = _schedule(pipelined, inputs, keywords)
     pipelined.loss = _no_loss
     first, last = _ends(pipelined)
     device = pipelined.stages[0].device
