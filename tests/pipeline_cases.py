@@ -7,6 +7,7 @@ micro-batches, the data-parallel and tensor-parallel layers and the model config
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -255,6 +256,17 @@ def odd_batch(plan: fs.Plan, model: torch.nn.Module) -> None:
     """One step on a batch of 3 rows, which the plan's micro-batches do not divide."""
     tokens = torch.randint(0, 128, (3, SEQ + 1))
     fs.forward_backward(plan, model, lm_loss)(tokens[:, :-1], tokens[:, 1:])
+
+
+def _odd_step(batch: str, plan: fs.Plan, model: torch.nn.Module) -> None:
+    tokens = torch.randint(0, 128, (BATCH, SEQ + 1))
+    inputs: Any = {"list": tokens.tolist(), "scalar": torch.tensor(3), "empty": tokens[:0]}[batch]
+    fs.forward_backward(plan, model, lm_loss)(inputs, tokens[:, 1:])
+
+
+def odd_step(batch: str) -> Callable[[fs.Plan, torch.nn.Module], None]:
+    """One step whose inputs are a list of rows (``"list"``), a scalar tensor or no rows (``"empty"``)."""
+    return functools.partial(_odd_step, batch)
 
 
 def plain_step() -> dict[str, Any]:

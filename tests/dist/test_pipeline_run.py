@@ -87,6 +87,21 @@ def test_a_batch_the_micro_batches_do_not_divide_is_refused_naming_both(world):
 
 
 @pytest.mark.parametrize(
+    ("batch", "message"),
+    [
+        ("list", "inputs=list: a Tensor (fs.forward_backward cuts its rows into 4 micro-batch(es))"),
+        ("scalar", "inputs=a scalar tensor: a tensor whose first dim is the batch's rows"),
+        ("empty", "fs.forward_backward: the inputs' batch has no rows; pass at least 4 (one a micro-batch)"),
+    ],
+)
+def test_a_batch_that_is_no_tensor_of_rows_is_refused_on_every_rank(worlds, batch, message):
+    # an AttributeError (a list), an IndexError (a scalar), or torch's errors deep in the schedule
+    # (no rows), before
+    messages = worlds(2).run(pc.refused, pc.case({"pp": 2}), pc.odd_step(batch))
+    assert all(message in m for m in messages), messages
+
+
+@pytest.mark.parametrize(
     "spec",
     [pc.case({"pp": 2}, microbatches=2), pc.case({"pp": 2}, "zbv", stages_per_rank=2, microbatches=2)],
     ids=["1f1b", "zbv"],
