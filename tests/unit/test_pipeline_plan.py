@@ -192,6 +192,27 @@ def test_a_split_the_forward_cannot_run_in_stage_order_is_refused(split, message
         fs.shard(zoo.llama("tiny"), fs.Mesh(pp=2), fs.pipeline("pp", microbatches=2, split=split))
 
 
+@pytest.mark.parametrize(
+    ("selector", "message"),
+    [
+        (zoo.Llama, "checkpointing(): the root module holds modules of pipeline stages 0, 1"),
+        (
+            "layers",
+            "checkpointing(): 'layers' holds modules of pipeline stages 0, 1, and no stage runs it whole",
+        ),
+    ],
+)
+def test_checkpointing_a_module_that_spans_stages_is_refused_not_dropped(selector, message):
+    # each stage's plan left it out: the step ran with no recompute at all, unsaid
+    policy = fs.pipeline("pp", microbatches=2) + fs.checkpointing(selector)
+    with pytest.raises(fs.PolicyError, match=re.escape(message)):
+        fs.shard(zoo.llama("tiny"), fs.Mesh(pp=2), policy)
+    blocks = fs.shard(
+        zoo.llama("tiny"), fs.Mesh(pp=2), fs.pipeline("pp", microbatches=2) + fs.checkpointing("layers.*")
+    )
+    assert blocks.config.checkpointed == ("layers.0", "layers.1")
+
+
 def test_a_tie_across_stages_is_refused_naming_both_paths_and_one_stage_is_fine():
     tied = zoo.llama("tiny-tied")
     with pytest.raises(fs.PolicyError) as raised:
