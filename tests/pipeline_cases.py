@@ -269,6 +269,33 @@ def odd_step(batch: str) -> Callable[[fs.Plan, torch.nn.Module], None]:
     return functools.partial(_odd_step, batch)
 
 
+def per_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`lm_loss` without its mean: one loss a token, no scalar."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+
+
+def failing_loss_then_a_step(spec: dict[str, Any], what: str) -> dict[str, Any]:
+    """A step whose loss_fn fails on the last stage (``what``: ``"per_token"`` loss, ``"short"``
+    targets, ``"evaluation"`` of short targets), then a good step: the refusal and that loss."""
+    model = build(spec)
+    plan = fs.shard(model, fs.Mesh(**spec["mesh"]), policy_of(spec))
+    fs.apply(plan, model)
+    tokens = batches(1)[0]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    failing = {
+        "per_token": lambda: fs.forward_backward(plan, model, per_token_loss)(inputs, targets),
+        "short": lambda: fs.forward_backward(plan, model, lm_loss)(inputs, targets[:, :-2]),
+        "evaluation": lambda: fs.forward_loss(plan, model, lm_loss)(inputs, targets[:, :-2]),
+    }[what]
+    try:
+        failing()
+        refusal = ""
+    except fs.ShardingError as error:
+        refusal = str(error)
+    model.zero_grad()
+    return {"refusal": refusal, "loss": float(fs.forward_backward(plan, model, lm_loss)(inputs, targets))}
+
+
 def plain_step() -> dict[str, Any]:
     """fs.forward_backward under a plan without pp (FSDP over every rank) against a plain backward."""
     torch.manual_seed(0)

@@ -119,6 +119,26 @@ def test_batches_of_other_rows_and_lengths_step_and_evaluate_as_one_process(worl
         torch.testing.assert_close(merged[name], value, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize(
+    ("what", "message"),
+    [
+        ("per_token", "fs.forward_backward: loss_fn returned a tensor of shape (24,), but the step runs"),
+        ("short", "Expected input batch_size (24) to match target batch_size (20)"),
+        ("evaluation", "Expected input batch_size (24) to match target batch_size (20)"),
+    ],
+)
+def test_a_loss_fn_failing_on_the_last_stage_is_raised_on_every_rank(worlds, what, message):
+    # the last stage raised alone, inside the schedule; the other ranks waited for its gradients
+    spec = pc.case({"pp": 2}, microbatches=2)
+    expected = "the pipeline's last stage (pp rank 1) ran loss_fn on a micro-batch, and it failed"
+    tokens = pc.batches(1)[0]
+    model = pc.build(spec)
+    one_process = pc.lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).item()
+    for result in worlds(2).run(pc.failing_loss_then_a_step, spec, what):
+        assert expected in result["refusal"] and message in result["refusal"], result["refusal"]
+        assert result["loss"] == pytest.approx(one_process, abs=1e-5)  # the pipeline runs on
+
+
 def test_tied_embeddings_split_across_stages_are_refused_before_running():
     spec = pc.case({"pp": 2, "dp": 2}, data="fsdp", config="tied")
     model = pc.build(spec)

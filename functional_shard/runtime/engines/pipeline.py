@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from functional_shard.core.document_attention import PackedForward, packed_forward
-from functional_shard.core.errors import ShardingError
+from functional_shard.core.errors import ShardingError, one_line
 from functional_shard.core.tree import within
 from functional_shard.planning.pipeline.stage_plans import stage_plan, without_pipeline
 from functional_shard.planning.pipeline.stages import SCHEDULES, SINGLE_STAGE, rank_stages
@@ -80,12 +80,29 @@ class Pipelined:
     loss: Callable[..., torch.Tensor] | None = field(default=None, repr=False)
     # the shapes and dtypes of the batch the schedule sized its stages' buffers for
     batch_layout: tuple[Any, ...] | None = None
+    # the batch layouts (targets' included) a step has run loss_fn on without a failure
+    loss_checked: set[tuple[Any, ...]] = field(default_factory=set, repr=False)
+    # while a step runs a layout not checked yet: what loss_fn raised on the last stage
+    catching: bool = False
+    failure: BaseException | None = field(default=None, repr=False)
 
     def loss_of_microbatch(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss function: the current step's loss on one micro-batch."""
+        """The schedule's loss function: the current step's loss on one micro-batch.
+
+        On a batch layout not checked yet, what it raises is kept (`failure`) and a stand-in loss
+        lets the schedule run to its end: the other stages wait for what this one sends, and
+        every pp rank raises it after the step (`_mean_from_last_stage`).
+        """
         if self.loss is None:
             raise ShardingError("a pipeline schedule ran without a loss function set for its step")
-        return self.loss(outputs, targets)
+        if not self.catching:
+            return self.loss(outputs, targets)
+        if self.failure is None:
+            try:
+                return self.loss(outputs, targets)
+            except Exception as error:  # any: it is raised on every pp rank after the step
+                self.failure = error
+        return outputs.sum() * 0 if outputs.requires_grad else outputs.new_zeros(())
 
 
 # The modules apply pipelined, weakly. Each keeps its Pipelined in its own __dict__: the
@@ -326,16 +343,26 @@ def _ends(pipelined: Pipelined) -> tuple[bool, bool]:
 
 
 def _mean_from_last_stage(pipelined: Pipelined, losses: list[torch.Tensor], last: bool) -> torch.Tensor:
+    """The mean micro-batch loss on every pp rank; while catching, loss_fn's failure raised on each."""
     # float32 on every rank: under precision="bf16-true" the default dtype is bfloat16; a
     # loss-parallel loss is a replicated DTensor, which c10d cannot broadcast: its value
-    loss = (
-        torch.stack([plain_loss(x).float() for x in losses]).mean()
-        if last
-        else torch.zeros((), dtype=torch.float32)
-    )
-    loss = loss.to(pipelined.stages[0].device)
-    dist.broadcast(loss, group=pipelined.group, group_src=pipelined.last_stage_rank)
-    return loss
+    device = pipelined.stages[0].device
+    mean = torch.stack([plain_loss(x).float() for x in losses]).mean() if last else torch.zeros(())
+    failed = torch.tensor(float(last and pipelined.failure is not None), device=device)
+    sent = torch.stack([mean.float().to(device), failed])
+    dist.broadcast(sent, group=pipelined.group, group_src=pipelined.last_stage_rank)
+    if pipelined.catching and sent[1].item():
+        # read only while catching: the device is waited for on a layout's first step, not on each
+        failure = pipelined.failure
+        said: list[Any] = [one_line(failure) if failure is not None else None]
+        dist.broadcast_object_list(
+            said, group=pipelined.group, group_src=pipelined.last_stage_rank, device=device
+        )
+        raise ShardingError(
+            f"the pipeline's last stage (pp rank {pipelined.last_stage_rank}) ran loss_fn on a micro-batch, "
+            f"and it failed; every pp rank stops here: {said[0]}"
+        ) from failure
+    return sent[0]
 
 
 def _returning(run: Callable[..., Any], outputs: bool) -> dict[str, Any]:
@@ -376,6 +403,8 @@ def scheduled_loss(
     schedule = _schedule(pipelined, inputs, keywords)
     run = schedule.eval if forward_only else schedule.step
     pipelined.loss = loss_fn
+    checked = (pipelined.batch_layout, tuple(targets.shape), targets.dtype, forward_only)
+    pipelined.catching, pipelined.failure = checked not in pipelined.loss_checked, None
     first, last = _ends(pipelined)
     losses: list[torch.Tensor] = []
     # return_outputs=False: else the last stage keeps every micro-batch's output (the
@@ -389,7 +418,10 @@ def scheduled_loss(
             run(inputs, **kwargs)
         else:
             run(**kwargs)
-    return _mean_from_last_stage(pipelined, losses, last)
+    loss = _mean_from_last_stage(pipelined, losses, last)
+    pipelined.loss_checked.add(checked)
+    pipelined.catching = False
+    return loss
 
 
 def _no_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
