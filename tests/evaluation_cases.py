@@ -54,3 +54,33 @@ def reference() -> tuple[list[float], list[torch.Tensor], dict[str, torch.Tensor
     assert isinstance(total, torch.Tensor)
     total.backward()
     return losses, outputs, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def evaluate_on_a_v(schedule: str) -> dict[str, Any]:
+    """forward_loss and forward_only on pp=2 under a V-shaped ``schedule``, then a training step and
+    forward_loss again: the two losses and the outputs (this rank's ends of the V are stages 0 and 3)."""
+    spec = pipeline_cases.case({"pp": 2}, schedule, stages_per_rank=2)
+    model = pipeline_cases.build(spec)
+    plan = fs.shard(model, fs.Mesh(pp=2), pipeline_cases.policy_of(spec))
+    fs.apply(plan, model)
+    evaluate = fs.forward_loss(plan, model, pipeline_cases.lm_loss)
+    tokens = pipeline_cases.batches(1)[0]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    before = float(evaluate(inputs, targets))
+    outputs = fs.forward_only(plan, model)(inputs)
+    trained = float(fs.forward_backward(plan, model, pipeline_cases.lm_loss)(inputs, targets))
+    return {
+        "before": before,
+        "outputs": outputs,
+        "trained": trained,
+        "after": float(evaluate(inputs, targets)),
+    }
+
+
+def one_process_evaluation() -> tuple[float, torch.Tensor]:
+    """`evaluate_on_a_v`'s loss and outputs in one process."""
+    model = pipeline_cases.build(pipeline_cases.case({"pp": 2}))
+    tokens = pipeline_cases.batches(1)[0]
+    with torch.no_grad():
+        outputs = model(tokens[:, :-1])
+    return pipeline_cases.lm_loss(outputs, tokens[:, 1:]).item(), outputs

@@ -7,6 +7,7 @@ micro-batches, the data-parallel and tensor-parallel layers and the model config
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -257,6 +258,44 @@ def odd_batch(plan: fs.Plan, model: torch.nn.Module) -> None:
     fs.forward_backward(plan, model, lm_loss)(tokens[:, :-1], tokens[:, 1:])
 
 
+def _odd_step(batch: str, plan: fs.Plan, model: torch.nn.Module) -> None:
+    tokens = torch.randint(0, 128, (BATCH, SEQ + 1))
+    inputs: Any = {"list": tokens.tolist(), "scalar": torch.tensor(3), "empty": tokens[:0]}[batch]
+    fs.forward_backward(plan, model, lm_loss)(inputs, tokens[:, 1:])
+
+
+def odd_step(batch: str) -> Callable[[fs.Plan, torch.nn.Module], None]:
+    """One step whose inputs are a list of rows (``"list"``), a scalar tensor or no rows (``"empty"``)."""
+    return functools.partial(_odd_step, batch)
+
+
+def per_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`lm_loss` without its mean: one loss a token, no scalar."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+
+
+def failing_loss_then_a_step(spec: dict[str, Any], what: str) -> dict[str, Any]:
+    """A step whose loss_fn fails on the last stage (``what``: ``"per_token"`` loss, ``"short"``
+    targets, ``"evaluation"`` of short targets), then a good step: the refusal and that loss."""
+    model = build(spec)
+    plan = fs.shard(model, fs.Mesh(**spec["mesh"]), policy_of(spec))
+    fs.apply(plan, model)
+    tokens = batches(1)[0]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    failing = {
+        "per_token": lambda: fs.forward_backward(plan, model, per_token_loss)(inputs, targets),
+        "short": lambda: fs.forward_backward(plan, model, lm_loss)(inputs, targets[:, :-2]),
+        "evaluation": lambda: fs.forward_loss(plan, model, lm_loss)(inputs, targets[:, :-2]),
+    }[what]
+    try:
+        failing()
+        refusal = ""
+    except fs.ShardingError as error:
+        refusal = str(error)
+    model.zero_grad()
+    return {"refusal": refusal, "loss": float(fs.forward_backward(plan, model, lm_loss)(inputs, targets))}
+
+
 def plain_step() -> dict[str, Any]:
     """fs.forward_backward under a plan without pp (FSDP over every rank) against a plain backward."""
     torch.manual_seed(0)
@@ -375,3 +414,45 @@ def full_file_into_pipeline(spec: dict[str, Any], path: str) -> dict[str, Any]:
     except fs.ShardingError as error:
         refusal = str(error)
     return {"saved": saved, "loaded": _states(target, target_optimizer), "refusal": refusal}
+
+
+# (rows, tokens) of successive batches: fewer rows (an epoch's last batch), then shorter rows
+SHAPES = ((4, SEQ), (2, SEQ), (4, SEQ - 4))
+
+
+def batches_of_other_shapes() -> list[torch.Tensor]:
+    """One batch of each of `SHAPES` (each with the next-token column)."""
+    generator = torch.Generator().manual_seed(99)
+    return [torch.randint(0, 128, (rows, seq + 1), generator=generator) for rows, seq in SHAPES]
+
+
+def steps_of_other_shapes(spec: dict[str, Any]) -> dict[str, Any]:
+    """A step on each of `batches_of_other_shapes`, then an evaluation of each: the losses, the gradients.
+
+    (Not step and evaluation in turn: torch sizes its buffers again when a schedule turns from one
+    to the other, which would hide a step's buffers sized for the step before.)
+    """
+    model = build(spec)
+    plan = fs.shard(model, fs.Mesh(**spec["mesh"]), policy_of(spec))
+    fs.apply(plan, model)
+    step = fs.forward_backward(plan, model, lm_loss)
+    evaluate = fs.forward_loss(plan, model, lm_loss)
+    every = batches_of_other_shapes()
+    losses = [float(step(tokens[:, :-1], tokens[:, 1:])) for tokens in every]
+    losses += [float(evaluate(tokens[:, :-2], tokens[:, 1:-1])) for tokens in every]
+    grads = {name: full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
+    return {"losses": losses, "params": grads}
+
+
+def steps_of_other_shapes_in_one_process(spec: dict[str, Any]) -> dict[str, Any]:
+    """`steps_of_other_shapes` in one process."""
+    model = build(spec)
+    every = batches_of_other_shapes()
+    losses = []
+    for tokens in every:
+        loss = lm_loss(_logits(model(tokens[:, :-1])), tokens[:, 1:])
+        loss.backward()
+        losses.append(loss.item())
+    with torch.no_grad():
+        losses += [lm_loss(_logits(model(tokens[:, :-2])), tokens[:, 1:-1]).item() for tokens in every]
+    return {"losses": losses, "params": {k: p.grad.clone() for k, p in model.named_parameters()}}

@@ -190,8 +190,8 @@ def training_loss(
         The mean loss of the batch.
 
     Raises:
-        functional_shard.ShardingError: packed rows under a pipeline plan, or for a forward that
-            does not take them (from `fs.forward_backward`).
+        functional_shard.ShardingError: packed rows for a forward that does not take them, or that the
+            plan runs none of (cp with a pipeline, a Hugging Face model under cp; from `fs.forward_backward`).
 
     Examples:
         >>> # def training_step(self, batch, index):

@@ -8,10 +8,10 @@ from typing import Any
 
 from functional_shard.core.errors import PolicyError
 from functional_shard.core.mesh import Mesh
-from functional_shard.core.tree import ModelTree
+from functional_shard.core.tree import ModelTree, within
 
 from .fsdp.unit_finder import chosen_units, select_modules
-from .pipeline.stages import boundary_features, split_stages
+from .pipeline.stages import boundary_features, split_stages, stage_finder
 from .plan.config import ContextConfig, ExpertConfig, FsdpConfig, PipelineConfig, PlanConfig, TpConfig
 from .policy.types import ExpertParallel, Policy
 from .tp.styles import Packed, layout_of
@@ -199,6 +199,8 @@ def plan_config(
             unit_reasons=units.reasons,
         )
     experts, context = policy.expert_parallel, policy.context_parallel
+    checkpointed = tuple(select_modules(options.checkpoint or (), tree, "checkpointing()"))
+    _refuse_checkpoints_across_stages(checkpointed, pipeline.stages if pipeline is not None else ())
     return PlanConfig(
         fsdp=fsdp,
         tp=tp,
@@ -209,7 +211,7 @@ def plan_config(
             if context is not None
             else None
         ),
-        checkpointed=tuple(select_modules(options.checkpoint or (), tree, "checkpointing()")),
+        checkpointed=checkpointed,
         checkpoint_policy=options.checkpoint_policy or "full",
         param_dtype=options.param_dtype,
         reduce_dtype=options.reduce_dtype,
@@ -268,4 +270,24 @@ def _refuse_groups_across_stages(
             raise PolicyError(
                 f"fsdp(units=...): the group {group!r} spans pipeline stages ({where}); FSDP gathers a "
                 "unit on one stage's ranks: group modules of one stage, or let each be its own unit"
+            )
+
+
+def _refuse_checkpoints_across_stages(
+    checkpointed: tuple[str, ...], stages: tuple[tuple[str, ...], ...]
+) -> None:
+    # a stage recomputes what it runs; a module that holds modules of the stages runs whole on
+    # none of them, and each stage's plan would leave it out: no recompute at all, unsaid
+    if not stages:
+        return
+    stage_of = stage_finder(stages)
+    for module in checkpointed:
+        if stage_of(module, module=True) is not None:
+            continue
+        held = sorted({s for s, listed in enumerate(stages) for m in listed if within(m, [module])})
+        if held:
+            raise PolicyError(
+                f"checkpointing(): {repr(module) if module else 'the root module'} holds modules of pipeline "
+                f"stages {', '.join(map(str, held))}, and no stage runs it whole; "
+                "checkpoint modules within one stage (the blocks: a block class, or 'layers.*')"
             )

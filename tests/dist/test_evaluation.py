@@ -1,6 +1,6 @@
 """fs.forward_only and fs.forward_loss: a module the plan was not applied to is refused; between
 accumulating steps on 4 gloo ranks (slow) they leave the gradients whole; packed rows under a
-pipeline evaluate as in one process."""
+pipeline evaluate as in one process; so does a V-shaped schedule's pipeline."""
 
 from __future__ import annotations
 
@@ -46,6 +46,18 @@ def test_evaluating_between_accumulating_steps_leaves_their_gradients_whole(worl
     assert merged.keys() == grads.keys()
     for name, value in grads.items():
         torch.testing.assert_close(merged[name], value, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_a_v_shaped_pipeline_evaluates_as_one_process_between_training_steps(worlds, schedule):
+    # torch's eval ran the V's hand-over of gradients between a rank's two stages: one rank
+    # raised an AssertionError and the other waited for it forever
+    loss, outputs = evaluation_cases.one_process_evaluation()
+    for result in worlds(2).run(evaluation_cases.evaluate_on_a_v, schedule):
+        assert result["before"] == pytest.approx(loss, abs=1e-5)
+        assert result["trained"] == pytest.approx(loss, abs=1e-5)
+        assert result["after"] == pytest.approx(loss, abs=1e-5)  # no optimizer step between
+        torch.testing.assert_close(result["outputs"], outputs, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["hf_llama", pytest.param("zoo_untied", marks=pytest.mark.slow)])

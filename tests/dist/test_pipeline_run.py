@@ -86,6 +86,59 @@ def test_a_batch_the_micro_batches_do_not_divide_is_refused_naming_both(world):
     assert "batch of 3 does not split into the plan's 4 micro-batches" in message
 
 
+@pytest.mark.parametrize(
+    ("batch", "message"),
+    [
+        ("list", "inputs=list: a Tensor (fs.forward_backward cuts its rows into 4 micro-batch(es))"),
+        ("scalar", "inputs=a scalar tensor: a tensor whose first dim is the batch's rows"),
+        ("empty", "fs.forward_backward: the inputs' batch has no rows; pass at least 4 (one a micro-batch)"),
+    ],
+)
+def test_a_batch_that_is_no_tensor_of_rows_is_refused_on_every_rank(worlds, batch, message):
+    # an AttributeError (a list), an IndexError (a scalar), or torch's errors deep in the schedule
+    # (no rows), before
+    messages = worlds(2).run(pc.refused, pc.case({"pp": 2}), pc.odd_step(batch))
+    assert all(message in m for m in messages), messages
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [pc.case({"pp": 2}, microbatches=2), pc.case({"pp": 2}, "zbv", stages_per_rank=2, microbatches=2)],
+    ids=["1f1b", "zbv"],
+)
+def test_batches_of_other_rows_and_lengths_step_and_evaluate_as_one_process(worlds, spec):
+    # torch's schedule sized its stages' buffers from the first step's micro-batches: a batch
+    # of fewer rows or shorter ones then hung the step, or gloo aborted the ranks
+    expected = pc.steps_of_other_shapes_in_one_process(spec)
+    results = worlds(2).run(pc.steps_of_other_shapes, spec)
+    for result in results:
+        assert result["losses"] == pytest.approx(expected["losses"], abs=1e-5)
+    merged = pc.merged_params(results)
+    assert merged.keys() == expected["params"].keys()
+    for name, value in expected["params"].items():
+        torch.testing.assert_close(merged[name], value, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("what", "message"),
+    [
+        ("per_token", "fs.forward_backward: loss_fn returned a tensor of shape (24,), but the step runs"),
+        ("short", "Expected input batch_size (24) to match target batch_size (20)"),
+        ("evaluation", "Expected input batch_size (24) to match target batch_size (20)"),
+    ],
+)
+def test_a_loss_fn_failing_on_the_last_stage_is_raised_on_every_rank(worlds, what, message):
+    # the last stage raised alone, inside the schedule; the other ranks waited for its gradients
+    spec = pc.case({"pp": 2}, microbatches=2)
+    expected = "the pipeline's last stage (pp rank 1) ran loss_fn on a micro-batch, and it failed"
+    tokens = pc.batches(1)[0]
+    model = pc.build(spec)
+    one_process = pc.lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).item()
+    for result in worlds(2).run(pc.failing_loss_then_a_step, spec, what):
+        assert expected in result["refusal"] and message in result["refusal"], result["refusal"]
+        assert result["loss"] == pytest.approx(one_process, abs=1e-5)  # the pipeline runs on
+
+
 def test_tied_embeddings_split_across_stages_are_refused_before_running():
     spec = pc.case({"pp": 2, "dp": 2}, data="fsdp", config="tied")
     model = pc.build(spec)

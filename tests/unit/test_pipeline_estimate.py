@@ -143,6 +143,14 @@ def test_schedules_compared():
         compare_schedules(_model(), _plan("zbv", 2), batch=BATCH, seq=SEQ, schedules=["looped_bfs"])
 
 
+def test_one_schedule_name_for_schedules_is_refused_not_read_letter_by_letter():
+    # was: "schedule='1': one of 'gpipe', '1f1b', ..."
+    with pytest.raises(
+        fs.ShardingError, match=re.escape("schedules='1f1b': a list of schedule names (['1f1b'] for one)")
+    ):
+        compare_schedules(_model(), _plan(), batch=BATCH, seq=SEQ, schedules="1f1b")
+
+
 def test_schedules_compared_with_kept_outputs_and_kernels_as_estimate_gives_them():
     model = Llama(LlamaConfig(1024, 1024, 4096, 4, 8, 4)).to("meta")
     policy = fs.pipeline("pp", microbatches=M, schedule="interleaved1f1b", stages_per_rank=2)

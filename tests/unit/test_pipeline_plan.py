@@ -156,6 +156,63 @@ def test_bad_pipeline_input_is_refused_before_anything_runs(mesh, policy, error,
         fs.shard(zoo.llama("tiny"), mesh, fs.parse_policy(policy) if isinstance(policy, str) else policy)
 
 
+@pytest.mark.parametrize(
+    "split",
+    [3, "embed_tokens", ["embed_tokens", "layers"], [[0], [1]]],
+)
+def test_a_split_not_shaped_as_stages_of_module_paths_is_refused(split):
+    # a list of paths was cut into stages of one character each; an int raised a TypeError
+    with pytest.raises(fs.PolicyError, match=re.escape("a list of stages, each a list of module paths")):
+        fs.pipeline("pp", microbatches=2, split=split)
+
+
+@pytest.mark.parametrize(
+    ("split", "message"),
+    [
+        # the forward would run layers.1 on stage 0 before layers.0 on stage 1: a wrong loss
+        (
+            [["embed_tokens", "layers.1"], ["layers.0", "norm", "lm_head"]],
+            "'layers.1' is in stage 0, before 'layers.0' in stage 1, but the forward runs it after",
+        ),
+        # these three hung the step: a rank's stage ran nothing, or dropped its own modules
+        (
+            [["layers.1", "norm", "lm_head"], ["embed_tokens", "layers.0"]],
+            "'layers.1' is in stage 0, before 'layers.0' in stage 1",
+        ),
+        (
+            [["embed_tokens", "layers"], ["layers.1", "norm", "lm_head"]],
+            "'layers.1' (stage 1) is inside 'layers' (stage 0); list the parts of 'layers' each stage runs",
+        ),
+        ([[""], ["layers.1"]], "'layers.1' (stage 1) is inside '' (stage 0); list the parts of the model"),
+        ([["embed_tokens", "layers", "norm", "lm_head"], []], "stage 1 lists no module"),
+    ],
+)
+def test_a_split_the_forward_cannot_run_in_stage_order_is_refused(split, message):
+    with pytest.raises(fs.PolicyError, match=re.escape(message)):
+        fs.shard(zoo.llama("tiny"), fs.Mesh(pp=2), fs.pipeline("pp", microbatches=2, split=split))
+
+
+@pytest.mark.parametrize(
+    ("selector", "message"),
+    [
+        (zoo.Llama, "checkpointing(): the root module holds modules of pipeline stages 0, 1"),
+        (
+            "layers",
+            "checkpointing(): 'layers' holds modules of pipeline stages 0, 1, and no stage runs it whole",
+        ),
+    ],
+)
+def test_checkpointing_a_module_that_spans_stages_is_refused_not_dropped(selector, message):
+    # each stage's plan left it out: the step ran with no recompute at all, unsaid
+    policy = fs.pipeline("pp", microbatches=2) + fs.checkpointing(selector)
+    with pytest.raises(fs.PolicyError, match=re.escape(message)):
+        fs.shard(zoo.llama("tiny"), fs.Mesh(pp=2), policy)
+    blocks = fs.shard(
+        zoo.llama("tiny"), fs.Mesh(pp=2), fs.pipeline("pp", microbatches=2) + fs.checkpointing("layers.*")
+    )
+    assert blocks.config.checkpointed == ("layers.0", "layers.1")
+
+
 def test_a_tie_across_stages_is_refused_naming_both_paths_and_one_stage_is_fine():
     tied = zoo.llama("tiny-tied")
     with pytest.raises(fs.PolicyError) as raised:

@@ -159,6 +159,8 @@ def _refused(text: str, model=MODEL) -> str:
         ("fsdp(dp) + fsdp(dp)", "Give each layer its own mesh axes. Accepted: "),  # one period
         ("bf16 + fp16", "option 'param_dtype' is set twice"),
         ("", "write one, e.g. 'fsdp(dp) + tp(llama, tp)'"),
+        # was "got (_Name(text='pp'), _Name(text='dp'))"
+        ("pipeline((pp, dp), microbatches=4)", "the axis is a name, got (pp, dp)"),
     ],
 )
 def test_every_error_names_the_bad_part_and_shows_the_forms(text, says):

@@ -281,7 +281,8 @@ def compare_schedules(
         Schedule name -> its `Estimate`.
 
     Raises:
-        ShardingError: the plan has no pipeline, or a named schedule cannot run it.
+        ShardingError: the plan has no pipeline, ``schedules`` is one name (not a list), or a named
+            schedule cannot run it.
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -299,6 +300,8 @@ def compare_schedules(
     pipeline = plan.config.pipeline
     if pipeline is None:
         raise ShardingError("compare_schedules(): the plan has no pipeline; add fs.pipeline(...)")
+    if isinstance(schedules, str):  # else compared letter by letter
+        refuse("schedules", repr(schedules), "a list of schedule names", meaning=f"[{schedules!r}] for one")
     pp, per_rank, m = pipeline.size(plan.mesh), pipeline.stages_per_rank, pipeline.microbatches
     if schedules is None:
         fitting = [

@@ -9,6 +9,7 @@ on rank ``s``.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 
 from functional_shard.core.errors import PolicyError, counted
@@ -188,19 +189,54 @@ def _checked_split(
     seen: dict[str, int] = {}
     problems = []
     for index, stage in enumerate(given):
+        if not stage:
+            problems.append(f"stage {index} lists no module")
         for path in stage:
             if path not in tree.modules:
                 problems.append(f"stage {index}: {path!r} is not a module of the model")
             elif path in seen:
                 problems.append(f"{path!r} is in stages {seen[path]} and {index}")
             seen[path] = index
+    problems += _nested_across_stages(seen)
     for path in _param_names(tree):
         owners = [m for m in seen if m == "" or path.startswith(m + ".")]
         if not owners:
             problems.append(f"parameter {path!r} is in no stage")
+    if not problems:
+        problems = _blocks_out_of_order(tree, given)
     if problems:
         raise PolicyError("pipeline(split=...):\n" + "\n".join(f"* {p}" for p in problems))
     return given
+
+
+def _nested_across_stages(seen: dict[str, int]) -> list[str]:
+    """A listed module inside one another stage lists: the other's ranks would drop it with its parent."""
+    return [
+        f"{path!r} (stage {stage}) is inside {outer!r} (stage {seen[outer]}); list the parts of "
+        f"{repr(outer) if outer else 'the model'} each stage runs instead"
+        for path, stage in seen.items()
+        for outer in list(owner_paths(path))[1:]
+        if outer in seen and seen[outer] != stage
+    ]
+
+
+def _blocks_out_of_order(tree: ModelTree, stages: tuple[tuple[str, ...], ...]) -> list[str]:
+    """Blocks of one list that a later stage runs before an earlier one: the forward runs them in order."""
+    stage_of = stage_finder(stages)
+    lists: dict[str, list[str]] = {}
+    for block in tree.blocks:
+        lists.setdefault(block.path.rpartition(".")[0], []).append(block.path)
+    problems = []
+    for blocks in lists.values():
+        for earlier, later in itertools.pairwise(blocks):
+            first, then = stage_of(earlier, module=True), stage_of(later, module=True)
+            if first is not None and then is not None and then < first:
+                problems.append(
+                    f"{later!r} is in stage {then}, before {earlier!r} in stage {first}, but the forward "
+                    "runs it after; give each stage the blocks after the previous stage's"
+                )
+                break
+    return problems
 
 
 # a search asks of a few cuts of one model again and again: each cut's finder (and what it

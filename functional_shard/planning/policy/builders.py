@@ -318,7 +318,8 @@ def pipeline(
         split: each stage's module paths, in order; by default the blocks split evenly (torchtitan's cut).
 
     Raises:
-        PolicyError: an unknown schedule, a stage count it cannot run, or a bad count.
+        PolicyError: an unknown schedule, a stage count it cannot run, a bad count, or a ``split``
+            that is not a list of stages, each a list of module paths.
 
     Examples:
         >>> layer = pipeline("pp", microbatches=8, schedule="interleaved1f1b", stages_per_rank=2).layers[0]
@@ -330,8 +331,25 @@ def pipeline(
     _axis(axis)
     positive_int(microbatches, "microbatches", meaning="micro-batches per step", error=PolicyError)
     check_schedule(schedule, stages_per_rank)
-    stages = None if split is None else tuple(tuple(stage) for stage in split)
-    return Policy((Pipeline(axis, microbatches, schedule, stages_per_rank, stages),))
+    return Policy((Pipeline(axis, microbatches, schedule, stages_per_rank, _split(split)),))
+
+
+def _split(split: Any) -> tuple[tuple[str, ...], ...] | None:
+    """``split`` as a tuple of stages, each a tuple of module paths; refused if it is not that shape."""
+    if split is None:
+        return None
+    stages = tuple(split) if isinstance(split, Iterable) and not isinstance(split, str) else None
+    shaped = stages is not None and all(isinstance(s, Iterable) and not isinstance(s, str) for s in stages)
+    given = tuple(tuple(stage) for stage in stages) if shaped and stages is not None else ()
+    if not shaped or not all(isinstance(path, str) for stage in given for path in stage):
+        refuse(
+            "split",
+            repr(split),
+            "a list of stages, each a list of module paths",
+            meaning='as split=[["embed_tokens", "layers.0"], ["layers.1", "norm", "lm_head"]]',
+            error=PolicyError,
+        )
+    return given
 
 
 @policy_builder

@@ -90,6 +90,10 @@ class _Name:
 
     text: str
 
+    def __repr__(self) -> str:
+        """As the text wrote it: a message quoting a value shows ``(pp, dp)``, not the class."""
+        return self.text
+
 
 _Value = Any  # _Name, str, int, bool, None, or a tuple of these
 

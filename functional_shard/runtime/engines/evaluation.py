@@ -86,7 +86,8 @@ def forward_only(plan: Plan, module: nn.Module, *, root: str = "") -> Callable[.
 
     Raises:
         ShardingError: ``module`` was not applied with ``plan``, or the plan has context parallel;
-            from ``forward``, a batch the micro-batch count does not divide, packed rows given to a
+            from ``forward``, a batch the micro-batch count does not divide (under a pipeline: or no
+            tensor of rows), packed rows given to a
             model whose attention would cross documents, or (under a pipeline) a packed document
             that straddles two micro-batches.
 

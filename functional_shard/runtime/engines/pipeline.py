@@ -13,7 +13,7 @@ import contextlib
 import copy
 import inspect
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from functional_shard.core.document_attention import PackedForward, packed_forward
-from functional_shard.core.errors import ShardingError
+from functional_shard.core.errors import ShardingError, one_line
 from functional_shard.core.tree import within
 from functional_shard.planning.pipeline.stage_plans import stage_plan, without_pipeline
 from functional_shard.planning.pipeline.stages import SCHEDULES, SINGLE_STAGE, rank_stages
@@ -78,12 +78,31 @@ class Pipelined:
     packing: PackedForward
     schedule: Any = None
     loss: Callable[..., torch.Tensor] | None = field(default=None, repr=False)
+    # the shapes and dtypes of the batch the schedule sized its stages' buffers for
+    batch_layout: tuple[Any, ...] | None = None
+    # the batch layouts (targets' included) a step has run loss_fn on without a failure
+    loss_checked: set[tuple[Any, ...]] = field(default_factory=set, repr=False)
+    # while a step runs a layout not checked yet: what loss_fn raised on the last stage
+    catching: bool = False
+    failure: BaseException | None = field(default=None, repr=False)
 
     def loss_of_microbatch(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss function: the current step's loss on one micro-batch."""
+        """The schedule's loss function: the current step's loss on one micro-batch.
+
+        On a batch layout not checked yet, what it raises is kept (`failure`) and a stand-in loss
+        lets the schedule run to its end: the other stages wait for what this one sends, and
+        every pp rank raises it after the step (`_mean_from_last_stage`).
+        """
         if self.loss is None:
             raise ShardingError("a pipeline schedule ran without a loss function set for its step")
-        return self.loss(outputs, targets)
+        if not self.catching:
+            return self.loss(outputs, targets)
+        if self.failure is None:
+            try:
+                return self.loss(outputs, targets)
+            except Exception as error:  # any: it is raised on every pp rank after the step
+                self.failure = error
+        return outputs.sum() * 0 if outputs.requires_grad else outputs.new_zeros(())
 
 
 # The modules apply pipelined, weakly. Each keeps its Pipelined in its own __dict__: the
@@ -255,9 +274,19 @@ def apply_pipeline(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> Pl
     return without_pipeline(stage_plan(plan, mine))
 
 
-def _schedule(pipelined: Pipelined) -> Any:
+def _schedule(pipelined: Pipelined, inputs: torch.Tensor, keywords: dict[str, torch.Tensor] | None) -> Any:
+    """The schedule for a batch of ``inputs`` (and ``keywords``): made again when their shapes change.
+
+    Torch's schedule sizes the buffers its stages send and receive from its first step's
+    micro-batches and reuses them; a batch of other rows or another length would then send
+    more or fewer bytes than the next stage waits for (a hang, or gloo aborting the process).
+    A new schedule sizes them again; every pp rank passes the same batch, so all make one.
+    """
     from torch.distributed.pipelining import schedules
 
+    layout = tuple((name, tuple(t.shape), t.dtype) for name, t in {"": inputs, **(keywords or {})}.items())
+    if layout != pipelined.batch_layout:
+        pipelined.schedule, pipelined.batch_layout = None, layout
     if pipelined.schedule is None:
         pipeline = pipelined.plan.config.pipeline
         assert pipeline is not None  # (apply_pipeline made it of a plan with one)
@@ -289,22 +318,51 @@ def _grads_set_aside(pipelined: Pipelined) -> contextlib.AbstractContextManager[
     return gradients_set_aside(p for stage in pipelined.stages for p in stage.submod.parameters())
 
 
+@contextlib.contextmanager
+def _evaluating(pipelined: Pipelined) -> Iterator[None]:
+    """Let a schedule's ``eval`` run over two adjacent stages of this rank (a V-shaped schedule's).
+
+    Torch's runtime schedules keep their backward actions in ``eval``: each stage's backward returns
+    at once, but between two stages of one rank the schedule then hands the gradient over by
+    ``get_local_bwd_output``, which asserts the stage has a backward (torch 2.13), and the other
+    ranks wait for this one forever. With no backward there is no gradient to hand over.
+    """
+    for stage in pipelined.stages:
+        stage.get_local_bwd_output = lambda mb_index: ()
+        stage.set_local_bwd_input = lambda outputs, mb_index: None
+    try:
+        yield
+    finally:
+        for stage in pipelined.stages:
+            del stage.get_local_bwd_output, stage.set_local_bwd_input
+
+
 def _ends(pipelined: Pipelined) -> tuple[bool, bool]:
     """Whether this rank runs the first stage, and the last."""
     return any(s.is_first for s in pipelined.stages), any(s.is_last for s in pipelined.stages)
 
 
 def _mean_from_last_stage(pipelined: Pipelined, losses: list[torch.Tensor], last: bool) -> torch.Tensor:
+    """The mean micro-batch loss on every pp rank; while catching, loss_fn's failure raised on each."""
     # float32 on every rank: under precision="bf16-true" the default dtype is bfloat16; a
     # loss-parallel loss is a replicated DTensor, which c10d cannot broadcast: its value
-    loss = (
-        torch.stack([plain_loss(x).float() for x in losses]).mean()
-        if last
-        else torch.zeros((), dtype=torch.float32)
-    )
-    loss = loss.to(pipelined.stages[0].device)
-    dist.broadcast(loss, group=pipelined.group, group_src=pipelined.last_stage_rank)
-    return loss
+    device = pipelined.stages[0].device
+    mean = torch.stack([plain_loss(x).float() for x in losses]).mean() if last else torch.zeros(())
+    failed = torch.tensor(float(last and pipelined.failure is not None), device=device)
+    sent = torch.stack([mean.float().to(device), failed])
+    dist.broadcast(sent, group=pipelined.group, group_src=pipelined.last_stage_rank)
+    if pipelined.catching and sent[1].item():
+        # read only while catching: the device is waited for on a layout's first step, not on each
+        failure = pipelined.failure
+        said: list[Any] = [one_line(failure) if failure is not None else None]
+        dist.broadcast_object_list(
+            said, group=pipelined.group, group_src=pipelined.last_stage_rank, device=device
+        )
+        raise ShardingError(
+            f"the pipeline's last stage (pp rank {pipelined.last_stage_rank}) ran loss_fn on a micro-batch, "
+            f"and it failed; every pp rank stops here: {said[0]}"
+        ) from failure
+    return sent[0]
 
 
 def _returning(run: Callable[..., Any], outputs: bool) -> dict[str, Any]:
@@ -342,9 +400,11 @@ def scheduled_loss(
     Returns:
         The mean micro-batch loss, on every pp rank.
     """
-    schedule = _schedule(pipelined)
+    schedule = _schedule(pipelined, inputs, keywords)
     run = schedule.eval if forward_only else schedule.step
     pipelined.loss = loss_fn
+    checked = (pipelined.batch_layout, tuple(targets.shape), targets.dtype, forward_only)
+    pipelined.catching, pipelined.failure = checked not in pipelined.loss_checked, None
     first, last = _ends(pipelined)
     losses: list[torch.Tensor] = []
     # return_outputs=False: else the last stage keeps every micro-batch's output (the
@@ -352,12 +412,16 @@ def scheduled_loss(
     kwargs = _returning(run, False) | (keywords or {})
     if last:
         kwargs |= {"target": targets, "losses": losses}
-    with _grads_set_aside(pipelined):
+    evaluating = _evaluating(pipelined) if forward_only else contextlib.nullcontext()
+    with _grads_set_aside(pipelined), evaluating:
         if first:
             run(inputs, **kwargs)
         else:
             run(**kwargs)
-    return _mean_from_last_stage(pipelined, losses, last)
+    loss = _mean_from_last_stage(pipelined, losses, last)
+    pipelined.loss_checked.add(checked)
+    pipelined.catching = False
+    return loss
 
 
 def _no_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -372,14 +436,14 @@ def pipeline_eval_outputs(
     Every rank passes its batch: the last stage sizes stand-in targets from it, since torch's
     schedule computes a loss wherever it has a loss function. ``keywords``: as `scheduled_loss`'s.
     """
-    schedule = _schedule(pipelined)
+    schedule = _schedule(pipelined, inputs, keywords)
     pipelined.loss = _no_loss
     first, last = _ends(pipelined)
     device = pipelined.stages[0].device
     kwargs = _returning(schedule.eval, True) | (keywords or {})
     if last:
         kwargs["target"] = torch.zeros(inputs.shape[0], device=device)
-    with _grads_set_aside(pipelined):
+    with _grads_set_aside(pipelined), _evaluating(pipelined):
         outputs = schedule.eval(inputs, **kwargs) if first else schedule.eval(**kwargs)
     if last:
         full = getattr(outputs, "full_tensor", None)  # a DTensor from a tensor-parallel head

@@ -64,10 +64,10 @@ def forward_backward(
 
     Raises:
         ShardingError: ``module`` was not applied with ``plan``, ``loss_fn`` is no function, or
-            ``scaler`` no ``GradScaler``; from ``step``, a batch the micro-batch count does not divide,
-            a ``loss_fn`` that returns no scalar or one no gradient flows back from (or that fails on
-            a loss-parallel plan's vocabulary-split logits), packed rows
-            given to a model whose attention would cross documents (`fs.packed_inputs` refuses
+            ``scaler`` no ``GradScaler``; from ``step``, a batch the micro-batch count does not divide
+            (under a pipeline: or no tensor of rows), a ``loss_fn`` that returns no scalar or one no
+            gradient flows back from (or that fails on a loss-parallel plan's vocabulary-split logits),
+            packed rows given to a model whose attention would cross documents (`fs.packed_inputs` refuses
             alike), to a Hugging Face model under context parallel or to context parallel under a
             pipeline, or, under a pipeline, a packed document that straddles two micro-batches.
 
@@ -302,9 +302,21 @@ def scalar_loss(loss: object) -> torch.Tensor:
 
 
 def check_microbatches(plan: Plan, caller: str, **batches: torch.Tensor) -> None:
-    """Refuse a batch that the plan's micro-batch count does not divide (both numbers named)."""
+    """Refuse a batch that is no tensor of rows, or that the plan's micro-batch count does not divide.
+
+    Under a pipeline every rank checks alike, before the schedule runs: a stage that refused
+    alone would leave the others waiting for what it sends.
+    """
     microbatches = _microbatches(plan)
     for name, batch in batches.items():
+        meaning = f"{caller} cuts its rows into {microbatches} micro-batch(es)"
+        instance_of(batch, torch.Tensor, name, meaning=meaning)
+        if batch.ndim == 0:
+            refuse(name, "a scalar tensor", "a tensor whose first dim is the batch's rows", meaning=meaning)
+        if not batch.shape[0]:
+            raise ShardingError(
+                f"{caller}: the {name}' batch has no rows; pass at least {microbatches} (one a micro-batch)"
+            )
         if batch.shape[0] % microbatches:
             raise ShardingError(
                 f"{caller}: the {name}' batch of {batch.shape[0]} does not split into the "
