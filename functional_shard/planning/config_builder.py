@@ -182,7 +182,15 @@ def plan_config(
             boundary_features=boundary_features(tree, stages, pipe.hidden_size),
         )
     units = chosen_units(tree, sharding_layer)
-    _refuse_groups_across_stages(units.groups, pipeline.stages if pipeline is not None else ())
+    stages = pipeline.stages if pipeline is not None else ()
+    _refuse_groups_across_stages(units.groups, stages)
+    if sharding_layer is not None and sharding_layer.units is not None:  # asked for, not found by size
+        _refuse_modules_across_stages(
+            tuple(unit for unit in units.units if unit),  # the root: each stage's own
+            stages,
+            "fsdp(units=...)",
+            "FSDP gathers a unit on one stage's ranks: name modules within one stage (the blocks)",
+        )
     tp = _tp_config(policy, mesh, tp_styles)
     fsdp = None
     if kind != "none":
@@ -200,7 +208,12 @@ def plan_config(
         )
     experts, context = policy.expert_parallel, policy.context_parallel
     checkpointed = tuple(select_modules(options.checkpoint or (), tree, "checkpointing()"))
-    _refuse_checkpoints_across_stages(checkpointed, pipeline.stages if pipeline is not None else ())
+    _refuse_modules_across_stages(
+        checkpointed,
+        stages,
+        "checkpointing()",
+        "checkpoint modules within one stage (the blocks: a block class, or 'layers.*')",
+    )
     return PlanConfig(
         fsdp=fsdp,
         tp=tp,
@@ -273,21 +286,20 @@ def _refuse_groups_across_stages(
             )
 
 
-def _refuse_checkpoints_across_stages(
-    checkpointed: tuple[str, ...], stages: tuple[tuple[str, ...], ...]
+def _refuse_modules_across_stages(
+    modules: tuple[str, ...], stages: tuple[tuple[str, ...], ...], asked: str, fix: str
 ) -> None:
-    # a stage recomputes what it runs; a module that holds modules of the stages runs whole on
-    # none of them, and each stage's plan would leave it out: no recompute at all, unsaid
+    # a stage runs (recomputes, gathers) what it holds whole; a module that holds modules of several
+    # stages runs whole on none of them, and each stage's plan would leave it out, unsaid
     if not stages:
         return
     stage_of = stage_finder(stages)
-    for module in checkpointed:
+    for module in modules:
         if stage_of(module, module=True) is not None:
             continue
         held = sorted({s for s, listed in enumerate(stages) for m in listed if within(m, [module])})
         if held:
             raise PolicyError(
-                f"checkpointing(): {repr(module) if module else 'the root module'} holds modules of pipeline "
-                f"stages {', '.join(map(str, held))}, and no stage runs it whole; "
-                "checkpoint modules within one stage (the blocks: a block class, or 'layers.*')"
+                f"{asked}: {repr(module) if module else 'the root module'} holds modules of pipeline "
+                f"stages {', '.join(map(str, held))}, and no stage runs it whole; {fix}"
             )

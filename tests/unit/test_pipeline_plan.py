@@ -213,6 +213,24 @@ def test_checkpointing_a_module_that_spans_stages_is_refused_not_dropped(selecto
     assert blocks.config.checkpointed == ("layers.0", "layers.1")
 
 
+def test_an_fsdp_unit_that_spans_stages_is_refused_not_dropped():
+    # each stage's plan left it out: its parameters went to the stage's root unit, unsaid
+    with pytest.raises(
+        fs.PolicyError, match=re.escape("fsdp(units=...): 'layers' holds modules of pipeline")
+    ):
+        fs.shard(
+            zoo.llama("tiny"),
+            fs.Mesh(dp=2, pp=2),
+            fs.fsdp("dp", units=["layers"]) + fs.pipeline("pp", microbatches=2),
+        )
+    blocks = fs.shard(
+        zoo.llama("tiny"),
+        fs.Mesh(dp=2, pp=2),
+        fs.fsdp("dp", units=["layers.*"]) + fs.pipeline("pp", microbatches=2),
+    )
+    assert blocks.config.fsdp.units == ("", "layers.0", "layers.1")
+
+
 def test_a_tie_across_stages_is_refused_naming_both_paths_and_one_stage_is_fine():
     tied = zoo.llama("tiny-tied")
     with pytest.raises(fs.PolicyError) as raised:
