@@ -27,7 +27,7 @@ from functional_shard.costing.time.flops import (
     op_flops,
 )
 
-from .checkpointing import CallKeeps
+from .checkpointing import CallKeeps, one_unkept_kernel
 
 __all__ = [
     "Births",
@@ -342,13 +342,15 @@ def _schema_arguments(func: Any) -> list[Any]:
 def fused_kernel(moved: int) -> Iterator[None]:
     """Within the block, ops are one fused kernel's: their bytes count as ``moved``, once.
 
-    For ops a CUDA kernel fuses (`functional_shard.costing.trace.cuda_kernels`' RMSNorm).
+    For ops one kernel runs (`functional_shard.costing.trace.cuda_kernels`' RMSNorm, `routing`'s
+    grouped matmuls). The kernel is no op of `checkpointing.SAVED_OPS`: no checkpoint policy keeps its ops.
     """
     counters = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, Flops)]
     for counter in counters:
         counter.fused += 1
     try:
-        yield
+        with one_unkept_kernel():
+            yield
     finally:
         for counter in counters:
             counter.fused -= 1
