@@ -235,10 +235,21 @@ class Flops(TorchDispatchMode):
         return out
 
 
+# ops that write no data: handles, and allocations (torch.empty is empty.memory_format)
 _FREE = frozenset(
     op
-    for name in ("detach", "alias", "empty", "empty_like", "empty_strided", "lift_fresh", "set_", "resize_")
-    if (op := getattr(getattr(_aten, name, None), "default", None)) is not None
+    for name, overload in (
+        ("detach", "default"),
+        ("alias", "default"),
+        ("empty", "memory_format"),
+        ("new_empty", "default"),
+        ("empty_like", "default"),
+        ("empty_strided", "default"),
+        ("lift_fresh", "default"),
+        ("set_", "default"),
+        ("resize_", "default"),
+    )
+    if (op := getattr(getattr(_aten, name, None), overload, None)) is not None
 )
 
 
@@ -309,6 +320,8 @@ def moved_bytes(
         >>> moved_bytes(torch.ops.aten.add.Tensor, (x, y), {}, x + y, set())
         48
         >>> moved_bytes(torch.ops.aten.view.default, (x, [2, 2]), {}, x.view(2, 2), set())
+        0
+        >>> moved_bytes(torch.ops.aten.empty.memory_format, ([4],), {}, torch.empty(4), set())  # torch.empty
         0
         >>> rows, index, source = torch.zeros(1000, 4), torch.tensor([3, 7]), torch.ones(2, 4)
         >>> rows.index_add_(0, index, source).shape  # reads index and source, adds into 2 rows
