@@ -290,9 +290,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def saved_tensor_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) -> tuple[int, Any]:
     """Bytes autograd saves for backward during ``module(*args, **kwargs)``, and its output.
 
-    Counted with ``torch.autograd.graph.saved_tensors_hooks``: unique storages, parameters
-    and views of them excluded. Checkpointed modules hide their inner saves behind their
-    own hooks: use `kept_activation_bytes` there.
+    Counted with ``torch.autograd.graph.saved_tensors_hooks``: unique storages, parameters,
+    the module's buffers (`Plan.cost` counts them) and views of them excluded. Checkpointed
+    modules hide their inner saves behind their own hooks: use `kept_activation_bytes` there.
 
     Examples:
         >>> layer = nn.Linear(4, 3)
@@ -303,11 +303,14 @@ def saved_tensor_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) -> tu
     from torch.multiprocessing.reductions import StorageWeakRef
 
     saved: dict[Any, torch.UntypedStorage] = {}
+    buffers = {StorageWeakRef(_local(buffer).untyped_storage()) for buffer in module.buffers()}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         if not _parameter_like(tensor):
             storage = _local(tensor).untyped_storage()
-            saved[StorageWeakRef(storage)] = storage
+            key = StorageWeakRef(storage)
+            if key not in buffers:
+                saved[key] = storage
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):

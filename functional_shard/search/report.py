@@ -47,9 +47,13 @@ class Candidate:
         return self.rejected is None
 
     def key(self) -> tuple[Any, ...]:
-        """Sort key: fastest first, ties broken by smaller peak then by text (deterministic)."""
+        """Sort key: fastest first, ties broken by smaller peak then by text (deterministic).
+
+        Steps equal to 12 significant digits tie: the estimate sums the same parts of a step in
+        another order for each plan, which leaves equal steps a rounding error apart.
+        """
         return (
-            self.step_seconds if self.step_seconds is not None else float("inf"),
+            float(f"{self.step_seconds:.12g}") if self.step_seconds is not None else float("inf"),
             self.peak_bytes if self.peak_bytes is not None else 1 << 80,
             self.policy_text,
             repr(self.mesh),

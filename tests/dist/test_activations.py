@@ -221,6 +221,28 @@ def test_inputs_as_a_tuple_or_keywords_trace_like_a_real_call():
     assert trace_activations(model, plan, batch=3, seq=1, inputs=keywords).activation_bytes == kept
 
 
+class ScaledByABuffer(nn.Module):
+    """Gemma's scaled embedding: its output times a buffer, which the product saves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.tensor(2.0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+def test_a_buffer_saved_for_backward_is_no_activation():
+    # plan.cost() counts buffers; saved_tensor_bytes counted Gemma's embedding scale again
+    model = ScaledByABuffer()
+    plan = fs.shard(model, fs.Mesh(dp=1), fs.replicate())
+    x = torch.randn(3, 8)
+    kept, _ = fs.kept_activation_bytes(model, x)
+    assert fs.saved_tensor_bytes(model, x)[0] == kept == 3 * 8 * 4  # the linear's input
+    assert trace_activations(model, plan, batch=3, seq=1, inputs=x.to("meta")).activation_bytes == kept
+
+
 def test_inputs_that_do_not_fit_the_forward_name_what_was_passed():
     model = TwoInputs(8)
     plan = fs.shard(model, fs.Mesh(dp=1), fs.replicate())
@@ -229,7 +251,9 @@ def test_inputs_that_do_not_fit_the_forward_name_what_was_passed():
         trace_activations(model, plan, batch=3, seq=1, inputs=(torch.randn(3, 5), torch.randn(3, 8)))
     with pytest.raises(fs.ShardingError, match=re.escape("TwoInputs's forward failed on inputs")):
         trace_activations(model, plan, batch=3, seq=1)  # default token ids: one argument missing
-    with pytest.raises(fs.ShardingError, match=re.escape("trace_activations(inputs=int): a tensor, a tuple of them")):
+    with pytest.raises(
+        fs.ShardingError, match=re.escape("trace_activations(inputs=int): a tensor, a tuple of them")
+    ):
         trace_activations(model, plan, batch=3, seq=1, inputs=3)
 
 

@@ -239,6 +239,26 @@ def test_a_diff_of_two_plans_of_one_model_still_runs(capsys, tmp_path):
     assert "data_parallel" in capsys.readouterr().out
 
 
+def test_a_diff_counts_on_each_row_the_layers_that_change_that_way(capsys, tmp_path):
+    # layer 0 and layers 1-2 change to two different specs: a row of one layer and a row of
+    # two, not two rows that each claim all three layers
+    model = nn.Module()
+    model.layers = nn.ModuleList(nn.Linear(4, 4, bias=False) for _ in range(3))
+
+    def split(path, tensor, mesh):
+        return fs.ParamSharding.uniform(fs.P("dp", None) if path == "layers.0.weight" else fs.P(None, "dp"))
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(fs.shard(model, fs.Mesh(dp=2), fs.replicate()).to_json())
+    b.write_text(fs.shard(model, fs.Mesh(dp=2), fs.replicate() + split).to_json())
+    assert main(["diff", str(a), str(b)]) == 0
+    rows = [
+        line.split("  ")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("layers.*")
+    ]
+    # the spec rows of layer 0 and of layers 1-2, and all three halving their bytes
+    assert rows == ["layers.*.weight", "layers.*.weight ×3", "layers.*.weight ×2"]
+
+
 @pytest.mark.parametrize(
     ("flag", "needs"),
     [

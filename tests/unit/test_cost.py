@@ -91,6 +91,17 @@ def test_offload_moves_bytes_to_the_host():
     assert cost.host_bytes == MB + MB + 2 * MB + 4
 
 
+def test_explain_puts_offloaded_parameters_where_cost_does():
+    on_device = fs.shard(block_model(), fs.Mesh(dp=4), fs.fsdp()).explain()
+    assert on_device.endswith("at rest: 3.81 MiB in all, 976.56 KiB on the largest device (rank 0)")
+    offloaded = fs.shard(block_model(), fs.Mesh(dp=4), fs.fsdp() + fs.offload()).explain()
+    assert "bytes/device" not in offloaded
+    assert offloaded.endswith(
+        "at rest: 3.81 MiB in all, 976.56 KiB on the largest rank (rank 0), "
+        "its parameters offloaded to host memory"
+    )
+
+
 def test_optimizer_kinds():
     plan = fs.shard(block_model(), fs.Mesh(dp=4), fs.fsdp())
     assert plan.cost("sgd").optimizer_bytes == 0

@@ -111,14 +111,16 @@ def test_in_bfloat16_the_trace_keeps_what_a_balanced_real_forward_keeps():
 def test_in_float32_the_trace_adds_torchtitans_bfloat16_copies():
     # torchtitan casts each grouped matmul's operands to bfloat16, where the tests' loop runs in
     # float32: its matmuls keep bfloat16 copies of w1, w3 and w2, and of the rows once per matmul
-    # that reads them (w1's and w3's), and their [rows, f] outputs at half the width
+    # that reads them (w1's and w3's), and their [rows, f] outputs at half the width; and
+    # torch._grouped_mm keeps its int32 offsets, one an expert, which the loop has none of
     model = moe_model()
     trace = trace_activations(model, fs.shard(model, fs.Mesh(dp=2), fs.fsdp("dp")), batch=BATCH, seq=SEQ)
     rows = TOKENS * TOP_K
     weight_copies = 3 * EXPERTS * HIDDEN * DIM * 2
     row_copies = 2 * rows * DIM * 2 - rows * DIM * 4
     narrower = 4 * rows * HIDDEN * (2 - 4)
-    explained = MOE_LAYERS * (weight_copies + row_copies + narrower)
+    offsets = EXPERTS * 4
+    explained = MOE_LAYERS * (weight_copies + row_copies + narrower + offsets)
     assert trace.activation_bytes - kept_with_balanced_routing(torch.float32) == explained
 
 

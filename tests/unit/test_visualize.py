@@ -117,6 +117,24 @@ def test_an_estimate_stacks_activations_on_every_bar():
     assert memory_axes.get_title().endswith("Mesh(dp=8); budget 800 GiB, off the scale")
 
 
+@pytest.mark.parametrize("policy", [fs.fsdp(), fs.zero(1)], ids=["fsdp", "zero1"])
+def test_with_an_estimate_the_bar_of_its_rank_is_its_peak(policy):
+    # at the peak (the start of backward) no gradient exists yet and FSDP holds the units it
+    # prefetched: the bar draws those, not plan.cost()'s gradients and one gathered unit
+    model = llama("tiny")
+    plan = fs.shard(model, fs.Mesh(dp=3), policy)
+    estimate = fs.estimate(model, plan, batch=2, seq=16)
+    memory_axes = plan.visualize(estimate=estimate).axes[0]
+    assert memory_axes.get_ylabel() == "MiB per device"
+    bars = [sum(container[rank].get_height() for container in memory_axes.containers) for rank in range(3)]
+    assert bars[estimate.rank] * 2**20 == pytest.approx(estimate.peak_bytes, rel=1e-12)
+    for rank in range(3):  # what rests on each rank is its own
+        resting = plan.cost(rank=rank).params_bytes + plan.cost(rank=rank).optimizer_bytes
+        assert bars[rank] - bars[estimate.rank] == pytest.approx(
+            (resting - estimate.memory["params"] - estimate.memory["optimizer"]) / 2**20
+        )
+
+
 def test_a_big_mesh_draws_evenly_spread_ranks_and_a_subset_of_labels():
     plan = fs.shard(llama("llama-70b"), fs.Mesh(dp=16, tp=8), fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp"))
     figure = plan.visualize()

@@ -8,6 +8,7 @@ for a trace.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -23,6 +24,7 @@ __all__ = [
     "checkpointed",
     "context_of",
     "keeps",
+    "one_unkept_kernel",
     "selective_context",
 ]
 
@@ -70,6 +72,31 @@ class RecomputeCounter(Protocol):
 
 _MM = _aten.mm.default
 
+# how deep inside a trace's stand-in for one kernel that no policy keeps the running ops are
+_unkept_kernel: contextvars.ContextVar[int] = contextvars.ContextVar("_unkept_kernel", default=0)
+
+
+@contextlib.contextmanager
+def one_unkept_kernel() -> Iterator[None]:
+    """Within the block, ops are a trace's stand-in for one kernel outside `SAVED_OPS`: none is kept.
+
+    The stand-in runs the kernel as ops of its own (``torch._grouped_mm`` as one ``mm`` per expert):
+    a policy asked about them keeps none, as it keeps none of the kernel's output, and counts none
+    of them among its ``mm`` ops.
+
+    Examples:
+        >>> call, mm = CallKeeps("selective"), torch.ops.aten.mm.default
+        >>> with one_unkept_kernel():
+        ...     inside = call.keeps(mm)
+        >>> inside, call.keeps(mm), call.matmuls
+        (False, True, 1)
+    """
+    token = _unkept_kernel.set(_unkept_kernel.get() + 1)
+    try:
+        yield
+    finally:
+        _unkept_kernel.reset(token)
+
 
 def keeps(policy: str, func: Any, matmuls: int) -> bool:
     """Whether ``policy`` keeps the output of ``func``, the ``matmuls``-th ``mm`` of its call if it is one.
@@ -105,6 +132,8 @@ class CallKeeps:
 
     def keeps(self, func: Any) -> bool:
         """Whether the policy keeps ``func``'s output, the call's next op."""
+        if _unkept_kernel.get():
+            return False
         self.matmuls += func is _MM
         return keeps(self.policy, func, self.matmuls)
 

@@ -27,7 +27,7 @@ from functional_shard.costing.time.flops import (
     op_flops,
 )
 
-from .checkpointing import CallKeeps
+from .checkpointing import CallKeeps, one_unkept_kernel
 
 __all__ = [
     "Births",
@@ -235,10 +235,21 @@ class Flops(TorchDispatchMode):
         return out
 
 
+# ops that write no data: handles, and allocations (torch.empty is empty.memory_format)
 _FREE = frozenset(
     op
-    for name in ("detach", "alias", "empty", "empty_like", "empty_strided", "lift_fresh", "set_", "resize_")
-    if (op := getattr(getattr(_aten, name, None), "default", None)) is not None
+    for name, overload in (
+        ("detach", "default"),
+        ("alias", "default"),
+        ("empty", "memory_format"),
+        ("new_empty", "default"),
+        ("empty_like", "default"),
+        ("empty_strided", "default"),
+        ("lift_fresh", "default"),
+        ("set_", "default"),
+        ("resize_", "default"),
+    )
+    if (op := getattr(getattr(_aten, name, None), overload, None)) is not None
 )
 
 
@@ -310,6 +321,8 @@ def moved_bytes(
         48
         >>> moved_bytes(torch.ops.aten.view.default, (x, [2, 2]), {}, x.view(2, 2), set())
         0
+        >>> moved_bytes(torch.ops.aten.empty.memory_format, ([4],), {}, torch.empty(4), set())  # torch.empty
+        0
         >>> rows, index, source = torch.zeros(1000, 4), torch.tensor([3, 7]), torch.ones(2, 4)
         >>> rows.index_add_(0, index, source).shape  # reads index and source, adds into 2 rows
         torch.Size([1000, 4])
@@ -342,13 +355,15 @@ def _schema_arguments(func: Any) -> list[Any]:
 def fused_kernel(moved: int) -> Iterator[None]:
     """Within the block, ops are one fused kernel's: their bytes count as ``moved``, once.
 
-    For ops a CUDA kernel fuses (`functional_shard.costing.trace.cuda_kernels`' RMSNorm).
+    For ops one kernel runs (`functional_shard.costing.trace.cuda_kernels`' RMSNorm, `routing`'s
+    grouped matmuls). The kernel is no op of `checkpointing.SAVED_OPS`: no checkpoint policy keeps its ops.
     """
     counters = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, Flops)]
     for counter in counters:
         counter.fused += 1
     try:
-        yield
+        with one_unkept_kernel():
+            yield
     finally:
         for counter in counters:
             counter.fused -= 1

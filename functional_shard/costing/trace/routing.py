@@ -125,18 +125,22 @@ class _GroupedLinear(torch.autograd.Function):
     it writes its output, the input's gradient and the weight's whole ``[E, out, in]`` gradient
     once. Autograd through per-expert views would instead write a dense zero-filled gradient of
     ``x`` and of ``weight`` per expert and add them up (``slice_backward``, ``select_backward``).
+    It saves what ``torch._grouped_mm`` saves: its input, weight and ``offsets`` (the int32 end
+    of each block, one tensor for every grouped matmul of the layer).
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, loads: list[int]) -> torch.Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, loads: list[int], offsets: torch.Tensor
+    ) -> torch.Tensor:
         ctx.loads = loads
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x, weight, offsets)
         with fused_kernel(0):
             return torch.cat([F.linear(block, weight[e]) for e, block in enumerate(x.split(loads))])
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
-        x, weight = ctx.saved_tensors
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        x, weight, _ = ctx.saved_tensors
         grad_x = grad_weight = None
         with fused_kernel(0):
             pairs = list(zip(grad.split(ctx.loads), x.split(ctx.loads), strict=True))
@@ -144,7 +148,13 @@ class _GroupedLinear(torch.autograd.Function):
                 grad_x = torch.cat([g.mm(weight[e]) for e, (g, _) in enumerate(pairs)])
             if ctx.needs_input_grad[1]:
                 grad_weight = torch.stack([g.t().mm(rows) for g, rows in pairs])
-        return grad_x, grad_weight, None
+        return grad_x, grad_weight, None, None
+
+
+def _offsets(loads: list[int], like: torch.Tensor) -> torch.Tensor:
+    # the grouped matmuls' int32 offsets (a cumsum of the loads; its values play no part here)
+    with torch.no_grad():
+        return torch.empty(len(loads), dtype=torch.int32, device=like.device)
 
 
 def _grouped_experts(
@@ -160,9 +170,11 @@ def _grouped_experts(
         _, perm = torch.sort(top_k_index.reshape(-1))
     rows = hidden_states[perm // top_k]
     weights = top_k_weights.reshape(-1)[perm]
-    gate_up = _GroupedLinear.apply(rows.to(module.gate_up_proj.dtype), module.gate_up_proj, loads)
+    offsets = _offsets(loads, rows)
+    gate_up = _GroupedLinear.apply(rows.to(module.gate_up_proj.dtype), module.gate_up_proj, loads, offsets)
     gate, up = gate_up.chunk(2, dim=-1)
-    out = _GroupedLinear.apply((module.act_fn(gate) * up).to(module.down_proj.dtype), module.down_proj, loads)
+    hidden = (module.act_fn(gate) * up).to(module.down_proj.dtype)
+    out = _GroupedLinear.apply(hidden, module.down_proj, loads, offsets)
     weighted = out * weights.unsqueeze(-1)
     with torch.no_grad():
         inverse = torch.empty_like(perm)
@@ -190,9 +202,10 @@ def titan_experts(module: Any, rows: torch.Tensor, loads: list[int]) -> torch.Te
     ``[E, out, in]`` as they are.
     """
     w1, w2, w3 = (getattr(module, name) for name in _TRACED_TITAN_NAMES)
-    h = F.silu(_GroupedLinear.apply(rows.bfloat16(), w1.bfloat16(), loads))
-    h = h * _GroupedLinear.apply(rows.bfloat16(), w3.bfloat16(), loads)
-    return _GroupedLinear.apply(h, w2.bfloat16(), loads).type_as(rows)
+    offsets = _offsets(loads, rows)
+    h = F.silu(_GroupedLinear.apply(rows.bfloat16(), w1.bfloat16(), loads, offsets))
+    h = h * _GroupedLinear.apply(rows.bfloat16(), w3.bfloat16(), loads, offsets)
+    return _GroupedLinear.apply(h, w2.bfloat16(), loads, offsets).type_as(rows)
 
 
 def titan_loads(module: Any, rows: int, top_k: int, imbalance: float) -> list[int]:

@@ -72,24 +72,25 @@ def _shown(value: object) -> str:
 def _collapse(changes: list[Change]) -> list[tuple[str, str, str, str]]:
     """Rows of (tensor, what, before, after), repeated layers folded, alike changes joined.
 
-    ``layers.0`` and ``layers.1`` become ``layers.* ×2``; the specs of a tensor that change
-    the same way share a row (``storage, grad, optim``).
+    ``layers.0`` and ``layers.1`` become ``layers.* ×2`` where they change alike: a row counts the
+    tensors whose change it is. The specs of a tensor that change the same way share a row
+    (``storage, grad, optim``).
     """
-    counts: dict[str, set[str]] = {}
-    grouped: dict[tuple[str, str, str], list[str]] = {}
+    whats: dict[tuple[str, str, str], list[str]] = {}  # a tensor's changes alike, joined
     for change in changes:
-        path = re.sub(r"(?<=\.)\d+(?=\.)", "*", change.path)
-        counts.setdefault(path, set()).add(change.path)
         before, after = change.before, change.after
         if change.what == "bytes/device":
             before, after = _bytes(before), _bytes(after)
-        whats = grouped.setdefault((path, _shown(before), _shown(after)), [])
-        if change.what not in whats:
-            whats.append(change.what)
+        joined = whats.setdefault((change.path, _shown(before), _shown(after)), [])
+        if change.what not in joined:
+            joined.append(change.what)
+    tensors: dict[tuple[str, str, str, str], int] = {}  # the tensors whose row it is, layers folded
+    for (path, before, after), joined in whats.items():
+        key = (re.sub(r"(?<=\.)\d+(?=\.)", "*", path), ", ".join(joined), before, after)
+        tensors[key] = tensors.get(key, 0) + 1
     rows = []
-    for (path, before, after), whats in grouped.items():
-        count = len(counts[path])
-        rows.append((path + (f" ×{count}" if count > 1 else ""), ", ".join(whats), before, after))
+    for (path, what, before, after), count in tensors.items():
+        rows.append((path + (f" ×{count}" if count > 1 else ""), what, before, after))
     return rows
 
 

@@ -41,6 +41,18 @@ def _ranks_shown(size: int, ranks: Sequence[int] | None) -> list[int]:
     return sorted({round(i * step) for i in range(_MAX_BARS)})
 
 
+def _at_the_peak(estimate: Any) -> dict[str, int]:
+    """The estimate's gradients and gathered units at its peak, by `Cost` field.
+
+    Parameters, optimizer state and buffers rest on a rank all step: each rank's own `Plan.cost`.
+    Gradients and gathered units depend on the moment, which the estimate's peak fixes.
+    """
+    memory: Mapping[str, int] | None = getattr(estimate, "memory", None)
+    if not memory:
+        return {}
+    return {"grads_bytes": int(memory.get("grads", 0)), "gathered_bytes": int(memory.get("gathered", 0))}
+
+
 def _estimate_parts(estimate: Any) -> dict[str, int]:
     """The estimate's memory parts that `Plan.cost` does not draw (activations, workspace)."""
     if estimate is None:
@@ -68,7 +80,8 @@ def draw_memory(
     Args:
         axes: where to draw.
         plan: the plan.
-        estimate: an `fs.estimate` result, whose activations, logits and workspace top every bar.
+        estimate: an `fs.estimate` result: every bar is then its peak (the gradients and gathered units
+            it counts there, activations, logits and workspace on top), each rank's resting parts its own.
         optimizer: as for `Plan.cost`.
         ranks: the ranks to draw; by default all, or 32 spread evenly over a big mesh.
         budget: draw a line at this many bytes (the device's memory).
@@ -79,9 +92,11 @@ def draw_memory(
     shown = _ranks_shown(plan.mesh.size, ranks)
     costs = [plan.cost(optimizer, rank=rank) for rank in shown]
     extra = _estimate_parts(estimate)
-    largest = max([c.total_bytes for c in costs] + [budget or 0]) + sum(extra.values())
+    peak = _at_the_peak(estimate)
+    parts = [{field: peak.get(field, getattr(c, field)) for field, _ in _COST_PARTS} for c in costs]
+    largest = max([sum(p.values()) for p in parts] + [budget or 0]) + sum(extra.values())
     unit, scale = byte_unit(largest)
-    stacks = {label: [getattr(c, field) / scale for c in costs] for field, label in _COST_PARTS}
+    stacks = {label: [p[field] / scale for p in parts] for field, label in _COST_PARTS}
     stacks.update(
         {
             name.removesuffix("_bytes").replace("_", " "): [value / scale] * len(shown)

@@ -65,7 +65,7 @@ def visualize(
     Args:
         plan: the plan.
         param: the parameter (or buffer) whose blocks to draw; by default the largest.
-        estimate: an `fs.estimate` result, to stack activations on the memory bars.
+        estimate: an `fs.estimate` result, to draw each memory bar at its peak, activations included.
         optimizer: as for `Plan.cost`.
         spec: which of the parameter's four specs to draw (default: at rest).
         ranks: the ranks to give bars; by default all (32 spread evenly over a big mesh).

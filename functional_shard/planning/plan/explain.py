@@ -13,7 +13,7 @@ from functional_shard.core.units import format_bytes
 
 from .config import ContextConfig, FsdpConfig, TpConfig
 
-__all__ = ["context_parallel_line", "packed_lines", "units_section"]
+__all__ = ["context_parallel_line", "packed_lines", "units_section", "where_at_rest"]
 
 _ROOT_ALONE = (
     "the model has no repeated blocks (elements of a ModuleList or ModuleDict, alike blocks of a "
@@ -115,3 +115,19 @@ def packed_lines(tp: TpConfig | None) -> list[str]:
     )
     axes = ", ".join(tp.axes)
     return [f"packed projections (each piece split on its own over {axes}): {shown}"]
+
+
+def where_at_rest(offloaded: bool, rank: int) -> tuple[str, str]:
+    """The bytes column's name, and the words for where ``rank``'s tensors rest.
+
+    Offloaded parameters rest in host memory (FSDP2's CPUOffloadPolicy), the buffers on the device.
+
+    Examples:
+        >>> where_at_rest(False, 0)
+        ('bytes/device', 'device (rank 0)')
+        >>> where_at_rest(True, 0)[1]
+        'rank (rank 0), its parameters offloaded to host memory'
+    """
+    if offloaded:
+        return "bytes/rank", f"rank (rank {rank}), its parameters offloaded to host memory"
+    return "bytes/device", f"device (rank {rank})"

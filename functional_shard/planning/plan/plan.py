@@ -21,7 +21,7 @@ from functional_shard.core.units import format_bytes as _bytes
 
 from .config import Change, PlanConfig, first_rank, group_name
 from .cost_record import Cost, OptimizerKind
-from .explain import context_parallel_line, packed_lines, units_section
+from .explain import context_parallel_line, packed_lines, units_section, where_at_rest
 from .json_format import FORMAT_VERSION, modules_without_tensors
 
 __all__ = ["Change", "Plan", "PlanConfig"]
@@ -284,12 +284,13 @@ class Plan:
         pipe = c.pipeline
         staged = pipe is not None
         local = "local (first holder)" if staged else "local (rank 0)"
-        header = ("path", *(("stage",) if staged else ()), "shape", "dtype", *_SPECS, local, "bytes/device")
+        total_local, largest = self._largest_local()
+        column, resting = where_at_rest(c.offload_params, largest)
+        header = ("path", *(("stage",) if staged else ()), "shape", "dtype", *_SPECS, local, column)
         body = [(*row[:-1], _bytes(int(row[-1]))) for row in rows]
         widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
         line = "  ".join(f"{{:<{w}}}" for w in widths)
         total_global = sum(t.nbytes for t in self.tensors.values())
-        total_local, largest = self._largest_local()
         summary = [
             f"Plan on {self.mesh!r}: data parallel {c.data_parallel} over {c.data_axes}; "
             f"tensor parallel over {c.tp.axes if c.tp else ()}"
@@ -316,8 +317,7 @@ class Plan:
             *(line.format(*row) for row in body),
             "",
             *self._units_lines(),
-            f"at rest: {_bytes(total_global)} in all, {_bytes(total_local)} on the largest device "
-            f"(rank {largest})",
+            f"at rest: {_bytes(total_global)} in all, {_bytes(total_local)} on the largest {resting}",
         ]
         whole = [p for p, t in self.tensors.items() if t.ndim == 0 and p in self.params]
         if whole and c.data_parallel in ("zero2", "zero3", "fsdp", "hsdp"):
