@@ -286,6 +286,7 @@ def failing_loss_then_a_step(spec: dict[str, Any], what: str) -> dict[str, Any]:
         "per_token": lambda: fs.forward_backward(plan, model, per_token_loss)(inputs, targets),
         "short": lambda: fs.forward_backward(plan, model, lm_loss)(inputs, targets[:, :-2]),
         "evaluation": lambda: fs.forward_loss(plan, model, lm_loss)(inputs, targets[:, :-2]),
+        "evaluation_per_token": lambda: fs.forward_loss(plan, model, per_token_loss)(inputs, targets),
     }[what]
     try:
         failing()

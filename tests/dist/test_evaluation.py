@@ -33,6 +33,20 @@ def test_evaluating_a_module_the_plan_was_not_applied_to_is_refused(name, make):
         make(plan, model)
 
 
+def _per_element(outputs, targets):
+    return F.mse_loss(outputs, targets, reduction="none")
+
+
+def test_a_loss_fn_that_returns_no_single_number_is_refused(one_rank):
+    # it came back as it was (a pipeline averaged the micro-batches' vectors): no "mean loss"
+    model = nn.Linear(4, 2)
+    plan = fs.shard(model, fs.Mesh(dp=1), fs.fsdp())
+    fs.apply(plan, model)
+    message = "fs.forward_loss: loss_fn returned a tensor of shape (3, 2), but it returns the batch's mean loss"
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
+        fs.forward_loss(plan, model, _per_element)(torch.ones(3, 4), torch.zeros(3, 2))
+
+
 @pytest.mark.slow
 def test_evaluating_between_accumulating_steps_leaves_their_gradients_whole(world4):
     """torch's schedules divide every .grad by the micro-batch count at the end of a step,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ from .step import (
     checked_pipelined_rows,
     forward_keywords,
     loss_function,
+    one_number,
     packed_microbatch_loss,
     taking_packed,
 )
@@ -144,8 +146,8 @@ def forward_loss(
 
     Raises:
         ShardingError: as `forward_only`, or a ``loss_fn`` that is no function; later, from ``loss``, as
-            ``forward`` of `forward_only`, or a ``loss_fn`` that fails on a loss-parallel plan's
-            vocabulary-split logits.
+            ``forward`` of `forward_only`, a ``loss_fn`` that returns no single number, or one that
+            fails on a loss-parallel plan's vocabulary-split logits.
 
     Examples:
         >>> plan = fs.shard(nn.Linear(4, 2), fs.Mesh(dp=1), fs.replicate())
@@ -155,18 +157,22 @@ def forward_loss(
     """
     caller = "fs.forward_loss"
     forward, pipelined, packing = _evaluated(plan, module, root, caller)
-    loss_fn = vocabulary_split_loss(plan, loss_function(loss_fn))
+    given = vocabulary_split_loss(plan, loss_function(loss_fn))
+
+    def one_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        # a vector of losses would come back as it is, or averaged over a pipeline's micro-batches
+        return one_number(given(outputs, targets), caller, "it returns the batch's mean loss, one number")
 
     def run(inputs: torch.Tensor, targets: torch.Tensor, **packed: torch.Tensor) -> torch.Tensor:
         with _no_grad(), loss_context(plan):
             if pipelined is not None:
                 check_microbatches(plan, caller, inputs=inputs, targets=targets, **packed)
                 with checked_pipelined_rows(plan, inputs, packed, f"{caller} under a pipeline"):
-                    loss_of = packed_microbatch_loss(plan, loss_fn, targets) if packed else loss_fn
+                    loss_of = packed_microbatch_loss(plan, one_loss, targets) if packed else one_loss
                     return scheduled_loss(
                         pipelined, loss_of, inputs, targets, forward_only=True, keywords=packed
                     )
             keywords = forward_keywords(packing, inputs, packed, caller)
-            return plain_loss(loss_fn(forward(inputs, **keywords), targets))
+            return plain_loss(one_loss(forward(inputs, **keywords), targets))
 
     return taking_packed(run, packing, caller)

@@ -285,19 +285,30 @@ def scalar_loss(loss: object) -> torch.Tensor:
         ...
         functional_shard.ShardingError: fs.forward_backward: loss_fn returned a tensor of shape (3,), ...
     """
+    loss = one_number(loss, "fs.forward_backward", "the step runs the backward from one number")
+    if not loss.requires_grad:
+        raise ShardingError(
+            "fs.forward_backward: loss_fn returned a loss that no gradient flows back from: the "
+            "module's parameters are all frozen (requires_grad=False), the step ran under "
+            "torch.no_grad(), or loss_fn detached the loss; train some parameter, call the step "
+            "outside no_grad, or evaluate with fs.forward_loss"
+        )
+    return loss
+
+
+def one_number(loss: object, caller: str, needs: str) -> torch.Tensor:
+    """``loss`` if it is a tensor of one number; refused otherwise, naming ``caller`` and what ``needs`` one.
+
+    Examples:
+        >>> one_number(torch.ones(()), "fs.forward_loss", "it returns the batch's mean").item()
+        1.0
+    """
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-        if not loss.requires_grad:
-            raise ShardingError(
-                "fs.forward_backward: loss_fn returned a loss that no gradient flows back from: the "
-                "module's parameters are all frozen (requires_grad=False), the step ran under "
-                "torch.no_grad(), or loss_fn detached the loss; train some parameter, call the step "
-                "outside no_grad, or evaluate with fs.forward_loss"
-            )
         return loss
     got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
     raise ShardingError(
-        f"fs.forward_backward: loss_fn returned {got}, but the step runs the backward from one number; "
-        "return a scalar loss: a mean over the batch (reduction='mean', or loss.mean()) or a sum"
+        f"{caller}: loss_fn returned {got}, but {needs}; return a scalar loss: a mean over the batch "
+        "(reduction='mean', or loss.mean()) or a sum"
     )
 
 
