@@ -54,12 +54,12 @@ from .types import Policy
 __all__ = ["FORMS", "format_policy", "parse_policy"]
 
 FORMS = (
-    "fsdp(AXIS), hsdp(REPLICATE_AXIS, SHARD_AXIS), zero(1|2|3, AXIS), ddp(AXIS) or replicate(AXIS), "
+    "fsdp(AXES), hsdp(REPLICATE_AXES, SHARD_AXES), zero(1|2|3, AXIS), ddp(AXES) or replicate(AXES), "
     "tp(RULES, AXIS), sp(RULES, AXIS), ep(AXIS), cp(AXIS), checkpointing(CLASS or 'path.*', full|selective), "
     "offload, bf16, fp16, mixed_precision(DTYPE), "
     "pipeline(AXIS, microbatches=N, schedule=NAME, stages_per_rank=N, split=((PATH, ...), ...)), "
     "none, joined by +; "
-    "RULES: llama, torchtitan, gpt2, gpt2_hf, mlp, hf, auto"
+    "AXES: AXIS or (AXIS, ...); RULES: llama, torchtitan, gpt2, gpt2_hf, mlp, hf, auto"
 )
 """The accepted forms, as every parse error lists them."""
 
