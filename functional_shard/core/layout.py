@@ -14,7 +14,7 @@ import torch
 from einops import rearrange
 
 from .errors import MeshError, ShardingError, SpecError
-from .mesh import Mesh, as_mesh
+from .mesh import Mesh, as_mesh, checked_coords
 from .spec import P
 from .validate import instance_of
 
@@ -46,20 +46,7 @@ def _checked_coords(mesh: Mesh, rank: int | Mapping[str, int]) -> Mapping[str, i
             f"rank={rank!r}: a rank (an int in 0..{mesh.size - 1}) or coordinates by axis, "
             f"e.g. {mesh.coords(0)}, on {mesh!r}"
         )
-    problems = [f"axis {axis!r} is missing" for axis in mesh.axis_names if axis not in rank]
-    problems += [f"{axis!r} is not an axis" for axis in rank if axis not in mesh]
-    for axis, index in rank.items():
-        if axis in mesh and not (
-            isinstance(index, int) and not isinstance(index, bool) and 0 <= index < mesh[axis]
-        ):
-            problems.append(f"{axis}={index!r} is outside 0..{mesh[axis] - 1}")
-    if problems:
-        raise MeshError(
-            f"rank={dict(rank)!r} is not a place on {mesh!r}: "
-            + "; ".join(problems)
-            + f". Give every axis an index, e.g. {mesh.coords(0)}"
-        )
-    return rank
+    return checked_coords(mesh, rank, "rank")
 
 
 def _check_spec(spec: P) -> None:
