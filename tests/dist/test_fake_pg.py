@@ -54,3 +54,37 @@ def test_placements_build_the_dtensors_the_plan_describes(fake_world, rank):
         assert tuple(dtensor.to_local().shape) == plan.local_shape(path, rank)
         described += 1
     assert described >= len(plan.params) // 2
+
+
+# FSDP2 flattens several shard axes into one mesh dim and cuts each tensor once over their
+# product; uneven dims (vocab 1001 over 3 x 4 or 3 x 5 ranks) tell that apart from cutting in turn
+UNEVEN = LlamaConfig(
+    vocab_size=1001, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=4
+)
+
+
+@pytest.mark.parametrize("rank", [4, 7, 11])
+def test_fsdp_over_two_axes_keeps_the_rows_the_plan_names(fake_world, rank):
+    mesh = fs.Mesh(dp=3, ep=4)
+    torch.manual_seed(0)
+    whole = dict(Llama(UNEVEN).named_parameters())
+    plan = fs.shard(Llama(UNEVEN), mesh, fs.fsdp(("dp", "ep")))
+    fake_world(mesh.size, rank)
+    torch.manual_seed(0)
+    # FSDP2 cuts each rank's shard out of its own whole copy: the fake group's silence loses nothing
+    model = fs.apply(plan, Llama(UNEVEN), mesh.device_mesh("cpu"))
+    for name, param in model.named_parameters():
+        shape, offset = plan.local_shape_and_offset(name, rank)
+        window = tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
+        assert torch.equal(param.to_local(), whole[name].detach()[window]), name
+
+
+@pytest.mark.parametrize("rank", [4, 28, 29])
+def test_fsdp_over_two_axes_around_tp_shapes_as_torch(fake_world, rank):
+    mesh = fs.Mesh(a=3, tp=2, b=5)
+    plan = fs.shard(Llama(UNEVEN), mesh, fs.fsdp(("a", "b")) + fs.tp(fs.rules.llama, "tp"))
+    fake_world(mesh.size, rank)
+    with torch.device("meta"):
+        model = fs.apply(plan, Llama(UNEVEN), mesh.device_mesh("cpu"))
+    for name, param in model.named_parameters():
+        assert plan.local_shape(name, rank) == tuple(param.to_local().shape), name
