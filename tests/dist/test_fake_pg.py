@@ -88,3 +88,16 @@ def test_fsdp_over_two_axes_around_tp_shapes_as_torch(fake_world, rank):
         model = fs.apply(plan, Llama(UNEVEN), mesh.device_mesh("cpu"))
     for name, param in model.named_parameters():
         assert plan.local_shape(name, rank) == tuple(param.to_local().shape), name
+
+
+@pytest.mark.parametrize("rank", [7, 11])
+def test_optimizer_bytes_per_rank_follow_fsdp_over_two_axes(fake_world, rank):
+    # AdamW keeps two states the size of the unpadded local shard, and one float32 step each
+    mesh = fs.Mesh(dp=3, ep=4)
+    plan = fs.shard(Llama(UNEVEN), mesh, fs.fsdp(("dp", "ep")))
+    fake_world(mesh.size, rank)
+    with torch.device("meta"):
+        model = fs.apply(plan, Llama(UNEVEN), mesh.device_mesh("cpu"))
+    params = list(model.parameters())
+    local = sum(param.to_local().numel() * param.element_size() for param in params)
+    assert plan.cost(rank=rank).optimizer_bytes == 2 * local + 4 * len(params)
