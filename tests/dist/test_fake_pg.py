@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 import functional_shard as fs
@@ -101,3 +103,29 @@ def test_optimizer_bytes_per_rank_follow_fsdp_over_two_axes(fake_world, rank):
     params = list(model.parameters())
     local = sum(param.to_local().numel() * param.element_size() for param in params)
     assert plan.cost(rank=rank).optimizer_bytes == 2 * local + 4 * len(params)
+
+
+@pytest.mark.slow
+# fake_world joins afresh on every call, so one fixture serves every draw
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    outer=st.integers(1, 5),
+    inner=st.integers(1, 5),
+    tp=st.sampled_from([1, 2, 4]),
+    vocab=st.integers(5, 300),
+    where=st.floats(0, 1),
+)
+def test_drawn_fsdp_over_two_axes_shapes_as_torch(fake_world, outer, inner, tp, vocab, where):
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=4, num_kv_heads=4
+    )
+    mesh = fs.Mesh(a=outer, tp=tp, b=inner)
+    policy = fs.fsdp(("a", "b")) + fs.tp(fs.rules.llama, "tp")
+    rank = min(int(where * mesh.size), mesh.size - 1)
+    with torch.device("meta"):
+        plan = fs.shard(Llama(config), mesh, policy)
+        fake_world(mesh.size, rank)
+        model = fs.apply(plan, Llama(config), mesh.device_mesh("cpu"))
+    for name, param in model.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        assert plan.local_shape(name, rank) == tuple(local.shape), name
