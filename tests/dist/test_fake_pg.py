@@ -65,6 +65,11 @@ UNEVEN = LlamaConfig(
 )
 
 
+def meta_of(config):
+    with torch.device("meta"):
+        return Llama(config)
+
+
 @pytest.mark.parametrize("rank", [4, 7, 11])
 def test_fsdp_over_two_axes_keeps_the_rows_the_plan_names(fake_world, rank):
     mesh = fs.Mesh(dp=3, ep=4)
@@ -129,3 +134,19 @@ def test_drawn_fsdp_over_two_axes_shapes_as_torch(fake_world, outer, inner, tp, 
     for name, param in model.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
         assert plan.local_shape(name, rank) == tuple(local.shape), name
+
+
+@pytest.mark.parametrize("rank", [4, 11])
+def test_materialize_fills_the_rows_fsdp_over_two_axes_holds(fake_world, rank):
+    # rank 4's shard has the size a cut in turn gives, at another offset: once silently other rows
+    mesh = fs.Mesh(dp=3, ep=4)
+    torch.manual_seed(0)
+    whole = {name: param.detach() for name, param in Llama(UNEVEN).named_parameters()}
+    plan = fs.shard(meta_of(UNEVEN), mesh, fs.fsdp(("dp", "ep")))
+    fake_world(mesh.size, rank)
+    model = fs.materialize(plan, fs.apply(plan, meta_of(UNEVEN), mesh.device_mesh("cpu")), seed=0)
+    for name, param in model.named_parameters():
+        local = param.to_local()
+        rows = torch.arange(whole[name].shape[0]).chunk(mesh.size)
+        held = rows[rank] if rank < len(rows) else rows[0][:0]
+        assert torch.equal(local, whole[name][held]), name
