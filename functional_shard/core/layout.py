@@ -14,11 +14,19 @@ import torch
 from einops import rearrange
 
 from .errors import MeshError, ShardingError, SpecError
-from .mesh import Mesh, as_mesh
+from .mesh import Mesh, as_mesh, checked_coords
 from .spec import P
 from .validate import instance_of
 
-__all__ = ["chunk", "local_numel", "local_shape", "local_shape_and_offset", "shard_tensor", "unshard_tensor"]
+__all__ = [
+    "chunk",
+    "flattened_local_shape_and_offset",
+    "local_numel",
+    "local_shape",
+    "local_shape_and_offset",
+    "shard_tensor",
+    "unshard_tensor",
+]
 
 
 def chunk(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -46,20 +54,7 @@ def _checked_coords(mesh: Mesh, rank: int | Mapping[str, int]) -> Mapping[str, i
             f"rank={rank!r}: a rank (an int in 0..{mesh.size - 1}) or coordinates by axis, "
             f"e.g. {mesh.coords(0)}, on {mesh!r}"
         )
-    problems = [f"axis {axis!r} is missing" for axis in mesh.axis_names if axis not in rank]
-    problems += [f"{axis!r} is not an axis" for axis in rank if axis not in mesh]
-    for axis, index in rank.items():
-        if axis in mesh and not (
-            isinstance(index, int) and not isinstance(index, bool) and 0 <= index < mesh[axis]
-        ):
-            problems.append(f"{axis}={index!r} is outside 0..{mesh[axis] - 1}")
-    if problems:
-        raise MeshError(
-            f"rank={dict(rank)!r} is not a place on {mesh!r}: "
-            + "; ".join(problems)
-            + f". Give every axis an index, e.g. {mesh.coords(0)}"
-        )
-    return rank
+    return checked_coords(mesh, rank, "rank")
 
 
 def _check_spec(spec: P) -> None:
@@ -108,6 +103,51 @@ def local_shape_and_offset(
         sizes.append(size)
         offsets.append(offset if size else shape[len(offsets)])
     return tuple(sizes), tuple(offsets)
+
+
+def _holds_run(entry: object, group: tuple[str, ...]) -> bool:
+    axes = (entry,) if isinstance(entry, str) else tuple(entry) if isinstance(entry, tuple) else ()
+    return any(axes[i : i + len(group)] == group for i in range(len(axes) - len(group) + 1))
+
+
+def flattened_local_shape_and_offset(
+    shape: Sequence[int], spec: P, mesh: Mesh, rank: int | Mapping[str, int], group: tuple[str, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`local_shape_and_offset` where one engine splits over the axes of ``group`` as one.
+
+    FSDP2 flattens its several shard axes into one mesh dim and cuts a dim once, ``torch.chunk``
+    over their product; the spec read alone would cut over each axis in turn, which differs for
+    uneven dims. A spec that splits no dim over all of ``group`` in turn is read as it is.
+
+    Examples:
+        >>> mesh = Mesh(dp=3, ep=4)
+        >>> local_shape_and_offset((128,), P(("dp", "ep")), mesh, 4)
+        ((11,), (43,))
+        >>> flattened_local_shape_and_offset((128,), P(("dp", "ep")), mesh, 4, ("dp", "ep"))
+        ((11,), (44,))
+    """
+    if len(group) < 2 or not any(_holds_run(entry, group) for entry in spec):
+        return local_shape_and_offset(shape, spec, mesh, rank)
+    mesh = as_mesh(mesh, "mesh")
+    coords = _checked_coords(mesh, rank)
+    flat = "_".join(group)
+    while flat in mesh:
+        flat += "_"
+    index = 0
+    for axis in group:
+        index = index * mesh[axis] + coords[axis]
+    axes = {name: size for name, size in mesh.axes if name not in group} | {flat: mesh.axes_size(group)}
+    place = {name: at for name, at in coords.items() if name not in group} | {flat: index}
+
+    def merged(entry: object) -> object:
+        if not (isinstance(entry, tuple) and _holds_run(entry, group)):
+            return entry
+        start = next(i for i in range(len(entry)) if entry[i : i + len(group)] == group)
+        run = (*entry[:start], flat, *entry[start + len(group) :])
+        return run[0] if len(run) == 1 else run
+
+    flat_spec = P(*(merged(entry) for entry in spec), on=spec.on)
+    return local_shape_and_offset(shape, flat_spec, Mesh(axes), place)
 
 
 def local_shape(shape: Sequence[int], spec: P, mesh: Mesh, rank: int | Mapping[str, int]) -> tuple[int, ...]:

@@ -15,7 +15,7 @@ from .errors import MeshError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["Mesh", "as_mesh"]
+__all__ = ["Mesh", "as_mesh", "checked_coords"]
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -144,15 +144,24 @@ class Mesh:
         Raises:
             MeshError: ``rank`` is outside the mesh.
         """
-        if not 0 <= rank < self.size:
-            raise MeshError(f"rank {rank} is outside {self!r}, which has ranks 0..{self.size - 1}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.size:
+            raise MeshError(f"rank {rank!r} is outside {self!r}, which has ranks 0..{self.size - 1}")
         coords = {}
         for name, size in reversed(self.axes):
             rank, coords[name] = divmod(rank, size)
         return {name: coords[name] for name in self.axis_names}
 
     def rank(self, coords: Mapping[str, int]) -> int:
-        """The rank at ``coords``, the inverse of `coords`."""
+        """The rank at ``coords``, the inverse of `coords`.
+
+        Raises:
+            MeshError: ``coords`` lacks an axis, names one the mesh has not, or is off its end.
+
+        Examples:
+            >>> Mesh(dp=2, tp=4).rank({"dp": 1, "tp": 1})
+            5
+        """
+        checked_coords(self, coords, "coords")
         rank = 0
         for name, size in self.axes:
             rank = rank * size + coords[name]
@@ -224,6 +233,36 @@ class Mesh:
                 '"axes": a list of [name, size] pairs, e.g. {"axes": [["dp", 2]]}'
             )
         return cls({name: size for name, size in axes})
+
+
+def checked_coords(mesh: Mesh, coords: Any, argument: str) -> Mapping[str, int]:
+    """``coords`` if it is one place on ``mesh`` (an index on every axis), else an error.
+
+    The error names what is off: a rank worked out from a wrong place would be another's, or none.
+
+    ``argument`` names the argument in the message, e.g. ``"rank"``.
+
+    Raises:
+        MeshError: ``coords`` is not a mapping, lacks an axis, names one the mesh has not, or an
+            index is not an int inside its axis.
+    """
+    example = mesh.coords(0)
+    if not isinstance(coords, Mapping):
+        raise MeshError(f"{argument}={coords!r}: expected coordinates by axis, e.g. {example}, on {mesh!r}")
+    problems = [f"axis {axis!r} is missing" for axis in mesh.axis_names if axis not in coords]
+    problems += [f"{axis!r} is not an axis" for axis in coords if axis not in mesh]
+    for axis, index in coords.items():
+        if axis in mesh and not (
+            isinstance(index, int) and not isinstance(index, bool) and 0 <= index < mesh[axis]
+        ):
+            problems.append(f"{axis}={index!r} is outside 0..{mesh[axis] - 1}")
+    if problems:
+        raise MeshError(
+            f"{argument}={dict(coords)!r} is not a place on {mesh!r}: "
+            + "; ".join(problems)
+            + f". Give every axis an index, e.g. {example}"
+        )
+    return coords
 
 
 def as_mesh(mesh: Any, where: str) -> Mesh:

@@ -65,6 +65,29 @@ def test_coords_follow_init_device_mesh_numbering(mesh):
         assert mesh.rank(coords) == rank
 
 
+@pytest.mark.parametrize(
+    ("coords", "message"),
+    [
+        ({"dp": 1}, "axis 'tp' is missing"),
+        ({"dp": 5, "tp": 0}, "dp=5 is outside 0..1"),
+        ({"dp": -1, "tp": 0}, "dp=-1 is outside 0..1"),
+        ({"dp": 1, "tp": 1, "pp": 0}, "'pp' is not an axis"),
+        ({"dp": 1.0, "tp": 1}, "dp=1.0 is outside 0..1"),
+        ((1, 1), "expected coordinates by axis"),
+    ],
+)
+def test_rank_refuses_coordinates_off_the_mesh(coords, message):
+    # a rank worked out from them would be another rank's, or none at all
+    with pytest.raises(fs.MeshError, match=re.escape(message)):
+        fs.Mesh(dp=2, tp=4).rank(coords)
+
+
+@pytest.mark.parametrize("rank", [1.5, True, "3"])
+def test_coords_refuse_what_is_no_rank(rank):
+    with pytest.raises(fs.MeshError, match="is outside Mesh"):
+        fs.Mesh(dp=2, tp=4).coords(rank)
+
+
 @given(meshes(max_axes=4))
 def test_json_round_trip(mesh):
     assert fs.Mesh.from_json(mesh.to_json()) == mesh

@@ -15,7 +15,7 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from functional_shard.core.layout import local_numel
+from functional_shard.core.layout import flattened_local_shape_and_offset, local_numel
 from functional_shard.core.spec import Owned, ParamSharding
 from functional_shard.core.tree import dtype_from_name
 from functional_shard.core.validate import entry_point, positive_int, refuse
@@ -44,6 +44,7 @@ def _memory(
         return isinstance(optim, Owned) and owner == coords[optim.axis] and optim.holds(coords)
 
     params = grads = optim = 0
+    fsdp_axes = plan.config.shard_axes
     for (shape, itemsize, sharding, owned), count in grouped(census, owns).items():
         if not sharding.storage.holds(coords):  # another stage's: not even a step counter
             continue
@@ -59,6 +60,9 @@ def _memory(
             # every rank keeps state for its shard, an empty one included; unpadded, as
             # the optimizer allocates zeros_like of FSDP2's unpadded local view (measured)
             numel = local_numel(shape, sharding.optim, plan.mesh, coords)
+            if len(fsdp_axes) > 1:  # FSDP2 cuts once over its flattened axes, not in turn
+                cut = flattened_local_shape_and_offset(shape, sharding.optim, plan.mesh, coords, fsdp_axes)
+                numel = math.prod(cut[0])
             optim += count * _state_bytes(numel, itemsize, optimizer)
     buffer_bytes = sum(
         local_numel(plan.tensors[p].shape, s.storage, plan.mesh, coords) * plan.tensors[p].itemsize

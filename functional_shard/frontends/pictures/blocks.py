@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from functional_shard.core.errors import ShardingError
-from functional_shard.core.layout import local_shape_and_offset
 from functional_shard.core.spec import Owned, P
 
 from .canvas import matplotlib_module
@@ -89,7 +88,7 @@ def blocks(
             held = coords[chosen.axis] == owner and chosen.holds(coords)
             shape, offset = (tensor.shape, (0,) * tensor.ndim) if held else ((0,) * tensor.ndim, tensor.shape)
         else:
-            shape, offset = local_shape_and_offset(tensor.shape, chosen, plan.mesh, rank)
+            shape, offset = plan.local_shape_and_offset(canonical, rank, spec)
         if tensor.ndim and not math.prod(shape):
             empty.append(rank)
         elif any(offset[d] != 0 for d in range(2, tensor.ndim)):

@@ -13,7 +13,7 @@ from typing import Any
 import functional_shard as fs
 from functional_shard.core import pytree as _pytree
 from functional_shard.core.errors import PolicyError, ShardingError
-from functional_shard.core.layout import local_numel, local_shape_and_offset
+from functional_shard.core.layout import flattened_local_shape_and_offset, local_numel, local_shape_and_offset
 from functional_shard.core.mesh import Mesh
 from functional_shard.core.spec import P, ParamSharding
 from functional_shard.core.tree import TensorSpec, owner_paths
@@ -114,7 +114,8 @@ class Plan:
         chosen = specs[spec]
         if not isinstance(chosen, P):
             raise ShardingError(f"{path}: the {spec} spec {chosen!r} keeps whole tensors on owner ranks")
-        return local_shape_and_offset(self.tensors[canonical].shape, chosen, self.mesh, rank)
+        shape, fsdp_axes = self.tensors[canonical].shape, self.config.shard_axes
+        return flattened_local_shape_and_offset(shape, chosen, self.mesh, rank, fsdp_axes)
 
     def padded_axes(self, path: str) -> frozenset[str]:
         """The axes over which FSDP2 pads this tensor (split at rest, not for compute)."""
