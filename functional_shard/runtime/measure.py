@@ -276,9 +276,11 @@ def _added_per_collective(run: Any, plain: Any, x: torch.Tensor, repeats: int) -
 
 
 def _parameter_like(tensor: torch.Tensor) -> bool:
-    # a parameter (DTensor, FSDP2's gathered one, a plain one) or a view of one (w.t())
+    # a parameter (DTensor, FSDP2's gathered one swapped in mid-forward, a plain one) or a view
+    # of one (w.t()); a leaf that merely requires grad (an input, a pipeline stage's received
+    # activations) is not one: autograd saves it like any activation
     base = tensor._base if tensor._base is not None else tensor
-    return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
+    return isinstance(base, torch.nn.Parameter)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -291,8 +293,9 @@ def saved_tensor_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) -> tu
     """Bytes autograd saves for backward during ``module(*args, **kwargs)``, and its output.
 
     Counted with ``torch.autograd.graph.saved_tensors_hooks``: unique storages, parameters,
-    the module's buffers (`Plan.cost` counts them) and views of them excluded. Checkpointed
-    modules hide their inner saves behind their own hooks: use `kept_activation_bytes` there.
+    the module's buffers (`Plan.cost` counts them) and views of them excluded; an input that
+    requires grad counts, as autograd saves it. Checkpointed modules hide their inner saves
+    behind their own hooks: use `kept_activation_bytes` there.
 
     Examples:
         >>> layer = nn.Linear(4, 3)
@@ -303,13 +306,15 @@ def saved_tensor_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) -> tu
     from torch.multiprocessing.reductions import StorageWeakRef
 
     saved: dict[Any, torch.UntypedStorage] = {}
-    buffers = {StorageWeakRef(_local(buffer).untyped_storage()) for buffer in module.buffers()}
+    # the module's own tensors by storage too: a plain tensor the forward takes of one (a
+    # DTensor parameter's local shard) is no activation either
+    owned = {StorageWeakRef(_local(t).untyped_storage()) for t in [*module.buffers(), *module.parameters()]}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         if not _parameter_like(tensor):
             storage = _local(tensor).untyped_storage()
             key = StorageWeakRef(storage)
-            if key not in buffers:
+            if key not in owned:
                 saved[key] = storage
         return tensor
 
