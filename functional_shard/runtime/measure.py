@@ -4,7 +4,9 @@ An edge module like `apply`: it observes the collectives torch issues and the te
 rank holds, and issues no collective of its own. Bytes follow the cost model's ring
 conventions, from the full (gathered) size S of each collective: all-gather and
 reduce-scatter send (n-1)/n·S per rank, all-reduce 2(n-1)/n·S, broadcast (n-1)/n·S; an
-all-to-all sends what it hands the other ranks (its input less this rank's own split).
+all-to-all sends what it hands the other ranks (its input less this rank's own split); a
+send (``send_recv``, as a pipeline's stages issue) all its bytes, on the axes where the two
+ranks differ. Coalesced collectives count per tensor.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ _FUNCTIONAL = {
     "_c10d_functional::all_gather_into_tensor": "all_gather",
     "_c10d_functional::reduce_scatter_tensor": "reduce_scatter",
     "_c10d_functional::all_reduce": "all_reduce",
+    "_c10d_functional::broadcast": "broadcast",
 }
 
 
@@ -73,6 +76,15 @@ class CollectiveLog(TorchDispatchMode):
         by_axes = self.sent.setdefault(kind, {})
         by_axes[axes] = by_axes.get(axes, 0.0) + factor * (n - 1) / n * full_bytes
 
+    def _record_send(self, group: Any, peer: int, nbytes: int) -> None:
+        # point to point (a pipeline stage's activations and gradients): all of it, counted by
+        # the sender on the axes where the two ranks' coordinates differ, as Plan.cost does
+        ends = (self.mesh.coords(dist.get_rank()), self.mesh.coords(dist.get_global_rank(group, peer)))
+        axes = ",".join(a for a in self.mesh.axis_names if ends[0][a] != ends[1][a])
+        self.ops.append(("send_recv", axes, nbytes))
+        by_axes = self.sent.setdefault("send_recv", {})
+        by_axes[axes] = by_axes.get(axes, 0.0) + float(nbytes)
+
     def _record_all_to_all(self, group: Any, tensor: torch.Tensor, input_splits: list[int]) -> None:
         # an all-to-all sends each rank its own rows (splits along dim 0; none: equal parts)
         # and keeps this rank's part: sent is everything but that part
@@ -101,8 +113,18 @@ class CollectiveLog(TorchDispatchMode):
             kind = "all_gather" if "allgather" in name else "reduce_scatter"
             full = args[0] if kind == "all_gather" else args[1]
             self._record(kind, dist.ProcessGroup.unbox(args[2]), _nbytes(full))
-        elif name == "c10d::allreduce_":
+        elif name in ("c10d::allreduce_", "c10d::allreduce_coalesced_"):
             self._record("all_reduce", dist.ProcessGroup.unbox(args[1]), sum(map(_nbytes, args[0])))
+        elif name == "c10d::allgather_":  # all_gather into a list: one full output per input
+            group = dist.ProcessGroup.unbox(args[2])
+            self._record("all_gather", group, sum(map(_nbytes, args[1])) * group.size())
+        elif name in ("c10d::allgather_into_tensor_coalesced_", "c10d::reduce_scatter_tensor_coalesced_"):
+            kind = "all_gather" if "allgather" in name else "reduce_scatter"
+            group = dist.ProcessGroup.unbox(args[2])
+            for full in args[0] if kind == "all_gather" else args[1]:
+                self._record(kind, group, _nbytes(full))
+        elif name == "c10d::send":
+            self._record_send(dist.ProcessGroup.unbox(args[1]), args[2], sum(map(_nbytes, args[0])))
         elif name == "c10d::broadcast_":
             self._record("broadcast", dist.ProcessGroup.unbox(args[1]), sum(map(_nbytes, args[0])))
         elif name == "c10d::alltoall_base_":
@@ -112,12 +134,13 @@ class CollectiveLog(TorchDispatchMode):
             from torch.distributed.distributed_c10d import _resolve_process_group
 
             self._record_all_to_all(_resolve_process_group(args[-1]), args[0], args[2])
-        elif name in _FUNCTIONAL:
+        elif name.removesuffix("_coalesced") in _FUNCTIONAL:
             from torch.distributed.distributed_c10d import _resolve_process_group
 
-            group = _resolve_process_group(args[-1])
-            scale = group.size() if _FUNCTIONAL[name] == "all_gather" else 1
-            self._record(_FUNCTIONAL[name], group, _nbytes(args[0]) * scale)
+            kind, group = _FUNCTIONAL[name.removesuffix("_coalesced")], _resolve_process_group(args[-1])
+            scale = group.size() if kind == "all_gather" else 1
+            for tensor in args[0] if name.endswith("_coalesced") else [args[0]]:
+                self._record(kind, group, _nbytes(tensor) * scale)
         return func(*args, **(kwargs or {}))
 
 
