@@ -202,7 +202,14 @@ class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
         return iter(mine)
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its first batch; the current epoch goes on where it is."""
+        """Start ``epoch`` from its first batch; the current epoch goes on where it is.
+
+        Raises:
+            ShardingError: ``epoch`` is not a whole number of at least 0 (a state saved with
+                one would not load).
+        """
+        if problems := _value_problems({"epoch": epoch}):
+            raise ShardingError(f"ResumableSampler.set_epoch: {problems[0]}; count epochs from 0")
         if epoch != self.epoch:
             self.epoch, self.consumed = epoch, 0
 

@@ -74,6 +74,16 @@ def test_a_run_resumed_on_other_ranks_reads_each_sample_once_per_epoch_in_order(
     assert read[-1] == order.epoch(2)[:batch]
 
 
+@pytest.mark.parametrize("epoch", [-1, 1.5, "3", True])
+def test_set_epoch_refuses_what_is_no_epoch(epoch):
+    # before: -1 was taken and saved, then the saved state would not load; the others failed
+    # inside torch's generator at the next iteration
+    sampler = fs.ResumableSampler(10, batch_size=2)
+    with pytest.raises(fs.ShardingError, match=r"set_epoch: epoch=.*: a whole number of at least 0"):
+        sampler.set_epoch(epoch)
+    assert sampler.epoch == 0
+
+
 @pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
 def test_a_seed_torch_cannot_take_is_refused_up_front(seed):
     # before: a raw ValueError ("Overflow when unpacking long long") at the first iteration
