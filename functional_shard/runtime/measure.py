@@ -60,7 +60,9 @@ class CollectiveLog(TorchDispatchMode):
 
     def __init__(self, mesh: Mesh) -> None:
         super().__init__()
-        self.mesh = mesh
+        self.mesh = instance_of(
+            mesh, Mesh, "mesh", meaning="the plan's mesh, plan.mesh, whose axes the bytes go by"
+        )
         self.sent: dict[str, dict[str, float]] = {}
         self.ops: list[tuple[str, str, int]] = []
 
@@ -360,6 +362,7 @@ def kept_activation_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) ->
         >>> fs.kept_activation_bytes(layer, torch.ones(2, 4, requires_grad=True))[0]
         32
     """
+    instance_of(module, torch.nn.Module, "module", meaning="the module to call on the arguments")
     # lazily: the trace's counters load torch's fake-tensor machinery
     from functional_shard.costing.trace.counting import Births, kept_bytes, storage_key
 

@@ -286,6 +286,8 @@ def test_offload_takes_only_bools(flags):
         ),
         (lambda: fs.resident_bytes(_linear(), "adamw"), "optimizer=str: an Optimizer (its optimizer)"),
         (lambda: fs.saved_tensor_bytes("model", torch.ones(2)), "module=str: a Module"),
+        (lambda: fs.kept_activation_bytes("model", torch.ones(2)), "module=str: a Module"),
+        (lambda: fs.CollectiveLog("dp"), "mesh=str: a Mesh (the plan's mesh, plan.mesh"),
         (lambda: fs.format_policy("fsdp(dp)"), "policy=str: a Policy (fs.fsdp(...) + fs.tp(...)"),
         (lambda: fs.format_bytes("12"), "n='12': a number of bytes"),
         (
