@@ -97,6 +97,8 @@ class DataOrder:
 
 # the least value of each count a data order or a sampler state holds (None: any whole number)
 _LEAST = {"dataset_len": 1, "global_batch": 1, "seed": None, "epoch": 0, "consumed": 0, "steps": 0}
+# the seeds torch.Generator.manual_seed takes
+_SEEDS = (-(2**63), 2**64 - 1)
 
 
 def _value_problems(values: dict[str, Any]) -> list[str]:
@@ -111,7 +113,9 @@ def _value_problems(values: dict[str, Any]) -> list[str]:
             or (at_least is not None and values[key] < at_least)
         )
     ]
-    if not isinstance(values["shuffle"], bool):
+    if not found and "seed" in values and not _SEEDS[0] <= values["seed"] <= _SEEDS[1]:
+        found.append(f"seed={values['seed']}: a whole number from {_SEEDS[0]} to {_SEEDS[1]} (a torch seed)")
+    if "shuffle" in values and not isinstance(values["shuffle"], bool):
         found.append(f"shuffle={values['shuffle']!r}: True or False")
     if not found and "consumed" in values and values["consumed"] % values["global_batch"]:
         batch = values["global_batch"]
@@ -198,7 +202,14 @@ class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
         return iter(mine)
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its first batch; the current epoch goes on where it is."""
+        """Start ``epoch`` from its first batch; the current epoch goes on where it is.
+
+        Raises:
+            ShardingError: ``epoch`` is not a whole number of at least 0 (a state saved with
+                one would not load).
+        """
+        if problems := _value_problems({"epoch": epoch}):
+            raise ShardingError(f"ResumableSampler.set_epoch: {problems[0]}; count epochs from 0")
         if epoch != self.epoch:
             self.epoch, self.consumed = epoch, 0
 

@@ -4,7 +4,9 @@ An edge module like `apply`: it observes the collectives torch issues and the te
 rank holds, and issues no collective of its own. Bytes follow the cost model's ring
 conventions, from the full (gathered) size S of each collective: all-gather and
 reduce-scatter send (n-1)/n·S per rank, all-reduce 2(n-1)/n·S, broadcast (n-1)/n·S; an
-all-to-all sends what it hands the other ranks (its input less this rank's own split).
+all-to-all sends what it hands the other ranks (its input less this rank's own split); a
+send (``send_recv``, as a pipeline's stages issue) all its bytes, on the axes where the two
+ranks differ. Coalesced collectives count per tensor.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ _FUNCTIONAL = {
     "_c10d_functional::all_gather_into_tensor": "all_gather",
     "_c10d_functional::reduce_scatter_tensor": "reduce_scatter",
     "_c10d_functional::all_reduce": "all_reduce",
+    "_c10d_functional::broadcast": "broadcast",
 }
 
 
@@ -57,7 +60,9 @@ class CollectiveLog(TorchDispatchMode):
 
     def __init__(self, mesh: Mesh) -> None:
         super().__init__()
-        self.mesh = mesh
+        self.mesh = instance_of(
+            mesh, Mesh, "mesh", meaning="the plan's mesh, plan.mesh, whose axes the bytes go by"
+        )
         self.sent: dict[str, dict[str, float]] = {}
         self.ops: list[tuple[str, str, int]] = []
 
@@ -72,6 +77,15 @@ class CollectiveLog(TorchDispatchMode):
         self.ops.append((kind, axes, full_bytes))
         by_axes = self.sent.setdefault(kind, {})
         by_axes[axes] = by_axes.get(axes, 0.0) + factor * (n - 1) / n * full_bytes
+
+    def _record_send(self, group: Any, peer: int, nbytes: int) -> None:
+        # point to point (a pipeline stage's activations and gradients): all of it, counted by
+        # the sender on the axes where the two ranks' coordinates differ, as Plan.cost does
+        ends = (self.mesh.coords(dist.get_rank()), self.mesh.coords(dist.get_global_rank(group, peer)))
+        axes = ",".join(a for a in self.mesh.axis_names if ends[0][a] != ends[1][a])
+        self.ops.append(("send_recv", axes, nbytes))
+        by_axes = self.sent.setdefault("send_recv", {})
+        by_axes[axes] = by_axes.get(axes, 0.0) + float(nbytes)
 
     def _record_all_to_all(self, group: Any, tensor: torch.Tensor, input_splits: list[int]) -> None:
         # an all-to-all sends each rank its own rows (splits along dim 0; none: equal parts)
@@ -101,8 +115,18 @@ class CollectiveLog(TorchDispatchMode):
             kind = "all_gather" if "allgather" in name else "reduce_scatter"
             full = args[0] if kind == "all_gather" else args[1]
             self._record(kind, dist.ProcessGroup.unbox(args[2]), _nbytes(full))
-        elif name == "c10d::allreduce_":
+        elif name in ("c10d::allreduce_", "c10d::allreduce_coalesced_"):
             self._record("all_reduce", dist.ProcessGroup.unbox(args[1]), sum(map(_nbytes, args[0])))
+        elif name == "c10d::allgather_":  # all_gather into a list: one full output per input
+            group = dist.ProcessGroup.unbox(args[2])
+            self._record("all_gather", group, sum(map(_nbytes, args[1])) * group.size())
+        elif name in ("c10d::allgather_into_tensor_coalesced_", "c10d::reduce_scatter_tensor_coalesced_"):
+            kind = "all_gather" if "allgather" in name else "reduce_scatter"
+            group = dist.ProcessGroup.unbox(args[2])
+            for full in args[0] if kind == "all_gather" else args[1]:
+                self._record(kind, group, _nbytes(full))
+        elif name == "c10d::send":
+            self._record_send(dist.ProcessGroup.unbox(args[1]), args[2], sum(map(_nbytes, args[0])))
         elif name == "c10d::broadcast_":
             self._record("broadcast", dist.ProcessGroup.unbox(args[1]), sum(map(_nbytes, args[0])))
         elif name == "c10d::alltoall_base_":
@@ -112,12 +136,13 @@ class CollectiveLog(TorchDispatchMode):
             from torch.distributed.distributed_c10d import _resolve_process_group
 
             self._record_all_to_all(_resolve_process_group(args[-1]), args[0], args[2])
-        elif name in _FUNCTIONAL:
+        elif name.removesuffix("_coalesced") in _FUNCTIONAL:
             from torch.distributed.distributed_c10d import _resolve_process_group
 
-            group = _resolve_process_group(args[-1])
-            scale = group.size() if _FUNCTIONAL[name] == "all_gather" else 1
-            self._record(_FUNCTIONAL[name], group, _nbytes(args[0]) * scale)
+            kind, group = _FUNCTIONAL[name.removesuffix("_coalesced")], _resolve_process_group(args[-1])
+            scale = group.size() if kind == "all_gather" else 1
+            for tensor in args[0] if name.endswith("_coalesced") else [args[0]]:
+                self._record(kind, group, _nbytes(tensor) * scale)
         return func(*args, **(kwargs or {}))
 
 
@@ -276,9 +301,11 @@ def _added_per_collective(run: Any, plain: Any, x: torch.Tensor, repeats: int) -
 
 
 def _parameter_like(tensor: torch.Tensor) -> bool:
-    # a parameter (DTensor, FSDP2's gathered one, a plain one) or a view of one (w.t())
+    # a parameter (DTensor, FSDP2's gathered one swapped in mid-forward, a plain one) or a view
+    # of one (w.t()); a leaf that merely requires grad (an input, a pipeline stage's received
+    # activations) is not one: autograd saves it like any activation
     base = tensor._base if tensor._base is not None else tensor
-    return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
+    return isinstance(base, torch.nn.Parameter)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -291,8 +318,9 @@ def saved_tensor_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) -> tu
     """Bytes autograd saves for backward during ``module(*args, **kwargs)``, and its output.
 
     Counted with ``torch.autograd.graph.saved_tensors_hooks``: unique storages, parameters,
-    the module's buffers (`Plan.cost` counts them) and views of them excluded. Checkpointed
-    modules hide their inner saves behind their own hooks: use `kept_activation_bytes` there.
+    the module's buffers (`Plan.cost` counts them) and views of them excluded; an input that
+    requires grad counts, as autograd saves it. Checkpointed modules hide their inner saves
+    behind their own hooks: use `kept_activation_bytes` there.
 
     Examples:
         >>> layer = nn.Linear(4, 3)
@@ -303,13 +331,15 @@ def saved_tensor_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) -> tu
     from torch.multiprocessing.reductions import StorageWeakRef
 
     saved: dict[Any, torch.UntypedStorage] = {}
-    buffers = {StorageWeakRef(_local(buffer).untyped_storage()) for buffer in module.buffers()}
+    # the module's own tensors by storage too: a plain tensor the forward takes of one (a
+    # DTensor parameter's local shard) is no activation either
+    owned = {StorageWeakRef(_local(t).untyped_storage()) for t in [*module.buffers(), *module.parameters()]}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         if not _parameter_like(tensor):
             storage = _local(tensor).untyped_storage()
             key = StorageWeakRef(storage)
-            if key not in buffers:
+            if key not in owned:
                 saved[key] = storage
         return tensor
 
@@ -332,6 +362,7 @@ def kept_activation_bytes(module: torch.nn.Module, *args: Any, **kwargs: Any) ->
         >>> fs.kept_activation_bytes(layer, torch.ones(2, 4, requires_grad=True))[0]
         32
     """
+    instance_of(module, torch.nn.Module, "module", meaning="the module to call on the arguments")
     # lazily: the trace's counters load torch's fake-tensor machinery
     from functional_shard.costing.trace.counting import Births, kept_bytes, storage_key
 

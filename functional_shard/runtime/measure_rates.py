@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from functional_shard.core.validate import refuse
+from functional_shard.core.validate import entry_point, instance_of, one_of, positive_int, refuse
 
 __all__ = ["MeasuredRates", "attention_kernel_flops", "kernel_kind", "measure_rates"]
 
@@ -260,6 +260,7 @@ def _host(device: torch.device, ops: int = 2000) -> dict[str, float]:
     return {"eager": seconds["eager"], "selective checkpointing": seconds["checkpointed"] - seconds["eager"]}
 
 
+@entry_point
 def measure_rates(
     device: str | torch.device = "cuda",
     *,
@@ -288,12 +289,31 @@ def measure_rates(
         backends: SDPA backends to measure the attention cases again with, each alone
             (``"FLASH_ATTENTION"``, ``"EFFICIENT_ATTENTION"``, ``"CUDNN_ATTENTION"``).
 
+    Raises:
+        ShardingError: ``device`` is no device this machine has; a count is not a positive
+            int, ``seqs`` not a non-empty sequence of them; ``dtype`` is not a torch dtype; a
+            backend is not one of ``SDPBackend``'s kernels.
+
     Examples:
         >>> rates = fs.measure_rates("cpu", size=128, seqs=(128,), repeats=2, elements=2**16, host_ops=20)
         >>> rates.matmul_flops > 0
         True
     """
-    where = torch.device(device)
+    _check_measure_arguments(
+        dtype,
+        seqs,
+        backends,
+        size=size,
+        heads=heads,
+        head_dim=head_dim,
+        elements=elements,
+        repeats=repeats,
+        host_ops=host_ops,
+    )
+    try:
+        where = torch.device(device)
+    except (RuntimeError, TypeError):
+        refuse("device", repr(device), "a torch device", meaning='"cuda", "cuda:1" or "cpu"')
     if where.type == "cuda" and not torch.cuda.is_available():
         meaning = 'no CUDA GPU here; "cpu" tries it out'
         refuse("device", repr(device), "a device this machine has", meaning=meaning)
@@ -320,3 +340,28 @@ def measure_rates(
         host=_host(where, host_ops),
         attention_kernels=kernels,
     )
+
+
+def _check_measure_arguments(dtype: Any, seqs: Any, backends: Any, **counts: Any) -> None:
+    """Refuse what `measure_rates` would fail on deep inside torch, or turn into a rate of 0."""
+    from torch.nn.attention import SDPBackend
+
+    for name, count in counts.items():
+        positive_int(count, name)
+    instance_of(dtype, torch.dtype, "dtype", meaning="a torch dtype, such as torch.bfloat16")
+    if isinstance(seqs, str) or not isinstance(seqs, Sequence) or not seqs:
+        refuse(
+            "seqs",
+            repr(seqs),
+            "a non-empty sequence of positive ints",
+            meaning="the attention cases' lengths",
+        )
+    for seq in seqs:
+        positive_int(seq, "seqs", meaning="each an attention case's sequence length")
+    kernels = tuple(name for name in SDPBackend.__members__ if name not in ("ERROR", "OVERRIDEABLE"))
+    if isinstance(backends, str) or not isinstance(backends, Sequence):
+        refuse(
+            "backends", repr(backends), f"a sequence of names from {kernels}", meaning="each measured alone"
+        )
+    for backend in backends:
+        one_of(backend, kernels, "backends", meaning="torch's SDPBackend names, each measured alone")

@@ -286,6 +286,8 @@ def test_offload_takes_only_bools(flags):
         ),
         (lambda: fs.resident_bytes(_linear(), "adamw"), "optimizer=str: an Optimizer (its optimizer)"),
         (lambda: fs.saved_tensor_bytes("model", torch.ones(2)), "module=str: a Module"),
+        (lambda: fs.kept_activation_bytes("model", torch.ones(2)), "module=str: a Module"),
+        (lambda: fs.CollectiveLog("dp"), "mesh=str: a Mesh (the plan's mesh, plan.mesh"),
         (lambda: fs.format_policy("fsdp(dp)"), "policy=str: a Policy (fs.fsdp(...) + fs.tp(...)"),
         (lambda: fs.format_bytes("12"), "n='12': a number of bytes"),
         (
@@ -329,9 +331,8 @@ def test_clipping_one_tensor_clips_it_as_torch_does():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")
 def test_measuring_a_gpu_that_is_not_there_is_refused():
-    with pytest.raises(
-        fs.ShardingError, match=re.escape("device='cuda': a device this machine has (no CUDA GPU")
-    ):
+    message = "measure_rates(device='cuda'): a device this machine has (no CUDA GPU"
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
         fs.measure_rates("cuda")
 
 

@@ -1,0 +1,53 @@
+"""What each rank's `fs.CollectiveLog` records of the collectives torch issues (for tests/dist)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+import functional_shard as fs
+
+
+def _issue(kind: str) -> None:
+    n, me = dist.get_world_size(), dist.get_rank()
+    world = dist.group.WORLD
+    if kind == "send":  # pipeline-like: the pp=0 ranks send to their pp=1 twins (two ranks on)
+        if me < n // 2:
+            dist.send(torch.ones(4), dst=me + n // 2)
+        else:
+            dist.recv(torch.empty(4), src=me - n // 2)
+    elif kind == "isend":
+        peer = (me + n // 2) % n
+        ops = [dist.P2POp(dist.isend, torch.ones(4), peer), dist.P2POp(dist.irecv, torch.empty(4), peer)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    elif kind == "all_gather_list":
+        dist.all_gather([torch.empty(4) for _ in range(n)], torch.ones(4))
+    elif kind == "all_reduce_coalesced":
+        dist.all_reduce_coalesced([torch.ones(4), torch.ones(2)])
+    elif kind == "functional_broadcast":
+        funcol.wait_tensor(funcol.broadcast(torch.ones(4), 0, world))
+    elif kind == "functional_gather_scatter_coalesced":
+        gathered = funcol.all_gather_into_tensor_coalesced([torch.ones(4), torch.ones(2)], world)
+        scattered = funcol.reduce_scatter_tensor_coalesced([torch.ones(4 * n)], "sum", [0], world)
+        for tensor in [*gathered, *scattered]:
+            funcol.wait_tensor(tensor)
+    elif kind == "coalescing_manager":
+        with dist._coalescing_manager(async_ops=True) as works:
+            dist.all_gather_into_tensor(torch.empty(4 * n), torch.ones(4))
+            dist.all_gather_into_tensor(torch.empty(2 * n), torch.ones(2))
+        works.wait()
+    elif kind == "functional_all_reduce_coalesced":
+        for tensor in funcol.all_reduce_coalesced([torch.ones(4), torch.ones(2)], "sum", world):
+            funcol.wait_tensor(tensor)
+
+
+def logged(kind: str) -> tuple[dict[str, dict[str, float]], list[Any]]:
+    """This rank's ``sent`` and ``ops`` over one collective of ``kind``, on a pp=2 × dp mesh."""
+    mesh = fs.Mesh(pp=2, dp=dist.get_world_size() // 2)
+    with fs.CollectiveLog(mesh) as log:
+        _issue(kind)
+    return log.sent, log.ops
