@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -222,6 +223,27 @@ class _RunsAPlan:
         accepted = inspect.signature(type(optimizer).__init__).parameters
         kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         return fs.optimizer(self.plan, module, type(optimizer), **kwargs)
+
+
+@contextmanager
+def gradient_sync_blocked(module: torch.nn.Module, enabled: bool = True) -> Generator[None, None, None]:
+    """Within: backward accumulates gradients without reducing them (FSDP2's and replicate's engines).
+
+    Lightning's own switch finds FSDP2 modules only; a replicated plan's module (DDP, ZeRO-1)
+    would reduce on every micro-batch, unsaid.
+    """
+    switches = [
+        getattr(m, "set_requires_gradient_sync")  # noqa: B009 (FSDP2's and replicate's, found by name)
+        for m in module.modules()
+        if enabled and hasattr(type(m), "set_requires_gradient_sync")
+    ]
+    for switch in switches:
+        switch(False)
+    try:
+        yield
+    finally:
+        for switch in switches:
+            switch(True)
 
 
 def _weights_folder(

@@ -15,7 +15,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 import functional_shard as fs
 from functional_shard.runtime.engines.applied import APPLIED
 
-from ._common import _agree_on_overflow, _refuse_two_precisions, _RunsAPlan
+from ._common import _agree_on_overflow, _refuse_two_precisions, _RunsAPlan, gradient_sync_blocked
 from .pipeline_loop import (
     _RunsSchedules,
     forward_root,
@@ -187,18 +187,8 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
         FSDP2 and composable DDP both stop when told, and reduce the sum once.
         """
         assert self.model is not None  # Lightning calls this during fit only
-        switches = [
-            getattr(m, "set_requires_gradient_sync")  # noqa: B009 (FSDP2's and replicate's, found by name)
-            for m in self.model.modules()
-            if hasattr(type(m), "set_requires_gradient_sync")
-        ]
-        for switch in switches:
-            switch(False)
-        try:
+        with gradient_sync_blocked(self.model):
             yield
-        finally:
-            for switch in switches:
-                switch(True)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's shards, or (``save_distributed_checkpoint=False``) all, on rank 0."""

@@ -220,6 +220,15 @@ def test_fabric_float16_with_a_scaler_that_agrees_over_ranks(world, precision):
     assert _differs_somewhere(result["losses"], in_float32)
 
 
+@pytest.mark.parametrize("name", ["ddp", pytest.param("zero3", marks=pytest.mark.slow)])
+def test_fabric_no_backward_sync_holds_the_reduction_under_every_engine(world, name):
+    """fabric.no_backward_sync: nothing reduced inside, under replicate (DDP, ZeRO-1) as under
+    FSDP2 (Lightning's own switch finds FSDP2 modules only); the next backward reduces the sum."""
+    result = world.run(lightning_cases.fabric_no_backward_sync, name, dist_cases.EVEN)[0]
+    assert result["reduced_inside"] == 0
+    assert result["difference"] < 1e-5
+
+
 def test_fabric_refuses_an_optimizer_built_before_sharding(world):
     with pytest.raises(fs.ShardingError, match="built before sharding replaced them"):
         world.refusal(lightning_cases.fabric_loop, "zero3", dist_cases.EVEN, True)
