@@ -334,6 +334,18 @@ def fabric_no_backward_sync(name: str, config: LlamaConfig) -> dict[str, object]
     return {"reduced_inside": reduced, "difference": difference} if dist.get_rank() == 0 else None
 
 
+def fit_again_with_a_new_trainer(first: str, second: str, config: LlamaConfig) -> list[float] | None:
+    """One step of Trainer.fit under the registered strategy ``first``, then one more step of
+    the same module by a new Trainer under ``second``; rank 0 returns the two steps' losses."""
+    module = LanguageModel(config)
+    tokens = torch.cat(dist_cases.batches(config, dist.get_world_size()))
+    for name in (first, second):
+        loader = torch.utils.data.DataLoader(tokens, batch_size=dist_cases.MICRO_BATCH)
+        quiet_trainer(name, max_steps=1).fit(module, loader)
+    losses = dist_cases.mean_over_ranks(torch.stack([dist_cases.full(x) for x in module.losses]))
+    return losses.tolist() if dist.get_rank() == 0 else None
+
+
 def fit_with_model_checkpoint(name: str, config: LlamaConfig, folder: str, resume_from: str | None):
     """Lightning's ModelCheckpoint saving every 2 steps, keeping the latest only; or a fit
     resumed from one of its checkpoints. Rank 0 returns what the folder holds, and the

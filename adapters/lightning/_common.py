@@ -19,6 +19,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import functional_shard as fs
 from functional_shard.planning.policy.types import as_policy
+from functional_shard.runtime.engines.applied import APPLIED
 from functional_shard.runtime.timeouts import set_timeout
 
 # the strategy methods Lightning calls that run collectives: a step (forward, backward, the
@@ -60,6 +61,11 @@ def _watched_steps(method: Callable[..., Any]) -> Callable[..., Any]:
 
     watched.__fs_watched__ = True  # type: ignore[attr-defined]
     return watched
+
+
+# on a module a strategy planned: the policy and mesh it planned from, so that another strategy
+# of the same policy (a second Trainer's fit or test of the fitted module) runs the plan it has
+_PLANNED_FROM = "_functional_shard_planned_from"
 
 
 class _RunsAPlan:
@@ -191,8 +197,11 @@ class _RunsAPlan:
     def _run_plan(
         self, module: torch.nn.Module, device_mesh: Any, device: torch.device, root: str = ""
     ) -> None:
+        if self._runs_it_already(module):
+            return
         if self._plan is None:
             self._plan = fs.shard(module, self._mesh, self._policy)
+            setattr(module, _PLANNED_FROM, (self._policy, self._mesh))
         fs.apply(self._plan, module, device_mesh, root=root)
         if self._weights is not None:
             # meta or materialized, each rank's shards are filled from the folder: no random init
@@ -206,6 +215,22 @@ class _RunsAPlan:
             )
         elif any(t.is_meta for t in (*module.parameters(), *module.buffers())):
             fs.materialize(self._plan, module, device, seed=self._seed)
+
+    def _runs_it_already(self, module: torch.nn.Module) -> bool:
+        """Whether ``module`` runs this strategy's plan already (an earlier fit or setup applied it)."""
+        applied = APPLIED.get(module)
+        if applied is None:
+            return False
+        if self._plan is None and getattr(module, _PLANNED_FROM, None) == (self._policy, self._mesh):
+            self._plan = applied.plan
+        if applied.plan == self._plan:
+            return True
+        who = type(self).__name__
+        raise fs.ShardingError(
+            f"{who}: the module runs another plan already (an earlier strategy applied it) and a module is "
+            f"parallelized once; pass the plan it runs, {who}(earlier_strategy.plan), or the same policy "
+            "and mesh, or build a fresh module"
+        )
 
     def _zero1(
         self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, schedulers: bool = False

@@ -325,6 +325,17 @@ def test_model_checkpoint_keeps_sharded_folders_and_resumes_from_them(world, tmp
     assert resumed["step"] == dist_cases.STEPS + 1
 
 
+def test_a_fitted_module_fits_again_under_a_new_trainer_of_the_same_strategy(world):
+    """A second Trainer of the same registered name runs the plan the module has (before: "this
+    module is already parallelized"); another policy is refused, naming the fix."""
+    losses = world.run(lightning_cases.fit_again_with_a_new_trainer, "fs_fsdp", "fs_fsdp", dist_cases.EVEN)[0]
+    assert len(losses) == 2
+    assert losses[1] < losses[0]  # the second step trained on from the first
+    other = "ShardStrategy: the module runs another plan already (an earlier strategy applied it)"
+    with pytest.raises(fs.ShardingError, match=re.escape(other)):
+        world.refusal(lightning_cases.fit_again_with_a_new_trainer, "fs_fsdp", "fs_ddp", dist_cases.EVEN)
+
+
 def test_a_2d_plan_through_lightnings_own_model_parallel_strategy(world):
     """to_lightning(2D plan) -> ModelParallelStrategy(2, 2); the module's configure_model
     applies the plan: the same training as one process."""
