@@ -303,6 +303,49 @@ def fabric_loop(
     return result if rank == 0 else None
 
 
+def fabric_no_backward_sync(name: str, config: LlamaConfig) -> dict[str, object] | None:
+    """Two micro-batches in a Fabric loop under a strategy of dist_cases.strategy(): the first
+    inside ``fabric.no_backward_sync``, the second outside; then the same two both synced.
+    Rank 0 returns the bytes reduced inside, and the largest difference of the full gradients."""
+    from functional_shard.adapters.lightning import FabricShardStrategy
+
+    _, world = join_as_lightning_rank()
+    mesh, policy = dist_cases.strategy(name, world)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=FabricShardStrategy(policy, mesh=mesh))
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(Llama(config))
+    first, second = dist_cases.batches(config, world)[:2]
+    log = fs.CollectiveLog(fabric.strategy.plan.mesh)
+    with log, fabric.no_backward_sync(model):
+        fabric.backward(dist_cases.loss_of(model, first))
+    fabric.backward(dist_cases.loss_of(model, second))
+    accumulated = [dist_cases.full(p.grad) for p in model.parameters()]
+    model.zero_grad()
+    for batch in (first, second):
+        fabric.backward(dist_cases.loss_of(model, batch))
+    synced = [dist_cases.full(p.grad) for p in model.parameters()]
+    reduced = sum(
+        sum(by_axis.values())
+        for kind, by_axis in log.sent.items()
+        if kind in ("reduce_scatter", "all_reduce")
+    )
+    difference = max(float((a - b).abs().max()) for a, b in zip(accumulated, synced, strict=True))
+    return {"reduced_inside": reduced, "difference": difference} if dist.get_rank() == 0 else None
+
+
+def fit_again_with_a_new_trainer(first: str, second: str, config: LlamaConfig) -> list[float] | None:
+    """One step of Trainer.fit under the registered strategy ``first``, then one more step of
+    the same module by a new Trainer under ``second``; rank 0 returns the two steps' losses."""
+    module = LanguageModel(config)
+    tokens = torch.cat(dist_cases.batches(config, dist.get_world_size()))
+    for name in (first, second):
+        loader = torch.utils.data.DataLoader(tokens, batch_size=dist_cases.MICRO_BATCH)
+        quiet_trainer(name, max_steps=1).fit(module, loader)
+    losses = dist_cases.mean_over_ranks(torch.stack([dist_cases.full(x) for x in module.losses]))
+    return losses.tolist() if dist.get_rank() == 0 else None
+
+
 def fit_with_model_checkpoint(name: str, config: LlamaConfig, folder: str, resume_from: str | None):
     """Lightning's ModelCheckpoint saving every 2 steps, keeping the latest only; or a fit
     resumed from one of its checkpoints. Rank 0 returns what the folder holds, and the

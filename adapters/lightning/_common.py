@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Generator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import functional_shard as fs
 from functional_shard.planning.policy.types import as_policy
+from functional_shard.runtime.engines.applied import APPLIED
 from functional_shard.runtime.timeouts import set_timeout
 
 # the strategy methods Lightning calls that run collectives: a step (forward, backward, the
@@ -59,6 +61,11 @@ def _watched_steps(method: Callable[..., Any]) -> Callable[..., Any]:
 
     watched.__fs_watched__ = True  # type: ignore[attr-defined]
     return watched
+
+
+# on a module a strategy planned: the policy and mesh it planned from, so that another strategy
+# of the same policy (a second Trainer's fit or test of the fitted module) runs the plan it has
+_PLANNED_FROM = "_functional_shard_planned_from"
 
 
 class _RunsAPlan:
@@ -190,8 +197,11 @@ class _RunsAPlan:
     def _run_plan(
         self, module: torch.nn.Module, device_mesh: Any, device: torch.device, root: str = ""
     ) -> None:
+        if self._runs_it_already(module):
+            return
         if self._plan is None:
             self._plan = fs.shard(module, self._mesh, self._policy)
+            setattr(module, _PLANNED_FROM, (self._policy, self._mesh))
         fs.apply(self._plan, module, device_mesh, root=root)
         if self._weights is not None:
             # meta or materialized, each rank's shards are filled from the folder: no random init
@@ -205,6 +215,22 @@ class _RunsAPlan:
             )
         elif any(t.is_meta for t in (*module.parameters(), *module.buffers())):
             fs.materialize(self._plan, module, device, seed=self._seed)
+
+    def _runs_it_already(self, module: torch.nn.Module) -> bool:
+        """Whether ``module`` runs this strategy's plan already (an earlier fit or setup applied it)."""
+        applied = APPLIED.get(module)
+        if applied is None:
+            return False
+        if self._plan is None and getattr(module, _PLANNED_FROM, None) == (self._policy, self._mesh):
+            self._plan = applied.plan
+        if applied.plan == self._plan:
+            return True
+        who = type(self).__name__
+        raise fs.ShardingError(
+            f"{who}: the module runs another plan already (an earlier strategy applied it) and a module is "
+            f"parallelized once; pass the plan it runs, {who}(earlier_strategy.plan), or the same policy "
+            "and mesh, or build a fresh module"
+        )
 
     def _zero1(
         self, optimizer: torch.optim.Optimizer, module: torch.nn.Module, schedulers: bool = False
@@ -222,6 +248,27 @@ class _RunsAPlan:
         accepted = inspect.signature(type(optimizer).__init__).parameters
         kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         return fs.optimizer(self.plan, module, type(optimizer), **kwargs)
+
+
+@contextmanager
+def gradient_sync_blocked(module: torch.nn.Module, enabled: bool = True) -> Generator[None, None, None]:
+    """Within: backward accumulates gradients without reducing them (FSDP2's and replicate's engines).
+
+    Lightning's own switch finds FSDP2 modules only; a replicated plan's module (DDP, ZeRO-1)
+    would reduce on every micro-batch, unsaid.
+    """
+    switches = [
+        getattr(m, "set_requires_gradient_sync")  # noqa: B009 (FSDP2's and replicate's, found by name)
+        for m in module.modules()
+        if enabled and hasattr(type(m), "set_requires_gradient_sync")
+    ]
+    for switch in switches:
+        switch(False)
+    try:
+        yield
+    finally:
+        for switch in switches:
+            switch(True)
 
 
 def _weights_folder(

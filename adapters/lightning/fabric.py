@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
-from lightning.fabric.strategies.model_parallel import _ParallelBackwardSyncControl
 from lightning.fabric.strategies.parallel import ParallelStrategy as FabricParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.wrappers import _FabricModule
 
 import functional_shard as fs
 
-from ._common import _agree_on_overflow, _refuse_two_precisions, _RunsAPlan
+from ._common import _agree_on_overflow, _refuse_two_precisions, _RunsAPlan, gradient_sync_blocked
 
 __all__ = ["FabricShardStrategy"]
 
@@ -39,7 +40,7 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
 
     def _start_state(self) -> None:
         self._num_nodes = 1
-        self._backward_sync_control = _ParallelBackwardSyncControl()
+        self._backward_sync_control = _EveryEngineSyncControl()
         self._parallelize_fn = self._parallelize
         self._module: torch.nn.Module | None = None
 
@@ -200,6 +201,14 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
             else:
                 state[key] = value
         return rest
+
+
+class _EveryEngineSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync`` for every plan: FSDP2's and replicate's engines both stop reducing."""
+
+    def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> AbstractContextManager[None]:
+        """Within: gradients accumulate on this rank, reduced at the next backward outside."""
+        return gradient_sync_blocked(module, enabled)
 
 
 def _the_module(state: dict[str, Any]) -> tuple[str, torch.nn.Module]:

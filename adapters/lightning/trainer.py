@@ -13,9 +13,8 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 import functional_shard as fs
-from functional_shard.runtime.engines.applied import APPLIED
 
-from ._common import _agree_on_overflow, _refuse_two_precisions, _RunsAPlan
+from ._common import _agree_on_overflow, _refuse_two_precisions, _RunsAPlan, gradient_sync_blocked
 from .pipeline_loop import (
     _RunsSchedules,
     forward_root,
@@ -132,9 +131,8 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
                     f"{next(iter(self._plan.params))!r}): a stage runs the model's own forward, so plan "
                     f"the model inside it, fs.shard(module.{root}, mesh, policy), or pass the policy"
                 )
-            if not self._applied_to(module.get_submodule(root)):
-                self._run_plan(module.get_submodule(root), self.device_mesh, self.root_device)
-        elif not self._applied_to(module):
+            self._run_plan(module.get_submodule(root), self.device_mesh, self.root_device)
+        else:
             self._run_plan(module, self.device_mesh, self.root_device, root=root)
         # Lightning clips with torch's clip_grad_norm_, which cannot mix meshes
         self.precision_plugin.clip_grad_by_norm = _clip_by_norm  # type: ignore[method-assign]
@@ -153,12 +151,6 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
                     self._zero1(optimizer, module, schedulers) for optimizer in self.optimizers
                 ]
         self.setup_precision_plugin()
-
-    def _applied_to(self, module: torch.nn.Module) -> bool:
-        # trainer.validate / test / predict after fit (or another fit) set up again: the
-        # module runs this plan already
-        applied = APPLIED.get(module)
-        return applied is not None and self._plan is not None and applied.plan is self._plan
 
     def backward(
         self, closure_loss: torch.Tensor, optimizer: torch.optim.Optimizer | None, *args: Any, **kwargs: Any
@@ -187,18 +179,8 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
         FSDP2 and composable DDP both stop when told, and reduce the sum once.
         """
         assert self.model is not None  # Lightning calls this during fit only
-        switches = [
-            getattr(m, "set_requires_gradient_sync")  # noqa: B009 (FSDP2's and replicate's, found by name)
-            for m in self.model.modules()
-            if hasattr(type(m), "set_requires_gradient_sync")
-        ]
-        for switch in switches:
-            switch(False)
-        try:
+        with gradient_sync_blocked(self.model):
             yield
-        finally:
-            for switch in switches:
-                switch(True)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's shards, or (``save_distributed_checkpoint=False``) all, on rank 0."""

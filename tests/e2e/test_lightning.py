@@ -220,6 +220,15 @@ def test_fabric_float16_with_a_scaler_that_agrees_over_ranks(world, precision):
     assert _differs_somewhere(result["losses"], in_float32)
 
 
+@pytest.mark.parametrize("name", ["ddp", pytest.param("zero3", marks=pytest.mark.slow)])
+def test_fabric_no_backward_sync_holds_the_reduction_under_every_engine(world, name):
+    """fabric.no_backward_sync: nothing reduced inside, under replicate (DDP, ZeRO-1) as under
+    FSDP2 (Lightning's own switch finds FSDP2 modules only); the next backward reduces the sum."""
+    result = world.run(lightning_cases.fabric_no_backward_sync, name, dist_cases.EVEN)[0]
+    assert result["reduced_inside"] == 0
+    assert result["difference"] < 1e-5
+
+
 def test_fabric_refuses_an_optimizer_built_before_sharding(world):
     with pytest.raises(fs.ShardingError, match="built before sharding replaced them"):
         world.refusal(lightning_cases.fabric_loop, "zero3", dist_cases.EVEN, True)
@@ -314,6 +323,17 @@ def test_model_checkpoint_keeps_sharded_folders_and_resumes_from_them(world, tmp
         lightning_cases.fit_with_model_checkpoint, "fs_fsdp", dist_cases.EVEN, folder, first["best"]
     )[0]
     assert resumed["step"] == dist_cases.STEPS + 1
+
+
+def test_a_fitted_module_fits_again_under_a_new_trainer_of_the_same_strategy(world):
+    """A second Trainer of the same registered name runs the plan the module has (before: "this
+    module is already parallelized"); another policy is refused, naming the fix."""
+    losses = world.run(lightning_cases.fit_again_with_a_new_trainer, "fs_fsdp", "fs_fsdp", dist_cases.EVEN)[0]
+    assert len(losses) == 2
+    assert losses[1] < losses[0]  # the second step trained on from the first
+    other = "ShardStrategy: the module runs another plan already (an earlier strategy applied it)"
+    with pytest.raises(fs.ShardingError, match=re.escape(other)):
+        world.refusal(lightning_cases.fit_again_with_a_new_trainer, "fs_fsdp", "fs_ddp", dist_cases.EVEN)
 
 
 def test_a_2d_plan_through_lightnings_own_model_parallel_strategy(world):
