@@ -166,21 +166,7 @@ def plan_config(
     kinds: list[str] = [layer.kind for layer in data if layer.shards] or (["ddp"] if data else ["none"])
     kind = "hsdp" if kinds[0] == "fsdp" and replicate else kinds[0]
     options = policy.options
-    pipe = policy.pipeline
-    pipeline = None
-    if pipe is not None and pipe.axis in mesh:  # a missing axis is reported with the others
-        from .pipeline.schedules import check_pipeline  # torch's schedule refuses counts it cannot run
-
-        stages = split_stages(tree, mesh[pipe.axis] * pipe.stages_per_rank, pipe.split, pipe.pieces)
-        check_pipeline(pipe.schedule, mesh[pipe.axis], pipe.stages_per_rank, pipe.microbatches)
-        pipeline = PipelineConfig(
-            axis=pipe.axis,
-            stages=stages,
-            schedule=pipe.schedule,
-            microbatches=pipe.microbatches,
-            stages_per_rank=pipe.stages_per_rank,
-            boundary_features=boundary_features(tree, stages, pipe.hidden_size),
-        )
+    pipeline = _pipeline_config(policy, mesh, tree)
     units = chosen_units(tree, sharding_layer)
     stages = pipeline.stages if pipeline is not None else ()
     _refuse_groups_across_stages(units.groups, stages)
@@ -231,6 +217,25 @@ def plan_config(
         offload_params=bool(options.offload_params),
         offload_grads=bool(options.offload_grads),
         offload_optimizer=bool(options.offload_optimizer),
+    )
+
+
+def _pipeline_config(policy: Policy, mesh: Mesh, tree: ModelTree) -> PipelineConfig | None:
+    """The stages ``policy``'s pipeline cuts ``tree`` into on ``mesh``, checked runnable; None without one."""
+    pipe = policy.pipeline
+    if pipe is None or pipe.axis not in mesh:  # a missing axis is reported with the others
+        return None
+    from .pipeline.schedules import check_pipeline  # torch's schedule refuses counts it cannot run
+
+    stages = split_stages(tree, mesh[pipe.axis] * pipe.stages_per_rank, pipe.split, pipe.pieces)
+    check_pipeline(pipe.schedule, mesh[pipe.axis], pipe.stages_per_rank, pipe.microbatches)
+    return PipelineConfig(
+        axis=pipe.axis,
+        stages=stages,
+        schedule=pipe.schedule,
+        microbatches=pipe.microbatches,
+        stages_per_rank=pipe.stages_per_rank,
+        boundary_features=boundary_features(tree, stages, pipe.hidden_size),
     )
 
 
