@@ -59,10 +59,11 @@ def _memory(
         else:
             # every rank keeps state for its shard, an empty one included; unpadded, as
             # the optimizer allocates zeros_like of FSDP2's unpadded local view (measured)
-            numel = local_numel(shape, sharding.optim, plan.mesh, coords)
             if len(fsdp_axes) > 1:  # FSDP2 cuts once over its flattened axes, not in turn
                 cut = flattened_local_shape_and_offset(shape, sharding.optim, plan.mesh, coords, fsdp_axes)
                 numel = math.prod(cut[0])
+            else:
+                numel = local_numel(shape, sharding.optim, plan.mesh, coords)
             optim += count * _state_bytes(numel, itemsize, optimizer)
     buffer_bytes = sum(
         local_numel(plan.tensors[p].shape, s.storage, plan.mesh, coords) * plan.tensors[p].itemsize
