@@ -109,15 +109,13 @@ def with_expert_top_k(plan: Plan, model: Any) -> Plan:
 def _refuse_top_k_beyond_experts(plan: Plan, top_k: int, modules: tuple[str, ...]) -> None:
     # a router cannot pick more experts than a layer holds (torch.topk fails in the forward), and
     # the cost model would count dispatch for token copies that never exist
-    for module in modules:
-        experts = min(
-            (
-                tensor.shape[0]
-                for path, tensor in plan.tensors.items()
-                if path.rpartition(".")[0] == module and tensor.ndim == 3
-            ),
-            default=top_k,
-        )
+    wanted = set(modules)
+    held: dict[str, int] = {}  # the experts each module's [E, out, in] weights hold
+    for path, tensor in plan.tensors.items():
+        owner = path.rpartition(".")[0]
+        if tensor.ndim == 3 and owner in wanted:
+            held[owner] = min(held.get(owner, tensor.shape[0]), tensor.shape[0])
+    for module, experts in held.items():
         if top_k > experts:
             raise PlanError(
                 f"{module}: each token visits {top_k} experts (the model's num_experts_per_tok or its "
