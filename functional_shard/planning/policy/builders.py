@@ -338,10 +338,12 @@ def _split(split: Any) -> tuple[tuple[str, ...], ...] | None:
     """``split`` as a tuple of stages, each a tuple of module paths; refused if it is not that shape."""
     if split is None:
         return None
-    stages = tuple(split) if isinstance(split, Iterable) and not isinstance(split, str) else None
-    shaped = stages is not None and all(isinstance(s, Iterable) and not isinstance(s, str) for s in stages)
-    given = tuple(tuple(stage) for stage in stages) if shaped and stages is not None else ()
-    if not shaped or not all(isinstance(path, str) for stage in given for path in stage):
+
+    def listed(value: Any) -> bool:  # a list of things, not a str (itself an iterable of letters)
+        return isinstance(value, Iterable) and not isinstance(value, str)
+
+    given = tuple(tuple(stage) if listed(stage) else stage for stage in split) if listed(split) else None
+    if given is None or not all(listed(stage) and all(isinstance(p, str) for p in stage) for stage in given):
         refuse(
             "split",
             repr(split),
