@@ -31,9 +31,19 @@ from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypedDict, TypeVar
 from .errors import ShardingError
 
 if TYPE_CHECKING:
+    import torch
     from typing_extensions import Unpack  # typing's from Python 3.11
 
-__all__ = ["entry_point", "instance_of", "one_of", "path", "positive_int", "positive_number", "refuse"]
+__all__ = [
+    "device",
+    "entry_point",
+    "instance_of",
+    "one_of",
+    "path",
+    "positive_int",
+    "positive_number",
+    "refuse",
+]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -159,6 +169,29 @@ def path(value: Any, name: str, *, error: type[ShardingError] = ShardingError) -
         shown = repr(value) if isinstance(value, str | int | float | None) else type(value).__name__
         refuse(name, shown, "a path (a str or os.PathLike)", error=error)
     return pathlib.Path(value)
+
+
+def device(value: Any, name: str, **refusal: Unpack[Refusal]) -> torch.device:
+    """``value`` as a ``torch.device`` this machine has (``"cpu"``, ``"cuda:1"``, a device), else refused.
+
+    Examples:
+        >>> device("cpu", "device")
+        device(type='cpu')
+        >>> device("meta", "device")
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: device='meta': a device this machine has
+    """
+    import torch  # lazily: the other checks, and the plans that use them, need no torch
+
+    try:
+        found = torch.device(value)
+    except (RuntimeError, TypeError):
+        refuse(name, repr(value), "a torch device", **refusal)
+    available = getattr(getattr(torch, found.type, None), "is_available", None)
+    if found.type == "meta" or (callable(available) and not available()):
+        refuse(name, repr(value), "a device this machine has", **refusal)
+    return found
 
 
 def entry_point(function: Callable[_P, _R]) -> Callable[_P, _R]:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from functional_shard.core.validate import device as checked_device
 from functional_shard.core.validate import entry_point, instance_of, one_of, positive_int, refuse
 
 __all__ = ["MeasuredRates", "attention_kernel_flops", "kernel_kind", "measure_rates"]
@@ -310,13 +311,10 @@ def measure_rates(
         repeats=repeats,
         host_ops=host_ops,
     )
-    try:
-        where = torch.device(device)
-    except (RuntimeError, TypeError):
-        refuse("device", repr(device), "a torch device", meaning='"cuda", "cuda:1" or "cpu"')
-    if where.type == "cuda" and not torch.cuda.is_available():
-        meaning = 'no CUDA GPU here; "cpu" tries it out'
-        refuse("device", repr(device), "a device this machine has", meaning=meaning)
+    meaning = (
+        '"cuda", "cuda:1" or "cpu"' if torch.cuda.is_available() else 'no CUDA GPU here; "cpu" tries it out'
+    )
+    where = checked_device(device, "device", meaning=meaning)
     name = torch.cuda.get_device_name(where) if where.type == "cuda" else where.type
     matmuls = _matmuls(size, where, dtype, repeats)
     attention = _attention(seqs, heads, head_dim, where, dtype, repeats)

@@ -8,11 +8,13 @@ import pathlib
 import re
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_shard as fs
 from functional_shard.core.validate import (
+    device,
     entry_point,
     instance_of,
     one_of,
@@ -83,6 +85,19 @@ def test_path_takes_text_and_path_likes(value):
         # a plain value as written, anything else (a plan, a model: long reprs) by its type
         shown = repr(value) if isinstance(value, str | int | float | None) else type(value).__name__
         assert message == f"path={shown}: a path (a str or os.PathLike)"
+
+
+@pytest.mark.parametrize(
+    ("value", "what"),
+    [("cpu", None), ("tpu", "a torch device"), (3.5, "a torch device"), ("meta", "a device this machine has")]
+    + ([] if torch.cuda.is_available() else [("cuda:0", "a device this machine has")]),
+)
+def test_device_takes_the_devices_this_machine_has(value, what):
+    if what is None:
+        assert device(value, "device") == torch.device(value)
+    else:
+        message = refused(lambda: device(value, "device", meaning="where to run"))
+        assert message == f"device={value!r}: {what} (where to run)"
 
 
 @entry_point

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from functional_shard.core.errors import ShardingError
-from functional_shard.core.validate import entry_point, refuse
+from functional_shard.core.validate import device as checked_device
+from functional_shard.core.validate import entry_point
 from functional_shard.core.validate import path as checked_path
 from functional_shard.runtime.checkpoint.integrity import agreed, distributed, every_rank_keys, raise_problems
 from functional_shard.runtime.engines.applied import APPLIED, Applied
@@ -271,19 +272,11 @@ def _tie_head(
         pieces[name] = [(folder.sources[embedding], Piece(name))]
 
 
-def _check_device(device: Any) -> None:
+def _check_device(where: Any) -> None:
     # before the folder is read: a meta module is allocated on it only after every check
-    if device is None:
-        return
-    meaning = 'where a meta module\'s shards are made: "cpu", "cuda", "cuda:1" or a torch.device'
-    try:
-        found = torch.device(device)
-    except (RuntimeError, TypeError):
-        refuse("device", repr(device), "a torch device", meaning=meaning)
-    backend = getattr(torch, found.type, None)
-    available = getattr(backend, "is_available", None)
-    if found.type == "meta" or (callable(available) and not available()):
-        refuse("device", repr(device), "a device this machine has", meaning=meaning)
+    if where is not None:
+        meaning = 'where a meta module\'s shards are made: "cpu", "cuda", "cuda:1" or a torch.device'
+        checked_device(where, "device", meaning=meaning)
 
 
 def _device(device: str | torch.device | None, applied: Applied | None) -> torch.device:
