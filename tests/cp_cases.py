@@ -586,11 +586,39 @@ def step_on_masked_prompt(mesh: dict[str, int], policy: str) -> dict[str, Any]:
 
 def reference_masked_prompt() -> dict[str, Any]:
     """`step_on_masked_prompt` in one process."""
-    model = build("zoo")
-    inputs, targets = _masked_prompt()
+    return _one_step("zoo", *_masked_prompt())
+
+
+def _one_step(kind: str, inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
+    """One process's loss on ``inputs`` and ``targets`` and its gradients, by parameter path."""
+    model = build(kind)
     loss = loss_fn(model(inputs), targets)
     loss.backward()
     return {"loss": loss.item(), "grads": {name: p.grad for name, p in model.named_parameters()}}
+
+
+def _ignored_chunk() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two whole sequences: the first's first half of targets ignored (-100), the second's first 3,
+    so cut into halves (cp 2, no balancing) and one row a micro-batch (2), one part counts no
+    target and the others unevenly many."""
+    tokens = batches(1)[0][:BATCH]
+    targets = tokens[:, 1:].clone()
+    targets[0, : SEQ // 2] = -100
+    targets[1, :3] = -100
+    return tokens[:, :-1], targets
+
+
+def step_on_ignored_chunk(mesh: dict[str, int], policy: str) -> dict[str, Any]:
+    """fs.forward_backward's loss on `_ignored_chunk` under a pipeline plan, and the whole gradients
+    of this rank's stages."""
+    model, plan = planned("zoo_untied", mesh, policy)
+    loss = fs.forward_backward(plan, model, loss_fn)(*_ignored_chunk())
+    return {"loss": float(loss), "grads": {name: full(p.grad) for name, p in model.named_parameters()}}
+
+
+def reference_ignored_chunk() -> dict[str, Any]:
+    """`step_on_ignored_chunk` in one process."""
+    return _one_step("zoo_untied", *_ignored_chunk())
 
 
 def assert_packed_as_one_process(results: list[dict[str, Any]], kind: str = "zoo") -> None:

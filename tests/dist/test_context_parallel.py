@@ -278,6 +278,22 @@ def test_ignored_targets_falling_unevenly_on_the_chunks_train_as_one_process(wor
         torch.testing.assert_close(results[0]["grads"][name], grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
+def test_ignored_targets_under_a_pipeline_train_as_one_process(world4):
+    # each micro-batch's chunk loss was averaged unweighted: the loss off one process's, and a
+    # chunk of -100 alone (a mean over no target) made it and every gradient nan
+    results = world4.run(
+        cp_cases.step_on_ignored_chunk,
+        {"pp": 2, "cp": 2},
+        "pipeline(pp, microbatches=2) + fsdp(cp) + cp(cp, load_balance=false)",
+    )
+    expected = cp_cases.reference_ignored_chunk()
+    assert [result["loss"] for result in results] == pytest.approx([expected["loss"]] * 4, rel=1e-5)
+    held = {name: grad for result in results for name, grad in result["grads"].items()}
+    assert held.keys() == expected["grads"].keys()
+    for name, grad in expected["grads"].items():
+        torch.testing.assert_close(held[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
 @pytest.mark.parametrize(
     ("kind", "mesh", "policy"),
     [

@@ -122,6 +122,7 @@ def _context_parallel_step(
         positions: torch.Tensor,
         packed: dict[str, torch.Tensor],
         weight: float,
+        counted: torch.Tensor,  # unused: this share's loss is weighted as a whole (``weight``)
     ) -> torch.Tensor:
         extra = (
             {"position_ids": positions.expand(inputs.shape[0], -1)}
@@ -157,9 +158,15 @@ def _pipelined_step(
         return loss if scaler is None else scaler.scale(loss)
 
     def pipeline(inputs: torch.Tensor, targets: torch.Tensor, **packed: torch.Tensor) -> torch.Tensor:
+        return scheduled(
+            inputs, targets, packed, packed_microbatch_loss(plan, scaled, targets) if packed else scaled
+        )
+
+    def scheduled(
+        inputs: torch.Tensor, targets: torch.Tensor, packed: dict[str, torch.Tensor], loss_of: LossFn
+    ) -> torch.Tensor:
         check_microbatches(plan, "fs.forward_backward", inputs=inputs, targets=targets, **packed)
         with checked_pipelined_rows(plan, inputs, packed, "fs.forward_backward under a pipeline"):
-            loss_of = packed_microbatch_loss(plan, scaled, targets) if packed else scaled
             if scaler is not None:
                 # only the last stage's ranks scale a loss; the others' scalers must have a
                 # scale too, to unscale their gradients and step
@@ -172,12 +179,24 @@ def _pipelined_step(
 
     # read from the whole model, before this rank's stages were cut from it
     packing = pipelined.packing
-    if plan.config.context is not None:  # each stage attends over the whole sequences from its rank's chunks
-        # whole sequences' loss under a pipeline is its micro-batches' mean of means, each chunk's
-        # unweighted: weighting the cp ranks alone would not make it the rows' mean
-        staged = context_parallel_step(
-            plan, applied.device_mesh, lambda i, t, *_: pipeline(i, t), attends=False, weighs=False
-        )
+    context = plan.config.context
+    if context is not None:  # each stage attends over the whole sequences from its rank's chunks
+        # each micro-batch's chunk loss, a mean over its counted targets, weighted by its share of
+        # the step's (over every cp rank's chunks): the mean over micro-batches and cp ranks is
+        # the rows' mean, as in one process (a chunk of ignored targets alone adds nothing)
+        parts = _microbatches(plan) * context.size(plan.mesh)
+
+        def chunks(
+            inputs: torch.Tensor,
+            targets: torch.Tensor,
+            positions: torch.Tensor,
+            packed: dict[str, torch.Tensor],
+            weight: float,
+            counted: torch.Tensor,
+        ) -> torch.Tensor:
+            return scheduled(inputs, targets, {}, counted_share_loss(scaled, counted, parts))
+
+        staged = context_parallel_step(plan, applied.device_mesh, chunks, attends=False, weighs=False)
         return taking_packed(
             staged,
             packing,
@@ -220,17 +239,21 @@ def checked_pipelined_rows(
 
 
 def packed_microbatch_loss(plan: Plan, loss_fn: LossFn, targets: torch.Tensor) -> LossFn:
-    """``loss_fn`` on a micro-batch of packed rows, weighted by its share of the step's ``targets``.
+    """``loss_fn`` on a micro-batch of packed rows, weighted by its share of the step's ``targets``."""
+    return counted_share_loss(loss_fn, (targets != IGNORE_INDEX).sum(), _microbatches(plan))
 
-    Each micro-batch's loss, a mean over its counted targets, is weighted by its share of them: the
-    schedule's mean over the micro-batches is then the rows' mean, as in one process. The weights
-    stay on the device (`share_weighted`): no micro-batch waits for a read of its count.
+
+def counted_share_loss(loss_fn: LossFn, counted: torch.Tensor, parts: int) -> LossFn:
+    """``loss_fn`` on one of a step's ``parts`` parts, weighted by its share of the ``counted`` targets.
+
+    Each part's loss (a pipeline's micro-batch, under cp a rank's chunks of one), a mean over its
+    counted targets, is weighted by its share of them: the mean over the parts is then the rows'
+    mean, as in one process. The weights stay on the device (`share_weighted`): no micro-batch
+    waits for a read of its count.
     """
-    microbatches = _microbatches(plan)
-    counted = (targets != IGNORE_INDEX).sum()
 
     def weighted(outputs: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
-        return share_weighted(loss_fn(outputs, part), part, counted, microbatches)
+        return share_weighted(loss_fn(outputs, part), part, counted, parts)
 
     return weighted
 

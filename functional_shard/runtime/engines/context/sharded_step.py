@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from functional_shard.core.document_masks import check_packed_inputs, rank_share
-from functional_shard.core.packing import counted_share
+from functional_shard.core.packing import IGNORE_INDEX, counted_share
 from functional_shard.planning.plan.plan import Plan
 
 from .arguments import sequence_dim, share_check
@@ -22,12 +22,15 @@ from .parallel import SequenceShard, check_attention_split, cut_tensors, splitti
 
 __all__ = ["Run", "context_parallel_step"]
 
-Run = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor], float], torch.Tensor]
-"""``run(inputs, targets, positions, packed, weight)``: forward and backward on this rank's share.
+Run = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor], float, torch.Tensor], torch.Tensor
+]
+"""``run(inputs, targets, positions, packed, weight, counted)``: forward and backward on this rank's share.
 
 ``positions``: the share's global positions; ``packed``: its share of the packed keywords given to
 the step (``positions``, ``document_ids``; empty for whole sequences); ``weight``: what to scale the
-loss by before the backward."""
+loss by before the backward; ``counted``: the step's count of counted targets over every rank's
+share (a tensor, read from no device), for a ``run`` that weighs parts of its share itself."""
 
 
 def context_parallel_step(
@@ -40,7 +43,8 @@ def context_parallel_step(
     hands them on. Packed rows (``document_ids``, `functional_shard.core.packing`) are cut by attention
     work (`SequenceShard.packed`). Each rank's loss, a mean over the targets it counts (not
     `IGNORE_INDEX`), is weighted by its share of them, packed or not (whole sequences only with
-    ``weighs``). ``attends``: this rank's forward must reach attention (not so for a pipeline stage
+    ``weighs``; without, ``run`` weighs its parts by ``counted`` itself, as a pipeline its
+    micro-batches). ``attends``: this rank's forward must reach attention (not so for a pipeline stage
     that holds none).
     """
     context = plan.config.context
@@ -69,7 +73,7 @@ def context_parallel_step(
         # masked prompt, padding) fall unevenly on the chunks, so each is weighted by its share
         # of them, as packed rows are (1.0 when every target counts)
         weight = counted_share(mine[1], targets, shard.size) if weighs else 1.0
-        return run_share(shard, mine[0], mine[1], {}, weight)
+        return run_share(shard, mine[0], mine[1], {}, weight, targets)
 
     def packed_step(
         inputs: torch.Tensor, targets: torch.Tensor, packed: dict[str, torch.Tensor]
@@ -86,7 +90,9 @@ def context_parallel_step(
         # each rank's share of them, the ranks' mean is the rows'
         weight = counted_share(mine[1], targets, shard.size)
         with rank_share():
-            return run_share(shard, mine[0], mine[1], dict(zip(packed, mine[2:], strict=True)), weight)
+            return run_share(
+                shard, mine[0], mine[1], dict(zip(packed, mine[2:], strict=True)), weight, targets
+            )
 
     def run_share(
         shard: SequenceShard,
@@ -94,9 +100,11 @@ def context_parallel_step(
         targets: torch.Tensor,
         packed: dict[str, torch.Tensor],
         weight: float,
+        whole_targets: torch.Tensor,
     ) -> torch.Tensor:
+        counted = (whole_targets != IGNORE_INDEX).sum()
         with splitting_attention(shard) as split:
-            loss = run(inputs, targets, shard.positions, packed, weight)
+            loss = run(inputs, targets, shard.positions, packed, weight, counted)
             if attends:
                 check_attention_split(split, context.axis)
         # a share of padding alone counts no target: its loss, a mean over none, is nan (its
