@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
 
 import functional_shard as fs
-from functional_shard.zoo import Llama, LlamaConfig
+from functional_shard.zoo import Attention, Llama, LlamaConfig
 
 from .dist_cases import full, mean_over_ranks
 
@@ -235,6 +235,38 @@ def refused_by_hand(mesh: dict[str, int], policy: str) -> list[str]:
         except fs.ShardingError as error:
             errors.append(str(error))
     return errors
+
+
+class _ZooAttentionByHand(Attention):
+    """The zoo's causal attention computed by hand (softmax of scores), which cp cannot reach."""
+
+    def forward(self, x: torch.Tensor, **_: Any) -> torch.Tensor:
+        batch, seq, _width = x.shape
+        q, k, v = (
+            proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = (q @ k.transpose(-1, -2)) * self.head_dim**-0.5
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), -torch.inf)
+        return self.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, -1))
+
+
+def refused_by_hand_pipelined(mesh: dict[str, int], policy: str) -> str:
+    """What the zoo Llama whose layers compute attention by hand raises through fs.forward_backward
+    under a pipeline + cp plan ("" where nothing is raised)."""
+    model = build("zoo_untied")
+    for layer in model.layers:
+        layer.self_attn.__class__ = _ZooAttentionByHand
+    plan = fs.shard(model, fs.Mesh(**mesh), fs.parse_policy(policy, model))
+    fs.apply(plan, model)
+    tokens = batches(1)[0][:BATCH]
+    try:
+        fs.forward_backward(plan, model, loss_fn)(tokens[:, :-1], tokens[:, 1:])
+    except fs.ShardingError as error:
+        return str(error)
+    return ""
 
 
 def _smoothed_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:

@@ -316,6 +316,16 @@ def test_a_model_computing_attention_by_hand_is_refused_by_either_loop(world4):
         assert all("made no attention call the engine could split" in error for error in errors), errors
 
 
+def test_a_model_computing_attention_by_hand_is_refused_under_a_pipeline_too(world4):
+    # a stage may hold no attention, so the stages' calls are counted together: none ran, silently
+    errors = world4.run(
+        cp_cases.refused_by_hand_pipelined,
+        {"pp": 2, "cp": 2},
+        "pipeline(pp, microbatches=2) + fsdp(cp) + cp(cp)",
+    )
+    assert all("made no attention call the engine could split" in error for error in errors), errors
+
+
 def test_a_step_with_a_length_the_chunks_do_not_divide_is_refused_on_every_rank(world4):
     errors = world4.run(cp_cases.refused, "zoo", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp)", 14)
     assert len(set(errors)) == 1

@@ -196,7 +196,9 @@ def _pipelined_step(
         ) -> torch.Tensor:
             return scheduled(inputs, targets, {}, counted_share_loss(scaled, counted, parts))
 
-        staged = context_parallel_step(plan, applied.device_mesh, chunks, attends=False, weighs=False)
+        staged = context_parallel_step(
+            plan, applied.device_mesh, chunks, stages=pipelined.group, weighs=False
+        )
         return taking_packed(
             staged,
             packing,

@@ -34,7 +34,12 @@ share (a tensor, read from no device), for a ``run`` that weighs parts of its sh
 
 
 def context_parallel_step(
-    plan: Plan, device_mesh: DeviceMesh, run: Run, *, attends: bool = True, weighs: bool = True
+    plan: Plan,
+    device_mesh: DeviceMesh,
+    run: Run,
+    *,
+    stages: dist.ProcessGroup | None = None,
+    weighs: bool = True,
 ) -> Callable[..., torch.Tensor]:
     """`fs.forward_backward`'s step under context parallel: ``run`` on this rank's chunks.
 
@@ -44,14 +49,15 @@ def context_parallel_step(
     work (`SequenceShard.packed`). Each rank's loss, a mean over the targets it counts (not
     `IGNORE_INDEX`), is weighted by its share of them, packed or not (whole sequences only with
     ``weighs``; without, ``run`` weighs its parts by ``counted`` itself, as a pipeline its
-    micro-batches). ``attends``: this rank's forward must reach attention (not so for a pipeline stage
-    that holds none).
+    micro-batches). This rank's forward must reach attention; under a pipeline, whose ``stages``
+    group (the pp group) runs the model a stage each, one of theirs must (a stage may hold none).
     """
     context = plan.config.context
     assert context is not None
     mesh = device_mesh[context.axis]
     group = mesh.get_group()
     split_share = share_check(plan)
+    stages_split = False  # under a pipeline: a step has seen its stages' attention split
 
     def step(inputs: torch.Tensor, targets: torch.Tensor, **packed: torch.Tensor) -> torch.Tensor:
         sequence_dim(
@@ -102,11 +108,19 @@ def context_parallel_step(
         weight: float,
         whole_targets: torch.Tensor,
     ) -> torch.Tensor:
+        nonlocal stages_split
         counted = (whole_targets != IGNORE_INDEX).sum()
         with splitting_attention(shard) as split:
             loss = run(inputs, targets, shard.positions, packed, weight, counted)
-            if attends:
-                check_attention_split(split, context.axis)
+        if stages is None:
+            check_attention_split(split, context.axis)
+        elif not stages_split:
+            # the stages' calls summed over the pp group on the first step only: a forward that
+            # reaches attention once reaches it every step, and the sum costs a read of the device
+            total = torch.tensor(split[0], device=loss.device)
+            dist.all_reduce(total, group=stages)
+            check_attention_split([int(total)], context.axis)
+            stages_split = True
         # a share of padding alone counts no target: its loss, a mean over none, is nan (its
         # gradient, scaled by the weight 0, is zero); it adds nothing to the rows' mean
         mean = loss.detach().clone() * weight if weight else torch.zeros_like(loss.detach())
