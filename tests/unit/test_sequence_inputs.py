@@ -108,11 +108,20 @@ def test_context_chunks_refuses_what_is_not_a_plan(plan):
 def test_context_chunks_cuts_any_divisible_length_along_a_negative_dim_too(seq, rank, dim):
     tokens = torch.arange(seq)[None]
     if seq % 4:
-        with pytest.raises(fs.ShardingError, match=f"does not divide the sequence length {seq};"):
+        # named by the argument that gave it (the refusal once named a seq= it does not take)
+        said = (
+            re.escape(f"tensors[0].shape[{dim}]={seq}: ") + f".* does not divide the sequence length {seq};"
+        )
+        with pytest.raises(fs.ShardingError, match=said):
             fs.context_chunks(CP2, tokens, rank=rank, dim=dim)
         return
     mine, positions = fs.context_chunks(CP2, tokens, rank=rank, dim=dim)
     assert mine.tolist() == [positions.tolist()]
+
+
+def test_context_chunks_names_an_empty_sequence_by_its_tensor():
+    with pytest.raises(fs.ShardingError, match=re.escape("tensors[0].shape[1]=0: a positive int")):
+        fs.context_chunks(CP2, torch.zeros(2, 0), rank=0)
 
 
 @given(seq=st.one_of(st.integers(-100, 0), st.floats(allow_nan=False), st.none(), st.booleans()))

@@ -405,10 +405,13 @@ def context_chunks(
     sequence_dim("fs.context_chunks", tensors, dim)
     rank = chunk_rank(plan, rank, dist.get_rank() if dist.is_initialized() else None)
     seq = tensors[0].shape[dim]
+    cp = context.size(plan.mesh)
+    # named by the argument the length comes from: context_chunks takes no length of its own
+    check_sequence_length(seq, cp, load_balance=context.load_balance, name=f"tensors[0].shape[{dim}]")
     positions = torch.tensor(
         token_positions(
             seq,
-            context.size(plan.mesh),
+            cp,
             plan.mesh.coords(rank)[context.axis],
             load_balance=context.load_balance,
         ),
