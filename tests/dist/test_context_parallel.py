@@ -329,7 +329,10 @@ def test_a_model_computing_attention_by_hand_is_refused_under_a_pipeline_too(wor
 def test_a_step_with_a_length_the_chunks_do_not_divide_is_refused_on_every_rank(world4):
     errors = world4.run(cp_cases.refused, "zoo", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp)", 14)
     assert len(set(errors)) == 1
-    assert "cp=2 with load balancing cuts each sequence into 4 equal chunks" in errors[0]
+    # named by the step's argument the length comes from (it once said seq_len=, which the step does not take)
+    assert errors[0].startswith(
+        "inputs.shape[1]=14: cp=2 with load balancing cuts each sequence into 4 equal"
+    )
     assert "use 12 or 16 tokens" in errors[0]
 
 

@@ -85,16 +85,25 @@ class SequenceShard:
 
     @classmethod
     def of(
-        cls, mesh: DeviceMesh, seq_len: int, *, load_balance: bool, device: torch.device, engine: str
+        cls,
+        mesh: DeviceMesh,
+        seq_len: int,
+        *,
+        load_balance: bool,
+        device: torch.device,
+        engine: str,
+        name: str = "seq_len",
     ) -> SequenceShard:
         """This rank's share of a ``seq_len``-token sequence cut over the 1-D cp ``mesh``.
+
+        ``name``: the caller's argument ``seq_len`` comes from, as its refusal names it.
 
         Raises:
             ShardingError: the chunks do not divide ``seq_len`` (the nearest lengths named).
         """
         group = mesh.get_group()
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        check_sequence_length(seq_len, size, load_balance=load_balance, name="seq_len")
+        check_sequence_length(seq_len, size, load_balance=load_balance, name=name)
         every = [token_positions(seq_len, size, r, load_balance=load_balance) for r in range(size)]
         positions = torch.tensor(every[rank], device=device)
         keys = torch.tensor([p for held in every for p in held], device=device)

@@ -71,6 +71,7 @@ def context_parallel_step(
             load_balance=context.load_balance,
             device=inputs.device,
             engine=context.engine,
+            name="inputs.shape[1]",
         )
         if split_share is not None:
             split_share(inputs.shape[1])
