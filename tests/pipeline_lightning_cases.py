@@ -252,3 +252,19 @@ def fabric_loop() -> dict[str, Any]:
         refused = str(error)
     params = {k.removeprefix("_forward_module."): full(v) for k, v in model.state_dict().items()}
     return {"losses": losses, "params": params, "backward_refused": refused, "rank": dist.get_rank()}
+
+
+def evaluated_under_cp() -> list[str]:
+    """trainer.validate, then trainer.predict, of the pipelined module under pp=2 x cp=2: what each
+    raises ('' where nothing is)."""
+    said = []
+    for evaluation in ("validate", "predict"):
+        policy = fs.pipeline("pp", microbatches=2) + fs.fsdp("cp") + fs.cp("cp")
+        trainer = quiet_trainer(ShardStrategy(policy, mesh=fs.Mesh(pp=2, cp=2)))
+        rows = torch.utils.data.DataLoader(evaluation_tokens(), batch_size=pipeline_cases.BATCH)
+        try:
+            getattr(trainer, evaluation)(Evaluates(), rows)
+            said.append("")
+        except Exception as error:  # a stage's plain forward once failed deep in torch
+            said.append(f"{type(error).__name__}: {error}")
+    return said

@@ -260,8 +260,12 @@ def model_outputs(module: pl.LightningModule, inputs: torch.Tensor) -> torch.Ten
 
 
 def _context_parallel(strategy: _RunsSchedules) -> bool:
-    # cp's evaluation is not built (fs.forward_loss refuses it): its ranks run the plain forward
-    return strategy._plan is not None and strategy._plan.config.context is not None
+    # cp's evaluation is not built (fs.forward_loss refuses it): its ranks run the plain forward,
+    # which holds the whole model; a pipeline's ranks hold their stages only, so under a
+    # pipeline fs.forward_loss and fs.forward_only refuse it, on every rank alike
+    return (
+        strategy._plan is not None and strategy._plan.config.context is not None and not strategy._pipelined()
+    )
 
 
 def refuse_under_pipeline(trainer: pl.Trainer, module: torch.nn.Module, axis: str | None) -> None:

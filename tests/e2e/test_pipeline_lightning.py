@@ -78,6 +78,17 @@ def test_a_plan_without_pp_evaluates_and_predicts_as_the_pipeline_does(world):
 
 
 @pytest.mark.slow
+def test_evaluation_under_a_pipeline_and_cp_is_refused_as_fs_forward_loss_refuses_it(world):
+    # each rank once ran the plain forward of its stages alone: the first stage's hidden states
+    # taken for logits, a raw torch error on the last
+    for said in world.run(cases.evaluated_under_cp):
+        assert all(
+            s.startswith("ShardingError: ") and "under a context-parallel plan is not built" in s
+            for s in said
+        ), said
+
+
+@pytest.mark.slow
 def test_validate_and_test_run_the_schedule_forward_only(world):
     _, before, _, _ = cases.evaluation_reference()
     for result in world.run(cases.validate_and_test):
