@@ -269,6 +269,16 @@ def refused_by_hand_pipelined(mesh: dict[str, int], policy: str) -> str:
     return ""
 
 
+def refused_sequence_context(mesh: dict[str, int], policy: str) -> str:
+    """What fs.sequence_context raises for the zoo Llama under the plan ("" where nothing is)."""
+    model, plan = planned("zoo_untied", mesh, policy)
+    try:
+        fs.sequence_context(plan, model, SEQ)
+    except fs.ShardingError as error:
+        return str(error)
+    return ""
+
+
 def _smoothed_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
     logits = logits_of(outputs)
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), label_smoothing=0.1)

@@ -316,14 +316,23 @@ def test_a_model_computing_attention_by_hand_is_refused_by_either_loop(world4):
         assert all("made no attention call the engine could split" in error for error in errors), errors
 
 
-def test_a_model_computing_attention_by_hand_is_refused_under_a_pipeline_too(world4):
-    # a stage may hold no attention, so the stages' calls are counted together: none ran, silently
-    errors = world4.run(
-        cp_cases.refused_by_hand_pipelined,
-        {"pp": 2, "cp": 2},
-        "pipeline(pp, microbatches=2) + fsdp(cp) + cp(cp)",
-    )
-    assert all("made no attention call the engine could split" in error for error in errors), errors
+@pytest.mark.parametrize(
+    ("refused", "says"),
+    [
+        # a stage may hold no attention, so the stages' calls are counted together: none ran, silently
+        (cp_cases.refused_by_hand_pipelined, "made no attention call the engine could split"),
+        # a loop running the model in it ran one stage alone: raw torch errors, or hidden states for logits
+        (
+            cp_cases.refused_sequence_context,
+            "fs.sequence_context under a pipeline plan is not built: each rank holds its own stages, which "
+            "the pipeline's schedule runs; train with fs.forward_backward(plan, model, loss_fn)",
+        ),
+    ],
+    ids=["attention-by-hand", "sequence-context"],
+)
+def test_what_cp_cannot_run_under_a_pipeline_is_refused_on_every_rank(world4, refused, says):
+    errors = world4.run(refused, {"pp": 2, "cp": 2}, "pipeline(pp, microbatches=2) + fsdp(cp) + cp(cp)")
+    assert all(says in error for error in errors), errors
 
 
 def test_a_step_with_a_length_the_chunks_do_not_divide_is_refused_on_every_rank(world4):

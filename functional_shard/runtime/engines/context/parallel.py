@@ -439,9 +439,9 @@ def sequence_context(
     recomputes its attention there.
 
     Raises:
-        ShardingError: ``module`` not applied with ``plan``, a plan without cp, a ``seq_len``
-            that is not a positive int or that the chunks do not divide, or (on leaving) a body
-            that made no attention call the engine could split.
+        ShardingError: ``module`` not applied with ``plan``, a plan without cp or with a pipeline,
+            a ``seq_len`` that is not a positive int or that the chunks do not divide, or (on leaving)
+            a body that made no attention call the engine could split.
 
     Examples:
         >>> # inputs, targets, positions = fs.context_chunks(plan, inputs, targets)
@@ -456,6 +456,13 @@ def sequence_context(
     if context is None:
         raise ShardingError(
             "fs.sequence_context: the plan has no context-parallel axis (plan it with fs.cp(...))"
+        )
+    if plan.config.pipeline is not None:
+        # a rank holds its stages only: the model's forward run by hand would be one stage's
+        raise ShardingError(
+            "fs.sequence_context under a pipeline plan is not built: each rank holds its own stages, "
+            "which the pipeline's schedule runs; train with fs.forward_backward(plan, model, loss_fn), "
+            "whose stages attend over the whole sequences from each rank's chunks"
         )
     device = next(module.parameters(), torch.empty(0)).device
     shard = SequenceShard.of(
