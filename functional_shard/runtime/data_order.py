@@ -38,7 +38,7 @@ class DataOrder:
     Args:
         dataset_len: how many samples the dataset holds.
         global_batch: samples per step over all data-parallel ranks.
-        seed: each epoch's permutation comes from ``seed + epoch``.
+        seed: each epoch's permutation comes from ``seed + epoch`` (wrapped to torch's 64-bit seeds).
         shuffle: permute each epoch (else the dataset's own order, every epoch).
 
     Examples:
@@ -73,7 +73,9 @@ class DataOrder:
     def epoch(self, epoch: int) -> list[int]:
         """The sample indices of ``epoch`` in the order the steps read them (whole batches only)."""
         if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + epoch)
+            # torch takes a negative seed as its 64-bit two's complement; wrapping the sum the
+            # same way keeps every order it gave and lets the widest seeds reach any epoch
+            generator = torch.Generator().manual_seed((self.seed + epoch) % _SEED_SPAN)
             order = torch.randperm(self.dataset_len, generator=generator).tolist()
         else:
             order = list(range(self.dataset_len))
@@ -97,8 +99,9 @@ class DataOrder:
 
 # the least value of each count a data order or a sampler state holds (None: any whole number)
 _LEAST = {"dataset_len": 1, "global_batch": 1, "seed": None, "epoch": 0, "consumed": 0, "steps": 0}
-# the seeds torch.Generator.manual_seed takes
+# the seeds torch.Generator.manual_seed takes, and how many distinct generators they give
 _SEEDS = (-(2**63), 2**64 - 1)
+_SEED_SPAN = 2**64
 
 
 def _value_problems(values: dict[str, Any]) -> list[str]:

@@ -97,3 +97,10 @@ def test_a_seed_torch_cannot_take_is_refused_up_front(seed):
 def test_the_widest_seeds_torch_takes_still_walk():
     assert len(fs.DataOrder(10, 4, seed=2**64 - 1).epoch(0)) == 8
     assert len(fs.DataOrder(10, 4, seed=-(2**63)).epoch(0)) == 8
+
+
+@pytest.mark.parametrize(("seed", "epoch", "same_as"), [(2**64 - 1, 1, 0), (2**64 - 2, 5, 3), (-1, 1, 0)])
+def test_a_seed_accepted_walks_every_epoch_wrapping_as_torch_does(seed, epoch, same_as):
+    # before: seed + epoch past 2**64 - 1 raised torch's raw "Overflow when unpacking long long"
+    order = fs.DataOrder(10, 4, seed=seed)
+    assert order.epoch(epoch) == fs.DataOrder(10, 4, seed=same_as).epoch(0)
