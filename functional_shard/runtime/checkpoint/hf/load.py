@@ -20,7 +20,7 @@ from torch import nn
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.validate import device as checked_device
-from functional_shard.core.validate import entry_point
+from functional_shard.core.validate import entry_point, instance_of
 from functional_shard.core.validate import path as checked_path
 from functional_shard.runtime.checkpoint.integrity import agreed, distributed, every_rank_keys, raise_problems
 from functional_shard.runtime.engines.applied import APPLIED, Applied
@@ -77,11 +77,7 @@ def load_hf(
     """
     path = checked_path(path, "path")
     _check_device(device)
-    if not isinstance(module, nn.Module):
-        raise ShardingError(
-            f"fs.checkpoint.load_hf(module={type(module).__name__}): not a Module; pass the model "
-            "fs.apply parallelized (or will)"
-        )
+    instance_of(module, nn.Module, "module", meaning="the model fs.apply parallelized, or will")
     model = _submodule(module, root)
     prefix = f"{root}." if root else ""
     applied = APPLIED.get(module)
