@@ -252,6 +252,15 @@ def _fit_problems(
                     f"{source.key} ({source.file}): stored as {source.stored}, quantized; load_hf "
                     "reads float weights (dequantize the folder first)"
                 )
+            elif (
+                tensor.is_floating_point() and source.dtype is not None and not source.dtype.is_floating_point
+            ):
+                # a header whose dtype was damaged (I32 for F32 keeps every length consistent)
+                # or another model's folder: its bytes would be read as whole numbers
+                problems.append(
+                    f"{source.key} ({source.file}): stored as {source.stored}, whole numbers, for the "
+                    f"model's {tensor.dtype} {name}; pass a folder of float weights (copy it again if it was)"
+                )
     return problems
 
 
