@@ -44,6 +44,11 @@ _FUNCTIONAL = {
 }
 
 
+def _functional_kind(name: str) -> str:
+    # the in-place (``all_reduce_``), ``_out`` and coalesced forms send as the plain one does
+    return name.removesuffix("_").removesuffix("_out").removesuffix("_coalesced")
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -162,12 +167,12 @@ class CollectiveLog(TorchDispatchMode):
             from torch.distributed.distributed_c10d import _resolve_process_group
 
             self._record_all_to_all(_resolve_process_group(args[-1]), args[0], args[2])
-        elif name.removesuffix("_coalesced") in _FUNCTIONAL:
+        elif _functional_kind(name) in _FUNCTIONAL:
             from torch.distributed.distributed_c10d import _resolve_process_group
 
-            kind, group = _FUNCTIONAL[name.removesuffix("_coalesced")], _resolve_process_group(args[-1])
+            kind, group = _FUNCTIONAL[_functional_kind(name)], _resolve_process_group(args[-1])
             scale = group.size() if kind == "all_gather" else 1
-            for tensor in args[0] if name.endswith("_coalesced") else [args[0]]:
+            for tensor in args[0] if "_coalesced" in name else [args[0]]:
                 self._record(kind, group, _nbytes(tensor) * scale)
         return func(*args, **(kwargs or {}))
 
