@@ -327,7 +327,7 @@ class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
             **options: other DataLoader options (``num_workers``, ...), but not those the sampler sets.
 
         Raises:
-            ShardingError: ``dataset``'s length differs, or an option the sampler sets.
+            ShardingError: ``dataset`` has no length or another, or an option the sampler sets.
 
         Examples:
             >>> [b.tolist() for b in ResumableSampler(4, batch_size=2, shuffle=False).loader(range(4))]
@@ -351,8 +351,8 @@ class ResumableLoader(DataLoader):  # type: ignore[type-arg]
     given a ``collate_fn``: packed rows come as one `functional_shard.PackedBatch`, the rest as torch's.
 
     Raises:
-        ShardingError: ``dataset``'s length differs from the sampler's, or an option the
-            sampler sets.
+        ShardingError: ``dataset`` has no length or another than the sampler's, or an option
+            the sampler sets.
 
     Examples:
         >>> loader = ResumableSampler(6, batch_size=2, shuffle=False).loader(range(6))
@@ -376,6 +376,11 @@ class ResumableLoader(DataLoader):  # type: ignore[type-arg]
             raise ShardingError(
                 f"ResumableLoader needs a ResumableSampler, got {type(sampler).__name__}; "
                 "make one with fs.ResumableSampler(...).loader(dataset)"
+            )
+        if not hasattr(dataset, "__len__"):  # an iterable dataset: the sampler's indices would go unread
+            raise ShardingError(
+                f"ResumableLoader: the dataset ({type(dataset).__name__}) has no len(); pass a map-style "
+                "dataset, which the sampler reads by index (a list, a torch Dataset with __len__)"
             )
         if len(dataset) != sampler.order.dataset_len:
             raise ShardingError(

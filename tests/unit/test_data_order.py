@@ -135,3 +135,9 @@ def test_a_rank_without_a_plan_is_refused_not_fed_every_sample():
         fs.ShardingError, match=re.escape("ResumableSampler(rank=1): without a plan there is one")
     ):
         fs.ResumableSampler(10, rank=1, batch_size=2)
+
+
+def test_a_dataset_without_a_length_is_refused_by_name():
+    # before: TypeError "object of type 'range_iterator' has no len()" from inside the loader
+    with pytest.raises(fs.ShardingError, match=re.escape("the dataset (range_iterator) has no len()")):
+        fs.ResumableSampler(10, batch_size=2).loader(iter(range(10)))
