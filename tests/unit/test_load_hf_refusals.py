@@ -161,6 +161,25 @@ def test_a_file_cut_short_after_its_header_was_read_is_refused_by_file_and_tenso
     opened.release()
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        # before: "no" was truthy, so pickles (which can run code) were trusted
+        ({"trust": "no"}, "load_hf(trust=str): a bool (True reads pickled"),
+        ({"root": None}, "load_hf(root=NoneType): a str (the name of the submodule"),
+    ],
+)
+def test_trust_and_root_of_another_type_are_refused_by_name(folder, options, message):
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
+        fs.checkpoint.load_hf(folder, cases.build("llama", meta=True), **options)
+
+
+def test_convert_to_hf_refuses_a_trust_that_is_no_bool(tmp_path):
+    # before: a truthy "no" trusted the checkpoint's pickled objects
+    with pytest.raises(fs.ShardingError, match=re.escape("convert_to_hf(trust=str): a bool (True rebuilds")):
+        fs.checkpoint.convert_to_hf(tmp_path / "ckpt", tmp_path / "out", {}, trust="no")
+
+
 def test_a_path_that_is_no_folder_is_refused_with_its_own_fix(tmp_path):
     # not "does not fit the model ... or mapping=": there is no folder to fit
     nowhere = tmp_path / "nowhere"

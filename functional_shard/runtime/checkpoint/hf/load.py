@@ -68,8 +68,9 @@ def load_hf(
 
     Raises:
         ShardingError: the folder does not fit the model (keys, shapes, quantized weights, damaged
-            files, pickles without ``trust``), a buffer cannot be restored, or ``root`` names no
-            submodule. On every rank, before anything changes.
+            files, pickles without ``trust``), a buffer cannot be restored, ``root`` names no
+            submodule, or ``module``, ``trust`` or ``root`` is not of its type. On every rank, before
+            anything changes.
 
     Examples:
         >>> # with torch.device("meta"): model = AutoModelForCausalLM.from_config(config)
@@ -78,6 +79,11 @@ def load_hf(
     path = checked_path(path, "path")
     _check_device(device)
     instance_of(module, nn.Module, "module", meaning="the model fs.apply parallelized, or will")
+    # a str ("no", "false" from a config file) is truthy: it would read pickles, which can run code
+    instance_of(
+        trust, bool, "trust", meaning="True reads pickled pytorch_model.bin files, which can run code"
+    )
+    instance_of(root, str, "root", meaning="the name of the submodule the plan was applied around, or ''")
     model = _submodule(module, root)
     prefix = f"{root}." if root else ""
     applied = APPLIED.get(module)
