@@ -40,6 +40,28 @@ def _issue(kind: str) -> None:
             dist.all_gather_into_tensor(torch.empty(4 * n), torch.ones(4))
             dist.all_gather_into_tensor(torch.empty(2 * n), torch.ones(2))
         works.wait()
+    elif kind == "reduce":
+        dist.reduce(torch.ones(4), dst=0)
+    elif kind == "reduce_scatter_list":
+        dist.reduce_scatter(torch.empty(4), [torch.ones(4) for _ in range(n)])
+    elif kind == "all_gather_coalesced":
+        dist.all_gather_coalesced([[torch.empty(4)] for _ in range(n)], [torch.ones(4)])
+    elif kind == "gather":  # rank 1 gathers: its own piece stays, the others each send theirs
+        dist.gather(torch.ones(4), [torch.empty(4) for _ in range(n)] if me == 1 else None, dst=1)
+    elif kind == "scatter":  # rank 1 scatters: it sends every piece but its own
+        dist.scatter(torch.empty(4), [torch.ones(4) for _ in range(n)] if me == 1 else None, src=1)
+    elif kind == "all_to_all_list":  # gloo takes equal pieces only
+        dist.all_to_all([torch.empty(2) for _ in range(n)], [torch.ones(2) for _ in range(n)])
+    elif kind == "functional_in_place_and_out":  # what compiled code issues
+        ops, group = torch.ops._c10d_functional, world.group_name
+        funcol.wait_tensor(ops.all_reduce_(torch.ones(4), "sum", group))
+        for tensor in ops.all_reduce_coalesced_([torch.ones(4), torch.ones(2)], "sum", group):
+            funcol.wait_tensor(tensor)
+        funcol.wait_tensor(ops.broadcast_(torch.ones(4), 0, group))
+        funcol.wait_tensor(ops.all_gather_into_tensor_out(torch.ones(4), n, group, out=torch.empty(4 * n)))
+        funcol.wait_tensor(
+            ops.reduce_scatter_tensor_out(torch.ones(4 * n), "sum", n, group, out=torch.empty(4))
+        )
     elif kind == "functional_all_reduce_coalesced":
         for tensor in funcol.all_reduce_coalesced([torch.ones(4), torch.ones(2)], "sum", world):
             funcol.wait_tensor(tensor)

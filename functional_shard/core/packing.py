@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 
 from .errors import ShardingError, bullets
-from .validate import entry_point, refuse
+from .validate import entry_point, non_negative_int, one_of, positive_int, refuse
 
 __all__ = [
     "IGNORE_INDEX",
@@ -196,6 +196,7 @@ class PackedBatch:
         return torch.tensor(bounds, dtype=torch.int32)
 
 
+@entry_point
 def pack(
     documents: Sequence[Any],
     seq_len: int,
@@ -209,7 +210,8 @@ def pack(
         documents: the documents, each a sequence of token ids (a list, or a 1-D integer tensor).
         seq_len: tokens in each row.
         long: a document longer than ``seq_len``: ``"refuse"`` raises, ``"split"`` packs its pieces apart.
-        pad_id: the token id that fills each row after its last document.
+        pad_id: the token id that fills each row after its last document, at least 0 (its labels
+            are ``IGNORE_INDEX`` whatever it is).
 
     Returns:
         A `PackedBatch`.
@@ -307,15 +309,16 @@ def collate_packed(items: Sequence[Any]) -> Any:
 
 
 def _check_arguments(seq_len: Any, long: Any, pad_id: Any) -> None:
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
-        raise ShardingError(f"pack(seq_len={seq_len!r}): seq_len is the tokens in each row, a positive int")
-    if long not in ("refuse", "split"):
-        raise ShardingError(
-            f"pack(long={long!r}): long is what to do with a document longer than seq_len: "
-            "'refuse' (raise) or 'split' (cut it into pieces of seq_len tokens)"
-        )
-    if isinstance(pad_id, bool) or not isinstance(pad_id, int):
-        raise ShardingError(f"pack(pad_id={pad_id!r}): pad_id is the token id of the padding, an int")
+    positive_int(seq_len, "seq_len", meaning="the tokens in each row")
+    one_of(
+        long,
+        ("refuse", "split"),
+        "long",
+        meaning="what to do with a document longer than seq_len: raise, or cut it into seq_len pieces",
+    )
+    # the padding is a model input the embedding reads, not a label: -100 and the like belong
+    # in labels (IGNORE_INDEX), which pack sets under the padding itself
+    non_negative_int(pad_id, "pad_id", meaning="the token id of the padding; token ids count from 0")
 
 
 def _documents(documents: Any, seq_len: int) -> list[torch.Tensor]:

@@ -66,6 +66,19 @@ class TensorSpec:
         return self.dtype.itemsize
 
     @property
+    def differentiable(self) -> bool:
+        """Whether it can have a gradient: torch allows one on float and complex tensors only.
+
+        An integer or bool parameter is always frozen (``requires_grad=False``): no gradient, no
+        optimizer state, nothing reduced.
+
+        Examples:
+            >>> TensorSpec((4,), torch.bfloat16).differentiable, TensorSpec((4,), torch.int64).differentiable
+            (True, False)
+        """
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the whole tensor."""
         return self.numel * self.itemsize

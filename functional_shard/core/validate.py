@@ -38,6 +38,7 @@ __all__ = [
     "device",
     "entry_point",
     "instance_of",
+    "non_negative_int",
     "one_of",
     "path",
     "positive_int",
@@ -97,6 +98,22 @@ def positive_int(value: Any, name: str, **refusal: Unpack[Refusal]) -> int:
     """
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         refuse(name, repr(value), "a positive int", **refusal)
+    return value
+
+
+def non_negative_int(value: Any, name: str, **refusal: Unpack[Refusal]) -> int:
+    """``value`` if it is an int of at least 0 (not a bool, not a float), else refused.
+
+    Examples:
+        >>> non_negative_int(0, "pad_id")
+        0
+        >>> non_negative_int(-1, "pad_id")
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: pad_id=-1: an int of at least 0
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        refuse(name, repr(value), "an int of at least 0", **refusal)
     return value
 
 

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.packing import collate_packed
-from functional_shard.core.validate import instance_of
+from functional_shard.core.validate import instance_of, non_negative_int, positive_int
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan.plan import Plan
@@ -38,7 +38,7 @@ class DataOrder:
     Args:
         dataset_len: how many samples the dataset holds.
         global_batch: samples per step over all data-parallel ranks.
-        seed: each epoch's permutation comes from ``seed + epoch``.
+        seed: each epoch's permutation comes from ``seed + epoch`` (wrapped to torch's 64-bit seeds).
         shuffle: permute each epoch (else the dataset's own order, every epoch).
 
     Examples:
@@ -71,20 +71,46 @@ class DataOrder:
         return self.dataset_len // self.global_batch
 
     def epoch(self, epoch: int) -> list[int]:
-        """The sample indices of ``epoch`` in the order the steps read them (whole batches only)."""
+        """The sample indices of ``epoch`` in the order the steps read them (whole batches only).
+
+        Raises:
+            ShardingError: ``epoch`` is not an int of at least 0.
+        """
+        non_negative_int(epoch, "epoch", meaning="epochs count from 0")
         if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + epoch)
+            # torch takes a negative seed as its 64-bit two's complement; wrapping the sum the
+            # same way keeps every order it gave and lets the widest seeds reach any epoch
+            generator = torch.Generator().manual_seed((self.seed + epoch) % _SEED_SPAN)
             order = torch.randperm(self.dataset_len, generator=generator).tolist()
         else:
             order = list(range(self.dataset_len))
         return order[: self.steps_per_epoch * self.global_batch]
 
     def rank_slice(self, epoch: int, *, step: int, index: int, count: int) -> list[int]:
-        """The samples data-parallel rank ``index`` of ``count`` reads at ``step`` of ``epoch``."""
-        return _slice(self.epoch(epoch), step, self.global_batch, index, self.local_batch(count))
+        """The samples data-parallel rank ``index`` of ``count`` reads at ``step`` of ``epoch``.
+
+        Raises:
+            ShardingError: ``epoch`` or ``step`` is not an int of at least 0, ``step`` is past the
+                epoch's last, ``index`` is not one of the ``count`` ranks, or as `local_batch`.
+        """
+        local = self.local_batch(count)
+        non_negative_int(step, "step", meaning="steps count from 0 in each epoch")
+        non_negative_int(index, "index", meaning="data-parallel ranks count from 0")
+        if step >= self.steps_per_epoch or index >= count:
+            raise ShardingError(
+                f"DataOrder.rank_slice(step={step}, index={index}, count={count}): an epoch has "
+                f"{self.steps_per_epoch} steps (0 to {self.steps_per_epoch - 1}) and {count} ranks read "
+                f"each (0 to {count - 1}); pass a step and a rank index within them"
+            )
+        return _slice(self.epoch(epoch), step, self.global_batch, index, local)
 
     def local_batch(self, count: int) -> int:
-        """Samples per step on each of ``count`` data-parallel ranks; refused unless it divides."""
+        """Samples per step on each of ``count`` data-parallel ranks; refused unless it divides.
+
+        Raises:
+            ShardingError: ``count`` is not a positive int, or does not divide the global batch.
+        """
+        positive_int(count, "count", meaning="the data-parallel ranks")
         if self.global_batch % count:
             raise ShardingError(
                 f"the global batch of {self.global_batch} samples does not divide over {count} data-parallel "
@@ -97,8 +123,9 @@ class DataOrder:
 
 # the least value of each count a data order or a sampler state holds (None: any whole number)
 _LEAST = {"dataset_len": 1, "global_batch": 1, "seed": None, "epoch": 0, "consumed": 0, "steps": 0}
-# the seeds torch.Generator.manual_seed takes
+# the seeds torch.Generator.manual_seed takes, and how many distinct generators they give
 _SEEDS = (-(2**63), 2**64 - 1)
+_SEED_SPAN = 2**64
 
 
 def _value_problems(values: dict[str, Any]) -> list[str]:
@@ -140,8 +167,8 @@ class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
         shuffle: permute each epoch.
 
     Raises:
-        ShardingError: ``plan`` is not a `Plan`; ``batch_size`` does not divide over the plan's
-            data-parallel ranks, or does not fit the dataset.
+        ShardingError: ``plan`` is not a `Plan`, or is None with a ``rank`` other than 0;
+            ``batch_size`` does not divide over the plan's data-parallel ranks, or does not fit the dataset.
 
     Examples:
         >>> sampler = ResumableSampler(10, batch_size=4, shuffle=False)
@@ -169,6 +196,13 @@ class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
                 Plan,
                 "plan",
                 meaning="fs.ResumableSampler takes the run's plan, whose data-parallel axes split each batch",
+            )
+        if plan is None and rank != 0:
+            # else every process would read every sample: a run that forgot plan= trains on
+            # each batch as many times as it has data-parallel ranks
+            raise ShardingError(
+                f"ResumableSampler(rank={rank!r}): without a plan there is one rank, 0; pass the run's "
+                "plan= to split each batch over its data-parallel ranks"
             )
         self.order = DataOrder(dataset_len, batch_size, seed, shuffle)
         self.index, self.count = plan.data_parallel_rank(rank) if plan is not None else (0, 1)
@@ -293,7 +327,7 @@ class ResumableSampler(DistributedSampler):  # type: ignore[type-arg]
             **options: other DataLoader options (``num_workers``, ...), but not those the sampler sets.
 
         Raises:
-            ShardingError: ``dataset``'s length differs, or an option the sampler sets.
+            ShardingError: ``dataset`` has no length or another, or an option the sampler sets.
 
         Examples:
             >>> [b.tolist() for b in ResumableSampler(4, batch_size=2, shuffle=False).loader(range(4))]
@@ -317,8 +351,8 @@ class ResumableLoader(DataLoader):  # type: ignore[type-arg]
     given a ``collate_fn``: packed rows come as one `functional_shard.PackedBatch`, the rest as torch's.
 
     Raises:
-        ShardingError: ``dataset``'s length differs from the sampler's, or an option the
-            sampler sets.
+        ShardingError: ``dataset`` has no length or another than the sampler's, or an option
+            the sampler sets.
 
     Examples:
         >>> loader = ResumableSampler(6, batch_size=2, shuffle=False).loader(range(6))
@@ -342,6 +376,11 @@ class ResumableLoader(DataLoader):  # type: ignore[type-arg]
             raise ShardingError(
                 f"ResumableLoader needs a ResumableSampler, got {type(sampler).__name__}; "
                 "make one with fs.ResumableSampler(...).loader(dataset)"
+            )
+        if not hasattr(dataset, "__len__"):  # an iterable dataset: the sampler's indices would go unread
+            raise ShardingError(
+                f"ResumableLoader: the dataset ({type(dataset).__name__}) has no len(); pass a map-style "
+                "dataset, which the sampler reads by index (a list, a torch Dataset with __len__)"
             )
         if len(dataset) != sampler.order.dataset_len:
             raise ShardingError(

@@ -3,10 +3,12 @@
 An edge module like `apply`: it observes the collectives torch issues and the tensors a
 rank holds, and issues no collective of its own. Bytes follow the cost model's ring
 conventions, from the full (gathered) size S of each collective: all-gather and
-reduce-scatter send (n-1)/n·S per rank, all-reduce 2(n-1)/n·S, broadcast (n-1)/n·S; an
-all-to-all sends what it hands the other ranks (its input less this rank's own split); a
-send (``send_recv``, as a pipeline's stages issue) all its bytes, on the axes where the two
-ranks differ. Coalesced collectives count per tensor.
+reduce-scatter send (n-1)/n·S per rank, all-reduce 2(n-1)/n·S, broadcast and reduce
+(n-1)/n·S; an all-to-all sends what it hands the other ranks (its input less this rank's own
+split), and so do a gather (each rank but the root its input, the root nothing) and a scatter
+(the root every piece but its own, the others nothing); a send (``send_recv``, as a
+pipeline's stages issue) all its bytes, on the axes where the two ranks differ. Coalesced
+collectives count per tensor.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ _FUNCTIONAL = {
 }
 
 
+def _functional_kind(name: str) -> str:
+    # the in-place (``all_reduce_``), ``_out`` and coalesced forms send as the plain one does
+    return name.removesuffix("_").removesuffix("_out").removesuffix("_coalesced")
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -70,22 +77,22 @@ class CollectiveLog(TorchDispatchMode):
         coords = [self.mesh.coords(rank) for rank in dist.get_process_group_ranks(group)]
         return ",".join(a for a in self.mesh.axis_names if len({c[a] for c in coords}) > 1)
 
+    def _count(self, kind: str, axes: str, full_bytes: int, sent: float) -> None:
+        self.ops.append((kind, axes, full_bytes))
+        by_axes = self.sent.setdefault(kind, {})
+        by_axes[axes] = by_axes.get(axes, 0.0) + float(sent)
+
     def _record(self, kind: str, group: Any, full_bytes: int) -> None:
         n = group.size()
         factor = 2 if kind == "all_reduce" else 1
-        axes = self._axes(group)
-        self.ops.append((kind, axes, full_bytes))
-        by_axes = self.sent.setdefault(kind, {})
-        by_axes[axes] = by_axes.get(axes, 0.0) + factor * (n - 1) / n * full_bytes
+        self._count(kind, self._axes(group), full_bytes, factor * (n - 1) / n * full_bytes)
 
     def _record_send(self, group: Any, peer: int, nbytes: int) -> None:
         # point to point (a pipeline stage's activations and gradients): all of it, counted by
         # the sender on the axes where the two ranks' coordinates differ, as Plan.cost does
         ends = (self.mesh.coords(dist.get_rank()), self.mesh.coords(dist.get_global_rank(group, peer)))
         axes = ",".join(a for a in self.mesh.axis_names if ends[0][a] != ends[1][a])
-        self.ops.append(("send_recv", axes, nbytes))
-        by_axes = self.sent.setdefault("send_recv", {})
-        by_axes[axes] = by_axes.get(axes, 0.0) + float(nbytes)
+        self._count("send_recv", axes, nbytes, nbytes)
 
     def _record_all_to_all(self, group: Any, tensor: torch.Tensor, input_splits: list[int]) -> None:
         # an all-to-all sends each rank its own rows (splits along dim 0; none: equal parts)
@@ -97,10 +104,14 @@ class CollectiveLog(TorchDispatchMode):
             sent = (sum(input_splits) - input_splits[me]) * row
         else:
             sent = total * (n - 1) // n
-        axes = self._axes(group)
-        self.ops.append(("all_to_all", axes, total))
-        by_axes = self.sent.setdefault("all_to_all", {})
-        by_axes[axes] = by_axes.get(axes, 0.0) + float(sent)
+        self._count("all_to_all", self._axes(group), total, sent)
+
+    def _record_direct(self, kind: str, group: Any, full_bytes: int, handed: list[int]) -> None:
+        # gather, scatter and all_to_all's list form go straight from rank to rank: this rank
+        # holds ``handed`` bytes for each rank in group order and sends all but its own
+        me = dist.get_rank(group)
+        sent = sum(nbytes for rank, nbytes in enumerate(handed) if rank != me)
+        self._count(kind, self._axes(group), full_bytes, sent)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from torch.distributed.tensor import DTensor
@@ -127,8 +138,28 @@ class CollectiveLog(TorchDispatchMode):
                 self._record(kind, group, _nbytes(full))
         elif name == "c10d::send":
             self._record_send(dist.ProcessGroup.unbox(args[1]), args[2], sum(map(_nbytes, args[0])))
-        elif name == "c10d::broadcast_":
-            self._record("broadcast", dist.ProcessGroup.unbox(args[1]), sum(map(_nbytes, args[0])))
+        elif name in ("c10d::broadcast_", "c10d::reduce_"):
+            kind = "broadcast" if name == "c10d::broadcast_" else "reduce"
+            self._record(kind, dist.ProcessGroup.unbox(args[1]), sum(map(_nbytes, args[0])))
+        elif name == "c10d::reduce_scatter_":  # from a list: one full input per output
+            group = dist.ProcessGroup.unbox(args[2])
+            self._record("reduce_scatter", group, sum(map(_nbytes, args[0])) * group.size())
+        elif name == "c10d::allgather_coalesced_":  # (output lists, inputs, group, ...)
+            group = dist.ProcessGroup.unbox(args[2])
+            for tensor in args[1]:
+                self._record("all_gather", group, _nbytes(tensor) * group.size())
+        elif name == "c10d::gather_":  # ([outputs] at the root, [input], group, root rank in it, ...)
+            group, piece = dist.ProcessGroup.unbox(args[2]), _nbytes(args[1][0])
+            handed = [piece if rank == args[3] else 0 for rank in range(group.size())]
+            self._record_direct("gather", group, piece * group.size(), handed)
+        elif name == "c10d::scatter_":  # ([output], [inputs] at the root, group, root rank in it, ...)
+            group, piece = dist.ProcessGroup.unbox(args[2]), _nbytes(args[0][0])
+            handed = [_nbytes(tensor) for tensor in args[1][0]] if args[1] else []
+            self._record_direct("scatter", group, piece * group.size(), handed)
+        elif name == "c10d::alltoall_":  # all_to_all of lists: (outputs, inputs, group, ...)
+            group = dist.ProcessGroup.unbox(args[2])
+            handed = [_nbytes(tensor) for tensor in args[1]]
+            self._record_direct("all_to_all", group, sum(handed), handed)
         elif name == "c10d::alltoall_base_":
             # (output, input, group, output splits, input splits, ...)
             self._record_all_to_all(dist.ProcessGroup.unbox(args[2]), args[1], args[4])
@@ -136,12 +167,12 @@ class CollectiveLog(TorchDispatchMode):
             from torch.distributed.distributed_c10d import _resolve_process_group
 
             self._record_all_to_all(_resolve_process_group(args[-1]), args[0], args[2])
-        elif name.removesuffix("_coalesced") in _FUNCTIONAL:
+        elif _functional_kind(name) in _FUNCTIONAL:
             from torch.distributed.distributed_c10d import _resolve_process_group
 
-            kind, group = _FUNCTIONAL[name.removesuffix("_coalesced")], _resolve_process_group(args[-1])
+            kind, group = _FUNCTIONAL[_functional_kind(name)], _resolve_process_group(args[-1])
             scale = group.size() if kind == "all_gather" else 1
-            for tensor in args[0] if name.endswith("_coalesced") else [args[0]]:
+            for tensor in args[0] if "_coalesced" in name else [args[0]]:
                 self._record(kind, group, _nbytes(tensor) * scale)
         return func(*args, **(kwargs or {}))
 

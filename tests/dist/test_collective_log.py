@@ -1,7 +1,9 @@
 """fs.CollectiveLog counts every collective kind torch issues, as `Plan.cost` counts it.
 
 Before, a send (a pipeline stage's activations and gradients), an all-gather into a list, a
-functional broadcast and coalesced all-reduces went by unrecorded: ``sent`` said 0 bytes.
+functional broadcast, coalesced all-reduces, and later reduce, gather, scatter, a reduce-scatter
+from a list, all-to-all of lists and the in-place and ``_out`` functional collectives went by
+unrecorded: ``sent`` said 0 bytes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,21 @@ CASES = {
     * 4,
     "coalescing_manager": [{"all_gather": {"pp,dp": 3 / 4 * 96}}] * 4,
     "functional_all_reduce_coalesced": [{"all_reduce": {"pp,dp": 2 * 3 / 4 * 24}}] * 4,
+    "functional_in_place_and_out": [
+        {
+            "all_reduce": {"pp,dp": 2 * 3 / 4 * (16 + 24)},
+            "broadcast": {"pp,dp": 3 / 4 * 16},
+            "all_gather": {"pp,dp": 3 / 4 * 64},
+            "reduce_scatter": {"pp,dp": 3 / 4 * 64},
+        }
+    ]
+    * 4,
+    "reduce": [{"reduce": {"pp,dp": 3 / 4 * 16}}] * 4,
+    "reduce_scatter_list": [{"reduce_scatter": {"pp,dp": 3 / 4 * 64}}] * 4,
+    "all_gather_coalesced": [{"all_gather": {"pp,dp": 3 / 4 * 64}}] * 4,
+    "gather": [{"gather": {"pp,dp": 0.0 if rank == 1 else 16.0}} for rank in range(4)],
+    "scatter": [{"scatter": {"pp,dp": 48.0 if rank == 1 else 0.0}} for rank in range(4)],
+    "all_to_all_list": [{"all_to_all": {"pp,dp": 3 * 8.0}}] * 4,
 }
 
 

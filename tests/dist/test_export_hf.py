@@ -177,7 +177,9 @@ def test_a_plain_module_exports_with_a_config_dict(tmp_path):
 def test_a_model_still_on_the_meta_device_is_refused_before_anything_is_written(tmp_path):
     with torch.device("meta"):
         model = hf_cases.build("llama")
-    with pytest.raises(fs.ShardingError, match=re.escape("more are on the meta device (built there and never")):
+    with pytest.raises(
+        fs.ShardingError, match=re.escape("more are on the meta device (built there and never")
+    ):
         fs.checkpoint.export_hf(tmp_path / "out", model)
     assert list(tmp_path.iterdir()) == []
 
@@ -190,7 +192,10 @@ def test_an_export_under_a_file_or_of_no_module_is_refused(tmp_path):
         fs.checkpoint.export_hf(tmp_path / "notes" / "out", model)
     with pytest.raises(fs.ShardingError, match=re.escape("export_hf(model=str): a Module")):
         fs.checkpoint.export_hf(tmp_path / "out", "model")
-    with pytest.raises(fs.ShardingError, match=re.escape("load_hf(module=str): not a Module")):
+    with pytest.raises(
+        fs.ShardingError,
+        match=re.escape("load_hf(module=str): a Module (the model fs.apply parallelized, or will)"),
+    ):
         fs.checkpoint.load_hf(tmp_path / "out", "model")
     assert [p.name for p in tmp_path.iterdir()] == ["notes"]
 

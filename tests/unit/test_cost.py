@@ -41,6 +41,29 @@ def test_cost_of_classic_strategies(policy, params, grads, optim, gathered, comm
     assert cost.comm_total_bytes == sum(comm.values())
 
 
+class WithTable(nn.Module):
+    """block_model's weight beside an int64 table of the same shape (8 MB) in its unit, always frozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = block_model()
+        self.blocks[0].table = nn.Parameter(torch.zeros(1000, 1000, dtype=torch.int64), requires_grad=False)
+
+
+@pytest.mark.parametrize(
+    "policy", [fs.replicate(), fs.zero(1), fs.zero(2), fs.fsdp()], ids=["ddp", "zero1", "zero2", "fsdp"]
+)
+def test_an_integer_parameter_has_no_gradient_optimizer_state_or_gradient_traffic(policy):
+    # before: counted as if trained, 8 MB of gradients and 16 MB of AdamW state each rank never holds
+    # (measured with fs.resident_bytes and fs.CollectiveLog under fsdp and replicate)
+    plain = fs.shard(nn.ModuleDict({"blocks": block_model()}), fs.Mesh(dp=4), policy).cost("adamw")
+    with_table = fs.shard(WithTable(), fs.Mesh(dp=4), policy).cost("adamw")
+    assert with_table.params_bytes == 3 * plain.params_bytes  # it is held all the same
+    assert (with_table.grads_bytes, with_table.optimizer_bytes) == (plain.grads_bytes, plain.optimizer_bytes)
+    for kind in ("reduce_scatter", "all_reduce"):
+        assert with_table.comm_bytes.get(kind) == plain.comm_bytes.get(kind)
+
+
 def test_root_unit_is_gathered_once():
     # a weight owned by the root itself: FSDP2 does not reshard the root after forward
     cost = fs.shard(nn.Linear(1000, 1000, bias=False), fs.Mesh(dp=4), fs.fsdp()).cost()

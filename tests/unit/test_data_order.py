@@ -7,6 +7,7 @@ every sample of each epoch exactly once, in the order an uninterrupted single ra
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -97,3 +98,46 @@ def test_a_seed_torch_cannot_take_is_refused_up_front(seed):
 def test_the_widest_seeds_torch_takes_still_walk():
     assert len(fs.DataOrder(10, 4, seed=2**64 - 1).epoch(0)) == 8
     assert len(fs.DataOrder(10, 4, seed=-(2**63)).epoch(0)) == 8
+
+
+@pytest.mark.parametrize(("seed", "epoch", "same_as"), [(2**64 - 1, 1, 0), (2**64 - 2, 5, 3), (-1, 1, 0)])
+def test_a_seed_accepted_walks_every_epoch_wrapping_as_torch_does(seed, epoch, same_as):
+    # before: seed + epoch past 2**64 - 1 raised torch's raw "Overflow when unpacking long long"
+    order = fs.DataOrder(10, 4, seed=seed)
+    assert order.epoch(epoch) == fs.DataOrder(10, 4, seed=same_as).epoch(0)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        # before: ZeroDivisionError, [] (a rank past the last read nothing), [] (a step past the
+        # epoch's end), torch's "manual_seed expected a long, but got float"
+        (
+            lambda o: o.rank_slice(0, step=0, index=0, count=0),
+            "count=0: a positive int (the data-parallel ranks)",
+        ),
+        (
+            lambda o: o.rank_slice(0, step=0, index=5, count=2),
+            "rank_slice(step=0, index=5, count=2): an epoch has",
+        ),
+        (lambda o: o.rank_slice(0, step=2, index=0, count=2), "an epoch has 2 steps (0 to 1) and 2 ranks"),
+        (lambda o: o.epoch(1.5), "epoch=1.5: an int of at least 0 (epochs count from 0)"),
+    ],
+)
+def test_a_slice_of_no_rank_step_or_epoch_is_refused_by_name(call, message):
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
+        call(fs.DataOrder(10, 4))
+
+
+def test_a_rank_without_a_plan_is_refused_not_fed_every_sample():
+    # before: rank=1 was ignored without a plan, so every process read the whole dataset
+    with pytest.raises(
+        fs.ShardingError, match=re.escape("ResumableSampler(rank=1): without a plan there is one")
+    ):
+        fs.ResumableSampler(10, rank=1, batch_size=2)
+
+
+def test_a_dataset_without_a_length_is_refused_by_name():
+    # before: TypeError "object of type 'range_iterator' has no len()" from inside the loader
+    with pytest.raises(fs.ShardingError, match=re.escape("the dataset (range_iterator) has no len()")):
+        fs.ResumableSampler(10, batch_size=2).loader(iter(range(10)))

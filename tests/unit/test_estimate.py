@@ -332,3 +332,32 @@ def test_recomputation_reissues_the_forward_tensor_parallel_collectives():
     assert est.step_seconds > fs.estimate(model, fs.shard(model, mesh, policy), batch=2, seq=16).step_seconds
     for plain in (plans["fsdp+tp"], fs.shard(model, fs.Mesh(dp=4), fs.fsdp("dp") + fs.checkpointing(Block))):
         assert "tensor parallel recompute" not in fs.estimate(model, plain, batch=2, seq=16).exposed_seconds
+
+
+class _Tabled(torch.nn.Module):
+    """An embedding and a linear layer, beside an int64 table read in forward (always frozen)."""
+
+    def __init__(self, table: bool) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 64)
+        self.lin = torch.nn.Linear(64, 64, bias=False)
+        if table:
+            self.table = torch.nn.Parameter(torch.zeros(64, 64, dtype=torch.int64), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(self.emb(x))
+        return out + self.table[0].float() if hasattr(self, "table") else out
+
+
+def test_an_integer_parameter_is_traced_frozen_and_counted_without_optimizer_state():
+    # before: torch's raw "Only Tensors of floating point and complex dtype can require gradients"
+    # from the trace's fake parameters
+    def estimated(table: bool) -> fs.Estimate:
+        model = _Tabled(table)
+        return fs.estimate(
+            model, fs.shard(model, fs.Mesh(dp=2), fs.fsdp("dp")), batch=2, seq=8, hardware="h100"
+        )
+
+    with_table, plain = estimated(True), estimated(False)
+    assert with_table.memory["params"] == plain.memory["params"] + 64 * 64 * 8 // 2
+    assert with_table.memory["optimizer"] == plain.memory["optimizer"]

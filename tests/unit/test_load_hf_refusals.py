@@ -126,6 +126,60 @@ def test_a_damaged_folder_is_refused_by_name_and_changes_nothing(
         assert untouched(model, before)
 
 
+def test_float_weights_whose_header_says_whole_numbers_are_refused_by_file_and_tensor(folder, tmp_path):
+    # I32 for F32 keeps every length and offset consistent, so safetensors opens the file; before,
+    # load_hf read the bytes as integers and filled the weight with them
+    target = tmp_path / "retyped"
+    shutil.copytree(folder, target)
+    tensors = load_file(target / "model.safetensors")
+    key = "model.layers.0.mlp.up_proj.weight"
+    save_file({**tensors, key: tensors[key].view(torch.int32)}, target / "model.safetensors")
+    model = cases.build("llama", meta=True)
+    named = f"{key} (model.safetensors): stored as I32, whole numbers, for the model's torch.float32"
+    with pytest.raises(fs.ShardingError, match=re.escape(named)):
+        fs.checkpoint.load_hf(target, model)
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_a_file_cut_short_after_its_header_was_read_is_refused_by_file_and_tensor(folder, tmp_path):
+    # safetensors checks the header against the file's length when load_hf opens it: a copy still
+    # being written may be cut after that; a window read from the mapped file raised torch's
+    # "offset ... must be ... no greater than buffer length" (a read in one stretch already said this)
+    from functional_shard.runtime.checkpoint.hf.slices import open_folder
+
+    target = tmp_path / "cut"
+    shutil.copytree(folder, target)
+    opened = open_folder(target, trust=False)
+    weights = target / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    last = max(opened.sources.values(), key=lambda source: source.start)
+    window = [slice(0, 1)] * len(last.shape)
+    with pytest.raises(
+        fs.ShardingError, match=re.escape(f"{last.key} (model.safetensors): the file ends inside")
+    ):
+        opened.read(last.key, window)
+    opened.release()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        # before: "no" was truthy, so pickles (which can run code) were trusted
+        ({"trust": "no"}, "load_hf(trust=str): a bool (True reads pickled"),
+        ({"root": None}, "load_hf(root=NoneType): a str (the name of the submodule"),
+    ],
+)
+def test_trust_and_root_of_another_type_are_refused_by_name(folder, options, message):
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
+        fs.checkpoint.load_hf(folder, cases.build("llama", meta=True), **options)
+
+
+def test_convert_to_hf_refuses_a_trust_that_is_no_bool(tmp_path):
+    # before: a truthy "no" trusted the checkpoint's pickled objects
+    with pytest.raises(fs.ShardingError, match=re.escape("convert_to_hf(trust=str): a bool (True rebuilds")):
+        fs.checkpoint.convert_to_hf(tmp_path / "ckpt", tmp_path / "out", {}, trust="no")
+
+
 def test_a_path_that_is_no_folder_is_refused_with_its_own_fix(tmp_path):
     # not "does not fit the model ... or mapping=": there is no folder to fit
     nowhere = tmp_path / "nowhere"

@@ -45,7 +45,7 @@ def _pieces(docs: list[list[int]], seq_len: int) -> list[list[int]]:
 # ---- pack: its invariants, drawn, and a table of hand-checked rows ------------------------
 
 
-@given(docs=documents(), seq_len=st.integers(1, 24), pad_id=st.integers(-1, 3))
+@given(docs=documents(), seq_len=st.integers(1, 24), pad_id=st.integers(0, 3))
 def test_pack_keeps_every_token_in_order_and_restarts_positions(docs, seq_len, pad_id):
     batch = fs.pack(docs, seq_len, long="split", pad_id=pad_id)
     rows = batch.tokens.tolist()
@@ -140,9 +140,19 @@ def test_pack_by_hand_labels_and_ids():
 @pytest.mark.parametrize(
     ("docs", "kwargs", "message"),
     [
-        ([[1, 2, 3]], {"seq_len": 0}, "pack(seq_len=0): seq_len is the tokens in each row, a positive int"),
-        ([[1]], {"seq_len": 4, "long": "truncate"}, "pack(long='truncate'): long is what to do"),
-        ([[1]], {"seq_len": 4, "pad_id": 0.5}, "pack(pad_id=0.5): pad_id is the token id"),
+        ([[1, 2, 3]], {"seq_len": 0}, "pack(seq_len=0): a positive int (the tokens in each row)"),
+        (
+            [[1]],
+            {"seq_len": 4, "long": "truncate"},
+            "pack(long='truncate'): one of 'refuse', 'split' (what to do",
+        ),
+        ([[1]], {"seq_len": 4, "pad_id": 0.5}, "pack(pad_id=0.5): an int of at least 0 (the token id"),
+        # before: accepted, and the embedding read row -1 (or raised deep inside the model)
+        (
+            [[1]],
+            {"seq_len": 4, "pad_id": -100},
+            "pack(pad_id=-100): an int of at least 0 (the token id of the padding; token ids count from 0)",
+        ),
         ([], {"seq_len": 4}, "pack(seq_len=4): no documents to pack"),
         ("abc", {"seq_len": 4}, "pack(documents=str): pass a sequence of documents"),
         (

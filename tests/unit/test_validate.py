@@ -17,6 +17,7 @@ from functional_shard.core.validate import (
     device,
     entry_point,
     instance_of,
+    non_negative_int,
     one_of,
     path,
     positive_int,
@@ -44,6 +45,14 @@ def test_positive_int_takes_exactly_the_ints_from_one(value, name, error):
     else:
         message = refused(lambda: positive_int(value, name, error=error), error)
         assert message == f"{name}={value!r}: a positive int"
+
+
+@given(value=ANYTHING, name=NAMES)
+def test_non_negative_int_takes_exactly_the_ints_from_zero(value, name):
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        assert non_negative_int(value, name) is value
+    else:
+        assert refused(lambda: non_negative_int(value, name)) == f"{name}={value!r}: an int of at least 0"
 
 
 @given(value=ANYTHING, name=NAMES)

@@ -147,7 +147,7 @@ def census_of(plan: Plan, owners: Mapping[str, int]) -> Census:
 def grouped(
     census: Census, extra: Callable[[ParamSharding, tuple[str, ...], int], Hashable]
 ) -> Counter[tuple[Any, ...]]:
-    """Count the census by kind: (shape, itemsize, sharding, ``extra`` of each) -> how many."""
+    """Count the census by kind: (shape, itemsize, differentiable, sharding, ``extra``) -> how many."""
     by_identity: dict[tuple[int, int, Hashable], list[Any]] = {}
     for tensor, sharding, units, owner, count in census:
         key = (id(tensor), id(sharding), extra(sharding, units, owner))
@@ -158,5 +158,5 @@ def grouped(
             entry[3] += count * len(units)
     grouped: Counter[tuple[Any, ...]] = Counter()
     for tensor, sharding, more, count in by_identity.values():
-        grouped[(tensor.shape, tensor.itemsize, sharding, more)] += count
+        grouped[(tensor.shape, tensor.itemsize, tensor.differentiable, sharding, more)] += count
     return grouped

@@ -45,7 +45,7 @@ def _memory(
 
     params = grads = optim = 0
     fsdp_axes = plan.config.shard_axes
-    for (shape, itemsize, sharding, owned), count in grouped(census, owns).items():
+    for (shape, itemsize, differentiable, sharding, owned), count in grouped(census, owns).items():
         if not sharding.storage.holds(coords):  # another stage's: not even a step counter
             continue
         padded = sharding.at_rest_axes
@@ -53,6 +53,8 @@ def _memory(
         # buffer distribute_tensor scattered (measured), so it is padded over every axis
         param_padding = padded or frozenset(sharding.storage.axes)
         params += count * local_numel(shape, sharding.storage, plan.mesh, coords, param_padding) * itemsize
+        if not differentiable:  # no gradient, so the optimizer makes no state, not even its step
+            continue
         grads += count * local_numel(shape, sharding.grad, plan.mesh, coords, padded) * itemsize
         if isinstance(sharding.optim, Owned):
             optim += count * _state_bytes(math.prod(shape), itemsize, optimizer) if owned else 0
@@ -154,7 +156,12 @@ def _worst_memory(
     owned: dict[tuple[str, int], int] = defaultdict(int)
     for tensor, sharding, units, owner, count in census:
         # another pipeline stage's tensors are owned on other ranks: their state is not the candidates'
-        if isinstance(sharding.optim, Owned) and sharding.storage.holds(base) and sharding.optim.holds(base):
+        if (
+            tensor.differentiable
+            and isinstance(sharding.optim, Owned)
+            and sharding.storage.holds(base)
+            and sharding.optim.holds(base)
+        ):
             owned[sharding.optim.axis, owner] += (
                 count * len(units) * _state_bytes(tensor.numel, tensor.itemsize, optimizer)
             )

@@ -82,7 +82,7 @@ def parameter_comm(plan: Plan, comm: Comm, census: Census, held: Mapping[str, in
     def gathers(_: ParamSharding, units: tuple[str, ...], __: int) -> int:
         return gathers_per_step(plan, units)
 
-    for (shape, itemsize, sharding, times), count in grouped(census, gathers).items():
+    for (shape, itemsize, differentiable, sharding, times), count in grouped(census, gathers).items():
         if not sharding.storage.holds(origin):
             continue
         padded = sharding.at_rest_axes
@@ -91,6 +91,11 @@ def parameter_comm(plan: Plan, comm: Comm, census: Census, held: Mapping[str, in
             n = plan.mesh.axes_size(at_rest)
             shard = local_numel(shape, sharding.storage, plan.mesh, origin, padded)
             comm.add("all_gather", at_rest, n, n * shard * (param_size or itemsize), times * count)
+        if isinstance(sharding.optim, Owned):  # every parameter, updated or not
+            axis = sharding.optim.axis
+            comm.add("broadcast", (axis,), plan.mesh[axis], math.prod(shape) * itemsize, count)
+        if not differentiable:  # an integer or bool parameter: no gradient to reduce
+            continue
         # an expert tensor's gradient is complete over the expert axis (expert_traffic)
         grad_axes = expert_grad_axes(plan, sharding, tuple(a for a in sharding.grad.axes if a in data_axes))
         grad_bytes = local_numel(shape, sharding.grad, plan.mesh, origin, padded) * (reduce_size or itemsize)
@@ -100,9 +105,6 @@ def parameter_comm(plan: Plan, comm: Comm, census: Census, held: Mapping[str, in
         replicas = expert_grad_axes(plan, sharding, tuple(a for a in data_axes if a not in grad_axes))
         if replicas:
             comm.add("all_reduce", replicas, plan.mesh.axes_size(replicas), grad_bytes, count)
-        if isinstance(sharding.optim, Owned):
-            axis = sharding.optim.axis
-            comm.add("broadcast", (axis,), plan.mesh[axis], math.prod(shape) * itemsize, count)
     # (no buffer traffic: apply's DDP, torch's composable replicate, hands DDP the
     # parameters only, so buffers are never broadcast; measured)
     _sequence_parallel_grad_comm(plan, comm, param_size, origin)
@@ -126,8 +128,12 @@ def _sequence_parallel_grad_comm(
     if not sequence_modules:
         return
     for path, sharding in plan.params.items():
-        if path.rpartition(".")[0] in sequence_modules and sharding.storage.holds(held):
-            tensor = plan.tensors[path]
+        tensor = plan.tensors[path]
+        if (
+            path.rpartition(".")[0] in sequence_modules
+            and sharding.storage.holds(held)
+            and tensor.differentiable
+        ):
             comm.add("all_reduce", axes, n, tensor.numel * (param_size or tensor.itemsize))
 
 

@@ -88,7 +88,11 @@ class FakeParameters:
         with self.fake:
             for path, canonical in self.canonical_of.items():
                 if canonical not in self.state:
-                    self.state[canonical] = new(self.local[canonical], True, canonical not in running)
+                    local = self.local[canonical]
+                    # torch lets only float and complex tensors require a gradient (an integer
+                    # parameter is always frozen): the trace holds it as a plain tensor
+                    trained = local.is_floating_point() or local.is_complex()
+                    self.state[canonical] = new(local, trained, canonical not in running)
                 self.state[path] = self.state[canonical]
             for path, buffer in self.buffers.items():
                 self.state[path] = new(buffer, False, path.startswith(prefixes))

@@ -339,6 +339,7 @@ def _prefix(names: list[str], expected: Expected, given: str | None) -> str:
     return fits[0] if fits else ""
 
 
+@entry_point
 def convert_to_hf(
     source: str | os.PathLike[str],
     target: str | os.PathLike[str],
@@ -365,11 +366,16 @@ def convert_to_hf(
 
     Raises:
         ShardingError: no checkpoint at ``source``, or one damaged or holding code; no or a
-            mismatched ``config``; a ``target`` that is not an earlier export. Nothing is written then.
+            mismatched ``config``; a ``target`` that is not an earlier export; ``trust`` not a
+            bool. Nothing is written then.
 
     Examples:
         >>> # fs.checkpoint.convert_to_hf("ckpt", "llama-hf", "config.json").prefix
     """
+    # a str ("no", "false" from a config file) is truthy: it would rebuild the objects a file names
+    instance_of(
+        trust, bool, "trust", meaning="True rebuilds any object the checkpoint names, running its code"
+    )
     source, target = Path(source), Path(target)
     if config is None:
         raise ShardingError(

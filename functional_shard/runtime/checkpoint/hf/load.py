@@ -20,7 +20,7 @@ from torch import nn
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.validate import device as checked_device
-from functional_shard.core.validate import entry_point
+from functional_shard.core.validate import entry_point, instance_of
 from functional_shard.core.validate import path as checked_path
 from functional_shard.runtime.checkpoint.integrity import agreed, distributed, every_rank_keys, raise_problems
 from functional_shard.runtime.engines.applied import APPLIED, Applied
@@ -68,8 +68,9 @@ def load_hf(
 
     Raises:
         ShardingError: the folder does not fit the model (keys, shapes, quantized weights, damaged
-            files, pickles without ``trust``), a buffer cannot be restored, or ``root`` names no
-            submodule. On every rank, before anything changes.
+            files, pickles without ``trust``), a buffer cannot be restored, ``root`` names no
+            submodule, or ``module``, ``trust`` or ``root`` is not of its type. On every rank, before
+            anything changes.
 
     Examples:
         >>> # with torch.device("meta"): model = AutoModelForCausalLM.from_config(config)
@@ -77,11 +78,12 @@ def load_hf(
     """
     path = checked_path(path, "path")
     _check_device(device)
-    if not isinstance(module, nn.Module):
-        raise ShardingError(
-            f"fs.checkpoint.load_hf(module={type(module).__name__}): not a Module; pass the model "
-            "fs.apply parallelized (or will)"
-        )
+    instance_of(module, nn.Module, "module", meaning="the model fs.apply parallelized, or will")
+    # a str ("no", "false" from a config file) is truthy: it would read pickles, which can run code
+    instance_of(
+        trust, bool, "trust", meaning="True reads pickled pytorch_model.bin files, which can run code"
+    )
+    instance_of(root, str, "root", meaning="the name of the submodule the plan was applied around, or ''")
     model = _submodule(module, root)
     prefix = f"{root}." if root else ""
     applied = APPLIED.get(module)
@@ -255,6 +257,15 @@ def _fit_problems(
                 problems.append(
                     f"{source.key} ({source.file}): stored as {source.stored}, quantized; load_hf "
                     "reads float weights (dequantize the folder first)"
+                )
+            elif (
+                tensor.is_floating_point() and source.dtype is not None and not source.dtype.is_floating_point
+            ):
+                # a header whose dtype was damaged (I32 for F32 keeps every length consistent)
+                # or another model's folder: its bytes would be read as whole numbers
+                problems.append(
+                    f"{source.key} ({source.file}): stored as {source.stored}, whole numbers, for the "
+                    f"model's {tensor.dtype} {name}; pass a folder of float weights (copy it again if it was)"
                 )
     return problems
 

@@ -91,6 +91,10 @@ class Folder:
         count = math.prod(source.shape)
         if count == 0:
             return torch.empty(source.shape, dtype=source.dtype)[tuple(window)]
+        # the header was checked against the file's length when the folder was opened: a file
+        # shorter now was cut (or is still being copied) since
+        if source.start + count * source.dtype.itemsize > len(handle):
+            raise _cut_short(source)
         whole = torch.frombuffer(handle, dtype=source.dtype, count=count, offset=source.start)
         return whole.view(source.shape)[tuple(window)]
 
@@ -104,9 +108,7 @@ class Folder:
             while done < len(view):  # a read returns at most about 2 GiB on Linux
                 got = os.preadv(file.fileno(), [view[done:]], offset + done)
                 if got <= 0:
-                    raise ShardingError(
-                        f"{source.key} ({source.file}): the file ends inside the tensor; copy it again"
-                    )
+                    raise _cut_short(source)
                 done += got
         if buffer is not into:
             into.copy_(buffer.view(into.shape))
@@ -131,6 +133,10 @@ class Folder:
                 with open(self.path / name, "rb") as file:
                     self._open[name] = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
         return self._open[name]
+
+
+def _cut_short(source: Source) -> ShardingError:
+    return ShardingError(f"{source.key} ({source.file}): the file ends inside the tensor; copy it again")
 
 
 def _stretch(shape: Sequence[int], window: Sequence[slice]) -> tuple[int, int] | None:
