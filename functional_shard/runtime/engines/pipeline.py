@@ -286,6 +286,7 @@ def _schedule(pipelined: Pipelined, inputs: torch.Tensor, keywords: dict[str, to
 
     layout = tuple((name, tuple(t.shape), t.dtype) for name, t in {"": inputs, **(keywords or {})}.items())
     if layout != pipelined.batch_layout:
+        _check_first_stage_takes(pipelined, inputs, keywords or {})
         pipelined.schedule, pipelined.batch_layout = None, layout
     if pipelined.schedule is None:
         pipeline = pipelined.plan.config.pipeline
@@ -306,6 +307,45 @@ def _schedule(pipelined: Pipelined, inputs: torch.Tensor, keywords: dict[str, to
                 f"{len(pipeline.stages)} stages: {error}"
             ) from None
     return pipelined.schedule
+
+
+def _check_first_stage_takes(
+    pipelined: Pipelined, inputs: torch.Tensor, keywords: dict[str, torch.Tensor]
+) -> None:
+    """Refuse on every pp rank a batch layout the first stage cannot run (float ids, a dim too few).
+
+    Inside the schedule the first stage would raise alone, and the other ranks wait for what it
+    sends until the process group's timeout. Run once a layout, like the new schedule it needs:
+    the first stage's forward on one micro-batch, without gradients or a draw from the random
+    generators the step's forward uses.
+    """
+    pipeline = pipelined.plan.config.pipeline
+    assert pipeline is not None  # (apply_pipeline made it of a plan with one)
+    first = next((stage for stage in pipelined.stages if stage.is_first), None)
+    failure: BaseException | None = None
+    if first is not None:
+        one = {name: t.tensor_split(pipeline.microbatches)[0] for name, t in {"": inputs, **keywords}.items()}
+        generators = [first.device] if first.device.type != "cpu" else []
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=generators, device_type=first.device.type):
+                first.submod(one.pop(""), **one)
+        except Exception as error:  # any: it is raised on every pp rank below
+            failure = error
+    said = _said_on_every_rank(pipelined, failure, pipeline.coordinate_of(0, pipelined.plan.mesh))
+    if said is not None:
+        raise ShardingError(
+            f"the pipeline's first stage cannot run a micro-batch of inputs of shape {tuple(inputs.shape)} "
+            f"and dtype {inputs.dtype}; every pp rank stops here: {said}. Pass the batch the model's forward "
+            "takes (a language model's: token ids of integer dtype, [rows, sequence])"
+        ) from failure
+
+
+def _said_on_every_rank(pipelined: Pipelined, failure: BaseException | None, source: int) -> str | None:
+    """What pp rank ``source`` failed with (`failure`, on one line), or None, on every pp rank."""
+    said: list[Any] = [one_line(failure) if failure is not None else None]
+    device = pipelined.stages[0].device
+    dist.broadcast_object_list(said, group=pipelined.group, group_src=source, device=device)
+    return said[0]
 
 
 def _grads_set_aside(pipelined: Pipelined) -> contextlib.AbstractContextManager[None]:
@@ -354,13 +394,10 @@ def _mean_from_last_stage(pipelined: Pipelined, losses: list[torch.Tensor], last
     if pipelined.catching and sent[1].item():
         # read only while catching: the device is waited for on a layout's first step, not on each
         failure = pipelined.failure
-        said: list[Any] = [one_line(failure) if failure is not None else None]
-        dist.broadcast_object_list(
-            said, group=pipelined.group, group_src=pipelined.last_stage_rank, device=device
-        )
+        said = _said_on_every_rank(pipelined, failure, pipelined.last_stage_rank)
         raise ShardingError(
             f"the pipeline's last stage (pp rank {pipelined.last_stage_rank}) ran loss_fn on a micro-batch, "
-            f"and it failed; every pp rank stops here: {said[0]}"
+            f"and it failed; every pp rank stops here: {said}"
         ) from failure
     return sent[0]
 
