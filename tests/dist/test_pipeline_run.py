@@ -166,8 +166,10 @@ def test_tied_embeddings_split_across_stages_are_refused_before_running():
     with pytest.raises(
         fs.ShardingError,
         match=re.escape("embed_tokens.weight in stage 0, lm_head.weight in stage 1 are one tied"),
-    ):
+    ) as raised:
         fs.shard(model, fs.Mesh(pp=2, dp=2), pc.policy_of(spec))
+    assert "Fix: untie it, each module with its own copy of the weight" in str(raised.value)
+    assert "or plan it without pipeline()" in str(raised.value)
 
 
 def test_ddp_under_a_pipeline_is_refused_for_fsdp():
