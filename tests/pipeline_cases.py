@@ -277,7 +277,8 @@ def per_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def failing_loss_then_a_step(spec: dict[str, Any], what: str) -> dict[str, Any]:
     """A step whose loss_fn fails on the last stage (``what``: ``"per_token"`` loss, ``"short"``
     targets, ``"evaluation"`` of short targets) or whose inputs the first stage cannot run
-    (``"float_ids"``, ``"flat"`` rows), then a good step: the refusal and that loss."""
+    (``"float_ids"``, ``"flat"`` rows), or the model called outside a schedule (``"direct"``), then
+    a good step: the refusal and that loss."""
     model = build(spec)
     plan = fs.shard(model, fs.Mesh(**spec["mesh"]), policy_of(spec))
     fs.apply(plan, model)
@@ -290,6 +291,7 @@ def failing_loss_then_a_step(spec: dict[str, Any], what: str) -> dict[str, Any]:
         "evaluation_per_token": lambda: fs.forward_loss(plan, model, per_token_loss)(inputs, targets),
         "float_ids": lambda: fs.forward_backward(plan, model, lm_loss)(inputs.float(), targets),
         "flat": lambda: fs.forward_loss(plan, model, lm_loss)(inputs[:, 0], targets),
+        "direct": lambda: model(inputs),
     }[what]
     try:
         failing()

@@ -145,6 +145,8 @@ INPUTS_FAILED = "the pipeline's first stage cannot run a micro-batch of inputs o
             "flat",
             (INPUTS_FAILED + "(4,) and dtype torch.int64; every pp rank stops here: not enough values",),
         ),
+        # no step: the first stage returned its hidden states as the model's output, the last raised alone
+        ("direct", ("the pipelined model was called directly, which runs this rank's stages alone",)),
     ],
 )
 def test_a_step_failing_on_one_stage_is_raised_on_every_rank(worlds, what, messages):
