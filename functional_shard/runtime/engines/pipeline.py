@@ -286,16 +286,23 @@ def _check_first_stage_takes(
                 first.submod(one.pop(""), **one)
         except Exception as error:  # any: it is raised on every pp rank below
             failure = error
-    said = _said_on_every_rank(pipelined, failure, pipeline.coordinate_of(0, pipelined.plan.mesh))
-    if said is not None:
-        raise ShardingError(
+    refusal = None
+    if failure is not None:
+        fix = (
+            "fewer rows a micro-batch: a smaller batch, or more micro-batches"
+            if isinstance(failure, torch.OutOfMemoryError)
+            else "the inputs its forward takes (a language model's: integer token ids, [rows, sequence])"
+        )
+        refusal = (
             f"the pipeline's first stage cannot run a micro-batch of inputs of shape {tuple(inputs.shape)} "
-            f"and dtype {inputs.dtype}; every pp rank stops here: {said}. Pass the batch the model's forward "
-            "takes (a language model's: token ids of integer dtype, [rows, sequence])"
-        ) from failure
+            f"and dtype {inputs.dtype}; every pp rank stops here: {one_line(failure)}. Fix: {fix}"
+        )
+    said = _said_on_every_rank(pipelined, refusal, pipeline.coordinate_of(0, pipelined.plan.mesh))
+    if said is not None:
+        raise ShardingError(said) from failure
 
 
-def _said_on_every_rank(pipelined: Pipelined, failure: BaseException | None, source: int) -> str | None:
+def _said_on_every_rank(pipelined: Pipelined, failure: BaseException | str | None, source: int) -> str | None:
     """What pp rank ``source`` failed with (`failure`, on one line), or None, on every pp rank."""
     said: list[Any] = [one_line(failure) if failure is not None else None]
     device = pipelined.stages[0].device
