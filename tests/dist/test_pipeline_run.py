@@ -165,6 +165,15 @@ def test_a_step_failing_on_one_stage_is_raised_on_every_rank(worlds, what, messa
         assert result["loss"] == pytest.approx(one_process, abs=1e-5)  # the pipeline runs on
 
 
+def test_a_rank_of_two_stages_refuses_the_model_called_directly(worlds):
+    # the module itself ran both of the rank's stages in one pass, the other rank's skipped:
+    # logits of half the model on pp rank 0, torch's raw shape error on pp rank 1
+    spec = pc.case({"pp": 2}, "zbv", stages_per_rank=2, microbatches=2)
+    refusals = [result["refusal"] for result in worlds(2).run(pc.failing_loss_then_a_step, spec, "direct")]
+    assert [refusal.split(":")[0] for refusal in refusals] == ["pipeline stages 0, 3", "pipeline stages 1, 2"]
+    assert all("the pipelined model was called directly" in refusal for refusal in refusals), refusals
+
+
 def test_tied_embeddings_split_across_stages_are_refused_before_running():
     spec = pc.case({"pp": 2, "dp": 2}, data="fsdp", config="tied")
     model = pc.build(spec)

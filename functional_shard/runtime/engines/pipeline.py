@@ -34,7 +34,7 @@ from .applied import retie
 from .data_parallel import apply_data_parallel, reduce_whole_grads
 from .experts import apply_expert_parallel
 from .gradients import gradients_set_aside
-from .stage_forward import ScheduleGate, run_as_stage
+from .stage_forward import ScheduleGate, refuse_direct_calls, run_as_stage
 from .tensor_parallel import apply_tensor_parallel, plain_loss, refuse_uneven_sequences
 
 
@@ -221,6 +221,8 @@ def apply_pipeline(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> Pl
                 view, stage, n_stages, device, group=pp_mesh.get_group(), get_mesh=_sub_mesh(device_mesh)
             )
         )
+    if len(mine) > 1:
+        refuse_direct_calls(module, mine)
     last_rank = pipeline.coordinate_of(n_stages - 1, plan.mesh)
     pipelined = Pipelined(plan, tuple(built), pp_mesh.get_group(), last_rank, packing, gate)
     module.__dict__["_fs_pipeline"] = pipelined

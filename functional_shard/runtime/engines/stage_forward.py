@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,25 @@ class ScheduleGate:
             yield
         finally:
             self.open = False
+
+
+def _called_directly(who: str) -> ShardingError:
+    return ShardingError(
+        f"{who}: the pipelined model was called directly, which runs this rank's stages alone, not "
+        "the model; run it through fs.forward_backward, fs.forward_loss or fs.forward_only"
+    )
+
+
+def refuse_direct_calls(module: nn.Module, stages: Sequence[int]) -> None:
+    """Refuse ``module``'s own forward where this rank runs several ``stages``, each through a view of it.
+
+    Called, it would run those stages' modules in one pass, the other ranks' passed through.
+    """
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise _called_directly(f"pipeline stages {', '.join(map(str, stages))}")
+
+    module.forward = refused  # type: ignore[method-assign]
 
 
 def _keywords(module: nn.Module) -> frozenset[str]:
@@ -76,11 +95,7 @@ def run_as_stage(
 
     def stage_forward(hidden: torch.Tensor, **packed: torch.Tensor) -> torch.Tensor:
         if not gate.open:
-            raise ShardingError(
-                f"{who}: the pipelined model was called directly, which runs this rank's stages alone "
-                "(the first stage's hidden states would come back as its output); run it through "
-                "fs.forward_backward, fs.forward_loss or fs.forward_only"
-            )
+            raise _called_directly(who)
         keywords = (
             packing.keywords(hidden, packed.get("positions"), packed.get("document_ids"), who=who)
             if packed
