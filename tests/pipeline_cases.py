@@ -276,7 +276,9 @@ def per_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def failing_loss_then_a_step(spec: dict[str, Any], what: str) -> dict[str, Any]:
     """A step whose loss_fn fails on the last stage (``what``: ``"per_token"`` loss, ``"short"``
-    targets, ``"evaluation"`` of short targets), then a good step: the refusal and that loss."""
+    targets, ``"evaluation"`` of short targets) or whose inputs the first stage cannot run
+    (``"float_ids"``, ``"flat"`` rows, ``"out_of_memory"``), or the model called outside a schedule
+    (``"direct"``), then a good step: the refusal and that loss."""
     model = build(spec)
     plan = fs.shard(model, fs.Mesh(**spec["mesh"]), policy_of(spec))
     fs.apply(plan, model)
@@ -287,6 +289,10 @@ def failing_loss_then_a_step(spec: dict[str, Any], what: str) -> dict[str, Any]:
         "short": lambda: fs.forward_backward(plan, model, lm_loss)(inputs, targets[:, :-2]),
         "evaluation": lambda: fs.forward_loss(plan, model, lm_loss)(inputs, targets[:, :-2]),
         "evaluation_per_token": lambda: fs.forward_loss(plan, model, per_token_loss)(inputs, targets),
+        "float_ids": lambda: fs.forward_backward(plan, model, lm_loss)(inputs.float(), targets),
+        "flat": lambda: fs.forward_loss(plan, model, lm_loss)(inputs[:, 0], targets),
+        "direct": lambda: model(inputs),
+        "out_of_memory": lambda: _out_of_memory_once(model, plan, inputs, targets),
     }[what]
     try:
         failing()
@@ -295,6 +301,21 @@ def failing_loss_then_a_step(spec: dict[str, Any], what: str) -> dict[str, Any]:
         refusal = str(error)
     model.zero_grad()
     return {"refusal": refusal, "loss": float(fs.forward_backward(plan, model, lm_loss)(inputs, targets))}
+
+
+def _out_of_memory_once(
+    model: torch.nn.Module, plan: fs.Plan, inputs: torch.Tensor, targets: torch.Tensor
+) -> None:
+    """A step whose embedding runs out of device memory (where this rank holds it)."""
+
+    def out_of_memory(*args: Any) -> torch.Tensor:
+        raise torch.OutOfMemoryError("out of memory (a stand-in)")
+
+    model.embed_tokens.forward = out_of_memory
+    try:
+        fs.forward_backward(plan, model, lm_loss)(inputs, targets)
+    finally:
+        del model.embed_tokens.forward
 
 
 def plain_step() -> dict[str, Any]:

@@ -7,7 +7,7 @@ from functional_shard.core.mesh import Mesh
 from functional_shard.core.spec import ParamSharding
 from functional_shard.core.tree import ModelTree
 
-from .pipeline.stages import stage_finder
+from .pipeline.stages import stage_finder, tied_across_stages_fix
 from .plan.config import PlanConfig
 from .plan.plan import Plan
 
@@ -36,10 +36,10 @@ def _staged(
             stages = {name: stage_of(name) for name in names}
             if len(set(stages.values())) > 1:
                 where = ", ".join(f"{name} in stage {stage}" for name, stage in stages.items())
+                fix = tied_across_stages_fix(stages.values(), len(pipeline.stages))
                 problems.append(
                     f"{where} are one tied parameter; the pipeline engine does not reduce a tied "
-                    "gradient between stages. Untie them (e.g. tie_word_embeddings=False), or put "
-                    "them in one stage with pipeline(split=[...])"
+                    f"gradient between stages. Fix: {fix}"
                 )
                 continue
             stage = stages[path]

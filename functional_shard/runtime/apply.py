@@ -62,7 +62,8 @@ def apply(
     Call it on every rank, after ``torch.distributed`` is initialised and before the
     optimizer is built (use `optimizer`). Under a pipeline plan this rank keeps only its
     stages (the others' modules become pass-throughs, paths unchanged); train it with
-    `forward_backward`.
+    `forward_backward` and evaluate it with `forward_loss` or `forward_only` (calling it
+    directly is refused: it would run this rank's stages alone).
 
     Args:
         plan: the plan, made for this module.

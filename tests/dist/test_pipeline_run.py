@@ -119,26 +119,59 @@ def test_batches_of_other_rows_and_lengths_step_and_evaluate_as_one_process(worl
         torch.testing.assert_close(merged[name], value, atol=1e-5, rtol=1e-4, msg=name)
 
 
+LOSS_FAILED = "the pipeline's last stage (pp rank 1) ran loss_fn on a micro-batch, and it failed"
+INPUTS_FAILED = "the pipeline's first stage cannot run a micro-batch of inputs of shape "
+
+
 @pytest.mark.parametrize(
-    ("what", "message"),
+    ("what", "messages"),
     [
-        ("per_token", "fs.forward_backward: loss_fn returned a tensor of shape (24,), but the step runs"),
-        ("short", "Expected input batch_size (24) to match target batch_size (20)"),
-        ("evaluation", "Expected input batch_size (24) to match target batch_size (20)"),
+        (
+            "per_token",
+            (LOSS_FAILED, "fs.forward_backward: loss_fn returned a tensor of shape (24,), but the step runs"),
+        ),
+        ("short", (LOSS_FAILED, "Expected input batch_size (24) to match target batch_size (20)")),
+        ("evaluation", (LOSS_FAILED, "Expected input batch_size (24) to match target batch_size (20)")),
         # no backward fails on it: the micro-batches' vectors were averaged and returned
-        ("evaluation_per_token", "fs.forward_loss: loss_fn returned a tensor of shape (24,), but it returns"),
+        (
+            "evaluation_per_token",
+            (LOSS_FAILED, "fs.forward_loss: loss_fn returned a tensor of shape (24,), but it returns"),
+        ),
+        (
+            "float_ids",
+            (INPUTS_FAILED + "(4, 12) and dtype torch.float32; every pp rank stops here: Expected",),
+        ),
+        (
+            "flat",
+            (INPUTS_FAILED + "(4,) and dtype torch.int64; every pp rank stops here: not enough values",),
+        ),
+        (
+            "out_of_memory",
+            (INPUTS_FAILED, "here: out of memory (a stand-in). Fix: fewer rows a micro-batch: a smaller batch"),
+        ),
+        # no step: the first stage returned its hidden states as the model's output, the last raised alone
+        ("direct", ("the pipelined model was called directly, which runs this rank's stages alone",)),
     ],
 )
-def test_a_loss_fn_failing_on_the_last_stage_is_raised_on_every_rank(worlds, what, message):
-    # the last stage raised alone, inside the schedule; the other ranks waited for its gradients
+def test_a_step_failing_on_one_stage_is_raised_on_every_rank(worlds, what, messages):
+    # the last stage's loss_fn, or the first stage's forward on inputs it cannot take, raised
+    # alone inside the schedule; the other ranks waited for what it sends until the timeout
     spec = pc.case({"pp": 2}, microbatches=2)
-    expected = "the pipeline's last stage (pp rank 1) ran loss_fn on a micro-batch, and it failed"
     tokens = pc.batches(1)[0]
     model = pc.build(spec)
     one_process = pc.lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).item()
     for result in worlds(2).run(pc.failing_loss_then_a_step, spec, what):
-        assert expected in result["refusal"] and message in result["refusal"], result["refusal"]
+        assert all(message in result["refusal"] for message in messages), result["refusal"]
         assert result["loss"] == pytest.approx(one_process, abs=1e-5)  # the pipeline runs on
+
+
+def test_a_rank_of_two_stages_refuses_the_model_called_directly(worlds):
+    # the module itself ran both of the rank's stages in one pass, the other rank's skipped:
+    # logits of half the model on pp rank 0, torch's raw shape error on pp rank 1
+    spec = pc.case({"pp": 2}, "zbv", stages_per_rank=2, microbatches=2)
+    refusals = [result["refusal"] for result in worlds(2).run(pc.failing_loss_then_a_step, spec, "direct")]
+    assert [refusal.split(":")[0] for refusal in refusals] == ["pipeline stages 0, 3", "pipeline stages 1, 2"]
+    assert all("the pipelined model was called directly" in refusal for refusal in refusals), refusals
 
 
 def test_tied_embeddings_split_across_stages_are_refused_before_running():
@@ -148,8 +181,10 @@ def test_tied_embeddings_split_across_stages_are_refused_before_running():
     with pytest.raises(
         fs.ShardingError,
         match=re.escape("embed_tokens.weight in stage 0, lm_head.weight in stage 1 are one tied"),
-    ):
+    ) as raised:
         fs.shard(model, fs.Mesh(pp=2, dp=2), pc.policy_of(spec))
+    assert "Fix: untie it, each module with its own copy of the weight" in str(raised.value)
+    assert "or plan it without pipeline()" in str(raised.value)
 
 
 def test_ddp_under_a_pipeline_is_refused_for_fsdp():

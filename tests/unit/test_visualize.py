@@ -135,6 +135,22 @@ def test_with_an_estimate_the_bar_of_its_rank_is_its_peak(policy):
         )
 
 
+def test_with_a_pipelines_estimate_each_bar_is_its_own_stages_peak():
+    # the estimate is the worst pp rank's (the last stage, with the loss): each bar drew its
+    # activations and loss, the first stage's too
+    model = llama("tiny")
+    plan = fs.shard(model, fs.Mesh(pp=2, dp=2), fs.pipeline("pp", microbatches=2) + fs.fsdp("dp"))
+    estimate = fs.estimate(model, plan, batch=4, seq=16)
+    peaks = estimate.pipeline.rank_peak_bytes
+    assert plan.mesh.coords(estimate.rank)["pp"] == 1
+    assert peaks[0] < peaks[1]
+    memory_axes = plan.visualize(estimate=estimate).axes[0]
+    bars = [sum(container[rank].get_height() for container in memory_axes.containers) for rank in range(4)]
+    for rank in range(4):
+        assert bars[rank] * 2**20 == pytest.approx(peaks[plan.mesh.coords(rank)["pp"]], rel=1e-12), rank
+    assert [c.get_label() for c in memory_axes.containers if c[0].get_height() == 0] == ["loss workspace"]
+
+
 def test_a_big_mesh_draws_evenly_spread_ranks_and_a_subset_of_labels():
     plan = fs.shard(llama("llama-70b"), fs.Mesh(dp=16, tp=8), fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp"))
     figure = plan.visualize()

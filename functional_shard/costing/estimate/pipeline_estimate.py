@@ -191,6 +191,7 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
             tuple(peaks),
             timeline,
             kept_output_bytes=stage_bytes.to_end[-1],
+            rank_memory=tuple(memories),
         ),
         peak_at=peak_at[chosen],
         saved={phase: m * sum(saved[s].get(phase, 0.0) for s in ours) for phase in saved[0]},

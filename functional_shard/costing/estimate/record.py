@@ -290,6 +290,7 @@ class PipelineEstimate:
         rank_peak_bytes: per pp coordinate, its peak memory (the estimate reports the worst).
         timeline: the schedule run on the clock.
         kept_output_bytes: the last stage's output per micro-batch kept to the step's end, else 0.
+        rank_memory: per pp coordinate, its peak by part, as `Estimate.memory` is the chosen one's.
     """
 
     schedule: str
@@ -299,6 +300,7 @@ class PipelineEstimate:
     rank_peak_bytes: tuple[int, ...]
     timeline: Timeline
     kept_output_bytes: int = 0
+    rank_memory: tuple[Mapping[str, int], ...] = field(default=(), compare=False, repr=False)
 
     @property
     def pp(self) -> int:

@@ -41,23 +41,30 @@ def _ranks_shown(size: int, ranks: Sequence[int] | None) -> list[int]:
     return sorted({round(i * step) for i in range(_MAX_BARS)})
 
 
-def _at_the_peak(estimate: Any) -> dict[str, int]:
-    """The estimate's gradients and gathered units at its peak, by `Cost` field.
+def _rank_memory(estimate: Any, plan: Plan, rank: int) -> Mapping[str, int] | None:
+    """The estimate's peak by part for ``rank``: under a pipeline its pp coordinate's, else the estimate's."""
+    pipeline = getattr(estimate, "pipeline", None)
+    if pipeline is not None and pipeline.rank_memory and plan.config.pipeline is not None:
+        return pipeline.rank_memory[plan.mesh.coords(rank)[plan.config.pipeline.axis]]
+    memory: Mapping[str, int] | None = getattr(estimate, "memory", None)
+    return memory
+
+
+def _at_the_peak(memory: Mapping[str, int] | None) -> dict[str, int]:
+    """An estimate's gradients and gathered units at its peak (``memory``), by `Cost` field.
 
     Parameters, optimizer state and buffers rest on a rank all step: each rank's own `Plan.cost`.
     Gradients and gathered units depend on the moment, which the estimate's peak fixes.
     """
-    memory: Mapping[str, int] | None = getattr(estimate, "memory", None)
     if not memory:
         return {}
     return {"grads_bytes": int(memory.get("grads", 0)), "gathered_bytes": int(memory.get("gathered", 0))}
 
 
-def _estimate_parts(estimate: Any) -> dict[str, int]:
-    """The estimate's memory parts that `Plan.cost` does not draw (activations, workspace)."""
+def _estimate_parts(estimate: Any, memory: Mapping[str, int] | None) -> dict[str, int]:
+    """One rank's parts of an estimate (``memory``) that `Plan.cost` does not draw (activations, ...)."""
     if estimate is None:
         return {}
-    memory: Mapping[str, int] | None = getattr(estimate, "memory", None)
     if memory:
         return {k: int(v) for k, v in memory.items() if k not in _COST_KEYS and v and "host" not in k}
     activations = getattr(estimate, "activation_bytes", None)
@@ -91,18 +98,19 @@ def draw_memory(
     """
     shown = _ranks_shown(plan.mesh.size, ranks)
     costs = [plan.cost(optimizer, rank=rank) for rank in shown]
-    extra = _estimate_parts(estimate)
-    peak = _at_the_peak(estimate)
-    parts = [{field: peak.get(field, getattr(c, field)) for field, _ in _COST_PARTS} for c in costs]
-    largest = max([sum(p.values()) for p in parts] + [budget or 0]) + sum(extra.values())
+    # each rank's own peak: under a pipeline its stages' (the estimate's own is the worst stage's)
+    memories = [_rank_memory(estimate, plan, rank) for rank in shown]
+    extras = [_estimate_parts(estimate, memory) for memory in memories]
+    parts = [
+        {field: _at_the_peak(memory).get(field, getattr(c, field)) for field, _ in _COST_PARTS} | extra
+        for c, memory, extra in zip(costs, memories, extras, strict=True)
+    ]
+    largest = max([sum(p.values()) for p in parts] + [budget or 0])
     unit, scale = byte_unit(largest)
-    stacks = {label: [p[field] / scale for p in parts] for field, label in _COST_PARTS}
-    stacks.update(
-        {
-            name.removesuffix("_bytes").replace("_", " "): [value / scale] * len(shown)
-            for name, value in extra.items()
-        }
-    )
+    names = dict(_COST_PARTS) | {
+        name: name.removesuffix("_bytes").replace("_", " ") for extra in extras for name in extra
+    }
+    stacks = {label: [p.get(field, 0) / scale for p in parts] for field, label in names.items()}
     positions = list(range(len(shown)))
     bottom = [0.0] * len(shown)
     colours = iter(matplotlib_module().colormaps["tab10"].colors)
@@ -134,7 +142,7 @@ def draw_memory(
     elif budget is not None:
         subtitle += f"; budget {budget / scale:.3g} {unit}, off the scale"
     axes.set_ylim(0, top * 1.3 or 1)
-    title = "memory per device (predicted)" + (" with activations" if extra else "")
+    title = "memory per device (predicted)" + (" with activations" if any(extras) else "")
     axes.set_title(f"{title}\n{subtitle}", fontsize=10)
     axes.legend(fontsize=8, loc="upper right", ncols=2)
     axes.grid(axis="y", alpha=0.3)

@@ -267,6 +267,27 @@ def stage_finder(stages: tuple[tuple[str, ...], ...]) -> Callable[..., int | Non
     return stage_of
 
 
+def tied_across_stages_fix(stages: Iterable[int | None], n_stages: int) -> str:
+    """The fix for a tied parameter whose modules fall in ``stages`` of ``n_stages``.
+
+    A split keeps the model's order, so a weight the first stage and the last both use (a causal
+    LM's input embedding tied to its head) stays split across stages whatever the split.
+
+    Examples:
+        >>> tied_across_stages_fix([0, 3], 4).endswith("or plan it without pipeline()")
+        True
+        >>> "pipeline(split=...)" in tied_across_stages_fix([1, 2], 4)
+        True
+    """
+    untie = (
+        "untie it, each module with its own copy of the weight, as torchtitan requires under a pipeline "
+        "(Hugging Face: tie_word_embeddings=False, then copy the loaded embedding into the head)"
+    )
+    if {0, n_stages - 1} <= set(stages):
+        return f"{untie}, or plan it without pipeline()"
+    return f"{untie}, or put every module that uses it in one stage with pipeline(split=...)"
+
+
 def _output_features(tree: ModelTree, path: str) -> int | None:
     """Features of what the module owning the weight at ``path`` outputs.
 

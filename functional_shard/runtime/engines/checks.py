@@ -7,7 +7,7 @@ from torch import nn
 from functional_shard.core.errors import PlanError, bullets
 from functional_shard.core.tree import read_model
 from functional_shard.planning.context_checks import context_parallel_problems
-from functional_shard.planning.pipeline.stages import stage_finder
+from functional_shard.planning.pipeline.stages import stage_finder, tied_across_stages_fix
 from functional_shard.planning.plan.json_format import config_value_problems
 from functional_shard.planning.plan.plan import Plan
 from functional_shard.planning.tp.module_splits import is_conv1d_module, is_projection, split_problems
@@ -189,11 +189,10 @@ def pipeline_problems(plan: Plan) -> list[str]:
                 f"{name} in {f'stage {stage}' if stage is not None else 'no stage'}"
                 for name, stage in where.items()
             )
+            fix = tied_across_stages_fix(where.values(), len(pipeline.stages))
             found.append(
                 f"{canonical}: a tied parameter split across pipeline stages ({placed}); apply() does not "
-                "keep it in step between stages (torchtitan refuses it too). Untie it (Hugging Face: "
-                "tie_word_embeddings=False), or put every module that uses it in one stage with "
-                "pipeline(split=...)"
+                f"keep it in step between stages. Fix: {fix}"
             )
     return found
 

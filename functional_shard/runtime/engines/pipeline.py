@@ -34,6 +34,7 @@ from .applied import retie
 from .data_parallel import apply_data_parallel, reduce_whole_grads
 from .experts import apply_expert_parallel
 from .gradients import gradients_set_aside
+from .stage_forward import ScheduleGate, refuse_direct_calls, run_as_stage
 from .tensor_parallel import apply_tensor_parallel, plain_loss, refuse_uneven_sequences
 
 
@@ -76,6 +77,7 @@ class Pipelined:
     # how the model's own forward, which every stage runs, takes packed rows: read from the
     # whole model before this rank's stages were cut from it, so every rank refuses alike
     packing: PackedForward
+    gate: ScheduleGate  # open while a schedule runs the stages: their forwards run only then
     schedule: Any = None
     loss: Callable[..., torch.Tensor] | None = field(default=None, repr=False)
     # the shapes and dtypes of the batch the schedule sized its stages' buffers for
@@ -157,54 +159,6 @@ def _drop_in_place(module: nn.Module, drop: set[str]) -> None:
         setattr(parent, name, PassThrough(path, getattr(parent, name)))
 
 
-def _keywords(module: nn.Module) -> frozenset[str]:
-    try:
-        return frozenset(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        return frozenset()
-
-
-def _tensor_of(output: Any, stage: int) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    for name in ("logits", "last_hidden_state"):
-        value = getattr(output, name, None)
-        if isinstance(value, torch.Tensor):
-            return value
-    if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    raise ShardingError(
-        f"pipeline stage {stage}: the model's forward returned a {type(output).__name__}; a pipelined "
-        "model returns a tensor, a tuple starting with one, or an output with .logits"
-    )
-
-
-def _run_as_stage(stage_module: nn.Module, stage: int, first: bool, packing: PackedForward) -> None:
-    # The stage's module runs the model's own forward; only what goes in and what comes out
-    # change: a later stage's input is the hidden states (inputs_embeds= for Hugging Face).
-    # Packed rows' positions= and document_ids= reach every stage: torch's schedule splits the
-    # step's keyword tensors into micro-batches and hands them to each stage it runs, which turns
-    # its micro-batch's into what the forward takes (a Hugging Face model's position_ids=,
-    # use_cache=False: no value but a tensor goes through the schedule's keywords)
-    forward = stage_module.forward
-    embeds = not first and "inputs_embeds" in _keywords(stage_module)
-    who = f"pipeline stage {stage}"
-
-    def stage_forward(hidden: torch.Tensor, **packed: torch.Tensor) -> torch.Tensor:
-        keywords = (
-            packing.keywords(hidden, packed.get("positions"), packed.get("document_ids"), who=who)
-            if packed
-            else {}
-        )
-        given = forward(inputs_embeds=hidden, **keywords) if embeds else forward(hidden, **keywords)
-        output = _tensor_of(given, stage)
-        # a view (Hugging Face slices the hidden states for its head) would lose FSDP2's
-        # pre-backward hook to any in-place op, and FSDP2 warns: hand on a tensor of its own
-        return output.clone() if output._is_view() else output
-
-    stage_module.forward = stage_forward  # type: ignore[method-assign]
-
-
 def _device(device_mesh: DeviceMesh) -> torch.device:
     if device_mesh.device_type == "cpu":
         return torch.device("cpu")
@@ -236,7 +190,7 @@ def apply_pipeline(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> Pl
     pp_rank = pp_mesh.get_local_rank()
     n_stages = len(pipeline.stages)
     mine = rank_stages(pp_rank, pp, pipeline.stages_per_rank, pipeline.schedule)
-    packing = packed_forward(module)
+    packing, gate = packed_forward(module), ScheduleGate()
     others = {m for s in range(n_stages) if s not in mine for m in pipeline.stages[s]}
     _drop_in_place(module, others)
     stage_modules: list[tuple[int, nn.Module]] = []
@@ -261,14 +215,16 @@ def apply_pipeline(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> Pl
         apply_data_parallel(local, view, device_mesh, "")
         reduce_whole_grads(local, view, device_mesh)
         refuse_uneven_sequences(local, view)
-        _run_as_stage(view, stage, first=stage == 0, packing=packing)
+        run_as_stage(view, stage, first=stage == 0, packing=packing, gate=gate)
         built.append(
             PipelineStage(
                 view, stage, n_stages, device, group=pp_mesh.get_group(), get_mesh=_sub_mesh(device_mesh)
             )
         )
+    if len(mine) > 1:
+        refuse_direct_calls(module, mine)
     last_rank = pipeline.coordinate_of(n_stages - 1, plan.mesh)
-    pipelined = Pipelined(plan, tuple(built), pp_mesh.get_group(), last_rank, packing)
+    pipelined = Pipelined(plan, tuple(built), pp_mesh.get_group(), last_rank, packing, gate)
     module.__dict__["_fs_pipeline"] = pipelined
     _PIPELINED.add(module)
     return without_pipeline(stage_plan(plan, mine))
@@ -286,6 +242,7 @@ def _schedule(pipelined: Pipelined, inputs: torch.Tensor, keywords: dict[str, to
 
     layout = tuple((name, tuple(t.shape), t.dtype) for name, t in {"": inputs, **(keywords or {})}.items())
     if layout != pipelined.batch_layout:
+        _check_first_stage_takes(pipelined, inputs, keywords or {})
         pipelined.schedule, pipelined.batch_layout = None, layout
     if pipelined.schedule is None:
         pipeline = pipelined.plan.config.pipeline
@@ -306,6 +263,53 @@ def _schedule(pipelined: Pipelined, inputs: torch.Tensor, keywords: dict[str, to
                 f"{len(pipeline.stages)} stages: {error}"
             ) from None
     return pipelined.schedule
+
+
+def _check_first_stage_takes(
+    pipelined: Pipelined, inputs: torch.Tensor, keywords: dict[str, torch.Tensor]
+) -> None:
+    """Refuse on every pp rank a batch layout the first stage cannot run (float ids, a dim too few).
+
+    Inside the schedule the first stage would raise alone, and the other ranks wait for what it
+    sends until the process group's timeout. Run once a layout, like the new schedule it needs:
+    the first stage's forward on one micro-batch, without gradients or a draw from the random
+    generators the step's forward uses.
+    """
+    pipeline = pipelined.plan.config.pipeline
+    assert pipeline is not None  # (apply_pipeline made it of a plan with one)
+    first = next((stage for stage in pipelined.stages if stage.is_first), None)
+    failure: BaseException | None = None
+    if first is not None:
+        one = {name: t.tensor_split(pipeline.microbatches)[0] for name, t in {"": inputs, **keywords}.items()}
+        generators = [first.device] if first.device.type != "cpu" else []
+        forked = torch.random.fork_rng(devices=generators, device_type=first.device.type)
+        try:
+            with torch.no_grad(), forked, pipelined.gate.running():
+                first.submod(one.pop(""), **one)
+        except Exception as error:  # any: it is raised on every pp rank below
+            failure = error
+    refusal = None
+    if failure is not None:
+        fix = (
+            "fewer rows a micro-batch: a smaller batch, or more micro-batches"
+            if isinstance(failure, torch.OutOfMemoryError)
+            else "the inputs its forward takes (a language model's: integer token ids, [rows, sequence])"
+        )
+        refusal = (
+            f"the pipeline's first stage cannot run a micro-batch of inputs of shape {tuple(inputs.shape)} "
+            f"and dtype {inputs.dtype}; every pp rank stops here: {one_line(failure)}. Fix: {fix}"
+        )
+    said = _said_on_every_rank(pipelined, refusal, pipeline.coordinate_of(0, pipelined.plan.mesh))
+    if said is not None:
+        raise ShardingError(said) from failure
+
+
+def _said_on_every_rank(pipelined: Pipelined, failure: BaseException | str | None, source: int) -> str | None:
+    """What pp rank ``source`` failed with (`failure`, on one line), or None, on every pp rank."""
+    said: list[Any] = [one_line(failure) if failure is not None else None]
+    device = pipelined.stages[0].device
+    dist.broadcast_object_list(said, group=pipelined.group, group_src=source, device=device)
+    return said[0]
 
 
 def _grads_set_aside(pipelined: Pipelined) -> contextlib.AbstractContextManager[None]:
@@ -354,13 +358,10 @@ def _mean_from_last_stage(pipelined: Pipelined, losses: list[torch.Tensor], last
     if pipelined.catching and sent[1].item():
         # read only while catching: the device is waited for on a layout's first step, not on each
         failure = pipelined.failure
-        said: list[Any] = [one_line(failure) if failure is not None else None]
-        dist.broadcast_object_list(
-            said, group=pipelined.group, group_src=pipelined.last_stage_rank, device=device
-        )
+        said = _said_on_every_rank(pipelined, failure, pipelined.last_stage_rank)
         raise ShardingError(
             f"the pipeline's last stage (pp rank {pipelined.last_stage_rank}) ran loss_fn on a micro-batch, "
-            f"and it failed; every pp rank stops here: {said[0]}"
+            f"and it failed; every pp rank stops here: {said}"
         ) from failure
     return sent[0]
 
@@ -413,7 +414,7 @@ def scheduled_loss(
     if last:
         kwargs |= {"target": targets, "losses": losses}
     evaluating = _evaluating(pipelined) if forward_only else contextlib.nullcontext()
-    with _grads_set_aside(pipelined), evaluating:
+    with _grads_set_aside(pipelined), evaluating, pipelined.gate.running():
         if first:
             run(inputs, **kwargs)
         else:
@@ -443,7 +444,7 @@ def pipeline_eval_outputs(
     kwargs = _returning(schedule.eval, True) | (keywords or {})
     if last:
         kwargs["target"] = torch.zeros(inputs.shape[0], device=device)
-    with _grads_set_aside(pipelined), _evaluating(pipelined):
+    with _grads_set_aside(pipelined), _evaluating(pipelined), pipelined.gate.running():
         outputs = schedule.eval(inputs, **kwargs) if first else schedule.eval(**kwargs)
     if last:
         full = getattr(outputs, "full_tensor", None)  # a DTensor from a tensor-parallel head
