@@ -255,6 +255,18 @@ def test_mixed_precision_takes_exactly_the_floating_dtypes(dtype, as_name):
             fs.mixed_precision(given_as)
 
 
+@pytest.mark.parametrize(
+    ("alias", "dtype"), [("half", torch.float16), ("float", torch.float32), ("double", torch.float64)]
+)
+def test_a_dtype_alias_is_the_dtype_it_names(alias, dtype):
+    # plans compare, cost and export dtypes by name: an alias kept as given made
+    # mixed_precision('half') conflict with mixed_precision(torch.float16) and left fp16 off in
+    # to_lightning's DeepSpeed config
+    by_alias = fs.mixed_precision(alias, alias)
+    assert by_alias.options == fs.mixed_precision(dtype, dtype).options
+    assert by_alias + fs.mixed_precision(dtype, dtype)
+
+
 @given(flags=st.tuples(*[st.booleans() | st.none() | st.integers(0, 1) | st.text(max_size=3)] * 3))
 def test_offload_takes_only_bools(flags):
     params, grads, optimizer = flags

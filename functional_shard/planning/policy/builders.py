@@ -80,7 +80,8 @@ def _dtype_name(dtype: torch.dtype | str | None, what: str) -> str | None:
         # parameters and gradients are cast to it: an integer or bool dtype truncates them
         fix = "e.g. torch.bfloat16, torch.float16 or torch.float32"
         refuse(what, str(found), "a floating dtype", meaning=fix, error=PolicyError)
-    return name
+    # the dtype's own name, not an alias ('half', 'double'): plans compare and cost it by name
+    return str(found).removeprefix("torch.")
 
 
 @policy_builder
