@@ -236,6 +236,24 @@ def test_materialize_needs_reset_parameters_or_init(fake_world):
     assert module[0].gain.is_meta  # refused before any change
 
 
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        # "meta" left every tensor on meta, silently; "bogus" ended in torch's own parse error
+        ({"device": "meta"}, "materialize(device='meta'): a device this machine has"),
+        ({"device": "bogus"}, "materialize(device='bogus'): a torch device"),
+    ],
+)
+def test_materialize_refuses_its_arguments_before_any_change(fake_world, options, said):
+    fake_world(2)
+    module = nn.Sequential(nn.Linear(4, 4, device="meta"))
+    plan = fs.shard(module, fs.Mesh(dp=2), fs.fsdp())
+    fs.apply(plan, module)
+    with pytest.raises(fs.ShardingError, match=re.escape(said)):
+        fs.materialize(plan, module, **options)
+    assert module[0].weight.is_meta
+
+
 def test_heads_that_split_evenly_are_runnable():
     """tp=2 keeps whole heads (2 of 4 query heads, 1 of 2 key/value heads per rank)."""
     model = llama("tiny", device="cpu")
