@@ -275,7 +275,8 @@ def mixed_precision(
     """Compute in ``param_dtype``, reduce gradients in ``reduce_dtype``; keep fp32 at rest.
 
     Raises:
-        PolicyError: a dtype that is not a floating torch dtype.
+        PolicyError: a dtype other than bfloat16, float16, float32 and float64 (float8 needs scaled
+            matmuls, not a cast).
 
     Examples:
         >>> mixed_precision(torch.bfloat16).options.param_dtype
