@@ -44,6 +44,8 @@ def strategy(name: str, world: int) -> tuple[fs.Mesh, fs.Policy]:
         "fsdp_checkpointing": (fs.Mesh(dp=-1), fs.fsdp() + fs.checkpointing(Block)),
         "fsdp_offload": (fs.Mesh(dp=-1), fs.fsdp() + fs.offload()),
         "fsdp_bf16": (fs.Mesh(dp=-1), fs.fsdp() + fs.mixed_precision(torch.bfloat16, torch.float32)),
+        # no reduce dtype: FSDP2 reduces in the compute dtype
+        "fsdp_bf16_no_reduce_dtype": (fs.Mesh(dp=-1), fs.fsdp() + fs.mixed_precision(torch.bfloat16, None)),
     }[name]
     return mesh.resolve(world), policy
 

@@ -125,14 +125,20 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
                 f"DeepSpeedStrategy could not be built ({error}); the config it would get is "
                 "deepspeed_config(plan)"
             ) from None
+    offloaded = [part for part in ("params", "grads", "optimizer") if getattr(config, f"offload_{part}")]
     if target == "ddp":
-        if kind != "ddp" or config.param_dtype or config.offload_params:
+        if kind != "ddp" or config.param_dtype or config.reduce_dtype or offloaded:
             raise fs.ShardingError(
                 f"DDPStrategy runs replicated plans without options; this plan is {kind!r}"
             )
         return DDPStrategy()
     if target != "fsdp" or kind not in ("zero2", "zero3", "fsdp", "hsdp"):
         raise fs.ShardingError(f"no Lightning strategy {target!r} for a {kind!r} plan")
+    if 0 < len(offloaded) < 3:  # FSDPStrategy's one flag would drop the rest, or offload more
+        raise fs.ShardingError(
+            f"FSDPStrategy offloads params, grads and optimizer state together; this plan offloads "
+            f"only {' and '.join(offloaded)}. Use fs.offload(), or to_lightning(plan, target='deepspeed')"
+        )
     from torch.distributed.fsdp import MixedPrecision
     from torch.distributed.fsdp.wrap import CustomPolicy
 

@@ -44,6 +44,7 @@ __all__ = [
     "positive_int",
     "positive_number",
     "refuse",
+    "torch_seed",
 ]
 
 _P = ParamSpec("_P")
@@ -114,6 +115,27 @@ def non_negative_int(value: Any, name: str, **refusal: Unpack[Refusal]) -> int:
     """
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         refuse(name, repr(value), "an int of at least 0", **refusal)
+    return value
+
+
+TORCH_SEEDS = (-(2**63), 2**64 - 1)
+"""The least and the greatest seed ``torch.manual_seed`` and ``torch.Generator.manual_seed`` take."""
+
+
+def torch_seed(value: Any, name: str, **refusal: Unpack[Refusal]) -> int:
+    """``value`` if it is a whole number torch takes as a seed (not a bool, not a float), else refused.
+
+    Examples:
+        >>> torch_seed(0, "seed")
+        0
+        >>> torch_seed(1.5, "seed")
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: seed=1.5: a whole number from ... to ... (a torch seed)
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not TORCH_SEEDS[0] <= value <= TORCH_SEEDS[1]:
+        what = f"a whole number from {TORCH_SEEDS[0]} to {TORCH_SEEDS[1]} (a torch seed)"
+        refuse(name, repr(value), what, **refusal)
     return value
 
 

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.packing import collate_packed
-from functional_shard.core.validate import instance_of, non_negative_int, positive_int
+from functional_shard.core.validate import instance_of, non_negative_int, positive_int, torch_seed
 
 if TYPE_CHECKING:
     from functional_shard.planning.plan.plan import Plan
@@ -123,8 +123,7 @@ class DataOrder:
 
 # the least value of each count a data order or a sampler state holds (None: any whole number)
 _LEAST = {"dataset_len": 1, "global_batch": 1, "seed": None, "epoch": 0, "consumed": 0, "steps": 0}
-# the seeds torch.Generator.manual_seed takes, and how many distinct generators they give
-_SEEDS = (-(2**63), 2**64 - 1)
+# how many distinct generators torch's seeds give
 _SEED_SPAN = 2**64
 
 
@@ -140,8 +139,11 @@ def _value_problems(values: dict[str, Any]) -> list[str]:
             or (at_least is not None and values[key] < at_least)
         )
     ]
-    if not found and "seed" in values and not _SEEDS[0] <= values["seed"] <= _SEEDS[1]:
-        found.append(f"seed={values['seed']}: a whole number from {_SEEDS[0]} to {_SEEDS[1]} (a torch seed)")
+    if not found and "seed" in values:
+        try:
+            torch_seed(values["seed"], "seed")
+        except ShardingError as problem:
+            found.append(str(problem))
     if "shuffle" in values and not isinstance(values["shuffle"], bool):
         found.append(f"shuffle={values['shuffle']!r}: True or False")
     if not found and "consumed" in values and values["consumed"] % values["global_batch"]:

@@ -236,6 +236,30 @@ def test_materialize_needs_reset_parameters_or_init(fake_world):
     assert module[0].gain.is_meta  # refused before any change
 
 
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        # "meta" left every tensor on meta, silently; "bogus" ended in torch's own parse error
+        ({"device": "meta"}, "materialize(device='meta'): a device this machine has"),
+        ({"device": "bogus"}, "materialize(device='bogus'): a torch device"),
+        # a bad seed raised in torch.manual_seed after the tensors were allocated (or was cut to an
+        # int); an init that is no function was passed over for reset_parameters, without a word
+        ({"seed": "a"}, "materialize(seed='a'): a whole number from"),
+        ({"seed": 2**64}, "materialize(seed=18446744073709551616): a whole number from"),
+        ({"seed": 1.5}, "materialize(seed=1.5): a whole number from"),
+        ({"init": 3}, "materialize(init=int): a function"),
+    ],
+)
+def test_materialize_refuses_its_arguments_before_any_change(fake_world, options, said):
+    fake_world(2)
+    module = nn.Sequential(nn.Linear(4, 4, device="meta"))
+    plan = fs.shard(module, fs.Mesh(dp=2), fs.fsdp())
+    fs.apply(plan, module)
+    with pytest.raises(fs.ShardingError, match=re.escape(said)):
+        fs.materialize(plan, module, **options)
+    assert module[0].weight.is_meta
+
+
 def test_heads_that_split_evenly_are_runnable():
     """tp=2 keeps whole heads (2 of 4 query heads, 1 of 2 key/value heads per rank)."""
     model = llama("tiny", device="cpu")

@@ -68,6 +68,7 @@ COMM_CASES = [
     (3, "tp", "UNEVEN_TP"),
     (3, "tp_sp", "UNEVEN_TP"),
     (2, "fsdp_bf16", "EVEN"),
+    (2, "fsdp_bf16_no_reduce_dtype", "EVEN"),
 ]
 
 

@@ -108,6 +108,18 @@ def test_mixed_precision_gathers_in_param_dtype_and_reduces_in_reduce_dtype():
     assert cost.params_bytes == MB  # the fp32 shard stays the master copy
 
 
+def test_mixed_precision_without_a_reduce_dtype_reduces_in_the_compute_dtype():
+    # FSDP2's MixedPrecisionPolicy: reduce_dtype None reduces in param_dtype (measured on gloo:
+    # half the fp32 bytes; the cost counted fp32's)
+    plan = fs.shard(block_model(), fs.Mesh(dp=4), fs.fsdp() + fs.mixed_precision(torch.bfloat16, None))
+    assert plan.cost().comm_bytes["reduce_scatter"]["dp"] == 3 * MB / 2  # fp32 reduces 3 MB
+    # a 0-d parameter FSDP2 leaves whole is not cast: its gradient is all-reduced in fp32
+    model = block_model()
+    model.register_parameter("scale", nn.Parameter(torch.tensor(1.0)))
+    plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp() + fs.mixed_precision(torch.bfloat16, None))
+    assert plan.cost().comm_bytes["all_reduce"]["dp"] == 4
+
+
 def test_offload_moves_bytes_to_the_host():
     cost = fs.shard(block_model(), fs.Mesh(dp=4), fs.fsdp() + fs.offload()).cost()
     assert (cost.params_bytes, cost.grads_bytes, cost.optimizer_bytes) == (0, 0, 0)

@@ -142,6 +142,14 @@ def test_a_plan_naming_modules_that_hold_no_tensors_reads_back(mesh, policy):
         (lambda d: d["config"]["tp"].__setitem__("styles", "two"), "config.tp.styles"),
         (lambda d: d["config"].__setitem__("pipeline", {"microbatches": 2}), "config.pipeline.axis: missing"),
         (lambda d: d["config"]["fsdp"].__setitem__("kind", "none"), "config.fsdp.kind: 'none'"),
+        (
+            lambda d: d["config"].__setitem__("param_dtype", "int8"),
+            "config.param_dtype: 'int8' is not a floating",
+        ),
+        (
+            lambda d: d["config"].__setitem__("reduce_dtype", "float8_e5m2"),
+            "config.reduce_dtype: 'float8_e5m2'",
+        ),
         (lambda d: d["mesh"].__setitem__("axes", [["dp", 0]]), "mesh:"),
     ],
 )

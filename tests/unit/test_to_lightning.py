@@ -100,6 +100,18 @@ def test_deepspeed_config_carries_mixed_precision():
             "tensor parallel",
         ),
         (lambda: plan(fs.fsdp()), "ddp", "DDPStrategy runs replicated plans"),
+        # options DDPStrategy and FSDPStrategy do not take were dropped without a word
+        (lambda: plan(fs.replicate() + fs.offload(params=False)), "ddp", "DDPStrategy runs replicated plans"),
+        (
+            lambda: plan(fs.replicate() + fs.mixed_precision(None, torch.bfloat16)),
+            "ddp",
+            "DDPStrategy runs replicated plans",
+        ),
+        (
+            lambda: plan(fs.fsdp() + fs.offload(params=False, grads=False)),
+            "fsdp",
+            "FSDPStrategy offloads params, grads and optimizer state together; this plan offloads only opt",
+        ),
         (
             lambda: plan(fs.zero(2) + fs.offload()),
             "deepspeed",

@@ -98,7 +98,10 @@ def parameter_comm(plan: Plan, comm: Comm, census: Census, held: Mapping[str, in
             continue
         # an expert tensor's gradient is complete over the expert axis (expert_traffic)
         grad_axes = expert_grad_axes(plan, sharding, tuple(a for a in sharding.grad.axes if a in data_axes))
-        grad_bytes = local_numel(shape, sharding.grad, plan.mesh, origin, padded) * (reduce_size or itemsize)
+        # without a reduce dtype FSDP2 reduces in the compute dtype (MixedPrecisionPolicy's contract);
+        # the 0-d parameters it leaves whole are not cast, and reduced in their own dtype
+        grad_size = reduce_size or (param_size if shape else None) or itemsize
+        grad_bytes = local_numel(shape, sharding.grad, plan.mesh, origin, padded) * grad_size
         if grad_axes:
             n = plan.mesh.axes_size(grad_axes)
             comm.add("reduce_scatter", grad_axes, n, n * grad_bytes, count)

@@ -253,7 +253,7 @@ def config_value_problems(config: PlanConfig) -> list[str]:
         ["config.checkpoint_policy: 'some' is not one of ['full', 'selective', 'torchtitan']"]
     """
     from functional_shard.core.sequence import CONTEXT_ENGINES
-    from functional_shard.planning.policy.builders import CHECKPOINT_POLICIES
+    from functional_shard.planning.policy.builders import CHECKPOINT_POLICIES, MIXED_PRECISION_DTYPES
 
     found = []
     if config.fsdp is not None and config.fsdp.kind not in _DATA_PARALLEL:
@@ -270,8 +270,10 @@ def config_value_problems(config: PlanConfig) -> list[str]:
         )
     for key in ("param_dtype", "reduce_dtype"):
         name = getattr(config, key)
-        if name is not None and not isinstance(getattr(torch, name, None), torch.dtype):
-            found.append(f"config.{key}: {name!r} is not a torch dtype (e.g. 'bfloat16')")
+        if name is not None and getattr(torch, name, None) not in MIXED_PRECISION_DTYPES:
+            found.append(
+                f"config.{key}: {name!r} is not a floating torch dtype layers compute in (e.g. 'bfloat16')"
+            )
     if config.pipeline is not None:
         for key in ("microbatches", "stages_per_rank"):
             if getattr(config.pipeline, key) < 1:

@@ -69,6 +69,10 @@ def _flag(value: Any, option: str, meaning: str = "") -> bool:
     return value
 
 
+# what FSDP2 may cast parameters to and reduce gradients in
+MIXED_PRECISION_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
 def _dtype_name(dtype: torch.dtype | str | None, what: str) -> str | None:
     if dtype is None:
         return None
@@ -76,11 +80,13 @@ def _dtype_name(dtype: torch.dtype | str | None, what: str) -> str | None:
     found = getattr(torch, name, None)
     if not isinstance(found, torch.dtype):
         refuse(what, repr(dtype), "a torch dtype", meaning="e.g. torch.bfloat16", error=PolicyError)
-    if not found.is_floating_point:
-        # parameters and gradients are cast to it: an integer or bool dtype truncates them
+    if found not in MIXED_PRECISION_DTYPES:
+        # parameters and gradients are cast to it: an integer or bool dtype truncates them, and
+        # layers cannot compute in float8/float4 (they need scaled matmuls, not a cast)
         fix = "e.g. torch.bfloat16, torch.float16 or torch.float32"
-        refuse(what, str(found), "a floating dtype", meaning=fix, error=PolicyError)
-    return name
+        refuse(what, str(found), "a floating dtype layers compute in", meaning=fix, error=PolicyError)
+    # the dtype's own name, not an alias ('half', 'double'): plans compare and cost it by name
+    return str(found).removeprefix("torch.")
 
 
 @policy_builder
@@ -269,7 +275,8 @@ def mixed_precision(
     """Compute in ``param_dtype``, reduce gradients in ``reduce_dtype``; keep fp32 at rest.
 
     Raises:
-        PolicyError: a dtype that is not a floating torch dtype.
+        PolicyError: a dtype other than bfloat16, float16, float32 and float64 (float8 needs scaled
+            matmuls, not a cast).
 
     Examples:
         >>> mixed_precision(torch.bfloat16).options.param_dtype

@@ -11,6 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.core.validate import device as checked_device
+from functional_shard.core.validate import entry_point, refuse, torch_seed
 from functional_shard.planning.plan.plan import Plan
 
 from .applied import applied_with
@@ -31,6 +33,7 @@ from .pipeline import PassThrough
 from .tensor_parallel import packed_window, place_grads_as_params
 
 
+@entry_point
 def materialize(
     plan: Plan,
     module: nn.Module,
@@ -58,8 +61,10 @@ def materialize(
         init: called on each module with parameters (in module order) instead of its own initialiser.
 
     Raises:
-        ShardingError: the module was not applied with this plan; or, before anything changes,
-            parameters or meta buffers that nothing initialises, or real parameters beside meta ones.
+        ShardingError: ``device`` is not a device this machine has, ``seed`` not a torch seed,
+            ``init`` not a function, or the module was not applied with this plan; or, before
+            anything changes, parameters or meta buffers that nothing initialises, or real
+            parameters beside meta ones.
 
     Examples:
         >>> # with torch.device("meta"): model = transformers.LlamaForCausalLM(config)
@@ -67,6 +72,16 @@ def materialize(
     """
     from torch.distributed.tensor import DTensor
 
+    # "meta" would leave every tensor without values, silently
+    device = checked_device(
+        device, "device", meaning='where the shards are made: "cpu", "cuda:1" or a torch.device'
+    )
+    if seed is not None:  # checked here: torch.manual_seed runs after the model has changed
+        torch_seed(seed, "seed", meaning="or None to draw from torch's state as it is")
+    if init is not None and not callable(init):  # else each module's own initialiser stood in, unsaid
+        refuse(
+            "init", type(init).__name__, "a function", meaning="it sets a module's own parameters in place"
+        )
     applied = applied_with(plan, module, "fs.materialize")
     plan = applied.local_plan  # under pp: this rank's stages only
     if _parameters_real(module):  # loaded or trained already: only meta buffers get values
