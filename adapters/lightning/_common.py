@@ -18,6 +18,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import functional_shard as fs
+from functional_shard.core.validate import instance_of, refuse
 from functional_shard.planning.policy.types import as_policy
 from functional_shard.runtime.engines.applied import APPLIED
 from functional_shard.runtime.timeouts import set_timeout
@@ -129,20 +130,25 @@ class _RunsAPlan:
         process_group_backend: str | None,
         timeout: timedelta | None,
     ) -> None:
-        who = type(self).__name__
-        if mesh is not None and not isinstance(mesh, fs.Mesh):
-            raise fs.ShardingError(f"{who}(mesh={type(mesh).__name__}): a Mesh, as fs.Mesh(dp=-1)")
-        if timeout is not None and not isinstance(timeout, timedelta):
-            raise fs.ShardingError(
-                f"{who}(timeout={timeout!r}): a timedelta, as Lightning's strategies take it; pass "
-                f"timeout=timedelta(seconds={timeout!r})"
+        if mesh is not None:
+            instance_of(mesh, fs.Mesh, "mesh", meaning="as fs.Mesh(dp=-1)")
+        if timeout is not None:
+            seconds = repr(timeout) if type(timeout) in (int, float) else "..."
+            instance_of(
+                timeout,
+                timedelta,
+                "timeout",
+                meaning=f"as Lightning's strategies take it: timeout=timedelta(seconds={seconds})",
             )
         if isinstance(plan, fs.Plan):
             if mesh is not None and mesh != plan.mesh:
                 # the plan is laid out on its own mesh: another one would be silently ignored
-                raise fs.ShardingError(
-                    f"{who}(mesh={mesh!r}): the plan is made for {plan.mesh!r}; drop mesh= (a plan carries "
-                    "its mesh), or plan for this mesh, or pass the policy with mesh="
+                refuse(
+                    "mesh",
+                    repr(mesh),
+                    f"not the plan's own mesh, {plan.mesh!r}",
+                    meaning="drop mesh= (a plan carries its mesh), or plan for this mesh, or pass the "
+                    "policy with mesh=",
                 )
             self._plan, self._policy, self._mesh = plan, None, plan.mesh
         else:

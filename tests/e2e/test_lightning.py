@@ -435,15 +435,18 @@ def test_a_mesh_or_timeout_the_strategy_would_ignore_or_fail_on_is_refused_when_
 
     made = getattr(adapter, strategy)
     plan = fs.shard(torch.nn.Linear(4, 4), fs.Mesh(dp=4), fs.fsdp())
-    wrong = f"{strategy}(mesh=Mesh(dp=8)): the plan is made for Mesh(dp=4); drop mesh="
+    wrong = "mesh=Mesh(dp=8): not the plan's own mesh, Mesh(dp=4) (drop mesh="
     with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
         made(plan, mesh=fs.Mesh(dp=8))
     made(plan, mesh=fs.Mesh(dp=4))  # its own mesh: nothing to ignore
-    with pytest.raises(fs.ShardingError, match=re.escape(f"{strategy}(mesh=dict): a Mesh")):
+    with pytest.raises(fs.ShardingError, match=re.escape("mesh=dict: a Mesh (as fs.Mesh(dp=-1))")):
         made(fs.fsdp(), mesh={"dp": 4})
-    wrong = f"{strategy}(timeout=60): a timedelta, as Lightning's strategies take it; pass timeout=timedelta("
+    wrong = "timeout=int: a timedelta (as Lightning's strategies take it: timeout=timedelta(seconds=60))"
     with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
         made(fs.fsdp(), timeout=60)
+    wrong = "timeout=str: a timedelta (as Lightning's strategies take it: timeout=timedelta(seconds=...))"
+    with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
+        made(fs.fsdp(), timeout="60")
     made(fs.fsdp(), timeout=timedelta(seconds=60))
 
 
