@@ -13,6 +13,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.wrappers import _FabricModule
 
 import functional_shard as fs
+from functional_shard.runtime.engines.optimizer import stale_parameters
 
 from ._common import _agree_on_overflow, _refuse_two_precisions, _RunsAPlan, gradient_sync_blocked
 
@@ -133,9 +134,18 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Refuse an optimizer built on parameters that sharding replaced.
 
-        Fabric's own strategy would step them and train nothing.
+        Fabric's own strategy would step them and train nothing; ``fabric.setup(model,
+        optimizer)`` hands over such an optimizer always.
         """
         if self._module is not None:
+            if stale := stale_parameters(optimizer, self._module):
+                # fabric.setup(model, optimizer) gets here too, with the optimizer built before
+                raise fs.ShardingError(
+                    f"FabricShardStrategy: the optimizer holds {stale} parameters that are not the module's "
+                    "current ones: it was built before sharding replaced them. Set the module up first, "
+                    "then build the optimizer over its parameters: model = fabric.setup_module(model); "
+                    "optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), ...))"
+                )
             fs.check_optimizer(optimizer, self._module)
             if self.plan.config.data_parallel == "zero1":
                 optimizer = self._zero1(optimizer, self._module)

@@ -234,6 +234,12 @@ def test_fabric_refuses_an_optimizer_built_before_sharding(world):
         world.refusal(lightning_cases.fabric_loop, "zero3", dist_cases.EVEN, True)
 
 
+def test_fabric_setup_of_a_model_and_its_optimizer_is_refused_with_fabrics_fix(world):
+    fix = "model = fabric.setup_module(model); optimizer = fabric.setup_optimizers(torch.optim.AdamW("
+    with pytest.raises(fs.ShardingError, match=re.escape(fix)):
+        world.refusal(lightning_cases.fabric_setup_together, "zero3", dist_cases.EVEN)
+
+
 def _differs_somewhere(losses, reference):
     return any(abs(a - b) > 1e-5 for a, b in zip(losses, reference, strict=True))
 
