@@ -227,8 +227,12 @@ class _RunsAPlan:
         applied = APPLIED.get(module)
         if applied is None:
             return False
-        if self._plan is None and getattr(module, _PLANNED_FROM, None) == (self._policy, self._mesh):
-            self._plan = applied.plan
+        if self._plan is None:
+            # planned from this policy and mesh by an earlier strategy: its plan; otherwise (an
+            # earlier strategy ran a plan, or fs.apply did) the policy planned for the module,
+            # which reads the classes its code wrote, as it did before the module was parallelized
+            recorded = getattr(module, _PLANNED_FROM, None) == (self._policy, self._mesh)
+            self._plan = applied.plan if recorded else fs.shard(module, self._mesh, self._policy)
         if applied.plan == self._plan:
             return True
         who = type(self).__name__

@@ -342,6 +342,24 @@ def test_a_fitted_module_fits_again_under_a_new_trainer_of_the_same_strategy(wor
         world.refusal(lightning_cases.fit_again_with_a_new_trainer, "fs_fsdp", "fs_ddp", dist_cases.EVEN)
 
 
+@pytest.mark.parametrize("strategy", ["ShardStrategy", "FabricShardStrategy"])
+def test_a_module_parallelized_elsewhere_runs_under_an_equal_plan_or_policy(one_rank, strategy):
+    """A module fs.apply (or a strategy given a plan) parallelized: a strategy of a policy plans
+    it again, to the plan it runs (its classes read as its code wrote them, not FSDP2's
+    FSDPBlock); a plan made from it runs as well; another policy is still refused."""
+    from functional_shard.adapters import lightning as adapter
+    from functional_shard.zoo import Llama
+
+    made, mesh = getattr(adapter, strategy), fs.Mesh(dp=1)
+    model = Llama(dist_cases.EVEN)
+    fs.apply(fs.shard(model, mesh, fs.fsdp("dp")), model)
+    assert made(fs.fsdp("dp"), mesh=mesh)._runs_it_already(model)
+    assert made(fs.shard(model, mesh, fs.fsdp("dp")))._runs_it_already(model)
+    other = f"{strategy}: the module runs another plan already (an earlier strategy applied it)"
+    with pytest.raises(fs.ShardingError, match=re.escape(other)):
+        made(fs.replicate("dp"), mesh=mesh)._runs_it_already(model)
+
+
 def test_a_2d_plan_through_lightnings_own_model_parallel_strategy(world):
     """to_lightning(2D plan) -> ModelParallelStrategy(2, 2); the module's configure_model
     applies the plan: the same training as one process."""
