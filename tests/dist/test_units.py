@@ -20,7 +20,7 @@ from torch import nn
 
 import functional_shard as fs
 from functional_shard.core.units import format_bytes
-from functional_shard.zoo import Llama
+from functional_shard.zoo import Block, Llama
 
 from .. import dist_cases, unit_cases
 from ..unit_models import DeepSeekMoE, SequentialViT, TitanConfig, TitanLlama, TransformerBlock
@@ -207,3 +207,5 @@ def test_a_parallelized_module_plans_as_the_model_it_was(one_rank, policy, other
     assert again.config.fsdp.unit_reasons == plan.config.fsdp.unit_reasons
     assert again == plan
     assert fs.shard(model, mesh, other) != plan
+    # the policy's text names the classes as the model's code does
+    assert fs.parse_policy("fsdp(dp, units=Block)", model) == fs.fsdp("dp", units=Block)
