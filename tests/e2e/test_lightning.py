@@ -234,10 +234,13 @@ def test_fabric_refuses_an_optimizer_built_before_sharding(world):
         world.refusal(lightning_cases.fabric_loop, "zero3", dist_cases.EVEN, True)
 
 
-def test_fabric_setup_of_a_model_and_its_optimizer_is_refused_with_fabrics_fix(world):
+@pytest.mark.parametrize("optimizer_first", [False, True], ids=["setup", "optimizer-first"])
+def test_fabric_setup_of_a_model_and_its_optimizer_is_refused_with_fabrics_fix(world, optimizer_first):
+    """fabric.setup(model, optimizer), or setup_optimizers before setup_module (before: it stepped
+    the replaced parameters and trained nothing, unsaid)."""
     fix = "model = fabric.setup_module(model); optimizer = fabric.setup_optimizers(torch.optim.AdamW("
     with pytest.raises(fs.ShardingError, match=re.escape(fix)):
-        world.refusal(lightning_cases.fabric_setup_together, "zero3", dist_cases.EVEN)
+        world.refusal(lightning_cases.fabric_setup_together, "zero3", dist_cases.EVEN, optimizer_first)
 
 
 def _differs_somewhere(losses, reference):
