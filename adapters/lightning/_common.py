@@ -19,6 +19,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import functional_shard as fs
 from functional_shard.core.validate import instance_of, refuse
+from functional_shard.core.validate import path as check_path
 from functional_shard.planning.policy.types import as_policy
 from functional_shard.runtime.engines.applied import APPLIED
 from functional_shard.runtime.timeouts import set_timeout
@@ -292,7 +293,7 @@ def _weights_folder(
                 "given; pass weights=FOLDER too, or drop them"
             )
         return None
-    folder = Path(weights)
+    folder = check_path(weights, "weights")
     if folder.is_dir():
         return folder
     if folder.exists():

@@ -490,6 +490,11 @@ def test_weights_that_are_not_a_folder_are_refused_when_the_strategy_is_made(hf_
     wrong = f"{strategy}(weights={missing!r}): no such folder; pass a Hugging Face model's folder"
     with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
         made(fs.fsdp("dp"), weights=missing)
+    for shown, weights in (("3", 3), ("''", "")):
+        with pytest.raises(
+            fs.ShardingError, match=re.escape(f"weights={shown}: a path (a str or os.PathLike)")
+        ):
+            made(fs.fsdp("dp"), weights=weights)
     wrong = f"{strategy}: weights_mapping= and trust_weights= say how to read weights=, which is not given"
     with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
         made(fs.fsdp("dp"), weights_mapping=fs.checkpoint.zoo_llama)
