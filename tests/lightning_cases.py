@@ -303,6 +303,25 @@ def fabric_loop(
     return result if rank == 0 else None
 
 
+def fabric_setup_together(name: str, config: LlamaConfig, optimizer_first: bool = False) -> None:
+    """``fabric.setup(model, optimizer)`` under a strategy of dist_cases.strategy(), the optimizer
+    built on the model before sharding; or (``optimizer_first``) ``fabric.setup_optimizers``
+    of it, then ``fabric.setup_module``."""
+    from functional_shard.adapters.lightning import FabricShardStrategy
+
+    _, world = join_as_lightning_rank()
+    mesh, policy = dist_cases.strategy(name, world)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=FabricShardStrategy(policy, mesh=mesh))
+    fabric.launch()
+    model = Llama(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=dist_cases.LR)
+    if optimizer_first:
+        fabric.setup_optimizers(optimizer)
+        fabric.setup_module(model)
+    else:
+        fabric.setup(model, optimizer)
+
+
 def fabric_no_backward_sync(name: str, config: LlamaConfig) -> dict[str, object] | None:
     """Two micro-batches in a Fabric loop under a strategy of dist_cases.strategy(): the first
     inside ``fabric.no_backward_sync``, the second outside; then the same two both synced.

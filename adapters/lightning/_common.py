@@ -18,6 +18,8 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import functional_shard as fs
+from functional_shard.core.validate import instance_of, refuse
+from functional_shard.core.validate import path as check_path
 from functional_shard.planning.policy.types import as_policy
 from functional_shard.runtime.engines.applied import APPLIED
 from functional_shard.runtime.timeouts import set_timeout
@@ -129,20 +131,25 @@ class _RunsAPlan:
         process_group_backend: str | None,
         timeout: timedelta | None,
     ) -> None:
-        who = type(self).__name__
-        if mesh is not None and not isinstance(mesh, fs.Mesh):
-            raise fs.ShardingError(f"{who}(mesh={type(mesh).__name__}): a Mesh, as fs.Mesh(dp=-1)")
-        if timeout is not None and not isinstance(timeout, timedelta):
-            raise fs.ShardingError(
-                f"{who}(timeout={timeout!r}): a timedelta, as Lightning's strategies take it; pass "
-                f"timeout=timedelta(seconds={timeout!r})"
+        if mesh is not None:
+            instance_of(mesh, fs.Mesh, "mesh", meaning="as fs.Mesh(dp=-1)")
+        if timeout is not None:
+            seconds = repr(timeout) if type(timeout) in (int, float) else "..."
+            instance_of(
+                timeout,
+                timedelta,
+                "timeout",
+                meaning=f"as Lightning's strategies take it: timeout=timedelta(seconds={seconds})",
             )
         if isinstance(plan, fs.Plan):
             if mesh is not None and mesh != plan.mesh:
                 # the plan is laid out on its own mesh: another one would be silently ignored
-                raise fs.ShardingError(
-                    f"{who}(mesh={mesh!r}): the plan is made for {plan.mesh!r}; drop mesh= (a plan carries "
-                    "its mesh), or plan for this mesh, or pass the policy with mesh="
+                refuse(
+                    "mesh",
+                    repr(mesh),
+                    f"not the plan's own mesh, {plan.mesh!r}",
+                    meaning="drop mesh= (a plan carries its mesh), or plan for this mesh, or pass the "
+                    "policy with mesh=",
                 )
             self._plan, self._policy, self._mesh = plan, None, plan.mesh
         else:
@@ -221,8 +228,12 @@ class _RunsAPlan:
         applied = APPLIED.get(module)
         if applied is None:
             return False
-        if self._plan is None and getattr(module, _PLANNED_FROM, None) == (self._policy, self._mesh):
-            self._plan = applied.plan
+        if self._plan is None:
+            # planned from this policy and mesh by an earlier strategy: its plan; otherwise (an
+            # earlier strategy ran a plan, or fs.apply did) the policy planned for the module,
+            # which reads the classes its code wrote, as it did before the module was parallelized
+            recorded = getattr(module, _PLANNED_FROM, None) == (self._policy, self._mesh)
+            self._plan = applied.plan if recorded else fs.shard(module, self._mesh, self._policy)
         if applied.plan == self._plan:
             return True
         who = type(self).__name__
@@ -282,7 +293,7 @@ def _weights_folder(
                 "given; pass weights=FOLDER too, or drop them"
             )
         return None
-    folder = Path(weights)
+    folder = check_path(weights, "weights")
     if folder.is_dir():
         return folder
     if folder.exists():

@@ -13,6 +13,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.wrappers import _FabricModule
 
 import functional_shard as fs
+from functional_shard.runtime.engines.optimizer import stale_parameters
 
 from ._common import _agree_on_overflow, _refuse_two_precisions, _RunsAPlan, gradient_sync_blocked
 
@@ -43,6 +44,8 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
         self._backward_sync_control = _EveryEngineSyncControl()
         self._parallelize_fn = self._parallelize
         self._module: torch.nn.Module | None = None
+        # set up before any module: checked once the module is, whose parameters sharding replaces
+        self._early_optimizers: list[torch.optim.Optimizer] = []
 
     # Lightning's own plumbing, used as it is (by reference): a subclass of Fabric's
     # ModelParallelStrategy would be refused precision="16-mixed"
@@ -65,6 +68,15 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
         _refuse_two_precisions(self.plan, self.precision, "FabricShardStrategy")
         _agree_on_overflow(self.precision)
         self._module = module
+        early, self._early_optimizers = self._early_optimizers, []
+        for optimizer in early:
+            _refuse_stale(optimizer, module)
+            if self.plan.config.data_parallel == "zero1":  # too late to rebind it
+                raise fs.ShardingError(
+                    "FabricShardStrategy: a ZeRO-1 plan rebinds the optimizer to ZeroRedundancyOptimizer "
+                    f"when it is set up, which this one was before the module. {_OPTIMIZER_AFTER}"
+                )
+            fs.check_optimizer(optimizer, module)
         return module
 
     def forward_backward(
@@ -133,9 +145,14 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Refuse an optimizer built on parameters that sharding replaced.
 
-        Fabric's own strategy would step them and train nothing.
+        Fabric's own strategy would step them and train nothing; ``fabric.setup(model,
+        optimizer)`` hands over such an optimizer always. One set up before the module is
+        checked when the module is.
         """
-        if self._module is not None:
+        if self._module is None:
+            self._early_optimizers.append(optimizer)
+        else:
+            _refuse_stale(optimizer, self._module)
             fs.check_optimizer(optimizer, self._module)
             if self.plan.config.data_parallel == "zero1":
                 optimizer = self._zero1(optimizer, self._module)
@@ -209,6 +226,22 @@ class _EveryEngineSyncControl(_BackwardSyncControl):
     def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> AbstractContextManager[None]:
         """Within: gradients accumulate on this rank, reduced at the next backward outside."""
         return gradient_sync_blocked(module, enabled)
+
+
+_OPTIMIZER_AFTER = (
+    "Set the module up first, then build the optimizer over its parameters: model = fabric.setup_module("
+    "model); optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), ...))"
+)
+
+
+def _refuse_stale(optimizer: torch.optim.Optimizer, module: torch.nn.Module) -> None:
+    # fabric.setup(model, optimizer), or setup_optimizers before setup_module, hands one over
+    if stale := stale_parameters(optimizer, module):
+        raise fs.ShardingError(
+            f"FabricShardStrategy: the optimizer holds {stale} parameters that are not the module's "
+            "current ones: it was built before sharding replaced them, or set up before the module. "
+            + _OPTIMIZER_AFTER
+        )
 
 
 def _the_module(state: dict[str, Any]) -> tuple[str, torch.nn.Module]:

@@ -19,7 +19,17 @@ from torch import nn
 from . import pytree as _pytree
 from .errors import ShardingError
 
-__all__ = ["Block", "ModelTree", "Pattern", "TensorSpec", "is_hf_model", "matches", "read_model", "within"]
+__all__ = [
+    "Block",
+    "ModelTree",
+    "Pattern",
+    "TensorSpec",
+    "as_written",
+    "is_hf_model",
+    "matches",
+    "read_model",
+    "within",
+]
 
 Pattern = str | re.Pattern[str]
 
@@ -273,6 +283,28 @@ class _Reading:
         return ModelTree(self.params, self.buffers, tied, self.modules, self.alias_specs, blocks)
 
 
+def as_written(cls: type) -> type:
+    """The module class the model's code wrote, under the one torch swapped in when it parallelized it.
+
+    FSDP2's ``fully_shard`` and ``replicate`` give a module a class made on the fly,
+    ``FSDPBlock(FSDPModule, Block)``: a plan of the parallelized module is the model's plan.
+
+    Examples:
+        >>> class Block(nn.Module): ...
+        >>> class Wrapper: ...
+        >>> swapped = type("FSDPBlock", (Wrapper, Block), {"__module__": "torch.distributed.fsdp"})
+        >>> as_written(swapped).__name__, as_written(Block).__name__
+        ('Block', 'Block')
+    """
+    while (
+        len(cls.__bases__) == 2
+        and cls.__module__.startswith("torch.distributed.")
+        and cls.__name__.endswith(cls.__bases__[1].__name__)
+    ):
+        cls = cls.__bases__[1]
+    return cls
+
+
 def _walk(module: nn.Module, reading: _Reading) -> None:
     """named_parameters(remove_duplicate=False), named_buffers() and named_modules(), one pass.
 
@@ -280,16 +312,17 @@ def _walk(module: nn.Module, reading: _Reading) -> None:
     """
     seen_modules: set[int] = set()
     seen_buffers: set[int] = set()
-    plain_classes: dict[type, bool] = {}  # a model has a handful of module classes: ask once each
+    # a model has a handful of module classes: each is asked once whether it walks plainly, and
+    # which class the model's code wrote
+    written_classes: dict[type, type] = {}
     take_param, take_buffer, take_module = reading.param, reading.buffer, reading.module
 
     def visit(mod: nn.Module, prefix: str, block: str | None) -> None:
-        cls = type(mod)
-        plain = plain_classes.get(cls)
-        if plain is None:
-            plain = plain_classes[cls] = _plain_walk(cls)
-        if not plain:
-            raise _NotPlainError
+        cls = written_classes.get(type(mod))
+        if cls is None:
+            if not _plain_walk(type(mod)):
+                raise _NotPlainError
+            cls = written_classes[type(mod)] = as_written(type(mod))
         dot = prefix + "." if prefix else ""
         if id(mod) not in seen_modules:
             seen_modules.add(id(mod))
@@ -313,13 +346,13 @@ def _read_slowly(module: nn.Module, reading: _Reading) -> None:
     """`_walk`'s reading through the module's own named_* methods (a class overrides them)."""
     owners = dict(module.named_modules(remove_duplicate=False))
     for path, mod in module.named_modules():
-        reading.module(path, type(mod), _block_of(path))
+        reading.module(path, as_written(type(mod)), _block_of(path))
     for path, buffer in module.named_buffers():
         owner = _module_path(path)
-        reading.buffer(path, buffer, type(owners[owner]), _block_of(owner))
+        reading.buffer(path, buffer, as_written(type(owners[owner])), _block_of(owner))
     for path, param in module.named_parameters(remove_duplicate=False):
         owner = _module_path(path)
-        reading.param(path, param, type(owners[owner]), _block_of(owner))
+        reading.param(path, param, as_written(type(owners[owner])), _block_of(owner))
 
 
 def _from_module(module: nn.Module) -> ModelTree:

@@ -85,11 +85,49 @@ def test_an_optimizer_the_checkpoint_lacks_is_refused(one_rank, tmp_path, full):
     assert fs.checkpoint.load(path, model, optimizer, strict=False) == {}
 
 
-def test_an_optimizer_of_another_kind_is_refused_and_kept(one_rank, tmp_path):
-    model, optimizer = trained(torch.optim.AdamW)
-    path = fs.checkpoint.save(tmp_path / "ckpt.pt", model, optimizer, full=True)
-    other, sgd = trained(lambda parameters: torch.optim.SGD(parameters, lr=0.25))
-    with pytest.raises(fs.ShardingError, match=re.escape("and an optimizer of the kind that saved it")):
-        fs.checkpoint.load(path, other, sgd)
-    assert sgd.param_groups[0]["lr"] == 0.25
-    assert "betas" not in sgd.param_groups[0]
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, object]]:
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def sgd(parameters):
+    return torch.optim.SGD(parameters, lr=0.25, momentum=0.9)
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+@pytest.mark.parametrize(
+    ("saving", "loading", "kept"),
+    [
+        (
+            torch.optim.AdamW,
+            sgd,
+            "exp_avg, exp_avg_sq, step for each parameter, this SGD keeps momentum_buffer",
+        ),
+        (
+            sgd,
+            torch.optim.AdamW,
+            "momentum_buffer for each parameter, this AdamW keeps exp_avg, exp_avg_sq, step",
+        ),
+        (
+            torch.optim.AdamW,
+            lambda parameters: torch.optim.SGD(parameters, lr=0.25),
+            "exp_avg, exp_avg_sq, step for each parameter, this SGD keeps nothing",
+        ),
+    ],
+    ids=["adamw-to-sgd", "sgd-to-adamw", "adamw-to-stateless"],
+)
+def test_an_optimizer_of_another_kind_is_refused_by_name_and_kept(
+    one_rank, tmp_path, full, saving, loading, kept
+):
+    model, optimizer = trained(saving)
+    path = fs.checkpoint.save(tmp_path / "ckpt", model, optimizer, full=full)
+    other, another = trained(loading)
+    before = moments(another), hyperparameters(another)
+    refused = (
+        f"the checkpoint at {path} was saved by another kind of optimizer (or other options): optimizer: "
+        f"the checkpoint's optimizer keeps {kept}"
+    )
+    fix = "Load it with an optimizer built as the one that saved it (its class and options), or load the"
+    with pytest.raises(fs.ShardingError, match=re.escape(refused) + ".*" + re.escape(fix)):
+        fs.checkpoint.load(path, other, another)
+    assert hyperparameters(another) == before[1]
+    assert all(torch.equal(a, b) for a, b in zip(moments(another), before[0], strict=True))

@@ -346,3 +346,16 @@ def test_latest_finds_the_newest_whole_checkpoint_and_it_loads(saved, tmp_path):
     assert fs.checkpoint.load(fs.checkpoint.latest(runs), model, optimizer) == {"step": 1}
     with pytest.raises(fs.ShardingError, match=r"is not a folder of checkpoints"):
         fs.checkpoint.latest(runs / "nowhere")
+
+
+def test_latest_passes_over_files_no_save_sealed(tmp_path):
+    """A save seals its file before the rename: a newer unsealed zip (a crash's leftover, another
+    tool's torch.save) is no checkpoint of a save, whatever its name."""
+    sealed = tmp_path / "step-1.pt"
+    torch.save({"model": {"w": torch.zeros(2)}}, sealed)
+    seal(sealed)
+    os.utime(sealed, (1_000_000, 1_000_000))
+    for age, name in enumerate(("step-2.pt", "step-2.zip"), start=2):
+        torch.save({"model": {"w": torch.ones(2)}}, tmp_path / name)
+        os.utime(tmp_path / name, (1_000_000 + age, 1_000_000 + age))
+    assert fs.checkpoint.latest(tmp_path) == sealed

@@ -20,8 +20,9 @@ from torch import nn
 
 import functional_shard as fs
 from functional_shard.core.units import format_bytes
+from functional_shard.zoo import Block, Llama
 
-from .. import unit_cases
+from .. import dist_cases, unit_cases
 from ..unit_models import DeepSeekMoE, SequentialViT, TitanConfig, TitanLlama, TransformerBlock
 
 MESH = fs.Mesh(dp=4)
@@ -186,3 +187,25 @@ def test_what_fsdp2_gathers_and_keeps_is_what_the_plan_says(world4, name):
     for part, predicted in result["predicted"].items():
         assert result["resident"][part] == predicted, part
     assert result["losses"] == pytest.approx(result["alone"], abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("policy", "other"),
+    [(fs.fsdp("dp"), fs.replicate("dp")), (fs.replicate("dp"), fs.fsdp("dp"))],
+    ids=["fsdp", "replicate"],
+)
+def test_a_parallelized_module_plans_as_the_model_it_was(one_rank, policy, other):
+    """FSDP2 and replicate swap a wrapped module's class (Block for FSDPBlock): planned again,
+    the module gives its plan, unit reasons included; another policy still another plan."""
+    model = Llama(dist_cases.EVEN)
+    mesh = fs.Mesh(dp=1)
+    plan = fs.shard(model, mesh, policy)
+    classes = {type(m) for m in model.modules()}
+    fs.apply(plan, model)
+    assert {type(m) for m in model.modules()} != classes  # torch swapped some
+    again = fs.shard(model, mesh, policy)
+    assert again.config.fsdp.unit_reasons == plan.config.fsdp.unit_reasons
+    assert again == plan
+    assert fs.shard(model, mesh, other) != plan
+    # the policy's text names the classes as the model's code does
+    assert fs.parse_policy("fsdp(dp, units=Block)", model) == fs.fsdp("dp", units=Block)

@@ -234,6 +234,15 @@ def test_fabric_refuses_an_optimizer_built_before_sharding(world):
         world.refusal(lightning_cases.fabric_loop, "zero3", dist_cases.EVEN, True)
 
 
+@pytest.mark.parametrize("optimizer_first", [False, True], ids=["setup", "optimizer-first"])
+def test_fabric_setup_of_a_model_and_its_optimizer_is_refused_with_fabrics_fix(world, optimizer_first):
+    """fabric.setup(model, optimizer), or setup_optimizers before setup_module (before: it stepped
+    the replaced parameters and trained nothing, unsaid)."""
+    fix = "model = fabric.setup_module(model); optimizer = fabric.setup_optimizers(torch.optim.AdamW("
+    with pytest.raises(fs.ShardingError, match=re.escape(fix)):
+        world.refusal(lightning_cases.fabric_setup_together, "zero3", dist_cases.EVEN, optimizer_first)
+
+
 def _differs_somewhere(losses, reference):
     return any(abs(a - b) > 1e-5 for a, b in zip(losses, reference, strict=True))
 
@@ -336,6 +345,24 @@ def test_a_fitted_module_fits_again_under_a_new_trainer_of_the_same_strategy(wor
         world.refusal(lightning_cases.fit_again_with_a_new_trainer, "fs_fsdp", "fs_ddp", dist_cases.EVEN)
 
 
+@pytest.mark.parametrize("strategy", ["ShardStrategy", "FabricShardStrategy"])
+def test_a_module_parallelized_elsewhere_runs_under_an_equal_plan_or_policy(one_rank, strategy):
+    """A module fs.apply (or a strategy given a plan) parallelized: a strategy of a policy plans
+    it again, to the plan it runs (its classes read as its code wrote them, not FSDP2's
+    FSDPBlock); a plan made from it runs as well; another policy is still refused."""
+    from functional_shard.adapters import lightning as adapter
+    from functional_shard.zoo import Llama
+
+    made, mesh = getattr(adapter, strategy), fs.Mesh(dp=1)
+    model = Llama(dist_cases.EVEN)
+    fs.apply(fs.shard(model, mesh, fs.fsdp("dp")), model)
+    assert made(fs.fsdp("dp"), mesh=mesh)._runs_it_already(model)
+    assert made(fs.shard(model, mesh, fs.fsdp("dp")))._runs_it_already(model)
+    other = f"{strategy}: the module runs another plan already (an earlier strategy applied it)"
+    with pytest.raises(fs.ShardingError, match=re.escape(other)):
+        made(fs.replicate("dp"), mesh=mesh)._runs_it_already(model)
+
+
 def test_a_2d_plan_through_lightnings_own_model_parallel_strategy(world):
     """to_lightning(2D plan) -> ModelParallelStrategy(2, 2); the module's configure_model
     applies the plan: the same training as one process."""
@@ -435,15 +462,18 @@ def test_a_mesh_or_timeout_the_strategy_would_ignore_or_fail_on_is_refused_when_
 
     made = getattr(adapter, strategy)
     plan = fs.shard(torch.nn.Linear(4, 4), fs.Mesh(dp=4), fs.fsdp())
-    wrong = f"{strategy}(mesh=Mesh(dp=8)): the plan is made for Mesh(dp=4); drop mesh="
+    wrong = "mesh=Mesh(dp=8): not the plan's own mesh, Mesh(dp=4) (drop mesh="
     with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
         made(plan, mesh=fs.Mesh(dp=8))
     made(plan, mesh=fs.Mesh(dp=4))  # its own mesh: nothing to ignore
-    with pytest.raises(fs.ShardingError, match=re.escape(f"{strategy}(mesh=dict): a Mesh")):
+    with pytest.raises(fs.ShardingError, match=re.escape("mesh=dict: a Mesh (as fs.Mesh(dp=-1))")):
         made(fs.fsdp(), mesh={"dp": 4})
-    wrong = f"{strategy}(timeout=60): a timedelta, as Lightning's strategies take it; pass timeout=timedelta("
+    wrong = "timeout=int: a timedelta (as Lightning's strategies take it: timeout=timedelta(seconds=60))"
     with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
         made(fs.fsdp(), timeout=60)
+    wrong = "timeout=str: a timedelta (as Lightning's strategies take it: timeout=timedelta(seconds=...))"
+    with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
+        made(fs.fsdp(), timeout="60")
     made(fs.fsdp(), timeout=timedelta(seconds=60))
 
 
@@ -460,6 +490,11 @@ def test_weights_that_are_not_a_folder_are_refused_when_the_strategy_is_made(hf_
     wrong = f"{strategy}(weights={missing!r}): no such folder; pass a Hugging Face model's folder"
     with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
         made(fs.fsdp("dp"), weights=missing)
+    for shown, weights in (("3", 3), ("''", "")):
+        with pytest.raises(
+            fs.ShardingError, match=re.escape(f"weights={shown}: a path (a str or os.PathLike)")
+        ):
+            made(fs.fsdp("dp"), weights=weights)
     wrong = f"{strategy}: weights_mapping= and trust_weights= say how to read weights=, which is not given"
     with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
         made(fs.fsdp("dp"), weights_mapping=fs.checkpoint.zoo_llama)

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from functional_shard.core.errors import PolicyError, one_line
+from functional_shard.core.tree import as_written
 from functional_shard.planning.tp import rules as rules_module
 from functional_shard.planning.tp.rules import DEFERRED
 
@@ -189,9 +190,11 @@ class _Resolver:
         self.classes: dict[str, list[type]] = {}
         if model is not None:
             for module in model.modules():
-                found = self.classes.setdefault(type(module).__name__, [])
-                if type(module) not in found:
-                    found.append(type(module))
+                # a parallelized model's classes by the names its code wrote (Block, not FSDPBlock)
+                written = as_written(type(module))
+                found = self.classes.setdefault(written.__name__, [])
+                if written not in found:
+                    found.append(written)
 
     def selector(self, value: _Value, node: ast.AST, what: str) -> type | str:
         if isinstance(value, str):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -45,6 +44,7 @@ from .integrity import (
     META_FIX,
     agreed,
     aside,
+    is_ours,
     manifest_problems,
     meta_problems,
     need_process_group,
@@ -360,10 +360,10 @@ def _with_data_order(extra: dict[str, Any] | None, data: Any) -> dict[str, Any] 
 def latest(directory: str | os.PathLike[str]) -> Path | None:
     """The newest whole checkpoint in ``directory`` (a folder or a file of `save`), or None.
 
-    Crashed saves (``NAME.tmp-…``) are passed over; a folder is whole when every file its
-    manifest lists is there at its written size, a file when its bytes match its seal; a
-    ``NAME.old`` left between two renames counts. Newest means last modified. No process
-    group is needed.
+    Crashed saves (``NAME.tmp-…``) and files a save never sealed are passed over; a folder is
+    whole when every file its manifest lists is there at its written size, a file when its
+    bytes match its seal; a ``NAME.old`` left between two renames counts. Newest means last
+    modified. No process group is needed.
 
     Raises:
         ShardingError: ``directory`` is not a folder.
@@ -375,7 +375,9 @@ def latest(directory: str | os.PathLike[str]) -> Path | None:
     if not directory.is_dir():
         raise ShardingError(f"fs.checkpoint.latest: {directory} is not a folder of checkpoints")
     candidates = sorted(
-        (entry for entry in directory.iterdir() if ".tmp-" not in entry.name and _is_checkpoint(entry)),
+        # a save renames only what it sealed: an unsealed file is no save's (a crash's leftover,
+        # another tool's torch.save), and was never whole as a checkpoint
+        (entry for entry in directory.iterdir() if ".tmp-" not in entry.name and is_ours(entry)),
         key=lambda entry: entry.stat().st_mtime_ns,
         reverse=True,
     )
@@ -389,13 +391,6 @@ def latest(directory: str | os.PathLike[str]) -> Path | None:
         if whole:
             return candidate
     return None
-
-
-def _is_checkpoint(entry: Path) -> bool:
-    # a folder of save's (meta.pt or a manifest beside the shards), or a torch.save zip
-    if entry.is_dir():
-        return (entry / META).exists() or (entry / MANIFEST).exists()
-    return entry.is_file() and zipfile.is_zipfile(entry)
 
 
 @entry_point

@@ -137,6 +137,9 @@ def _read_full(
     raise_problems(agreed(problems), f"the checkpoint at {path} does not fit this module", FIT_FIX)
     loaded = {name: (optimizer, saved.pop(name)) for name, optimizer in optimizers.items() if name in saved}
     before = {name: _snapshot(optimizer) for name, (optimizer, _) in loaded.items()}
+    if strict:
+        kept = {name: _state_fields(state) for name, (_, state) in loaded.items()}
+        _refuse_other_kinds(path, target, {name: o for name, (o, _) in loaded.items()}, kept, before)
     _set_all(path, target, saved.pop(key), loaded, full=True, strict=strict, before=before)
     return saved
 
@@ -254,6 +257,59 @@ def _optimizer_fit(
     return problems
 
 
+def _state_fields(state: Any) -> set[str]:
+    """What an optimizer's state keeps for each parameter (AdamW: exp_avg, exp_avg_sq, step).
+
+    Examples:
+        >>> sorted(_state_fields({"state": {"w": {"step": 1, "exp_avg": 0}, "b": {"step": 1}}}))
+        ['exp_avg', 'step']
+    """
+    per_parameter = state.get("state", {}) if isinstance(state, dict) else {}
+    return {field for values in per_parameter.values() if isinstance(values, dict) for field in values}
+
+
+def _index_state_fields(index: Any, optimizers: Optimizers) -> dict[str, set[str]]:
+    # a folder's index names every value "optimizer.state.<parameter path>.<field>"
+    fields: dict[str, set[str]] = {name: set() for name in optimizers}
+    for key in index.state_dict_metadata:
+        top, _, rest = key.partition(".")
+        if top in fields and rest.startswith("state."):
+            fields[top].add(rest.rpartition(".")[2])
+    return fields
+
+
+def _refuse_other_kinds(
+    path: Path, target: nn.Module, optimizers: Optimizers, saved: dict[str, set[str]], before: dict[str, Any]
+) -> None:
+    # an optimizer of another kind (AdamW's checkpoint, an SGD) keeps other fields per parameter,
+    # which torch would meet as a missing key; each is compared with its state made to load into
+    problems = []
+    for name, optimizer in optimizers.items():
+        # a ZeRO-1 optimizer's template is read from the checkpoint itself; a checkpoint of an
+        # optimizer that kept nothing yet (never stepped, or stateless) loads into any kind
+        if isinstance(optimizer, ZeroRedundancyOptimizer) or not saved[name]:
+            continue
+        with state_made(optimizer):
+            kept = _state_fields(optimizer_state(target, optimizer))
+        if kept != saved[name]:
+            missing = sorted(kept - saved[name])
+            problems.append(
+                f"{name}: the checkpoint's optimizer keeps {', '.join(sorted(saved[name]))} for each "
+                f"parameter, this {type(optimizer).__name__} keeps {', '.join(sorted(kept)) or 'nothing'}"
+                + (f" (missing from the checkpoint: {', '.join(missing)})" if missing else "")
+            )
+    problems = agreed(problems)
+    if problems:
+        for name, optimizer in optimizers.items():
+            _restore(optimizer, before[name])
+    raise_problems(
+        problems,
+        f"the checkpoint at {path} was saved by another kind of optimizer (or other options)",
+        "Load it with an optimizer built as the one that saved it (its class and options), or load "
+        "the module alone (no optimizer) and start the optimizer afresh",
+    )
+
+
 def _snapshot(optimizer: torch.optim.Optimizer) -> Any:
     # torch's own state_dict holds references, not copies: loading replaces the tensors
     # it refers to, so they stay as they were. A ZeRO-1 optimizer's own is this rank's.
@@ -311,6 +367,8 @@ def _read_sharded(
     raise_problems(agreed(problems), f"the checkpoint at {path} does not fit this module", FIT_FIX)
     # building an optimizer's state initializes a fresh one: it is given back on failure
     before = {name: _snapshot(optimizer) for name, optimizer in optimizers.items()}
+    if strict:
+        _refuse_other_kinds(path, target, optimizers, _index_state_fields(index, optimizers), before)
     try:
         states, own_params = _copies(target, optimizers, key, index)
         _load_into(path, states, strict=strict, trust=trust)
