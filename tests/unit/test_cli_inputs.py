@@ -373,7 +373,7 @@ def test_an_empty_config_for_a_hugging_face_export_is_refused_not_read_from_here
     (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
     (tmp_path / "ckpt").mkdir()
     err = refused(capsys, "checkpoint", "convert", "ckpt", "hf", "--to", "hf", "--config", "")
-    assert "config='': a path (a str or os.PathLike)" in err
+    assert "convert_to_hf(config=''): a path (a str or os.PathLike)" in err
     assert not (tmp_path / "hf").exists()
 
 
