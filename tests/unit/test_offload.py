@@ -10,6 +10,7 @@ import functional_shard as fs
 from functional_shard.adapters.lightning import ShardStrategy
 from functional_shard.runtime.engines.data_parallel import host_params
 from functional_shard.runtime.engines.materialize import allocate
+from functional_shard.runtime.engines.optimizer import reduced_on
 
 
 class _Scaled(nn.Module):
@@ -68,3 +69,16 @@ def test_the_trainer_strategy_moves_all_but_the_offloaded_shards():
     ShardStrategy.model_to_device(stand_in)
     assert (module.proj.weight.device.type, module.proj.weight.grad.device.type) == ("cpu", "cpu")
     assert {module.proj.bias.device.type, module.scale.device.type, module.steps.device.type} == {"meta"}
+
+
+@pytest.mark.parametrize(
+    ("device", "backends", "expected"),
+    [
+        ("cpu", "cuda:nccl", "cuda"),  # offloaded gradients' overflow flags, on an NCCL world
+        ("cpu", "cpu:gloo,cuda:nccl", "cpu"),
+        ("cpu", "cpu:gloo,cuda:gloo", "cpu"),
+        ("cuda:1", "cuda:nccl", "cuda:1"),
+    ],
+)
+def test_flags_are_reduced_where_the_process_group_can(device, backends, expected):
+    assert reduced_on(torch.device(device), backends) == torch.device(expected)
