@@ -24,6 +24,8 @@ check() {  # check SECONDS COMMAND...: run it under a limit; its output to the l
     echo "== exit ${PIPESTATUS[0]}" | tee -a "$log"
 }
 
+# CPU offload on a meta-built model: materialize's placement, clip_grad_norm_ and grad_scaler
+check 45 python3 bench/cuda_offload.py
 # rates (each SDPA kernel alone, and the host's seconds per op), then every step row again
 check 330 python3 bench/cuda_step_kernels.py --out "$out" --tag session
 # packed documents: the compiled flex path's parity, padded against packed tokens/s

@@ -13,6 +13,8 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 import functional_shard as fs
+from functional_shard.runtime.engines.data_parallel import host_params
+from functional_shard.runtime.engines.materialize import move
 
 from ._common import _agree_on_overflow, _refuse_two_precisions, _RunsAPlan, gradient_sync_blocked
 from .pipeline_loop import (
@@ -93,13 +95,19 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
     lightning_restore_optimizer = ModelParallelStrategy.lightning_restore_optimizer
     _configure_launcher = ModelParallelStrategy._configure_launcher
     set_world_ranks = ModelParallelStrategy.set_world_ranks
-    model_to_device = ModelParallelStrategy.model_to_device
     tensor_init_context = ModelParallelStrategy.tensor_init_context
     barrier = ModelParallelStrategy.barrier
     broadcast = ModelParallelStrategy.broadcast
     reduce = ModelParallelStrategy.reduce
     _determine_device_ids = ModelParallelStrategy._determine_device_ids
     teardown = ModelParallelStrategy.teardown
+
+    _host: frozenset[str] = frozenset()  # the parameters FSDP2's CPU offload holds (known in setup)
+
+    def model_to_device(self) -> None:
+        """Lightning's move to the root device, but the shards FSDP2 offloads stay in host memory."""
+        assert self.model is not None
+        move(self.model, self.root_device, self._host)
 
     @property
     def is_distributed(self) -> bool:
@@ -139,6 +147,7 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
         _refuse_two_precisions(self.plan, self.precision_plugin, "ShardStrategy")
         _agree_on_overflow(self.precision_plugin)
         self.model = self.precision_plugin.convert_module(module)
+        self._host = host_params(self.plan, prefix=f"{root}." if self._pipelined() else "")
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -17,7 +17,9 @@ from functional_shard.core.tree import dtype_from_name
 from functional_shard.planning.plan.plan import Plan
 
 from .applied import axes_mesh
-from .experts import shard_experts
+from .experts import expert_data_axes, shard_experts
+
+_FSDP2_KINDS = ("zero2", "zero3", "fsdp", "hsdp")
 
 
 def apply_data_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh, root: str) -> None:
@@ -81,9 +83,32 @@ def apply_data_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh, 
 
 def whole_params(plan: Plan) -> list[str]:
     """0-d parameters of an FSDP2 plan: kept whole on every rank, outside FSDP2."""
-    if plan.config.data_parallel not in ("zero2", "zero3", "fsdp", "hsdp"):
+    if plan.config.data_parallel not in _FSDP2_KINDS:
         return []
     return [path for path in plan.params if plan.tensors[path].ndim == 0]
+
+
+def host_params(plan: Plan, prefix: str = "") -> frozenset[str]:
+    """The parameters FSDP2's CPU offload holds, whose shards must be made in host memory.
+
+    FSDP2 refuses offloaded shards anywhere else at the first forward. The parameters it leaves
+    alone (0-d ones, experts on an expert axis alone) run where the compute runs, as buffers do.
+    ``prefix`` names the submodule the plan was made for, in the module the paths are taken in.
+
+    Examples:
+        >>> import functional_shard as fs
+        >>> plan = fs.shard(nn.Linear(4, 4), fs.Mesh(dp=2), fs.fsdp() + fs.offload())
+        >>> sorted(host_params(plan))
+        ['bias', 'weight']
+    """
+    config = plan.config
+    if not config.offload_params or config.data_parallel not in _FSDP2_KINDS:
+        return frozenset()
+    left_alone = set(whole_params(plan))
+    if config.experts is not None and config.experts.axis is not None and not expert_data_axes(plan):
+        experts = tuple(f"{path}." for path in config.experts.modules)
+        left_alone |= {path for path in plan.params if path.startswith(experts)}
+    return frozenset(prefix + path for path in plan.params if path not in left_alone)
 
 
 _AVERAGED: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()  # whole parameters given a hook

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -28,7 +28,7 @@ from .buffers import (
     restore_buffers,
     sets,
 )
-from .data_parallel import reduce_whole_grads
+from .data_parallel import host_params, reduce_whole_grads
 from .pipeline import PassThrough
 from .tensor_parallel import packed_window, place_grads_as_params
 
@@ -56,7 +56,8 @@ def materialize(
     Args:
         plan: the plan `apply` ran.
         module: the parallelized module, its parameters on the meta device (or all real).
-        device: where the shards and buffers live.
+        device: where the shards and buffers live; under CPU offload the parameters' shards are
+            made in host memory, as FSDP2 needs, and the buffers here.
         seed: ``torch.manual_seed`` before the parameters are drawn, if given.
         init: called on each module with parameters (in module order) instead of its own initialiser.
 
@@ -102,7 +103,7 @@ def materialize(
             "fs.materialize cannot give every parameter and buffer a value; nothing changed:\n"
             + "\n".join(f"* {problem}" for problem in problems)
         )
-    allocate(module, device)
+    allocate(module, device, host_params(plan))
     # before the seed: random numbers an initialiser may draw here leave the parameters' as they are
     restore_buffers(module, buffers, device, init=init)
     if seed is not None:
@@ -354,12 +355,13 @@ def _allocate_buffers(module: nn.Module, paths: tuple[str, ...], device: str | t
         owner._buffers[name] = torch.empty_like(owner.get_buffer(name), device=device)
 
 
-def allocate(module: nn.Module, device: str | torch.device) -> None:
+def allocate(module: nn.Module, device: str | torch.device, host: Collection[str] = ()) -> None:
     """Give a meta module's tensors memory on ``device`` (``to_empty``), keeping what is already real.
 
-    ``to_empty`` replaces every tensor: buffers already on a real device get their values back,
-    and parameters that go by several names (tied) are tied again, since it makes a new
-    ``Parameter`` for each name. The values of the rest are uninitialised.
+    The parameters named in ``host`` get host memory instead (`host_params`: FSDP2's CPU offload
+    refuses its shards anywhere else). Each tensor is replaced: buffers already on a real device
+    get their values back, and parameters that go by several names (tied) are tied again, since
+    it makes a new ``Parameter`` for each name. The values of the rest are uninitialised.
 
     Examples:
         >>> lin = nn.Linear(2, 2, device="meta")
@@ -368,7 +370,8 @@ def allocate(module: nn.Module, device: str | torch.device) -> None:
     """
     kept = {path: b for path, b in module.named_buffers(remove_duplicate=False) if not b.is_meta}
     ties = [group for group in parameter_names(module).values() if len(group) > 1]
-    module.to_empty(device=device)
+    where = _homes(module, device, host)
+    module._apply(lambda t: torch.empty_like(t, device=where.get(id(t), device)))
     for first, *others in ties:
         shared = module.get_parameter(first)
         for other in others:
@@ -377,6 +380,30 @@ def allocate(module: nn.Module, device: str | torch.device) -> None:
     with torch.no_grad():
         for path, value in kept.items():
             module.get_buffer(path).copy_(value)
+
+
+def move(module: nn.Module, device: str | torch.device, host: Collection[str] = ()) -> None:
+    """``module.to(device)``, but the parameters named in ``host`` (and their gradients) to host memory.
+
+    Examples:
+        >>> lin = nn.Linear(2, 2)
+        >>> move(lin, "meta", host=["bias"]); lin.weight.device.type, lin.bias.device.type
+        ('meta', 'cpu')
+    """
+    where = _homes(module, device, host)
+    module._apply(lambda t: t.to(where.get(id(t), device)))
+
+
+def _homes(module: nn.Module, device: str | torch.device, host: Collection[str]) -> dict[int, torch.device]:
+    # by identity: nn.Module._apply hands over tensors, not names (a tied one under any of its names)
+    cpu = torch.device("cpu")
+    where = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if name in host:
+            where[id(param)] = cpu
+            if param.grad is not None:
+                where[id(param.grad)] = cpu
+    return where
 
 
 def parameter_names(module: nn.Module) -> dict[str, list[str]]:

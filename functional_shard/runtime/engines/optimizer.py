@@ -117,8 +117,9 @@ def clip_grad_norm_(
     """Clip gradients by their global norm, across every shard of every mesh and every stage.
 
     Unlike torch's ``clip_grad_norm_``, it works when parameters live on different meshes
-    (FSDP-only norms beside FSDP x TP projections) and combines the stages of a pipeline, so
-    every rank clips by the norm of the whole model.
+    (FSDP-only norms beside FSDP x TP projections), under CPU offload (gradients in host memory,
+    reduced on the mesh's device), and combines the stages of a pipeline, so every rank clips by
+    the norm of the whole model.
 
     Args:
         parameters: the parameters whose gradients to clip (``model.parameters()``), or one of them.
@@ -164,13 +165,17 @@ def clip_grad_norm_(
     norms = []
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type)
+        if isinstance(norm, DTensor) and norm.to_local().device.type != norm.device_mesh.device_type:
+            # CPU offload keeps the gradients in host memory, where NCCL reduces nothing: the
+            # shards' norms are reduced on the mesh's device (from_local moves them there)
+            norm = DTensor.from_local(norm.to_local(), norm.device_mesh, norm.placements, run_check=False)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     pp_group = pipeline_group_of(params)
     if not norms and pp_group is None:
         return torch.tensor(0.0)
     device = norms[0].device if norms else torch.device("cpu")
     total = (
-        torch.linalg.vector_norm(torch.stack([n.float() for n in norms]), norm_type)
+        torch.linalg.vector_norm(torch.stack([n.float().to(device) for n in norms]), norm_type)
         if norms
         else torch.zeros((), device=device)
     )
@@ -206,7 +211,8 @@ def grad_scaler(device: str = "cuda", **kwargs: Any) -> torch.amp.GradScaler:
     decides per rank, and its ``ShardedGradScaler`` fails on gradients of different meshes.
 
     Args:
-        device: where the gradients live (``"cuda"``, or ``"cpu"``).
+        device: where the scale lives: the ranks' device (``"cuda"``, also under CPU offload, or
+            ``"cpu"``); either way the overflow flags are reduced where the process group can.
         kwargs: as for ``torch.amp.GradScaler`` (``init_scale``, ``growth_interval``, ``enabled``, ...).
 
     Examples:
@@ -245,5 +251,25 @@ class _LocalShardsGradScaler(ShardedGradScaler):
         found_inf: torch.Tensor,
         allow_fp16: bool = True,
     ) -> dict[torch.device, torch.Tensor]:
-        # the base class then all-reduces found_inf over the whole world
-        return super()._unscale_grads_(_local_grads_of(optimizer), inv_scale, found_inf, allow_fp16)
+        # the base class then all-reduces found_inf over the whole world; it moves flags off the
+        # host itself only for a scaler on an accelerator
+        found = super()._unscale_grads_(_local_grads_of(optimizer), inv_scale, found_inf, allow_fp16)
+        backends = dist.get_backend_config(self.process_group)
+        return {where: flag.to(reduced_on(flag.device, backends)) for where, flag in found.items()}
+
+
+def reduced_on(device: torch.device, backends: str) -> torch.device:
+    """Where a process group of ``backends`` (``dist.get_backend_config``) reduces a tensor on ``device``.
+
+    NCCL reduces no host tensors, and CPU offload keeps the gradients (and so their overflow
+    flags) in host memory: those go to the group's device.
+
+    Examples:
+        >>> host = torch.device("cpu")
+        >>> reduced_on(host, "cuda:nccl"), reduced_on(host, "cpu:gloo,cuda:nccl")
+        (device(type='cuda'), device(type='cpu'))
+    """
+    kinds = [entry.partition(":")[0] for entry in backends.split(",") if ":" in entry]
+    if not kinds or device.type in kinds:
+        return device
+    return torch.device(kinds[0])

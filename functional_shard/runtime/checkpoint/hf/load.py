@@ -25,7 +25,7 @@ from functional_shard.core.validate import path as checked_path
 from functional_shard.runtime.checkpoint.integrity import agreed, distributed, every_rank_keys, raise_problems
 from functional_shard.runtime.engines.applied import APPLIED, Applied
 from functional_shard.runtime.engines.buffers import buffer_problems, meta_buffers, restore_buffers
-from functional_shard.runtime.engines.data_parallel import reduce_whole_grads
+from functional_shard.runtime.engines.data_parallel import host_params, reduce_whole_grads
 from functional_shard.runtime.engines.materialize import allocate, parameter_names
 from functional_shard.runtime.engines.tensor_parallel import packed_window, place_grads_as_params
 
@@ -60,7 +60,8 @@ def load_hf(
         mapping: which model tensor each folder key fills: a dict of patterns, a function, or None
             (the folder's names); ready maps in `runtime.checkpoint.hf.names` (``zoo_llama``, ...).
         trust: read a folder of pickled ``pytorch_model.bin`` files (with ``weights_only``).
-        device: where a meta module's shards are made (the device mesh's device by default).
+        device: where a meta module's shards are made (the device mesh's device by default); under
+            CPU offload its parameters' shards are made in host memory, as FSDP2 needs.
         root: the submodule the folder holds, when the plan was applied around it (``root="model"``).
 
     Returns:
@@ -117,7 +118,8 @@ def load_hf(
     )
     assert folder is not None
     if on_meta:
-        allocate(module, _device(device, applied))
+        host = host_params(applied.local_plan) if applied is not None else ()
+        allocate(module, _device(device, applied), host)
         restore_buffers(model, computed, _device(device, applied))
     rank = dist.get_rank() if distributed() else 0
     with torch.no_grad():
