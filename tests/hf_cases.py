@@ -61,10 +61,25 @@ CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
 }
 
 
+# encoders with a masked-LM head tied to the token embedding (the loss of `loss_of` serves parity)
+MASKED: dict[str, tuple[str, dict[str, object]]] = {
+    "bert": (
+        "BertConfig",
+        {
+            **_COMMON,
+            "intermediate_size": 64,
+            "max_position_embeddings": 16,
+            "hidden_dropout_prob": 0.0,
+            "attention_probs_dropout_prob": 0.0,
+        },
+    ),
+}
+
+
 def config(name: str) -> object:
     import transformers
 
-    class_name, values = CONFIGS[name]
+    class_name, values = {**CONFIGS, **MASKED}[name]
     return getattr(transformers, class_name)(**values)
 
 
@@ -76,7 +91,8 @@ def build(name: str, seed: int = 0) -> torch.nn.Module:
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
-        return transformers.AutoModelForCausalLM.from_config(config(name), attn_implementation="sdpa")
+        auto = transformers.AutoModelForMaskedLM if name in MASKED else transformers.AutoModelForCausalLM
+        return auto.from_config(config(name), attn_implementation="sdpa")
     finally:
         transformers.logging.set_verbosity(verbosity)
 

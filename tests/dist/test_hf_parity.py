@@ -91,6 +91,13 @@ def test_qwen3_under_the_named_llama_rules_trains_as_one_process(world):
     check(world, (("qwen3", "tp_llama_rules"),))
 
 
+def test_bert_whose_head_is_tied_to_the_split_embedding_trains_as_one_process(world):
+    """tp("auto") splits BERT from its structure: the masked-LM decoder, tied to the word embedding
+    split over the vocabulary, is split alike (left whole, its DTensor weight met plain
+    activations), and its bias, tied to the prediction head's, is split once for both names."""
+    check(world, (("bert", "tp"), ("bert", "fsdp_tp")))
+
+
 @pytest.mark.slow
 def test_every_hf_model_under_every_strategy_trains_as_one_process(world):
     check(world, tuple(case for case in EVERY if case not in DEFAULT))
