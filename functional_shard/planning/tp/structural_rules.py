@@ -404,10 +404,19 @@ def structural_rules(model: nn.Module) -> list[tuple[str, Style | Packed]]:
     token = max(tables, key=lambda path: tables[path]) if tables else None
     if token is not None:
         edge[token] = "rowwise"
+
     # a head tied to the token embedding splits the shared (vocabulary, dim) weight as the
-    # embedding does, on the vocabulary; one tied to a table left whole stays whole too
+    # embedding does, on the vocabulary, wherever it is (BERT's pre-training decoder comes before
+    # its next-sentence head); one tied to a table left whole stays whole too
+    def shares(path: str, tensors: set[int]) -> bool:
+        return any(id(p) in tensors for p in model.get_submodule(path).parameters())
+
+    split = {id(p) for p in model.get_submodule(token).parameters()} if token is not None else set()
     whole = {id(p) for path in tables if path != token for p in model.get_submodule(path).parameters()}
-    if heads and not any(id(p) in whole for p in model.get_submodule(heads[-1]).parameters()):
+    for path in heads:
+        if shares(path, split):
+            edge[path] = "colwise_gather"
+    if heads and not shares(heads[-1], whole):
         edge[heads[-1]] = "colwise_gather"
     for path, module in outside:
         if isinstance(module, _NORMS):
