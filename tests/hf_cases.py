@@ -61,10 +61,76 @@ CONFIGS: dict[str, tuple[str, dict[str, object]]] = {
 }
 
 
+# encoders with a masked-LM head tied to the token embedding (the loss of `loss_of` serves parity)
+MASKED: dict[str, tuple[str, dict[str, object]]] = {
+    "bert": (
+        "BertConfig",
+        {
+            **_COMMON,
+            "intermediate_size": 64,
+            "max_position_embeddings": 16,
+            "hidden_dropout_prob": 0.0,
+            "attention_probs_dropout_prob": 0.0,
+        },
+    ),
+}
+
+
+_SWEPT = {**_DECODER, "tie_word_embeddings": False}
+_DROPLESS = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
+# more families, for the tp("auto") sweep alone (one step's loss and gradients against one process)
+SWEEP: dict[str, tuple[str, dict[str, object]]] = {
+    "gemma2": ("Gemma2Config", {**_SWEPT, "head_dim": 8}),
+    "gemma3": ("Gemma3TextConfig", {**_SWEPT, "head_dim": 8}),
+    "olmo2": ("Olmo2Config", _SWEPT),
+    "gpt_neox": ("GPTNeoXConfig", {**_SWEPT, **_DROPLESS}),
+    "opt": (
+        "OPTConfig",
+        {**_COMMON, "ffn_dim": 64, "word_embed_proj_dim": 32, "dropout": 0.0, "max_position_embeddings": 16},
+    ),
+    "phi": ("PhiConfig", {**_SWEPT, "resid_pdrop": 0.0, "embd_pdrop": 0.0}),
+    "falcon": ("FalconConfig", {**_COMMON, **_DROPLESS}),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        {
+            **_SWEPT,
+            "moe_intermediate_size": 16,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "q_lora_rank": 16,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 4,
+            "qk_nope_head_dim": 4,
+            "v_head_dim": 8,
+        },
+    ),
+    "mixtral": ("MixtralConfig", {**_SWEPT, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {
+            **_SWEPT,
+            "moe_intermediate_size": 24,
+            "shared_expert_intermediate_size": 40,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+        },
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {**_SWEPT, "moe_intermediate_size": 24, "num_experts": 4, "num_experts_per_tok": 2, "head_dim": 8},
+    ),
+}
+# transformers runs Gemma 2's soft-capped attention eagerly only
+_EAGER = ("gemma2",)
+
+
 def config(name: str) -> object:
     import transformers
 
-    class_name, values = CONFIGS[name]
+    class_name, values = {**CONFIGS, **MASKED, **SWEEP}[name]
     return getattr(transformers, class_name)(**values)
 
 
@@ -76,7 +142,9 @@ def build(name: str, seed: int = 0) -> torch.nn.Module:
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     try:
-        return transformers.AutoModelForCausalLM.from_config(config(name), attn_implementation="sdpa")
+        auto = transformers.AutoModelForMaskedLM if name in MASKED else transformers.AutoModelForCausalLM
+        attention = "eager" if name in _EAGER else "sdpa"
+        return auto.from_config(config(name), attn_implementation=attention)
     finally:
         transformers.logging.set_verbosity(verbosity)
 
@@ -281,9 +349,32 @@ def uneven_sequence(model_name: str, strategy_name: str) -> dict[str, object]:
     return {"refused": refused, "tp": tp, "loss": mean_over_ranks(loss).item()}
 
 
+def tp_auto_step(model_name: str, strategy_name: str) -> dict[str, object]:
+    """One step under ``tp("auto")`` ("tp", or "sp" with sequence parallel) on every rank's batch.
+
+    Rank 0 returns where it was refused by name ("shard", "apply", "forward") with the refusal, or
+    the loss and whole gradients; any other error propagates.
+    """
+    model = build(model_name)
+    tokens = batches(1)[0][:MICRO_BATCH]
+    policy = fs.tp("auto", "tp", sequence_parallel=strategy_name == "sp")
+    stage = "shard"
+    try:
+        plan = fs.shard(model, fs.Mesh(tp=dist.get_world_size()), policy)
+        stage = "apply"
+        fs.apply(plan, model)
+        stage = "forward"
+        loss = loss_of(model, tokens)
+        loss.backward()
+    except fs.ShardingError as error:
+        return {"refused": stage, "why": str(error)}
+    grads = {k: full(v.grad) for k, v in model.named_parameters() if v.grad is not None}
+    return {"refused": None, "loss": full(loss).item(), "grads": grads if dist.get_rank() == 0 else None}
+
+
 def run_cases(cases: tuple[tuple[str, str, str], ...]) -> list[dict[str, object]]:
     """(kind, model, strategy) cases in turn, kind "train", "comm", "materialize", "checkpoint",
-    "activations" or "uneven": many cases in one world run."""
+    "activations", "uneven" or "tp_auto": many cases in one world run."""
     kinds = {
         "train": train,
         "comm": measure_comm,
@@ -291,5 +382,6 @@ def run_cases(cases: tuple[tuple[str, str, str], ...]) -> list[dict[str, object]
         "checkpoint": checkpoint_round_trip,
         "activations": activations,
         "uneven": uneven_sequence,
+        "tp_auto": tp_auto_step,
     }
     return [kinds[kind](model_name, strategy_name) for kind, model_name, strategy_name in cases]

@@ -14,7 +14,8 @@ from functional_shard.core.spec import Owned, P, ParamSharding, spec_problems
 from functional_shard.core.tree import ModelTree, TensorSpec
 
 from .plan.config import PlanConfig
-from .policy.types import DataParallel, Layer, ParamProblemError, Policy
+from .policy.types import DataParallel, Layer, ParamProblemError, Policy, TensorParallel
+from .tp.styles import layout_of
 
 __all__ = [
     "axis_problems",
@@ -118,6 +119,8 @@ def place(
             detail = "; ".join(f"{name} gets {answer}" for name, answer in given)
             raise ParamProblemError(f"tied names disagree under {layer.name}: {detail}. Give them one rule")
         answer = given[0][1]
+        if isinstance(layer, TensorParallel) and len(given) < len(seen):
+            _refuse_unsplit_alias(layer, given, seen, answer, ndim)
         if result is None or owner is None:
             result = answer.normalized(ndim)
         else:
@@ -127,6 +130,30 @@ def place(
             result = merged
         owner = layer
     return result if result is not None else ParamSharding.replicated().normalized(ndim)
+
+
+def _refuse_unsplit_alias(
+    layer: TensorParallel,
+    given: list[tuple[str, ParamSharding]],
+    seen: list[tuple[str, TensorSpec]],
+    answer: ParamSharding,
+    ndim: int,
+) -> None:
+    # a tied name no rule covers takes the split its twin's rule gives; a Linear or Embedding
+    # holding it, left without a style, would run the split weight on whole activations
+    if answer.normalized(ndim).compute.is_replicated:
+        return
+    ruled = {name for name, _ in given}
+    layers = ("linear", "embedding", "conv1d")
+    for name, spec in seen:
+        if name not in ruled and layout_of(spec) in layers:
+            split = "; ".join(f"{n} gets {a.compute!r}" for n, a in given)
+            module = name.rpartition(".")[0]
+            raise ParamProblemError(
+                f"tied names disagree under {layer.name}: {split}, but no rule covers {name}, so its "
+                f"{layout_of(spec)} layer would run the split weight unsplit. Give {module!r} a rule that "
+                "splits it alike (a head tied to a rowwise embedding: 'colwise_gather')"
+            )
 
 
 def tensor_problems(

@@ -128,6 +128,17 @@ def test_tied_names_that_disagree_are_refused():
         fs.shard(model, fs.Mesh(tp=2), fs.tp(rules, "tp"))
 
 
+def test_a_tied_head_no_rule_covers_is_refused_when_its_twin_is_split():
+    """The head would take the embedding's split weight and meet whole activations in the forward."""
+    rules = fs.Rules([("*embed_tokens", "rowwise")])
+    with pytest.raises(fs.PlanError) as caught:
+        fs.shard(llama("tiny-tied"), fs.Mesh(tp=2), fs.tp(rules, "tp"))
+    assert "no rule covers lm_head.weight, so its linear layer would run the split weight" in str(
+        caught.value
+    )
+    assert "Give 'lm_head' a rule that splits it alike" in str(caught.value)
+
+
 @pytest.mark.parametrize(
     ("combine", "message"),
     [

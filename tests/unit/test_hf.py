@@ -119,6 +119,22 @@ def test_for_model_picks_hf_rules_then_named_sets_by_their_names():
     assert "mlp: no parameter matches" in str(error.value)
 
 
+def test_auto_splits_every_head_tied_to_the_split_token_embedding_alike():
+    """BERT's pre-training heads: the masked-LM decoder, tied to the word embedding, comes before the
+    next-sentence head; both split on their output, the decoder's (vocabulary, dim) weight as the
+    embedding's (left whole, it would run a split weight on whole activations)."""
+    import transformers
+
+    _, values = hf_cases.MASKED["bert"]
+    with torch.device("meta"):
+        model = transformers.BertForPreTraining(transformers.BertConfig(**values))
+    plan = fs.shard(model, fs.Mesh(tp=2), fs.tp("auto", "tp"))
+    styles = {path: style for path, style, _ in plan.config.tp_styles}
+    assert styles["bert.embeddings.word_embeddings"] == "rowwise"
+    assert styles["cls.predictions.decoder"] == styles["cls.seq_relationship"] == "colwise_gather"
+    assert plan.sharding("cls.predictions.decoder.weight").compute == fs.P("tp", None)
+
+
 def test_tp_by_name_resolves_against_the_model_in_shard():
     model = meta("llama_tied")
     by_name = fs.shard(model, fs.Mesh(dp=2, tp=2), fs.fsdp("dp") + fs.tp("hf", "tp"))

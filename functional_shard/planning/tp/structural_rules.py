@@ -401,10 +401,22 @@ def structural_rules(model: nn.Module) -> list[tuple[str, Style | Packed]]:
     # the token embedding: the largest table (a learned position table is smaller, left whole)
     tables = {path: m.num_embeddings for path, m in outside if isinstance(m, nn.Embedding)}
     heads = [path for path, m in outside if isinstance(m, nn.Linear)]
-    tied = {id(p) for path in tables for p in model.get_submodule(path).parameters()}
-    if tables:
-        edge[max(tables, key=lambda path: tables[path])] = "rowwise"
-    if heads and not any(id(p) in tied for p in model.get_submodule(heads[-1]).parameters()):
+    token = max(tables, key=lambda path: tables[path]) if tables else None
+    if token is not None:
+        edge[token] = "rowwise"
+
+    # a head tied to the token embedding splits the shared (vocabulary, dim) weight as the
+    # embedding does, on the vocabulary, wherever it is (BERT's pre-training decoder comes before
+    # its next-sentence head); one tied to a table left whole stays whole too
+    def shares(path: str, tensors: set[int]) -> bool:
+        return any(id(p) in tensors for p in model.get_submodule(path).parameters())
+
+    split = {id(p) for p in model.get_submodule(token).parameters()} if token is not None else set()
+    whole = {id(p) for path in tables if path != token for p in model.get_submodule(path).parameters()}
+    for path in heads:
+        if shares(path, split):
+            edge[path] = "colwise_gather"
+    if heads and not shares(heads[-1], whole):
         edge[heads[-1]] = "colwise_gather"
     for path, module in outside:
         if isinstance(module, _NORMS):

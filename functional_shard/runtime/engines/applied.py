@@ -66,9 +66,13 @@ def axes_mesh(device_mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:
 def retie(plan: Plan, module: nn.Module) -> None:
     """Point every tied name at its canonical parameter again."""
     # parallelize_module and fully_shard replace Parameter objects; tied names must
-    # point at one parameter again
+    # point at one parameter again: the split one where a style split it under another name
+    # (BERT's head bias, split by its decoder's style, is held by the prediction head first)
+    from torch.distributed.tensor import DTensor
+
     for canonical, names in plan.aliases.items():
-        shared = module.get_parameter(canonical)
-        for name in names[1:]:
+        held = [module.get_parameter(name) for name in names]
+        shared = next((p for p in held if isinstance(p, DTensor)), module.get_parameter(canonical))
+        for name in names:
             owner_path, _, attr = name.rpartition(".")
             setattr(module.get_submodule(owner_path), attr, shared)

@@ -133,7 +133,10 @@ def _placement_problems(plan: Plan, modules: dict[str, nn.Module]) -> list[str]:
     experts = set(config.tensor_parallel_experts) | set(dispatched)
     shard_axes = config.shard_axes
     for path, sharding in plan.params.items():
-        owner_path = path.rpartition(".")[0]
+        # a tied tensor is split by the style of any module holding it (BERT's head bias is held
+        # by the prediction head and its decoder, which alone is styled)
+        holders = [name.rpartition(".")[0] for name in plan.aliases.get(path, (path,))]
+        owner_path = next((holder for holder in holders if holder in styled), path.rpartition(".")[0])
         owner = modules.get(owner_path)
         if not sharding.compute.is_replicated and owner_path not in experts:
             if owner_path not in styled:
