@@ -72,6 +72,9 @@ _DTYPES = {
     "fp32": torch.float32,
     "float32": torch.float32,
     "float": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+    "double": torch.float64,
 }
 
 
