@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_shard as fs
-from functional_shard.planning.policy.builders import MIXED_PRECISION_DTYPES
+from functional_shard.planning.policy.builders import CHECKPOINT_POLICIES, MIXED_PRECISION_DTYPES
 from functional_shard.planning.policy.parse import FORMS
 from functional_shard.planning.tp.rules import Rules
 from functional_shard.zoo import Block, llama
@@ -130,7 +130,7 @@ def text_policies(draw: st.DrawFn) -> fs.Policy:
         selectors = draw(
             st.lists(st.sampled_from([Block, "layers.*", "lm_head"]), min_size=1, max_size=2, unique=True)
         )
-        parts.append(fs.checkpointing(*selectors, policy=draw(st.sampled_from(["full", "selective"]))))
+        parts.append(fs.checkpointing(*selectors, policy=draw(st.sampled_from(CHECKPOINT_POLICIES))))
     policy = fs.Policy()
     for part in draw(st.permutations(parts)):
         policy = policy + part
@@ -211,3 +211,11 @@ def test_functions_and_custom_rules_have_no_text_form():
         fs.format_policy(fs.tp(LLAMA + Rules([("head", fs.P())]), "tp"))
     with pytest.raises(fs.PolicyError, match="is a function and has no text form"):
         fs.format_policy(fs.fsdp() + (lambda path, tensor, mesh: None))
+
+
+def test_the_forms_every_error_shows_name_each_checkpointing_policy_the_text_takes():
+    for policy in CHECKPOINT_POLICIES:
+        parsed = fs.parse_policy(f"checkpointing('layers.*', {policy})")
+        assert parsed == fs.checkpointing("layers.*", policy=policy)
+    # was "full|selective": torchtitan's per-op policy parsed but no error listed it
+    assert "checkpointing(CLASS or 'path.*', full|selective|torchtitan)" in FORMS
