@@ -252,6 +252,10 @@ def test_report_lists_candidates_readably():
     assert "chosen" in text
     assert len(text.splitlines()) == 7
     assert "candidates on h100" in str(report)
+    assert len(report.table(top=None).splitlines()) == len(report.candidates) + 2
+    for top in (0, -1, 2.0):  # was: -1 silently dropped the last row, 0 listed none
+        with pytest.raises(fs.ShardingError, match=re.escape(f"table(top)={top!r}: a positive int")):
+            report.table(top=top)
 
 
 def test_heads_and_blocks_are_read_from_the_model():
