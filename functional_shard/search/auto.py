@@ -51,7 +51,8 @@ def search_plans(
     The space (docs/will-it-fit.md, "Choosing a plan"): meshes over ``devices`` with ``tp`` inside a
     node; DDP, ZeRO-1/2, FSDP, HSDP; tensor and sequence parallelism by the model's rules; expert
     parallelism for a mixture of experts; checkpointing of the repeated blocks; bf16 mixed precision.
-    Pipelines, then CPU offload, only when nothing else fits. A candidate that cannot be traced keeps
+    Context parallelism beside them from 32,768 tokens on; below that context parallelism, then
+    pipelines, then CPU offload, only when nothing else fits. A candidate that cannot be traced keeps
     the reason in its row.
 
     Args:

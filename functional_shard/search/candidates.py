@@ -19,7 +19,8 @@ from functional_shard.core.mesh import Mesh
 from functional_shard.core.tree import ModelTree, read_model
 from functional_shard.costing.time.hardware import Hardware
 from functional_shard.planning.policy import builders as policies
-from functional_shard.planning.policy.types import ExpertParallel, Policy
+from functional_shard.planning.policy.format import format_policy
+from functional_shard.planning.policy.types import ExpertParallel, Policy, TensorParallel
 from functional_shard.planning.tp.styles import titan_expert_names
 
 __all__ = ["PIPELINE_SCHEDULES", "expert_count", "head_counts", "repeated_block"]
@@ -381,20 +382,27 @@ class Policies:
 
 
 def policy_text(policy: Policy) -> str:
-    """The policy as the report shows it: its text form, ep's expert patterns left out."""
+    """The policy as the report shows it: its text form, ep's expert patterns left out.
+
+    A layer the text form cannot spell (tp over the rules of the model's structure) is shown by its
+    rule set's name; the rest, options included, is text as ever, so candidates stay told apart.
+    """
     # ep's expert patterns are what ep(axis) finds in the model again
-    layers = tuple(
+    layers = [
         dataclasses.replace(layer, experts=None) if isinstance(layer, ExpertParallel) else layer
         for layer in policy.layers
-    )
-    policy = Policy(layers, policy.options)
-    try:
-        from functional_shard.planning.policy.parse import format_policy
+    ]
+    terms = [_layer_text(layer) for layer in layers]
+    options = format_policy(Policy((), policy.options))
+    return " + ".join([*terms, *([options] if options != "none" else [])]) or "none"
 
-        return format_policy(policy)
-    except Exception:  # a policy the text form cannot spell: fall back to layer names
-        pipe = policy.pipeline
-        if pipe is not None:  # until the text form spells pipelines: the rest spelled out
-            rest = Policy(tuple(layer for layer in policy.layers if layer is not pipe), policy.options)
-            return f"{pipe.name} + {policy_text(rest)}"
-        return " + ".join(layer.name for layer in policy.layers)
+
+def _layer_text(layer: Any) -> str:
+    try:
+        return format_policy(Policy((layer,)))
+    except PolicyError:
+        if isinstance(layer, TensorParallel):  # its text, under its rule set's name
+            parallel = {"sequence_parallel": layer.sequence_parallel, "loss_parallel": layer.loss_parallel}
+            spelled = format_policy(policies.tp("auto", layer.axis, **parallel))
+            return spelled.replace("(auto,", f"({layer.rules.name},", 1)
+        return str(layer.name)

@@ -7,6 +7,7 @@ from typing import Any
 
 from functional_shard.core.mesh import Mesh
 from functional_shard.core.units import format_bytes as _bytes
+from functional_shard.core.validate import positive_int
 from functional_shard.costing.estimate.record import Estimate
 from functional_shard.costing.estimate.record import duration as _duration
 from functional_shard.costing.estimate.reserved import SIMULATED
@@ -96,10 +97,14 @@ class AutoReport:
         return tuple(best[size] for size in sorted(best))
 
     def table(self, top: int | None = 10, candidates: tuple[Candidate, ...] | None = None) -> str:
-        """The candidates (by default all) as a table, fitting ones first, fastest first."""
+        """The candidates (by default all) as a table, fitting ones first, fastest first; the first ``top``.
+
+        Raises:
+            ShardingError: ``top`` is not a positive int or None (None lists every row).
+        """
         rows = _ranked(self.candidates if candidates is None else candidates)
-        if top is not None:
-            rows = rows[:top]
+        if top is not None:  # a slice would take -1 as "all but the last" and 0 as none
+            rows = rows[: positive_int(top, "table(top)", meaning="the rows to list, or None for all")]
         mesh_width = max([4, *(len(repr(c.mesh)) for c in rows)])
         policy_width = max([6, *(len(c.policy_text) for c in rows)])
         header = f"{'mesh':<{mesh_width}} {'policy':<{policy_width}} {'peak':>11} {'step':>10}  verdict"

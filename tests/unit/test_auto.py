@@ -252,6 +252,10 @@ def test_report_lists_candidates_readably():
     assert "chosen" in text
     assert len(text.splitlines()) == 7
     assert "candidates on h100" in str(report)
+    assert len(report.table(top=None).splitlines()) == len(report.candidates) + 2
+    for top in (0, -1, 2.0):  # was: -1 silently dropped the last row, 0 listed none
+        with pytest.raises(fs.ShardingError, match=re.escape(f"table(top)={top!r}: a positive int")):
+            report.table(top=top)
 
 
 def test_heads_and_blocks_are_read_from_the_model():
@@ -545,3 +549,36 @@ def test_steps_a_rounding_error_apart_tie_and_the_smaller_peak_wins():
     assert min([selective, full], key=Candidate.key) is full
     faster = dataclasses.replace(selective, step_seconds=step * (1 - 1e-9))
     assert min([faster, full], key=Candidate.key) is faster
+
+
+class _Unnamed(nn.Module):
+    """A residual stack whose parameter names no named rule set fits: tp by its structure's rules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)) for _ in range(2)
+        )
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def test_candidates_over_rules_text_cannot_name_still_show_their_whole_policy():
+    model = _Unnamed()
+    assert rules.for_model(model).name == "structure"
+    report = fs.search_plans(model, devices=2, memory_budget="1GiB", batch=2, seq=16)
+    split = [c for c in report.candidates if c.tensor_parallel > 1]
+    assert split
+    # was "ddp('dp') + tp(structure, 'tp')" for each: bf16, sp and checkpointing left out
+    assert all(
+        c.policy_text.startswith(("ddp(dp) + tp(structure, tp) + bf16", "ddp(dp) + sp(structure, tp) + bf16"))
+        for c in split
+    )
+    shown = [(c.mesh, c.policy_text) for c in report.candidates]
+    assert len(set(shown)) == len(shown)

@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import functional_shard as fs
+from functional_shard.planning.policy.builders import CHECKPOINT_POLICIES, MIXED_PRECISION_DTYPES
 from functional_shard.planning.policy.parse import FORMS
 from functional_shard.planning.tp.rules import Rules
 from functional_shard.zoo import Block, llama
@@ -61,14 +62,14 @@ def test_printing_reads_like_the_python_api():
     )
 
 
-AXES = st.sampled_from(["dp", "tp", "cp", "node", "gpu", "data parallel", "true"])
-DTYPES = st.sampled_from([torch.bfloat16, torch.float16, torch.float32])
+AXES = st.sampled_from(["dp", "tp", "cp", "node", "gpu", "data parallel", "true", "full", "pp", "ep"])
+DTYPES = st.sampled_from(MIXED_PRECISION_DTYPES)
 
 
 @st.composite
 def text_policies(draw: st.DrawFn) -> fs.Policy:
-    """Every policy the text can say: a data-parallel layer, tensor parallel, options."""
-    axes = draw(st.lists(AXES, min_size=4, max_size=4, unique=True))
+    """Every policy the text can say: each builder's layers and options, every dtype the builders take."""
+    axes = draw(st.lists(AXES, min_size=6, max_size=6, unique=True))
     units = st.none() | st.lists(
         st.sampled_from([Block, "layers.*", "lm_head"]), min_size=1, max_size=2, unique=True
     )
@@ -94,9 +95,29 @@ def text_policies(draw: st.DrawFn) -> fs.Policy:
         else:
             parts.append(fs.hsdp(axes[0], axes[1], **options))
     if draw(st.booleans()):
-        name = draw(st.sampled_from(["llama", "gpt2", "gpt2_hf", "mlp", "hf", "auto"]))
+        name = draw(st.sampled_from(["llama", "torchtitan", "gpt2", "gpt2_hf", "mlp", "hf", "auto"]))
         rules = name if name in ("hf", "auto") else getattr(fs.rules, name)
-        parts.append(fs.tp(rules, axes[3], sequence_parallel=draw(st.booleans())))
+        parallel = {"sequence_parallel": draw(st.booleans()), "loss_parallel": draw(st.booleans())}
+        parts.append(fs.tp(rules, axes[3], **parallel))
+    if draw(st.booleans()):
+        experts = st.none() | st.lists(
+            st.sampled_from(["*.experts.*", "layers.0.*"]), min_size=1, unique=True
+        )
+        parts.append(fs.ep(axes[4], experts=draw(experts)))
+    if draw(st.booleans()):
+        schedule, per_rank = draw(
+            st.sampled_from([("1f1b", 1), ("gpipe", 1), ("interleaved1f1b", 2), ("zbv", 2)])
+        )
+        split = st.none() | st.just([["embed", "layers.0"], ["layers.1", "head"]])
+        parts.append(
+            fs.pipeline(
+                axes[5],
+                microbatches=draw(st.integers(1, 64)),
+                schedule=schedule,
+                stages_per_rank=per_rank,
+                split=draw(split),
+            )
+        )
     if draw(st.booleans()):
         engine = draw(st.sampled_from(["auto", "ring", "all_gather"]))
         parts.append(fs.cp(axes[2], load_balance=draw(st.booleans()), engine=engine))
@@ -109,7 +130,7 @@ def text_policies(draw: st.DrawFn) -> fs.Policy:
         selectors = draw(
             st.lists(st.sampled_from([Block, "layers.*", "lm_head"]), min_size=1, max_size=2, unique=True)
         )
-        parts.append(fs.checkpointing(*selectors))
+        parts.append(fs.checkpointing(*selectors, policy=draw(st.sampled_from(CHECKPOINT_POLICIES))))
     policy = fs.Policy()
     for part in draw(st.permutations(parts)):
         policy = policy + part
@@ -190,3 +211,11 @@ def test_functions_and_custom_rules_have_no_text_form():
         fs.format_policy(fs.tp(LLAMA + Rules([("head", fs.P())]), "tp"))
     with pytest.raises(fs.PolicyError, match="is a function and has no text form"):
         fs.format_policy(fs.fsdp() + (lambda path, tensor, mesh: None))
+
+
+def test_the_forms_every_error_shows_name_each_checkpointing_policy_the_text_takes():
+    for policy in CHECKPOINT_POLICIES:
+        parsed = fs.parse_policy(f"checkpointing('layers.*', {policy})")
+        assert parsed == fs.checkpointing("layers.*", policy=policy)
+    # was "full|selective": torchtitan's per-op policy parsed but no error listed it
+    assert "checkpointing(CLASS or 'path.*', full|selective|torchtitan)" in FORMS

@@ -22,7 +22,7 @@ RULE_SETS = ("llama", "torchtitan", "gpt2", "gpt2_hf", "mlp")
 """The named rule sets of `functional_shard.planning.tp.rules` that text can name."""
 OFFLOAD_PARTS = ("params", "grads", "optimizer")
 """What ``offload(...)`` can keep in host memory."""
-_SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+_SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
 
 def _format_axes(axes: Sequence[str]) -> str:

@@ -56,7 +56,8 @@ __all__ = ["FORMS", "format_policy", "parse_policy"]
 
 FORMS = (
     "fsdp(AXES), hsdp(REPLICATE_AXES, SHARD_AXES), zero(1|2|3, AXIS), ddp(AXES) or replicate(AXES), "
-    "tp(RULES, AXIS), sp(RULES, AXIS), ep(AXIS), cp(AXIS), checkpointing(CLASS or 'path.*', full|selective), "
+    "tp(RULES, AXIS), sp(RULES, AXIS), ep(AXIS), cp(AXIS), "
+    f"checkpointing(CLASS or 'path.*', {'|'.join(CHECKPOINT_POLICIES)}), "
     "offload, bf16, fp16, mixed_precision(DTYPE), "
     "pipeline(AXIS, microbatches=N, schedule=NAME, stages_per_rank=N, split=((PATH, ...), ...)), "
     "none, joined by +; "
@@ -73,6 +74,9 @@ _DTYPES = {
     "fp32": torch.float32,
     "float32": torch.float32,
     "float": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+    "double": torch.float64,
 }
 
 
