@@ -24,7 +24,9 @@ CASES = [
     *[(2, name, "EVEN") for name in ("fsdp_checkpointing", "fsdp_offload")],
 ]
 # every family again on 2 ranks: the default suite has each on 4 (and the uneven ones on 3)
-TWO_RANK_CASES = [pytest.param(2, name, "EVEN", marks=pytest.mark.slow, id=f"2-{name}-EVEN") for name in FAMILIES]
+TWO_RANK_CASES = [
+    pytest.param(2, name, "EVEN", marks=pytest.mark.slow, id=f"2-{name}-EVEN") for name in FAMILIES
+]
 
 
 @pytest.mark.parametrize(

@@ -81,6 +81,9 @@ def test_a_module_still_on_the_meta_device_is_refused_before_anything_is_written
     with torch.device("meta"):
         model = Llama(dist_cases.EVEN)
     fs.apply(fs.shard(model, fs.Mesh(dp=1), fs.fsdp("dp")), model)  # applied, never materialized
-    with pytest.raises(fs.ShardingError, match=re.escape("are on the meta device (built there and never filled, they hold no values)")):
+    with pytest.raises(
+        fs.ShardingError,
+        match=re.escape("are on the meta device (built there and never filled, they hold no values)"),
+    ):
         fs.checkpoint.save(tmp_path / "ckpt", model, full=full)
     assert list(tmp_path.iterdir()) == []

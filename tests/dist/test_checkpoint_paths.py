@@ -180,7 +180,9 @@ def test_a_conversion_to_where_nothing_may_be_written_is_refused(one_rank, tmp_p
     folder = fs.checkpoint.save(tmp_path / "ckpt", parallel_model())
     whole = fs.checkpoint.convert(folder, tmp_path / "ckpt.pt")
     for source, target in ((folder, "/proc/fs-checkpoint-test.pt"), (whole, "/proc/fs-checkpoint-test")):
-        with pytest.raises(fs.ShardingError, match=re.escape(f"fs.checkpoint.convert could not write {target} (")):
+        with pytest.raises(
+            fs.ShardingError, match=re.escape(f"fs.checkpoint.convert could not write {target} (")
+        ):
             fs.checkpoint.convert(source, target)
 
 

@@ -42,7 +42,9 @@ def test_a_loss_fn_that_returns_no_single_number_is_refused(one_rank):
     model = nn.Linear(4, 2)
     plan = fs.shard(model, fs.Mesh(dp=1), fs.fsdp())
     fs.apply(plan, model)
-    message = "fs.forward_loss: loss_fn returned a tensor of shape (3, 2), but it returns the batch's mean loss"
+    message = (
+        "fs.forward_loss: loss_fn returned a tensor of shape (3, 2), but it returns the batch's mean loss"
+    )
     with pytest.raises(fs.ShardingError, match=re.escape(message)):
         fs.forward_loss(plan, model, _per_element)(torch.ones(3, 4), torch.zeros(3, 2))
 

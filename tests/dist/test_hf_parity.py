@@ -91,11 +91,12 @@ def test_qwen3_under_the_named_llama_rules_trains_as_one_process(world):
     check(world, (("qwen3", "tp_llama_rules"),))
 
 
-def test_bert_whose_head_is_tied_to_the_split_embedding_trains_as_one_process(world):
+@pytest.mark.parametrize("strategy", ["tp", pytest.param("fsdp_tp", marks=pytest.mark.slow)])
+def test_bert_whose_head_is_tied_to_the_split_embedding_trains_as_one_process(world, strategy):
     """tp("auto") splits BERT from its structure: the masked-LM decoder, tied to the word embedding
     split over the vocabulary, is split alike (left whole, its DTensor weight met plain
     activations), and its bias, tied to the prediction head's, is split once for both names."""
-    check(world, (("bert", "tp"), ("bert", "fsdp_tp")))
+    check(world, (("bert", strategy),))
 
 
 @pytest.mark.slow
@@ -133,7 +134,9 @@ def test_every_hf_family_under_tp_auto_trains_as_one_process_or_is_refused_by_na
         grads = {k: v.grad for k, v in model.named_parameters() if v.grad is not None}
         assert result["grads"].keys() == grads.keys(), label
         for key, value in grads.items():
-            torch.testing.assert_close(result["grads"][key], value, atol=1e-6, rtol=1e-4, msg=f"{label}: {key}")
+            torch.testing.assert_close(
+                result["grads"][key], value, atol=1e-6, rtol=1e-4, msg=f"{label}: {key}"
+            )
 
 
 def test_measured_tensor_parallel_traffic_equals_the_cost_model(world):

@@ -17,6 +17,7 @@ import functional_shard as fs
 # worlds of their own here, never the run's shared ones: what is tested is LocalWorld itself
 # (worlds started at one moment, the port it holds, a run past its timeout)
 
+
 def gather_tokens(token: str) -> tuple[int, list[str]]:
     """This rank's view of its group: its size and every member's token."""
     tokens: list[str] = [""] * dist.get_world_size()

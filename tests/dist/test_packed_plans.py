@@ -1,16 +1,16 @@
 """Packed rows under every plan: fsdp, fsdp × tp, pp × fsdp and cp × tp train as one process.
 
 Context parallel alone and beside fsdp: tests/dist/test_context_parallel.py. Each case trains the
-zoo Llama (or a Hugging Face model, given position_ids= by the step) on `cp_cases.packed_batches` (one long document among short ones in each row, so the
-ranks and micro-batches hold uneven counts of targets) and compares the losses, the first
-gradients and the last parameters with one process (`cp_cases.reference_packed`).
+zoo Llama (or a Hugging Face model, given position_ids= by the step) on
+`cp_cases.packed_batches` (one long document among short ones in each row, so the ranks and
+micro-batches hold uneven counts of targets) and compares the losses, the first gradients and
+the last parameters with one process (`cp_cases.reference_packed`).
 """
 
 from __future__ import annotations
 
 import pytest
 
-import functional_shard as fs
 from .. import cp_cases
 
 # a pipeline does not keep a tie between stages in step: the pipelined cases' model is untied
@@ -66,7 +66,8 @@ def test_a_document_straddling_two_micro_batches_is_refused_on_every_rank(world4
     assert len(set(errors)) == 1
     assert errors[0].startswith(
         "fs.forward_backward under a pipeline: a document straddles two pipeline micro-batches in 1 row:\n"
-        "* row 1, micro-batch 1's first, starts at position 3: its document goes on from row 0, in micro-batch 0"
+        "* row 1, micro-batch 1's first, starts at position 3: its document goes on from row 0, "
+        "in micro-batch 0"
     )
 
 

@@ -147,7 +147,10 @@ INPUTS_FAILED = "the pipeline's first stage cannot run a micro-batch of inputs o
         ),
         (
             "out_of_memory",
-            (INPUTS_FAILED, "here: out of memory (a stand-in). Fix: fewer rows a micro-batch: a smaller batch"),
+            (
+                INPUTS_FAILED,
+                "here: out of memory (a stand-in). Fix: fewer rows a micro-batch: a smaller batch",
+            ),
         ),
         # no step: the first stage returned its hidden states as the model's output, the last raised alone
         ("direct", ("the pipelined model was called directly, which runs this rank's stages alone",)),

@@ -151,7 +151,9 @@ def test_a_sampler_state_edited_by_hand_is_refused_by_its_value_and_changes_noth
     assert sampler.state_dict() == before
 
 
-@pytest.mark.parametrize(("options", "says"), [({"seed": "x"}, "seed='x'"), ({"shuffle": "yes"}, "shuffle='yes'")])
+@pytest.mark.parametrize(
+    ("options", "says"), [({"seed": "x"}, "seed='x'"), ({"shuffle": "yes"}, "shuffle='yes'")]
+)
 def test_a_seed_or_shuffle_of_another_kind_is_refused(options, says):
     with pytest.raises(fs.ShardingError, match=re.escape(says)):
         fs.ResumableSampler(24, batch_size=6, **options)
