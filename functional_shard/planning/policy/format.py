@@ -16,13 +16,14 @@ from functional_shard.planning.tp.rules import DEFERRED
 from .builders import CHECKPOINT_POLICIES
 from .types import ContextParallel, DataParallel, ExpertParallel, Pipeline, Policy, TensorParallel
 
-__all__ = ["OFFLOAD_PARTS", "RULE_SETS", "format_policy"]
+__all__ = ["OFFLOAD_PARTS", "RULE_SETS", "SHORT_DTYPES", "format_policy"]
 
 RULE_SETS = ("llama", "torchtitan", "gpt2", "gpt2_hf", "mlp")
 """The named rule sets of `functional_shard.planning.tp.rules` that text can name."""
 OFFLOAD_PARTS = ("params", "grads", "optimizer")
 """What ``offload(...)`` can keep in host memory."""
-_SHORT_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+"""The short name text gives each dtype ``mixed_precision`` takes."""
 
 
 def _format_axes(axes: Sequence[str]) -> str:
@@ -146,9 +147,9 @@ def format_policy(policy: Policy) -> str:
             raise PolicyError(f"policy layer {layer.name} is a function and has no text form")
     options = policy.options
     if options.param_dtype is not None:
-        param = _SHORT_DTYPE.get(options.param_dtype, options.param_dtype)
+        param = SHORT_DTYPES.get(options.param_dtype, options.param_dtype)
         reduce = (
-            _SHORT_DTYPE.get(options.reduce_dtype, options.reduce_dtype) if options.reduce_dtype else "none"
+            SHORT_DTYPES.get(options.reduce_dtype, options.reduce_dtype) if options.reduce_dtype else "none"
         )
         if param in ("bf16", "fp16") and reduce == "fp32":
             terms.append(param)

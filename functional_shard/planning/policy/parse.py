@@ -48,7 +48,7 @@ from functional_shard.planning.tp.rules import DEFERRED
 
 from . import builders as build
 from .builders import CHECKPOINT_POLICIES
-from .format import OFFLOAD_PARTS, RULE_SETS
+from .format import OFFLOAD_PARTS, RULE_SETS, SHORT_DTYPES
 from .format import format_policy as format_policy
 from .types import Policy
 
@@ -65,19 +65,8 @@ FORMS = (
 )
 """The accepted forms, as every parse error lists them."""
 
-_DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp64": torch.float64,
-    "float64": torch.float64,
-    "double": torch.float64,
-}
+# text names a dtype by its short name or by torch's names for it (bfloat16, half, double, ...)
+_TORCH_NAME = {short: name for name, short in SHORT_DTYPES.items()}
 
 
 class _TextError(Exception):
@@ -284,9 +273,11 @@ def _dtype(value: _Value, node: ast.AST) -> torch.dtype | None:
     if value is None or (isinstance(value, _Name) and value.text.lower() == "none"):
         return None
     name = _text(value, "a dtype", node)
-    if name not in _DTYPES:
-        raise _TextError(node, f"unknown dtype {name!r}; use one of {', '.join(_DTYPES)}")
-    return _DTYPES[name]
+    found = getattr(torch, _TORCH_NAME.get(name, name), None)
+    if found not in build.MIXED_PRECISION_DTYPES:
+        known = f"{', '.join(SHORT_DTYPES.values())} (or torch's name: bfloat16, half, ...)"
+        raise _TextError(node, f"unknown dtype {name!r}; use one of {known}")
+    return found
 
 
 _CHECKPOINT_CHOICES = f"{', '.join(CHECKPOINT_POLICIES[:-1])} or {CHECKPOINT_POLICIES[-1]}"
@@ -386,7 +377,7 @@ def _term(call: _Call, resolver: _Resolver) -> Policy:
             raise _TextError(
                 call.node, f"{name} takes no arguments; for other dtypes use mixed_precision(...)"
             )
-        return build.mixed_precision(_DTYPES[name], torch.float32)
+        return build.mixed_precision(getattr(torch, _TORCH_NAME[name]), torch.float32)
     if name == "mixed_precision":
         return _mixed_precision(call)
     if name == "offload":
