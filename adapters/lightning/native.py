@@ -9,7 +9,9 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 import functional_shard as fs
+from functional_shard.core.errors import bullets
 from functional_shard.core.validate import entry_point, instance_of
+from functional_shard.planning.plan.config import PlanConfig
 
 # the names Lightning's FSDPStrategy takes for torch's ShardingStrategy
 _FsdpSharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"]
@@ -17,12 +19,24 @@ _FsdpSharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"]
 __all__ = ["deepspeed_config", "to_lightning"]
 
 
+# DeepSpeed's names for the dtypes it trains and communicates in
+# (https://www.deepspeed.ai/docs/config-json/: ``bf16``, ``fp16``, ``communication_data_type``)
+_DEEPSPEED_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
 def deepspeed_config(plan: fs.Plan) -> dict[str, Any]:
     """The DeepSpeed config a ZeRO plan means (pure; Lightning's DeepSpeed defaults kept).
 
+    Each option of the plan has its DeepSpeed key or is refused: ``param_dtype`` is ``bf16`` or
+    ``fp16`` enabled (``float32`` both pinned off, so Lightning's precision cannot turn them
+    on), ``reduce_dtype`` is ``communication_data_type``, offload is ``offload_optimizer``
+    (which holds the gradients on the host too) and ``offload_param``. The plan's FSDP units
+    have no counterpart: ZeRO-3 gathers each module's parameters as forward reaches it.
+
     Raises:
         functional_shard.ShardingError: the plan is not a ZeRO / FSDP plan DeepSpeed can run
-            (tensor parallel, HSDP, DDP).
+            (tensor parallel, HSDP, DDP), or it holds an option DeepSpeed has no key for (each
+            named: float64, gradients offloaded apart from the optimizer state, checkpointed modules).
 
     Examples:
         >>> plan = fs.shard(torch.nn.Linear(4, 4), fs.Mesh(dp=2), fs.zero(2))
@@ -39,6 +53,14 @@ def deepspeed_config(plan: fs.Plan) -> dict[str, Any]:
             + ". Use ShardStrategy(plan), or to_lightning(plan, target='model_parallel')"
         )
     stage = stages[config.data_parallel]
+    if problems := _deepspeed_problems(config, stage):
+        raise fs.ShardingError(
+            bullets(
+                "deepspeed_config: DeepSpeed has no setting for these options of the plan:",
+                problems,
+                "Change the plan as each says, or use ShardStrategy(plan)",
+            )
+        )
     zero: dict[str, Any] = {
         "stage": stage,
         # Lightning's DeepSpeedStrategy defaults, not DeepSpeed's (2e8 elements, overlap on)
@@ -52,17 +74,43 @@ def deepspeed_config(plan: fs.Plan) -> dict[str, Any]:
     if config.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     if config.offload_params:
-        if stage != 3:
-            raise fs.ShardingError(
-                "DeepSpeed offloads parameters only at ZeRO stage 3; use fs.zero(3) or fs.fsdp()"
-            )
         zero["offload_param"] = {"device": "cpu", "pin_memory": False}
     result: dict[str, Any] = {"zero_optimization": zero, "zero_allow_untested_optimizer": True}
-    if config.param_dtype in ("bfloat16", "float16"):
-        result["bf16" if config.param_dtype == "bfloat16" else "fp16"] = {"enabled": True}
-    if config.checkpointed:
-        result["activation_checkpointing"] = {"partition_activations": False}
+    if config.param_dtype is not None:
+        for dtype in ("bfloat16", "float16"):
+            result[_DEEPSPEED_DTYPES[dtype]] = {"enabled": config.param_dtype == dtype}
+    if config.reduce_dtype is not None:
+        result["communication_data_type"] = _DEEPSPEED_DTYPES[config.reduce_dtype]
     return result
+
+
+def _deepspeed_problems(config: PlanConfig, stage: int) -> list[str]:
+    # each option of the plan DeepSpeed's config cannot say, with the change that fixes it
+    problems = [
+        f"{option} {dtype}: DeepSpeed trains and communicates in {', '.join(_DEEPSPEED_DTYPES)} only; "
+        f"use fs.mixed_precision with one of them"
+        for option, dtype in (("param_dtype", config.param_dtype), ("reduce_dtype", config.reduce_dtype))
+        if dtype is not None and dtype not in _DEEPSPEED_DTYPES
+    ]
+    if config.offload_params and stage != 3:
+        problems.append(
+            "offload_params: DeepSpeed offloads parameters only at ZeRO stage 3; use fs.zero(3) or fs.fsdp()"
+        )
+    if config.offload_grads != config.offload_optimizer:
+        problems.append(
+            f"offload_grads={config.offload_grads} with offload_optimizer={config.offload_optimizer}: "
+            "DeepSpeed's offload_optimizer holds the gradients on the host with the optimizer state; "
+            "offload both or neither (fs.offload(grads=x, optimizer=x))"
+        )
+    if config.checkpointed:
+        # Lightning's DeepSpeedStrategy passes activation_checkpointing to
+        # deepspeed.checkpointing.configure, which recomputes only what forward itself wraps
+        problems.append(
+            f"checkpointed modules {list(config.checkpointed)}: DeepSpeed recomputes only what the "
+            "model's forward wraps in deepspeed.checkpointing.checkpoint; drop fs.checkpointing and wrap "
+            "them there, or use to_lightning(plan, module, target='fsdp')"
+        )
+    return problems
 
 
 @entry_point

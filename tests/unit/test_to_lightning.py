@@ -57,7 +57,7 @@ def test_ddp_plan_becomes_ddp_strategy():
     ("policy", "offload", "stage"),
     [
         (fs.zero(1), set(), 1),
-        (fs.zero(2) + fs.offload(params=False, grads=False), {"offload_optimizer"}, 2),
+        (fs.zero(2) + fs.offload(params=False), {"offload_optimizer"}, 2),
         (fs.fsdp() + fs.offload(), {"offload_optimizer", "offload_param"}, 3),
     ],
 )
@@ -170,9 +170,11 @@ def test_deepspeed_target_without_deepspeed_says_so(monkeypatch):
 
 DEEPSPEED_PLANS = [
     (fs.zero(1), 1, "none"),
-    (fs.zero(2) + fs.offload(params=False, grads=False), 2, "none"),
+    (fs.zero(2) + fs.offload(params=False), 2, "none"),
     (fs.zero(3) + fs.mixed_precision(torch.float16), 3, "none"),
-    (fs.fsdp() + fs.offload() + fs.mixed_precision(torch.bfloat16) + fs.checkpointing(Block), 3, "cpu"),
+    (fs.fsdp() + fs.offload() + fs.mixed_precision(torch.bfloat16), 3, "cpu"),
+    (fs.zero(2) + fs.mixed_precision(torch.float32), 2, "none"),
+    (fs.zero(2) + fs.mixed_precision(torch.bfloat16, torch.bfloat16), 2, "none"),
 ]
 
 
@@ -195,3 +197,107 @@ def test_deepspeed_strategy_built_and_its_config_read_by_deepspeed(policy, stage
     assert getattr(device, "value", device) == param_offload
     assert parsed.bfloat16_config.enabled == (the_plan.config.param_dtype == "bfloat16")
     assert parsed.float16_config.enabled == (the_plan.config.param_dtype == "float16")
+    reduce_dtype = the_plan.config.reduce_dtype
+    assert parsed.communication_data_type == (getattr(torch, reduce_dtype) if reduce_dtype else None)
+
+
+def _deepspeed(**expected):
+    def check(config):
+        return {key: config.get(key) for key in expected} == expected
+
+    return check
+
+
+def _zero(**expected):
+    def check(config):
+        zero = config["zero_optimization"]
+        return {key: zero.get(key) for key in expected} == expected
+
+    return check
+
+
+OFF = {"enabled": False}
+ON = {"enabled": True}
+HALVES = fs.Mesh(r=2, s=2)
+
+# every option of a plan, for every target: the strategy built carries it, or the call names it
+OPTIONS = [
+    # deepspeed: each option a DeepSpeed config key (https://www.deepspeed.ai/docs/config-json/)
+    (
+        "deepspeed",
+        fs.zero(2) + fs.mixed_precision(torch.bfloat16),
+        _deepspeed(bf16=ON, fp16=OFF, communication_data_type="fp32"),
+    ),
+    (
+        "deepspeed",
+        fs.zero(2) + fs.mixed_precision(torch.float16, None),
+        _deepspeed(fp16=ON, bf16=OFF, communication_data_type=None),
+    ),
+    (
+        "deepspeed",
+        fs.zero(2) + fs.mixed_precision(torch.float32),
+        _deepspeed(bf16=OFF, fp16=OFF, communication_data_type="fp32"),
+    ),
+    (
+        "deepspeed",
+        fs.zero(2) + fs.mixed_precision(None, torch.bfloat16),
+        _deepspeed(bf16=None, communication_data_type="bf16"),
+    ),
+    (
+        "deepspeed",
+        fs.zero(2) + fs.mixed_precision(torch.float64, None),
+        "* param_dtype float64: DeepSpeed trains and communicates in bfloat16, float16, float32 only",
+    ),
+    ("deepspeed", fs.zero(2) + fs.mixed_precision(torch.bfloat16, torch.float64), "* reduce_dtype float64"),
+    (
+        "deepspeed",
+        fs.zero(3) + fs.offload(),
+        _zero(stage=3, offload_param={"device": "cpu", "pin_memory": False}),
+    ),
+    (
+        "deepspeed",
+        fs.zero(2) + fs.offload(params=False),
+        _zero(offload_optimizer={"device": "cpu", "pin_memory": False}, offload_param=None),
+    ),
+    (
+        "deepspeed",
+        fs.zero(2) + fs.offload(params=False, optimizer=False),
+        "* offload_grads=True with offload_optimizer=False",
+    ),
+    (
+        "deepspeed",
+        fs.zero(2) + fs.offload(params=False, grads=False),
+        "* offload_grads=False with offload_optimizer=True",
+    ),
+    (
+        "deepspeed",
+        fs.zero(1) + fs.offload(),
+        "* offload_params: DeepSpeed offloads parameters only at ZeRO stage 3",
+    ),
+    (
+        "deepspeed",
+        fs.zero(2) + fs.checkpointing(Block),
+        "* checkpointed modules ['layers.0', 'layers.1']: DeepSpeed recomputes only",
+    ),
+    ("deepspeed", fs.fsdp(reshard_after_forward=False), _zero(stage=2)),
+    (
+        "deepspeed",
+        fs.hsdp("r", "s"),
+        "DeepSpeed runs ZeRO over one data-parallel axis; this plan is 'hsdp'",
+        HALVES,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("target", "policy", "expected", "mesh"), [(*row, None)[:4] for row in OPTIONS], ids=range(len(OPTIONS))
+)
+def test_every_plan_option_is_carried_or_refused_by_name(target, policy, expected, mesh):
+    the_plan = plan(policy, mesh)
+    if isinstance(expected, str):
+        with pytest.raises(fs.ShardingError, match=re.escape(expected)):
+            to_lightning(the_plan, MODEL, target=target)
+    elif target == "deepspeed":
+        assert expected(deepspeed_config(the_plan))
+    else:
+        assert expected(to_lightning(the_plan, MODEL, target=target))
