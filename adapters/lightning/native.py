@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -12,9 +12,6 @@ import functional_shard as fs
 from functional_shard.core.errors import bullets
 from functional_shard.core.validate import entry_point, instance_of
 from functional_shard.planning.plan.config import PlanConfig
-
-# the names Lightning's FSDPStrategy takes for torch's ShardingStrategy
-_FsdpSharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"]
 
 __all__ = ["deepspeed_config", "to_lightning"]
 
@@ -119,7 +116,8 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
 
     ``ddp`` plans give ``DDPStrategy``; ZeRO-2/3, FSDP and HSDP give ``FSDPStrategy`` (FSDP1,
     with the plan's units, checkpointing, offload and precision); ZeRO-1 gives
-    ``DeepSpeedStrategy(config=deepspeed_config(plan))``. 2D plans (FSDP, then tensor
+    ``DeepSpeedStrategy(config=deepspeed_config(plan))``. An option of the plan the strategy
+    has no setting for is refused by name, never dropped. 2D plans (FSDP, then tensor
     parallel) give ``ModelParallelStrategy``, whose LightningModule's ``configure_model``
     calls ``fs.apply(plan, self, root="model")``.
 
@@ -130,8 +128,8 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
 
     Raises:
         functional_shard.ShardingError: ``plan`` is no plan; the target cannot express the plan (the
-            feature named: pipeline, context and expert parallelism none of them do), or DeepSpeed is
-            not installed.
+            feature named: pipeline, context and expert parallelism none of them do) or one of its
+            options (the option named), or DeepSpeed is not installed.
 
     Examples:
         >>> plan = fs.shard(torch.nn.Linear(4, 4), fs.Mesh(dp=2), fs.zero(2))
@@ -175,9 +173,18 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
             ) from None
     offloaded = [part for part in ("params", "grads", "optimizer") if getattr(config, f"offload_{part}")]
     if target == "ddp":
-        if kind != "ddp" or config.param_dtype or config.reduce_dtype or offloaded:
+        if kind != "ddp":
+            raise fs.ShardingError(f"DDPStrategy runs replicated plans; this plan is {kind!r}")
+        options = {
+            "param_dtype": config.param_dtype,
+            "reduce_dtype": config.reduce_dtype,
+            "offload": offloaded,
+            "checkpointed": config.checkpointed,
+        }
+        if given := [option for option, value in options.items() if value]:
             raise fs.ShardingError(
-                f"DDPStrategy runs replicated plans without options; this plan is {kind!r}"
+                f"DDPStrategy runs replicated plans without options; this plan sets {', '.join(given)}. "
+                "Drop them from the plan, or use ShardStrategy(plan)"
             )
         return DDPStrategy()
     if target != "fsdp" or kind not in ("zero2", "zero3", "fsdp", "hsdp"):
@@ -187,7 +194,19 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
             f"FSDPStrategy offloads params, grads and optimizer state together; this plan offloads "
             f"only {' and '.join(offloaded)}. Use fs.offload(), or to_lightning(plan, target='deepspeed')"
         )
-    from torch.distributed.fsdp import MixedPrecision
+    assert config.fsdp is not None  # (the kinds above are data-parallel)
+    if config.fsdp.unit_groups:
+        raise fs.ShardingError(
+            f"FSDP units of several modules {[list(group) for group in config.fsdp.unit_groups]}: "
+            "FSDPStrategy wraps one module per unit; name each module a unit of its own, or use "
+            "ShardStrategy(plan)"
+        )
+    if config.checkpointed and config.checkpoint_policy != "full":
+        raise fs.ShardingError(
+            f"checkpoint_policy {config.checkpoint_policy!r}: FSDPStrategy recomputes whole modules; "
+            "use fs.checkpointing(..., policy='full'), or ShardStrategy(plan)"
+        )
+    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import CustomPolicy
 
     def by_path(paths: tuple[str, ...], what: str) -> Any:
@@ -200,8 +219,11 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
         chosen = {id(module.get_submodule(path)) for path in paths}
         return CustomPolicy(lambda m: id(m) in chosen)
 
-    shardings: dict[str, _FsdpSharding] = {"zero2": "SHARD_GRAD_OP", "hsdp": "HYBRID_SHARD"}
-    strategy = shardings.get(kind, "FULL_SHARD")
+    shardings = {"zero2": ShardingStrategy.SHARD_GRAD_OP, "hsdp": ShardingStrategy.HYBRID_SHARD}
+    strategy = shardings.get(kind, ShardingStrategy.FULL_SHARD)
+    if kind == "hsdp" and not config.fsdp.reshard_after_forward:
+        # torch's name for HSDP that keeps gathered parameters from forward to backward
+        strategy = ShardingStrategy._HYBRID_SHARD_ZERO2
     precision = None
     if config.param_dtype or config.reduce_dtype:
         precision = MixedPrecision(

@@ -216,9 +216,24 @@ def _zero(**expected):
     return check
 
 
+def _fsdp(sharding, **expected):
+    def check(strategy):
+        precision = strategy.mixed_precision
+        found = {
+            "param_dtype": precision and precision.param_dtype,
+            "reduce_dtype": precision and precision.reduce_dtype,
+            "cpu_offload": strategy.cpu_offload.offload_params,
+            "device_mesh": strategy.kwargs.get("device_mesh"),
+        }
+        return strategy.sharding_strategy == sharding and {k: found[k] for k in expected} == expected
+
+    return check
+
+
 OFF = {"enabled": False}
 ON = {"enabled": True}
 HALVES = fs.Mesh(r=2, s=2)
+SQUARE = fs.Mesh(dp=2, tp=2)
 
 # every option of a plan, for every target: the strategy built carries it, or the call names it
 OPTIONS = [
@@ -285,6 +300,53 @@ OPTIONS = [
         fs.hsdp("r", "s"),
         "DeepSpeed runs ZeRO over one data-parallel axis; this plan is 'hsdp'",
         HALVES,
+    ),
+    # fsdp (FSDP1): MixedPrecision, CPUOffload, the sharding strategy, the wrap policies
+    (
+        "fsdp",
+        fs.fsdp() + fs.mixed_precision(None, torch.bfloat16),
+        _fsdp(ShardingStrategy.FULL_SHARD, param_dtype=None, reduce_dtype=torch.bfloat16),
+    ),
+    ("fsdp", fs.zero(2) + fs.offload(), _fsdp(ShardingStrategy.SHARD_GRAD_OP, cpu_offload=True)),
+    ("fsdp", fs.fsdp(reshard_after_forward=False), _fsdp(ShardingStrategy.SHARD_GRAD_OP)),
+    ("fsdp", fs.hsdp("r", "s"), _fsdp(ShardingStrategy.HYBRID_SHARD, device_mesh=(2, 2)), HALVES),
+    (
+        "fsdp",
+        fs.hsdp("r", "s", reshard_after_forward=False),
+        _fsdp(ShardingStrategy._HYBRID_SHARD_ZERO2, device_mesh=(2, 2)),
+        HALVES,
+    ),
+    ("fsdp", fs.fsdp() + fs.offload(grads=False), "this plan offloads only params and optimizer"),
+    (
+        "fsdp",
+        fs.fsdp() + fs.checkpointing(Block, policy="selective"),
+        "checkpoint_policy 'selective': FSDPStrategy recomputes whole modules",
+    ),
+    (
+        "fsdp",
+        fs.fsdp(units=[("norm", "lm_head")]),
+        "FSDP units of several modules [['norm', 'lm_head']]: FSDPStrategy wraps one module per unit",
+    ),
+    ("fsdp", fs.zero(1), "no Lightning strategy 'fsdp' for a 'zero1' plan"),
+    # ddp: DDPStrategy takes none of the options
+    ("ddp", fs.replicate() + fs.checkpointing(Block), "this plan sets checkpointed."),
+    ("ddp", fs.replicate() + fs.mixed_precision(torch.bfloat16), "this plan sets param_dtype, reduce_dtype."),
+    ("ddp", fs.replicate() + fs.offload(), "this plan sets offload."),
+    # model_parallel: the LightningModule's configure_model runs fs.apply(plan), which applies every option
+    (
+        "model_parallel",
+        fs.fsdp("dp")
+        + fs.tp(fs.rules.llama, "tp")
+        + fs.mixed_precision(torch.bfloat16)
+        + fs.checkpointing(Block),
+        lambda strategy: isinstance(strategy, ModelParallelStrategy),
+        SQUARE,
+    ),
+    (
+        "model_parallel",
+        fs.pipeline("pp", microbatches=2) + fs.fsdp("dp"),
+        "the plan runs pipeline parallel",
+        fs.Mesh(pp=2, dp=2),
     ),
 ]
 
