@@ -10,10 +10,12 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 import functional_shard as fs
 from functional_shard.core.errors import bullets
-from functional_shard.core.validate import entry_point, instance_of
+from functional_shard.core.validate import entry_point, instance_of, one_of, refuse
 from functional_shard.planning.plan.config import PlanConfig
 
 __all__ = ["deepspeed_config", "to_lightning"]
+
+_TARGETS = ("ddp", "fsdp", "deepspeed", "model_parallel")
 
 
 # DeepSpeed's names for the dtypes it trains and communicates in
@@ -139,6 +141,10 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 
     instance_of(plan, fs.Plan, "plan", meaning="fs.shard(model, mesh, policy) makes one")
+    if module is not None:
+        instance_of(module, torch.nn.Module, "module", meaning="the module the plan was made for")
+    if target is not None:
+        one_of(target, _TARGETS, "target", meaning="Lightning's strategy to build")
     config = plan.config
     # none of Lightning's own strategies runs these: the strategy built would drop them
     unexpressed = {
@@ -216,7 +222,14 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
             raise fs.ShardingError(
                 f"the plan names {what} by module path; pass the module: to_lightning(plan, module)"
             )
-        chosen = {id(module.get_submodule(path)) for path in paths}
+        modules = dict(module.named_modules(remove_duplicate=False))
+        if missing := [path for path in paths if path not in modules]:
+            refuse(
+                "module",
+                type(module).__name__,
+                f"the module the plan was made for (the plan's {what} name {missing[0]!r}, which it lacks)",
+            )
+        chosen = {id(modules[path]) for path in paths}
         return CustomPolicy(lambda m: id(m) in chosen)
 
     shardings = {"zero2": ShardingStrategy.SHARD_GRAD_OP, "hsdp": ShardingStrategy.HYBRID_SHARD}

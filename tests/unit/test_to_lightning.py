@@ -155,6 +155,29 @@ def test_hsdp_gives_fsdp_strategy_the_plans_replicate_and_shard_sizes():
         to_lightning(fs.shard(linear, fs.Mesh(s=2, r=2), fs.hsdp("r", "s")))
 
 
+@pytest.mark.parametrize(
+    ("module", "target", "message"),
+    [
+        # raw AttributeErrors from get_submodule before
+        (
+            torch.nn.Linear(2, 2),
+            None,
+            "to_lightning(module=Linear): the module the plan was made for (the plan's FSDP units name",
+        ),
+        ("model", None, "to_lightning(module=str): a Module"),
+        # a misspelt target read as an unknown strategy for this plan's kind
+        (
+            MODEL,
+            "DeepSpeed",
+            "to_lightning(target='DeepSpeed'): one of 'ddp', 'fsdp', 'deepspeed', 'model_parallel'",
+        ),
+    ],
+)
+def test_a_wrong_module_or_target_is_named(module, target, message):
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
+        to_lightning(plan(fs.fsdp()), module, target=target)
+
+
 def test_units_need_the_module():
     with pytest.raises(fs.ShardingError, match=re.escape("pass the module: to_lightning(plan, module)")):
         to_lightning(plan(fs.fsdp()))
