@@ -23,6 +23,7 @@ _TARGETS = ("ddp", "fsdp", "deepspeed", "model_parallel")
 _DEEPSPEED_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
+@entry_point
 def deepspeed_config(plan: fs.Plan) -> dict[str, Any]:
     """The DeepSpeed config a ZeRO plan means (pure; Lightning's DeepSpeed defaults kept).
 
@@ -33,7 +34,7 @@ def deepspeed_config(plan: fs.Plan) -> dict[str, Any]:
     have no counterpart: ZeRO-3 gathers each module's parameters as forward reaches it.
 
     Raises:
-        functional_shard.ShardingError: the plan is not a ZeRO / FSDP plan DeepSpeed can run
+        functional_shard.ShardingError: ``plan`` is no plan, or not a ZeRO / FSDP plan DeepSpeed can run
             (tensor parallel, HSDP, DDP), or it holds an option DeepSpeed has no key for (each
             named: float64, gradients offloaded apart from the optimizer state, checkpointed modules).
 
@@ -42,6 +43,7 @@ def deepspeed_config(plan: fs.Plan) -> dict[str, Any]:
         >>> deepspeed_config(plan)["zero_optimization"]["stage"]
         2
     """
+    instance_of(plan, fs.Plan, "plan", meaning="fs.shard(model, mesh, policy) makes one")
     config = plan.config
     stages = {"zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
     replicated = config.fsdp is not None and config.fsdp.replicate_axes

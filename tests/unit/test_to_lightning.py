@@ -178,6 +178,12 @@ def test_a_wrong_module_or_target_is_named(module, target, message):
         to_lightning(plan(fs.fsdp()), module, target=target)
 
 
+def test_deepspeed_config_of_a_policy_says_to_shard_it_first():
+    # a raw AttributeError ('Policy' object has no attribute 'config') before
+    with pytest.raises(fs.ShardingError, match=re.escape("deepspeed_config(plan=Policy): a Plan")):
+        deepspeed_config(fs.zero(2))
+
+
 def test_units_need_the_module():
     with pytest.raises(fs.ShardingError, match=re.escape("pass the module: to_lightning(plan, module)")):
         to_lightning(plan(fs.fsdp()))
