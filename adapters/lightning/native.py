@@ -29,14 +29,16 @@ def deepspeed_config(plan: fs.Plan) -> dict[str, Any]:
 
     Each option of the plan has its DeepSpeed key or is refused: ``param_dtype`` is ``bf16`` or
     ``fp16`` enabled (``float32`` both pinned off, so Lightning's precision cannot turn them
-    on), ``reduce_dtype`` is ``communication_data_type``, offload is ``offload_optimizer``
-    (which holds the gradients on the host too) and ``offload_param``. The plan's FSDP units
+    on), ``reduce_dtype`` is ``communication_data_type``, offload is ``offload_optimizer`` and
+    ``offload_param``. DeepSpeed's optimizer offload holds the gradient partitions on the host
+    too, so offloading the optimizer state alone frees more device memory than the plan
+    counts, never less; gradients alone it cannot offload. The plan's FSDP units
     have no counterpart: ZeRO-3 gathers each module's parameters as forward reaches it.
 
     Raises:
         functional_shard.ShardingError: ``plan`` is no plan, or not a ZeRO / FSDP plan DeepSpeed can run
             (tensor parallel, HSDP, DDP), or it holds an option DeepSpeed has no key for (each
-            named: float64, gradients offloaded apart from the optimizer state, checkpointed modules).
+            named: float64, gradients offloaded without the optimizer state, checkpointed modules).
 
     Examples:
         >>> plan = fs.shard(torch.nn.Linear(4, 4), fs.Mesh(dp=2), fs.zero(2))
@@ -97,11 +99,10 @@ def _deepspeed_problems(config: PlanConfig, stage: int) -> list[str]:
         problems.append(
             "offload_params: DeepSpeed offloads parameters only at ZeRO stage 3; use fs.zero(3) or fs.fsdp()"
         )
-    if config.offload_grads != config.offload_optimizer:
+    if config.offload_grads and not config.offload_optimizer:
         problems.append(
-            f"offload_grads={config.offload_grads} with offload_optimizer={config.offload_optimizer}: "
-            "DeepSpeed's offload_optimizer holds the gradients on the host with the optimizer state; "
-            "offload both or neither (fs.offload(grads=x, optimizer=x))"
+            "offload_grads without offload_optimizer: DeepSpeed moves gradients to the host only with "
+            "the optimizer state; offload both (fs.offload(params=False)) or neither"
         )
     if config.checkpointed:
         # Lightning's DeepSpeedStrategy passes activation_checkpointing to

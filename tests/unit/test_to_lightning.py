@@ -57,7 +57,7 @@ def test_ddp_plan_becomes_ddp_strategy():
     ("policy", "offload", "stage"),
     [
         (fs.zero(1), set(), 1),
-        (fs.zero(2) + fs.offload(params=False), {"offload_optimizer"}, 2),
+        (fs.zero(2) + fs.offload(params=False, grads=False), {"offload_optimizer"}, 2),
         (fs.fsdp() + fs.offload(), {"offload_optimizer", "offload_param"}, 3),
     ],
 )
@@ -199,7 +199,7 @@ def test_deepspeed_target_without_deepspeed_says_so(monkeypatch):
 
 DEEPSPEED_PLANS = [
     (fs.zero(1), 1, "none"),
-    (fs.zero(2) + fs.offload(params=False), 2, "none"),
+    (fs.zero(2) + fs.offload(params=False, grads=False), 2, "none"),
     (fs.zero(3) + fs.mixed_precision(torch.float16), 3, "none"),
     (fs.fsdp() + fs.offload() + fs.mixed_precision(torch.bfloat16), 3, "cpu"),
     (fs.zero(2) + fs.mixed_precision(torch.float32), 2, "none"),
@@ -306,12 +306,12 @@ OPTIONS = [
     (
         "deepspeed",
         fs.zero(2) + fs.offload(params=False, optimizer=False),
-        "* offload_grads=True with offload_optimizer=False",
+        "* offload_grads without offload_optimizer: DeepSpeed moves gradients to the host only",
     ),
     (
         "deepspeed",
         fs.zero(2) + fs.offload(params=False, grads=False),
-        "* offload_grads=False with offload_optimizer=True",
+        _zero(offload_optimizer={"device": "cpu", "pin_memory": False}, offload_param=None),
     ),
     (
         "deepspeed",
