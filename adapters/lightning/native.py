@@ -3,32 +3,49 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 import functional_shard as fs
-from functional_shard.core.validate import entry_point, instance_of
-
-# the names Lightning's FSDPStrategy takes for torch's ShardingStrategy
-_FsdpSharding = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"]
+from functional_shard.core.errors import bullets
+from functional_shard.core.validate import entry_point, instance_of, one_of, refuse
+from functional_shard.planning.plan.config import PlanConfig
 
 __all__ = ["deepspeed_config", "to_lightning"]
 
+_TARGETS = ("ddp", "fsdp", "deepspeed", "model_parallel")
 
+
+# DeepSpeed's names for the dtypes it trains and communicates in
+# (https://www.deepspeed.ai/docs/config-json/: ``bf16``, ``fp16``, ``communication_data_type``)
+_DEEPSPEED_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+@entry_point
 def deepspeed_config(plan: fs.Plan) -> dict[str, Any]:
     """The DeepSpeed config a ZeRO plan means (pure; Lightning's DeepSpeed defaults kept).
 
+    Each option of the plan has its DeepSpeed key or is refused: ``param_dtype`` is ``bf16`` or
+    ``fp16`` enabled (``float32`` both pinned off, so Lightning's precision cannot turn them
+    on), ``reduce_dtype`` is ``communication_data_type``, offload is ``offload_optimizer`` and
+    ``offload_param``. DeepSpeed's optimizer offload holds the gradient partitions on the host
+    too, so offloading the optimizer state alone frees more device memory than the plan
+    counts, never less; gradients alone it cannot offload. The plan's FSDP units
+    have no counterpart: ZeRO-3 gathers each module's parameters as forward reaches it.
+
     Raises:
-        functional_shard.ShardingError: the plan is not a ZeRO / FSDP plan DeepSpeed can run
-            (tensor parallel, HSDP, DDP).
+        functional_shard.ShardingError: ``plan`` is no plan, or not a ZeRO / FSDP plan DeepSpeed can run
+            (tensor parallel, HSDP, DDP), or it holds an option DeepSpeed has no key for (each
+            named: float64, gradients offloaded without the optimizer state, checkpointed modules).
 
     Examples:
         >>> plan = fs.shard(torch.nn.Linear(4, 4), fs.Mesh(dp=2), fs.zero(2))
         >>> deepspeed_config(plan)["zero_optimization"]["stage"]
         2
     """
+    instance_of(plan, fs.Plan, "plan", meaning="fs.shard(model, mesh, policy) makes one")
     config = plan.config
     stages = {"zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}
     replicated = config.fsdp is not None and config.fsdp.replicate_axes
@@ -39,6 +56,14 @@ def deepspeed_config(plan: fs.Plan) -> dict[str, Any]:
             + ". Use ShardStrategy(plan), or to_lightning(plan, target='model_parallel')"
         )
     stage = stages[config.data_parallel]
+    if problems := _deepspeed_problems(config, stage):
+        raise fs.ShardingError(
+            bullets(
+                "deepspeed_config: DeepSpeed has no setting for these options of the plan:",
+                problems,
+                "Change the plan as each says, or use ShardStrategy(plan)",
+            )
+        )
     zero: dict[str, Any] = {
         "stage": stage,
         # Lightning's DeepSpeedStrategy defaults, not DeepSpeed's (2e8 elements, overlap on)
@@ -52,17 +77,42 @@ def deepspeed_config(plan: fs.Plan) -> dict[str, Any]:
     if config.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     if config.offload_params:
-        if stage != 3:
-            raise fs.ShardingError(
-                "DeepSpeed offloads parameters only at ZeRO stage 3; use fs.zero(3) or fs.fsdp()"
-            )
         zero["offload_param"] = {"device": "cpu", "pin_memory": False}
     result: dict[str, Any] = {"zero_optimization": zero, "zero_allow_untested_optimizer": True}
-    if config.param_dtype in ("bfloat16", "float16"):
-        result["bf16" if config.param_dtype == "bfloat16" else "fp16"] = {"enabled": True}
-    if config.checkpointed:
-        result["activation_checkpointing"] = {"partition_activations": False}
+    if config.param_dtype is not None:
+        for dtype in ("bfloat16", "float16"):
+            result[_DEEPSPEED_DTYPES[dtype]] = {"enabled": config.param_dtype == dtype}
+    if config.reduce_dtype is not None:
+        result["communication_data_type"] = _DEEPSPEED_DTYPES[config.reduce_dtype]
     return result
+
+
+def _deepspeed_problems(config: PlanConfig, stage: int) -> list[str]:
+    # each option of the plan DeepSpeed's config cannot say, with the change that fixes it
+    problems = [
+        f"{option} {dtype}: DeepSpeed trains and communicates in {', '.join(_DEEPSPEED_DTYPES)} only; "
+        f"use fs.mixed_precision with one of them"
+        for option, dtype in (("param_dtype", config.param_dtype), ("reduce_dtype", config.reduce_dtype))
+        if dtype is not None and dtype not in _DEEPSPEED_DTYPES
+    ]
+    if config.offload_params and stage != 3:
+        problems.append(
+            "offload_params: DeepSpeed offloads parameters only at ZeRO stage 3; use fs.zero(3) or fs.fsdp()"
+        )
+    if config.offload_grads and not config.offload_optimizer:
+        problems.append(
+            "offload_grads without offload_optimizer: DeepSpeed moves gradients to the host only with "
+            "the optimizer state; offload both (fs.offload(params=False)) or neither"
+        )
+    if config.checkpointed:
+        # Lightning's DeepSpeedStrategy passes activation_checkpointing to
+        # deepspeed.checkpointing.configure, which recomputes only what forward itself wraps
+        problems.append(
+            f"checkpointed modules {list(config.checkpointed)}: DeepSpeed recomputes only what the "
+            "model's forward wraps in deepspeed.checkpointing.checkpoint; drop fs.checkpointing and wrap "
+            "them there, or use to_lightning(plan, module, target='fsdp')"
+        )
+    return problems
 
 
 @entry_point
@@ -71,7 +121,8 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
 
     ``ddp`` plans give ``DDPStrategy``; ZeRO-2/3, FSDP and HSDP give ``FSDPStrategy`` (FSDP1,
     with the plan's units, checkpointing, offload and precision); ZeRO-1 gives
-    ``DeepSpeedStrategy(config=deepspeed_config(plan))``. 2D plans (FSDP, then tensor
+    ``DeepSpeedStrategy(config=deepspeed_config(plan))``. An option of the plan the strategy
+    has no setting for is refused by name, never dropped. 2D plans (FSDP, then tensor
     parallel) give ``ModelParallelStrategy``, whose LightningModule's ``configure_model``
     calls ``fs.apply(plan, self, root="model")``.
 
@@ -82,8 +133,8 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
 
     Raises:
         functional_shard.ShardingError: ``plan`` is no plan; the target cannot express the plan (the
-            feature named: pipeline, context and expert parallelism none of them do), or DeepSpeed is
-            not installed.
+            feature named: pipeline, context and expert parallelism none of them do) or one of its
+            options (the option named), or DeepSpeed is not installed.
 
     Examples:
         >>> plan = fs.shard(torch.nn.Linear(4, 4), fs.Mesh(dp=2), fs.zero(2))
@@ -93,6 +144,10 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 
     instance_of(plan, fs.Plan, "plan", meaning="fs.shard(model, mesh, policy) makes one")
+    if module is not None:
+        instance_of(module, torch.nn.Module, "module", meaning="the module the plan was made for")
+    if target is not None:
+        one_of(target, _TARGETS, "target", meaning="Lightning's strategy to build")
     config = plan.config
     # none of Lightning's own strategies runs these: the strategy built would drop them
     unexpressed = {
@@ -127,9 +182,18 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
             ) from None
     offloaded = [part for part in ("params", "grads", "optimizer") if getattr(config, f"offload_{part}")]
     if target == "ddp":
-        if kind != "ddp" or config.param_dtype or config.reduce_dtype or offloaded:
+        if kind != "ddp":
+            raise fs.ShardingError(f"DDPStrategy runs replicated plans; this plan is {kind!r}")
+        options = {
+            "param_dtype": config.param_dtype,
+            "reduce_dtype": config.reduce_dtype,
+            "offload": offloaded,
+            "checkpointed": config.checkpointed,
+        }
+        if given := [option for option, value in options.items() if value]:
             raise fs.ShardingError(
-                f"DDPStrategy runs replicated plans without options; this plan is {kind!r}"
+                f"DDPStrategy runs replicated plans without options; this plan sets {', '.join(given)}. "
+                "Drop them from the plan, or use ShardStrategy(plan)"
             )
         return DDPStrategy()
     if target != "fsdp" or kind not in ("zero2", "zero3", "fsdp", "hsdp"):
@@ -139,7 +203,19 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
             f"FSDPStrategy offloads params, grads and optimizer state together; this plan offloads "
             f"only {' and '.join(offloaded)}. Use fs.offload(), or to_lightning(plan, target='deepspeed')"
         )
-    from torch.distributed.fsdp import MixedPrecision
+    assert config.fsdp is not None  # (the kinds above are data-parallel)
+    if config.fsdp.unit_groups:
+        raise fs.ShardingError(
+            f"FSDP units of several modules {[list(group) for group in config.fsdp.unit_groups]}: "
+            "FSDPStrategy wraps one module per unit; name each module a unit of its own, or use "
+            "ShardStrategy(plan)"
+        )
+    if config.checkpointed and config.checkpoint_policy != "full":
+        raise fs.ShardingError(
+            f"checkpoint_policy {config.checkpoint_policy!r}: FSDPStrategy recomputes whole modules; "
+            "use fs.checkpointing(..., policy='full'), or ShardStrategy(plan)"
+        )
+    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import CustomPolicy
 
     def by_path(paths: tuple[str, ...], what: str) -> Any:
@@ -149,11 +225,21 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
             raise fs.ShardingError(
                 f"the plan names {what} by module path; pass the module: to_lightning(plan, module)"
             )
-        chosen = {id(module.get_submodule(path)) for path in paths}
+        modules = dict(module.named_modules(remove_duplicate=False))
+        if missing := [path for path in paths if path not in modules]:
+            refuse(
+                "module",
+                type(module).__name__,
+                f"the module the plan was made for (the plan's {what} name {missing[0]!r}, which it lacks)",
+            )
+        chosen = {id(modules[path]) for path in paths}
         return CustomPolicy(lambda m: id(m) in chosen)
 
-    shardings: dict[str, _FsdpSharding] = {"zero2": "SHARD_GRAD_OP", "hsdp": "HYBRID_SHARD"}
-    strategy = shardings.get(kind, "FULL_SHARD")
+    shardings = {"zero2": ShardingStrategy.SHARD_GRAD_OP, "hsdp": ShardingStrategy.HYBRID_SHARD}
+    strategy = shardings.get(kind, ShardingStrategy.FULL_SHARD)
+    if kind == "hsdp" and not config.fsdp.reshard_after_forward:
+        # torch's name for HSDP that keeps gathered parameters from forward to backward
+        strategy = ShardingStrategy._HYBRID_SHARD_ZERO2
     precision = None
     if config.param_dtype or config.reduce_dtype:
         precision = MixedPrecision(

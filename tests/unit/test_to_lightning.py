@@ -155,6 +155,35 @@ def test_hsdp_gives_fsdp_strategy_the_plans_replicate_and_shard_sizes():
         to_lightning(fs.shard(linear, fs.Mesh(s=2, r=2), fs.hsdp("r", "s")))
 
 
+@pytest.mark.parametrize(
+    ("module", "target", "message"),
+    [
+        # raw AttributeErrors from get_submodule before
+        (
+            torch.nn.Linear(2, 2),
+            None,
+            "to_lightning(module=Linear): the module the plan was made for (the plan's FSDP units name",
+        ),
+        ("model", None, "to_lightning(module=str): a Module"),
+        # a misspelt target read as an unknown strategy for this plan's kind
+        (
+            MODEL,
+            "DeepSpeed",
+            "to_lightning(target='DeepSpeed'): one of 'ddp', 'fsdp', 'deepspeed', 'model_parallel'",
+        ),
+    ],
+)
+def test_a_wrong_module_or_target_is_named(module, target, message):
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
+        to_lightning(plan(fs.fsdp()), module, target=target)
+
+
+def test_deepspeed_config_of_a_policy_says_to_shard_it_first():
+    # a raw AttributeError ('Policy' object has no attribute 'config') before
+    with pytest.raises(fs.ShardingError, match=re.escape("deepspeed_config(plan=Policy): a Plan")):
+        deepspeed_config(fs.zero(2))
+
+
 def test_units_need_the_module():
     with pytest.raises(fs.ShardingError, match=re.escape("pass the module: to_lightning(plan, module)")):
         to_lightning(plan(fs.fsdp()))
@@ -172,7 +201,9 @@ DEEPSPEED_PLANS = [
     (fs.zero(1), 1, "none"),
     (fs.zero(2) + fs.offload(params=False, grads=False), 2, "none"),
     (fs.zero(3) + fs.mixed_precision(torch.float16), 3, "none"),
-    (fs.fsdp() + fs.offload() + fs.mixed_precision(torch.bfloat16) + fs.checkpointing(Block), 3, "cpu"),
+    (fs.fsdp() + fs.offload() + fs.mixed_precision(torch.bfloat16), 3, "cpu"),
+    (fs.zero(2) + fs.mixed_precision(torch.float32), 2, "none"),
+    (fs.zero(2) + fs.mixed_precision(torch.bfloat16, torch.bfloat16), 2, "none"),
 ]
 
 
@@ -195,3 +226,169 @@ def test_deepspeed_strategy_built_and_its_config_read_by_deepspeed(policy, stage
     assert getattr(device, "value", device) == param_offload
     assert parsed.bfloat16_config.enabled == (the_plan.config.param_dtype == "bfloat16")
     assert parsed.float16_config.enabled == (the_plan.config.param_dtype == "float16")
+    reduce_dtype = the_plan.config.reduce_dtype
+    assert parsed.communication_data_type == (getattr(torch, reduce_dtype) if reduce_dtype else None)
+
+
+def _deepspeed(**expected):
+    def check(config):
+        return {key: config.get(key) for key in expected} == expected
+
+    return check
+
+
+def _zero(**expected):
+    def check(config):
+        zero = config["zero_optimization"]
+        return {key: zero.get(key) for key in expected} == expected
+
+    return check
+
+
+def _fsdp(sharding, **expected):
+    def check(strategy):
+        precision = strategy.mixed_precision
+        found = {
+            "param_dtype": precision and precision.param_dtype,
+            "reduce_dtype": precision and precision.reduce_dtype,
+            "cpu_offload": strategy.cpu_offload.offload_params,
+            "device_mesh": strategy.kwargs.get("device_mesh"),
+        }
+        return strategy.sharding_strategy == sharding and {k: found[k] for k in expected} == expected
+
+    return check
+
+
+OFF = {"enabled": False}
+ON = {"enabled": True}
+HALVES = fs.Mesh(r=2, s=2)
+SQUARE = fs.Mesh(dp=2, tp=2)
+
+# every option of a plan, for every target: the strategy built carries it, or the call names it
+OPTIONS = [
+    # deepspeed: each option a DeepSpeed config key (https://www.deepspeed.ai/docs/config-json/)
+    (
+        "deepspeed",
+        fs.zero(2) + fs.mixed_precision(torch.bfloat16),
+        _deepspeed(bf16=ON, fp16=OFF, communication_data_type="fp32"),
+    ),
+    (
+        "deepspeed",
+        fs.zero(2) + fs.mixed_precision(torch.float16, None),
+        _deepspeed(fp16=ON, bf16=OFF, communication_data_type=None),
+    ),
+    (
+        "deepspeed",
+        fs.zero(2) + fs.mixed_precision(torch.float32),
+        _deepspeed(bf16=OFF, fp16=OFF, communication_data_type="fp32"),
+    ),
+    (
+        "deepspeed",
+        fs.zero(2) + fs.mixed_precision(None, torch.bfloat16),
+        _deepspeed(bf16=None, communication_data_type="bf16"),
+    ),
+    (
+        "deepspeed",
+        fs.zero(2) + fs.mixed_precision(torch.float64, None),
+        "* param_dtype float64: DeepSpeed trains and communicates in bfloat16, float16, float32 only",
+    ),
+    ("deepspeed", fs.zero(2) + fs.mixed_precision(torch.bfloat16, torch.float64), "* reduce_dtype float64"),
+    (
+        "deepspeed",
+        fs.zero(3) + fs.offload(),
+        _zero(stage=3, offload_param={"device": "cpu", "pin_memory": False}),
+    ),
+    (
+        "deepspeed",
+        fs.zero(2) + fs.offload(params=False),
+        _zero(offload_optimizer={"device": "cpu", "pin_memory": False}, offload_param=None),
+    ),
+    (
+        "deepspeed",
+        fs.zero(2) + fs.offload(params=False, optimizer=False),
+        "* offload_grads without offload_optimizer: DeepSpeed moves gradients to the host only",
+    ),
+    (
+        "deepspeed",
+        fs.zero(2) + fs.offload(params=False, grads=False),
+        _zero(offload_optimizer={"device": "cpu", "pin_memory": False}, offload_param=None),
+    ),
+    (
+        "deepspeed",
+        fs.zero(1) + fs.offload(),
+        "* offload_params: DeepSpeed offloads parameters only at ZeRO stage 3",
+    ),
+    (
+        "deepspeed",
+        fs.zero(2) + fs.checkpointing(Block),
+        "* checkpointed modules ['layers.0', 'layers.1']: DeepSpeed recomputes only",
+    ),
+    ("deepspeed", fs.fsdp(reshard_after_forward=False), _zero(stage=2)),
+    (
+        "deepspeed",
+        fs.hsdp("r", "s"),
+        "DeepSpeed runs ZeRO over one data-parallel axis; this plan is 'hsdp'",
+        HALVES,
+    ),
+    # fsdp (FSDP1): MixedPrecision, CPUOffload, the sharding strategy, the wrap policies
+    (
+        "fsdp",
+        fs.fsdp() + fs.mixed_precision(None, torch.bfloat16),
+        _fsdp(ShardingStrategy.FULL_SHARD, param_dtype=None, reduce_dtype=torch.bfloat16),
+    ),
+    ("fsdp", fs.zero(2) + fs.offload(), _fsdp(ShardingStrategy.SHARD_GRAD_OP, cpu_offload=True)),
+    ("fsdp", fs.fsdp(reshard_after_forward=False), _fsdp(ShardingStrategy.SHARD_GRAD_OP)),
+    ("fsdp", fs.hsdp("r", "s"), _fsdp(ShardingStrategy.HYBRID_SHARD, device_mesh=(2, 2)), HALVES),
+    (
+        "fsdp",
+        fs.hsdp("r", "s", reshard_after_forward=False),
+        _fsdp(ShardingStrategy._HYBRID_SHARD_ZERO2, device_mesh=(2, 2)),
+        HALVES,
+    ),
+    ("fsdp", fs.fsdp() + fs.offload(grads=False), "this plan offloads only params and optimizer"),
+    (
+        "fsdp",
+        fs.fsdp() + fs.checkpointing(Block, policy="selective"),
+        "checkpoint_policy 'selective': FSDPStrategy recomputes whole modules",
+    ),
+    (
+        "fsdp",
+        fs.fsdp(units=[("norm", "lm_head")]),
+        "FSDP units of several modules [['norm', 'lm_head']]: FSDPStrategy wraps one module per unit",
+    ),
+    ("fsdp", fs.zero(1), "no Lightning strategy 'fsdp' for a 'zero1' plan"),
+    # ddp: DDPStrategy takes none of the options
+    ("ddp", fs.replicate() + fs.checkpointing(Block), "this plan sets checkpointed."),
+    ("ddp", fs.replicate() + fs.mixed_precision(torch.bfloat16), "this plan sets param_dtype, reduce_dtype."),
+    ("ddp", fs.replicate() + fs.offload(), "this plan sets offload."),
+    # model_parallel: the LightningModule's configure_model runs fs.apply(plan), which applies every option
+    (
+        "model_parallel",
+        fs.fsdp("dp")
+        + fs.tp(fs.rules.llama, "tp")
+        + fs.mixed_precision(torch.bfloat16)
+        + fs.checkpointing(Block),
+        lambda strategy: isinstance(strategy, ModelParallelStrategy),
+        SQUARE,
+    ),
+    (
+        "model_parallel",
+        fs.pipeline("pp", microbatches=2) + fs.fsdp("dp"),
+        "the plan runs pipeline parallel",
+        fs.Mesh(pp=2, dp=2),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("target", "policy", "expected", "mesh"), [(*row, None)[:4] for row in OPTIONS], ids=range(len(OPTIONS))
+)
+def test_every_plan_option_is_carried_or_refused_by_name(target, policy, expected, mesh):
+    the_plan = plan(policy, mesh)
+    if isinstance(expected, str):
+        with pytest.raises(fs.ShardingError, match=re.escape(expected)):
+            to_lightning(the_plan, MODEL, target=target)
+    elif target == "deepspeed":
+        assert expected(deepspeed_config(the_plan))
+    else:
+        assert expected(to_lightning(the_plan, MODEL, target=target))
