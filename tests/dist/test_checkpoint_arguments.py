@@ -37,6 +37,12 @@ def parallel_model(seed: int = 0) -> torch.nn.Module:
             lambda m, path: fs.checkpoint.load(path, m, data=[1, 2]),
             "load(data=list): a ResumableLoader or ResumableSampler",
         ),
+        # before: a truthy "no" trusted the checkpoint's pickled objects, which can run code
+        (lambda m, path: fs.checkpoint.load(path, m, trust="no"), "load(trust=str): a bool (True rebuilds"),
+        (
+            lambda m, path: fs.checkpoint.convert(path, path.parent / "ckpt.pt", trust="no"),
+            "convert(trust=str): a bool (True rebuilds",
+        ),
         (
             lambda m, path: fs.checkpoint.save(path, m, extra=(lambda d: d.update(me=d) or d)({})),
             "fs.checkpoint.save: extra['me'] is a dict that holds itself",
@@ -54,6 +60,8 @@ def parallel_model(seed: int = 0) -> torch.nn.Module:
         "save-optimizer",
         "save-extra",
         "load-data",
+        "load-trust",
+        "convert-trust",
         "looped-extra",
         "foreign-optimizer",
     ],

@@ -279,7 +279,8 @@ def load(
 
     Raises:
         ShardingError: no checkpoint at ``path``; one that is damaged, holds code, or does not fit
-            the module; ``data`` given and no data order saved, or one it cannot continue.
+            the module; ``data`` given and no data order saved, or one it cannot continue; ``trust``
+            not a bool.
 
     Examples:
         >>> # extra = fs.checkpoint.load("ckpt", model, optimizer); step = extra["step"]
@@ -287,6 +288,7 @@ def load(
     """
     path = check_path(path, "path")
     _check_module(module, optimizer)
+    _check_trust(trust)
     if data is not None and not callable(getattr(data, "load_state_dict", None)):
         refuse("data", type(data).__name__, "a ResumableLoader or ResumableSampler", meaning=_DATA_MEANING)
     optimizers = {"optimizer": optimizer} if optimizer is not None else {}
@@ -302,6 +304,13 @@ def load(
 
 DATA_ORDER = "data_order"
 _DATA_MEANING = "the run's fs.ResumableSampler or the loader it made"
+
+
+def _check_trust(trust: Any) -> None:
+    # a str ("no", "false" from a config file) is truthy: it would rebuild the objects a file names
+    instance_of(
+        trust, bool, "trust", meaning="True rebuilds any object the checkpoint names, running its code"
+    )
 
 
 def _check_module(module: Any, optimizer: Any) -> None:
@@ -403,7 +412,8 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], *, t
 
     Raises:
         ShardingError: ``source`` does not exist, is damaged, is no checkpoint of a module, or
-            holds code (without ``trust``); ``target`` holds something other than an earlier checkpoint.
+            holds code (without ``trust``); ``target`` holds something other than an earlier checkpoint;
+            ``trust`` not a bool.
 
     Examples:
         >>> # fs.checkpoint.convert("ckpt", "ckpt.pt")   # sharded -> full
@@ -412,6 +422,7 @@ def convert(source: str | os.PathLike[str], target: str | os.PathLike[str], *, t
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     source, target = check_path(source, "source"), check_path(target, "target")
+    _check_trust(trust)
     if not source.exists():
         raise ShardingError(f"no checkpoint at {source}")
     if target.resolve() == source.resolve():
