@@ -24,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functional_shard as fs
+from functional_shard.runtime.checkpoint import api as checkpoint_api
 from functional_shard.runtime.checkpoint.integrity import MANIFEST, seal, write_manifest
 from functional_shard.zoo import Llama
 
@@ -359,3 +360,28 @@ def test_latest_passes_over_files_no_save_sealed(tmp_path):
         torch.save({"model": {"w": torch.ones(2)}}, tmp_path / name)
         os.utime(tmp_path / name, (1_000_000 + age, 1_000_000 + age))
     assert fs.checkpoint.latest(tmp_path) == sealed
+
+
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_latest_passes_over_a_checkpoint_removed_while_it_looks(tmp_path, monkeypatch, kind):
+    """Lightning's ModelCheckpoint (save_top_k) removes older checkpoints while another process
+    looks: one gone between the listing and its turn is passed over, not a FileNotFoundError."""
+    for age, name in enumerate(("step-1", "step-2"), start=1):
+        if kind == "file":
+            torch.save({"model": {"w": torch.zeros(2)}}, tmp_path / name)
+            seal(tmp_path / name)
+        else:
+            (tmp_path / name).mkdir()
+            torch.save({"w": torch.zeros(2)}, tmp_path / name / "__0_0.distcp")
+            write_manifest(tmp_path / name, alone=True)
+        os.utime(tmp_path / name, (1_000_000 + age, 1_000_000 + age))
+    recognised = checkpoint_api.is_ours
+
+    def recognised_then_removed(path: Path) -> bool:
+        ours = recognised(path)
+        if path.name == "step-2":
+            (shutil.rmtree if path.is_dir() else Path.unlink)(path)
+        return ours
+
+    monkeypatch.setattr(checkpoint_api, "is_ours", recognised_then_removed)
+    assert fs.checkpoint.latest(tmp_path) == tmp_path / "step-1"

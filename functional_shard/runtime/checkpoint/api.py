@@ -383,23 +383,33 @@ def latest(directory: str | os.PathLike[str]) -> Path | None:
     directory = check_path(directory, "directory")
     if not directory.is_dir():
         raise ShardingError(f"fs.checkpoint.latest: {directory} is not a folder of checkpoints")
-    candidates = sorted(
-        # a save renames only what it sealed: an unsealed file is no save's (a crash's leftover,
-        # another tool's torch.save), and was never whole as a checkpoint
-        (entry for entry in directory.iterdir() if ".tmp-" not in entry.name and is_ours(entry)),
-        key=lambda entry: entry.stat().st_mtime_ns,
-        reverse=True,
-    )
-    for candidate in candidates:
-        if candidate.is_dir():
-            whole = not (candidate / MANIFEST).exists() or not manifest_problems(
-                candidate, alone=True, digests=False
-            )  # a folder without a manifest has nothing to compare
-        else:
-            whole = not seal_problems(candidate)
-        if whole:
+    # another process may remove a checkpoint while this looks (Lightning's ModelCheckpoint with
+    # save_top_k): one gone is passed over
+    listed = (e for e in directory.iterdir() if ".tmp-" not in e.name)
+    modified = {e: t for e in listed if (t := _modified_if_ours(e)) is not None}  # 0 is a time
+    for candidate in sorted(modified, key=modified.__getitem__, reverse=True):
+        if _whole(candidate):
             return candidate
     return None
+
+
+def _modified_if_ours(entry: Path) -> int | None:
+    # a save renames only what it sealed: an unsealed file is no save's (a crash's leftover,
+    # another tool's torch.save), and was never whole as a checkpoint
+    try:
+        return entry.stat().st_mtime_ns if is_ours(entry) else None
+    except FileNotFoundError:
+        return None
+
+
+def _whole(candidate: Path) -> bool:
+    try:
+        if candidate.is_dir():  # a folder without a manifest has nothing to compare
+            manifest = candidate / MANIFEST
+            return not manifest.exists() or not manifest_problems(candidate, alone=True, digests=False)
+        return not seal_problems(candidate)
+    except FileNotFoundError:
+        return False
 
 
 @entry_point
