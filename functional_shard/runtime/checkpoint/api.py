@@ -279,7 +279,8 @@ def load(
 
     Raises:
         ShardingError: no checkpoint at ``path``; one that is damaged, holds code, or does not fit
-            the module; ``data`` given and no data order saved, or one it cannot continue; ``trust``
+            the module; one whose optimizer state another kind of optimizer saved (other keys per
+            parameter); ``data`` given and no data order saved, or one it cannot continue; ``trust``
             not a bool.
 
     Examples:
