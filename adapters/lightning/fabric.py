@@ -169,8 +169,17 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
 
         A folder with one file per rank, or (``save_distributed_checkpoint=False``) one file.
         """
-        if storage_options is not None or filter is not None:
-            raise fs.ShardingError("FabricShardStrategy.save_checkpoint takes no storage_options or filter")
+        if storage_options is not None:
+            raise fs.ShardingError(
+                "FabricShardStrategy.save_checkpoint takes no storage_options: it writes through torch's "
+                "distributed checkpoint, not a CheckpointIO plugin; drop storage_options"
+            )
+        if filter is not None:
+            raise fs.ShardingError(
+                "FabricShardStrategy.save_checkpoint takes no filter: the module and its optimizers are "
+                "saved whole, to load under any plan; drop filter= (fabric.load(path, state) loads what "
+                "state holds and returns the rest)"
+            )
         module_key, module = _the_module(state)
         full = not self._save_distributed_checkpoint
         tensors: dict[str, Any] = {module_key: fs.checkpoint.model_state(module, full=full)}

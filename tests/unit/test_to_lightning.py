@@ -392,3 +392,27 @@ def test_every_plan_option_is_carried_or_refused_by_name(target, policy, expecte
         assert expected(deepspeed_config(the_plan))
     else:
         assert expected(to_lightning(the_plan, MODEL, target=target))
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        # before: "takes no storage_options or filter", without what to do instead
+        (
+            {"storage_options": {}},
+            "takes no storage_options: it writes through torch's distributed checkpoint",
+        ),
+        (
+            {"filter": {"model": lambda k, v: True}},
+            "takes no filter: the module and its optimizers are saved whole",
+        ),
+    ],
+    ids=["storage_options", "filter"],
+)
+def test_fabric_save_checkpoint_refuses_an_option_it_does_not_take_with_the_fix(tmp_path, option, message):
+    from functional_shard.adapters.lightning import FabricShardStrategy
+
+    strategy = FabricShardStrategy(fs.fsdp("dp"), mesh=fs.Mesh(dp=1))
+    with pytest.raises(fs.ShardingError, match=re.escape(message) + ".*; drop "):
+        strategy.save_checkpoint(tmp_path / "ckpt", {}, **option)
+    assert not (tmp_path / "ckpt").exists()
