@@ -318,7 +318,12 @@ def _check_arguments(seq_len: Any, long: Any, pad_id: Any) -> None:
     )
     # the padding is a model input the embedding reads, not a label: -100 and the like belong
     # in labels (IGNORE_INDEX), which pack sets under the padding itself
-    non_negative_int(pad_id, "pad_id", meaning="the token id of the padding; token ids count from 0")
+    meaning = "the token id of the padding; token ids count from 0"
+    if non_negative_int(pad_id, "pad_id", meaning=meaning) > _LARGEST_ID:
+        refuse("pad_id", repr(pad_id), f"an int of at most {_LARGEST_ID}, the largest int64", meaning=meaning)
+
+
+_LARGEST_ID = torch.iinfo(torch.long).max
 
 
 def _documents(documents: Any, seq_len: int) -> list[torch.Tensor]:

@@ -153,6 +153,13 @@ def test_pack_by_hand_labels_and_ids():
             {"seq_len": 4, "pad_id": -100},
             "pack(pad_id=-100): an int of at least 0 (the token id of the padding; token ids count from 0)",
         ),
+        # before: a raw OverflowError from torch.full
+        (
+            [[1]],
+            {"seq_len": 4, "pad_id": 2**63},
+            "pack(pad_id=9223372036854775808): an int of at most 9223372036854775807, the largest int64 "
+            "(the token id of the padding",
+        ),
         ([], {"seq_len": 4}, "pack(seq_len=4): no documents to pack"),
         ("abc", {"seq_len": 4}, "pack(documents=str): pass a sequence of documents"),
         (
