@@ -167,6 +167,12 @@ def test_a_file_cut_short_after_its_header_was_read_is_refused_by_file_and_tenso
         # before: "no" was truthy, so pickles (which can run code) were trusted
         ({"trust": "no"}, "load_hf(trust=str): a bool (True reads pickled"),
         ({"root": None}, "load_hf(root=NoneType): a str (the name of the submodule"),
+        # before: "mapping: a int" under "does not fit the model", as if the folder were wrong
+        (
+            {"mapping": 5},
+            "load_hf(mapping=int): a dict of folder patterns to model names, a function of a folder key, "
+            "or None (None reads the folder's own names)",
+        ),
     ],
 )
 def test_trust_and_root_of_another_type_are_refused_by_name(folder, options, message):

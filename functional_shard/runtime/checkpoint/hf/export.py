@@ -52,7 +52,7 @@ from .folder import (
     write_index,
     write_shard,
 )
-from .names import Mapping_, name_map, piece_of_whole, reverse_map
+from .names import Mapping_, checked_mapping, name_map, piece_of_whole, reverse_map
 
 __all__ = ["HfConversion", "convert_to_hf", "export_hf"]
 
@@ -123,7 +123,8 @@ def export_hf(
 
     Raises:
         ShardingError: no config; a config whose model does not match this one (names, shapes,
-            ties); a path that is not an earlier export. On every rank, before anything is written.
+            ties); a path that is not an earlier export; ``mapping`` not a dict, function or None. On
+            every rank, before anything is written.
 
     Examples:
         >>> # fs.checkpoint.export_hf("out/llama-hf", model)    # on every rank, after training
@@ -133,6 +134,7 @@ def export_hf(
     instance_of(model, nn.Module, "model", meaning="the model fs.apply parallelized")
     if max_shard_bytes is not None:
         positive_int(max_shard_bytes, "max_shard_bytes", meaning="bytes per file, or None for one file")
+    checked_mapping(mapping)
     hf = hf_config(config, model)
     expected = expected_tensors(hf, model)
     # this rank's shards, keyed as the model names them

@@ -29,7 +29,7 @@ from functional_shard.runtime.engines.data_parallel import host_params, reduce_w
 from functional_shard.runtime.engines.materialize import allocate, parameter_names
 from functional_shard.runtime.engines.tensor_parallel import packed_window, place_grads_as_params
 
-from .names import Mapping_, Piece, name_map
+from .names import Mapping_, Piece, checked_mapping, name_map
 from .slices import Folder, Index, Source, composed_shape, fill_local, open_folder, quantized
 
 __all__ = ["load_hf"]
@@ -70,8 +70,8 @@ def load_hf(
     Raises:
         ShardingError: the folder does not fit the model (keys, shapes, quantized weights, damaged
             files, pickles without ``trust``), a buffer cannot be restored, ``root`` names no
-            submodule, or ``module``, ``trust`` or ``root`` is not of its type. On every rank, before
-            anything changes.
+            submodule, or ``module``, ``mapping``, ``trust`` or ``root`` is not of its type. On every
+            rank, before anything changes.
 
     Examples:
         >>> # with torch.device("meta"): model = AutoModelForCausalLM.from_config(config)
@@ -85,6 +85,7 @@ def load_hf(
         trust, bool, "trust", meaning="True reads pickled pytorch_model.bin files, which can run code"
     )
     instance_of(root, str, "root", meaning="the name of the submodule the plan was applied around, or ''")
+    checked_mapping(mapping)
     model = _submodule(module, root)
     prefix = f"{root}." if root else ""
     applied = APPLIED.get(module)

@@ -21,11 +21,13 @@ import torch
 from torch import nn
 
 from functional_shard.core.errors import ShardingError
+from functional_shard.core.validate import refuse
 
 __all__ = [
     "NameMap",
     "Piece",
     "Target",
+    "checked_mapping",
     "name_map",
     "piece_of_whole",
     "pattern_map",
@@ -136,6 +138,25 @@ def _candidates(found: Any, key: str) -> list[Target]:
     )
 
 
+def checked_mapping(mapping: Any) -> Any:
+    """``mapping`` if it is a dict of patterns, a function of a folder key, or None, else refused.
+
+    Examples:
+        >>> checked_mapping(5)
+        Traceback (most recent call last):
+        ...
+        functional_shard.ShardingError: mapping=int: a dict of folder patterns to model names, ...)
+    """
+    if mapping is not None and not isinstance(mapping, Mapping) and not callable(mapping):
+        refuse(
+            "mapping",
+            type(mapping).__name__,
+            "a dict of folder patterns to model names, a function of a folder key, or None",
+            meaning="None reads the folder's own names",
+        )
+    return mapping
+
+
 def name_map(
     mapping: Mapping_ | None, model: nn.Module, held: Collection[str]
 ) -> Callable[[str], Target | None]:
@@ -148,7 +169,7 @@ def name_map(
         held: every tensor name the whole model holds (all pipeline stages).
 
     Raises:
-        ShardingError: ``mapping`` is neither a dict nor a function.
+        ShardingError: ``mapping`` is neither a dict nor a function (`checked_mapping`).
 
     Examples:
         >>> m = name_map(None, nn.Linear(2, 2), {"weight", "bias"})
@@ -159,13 +180,8 @@ def name_map(
         base: NameMap = transformers_map(model, held) if _is_transformers(model) else (lambda key: key)
     elif isinstance(mapping, Mapping):
         base = pattern_map(mapping)
-    elif callable(mapping):
-        base = mapping
     else:
-        raise ShardingError(
-            f"mapping: a {type(mapping).__name__}; give a dict of folder patterns to model names, "
-            "a function of a folder key, or None for the folder's own names"
-        )
+        base = checked_mapping(mapping)
 
     def resolve(key: str) -> Target | None:
         candidates = _candidates(base(key), key)
