@@ -166,6 +166,13 @@ def test_a_split_not_shaped_as_stages_of_module_paths_is_refused(split):
         fs.pipeline("pp", microbatches=2, split=split)
 
 
+def test_a_split_of_another_number_of_stages_is_refused_in_words():
+    # before: "1 stages listed, but the plan has 2"
+    whole = [["embed_tokens", "layers", "norm", "lm_head"]]
+    with pytest.raises(fs.PolicyError, match=re.escape("1 stage listed, but the plan has 2 stages; list")):
+        fs.shard(zoo.llama("tiny"), fs.Mesh(pp=2), fs.pipeline("pp", microbatches=2, split=whole))
+
+
 @pytest.mark.parametrize(
     ("split", "message"),
     [

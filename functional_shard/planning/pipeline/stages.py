@@ -185,7 +185,10 @@ def _checked_split(
 ) -> tuple[tuple[str, ...], ...]:
     given = tuple(tuple(stage) for stage in split)
     if len(given) != stages:
-        raise PolicyError(f"pipeline(split=...): {len(given)} stages listed, but the plan has {stages}")
+        raise PolicyError(
+            f"pipeline(split=...): {counted(len(given), 'stage')} listed, but the plan has "
+            f"{counted(stages, 'stage')}; list the modules of each stage"
+        )
     seen: dict[str, int] = {}
     problems = []
     for index, stage in enumerate(given):
