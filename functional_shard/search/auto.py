@@ -69,7 +69,8 @@ def search_plans(
         An `AutoReport`; ``best`` is None when nothing fits.
 
     Raises:
-        ShardingError: bad devices, batch, budget, hardware or kernels, or no mesh the batch divides.
+        ShardingError: bad devices, batch, budget, hardware or kernels, no mesh the batch divides, or
+            a model with no parameters.
 
     Examples:
         >>> from functional_shard.zoo import llama
@@ -171,7 +172,7 @@ def auto(model: Any, **options: Any) -> Plan:
 
     Raises:
         PlanError: nothing fits; names the closest candidate and how much it misses by.
-        ShardingError: bad devices, batch, budget or hardware.
+        ShardingError: bad devices, batch, budget or hardware, or a model with no parameters.
 
     Examples:
         >>> from functional_shard.zoo import llama

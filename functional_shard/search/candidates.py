@@ -17,6 +17,7 @@ from torch import nn
 from functional_shard.core.errors import PolicyError, one_line
 from functional_shard.core.mesh import Mesh
 from functional_shard.core.tree import ModelTree, read_model
+from functional_shard.core.validate import refuse
 from functional_shard.costing.time.hardware import Hardware
 from functional_shard.planning.policy import builders as policies
 from functional_shard.planning.policy.format import format_policy
@@ -160,6 +161,13 @@ def model_facts(model: Any) -> ModelFacts:
     """
     rules, no_tensor_parallel = tensor_parallel_rules(model)
     tree = read_model(model)
+    if not tree.params:  # every plan of it would be alike: nothing to search
+        refuse(
+            "model",
+            type(model).__name__,
+            "a model with parameters",
+            meaning="the search chooses how to shard parameters; this model has none",
+        )
     experts = expert_count(model, tree)
     patterns = None
     if experts:

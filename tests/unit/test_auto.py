@@ -582,3 +582,12 @@ def test_candidates_over_rules_text_cannot_name_still_show_their_whole_policy():
     )
     shown = [(c.mesh, c.policy_text) for c in report.candidates]
     assert len(set(shown)) == len(shown)
+
+
+@pytest.mark.parametrize("model", [torch.nn.Sequential(), torch.nn.ReLU()], ids=["empty", "no-parameters"])
+def test_a_model_with_no_parameters_is_refused_by_name(model):
+    # before: a plan (every candidate alike), where auto(None) was refused
+    with pytest.raises(
+        fs.ShardingError, match=re.escape(f"auto(model={type(model).__name__}): a model with")
+    ):
+        fs.auto(model, devices=4, memory_budget="1GiB", batch=2, seq=16)
