@@ -264,3 +264,35 @@ def test_heads_that_split_evenly_are_runnable():
     """tp=2 keeps whole heads (2 of 4 query heads, 1 of 2 key/value heads per rank)."""
     model = llama("tiny", device="cpu")
     fs.check_runnable(fs.shard(model, fs.Mesh(tp=2), fs.tp(fs.rules.llama, "tp")), model)
+
+
+def test_an_init_that_raises_is_refused_by_module_not_replaced_by_reset_parameters(fake_world):
+    # before: the error was swallowed and nn.Linear's reset_parameters drew in its place
+    fake_world(2)
+    module = nn.Sequential(nn.Linear(4, 4, device="meta"))
+    plan = fs.shard(module, fs.Mesh(dp=2), fs.fsdp())
+    fs.apply(plan, module)
+
+    def init(sub):
+        raise RuntimeError("a typo in init")
+
+    said = "fs.materialize(init=...) raised RuntimeError: a typo in init on 0 (Linear), on meta tensors"
+    with pytest.raises(fs.ShardingError, match=re.escape(said)) as raised:
+        fs.materialize(plan, module, init=init)
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    assert module[0].weight.is_meta
+
+
+def test_an_init_that_leaves_a_module_alone_falls_back_to_its_own_initialiser(one_rank):
+    module = nn.Sequential(nn.Linear(4, 4, device="meta"), nn.LayerNorm(4, device="meta"))
+    plan = fs.shard(module, fs.Mesh(dp=1), fs.fsdp())
+    fs.apply(plan, module)
+
+    def init(sub):  # Linear layers only: the LayerNorm takes its reset_parameters (ones, zeros)
+        if isinstance(sub, nn.Linear):
+            nn.init.constant_(sub.weight, 0.5)
+            nn.init.zeros_(sub.bias)
+
+    fs.materialize(plan, module, init=init)
+    assert torch.equal(module[0].weight.full_tensor(), torch.full((4, 4), 0.5))
+    assert torch.equal(module[1].weight.full_tensor(), torch.ones(4))

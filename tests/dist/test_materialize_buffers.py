@@ -109,8 +109,8 @@ def test_a_parent_s_hf_init_setting_its_child_s_parameter_is_seen_on_meta():
         block = Block()
     before = dict(block.named_parameters())
     state = torch.get_rng_state()
-    assert sets(scale_proj, block) == (frozenset(), "")
-    assert sets(scale_proj, block, below=True) == (frozenset({"proj.weight"}), "")
+    assert sets(scale_proj, block) == (frozenset(), None)
+    assert sets(scale_proj, block, below=True) == (frozenset({"proj.weight"}), None)
     assert dict(block.named_parameters()) == before
     assert torch.equal(torch.get_rng_state(), state)
 

@@ -32,6 +32,7 @@ __all__ = [
     "join_path",
     "meta_buffers",
     "restore_buffers",
+    "said",
     "sets",
 ]
 
@@ -162,8 +163,8 @@ def hf_initialiser(hf_model: nn.Module | None) -> tuple[str, Initialiser] | None
     return None if run is None else (getattr(run, "__qualname__", "_init_weights"), run)
 
 
-def sets(run: Initialiser, sub: nn.Module, *, below: bool = False) -> tuple[frozenset[str], str]:
-    """What ``run(sub)`` sets on meta stand-ins, by path under ``sub``, and its error ("" if none).
+def sets(run: Initialiser, sub: nn.Module, *, below: bool = False) -> tuple[frozenset[str], Exception | None]:
+    """What ``run(sub)`` sets on meta stand-ins, by path under ``sub``, and what it raised (or None).
 
     ``sub``'s own parameters and buffers; with ``below``, its descendants' parameters too (their
     buffers stand by on meta, unreported): a Hugging Face ``_init_weights`` may set a child's
@@ -185,7 +186,7 @@ def sets(run: Initialiser, sub: nn.Module, *, below: bool = False) -> tuple[froz
                 if not path:
                     stand_ins[name] = (owner._buffers, name, buffer_stand_in)
     versions = {label: tensor._version for label, (_, _, tensor) in stand_ins.items()}
-    error = ""
+    error: Exception | None = None
     try:
         # a dry run: whatever an initialiser raises on meta tensors (an .item(), say), it sets
         # nothing we can see; the error goes into the refusal if nothing else sets the tensor
@@ -193,7 +194,7 @@ def sets(run: Initialiser, sub: nn.Module, *, below: bool = False) -> tuple[froz
             with torch.no_grad():
                 run(sub)
         except Exception as raised:
-            error = f"{type(raised).__name__}: {raised}"
+            error = raised
         after = {label: table.get(name) for label, (table, name, _) in stand_ins.items()}
     finally:
         for path, owner in owners.items():
@@ -205,6 +206,11 @@ def sets(run: Initialiser, sub: nn.Module, *, below: bool = False) -> tuple[froz
         if tensor._version != versions[label] or (replaced is not None and replaced is not tensor):
             written.add(label)
     return frozenset(written), error
+
+
+def said(error: BaseException) -> str:
+    """An error as a refusal quotes it: its class and message."""
+    return f"{type(error).__name__}: {error}"
 
 
 def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
@@ -234,7 +240,7 @@ def _recipes(module: nn.Module, paths: Iterable[str], init: Initialiser | None) 
         left, runs, tried = list(names), [], []
         for label, run in initialisers(owner, hf.get(owner_path), init):
             written, error = sets(run, owner)
-            tried.append(f"{label} (raised {error})" if error else label)
+            tried.append(f"{label} (raised {said(error)})" if error else label)
             if got := tuple(n for n in left if n in written):
                 runs.append((run, got))
                 left = [n for n in left if n not in written]

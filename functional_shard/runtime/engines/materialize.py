@@ -26,6 +26,7 @@ from .buffers import (
     join_path,
     meta_buffers,
     restore_buffers,
+    said,
     sets,
 )
 from .data_parallel import host_params, reduce_whole_grads
@@ -63,9 +64,9 @@ def materialize(
 
     Raises:
         ShardingError: ``device`` is not a device this machine has, ``seed`` not a torch seed,
-            ``init`` not a function, or the module was not applied with this plan; or, before
-            anything changes, parameters or meta buffers that nothing initialises, or real
-            parameters beside meta ones.
+            ``init`` not a function (or raising on a module), or the module was not applied with
+            this plan; or, before anything changes, parameters or meta buffers that nothing
+            initialises, or real parameters beside meta ones.
 
     Examples:
         >>> # with torch.device("meta"): model = transformers.LlamaForCausalLM(config)
@@ -169,7 +170,7 @@ def _steps(module: nn.Module, init: Initialiser | None) -> tuple[list[_Step], di
     hf = hf_models(module)
     modules = dict(module.named_modules())
     hf_runs = {path: found for path in modules if init is None and (found := hf_initialiser(hf[path]))}
-    hf_sets: dict[str, tuple[frozenset[str], str]] = {}
+    hf_sets: dict[str, tuple[frozenset[str], Exception | None]] = {}
     below: dict[str, tuple[str, ...]] = {}
     last_writer: dict[str, str] = {}
     for path, (_, run) in hf_runs.items():  # module order: an ancestor before its descendants
@@ -191,16 +192,23 @@ def _steps(module: nn.Module, init: Initialiser | None) -> tuple[list[_Step], di
         unset = []
         for label, run in initialisers(sub, hf[path], init):
             if label == "reset_parameters":  # torch's contract: it sets every parameter of its own
-                written, error = frozenset(direct), ""
+                written, error = frozenset(direct), None
             elif path in hf_sets and label == hf_runs[path][0]:
                 written, error = hf_sets[path]
             else:  # a Hugging Face _init_weights passes over modules it does not know
                 written, error = sets(run, sub)
+            if label == "init" and error is not None:  # the user's bug, not a module init passes over
+                raise ShardingError(
+                    f"fs.materialize(init=...) raised {said(error)} on {path or '<root>'} "
+                    f"({class_name(sub)}), on meta tensors (a dry run that finds what it sets); nothing "
+                    "changed. Fix init, or let it return without setting a module it does not handle "
+                    "(its own initialiser then runs)"
+                ) from error
             if direct <= written | from_above:
                 chosen[path] = run
                 break
             missing = ", ".join(sorted(direct - written - from_above))
-            unset.append(f"{label} raised {error}" if error else f"{label} leaves {missing} unset")
+            unset.append(f"{label} raised {said(error)}" if error else f"{label} leaves {missing} unset")
         else:
             if direct <= from_above:  # its ancestors set them all: nothing to draw before them
                 chosen[path] = _sets_nothing
