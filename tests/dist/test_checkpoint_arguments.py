@@ -43,6 +43,10 @@ def parallel_model(seed: int = 0) -> torch.nn.Module:
             lambda m, path: fs.checkpoint.convert(path, path.parent / "ckpt.pt", trust="no"),
             "convert(trust=str): a bool (True rebuilds",
         ),
+        # before: "no" was truthy, and asynchronous="no" started a save nobody waited on
+        (lambda m, path: fs.checkpoint.save(path, m, full="no"), "save(full=str): a bool"),
+        (lambda m, path: fs.checkpoint.save(path, m, asynchronous="no"), "save(asynchronous=str): a bool"),
+        (lambda m, path: fs.checkpoint.load(path, m, strict="no"), "load(strict=str): a bool"),
         (
             lambda m, path: fs.checkpoint.save(path, m, extra=(lambda d: d.update(me=d) or d)({})),
             "fs.checkpoint.save: extra['me'] is a dict that holds itself",
@@ -62,6 +66,9 @@ def parallel_model(seed: int = 0) -> torch.nn.Module:
         "load-data",
         "load-trust",
         "convert-trust",
+        "save-full",
+        "save-asynchronous",
+        "load-strict",
         "looped-extra",
         "foreign-optimizer",
     ],

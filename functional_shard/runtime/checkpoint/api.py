@@ -215,6 +215,8 @@ def save(
         >>> # fs.checkpoint.save("ckpt", model, optimizer, data=loader)   # a fs.ResumableSampler's loader
     """
     _check_module(module, optimizer)
+    for name, flag in (("full", full), ("asynchronous", asynchronous)):
+        instance_of(flag, bool, name)  # a str such as "no" is truthy
     if extra is not None:
         instance_of(extra, dict, "extra", meaning="plain values by name, as {'step': 10}")
     extra = _with_data_order(extra, data)
@@ -290,6 +292,7 @@ def load(
     path = check_path(path, "path")
     _check_module(module, optimizer)
     _check_trust(trust)
+    instance_of(strict, bool, "strict")
     if data is not None and not callable(getattr(data, "load_state_dict", None)):
         refuse("data", type(data).__name__, "a ResumableLoader or ResumableSampler", meaning=_DATA_MEANING)
     optimizers = {"optimizer": optimizer} if optimizer is not None else {}
