@@ -18,6 +18,7 @@ bytes change. Run alone to draw it and print the graph:
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import math
 import pathlib
@@ -92,10 +93,20 @@ def read_modules(root: pathlib.Path = ROOT) -> dict[str, Module]:
             name = ".".join((package, *parts))
             layer, label = _place(name)
             text = path.read_text()
-            tree = ast.parse(text)
-            summary = (ast.get_docstring(tree) or "").split("\n")[0].replace("``", "").replace("`", "")
+            docstring = ast.get_docstring(_parsed(text)[0]) or ""
+            summary = docstring.split("\n")[0].replace("``", "").replace("`", "")
             modules[name] = Module(name, path, layer, label, len(text.splitlines()), summary)
     return modules
+
+
+@functools.lru_cache(maxsize=512)  # bounded: ``mkdocs serve`` adds an entry per edit
+def _parsed(text: str) -> tuple[ast.Module, tuple[ast.AST, ...]]:
+    """A module's tree and every node in it, parsed once however often the picture asks.
+
+    Keyed by the text, not the path: under ``mkdocs serve`` an edited file is parsed anew.
+    """
+    tree = ast.parse(text)
+    return tree, tuple(ast.walk(tree))
 
 
 def _place(name: str) -> tuple[str, str]:
@@ -113,13 +124,13 @@ def is_note(module: Module) -> bool:
     """A package ``__init__`` that holds only its docstring: a folder's note, not a box."""
     if module.path.name != "__init__.py":
         return False
-    body = ast.parse(module.path.read_text()).body
+    body = _parsed(module.path.read_text())[0].body
     return all(isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) for node in body)
 
 
 def exports(modules: dict[str, Module]) -> dict[str, str]:
     """The façade's PEP 562 table (`_EXPORTS`, a literal): name -> the module it loads."""
-    for node in ast.walk(ast.parse(modules[PACKAGE].path.read_text())):
+    for node in _parsed(modules[PACKAGE].path.read_text())[1]:
         if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "_EXPORTS":
             table = ast.literal_eval(node.value)
             return {name: f"{PACKAGE}.{module}" for name, (module, _) in table.items()}
@@ -142,10 +153,10 @@ def _references(
     module: Module, modules: dict[str, Module], exported: dict[str, str]
 ) -> tuple[set[str], dict[str, str]]:
     """What ``module`` imports by name, and what it reaches through the façade (module -> fs.name)."""
-    tree = ast.parse(module.path.read_text())
+    nodes = _parsed(module.path.read_text())[1]
     package = module.name if module.path.name == "__init__.py" else module.name.rpartition(".")[0]
     facades, targets, through = set(), set(), {}
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.Import):
             targets.update(alias.name for alias in node.names)
             facades.update(alias.asname or PACKAGE for alias in node.names if alias.name == PACKAGE)
@@ -159,7 +170,7 @@ def _references(
                     targets.add(f"{base}.{alias.name}")
                 else:
                     targets.add(exported.get(alias.name, base) if base == PACKAGE else base)
-    for node in ast.walk(tree):  # fs.apply where `import functional_shard as fs`
+    for node in nodes:  # fs.apply where `import functional_shard as fs`
         if (
             isinstance(node, ast.Attribute)
             and getattr(node.value, "id", None) in facades
