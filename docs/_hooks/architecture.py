@@ -129,11 +129,15 @@ def is_note(module: Module) -> bool:
 
 
 def exports(modules: dict[str, Module]) -> dict[str, str]:
-    """The façade's PEP 562 table (`_EXPORTS`, a literal): name -> the module it loads."""
+    """The façade's one list (`_DEFINITIONS`, a literal): public name -> the module it loads."""
     for node in _parsed(modules[PACKAGE].path.read_text())[1]:
-        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "_EXPORTS":
-            table = ast.literal_eval(node.value)
-            return {name: f"{PACKAGE}.{module}" for name, (module, _) in table.items()}
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "_DEFINITIONS":
+            found = {}
+            for module, names in ast.literal_eval(node.value).items():
+                for defined, _, given in (name.partition(" as ") for name in names):
+                    whole = f"{PACKAGE}.{module}.{defined}"  # a submodule given whole (fs.checkpoint)
+                    found[given or defined] = whole if whole in modules else f"{PACKAGE}.{module}"
+            return found
     return {}
 
 

@@ -46,8 +46,7 @@ def test_the_reader_sees_every_kind_of_import_and_every_layer(hook, tmp_path):
         {
             "functional_shard/__init__.py": (
                 '"""The façade."""\n'
-                "_EXPORTS: dict = {'thing': ('planning.thing', 'thing'),\n"
-                "    '_work': ('planning.thing', 'work')}\n"
+                "_DEFINITIONS: dict = {'planning.thing': ('thing', 'work as _work')}\n"
             ),
             "functional_shard/core/__init__.py": '"""The vocabulary: a note, not a box."""\n',
             "functional_shard/core/words.py": "",

@@ -1,5 +1,5 @@
-"""The façade: one list of public names (`_EXPORTS` in ``functional_shard/__init__.py``), each
-pointing at the module that defines it, and what type checkers read (``__init__.pyi``)
+"""The façade: one list of public names (`_DEFINITIONS` in ``functional_shard/__init__.py``), each
+under the module that defines it, and what type checkers read (``__init__.pyi``)
 written from that list.
 
 Run this file to write the stub again after changing the list:
@@ -22,8 +22,8 @@ ROOT = pathlib.Path(__file__).parents[2]
 STUB = ROOT / "functional_shard" / "__init__.pyi"
 HEADER = (
     '"""What `import functional_shard` exports, for type checkers, IDEs and the API docs.\n\n'
-    "Written from `_EXPORTS` in ``__init__.py`` (the one list) by ``python3 tests/unit/test_facade.py``;\n"
-    "tests/unit/test_facade.py fails when the two differ. Do not edit by hand.\n"
+    "Written from `_DEFINITIONS` in ``__init__.py`` (the one list) by\n"
+    "``python3 tests/unit/test_facade.py``, which fails when the two differ. Do not edit by hand.\n"
     '"""\n\n'
 )
 
@@ -36,7 +36,7 @@ def _member_key(name: str) -> tuple[int, str]:
     return kind, name.lower()
 
 
-def stub_text(exports: dict[str, tuple[str, str | None]]) -> str:
+def stub_text(exports: dict[str, tuple[str, str]]) -> str:
     """The stub for ``exports``: one ``from .module import name as name`` line per name.
 
     A private name (``_visualize``, for a method whose work lives above) is imported under a
@@ -46,13 +46,11 @@ def stub_text(exports: dict[str, tuple[str, str | None]]) -> str:
     lines, private = [], []
     for name, (module, attribute) in exports.items():
         alias = f"{name}_definition" if name.startswith("_") else name
-        if attribute is None:
-            module, _, attribute = module.rpartition(".")
         lines.append((module, _member_key(attribute), f"from .{module} import {attribute} as {alias}"))
         if alias != name:
             private.append(f"{name} = {alias}\n")
     imports = "\n".join(line for *_, line in sorted(lines))
-    names = "\n".join(f'    "{name}",' for name in exports if not name.startswith("_"))
+    names = "\n".join(f'    "{name}",' for name in sorted(exports) if not name.startswith("_"))
     bound = "".join(f"\n{PRIVATE}\n{''.join(private)}" if private else "")
     return f"{HEADER}{imports}\n{bound}\n__version__: str\n\n__all__ = [\n{names}\n]\n"
 
@@ -68,7 +66,7 @@ def test_runtime_and_type_checkers_see_the_same_names():
     assert {name for name in imported if not name.endswith("_definition")} | bound == set(fs._EXPORTS) | {
         "__all__"
     }
-    assert fs.__all__ == [name for name in fs._EXPORTS if not name.startswith("_")]
+    assert fs.__all__ == sorted(name for name in fs._EXPORTS if not name.startswith("_"))
     assert set(dir(fs)) >= set(fs.__all__)
     # the façade defines nothing public of its own but its version
     source = ast.parse(pathlib.Path(fs.__file__).read_text())
@@ -96,8 +94,8 @@ def _defines(module: types.ModuleType, name: str) -> bool:
 def test_each_public_name_points_at_its_definition(name):
     module_name, attribute = fs._EXPORTS[name]
     value = getattr(fs, name)
-    if attribute is None:
-        assert value.__name__ == f"functional_shard.{module_name}"
+    if isinstance(value, types.ModuleType):  # a submodule, given whole (fs.checkpoint)
+        assert value.__name__ == f"functional_shard.{module_name}.{attribute}"
         return
     module = sys.modules[f"functional_shard.{module_name}"]
     assert _defines(module, attribute), f"fs.{name}: {module.__name__} re-exports it; point at its definition"
