@@ -109,6 +109,13 @@ def crash_and_compare(tmp_path: pathlib.Path, plan: tuple[str, ...], crash: str,
     )
     code, out, err = finish(straight)
     assert code == 0, out + err
+    # the uninterrupted run is also the default suite's torchrun job (test_torchrun.py's own: slow):
+    # the plan from the command line, printed, and the example's counting task learnt, quietly
+    assert "Plan on Mesh(" in out, out
+    learnt = losses(out)
+    assert sorted(learnt) == list(range(1, steps + 1)), out
+    assert learnt[steps] < learnt[1] - 0.3, learnt
+    assert "Warning" not in err, err
     crashed_code, crashed_out, crashed_err = finish(crashing)
     assert crashed_code == 0, crashed_out + crashed_err
     assert (tmp_path / "crashed-run" / "struck").exists()  # the kill happened

@@ -30,6 +30,7 @@ def torchrun(*args: str, processes: int = 4) -> subprocess.CompletedProcess[str]
     )
 
 
+@pytest.mark.slow  # by default, test_crash.py's uninterrupted run is this job on 2 ranks
 def test_a_plan_from_the_command_line_trains_under_torchrun():
     result = torchrun("--mesh", "dp=2,tp=2", "--policy", "fsdp(dp) + tp(llama, tp)", "--steps", "4")
     assert result.returncode == 0, result.stdout + result.stderr

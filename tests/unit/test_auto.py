@@ -377,7 +377,7 @@ def _moe(kind: str) -> nn.Module:
         return transformers.AutoModelForCausalLM.from_config(config)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
 def test_a_mixture_of_experts_model_gets_tp_inside_its_experts_and_ep_plans(kind):
     model = _moe(kind)
     assert rules.for_model(model).match("model.layers.0.mlp.experts.gate_up_proj").target == "packed_colwise"
