@@ -12,7 +12,7 @@ the loader hands out each step's rows as one `PackedBatch` (`functional_shard.co
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -122,30 +122,32 @@ class DataOrder:
 
 
 # the least value of each count a data order or a sampler state holds (None: any whole number)
-_LEAST = {"dataset_len": 1, "global_batch": 1, "seed": None, "epoch": 0, "consumed": 0, "steps": 0}
+# each value's check: the validators every public entry point shares
+_CHECKS: dict[str, Callable[[Any, str], Any]] = {
+    "dataset_len": positive_int,
+    "global_batch": positive_int,
+    "seed": torch_seed,
+    "shuffle": lambda value, name: instance_of(value, bool, name),
+    "epoch": non_negative_int,
+    "consumed": non_negative_int,
+    "steps": non_negative_int,
+}
 # how many distinct generators torch's seeds give
 _SEED_SPAN = 2**64
 
 
 def _value_problems(values: dict[str, Any]) -> list[str]:
-    """What in ``values`` (a `DataOrder`'s fields, or a sampler state) is not a value of its kind."""
-    found = [
-        f"{key}={values[key]!r}: a whole number{'' if at_least is None else f' of at least {at_least}'}"
-        for key, at_least in _LEAST.items()
-        if key in values
-        and (
-            isinstance(values[key], bool)
-            or not isinstance(values[key], int)
-            or (at_least is not None and values[key] < at_least)
-        )
-    ]
-    if not found and "seed" in values:
-        try:
-            torch_seed(values["seed"], "seed")
-        except ShardingError as problem:
-            found.append(str(problem))
-    if "shuffle" in values and not isinstance(values["shuffle"], bool):
-        found.append(f"shuffle={values['shuffle']!r}: True or False")
+    """What in ``values`` (a `DataOrder`'s fields, or a sampler state) is not a value of its kind.
+
+    Every problem is said, not the first alone: a state edited by hand may have several.
+    """
+    found = []
+    for key, check in _CHECKS.items():
+        if key in values:
+            try:
+                check(values[key], key)
+            except ShardingError as problem:
+                found.append(str(problem))
     if not found and "consumed" in values and values["consumed"] % values["global_batch"]:
         batch = values["global_batch"]
         found.append(f"consumed={values['consumed']}: a whole number of global batches of {batch} samples")

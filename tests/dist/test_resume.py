@@ -135,11 +135,11 @@ def test_a_plan_of_another_kind_is_refused_by_name():
 @pytest.mark.parametrize(
     ("key", "value", "says"),
     [
-        ("consumed", -6, "consumed=-6: a whole number of at least 0"),
+        ("consumed", -6, "consumed=-6: an int of at least 0"),
         ("consumed", 5, "consumed=5: a whole number of global batches of 6 samples"),
-        ("epoch", "2", "epoch='2': a whole number of at least 0"),
-        ("shuffle", 1, "shuffle=1: True or False"),
-        ("global_batch", 0, "global_batch=0: a whole number of at least 1"),
+        ("epoch", "2", "epoch='2': an int of at least 0"),
+        ("shuffle", 1, "shuffle=int: a bool"),
+        ("global_batch", 0, "global_batch=0: a positive int"),
     ],
 )
 def test_a_sampler_state_edited_by_hand_is_refused_by_its_value_and_changes_nothing(key, value, says):
@@ -152,7 +152,7 @@ def test_a_sampler_state_edited_by_hand_is_refused_by_its_value_and_changes_noth
 
 
 @pytest.mark.parametrize(
-    ("options", "says"), [({"seed": "x"}, "seed='x'"), ({"shuffle": "yes"}, "shuffle='yes'")]
+    ("options", "says"), [({"seed": "x"}, "seed='x'"), ({"shuffle": "yes"}, "shuffle=str: a bool")]
 )
 def test_a_seed_or_shuffle_of_another_kind_is_refused(options, says):
     with pytest.raises(fs.ShardingError, match=re.escape(says)):

@@ -80,7 +80,7 @@ def test_set_epoch_refuses_what_is_no_epoch(epoch):
     # before: -1 was taken and saved, then the saved state would not load; the others failed
     # inside torch's generator at the next iteration
     sampler = fs.ResumableSampler(10, batch_size=2)
-    with pytest.raises(fs.ShardingError, match=r"set_epoch: epoch=.*: a whole number of at least 0"):
+    with pytest.raises(fs.ShardingError, match=r"set_epoch: epoch=.*: an int of at least 0"):
         sampler.set_epoch(epoch)
     assert sampler.epoch == 0
 
