@@ -193,6 +193,12 @@ def refused(kind: str, mesh: dict[str, int], policy: str, seq: int) -> str:
     return ""
 
 
+def _scores(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    # made in a helper, where the planner's reading of forward's syntax does not see the product:
+    # the runtime's count of split calls is the net for attention so hidden
+    return query @ key.transpose(-1, -2)
+
+
 class _AttentionByHand(torch.nn.Module):
     """Causal attention computed by hand (softmax of scores), which cp cannot reach."""
 
@@ -204,7 +210,7 @@ class _AttentionByHand(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         query, key, value = self.qkv(self.embed(tokens)).chunk(3, dim=-1)
-        scores = query @ key.transpose(-1, -2)
+        scores = _scores(query, key)
         hidden = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), -torch.inf)
         return self.head(hidden.softmax(-1) @ value)
 
@@ -243,7 +249,7 @@ class _ZooAttentionByHand(Attention):
         )
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = (q @ k.transpose(-1, -2)) * self.head_dim**-0.5
+        scores = _scores(q, k) * self.head_dim**-0.5
         scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), -torch.inf)
         return self.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, -1))
 
