@@ -30,9 +30,6 @@ BATCH = 2  # sequences per data-parallel rank
 
 # tied embeddings, grouped-query attention (4 query heads, 2 key/value heads)
 ZOO = LlamaConfig(128, 32, 64, num_layers=2, num_heads=4, num_kv_heads=2, tie_embeddings=True)
-# the zoo's attention repeats its key/value heads before SDPA, so the engine gathers the
-# repeated ones: traffic is checked on this one (and on Qwen2, whose heads stay grouped)
-ZOO_MHA = LlamaConfig(128, 32, 64, num_layers=2, num_heads=4, num_kv_heads=4, tie_embeddings=True)
 
 
 def build(kind: str) -> torch.nn.Module:
@@ -40,8 +37,6 @@ def build(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "zoo":
         return Llama(ZOO)
-    if kind == "zoo_mha":
-        return Llama(ZOO_MHA)
     if kind == "zoo_untied":  # a pipeline does not keep a tie between stages in step
         return Llama(dataclasses.replace(ZOO, tie_embeddings=False))
     import transformers
@@ -198,6 +193,12 @@ def refused(kind: str, mesh: dict[str, int], policy: str, seq: int) -> str:
     return ""
 
 
+def _scores(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    # made in a helper, where the planner's reading of forward's syntax does not see the product:
+    # the runtime's count of split calls is the net for attention so hidden
+    return query @ key.transpose(-1, -2)
+
+
 class _AttentionByHand(torch.nn.Module):
     """Causal attention computed by hand (softmax of scores), which cp cannot reach."""
 
@@ -209,7 +210,7 @@ class _AttentionByHand(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         query, key, value = self.qkv(self.embed(tokens)).chunk(3, dim=-1)
-        scores = query @ key.transpose(-1, -2)
+        scores = _scores(query, key)
         hidden = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), -torch.inf)
         return self.head(hidden.softmax(-1) @ value)
 
@@ -248,7 +249,7 @@ class _ZooAttentionByHand(Attention):
         )
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = (q @ k.transpose(-1, -2)) * self.head_dim**-0.5
+        scores = _scores(q, k) * self.head_dim**-0.5
         scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), -torch.inf)
         return self.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, -1))
 

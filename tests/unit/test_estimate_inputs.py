@@ -14,6 +14,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F  # noqa: N812
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -251,13 +252,35 @@ def _sliding_window_model() -> torch.nn.Module:
         return transformers.MistralForCausalLM(config)
 
 
+class _AttentionInForward(torch.nn.Module):
+    """Self-attention computed by hand (its projections left out): a softmax of the scores' product."""
+
+    def forward(self, x: torch.Tensor, **_: object) -> torch.Tensor:
+        weights = F.softmax(torch.matmul(x, x.transpose(-1, -2)), dim=-1)
+        return weights @ x
+
+
+def _half_by_hand_model() -> torch.nn.Module:
+    # cp splits layer 0's SDPA call only: layer 1's queries would attend within their rank's
+    # chunks, silently (the runtime counts split calls, and layer 0's made it nonzero)
+    model = llama("tiny")
+    model.layers[1].self_attn = _AttentionInForward()
+    return model
+
+
 @pytest.mark.parametrize(
     ("build", "problem"),
     [
         (_sliding_window_model, "attends within a sliding window"),
         (lambda: torch.nn.Sequential(torch.nn.MultiheadAttention(8, 2)), "0 (MultiheadAttention)"),
+        (
+            _half_by_hand_model,
+            "layers.1.self_attn (_AttentionInForward): computes attention by hand in its forward (a softmax "
+            "of a matmul), which cp cannot reach: its queries would attend within their rank's chunks only; "
+            "call F.scaled_dot_product_attention instead",
+        ),
     ],
-    ids=["sliding-window", "multihead-attention"],
+    ids=["sliding-window", "multihead-attention", "attention-by-hand"],
 )
 def test_estimate_refuses_cp_over_attention_that_apply_refuses(build, problem):
     model = build()
@@ -268,6 +291,28 @@ def test_estimate_refuses_cp_over_attention_that_apply_refuses(build, problem):
     with pytest.raises(fs.PlanError, match="context parallel cannot split") as estimated:
         fs.estimate(model, plan, batch=1, seq=16)
     assert line in str(estimated.value)  # the same words as check_runnable's
+
+
+class _SoftmaxOfWeights(torch.nn.Module):
+    """A softmax of a product with the module's own weight (a router, a classifier): no attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(8, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = x @ self.weight
+        return torch.softmax(logits, dim=-1) @ self.weight.t()
+
+
+@pytest.mark.parametrize(
+    "build",
+    [lambda: llama("tiny"), _SoftmaxOfWeights, lambda: torch.nn.Sequential(torch.nn.Linear(8, 8))],
+    ids=["zoo", "softmax-of-weights", "torch-modules"],
+)
+def test_attention_through_sdpa_or_no_attention_is_not_refused(build):
+    model = build()
+    fs.check_runnable(fs.shard(model, fs.Mesh(cp=2), fs.fsdp("cp") + fs.cp("cp")), model)
 
 
 def test_auto_names_the_sliding_window_when_only_cp_could_split_the_work():
