@@ -299,6 +299,8 @@ def failing_loss_then_a_step(spec: dict[str, Any], what: str) -> dict[str, Any]:
         refusal = ""
     except fs.ShardingError as error:
         refusal = str(error)
+    except torch.OutOfMemoryError as error:  # raised as it is, never refused
+        refusal = f"{type(error).__name__}: {error}"
     model.zero_grad()
     return {"refusal": refusal, "loss": float(fs.forward_backward(plan, model, lm_loss)(inputs, targets))}
 

@@ -145,13 +145,6 @@ INPUTS_FAILED = "the pipeline's first stage cannot run a micro-batch of inputs o
             "flat",
             (INPUTS_FAILED + "(4,) and dtype torch.int64; every pp rank stops here: not enough values",),
         ),
-        (
-            "out_of_memory",
-            (
-                INPUTS_FAILED,
-                "here: out of memory (a stand-in). Fix: fewer rows a micro-batch: a smaller batch",
-            ),
-        ),
         # no step: the first stage returned its hidden states as the model's output, the last raised alone
         ("direct", ("the pipelined model was called directly, which runs this rank's stages alone",)),
     ],
@@ -166,6 +159,21 @@ def test_a_step_failing_on_one_stage_is_raised_on_every_rank(worlds, what, messa
     for result in worlds(2).run(pc.failing_loss_then_a_step, spec, what):
         assert all(message in result["refusal"] for message in messages), result["refusal"]
         assert result["loss"] == pytest.approx(one_process, abs=1e-5)  # the pipeline runs on
+
+
+def test_the_first_stage_running_out_of_memory_is_raised_as_it_is_on_every_rank(worlds):
+    # it was refused as inputs the first stage cannot run (a ShardingError): a caller that
+    # handles running out of memory (a smaller batch) never saw it
+    spec = pc.case({"pp": 2}, microbatches=2)
+    tokens = pc.batches(1)[0]
+    one_process = pc.lm_loss(pc.build(spec)(tokens[:, :-1]), tokens[:, 1:]).item()
+    first, last = worlds(2).run(pc.failing_loss_then_a_step, spec, "out_of_memory")
+    assert first["refusal"] == "OutOfMemoryError: out of memory (a stand-in)"
+    assert last["refusal"] == (
+        "OutOfMemoryError: the pipeline's first stage (pp rank 0) ran out of memory on a micro-batch of "
+        "inputs of shape (4, 12); every pp rank stops here: out of memory (a stand-in)"
+    )
+    assert first["loss"] == last["loss"] == pytest.approx(one_process, abs=1e-5)  # the pipeline runs on
 
 
 def test_a_rank_of_two_stages_refuses_the_model_called_directly(worlds):

@@ -37,6 +37,10 @@ from .gradients import gradients_set_aside
 from .stage_forward import ScheduleGate, refuse_direct_calls, run_as_stage
 from .tensor_parallel import apply_tensor_parallel, plain_loss, refuse_uneven_sequences
 
+# what a forward raises when the device (or the host) runs out of memory: raised as it is, on
+# the rank it happened on, never turned into a refusal of the inputs
+OUT_OF_MEMORY = (torch.OutOfMemoryError, MemoryError)
+
 
 class PassThrough(nn.Module):
     """Stands for a module another pipeline stage runs: returns its first input unchanged."""
@@ -273,7 +277,8 @@ def _check_first_stage_takes(
     Inside the schedule the first stage would raise alone, and the other ranks wait for what it
     sends until the process group's timeout. Run once a layout, like the new schedule it needs:
     the first stage's forward on one micro-batch, without gradients or a draw from the random
-    generators the step's forward uses.
+    generators the step's forward uses. Running out of memory is no refusal: the first stage's rank
+    raises its error as it is, the other pp ranks one of its class that names that rank.
     """
     pipeline = pipelined.plan.config.pipeline
     assert pipeline is not None  # (apply_pipeline made it of a plan with one)
@@ -288,28 +293,34 @@ def _check_first_stage_takes(
                 first.submod(one.pop(""), **one)
         except Exception as error:  # any: it is raised on every pp rank below
             failure = error
-    refusal = None
+    source = pipeline.coordinate_of(0, pipelined.plan.mesh)
+    said: tuple[type[BaseException] | None, str] | None = None
     if failure is not None:
-        fix = (
-            "fewer rows a micro-batch: a smaller batch, or more micro-batches"
-            if isinstance(failure, torch.OutOfMemoryError)
-            else "the inputs its forward takes (a language model's: integer token ids, [rows, sequence])"
+        said = (type(failure) if isinstance(failure, OUT_OF_MEMORY) else None, one_line(failure))
+    said = _said_on_every_rank(pipelined, said, source)
+    if said is None:
+        return
+    memory, message = said
+    if memory is not None:
+        if failure is not None:
+            raise failure  # a caller that handles running out of memory (a smaller batch) sees it
+        raise memory(
+            f"the pipeline's first stage (pp rank {source}) ran out of memory on a micro-batch of inputs of "
+            f"shape {tuple(inputs.shape)}; every pp rank stops here: {message}"
         )
-        refusal = (
-            f"the pipeline's first stage cannot run a micro-batch of inputs of shape {tuple(inputs.shape)} "
-            f"and dtype {inputs.dtype}; every pp rank stops here: {one_line(failure)}. Fix: {fix}"
-        )
-    said = _said_on_every_rank(pipelined, refusal, pipeline.coordinate_of(0, pipelined.plan.mesh))
-    if said is not None:
-        raise ShardingError(said) from failure
+    raise ShardingError(
+        f"the pipeline's first stage cannot run a micro-batch of inputs of shape {tuple(inputs.shape)} "
+        f"and dtype {inputs.dtype}; every pp rank stops here: {message}. Fix: the inputs its forward "
+        "takes (a language model's: integer token ids, [rows, sequence])"
+    ) from failure
 
 
-def _said_on_every_rank(pipelined: Pipelined, failure: BaseException | str | None, source: int) -> str | None:
-    """What pp rank ``source`` failed with (`failure`, on one line), or None, on every pp rank."""
-    said: list[Any] = [one_line(failure) if failure is not None else None]
+def _said_on_every_rank(pipelined: Pipelined, said: Any, source: int) -> Any:
+    """What pp rank ``source`` says (picklable; an error as its message on one line), on every pp rank."""
+    sent: list[Any] = [one_line(said) if isinstance(said, BaseException) else said]
     device = pipelined.stages[0].device
-    dist.broadcast_object_list(said, group=pipelined.group, group_src=source, device=device)
-    return said[0]
+    dist.broadcast_object_list(sent, group=pipelined.group, group_src=source, device=device)
+    return sent[0]
 
 
 def _grads_set_aside(pipelined: Pipelined) -> contextlib.AbstractContextManager[None]:
