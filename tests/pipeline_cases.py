@@ -277,8 +277,9 @@ def per_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def failing_loss_then_a_step(spec: dict[str, Any], what: str) -> dict[str, Any]:
     """A step whose loss_fn fails on the last stage (``what``: ``"per_token"`` loss, ``"short"``
     targets, ``"evaluation"`` of short targets) or whose inputs the first stage cannot run
-    (``"float_ids"``, ``"flat"`` rows, ``"out_of_memory"``), or the model called outside a schedule
-    (``"direct"``), then a good step: the refusal and that loss."""
+    (``"float_ids"``, ``"flat"`` rows, ``"out_of_memory"``), whose block ``layers.2`` fails in a later
+    stage (``"later_stage"``), or the model called outside a schedule (``"direct"``), then a good step:
+    the refusal and that loss."""
     model = build(spec)
     plan = fs.shard(model, fs.Mesh(**spec["mesh"]), policy_of(spec))
     fs.apply(plan, model)
@@ -293,6 +294,7 @@ def failing_loss_then_a_step(spec: dict[str, Any], what: str) -> dict[str, Any]:
         "flat": lambda: fs.forward_loss(plan, model, lm_loss)(inputs[:, 0], targets),
         "direct": lambda: model(inputs),
         "out_of_memory": lambda: _out_of_memory_once(model, plan, inputs, targets),
+        "later_stage": lambda: _later_stage_failing_once(model, plan, inputs, targets),
     }[what]
     try:
         failing()
@@ -318,6 +320,25 @@ def _out_of_memory_once(
         fs.forward_backward(plan, model, lm_loss)(inputs, targets)
     finally:
         del model.embed_tokens.forward
+
+
+def _later_stage_failing_once(
+    model: torch.nn.Module, plan: fs.Plan, inputs: torch.Tensor, targets: torch.Tensor
+) -> None:
+    """A step whose block ``layers.2`` raises in its forward (on the rank whose stage holds it)."""
+
+    def failing(*args: Any, **kwargs: Any) -> torch.Tensor:
+        raise ValueError("layers.2 failed (a stand-in)")
+
+    block = model.layers[2]
+    held = any(True for _ in block.parameters())  # not a pass-through for another rank's stage
+    if held:
+        block.forward = failing
+    try:
+        fs.forward_backward(plan, model, lm_loss)(inputs, targets)
+    finally:
+        if held:
+            del block.forward
 
 
 def plain_step() -> dict[str, Any]:

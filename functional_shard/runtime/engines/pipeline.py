@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from functional_shard.core.document_attention import PackedForward, packed_forward
-from functional_shard.core.errors import ShardingError, one_line
+from functional_shard.core.errors import ShardingError
 from functional_shard.core.tree import within
 from functional_shard.planning.pipeline.stage_plans import stage_plan, without_pipeline
 from functional_shard.planning.pipeline.stages import SCHEDULES, SINGLE_STAGE, rank_stages
@@ -34,12 +34,9 @@ from .applied import retie
 from .data_parallel import apply_data_parallel, reduce_whole_grads
 from .experts import apply_expert_parallel
 from .gradients import gradients_set_aside
+from .stage_failures import raise_any_failure, raise_first_stage_failure
 from .stage_forward import ScheduleGate, refuse_direct_calls, run_as_stage
 from .tensor_parallel import apply_tensor_parallel, plain_loss, refuse_uneven_sequences
-
-# what a forward raises when the device (or the host) runs out of memory: raised as it is, on
-# the rank it happened on, never turned into a refusal of the inputs
-OUT_OF_MEMORY = (torch.OutOfMemoryError, MemoryError)
 
 
 class PassThrough(nn.Module):
@@ -103,7 +100,7 @@ class Pipelined:
             raise ShardingError("a pipeline schedule ran without a loss function set for its step")
         if not self.catching:
             return self.loss(outputs, targets)
-        if self.failure is None:
+        if self.failure is None and self.gate.failure is None:  # a stage's failure comes first
             try:
                 return self.loss(outputs, targets)
             except Exception as error:  # any: it is raised on every pp rank after the step
@@ -294,33 +291,7 @@ def _check_first_stage_takes(
         except Exception as error:  # any: it is raised on every pp rank below
             failure = error
     source = pipeline.coordinate_of(0, pipelined.plan.mesh)
-    said: tuple[type[BaseException] | None, str] | None = None
-    if failure is not None:
-        said = (type(failure) if isinstance(failure, OUT_OF_MEMORY) else None, one_line(failure))
-    said = _said_on_every_rank(pipelined, said, source)
-    if said is None:
-        return
-    memory, message = said
-    if memory is not None:
-        if failure is not None:
-            raise failure  # a caller that handles running out of memory (a smaller batch) sees it
-        raise memory(
-            f"the pipeline's first stage (pp rank {source}) ran out of memory on a micro-batch of inputs of "
-            f"shape {tuple(inputs.shape)}; every pp rank stops here: {message}"
-        )
-    raise ShardingError(
-        f"the pipeline's first stage cannot run a micro-batch of inputs of shape {tuple(inputs.shape)} "
-        f"and dtype {inputs.dtype}; every pp rank stops here: {message}. Fix: the inputs its forward "
-        "takes (a language model's: integer token ids, [rows, sequence])"
-    ) from failure
-
-
-def _said_on_every_rank(pipelined: Pipelined, said: Any, source: int) -> Any:
-    """What pp rank ``source`` says (picklable; an error as its message on one line), on every pp rank."""
-    sent: list[Any] = [one_line(said) if isinstance(said, BaseException) else said]
-    device = pipelined.stages[0].device
-    dist.broadcast_object_list(sent, group=pipelined.group, group_src=source, device=device)
-    return sent[0]
+    raise_first_stage_failure(failure, inputs, pipelined.group, pipelined.stages[0].device, source)
 
 
 def _grads_set_aside(pipelined: Pipelined) -> contextlib.AbstractContextManager[None]:
@@ -358,23 +329,24 @@ def _ends(pipelined: Pipelined) -> tuple[bool, bool]:
 
 
 def _mean_from_last_stage(pipelined: Pipelined, losses: list[torch.Tensor], last: bool) -> torch.Tensor:
-    """The mean micro-batch loss on every pp rank; while catching, loss_fn's failure raised on each."""
+    """The mean micro-batch loss on every pp rank; while catching, a stage's failure raised on each."""
+    if pipelined.catching:
+        # only while catching: the device is waited for on a layout's first step, not on each
+        pipeline = pipelined.plan.config.pipeline
+        assert pipeline is not None  # (apply_pipeline made it of a plan with one)
+        try:
+            raise_any_failure(pipelined.group, pipeline.stages, pipelined.gate.failure, pipelined.failure)
+        except BaseException:
+            # its stages' buffers may be sized from a failed stage's stand-in: the next step makes another
+            pipelined.schedule, pipelined.batch_layout = None, None
+            raise
     # float32 on every rank: under precision="bf16-true" the default dtype is bfloat16; a
     # loss-parallel loss is a replicated DTensor, which c10d cannot broadcast: its value
     device = pipelined.stages[0].device
     mean = torch.stack([plain_loss(x).float() for x in losses]).mean() if last else torch.zeros(())
-    failed = torch.tensor(float(last and pipelined.failure is not None), device=device)
-    sent = torch.stack([mean.float().to(device), failed])
+    sent = mean.float().to(device)
     dist.broadcast(sent, group=pipelined.group, group_src=pipelined.last_stage_rank)
-    if pipelined.catching and sent[1].item():
-        # read only while catching: the device is waited for on a layout's first step, not on each
-        failure = pipelined.failure
-        said = _said_on_every_rank(pipelined, failure, pipelined.last_stage_rank)
-        raise ShardingError(
-            f"the pipeline's last stage (pp rank {pipelined.last_stage_rank}) ran loss_fn on a micro-batch, "
-            f"and it failed; every pp rank stops here: {said}"
-        ) from failure
-    return sent[0]
+    return sent
 
 
 def _returning(run: Callable[..., Any], outputs: bool) -> dict[str, Any]:
@@ -425,7 +397,7 @@ def scheduled_loss(
     if last:
         kwargs |= {"target": targets, "losses": losses}
     evaluating = _evaluating(pipelined) if forward_only else contextlib.nullcontext()
-    with _grads_set_aside(pipelined), evaluating, pipelined.gate.running():
+    with _grads_set_aside(pipelined), evaluating, pipelined.gate.running(pipelined.catching):
         if first:
             run(inputs, **kwargs)
         else:
