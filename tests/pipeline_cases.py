@@ -278,9 +278,9 @@ def failing_loss_then_a_step(spec: dict[str, Any], what: str) -> dict[str, Any]:
     """A step whose loss_fn fails on the last stage (``what``: ``"per_token"`` loss, ``"short"``
     targets, ``"evaluation"`` of short targets) or whose inputs the first stage cannot run
     (``"float_ids"``, ``"flat"`` rows, ``"out_of_memory"``), whose block ``layers.2`` fails in a later
-    stage (``"later_stage"``) or a step after a good one holds an id past the vocabulary
-    (``"past_vocabulary"``), or the model called outside a schedule (``"direct"``), then a good step:
-    the refusal and that loss."""
+    stage (``"later_stage"``; ``"later_stage_outputs"`` in fs.forward_only) or a step after a good one
+    holds an id past the vocabulary (``"past_vocabulary"``), or the model called outside a schedule
+    (``"direct"``), then a good step: the refusal and that loss."""
     model = build(spec)
     plan = fs.shard(model, fs.Mesh(**spec["mesh"]), policy_of(spec))
     fs.apply(plan, model)
@@ -295,7 +295,12 @@ def failing_loss_then_a_step(spec: dict[str, Any], what: str) -> dict[str, Any]:
         "flat": lambda: fs.forward_loss(plan, model, lm_loss)(inputs[:, 0], targets),
         "direct": lambda: model(inputs),
         "out_of_memory": lambda: _out_of_memory_once(model, plan, inputs, targets),
-        "later_stage": lambda: _later_stage_failing_once(model, plan, inputs, targets),
+        "later_stage": lambda: _later_stage_failing_once(
+            model, lambda: fs.forward_backward(plan, model, lm_loss)(inputs, targets)
+        ),
+        "later_stage_outputs": lambda: _later_stage_failing_once(
+            model, lambda: fs.forward_only(plan, model)(inputs)
+        ),
         "past_vocabulary": lambda: _ids_past_the_vocabulary_after_a_step(model, plan, inputs, targets),
     }[what]
     try:
@@ -324,10 +329,8 @@ def _out_of_memory_once(
         del model.embed_tokens.forward
 
 
-def _later_stage_failing_once(
-    model: torch.nn.Module, plan: fs.Plan, inputs: torch.Tensor, targets: torch.Tensor
-) -> None:
-    """A step whose block ``layers.2`` raises in its forward (on the rank whose stage holds it)."""
+def _later_stage_failing_once(model: torch.nn.Module, run: Callable[[], Any]) -> None:
+    """``run`` (a step, an evaluation) while block ``layers.2`` raises in its forward (where held)."""
 
     def failing(*args: Any, **kwargs: Any) -> torch.Tensor:
         raise ValueError("layers.2 failed (a stand-in)")
@@ -337,7 +340,7 @@ def _later_stage_failing_once(
     if held:
         block.forward = failing
     try:
-        fs.forward_backward(plan, model, lm_loss)(inputs, targets)
+        run()
     finally:
         if held:
             del block.forward

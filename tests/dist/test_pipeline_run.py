@@ -154,6 +154,10 @@ INPUTS_FAILED = "the pipeline's first stage cannot run a micro-batch of inputs o
                 "(layers.2 … lm_head)",
             ),
         ),
+        (
+            "later_stage_outputs",
+            ("the pipeline's stage 1 (pp rank 1) ran its forward on a micro-batch, and it failed; every",),
+        ),
         # a layout run before: no check of the first stage, whose embedding raised alone
         (
             "past_vocabulary",

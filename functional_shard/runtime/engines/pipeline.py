@@ -367,18 +367,23 @@ def _ends(pipelined: Pipelined) -> tuple[bool, bool]:
     return any(s.is_first for s in pipelined.stages), any(s.is_last for s in pipelined.stages)
 
 
+def _raise_on_every_rank(pipelined: Pipelined) -> None:
+    """Raise on every pp rank what a stage's forward or loss_fn raised in the step just run, if anything."""
+    pipeline = pipelined.plan.config.pipeline
+    assert pipeline is not None  # (apply_pipeline made it of a plan with one)
+    try:
+        raise_any_failure(pipelined.group, pipeline.stages, pipelined.gate.failure, pipelined.failure)
+    except BaseException:
+        # its stages' buffers may be sized from a failed stage's stand-in: the next step makes another
+        pipelined.schedule, pipelined.batch_layout = None, None
+        raise
+
+
 def _mean_from_last_stage(pipelined: Pipelined, losses: list[torch.Tensor], last: bool) -> torch.Tensor:
     """The mean micro-batch loss on every pp rank; while catching, a stage's failure raised on each."""
     if pipelined.catching:
         # only while catching: the device is waited for on a layout's first step, not on each
-        pipeline = pipelined.plan.config.pipeline
-        assert pipeline is not None  # (apply_pipeline made it of a plan with one)
-        try:
-            raise_any_failure(pipelined.group, pipeline.stages, pipelined.gate.failure, pipelined.failure)
-        except BaseException:
-            # its stages' buffers may be sized from a failed stage's stand-in: the next step makes another
-            pipelined.schedule, pipelined.batch_layout = None, None
-            raise
+        _raise_on_every_rank(pipelined)
     # float32 on every rank: under precision="bf16-true" the default dtype is bfloat16; a
     # loss-parallel loss is a replicated DTensor, which c10d cannot broadcast: its value
     device = pipelined.stages[0].device
@@ -466,8 +471,14 @@ def pipeline_eval_outputs(
     kwargs = _returning(schedule.eval, True) | (keywords or {})
     if last:
         kwargs["target"] = torch.zeros(inputs.shape[0], device=device)
-    with _grads_set_aside(pipelined), _evaluating(pipelined), pipelined.gate.running():
+    # a layout's first run catches a later stage's failure, as `scheduled_loss` does
+    checked = (pipelined.batch_layout, "outputs")
+    catching, pipelined.failure = checked not in pipelined.loss_checked, None
+    with _grads_set_aside(pipelined), _evaluating(pipelined), pipelined.gate.running(catching):
         outputs = schedule.eval(inputs, **kwargs) if first else schedule.eval(**kwargs)
+    if catching:
+        _raise_on_every_rank(pipelined)
+        pipelined.loss_checked.add(checked)
     if last:
         full = getattr(outputs, "full_tensor", None)  # a DTensor from a tensor-parallel head
         outputs = full() if callable(full) else outputs
