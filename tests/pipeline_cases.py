@@ -277,7 +277,9 @@ def per_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def failing_loss_then_a_step(spec: dict[str, Any], what: str) -> dict[str, Any]:
     """A step whose loss_fn fails on the last stage (``what``: ``"per_token"`` loss, ``"short"``
     targets, ``"evaluation"`` of short targets) or whose inputs the first stage cannot run
-    (``"float_ids"``, ``"flat"`` rows, ``"out_of_memory"``), or the model called outside a schedule
+    (``"float_ids"``, ``"flat"`` rows, ``"out_of_memory"``), whose block ``layers.2`` fails in a later
+    stage (``"later_stage"``; ``"later_stage_outputs"`` in fs.forward_only) or a step after a good one
+    holds an id past the vocabulary (``"past_vocabulary"``), or the model called outside a schedule
     (``"direct"``), then a good step: the refusal and that loss."""
     model = build(spec)
     plan = fs.shard(model, fs.Mesh(**spec["mesh"]), policy_of(spec))
@@ -293,12 +295,21 @@ def failing_loss_then_a_step(spec: dict[str, Any], what: str) -> dict[str, Any]:
         "flat": lambda: fs.forward_loss(plan, model, lm_loss)(inputs[:, 0], targets),
         "direct": lambda: model(inputs),
         "out_of_memory": lambda: _out_of_memory_once(model, plan, inputs, targets),
+        "later_stage": lambda: _later_stage_failing_once(
+            model, lambda: fs.forward_backward(plan, model, lm_loss)(inputs, targets)
+        ),
+        "later_stage_outputs": lambda: _later_stage_failing_once(
+            model, lambda: fs.forward_only(plan, model)(inputs)
+        ),
+        "past_vocabulary": lambda: _ids_past_the_vocabulary_after_a_step(model, plan, inputs, targets),
     }[what]
     try:
         failing()
         refusal = ""
     except fs.ShardingError as error:
         refusal = str(error)
+    except torch.OutOfMemoryError as error:  # raised as it is, never refused
+        refusal = f"{type(error).__name__}: {error}"
     model.zero_grad()
     return {"refusal": refusal, "loss": float(fs.forward_backward(plan, model, lm_loss)(inputs, targets))}
 
@@ -316,6 +327,34 @@ def _out_of_memory_once(
         fs.forward_backward(plan, model, lm_loss)(inputs, targets)
     finally:
         del model.embed_tokens.forward
+
+
+def _later_stage_failing_once(model: torch.nn.Module, run: Callable[[], Any]) -> None:
+    """``run`` (a step, an evaluation) while block ``layers.2`` raises in its forward (where held)."""
+
+    def failing(*args: Any, **kwargs: Any) -> torch.Tensor:
+        raise ValueError("layers.2 failed (a stand-in)")
+
+    block = model.layers[2]
+    held = any(True for _ in block.parameters())  # not a pass-through for another rank's stage
+    if held:
+        block.forward = failing
+    try:
+        run()
+    finally:
+        if held:
+            del block.forward
+
+
+def _ids_past_the_vocabulary_after_a_step(
+    model: torch.nn.Module, plan: fs.Plan, inputs: torch.Tensor, targets: torch.Tensor
+) -> None:
+    """A good step, then one of the same layout whose first id is the vocabulary's size."""
+    step = fs.forward_backward(plan, model, lm_loss)
+    step(inputs, targets)
+    past = inputs.clone()
+    past[0, 0] = model.config.vocab_size
+    step(past, targets)
 
 
 def plain_step() -> dict[str, Any]:

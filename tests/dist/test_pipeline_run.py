@@ -145,11 +145,25 @@ INPUTS_FAILED = "the pipeline's first stage cannot run a micro-batch of inputs o
             "flat",
             (INPUTS_FAILED + "(4,) and dtype torch.int64; every pp rank stops here: not enough values",),
         ),
+        # torch's schedule ran the block on the hidden states of a micro-batch, on pp rank 1 alone
         (
-            "out_of_memory",
+            "later_stage",
             (
-                INPUTS_FAILED,
-                "here: out of memory (a stand-in). Fix: fewer rows a micro-batch: a smaller batch",
+                "the pipeline's stage 1 (pp rank 1) ran its forward on a micro-batch, and it failed; every "
+                "pp rank stops here: layers.2 failed (a stand-in). Fix: the forward of its modules "
+                "(layers.2 … lm_head)",
+            ),
+        ),
+        (
+            "later_stage_outputs",
+            ("the pipeline's stage 1 (pp rank 1) ran its forward on a micro-batch, and it failed; every",),
+        ),
+        # a layout run before: no check of the first stage, whose embedding raised alone
+        (
+            "past_vocabulary",
+            (
+                "inputs=token ids from 0 to 128: ids from 0 to 127 (the rows of embed_tokens, on the "
+                "pipeline's first stage; every pp rank stops here",
             ),
         ),
         # no step: the first stage returned its hidden states as the model's output, the last raised alone
@@ -166,6 +180,41 @@ def test_a_step_failing_on_one_stage_is_raised_on_every_rank(worlds, what, messa
     for result in worlds(2).run(pc.failing_loss_then_a_step, spec, what):
         assert all(message in result["refusal"] for message in messages), result["refusal"]
         assert result["loss"] == pytest.approx(one_process, abs=1e-5)  # the pipeline runs on
+
+
+@pytest.mark.parametrize(
+    ("spec", "said"),
+    [
+        (pc.case({"pp": 4}, microbatches=4), "stage 1 (pp rank 1)"),
+        (pc.case({"pp": 2}, "zbv", stages_per_rank=2, microbatches=2), "stage 1 (pp rank 1)"),
+    ],
+    ids=["middle_of_four", "v_shaped"],
+)
+def test_a_failing_stage_before_others_is_raised_on_every_rank(worlds, spec, said):
+    # the stages after it wait for its hidden states, the ones before for its gradients: every
+    # rank but the failing one hung; the stages after run on the zeros it hands on instead
+    tokens = pc.batches(1)[0]
+    one_process = pc.lm_loss(pc.build(spec)(tokens[:, :-1]), tokens[:, 1:]).item()
+    size = 4 if spec["mesh"]["pp"] == 4 else 2
+    for result in worlds(size).run(pc.failing_loss_then_a_step, spec, "later_stage"):
+        assert result["refusal"].startswith(f"the pipeline's {said} ran its forward on a micro-batch"), result
+        assert "every pp rank stops here: layers.2 failed (a stand-in)" in result["refusal"]
+        assert result["loss"] == pytest.approx(one_process, abs=1e-5)  # the pipeline runs on
+
+
+def test_the_first_stage_running_out_of_memory_is_raised_as_it_is_on_every_rank(worlds):
+    # it was refused as inputs the first stage cannot run (a ShardingError): a caller that
+    # handles running out of memory (a smaller batch) never saw it
+    spec = pc.case({"pp": 2}, microbatches=2)
+    tokens = pc.batches(1)[0]
+    one_process = pc.lm_loss(pc.build(spec)(tokens[:, :-1]), tokens[:, 1:]).item()
+    first, last = worlds(2).run(pc.failing_loss_then_a_step, spec, "out_of_memory")
+    assert first["refusal"] == "OutOfMemoryError: out of memory (a stand-in)"
+    assert last["refusal"] == (
+        "OutOfMemoryError: the pipeline's first stage (pp rank 0) ran out of memory on a micro-batch of "
+        "inputs of shape (4, 12); every pp rank stops here: out of memory (a stand-in)"
+    )
+    assert first["loss"] == last["loss"] == pytest.approx(one_process, abs=1e-5)  # the pipeline runs on
 
 
 def test_a_rank_of_two_stages_refuses_the_model_called_directly(worlds):

@@ -50,6 +50,7 @@ EFFECTS = {f"runtime/{name}.py" for name in RUNTIME_EFFECTS} | {
         "materialize",
         "optimizer",
         "pipeline",
+        "stage_failures",
         "tensor_parallel",
     )
 }

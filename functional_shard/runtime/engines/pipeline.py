@@ -23,8 +23,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from functional_shard.core.document_attention import PackedForward, packed_forward
-from functional_shard.core.errors import ShardingError, one_line
+from functional_shard.core.errors import ShardingError
 from functional_shard.core.tree import within
+from functional_shard.core.validate import refuse
 from functional_shard.planning.pipeline.stage_plans import stage_plan, without_pipeline
 from functional_shard.planning.pipeline.stages import SCHEDULES, SINGLE_STAGE, rank_stages
 from functional_shard.planning.plan.plan import Plan
@@ -34,6 +35,7 @@ from .applied import retie
 from .data_parallel import apply_data_parallel, reduce_whole_grads
 from .experts import apply_expert_parallel
 from .gradients import gradients_set_aside
+from .stage_failures import raise_any_failure, raise_first_stage_failure
 from .stage_forward import ScheduleGate, refuse_direct_calls, run_as_stage
 from .tensor_parallel import apply_tensor_parallel, plain_loss, refuse_uneven_sequences
 
@@ -78,6 +80,9 @@ class Pipelined:
     # whole model before this rank's stages were cut from it, so every rank refuses alike
     packing: PackedForward
     gate: ScheduleGate  # open while a schedule runs the stages: their forwards run only then
+    # the first stage's largest embedding (path, rows), read from the whole model: the ids every
+    # pp rank checks its batch against (`_check_token_ids`)
+    embedding: tuple[str, int] | None
     schedule: Any = None
     loss: Callable[..., torch.Tensor] | None = field(default=None, repr=False)
     # the shapes and dtypes of the batch the schedule sized its stages' buffers for
@@ -99,7 +104,7 @@ class Pipelined:
             raise ShardingError("a pipeline schedule ran without a loss function set for its step")
         if not self.catching:
             return self.loss(outputs, targets)
-        if self.failure is None:
+        if self.failure is None and self.gate.failure is None:  # a stage's failure comes first
             try:
                 return self.loss(outputs, targets)
             except Exception as error:  # any: it is raised on every pp rank after the step
@@ -191,6 +196,7 @@ def apply_pipeline(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> Pl
     n_stages = len(pipeline.stages)
     mine = rank_stages(pp_rank, pp, pipeline.stages_per_rank, pipeline.schedule)
     packing, gate = packed_forward(module), ScheduleGate()
+    embedding = _largest_embedding(module, pipeline.stages[0])
     others = {m for s in range(n_stages) if s not in mine for m in pipeline.stages[s]}
     _drop_in_place(module, others)
     stage_modules: list[tuple[int, nn.Module]] = []
@@ -224,10 +230,43 @@ def apply_pipeline(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> Pl
     if len(mine) > 1:
         refuse_direct_calls(module, mine)
     last_rank = pipeline.coordinate_of(n_stages - 1, plan.mesh)
-    pipelined = Pipelined(plan, tuple(built), pp_mesh.get_group(), last_rank, packing, gate)
+    pipelined = Pipelined(plan, tuple(built), pp_mesh.get_group(), last_rank, packing, gate, embedding)
     module.__dict__["_fs_pipeline"] = pipelined
     _PIPELINED.add(module)
     return without_pipeline(stage_plan(plan, mine))
+
+
+def _largest_embedding(module: nn.Module, paths: Iterable[str]) -> tuple[str, int] | None:
+    """The embedding with the most rows among the modules at ``paths`` (a stage's), and its row count."""
+    found = [
+        (f"{path}.{name}" if name else path, embedding.num_embeddings)
+        for path in paths
+        for name, embedding in module.get_submodule(path).named_modules()
+        if isinstance(embedding, nn.Embedding)
+    ]
+    return max(found, key=lambda found: found[1], default=None)
+
+
+def _check_token_ids(pipelined: Pipelined, inputs: torch.Tensor) -> None:
+    """Refuse on every pp rank token ids past the first stage's embedding, before the schedule runs.
+
+    Inside it the first stage would raise alone (on a GPU: a device-side assert), and the other
+    ranks wait for what it sends; the first-stage check runs once a layout, not on each batch's
+    values. Every pp rank passes the same batch: each refuses it alike, without a word to the others.
+    One read of the device a step.
+    """
+    if pipelined.embedding is None or inputs.is_floating_point() or inputs.is_complex() or not inputs.numel():
+        return
+    path, rows = pipelined.embedding
+    low, high = torch.stack([inputs.min(), inputs.max()]).tolist()
+    if low < 0 or high >= rows:
+        refuse(
+            "inputs",
+            f"token ids from {low} to {high}",
+            f"ids from 0 to {rows - 1}",
+            meaning=f"the rows of {path}, on the pipeline's first stage; every pp rank stops here, as that "
+            "stage would fail on them alone. Fix: the batch, or a vocabulary as large as its tokenizer's",
+        )
 
 
 def _schedule(pipelined: Pipelined, inputs: torch.Tensor, keywords: dict[str, torch.Tensor] | None) -> Any:
@@ -240,6 +279,7 @@ def _schedule(pipelined: Pipelined, inputs: torch.Tensor, keywords: dict[str, to
     """
     from torch.distributed.pipelining import schedules
 
+    _check_token_ids(pipelined, inputs)
     layout = tuple((name, tuple(t.shape), t.dtype) for name, t in {"": inputs, **(keywords or {})}.items())
     if layout != pipelined.batch_layout:
         _check_first_stage_takes(pipelined, inputs, keywords or {})
@@ -273,7 +313,8 @@ def _check_first_stage_takes(
     Inside the schedule the first stage would raise alone, and the other ranks wait for what it
     sends until the process group's timeout. Run once a layout, like the new schedule it needs:
     the first stage's forward on one micro-batch, without gradients or a draw from the random
-    generators the step's forward uses.
+    generators the step's forward uses. Running out of memory is no refusal: the first stage's rank
+    raises its error as it is, the other pp ranks one of its class that names that rank.
     """
     pipeline = pipelined.plan.config.pipeline
     assert pipeline is not None  # (apply_pipeline made it of a plan with one)
@@ -288,28 +329,8 @@ def _check_first_stage_takes(
                 first.submod(one.pop(""), **one)
         except Exception as error:  # any: it is raised on every pp rank below
             failure = error
-    refusal = None
-    if failure is not None:
-        fix = (
-            "fewer rows a micro-batch: a smaller batch, or more micro-batches"
-            if isinstance(failure, torch.OutOfMemoryError)
-            else "the inputs its forward takes (a language model's: integer token ids, [rows, sequence])"
-        )
-        refusal = (
-            f"the pipeline's first stage cannot run a micro-batch of inputs of shape {tuple(inputs.shape)} "
-            f"and dtype {inputs.dtype}; every pp rank stops here: {one_line(failure)}. Fix: {fix}"
-        )
-    said = _said_on_every_rank(pipelined, refusal, pipeline.coordinate_of(0, pipelined.plan.mesh))
-    if said is not None:
-        raise ShardingError(said) from failure
-
-
-def _said_on_every_rank(pipelined: Pipelined, failure: BaseException | str | None, source: int) -> str | None:
-    """What pp rank ``source`` failed with (`failure`, on one line), or None, on every pp rank."""
-    said: list[Any] = [one_line(failure) if failure is not None else None]
-    device = pipelined.stages[0].device
-    dist.broadcast_object_list(said, group=pipelined.group, group_src=source, device=device)
-    return said[0]
+    source = pipeline.coordinate_of(0, pipelined.plan.mesh)
+    raise_first_stage_failure(failure, inputs, pipelined.group, pipelined.stages[0].device, source)
 
 
 def _grads_set_aside(pipelined: Pipelined) -> contextlib.AbstractContextManager[None]:
@@ -346,24 +367,30 @@ def _ends(pipelined: Pipelined) -> tuple[bool, bool]:
     return any(s.is_first for s in pipelined.stages), any(s.is_last for s in pipelined.stages)
 
 
+def _raise_on_every_rank(pipelined: Pipelined) -> None:
+    """Raise on every pp rank what a stage's forward or loss_fn raised in the step just run, if anything."""
+    pipeline = pipelined.plan.config.pipeline
+    assert pipeline is not None  # (apply_pipeline made it of a plan with one)
+    try:
+        raise_any_failure(pipelined.group, pipeline.stages, pipelined.gate.failure, pipelined.failure)
+    except BaseException:
+        # its stages' buffers may be sized from a failed stage's stand-in: the next step makes another
+        pipelined.schedule, pipelined.batch_layout = None, None
+        raise
+
+
 def _mean_from_last_stage(pipelined: Pipelined, losses: list[torch.Tensor], last: bool) -> torch.Tensor:
-    """The mean micro-batch loss on every pp rank; while catching, loss_fn's failure raised on each."""
+    """The mean micro-batch loss on every pp rank; while catching, a stage's failure raised on each."""
+    if pipelined.catching:
+        # only while catching: the device is waited for on a layout's first step, not on each
+        _raise_on_every_rank(pipelined)
     # float32 on every rank: under precision="bf16-true" the default dtype is bfloat16; a
     # loss-parallel loss is a replicated DTensor, which c10d cannot broadcast: its value
     device = pipelined.stages[0].device
     mean = torch.stack([plain_loss(x).float() for x in losses]).mean() if last else torch.zeros(())
-    failed = torch.tensor(float(last and pipelined.failure is not None), device=device)
-    sent = torch.stack([mean.float().to(device), failed])
+    sent = mean.float().to(device)
     dist.broadcast(sent, group=pipelined.group, group_src=pipelined.last_stage_rank)
-    if pipelined.catching and sent[1].item():
-        # read only while catching: the device is waited for on a layout's first step, not on each
-        failure = pipelined.failure
-        said = _said_on_every_rank(pipelined, failure, pipelined.last_stage_rank)
-        raise ShardingError(
-            f"the pipeline's last stage (pp rank {pipelined.last_stage_rank}) ran loss_fn on a micro-batch, "
-            f"and it failed; every pp rank stops here: {said}"
-        ) from failure
-    return sent[0]
+    return sent
 
 
 def _returning(run: Callable[..., Any], outputs: bool) -> dict[str, Any]:
@@ -414,7 +441,7 @@ def scheduled_loss(
     if last:
         kwargs |= {"target": targets, "losses": losses}
     evaluating = _evaluating(pipelined) if forward_only else contextlib.nullcontext()
-    with _grads_set_aside(pipelined), evaluating, pipelined.gate.running():
+    with _grads_set_aside(pipelined), evaluating, pipelined.gate.running(pipelined.catching):
         if first:
             run(inputs, **kwargs)
         else:
@@ -444,8 +471,14 @@ def pipeline_eval_outputs(
     kwargs = _returning(schedule.eval, True) | (keywords or {})
     if last:
         kwargs["target"] = torch.zeros(inputs.shape[0], device=device)
-    with _grads_set_aside(pipelined), _evaluating(pipelined), pipelined.gate.running():
+    # a layout's first run catches a later stage's failure, as `scheduled_loss` does
+    checked = (pipelined.batch_layout, "outputs")
+    catching, pipelined.failure = checked not in pipelined.loss_checked, None
+    with _grads_set_aside(pipelined), _evaluating(pipelined), pipelined.gate.running(catching):
         outputs = schedule.eval(inputs, **kwargs) if first else schedule.eval(**kwargs)
+    if catching:
+        _raise_on_every_rank(pipelined)
+        pipelined.loss_checked.add(checked)
     if last:
         full = getattr(outputs, "full_tensor", None)  # a DTensor from a tensor-parallel head
         outputs = full() if callable(full) else outputs

@@ -27,15 +27,19 @@ class ScheduleGate:
 
     def __init__(self) -> None:
         self.open = False
+        # while a step runs a batch layout not checked yet: what the forward of a stage after the
+        # first raised (the stage, the error), kept for every pp rank to raise after the step
+        self.catching = False
+        self.failure: tuple[int, BaseException] | None = None
 
     @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
-        """Let the stages' forwards run within."""
-        self.open = True
+    def running(self, catching: bool = False) -> Iterator[None]:
+        """Let the stages' forwards run within; ``catching``: keep a later stage's failure (`failure`)."""
+        self.open, self.catching, self.failure = True, catching, None
         try:
             yield
         finally:
-            self.open = False
+            self.open = self.catching = False
 
 
 def _called_directly(who: str) -> ShardingError:
@@ -93,9 +97,25 @@ def run_as_stage(
     embeds = not first and "inputs_embeds" in _keywords(stage_module)
     who = f"pipeline stage {stage}"
 
+    # the shape and dtype of this stage's last output: a stand-in's, once a forward failed
+    produced: list[tuple[torch.Size, torch.dtype]] = []
+
     def stage_forward(hidden: torch.Tensor, **packed: torch.Tensor) -> torch.Tensor:
         if not gate.open:
             raise _called_directly(who)
+        if first or not gate.catching:
+            return run(hidden, packed)
+        if gate.failure is None:
+            try:
+                output = run(hidden, packed)
+            except Exception as error:  # any: every pp rank raises it after the step
+                gate.failure = (stage, error)
+            else:
+                produced[:] = [(output.shape, output.dtype)]
+                return output
+        return _stand_in(hidden, produced[0] if produced else None)
+
+    def run(hidden: torch.Tensor, packed: dict[str, torch.Tensor]) -> torch.Tensor:
         keywords = (
             packing.keywords(hidden, packed.get("positions"), packed.get("document_ids"), who=who)
             if packed
@@ -108,3 +128,16 @@ def run_as_stage(
         return output.clone() if output._is_view() else output
 
     stage_module.forward = stage_forward  # type: ignore[method-assign]
+
+
+def _stand_in(hidden: torch.Tensor, produced: tuple[torch.Size, torch.dtype] | None) -> torch.Tensor:
+    """Zeros for a failed stage to hand on, so that the schedule runs to its end on every pp rank.
+
+    Shaped as the stage's last output (a micro-batch that failed after one that ran), else as its
+    input; the gradient flows back through it, to the stage before (zeros), as torch's schedule
+    waits for one.
+    """
+    if produced is None or (produced[0] == hidden.shape and produced[1] == hidden.dtype):
+        return hidden * 0
+    shape, dtype = produced
+    return hidden.new_zeros(shape, dtype=dtype) + (hidden.sum() * 0).to(dtype)
