@@ -593,16 +593,7 @@ def test_a_model_with_no_parameters_is_refused_by_name(model):
         fs.auto(model, devices=4, memory_budget="1GiB", batch=2, seq=16)
 
 
-def test_local_hardware_is_measured_on_as_many_processes_as_devices(monkeypatch):
+def test_local_hardware_is_measured_on_as_many_processes_as_devices(local_measured_on):
     # before: on 4 processes, whatever devices was
-    from functional_shard.costing.time import hardware as profiles
-
-    measured_on = []
-
-    def measure(processes):
-        measured_on.append(processes)
-        return dataclasses.replace(fs.hardware("h100"), name="local", devices_per_node=processes)
-
-    monkeypatch.setattr(profiles, "_local", measure)
     fs.auto(llama("tiny"), devices=2, memory_budget="1GiB", batch=2, seq=16, hardware="local")
-    assert measured_on == [2]
+    assert local_measured_on == [2]

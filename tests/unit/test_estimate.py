@@ -3,7 +3,6 @@ loss workspace, and step time follows the stated overlap rules."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import re
@@ -364,17 +363,8 @@ def test_an_integer_parameter_is_traced_frozen_and_counted_without_optimizer_sta
     assert with_table.memory["optimizer"] == plain.memory["optimizer"]
 
 
-def test_local_hardware_is_measured_on_as_many_processes_as_the_plan_has_devices(monkeypatch):
+def test_local_hardware_is_measured_on_as_many_processes_as_the_plan_has_devices(local_measured_on):
     # before: on 4 processes, whatever the plan's mesh
-    from functional_shard.costing.time import hardware as profiles
-
-    measured_on = []
-
-    def measure(processes):
-        measured_on.append(processes)
-        return dataclasses.replace(fs.hardware("h100"), name="local", devices_per_node=processes)
-
-    monkeypatch.setattr(profiles, "_local", measure)
     model = _plans()[0]
     fs.estimate(model, fs.shard(model, fs.Mesh(dp=2), fs.replicate("dp")), batch=2, seq=16, hardware="local")
-    assert measured_on == [2]
+    assert local_measured_on == [2]
