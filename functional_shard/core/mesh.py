@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import functional_shard as fs
 
 from .errors import MeshError
+from .validate import entry_point
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -190,8 +191,16 @@ class Mesh:
             )
         return cls(dict(zip(names, tuple(device_mesh.mesh.shape), strict=True)))
 
+    @entry_point
     def device_mesh(self, device_type: str = "cpu") -> DeviceMesh:
         """Build the real torch `DeviceMesh` (needs an initialised process group).
+
+        Args:
+            device_type: ``"cpu"``, or ``"cuda"`` where this machine has it.
+
+        Raises:
+            MeshError: ``device_type`` is no device type this machine has, no process group is
+                initialised, or its world size differs from the mesh.
 
         Examples:
             >>> # inside torch.distributed with 8 processes:

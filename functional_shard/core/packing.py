@@ -16,7 +16,7 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -218,8 +218,8 @@ def pack(
 
     Raises:
         DocumentTooLongError: a document is longer than ``seq_len`` and ``long="refuse"``.
-        ShardingError: no documents, an empty one, not 1-D ints (or a negative one), or a bad ``seq_len``,
-            ``long`` or ``pad_id``.
+        ShardingError: no documents, an empty one, not 1-D ints (or one negative or past int64), or a bad
+            ``seq_len``, ``long`` or ``pad_id``.
 
     Examples:
         >>> pack([[1, 2, 3, 4, 5], [6]], seq_len=4, long="split").tokens.tolist()
@@ -358,17 +358,35 @@ def _document(document: Any) -> tuple[torch.Tensor, str | None]:
     try:
         tensor = torch.as_tensor(document)
     except (TypeError, ValueError, RuntimeError):
-        return torch.empty(0), f"({type(document).__name__}) is not a sequence of token ids"
+        past = _past_int64(
+            (position, value)
+            for position, value in enumerate(document if isinstance(document, Sequence) else ())
+            if isinstance(value, int) and not -_LARGEST_ID - 1 <= value <= _LARGEST_ID
+        )
+        return torch.empty(0), past or f"({type(document).__name__}) is not a sequence of token ids"
     if tensor.ndim != 1:
         return tensor, f"has shape {tuple(tensor.shape)}, not one dim of token ids"
     if tensor.numel() == 0:
         return tensor, "is empty"
     if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
         return tensor, f"holds {tensor.dtype} values, not integer token ids"
+    if tensor.dtype == torch.uint64:  # its ids past int64 would turn negative in a long tensor, silently
+        as_long = tensor.to(torch.long)
+        if past := _past_int64((int(at), int(as_long[at]) + 2**64) for at in (as_long < 0).nonzero()):
+            return tensor, past
     if tensor.dtype.is_signed and bool((tensor < 0).any()):
         # an embedding reads no negative row: refused here by document, not deep inside the model
         return tensor, f"holds a negative token id ({int(tensor.min())}); token ids count from 0"
     return tensor.to(device="cpu", dtype=torch.long), None
+
+
+def _past_int64(positions_and_ids: Iterable[tuple[int, int]]) -> str | None:
+    """The first token id out of int64's range, by position, or None if there is none."""
+    first = next(iter(positions_and_ids), None)
+    if first is None:
+        return None
+    position, value = first
+    return f"holds token id {value} at position {position}, outside int64 (token ids: 0 to {_LARGEST_ID})"
 
 
 def _rows(lengths: list[int], seq_len: int, *, long: str) -> list[list[tuple[int, int, int]]]:

@@ -62,7 +62,7 @@ def search_plans(
         optimizer: as for `cost`.
         batch: the global batch, in sequences per step, split over the data-parallel ranks.
         seq: tokens per sequence.
-        hardware: a profile name or `Hardware`.
+        hardware: a profile name or `Hardware`; ``"local"`` is measured with ``devices`` processes.
         kernels: the kernels the run will use (`fs.Kernels`), in each candidate that has what they need.
 
     Returns:
@@ -86,7 +86,7 @@ def search_plans(
             "devices", f"{devices:,}", what, meaning="the search lays out a mesh for each way to split them"
         )
     budget = parse_bytes(memory_budget)
-    hw = _hardware(hardware)
+    hw = _hardware(hardware, processes=devices)  # "local": measured on the devices the plans are for
     facts = model_facts(model)
     space = Space.of(facts, devices=devices, batch=batch, hardware=hw, seq=seq)
     flat = list(points(space))

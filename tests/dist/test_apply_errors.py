@@ -296,3 +296,38 @@ def test_an_init_that_leaves_a_module_alone_falls_back_to_its_own_initialiser(on
     fs.materialize(plan, module, init=init)
     assert torch.equal(module[0].weight.full_tensor(), torch.full((4, 4), 0.5))
     assert torch.equal(module[1].weight.full_tensor(), torch.ones(4))
+
+
+@pytest.mark.parametrize(
+    ("layer", "said"),
+    [
+        (
+            lambda: nn.Linear(4, 4, device="meta"),
+            "fs.materialize(init=...) raised RuntimeError: an .item() on real values on 0 (Linear), "
+            "on real tensors, after passing on meta tensors",
+        ),
+        (
+            lambda: nn.BatchNorm1d(4, device="meta"),
+            "0 (BatchNorm1d): its initialiser raised RuntimeError: an .item() on real values on real "
+            "buffers, after passing on meta tensors",
+        ),
+    ],
+    ids=["parameters", "buffers"],
+)
+def test_an_init_that_raises_only_on_real_tensors_is_refused_by_module(fake_world, layer, said):
+    # before: its error came through raw, from inside materialize's drawing loop or restore_buffers
+    fake_world(2)
+    module = nn.Sequential(layer())
+    plan = fs.shard(module, fs.Mesh(dp=2), fs.fsdp())
+    fs.apply(plan, module)
+
+    def init(sub):  # passes the dry run on meta tensors
+        tensors = [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]
+        if not all(tensor.is_meta for tensor in tensors):
+            raise RuntimeError("an .item() on real values")
+        for tensor in tensors:
+            tensor.zero_()
+
+    with pytest.raises(fs.ShardingError, match=re.escape(said)) as raised:
+        fs.materialize(plan, module, init=init)
+    assert isinstance(raised.value.__cause__, RuntimeError)

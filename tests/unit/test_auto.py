@@ -591,3 +591,9 @@ def test_a_model_with_no_parameters_is_refused_by_name(model):
         fs.ShardingError, match=re.escape(f"auto(model={type(model).__name__}): a model with")
     ):
         fs.auto(model, devices=4, memory_budget="1GiB", batch=2, seq=16)
+
+
+def test_local_hardware_is_measured_on_as_many_processes_as_devices(local_measured_on):
+    # before: on 4 processes, whatever devices was
+    fs.auto(llama("tiny"), devices=2, memory_budget="1GiB", batch=2, seq=16, hardware="local")
+    assert local_measured_on == [2]

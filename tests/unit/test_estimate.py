@@ -361,3 +361,10 @@ def test_an_integer_parameter_is_traced_frozen_and_counted_without_optimizer_sta
     with_table, plain = estimated(True), estimated(False)
     assert with_table.memory["params"] == plain.memory["params"] + 64 * 64 * 8 // 2
     assert with_table.memory["optimizer"] == plain.memory["optimizer"]
+
+
+def test_local_hardware_is_measured_on_as_many_processes_as_the_plan_has_devices(local_measured_on):
+    # before: on 4 processes, whatever the plan's mesh
+    model = _plans()[0]
+    fs.estimate(model, fs.shard(model, fs.Mesh(dp=2), fs.replicate("dp")), batch=2, seq=16, hardware="local")
+    assert local_measured_on == [2]

@@ -55,6 +55,14 @@ def test_unknown_hardware_lists_the_names():
         fs.hardware("tpu9")
 
 
+def test_a_name_in_any_case_is_the_profile():
+    # before: "H100" was an unknown hardware
+    assert fs.hardware("H100") is fs.hardware("h100")
+    assert fs.hardware("A100") is fs.hardware("a100")
+    with pytest.raises(fs.ShardingError, match=re.escape("unknown hardware 'TPU9'; choose one of ['a100'")):
+        fs.hardware("TPU9")
+
+
 def test_minor_axes_fill_a_node_first():
     hw = fs.hardware("h100")  # 8 devices per node
     mesh = fs.Mesh(node=16, dp=2, tp=4)

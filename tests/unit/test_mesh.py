@@ -100,3 +100,18 @@ def test_device_mesh_bridge(fake_world):
     device_mesh = mesh.device_mesh("cpu")
     assert device_mesh.mesh_dim_names == ("dp", "tp")
     assert fs.Mesh.from_device_mesh(device_mesh) == mesh
+
+
+@pytest.mark.parametrize(
+    ("device_type", "says"),
+    [
+        # before: each built a DeviceMesh that failed only at its first collective
+        ("tpu", "device_mesh(device_type='tpu'): a torch device (the type of device the ranks compute on"),
+        ("meta", "device_mesh(device_type='meta'): a device this machine has"),
+        ("cpu:0", "device_mesh(device_type='cpu:0'): a device type, without an index"),
+    ],
+)
+def test_a_device_type_torch_cannot_build_a_mesh_on_here_is_refused_by_name(fake_world, device_type, says):
+    fake_world(2)
+    with pytest.raises(fs.MeshError, match=re.escape(says)):
+        fs.Mesh(dp=2).device_mesh(device_type)

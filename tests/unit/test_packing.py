@@ -174,6 +174,19 @@ def test_pack_by_hand_labels_and_ids():
             {"seq_len": 4},
             "* document 1 holds a negative token id (-7); token ids count from 0",
         ),
+        # before: "document 1 (list) is not a sequence of token ids"
+        (
+            [[1], [3, 2**70]],
+            {"seq_len": 4},
+            "* document 1 holds token id 1180591620717411303424 at position 1, outside int64 "
+            "(token ids: 0 to 9223372036854775807)",
+        ),
+        # before: packed, as the negative id -9223372036854775803
+        (
+            [torch.tensor([3, 2**63 + 5], dtype=torch.uint64)],
+            {"seq_len": 4},
+            "* document 0 holds token id 9223372036854775813 at position 1, outside int64",
+        ),
     ],
 )
 def test_pack_refuses_what_it_cannot_pack(docs, kwargs, message):

@@ -62,6 +62,27 @@ def test_printing_reads_like_the_python_api():
     )
 
 
+@pytest.mark.parametrize(
+    ("switches", "name", "text"),
+    [
+        ({}, "tp(llama, 'tp')", "tp(llama, tp)"),
+        # before: each of these was named "tp(llama, 'tp')", as the plain layer
+        ({"sequence_parallel": True}, "tp(llama, 'tp', sequence_parallel=True)", "sp(llama, tp)"),
+        ({"loss_parallel": True}, "tp(llama, 'tp', loss_parallel=True)", "tp(llama, tp, loss_parallel=true)"),
+        (
+            {"sequence_parallel": True, "loss_parallel": True},
+            "tp(llama, 'tp', sequence_parallel=True, loss_parallel=True)",
+            "sp(llama, tp, loss_parallel=true)",
+        ),
+    ],
+)
+def test_a_tp_layer_s_name_and_text_show_its_switches(switches, name, text):
+    policy = fs.tp(LLAMA, "tp", **switches)
+    assert policy.layers[0].name == name
+    assert fs.format_policy(policy) == text
+    assert fs.parse_policy(text) == policy
+
+
 AXES = st.sampled_from(["dp", "tp", "cp", "node", "gpu", "data parallel", "true", "full", "pp", "ep"])
 DTYPES = st.sampled_from(MIXED_PRECISION_DTYPES)
 

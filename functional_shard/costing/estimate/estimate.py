@@ -111,7 +111,8 @@ def estimate(
         batch: sequences per data-parallel rank per step; under a pipeline, the step's batch.
         seq: tokens per sequence.
         optimizer: as for `cost`.
-        hardware: a profile name (`fs.hardware`) or a `Hardware`; ``None`` is ``"h100"``.
+        hardware: a profile name (`fs.hardware`) or a `Hardware`; ``None`` is ``"h100"``; ``"local"`` is
+            measured with as many processes as the plan's mesh has devices.
         rank: the rank to estimate; by default the worst (`Estimate.rank` says which).
         inputs: the model's inputs when they are not token ids ``(batch, seq)`` (meta allowed).
         expert_imbalance: the most loaded expert's tokens over an even share (1 to E / k).
@@ -209,7 +210,7 @@ def _assembly(
     documents: RowDocuments | None = None,
 ) -> Assembly:
     """``plan`` on ``hardware`` (an ``"auto"`` cp engine chosen), traced once, ready to `assemble`."""
-    hw = _hardware(hardware)
+    hw = _hardware(hardware, processes=plan.mesh.size)  # "local": measured on the plan's devices
     dtype = compute_dtype(plan)
     hw.peak_flops(dtype)  # fail early, before tracing
     with_kernels = kernel_fields(model, plan, kernels, hw, dtype)

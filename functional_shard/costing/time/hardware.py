@@ -270,7 +270,7 @@ def hardware(name: str | Hardware | None = None, *, processes: int = 4) -> Hardw
     ``"local"`` is measured once per process and ``processes`` count (matmul rate and gloo all-reduce).
 
     Args:
-        name: ``"h100"``, ``"h200"``, ``"a100"``, ``"b200"``, ``"local"`` or a `Hardware`.
+        name: ``"h100"``, ``"h200"``, ``"a100"``, ``"b200"``, ``"local"`` (in any case) or a `Hardware`.
         processes: for ``"local"``: how many processes share this machine.
 
     Returns:
@@ -290,12 +290,14 @@ def hardware(name: str | Hardware | None = None, *, processes: int = 4) -> Hardw
     if isinstance(name, Hardware):
         return name
     key = "h100" if name is None else name
+    if isinstance(key, str):  # as datasheets and nvidia-smi write them: "H100" is "h100"
+        key = key.lower()
     if key == "local":
         positive_int(processes, "processes", meaning="the processes sharing this machine")
         return _local(processes)
     if not isinstance(key, str) or key not in PROFILES:
         raise ShardingError(
-            f"unknown hardware {key!r}; choose one of {sorted([*PROFILES, 'local'])} or pass an fs.Hardware"
+            f"unknown hardware {name!r}; choose one of {sorted([*PROFILES, 'local'])} or pass an fs.Hardware"
         )
     return PROFILES[key]
 

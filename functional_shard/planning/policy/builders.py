@@ -250,6 +250,8 @@ def tp(
         "tp(mlp, 'tp')"
         >>> tp("auto", "tp").layers[0].name
         "tp(auto, 'tp')"
+        >>> tp(rules.mlp, "tp", sequence_parallel=True).layers[0].name
+        "tp(mlp, 'tp', sequence_parallel=True)"
     """
     _axis(axis)
     if isinstance(rules, str):

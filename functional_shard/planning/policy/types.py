@@ -131,8 +131,11 @@ class TensorParallel(_OnOneAxis):
 
     @property
     def name(self) -> str:
-        """A short label for messages."""
-        return f"tp({self.rules.name}, {self.axis!r})"
+        """A short label for messages: the switches set show, as `tp` takes them."""
+        switches = "".join(
+            f", {switch}=True" for switch in ("sequence_parallel", "loss_parallel") if getattr(self, switch)
+        )
+        return f"tp({self.rules.name}, {self.axis!r}{switches})"
 
     def __call__(self, path: str, tensor: TensorSpec, mesh: Mesh) -> ParamSharding | None:
         """The sharding this layer gives one parameter."""

@@ -281,6 +281,12 @@ def _run_for(
         with torch.no_grad():
             run(owner)
         after = dict(owner._buffers)
+    except Exception as error:  # it passed on meta tensors (`sets`): only real values make it raise
+        raise ShardingError(
+            f"{owner_path or '<root>'} ({class_name(owner)}): its initialiser raised {said(error)} on real "
+            "buffers, after passing on meta tensors; the buffers have memory but not their values. Fix the "
+            "initialiser (init=...), then build the model on meta again"
+        ) from error
     finally:
         owner._parameters.update(params)
         owner._buffers.update(buffers)

@@ -116,7 +116,20 @@ def materialize(
     with torch.no_grad(), _other_stages_in_place(module) as elsewhere:
         for step in steps:
             so_far = {below: pending.pop(join_path(step.path, below)) for below in step.below}
-            for relative, full_value in _whole_values(step, device, so_far).items():
+            try:
+                values = _whole_values(step, device, so_far)
+            except Exception as error:
+                if step.run is not init:
+                    raise
+                # the parameters hold memory now, so a second materialize would take them for loaded
+                raise _init_raised(
+                    error,
+                    step.path,
+                    step.module,
+                    "on real tensors, after passing on meta tensors; the parameters have memory but not "
+                    "all their values. Fix init, then build the model on meta and apply the plan again",
+                ) from error
+            for relative, full_value in values.items():
                 qualified = join_path(step.path, relative)
                 if last_writer.get(qualified, step.path) != step.path:
                     pending[qualified] = full_value
@@ -198,11 +211,12 @@ def _steps(module: nn.Module, init: Initialiser | None) -> tuple[list[_Step], di
             else:  # a Hugging Face _init_weights passes over modules it does not know
                 written, error = sets(run, sub)
             if label == "init" and error is not None:  # the user's bug, not a module init passes over
-                raise ShardingError(
-                    f"fs.materialize(init=...) raised {said(error)} on {path or '<root>'} "
-                    f"({class_name(sub)}), on meta tensors (a dry run that finds what it sets); nothing "
-                    "changed. Fix init, or let it return without setting a module it does not handle "
-                    "(its own initialiser then runs)"
+                raise _init_raised(
+                    error,
+                    path,
+                    sub,
+                    "on meta tensors (a dry run that finds what it sets); nothing changed. Fix init, or let "
+                    "it return without setting a module it does not handle (its own initialiser then runs)",
                 ) from error
             if direct <= written | from_above:
                 chosen[path] = run
@@ -255,6 +269,14 @@ def _steps_of(
         else:
             steps.append(_Step(path, sub, hf_run[1], own=False, below=below))
     return steps
+
+
+def _init_raised(error: Exception, path: str, sub: nn.Module, when_and_fix: str) -> ShardingError:
+    """The refusal of an ``init=`` that raised ``error`` on the module at ``path``."""
+    return ShardingError(
+        f"fs.materialize(init=...) raised {said(error)} on {path or '<root>'} ({class_name(sub)}), "
+        + when_and_fix
+    )
 
 
 def _sets_nothing(module: nn.Module) -> None:
