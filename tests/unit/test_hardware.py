@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functional_shard as fs
+from functional_shard.zoo import llama
 
 
 def test_named_profiles_carry_datasheet_numbers():
@@ -117,6 +119,14 @@ def test_a_dtype_without_a_rate_is_refused():
 def test_local_processes_must_be_positive():
     with pytest.raises(fs.ShardingError, match=re.escape("hardware(processes=0): a positive int")):
         fs.hardware("local", processes=0)
+
+
+def test_local_refuses_more_processes_than_the_machine_runs(local_measured_on):
+    # one process per device: fs.auto(devices=1024, hardware="local") would start 1024 here
+    cores = len(os.sched_getaffinity(0))
+    with pytest.raises(fs.ShardingError, match=rf"hardware\(processes=1024\): at most {4 * cores} on"):
+        fs.auto(llama("tiny"), devices=1024, hardware="local", batch=1024, seq=16, memory_budget="80GB")
+    assert local_measured_on == []  # refused before anything started
 
 
 @pytest.mark.slow

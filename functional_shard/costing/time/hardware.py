@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ else:  # pragma: no cover - the backport, on Python 3.10
 import functional_shard as fs
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.mesh import Mesh
-from functional_shard.core.validate import entry_point, positive_int, positive_number
+from functional_shard.core.validate import entry_point, positive_int, positive_number, refuse
 
 __all__ = ["PROFILES", "Hardware", "KernelRates", "hardware"]
 
@@ -261,6 +262,8 @@ def _profiles() -> dict[str, Hardware]:
 
 
 PROFILES: dict[str, Hardware] = _profiles()
+# "local" starts one gloo process per device: a few share a core (4 on 2 cores run the tests), no more
+_LOCAL_PROCESSES_PER_CORE = 4
 
 
 @entry_point
@@ -277,7 +280,7 @@ def hardware(name: str | Hardware | None = None, *, processes: int = 4) -> Hardw
         The `Hardware`.
 
     Raises:
-        ShardingError: an unknown name.
+        ShardingError: an unknown name, or ``"local"`` with more processes than this machine runs.
 
     Examples:
         >>> fs.hardware("h200").memory_bytes // 10**9
@@ -294,6 +297,16 @@ def hardware(name: str | Hardware | None = None, *, processes: int = 4) -> Hardw
         key = key.lower()
     if key == "local":
         positive_int(processes, "processes", meaning="the processes sharing this machine")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if processes > _LOCAL_PROCESSES_PER_CORE * cores:
+            # each process is a device of the plan: a 1024-device plan would start 1024 here
+            refuse(
+                "processes",
+                str(processes),
+                f"at most {_LOCAL_PROCESSES_PER_CORE * cores} on this machine's {cores} cores",
+                meaning="'local' measures this machine with one process per device; for a larger plan "
+                "name a profile (h100, ...) or pass an fs.Hardware",
+            )
         return _local(processes)
     if not isinstance(key, str) or key not in PROFILES:
         raise ShardingError(
