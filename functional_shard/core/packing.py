@@ -370,6 +370,11 @@ def _document(document: Any) -> tuple[torch.Tensor, str | None]:
         return tensor, "is empty"
     if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
         return tensor, f"holds {tensor.dtype} values, not integer token ids"
+    if isinstance(document, Sequence) and (
+        flags := [at for at, v in enumerate(document) if isinstance(v, bool)]
+    ):
+        # a list mixing ints and bools becomes an int tensor: True would be read as token 1, silently
+        return tensor, f"holds a bool at position {flags[0]}, not an integer token id"
     if tensor.dtype == torch.uint64:  # its ids past int64 would turn negative in a long tensor, silently
         as_long = tensor.to(torch.long)
         if past := _past_int64((int(at), int(as_long[at]) + 2**64) for at in (as_long < 0).nonzero()):

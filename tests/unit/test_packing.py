@@ -187,6 +187,12 @@ def test_pack_by_hand_labels_and_ids():
             {"seq_len": 4},
             "* document 0 holds token id 9223372036854775813 at position 1, outside int64",
         ),
+        # before: packed, True as token id 1
+        (
+            [[1, 2], [1, True]],
+            {"seq_len": 4},
+            "* document 1 holds a bool at position 1, not an integer token id",
+        ),
     ],
 )
 def test_pack_refuses_what_it_cannot_pack(docs, kwargs, message):
