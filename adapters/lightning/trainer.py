@@ -94,13 +94,17 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
     restore_checkpoint_after_setup = ModelParallelStrategy.restore_checkpoint_after_setup
     lightning_restore_optimizer = ModelParallelStrategy.lightning_restore_optimizer
     _configure_launcher = ModelParallelStrategy._configure_launcher
-    set_world_ranks = ModelParallelStrategy.set_world_ranks
     tensor_init_context = ModelParallelStrategy.tensor_init_context
     barrier = ModelParallelStrategy.barrier
     broadcast = ModelParallelStrategy.broadcast
     reduce = ModelParallelStrategy.reduce
     _determine_device_ids = ModelParallelStrategy._determine_device_ids
     teardown = ModelParallelStrategy.teardown
+
+    def set_world_ranks(self) -> None:
+        """Lightning's, after refusing a world the mesh does not fit (called as the Trainer is made)."""
+        self._refuse_another_world()
+        ModelParallelStrategy.set_world_ranks(self)  # type: ignore[arg-type]
 
     _host: frozenset[str] = frozenset()  # the parameters FSDP2's CPU offload holds (known in setup)
 
