@@ -416,3 +416,38 @@ def test_fabric_save_checkpoint_refuses_an_option_it_does_not_take_with_the_fix(
     with pytest.raises(fs.ShardingError, match=re.escape(message) + ".*; drop "):
         strategy.save_checkpoint(tmp_path / "ckpt", {}, **option)
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "flag", "cast", "agreeing"),
+    [
+        (torch.bfloat16, "32-true", "float32", ["bf16-mixed", "bf16-true"]),
+        (torch.bfloat16, "16-mixed", "float16", ["bf16-mixed", "bf16-true"]),
+        (torch.float16, "bf16-mixed", "bfloat16", ["16-mixed", "16-true"]),
+        (torch.float32, "bf16-true", "bfloat16", ["32-true"]),
+    ],
+)
+def test_deepspeed_refuses_a_trainer_precision_other_than_the_plans_at_setup(dtype, flag, cast, agreeing):
+    """The plan's config pins DeepSpeed's dtype; Lightning's precision plugin would cast the
+    inputs to another, which DeepSpeed meets deep inside the model. Refused on each rank before
+    it joins (DeepSpeed runs only on CUDA: a precision that agrees reaches Lightning's refusal)."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is in the dev extra; CI installs it")
+    import lightning as L  # noqa: N812 (the name Lightning documents)
+
+    def set_up(precision):
+        strategy = to_lightning(plan(fs.zero(2) + fs.mixed_precision(dtype)), target="deepspeed")
+        L.Trainer(strategy=strategy, accelerator="cpu", devices=1, precision=precision, logger=False)
+        return strategy
+
+    planned = str(dtype).removeprefix("torch.")
+    wrong = (
+        f"to_lightning(target='deepspeed'): the plan trains in {planned} (mixed_precision in its policy, "
+        f"pinned in the DeepSpeed config) and precision={flag!r} casts the inputs to {cast}; use precision="
+        + " or ".join(repr(f) for f in agreeing)
+        + ", or drop mixed_precision from the plan"
+    )
+    with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
+        set_up(flag).setup_environment()
+    for precision in agreeing:
+        with pytest.raises(RuntimeError, match="only supported on CUDA GPUs"):
+            set_up(precision).setup_environment()
