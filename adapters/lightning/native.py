@@ -168,7 +168,8 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
 
     Raises:
         functional_shard.ShardingError: ``plan`` is no plan; the target cannot express the plan (the
-            feature named: pipeline, context and expert parallelism none of them do) or one of its
+            feature named: pipeline, context and expert parallelism, and tensor parallel inside
+            experts modules, none of them do) or one of its
             options (the option named), or DeepSpeed is not installed; at the DeepSpeed
             strategy's setup, a Trainer precision other than the plan's.
 
@@ -186,17 +187,23 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
         one_of(target, _TARGETS, "target", meaning="Lightning's strategy to build")
     config = plan.config
     # none of Lightning's own strategies runs these: the strategy built would drop them
-    unexpressed = {
-        "pipeline parallel": config.pipeline,
-        "context parallel": config.context,
-        "expert parallel": config.experts,
-    }
-    for feature, setting in unexpressed.items():
-        if setting is not None:
-            raise fs.ShardingError(
-                f"to_lightning: the plan runs {feature}, which none of Lightning's own strategies "
-                "runs; use ShardStrategy(plan)"
-            )
+    settings = (("pipeline parallel", config.pipeline), ("context parallel", config.context))
+    unexpressed = [feature for feature, setting in settings if setting is not None]
+    if config.experts is not None and config.experts.axis is not None:
+        unexpressed.append(f"expert parallel over {config.experts.axis!r}")
+    elif config.experts is not None:
+        # no expert axis: tp splits each expert's weights, the experts config holds their top-k only
+        tp_experts = config.tensor_parallel_experts or ("its experts modules",)
+        more = f" and {len(tp_experts) - 1} more" if len(tp_experts) > 1 else ""
+        unexpressed.append(
+            f"tensor parallel inside experts modules over {config.tensor_parallel_axes} "
+            f"({tp_experts[0]}{more}; no expert axis)"
+        )
+    if unexpressed:
+        raise fs.ShardingError(
+            f"to_lightning: the plan runs {unexpressed[0]}, which none of Lightning's own "
+            "strategies runs; use ShardStrategy(plan)"
+        )
     kind = config.data_parallel
     default = "model_parallel" if config.tp is not None else "fsdp"
     target = target or {"ddp": "ddp", "zero1": "deepspeed"}.get(kind, default)

@@ -451,3 +451,30 @@ def test_deepspeed_refuses_a_trainer_precision_other_than_the_plans_at_setup(dty
     for precision in agreeing:
         with pytest.raises(RuntimeError, match="only supported on CUDA GPUs"):
             set_up(precision).setup_environment()
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4, 2, 2))  # 4 experts' weights, one 3-D tensor
+
+
+@pytest.mark.parametrize(
+    ("policy", "mesh", "feature"),
+    [
+        (
+            fs.fsdp("dp") + fs.tp([("experts.w", "moe_tp_experts")], "tp"),
+            fs.Mesh(dp=2, tp=2),
+            "tensor parallel inside experts modules over ('tp',) (experts; no expert axis)",
+        ),
+        (fs.fsdp("dp") + fs.ep("dp"), fs.Mesh(dp=2), "expert parallel over 'dp'"),
+    ],
+)
+@pytest.mark.parametrize("target", [None, "fsdp", "deepspeed", "model_parallel"])
+def test_experts_are_refused_naming_how_the_plan_splits_them(policy, mesh, feature, target):
+    """Split by tp alone, the experts have no expert axis: not 'expert parallel'."""
+    model = torch.nn.ModuleDict({"experts": _Experts(), "router": torch.nn.Linear(2, 4)})
+    model.router.top_k = 2  # what a router says, as the plan's experts config reads it
+    wrong = f"to_lightning: the plan runs {feature}, which none of Lightning's own strategies runs"
+    with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
+        to_lightning(fs.shard(model, mesh, policy), target=target)
