@@ -60,7 +60,8 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
         trust_weights: read pickled ``pytorch_model.bin`` files too (``load_hf``'s ``trust``).
 
     Raises:
-        functional_shard.MeshError: the plan's mesh does not match the number of devices.
+        functional_shard.MeshError: the mesh does not fit ``devices`` x ``num_nodes`` (as the
+            Trainer is made, before any process starts).
         functional_shard.PlanError: the plan does not fit the module, or torch cannot run it.
         functional_shard.ShardingError: an optimizer built on replaced parameters; ``weights`` is
             not a folder, or does not fit the model; ``mesh`` is no Mesh, or not a plan's own;
