@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import os
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import functional_shard as fs
+from functional_shard.core.errors import counted
 from functional_shard.core.validate import instance_of, refuse
 from functional_shard.core.validate import path as check_path
 from functional_shard.planning.policy.types import as_policy
@@ -165,7 +167,39 @@ class _RunsAPlan:
     # attributes both kinds of strategy have, used as they are (by reference)
     _setup_distributed = FabricModelParallelStrategy._setup_distributed
     _get_process_group_backend = FabricModelParallelStrategy._get_process_group_backend
-    _set_world_ranks = FabricModelParallelStrategy._set_world_ranks
+
+    def _set_world_ranks(self) -> None:
+        """Fabric's, after refusing a world the mesh does not fit (Fabric calls it when it is made)."""
+        self._refuse_another_world()
+        FabricModelParallelStrategy._set_world_ranks(self)  # type: ignore[arg-type]
+
+    def _refuse_another_world(self) -> None:
+        """Refuse devices x num_nodes that the mesh cannot fill, as soon as Lightning says them.
+
+        Lightning says them when the Trainer or Fabric is made, before it starts or joins any
+        process, and says the same on every rank: so every rank refuses alike, where joining a
+        world of the wrong size would wait for ranks that never come (num_nodes on one machine).
+        """
+        devices, nodes = self.num_processes, self.num_nodes  # type: ignore[attr-defined]
+        if not devices:  # Lightning has not said its devices yet
+            return
+        world, mesh = devices * nodes, self._mesh
+        fixed = math.prod(size for size in mesh.sizes if size != -1)
+        if (fixed == world) if mesh.is_resolved else (world % fixed == 0):
+            return
+        told = f"devices={devices}" + (f" x num_nodes={nodes}" if nodes != 1 else "")
+        if not mesh.is_resolved:
+            held = f"{mesh!r}'s fixed axes hold {counted(fixed, 'device')}"
+            problem = f"{held}, which does not divide the world size {world}"
+            fix = f"set {'devices x num_nodes' if nodes != 1 else 'devices'} to a multiple of {fixed}"
+        else:
+            planned = self._plan is not None
+            held = f"{'the plan' if planned else 'mesh='} {mesh!r} has {counted(fixed, 'device')}"
+            problem = f"{held} but the world size is {world}"
+            remake = "make the plan" if planned else "give mesh= (or size -1 on one axis)"
+            per_node = f"devices={fixed // nodes}" if fixed % nodes == 0 else f"devices x num_nodes = {fixed}"
+            fix = f"{remake} for {counted(world, 'rank')}, or set {per_node}"
+        raise fs.MeshError(f"{type(self).__name__}: {problem} ({told}); {fix}")
 
     def setup_environment(self) -> None:
         """Join the process group and build the DeviceMesh of the plan's mesh."""

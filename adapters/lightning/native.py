@@ -6,12 +6,14 @@ import math
 from typing import Any
 
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 
 import functional_shard as fs
 from functional_shard.core.errors import bullets
 from functional_shard.core.validate import entry_point, instance_of, one_of, refuse
 from functional_shard.planning.plan.config import PlanConfig
+
+from ._common import _PRECISION_DTYPES
 
 __all__ = ["deepspeed_config", "to_lightning"]
 
@@ -87,6 +89,38 @@ def deepspeed_config(plan: fs.Plan) -> dict[str, Any]:
     return result
 
 
+# the dtype DeepSpeed's precision plugin casts the model and the inputs to, per Trainer flag
+_DEEPSPEED_PRECISIONS = {**_PRECISION_DTYPES, "32-true": "float32"}
+
+
+class _PlannedDeepSpeed(DeepSpeedStrategy):
+    """Lightning's DeepSpeedStrategy on a plan's config, which pins the dtype DeepSpeed trains in."""
+
+    def __init__(self, config: dict[str, Any], param_dtype: str | None) -> None:
+        super().__init__(config=config)
+        self._param_dtype = param_dtype
+
+    def setup_environment(self) -> None:
+        """Refuse a Trainer precision other than the plan's, then Lightning's (before any process joins).
+
+        The config pins DeepSpeed's bf16 and fp16, so Lightning's precision no longer sets
+        them; its plugin still casts the inputs to the flag's dtype, and the model would
+        meet inputs of another dtype deep inside DeepSpeed.
+        """
+        flag = self.precision_plugin.precision
+        flagged = _DEEPSPEED_PRECISIONS.get(flag)
+        planned = self._param_dtype
+        if planned is not None and flagged is not None and planned != flagged:
+            flags = [f for f, dtype in _DEEPSPEED_PRECISIONS.items() if dtype == planned]
+            raise fs.ShardingError(
+                f"to_lightning(target='deepspeed'): the plan trains in {planned} (mixed_precision in its "
+                f"policy, pinned in the DeepSpeed config) and precision={flag!r} casts the inputs to "
+                f"{flagged}; use precision=" + " or ".join(repr(f) for f in flags) + ", or drop "
+                "mixed_precision from the plan (Lightning's precision then sets DeepSpeed's)"
+            )
+        super().setup_environment()
+
+
 def _deepspeed_problems(config: PlanConfig, stage: int) -> list[str]:
     # each option of the plan DeepSpeed's config cannot say, with the change that fixes it
     problems = [
@@ -121,7 +155,8 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
 
     ``ddp`` plans give ``DDPStrategy``; ZeRO-2/3, FSDP and HSDP give ``FSDPStrategy`` (FSDP1,
     with the plan's units, checkpointing, offload and precision); ZeRO-1 gives
-    ``DeepSpeedStrategy(config=deepspeed_config(plan))``. An option of the plan the strategy
+    ``DeepSpeedStrategy(config=deepspeed_config(plan))``, which refuses at setup a Trainer
+    precision whose dtype is not the plan's ``mixed_precision``. An option of the plan the strategy
     has no setting for is refused by name, never dropped. 2D plans (FSDP, then tensor
     parallel) give ``ModelParallelStrategy``, whose LightningModule's ``configure_model``
     calls ``fs.apply(plan, self, root="model")``.
@@ -133,15 +168,17 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
 
     Raises:
         functional_shard.ShardingError: ``plan`` is no plan; the target cannot express the plan (the
-            feature named: pipeline, context and expert parallelism none of them do) or one of its
-            options (the option named), or DeepSpeed is not installed.
+            feature named: pipeline, context and expert parallelism, and tensor parallel inside
+            experts modules, none of them do) or one of its
+            options (the option named), or DeepSpeed is not installed; at the DeepSpeed
+            strategy's setup, a Trainer precision other than the plan's.
 
     Examples:
         >>> plan = fs.shard(torch.nn.Linear(4, 4), fs.Mesh(dp=2), fs.zero(2))
         >>> to_lightning(plan).sharding_strategy.name
         'SHARD_GRAD_OP'
     """
-    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
     instance_of(plan, fs.Plan, "plan", meaning="fs.shard(model, mesh, policy) makes one")
     if module is not None:
@@ -150,17 +187,23 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
         one_of(target, _TARGETS, "target", meaning="Lightning's strategy to build")
     config = plan.config
     # none of Lightning's own strategies runs these: the strategy built would drop them
-    unexpressed = {
-        "pipeline parallel": config.pipeline,
-        "context parallel": config.context,
-        "expert parallel": config.experts,
-    }
-    for feature, setting in unexpressed.items():
-        if setting is not None:
-            raise fs.ShardingError(
-                f"to_lightning: the plan runs {feature}, which none of Lightning's own strategies "
-                "runs; use ShardStrategy(plan)"
-            )
+    settings = (("pipeline parallel", config.pipeline), ("context parallel", config.context))
+    unexpressed = [feature for feature, setting in settings if setting is not None]
+    if config.experts is not None and config.experts.axis is not None:
+        unexpressed.append(f"expert parallel over {config.experts.axis!r}")
+    elif config.experts is not None:
+        # no expert axis: tp splits each expert's weights, the experts config holds their top-k only
+        tp_experts = config.tensor_parallel_experts or ("its experts modules",)
+        more = f" and {len(tp_experts) - 1} more" if len(tp_experts) > 1 else ""
+        unexpressed.append(
+            f"tensor parallel inside experts modules over {config.tensor_parallel_axes} "
+            f"({tp_experts[0]}{more}; no expert axis)"
+        )
+    if unexpressed:
+        raise fs.ShardingError(
+            f"to_lightning: the plan runs {unexpressed[0]}, which none of Lightning's own "
+            "strategies runs; use ShardStrategy(plan)"
+        )
     kind = config.data_parallel
     default = "model_parallel" if config.tp is not None else "fsdp"
     target = target or {"ddp": "ddp", "zero1": "deepspeed"}.get(kind, default)
@@ -174,7 +217,7 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
     if target == "deepspeed":
         cfg = deepspeed_config(plan)
         try:
-            return DeepSpeedStrategy(config=cfg)
+            return _PlannedDeepSpeed(cfg, config.param_dtype)
         except Exception as error:  # Lightning's MisconfigurationException when it is absent
             raise fs.ShardingError(
                 f"DeepSpeedStrategy could not be built ({error}); the config it would get is "

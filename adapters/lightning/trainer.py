@@ -60,7 +60,8 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
         trust_weights: read pickled ``pytorch_model.bin`` files too (``load_hf``'s ``trust``).
 
     Raises:
-        functional_shard.MeshError: the plan's mesh does not match the number of devices.
+        functional_shard.MeshError: the mesh does not fit ``devices`` x ``num_nodes`` (as the
+            Trainer is made, before any process starts).
         functional_shard.PlanError: the plan does not fit the module, or torch cannot run it.
         functional_shard.ShardingError: an optimizer built on replaced parameters; ``weights`` is
             not a folder, or does not fit the model; ``mesh`` is no Mesh, or not a plan's own;
@@ -94,13 +95,17 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
     restore_checkpoint_after_setup = ModelParallelStrategy.restore_checkpoint_after_setup
     lightning_restore_optimizer = ModelParallelStrategy.lightning_restore_optimizer
     _configure_launcher = ModelParallelStrategy._configure_launcher
-    set_world_ranks = ModelParallelStrategy.set_world_ranks
     tensor_init_context = ModelParallelStrategy.tensor_init_context
     barrier = ModelParallelStrategy.barrier
     broadcast = ModelParallelStrategy.broadcast
     reduce = ModelParallelStrategy.reduce
     _determine_device_ids = ModelParallelStrategy._determine_device_ids
     teardown = ModelParallelStrategy.teardown
+
+    def set_world_ranks(self) -> None:
+        """Lightning's, after refusing a world the mesh does not fit (called as the Trainer is made)."""
+        self._refuse_another_world()
+        ModelParallelStrategy.set_world_ranks(self)  # type: ignore[arg-type]
 
     _host: frozenset[str] = frozenset()  # the parameters FSDP2's CPU offload holds (known in setup)
 

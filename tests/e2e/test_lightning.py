@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from pathlib import Path
 
@@ -79,7 +80,7 @@ def test_registered_names_resolve():
 
     import functional_shard.adapters.lightning  # noqa: F401 (importing it registers the names)
 
-    trainer = L.Trainer(strategy="fs_fsdp_tp", accelerator="cpu", devices=1, logger=False)
+    trainer = L.Trainer(strategy="fs_fsdp_tp", accelerator="cpu", devices=2, logger=False)
     assert type(trainer.strategy).__name__ == "ShardStrategy"
     assert trainer.strategy._mesh == fs.Mesh(dp=-1, tp=2)
 
@@ -475,6 +476,58 @@ def test_a_mesh_or_timeout_the_strategy_would_ignore_or_fail_on_is_refused_when_
     with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
         made(fs.fsdp(), timeout="60")
     made(fs.fsdp(), timeout=timedelta(seconds=60))
+
+
+_PLAN_FOR_4 = "the plan Mesh(dp=4) has 4 devices but the world size is"
+_FIXED_2 = "fixed axes hold 2 devices, which does not divide the world size 3 (devices=3)"
+# (devices, num_nodes, the refusal) for a plan on Mesh(dp=4), under the Trainer and Fabric alike
+_PLAN_WORLDS = [
+    (2, 1, f"{_PLAN_FOR_4} 2 (devices=2); make the plan for 2 ranks, or set devices=4"),
+    (8, 1, f"{_PLAN_FOR_4} 8 (devices=8); make the plan for 8 ranks, or set devices=4"),
+    (4, 2, f"{_PLAN_FOR_4} 8 (devices=4 x num_nodes=2); make the plan for 8 ranks, or set devices=2"),
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "strategy", "devices", "num_nodes", "message"),
+    [
+        *[
+            pytest.param(kind, "plan", devices, nodes, message, id=f"{kind}-plan-{devices}x{nodes}")
+            for kind in ("Trainer", "Fabric")
+            for devices, nodes, message in _PLAN_WORLDS
+        ],
+        pytest.param(
+            "Trainer",
+            "fs_fsdp_tp",
+            3,
+            1,
+            f"Mesh(dp=-1, tp=2)'s {_FIXED_2}; set devices to a multiple of 2",
+            id="Trainer-fs_fsdp_tp",
+        ),
+        pytest.param("Trainer", "fs_hsdp", 3, 1, f"Mesh(node=2, gpu=-1)'s {_FIXED_2}", id="Trainer-fs_hsdp"),
+    ],
+)
+def test_a_world_the_mesh_does_not_fit_is_refused_when_the_trainer_is_made(
+    kind, strategy, devices, num_nodes, message
+):
+    """Refused before Lightning starts or joins a process: with num_nodes, joining a world of
+    the wrong size would wait for ranks that never come."""
+    import lightning as L  # noqa: N812 (the name Lightning documents)
+
+    from functional_shard.adapters.lightning import FabricShardStrategy, ShardStrategy
+
+    if kind == "Trainer":
+        made, who = functools.partial(L.Trainer, logger=False), ShardStrategy
+    else:
+        made, who = L.Fabric, FabricShardStrategy
+    plan = fs.shard(torch.nn.Linear(4, 4), fs.Mesh(dp=4), fs.fsdp())
+
+    def fresh():  # a strategy takes one Trainer's accelerator
+        return who(plan) if strategy == "plan" else strategy
+
+    with pytest.raises(fs.MeshError, match=re.escape(f"{who.__name__}: {message}")):
+        made(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=fresh())
+    made(accelerator="cpu", devices=2, num_nodes=2, strategy=fresh())  # 4 ranks fit each mesh
 
 
 @pytest.mark.parametrize("strategy", ["ShardStrategy", "FabricShardStrategy"])

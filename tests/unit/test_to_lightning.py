@@ -416,3 +416,65 @@ def test_fabric_save_checkpoint_refuses_an_option_it_does_not_take_with_the_fix(
     with pytest.raises(fs.ShardingError, match=re.escape(message) + ".*; drop "):
         strategy.save_checkpoint(tmp_path / "ckpt", {}, **option)
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "flag", "cast", "agreeing"),
+    [
+        (torch.bfloat16, "32-true", "float32", ["bf16-mixed", "bf16-true"]),
+        (torch.bfloat16, "16-mixed", "float16", ["bf16-mixed", "bf16-true"]),
+        (torch.float16, "bf16-mixed", "bfloat16", ["16-mixed", "16-true"]),
+        (torch.float32, "bf16-true", "bfloat16", ["32-true"]),
+    ],
+)
+def test_deepspeed_refuses_a_trainer_precision_other_than_the_plans_at_setup(dtype, flag, cast, agreeing):
+    """The plan's config pins DeepSpeed's dtype; Lightning's precision plugin would cast the
+    inputs to another, which DeepSpeed meets deep inside the model. Refused on each rank before
+    it joins (DeepSpeed runs only on CUDA: a precision that agrees reaches Lightning's refusal)."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is in the dev extra; CI installs it")
+    import lightning as L  # noqa: N812 (the name Lightning documents)
+
+    def set_up(precision):
+        strategy = to_lightning(plan(fs.zero(2) + fs.mixed_precision(dtype)), target="deepspeed")
+        L.Trainer(strategy=strategy, accelerator="cpu", devices=1, precision=precision, logger=False)
+        return strategy
+
+    planned = str(dtype).removeprefix("torch.")
+    wrong = (
+        f"to_lightning(target='deepspeed'): the plan trains in {planned} (mixed_precision in its policy, "
+        f"pinned in the DeepSpeed config) and precision={flag!r} casts the inputs to {cast}; use precision="
+        + " or ".join(repr(f) for f in agreeing)
+        + ", or drop mixed_precision from the plan"
+    )
+    with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
+        set_up(flag).setup_environment()
+    for precision in agreeing:
+        with pytest.raises(RuntimeError, match="only supported on CUDA GPUs"):
+            set_up(precision).setup_environment()
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4, 2, 2))  # 4 experts' weights, one 3-D tensor
+
+
+@pytest.mark.parametrize(
+    ("policy", "mesh", "feature"),
+    [
+        (
+            fs.fsdp("dp") + fs.tp([("experts.w", "moe_tp_experts")], "tp"),
+            fs.Mesh(dp=2, tp=2),
+            "tensor parallel inside experts modules over ('tp',) (experts; no expert axis)",
+        ),
+        (fs.fsdp("dp") + fs.ep("dp"), fs.Mesh(dp=2), "expert parallel over 'dp'"),
+    ],
+)
+@pytest.mark.parametrize("target", [None, "fsdp", "deepspeed", "model_parallel"])
+def test_experts_are_refused_naming_how_the_plan_splits_them(policy, mesh, feature, target):
+    """Split by tp alone, the experts have no expert axis: not 'expert parallel'."""
+    model = torch.nn.ModuleDict({"experts": _Experts(), "router": torch.nn.Linear(2, 4)})
+    model.router.top_k = 2  # what a router says, as the plan's experts config reads it
+    wrong = f"to_lightning: the plan runs {feature}, which none of Lightning's own strategies runs"
+    with pytest.raises(fs.ShardingError, match=re.escape(wrong)):
+        to_lightning(fs.shard(model, mesh, policy), target=target)
