@@ -116,20 +116,7 @@ def materialize(
     with torch.no_grad(), _other_stages_in_place(module) as elsewhere:
         for step in steps:
             so_far = {below: pending.pop(join_path(step.path, below)) for below in step.below}
-            try:
-                values = _whole_values(step, device, so_far)
-            except Exception as error:
-                if step.run is not init:
-                    raise
-                # the parameters hold memory now, so a second materialize would take them for loaded
-                raise _init_raised(
-                    error,
-                    step.path,
-                    step.module,
-                    "on real tensors, after passing on meta tensors; the parameters have memory but not "
-                    "all their values. Fix init, then build the model on meta and apply the plan again",
-                ) from error
-            for relative, full_value in values.items():
+            for relative, full_value in _drawn_values(step, device, so_far, init).items():
                 qualified = join_path(step.path, relative)
                 if last_writer.get(qualified, step.path) != step.path:
                     pending[qualified] = full_value
@@ -157,6 +144,25 @@ def materialize(
     place_grads_as_params(plan, module)
     reduce_whole_grads(plan, module, applied.device_mesh)
     return module
+
+
+def _drawn_values(
+    step: _Step, device: str | torch.device, so_far: dict[str, torch.Tensor], init: Initialiser | None
+) -> dict[str, torch.Tensor]:
+    """`_whole_values` of ``step``; the user's ``init`` raising on real tensors refused by module path."""
+    try:
+        return _whole_values(step, device, so_far)
+    except Exception as error:
+        if step.run is not init:
+            raise
+        # the parameters hold memory now, so a second materialize would take them for loaded
+        raise _init_raised(
+            error,
+            step.path,
+            step.module,
+            "on real tensors, after passing on meta tensors; the parameters have memory but not "
+            "all their values. Fix init, then build the model on meta and apply the plan again",
+        ) from error
 
 
 @dataclass(frozen=True)
