@@ -278,9 +278,8 @@ def failing_loss_then_a_step(spec: dict[str, Any], what: str) -> dict[str, Any]:
     """A step whose loss_fn fails on the last stage (``what``: ``"per_token"`` loss, ``"short"``
     targets, ``"evaluation"`` of short targets) or whose inputs the first stage cannot run
     (``"float_ids"``, ``"flat"`` rows, ``"out_of_memory"``), whose block ``layers.2`` fails in a later
-    stage (``"later_stage"``; ``"later_stage_outputs"`` in fs.forward_only) or a step after a good one
-    holds an id past the vocabulary (``"past_vocabulary"``), or the model called outside a schedule
-    (``"direct"``), then a good step: the refusal and that loss."""
+    stage (``"later_stage"``; ``"later_stage_outputs"`` in fs.forward_only), or the model called
+    outside a schedule (``"direct"``), then a good step: the refusal and that loss."""
     model = build(spec)
     plan = fs.shard(model, fs.Mesh(**spec["mesh"]), policy_of(spec))
     fs.apply(plan, model)
@@ -301,7 +300,6 @@ def failing_loss_then_a_step(spec: dict[str, Any], what: str) -> dict[str, Any]:
         "later_stage_outputs": lambda: _later_stage_failing_once(
             model, lambda: fs.forward_only(plan, model)(inputs)
         ),
-        "past_vocabulary": lambda: _ids_past_the_vocabulary_after_a_step(model, plan, inputs, targets),
     }[what]
     try:
         failing()
@@ -344,17 +342,6 @@ def _later_stage_failing_once(model: torch.nn.Module, run: Callable[[], Any]) ->
     finally:
         if held:
             del block.forward
-
-
-def _ids_past_the_vocabulary_after_a_step(
-    model: torch.nn.Module, plan: fs.Plan, inputs: torch.Tensor, targets: torch.Tensor
-) -> None:
-    """A good step, then one of the same layout whose first id is the vocabulary's size."""
-    step = fs.forward_backward(plan, model, lm_loss)
-    step(inputs, targets)
-    past = inputs.clone()
-    past[0, 0] = model.config.vocab_size
-    step(past, targets)
 
 
 def plain_step() -> dict[str, Any]:

@@ -158,14 +158,6 @@ INPUTS_FAILED = "the pipeline's first stage cannot run a micro-batch of inputs o
             "later_stage_outputs",
             ("the pipeline's stage 1 (pp rank 1) ran its forward on a micro-batch, and it failed; every",),
         ),
-        # a layout run before: no check of the first stage, whose embedding raised alone
-        (
-            "past_vocabulary",
-            (
-                "inputs=token ids from 0 to 128: ids from 0 to 127 (the rows of embed_tokens, on the "
-                "pipeline's first stage; every pp rank stops here",
-            ),
-        ),
         # no step: the first stage returned its hidden states as the model's output, the last raised alone
         ("direct", ("the pipelined model was called directly, which runs this rank's stages alone",)),
     ],

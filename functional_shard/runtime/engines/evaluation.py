@@ -91,8 +91,7 @@ def forward_only(plan: Plan, module: nn.Module, *, root: str = "") -> Callable[.
             from ``forward``, a batch the micro-batch count does not divide (under a pipeline: or no
             tensor of rows), packed rows given to a
             model whose attention would cross documents, or (under a pipeline) a packed document
-            that straddles two micro-batches or inputs its first stage cannot run (or token ids past
-            its embedding's rows; on every pp rank).
+            that straddles two micro-batches or inputs its first stage cannot run (on every pp rank).
 
     Examples:
         >>> plan = fs.shard(nn.Linear(4, 2), fs.Mesh(dp=1), fs.replicate())

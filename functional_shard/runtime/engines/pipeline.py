@@ -25,7 +25,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from functional_shard.core.document_attention import PackedForward, packed_forward
 from functional_shard.core.errors import ShardingError
 from functional_shard.core.tree import within
-from functional_shard.core.validate import refuse
 from functional_shard.planning.pipeline.stage_plans import stage_plan, without_pipeline
 from functional_shard.planning.pipeline.stages import SCHEDULES, SINGLE_STAGE, rank_stages
 from functional_shard.planning.plan.plan import Plan
@@ -80,9 +79,6 @@ class Pipelined:
     # whole model before this rank's stages were cut from it, so every rank refuses alike
     packing: PackedForward
     gate: ScheduleGate  # open while a schedule runs the stages: their forwards run only then
-    # the first stage's largest embedding (path, rows), read from the whole model: the ids every
-    # pp rank checks its batch against (`_check_token_ids`)
-    embedding: tuple[str, int] | None
     schedule: Any = None
     loss: Callable[..., torch.Tensor] | None = field(default=None, repr=False)
     # the shapes and dtypes of the batch the schedule sized its stages' buffers for
@@ -196,7 +192,6 @@ def apply_pipeline(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> Pl
     n_stages = len(pipeline.stages)
     mine = rank_stages(pp_rank, pp, pipeline.stages_per_rank, pipeline.schedule)
     packing, gate = packed_forward(module), ScheduleGate()
-    embedding = _largest_embedding(module, pipeline.stages[0])
     others = {m for s in range(n_stages) if s not in mine for m in pipeline.stages[s]}
     _drop_in_place(module, others)
     stage_modules: list[tuple[int, nn.Module]] = []
@@ -230,43 +225,10 @@ def apply_pipeline(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -> Pl
     if len(mine) > 1:
         refuse_direct_calls(module, mine)
     last_rank = pipeline.coordinate_of(n_stages - 1, plan.mesh)
-    pipelined = Pipelined(plan, tuple(built), pp_mesh.get_group(), last_rank, packing, gate, embedding)
+    pipelined = Pipelined(plan, tuple(built), pp_mesh.get_group(), last_rank, packing, gate)
     module.__dict__["_fs_pipeline"] = pipelined
     _PIPELINED.add(module)
     return without_pipeline(stage_plan(plan, mine))
-
-
-def _largest_embedding(module: nn.Module, paths: Iterable[str]) -> tuple[str, int] | None:
-    """The embedding with the most rows among the modules at ``paths`` (a stage's), and its row count."""
-    found = [
-        (f"{path}.{name}" if name else path, embedding.num_embeddings)
-        for path in paths
-        for name, embedding in module.get_submodule(path).named_modules()
-        if isinstance(embedding, nn.Embedding)
-    ]
-    return max(found, key=lambda found: found[1], default=None)
-
-
-def _check_token_ids(pipelined: Pipelined, inputs: torch.Tensor) -> None:
-    """Refuse on every pp rank token ids past the first stage's embedding, before the schedule runs.
-
-    Inside it the first stage would raise alone (on a GPU: a device-side assert), and the other
-    ranks wait for what it sends; the first-stage check runs once a layout, not on each batch's
-    values. Every pp rank passes the same batch: each refuses it alike, without a word to the others.
-    One read of the device a step.
-    """
-    if pipelined.embedding is None or inputs.is_floating_point() or inputs.is_complex() or not inputs.numel():
-        return
-    path, rows = pipelined.embedding
-    low, high = torch.stack([inputs.min(), inputs.max()]).tolist()
-    if low < 0 or high >= rows:
-        refuse(
-            "inputs",
-            f"token ids from {low} to {high}",
-            f"ids from 0 to {rows - 1}",
-            meaning=f"the rows of {path}, on the pipeline's first stage; every pp rank stops here, as that "
-            "stage would fail on them alone. Fix: the batch, or a vocabulary as large as its tokenizer's",
-        )
 
 
 def _schedule(pipelined: Pipelined, inputs: torch.Tensor, keywords: dict[str, torch.Tensor] | None) -> Any:
@@ -279,7 +241,6 @@ def _schedule(pipelined: Pipelined, inputs: torch.Tensor, keywords: dict[str, to
     """
     from torch.distributed.pipelining import schedules
 
-    _check_token_ids(pipelined, inputs)
     layout = tuple((name, tuple(t.shape), t.dtype) for name, t in {"": inputs, **(keywords or {})}.items())
     if layout != pipelined.batch_layout:
         _check_first_stage_takes(pipelined, inputs, keywords or {})

@@ -70,9 +70,8 @@ def forward_backward(
             packed rows given to a model whose attention would cross documents (`fs.packed_inputs` refuses
             alike), to a Hugging Face model under context parallel or to context parallel under a
             pipeline, or, under a pipeline, a packed document that straddles two micro-batches, inputs
-            its first stage cannot run (or token ids past its embedding's rows), a later stage whose
-            forward fails on the first step of a batch layout, or a ``loss_fn`` that fails on its last
-            stage (on every pp rank).
+            its first stage cannot run, a later stage whose forward fails on the first step of a batch
+            layout, or a ``loss_fn`` that fails on its last stage (on every pp rank).
 
     Examples:
         >>> plan = fs.shard(nn.Linear(4, 2), fs.Mesh(dp=1), fs.replicate())
