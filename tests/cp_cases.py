@@ -30,6 +30,9 @@ BATCH = 2  # sequences per data-parallel rank
 
 # tied embeddings, grouped-query attention (4 query heads, 2 key/value heads)
 ZOO = LlamaConfig(128, 32, 64, num_layers=2, num_heads=4, num_kv_heads=2, tie_embeddings=True)
+# the zoo's attention repeats its key/value heads before SDPA, so the engine gathers the
+# repeated ones: traffic is checked on this one (and on Qwen2, whose heads stay grouped)
+ZOO_MHA = LlamaConfig(128, 32, 64, num_layers=2, num_heads=4, num_kv_heads=4, tie_embeddings=True)
 
 
 def build(kind: str) -> torch.nn.Module:
@@ -37,6 +40,8 @@ def build(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "zoo":
         return Llama(ZOO)
+    if kind == "zoo_mha":
+        return Llama(ZOO_MHA)
     if kind == "zoo_untied":  # a pipeline does not keep a tie between stages in step
         return Llama(dataclasses.replace(ZOO, tie_embeddings=False))
     import transformers

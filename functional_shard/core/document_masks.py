@@ -110,8 +110,7 @@ def attend_within_documents(
     """Attention of ``(rows, heads, seq, head_dim)`` tensors under `document_attention_mask`'s ``mask``.
 
     A boolean mask goes to SDPA; a block mask to flex attention, compiled on CUDA (eager flex
-    attention, forward only, elsewhere: it scores every pair). Grouped-query keys and values (fewer
-    heads than the query) go as they are, not repeated.
+    attention, forward only, elsewhere: it scores every pair).
 
     Examples:
         >>> q = torch.randn(1, 2, 3, 4)
@@ -120,15 +119,12 @@ def attend_within_documents(
         >>> torch.allclose(out[:, :, 2], q[:, :, 2])  # the last token's document is itself alone
         True
     """
-    grouped = key.shape[-3] != query.shape[-3]
     if isinstance(mask, torch.Tensor):
-        return torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, enable_gqa=grouped
-        )
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
     from torch.nn.attention.flex_attention import flex_attention
 
     run = _compiled(flex_attention) if query.is_cuda else cast("Callable[..., Any]", flex_attention)
-    return cast(torch.Tensor, run(query, key, value, block_mask=mask, enable_gqa=grouped))
+    return cast(torch.Tensor, run(query, key, value, block_mask=mask))
 
 
 @functools.cache

@@ -120,9 +120,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if rotary is not None:
             q, k = _rotate(q, rotary), _rotate(k, rotary)
-        # key/value heads stay grouped: context parallel then gathers n_kv_heads, not n_heads
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             out = attend_within_documents(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))

