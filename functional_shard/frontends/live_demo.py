@@ -11,7 +11,6 @@ only to itself, under cp cut over the ranks by attention work.
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -25,6 +24,7 @@ from functional_shard.core.errors import ShardingError
 from functional_shard.core.mesh import Mesh
 from functional_shard.core.packing import PackedBatch, collate_packed, pack
 from functional_shard.core.validate import entry_point, instance_of, one_of, refuse
+from functional_shard.costing.time.hardware import process_limit
 from functional_shard.planning.plan.cost_record import Cost
 from functional_shard.planning.plan.plan import Plan
 from functional_shard.planning.planner import shard
@@ -46,20 +46,6 @@ _MEASURED_STEP = 2  # steady state: lazy optimizer state built, DDP's buckets re
 # against one float32 process: float32 reordering of sharded reductions is ~1e-6 here;
 # a low-precision plan computes in its dtype (bfloat16's relative step is 7.8e-3)
 _LOSS_TOLERANCE = {None: 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
-
-
-def process_limit() -> int:
-    """How many local processes the demo starts on this machine without ``force``.
-
-    Four per usable CPU core, at least eight: past that, gloo ranks crawl for minutes before a
-    collective times out.
-
-    Examples:
-        >>> process_limit() >= 8
-        True
-    """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(8, 4 * (cores or 1))
 
 
 @dataclass(frozen=True)

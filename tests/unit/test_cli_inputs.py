@@ -1,5 +1,6 @@
 """Command-line values that were once replaced or let through in silence are refused in one line."""
 
+import os
 import re
 import sys
 
@@ -188,7 +189,7 @@ def test_force_starts_them_anyway(monkeypatch):
 
 @pytest.mark.parametrize(("cores", "limit"), [(1, 8), (2, 8), (3, 12), (16, 64)])
 def test_the_process_limit_is_four_per_core_and_at_least_eight(monkeypatch, cores, limit):
-    monkeypatch.setattr(demo.os, "sched_getaffinity", lambda _pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(cores)), raising=False)
     assert demo.process_limit() == limit
 
 

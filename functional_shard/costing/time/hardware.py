@@ -29,7 +29,7 @@ from functional_shard.core.errors import ShardingError
 from functional_shard.core.mesh import Mesh
 from functional_shard.core.validate import entry_point, positive_int, positive_number, refuse
 
-__all__ = ["PROFILES", "Hardware", "KernelRates", "hardware"]
+__all__ = ["PROFILES", "Hardware", "KernelRates", "hardware", "process_limit"]
 
 
 @dataclass(frozen=True)
@@ -262,8 +262,20 @@ def _profiles() -> dict[str, Hardware]:
 
 
 PROFILES: dict[str, Hardware] = _profiles()
-# "local" starts one gloo process per device: a few share a core (4 on 2 cores run the tests), no more
-_LOCAL_PROCESSES_PER_CORE = 4
+
+
+def process_limit() -> int:
+    """How many local gloo processes this machine runs: four per usable CPU core, at least eight.
+
+    Past that, gloo ranks crawl for minutes before a collective times out. ``"local"`` hardware
+    and the demo start one process per device of a plan, and start no more than this.
+
+    Examples:
+        >>> process_limit() >= 8
+        True
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(8, 4 * (cores or 1))
 
 
 @entry_point
@@ -297,13 +309,12 @@ def hardware(name: str | Hardware | None = None, *, processes: int = 4) -> Hardw
         key = key.lower()
     if key == "local":
         positive_int(processes, "processes", meaning="the processes sharing this machine")
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        if processes > _LOCAL_PROCESSES_PER_CORE * cores:
+        if processes > (limit := process_limit()):
             # each process is a device of the plan: a 1024-device plan would start 1024 here
             refuse(
                 "processes",
                 str(processes),
-                f"at most {_LOCAL_PROCESSES_PER_CORE * cores} on this machine's {cores} cores",
+                f"at most {limit} on this machine (four per usable core, at least eight)",
                 meaning="'local' measures this machine with one process per device; for a larger plan "
                 "name a profile (h100, ...) or pass an fs.Hardware",
             )
