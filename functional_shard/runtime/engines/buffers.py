@@ -284,8 +284,8 @@ def _run_for(
     except Exception as error:  # it passed on meta tensors (`sets`): only real values make it raise
         raise ShardingError(
             f"{owner_path or '<root>'} ({class_name(owner)}): its initialiser raised {said(error)} on real "
-            "buffers, after passing on meta tensors; the buffers have memory but not their values. Fix the "
-            "initialiser (init=...), then build the model on meta again"
+            "buffers, after passing on meta tensors; the buffers have memory but not their values. Fix that "
+            "initialiser (init=..., or the module's own: either may run), then build the model on meta again"
         ) from error
     finally:
         owner._parameters.update(params)
