@@ -26,8 +26,11 @@ check() {  # check SECONDS COMMAND...: run it under a limit; its output to the l
 
 # CPU offload on a meta-built model: materialize's placement, clip_grad_norm_ and grad_scaler
 check 45 python3 bench/cuda_offload.py
+# half of Llama 3 8B on this one GPU: do 8B's shapes run at the rates measured on 1B's? (the
+# published 8B rows' 1.6-1.8x; then: python bench/cuda_step_kernels.py --compare .../steps-scale.json)
+check 100 python3 bench/cuda_step_kernels.py --out "$out" --tag scale --no-rates --rows llama-3-8b
 # rates (each SDPA kernel alone, and the host's seconds per op), then every step row again
-check 330 python3 bench/cuda_step_kernels.py --out "$out" --tag session
+check 300 python3 bench/cuda_step_kernels.py --out "$out" --tag session
 # packed documents: the compiled flex path's parity, padded against packed tokens/s
-check 180 python3 bench/cuda_packed.py --out "$out"
+check 150 python3 bench/cuda_packed.py --out "$out"
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv | tee -a "$log"

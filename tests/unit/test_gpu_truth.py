@@ -23,6 +23,7 @@ where torch put it and end with the segments torch ended with.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import pathlib
@@ -61,8 +62,9 @@ def measured_kinds(row: dict) -> dict[str, float]:
 
 def model_of(row: dict) -> torch.nn.Module:
     with torch.device("meta"):
-        if row["row"]["family"] == "zoo":
-            return Llama(CONFIGS["llama-1b"])
+        if row["row"]["family"] == "zoo":  # llama-1b, or the sizes the row names
+            sizes = dict(row["row"].get("config") or {})
+            return Llama(dataclasses.replace(CONFIGS[sizes.pop("like", "llama-1b")], **sizes))
         transformers = pytest.importorskip("transformers")
         config = getattr(transformers, row["row"]["family"])(**row["row"]["config"])
         return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
