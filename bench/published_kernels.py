@@ -23,6 +23,15 @@ speedup beside theirs:
   and 10,753, 47.96 and 46.97 GiB. The same GPU as the ``h200`` profile's measured rates.
   That torchtitan compiled the loss too (``build_cross_entropy_loss``): ``compiled_loss``.
 
+* torchtitan ``docs/performance.md`` (April 2024, torchtitan 157a12c56): FSDP2 on 64 A100s
+  (80 GB), eager bf16, local batch 1 (Llama 3, 8,192 tokens) or 2 (Llama 2, 4,096 tokens), with
+  each run's checkpointing: Llama 3 8B selective layer 2,904 and selective op 2,973, Llama 3 70B
+  full 331; Llama 2 13B none 2,162, selective layer 1,914, selective op 1,904; Llama 2 70B
+  selective op (batch 1) 355, full 353. The ``a100`` profile's kernel rates are the H200's
+  measured fractions of peak applied to the A100's datasheet: nothing here was fitted to them.
+  "Selective layer" is torchtitan's ``selective_ac_option = "2"``: every second block
+  checkpointed whole.
+
 The 8B rows ran torchtitan's per-op selective checkpointing (``llama3_8b.toml``: selective,
 ``op``), counted as it runs: ``fs.checkpointing(Block, policy="torchtitan")``.
 
@@ -35,11 +44,13 @@ import pathlib
 import sys
 from typing import NamedTuple
 
+import torch
+
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 
 import functional_shard as fs
 from functional_shard.planning.tp import rules
-from functional_shard.zoo import Block, llama
+from functional_shard.zoo import Block, Llama, LlamaConfig, llama
 
 COMPILE = fs.Kernels(compile=True)
 FLOAT8 = fs.Kernels(compile=True, float8=True)
@@ -47,6 +58,12 @@ FLOAT8_GATHERS = fs.Kernels(compile=True, float8=True, float8_all_gather=True)
 ASYNC_TP = fs.Kernels(compile=True, float8=True, async_tp=True)
 # torchtitan compiles the loss with the model from April 2025 (build_cross_entropy_loss)
 TRAINY = fs.Kernels(compile=True, float8=True, float8_all_gather=True, compiled_loss=True)
+
+
+# torchtitan's Llama 2 ModelArgs: its ffn rounds 8/3 of the width (times ffn_dim_multiplier 1.3
+# for 70B) up to multiple_of (256; 4,096 for 70B); a 32,000-token vocabulary
+LLAMA2_13B = LlamaConfig(32000, 5120, 13824, 40, 40, 40)
+LLAMA2_70B = LlamaConfig(32000, 8192, 28672, 80, 64, 8)
 
 
 class Row(NamedTuple):
@@ -63,6 +80,42 @@ class Row(NamedTuple):
 
 def rows() -> list[Row]:
     """Each published row, with the settings its run used."""
+    return [*hopper_rows(), *a100_rows()]
+
+
+def a100_rows() -> list[Row]:
+    """torchtitan's April 2024 rows: FSDP2 on 64 A100s, eager bf16, each with its checkpointing."""
+    with torch.device("meta"):
+        l2_13b, l2_70b = Llama(LLAMA2_13B), Llama(LLAMA2_70B)
+    l3_8b, l3_70b = llama("llama-3-8b"), llama("llama-70b")
+
+    def on_64(model: torch.nn.Module, checkpointing: str | None) -> tuple[object, object]:
+        policy = fs.fsdp("dp") + fs.mixed_precision()
+        if checkpointing == "layer":  # every second block whole, as ac_freq 2 picks them
+            policy = policy + fs.checkpointing(*(f"layers.{i}" for i in range(1, len(model.layers), 2)))
+        elif checkpointing is not None:
+            policy = policy + fs.checkpointing(Block, policy=checkpointing)
+        return model, fs.shard(model, fs.Mesh(dp=64), policy)
+
+    source = "torchtitan A100"
+    return [
+        Row(f"{source} L3 8B", "selective layer", None, on_64(l3_8b, "layer"), 1, 8192, 2904, None, "a100"),
+        Row(f"{source} L3 8B", "selective op", None, on_64(l3_8b, "torchtitan"), 1, 8192, 2973, None, "a100"),
+        Row(f"{source} L3 70B", "full", None, on_64(l3_70b, "full"), 1, 8192, 331, None, "a100"),
+        Row(f"{source} L2 13B", "none", None, on_64(l2_13b, None), 2, 4096, 2162, None, "a100"),
+        Row(f"{source} L2 13B", "selective layer", None, on_64(l2_13b, "layer"), 2, 4096, 1914, None, "a100"),
+        Row(
+            f"{source} L2 13B", "selective op", None, on_64(l2_13b, "torchtitan"), 2, 4096, 1904, None, "a100"
+        ),
+        Row(
+            f"{source} L2 70B", "selective op", None, on_64(l2_70b, "torchtitan"), 1, 4096, 355, None, "a100"
+        ),
+        Row(f"{source} L2 70B b2", "full", None, on_64(l2_70b, "full"), 2, 4096, 353, None, "a100"),
+    ]
+
+
+def hopper_rows() -> list[Row]:
+    """The H100 and H200 rows: torchtitan's December 2024 tables, torchao's README, Trainy's runs."""
     m8, m70 = llama("llama-3-8b"), llama("llama-70b")
     bf16 = fs.mixed_precision()
     titan_sac = fs.checkpointing(Block, policy="torchtitan")

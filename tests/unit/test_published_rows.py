@@ -1,4 +1,4 @@
-"""The estimate against torchtitan's published H100 rows, at their settings (slow).
+"""The estimate against torchtitan's published H100 and A100 rows, at their settings (slow).
 
 bench/published_pipelines.py and bench/long_context.py print these tables; here they are
 held to the issue's bar: tokens/s within 20% of the published figures counted with the
@@ -9,7 +9,8 @@ rows, counted with torch's ring's causal pairs and the FlashAttention-2 kernels 
 (bench/long_context.py's TORCHTITAN_H100), do not hold: ours are 1.30-1.75 times theirs, as the
 8B rows at 8k tokens are (bench/published_kernels.py); docs/long-context.md, "Against published
 runs", says what is known of why (the Trainy H200 rows, on the GPU the rates were measured on,
-are as far off) and what measurement would settle it.
+are as far off) and what measurement would settle it. torchtitan's FSDP2 rows on 64 A100s hold
+(1.08-1.15), so the gap is not multi-GPU FSDP as such.
 """
 
 from __future__ import annotations
@@ -101,3 +102,21 @@ def test_published_memory_is_within_20_percent_and_the_8b_rows_within_10():
             row.kernels_label,
             ratio,
         )
+
+
+def test_torchtitan_a100_rows_are_within_20_percent_and_ordered_as_measured():
+    """torchtitan's April 2024 FSDP2 runs on 64 A100s (8B to 70B, each checkpointing it ran): tokens/s
+    within 20% (ours 1.08-1.15 of theirs), and where two runs of one model differ by more than 10%,
+    ours order them the same way. The A100's rates are the H200's fractions of peak, not these rows'."""
+    rows = published_kernels.a100_rows()
+    ours = []
+    for row in rows:
+        model, plan = row.model_and_plan
+        est = fs.estimate(model, plan, batch=row.batch, seq=row.seq, hardware=row.hardware)
+        ours.append(est.tokens_per_second)
+        assert row.tokens_per_second is not None
+        assert _within(ours[-1], row.tokens_per_second), (row.source, row.kernels_label, ours[-1])
+    for a, mine in zip(rows, ours, strict=True):
+        for b, other in zip(rows, ours, strict=True):
+            if a.source == b.source and a.tokens_per_second > 1.1 * b.tokens_per_second:  # type: ignore[operator]
+                assert mine > other, (a.source, a.kernels_label, b.kernels_label)
