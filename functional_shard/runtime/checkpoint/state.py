@@ -36,9 +36,11 @@ if TYPE_CHECKING:
     from functional_shard.runtime.engines.pipeline import Pipelined
 
 __all__ = [
+    "made_state",
     "model_state",
     "optimizer_state",
     "refuse_packed",
+    "saved_only",
     "set_model_state",
     "set_optimizer_state",
     "state_made",
@@ -166,6 +168,17 @@ def _names(module: nn.Module) -> dict[nn.Parameter, str]:
     return {param: name for name, param in module.named_parameters()}
 
 
+def _drop_unsaved(module: nn.Module, optimizer: torch.optim.Optimizer, saved: set[str]) -> None:
+    # a tied parameter's state is saved under one of its names
+    names: dict[nn.Parameter, set[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(param, set()).add(name)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param in names and not names[param] & saved:
+                optimizer.state.pop(param, None)
+
+
 def _zero1_groups(module: nn.Module, optimizer: ZeroRedundancyOptimizer) -> list[dict[str, Any]]:
     names = _names(module)
     return [
@@ -185,8 +198,31 @@ def optimizer_state(
     """The optimizer's state keyed by parameter path (``{"state": ..., "param_groups": ...}``).
 
     Sharded: this rank's shards (a ZeRO-1 optimizer: the whole tensors this rank owns).
-    Full: every parameter's whole state on rank 0, nothing elsewhere.
+    Full: every parameter's whole state on rank 0, nothing elsewhere. A parameter that was
+    never stepped has none, and reading the state leaves the optimizer as it was.
     """
+    never_stepped = not isinstance(optimizer, ZeroRedundancyOptimizer) and not optimizer.state
+    state = _optimizer_state(module, optimizer, full=full)
+    if never_stepped:
+        # torch makes a never-stepped optimizer's state to read it (_init_optim_state: a step
+        # of zero gradients at lr 0), after which Adam counts one step: the first real step's
+        # bias correction, and so the training, would differ from a run that never saved
+        optimizer.state.clear()
+        return {**state, "state": {}} if state else state
+    return state
+
+
+def made_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's state of ``optimizer`` with an entry for every parameter: what a load fills.
+
+    Torch makes a never-stepped optimizer's state (zeros) while the gradients are set aside
+    (`state_made`); the optimizer keeps it until a load replaces it or `_restore` undoes it.
+    """
+    with state_made(optimizer):
+        return _optimizer_state(module, optimizer, full=False)
+
+
+def _optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool) -> dict[str, Any]:
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
         if not full:
             return get_optimizer_state_dict(module, optimizer)
@@ -194,7 +230,8 @@ def optimizer_state(
         pipelined = _pipeline(module)
         if pipelined is not None:
             ordered = functools.partial(_optimizer_in_order, orders=orders, reorder=piece_major)
-            return _gathered_stages(pipelined, optimizer_state(module, optimizer), _merge_optimizers, ordered)
+            own = _optimizer_state(module, optimizer, full=False)
+            return _gathered_stages(pipelined, own, _merge_optimizers, ordered)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return _optimizer_in_order(
             get_optimizer_state_dict(module, optimizer, options=options), orders, piece_major
@@ -242,8 +279,12 @@ def set_optimizer_state(
             return
         if full:
             state = _optimizer_in_order(state, unequal_packed(module), rank_major)
+        # a parameter without saved state never stepped (the fit was checked before): torch's
+        # strict load would refuse it, and its non-strict one keep the zeros torch made for it
+        options = StateDictOptions(full_state_dict=full, strict=False)
         with state_made(optimizer):
-            set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=full))
+            set_optimizer_state_dict(module, optimizer, state, options=options)
+        _drop_unsaved(module, optimizer, set(state.get("state", {})))
         return
     saved_groups = state.get("param_groups", [])
     if saved_groups and len(saved_groups) != len(optimizer.param_groups):
@@ -279,6 +320,23 @@ def zero1_template(
         if stored.startswith(prefix) and name in owned:
             state.setdefault(name, {})[field] = torch.empty(shape, dtype=dtype)
     return {"state": state, "param_groups": _zero1_groups(module, optimizer)}
+
+
+def saved_only(state: dict[str, Any], key: str, index: Any, module_key: str) -> dict[str, Any]:
+    """``state`` (a template to load into) less the parameters that never stepped in the checkpoint.
+
+    A parameter the index (of ``key``'s optimizer) holds no state for gets none; one whose
+    ``module_key`` entry the index lacks altogether (a load with strict=False) keeps what it has.
+    """
+    prefix = f"{key}.state."
+    stored = {name.rpartition(".")[0] for name in index.state_dict_metadata if name.startswith(prefix)}
+    saved = index.state_dict_metadata.keys()
+    kept = {
+        name: values
+        for name, values in state.get("state", {}).items()
+        if prefix + name in stored or f"{module_key}.{name}" not in saved
+    }
+    return {**state, "state": kept}
 
 
 def refuse_packed(module: nn.Module, what: str) -> None:
