@@ -181,3 +181,37 @@ def test_parameters_that_never_stepped_load_without_state(one_rank, tmp_path, fu
         its_optimizer.step()
     uninterrupted, got = full_parameters(model), full_parameters(loaded)
     assert all(torch.equal(uninterrupted[name], got[name]) for name in uninterrupted)
+
+
+def halving(step: int) -> float:
+    return 0.5**step
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+@pytest.mark.parametrize("policy", [fs.fsdp("dp"), fs.zero(1)], ids=["fsdp", "zero1"])
+def test_an_optimizer_loaded_before_its_scheduler_gets_the_saved_hyperparameters(
+    one_rank, tmp_path, full, policy
+):
+    """A scheduler adds initial_lr to the groups: a file's load failed on it (KeyError), a folder's
+    dropped it, and a scheduler made after the load to resume (last_epoch=) could not start."""
+    optimizers = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = Llama(dist_cases.EVEN)
+        plan = fs.shard(model, fs.Mesh(dp=1), policy)
+        fs.apply(plan, model)
+        optimizers.append((model, fs.optimizer(plan, model, torch.optim.AdamW, lr=0.01)))
+    (model, optimizer), (loaded, fresh) = optimizers
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, halving)
+    backward(model)
+    optimizer.step()
+    scheduler.step()
+    path = fs.checkpoint.save(tmp_path / "ckpt", model, optimizer, full=full)
+    fs.checkpoint.load(path, loaded, fresh)
+
+    def learning_rates(optimizer):
+        return [(group["lr"], group["initial_lr"]) for group in optimizer.param_groups]
+
+    assert learning_rates(fresh) == learning_rates(optimizer) == [(0.005, 0.01)]
+    resumed = torch.optim.lr_scheduler.LambdaLR(fresh, halving, last_epoch=0)
+    assert resumed.get_last_lr() == [0.005]

@@ -279,6 +279,11 @@ def set_optimizer_state(
             return
         if full:
             state = _optimizer_in_order(state, unequal_packed(module), rank_major)
+            # torch's full load reads each hyperparameter into the optimizer's own groups, and
+            # fails (KeyError) on one they lack: a scheduler's initial_lr, when the optimizer
+            # is loaded before its scheduler is made
+            for saved, group in zip(state.get("param_groups", []), optimizer.param_groups, strict=False):
+                group.update({k: v for k, v in saved.items() if k not in group})
         # a parameter without saved state never stepped (the fit was checked before): torch's
         # strict load would refuse it, and its non-strict one keep the zeros torch made for it
         options = StateDictOptions(full_state_dict=full, strict=False)
@@ -319,7 +324,8 @@ def zero1_template(
         name, _, field = stored[len(prefix) :].rpartition(".")
         if stored.startswith(prefix) and name in owned:
             state.setdefault(name, {})[field] = torch.empty(shape, dtype=dtype)
-    return {"state": state, "param_groups": _zero1_groups(module, optimizer)}
+    groups = _with_saved_keys({"param_groups": _zero1_groups(module, optimizer)}, key, metadata)
+    return {"state": state, "param_groups": groups}
 
 
 def saved_only(state: dict[str, Any], key: str, index: Any, module_key: str) -> dict[str, Any]:
@@ -336,7 +342,19 @@ def saved_only(state: dict[str, Any], key: str, index: Any, module_key: str) -> 
         for name, values in state.get("state", {}).items()
         if prefix + name in stored or f"{module_key}.{name}" not in saved
     }
-    return {**state, "state": kept}
+    return {**state, "state": kept, "param_groups": _with_saved_keys(state, key, index)}
+
+
+def _with_saved_keys(state: dict[str, Any], key: str, index: Any) -> list[dict[str, Any]]:
+    # a hyperparameter the optimizer lacks (a scheduler's initial_lr, when the optimizer is
+    # loaded before its scheduler is made) is read only if the template names it
+    groups = [dict(group) for group in state.get("param_groups", [])]
+    prefix = f"{key}.param_groups."
+    for name in index.state_dict_metadata:
+        number, _, field = name.removeprefix(prefix).partition(".")
+        if name.startswith(prefix) and number.isdigit() and int(number) < len(groups) and "." not in field:
+            groups[int(number)].setdefault(field, None)
+    return groups
 
 
 def refuse_packed(module: nn.Module, what: str) -> None:
