@@ -215,3 +215,19 @@ def test_an_optimizer_loaded_before_its_scheduler_gets_the_saved_hyperparameters
     assert learning_rates(fresh) == learning_rates(optimizer) == [(0.005, 0.01)]
     resumed = torch.optim.lr_scheduler.LambdaLR(fresh, halving, last_epoch=0)
     assert resumed.get_last_lr() == [0.005]
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+@pytest.mark.parametrize("policy", [fs.fsdp("dp"), fs.zero(1)], ids=["fsdp", "zero1"])
+def test_an_optimizer_rolled_back_to_before_its_first_step_keeps_no_state(one_rank, tmp_path, full, policy):
+    """Loading a checkpoint whose optimizer never stepped into one that has (ZeRO-1 kept its state)."""
+    torch.manual_seed(0)
+    model = Llama(dist_cases.EVEN)
+    plan = fs.shard(model, fs.Mesh(dp=1), policy)
+    fs.apply(plan, model)
+    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=0.01)
+    path = fs.checkpoint.save(tmp_path / "ckpt", model, optimizer, full=full)
+    backward(model)
+    optimizer.step()
+    fs.checkpoint.load(path, model, optimizer)
+    assert not getattr(optimizer, "optim", optimizer).state

@@ -297,6 +297,7 @@ def set_optimizer_state(
             f"the checkpoint's optimizer has {len(saved_groups)} parameter groups, this one "
             f"{len(optimizer.param_groups)}: build the optimizer with the same groups"
         )
+    listed = {name for group in saved_groups for name in group.get("params", [])}
     for name, param in _owned(module, optimizer).items():
         if name in state.get("state", {}):
             optimizer.optim.state[param] = {
@@ -304,6 +305,8 @@ def set_optimizer_state(
                 key: value.to(param.device) if torch.is_tensor(value) and value.dim() else value
                 for key, value in state["state"][name].items()
             }
+        elif name in listed:  # the saved optimizer held it, and it never stepped there
+            optimizer.optim.state.pop(param, None)
     # no groups saved (a checkpoint of the model alone): the hyperparameters stay
     for saved, group, local in zip(
         saved_groups, optimizer.param_groups, optimizer.optim.param_groups, strict=False
