@@ -131,3 +131,103 @@ def test_an_optimizer_of_another_kind_is_refused_by_name_and_kept(
         fs.checkpoint.load(path, other, another)
     assert hyperparameters(another) == before[1]
     assert all(torch.equal(a, b) for a, b in zip(moments(another), before[0], strict=True))
+
+
+def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.full_tensor().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+def test_a_save_leaves_a_never_stepped_optimizer_as_it_was(one_rank, tmp_path, full):
+    """Torch makes a fresh optimizer's state to read it (AdamW's step then counts 1): a save
+    before the first step must not change the training that follows."""
+    trained_after = []
+    for save in (False, True):
+        model = parallel_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        if save:
+            fs.checkpoint.save(tmp_path / "ckpt", model, optimizer, full=full)
+            assert not optimizer.state
+        backward(model)
+        optimizer.step()
+        trained_after.append(full_parameters(model))
+    unsaved, saved = trained_after
+    assert all(torch.equal(unsaved[name], saved[name]) for name in unsaved)
+
+
+NEVER_STEPPED = ("norm.weight", "layers.1.mlp.down_proj.weight")
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+def test_parameters_that_never_stepped_load_without_state(one_rank, tmp_path, full):
+    """A parameter that got no gradient has no optimizer state: the checkpoint loads (it was
+    refused as missing state), the parameter gets none, and the next step is the uninterrupted one's."""
+    model = parallel_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    backward(model)
+    for name in NEVER_STEPPED:
+        model.get_parameter(name).grad = None
+    optimizer.step()
+    optimizer.zero_grad()
+    path = fs.checkpoint.save(tmp_path / "ckpt", model, optimizer, full=full)
+    loaded = parallel_model(seed=1)
+    fresh = torch.optim.AdamW(loaded.parameters(), lr=0.01)
+    fs.checkpoint.load(path, loaded, fresh)
+    assert {loaded.get_parameter(name) in fresh.state for name in NEVER_STEPPED} == {False}
+    assert len(fresh.state) == len(optimizer.state)
+    for resumed, its_optimizer in ((model, optimizer), (loaded, fresh)):
+        torch.manual_seed(2)  # the same tokens
+        backward(resumed)
+        its_optimizer.step()
+    uninterrupted, got = full_parameters(model), full_parameters(loaded)
+    assert all(torch.equal(uninterrupted[name], got[name]) for name in uninterrupted)
+
+
+def halving(step: int) -> float:
+    return 0.5**step
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+@pytest.mark.parametrize("policy", [fs.fsdp("dp"), fs.zero(1)], ids=["fsdp", "zero1"])
+def test_an_optimizer_loaded_before_its_scheduler_gets_the_saved_hyperparameters(
+    one_rank, tmp_path, full, policy
+):
+    """A scheduler adds initial_lr to the groups: a file's load failed on it (KeyError), a folder's
+    dropped it, and a scheduler made after the load to resume (last_epoch=) could not start."""
+    optimizers = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = Llama(dist_cases.EVEN)
+        plan = fs.shard(model, fs.Mesh(dp=1), policy)
+        fs.apply(plan, model)
+        optimizers.append((model, fs.optimizer(plan, model, torch.optim.AdamW, lr=0.01)))
+    (model, optimizer), (loaded, fresh) = optimizers
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, halving)
+    backward(model)
+    optimizer.step()
+    scheduler.step()
+    path = fs.checkpoint.save(tmp_path / "ckpt", model, optimizer, full=full)
+    fs.checkpoint.load(path, loaded, fresh)
+
+    def learning_rates(optimizer):
+        return [(group["lr"], group["initial_lr"]) for group in optimizer.param_groups]
+
+    assert learning_rates(fresh) == learning_rates(optimizer) == [(0.005, 0.01)]
+    resumed = torch.optim.lr_scheduler.LambdaLR(fresh, halving, last_epoch=0)
+    assert resumed.get_last_lr() == [0.005]
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full"])
+@pytest.mark.parametrize("policy", [fs.fsdp("dp"), fs.zero(1)], ids=["fsdp", "zero1"])
+def test_an_optimizer_rolled_back_to_before_its_first_step_keeps_no_state(one_rank, tmp_path, full, policy):
+    """Loading a checkpoint whose optimizer never stepped into one that has (ZeRO-1 kept its state)."""
+    torch.manual_seed(0)
+    model = Llama(dist_cases.EVEN)
+    plan = fs.shard(model, fs.Mesh(dp=1), policy)
+    fs.apply(plan, model)
+    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=0.01)
+    path = fs.checkpoint.save(tmp_path / "ckpt", model, optimizer, full=full)
+    backward(model)
+    optimizer.step()
+    fs.checkpoint.load(path, model, optimizer)
+    assert not getattr(optimizer, "optim", optimizer).state

@@ -42,12 +42,12 @@ from .integrity import (
 )
 from .safety import SafeLoadPlanner, SafeReader, load_file
 from .state import (
+    made_state,
     model_state,
-    optimizer_state,
     refuse_packed,
+    saved_only,
     set_model_state,
     set_optimizer_state,
-    state_made,
     zero1_template,
 )
 
@@ -289,8 +289,7 @@ def _refuse_other_kinds(
         # optimizer that kept nothing yet (never stepped, or stateless) loads into any kind
         if isinstance(optimizer, ZeroRedundancyOptimizer) or not saved[name]:
             continue
-        with state_made(optimizer):
-            kept = _state_fields(optimizer_state(target, optimizer))
+        kept = _state_fields(made_state(target, optimizer))
         if kept != saved[name]:
             missing = sorted(kept - saved[name])
             problems.append(
@@ -428,8 +427,7 @@ def _copies(
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             states[name] = zero1_template(target, optimizer, name, index)
         else:
-            with state_made(optimizer):
-                states[name] = copies(optimizer_state(target, optimizer))
+            states[name] = saved_only(copies(made_state(target, optimizer)), name, index, key)
             own_params[name] = [group["params"] for group in states[name].get("param_groups", [])]
     return states, own_params
 

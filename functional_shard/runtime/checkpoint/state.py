@@ -36,9 +36,11 @@ if TYPE_CHECKING:
     from functional_shard.runtime.engines.pipeline import Pipelined
 
 __all__ = [
+    "made_state",
     "model_state",
     "optimizer_state",
     "refuse_packed",
+    "saved_only",
     "set_model_state",
     "set_optimizer_state",
     "state_made",
@@ -166,6 +168,17 @@ def _names(module: nn.Module) -> dict[nn.Parameter, str]:
     return {param: name for name, param in module.named_parameters()}
 
 
+def _drop_unsaved(module: nn.Module, optimizer: torch.optim.Optimizer, saved: set[str]) -> None:
+    # a tied parameter's state is saved under one of its names
+    names: dict[nn.Parameter, set[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(param, set()).add(name)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param in names and not names[param] & saved:
+                optimizer.state.pop(param, None)
+
+
 def _zero1_groups(module: nn.Module, optimizer: ZeroRedundancyOptimizer) -> list[dict[str, Any]]:
     names = _names(module)
     return [
@@ -185,8 +198,31 @@ def optimizer_state(
     """The optimizer's state keyed by parameter path (``{"state": ..., "param_groups": ...}``).
 
     Sharded: this rank's shards (a ZeRO-1 optimizer: the whole tensors this rank owns).
-    Full: every parameter's whole state on rank 0, nothing elsewhere.
+    Full: every parameter's whole state on rank 0, nothing elsewhere. A parameter that was
+    never stepped has none, and reading the state leaves the optimizer as it was.
     """
+    never_stepped = not isinstance(optimizer, ZeroRedundancyOptimizer) and not optimizer.state
+    state = _optimizer_state(module, optimizer, full=full)
+    if never_stepped:
+        # torch makes a never-stepped optimizer's state to read it (_init_optim_state: a step
+        # of zero gradients at lr 0), after which Adam counts one step: the first real step's
+        # bias correction, and so the training, would differ from a run that never saved
+        optimizer.state.clear()
+        return {**state, "state": {}} if state else state
+    return state
+
+
+def made_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's state of ``optimizer`` with an entry for every parameter: what a load fills.
+
+    Torch makes a never-stepped optimizer's state (zeros) while the gradients are set aside
+    (`state_made`); the optimizer keeps it until a load replaces it or `_restore` undoes it.
+    """
+    with state_made(optimizer):
+        return _optimizer_state(module, optimizer, full=False)
+
+
+def _optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool) -> dict[str, Any]:
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
         if not full:
             return get_optimizer_state_dict(module, optimizer)
@@ -194,7 +230,8 @@ def optimizer_state(
         pipelined = _pipeline(module)
         if pipelined is not None:
             ordered = functools.partial(_optimizer_in_order, orders=orders, reorder=piece_major)
-            return _gathered_stages(pipelined, optimizer_state(module, optimizer), _merge_optimizers, ordered)
+            own = _optimizer_state(module, optimizer, full=False)
+            return _gathered_stages(pipelined, own, _merge_optimizers, ordered)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return _optimizer_in_order(
             get_optimizer_state_dict(module, optimizer, options=options), orders, piece_major
@@ -242,8 +279,17 @@ def set_optimizer_state(
             return
         if full:
             state = _optimizer_in_order(state, unequal_packed(module), rank_major)
+            # torch's full load reads each hyperparameter into the optimizer's own groups, and
+            # fails (KeyError) on one they lack: a scheduler's initial_lr, when the optimizer
+            # is loaded before its scheduler is made
+            for saved, group in zip(state.get("param_groups", []), optimizer.param_groups, strict=False):
+                group.update({k: v for k, v in saved.items() if k not in group})
+        # a parameter without saved state never stepped (the fit was checked before): torch's
+        # strict load would refuse it, and its non-strict one keep the zeros torch made for it
+        options = StateDictOptions(full_state_dict=full, strict=False)
         with state_made(optimizer):
-            set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=full))
+            set_optimizer_state_dict(module, optimizer, state, options=options)
+        _drop_unsaved(module, optimizer, set(state.get("state", {})))
         return
     saved_groups = state.get("param_groups", [])
     if saved_groups and len(saved_groups) != len(optimizer.param_groups):
@@ -251,6 +297,7 @@ def set_optimizer_state(
             f"the checkpoint's optimizer has {len(saved_groups)} parameter groups, this one "
             f"{len(optimizer.param_groups)}: build the optimizer with the same groups"
         )
+    listed = {name for group in saved_groups for name in group.get("params", [])}
     for name, param in _owned(module, optimizer).items():
         if name in state.get("state", {}):
             optimizer.optim.state[param] = {
@@ -258,6 +305,8 @@ def set_optimizer_state(
                 key: value.to(param.device) if torch.is_tensor(value) and value.dim() else value
                 for key, value in state["state"][name].items()
             }
+        elif name in listed:  # the saved optimizer held it, and it never stepped there
+            optimizer.optim.state.pop(param, None)
     # no groups saved (a checkpoint of the model alone): the hyperparameters stay
     for saved, group, local in zip(
         saved_groups, optimizer.param_groups, optimizer.optim.param_groups, strict=False
@@ -278,7 +327,37 @@ def zero1_template(
         name, _, field = stored[len(prefix) :].rpartition(".")
         if stored.startswith(prefix) and name in owned:
             state.setdefault(name, {})[field] = torch.empty(shape, dtype=dtype)
-    return {"state": state, "param_groups": _zero1_groups(module, optimizer)}
+    groups = _with_saved_keys({"param_groups": _zero1_groups(module, optimizer)}, key, metadata)
+    return {"state": state, "param_groups": groups}
+
+
+def saved_only(state: dict[str, Any], key: str, index: Any, module_key: str) -> dict[str, Any]:
+    """``state`` (a template to load into) less the parameters that never stepped in the checkpoint.
+
+    A parameter the index (of ``key``'s optimizer) holds no state for gets none; one whose
+    ``module_key`` entry the index lacks altogether (a load with strict=False) keeps what it has.
+    """
+    prefix = f"{key}.state."
+    stored = {name.rpartition(".")[0] for name in index.state_dict_metadata if name.startswith(prefix)}
+    saved = index.state_dict_metadata.keys()
+    kept = {
+        name: values
+        for name, values in state.get("state", {}).items()
+        if prefix + name in stored or f"{module_key}.{name}" not in saved
+    }
+    return {**state, "state": kept, "param_groups": _with_saved_keys(state, key, index)}
+
+
+def _with_saved_keys(state: dict[str, Any], key: str, index: Any) -> list[dict[str, Any]]:
+    # a hyperparameter the optimizer lacks (a scheduler's initial_lr, when the optimizer is
+    # loaded before its scheduler is made) is read only if the template names it
+    groups = [dict(group) for group in state.get("param_groups", [])]
+    prefix = f"{key}.param_groups."
+    for name in index.state_dict_metadata:
+        number, _, field = name.removeprefix(prefix).partition(".")
+        if name.startswith(prefix) and number.isdigit() and int(number) < len(groups) and "." not in field:
+            groups[int(number)].setdefault(field, None)
+    return groups
 
 
 def refuse_packed(module: nn.Module, what: str) -> None:
