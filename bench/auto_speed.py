@@ -2,9 +2,9 @@
 
 The search of docs/will-it-fit.md: ``llama("llama-70b")`` on the meta device, 1,024
 devices, a global batch of 1,024 sequences of 8,192 tokens, an 80 GB budget, H100 profile
-(225 candidates, 21 activation traces, 14 of them forward-only). ``--model 405b``: the
+(209 candidates, 21 activation traces, 14 of them forward-only). ``--model 405b``: the
 pipeline search of docs/pipelines.md, ``llama("llama-3-405b")`` on 512 devices, the same
-batch (300 candidates, 96 with pp; nothing fits without pp). Each round runs in a fresh interpreter (nothing
+batch (296 candidates, 96 with pp; nothing fits without pp). Each round runs in a fresh interpreter (nothing
 cached: fake-tensor caches and planner caches start empty), timed inside it from the call
 to its return, in CPU seconds of the process (the 2-core machine is shared: wall time
 there measures the neighbours) with wall time beside it; the traces and the seconds in

@@ -234,9 +234,17 @@ def to_lightning(plan: fs.Plan, module: torch.nn.Module | None = None, *, target
             "checkpointed": config.checkpointed,
         }
         if given := [option for option, value in options.items() if value]:
+            # apply() casts and offloads through FSDP2 alone: ShardStrategy refuses those beside DDP too
+            through_fsdp = [option for option in given if option != "checkpointed"]
+            fix = (
+                f"Drop them from the plan (Trainer(precision='bf16-mixed') casts under DDPStrategy), or "
+                f"plan with fs.fsdp(...): {', '.join(through_fsdp)} run through FSDP2 only, so "
+                "ShardStrategy(plan) refuses them beside DDP too"
+                if through_fsdp
+                else "Drop them from the plan, or use ShardStrategy(plan)"
+            )
             raise fs.ShardingError(
-                f"DDPStrategy runs replicated plans without options; this plan sets {', '.join(given)}. "
-                "Drop them from the plan, or use ShardStrategy(plan)"
+                f"DDPStrategy runs replicated plans without options; this plan sets {', '.join(given)}. {fix}"
             )
         return DDPStrategy()
     if target != "fsdp" or kind not in ("zero2", "zero3", "fsdp", "hsdp"):

@@ -268,9 +268,10 @@ def points(space: Space, *, offload: bool = False) -> Iterator[Point]:
             continue
         tp_axes = {"tp": tp_size} if tp_size > 1 else {}
         for sp in (False, True) if tp_size > 1 and not space.experts_split_by_tp else (False,):
-            # one data-parallel rank: the families shard nothing. On one device FSDP2, as the
-            # one-GPU rows were measured: its allocations are traced (`Search`), offload possible
-            families = FAMILIES if dp > 1 else ("fsdp",) if space.devices == 1 else ("ddp",)
+            # one data-parallel rank: the families shard nothing. FSDP2, as the one-GPU rows were
+            # measured: its allocations are traced (`Search`), offload possible, and it casts to
+            # bf16, which apply() runs through FSDP2 alone (DDP beside tp it does not run at all)
+            families = FAMILIES if dp > 1 else ("fsdp",)
             for family in families:
                 if offload and family not in ("zero2", "fsdp", "hsdp"):
                     continue

@@ -18,6 +18,7 @@ from functional_shard.costing.time.context_engines import for_hardware
 from functional_shard.costing.time.hardware import Hardware
 from functional_shard.costing.time.kernels import Kernels, check_kernel_hardware, kernel_fields
 from functional_shard.costing.time.step_model import compute_dtype, unit_gathered_bytes
+from functional_shard.planning.engine_limits import engine_config_problems
 from functional_shard.planning.plan.plan import Plan
 from functional_shard.planning.planner import shard, with_expert_top_k
 from functional_shard.planning.policy.types import Policy
@@ -72,7 +73,7 @@ class Search:
         ...     facts=model_facts(llama("tiny")), hardware=fs.hardware("h100"), optimizer="adamw",
         ...     batch=2, seq=16, budget=2**30,
         ... )
-        >>> [c.checkpointing for c in Search(inputs).run([Point(fs.Mesh(dp=1), "ddp", 1, False, False)])]
+        >>> [c.checkpointing for c in Search(inputs).run([Point(fs.Mesh(dp=1), "fsdp", 1, False, False)])]
         ['none', 'selective', 'full']
     """
 
@@ -164,6 +165,17 @@ class Search:
         policy = self.policies.of(point, how)
         return _candidate(point, how, policy, rejected=f"cannot {what}: {one_line(error, 160)}")
 
+    def _unrunnable(self, point: Point, plan: Plan) -> list[Candidate]:
+        """``point``'s one candidate, rejected, where fs.apply would refuse its plan; else none.
+
+        A plan the search returns is one to run: a point apply() cannot run (DDP or ZeRO-1 beside
+        mixed precision or tensor parallel) is neither estimated nor chosen.
+        """
+        if not (problems := engine_config_problems(plan.config)):
+            return []
+        why = f"apply() cannot run it: {one_line('; '.join(problems), 160)}"
+        return [_candidate(point, "none", self.policies.of(point, "none"), rejected=why)]
+
     def _run_flat(self, point: Point) -> list[Candidate]:
         inputs = self.inputs
         try:  # planned from the tree, read once; what only the model says (experts per token) added
@@ -172,6 +184,8 @@ class Search:
             )
         except ShardingError as error:
             return [self._failed(point, "none", error, "plan")]
+        if unrunnable := self._unrunnable(point, plan):
+            return unrunnable
         plan = for_hardware(plan, inputs.hardware)  # "auto" cp: the engine the hardware runs
         micro = inputs.batch // point.dp
         plan_cost = cost(plan, inputs.optimizer, tokens=micro * inputs.seq)
@@ -214,6 +228,8 @@ class Search:
             )
         except ShardingError as error:
             return [self._failed(point, "none", error, "plan")]
+        if unrunnable := self._unrunnable(point, plan):
+            return unrunnable
         plan = for_hardware(plan, inputs.hardware)
         pipeline = plan.config.pipeline
         assert pipeline is not None  # (a point with pp > 1 plans a pipeline)

@@ -317,7 +317,7 @@ def test_the_search_tries_ep_sizes_dividing_the_experts_and_tp_inside_them():
     assert sizes[2].policy_text.startswith("fsdp(dp, ep) + ep(ep)")
     assert all(c.fits for c in report.expert_parallel_candidates)
     tensor_parallel = {c.policy_text for c in report.candidates if c.tensor_parallel == 2}
-    assert "ddp(dp) + tp(hf, tp) + bf16" in tensor_parallel  # tp inside the experts
+    assert "fsdp(dp) + tp(hf, tp) + bf16" in tensor_parallel  # tp inside the experts
     assert not any(c.sequence_parallel for c in report.candidates)  # apply refuses it inside experts
     assert "expert parallel, the best of each ep size:" in str(report)
 

@@ -22,7 +22,7 @@ from functional_shard.core.quiet import captured
 from functional_shard.costing.trace import activations
 from functional_shard.costing.trace import counting as trace_counting
 from functional_shard.planning.tp import rules
-from functional_shard.search.candidates import Space, _divisors, head_counts, points, repeated_block
+from functional_shard.search.candidates import FAMILIES, Space, _divisors, head_counts, points, repeated_block
 from functional_shard.search.report import Candidate
 from functional_shard.zoo import CONFIGS, MLP, Block, Llama, LlamaConfig, llama
 
@@ -100,13 +100,20 @@ def _space(devices, batch):
 
 
 @functools.cache
+def _real_model():
+    """_MODEL's twin on the CPU: fs.check_runnable refuses DDP on any meta-device model."""
+    return llama("tiny", device="cpu")
+
+
+@functools.cache
 def _estimated_space(devices, batch, seq):
     """(reserved peak, step) of every plan in the space that plans and traces."""
     out = []
     for mesh, policy in _space(devices, batch):
         try:
             plan = fs.shard(_MODEL, mesh, policy)
-        except fs.ShardingError:  # e.g. ZeRO-1 with tensor parallelism is refused
+            fs.check_runnable(plan, _real_model())  # what auto may return is what apply runs
+        except fs.ShardingError:  # e.g. ZeRO-1 with tensor parallelism, DDP with bf16
             continue
         try:
             est = fs.estimate(_MODEL, plan, batch=batch // (devices // plan.mesh.shape.get("tp", 1)), seq=seq)
@@ -132,6 +139,34 @@ def test_auto_is_optimal_in_its_space():
     assert [step for _, step in searched] == pytest.approx([step for _, step in enumerated], rel=1e-9)
     est = fs.estimate(_MODEL, report.best, batch=8 // (4 // report.best.mesh.shape.get("tp", 1)), seq=16)
     assert est.step_seconds == pytest.approx(report.best_candidate.step_seconds, rel=1e-9)
+    _assert_apply_runs_what_fits(report)
+
+
+def _assert_apply_runs_what_fits(report):
+    # before: ddp(dp) + bf16, zero(1, dp) + bf16 and ddp(dp) + sp(llama, tp) + bf16 fit and could be
+    # chosen (with a 2 MiB budget, ddp + sp was), and fs.apply refused each
+    for c in report.candidates:
+        if c.fits:
+            plan = fs.shard(_MODEL, c.mesh, fs.parse_policy(c.policy_text, _MODEL))
+            fs.check_runnable(plan, _real_model())
+    refused = {c.policy_text: c.rejected for c in report.candidates if c.family == "ddp"}
+    assert refused == {
+        "ddp(dp) + bf16": "apply() cannot run it: mixed precision with ddp: apply() casts through FSDP2; "
+        "use fs.fsdp(...)",
+        **{
+            f"ddp(dp) + {tp}(llama, tp) + bf16": "apply() cannot run it: ddp with tensor parallel: torch's "
+            "DDP does not run over DTensor shards; use fs.fsdp(...) (or fs.zero(2)) for the data-parallel "
+            "axis; mixed precision with ddp: …"
+            for tp in ("tp", "sp")
+        },
+    }
+
+
+def test_tensor_parallel_over_every_device_is_fsdp2s_on_one_data_parallel_rank():
+    # before: DDP's, which apply() runs neither beside tensor parallel nor in bf16
+    space = Space(devices=2, batch=2, hardware=fs.hardware("h100"), heads=(4, 2))
+    expected = {(1, family) for family in FAMILIES if family != "hsdp"} | {(2, "fsdp")}  # (dp 2: no hsdp)
+    assert {(p.tp, p.family) for p in points(space)} == expected
 
 
 def test_traces_do_not_depend_on_the_data_parallel_family():
@@ -309,7 +344,7 @@ def test_a_candidate_that_cannot_be_traced_prints_nothing_and_keeps_its_reason(c
     assert report.best is None
     assert report.candidates
     for candidate in report.candidates:
-        assert candidate.rejected.startswith(("cannot trace: ", "cannot plan: "))
+        assert candidate.rejected.startswith(("cannot trace: ", "cannot plan: ", "apply() cannot run it: "))
     assert any("a and b must have same reduction dim" in c.rejected for c in report.candidates)
     with pytest.raises(fs.PlanError, match="no candidate could be planned"):
         fs.auto(model, devices=2, memory_budget="1GiB", batch=2, seq=4)
@@ -388,8 +423,11 @@ def test_a_mixture_of_experts_model_gets_tp_inside_its_experts_and_ep_plans(kind
     # ep sizes dividing the 4 experts, borrowed from the 4 data-parallel ranks
     assert [c.expert_parallel for c in report.expert_parallel_candidates] == [2, 4]
     assert all(c.fits for c in report.expert_parallel_candidates)
-    # (ZeRO-1 beside tp is refused by the planner for any model: its optimizer state is whole)
-    assert all(c.fits or c.rejected.startswith("cannot plan") for c in report.candidates)
+    # (ZeRO-1 beside tp is refused by the planner for any model: its optimizer state is whole; DDP
+    # beside tp or bf16, by apply)
+    assert all(
+        c.fits or c.rejected.startswith(("cannot plan", "apply() cannot run it")) for c in report.candidates
+    )
     plan = fs.auto(model, devices=4, memory_budget="1GiB", batch=4, seq=16)
     assert plan == report.best
 
@@ -577,7 +615,9 @@ def test_candidates_over_rules_text_cannot_name_still_show_their_whole_policy():
     assert split
     # was "ddp('dp') + tp(structure, 'tp')" for each: bf16, sp and checkpointing left out
     assert all(
-        c.policy_text.startswith(("ddp(dp) + tp(structure, tp) + bf16", "ddp(dp) + sp(structure, tp) + bf16"))
+        c.policy_text.startswith(
+            ("fsdp(dp) + tp(structure, tp) + bf16", "fsdp(dp) + sp(structure, tp) + bf16")
+        )
         for c in split
     )
     shown = [(c.mesh, c.policy_text) for c in report.candidates]

@@ -107,6 +107,20 @@ def test_deepspeed_config_carries_mixed_precision():
             "ddp",
             "DDPStrategy runs replicated plans",
         ),
+        # the fix named ShardStrategy(plan), which refuses mixed precision beside DDP as well
+        (
+            lambda: plan(fs.replicate() + fs.mixed_precision(torch.bfloat16)),
+            "ddp",
+            "this plan sets param_dtype, reduce_dtype. Drop them from the plan "
+            "(Trainer(precision='bf16-mixed') casts under DDPStrategy), or plan with fs.fsdp(...): "
+            "param_dtype, reduce_dtype run through FSDP2 only, so ShardStrategy(plan) refuses them beside "
+            "DDP too",
+        ),
+        (
+            lambda: plan(fs.replicate() + fs.checkpointing(Block)),
+            "ddp",
+            "this plan sets checkpointed. Drop them from the plan, or use ShardStrategy(plan)",
+        ),
         (
             lambda: plan(fs.fsdp() + fs.offload(params=False, grads=False)),
             "fsdp",

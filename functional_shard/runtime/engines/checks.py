@@ -7,6 +7,7 @@ from torch import nn
 from functional_shard.core.errors import PlanError, bullets
 from functional_shard.core.tree import read_model
 from functional_shard.planning.context_checks import context_parallel_problems
+from functional_shard.planning.engine_limits import engine_config_problems
 from functional_shard.planning.pipeline.stages import stage_finder, tied_across_stages_fix
 from functional_shard.planning.plan.json_format import config_value_problems
 from functional_shard.planning.plan.plan import Plan
@@ -62,44 +63,18 @@ def _module_mismatches(plan: Plan, module: nn.Module) -> list[str]:
 def _config_problems(plan: Plan, module: nn.Module) -> list[str]:
     """Settings apply() does not run, or runs through FSDP2 alone.
 
-    Several tensor-parallel axes, DDP beside tensor parallel, a checkpoint policy `fs.checkpointing`
-    does not take; mixed precision, CPU offload and HSDP, which only FSDP2 runs.
+    `engine_config_problems`' (the plan's settings alone), a config built by hand with values no
+    policy makes, and DDP or ZeRO-1 on a meta-device module.
     """
     config = plan.config
-    found: list[str] = []
     kind = config.data_parallel
-    tp_axes = config.tensor_parallel_axes
-    if len(tp_axes) > 1:
-        found.append(f"tensor parallel over {tp_axes}: apply() runs one tensor-parallel axis")
-    if tp_axes and kind in ("ddp", "zero1"):
-        found.append(
-            f"{kind} with tensor parallel: torch's DDP does not run over DTensor shards; "
-            "use fs.fsdp(...) (or fs.zero(2)) for the data-parallel axis"
-        )
+    found = engine_config_problems(config)
     found += [f"plan.{problem}" for problem in config_value_problems(config)]  # a config built by hand
     if kind in ("ddp", "zero1") and any(p.is_meta for p in module.parameters()):
         found.append(
             f"{kind} on a meta-device module: DDP keeps every parameter on every rank (meta init saves "
             "nothing) and holds on to the parameter objects that materializing replaces; build the "
             "model on a real device"
-        )
-    if kind in ("ddp", "zero1", "none"):
-        with_kind = "without a data-parallel layer" if kind == "none" else f"with {kind}"
-        if config.param_dtype or config.reduce_dtype:
-            found.append(f"mixed precision {with_kind}: apply() casts through FSDP2; use fs.fsdp(...)")
-        if config.offload_params or config.offload_grads or config.offload_optimizer:
-            found.append(f"CPU offload {with_kind}: apply() offloads through FSDP2; use fs.fsdp(...)")
-    offloads = {config.offload_params, config.offload_grads, config.offload_optimizer}
-    if len(offloads) > 1:
-        found.append(
-            "offload of only some of params/grads/optimizer: FSDP2 offloads all three together "
-            "(the optimizer steps on the CPU); use fs.offload() or to_lightning() for DeepSpeed"
-        )
-    fsdp = config.fsdp
-    if fsdp and (len(fsdp.replicate_axes) > 1 or (fsdp.replicate_axes and len(fsdp.shard_axes) > 1)):
-        found.append(
-            f"replicate axes {fsdp.replicate_axes} with shard axes {fsdp.shard_axes}: apply() runs "
-            "HSDP on one replicate and one shard axis"
         )
     return found
 
