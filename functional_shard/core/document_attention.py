@@ -29,6 +29,7 @@ from torch import nn
 
 from .document_masks import check_packed_inputs, document_positions, values_checked
 from .errors import ShardingError
+from .mask_builder_calls import mask_without_positions
 from .packing import PackedBatch
 from .tree import is_hf_model
 
@@ -326,6 +327,12 @@ def _hf_attention(model: nn.Module) -> tuple[str, str]:
             "position_ids, so its attention (or its recurrent state) would cross documents. Pack "
             "documents for a model that builds its mask there (Llama, Qwen2, Mistral, ...), or pad them."
         )
+    if unpositioned := mask_without_positions([type(_decoder(model)), type(base)]):
+        return implementation, (
+            f"{unpositioned} without handing it position_ids, where "
+            "transformers finds packed documents, so its attention would cross documents. Pack "
+            "documents for a model that hands them to its mask (Llama, Qwen2, Mistral, ...), or pad them."
+        )
     if recurrent := _recurrent_layers(model):
         return implementation, (
             f"{recurrent} carry a state from each token to the next, which "
@@ -341,11 +348,7 @@ def _bidirectional_layer(model: nn.Module) -> str:
     An encoder (BERT) says so in its layers alone, not in its config; a vision tower beside the
     decoder (Qwen2-VL) is left out, as its attention never sees the packed tokens.
     """
-    try:
-        decoder = model.get_decoder()  # type: ignore[operator]
-    except (AttributeError, TypeError, NotImplementedError):
-        decoder = None
-    decoder = decoder if isinstance(decoder, nn.Module) else model
+    decoder = _decoder(model)
     paths = {id(module): path for path, module in model.named_modules()}
     return next(
         (
@@ -355,6 +358,15 @@ def _bidirectional_layer(model: nn.Module) -> str:
         ),
         "",
     )
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    """The model's text decoder, as transformers names it (``get_decoder``), else the model itself."""
+    try:
+        decoder = model.get_decoder()  # type: ignore[operator]
+    except (AttributeError, TypeError, NotImplementedError):
+        decoder = None
+    return decoder if isinstance(decoder, nn.Module) else model
 
 
 def _recurrent_layers(model: nn.Module) -> str:

@@ -246,6 +246,43 @@ def test_a_model_that_builds_no_mask_from_position_ids_is_refused():
     )
 
 
+@pytest.mark.parametrize(
+    ("family", "sizes", "builder"),
+    [
+        # OPT imports create_causal_mask but hands it no position_ids: its mask never finds documents
+        ("OPT", {"ffn_dim": 32, "word_embed_proj_dim": 16}, "opt.modeling_opt.OPTDecoder"),
+        # GPT-OSS hands them to its rotary embedding, not to its masks (a dict built without them)
+        (
+            "GptOss",
+            {"intermediate_size": 32, "num_local_experts": 2, "num_experts_per_tok": 1, "head_dim": 8},
+            "gpt_oss.modeling_gpt_oss.GptOssModel",
+        ),
+    ],
+)
+def test_a_model_that_hands_its_mask_no_position_ids_is_refused(family, sizes, builder):
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=32, hidden_size=16, num_attention_heads=2, num_hidden_layers=1, **sizes
+    )
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        model = getattr(transformers, f"{family}ForCausalLM")(config)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    model.config._attn_implementation = "eager"
+    message = _refusal(model)
+    file = builder.split(".")[1]
+    assert re.match(
+        re.escape(f"packed_inputs({family}ForCausalLM): transformers.models.{builder}")
+        + re.escape(" builds its attention mask (line ")
+        + rf"\d+ of {file}\.py\) without handing it position_ids",
+        message,
+    ), message
+    assert message.endswith(
+        "Pack documents for a model that hands them to its mask (Llama, Qwen2, Mistral, ...), or pad them."
+    )
+
+
 _TINY = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2}
 
 
