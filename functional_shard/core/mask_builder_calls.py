@@ -18,7 +18,7 @@ import textwrap
 from collections.abc import Sequence
 from types import ModuleType
 
-__all__ = ["MASK_BUILDERS", "mask_without_positions"]
+__all__ = ["MASK_BUILDERS", "mask_without_positions", "reads_text_positions_first"]
 
 MASK_BUILDERS = frozenset(
     {"create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask"}
@@ -53,24 +53,67 @@ def mask_without_positions(classes: Sequence[type]) -> str:
     return ""
 
 
+def reads_text_positions_first(decoder: type) -> bool:
+    """Whether ``decoder`` finds packed documents only in the first of four rows of ``position_ids``.
+
+    Qwen2-VL's and Qwen2.5-VL's text models (and others of multimodal rotary positions) take
+    ``[4, rows, seq]`` position ids, the text positions before the temporal, height and width ones,
+    and hand the mask builder that first row alone; given ``[rows, seq]`` they hand it none, and their
+    attention crosses documents. Read from its source: a comparison ``position_ids.shape[0] == 4``.
+
+    Examples:
+        >>> reads_text_positions_first(int)
+        False
+    """
+    found = _tree(decoder)
+    return found is not None and any(_is_four_rows(node) for node in ast.walk(found[0]))
+
+
+def _is_four_rows(node: ast.AST) -> bool:
+    """``position_ids.shape[0] == 4``."""
+    if not isinstance(node, ast.Compare) or len(node.comparators) != 1:
+        return False
+    left, right = node.left, node.comparators[0]
+    return (
+        isinstance(node.ops[0], ast.Eq)
+        and isinstance(right, ast.Constant)
+        and right.value == 4
+        and isinstance(left, ast.Subscript)
+        and isinstance(left.slice, ast.Constant)
+        and left.slice.value == 0
+        and isinstance(left.value, ast.Attribute)
+        and left.value.attr == "shape"
+        and _name(left.value.value) == "position_ids"
+    )
+
+
+@functools.cache
+def _tree(owner: type | ModuleType) -> tuple[ast.AST, int] | None:
+    """``owner``'s source parsed, and the line of the file it starts at; None where there is none."""
+    try:
+        lines, first = inspect.getsourcelines(owner)
+        return ast.parse(textwrap.dedent("".join(lines))), max(first, 1)  # a module's first is given as 0
+    except (OSError, TypeError, ValueError, SyntaxError):
+        return None
+
+
 @functools.cache
 def _builder_calls(owner: type | ModuleType) -> tuple[tuple[int, bool], ...]:
     """Each call of a mask builder in ``owner``'s source: its line in the file, and whether it hands them.
 
     Handed: by keyword, by place, or in a ``**`` dict built in the same function (or one unknown there).
     """
-    try:
-        lines, first = inspect.getsourcelines(owner)
-        tree = ast.parse(textwrap.dedent("".join(lines)))
-    except (OSError, TypeError, ValueError, SyntaxError):
+    found = _tree(owner)
+    if found is None:
         return ()
+    tree, first = found
     calls: dict[int, bool] = {}
     for function in ast.walk(tree):
         if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
             keys, builders = _dicts_and_builders(function)
             for call in ast.walk(function):
                 if isinstance(call, ast.Call) and _name(call.func) in builders:
-                    line = call.lineno + max(first, 1) - 1  # a module's first line is given as 0
+                    line = call.lineno + first - 1
                     calls[line] = calls.get(line, True) and _hands_positions(call, keys)
     return tuple(sorted(calls.items()))
 

@@ -117,6 +117,43 @@ def test_flex_attention_keeps_documents_apart_too():
         torch.testing.assert_close(_packed_loss(model, fs.pack(docs, 8)), _alone_loss(model, docs))
 
 
+def _qwen2_vl() -> torch.nn.Module:
+    """A tiny Qwen2-VL (text tokens alone are packed: its vision tower never runs)."""
+    text = {**_TINY, "vocab_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
+    config = transformers.Qwen2VLConfig(
+        text_config={**text, "rope_scaling": {"type": "mrope", "mrope_section": [2, 1, 1]}},
+        vision_config={"depth": 1, "embed_dim": 16, "hidden_size": 16, "num_heads": 2, "patch_size": 2},
+        image_token_id=120,
+        video_token_id=121,
+        vision_start_token_id=122,
+    )
+    torch.manual_seed(0)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        model = transformers.Qwen2VLForConditionalGeneration(config)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    model.config._attn_implementation = "sdpa"
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(std=0.2)
+    return model
+
+
+def test_a_model_that_finds_documents_in_the_first_of_four_rows_of_positions_gets_them_so():
+    # Qwen2-VL hands its mask builder position_ids[0] of [4, rows, seq] ones (the text positions,
+    # then the rotary temporal, height and width ones) and, given [rows, seq], none at all
+    model = _qwen2_vl()
+    docs = [[3, 4, 5, 6, 7, 8], [9, 10], [11], [12, 13, 14, 15, 16]]
+    batch = fs.pack(docs, 8)
+    positions = fs.packed_inputs(model, batch)["position_ids"]
+    assert positions.shape == (4, 2, 8)
+    assert all(torch.equal(row, batch.positions) for row in positions)
+    with torch.no_grad():
+        torch.testing.assert_close(_packed_loss(model, batch), _alone_loss(model, docs))
+
+
 def test_the_check_would_see_documents_attend_to_each_other():
     # the same packed row with transformers' default cache on: its search for packed documents
     # is off, attention runs causal over the whole row, and the loss is not the documents' own
