@@ -268,6 +268,8 @@ def packed_forward(model: nn.Module) -> PackedForward:
         ...
         functional_shard.ShardingError: step(Linear): its forward takes no document boundaries (no ...
     """
+    # torch.compile's wrapper takes (*args, **kwargs) and hands them to the model it compiled
+    model = getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
     takes = _keywords(model)
     name = _class_name(model)
     if not is_hf_model(model):

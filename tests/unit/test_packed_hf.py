@@ -220,6 +220,38 @@ def test_the_zoo_llama_gets_its_own_keywords():
     assert model(**inputs).shape[:2] == (1, 6)
 
 
+class OptimizedModule(torch.nn.Module):
+    """Stands for torch.compile's wrapper, whose first making in a process takes seconds: it holds the
+    model as ``_orig_mod``, and its forward takes ``(*args, **kwargs)``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self._orig_mod = model
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        return self._orig_mod(*args, **kwargs)
+
+
+def _assert_compiled_gets_the_same(model: torch.nn.Module, compiled: torch.nn.Module) -> None:
+    batch = fs.pack([[1, 2, 3], [4, 5]], 6)
+    got, wanted = fs.packed_inputs(compiled, batch), fs.packed_inputs(model, batch)
+    assert got.keys() == wanted.keys()
+    assert all(torch.equal(got[n], wanted[n]) for n in wanted if isinstance(wanted[n], torch.Tensor))
+
+
+@pytest.mark.parametrize("kind", ["zoo", "hf"])
+def test_a_compiled_model_gets_the_arguments_of_the_model_it_compiled(kind):
+    # the wrapper's (*args, **kwargs) was read as a forward taking no document boundaries: refused
+    model = llama("tiny", device="cpu") if kind == "zoo" else _model("llama", "sdpa")
+    _assert_compiled_gets_the_same(model, OptimizedModule(model))
+
+
+@pytest.mark.slow
+def test_torch_compiles_own_wrapper_gets_them_too():
+    model = llama("tiny", device="cpu")
+    _assert_compiled_gets_the_same(model, torch.compile(model, backend="eager"))  # read, never called
+
+
 def _refusal(model: torch.nn.Module, batch: object = None) -> str:
     with pytest.raises(fs.ShardingError) as raised:
         fs.packed_inputs(model, fs.pack([[1, 2], [3]], 4) if batch is None else batch)
