@@ -120,17 +120,17 @@ def test_flex_attention_keeps_documents_apart_too():
 def _qwen2_vl() -> torch.nn.Module:
     """A tiny Qwen2-VL (text tokens alone are packed: its vision tower never runs)."""
     text = {**_TINY, "vocab_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
-    config = transformers.Qwen2VLConfig(
-        text_config={**text, "rope_scaling": {"type": "mrope", "mrope_section": [2, 1, 1]}},
-        vision_config={"depth": 1, "embed_dim": 16, "hidden_size": 16, "num_heads": 2, "patch_size": 2},
-        image_token_id=120,
-        video_token_id=121,
-        vision_start_token_id=122,
-    )
     torch.manual_seed(0)
     verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
+    transformers.logging.set_verbosity_error()  # its default token ids lie past this vocabulary
     try:
+        config = transformers.Qwen2VLConfig(
+            text_config={**text, "rope_scaling": {"type": "mrope", "mrope_section": [2, 1, 1]}},
+            vision_config={"depth": 1, "embed_dim": 16, "hidden_size": 16, "num_heads": 2, "patch_size": 2},
+            image_token_id=120,
+            video_token_id=121,
+            vision_start_token_id=122,
+        )
         model = transformers.Qwen2VLForConditionalGeneration(config)
     finally:
         transformers.logging.set_verbosity(verbosity)
