@@ -29,6 +29,7 @@ from torch import nn
 
 from .document_masks import check_packed_inputs, document_positions, values_checked
 from .errors import ShardingError
+from .mask_builder_calls import mask_without_positions, reads_text_positions_first
 from .packing import PackedBatch
 from .tree import is_hf_model
 
@@ -128,12 +129,15 @@ class PackedForward:
             ``positions=`` and ``document_ids=`` itself (the zoo's Llama).
         takes: the keywords of the model's forward.
         refusal: why the model's attention would cross packed documents, and the fix; "" if it would not.
+        text_positions_first: the model finds documents only in the first of four rows of position
+            ids (Qwen2-VL's text positions, then its rotary ones: `reads_text_positions_first`).
     """
 
     name: str
     attention: str
     takes: frozenset[str]
     refusal: str = ""
+    text_positions_first: bool = False
 
     def refuse(self, given: tuple[str, ...], who: str) -> None:
         """Refuse packed rows' ``given`` keywords (``"positions"``, ``"document_ids"``) the model cannot take.
@@ -200,7 +204,8 @@ class PackedForward:
         itself). For a Hugging Face model, whose forward does not, they are checked first
         (`check_packed_inputs`; their shapes alone within `values_checked`, where a pipeline's
         stages run, whose step checked the rows whole), then turned into ``position_ids`` (from
-        ``document_ids`` where no positions are given), ``use_cache=False`` and, under flash
+        ``document_ids`` where no positions are given; four rows of them for a model that reads its
+        text positions first, `PackedForward.text_positions_first`), ``use_cache=False`` and, under flash
         attention, the segments' boundaries over the flattened rows (the padding a segment of its
         own, as `PackedBatch.cu_seqlens`).
 
@@ -229,7 +234,8 @@ class PackedForward:
             assert document_ids is not None  # (given holds one of them)
             positions = document_positions(document_ids)
         keywords: dict[str, Any] = {
-            "position_ids": positions,
+            # a text token's temporal, height and width positions are its text position
+            "position_ids": positions.expand(4, -1, -1) if self.text_positions_first else positions,
             # a cache, even an empty one, turns transformers' search for packed documents off
             "use_cache": False,
         }
@@ -262,12 +268,15 @@ def packed_forward(model: nn.Module) -> PackedForward:
         ...
         functional_shard.ShardingError: step(Linear): its forward takes no document boundaries (no ...
     """
+    # torch.compile's wrapper takes (*args, **kwargs) and hands them to the model it compiled
+    model = getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
     takes = _keywords(model)
     name = _class_name(model)
     if not is_hf_model(model):
         return PackedForward(name, "", frozenset(takes))
     implementation, refusal = _hf_attention(model)
-    return PackedForward(name, implementation, frozenset(takes), refusal)
+    first = reads_text_positions_first(type(_decoder(model)))
+    return PackedForward(name, implementation, frozenset(takes), refusal, text_positions_first=first)
 
 
 def segment_bounds(document_ids: torch.Tensor) -> torch.Tensor:
@@ -326,6 +335,12 @@ def _hf_attention(model: nn.Module) -> tuple[str, str]:
             "position_ids, so its attention (or its recurrent state) would cross documents. Pack "
             "documents for a model that builds its mask there (Llama, Qwen2, Mistral, ...), or pad them."
         )
+    if unpositioned := mask_without_positions([type(_decoder(model)), type(base)]):
+        return implementation, (
+            f"{unpositioned} without handing it position_ids, where "
+            "transformers finds packed documents, so its attention would cross documents. Pack "
+            "documents for a model that hands them to its mask (Llama, Qwen2, Mistral, ...), or pad them."
+        )
     if recurrent := _recurrent_layers(model):
         return implementation, (
             f"{recurrent} carry a state from each token to the next, which "
@@ -341,11 +356,7 @@ def _bidirectional_layer(model: nn.Module) -> str:
     An encoder (BERT) says so in its layers alone, not in its config; a vision tower beside the
     decoder (Qwen2-VL) is left out, as its attention never sees the packed tokens.
     """
-    try:
-        decoder = model.get_decoder()  # type: ignore[operator]
-    except (AttributeError, TypeError, NotImplementedError):
-        decoder = None
-    decoder = decoder if isinstance(decoder, nn.Module) else model
+    decoder = _decoder(model)
     paths = {id(module): path for path, module in model.named_modules()}
     return next(
         (
@@ -355,6 +366,15 @@ def _bidirectional_layer(model: nn.Module) -> str:
         ),
         "",
     )
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    """The model's text decoder, as transformers names it (``get_decoder``), else the model itself."""
+    try:
+        decoder = model.get_decoder()  # type: ignore[operator]
+    except (AttributeError, TypeError, NotImplementedError):
+        decoder = None
+    return decoder if isinstance(decoder, nn.Module) else model
 
 
 def _recurrent_layers(model: nn.Module) -> str:

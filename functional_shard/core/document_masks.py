@@ -388,7 +388,8 @@ def _well_formed(positions: torch.Tensor | None, document_ids: torch.Tensor | No
     """`check_packed_inputs`' conditions on the values, each a boolean tensor on their device, unread."""
     checks = []
     if document_ids is not None:
-        steps = document_ids.diff(dim=-1)
+        # in int64: in the ids' own narrow dtype, uint8's 255 -> 0 (a row's 257th document) steps by one
+        steps = document_ids.long().diff(dim=-1)
         checks += [(document_ids[:, :1] == 0).all(), ((steps == 0) | (steps == 1)).all()]
         if positions is not None:
             checks.append((positions == document_positions(document_ids)).all())

@@ -202,6 +202,14 @@ def test_every_bad_input_is_one_line_and_exit_code_2(capsys, argv, says):
     assert "Traceback" not in err
 
 
+def test_a_fault_of_the_plan_is_not_blamed_on_documents(capsys):
+    # the default mesh's tp=4 cannot split the tiny Llama's 2 key/value heads, --documents or not
+    code, _, err = run(capsys, *TINY, "--batch", "1", "--seq", "16", "--documents", "8,8")
+    assert code == 2
+    assert err.startswith("functional-shard: estimate: Llama cannot run the tensor-parallel split"), err
+    assert "--documents" not in err
+
+
 def test_a_diff_of_something_that_is_not_a_plan_is_one_line(capsys, tmp_path):
     (tmp_path / "x.json").write_text(json.dumps({"a": 1}))
     code, _, err = run(capsys, "diff", str(tmp_path / "x.json"), str(tmp_path / "x.json"))

@@ -117,6 +117,43 @@ def test_flex_attention_keeps_documents_apart_too():
         torch.testing.assert_close(_packed_loss(model, fs.pack(docs, 8)), _alone_loss(model, docs))
 
 
+def _qwen2_vl() -> torch.nn.Module:
+    """A tiny Qwen2-VL (text tokens alone are packed: its vision tower never runs)."""
+    text = {**_TINY, "vocab_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
+    torch.manual_seed(0)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its default token ids lie past this vocabulary
+    try:
+        config = transformers.Qwen2VLConfig(
+            text_config={**text, "rope_scaling": {"type": "mrope", "mrope_section": [2, 1, 1]}},
+            vision_config={"depth": 1, "embed_dim": 16, "hidden_size": 16, "num_heads": 2, "patch_size": 2},
+            image_token_id=120,
+            video_token_id=121,
+            vision_start_token_id=122,
+        )
+        model = transformers.Qwen2VLForConditionalGeneration(config)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    model.config._attn_implementation = "sdpa"
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(std=0.2)
+    return model
+
+
+def test_a_model_that_finds_documents_in_the_first_of_four_rows_of_positions_gets_them_so():
+    # Qwen2-VL hands its mask builder position_ids[0] of [4, rows, seq] ones (the text positions,
+    # then the rotary temporal, height and width ones) and, given [rows, seq], none at all
+    model = _qwen2_vl()
+    docs = [[3, 4, 5, 6, 7, 8], [9, 10], [11], [12, 13, 14, 15, 16]]
+    batch = fs.pack(docs, 8)
+    positions = fs.packed_inputs(model, batch)["position_ids"]
+    assert positions.shape == (4, 2, 8)
+    assert all(torch.equal(row, batch.positions) for row in positions)
+    with torch.no_grad():
+        torch.testing.assert_close(_packed_loss(model, batch), _alone_loss(model, docs))
+
+
 def test_the_check_would_see_documents_attend_to_each_other():
     # the same packed row with transformers' default cache on: its search for packed documents
     # is off, attention runs causal over the whole row, and the loss is not the documents' own
@@ -183,6 +220,38 @@ def test_the_zoo_llama_gets_its_own_keywords():
     assert model(**inputs).shape[:2] == (1, 6)
 
 
+class OptimizedModule(torch.nn.Module):
+    """Stands for torch.compile's wrapper, whose first making in a process takes seconds: it holds the
+    model as ``_orig_mod``, and its forward takes ``(*args, **kwargs)``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self._orig_mod = model
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        return self._orig_mod(*args, **kwargs)
+
+
+def _assert_compiled_gets_the_same(model: torch.nn.Module, compiled: torch.nn.Module) -> None:
+    batch = fs.pack([[1, 2, 3], [4, 5]], 6)
+    got, wanted = fs.packed_inputs(compiled, batch), fs.packed_inputs(model, batch)
+    assert got.keys() == wanted.keys()
+    assert all(torch.equal(got[n], wanted[n]) for n in wanted if isinstance(wanted[n], torch.Tensor))
+
+
+@pytest.mark.parametrize("kind", ["zoo", "hf"])
+def test_a_compiled_model_gets_the_arguments_of_the_model_it_compiled(kind):
+    # the wrapper's (*args, **kwargs) was read as a forward taking no document boundaries: refused
+    model = llama("tiny", device="cpu") if kind == "zoo" else _model("llama", "sdpa")
+    _assert_compiled_gets_the_same(model, OptimizedModule(model))
+
+
+@pytest.mark.slow
+def test_torch_compiles_own_wrapper_gets_them_too():
+    model = llama("tiny", device="cpu")
+    _assert_compiled_gets_the_same(model, torch.compile(model, backend="eager"))  # read, never called
+
+
 def _refusal(model: torch.nn.Module, batch: object = None) -> str:
     with pytest.raises(fs.ShardingError) as raised:
         fs.packed_inputs(model, fs.pack([[1, 2], [3]], 4) if batch is None else batch)
@@ -243,6 +312,43 @@ def test_a_model_that_builds_no_mask_from_position_ids_is_refused():
             "attention without transformers.masking_utils.create_causal_mask"
         ),
         _refusal(model),
+    )
+
+
+@pytest.mark.parametrize(
+    ("family", "sizes", "builder"),
+    [
+        # OPT imports create_causal_mask but hands it no position_ids: its mask never finds documents
+        ("OPT", {"ffn_dim": 32, "word_embed_proj_dim": 16}, "opt.modeling_opt.OPTDecoder"),
+        # GPT-OSS hands them to its rotary embedding, not to its masks (a dict built without them)
+        (
+            "GptOss",
+            {"intermediate_size": 32, "num_local_experts": 2, "num_experts_per_tok": 1, "head_dim": 8},
+            "gpt_oss.modeling_gpt_oss.GptOssModel",
+        ),
+    ],
+)
+def test_a_model_that_hands_its_mask_no_position_ids_is_refused(family, sizes, builder):
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=32, hidden_size=16, num_attention_heads=2, num_hidden_layers=1, **sizes
+    )
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        model = getattr(transformers, f"{family}ForCausalLM")(config)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    model.config._attn_implementation = "eager"
+    message = _refusal(model)
+    file = builder.split(".")[1]
+    assert re.match(
+        re.escape(f"packed_inputs({family}ForCausalLM): transformers.models.{builder}")
+        + re.escape(" builds its attention mask (line ")
+        + rf"\d+ of {file}\.py\) without handing it position_ids",
+        message,
+    ), message
+    assert message.endswith(
+        "Pack documents for a model that hands them to its mask (Llama, Qwen2, Mistral, ...), or pad them."
     )
 
 

@@ -331,6 +331,21 @@ def test_packed_inputs_that_describe_no_documents_are_refused_before_anything_ru
         )
 
 
+@pytest.mark.parametrize(
+    ("dtype", "wrap"), [(torch.uint8, "from 255 to 0"), (torch.int8, "from 127 to -128")]
+)
+def test_ids_of_a_narrow_dtype_that_wrap_around_are_refused(dtype, wrap):
+    # a row's document past the dtype's largest id is read as id 0 (or the lowest) again: its
+    # tokens would attend to the row's first document; counted in the ids' dtype, the step is one
+    ids = torch.arange(torch.iinfo(dtype).max + 2).to(dtype)[None]
+    tokens = torch.zeros(ids.shape, dtype=torch.long)
+    message = f"step: document_ids do not count up by one from 0 in 1 row:\n* row 0: the id goes {wrap}"
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
+        check_packed_inputs(tokens, positions=None, document_ids=ids, who="step")
+    with pytest.raises(fs.ShardingError, match=re.escape(message)):
+        check_packed_inputs(tokens, positions=document_positions(ids), document_ids=ids, who="step")
+
+
 # ---- the estimate traces the zoo model on fake tensors, packed or not ---------------------
 
 

@@ -200,21 +200,24 @@ def _estimate(
         per_rank = plan.config.pipeline.microbatches  # a pipeline's default: one sequence per micro-batch
     kernels = read_kernels(args.kernels) if args.kernels else None
     documents = read_documents(args.documents) if args.documents else None
-    try:
-        return estimate(
-            model,
-            plan,
-            batch=max(per_rank, 1),
-            seq=args.seq,
-            optimizer=args.optimizer,
-            hardware=hardware,
-            kernels=kernels,
-            documents=documents,
-        )
-    except ShardingError as error:
-        if documents is None:
-            raise
-        raise InputError(f"--documents {args.documents!r}: {one_line(error, 300)}") from None
+    if documents is not None:
+        from functional_shard.costing.time.documents import row_documents
+
+        # checked apart, so that --documents is named for its own faults and no others of the plan's
+        try:
+            row_documents(documents, args.seq, cp=plan.config.cp_size(plan.mesh), who="estimate")
+        except ShardingError as error:
+            raise InputError(f"--documents {args.documents!r}: {one_line(error, 300)}") from None
+    return estimate(
+        model,
+        plan,
+        batch=max(per_rank, 1),
+        seq=args.seq,
+        optimizer=args.optimizer,
+        hardware=hardware,
+        kernels=kernels,
+        documents=documents,
+    )
 
 
 def _draw(
