@@ -96,3 +96,16 @@ def test_a_zero_dim_parameter_built_on_meta_trains_as_one_process(world):
     _, expected = zero_dim_cases.reference(2)
     for key, value in expected.items():
         torch.testing.assert_close(params[key], value, atol=1e-5, rtol=1e-4, msg=key)
+
+
+@pytest.mark.parametrize("name", ["fsdp", "tp"])
+def test_frozen_parameters_train_as_one_process_frozen_and_once_unfrozen(world, name):
+    """A frozen 0-d parameter (kept whole beside FSDP2), a frozen tensor-parallel weight and an
+    integer 0-d parameter apply (before: torch refused the gradient hook on them), stay put while
+    frozen, and once unfrozen their gradients are averaged and placed as any other's."""
+    result = world.run(zero_dim_cases.train_unfreezing, name)[0]
+    expected = zero_dim_cases.unfreezing_reference(result["data_parallel"])
+    assert result["params"].keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(result["params"][key], value, atol=1e-5, rtol=1e-4, msg=key)
+    assert result["params"]["logit_scale"] != 0.75  # it learned once unfrozen

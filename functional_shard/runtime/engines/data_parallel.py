@@ -18,6 +18,7 @@ from functional_shard.planning.plan.plan import Plan
 
 from .applied import axes_mesh
 from .experts import expert_data_axes, shard_experts
+from .gradients import hook_accumulated_grad
 
 _FSDP2_KINDS = ("zero2", "zero3", "fsdp", "hsdp")
 
@@ -141,5 +142,5 @@ def reduce_whole_grads(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -
         param = module.get_parameter(path)
         # materialize keeps a real parameter object (to_empty swaps only meta ones): one hook
         if not param.is_meta and param not in _AVERAGED:
-            param.register_post_accumulate_grad_hook(average)
+            hook_accumulated_grad(param, average)
             _AVERAGED.add(param)
