@@ -62,9 +62,38 @@ def test_world_size_must_match_the_plan(fake_world):
         fs.apply(plan, nn.Linear(4, 4))
 
 
+def with_table() -> nn.Module:
+    """A linear layer beside an integer parameter (a lookup table, always frozen)."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.register_parameter("table", nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False))
+    return model
+
+
+def with_bfloat16(frozen: bool = False) -> nn.Module:
+    """A float32 linear layer beside a bfloat16 one (frozen, as an adapter's quantised base is)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16))
+    return model[1].requires_grad_(not frozen) and model
+
+
 @pytest.mark.parametrize(
     ("model", "mesh", "policy", "message"),
     [
+        # before: torch's ValueError from inside ZeroRedundancyOptimizer at fs.optimizer, and
+        # FSDP2's AssertionError at the first forward
+        (
+            with_table,
+            fs.Mesh(dp=2),
+            fs.zero(1),
+            "zero1 steps parameters of several dtypes (int64: 'table', float32: '0.weight'), and torch's "
+            "ZeroRedundancyOptimizer takes one; use fs.zero(2)",
+        ),
+        (
+            with_bfloat16,
+            fs.Mesh(dp=2),
+            fs.fsdp(),
+            "FSDP unit '(root)' trains parameters of several dtypes (float32: '0.weight', bfloat16: "
+            "'1.weight'), and torch's FSDP2 takes one; give them one dtype",
+        ),
         (
             lambda: Llama(UNEVEN),
             fs.Mesh(tp=3),
@@ -258,6 +287,19 @@ def test_materialize_refuses_its_arguments_before_any_change(fake_world, options
     with pytest.raises(fs.ShardingError, match=re.escape(said)):
         fs.materialize(plan, module, **options)
     assert module[0].weight.is_meta
+
+
+@pytest.mark.parametrize(
+    ("model", "policy"),
+    [
+        (with_table, fs.fsdp()),  # FSDP2 gathers it, and trains float32 alone
+        (lambda: with_bfloat16(frozen=True), fs.fsdp()),
+        (with_bfloat16, fs.fsdp(units=["1"])),  # a unit of each dtype
+    ],
+)
+def test_parameters_of_several_dtypes_fsdp2_takes_are_runnable(model, policy):
+    module = model()
+    fs.check_runnable(fs.shard(module, fs.Mesh(dp=2), policy), module)
 
 
 def test_heads_that_split_evenly_are_runnable():

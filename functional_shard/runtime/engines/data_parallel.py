@@ -20,7 +20,7 @@ from .applied import axes_mesh
 from .experts import expert_data_axes, shard_experts
 from .gradients import hook_accumulated_grad
 
-_FSDP2_KINDS = ("zero2", "zero3", "fsdp", "hsdp")
+FSDP2_KINDS = ("zero2", "zero3", "fsdp", "hsdp")
 
 
 def apply_data_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh, root: str) -> None:
@@ -84,7 +84,7 @@ def apply_data_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh, 
 
 def whole_params(plan: Plan) -> list[str]:
     """0-d parameters of an FSDP2 plan: kept whole on every rank, outside FSDP2."""
-    if plan.config.data_parallel not in _FSDP2_KINDS:
+    if plan.config.data_parallel not in FSDP2_KINDS:
         return []
     return [path for path in plan.params if plan.tensors[path].ndim == 0]
 
@@ -103,7 +103,7 @@ def host_params(plan: Plan, prefix: str = "") -> frozenset[str]:
         ['bias', 'weight']
     """
     config = plan.config
-    if not config.offload_params or config.data_parallel not in _FSDP2_KINDS:
+    if not config.offload_params or config.data_parallel not in FSDP2_KINDS:
         return frozenset()
     left_alone = set(whole_params(plan))
     if config.experts is not None and config.experts.axis is not None and not expert_data_axes(plan):
