@@ -5,7 +5,9 @@ import re
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 import functional_shard as fs
 from functional_shard.zoo import Llama, llama
@@ -53,6 +55,25 @@ def test_what_is_neither_a_plan_nor_a_module_is_named_with_its_fix():
         fs.ShardingError, match=r"it got dict, then Linear: fs.shard\(model, mesh, policy\) makes"
     ):
         fs.materialize({"plan": 1}, nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize(
+    ("wrap", "said"),
+    [
+        (fully_shard, "fully_shard (or FSDP) ran on the module itself"),
+        (lambda model: fully_shard(model[1]) and model, "fully_shard (or FSDP) ran on '1'"),
+        (DistributedDataParallel, "the module itself is a DistributedDataParallel (plan and apply its"),
+    ],
+    ids=["fully_shard", "fully_shard_inside", "ddp"],
+)
+def test_a_module_torch_parallelized_already_is_refused_by_how(one_rank, wrap, said):
+    # before: fully_shard's raw AssertionError from inside apply; a DDP-wrapped module was sharded
+    # under DDP's reducer, which held the parameters sharding replaced
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    wrapped = wrap(model)  # what the user holds
+    plan = fs.shard(wrapped, fs.Mesh(dp=1), fs.fsdp())
+    with pytest.raises(fs.ShardingError, match=re.escape(f"already parallelized by torch: {said}")):
+        fs.apply(plan, wrapped)
 
 
 def test_world_size_must_match_the_plan(fake_world):
