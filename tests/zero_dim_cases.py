@@ -49,20 +49,22 @@ def strategy(name: str, world: int) -> tuple[fs.Mesh, fs.Policy]:
     return dist_cases.strategy(name, world)
 
 
-def _built(name: str) -> tuple[nn.Module, torch.optim.Optimizer, fs.Plan]:
+def _built(
+    name: str, model_type: type[Llama] = ScaledLlama
+) -> tuple[nn.Module, torch.optim.Optimizer, fs.Plan]:
     mesh, policy = strategy(name, dist.get_world_size())
     torch.manual_seed(0)
-    model = ScaledLlama(CONFIG)
+    model = model_type(CONFIG)
     plan = fs.shard(model, mesh, policy)
     fs.apply(plan, model)
     return model, fs.optimizer(plan, model, torch.optim.AdamW, lr=LR), plan
 
 
-def train_and_measure(name: str) -> dict[str, object]:
-    """Train under a plan, logging the collectives of a steady-state step (the third):
-    rank 0's losses and full parameters, and every rank's measured and predicted
+def train_and_measure(name: str, model_type: type[Llama] = ScaledLlama) -> dict[str, object]:
+    """Train a ``model_type`` under a plan, logging the collectives of a steady-state step (the
+    third): rank 0's losses and full parameters, and every rank's measured and predicted
     collective bytes and resident bytes."""
-    model, optimizer, plan = _built(name)
+    model, optimizer, plan = _built(name, model_type)
     rank = dist.get_rank()
     index, data_parallel = plan.data_parallel_rank(rank)
     losses = []
@@ -102,3 +104,59 @@ def meta_init(name: str) -> dict[str, torch.Tensor] | None:
     dist_cases.train_steps(model, optimizer, CONFIG, plan, range(STEPS))
     params = {k: full(v) for k, v in model.state_dict().items()}
     return params if dist.get_rank() == 0 else None
+
+
+class FrozenScaleLlama(ScaledLlama):
+    """ScaledLlama fine-tuned with parts frozen: its 0-d scale and a query projection (as LoRA
+    leaves a base weight)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__(config)
+        self.logit_scale.requires_grad_(False)
+        self.layers[0].self_attn.q_proj.weight.requires_grad_(False)
+
+    def unfreeze(self) -> None:
+        """Train the parameters frozen so far, as gradual unfreezing does."""
+        self.logit_scale.requires_grad_(True)
+        self.layers[0].self_attn.q_proj.weight.requires_grad_(True)
+
+
+class CountingLlama(FrozenScaleLlama):
+    """FrozenScaleLlama beside an integer 0-d parameter (a counter, never differentiable)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__(config)
+        self.count = nn.Parameter(torch.tensor(3), requires_grad=False)
+
+
+FROZEN_STEPS, UNFROZEN_STEPS = 1, 2  # steps with parts frozen, then with them unfrozen
+
+
+def unfreezing_reference(data_parallel: int) -> dict[str, torch.Tensor]:
+    """One process: FROZEN_STEPS steps with parts frozen, then the rest with them unfrozen."""
+    torch.manual_seed(0)
+    model = CountingLlama(CONFIG)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    for step, tokens in enumerate(batches(CONFIG, data_parallel)[: FROZEN_STEPS + UNFROZEN_STEPS]):
+        if step == FROZEN_STEPS:
+            model.unfreeze()
+        optimizer.zero_grad()
+        loss_of(model, tokens).backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_unfreezing(name: str) -> dict[str, object]:
+    """As `unfreezing_reference`, under a plan: rank 0's full parameters and the data-parallel size."""
+    mesh, policy = strategy(name, dist.get_world_size())
+    torch.manual_seed(0)
+    model = CountingLlama(CONFIG)
+    plan = fs.shard(model, mesh, policy)
+    fs.apply(plan, model)
+    optimizer = fs.optimizer(plan, model, torch.optim.AdamW, lr=LR)
+    dist_cases.train_steps(model, optimizer, CONFIG, plan, range(FROZEN_STEPS))
+    model.unfreeze()
+    dist_cases.train_steps(model, optimizer, CONFIG, plan, range(FROZEN_STEPS, FROZEN_STEPS + UNFROZEN_STEPS))
+    params = {k: full(v) for k, v in model.state_dict().items()}
+    data_parallel = plan.data_parallel_rank(0)[1]
+    return {"params": params if dist.get_rank() == 0 else None, "data_parallel": data_parallel}

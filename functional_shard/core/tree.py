@@ -10,7 +10,7 @@ import fnmatch
 import functools
 import re
 from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -56,6 +56,8 @@ class TensorSpec:
     """``"param"`` or ``"buffer"``."""
     module_type: type | None = field(default=None, compare=False, repr=False)
     """The owning module's class, when the plan was made from a live module."""
+    frozen: bool = False
+    """A floating-point parameter its module holds with ``requires_grad=False`` (a LoRA base weight)."""
 
     @property
     def ndim(self) -> int:
@@ -77,16 +79,16 @@ class TensorSpec:
 
     @property
     def differentiable(self) -> bool:
-        """Whether it can have a gradient: torch allows one on float and complex tensors only.
+        """Whether it gets a gradient: a float or complex tensor (torch allows no other) not frozen.
 
-        An integer or bool parameter is always frozen (``requires_grad=False``): no gradient, no
-        optimizer state, nothing reduced.
+        An integer or bool parameter is always frozen (``requires_grad=False``), a float one when
+        its module froze it: no gradient, no optimizer state, nothing reduced.
 
         Examples:
             >>> TensorSpec((4,), torch.bfloat16).differentiable, TensorSpec((4,), torch.int64).differentiable
             (True, False)
         """
-        return self.dtype.is_floating_point or self.dtype.is_complex
+        return not self.frozen and (self.dtype.is_floating_point or self.dtype.is_complex)
 
     @property
     def nbytes(self) -> int:
@@ -100,18 +102,21 @@ class TensorSpec:
         return self.module_name in {_qualname(cls), f"{cls.__module__}.{cls.__name__}"}
 
     def to_json(self) -> dict[str, Any]:
-        """Shape, dtype name, owner name and kind as JSON."""
-        return {
+        """Shape, dtype name, owner name and kind as JSON; ``"frozen": true`` for a frozen one."""
+        data = {
             "shape": list(self.shape),
             "dtype": str(self.dtype).removeprefix("torch."),
             "module": self.module_name,
             "kind": self.kind,
         }
+        # only when set: the plans of models without frozen parameters read and write as before
+        return {**data, "frozen": True} if self.frozen else data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> TensorSpec:
         """The inverse of `to_json`."""
-        return cls(tuple(data["shape"]), dtype_from_name(data["dtype"]), data["module"], data["kind"])
+        spec = cls(tuple(data["shape"]), dtype_from_name(data["dtype"]), data["module"], data["kind"])
+        return replace(spec, frozen=True) if data.get("frozen") else spec
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -233,11 +238,13 @@ class _Reading:
         self.members: dict[str, _Members] = {}
 
     def spec(self, tensor: torch.Tensor, owner: type, kind: str) -> TensorSpec:
-        key = (tensor.shape, tensor.dtype, owner, kind)
+        differentiable = tensor.dtype.is_floating_point or tensor.dtype.is_complex
+        frozen = kind == "param" and differentiable and not tensor.requires_grad
+        key = (tensor.shape, tensor.dtype, owner, kind, frozen)
         spec = self.specs.get(key)
         if spec is None:
             spec = self.specs[key] = TensorSpec(
-                tuple(tensor.shape), tensor.dtype, _qualname(owner), kind, owner
+                tuple(tensor.shape), tensor.dtype, _qualname(owner), kind, owner, frozen=frozen
             )
         return spec
 

@@ -110,6 +110,11 @@ def apply(
         )
     if module in APPLIED:
         raise ShardingError("this module is already parallelized; apply a plan to a fresh module")
+    if wrapped := _parallelized_by_torch(module):
+        raise ShardingError(
+            f"this module is already parallelized by torch: {wrapped}; apply a plan to the plain module, "
+            "before any of torch's wrappers"
+        )
     try:
         module.get_submodule(root)
     except AttributeError:
@@ -142,3 +147,23 @@ def apply(
     refuse_uneven_sequences(plan, module.get_submodule(root))
     APPLIED[module] = Applied(plan, device_mesh)
     return module
+
+
+def _parallelized_by_torch(module: nn.Module) -> str | None:
+    """How torch's own engines parallelized ``module`` already, in words; None if they did not."""
+    # torch's engines refuse to wrap twice with a raw AssertionError, or wrap a DDP-held module
+    # whose reducer keeps the parameters sharding replaces
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    for path, sub in module.named_modules():
+        where = repr(path) if path else "the module itself"
+        if isinstance(sub, DistributedDataParallel):
+            return f"{where} is a DistributedDataParallel (plan and apply its .module)"
+        if isinstance(sub, FSDPModule | FullyShardedDataParallel):
+            return f"fully_shard (or FSDP) ran on {where}"
+    for path, param in module.named_parameters():
+        if isinstance(param, DTensor):
+            return f"its parameter {path!r} is a DTensor (parallelize_module or distribute_tensor ran)"
+    return None

@@ -5,7 +5,9 @@ import re
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 import functional_shard as fs
 from functional_shard.zoo import Llama, llama
@@ -55,6 +57,25 @@ def test_what_is_neither_a_plan_nor_a_module_is_named_with_its_fix():
         fs.materialize({"plan": 1}, nn.Linear(4, 4))
 
 
+@pytest.mark.parametrize(
+    ("wrap", "said"),
+    [
+        (fully_shard, "fully_shard (or FSDP) ran on the module itself"),
+        (lambda model: fully_shard(model[1]) and model, "fully_shard (or FSDP) ran on '1'"),
+        (DistributedDataParallel, "the module itself is a DistributedDataParallel (plan and apply its"),
+    ],
+    ids=["fully_shard", "fully_shard_inside", "ddp"],
+)
+def test_a_module_torch_parallelized_already_is_refused_by_how(one_rank, wrap, said):
+    # before: fully_shard's raw AssertionError from inside apply; a DDP-wrapped module was sharded
+    # under DDP's reducer, which held the parameters sharding replaced
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    wrapped = wrap(model)  # what the user holds
+    plan = fs.shard(wrapped, fs.Mesh(dp=1), fs.fsdp())
+    with pytest.raises(fs.ShardingError, match=re.escape(f"already parallelized by torch: {said}")):
+        fs.apply(plan, wrapped)
+
+
 def test_world_size_must_match_the_plan(fake_world):
     fake_world(4)
     plan = fs.shard(nn.Linear(4, 4), fs.Mesh(dp=2), fs.fsdp())
@@ -62,9 +83,38 @@ def test_world_size_must_match_the_plan(fake_world):
         fs.apply(plan, nn.Linear(4, 4))
 
 
+def with_table() -> nn.Module:
+    """A linear layer beside an integer parameter (a lookup table, always frozen)."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    model.register_parameter("table", nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False))
+    return model
+
+
+def with_bfloat16(frozen: bool = False) -> nn.Module:
+    """A float32 linear layer beside a bfloat16 one (frozen, as an adapter's quantised base is)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16))
+    return model[1].requires_grad_(not frozen) and model
+
+
 @pytest.mark.parametrize(
     ("model", "mesh", "policy", "message"),
     [
+        # before: torch's ValueError from inside ZeroRedundancyOptimizer at fs.optimizer, and
+        # FSDP2's AssertionError at the first forward
+        (
+            with_table,
+            fs.Mesh(dp=2),
+            fs.zero(1),
+            "zero1 steps parameters of several dtypes (int64: 'table', float32: '0.weight'), and torch's "
+            "ZeroRedundancyOptimizer takes one; use fs.zero(2)",
+        ),
+        (
+            with_bfloat16,
+            fs.Mesh(dp=2),
+            fs.fsdp(),
+            "FSDP unit '(root)' trains parameters of several dtypes (float32: '0.weight', bfloat16: "
+            "'1.weight'), and torch's FSDP2 takes one; give them one dtype",
+        ),
         (
             lambda: Llama(UNEVEN),
             fs.Mesh(tp=3),
@@ -258,6 +308,19 @@ def test_materialize_refuses_its_arguments_before_any_change(fake_world, options
     with pytest.raises(fs.ShardingError, match=re.escape(said)):
         fs.materialize(plan, module, **options)
     assert module[0].weight.is_meta
+
+
+@pytest.mark.parametrize(
+    ("model", "policy"),
+    [
+        (with_table, fs.fsdp()),  # FSDP2 gathers it, and trains float32 alone
+        (lambda: with_bfloat16(frozen=True), fs.fsdp()),
+        (with_bfloat16, fs.fsdp(units=["1"])),  # a unit of each dtype
+    ],
+)
+def test_parameters_of_several_dtypes_fsdp2_takes_are_runnable(model, policy):
+    module = model()
+    fs.check_runnable(fs.shard(module, fs.Mesh(dp=2), policy), module)
 
 
 def test_heads_that_split_evenly_are_runnable():

@@ -14,7 +14,7 @@ import torch
 
 import functional_shard as fs
 
-from .. import zero_dim_cases
+from .. import dist_cases, zero_dim_cases
 from ..zero_dim_cases import CONFIG, ScaledLlama
 
 FAMILIES = ["ddp", "zero1", "zero2", "zero3", "fsdp", "hsdp", "tp", "fsdp_tp", "hsdp_tp"]
@@ -76,12 +76,29 @@ def world(world4):
 @pytest.mark.parametrize("name", ["ddp", "zero1", "fsdp", "hsdp", "fsdp_tp"])
 def test_a_zero_dim_parameter_trains_as_one_process_and_sends_what_the_cost_model_says(world, name):
     results = world.run(zero_dim_cases.train_and_measure, name)
-    losses, params = zero_dim_cases.reference(results[0]["data_parallel"])
+    _assert_trained_as_one_process_as_the_cost_model_says(results, ScaledLlama)
+    assert results[0]["params"]["logit_scale"] != 0.75  # it learned
+
+
+# every family measured in test_a_zero_dim_parameter_...; here the engines that treat a frozen
+# parameter differently (ZeroRedundancyOptimizer still broadcasts it, FSDP2 still gathers it)
+@pytest.mark.parametrize(
+    "name", ["zero1", "fsdp", *(pytest.param(name, marks=pytest.mark.slow) for name in ("ddp", "fsdp_tp"))]
+)
+def test_frozen_parameters_hold_no_gradient_or_state_as_the_cost_model_says(world, name):
+    """A frozen float parameter (a LoRA base weight) gets no gradient, no optimizer state and no
+    gradient collective; the plan marks it, so plan.cost counts none (before: as a trained one)."""
+    results = world.run(zero_dim_cases.train_and_measure, name, zero_dim_cases.FrozenScaleLlama)
+    _assert_trained_as_one_process_as_the_cost_model_says(results, zero_dim_cases.FrozenScaleLlama)
+    assert results[0]["params"]["logit_scale"] == 0.75  # frozen
+
+
+def _assert_trained_as_one_process_as_the_cost_model_says(results, model_type):
+    losses, params = dist_cases.reference(CONFIG, results[0]["data_parallel"], model_type=model_type)
     assert results[0]["losses"] == pytest.approx(losses, abs=1e-5)
     assert results[0]["params"].keys() == params.keys()
     for key, value in params.items():
         torch.testing.assert_close(results[0]["params"][key], value, atol=1e-5, rtol=1e-4, msg=key)
-    assert results[0]["params"]["logit_scale"] != 0.75  # it learned
     for rank, result in enumerate(results):
         measured, predicted = result["comm"]
         assert measured.keys() == predicted.keys(), f"rank {rank}"
@@ -96,3 +113,16 @@ def test_a_zero_dim_parameter_built_on_meta_trains_as_one_process(world):
     _, expected = zero_dim_cases.reference(2)
     for key, value in expected.items():
         torch.testing.assert_close(params[key], value, atol=1e-5, rtol=1e-4, msg=key)
+
+
+@pytest.mark.parametrize("name", ["fsdp", "tp"])
+def test_frozen_parameters_train_as_one_process_frozen_and_once_unfrozen(world, name):
+    """A frozen 0-d parameter (kept whole beside FSDP2), a frozen tensor-parallel weight and an
+    integer 0-d parameter apply (before: torch refused the gradient hook on them), stay put while
+    frozen, and once unfrozen their gradients are averaged and placed as any other's."""
+    result = world.run(zero_dim_cases.train_unfreezing, name)[0]
+    expected = zero_dim_cases.unfreezing_reference(result["data_parallel"])
+    assert result["params"].keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(result["params"][key], value, atol=1e-5, rtol=1e-4, msg=key)
+    assert result["params"]["logit_scale"] != 0.75  # it learned once unfrozen

@@ -50,14 +50,23 @@ class WithTable(nn.Module):
         self.blocks[0].table = nn.Parameter(torch.zeros(1000, 1000, dtype=torch.int64), requires_grad=False)
 
 
+class WithFrozenTable(WithTable):
+    """WithTable's table as float64, frozen by its module (a LoRA base weight) rather than by its dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks[0].table = nn.Parameter(torch.zeros(1000, 1000, dtype=torch.float64), requires_grad=False)
+
+
+@pytest.mark.parametrize("model", [WithTable, WithFrozenTable], ids=["integer", "frozen"])
 @pytest.mark.parametrize(
     "policy", [fs.replicate(), fs.zero(1), fs.zero(2), fs.fsdp()], ids=["ddp", "zero1", "zero2", "fsdp"]
 )
-def test_an_integer_parameter_has_no_gradient_optimizer_state_or_gradient_traffic(policy):
+def test_an_integer_or_frozen_parameter_has_no_gradient_optimizer_state_or_gradient_traffic(policy, model):
     # before: counted as if trained, 8 MB of gradients and 16 MB of AdamW state each rank never holds
-    # (measured with fs.resident_bytes and fs.CollectiveLog under fsdp and replicate)
+    # (measured with fs.resident_bytes and fs.CollectiveLog: tests/dist/test_zero_dim.py for frozen ones)
     plain = fs.shard(nn.ModuleDict({"blocks": block_model()}), fs.Mesh(dp=4), policy).cost("adamw")
-    with_table = fs.shard(WithTable(), fs.Mesh(dp=4), policy).cost("adamw")
+    with_table = fs.shard(model(), fs.Mesh(dp=4), policy).cost("adamw")
     assert with_table.params_bytes == 3 * plain.params_bytes  # it is held all the same
     assert (with_table.grads_bytes, with_table.optimizer_bytes) == (plain.grads_bytes, plain.optimizer_bytes)
     for kind in ("reduce_scatter", "all_reduce"):

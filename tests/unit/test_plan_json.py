@@ -131,6 +131,10 @@ def test_a_plan_naming_modules_that_hold_no_tensors_reads_back(mesh, policy):
         ),
         (lambda d: d["tensors"]["norm.weight"].__setitem__("kind", "weights"), "tensors['norm.weight'].kind"),
         (
+            lambda d: d["tensors"]["norm.weight"].__setitem__("frozen", "yes"),
+            "tensors['norm.weight'].frozen: must be true or false",
+        ),
+        (
             lambda d: d["tensors"]["norm.weight"]["sharding"].__setitem__("storage", ["ep"]),
             "axis 'ep' is not an axis",
         ),
@@ -159,6 +163,17 @@ def test_each_kind_of_damage_is_named_by_path_and_field(edit, message):
     with pytest.raises(fs.ShardingError, match=r"does not hold together|not a plan") as error:
         fs.Plan.from_json(json.dumps(data))
     assert message in str(error.value)
+
+
+def test_a_frozen_parameter_reads_back_frozen_and_the_others_as_before():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[0].weight.requires_grad_(False)
+    plan = fs.shard(model, fs.Mesh(dp=2), fs.fsdp())
+    data = json.loads(plan.to_json())
+    assert data["tensors"]["0.weight"]["frozen"] is True
+    assert "frozen" not in data["tensors"]["0.bias"]  # plan files of models with none frozen are unchanged
+    assert fs.Plan.from_json(data) == plan
+    assert plan != fs.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), fs.Mesh(dp=2), fs.fsdp())
 
 
 def test_every_problem_is_reported_at_once():

@@ -126,8 +126,9 @@ def _tensor_problems(path: str, entry: Any, mesh: Mesh | None) -> list[str]:
         found.append(f"tensors[{path!r}].kind: {entry['kind']!r} is neither 'param' nor 'buffer'")
     if not isinstance(entry["module"], str | None):
         found.append(f"tensors[{path!r}].module: must be a class name or null")
-    aliases = entry["aliases"]
-    if not isinstance(aliases, list) or not all(isinstance(name, str) for name in aliases):
+    if not isinstance(entry.get("frozen", False), bool):  # written only when true
+        found.append(f"tensors[{path!r}].frozen: must be true or false, got {entry['frozen']!r}")
+    if not _is(entry["aliases"], tuple[str, ...]):  # a JSON list of paths
         found.append(f"tensors[{path!r}].aliases: must be a list of paths")
     sharding = entry["sharding"]
     if not isinstance(sharding, Mapping) or set(sharding) != set(_SPECS):

@@ -242,6 +242,7 @@ class Plan:
                     path
                     + (f" (= {', '.join(tied)})" if tied else "")
                     + ("  [buffer]" if tensor.kind == "buffer" else "")
+                    + ("  [frozen]" if tensor.frozen else "")
                 )
                 specs = sharding.normalized(tensor.ndim)
                 rows.append(

@@ -15,6 +15,7 @@ from functional_shard.planning.tp.module_splits import is_conv1d_module, is_proj
 from functional_shard.planning.tp.rules import sequence_parallel_problems
 
 from .applied import check_plan_and_module
+from .data_parallel import FSDP2_KINDS, whole_params
 from .experts import expert_data_axes, expert_hidden, expert_module_problems
 
 _SUPPORTED_STYLE_MODULES = (nn.Linear, nn.Embedding)
@@ -34,6 +35,7 @@ def engine_problems(plan: Plan, module: nn.Module) -> list[str]:
         found.extend(context_parallel_problems(plan, module))
     found.extend(_mesh_order_problems(plan))
     found.extend(_config_problems(plan, module))
+    found.extend(_dtype_problems(plan))
     modules = dict(module.named_modules())
     found.extend(_unfed_splits(config.tp_styles, modules))
     found.extend(expert_problems(plan, modules))
@@ -56,6 +58,47 @@ def _module_mismatches(plan: Plan, module: nn.Module) -> list[str]:
             found.append(
                 f"{path}: shape {tree.params[path].shape} in the module, "
                 f"{plan.tensors[path].shape} in the plan"
+            )
+    return found
+
+
+def _dtype_problems(plan: Plan) -> list[str]:
+    """Parameters of several dtypes where torch's engine steps or gathers one dtype.
+
+    ZeroRedundancyOptimizer takes one dtype over all parameters (integer and frozen ones too);
+    FSDP2 one over each unit's trained parameters (its 0-d ones, kept whole, are not its own).
+    """
+    config = plan.config
+    if config.data_parallel == "zero1":
+        groups: dict[tuple[int, str], list[str]] = {(0, ""): list(plan.params)}
+        fix = "use fs.zero(2), whose FSDP2 units take one dtype each, or give every parameter one dtype"
+    elif config.data_parallel in FSDP2_KINDS:
+        whole = set(whole_params(plan))
+        experts = tuple(f"{path}." for path in config.experts.modules) if config.experts else ()
+        groups = {}
+        for path in plan.params:  # (a pipeline stage's root is a unit of its own)
+            if plan.tensors[path].differentiable and path not in whole and not path.startswith(experts):
+                groups.setdefault((plan.stage_of(path), plan.unit_of(path)), []).append(path)
+        fix = (
+            "give them one dtype (fs.mixed_precision casts them for compute), or put the others in "
+            "units of their own with fs.fsdp(units=[...])"
+        )
+    else:
+        return []
+    found = []
+    for (_, unit), paths in groups.items():
+        first_of: dict[str, str] = {}
+        for path in paths:
+            first_of.setdefault(str(plan.tensors[path].dtype).removeprefix("torch."), path)
+        if len(first_of) > 1:
+            seen = ", ".join(f"{dtype}: {path!r}" for dtype, path in first_of.items())
+            where = (
+                "zero1 steps" if config.data_parallel == "zero1" else f"FSDP unit {unit or '(root)'!r} trains"
+            )
+            found.append(
+                f"{where} parameters of several dtypes ({seen}), and torch's "
+                f"{'ZeroRedundancyOptimizer' if config.data_parallel == 'zero1' else 'FSDP2'} "
+                f"takes one; {fix}"
             )
     return found
 

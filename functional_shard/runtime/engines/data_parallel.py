@@ -18,8 +18,9 @@ from functional_shard.planning.plan.plan import Plan
 
 from .applied import axes_mesh
 from .experts import expert_data_axes, shard_experts
+from .gradients import hook_accumulated_grad
 
-_FSDP2_KINDS = ("zero2", "zero3", "fsdp", "hsdp")
+FSDP2_KINDS = ("zero2", "zero3", "fsdp", "hsdp")
 
 
 def apply_data_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh, root: str) -> None:
@@ -83,7 +84,7 @@ def apply_data_parallel(plan: Plan, module: nn.Module, device_mesh: DeviceMesh, 
 
 def whole_params(plan: Plan) -> list[str]:
     """0-d parameters of an FSDP2 plan: kept whole on every rank, outside FSDP2."""
-    if plan.config.data_parallel not in _FSDP2_KINDS:
+    if plan.config.data_parallel not in FSDP2_KINDS:
         return []
     return [path for path in plan.params if plan.tensors[path].ndim == 0]
 
@@ -102,7 +103,7 @@ def host_params(plan: Plan, prefix: str = "") -> frozenset[str]:
         ['bias', 'weight']
     """
     config = plan.config
-    if not config.offload_params or config.data_parallel not in _FSDP2_KINDS:
+    if not config.offload_params or config.data_parallel not in FSDP2_KINDS:
         return frozenset()
     left_alone = set(whole_params(plan))
     if config.experts is not None and config.experts.axis is not None and not expert_data_axes(plan):
@@ -141,5 +142,5 @@ def reduce_whole_grads(plan: Plan, module: nn.Module, device_mesh: DeviceMesh) -
         param = module.get_parameter(path)
         # materialize keeps a real parameter object (to_empty swaps only meta ones): one hook
         if not param.is_meta and param not in _AVERAGED:
-            param.register_post_accumulate_grad_hook(average)
+            hook_accumulated_grad(param, average)
             _AVERAGED.add(param)

@@ -1,13 +1,42 @@
-"""Gradients held out of the way while torch runs something that must not see them."""
+"""Gradients set aside while torch runs something that must not see them, and gradient hooks."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 
-__all__ = ["gradients_set_aside"]
+__all__ = ["gradients_set_aside", "hook_accumulated_grad"]
+
+
+def hook_accumulated_grad(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+    """``param.register_post_accumulate_grad_hook(hook)``, for a frozen parameter too.
+
+    torch refuses the hook on a tensor that does not require grad, yet a parameter frozen now
+    (a LoRA base weight) may be unfrozen later, and its gradient must then be handled as any
+    other's; so the hook is registered with ``requires_grad`` set for the moment. An integer or
+    bool parameter never has a gradient: it gets no hook.
+
+    Examples:
+        >>> frozen = nn.Parameter(torch.ones(2), requires_grad=False)
+        >>> seen = []
+        >>> hook_accumulated_grad(frozen, seen.append)
+        >>> (frozen.requires_grad, seen)
+        (False, [])
+        >>> (frozen.requires_grad_() * 2).sum().backward()
+        >>> len(seen)
+        1
+    """
+    if not (param.dtype.is_floating_point or param.dtype.is_complex):
+        return
+    frozen = not param.requires_grad
+    param.requires_grad_(True)
+    try:
+        param.register_post_accumulate_grad_hook(hook)
+    finally:
+        param.requires_grad_(not frozen)
 
 
 @contextmanager

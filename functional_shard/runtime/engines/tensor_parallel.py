@@ -22,6 +22,7 @@ from functional_shard.planning.tp.module_splits import CONV1D_STYLES, features_o
 from functional_shard.planning.tp.rules import first_input_name, sequence_gathers
 
 from .experts import apply_expert_tensor_parallel
+from .gradients import hook_accumulated_grad
 from .packed_pieces import rank_share
 
 
@@ -283,7 +284,7 @@ def place_grads_as_params(plan: Plan, module: nn.Module) -> None:
 
     for param in module.parameters():
         if isinstance(param, DTensor) and not param.is_meta:
-            param.register_post_accumulate_grad_hook(_grad_placed_as_param)
+            hook_accumulated_grad(param, _grad_placed_as_param)
 
 
 def _grad_placed_as_param(param: torch.Tensor) -> None:
