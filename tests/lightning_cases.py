@@ -353,6 +353,53 @@ def fabric_no_backward_sync(name: str, config: LlamaConfig) -> dict[str, object]
     return {"reduced_inside": reduced, "difference": difference} if dist.get_rank() == 0 else None
 
 
+class RecordsClipping(LanguageModel):
+    """Records the full gradients before and after Lightning clips them."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__(config)
+        self.clipped: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        before = [dist_cases.full(p.grad) for p in self.parameters()]
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        self.clipped.append((before, [dist_cases.full(p.grad) for p in self.parameters()]))
+
+
+def trainer_clip_by_value(name: str, config: LlamaConfig, clip: float) -> dict[str, object] | None:
+    """One Trainer step under a strategy of dist_cases.strategy() with
+    ``gradient_clip_algorithm="value"``; rank 0 returns the full gradients before and after."""
+    mesh, policy = dist_cases.strategy(name, dist.get_world_size())
+    strategy = ShardStrategy(policy, mesh=mesh)
+    trainer = quiet_trainer(strategy, max_steps=1, gradient_clip_val=clip, gradient_clip_algorithm="value")
+    module = RecordsClipping(config)
+    tokens = torch.cat(dist_cases.batches(config, dist.get_world_size()))
+    trainer.fit(module, torch.utils.data.DataLoader(tokens, batch_size=dist_cases.MICRO_BATCH))
+    (before, after), *_ = module.clipped
+    return {"before": before, "after": after} if dist.get_rank() == 0 else None
+
+
+def fabric_clip_by_value(name: str, config: LlamaConfig, clip: float) -> dict[str, object] | None:
+    """One backward in a Fabric loop under a strategy of dist_cases.strategy(), then
+    ``fabric.clip_gradients(clip_val=clip)``; rank 0 returns the full gradients before and after."""
+    from functional_shard.adapters.lightning import FabricShardStrategy
+
+    rank, world = join_as_lightning_rank()
+    mesh, policy = dist_cases.strategy(name, world)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=FabricShardStrategy(policy, mesh=mesh))
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(Llama(config))
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=dist_cases.LR))
+    index, data_parallel = fabric.strategy.plan.data_parallel_rank(rank)
+    rows = dist_cases.batches(config, data_parallel)[0].split(dist_cases.MICRO_BATCH)[index]
+    fabric.backward(dist_cases.loss_of(model, rows))
+    before = [dist_cases.full(p.grad) for p in model.parameters()]
+    fabric.clip_gradients(model, optimizer, clip_val=clip)
+    after = [dist_cases.full(p.grad) for p in model.parameters()]
+    return {"before": before, "after": after} if rank == 0 else None
+
+
 def fit_again_with_a_new_trainer(first: str, second: str, config: LlamaConfig) -> list[float] | None:
     """One step of Trainer.fit under the registered strategy ``first``, then one more step of
     the same module by a new Trainer under ``second``; rank 0 returns the two steps' losses."""

@@ -15,7 +15,13 @@ from lightning.fabric.wrappers import _FabricModule
 import functional_shard as fs
 from functional_shard.runtime.engines.optimizer import stale_parameters
 
-from ._common import _agree_on_overflow, _refuse_two_precisions, _RunsAPlan, gradient_sync_blocked
+from ._common import (
+    _agree_on_overflow,
+    _refuse_two_precisions,
+    _RunsAPlan,
+    clip_grad_value,
+    gradient_sync_blocked,
+)
 
 __all__ = ["FabricShardStrategy"]
 
@@ -141,6 +147,16 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {float(total)}")
         return total
+
+    def clip_gradients_value(
+        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, clip_val: float | int
+    ) -> None:
+        """Clamp each gradient into ``[-clip_val, clip_val]``, under any plan.
+
+        torch's ``clip_grad_value_`` fails where a plan mixes DTensor and plain gradients (TP).
+        """
+        self.precision.unscale_gradients(optimizer)
+        clip_grad_value(self.precision.main_params(optimizer), float(clip_val))
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Refuse an optimizer built on parameters that sharding replaced.

@@ -16,7 +16,13 @@ import functional_shard as fs
 from functional_shard.runtime.engines.data_parallel import host_params
 from functional_shard.runtime.engines.materialize import move
 
-from ._common import _agree_on_overflow, _refuse_two_precisions, _RunsAPlan, gradient_sync_blocked
+from ._common import (
+    _agree_on_overflow,
+    _refuse_two_precisions,
+    _RunsAPlan,
+    clip_grad_value,
+    gradient_sync_blocked,
+)
 from .pipeline_loop import (
     _RunsSchedules,
     forward_root,
@@ -147,8 +153,10 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
             self._run_plan(module.get_submodule(root), self.device_mesh, self.root_device)
         else:
             self._run_plan(module, self.device_mesh, self.root_device, root=root)
-        # Lightning clips with torch's clip_grad_norm_, which cannot mix meshes
+        # Lightning clips with torch's clip_grad_norm_ and clip_grad_value_, which cannot mix
+        # meshes, nor DTensors with plain tensors
         self.precision_plugin.clip_grad_by_norm = _clip_by_norm  # type: ignore[method-assign]
+        self.precision_plugin.clip_grad_by_value = _clip_by_value  # type: ignore[method-assign]
         _refuse_two_precisions(self.plan, self.precision_plugin, "ShardStrategy")
         _agree_on_overflow(self.precision_plugin)
         self.model = self.precision_plugin.convert_module(module)
@@ -262,6 +270,10 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
 
 def _clip_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
     fs.clip_grad_norm_((p for group in optimizer.param_groups for p in group["params"]), clip_val)
+
+
+def _clip_by_value(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+    clip_grad_value((p for group in optimizer.param_groups for p in group["params"]), clip_val)
 
 
 def _register() -> None:

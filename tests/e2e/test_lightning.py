@@ -125,6 +125,21 @@ def test_gradient_clipping_clips_the_global_norm(world, name, data_parallel):
 
 
 @pytest.mark.parametrize(
+    "clipping", [lightning_cases.trainer_clip_by_value, lightning_cases.fabric_clip_by_value]
+)
+def test_clipping_by_value_clamps_each_entry_under_tensor_parallel(world, clipping):
+    """gradient_clip_algorithm="value" and fabric.clip_gradients(clip_val=...) under TP, whose
+    plain norm weights beside DTensor projections made torch's one foreach clamp raise: every
+    gradient entry clamped into [-clip, clip], as one process clamping the whole gradient."""
+    result = world.run(clipping, "tp", dist_cases.EVEN, 1e-2)[0]
+    clipped = 0
+    for before, after in zip(result["before"], result["after"], strict=True):
+        assert torch.equal(after, before.clamp(-1e-2, 1e-2))
+        clipped += int((before.abs() > 1e-2).sum())
+    assert clipped > 0
+
+
+@pytest.mark.parametrize(
     ("name", "full"),
     [
         pytest.param("fs_fsdp", False, marks=pytest.mark.slow),
