@@ -400,6 +400,22 @@ def fabric_clip_by_value(name: str, config: LlamaConfig, clip: float) -> dict[st
     return {"before": before, "after": after} if rank == 0 else None
 
 
+def fit_averaging_weights(name: str, config: LlamaConfig) -> list[float]:
+    """Two epochs under a strategy of dist_cases.strategy() with StochasticWeightAveraging from
+    the second; this rank's losses."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    mesh, policy = dist_cases.strategy(name, dist.get_world_size())
+    averaging = StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1)
+    trainer = quiet_trainer(
+        ShardStrategy(policy, mesh=mesh), max_epochs=2, limit_train_batches=1, callbacks=[averaging]
+    )
+    module = LanguageModel(config)
+    tokens = torch.cat(dist_cases.batches(config, dist.get_world_size()))
+    trainer.fit(module, torch.utils.data.DataLoader(tokens, batch_size=dist_cases.MICRO_BATCH))
+    return [loss.item() for loss in module.losses]
+
+
 def fit_again_with_a_new_trainer(first: str, second: str, config: LlamaConfig) -> list[float] | None:
     """One step of Trainer.fit under the registered strategy ``first``, then one more step of
     the same module by a new Trainer under ``second``; rank 0 returns the two steps' losses."""

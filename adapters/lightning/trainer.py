@@ -158,6 +158,7 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
         self.precision_plugin.clip_grad_by_norm = _clip_by_norm  # type: ignore[method-assign]
         self.precision_plugin.clip_grad_by_value = _clip_by_value  # type: ignore[method-assign]
         _refuse_two_precisions(self.plan, self.precision_plugin, "ShardStrategy")
+        _refuse_weight_averaging(trainer, module, self._pipelined())
         _agree_on_overflow(self.precision_plugin)
         self.model = self.precision_plugin.convert_module(module)
         self._host = host_params(self.plan, prefix=f"{root}." if self._pipelined() else "")
@@ -265,6 +266,29 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
             strict=self.lightning_module.strict_loading,
             # Lightning's None is torch's safe default; only an explicit False trusts the file
             trust=weights_only is False,
+        )
+
+
+def _refuse_weight_averaging(trainer: pl.Trainer, module: torch.nn.Module, pipelined: bool) -> None:
+    """Refuse StochasticWeightAveraging where the plan shards or splits the parameters.
+
+    The callback copies the module in its setup hook, before the plan applies: it would
+    average whole tensors with DTensor shards (torch raises deep in the first update) or,
+    under a pipeline, with one stage's parameters (seen: the ranks hang). Lightning refuses
+    it to its own sharded strategies alike.
+    """
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    from torch.distributed.tensor import DTensor
+
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+    averaging = [type(c).__name__ for c in callbacks if isinstance(c, StochasticWeightAveraging)]
+    sharded = any(isinstance(p, DTensor) for p in module.parameters())
+    if averaging and (sharded or pipelined):
+        held = "split into pipeline stages" if pipelined else "sharded (DTensors)"
+        raise fs.ShardingError(
+            f"ShardStrategy: the callback {averaging[0]} averages a copy of the whole module made before "
+            f"the plan applies, and this plan's parameters are {held}; drop the callback, or run a plan "
+            "that keeps every parameter whole on each rank (fs.replicate() or fs.zero(1))"
         )
 
 

@@ -337,6 +337,14 @@ def test_a_plan_that_misses_parameters_of_the_module_is_refused_by_name(world):
         world.refusal(lightning_cases.fit_with, plan, None, dist_cases.EVEN, 4)
 
 
+def test_weight_averaging_of_sharded_parameters_is_refused_at_setup(world):
+    """StochasticWeightAveraging copies the module before the plan shards it: its first update
+    raised torch's 'mixed torch.Tensor and DTensor'; now a ShardingError names the callback."""
+    averaging = "the callback StochasticWeightAveraging averages a copy of the whole module made before"
+    with pytest.raises(fs.ShardingError, match=re.escape(averaging)):
+        world.refusal(lightning_cases.fit_averaging_weights, "zero3", dist_cases.EVEN)
+
+
 def test_model_checkpoint_keeps_sharded_folders_and_resumes_from_them(world, tmp_path):
     """ModelCheckpoint(every_n_train_steps=2, save_top_k=1): sharded checkpoints are
     folders, the older ones removed, none left half-written; a fit resumes from the last."""
