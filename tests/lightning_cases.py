@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import lightning as L  # noqa: N812 (the name Lightning documents)
 import torch
@@ -481,7 +482,8 @@ def strategy_collectives(name: str, config: LlamaConfig) -> dict[str, object]:
     Lightning's loggers and callbacks call them."""
     trainer = quiet_trainer(name, max_steps=1)
     tokens = torch.cat(dist_cases.batches(config, dist.get_world_size()))
-    trainer.fit(LanguageModel(config), torch.utils.data.DataLoader(tokens, batch_size=dist_cases.MICRO_BATCH))
+    module = LanguageModel(config)
+    trainer.fit(module, torch.utils.data.DataLoader(tokens, batch_size=dist_cases.MICRO_BATCH))
     strategy, rank = trainer.strategy, float(dist.get_rank())
     strategy.barrier()
     return {
@@ -490,6 +492,32 @@ def strategy_collectives(name: str, config: LlamaConfig) -> dict[str, object]:
         "gathered": strategy.all_gather(torch.tensor([rank])).flatten().tolist(),
         "broadcast": strategy.broadcast(f"from {rank}", src=2),
         "decision": strategy.reduce_boolean_decision(rank == 3, all=False),
+        "a_weight": _gathered_or_refused(module.all_gather, module.model.embed_tokens.weight.detach()),
+    }
+
+
+def _gathered_or_refused(collective: Callable[[torch.Tensor], torch.Tensor], tensor: torch.Tensor) -> object:
+    """The shape ``collective(tensor)`` returns, or the message of the ShardingError it raises."""
+    try:
+        return tuple(collective(tensor).shape)
+    except fs.ShardingError as error:
+        return str(error)
+
+
+def fabric_collectives_of_a_weight(name: str, config: LlamaConfig) -> dict[str, object]:
+    """fabric.all_gather and fabric.all_reduce of the embedding weight (a DTensor under a
+    sharding plan), set up under a strategy of dist_cases.strategy(): shapes or refusals."""
+    from functional_shard.adapters.lightning import FabricShardStrategy
+
+    _, world = join_as_lightning_rank()
+    mesh, policy = dist_cases.strategy(name, world)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=FabricShardStrategy(policy, mesh=mesh))
+    fabric.launch()
+    model = fabric.setup_module(Llama(config))
+    weight = model.embed_tokens.weight.detach()
+    return {
+        "gathered": _gathered_or_refused(fabric.all_gather, weight),
+        "reduced": _gathered_or_refused(fabric.all_reduce, weight),
     }
 
 

@@ -297,6 +297,20 @@ class _RunsAPlan:
         return fs.optimizer(self.plan, module, type(optimizer), **kwargs)
 
 
+def refuse_a_dtensor(tensor: object, collective: str) -> None:
+    """Refuse a DTensor to a collective over the ranks' own tensors (all_gather, all_reduce).
+
+    A DTensor is one tensor over every rank already; gloo and NCCL have no rule for it
+    (torch raises "c10d.allgather_.default does not have a sharding strategy registered").
+    """
+    if isinstance(tensor, DTensor):
+        raise fs.ShardingError(
+            f"{collective} of a DTensor (shape {tuple(tensor.shape)}, {tensor.placements} on the mesh): it "
+            "is one tensor over the ranks already, and the collective takes each rank's own; pass "
+            "tensor.full_tensor() for the whole tensor, or tensor.to_local() for this rank's shard"
+        )
+
+
 def clip_grad_value(parameters: Iterable[torch.Tensor], clip_val: float) -> None:
     """Clamp every gradient into ``[-clip_val, clip_val]``, one kind of tensor at a time.
 

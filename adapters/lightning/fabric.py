@@ -21,6 +21,7 @@ from ._common import (
     _RunsAPlan,
     clip_grad_value,
     gradient_sync_blocked,
+    refuse_a_dtensor,
 )
 
 __all__ = ["FabricShardStrategy"]
@@ -65,9 +66,20 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
     setup_module = FabricModelParallelStrategy.setup_module
     module_to_device = FabricModelParallelStrategy.module_to_device
     module_init_context = FabricModelParallelStrategy.module_init_context
-    all_reduce = FabricModelParallelStrategy.all_reduce
     barrier = FabricModelParallelStrategy.barrier
     broadcast = FabricModelParallelStrategy.broadcast
+
+    def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        """``fabric.all_reduce`` of each rank's own tensor (Fabric's), a DTensor refused with the fix."""
+        refuse_a_dtensor(tensor, "fabric.all_reduce")
+        return FabricModelParallelStrategy.all_reduce(self, tensor, group, reduce_op)  # type: ignore[arg-type]  # Fabric's, by reference
+
+    def all_gather(
+        self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False
+    ) -> torch.Tensor:
+        """``fabric.all_gather`` of each rank's own tensor (Fabric's), a DTensor refused with the fix."""
+        refuse_a_dtensor(tensor, "fabric.all_gather")
+        return super().all_gather(tensor, group, sync_grads)
 
     def _parallelize(self, module: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
         self._run_plan(module, device_mesh, self.root_device)

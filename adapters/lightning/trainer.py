@@ -22,6 +22,7 @@ from ._common import (
     _RunsAPlan,
     clip_grad_value,
     gradient_sync_blocked,
+    refuse_a_dtensor,
 )
 from .pipeline_loop import (
     _RunsSchedules,
@@ -107,6 +108,13 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
     reduce = ModelParallelStrategy.reduce
     _determine_device_ids = ModelParallelStrategy._determine_device_ids
     teardown = ModelParallelStrategy.teardown
+
+    def all_gather(
+        self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False
+    ) -> torch.Tensor:
+        """``self.all_gather`` of each rank's own tensor (Lightning's), a DTensor refused with the fix."""
+        refuse_a_dtensor(tensor, "all_gather")
+        return super().all_gather(tensor, group, sync_grads)
 
     def set_world_ranks(self) -> None:
         """Lightning's, after refusing a world the mesh does not fit (called as the Trainer is made)."""

@@ -404,6 +404,23 @@ def test_the_strategy_reduces_gathers_and_broadcasts_over_every_rank(world, name
         assert result["gathered"] == [0.0, 1.0, 2.0, 3.0]
         assert result["broadcast"] == "from 2.0"
         assert result["decision"] is True
+        if name == "fs_zero1":  # whole weights on every rank
+            assert result["a_weight"] == (4, dist_cases.EVEN.vocab_size, dist_cases.EVEN.hidden_size)
+        else:  # a DTensor: torch's collective raised NotImplementedError
+            assert "all_gather of a DTensor (shape (128, 32)" in result["a_weight"]
+            assert "tensor.full_tensor() for the whole tensor" in result["a_weight"]
+
+
+@pytest.mark.parametrize("name", ["fsdp_tp", pytest.param("ddp", marks=pytest.mark.slow)])
+def test_fabric_gathers_and_reduces_each_ranks_own_tensor_and_refuses_a_dtensor(world, name):
+    results = world.run(lightning_cases.fabric_collectives_of_a_weight, name, dist_cases.EVEN)
+    whole = (dist_cases.EVEN.vocab_size, dist_cases.EVEN.hidden_size)
+    for result in results:
+        if name == "ddp":
+            assert result == {"gathered": (4, *whole), "reduced": whole}
+        else:
+            assert "fabric.all_gather of a DTensor (shape (128, 32)" in result["gathered"]
+            assert "fabric.all_reduce of a DTensor (shape (128, 32)" in result["reduced"]
 
 
 # weights=: a Hugging Face folder (save_pretrained of a tiny Llama) the run starts from
