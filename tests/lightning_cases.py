@@ -417,6 +417,30 @@ def fit_averaging_weights(name: str, config: LlamaConfig) -> list[float]:
     return [loss.item() for loss in module.losses]
 
 
+def fabric_load_asking_for_more(name: str, config: LlamaConfig, path: str, full: bool) -> dict[str, object]:
+    """fabric.save of a model, its optimizer and "step", then fabric.load of those and an
+    "epoch" the checkpoint lacks: strictly (the refusal), then with strict=False."""
+    from functional_shard.adapters.lightning import FabricShardStrategy
+
+    _, world = join_as_lightning_rank()
+    mesh, policy = dist_cases.strategy(name, world)
+    strategy = FabricShardStrategy(policy, mesh=mesh, save_distributed_checkpoint=not full)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup_module(Llama(config))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=dist_cases.LR))
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 3})
+    state = {"model": model, "optimizer": optimizer, "step": 0, "epoch": 7}
+    try:
+        fabric.load(path, state)
+        refusal = ""
+    except fs.ShardingError as error:
+        refusal = str(error)
+    untouched = dict(state)
+    fabric.load(path, state, strict=False)
+    return {"refusal": refusal, "untouched": untouched["step"], "loose": (state["step"], state["epoch"])}
+
+
 def fit_again_with_a_new_trainer(first: str, second: str, config: LlamaConfig) -> list[float] | None:
     """One step of Trainer.fit under the registered strategy ``first``, then one more step of
     the same module by a new Trainer under ``second``; rank 0 returns the two steps' losses."""

@@ -240,13 +240,29 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
             )
         module_key, module = _the_module(state)
         optimizers = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
+        path = self.broadcast(path)
+        values = [key for key in state if key != module_key and key not in optimizers]
+
+        def asked_but_not_saved(saved: dict[str, Any]) -> list[str]:
+            # Fabric's strict load refuses a key of the state the checkpoint lacks, where it
+            # would keep the value it had, unsaid; checked before anything loads
+            absent = [key for key in values if key not in saved]
+            if not strict or not absent:
+                return []
+            return [
+                f"fabric.load: the checkpoint at {path} holds no {', '.join(map(repr, absent))} of the "
+                "state asked for, and nothing was loaded; drop them from the state, or pass strict=False "
+                "to keep their current values"
+            ]
+
         rest = fs.checkpoint.read(
-            self.broadcast(path),
+            path,
             (module_key, module),
             optimizers,
             strict=strict,
             # Lightning's None is torch's safe default; only an explicit False trusts the file
             trust=weights_only is False,
+            check=asked_but_not_saved,
         )
         for key in [k for k in rest if k in state]:
             value = rest.pop(key)

@@ -220,6 +220,17 @@ def test_fabric_save_and_load_resume_exactly(world, tmp_path, name, full):
         assert resumed["optimizer"] == "ZeroRedundancyOptimizer"
 
 
+@pytest.mark.parametrize("full", [False, True])
+def test_fabric_strict_load_refuses_a_state_key_the_checkpoint_lacks(world, tmp_path, full):
+    """fabric.load of a state naming "epoch", which the checkpoint lacks, kept the state's own
+    value unsaid; as Fabric's strict load, it is refused before anything loads (strict=False loads)."""
+    path = str(tmp_path / ("ckpt.pt" if full else "ckpt"))
+    result = world.run(lightning_cases.fabric_load_asking_for_more, "zero3", dist_cases.EVEN, path, full)[0]
+    assert "holds no 'epoch' of the state asked for, and nothing was loaded" in result["refusal"]
+    assert result["untouched"] == 0
+    assert result["loose"] == (3, 7)
+
+
 @pytest.mark.parametrize("precision", [pytest.param("16-mixed-cpu", marks=pytest.mark.slow), "16-mixed"])
 def test_fabric_float16_with_a_scaler_that_agrees_over_ranks(world, precision):
     """Fabric's float16 AMP plugin: the strategy swaps its GradScaler for fs.grad_scaler and
