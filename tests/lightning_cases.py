@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import lightning as L  # noqa: N812 (the name Lightning documents)
 import torch
@@ -353,6 +354,93 @@ def fabric_no_backward_sync(name: str, config: LlamaConfig) -> dict[str, object]
     return {"reduced_inside": reduced, "difference": difference} if dist.get_rank() == 0 else None
 
 
+class RecordsClipping(LanguageModel):
+    """Records the full gradients before and after Lightning clips them."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__(config)
+        self.clipped: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        before = [dist_cases.full(p.grad) for p in self.parameters()]
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        self.clipped.append((before, [dist_cases.full(p.grad) for p in self.parameters()]))
+
+
+def trainer_clip_by_value(name: str, config: LlamaConfig, clip: float) -> dict[str, object] | None:
+    """One Trainer step under a strategy of dist_cases.strategy() with
+    ``gradient_clip_algorithm="value"``; rank 0 returns the full gradients before and after."""
+    mesh, policy = dist_cases.strategy(name, dist.get_world_size())
+    strategy = ShardStrategy(policy, mesh=mesh)
+    trainer = quiet_trainer(strategy, max_steps=1, gradient_clip_val=clip, gradient_clip_algorithm="value")
+    module = RecordsClipping(config)
+    tokens = torch.cat(dist_cases.batches(config, dist.get_world_size()))
+    trainer.fit(module, torch.utils.data.DataLoader(tokens, batch_size=dist_cases.MICRO_BATCH))
+    (before, after), *_ = module.clipped
+    return {"before": before, "after": after} if dist.get_rank() == 0 else None
+
+
+def fabric_clip_by_value(name: str, config: LlamaConfig, clip: float) -> dict[str, object] | None:
+    """One backward in a Fabric loop under a strategy of dist_cases.strategy(), then
+    ``fabric.clip_gradients(clip_val=clip)``; rank 0 returns the full gradients before and after."""
+    from functional_shard.adapters.lightning import FabricShardStrategy
+
+    rank, world = join_as_lightning_rank()
+    mesh, policy = dist_cases.strategy(name, world)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=FabricShardStrategy(policy, mesh=mesh))
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(Llama(config))
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=dist_cases.LR))
+    index, data_parallel = fabric.strategy.plan.data_parallel_rank(rank)
+    rows = dist_cases.batches(config, data_parallel)[0].split(dist_cases.MICRO_BATCH)[index]
+    fabric.backward(dist_cases.loss_of(model, rows))
+    before = [dist_cases.full(p.grad) for p in model.parameters()]
+    fabric.clip_gradients(model, optimizer, clip_val=clip)
+    after = [dist_cases.full(p.grad) for p in model.parameters()]
+    return {"before": before, "after": after} if rank == 0 else None
+
+
+def fit_averaging_weights(name: str, config: LlamaConfig) -> list[float]:
+    """Two epochs under a strategy of dist_cases.strategy() with StochasticWeightAveraging from
+    the second; this rank's losses."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    mesh, policy = dist_cases.strategy(name, dist.get_world_size())
+    averaging = StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1)
+    trainer = quiet_trainer(
+        ShardStrategy(policy, mesh=mesh), max_epochs=2, limit_train_batches=1, callbacks=[averaging]
+    )
+    module = LanguageModel(config)
+    tokens = torch.cat(dist_cases.batches(config, dist.get_world_size()))
+    trainer.fit(module, torch.utils.data.DataLoader(tokens, batch_size=dist_cases.MICRO_BATCH))
+    return [loss.item() for loss in module.losses]
+
+
+def fabric_load_asking_for_more(name: str, config: LlamaConfig, path: str, full: bool) -> dict[str, object]:
+    """fabric.save of a model, its optimizer and "step", then fabric.load of those and an
+    "epoch" the checkpoint lacks: strictly (the refusal), then with strict=False."""
+    from functional_shard.adapters.lightning import FabricShardStrategy
+
+    _, world = join_as_lightning_rank()
+    mesh, policy = dist_cases.strategy(name, world)
+    strategy = FabricShardStrategy(policy, mesh=mesh, save_distributed_checkpoint=not full)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    model = fabric.setup_module(Llama(config))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=dist_cases.LR))
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 3})
+    state = {"model": model, "optimizer": optimizer, "step": 0, "epoch": 7}
+    try:
+        fabric.load(path, state)
+        refusal = ""
+    except fs.ShardingError as error:
+        refusal = str(error)
+    untouched = dict(state)
+    fabric.load(path, state, strict=False)
+    return {"refusal": refusal, "untouched": untouched["step"], "loose": (state["step"], state["epoch"])}
+
+
 def fit_again_with_a_new_trainer(first: str, second: str, config: LlamaConfig) -> list[float] | None:
     """One step of Trainer.fit under the registered strategy ``first``, then one more step of
     the same module by a new Trainer under ``second``; rank 0 returns the two steps' losses."""
@@ -418,7 +506,8 @@ def strategy_collectives(name: str, config: LlamaConfig) -> dict[str, object]:
     Lightning's loggers and callbacks call them."""
     trainer = quiet_trainer(name, max_steps=1)
     tokens = torch.cat(dist_cases.batches(config, dist.get_world_size()))
-    trainer.fit(LanguageModel(config), torch.utils.data.DataLoader(tokens, batch_size=dist_cases.MICRO_BATCH))
+    module = LanguageModel(config)
+    trainer.fit(module, torch.utils.data.DataLoader(tokens, batch_size=dist_cases.MICRO_BATCH))
     strategy, rank = trainer.strategy, float(dist.get_rank())
     strategy.barrier()
     return {
@@ -427,6 +516,32 @@ def strategy_collectives(name: str, config: LlamaConfig) -> dict[str, object]:
         "gathered": strategy.all_gather(torch.tensor([rank])).flatten().tolist(),
         "broadcast": strategy.broadcast(f"from {rank}", src=2),
         "decision": strategy.reduce_boolean_decision(rank == 3, all=False),
+        "a_weight": _gathered_or_refused(module.all_gather, module.model.embed_tokens.weight.detach()),
+    }
+
+
+def _gathered_or_refused(collective: Callable[[torch.Tensor], torch.Tensor], tensor: torch.Tensor) -> object:
+    """The shape ``collective(tensor)`` returns, or the message of the ShardingError it raises."""
+    try:
+        return tuple(collective(tensor).shape)
+    except fs.ShardingError as error:
+        return str(error)
+
+
+def fabric_collectives_of_a_weight(name: str, config: LlamaConfig) -> dict[str, object]:
+    """fabric.all_gather and fabric.all_reduce of the embedding weight (a DTensor under a
+    sharding plan), set up under a strategy of dist_cases.strategy(): shapes or refusals."""
+    from functional_shard.adapters.lightning import FabricShardStrategy
+
+    _, world = join_as_lightning_rank()
+    mesh, policy = dist_cases.strategy(name, world)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=FabricShardStrategy(policy, mesh=mesh))
+    fabric.launch()
+    model = fabric.setup_module(Llama(config))
+    weight = model.embed_tokens.weight.detach()
+    return {
+        "gathered": _gathered_or_refused(fabric.all_gather, weight),
+        "reduced": _gathered_or_refused(fabric.all_reduce, weight),
     }
 
 

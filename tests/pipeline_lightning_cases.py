@@ -148,6 +148,13 @@ def fit_refused(**options: Any) -> str:
     return ""
 
 
+def fit_refused_averaging() -> str:
+    """The ShardingError a pipelined fit with StochasticWeightAveraging raises (or '')."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    return fit_refused(callbacks=[StochasticWeightAveraging(swa_lrs=1e-3, swa_epoch_start=1)])
+
+
 # evaluation data: 16 rows, 8 per data-parallel rank, 2 batches each (unshuffled)
 def evaluation_tokens() -> torch.Tensor:
     generator = torch.Generator().manual_seed(99)

@@ -6,7 +6,7 @@ import functools
 import inspect
 import math
 import os
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -17,6 +17,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 import functional_shard as fs
 from functional_shard.core.errors import counted
@@ -37,6 +38,7 @@ _COLLECTIVE_METHODS = (
     "optimizer_step",
     "pipeline_step",
     "clip_gradients_norm",
+    "clip_gradients_value",
     "barrier",
     "broadcast",
     "reduce",
@@ -293,6 +295,37 @@ class _RunsAPlan:
         accepted = inspect.signature(type(optimizer).__init__).parameters
         kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         return fs.optimizer(self.plan, module, type(optimizer), **kwargs)
+
+
+def refuse_a_dtensor(tensor: object, collective: str) -> None:
+    """Refuse a DTensor to a collective over the ranks' own tensors (all_gather, all_reduce).
+
+    A DTensor is one tensor over every rank already; gloo and NCCL have no rule for it
+    (torch raises "c10d.allgather_.default does not have a sharding strategy registered").
+    """
+    if isinstance(tensor, DTensor):
+        raise fs.ShardingError(
+            f"{collective} of a DTensor (shape {tuple(tensor.shape)}, {tensor.placements} on the mesh): it "
+            "is one tensor over the ranks already, and the collective takes each rank's own; pass "
+            "tensor.full_tensor() for the whole tensor, or tensor.to_local() for this rank's shard"
+        )
+
+
+def clip_grad_value(parameters: Iterable[torch.Tensor], clip_val: float) -> None:
+    """Clamp every gradient into ``[-clip_val, clip_val]``, one kind of tensor at a time.
+
+    torch's ``clip_grad_value_`` clamps them all in one foreach call, which refuses plain
+    tensors beside DTensors (a tensor-parallel plan's replicated norms beside its sharded
+    projections) and DTensors of several meshes; DTensor's own clamp keeps a partial sum whole.
+    """
+    kinds: dict[object, list[torch.Tensor]] = {}
+    for parameter in parameters:
+        grad = parameter.grad
+        if grad is not None:
+            kind = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+            kinds.setdefault(kind, []).append(parameter)
+    for same_kind in kinds.values():
+        torch.nn.utils.clip_grad_value_(same_kind, clip_value=clip_val)
 
 
 @contextmanager

@@ -15,7 +15,14 @@ from lightning.fabric.wrappers import _FabricModule
 import functional_shard as fs
 from functional_shard.runtime.engines.optimizer import stale_parameters
 
-from ._common import _agree_on_overflow, _refuse_two_precisions, _RunsAPlan, gradient_sync_blocked
+from ._common import (
+    _agree_on_overflow,
+    _refuse_two_precisions,
+    _RunsAPlan,
+    clip_grad_value,
+    gradient_sync_blocked,
+    refuse_a_dtensor,
+)
 
 __all__ = ["FabricShardStrategy"]
 
@@ -59,9 +66,20 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
     setup_module = FabricModelParallelStrategy.setup_module
     module_to_device = FabricModelParallelStrategy.module_to_device
     module_init_context = FabricModelParallelStrategy.module_init_context
-    all_reduce = FabricModelParallelStrategy.all_reduce
     barrier = FabricModelParallelStrategy.barrier
     broadcast = FabricModelParallelStrategy.broadcast
+
+    def all_reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
+        """``fabric.all_reduce`` of each rank's own tensor (Fabric's), a DTensor refused with the fix."""
+        refuse_a_dtensor(tensor, "fabric.all_reduce")
+        return FabricModelParallelStrategy.all_reduce(self, tensor, group, reduce_op)  # type: ignore[arg-type]  # Fabric's, by reference
+
+    def all_gather(
+        self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False
+    ) -> torch.Tensor:
+        """``fabric.all_gather`` of each rank's own tensor (Fabric's), a DTensor refused with the fix."""
+        refuse_a_dtensor(tensor, "fabric.all_gather")
+        return super().all_gather(tensor, group, sync_grads)
 
     def _parallelize(self, module: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
         self._run_plan(module, device_mesh, self.root_device)
@@ -142,6 +160,16 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {float(total)}")
         return total
 
+    def clip_gradients_value(
+        self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, clip_val: float | int
+    ) -> None:
+        """Clamp each gradient into ``[-clip_val, clip_val]``, under any plan.
+
+        torch's ``clip_grad_value_`` fails where a plan mixes DTensor and plain gradients (TP).
+        """
+        self.precision.unscale_gradients(optimizer)
+        clip_grad_value(self.precision.main_params(optimizer), float(clip_val))
+
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Refuse an optimizer built on parameters that sharding replaced.
 
@@ -212,13 +240,29 @@ class FabricShardStrategy(_RunsAPlan, FabricParallelStrategy):
             )
         module_key, module = _the_module(state)
         optimizers = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
+        path = self.broadcast(path)
+        values = [key for key in state if key != module_key and key not in optimizers]
+
+        def asked_but_not_saved(saved: dict[str, Any]) -> list[str]:
+            # Fabric's strict load refuses a key of the state the checkpoint lacks, where it
+            # would keep the value it had, unsaid; checked before anything loads
+            absent = [key for key in values if key not in saved]
+            if not strict or not absent:
+                return []
+            return [
+                f"fabric.load: the checkpoint at {path} holds no {', '.join(map(repr, absent))} of the "
+                "state asked for, and nothing was loaded; drop them from the state, or pass strict=False "
+                "to keep their current values"
+            ]
+
         rest = fs.checkpoint.read(
-            self.broadcast(path),
+            path,
             (module_key, module),
             optimizers,
             strict=strict,
             # Lightning's None is torch's safe default; only an explicit False trusts the file
             trust=weights_only is False,
+            check=asked_but_not_saved,
         )
         for key in [k for k in rest if k in state]:
             value = rest.pop(key)

@@ -16,7 +16,14 @@ import functional_shard as fs
 from functional_shard.runtime.engines.data_parallel import host_params
 from functional_shard.runtime.engines.materialize import move
 
-from ._common import _agree_on_overflow, _refuse_two_precisions, _RunsAPlan, gradient_sync_blocked
+from ._common import (
+    _agree_on_overflow,
+    _refuse_two_precisions,
+    _RunsAPlan,
+    clip_grad_value,
+    gradient_sync_blocked,
+    refuse_a_dtensor,
+)
 from .pipeline_loop import (
     _RunsSchedules,
     forward_root,
@@ -102,6 +109,13 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
     _determine_device_ids = ModelParallelStrategy._determine_device_ids
     teardown = ModelParallelStrategy.teardown
 
+    def all_gather(
+        self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False
+    ) -> torch.Tensor:
+        """``self.all_gather`` of each rank's own tensor (Lightning's), a DTensor refused with the fix."""
+        refuse_a_dtensor(tensor, "all_gather")
+        return super().all_gather(tensor, group, sync_grads)
+
     def set_world_ranks(self) -> None:
         """Lightning's, after refusing a world the mesh does not fit (called as the Trainer is made)."""
         self._refuse_another_world()
@@ -147,9 +161,12 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
             self._run_plan(module.get_submodule(root), self.device_mesh, self.root_device)
         else:
             self._run_plan(module, self.device_mesh, self.root_device, root=root)
-        # Lightning clips with torch's clip_grad_norm_, which cannot mix meshes
+        # Lightning clips with torch's clip_grad_norm_ and clip_grad_value_, which cannot mix
+        # meshes, nor DTensors with plain tensors
         self.precision_plugin.clip_grad_by_norm = _clip_by_norm  # type: ignore[method-assign]
+        self.precision_plugin.clip_grad_by_value = _clip_by_value  # type: ignore[method-assign]
         _refuse_two_precisions(self.plan, self.precision_plugin, "ShardStrategy")
+        _refuse_weight_averaging(trainer, module, self._pipelined())
         _agree_on_overflow(self.precision_plugin)
         self.model = self.precision_plugin.convert_module(module)
         self._host = host_params(self.plan, prefix=f"{root}." if self._pipelined() else "")
@@ -260,8 +277,35 @@ class ShardStrategy(_RunsAPlan, _RunsSchedules, ParallelStrategy):
         )
 
 
+def _refuse_weight_averaging(trainer: pl.Trainer, module: torch.nn.Module, pipelined: bool) -> None:
+    """Refuse StochasticWeightAveraging where the plan shards or splits the parameters.
+
+    The callback copies the module in its setup hook, before the plan applies: it would
+    average whole tensors with DTensor shards (torch raises deep in the first update) or,
+    under a pipeline, with one stage's parameters (seen: the ranks hang). Lightning refuses
+    it to its own sharded strategies alike.
+    """
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    from torch.distributed.tensor import DTensor
+
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+    averaging = [type(c).__name__ for c in callbacks if isinstance(c, StochasticWeightAveraging)]
+    sharded = any(isinstance(p, DTensor) for p in module.parameters())
+    if averaging and (sharded or pipelined):
+        held = "split into pipeline stages" if pipelined else "sharded (DTensors)"
+        raise fs.ShardingError(
+            f"ShardStrategy: the callback {averaging[0]} averages a copy of the whole module made before "
+            f"the plan applies, and this plan's parameters are {held}; drop the callback, or run a plan "
+            "that keeps every parameter whole on each rank (fs.replicate() or fs.zero(1))"
+        )
+
+
 def _clip_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
     fs.clip_grad_norm_((p for group in optimizer.param_groups for p in group["params"]), clip_val)
+
+
+def _clip_by_value(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+    clip_grad_value((p for group in optimizer.param_groups for p in group["params"]), clip_val)
 
 
 def _register() -> None:

@@ -125,6 +125,21 @@ def test_gradient_clipping_clips_the_global_norm(world, name, data_parallel):
 
 
 @pytest.mark.parametrize(
+    "clipping", [lightning_cases.trainer_clip_by_value, lightning_cases.fabric_clip_by_value]
+)
+def test_clipping_by_value_clamps_each_entry_under_tensor_parallel(world, clipping):
+    """gradient_clip_algorithm="value" and fabric.clip_gradients(clip_val=...) under TP, whose
+    plain norm weights beside DTensor projections made torch's one foreach clamp raise: every
+    gradient entry clamped into [-clip, clip], as one process clamping the whole gradient."""
+    result = world.run(clipping, "tp", dist_cases.EVEN, 1e-2)[0]
+    clipped = 0
+    for before, after in zip(result["before"], result["after"], strict=True):
+        assert torch.equal(after, before.clamp(-1e-2, 1e-2))
+        clipped += int((before.abs() > 1e-2).sum())
+    assert clipped > 0
+
+
+@pytest.mark.parametrize(
     ("name", "full"),
     [
         pytest.param("fs_fsdp", False, marks=pytest.mark.slow),
@@ -203,6 +218,17 @@ def test_fabric_save_and_load_resume_exactly(world, tmp_path, name, full):
     assert resumed["losses"] == pytest.approx(uninterrupted["losses"][2:], abs=1e-5)
     if name == "zero1":
         assert resumed["optimizer"] == "ZeroRedundancyOptimizer"
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_fabric_strict_load_refuses_a_state_key_the_checkpoint_lacks(world, tmp_path, full):
+    """fabric.load of a state naming "epoch", which the checkpoint lacks, kept the state's own
+    value unsaid; as Fabric's strict load, it is refused before anything loads (strict=False loads)."""
+    path = str(tmp_path / ("ckpt.pt" if full else "ckpt"))
+    result = world.run(lightning_cases.fabric_load_asking_for_more, "zero3", dist_cases.EVEN, path, full)[0]
+    assert "holds no 'epoch' of the state asked for, and nothing was loaded" in result["refusal"]
+    assert result["untouched"] == 0
+    assert result["loose"] == (3, 7)
 
 
 @pytest.mark.parametrize("precision", [pytest.param("16-mixed-cpu", marks=pytest.mark.slow), "16-mixed"])
@@ -322,6 +348,14 @@ def test_a_plan_that_misses_parameters_of_the_module_is_refused_by_name(world):
         world.refusal(lightning_cases.fit_with, plan, None, dist_cases.EVEN, 4)
 
 
+def test_weight_averaging_of_sharded_parameters_is_refused_at_setup(world):
+    """StochasticWeightAveraging copies the module before the plan shards it: its first update
+    raised torch's 'mixed torch.Tensor and DTensor'; now a ShardingError names the callback."""
+    averaging = "the callback StochasticWeightAveraging averages a copy of the whole module made before"
+    with pytest.raises(fs.ShardingError, match=re.escape(averaging)):
+        world.refusal(lightning_cases.fit_averaging_weights, "zero3", dist_cases.EVEN)
+
+
 def test_model_checkpoint_keeps_sharded_folders_and_resumes_from_them(world, tmp_path):
     """ModelCheckpoint(every_n_train_steps=2, save_top_k=1): sharded checkpoints are
     folders, the older ones removed, none left half-written; a fit resumes from the last."""
@@ -381,6 +415,23 @@ def test_the_strategy_reduces_gathers_and_broadcasts_over_every_rank(world, name
         assert result["gathered"] == [0.0, 1.0, 2.0, 3.0]
         assert result["broadcast"] == "from 2.0"
         assert result["decision"] is True
+        if name == "fs_zero1":  # whole weights on every rank
+            assert result["a_weight"] == (4, dist_cases.EVEN.vocab_size, dist_cases.EVEN.hidden_size)
+        else:  # a DTensor: torch's collective raised NotImplementedError
+            assert "all_gather of a DTensor (shape (128, 32)" in result["a_weight"]
+            assert "tensor.full_tensor() for the whole tensor" in result["a_weight"]
+
+
+@pytest.mark.parametrize("name", ["fsdp_tp", pytest.param("ddp", marks=pytest.mark.slow)])
+def test_fabric_gathers_and_reduces_each_ranks_own_tensor_and_refuses_a_dtensor(world, name):
+    results = world.run(lightning_cases.fabric_collectives_of_a_weight, name, dist_cases.EVEN)
+    whole = (dist_cases.EVEN.vocab_size, dist_cases.EVEN.hidden_size)
+    for result in results:
+        if name == "ddp":
+            assert result == {"gathered": (4, *whole), "reduced": whole}
+        else:
+            assert "fabric.all_gather of a DTensor (shape (128, 32)" in result["gathered"]
+            assert "fabric.all_reduce of a DTensor (shape (128, 32)" in result["reduced"]
 
 
 # weights=: a Hugging Face folder (save_pretrained of a tiny Llama) the run starts from

@@ -121,6 +121,14 @@ def test_what_a_schedule_cannot_run_is_refused_before_fit(world):
     assert all("the precision plugin DoublePrecision" in message for message in messages), messages[0]
 
 
+def test_weight_averaging_is_refused_under_a_pipeline_plan(world):
+    """StochasticWeightAveraging copies the whole module before the plan splits it: the ranks
+    hung in its first update; now every rank refuses at setup."""
+    messages = world.run(cases.fit_refused_averaging)
+    expected = "StochasticWeightAveraging averages a copy of the whole module made before the plan applies"
+    assert all(expected in message and "pipeline stages" in message for message in messages), messages[0]
+
+
 @pytest.mark.slow
 def test_a_trainer_checkpoint_of_a_pipeline_plan_resumes_without_pp(world, tmp_path):
     path = str(tmp_path / "pp.ckpt")
