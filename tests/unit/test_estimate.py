@@ -368,3 +368,21 @@ def test_local_hardware_is_measured_on_as_many_processes_as_the_plan_has_devices
     model = _plans()[0]
     fs.estimate(model, fs.shard(model, fs.Mesh(dp=2), fs.replicate("dp")), batch=2, seq=16, hardware="local")
     assert local_measured_on == [2]
+
+
+def test_frozen_weights_make_no_weight_gradients_in_the_traced_compute():
+    """A frozen linear (requires_grad=False, LoRA's base weights) runs its forward and its input's
+    gradient, not its weight's: 2 x tokens x weight elements fewer flops, as torch's autograd skips."""
+
+    def estimate(frozen: bool) -> fs.Estimate:
+        model = llama("tiny")
+        for name, param in model.named_parameters():
+            param.requires_grad_(not (frozen and ".mlp." in name))
+        return fs.estimate(
+            model, fs.shard(model, fs.Mesh(dp=1), fs.fsdp("dp")), batch=2, seq=64, hardware="h100"
+        )
+
+    frozen = [p for name, p in llama("tiny").named_parameters() if ".mlp." in name]
+    skipped = sum(2 * 2 * 64 * p.numel() for p in frozen)
+    assert skipped > 0
+    assert estimate(False).flops - estimate(True).flops == skipped

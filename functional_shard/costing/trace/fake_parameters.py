@@ -58,6 +58,7 @@ class FakeParameters:
                 self.local[canonical] = torch.empty(shape, dtype=dtype or param.dtype, device="meta")
             self.local[path] = self.local[canonical]
         self.buffers = dict(model.named_buffers(remove_duplicate=False))
+        self.plan_tensors: dict[str, Any] = dict(plan.tensors)
         self.state: dict[str, torch.Tensor] = {}
         self.params: list[torch.Tensor] = []
 
@@ -85,13 +86,20 @@ class FakeParameters:
                 shared[key] = tensor
             return tensor
 
+        plan_tensors = self.plan_tensors
         with self.fake:
             for path, canonical in self.canonical_of.items():
                 if canonical not in self.state:
                     local = self.local[canonical]
                     # torch lets only float and complex tensors require a gradient (an integer
-                    # parameter is always frozen): the trace holds it as a plain tensor
-                    trained = local.is_floating_point() or local.is_complex()
+                    # parameter is always frozen), and a frozen one (requires_grad=False, as the
+                    # plan read it) makes none: the trace holds either as a plain tensor
+                    spec = plan_tensors.get(canonical)
+                    trained = (
+                        spec.differentiable
+                        if spec is not None
+                        else local.is_floating_point() or local.is_complex()
+                    )
                     self.state[canonical] = new(local, trained, canonical not in running)
                 self.state[path] = self.state[canonical]
             for path, buffer in self.buffers.items():
