@@ -45,7 +45,7 @@ def search(
         >>> from functional_shard.frontends.cli import main
         >>> argv = ["--auto", "--devices", "2", "--budget", "1GiB", "--seq", "16", "--top", "1"]
         >>> main(["plan", "--model", "tiny", *argv])  # doctest: +ELLIPSIS
-        18 candidates on h100, budget 1.00 GiB: 18 fit; the first 1, those that fit first, fastest first:
+        14 candidates on h100, budget 1.00 GiB: 12 fit; the first 1, those that fit first, fastest first:
         mesh ...
         chosen: Mesh(...) ...; its plan and estimate:
         ...
