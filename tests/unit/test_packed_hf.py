@@ -9,8 +9,10 @@ Flex attention's loss is checked in the slow suite (forward only: no backward on
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -28,20 +30,29 @@ from ..strategies import documents
 transformers = pytest.importorskip("transformers")
 
 FAMILIES = ("llama", "qwen2")
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """transformers' warnings off while a tiny model is made (its default token ids and sizes)."""
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
 IMPLEMENTATIONS = ("sdpa", "eager")
 
 
 def _build(family: str, implementation: str) -> torch.nn.Module:
     """The tiny model in float32, weights drawn wide enough that attending across documents shows."""
     torch.manual_seed(0)
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
+    with _quiet():
         model = transformers.AutoModelForCausalLM.from_config(
             config(family), attn_implementation=implementation
         )
-    finally:
-        transformers.logging.set_verbosity(verbosity)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(std=0.2)
@@ -121,9 +132,7 @@ def _qwen2_vl() -> torch.nn.Module:
     """A tiny Qwen2-VL (text tokens alone are packed: its vision tower never runs)."""
     text = {**_TINY, "vocab_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}
     torch.manual_seed(0)
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # its default token ids lie past this vocabulary
-    try:
+    with _quiet():  # its default token ids lie past this vocabulary
         config = transformers.Qwen2VLConfig(
             text_config={**text, "rope_scaling": {"type": "mrope", "mrope_section": [2, 1, 1]}},
             vision_config={"depth": 1, "embed_dim": 16, "hidden_size": 16, "num_heads": 2, "patch_size": 2},
@@ -132,8 +141,6 @@ def _qwen2_vl() -> torch.nn.Module:
             vision_start_token_id=122,
         )
         model = transformers.Qwen2VLForConditionalGeneration(config)
-    finally:
-        transformers.logging.set_verbosity(verbosity)
     model.config._attn_implementation = "sdpa"
     with torch.no_grad():
         for parameter in model.parameters():
@@ -297,14 +304,10 @@ def test_an_encoder_whose_layers_attend_both_ways_is_refused_by_layer():
 
 def test_a_model_that_builds_no_mask_from_position_ids_is_refused():
     # Mamba has no attention: its recurrent state runs on from one document into the next
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
+    with _quiet():
         model = transformers.MambaForCausalLM(
             transformers.MambaConfig(vocab_size=32, hidden_size=16, state_size=4, num_hidden_layers=1)
         )
-    finally:
-        transformers.logging.set_verbosity(verbosity)
     model.config._attn_implementation = "sdpa"
     assert re.match(
         re.escape(
@@ -332,12 +335,8 @@ def test_a_model_that_hands_its_mask_no_position_ids_is_refused(family, sizes, b
     config = getattr(transformers, f"{family}Config")(
         vocab_size=32, hidden_size=16, num_attention_heads=2, num_hidden_layers=1, **sizes
     )
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
+    with _quiet():
         model = getattr(transformers, f"{family}ForCausalLM")(config)
-    finally:
-        transformers.logging.set_verbosity(verbosity)
     model.config._attn_implementation = "eager"
     message = _refusal(model)
     file = builder.split(".")[1]
@@ -381,12 +380,8 @@ def test_a_hybrid_model_whose_layers_carry_state_across_documents_is_refused(fam
     config = getattr(transformers, f"{family}Config")(
         **_TINY, num_attention_heads=2, num_key_value_heads=1, **sizes
     )
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
+    with _quiet():
         model = getattr(transformers, f"{family}ForCausalLM")(config)
-    finally:
-        transformers.logging.set_verbosity(verbosity)
     model.config._attn_implementation = "sdpa"
     message = _refusal(model)
     assert message.startswith(f"packed_inputs({family}ForCausalLM): {named}"), message
