@@ -304,16 +304,22 @@ def fabric_loop(
     return result if rank == 0 else None
 
 
+def launched_fabric(name: str) -> tuple[L.Fabric, int, int]:
+    """This rank in a launched Fabric under dist_cases.strategy(name), with its rank and world size."""
+    from functional_shard.adapters.lightning import FabricShardStrategy
+
+    rank, world = join_as_lightning_rank()
+    mesh, policy = dist_cases.strategy(name, world)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=FabricShardStrategy(policy, mesh=mesh))
+    fabric.launch()
+    return fabric, rank, world
+
+
 def fabric_setup_together(name: str, config: LlamaConfig, optimizer_first: bool = False) -> None:
     """``fabric.setup(model, optimizer)`` under a strategy of dist_cases.strategy(), the optimizer
     built on the model before sharding; or (``optimizer_first``) ``fabric.setup_optimizers``
     of it, then ``fabric.setup_module``."""
-    from functional_shard.adapters.lightning import FabricShardStrategy
-
-    _, world = join_as_lightning_rank()
-    mesh, policy = dist_cases.strategy(name, world)
-    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=FabricShardStrategy(policy, mesh=mesh))
-    fabric.launch()
+    fabric, _, _ = launched_fabric(name)
     model = Llama(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=dist_cases.LR)
     if optimizer_first:
@@ -327,12 +333,7 @@ def fabric_no_backward_sync(name: str, config: LlamaConfig) -> dict[str, object]
     """Two micro-batches in a Fabric loop under a strategy of dist_cases.strategy(): the first
     inside ``fabric.no_backward_sync``, the second outside; then the same two both synced.
     Rank 0 returns the bytes reduced inside, and the largest difference of the full gradients."""
-    from functional_shard.adapters.lightning import FabricShardStrategy
-
-    _, world = join_as_lightning_rank()
-    mesh, policy = dist_cases.strategy(name, world)
-    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=FabricShardStrategy(policy, mesh=mesh))
-    fabric.launch()
+    fabric, _, world = launched_fabric(name)
     torch.manual_seed(0)
     model = fabric.setup_module(Llama(config))
     first, second = dist_cases.batches(config, world)[:2]
@@ -383,12 +384,7 @@ def trainer_clip_by_value(name: str, config: LlamaConfig, clip: float) -> dict[s
 def fabric_clip_by_value(name: str, config: LlamaConfig, clip: float) -> dict[str, object] | None:
     """One backward in a Fabric loop under a strategy of dist_cases.strategy(), then
     ``fabric.clip_gradients(clip_val=clip)``; rank 0 returns the full gradients before and after."""
-    from functional_shard.adapters.lightning import FabricShardStrategy
-
-    rank, world = join_as_lightning_rank()
-    mesh, policy = dist_cases.strategy(name, world)
-    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=FabricShardStrategy(policy, mesh=mesh))
-    fabric.launch()
+    fabric, rank, _ = launched_fabric(name)
     torch.manual_seed(0)
     model = fabric.setup_module(Llama(config))
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=dist_cases.LR))
@@ -531,12 +527,7 @@ def _gathered_or_refused(collective: Callable[[torch.Tensor], torch.Tensor], ten
 def fabric_collectives_of_a_weight(name: str, config: LlamaConfig) -> dict[str, object]:
     """fabric.all_gather and fabric.all_reduce of the embedding weight (a DTensor under a
     sharding plan), set up under a strategy of dist_cases.strategy(): shapes or refusals."""
-    from functional_shard.adapters.lightning import FabricShardStrategy
-
-    _, world = join_as_lightning_rank()
-    mesh, policy = dist_cases.strategy(name, world)
-    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=FabricShardStrategy(policy, mesh=mesh))
-    fabric.launch()
+    fabric, _, _ = launched_fabric(name)
     model = fabric.setup_module(Llama(config))
     weight = model.embed_tokens.weight.detach()
     return {

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -89,7 +88,7 @@ class RestartingWorld:
         """Set the ranks back after a test that used them (a closed world restarts at its next run)."""
         if self.used and not self.current.closed:
             groups = self.current.run(reset_rank)
-            if max(groups) > int(os.environ.get("FS_TEST_GROUPS", GROUPS_BEFORE_A_RESTART)):
+            if max(groups) > GROUPS_BEFORE_A_RESTART:
                 self.current.close()  # started again at its next run
         self.used = False
 
