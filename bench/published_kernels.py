@@ -88,10 +88,11 @@ class Row(NamedTuple):
 
 
 def tokens_per_second(row: Row, est: fs.Estimate) -> float:
-    """Per GPU; with accumulation, each micro-batch's step and the optimizer's once (FSDP reduces each)."""
+    """Per GPU (`Estimate.tokens_per_second`); with accumulation, each micro-batch's step and the
+    optimizer's once (FSDP reduces each micro-batch's gradients)."""
     optimizer = est.exposed_seconds.get("optimizer step", 0.0)
     step = row.micro_batches * est.step_seconds - (row.micro_batches - 1) * optimizer
-    return row.micro_batches * row.batch * row.seq / step
+    return est.tokens_per_second * est.step_seconds * row.micro_batches / step
 
 
 def rows() -> list[Row]:

@@ -120,3 +120,16 @@ def test_torchtitan_a100_rows_are_within_20_percent_and_ordered_as_measured():
         for b, other in zip(rows, ours, strict=True):
             if a.source == b.source and a.tokens_per_second > 1.1 * b.tokens_per_second:  # type: ignore[operator]
                 assert mine > other, (a.source, a.kernels_label, b.kernels_label)
+
+
+def test_the_bench_counts_tokens_per_gpu_as_the_estimate_does_and_accumulation_steps_the_optimizer_once():
+    """A tensor-parallel group shares its tokens (the 70B row once read 10x its published figure)."""
+    model = llama("tiny")
+    plan = fs.shard(model, fs.Mesh(dp=2, tp=2), fs.fsdp("dp") + fs.tp(fs.rules.llama, "tp"))
+    row = published_kernels.Row("r", "k", None, (model, plan), 2, 64, None)
+    est = fs.estimate(model, plan, batch=2, seq=64, hardware="h100")
+    assert published_kernels.tokens_per_second(row, est) == pytest.approx(est.tokens_per_second)
+    optimizer = est.exposed_seconds["optimizer step"]
+    assert optimizer > 0
+    twice = published_kernels.tokens_per_second(row._replace(micro_batches=2), est)
+    assert twice == pytest.approx(2 * 2 * 64 / 2 / (2 * est.step_seconds - optimizer))
