@@ -164,6 +164,9 @@ def test_float8_subtracts_its_saving_from_compiled_compute():
     # full checkpointing re-runs every block's linears but its last (down) projection
     bounds = [sum(float8_saved(linears, 4096, share, H100)[0].values()) for share in (0.5, 1.0)]
     assert bounds[0] < saving <= bounds[1]
+    # the parts by kind say so too, and still sum to the compute
+    assert float8.compute_parts["float8"] == pytest.approx(-saving)
+    assert sum(float8.compute_parts.values()) == pytest.approx(float8.compute_seconds)
     assert float8.explain().count("Float8 linears") == 1
     assert float8.to_dict()["kernels"] == {
         "compile": True,

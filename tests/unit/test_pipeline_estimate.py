@@ -359,3 +359,22 @@ def test_a_rank_peaks_in_the_optimizer_step_where_it_holds_more(optimizer):
         assert (rank_peak == at_step) == (optimizer == "adamw")
     assert ("optimizer_step" in est.memory) == (optimizer == "adamw")
     assert est.peak_at.startswith("the optimizer step") == (optimizer == "adamw")
+
+
+def test_a_bf16_pipelines_stages_are_timed_by_kernel_kind_as_a_step_without_one():
+    """Each rank's parts by kind, over the pp ranks, are the same model's step without a pipeline;
+    with the schedule's wait they sum to the makespan (not flops at ``compute_efficiency``)."""
+    from functional_shard.costing.time.kernel_time import IDLE_PART, KINDS
+
+    bf16 = fs.mixed_precision()
+    piped = fs.shard(_model(), fs.Mesh(pp=2), fs.pipeline("pp", microbatches=M) + bf16)
+    flat = fs.shard(_model(), fs.Mesh(dp=1), fs.fsdp("dp") + bf16)
+    whole = fs.estimate(_model(), flat, batch=BATCH, seq=SEQ, hardware="h100")
+    ranks = [fs.estimate(_model(), piped, batch=BATCH, seq=SEQ, hardware="h100", rank=r) for r in (0, 1)]
+    for est in ranks:
+        assert set(est.compute_parts) == {*KINDS, IDLE_PART}
+        assert sum(est.compute_parts.values()) == pytest.approx(est.compute_seconds)
+        assert est.compute_parts[IDLE_PART] > 0  # 1F1B's bubble
+    for kind in ("matmul", "attention"):
+        together = sum(est.compute_parts[kind] for est in ranks)
+        assert together == pytest.approx(whole.compute_parts[kind], rel=0.02)

@@ -16,7 +16,7 @@ from functional_shard.costing.time.context_engines import (
     with_engine,
     with_ring_workspace,
 )
-from functional_shard.costing.time.kernel_time import fsdp_copy_bytes, optimizer_bytes, work_of
+from functional_shard.costing.time.kernel_time import IDLE_PART, fsdp_copy_bytes, optimizer_bytes, work_of
 from functional_shard.costing.time.kernels import (
     Clock,
     cost_with_float8_gathers,
@@ -97,6 +97,13 @@ def _flat_parts(assembly: Assembly) -> StepParts:
     )
 
 
+def _with_idle(compute_parts: dict[str, float], makespan: float | None) -> dict[str, float]:
+    """A pipeline rank's parts with its wait in the schedule, so that they sum to the makespan."""
+    if makespan is None or not compute_parts:
+        return compute_parts
+    return compute_parts | {IDLE_PART: max(0.0, makespan - sum(compute_parts.values()))}
+
+
 def _causal_imbalance(plan: Plan, seq: int, hardware: Hardware, *, packed: bool = False) -> float:
     """The cp group's busiest rank's causal attention work over the mean (1.0 without cp).
 
@@ -169,7 +176,7 @@ def assemble(assembly: Assembly) -> Estimate:
         pipeline=parts.pipeline,
         peak_at=parts.peak_at,
         kernels=assembly.kernels,
-        compute_parts=timed.compute_parts,
+        compute_parts=_with_idle(timed.compute_parts, parts.compute_seconds),
         reserved=reserved_beyond(parts.plan, parts.cost, parts.memory, parts.units),
         activations=parts.activations,
     )

@@ -17,11 +17,10 @@ from functional_shard.core.tree import dtype_from_name
 from functional_shard.costing.cost.census import census_of
 from functional_shard.costing.cost.cost_model import Cost, OptimizerKind, cost, unit_gathered
 from functional_shard.costing.time.context_engines import recompute_beyond, with_ring_workspace
+from functional_shard.costing.time.kernel_time import optimizer_bytes
 from functional_shard.costing.time.kernels import (
-    Clock,
     cost_with_float8_gathers,
     gathered_with_float8,
-    phase_saved,
     saved_by_stage,
 )
 from functional_shard.costing.time.step_model import (
@@ -38,6 +37,7 @@ from functional_shard.planning.plan.config import PipelineConfig
 from .loss_memory import pipeline_loss_workspace
 from .peak_moment import step_held, with_optimizer_step
 from .record import PipelineEstimate, StageEstimate
+from .stage_time import StageSeconds, rank_work, stage_seconds, stage_works
 
 if TYPE_CHECKING:
     from functional_shard.costing.trace.results import ActivationTrace
@@ -150,10 +150,11 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
     m, micro = layout.microbatches, assembly.batch // layout.microbatches
     tokens = micro * assembly.seq // plan.config.cp_size(plan.mesh)  # of one micro-batch, on a cp rank
     saved = saved_by_stage(trace, assembly.float8_linears, tokens, assembly.hardware, layout.stages)
-    seconds = _stage_seconds(assembly, saved)
+    holdings = _holdings(assembly, layout)
+    works = stage_works(assembly, layout.owner, layout.microbatches, holdings.units)
+    seconds = stage_seconds(assembly, saved, works)
     stage_bytes = _stage_bytes(trace, layout, assembly.keep_outputs)
     timeline = _timeline(assembly, layout, seconds, stage_bytes.sends)
-    holdings = _holdings(assembly, layout)
     costs = assembly.costs or stage_costs(plan, assembly.optimizer, assembly.batch * assembly.seq, rank)
     memories, peak_at = _rank_memories(assembly, layout, stage_bytes, holdings, costs)
     peaks = [sum(memory.values()) for memory in memories]
@@ -195,6 +196,7 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
         ),
         peak_at=peak_at[chosen],
         saved={phase: m * sum(saved[s].get(phase, 0.0) for s in ours) for phase in saved[0]},
+        work=rank_work(works, ours, m, optimizer_bytes(costs[chosen].params_bytes, assembly.optimizer)),
     )
 
 
@@ -239,41 +241,7 @@ def _layout(plan: Plan) -> _Layout:
     return _Layout(axis, schedule, pp, m, per_rank, owner, ranks_stages)
 
 
-@dataclasses.dataclass(frozen=True)
-class _StageSeconds:
-    """Per stage, the seconds of one micro-batch's forward, backward and weight gradients."""
-
-    forward: list[float]
-    backward: list[float]  # the whole backward, and the recompute before it
-    weight: list[float]  # the weights' gradients alone (W), which zero-bubble schedules split off
-
-
-def _stage_seconds(assembly: Assembly, saved: Sequence[Mapping[str, float]]) -> _StageSeconds:
-    trace = assembly.trace
-    clock = Clock.of(assembly.kernels, assembly.hardware, assembly.dtype)
-    # each stage's attention in its share of the phase's work (the trace counts it whole)
-    forward = [
-        clock.seconds(f, in_share(trace.attention_flops, f, trace.forward_flops), saved[s]["forward"])
-        for s, f in enumerate(trace.stage_forward_flops)
-    ]
-    backward = [
-        clock.seconds(
-            b + r,
-            in_share(trace.attention_backward_flops, b, trace.backward_flops)
-            + in_share(trace.attention_recompute_flops, r, trace.recompute_flops),
-            phase_saved(saved[s], "backward", "weight", "recompute"),
-        )
-        for s, (b, r) in enumerate(zip(trace.stage_backward_flops, trace.stage_recompute_flops, strict=True))
-    ]
-    # zero-bubble schedules split the backward: the weights' gradients (W) as the trace
-    # counted them; the inputs' (I) and the recompute before them are the rest
-    weight = [
-        clock.seconds(w, 0.0, saved[s]["weight"]) for s, w in enumerate(trace.stage_backward_weight_flops)
-    ]
-    return _StageSeconds(forward, backward, weight)
-
-
-def _timeline(assembly: Assembly, layout: _Layout, seconds: _StageSeconds, sends: Sequence[int]) -> Timeline:
+def _timeline(assembly: Assembly, layout: _Layout, seconds: StageSeconds, sends: Sequence[int]) -> Timeline:
     """The step on torch's action lists, run on a clock; each boundary's sends at the pp axis's link speed."""
     hw = assembly.hardware
     link = hw.bandwidth(assembly.plan.mesh, (layout.axis,), point_to_point=True)
@@ -430,7 +398,7 @@ def _rank_memories(
 
 
 def _stage_estimates(
-    plan: Plan, layout: _Layout, seconds: _StageSeconds, stage_bytes: _StageBytes, whole_grads: list[int]
+    plan: Plan, layout: _Layout, seconds: StageSeconds, stage_bytes: _StageBytes, whole_grads: list[int]
 ) -> tuple[StageEstimate, ...]:
     flight = _in_flight(*layout.schedule_args)
     return tuple(

@@ -15,6 +15,7 @@ from functional_shard.core.units import format_bytes as _bytes
 from functional_shard.core.units import parse_bytes
 from functional_shard.costing.time.documents import RowDocuments
 from functional_shard.costing.time.hardware import Hardware
+from functional_shard.costing.time.kernel_time import FLOAT8_PART, IDLE_PART
 from functional_shard.costing.time.kernels import Kernels
 from functional_shard.planning.pipeline.schedules import Timeline
 from functional_shard.planning.plan.cost_record import Cost
@@ -69,7 +70,9 @@ class Estimate:
     kernels: Kernels = field(default_factory=Kernels)
     """The kernels counted beyond eager bf16 (``estimate(kernels=...)``)."""
     compute_parts: Mapping[str, float] = field(default_factory=dict)
-    """``compute_seconds`` by kind of kernel where the hardware has `KernelRates`; else empty."""
+    """``compute_seconds`` by kind of kernel where the hardware has `KernelRates`; else empty. With Float8,
+    ``"float8"``: what its GEMMs save net of their casts (negative); under a pipeline, ``"pipeline idle"``:
+    the rank's wait in the schedule. They sum to ``compute_seconds``."""
     reserved: Mapping[str, int] = field(default_factory=dict)
     """What the CUDA caching allocator holds at the peak beyond ``memory``, by stream."""
     reserved_model: str = RESERVED_MODEL
@@ -157,9 +160,11 @@ class Estimate:
             rates = hw.kernel_rates
             rate_of = (
                 {
-                    "matmul": f"{rates.matmul / 1e12:.0f} TFLOP/s",
-                    "attention": f"{rates.attention / 1e12:.0f} TFLOP/s",
-                    "memory-bound": f"{rates.bandwidth / 1e12:.2f} TB/s",
+                    "matmul": f"at {rates.matmul / 1e12:.0f} TFLOP/s",
+                    "attention": f"at {rates.attention / 1e12:.0f} TFLOP/s",
+                    "memory-bound": f"at {rates.bandwidth / 1e12:.2f} TB/s",
+                    FLOAT8_PART: "(what float8 GEMMs save, less their casts)",
+                    IDLE_PART: "(the schedule's bubble and waits)",
                 }
                 if rates
                 else {}
@@ -170,7 +175,7 @@ class Estimate:
                 + f"; MFU {self.mfu:.1%} ({self.model_flops / 1e12:.3f} model TFLOP)"
             )
             lines += [
-                f"  {kind:<15} {duration(s)} at {rate_of.get(kind, '')}"
+                f"  {kind:<15} {duration(s)} {rate_of.get(kind, '')}"
                 for kind, s in self.compute_parts.items()
             ]
         else:

@@ -20,9 +20,22 @@ if TYPE_CHECKING:
     from functional_shard.costing.trace.results import ActivationTrace
     from functional_shard.planning.plan.plan import Plan
 
-__all__ = ["KINDS", "Work", "fsdp_copy_bytes", "loss_bytes", "optimizer_bytes", "work_of"]
+__all__ = [
+    "FLOAT8_PART",
+    "IDLE_PART",
+    "KINDS",
+    "Work",
+    "fsdp_copy_bytes",
+    "loss_bytes",
+    "optimizer_bytes",
+    "work_of",
+]
 
 KINDS = ("matmul", "attention", "memory-bound")
+# `Estimate.compute_parts` beside the kinds, so that the parts sum to the compute: what Float8's
+# GEMMs save net of their casts (negative), and a pipeline rank's wait in its schedule
+FLOAT8_PART = "float8"
+IDLE_PART = "pipeline idle"
 
 # Bytes read and written per parameter element by each optimizer's step as torch runs it
 # on CUDA by default (``foreach``: one pass per list operation, fp32 state). AdamW, per

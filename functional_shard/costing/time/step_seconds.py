@@ -13,7 +13,7 @@ from functional_shard.planning.plan.cost_record import Cost
 
 from .context_engines import ring_exposed_seconds
 from .hardware import Hardware
-from .kernel_time import Work
+from .kernel_time import FLOAT8_PART, Work
 from .kernels import Clock, phase_saved
 from .step_model import RecomputedCollectives, collective_counts, in_share, optimizer_seconds
 
@@ -31,7 +31,8 @@ class StepTime:
         compute_seconds: the step's flops, timed by its clock.
         exposed_seconds: what compute does not hide, by reason.
         comm_seconds: each collective's seconds, ``"<kind> over <axes> (<link>)"``.
-        compute_parts: the compute seconds by kind of kernel where the hardware has `KernelRates`.
+        compute_parts: the compute seconds by kind of kernel where the hardware has `KernelRates`,
+            with what Float8 saves (`kernel_time.FLOAT8_PART`, negative): they sum to the compute.
     """
 
     compute_seconds: float
@@ -92,7 +93,9 @@ def step_time(
     if work is not None and rates is not None and dtype in ("bfloat16", "float16"):
         phases = ("forward", "backward", "recompute")
         parts = work.seconds(rates, phases, clock.speedup)
-        compute = sum(parts.values()) - phase_saved(saved, *saved)
+        if float8 := phase_saved(saved, *saved):
+            parts[FLOAT8_PART] = -float8  # so that the parts sum to the compute
+        compute = sum(parts.values())
         backward = sum(work.seconds(rates, phases[1:], clock.speedup).values()) - backward_saved
         attention_seconds = parts["attention"]
     else:

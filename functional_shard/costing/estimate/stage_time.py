@@ -1,0 +1,142 @@
+"""A pipeline's stages timed: each stage's forward, backward and weight gradients for one micro-batch.
+
+By kernel kind where the hardware has `KernelRates` (as a step without a pipeline is), else
+their flops at the achievable rate. Pure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from functional_shard.costing.time.kernel_time import Work, fsdp_copy_bytes, loss_bytes, work_of
+from functional_shard.costing.time.kernels import Clock, phase_saved
+from functional_shard.costing.time.step_model import Assembly, in_share
+
+__all__ = ["StageSeconds", "rank_work", "stage_seconds", "stage_works"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSeconds:
+    """Per stage, the seconds of one micro-batch's forward, backward and weight gradients."""
+
+    forward: list[float]
+    backward: list[float]  # the whole backward, and the recompute before it
+    weight: list[float]  # the weights' gradients alone (W), which zero-bubble schedules split off
+
+
+_PHASES = ("forward", "backward", "recompute")
+
+
+def stage_works(
+    assembly: Assembly,
+    owner: Sequence[int],
+    microbatches: int,
+    rank_units: Sequence[Mapping[str, int]],
+) -> list[Work] | None:
+    """Per stage, one micro-batch's `Work`; ``None`` where the hardware has no `KernelRates`.
+
+    The traced micro-batch's work by kind, shared out among the stages as their flops are
+    (the trace counts kinds for the whole model), with the loss on the last stage, and each
+    rank's FSDP copies (``rank_units``: its units' gathered bytes) spread over its stages and
+    the step's ``microbatches``. ``owner``: per stage, the pp coordinate that runs it.
+    """
+    trace, plan = assembly.trace, assembly.plan
+    if assembly.hardware.kernel_rates is None or assembly.dtype not in ("bfloat16", "float16"):
+        return None
+    compiled_loss = assembly.kernels.compiled_loss
+    whole = work_of(trace, fsdp_bytes={}, step_bytes=0.0, compiled_loss=compiled_loss)
+    loss = loss_bytes(trace.output_bytes, trace.output_numel, compiled=compiled_loss)
+    flops = {
+        "forward": trace.stage_forward_flops,
+        "backward": trace.stage_backward_flops,
+        "recompute": trace.stage_recompute_flops,
+    }
+    totals = {p: sum(f) for p, f in flops.items()}
+    # a stage's backward runs its recompute's memory-bound work too: the trace's split of those
+    # bytes between the two depends on how it was traced (the search's shortcut), their sum does not
+    back = [b + r for b, r in zip(flops["backward"], flops["recompute"], strict=True)]
+    back_memory = whole.memory["backward"] - loss + whole.memory["recompute"]
+    works = []
+    for s in range(len(owner)):
+        share = {p: flops[p][s] / totals[p] if totals[p] else 0.0 for p in _PHASES}
+        memory = {
+            "forward": whole.memory["forward"] * share["forward"],
+            "backward": back_memory * back[s] / sum(back) if sum(back) else 0.0,
+            "recompute": 0.0,
+        }
+        if s == len(owner) - 1:
+            memory["backward"] += loss
+        if plan.config.fsdp:
+            theirs = sum(f for t, f in enumerate(flops["forward"]) if owner[t] == owner[s])
+            part = flops["forward"][s] / theirs / microbatches if theirs else 0.0
+            for phase, nbytes in fsdp_copy_bytes(plan, rank_units[owner[s]]).items():
+                memory[phase] += nbytes * part
+        works.append(
+            Work(
+                matmul={p: whole.matmul[p] * share[p] for p in _PHASES},
+                attention={p: whole.attention[p] * share[p] for p in _PHASES},
+                memory=memory,
+            )
+        )
+    return works
+
+
+def rank_work(works: Sequence[Work] | None, ours: Sequence[int], m: int, step_bytes: float) -> Work | None:
+    """A rank's step of ``m`` micro-batches through its stages, and its optimizer's step."""
+    if works is None:
+        return None
+
+    def total(kind: str) -> dict[str, float]:
+        return {p: m * sum(getattr(works[s], kind)[p] for s in ours) for p in _PHASES}
+
+    return Work(total("matmul"), total("attention"), total("memory") | {"step": step_bytes})
+
+
+def stage_seconds(
+    assembly: Assembly, saved: Sequence[Mapping[str, float]], works: Sequence[Work] | None = None
+) -> StageSeconds:
+    """Per stage, one micro-batch's seconds, less what Float8 saves (``saved``).
+
+    By kernel kind from ``works`` (`stage_works`); without them, the stages' traced flops at
+    the achievable rate.
+    """
+    trace = assembly.trace
+    clock = Clock.of(assembly.kernels, assembly.hardware, assembly.dtype)
+    rates = assembly.hardware.kernel_rates
+    if works is not None and rates is not None:
+        # by kernel kind, as a step without a pipeline is timed; the weights' gradients are matmuls
+        def timed(s: int, *phases: str) -> float:
+            return sum(works[s].seconds(rates, phases, clock.speedup).values())
+
+        return StageSeconds(
+            [timed(s, "forward") - saved[s]["forward"] for s in range(len(works))],
+            [
+                timed(s, "backward", "recompute") - phase_saved(saved[s], "backward", "weight", "recompute")
+                for s in range(len(works))
+            ],
+            [
+                w / (rates.matmul * clock.speedup) - saved[s]["weight"]
+                for s, w in enumerate(trace.stage_backward_weight_flops)
+            ],
+        )
+    # each stage's attention in its share of the phase's work (the trace counts it whole)
+    forward = [
+        clock.seconds(f, in_share(trace.attention_flops, f, trace.forward_flops), saved[s]["forward"])
+        for s, f in enumerate(trace.stage_forward_flops)
+    ]
+    backward = [
+        clock.seconds(
+            b + r,
+            in_share(trace.attention_backward_flops, b, trace.backward_flops)
+            + in_share(trace.attention_recompute_flops, r, trace.recompute_flops),
+            phase_saved(saved[s], "backward", "weight", "recompute"),
+        )
+        for s, (b, r) in enumerate(zip(trace.stage_backward_flops, trace.stage_recompute_flops, strict=True))
+    ]
+    # zero-bubble schedules split the backward: the weights' gradients (W) as the trace
+    # counted them; the inputs' (I) and the recompute before them are the rest
+    weight = [
+        clock.seconds(w, 0.0, saved[s]["weight"]) for s, w in enumerate(trace.stage_backward_weight_flops)
+    ]
+    return StageSeconds(forward, backward, weight)
