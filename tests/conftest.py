@@ -70,12 +70,29 @@ def worlds() -> Iterator[Callable[[int], object]]:
     started.close()
 
 
+# the last test of the run that asks for the shared worlds (set once collection is done)
+_LAST_WORLD_TEST = pytest.StashKey[str]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    users = [item.nodeid for item in session.items if "worlds" in getattr(item, "fixturenames", ())]
+    session.config.stash[_LAST_WORLD_TEST] = users[-1] if users else ""
+
+
 @pytest.fixture(autouse=True)
 def _reset_worlds(request: pytest.FixtureRequest) -> Iterator[None]:
-    """After a test that ran on a shared world: its ranks set back for the next test."""
+    """After a test that ran on a shared world: its ranks set back for the next test; after the
+    last such test of the run, the worlds closed. Idle ranks are not free: each gloo group the
+    tests left keeps a thread waking on every rank (40 groups on 4 ranks: a fifth of a core,
+    measured), and the worlds idled so through every later test, the whole unit suite (1,400
+    tests) included. A test asking for a world after that would start it again."""
     yield
     if "worlds" in request.fixturenames:
-        request.getfixturevalue("worlds").reset()
+        worlds = request.getfixturevalue("worlds")
+        if request.node.nodeid == request.config.stash.get(_LAST_WORLD_TEST, ""):
+            worlds.close()
+        else:
+            worlds.reset()
 
 
 @pytest.fixture(scope="session")

@@ -27,12 +27,25 @@ CASES = [
 TWO_RANK_CASES = [
     pytest.param(2, name, "EVEN", marks=pytest.mark.slow, id=f"2-{name}-EVEN") for name in FAMILIES
 ]
+# The default suite trains these plans on 4 ranks in test_zero_dim.py's
+# test_a_zero_dim_parameter_trains_as_one_process_and_sends_what_the_cost_model_says: the same
+# meshes and policies (its "fsdp" is zero3's FSDP2 plan but for its name), the same tied model
+# plus a 0-d parameter, steps and tolerances, with this module's training, memory and traffic
+# checks in one run; here they run under -m slow. DDP on 3 uneven ranks is ZeRO-1's run without
+# its optimizer sharding (both wrap the model alike), which the default suite keeps.
+IN_TEST_ZERO_DIM = {(4, name, "EVEN") for name in ("ddp", "zero1", "zero3", "hsdp", "fsdp_tp")}
+COVERED = IN_TEST_ZERO_DIM | {(3, "ddp", "UNEVEN")}
 
 
-@pytest.mark.parametrize(
-    ("world_size", "strategy", "config"),
-    [*(pytest.param(*case, id="-".join(map(str, case))) for case in CASES), *TWO_RANK_CASES],
-)
+def cases(listed):
+    """``listed`` as parameters, those another default test covers marked slow."""
+    return [
+        pytest.param(*case, id="-".join(map(str, case)), marks=pytest.mark.slow if case in COVERED else ())
+        for case in listed
+    ]
+
+
+@pytest.mark.parametrize(("world_size", "strategy", "config"), [*cases(CASES), *TWO_RANK_CASES])
 def test_training_matches_one_process(worlds, world_size, strategy, config):
     config = getattr(dist_cases, config)
     result = worlds(world_size).run(dist_cases.train, strategy, config)[0]
@@ -52,9 +65,7 @@ MEMORY_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("world_size", "strategy", "config"), MEMORY_CASES, ids=[f"{n}-{s}-{c}" for n, s, c in MEMORY_CASES]
-)
+@pytest.mark.parametrize(("world_size", "strategy", "config"), cases(MEMORY_CASES))
 def test_measured_memory_equals_the_cost_model(worlds, world_size, strategy, config):
     """Every rank's bytes of params, grads and optimizer state equal plan.cost(rank=r), exactly."""
     results = worlds(world_size).run(dist_cases.measure_memory, strategy, getattr(dist_cases, config))
@@ -74,9 +85,7 @@ COMM_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("world_size", "strategy", "config"), COMM_CASES, ids=[f"{n}-{s}-{c}" for n, s, c in COMM_CASES]
-)
+@pytest.mark.parametrize(("world_size", "strategy", "config"), cases(COMM_CASES))
 def test_measured_traffic_equals_the_cost_model(worlds, world_size, strategy, config):
     """Bytes each rank sends in a steady-state step, per collective kind and mesh axis, counted
     from the c10d ops torch issued, equal plan.cost(tokens=...) (what NCCL would send)."""

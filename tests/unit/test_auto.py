@@ -123,12 +123,19 @@ def _estimated_space(devices, batch, seq):
     return tuple(out)
 
 
+@functools.cache
+def _searched(budget):
+    """fs.search_plans of _MODEL on 4 devices, batch 8, seq 16: tests that read the same search
+    share it (a search is seconds; test_search_is_deterministic holds a second one to the first)."""
+    return fs.search_plans(_MODEL, devices=4, memory_budget=budget, batch=8, seq=16)
+
+
 def _fastest_fitting(devices, batch, seq, budget):
     return min((step for peak, step in _estimated_space(devices, batch, seq) if peak <= budget), default=None)
 
 
 def test_auto_is_optimal_in_its_space():
-    report = fs.search_plans(_MODEL, devices=4, memory_budget=10**9, batch=8, seq=16)
+    report = _searched(10**9)
     expected = _fastest_fitting(4, 8, 16, 10**9)
     assert report.best_candidate.step_seconds == pytest.approx(expected, rel=1e-9)
     assert sum(c.step_seconds is not None for c in report.candidates) == len(_estimated_space(4, 8, 16))
@@ -184,7 +191,7 @@ def test_traces_do_not_depend_on_the_data_parallel_family():
 
 
 def test_a_tight_budget_picks_a_smaller_plan():
-    loose = fs.search_plans(_MODEL, devices=4, memory_budget=10**9, batch=8, seq=16)
+    loose = _searched(10**9)
     peaks = sorted(c.peak_bytes for c in loose.candidates if c.peak_bytes is not None)
     budget = peaks[len(peaks) // 4]
     tight = fs.search_plans(_MODEL, devices=4, memory_budget=budget, batch=8, seq=16)
@@ -196,7 +203,7 @@ def test_a_tight_budget_picks_a_smaller_plan():
 
 
 def test_search_is_deterministic():
-    a = fs.search_plans(_MODEL, devices=4, memory_budget="1GiB", batch=8, seq=16)
+    a = _searched("1GiB")
     b = fs.search_plans(_MODEL, devices=4, memory_budget="1GiB", batch=8, seq=16)
     assert a.best == b.best
     assert [(c.mesh, c.policy_text, c.step_seconds) for c in a.candidates] == [
@@ -224,7 +231,7 @@ def test_a_larger_budget_never_gives_a_slower_plan(budget, more):
 
 
 def test_offload_only_when_nothing_else_fits():
-    report = fs.search_plans(_MODEL, devices=4, memory_budget="1GiB", batch=8, seq=16)
+    report = _searched("1GiB")
     assert not any(c.offload for c in report.candidates)
     squeezed = report
     # pipelines come before offload, and a pipeline checkpoints more only when it must:
@@ -281,7 +288,7 @@ def test_bad_budget_is_a_sharding_error():
 
 
 def test_report_lists_candidates_readably():
-    report = fs.search_plans(_MODEL, devices=4, memory_budget="1GiB", batch=8, seq=16)
+    report = _searched("1GiB")
     text = report.table(top=5)
     assert text.splitlines()[0].split()[:4] == ["mesh", "policy", "peak", "step"]
     assert "chosen" in text
