@@ -43,8 +43,9 @@ def refusing(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> fs.ShardingEr
 # of an idle gloo group keep waking: on 4 ranks, 120 leftover groups cost 14% of a core per rank
 # doing nothing, and a default run left hundreds, which made the whole suite twice as slow (seen).
 # Destroying them between tests is not an option (torch's DTensor caches keep their meshes), so a
-# world that has made this many is started again instead, which costs a few seconds
-GROUPS_BEFORE_A_RESTART = 40
+# world that has made this many is started again instead. A restart costs 8-28 s (the new ranks
+# import lightning and transformers again); with coarse timers 120 idle groups cost 4% of a core
+GROUPS_BEFORE_A_RESTART = 120
 
 
 def reset_rank() -> int:
