@@ -378,3 +378,23 @@ def test_a_bf16_pipelines_stages_are_timed_by_kernel_kind_as_a_step_without_one(
     for kind in ("matmul", "attention"):
         together = sum(est.compute_parts[kind] for est in ranks)
         assert together == pytest.approx(whole.compute_parts[kind], rel=0.02)
+
+
+def test_a_stage_of_an_embedding_alone_is_timed_by_the_bytes_it_moves():
+    """A stage that runs no flops (``split=[["embed_tokens"], ...]``) still gathers its rows, scatters
+    their gradients and, under FSDP, copies its unit: its rank's memory-bound work is not zero (nor
+    moved to the other stages as a share of their flops), and its copies are not dropped."""
+    split = [["embed_tokens"], ["layers.0", "layers.1", "norm", "lm_head"]]
+    piped = fs.pipeline("pp", microbatches=M, split=split) + fs.mixed_precision()
+    firsts = []
+    for policy, mesh in ((piped, fs.Mesh(pp=2)), (piped + fs.fsdp("dp"), fs.Mesh(pp=2, dp=2))):
+        plan = fs.shard(_model(), mesh, policy)
+        first = fs.estimate(_model(), plan, batch=BATCH, seq=SEQ, hardware="h100", rank=0)
+        stage = first.pipeline.stages[0]
+        assert stage.forward_seconds > 0
+        assert stage.backward_seconds > 0
+        assert first.compute_parts["matmul"] == 0 < first.compute_parts["memory-bound"]
+        assert sum(first.compute_parts.values()) == pytest.approx(first.compute_seconds)
+        firsts.append(first)
+    plain, sharded = firsts
+    assert sharded.compute_parts["memory-bound"] > plain.compute_parts["memory-bound"]  # FSDP's copies

@@ -151,7 +151,7 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
     tokens = micro * assembly.seq // plan.config.cp_size(plan.mesh)  # of one micro-batch, on a cp rank
     saved = saved_by_stage(trace, assembly.float8_linears, tokens, assembly.hardware, layout.stages)
     holdings = _holdings(assembly, layout)
-    works = stage_works(assembly, layout.owner, layout.microbatches, holdings.units)
+    works = stage_works(assembly, layout.owner, layout.microbatches, holdings.units, holdings.whole_grads)
     seconds = stage_seconds(assembly, saved, works)
     stage_bytes = _stage_bytes(trace, layout, assembly.keep_outputs)
     timeline = _timeline(assembly, layout, seconds, stage_bytes.sends)
