@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -389,7 +390,7 @@ def test_a_stage_of_an_embedding_alone_is_timed_by_the_bytes_it_moves():
     firsts = []
     for policy, mesh in ((piped, fs.Mesh(pp=2)), (piped + fs.fsdp("dp"), fs.Mesh(pp=2, dp=2))):
         plan = fs.shard(_model(), mesh, policy)
-        first = fs.estimate(_model(), plan, batch=BATCH, seq=SEQ, hardware="h100", rank=0)
+        first = fs.estimate(_model(), plan, batch=M, seq=SEQ, hardware="h100", rank=0)
         stage = first.pipeline.stages[0]
         assert stage.forward_seconds > 0
         assert stage.backward_seconds > 0
@@ -398,3 +399,14 @@ def test_a_stage_of_an_embedding_alone_is_timed_by_the_bytes_it_moves():
         firsts.append(first)
     plain, sharded = firsts
     assert sharded.compute_parts["memory-bound"] > plain.compute_parts["memory-bound"]  # FSDP's copies
+
+
+def test_a_pipelines_sends_are_timed_by_its_schedule_alone():
+    """The sends between stages are in the schedule's makespan: not exposed again beside it (without
+    overlap), nor taken for FSDP's gathers (an exposed "first all-gather" of a plan with no FSDP)."""
+    no_overlap = dataclasses.replace(fs.hardware("h100"), overlap_communication=False)
+    for hardware in ("h100", no_overlap):
+        est = fs.estimate(_model(), _plan(), batch=BATCH, seq=SEQ, hardware=hardware)
+        assert any(name.startswith("send_recv over pp") for name in est.comm_seconds)
+        assert set(est.exposed_seconds) == {"optimizer step"}
+        assert est.step_seconds == pytest.approx(est.compute_seconds + est.exposed_seconds["optimizer step"])
