@@ -87,6 +87,8 @@ def test_stage_activations_add_up_to_the_whole_models():
     assert sum(staged.stage_activation_bytes) - shared == whole.activation_bytes
     assert sum(staged.stage_forward_flops) - staged.stage_shared_flops == whole.forward_flops
     assert sum(staged.stage_backward_flops) == whole.backward_flops
+    moved = sum(staged.stage_memory_bound_bytes) - staged.stage_shared_memory_bytes
+    assert moved == whole.memory_bound_bytes > 0
     # the activation stage 0 sends: one micro-batch's hidden states
     assert staged.stage_output_bytes[0] == micro * SEQ * 64 * 4
     # per unit, regrouped into the plan's two stages: the same numbers
@@ -100,6 +102,7 @@ def test_stage_activations_add_up_to_the_whole_models():
     merged = regroup(units, [[0, 1], [2, 3]])
     assert merged.stage_activation_bytes == staged.stage_activation_bytes
     assert merged.stage_forward_flops == staged.stage_forward_flops
+    assert merged.stage_memory_bound_bytes == staged.stage_memory_bound_bytes
 
 
 def test_step_is_the_schedules_makespan():
