@@ -9,7 +9,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from functional_shard.costing.time.kernel_time import Work, fsdp_copy_bytes, loss_bytes, work_of
+from functional_shard.costing.time.kernel_time import (
+    Work,
+    fsdp_copy_bytes,
+    loss_bytes,
+    trained_shares,
+    work_of,
+)
 from functional_shard.costing.time.kernels import Clock, phase_saved
 from functional_shard.costing.time.step_model import Assembly, in_share
 
@@ -62,6 +68,7 @@ def stage_works(
     # a stage's backward runs its recompute's memory-bound work too: the trace's split of those
     # bytes between the two depends on how it was traced (the search's shortcut), their sum does not
     back_memory = whole.memory["backward"] - loss + whole.memory["recompute"]
+    trained = trained_shares(plan) if plan.config.fsdp else {}
     works = []
     for s in range(len(owner)):
         share = {p: flops[p][s] / totals[p] if totals[p] else 0.0 for p in _PHASES}
@@ -74,7 +81,7 @@ def stage_works(
         if s == len(owner) - 1:
             memory["backward"] += loss
         if plan.config.fsdp:
-            for phase, nbytes in fsdp_copy_bytes(plan, rank_units[owner[s]]).items():
+            for phase, nbytes in fsdp_copy_bytes(plan, rank_units[owner[s]], trained).items():
                 memory[phase] += nbytes * _rank_share(s, owner, stage_params) / microbatches
         works.append(
             Work(
