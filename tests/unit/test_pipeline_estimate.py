@@ -413,3 +413,16 @@ def test_a_pipelines_sends_are_timed_by_its_schedule_alone():
         assert any(name.startswith("send_recv over pp") for name in est.comm_seconds)
         assert set(est.exposed_seconds) == {"optimizer step"}
         assert est.step_seconds == pytest.approx(est.compute_seconds + est.exposed_seconds["optimizer step"])
+
+
+def test_frozen_parameters_keep_no_whole_gradients_across_micro_batches():
+    """A frozen parameter (LoRA's base weights) has no gradient for torch's stage to keep whole
+    until the last micro-batch: each stage keeps its trained parameters' alone."""
+    model = llama("tiny")
+    for name, param in model.named_parameters():
+        param.requires_grad_(not name.startswith("layers."))
+    plan = fs.shard(model, fs.Mesh(pp=2, dp=2), fs.pipeline("pp", microbatches=M) + fs.fsdp("dp"))
+    est = fs.estimate(model, plan, batch=BATCH, seq=SEQ, hardware="h100")
+    for stage in est.pipeline.stages:
+        trained = [module for module in stage.modules if not module.startswith("layers.")]
+        assert stage.whole_grad_bytes == _param_bytes(trained) > 0
