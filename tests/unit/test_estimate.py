@@ -386,3 +386,23 @@ def test_frozen_weights_make_no_weight_gradients_in_the_traced_compute():
     skipped = sum(2 * 2 * 64 * p.numel() for p in frozen)
     assert skipped > 0
     assert estimate(False).flops - estimate(True).flops == skipped
+
+
+def test_frozen_blocks_are_gathered_but_copy_nothing_into_a_reduce_scatter():
+    """FSDP2 reduce-scatters the gradients there are: a unit of frozen weights (LoRA's base) is
+    gathered in forward and again in backward, and its copies into a reduce-scatter's input and
+    back into the shard (1 + 1 + 2 / 2 of its fp32 bytes on dp=2) are not in the step."""
+    from functional_shard.costing.time.kernel_time import fsdp_copy_bytes
+    from functional_shard.costing.time.step_model import unit_gathered_bytes
+
+    def plan(frozen: bool) -> fs.Plan:
+        model = llama("tiny")
+        for name, param in model.named_parameters():
+            param.requires_grad_(not (frozen and name.startswith("layers.")))
+        return fs.shard(model, fs.Mesh(dp=2), fs.fsdp("dp"))
+
+    units = unit_gathered_bytes(plan(False))
+    blocks = sum(nbytes for unit, nbytes in units.items() if unit)
+    trained, frozen = (fsdp_copy_bytes(plan(frozen), units) for frozen in (False, True))
+    assert frozen["forward"] == trained["forward"]
+    assert trained["backward"] - frozen["backward"] == pytest.approx(3 * blocks)

@@ -168,6 +168,10 @@ def test_float8_subtracts_its_saving_from_compiled_compute():
     assert float8.compute_parts["float8"] == pytest.approx(-saving)
     assert sum(float8.compute_parts.values()) == pytest.approx(float8.compute_seconds)
     assert float8.explain().count("Float8 linears") == 1
+    # a saving prints negative, and the line says which sign saves
+    (line,) = [line for line in float8.explain().splitlines() if line.lstrip().startswith("float8 ")]
+    assert line.split()[1].startswith("-")
+    assert line.endswith("(float8 GEMMs and their casts less bf16 GEMMs: negative where they save)")
     assert float8.to_dict()["kernels"] == {
         "compile": True,
         "float8": True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -86,6 +87,8 @@ def test_stage_activations_add_up_to_the_whole_models():
     assert sum(staged.stage_activation_bytes) - shared == whole.activation_bytes
     assert sum(staged.stage_forward_flops) - staged.stage_shared_flops == whole.forward_flops
     assert sum(staged.stage_backward_flops) == whole.backward_flops
+    moved = sum(staged.stage_memory_bound_bytes) - staged.stage_shared_memory_bytes
+    assert moved == whole.memory_bound_bytes > 0
     # the activation stage 0 sends: one micro-batch's hidden states
     assert staged.stage_output_bytes[0] == micro * SEQ * 64 * 4
     # per unit, regrouped into the plan's two stages: the same numbers
@@ -99,6 +102,7 @@ def test_stage_activations_add_up_to_the_whole_models():
     merged = regroup(units, [[0, 1], [2, 3]])
     assert merged.stage_activation_bytes == staged.stage_activation_bytes
     assert merged.stage_forward_flops == staged.stage_forward_flops
+    assert merged.stage_memory_bound_bytes == staged.stage_memory_bound_bytes
 
 
 def test_step_is_the_schedules_makespan():
@@ -378,3 +382,47 @@ def test_a_bf16_pipelines_stages_are_timed_by_kernel_kind_as_a_step_without_one(
     for kind in ("matmul", "attention"):
         together = sum(est.compute_parts[kind] for est in ranks)
         assert together == pytest.approx(whole.compute_parts[kind], rel=0.02)
+
+
+def test_a_stage_of_an_embedding_alone_is_timed_by_the_bytes_it_moves():
+    """A stage that runs no flops (``split=[["embed_tokens"], ...]``) still gathers its rows, scatters
+    their gradients and, under FSDP, copies its unit: its rank's memory-bound work is not zero (nor
+    moved to the other stages as a share of their flops), and its copies are not dropped."""
+    split = [["embed_tokens"], ["layers.0", "layers.1", "norm", "lm_head"]]
+    piped = fs.pipeline("pp", microbatches=M, split=split) + fs.mixed_precision()
+    firsts = []
+    for policy, mesh in ((piped, fs.Mesh(pp=2)), (piped + fs.fsdp("dp"), fs.Mesh(pp=2, dp=2))):
+        plan = fs.shard(_model(), mesh, policy)
+        first = fs.estimate(_model(), plan, batch=M, seq=SEQ, hardware="h100", rank=0)
+        stage = first.pipeline.stages[0]
+        assert stage.forward_seconds > 0
+        assert stage.backward_seconds > 0
+        assert first.compute_parts["matmul"] == 0 < first.compute_parts["memory-bound"]
+        assert sum(first.compute_parts.values()) == pytest.approx(first.compute_seconds)
+        firsts.append(first)
+    plain, sharded = firsts
+    assert sharded.compute_parts["memory-bound"] > plain.compute_parts["memory-bound"]  # FSDP's copies
+
+
+def test_a_pipelines_sends_are_timed_by_its_schedule_alone():
+    """The sends between stages are in the schedule's makespan: not exposed again beside it (without
+    overlap), nor taken for FSDP's gathers (an exposed "first all-gather" of a plan with no FSDP)."""
+    no_overlap = dataclasses.replace(fs.hardware("h100"), overlap_communication=False)
+    for hardware in ("h100", no_overlap):
+        est = fs.estimate(_model(), _plan(), batch=BATCH, seq=SEQ, hardware=hardware)
+        assert any(name.startswith("send_recv over pp") for name in est.comm_seconds)
+        assert set(est.exposed_seconds) == {"optimizer step"}
+        assert est.step_seconds == pytest.approx(est.compute_seconds + est.exposed_seconds["optimizer step"])
+
+
+def test_frozen_parameters_keep_no_whole_gradients_across_micro_batches():
+    """A frozen parameter (LoRA's base weights) has no gradient for torch's stage to keep whole
+    until the last micro-batch: each stage keeps its trained parameters' alone."""
+    model = llama("tiny")
+    for name, param in model.named_parameters():
+        param.requires_grad_(not name.startswith("layers."))
+    plan = fs.shard(model, fs.Mesh(pp=2, dp=2), fs.pipeline("pp", microbatches=M) + fs.fsdp("dp"))
+    est = fs.estimate(model, plan, batch=BATCH, seq=SEQ, hardware="h100")
+    for stage in est.pipeline.stages:
+        trained = [module for module in stage.modules if not module.startswith("layers.")]
+        assert stage.whole_grad_bytes == _param_bytes(trained) > 0

@@ -17,7 +17,7 @@ from functional_shard.core.tree import dtype_from_name
 from functional_shard.costing.cost.census import census_of
 from functional_shard.costing.cost.cost_model import Cost, OptimizerKind, cost, unit_gathered
 from functional_shard.costing.time.context_engines import recompute_beyond, with_ring_workspace
-from functional_shard.costing.time.kernel_time import optimizer_bytes
+from functional_shard.costing.time.kernel_time import optimizer_bytes, trained_shares
 from functional_shard.costing.time.kernels import (
     cost_with_float8_gathers,
     gathered_with_float8,
@@ -90,18 +90,20 @@ def _stage_units(plan: Plan, units: Mapping[str, int], mine: set[int]) -> dict[s
     return {unit: nbytes for unit, nbytes in units.items() if stage_of(unit, module=True) in (*mine, None)}
 
 
-def _accumulated_grads(plan: Plan, units: Mapping[str, int]) -> int:
+def _accumulated_grads(plan: Plan, units: Mapping[str, int], trained: Mapping[str, float]) -> int:
     """Bytes of a rank's stages' whole (unsharded) gradients, kept across micro-batches.
 
     torch's ``PipelineStage`` reduce-scatters once, after the last micro-batch: until then each gradient
-    stays whole, in the reduce dtype if set, else the gathered dtype. ``units``: gathered bytes per unit.
+    stays whole, in the reduce dtype if set, else the gathered dtype. ``units``: gathered bytes per unit;
+    ``trained``: `trained_shares` (a frozen parameter has no gradient).
     """
     config = plan.config
+    whole = int(sum(nbytes * trained.get(unit, 1.0) for unit, nbytes in units.items()))
     if not config.param_dtype or not config.reduce_dtype:
-        return sum(units.values())
+        return whole
     gathered = dtype_from_name(config.param_dtype).itemsize
     reduced = dtype_from_name(config.reduce_dtype).itemsize
-    return sum(units.values()) * reduced // gathered
+    return whole * reduced // gathered
 
 
 def _recomputing_stages(plan: Plan, stages: int) -> list[bool]:
@@ -151,7 +153,7 @@ def pipeline_parts(assembly: Assembly) -> StepParts:
     tokens = micro * assembly.seq // plan.config.cp_size(plan.mesh)  # of one micro-batch, on a cp rank
     saved = saved_by_stage(trace, assembly.float8_linears, tokens, assembly.hardware, layout.stages)
     holdings = _holdings(assembly, layout)
-    works = stage_works(assembly, layout.owner, layout.microbatches, holdings.units)
+    works = stage_works(assembly, layout.owner, layout.microbatches, holdings.units, holdings.stage_gathered)
     seconds = stage_seconds(assembly, saved, works)
     stage_bytes = _stage_bytes(trace, layout, assembly.keep_outputs)
     timeline = _timeline(assembly, layout, seconds, stage_bytes.sends)
@@ -308,13 +310,15 @@ class _Holdings:
     units: list[dict[str, int]]  # its stages' units, in gathered bytes where they live
     gathered: list[dict[str, int]]  # what is held gathered: less with Float8 all-gathers
     whole_grads: list[int]  # per stage, from the end of its first backward in the step
+    stage_gathered: list[int]  # per stage, its own parameters' gathered bytes
 
 
 def _holdings(assembly: Assembly, layout: _Layout) -> _Holdings:
     plan, rank = assembly.plan, assembly.rank
     plans, units, gathered = [], [], []
-    whole_grads = [0] * layout.stages
+    whole_grads, stage_gathered = [0] * layout.stages, [0] * layout.stages
     census = census_of(plan, {})
+    frozen = any(tensor.frozen for tensor in plan.tensors.values())
     for c, mine in enumerate(layout.ranks_stages):
         plans.append(stage_plan(plan, mine))
         # each pp coordinate's units, gathered where they live (``units`` are pp rank 0's)
@@ -324,9 +328,11 @@ def _holdings(assembly: Assembly, layout: _Layout) -> _Holdings:
         for s in mine:
             # a rank's stages are separate modules, the root unit's parameters (embedding,
             # head) split among them: each stage's own cut of the plan says which it holds
-            own = units[c] if len(mine) == 1 else unit_gathered(stage_plan(plan, {s}), coords=coords)
-            whole_grads[s] = _accumulated_grads(plan, own)
-    return _Holdings(plans, units, gathered, whole_grads)
+            cut = plans[c] if len(mine) == 1 else stage_plan(plan, {s})
+            own = units[c] if len(mine) == 1 else unit_gathered(cut, coords=coords)
+            whole_grads[s] = _accumulated_grads(plan, own, trained_shares(cut) if frozen else {})
+            stage_gathered[s] = sum(own.values())
+    return _Holdings(plans, units, gathered, whole_grads, stage_gathered)
 
 
 def _recompute_held(assembly: Assembly, layout: _Layout, loss: int) -> list[int]:

@@ -163,7 +163,7 @@ class Estimate:
                     "matmul": f"at {rates.matmul / 1e12:.0f} TFLOP/s",
                     "attention": f"at {rates.attention / 1e12:.0f} TFLOP/s",
                     "memory-bound": f"at {rates.bandwidth / 1e12:.2f} TB/s",
-                    FLOAT8_PART: "(what float8 GEMMs save, less their casts)",
+                    FLOAT8_PART: "(float8 GEMMs and their casts less bf16 GEMMs: negative where they save)",
                     IDLE_PART: "(the schedule's bubble and waits)",
                 }
                 if rates

@@ -9,7 +9,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from functional_shard.costing.time.kernel_time import Work, fsdp_copy_bytes, loss_bytes, work_of
+from functional_shard.costing.time.kernel_time import (
+    Work,
+    fsdp_copy_bytes,
+    loss_bytes,
+    trained_shares,
+    work_of,
+)
 from functional_shard.costing.time.kernels import Clock, phase_saved
 from functional_shard.costing.time.step_model import Assembly, in_share
 
@@ -33,13 +39,16 @@ def stage_works(
     owner: Sequence[int],
     microbatches: int,
     rank_units: Sequence[Mapping[str, int]],
+    stage_params: Sequence[int] = (),
 ) -> list[Work] | None:
     """Per stage, one micro-batch's `Work`; ``None`` where the hardware has no `KernelRates`.
 
-    The traced micro-batch's work by kind, shared out among the stages as their flops are
-    (the trace counts kinds for the whole model), with the loss on the last stage, and each
-    rank's FSDP copies (``rank_units``: its units' gathered bytes) spread over its stages and
-    the step's ``microbatches``. ``owner``: per stage, the pp coordinate that runs it.
+    The traced micro-batch's work by kind, shared out among the stages: matmuls and attention as
+    their flops are, memory-bound bytes as their forwards' are (the trace counts kinds for the
+    whole model), with the loss on the last stage; and each rank's FSDP copies (``rank_units``:
+    its units' gathered bytes) spread over its stages as their parameters are (``stage_params``,
+    per stage; evenly without them) and over the step's ``microbatches``. ``owner``: per stage,
+    the pp coordinate that runs it.
     """
     trace, plan = assembly.trace, assembly.plan
     if assembly.hardware.kernel_rates is None or assembly.dtype not in ("bfloat16", "float16"):
@@ -53,25 +62,27 @@ def stage_works(
         "recompute": trace.stage_recompute_flops,
     }
     totals = {p: sum(f) for p, f in flops.items()}
+    # memory-bound work follows the bytes each stage's forward moves, not its flops: a stage of
+    # an embedding alone runs no flops, yet gathers its rows and scatters their gradients
+    moved = list(trace.stage_memory_bound_bytes) or list(flops["forward"])
     # a stage's backward runs its recompute's memory-bound work too: the trace's split of those
     # bytes between the two depends on how it was traced (the search's shortcut), their sum does not
-    back = [b + r for b, r in zip(flops["backward"], flops["recompute"], strict=True)]
     back_memory = whole.memory["backward"] - loss + whole.memory["recompute"]
+    trained = trained_shares(plan) if plan.config.fsdp else {}
     works = []
     for s in range(len(owner)):
         share = {p: flops[p][s] / totals[p] if totals[p] else 0.0 for p in _PHASES}
+        moved_share = moved[s] / sum(moved) if sum(moved) else 1 / len(owner)
         memory = {
-            "forward": whole.memory["forward"] * share["forward"],
-            "backward": back_memory * back[s] / sum(back) if sum(back) else 0.0,
+            "forward": whole.memory["forward"] * moved_share,
+            "backward": back_memory * moved_share,
             "recompute": 0.0,
         }
         if s == len(owner) - 1:
             memory["backward"] += loss
         if plan.config.fsdp:
-            theirs = sum(f for t, f in enumerate(flops["forward"]) if owner[t] == owner[s])
-            part = flops["forward"][s] / theirs / microbatches if theirs else 0.0
-            for phase, nbytes in fsdp_copy_bytes(plan, rank_units[owner[s]]).items():
-                memory[phase] += nbytes * part
+            for phase, nbytes in fsdp_copy_bytes(plan, rank_units[owner[s]], trained).items():
+                memory[phase] += nbytes * _rank_share(s, owner, stage_params) / microbatches
         works.append(
             Work(
                 matmul={p: whole.matmul[p] * share[p] for p in _PHASES},
@@ -80,6 +91,13 @@ def stage_works(
             )
         )
     return works
+
+
+def _rank_share(stage: int, owner: Sequence[int], weights: Sequence[int]) -> float:
+    """``stage``'s share of its rank's ``weights`` (evenly where they are zero or not given)."""
+    theirs = [t for t in range(len(owner)) if owner[t] == owner[stage]]
+    total = sum(weights[t] for t in theirs) if weights else 0
+    return weights[stage] / total if total else 1 / len(theirs)
 
 
 def rank_work(works: Sequence[Work] | None, ours: Sequence[int], m: int, step_bytes: float) -> Work | None:

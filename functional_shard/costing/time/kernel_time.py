@@ -7,11 +7,13 @@ memory-bound ops the bytes they move. MFU still counts model flops (docs/cost-mo
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from functional_shard.core.tree import dtype_from_name
+from functional_shard.costing.cost.census import census_of
 from functional_shard.costing.cost.traffic import gathers_per_step
 
 from .hardware import KernelRates
@@ -28,6 +30,7 @@ __all__ = [
     "fsdp_copy_bytes",
     "loss_bytes",
     "optimizer_bytes",
+    "trained_shares",
     "work_of",
 ]
 
@@ -94,16 +97,41 @@ def loss_bytes(output_bytes: int, output_numel: int, *, compiled: bool = False) 
     return casts + 2 * fp32 + fp32 + 3 * fp32
 
 
-def fsdp_copy_bytes(plan: Plan, units: Mapping[str, int]) -> dict[str, float]:
+def trained_shares(plan: Plan) -> dict[str, float]:
+    """Per FSDP unit that holds frozen parameters, the share of its bytes that get gradients.
+
+    Examples:
+        >>> model = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        >>> _ = model[0].weight.requires_grad_(False)
+        >>> trained_shares(fs.shard(model, fs.Mesh(dp=2), fs.fsdp()))
+        {'0': 0.2}
+    """
+    if not any(tensor.frozen for tensor in plan.tensors.values()):
+        return {}
+    whole: dict[str, int] = defaultdict(int)
+    trained: dict[str, int] = defaultdict(int)
+    for tensor, _, units, _, count in census_of(plan, {}):
+        for unit in units:
+            whole[unit] += count * tensor.nbytes
+            trained[unit] += count * tensor.nbytes if tensor.differentiable else 0
+    return {unit: trained[unit] / n for unit, n in whole.items() if n and trained[unit] < n}
+
+
+def fsdp_copy_bytes(
+    plan: Plan, units: Mapping[str, int], trained: Mapping[str, float] | None = None
+) -> dict[str, float]:
     """Bytes FSDP2's copies around its collectives move in a step, by phase.
 
     A gather casts the local shard, copies it into the gather's input and the result out to each
-    parameter; a reduce-scatter copies the gradients into its input (reduce dtype) and adds the shard.
+    parameter; a reduce-scatter copies the gradients into its input (reduce dtype) and adds the shard:
+    of the parameters that get gradients only (a frozen one, LoRA's base weights, is gathered alone).
 
     Args:
         plan: the plan (its compute and reduce dtypes, its FSDP axes).
         units: gathered bytes of each FSDP unit ("" is the root), in the compute dtype.
+        trained: `trained_shares` of the plan, where known.
     """
+    trained = trained_shares(plan) if trained is None else trained
     config = plan.config
     n = plan.mesh.axes_size(config.shard_axes) if config.shard_axes else 1
     param = 4  # the sharded parameters' dtype: the model's, fp32 under mixed precision
@@ -116,7 +144,7 @@ def fsdp_copy_bytes(plan: Plan, units: Mapping[str, int]) -> dict[str, float]:
         gather = size * ((cast + 2) / n + 2)
         forward += gather
         backward += gather * (gathers_per_step(plan, (unit,)) - 1)
-        backward += size * (1 + reduce / compute + 2 * reduce / compute / n)
+        backward += size * trained.get(unit, 1.0) * (1 + reduce / compute + 2 * reduce / compute / n)
     return {"forward": forward, "backward": backward}
 
 

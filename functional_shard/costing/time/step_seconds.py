@@ -158,8 +158,14 @@ class _CommSeconds:
         )
 
 
-def _collective_group(plan: Plan, kind: str, axes: tuple[str, ...]) -> str:
-    """Which of `collective_counts`' groups a collective of ``kind`` over ``axes`` is in."""
+def _collective_group(plan: Plan, kind: str, axes: tuple[str, ...]) -> str | None:
+    """Which of `collective_counts`' groups a collective of ``kind`` over ``axes`` is in.
+
+    ``None`` for a pipeline's sends between stages: the schedule's timeline times them
+    (`pipeline_estimate`), inside the step's compute seconds.
+    """
+    if kind == "send_recv":
+        return None
     tp_axes = set(plan.config.tensor_parallel_axes)
     if tp_axes and set(axes) <= tp_axes:
         return "tensor parallel"
@@ -188,7 +194,8 @@ def _comm_seconds(
             axes = tuple(axes_text.split(","))
             seconds = nbytes / hw.bandwidth(plan.mesh, axes, point_to_point=kind == "all_to_all")
             per_collective[f"{kind} over {axes_text} ({hw.link_of(plan.mesh, axes)})"] = seconds
-            groups[_collective_group(plan, kind, axes)] += seconds
+            if (group := _collective_group(plan, kind, axes)) is not None:
+                groups[group] += seconds
     tp_link = hw.link_of(plan.mesh, tp_axes) if tp_axes else "intra"
     recompute = recomputed.count * tp_latency
     for what, nbytes in recomputed.sent.items():

@@ -153,6 +153,7 @@ class Flops(TorchDispatchMode):
         # them (`flops.attention_kernel_flops`), and the bytes memory-bound ops read and write
         self.attention_kernel = {"forward": 0.0, "backward": 0.0, "recompute": 0.0}
         self.memory = {"forward": 0, "backward": 0, "recompute": 0}
+        self.memory_by_stage: dict[int, int] = {}  # the forward's, as ``by_stage``
         self.fused = 0  # inside a fused kernel's ops (`fused_kernel`): its bytes come whole
         # the same inside checkpointed modules' forwards, for a trace without a backward
         self.memory_inside = 0
@@ -166,7 +167,11 @@ class Flops(TorchDispatchMode):
     def add_memory(self, moved: int) -> None:
         """Count ``moved`` bytes of memory-bound work in the running phase."""
         if moved:
-            self.memory[self.phase()] += moved
+            phase = self.phase()
+            self.memory[phase] += moved
+            if phase == "forward":
+                owner = self.running[-1] if self.running else -1
+                self.memory_by_stage[owner] = self.memory_by_stage.get(owner, 0) + moved
             if self.checkpointed and not self.backward:
                 self.memory_inside += moved
 

@@ -24,6 +24,7 @@ _NOT_ADDED = (
     "stage_output_bytes",
     "stage_shared_bytes",
     "stage_shared_flops",
+    "stage_shared_memory_bytes",
     "step_bytes",
 )
 # counts that are the largest of alike calls, which further layers repeat, not add to

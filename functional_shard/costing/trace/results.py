@@ -42,6 +42,9 @@ class ActivationTrace:
         stage_output_bytes: per stage, its last module's output: what it sends the next stage.
         stage_shared_bytes: of each stage's activation bytes, those made outside every stage's modules.
         stage_shared_flops: of each stage's forward flops, those run outside them.
+        stage_memory_bound_bytes: per stage, bytes the forward's memory-bound ops move inside its
+            modules (those outside: in every stage).
+        stage_shared_memory_bytes: of each stage's memory-bound bytes, those moved outside them.
         step_bytes: of ``activation_bytes``, those made once a step, shared by every micro-batch.
         attention_flops: of ``forward_flops``, attention's (`flops.is_attention`).
         attention_backward_flops: of ``backward_flops``, attention's.
@@ -73,6 +76,8 @@ class ActivationTrace:
     stage_output_bytes: tuple[int, ...] = ()
     stage_shared_bytes: int = 0
     stage_shared_flops: int = 0
+    stage_memory_bound_bytes: tuple[int, ...] = ()
+    stage_shared_memory_bytes: int = 0
     step_bytes: int = 0
     attention_flops: int = 0
     attention_backward_flops: int = 0
@@ -112,9 +117,15 @@ def regroup(trace: ActivationTrace, groups: list[list[int]]) -> ActivationTrace:
     forward = [
         sum(trace.stage_forward_flops[u] - shared_flops for u in group) + shared_flops for group in groups
     ]
+    shared_memory = trace.stage_shared_memory_bytes
+    memory = tuple(
+        sum(trace.stage_memory_bound_bytes[u] - shared_memory for u in group) + shared_memory
+        for group in (groups if trace.stage_memory_bound_bytes else ())
+    )
     return dataclasses.replace(
         trace,
         stage_activation_bytes=activation,
+        stage_memory_bound_bytes=memory,
         stage_forward_flops=tuple(forward),
         stage_backward_flops=tuple(_shared_out(sum(trace.stage_backward_flops), forward)),
         stage_recompute_flops=tuple(_shared_out(sum(trace.stage_recompute_flops), forward)),
@@ -186,4 +197,6 @@ def counts_of(
         counts["stage_output_bytes"] = stage_output_bytes
         counts["stage_shared_bytes"] = kept.get(-1, 0)
         counts["stage_shared_flops"] = flops.by_stage.get(-1, 0)
+        counts["stage_memory_bound_bytes"] = _per_stage(flops.memory_by_stage, stages)
+        counts["stage_shared_memory_bytes"] = flops.memory_by_stage.get(-1, 0)
     return counts
