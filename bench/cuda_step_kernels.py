@@ -11,7 +11,8 @@ estimate to (``bench/data/``):
   allocator's statistics, and one profiled step: every kernel's device time and count, and
   every aten op's own device time by input shapes;
 - with ``--rows llama-3-8b``, the scale rows instead: half of Llama 3 8B at the published
-  runs' micro-batch, on one GPU (``SCALE_ROWS``).
+  runs' micro-batch, on one GPU (``SCALE_ROWS``); with ``--rows "llama-1b 8k none"``, that row
+  eager and with each block torch.compile'd (``COMPILE_ROWS``).
 
 Each row trains under a plan on a 1-rank NCCL mesh: FSDP2 with bf16 compute and fp32
 reduction, AdamW. ``--dry`` runs tiny rows on the CPU (gloo) to try the script out.
@@ -59,6 +60,7 @@ class Row:
     seq: int
     checkpointing: str | None
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    compiled: bool = False  # each block torch.compile'd after fs.apply (estimated with Kernels(compile=True))
 
 
 QWEN2_1_5B = {
@@ -132,12 +134,22 @@ SCALE_ROWS = [
     ),
     Row("llama-3-8b 8 layers b1 8k none", "zoo", 1, 8192, None, {"like": "llama-3-8b", "num_layers": 8}),
 ]
+# torch.compile of each block, run only when asked (``--rows "llama-1b 8k none"`` runs it beside its
+# eager twin): the model speeds all work but attention by compile_speedup (1.21, from torchtitan's
+# eager and compiled rows), matmuls included, though Inductor leaves cuBLAS's GEMMs as they are. The
+# profile by kernel kind says whether compile shortens the matmuls or only the memory-bound work
+# (and by how much), which decides how compile_speedup should divide (docs/will-it-fit.md, "Kernels")
+COMPILE_ROWS = [
+    Row("llama-1b 8k none compiled", "zoo", 1, 8192, None, compiled=True),
+    Row("llama-1b 4k full compiled", "zoo", 1, 4096, "full", compiled=True),
+]
 DRY_ROWS = [
     Row("llama-tiny 128 none", "zoo", 1, 128, None),
     Row("llama-tiny 128 full", "zoo", 1, 128, "full"),
     Row(
         "llama-tiny 128 one layer torchtitan", "zoo", 1, 128, "torchtitan", {"like": "tiny", "num_layers": 1}
     ),
+    Row("llama-tiny 128 none compiled", "zoo", 1, 128, None, compiled=True),
     Row(
         "qwen2-tiny b2 64 selective",
         "Qwen2Config",
@@ -278,6 +290,10 @@ def measure(row: Row, steps: int, device: torch.device, dry: bool) -> dict[str, 
     plan = fs.shard(model, fs.Mesh(dp=1), policy)
     fs.apply(plan, model, plan.mesh.device_mesh(device.type))
     fs.materialize(plan, model, device.type, seed=0)
+    if row.compiled:  # as torchtitan compiles: block by block, after the parallelisms are applied
+        for module in model.modules():
+            if isinstance(module, block):
+                module.compile()
     adamw = fs.optimizer(plan, model, torch.optim.AdamW, lr=1e-4)
     vocab = model.get_output_embeddings().weight.shape[0] if row.family != "zoo" else model.config.vocab_size
     generator = torch.Generator(device=device).manual_seed(0)
@@ -431,7 +447,7 @@ def main() -> None:
     join_one_rank_group(device, port=29533)
     rows = DRY_ROWS if arguments.dry else ROWS + HELD_OUT_ROWS
     if arguments.rows:
-        every = DRY_ROWS if arguments.dry else ROWS + HELD_OUT_ROWS + SCALE_ROWS
+        every = DRY_ROWS if arguments.dry else ROWS + HELD_OUT_ROWS + SCALE_ROWS + COMPILE_ROWS
         rows = [r for r in every if any(r.name.startswith(p) for p in arguments.rows)]
     results: list[dict[str, Any]] = []
     target = arguments.out / f"steps{'-' + arguments.tag if arguments.tag else ''}.json"

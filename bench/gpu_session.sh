@@ -29,8 +29,11 @@ check 45 python3 bench/cuda_offload.py
 # half of Llama 3 8B on this one GPU: do 8B's shapes run at the rates measured on 1B's? (the
 # published 8B rows' 1.6-1.8x; then: python bench/cuda_step_kernels.py --compare .../steps-scale.json)
 check 100 python3 bench/cuda_step_kernels.py --out "$out" --tag scale --no-rates --rows llama-3-8b
+# torch.compile of each block beside the same rows eager: does compile shorten the matmuls, or only
+# the memory-bound work? (then: python bench/cuda_step_kernels.py --compare .../steps-compile.json)
+check 120 python3 bench/cuda_step_kernels.py --out "$out" --tag compile --no-rates --rows "llama-1b 8k none" "llama-1b 4k full"
 # rates (each SDPA kernel alone, and the host's seconds per op), then every step row again
-check 300 python3 bench/cuda_step_kernels.py --out "$out" --tag session
+check 180 python3 bench/cuda_step_kernels.py --out "$out" --tag session
 # packed documents: the compiled flex path's parity, padded against packed tokens/s
 check 150 python3 bench/cuda_packed.py --out "$out"
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv | tee -a "$log"

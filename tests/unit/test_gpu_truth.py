@@ -81,6 +81,8 @@ def plan_of(row: dict) -> tuple[torch.nn.Module, fs.Plan]:
 
 def estimate_of(row: dict, **options: object) -> fs.Estimate:
     model, plan = plan_of(row)
+    if row["row"].get("compiled"):  # its blocks torch.compile'd (bench/cuda_step_kernels.py COMPILE_ROWS)
+        options = {"kernels": fs.Kernels(compile=True), **options}
     return fs.estimate(
         model, plan, batch=row["row"]["batch"], seq=row["row"]["seq"], hardware="h200", **options
     )
@@ -364,3 +366,12 @@ def test_a_search_on_one_device_traces_the_reserved_peak_of_what_fits() -> None:
         llama("tiny"), devices=1, memory_budget=report.best_candidate.peak_bytes - 1, batch=2, seq=16
     )
     assert tight.best_candidate is None or tight.best_candidate.peak_bytes < report.best_candidate.peak_bytes
+
+
+def test_a_compiled_row_is_estimated_with_compiles_kernels() -> None:
+    """bench/cuda_step_kernels.py's COMPILE_ROWS compile each block: their estimate counts compile."""
+    row = {"row": {"family": "zoo", "config": {"like": "tiny"}, "checkpointing": None, "batch": 1, "seq": 64}}
+    eager = estimate_of(row)
+    compiled = estimate_of({"row": {**row["row"], "compiled": True}})
+    assert (eager.kernels.compile, compiled.kernels.compile) == (False, True)
+    assert compiled.compute_seconds < eager.compute_seconds
