@@ -14,6 +14,7 @@ import datetime
 import os
 import pickle
 import queue
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -53,6 +54,7 @@ _TIMEOUT = datetime.timedelta(seconds=300)  # to join the store
 _GRACE = 15.0  # seconds the parent waits past the ranks' timeout for their own errors
 _DEATH_GRACE = 5.0  # seconds it waits, once a rank died, for the others' errors
 _STARTED = "functional_shard/started/"  # a store key each rank sets once it runs
+_PARENT_POLL_S = 1.0  # how often a rank looks whether the process that started it still runs
 
 
 @dataclass(frozen=True)
@@ -65,9 +67,22 @@ class _Rank:
     backend: str
     threads: int
     timeout: float  # seconds a collective waits for its peers
+    parent: int  # the pid of the process that started the world
+
+
+def _end_with(parent: int) -> None:
+    """End this rank once ``parent`` is gone.
+
+    A parent killed (SIGTERM, SIGKILL) runs no cleanup, and its ranks, daemons or not, would
+    wait on their inboxes for ever, their gloo threads waking.
+    """
+    while os.getppid() == parent:
+        time.sleep(_PARENT_POLL_S)
+    os._exit(1)
 
 
 def _serve(me: _Rank, inbox: Any, outbox: Any) -> None:
+    threading.Thread(target=_end_with, args=(me.parent,), daemon=True, name="parent-watch").start()
     rank = me.rank
     torch.set_num_threads(me.threads)
     if me.backend == "nccl":  # one GPU per rank
@@ -131,7 +146,7 @@ class LocalWorld:
             context.Process(
                 target=_serve,
                 args=(
-                    _Rank(rank, world_size, port, backend, threads, timeout),
+                    _Rank(rank, world_size, port, backend, threads, timeout, os.getpid()),
                     self._inboxes[rank],
                     self._outbox,
                 ),

@@ -6,7 +6,10 @@ import errno
 import os
 import re
 import socket
+import subprocess
+import sys
 import threading
+import time
 import uuid
 
 import pytest
@@ -92,3 +95,36 @@ def test_a_hung_peer_ends_the_run_within_the_timeout_naming_the_collective_and_r
     ):
         fs.run_local(one_rank_hangs, 2, timeout=3)
     assert time.monotonic() - start < 40  # the wait, not the sleeping rank's 60 s
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie no one reaps does not: an orphan's in a container often is)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def test_a_killed_parent_takes_its_ranks_with_it():
+    # a parent ended by SIGTERM runs no cleanup: its ranks must notice and end (before, they
+    # waited on their inboxes for ever, each spinning its gloo threads)
+    script = "import os, time, functional_shard as fs\n" + (
+        "world = fs.LocalWorld(1)\nprint(*world.run(os.getpid), flush=True)\ntime.sleep(600)\n"
+    )
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as parent:
+        try:
+            rank = int(parent.stdout.readline())  # type: ignore[union-attr]
+        finally:
+            parent.terminate()
+            parent.wait(timeout=60)
+    deadline = time.monotonic() + 20
+    while _running(rank) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _running(rank), f"rank {rank} still runs after its parent was killed"
