@@ -100,6 +100,12 @@ class Row(NamedTuple):
     micro_batches: int = 1  # gradient accumulation: micro-batches per optimizer step
 
 
+def estimate(row: Row) -> fs.Estimate:
+    """`fs.estimate` of ``row`` with the settings its run used."""
+    model, plan = row.model_and_plan
+    return fs.estimate(model, plan, batch=row.batch, seq=row.seq, hardware=row.hardware, kernels=row.kernels)
+
+
 def tokens_per_second(row: Row, est: fs.Estimate) -> float:
     """Per GPU (`Estimate.tokens_per_second`); with accumulation, each micro-batch's step and the
     optimizer's once (FSDP reduces each micro-batch's gradients)."""
@@ -251,10 +257,7 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     previous: dict[str, tuple[float, float | None]] = {}
     for row in rows():
-        model, plan = row.model_and_plan
-        est = fs.estimate(
-            model, plan, batch=row.batch, seq=row.seq, hardware=row.hardware, kernels=row.kernels
-        )
+        est = estimate(row)
         ours, published = tokens_per_second(row, est), row.tokens_per_second
         ratio = f"{ours / published:.3f}" if published else "-"
         speedup = theirs = "-"

@@ -74,8 +74,8 @@ def test_405b_pipeline_rows_memory_is_within_20_percent():
     reason="torchtitan's Dec 2024 H100 runs (500 W parts) take 1.6-2.1x the step by kernel kind, 8B and 405B",
 )
 def test_405b_pipeline_rows_are_within_20_percent_with_their_kernels():
+    kernels = published_pipelines.KERNELS
     for model, plan, batch, seq, tps, _, where in _405b_rows():
-        kernels = published_pipelines.KERNELS
         fast = fs.estimate(
             model, plan, batch=batch, seq=seq, hardware="h100", keep_outputs=True, kernels=kernels
         )
@@ -88,11 +88,7 @@ def test_megatron_h100_rows_are_within_20_percent():
     The kernel rates are the H200's, measured; nothing here was fitted to these rows. Transformer
     Engine's fusions count as compile's speedup (docs/will-it-fit.md, "Kernels": 0.84, 0.87, 0.73 without)."""
     for row in published_kernels.megatron_rows():
-        model, plan = row.model_and_plan
-        est = fs.estimate(
-            model, plan, batch=row.batch, seq=row.seq, hardware=row.hardware, kernels=row.kernels
-        )
-        ours = published_kernels.tokens_per_second(row, est)
+        ours = published_kernels.tokens_per_second(row, published_kernels.estimate(row))
         assert row.tokens_per_second is not None
         assert _within(ours, row.tokens_per_second), (row.source, ours)
 
@@ -122,11 +118,7 @@ def test_published_memory_is_within_20_percent_and_the_8b_rows_within_10():
     for row in published_kernels.rows():
         if row.gib is None:
             continue
-        model, plan = row.model_and_plan
-        est = fs.estimate(
-            model, plan, batch=row.batch, seq=row.seq, hardware=row.hardware, kernels=row.kernels
-        )
-        ratio = est.reserved_peak_bytes / GIB / row.gib
+        ratio = published_kernels.estimate(row).reserved_peak_bytes / GIB / row.gib
         assert abs(ratio - 1) <= (0.10 if "8B" in row.source else 0.20), (
             row.source,
             row.kernels_label,
@@ -141,9 +133,7 @@ def test_torchtitan_a100_rows_are_within_20_percent_and_ordered_as_measured():
     rows = published_kernels.a100_rows()
     ours = []
     for row in rows:
-        model, plan = row.model_and_plan
-        est = fs.estimate(model, plan, batch=row.batch, seq=row.seq, hardware=row.hardware)
-        ours.append(est.tokens_per_second)
+        ours.append(published_kernels.estimate(row).tokens_per_second)
         assert row.tokens_per_second is not None
         assert _within(ours[-1], row.tokens_per_second), (row.source, row.kernels_label, ours[-1])
     for a, mine in zip(rows, ours, strict=True):

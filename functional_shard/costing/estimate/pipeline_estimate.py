@@ -318,7 +318,6 @@ def _holdings(assembly: Assembly, layout: _Layout) -> _Holdings:
     plans, units, gathered = [], [], []
     whole_grads, stage_gathered = [0] * layout.stages, [0] * layout.stages
     census = census_of(plan, {})
-    frozen = any(tensor.frozen for tensor in plan.tensors.values())
     for c, mine in enumerate(layout.ranks_stages):
         plans.append(stage_plan(plan, mine))
         # each pp coordinate's units, gathered where they live (``units`` are pp rank 0's)
@@ -330,7 +329,7 @@ def _holdings(assembly: Assembly, layout: _Layout) -> _Holdings:
             # head) split among them: each stage's own cut of the plan says which it holds
             cut = plans[c] if len(mine) == 1 else stage_plan(plan, {s})
             own = units[c] if len(mine) == 1 else unit_gathered(cut, coords=coords)
-            whole_grads[s] = _accumulated_grads(plan, own, trained_shares(cut) if frozen else {})
+            whole_grads[s] = _accumulated_grads(plan, own, trained_shares(cut))
             stage_gathered[s] = sum(own.values())
     return _Holdings(plans, units, gathered, whole_grads, stage_gathered)
 

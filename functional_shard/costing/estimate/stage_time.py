@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from functional_shard.costing.time.kernel_time import (
+    PHASES,
     Work,
     fsdp_copy_bytes,
     loss_bytes,
@@ -31,15 +32,12 @@ class StageSeconds:
     weight: list[float]  # the weights' gradients alone (W), which zero-bubble schedules split off
 
 
-_PHASES = ("forward", "backward", "recompute")
-
-
 def stage_works(
     assembly: Assembly,
     owner: Sequence[int],
     microbatches: int,
     rank_units: Sequence[Mapping[str, int]],
-    stage_params: Sequence[int] = (),
+    stage_params: Sequence[int],
 ) -> list[Work] | None:
     """Per stage, one micro-batch's `Work`; ``None`` where the hardware has no `KernelRates`.
 
@@ -47,7 +45,7 @@ def stage_works(
     their flops are, memory-bound bytes as their forwards' are (the trace counts kinds for the
     whole model), with the loss on the last stage; and each rank's FSDP copies (``rank_units``:
     its units' gathered bytes) spread over its stages as their parameters are (``stage_params``,
-    per stage; evenly without them) and over the step's ``microbatches``. ``owner``: per stage,
+    per stage; evenly where a rank's are all zero) and over the step's ``microbatches``. ``owner``: per stage,
     the pp coordinate that runs it.
     """
     trace, plan = assembly.trace, assembly.plan
@@ -68,10 +66,14 @@ def stage_works(
     # a stage's backward runs its recompute's memory-bound work too: the trace's split of those
     # bytes between the two depends on how it was traced (the search's shortcut), their sum does not
     back_memory = whole.memory["backward"] - loss + whole.memory["recompute"]
-    trained = trained_shares(plan) if plan.config.fsdp else {}
+    # each rank's copies of a step, once per rank (its stages share them)
+    copies: dict[int, dict[str, float]] = {}
+    if plan.config.fsdp:
+        trained = trained_shares(plan)
+        copies = {rank: fsdp_copy_bytes(plan, rank_units[rank], trained) for rank in set(owner)}
     works = []
     for s in range(len(owner)):
-        share = {p: flops[p][s] / totals[p] if totals[p] else 0.0 for p in _PHASES}
+        share = {p: flops[p][s] / totals[p] if totals[p] else 0.0 for p in PHASES}
         moved_share = moved[s] / sum(moved) if sum(moved) else 1 / len(owner)
         memory = {
             "forward": whole.memory["forward"] * moved_share,
@@ -80,13 +82,12 @@ def stage_works(
         }
         if s == len(owner) - 1:
             memory["backward"] += loss
-        if plan.config.fsdp:
-            for phase, nbytes in fsdp_copy_bytes(plan, rank_units[owner[s]], trained).items():
-                memory[phase] += nbytes * _rank_share(s, owner, stage_params) / microbatches
+        for phase, nbytes in copies.get(owner[s], {}).items():
+            memory[phase] += nbytes * _rank_share(s, owner, stage_params) / microbatches
         works.append(
             Work(
-                matmul={p: whole.matmul[p] * share[p] for p in _PHASES},
-                attention={p: whole.attention[p] * share[p] for p in _PHASES},
+                matmul={p: whole.matmul[p] * share[p] for p in PHASES},
+                attention={p: whole.attention[p] * share[p] for p in PHASES},
                 memory=memory,
             )
         )
@@ -94,9 +95,9 @@ def stage_works(
 
 
 def _rank_share(stage: int, owner: Sequence[int], weights: Sequence[int]) -> float:
-    """``stage``'s share of its rank's ``weights`` (evenly where they are zero or not given)."""
+    """``stage``'s share of its rank's ``weights`` (evenly where they are all zero)."""
     theirs = [t for t in range(len(owner)) if owner[t] == owner[stage]]
-    total = sum(weights[t] for t in theirs) if weights else 0
+    total = sum(weights[t] for t in theirs)
     return weights[stage] / total if total else 1 / len(theirs)
 
 
@@ -106,7 +107,7 @@ def rank_work(works: Sequence[Work] | None, ours: Sequence[int], m: int, step_by
         return None
 
     def total(kind: str) -> dict[str, float]:
-        return {p: m * sum(getattr(works[s], kind)[p] for s in ours) for p in _PHASES}
+        return {p: m * sum(getattr(works[s], kind)[p] for s in ours) for p in PHASES}
 
     return Work(total("matmul"), total("attention"), total("memory") | {"step": step_bytes})
 

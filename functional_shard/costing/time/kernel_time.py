@@ -26,6 +26,7 @@ __all__ = [
     "FLOAT8_PART",
     "IDLE_PART",
     "KINDS",
+    "PHASES",
     "Work",
     "fsdp_copy_bytes",
     "loss_bytes",
@@ -35,6 +36,7 @@ __all__ = [
 ]
 
 KINDS = ("matmul", "attention", "memory-bound")
+PHASES = ("forward", "backward", "recompute")  # a step's phases, as `Work` counts them
 # `Estimate.compute_parts` beside the kinds, so that the parts sum to the compute: what Float8's
 # GEMMs save net of their casts (negative), and a pipeline rank's wait in its schedule
 FLOAT8_PART = "float8"

@@ -13,7 +13,7 @@ from functional_shard.planning.plan.cost_record import Cost
 
 from .context_engines import ring_exposed_seconds
 from .hardware import Hardware
-from .kernel_time import FLOAT8_PART, Work
+from .kernel_time import FLOAT8_PART, PHASES, Work
 from .kernels import Clock, phase_saved
 from .step_model import RecomputedCollectives, collective_counts, in_share, optimizer_seconds
 
@@ -91,12 +91,11 @@ def step_time(
     parts: dict[str, float] = {}
     rates = hw.kernel_rates
     if work is not None and rates is not None and dtype in ("bfloat16", "float16"):
-        phases = ("forward", "backward", "recompute")
-        parts = work.seconds(rates, phases, clock.speedup)
+        parts = work.seconds(rates, PHASES, clock.speedup)
         if float8 := phase_saved(saved, *saved):
             parts[FLOAT8_PART] = -float8  # so that the parts sum to the compute
         compute = sum(parts.values())
-        backward = sum(work.seconds(rates, phases[1:], clock.speedup).values()) - backward_saved
+        backward = sum(work.seconds(rates, PHASES[1:], clock.speedup).values()) - backward_saved
         attention_seconds = parts["attention"]
     else:
         compute = clock.seconds(total, attention_flops, phase_saved(saved, *saved))
